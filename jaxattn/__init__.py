@@ -1,0 +1,36 @@
+"""jaxattn: multi-head and relative-position attention as pure JAX functions.
+
+Axis letters (one table, used in every einsum string, shape doc, local name and test):
+
+    ...  any number of leading batch dims (B in examples)
+    T    query length                 S    key/value length
+    N    query heads                  K    key/value heads, N % K == 0 (query head n uses n // (N // K))
+    H    head dim of queries/keys     Hv   head dim of values
+    E    model width (Eq, Ek, Ev, Eo where they differ)
+    R    relative-position buckets (2 * max_distance + 1 for clipped tables)
+
+Head-split tensors are [...,T,N,H]; attention logits/weights are [...,N,T,S].
+Masks are bool with True = may attend; biases are added to the scaled logits; is_causal is bottom-right
+aligned (query t sits at t + S - T); a query with no allowed key returns zeros. Every function is pure
+and works under jax.jit, jax.vmap and jax.grad; bad input raises ValueError at trace time.
+"""
+
+from ._attention import dot_product_attention as dot_product_attention
+from ._attention import relative_attention as relative_attention
+from ._multihead import init_multi_head_attention as init_multi_head_attention
+from ._multihead import init_relative_multi_head_attention as init_relative_multi_head_attention
+from ._multihead import multi_head_attention as multi_head_attention
+from ._multihead import relative_multi_head_attention as relative_multi_head_attention
+from ._relative import relative_position_index as relative_position_index
+from ._relative import shaw_relative_attention as shaw_relative_attention
+
+__all__ = [
+    "dot_product_attention",
+    "relative_attention",
+    "relative_position_index",
+    "shaw_relative_attention",
+    "init_multi_head_attention",
+    "multi_head_attention",
+    "init_relative_multi_head_attention",
+    "relative_multi_head_attention",
+]
