@@ -6,6 +6,8 @@ letters of the package docstring; logits and weights are ``[..., N, T, S]``.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from torch import Tensor
 
@@ -22,6 +24,11 @@ def _check(ok: bool, name: str, expected: str, actual: object) -> None:
     """The one user-error check: raise ValueError naming the argument, what was expected and what came."""
     if not ok:
         raise ValueError(f"{name}: expected {expected}, got {actual}")
+
+
+def _is_count(x) -> bool:
+    """A non-negative Python or numpy integer (not a bool)."""
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
 
 
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
@@ -78,8 +85,9 @@ def relative_position_index(
     ``[..., S]``, in which case the result is ``[..., T, S]``). Returns int64.
     """
     for name, value in (("query_length", query_length), ("key_length", key_length)):
-        _check(isinstance(value, int) and value >= 0, name, "a non-negative int", value)
-    _check(isinstance(max_distance, int) and max_distance >= 0, "max_distance", "a non-negative int", max_distance)
+        _check(_is_count(value), name, "a non-negative int", value)
+    _check(_is_count(max_distance), "max_distance", "a non-negative int", max_distance)
+    query_length, key_length, max_distance = int(query_length), int(key_length), int(max_distance)
     device = None
     for given in (query_positions, key_positions):
         if isinstance(given, Tensor):
@@ -387,7 +395,8 @@ def shaw_relative_attention(
     ``A = table[relative_position_index(T, S, max_distance, query_positions=..., key_positions=...)]``,
     which is exactly how this oracle computes it.
     """
-    _check(isinstance(max_distance, int) and max_distance >= 0, "max_distance", "a non-negative int", max_distance)
+    _check(_is_count(max_distance), "max_distance", "a non-negative int", max_distance)
+    max_distance = int(max_distance)
     batch = _check_qkv(query, key, value)
     *_, T, N, H = query.shape
     S, Hv = key.shape[-3], value.shape[-1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from torchref._functional import _check, dot_product_attention, shaw_relative_attention
+from torchref._functional import _check, _is_count, dot_product_attention, shaw_relative_attention
 
 
 class MultiHeadAttention(nn.Module):
@@ -123,9 +123,8 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
             out_features=out_features, num_kv_heads=num_kv_heads, value_head_dim=value_head_dim, bias=bias,
             device=device, dtype=dtype,
         )
-        _check(isinstance(max_distance, int) and max_distance >= 0, "max_distance", "a non-negative int",
-               max_distance)
-        self.max_distance = max_distance
+        _check(_is_count(max_distance), "max_distance", "a non-negative int", max_distance)
+        self.max_distance = int(max_distance)
         self.share_heads = share_heads
         R = 2 * max_distance + 1
         heads = () if share_heads else (num_heads,)
