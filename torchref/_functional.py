@@ -17,8 +17,6 @@ from torch import Tensor
 _MASKED = float("-inf")
 _EMPTY_ROW_FILL = 0.0
 
-_HALF_DTYPES = (torch.float16, torch.bfloat16)
-
 
 def _check(ok: bool, name: str, expected: str, actual: object) -> None:
     """The one user-error check: raise ValueError naming the argument, what was expected and what came."""
@@ -34,6 +32,14 @@ def _is_count(x) -> bool:
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:
     try:
         return tuple(torch.broadcast_shapes(tuple(shape), tuple(target))) == tuple(target)
+    except RuntimeError:
+        return False
+
+
+def _broadcasts_together(*shapes) -> bool:
+    try:
+        torch.broadcast_shapes(*[tuple(s) for s in shapes])
+        return True
     except RuntimeError:
         return False
 
@@ -101,14 +107,6 @@ def relative_position_index(
     )
     distance = key_pos.unsqueeze(-2) - query_pos.unsqueeze(-1)  # [..., T, S]
     return distance.clamp(-max_distance, max_distance) + max_distance
-
-
-def _broadcasts_together(*shapes) -> bool:
-    try:
-        torch.broadcast_shapes(*[tuple(s) for s in shapes])
-        return True
-    except RuntimeError:
-        return False
 
 
 # ---------------------------------------------------------------------------------------------------------
