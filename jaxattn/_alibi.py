@@ -1,0 +1,79 @@
+"""ALiBi: attention with linear biases (Press et al. 2022).
+
+Index convention: bias[n,t,s] = slope[n] * (j - i) with j - i = key_pos - query_pos, so
+
+    causal (bidirectional=False): slope * (j - i) = -slope * (i - j), <= 0 on every key a causal query sees
+                                  (keys to the right get positive values: use it with is_causal / a mask)
+    symmetric (bidirectional=True): -slope * |j - i|
+
+BLOOM and MPT add slope * key_pos (resp. slope * (key_pos - (S-1))) instead of slope * (j - i): the
+difference, slope * query_pos, is constant along each softmax row, so the attention is the same.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax.numpy as jnp
+import numpy as np
+
+from . import _checks
+from ._masking import positions
+from ._positions import offsets, position_bias_attention, static_int
+
+
+def alibi_slopes(num_heads: int, *, max_bias: float = 8.0, dtype=jnp.float32):
+    """[N] slopes: 2 ** (-max_bias * k / N), k = 1..N, for N a power of two.
+
+    Otherwise (the paper's recipe, also BLOOM's and MPT's): the slopes of the closest lower power of two
+    c, followed by the odd-k slopes 2 ** (-max_bias * k / (2c)), k = 1, 3, 5, ..., of its double.
+    Computed in float64 and cast to `dtype`.
+    """
+    num_heads = static_int("num_heads", num_heads, 1)
+    if not isinstance(max_bias, (int, float)) or isinstance(max_bias, bool) or not max_bias > 0:
+        _checks.fail("max_bias", "a positive float", repr(max_bias))
+    closest = 2 ** int(math.floor(math.log2(num_heads)))
+    slopes = [2.0 ** (-max_bias * k / closest) for k in range(1, closest + 1)]
+    extra = num_heads - closest
+    slopes += [2.0 ** (-max_bias * k / (2 * closest)) for k in range(1, 2 * extra, 2)]
+    return jnp.asarray(np.asarray(slopes, np.float64), dtype)
+
+
+def _check_slopes(slopes):
+    slopes = jnp.asarray(slopes)
+    _checks.check_min_rank("slopes", slopes, 1, "[...,N]")
+    _checks.check_float("slopes", slopes)
+    return slopes
+
+
+def alibi_position_bias(slopes, *, bidirectional: bool = False):
+    """ALiBi as a position function: (query_pos [...,T], key_pos [...,S]) -> [...,N,T,S]."""
+    slopes = _check_slopes(slopes)
+
+    def bias_fn(query_pos, key_pos):
+        distance = offsets(query_pos, key_pos).astype(slopes.dtype)[..., None, :, :]
+        distance = -jnp.abs(distance) if bidirectional else distance
+        return slopes[..., :, None, None] * distance
+
+    return bias_fn
+
+
+def alibi_bias(slopes, query_length: int, key_length: int, *, bidirectional: bool = False,
+               query_positions=None, key_positions=None):
+    """ALiBi's additive bias [N,T,S] (or [...,N,T,S]) from slopes [N] (see `alibi_slopes`).
+
+    bidirectional=False: slope * (j - i) (pair it with is_causal); True: -slope * |j - i|.
+    Positions as the core's (query t at t + S - T by default).
+    """
+    bias_fn = alibi_position_bias(slopes, bidirectional=bidirectional)
+    return bias_fn(*positions(query_length, key_length, query_positions, key_positions))
+
+
+def alibi_attention(query, key, value, slopes, *, bidirectional: bool = False, **options):
+    """Attention with the ALiBi bias added to the scaled logits.
+
+    Keywords as dot_product_attention, plus implementation="dense" | "blockwise" (and block_size), as
+    t5_attention.
+    """
+    bias_fn = alibi_position_bias(slopes, bidirectional=bidirectional)
+    return position_bias_attention(query, key, value, bias_fn, **options)

@@ -1,0 +1,136 @@
+"""Rotary position embeddings (Su et al. 2021).
+
+Feature pairs (a, b) of each head are rotated by angle pos * theta_k, theta_k = base ** (-2k / rotary_dim),
+k = 0 .. rotary_dim/2 - 1:   a' = a cos - b sin,   b' = b cos + a sin.   Features >= rotary_dim pass through.
+Which features form pair k is the layout (the two conventions in use):
+
+    "half":        (k, k + rotary_dim/2)   GPT-NeoX, HF Llama/Mistral/Qwen/Gemma (`rotate_half`)
+    "interleaved": (2k, 2k + 1)            GPT-J, Meta's original Llama (complex multiplication)
+
+A checkpoint trained in one layout runs in the other after permuting the q/k projection outputs of every
+head by `rope_permutation` (HF's Llama conversion script does exactly this). Angles are computed in float32
+or wider (float64 inputs keep float64), never in the input's half precision: bf16 positions lose
+integers above 256.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from . import _checks
+from ._attention import attention_core, check_qkv, compute_dtype
+from ._masking import positions as absolute_positions
+from ._positions import static_int
+
+LAYOUTS = ("half", "interleaved")
+
+
+def _check_layout(name, layout):
+    if layout not in LAYOUTS:
+        _checks.fail(name, f"one of {LAYOUTS}", repr(layout))
+    return layout
+
+
+def _rotary_dim(rotary_dim, H: int) -> int:
+    rotary_dim = H if rotary_dim is None else static_int("rotary_dim", rotary_dim, 2)
+    if rotary_dim % 2:
+        _checks.fail("rotary_dim", "an even number (features rotate in pairs)", rotary_dim)
+    if rotary_dim > H:
+        _checks.fail("rotary_dim", f"<= the head dim H={H}", rotary_dim)
+    return rotary_dim
+
+
+def _check_base(base):
+    if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
+        _checks.fail("base", "a float > 1", repr(base))
+    return float(base)
+
+
+def inverse_frequencies(rotary_dim: int, base: float, dtype):
+    """theta_k = base ** (-2k / rotary_dim), computed in float64 and then cast."""
+    k = np.arange(0, rotary_dim, 2, dtype=np.float64)
+    return jnp.asarray(1.0 / base ** (k / rotary_dim), dtype)
+
+
+def _split_pairs(x, rotary_dim: int, layout: str):
+    if layout == "half":
+        return x[..., : rotary_dim // 2], x[..., rotary_dim // 2 : rotary_dim]
+    return x[..., 0:rotary_dim:2], x[..., 1:rotary_dim:2]
+
+
+def _join_pairs(a, b, layout: str):
+    if layout == "half":
+        return jnp.concatenate([a, b], axis=-1)
+    return jnp.stack([a, b], axis=-1).reshape(*a.shape[:-1], 2 * a.shape[-1])
+
+
+def apply_rope(x, positions=None, *, offset=0, base: float = 10000.0, rotary_dim: int | None = None,
+               layout: str = "half"):
+    """Rotate the first `rotary_dim` features of every head of x [...,T,N,H] by its position.
+
+    positions: int [...,T] (broadcast against x's batch dims); default arange(T) + offset (offset: an int
+    or int scalar array, e.g. the number of cached tokens when decoding). rotary_dim: even, <= H, default H
+    (GPT-NeoX/GPT-J rotate only part of each head). Returns x's shape and dtype.
+    """
+    x = jnp.asarray(x)
+    _checks.check_min_rank("x", x, 3, "[...,T,N,H]")
+    _checks.check_float("x", x)
+    *_, T, N, H = x.shape
+    rotary_dim = _rotary_dim(rotary_dim, H)
+    layout = _check_layout("layout", layout)
+    base = _check_base(base)
+    if positions is None:
+        offset = jnp.asarray(offset)
+        _checks.check_int("offset", offset)
+        _checks.check_rank("offset", offset, 0, "a scalar")
+        positions = jnp.arange(T, dtype=jnp.int32) + offset.astype(jnp.int32)
+    else:
+        positions = jnp.asarray(positions)
+        _checks.check_int("positions", positions)
+        _checks.check_min_rank("positions", positions, 1, "[...,T]")
+        _checks.check_dim("positions", positions, -1, T, "[...,T]")
+    acc = compute_dtype(x.dtype)
+    angles = positions.astype(acc)[..., :, None, None] * inverse_frequencies(rotary_dim, base, acc)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)  # [...,T,1,rotary_dim/2]
+    a, b = _split_pairs(x.astype(acc), rotary_dim, layout)
+    rotated = _join_pairs(a * cos - b * sin, b * cos + a * sin, layout)
+    rest = jnp.broadcast_to(x[..., rotary_dim:], rotated.shape[:-1] + (H - rotary_dim,)).astype(acc)
+    return jnp.concatenate([rotated, rest], axis=-1).astype(x.dtype)
+
+
+def rope_permutation(head_dim: int, *, rotary_dim: int | None = None, source: str = "interleaved",
+                     target: str = "half"):
+    """int [H] permutation p with apply_rope(x[..., p], layout=target) == apply_rope(x, layout=source)[..., p].
+
+    Permute a q/k projection's output features per head with it (flax kernel [E,N,H]: kernel[..., p],
+    bias [N,H]: bias[..., p]) to move a checkpoint between layouts; q . k is unchanged because q and k
+    move together. interleaved -> half is HF's `permute` in convert_llama_weights_to_hf.py.
+    """
+    head_dim = static_int("head_dim", head_dim, 1)
+    rotary_dim = _rotary_dim(rotary_dim, head_dim)
+    _check_layout("source", source)
+    _check_layout("target", target)
+    half = rotary_dim // 2
+    # feature f of `layout` holds component c of pair k:
+    pair_of = {"half": lambda k, c: k + c * half, "interleaved": lambda k, c: 2 * k + c}
+    perm = np.arange(head_dim)
+    for k in range(half):
+        for c in (0, 1):
+            perm[pair_of[target](k, c)] = pair_of[source](k, c)
+    return perm
+
+
+def rope_attention(query, key, value, *, base: float = 10000.0, rotary_dim: int | None = None,
+                   layout: str = "half", **options):
+    """RoPE on query and key at the core's positions, then dot_product_attention.
+
+    Positions: query t at t + S - T, key s at s (or `query_positions` / `key_positions`), the same ones
+    the causal mask uses; so decoding T new tokens against S cached keys needs no offset bookkeeping.
+    Keys here are the *unrotated* projections (rotate-then-cache users call apply_rope themselves).
+    """
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    _, T, S, *_ = check_qkv(query, key, value)
+    q_pos, k_pos = absolute_positions(T, S, options.get("query_positions"), options.get("key_positions"))
+    rope = dict(base=base, rotary_dim=rotary_dim, layout=layout)
+    return attention_core(apply_rope(query, q_pos, **rope), apply_rope(key, k_pos, **rope), value, **options)
