@@ -1,0 +1,462 @@
+"""Blockwise (memory-efficient) attention: an online softmax over key blocks, O(T + S) memory.
+
+    for each query block i                                        (lax.scan)
+        for each key block j that may hold an allowed key         (fori_loop over [lo_i, hi_i))
+            x_ij = scale * (q_i k_j^T + q_i . Tk[index_ij]) + position_bias(q_pos_i, k_pos_j)
+            acc  = combine_partials(acc, block_partial(x_ij, allowed_ij, v_j))
+        out_i = acc.out / acc.l  (+ (bucket sums of p) @ Tv / acc.l for a Shaw value table)
+
+No array ever spans [T,S]: the largest temporary is one [...,N,Tb,Sb] tile. Causal and key-padding blocks
+that hold no allowed key are never visited. A custom VJP (FlashAttention-2's backward) recomputes each
+tile's probabilities from the saved log-sum-exp, so the backward pass is O(T + S) as well.
+
+Layout inside the engine: batch dims flattened to B, heads viewed as [K,G] (query head n = k*G + g), and
+q [B,K,G,T,H], k [B,K,S,H], v [B,K,S,Hv] so every tile product is one batched matmul whose rows are the G
+query heads sharing a key/value head (grouped-query attention never copies keys or values).
+
+Building blocks meant for reuse (ring / sequence-parallel attention, other position schemes):
+  combine_partials / finalize_partial: the online-softmax merge of (out, running max, running sum);
+  position_bias hook: any logit term that is a function of positions only (T5, ALiBi), one tile at a time.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from . import _checks
+from ._attention import check_qkv, compute_dtype
+from ._masking import positions
+
+# Measured on a 2-core CPU (benchmarks/, docs/performance.md): 512x512 tiles keep each matmul large
+# enough to run near the machine's matmul rate while a tile of logits stays a few MiB.
+DEFAULT_BLOCK_SIZE = (512, 512)
+
+# implementation=None picks blockwise when nothing needs the full [T,S] grid and the float32 logits
+# [...,N,T,S] would be at least this large (below it, dense attention's single matmul is as fast).
+AUTO_BLOCKWISE_BYTES = 256 * 2**20
+
+
+# ---------------------------------------------------------------------------------------------------
+# The online-softmax merge (pure functions; a ring-attention step reuses them unchanged).
+
+
+def combine_partials(a, b):
+    """Merge two partial softmax results computed over disjoint sets of keys.
+
+    A partial is a triple (out, m, l) for rows [...]:
+      out: pytree of arrays [...,F]  sum_s exp(x_s - m) * value_s   (unnormalised, relative to m)
+      m:   [...]                     max_s x_s over the partial's allowed keys (-inf if it has none)
+      l:   [...]                     sum_s exp(x_s - m)               (0 if it has none)
+    The merge is exact and associative; rows empty in both stay (0, -inf, 0) with no NaN.
+    """
+    out_a, m_a, l_a = a
+    out_b, m_b, l_b = b
+    m = jnp.maximum(m_a, m_b)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0)
+    c_a, c_b = jnp.exp(m_a - m_safe), jnp.exp(m_b - m_safe)
+    out = jax.tree.map(lambda x, y: x * c_a[..., None] + y * c_b[..., None], out_a, out_b)
+    return out, m, l_a * c_a + l_b * c_b
+
+
+def empty_partial(out_shapes, rows_shape, dtype):
+    """The identity of combine_partials: zeros, m = -inf, l = 0. out_shapes is a sequence of shapes."""
+    out = tuple(jnp.zeros(shape, dtype) for shape in out_shapes)
+    return out, jnp.full(rows_shape, -jnp.inf, dtype), jnp.zeros(rows_shape, dtype)
+
+
+def finalize_partial(partial):
+    """(out, m, l) -> (out / l, log-sum-exp); rows with no allowed key give zeros and lse = -inf."""
+    out, m, l = partial
+    denom = jnp.where(l == 0, 1, l)
+    out = jax.tree.map(lambda x: x / denom[..., None], out)
+    return out, jnp.where(l == 0, -jnp.inf, m + jnp.log(denom))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Static configuration and per-tile pieces.
+
+
+class _Config(NamedTuple):
+    Tb: int
+    Sb: int
+    N: int
+    is_causal: bool
+    max_distance: Optional[int]  # Shaw tables' clip distance (None: no tables)
+    precision: Any
+    bias_fn: Optional[Callable]  # closure-converted position_bias(q_pos, k_pos, *consts)
+
+
+def _einsum(spec, a, b, cfg, acc):
+    return jnp.einsum(spec, a, b, precision=cfg.precision, preferred_element_type=acc)
+
+
+def _heads_view(x, K):
+    """[...,N,Tb,Sb] -> [...,K,G,Tb,Sb]."""
+    return x.reshape(*x.shape[:-3], K, x.shape[-3] // K, *x.shape[-2:])
+
+
+def _rows(x):
+    """A per-(batch?, t, s) array [Tb,Sb] / [B,Tb,Sb] -> broadcastable to tiles [B,K,G,Tb,Sb]."""
+    return x if x.ndim == 2 else x[:, None, None]
+
+
+def _bucket_index(cfg, qp, kp):
+    offsets = kp[..., None, :] - qp[..., :, None]
+    d = cfg.max_distance
+    return jnp.clip(offsets, -d, d) + d
+
+
+def _gather(per_bucket, index):
+    """per_bucket [B,K,G,Tb,R], index [Tb,Sb] or [B,Tb,Sb] -> [B,K,G,Tb,Sb]."""
+    index = jnp.broadcast_to(_rows(index), per_bucket.shape[:-1] + index.shape[-1:])
+    return jnp.take_along_axis(per_bucket, index, axis=-1, mode="promise_in_bounds")
+
+
+def _bucket_sum(x, index, R):
+    """The transpose of _gather: [B,K,G,Tb,Sb] -> [B,K,G,Tb,R], sums of x[t,s] over s with index r."""
+    zeros = jnp.zeros(x.shape[:-1] + (R,), x.dtype)
+    return jax.linear_transpose(lambda pb: _gather(pb, index), zeros)(x)[0]
+
+
+def _allowed(cfg, qp, kp, j, lengths):
+    """bool tile broadcastable to [B,K,G,Tb,Sb], or None when every key is allowed."""
+    allowed = None
+    if cfg.is_causal:
+        allowed = _rows(kp[..., None, :] <= qp[..., :, None])
+    if lengths is not None:
+        valid = (j * cfg.Sb + jnp.arange(cfg.Sb)) < lengths[:, None]  # [B|1,Sb]
+        valid = valid[:, None, None, None, :]
+        allowed = valid if allowed is None else allowed & valid
+    return allowed
+
+
+def _tile_bias(cfg, consts, qp, kp, K):
+    return _heads_view(cfg.bias_fn(qp, kp, *consts), K)
+
+
+def _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc):
+    x = _einsum("bkgth,bksh->bkgts", q_blk, k_blk, cfg, acc)
+    if per_bucket is not None:
+        x = x + _gather(per_bucket, index)
+    x = x * scale
+    return x if bias is None else x + bias
+
+
+def _block_partial(x, allowed, v_blk, index, R, value_table, cfg, acc):
+    """One tile's partial (out, m, l); out also carries the bucket sums of p for a value table."""
+    if allowed is not None:
+        x = jnp.where(allowed, x, -jnp.inf)
+    m = jnp.max(x, axis=-1)
+    p = jnp.exp(x - jnp.where(jnp.isfinite(m), m, 0)[..., None])  # masked: exp(-inf) = 0
+    out = (_einsum("bkgts,bksv->bkgtv", p.astype(v_blk.dtype), v_blk, cfg, acc),)
+    if value_table is not None:
+        out = out + (_bucket_sum(p, index, R),)
+    return out, m, jnp.sum(p, axis=-1)
+
+
+def _per_bucket(q_blk, table, K, cfg, acc):
+    """q . table[r] for every bucket: [B,K,G,Tb,R] (table [R,H] or [R,N,H])."""
+    if table.ndim == 2:
+        return _einsum("bkgth,rh->bkgtr", q_blk, table.astype(acc), cfg, acc)
+    table = table.reshape(table.shape[0], K, -1, table.shape[-1]).astype(acc)
+    return _einsum("bkgth,rkgh->bkgtr", q_blk, table, cfg, acc)
+
+
+def _apply_table(buckets, table, K, cfg, acc):
+    """[B,K,G,Tb,R] @ table [R,(N,)F] -> [B,K,G,Tb,F]."""
+    if table.ndim == 2:
+        return _einsum("bkgtr,rf->bkgtf", buckets, table.astype(acc), cfg, acc)
+    table = table.reshape(table.shape[0], K, -1, table.shape[-1]).astype(acc)
+    return _einsum("bkgtr,rkgf->bkgtf", buckets, table, cfg, acc)
+
+
+def _table_grad(buckets, x_blk, table, K, cfg, acc):
+    """d table from bucket sums [B,K,G,Tb,R] and per-row vectors x [B,K,G,Tb,F]: [R,(N,)F]."""
+    if table.ndim == 2:
+        return _einsum("bkgtr,bkgtf->rf", buckets, x_blk, cfg, acc)
+    grad = _einsum("bkgtr,bkgtf->rkgf", buckets, x_blk, cfg, acc)
+    return grad.reshape(table.shape)
+
+
+def _key_range(cfg, qp, k_pos, lengths, nk):
+    """[lo, hi): the key blocks of this query block that may hold an allowed key (static when all may)."""
+    if not cfg.is_causal and lengths is None:
+        return 0, nk
+    needed = jnp.ones((nk,), bool)
+    if cfg.is_causal:
+        k_min = k_pos.reshape(*k_pos.shape[:-1], nk, cfg.Sb).min(axis=-1)
+        k_min = k_min.reshape(-1, nk).min(axis=0)
+        needed &= k_min <= qp.max()
+    if lengths is not None:
+        needed &= jnp.arange(nk) * cfg.Sb < lengths.max()
+    any_needed = needed.any()
+    lo = jnp.where(any_needed, jnp.argmax(needed), 0)
+    hi = jnp.where(any_needed, nk - jnp.argmax(needed[::-1]), 0)
+    return lo, hi
+
+
+def _slice(x, start, size, axis):
+    return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The engine: forward and custom backward on the engine layout.
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths):
+    return _engine_fwd(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths)[0]
+
+
+def _engine_fwd(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths):
+    B, K, G, Tp, H = q.shape
+    Sp, Hv = k.shape[2], v.shape[-1]
+    Tb, Sb = cfg.Tb, cfg.Sb
+    acc = compute_dtype(q.dtype)
+    R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
+
+    def query_block(_, i):
+        q_blk = _slice(q, i * Tb, Tb, 3)
+        qp = _slice(q_pos, i * Tb, Tb, -1)
+        per_bucket = None if key_table is None else _per_bucket(q_blk, key_table, K, cfg, acc)
+
+        def key_block(j, state):
+            k_blk, v_blk = _slice(k, j * Sb, Sb, 2), _slice(v, j * Sb, Sb, 2)
+            kp = _slice(k_pos, j * Sb, Sb, -1)
+            index = None if R == 0 else _bucket_index(cfg, qp, kp)
+            bias = None if cfg.bias_fn is None else _tile_bias(cfg, consts, qp, kp, K)
+            x = _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc)
+            allowed = _allowed(cfg, qp, kp, j, lengths)
+            return combine_partials(state, _block_partial(x, allowed, v_blk, index, R, value_table, cfg, acc))
+
+        shapes = ((B, K, G, Tb, Hv),) + (((B, K, G, Tb, R),) if value_table is not None else ())
+        lo, hi = _key_range(cfg, qp, k_pos, lengths, Sp // Sb)
+        state = lax.fori_loop(lo, hi, key_block, empty_partial(shapes, (B, K, G, Tb), acc))
+        outs, lse = finalize_partial(state)
+        out = outs[0] if value_table is None else outs[0] + _apply_table(outs[1], value_table, K, cfg, acc)
+        return None, (out.astype(q.dtype), lse)
+
+    _, (out, lse) = lax.scan(query_block, None, jnp.arange(Tp // Tb))
+    out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, Tp, Hv)
+    lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, Tp)
+    residuals = (q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, out, lse)
+    return out, residuals
+
+
+def _engine_bwd(cfg, residuals, d_out):
+    q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, out, lse = residuals
+    B, K, G, Tp, H = q.shape
+    Sp = k.shape[2]
+    Tb, Sb = cfg.Tb, cfg.Sb
+    acc = compute_dtype(q.dtype)
+    R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
+    lse = jnp.where(jnp.isfinite(lse), lse, 0)  # empty rows: every p is masked to 0 anyway
+
+    def zeros_like_acc(x):
+        return None if x is None else jnp.zeros(x.shape, acc)
+
+    def query_block(carry, i):
+        dk, dv, d_key_table, d_value_table, d_consts = carry
+        q_blk, do_blk = _slice(q, i * Tb, Tb, 3), _slice(d_out, i * Tb, Tb, 3)
+        o_blk, lse_blk = _slice(out, i * Tb, Tb, 3), _slice(lse, i * Tb, Tb, 3)
+        qp = _slice(q_pos, i * Tb, Tb, -1)
+        delta = jnp.sum(do_blk.astype(acc) * o_blk.astype(acc), axis=-1)  # sum_s p dp = do . out
+        per_bucket = None if key_table is None else _per_bucket(q_blk, key_table, K, cfg, acc)
+        do_table = None if value_table is None else _per_bucket(do_blk, value_table, K, cfg, acc)
+
+        def key_block(j, inner):
+            dq, dk, dv, ds_buckets, p_buckets, d_consts = inner
+            k_blk, v_blk = _slice(k, j * Sb, Sb, 2), _slice(v, j * Sb, Sb, 2)
+            kp = _slice(k_pos, j * Sb, Sb, -1)
+            index = None if R == 0 else _bucket_index(cfg, qp, kp)
+            bias, bias_vjp = None, None
+            if cfg.bias_fn is not None:
+                bias, bias_vjp = jax.vjp(lambda c: _tile_bias(cfg, c, qp, kp, K), consts)
+            x = _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc)
+            p = jnp.exp(x - lse_blk[..., None])
+            allowed = _allowed(cfg, qp, kp, j, lengths)
+            if allowed is not None:
+                p = jnp.where(allowed, p, 0)
+            dv_blk = _einsum("bkgts,bkgtv->bksv", p.astype(do_blk.dtype), do_blk, cfg, acc)
+            dp = _einsum("bkgtv,bksv->bkgts", do_blk, v_blk, cfg, acc)
+            if value_table is not None:
+                dp = dp + _gather(do_table, index)
+                p_buckets = p_buckets + _bucket_sum(p, index, R)
+            ds = p * (dp - delta[..., None])  # d loss / d x (the scaled, biased logits)
+            if bias_vjp is not None:
+                (d_c,) = bias_vjp(jnp.sum(ds, axis=tuple(range(ds.ndim - bias.ndim))).reshape(bias.shape)
+                                  .astype(bias.dtype))
+                d_consts = jax.tree.map(jnp.add, d_consts, d_c)
+            ds = ds * scale
+            dq = dq + _einsum("bkgts,bksh->bkgth", ds.astype(q.dtype), k_blk, cfg, acc)
+            dk_blk = _einsum("bkgts,bkgth->bksh", ds.astype(q.dtype), q_blk, cfg, acc)
+            if key_table is not None:
+                ds_buckets = ds_buckets + _bucket_sum(ds, index, R)
+            dk = lax.dynamic_update_slice_in_dim(dk, _slice(dk, j * Sb, Sb, 2) + dk_blk, j * Sb, axis=2)
+            dv = lax.dynamic_update_slice_in_dim(dv, _slice(dv, j * Sb, Sb, 2) + dv_blk, j * Sb, axis=2)
+            return dq, dk, dv, ds_buckets, p_buckets, d_consts
+
+        buckets = jnp.zeros((B, K, G, Tb, R), acc)
+        init = (jnp.zeros(q_blk.shape, acc), dk, dv, buckets, buckets, d_consts)
+        lo, hi = _key_range(cfg, qp, k_pos, lengths, Sp // Sb)
+        dq, dk, dv, ds_buckets, p_buckets, d_consts = lax.fori_loop(lo, hi, key_block, init)
+        if key_table is not None:
+            dq = dq + _apply_table(ds_buckets, key_table, K, cfg, acc)
+            d_key_table = d_key_table + _table_grad(ds_buckets, q_blk.astype(acc), key_table, K, cfg, acc)
+        if value_table is not None:
+            d_value_table = d_value_table + _table_grad(p_buckets, do_blk.astype(acc), value_table, K, cfg, acc)
+        return (dk, dv, d_key_table, d_value_table, d_consts), dq
+
+    init = (jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc), zeros_like_acc(key_table),
+            zeros_like_acc(value_table), jax.tree.map(jnp.zeros_like, consts))
+    (dk, dv, d_key_table, d_value_table, d_consts), dq = lax.scan(query_block, init, jnp.arange(Tp // Tb))
+    dq = jnp.moveaxis(dq, 0, 3).reshape(q.shape)
+
+    def cast(grad, like):
+        return None if like is None else grad.astype(like.dtype)
+
+    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), cast(d_key_table, key_table),
+            cast(d_value_table, value_table), d_consts, None, None, None, None)
+
+
+_engine.defvjp(_engine_fwd, _engine_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public entry point: argument checks and the layout changes around the engine.
+
+
+def _block_sizes(block_size, T, S):
+    if block_size is None:
+        block_size = DEFAULT_BLOCK_SIZE
+    if isinstance(block_size, (int, np.integer)) and not isinstance(block_size, bool):
+        block_size = (block_size, block_size)
+    ok = (isinstance(block_size, (tuple, list)) and len(block_size) == 2
+          and all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b > 0 for b in block_size))
+    if not ok:
+        _checks.fail("block_size", "a positive int or a pair (query_block, key_block)", repr(block_size))
+    return min(int(block_size[0]), T), min(int(block_size[1]), S)
+
+
+def _flat_positions(pos, batch, length, padded):
+    """[L] stays [L]; batched [...,L] -> [B,L]; then edge-padded to the padded length."""
+    if pos.ndim > 1:
+        pos = jnp.broadcast_to(pos, (*batch, length)).reshape(-1, length)
+    return jnp.pad(pos, [(0, 0)] * (pos.ndim - 1) + [(0, padded - length)], mode="edge")
+
+
+def _check_table(name, table, R, N, head_dim, acc):
+    table = jnp.asarray(table)
+    expected = [(R, head_dim), (R, N, head_dim)]
+    if tuple(table.shape) not in expected:
+        _checks.fail(name, f"shape {_checks.shape_str(expected[0])} or {_checks.shape_str(expected[1])} "
+                     "([R,(N,)H] with R = 2*max_distance+1)", f"shape {_checks.shape_str(table.shape)}")
+    _checks.check_fits(name, table, acc)
+    return table
+
+
+def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_lengths=None,
+                        query_positions=None, key_positions=None, scale=None, position_bias=None,
+                        key_table=None, value_table=None, max_distance=None, block_size=None,
+                        precision=None):
+    """Attention computed one [Tb,Sb] tile at a time; O(T + S) memory forward and backward.
+
+    query [...,T,N,H], key [...,S,K,H], value [...,S,K,Hv] and the keywords is_causal,
+    key_value_seq_lengths, query_positions, key_positions, scale, precision mean exactly what they mean
+    for dot_product_attention; results equal it (fully masked rows give zeros, finite gradients).
+    Half-precision inputs accumulate logits, softmax and outputs in float32.
+
+    key_table / value_table / max_distance: Shaw et al. clipped tables, as shaw_relative_attention
+      ([R,H] or [R,N,H], R = 2*max_distance+1); each tile gathers q . table[r] per bucket.
+    position_bias: the per-tile position hook. A pure function
+        position_bias(query_pos, key_pos) -> bias
+      with query_pos int32 [Tb] and key_pos int32 [Sb] (or [B,Tb] / [B,Sb] when positions were passed
+      with batch dims, flattened to B), returning a float array broadcastable to [N,Tb,Sb] (or
+      [B,N,Tb,Sb]) that is added to the *scaled* logits of that tile. It is called once per tile with
+      the tile's absolute positions (the same ones the causal mask reads; padding past T or S repeats
+      the last position and is masked), so it must depend on positions only, never on T or S or on a
+      tile's index. Arrays it closes over (a T5 table, ALiBi slopes) are differentiated: their
+      gradients flow through the custom VJP.
+    block_size: int or (query_block, key_block), default DEFAULT_BLOCK_SIZE (clipped to T and S).
+
+    Arbitrary masks and biases need the full [T,S] grid and are not accepted here (use the dense path).
+    """
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    batch, T, S, N, K, H, Hv = check_qkv(query, key, value)
+    G = N // K
+    acc = compute_dtype(query.dtype)
+    Tb, Sb = _block_sizes(block_size, T, S)
+    Tp, Sp = -(-T // Tb) * Tb, -(-S // Sb) * Sb
+    B = int(np.prod(batch, dtype=np.int64))
+
+    q_pos, k_pos = positions(T, S, query_positions, key_positions)
+    _checks.check_broadcastable("query_positions", q_pos, (*batch, T), "[...,T]")
+    _checks.check_broadcastable("key_positions", k_pos, (*batch, S), "[...,S]")
+    q_pos, k_pos = _flat_positions(q_pos, batch, T, Tp), _flat_positions(k_pos, batch, S, Sp)
+
+    lengths = None
+    if key_value_seq_lengths is not None:
+        lengths = jnp.asarray(key_value_seq_lengths)
+        _checks.check_int("key_value_seq_lengths", lengths)
+        _checks.check_broadcastable("key_value_seq_lengths", lengths, batch, "[...] (batch dims)")
+        lengths = jnp.minimum(jnp.broadcast_to(lengths, batch).reshape(B), S).astype(jnp.int32)
+    elif Sp != S:
+        lengths = jnp.full((1,), S, jnp.int32)
+
+    if (key_table is not None or value_table is not None) and max_distance is None:
+        _checks.fail("max_distance", "a Python int >= 0 with key_table/value_table", None)
+    if max_distance is not None and (isinstance(max_distance, bool) or not isinstance(max_distance, int)
+                                     or max_distance < 0):
+        _checks.fail("max_distance", "a Python int >= 0", repr(max_distance))
+    R = None if max_distance is None else 2 * max_distance + 1
+    if key_table is not None:
+        key_table = _check_table("key_table", key_table, R, N, H, acc)
+    if value_table is not None:
+        value_table = _check_table("value_table", value_table, R, N, Hv, acc)
+    if key_table is None and value_table is None:
+        max_distance = None
+
+    bias_fn, consts = None, ()
+    if position_bias is not None:
+        bias_fn, consts = _convert_hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc)
+
+    cfg = _Config(Tb, Sb, N, bool(is_causal), max_distance, precision, bias_fn)
+    scale = jnp.asarray(H ** -0.5 if scale is None else scale, acc)
+
+    def engine_layout(x, length, padded):  # [...,L,K,(G,)F] -> [B,K,(G,)L_padded,F]
+        x = jnp.broadcast_to(x, (*batch, *x.shape[-3:])).reshape(B, *x.shape[-3:])
+        x = jnp.pad(x, [(0, 0), (0, padded - length), (0, 0), (0, 0)])
+        return jnp.moveaxis(x, 1, -2)
+
+    q = engine_layout(query, T, Tp).reshape(B, K, G, Tp, H)
+    k, v = engine_layout(key, S, Sp), engine_layout(value, S, Sp)
+    out = _engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths)
+    out = jnp.moveaxis(out.reshape(B, N, Tp, Hv), 1, 2)[:, :T]
+    return out.reshape(*batch, T, N, Hv)
+
+
+def _convert_hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc):
+    """Closure-convert the hook (its arrays become differentiable engine inputs); check its shape."""
+    qp, kp = q_pos[..., :Tb], k_pos[..., :Sb]
+    lead = (B,) if max(q_pos.ndim, k_pos.ndim) > 1 else ()
+    target = (*lead, N, Tb, Sb)
+    shape = jax.eval_shape(position_bias, qp, kp).shape
+    try:
+        fits = len(shape) <= len(target) and np.broadcast_shapes(shape, target) == target
+    except ValueError:
+        fits = False
+    if not fits:
+        _checks.fail("position_bias(query_pos, key_pos)", f"a shape broadcastable to {_checks.shape_str(target)} "
+                     "([(B,)N,Tb,Sb] for one tile)", f"shape {_checks.shape_str(shape)}")
+
+    def tile_bias(qp, kp):
+        return jnp.broadcast_to(jnp.asarray(position_bias(qp, kp)).astype(acc), target)
+
+    bias_fn, consts = jax.closure_convert(tile_bias, qp, kp)
+    return bias_fn, tuple(consts)
