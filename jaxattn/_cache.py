@@ -1,0 +1,76 @@
+"""Key/value cache for autoregressive decoding: L slots per example, written at per-example positions.
+
+    cached_key [...,L,K,H]    cached_value [...,L,K,Hv]    cache_index int32 [...]  (slots filled so far)
+
+A call with T new tokens writes them to slots index .. index+T-1 and attends with absolute positions:
+query t sits at index + t and key slot s at s, so the causal mask (s <= index + t) and Shaw tables read the
+same positions a full causal pass would give them. The index then advances by `lengths`, the number of real
+tokens among the T (default T), so a right-padded prefill of prompts of different lengths is followed by
+steps that write each example's next token right after its own prompt, overwriting its padding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from . import _checks
+
+
+def init(batch_shape, max_length: int, num_kv_heads: int, head_dim: int, value_head_dim: int, dtype):
+    """(cached_key, cached_value, cache_index) of zeros: an empty cache of max_length slots."""
+    batch_shape = tuple(batch_shape)
+    return (jnp.zeros((*batch_shape, max_length, num_kv_heads, head_dim), dtype),
+            jnp.zeros((*batch_shape, max_length, num_kv_heads, value_head_dim), dtype),
+            jnp.zeros(batch_shape, jnp.int32))
+
+
+def _is_concrete(x) -> bool:
+    return not isinstance(x, jax.core.Tracer)
+
+
+def _check_step(cached_key, cached_value, index, key, value, lengths):
+    *batch, L, K, H = cached_key.shape
+    name_shape = _checks.shape_str
+    if tuple(key.shape[:-3]) != tuple(batch) or tuple(key.shape[-2:]) != (K, H):
+        _checks.fail("key (decode)", f"shape [{','.join(map(str, batch))}{',' if batch else ''}T,{K},{H}] "
+                     f"to fit the cache {name_shape(cached_key.shape)} [...,L,K,H]", f"shape {name_shape(key.shape)}")
+    if tuple(value.shape[:-1]) != tuple(key.shape[:-1]) or value.shape[-1] != cached_value.shape[-1]:
+        _checks.fail("value (decode)", f"shape {name_shape((*key.shape[:-1], cached_value.shape[-1]))} to fit "
+                     f"the cache {name_shape(cached_value.shape)} [...,L,K,Hv]", f"shape {name_shape(value.shape)}")
+    T = key.shape[-3]
+    if T > L:
+        _checks.fail("decode", f"at most L={L} new tokens per call (the cache's length)", f"T={T}")
+    _checks.check_int("key_value_seq_lengths (decode)", lengths)
+    _checks.check_broadcastable("key_value_seq_lengths (decode)", lengths, tuple(batch), "[...] (batch dims)")
+    # Values are only known outside jit; inside jit an overflowing write is dropped (documented).
+    if _is_concrete(lengths) and (jnp.any(lengths < 0) or jnp.any(lengths > T)):
+        _checks.fail("key_value_seq_lengths (decode)", f"counts of new tokens in [0, T={T}]", lengths)
+    if _is_concrete(index) and jnp.any(index + T > L):
+        _checks.fail("decode", f"room in the cache: index + T <= L={L}",
+                     f"index {index.tolist()} with T={T} new tokens")
+
+
+def write(cached_key, cached_value, index, key, value, lengths=None):
+    """Write T new tokens' key [...,T,K,H] / value [...,T,K,Hv] after each example's filled slots.
+
+    lengths: int [...], how many of the T tokens are real per example (default T).
+    Returns (cached_key, cached_value, cache_index) updated, and the attention keywords for the T queries
+    over all L slots: causal by absolute positions, slots past each example's last real token masked.
+    """
+    T, L = key.shape[-3], cached_key.shape[-3]
+    lengths = jnp.full(index.shape, T, jnp.int32) if lengths is None else jnp.asarray(lengths)
+    _check_step(cached_key, cached_value, index, key, value, lengths)
+    offset = jnp.arange(L, dtype=jnp.int32) - index[..., None]  # [...,L]: slot s holds new token s - index
+    fresh = ((offset >= 0) & (offset < T))[..., None, None]
+    take = jnp.clip(offset, 0, T - 1)[..., None, None]
+    new_key = jnp.where(fresh, jnp.take_along_axis(key.astype(cached_key.dtype), take, axis=-3), cached_key)
+    new_value = jnp.where(fresh, jnp.take_along_axis(value.astype(cached_value.dtype), take, axis=-3),
+                          cached_value)
+    attend = {
+        "is_causal": True,
+        "query_positions": index[..., None] + jnp.arange(T, dtype=jnp.int32),
+        "key_positions": jnp.arange(L, dtype=jnp.int32),
+        "key_value_seq_lengths": index + lengths.astype(jnp.int32),
+    }
+    return new_key, new_value, index + lengths.astype(jnp.int32), attend

@@ -1,0 +1,176 @@
+"""What the linen and nnx attention layers share: the parameter tree they declare and the one call they make.
+
+Both layers declare exactly the tree of DESIGN.md ({query,key,value,out}/{kernel,bias}, plus bias_kv or
+relative/{key,value}), built from `param_specs`, and both compute through `attend`, which is the functional
+API itself (multi_head_attention / relative_multi_head_attention) or, when decoding, the same projections
+and attention around a key/value cache (_cache.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from . import _cache, _checks
+from ._attention import dot_product_attention
+from ._multihead import (head_dims, multi_head_attention, project_out, project_qkv, relative_multi_head_attention,
+                         relative_tables)
+from ._relative import shaw_relative_attention
+
+Initializer = Callable[[Any, tuple, Any], jax.Array]  # flax's convention: init(rng, shape, dtype)
+
+default_kernel_init = jax.nn.initializers.lecun_normal()
+default_bias_init = jax.nn.initializers.zeros
+default_table_init = jax.nn.initializers.normal(0.02)
+
+
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """Feature and head sizes in the axis letters of DESIGN.md."""
+
+    Eq: int
+    Ek: int
+    Ev: int
+    Eo: int
+    N: int
+    K: int
+    H: int
+    Hv: int
+
+
+def _positive(name, value):
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        _checks.fail(name, "a positive int", repr(value))
+    return value
+
+
+def resolve_dims(query_features, num_heads, head_dim=None, *, key_features=None, value_features=None,
+                 out_features=None, num_kv_heads=None, value_head_dim=None) -> Dims:
+    """Fill the defaults (as init_multi_head_attention does) and validate every size."""
+    N = _positive("num_heads", num_heads)
+    Eq = _positive("query_features", query_features)
+    if head_dim is None and Eq % N:
+        _checks.fail("head_dim", f"given, or query_features={Eq} divisible by num_heads={N}", None)
+    H = _positive("head_dim", Eq // N if head_dim is None else head_dim)
+    K = _positive("num_kv_heads", N if num_kv_heads is None else num_kv_heads)
+    if N % K:
+        _checks.fail("num_kv_heads", f"a divisor of num_heads={N}", K)
+    Ek = _positive("key_features", Eq if key_features is None else key_features)
+    Ev = _positive("value_features", Ek if value_features is None else value_features)
+    return Dims(Eq=Eq, Ek=Ek, Ev=Ev, Eo=_positive("out_features", Eq if out_features is None else out_features),
+                N=N, K=K, H=H, Hv=_positive("value_head_dim", H if value_head_dim is None else value_head_dim))
+
+
+def flat_kernel_init(init: Initializer, fan_in_dims: int) -> Initializer:
+    """Call `init` on the 2-D [fan_in, fan_out] view and reshape, as flax's DenseGeneral does.
+
+    So any flax initialiser (lecun_normal, xavier_uniform, ...) sees the true fan-in and fan-out of
+    a [Eq,N,H] or [N,Hv,Eo] kernel rather than reading them off its last two axes.
+    """
+
+    def kernel_init(rng, shape, dtype=jnp.float32):
+        flat = (math.prod(shape[:fan_in_dims]), math.prod(shape[fan_in_dims:]))
+        return jnp.reshape(init(rng, flat, dtype), shape)
+
+    return kernel_init
+
+
+def param_specs(d: Dims, *, use_bias=True, add_bias_kv=False, kernel_init=default_kernel_init,
+                out_kernel_init=None, bias_init=default_bias_init, bias_kv_init=default_table_init,
+                relative: Optional[dict] = None) -> dict:
+    """{group: {leaf: (shape, init)}} in DESIGN.md's layout.
+
+    relative: None, or dict(max_distance, share_heads, use_key_table, use_value_table, table_init).
+    """
+    kernel_in = flat_kernel_init(kernel_init, 1)
+    kernel_out = flat_kernel_init(out_kernel_init or kernel_init, 2)
+    groups = {
+        "query": ((d.Eq, d.N, d.H), (d.N, d.H), kernel_in),
+        "key": ((d.Ek, d.K, d.H), (d.K, d.H), kernel_in),
+        "value": ((d.Ev, d.K, d.Hv), (d.K, d.Hv), kernel_in),
+        "out": ((d.N, d.Hv, d.Eo), (d.Eo,), kernel_out),
+    }
+    specs = {}
+    for name, (kernel_shape, bias_shape, init) in groups.items():
+        specs[name] = {"kernel": (kernel_shape, init)}
+        if use_bias:
+            specs[name]["bias"] = (bias_shape, bias_init)
+    if add_bias_kv:
+        specs["bias_kv"] = {"key": ((d.K, d.H), bias_kv_init), "value": ((d.K, d.Hv), bias_kv_init)}
+    if relative is not None:
+        max_distance = relative["max_distance"]
+        if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance < 0:
+            _checks.fail("max_distance", "a Python int >= 0", repr(max_distance))
+        if not (relative["use_key_table"] or relative["use_value_table"]):
+            _checks.fail("use_key_table/use_value_table", "at least one table", "neither")
+        R, heads = 2 * max_distance + 1, (() if relative["share_heads"] else (d.N,))
+        tables = {"key": (R, *heads, d.H), "value": (R, *heads, d.Hv)}
+        specs["relative"] = {name: (shape, relative["table_init"]) for name, shape in tables.items()
+                             if relative[f"use_{name}_table"]}
+    return specs
+
+
+def compute_dtype(dtype, params, *arrays):
+    """flax's rule: the layer's `dtype` if set, else the promotion of the inputs and the params."""
+    if dtype is not None:
+        return jnp.dtype(dtype)
+    return jnp.result_type(*arrays, *jax.tree.leaves(params))
+
+
+def cast(tree, dtype):
+    return jax.tree.map(lambda x: jnp.asarray(x, dtype), tree)
+
+
+def inputs(query, key, value):
+    """Self-attention defaults: key = query, value = key."""
+    query = jnp.asarray(query)
+    key = query if key is None else jnp.asarray(key)
+    value = key if value is None else jnp.asarray(value)
+    return query, key, value
+
+
+def _decode(params, query, key, value, cache, *, relative, precision, options):
+    """Project, write the new keys/values into the cache, attend over all its slots, project out."""
+    for name in ("query_positions", "key_positions"):
+        if options.pop(name, None) is not None:
+            _checks.fail(name, "None when decoding (positions come from the cache index)", "an array")
+    options.pop("is_causal", None)  # a cache is causal by construction
+    head_dims(params, allow=("relative",) if relative else ())
+    q, k, v = project_qkv(params, query, key, value, precision=precision)
+    lengths = options.pop("key_value_seq_lengths", None)
+    cached_key, cached_value, index, attend_kw = _cache.write(*cache, k, v, lengths)
+    if relative:
+        key_table, value_table, max_distance = relative_tables(params)
+        result = shaw_relative_attention(q, cached_key, cached_value, key_table, value_table,
+                                         max_distance=max_distance, precision=precision, **attend_kw, **options)
+    else:
+        result = dot_product_attention(q, cached_key, cached_value, precision=precision, **attend_kw, **options)
+    if options.get("return_weights"):
+        z, weights = result
+        result = project_out(params, z, precision=precision), weights
+    else:
+        result = project_out(params, result, precision=precision)
+    return result, (cached_key, cached_value, index)
+
+
+def attend(params, query, key, value, *, relative: bool, add_zero_attn=False, precision=None, cache=None,
+           **options):
+    """The layers' forward pass: (result, new_cache), new_cache None unless `cache` was given.
+
+    Without a cache this IS multi_head_attention / relative_multi_head_attention (same numbers).
+    cache = (cached_key, cached_value, cache_index): the call's keys/values are new tokens (see _cache.py);
+    key_value_seq_lengths then counts the real ones among them, mask/bias index the cache's L slots.
+    """
+    if cache is not None:
+        if add_zero_attn or "bias_kv" in params:
+            _checks.fail("decode", "a layer without add_zero_attn / add_bias_kv (torch-only extras)",
+                         "a layer with them")
+        return _decode(params, query, key, value, cache, relative=relative, precision=precision, options=options)
+    if relative:
+        return relative_multi_head_attention(params, query, key, value, precision=precision, **options), None
+    return multi_head_attention(params, query, key, value, add_zero_attn=add_zero_attn, precision=precision,
+                                **options), None

@@ -1,0 +1,164 @@
+"""Flax linen attention layers: thin shells over jaxattn.multi_head_attention / relative_multi_head_attention.
+
+    import jaxattn.linen
+    layer = jaxattn.linen.MultiHeadAttention(num_heads=8)
+    variables = layer.init(rng, x)                    # {"params": the tree of DESIGN.md}
+    y = layer.apply(variables, x, is_causal=True)
+
+Parameters are exactly DESIGN.md's tree ({query,key,value,out}/{kernel,bias}, plus relative/{key,value}),
+so params from crosscheck.params_from_torch, from init_multi_head_attention or from
+flax.linen.MultiHeadDotProductAttention drop straight in, and ours run in flax's layer.
+
+Dropout the Flax way: `deterministic` (attribute or call argument, exactly one of them set) and the
+"dropout" rng stream (or an explicit `dropout_rng`).
+
+Decoding with a key/value cache (the "cache" collection, as flax does it):
+
+    cache = layer.init(rng, jnp.zeros((B, L, E)), decode=True)["cache"]      # L = the cache's length
+    y, mut = layer.apply({"params": p, "cache": cache}, prompt, decode=True,
+                         key_value_seq_lengths=prompt_lengths, mutable=["cache"])  # prefill, T tokens
+    y, mut = layer.apply({"params": p, "cache": mut["cache"]}, token, decode=True, mutable=["cache"])
+
+cached_key [B...,L,K,H], cached_value [B...,L,K,Hv], cache_index int32 [B...] (per example). Each decode
+call appends its T tokens after each example's filled slots; key_value_seq_lengths [B...] says how many
+of them are real (default T); queries sit at absolute positions index + t, so the causal mask and relative
+tables see the positions a full causal pass gives them. Writing past L is an error outside jit and is
+dropped inside it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from . import _cache, _layer
+from ._layer import Initializer
+
+
+class _Group(nn.Module):
+    """One entry of the parameter tree (e.g. "query": {"kernel", "bias"}): declares and returns its leaves."""
+
+    specs: tuple  # ((leaf, shape, init), ...)
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self):
+        return {leaf: self.param(leaf, init, shape, self.param_dtype) for leaf, shape, init in self.specs}
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head / grouped-query attention (see the module docstring for decoding).
+
+    Attributes:
+      num_heads: N.  head_dim: H (default Eq // N).  num_kv_heads: K (default N).  value_head_dim: Hv (default H).
+      out_features: Eo (default Eq).  use_bias: biases on all four projections.
+      add_bias_kv / add_zero_attn: torch.nn.MultiheadAttention's extras (not with decode).
+      dropout_rate, deterministic: dropout on the attention weights.  scale: default H ** -0.5.
+      dtype: computation dtype (default: promote inputs and params).  param_dtype: parameters' dtype.
+      precision: for every einsum.  kernel_init / out_kernel_init / bias_init / bias_kv_init: flax
+        initialisers; kernels are initialised on their [fan_in, fan_out] view, as flax's DenseGeneral does.
+      decode: use the "cache" collection (the call argument overrides it).
+    """
+
+    num_heads: int
+    head_dim: Optional[int] = None
+    num_kv_heads: Optional[int] = None
+    value_head_dim: Optional[int] = None
+    out_features: Optional[int] = None
+    use_bias: bool = True
+    add_bias_kv: bool = False
+    add_zero_attn: bool = False
+    dropout_rate: float = 0.0
+    deterministic: Optional[bool] = None
+    scale: Optional[float] = None
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    kernel_init: Initializer = _layer.default_kernel_init
+    out_kernel_init: Optional[Initializer] = None
+    bias_init: Initializer = _layer.default_bias_init
+    bias_kv_init: Initializer = _layer.default_table_init
+    decode: bool = False
+
+    def _relative(self) -> Optional[dict]:
+        return None
+
+    def _params(self, dims):
+        specs = _layer.param_specs(dims, use_bias=self.use_bias, add_bias_kv=self.add_bias_kv,
+                                   kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init,
+                                   bias_init=self.bias_init, bias_kv_init=self.bias_kv_init,
+                                   relative=self._relative())
+        return {group: _Group(tuple((leaf, shape, init) for leaf, (shape, init) in leaves.items()),
+                              self.param_dtype, name=group)()
+                for group, leaves in specs.items()}
+
+    def _dropout(self, deterministic, dropout_rng):
+        """(rate, rng) after flax's rules: `deterministic` is required only when dropout_rate > 0."""
+        if self.dropout_rate == 0.0:
+            return 0.0, None
+        if nn.merge_param("deterministic", self.deterministic, deterministic):
+            return 0.0, None
+        return self.dropout_rate, dropout_rng if dropout_rng is not None else self.make_rng("dropout")
+
+    def _cache(self, dims, key, batch, dtype):
+        """The "cache" variables, and whether they existed before this call (False while initialising)."""
+        existed = self.has_variable("cache", "cached_key")
+        fresh = _cache.init(batch, key.shape[-2], dims.K, dims.H, dims.Hv, dtype)
+        names = ("cached_key", "cached_value", "cache_index")
+        variables = [self.variable("cache", n, lambda v=v: v) for n, v in zip(names, fresh)]
+        return variables, existed
+
+    @nn.compact
+    def __call__(self, query, key=None, value=None, *, mask=None, bias=None, is_causal=False,
+                 key_value_seq_lengths=None, query_positions=None, key_positions=None,
+                 deterministic: Optional[bool] = None, dropout_rng=None, return_weights: bool = False,
+                 decode: Optional[bool] = None):
+        """query [...,T,Eq], key [...,S,Ek] (default query), value [...,S,Ev] (default key) -> [...,T,Eo].
+
+        Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights.
+        """
+        query, key, value = _layer.inputs(query, key, value)
+        dims = _layer.resolve_dims(query.shape[-1], self.num_heads, self.head_dim, key_features=key.shape[-1],
+                                   value_features=value.shape[-1], out_features=self.out_features,
+                                   num_kv_heads=self.num_kv_heads, value_head_dim=self.value_head_dim)
+        params = self._params(dims)
+        dtype = _layer.compute_dtype(self.dtype, params, query, key, value)
+        params, query, key, value = _layer.cast((params, query, key, value), dtype)
+        rate, rng = self._dropout(deterministic, dropout_rng)
+        options = dict(mask=mask, bias=bias, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
+                       query_positions=query_positions, key_positions=key_positions, scale=self.scale,
+                       dropout_rate=rate, dropout_rng=rng, return_weights=return_weights)
+        cache = None
+        if self.decode if decode is None else decode:
+            batch = jnp.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+            variables, existed = self._cache(dims, key, batch, dtype)
+            cache = tuple(v.value for v in variables) if existed else None
+        result, new_cache = _layer.attend(params, query, key, value, relative=self._relative() is not None,
+                                          add_zero_attn=self.add_zero_attn, precision=self.precision,
+                                          cache=cache, **options)
+        if new_cache is not None:
+            for variable, new in zip(variables, new_cache):
+                variable.value = new
+        return result
+
+
+class RelativeMultiHeadAttention(MultiHeadAttention):
+    """MultiHeadAttention with Shaw et al. clipped relative-position tables in params["relative"].
+
+    Extra attributes: max_distance (R = 2 * max_distance + 1 rows), share_heads ([R,H] tables rather than
+    [R,N,H]), use_key_table / use_value_table, table_init (default normal(0.02)). Not with add_bias_kv /
+    add_zero_attn.
+    """
+
+    max_distance: Optional[int] = None  # required; a default only because dataclass fields follow defaults
+    share_heads: bool = False
+    use_key_table: bool = True
+    use_value_table: bool = True
+    table_init: Initializer = _layer.default_table_init
+
+    def _relative(self) -> Optional[dict]:
+        return dict(max_distance=self.max_distance, share_heads=self.share_heads,
+                    use_key_table=self.use_key_table, use_value_table=self.use_value_table,
+                    table_init=self.table_init)

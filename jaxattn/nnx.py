@@ -1,0 +1,152 @@
+"""Flax NNX attention layers: thin shells over jaxattn.multi_head_attention / relative_multi_head_attention.
+
+    import jaxattn.nnx
+    layer = jaxattn.nnx.MultiHeadAttention(64, num_heads=8, rngs=nnx.Rngs(0))
+    y = layer(x, is_causal=True)
+
+nnx.state(layer, nnx.Param) is exactly DESIGN.md's tree, so nnx.update(layer, params) loads params from
+crosscheck.params_from_torch, init_multi_head_attention or flax's own attention layers.
+
+Dropout the Flax way: `deterministic` (call argument, else attribute; layer.eval() / layer.train() set it)
+and the "dropout" rng stream forked from the constructor's `rngs` (or `rngs` / `dropout_rng` at call time).
+
+Decoding with a key/value cache (nnx.Cache state, as flax does it):
+
+    layer.init_cache((B, L, E))                                   # L slots per example
+    y = layer(prompt, decode=True, key_value_seq_lengths=lengths)    # prefill: T tokens, `lengths` real
+    y = layer(token, decode=True)                                    # then one (or more) per step
+
+Each decode call appends its tokens after each example's filled slots (cache_index is int32 [B...]) and
+attends at absolute positions, so the causal mask and relative tables match a full causal pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import jax.numpy as jnp
+from flax import nnx
+
+from . import _cache, _checks, _layer
+from ._layer import Initializer
+
+
+class _Group(nnx.Module):
+    """One entry of the parameter tree (e.g. "query" with "kernel" and "bias")."""
+
+    def __init__(self, leaves: dict, param_dtype, rngs: nnx.Rngs):
+        for leaf, (shape, init) in leaves.items():
+            setattr(self, leaf, nnx.Param(init(rngs.params(), shape, param_dtype)))
+        self.leaves = tuple(leaves)
+
+    def tree(self) -> dict:
+        return {leaf: getattr(self, leaf)[...] for leaf in self.leaves}
+
+
+class MultiHeadAttention(nnx.Module):
+    """Multi-head / grouped-query attention (see the module docstring for decoding).
+
+    Sizes as jaxattn.init_multi_head_attention: query_features Eq, num_heads N, head_dim H (default Eq // N),
+    key_features Ek (Eq), value_features Ev (Ek), out_features Eo (Eq), num_kv_heads K (N), value_head_dim
+    Hv (H). Options as jaxattn.linen.MultiHeadAttention; `rngs` supplies "params" and "dropout" keys.
+    """
+
+    def __init__(self, query_features: int, num_heads: int, head_dim: Optional[int] = None, *,
+                 key_features: Optional[int] = None, value_features: Optional[int] = None,
+                 out_features: Optional[int] = None, num_kv_heads: Optional[int] = None,
+                 value_head_dim: Optional[int] = None, use_bias: bool = True, add_bias_kv: bool = False,
+                 add_zero_attn: bool = False, dropout_rate: float = 0.0, deterministic: Optional[bool] = None,
+                 scale: Optional[float] = None, dtype: Any = None, param_dtype: Any = jnp.float32,
+                 precision: Any = None, kernel_init: Initializer = _layer.default_kernel_init,
+                 out_kernel_init: Optional[Initializer] = None, bias_init: Initializer = _layer.default_bias_init,
+                 bias_kv_init: Initializer = _layer.default_table_init, decode: bool = False, rngs: nnx.Rngs,
+                 _relative: Optional[dict] = None):
+        self.dims = _layer.resolve_dims(query_features, num_heads, head_dim, key_features=key_features,
+                                        value_features=value_features, out_features=out_features,
+                                        num_kv_heads=num_kv_heads, value_head_dim=value_head_dim)
+        specs = _layer.param_specs(self.dims, use_bias=use_bias, add_bias_kv=add_bias_kv, kernel_init=kernel_init,
+                                   out_kernel_init=out_kernel_init, bias_init=bias_init,
+                                   bias_kv_init=bias_kv_init, relative=_relative)
+        for group, leaves in specs.items():
+            setattr(self, group, _Group(leaves, param_dtype, rngs))
+        self.groups = tuple(specs)
+        self.relative_attention = _relative is not None
+        self.add_zero_attn, self.dropout_rate, self.deterministic = add_zero_attn, dropout_rate, deterministic
+        self.scale, self.dtype, self.param_dtype, self.precision = scale, dtype, param_dtype, precision
+        self.decode = decode
+        self.rngs = rngs.dropout.fork() if dropout_rate > 0 else None
+        self.cached_key: Optional[nnx.Cache] = nnx.data(None)
+        self.cached_value: Optional[nnx.Cache] = nnx.data(None)
+        self.cache_index: Optional[nnx.Cache] = nnx.data(None)
+
+    def params(self) -> dict:
+        """The parameter tree as plain nested dicts of arrays (what the functional API takes)."""
+        return {group: getattr(self, group).tree() for group in self.groups}
+
+    def init_cache(self, input_shape, dtype: Any = None) -> None:
+        """An empty cache for inputs of shape (*batch, L, E): L slots per example (as flax's init_cache)."""
+        if len(input_shape) < 2:
+            _checks.fail("input_shape", "(*batch, L, E)", tuple(input_shape))
+        dtype = dtype or self.dtype or self.param_dtype
+        *batch, L, _ = input_shape
+        d = self.dims
+        cached_key, cached_value, index = _cache.init(batch, L, d.K, d.H, d.Hv, dtype)
+        self.cached_key, self.cached_value = nnx.Cache(cached_key), nnx.Cache(cached_value)
+        self.cache_index = nnx.Cache(index)
+
+    def _dropout(self, deterministic, rngs, dropout_rng):
+        """(rate, key): the call's `deterministic` wins over the attribute; one is required when rate > 0."""
+        if self.dropout_rate == 0.0:
+            return 0.0, None
+        deterministic = self.deterministic if deterministic is None else deterministic
+        if deterministic is None:
+            _checks.fail("deterministic", "True or False (call argument or attribute) when dropout_rate > 0", None)
+        if deterministic:
+            return 0.0, None
+        if dropout_rng is not None:
+            return self.dropout_rate, dropout_rng
+        stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs if rngs is not None else self.rngs)
+        return self.dropout_rate, stream()
+
+    def __call__(self, query, key=None, value=None, *, mask=None, bias=None, is_causal=False,
+                 key_value_seq_lengths=None, query_positions=None, key_positions=None,
+                 deterministic: Optional[bool] = None, rngs=None, dropout_rng=None, return_weights: bool = False,
+                 decode: Optional[bool] = None):
+        """query [...,T,Eq], key [...,S,Ek] (default query), value [...,S,Ev] (default key) -> [...,T,Eo].
+
+        Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights.
+        """
+        query, key, value = _layer.inputs(query, key, value)
+        params = self.params()
+        dtype = _layer.compute_dtype(self.dtype, params, query, key, value)
+        params, query, key, value = _layer.cast((params, query, key, value), dtype)
+        rate, rng = self._dropout(deterministic, rngs, dropout_rng)
+        cache = None
+        if self.decode if decode is None else decode:
+            if self.cached_key is None:
+                _checks.fail("decode", "a cache: call init_cache((*batch, L, E)) first", "no cache")
+            cache = (self.cached_key[...], self.cached_value[...], self.cache_index[...])
+        result, new_cache = _layer.attend(
+            params, query, key, value, relative=self.relative_attention, add_zero_attn=self.add_zero_attn,
+            precision=self.precision, cache=cache, mask=mask, bias=bias, is_causal=is_causal,
+            key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
+            key_positions=key_positions, scale=self.scale, dropout_rate=rate, dropout_rng=rng,
+            return_weights=return_weights)
+        if new_cache is not None:
+            self.cached_key[...], self.cached_value[...], self.cache_index[...] = new_cache
+        return result
+
+
+class RelativeMultiHeadAttention(MultiHeadAttention):
+    """MultiHeadAttention with Shaw et al. clipped relative-position tables in params["relative"].
+
+    max_distance: R = 2 * max_distance + 1 rows; share_heads: [R,H] tables rather than [R,N,H];
+    use_key_table / use_value_table; table_init (default normal(0.02)). Not with add_bias_kv / add_zero_attn.
+    """
+
+    def __init__(self, query_features: int, num_heads: int, head_dim: Optional[int] = None, *, max_distance: int,
+                 share_heads: bool = False, use_key_table: bool = True, use_value_table: bool = True,
+                 table_init: Initializer = _layer.default_table_init, rngs: nnx.Rngs, **options):
+        relative = dict(max_distance=max_distance, share_heads=share_heads, use_key_table=use_key_table,
+                        use_value_table=use_value_table, table_init=table_init)
+        super().__init__(query_features, num_heads, head_dim, rngs=rngs, _relative=relative, **options)
