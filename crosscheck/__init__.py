@@ -1,0 +1,39 @@
+"""crosscheck: torch attention weights and masks -> jaxattn, and proof that both frameworks agree.
+
+Weights (one explicit mapping table, exact key sets, every shape checked, dtypes kept)::
+
+    params = params_from_torch(module)                       # torch.nn.MultiheadAttention / torchref modules
+    params = params_from_torch(load_state_dict("w.safetensors"), num_heads=8)   # a bare state_dict
+    options = call_options_from_torch(module)                # e.g. {"add_zero_attn": True}
+    out = jaxattn.multi_head_attention(params, q, k, v, mask=mask, bias=bias, **options)
+    module.load_state_dict(params_to_torch(params, format="torch"), strict=True)   # and back
+
+Masks (torch's conventions differ from jaxattn's True = may attend; torch's is_causal is top-left aligned)::
+
+    mask, bias = masks_from_torch(attn_mask, key_padding_mask, num_heads=N)   # nn.MultiheadAttention's
+    mask, bias = sdpa_masks_from_torch(attn_mask, is_causal=..., query_length=T, key_length=S)   # SDPA's
+
+Files: ``load_state_dict(path)`` reads ``.safetensors`` without torch and ``.pt``/``.pth``/``.bin`` only via
+``torch.load(weights_only=True)``. Axis letters (B, T, S, N, K, H, Hv, E, R) are those of DESIGN.md.
+
+torch is imported lazily, only where a torch object or a pickle file is involved: keep it that way in every
+module imported here, so that the safetensors -> jaxattn route works on a machine without torch.
+"""
+
+from crosscheck._convert import (
+    call_options_from_torch as call_options_from_torch,
+    params_from_torch as params_from_torch,
+    params_to_torch as params_to_torch,
+)
+from crosscheck._io import SUPPORTED_SUFFIXES as SUPPORTED_SUFFIXES, load_state_dict as load_state_dict
+from crosscheck._masks import masks_from_torch as masks_from_torch, sdpa_masks_from_torch as sdpa_masks_from_torch
+
+__all__ = [
+    "SUPPORTED_SUFFIXES",
+    "call_options_from_torch",
+    "load_state_dict",
+    "masks_from_torch",
+    "params_from_torch",
+    "params_to_torch",
+    "sdpa_masks_from_torch",
+]
