@@ -95,7 +95,7 @@ def attention_core(query, key, value, *, relative_logits: Optional[Callable] = N
 def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=False,
                           key_value_seq_lengths=None, query_positions=None, key_positions=None,
                           scale=None, dropout_rate=0.0, dropout_rng=None, return_weights=False,
-                          precision=None):
+                          precision=None, implementation=None, block_size=None):
     """Scaled dot-product attention, multi-head / multi-query / grouped-query.
 
     Args:
@@ -110,9 +110,22 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
       dropout_rate, dropout_rng: dropout on the weights (a key is required when rate > 0).
       return_weights: also return the weights [...,N,T,S] (after dropout).
       precision: passed to every einsum (use "highest" for float32 comparisons).
+      implementation: "dense" (one [...,N,T,S] array), "blockwise" (O(T+S) memory tiles; no mask, bias,
+        return_weights or dropout) or None: blockwise when none of those is used and the float32 logits
+        would take >= 256 MiB (jaxattn._blockwise.use_blockwise).
+      block_size: blockwise tile, int or (query_block, key_block); default (512, 512).
 
     Returns [...,T,N,Hv] (or (out, weights)). A query with no allowed key gets zeros.
     """
+    from . import _blockwise  # imported here because _blockwise builds on this module
+
+    if _blockwise.use_blockwise(implementation, query, key, bias=bias, mask=mask, dropout_rate=dropout_rate,
+                                return_weights=return_weights):
+        return _blockwise.blockwise_attention(
+            query, key, value, bias=bias, mask=mask, is_causal=is_causal,
+            key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
+            key_positions=key_positions, scale=scale, dropout_rate=dropout_rate, dropout_rng=dropout_rng,
+            return_weights=return_weights, precision=precision, block_size=block_size)
     return attention_core(query, key, value, bias=bias, mask=mask, is_causal=is_causal,
                           key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
                           key_positions=key_positions, scale=scale, dropout_rate=dropout_rate,

@@ -361,10 +361,42 @@ def _check_table(name, table, R, N, head_dim, acc):
     return table
 
 
+def _grid_options(bias=None, mask=None, dropout_rate=0.0, dropout_rng=None, return_weights=False):
+    """The options that need the full [T,S] grid, by name, when they are in use."""
+    used = {"mask": mask is not None, "bias": bias is not None, "return_weights": bool(return_weights),
+            "dropout_rate": not (isinstance(dropout_rate, (int, float)) and dropout_rate == 0)}
+    return [name for name, on in used.items() if on]
+
+
+def use_blockwise(implementation, query, key, **options) -> bool:
+    """The implementation rule of dot_product_attention / shaw_relative_attention.
+
+    "dense" and "blockwise" are taken as given (blockwise_attention raises for options it cannot do).
+    None (automatic): blockwise when no option needs the full grid (mask, bias, return_weights, dropout)
+    and the float32 logits [...,N,T,S] would take at least AUTO_BLOCKWISE_BYTES; dense otherwise.
+    """
+    if implementation not in (None, "dense", "blockwise"):
+        _checks.fail("implementation", 'None (automatic), "dense" or "blockwise"', repr(implementation))
+    if implementation is not None:
+        return implementation == "blockwise"
+    grid = {k: options.get(k) for k in ("bias", "mask", "return_weights", "dropout_rng")}
+    if _grid_options(dropout_rate=options.get("dropout_rate", 0.0), **grid):
+        return False
+    query, key = jnp.asarray(query), jnp.asarray(key)
+    if query.ndim < 3 or key.ndim < 3:
+        return False  # let the dense path raise its usual error
+    try:
+        batch = np.broadcast_shapes(query.shape[:-3], key.shape[:-3])
+    except ValueError:
+        return False
+    logits = int(np.prod(batch, dtype=np.int64)) * query.shape[-2] * query.shape[-3] * key.shape[-3]
+    return 4 * logits >= AUTO_BLOCKWISE_BYTES
+
+
 def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_lengths=None,
                         query_positions=None, key_positions=None, scale=None, position_bias=None,
                         key_table=None, value_table=None, max_distance=None, block_size=None,
-                        precision=None):
+                        precision=None, **grid_options):
     """Attention computed one [Tb,Sb] tile at a time; O(T + S) memory forward and backward.
 
     query [...,T,N,H], key [...,S,K,H], value [...,S,K,Hv] and the keywords is_causal,
@@ -385,8 +417,17 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
       gradients flow through the custom VJP.
     block_size: int or (query_block, key_block), default DEFAULT_BLOCK_SIZE (clipped to T and S).
 
-    Arbitrary masks and biases need the full [T,S] grid and are not accepted here (use the dense path).
+    Arbitrary masks and biases (and return_weights, dropout) need the full [T,S] grid: passing them
+    raises ValueError (implementation=None falls back to the dense path instead).
     """
+    unknown = sorted(set(grid_options) - {"bias", "mask", "dropout_rate", "dropout_rng", "return_weights"})
+    if unknown:
+        raise TypeError(f"blockwise_attention() got unexpected keyword arguments {unknown}")
+    in_use = _grid_options(**grid_options)
+    if in_use:
+        _checks.fail("implementation", f'"dense" or None with {"/".join(in_use)}: blockwise attention does not '
+                     "take arbitrary masks or biases (nor return_weights or dropout), as they span the full [T,S] "
+                     "grid", '"blockwise"')
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     batch, T, S, N, K, H, Hv = check_qkv(query, key, value)
     G = N // K

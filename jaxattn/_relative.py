@@ -14,6 +14,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from . import _checks
+from . import _blockwise
 from ._attention import attention_core, check_qkv, compute_dtype
 from ._masking import positions, relative_offsets
 
@@ -83,10 +84,15 @@ def shaw_relative_attention(query, key, value, key_table=None, value_table=None,
     causal mask, so `query_positions` / `key_positions` move both). Keywords as dot_product_attention.
     Equal to relative_attention(query, key, value, key_table[index], value_table[index]) with extra
     memory O(... * N * T * (S + R)) rather than a [T,S,H] gather.
+    implementation / block_size: as dot_product_attention; blockwise computes the table terms per tile.
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     _, T, S, N, _, H, Hv = check_qkv(query, key, value)
     max_distance = _check_max_distance(max_distance)
+    implementation, block_size = options.pop("implementation", None), options.pop("block_size", None)
+    if _blockwise.use_blockwise(implementation, query, key, **options):
+        return _blockwise.blockwise_attention(query, key, value, key_table=key_table, value_table=value_table,
+                                              max_distance=max_distance, block_size=block_size, **options)
     R = 2 * max_distance + 1
     precision = options.get("precision")
     acc = compute_dtype(query.dtype)
