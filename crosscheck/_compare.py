@@ -148,12 +148,12 @@ def _json_float(value: Any) -> Any:
     return value
 
 
-def error_metrics(actual: np.ndarray, expected: np.ndarray) -> tuple[float, float, float]:
+def error_metrics(actual: np.ndarray, expected: np.ndarray, *, norm_floor: float = 0.0) -> tuple[float, float, float]:
     """(max abs, max rel, normwise rel) of `actual` against the reference `expected`, computed in float64.
 
     max rel is taken over the entries where the reference is non-zero (max abs covers the others); normwise is
-    ||actual - expected||_2 / ||expected||_2, or the absolute ||actual - expected||_2 when the reference is all
-    zeros. Any non-finite value on either side makes all three nan: a NaN never passes.
+    ||actual - expected||_2 / max(||expected||_2, norm_floor), or the absolute ||actual - expected||_2 when
+    that denominator is 0. Any non-finite value on either side makes all three nan: a NaN never passes.
     """
     a = np.asarray(actual, dtype=np.float64)
     e = np.asarray(expected, dtype=np.float64)
@@ -167,7 +167,8 @@ def error_metrics(actual: np.ndarray, expected: np.ndarray) -> tuple[float, floa
     max_rel = float((diff[nonzero] / np.abs(e[nonzero])).max(initial=0.0))
     ref_norm = float(np.linalg.norm(e.ravel()))
     diff_norm = float(np.linalg.norm(diff.ravel()))
-    normwise = diff_norm / ref_norm if ref_norm > 0 else diff_norm
+    denominator = max(ref_norm, norm_floor)
+    normwise = diff_norm / denominator if denominator > 0 else diff_norm
     return max_abs, max_rel, normwise
 
 
@@ -190,7 +191,8 @@ def compare(
     """Run `jax_fn` and `torch_fn` on the same inputs in `dtype` and measure outputs and gradients.
 
     transform: "plain" (eager JAX), "jit" (forward and backward under one `jax.jit`) or "vmap" (`vmap_size`
-    inputs stacked along a new leading axis through `jax.vmap`, against torch run slice by slice).
+    inputs stacked along a new leading axis through `jax.vmap`, compiled with `jax.jit`, against torch run
+    slice by slice).
     Outputs may be an array, a tuple/list of arrays or a dict of arrays (same structure on both sides).
     float64 needs JAX's x64 mode on (`jax.config.update("jax_enable_x64", True)` or `jax.enable_x64()`):
     without it the request is refused rather than silently compared in float32.
@@ -314,7 +316,7 @@ def _run_torch(torch_fn, slices, consts, torch_params, dtype, grad, seed):
     import torch
 
     def tensor(x: np.ndarray, requires_grad: bool) -> torch.Tensor:
-        t = torch.from_numpy(np.ascontiguousarray(x))
+        t = torch.from_numpy(np.array(x))  # a writable copy: torch must not alias read-only buffers
         return t.requires_grad_(requires_grad and grad and t.is_floating_point())
 
     tparams = _map_tree(lambda p: tensor(_cast(p, dtype), True), torch_params)
@@ -399,10 +401,11 @@ def _run_jax(jax_fn, slices, consts, params, dtype, transform, cot, problems):
                 problems.append(mismatch)
                 cot = None
         if cot is None:
-            fn = jax.jit(forward) if transform == "jit" else forward
+            fn = forward if transform == "plain" else jax.jit(forward)
             out, grads = fn(diff, jparams, aux, jconsts), None
         else:
-            fn = jax.jit(forward_backward) if transform == "jit" else forward_backward
+            # vmap runs compiled too: one compile instead of an eager batched op-by-op pass (same numbers)
+            fn = forward_backward if transform == "plain" else jax.jit(forward_backward)
             # the cotangent takes each output's own dtype, so a wrong output dtype is reported, not raised
             jcot = {k: jnp.asarray(v, dtype=shapes[k].dtype) for k, v in cot.items()}
             out, grads = fn(diff, jparams, aux, jconsts, jcot)
@@ -422,7 +425,7 @@ def _structure_problem(shapes: Mapping[str, Any], cot: Mapping[str, np.ndarray])
 # --- measuring ----------------------------------------------------------------------------------------------
 
 
-def _metric(name, kind, actual, expected, dtype, tol) -> Metric:
+def _metric(name, kind, actual, expected, dtype, tol, norm_floor=0.0) -> Metric:
     notes = []
     if actual.shape != expected.shape:
         return Metric(name, kind, tuple(expected.shape), math.nan, math.nan, math.nan, tol, False,
@@ -430,18 +433,37 @@ def _metric(name, kind, actual, expected, dtype, tol) -> Metric:
     for side, x in (("JAX", actual), ("torch", expected)):
         if x.dtype != np.dtype(dtype):
             notes.append(f"{side} dtype {x.dtype} != requested {dtype}")
-    max_abs, max_rel, normwise = error_metrics(actual, expected)
+    max_abs, max_rel, normwise = error_metrics(actual, expected, norm_floor=norm_floor)
     if math.isnan(normwise):
         notes.append("non-finite values (NaN/inf)")
     passed = not notes and normwise <= tol
+    if np.linalg.norm(np.asarray(expected, np.float64).ravel()) < norm_floor:
+        notes.append(f"reference below its kind's RMS scale: measured against that scale ({norm_floor:.2e})")
     return Metric(name, kind, tuple(expected.shape), max_abs, max_rel, normwise, tol, passed, "; ".join(notes))
+
+
+def _norm_floors(reference: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """Per array, the norm it would have at the RMS scale of all arrays of its kind together.
+
+    A gradient that is zero in exact arithmetic (the key projection's bias: softmax ignores a shift shared
+    by a whole row of logits) comes out as rounding noise on both sides, and noise against noise is a
+    relative error near 1. Measured against the scale of the computation it is what it is: rounding.
+    A real error in a small array still fails unless it is itself below tolerance x that scale.
+    """
+    arrays = {k: np.asarray(v, np.float64).ravel() for k, v in reference.items()}
+    size = sum(a.size for a in arrays.values())
+    if not size or not all(np.isfinite(a).all() for a in arrays.values()):
+        return {k: 0.0 for k in arrays}
+    mean_square = sum(float(a @ a) for a in arrays.values()) / size
+    return {k: math.sqrt(mean_square * a.size) for k, a in arrays.items()}
 
 
 def _output_metrics(jax_out, torch_out, dtype, tol, problems) -> list[Metric]:
     if set(jax_out) != set(torch_out):
         problems.append(f"outputs differ: JAX gives {sorted(jax_out)}, torch gives {sorted(torch_out)}")
         return []
-    return [_metric(k, "output", jax_out[k], torch_out[k], dtype, tol) for k in torch_out]
+    floors = _norm_floors(torch_out)
+    return [_metric(k, "output", jax_out[k], torch_out[k], dtype, tol, floors[k]) for k in torch_out]
 
 
 def _grad_metrics(jax_grads, torch_grads, dtype, tol, problems) -> list[Metric]:
@@ -449,4 +471,5 @@ def _grad_metrics(jax_grads, torch_grads, dtype, tol, problems) -> list[Metric]:
     if set(jflat) != set(tflat):
         problems.append(f"gradients differ in names: JAX {sorted(jflat)} vs torch {sorted(tflat)}")
         return []
-    return [_metric(k, "grad", np.asarray(jflat[k]), np.asarray(tflat[k]), dtype, tol) for k in tflat]
+    floors = _norm_floors(tflat)
+    return [_metric(k, "grad", np.asarray(jflat[k]), np.asarray(tflat[k]), dtype, tol, floors[k]) for k in tflat]

@@ -1,0 +1,65 @@
+"""Small helpers shared by the built-in cases: seeded numbers, torch modules with seeded weights."""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+
+def rng_for(name: str) -> np.random.Generator:
+    """A generator seeded by the case name: every case has its own, fixed numbers."""
+    return np.random.default_rng(zlib.crc32(name.encode()))
+
+
+def normal(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:
+    return rng.standard_normal(shape) * scale
+
+
+def randomize(module, rng: np.random.Generator):
+    """Overwrite every parameter from `rng` (weights ~ N(0, 1/fan_in), the rest ~ N(0, 0.5^2)), in float64.
+
+    torch's own initialisers would tie the numbers to torch's global RNG; these depend on the seed only.
+    """
+    import torch
+
+    module.to(torch.float64)
+    with torch.no_grad():
+        for _, p in module.named_parameters():
+            scale = p.shape[-1] ** -0.5 if p.ndim == 2 else 0.5
+            p.copy_(torch.from_numpy(normal(rng, tuple(p.shape), scale)))
+    return module
+
+
+def torch_params(module) -> dict[str, np.ndarray]:
+    """The module's parameters by state_dict name, as numpy (the tensors torch differentiates)."""
+    return {name: p.detach().numpy().copy() for name, p in module.named_parameters()}
+
+
+def to_numpy_tree(tree: Any) -> Any:
+    if isinstance(tree, Mapping):
+        return {k: to_numpy_tree(v) for k, v in tree.items()}
+    return np.asarray(tree)
+
+
+def functional(module, *args_names: str, **call_kwargs: Any):
+    """torch_fn(params, **inputs) running `module` with `params` swapped in (torch.func.functional_call)."""
+    import torch
+
+    def torch_fn(params, **inputs):
+        args = tuple(inputs[n] for n in args_names)
+        return torch.func.functional_call(module, params, args, call_kwargs)
+
+    return torch_fn
+
+
+def blocked(rng: np.random.Generator, shape: tuple[int, ...], p: float = 0.3) -> np.ndarray:
+    """Random bool "blocked" mask (True with probability p) that leaves every row some key: key 0 is open.
+
+    A fully blocked row is NaN in torch and zeros in jaxattn by design, so it is no place for a comparison.
+    """
+    mask = rng.random(shape) < p
+    mask[..., 0] = False
+    return mask

@@ -1,0 +1,120 @@
+"""The catalogue of named comparisons that `python -m crosscheck` runs.
+
+A case is a builder: a function that returns a `Setup` (the JAX function, the torch function, seeded inputs
+and parameters). Builders make every number from a fixed seed: no network, no files. Register one with
+
+    @register_case("my_case")
+    def _my_case() -> Setup:
+        '''One line shown by --list.'''
+        ...
+
+and, for a built-in module, add the module to `_BUILTIN_MODULES` so that the catalogue imports it.
+Each case runs in every dtype of `DTYPES` under every transform of `TRANSFORMS` unless it says otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import importlib
+import time
+import traceback
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from crosscheck._compare import TRANSFORMS, Report, compare
+
+__all__ = ["CASES", "DTYPES", "Case", "Setup", "catalogue", "register_case", "run_case", "select_cases"]
+
+DTYPES = ("float32", "float64")
+
+# Modules whose import registers built-in cases (in --list order).
+_BUILTIN_MODULES = (
+    "crosscheck._cases_seeds",
+    "crosscheck._cases_torch",
+    "crosscheck._cases_relative",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """Everything `compare` needs for one case (see crosscheck._compare for the calling convention)."""
+
+    jax_fn: Callable[..., Any]
+    torch_fn: Callable[..., Any]
+    inputs: Mapping[str, Any]
+    params: Mapping[str, Any] | None = None
+    torch_params: Mapping[str, Any] | None = None
+    grads_from_torch: Callable[[dict[str, Any]], Any] | None = None
+
+    def compare(self, *, dtype: str, transform: str = "plain", name: str = "", **kwargs: Any) -> Report:
+        return compare(self.jax_fn, self.torch_fn, self.inputs, dtype=dtype, transform=transform,
+                       params=self.params, torch_params=self.torch_params,
+                       grads_from_torch=self.grads_from_torch, name=name, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    name: str
+    build: Callable[[], Setup]
+    description: str = ""
+    dtypes: tuple[str, ...] = DTYPES
+    transforms: tuple[str, ...] = TRANSFORMS
+
+    def setup(self) -> Setup:
+        return _built(self)
+
+
+@functools.cache
+def _built(case: Case) -> Setup:
+    # built once per process: every dtype/transform row of a case shares the same numbers
+    return case.build()
+
+
+CASES: dict[str, Case] = {}
+
+
+def register_case(name: str, *, description: str | None = None, dtypes: Iterable[str] = DTYPES,
+                  transforms: Iterable[str] = TRANSFORMS) -> Callable[[Callable[[], Setup]], Callable[[], Setup]]:
+    """Decorator adding a builder to the catalogue; the description defaults to its docstring's first line."""
+
+    def add(build: Callable[[], Setup]) -> Callable[[], Setup]:
+        if name in CASES:
+            raise ValueError(f"register_case: a case named {name!r} is already registered")
+        doc = description if description is not None else (build.__doc__ or "").strip().split("\n")[0]
+        CASES[name] = Case(name, build, doc, tuple(dtypes), tuple(transforms))
+        return build
+
+    return add
+
+
+def catalogue() -> dict[str, Case]:
+    """Every registered case, built-ins included (importing their modules on first use)."""
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+    return CASES
+
+
+def select_cases(patterns: Iterable[str] | None = None) -> list[Case]:
+    """Cases whose name matches any glob in `patterns` (all when None/empty), in catalogue order."""
+    cases = catalogue()
+    patterns = list(patterns or [])
+    if not patterns:
+        return list(cases.values())
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(n, p) for n in cases)]
+    if unmatched:
+        raise KeyError(f"no case matches {unmatched}; known cases: {', '.join(cases)}")
+    return [c for n, c in cases.items() if any(fnmatch.fnmatchcase(n, p) for p in patterns)]
+
+
+def run_case(case: Case | str, *, dtype: str, transform: str, **kwargs: Any) -> Report:
+    """One table row. An exception (a broken case, a missing dependency) becomes a failing report."""
+    case = catalogue()[case] if isinstance(case, str) else case
+    started = time.perf_counter()
+    try:
+        return case.setup().compare(dtype=dtype, transform=transform, name=case.name, **kwargs)
+    except Exception as error:  # noqa: BLE001 - every failure must land in the table, not abort the run
+        where = traceback.extract_tb(error.__traceback__)[-1]
+        problem = f"{type(error).__name__}: {error} (at {where.filename}:{where.lineno})"
+        return Report(case.name, dtype, transform, (), (problem,), time.perf_counter() - started)

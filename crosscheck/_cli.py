@@ -1,0 +1,196 @@
+"""`python -m crosscheck`: run the catalogue (or a weights file) in JAX and torch and print one row per run."""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import math
+import multiprocessing
+import os
+import platform
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from crosscheck._catalogue import DTYPES, Case, catalogue, run_case, select_cases
+from crosscheck._compare import TOLERANCES, TRANSFORMS, Report
+
+# A hidden hook for the CLI's own tests: set it to register "selftest_broken", a case that must fail.
+SELFTEST_ENV = "CROSSCHECK_SELFTEST"
+
+
+def enable_x64() -> None:
+    """float64 rows need JAX's x64 mode; float32 rows still pass explicit float32 arrays."""
+    import jax
+
+    jax.config.update("jax_enable_x64", True)
+    if os.environ.get(SELFTEST_ENV):
+        import crosscheck._cases_selftest  # noqa: F401  (registers the case)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m crosscheck",
+        description="Check that jaxattn reproduces PyTorch attention: outputs and gradients, float32 and "
+        "float64, plain / jit / vmap. Exits 1 if any row fails.",
+    )
+    p.add_argument("--case", action="append", metavar="NAME", help="case name or glob (repeatable); default: all")
+    p.add_argument("--dtype", action="append", choices=DTYPES, help="repeatable; default: all")
+    p.add_argument("--transform", action="append", choices=TRANSFORMS, help="repeatable; default: all")
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                   help="write the results as JSON to PATH, or to stdout (instead of the table) without PATH")
+    p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--jobs", type=int, default=1, metavar="N", help="worker processes (default 1)")
+    w = p.add_argument_group("checking a real checkpoint")
+    w.add_argument("--weights", metavar="FILE", help="a state_dict (.safetensors/.pt/.pth/.bin) of "
+                   "torch.nn.MultiheadAttention or a torchref module, run against jaxattn on random inputs")
+    w.add_argument("--num-heads", type=int, metavar="N", help="query heads (a state_dict does not record them)")
+    w.add_argument("--num-kv-heads", type=int, metavar="K", help="key/value heads (torchref modules; default N)")
+    w.add_argument("--head-dim", type=int, metavar="H", help="query/key head dim (default: rows / heads)")
+    w.add_argument("--value-head-dim", type=int, metavar="HV", help="value head dim (default: H)")
+    w.add_argument("--add-zero-attn", action="store_true",
+                   help="the torch.nn.MultiheadAttention was built with add_zero_attn=True (not in its state_dict)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    enable_x64()
+    if args.list:
+        return _list()
+    try:
+        cases = [_weights_case(args)] if args.weights else select_cases(args.case)
+    except (KeyError, ValueError, OSError) as error:
+        print(f"python -m crosscheck: error: {error.args[0] if error.args else error}", file=sys.stderr)
+        return 2
+    dtypes = tuple(dict.fromkeys(args.dtype or DTYPES))
+    transforms = tuple(dict.fromkeys(args.transform or TRANSFORMS))
+    started = time.perf_counter()
+    reports = _run(cases, dtypes, transforms, jobs=1 if args.weights else args.jobs)
+    seconds = time.perf_counter() - started
+    failed = [r for r in reports if not r.passed]
+    if args.json is not None:
+        text = json.dumps(_json(reports, seconds), indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            Path(args.json).write_text(text + "\n")
+    if args.json != "-":
+        _print_table(reports, seconds)
+    return 1 if failed or not reports else 0
+
+
+def _list() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table("case", "description", box=None, pad_edge=False)
+    for case in catalogue().values():
+        table.add_row(case.name, case.description)
+    Console(width=_width()).print(table)
+    return 0
+
+
+def _weights_case(args: argparse.Namespace) -> Case:
+    from crosscheck._cases_weights import weights_setup
+
+    if args.num_heads is None:
+        raise ValueError("--weights needs --num-heads: a state_dict does not record the number of heads")
+    path = Path(args.weights)
+    setup, what = weights_setup(path, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
+                                head_dim=args.head_dim, value_head_dim=args.value_head_dim,
+                                add_zero_attn=args.add_zero_attn)
+    return Case(f"weights:{path.name}", lambda: setup, what)
+
+
+# --- running ------------------------------------------------------------------------------------------------
+
+
+def _rows(case: Case, dtypes, transforms) -> list[tuple[str, str]]:
+    return [(d, t) for d in dtypes if d in case.dtypes for t in transforms if t in case.transforms]
+
+
+def _run_one_case(case: Case | str, rows) -> list[Report]:
+    return [run_case(case, dtype=d, transform=t) for d, t in rows]
+
+
+def _run(cases: list[Case], dtypes, transforms, *, jobs: int) -> list[Report]:
+    work = [(c, _rows(c, dtypes, transforms)) for c in cases]
+    if jobs <= 1 or len(cases) <= 1:
+        return [r for c, rows in work for r in _run_one_case(c, rows)]
+    # spawn, not fork: a forked JAX/XLA runtime is not safe. Cases travel by name and are rebuilt there.
+    ctx = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx, initializer=enable_x64) as pool:
+        futures = [pool.submit(_run_one_case, c.name, rows) for c, rows in work]
+        return [r for f in futures for r in f.result()]
+
+
+# --- reporting ----------------------------------------------------------------------------------------------
+
+
+def _width() -> int | None:
+    return None if sys.stdout.isatty() else 132
+
+
+def _fmt(x: float) -> str:
+    return "-" if math.isnan(x) else f"{x:.2e}"
+
+
+def _summary(reports: list[Report], seconds: float) -> dict[str, Any]:
+    by_dtype = {}
+    for dtype in dict.fromkeys(r.dtype for r in reports):
+        rows = [r for r in reports if r.dtype == dtype]
+        worst = {k: max((r.worst(k) for r in rows if not math.isnan(r.worst(k))), default=math.nan)
+                 for k in ("output", "grad")}
+        tol = TOLERANCES.get(dtype)
+        by_dtype[dtype] = {"rows": len(rows), "worst_output": worst["output"], "worst_grad": worst["grad"],
+                           "tolerance_output": tol.forward if tol else None,
+                           "tolerance_grad": tol.grad if tol else None}
+    return {"rows": len(reports), "passed": sum(r.passed for r in reports),
+            "failed": sum(not r.passed for r in reports), "seconds": round(seconds, 2), "by_dtype": by_dtype}
+
+
+def _json(reports: list[Report], seconds: float) -> dict[str, Any]:
+    import jax
+    import torch
+
+    summary = _summary(reports, seconds)
+    for numbers in summary["by_dtype"].values():
+        for k, v in numbers.items():
+            if isinstance(v, float) and not math.isfinite(v):
+                numbers[k] = str(v)
+    return {
+        "passed": bool(reports) and all(r.passed for r in reports),
+        "summary": summary,
+        "tolerances": {d: {"output": t.forward, "grad": t.grad} for d, t in TOLERANCES.items()},
+        "versions": {"python": platform.python_version(), "jax": jax.__version__, "torch": torch.__version__},
+        "rows": [r.to_dict() for r in reports],
+    }
+
+
+def _print_table(reports: list[Report], seconds: float) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=_width())
+    table = Table(title="jaxattn vs torch: normwise relative error ||jax - torch|| / ||torch||")
+    for column, justify in (("case", "left"), ("dtype", "left"), ("transform", "left"), ("outputs", "right"),
+                            ("gradients", "right"), ("max abs", "right"), ("time", "right"), ("result", "left")):
+        table.add_column(column, justify=justify, no_wrap=True)
+    for r in reports:
+        result = "[green]pass[/]" if r.passed else "[bold red]FAIL[/]"
+        table.add_row(r.name, r.dtype, r.transform, _fmt(r.worst("output")), _fmt(r.worst("grad")),
+                      _fmt(r.max_abs), f"{r.seconds:.1f}s", result)
+    console.print(table)
+    for r in reports:
+        if not r.passed:
+            console.print(str(r), markup=False, highlight=False)
+    s = _summary(reports, seconds)
+    parts = [f"{d}: worst output {_fmt(v['worst_output'])} (tol {v['tolerance_output']:.0e}), worst gradient "
+             f"{_fmt(v['worst_grad'])} (tol {v['tolerance_grad']:.0e})" for d, v in s["by_dtype"].items()
+             if v["tolerance_output"] is not None]
+    verdict = "[green]all passed[/]" if s["failed"] == 0 and s["rows"] else f"[bold red]{s['failed']} FAILED[/]"
+    console.print(f"{s['rows']} rows, {s['passed']} passed, {verdict} in {seconds:.1f}s; " + "; ".join(parts))
