@@ -1,0 +1,576 @@
+"""Relative-position schemes: jaxattn against torchref.positions, and against the HF models that use them.
+
+Two kinds of case:
+
+* ``pos_*``: each scheme's jaxattn function against its plain torch twin (torchref.positions), grouped-query
+  heads, bottom-right causal T < S where the scheme is causal.
+* ``hf_*``: a tiny random HF ``transformers`` attention module (built offline from a config, weights seeded
+  here) against the same computation written with jaxattn. Each model has ONE explicit mapping table
+  (``_*_TABLE``: HF parameter name -> jaxattn params path, and the layout transform); the key set must match
+  exactly. The same table maps torch's gradients, since a weight conversion is a permutation.
+
+Where an HF module rounds to float32 on purpose, the float64 run says how it was kept in float64:
+
+* Llama / GPT-NeoX build cos/sin from float32 ``inv_freq``: the float64 run feeds them HF's own formula
+  (``inv_freq = 1 / base ** (arange(0, d, 2) / d)``, ``cat(freqs, freqs)``) evaluated in float64; float32 runs
+  use HF's rotary module untouched. Attention runs through HF's "sdpa" path (its eager path softmaxes in
+  float32 by design).
+* BLOOM softmaxes with ``dtype=torch.float32``: the float64 run patches that one cast (``_Float64Softmax``).
+* MPT casts its logits with ``.float()`` before the softmax: no float64 comparison is possible (float32 only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from unittest import mock
+
+import numpy as np
+
+from crosscheck._cases_common import normal, randomize, rng_for, torch_params
+from crosscheck._catalogue import Setup, register_case
+
+# --- mapping tables ------------------------------------------------------------------------------------
+# transforms, all on numpy (weights and gradients alike). nn.Linear weight is [out, in], head-major out.
+
+
+def _heads_in(heads: int, dim: int, block: int = 0, blocks: int = 1, per_head_blocks: bool = False):
+    """[blocks*heads*dim, E] -> kernel [E, heads, dim]: `block` of a fused projection.
+
+    per_head_blocks: rows are [heads, blocks, dim] (GPT-NeoX, BLOOM) instead of [blocks, heads, dim] (MPT).
+    """
+    def transform(w):
+        rows = w.reshape(heads, blocks, dim, -1)[:, block] if per_head_blocks else w.reshape(blocks, heads, dim, -1)[block]
+        return np.transpose(rows, (2, 0, 1))
+    return transform
+
+
+def _heads_bias(heads: int, dim: int, block: int = 0, blocks: int = 1, per_head_blocks: bool = False):
+    def transform(b):
+        return b.reshape(heads, blocks, dim)[:, block] if per_head_blocks else b.reshape(blocks, heads, dim)[block]
+    return transform
+
+
+def _heads_out(heads: int, dim: int):
+    """[E, heads*dim] -> kernel [heads, dim, E]."""
+    return lambda w: np.transpose(w.reshape(-1, heads, dim), (1, 2, 0))
+
+
+def _same(x):
+    return x
+
+
+def _apply_table(table, state: dict) -> dict:
+    """HF flat {name: array} -> jaxattn tree; fused weights appear in several rows (one per block)."""
+    names = {row[0] for row in table}
+    if set(state) != names:
+        raise ValueError(f"HF parameters: expected exactly {sorted(names)}, got {sorted(state)}")
+    tree: dict = {}
+    for name, path, transform in table:
+        node = tree
+        *parents, leaf = path.split("/")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = np.asarray(transform(np.asarray(state[name])))
+    return tree
+
+
+def _t5_table(N, H):
+    return (("q.weight", "query/kernel", _heads_in(N, H)), ("k.weight", "key/kernel", _heads_in(N, H)),
+            ("v.weight", "value/kernel", _heads_in(N, H)), ("o.weight", "out/kernel", _heads_out(N, H)),
+            ("relative_attention_bias.weight", "t5/table", _same))  # [R,N] as is
+
+
+def _llama_table(N, K, H):
+    return (("q_proj.weight", "query/kernel", _heads_in(N, H)), ("q_proj.bias", "query/bias", _heads_bias(N, H)),
+            ("k_proj.weight", "key/kernel", _heads_in(K, H)), ("k_proj.bias", "key/bias", _heads_bias(K, H)),
+            ("v_proj.weight", "value/kernel", _heads_in(K, H)), ("v_proj.bias", "value/bias", _heads_bias(K, H)),
+            ("o_proj.weight", "out/kernel", _heads_out(N, H)), ("o_proj.bias", "out/bias", _same))
+
+
+def _fused_per_head_table(N, H, fused: str, dense: str):
+    """GPT-NeoX / BLOOM: fused rows [N, 3, H] (per head: q, k, v), biases everywhere."""
+    table = []
+    for block, name in enumerate(("query", "key", "value")):
+        table.append((f"{fused}.weight", f"{name}/kernel", _heads_in(N, H, block, 3, per_head_blocks=True)))
+        table.append((f"{fused}.bias", f"{name}/bias", _heads_bias(N, H, block, 3, per_head_blocks=True)))
+    return tuple(table) + ((f"{dense}.weight", "out/kernel", _heads_out(N, H)), (f"{dense}.bias", "out/bias", _same))
+
+
+def _mpt_table(N, H):
+    """MPT: Wqkv rows [3, N, H] (q block, k block, v block), no biases."""
+    return tuple((("Wqkv.weight", f"{name}/kernel", _heads_in(N, H, block, 3)))
+                 for block, name in enumerate(("query", "key", "value"))) + (
+        ("out_proj.weight", "out/kernel", _heads_out(N, H)),)
+
+
+def _w2v2bert_table(N, H, kind: str):
+    table = [(f"linear_{t}.{p}", f"{name}/{'kernel' if p == 'weight' else 'bias'}",
+              (_heads_in(N, H) if p == "weight" else _heads_bias(N, H)))
+             for t, name in (("q", "query"), ("k", "key"), ("v", "value")) for p in ("weight", "bias")]
+    table += [("linear_out.weight", "out/kernel", _heads_out(N, H)), ("linear_out.bias", "out/bias", _same)]
+    if kind == "relative_key":
+        table.append(("distance_embedding.weight", "relative/key", _same))  # [L+R+1, H], shared over heads
+    else:
+        table += [("linear_pos.weight", "position/kernel", _heads_in(N, H)),
+                  ("pos_bias_u", "pos_bias_u", _same), ("pos_bias_v", "pos_bias_v", _same)]  # [N,H]
+    return tuple(table)
+
+
+def _hf_setup(module, table, jax_fn, torch_fn, inputs, fixed=()) -> Setup:
+    """Setup with jax params from the table. `fixed` names are held constant (not differentiated) on both sides:
+    key biases without RoPE, whose gradient is identically zero (q . b_k is constant along each softmax row), so
+    both frameworks return roundoff noise that no relative error can compare."""
+    state = torch_params(module)
+    consts = {name: state.pop(name) for name in fixed}
+    jax_consts = _apply_table(tuple(row for row in table if row[0] in fixed), consts)
+    table = tuple(row for row in table if row[0] not in fixed)
+
+    def jax_with_consts(p, **kw):
+        dtype = next(iter(kw.values())).dtype
+        merged = {k: dict(v) if isinstance(v, dict) else v for k, v in p.items()}
+        for entry, leaves in jax_consts.items():
+            merged.setdefault(entry, {}).update({k: np.asarray(a, dtype) for k, a in leaves.items()})
+        return jax_fn(merged, **kw)
+
+    def torch_with_consts(p, **kw):
+        import torch
+
+        dtype = next(iter(kw.values())).dtype
+        return torch_fn({**p, **{n: torch.from_numpy(a).to(dtype) for n, a in consts.items()}}, **kw)
+
+    return Setup(jax_with_consts, torch_with_consts, inputs, params=_apply_table(table, state), torch_params=state,
+                 grads_from_torch=lambda grads: _apply_table(table, grads))
+
+
+def _call(module, params, *args, **kwargs):
+    import torch
+
+    return torch.func.functional_call(module, params, args, kwargs)
+
+
+def _additive_causal(T: int, S: int, dtype):
+    """HF's float mask [1,1,T,S]: 0 where query t (at t + S - T) may see key s, finfo.min elsewhere."""
+    import torch
+
+    allowed = torch.arange(S)[None, :] <= torch.arange(T)[:, None] + (S - T)
+    blocked = torch.full((T, S), torch.finfo(dtype).min, dtype=dtype)
+    return torch.where(allowed, torch.zeros((), dtype=dtype), blocked)[None, None]
+
+
+def _bool_causal(T: int, S: int):
+    import torch
+
+    return (torch.arange(S)[None, :] <= torch.arange(T)[:, None] + (S - T))[None, None]
+
+
+# --- jaxattn sides --------------------------------------------------------------------------------------
+
+
+def _project(p, x_q, x_kv=None):
+    from jaxattn._multihead import project_qkv
+
+    return project_qkv(p, x_q, x_kv, precision="highest")
+
+
+def _out(p, z):
+    from jaxattn._multihead import project_out
+
+    return project_out(p, z, precision="highest")
+
+
+# --- T5 ------------------------------------------------------------------------------------------------
+
+
+def _t5(name: str, *, decoder: bool, T: int, S: int) -> Setup:
+    import torch
+    from transformers import T5Config
+    from transformers.cache_utils import DynamicCache
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    import jaxattn._t5 as t5
+
+    B, E, N, H, R, max_distance = 2, 14, 3, 5, 10, 11
+    config = T5Config(d_model=E, d_kv=H, num_heads=N, relative_attention_num_buckets=R,
+                      relative_attention_max_distance=max_distance, dropout_rate=0.0, is_decoder=decoder)
+    config._attn_implementation = "eager"
+    rng = rng_for(name)
+    module = randomize(T5Attention(config, has_relative_attention_bias=True, layer_idx=0, is_causal=decoder), rng)
+    module.eval()
+
+    def jax_fn(p, x):
+        q, k, v = _project(p, x[..., S - T:, :], x)
+        z = t5.t5_attention(q, k, v, p["t5"]["table"], bidirectional=not decoder, max_distance=max_distance,
+                            is_causal=decoder, precision="highest")
+        return _out(p, z)
+
+    def torch_fn(p, x):
+        if not decoder:
+            return _call(module, p, x)[0]
+        cache, past = DynamicCache(), S - T
+        if past:  # prefill the cache with the first S - T tokens, then attend from the last T
+            _call(module, p, x[:, :past], mask=_additive_causal(past, past, x.dtype), past_key_values=cache)
+        return _call(module, p, x[:, past:], mask=_additive_causal(T, S, x.dtype), past_key_values=cache)[0]
+
+    return _hf_setup(module, _t5_table(N, H), jax_fn, torch_fn, {"x": normal(rng, (B, S, E))})
+
+
+@register_case("hf_t5_encoder")
+def hf_t5_encoder() -> Setup:
+    """HF T5Attention (encoder: bidirectional buckets, no mask), 10 buckets, max_distance 11, T=S=13."""
+    return _t5("hf_t5_encoder", decoder=False, T=13, S=13)
+
+
+@register_case("hf_t5_decoder")
+def hf_t5_decoder() -> Setup:
+    """HF T5Attention (decoder: causal buckets), decoding T=5 new tokens against a DynamicCache, S=13."""
+    return _t5("hf_t5_decoder", decoder=True, T=5, S=13)
+
+
+# --- RoPE: Llama, GPT-NeoX ------------------------------------------------------------------------------
+
+
+def _hf_cos_sin(rotary, config, position_ids, dtype, rotary_dim: int, base: float):
+    """HF's rotary cos/sin: its own module in float32, its formula evaluated in float64 for float64."""
+    import torch
+
+    if dtype != torch.float64:
+        return rotary(torch.zeros((), dtype=dtype), position_ids)
+    inv_freq = 1.0 / base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim)
+    freqs = position_ids[..., None].double() * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+@register_case("hf_llama")
+def hf_llama() -> Setup:
+    """HF LlamaAttention (RoPE "half", GQA N=6 K=2, biases), decoding T=4 against a DynamicCache, S=11."""
+    import torch
+    from transformers import LlamaConfig
+    from transformers.cache_utils import DynamicCache
+    from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
+
+    import jaxattn._rope as rope
+
+    B, T, S, E, N, K, H, base = 2, 4, 11, 18, 6, 2, 10, 500.0
+    config = LlamaConfig(hidden_size=E, num_attention_heads=N, num_key_value_heads=K, head_dim=H,
+                         attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": base})
+    config._attn_implementation = "sdpa"
+    rng = rng_for("hf_llama")
+    module = randomize(LlamaAttention(config, layer_idx=0), rng).eval()
+    rotary = LlamaRotaryEmbedding(config)
+
+    def jax_fn(p, x):
+        q, k, v = _project(p, x[..., S - T:, :], x)
+        return _out(p, rope.rope_attention(q, k, v, base=base, layout="half", is_causal=True, precision="highest"))
+
+    def torch_fn(p, x):
+        cache, past = DynamicCache(), S - T
+        cos_sin = _hf_cos_sin(rotary, config, torch.arange(S)[None], x.dtype, H, base)
+        _call(module, p, x[:, :past], position_embeddings=tuple(c[:, :past] for c in cos_sin), attention_mask=None,
+              past_key_values=cache)  # SDPA's is_causal: T == S here
+        return _call(module, p, x[:, past:], position_embeddings=tuple(c[:, past:] for c in cos_sin),
+                     attention_mask=_bool_causal(T, S), past_key_values=cache)[0]
+
+    return _hf_setup(module, _llama_table(N, K, H), jax_fn, torch_fn, {"x": normal(rng, (B, S, E))})
+
+
+@register_case("hf_gpt_neox")
+def hf_gpt_neox() -> Setup:
+    """HF GPTNeoXAttention (RoPE "half" on 4 of 10 dims per head: partial_rotary_factor 0.4), causal T=S=9."""
+    import torch
+    from transformers import GPTNeoXConfig
+    from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention, GPTNeoXRotaryEmbedding
+
+    import jaxattn._rope as rope
+
+    B, T, E, N, base, factor = 2, 9, 30, 3, 300.0, 0.4
+    H = E // N
+    rotary_dim = int(H * factor)
+    config = GPTNeoXConfig(hidden_size=E, num_attention_heads=N, attention_bias=True, attention_dropout=0.0,
+                           rope_parameters={"rope_type": "default", "rope_theta": base,
+                                            "partial_rotary_factor": factor})
+    config._attn_implementation = "sdpa"
+    rng = rng_for("hf_gpt_neox")
+    module = randomize(GPTNeoXAttention(config, layer_idx=0), rng).eval()
+    rotary = GPTNeoXRotaryEmbedding(config)
+
+    def jax_fn(p, x):
+        q, k, v = _project(p, x)
+        z = rope.rope_attention(q, k, v, base=base, rotary_dim=rotary_dim, layout="half", is_causal=True,
+                                precision="highest")
+        return _out(p, z)
+
+    def torch_fn(p, x):
+        cos_sin = _hf_cos_sin(rotary, config, torch.arange(T)[None], x.dtype, rotary_dim, base)
+        return _call(module, p, x, attention_mask=None, position_embeddings=cos_sin)[0]
+
+    table = _fused_per_head_table(N, H, "query_key_value", "dense")
+    return _hf_setup(module, table, jax_fn, torch_fn, {"x": normal(rng, (B, T, E))})
+
+
+# --- ALiBi: BLOOM, MPT ----------------------------------------------------------------------------------
+
+
+class _Float64Softmax:
+    """torch.nn.functional for BLOOM's module, except that softmax(x, dtype=float32) keeps float64 x float64."""
+
+    def __getattr__(self, name):
+        import torch.nn.functional as F
+
+        return getattr(F, name)
+
+    @staticmethod
+    def softmax(x, dim=None, dtype=None, **kwargs):
+        import torch
+        import torch.nn.functional as F
+
+        return F.softmax(x, dim=dim, dtype=None if x.dtype == torch.float64 else dtype, **kwargs)
+
+
+@register_case("hf_bloom")
+def hf_bloom() -> Setup:
+    """HF BloomAttention (ALiBi, slope * key_pos, N=6 heads: not a power of two), causal T=S=11."""
+    import torch
+    from transformers import BloomConfig
+    from transformers.models.bloom import modeling_bloom
+    from transformers.models.bloom.modeling_bloom import BloomAttention, build_alibi_tensor
+
+    import jaxattn._alibi as alibi
+
+    B, T, E, N = 2, 11, 24, 6
+    H = E // N
+    config = BloomConfig(hidden_size=E, n_head=N, attention_dropout=0.0, hidden_dropout=0.0)
+    rng = rng_for("hf_bloom")
+    module = randomize(BloomAttention(config, layer_idx=0), rng).eval()
+
+    def jax_fn(p, x):
+        q, k, v = _project(p, x)
+        slopes = alibi.alibi_slopes(N, dtype=x.dtype)
+        return _out(p, alibi.alibi_attention(q, k, v, slopes, is_causal=True, precision="highest"))
+
+    def torch_fn(p, x):
+        alibi_tensor = build_alibi_tensor(torch.ones(B, T), N, x.dtype)  # [B*N, 1, T]: slope * key_pos
+        keep = mock.patch.object(modeling_bloom, "F", _Float64Softmax()) if x.dtype == torch.float64 \
+            else contextlib.nullcontext()
+        with keep:
+            return _call(module, p, x, torch.zeros_like(x), alibi_tensor, _additive_causal(T, T, x.dtype))[0]
+
+    table = _fused_per_head_table(N, H, "query_key_value", "dense")
+    # the fused bias holds BLOOM's key bias (zero gradient, see _hf_setup): the whole tensor is held fixed
+    return _hf_setup(module, table, jax_fn, torch_fn, {"x": normal(rng, (B, T, E))},
+                     fixed=("query_key_value.bias",))
+
+
+@register_case("hf_mpt", dtypes=("float32",))
+def hf_mpt() -> Setup:
+    """HF MptAttention (ALiBi, slope * (key_pos - (S-1)), N=6 heads), causal T=S=10; float32 only (see top)."""
+    from transformers import MptConfig
+    from transformers.models.mpt.modeling_mpt import MptAttention, build_mpt_alibi_tensor
+
+    import jaxattn._alibi as alibi
+
+    B, T, E, N = 2, 10, 24, 6
+    H = E // N
+    config = MptConfig(d_model=E, n_heads=N, attn_config={"alibi_bias_max": 8, "attn_pdrop": 0})
+    rng = rng_for("hf_mpt")
+    module = randomize(MptAttention(config, layer_idx=0), rng).eval()
+
+    def jax_fn(p, x):
+        q, k, v = _project(p, x)
+        slopes = alibi.alibi_slopes(N, max_bias=8.0, dtype=x.dtype)
+        return _out(p, alibi.alibi_attention(q, k, v, slopes, is_causal=True, precision="highest"))
+
+    def torch_fn(p, x):
+        position_bias = build_mpt_alibi_tensor(N, T, alibi_bias_max=8).to(x.dtype)  # [N, 1, T]
+        blocked = ~_bool_causal(T, T)  # MPT's mask: True = masked
+        return _call(module, p, x, position_bias, attention_mask=blocked)[0]
+
+    return _hf_setup(module, _mpt_table(N, H), jax_fn, torch_fn, {"x": normal(rng, (B, T, E))})
+
+
+# --- Wav2Vec2-BERT: clipped relative keys, Transformer-XL ----------------------------------------------
+
+
+def _w2v2bert(name: str, kind: str, *, T: int, E: int, N: int, left: int = 0, right: int = 0) -> Setup:
+    from transformers import Wav2Vec2BertConfig
+    from transformers.models.wav2vec2_bert.modeling_wav2vec2_bert import Wav2Vec2BertSelfAttention
+
+    import jaxattn._xl as xl
+
+    B, H = 2, E // N
+    config = Wav2Vec2BertConfig(hidden_size=E, num_attention_heads=N, position_embeddings_type=kind,
+                                left_max_position_embeddings=left, right_max_position_embeddings=right,
+                                attention_dropout=0.0)
+    config._attn_implementation = "eager"  # its eager path keeps the softmax in the input dtype
+    rng = rng_for(name)
+    module = randomize(Wav2Vec2BertSelfAttention(config), rng).eval()
+    inputs = {"x": normal(rng, (B, T, E))}
+
+    if kind == "relative_key":
+        def jax_fn(p, x):
+            q, k, v = _project(p, x)
+            z = xl.clipped_relative_attention(q, k, v, p["relative"]["key"], max_left=left, max_right=right,
+                                              precision="highest")
+            return _out(p, z)
+
+        def torch_fn(p, x):
+            return _call(module, p, x)[0]
+    else:
+        # HF's Wav2Vec2BertRelPositionalEmbedding rows: i - j = T-1 .. -(T-1), interleaved sin/cos
+        inputs["pos"] = np.asarray(xl.relative_sinusoids(E, max_left=T - 1, max_right=T - 1, layout="interleaved",
+                                                         dtype=np.float64))[None]
+
+        def jax_fn(p, x, pos):
+            import jax.numpy as jnp
+
+            q, k, v = _project(p, x)
+            keys = jnp.einsum("re,enh->rnh", pos[0], p["position"]["kernel"], precision="highest")
+            z = xl.transformer_xl_attention(q, k, v, keys, max_left=T - 1, pos_bias_u=p["pos_bias_u"],
+                                            pos_bias_v=p["pos_bias_v"], precision="highest")
+            return _out(p, z)
+
+        def torch_fn(p, x, pos):
+            return _call(module, p, x, relative_position_embeddings=pos)[0]
+
+    return _hf_setup(module, _w2v2bert_table(N, H, kind), jax_fn, torch_fn, inputs, fixed=("linear_k.bias",))
+
+
+@register_case("hf_w2v2bert_relative_key")
+def hf_w2v2bert_relative_key() -> Setup:
+    """HF Wav2Vec2BertSelfAttention "relative_key": Shaw keys clipped asymmetrically (left 4, right 2), T=9."""
+    return _w2v2bert("hf_w2v2bert_relative_key", "relative_key", T=9, E=21, N=3, left=4, right=2)
+
+
+@register_case("hf_w2v2bert_relative")
+def hf_w2v2bert_relative() -> Setup:
+    """HF Wav2Vec2BertSelfAttention "relative": Transformer-XL u/v terms over projected sinusoids, T=8, H=11."""
+    return _w2v2bert("hf_w2v2bert_relative", "relative", T=8, E=22, N=2)
+
+
+# --- each scheme against its torchref twin ---------------------------------------------------------------
+
+_B, _T, _S, _N, _K, _H, _HV = 2, 5, 11, 6, 3, 7, 3  # grouped-query heads, bottom-right T < S
+
+
+def _qkv(rng):
+    return {"q": normal(rng, (_B, _T, _N, _H)), "k": normal(rng, (_B, _S, _K, _H)), "v": normal(rng, (_B, _S, _K, _HV))}
+
+
+def _twin_case(name, jax_fn, torch_fn, rng, params=None):
+    return Setup(jax_fn, torch_fn, _qkv(rng), params=params)
+
+
+@register_case("pos_t5_causal")
+def pos_t5_causal() -> Setup:
+    """t5_attention (causal buckets, learned table [R,N]) vs torchref.positions, GQA, causal T=5 < S=11."""
+    import jaxattn._t5 as t5
+    import torchref.positions as P
+
+    rng = rng_for("pos_t5_causal")
+    opts = dict(bidirectional=False, max_distance=7, is_causal=True)
+    return _twin_case("pos_t5_causal", lambda p, q, k, v: t5.t5_attention(q, k, v, p["table"], **opts),
+                      lambda p, q, k, v: P.t5_attention(q, k, v, p["table"], **opts), rng,
+                      {"table": normal(rng, (8, _N))})
+
+
+@register_case("pos_t5_bidirectional_blockwise")
+def pos_t5_bidirectional_blockwise() -> Setup:
+    """t5_attention bidirectional through the blockwise engine (tiles 2x4) vs torchref.positions, T=5 < S=11."""
+    import jaxattn._t5 as t5
+    import torchref.positions as P
+
+    rng = rng_for("pos_t5_bidirectional_blockwise")
+    opts = dict(bidirectional=True, max_distance=6)
+    return _twin_case("pos_t5_bidirectional_blockwise",
+                      lambda p, q, k, v: t5.t5_attention(q, k, v, p["table"], implementation="blockwise",
+                                                         block_size=(2, 4), **opts),
+                      lambda p, q, k, v: P.t5_attention(q, k, v, p["table"], **opts), rng,
+                      {"table": normal(rng, (10, _N))})
+
+
+@register_case("pos_alibi_causal")
+def pos_alibi_causal() -> Setup:
+    """alibi_attention (slope * (j - i), 6 heads) vs torchref.positions, GQA, causal T=5 < S=11."""
+    import jaxattn._alibi as alibi
+    import torchref.positions as P
+
+    rng = rng_for("pos_alibi_causal")
+    slopes = np.asarray(P.alibi_slopes(_N))
+    return _twin_case("pos_alibi_causal",
+                      lambda p, q, k, v: alibi.alibi_attention(q, k, v, p["slopes"], is_causal=True),
+                      lambda p, q, k, v: P.alibi_attention(q, k, v, p["slopes"], is_causal=True), rng,
+                      {"slopes": slopes})
+
+
+@register_case("pos_alibi_symmetric_blockwise")
+def pos_alibi_symmetric_blockwise() -> Setup:
+    """alibi_attention symmetric (-slope |j - i|) through the blockwise engine vs torchref.positions."""
+    import jaxattn._alibi as alibi
+    import torchref.positions as P
+
+    rng = rng_for("pos_alibi_symmetric_blockwise")
+    return _twin_case("pos_alibi_symmetric_blockwise",
+                      lambda p, q, k, v: alibi.alibi_attention(q, k, v, p["slopes"], bidirectional=True,
+                                                               implementation="blockwise", block_size=3),
+                      lambda p, q, k, v: P.alibi_attention(q, k, v, p["slopes"], bidirectional=True), rng,
+                      {"slopes": np.asarray(P.alibi_slopes(_N))})
+
+
+def _rope_case(name, layout, rotary_dim):
+    import jaxattn._rope as rope
+    import torchref.positions as P
+
+    opts = dict(layout=layout, rotary_dim=rotary_dim, base=50.0, is_causal=True)
+    return _twin_case(name, lambda q, k, v: rope.rope_attention(q, k, v, **opts),
+                      lambda q, k, v: P.rope_attention(q, k, v, **opts), rng_for(name))
+
+
+@register_case("pos_rope_half_partial")
+def pos_rope_half_partial() -> Setup:
+    """rope_attention "half" (GPT-NeoX partial rotary: rotary_dim=4 of H=7) vs torchref, GQA, causal T=5 < S=11."""
+    return _rope_case("pos_rope_half_partial", "half", 4)
+
+
+@register_case("pos_rope_interleaved")
+def pos_rope_interleaved() -> Setup:
+    """rope_attention "interleaved" (GPT-J) vs torchref's complex-multiplication twin, rotary_dim=6 of H=7."""
+    return _rope_case("pos_rope_interleaved", "interleaved", 6)
+
+
+@register_case("pos_clipped_relative")
+def pos_clipped_relative() -> Setup:
+    """clipped_relative_attention (max_left 4, max_right 1, key [R,N,H] and value [R,Hv] tables), GQA, causal."""
+    import jaxattn._xl as xl
+    import torchref.positions as P
+
+    rng = rng_for("pos_clipped_relative")
+    opts = dict(max_left=4, max_right=1, is_causal=True)
+    return _twin_case("pos_clipped_relative",
+                      lambda p, q, k, v: xl.clipped_relative_attention(q, k, v, p["kt"], p["vt"], **opts),
+                      lambda p, q, k, v: P.clipped_relative_attention(q, k, v, p["kt"], p["vt"], **opts), rng,
+                      {"kt": normal(rng, (6, _N, _H)), "vt": normal(rng, (6, _HV))})
+
+
+@register_case("pos_transformer_xl_causal")
+def pos_transformer_xl_causal() -> Setup:
+    """transformer_xl_attention causal (the paper's S rows R_{S-1}..R_0), u/v, GQA, T=5 < S=11."""
+    import jaxattn._xl as xl
+    import torchref.positions as P
+
+    rng = rng_for("pos_transformer_xl_causal")
+    opts = dict(max_left=_S - 1, is_causal=True)
+    params = {"keys": normal(rng, (_S, _N, _H)), "u": normal(rng, (_N, _H)), "w": normal(rng, (_N, _H))}
+    return _twin_case("pos_transformer_xl_causal",
+                      lambda p, q, k, v: xl.transformer_xl_attention(q, k, v, p["keys"], pos_bias_u=p["u"],
+                                                                     pos_bias_v=p["w"], **opts),
+                      lambda p, q, k, v: P.transformer_xl_attention(q, k, v, p["keys"], pos_bias_u=p["u"],
+                                                                    pos_bias_v=p["w"], **opts), rng, params)
+
+
+def cases() -> list[str]:
+    """The names this module registers (for a catalogue that does not import it yet)."""
+    return [name for name in (
+        "hf_t5_encoder", "hf_t5_decoder", "hf_llama", "hf_gpt_neox", "hf_bloom", "hf_mpt",
+        "hf_w2v2bert_relative_key", "hf_w2v2bert_relative", "pos_t5_causal", "pos_t5_bidirectional_blockwise",
+        "pos_alibi_causal", "pos_alibi_symmetric_blockwise", "pos_rope_half_partial", "pos_rope_interleaved",
+        "pos_clipped_relative", "pos_transformer_xl_causal")]
