@@ -13,6 +13,12 @@ Masks (torch's conventions differ from jaxattn's True = may attend; torch's is_c
     mask, bias = masks_from_torch(attn_mask, key_padding_mask, num_heads=N)   # nn.MultiheadAttention's
     mask, bias = sdpa_masks_from_torch(attn_mask, is_causal=..., query_length=T, key_length=S)   # SDPA's
 
+Proof (one tolerance table keyed by dtype; forward outputs and gradients, plain / jit / vmap)::
+
+    report = compare(jax_fn, torch_fn, {"x": x}, dtype="float64", transform="jit")   # Report: per-output metrics
+    assert_equivalent(jax_fn, torch_fn, {"x": x}, dtype="float32")                  # AssertionError if not
+    python -m crosscheck [--case GLOB] [--dtype float32|float64] [--transform plain|jit|vmap] [--json [PATH]]
+
 Files: ``load_state_dict(path)`` reads ``.safetensors`` without torch and ``.pt``/``.pth``/``.bin`` only via
 ``torch.load(weights_only=True)``. Axis letters (B, T, S, N, K, H, Hv, E, R) are those of DESIGN.md.
 
@@ -20,6 +26,23 @@ torch is imported lazily, only where a torch object or a pickle file is involved
 module imported here, so that the safetensors -> jaxattn route works on a machine without torch.
 """
 
+from crosscheck._catalogue import (
+    CASES as CASES,
+    Setup as Setup,
+    catalogue as catalogue,
+    register_case as register_case,
+    run_case as run_case,
+)
+from crosscheck._compare import (
+    TOLERANCES as TOLERANCES,
+    Const as Const,
+    Metric as Metric,
+    Report as Report,
+    Tolerance as Tolerance,
+    assert_equivalent as assert_equivalent,
+    compare as compare,
+    error_metrics as error_metrics,
+)
 from crosscheck._convert import (
     call_options_from_torch as call_options_from_torch,
     params_from_torch as params_from_torch,
@@ -29,6 +52,19 @@ from crosscheck._io import SUPPORTED_SUFFIXES as SUPPORTED_SUFFIXES, load_state_
 from crosscheck._masks import masks_from_torch as masks_from_torch, sdpa_masks_from_torch as sdpa_masks_from_torch
 
 __all__ = [
+    "CASES",
+    "TOLERANCES",
+    "Const",
+    "Metric",
+    "Report",
+    "Setup",
+    "Tolerance",
+    "assert_equivalent",
+    "catalogue",
+    "compare",
+    "error_metrics",
+    "register_case",
+    "run_case",
     "SUPPORTED_SUFFIXES",
     "call_options_from_torch",
     "load_state_dict",
