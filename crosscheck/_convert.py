@@ -383,17 +383,21 @@ def params_from_torch(module_or_state_dict, *, num_heads: int | None = None, num
     else:
         dims = _dims_from_module(fmt, module_or_state_dict)
     _check_dims(fmt, dims)
+    return _nest(_leaves_from_torch(_active(fmt, flags), state, dims))
 
+
+def _leaves_from_torch(rules: list[_Rule], state: Mapping[str, Any], dims) -> dict[tuple[str, ...], Any]:
+    """The table read forwards: split packed rows, W.T for nn.Linear weights, reshape to heads."""
     leaves = {}
-    for name, rules in _by_tensor(_active(fmt, flags)).items():
+    for name, tensor_rules in _by_tensor(rules).items():
         tensor = to_numpy(state[name])
-        _check_shape(name, tensor.shape, _torch_shape(rules, dims))
-        for rule, rows in zip(rules, _row_slices(rules, dims)):
+        _check_shape(name, tensor.shape, _torch_shape(tensor_rules, dims))
+        for rule, rows in zip(tensor_rules, _row_slices(tensor_rules, dims)):
             block = tensor[rows] if rule.blocks > 1 else tensor
             block = block.T if rule.transpose else block
             shape = _allowed_shapes(rule.jax_shape, dims)[0 if block.ndim == len(rule.jax_shape) else -1]
             leaves[rule.path] = to_jax(np.ascontiguousarray(block.reshape(shape)), name)
-    return _nest(leaves)
+    return leaves
 
 
 _PATH_ORDER = ["query", "key", "value", "out", "bias_kv", "relative", "kernel", "bias"]
@@ -439,18 +443,22 @@ def params_to_torch(params: Mapping, *, format: str) -> "OrderedDict[str, Any]":
     if format == "torch":  # packed and separate share one params key set; torch picks by kdim/vdim
         packed = dims["Ek"] == dims["Eq"] == dims["Ev"]
         flags = flags - {"packed", "separate"} | {"packed" if packed else "separate"}
+    return _torch_from_leaves(_active(format, flags), leaves, dims)
 
+
+def _torch_from_leaves(rules: list[_Rule], leaves, dims) -> "OrderedDict[str, Any]":
+    """The table read backwards: heads flattened, kernel.T for nn.Linear weights, packed blocks stacked."""
     state: OrderedDict[str, Any] = OrderedDict()
-    for name, rules in _by_tensor(_active(format, flags)).items():
+    for name, tensor_rules in _by_tensor(rules).items():
         blocks = []
-        for rule in rules:
+        for rule in tensor_rules:
             leaf = leaves[rule.path]
             _check_shape(f"params['{_path_str(rule.path)}']", leaf.shape, _allowed_shapes(rule.jax_shape, dims))
             torch_shape = _allowed_shapes(rule.torch_shape, dims)[0 if leaf.ndim == len(rule.jax_shape) else -1]
             blocks.append(leaf.reshape(torch_shape[::-1]).T if rule.transpose else leaf.reshape(torch_shape))
         if len({b.dtype for b in blocks}) > 1:
-            raise ValueError(f"{name} packs {[_path_str(r.path) for r in rules]}, which must share one dtype, "
-                             f"got {[str(b.dtype) for b in blocks]}")
+            raise ValueError(f"{name} packs {[_path_str(r.path) for r in tensor_rules]}, which must share one "
+                             f"dtype, got {[str(b.dtype) for b in blocks]}")
         state[name] = _to_torch(np.concatenate(blocks) if len(blocks) > 1 else blocks[0])
     return state
 

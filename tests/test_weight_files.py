@@ -75,15 +75,17 @@ def test_safetensors_loads_without_torch(tmp_path):
     assert eval(result.stdout) == {name: np.dtype(d).name for name, d in NUMPY_DTYPES.items()}
 
 
-def test_safetensors_to_params_matches_the_module(tmp_path):
-    m = torch.nn.MultiheadAttention(15, 5, kdim=7, vdim=11, add_bias_kv=True, dtype=torch.float64)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_safetensors_to_params_matches_the_module(tmp_path, dtype):
+    m = torch.nn.MultiheadAttention(15, 5, kdim=7, vdim=11, add_bias_kv=True, dtype=dtype)
     path = tmp_path / "mha.safetensors"
     save_file(m.state_dict(), str(path))
     from_file = cc.params_from_torch(cc.load_state_dict(path), num_heads=5)
     expected = cc.params_from_torch(m)
     assert jax.tree.structure(from_file) == jax.tree.structure(expected)
     for a, b in zip(jax.tree.leaves(from_file), jax.tree.leaves(expected)):
-        assert a.dtype == b.dtype == np.float64 and np.array_equal(a, b)
+        assert a.dtype == b.dtype == {torch.float64: np.float64, torch.bfloat16: ml_dtypes.bfloat16}[dtype]
+        assert np.array_equal(a, b)
 
 
 @pytest.mark.parametrize("suffix", [".pt", ".pth", ".bin"])
