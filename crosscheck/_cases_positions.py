@@ -571,6 +571,34 @@ def cases() -> list[str]:
     """The names this module registers (for a catalogue that does not import it yet)."""
     return [name for name in (
         "hf_t5_encoder", "hf_t5_decoder", "hf_llama", "hf_gpt_neox", "hf_bloom", "hf_mpt",
-        "hf_w2v2bert_relative_key", "hf_w2v2bert_relative", "pos_t5_causal", "pos_t5_bidirectional_blockwise",
+        "hf_w2v2bert_relative_key", "hf_w2v2bert_relative", "hf_gptj_rope", "pos_t5_causal", "pos_t5_bidirectional_blockwise",
         "pos_alibi_causal", "pos_alibi_symmetric_blockwise", "pos_rope_half_partial", "pos_rope_interleaved",
         "pos_clipped_relative", "pos_transformer_xl_causal")]
+
+
+@register_case("hf_gptj_rope")
+def hf_gptj_rope() -> Setup:
+    """HF GPT-J's apply_rotary_pos_emb (the "interleaved" layout, rotate_every_two) on 6 of H=11 features."""
+    import torch
+    from transformers.models.gptj.modeling_gptj import apply_rotary_pos_emb, create_sinusoidal_positions
+
+    import jaxattn._rope as rope
+
+    B, T, N, H, rotary_dim = 2, 7, 3, 11, 6
+    rng = rng_for("hf_gptj_rope")
+
+    def jax_fn(x):
+        return rope.apply_rope(x, rotary_dim=rotary_dim, layout="interleaved")
+
+    def torch_fn(x):
+        if x.dtype == torch.float64:  # GPT-J's create_sinusoidal_positions, evaluated in float64
+            inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2, dtype=torch.float64) / rotary_dim))
+            angles = torch.arange(T, dtype=torch.float64)[:, None] * inv_freq
+            sin_cos = torch.cat((angles.sin(), angles.cos()), dim=1)
+        else:
+            sin_cos = create_sinusoidal_positions(T, rotary_dim)
+        sin, cos = sin_cos[None].to(x.dtype).chunk(2, dim=-1)  # [1, T, rotary_dim/2] each
+        rotated = apply_rotary_pos_emb(x[..., :rotary_dim], sin, cos)
+        return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
+
+    return Setup(jax_fn, torch_fn, {"x": normal(rng, (B, T, N, H))})
