@@ -112,8 +112,8 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
       precision: passed to every einsum (use "highest" for float32 comparisons).
       implementation: "dense" (one [...,N,T,S] array), "blockwise" (O(T+S) memory tiles; no mask, bias,
         return_weights or dropout) or None: blockwise when none of those is used and the float32 logits
-        would take >= 256 MiB (jaxattn._blockwise.use_blockwise).
-      block_size: blockwise tile, int or (query_block, key_block); default (512, 512).
+        would take >= 16 MiB (jaxattn._blockwise.use_blockwise).
+      block_size: blockwise tile, int or (query_block, key_block); default: see jaxattn._blockwise.
 
     Returns [...,T,N,Hv] (or (out, weights)). A query with no allowed key gets zeros.
     """

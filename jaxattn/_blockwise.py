@@ -33,13 +33,16 @@ from . import _checks
 from ._attention import check_qkv, compute_dtype
 from ._masking import positions
 
-# Measured on a 2-core CPU (benchmarks/, docs/performance.md): 512x512 tiles keep each matmul large
-# enough to run near the machine's matmul rate while a tile of logits stays a few MiB.
-DEFAULT_BLOCK_SIZE = (512, 512)
+# Default tiles, measured on a 2-core CPU (benchmarks/, docs/performance.md): key blocks of 512 and
+# query blocks as large as fit a ~16 MiB float32 tile [B,N,Tb,Sb] (64 <= Tb <= 512, powers of two): a
+# tile's matmuls stay large enough to run near the matmul rate, its logits stay cache-friendly.
+DEFAULT_KEY_BLOCK = 512
+TILE_BUDGET_BYTES = 16 * 2**20
 
 # implementation=None picks blockwise when nothing needs the full [T,S] grid and the float32 logits
-# [...,N,T,S] would be at least this large (below it, dense attention's single matmul is as fast).
-AUTO_BLOCKWISE_BYTES = 256 * 2**20
+# [...,N,T,S] would take at least this much: from there on the tiles beat dense attention's softmax
+# over one large array (measured from 4 MiB up, forward and backward; below it the two are close).
+AUTO_BLOCKWISE_BYTES = 16 * 2**20
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -332,9 +335,14 @@ _engine.defvjp(_engine_fwd, _engine_bwd)
 # Public entry point: argument checks and the layout changes around the engine.
 
 
-def _block_sizes(block_size, T, S):
+def _block_sizes(block_size, T, S, rows):
+    """(Tb, Sb) from the option, or the default for `rows` = B * N tiles side by side."""
     if block_size is None:
-        block_size = DEFAULT_BLOCK_SIZE
+        key_block = min(DEFAULT_KEY_BLOCK, S)
+        query_block = TILE_BUDGET_BYTES // (4 * rows * key_block)
+        query_block = max(64, min(512, 1 << max(query_block, 1).bit_length() - 1))
+        # as many blocks as those sizes need, evened out so the padding is less than one block's worth
+        block_size = tuple(-(-L // -(-L // b)) for L, b in ((T, query_block), (S, key_block)))
     if isinstance(block_size, (int, np.integer)) and not isinstance(block_size, bool):
         block_size = (block_size, block_size)
     ok = (isinstance(block_size, (tuple, list)) and len(block_size) == 2
@@ -415,7 +423,8 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
       the last position and is masked), so it must depend on positions only, never on T or S or on a
       tile's index. Arrays it closes over (a T5 table, ALiBi slopes) are differentiated: their
       gradients flow through the custom VJP.
-    block_size: int or (query_block, key_block), default DEFAULT_BLOCK_SIZE (clipped to T and S).
+    block_size: int or (query_block, key_block); default: key blocks of 512, query blocks sized so a
+      float32 tile [B,N,Tb,Sb] takes about TILE_BUDGET_BYTES (both clipped to T and S).
 
     Arbitrary masks and biases (and return_weights, dropout) need the full [T,S] grid: passing them
     raises ValueError (implementation=None falls back to the dense path instead).
@@ -432,9 +441,9 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
     batch, T, S, N, K, H, Hv = check_qkv(query, key, value)
     G = N // K
     acc = compute_dtype(query.dtype)
-    Tb, Sb = _block_sizes(block_size, T, S)
-    Tp, Sp = -(-T // Tb) * Tb, -(-S // Sb) * Sb
     B = int(np.prod(batch, dtype=np.int64))
+    Tb, Sb = _block_sizes(block_size, T, S, B * N)
+    Tp, Sp = -(-T // Tb) * Tb, -(-S // Sb) * Sb
 
     q_pos, k_pos = positions(T, S, query_positions, key_positions)
     _checks.check_broadcastable("query_positions", q_pos, (*batch, T), "[...,T]")

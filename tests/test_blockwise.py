@@ -1,0 +1,232 @@
+"""Blockwise attention equals dense attention: float64, normwise 1e-12, outputs and gradients.
+
+Every axis has its own (prime) size and tiles do not divide T or S, so swapped axes and padding bugs
+fail. The property sweep covers batch dims, causal (bottom-right and custom positions), key lengths
+(0 included: fully masked rows), grouped-query heads and Shaw tables (shared and per head).
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxattn
+from jaxattn import _blockwise
+
+jax.config.update("jax_enable_x64", True)
+
+TOL = 1e-12
+
+
+def normwise(a, b):
+    """||a - b|| / ||b||, with ||b|| floored at 1: a gradient that is exactly zero (one key, or no key)
+    is matched by rounding residue of order 1e-17, which is no relative error at all."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1.0)
+
+
+def arrays(seed, *shapes, dtype=np.float64):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.normal(size=s).astype(dtype)) for s in shapes]
+
+
+def compare(dense_fn, block_fn, args, argnums):
+    """Forward and gradients (of a random projection of the output) agree to TOL; one jit each."""
+    w = arrays(99, jax.eval_shape(dense_fn, *args).shape)[0]
+
+    def forward_and_grads(f):
+        return jax.jit(lambda *a: (f(*a), jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=argnums)(*a)))
+
+    (dense, g_dense), (block, g_block) = (forward_and_grads(f)(*args) for f in (dense_fn, block_fn))
+    assert block.shape == dense.shape and block.dtype == dense.dtype
+    assert normwise(block, dense) <= TOL
+    for gd, gb in zip(g_dense, g_block):
+        assert bool(jnp.all(jnp.isfinite(gb)))
+        assert normwise(gb, gd) <= TOL
+
+
+@st.composite
+def configs(draw):
+    batch = draw(st.sampled_from([(), (2,), (2, 3)]))
+    T, S = draw(st.sampled_from([1, 5, 11, 13])), draw(st.sampled_from([1, 7, 13, 17]))
+    K, G = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 3]))
+    return dict(batch=batch, T=T, S=S, N=K * G, K=K, H=draw(st.sampled_from([2, 3])), Hv=draw(st.sampled_from([3, 5])),
+                block=(draw(st.sampled_from([2, 3, 4, 16])), draw(st.sampled_from([2, 3, 5, 16]))),
+                causal=draw(st.booleans()), lengths=draw(st.booleans()), positions=draw(st.booleans()),
+                tables=draw(st.sampled_from([None, "key", "value", "both"])), shared=draw(st.booleans()),
+                max_distance=draw(st.sampled_from([0, 1, 3])), seed=draw(st.integers(0, 2**16)))
+
+
+@settings(max_examples=20, deadline=None)
+@given(configs())
+def test_blockwise_equals_dense(c):
+    batch, T, S, N, K, H, Hv = (c[k] for k in ("batch", "T", "S", "N", "K", "H", "Hv"))
+    R = 2 * c["max_distance"] + 1
+    q, k, v, tk, tv = arrays(c["seed"], (*batch, T, N, H), (*batch, S, K, H), (*batch, S, K, Hv),
+                             (R, H) if c["shared"] else (R, N, H), (R, Hv) if c["shared"] else (R, N, Hv))
+    rng = np.random.default_rng(c["seed"] + 1)
+    options = {"is_causal": c["causal"]}
+    if c["lengths"]:
+        options["key_value_seq_lengths"] = jnp.asarray(rng.integers(0, S + 2, size=batch), jnp.int32)
+    if c["positions"]:  # shuffled absolute positions shared over the batch: blocks are not monotone
+        options["query_positions"] = jnp.asarray(rng.permutation(T) * 2 + S - T, jnp.int32)
+        options["key_positions"] = jnp.asarray(rng.permutation(S) * 2, jnp.int32)
+    use_key = c["tables"] in ("key", "both")
+    use_value = c["tables"] in ("value", "both")
+
+    def attend(implementation):
+        def f(q, k, v, tk, tv):
+            if c["tables"] is None:
+                return jaxattn.dot_product_attention(q, k, v, implementation=implementation, block_size=c["block"],
+                                                     **options)
+            return jaxattn.shaw_relative_attention(q, k, v, tk if use_key else None, tv if use_value else None,
+                                                   max_distance=c["max_distance"], implementation=implementation,
+                                                   block_size=c["block"], **options)
+
+        return f
+
+    compare(attend("dense"), attend("blockwise"), (q, k, v, tk, tv), (0, 1, 2, 3, 4))
+
+
+def test_fully_masked_rows_give_zeros_and_finite_grads():
+    q, k, v = arrays(0, (2, 7, 2, 3), (2, 3, 2, 3), (2, 3, 2, 5))
+    lengths = jnp.array([0, 2])
+
+    def attend(implementation):
+        return lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths,
+                                                             implementation=implementation, block_size=2)
+
+    out = attend("blockwise")(q, k, v)
+    assert bool(jnp.all(out[0] == 0))  # no key at all
+    assert bool(jnp.all(out[1, :4] == 0))  # T > S, bottom-right causal: the first T - S rows see nothing
+    compare(attend("dense"), attend("blockwise"), (q, k, v), (0, 1, 2))
+
+
+def test_batched_positions():
+    q, k, v = arrays(1, (3, 5, 2, 3), (3, 7, 1, 3), (3, 7, 1, 2))
+    rng = np.random.default_rng(2)
+    q_pos = jnp.asarray(rng.integers(0, 9, size=(3, 5)), jnp.int32)
+    k_pos = jnp.asarray(rng.integers(0, 9, size=(3, 7)), jnp.int32)
+    tk = arrays(3, (5, 3))[0]
+
+    def attend(implementation):
+        return lambda q, k, v, tk: jaxattn.shaw_relative_attention(
+            q, k, v, tk, max_distance=2, is_causal=True, query_positions=q_pos, key_positions=k_pos,
+            implementation=implementation, block_size=(2, 3))
+
+    compare(attend("dense"), attend("blockwise"), (q, k, v, tk), (0, 1, 2, 3))
+
+
+def alibi_like(slopes):
+    def bias(q_pos, k_pos):
+        distance = jnp.abs(k_pos[..., None, :] - q_pos[..., :, None]).astype(slopes.dtype)
+        return -slopes[:, None, None] * distance[..., None, :, :]
+
+    return bias
+
+
+@pytest.mark.parametrize("batched_positions", [False, True])
+def test_position_bias_hook_and_its_gradient(batched_positions):
+    q, k, v, slopes = arrays(4, (2, 11, 6, 3), (2, 13, 3, 3), (2, 13, 3, 5), (6,))
+    positions = {}
+    if batched_positions:
+        positions = {"query_positions": jnp.tile(jnp.arange(11) + 2, (2, 1)), "key_positions": jnp.tile(jnp.arange(13), (2, 1))}
+    q_pos, k_pos = jaxattn._masking.positions(11, 13, positions.get("query_positions"), positions.get("key_positions"))
+
+    def dense(q, k, v, slopes):
+        bias = alibi_like(slopes)(q_pos, k_pos)
+        return jaxattn.dot_product_attention(q, k, v, bias=bias, is_causal=True, implementation="dense", **positions)
+
+    def block(q, k, v, slopes):
+        return _blockwise.blockwise_attention(q, k, v, position_bias=alibi_like(slopes), is_causal=True,
+                                              block_size=(4, 5), **positions)
+
+    compare(dense, block, (q, k, v, slopes), (0, 1, 2, 3))
+
+
+def test_combine_partials_is_exact_over_any_split():
+    (x, values) = arrays(5, (4, 9), (4, 9, 3))
+    allowed = jnp.asarray(np.random.default_rng(6).random((4, 9)) < 0.6).at[0].set(False)
+
+    def partial(cols):
+        xs = jnp.where(allowed[:, cols], x[:, cols], -jnp.inf)
+        m = xs.max(-1)
+        p = jnp.exp(xs - jnp.where(jnp.isfinite(m), m, 0)[:, None])
+        return (jnp.einsum("rs,rsf->rf", p, values[:, cols]),), m, p.sum(-1)
+
+    (whole,), lse = _blockwise.finalize_partial(partial(slice(0, 9)))
+    (merged,), lse2 = _blockwise.finalize_partial(_blockwise.combine_partials(
+        _blockwise.combine_partials(partial(slice(0, 2)), partial(slice(2, 7))), partial(slice(7, 9))))
+    assert normwise(merged, whole) <= TOL and bool(jnp.all(merged[0] == 0))
+    assert bool(jnp.all(lse[0] == -jnp.inf)) and normwise(lse2[1:], lse[1:]) <= TOL
+
+
+def test_vmap_and_jit_agree():
+    q, k, v = arrays(7, (3, 5, 2, 3), (3, 7, 2, 3), (3, 7, 2, 2))
+
+    def f(q, k, v):
+        return jaxattn.dot_product_attention(q, k, v, is_causal=True, implementation="blockwise", block_size=2)
+
+    assert normwise(jax.vmap(f)(q, k, v), jax.jit(f)(q, k, v)) <= TOL
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_half_precision_accumulates_in_float32(dtype):
+    q, k, v = arrays(8, (2, 37, 4, 16), (2, 41, 2, 16), (2, 41, 2, 16), dtype=np.float32)
+    half = [a.astype(dtype) for a in (q, k, v)]
+    out = jax.jit(lambda *a: jaxattn.dot_product_attention(*a, is_causal=True, implementation="blockwise",
+                                                           block_size=8))(*half)
+    ref = jax.jit(lambda *a: jaxattn.dot_product_attention(*a, is_causal=True, implementation="dense"))(
+        *[a.astype(jnp.float32) for a in half])
+    assert out.dtype == dtype
+    assert normwise(out.astype(jnp.float32), ref) < 1e-2
+    grads = jax.jit(jax.grad(lambda q: jaxattn.dot_product_attention(
+        q, *half[1:], implementation="blockwise", block_size=8).astype(jnp.float32).sum()))(half[0])
+    assert grads.dtype == dtype and bool(jnp.all(jnp.isfinite(grads.astype(jnp.float32))))
+
+
+def test_implementation_rule():
+    small = jnp.zeros((1, 16, 2, 1))
+    large = jnp.zeros((1, 1024, 8, 1))  # float32 logits [1,8,1024,1024]: 32 MiB
+    assert not _blockwise.use_blockwise(None, small, small)
+    assert _blockwise.use_blockwise(None, large, large)
+    assert not _blockwise.use_blockwise(None, large, large, mask=jnp.ones((1024, 1024), bool))
+    assert not _blockwise.use_blockwise(None, large, large, return_weights=True)
+    assert _blockwise.use_blockwise("blockwise", small, small) and not _blockwise.use_blockwise("dense", large, large)
+
+
+@pytest.mark.parametrize("option", [{"mask": jnp.ones((5, 5), bool)}, {"bias": jnp.zeros((5, 5))},
+                                    {"return_weights": True}])
+def test_blockwise_refuses_grid_options(option):
+    q = jnp.ones((5, 2, 3))
+    with pytest.raises(ValueError, match="blockwise attention does not take arbitrary masks"):
+        jaxattn.dot_product_attention(q, q, q, implementation="blockwise", **option)
+    jaxattn.dot_product_attention(q, q, q, implementation=None, **option)  # automatic: falls back to dense
+
+
+@pytest.mark.parametrize("kwargs, match", [({"implementation": "flash"}, "implementation"),
+                                           ({"implementation": "blockwise", "block_size": 0}, "block_size"),
+                                           ({"implementation": "blockwise", "block_size": (2, 2, 2)}, "block_size")])
+def test_bad_options(kwargs, match):
+    q = jnp.ones((5, 2, 3))
+    with pytest.raises(ValueError, match=match):
+        jaxattn.dot_product_attention(q, q, q, **kwargs)
+
+
+def test_position_bias_shape_is_checked():
+    q = jnp.ones((5, 2, 3))
+    with pytest.raises(ValueError, match="position_bias"):
+        _blockwise.blockwise_attention(q, q, q, position_bias=lambda qp, kp: jnp.zeros((3, 5, 5)))
+
+
+def test_multi_head_passes_implementation_through():
+    params = jaxattn.init_relative_multi_head_attention(jax.random.key(0), 12, 4, max_distance=2, num_kv_heads=2,
+                                                        dtype=jnp.float64)
+    (x,) = arrays(9, (2, 7, 12))
+    for fn in (jaxattn.multi_head_attention, jaxattn.relative_multi_head_attention):
+        p = params if fn is jaxattn.relative_multi_head_attention else {k: v for k, v in params.items() if k != "relative"}
+        dense = jax.jit(lambda p, x: fn(p, x, is_causal=True, implementation="dense"))(p, x)
+        block = jax.jit(lambda p, x: fn(p, x, is_causal=True, implementation="blockwise", block_size=3))(p, x)
+        assert normwise(block, dense) <= TOL
