@@ -39,7 +39,10 @@ def _heads_in(heads: int, dim: int, block: int = 0, blocks: int = 1, per_head_bl
     per_head_blocks: rows are [heads, blocks, dim] (GPT-NeoX, BLOOM) instead of [blocks, heads, dim] (MPT).
     """
     def transform(w):
-        rows = w.reshape(heads, blocks, dim, -1)[:, block] if per_head_blocks else w.reshape(blocks, heads, dim, -1)[block]
+        if per_head_blocks:
+            rows = w.reshape(heads, blocks, dim, -1)[:, block]
+        else:
+            rows = w.reshape(blocks, heads, dim, -1)[block]
         return np.transpose(rows, (2, 0, 1))
     return transform
 
@@ -567,15 +570,6 @@ def pos_transformer_xl_causal() -> Setup:
                                                                     pos_bias_v=p["w"], **opts), rng, params)
 
 
-def cases() -> list[str]:
-    """The names this module registers (for a catalogue that does not import it yet)."""
-    return [name for name in (
-        "hf_t5_encoder", "hf_t5_decoder", "hf_llama", "hf_gpt_neox", "hf_bloom", "hf_mpt",
-        "hf_w2v2bert_relative_key", "hf_w2v2bert_relative", "hf_gptj_rope", "pos_t5_causal", "pos_t5_bidirectional_blockwise",
-        "pos_alibi_causal", "pos_alibi_symmetric_blockwise", "pos_rope_half_partial", "pos_rope_interleaved",
-        "pos_clipped_relative", "pos_transformer_xl_causal")]
-
-
 @register_case("hf_gptj_rope")
 def hf_gptj_rope() -> Setup:
     """HF GPT-J's apply_rotary_pos_emb (the "interleaved" layout, rotate_every_two) on 6 of H=11 features."""
@@ -602,3 +596,10 @@ def hf_gptj_rope() -> Setup:
         return torch.cat([rotated, x[..., rotary_dim:]], dim=-1)
 
     return Setup(jax_fn, torch_fn, {"x": normal(rng, (B, T, N, H))})
+
+
+def cases() -> list[str]:
+    """The names this module registers (in catalogue order), e.g. for a catalogue that does not import it."""
+    from crosscheck._catalogue import CASES
+
+    return [name for name, case in CASES.items() if case.build.__module__ == __name__]

@@ -98,4 +98,5 @@ def test_llama_inverse_frequencies_equal_hf():
     config = LlamaConfig(hidden_size=24, num_attention_heads=2, head_dim=12,
                          rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
     hf = LlamaRotaryEmbedding(config).inv_freq.numpy()
-    np.testing.assert_allclose(np.asarray(inverse_frequencies(12, 500000.0, jnp.float64)), hf, rtol=1e-6)  # HF: float32 pow
+    ours = np.asarray(inverse_frequencies(12, 500000.0, jnp.float64))
+    np.testing.assert_allclose(ours, hf, rtol=1e-6)  # HF: float32 pow
