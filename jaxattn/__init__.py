@@ -24,6 +24,24 @@ from ._multihead import relative_multi_head_attention as relative_multi_head_att
 from ._relative import relative_position_index as relative_position_index
 from ._relative import shaw_relative_attention as shaw_relative_attention
 
+# Other relative-position schemes (index conventions: docs/positions.md; j - i = key minus query position).
+from ._alibi import alibi_attention as alibi_attention
+from ._alibi import alibi_bias as alibi_bias
+from ._alibi import alibi_position_bias as alibi_position_bias
+from ._alibi import alibi_slopes as alibi_slopes
+from ._positions import position_bias_attention as position_bias_attention
+from ._rope import apply_rope as apply_rope
+from ._rope import rope_attention as rope_attention
+from ._rope import rope_permutation as rope_permutation
+from ._t5 import t5_attention as t5_attention
+from ._t5 import t5_position_bias as t5_position_bias
+from ._t5 import t5_relative_bias as t5_relative_bias
+from ._t5 import t5_relative_position_bucket as t5_relative_position_bucket
+from ._xl import clipped_relative_attention as clipped_relative_attention
+from ._xl import clipped_relative_index as clipped_relative_index
+from ._xl import relative_sinusoids as relative_sinusoids
+from ._xl import transformer_xl_attention as transformer_xl_attention
+
 __all__ = [
     "dot_product_attention",
     "relative_attention",
@@ -33,4 +51,20 @@ __all__ = [
     "multi_head_attention",
     "init_relative_multi_head_attention",
     "relative_multi_head_attention",
+    "t5_relative_position_bucket",
+    "t5_relative_bias",
+    "t5_position_bias",
+    "t5_attention",
+    "alibi_slopes",
+    "alibi_bias",
+    "alibi_position_bias",
+    "alibi_attention",
+    "apply_rope",
+    "rope_permutation",
+    "rope_attention",
+    "clipped_relative_index",
+    "clipped_relative_attention",
+    "relative_sinusoids",
+    "transformer_xl_attention",
+    "position_bias_attention",
 ]
