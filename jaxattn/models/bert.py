@@ -40,6 +40,7 @@ class BertConfig:
     intermediate_size: int = 3072
     max_position_embeddings: int = 512
     type_vocab_size: int = 2
+    pad_token_id: Optional[int] = 0
     layer_norm_eps: float = 1e-12
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1
@@ -80,6 +81,8 @@ class BertEmbeddings(nn.Module):
         c = self.config
         embed = functools.partial(nn.Embed, features=c.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype)
         x = embed(c.vocab_size, name="word_embeddings")(input_ids)
+        if c.pad_token_id is not None:  # torch's Embedding(padding_idx): that row never receives a gradient
+            x = jnp.where((input_ids == c.pad_token_id)[..., None], jax.lax.stop_gradient(x), x)
         x = x + embed(c.type_vocab_size, name="token_type_embeddings")(token_type_ids)  # HF's summation order
         x = x + embed(c.max_position_embeddings, name="position_embeddings")(position_ids)
         x = _layer_norm(c, "LayerNorm", self.dtype, self.param_dtype)(x)
