@@ -80,25 +80,22 @@ def mha_setup(module, rng, *, self_attention=False, attn_mask=None, key_padding_
 
 
 _MHA_CASES = {
-    # name: (what it checks, options)
-    "mha_self": ("self-attention, biases, batch_first=False ([T,B,E]), mean weights",
+    # name: (what it checks, options). Together: every constructor option and every mask kind.
+    "mha_self": ("self-attention, biases, batch_first=False ([T,B,E]), no mask, mean weights",
                  dict(self_attention=True, batch_first=False, weights="mean")),
     "mha_no_bias": ("bias=False, cross-attention, no weights (torch's SDPA path)", dict(bias=False)),
-    "mha_kdim_vdim": ("kdim/vdim (separate q/k/v_proj_weight), per-head weights",
-                      dict(kdim=Ek, vdim=Ev, weights="per_head")),
-    "mha_bias_kv": ("add_bias_kv (bias_k/bias_v key columns), mean weights", dict(add_bias_kv=True, weights="mean")),
-    "mha_zero_attn": ("add_zero_attn (a zero key/value column), per-head weights",
-                      dict(add_zero_attn=True, weights="per_head")),
-    "mha_bool_mask": ("bool attn_mask [T,S] (True = blocked), mean weights", dict(attn_mask="bool", weights="mean")),
-    "mha_bool_mask_3d": ("bool attn_mask [B*N,T,S], batch_first=False", dict(attn_mask="bool3d", batch_first=False)),
-    "mha_float_mask": ("float attn_mask (additive, -inf entries), per-head weights",
-                       dict(attn_mask="float", weights="per_head")),
-    "mha_key_padding": ("bool key_padding_mask [B,S], mean weights", dict(key_padding_mask="bool", weights="mean")),
-    "mha_both_masks": ("float attn_mask + float key_padding_mask, kdim/vdim, per-head weights",
-                       dict(attn_mask="float", key_padding_mask="float", kdim=Ek, vdim=Ev, weights="per_head")),
-    "mha_everything": ("add_bias_kv + add_zero_attn + kdim/vdim + bool masks, [T,B,E], mean weights",
+    "mha_kdim_vdim_bool_mask": ("kdim/vdim (separate q/k/v_proj_weight), bool attn_mask [T,S], per-head weights",
+                                dict(kdim=Ek, vdim=Ev, attn_mask="bool", weights="per_head")),
+    "mha_bias_kv_float_mask": ("add_bias_kv, float attn_mask (additive, -inf entries), mean weights",
+                               dict(add_bias_kv=True, attn_mask="float", weights="mean")),
+    "mha_zero_attn_key_padding": ("add_zero_attn, bool key_padding_mask [B,S], per-head weights",
+                                  dict(add_zero_attn=True, key_padding_mask="bool", weights="per_head")),
+    "mha_both_float_masks": ("float attn_mask + float key_padding_mask, no weights",
+                             dict(attn_mask="float", key_padding_mask="float")),
+    "mha_everything": ("add_bias_kv + add_zero_attn + kdim/vdim, bool attn_mask [B*N,T,S] + key_padding_mask, "
+                       "[T,B,E], mean weights",
                        dict(add_bias_kv=True, add_zero_attn=True, kdim=Ek, vdim=Ev, batch_first=False,
-                            attn_mask="bool", key_padding_mask="bool", weights="mean")),
+                            attn_mask="bool3d", key_padding_mask="bool", weights="mean")),
 }
 
 
@@ -167,7 +164,7 @@ def _sdpa_setup(name: str, *, T=T, S=S, N=N, K=N, Hv=Hv, is_causal=False, jax_ca
 
 
 _SDPA_CASES = {
-    "sdpa": ("no mask, Hv != H", {}),
+    "sdpa_scale": ("no mask, Hv != H, scale=0.37 overriding H ** -0.5", dict(scale=0.37)),
     "sdpa_causal": ("is_causal with T == S (both alignments agree)", dict(T=S, is_causal=True)),
     "sdpa_causal_top_left": ("torch's is_causal with T < S is top-left: via sdpa_masks_from_torch",
                              dict(is_causal=True)),
@@ -176,7 +173,6 @@ _SDPA_CASES = {
     "sdpa_bool_mask": ("bool attn_mask [B,1,T,S] (True = takes part)", dict(attn_mask="bool")),
     "sdpa_float_mask": ("float attn_mask [T,S] (additive, -inf entries)", dict(attn_mask="float")),
     "sdpa_gqa": ("enable_gqa=True, N=6 query heads on K=2 key/value heads", dict(N=6, K=2)),
-    "sdpa_scale": ("scale=0.37 overrides H ** -0.5", dict(scale=0.37)),
 }
 
 

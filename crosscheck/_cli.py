@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import math
 import multiprocessing
@@ -20,6 +21,8 @@ from crosscheck._compare import TOLERANCES, TRANSFORMS, Report
 
 # A hidden hook for the CLI's own tests: set it to register "selftest_broken", a case that must fail.
 SELFTEST_ENV = "CROSSCHECK_SELFTEST"
+# XLA compiles (not arithmetic) are the cost of a run, and they use one core each: cases run side by side.
+DEFAULT_JOBS = max(1, min(4, os.cpu_count() or 1))
 
 
 def enable_x64() -> None:
@@ -43,7 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the results as JSON to PATH, or to stdout (instead of the table) without PATH")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
-    p.add_argument("--jobs", type=int, default=1, metavar="N", help="worker processes (default 1)")
+    p.add_argument("--jobs", type=int, default=DEFAULT_JOBS, metavar="N",
+                   help=f"worker processes, one case at a time each (default {DEFAULT_JOBS}: the CPUs, at most 4)")
     w = p.add_argument_group("checking a real checkpoint")
     w.add_argument("--weights", metavar="FILE", help="a state_dict (.safetensors/.pt/.pth/.bin) of "
                    "torch.nn.MultiheadAttention or a torchref module, run against jaxattn on random inputs")
@@ -119,13 +123,36 @@ def _run_one_case(case: Case | str, rows) -> list[Report]:
 
 def _run(cases: list[Case], dtypes, transforms, *, jobs: int) -> list[Report]:
     work = [(c, _rows(c, dtypes, transforms)) for c in cases]
-    if jobs <= 1 or len(cases) <= 1:
-        return [r for c, rows in work for r in _run_one_case(c, rows)]
-    # spawn, not fork: a forked JAX/XLA runtime is not safe. Cases travel by name and are rebuilt there.
-    ctx = multiprocessing.get_context("spawn")
-    with concurrent.futures.ProcessPoolExecutor(jobs, mp_context=ctx, initializer=enable_x64) as pool:
-        futures = [pool.submit(_run_one_case, c.name, rows) for c, rows in work]
-        return [r for f in futures for r in f.result()]
+    with _progress(sum(len(rows) for _, rows in work)) as advance:
+        if jobs <= 1 or len(cases) <= 1:
+            results = []
+            for case, rows in work:
+                results += _run_one_case(case, rows)
+                advance(len(rows), case.name)
+            return results
+        # spawn, not fork: a forked JAX/XLA runtime is not safe. Cases travel by name and are rebuilt there.
+        ctx = multiprocessing.get_context("spawn")
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(cases)), mp_context=ctx,
+                                                    initializer=enable_x64) as pool:
+            futures = {pool.submit(_run_one_case, c.name, rows): (c, rows) for c, rows in work}
+            for done in concurrent.futures.as_completed(futures):
+                case, rows = futures[done]
+                advance(len(rows), case.name)
+            return [r for f in futures for r in f.result()]
+
+
+@contextlib.contextmanager
+def _progress(total: int):
+    """A transient progress bar on stderr when it is a terminal; nothing otherwise."""
+    if not sys.stderr.isatty():
+        yield lambda rows, name: None
+        return
+    from rich.console import Console
+    from rich.progress import Progress
+
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("crosscheck", total=total)
+        yield lambda rows, name: progress.update(task, advance=rows, description=name)
 
 
 # --- reporting ----------------------------------------------------------------------------------------------

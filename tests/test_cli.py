@@ -1,0 +1,84 @@
+"""`python -m crosscheck`: JSON output, case selection, exit status, and checking a saved checkpoint."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from crosscheck._cli import SELFTEST_ENV, main
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _crosscheck(*args, env=None):
+    env = {**os.environ, **(env or {})}
+    env.pop("JAX_ENABLE_X64", None)  # the CLI must switch x64 on by itself
+    return subprocess.run([sys.executable, "-m", "crosscheck", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_seed_cases_json_all_pass():
+    result = _crosscheck("--case", "seed00*", "--json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    data = json.loads(result.stdout)
+    assert data["passed"] is True
+    rows = data["rows"]
+    assert {r["case"] for r in rows} == {f"seed00{i}" for i in range(5)}
+    assert {(r["dtype"], r["transform"]) for r in rows} == {
+        (d, t) for d in ("float32", "float64") for t in ("plain", "jit", "vmap")}
+    assert len(rows) == 30 and all(r["passed"] for r in rows)
+    by_dtype = data["summary"]["by_dtype"]
+    assert by_dtype["float64"]["worst_output"] <= 1e-12 and by_dtype["float64"]["worst_grad"] <= 1e-12
+    assert by_dtype["float32"]["worst_output"] <= 1e-6 and by_dtype["float32"]["worst_grad"] <= 1e-5
+    float64_rows = [r for r in rows if r["dtype"] == "float64"]
+    assert all(m["normwise"] <= 1e-12 for r in float64_rows for m in r["metrics"])
+
+
+def test_a_failing_case_exits_1():
+    result = _crosscheck("--case", "selftest_broken", "--dtype", "float64", "--transform", "jit",
+                         env={SELFTEST_ENV: "1"})
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "FAIL" in result.stdout and "selftest_broken" in result.stdout
+    assert "1 FAILED" in result.stdout
+
+
+def test_list_and_unknown_case(capsys):
+    assert main(["--list"]) == 0
+    listed = capsys.readouterr().out
+    for name in ("seed000", "seed004", "mha_everything", "sdpa_causal_top_left", "shaw_per_head_causal_gqa"):
+        assert name in listed
+    assert "selftest_broken" not in listed  # the hidden hook stays hidden
+    assert main(["--case", "no_such_case"]) == 2
+    assert "no case matches" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_weights_file_of_a_torch_mha(tmp_path, capsys, suffix):
+    torch.manual_seed(3)
+    module = torch.nn.MultiheadAttention(6, 2, add_bias_kv=True, kdim=5, vdim=7, batch_first=True)
+    path = tmp_path / f"mha{suffix}"
+    state = {k: v.detach().contiguous() for k, v in module.state_dict().items()}
+    if suffix == ".pt":
+        torch.save(state, path)
+    else:
+        from safetensors.torch import save_file
+
+        save_file(state, str(path))
+    report = tmp_path / "report.json"
+    code = main(["--weights", str(path), "--num-heads", "2", "--transform", "jit", "--json", str(report)])
+    assert code == 0, capsys.readouterr().out
+    data = json.loads(report.read_text())
+    assert [r["case"] for r in data["rows"]] == [f"weights:mha{suffix}"] * 2  # float32 and float64
+    names = {m["name"] for m in data["rows"][0]["metrics"]}
+    assert {"out", "weights", "params/bias_kv/key", "params/key/kernel"} <= names
+
+
+def test_weights_needs_num_heads(tmp_path, capsys):
+    path = tmp_path / "mha.pt"
+    torch.save(torch.nn.MultiheadAttention(6, 2).state_dict(), path)
+    assert main(["--weights", str(path)]) == 2
+    assert "--num-heads" in capsys.readouterr().err

@@ -1,0 +1,197 @@
+"""crosscheck's comparison engine on hand-made functions whose errors are known in advance."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+from crosscheck import TOLERANCES, Const, Report, Tolerance, assert_equivalent, compare, error_metrics
+
+REPO = Path(__file__).resolve().parents[1]
+RNG = np.random.default_rng(7)
+X = RNG.standard_normal((2, 5, 3))  # B, T, E: distinct sizes
+
+
+def test_tolerance_table_is_the_design_bar():
+    assert TOLERANCES["float64"] == Tolerance(forward=1e-12, grad=1e-12)
+    assert TOLERANCES["float32"] == Tolerance(forward=1e-6, grad=1e-5)
+
+
+def test_error_metrics_of_a_known_perturbation():
+    expected = np.full(100, 2.0)
+    actual = expected.copy()
+    actual[17] += 1e-3
+    max_abs, max_rel, normwise = error_metrics(actual, expected)
+    assert max_abs == pytest.approx(1e-3, rel=1e-9)
+    assert max_rel == pytest.approx(0.5e-3, rel=1e-9)
+    assert normwise == pytest.approx(1e-3 / 20.0, rel=1e-9)  # ||(1e-3, 0...)|| / ||2 * ones(100)||
+
+
+def test_error_metrics_zero_reference_and_floor():
+    assert error_metrics(np.zeros(4), np.zeros(4)) == (0.0, 0.0, 0.0)
+    _, max_rel, normwise = error_metrics(np.array([0.0, 3e-3, 4e-3]), np.zeros(3))
+    assert max_rel == 0.0 and normwise == pytest.approx(5e-3)  # absolute when the reference is all zeros
+    assert error_metrics(np.array([1e-16]), np.array([2e-16]), norm_floor=1.0)[2] == pytest.approx(1e-16)
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_error_metrics_non_finite_is_nan(bad):
+    a = np.ones(3)
+    a[1] = bad
+    assert all(math.isnan(v) for v in error_metrics(a, np.ones(3)))
+    assert all(math.isnan(v) for v in error_metrics(np.ones(3), a))
+
+
+def _scaled(c):
+    return lambda x: x * c
+
+
+def jax_tanh(x):  # inputs arrive as keywords: jnp.tanh(x=...) would not take them
+    return jnp.tanh(x)
+
+
+def torch_tanh(x):
+    return torch.tanh(x)
+
+
+@pytest.mark.parametrize("transform", ["plain", "jit", "vmap"])
+def test_exact_match_passes(transform):
+    report = compare(jax_tanh, torch_tanh, {"x": X}, dtype="float64", transform=transform)
+    assert report.passed, report
+    assert {m.name for m in report.metrics} == {"output", "x"}
+    leading = (3,) if transform == "vmap" else ()
+    assert report.metrics[0].shape == leading + X.shape
+
+
+def test_perturbation_is_measured_and_fails_float64():
+    report = compare(_scaled(1 + 1e-6), _scaled(1.0), {"x": X}, dtype="float64")
+    assert not report.passed
+    (out,) = [m for m in report.metrics if m.kind == "output"]
+    (grad,) = [m for m in report.metrics if m.kind == "grad"]
+    assert out.normwise == pytest.approx(1e-6, rel=1e-6) and not out.passed
+    assert grad.normwise == pytest.approx(1e-6, rel=1e-6) and not grad.passed  # d(c x)/dx = c
+
+
+def test_float32_forward_and_gradient_thresholds_differ():
+    # 3e-6 is over the float32 forward bar (1e-6) and under the gradient bar (1e-5)
+    report = compare(_scaled(np.float32(1 + 3e-6)), _scaled(1.0), {"x": X}, dtype="float32", transform="jit")
+    by_kind = {m.kind: m for m in report.metrics}
+    assert not by_kind["output"].passed and by_kind["grad"].passed
+    assert by_kind["output"].normwise == pytest.approx(3e-6, rel=0.1)
+    assert not report.passed
+
+
+def test_nan_fails_on_either_side():
+    def jax_nan(x):
+        return x.at[0, 0, 0].set(jnp.nan)
+
+    def torch_nan(x):
+        y = x * 1
+        y[0, 0, 0] = float("nan")
+        return y
+
+    for jax_fn, torch_fn in ((jax_nan, _scaled(1.0)), (_scaled(1.0), torch_nan)):
+        report = compare(jax_fn, torch_fn, {"x": X}, dtype="float64", grad=False)
+        assert not report.passed
+        assert "non-finite" in report.metrics[0].note
+        assert math.isinf(report.worst("output"))
+
+
+def test_wrong_output_dtype_fails():
+    report = compare(lambda x: x.astype(jnp.float64), _scaled(1.0), {"x": X}, dtype="float32")
+    assert not report.passed
+    assert "JAX dtype float64 != requested float32" in report.metrics[0].note
+
+
+def test_shape_mismatch_is_a_problem_not_a_crash():
+    report = compare(lambda x: x[0], _scaled(1.0), {"x": X}, dtype="float64")
+    assert not report.passed
+    assert any("shape" in p for p in report.problems)
+
+
+def test_const_inputs_are_neither_differentiated_nor_batched():
+    def jax_fn(x, mask):
+        return jnp.where(mask, x, 0.0)
+
+    def torch_fn(x, mask):
+        return torch.where(mask, x, torch.zeros((), dtype=x.dtype))
+
+    mask = Const(RNG.random(X.shape) < 0.5)
+    report = compare(jax_fn, torch_fn, {"x": X, "mask": mask}, dtype="float64", transform="vmap")
+    assert report.passed, report
+    assert [m.name for m in report.metrics if m.kind == "grad"] == ["x"]
+
+
+def test_params_gradients_mapped_from_torch_layout():
+    w = RNG.standard_normal((3, 4))  # jax kernel [in, out]; torch weight [out, in]
+    report = compare(
+        lambda p, x: jnp.tanh(x @ p["kernel"]),
+        lambda p, x: torch.tanh(x @ p["weight"].T),
+        {"x": X},
+        dtype="float64",
+        transform="vmap",
+        params={"kernel": w},
+        torch_params={"weight": w.T},
+        grads_from_torch=lambda g: {"kernel": g["weight"].T},
+    )
+    assert report.passed, report
+    assert {m.name for m in report.metrics} == {"output", "x", "params/kernel"}
+
+
+def test_wrong_param_gradient_mapping_fails():
+    w = RNG.standard_normal((3, 3))
+    report = compare(lambda p, x: x @ p["kernel"], lambda p, x: x @ p["weight"].T, {"x": X}, dtype="float64",
+                     params={"kernel": w}, torch_params={"weight": w.T}, grads_from_torch=lambda g: {"kernel": g["weight"]})
+    assert not report.passed  # the forward agrees, the untransposed gradient does not
+    assert [m.name for m in report.metrics if not m.passed] == ["params/kernel"]
+
+
+def test_assert_equivalent_raises_with_the_report():
+    assert_equivalent(jax_tanh, torch_tanh, {"x": X}, dtype="float64")
+    with pytest.raises(AssertionError, match="FAIL.*float64"):
+        assert_equivalent(_scaled(1.001), _scaled(1.0), {"x": X}, dtype="float64")
+
+
+def test_report_json_round_trip():
+    report = compare(jax_tanh, torch_tanh, {"x": X}, dtype="float64", name="tanh")
+    data = json.loads(json.dumps(report.to_dict()))
+    assert data["case"] == "tanh" and data["passed"] is True and data["dtype"] == "float64"
+    nan_report = Report("nan", "float64", "plain", (), ("boom",))
+    assert json.loads(json.dumps(nan_report.to_dict()))["worst_output"] == "nan"
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="transform"):
+        compare(jax_tanh, torch_tanh, {"x": X}, dtype="float64", transform="pmap")
+    with pytest.raises(ValueError, match="dtype"):
+        compare(jax_tanh, torch_tanh, {"x": X}, dtype="int32")
+
+
+def test_float64_refused_without_x64():
+    # x64 is process-wide, so this runs where nobody switched it on
+    code = (
+        "import numpy as np, jax.numpy as jnp, torch\n"
+        "from crosscheck import compare\n"
+        "j, t = (lambda x: jnp.sin(x)), (lambda x: torch.sin(x))\n"
+        "try:\n"
+        "    compare(j, t, {'x': np.ones(3)}, dtype='float64')\n"
+        "except RuntimeError as e:\n"
+        "    print('refused:', e)\n"
+        "r = compare(j, t, {'x': np.ones(3)}, dtype='float32')\n"
+        "print('float32 passed:', r.passed)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "JAX_ENABLE_X64"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "refused: compare: float64 requested but JAX's x64 mode is off" in result.stdout
+    assert "float32 passed: True" in result.stdout
+    assert jax.config.jax_enable_x64  # and this process is unaffected
