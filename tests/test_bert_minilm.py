@@ -138,3 +138,18 @@ def test_crosscheck_case_forward_and_gradients_float64():
     report = run_case(CASES["minilm"], dtype="float64", transform="jit")
     assert report.passed, str(report)
     assert report.worst("output") <= 1e-12 and report.worst("grad") <= 1e-12
+
+
+def test_example_runs_and_matches_pytorch(runs, batch):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "minilm_embeddings.py"
+    spec = importlib.util.spec_from_file_location("minilm_embeddings", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    sentences = list(minilm.SENTENCES[:3])
+    got = example.main(sentences)
+    _, mask = batch
+    want = _sentence_embeddings(runs["float32"][1].last_hidden_state.numpy(), mask)[:3]
+    assert got.shape == (3, 384) and (got * want).sum(-1).min() >= 0.99999
