@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from . import _checks
 from ._masking import allowed_keys, dropout, masked_softmax
+from ._pairwise import pair_logits, pair_values
 
 
 def compute_dtype(dtype):
@@ -161,9 +162,13 @@ def relative_attention(query, key, value, rel_key=None, rel_value=None, **option
         key_spec = "...tnh,tsnh->...nts" if a_k.shape[2] == N else "...tnh,tsh->...nts"
         a_k = a_k if a_k.shape[2] == N else a_k[:, :, 0]
         rel_logits = lambda q: jnp.einsum(key_spec, q, a_k, precision=precision, preferred_element_type=acc)
+        if a_k.ndim == 4:  # per head: fused, no [T,N,S,H] copy of the table (see _pairwise)
+            rel_logits = lambda q: jnp.moveaxis(pair_logits(q, a_k, precision), -1, -3)
     if rel_value is not None:
         a_v = _per_pair_table("rel_value", rel_value, T, S, N, Hv, "A^V [T,S,N,Hv]", query)
         value_spec = "...nts,tsnh->...tnh" if a_v.shape[2] == N else "...nts,tsh->...tnh"
         a_v = a_v if a_v.shape[2] == N else a_v[:, :, 0]
         rel_values = lambda p: jnp.einsum(value_spec, p, a_v.astype(acc), precision=precision)
+        if a_v.ndim == 4:
+            rel_values = lambda p: pair_values(jnp.moveaxis(p, -3, -1), a_v, precision)
     return attention_core(query, key, value, relative_logits=rel_logits, relative_values=rel_values, **options)
