@@ -55,13 +55,14 @@ def _assert_matches_full_pass(decoded, full, dtype):
 
 
 def _linen_layer(relative, dtype):
-    kw = dict(num_heads=N, num_kv_heads=K, head_dim=H, value_head_dim=Hv, param_dtype=dtype)
+    kw = dict(num_heads=N, num_kv_heads=K, head_dim=H, value_head_dim=Hv, param_dtype=dtype,
+              kernel_init=jax.nn.initializers.normal(0.3))  # cheaper to compile eagerly than truncated normal
     return jl.RelativeMultiHeadAttention(max_distance=MAX_DISTANCE, **kw) if relative else jl.MultiHeadAttention(**kw)
 
 
-@pytest.mark.parametrize("dtype", [np.float64, np.float32])
-@pytest.mark.parametrize("relative", [False, True])
-def test_linen_cached_decoding_equals_full_causal_pass(relative, dtype):
+# Pairwise cover (each framework x dtype x attention kind appears): every case compiles 4 programs.
+@pytest.mark.parametrize("dtype, relative", [(np.float64, True), (np.float32, False)])
+def test_linen_cached_decoding_equals_full_causal_pass(dtype, relative):
     x = np.random.default_rng(0).standard_normal((B, SEQ, E)).astype(dtype)
     layer = _linen_layer(relative, dtype)
     variables = layer.init(jax.random.key(0), np.zeros((B, L, E), dtype), decode=True)
@@ -87,7 +88,7 @@ def test_linen_cached_decoding_equals_full_causal_pass(relative, dtype):
     _assert_matches_full_pass(decoded, jax.jit(lambda p, x: fn(p, x, is_causal=True))(params, x), dtype)
 
 
-@pytest.mark.parametrize("dtype, relative", [(np.float64, True), (np.float32, False)])
+@pytest.mark.parametrize("dtype, relative", [(np.float64, False), (np.float32, True)])
 def test_nnx_cached_decoding_equals_full_causal_pass(dtype, relative):
     x = np.random.default_rng(0).standard_normal((B, SEQ, E)).astype(dtype)
     kw = dict(num_kv_heads=K, value_head_dim=Hv, param_dtype=dtype, rngs=nnx.Rngs(0))
@@ -127,7 +128,8 @@ def test_decode_errors():
     with pytest.raises(ValueError, match=r"key_value_seq_lengths \(decode\)"):
         layer.apply(variables, np.zeros((B, 2, E), np.float32), decode=True, mutable=["cache"],
                     key_value_seq_lengths=np.array([1, 3, 0]))
-    torch_like = jl.MultiHeadAttention(num_heads=N, head_dim=H, add_zero_attn=True)
+    torch_like = jl.MultiHeadAttention(num_heads=N, head_dim=H, add_zero_attn=True,
+                                       kernel_init=jax.nn.initializers.normal(0.3))
     variables = torch_like.init(jax.random.key(0), np.zeros((B, 4, E), np.float32), decode=True)
     with pytest.raises(ValueError, match="add_zero_attn"):
         torch_like.apply(variables, np.zeros((B, 1, E), np.float32), decode=True, mutable=["cache"])
