@@ -1,0 +1,486 @@
+"""Sequence-parallel (ring) attention: queries stay put, key/value chunks travel round a ring of devices.
+
+With the sequence split over the D devices of one mesh axis, device d holds its queries and one share
+of the keys/values. Each step it attends its queries to the key/value share it holds (the blockwise
+engine, tile by tile), merges that partial result into its running one (combine_partials: the online
+softmax), and passes the share on to device d + 1 (lax.ppermute). After D steps every query has seen
+every key and no device ever held more than two shares of keys/values at once:
+
+    acc = empty partial
+    for step in 0 .. D-1:
+        next_kv = ppermute(kv, d -> d + 1)                       (in flight while the step computes)
+        for each (query chunk a, key chunk b) held:              lax.cond: skipped if b is all future
+            acc[a] = combine_partials(acc[a], engine(q[a], k[b], v[b], global positions))  or padding
+        kv = next_kv
+    out = finalize_partial(acc)
+
+Backward (custom VJP, FlashAttention-2 style): the same ring again; dq accumulates where its queries
+are, dk/dv accumulators travel with their key/value share and arrive home after D hops. Each pair's
+gradients are the blockwise engine's backward given the *global* output and log-sum-exp.
+
+Causal balance: with contiguous shares, device d's queries see d + 1 of the D shares, so the last
+device does D times the work of the first and the ring waits for it. Causal rings therefore use the
+"zigzag" layout: the sequence is cut into 2D chunks and device d holds chunks d and 2D-1-d (an early
+and a late one). Every step except the first then needs exactly half of the pairs: (both query chunks
+x the earlier key chunk) when the key share comes from a device before d, (the later query chunk x both
+key chunks) when from after d; the other half is skipped. Every device does the same work. Inputs and
+outputs stay in natural order; the zigzag reorder is two ppermutes of the local share each way.
+
+Every position-dependent term (causal mask, Shaw buckets, the position_bias hook) reads global
+positions computed from each chunk's offset in the sequence, never sliced from a global array.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import PartitionSpec
+
+from . import _blockwise, _checks
+from ._attention import check_qkv, compute_dtype
+from ._blockwise import combine_partials, empty_partial, finalize_partial
+from ._sharding import check_mesh
+
+
+class _Ring(NamedTuple):
+    """Static description of one ring_attention call (hashable: the custom VJP's nondiff argument)."""
+    mesh: Any
+    seq: Optional[str]  # mesh axes (None: not split over)
+    batch: Optional[str]
+    head: Optional[str]
+    D: int  # ring size: devices along seq
+    C: int  # chunks per device: 2 (zigzag) or 1 (contiguous)
+    nb: int  # number of batch dims
+    T: int
+    S: int
+    Cq: int  # chunk lengths, and padded to whole tiles
+    Ck: int
+    Cqp: int
+    Ckp: int
+    N: int  # query heads, global and on one device
+    Nl: int
+    lengths: bool  # key lengths in use (given, or to mask padded keys)
+    engine: Any  # _blockwise._Config for one (query chunk, key chunk) pair; bias_fn for all N heads
+
+
+# ---------------------------------------------------------------------------------------------------
+# Specs and per-device layout.
+
+
+def _spec(ring, letters):
+    """PartitionSpec of a [*batch, L, heads, F] array (letters "TNH" / "SKH"), lengths ("B"), or tables."""
+    batch = (ring.batch,) + (None,) * (ring.nb - 1) if ring.nb else ()
+    if letters == "B":
+        return PartitionSpec(*batch)
+    return PartitionSpec(*batch, ring.seq, ring.head, None)
+
+
+def _table_spec(ring, table):
+    if table is None or table.ndim == 2:
+        return PartitionSpec()
+    return PartitionSpec(None, ring.head, None)
+
+
+def _lse_spec(ring):
+    return PartitionSpec(ring.batch, ring.head, None, ring.seq)
+
+
+def _to_engine(x, C, L, Lp, K=None):
+    """Local [*b, C*L, X, F] -> [C, B, X, Lp, F] (chunks split off, padded to whole tiles); with K,
+    query heads X = N are viewed as [K, G]: [C, B, K, G, Lp, F]."""
+    x = x.reshape(-1, C, L, *x.shape[-2:])
+    x = jnp.pad(x, [(0, 0), (0, 0), (0, Lp - L), (0, 0), (0, 0)])
+    x = jnp.transpose(x, (1, 0, 3, 2, 4))
+    return x if K is None else x.reshape(*x.shape[:2], K, x.shape[2] // K, *x.shape[3:])
+
+
+def _from_engine(x, L, batch_shape):
+    """[C, B, K, (G,) Lp, F] -> local [*b, C*L, X, F]."""
+    C, B = x.shape[:2]
+    Lp, F = x.shape[-2:]
+    x = x.reshape(C, B, -1, Lp, F)[..., :L, :]
+    x = jnp.transpose(x, (1, 0, 3, 2, 4))
+    return x.reshape(*batch_shape, C * L, x.shape[-2], F)
+
+
+def _ring_index(ring):
+    return lax.axis_index(ring.seq) if ring.seq is not None else jnp.int32(0)
+
+
+def _chunk_ids(ring, d):
+    """Global chunk indices held by device d: (d, 2D-1-d) zigzag, (d,) contiguous."""
+    return (d,) if ring.C == 1 else (d, 2 * ring.D - 1 - d)
+
+
+def _positions(ring, d, which):
+    """Global positions of the chunks device d holds, [C, Lp] (padding repeats the last position):
+    query t at t + (S - T) (bottom-right), key s at s."""
+    L, Lp = (ring.Cq, ring.Cqp) if which == "q" else (ring.Ck, ring.Ckp)
+    local = jnp.minimum(jnp.arange(Lp, dtype=jnp.int32), L - 1)
+    offset = ring.S - ring.T if which == "q" else 0
+    return jnp.stack([c * L + local + offset for c in _chunk_ids(ring, d)]).astype(jnp.int32)
+
+
+def _chunk_lengths(ring, d, lengths):
+    """Per key chunk, the valid keys counted from the chunk's start: [C, B|1], or None."""
+    if not ring.lengths:
+        return None
+    total = jnp.full((1,), ring.S, jnp.int32) if lengths is None else lengths.reshape(-1).astype(jnp.int32)
+    return jnp.stack([jnp.clip(total - c * ring.Ck, 0, ring.Ck) for c in _chunk_ids(ring, d)]).astype(jnp.int32)
+
+
+def _engine_cfg(ring):
+    """The pair config on this device: a position_bias hook gives all N heads; keep this device's."""
+    cfg = ring.engine
+    if cfg.bias_fn is None or ring.head is None:
+        return cfg
+    full_fn, Nl, head = cfg.bias_fn, ring.Nl, ring.head
+
+    def local_heads(qp, kp, *consts):
+        return lax.dynamic_slice_in_dim(full_fn(qp, kp, *consts), lax.axis_index(head) * Nl, Nl, axis=-3)
+
+    return cfg._replace(bias_fn=local_heads)
+
+
+def _needed(ring, qp, kp, length):
+    """Whether a (query chunk, key chunk) pair may hold an allowed key (else lax.cond skips it)."""
+    needed = jnp.bool_(True)
+    if ring.engine.is_causal:
+        needed &= kp.min() <= qp.max()
+    if length is not None:
+        needed &= length.max() > 0
+    return needed
+
+
+def _shift(ring, x):
+    """Pass x (a pytree) one device along the ring: d -> d + 1."""
+    if ring.D == 1:
+        return x
+    perm = [(i, (i + 1) % ring.D) for i in range(ring.D)]
+    return lax.ppermute(x, ring.seq, perm)
+
+
+def _psum(x, axes):
+    axes = tuple(a for a in axes if a is not None)
+    return jax.tree.map(lambda g: lax.psum(g, axes), x) if axes else x
+
+
+# ---------------------------------------------------------------------------------------------------
+# The ring: forward and backward bodies (per device, inside shard_map).
+
+
+def _ring_loop(ring, d, visit, carry, kv, carry_travels=()):
+    """Run carry = visit(carry, kv, src) for the D key/value shares in ring order, kv passed on each step.
+
+    carry_travels: names of carry entries that travel with kv (dk, dv); they are passed on after each
+    visit, and once more at the end, which brings them home.
+    """
+    def travel(carry):
+        return {name: (_shift(ring, value) if name in carry_travels else value) for name, value in carry.items()}
+
+    def step(state, s):
+        carry, kv = state
+        next_kv = _shift(ring, kv)
+        carry = travel(visit(carry, kv, (d - s) % ring.D))
+        return (carry, next_kv), None
+
+    (carry, kv), _ = lax.scan(step, (carry, kv), jnp.arange(ring.D - 1, dtype=jnp.int32))
+    return travel(visit(carry, kv, (d + 1) % ring.D))
+
+
+def _over_pairs(ring, visit_pair, carry):
+    """carry = visit_pair(carry, a, b) for every (query chunk a, key chunk b); rolled into one loop when
+    there are several, so the engine is compiled once per ring step rather than once per pair."""
+    if ring.C == 1:
+        return visit_pair(carry, 0, 0)
+    return lax.fori_loop(0, ring.C * ring.C, lambda p, c: visit_pair(c, p // ring.C, p % ring.C), carry)
+
+
+def _at(tree, i):
+    return jax.tree.map(lambda x: x[i], tree)
+
+
+def _set(tree, i, value):
+    return jax.tree.map(lambda x, y: x.at[i].set(y), tree, value)
+
+
+def _local_layout(ring, q_like, kv_like):
+    K = kv_like[0].shape[-2]
+    qs = tuple(_to_engine(x, ring.C, ring.Cq, ring.Cqp, K) for x in q_like)
+    kvs = tuple(_to_engine(x, ring.C, ring.Ck, ring.Ckp) for x in kv_like)
+    return qs, kvs
+
+
+def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
+    cfg = _engine_cfg(ring)
+    batch_shape = q.shape[:ring.nb]
+    acc = compute_dtype(q.dtype)
+    (q,), (k, v) = _local_layout(ring, (q,), (k, v))  # q [C,B,K,G,Cqp,H], k [C,B,K,Ckp,H]
+    d = _ring_index(ring)
+    q_pos = _positions(ring, d, "q")
+    rows = q.shape[1:-1]
+
+    def pair(q_a, qp, k_b, v_b, kp, length):
+        out, residuals = _blockwise._engine_fwd(cfg, q_a, k_b, v_b, key_table, value_table, consts, scale,
+                                                qp, kp, length)
+        return out.astype(acc), residuals[-1]
+
+    def skip(*_):
+        return jnp.zeros(rows + v.shape[-1:], acc), jnp.full(rows, -jnp.inf, acc)
+
+    def visit(carry, kv, src):
+        k_c, v_c = kv
+        k_pos, k_len = _positions(ring, src, "k"), _chunk_lengths(ring, src, lengths)
+
+        def visit_pair(state, a, b):
+            length = None if k_len is None else k_len[b]
+            args = (q[a], q_pos[a], k_c[b], v_c[b], k_pos[b], length)
+            out, lse = lax.cond(_needed(ring, q_pos[a], k_pos[b], length), pair, skip, *args)
+            # a normalised partial (out, lse) is the unnormalised one (out, m=lse, l=1)
+            merged = combine_partials(_at(state, a), (out, lse, jnp.isfinite(lse).astype(acc)))
+            return _set(state, a, merged)
+
+        return {"acc": _over_pairs(ring, visit_pair, carry["acc"])}
+
+    (out0,), m0, l0 = empty_partial((rows + v.shape[-1:],), rows, acc)
+    init = {"acc": tuple(jnp.broadcast_to(x, (ring.C, *x.shape)) for x in (out0, m0, l0))}
+    final = _ring_loop(ring, d, visit, init, (k, v))["acc"]
+    (out,), lse = finalize_partial(((final[0],), final[1], final[2]))
+    lse = jnp.moveaxis(lse, 0, -2).reshape(*lse.shape[1:-1], -1)  # [B,K,G,C*Cqp]
+    return _from_engine(out.astype(q.dtype), ring.Cq, batch_shape), lse
+
+
+def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out, lse, d_out):
+    cfg = _engine_cfg(ring)
+    batch_shape = q.shape[:ring.nb]
+    acc = compute_dtype(q.dtype)
+    dtypes = (q.dtype, k.dtype, v.dtype)
+    (q, out, d_out), (k, v) = _local_layout(ring, (q, out, d_out), (k, v))
+    lse = jnp.moveaxis(lse.reshape(*lse.shape[:-1], ring.C, ring.Cqp), -2, 0)
+    d = _ring_index(ring)
+    q_pos = _positions(ring, d, "q")
+    tables = (key_table, value_table, consts)
+
+    def pair(q_a, qp, o_a, lse_a, do_a, k_b, v_b, kp, length):
+        residuals = (q_a, k_b, v_b, key_table, value_table, consts, scale, qp, kp, length, o_a, lse_a)
+        grads = _blockwise._engine_bwd(cfg, residuals, do_a)[:6]
+        return jax.tree.map(lambda g: g.astype(acc), grads)
+
+    def skip(*args):
+        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(pair, *args))
+
+    def visit(carry, kv, src):
+        k_c, v_c = kv
+        k_pos, k_len = _positions(ring, src, "k"), _chunk_lengths(ring, src, lengths)
+
+        def visit_pair(carry, a, b):
+            length = None if k_len is None else k_len[b]
+            args = (q[a], q_pos[a], out[a], lse[a], d_out[a], k_c[b], v_c[b], k_pos[b], length)
+            g = lax.cond(_needed(ring, q_pos[a], k_pos[b], length), pair, skip, *args)
+            return {"dq": carry["dq"].at[a].add(g[0]), "dk": carry["dk"].at[b].add(g[1]),
+                    "dv": carry["dv"].at[b].add(g[2]), "tables": jax.tree.map(jnp.add, carry["tables"], g[3:])}
+
+        return _over_pairs(ring, visit_pair, carry)
+
+    init = {"dq": jnp.zeros(q.shape, acc), "dk": jnp.zeros(k.shape, acc), "dv": jnp.zeros(v.shape, acc),
+            "tables": jax.tree.map(lambda t: jnp.zeros(t.shape, acc), tables)}
+    final = _ring_loop(ring, d, visit, init, (k, v), carry_travels=("dk", "dv"))
+    dq, dk, dv = (_from_engine(final[name], L, batch_shape).astype(dtype)
+                  for name, L, dtype in (("dq", ring.Cq, dtypes[0]), ("dk", ring.Ck, dtypes[1]),
+                                         ("dv", ring.Ck, dtypes[2])))
+    # tables and hook arrays are shared by every device that holds them: sum their gradients
+    d_key_table, d_value_table, d_consts = final["tables"]
+    every = (ring.batch, ring.seq, ring.head)
+
+    def shared(grad, table):
+        if grad is None:
+            return None
+        axes = every if table.ndim == 2 else (ring.batch, ring.seq)
+        return _psum(grad, axes).astype(table.dtype)
+
+    d_consts = tuple(_psum(g, every).astype(c.dtype) for g, c in zip(d_consts, consts))
+    return dq, dk, dv, shared(d_key_table, key_table), shared(d_value_table, value_table), d_consts
+
+
+# ---------------------------------------------------------------------------------------------------
+# The custom VJP around the two shard_maps (inputs and outputs: global arrays sharded on the mesh).
+
+
+def _in_specs(ring, key_table, value_table, consts):
+    x = _spec(ring, "TNH")
+    return (x, x, x, _table_spec(ring, key_table), _table_spec(ring, value_table),
+            tuple(PartitionSpec() for _ in consts), PartitionSpec(), _spec(ring, "B"))
+
+
+def _shard_map(ring, body, in_specs, out_specs):
+    return jax.shard_map(functools.partial(body, ring), mesh=ring.mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _ring_core(ring, q, k, v, key_table, value_table, consts, scale, lengths):
+    return _ring_fwd(ring, q, k, v, key_table, value_table, consts, scale, lengths)[0]
+
+
+def _ring_fwd(ring, q, k, v, key_table, value_table, consts, scale, lengths):
+    specs = _in_specs(ring, key_table, value_table, consts)
+    fwd = _shard_map(ring, _fwd_body, specs, (_spec(ring, "TNH"), _lse_spec(ring)))
+    out, lse = fwd(q, k, v, key_table, value_table, consts, scale, lengths)
+    return out, (q, k, v, key_table, value_table, consts, scale, lengths, out, lse)
+
+
+def _ring_bwd(ring, residuals, d_out):
+    q, k, v, key_table, value_table, consts, scale, lengths, out, lse = residuals
+    specs = _in_specs(ring, key_table, value_table, consts)
+    x = _spec(ring, "TNH")
+    grad_specs = specs[:6]
+    bwd = _shard_map(ring, _bwd_body, specs + (x, _lse_spec(ring), x), grad_specs)
+    grads = bwd(q, k, v, key_table, value_table, consts, scale, lengths, out, lse, d_out)
+    return (*grads, None, None)
+
+
+_ring_core.defvjp(_ring_fwd, _ring_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The zigzag reorder: natural order <-> device d holding chunks (d, 2D-1-d), by ppermute of halves.
+
+
+def _zigzag_perms(D):
+    """For each half h of a device's natural share (chunk c = 2e + h on device e), where it goes."""
+    def dest(c):
+        return c if c < D else 2 * D - 1 - c
+    return [[(e, dest(2 * e + h)) for e in range(D)] for h in (0, 1)]
+
+
+def _zigzag_body(ring, x, *, inverse):
+    axis = ring.nb  # the sequence dim of [*b, L, X, F]
+    h0, h1 = jnp.split(x, 2, axis=axis)
+    even = lax.axis_index(ring.seq) % 2 == 0
+    perm0, perm1 = _zigzag_perms(ring.D)
+    if not inverse:  # an even device receives its early chunk through half 0, an odd one through half 1
+        r0, r1 = lax.ppermute(h0, ring.seq, perm0), lax.ppermute(h1, ring.seq, perm1)
+        return jnp.concatenate([jnp.where(even, r0, r1), jnp.where(even, r1, r0)], axis=axis)
+    back0 = [(b, a) for a, b in perm0]
+    back1 = [(b, a) for a, b in perm1]
+    s0, s1 = jnp.where(even, h0, h1), jnp.where(even, h1, h0)
+    return jnp.concatenate([lax.ppermute(s0, ring.seq, back0), lax.ppermute(s1, ring.seq, back1)], axis=axis)
+
+
+def _zigzag(ring, x, inverse=False):
+    spec = _spec(ring, "TNH")
+    return _shard_map(ring, functools.partial(_zigzag_body, inverse=inverse), (spec,), spec)(x)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Public entry point.
+
+
+def _engine_config(**fields):
+    """The blockwise engine's per-pair config, by field name (each chunk's positions are contiguous:
+    consecutive integers from the chunk's global offset, padding masked as blockwise_attention does)."""
+    missing = set(_blockwise._Config._fields) - set(fields)
+    if missing:  # the engine grew an option this module does not know how to set
+        raise NotImplementedError(f"ring attention: blockwise engine config fields {sorted(missing)} not set")
+    return _blockwise._Config(**{name: fields[name] for name in _blockwise._Config._fields})
+
+
+def _axis_size(mesh, axis):
+    return 1 if axis is None else mesh.shape[axis]
+
+
+def _check_divides(name, size, parts, what):
+    if size % parts:
+        _checks.fail(name, f"{what} divisible by {parts}", size)
+
+
+def ring_attention(query, key, value, *, mesh, sequence_axis=None, batch_axis=None, head_axis=None,
+                   is_causal=False, key_value_seq_lengths=None, key_table=None, value_table=None,
+                   max_distance=None, position_bias=None, scale=None, load_balance=True, block_size=None,
+                   precision=None):
+    """Attention sharded over a device mesh: sequence-parallel (ring), data- and head-parallel.
+
+    query [...,T,N,H], key [...,S,K,H], value [...,S,K,Hv] are global arrays (placed on the mesh or
+    not); the result [...,T,N,Hv] comes back sharded the same way: the first batch dim over batch_axis,
+    T and S over sequence_axis, heads N and K over head_axis (each None: not split). It equals
+    dot_product_attention / shaw_relative_attention with the same keywords, forward and gradients.
+
+    mesh: a jax.sharding.Mesh; the axes named here must be its axes (others: replicated).
+    sequence_axis: the ring. D devices along it each hold T/D queries and S/D keys; key/value shares
+      travel round the ring (D - 1 ppermutes forward; backward also returns dk/dv: 2D - 1).
+    is_causal: bottom-right aligned, as dot_product_attention. load_balance (default True): causal rings
+      use the zigzag layout (see module docstring) so every device does the same work; T and S must
+      then divide by 2D (else by D). Pairs of chunks with no allowed key are skipped (lax.cond).
+    key_value_seq_lengths: int [...] keys s >= length are padding (replicated over the sequence axis).
+    key_table / value_table / max_distance: Shaw tables ([R,H] or [R,N,H]; per-head tables split over
+      head_axis), as shaw_relative_attention; buckets come from global positions.
+    position_bias: the blockwise hook position_bias(query_pos [Tb], key_pos [Sb]) -> [N,Tb,Sb] (or
+      broadcastable), called with global positions; arrays it closes over are differentiated.
+    scale, block_size (tiles within one device's pair of chunks), precision: as blockwise attention.
+
+    Requirements (ValueError otherwise): K divisible by the head axis size, the first batch dim by the
+    batch axis size, T and S by D (2D for a balanced causal ring).
+    """
+    check_mesh(mesh, sequence_axis=sequence_axis, batch_axis=batch_axis, head_axis=head_axis)
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    batch, T, S, N, K, H, Hv = check_qkv(query, key, value)
+    D, Db, Dh = (_axis_size(mesh, a) for a in (sequence_axis, batch_axis, head_axis))
+    if batch_axis is not None and not batch:
+        _checks.fail("batch_axis", "None for inputs without batch dims", repr(batch_axis))
+    if batch:
+        _check_divides("query/key/value", batch[0], Db, f"first batch dim (batch_axis {batch_axis!r})")
+    _check_divides("key", K, Dh, f"heads K (head_axis {head_axis!r})")
+    C = 2 if is_causal and load_balance and D > 1 else 1
+    for name, L, letter in (("query", T, "T"), ("key", S, "S")):
+        _check_divides(name, L, C * D, f"length {letter} (sequence_axis {sequence_axis!r}"
+                       + (", zigzag causal layout" if C == 2 else "") + ")")
+    Cq, Ck = T // (C * D), S // (C * D)
+    B, Nl = int(np.prod(batch, dtype=np.int64)) // Db, N // Dh
+    Tb, Sb = _blockwise._block_sizes(block_size, Cq, Ck, B * Nl)
+    Cqp, Ckp = -(-Cq // Tb) * Tb, -(-Ck // Sb) * Sb
+
+    lengths = None
+    if key_value_seq_lengths is not None:
+        lengths = jnp.asarray(key_value_seq_lengths)
+        _checks.check_int("key_value_seq_lengths", lengths)
+        _checks.check_broadcastable("key_value_seq_lengths", lengths, batch, "[...] (batch dims)")
+        lengths = jnp.broadcast_to(lengths, batch).astype(jnp.int32)
+
+    acc = compute_dtype(query.dtype)
+    if (key_table is not None or value_table is not None) and max_distance is None:
+        _checks.fail("max_distance", "a Python int >= 0 with key_table/value_table", None)
+    if max_distance is not None and (isinstance(max_distance, bool) or not isinstance(max_distance, int)
+                                     or max_distance < 0):
+        _checks.fail("max_distance", "a Python int >= 0", repr(max_distance))
+    R = None if max_distance is None else 2 * max_distance + 1
+    if key_table is not None:
+        key_table = _blockwise._check_table("key_table", key_table, R, N, H, acc)
+    if value_table is not None:
+        value_table = _blockwise._check_table("value_table", value_table, R, N, Hv, acc)
+    for name, table in (("key_table", key_table), ("value_table", value_table)):
+        if table is not None and table.ndim == 3:
+            _check_divides(name, N, Dh, f"heads N (head_axis {head_axis!r})")
+    if key_table is None and value_table is None:
+        max_distance = None
+
+    bias_fn, consts = None, ()
+    if position_bias is not None:
+        dummy_q, dummy_k = jnp.arange(Tb, dtype=jnp.int32), jnp.arange(Sb, dtype=jnp.int32)
+        bias_fn, consts = _blockwise._convert_hook(position_bias, dummy_q, dummy_k, 1, N, Tb, Sb, acc)
+
+    engine = _engine_config(Tb=Tb, Sb=Sb, N=Nl, is_causal=bool(is_causal), max_distance=max_distance,
+                            contiguous=True, precision=precision, bias_fn=bias_fn)
+    ring = _Ring(mesh, sequence_axis, batch_axis, head_axis, D, C, len(batch), T, S, Cq, Ck, Cqp, Ckp, N, Nl,
+                 lengths is not None or Ckp != Ck, engine)
+    scale = jnp.asarray(H ** -0.5 if scale is None else scale, acc)
+
+    query, key, value = (jnp.broadcast_to(x, (*batch, *x.shape[-3:])) for x in (query, key, value))
+    if C == 2:
+        query, key, value = (_zigzag(ring, x) for x in (query, key, value))
+    out = _ring_core(ring, query, key, value, key_table, value_table, consts, scale, lengths)
+    return _zigzag(ring, out, inverse=True) if C == 2 else out

@@ -1,0 +1,253 @@
+"""The multi-device checks of test_sharding.py, run in a subprocess with 8 host CPU devices.
+
+`python tests/_sharding_checks.py [check ...]` prints one JSON object {check: result}. XLA_FLAGS must
+force the 8 devices before JAX starts, which is why this is a separate process: the main pytest session
+keeps its single device. float64 is switched on deliberately (the f32 cases pass explicit float32).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import json  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
+
+jax.config.update("jax_enable_x64", True)
+
+import jaxattn  # noqa: E402
+from jaxattn import _ring, _sharding  # noqa: E402
+
+COLLECTIVES = ("collective-permute", "all-gather", "all-to-all", "all-reduce", "reduce-scatter")
+
+
+def normwise(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1.0))
+
+
+def collectives(compiled):
+    """Collective ops in the compiled HLO: {kind: number of instructions}."""
+    lines = [line for line in compiled.as_text().splitlines() if " = " in line]
+    return {op: sum(f" {op}(" in line or f" {op}-start(" in line for line in lines) for op in COLLECTIVES}
+
+
+def mesh_of(shape, names):
+    return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+
+
+def alibi(slopes):
+    """A position_bias hook closing over a differentiable array: -slope[n] * |key_pos - query_pos|."""
+    return lambda qp, kp: -slopes[:, None, None] * jnp.abs(kp[None, None, :] - qp[None, :, None])
+
+
+# ---------------------------------------------------------------------------------------------------
+# Ring attention against single-device dense attention, forward and gradients.
+
+CASES = {  # name: mesh shape, axis names, sizes and options; every axis has its own size
+    "1x8": dict(mesh=(1, 8), axes=("data", "seq"), batch=(2,), T=48, S=48, N=6, K=2, H=3, Hv=5,
+                causal=True, lengths=True, tables="key-per-head+value-shared", bias=False),
+    "2x4": dict(mesh=(2, 4), axes=("data", "seq"), batch=(2, 3), T=36, S=44, N=3, K=1, H=5, Hv=2,
+                causal=False, lengths=True, tables=None, bias=True),
+    "4x2": dict(mesh=(4, 2), axes=("data", "seq"), batch=(4,), T=24, S=40, N=4, K=2, H=3, Hv=5,
+                causal=True, lengths=False, tables="key-shared+value-per-head", bias=True),
+    "8x1": dict(mesh=(8, 1), axes=("data", "seq"), batch=(8,), T=20, S=28, N=2, K=2, H=3, Hv=5,
+                causal=True, lengths=True, tables="key-per-head+value-shared", bias=False),
+    "2x2x2": dict(mesh=(2, 2, 2), axes=("data", "seq", "heads"), batch=(2,), T=32, S=32, N=6, K=2, H=3, Hv=5,
+                  causal=True, lengths=True, tables="key-per-head+value-per-head", bias=True),
+}
+MAX_DISTANCE = 3
+
+
+def case_inputs(case, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    B, T, S, N, K, H, Hv = (case[k] for k in ("batch", "T", "S", "N", "K", "H", "Hv"))
+
+    def normal(*shape):
+        return jnp.asarray(rng.normal(size=shape).astype(dtype))
+
+    R = 2 * MAX_DISTANCE + 1
+    args = {"q": normal(*B, T, N, H), "k": normal(*B, S, K, H), "v": normal(*B, S, K, Hv)}
+    tables = case["tables"] or ""
+    if "key" in tables:
+        args["key_table"] = normal(R, N, H) if "key-per-head" in tables else normal(R, H)
+    if "value" in tables:
+        args["value_table"] = normal(R, N, Hv) if "value-per-head" in tables else normal(R, Hv)
+    if case["bias"]:
+        args["slopes"] = jnp.asarray(rng.uniform(0.1, 1.0, size=N).astype(dtype))
+    lengths = None
+    if case["lengths"]:  # one row with no key at all, one full, the rest anywhere
+        lengths = jnp.asarray(rng.integers(0, S + 1, size=B)).at[(0,) * len(B)].set(0)
+        lengths = lengths.at[(-1,) * len(B)].set(S)
+    w = normal(*B, T, N, Hv)  # the output cotangent
+    return args, lengths, w
+
+
+def ring_fn(case, lengths, mesh, precision=None):
+    seq, batch = case["axes"][1], case["axes"][0]
+    head = case["axes"][2] if len(case["axes"]) > 2 else None
+
+    def f(args):
+        bias = alibi(args["slopes"]) if "slopes" in args else None
+        return _ring.ring_attention(
+            args["q"], args["k"], args["v"], mesh=mesh, sequence_axis=seq, batch_axis=batch, head_axis=head,
+            is_causal=case["causal"], key_value_seq_lengths=lengths, key_table=args.get("key_table"),
+            value_table=args.get("value_table"), max_distance=MAX_DISTANCE if case["tables"] else None,
+            position_bias=bias, precision=precision)
+    return f
+
+
+def dense_fn(case, lengths, precision=None):
+    T, S = case["T"], case["S"]
+
+    def f(args):
+        bias = None
+        if "slopes" in args:  # the same hook, evaluated on the whole grid of global positions
+            bias = alibi(args["slopes"])(jnp.arange(T) + S - T, jnp.arange(S))
+        return jaxattn.shaw_relative_attention(
+            args["q"], args["k"], args["v"], args.get("key_table"), args.get("value_table"),
+            max_distance=MAX_DISTANCE, is_causal=case["causal"], key_value_seq_lengths=lengths, bias=bias,
+            implementation="dense", precision=precision)
+    return f
+
+
+def forward_and_grads(f, w):
+    def run(args):
+        out, vjp = jax.vjp(f, args)
+        return out, vjp(w)[0]
+    return jax.jit(run)
+
+
+def place(case, mesh, args):
+    """Inputs placed on the mesh as a user would (shard_inputs); tables and slopes replicated."""
+    seq, batch = case["axes"][1], case["axes"][0]
+    head = case["axes"][2] if len(case["axes"]) > 2 else None
+    placed = dict(args)
+    letters = "B" + "." * (len(case["batch"]) - 1)
+    for name, layout in (("q", letters + "TNH"), ("k", letters + "SKH"), ("v", letters + "SKH")):
+        placed[name] = _sharding.shard_inputs(args[name], mesh, layout, batch_axis=batch, sequence_axis=seq,
+                                              head_axis=head)
+    return placed
+
+
+def check_case(name, dtype):
+    case = CASES[name]
+    mesh = mesh_of(case["mesh"], case["axes"])
+    args, lengths, w = case_inputs(case, dtype)
+    precision = "highest" if dtype == np.float32 else None
+    ring = forward_and_grads(ring_fn(case, lengths, mesh, precision), w)
+    compiled = ring.lower(place(case, mesh, args)).compile()
+    out, grads = compiled(place(case, mesh, args))
+    ref_out, ref_grads = forward_and_grads(dense_fn(case, lengths, precision), w)(args)
+    result = {"forward": normwise(out, ref_out),
+              "grads": {k: normwise(grads[k], ref_grads[k]) for k in sorted(ref_grads)},
+              "finite": bool(all(np.isfinite(np.asarray(g)).all() for g in grads.values())),
+              "out_spec": str(out.sharding.spec), "dtype": str(out.dtype), "collectives": collectives(compiled)}
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------
+# Data- and head-parallel: the ordinary functions under jit with NamedSharding (no shard_map).
+
+
+def check_data_head_parallel():
+    mesh = mesh_of((2, 4), ("data", "model"))
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.normal(size=(4, 24, 12)))
+    results = {}
+    for relative in (False, True):
+        if relative:
+            params = jaxattn.init_relative_multi_head_attention(jax.random.key(0), 12, 8, 3, num_kv_heads=4,
+                                                                max_distance=2, dtype=jnp.float64)
+            layer = jaxattn.relative_multi_head_attention
+        else:
+            params = jaxattn.init_multi_head_attention(jax.random.key(0), 12, 8, 3, num_kv_heads=4,
+                                                       dtype=jnp.float64)
+            layer = jaxattn.multi_head_attention
+        p_sharded = _sharding.shard_params(params, mesh, head_axis="model")
+        x_sharded = _sharding.shard_inputs(x, mesh, "BTE", batch_axis="data")
+        impls = ("blockwise",) if relative else ("dense", "blockwise")
+        for impl in impls:
+            def loss(p, x):
+                return jnp.sum(jnp.sin(layer(p, x, is_causal=True, implementation=impl, block_size=8)))
+            fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+            compiled = fn.lower(p_sharded, x_sharded).compile()
+            (value, grads), (ref_value, ref_grads) = compiled(p_sharded, x_sharded), fn(params, x)
+            flat, ref_flat = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
+            results[f"{'relative' if relative else 'mha'}-{impl}"] = {
+                "loss": abs(float(value - ref_value)) / abs(float(ref_value)),
+                "grads": max(normwise(g, r) for g, r in zip(flat, ref_flat)),
+                "collectives": collectives(compiled),
+                "query_kernel_spec": str(p_sharded["query"]["kernel"].sharding.spec)}
+    return results
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-device memory: lowering and compiling only, nothing runs.
+
+
+def temp_mib(fn, *args):
+    analysis = jax.jit(fn).lower(*args).compile().memory_analysis()
+    return analysis.temp_size_in_bytes / 2**20
+
+
+def memory_row(S, devices, *, causal=True, backward=False, B=1, N=8, H=64):
+    """Per-device XLA temp (MiB) of ring attention on `devices` devices, or (devices=0) of single-device
+    blockwise attention, for float32 [B,S,N,H] self-attention."""
+    mesh = mesh_of((max(devices, 1),), ("seq",))
+    sharding = NamedSharding(mesh, PartitionSpec(None, "seq", None, None)) if devices else None
+    x = jax.ShapeDtypeStruct((B, S, N, H), jnp.float32, sharding=sharding)
+    if devices:
+        def attend(q, k, v):
+            return _ring.ring_attention(q, k, v, mesh=mesh, sequence_axis="seq", is_causal=causal)
+    else:
+        def attend(q, k, v):
+            return jaxattn.dot_product_attention(q, k, v, is_causal=causal, implementation="blockwise")
+    if backward:
+        def run(q, k, v):
+            out, vjp = jax.vjp(attend, q, k, v)
+            return vjp(out)
+    else:
+        run = attend
+    return temp_mib(run, x, x, x)
+
+
+def check_memory():
+    S = 8 * 4096
+    result = {}
+    for backward in (False, True):
+        key = "forward+backward" if backward else "forward"
+        result[key] = {"blockwise 1 device, S": memory_row(S, 0, backward=backward),
+                       "blockwise 1 device, S/8": memory_row(S // 8, 0, backward=backward),
+                       "ring 8 devices, S": memory_row(S, 8, backward=backward)}
+    return result
+
+
+CHECKS = {
+    **{f"ring-f64-{name}": (lambda name=name: check_case(name, np.float64)) for name in CASES},
+    **{f"ring-f32-{name}": (lambda name=name: check_case(name, np.float32)) for name in ("1x8", "2x4", "4x2", "8x1")},
+    "data-head-parallel": check_data_head_parallel,
+    "memory": check_memory,
+}
+
+
+def main(names):
+    assert len(jax.devices()) == 8, jax.devices()
+    results = {}
+    for name in names or CHECKS:
+        try:
+            results[name] = CHECKS[name]()
+        except Exception as error:  # reported per check, so one failure does not hide the others
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
