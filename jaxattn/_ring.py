@@ -462,9 +462,6 @@ def ring_attention(query, key, value, *, mesh, sequence_axis=None, batch_axis=No
         key_table = _blockwise._check_table("key_table", key_table, R, N, H, acc)
     if value_table is not None:
         value_table = _blockwise._check_table("value_table", value_table, R, N, Hv, acc)
-    for name, table in (("key_table", key_table), ("value_table", value_table)):
-        if table is not None and table.ndim == 3:
-            _check_divides(name, N, Dh, f"heads N (head_axis {head_axis!r})")
     if key_table is None and value_table is None:
         max_distance = None
 
