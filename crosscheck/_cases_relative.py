@@ -1,7 +1,8 @@
 """jaxattn's relative-position forms and multi-head layers against torchref, the plain-torch oracle.
 
 Both sides share the layout, so tables are params with the same tree on both sides. Sizes: B=2, T=5, S=7,
-N=3, H=11, Hv=13, max_distance=4 (R=9, clipping the offsets -6..4 of T=5 queries on S=7 keys).
+N=3, H=11, Hv=13, max_distance=4 (R=9, clipping the offsets -6..4 of T=5 queries on S=7 keys); grouped-query
+cases use N=6 on K=2. The sizes match crosscheck._cases_torch's, so eager runs reuse each other's compiles.
 """
 
 from __future__ import annotations
@@ -93,7 +94,7 @@ _CASES = {
                         lambda n: _shaw_setup(n, per_head=True, causal=True, N=6, K=2)),
     "torchref_mha_gqa": ("torchref.MultiHeadAttention, N=6 on K=2 heads, Hv != H, Eq/Ek/Ev/Eo distinct, weights",
                          lambda n: _module_case(n, "MultiHeadAttention", weights=True, query_features=17,
-                                                 num_heads=6, head_dim=5, num_kv_heads=2, value_head_dim=7,
+                                                 num_heads=6, head_dim=H, num_kv_heads=2, value_head_dim=Hv,
                                                  key_features=19, value_features=23, out_features=29)),
     "torchref_relative_mha": ("torchref.RelativeMultiHeadAttention, per-head tables, Hv != H, causal T<S",
                               lambda n: _module_case(n, "RelativeMultiHeadAttention", causal=True,

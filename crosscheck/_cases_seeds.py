@@ -22,7 +22,7 @@ def seed000() -> Setup:
 
     import jaxattn
 
-    B, S, N, H = 2, 5, 3, 7  # the seed's B, S, H (heads), D (head dim)
+    B, S, N, H = 2, 7, 3, 11  # the seed's B, S, H (heads), D (head dim)
     rng = rng_for("seed000")
     params = {name: normal(rng, (N, H, H), H**-0.5) for name in ("W_Q", "W_K", "W_V")}
     params |= {name: normal(rng, (S, S, N, H)) for name in ("a_K", "a_V")}
@@ -117,7 +117,7 @@ def seed003() -> Setup:
 
     import jaxattn
 
-    B, N, T, d_k = 2, 3, 7, 5
+    B, N, T, d_k = 2, 3, 7, 11
     rng = rng_for("seed003")
     mask_matrix = torch.tril(torch.ones(T, T)) == 0  # the seed's ScaledDotProductAttention(do_mask=True)
 

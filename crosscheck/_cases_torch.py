@@ -1,7 +1,9 @@
 """torch's own attention against jaxattn: nn.MultiheadAttention across its options, and F.scaled_dot_product_attention.
 
 Sizes (distinct so that a swapped axis cannot pass): batch B=2, query length T=5, key length S=7, heads N=3,
-head dim H=11 (model width E = N*H = 33), key/value features Ek=17, Ev=19, value head dim Hv=13.
+head dim H=11 (model width E = N*H = 33), key/value features Ek=17, Ev=19, value head dim Hv=13; grouped-query
+N=6 on K=2. Cases share these sizes on purpose: JAX compiles each eager ("plain") operation once per shape,
+and compiling, not arithmetic, is what a run spends its time on.
 """
 
 from __future__ import annotations

@@ -130,11 +130,18 @@ def _run(cases: list[Case], dtypes, transforms, *, jobs: int) -> list[Report]:
                 results += _run_one_case(case, rows)
                 advance(len(rows), case.name)
             return results
+        # One worker per contiguous slice of the catalogue: neighbouring cases share shapes, so a worker's
+        # eager ("plain") rows reuse the per-operation compiles of the cases before them.
         # spawn, not fork: a forked JAX/XLA runtime is not safe. Cases travel by name and are rebuilt there.
         ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(cases)), mp_context=ctx,
-                                                    initializer=enable_x64) as pool:
-            futures = {pool.submit(_run_one_case, c.name, rows): (c, rows) for c, rows in work}
+        jobs = min(jobs, len(work))
+        bounds = [round(i * len(work) / jobs) for i in range(jobs + 1)]
+        with contextlib.ExitStack() as stack:
+            futures = {}
+            for lo, hi in zip(bounds, bounds[1:]):
+                worker = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
+                    1, mp_context=ctx, initializer=enable_x64))
+                futures |= {worker.submit(_run_one_case, c.name, rows): (c, rows) for c, rows in work[lo:hi]}
             for done in concurrent.futures.as_completed(futures):
                 case, rows = futures[done]
                 advance(len(rows), case.name)

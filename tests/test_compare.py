@@ -105,6 +105,12 @@ def test_nan_fails_on_either_side():
         assert math.isinf(report.worst("output"))
 
 
+def test_all_zero_output_is_not_a_pass():
+    report = compare(lambda x: x * 0, lambda x: x * 0, {"x": X}, dtype="float64")
+    assert not report.passed
+    assert "vacuous" in report.metrics[0].note
+
+
 def test_wrong_output_dtype_fails():
     report = compare(lambda x: x.astype(jnp.float64), _scaled(1.0), {"x": X}, dtype="float32")
     assert not report.passed
