@@ -52,11 +52,11 @@ def _check_table(name, table, R, N, head_dim, query):
 
 def _gather_buckets(per_bucket, index):
     """per_bucket [...,N,T,R], index [...,1,T,S] -> [...,N,T,S]: per_bucket[..., t, index[t,s]]."""
-    if index.ndim == 3:  # positions shared over the batch: gather [T,S] rows of a [T,R,X] view
-        *lead, T, R = per_bucket.shape
-        rows = jnp.moveaxis(per_bucket.reshape(-1, T, R), 0, -1)
+    if index.ndim == 3:  # positions shared over the batch: gather [T,S] rows of a [T,R,...,N] view
+        T = per_bucket.shape[-2]
+        rows = jnp.moveaxis(per_bucket, (-2, -1), (0, 1))
         picked = rows[jnp.arange(T)[:, None], index[0]]
-        return jnp.moveaxis(picked, -1, 0).reshape(*lead, T, index.shape[-1])
+        return jnp.moveaxis(picked, (0, 1), (-2, -1))
     shape = jnp.broadcast_shapes(per_bucket.shape[:-1] + (1,), index.shape)
     per_bucket = jnp.broadcast_to(per_bucket, shape[:-1] + per_bucket.shape[-1:])
     return jnp.take_along_axis(per_bucket, jnp.broadcast_to(index, shape), axis=-1)
@@ -65,10 +65,11 @@ def _gather_buckets(per_bucket, index):
 def _sum_into_buckets(weights, index, R):
     """weights [...,N,T,S], index [...,1,T,S] -> [...,N,T,R]: sum of weights[t,s] over s with index r."""
     *lead, T, S = weights.shape
-    if index.ndim == 3:  # positions shared over the batch: one [T,S] scatter into a [T,R,X] view
-        cols = jnp.moveaxis(weights.reshape(-1, T, S), 0, -1)
-        sums = jnp.zeros((T, R, cols.shape[-1]), weights.dtype).at[jnp.arange(T)[:, None], index[0]].add(cols)
-        return jnp.moveaxis(sums, -1, 0).reshape(*lead, T, R)
+    if index.ndim == 3:  # positions shared over the batch: one [T,S] scatter into a [T,R,...,N] view
+        # (transposes, not reshapes: batch and head axes stay separate, so their shardings survive)
+        cols = jnp.moveaxis(weights, (-2, -1), (0, 1))
+        sums = jnp.zeros((T, R, *cols.shape[2:]), weights.dtype).at[jnp.arange(T)[:, None], index[0]].add(cols)
+        return jnp.moveaxis(sums, (0, 1), (-2, -1))
     index = jnp.broadcast_to(index, weights.shape)
     rows = weights.reshape(-1, S)
     row_ids = jnp.arange(rows.shape[0])[:, None]
