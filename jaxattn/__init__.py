@@ -24,6 +24,13 @@ from ._multihead import relative_multi_head_attention as relative_multi_head_att
 from ._relative import relative_position_index as relative_position_index
 from ._relative import shaw_relative_attention as shaw_relative_attention
 
+# Long sequences and device meshes: the blockwise engine, ring (sequence-parallel) attention, placement.
+from ._blockwise import blockwise_attention as blockwise_attention
+from ._ring import ring_attention as ring_attention
+from ._sharding import partition_spec as partition_spec
+from ._sharding import shard_inputs as shard_inputs
+from ._sharding import shard_params as shard_params
+
 # Other relative-position schemes (index conventions: docs/positions.md; j - i = key minus query position).
 from ._alibi import alibi_attention as alibi_attention
 from ._alibi import alibi_bias as alibi_bias
@@ -67,4 +74,9 @@ __all__ = [
     "relative_sinusoids",
     "transformer_xl_attention",
     "position_bias_attention",
+    "blockwise_attention",
+    "ring_attention",
+    "shard_params",
+    "shard_inputs",
+    "partition_spec",
 ]
