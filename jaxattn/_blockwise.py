@@ -174,7 +174,8 @@ def _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc):
     x = _einsum("bkgth,bksh->bkgts", q_blk, k_blk, cfg, acc)
     if per_bucket is not None:
         x = x + _gather(per_bucket, index)
-    x = x * scale
+    if scale is not None:  # None: the query was scaled before the engine
+        x = x * scale
     return x if bias is None else x + bias
 
 
@@ -329,7 +330,8 @@ def _engine_bwd(cfg, residuals, d_out):
                 (d_c,) = bias_vjp(jnp.sum(ds, axis=tuple(range(ds.ndim - bias.ndim))).reshape(bias.shape)
                                   .astype(bias.dtype))
                 d_consts = jax.tree.map(jnp.add, d_consts, d_c)
-            ds = ds * scale
+            if scale is not None:
+                ds = ds * scale
             dq = dq + _einsum("bkgts,bksh->bkgth", ds.astype(q.dtype), k_blk, cfg, acc)
             dk_blk = _einsum("bkgts,bkgth->bksh", ds.astype(q.dtype), q_blk, cfg, acc)
             if key_table is not None:
@@ -512,6 +514,10 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
     contiguous = query_positions is None and key_positions is None
     cfg = _Config(Tb, Sb, N, bool(is_causal), max_distance, contiguous, precision, bias_fn)
     scale = jnp.asarray(H ** -0.5 if scale is None else scale, acc)
+    if query.dtype in (jnp.float32, jnp.float64):
+        # Scaling [T,H] queries once beats scaling every [Tb,Sb] tile (forward and backward); half
+        # precision keeps the float32 multiply on the logits instead.
+        query, scale = query * scale.astype(query.dtype), None
 
     def engine_layout(x, length, padded):  # [...,L,K,(G,)F] -> [B,K,(G,)L_padded,F]
         x = jnp.broadcast_to(x, (*batch, *x.shape[-3:])).reshape(B, *x.shape[-3:])
