@@ -8,8 +8,9 @@ and parameters). Builders make every number from a fixed seed: no network, no fi
         '''One line shown by --list.'''
         ...
 
-and, for a built-in module, add the module to `_BUILTIN_MODULES` so that the catalogue imports it.
-Each case runs in every dtype of `DTYPES` under every transform of `TRANSFORMS` unless it says otherwise.
+in a module `crosscheck/_cases_<topic>.py`: the catalogue imports every such module (the core ones first,
+in `_BUILTIN_MODULES` order, then the others by name). Each case runs in every dtype of `DTYPES` under every
+transform of `TRANSFORMS` unless it says otherwise.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import importlib
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 from crosscheck._compare import TRANSFORMS, Report, compare
@@ -29,7 +31,7 @@ __all__ = ["CASES", "DTYPES", "Case", "Setup", "catalogue", "register_case", "ru
 
 DTYPES = ("float32", "float64")
 
-# Modules whose import registers built-in cases (in --list order).
+# Modules whose import registers the core cases, in --list order; other crosscheck._cases_* modules follow.
 _BUILTIN_MODULES = (
     "crosscheck._cases_seeds",
     "crosscheck._cases_torch",
@@ -89,9 +91,15 @@ def register_case(name: str, *, description: str | None = None, dtypes: Iterable
     return add
 
 
+def _case_modules() -> list[str]:
+    package = Path(__file__).parent
+    found = sorted(f"crosscheck.{p.stem}" for p in package.glob("_cases_*.py"))
+    return [*_BUILTIN_MODULES, *(m for m in found if m not in _BUILTIN_MODULES)]
+
+
 def catalogue() -> dict[str, Case]:
-    """Every registered case, built-ins included (importing their modules on first use)."""
-    for module in _BUILTIN_MODULES:
+    """Every registered case: importing each crosscheck._cases_* module registers its cases (once)."""
+    for module in _case_modules():
         importlib.import_module(module)
     return CASES
 

@@ -31,7 +31,7 @@ def enable_x64() -> None:
 
     jax.config.update("jax_enable_x64", True)
     if os.environ.get(SELFTEST_ENV):
-        import crosscheck._cases_selftest  # noqa: F401  (registers the case)
+        import crosscheck._selftest  # noqa: F401  (registers the case)
 
 
 def _parser() -> argparse.ArgumentParser:
