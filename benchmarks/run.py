@@ -116,13 +116,14 @@ def plot(case, path, title):
 
     by_name = {c.name: c for c in case.candidates}
     fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for series, points in case.sweep.items():
+    for index, (series, points) in enumerate(case.sweep.items()):
+        style = dict(color=f"C{index}", label=series)  # one colour per series on both axes
         xs = [s for s, _ in points]
-        ax_t.plot(xs, [by_name[n].median_s * 1e3 for _, n in points], "o-", label=series)
+        ax_t.plot(xs, [by_name[n].median_s * 1e3 for _, n in points], "o-", **style)
         mem = [by_name[n].peak_bytes if by_name[n].peak_bytes is not None
                else (by_name[n].temp_bytes or 0) + (by_name[n].output_bytes or 0) for _, n in points]
         if any(by_name[n].peak_bytes is not None or by_name[n].temp_bytes is not None for _, n in points):
-            ax_m.plot(xs, [m / MiB for m in mem], "o-", label=series)
+            ax_m.plot(xs, [m / MiB for m in mem], "o-", **style)
     for ax, label in ((ax_t, "forward time (ms, median)"), (ax_m, "memory (MiB)")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
