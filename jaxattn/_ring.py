@@ -90,48 +90,36 @@ def _lse_spec(ring):
     return PartitionSpec(ring.batch, ring.head, None, ring.seq)
 
 
-def _to_engine(x, C, L, Lp, K=None):
-    """Local [*b, C*L, X, F] -> [C, B, X, Lp, F] (chunks split off, padded to whole tiles); with K,
-    query heads X = N are viewed as [K, G]: [C, B, K, G, Lp, F]."""
-    x = x.reshape(-1, C, L, *x.shape[-2:])
-    x = jnp.pad(x, [(0, 0), (0, 0), (0, Lp - L), (0, 0), (0, 0)])
-    x = jnp.transpose(x, (1, 0, 3, 2, 4))
-    return x if K is None else x.reshape(*x.shape[:2], K, x.shape[2] // K, *x.shape[3:])
-
-
-def _from_engine(x, L, batch_shape):
-    """[C, B, K, (G,) Lp, F] -> local [*b, C*L, X, F]."""
-    C, B = x.shape[:2]
-    Lp, F = x.shape[-2:]
-    x = x.reshape(C, B, -1, Lp, F)[..., :L, :]
-    x = jnp.transpose(x, (1, 0, 3, 2, 4))
-    return x.reshape(*batch_shape, C * L, x.shape[-2], F)
-
-
 def _ring_index(ring):
     return lax.axis_index(ring.seq) if ring.seq is not None else jnp.int32(0)
 
 
 def _chunk_ids(ring, d):
-    """Global chunk indices held by device d: (d, 2D-1-d) zigzag, (d,) contiguous."""
-    return (d,) if ring.C == 1 else (d, 2 * ring.D - 1 - d)
+    """Global chunk index in each slot of device d. Zigzag: chunks d and 2D-1-d, in the order the
+    reorder delivers them (slot h holds the chunk that arrived as half h of a natural share, i.e. the
+    even-numbered chunk in slot 0); contiguous: (d,)."""
+    if ring.C == 1:
+        return (d,)
+    late = 2 * ring.D - 1 - d
+    even = d % 2 == 0
+    return jnp.where(even, d, late), jnp.where(even, late, d)
 
 
 def _positions(ring, d, which):
-    """Global positions of the chunks device d holds, [C, Lp] (padding repeats the last position):
-    query t at t + (S - T) (bottom-right), key s at s."""
+    """Global positions of the chunks device d holds, one [Lp] per slot (padding repeats the last
+    position): query t at t + (S - T) (bottom-right), key s at s."""
     L, Lp = (ring.Cq, ring.Cqp) if which == "q" else (ring.Ck, ring.Ckp)
     local = jnp.minimum(jnp.arange(Lp, dtype=jnp.int32), L - 1)
     offset = ring.S - ring.T if which == "q" else 0
-    return jnp.stack([c * L + local + offset for c in _chunk_ids(ring, d)]).astype(jnp.int32)
+    return tuple((c * L + local + offset).astype(jnp.int32) for c in _chunk_ids(ring, d))
 
 
 def _chunk_lengths(ring, d, lengths):
-    """Per key chunk, the valid keys counted from the chunk's start: [C, B|1], or None."""
+    """Per key slot, the valid keys counted from the chunk's start: [B|1] each, or None."""
     if not ring.lengths:
-        return None
+        return (None,) * ring.C
     total = jnp.full((1,), ring.S, jnp.int32) if lengths is None else lengths.reshape(-1).astype(jnp.int32)
-    return jnp.stack([jnp.clip(total - c * ring.Ck, 0, ring.Ck) for c in _chunk_ids(ring, d)]).astype(jnp.int32)
+    return tuple(jnp.clip(total - c * ring.Ck, 0, ring.Ck).astype(jnp.int32) for c in _chunk_ids(ring, d))
 
 
 def _engine_cfg(ring):
@@ -147,16 +135,6 @@ def _engine_cfg(ring):
     return cfg._replace(bias_fn=local_heads)
 
 
-def _needed(ring, qp, kp, length):
-    """Whether a (query chunk, key chunk) pair may hold an allowed key (else lax.cond skips it)."""
-    needed = jnp.bool_(True)
-    if ring.engine.is_causal:
-        needed &= kp.min() <= qp.max()
-    if length is not None:
-        needed &= length.max() > 0
-    return needed
-
-
 def _shift(ring, x):
     """Pass x (a pytree) one device along the ring: d -> d + 1."""
     if ring.D == 1:
@@ -168,6 +146,71 @@ def _shift(ring, x):
 def _psum(x, axes):
     axes = tuple(a for a in axes if a is not None)
     return jax.tree.map(lambda g: lax.psum(g, axes), x) if axes else x
+
+
+# ---------------------------------------------------------------------------------------------------
+# The zigzag reorder, inside the ring program: device e's natural share is chunks 2e and 2e+1 (its two
+# halves); chunk c goes to device c (c < D) or 2D-1-c (c >= D). One ppermute per half, each way.
+
+
+def _zigzag_perms(D):
+    """For each half h of a device's natural share (chunk c = 2e + h on device e), where it goes."""
+    def dest(c):
+        return c if c < D else 2 * D - 1 - c
+    return [[(e, dest(2 * e + h)) for e in range(D)] for h in (0, 1)]
+
+
+def _arrive(ring, x):
+    """Local natural share [*b, C*L, X, F] -> the chunks this device holds, one [*b, L, X, F] per slot."""
+    if ring.C == 1:
+        return (x,)
+    halves = jnp.split(x, 2, axis=ring.nb)
+    return tuple(lax.ppermute(h, ring.seq, perm) for h, perm in zip(halves, _zigzag_perms(ring.D)))
+
+
+def _depart(ring, chunks):
+    """The inverse of _arrive: one [*b, L, X, F] per slot -> the local natural share."""
+    if ring.C == 1:
+        return chunks[0]
+    back = [[(b, a) for a, b in perm] for perm in _zigzag_perms(ring.D)]
+    return jnp.concatenate([lax.ppermute(c, ring.seq, p) for c, p in zip(chunks, back)], axis=ring.nb)
+
+
+def _to_engine(x, L, Lp, K=None):
+    """One chunk [*b, L, X, F] -> [B, X, Lp, F] (padded to whole tiles); with K, query heads X = N are
+    viewed as [K, G]: [B, K, G, Lp, F]."""
+    x = x.reshape(-1, L, *x.shape[-2:])
+    x = jnp.moveaxis(jnp.pad(x, [(0, 0), (0, Lp - L), (0, 0), (0, 0)]), 1, 2)
+    return x if K is None else x.reshape(x.shape[0], K, x.shape[1] // K, *x.shape[2:])
+
+
+def _from_engine(x, L, batch_shape):
+    """[B, K, (G,) Lp, F] -> one chunk [*b, L, X, F]."""
+    B, Lp, F = x.shape[0], x.shape[-2], x.shape[-1]
+    x = jnp.moveaxis(x.reshape(B, -1, Lp, F)[:, :, :L], 1, 2)
+    return x.reshape(*batch_shape, L, x.shape[-2], F)
+
+
+def _queries(ring, x, K):
+    """Local natural queries (or outputs, cotangents) -> [B, K, G, C*Cqp, F]: the slots' chunks side by
+    side along the sequence (each padded to whole query tiles, so no tile straddles two chunks)."""
+    return jnp.concatenate([_to_engine(c, ring.Cq, ring.Cqp, K) for c in _arrive(ring, x)], axis=3)
+
+
+def _keys(ring, x):
+    """Local natural keys (or values) -> one [B, K, Ckp, F] per slot (kept apart: each chunk's padding
+    and key lengths are its own)."""
+    return tuple(_to_engine(c, ring.Ck, ring.Ckp) for c in _arrive(ring, x))
+
+
+def _unqueries(ring, x, batch_shape):
+    """[B, K, G, C*Cqp, F] -> local natural [*b, C*Cq, N, F]."""
+    chunks = jnp.split(x, ring.C, axis=-2)
+    return _depart(ring, [_from_engine(c, ring.Cq, batch_shape) for c in chunks])
+
+
+def _unkeys(ring, xs, batch_shape):
+    return _depart(ring, [_from_engine(x, ring.Ck, batch_shape) for x in xs])
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -193,66 +236,49 @@ def _ring_loop(ring, d, visit, carry, kv, carry_travels=()):
     return travel(visit(carry, kv, (d + 1) % ring.D))
 
 
-def _over_pairs(ring, visit_pair, carry):
-    """carry = visit_pair(carry, a, b) for every (query chunk a, key chunk b); rolled into one loop when
-    there are several, so the engine is compiled once per ring step rather than once per pair."""
-    if ring.C == 1:
-        return visit_pair(carry, 0, 0)
-    return lax.fori_loop(0, ring.C * ring.C, lambda p, c: visit_pair(c, p // ring.C, p % ring.C), carry)
+def _slice(x, start, size, axis):
+    return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _at(tree, i):
-    return jax.tree.map(lambda x: x[i], tree)
-
-
-def _set(tree, i, value):
-    return jax.tree.map(lambda x, y: x.at[i].set(y), tree, value)
-
-
-def _local_layout(ring, q_like, kv_like):
-    K = kv_like[0].shape[-2]
-    qs = tuple(_to_engine(x, ring.C, ring.Cq, ring.Cqp, K) for x in q_like)
-    kvs = tuple(_to_engine(x, ring.C, ring.Ck, ring.Ckp) for x in kv_like)
-    return qs, kvs
+def _over_query_tiles(ring, cfg, visit_tile, carry, n):
+    """carry = visit_tile(carry, i) for each of the n query tiles of this device. The ring calls the
+    engine one query tile at a time: its output is then one tile (no stacked copy of a whole chunk),
+    and every array the engine reads is a whole held buffer or a tile-sized slice."""
+    return lax.fori_loop(0, n, lambda i, c: visit_tile(c, i), carry)
 
 
 def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
     cfg = _engine_cfg(ring)
     batch_shape = q.shape[:ring.nb]
     acc = compute_dtype(q.dtype)
-    (q,), (k, v) = _local_layout(ring, (q,), (k, v))  # q [C,B,K,G,Cqp,H], k [C,B,K,Ckp,H]
+    K, Tb = k.shape[-2], cfg.Tb
+    q = _queries(ring, q, K)  # [B,K,G,C*Cqp,H]
+    kv = tuple(zip(_keys(ring, k), _keys(ring, v)))  # per slot: k [B,K,Ckp,H], v [B,K,Ckp,Hv]
     d = _ring_index(ring)
-    q_pos = _positions(ring, d, "q")
-    rows = q.shape[1:-1]
-
-    def pair(q_a, qp, k_b, v_b, kp, length):
-        out, residuals = _blockwise._engine_fwd(cfg, q_a, k_b, v_b, key_table, value_table, consts, scale,
-                                                qp, kp, length)
-        return out.astype(acc), residuals[-1]
-
-    def skip(*_):
-        return jnp.zeros(rows + v.shape[-1:], acc), jnp.full(rows, -jnp.inf, acc)
+    q_pos = jnp.concatenate(_positions(ring, d, "q"))
+    rows = q.shape[:-1]
 
     def visit(carry, kv, src):
-        k_c, v_c = kv
         k_pos, k_len = _positions(ring, src, "k"), _chunk_lengths(ring, src, lengths)
 
-        def visit_pair(state, a, b):
-            length = None if k_len is None else k_len[b]
-            args = (q[a], q_pos[a], k_c[b], v_c[b], k_pos[b], length)
-            out, lse = lax.cond(_needed(ring, q_pos[a], k_pos[b], length), pair, skip, *args)
-            # a normalised partial (out, lse) is the unnormalised one (out, m=lse, l=1)
-            merged = combine_partials(_at(state, a), (out, lse, jnp.isfinite(lse).astype(acc)))
-            return _set(state, a, merged)
+        def tile(state, i):
+            q_blk, qp = _slice(q, i * Tb, Tb, 3), _slice(q_pos, i * Tb, Tb, 0)
+            part = tuple(_slice(x, i * Tb, Tb, 3) for x in state)
+            for (k_b, v_b), kp, length in zip(kv, k_pos, k_len):
+                # the engine skips key tiles with no allowed key (all of them: out 0, lse -inf)
+                out, residuals = _blockwise._engine_fwd(cfg, q_blk, k_b, v_b, key_table, value_table, consts,
+                                                        scale, qp, kp, length)
+                lse = residuals[-1]
+                # a normalised partial (out, lse) is the unnormalised one (out, m=lse, l=1)
+                part = combine_partials(part, (out.astype(acc), lse, jnp.isfinite(lse).astype(acc)))
+            return tuple(lax.dynamic_update_slice_in_dim(x, p, i * Tb, 3) for x, p in zip(state, part))
 
-        return {"acc": _over_pairs(ring, visit_pair, carry["acc"])}
+        return {"acc": _over_query_tiles(ring, cfg, tile, carry["acc"], q.shape[3] // Tb)}
 
     (out0,), m0, l0 = empty_partial((rows + v.shape[-1:],), rows, acc)
-    init = {"acc": tuple(jnp.broadcast_to(x, (ring.C, *x.shape)) for x in (out0, m0, l0))}
-    final = _ring_loop(ring, d, visit, init, (k, v))["acc"]
-    (out,), lse = finalize_partial(((final[0],), final[1], final[2]))
-    lse = jnp.moveaxis(lse, 0, -2).reshape(*lse.shape[1:-1], -1)  # [B,K,G,C*Cqp]
-    return _from_engine(out.astype(q.dtype), ring.Cq, batch_shape), lse
+    out, m, l = _ring_loop(ring, d, visit, {"acc": (out0, m0, l0)}, kv)["acc"]
+    (out,), lse = finalize_partial(((out,), m, l))
+    return _unqueries(ring, out.astype(q.dtype), batch_shape), lse  # lse [B,K,G,C*Cqp], slot order
 
 
 def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out, lse, d_out):
@@ -260,39 +286,38 @@ def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out
     batch_shape = q.shape[:ring.nb]
     acc = compute_dtype(q.dtype)
     dtypes = (q.dtype, k.dtype, v.dtype)
-    (q, out, d_out), (k, v) = _local_layout(ring, (q, out, d_out), (k, v))
-    lse = jnp.moveaxis(lse.reshape(*lse.shape[:-1], ring.C, ring.Cqp), -2, 0)
+    K, Tb = k.shape[-2], cfg.Tb
+    q, out, d_out = (_queries(ring, x, K) for x in (q, out, d_out))
+    kv = tuple(zip(_keys(ring, k), _keys(ring, v)))
     d = _ring_index(ring)
-    q_pos = _positions(ring, d, "q")
+    q_pos = jnp.concatenate(_positions(ring, d, "q"))
     tables = (key_table, value_table, consts)
 
-    def pair(q_a, qp, o_a, lse_a, do_a, k_b, v_b, kp, length):
-        residuals = (q_a, k_b, v_b, key_table, value_table, consts, scale, qp, kp, length, o_a, lse_a)
-        grads = _blockwise._engine_bwd(cfg, residuals, do_a)[:6]
-        return jax.tree.map(lambda g: g.astype(acc), grads)
-
-    def skip(*args):
-        return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(pair, *args))
-
     def visit(carry, kv, src):
-        k_c, v_c = kv
         k_pos, k_len = _positions(ring, src, "k"), _chunk_lengths(ring, src, lengths)
 
-        def visit_pair(carry, a, b):
-            length = None if k_len is None else k_len[b]
-            args = (q[a], q_pos[a], out[a], lse[a], d_out[a], k_c[b], v_c[b], k_pos[b], length)
-            g = lax.cond(_needed(ring, q_pos[a], k_pos[b], length), pair, skip, *args)
-            return {"dq": carry["dq"].at[a].add(g[0]), "dk": carry["dk"].at[b].add(g[1]),
-                    "dv": carry["dv"].at[b].add(g[2]), "tables": jax.tree.map(jnp.add, carry["tables"], g[3:])}
+        def tile(carry, i):
+            q_blk, o_blk, do_blk = (_slice(x, i * Tb, Tb, 3) for x in (q, out, d_out))
+            lse_blk, qp = _slice(lse, i * Tb, Tb, 3), _slice(q_pos, i * Tb, Tb, 0)
+            dq_blk, dkv, d_tables = _slice(carry["dq"], i * Tb, Tb, 3), [], carry["tables"]
+            for (k_b, v_b), (dk_b, dv_b), kp, length in zip(kv, carry["dkv"], k_pos, k_len):
+                residuals = (q_blk, k_b, v_b, key_table, value_table, consts, scale, qp, kp, length, o_blk, lse_blk)
+                g = jax.tree.map(lambda x: x.astype(acc), _blockwise._engine_bwd(cfg, residuals, do_blk)[:6])
+                dq_blk = dq_blk + g[0]
+                dkv.append((dk_b + g[1], dv_b + g[2]))
+                d_tables = jax.tree.map(jnp.add, d_tables, g[3:])
+            return {"dq": lax.dynamic_update_slice_in_dim(carry["dq"], dq_blk, i * Tb, 3), "dkv": tuple(dkv),
+                    "tables": d_tables}
 
-        return _over_pairs(ring, visit_pair, carry)
+        return _over_query_tiles(ring, cfg, tile, carry, q.shape[3] // Tb)
 
-    init = {"dq": jnp.zeros(q.shape, acc), "dk": jnp.zeros(k.shape, acc), "dv": jnp.zeros(v.shape, acc),
+    init = {"dq": jnp.zeros(q.shape, acc),
+            "dkv": tuple((jnp.zeros(k_b.shape, acc), jnp.zeros(v_b.shape, acc)) for k_b, v_b in kv),
             "tables": jax.tree.map(lambda t: jnp.zeros(t.shape, acc), tables)}
-    final = _ring_loop(ring, d, visit, init, (k, v), carry_travels=("dk", "dv"))
-    dq, dk, dv = (_from_engine(final[name], L, batch_shape).astype(dtype)
-                  for name, L, dtype in (("dq", ring.Cq, dtypes[0]), ("dk", ring.Ck, dtypes[1]),
-                                         ("dv", ring.Ck, dtypes[2])))
+    final = _ring_loop(ring, d, visit, init, kv, carry_travels=("dkv",))
+    dq = _unqueries(ring, final["dq"].astype(dtypes[0]), batch_shape)
+    dk = _unkeys(ring, [g.astype(dtypes[1]) for g, _ in final["dkv"]], batch_shape)
+    dv = _unkeys(ring, [g.astype(dtypes[2]) for _, g in final["dkv"]], batch_shape)
     # tables and hook arrays are shared by every device that holds them: sum their gradients
     d_key_table, d_value_table, d_consts = final["tables"]
     every = (ring.batch, ring.seq, ring.head)
@@ -345,36 +370,6 @@ def _ring_bwd(ring, residuals, d_out):
 
 
 _ring_core.defvjp(_ring_fwd, _ring_bwd)
-
-
-# ---------------------------------------------------------------------------------------------------
-# The zigzag reorder: natural order <-> device d holding chunks (d, 2D-1-d), by ppermute of halves.
-
-
-def _zigzag_perms(D):
-    """For each half h of a device's natural share (chunk c = 2e + h on device e), where it goes."""
-    def dest(c):
-        return c if c < D else 2 * D - 1 - c
-    return [[(e, dest(2 * e + h)) for e in range(D)] for h in (0, 1)]
-
-
-def _zigzag_body(ring, x, *, inverse):
-    axis = ring.nb  # the sequence dim of [*b, L, X, F]
-    h0, h1 = jnp.split(x, 2, axis=axis)
-    even = lax.axis_index(ring.seq) % 2 == 0
-    perm0, perm1 = _zigzag_perms(ring.D)
-    if not inverse:  # an even device receives its early chunk through half 0, an odd one through half 1
-        r0, r1 = lax.ppermute(h0, ring.seq, perm0), lax.ppermute(h1, ring.seq, perm1)
-        return jnp.concatenate([jnp.where(even, r0, r1), jnp.where(even, r1, r0)], axis=axis)
-    back0 = [(b, a) for a, b in perm0]
-    back1 = [(b, a) for a, b in perm1]
-    s0, s1 = jnp.where(even, h0, h1), jnp.where(even, h1, h0)
-    return jnp.concatenate([lax.ppermute(s0, ring.seq, back0), lax.ppermute(s1, ring.seq, back1)], axis=axis)
-
-
-def _zigzag(ring, x, inverse=False):
-    spec = _spec(ring, "TNH")
-    return _shard_map(ring, functools.partial(_zigzag_body, inverse=inverse), (spec,), spec)(x)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -477,7 +472,4 @@ def ring_attention(query, key, value, *, mesh, sequence_axis=None, batch_axis=No
     scale = jnp.asarray(H ** -0.5 if scale is None else scale, acc)
 
     query, key, value = (jnp.broadcast_to(x, (*batch, *x.shape[-3:])) for x in (query, key, value))
-    if C == 2:
-        query, key, value = (_zigzag(ring, x) for x in (query, key, value))
-    out = _ring_core(ring, query, key, value, key_table, value_table, consts, scale, lengths)
-    return _zigzag(ring, out, inverse=True) if C == 2 else out
+    return _ring_core(ring, query, key, value, key_table, value_table, consts, scale, lengths)
