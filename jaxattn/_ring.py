@@ -385,6 +385,23 @@ def _engine_config(**fields):
     return _blockwise._Config(**{name: fields[name] for name in _blockwise._Config._fields})
 
 
+def _tile_sizes(block_size, Cq, Ck, rows, query_elements):
+    """(Tb, Sb): as blockwise attention for an explicit block_size; the default is blockwise attention's
+    for one chunk pair, its larger side halved while a tile [rows, Tb, Sb] would hold more than a quarter
+    of the elements of this device's queries (rows * query_elements), down to 64. The engine keeps a few
+    float32 tiles live at once (about two forward, four backward): a fixed tile would be a constant that
+    stops the per-device memory from falling with D. Evened out so the padding is less than one tile."""
+    Tb, Sb = _blockwise._block_sizes(block_size, Cq, Ck, rows)
+    if block_size is not None:
+        return Tb, Sb
+    while 4 * Tb * Sb > query_elements and max(Tb, Sb) > 64:
+        if Tb >= Sb:
+            Tb = max(64, Tb // 2)
+        else:
+            Sb = max(64, Sb // 2)
+    return tuple(-(-L // -(-L // b)) for L, b in ((Cq, Tb), (Ck, Sb)))
+
+
 def _axis_size(mesh, axis):
     return 1 if axis is None else mesh.shape[axis]
 
@@ -416,7 +433,9 @@ def ring_attention(query, key, value, *, mesh, sequence_axis=None, batch_axis=No
       head_axis), as shaw_relative_attention; buckets come from global positions.
     position_bias: the blockwise hook position_bias(query_pos [Tb], key_pos [Sb]) -> [N,Tb,Sb] (or
       broadcastable), called with global positions; arrays it closes over are differentiated.
-    scale, block_size (tiles within one device's pair of chunks), precision: as blockwise attention.
+    scale, precision: as blockwise attention. block_size: (query_block, key_block) tiles within one
+      device's chunks; default: blockwise attention's, halved while one tile [B,N,Tb,Sb] would hold more
+      than a quarter of the elements of the device's queries [B,T/D,N,H] (so its memory falls with D too).
 
     Requirements (ValueError otherwise): K divisible by the head axis size, the first batch dim by the
     batch axis size, T and S by D (2D for a balanced causal ring).
@@ -436,7 +455,7 @@ def ring_attention(query, key, value, *, mesh, sequence_axis=None, batch_axis=No
                        + (", zigzag causal layout" if C == 2 else "") + ")")
     Cq, Ck = T // (C * D), S // (C * D)
     B, Nl = int(np.prod(batch, dtype=np.int64)) // Db, N // Dh
-    Tb, Sb = _blockwise._block_sizes(block_size, Cq, Ck, B * Nl)
+    Tb, Sb = _tile_sizes(block_size, Cq, Ck, B * Nl, C * Cq * H)
     Cqp, Ckp = -(-Cq // Tb) * Tb, -(-Ck // Sb) * Sb
 
     lengths = None
