@@ -31,7 +31,8 @@ MiB = 2**20
 
 
 def chunk_pairs(D, causal):
-    """Per device over the D ring steps: (chunk pairs computed, chunk pairs skipped by lax.cond).
+    """Per device over the D ring steps: (chunk pairs computed, chunk pairs skipped: the
+    blockwise engine finds no allowed key tile for them).
     A pair is one [S/(C D), S/(C D)] block of the logits; C = 2 chunks a device for the causal zigzag,
     whose diagonal step needs 3 of its 4 pairs and every other step 2 of 4, on every device alike."""
     if not causal:
@@ -66,12 +67,14 @@ def row(S, D, *, B, N, H, causal, backward, timed):
     memory = compiled.memory_analysis()
     pairs = chunk_pairs(D, causal)
     share = B * (S // D) * N * H * 4
+    C = 2 if causal and D > 1 else 1
+    tile = _ring._tile_sizes(None, S // (C * D), S // (C * D), B * N, S // D * H)  # the default (Tb, Sb)
     result = {"devices": D, "phase": "forward+backward" if backward else "forward",
               "temp_MiB_per_device": memory.temp_size_in_bytes / MiB,
               "arguments_MiB_per_device": memory.argument_size_in_bytes / MiB,
               "ring_steps": D, "kv_hops": D - 1, "dkv_hops": D if backward else 0,
               "bytes_per_hop": 2 * share, "chunk_pairs_per_device": pairs[0],
-              "chunk_pairs_skipped_per_device": pairs[1],
+              "chunk_pairs_skipped_per_device": pairs[1], "tile": list(tile),
               # share of the S x S logits grid each device computes (diagonal pairs are half needed)
               "logit_fraction_per_device": (0.5 if causal else 1.0) / D,
               "compile_s": time.perf_counter() - start, "collectives": collectives(compiled)}
@@ -128,7 +131,7 @@ def main():
           f"{'causal (zigzag)' if causal else 'non-causal'}; single-device blockwise temp: "
           + ", ".join(f"{p} {m:.1f} MiB" for p, m in reference.items()))
     header = f"{'phase':17} {'D':>2} {'temp MiB/dev':>12} {'x 1-dev':>7} {'steps':>5} {'kv hops':>7} " \
-             f"{'MiB/hop':>7} {'pairs run/skip':>14} {'logits/dev':>10} {'permutes':>8} {'gathers':>7}"
+             f"{'MiB/hop':>7} {'pairs run/skip':>14} {'logits/dev':>10} {'permutes':>8} {'gathers':>7} {'tile':>9}"
     print(header)
     for r in rows:
         print(f"{r['phase']:17} {r['devices']:>2} {r['temp_MiB_per_device']:>12.1f} "
@@ -136,7 +139,7 @@ def main():
               f"{r['bytes_per_hop'] / MiB:>7.1f} "
               f"{r['chunk_pairs_per_device']:>7}/{r['chunk_pairs_skipped_per_device']:<6} "
               f"{r['logit_fraction_per_device']:>10.4f} {r['collectives']['collective-permute']:>8} "
-              f"{r['collectives']['all-gather']:>7}" + (f"  {r['median_s'] * 1e3:.1f} ms" if "median_s" in r else ""))
+              f"{r['collectives']['all-gather']:>7} {'x'.join(map(str, r['tile'])):>9}" + (f"  {r['median_s'] * 1e3:.1f} ms" if "median_s" in r else ""))
 
     report = {"command": "python -m benchmarks.ring", "jax": jax.__version__, "backend": jax.default_backend(),
               "devices": [str(d) for d in jax.devices()], "shape": {"S": args.seq, **shape}, "causal": causal,

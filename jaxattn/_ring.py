@@ -2,29 +2,36 @@
 
 With the sequence split over the D devices of one mesh axis, device d holds its queries and one share
 of the keys/values. Each step it attends its queries to the key/value share it holds (the blockwise
-engine, tile by tile), merges that partial result into its running one (combine_partials: the online
-softmax), and passes the share on to device d + 1 (lax.ppermute). After D steps every query has seen
-every key and no device ever held more than two shares of keys/values at once:
+engine, called one query tile at a time), merges that partial result into its running one
+(combine_partials: the online softmax), and passes the share on to device d + 1 (lax.ppermute). After D
+steps every query has seen every key and no device ever held more than two shares of keys/values at once:
 
     acc = empty partial
     for step in 0 .. D-1:
         next_kv = ppermute(kv, d -> d + 1)                       (in flight while the step computes)
-        for each (query chunk a, key chunk b) held:              lax.cond: skipped if b is all future
-            acc[a] = combine_partials(acc[a], engine(q[a], k[b], v[b], global positions))  or padding
+        for each query tile i, for each key chunk b held:        key tiles with no allowed key skipped
+            acc[i] = combine_partials(acc[i], engine(q[i], k[b], v[b], global positions))
         kv = next_kv
     out = finalize_partial(acc)
 
 Backward (custom VJP, FlashAttention-2 style): the same ring again; dq accumulates where its queries
-are, dk/dv accumulators travel with their key/value share and arrive home after D hops. Each pair's
+are, dk/dv accumulators travel with their key/value share and arrive home after D hops. Each call's
 gradients are the blockwise engine's backward given the *global* output and log-sum-exp.
 
 Causal balance: with contiguous shares, device d's queries see d + 1 of the D shares, so the last
 device does D times the work of the first and the ring waits for it. Causal rings therefore use the
 "zigzag" layout: the sequence is cut into 2D chunks and device d holds chunks d and 2D-1-d (an early
-and a late one). Every step except the first then needs exactly half of the pairs: (both query chunks
-x the earlier key chunk) when the key share comes from a device before d, (the later query chunk x both
-key chunks) when from after d; the other half is skipped. Every device does the same work. Inputs and
-outputs stay in natural order; the zigzag reorder is two ppermutes of the local share each way.
+and a late one). Every step except the first then needs exactly half of the (query chunk, key chunk)
+pairs: (both query chunks x the earlier key chunk) when the key share comes from a device before d, (the
+later query chunk x both key chunks) when from after d; the engine skips the other half tile by tile
+(its key range per query tile is empty). Every device does the same work. Inputs and outputs stay in
+natural order; the zigzag reorder happens inside the ring program, one ppermute of each half of the local
+share each way (no global reordered copies).
+
+Memory (per device, units of one local share [S/D, N, H]): the local queries in the engine layout (1),
+the key/value share held and the one in flight (4), the accumulator (written into the output buffer),
+plus a few tiles, whose default size shrinks with the share (_tile_sizes). Backward adds the output and
+its cotangent in the engine layout, dq, and the travelling dk/dv accumulators (held and in flight).
 
 Every position-dependent term (causal mask, Shaw buckets, the position_bias hook) reads global
 positions computed from each chunk's offset in the sequence, never sliced from a global array.
@@ -240,7 +247,7 @@ def _slice(x, start, size, axis):
     return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
-def _over_query_tiles(ring, cfg, visit_tile, carry, n):
+def _over_query_tiles(visit_tile, carry, n):
     """carry = visit_tile(carry, i) for each of the n query tiles of this device. The ring calls the
     engine one query tile at a time: its output is then one tile (no stacked copy of a whole chunk),
     and every array the engine reads is a whole held buffer or a tile-sized slice."""
@@ -273,7 +280,7 @@ def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
                 part = combine_partials(part, (out.astype(acc), lse, jnp.isfinite(lse).astype(acc)))
             return tuple(lax.dynamic_update_slice_in_dim(x, p, i * Tb, 3) for x, p in zip(state, part))
 
-        return {"acc": _over_query_tiles(ring, cfg, tile, carry["acc"], q.shape[3] // Tb)}
+        return {"acc": _over_query_tiles(tile, carry["acc"], q.shape[3] // Tb)}
 
     (out0,), m0, l0 = empty_partial((rows + v.shape[-1:],), rows, acc)
     out, m, l = _ring_loop(ring, d, visit, {"acc": (out0, m0, l0)}, kv)["acc"]
@@ -309,7 +316,7 @@ def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out
             return {"dq": lax.dynamic_update_slice_in_dim(carry["dq"], dq_blk, i * Tb, 3), "dkv": tuple(dkv),
                     "tables": d_tables}
 
-        return _over_query_tiles(ring, cfg, tile, carry, q.shape[3] // Tb)
+        return _over_query_tiles(tile, carry, q.shape[3] // Tb)
 
     init = {"dq": jnp.zeros(q.shape, acc),
             "dkv": tuple((jnp.zeros(k_b.shape, acc), jnp.zeros(v_b.shape, acc)) for k_b, v_b in kv),
@@ -427,7 +434,7 @@ def ring_attention(query, key, value, *, mesh, sequence_axis=None, batch_axis=No
       travel round the ring (D - 1 ppermutes forward; backward also returns dk/dv: 2D - 1).
     is_causal: bottom-right aligned, as dot_product_attention. load_balance (default True): causal rings
       use the zigzag layout (see module docstring) so every device does the same work; T and S must
-      then divide by 2D (else by D). Pairs of chunks with no allowed key are skipped (lax.cond).
+      then divide by 2D (else by D). Key tiles with no allowed key are skipped (by the engine).
     key_value_seq_lengths: int [...] keys s >= length are padding (replicated over the sequence axis).
     key_table / value_table / max_distance: Shaw tables ([R,H] or [R,N,H]; per-head tables split over
       head_axis), as shaw_relative_attention; buckets come from global positions.
