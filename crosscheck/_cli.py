@@ -25,11 +25,33 @@ SELFTEST_ENV = "CROSSCHECK_SELFTEST"
 DEFAULT_JOBS = max(1, min(4, os.cpu_count() or 1))
 
 
-def enable_x64() -> None:
-    """float64 rows need JAX's x64 mode; float32 rows still pass explicit float32 arrays."""
+def default_cache_dir() -> Path:
+    """JAX_COMPILATION_CACHE_DIR if set, else $XDG_CACHE_HOME/crosscheck/xla (~/.cache/crosscheck/xla)."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "crosscheck" / "xla"
+
+
+def configure_jax(cache_dir: str | None = None) -> None:
+    """x64 on (float32 rows still pass explicit float32 arrays), and JAX's persistent compilation cache.
+
+    A run spends its time compiling (each eager operation of a "plain" row is its own small XLA program),
+    and the same programs come back in every run and in every worker: cached, a second run is ~5x faster.
+    The cache is JAX's own, keyed by the program, the compile options and the jax/jaxlib versions, so a
+    cached executable is the executable a fresh compile would produce.
+    """
     import jax
 
     jax.config.update("jax_enable_x64", True)
+    if cache_dir:
+        try:
+            Path(cache_dir).mkdir(parents=True, exist_ok=True)
+        except OSError:
+            pass  # an unwritable cache only costs time
+        else:
+            jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     if os.environ.get(SELFTEST_ENV):
         import crosscheck._selftest  # noqa: F401  (registers the case)
 
@@ -46,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the results as JSON to PATH, or to stdout (instead of the table) without PATH")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
+    p.add_argument("--cache-dir", default=str(default_cache_dir()), metavar="DIR",
+                   help="JAX's persistent compilation cache (default: %(default)s)")
+    p.add_argument("--no-cache", action="store_true", help="compile everything afresh, cache nothing")
     p.add_argument("--jobs", type=int, default=DEFAULT_JOBS, metavar="N",
                    help=f"worker processes, one case at a time each (default {DEFAULT_JOBS}: the CPUs, at most 4)")
     w = p.add_argument_group("checking a real checkpoint")
@@ -62,7 +87,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    enable_x64()
+    cache_dir = None if args.no_cache else args.cache_dir
+    configure_jax(cache_dir)
     if args.list:
         return _list()
     try:
@@ -73,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     dtypes = tuple(dict.fromkeys(args.dtype or DTYPES))
     transforms = tuple(dict.fromkeys(args.transform or TRANSFORMS))
     started = time.perf_counter()
-    reports = _run(cases, dtypes, transforms, jobs=1 if args.weights else args.jobs)
+    reports = _run(cases, dtypes, transforms, jobs=1 if args.weights else args.jobs, cache_dir=cache_dir)
     seconds = time.perf_counter() - started
     failed = [r for r in reports if not r.passed]
     if args.json is not None:
@@ -121,7 +147,7 @@ def _run_one_case(case: Case | str, rows) -> list[Report]:
     return [run_case(case, dtype=d, transform=t) for d, t in rows]
 
 
-def _run(cases: list[Case], dtypes, transforms, *, jobs: int) -> list[Report]:
+def _run(cases: list[Case], dtypes, transforms, *, jobs: int, cache_dir: str | None) -> list[Report]:
     work = [(c, _rows(c, dtypes, transforms)) for c in cases]
     with _progress(sum(len(rows) for _, rows in work)) as advance:
         if jobs <= 1 or len(cases) <= 1:
@@ -140,7 +166,7 @@ def _run(cases: list[Case], dtypes, transforms, *, jobs: int) -> list[Report]:
             futures = {}
             for lo, hi in zip(bounds, bounds[1:]):
                 worker = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
-                    1, mp_context=ctx, initializer=enable_x64))
+                    1, mp_context=ctx, initializer=configure_jax, initargs=(cache_dir,)))
                 futures |= {worker.submit(_run_one_case, c.name, rows): (c, rows) for c, rows in work[lo:hi]}
             for done in concurrent.futures.as_completed(futures):
                 case, rows = futures[done]

@@ -47,12 +47,12 @@ def test_a_failing_case_exits_1():
 
 
 def test_list_and_unknown_case(capsys):
-    assert main(["--list"]) == 0
+    assert main(["--list", "--no-cache"]) == 0
     listed = capsys.readouterr().out
     for name in ("seed000", "seed004", "mha_everything", "sdpa_causal_top_left", "shaw_per_head_causal_gqa"):
         assert name in listed
     assert "selftest_broken" not in listed  # the hidden hook stays hidden
-    assert main(["--case", "no_such_case"]) == 2
+    assert main(["--case", "no_such_case", "--no-cache"]) == 2
     assert "no case matches" in capsys.readouterr().err
 
 
@@ -69,7 +69,7 @@ def test_weights_file_of_a_torch_mha(tmp_path, capsys, suffix):
 
         save_file(state, str(path))
     report = tmp_path / "report.json"
-    code = main(["--weights", str(path), "--num-heads", "2", "--transform", "jit", "--json", str(report)])
+    code = main(["--weights", str(path), "--num-heads", "2", "--transform", "jit", "--json", str(report), "--no-cache"])
     assert code == 0, capsys.readouterr().out
     data = json.loads(report.read_text())
     assert [r["case"] for r in data["rows"]] == [f"weights:mha{suffix}"] * 2  # float32 and float64
@@ -80,5 +80,5 @@ def test_weights_file_of_a_torch_mha(tmp_path, capsys, suffix):
 def test_weights_needs_num_heads(tmp_path, capsys):
     path = tmp_path / "mha.pt"
     torch.save(torch.nn.MultiheadAttention(6, 2).state_dict(), path)
-    assert main(["--weights", str(path)]) == 2
+    assert main(["--weights", str(path), "--no-cache"]) == 2
     assert "--num-heads" in capsys.readouterr().err
