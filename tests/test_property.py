@@ -86,7 +86,7 @@ def run_torch(p, x, mask):
     return out.detach().numpy(), {n: t[n].grad.numpy() for n in t if n != "cot"}
 
 
-@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_jaxattn_equals_torchref_float64(p):
     x, mask = arrays(p)
