@@ -93,11 +93,13 @@ def test_jaxattn_equals_torchref_float64(p):
     out, grads = run_jax(p, x, mask, p["transform"])
     ref, ref_grads = run_torch(p, x, mask)
     assert normwise(out, ref) <= TOL, p
+    # Some gradients are exactly zero in exact arithmetic (max_distance=0 makes the key table a per-row
+    # constant, which softmax ignores): both sides then hold rounding noise, so every gradient's error is
+    # measured against the larger of its own norm and the query gradient's (the problem's scale).
+    scale = np.linalg.norm(ref_grads["q"])
     for name, g in grads.items():
-        # Some gradients are exactly zero in exact arithmetic (max_distance=0 makes the key table a
-        # per-row constant, which softmax ignores): there only rounding noise remains on both sides.
-        abs_err = np.linalg.norm(np.asarray(g) - ref_grads[name])
-        assert normwise(g, ref_grads[name]) <= TOL or abs_err <= 1e-14, (name, abs_err, p)
+        err = np.linalg.norm(np.asarray(g) - ref_grads[name])
+        assert err <= TOL * max(np.linalg.norm(ref_grads[name]), scale), (name, err, p)
 
 
 @pytest.mark.parametrize("K", [1, 2])
