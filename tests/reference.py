@@ -63,3 +63,10 @@ def shaw_index_loop(T, S, max_distance, query_pos=None, key_pos=None):
 def normwise(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-300))
+
+
+def normwise_f64(actual, expected):
+    """normwise, insisting both sides really are float64 (guards against a silent float32 fallback)."""
+    actual, expected = np.asarray(actual), np.asarray(expected)
+    assert actual.dtype == expected.dtype == np.float64, (actual.dtype, expected.dtype)
+    return normwise(actual, expected)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import normwise_f64 as normwise
 import torch
 
 import crosscheck as cc
@@ -24,20 +25,6 @@ from _einsum_mha import einsum_mha
 
 E, KDIM, VDIM, T, S, B = 15, 7, 11, 5, 7, 2
 TOL = 1e-12
-
-
-@pytest.fixture(autouse=True, scope="module")
-def x64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
-
-
-def normwise(actual, expected) -> float:
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    assert actual.dtype == expected.dtype == np.float64, (actual.dtype, expected.dtype)
-    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
 
 
 def assert_trees_close(actual, expected, tol=TOL):

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from reference import normwise_f64 as normwise
 import torch
 import torch.nn.functional as F
 
@@ -30,20 +31,6 @@ PADDING = np.array([[O, O, O, X],
                     [X, O, O, O]])  # batch 0 ignores key 3, batch 1 ignores key 0
 PADDING_FLOAT = np.array([[0.0, 0.5, 0.0, -np.inf],
                           [-np.inf, 0.0, -1.0, 0.0]])
-
-
-@pytest.fixture(autouse=True, scope="module")
-def x64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
-
-
-def normwise(actual, expected) -> float:
-    actual, expected = np.asarray(actual), np.asarray(expected)
-    assert actual.dtype == expected.dtype == np.float64, (actual.dtype, expected.dtype)
-    return float(np.linalg.norm(actual - expected) / np.linalg.norm(expected))
 
 
 def mha(add_bias_kv=False, add_zero_attn=False):

@@ -17,14 +17,6 @@ from safetensors.torch import save_file
 import crosscheck as cc
 
 
-@pytest.fixture(autouse=True, scope="module")
-def x64():
-    previous = jax.config.jax_enable_x64
-    jax.config.update("jax_enable_x64", True)
-    yield
-    jax.config.update("jax_enable_x64", previous)
-
-
 def tensors():
     gen = torch.Generator().manual_seed(0)
     return {
