@@ -120,7 +120,8 @@ def relative_sinusoids(dim: int, *, max_left: int, max_right: int, base: float =
 def _check_head_bias(name, b, N, H, query):
     b = jnp.asarray(b)
     _checks.check_shape(name, b, (N, H), "[N,H]")
-    _checks.check_fits(name, b, compute_dtype(query.dtype))
+    # u and v are added to the query itself, so they must fit its dtype: the cast below only widens.
+    _checks.check_fits(name, b, query.dtype)
     return b.astype(query.dtype)
 
 
