@@ -202,5 +202,4 @@ def _setup():
     )
 
 
-if available():
-    register_case("minilm", transforms=("jit",))(_setup)
+register_case("minilm", transforms=("jit",), requires=(PACKAGE, "transformers", "tokenizers"))(_setup)

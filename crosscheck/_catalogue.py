@@ -19,6 +19,7 @@ import dataclasses
 import fnmatch
 import functools
 import importlib
+import importlib.util
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping
@@ -75,13 +76,25 @@ def _built(case: Case) -> Setup:
 
 
 CASES: dict[str, Case] = {}
+# Cases left out because an optional package is missing: name -> the packages it needs. Reported by the
+# CLI, so a smaller install runs what it can and says what it did not run (never a failing row).
+UNAVAILABLE: dict[str, tuple[str, ...]] = {}
 
 
 def register_case(name: str, *, description: str | None = None, dtypes: Iterable[str] = DTYPES,
-                  transforms: Iterable[str] = TRANSFORMS) -> Callable[[Callable[[], Setup]], Callable[[], Setup]]:
-    """Decorator adding a builder to the catalogue; the description defaults to its docstring's first line."""
+                  transforms: Iterable[str] = TRANSFORMS, requires: Iterable[str] = ()
+                  ) -> Callable[[Callable[[], Setup]], Callable[[], Setup]]:
+    """Decorator adding a builder to the catalogue; the description defaults to its docstring's first line.
+
+    `requires`: importable names the case needs beyond torch (e.g. "transformers"); when one is missing the
+    case is listed in UNAVAILABLE instead of the catalogue.
+    """
 
     def add(build: Callable[[], Setup]) -> Callable[[], Setup]:
+        missing = tuple(m for m in requires if importlib.util.find_spec(m) is None)
+        if missing:
+            UNAVAILABLE[name] = missing
+            return build
         if name in CASES:
             raise ValueError(f"register_case: a case named {name!r} is already registered")
         doc = description if description is not None else (build.__doc__ or "").strip().split("\n")[0]

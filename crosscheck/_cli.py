@@ -110,7 +110,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             Path(args.json).write_text(text + "\n")
     if args.json != "-":
         _print_table(reports, seconds)
+        _print_unavailable()
     return 1 if failed or not reports else 0
+
+
+def _print_unavailable() -> None:
+    from crosscheck._catalogue import UNAVAILABLE
+
+    if UNAVAILABLE:
+        needs = sorted({m for missing in UNAVAILABLE.values() for m in missing})
+        print(f"not run ({len(UNAVAILABLE)} cases need {', '.join(needs)}): {', '.join(UNAVAILABLE)}; "
+              f"pip install -e \".[models]\" to include them")
 
 
 def _list() -> int:
@@ -121,6 +131,7 @@ def _list() -> int:
     for case in catalogue().values():
         table.add_row(case.name, case.description)
     Console(width=_width()).print(table)
+    _print_unavailable()
     return 0
 
 

@@ -82,3 +82,14 @@ def test_weights_needs_num_heads(tmp_path, capsys):
     torch.save(torch.nn.MultiheadAttention(6, 2).state_dict(), path)
     assert main(["--weights", str(path), "--no-cache"]) == 2
     assert "--num-heads" in capsys.readouterr().err
+
+
+def test_cases_needing_a_missing_package_are_listed_not_run():
+    from crosscheck import _catalogue
+
+    @_catalogue.register_case("needs_missing_package", requires=("no_such_package_jaxattn",))
+    def _never():  # pragma: no cover - must not be registered, let alone run
+        raise AssertionError("registered although its package is missing")
+
+    assert "needs_missing_package" not in _catalogue.CASES
+    assert _catalogue.UNAVAILABLE.pop("needs_missing_package") == ("no_such_package_jaxattn",)

@@ -17,7 +17,7 @@ def test_readme_has_examples_and_two_quick_start_commands():
     quick = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
     commands = [line.strip() for line in quick.splitlines() if line.startswith("    ")]
     assert commands == [
-        'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[torch]" && python -m crosscheck',
+        'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[models]" && python -m crosscheck',
         'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[test]" && python -m pytest -q',
     ]
     ci = (README.parent / ".ci" / "run").read_text()
