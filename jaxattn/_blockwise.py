@@ -436,6 +436,18 @@ def use_blockwise(implementation, query, key, **options) -> bool:
     return 4 * logits >= AUTO_BLOCKWISE_BYTES
 
 
+def check_tables(key_table, value_table, max_distance, N, H, Hv, acc):
+    """Validate optional Shaw tables against max_distance: (key_table, value_table, R or None)."""
+    if (key_table is not None or value_table is not None) and max_distance is None:
+        _checks.fail("max_distance", "a Python int >= 0 with key_table/value_table", None)
+    R = None if max_distance is None else 2 * _checks.check_max_distance(max_distance) + 1
+    if key_table is not None:
+        key_table = _check_table("key_table", key_table, R, N, H, acc)
+    if value_table is not None:
+        value_table = _check_table("value_table", value_table, R, N, Hv, acc)
+    return key_table, value_table, R
+
+
 def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_lengths=None,
                         query_positions=None, key_positions=None, scale=None, position_bias=None,
                         key_table=None, value_table=None, max_distance=None, block_size=None,
@@ -494,16 +506,7 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
     elif Sp != S:
         lengths = jnp.full((1,), S, jnp.int32)
 
-    if (key_table is not None or value_table is not None) and max_distance is None:
-        _checks.fail("max_distance", "a Python int >= 0 with key_table/value_table", None)
-    if max_distance is not None and (isinstance(max_distance, bool) or not isinstance(max_distance, int)
-                                     or max_distance < 0):
-        _checks.fail("max_distance", "a Python int >= 0", repr(max_distance))
-    R = None if max_distance is None else 2 * max_distance + 1
-    if key_table is not None:
-        key_table = _check_table("key_table", key_table, R, N, H, acc)
-    if value_table is not None:
-        value_table = _check_table("value_table", value_table, R, N, Hv, acc)
+    key_table, value_table, R = check_tables(key_table, value_table, max_distance, N, H, Hv, acc)
     if key_table is None and value_table is None:
         max_distance = None
 

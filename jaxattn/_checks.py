@@ -85,6 +85,13 @@ def check_same_dtype(names: Sequence[str], arrays) -> None:
         fail("/".join(names), "one dtype (nothing is cast silently)", listed)
 
 
+def check_max_distance(max_distance) -> int:
+    """Clipped relative tables have R = 2 * max_distance + 1 rows: a static Python int >= 0."""
+    if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance < 0:
+        fail("max_distance", "a Python int >= 0", repr(max_distance))
+    return max_distance
+
+
 def check_fits(name: str, x, compute_dtype) -> None:
     """A float operand joining `compute_dtype` arithmetic must not be silently narrowed."""
     check_float(name, x)

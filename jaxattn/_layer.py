@@ -102,9 +102,7 @@ def param_specs(d: Dims, *, use_bias=True, add_bias_kv=False, kernel_init=defaul
     if add_bias_kv:
         specs["bias_kv"] = {"key": ((d.K, d.H), bias_kv_init), "value": ((d.K, d.Hv), bias_kv_init)}
     if relative is not None:
-        max_distance = relative["max_distance"]
-        if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance < 0:
-            _checks.fail("max_distance", "a Python int >= 0", repr(max_distance))
+        max_distance = _checks.check_max_distance(relative["max_distance"])
         if not (relative["use_key_table"] or relative["use_value_table"]):
             _checks.fail("use_key_table/use_value_table", "at least one table", "neither")
         R, heads = 2 * max_distance + 1, (() if relative["share_heads"] else (d.N,))

@@ -236,9 +236,7 @@ def init_relative_multi_head_attention(rng, query_features: int, num_heads: int,
     """init_multi_head_attention plus params['relative'] Shaw tables ([R,N,H] or [R,H] if share_heads)."""
     rng_mha, rng_k, rng_v = jax.random.split(rng, 3)
     params = init_multi_head_attention(rng_mha, query_features, num_heads, head_dim, **kwargs)
-    R = 2 * max_distance + 1
-    if isinstance(max_distance, bool) or not isinstance(max_distance, int) or max_distance < 0:
-        _checks.fail("max_distance", "a Python int >= 0", repr(max_distance))
+    R = 2 * _checks.check_max_distance(max_distance) + 1
     N, _, H, Hv = head_dims(params, allow=())
     table_init = table_init or jax.nn.initializers.normal(0.02)
     dtype = params["query"]["kernel"].dtype

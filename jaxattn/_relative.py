@@ -19,16 +19,10 @@ from ._attention import attention_core, check_qkv, compute_dtype
 from ._masking import positions, relative_offsets
 
 
-def _check_max_distance(max_distance) -> int:
-    if isinstance(max_distance, bool) or not isinstance(max_distance, (int,)) or max_distance < 0:
-        _checks.fail("max_distance", "a Python int >= 0", repr(max_distance))
-    return max_distance
-
-
 def relative_position_index(query_length: int, key_length: int, max_distance: int, *,
                             query_positions=None, key_positions=None):
     """int32 [T,S] (or [...,T,S] for batched positions): clip(j - i, -k, k) + k, bottom-right aligned."""
-    max_distance = _check_max_distance(max_distance)
+    max_distance = _checks.check_max_distance(max_distance)
     q_pos, k_pos = positions(query_length, key_length, query_positions, key_positions)
     offsets = k_pos[..., None, :] - q_pos[..., :, None]
     return (jnp.clip(offsets, -max_distance, max_distance) + max_distance).astype(jnp.int32)
@@ -89,7 +83,7 @@ def shaw_relative_attention(query, key, value, key_table=None, value_table=None,
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     _, T, S, N, _, H, Hv = check_qkv(query, key, value)
-    max_distance = _check_max_distance(max_distance)
+    max_distance = _checks.check_max_distance(max_distance)
     implementation, block_size = options.pop("implementation", None), options.pop("block_size", None)
     if _blockwise.use_blockwise(implementation, query, key, **options):
         return _blockwise.blockwise_attention(query, key, value, key_table=key_table, value_table=value_table,

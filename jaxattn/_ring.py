@@ -473,16 +473,7 @@ def ring_attention(query, key, value, *, mesh, sequence_axis=None, batch_axis=No
         lengths = jnp.broadcast_to(lengths, batch).astype(jnp.int32)
 
     acc = compute_dtype(query.dtype)
-    if (key_table is not None or value_table is not None) and max_distance is None:
-        _checks.fail("max_distance", "a Python int >= 0 with key_table/value_table", None)
-    if max_distance is not None and (isinstance(max_distance, bool) or not isinstance(max_distance, int)
-                                     or max_distance < 0):
-        _checks.fail("max_distance", "a Python int >= 0", repr(max_distance))
-    R = None if max_distance is None else 2 * max_distance + 1
-    if key_table is not None:
-        key_table = _blockwise._check_table("key_table", key_table, R, N, H, acc)
-    if value_table is not None:
-        value_table = _blockwise._check_table("value_table", value_table, R, N, Hv, acc)
+    key_table, value_table, _ = _blockwise.check_tables(key_table, value_table, max_distance, N, H, Hv, acc)
     if key_table is None and value_table is None:
         max_distance = None
 
