@@ -250,33 +250,109 @@ def _engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, l
     return _engine_fwd(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths)[0]
 
 
+def _fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths):
+    """One query tile [B,K,G,Tb,H] against every key of k: (out [B,K,G,Tb,Hv], lse [B,K,G,Tb]), both in
+    the compute dtype (a caller merging partials, like the ring, rounds only once at the end)."""
+    B, K, G, Tb, _ = q_blk.shape
+    Sp, Hv = k.shape[2], v.shape[-1]
+    Sb, acc = cfg.Sb, compute_dtype(q_blk.dtype)
+    R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
+    per_bucket = None if key_table is None else _per_bucket(q_blk, key_table, K, cfg, acc)
+
+    def key_block(j, state):
+        k_blk, v_blk = _slice(k, j * Sb, Sb, 2), _slice(v, j * Sb, Sb, 2)
+        kp = _slice(k_pos, j * Sb, Sb, -1)
+        index = None if R == 0 else _bucket_index(cfg, qp, kp)
+        bias = None if cfg.bias_fn is None else _tile_bias(cfg, consts, qp, kp, K)
+        x = _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc)
+        allowed = _allowed(cfg, qp, kp, j, lengths)
+        partial = _block_partial(x, allowed, v_blk, index, _offset0(cfg, qp, kp), R, value_table, cfg, acc)
+        return combine_partials(state, partial)
+
+    shapes = ((B, K, G, Tb, Hv),) + (((B, K, G, Tb, R),) if value_table is not None else ())
+    lo, hi = _key_range(cfg, qp, k_pos, lengths, Sp // Sb)
+    state = lax.fori_loop(lo, hi, key_block, empty_partial(shapes, (B, K, G, Tb), acc))
+    outs, lse = finalize_partial(state)
+    out = outs[0] if value_table is None else outs[0] + _apply_table(outs[1], value_table, K, cfg, acc)
+    return out, lse
+
+
+def _bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths,
+              grads):
+    """Backward of one query tile against every key of k. delta [B,K,G,Tb] = rowsum(d_out * out);
+    grads = (dk, dv, d_key_table, d_value_table, d_consts): accumulators (compute dtype, dk/dv shaped as
+    k/v) the tile adds into, so a caller keeps one of each however many tiles it runs.
+    Returns (dq tile, grads)."""
+    K = q_blk.shape[1]
+    Sp, Sb, acc = k.shape[2], cfg.Sb, compute_dtype(q_blk.dtype)
+    R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
+    lse_blk = jnp.where(jnp.isfinite(lse_blk), lse_blk, 0)  # empty rows: every p is masked to 0 anyway
+    per_bucket = None if key_table is None else _per_bucket(q_blk, key_table, K, cfg, acc)
+    do_table = None if value_table is None else _per_bucket(do_blk, value_table, K, cfg, acc)
+
+    def key_block(j, inner):
+        dq, dk, dv, ds_buckets, p_buckets, d_consts = inner
+        s0 = j * Sb
+        k_blk, v_blk = _slice(k, s0, Sb, 2), _slice(v, s0, Sb, 2)
+        kp = _slice(k_pos, j * Sb, Sb, -1)
+        index = None if R == 0 else _bucket_index(cfg, qp, kp)
+        bias, bias_vjp = None, None
+        if cfg.bias_fn is not None:
+            bias, bias_vjp = jax.vjp(lambda c: _tile_bias(cfg, c, qp, kp, K), consts)
+        x = _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc)
+        p = jnp.exp(x - lse_blk[..., None])
+        allowed = _allowed(cfg, qp, kp, j, lengths)
+        if allowed is not None:
+            p = jnp.where(allowed, p, 0)
+        dv_blk = _einsum("bkgts,bkgtv->bksv", p.astype(do_blk.dtype), do_blk, cfg, acc)
+        dp = _einsum("bkgtv,bksv->bkgts", do_blk, v_blk, cfg, acc)
+        if value_table is not None:
+            dp = dp + _gather(do_table, index)
+            p_buckets = p_buckets + _bucket_sum(p, index, R, _offset0(cfg, qp, kp))
+        ds = p * (dp - delta[..., None])  # d loss / d x (the scaled, biased logits)
+        if bias_vjp is not None:
+            (d_c,) = bias_vjp(jnp.sum(ds, axis=tuple(range(ds.ndim - bias.ndim))).reshape(bias.shape)
+                              .astype(bias.dtype))
+            d_consts = jax.tree.map(jnp.add, d_consts, d_c)
+        if scale is not None:
+            ds = ds * scale
+        dq = dq + _einsum("bkgts,bksh->bkgth", ds.astype(q_blk.dtype), k_blk, cfg, acc)
+        dk_blk = _einsum("bkgts,bkgth->bksh", ds.astype(q_blk.dtype), q_blk, cfg, acc)
+        if key_table is not None:
+            ds_buckets = ds_buckets + _bucket_sum(ds, index, R, _offset0(cfg, qp, kp))
+        dk = lax.dynamic_update_slice_in_dim(dk, _slice(dk, s0, Sb, 2) + dk_blk, s0, axis=2)
+        dv = lax.dynamic_update_slice_in_dim(dv, _slice(dv, s0, Sb, 2) + dv_blk, s0, axis=2)
+        return dq, dk, dv, ds_buckets, p_buckets, d_consts
+
+    dk, dv, d_key_table, d_value_table, d_consts = grads
+    buckets = jnp.zeros(q_blk.shape[:-1] + (R,), acc)
+    init = (jnp.zeros(q_blk.shape, acc), dk, dv, buckets, buckets, d_consts)
+    lo, hi = _key_range(cfg, qp, k_pos, lengths, Sp // Sb)
+    dq, dk, dv, ds_buckets, p_buckets, d_consts = lax.fori_loop(lo, hi, key_block, init)
+    if key_table is not None:
+        dq = dq + _apply_table(ds_buckets, key_table, K, cfg, acc)
+        d_key_table = d_key_table + _table_grad(ds_buckets, q_blk.astype(acc), key_table, K, cfg, acc)
+    if value_table is not None:
+        d_value_table = d_value_table + _table_grad(p_buckets, do_blk.astype(acc), value_table, K, cfg, acc)
+    return dq, (dk, dv, d_key_table, d_value_table, d_consts)
+
+
+def zero_grads(k, v, key_table, value_table, consts):
+    """The accumulators _bwd_tile adds into, in the compute dtype."""
+    acc = compute_dtype(k.dtype)
+    return (jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc),
+            None if key_table is None else jnp.zeros(key_table.shape, acc),
+            None if value_table is None else jnp.zeros(value_table.shape, acc),
+            jax.tree.map(lambda c: jnp.zeros(c.shape, acc), consts))
+
+
 def _engine_fwd(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths):
     B, K, G, Tp, H = q.shape
-    Sp, Hv = k.shape[2], v.shape[-1]
-    Tb, Sb = cfg.Tb, cfg.Sb
-    acc = compute_dtype(q.dtype)
-    R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
+    Tb, Hv = cfg.Tb, v.shape[-1]
 
     def query_block(_, i):
-        q_blk = _slice(q, i * Tb, Tb, 3)
-        qp = _slice(q_pos, i * Tb, Tb, -1)
-        per_bucket = None if key_table is None else _per_bucket(q_blk, key_table, K, cfg, acc)
-
-        def key_block(j, state):
-            k_blk, v_blk = _slice(k, j * Sb, Sb, 2), _slice(v, j * Sb, Sb, 2)
-            kp = _slice(k_pos, j * Sb, Sb, -1)
-            index = None if R == 0 else _bucket_index(cfg, qp, kp)
-            bias = None if cfg.bias_fn is None else _tile_bias(cfg, consts, qp, kp, K)
-            x = _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc)
-            allowed = _allowed(cfg, qp, kp, j, lengths)
-            partial = _block_partial(x, allowed, v_blk, index, _offset0(cfg, qp, kp), R, value_table, cfg, acc)
-            return combine_partials(state, partial)
-
-        shapes = ((B, K, G, Tb, Hv),) + (((B, K, G, Tb, R),) if value_table is not None else ())
-        lo, hi = _key_range(cfg, qp, k_pos, lengths, Sp // Sb)
-        state = lax.fori_loop(lo, hi, key_block, empty_partial(shapes, (B, K, G, Tb), acc))
-        outs, lse = finalize_partial(state)
-        out = outs[0] if value_table is None else outs[0] + _apply_table(outs[1], value_table, K, cfg, acc)
+        q_blk, qp = _slice(q, i * Tb, Tb, 3), _slice(q_pos, i * Tb, Tb, -1)
+        out, lse = _fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths)
         return None, (out.astype(q.dtype), lse)
 
     _, (out, lse) = lax.scan(query_block, None, jnp.arange(Tp // Tb))
@@ -288,79 +364,27 @@ def _engine_fwd(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_po
 
 def _engine_bwd(cfg, residuals, d_out):
     q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, out, lse = residuals
-    B, K, G, Tp, H = q.shape
-    Sp = k.shape[2]
-    Tb, Sb = cfg.Tb, cfg.Sb
-    acc = compute_dtype(q.dtype)
-    R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
-    lse = jnp.where(jnp.isfinite(lse), lse, 0)  # empty rows: every p is masked to 0 anyway
+    Tb, acc = cfg.Tb, compute_dtype(q.dtype)
 
-    def zeros_like_acc(x):
-        return None if x is None else jnp.zeros(x.shape, acc)
-
-    def query_block(carry, i):
-        dk, dv, d_key_table, d_value_table, d_consts = carry
+    def query_block(grads, i):
         q_blk, do_blk = _slice(q, i * Tb, Tb, 3), _slice(d_out, i * Tb, Tb, 3)
         o_blk, lse_blk = _slice(out, i * Tb, Tb, 3), _slice(lse, i * Tb, Tb, 3)
         qp = _slice(q_pos, i * Tb, Tb, -1)
         delta = jnp.sum(do_blk.astype(acc) * o_blk.astype(acc), axis=-1)  # sum_s p dp = do . out
-        per_bucket = None if key_table is None else _per_bucket(q_blk, key_table, K, cfg, acc)
-        do_table = None if value_table is None else _per_bucket(do_blk, value_table, K, cfg, acc)
+        dq, grads = _bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_table, consts,
+                              scale, k_pos, lengths, grads)
+        return grads, dq
 
-        def key_block(j, inner):
-            dq, dk, dv, ds_buckets, p_buckets, d_consts = inner
-            k_blk, v_blk = _slice(k, j * Sb, Sb, 2), _slice(v, j * Sb, Sb, 2)
-            kp = _slice(k_pos, j * Sb, Sb, -1)
-            index = None if R == 0 else _bucket_index(cfg, qp, kp)
-            bias, bias_vjp = None, None
-            if cfg.bias_fn is not None:
-                bias, bias_vjp = jax.vjp(lambda c: _tile_bias(cfg, c, qp, kp, K), consts)
-            x = _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc)
-            p = jnp.exp(x - lse_blk[..., None])
-            allowed = _allowed(cfg, qp, kp, j, lengths)
-            if allowed is not None:
-                p = jnp.where(allowed, p, 0)
-            dv_blk = _einsum("bkgts,bkgtv->bksv", p.astype(do_blk.dtype), do_blk, cfg, acc)
-            dp = _einsum("bkgtv,bksv->bkgts", do_blk, v_blk, cfg, acc)
-            if value_table is not None:
-                dp = dp + _gather(do_table, index)
-                p_buckets = p_buckets + _bucket_sum(p, index, R, _offset0(cfg, qp, kp))
-            ds = p * (dp - delta[..., None])  # d loss / d x (the scaled, biased logits)
-            if bias_vjp is not None:
-                (d_c,) = bias_vjp(jnp.sum(ds, axis=tuple(range(ds.ndim - bias.ndim))).reshape(bias.shape)
-                                  .astype(bias.dtype))
-                d_consts = jax.tree.map(jnp.add, d_consts, d_c)
-            if scale is not None:
-                ds = ds * scale
-            dq = dq + _einsum("bkgts,bksh->bkgth", ds.astype(q.dtype), k_blk, cfg, acc)
-            dk_blk = _einsum("bkgts,bkgth->bksh", ds.astype(q.dtype), q_blk, cfg, acc)
-            if key_table is not None:
-                ds_buckets = ds_buckets + _bucket_sum(ds, index, R, _offset0(cfg, qp, kp))
-            dk = lax.dynamic_update_slice_in_dim(dk, _slice(dk, j * Sb, Sb, 2) + dk_blk, j * Sb, axis=2)
-            dv = lax.dynamic_update_slice_in_dim(dv, _slice(dv, j * Sb, Sb, 2) + dv_blk, j * Sb, axis=2)
-            return dq, dk, dv, ds_buckets, p_buckets, d_consts
-
-        buckets = jnp.zeros((B, K, G, Tb, R), acc)
-        init = (jnp.zeros(q_blk.shape, acc), dk, dv, buckets, buckets, d_consts)
-        lo, hi = _key_range(cfg, qp, k_pos, lengths, Sp // Sb)
-        dq, dk, dv, ds_buckets, p_buckets, d_consts = lax.fori_loop(lo, hi, key_block, init)
-        if key_table is not None:
-            dq = dq + _apply_table(ds_buckets, key_table, K, cfg, acc)
-            d_key_table = d_key_table + _table_grad(ds_buckets, q_blk.astype(acc), key_table, K, cfg, acc)
-        if value_table is not None:
-            d_value_table = d_value_table + _table_grad(p_buckets, do_blk.astype(acc), value_table, K, cfg, acc)
-        return (dk, dv, d_key_table, d_value_table, d_consts), dq
-
-    init = (jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc), zeros_like_acc(key_table),
-            zeros_like_acc(value_table), jax.tree.map(jnp.zeros_like, consts))
-    (dk, dv, d_key_table, d_value_table, d_consts), dq = lax.scan(query_block, init, jnp.arange(Tp // Tb))
+    grads, dq = lax.scan(query_block, zero_grads(k, v, key_table, value_table, consts),
+                         jnp.arange(q.shape[3] // Tb))
+    dk, dv, d_key_table, d_value_table, d_consts = grads
     dq = jnp.moveaxis(dq, 0, 3).reshape(q.shape)
 
     def cast(grad, like):
         return None if like is None else grad.astype(like.dtype)
 
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), cast(d_key_table, key_table),
-            cast(d_value_table, value_table), d_consts, None, None, None, None)
+            cast(d_value_table, value_table), jax.tree.map(cast, d_consts, consts), None, None, None, None)
 
 
 _engine.defvjp(_engine_fwd, _engine_bwd)
