@@ -69,11 +69,13 @@ def row(S, D, *, B, N, H, causal, backward, timed):
     share = B * (S // D) * N * H * 4
     C = 2 if causal and D > 1 else 1
     tile = _ring._tile_sizes(None, S // (C * D), S // (C * D), B * N, S // D * H)  # the default (Tb, Sb)
+    key_tiles = -(-(S // (C * D)) // tile[1])
+    pieces = C * _ring._pieces_per_chunk(key_tiles, C) if D > 1 else 1
     result = {"devices": D, "phase": "forward+backward" if backward else "forward",
               "temp_MiB_per_device": memory.temp_size_in_bytes / MiB,
               "arguments_MiB_per_device": memory.argument_size_in_bytes / MiB,
               "ring_steps": D, "kv_hops": D - 1, "dkv_hops": D if backward else 0,
-              "bytes_per_hop": 2 * share, "chunk_pairs_per_device": pairs[0],
+              "bytes_per_step": 2 * share, "pieces_per_step": pieces, "chunk_pairs_per_device": pairs[0],
               "chunk_pairs_skipped_per_device": pairs[1], "tile": list(tile),
               # share of the S x S logits grid each device computes (diagonal pairs are half needed)
               "logit_fraction_per_device": (0.5 if causal else 1.0) / D,
@@ -131,12 +133,12 @@ def main():
           f"{'causal (zigzag)' if causal else 'non-causal'}; single-device blockwise temp: "
           + ", ".join(f"{p} {m:.1f} MiB" for p, m in reference.items()))
     header = f"{'phase':17} {'D':>2} {'temp MiB/dev':>12} {'x 1-dev':>7} {'steps':>5} {'kv hops':>7} " \
-             f"{'MiB/hop':>7} {'pairs run/skip':>14} {'logits/dev':>10} {'permutes':>8} {'gathers':>7} {'tile':>9}"
+             f"{'MiB/step':>8} {'pieces':>6} {'pairs run/skip':>14} {'logits/dev':>10} {'permutes':>8} {'gathers':>7} {'tile':>9}"
     print(header)
     for r in rows:
         print(f"{r['phase']:17} {r['devices']:>2} {r['temp_MiB_per_device']:>12.1f} "
               f"{r['x_single_device_blockwise']:>7.3f} {r['ring_steps']:>5} {r['kv_hops']:>7} "
-              f"{r['bytes_per_hop'] / MiB:>7.1f} "
+              f"{r['bytes_per_step'] / MiB:>8.1f} {r['pieces_per_step']:>6} "
               f"{r['chunk_pairs_per_device']:>7}/{r['chunk_pairs_skipped_per_device']:<6} "
               f"{r['logit_fraction_per_device']:>10.4f} {r['collectives']['collective-permute']:>8} "
               f"{r['collectives']['all-gather']:>7} {'x'.join(map(str, r['tile'])):>9}" + (f"  {r['median_s'] * 1e3:.1f} ms" if "median_s" in r else ""))

@@ -4,19 +4,22 @@ With the sequence split over the D devices of one mesh axis, device d holds its 
 of the keys/values. Each step it attends its queries to the key/value share it holds (the blockwise
 engine, called one query tile at a time), merges that partial result into its running one
 (combine_partials: the online softmax), and passes the share on to device d + 1 (lax.ppermute). After D
-steps every query has seen every key and no device ever held more than two shares of keys/values at once:
+steps every query has seen every key. The share travels in P pieces (PIECES_PER_SHARE, whole key
+tiles each): a piece is passed on as soon as every query tile has used it, and the piece arriving is
+written over it in place, so a device holds its share plus about one piece in flight, not two shares:
 
     acc = empty partial
     for step in 0 .. D-1:
-        next_kv = ppermute(kv, d -> d + 1)                       (in flight while the step computes)
-        for each query tile i, for each key chunk b held:        key tiles with no allowed key skipped
-            acc[i] = combine_partials(acc[i], engine(q[i], k[b], v[b], global positions))
-        kv = next_kv
+        for each piece p of the share held (keys [p Pk, (p+1) Pk)):
+            for each query tile i:                               key tiles with no allowed key skipped
+                acc[i] = combine_partials(acc[i], engine(q[i], k[p], v[p], global positions))
+            k[p], v[p] = ppermute((k[p], v[p]), d -> d + 1)      (in flight while piece p+1 computes)
     out = finalize_partial(acc)
 
 Backward (custom VJP, FlashAttention-2 style): the same ring again; dq accumulates where its queries
-are, dk/dv accumulators travel with their key/value share and arrive home after D hops. Each call's
-gradients are the blockwise engine's backward given the *global* output and log-sum-exp.
+are, dk/dv accumulators travel with their key/value piece and arrive home after D hops. Each tile's
+gradients are the blockwise engine's backward tile (_blockwise._bwd_tile) given the *global* log-sum-exp
+and rowsum(d_out * out), which is computed once, so the output itself is not held during the ring.
 
 Causal balance: with contiguous shares, device d's queries see d + 1 of the D shares, so the last
 device does D times the work of the first and the ring waits for it. Causal rings therefore use the
@@ -29,9 +32,9 @@ natural order; the zigzag reorder happens inside the ring program, one ppermute 
 share each way (no global reordered copies).
 
 Memory (per device, units of one local share [S/D, N, H]): the local queries in the engine layout (1),
-the key/value share held and the one in flight (4), the accumulator (written into the output buffer),
-plus a few tiles, whose default size shrinks with the share (_tile_sizes). Backward adds the output and
-its cotangent in the engine layout, dq, and the travelling dk/dv accumulators (held and in flight).
+the key/value share held (2) plus about a piece in flight, the accumulator (written into the output
+buffer), plus a few tiles, whose default size shrinks with the share (_tile_sizes). Backward adds the
+cotangent in the engine layout (1), dq (1) and the travelling dk/dv accumulators (2).
 
 Every position-dependent term (causal mask, Shaw buckets, the position_bias hook) reads global
 positions computed from each chunk's offset in the sequence, never sliced from a global array.
@@ -54,6 +57,12 @@ from ._blockwise import combine_partials, empty_partial, finalize_partial
 from ._sharding import check_mesh
 
 
+# A device's key/value share travels in this many pieces, each passed on once used: the share in flight
+# beside the one held is then 1/PIECES_PER_SHARE of it (whole shares would double the keys/values a
+# device holds). More pieces: smaller messages and one more pass over the accumulator each.
+PIECES_PER_SHARE = 8
+
+
 class _Ring(NamedTuple):
     """Static description of one ring_attention call (hashable: the custom VJP's nondiff argument)."""
     mesh: Any
@@ -71,6 +80,8 @@ class _Ring(NamedTuple):
     Ckp: int
     N: int  # query heads, global and on one device
     Nl: int
+    m: int  # pieces per chunk: the unit that travels (Pk keys, whole key tiles)
+    Pk: int
     lengths: bool  # key lengths in use (given, or to mask padded keys)
     engine: Any  # _blockwise._Config for one (query chunk, key chunk) pair; bias_fn for all N heads
 
@@ -112,21 +123,12 @@ def _chunk_ids(ring, d):
     return jnp.where(even, d, late), jnp.where(even, late, d)
 
 
-def _positions(ring, d, which):
-    """Global positions of the chunks device d holds, one [Lp] per slot (padding repeats the last
-    position): query t at t + (S - T) (bottom-right), key s at s."""
-    L, Lp = (ring.Cq, ring.Cqp) if which == "q" else (ring.Ck, ring.Ckp)
-    local = jnp.minimum(jnp.arange(Lp, dtype=jnp.int32), L - 1)
-    offset = ring.S - ring.T if which == "q" else 0
-    return tuple((c * L + local + offset).astype(jnp.int32) for c in _chunk_ids(ring, d))
-
-
-def _chunk_lengths(ring, d, lengths):
-    """Per key slot, the valid keys counted from the chunk's start: [B|1] each, or None."""
-    if not ring.lengths:
-        return (None,) * ring.C
-    total = jnp.full((1,), ring.S, jnp.int32) if lengths is None else lengths.reshape(-1).astype(jnp.int32)
-    return tuple(jnp.clip(total - c * ring.Ck, 0, ring.Ck).astype(jnp.int32) for c in _chunk_ids(ring, d))
+def _query_positions(ring, d):
+    """Global positions [C*Cqp] of the query chunks device d holds, slot after slot (padding repeats the
+    last position): query t at t + (S - T), bottom-right aligned. Keys: _piece_keys."""
+    local = jnp.minimum(jnp.arange(ring.Cqp, dtype=jnp.int32), ring.Cq - 1)
+    return jnp.concatenate([(c * ring.Cq + local + ring.S - ring.T).astype(jnp.int32)
+                            for c in _chunk_ids(ring, d)])
 
 
 def _engine_cfg(ring):
@@ -205,9 +207,9 @@ def _queries(ring, x, K):
 
 
 def _keys(ring, x):
-    """Local natural keys (or values) -> one [B, K, Ckp, F] per slot (kept apart: each chunk's padding
-    and key lengths are its own)."""
-    return tuple(_to_engine(c, ring.Ck, ring.Ckp) for c in _arrive(ring, x))
+    """Local natural keys (or values) -> [B, K, C*Ckp, F]: the slots' chunks side by side (each padded to
+    whole key tiles; its padding and key lengths are its own)."""
+    return jnp.concatenate([_to_engine(c, ring.Ck, ring.Ckp) for c in _arrive(ring, x)], axis=2)
 
 
 def _unqueries(ring, x, batch_shape):
@@ -224,33 +226,63 @@ def _unkeys(ring, xs, batch_shape):
 # The ring: forward and backward bodies (per device, inside shard_map).
 
 
-def _ring_loop(ring, d, visit, carry, kv, carry_travels=()):
-    """Run carry = visit(carry, kv, src) for the D key/value shares in ring order, kv passed on each step.
-
-    carry_travels: names of carry entries that travel with kv (dk, dv); they are passed on after each
-    visit, and once more at the end, which brings them home.
-    """
-    def travel(carry):
-        return {name: (_shift(ring, value) if name in carry_travels else value) for name, value in carry.items()}
-
-    def step(state, s):
-        carry, kv = state
-        next_kv = _shift(ring, kv)
-        carry = travel(visit(carry, kv, (d - s) % ring.D))
-        return (carry, next_kv), None
-
-    (carry, kv), _ = lax.scan(step, (carry, kv), jnp.arange(ring.D - 1, dtype=jnp.int32))
-    return travel(visit(carry, kv, (d + 1) % ring.D))
-
-
 def _slice(x, start, size, axis):
     return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
+def _piece_keys(ring, src, p, lengths):
+    """Global positions [Pk] of piece p of the share that device src owns, and its valid keys counted
+    from the piece's start ([B|1], or None). Padding (past the chunk's Ck keys) repeats the last
+    position and lies beyond every length."""
+    c, start = divmod(p, ring.m)
+    start *= ring.Pk
+    chunk = _chunk_ids(ring, src)[c]
+    local = jnp.minimum(start + jnp.arange(ring.Pk, dtype=jnp.int32), ring.Ck - 1)
+    k_pos = (chunk * ring.Ck + local).astype(jnp.int32)
+    if not ring.lengths:
+        return k_pos, None
+    total = jnp.full((1,), ring.S, jnp.int32) if lengths is None else lengths.reshape(-1).astype(jnp.int32)
+    return k_pos, jnp.clip(total - chunk * ring.Ck - start, 0, max(0, min(ring.Pk, ring.Ck - start)))
+
+
+def _ring_loop(ring, d, visit, carry, held, home=()):
+    """Visit the D key/value shares in ring order, one piece at a time: carry, held = visit(carry, held,
+    p, src) for piece p (keys [p*Pk, (p+1)*Pk) of `held`, a dict of [B,K,C*Ckp,F] arrays) of the share
+    device src owns. Each piece is passed on as soon as every query tile has used it and the piece that
+    arrives is written over it in place, so one piece, not a whole share, is in flight beside the share
+    held. After the last visit only the entries named in `home` (the travelling dk/dv) move: their last
+    hop brings them to the device owning their keys."""
+    def sweep(carry, held, src, moving):
+        for p in range(ring.C * ring.m):
+            carry, held = visit(carry, held, p, src)
+            if moving and ring.D > 1:
+                # the barrier orders this piece's ppermute after the compute that reads it (else XLA may
+                # issue every ppermute at the start of the step and hold two whole shares)
+                carry, held = lax.optimization_barrier((carry, held))
+                held = {name: (_put(x, _shift(ring, _piece(ring, x, p)), p * ring.Pk)
+                               if name in moving else x) for name, x in held.items()}
+        return carry, held
+
+    def step(state, s):
+        carry, held = state
+        return sweep(carry, held, (d - s) % ring.D, tuple(held)), None
+
+    (carry, held), _ = lax.scan(step, (carry, held), jnp.arange(ring.D - 1, dtype=jnp.int32))
+    return sweep(carry, held, (d + 1) % ring.D, home)
+
+
+def _piece(ring, x, p):
+    return x[:, :, p * ring.Pk:(p + 1) * ring.Pk]
+
+
+def _put(x, piece, start):
+    return lax.dynamic_update_slice_in_dim(x, piece, start, axis=2)
+
+
 def _over_query_tiles(visit_tile, carry, n):
-    """carry = visit_tile(carry, i) for each of the n query tiles of this device. The ring calls the
-    engine one query tile at a time: its output is then one tile (no stacked copy of a whole chunk),
-    and every array the engine reads is a whole held buffer or a tile-sized slice."""
+    """carry = visit_tile(carry, i) for each of the n query tiles of this device. The ring runs the
+    engine one query tile at a time: its result is then one tile (no stacked copy of a whole chunk),
+    and every array it reads is a whole held buffer or a tile-sized slice."""
     return lax.fori_loop(0, n, lambda i, c: visit_tile(c, i), carry)
 
 
@@ -260,30 +292,30 @@ def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
     acc = compute_dtype(q.dtype)
     K, Tb = k.shape[-2], cfg.Tb
     q = _queries(ring, q, K)  # [B,K,G,C*Cqp,H]
-    kv = tuple(zip(_keys(ring, k), _keys(ring, v)))  # per slot: k [B,K,Ckp,H], v [B,K,Ckp,Hv]
+    held = {"k": _keys(ring, k), "v": _keys(ring, v)}  # [B,K,C*Ckp,F]: the slots side by side
     d = _ring_index(ring)
-    q_pos = jnp.concatenate(_positions(ring, d, "q"))
+    q_pos = _query_positions(ring, d)
     rows = q.shape[:-1]
 
-    def visit(carry, kv, src):
-        k_pos, k_len = _positions(ring, src, "k"), _chunk_lengths(ring, src, lengths)
+    def visit(partial, held, p, src):
+        k_pos, length = _piece_keys(ring, src, p, lengths)
+        # the piece as its own (piece-sized) array: a slice of the held share handed to the tile loop
+        k_p, v_p = (_piece(ring, held[name], p) for name in ("k", "v"))
 
-        def tile(state, i):
+        def tile(partial, i):
             q_blk, qp = _slice(q, i * Tb, Tb, 3), _slice(q_pos, i * Tb, Tb, 0)
-            part = tuple(_slice(x, i * Tb, Tb, 3) for x in state)
-            for (k_b, v_b), kp, length in zip(kv, k_pos, k_len):
-                # the engine skips key tiles with no allowed key (all of them: out 0, lse -inf)
-                out, residuals = _blockwise._engine_fwd(cfg, q_blk, k_b, v_b, key_table, value_table, consts,
-                                                        scale, qp, kp, length)
-                lse = residuals[-1]
-                # a normalised partial (out, lse) is the unnormalised one (out, m=lse, l=1)
-                part = combine_partials(part, (out.astype(acc), lse, jnp.isfinite(lse).astype(acc)))
-            return tuple(lax.dynamic_update_slice_in_dim(x, p, i * Tb, 3) for x, p in zip(state, part))
+            # the engine skips key tiles with no allowed key (all of them: out 0, lse -inf)
+            out, lse = _blockwise._fwd_tile(cfg, q_blk, qp, k_p, v_p, key_table, value_table, consts, scale,
+                                            k_pos, length)
+            # a normalised partial (out, lse) is the unnormalised one (out, m=lse, l=1)
+            part = tuple(_slice(x, i * Tb, Tb, 3) for x in partial)
+            part = combine_partials(part, (out, lse, jnp.isfinite(lse).astype(acc)))
+            return tuple(lax.dynamic_update_slice_in_dim(x, y, i * Tb, 3) for x, y in zip(partial, part))
 
-        return {"acc": _over_query_tiles(tile, carry["acc"], q.shape[3] // Tb)}
+        return _over_query_tiles(tile, partial, q.shape[3] // Tb), held
 
     (out0,), m0, l0 = empty_partial((rows + v.shape[-1:],), rows, acc)
-    out, m, l = _ring_loop(ring, d, visit, {"acc": (out0, m0, l0)}, kv)["acc"]
+    (out, m, l), _ = _ring_loop(ring, d, visit, (out0, m0, l0), held)
     (out,), lse = finalize_partial(((out,), m, l))
     return _unqueries(ring, out.astype(q.dtype), batch_shape), lse  # lse [B,K,G,C*Cqp], slot order
 
@@ -294,39 +326,42 @@ def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out
     acc = compute_dtype(q.dtype)
     dtypes = (q.dtype, k.dtype, v.dtype)
     K, Tb = k.shape[-2], cfg.Tb
-    q, out, d_out = (_queries(ring, x, K) for x in (q, out, d_out))
-    kv = tuple(zip(_keys(ring, k), _keys(ring, v)))
+    # delta = rowsum(d_out * out) once, in the natural layout: the output itself is not held in the ring
+    delta = jnp.sum(d_out.astype(acc) * out.astype(acc), axis=-1, keepdims=True)
+    delta = _queries(ring, delta, K)[..., 0]  # [B,K,G,C*Cqp]
+    q, d_out = _queries(ring, q, K), _queries(ring, d_out, K)
+    held = {"k": _keys(ring, k), "v": _keys(ring, v)}
+    held.update(dk=jnp.zeros(held["k"].shape, acc), dv=jnp.zeros(held["v"].shape, acc))
     d = _ring_index(ring)
-    q_pos = jnp.concatenate(_positions(ring, d, "q"))
-    tables = (key_table, value_table, consts)
+    q_pos = _query_positions(ring, d)
 
-    def visit(carry, kv, src):
-        k_pos, k_len = _positions(ring, src, "k"), _chunk_lengths(ring, src, lengths)
+    def visit(carry, held, p, src):
+        k_pos, length = _piece_keys(ring, src, p, lengths)
 
-        def tile(carry, i):
-            q_blk, o_blk, do_blk = (_slice(x, i * Tb, Tb, 3) for x in (q, out, d_out))
-            lse_blk, qp = _slice(lse, i * Tb, Tb, 3), _slice(q_pos, i * Tb, Tb, 0)
-            dq_blk, dkv, d_tables = _slice(carry["dq"], i * Tb, Tb, 3), [], carry["tables"]
-            for (k_b, v_b), (dk_b, dv_b), kp, length in zip(kv, carry["dkv"], k_pos, k_len):
-                residuals = (q_blk, k_b, v_b, key_table, value_table, consts, scale, qp, kp, length, o_blk, lse_blk)
-                g = jax.tree.map(lambda x: x.astype(acc), _blockwise._engine_bwd(cfg, residuals, do_blk)[:6])
-                dq_blk = dq_blk + g[0]
-                dkv.append((dk_b + g[1], dv_b + g[2]))
-                d_tables = jax.tree.map(jnp.add, d_tables, g[3:])
-            return {"dq": lax.dynamic_update_slice_in_dim(carry["dq"], dq_blk, i * Tb, 3), "dkv": tuple(dkv),
-                    "tables": d_tables}
+        def tile(state, i):
+            dq, grads = state
+            q_blk, do_blk = _slice(q, i * Tb, Tb, 3), _slice(d_out, i * Tb, Tb, 3)
+            lse_blk, delta_blk = _slice(lse, i * Tb, Tb, 3), _slice(delta, i * Tb, Tb, 3)
+            dq_blk, grads = _blockwise._bwd_tile(cfg, q_blk, do_blk, lse_blk, delta_blk, _slice(q_pos, i * Tb, Tb, 0),
+                                                 k_p, v_p, key_table, value_table, consts, scale, k_pos,
+                                                 length, grads)
+            dq = lax.dynamic_update_slice_in_dim(dq, _slice(dq, i * Tb, Tb, 3) + dq_blk, i * Tb, 3)
+            return dq, grads
 
-        return _over_query_tiles(tile, carry, q.shape[3] // Tb)
+        dq, d_tables = carry
+        k_p, v_p, dk, dv = (_piece(ring, held[name], p) for name in ("k", "v", "dk", "dv"))
+        dq, (dk, dv, *d_tables) = _over_query_tiles(tile, (dq, (dk, dv, *d_tables)), q.shape[3] // Tb)
+        start = p * ring.Pk
+        return (dq, tuple(d_tables)), {**held, "dk": _put(held["dk"], dk, start), "dv": _put(held["dv"], dv, start)}
 
-    init = {"dq": jnp.zeros(q.shape, acc),
-            "dkv": tuple((jnp.zeros(k_b.shape, acc), jnp.zeros(v_b.shape, acc)) for k_b, v_b in kv),
-            "tables": jax.tree.map(lambda t: jnp.zeros(t.shape, acc), tables)}
-    final = _ring_loop(ring, d, visit, init, kv, carry_travels=("dkv",))
-    dq = _unqueries(ring, final["dq"].astype(dtypes[0]), batch_shape)
-    dk = _unkeys(ring, [g.astype(dtypes[1]) for g, _ in final["dkv"]], batch_shape)
-    dv = _unkeys(ring, [g.astype(dtypes[2]) for _, g in final["dkv"]], batch_shape)
+    d_tables = _blockwise.zero_grads(k, v, key_table, value_table, consts)[2:]
+    (dq, d_tables), held = _ring_loop(ring, d, visit, (jnp.zeros(q.shape, acc), d_tables), held,
+                                        home=("dk", "dv"))
+    dq = _unqueries(ring, dq.astype(dtypes[0]), batch_shape)
+    dk = _unkeys(ring, [g.astype(dtypes[1]) for g in jnp.split(held["dk"], ring.C, axis=2)], batch_shape)
+    dv = _unkeys(ring, [g.astype(dtypes[2]) for g in jnp.split(held["dv"], ring.C, axis=2)], batch_shape)
     # tables and hook arrays are shared by every device that holds them: sum their gradients
-    d_key_table, d_value_table, d_consts = final["tables"]
+    d_key_table, d_value_table, d_consts = d_tables
     every = (ring.batch, ring.seq, ring.head)
 
     def shared(grad, table):
@@ -394,19 +429,25 @@ def _engine_config(**fields):
 
 def _tile_sizes(block_size, Cq, Ck, rows, query_elements):
     """(Tb, Sb): as blockwise attention for an explicit block_size; the default is blockwise attention's
-    for one chunk pair, its larger side halved while a tile [rows, Tb, Sb] would hold more than a quarter
+    for one chunk pair, its larger side halved while a tile [rows, Tb, Sb] would hold more than an eighth
     of the elements of this device's queries (rows * query_elements), down to 64. The engine keeps a few
     float32 tiles live at once (about two forward, four backward): a fixed tile would be a constant that
     stops the per-device memory from falling with D. Evened out so the padding is less than one tile."""
     Tb, Sb = _blockwise._block_sizes(block_size, Cq, Ck, rows)
     if block_size is not None:
         return Tb, Sb
-    while 4 * Tb * Sb > query_elements and max(Tb, Sb) > 64:
+    while 8 * Tb * Sb > query_elements and max(Tb, Sb) > 64:
         if Tb >= Sb:
             Tb = max(64, Tb // 2)
         else:
             Sb = max(64, Sb // 2)
     return tuple(-(-L // -(-L // b)) for L, b in ((Cq, Tb), (Ck, Sb)))
+
+
+def _pieces_per_chunk(key_tiles, C, target=PIECES_PER_SHARE):
+    """How many pieces each of the C chunks travels in: the most, up to target / C, that divide its
+    key tiles evenly (a piece is whole key tiles)."""
+    return max(m for m in range(1, max(1, target // C) + 1) if key_tiles % m == 0)
 
 
 def _axis_size(mesh, axis):
@@ -442,7 +483,7 @@ def ring_attention(query, key, value, *, mesh, sequence_axis=None, batch_axis=No
       broadcastable), called with global positions; arrays it closes over are differentiated.
     scale, precision: as blockwise attention. block_size: (query_block, key_block) tiles within one
       device's chunks; default: blockwise attention's, halved while one tile [B,N,Tb,Sb] would hold more
-      than a quarter of the elements of the device's queries [B,T/D,N,H] (so its memory falls with D too).
+      than an eighth of the elements of the device's queries [B,T/D,N,H] (so its memory falls with D too).
 
     Requirements (ValueError otherwise): K divisible by the head axis size, the first batch dim by the
     batch axis size, T and S by D (2D for a balanced causal ring).
@@ -484,8 +525,9 @@ def ring_attention(query, key, value, *, mesh, sequence_axis=None, batch_axis=No
 
     engine = _engine_config(Tb=Tb, Sb=Sb, N=Nl, is_causal=bool(is_causal), max_distance=max_distance,
                             contiguous=True, precision=precision, bias_fn=bias_fn)
+    m = _pieces_per_chunk(Ckp // Sb, C) if D > 1 else 1
     ring = _Ring(mesh, sequence_axis, batch_axis, head_axis, D, C, len(batch), T, S, Cq, Ck, Cqp, Ckp, N, Nl,
-                 lengths is not None or Ckp != Ck, engine)
+                 m, Ckp // m, lengths is not None or Ckp != Ck, engine)
     scale = jnp.asarray(H ** -0.5 if scale is None else scale, acc)
 
     query, key, value = (jnp.broadcast_to(x, (*batch, *x.shape[-3:])) for x in (query, key, value))

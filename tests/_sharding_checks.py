@@ -55,11 +55,13 @@ def alibi(slopes):
 # ---------------------------------------------------------------------------------------------------
 # Ring attention against single-device dense attention, forward and gradients.
 
-CASES = {  # name: mesh shape, axis names, sizes and options; every axis has its own size
+# name: mesh shape, axis names, sizes and options; every axis has its own size. block_size makes key/value
+# shares travel in several pieces (1x8: 3 per chunk; 2x4: 4 per share, the last one ending in padding).
+CASES = {
     "1x8": dict(mesh=(1, 8), axes=("data", "seq"), batch=(2,), T=48, S=48, N=6, K=2, H=3, Hv=5,
-                causal=True, lengths=True, tables="key-per-head+value-shared", bias=False),
+                causal=True, lengths=True, tables="key-per-head+value-shared", bias=False, block_size=(3, 1)),
     "2x4": dict(mesh=(2, 4), axes=("data", "seq"), batch=(2, 3), T=36, S=44, N=3, K=1, H=5, Hv=2,
-                causal=False, lengths=True, tables=None, bias=True),
+                causal=False, lengths=True, tables=None, bias=True, block_size=(2, 3)),
     "4x2": dict(mesh=(4, 2), axes=("data", "seq"), batch=(4,), T=24, S=40, N=4, K=2, H=3, Hv=5,
                 causal=True, lengths=False, tables="key-shared+value-per-head", bias=True),
     "8x1": dict(mesh=(8, 1), axes=("data", "seq"), batch=(8,), T=20, S=28, N=2, K=2, H=3, Hv=5,
@@ -104,7 +106,8 @@ def ring_fn(case, lengths, mesh, precision=None):
             args["q"], args["k"], args["v"], mesh=mesh, sequence_axis=seq, batch_axis=batch, head_axis=head,
             is_causal=case["causal"], key_value_seq_lengths=lengths, key_table=args.get("key_table"),
             value_table=args.get("value_table"), max_distance=MAX_DISTANCE if case["tables"] else None,
-            position_bias=bias, load_balance=case.get("load_balance", True), precision=precision)
+            position_bias=bias, load_balance=case.get("load_balance", True), block_size=case.get("block_size"),
+            precision=precision)
     return f
 
 

@@ -81,15 +81,17 @@ def test_data_and_head_parallel_jit(results):
 
 def test_per_device_memory(results):
     """S = 8 x 4096, float32 [1,S,8,64], causal, compiled only. Measured: the ring's per-device temp is
-    0.220x (forward) and 0.239x (forward+backward) of one device holding all of S, and 1.08x / 1.01x of
-    one device holding S/8. Not 1/8: the key/value share in flight doubles the keys/values a device holds,
-    and backward the dk/dv accumulators travel too (docs/sharding.md). Bounds with a little margin."""
+    0.153x (forward) and 0.175x (forward+backward) of one device holding all of S, and 0.75x / 0.74x of
+    one device holding S/8. What stays above 1/8: the arrived queries (zigzag) and the held key/value
+    share are copies a single device reads from its arguments, and backward the travelling dk/dv
+    (docs/sharding.md). Key/value shares travel in pieces, so less than one extra piece is in flight.
+    Bounds with a little margin."""
     memory = get(results, "memory")
-    for phase in ("forward", "forward+backward"):
+    for phase, bound in (("forward", 0.165), ("forward+backward", 0.19)):
         row = memory[phase]
         ring, full, share = row["ring 8 devices, S"], row["blockwise 1 device, S"], row["blockwise 1 device, S/8"]
-        assert ring <= 0.26 * full, (phase, row)
-        assert ring <= 1.15 * share, (phase, row)
+        assert ring <= bound * full, (phase, row)
+        assert ring <= 0.8 * share, (phase, row)
 
 
 def test_errors_name_the_argument(results):
