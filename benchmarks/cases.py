@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from .harness import Candidate, jax_candidate, torch_candidate
+from .harness import jax_candidate, torch_candidate
 
 MiB = 2**20
 GiB = 2**30
@@ -173,7 +173,6 @@ def mha_forward_case(quick):
 
 def mha_backward_case(quick):
     import jax
-    import torch
 
     import jaxattn
 

@@ -5,7 +5,6 @@ import re
 import subprocess
 import sys
 
-import pytest
 
 README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
