@@ -337,13 +337,10 @@ def _bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_tab
     return dq, (dk, dv, d_key_table, d_value_table, d_consts)
 
 
-def zero_grads(k, v, key_table, value_table, consts):
-    """The accumulators _bwd_tile adds into, in the compute dtype."""
-    acc = compute_dtype(k.dtype)
-    return (jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc),
-            None if key_table is None else jnp.zeros(key_table.shape, acc),
-            None if value_table is None else jnp.zeros(value_table.shape, acc),
-            jax.tree.map(lambda c: jnp.zeros(c.shape, acc), consts))
+def zero_grads(acc, *arrays):
+    """Zero accumulators (compute dtype acc) shaped like each of arrays (None stays None, pytrees map):
+    what _bwd_tile adds into."""
+    return tuple(jax.tree.map(lambda x: jnp.zeros(x.shape, acc), a) for a in arrays)
 
 
 def _engine_fwd(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths):
@@ -375,7 +372,7 @@ def _engine_bwd(cfg, residuals, d_out):
                               scale, k_pos, lengths, grads)
         return grads, dq
 
-    grads, dq = lax.scan(query_block, zero_grads(k, v, key_table, value_table, consts),
+    grads, dq = lax.scan(query_block, zero_grads(acc, k, v, key_table, value_table, consts),
                          jnp.arange(q.shape[3] // Tb))
     dk, dv, d_key_table, d_value_table, d_consts = grads
     dq = jnp.moveaxis(dq, 0, 3).reshape(q.shape)

@@ -53,7 +53,7 @@ from jax.sharding import PartitionSpec
 
 from . import _blockwise, _checks
 from ._attention import check_qkv, compute_dtype
-from ._blockwise import combine_partials, empty_partial, finalize_partial
+from ._blockwise import _slice, combine_partials, empty_partial, finalize_partial
 from ._sharding import check_mesh
 
 
@@ -226,10 +226,6 @@ def _unkeys(ring, xs, batch_shape):
 # The ring: forward and backward bodies (per device, inside shard_map).
 
 
-def _slice(x, start, size, axis):
-    return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
-
-
 def _piece_keys(ring, src, p, lengths):
     """Global positions [Pk] of piece p of the share that device src owns, and its valid keys counted
     from the piece's start ([B|1], or None). Padding (past the chunk's Ck keys) repeats the last
@@ -331,7 +327,7 @@ def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out
     delta = _queries(ring, delta, K)[..., 0]  # [B,K,G,C*Cqp]
     q, d_out = _queries(ring, q, K), _queries(ring, d_out, K)
     held = {"k": _keys(ring, k), "v": _keys(ring, v)}
-    held.update(dk=jnp.zeros(held["k"].shape, acc), dv=jnp.zeros(held["v"].shape, acc))
+    held["dk"], held["dv"] = _blockwise.zero_grads(acc, held["k"], held["v"])
     d = _ring_index(ring)
     q_pos = _query_positions(ring, d)
 
@@ -354,7 +350,7 @@ def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out
         start = p * ring.Pk
         return (dq, tuple(d_tables)), {**held, "dk": _put(held["dk"], dk, start), "dv": _put(held["dv"], dv, start)}
 
-    d_tables = _blockwise.zero_grads(k, v, key_table, value_table, consts)[2:]
+    d_tables = _blockwise.zero_grads(acc, key_table, value_table, consts)
     (dq, d_tables), held = _ring_loop(ring, d, visit, (jnp.zeros(q.shape, acc), d_tables), held,
                                         home=("dk", "dv"))
     dq = _unqueries(ring, dq.astype(dtypes[0]), batch_shape)

@@ -84,12 +84,16 @@ class MultiHeadAttention(nn.Module):
         return_weights: bool = False,
     ):
         q, k, v = self._project(query, key, value)
-        result = dot_product_attention(
+        result = self._attend(
             q, k, v, mask=mask, bias=bias, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
             query_positions=query_positions, key_positions=key_positions, scale=scale,
             return_weights=return_weights,
         )
         return self._output(result, return_weights)
+
+    def _attend(self, q, k, v, **options):
+        """The attention between the projections; subclasses add their position terms here."""
+        return dot_product_attention(q, k, v, **options)
 
 
 class RelativeMultiHeadAttention(MultiHeadAttention):
@@ -140,25 +144,6 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
             if table is not None:
                 nn.init.normal_(table, std=0.02)
 
-    def forward(
-        self,
-        query: Tensor,
-        key: Tensor | None = None,
-        value: Tensor | None = None,
-        *,
-        mask: Tensor | None = None,
-        bias: Tensor | None = None,
-        is_causal: bool = False,
-        key_value_seq_lengths=None,
-        query_positions=None,
-        key_positions=None,
-        scale: float | None = None,
-        return_weights: bool = False,
-    ):
-        q, k, v = self._project(query, key, value)
-        result = shaw_relative_attention(
-            q, k, v, self.rel_key, self.rel_value, max_distance=self.max_distance, mask=mask, bias=bias,
-            is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
-            key_positions=key_positions, scale=scale, return_weights=return_weights,
-        )
-        return self._output(result, return_weights)
+    def _attend(self, q, k, v, **options):
+        return shaw_relative_attention(q, k, v, self.rel_key, self.rel_value, max_distance=self.max_distance,
+                                       **options)
