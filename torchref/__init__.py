@@ -28,10 +28,17 @@ override those positions; ``key_value_seq_lengths`` [...] marks keys s >= length
 defaults to H ** -0.5 and multiplies every logit term; a query row with no allowed key returns zeros (and
 zero gradients); half-precision inputs compute logits and softmax in float32. Bad input raises ValueError
 naming the argument, the expected and the actual shape.
+
+Programmable attention (every function and module): ``query_segment_ids`` / ``key_segment_ids`` (packed
+documents), ``window=(left, right)`` (key s allowed iff t - left <= s <= t + right on absolute positions),
+``chunk_size`` (t // C == s // C), ``logit_softcap`` (c * tanh(x / c) on the scaled query-key logits, before
+biases), ``sinks`` [N] (a per-head logit in the softmax denominator with no value). ``flex_attention`` adds
+``score_mod(score, b, n, t, s)`` / ``mask_mod(b, n, t, s)`` on absolute positions.
 """
 
 from torchref._functional import (
     dot_product_attention as dot_product_attention,
+    flex_attention as flex_attention,
     relative_attention as relative_attention,
     relative_position_index as relative_position_index,
     shaw_relative_attention as shaw_relative_attention,
@@ -43,6 +50,7 @@ from torchref._modules import (
 
 __all__ = [
     "dot_product_attention",
+    "flex_attention",
     "relative_attention",
     "relative_position_index",
     "shaw_relative_attention",

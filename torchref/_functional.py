@@ -6,6 +6,7 @@ letters of the package docstring; logits and weights are ``[..., N, T, S]``.
 
 from __future__ import annotations
 
+import math
 import numbers
 
 import torch
@@ -176,37 +177,147 @@ def _check_extra(
     _check(0.0 <= dropout_rate < 1.0, "dropout_rate", "a float in [0, 1)", dropout_rate)
 
 
+def _check_int_ids(ids, name: str, target: tuple[int, ...]) -> None:
+    _check(isinstance(ids, Tensor), name, "a torch.Tensor", type(ids).__name__)
+    _check(not ids.is_floating_point() and not ids.is_complex() and ids.dtype != torch.bool, name,
+           "an integer tensor", ids.dtype)
+    _check(_broadcasts_to(ids.shape, target), name, f"shape broadcastable to {target}", _shape(ids))
+
+
+def _segments(query_segment_ids, key_segment_ids, T: int, S: int):
+    """Either id array alone serves both sides (packed self-attention), which needs T == S."""
+    if query_segment_ids is None and key_segment_ids is None:
+        return None, None
+    if key_segment_ids is None:
+        _check(T == S, "key_segment_ids", f"given (query length T={T} differs from key length S)", None)
+        return query_segment_ids, query_segment_ids
+    if query_segment_ids is None:
+        _check(T == S, "query_segment_ids", f"given (key length S={S} differs from query length T)", None)
+        return key_segment_ids, key_segment_ids
+    return query_segment_ids, key_segment_ids
+
+
+def _check_modern(batch, N, T, S, *, query_segment_ids, key_segment_ids, window, chunk_size, logit_softcap,
+                  sinks) -> None:
+    """The issue-11 keywords: segments, window, chunk_size, logit_softcap, sinks."""
+    if query_segment_ids is not None:
+        _check_int_ids(query_segment_ids, "query_segment_ids", (*batch, T))
+    if key_segment_ids is not None:
+        _check_int_ids(key_segment_ids, "key_segment_ids", (*batch, S))
+    if window is not None:
+        _check(isinstance(window, (tuple, list)) and len(window) == 2, "window", "a pair (left, right)", window)
+        _check(all(side is None or _is_count(side) for side in window), "window",
+               "(left, right) each a non-negative int or None", window)
+    if chunk_size is not None:
+        _check(_is_count(chunk_size) and chunk_size > 0, "chunk_size", "a positive int", chunk_size)
+    if logit_softcap is not None:
+        _check(isinstance(logit_softcap, numbers.Real) and not isinstance(logit_softcap, bool)
+               and 0 < logit_softcap < float("inf"), "logit_softcap", "a positive finite float", logit_softcap)
+    if sinks is not None:
+        _check(isinstance(sinks, Tensor) and sinks.is_floating_point(), "sinks", "a floating-point tensor",
+               getattr(sinks, "dtype", type(sinks).__name__))
+        _check(sinks.ndim >= 1 and sinks.shape[-1] == N and _broadcasts_to(sinks.shape, (*batch, N)), "sinks",
+               f"shape [N] or [..., N] broadcastable to {(*batch, N)}", _shape(sinks))
+
+
 # ---------------------------------------------------------------------------------------------------------
 # the math
 
 
+def _absolute_positions(T: int, S: int, query_positions, key_positions, device) -> tuple[Tensor, Tensor]:
+    """``[..., T]`` and ``[..., S]``: query t at t + (S - T) and key s at s, unless positions are given."""
+    default_q, default_k = _default_positions(T, S, device)
+    return (_positions(query_positions, T, default_q, "query_positions"),
+            _positions(key_positions, S, default_k, "key_positions"))
+
+
+def _floor_div(x: Tensor, d: int) -> Tensor:
+    return torch.div(x, d, rounding_mode="floor")
+
+
+def _position_rules(query_pos: Tensor, key_pos: Tensor, *, is_causal, window, chunk_size) -> list[Tensor]:
+    """The rules on absolute positions, each bool ``[..., T, S]``: causal, window, chunk."""
+    t = query_pos.unsqueeze(-1)  # [..., T, 1]
+    s = key_pos.unsqueeze(-2)  # [..., 1, S]
+    rules = []
+    if is_causal:
+        rules.append(s <= t)
+    if window is not None:
+        left, right = window
+        if left is not None:
+            rules.append(s >= t - left)
+        if right is not None:
+            rules.append(s <= t + right)
+    if chunk_size is not None:
+        rules.append(_floor_div(t, chunk_size) == _floor_div(s, chunk_size))
+    return rules
+
+
 def _allowed(
-    logits: Tensor, *, mask, bias, is_causal, key_value_seq_lengths, query_positions, key_positions
+    logits: Tensor, query_pos: Tensor, key_pos: Tensor, *, mask, bias, is_causal, key_value_seq_lengths,
+    query_segment_ids, key_segment_ids, window, chunk_size, mod_mask,
 ) -> Tensor | None:
     """Bool ``[..., N, T, S]``: where a query may attend a key (None: everywhere)."""
     *batch, N, T, S = logits.shape
-    allowed = None
-
-    def both(a, b):
-        return b if a is None else a & b
-
+    device = logits.device
+    terms = []  # each broadcastable to [..., N, T, S]
     if mask is not None:
-        allowed = both(allowed, mask.to(logits.device))
+        terms.append(mask.to(device))
     if bias is not None:
-        allowed = both(allowed, bias.to(logits.device) != float("-inf"))
-    if is_causal:
-        default_q, default_k = _default_positions(T, S, logits.device)
-        query_pos = _positions(query_positions, T, default_q, "query_positions")
-        key_pos = _positions(key_positions, S, default_k, "key_positions")
-        causal = key_pos.unsqueeze(-2) <= query_pos.unsqueeze(-1)  # [..., T, S]
-        allowed = both(allowed, causal.unsqueeze(-3))  # [..., 1, T, S]
+        terms.append(bias.to(device) != float("-inf"))
+    terms += [rule.unsqueeze(-3) for rule in _position_rules(  # [..., 1, T, S]
+        query_pos, key_pos, is_causal=is_causal, window=window, chunk_size=chunk_size)]
     if key_value_seq_lengths is not None:
-        lengths = torch.as_tensor(key_value_seq_lengths, device=logits.device)
-        valid = torch.arange(S, device=logits.device) < lengths.unsqueeze(-1)  # [..., S]
-        allowed = both(allowed, valid[..., None, None, :])  # [..., 1, 1, S]
-    if allowed is None:
+        lengths = torch.as_tensor(key_value_seq_lengths, device=device)
+        valid = torch.arange(S, device=device) < lengths.unsqueeze(-1)  # [..., S]
+        terms.append(valid[..., None, None, :])  # [..., 1, 1, S]
+    if query_segment_ids is not None:
+        q_ids = query_segment_ids.to(device)[..., None, :, None]  # [..., 1, T, 1]
+        k_ids = key_segment_ids.to(device)[..., None, None, :]  # [..., 1, 1, S]
+        terms.append(q_ids == k_ids)
+    if mod_mask is not None:
+        terms.append(mod_mask)
+    if not terms:
         return None
+    allowed = terms[0]
+    for term in terms[1:]:
+        allowed = allowed & term
     return torch.broadcast_to(allowed, logits.shape)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# score_mod / mask_mod: user functions of (b, n, t, s) on broadcast index tensors
+
+
+def _mod_indices(batch: tuple[int, ...], N: int, query_pos: Tensor, key_pos: Tensor):
+    """``b [Bf,1,1,1], n [1,N,1,1], t [Bf,1,T,1], s [Bf,1,1,S]``; b indexes the flattened batch dims."""
+    Bf = math.prod(batch)
+    T, S = query_pos.shape[-1], key_pos.shape[-1]
+    device = query_pos.device
+    b = torch.arange(Bf, device=device).view(Bf, 1, 1, 1)
+    n = torch.arange(N, device=device).view(1, N, 1, 1)
+    t = torch.broadcast_to(query_pos, (*batch, T)).reshape(Bf, 1, T, 1)
+    s = torch.broadcast_to(key_pos, (*batch, S)).reshape(Bf, 1, 1, S)
+    return b, n, t, s
+
+
+def _apply_score_mod(score_mod, logits: Tensor, indices) -> Tensor:
+    flat = logits.reshape(-1, *logits.shape[-3:])  # [Bf, N, T, S]
+    result = score_mod(flat, *indices)
+    _check(isinstance(result, Tensor) and tuple(result.shape) == tuple(flat.shape) and result.dtype == flat.dtype,
+           "score_mod", f"to return a {flat.dtype} tensor of shape {tuple(flat.shape)} ([B, N, T, S])",
+           f"{getattr(result, 'dtype', type(result).__name__)} of shape {tuple(getattr(result, 'shape', ()))}")
+    return result.reshape(logits.shape)
+
+
+def _apply_mask_mod(mask_mod, shape: tuple[int, ...], indices) -> Tensor:
+    flat_shape = (math.prod(shape[:-3]), *shape[-3:])  # [Bf, N, T, S]
+    allowed = mask_mod(*indices)
+    _check(isinstance(allowed, Tensor) and allowed.dtype == torch.bool, "mask_mod", "to return a bool tensor",
+           getattr(allowed, "dtype", type(allowed).__name__))
+    _check(_broadcasts_to(allowed.shape, flat_shape), "mask_mod",
+           f"to return a shape broadcastable to {flat_shape} ([B, N, T, S])", _shape(allowed))
+    return torch.broadcast_to(allowed, flat_shape).reshape(shape)
 
 
 def _expand_heads(x: Tensor, N: int) -> Tensor:
@@ -220,13 +331,22 @@ def _expand_rel(rel: Tensor, N: int) -> Tensor:
     return rel.expand(*rel.shape[:-2], N, rel.shape[-1])
 
 
-def _softmax_with_empty_rows(logits: Tensor, allowed: Tensor | None) -> Tensor:
+def _softmax_with_empty_rows(logits: Tensor, allowed: Tensor | None, sinks: Tensor | None = None) -> Tensor:
+    """Softmax over the allowed keys; rows with no allowed key are zeros.
+
+    ``sinks [..., N]``: one more logit per head in the denominator, with no value (its weight is dropped). A row
+    with no allowed key stays zeros with a sink too (the limit of a sink-only row: every key weight is 0).
+    """
     if allowed is None:
-        return torch.softmax(logits, dim=-1)
+        allowed = torch.ones(logits.shape, dtype=torch.bool, device=logits.device)
     row_has_key = allowed.any(dim=-1, keepdim=True)
     logits = logits.masked_fill(~allowed, _MASKED)
     logits = logits.masked_fill(~row_has_key, _EMPTY_ROW_FILL)
-    weights = torch.softmax(logits, dim=-1)
+    if sinks is None:
+        weights = torch.softmax(logits, dim=-1)
+    else:
+        sink = sinks[..., None, None].expand(*logits.shape[:-1], 1)  # [..., N, T, 1]
+        weights = torch.softmax(torch.cat([logits, sink], dim=-1), dim=-1)[..., :-1]
     return torch.where(row_has_key, weights, torch.zeros_like(weights))
 
 
@@ -249,6 +369,8 @@ def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
 def _attention(
     query, key, value, rel_key, rel_value, *, bias, mask, is_causal, key_value_seq_lengths,
     query_positions, key_positions, scale, dropout_rate, generator, return_weights,
+    query_segment_ids=None, key_segment_ids=None, window=None, chunk_size=None, logit_softcap=None, sinks=None,
+    score_mod=None, mask_mod=None,
 ):
     batch = _check_qkv(query, key, value)
     *_, T, N, H = query.shape
@@ -257,10 +379,13 @@ def _attention(
     _check_rel(rel_value, "rel_value", batch, T, S, N, Hv)
     _check_extra(batch, N, T, S, mask=mask, bias=bias, key_value_seq_lengths=key_value_seq_lengths,
                  query_positions=query_positions, key_positions=key_positions, dropout_rate=dropout_rate)
+    query_segment_ids, key_segment_ids = _segments(query_segment_ids, key_segment_ids, T, S)
+    _check_modern(batch, N, T, S, query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+                  window=window, chunk_size=chunk_size, logit_softcap=logit_softcap, sinks=sinks)
     if scale is None:
         scale = H ** -0.5
 
-    dtype = _compute_dtype(query, key, value, rel_key, rel_value, bias)
+    dtype = _compute_dtype(query, key, value, rel_key, rel_value, bias, sinks)
     q = query.to(dtype)
     k = _expand_heads(key.to(dtype), N)  # [..., S, N, H]
     v = _expand_heads(value.to(dtype), N)  # [..., S, N, Hv]
@@ -268,14 +393,27 @@ def _attention(
     logits = q.transpose(-3, -2) @ k.transpose(-3, -2).transpose(-2, -1)  # [..., N, T, S]
     if rel_key is not None:
         logits = logits + torch.einsum("...tnh,...tsnh->...nts", q, _expand_rel(rel_key.to(dtype), N))
-    logits = logits * scale
+    logits = (logits * scale).expand(*batch, N, T, S)
+    if logit_softcap is not None:  # on the query-key logits only: biases and score_mod come after
+        logits = logit_softcap * torch.tanh(logits / logit_softcap)
+
+    query_pos, key_pos = _absolute_positions(T, S, query_positions, key_positions, logits.device)
+    mod_mask = None
+    if score_mod is not None or mask_mod is not None:
+        indices = _mod_indices(batch, N, query_pos, key_pos)
+        if score_mod is not None:
+            logits = _apply_score_mod(score_mod, logits, indices)
+            mod_mask = logits != float("-inf")  # a score_mod may mask by returning -inf, as a bias may
+        if mask_mod is not None:
+            allowed_by_mod = _apply_mask_mod(mask_mod, tuple(logits.shape), indices)
+            mod_mask = allowed_by_mod if mod_mask is None else mod_mask & allowed_by_mod
     if bias is not None:
         logits = logits + bias.to(dtype)
 
-    allowed = _allowed(logits, mask=mask, bias=bias, is_causal=is_causal,
-                       key_value_seq_lengths=key_value_seq_lengths,
-                       query_positions=query_positions, key_positions=key_positions)
-    weights = _softmax_with_empty_rows(logits, allowed)
+    allowed = _allowed(logits, query_pos, key_pos, mask=mask, bias=bias, is_causal=is_causal,
+                       key_value_seq_lengths=key_value_seq_lengths, query_segment_ids=query_segment_ids,
+                       key_segment_ids=key_segment_ids, window=window, chunk_size=chunk_size, mod_mask=mod_mask)
+    weights = _softmax_with_empty_rows(logits, allowed, None if sinks is None else sinks.to(dtype))
     weights = _dropout(weights, dropout_rate, generator)
 
     out = (weights @ v.transpose(-3, -2)).transpose(-3, -2)  # [..., T, N, Hv]
@@ -287,6 +425,12 @@ def _attention(
     if return_weights:
         return out, weights.to(out_dtype)
     return out
+
+
+def _modern(query_segment_ids, key_segment_ids, window, chunk_size, logit_softcap, sinks) -> dict:
+    """The programmable-attention keywords, passed on unchanged by every public function."""
+    return dict(query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids, window=window,
+                chunk_size=chunk_size, logit_softcap=logit_softcap, sinks=sinks)
 
 
 def dot_product_attention(
@@ -304,19 +448,39 @@ def dot_product_attention(
     dropout_rate: float = 0.0,
     generator: torch.Generator | None = None,
     return_weights: bool = False,
+    query_segment_ids: Tensor | None = None,
+    key_segment_ids: Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    chunk_size: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: Tensor | None = None,
 ):
     """Scaled dot-product attention, ``[..., T, N, H], [..., S, K, H], [..., S, K, Hv] -> [..., T, N, Hv]``.
 
-    ``logits[n, t, s] = scale * q[t, n] . k[s, n // (N // K)] + bias[n, t, s]`` over the allowed keys
-    (``mask`` True, causal, within ``key_value_seq_lengths``, bias not -inf), softmax over ``s``,
-    ``out[t, n] = sum_s p[n, t, s] * v[s, n // (N // K)]``. A row with no allowed key gives zeros.
-    With ``return_weights`` returns ``(out, weights [..., N, T, S])`` (after dropout).
+    ``logits[n, t, s] = cap(scale * q[t, n] . k[s, n // (N // K)]) + bias[n, t, s]`` over the allowed keys,
+    softmax over ``s`` (plus the sink), ``out[t, n] = sum_s p[n, t, s] * v[s, n // (N // K)]``. A row with no
+    allowed key gives zeros. With ``return_weights`` returns ``(out, weights [..., N, T, S])`` (after dropout;
+    with ``sinks`` a row sums to less than 1).
+
+    A key is allowed where every given rule allows it (``tq`` / ``sk``: the absolute positions, query t at
+    ``t + (S - T)`` or ``query_positions[t]``, key s at ``s`` or ``key_positions[s]``):
+
+    - ``mask`` True; ``bias`` not -inf; ``is_causal``: ``sk <= tq``; ``key_value_seq_lengths``: ``s < length``;
+    - ``query_segment_ids [..., T]`` / ``key_segment_ids [..., S]`` (int): equal ids (either alone serves both
+      sides when T == S);
+    - ``window=(left, right)``: ``tq - left <= sk <= tq + right``, None = unbounded on that side;
+    - ``chunk_size=C``: ``floor(tq / C) == floor(sk / C)``.
+
+    ``logit_softcap=c``: ``cap(x) = c * tanh(x / c)`` on the scaled query-key logits (relative key terms
+    included), before ``bias`` and position biases. ``sinks [N]`` or ``[..., N]``: a per-head logit added to
+    the softmax denominator with no value; a row with no allowed key still gives zeros (and zero gradient).
     """
     return _attention(
         query, key, value, None, None, bias=bias, mask=mask, is_causal=is_causal,
         key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
         key_positions=key_positions, scale=scale, dropout_rate=dropout_rate, generator=generator,
-        return_weights=return_weights,
+        return_weights=return_weights, **_modern(query_segment_ids, key_segment_ids, window, chunk_size,
+                                                 logit_softcap, sinks),
     )
 
 
@@ -337,6 +501,12 @@ def relative_attention(
     dropout_rate: float = 0.0,
     generator: torch.Generator | None = None,
     return_weights: bool = False,
+    query_segment_ids: Tensor | None = None,
+    key_segment_ids: Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    chunk_size: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: Tensor | None = None,
 ):
     """Attention with per-pair relative terms (the seed-000 form).
 
@@ -350,7 +520,8 @@ def relative_attention(
         query, key, value, rel_key, rel_value, bias=bias, mask=mask, is_causal=is_causal,
         key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
         key_positions=key_positions, scale=scale, dropout_rate=dropout_rate, generator=generator,
-        return_weights=return_weights,
+        return_weights=return_weights, **_modern(query_segment_ids, key_segment_ids, window, chunk_size,
+                                                 logit_softcap, sinks),
     )
 
 
@@ -385,6 +556,12 @@ def shaw_relative_attention(
     dropout_rate: float = 0.0,
     generator: torch.Generator | None = None,
     return_weights: bool = False,
+    query_segment_ids: Tensor | None = None,
+    key_segment_ids: Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    chunk_size: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: Tensor | None = None,
 ):
     """Shaw et al. (2018) clipped relative attention.
 
@@ -409,5 +586,49 @@ def shaw_relative_attention(
         query, key, value, rel_key, rel_value, bias=bias, mask=mask, is_causal=is_causal,
         key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
         key_positions=key_positions, scale=scale, dropout_rate=dropout_rate, generator=generator,
-        return_weights=return_weights,
+        return_weights=return_weights, **_modern(query_segment_ids, key_segment_ids, window, chunk_size,
+                                                 logit_softcap, sinks),
+    )
+
+
+def flex_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    score_mod=None,
+    mask_mod=None,
+    bias: Tensor | None = None,
+    mask: Tensor | None = None,
+    is_causal: bool = False,
+    key_value_seq_lengths=None,
+    query_positions=None,
+    key_positions=None,
+    scale: float | None = None,
+    dropout_rate: float = 0.0,
+    generator: torch.Generator | None = None,
+    return_weights: bool = False,
+    query_segment_ids: Tensor | None = None,
+    key_segment_ids: Tensor | None = None,
+    window: tuple[int | None, int | None] | None = None,
+    chunk_size: int | None = None,
+    logit_softcap: float | None = None,
+    sinks: Tensor | None = None,
+):
+    """:func:`dot_product_attention` with a score function and a mask function of the positions.
+
+    ``score_mod(score, b, n, t, s) -> score`` and ``mask_mod(b, n, t, s) -> bool`` are called once, on whole
+    tensors: ``score [B, N, T, S]`` (the scaled logits after ``logit_softcap``, before ``bias``), ``b [B, 1, 1, 1]``
+    (index into the flattened leading batch dims), ``n [1, N, 1, 1]``, ``t [B, 1, T, 1]`` and ``s [B, 1, 1, S]``
+    the ABSOLUTE query and key positions (``t + (S - T)`` and ``s``, or ``query_positions`` / ``key_positions``;
+    unlike torch's flex_attention, which passes row indices). ``score_mod`` must keep the shape and dtype; a
+    -inf score masks the key. ``mask_mod`` returns bool broadcastable to ``[B, N, T, S]`` (True = may attend),
+    combined (AND) with every other mask keyword. Tensors the functions close over receive gradients.
+    """
+    return _attention(
+        query, key, value, None, None, bias=bias, mask=mask, is_causal=is_causal,
+        key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
+        key_positions=key_positions, scale=scale, dropout_rate=dropout_rate, generator=generator,
+        return_weights=return_weights, score_mod=score_mod, mask_mod=mask_mod,
+        **_modern(query_segment_ids, key_segment_ids, window, chunk_size, logit_softcap, sinks),
     )

@@ -82,12 +82,20 @@ class MultiHeadAttention(nn.Module):
         key_positions=None,
         scale: float | None = None,
         return_weights: bool = False,
+        query_segment_ids: Tensor | None = None,
+        key_segment_ids: Tensor | None = None,
+        window: tuple[int | None, int | None] | None = None,
+        chunk_size: int | None = None,
+        logit_softcap: float | None = None,
+        sinks: Tensor | None = None,
     ):
+        """Every keyword is the function's (see :func:`torchref.dot_product_attention`), passed on unchanged."""
         q, k, v = self._project(query, key, value)
         result = self._attend(
             q, k, v, mask=mask, bias=bias, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
             query_positions=query_positions, key_positions=key_positions, scale=scale,
-            return_weights=return_weights,
+            return_weights=return_weights, query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+            window=window, chunk_size=chunk_size, logit_softcap=logit_softcap, sinks=sinks,
         )
         return self._output(result, return_weights)
 

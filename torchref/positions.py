@@ -246,7 +246,11 @@ def relative_sinusoids(dim: int, *, max_left: int, max_right: int, base: float =
 
 def transformer_xl_attention(query, key, value, position_keys, *, max_left, pos_bias_u=None, pos_bias_v=None,
                              scale=None, bias=None, **options):
-    """scale * ((q + u) . k + (q + v) . P[index]): the position term is built as a full [..., N, T, S] bias."""
+    """scale * ((q + u) . k + (q + v) . P[index]), P[index] gathered as the full [..., T, S, N or 1, H] table.
+
+    Both terms are query-key logits (``logit_softcap`` caps their sum), so they are written as ONE dot product
+    of concatenations: ``[q + u, q + v] . ([k, 0] + [0, P[index]])``, i.e. relative_attention with doubled H.
+    """
     T, S, H = query.shape[-3], key.shape[-3], query.shape[-1]
     R = position_keys.shape[0]
     scale = H ** -0.5 if scale is None else scale
@@ -256,7 +260,7 @@ def transformer_xl_attention(query, key, value, position_keys, *, max_left, pos_
     q_u = query if pos_bias_u is None else query + pos_bias_u
     q_v = query if pos_bias_v is None else query + pos_bias_v
     P = _gather(position_keys, index)  # [..., T, S, 1 or N, H]
-    position_term = scale * torch.einsum("...tnh,...tsnh->...nts", q_v, P.expand(*P.shape[:-2], query.shape[-2],
-                                                                                H))
-    bias = position_term if bias is None else position_term + bias
-    return dot_product_attention(q_u, key, value, bias=bias, scale=scale, **options)
+    joint_query = torch.cat([q_u, q_v.expand_as(q_u)], -1)  # [..., T, N, 2H]
+    joint_key = torch.cat([key, torch.zeros_like(key)], -1)  # [..., S, K, 2H]
+    joint_rel = torch.cat([torch.zeros_like(P), P], -1)  # [..., T, S, 1 or N, 2H]
+    return relative_attention(joint_query, joint_key, value, joint_rel, bias=bias, scale=scale, **options)
