@@ -309,3 +309,65 @@ def test_flex_keeps_torchref_independent_of_jax():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torchref.flex_attention(q_, k_, v_, mask_mod=lambda b, n, t, s: t >= s)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hugging Face attention (tiny random configs, offline): prefill, then more tokens on the cache
+
+EXPECTED_LAYERS = {  # the layer types each tiny config must produce, so every mapping row is exercised
+    "gemma2": {"sliding_attention", "full_attention"}, "mistral": {"sliding_attention"},
+    "gpt_oss": {"sliding_attention", "full_attention"}, "llama4": {"chunked_attention", "full_attention"},
+    "qwen2": {"full_attention"}, "qwen2_sliding": {"sliding_attention", "full_attention"},
+}
+FAMILY_KEYWORDS = ("window", "chunk_size", "logit_softcap", "sinks")
+
+
+@pytest.fixture(scope="module")
+def hf_calls():
+    pytest.importorskip("transformers")
+    from crosscheck._hf_modern import FAMILIES, record_attention
+
+    return {family: record_attention(family) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", sorted(EXPECTED_LAYERS))
+def test_hf_attention_equals_torchref_with_mapped_keywords(hf_calls, family):
+    calls = hf_calls[family]
+    assert {c.layer_type for c in calls} == EXPECTED_LAYERS[family]
+    assert any(c.query.shape[1] < c.key.shape[1] for c in calls)  # a call on the cache (T < S)
+    for call in calls:
+        assert call.output.dtype == F64
+        got = torchref.dot_product_attention(call.query, call.key, call.value, **call.keywords)
+        assert_close(got, call.output)
+        for name in FAMILY_KEYWORDS:  # each mapped keyword changes the result: the mapping is what matches
+            if name in call.keywords:
+                without = {k: v for k, v in call.keywords.items() if k != name}
+                other = torchref.dot_product_attention(call.query, call.key, call.value, **without)
+                assert (other - call.output).abs().max() > 1e-3, (family, call.layer_idx, name)
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_hf_gradients_equal_torchref_softcap_and_sinks(hf_calls, family):
+    call = next(c for c in hf_calls[family] if c.query.shape[1] < c.key.shape[1] and "window" in c.keywords)
+    inputs = [x.clone().requires_grad_() for x in (call.query, call.key, call.value)]
+    cotangent = randn(*call.output.shape, seed=1)
+    sinks_param = getattr(call.rerun.module, "sinks", None)
+    hf_grads = torch.autograd.grad((call.rerun(*inputs) * cotangent).sum(),
+                                   inputs + ([sinks_param] if sinks_param is not None else []))
+    keywords = dict(call.keywords)
+    ours = list(inputs)
+    if sinks_param is not None:
+        keywords["sinks"] = sinks_param.detach().clone().requires_grad_()
+        ours.append(keywords["sinks"])
+    our_grads = torch.autograd.grad((torchref.dot_product_attention(*inputs, **keywords) * cotangent).sum(), ours)
+    for ours_g, hf_g in zip(our_grads, hf_grads):
+        assert_close(ours_g, hf_g)
+
+
+def test_hf_float32_within_float32_tolerance():
+    from crosscheck._hf_modern import record_attention
+
+    for call in record_attention("gemma2", dtype=torch.float32):
+        got = torchref.dot_product_attention(call.query, call.key, call.value, **call.keywords)
+        assert got.dtype == torch.float32
+        assert_close(got, call.output, rtol=1e-5, atol=1e-6)
