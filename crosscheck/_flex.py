@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -96,15 +97,19 @@ def flex_reference(query, key, value, *, score_mod=None, mask_mod=None, scale=No
     ``sinks [N]``: see the module docstring. Grouped-query heads use torch's ``enable_gqa``.
     """
     import torch
-    from torch.nn.attention.flex_attention import AuxRequest, create_block_mask, flex_attention
+    from torch.nn.attention.flex_attention import (
+        AuxRequest,
+        create_block_mask,
+        flex_attention,
+    )
 
     batch = tuple(torch.broadcast_shapes(query.shape[:-3], key.shape[:-3], value.shape[:-3]))
     T, N = query.shape[-3], query.shape[-2]
     S, K = key.shape[-3], key.shape[-2]
     q, k, v = (_to_torch_layout(x, batch) for x in (query, key, value))
     B = q.shape[0]
-    positions = dict(query_length=T, key_length=S, query_positions=_flat(query_positions, batch),
-                     key_positions=_flat(key_positions, batch))
+    positions = {"query_length": T, "key_length": S, "query_positions": _flat(query_positions, batch),
+                 "key_positions": _flat(key_positions, batch)}
     block_mask = None
     if mask_mod is not None:
         block_mask = create_block_mask(torch_mod_from_absolute(mask_mod, **positions), B, N, T, S, device="cpu")

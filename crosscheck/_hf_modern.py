@@ -37,8 +37,9 @@ def tiny_config(family: str):
     """A 2-layer config with N=6 query heads, K=2 or 3 key/value heads, H=8, eager attention."""
     import transformers as tf
 
-    common = dict(vocab_size=61, hidden_size=24, intermediate_size=20, num_hidden_layers=2, num_attention_heads=6,
-                  num_key_value_heads=3, head_dim=8, max_position_embeddings=64, attn_implementation="eager")
+    common = {"vocab_size": 61, "hidden_size": 24, "intermediate_size": 20, "num_hidden_layers": 2,
+              "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8, "max_position_embeddings": 64,
+              "attn_implementation": "eager"}
     if family == "gemma2":  # alternating sliding/full layers by default; query_pre_attn_scalar != head_dim
         return tf.Gemma2Config(**common, sliding_window=_WINDOW, attn_logit_softcapping=_SOFTCAP,
                                final_logit_softcapping=None, query_pre_attn_scalar=13)

@@ -19,7 +19,12 @@ import torch
 
 import torchref
 import torchref.positions as P
-from crosscheck._flex import FLEX_CASES, absolute_mod_from_torch, flex_reference, torch_mod_from_absolute
+from crosscheck._flex import (
+    FLEX_CASES,
+    absolute_mod_from_torch,
+    flex_reference,
+    torch_mod_from_absolute,
+)
 
 F64 = torch.float64
 B, N, H, HV = 2, 6, 7, 11
@@ -58,28 +63,20 @@ def test_flex_case_torch_flex_equals_keywords_and_torchref_flex(name, K):
     score_mod, mask_mod = case.mods(torch, arrays)
     expected = flex_reference(q, k, v, score_mod=score_mod, mask_mod=mask_mod)
     assert expected.dtype == F64 and expected.shape == (B, case.T, N, HV)
-    assert_close(torchref.dot_product_attention(q, k, v, **case.keywords(torch, arrays)), expected)
+    got, weights = torchref.dot_product_attention(q, k, v, return_weights=True, **case.keywords(torch, arrays))
+    assert_close(got, expected)
     assert_close(torchref.flex_attention(q, k, v, score_mod=score_mod, mask_mod=mask_mod), expected)
-
-
-def test_flex_case_table_is_not_trivial():
-    # every masking case must actually mask something, else the comparison above proves little
-    for name, case in FLEX_CASES.items():
-        q, k, v = qkv(case.T, case.S)
-        arrays = case.arrays(np.random.default_rng(0), (B,), N)
-        _, weights = torchref.dot_product_attention(q, k, v, return_weights=True, **case.keywords(torch, arrays))
-        plain = torchref.dot_product_attention(q, k, v)
-        assert not torch.allclose(torchref.dot_product_attention(q, k, v, **case.keywords(torch, arrays)), plain)
-        score_mod, mask_mod = case.mods(torch, arrays)
-        if mask_mod is not None:
-            assert (weights == 0).any() and (weights > 0).any(), name
+    # the case must not be trivial: it changes the result, and a mask_mod masks some keys but not all
+    assert (got - torchref.dot_product_attention(q, k, v)).abs().max() > 1e-3
+    if mask_mod is not None:
+        assert (weights == 0).any() and (weights > 0).any()
 
 
 @pytest.mark.parametrize("T", [13, 5])
 def test_sinks_match_torch_flex_log_sum_exp(T):
     q, k, v = qkv(T, 13, K=3)
     sinks = randn(N, seed=7) * 2
-    window = lambda b, n, t, s: (t >= s) & (t - s <= 3)  # noqa: E731
+    window = lambda b, n, t, s: (t >= s) & (t - s <= 3)
     expected = flex_reference(q, k, v, mask_mod=window, sinks=sinks)
     got = torchref.dot_product_attention(q, k, v, is_causal=True, window=(3, 0), sinks=sinks)
     assert_close(got, expected)
@@ -99,7 +96,7 @@ def test_row_without_keys_is_zero_in_torch_flex_and_torchref_even_with_a_sink():
 def test_position_conversion_literal_grids():
     T, S = 3, 5
     qi, ki = torch.arange(T)[:, None], torch.arange(S)[None, :]
-    causal_abs = lambda b, n, t, s: t >= s  # noqa: E731
+    causal_abs = lambda b, n, t, s: t >= s
     grid = torch_mod_from_absolute(causal_abs, query_length=T, key_length=S)(0, 0, qi, ki)
     np.testing.assert_array_equal(grid.numpy(), [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
     # torch's own top-left causal (q_idx >= kv_idx), seen on absolute positions, is shifted by S - T
@@ -250,8 +247,8 @@ def test_modules_pass_the_keywords_through():
     rel_module = torchref.RelativeMultiHeadAttention(17, N, H, max_distance=3, num_kv_heads=3, dtype=F64)
     x = randn(B, 13, 17, seed=1)
     ids = torch.tensor([[0] * 6 + [1] * 7, [0] * 2 + [1] * 11])
-    keywords = dict(is_causal=True, window=(4, 0), chunk_size=8, logit_softcap=1.5, sinks=randn(N, seed=2),
-                    query_segment_ids=ids, key_segment_ids=ids)
+    keywords = {"is_causal": True, "window": (4, 0), "chunk_size": 8, "logit_softcap": 1.5,
+                "sinks": randn(N, seed=2), "query_segment_ids": ids, "key_segment_ids": ids}
     q, k, v = module._project(x, None, None)
     expected = module.out_proj(torchref.dot_product_attention(q, k, v, **keywords).flatten(-2))
     assert_close(module(x, **keywords), expected)

@@ -189,10 +189,12 @@ def _segments(query_segment_ids, key_segment_ids, T: int, S: int):
     if query_segment_ids is None and key_segment_ids is None:
         return None, None
     if key_segment_ids is None:
-        _check(T == S, "key_segment_ids", f"given (query length T={T} differs from key length S)", None)
+        _check(T == S, "key_segment_ids", f"an int tensor [..., S={S}] (query_segment_ids alone serves both sides "
+               f"only when T == S; T={T})", None)
         return query_segment_ids, query_segment_ids
     if query_segment_ids is None:
-        _check(T == S, "query_segment_ids", f"given (key length S={S} differs from query length T)", None)
+        _check(T == S, "query_segment_ids", f"an int tensor [..., T={T}] (key_segment_ids alone serves both sides "
+               f"only when T == S; S={S})", None)
         return key_segment_ids, key_segment_ids
     return query_segment_ids, key_segment_ids
 
@@ -258,7 +260,7 @@ def _allowed(
     query_segment_ids, key_segment_ids, window, chunk_size, mod_mask,
 ) -> Tensor | None:
     """Bool ``[..., N, T, S]``: where a query may attend a key (None: everywhere)."""
-    *batch, N, T, S = logits.shape
+    S = logits.shape[-1]
     device = logits.device
     terms = []  # each broadcastable to [..., N, T, S]
     if mask is not None:
@@ -429,8 +431,8 @@ def _attention(
 
 def _modern(query_segment_ids, key_segment_ids, window, chunk_size, logit_softcap, sinks) -> dict:
     """The programmable-attention keywords, passed on unchanged by every public function."""
-    return dict(query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids, window=window,
-                chunk_size=chunk_size, logit_softcap=logit_softcap, sinks=sinks)
+    return {"query_segment_ids": query_segment_ids, "key_segment_ids": key_segment_ids, "window": window,
+            "chunk_size": chunk_size, "logit_softcap": logit_softcap, "sinks": sinks}
 
 
 def dot_product_attention(
