@@ -33,8 +33,9 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
-from . import _cache, _layer
-from ._layer import Initializer
+from ._layers import cache as kv_cache
+from ._layers import common
+from ._layers.common import Initializer
 
 
 class _Group(nn.Module):
@@ -76,17 +77,17 @@ class MultiHeadAttention(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     precision: Any = None
-    kernel_init: Initializer = _layer.default_kernel_init
+    kernel_init: Initializer = common.default_kernel_init
     out_kernel_init: Optional[Initializer] = None
-    bias_init: Initializer = _layer.default_bias_init
-    bias_kv_init: Initializer = _layer.default_table_init
+    bias_init: Initializer = common.default_bias_init
+    bias_kv_init: Initializer = common.default_table_init
     decode: bool = False
 
     def _relative(self) -> Optional[dict]:
         return None
 
     def _params(self, dims):
-        specs = _layer.param_specs(dims, use_bias=self.use_bias, add_bias_kv=self.add_bias_kv,
+        specs = common.param_specs(dims, use_bias=self.use_bias, add_bias_kv=self.add_bias_kv,
                                    kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init,
                                    bias_init=self.bias_init, bias_kv_init=self.bias_kv_init,
                                    relative=self._relative())
@@ -105,7 +106,7 @@ class MultiHeadAttention(nn.Module):
     def _cache(self, dims, key, batch, dtype):
         """The "cache" variables, and whether they existed before this call (False while initialising)."""
         existed = self.has_variable("cache", "cached_key")
-        fresh = _cache.init(batch, key.shape[-2], dims.K, dims.H, dims.Hv, dtype)
+        fresh = kv_cache.init(batch, key.shape[-2], dims.K, dims.H, dims.Hv, dtype)
         names = ("cached_key", "cached_value", "cache_index")
         variables = [self.variable("cache", n, lambda v=v: v) for n, v in zip(names, fresh)]
         return variables, existed
@@ -119,13 +120,13 @@ class MultiHeadAttention(nn.Module):
 
         Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights.
         """
-        query, key, value = _layer.inputs(query, key, value)
-        dims = _layer.resolve_dims(query.shape[-1], self.num_heads, self.head_dim, key_features=key.shape[-1],
+        query, key, value = common.inputs(query, key, value)
+        dims = common.resolve_dims(query.shape[-1], self.num_heads, self.head_dim, key_features=key.shape[-1],
                                    value_features=value.shape[-1], out_features=self.out_features,
                                    num_kv_heads=self.num_kv_heads, value_head_dim=self.value_head_dim)
         params = self._params(dims)
-        dtype = _layer.compute_dtype(self.dtype, params, query, key, value)
-        params, query, key, value = _layer.cast((params, query, key, value), dtype)
+        dtype = common.layer_dtype(self.dtype, params, query, key, value)
+        params, query, key, value = common.cast((params, query, key, value), dtype)
         rate, rng = self._dropout(deterministic, dropout_rng)
         options = dict(mask=mask, bias=bias, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
                        query_positions=query_positions, key_positions=key_positions, scale=self.scale,
@@ -135,7 +136,7 @@ class MultiHeadAttention(nn.Module):
             batch = jnp.broadcast_shapes(query.shape[:-2], key.shape[:-2])
             variables, existed = self._cache(dims, key, batch, dtype)
             cache = tuple(v.value for v in variables) if existed else None
-        result, new_cache = _layer.attend(params, query, key, value, relative=self._relative() is not None,
+        result, new_cache = common.attend(params, query, key, value, relative=self._relative() is not None,
                                           add_zero_attn=self.add_zero_attn, precision=self.precision,
                                           cache=cache, **options)
         if new_cache is not None:
@@ -156,7 +157,7 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
     share_heads: bool = False
     use_key_table: bool = True
     use_value_table: bool = True
-    table_init: Initializer = _layer.default_table_init
+    table_init: Initializer = common.default_table_init
 
     def _relative(self) -> Optional[dict]:
         return dict(max_distance=self.max_distance, share_heads=self.share_heads,

@@ -15,7 +15,7 @@ from flax import nnx
 import jaxattn
 import jaxattn.linen as jl
 import jaxattn.nnx as jx
-from jaxattn import _cache
+from jaxattn._layers import cache as kv_cache
 
 B, E, N, K, H, Hv, L, SEQ = 3, 17, 6, 2, 11, 13, 13, 11
 MAX_DISTANCE = 3
@@ -107,7 +107,7 @@ def test_write_places_tokens_after_each_examples_filled_slots():
     key = jnp.zeros((2, 5, 1, 1))
     index = jnp.array([0, 3])
     new = jnp.array([[1.0, 2.0], [3.0, 4.0]])[..., None, None]  # [B=2, T=2, K=1, H=1]
-    cached_key, _, new_index, attend = _cache.write(key, key, index, new, new, jnp.array([2, 1]))
+    cached_key, _, new_index, attend = kv_cache.write(key, key, index, new, new, jnp.array([2, 1]))
     np.testing.assert_array_equal(cached_key[..., 0, 0], [[1, 2, 0, 0, 0], [0, 0, 0, 3, 4]])
     np.testing.assert_array_equal(new_index, [2, 4])
     np.testing.assert_array_equal(attend["query_positions"], [[0, 1], [3, 4]])
