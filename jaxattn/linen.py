@@ -22,8 +22,10 @@ Decoding with a key/value cache (the "cache" collection, as flax does it):
 cached_key [B...,L,K,H], cached_value [B...,L,K,Hv], cache_index int32 [B...] (per example). Each decode
 call appends its T tokens after each example's filled slots; key_value_seq_lengths [B...] says how many
 of them are real (default T); queries sit at absolute positions index + t, so the causal mask and relative
-tables see the positions a full causal pass gives them. Writing past L is an error outside jit and is
-dropped inside it.
+tables see the positions a full causal pass gives them. Writing past L is a ValueError outside jit; inside
+jit (values unknown at trace time) the output of every example whose real tokens do not fit (cache_index +
+key_value_seq_lengths > L) is NaN, for that step and every later one (its cache_index keeps counting past
+L); the other examples of the batch are unaffected.
 """
 
 from __future__ import annotations

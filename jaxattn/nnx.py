@@ -18,6 +18,9 @@ Decoding with a key/value cache (nnx.Cache state, as flax does it):
 
 Each decode call appends its tokens after each example's filled slots (cache_index is int32 [B...]) and
 attends at absolute positions, so the causal mask and relative tables match a full causal pass.
+Writing past L is a ValueError outside jit; inside jit the output of every example whose real tokens do not
+fit (cache_index + key_value_seq_lengths > L) is NaN, for that step and every later one; the other examples
+of the batch are unaffected.
 """
 
 from __future__ import annotations

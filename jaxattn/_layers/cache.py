@@ -43,7 +43,8 @@ def _check_step(cached_key, cached_value, index, key, value, lengths):
         checks.fail("decode", f"at most L={L} new tokens per call (the cache's length)", f"T={T}")
     checks.check_int("key_value_seq_lengths (decode)", lengths)
     checks.check_broadcastable("key_value_seq_lengths (decode)", lengths, tuple(batch), "[...] (batch dims)")
-    # Values are only known outside jit; inside jit an overflowing write is dropped (documented).
+    # Values are only known outside jit; inside jit the slots past L do not exist, so an overflowing write
+    # is lost and the layer poisons that example's output with NaN (common.poison_overflow).
     if _is_concrete(lengths) and (jnp.any(lengths < 0) or jnp.any(lengths > T)):
         checks.fail("key_value_seq_lengths (decode)", f"counts of new tokens in [0, T={T}]", lengths)
     if _is_concrete(index) and jnp.any(index + T > L):

@@ -148,7 +148,22 @@ def _decode(params, query, key, value, cache, *, relative, precision, options):
                                          max_distance=max_distance, precision=precision, **attend_kw, **options)
     else:
         result = dot_product_attention(q, cached_key, cached_value, precision=precision, **attend_kw, **options)
-    return project_result(params, result, precision=precision), (cached_key, cached_value, index)
+    result = project_result(params, result, precision=precision)
+    return poison_overflow(result, index > cached_key.shape[-3]), (cached_key, cached_value, index)
+
+
+def poison_overflow(result, overflowed):
+    """NaN in every output (and weight) of the examples whose cache overflowed (bool [...]), so a step past
+    the cache never returns plausible numbers; the other examples are untouched. Outside jit the cache
+    raises first; inside jit the index keeps counting past L, so every later step of that example is NaN too."""
+    def poison(x, core_dims):
+        flag = overflowed.reshape(overflowed.shape + (1,) * core_dims)
+        return jnp.where(flag, jnp.asarray(jnp.nan, x.dtype), x)
+
+    if isinstance(result, tuple):
+        out, weights = result
+        return poison(out, 2), poison(weights, 3)
+    return poison(result, 2)
 
 
 def attend(params, query, key, value, *, relative: bool, add_zero_attn=False, precision=None, cache=None,
