@@ -63,10 +63,14 @@ class MultiHeadAttention(nn.Module):
       precision: for every einsum.  kernel_init / out_kernel_init / bias_init / bias_kv_init: flax
         initialisers; kernels are initialised on their [fan_in, fan_out] view, as flax's DenseGeneral does.
       decode: use the "cache" collection (the call argument overrides it).
+      qkv_features: flax.linen.MultiHeadDotProductAttention's spelling of num_heads * head_dim (a
+        ValueError with head_dim also set); out_features, use_bias, dropout_rate, deterministic, dtype,
+        param_dtype, precision, kernel_init, out_kernel_init, bias_init and decode are named as in flax.
     """
 
     num_heads: int
     head_dim: Optional[int] = None
+    qkv_features: Optional[int] = None  # flax's spelling: num_heads * head_dim (give one of the two)
     num_kv_heads: Optional[int] = None
     value_head_dim: Optional[int] = None
     out_features: Optional[int] = None
@@ -123,7 +127,8 @@ class MultiHeadAttention(nn.Module):
         Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights.
         """
         query, key, value = common.inputs(query, key, value)
-        dims = common.resolve_dims(query.shape[-1], self.num_heads, self.head_dim, key_features=key.shape[-1],
+        head_dim = common.flax_sizes(self.num_heads, head_dim=self.head_dim, qkv_features=self.qkv_features)["head_dim"]
+        dims = common.resolve_dims(query.shape[-1], self.num_heads, head_dim, key_features=key.shape[-1],
                                    value_features=value.shape[-1], out_features=self.out_features,
                                    num_kv_heads=self.num_kv_heads, value_head_dim=self.value_head_dim)
         params = self._params(dims)

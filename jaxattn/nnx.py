@@ -54,10 +54,18 @@ class MultiHeadAttention(nnx.Module):
     Sizes as jaxattn.init_multi_head_attention: query_features Eq, num_heads N, head_dim H (default Eq // N),
     key_features Ek (Eq), value_features Ev (Ek), out_features Eo (Eq), num_kv_heads K (N), value_head_dim
     Hv (H). Options as jaxattn.linen.MultiHeadAttention; `rngs` supplies "params" and "dropout" keys.
+
+    flax.nnx.MultiHeadAttention's keywords are accepted where they mean the same thing: in_features
+    (= query_features), in_kv_features (= key_features = value_features), qkv_features (= N * H),
+    out_features, num_kv_heads, decode, dtype, param_dtype, ... (giving both spellings of one size is a
+    ValueError). Pass them by keyword: flax's positional order is (num_heads, in_features), ours
+    (query_features, num_heads).
     """
 
-    def __init__(self, query_features: int, num_heads: int, head_dim: Optional[int] = None, *,
-                 key_features: Optional[int] = None, value_features: Optional[int] = None,
+    def __init__(self, query_features: Optional[int] = None, num_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, *, key_features: Optional[int] = None,
+                 value_features: Optional[int] = None, in_features: Optional[int] = None,
+                 qkv_features: Optional[int] = None, in_kv_features: Optional[int] = None,
                  out_features: Optional[int] = None, num_kv_heads: Optional[int] = None,
                  value_head_dim: Optional[int] = None, use_bias: bool = True, add_bias_kv: bool = False,
                  add_zero_attn: bool = False, dropout_rate: float = 0.0, deterministic: Optional[bool] = None,
@@ -66,9 +74,13 @@ class MultiHeadAttention(nnx.Module):
                  out_kernel_init: Optional[Initializer] = None, bias_init: Initializer = common.default_bias_init,
                  bias_kv_init: Initializer = common.default_table_init, decode: bool = False, rngs: nnx.Rngs,
                  _relative: Optional[dict] = None):
-        self.dims = common.resolve_dims(query_features, num_heads, head_dim, key_features=key_features,
-                                        value_features=value_features, out_features=out_features,
-                                        num_kv_heads=num_kv_heads, value_head_dim=value_head_dim)
+        sizes = common.flax_sizes(num_heads, query_features=query_features, head_dim=head_dim,
+                                  key_features=key_features, value_features=value_features,
+                                  in_features=in_features, qkv_features=qkv_features, in_kv_features=in_kv_features)
+        if sizes["query_features"] is None:
+            checks.fail("query_features", "a positive int (or flax's spelling in_features)", None)
+        self.dims = common.resolve_dims(sizes.pop("query_features"), num_heads, out_features=out_features,
+                                        num_kv_heads=num_kv_heads, value_head_dim=value_head_dim, **sizes)
         specs = common.param_specs(self.dims, use_bias=use_bias, add_bias_kv=add_bias_kv, kernel_init=kernel_init,
                                    out_kernel_init=out_kernel_init, bias_init=bias_init,
                                    bias_kv_init=bias_kv_init, relative=_relative)
@@ -149,7 +161,8 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
     use_key_table / use_value_table; table_init (default normal(0.02)). Not with add_bias_kv / add_zero_attn.
     """
 
-    def __init__(self, query_features: int, num_heads: int, head_dim: Optional[int] = None, *, max_distance: int,
+    def __init__(self, query_features: Optional[int] = None, num_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, *, max_distance: int,
                  share_heads: bool = False, use_key_table: bool = True, use_value_table: bool = True,
                  table_init: Initializer = common.default_table_init, rngs: nnx.Rngs, **options):
         relative = dict(max_distance=max_distance, share_heads=share_heads, use_key_table=use_key_table,

@@ -66,6 +66,31 @@ def resolve_dims(query_features, num_heads, head_dim=None, *, key_features=None,
                 N=N, K=K, H=H, Hv=_positive("value_head_dim", H if value_head_dim is None else value_head_dim))
 
 
+def _one_of(ours: str, value, flax_name: str, flax_value):
+    """One spelling of a size: ours, or flax's name for the same thing; both is an error."""
+    if value is not None and flax_value is not None:
+        checks.fail(f"{ours}/{flax_name}", f"one of them ({flax_name} is flax's name for {ours})",
+                    f"{ours}={value!r} and {flax_name}={flax_value!r}")
+    return flax_value if value is None else value
+
+
+def flax_sizes(num_heads, *, query_features=None, head_dim=None, key_features=None, value_features=None,
+               in_features=None, qkv_features=None, in_kv_features=None) -> dict:
+    """Our size arguments from either spelling: flax's in_features = query_features, in_kv_features =
+    key_features = value_features, qkv_features = num_heads * head_dim (flax's per-head dim is
+    qkv_features // num_heads). Returns dict(query_features, head_dim, key_features, value_features)."""
+    query_features = _one_of("query_features", query_features, "in_features", in_features)
+    key_features = _one_of("key_features", key_features, "in_kv_features", in_kv_features)
+    value_features = _one_of("value_features", value_features, "in_kv_features", in_kv_features)
+    if qkv_features is not None:
+        N, total = _positive("num_heads", num_heads), _positive("qkv_features", qkv_features)
+        if total % N:
+            checks.fail("qkv_features", f"a multiple of num_heads={N} (flax: num_heads * head_dim)", total)
+        head_dim = _one_of("head_dim", head_dim, "qkv_features // num_heads", total // N)
+    return dict(query_features=query_features, head_dim=head_dim, key_features=key_features,
+                value_features=value_features)
+
+
 def flat_kernel_init(init: Initializer, fan_in_dims: int) -> Initializer:
     """Call `init` on the 2-D [fan_in, fan_out] view and reshape, as flax's DenseGeneral does.
 
