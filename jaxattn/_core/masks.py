@@ -6,9 +6,10 @@ is the single place that decides whether a query at absolute position i may see 
 (causal: j - i <= 0) that is key number key_index of its example (padding: key_index >= lengths). The
 dense engine evaluates it on the whole [T,S] grid (`allowed_keys`, which also folds in a user mask), the
 blockwise and ring engines on one [Tb,Sb] tile at a time, and `key_block_range` says, from the same rule,
-which key tiles of a query tile can hold an allowed pair at all (the others are skipped). A new
-position-based rule (a sliding window, chunks, segment ids) is a field of MaskRule plus one term in each
-of these two functions, and then holds for every engine.
+which key tiles of a query tile can hold an allowed pair at all (the others are skipped). A new rule is
+one term in each of these two functions and then holds for every engine: a static one (a sliding window
+(left, right), a chunk size) is a field of MaskRule, which every engine config carries; a per-example
+array (like lengths; segment ids) is an argument, sliced to the tile by the engine as lengths are.
 """
 
 from __future__ import annotations
