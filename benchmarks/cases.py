@@ -129,7 +129,7 @@ def _mha_setup(quick):
 def _jax_nn_mha(params, x):
     import jax
 
-    from jaxattn._multihead import project_out, project_qkv
+    from jaxattn import project_out, project_qkv
 
     q, k, v = project_qkv(params, x)
     return project_out(params, jax.nn.dot_product_attention(q, k, v))

@@ -25,7 +25,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import jaxattn  # noqa: E402
-from jaxattn import _ring  # noqa: E402
+from jaxattn._engines import ring as ring_engine  # noqa: E402
 
 MiB = 2**20
 
@@ -54,7 +54,7 @@ def row(S, D, *, B, N, H, causal, backward, timed):
                              sharding=NamedSharding(mesh, PartitionSpec(None, "seq", None, None)))
 
     def attend(q, k, v):
-        return _ring.ring_attention(q, k, v, mesh=mesh, sequence_axis="seq", is_causal=causal)
+        return jaxattn.ring_attention(q, k, v, mesh=mesh, sequence_axis="seq", is_causal=causal)
 
     def run(q, k, v):
         if not backward:
@@ -68,9 +68,9 @@ def row(S, D, *, B, N, H, causal, backward, timed):
     pairs = chunk_pairs(D, causal)
     share = B * (S // D) * N * H * 4
     C = 2 if causal and D > 1 else 1
-    tile = _ring._tile_sizes(None, S // (C * D), S // (C * D), B * N, S // D * H)  # the default (Tb, Sb)
+    tile = ring_engine.tile_sizes(None, S // (C * D), S // (C * D), B * N, S // D * H)  # the default (Tb, Sb)
     key_tiles = -(-(S // (C * D)) // tile[1])
-    pieces = C * _ring._pieces_per_chunk(key_tiles, C) if D > 1 else 1
+    pieces = C * ring_engine.pieces_per_chunk(key_tiles, C) if D > 1 else 1
     result = {"devices": D, "phase": "forward+backward" if backward else "forward",
               "temp_MiB_per_device": memory.temp_size_in_bytes / MiB,
               "arguments_MiB_per_device": memory.argument_size_in_bytes / MiB,

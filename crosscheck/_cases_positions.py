@@ -172,13 +172,13 @@ def _bool_causal(T: int, S: int):
 
 
 def _project(p, x_q, x_kv=None):
-    from jaxattn._multihead import project_qkv
+    from jaxattn import project_qkv
 
     return project_qkv(p, x_q, x_kv, precision="highest")
 
 
 def _out(p, z):
-    from jaxattn._multihead import project_out
+    from jaxattn import project_out
 
     return project_out(p, z, precision="highest")
 
@@ -192,7 +192,7 @@ def _t5(name: str, *, decoder: bool, T: int, S: int) -> Setup:
     from transformers.cache_utils import DynamicCache
     from transformers.models.t5.modeling_t5 import T5Attention
 
-    import jaxattn._t5 as t5
+    import jaxattn
 
     B, E, N, H, R, max_distance = 2, 14, 3, 5, 10, 11
     config = T5Config(d_model=E, d_kv=H, num_heads=N, relative_attention_num_buckets=R,
@@ -204,7 +204,7 @@ def _t5(name: str, *, decoder: bool, T: int, S: int) -> Setup:
 
     def jax_fn(p, x):
         q, k, v = _project(p, x[..., S - T:, :], x)
-        z = t5.t5_attention(q, k, v, p["t5"]["table"], bidirectional=not decoder, max_distance=max_distance,
+        z = jaxattn.t5_attention(q, k, v, p["t5"]["table"], bidirectional=not decoder, max_distance=max_distance,
                             is_causal=decoder, precision="highest")
         return _out(p, z)
 
@@ -254,7 +254,7 @@ def hf_llama() -> Setup:
     from transformers.cache_utils import DynamicCache
     from transformers.models.llama.modeling_llama import LlamaAttention, LlamaRotaryEmbedding
 
-    import jaxattn._rope as rope
+    import jaxattn
 
     B, T, S, E, N, K, H, base = 2, 4, 11, 18, 6, 2, 10, 500.0
     config = LlamaConfig(hidden_size=E, num_attention_heads=N, num_key_value_heads=K, head_dim=H,
@@ -266,7 +266,7 @@ def hf_llama() -> Setup:
 
     def jax_fn(p, x):
         q, k, v = _project(p, x[..., S - T:, :], x)
-        return _out(p, rope.rope_attention(q, k, v, base=base, layout="half", is_causal=True, precision="highest"))
+        return _out(p, jaxattn.rope_attention(q, k, v, base=base, layout="half", is_causal=True, precision="highest"))
 
     def torch_fn(p, x):
         cache, past = DynamicCache(), S - T
@@ -286,7 +286,7 @@ def hf_gpt_neox() -> Setup:
     from transformers import GPTNeoXConfig
     from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXAttention, GPTNeoXRotaryEmbedding
 
-    import jaxattn._rope as rope
+    import jaxattn
 
     B, T, E, N, base, factor = 2, 9, 30, 3, 300.0, 0.4
     H = E // N
@@ -301,7 +301,7 @@ def hf_gpt_neox() -> Setup:
 
     def jax_fn(p, x):
         q, k, v = _project(p, x)
-        z = rope.rope_attention(q, k, v, base=base, rotary_dim=rotary_dim, layout="half", is_causal=True,
+        z = jaxattn.rope_attention(q, k, v, base=base, rotary_dim=rotary_dim, layout="half", is_causal=True,
                                 precision="highest")
         return _out(p, z)
 
@@ -340,7 +340,7 @@ def hf_bloom() -> Setup:
     from transformers.models.bloom import modeling_bloom
     from transformers.models.bloom.modeling_bloom import BloomAttention, build_alibi_tensor
 
-    import jaxattn._alibi as alibi
+    import jaxattn
 
     B, T, E, N = 2, 11, 24, 6
     H = E // N
@@ -350,8 +350,8 @@ def hf_bloom() -> Setup:
 
     def jax_fn(p, x):
         q, k, v = _project(p, x)
-        slopes = alibi.alibi_slopes(N, dtype=x.dtype)
-        return _out(p, alibi.alibi_attention(q, k, v, slopes, is_causal=True, precision="highest"))
+        slopes = jaxattn.alibi_slopes(N, dtype=x.dtype)
+        return _out(p, jaxattn.alibi_attention(q, k, v, slopes, is_causal=True, precision="highest"))
 
     def torch_fn(p, x):
         alibi_tensor = build_alibi_tensor(torch.ones(B, T), N, x.dtype)  # [B*N, 1, T]: slope * key_pos
@@ -372,7 +372,7 @@ def hf_mpt() -> Setup:
     from transformers import MptConfig
     from transformers.models.mpt.modeling_mpt import MptAttention, build_mpt_alibi_tensor
 
-    import jaxattn._alibi as alibi
+    import jaxattn
 
     B, T, E, N = 2, 10, 24, 6
     H = E // N
@@ -382,8 +382,8 @@ def hf_mpt() -> Setup:
 
     def jax_fn(p, x):
         q, k, v = _project(p, x)
-        slopes = alibi.alibi_slopes(N, max_bias=8.0, dtype=x.dtype)
-        return _out(p, alibi.alibi_attention(q, k, v, slopes, is_causal=True, precision="highest"))
+        slopes = jaxattn.alibi_slopes(N, max_bias=8.0, dtype=x.dtype)
+        return _out(p, jaxattn.alibi_attention(q, k, v, slopes, is_causal=True, precision="highest"))
 
     def torch_fn(p, x):
         position_bias = build_mpt_alibi_tensor(N, T, alibi_bias_max=8).to(x.dtype)  # [N, 1, T]
@@ -400,7 +400,7 @@ def _w2v2bert(name: str, kind: str, *, T: int, E: int, N: int, left: int = 0, ri
     from transformers import Wav2Vec2BertConfig
     from transformers.models.wav2vec2_bert.modeling_wav2vec2_bert import Wav2Vec2BertSelfAttention
 
-    import jaxattn._xl as xl
+    import jaxattn
 
     B, H = 2, E // N
     config = Wav2Vec2BertConfig(hidden_size=E, num_attention_heads=N, position_embeddings_type=kind,
@@ -414,7 +414,7 @@ def _w2v2bert(name: str, kind: str, *, T: int, E: int, N: int, left: int = 0, ri
     if kind == "relative_key":
         def jax_fn(p, x):
             q, k, v = _project(p, x)
-            z = xl.clipped_relative_attention(q, k, v, p["relative"]["key"], max_left=left, max_right=right,
+            z = jaxattn.clipped_relative_attention(q, k, v, p["relative"]["key"], max_left=left, max_right=right,
                                               precision="highest")
             return _out(p, z)
 
@@ -422,7 +422,7 @@ def _w2v2bert(name: str, kind: str, *, T: int, E: int, N: int, left: int = 0, ri
             return _call(module, p, x)[0]
     else:
         # HF's Wav2Vec2BertRelPositionalEmbedding rows: i - j = T-1 .. -(T-1), interleaved sin/cos
-        inputs["pos"] = np.asarray(xl.relative_sinusoids(E, max_left=T - 1, max_right=T - 1, layout="interleaved",
+        inputs["pos"] = np.asarray(jaxattn.relative_sinusoids(E, max_left=T - 1, max_right=T - 1, layout="interleaved",
                                                          dtype=np.float64))[None]
 
         def jax_fn(p, x, pos):
@@ -430,7 +430,7 @@ def _w2v2bert(name: str, kind: str, *, T: int, E: int, N: int, left: int = 0, ri
 
             q, k, v = _project(p, x)
             keys = jnp.einsum("re,enh->rnh", pos[0], p["position"]["kernel"], precision="highest")
-            z = xl.transformer_xl_attention(q, k, v, keys, max_left=T - 1, pos_bias_u=p["pos_bias_u"],
+            z = jaxattn.transformer_xl_attention(q, k, v, keys, max_left=T - 1, pos_bias_u=p["pos_bias_u"],
                                             pos_bias_v=p["pos_bias_v"], precision="highest")
             return _out(p, z)
 
@@ -468,12 +468,12 @@ def _twin_case(name, jax_fn, torch_fn, rng, params=None):
 @register_case("pos_t5_causal")
 def pos_t5_causal() -> Setup:
     """t5_attention (causal buckets, learned table [R,N]) vs torchref.positions, GQA, causal T=5 < S=11."""
-    import jaxattn._t5 as t5
+    import jaxattn
     import torchref.positions as P
 
     rng = rng_for("pos_t5_causal")
     opts = dict(bidirectional=False, max_distance=7, is_causal=True)
-    return _twin_case("pos_t5_causal", lambda p, q, k, v: t5.t5_attention(q, k, v, p["table"], **opts),
+    return _twin_case("pos_t5_causal", lambda p, q, k, v: jaxattn.t5_attention(q, k, v, p["table"], **opts),
                       lambda p, q, k, v: P.t5_attention(q, k, v, p["table"], **opts), rng,
                       {"table": normal(rng, (8, _N))})
 
@@ -481,13 +481,13 @@ def pos_t5_causal() -> Setup:
 @register_case("pos_t5_bidirectional_blockwise")
 def pos_t5_bidirectional_blockwise() -> Setup:
     """t5_attention bidirectional through the blockwise engine (tiles 2x4) vs torchref.positions, T=5 < S=11."""
-    import jaxattn._t5 as t5
+    import jaxattn
     import torchref.positions as P
 
     rng = rng_for("pos_t5_bidirectional_blockwise")
     opts = dict(bidirectional=True, max_distance=6)
     return _twin_case("pos_t5_bidirectional_blockwise",
-                      lambda p, q, k, v: t5.t5_attention(q, k, v, p["table"], implementation="blockwise",
+                      lambda p, q, k, v: jaxattn.t5_attention(q, k, v, p["table"], implementation="blockwise",
                                                          block_size=(2, 4), **opts),
                       lambda p, q, k, v: P.t5_attention(q, k, v, p["table"], **opts), rng,
                       {"table": normal(rng, (10, _N))})
@@ -496,13 +496,13 @@ def pos_t5_bidirectional_blockwise() -> Setup:
 @register_case("pos_alibi_causal")
 def pos_alibi_causal() -> Setup:
     """alibi_attention (slope * (j - i), 6 heads) vs torchref.positions, GQA, causal T=5 < S=11."""
-    import jaxattn._alibi as alibi
+    import jaxattn
     import torchref.positions as P
 
     rng = rng_for("pos_alibi_causal")
     slopes = np.asarray(P.alibi_slopes(_N))
     return _twin_case("pos_alibi_causal",
-                      lambda p, q, k, v: alibi.alibi_attention(q, k, v, p["slopes"], is_causal=True),
+                      lambda p, q, k, v: jaxattn.alibi_attention(q, k, v, p["slopes"], is_causal=True),
                       lambda p, q, k, v: P.alibi_attention(q, k, v, p["slopes"], is_causal=True), rng,
                       {"slopes": slopes})
 
@@ -510,23 +510,23 @@ def pos_alibi_causal() -> Setup:
 @register_case("pos_alibi_symmetric_blockwise")
 def pos_alibi_symmetric_blockwise() -> Setup:
     """alibi_attention symmetric (-slope |j - i|) through the blockwise engine vs torchref.positions."""
-    import jaxattn._alibi as alibi
+    import jaxattn
     import torchref.positions as P
 
     rng = rng_for("pos_alibi_symmetric_blockwise")
     return _twin_case("pos_alibi_symmetric_blockwise",
-                      lambda p, q, k, v: alibi.alibi_attention(q, k, v, p["slopes"], bidirectional=True,
+                      lambda p, q, k, v: jaxattn.alibi_attention(q, k, v, p["slopes"], bidirectional=True,
                                                                implementation="blockwise", block_size=3),
                       lambda p, q, k, v: P.alibi_attention(q, k, v, p["slopes"], bidirectional=True), rng,
                       {"slopes": np.asarray(P.alibi_slopes(_N))})
 
 
 def _rope_case(name, layout, rotary_dim):
-    import jaxattn._rope as rope
+    import jaxattn
     import torchref.positions as P
 
     opts = dict(layout=layout, rotary_dim=rotary_dim, base=50.0, is_causal=True)
-    return _twin_case(name, lambda q, k, v: rope.rope_attention(q, k, v, **opts),
+    return _twin_case(name, lambda q, k, v: jaxattn.rope_attention(q, k, v, **opts),
                       lambda q, k, v: P.rope_attention(q, k, v, **opts), rng_for(name))
 
 
@@ -545,13 +545,13 @@ def pos_rope_interleaved() -> Setup:
 @register_case("pos_clipped_relative")
 def pos_clipped_relative() -> Setup:
     """clipped_relative_attention (max_left 4, max_right 1, key [R,N,H] and value [R,Hv] tables), GQA, causal."""
-    import jaxattn._xl as xl
+    import jaxattn
     import torchref.positions as P
 
     rng = rng_for("pos_clipped_relative")
     opts = dict(max_left=4, max_right=1, is_causal=True)
     return _twin_case("pos_clipped_relative",
-                      lambda p, q, k, v: xl.clipped_relative_attention(q, k, v, p["kt"], p["vt"], **opts),
+                      lambda p, q, k, v: jaxattn.clipped_relative_attention(q, k, v, p["kt"], p["vt"], **opts),
                       lambda p, q, k, v: P.clipped_relative_attention(q, k, v, p["kt"], p["vt"], **opts), rng,
                       {"kt": normal(rng, (6, _N, _H)), "vt": normal(rng, (6, _HV))})
 
@@ -559,14 +559,14 @@ def pos_clipped_relative() -> Setup:
 @register_case("pos_transformer_xl_causal")
 def pos_transformer_xl_causal() -> Setup:
     """transformer_xl_attention causal (the paper's S rows R_{S-1}..R_0), u/v, GQA, T=5 < S=11."""
-    import jaxattn._xl as xl
+    import jaxattn
     import torchref.positions as P
 
     rng = rng_for("pos_transformer_xl_causal")
     opts = dict(max_left=_S - 1, is_causal=True)
     params = {"keys": normal(rng, (_S, _N, _H)), "u": normal(rng, (_N, _H)), "w": normal(rng, (_N, _H))}
     return _twin_case("pos_transformer_xl_causal",
-                      lambda p, q, k, v: xl.transformer_xl_attention(q, k, v, p["keys"], pos_bias_u=p["u"],
+                      lambda p, q, k, v: jaxattn.transformer_xl_attention(q, k, v, p["keys"], pos_bias_u=p["u"],
                                                                      pos_bias_v=p["w"], **opts),
                       lambda p, q, k, v: P.transformer_xl_attention(q, k, v, p["keys"], pos_bias_u=p["u"],
                                                                     pos_bias_v=p["w"], **opts), rng, params)
@@ -578,13 +578,13 @@ def hf_gptj_rope() -> Setup:
     import torch
     from transformers.models.gptj.modeling_gptj import apply_rotary_pos_emb, create_sinusoidal_positions
 
-    import jaxattn._rope as rope
+    import jaxattn
 
     B, T, N, H, rotary_dim = 2, 7, 3, 11, 6
     rng = rng_for("hf_gptj_rope")
 
     def jax_fn(x):
-        return rope.apply_rope(x, rotary_dim=rotary_dim, layout="interleaved")
+        return jaxattn.apply_rope(x, rotary_dim=rotary_dim, layout="interleaved")
 
     def torch_fn(x):
         if x.dtype == torch.float64:  # GPT-J's create_sinusoidal_positions, evaluated in float64

@@ -15,39 +15,41 @@ aligned (query t sits at t + S - T); a query with no allowed key returns zeros. 
 and works under jax.jit, jax.vmap and jax.grad; bad input raises ValueError at trace time.
 """
 
-from ._attention import dot_product_attention as dot_product_attention
-from ._attention import relative_attention as relative_attention
-from ._multihead import init_multi_head_attention as init_multi_head_attention
-from ._multihead import init_relative_multi_head_attention as init_relative_multi_head_attention
-from ._multihead import multi_head_attention as multi_head_attention
-from ._multihead import relative_multi_head_attention as relative_multi_head_attention
-from ._relative import relative_position_index as relative_position_index
-from ._relative import shaw_relative_attention as shaw_relative_attention
+from ._engines.dispatch import dot_product_attention as dot_product_attention
+from ._schemes.shaw import relative_attention as relative_attention
+from ._layers.multihead import init_multi_head_attention as init_multi_head_attention
+from ._layers.multihead import init_relative_multi_head_attention as init_relative_multi_head_attention
+from ._layers.multihead import multi_head_attention as multi_head_attention
+from ._layers.multihead import project_out as project_out
+from ._layers.multihead import project_qkv as project_qkv
+from ._layers.multihead import relative_multi_head_attention as relative_multi_head_attention
+from ._schemes.shaw import relative_position_index as relative_position_index
+from ._schemes.shaw import shaw_relative_attention as shaw_relative_attention
 
 # Long sequences and device meshes: the blockwise engine, ring (sequence-parallel) attention, placement.
-from ._blockwise import blockwise_attention as blockwise_attention
-from ._ring import ring_attention as ring_attention
-from ._sharding import partition_spec as partition_spec
-from ._sharding import shard_inputs as shard_inputs
-from ._sharding import shard_params as shard_params
+from ._engines.blockwise import blockwise_attention as blockwise_attention
+from ._engines.ring import ring_attention as ring_attention
+from ._layers.sharding import partition_spec as partition_spec
+from ._layers.sharding import shard_inputs as shard_inputs
+from ._layers.sharding import shard_params as shard_params
 
 # Other relative-position schemes (index conventions: docs/positions.md; j - i = key minus query position).
-from ._alibi import alibi_attention as alibi_attention
-from ._alibi import alibi_bias as alibi_bias
-from ._alibi import alibi_position_bias as alibi_position_bias
-from ._alibi import alibi_slopes as alibi_slopes
-from ._positions import position_bias_attention as position_bias_attention
-from ._rope import apply_rope as apply_rope
-from ._rope import rope_attention as rope_attention
-from ._rope import rope_permutation as rope_permutation
-from ._t5 import t5_attention as t5_attention
-from ._t5 import t5_position_bias as t5_position_bias
-from ._t5 import t5_relative_bias as t5_relative_bias
-from ._t5 import t5_relative_position_bucket as t5_relative_position_bucket
-from ._xl import clipped_relative_attention as clipped_relative_attention
-from ._xl import clipped_relative_index as clipped_relative_index
-from ._xl import relative_sinusoids as relative_sinusoids
-from ._xl import transformer_xl_attention as transformer_xl_attention
+from ._schemes.alibi import alibi_attention as alibi_attention
+from ._schemes.alibi import alibi_bias as alibi_bias
+from ._schemes.alibi import alibi_position_bias as alibi_position_bias
+from ._schemes.alibi import alibi_slopes as alibi_slopes
+from ._schemes.position_bias import position_bias_attention as position_bias_attention
+from ._schemes.rope import apply_rope as apply_rope
+from ._schemes.rope import rope_attention as rope_attention
+from ._schemes.rope import rope_permutation as rope_permutation
+from ._schemes.t5 import t5_attention as t5_attention
+from ._schemes.t5 import t5_position_bias as t5_position_bias
+from ._schemes.t5 import t5_relative_bias as t5_relative_bias
+from ._schemes.t5 import t5_relative_position_bucket as t5_relative_position_bucket
+from ._schemes.clipped import clipped_relative_attention as clipped_relative_attention
+from ._schemes.clipped import clipped_relative_index as clipped_relative_index
+from ._schemes.xl import relative_sinusoids as relative_sinusoids
+from ._schemes.xl import transformer_xl_attention as transformer_xl_attention
 
 __all__ = [
     "dot_product_attention",
@@ -58,6 +60,8 @@ __all__ = [
     "multi_head_attention",
     "init_relative_multi_head_attention",
     "relative_multi_head_attention",
+    "project_qkv",
+    "project_out",
     "t5_relative_position_bucket",
     "t5_relative_bias",
     "t5_position_bias",

@@ -22,8 +22,10 @@ Decoding with a key/value cache (the "cache" collection, as flax does it):
 cached_key [B...,L,K,H], cached_value [B...,L,K,Hv], cache_index int32 [B...] (per example). Each decode
 call appends its T tokens after each example's filled slots; key_value_seq_lengths [B...] says how many
 of them are real (default T); queries sit at absolute positions index + t, so the causal mask and relative
-tables see the positions a full causal pass gives them. Writing past L is an error outside jit and is
-dropped inside it.
+tables see the positions a full causal pass gives them. Writing past L is a ValueError outside jit; inside
+jit (values unknown at trace time) the output of every example whose real tokens do not fit (cache_index +
+key_value_seq_lengths > L) is NaN, for that step and every later one (its cache_index keeps counting past
+L); the other examples of the batch are unaffected.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax.numpy as jnp
 
-from . import _cache, _layer
-from ._layer import Initializer
+from ._layers import cache as kv_cache
+from ._layers import common
+from ._layers.common import Initializer
 
 
 class _Group(nn.Module):
@@ -60,10 +63,14 @@ class MultiHeadAttention(nn.Module):
       precision: for every einsum.  kernel_init / out_kernel_init / bias_init / bias_kv_init: flax
         initialisers; kernels are initialised on their [fan_in, fan_out] view, as flax's DenseGeneral does.
       decode: use the "cache" collection (the call argument overrides it).
+      qkv_features: flax.linen.MultiHeadDotProductAttention's spelling of num_heads * head_dim (a
+        ValueError with head_dim also set); out_features, use_bias, dropout_rate, deterministic, dtype,
+        param_dtype, precision, kernel_init, out_kernel_init, bias_init and decode are named as in flax.
     """
 
     num_heads: int
     head_dim: Optional[int] = None
+    qkv_features: Optional[int] = None  # flax's spelling: num_heads * head_dim (give one of the two)
     num_kv_heads: Optional[int] = None
     value_head_dim: Optional[int] = None
     out_features: Optional[int] = None
@@ -76,17 +83,17 @@ class MultiHeadAttention(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     precision: Any = None
-    kernel_init: Initializer = _layer.default_kernel_init
+    kernel_init: Initializer = common.default_kernel_init
     out_kernel_init: Optional[Initializer] = None
-    bias_init: Initializer = _layer.default_bias_init
-    bias_kv_init: Initializer = _layer.default_table_init
+    bias_init: Initializer = common.default_bias_init
+    bias_kv_init: Initializer = common.default_table_init
     decode: bool = False
 
     def _relative(self) -> Optional[dict]:
         return None
 
     def _params(self, dims):
-        specs = _layer.param_specs(dims, use_bias=self.use_bias, add_bias_kv=self.add_bias_kv,
+        specs = common.param_specs(dims, use_bias=self.use_bias, add_bias_kv=self.add_bias_kv,
                                    kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init,
                                    bias_init=self.bias_init, bias_kv_init=self.bias_kv_init,
                                    relative=self._relative())
@@ -105,7 +112,7 @@ class MultiHeadAttention(nn.Module):
     def _cache(self, dims, key, batch, dtype):
         """The "cache" variables, and whether they existed before this call (False while initialising)."""
         existed = self.has_variable("cache", "cached_key")
-        fresh = _cache.init(batch, key.shape[-2], dims.K, dims.H, dims.Hv, dtype)
+        fresh = kv_cache.init(batch, key.shape[-2], dims.K, dims.H, dims.Hv, dtype)
         names = ("cached_key", "cached_value", "cache_index")
         variables = [self.variable("cache", n, lambda v=v: v) for n, v in zip(names, fresh)]
         return variables, existed
@@ -119,13 +126,14 @@ class MultiHeadAttention(nn.Module):
 
         Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights.
         """
-        query, key, value = _layer.inputs(query, key, value)
-        dims = _layer.resolve_dims(query.shape[-1], self.num_heads, self.head_dim, key_features=key.shape[-1],
+        query, key, value = common.inputs(query, key, value)
+        head_dim = common.flax_sizes(self.num_heads, head_dim=self.head_dim, qkv_features=self.qkv_features)["head_dim"]
+        dims = common.resolve_dims(query.shape[-1], self.num_heads, head_dim, key_features=key.shape[-1],
                                    value_features=value.shape[-1], out_features=self.out_features,
                                    num_kv_heads=self.num_kv_heads, value_head_dim=self.value_head_dim)
         params = self._params(dims)
-        dtype = _layer.compute_dtype(self.dtype, params, query, key, value)
-        params, query, key, value = _layer.cast((params, query, key, value), dtype)
+        dtype = common.layer_dtype(self.dtype, params, query, key, value)
+        params, query, key, value = common.cast((params, query, key, value), dtype)
         rate, rng = self._dropout(deterministic, dropout_rng)
         options = dict(mask=mask, bias=bias, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
                        query_positions=query_positions, key_positions=key_positions, scale=self.scale,
@@ -135,7 +143,7 @@ class MultiHeadAttention(nn.Module):
             batch = jnp.broadcast_shapes(query.shape[:-2], key.shape[:-2])
             variables, existed = self._cache(dims, key, batch, dtype)
             cache = tuple(v.value for v in variables) if existed else None
-        result, new_cache = _layer.attend(params, query, key, value, relative=self._relative() is not None,
+        result, new_cache = common.attend(params, query, key, value, relative=self._relative() is not None,
                                           add_zero_attn=self.add_zero_attn, precision=self.precision,
                                           cache=cache, **options)
         if new_cache is not None:
@@ -156,7 +164,7 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
     share_heads: bool = False
     use_key_table: bool = True
     use_value_table: bool = True
-    table_init: Initializer = _layer.default_table_init
+    table_init: Initializer = common.default_table_init
 
     def _relative(self) -> Optional[dict]:
         return dict(max_distance=self.max_distance, share_heads=self.share_heads,

@@ -18,6 +18,9 @@ Decoding with a key/value cache (nnx.Cache state, as flax does it):
 
 Each decode call appends its tokens after each example's filled slots (cache_index is int32 [B...]) and
 attends at absolute positions, so the causal mask and relative tables match a full causal pass.
+Writing past L is a ValueError outside jit; inside jit the output of every example whose real tokens do not
+fit (cache_index + key_value_seq_lengths > L) is NaN, for that step and every later one; the other examples
+of the batch are unaffected.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ from typing import Any, Optional
 import jax.numpy as jnp
 from flax import nnx
 
-from . import _cache, _checks, _layer
-from ._layer import Initializer
+from ._core import checks
+from ._layers import cache as kv_cache
+from ._layers import common
+from ._layers.common import Initializer
 
 
 class _Group(nnx.Module):
@@ -49,22 +54,34 @@ class MultiHeadAttention(nnx.Module):
     Sizes as jaxattn.init_multi_head_attention: query_features Eq, num_heads N, head_dim H (default Eq // N),
     key_features Ek (Eq), value_features Ev (Ek), out_features Eo (Eq), num_kv_heads K (N), value_head_dim
     Hv (H). Options as jaxattn.linen.MultiHeadAttention; `rngs` supplies "params" and "dropout" keys.
+
+    flax.nnx.MultiHeadAttention's keywords are accepted where they mean the same thing: in_features
+    (= query_features), in_kv_features (= key_features = value_features), qkv_features (= N * H),
+    out_features, num_kv_heads, decode, dtype, param_dtype, ... (giving both spellings of one size is a
+    ValueError). Pass them by keyword: flax's positional order is (num_heads, in_features), ours
+    (query_features, num_heads).
     """
 
-    def __init__(self, query_features: int, num_heads: int, head_dim: Optional[int] = None, *,
-                 key_features: Optional[int] = None, value_features: Optional[int] = None,
+    def __init__(self, query_features: Optional[int] = None, num_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, *, key_features: Optional[int] = None,
+                 value_features: Optional[int] = None, in_features: Optional[int] = None,
+                 qkv_features: Optional[int] = None, in_kv_features: Optional[int] = None,
                  out_features: Optional[int] = None, num_kv_heads: Optional[int] = None,
                  value_head_dim: Optional[int] = None, use_bias: bool = True, add_bias_kv: bool = False,
                  add_zero_attn: bool = False, dropout_rate: float = 0.0, deterministic: Optional[bool] = None,
                  scale: Optional[float] = None, dtype: Any = None, param_dtype: Any = jnp.float32,
-                 precision: Any = None, kernel_init: Initializer = _layer.default_kernel_init,
-                 out_kernel_init: Optional[Initializer] = None, bias_init: Initializer = _layer.default_bias_init,
-                 bias_kv_init: Initializer = _layer.default_table_init, decode: bool = False, rngs: nnx.Rngs,
+                 precision: Any = None, kernel_init: Initializer = common.default_kernel_init,
+                 out_kernel_init: Optional[Initializer] = None, bias_init: Initializer = common.default_bias_init,
+                 bias_kv_init: Initializer = common.default_table_init, decode: bool = False, rngs: nnx.Rngs,
                  _relative: Optional[dict] = None):
-        self.dims = _layer.resolve_dims(query_features, num_heads, head_dim, key_features=key_features,
-                                        value_features=value_features, out_features=out_features,
-                                        num_kv_heads=num_kv_heads, value_head_dim=value_head_dim)
-        specs = _layer.param_specs(self.dims, use_bias=use_bias, add_bias_kv=add_bias_kv, kernel_init=kernel_init,
+        sizes = common.flax_sizes(num_heads, query_features=query_features, head_dim=head_dim,
+                                  key_features=key_features, value_features=value_features,
+                                  in_features=in_features, qkv_features=qkv_features, in_kv_features=in_kv_features)
+        if sizes["query_features"] is None:
+            checks.fail("query_features", "a positive int (or flax's spelling in_features)", None)
+        self.dims = common.resolve_dims(sizes.pop("query_features"), num_heads, out_features=out_features,
+                                        num_kv_heads=num_kv_heads, value_head_dim=value_head_dim, **sizes)
+        specs = common.param_specs(self.dims, use_bias=use_bias, add_bias_kv=add_bias_kv, kernel_init=kernel_init,
                                    out_kernel_init=out_kernel_init, bias_init=bias_init,
                                    bias_kv_init=bias_kv_init, relative=_relative)
         for group, leaves in specs.items():
@@ -86,11 +103,11 @@ class MultiHeadAttention(nnx.Module):
     def init_cache(self, input_shape, dtype: Any = None) -> None:
         """An empty cache for inputs of shape (*batch, L, E): L slots per example (as flax's init_cache)."""
         if len(input_shape) < 2:
-            _checks.fail("input_shape", "(*batch, L, E)", tuple(input_shape))
+            checks.fail("input_shape", "(*batch, L, E)", tuple(input_shape))
         dtype = dtype or self.dtype or self.param_dtype
         *batch, L, _ = input_shape
         d = self.dims
-        cached_key, cached_value, index = _cache.init(batch, L, d.K, d.H, d.Hv, dtype)
+        cached_key, cached_value, index = kv_cache.init(batch, L, d.K, d.H, d.Hv, dtype)
         self.cached_key, self.cached_value = nnx.Cache(cached_key), nnx.Cache(cached_value)
         self.cache_index = nnx.Cache(index)
 
@@ -100,7 +117,7 @@ class MultiHeadAttention(nnx.Module):
             return 0.0, None
         deterministic = self.deterministic if deterministic is None else deterministic
         if deterministic is None:
-            _checks.fail("deterministic", "True or False (call argument or attribute) when dropout_rate > 0", None)
+            checks.fail("deterministic", "True or False (call argument or attribute) when dropout_rate > 0", None)
         if deterministic:
             return 0.0, None
         if dropout_rng is not None:
@@ -116,17 +133,17 @@ class MultiHeadAttention(nnx.Module):
 
         Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights.
         """
-        query, key, value = _layer.inputs(query, key, value)
+        query, key, value = common.inputs(query, key, value)
         params = self.params()
-        dtype = _layer.compute_dtype(self.dtype, params, query, key, value)
-        params, query, key, value = _layer.cast((params, query, key, value), dtype)
+        dtype = common.layer_dtype(self.dtype, params, query, key, value)
+        params, query, key, value = common.cast((params, query, key, value), dtype)
         rate, rng = self._dropout(deterministic, rngs, dropout_rng)
         cache = None
         if self.decode if decode is None else decode:
             if self.cached_key is None:
-                _checks.fail("decode", "a cache: call init_cache((*batch, L, E)) first", "no cache")
+                checks.fail("decode", "a cache: call init_cache((*batch, L, E)) first", "no cache")
             cache = (self.cached_key[...], self.cached_value[...], self.cache_index[...])
-        result, new_cache = _layer.attend(
+        result, new_cache = common.attend(
             params, query, key, value, relative=self.relative_attention, add_zero_attn=self.add_zero_attn,
             precision=self.precision, cache=cache, mask=mask, bias=bias, is_causal=is_causal,
             key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
@@ -144,9 +161,10 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
     use_key_table / use_value_table; table_init (default normal(0.02)). Not with add_bias_kv / add_zero_attn.
     """
 
-    def __init__(self, query_features: int, num_heads: int, head_dim: Optional[int] = None, *, max_distance: int,
+    def __init__(self, query_features: Optional[int] = None, num_heads: Optional[int] = None,
+                 head_dim: Optional[int] = None, *, max_distance: int,
                  share_heads: bool = False, use_key_table: bool = True, use_value_table: bool = True,
-                 table_init: Initializer = _layer.default_table_init, rngs: nnx.Rngs, **options):
+                 table_init: Initializer = common.default_table_init, rngs: nnx.Rngs, **options):
         relative = dict(max_distance=max_distance, share_heads=share_heads, use_key_table=use_key_table,
                         use_value_table=use_value_table, table_init=table_init)
         super().__init__(query_features, num_heads, head_dim, rngs=rngs, _relative=relative, **options)

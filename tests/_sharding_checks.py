@@ -27,7 +27,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 import jaxattn  # noqa: E402
-from jaxattn import _ring, _sharding  # noqa: E402
 
 COLLECTIVES = ("collective-permute", "all-gather", "all-to-all", "all-reduce", "reduce-scatter")
 
@@ -102,7 +101,7 @@ def ring_fn(case, lengths, mesh, precision=None):
 
     def f(args):
         bias = alibi(args["slopes"]) if "slopes" in args else None
-        return _ring.ring_attention(
+        return jaxattn.ring_attention(
             args["q"], args["k"], args["v"], mesh=mesh, sequence_axis=seq, batch_axis=batch, head_axis=head,
             is_causal=case["causal"], key_value_seq_lengths=lengths, key_table=args.get("key_table"),
             value_table=args.get("value_table"), max_distance=MAX_DISTANCE if case["tables"] else None,
@@ -139,7 +138,7 @@ def place(case, mesh, args):
     placed = dict(args)
     letters = "B" + "." * (len(case["batch"]) - 1)
     for name, layout in (("q", letters + "TNH"), ("k", letters + "SKH"), ("v", letters + "SKH")):
-        placed[name] = _sharding.shard_inputs(args[name], mesh, layout, batch_axis=batch, sequence_axis=seq,
+        placed[name] = jaxattn.shard_inputs(args[name], mesh, layout, batch_axis=batch, sequence_axis=seq,
                                               head_axis=head)
     return placed
 
@@ -181,8 +180,8 @@ def check_data_head_parallel():
             params = jaxattn.init_multi_head_attention(jax.random.key(0), 12, 8, 3, num_kv_heads=4,
                                                        dtype=jnp.float64)
             layer = jaxattn.multi_head_attention
-        p_sharded = _sharding.shard_params(params, mesh, head_axis="model")
-        x_sharded = _sharding.shard_inputs(x, mesh, "BTE", batch_axis="data")
+        p_sharded = jaxattn.shard_params(params, mesh, head_axis="model")
+        x_sharded = jaxattn.shard_inputs(x, mesh, "BTE", batch_axis="data")
         for impl in ("dense", "blockwise"):  # dense Shaw too: its bucket views keep head shardings
             def loss(p, x):
                 return jnp.sum(jnp.sin(layer(p, x, is_causal=True, implementation=impl, block_size=8)))
@@ -215,7 +214,7 @@ def memory_row(S, devices, *, causal=True, backward=False, B=1, N=8, H=64):
     x = jax.ShapeDtypeStruct((B, S, N, H), jnp.float32, sharding=sharding)
     if devices:
         def attend(q, k, v):
-            return _ring.ring_attention(q, k, v, mesh=mesh, sequence_axis="seq", is_causal=causal)
+            return jaxattn.ring_attention(q, k, v, mesh=mesh, sequence_axis="seq", is_causal=causal)
     else:
         def attend(q, k, v):
             return jaxattn.dot_product_attention(q, k, v, is_causal=causal, implementation="blockwise")
@@ -248,19 +247,19 @@ def check_errors():
         return [jnp.asarray(rng.normal(size=s)) for s in ((*B, T, N, 3), (*B, S, K, 3), (*B, S, K, 5))]
 
     calls = {
-        "query": lambda: _ring.ring_attention(*qkv(T=36, S=36), mesh=mesh, sequence_axis="seq", is_causal=True),
-        "key": lambda: _ring.ring_attention(*qkv(N=6, K=3), mesh=mesh, sequence_axis="seq", head_axis="data"),
-        "query/key/value": lambda: _ring.ring_attention(*qkv(B=(3,)), mesh=mesh, sequence_axis="seq",
+        "query": lambda: jaxattn.ring_attention(*qkv(T=36, S=36), mesh=mesh, sequence_axis="seq", is_causal=True),
+        "key": lambda: jaxattn.ring_attention(*qkv(N=6, K=3), mesh=mesh, sequence_axis="seq", head_axis="data"),
+        "query/key/value": lambda: jaxattn.ring_attention(*qkv(B=(3,)), mesh=mesh, sequence_axis="seq",
                                                        batch_axis="data"),
-        "sequence_axis": lambda: _ring.ring_attention(*qkv(), mesh=mesh, sequence_axis="time"),
-        "batch_axis": lambda: _ring.ring_attention(*qkv(B=()), mesh=mesh, sequence_axis="seq", batch_axis="data"),
-        "sequence_axis/batch_axis": lambda: _ring.ring_attention(*qkv(), mesh=mesh, sequence_axis="seq",
+        "sequence_axis": lambda: jaxattn.ring_attention(*qkv(), mesh=mesh, sequence_axis="time"),
+        "batch_axis": lambda: jaxattn.ring_attention(*qkv(B=()), mesh=mesh, sequence_axis="seq", batch_axis="data"),
+        "sequence_axis/batch_axis": lambda: jaxattn.ring_attention(*qkv(), mesh=mesh, sequence_axis="seq",
                                                                 batch_axis="seq"),
-        "max_distance": lambda: _ring.ring_attention(*qkv(), mesh=mesh, sequence_axis="seq",
+        "max_distance": lambda: jaxattn.ring_attention(*qkv(), mesh=mesh, sequence_axis="seq",
                                                      key_table=jnp.zeros((3, 3))),
-        "key_value_seq_lengths": lambda: _ring.ring_attention(*qkv(), mesh=mesh, sequence_axis="seq",
+        "key_value_seq_lengths": lambda: jaxattn.ring_attention(*qkv(), mesh=mesh, sequence_axis="seq",
                                                               key_value_seq_lengths=jnp.ones((2,))),
-        "inputs": lambda: _sharding.shard_inputs(jnp.zeros((2, 6, 4, 3)), mesh, "BTNH", sequence_axis="seq"),
+        "inputs": lambda: jaxattn.shard_inputs(jnp.zeros((2, 6, 4, 3)), mesh, "BTNH", sequence_axis="seq"),
     }
     messages = {}
     for name, call in calls.items():

@@ -13,7 +13,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxattn
-from jaxattn import _blockwise
+from jaxattn._core import softmax
+from jaxattn._core.positions import positions as core_positions
+from jaxattn._engines import dispatch
 
 jax.config.update("jax_enable_x64", True)
 
@@ -133,14 +135,14 @@ def test_position_bias_hook_and_its_gradient(batched_positions):
     positions = {}
     if batched_positions:
         positions = {"query_positions": jnp.tile(jnp.arange(11) + 2, (2, 1)), "key_positions": jnp.tile(jnp.arange(13), (2, 1))}
-    q_pos, k_pos = jaxattn._masking.positions(11, 13, positions.get("query_positions"), positions.get("key_positions"))
+    q_pos, k_pos = core_positions(11, 13, positions.get("query_positions"), positions.get("key_positions"))
 
     def dense(q, k, v, slopes):
         bias = alibi_like(slopes)(q_pos, k_pos)
         return jaxattn.dot_product_attention(q, k, v, bias=bias, is_causal=True, implementation="dense", **positions)
 
     def block(q, k, v, slopes):
-        return _blockwise.blockwise_attention(q, k, v, position_bias=alibi_like(slopes), is_causal=True,
+        return jaxattn.blockwise_attention(q, k, v, position_bias=alibi_like(slopes), is_causal=True,
                                               block_size=(4, 5), **positions)
 
     compare(dense, block, (q, k, v, slopes), (0, 1, 2, 3))
@@ -156,9 +158,9 @@ def test_combine_partials_is_exact_over_any_split():
         p = jnp.exp(xs - jnp.where(jnp.isfinite(m), m, 0)[:, None])
         return (jnp.einsum("rs,rsf->rf", p, values[:, cols]),), m, p.sum(-1)
 
-    (whole,), lse = _blockwise.finalize_partial(partial(slice(0, 9)))
-    (merged,), lse2 = _blockwise.finalize_partial(_blockwise.combine_partials(
-        _blockwise.combine_partials(partial(slice(0, 2)), partial(slice(2, 7))), partial(slice(7, 9))))
+    (whole,), lse = softmax.finalize_partial(partial(slice(0, 9)))
+    (merged,), lse2 = softmax.finalize_partial(softmax.combine_partials(
+        softmax.combine_partials(partial(slice(0, 2)), partial(slice(2, 7))), partial(slice(7, 9))))
     assert normwise(merged, whole) <= TOL and bool(jnp.all(merged[0] == 0))
     assert bool(jnp.all(lse[0] == -jnp.inf)) and normwise(lse2[1:], lse[1:]) <= TOL
 
@@ -190,11 +192,11 @@ def test_half_precision_accumulates_in_float32(dtype):
 def test_implementation_rule():
     small = jnp.zeros((1, 16, 2, 1))
     large = jnp.zeros((1, 1024, 8, 1))  # float32 logits [1,8,1024,1024]: 32 MiB
-    assert not _blockwise.use_blockwise(None, small, small)
-    assert _blockwise.use_blockwise(None, large, large)
-    assert not _blockwise.use_blockwise(None, large, large, mask=jnp.ones((1024, 1024), bool))
-    assert not _blockwise.use_blockwise(None, large, large, return_weights=True)
-    assert _blockwise.use_blockwise("blockwise", small, small) and not _blockwise.use_blockwise("dense", large, large)
+    assert not dispatch.use_blockwise(None, small, small)
+    assert dispatch.use_blockwise(None, large, large)
+    assert not dispatch.use_blockwise(None, large, large, mask=jnp.ones((1024, 1024), bool))
+    assert not dispatch.use_blockwise(None, large, large, return_weights=True)
+    assert dispatch.use_blockwise("blockwise", small, small) and not dispatch.use_blockwise("dense", large, large)
 
 
 @pytest.mark.parametrize("option", [{"mask": jnp.ones((5, 5), bool)}, {"bias": jnp.zeros((5, 5))},
@@ -218,7 +220,7 @@ def test_bad_options(kwargs, match):
 def test_position_bias_shape_is_checked():
     q = jnp.ones((5, 2, 3))
     with pytest.raises(ValueError, match="position_bias"):
-        _blockwise.blockwise_attention(q, q, q, position_bias=lambda qp, kp: jnp.zeros((3, 5, 5)))
+        jaxattn.blockwise_attention(q, q, q, position_bias=lambda qp, kp: jnp.zeros((3, 5, 5)))
 
 
 def test_multi_head_passes_implementation_through():

@@ -15,7 +15,7 @@ from flax import nnx
 import jaxattn
 import jaxattn.linen as jl
 import jaxattn.nnx as jx
-from jaxattn import _cache
+from jaxattn._layers import cache as kv_cache
 
 B, E, N, K, H, Hv, L, SEQ = 3, 17, 6, 2, 11, 13, 13, 11
 MAX_DISTANCE = 3
@@ -107,7 +107,7 @@ def test_write_places_tokens_after_each_examples_filled_slots():
     key = jnp.zeros((2, 5, 1, 1))
     index = jnp.array([0, 3])
     new = jnp.array([[1.0, 2.0], [3.0, 4.0]])[..., None, None]  # [B=2, T=2, K=1, H=1]
-    cached_key, _, new_index, attend = _cache.write(key, key, index, new, new, jnp.array([2, 1]))
+    cached_key, _, new_index, attend = kv_cache.write(key, key, index, new, new, jnp.array([2, 1]))
     np.testing.assert_array_equal(cached_key[..., 0, 0], [[1, 2, 0, 0, 0], [0, 0, 0, 3, 4]])
     np.testing.assert_array_equal(new_index, [2, 4])
     np.testing.assert_array_equal(attend["query_positions"], [[0, 1], [3, 4]])
@@ -133,3 +133,55 @@ def test_decode_errors():
     variables = torch_like.init(jax.random.key(0), np.zeros((B, 4, E), np.float32), decode=True)
     with pytest.raises(ValueError, match="add_zero_attn"):
         torch_like.apply(variables, np.zeros((B, 1, E), np.float32), decode=True, mutable=["cache"])
+
+
+def _overflow_calls(first_prompt):
+    """Prefill of 3 tokens (example 0 has `first_prompt` real ones), a 2-token step, a 1-token step, cache L=4:
+    with first_prompt=3 example 0 overflows at the first step (3 + 2 > 4), examples 1 and 2 never do."""
+    rng = np.random.default_rng(5)
+    x = [rng.standard_normal((B, T, E)) for T in (3, 2, 1)]
+    return list(zip(x, [np.array([first_prompt, 1, 2]), np.array([2, 2, 1]), np.array([0, 1, 1])]))
+
+
+def _assert_overflow_poisons_only_that_example(run):
+    """run(calls) -> list of outputs [B,T,E] under jit; example 0 overflows at step 1 in the first run only."""
+    poisoned, clean = run(_overflow_calls(3)), run(_overflow_calls(1))
+    assert np.isfinite(poisoned[0]).all()  # the prefill fits
+    for step in (1, 2):  # the overflowing step and every later one: NaN for example 0 only
+        assert np.isnan(poisoned[step][0]).all()
+        np.testing.assert_array_equal(poisoned[step][1:], clean[step][1:])
+        assert np.isfinite(clean[step]).all()
+
+
+def test_linen_cache_overflow_under_jit_gives_nan_for_that_example_only():
+    layer = _linen_layer(False, np.float64)
+    variables = layer.init(jax.random.key(0), np.zeros((B, 4, E)), decode=True)
+    apply = jax.jit(lambda v, x, n: layer.apply(v, x, decode=True, key_value_seq_lengths=n, mutable=["cache"]))
+
+    def run(calls):
+        outs, cache = [], variables["cache"]
+        for x, n in calls:
+            y, mutated = apply({"params": variables["params"], "cache": cache}, x, n)
+            outs.append(np.asarray(y))
+            cache = mutated["cache"]
+        assert int(cache["cache_index"][0]) == (5 if calls[0][1][0] == 3 else 3)  # counts on past L = 4
+        return outs
+
+    _assert_overflow_poisons_only_that_example(run)
+
+
+def test_nnx_cache_overflow_under_jit_gives_nan_for_that_example_only():
+    step = nnx.jit(lambda m, x, n: m(x, decode=True, key_value_seq_lengths=n, return_weights=True))
+
+    def run(calls):
+        layer = jx.MultiHeadAttention(E, N, H, num_kv_heads=K, value_head_dim=Hv, param_dtype=np.float64,
+                                      rngs=nnx.Rngs(0))
+        layer.init_cache((B, 4, E))
+        outs = []
+        for x, n in calls:
+            y, weights = step(layer, x, n)
+            assert np.isnan(weights[0]).all() == np.isnan(y[0]).all()  # weights poisoned alike
+            outs.append(np.asarray(y))
+        return outs
+
+    _assert_overflow_poisons_only_that_example(run)

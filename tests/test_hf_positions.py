@@ -15,9 +15,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import crosscheck._cases_positions as cases  # noqa: E402
-from jaxattn._alibi import alibi_slopes  # noqa: E402
-from jaxattn._t5 import t5_relative_bias, t5_relative_position_bucket  # noqa: E402
-from jaxattn._xl import relative_sinusoids  # noqa: E402
+from jaxattn import alibi_slopes  # noqa: E402
+from jaxattn import t5_relative_bias, t5_relative_position_bucket  # noqa: E402
+from jaxattn import relative_sinusoids  # noqa: E402
 
 HF_CASES = ["hf_t5_encoder", "hf_t5_decoder", "hf_llama", "hf_gpt_neox", "hf_bloom", "hf_mpt",
             "hf_w2v2bert_relative_key", "hf_w2v2bert_relative", "hf_gptj_rope"]
@@ -93,7 +93,7 @@ def test_llama_inverse_frequencies_equal_hf():
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    from jaxattn._rope import inverse_frequencies
+    from jaxattn._schemes.rope import inverse_frequencies
 
     config = LlamaConfig(hidden_size=24, num_attention_heads=2, head_dim=12,
                          rope_parameters={"rope_type": "default", "rope_theta": 500000.0})

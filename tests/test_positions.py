@@ -15,11 +15,11 @@ import torch
 
 import torchref.positions as twin
 from jaxattn import shaw_relative_attention
-from jaxattn._alibi import alibi_attention, alibi_bias, alibi_slopes
-from jaxattn._blockwise import blockwise_attention
-from jaxattn._rope import apply_rope, rope_attention, rope_permutation
-from jaxattn._t5 import t5_attention, t5_position_bias, t5_relative_bias, t5_relative_position_bucket
-from jaxattn._xl import (clipped_relative_attention, clipped_relative_index, relative_sinusoids,
+from jaxattn import alibi_attention, alibi_bias, alibi_slopes
+from jaxattn import blockwise_attention
+from jaxattn import apply_rope, rope_attention, rope_permutation
+from jaxattn import t5_attention, t5_position_bias, t5_relative_bias, t5_relative_position_bucket
+from jaxattn import (clipped_relative_attention, clipped_relative_index, relative_sinusoids,
                          transformer_xl_attention)
 from reference import attention_loop, normwise
 

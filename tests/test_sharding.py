@@ -20,7 +20,6 @@ import pytest
 from jax.sharding import Mesh
 
 import jaxattn
-from jaxattn import _sharding
 
 jax.config.update("jax_enable_x64", True)
 
@@ -111,22 +110,22 @@ def test_shard_params_layouts():
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1), ("model",))
     params = jaxattn.init_relative_multi_head_attention(jax.random.key(0), 6, 4, 3, num_kv_heads=2,
                                                         max_distance=2, share_heads=True)
-    placed = _sharding.shard_params(params, mesh, head_axis="model")
+    placed = jaxattn.shard_params(params, mesh, head_axis="model")
     specs = jax.tree.map(lambda x: tuple(x.sharding.spec), placed)
     assert specs["query"]["kernel"] == (None, "model", None) and specs["query"]["bias"] == ("model", None)
     assert specs["key"]["kernel"] == (None, "model", None) and specs["out"]["kernel"] == ("model", None, None)
     assert specs["out"]["bias"] == (None,) and specs["relative"]["key"] == (None, None)
     with pytest.raises(ValueError, match=r"params\['extra'\]"):
-        _sharding.shard_params({**params, "extra": {"w": jnp.zeros(2)}}, mesh, head_axis="model")
+        jaxattn.shard_params({**params, "extra": {"w": jnp.zeros(2)}}, mesh, head_axis="model")
     with pytest.raises(ValueError, match="head_axis: expected one of the mesh's axes"):
-        _sharding.shard_params(params, mesh, head_axis="heads")
+        jaxattn.shard_params(params, mesh, head_axis="heads")
 
 
 def test_shard_inputs_checks_rank():
     mesh = one_device_mesh()
-    placed = _sharding.shard_inputs({"x": jnp.zeros((2, 5, 4))}, mesh, "BTE", batch_axis="data")
+    placed = jaxattn.shard_inputs({"x": jnp.zeros((2, 5, 4))}, mesh, "BTE", batch_axis="data")
     assert tuple(placed["x"].sharding.spec) == ("data", None, None)
     with pytest.raises(ValueError, match=r"inputs\['x'\]: expected rank 4"):
-        _sharding.shard_inputs({"x": jnp.zeros((2, 5, 4))}, mesh, "BTNH")
+        jaxattn.shard_inputs({"x": jnp.zeros((2, 5, 4))}, mesh, "BTNH")
     with pytest.raises(ValueError, match="mesh: expected a jax.sharding.Mesh"):
-        _sharding.shard_inputs(jnp.zeros((2, 5, 4)), "mesh", "BTE")
+        jaxattn.shard_inputs(jnp.zeros((2, 5, 4)), "mesh", "BTE")

@@ -19,15 +19,19 @@ _MASKED = float("-inf")
 _EMPTY_ROW_FILL = 0.0
 
 
-def _check(ok: bool, name: str, expected: str, actual: object) -> None:
-    """The one user-error check: raise ValueError naming the argument, what was expected and what came."""
+def check(ok: bool, name: str, expected: str, actual: object) -> None:
+    """The one user-error check: raise ValueError naming the argument, what was expected and what came.
+    (Package-internal surface: _modules uses it too.)"""
     if not ok:
         raise ValueError(f"{name}: expected {expected}, got {actual}")
 
 
-def _is_count(x) -> bool:
+def is_count(x) -> bool:
     """A non-negative Python or numpy integer (not a bool)."""
     return isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
+
+
+_check, _is_count = check, is_count  # this module's own shorthand
 
 
 def _broadcasts_to(shape: tuple[int, ...], target: tuple[int, ...]) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from torchref._functional import _check, _is_count, dot_product_attention, shaw_relative_attention
+from torchref._functional import check, dot_product_attention, is_count, shaw_relative_attention
 
 
 class MultiHeadAttention(nn.Module):
@@ -32,14 +32,14 @@ class MultiHeadAttention(nn.Module):
         dtype=None,
     ):
         super().__init__()
-        _check(isinstance(num_heads, int) and num_heads > 0, "num_heads", "a positive int", num_heads)
+        check(isinstance(num_heads, int) and num_heads > 0, "num_heads", "a positive int", num_heads)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        _check(isinstance(num_kv_heads, int) and num_kv_heads > 0 and num_heads % num_kv_heads == 0,
+        check(isinstance(num_kv_heads, int) and num_kv_heads > 0 and num_heads % num_kv_heads == 0,
                "num_kv_heads", f"a positive int dividing num_heads={num_heads}", num_kv_heads)
         head_dim = query_features // num_heads if head_dim is None else head_dim
-        _check(head_dim > 0, "head_dim", f"a positive int (query_features={query_features} // num_heads)", head_dim)
+        check(head_dim > 0, "head_dim", f"a positive int (query_features={query_features} // num_heads)", head_dim)
         value_head_dim = head_dim if value_head_dim is None else value_head_dim
-        _check(value_head_dim > 0, "value_head_dim", "a positive int", value_head_dim)
+        check(value_head_dim > 0, "value_head_dim", "a positive int", value_head_dim)
         key_features = query_features if key_features is None else key_features
         value_features = key_features if value_features is None else value_features
         out_features = query_features if out_features is None else out_features
@@ -135,7 +135,7 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
             out_features=out_features, num_kv_heads=num_kv_heads, value_head_dim=value_head_dim, bias=bias,
             device=device, dtype=dtype,
         )
-        _check(_is_count(max_distance), "max_distance", "a non-negative int", max_distance)
+        check(is_count(max_distance), "max_distance", "a non-negative int", max_distance)
         self.max_distance = int(max_distance)
         self.share_heads = share_heads
         R = 2 * max_distance + 1

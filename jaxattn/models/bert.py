@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _checks
+from .._core import checks
 from ..linen import MultiHeadAttention
 
 
@@ -49,12 +49,12 @@ class BertConfig:
     def from_dict(cls, config: Mapping[str, Any]) -> "BertConfig":
         """From a HF config.json dict; refuses what this encoder does not implement."""
         if config.get("hidden_act", "gelu") != "gelu":
-            _checks.fail("config['hidden_act']", "'gelu' (exact erf GELU)", repr(config["hidden_act"]))
+            checks.fail("config['hidden_act']", "'gelu' (exact erf GELU)", repr(config["hidden_act"]))
         if config.get("position_embedding_type", "absolute") != "absolute":
-            _checks.fail("config['position_embedding_type']", "'absolute'", repr(config["position_embedding_type"]))
+            checks.fail("config['position_embedding_type']", "'absolute'", repr(config["position_embedding_type"]))
         config = cls(**{f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config})
         if config.hidden_size % config.num_attention_heads:
-            _checks.fail("config", "hidden_size divisible by num_attention_heads",
+            checks.fail("config", "hidden_size divisible by num_attention_heads",
                          f"{config.hidden_size} and {config.num_attention_heads}")
         return config
 
@@ -247,18 +247,18 @@ def params_from_state_dict(state_dict: Mapping[str, Any], config: BertConfig, *,
     unexpected = sorted(set(given) - expected - set(_BUFFERS)) + sorted(k for k in state_dict if not k.startswith(prefix))
     missing = sorted(expected - set(given))
     if missing or unexpected:
-        _checks.fail("state_dict", f"exactly the {len(expected)} BERT tensors of the table (prefix {prefix!r})",
+        checks.fail("state_dict", f"exactly the {len(expected)} BERT tensors of the table (prefix {prefix!r})",
                      f"missing {missing[:6]}{'...' if len(missing) > 6 else ''}, unexpected {unexpected}")
     for name, value in _BUFFERS.items():
         if name in given and not np.array_equal(np.asarray(given[name]), value(config)):
-            _checks.fail(f"state_dict[{prefix + name!r}]", "the default buffer arange(P)", "other values")
+            checks.fail(f"state_dict[{prefix + name!r}]", "the default buffer arange(P)", "other values")
     params: dict = {}
     for torch_name, torch_letters, path, jax_letters, transform in rows:
         x = np.asarray(given[torch_name])
         want = _size(torch_letters, dims)
         if x.shape != want:
-            _checks.fail(f"state_dict[{prefix + torch_name!r}]", f"shape {_checks.shape_str(want)} "
-                         f"[{','.join(torch_letters)}]", f"shape {_checks.shape_str(x.shape)}")
+            checks.fail(f"state_dict[{prefix + torch_name!r}]", f"shape {checks.shape_str(want)} "
+                         f"[{','.join(torch_letters)}]", f"shape {checks.shape_str(x.shape)}")
         x = _transform(transform, x, _size(jax_letters, dims))
         if dtype is not None and np.issubdtype(x.dtype, np.floating):
             x = x.astype(dtype)

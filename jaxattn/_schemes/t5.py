@@ -18,9 +18,10 @@ import math
 
 import jax.numpy as jnp
 
-from . import _checks
-from ._masking import positions
-from ._positions import heads_first, offsets, position_bias_attention, static_int
+from .._core import checks
+from .._core.checks import static_int
+from .._core.positions import offsets, positions
+from .position_bias import heads_first, position_bias_attention
 
 
 def _check_buckets(num_buckets, max_distance, bidirectional: bool) -> tuple[int, int, int]:
@@ -29,9 +30,9 @@ def _check_buckets(num_buckets, max_distance, bidirectional: bool) -> tuple[int,
     half = num_buckets // 2 if bidirectional else num_buckets
     max_exact = half // 2
     if max_exact < 1:
-        _checks.fail("num_buckets", ">= 4 when bidirectional (each half needs >= 2 buckets)", num_buckets)
+        checks.fail("num_buckets", ">= 4 when bidirectional (each half needs >= 2 buckets)", num_buckets)
     if max_distance <= max_exact:
-        _checks.fail("max_distance", f"> {max_exact} (the exact-bucket range num_buckets"
+        checks.fail("max_distance", f"> {max_exact} (the exact-bucket range num_buckets"
                      f"{' // 2' if bidirectional else ''} // 2; the log buckets need room)", max_distance)
     return half, max_exact, max_distance
 
@@ -40,7 +41,7 @@ def t5_relative_position_bucket(relative_position, *, bidirectional: bool = True
                                 max_distance: int = 128):
     """int32 bucket ids in [0, num_buckets) of `relative_position` = j - i (int array, any shape)."""
     relative_position = jnp.asarray(relative_position)
-    _checks.check_int("relative_position", relative_position)
+    checks.check_int("relative_position", relative_position)
     half, max_exact, max_distance = _check_buckets(num_buckets, max_distance, bidirectional)
     n = relative_position.astype(jnp.int32)
     if bidirectional:
@@ -58,8 +59,8 @@ def t5_relative_position_bucket(relative_position, *, bidirectional: bool = True
 
 def _check_table(table):
     table = jnp.asarray(table)
-    _checks.check_rank("table", table, 2, "[R,N]: one learned scalar per bucket and head")
-    _checks.check_float("table", table)
+    checks.check_rank("table", table, 2, "[R,N]: one learned scalar per bucket and head")
+    checks.check_float("table", table)
     return table
 
 

@@ -10,31 +10,16 @@ it depends on positions only, never on the whole [T,S] grid, so a blockwise engi
 
 from __future__ import annotations
 
-import numbers
 from typing import Callable
 
 import jax.numpy as jnp
 
-from . import _checks
-from ._attention import attention_core, check_qkv
-from ._blockwise import blockwise_attention
-from ._masking import positions
+from .._core import checks
+from .._core.positions import positions
+from .._engines.blockwise import blockwise_attention
+from .._engines.dense import attention_core
 
 PositionBias = Callable[..., jnp.ndarray]  # (query_pos [...,T], key_pos [...,S]) -> [...,N,T,S]
-
-
-def static_int(name: str, value, minimum: int | None = None) -> int:
-    """A Python int (not bool, not an array: these set shapes), optionally >= minimum."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        _checks.fail(name, "a Python int", repr(value))
-    if minimum is not None and value < minimum:
-        _checks.fail(name, f"an int >= {minimum}", value)
-    return int(value)
-
-
-def offsets(query_pos, key_pos):
-    """key_pos - query_pos as [...,T,S] (j - i, the library's one sign convention)."""
-    return key_pos[..., None, :] - query_pos[..., :, None]
 
 
 def heads_first(per_pair):
@@ -49,7 +34,7 @@ def _combined_bias(bias_fn: PositionBias, T: int, S: int, options: dict):
     if user_bias is None:
         return position_bias
     user_bias = jnp.asarray(user_bias)
-    _checks.check_float("bias", user_bias)
+    checks.check_float("bias", user_bias)
     return position_bias + user_bias
 
 
@@ -73,18 +58,18 @@ def position_bias_attention(query, key, value, bias_fn: PositionBias, *, impleme
     keywords: is_causal, key_value_seq_lengths, positions, scale, precision, and block_size).
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    _, T, S, *_ = check_qkv(query, key, value)
     options = dict(options)
     if implementation == "blockwise":
         unsupported = sorted(k for k, v in options.items() if k not in _BLOCKWISE_OPTIONS and not _unset(v))
         if unsupported:
-            _checks.fail("implementation", f"'dense' for {unsupported} (blockwise takes "
+            checks.fail("implementation", f"'dense' for {unsupported} (blockwise takes "
                          f"{list(_BLOCKWISE_OPTIONS)} and block_size)", repr(implementation))
         options = {k: v for k, v in options.items() if k in _BLOCKWISE_OPTIONS}
         return blockwise_attention(query, key, value, position_bias=bias_fn, block_size=block_size, **options)
     if implementation != "dense":
-        _checks.fail("implementation", "'dense' or 'blockwise'", repr(implementation))
+        checks.fail("implementation", "'dense' or 'blockwise'", repr(implementation))
     if block_size is not None:
-        _checks.fail("block_size", "None with implementation='dense'", repr(block_size))
-    options["bias"] = _combined_bias(bias_fn, T, S, options)
-    return attention_core(query, key, value, **options)
+        checks.fail("block_size", "None with implementation='dense'", repr(block_size))
+    dims = checks.check_qkv(query, key, value)
+    options["bias"] = _combined_bias(bias_fn, dims.T, dims.S, options)
+    return attention_core(query, key, value, dims=dims, **options)

@@ -14,9 +14,10 @@ projection ("...tnh,nho->...to" contracts N), an all-reduce of [...,T,Eo] over t
 from __future__ import annotations
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
-from . import _checks
+from .._core import checks
+from .._core.checks import check_mesh
 
 # The flax-layout params (DESIGN.md) by entry: layout letters of each array. Nothing is guessed from
 # names or ranks beyond this table (Shaw tables come shared [R,H] or per head [R,N,H]).
@@ -30,18 +31,6 @@ _PARAM_LAYOUTS = {
 }
 
 
-def check_mesh(mesh, **axes):
-    """mesh is a jax.sharding.Mesh and each named axis is one of its axes, used at most once."""
-    if not isinstance(mesh, Mesh):
-        _checks.fail("mesh", "a jax.sharding.Mesh", type(mesh).__name__)
-    used = {name: axis for name, axis in axes.items() if axis is not None}
-    for name, axis in used.items():
-        if axis not in mesh.axis_names:
-            _checks.fail(name, f"one of the mesh's axes {tuple(mesh.axis_names)}", repr(axis))
-    if len(set(used.values())) != len(used):
-        _checks.fail("/".join(used), "distinct mesh axes", used)
-
-
 def partition_spec(layout: str, *, batch_axis=None, sequence_axis=None, head_axis=None) -> PartitionSpec:
     """The PartitionSpec of an array whose dims read `layout` (one axis letter a dim, e.g. "BTNH")."""
     axis_of = {"B": batch_axis, "T": sequence_axis, "S": sequence_axis, "N": head_axis, "K": head_axis}
@@ -51,8 +40,8 @@ def partition_spec(layout: str, *, batch_axis=None, sequence_axis=None, head_axi
 def _check_divides(name, x, layout, spec, mesh):
     for dim, (letter, axis) in enumerate(zip(layout, spec)):
         if axis is not None and x.shape[dim] % mesh.shape[axis]:
-            _checks.fail(name, f"dim {dim} ({letter}) divisible by mesh axis {axis!r} of size {mesh.shape[axis]}",
-                         f"shape {_checks.shape_str(x.shape)}")
+            checks.fail(name, f"dim {dim} ({letter}) divisible by mesh axis {axis!r} of size {mesh.shape[axis]}",
+                         f"shape {checks.shape_str(x.shape)}")
 
 
 def shard_inputs(inputs, mesh, layout: str, *, batch_axis=None, sequence_axis=None, head_axis=None):
@@ -68,7 +57,7 @@ def shard_inputs(inputs, mesh, layout: str, *, batch_axis=None, sequence_axis=No
     def place(path, x):
         name = "inputs" + jax.tree_util.keystr(path)
         if x.ndim != len(layout):
-            _checks.fail(name, f"rank {len(layout)} (layout {layout!r})", f"shape {_checks.shape_str(x.shape)}")
+            checks.fail(name, f"rank {len(layout)} (layout {layout!r})", f"shape {checks.shape_str(x.shape)}")
         _check_divides(name, x, layout, spec, mesh)
         return jax.device_put(x, NamedSharding(mesh, spec))
 
@@ -90,11 +79,11 @@ def shard_params(params, mesh, *, head_axis=None):
         name = "params" + jax.tree_util.keystr(path)
         layout = _PARAM_LAYOUTS.get(keys)
         if layout is None:
-            _checks.fail(name, f"an entry among {sorted('/'.join(k) for k in _PARAM_LAYOUTS)}", "an unknown entry")
+            checks.fail(name, f"an entry among {sorted('/'.join(k) for k in _PARAM_LAYOUTS)}", "an unknown entry")
         if isinstance(layout, tuple):
             layout = next((l for l in layout if len(l) == x.ndim), layout[-1])
         if x.ndim != len(layout):
-            _checks.fail(name, f"rank {len(layout)} ({layout})", f"shape {_checks.shape_str(x.shape)}")
+            checks.fail(name, f"rank {len(layout)} ({layout})", f"shape {checks.shape_str(x.shape)}")
         if "K" in layout and x.shape[layout.index("K")] % size:
             layout = layout.replace("K", "-")  # too few key/value heads to split: replicate them
         spec = partition_spec(layout, head_axis=head_axis)

@@ -17,9 +17,10 @@ import math
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks
-from ._masking import positions
-from ._positions import offsets, position_bias_attention, static_int
+from .._core import checks
+from .._core.checks import static_int
+from .._core.positions import offsets, positions
+from .position_bias import position_bias_attention
 
 
 def alibi_slopes(num_heads: int, *, max_bias: float = 8.0, dtype=jnp.float32):
@@ -31,7 +32,7 @@ def alibi_slopes(num_heads: int, *, max_bias: float = 8.0, dtype=jnp.float32):
     """
     num_heads = static_int("num_heads", num_heads, 1)
     if not isinstance(max_bias, (int, float)) or isinstance(max_bias, bool) or not max_bias > 0:
-        _checks.fail("max_bias", "a positive float", repr(max_bias))
+        checks.fail("max_bias", "a positive float", repr(max_bias))
     closest = 2 ** int(math.floor(math.log2(num_heads)))
     slopes = [2.0 ** (-max_bias * k / closest) for k in range(1, closest + 1)]
     extra = num_heads - closest
@@ -41,8 +42,8 @@ def alibi_slopes(num_heads: int, *, max_bias: float = 8.0, dtype=jnp.float32):
 
 def _check_slopes(slopes):
     slopes = jnp.asarray(slopes)
-    _checks.check_min_rank("slopes", slopes, 1, "[...,N]")
-    _checks.check_float("slopes", slopes)
+    checks.check_min_rank("slopes", slopes, 1, "[...,N]")
+    checks.check_float("slopes", slopes)
     return slopes
 
 

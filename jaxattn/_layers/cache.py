@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _checks
+from .._core import checks
 
 
 def init(batch_shape, max_length: int, num_kv_heads: int, head_dim: int, value_head_dim: int, dtype):
@@ -31,23 +31,24 @@ def _is_concrete(x) -> bool:
 
 def _check_step(cached_key, cached_value, index, key, value, lengths):
     *batch, L, K, H = cached_key.shape
-    name_shape = _checks.shape_str
+    name_shape = checks.shape_str
     if tuple(key.shape[:-3]) != tuple(batch) or tuple(key.shape[-2:]) != (K, H):
-        _checks.fail("key (decode)", f"shape [{','.join(map(str, batch))}{',' if batch else ''}T,{K},{H}] "
+        checks.fail("key (decode)", f"shape [{','.join(map(str, batch))}{',' if batch else ''}T,{K},{H}] "
                      f"to fit the cache {name_shape(cached_key.shape)} [...,L,K,H]", f"shape {name_shape(key.shape)}")
     if tuple(value.shape[:-1]) != tuple(key.shape[:-1]) or value.shape[-1] != cached_value.shape[-1]:
-        _checks.fail("value (decode)", f"shape {name_shape((*key.shape[:-1], cached_value.shape[-1]))} to fit "
+        checks.fail("value (decode)", f"shape {name_shape((*key.shape[:-1], cached_value.shape[-1]))} to fit "
                      f"the cache {name_shape(cached_value.shape)} [...,L,K,Hv]", f"shape {name_shape(value.shape)}")
     T = key.shape[-3]
     if T > L:
-        _checks.fail("decode", f"at most L={L} new tokens per call (the cache's length)", f"T={T}")
-    _checks.check_int("key_value_seq_lengths (decode)", lengths)
-    _checks.check_broadcastable("key_value_seq_lengths (decode)", lengths, tuple(batch), "[...] (batch dims)")
-    # Values are only known outside jit; inside jit an overflowing write is dropped (documented).
+        checks.fail("decode", f"at most L={L} new tokens per call (the cache's length)", f"T={T}")
+    checks.check_int("key_value_seq_lengths (decode)", lengths)
+    checks.check_broadcastable("key_value_seq_lengths (decode)", lengths, tuple(batch), "[...] (batch dims)")
+    # Values are only known outside jit; inside jit the slots past L do not exist, so an overflowing write
+    # is lost and the layer poisons that example's output with NaN (common.poison_overflow).
     if _is_concrete(lengths) and (jnp.any(lengths < 0) or jnp.any(lengths > T)):
-        _checks.fail("key_value_seq_lengths (decode)", f"counts of new tokens in [0, T={T}]", lengths)
+        checks.fail("key_value_seq_lengths (decode)", f"counts of new tokens in [0, T={T}]", lengths)
     if _is_concrete(index) and jnp.any(index + T > L):
-        _checks.fail("decode", f"room in the cache: index + T <= L={L}",
+        checks.fail("decode", f"room in the cache: index + T <= L={L}",
                      f"index {index.tolist()} with T={T} new tokens")
 
 

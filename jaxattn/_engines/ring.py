@@ -18,7 +18,7 @@ written over it in place, so a device holds its share plus about one piece in fl
 
 Backward (custom VJP, FlashAttention-2 style): the same ring again; dq accumulates where its queries
 are, dk/dv accumulators travel with their key/value piece and arrive home after D hops. Each tile's
-gradients are the blockwise engine's backward tile (_blockwise._bwd_tile) given the *global* log-sum-exp
+gradients are the blockwise engine's backward tile (blockwise.bwd_tile) given the *global* log-sum-exp
 and rowsum(d_out * out), which is computed once, so the output itself is not held during the ring.
 
 Causal balance: with contiguous shares, device d's queries see d + 1 of the D shares, so the last
@@ -33,7 +33,7 @@ share each way (no global reordered copies).
 
 Memory (per device, units of one local share [S/D, N, H]): the local queries in the engine layout (1),
 the key/value share held (2) plus about a piece in flight, the accumulator (written into the output
-buffer), plus a few tiles, whose default size shrinks with the share (_tile_sizes). Backward adds the
+buffer), plus a few tiles, whose default size shrinks with the share (tile_sizes). Backward adds the
 cotangent in the engine layout (1), dq (1) and the travelling dk/dv accumulators (2).
 
 Every position-dependent term (causal mask, Shaw buckets, the position_bias hook) reads global
@@ -51,10 +51,12 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
 
-from . import _blockwise, _checks
-from ._attention import check_qkv, compute_dtype
-from ._blockwise import _slice, combine_partials, empty_partial, finalize_partial
-from ._sharding import check_mesh
+from .._core import checks
+from .._core.dtypes import accumulation_dtype
+from .._core.masks import MaskRule, check_lengths
+from .._core.softmax import combine_partials, empty_partial, finalize_partial
+from . import blockwise
+from .blockwise import slice_block
 
 
 # A device's key/value share travels in this many pieces, each passed on once used: the share in flight
@@ -83,7 +85,7 @@ class _Ring(NamedTuple):
     m: int  # pieces per chunk: the unit that travels (Pk keys, whole key tiles)
     Pk: int
     lengths: bool  # key lengths in use (given, or to mask padded keys)
-    engine: Any  # _blockwise._Config for one (query chunk, key chunk) pair; bias_fn for all N heads
+    engine: Any  # blockwise.EngineConfig for one (query chunk, key chunk) pair; bias_fn for all N heads
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -285,7 +287,7 @@ def _over_query_tiles(visit_tile, carry, n):
 def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
     cfg = _engine_cfg(ring)
     batch_shape = q.shape[:ring.nb]
-    acc = compute_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     K, Tb = k.shape[-2], cfg.Tb
     q = _queries(ring, q, K)  # [B,K,G,C*Cqp,H]
     held = {"k": _keys(ring, k), "v": _keys(ring, v)}  # [B,K,C*Ckp,F]: the slots side by side
@@ -299,12 +301,12 @@ def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
         k_p, v_p = (_piece(ring, held[name], p) for name in ("k", "v"))
 
         def tile(partial, i):
-            q_blk, qp = _slice(q, i * Tb, Tb, 3), _slice(q_pos, i * Tb, Tb, 0)
+            q_blk, qp = slice_block(q, i * Tb, Tb, 3), slice_block(q_pos, i * Tb, Tb, 0)
             # the engine skips key tiles with no allowed key (all of them: out 0, lse -inf)
-            out, lse = _blockwise._fwd_tile(cfg, q_blk, qp, k_p, v_p, key_table, value_table, consts, scale,
+            out, lse = blockwise.fwd_tile(cfg, q_blk, qp, k_p, v_p, key_table, value_table, consts, scale,
                                             k_pos, length)
             # a normalised partial (out, lse) is the unnormalised one (out, m=lse, l=1)
-            part = tuple(_slice(x, i * Tb, Tb, 3) for x in partial)
+            part = tuple(slice_block(x, i * Tb, Tb, 3) for x in partial)
             part = combine_partials(part, (out, lse, jnp.isfinite(lse).astype(acc)))
             return tuple(lax.dynamic_update_slice_in_dim(x, y, i * Tb, 3) for x, y in zip(partial, part))
 
@@ -319,7 +321,7 @@ def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
 def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out, lse, d_out):
     cfg = _engine_cfg(ring)
     batch_shape = q.shape[:ring.nb]
-    acc = compute_dtype(q.dtype)
+    acc = accumulation_dtype(q.dtype)
     dtypes = (q.dtype, k.dtype, v.dtype)
     K, Tb = k.shape[-2], cfg.Tb
     # delta = rowsum(d_out * out) once, in the natural layout: the output itself is not held in the ring
@@ -327,7 +329,7 @@ def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out
     delta = _queries(ring, delta, K)[..., 0]  # [B,K,G,C*Cqp]
     q, d_out = _queries(ring, q, K), _queries(ring, d_out, K)
     held = {"k": _keys(ring, k), "v": _keys(ring, v)}
-    held["dk"], held["dv"] = _blockwise.zero_grads(acc, held["k"], held["v"])
+    held["dk"], held["dv"] = blockwise.zero_grads(acc, held["k"], held["v"])
     d = _ring_index(ring)
     q_pos = _query_positions(ring, d)
 
@@ -336,12 +338,12 @@ def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out
 
         def tile(state, i):
             dq, grads = state
-            q_blk, do_blk = _slice(q, i * Tb, Tb, 3), _slice(d_out, i * Tb, Tb, 3)
-            lse_blk, delta_blk = _slice(lse, i * Tb, Tb, 3), _slice(delta, i * Tb, Tb, 3)
-            dq_blk, grads = _blockwise._bwd_tile(cfg, q_blk, do_blk, lse_blk, delta_blk, _slice(q_pos, i * Tb, Tb, 0),
+            q_blk, do_blk = slice_block(q, i * Tb, Tb, 3), slice_block(d_out, i * Tb, Tb, 3)
+            lse_blk, delta_blk = slice_block(lse, i * Tb, Tb, 3), slice_block(delta, i * Tb, Tb, 3)
+            dq_blk, grads = blockwise.bwd_tile(cfg, q_blk, do_blk, lse_blk, delta_blk, slice_block(q_pos, i * Tb, Tb, 0),
                                                  k_p, v_p, key_table, value_table, consts, scale, k_pos,
                                                  length, grads)
-            dq = lax.dynamic_update_slice_in_dim(dq, _slice(dq, i * Tb, Tb, 3) + dq_blk, i * Tb, 3)
+            dq = lax.dynamic_update_slice_in_dim(dq, slice_block(dq, i * Tb, Tb, 3) + dq_blk, i * Tb, 3)
             return dq, grads
 
         dq, d_tables = carry
@@ -350,7 +352,7 @@ def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out
         start = p * ring.Pk
         return (dq, tuple(d_tables)), {**held, "dk": _put(held["dk"], dk, start), "dv": _put(held["dv"], dv, start)}
 
-    d_tables = _blockwise.zero_grads(acc, key_table, value_table, consts)
+    d_tables = blockwise.zero_grads(acc, key_table, value_table, consts)
     (dq, d_tables), held = _ring_loop(ring, d, visit, (jnp.zeros(q.shape, acc), d_tables), held,
                                         home=("dk", "dv"))
     dq = _unqueries(ring, dq.astype(dtypes[0]), batch_shape)
@@ -417,19 +419,19 @@ _ring_core.defvjp(_ring_fwd, _ring_bwd)
 def _engine_config(**fields):
     """The blockwise engine's per-pair config, by field name (each chunk's positions are contiguous:
     consecutive integers from the chunk's global offset, padding masked as blockwise_attention does)."""
-    missing = set(_blockwise._Config._fields) - set(fields)
+    missing = set(blockwise.EngineConfig._fields) - set(fields)
     if missing:  # the engine grew an option this module does not know how to set
         raise NotImplementedError(f"ring attention: blockwise engine config fields {sorted(missing)} not set")
-    return _blockwise._Config(**{name: fields[name] for name in _blockwise._Config._fields})
+    return blockwise.EngineConfig(**{name: fields[name] for name in blockwise.EngineConfig._fields})
 
 
-def _tile_sizes(block_size, Cq, Ck, rows, query_elements):
+def tile_sizes(block_size, Cq, Ck, rows, query_elements):
     """(Tb, Sb): as blockwise attention for an explicit block_size; the default is blockwise attention's
     for one chunk pair, its larger side halved while a tile [rows, Tb, Sb] would hold more than an eighth
     of the elements of this device's queries (rows * query_elements), down to 64. The engine keeps a few
     float32 tiles live at once (about two forward, four backward): a fixed tile would be a constant that
     stops the per-device memory from falling with D. Evened out so the padding is less than one tile."""
-    Tb, Sb = _blockwise._block_sizes(block_size, Cq, Ck, rows)
+    Tb, Sb = blockwise.block_sizes(block_size, Cq, Ck, rows)
     if block_size is not None:
         return Tb, Sb
     while 8 * Tb * Sb > query_elements and max(Tb, Sb) > 64:
@@ -440,7 +442,7 @@ def _tile_sizes(block_size, Cq, Ck, rows, query_elements):
     return tuple(-(-L // -(-L // b)) for L, b in ((Cq, Tb), (Ck, Sb)))
 
 
-def _pieces_per_chunk(key_tiles, C, target=PIECES_PER_SHARE):
+def pieces_per_chunk(key_tiles, C, target=PIECES_PER_SHARE):
     """How many pieces each of the C chunks travels in: the most, up to target / C, that divide its
     key tiles evenly (a piece is whole key tiles)."""
     return max(m for m in range(1, max(1, target // C) + 1) if key_tiles % m == 0)
@@ -452,7 +454,7 @@ def _axis_size(mesh, axis):
 
 def _check_divides(name, size, parts, what):
     if size % parts:
-        _checks.fail(name, f"{what} divisible by {parts}", size)
+        checks.fail(name, f"{what} divisible by {parts}", size)
 
 
 def ring_attention(query, key, value, *, mesh, sequence_axis=None, batch_axis=None, head_axis=None,
@@ -484,47 +486,53 @@ def ring_attention(query, key, value, *, mesh, sequence_axis=None, batch_axis=No
     Requirements (ValueError otherwise): K divisible by the head axis size, the first batch dim by the
     batch axis size, T and S by D (2D for a balanced causal ring).
     """
-    check_mesh(mesh, sequence_axis=sequence_axis, batch_axis=batch_axis, head_axis=head_axis)
+    checks.check_mesh(mesh, sequence_axis=sequence_axis, batch_axis=batch_axis, head_axis=head_axis)
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    batch, T, S, N, K, H, Hv = check_qkv(query, key, value)
-    D, Db, Dh = (_axis_size(mesh, a) for a in (sequence_axis, batch_axis, head_axis))
-    if batch_axis is not None and not batch:
-        _checks.fail("batch_axis", "None for inputs without batch dims", repr(batch_axis))
-    if batch:
-        _check_divides("query/key/value", batch[0], Db, f"first batch dim (batch_axis {batch_axis!r})")
-    _check_divides("key", K, Dh, f"heads K (head_axis {head_axis!r})")
-    C = 2 if is_causal and load_balance and D > 1 else 1
-    for name, L, letter in (("query", T, "T"), ("key", S, "S")):
-        _check_divides(name, L, C * D, f"length {letter} (sequence_axis {sequence_axis!r}"
-                       + (", zigzag causal layout" if C == 2 else "") + ")")
-    Cq, Ck = T // (C * D), S // (C * D)
-    B, Nl = int(np.prod(batch, dtype=np.int64)) // Db, N // Dh
-    Tb, Sb = _tile_sizes(block_size, Cq, Ck, B * Nl, C * Cq * H)
-    Cqp, Ckp = -(-Cq // Tb) * Tb, -(-Ck // Sb) * Sb
-
-    lengths = None
-    if key_value_seq_lengths is not None:
-        lengths = jnp.asarray(key_value_seq_lengths)
-        _checks.check_int("key_value_seq_lengths", lengths)
-        _checks.check_broadcastable("key_value_seq_lengths", lengths, batch, "[...] (batch dims)")
-        lengths = jnp.broadcast_to(lengths, batch).astype(jnp.int32)
-
-    acc = compute_dtype(query.dtype)
-    key_table, value_table, _ = _blockwise.check_tables(key_table, value_table, max_distance, N, H, Hv, acc)
+    dims = checks.check_qkv(query, key, value)
+    batch, T, S, N, K, H, Hv = dims
+    C, Db, Dh = _check_split(mesh, dims, sequence_axis, batch_axis, head_axis, is_causal and load_balance)
+    lengths = check_lengths(key_value_seq_lengths, batch)
+    acc = accumulation_dtype(query.dtype)
+    key_table, value_table, _ = blockwise.check_tables(key_table, value_table, max_distance, N, H, Hv, acc)
+    if T == 0 or S == 0:  # no query, or no key: zeros, as dot_product_attention gives
+        return jnp.zeros((*batch, T, N, Hv), value.dtype)
     if key_table is None and value_table is None:
         max_distance = None
+    if lengths is not None:
+        lengths = jnp.broadcast_to(lengths, batch).astype(jnp.int32)
+
+    D = _axis_size(mesh, sequence_axis)
+    Cq, Ck = T // (C * D), S // (C * D)
+    B, Nl = int(np.prod(batch, dtype=np.int64)) // Db, N // Dh
+    Tb, Sb = tile_sizes(block_size, Cq, Ck, B * Nl, C * Cq * H)
+    Cqp, Ckp = -(-Cq // Tb) * Tb, -(-Ck // Sb) * Sb
 
     bias_fn, consts = None, ()
     if position_bias is not None:
         dummy_q, dummy_k = jnp.arange(Tb, dtype=jnp.int32), jnp.arange(Sb, dtype=jnp.int32)
-        bias_fn, consts = _blockwise._convert_hook(position_bias, dummy_q, dummy_k, 1, N, Tb, Sb, acc)
+        bias_fn, consts = blockwise.convert_hook(position_bias, dummy_q, dummy_k, 1, N, Tb, Sb, acc)
 
-    engine = _engine_config(Tb=Tb, Sb=Sb, N=Nl, is_causal=bool(is_causal), max_distance=max_distance,
-                            contiguous=True, precision=precision, bias_fn=bias_fn)
-    m = _pieces_per_chunk(Ckp // Sb, C) if D > 1 else 1
+    engine = _engine_config(Tb=Tb, Sb=Sb, N=Nl, mask=MaskRule(is_causal=bool(is_causal)),
+                            max_distance=max_distance, contiguous=True, precision=precision, bias_fn=bias_fn)
+    m = pieces_per_chunk(Ckp // Sb, C) if D > 1 else 1
     ring = _Ring(mesh, sequence_axis, batch_axis, head_axis, D, C, len(batch), T, S, Cq, Ck, Cqp, Ckp, N, Nl,
                  m, Ckp // m, lengths is not None or Ckp != Ck, engine)
     scale = jnp.asarray(H ** -0.5 if scale is None else scale, acc)
 
     query, key, value = (jnp.broadcast_to(x, (*batch, *x.shape[-3:])) for x in (query, key, value))
     return _ring_core(ring, query, key, value, key_table, value_table, consts, scale, lengths)
+
+
+def _check_split(mesh, dims, sequence_axis, batch_axis, head_axis, balance):
+    """Check the split over the mesh; return (C chunks per device: 2 zigzag / 1, batch and head axis sizes)."""
+    D, Db, Dh = (_axis_size(mesh, a) for a in (sequence_axis, batch_axis, head_axis))
+    if batch_axis is not None and not dims.batch:
+        checks.fail("batch_axis", "None for inputs without batch dims", repr(batch_axis))
+    if dims.batch:
+        _check_divides("query/key/value", dims.batch[0], Db, f"first batch dim (batch_axis {batch_axis!r})")
+    _check_divides("key", dims.K, Dh, f"heads K (head_axis {head_axis!r})")
+    C = 2 if balance and D > 1 else 1
+    for name, L, letter in (("query", dims.T, "T"), ("key", dims.S, "S")):
+        _check_divides(name, L, C * D, f"length {letter} (sequence_axis {sequence_axis!r}"
+                       + (", zigzag causal layout" if C == 2 else "") + ")")
+    return C, Db, Dh

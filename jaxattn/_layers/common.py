@@ -3,7 +3,7 @@
 Both layers declare exactly the tree of DESIGN.md ({query,key,value,out}/{kernel,bias}, plus bias_kv or
 relative/{key,value}), built from `param_specs`, and both compute through `attend`, which is the functional
 API itself (multi_head_attention / relative_multi_head_attention) or, when decoding, the same projections
-and attention around a key/value cache (_cache.py).
+and attention around a key/value cache (cache.py).
 """
 
 from __future__ import annotations
@@ -15,11 +15,12 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from . import _cache, _checks
-from ._attention import dot_product_attention
-from ._multihead import (head_dims, multi_head_attention, project_out, project_qkv, relative_multi_head_attention,
-                         relative_tables)
-from ._relative import shaw_relative_attention
+from .._core import checks
+from .._engines.dispatch import dot_product_attention
+from .._schemes.shaw import shaw_relative_attention
+from . import cache as kv_cache
+from .multihead import (head_dims, multi_head_attention, project_qkv, project_result, relative_multi_head_attention,
+                        relative_tables)
 
 Initializer = Callable[[Any, tuple, Any], jax.Array]  # flax's convention: init(rng, shape, dtype)
 
@@ -44,7 +45,7 @@ class Dims:
 
 def _positive(name, value):
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        _checks.fail(name, "a positive int", repr(value))
+        checks.fail(name, "a positive int", repr(value))
     return value
 
 
@@ -54,15 +55,40 @@ def resolve_dims(query_features, num_heads, head_dim=None, *, key_features=None,
     N = _positive("num_heads", num_heads)
     Eq = _positive("query_features", query_features)
     if head_dim is None and Eq % N:
-        _checks.fail("head_dim", f"given, or query_features={Eq} divisible by num_heads={N}", None)
+        checks.fail("head_dim", f"given, or query_features={Eq} divisible by num_heads={N}", None)
     H = _positive("head_dim", Eq // N if head_dim is None else head_dim)
     K = _positive("num_kv_heads", N if num_kv_heads is None else num_kv_heads)
     if N % K:
-        _checks.fail("num_kv_heads", f"a divisor of num_heads={N}", K)
+        checks.fail("num_kv_heads", f"a divisor of num_heads={N}", K)
     Ek = _positive("key_features", Eq if key_features is None else key_features)
     Ev = _positive("value_features", Ek if value_features is None else value_features)
     return Dims(Eq=Eq, Ek=Ek, Ev=Ev, Eo=_positive("out_features", Eq if out_features is None else out_features),
                 N=N, K=K, H=H, Hv=_positive("value_head_dim", H if value_head_dim is None else value_head_dim))
+
+
+def _one_of(ours: str, value, flax_name: str, flax_value):
+    """One spelling of a size: ours, or flax's name for the same thing; both is an error."""
+    if value is not None and flax_value is not None:
+        checks.fail(f"{ours}/{flax_name}", f"one of them ({flax_name} is flax's name for {ours})",
+                    f"{ours}={value!r} and {flax_name}={flax_value!r}")
+    return flax_value if value is None else value
+
+
+def flax_sizes(num_heads, *, query_features=None, head_dim=None, key_features=None, value_features=None,
+               in_features=None, qkv_features=None, in_kv_features=None) -> dict:
+    """Our size arguments from either spelling: flax's in_features = query_features, in_kv_features =
+    key_features = value_features, qkv_features = num_heads * head_dim (flax's per-head dim is
+    qkv_features // num_heads). Returns dict(query_features, head_dim, key_features, value_features)."""
+    query_features = _one_of("query_features", query_features, "in_features", in_features)
+    key_features = _one_of("key_features", key_features, "in_kv_features", in_kv_features)
+    value_features = _one_of("value_features", value_features, "in_kv_features", in_kv_features)
+    if qkv_features is not None:
+        N, total = _positive("num_heads", num_heads), _positive("qkv_features", qkv_features)
+        if total % N:
+            checks.fail("qkv_features", f"a multiple of num_heads={N} (flax: num_heads * head_dim)", total)
+        head_dim = _one_of("head_dim", head_dim, "qkv_features // num_heads", total // N)
+    return dict(query_features=query_features, head_dim=head_dim, key_features=key_features,
+                value_features=value_features)
 
 
 def flat_kernel_init(init: Initializer, fan_in_dims: int) -> Initializer:
@@ -102,9 +128,9 @@ def param_specs(d: Dims, *, use_bias=True, add_bias_kv=False, kernel_init=defaul
     if add_bias_kv:
         specs["bias_kv"] = {"key": ((d.K, d.H), bias_kv_init), "value": ((d.K, d.Hv), bias_kv_init)}
     if relative is not None:
-        max_distance = _checks.check_max_distance(relative["max_distance"])
+        max_distance = checks.check_max_distance(relative["max_distance"])
         if not (relative["use_key_table"] or relative["use_value_table"]):
-            _checks.fail("use_key_table/use_value_table", "at least one table", "neither")
+            checks.fail("use_key_table/use_value_table", "at least one table", "neither")
         R, heads = 2 * max_distance + 1, (() if relative["share_heads"] else (d.N,))
         tables = {"key": (R, *heads, d.H), "value": (R, *heads, d.Hv)}
         specs["relative"] = {name: (shape, relative["table_init"]) for name, shape in tables.items()
@@ -112,7 +138,7 @@ def param_specs(d: Dims, *, use_bias=True, add_bias_kv=False, kernel_init=defaul
     return specs
 
 
-def compute_dtype(dtype, params, *arrays):
+def layer_dtype(dtype, params, *arrays):
     """flax's rule: the layer's `dtype` if set, else the promotion of the inputs and the params."""
     if dtype is not None:
         return jnp.dtype(dtype)
@@ -135,24 +161,34 @@ def _decode(params, query, key, value, cache, *, relative, precision, options):
     """Project, write the new keys/values into the cache, attend over all its slots, project out."""
     for name in ("query_positions", "key_positions"):
         if options.pop(name, None) is not None:
-            _checks.fail(name, "None when decoding (positions come from the cache index)", "an array")
+            checks.fail(name, "None when decoding (positions come from the cache index)", "an array")
     options.pop("is_causal", None)  # a cache is causal by construction
     head_dims(params, allow=("relative",) if relative else ())
     q, k, v = project_qkv(params, query, key, value, precision=precision)
     lengths = options.pop("key_value_seq_lengths", None)
-    cached_key, cached_value, index, attend_kw = _cache.write(*cache, k, v, lengths)
+    cached_key, cached_value, index, attend_kw = kv_cache.write(*cache, k, v, lengths)
     if relative:
         key_table, value_table, max_distance = relative_tables(params)
         result = shaw_relative_attention(q, cached_key, cached_value, key_table, value_table,
                                          max_distance=max_distance, precision=precision, **attend_kw, **options)
     else:
         result = dot_product_attention(q, cached_key, cached_value, precision=precision, **attend_kw, **options)
-    if options.get("return_weights"):
-        z, weights = result
-        result = project_out(params, z, precision=precision), weights
-    else:
-        result = project_out(params, result, precision=precision)
-    return result, (cached_key, cached_value, index)
+    result = project_result(params, result, precision=precision)
+    return poison_overflow(result, index > cached_key.shape[-3]), (cached_key, cached_value, index)
+
+
+def poison_overflow(result, overflowed):
+    """NaN in every output (and weight) of the examples whose cache overflowed (bool [...]), so a step past
+    the cache never returns plausible numbers; the other examples are untouched. Outside jit the cache
+    raises first; inside jit the index keeps counting past L, so every later step of that example is NaN too."""
+    def poison(x, core_dims):
+        flag = overflowed.reshape(overflowed.shape + (1,) * core_dims)
+        return jnp.where(flag, jnp.asarray(jnp.nan, x.dtype), x)
+
+    if isinstance(result, tuple):
+        out, weights = result
+        return poison(out, 2), poison(weights, 3)
+    return poison(result, 2)
 
 
 def attend(params, query, key, value, *, relative: bool, add_zero_attn=False, precision=None, cache=None,
@@ -160,12 +196,12 @@ def attend(params, query, key, value, *, relative: bool, add_zero_attn=False, pr
     """The layers' forward pass: (result, new_cache), new_cache None unless `cache` was given.
 
     Without a cache this IS multi_head_attention / relative_multi_head_attention (same numbers).
-    cache = (cached_key, cached_value, cache_index): the call's keys/values are new tokens (see _cache.py);
+    cache = (cached_key, cached_value, cache_index): the call's keys/values are new tokens (see cache.py);
     key_value_seq_lengths then counts the real ones among them, mask/bias index the cache's L slots.
     """
     if cache is not None:
         if add_zero_attn or "bias_kv" in params:
-            _checks.fail("decode", "a layer without add_zero_attn / add_bias_kv (torch-only extras)",
+            checks.fail("decode", "a layer without add_zero_attn / add_bias_kv (torch-only extras)",
                          "a layer with them")
         return _decode(params, query, key, value, cache, relative=relative, precision=precision, options=options)
     if relative:

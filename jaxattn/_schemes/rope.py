@@ -18,32 +18,33 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from . import _checks
-from ._attention import attention_core, check_qkv, compute_dtype
-from ._masking import positions as absolute_positions
-from ._positions import static_int
+from .._core import checks
+from .._core.checks import static_int
+from .._core.dtypes import accumulation_dtype
+from .._core.positions import positions as absolute_positions
+from .._engines.dense import attention_core
 
 LAYOUTS = ("half", "interleaved")
 
 
 def _check_layout(name, layout):
     if layout not in LAYOUTS:
-        _checks.fail(name, f"one of {LAYOUTS}", repr(layout))
+        checks.fail(name, f"one of {LAYOUTS}", repr(layout))
     return layout
 
 
 def _rotary_dim(rotary_dim, H: int) -> int:
     rotary_dim = H if rotary_dim is None else static_int("rotary_dim", rotary_dim, 2)
     if rotary_dim % 2:
-        _checks.fail("rotary_dim", "an even number (features rotate in pairs)", rotary_dim)
+        checks.fail("rotary_dim", "an even number (features rotate in pairs)", rotary_dim)
     if rotary_dim > H:
-        _checks.fail("rotary_dim", f"<= the head dim H={H}", rotary_dim)
+        checks.fail("rotary_dim", f"<= the head dim H={H}", rotary_dim)
     return rotary_dim
 
 
 def _check_base(base):
     if isinstance(base, bool) or not isinstance(base, (int, float)) or not base > 1:
-        _checks.fail("base", "a float > 1", repr(base))
+        checks.fail("base", "a float > 1", repr(base))
     return float(base)
 
 
@@ -74,23 +75,23 @@ def apply_rope(x, positions=None, *, offset=0, base: float = 10000.0, rotary_dim
     (GPT-NeoX/GPT-J rotate only part of each head). Returns x's shape and dtype.
     """
     x = jnp.asarray(x)
-    _checks.check_min_rank("x", x, 3, "[...,T,N,H]")
-    _checks.check_float("x", x)
+    checks.check_min_rank("x", x, 3, "[...,T,N,H]")
+    checks.check_float("x", x)
     *_, T, N, H = x.shape
     rotary_dim = _rotary_dim(rotary_dim, H)
     layout = _check_layout("layout", layout)
     base = _check_base(base)
     if positions is None:
         offset = jnp.asarray(offset)
-        _checks.check_int("offset", offset)
-        _checks.check_rank("offset", offset, 0, "a scalar")
+        checks.check_int("offset", offset)
+        checks.check_rank("offset", offset, 0, "a scalar")
         positions = jnp.arange(T, dtype=jnp.int32) + offset.astype(jnp.int32)
     else:
         positions = jnp.asarray(positions)
-        _checks.check_int("positions", positions)
-        _checks.check_min_rank("positions", positions, 1, "[...,T]")
-        _checks.check_dim("positions", positions, -1, T, "[...,T]")
-    acc = compute_dtype(x.dtype)
+        checks.check_int("positions", positions)
+        checks.check_min_rank("positions", positions, 1, "[...,T]")
+        checks.check_dim("positions", positions, -1, T, "[...,T]")
+    acc = accumulation_dtype(x.dtype)
     angles = positions.astype(acc)[..., :, None, None] * inverse_frequencies(rotary_dim, base, acc)
     cos, sin = jnp.cos(angles), jnp.sin(angles)  # [...,T,1,rotary_dim/2]
     a, b = _split_pairs(x.astype(acc), rotary_dim, layout)
@@ -130,7 +131,8 @@ def rope_attention(query, key, value, *, base: float = 10000.0, rotary_dim: int 
     Keys here are the *unrotated* projections (rotate-then-cache users call apply_rope themselves).
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    _, T, S, *_ = check_qkv(query, key, value)
-    q_pos, k_pos = absolute_positions(T, S, options.get("query_positions"), options.get("key_positions"))
+    dims = checks.check_qkv(query, key, value)
+    q_pos, k_pos = absolute_positions(dims.T, dims.S, options.get("query_positions"), options.get("key_positions"))
     rope = dict(base=base, rotary_dim=rotary_dim, layout=layout)
-    return attention_core(apply_rope(query, q_pos, **rope), apply_rope(key, k_pos, **rope), value, **options)
+    return attention_core(apply_rope(query, q_pos, **rope), apply_rope(key, k_pos, **rope), value, dims=dims,
+                          **options)

@@ -14,9 +14,13 @@ Layout inside the engine: batch dims flattened to B, heads viewed as [K,G] (quer
 q [B,K,G,T,H], k [B,K,S,H], v [B,K,S,Hv] so every tile product is one batched matmul whose rows are the G
 query heads sharing a key/value head (grouped-query attention never copies keys or values).
 
-Building blocks meant for reuse (ring / sequence-parallel attention, other position schemes):
-  combine_partials / finalize_partial: the online-softmax merge of (out, running max, running sum);
+The surface other modules drive (the ring engine, the dispatch, the schemes), all without underscores:
+  blockwise_attention: the entry point; use_blockwise lives in dispatch.py, above this engine;
+  EngineConfig, fwd_tile, bwd_tile, zero_grads: one query tile against a run of keys, forward/backward;
+  block_sizes, convert_hook, check_tables, slice_block, grid_options_in_use: the pieces of the entry point;
   position_bias hook: any logit term that is a function of positions only (T5, ALiBi), one tile at a time.
+The online-softmax merge (combine_partials, ...) and the mask rule (allowed_pairs, key_block_range) are
+_core's (softmax.py, masks.py), shared with the dense engine.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _checks
-from ._attention import check_qkv, compute_dtype
-from ._masking import positions
+from .._core import checks
+from .._core.dtypes import accumulation_dtype
+from .._core.masks import MaskRule, allowed_pairs, check_lengths, key_block_range
+from .._core.positions import clipped_index, positions
+from .._core.softmax import combine_partials, empty_partial, finalize_partial
 
 # Default tiles, measured on a 2-core CPU (benchmarks/, docs/performance.md): key blocks of 512 and
 # query blocks as large as fit a ~16 MiB float32 tile [B,N,Tb,Sb] (64 <= Tb <= 512, powers of two): a
@@ -39,57 +45,17 @@ from ._masking import positions
 DEFAULT_KEY_BLOCK = 512
 TILE_BUDGET_BYTES = 16 * 2**20
 
-# implementation=None picks blockwise when nothing needs the full [T,S] grid and the float32 logits
-# [...,N,T,S] would take at least this much: from there on the tiles beat dense attention's softmax
-# over one large array (measured from 4 MiB up, forward and backward; below it the two are close).
-AUTO_BLOCKWISE_BYTES = 16 * 2**20
-
-
-# ---------------------------------------------------------------------------------------------------
-# The online-softmax merge (pure functions; a ring-attention step reuses them unchanged).
-
-
-def combine_partials(a, b):
-    """Merge two partial softmax results computed over disjoint sets of keys.
-
-    A partial is a triple (out, m, l) for rows [...]:
-      out: pytree of arrays [...,F]  sum_s exp(x_s - m) * value_s   (unnormalised, relative to m)
-      m:   [...]                     max_s x_s over the partial's allowed keys (-inf if it has none)
-      l:   [...]                     sum_s exp(x_s - m)               (0 if it has none)
-    The merge is exact and associative; rows empty in both stay (0, -inf, 0) with no NaN.
-    """
-    out_a, m_a, l_a = a
-    out_b, m_b, l_b = b
-    m = jnp.maximum(m_a, m_b)
-    m_safe = jnp.where(jnp.isfinite(m), m, 0)
-    c_a, c_b = jnp.exp(m_a - m_safe), jnp.exp(m_b - m_safe)
-    out = jax.tree.map(lambda x, y: x * c_a[..., None] + y * c_b[..., None], out_a, out_b)
-    return out, m, l_a * c_a + l_b * c_b
-
-
-def empty_partial(out_shapes, rows_shape, dtype):
-    """The identity of combine_partials: zeros, m = -inf, l = 0. out_shapes is a sequence of shapes."""
-    out = tuple(jnp.zeros(shape, dtype) for shape in out_shapes)
-    return out, jnp.full(rows_shape, -jnp.inf, dtype), jnp.zeros(rows_shape, dtype)
-
-
-def finalize_partial(partial):
-    """(out, m, l) -> (out / l, log-sum-exp); rows with no allowed key give zeros and lse = -inf."""
-    out, m, l = partial
-    denom = jnp.where(l == 0, 1, l)
-    out = jax.tree.map(lambda x: x / denom[..., None], out)
-    return out, jnp.where(l == 0, -jnp.inf, m + jnp.log(denom))
-
 
 # ---------------------------------------------------------------------------------------------------
 # Static configuration and per-tile pieces.
 
 
-class _Config(NamedTuple):
+class EngineConfig(NamedTuple):
+    """Static (hashable) description of one engine run: tiles, heads and which terms are on."""
     Tb: int
     Sb: int
     N: int
-    is_causal: bool
+    mask: MaskRule  # the position/length rule (causal, ...): _core.masks decides every pair from it
     max_distance: Optional[int]  # Shaw tables' clip distance (None: no tables)
     contiguous: bool  # default positions: key_pos - query_pos = offset0 + s - t within every tile
     precision: Any
@@ -111,9 +77,7 @@ def _rows(x):
 
 
 def _bucket_index(cfg, qp, kp):
-    offsets = kp[..., None, :] - qp[..., :, None]
-    d = cfg.max_distance
-    return jnp.clip(offsets, -d, d) + d
+    return clipped_index(qp, kp, cfg.max_distance, cfg.max_distance)
 
 
 def _gather(per_bucket, index):
@@ -155,15 +119,9 @@ def contiguous_bucket_sums(x, R, offset0):
 
 
 def _allowed(cfg, qp, kp, j, lengths):
-    """bool tile broadcastable to [B,K,G,Tb,Sb], or None when every key is allowed."""
-    allowed = None
-    if cfg.is_causal:
-        allowed = _rows(kp[..., None, :] <= qp[..., :, None])
-    if lengths is not None:
-        valid = (j * cfg.Sb + jnp.arange(cfg.Sb)) < lengths[:, None]  # [B|1,Sb]
-        valid = valid[:, None, None, None, :]
-        allowed = valid if allowed is None else allowed & valid
-    return allowed
+    """bool tile broadcastable to [B,K,G,Tb,Sb], or None when every key is allowed (key block j)."""
+    allowed = allowed_pairs(cfg.mask, qp, kp, j * cfg.Sb + jnp.arange(cfg.Sb), lengths)
+    return None if allowed is None else _rows(allowed)
 
 
 def _tile_bias(cfg, consts, qp, kp, K):
@@ -220,24 +178,8 @@ def _table_grad(buckets, x_blk, table, K, cfg, acc):
     return grad.reshape(table.shape)
 
 
-def _key_range(cfg, qp, k_pos, lengths, nk):
-    """[lo, hi): the key blocks of this query block that may hold an allowed key (static when all may)."""
-    if not cfg.is_causal and lengths is None:
-        return 0, nk
-    needed = jnp.ones((nk,), bool)
-    if cfg.is_causal:
-        k_min = k_pos.reshape(*k_pos.shape[:-1], nk, cfg.Sb).min(axis=-1)
-        k_min = k_min.reshape(-1, nk).min(axis=0)
-        needed &= k_min <= qp.max()
-    if lengths is not None:
-        needed &= jnp.arange(nk) * cfg.Sb < lengths.max()
-    any_needed = needed.any()
-    lo = jnp.where(any_needed, jnp.argmax(needed), 0)
-    hi = jnp.where(any_needed, nk - jnp.argmax(needed[::-1]), 0)
-    return lo, hi
-
-
-def _slice(x, start, size, axis):
+def slice_block(x, start, size, axis):
+    """x[start:start+size] along axis (start traced)."""
     return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
@@ -250,18 +192,18 @@ def _engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, l
     return _engine_fwd(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths)[0]
 
 
-def _fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths):
+def fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths):
     """One query tile [B,K,G,Tb,H] against every key of k: (out [B,K,G,Tb,Hv], lse [B,K,G,Tb]), both in
     the compute dtype (a caller merging partials, like the ring, rounds only once at the end)."""
     B, K, G, Tb, _ = q_blk.shape
     Sp, Hv = k.shape[2], v.shape[-1]
-    Sb, acc = cfg.Sb, compute_dtype(q_blk.dtype)
+    Sb, acc = cfg.Sb, accumulation_dtype(q_blk.dtype)
     R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
     per_bucket = None if key_table is None else _per_bucket(q_blk, key_table, K, cfg, acc)
 
     def key_block(j, state):
-        k_blk, v_blk = _slice(k, j * Sb, Sb, 2), _slice(v, j * Sb, Sb, 2)
-        kp = _slice(k_pos, j * Sb, Sb, -1)
+        k_blk, v_blk = slice_block(k, j * Sb, Sb, 2), slice_block(v, j * Sb, Sb, 2)
+        kp = slice_block(k_pos, j * Sb, Sb, -1)
         index = None if R == 0 else _bucket_index(cfg, qp, kp)
         bias = None if cfg.bias_fn is None else _tile_bias(cfg, consts, qp, kp, K)
         x = _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc)
@@ -270,21 +212,21 @@ def _fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos
         return combine_partials(state, partial)
 
     shapes = ((B, K, G, Tb, Hv),) + (((B, K, G, Tb, R),) if value_table is not None else ())
-    lo, hi = _key_range(cfg, qp, k_pos, lengths, Sp // Sb)
+    lo, hi = key_block_range(cfg.mask, qp, k_pos, lengths, Sb, Sp // Sb)
     state = lax.fori_loop(lo, hi, key_block, empty_partial(shapes, (B, K, G, Tb), acc))
     outs, lse = finalize_partial(state)
     out = outs[0] if value_table is None else outs[0] + _apply_table(outs[1], value_table, K, cfg, acc)
     return out, lse
 
 
-def _bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths,
+def bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths,
               grads):
     """Backward of one query tile against every key of k. delta [B,K,G,Tb] = rowsum(d_out * out);
     grads = (dk, dv, d_key_table, d_value_table, d_consts): accumulators (compute dtype, dk/dv shaped as
     k/v) the tile adds into, so a caller keeps one of each however many tiles it runs.
     Returns (dq tile, grads)."""
     K = q_blk.shape[1]
-    Sp, Sb, acc = k.shape[2], cfg.Sb, compute_dtype(q_blk.dtype)
+    Sp, Sb, acc = k.shape[2], cfg.Sb, accumulation_dtype(q_blk.dtype)
     R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
     lse_blk = jnp.where(jnp.isfinite(lse_blk), lse_blk, 0)  # empty rows: every p is masked to 0 anyway
     per_bucket = None if key_table is None else _per_bucket(q_blk, key_table, K, cfg, acc)
@@ -293,8 +235,8 @@ def _bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_tab
     def key_block(j, inner):
         dq, dk, dv, ds_buckets, p_buckets, d_consts = inner
         s0 = j * Sb
-        k_blk, v_blk = _slice(k, s0, Sb, 2), _slice(v, s0, Sb, 2)
-        kp = _slice(k_pos, j * Sb, Sb, -1)
+        k_blk, v_blk = slice_block(k, s0, Sb, 2), slice_block(v, s0, Sb, 2)
+        kp = slice_block(k_pos, j * Sb, Sb, -1)
         index = None if R == 0 else _bucket_index(cfg, qp, kp)
         bias, bias_vjp = None, None
         if cfg.bias_fn is not None:
@@ -320,14 +262,14 @@ def _bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_tab
         dk_blk = _einsum("bkgts,bkgth->bksh", ds.astype(q_blk.dtype), q_blk, cfg, acc)
         if key_table is not None:
             ds_buckets = ds_buckets + _bucket_sum(ds, index, R, _offset0(cfg, qp, kp))
-        dk = lax.dynamic_update_slice_in_dim(dk, _slice(dk, s0, Sb, 2) + dk_blk, s0, axis=2)
-        dv = lax.dynamic_update_slice_in_dim(dv, _slice(dv, s0, Sb, 2) + dv_blk, s0, axis=2)
+        dk = lax.dynamic_update_slice_in_dim(dk, slice_block(dk, s0, Sb, 2) + dk_blk, s0, axis=2)
+        dv = lax.dynamic_update_slice_in_dim(dv, slice_block(dv, s0, Sb, 2) + dv_blk, s0, axis=2)
         return dq, dk, dv, ds_buckets, p_buckets, d_consts
 
     dk, dv, d_key_table, d_value_table, d_consts = grads
     buckets = jnp.zeros(q_blk.shape[:-1] + (R,), acc)
     init = (jnp.zeros(q_blk.shape, acc), dk, dv, buckets, buckets, d_consts)
-    lo, hi = _key_range(cfg, qp, k_pos, lengths, Sp // Sb)
+    lo, hi = key_block_range(cfg.mask, qp, k_pos, lengths, Sb, Sp // Sb)
     dq, dk, dv, ds_buckets, p_buckets, d_consts = lax.fori_loop(lo, hi, key_block, init)
     if key_table is not None:
         dq = dq + _apply_table(ds_buckets, key_table, K, cfg, acc)
@@ -339,7 +281,7 @@ def _bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_tab
 
 def zero_grads(acc, *arrays):
     """Zero accumulators (compute dtype acc) shaped like each of arrays (None stays None, pytrees map):
-    what _bwd_tile adds into."""
+    what bwd_tile adds into."""
     return tuple(jax.tree.map(lambda x: jnp.zeros(x.shape, acc), a) for a in arrays)
 
 
@@ -348,8 +290,8 @@ def _engine_fwd(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_po
     Tb, Hv = cfg.Tb, v.shape[-1]
 
     def query_block(_, i):
-        q_blk, qp = _slice(q, i * Tb, Tb, 3), _slice(q_pos, i * Tb, Tb, -1)
-        out, lse = _fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths)
+        q_blk, qp = slice_block(q, i * Tb, Tb, 3), slice_block(q_pos, i * Tb, Tb, -1)
+        out, lse = fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths)
         return None, (out.astype(q.dtype), lse)
 
     _, (out, lse) = lax.scan(query_block, None, jnp.arange(Tp // Tb))
@@ -361,14 +303,14 @@ def _engine_fwd(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_po
 
 def _engine_bwd(cfg, residuals, d_out):
     q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, out, lse = residuals
-    Tb, acc = cfg.Tb, compute_dtype(q.dtype)
+    Tb, acc = cfg.Tb, accumulation_dtype(q.dtype)
 
     def query_block(grads, i):
-        q_blk, do_blk = _slice(q, i * Tb, Tb, 3), _slice(d_out, i * Tb, Tb, 3)
-        o_blk, lse_blk = _slice(out, i * Tb, Tb, 3), _slice(lse, i * Tb, Tb, 3)
-        qp = _slice(q_pos, i * Tb, Tb, -1)
+        q_blk, do_blk = slice_block(q, i * Tb, Tb, 3), slice_block(d_out, i * Tb, Tb, 3)
+        o_blk, lse_blk = slice_block(out, i * Tb, Tb, 3), slice_block(lse, i * Tb, Tb, 3)
+        qp = slice_block(q_pos, i * Tb, Tb, -1)
         delta = jnp.sum(do_blk.astype(acc) * o_blk.astype(acc), axis=-1)  # sum_s p dp = do . out
-        dq, grads = _bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_table, consts,
+        dq, grads = bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_table, consts,
                               scale, k_pos, lengths, grads)
         return grads, dq
 
@@ -391,8 +333,10 @@ _engine.defvjp(_engine_fwd, _engine_bwd)
 # Public entry point: argument checks and the layout changes around the engine.
 
 
-def _block_sizes(block_size, T, S, rows):
-    """(Tb, Sb) from the option, or the default for `rows` = B * N tiles side by side."""
+def block_sizes(block_size, T, S, rows):
+    """(Tb, Sb) from the option, or the default for `rows` = B * N tiles side by side (at least 1 each,
+    also for an empty sequence)."""
+    T, S, rows = max(T, 1), max(S, 1), max(rows, 1)
     if block_size is None:
         key_block = min(DEFAULT_KEY_BLOCK, S)
         query_block = TILE_BUDGET_BYTES // (4 * rows * key_block)
@@ -404,7 +348,7 @@ def _block_sizes(block_size, T, S, rows):
     ok = (isinstance(block_size, (tuple, list)) and len(block_size) == 2
           and all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b > 0 for b in block_size))
     if not ok:
-        _checks.fail("block_size", "a positive int or a pair (query_block, key_block)", repr(block_size))
+        checks.fail("block_size", "a positive int or a pair (query_block, key_block)", repr(block_size))
     return min(int(block_size[0]), T), min(int(block_size[1]), S)
 
 
@@ -415,57 +359,25 @@ def _flat_positions(pos, batch, length, padded):
     return jnp.pad(pos, [(0, 0)] * (pos.ndim - 1) + [(0, padded - length)], mode="edge")
 
 
-def _check_table(name, table, R, N, head_dim, acc):
-    table = jnp.asarray(table)
-    expected = [(R, head_dim), (R, N, head_dim)]
-    if tuple(table.shape) not in expected:
-        _checks.fail(name, f"shape {_checks.shape_str(expected[0])} or {_checks.shape_str(expected[1])} "
-                     "([R,(N,)H] with R = 2*max_distance+1)", f"shape {_checks.shape_str(table.shape)}")
-    _checks.check_fits(name, table, acc)
-    return table
-
-
-def _grid_options(bias=None, mask=None, dropout_rate=0.0, dropout_rng=None, return_weights=False):
+def grid_options_in_use(bias=None, mask=None, dropout_rate=0.0, dropout_rng=None, return_weights=False):
     """The options that need the full [T,S] grid, by name, when they are in use."""
     used = {"mask": mask is not None, "bias": bias is not None, "return_weights": bool(return_weights),
             "dropout_rate": not (isinstance(dropout_rate, (int, float)) and dropout_rate == 0)}
     return [name for name, on in used.items() if on]
 
 
-def use_blockwise(implementation, query, key, **options) -> bool:
-    """The implementation rule of dot_product_attention / shaw_relative_attention.
-
-    "dense" and "blockwise" are taken as given (blockwise_attention raises for options it cannot do).
-    None (automatic): blockwise when no option needs the full grid (mask, bias, return_weights, dropout)
-    and the float32 logits [...,N,T,S] would take at least AUTO_BLOCKWISE_BYTES; dense otherwise.
-    """
-    if implementation not in (None, "dense", "blockwise"):
-        _checks.fail("implementation", 'None (automatic), "dense" or "blockwise"', repr(implementation))
-    if implementation is not None:
-        return implementation == "blockwise"
-    grid = {k: options.get(k) for k in ("bias", "mask", "return_weights", "dropout_rng")}
-    if _grid_options(dropout_rate=options.get("dropout_rate", 0.0), **grid):
-        return False
-    query, key = jnp.asarray(query), jnp.asarray(key)
-    if query.ndim < 3 or key.ndim < 3:
-        return False  # let the dense path raise its usual error
-    try:
-        batch = np.broadcast_shapes(query.shape[:-3], key.shape[:-3])
-    except ValueError:
-        return False
-    logits = int(np.prod(batch, dtype=np.int64)) * query.shape[-2] * query.shape[-3] * key.shape[-3]
-    return 4 * logits >= AUTO_BLOCKWISE_BYTES
+TABLE_LAYOUT = "[R,(N,)H] with R = 2*max_distance+1"
 
 
 def check_tables(key_table, value_table, max_distance, N, H, Hv, acc):
     """Validate optional Shaw tables against max_distance: (key_table, value_table, R or None)."""
     if (key_table is not None or value_table is not None) and max_distance is None:
-        _checks.fail("max_distance", "a Python int >= 0 with key_table/value_table", None)
-    R = None if max_distance is None else 2 * _checks.check_max_distance(max_distance) + 1
+        checks.fail("max_distance", "a Python int >= 0 with key_table/value_table", None)
+    R = None if max_distance is None else 2 * checks.check_max_distance(max_distance) + 1
     if key_table is not None:
-        key_table = _check_table("key_table", key_table, R, N, H, acc)
+        key_table = checks.check_clipped_table("key_table", key_table, R, N, H, acc, TABLE_LAYOUT)
     if value_table is not None:
-        value_table = _check_table("value_table", value_table, R, N, Hv, acc)
+        value_table = checks.check_clipped_table("value_table", value_table, R, N, Hv, acc, TABLE_LAYOUT)
     return key_table, value_table, R
 
 
@@ -500,62 +412,68 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
     unknown = sorted(set(grid_options) - {"bias", "mask", "dropout_rate", "dropout_rng", "return_weights"})
     if unknown:
         raise TypeError(f"blockwise_attention() got unexpected keyword arguments {unknown}")
-    in_use = _grid_options(**grid_options)
+    in_use = grid_options_in_use(**grid_options)
     if in_use:
-        _checks.fail("implementation", f'"dense" or None with {"/".join(in_use)}: blockwise attention does not '
+        checks.fail("implementation", f'"dense" or None with {"/".join(in_use)}: blockwise attention does not '
                      "take arbitrary masks or biases (nor return_weights or dropout), as they span the full [T,S] "
                      "grid", '"blockwise"')
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    batch, T, S, N, K, H, Hv = check_qkv(query, key, value)
-    G = N // K
-    acc = compute_dtype(query.dtype)
+    batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value)
+    acc = accumulation_dtype(query.dtype)
     B = int(np.prod(batch, dtype=np.int64))
-    Tb, Sb = _block_sizes(block_size, T, S, B * N)
+    Tb, Sb = block_sizes(block_size, T, S, B * N)
     Tp, Sp = -(-T // Tb) * Tb, -(-S // Sb) * Sb
-
-    q_pos, k_pos = positions(T, S, query_positions, key_positions)
-    _checks.check_broadcastable("query_positions", q_pos, (*batch, T), "[...,T]")
-    _checks.check_broadcastable("key_positions", k_pos, (*batch, S), "[...,S]")
-    q_pos, k_pos = _flat_positions(q_pos, batch, T, Tp), _flat_positions(k_pos, batch, S, Sp)
-
-    lengths = None
-    if key_value_seq_lengths is not None:
-        lengths = jnp.asarray(key_value_seq_lengths)
-        _checks.check_int("key_value_seq_lengths", lengths)
-        _checks.check_broadcastable("key_value_seq_lengths", lengths, batch, "[...] (batch dims)")
-        lengths = jnp.minimum(jnp.broadcast_to(lengths, batch).reshape(B), S).astype(jnp.int32)
-    elif Sp != S:
-        lengths = jnp.full((1,), S, jnp.int32)
-
-    key_table, value_table, R = check_tables(key_table, value_table, max_distance, N, H, Hv, acc)
+    q_pos, k_pos, lengths = _positions_and_lengths(batch, T, S, Tp, Sp, query_positions, key_positions,
+                                                   key_value_seq_lengths)
+    key_table, value_table, _ = check_tables(key_table, value_table, max_distance, N, H, Hv, acc)
+    if T == 0 or S == 0:  # nothing to tile: no query, or no key (every query then gets zeros, as dense)
+        return jnp.zeros((*batch, T, N, Hv), value.dtype)
     if key_table is None and value_table is None:
         max_distance = None
 
     bias_fn, consts = None, ()
     if position_bias is not None:
-        bias_fn, consts = _convert_hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc)
+        bias_fn, consts = convert_hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc)
 
     contiguous = query_positions is None and key_positions is None
-    cfg = _Config(Tb, Sb, N, bool(is_causal), max_distance, contiguous, precision, bias_fn)
+    cfg = EngineConfig(Tb, Sb, N, MaskRule(is_causal=bool(is_causal)), max_distance, contiguous, precision,
+                       bias_fn)
     scale = jnp.asarray(H ** -0.5 if scale is None else scale, acc)
     if query.dtype in (jnp.float32, jnp.float64):
         # Scaling [T,H] queries once beats scaling every [Tb,Sb] tile (forward and backward); half
         # precision keeps the float32 multiply on the logits instead.
         query, scale = query * scale.astype(query.dtype), None
 
-    def engine_layout(x, length, padded):  # [...,L,K,(G,)F] -> [B,K,(G,)L_padded,F]
-        x = jnp.broadcast_to(x, (*batch, *x.shape[-3:])).reshape(B, *x.shape[-3:])
-        x = jnp.pad(x, [(0, 0), (0, padded - length), (0, 0), (0, 0)])
-        return jnp.moveaxis(x, 1, -2)
-
-    q = engine_layout(query, T, Tp).reshape(B, K, G, Tp, H)
-    k, v = engine_layout(key, S, Sp), engine_layout(value, S, Sp)
+    q = _engine_layout(query, batch, T, Tp).reshape(B, K, N // K, Tp, H)
+    k, v = _engine_layout(key, batch, S, Sp), _engine_layout(value, batch, S, Sp)
     out = _engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths)
     out = jnp.moveaxis(out.reshape(B, N, Tp, Hv), 1, 2)[:, :T]
     return out.reshape(*batch, T, N, Hv)
 
 
-def _convert_hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc):
+def _positions_and_lengths(batch, T, S, Tp, Sp, query_positions, key_positions, key_value_seq_lengths):
+    """Engine positions ([L] or [B,L], padded to Tp / Sp) and key lengths [B|1] (or None: all valid)."""
+    q_pos, k_pos = positions(T, S, query_positions, key_positions)
+    checks.check_broadcastable("query_positions", q_pos, (*batch, T), "[...,T]")
+    checks.check_broadcastable("key_positions", k_pos, (*batch, S), "[...,S]")
+    q_pos, k_pos = _flat_positions(q_pos, batch, T, Tp), _flat_positions(k_pos, batch, S, Sp)
+    lengths = check_lengths(key_value_seq_lengths, batch)
+    if lengths is not None:
+        lengths = jnp.minimum(jnp.broadcast_to(lengths, batch).reshape(-1), S).astype(jnp.int32)
+    elif Sp != S:
+        lengths = jnp.full((1,), S, jnp.int32)  # the padding keys past S
+    return q_pos, k_pos, lengths
+
+
+def _engine_layout(x, batch, length, padded):
+    """[...,L,K,F] -> [B,K,L_padded,F] (batch dims broadcast and flattened, L zero-padded)."""
+    B = int(np.prod(batch, dtype=np.int64))
+    x = jnp.broadcast_to(x, (*batch, *x.shape[-3:])).reshape(B, *x.shape[-3:])
+    x = jnp.pad(x, [(0, 0), (0, padded - length), (0, 0), (0, 0)])
+    return jnp.moveaxis(x, 1, -2)
+
+
+def convert_hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc):
     """Closure-convert the hook (its arrays become differentiable engine inputs); check its shape."""
     qp, kp = q_pos[..., :Tb], k_pos[..., :Sb]
     lead = (B,) if max(q_pos.ndim, k_pos.ndim) > 1 else ()
@@ -566,8 +484,8 @@ def _convert_hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc):
     except ValueError:
         fits = False
     if not fits:
-        _checks.fail("position_bias(query_pos, key_pos)", f"a shape broadcastable to {_checks.shape_str(target)} "
-                     "([(B,)N,Tb,Sb] for one tile)", f"shape {_checks.shape_str(shape)}")
+        checks.fail("position_bias(query_pos, key_pos)", f"a shape broadcastable to {checks.shape_str(target)} "
+                     "([(B,)N,Tb,Sb] for one tile)", f"shape {checks.shape_str(shape)}")
 
     def tile_bias(qp, kp):
         return jnp.broadcast_to(jnp.asarray(position_bias(qp, kp)).astype(acc), target)

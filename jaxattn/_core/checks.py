@@ -6,10 +6,12 @@ reading an XLA error. Shapes are static under jit, so none of this costs anythin
 
 from __future__ import annotations
 
-from typing import Sequence
+import numbers
+from typing import NamedTuple, Sequence
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 
 def fail(name: str, expected, actual) -> None:
@@ -97,3 +99,68 @@ def check_fits(name: str, x, compute_dtype) -> None:
     check_float(name, x)
     if jnp.promote_types(x.dtype, compute_dtype) != compute_dtype:
         fail(name, f"a dtype that fits {jnp.dtype(compute_dtype).name} without loss", f"dtype {x.dtype}")
+
+
+def static_int(name: str, value, minimum: int | None = None) -> int:
+    """A Python int (not bool, not an array: these set shapes), optionally >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        fail(name, "a Python int", repr(value))
+    if minimum is not None and value < minimum:
+        fail(name, f"an int >= {minimum}", value)
+    return int(value)
+
+
+class QKV(NamedTuple):
+    """The sizes check_qkv reads off query [...,T,N,H], key [...,S,K,H], value [...,S,K,Hv]."""
+    batch: tuple
+    T: int
+    S: int
+    N: int
+    K: int
+    H: int
+    Hv: int
+
+
+def check_qkv(query, key, value) -> QKV:
+    """Validate [...,T,N,H], [...,S,K,H], [...,S,K,Hv]; return their sizes (batch, T, S, N, K, H, Hv)."""
+    check_min_rank("query", query, 3, "[...,T,N,H]")
+    check_min_rank("key", key, 3, "[...,S,K,H]")
+    check_min_rank("value", value, 3, "[...,S,K,Hv]")
+    *q_batch, T, N, H = query.shape
+    *k_batch, S, K, Hk = key.shape
+    *v_batch, Sv, Kv, Hv = value.shape
+    if Hk != H:
+        fail("key", f"head dim H={H} as in query [...,T,N,H]={shape_str(query.shape)}", f"shape {shape_str(key.shape)}")
+    if (Sv, Kv) != (S, K):
+        fail("value", f"shape [...,{S},{K},Hv] (S and K as in key {shape_str(key.shape)})",
+             f"shape {shape_str(value.shape)}")
+    if N % K != 0:
+        fail("key", f"a number of heads K dividing the query's N={N}", f"K={K} in shape {shape_str(key.shape)}")
+    check_same_dtype(("query", "key", "value"), (query, key, value))
+    check_float("query", query)
+    batch = broadcast_batch(("query", "key", "value"), (q_batch, k_batch, v_batch))
+    return QKV(batch, T, S, N, K, H, Hv)
+
+
+def check_clipped_table(name: str, table, R: int, N: int, head_dim: int, acc, layout: str):
+    """A clipped relative table (Shaw, asymmetric, Transformer-XL): [R,F] shared over heads or [R,N,F]."""
+    table = jnp.asarray(table)
+    if table.ndim not in (2, 3):
+        fail(name, f"rank 2 or 3 ({layout})", f"shape {shape_str(table.shape)}")
+    expected = (R, head_dim) if table.ndim == 2 else (R, N, head_dim)
+    if tuple(table.shape) != expected:
+        fail(name, f"shape {shape_str(expected)} ({layout})", f"shape {shape_str(table.shape)}")
+    check_fits(name, table, acc)
+    return table
+
+
+def check_mesh(mesh, **axes):
+    """mesh is a jax.sharding.Mesh and each named axis is one of its axes, used at most once."""
+    if not isinstance(mesh, Mesh):
+        fail("mesh", "a jax.sharding.Mesh", type(mesh).__name__)
+    used = {name: axis for name, axis in axes.items() if axis is not None}
+    for name, axis in used.items():
+        if axis not in mesh.axis_names:
+            fail(name, f"one of the mesh's axes {tuple(mesh.axis_names)}", repr(axis))
+    if len(set(used.values())) != len(used):
+        fail("/".join(used), "distinct mesh axes", used)

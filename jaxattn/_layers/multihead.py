@@ -15,10 +15,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from . import _checks
-from ._attention import dot_product_attention
-from ._masking import allowed_keys
-from ._relative import shaw_relative_attention
+from .._core import checks
+from .._core.masks import allowed_keys
+from .._engines.dispatch import dot_product_attention
+from .._schemes.shaw import shaw_relative_attention
 
 _PROJECTIONS = {  # name: (kernel layout, bias layout)
     "query": ("[Eq,N,H]", "[N,H]"),
@@ -31,9 +31,9 @@ _EXTRAS = ("bias_kv", "relative")
 
 def _entry(params, name):
     if not isinstance(params, dict) and not hasattr(params, "keys"):
-        _checks.fail("params", "a dict with 'query', 'key', 'value', 'out'", type(params).__name__)
+        checks.fail("params", "a dict with 'query', 'key', 'value', 'out'", type(params).__name__)
     if name not in params or "kernel" not in params[name]:
-        _checks.fail(f"params['{name}']", "an entry with a 'kernel'", f"keys {sorted(params)}"
+        checks.fail(f"params['{name}']", "an entry with a 'kernel'", f"keys {sorted(params)}"
                      if name not in params else f"keys {sorted(params[name])}")
     return params[name]
 
@@ -42,30 +42,30 @@ def head_dims(params, *, allow=_EXTRAS):
     """Validate the tree's shapes against each other; return (N, K, H, Hv)."""
     unknown = sorted(set(params) - set(_PROJECTIONS) - set(allow))
     if unknown:
-        _checks.fail("params", f"keys among {sorted(_PROJECTIONS) + list(allow)}", f"unexpected keys {unknown}")
+        checks.fail("params", f"keys among {sorted(_PROJECTIONS) + list(allow)}", f"unexpected keys {unknown}")
     wq, wk, wv, wo = (jnp.asarray(_entry(params, n)["kernel"]) for n in ("query", "key", "value", "out"))
-    _checks.check_rank("params['query']['kernel']", wq, 3, "[Eq,N,H]")
+    checks.check_rank("params['query']['kernel']", wq, 3, "[Eq,N,H]")
     _, N, H = wq.shape
-    _checks.check_rank("params['key']['kernel']", wk, 3, "[Ek,K,H]")
+    checks.check_rank("params['key']['kernel']", wk, 3, "[Ek,K,H]")
     K = wk.shape[1]
-    _checks.check_dim("params['key']['kernel']", wk, 2, H, "[Ek,K,H]")
+    checks.check_dim("params['key']['kernel']", wk, 2, H, "[Ek,K,H]")
     if N % K != 0:
-        _checks.fail("params['key']['kernel']", f"K dividing N={N} (from params['query']['kernel'])",
-                     f"K={K} in shape {_checks.shape_str(wk.shape)}")
-    _checks.check_rank("params['value']['kernel']", wv, 3, "[Ev,K,Hv]")
-    _checks.check_dim("params['value']['kernel']", wv, 1, K, "[Ev,K,Hv]")
+        checks.fail("params['key']['kernel']", f"K dividing N={N} (from params['query']['kernel'])",
+                     f"K={K} in shape {checks.shape_str(wk.shape)}")
+    checks.check_rank("params['value']['kernel']", wv, 3, "[Ev,K,Hv]")
+    checks.check_dim("params['value']['kernel']", wv, 1, K, "[Ev,K,Hv]")
     Hv = wv.shape[2]
-    _checks.check_rank("params['out']['kernel']", wo, 3, "[N,Hv,Eo]")
-    _checks.check_shape("params['out']['kernel']", wo, (N, Hv, wo.shape[2]), "[N,Hv,Eo]")
+    checks.check_rank("params['out']['kernel']", wo, 3, "[N,Hv,Eo]")
+    checks.check_shape("params['out']['kernel']", wo, (N, Hv, wo.shape[2]), "[N,Hv,Eo]")
     expected_bias = {"query": (N, H), "key": (K, H), "value": (K, Hv), "out": (wo.shape[2],)}
     for name, shape in expected_bias.items():
         if "bias" in params[name]:
-            _checks.check_shape(f"params['{name}']['bias']", jnp.asarray(params[name]["bias"]), shape,
+            checks.check_shape(f"params['{name}']['bias']", jnp.asarray(params[name]["bias"]), shape,
                                 _PROJECTIONS[name][1])
     if "bias_kv" in params:
         bkv = params["bias_kv"]
-        _checks.check_shape("params['bias_kv']['key']", jnp.asarray(bkv["key"]), (K, H), "[K,H]")
-        _checks.check_shape("params['bias_kv']['value']", jnp.asarray(bkv["value"]), (K, Hv), "[K,Hv]")
+        checks.check_shape("params['bias_kv']['key']", jnp.asarray(bkv["key"]), (K, H), "[K,H]")
+        checks.check_shape("params['bias_kv']['value']", jnp.asarray(bkv["value"]), (K, Hv), "[K,Hv]")
     return N, K, H, Hv
 
 
@@ -73,14 +73,14 @@ def _dense(name, params, x, spec, precision):
     entry = params[name]
     kernel = jnp.asarray(entry["kernel"])
     layout = _PROJECTIONS[name][0]
-    _checks.check_min_rank(f"{name} input", x, 2, "[...,T,E]" if name != "out" else "[...,T,N,Hv]")
+    checks.check_min_rank(f"{name} input", x, 2, "[...,T,E]" if name != "out" else "[...,T,N,Hv]")
     features = kernel.shape[0] if name != "out" else kernel.shape[:2]
     got = x.shape[-1] if name != "out" else x.shape[-2:]
     if got != features:
-        _checks.fail(name if name != "out" else "attention output", f"features {features} to match "
-                     f"params['{name}']['kernel'] {layout}={_checks.shape_str(kernel.shape)}",
-                     f"shape {_checks.shape_str(x.shape)}")
-    _checks.check_same_dtype((name, f"params['{name}']['kernel']"), (x, kernel))
+        checks.fail(name if name != "out" else "attention output", f"features {features} to match "
+                     f"params['{name}']['kernel'] {layout}={checks.shape_str(kernel.shape)}",
+                     f"shape {checks.shape_str(x.shape)}")
+    checks.check_same_dtype((name, f"params['{name}']['kernel']"), (x, kernel))
     y = jnp.einsum(spec, x, kernel, precision=precision)
     return y + entry["bias"] if "bias" in entry else y
 
@@ -99,6 +99,14 @@ def project_qkv(params, query, key=None, value=None, *, precision=None):
 def project_out(params, z, *, precision=None):
     """[...,T,N,Hv] -> [...,T,Eo]."""
     return _dense("out", params, z, "...tnh,nho->...to", precision)
+
+
+def project_result(params, result, *, precision=None):
+    """project_out on an attention result: z [...,T,N,Hv], or (z, weights) -> (out, weights)."""
+    if isinstance(result, tuple):
+        z, weights = result
+        return project_out(params, z, precision=precision), weights
+    return project_out(params, result, precision=precision)
 
 
 def _append_keys(params, q, k, v, add_zero_attn, options):
@@ -134,7 +142,7 @@ def _append_keys(params, q, k, v, add_zero_attn, options):
         options["mask"] = jnp.pad(allowed, pad[-allowed.ndim:], constant_values=True)
     if options.get("bias") is not None:
         bias = jnp.asarray(options["bias"])
-        _checks.check_broadcastable("bias", bias, logits_shape, "[...,N,T,S]")
+        checks.check_broadcastable("bias", bias, logits_shape, "[...,N,T,S]")
         bias = jnp.broadcast_to(bias, jnp.broadcast_shapes(bias.shape, (1,) * len(logits_shape)))
         options["bias"] = jnp.pad(bias, pad[-bias.ndim:])
     return k, v, options
@@ -151,25 +159,22 @@ def multi_head_attention(params, query, key=None, value=None, *, add_zero_attn=F
     q, k, v = project_qkv(params, query, key, value, precision=precision)
     k, v, options = _append_keys(params, q, k, v, add_zero_attn, options)
     result = dot_product_attention(q, k, v, precision=precision, **options)
-    if options.get("return_weights"):
-        z, weights = result
-        return project_out(params, z, precision=precision), weights
-    return project_out(params, result, precision=precision)
+    return project_result(params, result, precision=precision)
 
 
 def relative_tables(params):
     """(key_table, value_table, max_distance) from params['relative']."""
     if "relative" not in params:
-        _checks.fail("params", "a 'relative' entry with 'key' and/or 'value' tables", f"keys {sorted(params)}")
+        checks.fail("params", "a 'relative' entry with 'key' and/or 'value' tables", f"keys {sorted(params)}")
     rel = params["relative"]
     unknown = sorted(set(rel) - {"key", "value"})
     if unknown or not rel:
-        _checks.fail("params['relative']", "keys among ['key', 'value']", f"keys {sorted(rel)}")
+        checks.fail("params['relative']", "keys among ['key', 'value']", f"keys {sorted(rel)}")
     R = {jnp.shape(t)[0] for t in rel.values()}
     (rows,) = R if len(R) == 1 else (None,)
     if rows is None or rows % 2 != 1:
-        _checks.fail("params['relative']", "tables with one odd number of rows R = 2*max_distance+1",
-                     {n: _checks.shape_str(jnp.shape(t)) for n, t in rel.items()})
+        checks.fail("params['relative']", "tables with one odd number of rows R = 2*max_distance+1",
+                     {n: checks.shape_str(jnp.shape(t)) for n, t in rel.items()})
     return rel.get("key"), rel.get("value"), (rows - 1) // 2
 
 
@@ -180,10 +185,7 @@ def relative_multi_head_attention(params, query, key=None, value=None, *, precis
     q, k, v = project_qkv(params, query, key, value, precision=precision)
     result = shaw_relative_attention(q, k, v, key_table, value_table, max_distance=max_distance,
                                      precision=precision, **options)
-    if options.get("return_weights"):
-        z, weights = result
-        return project_out(params, z, precision=precision), weights
-    return project_out(params, result, precision=precision)
+    return project_result(params, result, precision=precision)
 
 
 def _kernel_init(fan_in_axes, out_axes):
@@ -203,12 +205,12 @@ def init_multi_head_attention(rng, query_features: int, num_heads: int, head_dim
     """
     if head_dim is None:
         if query_features % num_heads:
-            _checks.fail("head_dim", f"given, or query_features={query_features} divisible by num_heads="
+            checks.fail("head_dim", f"given, or query_features={query_features} divisible by num_heads="
                          f"{num_heads}", None)
         head_dim = query_features // num_heads
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     if num_heads % num_kv_heads:
-        _checks.fail("num_kv_heads", f"a divisor of num_heads={num_heads}", num_kv_heads)
+        checks.fail("num_kv_heads", f"a divisor of num_heads={num_heads}", num_kv_heads)
     value_head_dim = head_dim if value_head_dim is None else value_head_dim
     key_features = query_features if key_features is None else key_features
     value_features = key_features if value_features is None else value_features
@@ -236,7 +238,7 @@ def init_relative_multi_head_attention(rng, query_features: int, num_heads: int,
     """init_multi_head_attention plus params['relative'] Shaw tables ([R,N,H] or [R,H] if share_heads)."""
     rng_mha, rng_k, rng_v = jax.random.split(rng, 3)
     params = init_multi_head_attention(rng_mha, query_features, num_heads, head_dim, **kwargs)
-    R = 2 * _checks.check_max_distance(max_distance) + 1
+    R = 2 * checks.check_max_distance(max_distance) + 1
     N, _, H, Hv = head_dims(params, allow=())
     table_init = table_init or jax.nn.initializers.normal(0.02)
     dtype = params["query"]["kernel"].dtype

@@ -1,0 +1,76 @@
+"""The masked softmax, dropout on the weights, and the online-softmax merge of partial results.
+
+Every engine normalises through here: the dense engine with masked_softmax over one [...,S] row, the
+blockwise and ring engines with partials (out, running max, running sum) merged by combine_partials.
+Both give zeros (and finite gradients) for a query with no allowed key.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import checks
+
+
+def masked_softmax(logits, allowed):
+    """Softmax over the last axis restricted to `allowed`; rows with no allowed key give zeros.
+
+    Disallowed logits are replaced *before* exp (never -inf arithmetic), and the row max is taken over
+    allowed entries only, so the forward pass and its gradient stay finite for fully masked rows.
+    """
+    if allowed is None:
+        return jax.nn.softmax(logits, axis=-1)
+    allowed = jnp.broadcast_to(allowed, logits.shape)
+    row_max = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
+    row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0))
+    exps = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits, row_max) - row_max), 0)
+    total = jnp.sum(exps, axis=-1, keepdims=True)
+    return exps / jnp.where(total == 0, 1, total)
+
+
+def dropout(weights, rate: float, rng):
+    """Inverted dropout on the attention weights (the weights returned are the ones used)."""
+    if not 0.0 <= rate <= 1.0:
+        checks.fail("dropout_rate", "a float in [0, 1]", rate)
+    if rate == 0.0:
+        return weights
+    if rng is None:
+        checks.fail("dropout_rng", "a jax.random key when dropout_rate > 0", None)
+    if rate == 1.0:
+        return jnp.zeros_like(weights)
+    keep = jax.random.bernoulli(rng, 1.0 - rate, weights.shape)
+    return jnp.where(keep, weights / (1.0 - rate), 0)
+
+
+def combine_partials(a, b):
+    """Merge two partial softmax results computed over disjoint sets of keys.
+
+    A partial is a triple (out, m, l) for rows [...]:
+      out: pytree of arrays [...,F]  sum_s exp(x_s - m) * value_s   (unnormalised, relative to m)
+      m:   [...]                     max_s x_s over the partial's allowed keys (-inf if it has none)
+      l:   [...]                     sum_s exp(x_s - m)               (0 if it has none)
+    The merge is exact and associative; rows empty in both stay (0, -inf, 0) with no NaN.
+    """
+    out_a, m_a, l_a = a
+    out_b, m_b, l_b = b
+    m = jnp.maximum(m_a, m_b)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0)
+    c_a, c_b = jnp.exp(m_a - m_safe), jnp.exp(m_b - m_safe)
+    out = jax.tree.map(lambda x, y: x * c_a[..., None] + y * c_b[..., None], out_a, out_b)
+    return out, m, l_a * c_a + l_b * c_b
+
+
+def empty_partial(out_shapes, rows_shape, dtype):
+    """The identity of combine_partials: zeros, m = -inf, l = 0. out_shapes is a sequence of shapes."""
+    out = tuple(jnp.zeros(shape, dtype) for shape in out_shapes)
+    return out, jnp.full(rows_shape, -jnp.inf, dtype), jnp.zeros(rows_shape, dtype)
+
+
+def finalize_partial(partial):
+    """(out, m, l) -> (out / l, log-sum-exp); rows with no allowed key give zeros and lse = -inf."""
+    out, m, l = partial
+    denom = jnp.where(l == 0, 1, l)
+    out = jax.tree.map(lambda x: x / denom[..., None], out)
+    return out, jnp.where(l == 0, -jnp.inf, m + jnp.log(denom))

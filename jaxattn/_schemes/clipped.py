@@ -1,0 +1,110 @@
+"""Clipped relative tables on the dense engine: Shaw's (symmetric), asymmetric ones, Transformer-XL's.
+
+A table of R = max_left + max_right + 1 rows holds one vector per clipped relative position; row
+index[t,s] = clip(j - i, -max_left, max_right) + max_left (_core.positions.clipped_index). The terms are
+never gathered into a [T,S,H] tensor: the key term is q . table computed once per row ([...,N,T,R]) and
+then gathered to [...,N,T,S]; the value term sums the weights falling into each row ([...,N,T,R]) and
+then multiplies the table.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .._core import checks
+from .._core.checks import static_int
+from .._core.dtypes import accumulation_dtype
+from .._core.positions import clipped_index, positions
+from .._engines.dense import attention_core
+
+
+def clipped_relative_index(query_length: int, key_length: int, *, max_left: int, max_right: int,
+                           query_positions=None, key_positions=None):
+    """int32 [T,S] (or [...,T,S]): clip(j - i, -max_left, max_right) + max_left, core positions."""
+    max_left = static_int("max_left", max_left, 0)
+    max_right = static_int("max_right", max_right, 0)
+    q_pos, k_pos = positions(query_length, key_length, query_positions, key_positions)
+    return clipped_index(q_pos, k_pos, max_left, max_right)
+
+
+def head_index(T, S, max_left, max_right, options):
+    """The clipped index at the core's positions (options' query/key_positions) as [...,1,T,S]."""
+    q_pos, k_pos = positions(T, S, options.get("query_positions"), options.get("key_positions"))
+    return clipped_index(q_pos, k_pos, max_left, max_right)[..., None, :, :]
+
+
+def gather_buckets(per_bucket, index):
+    """per_bucket [...,N,T,R], index [...,1,T,S] -> [...,N,T,S]: per_bucket[..., t, index[t,s]]."""
+    if index.ndim == 3:  # positions shared over the batch: gather [T,S] rows of a [T,R,...,N] view
+        T = per_bucket.shape[-2]
+        rows = jnp.moveaxis(per_bucket, (-2, -1), (0, 1))
+        picked = rows[jnp.arange(T)[:, None], index[0]]
+        return jnp.moveaxis(picked, (0, 1), (-2, -1))
+    shape = jnp.broadcast_shapes(per_bucket.shape[:-1] + (1,), index.shape)
+    per_bucket = jnp.broadcast_to(per_bucket, shape[:-1] + per_bucket.shape[-1:])
+    return jnp.take_along_axis(per_bucket, jnp.broadcast_to(index, shape), axis=-1)
+
+
+def sum_into_buckets(weights, index, R):
+    """weights [...,N,T,S], index [...,1,T,S] -> [...,N,T,R]: sum of weights[t,s] over s with index r."""
+    *lead, T, S = weights.shape
+    if index.ndim == 3:  # positions shared over the batch: one [T,S] scatter into a [T,R,...,N] view
+        # (transposes, not reshapes: batch and head axes stay separate, so their shardings survive)
+        cols = jnp.moveaxis(weights, (-2, -1), (0, 1))
+        sums = jnp.zeros((T, R, *cols.shape[2:]), weights.dtype).at[jnp.arange(T)[:, None], index[0]].add(cols)
+        return jnp.moveaxis(sums, (0, 1), (-2, -1))
+    index = jnp.broadcast_to(index, weights.shape)
+    rows = weights.reshape(-1, S)
+    row_ids = jnp.arange(rows.shape[0])[:, None]
+    sums = jnp.zeros((rows.shape[0], R), weights.dtype).at[row_ids, index.reshape(rows.shape)].add(rows)
+    return sums.reshape(*lead, T, R)
+
+
+def per_row_logits(q, table, precision, acc):
+    """q [...,T,N,H] . table [R,(N,)H] -> [...,N,T,R]."""
+    spec = "...tnh,rnh->...ntr" if table.ndim == 3 else "...tnh,rh->...ntr"
+    return jnp.einsum(spec, q, table, precision=precision, preferred_element_type=acc)
+
+
+def table_terms(query, dims, key_table, value_table, index, R, precision, layout):
+    """(relative_logits, relative_values) callbacks of the dense engine for clipped tables (either None).
+
+    layout names the tables' shape in error messages ("H" reads "Hv" for value_table).
+    """
+    acc = accumulation_dtype(query.dtype)
+    rel_logits = rel_values = None
+    if key_table is not None:
+        t_k = checks.check_clipped_table("key_table", key_table, R, dims.N, dims.H, acc, layout)
+
+        def rel_logits(q):
+            return gather_buckets(per_row_logits(q, t_k, precision, acc), index)
+
+    if value_table is not None:
+        t_v = checks.check_clipped_table("value_table", value_table, R, dims.N, dims.Hv, acc,
+                                         layout.replace("H", "Hv"))
+        spec = "...ntr,rnh->...tnh" if t_v.ndim == 3 else "...ntr,rh->...tnh"
+
+        def rel_values(p):
+            return jnp.einsum(spec, sum_into_buckets(p, index, R), t_v.astype(acc), precision=precision)
+
+    return rel_logits, rel_values
+
+
+def clipped_relative_attention(query, key, value, key_table=None, value_table=None, *, max_left: int,
+                               max_right: int, **options):
+    """Shaw-style relative attention with an asymmetric clip (HF "relative_key" of Wav2Vec2-BERT).
+
+    key_table: [R,H] (shared over heads) or [R,N,H]; value_table: [R,Hv] or [R,N,Hv]; R = max_left +
+    max_right + 1, row r <-> j - i = r - max_left. logits = scale * q . (k + key_table[index]),
+    out = sum p (v + value_table[index]). Keywords as dot_product_attention. max_left == max_right ==
+    max_distance is shaw_relative_attention.
+    """
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    dims = checks.check_qkv(query, key, value)
+    max_left = static_int("max_left", max_left, 0)
+    max_right = static_int("max_right", max_right, 0)
+    index = head_index(dims.T, dims.S, max_left, max_right, options)
+    rel_logits, rel_values = table_terms(query, dims, key_table, value_table, index, max_left + max_right + 1,
+                                         options.get("precision"), "[R,H] or [R,N,H], R = max_left + max_right + 1")
+    return attention_core(query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims,
+                          **options)

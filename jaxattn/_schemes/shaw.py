@@ -1,0 +1,98 @@
+"""Shaw et al. (2018) relative positions: per-pair tables (relative_attention) and clipped tables.
+
+Index convention (j - i, bottom-right aligned, clipped):
+    index[t,s] = clip(key_pos[s] - query_pos[t], -max_distance, max_distance) + max_distance
+so row 0 is "max_distance or more keys to the left", row R-1 "max_distance or more to the right".
+
+Shaw attention equals relative_attention with A = table[index], but never gathers that [T,S,H] tensor
+(see clipped.py for the dense path; the blockwise engine computes the table terms one tile at a time).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from .._core import checks
+from .._core.dtypes import accumulation_dtype
+from .._engines.blockwise import blockwise_attention
+from .._engines.dense import attention_core
+from .._engines.dispatch import use_blockwise
+from .._engines.pairwise import pair_logits, pair_values
+from .clipped import clipped_relative_index, head_index, table_terms
+
+TABLE_LAYOUT = "[R,H] or [R,N,H], R = 2*max_distance+1"
+
+
+def relative_position_index(query_length: int, key_length: int, max_distance: int, *,
+                            query_positions=None, key_positions=None):
+    """int32 [T,S] (or [...,T,S] for batched positions): clip(j - i, -k, k) + k, bottom-right aligned."""
+    max_distance = checks.check_max_distance(max_distance)
+    return clipped_relative_index(query_length, key_length, max_left=max_distance, max_right=max_distance,
+                                  query_positions=query_positions, key_positions=key_positions)
+
+
+def shaw_relative_attention(query, key, value, key_table=None, value_table=None, *, max_distance, **options):
+    """Attention with Shaw et al. clipped relative-position tables.
+
+    key_table: [R,H] shared over heads or [R,N,H] per head; value_table: [R,Hv] or [R,N,Hv];
+    R = 2 * max_distance + 1, rows indexed by relative_position_index (same absolute positions as the
+    causal mask, so `query_positions` / `key_positions` move both). Keywords as dot_product_attention.
+    Equal to relative_attention(query, key, value, key_table[index], value_table[index]) with extra
+    memory O(... * N * T * (S + R)) rather than a [T,S,H] gather.
+    implementation / block_size: as dot_product_attention; blockwise computes the table terms per tile.
+    """
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    max_distance = checks.check_max_distance(max_distance)
+    implementation, block_size = options.pop("implementation", None), options.pop("block_size", None)
+    if use_blockwise(implementation, query, key, **options):
+        return blockwise_attention(query, key, value, key_table=key_table, value_table=value_table,
+                                   max_distance=max_distance, block_size=block_size, **options)
+    dims = checks.check_qkv(query, key, value)
+    index = head_index(dims.T, dims.S, max_distance, max_distance, options)
+    rel_logits, rel_values = table_terms(query, dims, key_table, value_table, index, 2 * max_distance + 1,
+                                         options.get("precision"), TABLE_LAYOUT)
+    return attention_core(query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims,
+                          **options)
+
+
+def _per_pair_table(name, table, dims, head_dim, layout, acc):
+    table = jnp.asarray(table)
+    checks.check_rank(name, table, 4, layout)
+    if table.shape[2] not in (1, dims.N) or tuple(table.shape[:2]) != (dims.T, dims.S) or table.shape[3] != head_dim:
+        checks.fail(name, f"shape [{dims.T},{dims.S},{dims.N} or 1,{head_dim}] ({layout})",
+                    f"shape {checks.shape_str(table.shape)}")
+    checks.check_fits(name, table, acc)
+    return table
+
+
+def relative_attention(query, key, value, rel_key=None, rel_value=None, **options):
+    """Attention with per-pair relative terms (Shaw et al.; the seed-000 formula).
+
+        logits[n,t,s] = scale * q[t,n] . (k[s] + A^K[t,s,n]);   out[t,n] = sum_s p[n,t,s] (v[s] + A^V[t,s,n])
+
+    rel_key A^K: [T,S,N,H] ([T,S,1,H] shares it over heads); rel_value A^V: [T,S,N,Hv] (or [T,S,1,Hv]).
+    Keywords as dot_product_attention. The relative einsums batch over (t, n) and contract h (or s),
+    so no tensor ever holds both the batch dims and [T,S,...,H] (the seed answer's [B,S,S,H,D]).
+    Per-head tables use the fused pairwise contractions (no [T,N,S,H] copy of the table, see pairwise.py).
+    """
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    dims = checks.check_qkv(query, key, value)
+    precision = options.get("precision")
+    acc = accumulation_dtype(query.dtype)
+    rel_logits = rel_values = None
+    if rel_key is not None:
+        a_k = _per_pair_table("rel_key", rel_key, dims, dims.H, "A^K [T,S,N,H]", acc)
+        if a_k.shape[2] == dims.N:
+            rel_logits = lambda q: jnp.moveaxis(pair_logits(q, a_k, precision), -1, -3)  # noqa: E731
+        else:
+            rel_logits = lambda q: jnp.einsum("...tnh,tsh->...nts", q, a_k[:, :, 0],  # noqa: E731
+                                              precision=precision, preferred_element_type=acc)
+    if rel_value is not None:
+        a_v = _per_pair_table("rel_value", rel_value, dims, dims.Hv, "A^V [T,S,N,Hv]", acc)
+        if a_v.shape[2] == dims.N:
+            rel_values = lambda p: pair_values(jnp.moveaxis(p, -3, -1), a_v, precision)  # noqa: E731
+        else:
+            rel_values = lambda p: jnp.einsum("...nts,tsh->...tnh", p, a_v[:, :, 0].astype(acc),  # noqa: E731
+                                              precision=precision)
+    return attention_core(query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims,
+                          **options)

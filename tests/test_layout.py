@@ -1,0 +1,202 @@
+"""The layout rules, checked on the source: no import cycle, no module using another module's private names.
+
+Every module of jaxattn/, torchref/ and crosscheck/ is parsed with `ast` (imports inside functions
+included) into one import graph between their modules. Asserted:
+  * the graph has no cycle;
+  * no module imports or reads another module's underscore name (`from .x import _y`, `x._y` on a module
+    bound by an import); importing a package-private *module* (`from .._core import checks`) is fine;
+  * inside jaxattn the private packages only import downwards: _core <- _engines <- _schemes <- _layers <-
+    the public modules (linen, nnx, io, models, __init__), so no engine reaches up into a scheme or layer;
+  * crosscheck and torchref reach jaxattn only through its public modules; jaxattn never imports torch.
+The checker itself is tested on small synthetic packages, so each rule is shown to be able to fail.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("jaxattn", "torchref", "crosscheck")
+LAYERS = {"_core": 0, "_engines": 1, "_schemes": 2, "_layers": 3}  # anything else in jaxattn: public, 4
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_sources() -> dict[str, tuple[str, bool]]:
+    """{module name: (source, is_package)} for every module of PACKAGES."""
+    sources = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            sources[_module_name(path)] = (path.read_text(), path.name == "__init__.py")
+    return sources
+
+
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _resolve(module: str, is_package: bool, level: int, target: str | None) -> str:
+    """The absolute name of a (possibly relative) `from ... import` source."""
+    if level == 0:
+        return target or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join(base + ([target] if target else []))
+
+
+def analyse(sources: dict[str, tuple[str, bool]]):
+    """(edges {module: {imported module}}, violations [str]) for `sources` (see package_sources)."""
+    known = set(sources)
+    edges: dict[str, set[str]] = {m: set() for m in sources}
+    violations: list[str] = []
+    for module, (source, is_package) in sources.items():
+        bound: dict[str, str] = {}  # local name -> module it is bound to
+        tree = ast.parse(source)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    if alias.name in known or alias.name.split(".")[0] in PACKAGES:
+                        edges[module].add(alias.name) if alias.name in known else None
+                        local = alias.asname or alias.name.split(".")[0]
+                        bound[local] = alias.name if alias.asname else alias.name.split(".")[0]
+                    _check_private_path(module, alias.name, known, violations)
+            elif isinstance(node, ast.ImportFrom):
+                source_module = _resolve(module, is_package, node.level, node.module)
+                for alias in node.names:
+                    full = f"{source_module}.{alias.name}"
+                    if full in known:  # a submodule
+                        edges[module].add(full)
+                        bound[alias.asname or alias.name] = full
+                        _check_private_path(module, full, known, violations)
+                        continue
+                    if source_module in known:
+                        edges[module].add(source_module)
+                        _check_private_path(module, source_module, known, violations)
+                        if _is_private(alias.name) and source_module != module:
+                            violations.append(f"{module}: from {source_module} import {alias.name}")
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and _is_private(node.attr):
+                owner = _dotted(node.value, bound)
+                if owner in known and f"{owner}.{node.attr}" not in known and owner != module:
+                    violations.append(f"{module}: {owner}.{node.attr}")
+    return edges, violations
+
+
+def _dotted(node, bound) -> str | None:
+    """The module an expression like `a.b.c` names, through the import bindings (None if not a module)."""
+    if isinstance(node, ast.Name):
+        return bound.get(node.id)
+    if isinstance(node, ast.Attribute):
+        owner = _dotted(node.value, bound)
+        return None if owner is None else f"{owner}.{node.attr}"
+    return None
+
+
+def _check_private_path(module: str, imported: str, known, violations) -> None:
+    """Outside jaxattn, jaxattn is used through public modules only (no underscore in the path)."""
+    if module.split(".")[0] != "jaxattn" and imported.split(".")[0] == "jaxattn":
+        if any(_is_private(part) for part in imported.split(".")):
+            violations.append(f"{module}: imports jaxattn's private module {imported}")
+
+
+def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle as a list of modules, or None."""
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(m):
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(edges.get(m, ())):
+            if state.get(n) == 1:
+                return stack[stack.index(n):] + [n]
+            if n not in state:
+                found = visit(n)
+                if found:
+                    return found
+        state[m] = 2
+        stack.pop()
+        return None
+
+    for m in sorted(edges):
+        if m not in state:
+            found = visit(m)
+            if found:
+                return found
+    return None
+
+
+def _layer(module: str) -> int:
+    parts = module.split(".")
+    return LAYERS.get(parts[1], 4) if len(parts) > 1 else 4
+
+
+def layer_violations(edges) -> list[str]:
+    return [f"{m} ({_layer(m)}) imports {n} ({_layer(n)})" for m, targets in edges.items() for n in targets
+            if m.startswith("jaxattn") and n.startswith("jaxattn") and _layer(n) > _layer(m)]
+
+
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def graph():
+    sources = package_sources()
+    assert {"jaxattn._engines.blockwise", "jaxattn._engines.ring", "crosscheck._cli", "torchref._functional"} <= set(sources)
+    return sources, *analyse(sources)
+
+
+def test_no_import_cycle(graph):
+    sources, edges, _ = graph
+    assert sum(len(t) for t in edges.values()) > 50  # the graph was really built
+    assert find_cycle(edges) is None, find_cycle(edges)
+
+
+def test_no_module_uses_another_modules_private_names(graph):
+    _, _, violations = graph
+    assert violations == []
+
+
+def test_private_packages_import_downwards_only(graph):
+    _, edges, _ = graph
+    assert layer_violations(edges) == []
+
+
+def test_jaxattn_never_imports_torch(graph):
+    sources, _, _ = graph
+    for module, (source, _) in sources.items():
+        if module.startswith("jaxattn"):
+            names = [a.name for n in ast.walk(ast.parse(source)) if isinstance(n, ast.Import) for a in n.names]
+            names += [n.module or "" for n in ast.walk(ast.parse(source)) if isinstance(n, ast.ImportFrom)]
+            assert not any(x == "torch" or x.startswith("torch.") for x in names), module
+
+
+def test_checker_catches_each_kind_of_violation():
+    """The rules above can fail: a synthetic package with one of each mistake."""
+    sources = {
+        "jaxattn": ("", True),
+        "jaxattn._core": ("", True),
+        "jaxattn._core.a": ("from . import b\n", False),
+        "jaxattn._core.b": ("def f():\n    from .a import _hidden\n", False),  # cycle, inside a function
+        "jaxattn._engines": ("", True),
+        "jaxattn._engines.e": ("from .._core import a\nx = a._hidden\n", False),  # attribute use
+        "jaxattn._core.c": ("from .._engines import e\n", False),  # upward import
+        "crosscheck": ("import jaxattn._core.a\n", True),  # private module from outside
+    }
+    edges, violations = analyse(sources)
+    assert find_cycle(edges) in (["jaxattn._core.a", "jaxattn._core.b", "jaxattn._core.a"],
+                                 ["jaxattn._core.b", "jaxattn._core.a", "jaxattn._core.b"])
+    assert "jaxattn._core.b: from jaxattn._core.a import _hidden" in violations
+    assert "jaxattn._engines.e: jaxattn._core.a._hidden" in violations
+    assert "crosscheck: imports jaxattn's private module jaxattn._core.a" in violations
+    assert layer_violations(edges) == ["jaxattn._core.c (0) imports jaxattn._engines.e (1)"]
+    clean = {"jaxattn": ("", True), "jaxattn.x": ("from . import y\nprint(y.public, y.__name__)\n", False),
+             "jaxattn.y": ("public = 1\n", False)}
+    edges, violations = analyse(clean)
+    assert find_cycle(edges) is None and violations == [] and edges["jaxattn.x"] == {"jaxattn.y"}
