@@ -213,18 +213,14 @@ def _run(cases: list[Case], dtypes, transforms, *, jobs: int, cache_dir: str | N
                 results += _run_one_case(case, rows)
                 advance(len(rows), case.name)
             return results
-        # One worker per contiguous slice of the catalogue: neighbouring cases share shapes, so a worker's
-        # eager ("plain") rows reuse the per-operation compiles of the cases before them.
+        # Workers take the next case as they finish one, so neither idles while the other still holds a
+        # fixed slice of heavy cases. Compiled programs still travel between them through the persistent
+        # compilation cache on disk (eager ops included), when it is on.
         # spawn, not fork: a forked JAX/XLA runtime is not safe. Cases travel by name and are rebuilt there.
         ctx = multiprocessing.get_context("spawn")
-        jobs = min(jobs, len(work))
-        bounds = [round(i * len(work) / jobs) for i in range(jobs + 1)]
-        with contextlib.ExitStack() as stack:
-            futures = {}
-            for lo, hi in zip(bounds, bounds[1:]):
-                worker = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
-                    1, mp_context=ctx, initializer=configure_jax, initargs=(cache_dir,)))
-                futures |= {worker.submit(_run_one_case, c.name, rows): (c, rows) for c, rows in work[lo:hi]}
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(work)), mp_context=ctx,
+                                                    initializer=configure_jax, initargs=(cache_dir,)) as pool:
+            futures = {pool.submit(_run_one_case, c.name, rows): (c, rows) for c, rows in work}
             for done in concurrent.futures.as_completed(futures):
                 case, rows = futures[done]
                 advance(len(rows), case.name)
@@ -233,9 +229,17 @@ def _run(cases: list[Case], dtypes, transforms, *, jobs: int, cache_dir: str | N
 
 @contextlib.contextmanager
 def _progress(total: int):
-    """A transient progress bar on stderr when it is a terminal; nothing otherwise."""
+    """A transient progress bar on stderr when it is a terminal; otherwise one plain line per finished case
+    (CI logs, pipes), on stderr so that `--json` on stdout stays pure JSON."""
     if not sys.stderr.isatty():
-        yield lambda rows, name: None
+        started, done = time.perf_counter(), [0]
+
+        def line(rows: int, name: str) -> None:
+            done[0] += rows
+            print(f"[{done[0]}/{total} rows, {time.perf_counter() - started:.0f}s] {name}: {rows} rows done",
+                  file=sys.stderr, flush=True)
+
+        yield line
         return
     from rich.console import Console
     from rich.progress import Progress

@@ -36,6 +36,10 @@ def test_seed_cases_json_all_pass():
     assert by_dtype["float32"]["worst_output"] <= 1e-6 and by_dtype["float32"]["worst_grad"] <= 1e-5
     float64_rows = [r for r in rows if r["dtype"] == "float64"]
     assert all(m["normwise"] <= 1e-12 for r in float64_rows for m in r["metrics"])
+    # stderr is a pipe here, not a terminal: one plain progress line per finished case, none on stdout
+    progress = [line for line in result.stderr.splitlines() if line.endswith("rows done")]
+    assert sorted(line.split("] ")[1].split(":")[0] for line in progress) == [f"seed00{i}" for i in range(5)]
+    assert progress[-1].startswith("[30/30 rows, ")
 
 
 def test_a_failing_case_exits_1():
