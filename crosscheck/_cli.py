@@ -109,7 +109,9 @@ def _flag(dest: str) -> str:
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every option either takes effect or is refused (exit 2): nothing is silently ignored."""
-    given = lambda dests: [_flag(d) for d in dests if getattr(args, d) not in (None, False)]  # noqa: E731
+    def given(dests):
+        return [_flag(d) for d in dests if getattr(args, d) not in (None, False)]
+
     if args.list and given(_RUN_ONLY):
         parser.error(f"--list lists the cases and runs nothing: drop {', '.join(given(_RUN_ONLY))}")
     if args.no_cache and args.cache_dir is not None:

@@ -40,9 +40,9 @@ DTYPES = {
 LIBRARY_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "F32", "F64")
 FUZZ_TARGET = 2000
 SLACK = 64 * 1024  # interpreter noise around a call (frames, small objects)
-SETTINGS = dict(deadline=2000, derandomize=True, database=None,
-                suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                       HealthCheck.function_scoped_fixture])
+SETTINGS = {"deadline": 2000, "derandomize": True, "database": None,
+            "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large,
+                                      HealthCheck.function_scoped_fixture]}
 
 
 # --- the oracle --------------------------------------------------------------------------------------------
