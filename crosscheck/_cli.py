@@ -56,11 +56,28 @@ def configure_jax(cache_dir: str | None = None) -> None:
         import crosscheck._selftest  # noqa: F401  (registers the case)
 
 
+def _positive(text: str) -> int:
+    """argparse type: an integer >= 1 (0 workers or 0 heads mean nothing; argparse says so, exit 2)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+# The options of "checking a real checkpoint": each means something only with --weights.
+_WEIGHTS_ONLY = ("num_heads", "num_kv_heads", "head_dim", "value_head_dim", "add_zero_attn")
+# Options that select or report a catalogue run: --list ignores them, --weights replaces --case.
+_RUN_ONLY = ("case", "dtype", "transform", "json", "weights", "jobs", *_WEIGHTS_ONLY)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m crosscheck",
         description="Check that jaxattn reproduces PyTorch attention: outputs and gradients, float32 and "
-        "float64, plain / jit / vmap. Exits 1 if any row fails.",
+        "float64, plain / jit / vmap. Exits 1 if any row fails, 2 on a usage error.",
     )
     p.add_argument("--case", action="append", metavar="NAME", help="case name or glob (repeatable); default: all")
     p.add_argument("--dtype", action="append", choices=DTYPES, help="repeatable; default: all")
@@ -68,25 +85,58 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the results as JSON to PATH, or to stdout (instead of the table) without PATH")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
-    p.add_argument("--cache-dir", default=str(default_cache_dir()), metavar="DIR",
-                   help="JAX's persistent compilation cache (default: %(default)s)")
+    p.add_argument("--cache-dir", metavar="DIR",
+                   help=f"JAX's persistent compilation cache (default: {default_cache_dir()})")
     p.add_argument("--no-cache", action="store_true", help="compile everything afresh, cache nothing")
-    p.add_argument("--jobs", type=int, default=DEFAULT_JOBS, metavar="N",
+    p.add_argument("--jobs", type=_positive, metavar="N",
                    help=f"worker processes, one case at a time each (default {DEFAULT_JOBS}: the CPUs, at most 4)")
-    w = p.add_argument_group("checking a real checkpoint")
+    w = p.add_argument_group("checking a real checkpoint (these options need --weights)")
     w.add_argument("--weights", metavar="FILE", help="a state_dict (.safetensors/.pt/.pth/.bin) of "
                    "torch.nn.MultiheadAttention or a torchref module, run against jaxattn on random inputs")
-    w.add_argument("--num-heads", type=int, metavar="N", help="query heads (a state_dict does not record them)")
-    w.add_argument("--num-kv-heads", type=int, metavar="K", help="key/value heads (torchref modules; default N)")
-    w.add_argument("--head-dim", type=int, metavar="H", help="query/key head dim (default: rows / heads)")
-    w.add_argument("--value-head-dim", type=int, metavar="HV", help="value head dim (default: H)")
+    w.add_argument("--num-heads", type=_positive, metavar="N",
+                   help="query heads (required: a state_dict does not record them)")
+    w.add_argument("--num-kv-heads", type=_positive, metavar="K", help="key/value heads (torchref modules; default N)")
+    w.add_argument("--head-dim", type=_positive, metavar="H", help="query/key head dim (default: rows / heads)")
+    w.add_argument("--value-head-dim", type=_positive, metavar="HV", help="value head dim (default: H)")
     w.add_argument("--add-zero-attn", action="store_true",
                    help="the torch.nn.MultiheadAttention was built with add_zero_attn=True (not in its state_dict)")
     return p
 
 
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every option either takes effect or is refused (exit 2): nothing is silently ignored."""
+    def given(dests):
+        return [_flag(d) for d in dests if getattr(args, d) not in (None, False)]
+
+    if args.list and given(_RUN_ONLY):
+        parser.error(f"--list lists the cases and runs nothing: drop {', '.join(given(_RUN_ONLY))}")
+    if args.no_cache and args.cache_dir is not None:
+        parser.error("--no-cache and --cache-dir contradict each other: give one")
+    if args.weights is None and given(_WEIGHTS_ONLY):
+        parser.error(f"{', '.join(given(_WEIGHTS_ONLY))} describe a checkpoint: they need --weights FILE")
+    if args.weights is not None:
+        if args.num_heads is None:
+            parser.error("--weights needs --num-heads: a state_dict does not record the number of heads")
+        if args.num_kv_heads is not None and args.num_heads % args.num_kv_heads:
+            parser.error(f"--num-kv-heads {args.num_kv_heads} must divide --num-heads {args.num_heads}")
+        if args.case:
+            parser.error("--weights runs that file's module, not catalogue cases: drop --case")
+        if args.jobs is not None:
+            parser.error("--weights runs one case in this process: drop --jobs")
+    if args.cache_dir is None and not args.no_cache:
+        args.cache_dir = str(default_cache_dir())
+    if args.jobs is None:
+        args.jobs = DEFAULT_JOBS
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
     cache_dir = None if args.no_cache else args.cache_dir
     configure_jax(cache_dir)
     if args.list:
@@ -138,8 +188,6 @@ def _list() -> int:
 def _weights_case(args: argparse.Namespace) -> Case:
     from crosscheck._cases_weights import weights_setup
 
-    if args.num_heads is None:
-        raise ValueError("--weights needs --num-heads: a state_dict does not record the number of heads")
     path = Path(args.weights)
     setup, what = weights_setup(path, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
                                 head_dim=args.head_dim, value_head_dim=args.value_head_dim,
@@ -167,18 +215,14 @@ def _run(cases: list[Case], dtypes, transforms, *, jobs: int, cache_dir: str | N
                 results += _run_one_case(case, rows)
                 advance(len(rows), case.name)
             return results
-        # One worker per contiguous slice of the catalogue: neighbouring cases share shapes, so a worker's
-        # eager ("plain") rows reuse the per-operation compiles of the cases before them.
+        # Workers take the next case as they finish one, so neither idles while the other still holds a
+        # fixed slice of heavy cases. Compiled programs still travel between them through the persistent
+        # compilation cache on disk (eager ops included), when it is on.
         # spawn, not fork: a forked JAX/XLA runtime is not safe. Cases travel by name and are rebuilt there.
         ctx = multiprocessing.get_context("spawn")
-        jobs = min(jobs, len(work))
-        bounds = [round(i * len(work) / jobs) for i in range(jobs + 1)]
-        with contextlib.ExitStack() as stack:
-            futures = {}
-            for lo, hi in zip(bounds, bounds[1:]):
-                worker = stack.enter_context(concurrent.futures.ProcessPoolExecutor(
-                    1, mp_context=ctx, initializer=configure_jax, initargs=(cache_dir,)))
-                futures |= {worker.submit(_run_one_case, c.name, rows): (c, rows) for c, rows in work[lo:hi]}
+        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(work)), mp_context=ctx,
+                                                    initializer=configure_jax, initargs=(cache_dir,)) as pool:
+            futures = {pool.submit(_run_one_case, c.name, rows): (c, rows) for c, rows in work}
             for done in concurrent.futures.as_completed(futures):
                 case, rows = futures[done]
                 advance(len(rows), case.name)
@@ -187,9 +231,17 @@ def _run(cases: list[Case], dtypes, transforms, *, jobs: int, cache_dir: str | N
 
 @contextlib.contextmanager
 def _progress(total: int):
-    """A transient progress bar on stderr when it is a terminal; nothing otherwise."""
+    """A transient progress bar on stderr when it is a terminal; otherwise one plain line per finished case
+    (CI logs, pipes), on stderr so that `--json` on stdout stays pure JSON."""
     if not sys.stderr.isatty():
-        yield lambda rows, name: None
+        started, done = time.perf_counter(), [0]
+
+        def line(rows: int, name: str) -> None:
+            done[0] += rows
+            print(f"[{done[0]}/{total} rows, {time.perf_counter() - started:.0f}s] {name}: {rows} rows done",
+                  file=sys.stderr, flush=True)
+
+        yield line
         return
     from rich.console import Console
     from rich.progress import Progress

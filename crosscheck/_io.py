@@ -8,6 +8,7 @@ tensors and plain containers.
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +27,8 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     ``.pt``/``.pth``/``.bin`` need torch and are read only with ``torch.load(path, weights_only=True,
     map_location="cpu")``: a pickle that would run code is refused. The file must hold a flat mapping of
     names to tensors; a wrapper such as ``{"state_dict": ...}`` is not unwrapped by guessing (the error
-    lists its top-level keys; pick the entry and save it again). A damaged file raises ValueError naming
-    the path; an unknown suffix raises ValueError listing the supported ones. Feed the result to
+    lists its top-level keys; pick the entry and save it again). A missing file raises FileNotFoundError;
+    a damaged or refused one raises ValueError naming the path; an unknown suffix raises ValueError listing the supported ones. Feed the result to
     :func:`crosscheck.params_from_torch` (with the head counts).
     """
     path = Path(path)
@@ -40,6 +41,10 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
 
 
 def _load_torch(path: Path) -> dict[str, np.ndarray]:
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such file")
+    if not path.is_file():
+        raise ValueError(f"{path}: not a regular file")
     try:
         import torch
     except ImportError:
@@ -47,12 +52,10 @@ def _load_torch(path: Path) -> dict[str, np.ndarray]:
                           ".safetensors files load without it") from None
     from crosscheck._convert import to_numpy
 
-    if not path.is_file():
-        raise ValueError(f"{path}: no such file")
     try:
         obj = torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # a refused pickle, a truncated zip, garbage: the message says which
-        raise ValueError(f"{path}: torch.load(weights_only=True) cannot load it: {type(exc).__name__}: {exc}") from exc
+        raise ValueError(_load_error(path, exc)) from None
     if not isinstance(obj, dict):
         raise ValueError(f"{path}: expected a state_dict (a dict of name -> tensor), got {type(obj).__name__}")
     not_tensors = [k for k, v in obj.items() if not (isinstance(k, str) and isinstance(v, torch.Tensor))]
@@ -62,3 +65,21 @@ def _load_torch(path: Path) -> dict[str, np.ndarray]:
             f"(top-level keys: {list(obj)!r}). A wrapper such as {{'state_dict': ...}} or {{'model': ...}} is "
             "not guessed: load it with torch.load(..., weights_only=True)[key] and pass that dict on")
     return {name: to_numpy(tensor) for name, tensor in obj.items()}
+
+
+def _load_error(path: Path, exc: Exception) -> str:
+    """Why torch.load(weights_only=True) failed, in our words.
+
+    A pickle that names a callable outside torch's allowlist is refused *because* loading it could run
+    code. torch's own message then advises re-running with weights_only=False (or allowlisting the
+    global): exactly what must not be done with an untrusted file, so that text is not passed on. The
+    offending global's name is kept: it tells the owner of the file what to remove.
+    """
+    text = str(exc)
+    if "Weights only load failed" not in text:
+        return f"{path}: torch.load(weights_only=True) cannot load it: {type(exc).__name__}: {text}"
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
+    culprit = f" (it names {found.group(1)}, which is not a tensor or a plain container)" if found else ""
+    return (f"{path}: refused: loading this pickle could run code from the file{culprit}. Only tensors and "
+            "plain containers are read; save the weights as .safetensors, or as a dict of tensors "
+            "(torch.save(module.state_dict(), ...)), and load that")

@@ -96,7 +96,7 @@ def _entry(path: Path, name: str, info) -> tuple[np.dtype, tuple[int, ...], int,
     if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
         raise _damaged(path, f"entry {name!r} is not {{dtype, shape, data_offsets}}: {info!r}")
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if dtype not in _SAFETENSORS_DTYPES:
+    if not isinstance(dtype, str) or dtype not in _SAFETENSORS_DTYPES:  # a JSON list is not even hashable
         raise _damaged(path, f"entry {name!r} has unsupported dtype {dtype!r}")
     ints = lambda v: isinstance(v, list) and all(type(i) is int and i >= 0 for i in v)  # noqa: E731
     if not ints(shape) or not ints(offsets) or len(offsets) != 2:

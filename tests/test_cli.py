@@ -36,6 +36,10 @@ def test_seed_cases_json_all_pass():
     assert by_dtype["float32"]["worst_output"] <= 1e-6 and by_dtype["float32"]["worst_grad"] <= 1e-5
     float64_rows = [r for r in rows if r["dtype"] == "float64"]
     assert all(m["normwise"] <= 1e-12 for r in float64_rows for m in r["metrics"])
+    # stderr is a pipe here, not a terminal: one plain progress line per finished case, none on stdout
+    progress = [line for line in result.stderr.splitlines() if line.endswith("rows done")]
+    assert sorted(line.split("] ")[1].split(":")[0] for line in progress) == [f"seed00{i}" for i in range(5)]
+    assert progress[-1].startswith("[30/30 rows, ")
 
 
 def test_a_failing_case_exits_1():
@@ -77,11 +81,44 @@ def test_weights_file_of_a_torch_mha(tmp_path, capsys, suffix):
     assert {"out", "weights", "params/bias_kv/key", "params/key/kernel"} <= names
 
 
-def test_weights_needs_num_heads(tmp_path, capsys):
-    path = tmp_path / "mha.pt"
-    torch.save(torch.nn.MultiheadAttention(6, 2).state_dict(), path)
-    assert main(["--weights", str(path), "--no-cache"]) == 2
-    assert "--num-heads" in capsys.readouterr().err
+# Every option either takes effect or is refused with exit status 2 and a message naming it (argparse's
+# parser.error): an option that needs another one, or a value out of range, is never silently ignored.
+USAGE_ERRORS = [
+    (["--weights", "W.pt"], "--weights needs --num-heads"),
+    (["--num-heads", "4"], "--num-heads describe a checkpoint: they need --weights"),
+    (["--num-kv-heads", "2", "--head-dim", "8"], "--num-kv-heads, --head-dim describe a checkpoint"),
+    (["--value-head-dim", "8"], "--value-head-dim describe a checkpoint"),
+    (["--add-zero-attn"], "--add-zero-attn describe a checkpoint"),
+    (["--jobs", "0"], "--jobs: expected an integer >= 1, got 0"),
+    (["--jobs", "-3"], "--jobs: expected an integer >= 1, got -3"),
+    (["--jobs", "two"], "--jobs: expected an integer >= 1, got 'two'"),
+    (["--weights", "W.pt", "--num-heads", "0"], "--num-heads: expected an integer >= 1, got 0"),
+    (["--weights", "W.pt", "--num-heads", "4", "--num-kv-heads", "3"], "--num-kv-heads 3 must divide --num-heads 4"),
+    (["--weights", "W.pt", "--num-heads", "4", "--head-dim", "0"], "--head-dim: expected an integer >= 1"),
+    (["--weights", "W.pt", "--num-heads", "4", "--case", "seed*"], "drop --case"),
+    (["--weights", "W.pt", "--num-heads", "4", "--jobs", "2"], "drop --jobs"),
+    (["--list", "--case", "seed*"], "--list lists the cases and runs nothing: drop --case"),
+    (["--list", "--json", "out.json", "--dtype", "float32"], "drop --dtype, --json"),
+    (["--no-cache", "--cache-dir", "somewhere"], "--no-cache and --cache-dir contradict"),
+    (["--dtype", "float16"], "--dtype: invalid choice: 'float16'"),
+    (["--transform", "grad"], "--transform: invalid choice: 'grad'"),
+]
+
+
+@pytest.mark.parametrize("argv, message", USAGE_ERRORS, ids=[" ".join(a) for a, _ in USAGE_ERRORS])
+def test_usage_errors_exit_2_with_a_message(tmp_path, capsys, argv, message):
+    argv = [str(tmp_path / a) if a == "W.pt" else a for a in argv]
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    assert err.startswith("usage: python -m crosscheck")
+
+
+def test_a_missing_weights_file_exits_2(tmp_path, capsys):
+    assert main(["--weights", str(tmp_path / "nowhere.safetensors"), "--num-heads", "2", "--no-cache"]) == 2
+    assert "no such file" in capsys.readouterr().err
 
 
 def test_cases_needing_a_missing_package_are_listed_not_run():

@@ -115,9 +115,16 @@ def test_hostile_pickle_is_refused_and_runs_nothing(tmp_path, writer):
         with open(path, "wb") as f:
             pickle.dump(payload, f, protocol=2)  # the protocol torch's own unpickler expects
     assert not marker.exists()
-    with pytest.raises(ValueError, match=str(path)):
+    with pytest.raises(ValueError, match=str(path)) as refused:
         cc.load_state_dict(path)
     assert not marker.exists()
+    message = str(refused.value)
+    assert "refused: loading this pickle could run code" in message
+    # the offending global is named (torch.save pickles open() itself; pickle.dump's torch.zeros goes first)
+    assert ("io.open" if writer == "torch.save" else "torch.storage._load_from_bytes") in message
+    # torch's advice to take the unsafe path is not passed on, neither in the message nor as its cause
+    assert "weights_only=False" not in message and "safe_globals" not in message
+    assert refused.value.__cause__ is None and refused.value.__suppress_context__
     if writer == "pickle.dump":  # the payload is real: a plain unpickler does run it
         with open(path, "rb") as f:
             pickle.load(f)["evil"].close()
@@ -142,6 +149,7 @@ DAMAGED = [
     (safetensors_bytes({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8), "8 bytes for"),
     (safetensors_bytes({"a": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8), "dtype"),
     (safetensors_bytes({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8), "bad shape"),
+    (safetensors_bytes({"a": {"dtype": [], "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8), "dtype \\[\\]"),  # found by fuzzing
     (safetensors_bytes({**F32_HEADER, "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8),
      "gap or overlap"),
     (b'\x1c\0\0\0\0\0\0\0{"a": {}, "a": {}}          ', "duplicate"),
@@ -169,6 +177,21 @@ def test_truncated_torch_file(tmp_path):
     path = tmp_path / "w.pt"
     torch.save(tensors(), path)
     path.write_bytes(path.read_bytes()[:200])
+    with pytest.raises(ValueError, match=str(path)):
+        cc.load_state_dict(path)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt", ".pth", ".bin"])
+def test_missing_file_is_file_not_found(tmp_path, suffix):
+    path = tmp_path / f"missing{suffix}"
+    with pytest.raises(FileNotFoundError, match=str(path)):
+        cc.load_state_dict(path)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
+def test_a_directory_is_not_a_weights_file(tmp_path, suffix):
+    path = tmp_path / f"dir{suffix}"
+    path.mkdir()
     with pytest.raises(ValueError, match=str(path)):
         cc.load_state_dict(path)
 
