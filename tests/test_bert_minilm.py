@@ -100,9 +100,17 @@ def test_float32_matches_pytorch(runs, batch):
     real = mask.astype(bool)
     assert ours["last_hidden_state"].dtype == np.float32
     assert np.abs(ours["last_hidden_state"] - theirs.last_hidden_state.numpy())[real].max() <= 1e-5
+    truth = runs["float64"]
     for i in range(6):
-        assert np.abs(ours["attention_outputs"][i] - attention_outputs[i])[real].max() <= 1e-5, i
-        assert np.abs(ours["hidden_states"][i + 1] - theirs.hidden_states[i + 1].numpy())[real].max() <= 1e-5, i
+        # Per-layer activations reach |x| ~ 10-50, where float32 rounding alone is ~1e-6 per op: the bar
+        # scales with the layer's magnitude, and ours must be as close to the float64 truth as torch's.
+        pairs = [(ours["attention_outputs"][i], attention_outputs[i], truth[2][i]),
+                 (ours["hidden_states"][i + 1], theirs.hidden_states[i + 1].numpy(),
+                  truth[1].hidden_states[i + 1].numpy())]
+        for mine, torchs, exact in pairs:
+            mine, torchs, exact = mine[real], torchs[real], exact[real]
+            assert np.abs(mine - torchs).max() <= 1e-5 * max(1.0, np.abs(torchs).max()), i
+            assert np.abs(mine - exact).max() <= 2 * np.abs(torchs - exact).max() + 1e-6, i
         assert np.abs(ours["attentions"][i] - theirs.attentions[i].numpy()).max() <= 1e-5, i
     assert np.abs(ours["pooler_output"] - theirs.pooler_output.numpy()).max() <= 1e-5
     a = np.asarray(mean_pooling(ours["last_hidden_state"], mask))
