@@ -48,6 +48,7 @@ from crosscheck._convert import (
     params_from_torch as params_from_torch,
     params_to_torch as params_to_torch,
 )
+from crosscheck._layers import LayerReport as LayerReport, layer_report as layer_report
 from crosscheck._io import SUPPORTED_SUFFIXES as SUPPORTED_SUFFIXES, load_state_dict as load_state_dict
 from crosscheck._masks import masks_from_torch as masks_from_torch, sdpa_masks_from_torch as sdpa_masks_from_torch
 
@@ -63,6 +64,8 @@ __all__ = [
     "catalogue",
     "compare",
     "error_metrics",
+    "LayerReport",
+    "layer_report",
     "register_case",
     "run_case",
     "SUPPORTED_SUFFIXES",

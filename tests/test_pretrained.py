@@ -65,7 +65,7 @@ def test_minilm_loads_into_the_bert_ports_params(minilm_dir):
     model, params = from_pretrained(minilm_dir)
     assert model.config == config and model.add_pooling_layer
     _same_tree(params, bert_params_from_state_dict(state_dict, config))
-    assert "bert" in supported_model_types()
+    assert {"bert", "gpt2"} <= set(supported_model_types())
 
 
 @pytest.mark.parametrize("dtype, bar", [("float32", 1e-5), ("float64", 1e-10)])
@@ -112,7 +112,7 @@ def test_bad_directories_raise_naming_file_key_and_shapes(minilm_dir, tmp_path):
     (empty / "config.json").write_text(json.dumps(config))
     with pytest.raises(FileNotFoundError, match=r"model.safetensors"):
         from_pretrained(empty)
-    for key, value, pattern in (("model_type", "roberta", r"model_type: expected one of \[.*'bert'"),
+    for key, value, pattern in (("model_type", "roberta", r"model_type: expected one of \[.*'bert'.*'gpt2'"),
                                 ("is_decoder", True, "is_decoder"),
                                 ("add_cross_attention", True, "add_cross_attention"),
                                 ("hidden_act", "relu", "hidden_act"),

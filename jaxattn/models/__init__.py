@@ -7,7 +7,9 @@
     from jaxattn.models import BertConfig, BertModel, bert_params_from_state_dict, mean_pooling
 """
 
-from . import bert as _bert_family  # noqa: F401  (registers model_type "bert")
+from . import bert as _bert_family  # noqa: F401  (each family module registers its model_type)
+from . import gpt2 as _gpt2_family  # noqa: F401
+from ._generate import generate as generate
 from ._pretrained import from_pretrained as from_pretrained
 from ._pretrained import supported_model_types as supported_model_types
 from .bert import BertConfig as BertConfig
@@ -17,4 +19,4 @@ from .bert import params_from_state_dict as bert_params_from_state_dict
 from .bert import state_dict_names as bert_state_dict_names
 
 __all__ = ["BertConfig", "BertModel", "bert_params_from_state_dict", "bert_state_dict_names", "from_pretrained",
-           "mean_pooling", "supported_model_types"]
+           "generate", "mean_pooling", "supported_model_types"]

@@ -1,0 +1,94 @@
+"""Small random-weight Hugging Face checkpoints, written offline and seeded, for tests and the catalogue.
+
+`write_checkpoint(model_type, directory)` builds a transformers model from a tiny config (2 layers, hidden
+32-48, vocab 97, GQA where the family has it), randomises EVERY parameter (HF's init leaves biases at 0 and
+norm weights at 1, which would hide a transposed bias or a misplaced norm), and save_pretrained()s it.
+`torch_model(directory)` loads it back in transformers with eager attention; `padded_batch` makes prompts
+of different lengths padded on the left or the right.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+VOCAB = 97
+
+# model_type -> (transformers config class name, model class name, config kwargs)
+TINY = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             dict(vocab_size=VOCAB, n_positions=128, n_embd=32, n_layer=2, n_head=4)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                   rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                   rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True)),
+}
+
+
+# greedy decoding runs for exactly max_new_tokens on both sides: no end-of-sequence token
+_NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=0)
+
+
+def _no_special_tokens(config) -> None:
+    for key, value in _NO_SPECIAL_TOKENS.items():
+        setattr(config, key, value)
+
+
+def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
+    """The transformers model saved in `directory` (offline, eager attention), in `dtype`, eval mode."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import json
+
+    import torch
+    import transformers
+
+    model_type = json.loads((Path(directory) / "config.json").read_text())["model_type"]
+    cls = getattr(transformers, TINY[model_type][1]) if model_type in TINY else transformers.AutoModel
+    model = cls.from_pretrained(str(directory), attn_implementation="eager", local_files_only=True)
+    _no_special_tokens(model.generation_config)
+    return model.to(getattr(torch, dtype)).eval()
+
+
+def write_checkpoint(model_type: str, directory: str | os.PathLike, *, seed: int = 0, **overrides) -> Path:
+    """save_pretrained of a tiny random `model_type` model in `directory`; returns the directory."""
+    import torch
+    import transformers
+
+    config_cls, model_cls, kwargs = TINY[model_type]
+    config = getattr(transformers, config_cls)(**{**kwargs, **_NO_SPECIAL_TOKENS, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+            if name.endswith("weight") and p.ndim == 1:  # norm scales: around 1
+                p.copy_(1.0 + 0.2 * noise)
+            else:  # gain 3: decisive logits and greedy continuations that do not collapse to one token
+                p.copy_(0.2 * noise if p.ndim == 1 else 3.0 * noise / p.shape[-1] ** 0.5)
+    directory = Path(directory)
+    model.save_pretrained(str(directory))
+    return directory
+
+
+def padded_batch(side: str, *, seed: int = 0, batch: int = 3, length: int = 11, vocab: int = VOCAB):
+    """(input_ids, attention_mask) int64 [batch,length]: rows of lengths length, length-4, length-2 (and
+    so on), padded on `side` ("left" or "right") with token 0."""
+    if side not in ("left", "right"):
+        raise ValueError(f"side: expected 'left' or 'right', got {side!r}")
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, vocab, (batch, length))
+    mask = np.ones((batch, length), np.int64)
+    for b in range(batch):
+        pad = (0, 4, 2, 7, 1)[b % 5] % length
+        if pad:
+            mask[b, :pad] = 0 if side == "left" else 1
+            if side == "right":
+                mask[b, length - pad:] = 0
+    return np.where(mask == 1, ids, 0), mask
