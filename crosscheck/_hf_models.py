@@ -40,6 +40,14 @@ def _no_special_tokens(config) -> None:
         setattr(config, key, value)
 
 
+# model_type -> the transformers Auto class whose model jaxattn.models ports (the decoders: a causal LM)
+_AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM"}
+
+
+def _quiet(transformers) -> None:
+    transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars in tables and tests
+
+
 def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
     """The transformers model saved in `directory` (offline, eager attention), in `dtype`, eval mode."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -48,10 +56,12 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
     import torch
     import transformers
 
+    _quiet(transformers)
     model_type = json.loads((Path(directory) / "config.json").read_text())["model_type"]
-    cls = getattr(transformers, TINY[model_type][1]) if model_type in TINY else transformers.AutoModel
+    cls = getattr(transformers, _AUTO.get(model_type, "AutoModelForCausalLM"))
     model = cls.from_pretrained(str(directory), attn_implementation="eager", local_files_only=True)
-    _no_special_tokens(model.generation_config)
+    if getattr(model, "generation_config", None) is not None:  # both sides decode exactly max_new_tokens
+        _no_special_tokens(model.generation_config)
     return model.to(getattr(torch, dtype)).eval()
 
 
@@ -60,6 +70,7 @@ def write_checkpoint(model_type: str, directory: str | os.PathLike, *, seed: int
     import torch
     import transformers
 
+    _quiet(transformers)
     config_cls, model_cls, kwargs = TINY[model_type]
     config = getattr(transformers, config_cls)(**{**kwargs, **_NO_SPECIAL_TOKENS, **overrides})
     torch.manual_seed(seed)

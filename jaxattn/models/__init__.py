@@ -11,6 +11,7 @@ from . import bert as _bert_family  # noqa: F401  (each family module registers 
 from . import gpt2 as _gpt2_family  # noqa: F401
 from ._generate import generate as generate
 from ._pretrained import from_pretrained as from_pretrained
+from ._pretrained import from_state_dict as from_state_dict
 from ._pretrained import supported_model_types as supported_model_types
 from .bert import BertConfig as BertConfig
 from .bert import BertModel as BertModel
@@ -19,4 +20,4 @@ from .bert import params_from_state_dict as bert_params_from_state_dict
 from .bert import state_dict_names as bert_state_dict_names
 
 __all__ = ["BertConfig", "BertModel", "bert_params_from_state_dict", "bert_state_dict_names", "from_pretrained",
-           "generate", "mean_pooling", "supported_model_types"]
+           "from_state_dict", "generate", "mean_pooling", "supported_model_types"]

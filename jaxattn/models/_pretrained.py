@@ -90,14 +90,33 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Optional[Any] = None, pre
     precision: the model's einsum/matmul precision (e.g. "highest" to keep float32 exact on TPU/GPU).
     """
     config = read_config(path)
+    _family(config, Path(path) / "config.json")
+    tensors, files = read_tensors(path)
+    return _load(config, tensors, files, dtype, precision, Path(path) / "config.json")
+
+
+def from_state_dict(config: dict, state_dict, *, dtype: Optional[Any] = None, precision: Any = None):
+    """(model, params) from a config.json dict and a {name: array} state_dict already in memory.
+
+    The same tables and checks as from_pretrained (errors name "state_dict" where they would name a file).
+    Gradients taken in torch convert the same way (every table transform is a permutation or a split).
+    """
+    _family(config, "config")
+    tensors = {k: np.asarray(v) for k, v in state_dict.items()}
+    return _load(config, tensors, {k: "state_dict" for k in tensors}, dtype, precision, "config")
+
+
+def _family(config: dict, source):
     model_type = config.get("model_type")
     if model_type not in _FAMILIES:
-        raise ValueError(f"{Path(path) / 'config.json'}: model_type: expected one of "
-                         f"{list(supported_model_types())}, got {model_type!r}")
+        raise ValueError(f"{source}: model_type: expected one of {list(supported_model_types())}, "
+                         f"got {model_type!r}")
+    return _FAMILIES[model_type]
+
+
+def _load(config, tensors, files, dtype, precision, source):
     dtype = None if dtype is None else jnp.dtype(dtype)
-    tensors, files = read_tensors(path)
-    return _FAMILIES[model_type](config, tensors, files, dtype=dtype, precision=precision,
-                                 source=Path(path) / "config.json")
+    return _family(config, source)(config, tensors, files, dtype=dtype, precision=precision, source=source)
 
 
 def refuse(source, key: str, expected, got) -> None:

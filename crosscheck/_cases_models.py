@@ -1,0 +1,71 @@
+"""Whole models: one case per family, a tiny random-weight checkpoint against transformers (eager).
+
+Each case writes its family's checkpoint (crosscheck._hf_models: seeded, offline) to a temporary
+directory, loads it with jaxattn.models.from_pretrained and with transformers, and compares the logits on
+real tokens of a left-padded batch and the gradient of every parameter (torch's state_dict gradients
+converted through the same weight table as the weights). The per-layer view of the same comparison is
+`python -m crosscheck --model DIR`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import tempfile
+
+import numpy as np
+
+from crosscheck._catalogue import Setup, register_case
+from crosscheck._compare import Tolerance
+
+# float32: a whole model is a long chain of float32 roundings (DESIGN.md's 1e-6 is one attention call's bar)
+_FLOAT32_MODEL_TOLERANCE = Tolerance(forward=1e-5, grad=1e-4)
+
+
+def _setup(model_type: str) -> Setup:
+    from crosscheck import _hf_models
+    from jaxattn.models import from_pretrained, from_state_dict
+
+    with tempfile.TemporaryDirectory(prefix=f"crosscheck-{model_type}-") as directory:
+        _hf_models.write_checkpoint(model_type, directory)
+        config = json.loads((_hf_models.Path(directory) / "config.json").read_text())
+        model, params = from_pretrained(directory, precision="highest")
+        torch_models = {dtype: _hf_models.torch_model(directory, dtype) for dtype in ("float32", "float64")}
+    state = {k: v.detach().numpy() for k, v in torch_models["float32"].state_dict().items()
+             if k in dict(torch_models["float32"].named_parameters())}
+    input_ids, attention_mask = _hf_models.padded_batch("left")
+
+    def jax_fn(params, input_ids, attention_mask):
+        logits = model.apply({"params": params}, input_ids, attention_mask=attention_mask)
+        return {"logits": logits * attention_mask[..., None]}  # padded queries have no meaning
+
+    def torch_fn(state, input_ids, attention_mask):
+        from torch.func import functional_call
+
+        dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
+        out = functional_call(torch_models[dtype], state, args=(), kwargs=dict(
+            input_ids=input_ids.long(), attention_mask=attention_mask.long()))
+        return {"logits": out.logits * attention_mask[..., None]}
+
+    def grads_from_torch(grads):
+        return from_state_dict(config, {k: np.asarray(v) for k, v in grads.items()})[1]
+
+    return _ModelSetup(jax_fn=jax_fn, torch_fn=torch_fn, inputs={"input_ids": input_ids,
+                                                                 "attention_mask": attention_mask},
+                       params=params, torch_params=state, grads_from_torch=grads_from_torch)
+
+
+@dataclasses.dataclass(frozen=True)
+class _ModelSetup(Setup):
+    """A Setup whose float32 rows use the whole-model bar."""
+
+    def compare(self, *, dtype: str, **kwargs):
+        if dtype == "float32":
+            kwargs.setdefault("tolerance", _FLOAT32_MODEL_TOLERANCE)
+        return super().compare(dtype=dtype, **kwargs)
+
+
+for _model_type, _doc in (("gpt2", "GPT-2 (2 layers, tied embeddings): logits and every parameter gradient"),):
+    register_case(f"model_{_model_type}", description=f"{_doc}, left-padded batch, vs transformers",
+                  transforms=("jit",), requires=("transformers",))(functools.partial(_setup, _model_type))
