@@ -35,24 +35,29 @@ def _setup(model_type: str) -> Setup:
     state = {k: v.detach().numpy() for k, v in torch_models["float32"].state_dict().items()
              if k in dict(torch_models["float32"].named_parameters())}
     input_ids, attention_mask = _hf_models.padded_batch("left")
+    inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if model_type == "t5":  # the decoder's tokens: start token, then 6 others
+        inputs["decoder_input_ids"] = np.random.default_rng(1).integers(0, _hf_models.VOCAB, (3, 7))
 
-    def jax_fn(params, input_ids, attention_mask):
-        logits = model.apply({"params": params}, input_ids, attention_mask=attention_mask)
-        return {"logits": logits * attention_mask[..., None]}  # padded queries have no meaning
+    def real(logits, attention_mask, decoder_input_ids=None, **_):
+        # padded queries have no meaning; T5's logits are the decoder's (no decoder padding)
+        return logits if decoder_input_ids is not None else logits * attention_mask[..., None]
 
-    def torch_fn(state, input_ids, attention_mask):
+    def jax_fn(params, **inputs):
+        return {"logits": real(model.apply({"params": params}, **inputs), **inputs)}
+
+    def torch_fn(state, **inputs):
         from torch.func import functional_call
 
         dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
-        out = functional_call(torch_models[dtype], state, args=(), kwargs=dict(
-            input_ids=input_ids.long(), attention_mask=attention_mask.long()))
-        return {"logits": out.logits * attention_mask[..., None]}
+        with _hf_models.float64_reference(torch_models[dtype], dtype):
+            out = functional_call(torch_models[dtype], state, args=(), kwargs={k: v.long() for k, v in inputs.items()})
+        return {"logits": real(out.logits, **inputs)}
 
     def grads_from_torch(grads):
         return from_state_dict(config, {k: np.asarray(v) for k, v in grads.items()})[1]
 
-    return _ModelSetup(jax_fn=jax_fn, torch_fn=torch_fn, inputs={"input_ids": input_ids,
-                                                                 "attention_mask": attention_mask},
+    return _ModelSetup(jax_fn=jax_fn, torch_fn=torch_fn, inputs=inputs,
                        params=params, torch_params=state, grads_from_torch=grads_from_torch)
 
 
@@ -66,6 +71,7 @@ class _ModelSetup(Setup):
         return super().compare(dtype=dtype, **kwargs)
 
 
-for _model_type, _doc in (("gpt2", "GPT-2 (2 layers, tied embeddings): logits and every parameter gradient"),):
+for _model_type, _doc in (("gpt2", "GPT-2 (2 layers, tied embeddings): logits and every parameter gradient"),
+                          ("t5", "T5 v1.1 (2+2 layers, gated FF): logits and every parameter gradient")):
     register_case(f"model_{_model_type}", description=f"{_doc}, left-padded batch, vs transformers",
                   transforms=("jit",), requires=("transformers",))(functools.partial(_setup, _model_type))

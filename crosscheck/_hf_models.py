@@ -9,7 +9,9 @@ of different lengths padded on the left or the right.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import types
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +30,10 @@ TINY = {
               dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                    num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
                    rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True)),
+    "t5": ("T5Config", "T5ForConditionalGeneration",
+           dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=56, num_layers=2, num_decoder_layers=2, num_heads=4,
+                relative_attention_num_buckets=8, relative_attention_max_distance=20,
+                feed_forward_proj="gated-gelu", decoder_start_token_id=0)),
 }
 
 
@@ -48,6 +54,42 @@ def _quiet(transformers) -> None:
     transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars in tables and tests
 
 
+# HF norms whose code takes the mean square in float32 whatever the input dtype (a float64 run included)
+_FLOAT32_NORMS = ("T5LayerNorm", "LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+
+
+def _rms_norm_in_input_precision(self, hidden_states):
+    dtype = torch_promote(hidden_states.dtype)
+    wide = hidden_states.to(dtype)
+    wide = wide * (wide.pow(2).mean(-1, keepdim=True) + self.variance_epsilon).rsqrt()
+    return self.weight * wide.to(hidden_states.dtype)
+
+
+def torch_promote(dtype):
+    import torch
+
+    return torch.promote_types(dtype, torch.float32)
+
+
+@contextlib.contextmanager
+def float64_reference(torch_model, dtype: str):
+    """With dtype "float64": HF's float32-only RMS norms (T5, Llama, Qwen2, Mistral) take their statistics
+    in float64 for the duration. Their code casts to float32 even for float64 inputs, which would make the
+    float64 reference a float32 one at every norm (~1e-7 apart, bit-for-bit unreachable: torch's float32
+    reduction order). Every other operation is HF's own code; float32 runs are untouched."""
+    patched = []
+    if dtype == "float64":
+        for module in torch_model.modules():
+            if type(module).__name__ in _FLOAT32_NORMS:
+                module.forward = types.MethodType(_rms_norm_in_input_precision, module)
+                patched.append(module)
+    try:
+        yield torch_model
+    finally:
+        for module in patched:
+            del module.forward
+
+
 def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
     """The transformers model saved in `directory` (offline, eager attention), in `dtype`, eval mode."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -63,6 +105,11 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
     if getattr(model, "generation_config", None) is not None:  # both sides decode exactly max_new_tokens
         _no_special_tokens(model.generation_config)
     return model.to(getattr(torch, dtype)).eval()
+
+
+# weight-matrix gain per family (default 3): large enough that greedy decoding does not collapse to one
+# repeated token, small enough that float32 stays well conditioned (T5's gated FF multiplies two gains)
+_GAIN = {"t5": 1.5}
 
 
 def write_checkpoint(model_type: str, directory: str | os.PathLike, *, seed: int = 0, **overrides) -> Path:
@@ -81,8 +128,12 @@ def write_checkpoint(model_type: str, directory: str | os.PathLike, *, seed: int
             noise = torch.randn(p.shape, generator=generator, dtype=p.dtype)
             if name.endswith("weight") and p.ndim == 1:  # norm scales: around 1
                 p.copy_(1.0 + 0.2 * noise)
-            else:  # gain 3: decisive logits and greedy continuations that do not collapse to one token
-                p.copy_(0.2 * noise if p.ndim == 1 else 3.0 * noise / p.shape[-1] ** 0.5)
+            elif "relative_attention_bias" in name:  # T5's only position signal: strong, so decoding varies
+                p.copy_(3.0 * noise)
+            else:
+                p.copy_(0.2 * noise if p.ndim == 1 else _GAIN.get(model_type, 3.0) * noise / p.shape[-1] ** 0.5)
+            if name.endswith(("Attention.q.weight",)):  # T5 has no 1/sqrt(d) in its logits: its init has it
+                p.mul_(config.d_kv ** -0.5)
     directory = Path(directory)
     model.save_pretrained(str(directory))
     return directory

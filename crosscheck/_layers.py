@@ -9,6 +9,9 @@ Memory: only ONE model's activations are ever held. The JAX side runs first and 
 intermediates ("intermediates" collection, see jaxattn/models/_decoder.py); the torch side is compared
 inside forward hooks, each activation reduced to three numbers the moment it exists and then dropped.
 
+float64: HF's RMS norms take their statistics in float32 even for float64 inputs; the float64 reference
+lifts exactly that (crosscheck._hf_models.float64_reference), everything else is HF's code.
+
 Padding: rows are compared on real tokens only (attention_mask == 1). A padded query's output has no
 meaning (no key is allowed to it, or only padding is) and the frameworks differ there by design.
 
@@ -28,6 +31,7 @@ from typing import Any, Optional
 import numpy as np
 
 from crosscheck._compare import error_metrics
+from crosscheck._hf_models import float64_reference
 
 # dtype -> (metric, bar); "max_abs" is measured against bar * max(1, the row's largest |reference value|)
 LAYER_TOLERANCES: Mapping[str, tuple[str, float]] = {"float32": ("max_abs", 1e-5), "float64": ("normwise", 1e-12)}
@@ -77,8 +81,8 @@ class LayerReport:
         metric, bar = LAYER_TOLERANCES[self.dtype]
         what = f"max abs <= {bar:.0e} * max(1, max |ref|)" if metric == "max_abs" else f"normwise <= {bar:.0e}"
         lines = [f"{self.model} [{self.dtype}]: {what} per layer, real tokens only",
-                 f"  {'layer':24} {'max |ref|':>10} {'max abs':>10} {'normwise':>10} {'bar':>9}  result"]
-        lines += [f"  {r.name:24} {r.scale:10.2e} {r.max_abs:10.2e} {r.normwise:10.2e} {r.bar:9.1e}  "
+                 f"  {'layer':32} {'max |ref|':>10} {'max abs':>10} {'normwise':>10} {'bar':>9}  result"]
+        lines += [f"  {r.name:32} {r.scale:10.2e} {r.max_abs:10.2e} {r.normwise:10.2e} {r.bar:9.1e}  "
                   f"{'ok' if r.passed else 'FAIL'}" for r in self.rows]
         lines.append(f"  first divergent: {self.first_divergent}" if not self.passed else "  every layer passes")
         return "\n".join(lines)
@@ -96,6 +100,35 @@ class _Family:
     final_norm: Optional[Callable[[Any], Any]]
     jax_layer: str                              # our params' name of block i ("h_{i}")
 
+    def watch(self, torch_model) -> list[tuple[Any, str]]:
+        """(module, row name) in forward order."""
+        watched = [(self.embeddings(torch_model), "embeddings")]
+        for i, block in enumerate(self.layers(torch_model)):
+            watched.append((getattr(block, self.attention), f"layer{i}.attention"))
+            if self.mlp is not None:
+                watched.append((getattr(block, self.mlp), f"layer{i}.mlp"))
+            watched.append((block, f"layer{i}.residual"))
+        if self.final_norm is not None:
+            watched.append((self.final_norm(torch_model), "final_norm"))
+        return watched
+
+
+class _T5(_Family):
+    """T5: the encoder's rows ("encoder.*"), then the decoder's (with each block's cross-attention)."""
+
+    def watch(self, torch_model) -> list[tuple[Any, str]]:
+        watched = []
+        for stack in ("encoder", "decoder"):
+            watched.append((getattr(torch_model, stack).embed_tokens, f"{stack}.embeddings"))
+            for i, block in enumerate(getattr(torch_model, stack).block):
+                watched.append((block.layer[0].SelfAttention, f"{stack}.layer{i}.attention"))
+                if stack == "decoder":
+                    watched.append((block.layer[1].EncDecAttention, f"{stack}.layer{i}.cross_attention"))
+                watched.append((block.layer[-1].DenseReluDense, f"{stack}.layer{i}.mlp"))
+                watched.append((block, f"{stack}.layer{i}.residual"))
+            watched.append((getattr(torch_model, stack).final_layer_norm, f"{stack}.final_norm"))
+        return watched
+
 
 FAMILIES: dict[str, _Family] = {
     "gpt2": _Family(lambda m: m.transformer.drop, lambda m: m.transformer.h, "attn", "mlp",
@@ -103,6 +136,7 @@ FAMILIES: dict[str, _Family] = {
     "llama": _Family(lambda m: m.model.embed_tokens, lambda m: m.model.layers, "self_attn", "mlp",
                      lambda m: m.model.norm, "layers_{i}"),
     "bert": _Family(lambda m: m.embeddings, lambda m: m.encoder.layer, "attention", None, None, "layer_{i}"),
+    "t5": _T5(None, None, "", None, None, "{stack}/block_{i}"),
 }
 FAMILIES["qwen2"] = FAMILIES["mistral"] = FAMILIES["llama"]
 
@@ -123,8 +157,15 @@ def _jitted_apply(model, mutable: bool):
     return jax.jit(lambda params, inputs: model.apply({"params": params}, **inputs))
 
 
+def _flat(tree, prefix="") -> dict[str, Any]:
+    """Sown intermediates {"decoder": {"layer0.mlp": (x,)}} -> {"decoder.layer0.mlp": x}."""
+    if isinstance(tree, tuple):
+        return {prefix: tree[0]}
+    return {k: v for name, sub in tree.items() for k, v in _flat(sub, f"{prefix}.{name}" if prefix else name).items()}
+
+
 def _jax_rows(model, params, inputs) -> dict[str, np.ndarray]:
-    """Our side's aligned outputs, by row name (BERT returns them; the decoders sow them)."""
+    """Our side's aligned outputs, by row name (BERT returns them; the others sow them)."""
     from jaxattn.models import BertModel
 
     if isinstance(model, BertModel):
@@ -135,8 +176,16 @@ def _jax_rows(model, params, inputs) -> dict[str, np.ndarray]:
             rows[f"layer{i}.residual"] = out["hidden_states"][i + 1]
         return {k: np.asarray(v) for k, v in rows.items()}
     logits, state = _jitted_apply(model, True)(params, inputs)
-    rows = {name: np.asarray(value[0]) for name, value in state["intermediates"].items()}
+    rows = {name: np.asarray(value) for name, value in _flat(state["intermediates"]).items()}
     return {**rows, "logits": np.asarray(logits)}
+
+
+def _real_tokens(name: str, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Which [B,T] positions of row `name` are real tokens (T5's decoder rows follow the decoder's mask)."""
+    decoder = "decoder_input_ids" in inputs and (name.startswith("decoder.") or name == "logits")
+    ids = inputs["decoder_input_ids" if decoder else "input_ids"]
+    mask = inputs.get("decoder_attention_mask" if decoder else "attention_mask")
+    return np.ones(ids.shape, bool) if mask is None else mask.astype(bool)
 
 
 def layer_report(torch_model, model_and_params, inputs: Mapping[str, Any], *, dtype: str) -> LayerReport:
@@ -156,32 +205,28 @@ def layer_report(torch_model, model_and_params, inputs: Mapping[str, Any], *, dt
     params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
     inputs = {k: np.asarray(v) for k, v in inputs.items()}
     ours = _jax_rows(model, params, inputs)
-    mask = inputs.get("attention_mask")
-    real = np.ones(inputs["input_ids"].shape, bool) if mask is None else mask.astype(bool)
     rows: list[LayerRow] = []
 
     def measure(name: str, theirs) -> None:
+        real = _real_tokens(name, inputs)
         theirs = theirs[0] if isinstance(theirs, tuple) else theirs
         reference = theirs.detach().numpy()[real]
         max_abs, _, normwise = error_metrics(ours[name][real], reference)
         scale = float(np.abs(reference).max(initial=0.0))
         rows.append(LayerRow(name, len(rows), max_abs, normwise, scale, metric, bar))
 
-    def hook(name):
-        return lambda module, args, out: measure(name, out)
+    names: dict[Any, list[str]] = {}  # module -> its rows, in call order (a module may serve twice)
+    for module, name in spec.watch(torch_model):
+        names.setdefault(module, []).append(name)
+
+    def hook(queue):
+        calls = iter(queue)
+        return lambda module, args, out: measure(next(calls), out)
 
     torch_model.to(getattr(torch, dtype)).eval()
-    watched = [(spec.embeddings(torch_model), "embeddings")]
-    for i, block in enumerate(spec.layers(torch_model)):
-        watched.append((getattr(block, spec.attention), f"layer{i}.attention"))
-        if spec.mlp is not None:
-            watched.append((getattr(block, spec.mlp), f"layer{i}.mlp"))
-        watched.append((block, f"layer{i}.residual"))
-    if spec.final_norm is not None:
-        watched.append((spec.final_norm(torch_model), "final_norm"))
-    handles = [module.register_forward_hook(hook(name)) for module, name in watched]
+    handles = [module.register_forward_hook(hook(queue)) for module, queue in names.items()]
     try:
-        with torch.no_grad():
+        with torch.no_grad(), float64_reference(torch_model, dtype):
             out = torch_model(**{k: torch.from_numpy(v).long() for k, v in inputs.items()})
         if "logits" in ours:
             measure("logits", out.logits)

@@ -1,4 +1,4 @@
-"""Decoder-only ports (jaxattn.models from_pretrained + generate) against transformers' PyTorch models.
+"""Generative ports (jaxattn.models from_pretrained + generate) against transformers' PyTorch models.
 
 Each family: a tiny random-weight checkpoint (crosscheck._hf_models: 2 layers, every parameter random, GQA
 where the family has it) written with save_pretrained and read back by from_pretrained (no torch), on
@@ -22,7 +22,19 @@ from crosscheck import _hf_models as hf  # noqa: E402
 from crosscheck import layer_report  # noqa: E402
 from jaxattn.models import from_pretrained, generate  # noqa: E402
 
-FAMILIES = ("gpt2",)
+FAMILIES = ("gpt2", "t5")
+NEW = 64
+
+
+def _inputs(model_type, side):
+    """The padded batch, plus T5's decoder tokens (start token, then 6 others: no decoder padding)."""
+    ids, mask = hf.padded_batch(side)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if model_type == "t5":
+        decoder = np.random.default_rng(1).integers(1, hf.VOCAB, (3, 7))
+        decoder[:, 0] = 0
+        inputs["decoder_input_ids"] = decoder
+    return inputs
 
 
 @pytest.fixture(scope="module", params=FAMILIES)
@@ -32,21 +44,17 @@ def checkpoint(request, tmp_path_factory):
     return request.param, directory, hf.torch_model(directory)
 
 
-def _cast(params, dtype):
-    return jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
-
-
 @pytest.mark.parametrize("side", ["left", "right"])
 def test_every_layer_and_the_logits_match(checkpoint, side):
-    _, directory, torch_model = checkpoint
+    model_type, directory, torch_model = checkpoint
     model, params = from_pretrained(directory)
-    ids, mask = hf.padded_batch(side)
-    assert (mask == 0).any(axis=1).sum() >= 2  # really padded, rows of different lengths
+    inputs = _inputs(model_type, side)
+    assert (inputs["attention_mask"] == 0).any(axis=1).sum() >= 2  # really padded, rows of different lengths
     for dtype in ("float32", "float64"):
-        report = layer_report(torch_model, (model, params), {"input_ids": ids, "attention_mask": mask}, dtype=dtype)
+        report = layer_report(torch_model, (model, params), inputs, dtype=dtype)
         assert report.passed, str(report)
-        names = [r.name for r in report.rows]
-        assert names[0] == "embeddings" and names[-1] == "logits" and "layer1.residual" in names
+        names = [r.name.removeprefix("decoder.") for r in report.rows]
+        assert names[0].endswith("embeddings") and names[-1] == "logits" and "layer1.residual" in names
         logits = report.rows[-1]
         assert logits.max_abs <= 1e-5 if dtype == "float32" else logits.normwise <= 1e-12, str(report)
 
@@ -54,72 +62,80 @@ def test_every_layer_and_the_logits_match(checkpoint, side):
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_greedy_decoding_equals_transformers_generate(checkpoint, side, dtype):
-    _, directory, _ = checkpoint
+    model_type, directory, _ = checkpoint
     model, params = from_pretrained(directory, dtype=dtype)
     torch_model = hf.torch_model(directory, dtype)
     ids, mask = hf.padded_batch(side)
-    ours = generate(model, params, ids, max_new_tokens=64, attention_mask=mask)
-    with torch.no_grad():
+    ours = generate(model, params, ids, max_new_tokens=NEW, attention_mask=mask)
+    with torch.no_grad(), hf.float64_reference(torch_model, dtype):
         theirs = torch_model.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                                      max_new_tokens=64, do_sample=False).numpy()
-    assert ours.shape == theirs.shape == (3, 11 + 64)
-    new = ours[:, 11:]
+                                      max_new_tokens=NEW, do_sample=False).numpy()
+    # decoder-only: the prompt then the new tokens; T5: the decoder start token then the new tokens
+    assert ours.shape == theirs.shape == (3, (1 if model_type == "t5" else 11) + NEW)
+    new = ours[:, -NEW:]
     assert min(len(set(row)) for row in new.tolist()) >= 4  # a real continuation, not one repeated token
     np.testing.assert_array_equal(ours, theirs)
 
 
-def _layer_leaves(params, prefix):
-    return [(path, leaf) for path, leaf in jax.tree_util.tree_leaves_with_path(params)
-            if jax.tree_util.keystr(path[:1]) == f"['{prefix}']"]
+def _faults(model_type, params):
+    """(path, leaf, the row prefix its fault must be found at) for every weight of every layer.
+
+    Key biases are left out: softmax ignores a shift shared by all keys of a query, so a key bias changes
+    no output at all (it is not a fault a comparison can or should see). T5's relative table lives in
+    block 0 (HF) and first acts in layer 0's attention.
+    """
+    faults = []
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        keys = [k.key for k in path]
+        if keys[-2:] == ["key", "bias"]:
+            continue
+        if model_type == "t5":
+            stack, node = keys[0], keys[1] if len(keys) > 1 else ""
+            if node.startswith("block_"):
+                faults.append((path, leaf, f"{stack}.layer{node.removeprefix('block_')}."))
+            elif node == "relative_attention_bias":
+                faults.append((path, leaf, f"{stack}.layer0.attention"))
+            continue
+        layer = next((i for i in range(2) if keys[0] == {"gpt2": "h_{i}"}.get(model_type, "layers_{i}").format(i=i)),
+                     None)
+        if layer is not None:
+            faults.append((path, leaf, f"layer{layer}."))
+    return faults
 
 
 def test_drift_origin_every_injected_fault_is_found_at_its_layer(checkpoint):
-    """For every layer i and every weight of it, one entry scaled by 1 + 1e-3: first_divergent is layer i.
-
-    Key biases are left out: softmax ignores a shift shared by all keys of a query, so a key bias changes
-    no output at all (it is not a fault a comparison can or should see).
-    """
-    from crosscheck._layers import family
-
+    """For every layer and every weight of it, one entry (the largest) scaled by 1 + 1e-3: the report's
+    first_divergent must be that layer (or its first sub-layer)."""
     model_type, directory, torch_model = checkpoint
     model, params = from_pretrained(directory, dtype="float64")
-    params = _cast(params, "float64")
-    ids, mask = hf.padded_batch("left")
-    inputs = {"input_ids": ids, "attention_mask": mask}
+    inputs = _inputs(model_type, "left")
     assert layer_report(torch_model, (model, params), inputs, dtype="float64").passed
-    spec = family(torch_model)
-    found, injected = 0, 0
+    faults = _faults(model_type, params)
     misses = []
-    for i in range(2):
-        prefix = spec.jax_layer.format(i=i)
-        for path, leaf in _layer_leaves(params, prefix):
-            name = jax.tree_util.keystr(path)
-            if "['key']['bias']" in name:
-                continue
-            where = np.unravel_index(np.argmax(np.abs(leaf)), leaf.shape)
-            faulty = leaf.copy()
-            faulty[where] *= 1 + 1e-3
-            bad = jax.tree_util.tree_map_with_path(lambda p, x: faulty if p == path else x, params)
-            report = layer_report(torch_model, (model, bad), inputs, dtype="float64")
-            injected += 1
-            if report.first_divergent is not None and report.first_divergent.startswith(f"layer{i}."):
-                found += 1
-            else:
-                misses.append((name, report.first_divergent))
-    print(f"{model_type}: drift origin found for {found}/{injected} injected faults")
-    assert injected >= 20 and found == injected, misses
+    for path, leaf, expected in faults:
+        where = np.unravel_index(np.argmax(np.abs(leaf)), leaf.shape)
+        faulty = np.array(leaf)
+        faulty[where] *= 1 + 1e-3
+        bad = jax.tree_util.tree_map_with_path(lambda p, x: faulty if p == path else x, params)
+        report = layer_report(torch_model, (model, bad), inputs, dtype="float64")
+        if not (report.first_divergent or "").startswith(expected):
+            misses.append((jax.tree_util.keystr(path), expected, report.first_divergent))
+    print(f"{model_type}: drift origin found for {len(faults) - len(misses)}/{len(faults)} injected faults")
+    assert len(faults) >= 20 and not misses, misses
 
 
-def test_config_options_not_implemented_are_refused(tmp_path):
+@pytest.mark.parametrize("model_type, key, value", [
+    ("gpt2", "activation_function", "swish"), ("gpt2", "add_cross_attention", True),
+    ("gpt2", "reorder_and_upcast_attn", True), ("t5", "dense_act_fn", "swish"),
+    ("t5", "feed_forward_proj", "gated-gelu-x"), ("t5", "is_decoder", True)])
+def test_config_options_not_implemented_are_refused(tmp_path, model_type, key, value):
     import json
     import shutil
 
-    source = hf.write_checkpoint("gpt2", tmp_path / "ok")
+    source = hf.write_checkpoint(model_type, tmp_path / "ok")
     config = json.loads((source / "config.json").read_text())
-    for key, value in (("activation_function", "swish"), ("add_cross_attention", True),
-                       ("reorder_and_upcast_attn", True)):
-        bad = tmp_path / key
-        shutil.copytree(source, bad)
-        (bad / "config.json").write_text(json.dumps({**config, key: value}))
-        with pytest.raises(ValueError, match=rf"{bad}/config.json: {key}: expected"):
-            from_pretrained(bad)
+    bad = tmp_path / key
+    shutil.copytree(source, bad)
+    (bad / "config.json").write_text(json.dumps({**config, key: value}))
+    with pytest.raises(ValueError, match=rf"{bad}/config.json: {key}: expected"):
+        from_pretrained(bad)

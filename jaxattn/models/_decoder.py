@@ -26,13 +26,13 @@ def key_mask(attention_mask):
     return jnp.asarray(attention_mask).astype(bool)[:, None, None, :]
 
 
-def positions(module: nn.Module, input_ids, position_ids, decode: bool):
+def positions(module: nn.Module, shape: tuple[int, int], position_ids, decode: bool):
     """position_ids, or their default: arange(T), shifted by the tokens already in the cache when decoding.
 
     Decoding keeps its own count in the "cache" collection ("next_position" [B]) so that a model called
     token by token without position_ids numbers its tokens as one full pass would.
     """
-    B, T = input_ids.shape
+    B, T = shape
     if not decode:
         return jnp.broadcast_to(jnp.arange(T), (B, T)) if position_ids is None else jnp.asarray(position_ids)
     filled = module.variable("cache", "next_position", lambda: jnp.zeros((B,), jnp.int32))

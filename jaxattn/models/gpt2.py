@@ -111,7 +111,7 @@ class GPT2LMHeadModel(nn.Module):
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, decode: bool = False):
         c, d = self.config, self.config.dims()
         input_ids = jnp.asarray(input_ids)
-        position_ids = _decoder.positions(self, input_ids, position_ids, decode)
+        position_ids = _decoder.positions(self, input_ids.shape, position_ids, decode)
         embed = functools.partial(nn.Embed, features=d["E"], dtype=self.dtype, param_dtype=self.param_dtype)
         wte = embed(d["V"], name="wte")
         x = wte(input_ids) + embed(d["P"], name="wpe")(position_ids)
