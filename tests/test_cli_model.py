@@ -66,3 +66,20 @@ def test_bad_invocations_exit_2(tmp_path, capsys):
     empty.mkdir()
     assert main(["--no-cache", "--model", str(empty)]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_port_model_example_reports_and_continues_like_pytorch(gpt2_dir, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "port_model.py"
+    spec = importlib.util.spec_from_file_location("port_model", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    outcome = example.main(gpt2_dir, new_tokens=12)
+    assert all(r.passed for r in outcome["reports"]) and [r.dtype for r in outcome["reports"]] == ["float32",
+                                                                                                  "float64"]
+    assert outcome["ours"].shape == outcome["theirs"].shape == (3, 9 + 12)
+    assert (outcome["ours"] == outcome["theirs"]).all()
+    out = capsys.readouterr().out
+    assert out.count(" same") == 3 and "every layer passes" in out
