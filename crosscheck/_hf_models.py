@@ -25,11 +25,13 @@ TINY = {
     "llama": ("LlamaConfig", "LlamaForCausalLM",
               dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                    num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
-                   rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False)),
+                   rms_norm_eps=1e-6, tie_word_embeddings=False,
+                   rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0))),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
               dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
                    num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
-                   rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=True)),
+                   rms_norm_eps=1e-6, tie_word_embeddings=True,
+                   rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
     "t5": ("T5Config", "T5ForConditionalGeneration",
            dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=56, num_layers=2, num_decoder_layers=2, num_heads=4,
                 relative_attention_num_buckets=8, relative_attention_max_distance=20,
@@ -71,23 +73,82 @@ def torch_promote(dtype):
     return torch.promote_types(dtype, torch.float32)
 
 
+# HF rotary embeddings whose code computes cos/sin in float32 whatever the input dtype
+_FLOAT32_ROTARY = ("LlamaRotaryEmbedding", "Qwen2RotaryEmbedding", "MistralRotaryEmbedding")
+
+
+def _rotary_in_input_precision(self, x, position_ids):
+    import torch
+
+    from jaxattn.models.llama import rope_frequencies
+
+    config = self.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inverse = torch.from_numpy(rope_frequencies(config.to_dict(), head_dim)).to(x.device)
+    dtype = torch_promote(x.dtype)
+    freqs = position_ids[..., None].to(dtype) * inverse.to(dtype)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+# HF modules whose eager attention takes its softmax in float32 whatever the input dtype
+_FLOAT32_SOFTMAX = ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+                    "transformers.models.mistral.modeling_mistral")
+
+
+def _eager_attention_in_input_precision(hf_module):
+    """HF's eager_attention_forward of `hf_module` (Llama's), the softmax taken in the input's dtype."""
+    import torch
+
+    def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        key_states = hf_module.repeat_kv(key, module.num_key_value_groups)
+        value_states = hf_module.repeat_kv(value, module.num_key_value_groups)
+        attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+        if attention_mask is not None:
+            attn_weights = attn_weights + attention_mask
+        attn_weights = torch.softmax(attn_weights, dim=-1, dtype=torch_promote(query.dtype)).to(query.dtype)
+        attn_weights = torch.nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+        return torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous(), attn_weights
+
+    return eager_attention_forward
+
+
 @contextlib.contextmanager
 def float64_reference(torch_model, dtype: str):
-    """With dtype "float64": HF's float32-only RMS norms (T5, Llama, Qwen2, Mistral) take their statistics
-    in float64 for the duration. Their code casts to float32 even for float64 inputs, which would make the
-    float64 reference a float32 one at every norm (~1e-7 apart, bit-for-bit unreachable: torch's float32
-    reduction order). Every other operation is HF's own code; float32 runs are untouched."""
-    patched = []
+    """With dtype "float64": HF's float32-only steps run in float64 for the duration: the RMS norms'
+    statistics (T5, Llama, Qwen2, Mistral) and the rotary cos/sin (Llama, Qwen2, Mistral; their inverse
+    frequencies from jaxattn.models.llama.rope_frequencies in float64, HF's formulas). HF's code casts
+    these to float32 even for float64 inputs, which would make the float64 reference a float32 one there
+    (~1e-7 apart, and bit-for-bit unreachable: torch's float32 reduction order and libm). Every other
+    operation is HF's own code; float32 runs are untouched.
+
+    Also the eager softmax of Llama, Qwen2 and Mistral, which HF takes in float32: in a float64 run the
+    additive mask's float64 minimum becomes -inf there, a fully masked (padded) query row turns to NaN and
+    the NaN reaches every row through the next layer's values (HF's float64 with padding is NaN throughout).
+    """
+    import sys
+
+    patched, functions = [], []
     if dtype == "float64":
+        for name in _FLOAT32_SOFTMAX:
+            hf_module = sys.modules.get(name)
+            if hf_module is not None and type(torch_model).__module__ == name:
+                functions.append((hf_module, hf_module.eager_attention_forward))
+                hf_module.eager_attention_forward = _eager_attention_in_input_precision(hf_module)
         for module in torch_model.modules():
             if type(module).__name__ in _FLOAT32_NORMS:
                 module.forward = types.MethodType(_rms_norm_in_input_precision, module)
+                patched.append(module)
+            elif type(module).__name__ in _FLOAT32_ROTARY:
+                module.forward = types.MethodType(_rotary_in_input_precision, module)
                 patched.append(module)
     try:
         yield torch_model
     finally:
         for module in patched:
             del module.forward
+        for hf_module, original in functions:
+            hf_module.eager_attention_forward = original
 
 
 def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
@@ -109,7 +170,7 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
 
 # weight-matrix gain per family (default 3): large enough that greedy decoding does not collapse to one
 # repeated token, small enough that float32 stays well conditioned (T5's gated FF multiplies two gains)
-_GAIN = {"t5": 1.5}
+_GAIN = {"t5": 1.5, "llama": 1.5, "qwen2": 1.5}
 
 
 def write_checkpoint(model_type: str, directory: str | os.PathLike, *, seed: int = 0, **overrides) -> Path:
