@@ -30,14 +30,14 @@ L); the other examples of the batch are unaffected.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import flax.linen as nn
 import jax.numpy as jnp
 
 from ._layers import cache as kv_cache
 from ._layers import common
-from ._layers.common import Initializer
+from ._layers.common import Initializer, RoPE  # noqa: F401  (RoPE: part of this module's API)
 
 
 class _Group(nn.Module):
@@ -56,13 +56,16 @@ class MultiHeadAttention(nn.Module):
 
     Attributes:
       num_heads: N.  head_dim: H (default Eq // N).  num_kv_heads: K (default N).  value_head_dim: Hv (default H).
-      out_features: Eo (default Eq).  use_bias: biases on all four projections.
+      out_features: Eo (default Eq).  use_bias: biases on all four projections (True), none (False), or
+        the named ones (e.g. ("query", "key", "value"), Qwen2's).
       add_bias_kv / add_zero_attn: torch.nn.MultiheadAttention's extras (not with decode).
       dropout_rate, deterministic: dropout on the attention weights.  scale: default H ** -0.5.
       dtype: computation dtype (default: promote inputs and params).  param_dtype: parameters' dtype.
       precision: for every einsum.  kernel_init / out_kernel_init / bias_init / bias_kv_init: flax
         initialisers; kernels are initialised on their [fan_in, fan_out] view, as flax's DenseGeneral does.
       decode: use the "cache" collection (the call argument overrides it).
+      rope: RoPE(base, rotary_dim, layout, frequencies): rotate queries and keys after projection, before
+        attention (and before caching), at the call's `rope_positions` (default: the attention's positions).
       qkv_features: flax.linen.MultiHeadDotProductAttention's spelling of num_heads * head_dim (a
         ValueError with head_dim also set); out_features, use_bias, dropout_rate, deterministic, dtype,
         param_dtype, precision, kernel_init, out_kernel_init, bias_init and decode are named as in flax.
@@ -74,7 +77,7 @@ class MultiHeadAttention(nn.Module):
     num_kv_heads: Optional[int] = None
     value_head_dim: Optional[int] = None
     out_features: Optional[int] = None
-    use_bias: bool = True
+    use_bias: Union[bool, tuple] = True
     add_bias_kv: bool = False
     add_zero_attn: bool = False
     dropout_rate: float = 0.0
@@ -88,6 +91,7 @@ class MultiHeadAttention(nn.Module):
     bias_init: Initializer = common.default_bias_init
     bias_kv_init: Initializer = common.default_table_init
     decode: bool = False
+    rope: Optional[RoPE] = None
 
     def _relative(self) -> Optional[dict]:
         return None
@@ -121,10 +125,11 @@ class MultiHeadAttention(nn.Module):
     def __call__(self, query, key=None, value=None, *, mask=None, bias=None, is_causal=False,
                  key_value_seq_lengths=None, query_positions=None, key_positions=None,
                  deterministic: Optional[bool] = None, dropout_rng=None, return_weights: bool = False,
-                 decode: Optional[bool] = None):
+                 decode: Optional[bool] = None, rope_positions=None):
         """query [...,T,Eq], key [...,S,Ek] (default query), value [...,S,Ev] (default key) -> [...,T,Eo].
 
         Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights.
+        rope_positions [...,T]: with `rope`, the rotary positions of the queries and keys (self-attention).
         """
         query, key, value = common.inputs(query, key, value)
         head_dim = common.flax_sizes(self.num_heads, head_dim=self.head_dim, qkv_features=self.qkv_features)["head_dim"]
@@ -145,7 +150,7 @@ class MultiHeadAttention(nn.Module):
             cache = tuple(v.value for v in variables) if existed else None
         result, new_cache = common.attend(params, query, key, value, relative=self._relative() is not None,
                                           add_zero_attn=self.add_zero_attn, precision=self.precision,
-                                          cache=cache, **options)
+                                          cache=cache, rope=self.rope, rope_positions=rope_positions, **options)
         if new_cache is not None:
             for variable, new in zip(variables, new_cache):
                 variable.value = new
