@@ -9,6 +9,7 @@
 
 from . import bert as _bert_family  # noqa: F401  (each family module registers its model_type)
 from . import gpt2 as _gpt2_family  # noqa: F401
+from . import llama as _llama_family  # noqa: F401  (llama and qwen2)
 from . import t5 as _t5_family  # noqa: F401
 from ._generate import generate as generate
 from ._pretrained import from_pretrained as from_pretrained
