@@ -22,11 +22,24 @@ SENTENCES = ("The quick brown fox jumps over the lazy dog.", "Hi!", "A man is ea
 def model_inputs(directory: Path, config: dict) -> dict[str, np.ndarray]:
     """{"input_ids", "attention_mask"} [B,T]: real sentences when DIR has a tokenizer, else random ids.
 
-    Padding is on the right for encoders (BERT) and on the left for decoders, as each is used.
+    Padding is on the right for encoders (BERT, T5) and on the left for decoders, as each is used. T5 also
+    gets decoder_input_ids: its decoder_start_token_id, then 6 seeded random tokens.
     """
+    inputs = _encoder_inputs(directory, config)
+    if config.get("model_type") == "t5":
+        B = len(inputs["input_ids"])
+        start = config.get("decoder_start_token_id")
+        start = config.get("pad_token_id") or 0 if start is None else start
+        decoder = np.random.default_rng(1).integers(0, config["vocab_size"], (B, 7))
+        decoder[:, 0] = start
+        inputs["decoder_input_ids"] = decoder
+    return inputs
+
+
+def _encoder_inputs(directory: Path, config: dict) -> dict[str, np.ndarray]:
     from crosscheck._hf_models import padded_batch
 
-    side = "right" if config.get("model_type") == "bert" else "left"
+    side = "right" if config.get("model_type") in ("bert", "t5") else "left"
     pad = config.get("pad_token_id") or 0
     tokenizer_file = directory / "tokenizer.json"
     if tokenizer_file.is_file():

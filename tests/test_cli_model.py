@@ -18,6 +18,13 @@ def gpt2_dir(tmp_path_factory):
     return hf.write_checkpoint("gpt2", tmp_path_factory.mktemp("gpt2"))
 
 
+def test_an_encoder_decoder_checkpoint_reports_both_stacks(tmp_path, capsys):
+    t5 = hf.write_checkpoint("t5", tmp_path / "t5")
+    assert main(["--no-cache", "--model", str(t5), "--dtype", "float64"]) == 0
+    out = capsys.readouterr().out
+    assert "encoder.layer1.residual" in out and "decoder.layer1.cross_attention" in out and "FAIL" not in out
+
+
 def test_a_good_port_passes_with_table_plot_and_json(gpt2_dir, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     png, report = tmp_path / "drift.png", tmp_path / "report.json"
@@ -58,8 +65,12 @@ def test_a_broken_checkpoint_exits_1_naming_the_first_divergent_layer(gpt2_dir, 
 
 
 def test_bad_invocations_exit_2(tmp_path, capsys):
-    assert main(["--no-cache", "--plot", str(tmp_path / "x.png")]) == 2
-    assert "--plot needs --model" in capsys.readouterr().err
+    for argv, message in ((["--plot", str(tmp_path / "x.png")], "--plot draws the report of --model DIR"),
+                          (["--model", str(tmp_path), "--case", "seed*"], "--model compares one checkpoint"),
+                          (["--list", "--model", str(tmp_path)], "--list lists the cases")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--no-cache", *argv])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
     assert main(["--no-cache", "--model", str(tmp_path / "nowhere")]) == 2
     assert "nowhere: not a directory" in capsys.readouterr().err
     empty = tmp_path / "empty"
