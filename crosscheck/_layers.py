@@ -26,7 +26,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -68,7 +68,7 @@ class LayerReport:
         return bool(self.rows) and all(r.passed for r in self.rows)
 
     @property
-    def first_divergent(self) -> Optional[str]:
+    def first_divergent(self) -> str | None:
         """The first row (forward order) over its tolerance; None when every row passes."""
         return next((r.name for r in self.rows if not r.passed), None)
 
@@ -96,8 +96,8 @@ class _Family:
     embeddings: Callable[[Any], Any]            # torch model -> module whose output is the embeddings row
     layers: Callable[[Any], Any]                # torch model -> the blocks
     attention: str                              # block attribute: attention sub-layer
-    mlp: Optional[str]                          # block attribute: MLP sub-layer (None: fused with a norm)
-    final_norm: Optional[Callable[[Any], Any]]
+    mlp: str | None                          # block attribute: MLP sub-layer (None: fused with a norm)
+    final_norm: Callable[[Any], Any] | None
     jax_layer: str                              # our params' name of block i ("h_{i}")
 
     def watch(self, torch_model) -> list[tuple[Any, str]]:

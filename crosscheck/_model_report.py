@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
 
 import numpy as np
 
@@ -85,8 +85,8 @@ def plot(reports, path: str) -> None:
     plt.close(fig)
 
 
-def main(directory: Optional[str], *, dtypes: Optional[Sequence[str]], plot_path: Optional[str],
-         json_path: Optional[str]) -> int:
+def main(directory: str | None, *, dtypes: Sequence[str] | None, plot_path: str | None,
+         json_path: str | None) -> int:
     from crosscheck._layers import LAYER_TOLERANCES, layer_report
     from jaxattn.models import from_pretrained
 

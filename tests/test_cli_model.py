@@ -9,8 +9,8 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from crosscheck import _hf_models as hf  # noqa: E402
-from crosscheck._cli import main  # noqa: E402
+from crosscheck import _hf_models as hf
+from crosscheck._cli import main
 
 
 @pytest.fixture(scope="module")

@@ -18,9 +18,9 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from crosscheck import _hf_models as hf  # noqa: E402
-from crosscheck import layer_report  # noqa: E402
-from jaxattn.models import from_pretrained, generate  # noqa: E402
+from crosscheck import _hf_models as hf
+from crosscheck import layer_report
+from jaxattn.models import from_pretrained, generate
 
 FAMILIES = ("gpt2", "t5", "llama", "qwen2")
 NEW = 64
@@ -116,7 +116,8 @@ def test_drift_origin_every_injected_fault_is_found_at_its_layer(checkpoint):
         where = np.unravel_index(np.argmax(np.abs(leaf)), leaf.shape)
         faulty = np.array(leaf)
         faulty[where] *= 1 + 1e-3
-        bad = jax.tree_util.tree_map_with_path(lambda p, x: faulty if p == path else x, params)
+        bad = jax.tree_util.tree_map_with_path(lambda p, x, path=path, faulty=faulty: faulty if p == path else x,
+                                               params)
         report = layer_report(torch_model, (model, bad), inputs, dtype="float64")
         if not (report.first_divergent or "").startswith(expected):
             misses.append((jax.tree_util.keystr(path), expected, report.first_divergent))

@@ -19,8 +19,12 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from crosscheck import _cases_minilm as minilm  # noqa: E402
-from jaxattn.models import bert_params_from_state_dict, from_pretrained, supported_model_types  # noqa: E402
+from crosscheck import _cases_minilm as minilm
+from jaxattn.models import (
+    bert_params_from_state_dict,
+    from_pretrained,
+    supported_model_types,
+)
 
 save_file = pytest.importorskip("safetensors.torch").save_file
 

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -81,7 +82,7 @@ def read_tensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[s
     return tensors, {name: single.name for name in tensors}
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype: Optional[Any] = None, precision: Any = None):
+def from_pretrained(path: str | os.PathLike, *, dtype: Any | None = None, precision: Any = None):
     """(model, params) for a save_pretrained directory of a supported model_type, without torch.
 
     dtype: cast every floating tensor to it (e.g. "float32" for a bf16 checkpoint); None keeps the file's
@@ -95,7 +96,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Optional[Any] = None, pre
     return _load(config, tensors, files, dtype, precision, Path(path) / "config.json")
 
 
-def from_state_dict(config: dict, state_dict, *, dtype: Optional[Any] = None, precision: Any = None):
+def from_state_dict(config: dict, state_dict, *, dtype: Any | None = None, precision: Any = None):
     """(model, params) from a config.json dict and a {name: array} state_dict already in memory.
 
     The same tables and checks as from_pretrained (errors name "state_dict" where they would name a file).

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -87,7 +88,7 @@ def check_names(tensors: Mapping[str, Any], rows, files: Mapping[str, str], *, i
 
 
 def fill(tensors: Mapping[str, np.ndarray], rows, dims: Mapping[str, int], files: Mapping[str, str], *,
-         dtype: Optional[Any] = None, ignored=()) -> dict:
+         dtype: Any | None = None, ignored=()) -> dict:
     """The params tree the rows describe. tensors: {HF name: numpy array}; files: {HF name: file name}.
 
     dtype: cast every floating tensor to it (explicitly requested); None keeps the checkpoint's dtype.

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -38,7 +39,7 @@ class GPT2Config:
     n_embd: int = 768
     n_layer: int = 12
     n_head: int = 12
-    n_inner: Optional[int] = None
+    n_inner: int | None = None
     activation_function: str = "gelu_new"
     layer_norm_epsilon: float = 1e-5
     scale_attn_weights: bool = True
@@ -46,7 +47,7 @@ class GPT2Config:
     tie_word_embeddings: bool = True
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any], source="config") -> "GPT2Config":
+    def from_dict(cls, config: Mapping[str, Any], source="config") -> GPT2Config:
         """From a HF config.json dict; a setting this port does not implement is refused by name."""
         refuse = functools.partial(_pretrained.refuse, source)
         if config.get("activation_function", "gelu_new") not in _ACTIVATIONS:
@@ -104,7 +105,7 @@ class GPT2LMHeadModel(nn.Module):
     param_dtype: Any = jnp.float32
     precision: Any = None
 
-    def max_positions(self) -> Optional[int]:
+    def max_positions(self) -> int | None:
         return self.config.n_positions
 
     @nn.compact

@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -40,8 +41,8 @@ class LlamaConfig:
     intermediate_size: int = 11008
     num_hidden_layers: int = 32
     num_attention_heads: int = 32
-    num_key_value_heads: Optional[int] = None
-    head_dim: Optional[int] = None
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
     attention_bias: bool = False       # Llama: a bias on q, k, v and o
@@ -50,7 +51,7 @@ class LlamaConfig:
     rope_frequencies: tuple = ()       # the inverse frequencies [H/2] (rope_frequencies of the config)
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any], source="config") -> "LlamaConfig":
+    def from_dict(cls, config: Mapping[str, Any], source="config") -> LlamaConfig:
         """From a HF config.json dict (transformers >= 5: rope_parameters); refuses what is not implemented."""
         refuse = functools.partial(_pretrained.refuse, source)
         if config.get("hidden_act", "silu") != "silu":
@@ -166,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
     param_dtype: Any = jnp.float32
     precision: Any = None
 
-    def max_positions(self) -> Optional[int]:
+    def max_positions(self) -> int | None:
         return None  # rotary positions have no table to run off
 
     @nn.compact

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -45,7 +46,7 @@ class T5Config:
     d_kv: int = 64
     d_ff: int = 2048
     num_layers: int = 6
-    num_decoder_layers: Optional[int] = None
+    num_decoder_layers: int | None = None
     num_heads: int = 8
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
@@ -56,7 +57,7 @@ class T5Config:
     decoder_start_token_id: int = 0
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any], source="config") -> "T5Config":
+    def from_dict(cls, config: Mapping[str, Any], source="config") -> T5Config:
         """From a HF config.json dict (transformers >= 5 fields; feed_forward_proj read as transformers does)."""
         refuse = functools.partial(_pretrained.refuse, source)
         config = dict(config)
