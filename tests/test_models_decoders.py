@@ -167,3 +167,21 @@ def test_rope_frequencies_equal_transformers(rope):
     ours = rope_frequencies(config.to_dict(), 32)
     assert ours.dtype == np.float64 and ours.shape == (16,)
     np.testing.assert_allclose(ours, theirs.double().numpy(), rtol=1e-6, atol=0)
+
+
+def test_generate_refuses_bad_input(tmp_path):
+    directory = hf.write_checkpoint("gpt2", tmp_path / "gpt2")
+    model, params = from_pretrained(directory)
+    ids, mask = hf.padded_batch("left")
+    with pytest.raises(ValueError, match=r"attention_mask: expected shape \[3, 11\]"):
+        generate(model, params, ids, max_new_tokens=2, attention_mask=mask[:, 1:])
+    with pytest.raises(ValueError, match="max_new_tokens: expected an int >= 0"):
+        generate(model, params, ids, max_new_tokens=-1)
+    with pytest.raises(ValueError, match=r"max_new_tokens: expected T \+ max_new_tokens <= 128"):
+        generate(model, params, ids, max_new_tokens=118)
+    with pytest.raises(ValueError, match="input_ids: expected int"):
+        generate(model, params, ids.astype(float), max_new_tokens=2)
+    from jaxattn.models import BertConfig, BertModel
+
+    with pytest.raises(ValueError, match="model: expected a generative model"):
+        generate(BertModel(BertConfig()), {}, ids, max_new_tokens=2)

@@ -59,6 +59,8 @@ def generate(model, params, input_ids, *, max_new_tokens: int, attention_mask=No
     input_ids = np.asarray(input_ids)
     attention_mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
     _check(input_ids, attention_mask, max_new_tokens)
+    if not (getattr(model, "is_encoder_decoder", False) or hasattr(model, "max_positions")):
+        raise ValueError(f"model: expected a generative model (gpt2, llama, qwen2, t5), got {type(model).__name__}")
     if getattr(model, "is_encoder_decoder", False):
         return model.generate(params, input_ids, attention_mask, max_new_tokens)
     B, T = input_ids.shape
