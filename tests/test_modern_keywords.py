@@ -37,18 +37,13 @@ SEGMENTS_K = np.array([[0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 
 
 # name: (keywords for jaxattn, keywords for allowed_loop, softcap, sinks?)
 CASES = {
-    "segments": (dict(query_segment_ids=SEGMENTS_Q, key_segment_ids=SEGMENTS_K),
-                 dict(query_segments=SEGMENTS_Q, key_segments=SEGMENTS_K), None, False),
     "segments_causal": (dict(query_segment_ids=SEGMENTS_Q, key_segment_ids=SEGMENTS_K, is_causal=True),
                         dict(query_segments=SEGMENTS_Q, key_segments=SEGMENTS_K, is_causal=True), None, False),
     "window_causal": (dict(window=(3, 0)), dict(window=(3, 0)), None, False),
     "window_both": (dict(window=(2, 1)), dict(window=(2, 1)), None, False),
     "window_left_open": (dict(window=(None, 2)), dict(window=(None, 2)), None, False),
-    "window_right_open": (dict(window=(1, None)), dict(window=(1, None)), None, False),
-    "chunk": (dict(chunk_size=3), dict(chunk_size=3), None, False),
     "chunk_causal": (dict(chunk_size=4, is_causal=True), dict(chunk_size=4, is_causal=True), None, False),
     "softcap": (dict(logit_softcap=1.5), {}, 1.5, False),
-    "sinks": (dict(), {}, None, True),
     "sinks_window_lengths": (dict(window=(2, 0), key_value_seq_lengths=np.array([11, 5])),
                              dict(window=(2, 0), lengths=[11, 5]), None, True),
     "everything": (dict(query_segment_ids=SEGMENTS_Q, key_segment_ids=SEGMENTS_K, window=(4, 1), chunk_size=5,
@@ -125,15 +120,15 @@ def test_blockwise_per_example_sinks_and_segments(block_size):
 def test_rows_without_keys_give_zeros_with_sinks():
     q, k, v = qkv(5)
     sinks = sinks_for(True)
-    for implementation in ("dense", "blockwise"):
-        def f(q, k, v, sinks):
-            return jaxattn.dot_product_attention(q, k, v, sinks=sinks, key_value_seq_lengths=jnp.array([0, 4]),
-                                                 implementation=implementation, block_size=(3, 4))
 
-        out = f(q, k, v, sinks)
-        assert bool(jnp.all(out[0] == 0))
-        grads = jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2, 3))(q, k, v, sinks)
-        assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
+    def f(q, k, v, sinks):
+        return jaxattn.dot_product_attention(q, k, v, sinks=sinks, key_value_seq_lengths=jnp.array([0, 4]),
+                                             implementation="blockwise", block_size=(3, 4))
+
+    out, grads = jax.jit(lambda *a: (f(*a), jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2, 3))(*a)))(
+        q, k, v, sinks)
+    assert bool(jnp.all(out[0] == 0))
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
 
 
 def test_decoding_positions_window_and_chunks():
@@ -153,7 +148,7 @@ def test_jit_and_vmap():
     q, k, v = qkv(7)
     sinks = sinks_for(True)
     kw = dict(window=(3, 0), logit_softcap=1.1, query_segment_ids=SEGMENTS_Q, key_segment_ids=SEGMENTS_K)
-    for implementation in ("dense", "blockwise"):
+    for implementation in ("blockwise",):
         def f(q, k, v, qs, ks):
             return jaxattn.dot_product_attention(q, k, v, sinks=sinks, implementation=implementation,
                                                  block_size=(3, 4), **{**kw, "query_segment_ids": qs,
@@ -326,3 +321,34 @@ def test_bad_keywords(kwargs, match, implementation):
     with pytest.raises(ValueError, match=match):
         jax.eval_shape(lambda q, k, v: jaxattn.dot_product_attention(q, k, v, implementation=implementation, **kwargs),
                        q, k, v)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Block-sparse work: which key tiles a query tile visits (jaxattn._core.masks.key_block_schedule).
+
+
+def visits(rule, i, L=64, block=8, **kw):
+    from jaxattn._core.masks import key_block_schedule
+
+    qp = jnp.arange(i * block, (i + 1) * block)
+    schedule = key_block_schedule(rule, qp, jnp.arange(L), None, block, L // block, **kw)
+    counts = [int(c) for c in schedule.counts]
+    visited = sorted(int(j) for j in schedule.order[:sum(counts)])
+    return visited, counts  # counts: (with mask_mod, masked, clean)
+
+
+def test_windows_chunks_and_segments_skip_tiles():
+    from jaxattn._core.masks import MaskRule
+
+    # sliding window of 9 (left 8), causal, tiles of 8: the tile before (partly) and the diagonal (partly)
+    assert visits(MaskRule(is_causal=True, window=(8, 0)), 5) == ([4, 5], [0, 2, 0])
+    assert visits(MaskRule(is_causal=True, window=(8, 0)), 0) == ([0], [0, 1, 0])
+    # a window of 24 to the left: two tiles entirely inside it run without a mask
+    assert visits(MaskRule(is_causal=True, window=(24, 0)), 5) == ([2, 3, 4, 5], [0, 2, 2])
+    # chunks of 16: the two tiles of the query tile's chunk; the earlier one is all allowed
+    assert visits(MaskRule(is_causal=True, chunk_size=16), 5) == ([4, 5], [0, 1, 1])
+    # 4 documents of 16 (sorted ids): the query tile's own document, both tiles clean (no causal rule)
+    docs = jnp.repeat(jnp.arange(4), 16)[None]
+    assert visits(MaskRule(), 5, query_segments=docs[:, 40:48], key_segments=docs) == ([4, 5], [0, 0, 2])
+    # causal alone: the diagonal masked, everything before it clean
+    assert visits(MaskRule(is_causal=True), 3) == ([0, 1, 2, 3], [0, 1, 3])

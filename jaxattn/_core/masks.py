@@ -132,7 +132,8 @@ def key_block_schedule(rule: MaskRule, query_pos, key_pos, lengths, block: int, 
         with_mod &= block_kinds == PARTIAL  # the BlockMask's full tiles skip mask_mod
     kind = jnp.where(needed, jnp.where(with_mod, WITH_MOD, jnp.where(full, CLEAN, MASKED)), CLEAN + 1)
     order = jnp.argsort(kind, stable=True).astype(jnp.int32)
-    return TileSchedule(order, tuple(jnp.sum(kind == k, dtype=jnp.int32) for k in (WITH_MOD, MASKED, CLEAN)))
+    counts = tuple(jnp.sum(kind == k, dtype=jnp.int32) for k in (WITH_MOD, MASKED, CLEAN))
+    return TileSchedule(order, counts if mask_mod else (0,) + counts[1:])  # static 0: no mask_mod loop to compile
 
 
 def allowed_keys(logits_shape, *, mask=None, is_causal=False, key_value_seq_lengths=None,

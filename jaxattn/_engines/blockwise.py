@@ -436,14 +436,17 @@ _engine.defvjp(_engine_fwd, _engine_bwd)
 # Public entry point: argument checks and the layout changes around the engine.
 
 
-def block_sizes(block_size, T, S, rows):
+def block_sizes(block_size, T, S, rows, span=None):
     """(Tb, Sb) from the option, or the default for `rows` = B * N tiles side by side (at least 1 each,
-    also for an empty sequence)."""
+    also for an empty sequence). span: how many consecutive keys a query may see at most (a sliding window's
+    width), or None: the default tiles then shrink to about span / 2 (not below 128), so a window's edge
+    tiles, which are mostly masked, stay a small part of the work."""
     T, S, rows = max(T, 1), max(S, 1), max(rows, 1)
     if block_size is None:
-        key_block = min(DEFAULT_KEY_BLOCK, S)
+        cap = 512 if span is None else max(128, min(512, 1 << max(span // 2, 1).bit_length() - 1))
+        key_block = min(DEFAULT_KEY_BLOCK, cap, S)
         query_block = TILE_BUDGET_BYTES // (4 * rows * key_block)
-        query_block = max(64, min(512, 1 << max(query_block, 1).bit_length() - 1))
+        query_block = max(64, min(cap, 1 << max(query_block, 1).bit_length() - 1))
         # as many blocks as those sizes need, evened out so the padding is less than one block's worth
         block_size = tuple(-(-L // -(-L // b)) for L, b in ((T, query_block), (S, key_block)))
     if isinstance(block_size, (int, np.integer)) and not isinstance(block_size, bool):
@@ -460,6 +463,16 @@ def _flat_positions(pos, batch, length, padded):
     if pos.ndim > 1:
         pos = jnp.broadcast_to(pos, (*batch, length)).reshape(-1, length)
     return jnp.pad(pos, [(0, 0)] * (pos.ndim - 1) + [(0, padded - length)], mode="edge")
+
+
+def check_block_mask_tiles(block_mask, block_size):
+    """The tile of a call with a BlockMask: the mask's own (block_size None or the same), else ValueError."""
+    T, S = block_mask.query_length, block_mask.key_length
+    tiles = tuple(block_mask.block_size)
+    if block_size is not None and block_sizes(block_size, T, S, 1) != tiles:
+        checks.fail("block_mask", f"tiles of block_size={block_size!r} (or block_size=None)",
+                    f"a BlockMask of tiles {tiles}")
+    return tiles
 
 
 def grid_options_in_use(bias=None, mask=None, dropout_rate=0.0, dropout_rng=None, return_weights=False):
@@ -534,11 +547,9 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
     B = int(np.prod(batch, dtype=np.int64))
     if block_mask is not None:
         block_masks.check_block_mask(block_mask, B, N, T, S)
-        if block_size is not None and block_sizes(block_size, T, S, B * N) != tuple(block_mask.block_size):
-            checks.fail("block_mask", f"tiles of block_size={block_size!r} (or block_size=None)",
-                        f"a BlockMask of tiles {tuple(block_mask.block_size)}")
-        block_size = tuple(block_mask.block_size)
-    Tb, Sb = block_sizes(block_size, T, S, B * N)
+        block_size = check_block_mask_tiles(block_mask, block_size)
+    window = mods.check_window(window)
+    Tb, Sb = block_sizes(block_size, T, S, B * N, span=_span(window, is_causal))
     Tp, Sp = -(-T // Tb) * Tb, -(-S // Sb) * Sb
     q_pos, k_pos, lengths = _positions_and_lengths(batch, T, S, Tp, Sp, query_positions, key_positions,
                                                    key_value_seq_lengths)
@@ -553,8 +564,7 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
         bias_fn, consts = convert_hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc)
 
     contiguous = query_positions is None and key_positions is None
-    rule = MaskRule(is_causal=bool(is_causal), window=mods.check_window(window),
-                    chunk_size=mods.check_chunk_size(chunk_size))
+    rule = MaskRule(is_causal=bool(is_causal), window=window, chunk_size=mods.check_chunk_size(chunk_size))
     terms, arrays = _terms(batch, T, S, N, K, Tp, Sp, acc, query_segment_ids=query_segment_ids,
                            key_segment_ids=key_segment_ids, logit_softcap=logit_softcap, sinks=sinks,
                            score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
@@ -570,6 +580,13 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
     out = _engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays)
     out = jnp.moveaxis(out.reshape(B, N, Tp, Hv), 1, 2)[:, :T]
     return out.reshape(*batch, T, N, Hv)
+
+
+def _span(window, is_causal):
+    """The most consecutive keys a query may see under a window (None: unbounded)."""
+    if window is None or window[0] is None or (window[1] is None and not is_causal):
+        return None
+    return window[0] + (0 if window[1] is None else window[1]) + 1
 
 
 def _terms(batch, T, S, N, K, Tp, Sp, acc, *, query_segment_ids, key_segment_ids, logit_softcap, sinks, score_mod,

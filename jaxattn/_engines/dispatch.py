@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core import checks
-from .blockwise import blockwise_attention, grid_options_in_use
+from .blockwise import blockwise_attention, check_block_mask_tiles, grid_options_in_use
 from .dense import attention_core
 
 # implementation=None picks blockwise when nothing needs the full [T,S] grid and the float32 logits
@@ -109,6 +109,8 @@ def flex_attention(query, key, value, *, score_mod=None, mask_mod=None, block_ma
     skipped and full tiles run without mask_mod; the blockwise path runs on its tiles (implementation=None
     picks blockwise when one is given). Every keyword of dot_product_attention applies.
     """
+    if block_mask is not None and block_size is not None:  # the BlockMask's tiles are the blockwise tiles
+        check_block_mask_tiles(block_mask, block_size)
     if use_blockwise(implementation, query, key, block_mask=block_mask, **options):
         return blockwise_attention(query, key, value, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
                                    block_size=block_size, **options)
