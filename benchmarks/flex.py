@@ -1,11 +1,13 @@
 """Programmable attention benchmarks (issue 11): block-sparse windows and documents, softcap, sinks, flex.
 
-    python -m benchmarks.flex [--quick] [--rounds R] [--json FILE] [--plot FILE]
+    python -m benchmarks.flex [--quick] [--rounds R] [--json FILE] [--plot FILE] [--no-torch]
 
 Each case times its candidates interleaved round by round in one process (benchmarks/harness.py; medians,
 compile time excluded) and reports the ratio to its baseline next to the issue's target. Memory rows are
 XLA's compiled memory analysis (temp bytes) of forward + backward at S = 16384; nothing runs for them.
 --quick divides every length by 4 (a smoke run; the targets are stated for the full sizes).
+Against torch: torch.compile(flex_attention) (benchmarks/flex_torch.py builds torch's candidates) and ours,
+causal / sliding window 512 / documents of 512 at S = 2048 and 8192, interleaved in the same rounds.
 """
 
 from __future__ import annotations
@@ -92,7 +94,35 @@ def memory_rows(scale):
     return rows
 
 
-def run(scale, rounds):
+def torch_rows(scale, rounds):
+    """ours / torch.compile(flex_attention) per mask at S = 2048, 8192 (// scale), timed interleaved."""
+    from benchmarks.flex_torch import flex_candidates
+
+    rows = []
+    for S in (2048 // scale, 8192 // scale):
+        q, k, v = qkv(S)
+        docs = (jnp.arange(S, dtype=jnp.int32) // 512)[None]
+        ours = [jax_candidate("ours_causal", attend(is_causal=True), q, k, v),
+                jax_candidate("ours_sliding_512", attend(is_causal=True, window=(512, 0)), q, k, v),
+                jax_candidate("ours_documents_512", lambda q, k, v: jaxattn.dot_product_attention(
+                    q, k, v, implementation="blockwise", query_segment_ids=docs, key_segment_ids=docs), q, k, v)]
+        theirs = flex_candidates(S)
+        time_rounds(ours + theirs, rounds)
+        by_name = {c.name: c for c in ours + theirs}
+        for mask in ("causal", "sliding_512", "documents_512"):
+            mine, torch_ = by_name[f"ours_{mask}"], by_name[f"flex_{mask}"]
+            row = {"S": S, "mask": mask, "ours_s": mine.median_s, "torch_flex_s": torch_.median_s,
+                   "ratio": mine.median_s / torch_.median_s, "target": 1.0}
+            row["met"] = row["ratio"] <= 1.0
+            rows.append(row)
+            print(f"S={S:5d} {mask:14s} ours {1e3 * row['ours_s']:9.1f} ms  torch.compile(flex) "
+                  f"{1e3 * row['torch_flex_s']:9.1f} ms  ratio {row['ratio']:.2f} (target <= 1.0: "
+                  f"{'met' if row['met'] else 'MISSED'})", flush=True)
+        rows.append({"S": S, "mask": "sdpa_causal (torch yardstick)", "torch_s": by_name["sdpa_causal"].median_s})
+    return rows
+
+
+def run(scale, rounds, with_torch=True):
     results = {"machine": {"load_average": load_average(), "jax": jax.__version__, "scale": scale}, "cases": []}
     for name, target, fns, baseline, arrays in cases(scale):
         cands = [jax_candidate(label, fn, *arrays) for label, fn in fns.items()]
@@ -106,6 +136,8 @@ def run(scale, rounds):
         print(f"{name:60s} {other.name:10s} {1e3 * other.median_s:9.1f} ms  {baseline:12s} "
               f"{1e3 * base.median_s:9.1f} ms  ratio {row['ratio']:.3f} (target <= {target}: "
               f"{'met' if row['met'] else 'MISSED'})", flush=True)
+    if with_torch:
+        results["vs_torch_compile_flex"] = torch_rows(scale, rounds)
     results["memory_fwd_bwd_bytes"] = memory_rows(scale)
     for name, temp in results["memory_fwd_bwd_bytes"].items():
         print(f"fwd+bwd temp, {name:28s} {temp / 2**20:8.1f} MiB (target < 1024 MiB: "
@@ -137,9 +169,10 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--json", default=None)
     parser.add_argument("--plot", default=None)
+    parser.add_argument("--no-torch", action="store_true", help="skip the torch.compile(flex_attention) rows")
     args = parser.parse_args(argv)
     scale = 4 if args.quick else 1
-    results = run(scale, args.rounds or (3 if args.quick else 7))
+    results = run(scale, args.rounds or (3 if args.quick else 5), with_torch=not args.no_torch)
     suffix = "_quick" if args.quick else ""
     json_path = args.json or os.path.join(HERE, "results", f"flex{suffix}.json")
     with open(json_path, "w") as f:

@@ -132,6 +132,9 @@ def _hf_modern(family: str) -> Setup:
     from crosscheck._hf_modern import record_attention
 
     calls = record_attention(family, dtype=torch.float64)
+    # each module's float64 parameters (gpt-oss sinks...), restored before every run: a float32 run casts
+    # the module, and the float64 run after it must not see rounded values
+    originals = [{n: p.detach().clone() for n, p in call.rerun.module.named_parameters()} for call in calls]
     inputs, fixed = {}, []
     for i, call in enumerate(calls):
         for part in ("query", "key", "value"):
@@ -158,8 +161,10 @@ def _hf_modern(family: str) -> Setup:
     def torch_fn(**arrays):
         outs = {}
         for i, call in enumerate(calls):
-            module = call.rerun.module
-            module.to(arrays[f"query{i}"].dtype)
+            module = call.rerun.module.to(arrays[f"query{i}"].dtype)
+            with torch.no_grad():
+                for name, param in module.named_parameters():
+                    param.copy_(originals[i][name].to(param.dtype))
             outs[f"call{i}"] = call.rerun(arrays[f"query{i}"], arrays[f"key{i}"], arrays[f"value{i}"])
         return outs
 
