@@ -22,7 +22,7 @@ from .._schemes.rope import apply_rope
 from .._schemes.shaw import shaw_relative_attention
 from . import cache as kv_cache
 from .multihead import (head_dims, multi_head_attention, project_qkv, project_result, relative_multi_head_attention,
-                        relative_tables)
+                        relative_tables, with_param_sinks)
 
 Initializer = Callable[[Any, tuple, Any], jax.Array]  # flax's convention: init(rng, shape, dtype)
 
@@ -145,10 +145,11 @@ def flat_kernel_init(init: Initializer, fan_in_dims: int) -> Initializer:
 
 def param_specs(d: Dims, *, use_bias=True, add_bias_kv=False, kernel_init=default_kernel_init,
                 out_kernel_init=None, bias_init=default_bias_init, bias_kv_init=default_table_init,
-                relative: Optional[dict] = None) -> dict:
-    """{group: {leaf: (shape, init)}} in DESIGN.md's layout.
+                relative: Optional[dict] = None, sinks_init: Optional[Initializer] = None) -> dict:
+    """{group: {leaf: (shape, init)}} in DESIGN.md's layout; "sinks": (shape [N], init) at the top level.
 
     relative: None, or dict(max_distance, share_heads, use_key_table, use_value_table, table_init).
+    sinks_init: None (no sinks) or the initialiser of learned per-head sinks [N] (gpt-oss).
     """
     kernel_in = flat_kernel_init(kernel_init, 1)
     kernel_out = flat_kernel_init(out_kernel_init or kernel_init, 2)
@@ -174,6 +175,8 @@ def param_specs(d: Dims, *, use_bias=True, add_bias_kv=False, kernel_init=defaul
         tables = {"key": (R, *heads, d.H), "value": (R, *heads, d.Hv)}
         specs["relative"] = {name: (shape, relative["table_init"]) for name, shape in tables.items()
                              if relative[f"use_{name}_table"]}
+    if sinks_init is not None:
+        specs["sinks"] = ((d.N,), sinks_init)
     return specs
 
 
@@ -216,6 +219,16 @@ def _rope_positions(rope_positions, T: int, S: int, default_query, default_key):
     return rope_positions, rope_positions
 
 
+def rolling(window) -> bool:
+    """A layer whose window is bounded on the left keeps a rolling cache of that window (cache.rolling_write)."""
+    return window is not None and window[0] is not None
+
+
+def cache_length(window, max_length: int) -> int:
+    """Slots of a layer's cache for inputs of up to max_length tokens: its window's, or max_length."""
+    return kv_cache.rolling_size(window, max_length) if rolling(window) else max_length
+
+
 def _decode(params, query, key, value, cache, *, relative, precision, options, rope=None, rope_positions=None):
     """Project, write the new keys/values into the cache, attend over all its slots, project out.
 
@@ -224,22 +237,32 @@ def _decode(params, query, key, value, cache, *, relative, precision, options, r
         if options.pop(name, None) is not None:
             checks.fail(name, "None when decoding (positions come from the cache index)", "an array")
     options.pop("is_causal", None)  # a cache is causal by construction
-    head_dims(params, allow=("relative",) if relative else ())
+    for name in ("query_segment_ids", "key_segment_ids"):
+        if options.get(name) is not None:
+            checks.fail(name, "None when decoding (the cache keeps no segment ids)", "an array")
+    head_dims(params, allow=(("relative",) if relative else ()) + ("sinks",))
+    options = with_param_sinks(params, options)
     q, k, v = project_qkv(params, query, key, value, precision=precision)
     if rope is not None:
         T = q.shape[-3]
         slots = cache[2][..., None] + jnp.arange(T, dtype=jnp.int32)  # where the new tokens land
         q, k = _rotate(q, k, rope, *_rope_positions(rope_positions, T, k.shape[-3], slots, slots))
     lengths = options.pop("key_value_seq_lengths", None)
-    cached_key, cached_value, index, attend_kw = kv_cache.write(*cache, k, v, lengths)
+    if rolling(options.get("window")):  # an O(window) cache: attend over its slots and this call's tokens
+        keys, values, attend_kw, new_cache = kv_cache.rolling_write(*cache, k, v, lengths)
+    else:
+        cached_key, cached_value, index, attend_kw = kv_cache.write(*cache, k, v, lengths)
+        keys, values, new_cache = cached_key, cached_value, (cached_key, cached_value, index)
     if relative:
         key_table, value_table, max_distance = relative_tables(params)
-        result = shaw_relative_attention(q, cached_key, cached_value, key_table, value_table,
+        result = shaw_relative_attention(q, keys, values, key_table, value_table,
                                          max_distance=max_distance, precision=precision, **attend_kw, **options)
     else:
-        result = dot_product_attention(q, cached_key, cached_value, precision=precision, **attend_kw, **options)
+        result = dot_product_attention(q, keys, values, precision=precision, **attend_kw, **options)
     result = project_result(params, result, precision=precision)
-    return poison_overflow(result, index > cached_key.shape[-3]), (cached_key, cached_value, index)
+    if not rolling(options.get("window")):  # a rolling cache never overflows: it keeps the newest keys
+        result = poison_overflow(result, new_cache[2] > new_cache[0].shape[-3])
+    return result, new_cache
 
 
 def poison_overflow(result, overflowed):
@@ -258,7 +281,8 @@ def poison_overflow(result, overflowed):
 
 def _attend_rotary(params, query, key, value, rope, rope_positions, precision, options):
     """multi_head_attention's projections and attention, with RoPE between them."""
-    head_dims(params, allow=())
+    head_dims(params, allow=("sinks",))
+    options = with_param_sinks(params, options)
     q, k, v = project_qkv(params, query, key, value, precision=precision)
     T, S = q.shape[-3], k.shape[-3]
     default = absolute_positions(T, S, options.get("query_positions"), options.get("key_positions"))
