@@ -19,6 +19,13 @@ Proof (one tolerance table keyed by dtype; forward outputs and gradients, plain 
     assert_equivalent(jax_fn, torch_fn, {"x": x}, dtype="float32")                  # AssertionError if not
     python -m crosscheck [--case GLOB] [--dtype float32|float64] [--transform plain|jit|vmap] [--json [PATH]]
 
+Whole models (transformers checkpoints against jaxattn.models, layer by layer)::
+
+    report = layer_report(torch_model, (model, params), {"input_ids": ids, "attention_mask": m}, dtype="float64")
+    report.first_divergent                                   # None, or e.g. "layer3.mlp"
+    python -m crosscheck --model DIR [--plot FILE.png] [--json FILE]
+    write_random_checkpoint("gpt2", "dir")                   # tiny, seeded, every parameter random
+
 Files: ``load_state_dict(path)`` reads ``.safetensors`` without torch and ``.pt``/``.pth``/``.bin`` only via
 ``torch.load(weights_only=True)``. Axis letters (B, T, S, N, K, H, Hv, E, R) are those of DESIGN.md.
 
@@ -48,6 +55,8 @@ from crosscheck._convert import (
     params_from_torch as params_from_torch,
     params_to_torch as params_to_torch,
 )
+from crosscheck._hf_models import write_checkpoint as write_random_checkpoint
+from crosscheck._layers import LayerReport as LayerReport, layer_report as layer_report
 from crosscheck._io import SUPPORTED_SUFFIXES as SUPPORTED_SUFFIXES, load_state_dict as load_state_dict
 from crosscheck._masks import masks_from_torch as masks_from_torch, sdpa_masks_from_torch as sdpa_masks_from_torch
 
@@ -63,6 +72,9 @@ __all__ = [
     "catalogue",
     "compare",
     "error_metrics",
+    "LayerReport",
+    "layer_report",
+    "write_random_checkpoint",
     "register_case",
     "run_case",
     "SUPPORTED_SUFFIXES",

@@ -70,7 +70,7 @@ def _positive(text: str) -> int:
 # The options of "checking a real checkpoint": each means something only with --weights.
 _WEIGHTS_ONLY = ("num_heads", "num_kv_heads", "head_dim", "value_head_dim", "add_zero_attn")
 # Options that select or report a catalogue run: --list ignores them, --weights replaces --case.
-_RUN_ONLY = ("case", "dtype", "transform", "json", "weights", "jobs", *_WEIGHTS_ONLY)
+_RUN_ONLY = ("case", "dtype", "transform", "json", "weights", "jobs", "model", "plot", *_WEIGHTS_ONLY)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -90,6 +90,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="compile everything afresh, cache nothing")
     p.add_argument("--jobs", type=_positive, metavar="N",
                    help=f"worker processes, one case at a time each (default {DEFAULT_JOBS}: the CPUs, at most 4)")
+    p.add_argument("--model", metavar="DIR", help="a save_pretrained directory: transformers vs jaxattn.models, "
+                   "layer by layer (exit 1 names the first divergent layer)")
+    p.add_argument("--plot", metavar="FILE.png", help="with --model: draw error against depth (needs matplotlib)")
     w = p.add_argument_group("checking a real checkpoint (these options need --weights)")
     w.add_argument("--weights", metavar="FILE", help="a state_dict (.safetensors/.pt/.pth/.bin) of "
                    "torch.nn.MultiheadAttention or a torchref module, run against jaxattn on random inputs")
@@ -127,6 +130,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error("--weights runs that file's module, not catalogue cases: drop --case")
         if args.jobs is not None:
             parser.error("--weights runs one case in this process: drop --jobs")
+    if args.plot is not None and args.model is None:
+        parser.error("--plot draws the report of --model DIR: it needs --model")
+    if args.model is not None and given(("case", "transform", "weights", "jobs", *_WEIGHTS_ONLY)):
+        parser.error(f"--model compares one checkpoint layer by layer: drop "
+                     f"{', '.join(given(('case', 'transform', 'weights', 'jobs', *_WEIGHTS_ONLY)))}")
     if args.cache_dir is None and not args.no_cache:
         args.cache_dir = str(default_cache_dir())
     if args.jobs is None:
@@ -141,6 +149,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_jax(cache_dir)
     if args.list:
         return _list()
+    if args.model is not None:
+        from crosscheck._model_report import main as model_main
+
+        return model_main(args.model, dtypes=args.dtype, plot_path=args.plot, json_path=args.json)
     try:
         cases = [_weights_case(args)] if args.weights else select_cases(args.case)
     except (KeyError, ValueError, OSError) as error:

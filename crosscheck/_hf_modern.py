@@ -169,9 +169,12 @@ def record_attention(family: str, *, dtype=None, batch: int = 2, prefill: int = 
 
     def hf_rerun(attention, attention_mask, kwargs):
         def rerun(query, key, value):
+            mask = attention_mask  # an additive float mask follows the run's dtype (Llama 4 adds it as is)
+            if mask is not None and mask.is_floating_point():
+                mask = mask.to(query.dtype)
             with precision():
                 out, _ = original(attention, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                  attention_mask, **kwargs)
+                                  mask, **kwargs)
             return out
         rerun.module = attention
         return rerun

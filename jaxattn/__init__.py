@@ -16,6 +16,9 @@ and works under jax.jit, jax.vmap and jax.grad; bad input raises ValueError at t
 """
 
 from ._engines.dispatch import dot_product_attention as dot_product_attention
+from ._engines.dispatch import flex_attention as flex_attention
+from ._engines.flex import create_block_mask as create_block_mask
+from ._core.block_mask import BlockMask as BlockMask
 from ._schemes.shaw import relative_attention as relative_attention
 from ._layers.multihead import init_multi_head_attention as init_multi_head_attention
 from ._layers.multihead import init_relative_multi_head_attention as init_relative_multi_head_attention
@@ -53,6 +56,9 @@ from ._schemes.xl import transformer_xl_attention as transformer_xl_attention
 
 __all__ = [
     "dot_product_attention",
+    "flex_attention",
+    "create_block_mask",
+    "BlockMask",
     "relative_attention",
     "relative_position_index",
     "shaw_relative_attention",

@@ -30,14 +30,14 @@ L); the other examples of the batch are unaffected.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import flax.linen as nn
 import jax.numpy as jnp
 
 from ._layers import cache as kv_cache
 from ._layers import common
-from ._layers.common import Initializer
+from ._layers.common import Initializer, RoPE  # noqa: F401  (RoPE: part of this module's API)
 
 
 class _Group(nn.Module):
@@ -56,16 +56,23 @@ class MultiHeadAttention(nn.Module):
 
     Attributes:
       num_heads: N.  head_dim: H (default Eq // N).  num_kv_heads: K (default N).  value_head_dim: Hv (default H).
-      out_features: Eo (default Eq).  use_bias: biases on all four projections.
+      out_features: Eo (default Eq).  use_bias: biases on all four projections (True), none (False), or
+        the named ones (e.g. ("query", "key", "value"), Qwen2's).
       add_bias_kv / add_zero_attn: torch.nn.MultiheadAttention's extras (not with decode).
       dropout_rate, deterministic: dropout on the attention weights.  scale: default H ** -0.5.
       dtype: computation dtype (default: promote inputs and params).  param_dtype: parameters' dtype.
       precision: for every einsum.  kernel_init / out_kernel_init / bias_init / bias_kv_init: flax
         initialisers; kernels are initialised on their [fan_in, fan_out] view, as flax's DenseGeneral does.
       decode: use the "cache" collection (the call argument overrides it).
+      rope: RoPE(base, rotary_dim, layout, frequencies): rotate queries and keys after projection, before
+        attention (and before caching), at the call's `rope_positions` (default: the attention's positions).
       qkv_features: flax.linen.MultiHeadDotProductAttention's spelling of num_heads * head_dim (a
         ValueError with head_dim also set); out_features, use_bias, dropout_rate, deterministic, dtype,
         param_dtype, precision, kernel_init, out_kernel_init, bias_init and decode are named as in flax.
+      window: (left, right) sliding window on absolute positions (Mistral / Gemma 2: (W - 1, 0) with
+        is_causal); with a left bound, decoding keeps a rolling cache of the window (O(window) memory).
+      chunk_size: Llama 4's chunked attention.  logit_softcap: Gemma 2's attention softcap.
+      use_sinks: learned per-head sinks params["sinks"] [N] (gpt-oss), initialised by sinks_init (zeros).
     """
 
     num_heads: int
@@ -74,7 +81,7 @@ class MultiHeadAttention(nn.Module):
     num_kv_heads: Optional[int] = None
     value_head_dim: Optional[int] = None
     out_features: Optional[int] = None
-    use_bias: bool = True
+    use_bias: Union[bool, tuple] = True
     add_bias_kv: bool = False
     add_zero_attn: bool = False
     dropout_rate: float = 0.0
@@ -88,6 +95,12 @@ class MultiHeadAttention(nn.Module):
     bias_init: Initializer = common.default_bias_init
     bias_kv_init: Initializer = common.default_table_init
     decode: bool = False
+    rope: Optional[RoPE] = None
+    window: Optional[tuple] = None
+    chunk_size: Optional[int] = None
+    logit_softcap: Optional[float] = None
+    use_sinks: bool = False
+    sinks_init: Initializer = common.default_bias_init
 
     def _relative(self) -> Optional[dict]:
         return None
@@ -96,10 +109,15 @@ class MultiHeadAttention(nn.Module):
         specs = common.param_specs(dims, use_bias=self.use_bias, add_bias_kv=self.add_bias_kv,
                                    kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init,
                                    bias_init=self.bias_init, bias_kv_init=self.bias_kv_init,
-                                   relative=self._relative())
-        return {group: _Group(tuple((leaf, shape, init) for leaf, (shape, init) in leaves.items()),
-                              self.param_dtype, name=group)()
-                for group, leaves in specs.items()}
+                                   relative=self._relative(),
+                                   sinks_init=self.sinks_init if self.use_sinks else None)
+        sinks = specs.pop("sinks", None)
+        params = {group: _Group(tuple((leaf, shape, init) for leaf, (shape, init) in leaves.items()),
+                                self.param_dtype, name=group)()
+                  for group, leaves in specs.items()}
+        if sinks is not None:
+            params["sinks"] = self.param("sinks", sinks[1], sinks[0], self.param_dtype)
+        return params
 
     def _dropout(self, deterministic, dropout_rng):
         """(rate, rng) after flax's rules: `deterministic` is required only when dropout_rate > 0."""
@@ -112,7 +130,8 @@ class MultiHeadAttention(nn.Module):
     def _cache(self, dims, key, batch, dtype):
         """The "cache" variables, and whether they existed before this call (False while initialising)."""
         existed = self.has_variable("cache", "cached_key")
-        fresh = kv_cache.init(batch, key.shape[-2], dims.K, dims.H, dims.Hv, dtype)
+        length = common.cache_length(self.window, key.shape[-2])  # a window keeps a rolling cache of its size
+        fresh = kv_cache.init(batch, length, dims.K, dims.H, dims.Hv, dtype)
         names = ("cached_key", "cached_value", "cache_index")
         variables = [self.variable("cache", n, lambda v=v: v) for n, v in zip(names, fresh)]
         return variables, existed
@@ -121,10 +140,12 @@ class MultiHeadAttention(nn.Module):
     def __call__(self, query, key=None, value=None, *, mask=None, bias=None, is_causal=False,
                  key_value_seq_lengths=None, query_positions=None, key_positions=None,
                  deterministic: Optional[bool] = None, dropout_rng=None, return_weights: bool = False,
-                 decode: Optional[bool] = None):
+                 decode: Optional[bool] = None, rope_positions=None, query_segment_ids=None,
+                 key_segment_ids=None):
         """query [...,T,Eq], key [...,S,Ek] (default query), value [...,S,Ev] (default key) -> [...,T,Eo].
 
         Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights.
+        rope_positions [...,T]: with `rope`, the rotary positions of the queries and keys (self-attention).
         """
         query, key, value = common.inputs(query, key, value)
         head_dim = common.flax_sizes(self.num_heads, head_dim=self.head_dim, qkv_features=self.qkv_features)["head_dim"]
@@ -137,7 +158,9 @@ class MultiHeadAttention(nn.Module):
         rate, rng = self._dropout(deterministic, dropout_rng)
         options = dict(mask=mask, bias=bias, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
                        query_positions=query_positions, key_positions=key_positions, scale=self.scale,
-                       dropout_rate=rate, dropout_rng=rng, return_weights=return_weights)
+                       dropout_rate=rate, dropout_rng=rng, return_weights=return_weights,
+                       query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids, window=self.window,
+                       chunk_size=self.chunk_size, logit_softcap=self.logit_softcap)
         cache = None
         if self.decode if decode is None else decode:
             batch = jnp.broadcast_shapes(query.shape[:-2], key.shape[:-2])
@@ -145,7 +168,7 @@ class MultiHeadAttention(nn.Module):
             cache = tuple(v.value for v in variables) if existed else None
         result, new_cache = common.attend(params, query, key, value, relative=self._relative() is not None,
                                           add_zero_attn=self.add_zero_attn, precision=self.precision,
-                                          cache=cache, **options)
+                                          cache=cache, rope=self.rope, rope_positions=rope_positions, **options)
         if new_cache is not None:
             for variable, new in zip(variables, new_cache):
                 variable.value = new

@@ -33,7 +33,7 @@ from flax import nnx
 from ._core import checks
 from ._layers import cache as kv_cache
 from ._layers import common
-from ._layers.common import Initializer
+from ._layers.common import Initializer, RoPE  # noqa: F401  (RoPE: part of this module's API)
 
 
 class _Group(nnx.Module):
@@ -53,7 +53,8 @@ class MultiHeadAttention(nnx.Module):
 
     Sizes as jaxattn.init_multi_head_attention: query_features Eq, num_heads N, head_dim H (default Eq // N),
     key_features Ek (Eq), value_features Ev (Ek), out_features Eo (Eq), num_kv_heads K (N), value_head_dim
-    Hv (H). Options as jaxattn.linen.MultiHeadAttention; `rngs` supplies "params" and "dropout" keys.
+    Hv (H). Options as jaxattn.linen.MultiHeadAttention (rope=RoPE(...) and the call's rope_positions
+    included); `rngs` supplies "params" and "dropout" keys.
 
     flax.nnx.MultiHeadAttention's keywords are accepted where they mean the same thing: in_features
     (= query_features), in_kv_features (= key_features = value_features), qkv_features (= N * H),
@@ -72,7 +73,10 @@ class MultiHeadAttention(nnx.Module):
                  scale: Optional[float] = None, dtype: Any = None, param_dtype: Any = jnp.float32,
                  precision: Any = None, kernel_init: Initializer = common.default_kernel_init,
                  out_kernel_init: Optional[Initializer] = None, bias_init: Initializer = common.default_bias_init,
-                 bias_kv_init: Initializer = common.default_table_init, decode: bool = False, rngs: nnx.Rngs,
+                 bias_kv_init: Initializer = common.default_table_init, decode: bool = False,
+                 window: Optional[tuple] = None, chunk_size: Optional[int] = None,
+                 logit_softcap: Optional[float] = None, use_sinks: bool = False,
+                 sinks_init: Initializer = common.default_bias_init, rope: Optional[RoPE] = None, rngs: nnx.Rngs,
                  _relative: Optional[dict] = None):
         sizes = common.flax_sizes(num_heads, query_features=query_features, head_dim=head_dim,
                                   key_features=key_features, value_features=value_features,
@@ -83,14 +87,18 @@ class MultiHeadAttention(nnx.Module):
                                         num_kv_heads=num_kv_heads, value_head_dim=value_head_dim, **sizes)
         specs = common.param_specs(self.dims, use_bias=use_bias, add_bias_kv=add_bias_kv, kernel_init=kernel_init,
                                    out_kernel_init=out_kernel_init, bias_init=bias_init,
-                                   bias_kv_init=bias_kv_init, relative=_relative)
+                                   bias_kv_init=bias_kv_init, relative=_relative,
+                                   sinks_init=sinks_init if use_sinks else None)
+        sinks = specs.pop("sinks", None)
         for group, leaves in specs.items():
             setattr(self, group, _Group(leaves, param_dtype, rngs))
         self.groups = tuple(specs)
+        self.sinks = nnx.data(None) if sinks is None else nnx.Param(sinks[1](rngs.params(), sinks[0], param_dtype))
+        self.window, self.chunk_size, self.logit_softcap = window, chunk_size, logit_softcap
         self.relative_attention = _relative is not None
         self.add_zero_attn, self.dropout_rate, self.deterministic = add_zero_attn, dropout_rate, deterministic
         self.scale, self.dtype, self.param_dtype, self.precision = scale, dtype, param_dtype, precision
-        self.decode = decode
+        self.decode, self.rope = decode, common.check_rope(rope)
         self.rngs = rngs.dropout.fork() if dropout_rate > 0 else None
         self.cached_key: Optional[nnx.Cache] = nnx.data(None)
         self.cached_value: Optional[nnx.Cache] = nnx.data(None)
@@ -98,7 +106,10 @@ class MultiHeadAttention(nnx.Module):
 
     def params(self) -> dict:
         """The parameter tree as plain nested dicts of arrays (what the functional API takes)."""
-        return {group: getattr(self, group).tree() for group in self.groups}
+        tree = {group: getattr(self, group).tree() for group in self.groups}
+        if self.sinks is not None:
+            tree["sinks"] = self.sinks[...]
+        return tree
 
     def init_cache(self, input_shape, dtype: Any = None) -> None:
         """An empty cache for inputs of shape (*batch, L, E): L slots per example (as flax's init_cache)."""
@@ -107,6 +118,7 @@ class MultiHeadAttention(nnx.Module):
         dtype = dtype or self.dtype or self.param_dtype
         *batch, L, _ = input_shape
         d = self.dims
+        L = common.cache_length(self.window, L)  # a window keeps a rolling cache of its own size
         cached_key, cached_value, index = kv_cache.init(batch, L, d.K, d.H, d.Hv, dtype)
         self.cached_key, self.cached_value = nnx.Cache(cached_key), nnx.Cache(cached_value)
         self.cache_index = nnx.Cache(index)
@@ -128,7 +140,8 @@ class MultiHeadAttention(nnx.Module):
     def __call__(self, query, key=None, value=None, *, mask=None, bias=None, is_causal=False,
                  key_value_seq_lengths=None, query_positions=None, key_positions=None,
                  deterministic: Optional[bool] = None, rngs=None, dropout_rng=None, return_weights: bool = False,
-                 decode: Optional[bool] = None):
+                 decode: Optional[bool] = None, rope_positions=None, query_segment_ids=None,
+                 key_segment_ids=None):
         """query [...,T,Eq], key [...,S,Ek] (default query), value [...,S,Ev] (default key) -> [...,T,Eo].
 
         Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights.
@@ -145,10 +158,12 @@ class MultiHeadAttention(nnx.Module):
             cache = (self.cached_key[...], self.cached_value[...], self.cache_index[...])
         result, new_cache = common.attend(
             params, query, key, value, relative=self.relative_attention, add_zero_attn=self.add_zero_attn,
-            precision=self.precision, cache=cache, mask=mask, bias=bias, is_causal=is_causal,
+            precision=self.precision, cache=cache, rope=self.rope, rope_positions=rope_positions, mask=mask,
+            bias=bias, is_causal=is_causal,
             key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
             key_positions=key_positions, scale=self.scale, dropout_rate=rate, dropout_rng=rng,
-            return_weights=return_weights)
+            return_weights=return_weights, query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+            window=self.window, chunk_size=self.chunk_size, logit_softcap=self.logit_softcap)
         if new_cache is not None:
             self.cached_key[...], self.cached_value[...], self.cache_index[...] = new_cache
         return result

@@ -14,19 +14,25 @@ from jax import lax
 from . import checks
 
 
-def masked_softmax(logits, allowed):
+def masked_softmax(logits, allowed, sinks=None):
     """Softmax over the last axis restricted to `allowed`; rows with no allowed key give zeros.
 
     Disallowed logits are replaced *before* exp (never -inf arithmetic), and the row max is taken over
     allowed entries only, so the forward pass and its gradient stay finite for fully masked rows.
+    sinks (broadcastable to logits[..., :1]): one more logit per row in the denominator with no value
+    (gpt-oss's attention sinks); a row with no allowed key still gives zeros.
     """
-    if allowed is None:
+    if allowed is None and sinks is None:
         return jax.nn.softmax(logits, axis=-1)
-    allowed = jnp.broadcast_to(allowed, logits.shape)
+    allowed = jnp.ones(logits.shape, bool) if allowed is None else jnp.broadcast_to(allowed, logits.shape)
     row_max = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
+    if sinks is not None:
+        row_max = jnp.maximum(row_max, sinks)
     row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0))
     exps = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits, row_max) - row_max), 0)
     total = jnp.sum(exps, axis=-1, keepdims=True)
+    if sinks is not None:
+        total = total + jnp.exp(sinks - row_max)
     return exps / jnp.where(total == 0, 1, total)
 
 
@@ -66,6 +72,16 @@ def empty_partial(out_shapes, rows_shape, dtype):
     """The identity of combine_partials: zeros, m = -inf, l = 0. out_shapes is a sequence of shapes."""
     out = tuple(jnp.zeros(shape, dtype) for shape in out_shapes)
     return out, jnp.full(rows_shape, -jnp.inf, dtype), jnp.zeros(rows_shape, dtype)
+
+
+def add_sinks(partial, sinks):
+    """Fold one sink logit per row (a softmax term with no value) into a partial: the sink is the partial
+    of one key with logit `sinks` [...] and value 0, i.e. (0, sinks, 1). None: the partial unchanged."""
+    if sinks is None:
+        return partial
+    out, m, _ = partial
+    sinks = jnp.broadcast_to(sinks, m.shape).astype(m.dtype)
+    return combine_partials(partial, (jax.tree.map(jnp.zeros_like, out), sinks, jnp.ones_like(m)))
 
 
 def finalize_partial(partial):

@@ -33,11 +33,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._core import checks
+from .._core import block_mask as block_masks
+from .._core import checks, mods
 from .._core.dtypes import accumulation_dtype
-from .._core.masks import MaskRule, allowed_pairs, check_lengths, key_block_range
+from .._core.masks import CLEAN, WITH_MOD, MaskRule, allowed_pairs, check_lengths, key_block_schedule
 from .._core.positions import clipped_index, positions
-from .._core.softmax import combine_partials, empty_partial, finalize_partial
+from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial
 
 # Default tiles, measured on a 2-core CPU (benchmarks/, docs/performance.md): key blocks of 512 and
 # query blocks as large as fit a ~16 MiB float32 tile [B,N,Tb,Sb] (64 <= Tb <= 512, powers of two): a
@@ -50,16 +51,40 @@ TILE_BUDGET_BYTES = 16 * 2**20
 # Static configuration and per-tile pieces.
 
 
+class Terms(NamedTuple):
+    """The static programmable terms (jaxattn._core.mods); their arrays travel in TermArrays."""
+
+    softcap: Optional[float] = None
+    score_fn: Optional[Callable] = None  # ElementFunction.fn: score_mod(score, b, n, t, s, *consts)
+    mask_fn: Optional[Callable] = None  # ElementFunction.fn: mask_mod(b, n, t, s, *consts)
+    segments: bool = False
+    block_kinds: bool = False
+
+
+class TermArrays(NamedTuple):
+    """Arrays of the programmable terms in the engine layout: segment ids [B|1,Tp] / [B|1,Sp], sinks
+    [B,K,G], the score_mod / mask_mod consts, BlockMask tile kinds [Tn,Sn] int8 (reduced over batch rows
+    and heads, which share a tile). The tile functions get one query tile's view (_tile_arrays)."""
+
+    q_seg: Any = None
+    k_seg: Any = None
+    sinks: Any = None
+    score_consts: tuple = ()
+    mask_consts: tuple = ()
+    kinds: Any = None
+
+
 class EngineConfig(NamedTuple):
     """Static (hashable) description of one engine run: tiles, heads and which terms are on."""
     Tb: int
     Sb: int
     N: int
-    mask: MaskRule  # the position/length rule (causal, ...): _core.masks decides every pair from it
+    mask: MaskRule  # the position rule (causal, window, chunks): _core.masks decides every pair from it
     max_distance: Optional[int]  # Shaw tables' clip distance (None: no tables)
     contiguous: bool  # default positions: key_pos - query_pos = offset0 + s - t within every tile
     precision: Any
     bias_fn: Optional[Callable]  # closure-converted position_bias(q_pos, k_pos, *consts)
+    terms: Terms = Terms()
 
 
 def _einsum(spec, a, b, cfg, acc):
@@ -118,23 +143,72 @@ def contiguous_bucket_sums(x, R, offset0):
     return jnp.concatenate([left, interior, right], axis=-1)
 
 
-def _allowed(cfg, qp, kp, j, lengths):
-    """bool tile broadcastable to [B,K,G,Tb,Sb], or None when every key is allowed (key block j)."""
-    allowed = allowed_pairs(cfg.mask, qp, kp, j * cfg.Sb + jnp.arange(cfg.Sb), lengths)
-    return None if allowed is None else _rows(allowed)
+def _element_grid(cfg, fn, consts, qp, kp, B, K, score=None):
+    """score_mod / mask_mod over one tile, [B,K,G,Tb,Sb] (score in that layout, or None for mask_mod)."""
+    if score is not None:
+        score = score.reshape(B, cfg.N, *score.shape[-2:])
+    b, n = jnp.arange(B, dtype=jnp.int32), jnp.arange(cfg.N, dtype=jnp.int32)
+    return _heads_view(mods.on_grid(fn, consts, b, n, qp, kp, score=score), K)
+
+
+def _allowed(cfg, qp, kp, j, lengths, arrays, kind, B, K):
+    """bool tile broadcastable to [B,K,G,Tb,Sb], or None when every key is allowed (key block j).
+    arrays: this query tile's TermArrays; mask_mod is evaluated on WITH_MOD tiles only."""
+    k_seg = None if arrays.k_seg is None else slice_block(arrays.k_seg, j * cfg.Sb, cfg.Sb, -1)
+    allowed = allowed_pairs(cfg.mask, qp, kp, j * cfg.Sb + jnp.arange(cfg.Sb), lengths,
+                            None if k_seg is None else arrays.q_seg, k_seg)
+    allowed = None if allowed is None else _rows(allowed)
+    if cfg.terms.mask_fn is not None and kind == WITH_MOD:
+        by_mod = _element_grid(cfg, cfg.terms.mask_fn, arrays.mask_consts, qp, kp, B, K)
+        allowed = by_mod if allowed is None else allowed & by_mod
+    return allowed
 
 
 def _tile_bias(cfg, consts, qp, kp, K):
     return _heads_view(cfg.bias_fn(qp, kp, *consts), K)
 
 
-def _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc):
+def _capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc):
+    """softcap(scale * (q . k + q . table[index])): the query-key part of a tile's logits."""
     x = _einsum("bkgth,bksh->bkgts", q_blk, k_blk, cfg, acc)
     if per_bucket is not None:
         x = x + _gather(per_bucket, index)
     if scale is not None:  # None: the query was scaled before the engine
         x = x * scale
-    return x if bias is None else x + bias
+    return mods.softcap(x, cfg.terms.softcap)
+
+
+def _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc, score=None):
+    """A tile's logits: the capped query-key logits plus the position bias, then score (score_mod)."""
+    x = _capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc)
+    x = x if bias is None else x + bias
+    return x if score is None else score(x)
+
+
+def _score(cfg, qp, kp, B, K, arrays):
+    """x -> score_mod(x) on one tile (consts overridable, for the backward's vjp), or None."""
+    if cfg.terms.score_fn is None:
+        return None
+    return lambda x, consts=arrays.score_consts: _element_grid(cfg, cfg.terms.score_fn, consts, qp, kp, B, K, x)
+
+
+def _schedule(cfg, qp, k_pos, lengths, arrays, n_blocks):
+    return key_block_schedule(cfg.mask, qp, k_pos, lengths, cfg.Sb, n_blocks,
+                              query_segments=arrays.q_seg if cfg.terms.segments else None, key_segments=arrays.k_seg,
+                              block_kinds=arrays.kinds if cfg.terms.block_kinds else None,
+                              mask_mod=cfg.terms.mask_fn is not None)
+
+
+def _visit(schedule, body, state):
+    """body(kind, j, state) over the scheduled key tiles j, one loop per kind (each a static body)."""
+    start = 0
+    for kind, count in enumerate(schedule.counts):
+        if isinstance(count, int) and count == 0:
+            continue
+        stop = start + count
+        state = lax.fori_loop(start, stop, lambda i, st, kind=kind: body(kind, schedule.order[i], st), state)
+        start = stop
+    return state
 
 
 def _offset0(cfg, qp, kp):
@@ -188,52 +262,54 @@ def slice_block(x, start, size, axis):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths):
-    return _engine_fwd(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths)[0]
+def _engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays):
+    return _engine_fwd(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays)[0]
 
 
-def fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths):
+def fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths, arrays=TermArrays()):
     """One query tile [B,K,G,Tb,H] against every key of k: (out [B,K,G,Tb,Hv], lse [B,K,G,Tb]), both in
-    the compute dtype (a caller merging partials, like the ring, rounds only once at the end)."""
+    the compute dtype (a caller merging partials, like the ring, rounds only once at the end).
+    arrays: this tile's TermArrays (segments, sinks, score/mask consts, BlockMask row)."""
     B, K, G, Tb, _ = q_blk.shape
     Sp, Hv = k.shape[2], v.shape[-1]
     Sb, acc = cfg.Sb, accumulation_dtype(q_blk.dtype)
     R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
     per_bucket = None if key_table is None else _per_bucket(q_blk, key_table, K, cfg, acc)
 
-    def key_block(j, state):
+    def key_block(kind, j, state):
         k_blk, v_blk = slice_block(k, j * Sb, Sb, 2), slice_block(v, j * Sb, Sb, 2)
         kp = slice_block(k_pos, j * Sb, Sb, -1)
         index = None if R == 0 else _bucket_index(cfg, qp, kp)
         bias = None if cfg.bias_fn is None else _tile_bias(cfg, consts, qp, kp, K)
-        x = _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc)
-        allowed = _allowed(cfg, qp, kp, j, lengths)
+        x = _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc, _score(cfg, qp, kp, B, K, arrays))
+        allowed = None if kind == CLEAN else _allowed(cfg, qp, kp, j, lengths, arrays, kind, B, K)
         partial = _block_partial(x, allowed, v_blk, index, _offset0(cfg, qp, kp), R, value_table, cfg, acc)
         return combine_partials(state, partial)
 
     shapes = ((B, K, G, Tb, Hv),) + (((B, K, G, Tb, R),) if value_table is not None else ())
-    lo, hi = key_block_range(cfg.mask, qp, k_pos, lengths, Sb, Sp // Sb)
-    state = lax.fori_loop(lo, hi, key_block, empty_partial(shapes, (B, K, G, Tb), acc))
+    schedule = _schedule(cfg, qp, k_pos, lengths, arrays, Sp // Sb)
+    state = _visit(schedule, key_block, empty_partial(shapes, (B, K, G, Tb), acc))
+    state = add_sinks(state, None if arrays.sinks is None else arrays.sinks[..., None])
     outs, lse = finalize_partial(state)
     out = outs[0] if value_table is None else outs[0] + _apply_table(outs[1], value_table, K, cfg, acc)
     return out, lse
 
 
 def bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths,
-              grads):
+             grads, arrays=TermArrays()):
     """Backward of one query tile against every key of k. delta [B,K,G,Tb] = rowsum(d_out * out);
-    grads = (dk, dv, d_key_table, d_value_table, d_consts): accumulators (compute dtype, dk/dv shaped as
-    k/v) the tile adds into, so a caller keeps one of each however many tiles it runs.
-    Returns (dq tile, grads)."""
-    K = q_blk.shape[1]
+    grads = (dk, dv, d_key_table, d_value_table, d_consts[, d_score_consts]): accumulators (compute dtype,
+    dk/dv shaped as k/v) the tile adds into, so a caller keeps one of each however many tiles it runs
+    (d_score_consts with a score_mod). Returns (dq tile, grads)."""
+    B, K = q_blk.shape[:2]
     Sp, Sb, acc = k.shape[2], cfg.Sb, accumulation_dtype(q_blk.dtype)
     R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
     lse_blk = jnp.where(jnp.isfinite(lse_blk), lse_blk, 0)  # empty rows: every p is masked to 0 anyway
     per_bucket = None if key_table is None else _per_bucket(q_blk, key_table, K, cfg, acc)
     do_table = None if value_table is None else _per_bucket(do_blk, value_table, K, cfg, acc)
 
-    def key_block(j, inner):
-        dq, dk, dv, ds_buckets, p_buckets, d_consts = inner
+    def key_block(kind, j, inner):
+        dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score = inner
         s0 = j * Sb
         k_blk, v_blk = slice_block(k, s0, Sb, 2), slice_block(v, s0, Sb, 2)
         kp = slice_block(k_pos, j * Sb, Sb, -1)
@@ -241,9 +317,13 @@ def bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_tabl
         bias, bias_vjp = None, None
         if cfg.bias_fn is not None:
             bias, bias_vjp = jax.vjp(lambda c: _tile_bias(cfg, c, qp, kp, K), consts)
-        x = _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc)
+        capped = _capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc)
+        x = capped if bias is None else capped + bias
+        score_vjp = None
+        if cfg.terms.score_fn is not None:
+            x, score_vjp = jax.vjp(_score(cfg, qp, kp, B, K, arrays), x, arrays.score_consts)
         p = jnp.exp(x - lse_blk[..., None])
-        allowed = _allowed(cfg, qp, kp, j, lengths)
+        allowed = None if kind == CLEAN else _allowed(cfg, qp, kp, j, lengths, arrays, kind, B, K)
         if allowed is not None:
             p = jnp.where(allowed, p, 0)
         dv_blk = _einsum("bkgts,bkgtv->bksv", p.astype(do_blk.dtype), do_blk, cfg, acc)
@@ -251,11 +331,16 @@ def bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_tabl
         if value_table is not None:
             dp = dp + _gather(do_table, index)
             p_buckets = p_buckets + _bucket_sum(p, index, R, _offset0(cfg, qp, kp))
-        ds = p * (dp - delta[..., None])  # d loss / d x (the scaled, biased logits)
+        ds = p * (dp - delta[..., None])  # d loss / d x (the final logits)
+        if score_vjp is not None:  # d loss / d (logits before score_mod), and d score_mod's arrays
+            ds, d_s = score_vjp(ds)
+            d_score = tuple(a if a is None else a + g for a, g in zip(d_score, d_s))
         if bias_vjp is not None:
             (d_c,) = bias_vjp(jnp.sum(ds, axis=tuple(range(ds.ndim - bias.ndim))).reshape(bias.shape)
                               .astype(bias.dtype))
             d_consts = jax.tree.map(jnp.add, d_consts, d_c)
+        if cfg.terms.softcap is not None:
+            ds = ds * mods.softcap_grad(capped, cfg.terms.softcap)
         if scale is not None:
             ds = ds * scale
         dq = dq + _einsum("bkgts,bksh->bkgth", ds.astype(q_blk.dtype), k_blk, cfg, acc)
@@ -264,19 +349,19 @@ def bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_tabl
             ds_buckets = ds_buckets + _bucket_sum(ds, index, R, _offset0(cfg, qp, kp))
         dk = lax.dynamic_update_slice_in_dim(dk, slice_block(dk, s0, Sb, 2) + dk_blk, s0, axis=2)
         dv = lax.dynamic_update_slice_in_dim(dv, slice_block(dv, s0, Sb, 2) + dv_blk, s0, axis=2)
-        return dq, dk, dv, ds_buckets, p_buckets, d_consts
+        return dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score
 
-    dk, dv, d_key_table, d_value_table, d_consts = grads
+    dk, dv, d_key_table, d_value_table, d_consts, *with_score = grads
     buckets = jnp.zeros(q_blk.shape[:-1] + (R,), acc)
-    init = (jnp.zeros(q_blk.shape, acc), dk, dv, buckets, buckets, d_consts)
-    lo, hi = key_block_range(cfg.mask, qp, k_pos, lengths, Sb, Sp // Sb)
-    dq, dk, dv, ds_buckets, p_buckets, d_consts = lax.fori_loop(lo, hi, key_block, init)
+    init = (jnp.zeros(q_blk.shape, acc), dk, dv, buckets, buckets, d_consts, with_score[0] if with_score else ())
+    schedule = _schedule(cfg, qp, k_pos, lengths, arrays, Sp // Sb)
+    dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score = _visit(schedule, key_block, init)
     if key_table is not None:
         dq = dq + _apply_table(ds_buckets, key_table, K, cfg, acc)
         d_key_table = d_key_table + _table_grad(ds_buckets, q_blk.astype(acc), key_table, K, cfg, acc)
     if value_table is not None:
         d_value_table = d_value_table + _table_grad(p_buckets, do_blk.astype(acc), value_table, K, cfg, acc)
-    return dq, (dk, dv, d_key_table, d_value_table, d_consts)
+    return dq, (dk, dv, d_key_table, d_value_table, d_consts) + ((d_score,) if with_score else ())
 
 
 def zero_grads(acc, *arrays):
@@ -285,45 +370,63 @@ def zero_grads(acc, *arrays):
     return tuple(jax.tree.map(lambda x: jnp.zeros(x.shape, acc), a) for a in arrays)
 
 
-def _engine_fwd(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths):
+def _tile_arrays(arrays, i, Tb):
+    """Query tile i's view of the TermArrays: its rows of the query segment ids and of the tile kinds."""
+    q_seg = None if arrays.q_seg is None else slice_block(arrays.q_seg, i * Tb, Tb, -1)
+    return arrays._replace(q_seg=q_seg, kinds=None if arrays.kinds is None else arrays.kinds[i])
+
+
+def _engine_fwd(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays):
     B, K, G, Tp, H = q.shape
     Tb, Hv = cfg.Tb, v.shape[-1]
 
     def query_block(_, i):
         q_blk, qp = slice_block(q, i * Tb, Tb, 3), slice_block(q_pos, i * Tb, Tb, -1)
-        out, lse = fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths)
+        out, lse = fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths,
+                            _tile_arrays(arrays, i, Tb))
         return None, (out.astype(q.dtype), lse)
 
     _, (out, lse) = lax.scan(query_block, None, jnp.arange(Tp // Tb))
     out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, Tp, Hv)
     lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, Tp)
-    residuals = (q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, out, lse)
+    residuals = (q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays, out, lse)
     return out, residuals
 
 
 def _engine_bwd(cfg, residuals, d_out):
-    q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, out, lse = residuals
+    q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays, out, lse = residuals
     Tb, acc = cfg.Tb, accumulation_dtype(q.dtype)
+    # score_mod's float arrays get gradients; its integer ones (ids, indices) none
+    score_consts = tuple(c if d else None for c, d in zip(arrays.score_consts, mods.differentiable(arrays.score_consts)))
+    with_score = (zero_grads(acc, *score_consts),) if cfg.terms.score_fn is not None else ()
 
-    def query_block(grads, i):
+    def query_block(carry, i):
+        grads, d_sinks = carry
         q_blk, do_blk = slice_block(q, i * Tb, Tb, 3), slice_block(d_out, i * Tb, Tb, 3)
         o_blk, lse_blk = slice_block(out, i * Tb, Tb, 3), slice_block(lse, i * Tb, Tb, 3)
         qp = slice_block(q_pos, i * Tb, Tb, -1)
         delta = jnp.sum(do_blk.astype(acc) * o_blk.astype(acc), axis=-1)  # sum_s p dp = do . out
         dq, grads = bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_table, consts,
-                              scale, k_pos, lengths, grads)
-        return grads, dq
+                             scale, k_pos, lengths, grads, _tile_arrays(arrays, i, Tb))
+        if d_sinks is not None:  # d out_t / d sink = -p_sink[t] out_t, so d sink = -sum_t p_sink[t] delta_t
+            d_sinks = d_sinks - jnp.sum(jnp.exp(arrays.sinks[..., None] - lse_blk) * delta, axis=-1)
+        return (grads, d_sinks), dq
 
-    grads, dq = lax.scan(query_block, zero_grads(acc, k, v, key_table, value_table, consts),
-                         jnp.arange(q.shape[3] // Tb))
-    dk, dv, d_key_table, d_value_table, d_consts = grads
+    grads = zero_grads(acc, k, v, key_table, value_table, consts) + with_score
+    d_sinks = None if arrays.sinks is None else jnp.zeros(arrays.sinks.shape, acc)
+    (grads, d_sinks), dq = lax.scan(query_block, (grads, d_sinks), jnp.arange(q.shape[3] // Tb))
+    dk, dv, d_key_table, d_value_table, d_consts, *d_score = grads
     dq = jnp.moveaxis(dq, 0, 3).reshape(q.shape)
 
     def cast(grad, like):
-        return None if like is None else grad.astype(like.dtype)
+        return None if like is None or grad is None else grad.astype(like.dtype)
 
+    d_arrays = TermArrays(sinks=cast(d_sinks, arrays.sinks),
+                          score_consts=tuple(map(cast, d_score[0], score_consts)) if d_score else (),
+                          mask_consts=tuple(None for _ in arrays.mask_consts))
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), cast(d_key_table, key_table),
-            cast(d_value_table, value_table), jax.tree.map(cast, d_consts, consts), None, None, None, None)
+            cast(d_value_table, value_table), jax.tree.map(cast, d_consts, consts), None, None, None, None,
+            d_arrays)
 
 
 _engine.defvjp(_engine_fwd, _engine_bwd)
@@ -333,14 +436,17 @@ _engine.defvjp(_engine_fwd, _engine_bwd)
 # Public entry point: argument checks and the layout changes around the engine.
 
 
-def block_sizes(block_size, T, S, rows):
+def block_sizes(block_size, T, S, rows, span=None):
     """(Tb, Sb) from the option, or the default for `rows` = B * N tiles side by side (at least 1 each,
-    also for an empty sequence)."""
+    also for an empty sequence). span: how many consecutive keys a query may see at most (a sliding window's
+    width), or None: the default tiles then shrink to about span / 2 (not below 128), so a window's edge
+    tiles, which are mostly masked, stay a small part of the work."""
     T, S, rows = max(T, 1), max(S, 1), max(rows, 1)
     if block_size is None:
-        key_block = min(DEFAULT_KEY_BLOCK, S)
+        cap = 512 if span is None else max(128, min(512, 1 << max(span // 2, 1).bit_length() - 1))
+        key_block = min(DEFAULT_KEY_BLOCK, cap, S)
         query_block = TILE_BUDGET_BYTES // (4 * rows * key_block)
-        query_block = max(64, min(512, 1 << max(query_block, 1).bit_length() - 1))
+        query_block = max(64, min(cap, 1 << max(query_block, 1).bit_length() - 1))
         # as many blocks as those sizes need, evened out so the padding is less than one block's worth
         block_size = tuple(-(-L // -(-L // b)) for L, b in ((T, query_block), (S, key_block)))
     if isinstance(block_size, (int, np.integer)) and not isinstance(block_size, bool):
@@ -357,6 +463,16 @@ def _flat_positions(pos, batch, length, padded):
     if pos.ndim > 1:
         pos = jnp.broadcast_to(pos, (*batch, length)).reshape(-1, length)
     return jnp.pad(pos, [(0, 0)] * (pos.ndim - 1) + [(0, padded - length)], mode="edge")
+
+
+def check_block_mask_tiles(block_mask, block_size):
+    """The tile of a call with a BlockMask: the mask's own (block_size None or the same), else ValueError."""
+    T, S = block_mask.query_length, block_mask.key_length
+    tiles = tuple(block_mask.block_size)
+    if block_size is not None and block_sizes(block_size, T, S, 1) != tiles:
+        checks.fail("block_mask", f"tiles of block_size={block_size!r} (or block_size=None)",
+                    f"a BlockMask of tiles {tiles}")
+    return tiles
 
 
 def grid_options_in_use(bias=None, mask=None, dropout_rate=0.0, dropout_rng=None, return_weights=False):
@@ -384,7 +500,9 @@ def check_tables(key_table, value_table, max_distance, N, H, Hv, acc):
 def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_lengths=None,
                         query_positions=None, key_positions=None, scale=None, position_bias=None,
                         key_table=None, value_table=None, max_distance=None, block_size=None,
-                        precision=None, **grid_options):
+                        precision=None, query_segment_ids=None, key_segment_ids=None, window=None,
+                        chunk_size=None, logit_softcap=None, sinks=None, score_mod=None, mask_mod=None,
+                        block_mask=None, **grid_options):
     """Attention computed one [Tb,Sb] tile at a time; O(T + S) memory forward and backward.
 
     query [...,T,N,H], key [...,S,K,H], value [...,S,K,Hv] and the keywords is_causal,
@@ -406,6 +524,12 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
     block_size: int or (query_block, key_block); default: key blocks of 512, query blocks sized so a
       float32 tile [B,N,Tb,Sb] takes about TILE_BUDGET_BYTES (both clipped to T and S).
 
+    query_segment_ids, key_segment_ids, window, chunk_size, logit_softcap, sinks: as
+      dot_product_attention; score_mod, mask_mod, block_mask: as flex_attention. Key tiles that causality,
+      lengths, window, chunks, segment ids or the BlockMask exclude are never visited (block-sparse work);
+      tiles every rule allows run without a mask, and the BlockMask's full tiles without mask_mod. With a
+      block_mask, its block_size is the tile.
+
     Arbitrary masks and biases (and return_weights, dropout) need the full [T,S] grid: passing them
     raises ValueError (implementation=None falls back to the dense path instead).
     """
@@ -421,7 +545,11 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
     batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value)
     acc = accumulation_dtype(query.dtype)
     B = int(np.prod(batch, dtype=np.int64))
-    Tb, Sb = block_sizes(block_size, T, S, B * N)
+    if block_mask is not None:
+        block_masks.check_block_mask(block_mask, B, N, T, S)
+        block_size = check_block_mask_tiles(block_mask, block_size)
+    window = mods.check_window(window)
+    Tb, Sb = block_sizes(block_size, T, S, B * N, span=_span(window, is_causal))
     Tp, Sp = -(-T // Tb) * Tb, -(-S // Sb) * Sb
     q_pos, k_pos, lengths = _positions_and_lengths(batch, T, S, Tp, Sp, query_positions, key_positions,
                                                    key_value_seq_lengths)
@@ -436,8 +564,11 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
         bias_fn, consts = convert_hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc)
 
     contiguous = query_positions is None and key_positions is None
-    cfg = EngineConfig(Tb, Sb, N, MaskRule(is_causal=bool(is_causal)), max_distance, contiguous, precision,
-                       bias_fn)
+    rule = MaskRule(is_causal=bool(is_causal), window=window, chunk_size=mods.check_chunk_size(chunk_size))
+    terms, arrays = _terms(batch, T, S, N, K, Tp, Sp, acc, query_segment_ids=query_segment_ids,
+                           key_segment_ids=key_segment_ids, logit_softcap=logit_softcap, sinks=sinks,
+                           score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
+    cfg = EngineConfig(Tb, Sb, N, rule, max_distance, contiguous, precision, bias_fn, terms)
     scale = jnp.asarray(H ** -0.5 if scale is None else scale, acc)
     if query.dtype in (jnp.float32, jnp.float64):
         # Scaling [T,H] queries once beats scaling every [Tb,Sb] tile (forward and backward); half
@@ -446,9 +577,43 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
 
     q = _engine_layout(query, batch, T, Tp).reshape(B, K, N // K, Tp, H)
     k, v = _engine_layout(key, batch, S, Sp), _engine_layout(value, batch, S, Sp)
-    out = _engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths)
+    out = _engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays)
     out = jnp.moveaxis(out.reshape(B, N, Tp, Hv), 1, 2)[:, :T]
     return out.reshape(*batch, T, N, Hv)
+
+
+def _span(window, is_causal):
+    """The most consecutive keys a query may see under a window (None: unbounded)."""
+    if window is None or window[0] is None or (window[1] is None and not is_causal):
+        return None
+    return window[0] + (0 if window[1] is None else window[1]) + 1
+
+
+def _terms(batch, T, S, N, K, Tp, Sp, acc, *, query_segment_ids, key_segment_ids, logit_softcap, sinks, score_mod,
+           mask_mod, block_mask):
+    """Check the programmable keywords: (Terms, TermArrays) in the engine layout."""
+    B = int(np.prod(batch, dtype=np.int64))
+    q_seg, k_seg = mods.check_segment_ids(query_segment_ids, key_segment_ids, batch, T, S)
+    if q_seg is not None:  # [B|1, L padded]: padding repeats the last id (padded keys are masked by length)
+        q_seg, k_seg = (_flat_positions(x, batch, L, Lp) for x, L, Lp in ((q_seg, T, Tp), (k_seg, S, Sp)))
+        q_seg, k_seg = (x if x.ndim == 2 else x[None] for x in (q_seg, k_seg))
+    sinks = mods.check_sinks(sinks, batch, N, acc)
+    if sinks is not None:
+        sinks = jnp.broadcast_to(sinks, (*batch, N)).reshape(B, K, N // K)
+    score_fn = mods.element_function("score_mod", score_mod, acc)
+    mask_fn = mods.element_function("mask_mod", mask_mod)
+    kinds = None
+    if block_mask is not None:  # one kind per tile for every batch row and head (they share the tile)
+        each = block_masks.tile_kinds(block_mask)
+        kinds = jnp.where(jnp.all(each == block_masks.FULL, axis=(0, 1)), block_masks.FULL,
+                          jnp.where(jnp.any(each != block_masks.EMPTY, axis=(0, 1)), block_masks.PARTIAL,
+                                    block_masks.EMPTY)).astype(jnp.int8)
+    terms = Terms(softcap=mods.check_softcap(logit_softcap), score_fn=None if score_fn is None else score_fn.fn,
+                  mask_fn=None if mask_fn is None else mask_fn.fn, segments=q_seg is not None,
+                  block_kinds=kinds is not None)
+    arrays = TermArrays(q_seg=q_seg, k_seg=k_seg, sinks=sinks, score_consts=() if score_fn is None else score_fn.consts,
+                        mask_consts=() if mask_fn is None else mask_fn.consts, kinds=kinds)
+    return terms, arrays
 
 
 def _positions_and_lengths(batch, T, S, Tp, Sp, query_positions, key_positions, key_value_seq_lengths):

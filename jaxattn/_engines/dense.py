@@ -1,7 +1,8 @@
 """The dense engine: one [...,N,T,S] logits array, the masked softmax, and optional relative terms.
 
-    logits[...,n,t,s] = scale * (q[t,n] . k[s,kv(n)] + relative_logits[...,n,t,s]) + bias
-    p = masked_softmax(logits, allowed)            (float32 or wider)
+    logits[...,n,t,s] = softcap(scale * (q[t,n] . k[s,kv(n)] + relative_logits[...,n,t,s])) + bias
+    logits            = score_mod(logits, b, n, t, s)                          (flex_attention)
+    p = masked_softmax(logits, allowed, sinks)     (float32 or wider)
     out[...,t,n]      = sum_s p[...,n,t,s] v[s,kv(n)] + relative_values(p)[...,t,n]
 
 Grouped-query heads: query head n uses key/value head kv(n) = n // G with G = N // K, so the query's head
@@ -13,10 +14,13 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import jax.numpy as jnp
+import numpy as np
 
-from .._core import checks
+from .._core import block_mask as block_masks
+from .._core import checks, mods
 from .._core.dtypes import accumulation_dtype
 from .._core.masks import allowed_keys
+from .._core.positions import positions
 from .._core.softmax import dropout, masked_softmax
 
 
@@ -30,14 +34,74 @@ def _add_bias(logits, allowed, bias, logits_shape, acc):
     return logits, (finite if allowed is None else allowed & finite)
 
 
+def flat_grid(batch, N, T, S, query_positions, key_positions):
+    """(b [B], n [N], t [T] or [B,T], s [S] or [B,S]): the element indices that score_mod / mask_mod see,
+    over the flattened batch B = prod(batch), at absolute positions."""
+    B = int(np.prod(batch, dtype=np.int64))
+    q_pos, k_pos = positions(T, S, query_positions, key_positions)
+
+    def flat(pos, length):
+        return pos if pos.ndim == 1 else jnp.broadcast_to(pos, (*batch, length)).reshape(B, length)
+
+    return jnp.arange(B, dtype=jnp.int32), jnp.arange(N, dtype=jnp.int32), flat(q_pos, T), flat(k_pos, S)
+
+
+def _unflatten(grid, batch):
+    """[B|1, N|1, T, S] over the flattened batch -> [*batch or 1s, N|1, T, S]."""
+    if not batch:
+        return grid[0]
+    lead = tuple(batch) if grid.shape[0] != 1 else (1,) * len(batch)
+    return grid.reshape(*lead, *grid.shape[1:])
+
+
+class _Programmable:
+    """The programmable keywords of one dense call, checked (jaxattn._core.mods)."""
+
+    def __init__(self, batch, N, T, S, acc, *, query_segment_ids, key_segment_ids, window, chunk_size,
+                 logit_softcap, sinks, score_mod, mask_mod, block_mask, query_positions, key_positions):
+        self.window, self.chunk_size = mods.check_window(window), mods.check_chunk_size(chunk_size)
+        self.cap = mods.check_softcap(logit_softcap)
+        self.q_seg, self.k_seg = mods.check_segment_ids(query_segment_ids, key_segment_ids, batch, T, S)
+        self.sinks = mods.check_sinks(sinks, batch, N, acc)
+        self.score_fn = mods.element_function("score_mod", score_mod, acc)
+        self.mask_fn = mods.element_function("mask_mod", mask_mod)
+        self.block_mask = block_mask
+        if block_mask is not None:
+            block_masks.check_block_mask(block_mask, int(np.prod(batch, dtype=np.int64)), N, T, S)
+        with_grid = self.score_fn is not None or self.mask_fn is not None
+        self.grid = flat_grid(batch, N, T, S, query_positions, key_positions) if with_grid else None
+        self.batch, self.shape = batch, (*batch, N, T, S)
+
+    def score(self, logits):
+        """score_mod over the whole grid (identity without one)."""
+        if self.score_fn is None:
+            return logits
+        B = self.grid[0].shape[0]
+        flat = jnp.broadcast_to(logits, self.shape).reshape(B, *self.shape[-3:])
+        return mods.on_grid(self.score_fn.fn, self.score_fn.consts, *self.grid, score=flat).reshape(self.shape)
+
+    def allowed(self, allowed):
+        """allowed & mask_mod, read through the BlockMask when there is one."""
+        if self.mask_fn is None and self.block_mask is None:
+            return allowed
+        by_mod = None if self.mask_fn is None else mods.on_grid(self.mask_fn.fn, self.mask_fn.consts, *self.grid)
+        if self.block_mask is not None:
+            by_mod = block_masks.dense_allowed(self.block_mask, by_mod)
+        by_mod = _unflatten(by_mod, self.batch)
+        return by_mod if allowed is None else allowed & by_mod
+
+
 def attention_core(query, key, value, *, relative_logits: Optional[Callable] = None,
                    relative_values: Optional[Callable] = None, bias=None, mask=None, is_causal=False,
                    key_value_seq_lengths=None, query_positions=None, key_positions=None, scale=None,
-                   dropout_rate=0.0, dropout_rng=None, return_weights=False, precision=None, dims=None):
+                   dropout_rate=0.0, dropout_rng=None, return_weights=False, precision=None, dims=None,
+                   query_segment_ids=None, key_segment_ids=None, window=None, chunk_size=None,
+                   logit_softcap=None, sinks=None, score_mod=None, mask_mod=None, block_mask=None):
     """The dense attention routine; `relative_*` add the position terms (see module docstring).
 
     relative_logits(query) -> [...,N,T,S] (unscaled); relative_values(weights) -> [...,T,N,Hv].
     dims: checks.check_qkv's result when the caller has already checked query/key/value.
+    The programmable keywords are dot_product_attention's and flex_attention's (jaxattn._core.mods).
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value) if dims is None else dims
@@ -45,21 +109,28 @@ def attention_core(query, key, value, *, relative_logits: Optional[Callable] = N
     acc = accumulation_dtype(query.dtype)
     scale = H ** -0.5 if scale is None else scale
     logits_shape = (*batch, N, T, S)
+    prog = _Programmable(batch, N, T, S, acc, query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
+                         window=window, chunk_size=chunk_size, logit_softcap=logit_softcap, sinks=sinks,
+                         score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                         query_positions=query_positions, key_positions=key_positions)
 
     q = query.reshape(*query.shape[:-2], K, G, H)
     logits = jnp.einsum("...tkgh,...skh->...kgts", q, key, precision=precision, preferred_element_type=acc)
     logits = logits.reshape(*logits.shape[:-4], N, T, S)
     if relative_logits is not None:
         logits = logits + relative_logits(query)
-    logits = logits * jnp.asarray(scale, acc)
+    logits = mods.softcap(logits * jnp.asarray(scale, acc), prog.cap)
 
     allowed = allowed_keys(logits_shape, mask=mask, is_causal=is_causal,
                            key_value_seq_lengths=key_value_seq_lengths,
-                           query_positions=query_positions, key_positions=key_positions)
+                           query_positions=query_positions, key_positions=key_positions, window=prog.window,
+                           chunk_size=prog.chunk_size, query_segments=prog.q_seg, key_segments=prog.k_seg)
     if bias is not None:
         logits, allowed = _add_bias(logits, allowed, bias, logits_shape, acc)
+    logits = prog.score(logits)
+    allowed = prog.allowed(allowed)
 
-    weights = masked_softmax(logits, allowed)
+    weights = masked_softmax(logits, allowed, None if prog.sinks is None else prog.sinks[..., :, None, None])
     weights = dropout(weights, dropout_rate, dropout_rng)
 
     p = weights.astype(value.dtype).reshape(*weights.shape[:-3], K, G, T, S)

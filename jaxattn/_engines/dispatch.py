@@ -1,4 +1,5 @@
-"""The choice of implementation, above both engines: dot_product_attention picks dense or blockwise.
+"""The choice of implementation, above both engines: dot_product_attention / flex_attention pick dense or
+blockwise.
 
     implementation="dense"      one [...,N,T,S] array (every option)
     implementation="blockwise"  O(T + S) tiles (no mask, bias, return_weights or dropout: they span [T,S])
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core import checks
-from .blockwise import blockwise_attention, grid_options_in_use
+from .blockwise import blockwise_attention, check_block_mask_tiles, grid_options_in_use
 from .dense import attention_core
 
 # implementation=None picks blockwise when nothing needs the full [T,S] grid and the float32 logits
@@ -35,6 +36,8 @@ def use_blockwise(implementation, query, key, **options) -> bool:
     grid = {k: options.get(k) for k in ("bias", "mask", "return_weights", "dropout_rng")}
     if grid_options_in_use(dropout_rate=options.get("dropout_rate", 0.0), **grid):
         return False
+    if options.get("block_mask") is not None:
+        return True  # a BlockMask is there to skip tiles
     query, key = jnp.asarray(query), jnp.asarray(key)
     if query.ndim < 3 or key.ndim < 3:
         return False  # let the dense path raise its usual error
@@ -49,7 +52,8 @@ def use_blockwise(implementation, query, key, **options) -> bool:
 def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=False,
                           key_value_seq_lengths=None, query_positions=None, key_positions=None,
                           scale=None, dropout_rate=0.0, dropout_rng=None, return_weights=False,
-                          precision=None, implementation=None, block_size=None):
+                          precision=None, implementation=None, block_size=None, query_segment_ids=None,
+                          key_segment_ids=None, window=None, chunk_size=None, logit_softcap=None, sinks=None):
     """Scaled dot-product attention, multi-head / multi-query / grouped-query.
 
     Args:
@@ -59,7 +63,7 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
       is_causal: bottom-right aligned: query t (at t + S - T) sees keys s <= t + S - T.
       key_value_seq_lengths: int [...]; keys s >= length are padding.
       query_positions / key_positions: int [...,T] / [...,S] absolute positions replacing the
-        bottom-right defaults (used by the causal mask).
+        bottom-right defaults (used by the causal mask, window and chunks).
       scale: defaults to H ** -0.5.
       dropout_rate, dropout_rng: dropout on the weights (a key is required when rate > 0).
       return_weights: also return the weights [...,N,T,S] (after dropout).
@@ -68,13 +72,47 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
         return_weights or dropout) or None: blockwise when none of those is used and the float32 logits
         would take >= 16 MiB (jaxattn._engines.dispatch.use_blockwise).
       block_size: blockwise tile, int or (query_block, key_block); default: see blockwise_attention.
+      query_segment_ids / key_segment_ids: int [...,T] / [...,S]: a query sees only keys with its id
+        (packed documents).
+      window: (left, right), ints >= 0 or None (unbounded): key s allowed iff t - left <= s <= t + right
+        (absolute positions; Mistral's sliding window W is (W - 1, 0) with is_causal).
+      chunk_size: C > 0: key s allowed iff t // C == s // C (Llama 4's chunked attention).
+      logit_softcap: c > 0: c * tanh(x / c) on the scaled query-key logits (relative key terms included),
+        before bias and position biases (Gemma 2).
+      sinks: float [N] or [...,N]: one logit per query head in the softmax denominator with no value
+        (gpt-oss); it receives gradients; a row with no allowed key still gives zeros.
 
+    The blockwise path skips the key tiles that causality, lengths, window, chunks or segment ids exclude.
     Returns [...,T,N,Hv] (or (out, weights)). A query with no allowed key (or T = 0 / S = 0) gets zeros.
     """
-    options = dict(bias=bias, mask=mask, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
-                   query_positions=query_positions, key_positions=key_positions, scale=scale,
-                   dropout_rate=dropout_rate, dropout_rng=dropout_rng, return_weights=return_weights,
-                   precision=precision)
-    if use_blockwise(implementation, query, key, **options):
-        return blockwise_attention(query, key, value, block_size=block_size, **options)
-    return attention_core(query, key, value, **options)
+    return flex_attention(query, key, value, bias=bias, mask=mask, is_causal=is_causal,
+                          key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
+                          key_positions=key_positions, scale=scale, dropout_rate=dropout_rate,
+                          dropout_rng=dropout_rng, return_weights=return_weights, precision=precision,
+                          implementation=implementation, block_size=block_size,
+                          query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids, window=window,
+                          chunk_size=chunk_size, logit_softcap=logit_softcap, sinks=sinks)
+
+
+def flex_attention(query, key, value, *, score_mod=None, mask_mod=None, block_mask=None, implementation=None,
+                   block_size=None, **options):
+    """Attention with a score function, a mask function and block skipping (torch's FlexAttention, in JAX).
+
+        score_mod(score, b, n, t, s) -> score   the scaled logit (after logit_softcap and bias) of query
+                                                position t, key position s, query head n and flattened
+                                                batch index b; elementwise: scalars in, a scalar out
+        mask_mod(b, n, t, s) -> bool            True = may attend; ANDed with every other mask keyword
+
+    t and s are ABSOLUTE positions (query t at t + S - T, or query_positions / key_positions), so a causal
+    mask_mod is `t >= s` with or without a cache in front (torch's are row indices). Arrays either
+    function closes over receive gradients on both paths. block_mask (create_block_mask): empty tiles are
+    skipped and full tiles run without mask_mod; the blockwise path runs on its tiles (implementation=None
+    picks blockwise when one is given). Every keyword of dot_product_attention applies.
+    """
+    if block_mask is not None and block_size is not None:  # the BlockMask's tiles are the blockwise tiles
+        check_block_mask_tiles(block_mask, block_size)
+    if use_blockwise(implementation, query, key, block_mask=block_mask, **options):
+        return blockwise_attention(query, key, value, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                                   block_size=block_size, **options)
+    return attention_core(query, key, value, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
+                          **options)

@@ -419,6 +419,7 @@ _ring_core.defvjp(_ring_fwd, _ring_bwd)
 def _engine_config(**fields):
     """The blockwise engine's per-pair config, by field name (each chunk's positions are contiguous:
     consecutive integers from the chunk's global offset, padding masked as blockwise_attention does)."""
+    fields.setdefault("terms", blockwise.Terms())  # segments, softcap, sinks, score/mask functions: not here
     missing = set(blockwise.EngineConfig._fields) - set(fields)
     if missing:  # the engine grew an option this module does not know how to set
         raise NotImplementedError(f"ring attention: blockwise engine config fields {sorted(missing)} not set")

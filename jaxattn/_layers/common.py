@@ -17,16 +17,54 @@ import jax.numpy as jnp
 
 from .._core import checks
 from .._engines.dispatch import dot_product_attention
+from .._core.positions import positions as absolute_positions
+from .._schemes.rope import apply_rope
 from .._schemes.shaw import shaw_relative_attention
 from . import cache as kv_cache
 from .multihead import (head_dims, multi_head_attention, project_qkv, project_result, relative_multi_head_attention,
-                        relative_tables)
+                        relative_tables, with_param_sinks)
 
 Initializer = Callable[[Any, tuple, Any], jax.Array]  # flax's convention: init(rng, shape, dtype)
 
 default_kernel_init = jax.nn.initializers.lecun_normal()
 default_bias_init = jax.nn.initializers.zeros
 default_table_init = jax.nn.initializers.normal(0.02)
+
+
+@dataclasses.dataclass(frozen=True)
+class RoPE:
+    """Rotary embeddings inside a layer: queries and keys rotated after projection, before attention.
+
+    base, rotary_dim, layout: as jaxattn.apply_rope. frequencies: the inverse frequencies [rotary_dim/2]
+    (a tuple; scaled variants such as HF's "linear" / "llama3") instead of base ** (-2k / rotary_dim).
+    """
+
+    base: float = 10000.0
+    rotary_dim: Optional[int] = None
+    layout: str = "half"
+    frequencies: Optional[tuple] = None
+
+    def options(self) -> dict:
+        return dict(base=self.base, rotary_dim=self.rotary_dim, layout=self.layout, frequencies=self.frequencies)
+
+
+_GROUPS = ("query", "key", "value", "out")
+
+
+def bias_groups(use_bias) -> tuple[str, ...]:
+    """use_bias: True (all four projections), False (none), or the names of the biased ones."""
+    if isinstance(use_bias, bool):
+        return _GROUPS if use_bias else ()
+    names = (use_bias,) if isinstance(use_bias, str) else tuple(use_bias)
+    if any(n not in _GROUPS for n in names):
+        checks.fail("use_bias", f"a bool or names among {_GROUPS}", repr(use_bias))
+    return names
+
+
+def check_rope(rope) -> Optional[RoPE]:
+    if rope is not None and not isinstance(rope, RoPE):
+        checks.fail("rope", "None or a RoPE(base=..., rotary_dim=..., layout=..., frequencies=...)", repr(rope))
+    return rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,10 +145,11 @@ def flat_kernel_init(init: Initializer, fan_in_dims: int) -> Initializer:
 
 def param_specs(d: Dims, *, use_bias=True, add_bias_kv=False, kernel_init=default_kernel_init,
                 out_kernel_init=None, bias_init=default_bias_init, bias_kv_init=default_table_init,
-                relative: Optional[dict] = None) -> dict:
-    """{group: {leaf: (shape, init)}} in DESIGN.md's layout.
+                relative: Optional[dict] = None, sinks_init: Optional[Initializer] = None) -> dict:
+    """{group: {leaf: (shape, init)}} in DESIGN.md's layout; "sinks": (shape [N], init) at the top level.
 
     relative: None, or dict(max_distance, share_heads, use_key_table, use_value_table, table_init).
+    sinks_init: None (no sinks) or the initialiser of learned per-head sinks [N] (gpt-oss).
     """
     kernel_in = flat_kernel_init(kernel_init, 1)
     kernel_out = flat_kernel_init(out_kernel_init or kernel_init, 2)
@@ -121,9 +160,10 @@ def param_specs(d: Dims, *, use_bias=True, add_bias_kv=False, kernel_init=defaul
         "out": ((d.N, d.Hv, d.Eo), (d.Eo,), kernel_out),
     }
     specs = {}
+    biased = bias_groups(use_bias)
     for name, (kernel_shape, bias_shape, init) in groups.items():
         specs[name] = {"kernel": (kernel_shape, init)}
-        if use_bias:
+        if name in biased:
             specs[name]["bias"] = (bias_shape, bias_init)
     if add_bias_kv:
         specs["bias_kv"] = {"key": ((d.K, d.H), bias_kv_init), "value": ((d.K, d.Hv), bias_kv_init)}
@@ -135,6 +175,8 @@ def param_specs(d: Dims, *, use_bias=True, add_bias_kv=False, kernel_init=defaul
         tables = {"key": (R, *heads, d.H), "value": (R, *heads, d.Hv)}
         specs["relative"] = {name: (shape, relative["table_init"]) for name, shape in tables.items()
                              if relative[f"use_{name}_table"]}
+    if sinks_init is not None:
+        specs["sinks"] = ((d.N,), sinks_init)
     return specs
 
 
@@ -157,24 +199,70 @@ def inputs(query, key, value):
     return query, key, value
 
 
-def _decode(params, query, key, value, cache, *, relative, precision, options):
-    """Project, write the new keys/values into the cache, attend over all its slots, project out."""
+def _rotate(q, k, rope: Optional[RoPE], query_positions, key_positions):
+    """RoPE on the projected queries [...,T,N,H] and keys [...,S,K,H] at their positions."""
+    if rope is None:
+        return q, k
+    return apply_rope(q, query_positions, **rope.options()), apply_rope(k, key_positions, **rope.options())
+
+
+def _rope_positions(rope_positions, T: int, S: int, default_query, default_key):
+    """Rotary positions: `rope_positions` [...,T] for queries and keys alike (self-attention: the same
+    tokens, e.g. HF's position_ids), else the attention's own positions."""
+    if rope_positions is None:
+        return default_query, default_key
+    rope_positions = jnp.asarray(rope_positions)
+    checks.check_int("rope_positions", rope_positions)
+    checks.check_dim("rope_positions", rope_positions, -1, T, "[...,T]")
+    if S != T:
+        checks.fail("rope_positions", f"self-attention (as many keys as queries, T={T})", f"S={S} keys")
+    return rope_positions, rope_positions
+
+
+def rolling(window) -> bool:
+    """A layer whose window is bounded on the left keeps a rolling cache of that window (cache.rolling_write)."""
+    return window is not None and window[0] is not None
+
+
+def cache_length(window, max_length: int) -> int:
+    """Slots of a layer's cache for inputs of up to max_length tokens: its window's, or max_length."""
+    return kv_cache.rolling_size(window, max_length) if rolling(window) else max_length
+
+
+def _decode(params, query, key, value, cache, *, relative, precision, options, rope=None, rope_positions=None):
+    """Project, write the new keys/values into the cache, attend over all its slots, project out.
+
+    With `rope`, the new keys are rotated before they are written: the cache holds rotated keys."""
     for name in ("query_positions", "key_positions"):
         if options.pop(name, None) is not None:
             checks.fail(name, "None when decoding (positions come from the cache index)", "an array")
     options.pop("is_causal", None)  # a cache is causal by construction
-    head_dims(params, allow=("relative",) if relative else ())
+    for name in ("query_segment_ids", "key_segment_ids"):
+        if options.get(name) is not None:
+            checks.fail(name, "None when decoding (the cache keeps no segment ids)", "an array")
+    head_dims(params, allow=(("relative",) if relative else ()) + ("sinks",))
+    options = with_param_sinks(params, options)
     q, k, v = project_qkv(params, query, key, value, precision=precision)
+    if rope is not None:
+        T = q.shape[-3]
+        slots = cache[2][..., None] + jnp.arange(T, dtype=jnp.int32)  # where the new tokens land
+        q, k = _rotate(q, k, rope, *_rope_positions(rope_positions, T, k.shape[-3], slots, slots))
     lengths = options.pop("key_value_seq_lengths", None)
-    cached_key, cached_value, index, attend_kw = kv_cache.write(*cache, k, v, lengths)
+    if rolling(options.get("window")):  # an O(window) cache: attend over its slots and this call's tokens
+        keys, values, attend_kw, new_cache = kv_cache.rolling_write(*cache, k, v, lengths)
+    else:
+        cached_key, cached_value, index, attend_kw = kv_cache.write(*cache, k, v, lengths)
+        keys, values, new_cache = cached_key, cached_value, (cached_key, cached_value, index)
     if relative:
         key_table, value_table, max_distance = relative_tables(params)
-        result = shaw_relative_attention(q, cached_key, cached_value, key_table, value_table,
+        result = shaw_relative_attention(q, keys, values, key_table, value_table,
                                          max_distance=max_distance, precision=precision, **attend_kw, **options)
     else:
-        result = dot_product_attention(q, cached_key, cached_value, precision=precision, **attend_kw, **options)
+        result = dot_product_attention(q, keys, values, precision=precision, **attend_kw, **options)
     result = project_result(params, result, precision=precision)
-    return poison_overflow(result, index > cached_key.shape[-3]), (cached_key, cached_value, index)
+    if not rolling(options.get("window")):  # a rolling cache never overflows: it keeps the newest keys
+        result = poison_overflow(result, new_cache[2] > new_cache[0].shape[-3])
+    return result, new_cache
 
 
 def poison_overflow(result, overflowed):
@@ -191,19 +279,41 @@ def poison_overflow(result, overflowed):
     return poison(result, 2)
 
 
+def _attend_rotary(params, query, key, value, rope, rope_positions, precision, options):
+    """multi_head_attention's projections and attention, with RoPE between them."""
+    head_dims(params, allow=("sinks",))
+    options = with_param_sinks(params, options)
+    q, k, v = project_qkv(params, query, key, value, precision=precision)
+    T, S = q.shape[-3], k.shape[-3]
+    default = absolute_positions(T, S, options.get("query_positions"), options.get("key_positions"))
+    q, k = _rotate(q, k, rope, *_rope_positions(rope_positions, T, S, *default))
+    result = dot_product_attention(q, k, v, precision=precision, **options)
+    return project_result(params, result, precision=precision)
+
+
 def attend(params, query, key, value, *, relative: bool, add_zero_attn=False, precision=None, cache=None,
-           **options):
+           rope: Optional[RoPE] = None, rope_positions=None, **options):
     """The layers' forward pass: (result, new_cache), new_cache None unless `cache` was given.
 
     Without a cache this IS multi_head_attention / relative_multi_head_attention (same numbers).
     cache = (cached_key, cached_value, cache_index): the call's keys/values are new tokens (see cache.py);
     key_value_seq_lengths then counts the real ones among them, mask/bias index the cache's L slots.
+    rope: RoPE on queries and keys after projection, at `rope_positions` [...,T] (self-attention) or the
+    attention's positions (query t + S - T, key s; decoding: the slots the new tokens land in).
     """
+    rope = check_rope(rope)
+    if rope_positions is not None and rope is None:
+        checks.fail("rope_positions", "None unless the layer has rope=RoPE(...)", "an array")
+    if rope is not None and (relative or add_zero_attn or "bias_kv" in params):
+        checks.fail("rope", "None with relative tables, add_zero_attn or add_bias_kv", "a RoPE")
     if cache is not None:
         if add_zero_attn or "bias_kv" in params:
             checks.fail("decode", "a layer without add_zero_attn / add_bias_kv (torch-only extras)",
                          "a layer with them")
-        return _decode(params, query, key, value, cache, relative=relative, precision=precision, options=options)
+        return _decode(params, query, key, value, cache, relative=relative, precision=precision, options=options,
+                       rope=rope, rope_positions=rope_positions)
+    if rope is not None:
+        return _attend_rotary(params, query, key, value, rope, rope_positions, precision, options), None
     if relative:
         return relative_multi_head_attention(params, query, key, value, precision=precision, **options), None
     return multi_head_attention(params, query, key, value, add_zero_attn=add_zero_attn, precision=precision,

@@ -8,6 +8,7 @@ The tree is exactly flax.linen.MultiHeadDotProductAttention's, so the same param
 the Flax modules and flax's own layer. Head counts and dims are read from the kernels' shapes.
 Extras for converted torch modules: "bias_kv" ({"key": [K,H], "value": [K,Hv]}, torch's add_bias_kv) and
 the keyword add_zero_attn; both append key columns that every query may attend (torch's order).
+"sinks" [N]: learned per-head attention sinks (gpt-oss), used as the `sinks` keyword.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ _PROJECTIONS = {  # name: (kernel layout, bias layout)
     "value": ("[Ev,K,Hv]", "[K,Hv]"),
     "out": ("[N,Hv,Eo]", "[Eo]"),
 }
-_EXTRAS = ("bias_kv", "relative")
+_EXTRAS = ("bias_kv", "relative", "sinks")
 
 
 def _entry(params, name):
@@ -62,6 +63,8 @@ def head_dims(params, *, allow=_EXTRAS):
         if "bias" in params[name]:
             checks.check_shape(f"params['{name}']['bias']", jnp.asarray(params[name]["bias"]), shape,
                                 _PROJECTIONS[name][1])
+    if "sinks" in params:
+        checks.check_shape("params['sinks']", jnp.asarray(params["sinks"]), (N,), "[N]: one sink logit per head")
     if "bias_kv" in params:
         bkv = params["bias_kv"]
         checks.check_shape("params['bias_kv']['key']", jnp.asarray(bkv["key"]), (K, H), "[K,H]")
@@ -122,6 +125,11 @@ def _append_keys(params, q, k, v, add_zero_attn, options):
         extras.append((jnp.zeros(k.shape[-2:], k.dtype), jnp.zeros(v.shape[-2:], v.dtype)))
     if not extras:
         return k, v, options
+    rules = [name for name in ("window", "chunk_size", "query_segment_ids", "key_segment_ids")
+             if options.get(name) is not None]
+    if rules:
+        checks.fail("/".join(rules), "None with add_bias_kv / add_zero_attn (torch's extra key columns have "
+                    "no position)", "a value")
     batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     T, N = q.shape[-3:-1]
     S = k.shape[-3]
@@ -155,11 +163,21 @@ def multi_head_attention(params, query, key=None, value=None, *, add_zero_attn=F
     Keywords as dot_product_attention (mask/bias [...,N,T,S] over the S real keys), plus add_zero_attn
     (torch's option: one zero key/value column appended). Returns [...,T,Eo] (or (out, weights)).
     """
-    head_dims(params, allow=("bias_kv",))
+    head_dims(params, allow=("bias_kv", "sinks"))
+    options = with_param_sinks(params, options)
     q, k, v = project_qkv(params, query, key, value, precision=precision)
     k, v, options = _append_keys(params, q, k, v, add_zero_attn, options)
     result = dot_product_attention(q, k, v, precision=precision, **options)
     return project_result(params, result, precision=precision)
+
+
+def with_param_sinks(params, options):
+    """options with sinks=params["sinks"] when the tree has learned sinks (gpt-oss); never both."""
+    if "sinks" not in params:
+        return options
+    if options.get("sinks") is not None:
+        checks.fail("sinks", "None when params has a 'sinks' entry (the learned sinks are used)", "an array")
+    return {**options, "sinks": params["sinks"]}
 
 
 def relative_tables(params):
@@ -180,7 +198,8 @@ def relative_tables(params):
 
 def relative_multi_head_attention(params, query, key=None, value=None, *, precision=None, **options):
     """multi_head_attention with Shaw tables from params['relative'] (see shaw_relative_attention)."""
-    head_dims(params, allow=("relative",))
+    head_dims(params, allow=("relative", "sinks"))
+    options = with_param_sinks(params, options)
     key_table, value_table, max_distance = relative_tables(params)
     q, k, v = project_qkv(params, query, key, value, precision=precision)
     result = shaw_relative_attention(q, k, v, key_table, value_table, max_distance=max_distance,

@@ -39,7 +39,8 @@ def _combined_bias(bias_fn: PositionBias, T: int, S: int, options: dict):
 
 
 _BLOCKWISE_OPTIONS = ("is_causal", "key_value_seq_lengths", "query_positions", "key_positions", "scale",
-                      "precision")
+                      "precision", "query_segment_ids", "key_segment_ids", "window", "chunk_size", "logit_softcap",
+                      "sinks")
 
 
 def _unset(value) -> bool:

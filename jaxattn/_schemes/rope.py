@@ -54,6 +54,15 @@ def inverse_frequencies(rotary_dim: int, base: float, dtype):
     return jnp.asarray(1.0 / base ** (k / rotary_dim), dtype)
 
 
+def _frequencies(frequencies, rotary_dim: int, base: float, dtype):
+    if frequencies is None:
+        return inverse_frequencies(rotary_dim, base, dtype)
+    frequencies = jnp.asarray(frequencies)
+    checks.check_float("frequencies", frequencies)
+    checks.check_shape("frequencies", frequencies, (rotary_dim // 2,), "[rotary_dim/2]")
+    return frequencies.astype(dtype)
+
+
 def _split_pairs(x, rotary_dim: int, layout: str):
     if layout == "half":
         return x[..., : rotary_dim // 2], x[..., rotary_dim // 2 : rotary_dim]
@@ -67,12 +76,14 @@ def _join_pairs(a, b, layout: str):
 
 
 def apply_rope(x, positions=None, *, offset=0, base: float = 10000.0, rotary_dim: int | None = None,
-               layout: str = "half"):
+               layout: str = "half", frequencies=None):
     """Rotate the first `rotary_dim` features of every head of x [...,T,N,H] by its position.
 
     positions: int [...,T] (broadcast against x's batch dims); default arange(T) + offset (offset: an int
     or int scalar array, e.g. the number of cached tokens when decoding). rotary_dim: even, <= H, default H
-    (GPT-NeoX/GPT-J rotate only part of each head). Returns x's shape and dtype.
+    (GPT-NeoX/GPT-J rotate only part of each head). frequencies: the inverse frequencies theta_k
+    [rotary_dim/2] to use instead of base ** (-2k / rotary_dim), for scaled variants (HF's "linear":
+    theta / factor; "llama3", "yarn": their own per-k formulas). Returns x's shape and dtype.
     """
     x = jnp.asarray(x)
     checks.check_min_rank("x", x, 3, "[...,T,N,H]")
@@ -92,7 +103,7 @@ def apply_rope(x, positions=None, *, offset=0, base: float = 10000.0, rotary_dim
         checks.check_min_rank("positions", positions, 1, "[...,T]")
         checks.check_dim("positions", positions, -1, T, "[...,T]")
     acc = accumulation_dtype(x.dtype)
-    angles = positions.astype(acc)[..., :, None, None] * inverse_frequencies(rotary_dim, base, acc)
+    angles = positions.astype(acc)[..., :, None, None] * _frequencies(frequencies, rotary_dim, base, acc)
     cos, sin = jnp.cos(angles), jnp.sin(angles)  # [...,T,1,rotary_dim/2]
     a, b = _split_pairs(x.astype(acc), rotary_dim, layout)
     rotated = _join_pairs(a * cos - b * sin, b * cos + a * sin, layout)

@@ -1,12 +1,25 @@
 """Models assembled from jaxattn's Flax layers (pure JAX + Flax; weights come in as numpy arrays).
 
+    model, params = jaxattn.models.from_pretrained("dir")     # a transformers save_pretrained directory
+    logits = model.apply({"params": params}, input_ids, attention_mask=attention_mask)
+    ids = jaxattn.models.generate(model, params, input_ids, max_new_tokens=32, attention_mask=attention_mask)
+
     from jaxattn.models import BertConfig, BertModel, bert_params_from_state_dict, mean_pooling
 """
 
+from . import bert as _bert_family  # noqa: F401  (each family module registers its model_type)
+from . import gpt2 as _gpt2_family  # noqa: F401
+from . import llama as _llama_family  # noqa: F401  (llama and qwen2)
+from . import t5 as _t5_family  # noqa: F401
+from ._generate import generate as generate
+from ._pretrained import from_pretrained as from_pretrained
+from ._pretrained import from_state_dict as from_state_dict
+from ._pretrained import supported_model_types as supported_model_types
 from .bert import BertConfig as BertConfig
 from .bert import BertModel as BertModel
 from .bert import mean_pooling as mean_pooling
 from .bert import params_from_state_dict as bert_params_from_state_dict
 from .bert import state_dict_names as bert_state_dict_names
 
-__all__ = ["BertConfig", "BertModel", "bert_params_from_state_dict", "bert_state_dict_names", "mean_pooling"]
+__all__ = ["BertConfig", "BertModel", "bert_params_from_state_dict", "bert_state_dict_names", "from_pretrained",
+           "from_state_dict", "generate", "mean_pooling", "supported_model_types"]

@@ -27,6 +27,7 @@ import numpy as np
 
 from .._core import checks
 from ..linen import MultiHeadAttention
+from . import _pretrained, _table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,3 +276,36 @@ def init_params(config: BertConfig, rng=None, **model_options) -> dict:
     rng = jax.random.key(0) if rng is None else rng
     ids = jnp.zeros((1, 2), jnp.int32)
     return BertModel(config, **model_options).init(rng, ids)["params"]
+
+
+# --- from_pretrained ------------------------------------------------------------------------------------------
+
+_TABLE_TRANSFORMS = {"copy": "copy", "transpose": "transpose", "heads_in": "T_reshape", "heads": "reshape",
+                     "heads_out": "T_reshape"}
+
+
+def weight_table(config: BertConfig, *, add_pooling_layer: bool = True, prefix: str = "") -> list[_table.Row]:
+    """The table above as _table rows (HF name -> our path, transform, shape) for from_pretrained."""
+    return [_table.row(prefix + name, letters, path, our_letters, _TABLE_TRANSFORMS[transform])
+            for name, letters, path, our_letters, transform in _rows(config, add_pooling_layer)]
+
+
+@_pretrained.register_family("bert")
+def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
+    """(BertModel, params) from a BertModel checkpoint (names with or without the "bert." prefix)."""
+    for key in ("is_decoder", "add_cross_attention"):
+        if config.get(key, False):
+            _pretrained.refuse(source, key, "false (an encoder; decoder cross-attention is not implemented)",
+                               config[key])
+    try:
+        bert_config = BertConfig.from_dict(config)
+    except ValueError as error:
+        raise ValueError(f"{source}: {error}") from None
+    prefix = "bert." if any(name.startswith("bert.") for name in tensors) else ""
+    pooler = prefix + "pooler.dense.weight" in tensors
+    rows = weight_table(bert_config, add_pooling_layer=pooler, prefix=prefix)
+    buffer = prefix + "embeddings.position_ids"
+    if buffer in tensors and not np.array_equal(tensors[buffer], _BUFFERS["embeddings.position_ids"](bert_config)):
+        raise ValueError(f"{files[buffer]}: {buffer!r}: expected the default buffer arange(P), got other values")
+    params = _table.fill(tensors, rows, bert_config.dims(), files, dtype=dtype, ignored=(buffer,))
+    return BertModel(bert_config, add_pooling_layer=pooler, precision=precision), params

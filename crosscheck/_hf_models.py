@@ -1,0 +1,217 @@
+"""Small random-weight Hugging Face checkpoints, written offline and seeded, for tests and the catalogue.
+
+`write_checkpoint(model_type, directory)` builds a transformers model from a tiny config (2 layers, hidden
+32-48, vocab 97, GQA where the family has it), randomises EVERY parameter (HF's init leaves biases at 0 and
+norm weights at 1, which would hide a transposed bias or a misplaced norm), and save_pretrained()s it.
+`torch_model(directory)` loads it back in transformers with eager attention; `padded_batch` makes prompts
+of different lengths padded on the left or the right.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import types
+from pathlib import Path
+
+import numpy as np
+
+VOCAB = 97
+
+# model_type -> (transformers config class name, model class name, config kwargs)
+TINY = {
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
+             dict(vocab_size=VOCAB, n_positions=128, n_embd=32, n_layer=2, n_head=4)),
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                   rms_norm_eps=1e-6, tie_word_embeddings=False,
+                   rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0))),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                   rms_norm_eps=1e-6, tie_word_embeddings=True,
+                   rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    "t5": ("T5Config", "T5ForConditionalGeneration",
+           dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=56, num_layers=2, num_decoder_layers=2, num_heads=4,
+                relative_attention_num_buckets=8, relative_attention_max_distance=20,
+                feed_forward_proj="gated-gelu", decoder_start_token_id=0)),
+}
+
+
+# greedy decoding runs for exactly max_new_tokens on both sides: no end-of-sequence token
+_NO_SPECIAL_TOKENS = dict(bos_token_id=None, eos_token_id=None, pad_token_id=0)
+
+
+def _no_special_tokens(config) -> None:
+    for key, value in _NO_SPECIAL_TOKENS.items():
+        setattr(config, key, value)
+
+
+# model_type -> the transformers Auto class whose model jaxattn.models ports (the decoders: a causal LM)
+_AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM"}
+
+
+def _quiet(transformers) -> None:
+    transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars in tables and tests
+
+
+# HF norms whose code takes the mean square in float32 whatever the input dtype (a float64 run included)
+_FLOAT32_NORMS = ("T5LayerNorm", "LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+
+
+def _rms_norm_in_input_precision(self, hidden_states):
+    dtype = torch_promote(hidden_states.dtype)
+    wide = hidden_states.to(dtype)
+    wide = wide * (wide.pow(2).mean(-1, keepdim=True) + self.variance_epsilon).rsqrt()
+    return self.weight * wide.to(hidden_states.dtype)
+
+
+def torch_promote(dtype):
+    import torch
+
+    return torch.promote_types(dtype, torch.float32)
+
+
+# HF rotary embeddings whose code computes cos/sin in float32 whatever the input dtype
+_FLOAT32_ROTARY = ("LlamaRotaryEmbedding", "Qwen2RotaryEmbedding", "MistralRotaryEmbedding")
+
+
+def _rotary_in_input_precision(self, x, position_ids):
+    import torch
+
+    from jaxattn.models.llama import rope_frequencies
+
+    config = self.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    inverse = torch.from_numpy(rope_frequencies(config.to_dict(), head_dim)).to(x.device)
+    dtype = torch_promote(x.dtype)
+    freqs = position_ids[..., None].to(dtype) * inverse.to(dtype)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
+# HF modules whose eager attention takes its softmax in float32 whatever the input dtype
+_FLOAT32_SOFTMAX = ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
+                    "transformers.models.mistral.modeling_mistral")
+
+
+def _eager_attention_in_input_precision(hf_module):
+    """HF's eager_attention_forward of `hf_module` (Llama's), the softmax taken in the input's dtype."""
+    import torch
+
+    def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        key_states = hf_module.repeat_kv(key, module.num_key_value_groups)
+        value_states = hf_module.repeat_kv(value, module.num_key_value_groups)
+        attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+        if attention_mask is not None:
+            attn_weights = attn_weights + attention_mask
+        attn_weights = torch.softmax(attn_weights, dim=-1, dtype=torch_promote(query.dtype)).to(query.dtype)
+        attn_weights = torch.nn.functional.dropout(attn_weights, p=dropout, training=module.training)
+        return torch.matmul(attn_weights, value_states).transpose(1, 2).contiguous(), attn_weights
+
+    return eager_attention_forward
+
+
+@contextlib.contextmanager
+def float64_reference(torch_model, dtype: str):
+    """With dtype "float64": HF's float32-only steps run in float64 for the duration: the RMS norms'
+    statistics (T5, Llama, Qwen2, Mistral) and the rotary cos/sin (Llama, Qwen2, Mistral; their inverse
+    frequencies from jaxattn.models.llama.rope_frequencies in float64, HF's formulas). HF's code casts
+    these to float32 even for float64 inputs, which would make the float64 reference a float32 one there
+    (~1e-7 apart, and bit-for-bit unreachable: torch's float32 reduction order and libm). Every other
+    operation is HF's own code; float32 runs are untouched.
+
+    Also the eager softmax of Llama, Qwen2 and Mistral, which HF takes in float32: in a float64 run the
+    additive mask's float64 minimum becomes -inf there, a fully masked (padded) query row turns to NaN and
+    the NaN reaches every row through the next layer's values (HF's float64 with padding is NaN throughout).
+    """
+    import sys
+
+    patched, functions = [], []
+    if dtype == "float64":
+        for name in _FLOAT32_SOFTMAX:
+            hf_module = sys.modules.get(name)
+            if hf_module is not None and type(torch_model).__module__ == name:
+                functions.append((hf_module, hf_module.eager_attention_forward))
+                hf_module.eager_attention_forward = _eager_attention_in_input_precision(hf_module)
+        for module in torch_model.modules():
+            if type(module).__name__ in _FLOAT32_NORMS:
+                module.forward = types.MethodType(_rms_norm_in_input_precision, module)
+                patched.append(module)
+            elif type(module).__name__ in _FLOAT32_ROTARY:
+                module.forward = types.MethodType(_rotary_in_input_precision, module)
+                patched.append(module)
+    try:
+        yield torch_model
+    finally:
+        for module in patched:
+            del module.forward
+        for hf_module, original in functions:
+            hf_module.eager_attention_forward = original
+
+
+def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
+    """The transformers model saved in `directory` (offline, eager attention), in `dtype`, eval mode."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import json
+
+    import torch
+    import transformers
+
+    _quiet(transformers)
+    model_type = json.loads((Path(directory) / "config.json").read_text())["model_type"]
+    cls = getattr(transformers, _AUTO.get(model_type, "AutoModelForCausalLM"))
+    model = cls.from_pretrained(str(directory), attn_implementation="eager", local_files_only=True)
+    if getattr(model, "generation_config", None) is not None:  # both sides decode exactly max_new_tokens
+        _no_special_tokens(model.generation_config)
+    return model.to(getattr(torch, dtype)).eval()
+
+
+# weight-matrix gain per family (default 3): large enough that greedy decoding does not collapse to one
+# repeated token, small enough that float32 stays well conditioned (T5's gated FF multiplies two gains)
+_GAIN = {"t5": 1.5, "llama": 1.5, "qwen2": 1.5}
+
+
+def write_checkpoint(model_type: str, directory: str | os.PathLike, *, seed: int = 0, **overrides) -> Path:
+    """save_pretrained of a tiny random `model_type` model in `directory`; returns the directory."""
+    import torch
+    import transformers
+
+    _quiet(transformers)
+    config_cls, model_cls, kwargs = TINY[model_type]
+    config = getattr(transformers, config_cls)(**{**kwargs, **_NO_SPECIAL_TOKENS, **overrides})
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=generator, dtype=p.dtype)
+            if name.endswith("weight") and p.ndim == 1:  # norm scales: around 1
+                p.copy_(1.0 + 0.2 * noise)
+            elif "relative_attention_bias" in name:  # T5's only position signal: strong, so decoding varies
+                p.copy_(3.0 * noise)
+            else:
+                p.copy_(0.2 * noise if p.ndim == 1 else _GAIN.get(model_type, 3.0) * noise / p.shape[-1] ** 0.5)
+            if name.endswith(("Attention.q.weight",)):  # T5 has no 1/sqrt(d) in its logits: its init has it
+                p.mul_(config.d_kv ** -0.5)
+    directory = Path(directory)
+    model.save_pretrained(str(directory))
+    return directory
+
+
+def padded_batch(side: str, *, seed: int = 0, batch: int = 3, length: int = 11, vocab: int = VOCAB):
+    """(input_ids, attention_mask) int64 [batch,length]: rows of lengths length, length-4, length-2 (and
+    so on), padded on `side` ("left" or "right") with token 0."""
+    if side not in ("left", "right"):
+        raise ValueError(f"side: expected 'left' or 'right', got {side!r}")
+    rng = np.random.default_rng(seed)
+    ids = rng.integers(1, vocab, (batch, length))
+    mask = np.ones((batch, length), np.int64)
+    for b in range(batch):
+        pad = (0, 4, 2, 7, 1)[b % 5] % length
+        if pad:
+            mask[b, :pad] = 0 if side == "left" else 1
+            if side == "right":
+                mask[b, length - pad:] = 0
+    return np.where(mask == 1, ids, 0), mask

@@ -1,0 +1,236 @@
+"""`layer_report`: a whole model in PyTorch (transformers) against its jaxattn.models port, layer by layer.
+
+Both run the same inputs; every aligned layer output is compared: the embeddings; each block's attention
+output, MLP output and residual stream; the final norm; the logits. Rows are in forward order, so
+`first_divergent` is where a port first goes wrong (a wrong weight, a wrong formula), not merely that it is
+wrong somewhere.
+
+Memory: only ONE model's activations are ever held. The JAX side runs first and keeps its sown
+intermediates ("intermediates" collection, see jaxattn/models/_decoder.py); the torch side is compared
+inside forward hooks, each activation reduced to three numbers the moment it exists and then dropped.
+
+float64: HF's RMS norms take their statistics in float32 even for float64 inputs; the float64 reference
+lifts exactly that (crosscheck._hf_models.float64_reference), everything else is HF's code.
+
+Padding: rows are compared on real tokens only (attention_mask == 1). A padded query's output has no
+meaning (no key is allowed to it, or only padding is) and the frameworks differ there by design.
+
+Pass/fail per row: float32 max abs <= 1e-5 (Hugging Face's bar for its Flax ports) on rows whose values
+are O(1), scaled by the row's largest |value| when that exceeds 1 (float32 rounding grows with the
+magnitude: a residual stream of size 50 carries ~5e-6 of it in either framework); float64 normwise <= 1e-12.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from crosscheck._compare import error_metrics
+from crosscheck._hf_models import float64_reference
+
+# dtype -> (metric, bar); "max_abs" is measured against bar * max(1, the row's largest |reference value|)
+LAYER_TOLERANCES: Mapping[str, tuple[str, float]] = {"float32": ("max_abs", 1e-5), "float64": ("normwise", 1e-12)}
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerRow:
+    name: str          # "embeddings", "layer3.attention", "layer3.mlp", "layer3.residual", "final_norm", "logits"
+    depth: int         # position in forward order (the plot's x axis)
+    max_abs: float
+    normwise: float
+    scale: float       # the reference row's largest |value|
+    metric: str        # which of the two the bar applies to
+    tolerance: float
+
+    @property
+    def bar(self) -> float:
+        return self.tolerance * max(1.0, self.scale) if self.metric == "max_abs" else self.tolerance
+
+    @property
+    def passed(self) -> bool:
+        value = getattr(self, self.metric)
+        return not math.isnan(value) and value <= self.bar
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerReport:
+    model: str
+    dtype: str
+    rows: tuple[LayerRow, ...]
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r.passed for r in self.rows)
+
+    @property
+    def first_divergent(self) -> str | None:
+        """The first row (forward order) over its tolerance; None when every row passes."""
+        return next((r.name for r in self.rows if not r.passed), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "dtype": self.dtype, "passed": self.passed,
+                "first_divergent": self.first_divergent,
+                "rows": [{**dataclasses.asdict(r), "bar": r.bar, "passed": r.passed} for r in self.rows]}
+
+    def __str__(self) -> str:
+        metric, bar = LAYER_TOLERANCES[self.dtype]
+        what = f"max abs <= {bar:.0e} * max(1, max |ref|)" if metric == "max_abs" else f"normwise <= {bar:.0e}"
+        lines = [f"{self.model} [{self.dtype}]: {what} per layer, real tokens only",
+                 f"  {'layer':32} {'max |ref|':>10} {'max abs':>10} {'normwise':>10} {'bar':>9}  result"]
+        lines += [f"  {r.name:32} {r.scale:10.2e} {r.max_abs:10.2e} {r.normwise:10.2e} {r.bar:9.1e}  "
+                  f"{'ok' if r.passed else 'FAIL'}" for r in self.rows]
+        lines.append(f"  first divergent: {self.first_divergent}" if not self.passed else "  every layer passes")
+        return "\n".join(lines)
+
+
+# --- per family: which torch modules produce the aligned outputs --------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Family:
+    embeddings: Callable[[Any], Any]            # torch model -> module whose output is the embeddings row
+    layers: Callable[[Any], Any]                # torch model -> the blocks
+    attention: str                              # block attribute: attention sub-layer
+    mlp: str | None                          # block attribute: MLP sub-layer (None: fused with a norm)
+    final_norm: Callable[[Any], Any] | None
+    jax_layer: str                              # our params' name of block i ("h_{i}")
+
+    def watch(self, torch_model) -> list[tuple[Any, str]]:
+        """(module, row name) in forward order."""
+        watched = [(self.embeddings(torch_model), "embeddings")]
+        for i, block in enumerate(self.layers(torch_model)):
+            watched.append((getattr(block, self.attention), f"layer{i}.attention"))
+            if self.mlp is not None:
+                watched.append((getattr(block, self.mlp), f"layer{i}.mlp"))
+            watched.append((block, f"layer{i}.residual"))
+        if self.final_norm is not None:
+            watched.append((self.final_norm(torch_model), "final_norm"))
+        return watched
+
+
+class _T5(_Family):
+    """T5: the encoder's rows ("encoder.*"), then the decoder's (with each block's cross-attention)."""
+
+    def watch(self, torch_model) -> list[tuple[Any, str]]:
+        watched = []
+        for stack in ("encoder", "decoder"):
+            watched.append((getattr(torch_model, stack).embed_tokens, f"{stack}.embeddings"))
+            for i, block in enumerate(getattr(torch_model, stack).block):
+                watched.append((block.layer[0].SelfAttention, f"{stack}.layer{i}.attention"))
+                if stack == "decoder":
+                    watched.append((block.layer[1].EncDecAttention, f"{stack}.layer{i}.cross_attention"))
+                watched.append((block.layer[-1].DenseReluDense, f"{stack}.layer{i}.mlp"))
+                watched.append((block, f"{stack}.layer{i}.residual"))
+            watched.append((getattr(torch_model, stack).final_layer_norm, f"{stack}.final_norm"))
+        return watched
+
+
+FAMILIES: dict[str, _Family] = {
+    "gpt2": _Family(lambda m: m.transformer.drop, lambda m: m.transformer.h, "attn", "mlp",
+                    lambda m: m.transformer.ln_f, "h_{i}"),
+    "llama": _Family(lambda m: m.model.embed_tokens, lambda m: m.model.layers, "self_attn", "mlp",
+                     lambda m: m.model.norm, "layers_{i}"),
+    "bert": _Family(lambda m: m.embeddings, lambda m: m.encoder.layer, "attention", None, None, "layer_{i}"),
+    "t5": _T5(None, None, "", None, None, "{stack}/block_{i}"),
+}
+FAMILIES["qwen2"] = FAMILIES["mistral"] = FAMILIES["llama"]
+
+
+def family(torch_model) -> _Family:
+    model_type = torch_model.config.model_type
+    if model_type not in FAMILIES:
+        raise ValueError(f"torch_model: expected a model_type among {sorted(FAMILIES)}, got {model_type!r}")
+    return FAMILIES[model_type]
+
+
+@functools.cache
+def _jitted_apply(model, mutable: bool):
+    import jax
+
+    if mutable:
+        return jax.jit(lambda params, inputs: model.apply({"params": params}, **inputs, mutable=["intermediates"]))
+    return jax.jit(lambda params, inputs: model.apply({"params": params}, **inputs))
+
+
+def _flat(tree, prefix="") -> dict[str, Any]:
+    """Sown intermediates {"decoder": {"layer0.mlp": (x,)}} -> {"decoder.layer0.mlp": x}."""
+    if isinstance(tree, tuple):
+        return {prefix: tree[0]}
+    return {k: v for name, sub in tree.items() for k, v in _flat(sub, f"{prefix}.{name}" if prefix else name).items()}
+
+
+def _jax_rows(model, params, inputs) -> dict[str, np.ndarray]:
+    """Our side's aligned outputs, by row name (BERT returns them; the others sow them)."""
+    from jaxattn.models import BertModel
+
+    if isinstance(model, BertModel):
+        out = _jitted_apply(model, False)(params, inputs)
+        rows = {"embeddings": out["hidden_states"][0]}
+        for i, a in enumerate(out["attention_outputs"]):
+            rows[f"layer{i}.attention"] = a
+            rows[f"layer{i}.residual"] = out["hidden_states"][i + 1]
+        return {k: np.asarray(v) for k, v in rows.items()}
+    logits, state = _jitted_apply(model, True)(params, inputs)
+    rows = {name: np.asarray(value) for name, value in _flat(state["intermediates"]).items()}
+    return {**rows, "logits": np.asarray(logits)}
+
+
+def _real_tokens(name: str, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
+    """Which [B,T] positions of row `name` are real tokens (T5's decoder rows follow the decoder's mask)."""
+    decoder = "decoder_input_ids" in inputs and (name.startswith("decoder.") or name == "logits")
+    ids = inputs["decoder_input_ids" if decoder else "input_ids"]
+    mask = inputs.get("decoder_attention_mask" if decoder else "attention_mask")
+    return np.ones(ids.shape, bool) if mask is None else mask.astype(bool)
+
+
+def layer_report(torch_model, model_and_params, inputs: Mapping[str, Any], *, dtype: str) -> LayerReport:
+    """Compare every aligned layer of `torch_model` (a transformers model) and (model, params) (its port).
+
+    inputs: {"input_ids": int [B,T], "attention_mask": [B,T] (optional)} as numpy arrays. dtype: "float32"
+    or "float64"; both sides are cast to it (the torch model in place, our params by an explicit astype).
+    """
+    import jax
+    import torch
+
+    if dtype not in LAYER_TOLERANCES:
+        raise ValueError(f"dtype: expected one of {sorted(LAYER_TOLERANCES)}, got {dtype!r}")
+    model, params = model_and_params
+    spec = family(torch_model)
+    metric, bar = LAYER_TOLERANCES[dtype]
+    params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
+    inputs = {k: np.asarray(v) for k, v in inputs.items()}
+    ours = _jax_rows(model, params, inputs)
+    rows: list[LayerRow] = []
+
+    def measure(name: str, theirs) -> None:
+        real = _real_tokens(name, inputs)
+        theirs = theirs[0] if isinstance(theirs, tuple) else theirs
+        reference = theirs.detach().numpy()[real]
+        max_abs, _, normwise = error_metrics(ours[name][real], reference)
+        scale = float(np.abs(reference).max(initial=0.0))
+        rows.append(LayerRow(name, len(rows), max_abs, normwise, scale, metric, bar))
+
+    names: dict[Any, list[str]] = {}  # module -> its rows, in call order (a module may serve twice)
+    for module, name in spec.watch(torch_model):
+        names.setdefault(module, []).append(name)
+
+    def hook(queue):
+        calls = iter(queue)
+        return lambda module, args, out: measure(next(calls), out)
+
+    torch_model.to(getattr(torch, dtype)).eval()
+    handles = [module.register_forward_hook(hook(queue)) for module, queue in names.items()]
+    try:
+        with torch.no_grad(), float64_reference(torch_model, dtype):
+            out = torch_model(**{k: torch.from_numpy(v).long() for k, v in inputs.items()})
+        if "logits" in ours:
+            measure("logits", out.logits)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return LayerReport(torch_model.config.model_type, dtype, tuple(rows))

@@ -1,0 +1,123 @@
+"""`python -m crosscheck --model DIR [--plot FILE.png] [--json FILE]`: a checkpoint, layer by layer.
+
+Loads DIR in transformers (torch, eager attention) and in jaxattn.models (no torch), runs both on one
+batch (the directory's tokenizer.json on fixed sentences when there is one, else seeded random token ids;
+prompts of different lengths, padded), prints crosscheck.layer_report's table per dtype, optionally draws
+error against depth and writes JSON, and exits 1 naming the first divergent layer.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+SENTENCES = ("The quick brown fox jumps over the lazy dog.", "Hi!", "A man is eating food.",
+             "Two dogs are playing in the snow near the old wooden fence.")
+
+
+def model_inputs(directory: Path, config: dict) -> dict[str, np.ndarray]:
+    """{"input_ids", "attention_mask"} [B,T]: real sentences when DIR has a tokenizer, else random ids.
+
+    Padding is on the right for encoders (BERT, T5) and on the left for decoders, as each is used. T5 also
+    gets decoder_input_ids: its decoder_start_token_id, then 6 seeded random tokens.
+    """
+    inputs = _encoder_inputs(directory, config)
+    if config.get("model_type") == "t5":
+        B = len(inputs["input_ids"])
+        start = config.get("decoder_start_token_id")
+        start = config.get("pad_token_id") or 0 if start is None else start
+        decoder = np.random.default_rng(1).integers(0, config["vocab_size"], (B, 7))
+        decoder[:, 0] = start
+        inputs["decoder_input_ids"] = decoder
+    return inputs
+
+
+def _encoder_inputs(directory: Path, config: dict) -> dict[str, np.ndarray]:
+    from crosscheck._hf_models import padded_batch
+
+    side = "right" if config.get("model_type") in ("bert", "t5") else "left"
+    pad = config.get("pad_token_id") or 0
+    tokenizer_file = directory / "tokenizer.json"
+    if tokenizer_file.is_file():
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            Tokenizer = None
+        if Tokenizer is not None:
+            tokenizer = Tokenizer.from_file(str(tokenizer_file))
+            tokenizer.no_truncation()
+            tokenizer.enable_padding(pad_id=pad, direction=side)
+            encoded = tokenizer.encode_batch(list(SENTENCES))
+            return {"input_ids": np.array([e.ids for e in encoded], np.int64),
+                    "attention_mask": np.array([e.attention_mask for e in encoded], np.int64)}
+    ids, mask = padded_batch(side, vocab=config["vocab_size"])
+    return {"input_ids": np.where(mask == 1, ids, pad), "attention_mask": mask}
+
+
+def plot(reports, path: str) -> None:
+    """Error against depth, one line per dtype; each row's error is divided by its bar, so 1 = tolerance."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise SystemExit("python -m crosscheck: error: --plot needs matplotlib "
+                         "(pip install -e \".[bench]\" or pip install matplotlib)") from None
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(reports[0].rows)), 4.0))
+    for report in reports:
+        ratio = [max(getattr(r, r.metric) / r.bar, 1e-8) for r in report.rows]
+        what = "max abs / (1e-5 max(1,|ref|))" if report.dtype == "float32" else "normwise / 1e-12"
+        ax.plot(range(len(ratio)), ratio, marker="o", label=f"{report.dtype}: {what}")
+    ax.axhline(1.0, color="red", linestyle="--", label="tolerance")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(reports[0].rows)), [r.name for r in reports[0].rows], rotation=60, ha="right",
+                  fontsize=7)
+    ax.set_ylabel("error / tolerance")
+    ax.set_title(f"{reports[0].model}: jaxattn.models vs transformers, per layer")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(directory: str | None, *, dtypes: Sequence[str] | None, plot_path: str | None,
+         json_path: str | None) -> int:
+    from crosscheck._layers import LAYER_TOLERANCES, layer_report
+    from jaxattn.models import from_pretrained
+
+    if directory is None:
+        print("python -m crosscheck: error: --plot needs --model DIR", file=sys.stderr)
+        return 2
+    directory = Path(directory)
+    try:
+        model, params = from_pretrained(directory, precision="highest")
+        config = json.loads((directory / "config.json").read_text())
+        from crosscheck._hf_models import torch_model
+
+        torch = torch_model(directory)
+    except (OSError, ValueError) as error:
+        print(f"python -m crosscheck: error: {error}", file=sys.stderr)
+        return 2
+    inputs = model_inputs(directory, config)
+    reports = [layer_report(torch, (model, params), inputs, dtype=dtype)
+               for dtype in (dtypes or tuple(LAYER_TOLERANCES))]
+    if json_path is not None:
+        text = json.dumps({"model": str(directory), "passed": all(r.passed for r in reports),
+                           "reports": [r.to_dict() for r in reports]}, indent=1)
+        print(text) if json_path == "-" else Path(json_path).write_text(text + "\n")
+    if json_path != "-":
+        shape = "x".join(map(str, inputs["input_ids"].shape))
+        print(f"{directory}: {config['model_type']}, batch {shape}, {int(inputs['attention_mask'].sum())} real tokens")
+        for report in reports:
+            print(report)
+    if plot_path:
+        plot(reports, plot_path)
+    failed = [r for r in reports if not r.passed]
+    for report in failed:
+        print(f"first divergent layer ({report.dtype}): {report.first_divergent}", file=sys.stderr)
+    return 1 if failed else 0

@@ -1,0 +1,163 @@
+"""Programmable attention terms (DESIGN.md part 2), each named once and shared by every engine.
+
+    x = scale * (q . k + relative key terms)
+    x = logit_softcap * tanh(x / logit_softcap)                      logit_softcap (Gemma 2)
+    x = x + bias + position bias
+    x = score_mod(x, b, n, t, s)                                     flex_attention
+    allowed = mask & causal & lengths & segments & window & chunks & mask_mod(b, n, t, s)
+    p = softmax over the allowed keys and one sink logit sinks[n] with no value     sinks (gpt-oss)
+
+b is the index into the flattened leading batch dims, n the query head, t and s ABSOLUTE query and key
+positions (the same ones the causal mask reads). The position rules (segments, window, chunks) live with
+the causal rule in masks.py; this module checks the keywords and owns the element functions: score_mod and
+mask_mod are traced once on scalars (`element_function`), every array they close over becomes an explicit
+input (so gradients reach a learned table through any engine, custom VJPs included), and `on_grid`
+evaluates them elementwise over a [B,N,T,S] grid or one [B,N,Tb,Sb] tile, as torch's flex_attention does.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+
+from . import checks
+
+
+# ---------------------------------------------------------------------------------------------------
+# Keyword checks (trace time; shapes are static).
+
+
+def check_window(window) -> Optional[tuple]:
+    """window=(left, right): key s allowed iff t - left <= s <= t + right; None on a side = unbounded."""
+    if window is None:
+        return None
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
+        checks.fail("window", "a pair (left, right) of ints >= 0 or None", repr(window))
+    for side in window:
+        if side is not None and (isinstance(side, bool) or not isinstance(side, numbers.Integral) or side < 0):
+            checks.fail("window", "a pair (left, right) of ints >= 0 or None (no negative sizes)", repr(window))
+    left, right = (None if side is None else int(side) for side in window)
+    return None if left is None and right is None else (left, right)
+
+
+def check_chunk_size(chunk_size) -> Optional[int]:
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral) or chunk_size <= 0:
+        checks.fail("chunk_size", "a Python int > 0", repr(chunk_size))
+    return int(chunk_size)
+
+
+def check_softcap(logit_softcap) -> Optional[float]:
+    if logit_softcap is None:
+        return None
+    if isinstance(logit_softcap, bool) or not isinstance(logit_softcap, numbers.Real) or not logit_softcap > 0:
+        checks.fail("logit_softcap", "a Python float > 0", repr(logit_softcap))
+    return float(logit_softcap)
+
+
+def check_segment_ids(query_segment_ids, key_segment_ids, batch, T: int, S: int):
+    """(query [...,T], key [...,S]) int32 arrays broadcastable to the batch dims, or (None, None)."""
+    if query_segment_ids is None and key_segment_ids is None:
+        return None, None
+    given = (("query_segment_ids", query_segment_ids, T, "[...,T]"), ("key_segment_ids", key_segment_ids, S, "[...,S]"))
+    for (name, x, _, layout), (other, *_) in zip(given, given[::-1]):
+        if x is None:
+            checks.fail(name, f"an int array {layout} given together with {other}", None)
+    out = []
+    for name, x, length, layout in given:
+        x = jnp.asarray(x)
+        checks.check_int(name, x)
+        checks.check_min_rank(name, x, 1, layout)
+        checks.check_broadcastable(name, x, (*batch, length), f"{layout} with the batch dims of query/key/value")
+        out.append(x.astype(jnp.int32))
+    return tuple(out)
+
+
+def check_sinks(sinks, batch, N: int, acc):
+    """sinks [N] or [...,N] (float, fits the compute dtype) broadcastable to [*batch, N], or None."""
+    if sinks is None:
+        return None
+    sinks = jnp.asarray(sinks)
+    checks.check_float("sinks", sinks)
+    checks.check_min_rank("sinks", sinks, 1, "[N] or [...,N]")
+    checks.check_broadcastable("sinks", sinks, (*batch, N), f"[N] or [...,N] with N={N} query heads")
+    checks.check_fits("sinks", sinks, acc)
+    return sinks
+
+
+def softcap(x, cap: Optional[float]):
+    """cap * tanh(x / cap) (identity when cap is None). Its derivative is 1 - (softcap(x) / cap) ** 2."""
+    return x if cap is None else cap * jnp.tanh(x / cap)
+
+
+def softcap_grad(capped, cap: Optional[float]):
+    """d softcap / d x, from the capped value (engines that recompute it in a backward pass)."""
+    return None if cap is None else 1 - jnp.square(capped / cap)
+
+
+# ---------------------------------------------------------------------------------------------------
+# score_mod / mask_mod: element functions with their closed-over arrays made explicit.
+
+
+class ElementFunction(NamedTuple):
+    """fn(*scalars, *consts): a score_mod or mask_mod traced once on scalars; consts are the arrays it closes
+    over (float ones are differentiable inputs). Hashable static part: `fn` (and `name`); consts are data."""
+
+    fn: Callable
+    consts: tuple
+    name: str
+
+
+def element_function(name: str, user_fn, score_dtype=None) -> Optional[ElementFunction]:
+    """Trace score_mod(score, b, n, t, s) (score_dtype given) or mask_mod(b, n, t, s) on scalars.
+
+    A score_mod must return a scalar of score_dtype, a mask_mod a bool scalar: anything else is a
+    ValueError naming the function and both shapes/dtypes, raised here (trace time).
+    """
+    if user_fn is None:
+        return None
+    if not callable(user_fn):
+        checks.fail(name, "a function", type(user_fn).__name__)
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+    args = ((jax.ShapeDtypeStruct((), score_dtype),) if score_dtype is not None else ()) + (index,) * 4
+    closed, out = jax.make_jaxpr(lambda *a: jnp.asarray(user_fn(*a)), return_shape=True)(*args)
+    signature = f"{name}({'score, ' if score_dtype is not None else ''}b, n, t, s)"
+    if out.shape != ():
+        checks.fail(signature, "a scalar (shape []) per element, as its score/index arguments",
+                    f"shape {checks.shape_str(out.shape)}")
+    want = jnp.dtype(score_dtype) if score_dtype is not None else jnp.dtype(jnp.bool_)
+    if out.dtype != want:
+        what = "bool (True = may attend)" if score_dtype is None else f"the score's dtype {want.name}"
+        checks.fail(signature, f"dtype {what}", f"dtype {out.dtype}")
+    jaxpr = closed.jaxpr
+
+    def fn(*scalars_and_consts):
+        scalars, consts = scalars_and_consts[:len(args)], scalars_and_consts[len(args):]
+        return jax.core.eval_jaxpr(jaxpr, list(consts), *scalars)[0]
+
+    return ElementFunction(fn, tuple(closed.consts), name)
+
+
+def differentiable(consts) -> tuple:
+    """Which consts carry gradients (floating dtypes)."""
+    return tuple(jnp.issubdtype(jnp.asarray(c).dtype, jnp.inexact) for c in consts)
+
+
+def on_grid(fn: Callable, consts, b, n, t, s, score=None):
+    """Evaluate fn (an ElementFunction's fn) elementwise over the grid [B,N,T,S]: b [B], n [N], t [T] or [B,T], s [S] or [B,S] (int32),
+    score [B,N,T,S] (score_mod) or None (mask_mod). Nested vmaps, so fn sees scalars, as torch's does."""
+
+    def call(*a):
+        return fn(*a, *consts)
+
+    has_score = score is not None
+    lead = (0,) if has_score else ()
+    f = jax.vmap(call, in_axes=lead + (None, None, None, 0))  # S
+    f = jax.vmap(f, in_axes=lead + (None, None, 0, None))  # T
+    f = jax.vmap(f, in_axes=lead + (None, 0, None, None))  # N
+    f = jax.vmap(f, in_axes=lead + (0, None, 0 if t.ndim == 2 else None, 0 if s.ndim == 2 else None))  # B
+    return f(*((score,) if has_score else ()), b, n, t, s)

@@ -1,0 +1,70 @@
+"""create_block_mask: classify the [Tb,Sb] tiles of a mask_mod as empty, full or partial (a BlockMask).
+
+The mask_mod is evaluated once per (batch, head, query, key) at ABSOLUTE positions (query t at t + S - T
+unless query_positions / key_positions say otherwise), a few tiles at a time, so building the mask costs
+O(B N T S) work but only O(B N Tb Sb) memory per step. The default tile is the blockwise engine's default
+for these sizes, and flex_attention runs on the BlockMask's tiles.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from .._core import block_mask as block_masks
+from .._core import checks, mods
+from .._core.positions import positions
+from .blockwise import block_sizes
+
+GRID_ELEMENTS = 2**24  # mask_mod values evaluated per step (bools): never a [T,S] grid at long lengths
+
+
+def _size(name, value, allow_none):
+    if value is None and allow_none:
+        return None
+    return checks.static_int(name, value, 1)
+
+
+def create_block_mask(mask_mod, batch: Optional[int], num_heads: Optional[int], query_length: int,
+                      key_length: int, *, block_size=None, query_positions=None,
+                      key_positions=None) -> block_masks.BlockMask:
+    """The BlockMask of mask_mod(b, n, t, s) -> bool for these sizes (layout: jaxattn._core.block_mask).
+
+    batch: the flattened batch size the mask varies over, or None when it does not depend on b (then
+    evaluated at b = 0); num_heads likewise for n. block_size: int or (Tb, Sb), default the blockwise
+    engine's tile for batch * num_heads rows. query_positions / key_positions: int [T] / [S] absolute
+    positions, as the flex_attention call will use (default bottom-right: query t at t + S - T).
+    """
+    batch, num_heads = _size("batch", batch, True), _size("num_heads", num_heads, True)
+    T, S = _size("query_length", query_length, False), _size("key_length", key_length, False)
+    fn = mods.element_function("mask_mod", mask_mod)
+    Bm, Nm = batch or 1, num_heads or 1
+    Tb, Sb = block_sizes(block_size, T, S, Bm * Nm)
+    Tn, Sn = -(-T // Tb), -(-S // Sb)
+    q_pos, k_pos = positions(T, S, query_positions, key_positions)
+    checks.check_rank("query_positions", q_pos, 1, "[T]: one position per query")
+    checks.check_rank("key_positions", k_pos, 1, "[S]: one position per key")
+    q_pos = jnp.pad(q_pos, (0, Tn * Tb - T), mode="edge")
+    k_pos = jnp.pad(k_pos, (0, Sn * Sb - S), mode="edge")
+    b, n = jnp.arange(Bm, dtype=jnp.int32), jnp.arange(Nm, dtype=jnp.int32)
+
+    def tile_kind(i, j):
+        qp, kp = lax.dynamic_slice_in_dim(q_pos, i * Tb, Tb), lax.dynamic_slice_in_dim(k_pos, j * Sb, Sb)
+        allowed = mods.on_grid(fn.fn, fn.consts, b, n, qp, kp)  # [Bm,Nm,Tb,Sb]
+        real = ((i * Tb + jnp.arange(Tb)) < T)[:, None] & ((j * Sb + jnp.arange(Sb)) < S)[None, :]
+        some = jnp.any(allowed & real, axis=(-2, -1))
+        every = jnp.all(allowed | ~real, axis=(-2, -1))
+        return jnp.where(every, block_masks.FULL, jnp.where(some, block_masks.PARTIAL, block_masks.EMPTY))
+
+    per_step = min(Sn, max(1, GRID_ELEMENTS // (Bm * Nm * Tb * Sb)))
+
+    def row(i):  # [Sn,Bm,Nm]
+        return lax.map(lambda j: tile_kind(i, j), jnp.arange(Sn), batch_size=per_step)
+
+    kinds = jax.jit(lambda: lax.map(row, jnp.arange(Tn)))()  # [Tn,Sn,Bm,Nm]
+    kinds = jnp.transpose(kinds, (2, 3, 0, 1)).astype(jnp.int8)
+    return block_masks.from_kinds(kinds, block_size=(Tb, Sb), batch=batch, num_heads=num_heads,
+                                  query_length=T, key_length=S)

@@ -1,0 +1,54 @@
+"""What the decoder-only families share: masks and positions, with and without the decode cache.
+
+Calling convention of every decoder-only model here (GPT-2, Llama, Qwen2):
+
+    logits = model.apply({"params": p}, input_ids[B,T], attention_mask=None, position_ids=None)
+        attention_mask [B,T] (1 = token, 0 = padding; keys only, as HF's); position_ids default arange(T),
+        as HF's forward (not generate) takes them.
+    logits, vars = model.apply({"params": p, "cache": c}, ids[B,T], attention_mask=m[B,L], position_ids=pos,
+                               decode=True, mutable=["cache"])
+        appends the T tokens to the cache (L slots, see jaxattn.linen); attention_mask then covers all L
+        slots (1 = a real token is or will be there); position_ids default: the slots they land in.
+
+Padding is masked as keys only; a padded query position's output is not meaningful (HF's is not either).
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+
+def key_mask(attention_mask):
+    """[B,S] (1 = token) -> the attention layers' mask [B,1,1,S] (True = may attend), or None."""
+    if attention_mask is None:
+        return None
+    return jnp.asarray(attention_mask).astype(bool)[:, None, None, :]
+
+
+def positions(module: nn.Module, shape: tuple[int, int], position_ids, decode: bool):
+    """position_ids, or their default: arange(T), shifted by the tokens already in the cache when decoding.
+
+    Decoding keeps its own count in the "cache" collection ("next_position" [B]) so that a model called
+    token by token without position_ids numbers its tokens as one full pass would.
+    """
+    B, T = shape
+    if not decode:
+        return jnp.broadcast_to(jnp.arange(T), (B, T)) if position_ids is None else jnp.asarray(position_ids)
+    filled = module.variable("cache", "next_position", lambda: jnp.zeros((B,), jnp.int32))
+    if position_ids is None:
+        position_ids = filled.value[:, None] + jnp.arange(T, dtype=jnp.int32)
+    if module.has_variable("cache", "next_position") and not module.is_initializing():
+        filled.value = filled.value + T
+    return jnp.asarray(position_ids)
+
+
+def final_logits(module: nn.Module, x, embed: nn.Embed, vocab_size: int, tie: bool, *, dtype, param_dtype,
+                 precision):
+    """The LM head: x @ embedding.T when the embeddings are tied, else its own bias-free Dense."""
+    if tie:  # embed.attend, with the model's precision
+        compute = dtype if dtype is not None else jnp.result_type(x, embed.embedding)
+        return jnp.einsum("...e,ve->...v", x.astype(compute), jnp.asarray(embed.embedding, compute),
+                          precision=precision)
+    return nn.Dense(vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, precision=precision,
+                    name="lm_head")(x)

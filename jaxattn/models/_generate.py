@@ -1,0 +1,82 @@
+"""Greedy decoding with the decode cache: one multi-token prefill, then one jitted step per new token.
+
+Positions and padding follow Hugging Face's `generate` exactly, so that token-for-token equality is a
+meaningful test: prompt positions are cumsum(attention_mask) - 1 (0 on padding), every new token takes
+the previous position + 1, new tokens are appended after the whole prompt (after right padding too), and
+padded slots stay masked as keys for the rest of the decode.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _decode_call(model, params, cache, input_ids, attention_mask, position_ids):
+    logits, variables = model.apply({"params": params, "cache": cache}, input_ids, attention_mask=attention_mask,
+                                    position_ids=position_ids, decode=True, mutable=["cache"])
+    return jnp.argmax(logits[:, -1], axis=-1).astype(input_ids.dtype), variables["cache"]
+
+
+def empty_cache(model, params, batch: int, length: int):
+    """The "cache" collection of `model` for `batch` sequences of up to `length` tokens, all zeros.
+
+    Its dtype is the one the model computes in with these params (a cache never casts silently).
+    """
+    ids = jnp.zeros((batch, length), jnp.int32)
+
+    def cache(params):
+        return model.apply({"params": params}, ids, decode=True, mutable=["cache"])[1]["cache"]
+
+    shapes = jax.eval_shape(cache, params)
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def _check(input_ids, attention_mask, max_new_tokens):
+    if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
+        raise ValueError(f"input_ids: expected int [B,T], got {input_ids.dtype} shape {list(input_ids.shape)}")
+    if attention_mask.shape != input_ids.shape:
+        raise ValueError(f"attention_mask: expected shape {list(input_ids.shape)} (that of input_ids), "
+                         f"got {list(attention_mask.shape)}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
+    if not np.isin(attention_mask, (0, 1)).all() or (attention_mask.sum(-1) == 0).any():
+        raise ValueError("attention_mask: expected 0/1 with at least one 1 per row, got "
+                         f"{attention_mask.tolist()}")
+
+
+def generate(model, params, input_ids, *, max_new_tokens: int, attention_mask=None):
+    """Greedy continuation: int [B,T] prompts -> [B,T+max_new_tokens] (the prompts, then the new tokens).
+
+    attention_mask [B,T] (1 = token, 0 = padding, left or right). No stopping token: exactly
+    max_new_tokens are produced per row (as transformers' generate does when no eos_token_id is set).
+    Encoder-decoder models (T5) decode from their decoder_start_token_id instead; see jaxattn.models.t5.
+    """
+    input_ids = np.asarray(input_ids)
+    attention_mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
+    _check(input_ids, attention_mask, max_new_tokens)
+    if not (getattr(model, "is_encoder_decoder", False) or hasattr(model, "max_positions")):
+        raise ValueError(f"model: expected a generative model (gpt2, llama, qwen2, t5), got {type(model).__name__}")
+    if getattr(model, "is_encoder_decoder", False):
+        return model.generate(params, input_ids, attention_mask, max_new_tokens)
+    B, T = input_ids.shape
+    if max_new_tokens == 0:
+        return input_ids
+    limit = model.max_positions()
+    if limit is not None and T + max_new_tokens > limit:
+        raise ValueError(f"max_new_tokens: expected T + max_new_tokens <= {limit} (the model's positions), got "
+                         f"{T} + {max_new_tokens}")
+    positions = np.where(attention_mask == 1, np.cumsum(attention_mask, -1) - 1, 0)  # HF generate's
+    slots = np.concatenate([attention_mask, np.ones((B, max_new_tokens), attention_mask.dtype)], -1)
+    cache = empty_cache(model, params, B, T + max_new_tokens)
+    token, cache = _decode_call(model, params, cache, input_ids, slots, positions)
+    new, position = [token], positions[:, -1:]
+    for _ in range(max_new_tokens - 1):
+        position = position + 1
+        token, cache = _decode_call(model, params, cache, token[:, None], slots, position)
+        new.append(token)
+    return np.concatenate([input_ids, np.stack([np.asarray(t) for t in new], -1)], -1)

@@ -1,0 +1,125 @@
+"""`from_pretrained(path)`: a directory written by transformers' save_pretrained -> (Flax model, params).
+
+The directory holds config.json and either model.safetensors or shards listed by
+model.safetensors.index.json ({"weight_map": {name: file}}). Files are read by jaxattn.io.load_safetensors
+(no torch); each family maps names through its one explicit table (see _table.py and the family module).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from ..io import load_safetensors
+
+# model_type -> loader(config dict, tensors, files, dtype, source) -> (model, params); filled by the families.
+_FAMILIES: dict[str, Callable] = {}
+
+
+def register_family(model_type: str):
+    def add(loader):
+        _FAMILIES[model_type] = loader
+        return loader
+    return add
+
+
+def supported_model_types() -> tuple[str, ...]:
+    return tuple(sorted(_FAMILIES))
+
+
+def read_config(path: str | os.PathLike) -> dict:
+    """config.json of a checkpoint directory, as a dict (FileNotFoundError / ValueError naming the file)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"{directory}: not a directory (from_pretrained takes a save_pretrained directory)")
+    file = directory / "config.json"
+    if not file.is_file():
+        raise FileNotFoundError(f"{file}: no config.json in {directory} (from_pretrained needs the directory "
+                                f"save_pretrained wrote)")
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{file}: not valid JSON ({error})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file}: expected a JSON object, got a {type(config).__name__}")
+    return config
+
+
+def read_tensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """({name: array}, {name: file name}) from model.safetensors or the shards of its index."""
+    directory = Path(path)
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as error:
+            raise ValueError(f"{index}: expected JSON with a 'weight_map' {{name: file}}, got an error: "
+                             f"{error!r}") from None
+        tensors, files = {}, {}
+        for shard in sorted(set(weight_map.values())):
+            for name, array in load_safetensors(directory / shard).items():
+                if weight_map.get(name) != shard:
+                    raise ValueError(f"{directory / shard}: tensor {name!r} is not listed for this file in "
+                                     f"{index.name} (listed: {weight_map.get(name)!r})")
+                tensors[name], files[name] = array, shard
+        listed_only = sorted(set(weight_map) - set(tensors))
+        if listed_only:
+            raise ValueError(f"{index}: names listed but in no shard: {listed_only}")
+        return tensors, files
+    single = directory / "model.safetensors"
+    if not single.is_file():
+        found = sorted(p.name for p in directory.iterdir())
+        raise FileNotFoundError(f"{single}: no model.safetensors and no model.safetensors.index.json in "
+                                f"{directory} (found {found}); .bin/.pt checkpoints need torch: "
+                                f"re-save with save_pretrained(safe_serialization=True)")
+    tensors = load_safetensors(single)
+    return tensors, {name: single.name for name in tensors}
+
+
+def from_pretrained(path: str | os.PathLike, *, dtype: Any | None = None, precision: Any = None):
+    """(model, params) for a save_pretrained directory of a supported model_type, without torch.
+
+    dtype: cast every floating tensor to it (e.g. "float32" for a bf16 checkpoint); None keeps the file's
+    dtypes (bf16 stays bf16, and the model computes in it). The model is a Flax linen module:
+    model.apply({"params": params}, input_ids, attention_mask=...) (see the family's module).
+    precision: the model's einsum/matmul precision (e.g. "highest" to keep float32 exact on TPU/GPU).
+    """
+    config = read_config(path)
+    _family(config, Path(path) / "config.json")
+    tensors, files = read_tensors(path)
+    return _load(config, tensors, files, dtype, precision, Path(path) / "config.json")
+
+
+def from_state_dict(config: dict, state_dict, *, dtype: Any | None = None, precision: Any = None):
+    """(model, params) from a config.json dict and a {name: array} state_dict already in memory.
+
+    The same tables and checks as from_pretrained (errors name "state_dict" where they would name a file).
+    Gradients taken in torch convert the same way (every table transform is a permutation or a split).
+    """
+    _family(config, "config")
+    tensors = {k: np.asarray(v) for k, v in state_dict.items()}
+    return _load(config, tensors, {k: "state_dict" for k in tensors}, dtype, precision, "config")
+
+
+def _family(config: dict, source):
+    model_type = config.get("model_type")
+    if model_type not in _FAMILIES:
+        raise ValueError(f"{source}: model_type: expected one of {list(supported_model_types())}, "
+                         f"got {model_type!r}")
+    return _FAMILIES[model_type]
+
+
+def _load(config, tensors, files, dtype, precision, source):
+    dtype = None if dtype is None else jnp.dtype(dtype)
+    return _family(config, source)(config, tensors, files, dtype=dtype, precision=precision, source=source)
+
+
+def refuse(source, key: str, expected, got) -> None:
+    """A config option this port does not implement: ValueError naming the file and the key."""
+    raise ValueError(f"{source}: {key}: expected {expected} (what jaxattn.models implements), got {got!r}")

@@ -1,0 +1,116 @@
+"""Weight-name tables: HF checkpoint tensors -> a Flax params tree, one explicit row per tensor.
+
+A row names one HF tensor ("{i}" = layer index), its shape in axis letters, and the params leaves it fills:
+each target is (our path, our shape in letters, transform). Letters are the family's dims (e.g. E, N, H, F,
+V); "3*E" multiplies, digits are literals. `fill` checks the checkpoint against the table before any
+array is touched: missing and unexpected names are listed by name, every shape is checked, and each error
+names the file that holds the tensor, the tensor's key and both shapes.
+
+Transforms (numpy, on the tensor's HF layout):
+    copy        as stored
+    transpose   torch nn.Linear [out,in] -> Flax Dense [in,out]
+    reshape     to the target's shape (row-major: the HF head-major layout N*H -> [N,H])
+    T_reshape   transpose, then reshape (nn.Linear [N*H,E] -> [E,N,H]; [E,N*H] -> [N,H,E])
+    ("part", k, n, axis): the k-th of n equal slices along `axis`, then reshape (GPT-2's fused c_attn)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    name: str                 # HF tensor name; "{i}" is the layer index
+    shape: tuple[str, ...]    # its shape in the family's axis letters
+    targets: tuple            # ((our path "a/b/c", our shape letters, transform), ...)
+    optional: bool = False    # may be absent (e.g. lm_head.weight when the embeddings are tied)
+
+
+def row(name: str, shape: tuple[str, ...], path: str, our_shape: tuple[str, ...], transform: Any = "copy",
+        *, optional: bool = False) -> Row:
+    """The common case: one HF tensor fills one params leaf."""
+    return Row(name, shape, ((path, our_shape, transform),), optional)
+
+
+def expand(rows, num_layers: int) -> list[Row]:
+    """Rows with "{i}" repeated for every layer, the others once, in table order."""
+    out = []
+    for r in rows:
+        if "{i}" not in r.name:
+            out.append(r)
+            continue
+        for i in range(num_layers):
+            targets = tuple((p.format(i=i), s, t) for p, s, t in r.targets)
+            out.append(Row(r.name.format(i=i), r.shape, targets, r.optional))
+    return out
+
+
+def size(letters: tuple[str, ...], dims: Mapping[str, int]) -> tuple[int, ...]:
+    """[E, 3*E] with dims {"E": 32} -> (32, 96)."""
+    return tuple(math.prod(int(a) if a.isdigit() else dims[a] for a in axis.split("*")) for axis in letters)
+
+
+def _shape(shape) -> str:
+    return "[" + ",".join(str(d) for d in shape) + "]"
+
+
+def _apply(transform, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    if isinstance(transform, tuple) and transform[0] == "part":
+        _, k, n, axis = transform
+        x = np.split(x, n, axis=axis)[k]
+    elif transform in ("transpose", "T_reshape"):
+        x = x.T
+    elif transform not in ("copy", "reshape"):
+        raise ValueError(f"table transform: expected copy/transpose/reshape/T_reshape/('part', k, n, axis), "
+                         f"got {transform!r}")
+    if transform == "copy" and x.shape != shape or transform == "transpose" and x.shape != shape:
+        raise ValueError(f"table: {transform} gives shape {_shape(x.shape)}, the target needs {_shape(shape)}")
+    return np.ascontiguousarray(x.reshape(shape))
+
+
+def check_names(tensors: Mapping[str, Any], rows, files: Mapping[str, str], *, ignored=()) -> None:
+    """ValueError listing every missing and every unexpected name (with the files they are in)."""
+    known = {r.name for r in rows}
+    missing = [r.name for r in rows if not r.optional and r.name not in tensors]
+    unexpected = [n for n in tensors if n not in known and n not in ignored]
+    if missing or unexpected:
+        where = sorted({files[n] for n in tensors}) or ["(no tensors)"]
+        raise ValueError(f"{', '.join(where)}: expected exactly the {len(known)} tensors of the weight table, "
+                         f"got {len(missing)} missing {missing} and {len(unexpected)} unexpected "
+                         f"{[f'{n} (in {files[n]})' for n in unexpected]}")
+
+
+def fill(tensors: Mapping[str, np.ndarray], rows, dims: Mapping[str, int], files: Mapping[str, str], *,
+         dtype: Any | None = None, ignored=()) -> dict:
+    """The params tree the rows describe. tensors: {HF name: numpy array}; files: {HF name: file name}.
+
+    dtype: cast every floating tensor to it (explicitly requested); None keeps the checkpoint's dtype.
+    `ignored` names (known buffers, checked by the caller) may be present and are skipped.
+    """
+    check_names(tensors, rows, files, ignored=ignored)
+    params: dict = {}
+    for r in rows:
+        if r.name not in tensors:
+            continue  # optional, absent
+        x = np.asarray(tensors[r.name])
+        want = size(r.shape, dims)
+        if x.shape != want:
+            raise ValueError(f"{files[r.name]}: {r.name!r}: expected shape {_shape(want)} "
+                             f"[{','.join(r.shape)}], got shape {_shape(x.shape)}")
+        for path, our_letters, transform in r.targets:
+            y = _apply(transform, x, size(our_letters, dims))
+            if dtype is not None and jnp.issubdtype(y.dtype, jnp.floating):  # bfloat16 included
+                y = y.astype(dtype)
+            node = params
+            *parents, leaf = path.split("/")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = y
+    return params

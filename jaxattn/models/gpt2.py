@@ -1,0 +1,179 @@
+"""GPT-2 (Radford et al. 2019) in Flax linen, on jaxattn.linen.MultiHeadAttention: HF's GPT2LMHeadModel.
+
+    x = wte[ids] + wpe[positions]
+    each block:  x = x + Attention(LayerNorm_1(x))     causal, keys masked by attention_mask
+                 x = x + Dense_E(gelu(Dense_F(LayerNorm_2(x))))
+    logits = LayerNorm_f(x) @ wte.T                     (tied; an untied lm_head has its own table row)
+
+Calling convention (and the decode cache): jaxattn/models/_decoder.py. HF's Conv1D stores [in,out]
+(already Flax's Dense layout); its fused c_attn [E,3*E] splits into our query/key/value kernels [E,N,H].
+
+    V vocab  P positions  E hidden (= N * H)  N heads  H head dim  F inner (n_inner, default 4E)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from ..linen import MultiHeadAttention
+from . import _decoder, _pretrained, _table
+
+_ACTIVATIONS = {  # HF's ACT2FN names -> the exact formula
+    "gelu_new": functools.partial(nn.gelu, approximate=True),
+    "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True),
+    "gelu": functools.partial(nn.gelu, approximate=False),
+    "relu": nn.relu,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class GPT2Config:
+    vocab_size: int = 50257
+    n_positions: int = 1024
+    n_embd: int = 768
+    n_layer: int = 12
+    n_head: int = 12
+    n_inner: int | None = None
+    activation_function: str = "gelu_new"
+    layer_norm_epsilon: float = 1e-5
+    scale_attn_weights: bool = True
+    scale_attn_by_inverse_layer_idx: bool = False
+    tie_word_embeddings: bool = True
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any], source="config") -> GPT2Config:
+        """From a HF config.json dict; a setting this port does not implement is refused by name."""
+        refuse = functools.partial(_pretrained.refuse, source)
+        if config.get("activation_function", "gelu_new") not in _ACTIVATIONS:
+            refuse("activation_function", f"one of {sorted(_ACTIVATIONS)}", config["activation_function"])
+        for key in ("add_cross_attention", "reorder_and_upcast_attn"):
+            if config.get(key, False):
+                refuse(key, "false", config[key])
+        fields = {f.name for f in dataclasses.fields(cls)}
+        config = cls(**{k: v for k, v in config.items() if k in fields})
+        if config.n_embd % config.n_head:
+            refuse("n_embd", f"a multiple of n_head={config.n_head}", config.n_embd)
+        return config
+
+    def dims(self) -> dict[str, int]:
+        return {"V": self.vocab_size, "P": self.n_positions, "E": self.n_embd, "N": self.n_head,
+                "H": self.n_embd // self.n_head, "F": self.n_inner or 4 * self.n_embd}
+
+
+def _layer_norm(config: GPT2Config, name: str, dtype, param_dtype) -> nn.LayerNorm:
+    # torch's two-pass variance (mean((x - mean)^2)); flax's default E[x^2] - E[x]^2 loses digits
+    return nn.LayerNorm(epsilon=config.layer_norm_epsilon, use_fast_variance=False, dtype=dtype,
+                        param_dtype=param_dtype, name=name)
+
+
+class GPT2Block(nn.Module):
+    """One pre-LayerNorm block; returns (residual stream, attention output, MLP output)."""
+
+    config: GPT2Config
+    layer: int
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+
+    @nn.compact
+    def __call__(self, x, mask, decode: bool):
+        c, d = self.config, self.config.dims()
+        scale = (d["H"] ** -0.5 if c.scale_attn_weights else 1.0) / (
+            self.layer + 1 if c.scale_attn_by_inverse_layer_idx else 1)
+        norm = functools.partial(_layer_norm, c, dtype=self.dtype, param_dtype=self.param_dtype)
+        dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)
+        attention = MultiHeadAttention(num_heads=c.n_head, scale=scale, dtype=self.dtype,
+                                       param_dtype=self.param_dtype, precision=self.precision, name="attn")
+        a = attention(norm("ln_1")(x), mask=mask, is_causal=True, decode=decode)
+        x = x + a
+        h = _ACTIVATIONS[c.activation_function](dense(d["F"], name="c_fc")(norm("ln_2")(x)))
+        m = dense(d["E"], name="c_proj")(h)
+        return x + m, a, m
+
+
+class GPT2LMHeadModel(nn.Module):
+    """HF GPT2LMHeadModel: input_ids [B,T] -> logits [B,T,V]. Sows "intermediates" (see _decoder.py)."""
+
+    config: GPT2Config
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+
+    def max_positions(self) -> int | None:
+        return self.config.n_positions
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, decode: bool = False):
+        c, d = self.config, self.config.dims()
+        input_ids = jnp.asarray(input_ids)
+        position_ids = _decoder.positions(self, input_ids.shape, position_ids, decode)
+        embed = functools.partial(nn.Embed, features=d["E"], dtype=self.dtype, param_dtype=self.param_dtype)
+        wte = embed(d["V"], name="wte")
+        x = wte(input_ids) + embed(d["P"], name="wpe")(position_ids)
+        self.sow("intermediates", "embeddings", x)
+        mask = _decoder.key_mask(attention_mask)
+        for i in range(c.n_layer):
+            x, a, m = GPT2Block(c, i, self.dtype, self.param_dtype, self.precision, name=f"h_{i}")(x, mask, decode)
+            self.sow("intermediates", f"layer{i}.attention", a)
+            self.sow("intermediates", f"layer{i}.mlp", m)
+            self.sow("intermediates", f"layer{i}.residual", x)
+        x = _layer_norm(c, "ln_f", self.dtype, self.param_dtype)(x)
+        self.sow("intermediates", "final_norm", x)
+        return _decoder.final_logits(self, x, wte, d["V"], c.tie_word_embeddings, dtype=self.dtype,
+                                     param_dtype=self.param_dtype, precision=self.precision)
+
+
+# --- weights: one row per HF tensor (names of GPT2LMHeadModel; a bare GPT2Model has no "transformer.") -------
+
+_QKV = tuple((f"h_{{i}}/attn/{part}/kernel", ("E", "N", "H"), ("part", k, 3, 1))
+             for k, part in enumerate(("query", "key", "value")))
+_QKV_BIAS = tuple((f"h_{{i}}/attn/{part}/bias", ("N", "H"), ("part", k, 3, 0))
+                  for k, part in enumerate(("query", "key", "value")))
+_ROWS = (
+    _table.row("wte.weight", ("V", "E"), "wte/embedding", ("V", "E")),
+    _table.row("wpe.weight", ("P", "E"), "wpe/embedding", ("P", "E")),
+    _table.row("h.{i}.ln_1.weight", ("E",), "h_{i}/ln_1/scale", ("E",)),
+    _table.row("h.{i}.ln_1.bias", ("E",), "h_{i}/ln_1/bias", ("E",)),
+    _table.Row("h.{i}.attn.c_attn.weight", ("E", "3*E"), _QKV),          # Conv1D [in,out]: columns q | k | v
+    _table.Row("h.{i}.attn.c_attn.bias", ("3*E",), _QKV_BIAS),
+    _table.row("h.{i}.attn.c_proj.weight", ("N*H", "E"), "h_{i}/attn/out/kernel", ("N", "H", "E"), "reshape"),
+    _table.row("h.{i}.attn.c_proj.bias", ("E",), "h_{i}/attn/out/bias", ("E",)),
+    _table.row("h.{i}.ln_2.weight", ("E",), "h_{i}/ln_2/scale", ("E",)),
+    _table.row("h.{i}.ln_2.bias", ("E",), "h_{i}/ln_2/bias", ("E",)),
+    _table.row("h.{i}.mlp.c_fc.weight", ("E", "F"), "h_{i}/c_fc/kernel", ("E", "F")),
+    _table.row("h.{i}.mlp.c_fc.bias", ("F",), "h_{i}/c_fc/bias", ("F",)),
+    _table.row("h.{i}.mlp.c_proj.weight", ("F", "E"), "h_{i}/c_proj/kernel", ("F", "E")),
+    _table.row("h.{i}.mlp.c_proj.bias", ("E",), "h_{i}/c_proj/bias", ("E",)),
+    _table.row("ln_f.weight", ("E",), "ln_f/scale", ("E",)),
+    _table.row("ln_f.bias", ("E",), "ln_f/bias", ("E",)),
+)
+_LM_HEAD = _table.row("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), "transpose")
+
+
+def weight_table(config: GPT2Config, *, prefix: str = "transformer.") -> list[_table.Row]:
+    rows = [dataclasses.replace(r, name=prefix + r.name) for r in _table.expand(_ROWS, config.n_layer)]
+    if config.tie_word_embeddings:  # save_pretrained drops the tied copy; one that is present must equal wte
+        return rows
+    return rows + [_LM_HEAD]
+
+
+@_pretrained.register_family("gpt2")
+def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
+    """(GPT2LMHeadModel, params) from a GPT2LMHeadModel (or bare GPT2Model) checkpoint."""
+    gpt2 = GPT2Config.from_dict(config, source)
+    prefix = "" if "wte.weight" in tensors else "transformer."
+    rows = weight_table(gpt2, prefix=prefix)
+    ignored = [n for n in tensors if n.endswith((".attn.bias", ".attn.masked_bias"))]  # old causal-mask buffers
+    if gpt2.tie_word_embeddings and "lm_head.weight" in tensors:
+        ignored.append("lm_head.weight")
+        if not (tensors["lm_head.weight"] == tensors[prefix + "wte.weight"]).all():
+            raise ValueError(f"{files['lm_head.weight']}: 'lm_head.weight': expected a copy of "
+                             f"{prefix}wte.weight (tie_word_embeddings is true in {source}), got other values")
+    params = _table.fill(tensors, rows, gpt2.dims(), files, dtype=dtype, ignored=ignored)
+    return GPT2LMHeadModel(gpt2, precision=precision), params

@@ -1,0 +1,334 @@
+"""T5 (Raffel et al. 2020) in Flax linen, on jaxattn.linen.MultiHeadAttention: HF's T5ForConditionalGeneration.
+
+    encoder block:  x = x + SelfAttention(RMSNorm(x); bias = table_enc[bucket(j - i)], bidirectional)
+                    x = x + FF(RMSNorm(x))
+    decoder block:  x = x + SelfAttention(RMSNorm(x); causal, bias = table_dec[bucket(j - i)], one-sided)
+                    x = x + CrossAttention(RMSNorm(x), encoder output; no position bias)
+                    x = x + FF(RMSNorm(x))
+    logits = RMSNorm(x) [* d_model^-0.5 when scale_decoder_outputs] @ shared.T
+
+Attention logits are not scaled (scale = 1): T5 folds 1/sqrt(d) into its initialisation. Each stack has ONE
+relative table (HF stores it in block 0) shared by all its layers (jaxattn.t5_relative_bias). FF is
+relu (T5) or gated (T5 v1.1 / flan: act(x Wi_0) * (x Wi_1)). RMSNorm: x * rsqrt(mean(x^2) + eps) * w.
+
+    model.apply({"params": p}, input_ids, attention_mask, decoder_input_ids=...) -> logits [B,Td,V]
+    jaxattn.models.generate(model, p, input_ids, ...) -> [B, 1 + new]: decoder_start_token_id, then greedy
+        tokens (as transformers' generate returns for encoder-decoder models)
+
+    V vocab  E d_model  N heads  H d_kv  F d_ff  R buckets
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .. import t5_relative_bias
+from ..linen import MultiHeadAttention
+from . import _decoder, _pretrained, _table
+
+_ACTIVATIONS = {"relu": nn.relu, "gelu_new": functools.partial(nn.gelu, approximate=True),
+                "gelu": functools.partial(nn.gelu, approximate=False),
+                "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True)}
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Config:
+    vocab_size: int = 32128
+    d_model: int = 512
+    d_kv: int = 64
+    d_ff: int = 2048
+    num_layers: int = 6
+    num_decoder_layers: int | None = None
+    num_heads: int = 8
+    relative_attention_num_buckets: int = 32
+    relative_attention_max_distance: int = 128
+    layer_norm_epsilon: float = 1e-6
+    dense_act_fn: str = "relu"
+    is_gated_act: bool = False
+    scale_decoder_outputs: bool = True
+    decoder_start_token_id: int = 0
+
+    @classmethod
+    def from_dict(cls, config: Mapping[str, Any], source="config") -> T5Config:
+        """From a HF config.json dict (transformers >= 5 fields; feed_forward_proj read as transformers does)."""
+        refuse = functools.partial(_pretrained.refuse, source)
+        config = dict(config)
+        proj = config.get("feed_forward_proj", "relu").split("-")
+        if len(proj) > 2 or len(proj) == 2 and proj[0] != "gated":
+            refuse("feed_forward_proj", "'ACT' or 'gated-ACT'", config["feed_forward_proj"])
+        config.setdefault("is_gated_act", proj[0] == "gated")
+        config.setdefault("dense_act_fn", "gelu_new" if config.get("feed_forward_proj") == "gated-gelu" else proj[-1])
+        config.setdefault("scale_decoder_outputs", config.get("tie_word_embeddings", True) is not False)
+        if config["dense_act_fn"] not in _ACTIVATIONS:
+            refuse("dense_act_fn", f"one of {sorted(_ACTIVATIONS)}", config["dense_act_fn"])
+        if config.get("decoder_start_token_id") is None:
+            config["decoder_start_token_id"] = config.get("pad_token_id", 0)
+        if config.get("is_decoder", False):
+            refuse("is_decoder", "false (the encoder-decoder T5ForConditionalGeneration)", config["is_decoder"])
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in config.items() if k in fields})
+
+    @property
+    def decoder_layers(self) -> int:
+        return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
+
+    def dims(self) -> dict[str, int]:
+        return {"V": self.vocab_size, "E": self.d_model, "N": self.num_heads, "H": self.d_kv, "F": self.d_ff,
+                "R": self.relative_attention_num_buckets}
+
+
+class RMSNorm(nn.Module):
+    """T5LayerNorm: x * rsqrt(mean(x^2) + eps) * weight, no mean subtracted, no bias.
+
+    The statistics are taken in float32 or wider (HF: float32 for half inputs). HF's code takes them in
+    float32 for float64 inputs too; crosscheck's float64 reference lifts that (see crosscheck._hf_models).
+    """
+
+    epsilon: float
+    param_dtype: Any = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+        y = x * jax.lax.rsqrt(jnp.mean(wide * wide, -1, keepdims=True) + self.epsilon)
+        if weight.dtype in (jnp.bfloat16, jnp.float16):  # HF: back to the half weight's dtype first
+            y = y.astype(weight.dtype)
+        return weight * y
+
+
+class T5FeedForward(nn.Module):
+    config: T5Config
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+
+    @nn.compact
+    def __call__(self, x):
+        c, act = self.config, _ACTIVATIONS[self.config.dense_act_fn]
+        dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+                                  precision=self.precision)
+        if c.is_gated_act:
+            h = act(dense(c.d_ff, name="wi_0")(x)) * dense(c.d_ff, name="wi_1")(x)
+        else:
+            h = act(dense(c.d_ff, name="wi")(x))
+        return dense(c.d_model, name="wo")(h)
+
+
+class T5Block(nn.Module):
+    """One block; returns (residual stream, {row name: sub-layer output})."""
+
+    config: T5Config
+    is_decoder: bool
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+
+    @nn.compact
+    def __call__(self, x, self_mask, self_bias, encoder=None, encoder_mask=None, decode: bool = False):
+        c = self.config
+        norm = functools.partial(RMSNorm, c.layer_norm_epsilon, self.param_dtype)
+        attention = functools.partial(MultiHeadAttention, num_heads=c.num_heads, head_dim=c.d_kv, use_bias=False,
+                                      scale=1.0, dtype=self.dtype, param_dtype=self.param_dtype,
+                                      precision=self.precision)
+        a = attention(name="self_attention")(norm(name="self_attention_norm")(x), mask=self_mask, bias=self_bias,
+                                             is_causal=self.is_decoder, decode=decode)
+        x = x + a
+        rows = {"attention": a}
+        if self.is_decoder:
+            h = attention(name="cross_attention")(norm(name="cross_attention_norm")(x), encoder, mask=encoder_mask)
+            x = x + h
+            rows["cross_attention"] = h
+        m = T5FeedForward(c, self.dtype, self.param_dtype, self.precision, name="ff")(norm(name="ff_norm")(x))
+        rows["mlp"] = m
+        return x + m, rows
+
+
+class T5Stack(nn.Module):
+    """The encoder or the decoder: blocks sharing one relative table, then the final RMSNorm."""
+
+    config: T5Config
+    is_decoder: bool
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+
+    @nn.compact
+    def __call__(self, x, attention_mask=None, encoder=None, encoder_mask=None, positions=None, *,
+                 decode: bool = False):
+        c = self.config
+        if decode:  # queries sit after the tokens already in the cache
+            positions = _decoder.positions(self, x.shape[:2], positions, decode)
+        table = self.param("relative_attention_bias", nn.initializers.normal(c.d_model ** -0.5),
+                           (c.relative_attention_num_buckets, c.num_heads), self.param_dtype)
+        T = x.shape[-2]
+        S = T if attention_mask is None else attention_mask.shape[-1]  # decoding: the cache's L slots
+        # [N,T,S], or [B,N,T,S] when decoding (query positions per example, keys at their slots)
+        bias = t5_relative_bias(table, T, S, bidirectional=not self.is_decoder,
+                                max_distance=c.relative_attention_max_distance, query_positions=positions,
+                                key_positions=None if positions is None else jnp.arange(S, dtype=jnp.int32))
+        bias = bias.astype(x.dtype)
+        mask = _decoder.key_mask(attention_mask)
+        self.sow("intermediates", "embeddings", x)
+        layers = c.decoder_layers if self.is_decoder else c.num_layers
+        for i in range(layers):
+            x, rows = T5Block(c, self.is_decoder, self.dtype, self.param_dtype, self.precision, name=f"block_{i}")(
+                x, mask, bias, encoder, encoder_mask, decode)
+            for name, value in rows.items():
+                self.sow("intermediates", f"layer{i}.{name}", value)
+            self.sow("intermediates", f"layer{i}.residual", x)
+        x = RMSNorm(c.layer_norm_epsilon, self.param_dtype, name="final_layer_norm")(x)
+        self.sow("intermediates", "final_norm", x)
+        return x
+
+
+class T5ForConditionalGeneration(nn.Module):
+    """HF T5ForConditionalGeneration. Sows "intermediates" under "encoder" and "decoder"."""
+
+    config: T5Config
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    tie_lm_head: bool = True
+
+    is_encoder_decoder = True  # generate() decodes from decoder_start_token_id (not a dataclass field)
+
+    def setup(self):
+        c = self.config
+        self.shared = nn.Embed(c.vocab_size, c.d_model, dtype=self.dtype, param_dtype=self.param_dtype)
+        stack = functools.partial(T5Stack, c, dtype=self.dtype, param_dtype=self.param_dtype,
+                                  precision=self.precision)
+        self.encoder = stack(False)
+        self.decoder = stack(True)
+        if not self.tie_lm_head:
+            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
+                                    precision=self.precision)
+
+    def encode(self, input_ids, attention_mask=None):
+        """input_ids [B,T] -> the encoder's output [B,T,E]."""
+        return self.encoder(self.shared(jnp.asarray(input_ids)), attention_mask)
+
+    def decode(self, decoder_input_ids, encoder_output, attention_mask=None, decoder_attention_mask=None,
+               decoder_position_ids=None, *, decode: bool = False):
+        """Decoder tokens [B,Td] over the encoder output -> logits [B,Td,V].
+
+        decode=True: append to the decoder's cache; decoder_attention_mask [B,L] then covers its L slots
+        (required: it tells the relative bias how many slots there are).
+        """
+        decoder_input_ids = jnp.asarray(decoder_input_ids)
+        if decode and decoder_attention_mask is None:
+            raise ValueError("decoder_attention_mask: expected [B,L] over the cache's L slots when decoding, got None")
+        x = self.decoder(self.shared(decoder_input_ids), decoder_attention_mask, encoder_output,
+                         _decoder.key_mask(attention_mask), decoder_position_ids, decode=decode)
+        if self.config.scale_decoder_outputs:
+            x = x * self.config.d_model ** -0.5
+        if self.tie_lm_head:  # the shared table, at the model's precision
+            compute = self.dtype if self.dtype is not None else jnp.result_type(x, self.shared.embedding)
+            return jnp.einsum("...e,ve->...v", x.astype(compute), jnp.asarray(self.shared.embedding, compute),
+                              precision=self.precision)
+        return self.lm_head(x)
+
+    def __call__(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None):
+        if decoder_input_ids is None:
+            raise ValueError("decoder_input_ids: expected int [B,Td] (T5 is an encoder-decoder), got None")
+        encoder_output = self.encode(input_ids, attention_mask)
+        return self.decode(decoder_input_ids, encoder_output, attention_mask, decoder_attention_mask)
+
+    def generate(self, params, input_ids, attention_mask, max_new_tokens: int):
+        """Greedy decoding (called by jaxattn.models.generate): [B, 1 + max_new_tokens]."""
+        B = input_ids.shape[0]
+        L = max_new_tokens + 1
+        encoder_output = _encode(self, params, input_ids, attention_mask)
+        start = np.full((B, 1), self.config.decoder_start_token_id, input_ids.dtype)
+        slots = np.ones((B, L), np.int32)
+        cache = _empty_decoder_cache(self, params, encoder_output, attention_mask, B, L)
+        token, new = start, [start]
+        for _ in range(max_new_tokens):
+            token, cache = _decode_step(self, params, cache, token, encoder_output, attention_mask, slots)
+            token = token[:, None]
+            new.append(np.asarray(token))
+        return np.concatenate(new, -1)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _encode(model, params, input_ids, attention_mask):
+    return model.apply({"params": params}, input_ids, attention_mask, method=model.encode)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _decode_step(model, params, cache, token, encoder_output, attention_mask, slots):
+    logits, variables = model.apply({"params": params, "cache": cache}, token, encoder_output, attention_mask,
+                                    slots, decode=True, method=model.decode, mutable=["cache"])
+    return jnp.argmax(logits[:, -1], -1).astype(token.dtype), variables["cache"]
+
+
+def _empty_decoder_cache(model, params, encoder_output, attention_mask, batch: int, length: int):
+    ids = jnp.zeros((batch, length), jnp.int32)
+
+    def cache(params):
+        return model.apply({"params": params}, ids, encoder_output, attention_mask, jnp.ones_like(ids),
+                           decode=True, method=model.decode, mutable=["cache"])[1]["cache"]
+
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(cache, params))
+
+
+# --- weights --------------------------------------------------------------------------------------------------
+
+def _attention_rows(hf: str, ours: str) -> tuple:
+    return (
+        _table.row(f"{hf}.q.weight", ("N*H", "E"), f"{ours}/query/kernel", ("E", "N", "H"), "T_reshape"),
+        _table.row(f"{hf}.k.weight", ("N*H", "E"), f"{ours}/key/kernel", ("E", "N", "H"), "T_reshape"),
+        _table.row(f"{hf}.v.weight", ("N*H", "E"), f"{ours}/value/kernel", ("E", "N", "H"), "T_reshape"),
+        _table.row(f"{hf}.o.weight", ("E", "N*H"), f"{ours}/out/kernel", ("N", "H", "E"), "T_reshape"),
+    )
+
+
+def _ff_rows(hf: str, ours: str, gated: bool) -> tuple:
+    wi = (("wi_0", "wi_1") if gated else ("wi",))
+    return tuple(_table.row(f"{hf}.DenseReluDense.{w}.weight", ("F", "E"), f"{ours}/ff/{w}/kernel", ("E", "F"),
+                            "transpose") for w in wi) + (
+        _table.row(f"{hf}.DenseReluDense.wo.weight", ("E", "F"), f"{ours}/ff/wo/kernel", ("F", "E"), "transpose"),
+        _table.row(f"{hf}.layer_norm.weight", ("E",), f"{ours}/ff_norm/weight", ("E",)))
+
+
+def weight_table(config: T5Config, *, lm_head: bool) -> list[_table.Row]:
+    rows = [_table.row("shared.weight", ("V", "E"), "shared/embedding", ("V", "E"))]
+    for stack, layers in (("encoder", config.num_layers), ("decoder", config.decoder_layers)):
+        rows.append(_table.row(f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", ("R", "N"),
+                               f"{stack}/relative_attention_bias", ("R", "N")))
+        for i in range(layers):
+            hf, ours = f"{stack}.block.{i}.layer", f"{stack}/block_{i}"
+            rows += _attention_rows(f"{hf}.0.SelfAttention", f"{ours}/self_attention")
+            rows.append(_table.row(f"{hf}.0.layer_norm.weight", ("E",), f"{ours}/self_attention_norm/weight", ("E",)))
+            ff = f"{hf}.1"
+            if stack == "decoder":
+                rows += _attention_rows(f"{hf}.1.EncDecAttention", f"{ours}/cross_attention")
+                rows.append(_table.row(f"{hf}.1.layer_norm.weight", ("E",), f"{ours}/cross_attention_norm/weight",
+                                       ("E",)))
+                ff = f"{hf}.2"
+            rows += _ff_rows(ff, ours, config.is_gated_act)
+        rows.append(_table.row(f"{stack}.final_layer_norm.weight", ("E",), f"{stack}/final_layer_norm/weight", ("E",)))
+    if lm_head:
+        rows.append(_table.row("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), "transpose"))
+    return rows
+
+
+@_pretrained.register_family("t5")
+def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
+    """(T5ForConditionalGeneration, params). A stored lm_head equal to shared.weight is the tied copy."""
+    t5 = T5Config.from_dict(config, source)
+    ignored = []
+    for copy in ("encoder.embed_tokens.weight", "decoder.embed_tokens.weight", "lm_head.weight"):
+        if copy in tensors and "shared.weight" in tensors and np.array_equal(tensors[copy], tensors["shared.weight"]):
+            ignored.append(copy)
+    untied = "lm_head.weight" in tensors and "lm_head.weight" not in ignored
+    params = _table.fill(tensors, weight_table(t5, lm_head=untied), t5.dims(), files, dtype=dtype, ignored=ignored)
+    return T5ForConditionalGeneration(t5, precision=precision, tie_lm_head=not untied), params

@@ -1,0 +1,96 @@
+"""`python -m crosscheck --model DIR`: the per-layer table, the plot, JSON, and exit 1 naming the layer."""
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from crosscheck import _hf_models as hf
+from crosscheck._cli import main
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    return hf.write_checkpoint("gpt2", tmp_path_factory.mktemp("gpt2"))
+
+
+def test_an_encoder_decoder_checkpoint_reports_both_stacks(tmp_path, capsys):
+    t5 = hf.write_checkpoint("t5", tmp_path / "t5")
+    assert main(["--no-cache", "--model", str(t5), "--dtype", "float64"]) == 0
+    out = capsys.readouterr().out
+    assert "encoder.layer1.residual" in out and "decoder.layer1.cross_attention" in out and "FAIL" not in out
+
+
+def test_a_good_port_passes_with_table_plot_and_json(gpt2_dir, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    png, report = tmp_path / "drift.png", tmp_path / "report.json"
+    assert main(["--no-cache", "--model", str(gpt2_dir), "--plot", str(png), "--json", str(report)]) == 0
+    out = capsys.readouterr().out
+    assert "layer1.residual" in out and "every layer passes" in out and "FAIL" not in out
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    data = json.loads(report.read_text())
+    assert data["passed"] and [r["dtype"] for r in data["reports"]] == ["float32", "float64"]
+    rows = data["reports"][1]["rows"]
+    assert rows[0]["name"] == "embeddings" and rows[-1]["name"] == "logits" and len(rows) == 1 + 2 * 3 + 2
+    assert all(r["passed"] and r["normwise"] <= 1e-12 for r in rows)
+
+
+def test_a_broken_checkpoint_exits_1_naming_the_first_divergent_layer(gpt2_dir, tmp_path, capsys):
+    """The torch model loads the true weights; the file jaxattn reads has one entry of layer 1's MLP off."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(gpt2_dir, broken)
+    tensors = load_file(broken / "model.safetensors")
+    name = "transformer.h.1.mlp.c_fc.weight"
+    tensors[name] = tensors[name].copy()
+    tensors[name][3, 5] *= 1 + 1e-3
+    save_file(tensors, broken / "model.safetensors")
+    # the torch side must see the original weights: point it at the intact directory
+    real_torch_model = hf.torch_model
+    try:
+        hf.torch_model = lambda directory, dtype="float32": real_torch_model(gpt2_dir, dtype)
+        assert main(["--no-cache", "--model", str(broken), "--dtype", "float64"]) == 1
+    finally:
+        hf.torch_model = real_torch_model
+    captured = capsys.readouterr()
+    assert "first divergent layer (float64): layer1.mlp" in captured.err
+    assert "layer0.residual" in captured.out and "FAIL" in captured.out
+
+
+def test_bad_invocations_exit_2(tmp_path, capsys):
+    for argv, message in ((["--plot", str(tmp_path / "x.png")], "--plot draws the report of --model DIR"),
+                          (["--model", str(tmp_path), "--case", "seed*"], "--model compares one checkpoint"),
+                          (["--list", "--model", str(tmp_path)], "--list lists the cases")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["--no-cache", *argv])
+        assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert main(["--no-cache", "--model", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere: not a directory" in capsys.readouterr().err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["--no-cache", "--model", str(empty)]) == 2
+    assert "config.json" in capsys.readouterr().err
+
+
+def test_port_model_example_reports_and_continues_like_pytorch(gpt2_dir, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "port_model.py"
+    spec = importlib.util.spec_from_file_location("port_model", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    outcome = example.main(gpt2_dir, new_tokens=12)
+    assert all(r.passed for r in outcome["reports"]) and [r.dtype for r in outcome["reports"]] == ["float32",
+                                                                                                  "float64"]
+    assert outcome["ours"].shape == outcome["theirs"].shape == (3, 9 + 12)
+    assert (outcome["ours"] == outcome["theirs"]).all()
+    out = capsys.readouterr().out
+    assert out.count(" same") == 3 and "every layer passes" in out
