@@ -430,10 +430,166 @@ def _torch_math(q, k, v):
     return run
 
 
+# ---------------------------------------------------------------------------------------------------
+# Where the MHA training step's time goes, and attention against torch's fused CPU kernels.
+
+
+def mha_breakdown_case(quick):
+    """The MHA step in pieces: the four projections alone (attention replaced by a sum, so the same
+    matmuls and their gradients run) and attention alone on the projected shapes, forward and
+    forward+backward, jaxattn against torch (F.linear and F.scaled_dot_product_attention)."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    import torch.nn.functional as F
+
+    import jaxattn
+    from jaxattn._multihead import project_out, project_qkv
+
+    s = _mha_setup(quick)
+    B, T, E, N = (s[k] for k in "BTEN")
+    H = E // N
+    q, k, v = (jnp.asarray(a) for a in _rng_arrays([(B, T, N, H)] * 3, seed=2))
+    tq, tk, tv = (torch.from_numpy(np.asarray(a).transpose(0, 2, 1, 3).copy()).requires_grad_(True)
+                  for a in (q, k, v))
+    xt = s["xt"].clone().requires_grad_(True)
+    w_in = torch.randn(3 * E, E) * E**-0.5
+    w_out = torch.randn(E, E) * E**-0.5
+    b_in, b_out = torch.zeros(3 * E), torch.zeros(E)
+    weights = [w.requires_grad_(True) for w in (w_in, b_in, w_out, b_out)]
+    proj_flops = 4 * 2.0 * B * T * E * E
+    attn_flops = 4.0 * B * T * T * E
+
+    def projections(p, x):  # q + k + v stands in for attention: same shapes, no attention cost
+        q, k, v = project_qkv(p, x)
+        return project_out(p, q + k + v)
+
+    def torch_projections():
+        qkv = F.linear(xt, weights[0], weights[1])
+        return F.linear(sum(qkv.chunk(3, dim=-1)), weights[2], weights[3])
+
+    def torch_projections_fwd():
+        with torch.no_grad():
+            return torch_projections()
+
+    def torch_projections_bwd():
+        xt.grad = None
+        for w in weights:
+            w.grad = None
+        torch_projections().sum().backward()
+
+    def torch_attention_fwd():
+        with torch.no_grad():
+            return F.scaled_dot_product_attention(tq, tk, tv)
+
+    def torch_attention_bwd():
+        for a in (tq, tk, tv):
+            a.grad = None
+        F.scaled_dot_product_attention(tq, tk, tv).sum().backward()
+
+    def grads(f, argnums):
+        return jax.grad(lambda *a: f(*a).sum(), argnums=argnums)
+
+    def attention(implementation):
+        return lambda q, k, v: jaxattn.dot_product_attention(q, k, v, implementation=implementation)
+
+    cands = [
+        jax_candidate("jaxattn projections fwd", projections, s["params"], s["xj"], flops=proj_flops),
+        torch_candidate("torch projections fwd", torch_projections_fwd, flops=proj_flops),
+        jax_candidate("jaxattn projections fwd+bwd", grads(projections, (0, 1)), s["params"], s["xj"],
+                      flops=3 * proj_flops),
+        torch_candidate("torch projections fwd+bwd", torch_projections_bwd, flops=3 * proj_flops),
+        jax_candidate("jaxattn attention fwd", attention(None), q, k, v, flops=attn_flops),
+        jax_candidate("jaxattn dense attention fwd", attention("dense"), q, k, v, flops=attn_flops),
+        torch_candidate("torch SDPA fwd", torch_attention_fwd, flops=attn_flops),
+        jax_candidate("jaxattn attention fwd+bwd", grads(attention(None), (0, 1, 2)), q, k, v,
+                      flops=3.5 * attn_flops),
+        jax_candidate("jaxattn dense attention fwd+bwd", grads(attention("dense"), (0, 1, 2)), q, k, v,
+                      flops=3.5 * attn_flops),
+        torch_candidate("torch SDPA fwd+bwd", torch_attention_bwd, flops=3.5 * attn_flops),
+    ]
+    return Case("mha_breakdown", "Where the MHA step's time goes, B={B} T={T} E={E} N={N} float32".format(**s),
+                cands, "torch projections fwd", params={k: s[k] for k in "BTEN"})
+
+
+def _sdpa_pair(B, S, N, H, dtype, causal, quick_seed=0):
+    """jax q, k, v [B,S,N,H] and torch copies [B,N,S,H] (requiring grad) of the same values."""
+    import jax.numpy as jnp
+    import torch
+
+    arrays = _rng_arrays([(B, S, N, H)] * 3, seed=quick_seed)
+    jx = [jnp.asarray(a, dtype) for a in arrays]
+    tdtype = {jnp.float32: torch.float32, jnp.bfloat16: torch.bfloat16}[dtype]
+    tx = [torch.from_numpy(a.transpose(0, 2, 1, 3).copy()).to(tdtype).requires_grad_(True) for a in arrays]
+    return jx, tx
+
+
+def _attention_vs_sdpa(name, title, lengths, dtype, quick):
+    """jaxattn (automatic implementation) against torch SDPA (its CPU flash kernel), causal, forward and
+    forward+backward, at each length; targets: <= 1.0x torch's faster thread setting."""
+    import jax
+    import jax.numpy as jnp
+    import torch
+    import torch.nn.functional as F
+
+    import jaxattn
+
+    B, N, H = 1, 8, 64
+    cands, targets = [], []
+    for S in lengths:
+        (q, k, v), (tq, tk, tv) = _sdpa_pair(B, S, N, H, dtype, True)
+        flops = 4.0 * B * N * S * S * H / 2  # causal: half the grid
+
+        def attend(q, k, v):
+            return jaxattn.dot_product_attention(q, k, v, is_causal=True)
+
+        def loss(q, k, v):
+            return attend(q, k, v).astype(jnp.float32).sum()
+
+        def torch_fwd(tq=tq, tk=tk, tv=tv):
+            with torch.no_grad():
+                return F.scaled_dot_product_attention(tq, tk, tv, is_causal=True)
+
+        def torch_bwd(tq=tq, tk=tk, tv=tv):
+            for a in (tq, tk, tv):
+                a.grad = None
+            F.scaled_dot_product_attention(tq, tk, tv, is_causal=True).float().sum().backward()
+
+        for direction, jfn, tfn, f in (("fwd", attend, torch_fwd, flops),
+                                       ("fwd+bwd", jax.grad(loss, argnums=(0, 1, 2)), torch_bwd, 3.5 * flops)):
+            names = [f"jaxattn {direction} S={S}", f"torch SDPA {direction} S={S}",
+                     f"torch SDPA 1 thread {direction} S={S}"]
+            cands += [jax_candidate(names[0], jfn, q, k, v, flops=f, note="implementation=None"),
+                      torch_candidate(names[1], tfn, flops=f), torch_candidate(names[2], tfn, flops=f, threads=1)]
+            targets.append(ratio_target(f"{direction} S={S}: jaxattn <= 1.0x torch SDPA (faster thread setting)",
+                                        names[0], names[1:], 1.0))
+    return Case(name, title, cands, cands[1].name, targets, dict(B=B, N=N, H=H, lengths=lengths, causal=True),
+                rounds=3 if max(lengths) > 4096 else None)
+
+
+def causal_case(quick):
+    import jax.numpy as jnp
+
+    lengths = [512, 1024] if quick else [2048, 8192]
+    return _attention_vs_sdpa("causal", "Causal attention vs torch SDPA (CPU flash kernel), B=1 N=8 H=64 float32",
+                              lengths, jnp.float32, quick)
+
+
+def bf16_case(quick):
+    import jax.numpy as jnp
+
+    lengths = [512] if quick else [2048]
+    return _attention_vs_sdpa("bf16", "bfloat16 causal attention (float32 accumulation) vs torch SDPA in "
+                              "bfloat16, B=1 N=8 H=64", lengths, jnp.bfloat16, quick)
+
+
 ALL_CASES = {
     "matmul": matmul_case,
     "mha_forward": mha_forward_case,
     "mha_forward_backward": mha_backward_case,
+    "mha_breakdown": mha_breakdown_case,
+    "causal": causal_case,
+    "bf16": bf16_case,
     "seed000": seed000_case,
     "shaw": shaw_case,
     "blockwise_vs_dense": blockwise_vs_dense_case,

@@ -38,6 +38,7 @@ class Candidate:
     torch_memory: Optional[dict] = None  # spec for torch_memory.py (torch candidates)
     peak_bytes: Optional[int] = None  # measured torch peak RSS growth
     times: list = dataclasses.field(default_factory=list)
+    cpu_times: list = dataclasses.field(default_factory=list)  # process CPU seconds of the same calls
     note: str = ""
     timed: bool = True  # False: compiled for its memory analysis only
 
@@ -45,8 +46,13 @@ class Candidate:
     def median_s(self):
         return float(np.median(self.times)) if self.times else None
 
+    @property
+    def median_cpu_s(self):
+        return float(np.median(self.cpu_times)) if self.cpu_times else None
+
     def summary(self):
-        return {"median_s": self.median_s, "times_s": self.times, "flops": self.flops,
+        return {"median_s": self.median_s, "times_s": self.times, "median_cpu_s": self.median_cpu_s,
+                "cpu_times_s": self.cpu_times, "flops": self.flops,
                 "gflops_per_s": self.flops / self.median_s / 1e9 if self.flops and self.times else None,
                 "compile_s": self.compile_s, "temp_bytes": self.temp_bytes, "output_bytes": self.output_bytes,
                 "peak_bytes": self.peak_bytes, "note": self.note}
@@ -89,14 +95,20 @@ def torch_candidate(name, fn, *, flops=None, memory_spec=None, note="", threads=
 
 
 def time_rounds(candidates, rounds):
-    """Interleave: each round calls every candidate once, in an order rotated by the round number."""
+    """Interleave: each round calls every candidate once, in an order rotated by the round number.
+
+    Records wall time and this process's CPU time (all threads) of every call. On a machine loaded by
+    other jobs wall time swings with their load; CPU time much less (it still counts spin-waiting
+    threads and cache contention), so with one pinned core (`taskset -c 0`, one thread) it is the
+    steadier figure for comparing candidates."""
     candidates = [c for c in candidates if c.timed]
     for r in range(rounds):
         order = candidates[r % len(candidates):] + candidates[:r % len(candidates)]
         for cand in order:
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             cand.run()
             cand.times.append(time.perf_counter() - start)
+            cand.cpu_times.append(time.process_time() - cpu)
 
 
 def measure_torch_memory(specs):
