@@ -146,7 +146,7 @@ def main(argv=None):
             print(markdown_table(json.load(f)))
         return 0
     if args.cpu:
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     key = "median_cpu_s" if args.cpu else "median_s"
     lengths = [int(x) for x in args.lengths.split(",")]
     result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
