@@ -26,7 +26,6 @@ def test_an_encoder_decoder_checkpoint_reports_both_stacks(tmp_path, capsys):
 
 
 def test_a_good_port_passes_with_table_plot_and_json(gpt2_dir, tmp_path, capsys):
-    pytest.importorskip("matplotlib")
     png, report = tmp_path / "drift.png", tmp_path / "report.json"
     assert main(["--no-cache", "--model", str(gpt2_dir), "--plot", str(png), "--json", str(report)]) == 0
     out = capsys.readouterr().out
