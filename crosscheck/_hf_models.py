@@ -36,6 +36,21 @@ TINY = {
            dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=56, num_layers=2, num_decoder_layers=2, num_heads=4,
                 relative_attention_num_buckets=8, relative_attention_max_distance=20,
                 feed_forward_proj="gated-gelu", decoder_start_token_id=0)),
+    # every layer slides; the window (5) is shorter than the prompts (11) and than prompt + new tokens
+    "mistral": ("MistralConfig", "MistralForCausalLM",
+                dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                     num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
+                     rms_norm_eps=1e-6, sliding_window=5, rope_parameters=dict(rope_type="default",
+                                                                               rope_theta=10000.0))),
+    # layer 0 slides (window 5), layer 1 is global; head_dim 16 != hidden/heads 12; query_pre_attn_scalar 13
+    # != head_dim; both softcaps small enough to bite. Untied: with tied random embeddings, the scaled
+    # embedding of the last token dominates the residual stream and greedy decoding repeats one token.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
+               dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                    rms_norm_eps=1e-6, sliding_window=5, query_pre_attn_scalar=13, attn_logit_softcapping=4.0,
+                    final_logit_softcapping=10.0, tie_word_embeddings=False,
+                    rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
 }
 
 
@@ -67,6 +82,13 @@ def _rms_norm_in_input_precision(self, hidden_states):
     return self.weight * wide.to(hidden_states.dtype)
 
 
+def _gemma_rms_norm_in_input_precision(self, x):
+    """Gemma2RMSNorm: the statistics and the (1 + weight) scale in float32 or wider."""
+    wide = x.to(torch_promote(x.dtype))
+    wide = wide * (wide.pow(2).mean(-1, keepdim=True) + self.eps).rsqrt()
+    return (wide * (1.0 + self.weight.to(wide.dtype))).type_as(x)
+
+
 def torch_promote(dtype):
     import torch
 
@@ -74,7 +96,8 @@ def torch_promote(dtype):
 
 
 # HF rotary embeddings whose code computes cos/sin in float32 whatever the input dtype
-_FLOAT32_ROTARY = ("LlamaRotaryEmbedding", "Qwen2RotaryEmbedding", "MistralRotaryEmbedding")
+_FLOAT32_ROTARY = ("LlamaRotaryEmbedding", "Qwen2RotaryEmbedding", "MistralRotaryEmbedding",
+                   "Gemma2RotaryEmbedding")
 
 
 def _rotary_in_input_precision(self, x, position_ids):
@@ -93,17 +116,20 @@ def _rotary_in_input_precision(self, x, position_ids):
 
 # HF modules whose eager attention takes its softmax in float32 whatever the input dtype
 _FLOAT32_SOFTMAX = ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
-                    "transformers.models.mistral.modeling_mistral")
+                    "transformers.models.mistral.modeling_mistral", "transformers.models.gemma2.modeling_gemma2")
 
 
 def _eager_attention_in_input_precision(hf_module):
     """HF's eager_attention_forward of `hf_module` (Llama's), the softmax taken in the input's dtype."""
     import torch
 
-    def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, softcap=None,
+                                **kwargs):
         key_states = hf_module.repeat_kv(key, module.num_key_value_groups)
         value_states = hf_module.repeat_kv(value, module.num_key_value_groups)
         attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+        if softcap is not None:  # Gemma 2
+            attn_weights = torch.tanh(attn_weights / softcap) * softcap
         if attention_mask is not None:
             attn_weights = attn_weights + attention_mask
         attn_weights = torch.softmax(attn_weights, dim=-1, dtype=torch_promote(query.dtype)).to(query.dtype)
@@ -116,19 +142,22 @@ def _eager_attention_in_input_precision(hf_module):
 @contextlib.contextmanager
 def float64_reference(torch_model, dtype: str):
     """With dtype "float64": HF's float32-only steps run in float64 for the duration: the RMS norms'
-    statistics (T5, Llama, Qwen2, Mistral) and the rotary cos/sin (Llama, Qwen2, Mistral; their inverse
-    frequencies from jaxattn.models.llama.rope_frequencies in float64, HF's formulas). HF's code casts
+    statistics (T5, Llama, Qwen2, Mistral, Gemma 2 with its (1 + weight)), the rotary cos/sin (Llama, Qwen2,
+    Mistral, Gemma 2; their inverse frequencies from jaxattn.models.llama.rope_frequencies in float64, HF's
+    formulas) and Gemma 2's embedding scale sqrt(hidden_size) (a float32 buffer, upcast). HF's code casts
     these to float32 even for float64 inputs, which would make the float64 reference a float32 one there
     (~1e-7 apart, and bit-for-bit unreachable: torch's float32 reduction order and libm). Every other
     operation is HF's own code; float32 runs are untouched.
 
-    Also the eager softmax of Llama, Qwen2 and Mistral, which HF takes in float32: in a float64 run the
+    Also the eager softmax of Llama, Qwen2, Mistral and Gemma 2, which HF takes in float32: in a float64 run the
     additive mask's float64 minimum becomes -inf there, a fully masked (padded) query row turns to NaN and
     the NaN reaches every row through the next layer's values (HF's float64 with padding is NaN throughout).
     """
     import sys
 
-    patched, functions = [], []
+    import torch
+
+    patched, functions, scales = [], [], []
     if dtype == "float64":
         for name in _FLOAT32_SOFTMAX:
             hf_module = sys.modules.get(name)
@@ -142,6 +171,12 @@ def float64_reference(torch_model, dtype: str):
             elif type(module).__name__ in _FLOAT32_ROTARY:
                 module.forward = types.MethodType(_rotary_in_input_precision, module)
                 patched.append(module)
+            elif type(module).__name__ == "Gemma2RMSNorm":
+                module.forward = types.MethodType(_gemma_rms_norm_in_input_precision, module)
+                patched.append(module)
+            elif type(module).__name__ == "Gemma2TextScaledWordEmbedding":  # a float32 buffer, then upcast
+                scales.append((module, module.embed_scale))
+                module.embed_scale = module.embed_scale.new_tensor(module.scalar_embed_scale, dtype=torch.float64)
     try:
         yield torch_model
     finally:
@@ -149,6 +184,8 @@ def float64_reference(torch_model, dtype: str):
             del module.forward
         for hf_module, original in functions:
             hf_module.eager_attention_forward = original
+        for module, scale in scales:
+            module.embed_scale = scale
 
 
 def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
@@ -170,7 +207,7 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
 
 # weight-matrix gain per family (default 3): large enough that greedy decoding does not collapse to one
 # repeated token, small enough that float32 stays well conditioned (T5's gated FF multiplies two gains)
-_GAIN = {"t5": 1.5, "llama": 1.5, "qwen2": 1.5}
+_GAIN = {"t5": 1.5, "llama": 1.5, "qwen2": 1.5, "mistral": 1.5, "gemma2": 1.5}
 
 
 def write_checkpoint(model_type: str, directory: str | os.PathLike, *, seed: int = 0, **overrides) -> Path:
@@ -187,8 +224,8 @@ def write_checkpoint(model_type: str, directory: str | os.PathLike, *, seed: int
     with torch.no_grad():
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=generator, dtype=p.dtype)
-            if name.endswith("weight") and p.ndim == 1:  # norm scales: around 1
-                p.copy_(1.0 + 0.2 * noise)
+            if name.endswith("weight") and p.ndim == 1:  # norm scales: around 1 (Gemma 2 scales by 1 + weight)
+                p.copy_((0.0 if model_type == "gemma2" else 1.0) + 0.2 * noise)
             elif "relative_attention_bias" in name:  # T5's only position signal: strong, so decoding varies
                 p.copy_(3.0 * noise)
             else:

@@ -8,8 +8,9 @@
 """
 
 from . import bert as _bert_family  # noqa: F401  (each family module registers its model_type)
+from . import gemma2 as _gemma2_family  # noqa: F401
 from . import gpt2 as _gpt2_family  # noqa: F401
-from . import llama as _llama_family  # noqa: F401  (llama and qwen2)
+from . import llama as _llama_family  # noqa: F401  (llama, mistral and qwen2)
 from . import t5 as _t5_family  # noqa: F401
 from ._generate import generate as generate
 from ._pretrained import from_pretrained as from_pretrained

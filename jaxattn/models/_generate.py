@@ -30,7 +30,8 @@ def empty_cache(model, params, batch: int, length: int):
     ids = jnp.zeros((batch, length), jnp.int32)
 
     def cache(params):
-        return model.apply({"params": params}, ids, decode=True, mutable=["cache"])[1]["cache"]
+        return model.apply({"params": params}, ids, attention_mask=jnp.ones_like(ids), decode=True,
+                           mutable=["cache"])[1]["cache"]
 
     shapes = jax.eval_shape(cache, params)
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -60,7 +61,7 @@ def generate(model, params, input_ids, *, max_new_tokens: int, attention_mask=No
     attention_mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
     _check(input_ids, attention_mask, max_new_tokens)
     if not (getattr(model, "is_encoder_decoder", False) or hasattr(model, "max_positions")):
-        raise ValueError(f"model: expected a generative model (gpt2, llama, qwen2, t5), got {type(model).__name__}")
+        raise ValueError(f"model: expected a generative model (gpt2, llama, mistral, qwen2, gemma2, t5), got {type(model).__name__}")
     if getattr(model, "is_encoder_decoder", False):
         return model.generate(params, input_ids, attention_mask, max_new_tokens)
     B, T = input_ids.shape

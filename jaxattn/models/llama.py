@@ -1,4 +1,4 @@
-"""Llama and Qwen2 in Flax linen, on jaxattn.linen.MultiHeadAttention (GQA, RoPE): HF's *ForCausalLM.
+"""Llama, Mistral and Qwen2 in Flax linen, on jaxattn.linen.MultiHeadAttention (GQA, RoPE): HF's *ForCausalLM.
 
     x = embed_tokens[ids]
     each layer:  x = x + o(attend(RoPE(q(RMSNorm(x))), RoPE(k(RMSNorm(x))), v(RMSNorm(x))))   causal, GQA
@@ -9,6 +9,9 @@ RoPE is the layer's own `rope` option: queries and keys are rotated after projec
 at `rope_positions` (HF's position_ids), and keys are cached already rotated, so decoding needs no
 bookkeeping. The inverse frequencies follow HF's rope types "default", "linear" and "llama3"
 (`rope_frequencies`); other rope types are refused by name. Qwen2 = Llama with q/k/v biases (no o bias).
+Mistral = Llama with a sliding window on every layer when config.sliding_window is set (null: none): HF's
+`kv_idx > q_idx - sliding_window` on cache slots, i.e. window=(sliding_window - 1, 0) with is_causal
+(docs/positions.md); decoding applies it as a mask over the cache's slots (_decoder.sliding_mask).
 
 Calling convention (and the decode cache): jaxattn/models/_decoder.py.
 
@@ -49,6 +52,7 @@ class LlamaConfig:
     qkv_bias: bool = False             # Qwen2: a bias on q, k and v only
     mlp_bias: bool = False
     rope_frequencies: tuple = ()       # the inverse frequencies [H/2] (rope_frequencies of the config)
+    windows: tuple = ()                # per layer: HF's sliding_window W (the query and W - 1 before) or None
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], source="config") -> LlamaConfig:
@@ -62,21 +66,36 @@ class LlamaConfig:
             refuse("use_sliding_window", "false (sliding windows are not implemented in jaxattn.models yet)",
                    config["use_sliding_window"])
         layer_types = set(config.get("layer_types") or ["full_attention"])
-        if layer_types != {"full_attention"}:
+        if layer_types != {"full_attention"}:  # Mistral ignores layer_types in HF (it warns): refused here too
             refuse("layer_types", "only 'full_attention'", sorted(layer_types))
-        fields = {f.name for f in dataclasses.fields(cls)} - {"rope_frequencies", "qkv_bias"}
+        fields = {f.name for f in dataclasses.fields(cls)} - {"rope_frequencies", "qkv_bias", "windows"}
         kept = {k: v for k, v in config.items() if k in fields and v is not None}
-        llama = cls(**kept, qkv_bias=config.get("model_type") == "qwen2")
+        llama = cls(**kept, qkv_bias=config.get("model_type") == "qwen2",
+                    windows=_mistral_windows(config, source))
         if llama.hidden_size % llama.num_attention_heads and llama.head_dim is None:
             refuse("head_dim", f"given, or hidden_size divisible by num_attention_heads={llama.num_attention_heads}",
                    None)
         return dataclasses.replace(llama, rope_frequencies=tuple(rope_frequencies(config, llama.dims()["H"],
                                                                                   source)))
 
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
+
     def dims(self) -> dict[str, int]:
         N = self.num_attention_heads
         return {"V": self.vocab_size, "E": self.hidden_size, "N": N, "K": self.num_key_value_heads or N,
                 "H": self.head_dim or self.hidden_size // N, "F": self.intermediate_size}
+
+
+def _mistral_windows(config: Mapping[str, Any], source) -> tuple:
+    """Mistral: config.sliding_window on every layer (HF's MistralModel picks its mask by sliding_window
+    alone); null = no window. Other families here: none (Qwen2's use_sliding_window is refused above)."""
+    window = config.get("sliding_window") if config.get("model_type") == "mistral" else None
+    if window is None:
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        _pretrained.refuse(source, "sliding_window", "an int >= 1 or null", window)
+    return (window,) * config["num_hidden_layers"]
 
 
 def rope_parameters(config: Mapping[str, Any]) -> dict:
@@ -118,6 +137,12 @@ def rope_frequencies(config: Mapping[str, Any], head_dim: int, source="config") 
     return inverse
 
 
+def rms_normalize(x, epsilon: float):
+    """x * rsqrt(mean(x^2) + eps) over the last axis, computed in float32 or wider (returned so)."""
+    wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return wide * jax.lax.rsqrt(jnp.mean(wide * wide, -1, keepdims=True) + epsilon)
+
+
 class RMSNorm(nn.Module):
     """LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)), the statistics in float32 or wider."""
 
@@ -127,9 +152,20 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-        normed = wide * jax.lax.rsqrt(jnp.mean(wide * wide, -1, keepdims=True) + self.epsilon)
-        return weight * normed.astype(x.dtype)
+        return weight * rms_normalize(x, self.epsilon).astype(x.dtype)
+
+
+def layer_window(window: int | None, decode: bool):
+    """The attention layer's `window` keyword for HF's sliding_window W: (W - 1, 0) without the cache; None
+    when decoding, where the window is part of the mask (_decoder.sliding_mask)."""
+    return None if window is None or decode else (window - 1, 0)
+
+
+def layer_masks(config, attention_mask, slots, decode: bool) -> dict:
+    """{window (or None): the attention layers' mask}, one per distinct window of the model's layers."""
+    windows = {config.window(i) for i in range(config.num_hidden_layers)}
+    return {w: _decoder.key_mask(attention_mask) if w is None else
+            _decoder.sliding_mask(attention_mask, slots, w, decode) for w in windows}
 
 
 class LlamaBlock(nn.Module):
@@ -141,13 +177,14 @@ class LlamaBlock(nn.Module):
     precision: Any = None
 
     @nn.compact
-    def __call__(self, x, mask, positions, decode: bool):
+    def __call__(self, x, mask, positions, decode: bool, window: int | None = None):
         c, d = self.config, self.config.dims()
         norm = functools.partial(RMSNorm, c.rms_norm_eps, self.param_dtype)
         bias = True if c.attention_bias else (("query", "key", "value") if c.qkv_bias else False)
         attention = MultiHeadAttention(num_heads=d["N"], num_kv_heads=d["K"], head_dim=d["H"], use_bias=bias,
-                                       rope=RoPE(frequencies=c.rope_frequencies), dtype=self.dtype,
-                                       param_dtype=self.param_dtype, precision=self.precision, name="self_attn")
+                                       rope=RoPE(frequencies=c.rope_frequencies), window=layer_window(window, decode),
+                                       dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision,
+                                       name="self_attn")
         a = attention(norm(name="input_layernorm")(x), mask=mask, is_causal=True, rope_positions=positions,
                       decode=decode)
         x = x + a
@@ -174,14 +211,14 @@ class LlamaForCausalLM(nn.Module):
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, decode: bool = False):
         c, d = self.config, self.config.dims()
         input_ids = jnp.asarray(input_ids)
-        positions = _decoder.positions(self, input_ids.shape, position_ids, decode)
+        positions, slots = _decoder.positions_and_slots(self, input_ids.shape, position_ids, decode)
         embed = nn.Embed(d["V"], d["E"], dtype=self.dtype, param_dtype=self.param_dtype, name="embed_tokens")
         x = embed(input_ids)
         self.sow("intermediates", "embeddings", x)
-        mask = _decoder.key_mask(attention_mask)
+        masks = layer_masks(c, attention_mask, slots, decode)
         for i in range(c.num_hidden_layers):
             x, a, m = LlamaBlock(c, self.dtype, self.param_dtype, self.precision, name=f"layers_{i}")(
-                x, mask, positions, decode)
+                x, masks[c.window(i)], positions, decode, c.window(i))
             self.sow("intermediates", f"layer{i}.attention", a)
             self.sow("intermediates", f"layer{i}.mlp", m)
             self.sow("intermediates", f"layer{i}.residual", x)
@@ -224,17 +261,21 @@ def weight_table(config: LlamaConfig) -> list[_table.Row]:
     return _rows(config)
 
 
-def _load(config: dict, tensors, files, *, dtype, precision, source):
-    llama = LlamaConfig.from_dict(config, source)
-    ignored = []
-    if llama.tie_word_embeddings and "lm_head.weight" in tensors:
-        ignored.append("lm_head.weight")
-        if not np.array_equal(tensors["lm_head.weight"], tensors.get("model.embed_tokens.weight")):
-            raise ValueError(f"{files['lm_head.weight']}: 'lm_head.weight': expected a copy of "
-                             f"model.embed_tokens.weight (tie_word_embeddings is true in {source}), got other values")
-    params = _table.fill(tensors, weight_table(llama), llama.dims(), files, dtype=dtype, ignored=ignored)
-    return LlamaForCausalLM(llama, precision=precision), params
+def loader(config_class, model_class, table):
+    """A from_pretrained loader: config dict -> config_class.from_dict, weights through table(config)."""
+    def load(config: dict, tensors, files, *, dtype, precision, source):
+        parsed = config_class.from_dict(config, source)
+        ignored = []
+        if parsed.tie_word_embeddings and "lm_head.weight" in tensors:
+            ignored.append("lm_head.weight")
+            if not np.array_equal(tensors["lm_head.weight"], tensors.get("model.embed_tokens.weight")):
+                raise ValueError(f"{files['lm_head.weight']}: 'lm_head.weight': expected a copy of "
+                                 f"model.embed_tokens.weight (tie_word_embeddings is true in {source}), "
+                                 f"got other values")
+        params = _table.fill(tensors, table(parsed), parsed.dims(), files, dtype=dtype, ignored=ignored)
+        return model_class(parsed, precision=precision), params
+    return load
 
 
-_pretrained.register_family("llama")(_load)
-_pretrained.register_family("qwen2")(_load)
+for _model_type in ("llama", "qwen2", "mistral"):
+    _pretrained.register_family(_model_type)(loader(LlamaConfig, LlamaForCausalLM, weight_table))
