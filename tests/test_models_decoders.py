@@ -1,8 +1,9 @@
 """Generative ports (jaxattn.models from_pretrained + generate) against transformers' PyTorch models.
 
 Each family: a tiny random-weight checkpoint (crosscheck._hf_models: 2 layers, every parameter random, GQA
-where the family has it) written with save_pretrained and read back by from_pretrained (no torch), on
-prompts of different lengths padded on the left and on the right. Bars (issue 12): logits max abs <= 1e-5
+where the family has it; Mistral's and Gemma 2's window of 5 shorter than the 11-token prompts) written with
+save_pretrained and read back by from_pretrained (no torch), on prompts of different lengths padded on the
+left and on the right. Bars (issue 12): logits max abs <= 1e-5
 in float32 and normwise <= 1e-12 in float64 on real tokens, every layer of the report passing; greedy
 decoding of 64 new tokens equal to transformers' generate(do_sample=False) token for token; every
 injected one-weight fault found at its own layer.
@@ -22,7 +23,7 @@ from crosscheck import _hf_models as hf
 from crosscheck import layer_report
 from jaxattn.models import from_pretrained, generate
 
-FAMILIES = ("gpt2", "t5", "llama", "qwen2")
+FAMILIES = ("gpt2", "t5", "llama", "qwen2", "mistral", "gemma2")
 NEW = 64
 
 
@@ -131,7 +132,12 @@ def test_drift_origin_every_injected_fault_is_found_at_its_layer(checkpoint):
     ("t5", "feed_forward_proj", "gated-gelu-x"), ("t5", "is_decoder", True),
     ("llama", "hidden_act", "gelu"), ("qwen2", "use_sliding_window", True),
     ("llama", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
-    ("qwen2", "layer_types", ["sliding_attention", "full_attention"])])
+    ("qwen2", "layer_types", ["sliding_attention", "full_attention"]),
+    ("mistral", "layer_types", ["sliding_attention", "full_attention"]), ("mistral", "sliding_window", 0),
+    ("mistral", "hidden_act", "gelu"), ("gemma2", "hidden_activation", "gelu"),
+    ("gemma2", "use_bidirectional_attention", True), ("gemma2", "layer_types", ["sliding_attention"]),
+    ("gemma2", "layer_types", ["chunked_attention", "full_attention"]), ("gemma2", "sliding_window", None),
+    ("gemma2", "rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})])
 def test_config_options_not_implemented_are_refused(tmp_path, model_type, key, value):
     import json
     import shutil
@@ -185,3 +191,27 @@ def test_generate_refuses_bad_input(tmp_path):
 
     with pytest.raises(ValueError, match="model: expected a generative model"):
         generate(BertModel(BertConfig()), {}, ids, max_new_tokens=2)
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "t5"])
+def test_greedy_decoding_stops_at_eos_like_transformers(tmp_path, model_type):
+    """eos_token_id: each row stops at its first eos token and then emits pad; decoding ends once every row
+    has finished. Three eos tokens, each one row's own token at a different step (so rows finish at
+    different steps and the output is shorter than max_new_tokens); as a list with pad 0, and as one int
+    (pad then defaults to it, as in transformers)."""
+    directory = hf.write_checkpoint(model_type, tmp_path / model_type)
+    model, params = from_pretrained(directory)
+    torch_model = hf.torch_model(directory)
+    ids, mask = hf.padded_batch("left")
+    free = generate(model, params, ids, max_new_tokens=24, attention_mask=mask)[:, -24:]
+    eos = [int(free[0, 3]), int(free[1, 6]), int(free[2, 9])]
+    for eos_token_id, pad_token_id in ((eos, 0), (eos[1], None)):
+        ours = generate(model, params, ids, max_new_tokens=24, attention_mask=mask, eos_token_id=eos_token_id,
+                        pad_token_id=pad_token_id)
+        with torch.no_grad():
+            theirs = torch_model.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
+                                          max_new_tokens=24, do_sample=False, eos_token_id=eos_token_id,
+                                          pad_token_id=pad_token_id).numpy()
+        np.testing.assert_array_equal(ours, theirs)
+        if eos_token_id == eos:  # every row finished by step 9, so decoding stopped after <= 10 tokens
+            assert ours.shape[1] - (1 if model_type == "t5" else 11) <= 10

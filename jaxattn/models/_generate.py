@@ -50,20 +50,57 @@ def _check(input_ids, attention_mask, max_new_tokens):
                          f"{attention_mask.tolist()}")
 
 
-def generate(model, params, input_ids, *, max_new_tokens: int, attention_mask=None):
-    """Greedy continuation: int [B,T] prompts -> [B,T+max_new_tokens] (the prompts, then the new tokens).
+class Stopping:
+    """transformers' greedy stopping rule: a row is finished once it has emitted an eos token; from the next
+    step on it emits pad_token_id instead of its argmax; decoding stops when every row is finished.
 
-    attention_mask [B,T] (1 = token, 0 = padding, left or right). No stopping token: exactly
-    max_new_tokens are produced per row (as transformers' generate does when no eos_token_id is set).
+    eos_token_id: None (never stop early), an int or a list of ints. pad_token_id: default eos_token_id[0]
+    (as transformers sets it when only eos is given).
+    """
+
+    def __init__(self, batch: int, eos_token_id=None, pad_token_id=None):
+        eos = [] if eos_token_id is None else np.atleast_1d(np.asarray(eos_token_id)).tolist()
+        if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos):
+            raise ValueError(f"eos_token_id: expected None, an int or a list of ints, got {eos_token_id!r}")
+        if pad_token_id is not None and (isinstance(pad_token_id, bool) or not isinstance(pad_token_id, int)):
+            raise ValueError(f"pad_token_id: expected None or an int, got {pad_token_id!r}")
+        self.eos = np.asarray(eos, np.int64)
+        self.pad = eos[0] if pad_token_id is None and eos else pad_token_id
+        self.unfinished = np.ones(batch, bool)
+
+    def __call__(self, token) -> np.ndarray:
+        """This step's argmax [B] -> the tokens to emit [B] (pad on finished rows); marks new finishes."""
+        token = np.asarray(token)
+        if not self.eos.size:
+            return token
+        token = np.where(self.unfinished, token, np.asarray(self.pad, token.dtype))
+        self.unfinished &= ~np.isin(token, self.eos)
+        return token
+
+    @property
+    def done(self) -> bool:
+        return not self.unfinished.any()
+
+
+def generate(model, params, input_ids, *, max_new_tokens: int, attention_mask=None, eos_token_id=None,
+             pad_token_id=None):
+    """Greedy continuation: int [B,T] prompts -> [B,T+n] (the prompts, then the n new tokens).
+
+    attention_mask [B,T] (1 = token, 0 = padding, left or right). Without eos_token_id, exactly
+    n = max_new_tokens are produced per row. With eos_token_id (an int or a list), a row that emits one
+    then emits pad_token_id (default: the first eos token), and decoding stops as soon as every row has
+    finished (n <= max_new_tokens): transformers' generate(do_sample=False) rule.
     Encoder-decoder models (T5) decode from their decoder_start_token_id instead; see jaxattn.models.t5.
     """
     input_ids = np.asarray(input_ids)
     attention_mask = np.ones_like(input_ids) if attention_mask is None else np.asarray(attention_mask)
     _check(input_ids, attention_mask, max_new_tokens)
+    stopping = Stopping(input_ids.shape[0], eos_token_id, pad_token_id)
     if not (getattr(model, "is_encoder_decoder", False) or hasattr(model, "max_positions")):
-        raise ValueError(f"model: expected a generative model (gpt2, llama, mistral, qwen2, gemma2, t5), got {type(model).__name__}")
+        raise ValueError(f"model: expected a generative model (gpt2, llama, mistral, qwen2, gemma2, t5), got "
+                         f"{type(model).__name__}")
     if getattr(model, "is_encoder_decoder", False):
-        return model.generate(params, input_ids, attention_mask, max_new_tokens)
+        return model.generate(params, input_ids, attention_mask, max_new_tokens, stopping)
     B, T = input_ids.shape
     if max_new_tokens == 0:
         return input_ids
@@ -75,9 +112,11 @@ def generate(model, params, input_ids, *, max_new_tokens: int, attention_mask=No
     slots = np.concatenate([attention_mask, np.ones((B, max_new_tokens), attention_mask.dtype)], -1)
     cache = empty_cache(model, params, B, T + max_new_tokens)
     token, cache = _decode_call(model, params, cache, input_ids, slots, positions)
-    new, position = [token], positions[:, -1:]
+    new, position = [stopping(token)], positions[:, -1:]
     for _ in range(max_new_tokens - 1):
+        if stopping.done:
+            break
         position = position + 1
-        token, cache = _decode_call(model, params, cache, token[:, None], slots, position)
-        new.append(token)
-    return np.concatenate([input_ids, np.stack([np.asarray(t) for t in new], -1)], -1)
+        token, cache = _decode_call(model, params, cache, jnp.asarray(new[-1])[:, None], slots, position)
+        new.append(stopping(token))
+    return np.concatenate([input_ids, np.stack(new, -1)], -1)

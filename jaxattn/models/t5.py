@@ -242,8 +242,10 @@ class T5ForConditionalGeneration(nn.Module):
         encoder_output = self.encode(input_ids, attention_mask)
         return self.decode(decoder_input_ids, encoder_output, attention_mask, decoder_attention_mask)
 
-    def generate(self, params, input_ids, attention_mask, max_new_tokens: int):
-        """Greedy decoding (called by jaxattn.models.generate): [B, 1 + max_new_tokens]."""
+    def generate(self, params, input_ids, attention_mask, max_new_tokens: int, stopping=None):
+        """Greedy decoding (called by jaxattn.models.generate): [B, 1 + n], n <= max_new_tokens.
+
+        stopping: a jaxattn.models._generate.Stopping (eos/pad rule), or None (exactly max_new_tokens)."""
         B = input_ids.shape[0]
         L = max_new_tokens + 1
         encoder_output = _encode(self, params, input_ids, attention_mask)
@@ -252,9 +254,11 @@ class T5ForConditionalGeneration(nn.Module):
         cache = _empty_decoder_cache(self, params, encoder_output, attention_mask, B, L)
         token, new = start, [start]
         for _ in range(max_new_tokens):
+            if stopping is not None and stopping.done:
+                break
             token, cache = _decode_step(self, params, cache, token, encoder_output, attention_mask, slots)
-            token = token[:, None]
-            new.append(np.asarray(token))
+            token = np.asarray(token if stopping is None else stopping(token))[:, None]
+            new.append(token)
         return np.concatenate(new, -1)
 
 
