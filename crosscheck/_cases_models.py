@@ -74,6 +74,10 @@ class _ModelSetup(Setup):
 for _model_type, _doc in (("gpt2", "GPT-2 (2 layers, tied embeddings): logits and every parameter gradient"),
                           ("t5", "T5 v1.1 (2+2 layers, gated FF): logits and every parameter gradient"),
                           ("llama", "Llama (2 layers, GQA 6/2, linear rope): logits and every parameter gradient"),
-                          ("qwen2", "Qwen2 (2 layers, GQA 6/2, q/k/v biases, tied): logits and every gradient")):
+                          ("qwen2", "Qwen2 (2 layers, GQA 6/2, q/k/v biases, tied): logits and every gradient"),
+                          ("mistral", "Mistral (2 layers, GQA 6/2, sliding window 5 < 11 tokens): logits and "
+                                      "every parameter gradient"),
+                          ("gemma2", "Gemma 2 (sliding + global layer, GQA 4/2, head_dim 16, both softcaps): "
+                                     "logits and every parameter gradient")):
     register_case(f"model_{_model_type}", description=f"{_doc}, left-padded batch, vs transformers",
                   transforms=("jit",), requires=("transformers",))(functools.partial(_setup, _model_type))
