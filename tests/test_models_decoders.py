@@ -126,6 +126,20 @@ def test_drift_origin_every_injected_fault_is_found_at_its_layer(checkpoint):
     assert len(faults) >= 16 and not misses, misses  # every weight tensor of both layers
 
 
+@pytest.mark.parametrize("model_type, overrides", [
+    ("gemma2", {"tie_word_embeddings": True, "final_logit_softcapping": None, "attn_logit_softcapping": None,
+                "layer_types": ["full_attention", "sliding_attention"]}),  # tied (HF's default), no softcaps
+    ("mistral", {"sliding_window": None})])  # null: no window at all
+def test_config_variants_match_transformers(tmp_path, model_type, overrides):
+    directory = hf.write_checkpoint(model_type, tmp_path / "variant", **overrides)
+    torch_model = hf.torch_model(directory)
+    model, params = from_pretrained(directory)
+    assert ("lm_head" in params) != overrides.get("tie_word_embeddings", False)
+    for dtype in ("float32", "float64"):  # the report's bars: float32 1e-5 scaled by max(1, |row|)
+        report = layer_report(torch_model, (model, params), _inputs(model_type, "left"), dtype=dtype)
+        assert report.passed and report.rows[-1].normwise <= (1e-12 if dtype == "float64" else 1e-5), str(report)
+
+
 @pytest.mark.parametrize("model_type, key, value", [
     ("gpt2", "activation_function", "swish"), ("gpt2", "add_cross_attention", True),
     ("gpt2", "reorder_and_upcast_attn", True), ("t5", "dense_act_fn", "swish"),
