@@ -3,9 +3,9 @@
     python examples/port_model.py DIR [--new-tokens 24] [--prompt "Once upon a time"]
     python examples/port_model.py --demo gpt2          # a tiny random GPT-2 written to a temp directory
 
-DIR is what transformers' save_pretrained writes (config.json + model.safetensors, or shards): bert, gpt2
-t5, llama and qwen2 today. The JAX side loads it with jaxattn.models.from_pretrained (no torch); the PyTorch side
-with transformers (eager attention). Printed: crosscheck.layer_report in float32 and float64 (every
+DIR is what transformers' save_pretrained writes (config.json + model.safetensors, or shards): bert, gpt2,
+t5, llama, mistral, qwen2 and gemma2. The JAX side loads it with jaxattn.models.from_pretrained (no torch);
+the PyTorch side with transformers (eager attention). Printed: crosscheck.layer_report in float32 and float64 (every
 aligned layer: max abs, normwise, pass/fail, the first divergent layer), then, for generative models, a
 greedy continuation from both frameworks side by side.
 """
@@ -95,7 +95,8 @@ def main(directory, *, new_tokens: int = 24, prompts=PROMPTS) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("directory", nargs="?", help="a save_pretrained directory")
-    parser.add_argument("--demo", choices=("gpt2", "t5"), help="write a tiny random checkpoint and port it")
+    parser.add_argument("--demo", choices=("gpt2", "t5", "llama", "qwen2", "mistral", "gemma2"),
+                        help="write a tiny random checkpoint and port it")
     parser.add_argument("--new-tokens", type=int, default=24)
     args = parser.parse_args()
     if bool(args.directory) == bool(args.demo):
