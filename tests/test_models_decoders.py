@@ -140,6 +140,20 @@ def test_config_variants_match_transformers(tmp_path, model_type, overrides):
         assert report.passed and report.rows[-1].normwise <= (1e-12 if dtype == "float64" else 1e-5), str(report)
 
 
+def test_gemma2_bf16_embeddings_scale_as_transformers(tmp_path):
+    """A bf16 checkpoint stays bf16, and sqrt(hidden_size) is rounded to bf16 before the product, as HF's
+    embed_scale.to(weight.dtype): the scaled embeddings are bit-equal (sqrt(48) is not a bf16 number)."""
+    torch_model = hf.torch_model(hf.write_checkpoint("gemma2", tmp_path / "f32")).to(torch.bfloat16)
+    torch_model.save_pretrained(tmp_path / "bf16")
+    model, params = from_pretrained(tmp_path / "bf16")
+    assert {x.dtype for x in jax.tree.leaves(params)} == {np.dtype(jax.numpy.bfloat16)}
+    ids, mask = hf.padded_batch("left")
+    _, state = model.apply({"params": params}, ids, attention_mask=mask, mutable=["intermediates"])
+    with torch.no_grad():
+        theirs = torch_model.model.embed_tokens(torch.from_numpy(ids)).float().numpy()
+    np.testing.assert_array_equal(np.asarray(state["intermediates"]["embeddings"][0], np.float32), theirs)
+
+
 @pytest.mark.parametrize("model_type, key, value", [
     ("gpt2", "activation_function", "swish"), ("gpt2", "add_cross_attention", True),
     ("gpt2", "reorder_and_upcast_attn", True), ("t5", "dense_act_fn", "swish"),

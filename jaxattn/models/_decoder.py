@@ -1,6 +1,6 @@
 """What the decoder-only families share: masks and positions, with and without the decode cache.
 
-Calling convention of every decoder-only model here (GPT-2, Llama, Qwen2):
+Calling convention of every decoder-only model here (GPT-2, Llama, Mistral, Qwen2, Gemma 2):
 
     logits = model.apply({"params": p}, input_ids[B,T], attention_mask=None, position_ids=None)
         attention_mask [B,T] (1 = token, 0 = padding; keys only, as HF's); position_ids default arange(T),
@@ -8,7 +8,8 @@ Calling convention of every decoder-only model here (GPT-2, Llama, Qwen2):
     logits, vars = model.apply({"params": p, "cache": c}, ids[B,T], attention_mask=m[B,L], position_ids=pos,
                                decode=True, mutable=["cache"])
         appends the T tokens to the cache (L slots, see jaxattn.linen); attention_mask then covers all L
-        slots (1 = a real token is or will be there); position_ids default: the slots they land in.
+        slots (1 = a real token is or will be there; required by models with sliding windows, which apply
+        the window to the slots as a mask); position_ids default: the slots they land in.
 
 Padding is masked as keys only; a padded query position's output is not meaningful (HF's is not either).
 """
