@@ -129,12 +129,13 @@ def test_drift_origin_every_injected_fault_is_found_at_its_layer(checkpoint):
 @pytest.mark.parametrize("model_type, overrides", [
     ("gemma2", {"tie_word_embeddings": True, "final_logit_softcapping": None, "attn_logit_softcapping": None,
                 "layer_types": ["full_attention", "sliding_attention"]}),  # tied (HF's default), no softcaps
-    ("mistral", {"sliding_window": None})])  # null: no window at all
+    ("mistral", {"sliding_window": None}),  # null: no window at all
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1})])  # layer 1 slides
 def test_config_variants_match_transformers(tmp_path, model_type, overrides):
     directory = hf.write_checkpoint(model_type, tmp_path / "variant", **overrides)
     torch_model = hf.torch_model(directory)
     model, params = from_pretrained(directory)
-    assert ("lm_head" in params) != overrides.get("tie_word_embeddings", False)
+    assert ("lm_head" in params) != torch_model.config.tie_word_embeddings
     for dtype in ("float32", "float64"):  # the report's bars: float32 1e-5 scaled by max(1, |row|)
         report = layer_report(torch_model, (model, params), _inputs(model_type, "left"), dtype=dtype)
         assert report.passed and report.rows[-1].normwise <= (1e-12 if dtype == "float64" else 1e-5), str(report)
@@ -158,7 +159,7 @@ def test_gemma2_bf16_embeddings_scale_as_transformers(tmp_path):
     ("gpt2", "activation_function", "swish"), ("gpt2", "add_cross_attention", True),
     ("gpt2", "reorder_and_upcast_attn", True), ("t5", "dense_act_fn", "swish"),
     ("t5", "feed_forward_proj", "gated-gelu-x"), ("t5", "is_decoder", True),
-    ("llama", "hidden_act", "gelu"), ("qwen2", "use_sliding_window", True),
+    ("llama", "hidden_act", "gelu"), ("qwen2", "layer_types", ["sliding_attention"]),
     ("llama", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
     ("qwen2", "layer_types", ["sliding_attention", "full_attention"]),
     ("mistral", "layer_types", ["sliding_attention", "full_attention"]), ("mistral", "sliding_window", 0),

@@ -9,7 +9,8 @@ RoPE is the layer's own `rope` option: queries and keys are rotated after projec
 at `rope_positions` (HF's position_ids), and keys are cached already rotated, so decoding needs no
 bookkeeping. The inverse frequencies follow HF's rope types "default", "linear" and "llama3"
 (`rope_frequencies`); other rope types are refused by name. Qwen2 = Llama with q/k/v biases (no o bias).
-Mistral = Llama with a sliding window on every layer when config.sliding_window is set (null: none): HF's
+Mistral = Llama with a sliding window on every layer when config.sliding_window is set (null: none); Qwen2
+slides the layers layer_types marks "sliding_attention" when use_sliding_window is set. The window is HF's
 `kv_idx > q_idx - sliding_window` on cache slots, i.e. window=(sliding_window - 1, 0) with is_causal
 (docs/positions.md); decoding applies it as a mask over the cache's slots (_decoder.sliding_mask).
 
@@ -62,16 +63,17 @@ class LlamaConfig:
             refuse("hidden_act", "'silu'", config["hidden_act"])
         if config.get("pretraining_tp", 1) != 1:
             refuse("pretraining_tp", "1", config["pretraining_tp"])
-        if config.get("use_sliding_window", False):
-            refuse("use_sliding_window", "false (sliding windows are not implemented in jaxattn.models yet)",
-                   config["use_sliding_window"])
-        layer_types = set(config.get("layer_types") or ["full_attention"])
-        if layer_types != {"full_attention"}:  # Mistral ignores layer_types in HF (it warns): refused here too
-            refuse("layer_types", "only 'full_attention'", sorted(layer_types))
+        layer_types = config.get("layer_types") or ["full_attention"]
+        if qwen2_slides(config):  # HF's Qwen2 slides the layers marked so, only with use_sliding_window
+            if set(layer_types) - {"full_attention", "sliding_attention"}:
+                refuse("layer_types", "'full_attention' or 'sliding_attention'", sorted(set(layer_types)))
+        elif set(layer_types) != {"full_attention"}:  # Mistral ignores layer_types in HF (it warns): refused
+            refuse("layer_types", "only 'full_attention'" + (" (use_sliding_window is false)"
+                   if config.get("model_type") == "qwen2" else ""), sorted(set(layer_types)))
         fields = {f.name for f in dataclasses.fields(cls)} - {"rope_frequencies", "qkv_bias", "windows"}
         kept = {k: v for k, v in config.items() if k in fields and v is not None}
         llama = cls(**kept, qkv_bias=config.get("model_type") == "qwen2",
-                    windows=_mistral_windows(config, source))
+                    windows=sliding_windows(config, source))
         if llama.hidden_size % llama.num_attention_heads and llama.head_dim is None:
             refuse("head_dim", f"given, or hidden_size divisible by num_attention_heads={llama.num_attention_heads}",
                    None)
@@ -87,15 +89,33 @@ class LlamaConfig:
                 "H": self.head_dim or self.hidden_size // N, "F": self.intermediate_size}
 
 
-def _mistral_windows(config: Mapping[str, Any], source) -> tuple:
-    """Mistral: config.sliding_window on every layer (HF's MistralModel picks its mask by sliding_window
-    alone); null = no window. Other families here: none (Qwen2's use_sliding_window is refused above)."""
-    window = config.get("sliding_window") if config.get("model_type") == "mistral" else None
-    if window is None:
+def qwen2_slides(config: Mapping[str, Any]) -> bool:
+    return config.get("model_type") == "qwen2" and bool(config.get("use_sliding_window", False))
+
+
+def sliding_windows(config: Mapping[str, Any], source) -> tuple:
+    """HF's sliding_window W per layer (None: full attention), or () when no layer slides.
+
+    Mistral: W on every layer (HF's MistralModel picks its mask by sliding_window alone); null = none.
+    Qwen2: W on the layers layer_types marks "sliding_attention" (HF's default: from max_window_layers on),
+    and only with use_sliding_window (HF's config drops the window otherwise)."""
+    n = config["num_hidden_layers"]
+    if config.get("model_type") == "mistral" and config.get("sliding_window") is not None:
+        return (checked_window(config["sliding_window"], source, "an int >= 1 or null"),) * n
+    if not qwen2_slides(config):
         return ()
+    window = checked_window(config.get("sliding_window"), source, "an int >= 1 (use_sliding_window is true)")
+    types = config.get("layer_types") or ["sliding_attention" if i >= config.get("max_window_layers", 28)
+                                          else "full_attention" for i in range(n)]
+    if len(types) != n:
+        _pretrained.refuse(source, "layer_types", f"one entry per layer ({n})", len(types))
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
+
+
+def checked_window(window, source, expected: str) -> int:
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        _pretrained.refuse(source, "sliding_window", "an int >= 1 or null", window)
-    return (window,) * config["num_hidden_layers"]
+        _pretrained.refuse(source, "sliding_window", expected, window)
+    return window
 
 
 def rope_parameters(config: Mapping[str, Any]) -> dict:
