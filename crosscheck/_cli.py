@@ -215,7 +215,8 @@ def _rows(case: Case, dtypes, transforms) -> list[tuple[str, str]]:
 
 
 def _run_one_case(case: Case | str, rows) -> list[Report]:
-    return [run_case(case, dtype=d, transform=t) for d, t in rows]
+    shared: dict = {}  # the rows of one case share torch's runs on identical numbers (plain and jit)
+    return [run_case(case, dtype=d, transform=t, reference_cache=shared) for d, t in rows]
 
 
 def _run(cases: list[Case], dtypes, transforms, *, jobs: int, cache_dir: str | None) -> list[Report]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from types import MappingProxyType
 from typing import Any
 
@@ -187,6 +187,7 @@ def compare(
     seed: int = 0,
     tolerance: Tolerance | None = None,
     name: str = "",
+    reference_cache: MutableMapping[Any, Any] | None = None,
 ) -> Report:
     """Run `jax_fn` and `torch_fn` on the same inputs in `dtype` and measure outputs and gradients.
 
@@ -196,6 +197,9 @@ def compare(
     Outputs may be an array, a tuple/list of arrays or a dict of arrays (same structure on both sides).
     float64 needs JAX's x64 mode on (`jax.config.update("jax_enable_x64", True)` or `jax.enable_x64()`):
     without it the request is refused rather than silently compared in float32.
+    reference_cache: a dict shared by calls with the SAME torch function, inputs and parameters (the rows of
+    one case): torch's results are kept there by the numbers torch is fed (dtype, slices, seed), so the
+    "plain" and "jit" rows, which feed torch identical numbers, run the reference once.
     """
     started = time.perf_counter()
     dtype = _checked_dtype(dtype)
@@ -209,18 +213,19 @@ def compare(
     cast = [_cast_inputs(s, dtype) for s in slices]
     consts = {k: _cast(v.value, dtype) for k, v in inputs.items() if isinstance(v, Const)}
 
-    torch_out, torch_grads = _run_torch(torch_fn, cast, consts, torch_params, dtype, grad, seed)
+    torch_out, torch_grads = _cached_torch(reference_cache, (dtype, len(slices), grad, seed), lambda: _run_torch(
+        torch_fn, cast, consts, torch_params, dtype, grad, seed))
     problems: list[str] = []
     cot = _cotangents(torch_out, seed) if grad else None
     jax_out, jax_grads = _run_jax(jax_fn, cast, consts, params, dtype, transform, cot, problems)
 
     metrics = _output_metrics(jax_out, torch_out, dtype, tolerance.forward, problems)
     if grad and jax_grads is not None:
-        torch_param_grads = torch_grads.pop("params")
+        torch_param_grads = torch_grads["params"]
         if grads_from_torch is not None and torch_param_grads:
             torch_param_grads = grads_from_torch(torch_param_grads)
-        torch_grads["params"] = torch_param_grads
-        metrics += _grad_metrics(jax_grads, torch_grads, dtype, tolerance.grad, problems)
+        metrics += _grad_metrics(jax_grads, {**torch_grads, "params": torch_param_grads}, dtype, tolerance.grad,
+                                 problems)
     return Report(name, dtype, transform, tuple(metrics), tuple(problems), time.perf_counter() - started)
 
 
@@ -311,6 +316,16 @@ def _flatten(tree: Any, prefix: str) -> dict[str, Any]:
 # --- the torch side (the reference) -------------------------------------------------------------------------
 
 
+def _cached_torch(cache: MutableMapping[Any, Any] | None, key: tuple[Any, ...], run: Callable[[], Any]) -> Any:
+    """`run()` once per key of `cache` (no cache: every time). Callers only read the results."""
+    if cache is None:
+        return run()
+    if key not in cache:
+        cache[key] = run()
+    return cache[key]
+
+
+
 def _run_torch(torch_fn, slices, consts, torch_params, dtype, grad, seed):
     """Forward (and backward with the cotangents of `_cotangents`) of torch, slice by slice."""
     import torch
@@ -394,24 +409,54 @@ def _run_jax(jax_fn, slices, consts, params, dtype, transform, cot, problems):
         return out, {**grad_d, "params": grad_p}
 
     with jax.default_matmul_precision("highest"):
-        shapes = jax.eval_shape(forward, diff, jparams, aux, jconsts)
-        if cot is not None:
-            mismatch = _structure_problem(shapes, cot)
-            if mismatch:
-                problems.append(mismatch)
-                cot = None
         if cot is None:
             fn = forward if transform == "plain" else jax.jit(forward)
             out, grads = fn(diff, jparams, aux, jconsts), None
+        elif transform == "plain":
+            out, grads = _eager_vjp(forward, (diff, jparams, aux, jconsts), cot, problems)
         else:
             # vmap runs compiled too: one compile instead of an eager batched op-by-op pass (same numbers)
-            fn = forward_backward if transform == "plain" else jax.jit(forward_backward)
-            # the cotangent takes each output's own dtype, so a wrong output dtype is reported, not raised
-            jcot = {k: jnp.asarray(v, dtype=shapes[k].dtype) for k, v in cot.items()}
-            out, grads = fn(diff, jparams, aux, jconsts, jcot)
+            out, grads = _compiled_vjp(forward, forward_backward, (diff, jparams, aux, jconsts), cot, problems)
     out = {k: np.asarray(v) for k, v in out.items()}
     grads = None if grads is None else jax.tree_util.tree_map(np.asarray, grads)
     return out, grads
+
+
+def _eager_vjp(forward, args, cot, problems):
+    """Forward and pullback op by op (no jit anywhere): the outputs of the forward decide the cotangent."""
+    import jax
+    import jax.numpy as jnp
+
+    diff, params, aux, consts = args
+    out, pull = jax.vjp(lambda d, p: forward(d, p, aux, consts), diff, params)
+    mismatch = _structure_problem(out, cot)
+    if mismatch:
+        problems.append(mismatch)
+        return out, None
+    # the cotangent takes each output's own dtype, so a wrong output dtype is reported, not raised
+    grad_d, grad_p = pull({k: jnp.asarray(v, dtype=out[k].dtype) for k, v in cot.items()})
+    return out, {**grad_d, "params": grad_p}
+
+
+def _compiled_vjp(forward, forward_backward, args, cot, problems):
+    """jit(forward_backward), traced once when JAX's outputs match torch's in names, shapes and dtypes (every
+    passing row): the cotangent then has torch's dtypes, which are JAX's. Otherwise the pullback refuses that
+    cotangent while tracing, and the outputs' abstract values are worked out first to say what differs."""
+    import jax
+    import jax.numpy as jnp
+
+    fn = jax.jit(forward_backward)
+    try:
+        return fn(*args, {k: jnp.asarray(v) for k, v in cot.items()})
+    except (TypeError, ValueError):
+        pass  # a mismatch, or an error of jax_fn itself: the path below reports the one, re-raises the other
+    shapes = jax.eval_shape(forward, *args)
+    mismatch = _structure_problem(shapes, cot)
+    if mismatch:
+        problems.append(mismatch)
+        return jax.jit(forward)(*args), None
+    # the cotangent takes each output's own dtype, so a wrong output dtype is reported, not raised
+    return fn(*args, {k: jnp.asarray(v, dtype=shapes[k].dtype) for k, v in cot.items()})
 
 
 def _structure_problem(shapes: Mapping[str, Any], cot: Mapping[str, np.ndarray]) -> str:

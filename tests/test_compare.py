@@ -111,16 +111,44 @@ def test_all_zero_output_is_not_a_pass():
     assert "vacuous" in report.metrics[0].note
 
 
-def test_wrong_output_dtype_fails():
-    report = compare(lambda x: x.astype(jnp.float64), _scaled(1.0), {"x": X}, dtype="float32")
+@pytest.mark.parametrize("transform", ["plain", "jit", "vmap"])
+def test_wrong_output_dtype_fails(transform):
+    report = compare(lambda x: x.astype(jnp.float64), _scaled(1.0), {"x": X}, dtype="float32", transform=transform)
     assert not report.passed
     assert "JAX dtype float64 != requested float32" in report.metrics[0].note
+    assert {m.name for m in report.metrics} == {"output", "x"}  # gradients still measured
 
 
-def test_shape_mismatch_is_a_problem_not_a_crash():
-    report = compare(lambda x: x[0], _scaled(1.0), {"x": X}, dtype="float64")
+@pytest.mark.parametrize("transform", ["plain", "jit", "vmap"])
+def test_shape_mismatch_is_a_problem_not_a_crash(transform):
+    report = compare(lambda x: x[0], _scaled(1.0), {"x": X}, dtype="float64", transform=transform)
     assert not report.passed
     assert any("shape" in p for p in report.problems)
+
+
+def test_an_error_of_the_jax_function_is_raised_not_swallowed():
+    def broken(x):
+        raise ValueError("broken on purpose")
+
+    for transform in ("plain", "jit"):
+        with pytest.raises(ValueError, match="broken on purpose"):
+            compare(broken, torch_tanh, {"x": X}, dtype="float64", transform=transform)
+
+
+def test_reference_cache_runs_torch_once_for_identical_numbers():
+    calls = []
+
+    def counted(x):
+        calls.append(x.shape)
+        return torch.tanh(x)
+
+    shared = {}
+    cached = [compare(jax_tanh, counted, {"x": X}, dtype="float64", transform=t, reference_cache=shared)
+              for t in ("plain", "jit", "vmap")]
+    assert len(calls) == 1 + 3  # plain and jit feed torch the same numbers; vmap runs its 3 slices
+    fresh = [compare(jax_tanh, torch_tanh, {"x": X}, dtype="float64", transform=t) for t in ("plain", "jit", "vmap")]
+    for a, b in zip(cached, fresh):
+        assert a.passed and a.metrics == b.metrics
 
 
 def test_const_inputs_are_neither_differentiated_nor_batched():
