@@ -57,11 +57,11 @@ def automatic_pick(T, N, K, H, causal, shaw):
     """What implementation=None runs at this point: "dense" or "blockwise"."""
     import jax
 
-    from jaxattn import _blockwise
+    from jaxattn._engines import dispatch
 
     q = jax.ShapeDtypeStruct((1, T, N, H), np.float32)
     k = jax.ShapeDtypeStruct((1, T, K, H), np.float32)
-    return "blockwise" if _blockwise.use_blockwise(None, q, k) else "dense"
+    return "blockwise" if dispatch.use_blockwise(None, q, k) else "dense"
 
 
 def run_point(T, N, K, causal, shaw, backward, rounds, max_dense, H=64):
