@@ -191,9 +191,16 @@ def test_half_precision_accumulates_in_float32(dtype):
 
 def test_implementation_rule():
     small = jnp.zeros((1, 16, 2, 1))
-    large = jnp.zeros((1, 1024, 8, 1))  # float32 logits [1,8,1024,1024]: 32 MiB
+    large = jnp.zeros((1, 1024, 8, 1))
     assert not dispatch.use_blockwise(None, small, small)
     assert dispatch.use_blockwise(None, large, large)
+    # one head's T x S decides, whatever the batch and head counts (so vmap, which hides the batch, agrees)
+    edge = int(np.sqrt(dispatch.AUTO_BLOCKWISE_ELEMENTS))
+    for batch in ((), (1,), (64, 3)):
+        assert dispatch.use_blockwise(None, jnp.zeros((*batch, edge, 1, 1)), jnp.zeros((*batch, edge, 1, 1)))
+        assert not dispatch.use_blockwise(None, jnp.zeros((*batch, edge - 1, 8, 1)), jnp.zeros((*batch, edge, 8, 1)))
+    traced = jax.vmap(lambda q: jnp.asarray(dispatch.use_blockwise(None, q, q)))(jnp.zeros((3, edge, 1, 1)))
+    assert bool(jnp.all(traced))
     assert not dispatch.use_blockwise(None, large, large, mask=jnp.ones((1024, 1024), bool))
     assert not dispatch.use_blockwise(None, large, large, return_weights=True)
     assert dispatch.use_blockwise("blockwise", small, small) and not dispatch.use_blockwise("dense", large, large)
