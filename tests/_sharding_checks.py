@@ -203,7 +203,7 @@ def check_default_tiles_sharded(mesh):
     batch entries x key/value heads): sharded inputs must run without that loop, or XLA all-gathers the
     sharded batch and head axes it walks."""
     from jaxattn._engines import blockwise
-    B, T, E, N, K = 4, 256, 16, 8, 4
+    B, T, E, N, K = 8, 256, 16, 8, 4
     x = jnp.asarray(np.random.default_rng(3).normal(size=(B, T, E)))
     params = jaxattn.init_multi_head_attention(jax.random.key(1), E, N, E // N, num_kv_heads=K, dtype=jnp.float64)
     p_sharded = jaxattn.shard_params(params, mesh, head_axis="model")

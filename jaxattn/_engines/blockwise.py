@@ -6,7 +6,9 @@
             acc  = combine_partials(acc, block_partial(x_ij, allowed_ij, v_j))
         out_i = acc.out / acc.l  (+ (bucket sums of p) @ Tv / acc.l for a Shaw value table)
 
-No array ever spans [T,S]: the largest temporary is one [...,N,Tb,Sb] tile. Causal and key-padding blocks
+No array ever spans [T,S]: the largest temporary is one [rows,G,Tb,Sb] tile; blockwise_attention runs
+groups of rows (batch entries x key/value heads) one after another (lax.map), each small enough that its
+tiles stay in cache (not for sharded inputs: see on_a_device_mesh). Causal and key-padding blocks
 that hold no allowed key are never visited. A custom VJP (FlashAttention-2's backward) recomputes each
 tile's probabilities from the saved log-sum-exp, so the backward pass is O(T + S) as well.
 
@@ -44,11 +46,12 @@ from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize
 # one group of rows (batch entries x key/value heads) at a time, so a tile [rows, G, Tb, Sb] and the
 # row's keys and values stay in the core's L2 cache (1 MiB here) across query tiles, instead of every
 # head streaming from memory for every tile. Per key/value head a tile holds G * Tb query rows (the G
-# query heads that share it) against Sb keys: 512 x 512 without a causal mask, 256 x 256 with one (fewer
-# masked cells on the diagonal; the backward's live tiles stay in cache).
+# query heads that share it) against Sb keys: 512 x 512 without a causal mask, 128 x 128 with one: the
+# diagonal tiles, half masked, then waste little (causal S = 2048 on one core: forward 107-122 ms and
+# forward+backward 402 ms against 124 and 465 ms with 256 x 256; docs/performance.md).
 DEFAULT_KEY_BLOCK = 512
 DEFAULT_QUERY_ROWS = 512  # G * Tb
-CAUSAL_BLOCK = 256  # key block and G * Tb with a causal mask
+CAUSAL_BLOCK = 128  # key block and G * Tb with a causal mask
 ROW_TILE_BYTES = 2**20  # rows are grouped until one float32 tile [rows, G, Tb, Sb] would exceed this
 # Without row groups (sharded inputs, score_mod / mask_mod, the ring): key blocks of 512 and query blocks
 # as large as fit a ~16 MiB float32 tile [B,N,Tb,Sb] (64 <= Tb <= 512, powers of two).
@@ -624,8 +627,12 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
       the last position and is masked), so it must depend on positions only, never on T or S or on a
       tile's index. Arrays it closes over (a T5 table, ALiBi slopes) are differentiated: their
       gradients flow through the custom VJP.
-    block_size: int or (query_block, key_block); default: key blocks of 512, query blocks sized so a
-      float32 tile [B,N,Tb,Sb] takes about TILE_BUDGET_BYTES (both clipped to T and S).
+    block_size: int or (query_block, key_block); default: 512 keys and 512 / G queries (G = N / K query
+      heads per key/value head), 128 and 128 / G when causal (capped by a window's span, clipped to T and
+      S). The engine runs groups of rows (batch entries x key/value heads) one after another, as many per
+      group as keep a float32 tile [rows, G, Tb, Sb] within ROW_TILE_BYTES (1 MiB). Inputs laid out over a
+      multi-device mesh, and score_mod / mask_mod, keep one tile over every row (key blocks of 512, query
+      blocks sized so a tile [B,N,Tb,Sb] takes about TILE_BUDGET_BYTES): see on_a_device_mesh.
 
     query_segment_ids, key_segment_ids, window, chunk_size, logit_softcap, sinks: as
       dot_product_attention; score_mod, mask_mod, block_mask: as flex_attention. Key tiles that causality,
