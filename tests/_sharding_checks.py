@@ -210,7 +210,7 @@ def check_default_tiles_sharded(mesh):
     x_sharded = jaxattn.shard_inputs(x, mesh, "BTE", batch_axis="data")
     results = {}
     for causal in (False, True):
-        def loss(p, x):
+        def loss(p, x, causal=causal):
             return jnp.sum(jnp.sin(jaxattn.multi_head_attention(p, x, is_causal=causal, implementation="blockwise")))
         fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
         compiled = fn.lower(p_sharded, x_sharded).compile()
