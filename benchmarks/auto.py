@@ -57,11 +57,11 @@ def automatic_pick(T, N, K, H, causal, shaw):
     """What implementation=None runs at this point: "dense" or "blockwise"."""
     import jax
 
-    from jaxattn import _blockwise
+    from jaxattn._engines import dispatch
 
     q = jax.ShapeDtypeStruct((1, T, N, H), np.float32)
     k = jax.ShapeDtypeStruct((1, T, K, H), np.float32)
-    return "blockwise" if _blockwise.use_blockwise(None, q, k) else "dense"
+    return "blockwise" if dispatch.use_blockwise(None, q, k) else "dense"
 
 
 def run_point(T, N, K, causal, shaw, backward, rounds, max_dense, H=64):
@@ -134,6 +134,7 @@ def main(argv=None):
     parser.add_argument("--lengths", default="128,256,512,1024,2048,4096,8192")
     parser.add_argument("--max-dense", type=int, default=4096)
     parser.add_argument("--max-backward", type=int, default=2048)
+    parser.add_argument("--directions", default="fwd,fwd+bwd", help="fwd, fwd+bwd or both (comma-separated)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "auto.json"))
     parser.add_argument("--table", action="store_true", help="print the markdown table of --out (no timing)")
     parser.add_argument("--rescore", action="store_true",
@@ -155,7 +156,7 @@ def main(argv=None):
     started = time.perf_counter()
     for backward, T, (N, K), causal, shaw in itertools.product((False, True), lengths, ((8, 8), (8, 2)),
                                                                (False, True), (False, True)):
-        if backward and T > args.max_backward:
+        if backward and T > args.max_backward or ("fwd+bwd" if backward else "fwd") not in args.directions.split(","):
             continue
         point = run_point(T, N, K, causal, shaw, backward, args.rounds, args.max_dense)
         ratio, best = score(point, key)

@@ -444,7 +444,7 @@ def mha_breakdown_case(quick):
     import torch.nn.functional as F
 
     import jaxattn
-    from jaxattn._multihead import project_out, project_qkv
+    from jaxattn import project_out, project_qkv
 
     s = _mha_setup(quick)
     B, T, E, N = (s[k] for k in "BTEN")

@@ -194,6 +194,35 @@ def check_data_head_parallel():
                 "grads": max(normwise(g, r) for g, r in zip(flat, ref_flat)),
                 "collectives": collectives(compiled),
                 "query_kernel_spec": str(p_sharded["query"]["kernel"].sharding.spec)}
+    results.update(check_default_tiles_sharded(mesh))
+    return results
+
+
+def check_default_tiles_sharded(mesh):
+    """Blockwise with its default tiles at T = 256, where one device runs several row groups (a loop over
+    batch entries x key/value heads): sharded inputs must run without that loop, or XLA all-gathers the
+    sharded batch and head axes it walks."""
+    from jaxattn._engines import blockwise
+    B, T, E, N, K = 8, 256, 16, 8, 4
+    x = jnp.asarray(np.random.default_rng(3).normal(size=(B, T, E)))
+    params = jaxattn.init_multi_head_attention(jax.random.key(1), E, N, E // N, num_kv_heads=K, dtype=jnp.float64)
+    p_sharded = jaxattn.shard_params(params, mesh, head_axis="model")
+    x_sharded = jaxattn.shard_inputs(x, mesh, "BTE", batch_axis="data")
+    results = {}
+    for causal in (False, True):
+        def loss(p, x, causal=causal):
+            return jnp.sum(jnp.sin(jaxattn.multi_head_attention(p, x, is_causal=causal, implementation="blockwise")))
+        fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+        compiled = fn.lower(p_sharded, x_sharded).compile()
+        (value, grads), (ref_value, ref_grads) = compiled(p_sharded, x_sharded), fn(params, x)
+        G = N // K
+        tiles = blockwise.row_tile_sizes(None, T, T, G, causal, None)
+        Bc, Kc = blockwise.row_groups(B, K, G, *tiles, None)
+        results[f"mha-blockwise-default-tiles-{'causal' if causal else 'full'}"] = {
+            "loss": abs(float(value - ref_value)) / abs(float(ref_value)),
+            "grads": max(normwise(g, r) for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads))),
+            "collectives": collectives(compiled), "one_device_row_groups": (B // Bc) * (K // Kc),
+            "query_kernel_spec": str(p_sharded["query"]["kernel"].sharding.spec)}
     return results
 
 

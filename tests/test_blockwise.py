@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import jaxattn
 from jaxattn._core import softmax
 from jaxattn._core.positions import positions as core_positions
-from jaxattn._engines import dispatch
+from jaxattn._engines import blockwise, dispatch
 
 jax.config.update("jax_enable_x64", True)
 
@@ -191,9 +191,16 @@ def test_half_precision_accumulates_in_float32(dtype):
 
 def test_implementation_rule():
     small = jnp.zeros((1, 16, 2, 1))
-    large = jnp.zeros((1, 1024, 8, 1))  # float32 logits [1,8,1024,1024]: 32 MiB
+    large = jnp.zeros((1, 1024, 8, 1))
     assert not dispatch.use_blockwise(None, small, small)
     assert dispatch.use_blockwise(None, large, large)
+    # one head's T x S decides, whatever the batch and head counts (so vmap, which hides the batch, agrees)
+    edge = int(np.sqrt(dispatch.AUTO_BLOCKWISE_ELEMENTS))
+    for batch in ((), (1,), (64, 3)):
+        assert dispatch.use_blockwise(None, jnp.zeros((*batch, edge, 1, 1)), jnp.zeros((*batch, edge, 1, 1)))
+        assert not dispatch.use_blockwise(None, jnp.zeros((*batch, edge - 1, 8, 1)), jnp.zeros((*batch, edge, 8, 1)))
+    traced = jax.vmap(lambda q: jnp.asarray(dispatch.use_blockwise(None, q, q)))(jnp.zeros((3, edge, 1, 1)))
+    assert bool(jnp.all(traced))
     assert not dispatch.use_blockwise(None, large, large, mask=jnp.ones((1024, 1024), bool))
     assert not dispatch.use_blockwise(None, large, large, return_weights=True)
     assert dispatch.use_blockwise("blockwise", small, small) and not dispatch.use_blockwise("dense", large, large)
@@ -232,3 +239,63 @@ def test_multi_head_passes_implementation_through():
         dense = jax.jit(lambda p, x: fn(p, x, is_causal=True, implementation="dense"))(p, x)
         block = jax.jit(lambda p, x: fn(p, x, is_causal=True, implementation="blockwise", block_size=3))(p, x)
         assert normwise(block, dense) <= TOL
+
+
+# Row groups: blockwise_attention runs the engine over groups of (batch entry, key/value head) rows. The
+# default group size (ROW_TILE_BYTES) makes one group of these small shapes, so the tests shrink it until
+# every group is one row, or one batch entry with all its heads when a hook needs every head.
+ROW_CASES = {
+    "gqa-per-head-tables-lengths": dict(tables="per-head", lengths=True, positions=None, hook=False),
+    "shared-tables-causal-positions": dict(tables="shared", lengths=False, positions="shared", hook=False),
+    "batched-positions-per-head-tables": dict(tables="per-head", lengths=True, positions="batched", hook=False),
+    "hook-shared-positions": dict(tables=None, lengths=True, positions=None, hook=True),
+    "hook-batched-positions": dict(tables="shared", lengths=False, positions="batched", hook=True),
+    "segments-sinks-window-softcap": dict(tables=None, lengths=True, positions=None, hook=False, modern=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ROW_CASES))
+def test_row_groups_equal_dense(name, monkeypatch):
+    c = ROW_CASES[name]
+    B, T, S, N, K, H, Hv, md = 3, 11, 13, 6, 2, 3, 5, 2
+    R = 2 * md + 1
+    q, k, v, tk, tv, slopes, sinks = arrays(11, (B, T, N, H), (B, S, K, H), (B, S, K, Hv),
+                                            (R, N, H) if c["tables"] == "per-head" else (R, H),
+                                            (R, N, Hv) if c["tables"] == "per-head" else (R, Hv), (N,), (B, N))
+    block = (4, 5)
+    monkeypatch.setattr(blockwise, "ROW_TILE_BYTES", 4 * (N // K) * block[0] * block[1])  # one row a group
+    whole = None if not c["hook"] else "all" if c["positions"] == "batched" else "heads"
+    assert blockwise.row_groups(B, K, N // K, *block, whole) == {None: (1, 1), "heads": (1, K), "all": (B, K)}[whole]
+    rng = np.random.default_rng(12)
+    options = {"is_causal": True}
+    if c["lengths"]:
+        options["key_value_seq_lengths"] = jnp.asarray([0, S, 6], jnp.int32)
+    if c["positions"] == "shared":
+        options.update(query_positions=jnp.asarray(rng.permutation(T) + 3), key_positions=jnp.arange(S))
+    elif c["positions"] == "batched":
+        options.update(query_positions=jnp.asarray(rng.integers(0, 15, size=(B, T))),
+                       key_positions=jnp.asarray(rng.integers(0, 15, size=(B, S))))
+    if c.get("modern"):  # per-row segment ids and sinks, a window, a softcap: each split by row group
+        options.update(query_segment_ids=jnp.asarray(rng.integers(0, 2, size=(B, T))),
+                       key_segment_ids=jnp.asarray(rng.integers(0, 2, size=(B, S))), window=(4, 1),
+                       logit_softcap=3.0)
+    q_pos, k_pos = core_positions(T, S, options.get("query_positions"), options.get("key_positions"))
+    tables = c["tables"] is not None
+
+    def dense(q, k, v, tk, tv, slopes, sinks):
+        bias = alibi_like(slopes)(q_pos, k_pos) if c["hook"] else None
+        extra = {"sinks": sinks} if c.get("modern") else {}
+        if not tables:
+            return jaxattn.dot_product_attention(q, k, v, bias=bias, implementation="dense", **options, **extra)
+        return jaxattn.shaw_relative_attention(q, k, v, tk, tv, max_distance=md, bias=bias, implementation="dense",
+                                               **options)
+
+    def block_fn(q, k, v, tk, tv, slopes, sinks):
+        extra = {"sinks": sinks} if c.get("modern") else {}
+        return jaxattn.blockwise_attention(q, k, v, key_table=tk if tables else None,
+                                           value_table=tv if tables else None, max_distance=md if tables else None,
+                                           position_bias=alibi_like(slopes) if c["hook"] else None,
+                                           block_size=block, **options, **extra)
+
+    argnums = (0, 1, 2) + ((3, 4) if tables else ()) + ((5,) if c["hook"] else ()) + ((6,) if c.get("modern") else ())
+    compare(dense, block_fn, (q, k, v, tk, tv, slopes, sinks), argnums)

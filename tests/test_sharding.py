@@ -76,21 +76,25 @@ def test_data_and_head_parallel_jit(results):
         assert result["collectives"]["all-gather"] == 0, name
         assert result["collectives"]["all-to-all"] == 0, name
         assert result["query_kernel_spec"] == "P(None, 'model', None)"
+        if "default-tiles" in name:  # one device would loop over row groups; sharded, nothing is gathered
+            assert result["one_device_row_groups"] > 1, (name, result)
 
 
 def test_per_device_memory(results):
     """S = 8 x 4096, float32 [1,S,8,64], causal, compiled only. Measured: the ring's per-device temp is
-    0.153x (forward) and 0.175x (forward+backward) of one device holding all of S, and 0.75x / 0.74x of
-    one device holding S/8. What stays above 1/8: the arrived queries (zigzag) and the held key/value
-    share are copies a single device reads from its arguments, and backward the travelling dk/dv
-    (docs/sharding.md). Key/value shares travel in pieces, so less than one extra piece is in flight.
-    Bounds with a little margin."""
+    0.167x (forward) and 0.175x (forward+backward) of one device holding all of S. What stays above 1/8:
+    the arrived queries (zigzag) and the held key/value share are copies a single device reads from its
+    arguments, and backward the travelling dk/dv (docs/sharding.md). Key/value shares travel in pieces,
+    so less than one extra piece is in flight. Against one device holding only S/8 the ring needs 1.25x /
+    1.40x: since issue 13 that device runs row groups (tiles of one head, ~1 MiB: 25.8 / 40.3 MiB, was
+    43.1 / 76.2), while the ring's tiles still span every row of its share (its figures are unchanged).
+    Bounds with a little margin, so a regression of the ring shows."""
     memory = get(results, "memory")
-    for phase, bound in (("forward", 0.165), ("forward+backward", 0.19)):
+    for phase, bound, share_bound in (("forward", 0.175, 1.32), ("forward+backward", 0.19, 1.47)):
         row = memory[phase]
         ring, full, share = row["ring 8 devices, S"], row["blockwise 1 device, S"], row["blockwise 1 device, S/8"]
         assert ring <= bound * full, (phase, row)
-        assert ring <= 0.8 * share, (phase, row)
+        assert ring <= share_bound * share, (phase, row)
 
 
 def test_errors_name_the_argument(results):

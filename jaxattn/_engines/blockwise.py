@@ -6,7 +6,9 @@
             acc  = combine_partials(acc, block_partial(x_ij, allowed_ij, v_j))
         out_i = acc.out / acc.l  (+ (bucket sums of p) @ Tv / acc.l for a Shaw value table)
 
-No array ever spans [T,S]: the largest temporary is one [...,N,Tb,Sb] tile. Causal and key-padding blocks
+No array ever spans [T,S]: the largest temporary is one [rows,G,Tb,Sb] tile; blockwise_attention runs
+groups of rows (batch entries x key/value heads) one after another (lax.map), each small enough that its
+tiles stay in cache (not for sharded inputs: see on_a_device_mesh). Causal and key-padding blocks
 that hold no allowed key are never visited. A custom VJP (FlashAttention-2's backward) recomputes each
 tile's probabilities from the saved log-sum-exp, so the backward pass is O(T + S) as well.
 
@@ -40,10 +42,19 @@ from .._core.masks import CLEAN, WITH_MOD, MaskRule, allowed_pairs, check_length
 from .._core.positions import clipped_index, positions
 from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial
 
-# Default tiles, measured on a 2-core CPU (benchmarks/, docs/performance.md): key blocks of 512 and
-# query blocks as large as fit a ~16 MiB float32 tile [B,N,Tb,Sb] (64 <= Tb <= 512, powers of two): a
-# tile's matmuls stay large enough to run near the matmul rate, its logits stay cache-friendly.
+# Default tiles, measured on a 2-core CPU (benchmarks/, docs/performance.md). blockwise_attention runs
+# one group of rows (batch entries x key/value heads) at a time, so a tile [rows, G, Tb, Sb] and the
+# row's keys and values stay in the core's L2 cache (1 MiB here) across query tiles, instead of every
+# head streaming from memory for every tile. Per key/value head a tile holds G * Tb query rows (the G
+# query heads that share it) against Sb keys: 512 x 512 without a causal mask, 128 x 128 with one: the
+# diagonal tiles, half masked, then waste little (causal S = 2048 on one core: forward 107-122 ms and
+# forward+backward 402 ms against 124 and 465 ms with 256 x 256; docs/performance.md).
 DEFAULT_KEY_BLOCK = 512
+DEFAULT_QUERY_ROWS = 512  # G * Tb
+CAUSAL_BLOCK = 128  # key block and G * Tb with a causal mask
+ROW_TILE_BYTES = 2**20  # rows are grouped until one float32 tile [rows, G, Tb, Sb] would exceed this
+# Without row groups (sharded inputs, score_mod / mask_mod, the ring): key blocks of 512 and query blocks
+# as large as fit a ~16 MiB float32 tile [B,N,Tb,Sb] (64 <= Tb <= 512, powers of two).
 TILE_BUDGET_BYTES = 16 * 2**20
 
 
@@ -433,6 +444,88 @@ _engine.defvjp(_engine_fwd, _engine_bwd)
 
 
 # ---------------------------------------------------------------------------------------------------
+# Row groups: blockwise_attention runs _engine over a few rows (batch entries x key/value heads) at a time.
+
+
+def _largest_divisor(n, at_most):
+    return max(d for d in range(1, max(1, min(n, at_most)) + 1) if n % d == 0)
+
+
+def row_groups(B, K, G, Tb, Sb, whole):
+    """(Bc, Kc): batch entries and key/value heads per row group, the most whose float32 tile
+    [Bc, Kc, G, Tb, Sb] fits ROW_TILE_BYTES (at least one of each). whole: None, "heads" (every group
+    keeps all K heads: a position_bias hook returns every head's bias) or "all" (one group)."""
+    if whole == "all":
+        return B, K
+    fit = max(1, ROW_TILE_BYTES // (4 * G * Tb * Sb))
+    Kc = K if whole == "heads" else _largest_divisor(K, fit)
+    Bc = _largest_divisor(B, fit // Kc) if Kc == K else 1
+    return Bc, Kc
+
+
+def on_a_device_mesh(*xs):
+    """True when an input is laid out over a multi-device mesh (jit of sharded arguments, or a sharded
+    array). Its batch or head axes may then be split over devices in ways the trace cannot see (automatic
+    axes carry no spec), and a loop over row groups would make XLA all-gather such an axis."""
+    for x in xs:
+        mesh = getattr(jax.typeof(x).sharding, "mesh", None)
+        if mesh is not None and not mesh.empty and mesh.size > 1:
+            return True
+    return False
+
+
+def _grouped_engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays, groups):
+    """_engine over one row group at a time (lax.map); groups = (Bc, Kc) batch entries and key/value heads
+    per group. A group takes every Cb-th batch entry and every Ck-th head (b = i * Cb + cb): the loop runs
+    over the minor factors, so contiguous blocks of B or K stay together. Arrays with a batch or head axis
+    are split along it (per-head tables [R,N,F] by key/value head); shared ones are closed over, their
+    gradients summed over the groups by autodiff."""
+    B, K, G = q.shape[:3]
+    Bc, Kc = groups
+    Cb, Ck = B // Bc, K // Kc
+    if Cb * Ck == 1:
+        return _engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays)
+
+    def split(x):  # [B,K,...] -> [Cb*Ck, Bc, Kc, ...]
+        x = jnp.moveaxis(x.reshape(Bc, Cb, Kc, Ck, *x.shape[2:]), (1, 3), (0, 1))
+        return x.reshape(Cb * Ck, Bc, Kc, *x.shape[4:])
+
+    def per_batch(x, batched):  # [B,...] -> [Cb*Ck, Bc, ...]; a shared one stays closed over (None)
+        if x is None or not batched:
+            return None
+        x = jnp.moveaxis(x.reshape(Bc, Cb, *x.shape[1:]), 1, 0)[:, None]
+        return jnp.broadcast_to(x, (Cb, Ck, *x.shape[2:])).reshape(Cb * Ck, Bc, *x.shape[3:])
+
+    def per_head(table):  # [R,N,F] -> [Cb*Ck, R, Kc*G, F]; None or a shared [R,F] stays closed over (None)
+        if table is None or table.ndim == 2:
+            return None
+        R, _, F = table.shape
+        table = jnp.moveaxis(table.reshape(R, Kc, Ck, G, F), 2, 0).reshape(Ck, R, Kc * G, F)
+        return jnp.broadcast_to(table[None], (Cb, Ck, R, Kc * G, F)).reshape(Cb * Ck, R, Kc * G, F)
+
+    def either(part, whole):
+        return whole if part is None else part
+
+    group_cfg = cfg._replace(N=Kc * G)
+
+    def group(xs):
+        qg, kg, vg, ktg, vtg, qpg, kpg, lg, qsg, ksg, sg = xs
+        group_arrays = arrays._replace(q_seg=either(qsg, arrays.q_seg), k_seg=either(ksg, arrays.k_seg), sinks=sg)
+        return _engine(group_cfg, qg, kg, vg, either(ktg, key_table), either(vtg, value_table), consts, scale,
+                       either(qpg, q_pos), either(kpg, k_pos), either(lg, lengths), group_arrays)
+
+    def rows_of(x):  # lengths [B|1], segment ids [B|1,L]: per batch entry when the first axis is B > 1
+        return per_batch(x, x is not None and B > 1 and x.shape[0] == B)
+
+    xs = (split(q), split(k), split(v), per_head(key_table), per_head(value_table), per_batch(q_pos, q_pos.ndim > 1),
+          per_batch(k_pos, k_pos.ndim > 1), rows_of(lengths), rows_of(arrays.q_seg), rows_of(arrays.k_seg),
+          None if arrays.sinks is None else split(arrays.sinks))
+    out = lax.map(group, xs)  # [Cb*Ck, Bc, Kc, G, Tp, Hv]
+    out = jnp.moveaxis(out.reshape(Cb, Ck, Bc, Kc, *out.shape[3:]), (0, 1), (1, 3))
+    return out.reshape(B, K, *out.shape[4:])
+
+
+# ---------------------------------------------------------------------------------------------------
 # Public entry point: argument checks and the layout changes around the engine.
 
 
@@ -463,6 +556,19 @@ def _flat_positions(pos, batch, length, padded):
     if pos.ndim > 1:
         pos = jnp.broadcast_to(pos, (*batch, length)).reshape(-1, length)
     return jnp.pad(pos, [(0, 0)] * (pos.ndim - 1) + [(0, padded - length)], mode="edge")
+
+
+def row_tile_sizes(block_size, T, S, G, causal, span):
+    """(Tb, Sb) for row groups: the given block_size, or the defaults (DEFAULT_QUERY_ROWS / G queries and
+    DEFAULT_KEY_BLOCK keys, CAUSAL_BLOCK for both with a causal mask; a window's span caps both as in
+    block_sizes), evened out so the padding is less than one block's worth."""
+    if block_size is None:
+        cap = 512 if span is None else max(128, min(512, 1 << max(span // 2, 1).bit_length() - 1))
+        key_block, rows = (CAUSAL_BLOCK, CAUSAL_BLOCK) if causal else (DEFAULT_KEY_BLOCK, DEFAULT_QUERY_ROWS)
+        key_block, query_block = min(key_block, cap), min(max(16, rows // G), cap)
+        T, S = max(T, 1), max(S, 1)
+        block_size = tuple(-(-L // -(-L // b)) for L, b in ((T, query_block), (S, key_block)))
+    return block_sizes(block_size, T, S, 1)
 
 
 def check_block_mask_tiles(block_mask, block_size):
@@ -521,8 +627,12 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
       the last position and is masked), so it must depend on positions only, never on T or S or on a
       tile's index. Arrays it closes over (a T5 table, ALiBi slopes) are differentiated: their
       gradients flow through the custom VJP.
-    block_size: int or (query_block, key_block); default: key blocks of 512, query blocks sized so a
-      float32 tile [B,N,Tb,Sb] takes about TILE_BUDGET_BYTES (both clipped to T and S).
+    block_size: int or (query_block, key_block); default: 512 keys and 512 / G queries (G = N / K query
+      heads per key/value head), 128 and 128 / G when causal (capped by a window's span, clipped to T and
+      S). The engine runs groups of rows (batch entries x key/value heads) one after another, as many per
+      group as keep a float32 tile [rows, G, Tb, Sb] within ROW_TILE_BYTES (1 MiB). Inputs laid out over a
+      multi-device mesh, and score_mod / mask_mod, keep one tile over every row (key blocks of 512, query
+      blocks sized so a tile [B,N,Tb,Sb] takes about TILE_BUDGET_BYTES): see on_a_device_mesh.
 
     query_segment_ids, key_segment_ids, window, chunk_size, logit_softcap, sinks: as
       dot_product_attention; score_mod, mask_mod, block_mask: as flex_attention. Key tiles that causality,
@@ -549,7 +659,13 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
         block_masks.check_block_mask(block_mask, B, N, T, S)
         block_size = check_block_mask_tiles(block_mask, block_size)
     window = mods.check_window(window)
-    Tb, Sb = block_sizes(block_size, T, S, B * N, span=_span(window, is_causal))
+    # Row groups unless the inputs are sharded (a row loop would all-gather a sharded batch or head axis)
+    # or score_mod / mask_mod need the global batch and head indices of every row.
+    grouped = score_mod is None and mask_mod is None and not on_a_device_mesh(query, key, value)
+    if grouped:
+        Tb, Sb = row_tile_sizes(block_size, T, S, N // K, bool(is_causal), _span(window, is_causal))
+    else:
+        Tb, Sb = block_sizes(block_size, T, S, B * N, span=_span(window, is_causal))
     Tp, Sp = -(-T // Tb) * Tb, -(-S // Sb) * Sb
     q_pos, k_pos, lengths = _positions_and_lengths(batch, T, S, Tp, Sp, query_positions, key_positions,
                                                    key_value_seq_lengths)
@@ -577,7 +693,10 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
 
     q = _engine_layout(query, batch, T, Tp).reshape(B, K, N // K, Tp, H)
     k, v = _engine_layout(key, batch, S, Sp), _engine_layout(value, batch, S, Sp)
-    out = _engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays)
+    whole = "all" if not grouped or (bias_fn is not None and max(q_pos.ndim, k_pos.ndim) > 1) else (
+        "heads" if bias_fn is not None else None)  # a hook's bias spans every head (and batch entry)
+    groups = row_groups(B, K, N // K, Tb, Sb, whole)
+    out = _grouped_engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays, groups)
     out = jnp.moveaxis(out.reshape(B, N, Tp, Hv), 1, 2)[:, :T]
     return out.reshape(*batch, T, N, Hv)
 

@@ -3,23 +3,25 @@ blockwise.
 
     implementation="dense"      one [...,N,T,S] array (every option)
     implementation="blockwise"  O(T + S) tiles (no mask, bias, return_weights or dropout: they span [T,S])
-    implementation=None         blockwise when nothing needs the grid and the float32 logits would take at
-                                least AUTO_BLOCKWISE_BYTES, dense otherwise (use_blockwise)
+    implementation=None         blockwise when nothing needs the grid and one head's logits T x S hold at
+                                least AUTO_BLOCKWISE_ELEMENTS, dense otherwise (use_blockwise)
 """
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 
 from .._core import checks
 from .blockwise import blockwise_attention, check_block_mask_tiles, grid_options_in_use
 from .dense import attention_core
 
-# implementation=None picks blockwise when nothing needs the full [T,S] grid and the float32 logits
-# [...,N,T,S] would take at least this much: from there on the tiles beat dense attention's softmax
-# over one large array (measured from 4 MiB up, forward and backward; below it the two are close).
-AUTO_BLOCKWISE_BYTES = 16 * 2**20
+# implementation=None picks blockwise when nothing needs the full [T,S] grid and one head's logits T x S
+# hold at least this many elements. Measured (benchmarks/auto.py, results/auto.json, docs/performance.md)
+# over T = S in 128..8192, causal or not, with and without Shaw tables, MHA and GQA, forward and
+# forward+backward: the row-grouped tiles win from 128 x 128 up (by 2-14x from 1024 on). Per head, not
+# per call: batch dims do not change the choice, so a vmapped call (which hides its batch axis) chooses as
+# the batched one does.
+AUTO_BLOCKWISE_ELEMENTS = 128 * 128
 
 
 def use_blockwise(implementation, query, key, **options) -> bool:
@@ -27,7 +29,7 @@ def use_blockwise(implementation, query, key, **options) -> bool:
 
     "dense" and "blockwise" are taken as given (blockwise_attention raises for options it cannot do).
     None (automatic): blockwise when no option needs the full grid (mask, bias, return_weights, dropout)
-    and the float32 logits [...,N,T,S] would take at least AUTO_BLOCKWISE_BYTES; dense otherwise.
+    and one head's logits T x S hold at least AUTO_BLOCKWISE_ELEMENTS; dense otherwise.
     """
     if implementation not in (None, "dense", "blockwise"):
         checks.fail("implementation", 'None (automatic), "dense" or "blockwise"', repr(implementation))
@@ -38,15 +40,9 @@ def use_blockwise(implementation, query, key, **options) -> bool:
         return False
     if options.get("block_mask") is not None:
         return True  # a BlockMask is there to skip tiles
-    query, key = jnp.asarray(query), jnp.asarray(key)
-    if query.ndim < 3 or key.ndim < 3:
+    if np.ndim(query) < 3 or np.ndim(key) < 3:
         return False  # let the dense path raise its usual error
-    try:
-        batch = np.broadcast_shapes(query.shape[:-3], key.shape[:-3])
-    except ValueError:
-        return False
-    logits = int(np.prod(batch, dtype=np.int64)) * query.shape[-2] * query.shape[-3] * key.shape[-3]
-    return 4 * logits >= AUTO_BLOCKWISE_BYTES
+    return np.shape(query)[-3] * np.shape(key)[-3] >= AUTO_BLOCKWISE_ELEMENTS
 
 
 def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=False,
@@ -69,8 +65,8 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
       return_weights: also return the weights [...,N,T,S] (after dropout).
       precision: passed to every einsum (use "highest" for float32 comparisons).
       implementation: "dense" (one [...,N,T,S] array), "blockwise" (O(T+S) memory tiles; no mask, bias,
-        return_weights or dropout) or None: blockwise when none of those is used and the float32 logits
-        would take >= 16 MiB (jaxattn._engines.dispatch.use_blockwise).
+        return_weights or dropout) or None: blockwise when none of those is used and T x S >= 128 x 128
+        (jaxattn._engines.dispatch.use_blockwise).
       block_size: blockwise tile, int or (query_block, key_block); default: see blockwise_attention.
       query_segment_ids / key_segment_ids: int [...,T] / [...,S]: a query sees only keys with its id
         (packed documents).
