@@ -2,8 +2,18 @@
 
 float64 is switched on deliberately, once, before any array is made: without it JAX silently computes
 "float64" references in float32, the classic false pass. float32 tests pass explicit float32 arrays.
+
+XLA's LLVM optimisation is off for the test session (set before JAX's CPU backend starts, i.e. before the
+first array): the tests compile many small programs and run each a few times, so compiling dominates and
+this cuts the suite's CPU time by about 40% (tests/test_nnx.py + tests/test_cache.py: 140 s -> 87 s CPU).
+Numerics stay IEEE (same ops, no fast-math either way); buffer assignment, which the memory tests read, runs
+before LLVM and is unchanged. Subprocesses started by tests inherit it unless they set XLA_FLAGS themselves.
 """
 
-import jax
+import os
+
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+
+import jax  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)

@@ -21,6 +21,7 @@ def _crosscheck(*args, env=None):
                           text=True, timeout=300)
 
 
+@pytest.mark.slow  # a subprocess runs 30 catalogue rows (CI also runs the whole catalogue)
 def test_seed_cases_json_all_pass():
     result = _crosscheck("--case", "seed00*", "--json")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

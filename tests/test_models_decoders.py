@@ -60,6 +60,7 @@ def test_every_layer_and_the_logits_match(checkpoint, side):
         assert logits.max_abs <= 1e-5 if dtype == "float32" else logits.normwise <= 1e-12, str(report)
 
 
+@pytest.mark.slow  # 64 decoding steps per family, side and dtype
 @pytest.mark.parametrize("side", ["left", "right"])
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_greedy_decoding_equals_transformers_generate(checkpoint, side, dtype):
@@ -104,6 +105,7 @@ def _faults(model_type, params):
     return faults
 
 
+@pytest.mark.slow  # one float64 report per weight tensor
 def test_drift_origin_every_injected_fault_is_found_at_its_layer(checkpoint):
     """For every layer and every weight of it, one entry (the largest) scaled by 1 + 1e-3: the report's
     first_divergent must be that layer (or its first sub-layer)."""

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # two processes x 4 devices: the longest single check
+
 WORKER = os.path.join(os.path.dirname(__file__), "_multiprocess_worker.py")
 PROCESSES = 2
 TIMEOUT_S = 240  # generous for a loaded 2-core machine; about 30 s when it is quiet

@@ -86,6 +86,7 @@ def run_torch(p, x, mask):
     return out.detach().numpy(), {n: t[n].grad.numpy() for n in t if n != "cot"}
 
 
+@pytest.mark.slow  # 12 drawn problems, each a fresh compile of values and gradients
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(problems())
 def test_jaxattn_equals_torchref_float64(p):

@@ -32,6 +32,7 @@ def test_readme_has_examples_and_two_quick_start_commands():
     assert "python -m pytest -q" in ci
 
 
+@pytest.mark.slow  # a fresh interpreter compiles every example
 def test_readme_examples_run_in_order(tmp_path):
     # A fresh interpreter, as a user has it: JAX's defaults (no x64), nothing imported by the test suite.
     script = tmp_path / "readme_examples.py"
@@ -42,6 +43,7 @@ def test_readme_examples_run_in_order(tmp_path):
     assert "[[0 1 2 3 4]" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("doc", [d for d in DOCS if python_blocks(d)], ids=lambda d: d.name)
 def test_docs_examples_run_in_order(tmp_path, doc):
     # Each page's blocks in order, in a fresh interpreter, as a user pastes them. The sharding page asks

@@ -203,6 +203,7 @@ def generated_file(draw):
 # --- the test ------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 2,200 files
 def test_fuzz_safetensors_reader_2000_plus_files(tmp_path):
     path = tmp_path / "fuzz.safetensors"
     outcomes = {"read": 0, "refused": 0}

@@ -43,6 +43,7 @@ def get(results, name):
     return result
 
 
+@pytest.mark.slow  # reads the 8-device subprocess run (_sharding_checks.py)
 @pytest.mark.parametrize("dtype,mesh", [("float64", m) for m in F64_MESHES] + [("float32", m) for m in F32_MESHES])
 def test_ring_equals_single_device(results, dtype, mesh):
     result = get(results, f"ring-{ {'float64': 'f64', 'float32': 'f32'}[dtype]}-{mesh}")
@@ -54,6 +55,7 @@ def test_ring_equals_single_device(results, dtype, mesh):
     assert "'seq'" in result["out_spec"]  # the output stays sharded over the sequence
 
 
+@pytest.mark.slow  # reads the 8-device subprocess run (_sharding_checks.py)
 @pytest.mark.parametrize("mesh", F64_MESHES)
 def test_ring_collectives(results, mesh):
     """The ring is collective permutes; keys/values are never all-gathered (nor all-to-all'd). The only
@@ -65,6 +67,7 @@ def test_ring_collectives(results, mesh):
     assert ops["all-reduce"] <= 2
 
 
+@pytest.mark.slow  # reads the 8-device subprocess run (_sharding_checks.py)
 def test_data_and_head_parallel_jit(results):
     """The ordinary layers under jit with NamedSharding (batch over 'data', heads over 'model'): equal to
     one device, and no all-gather: the all-reduce of the output projection's sum over heads is the only
@@ -80,6 +83,7 @@ def test_data_and_head_parallel_jit(results):
             assert result["one_device_row_groups"] > 1, (name, result)
 
 
+@pytest.mark.slow  # reads the 8-device subprocess run (_sharding_checks.py)
 def test_per_device_memory(results):
     """S = 8 x 4096, float32 [1,S,8,64], causal, compiled only. Measured: the ring's per-device temp is
     0.167x (forward) and 0.175x (forward+backward) of one device holding all of S. What stays above 1/8:
@@ -97,6 +101,7 @@ def test_per_device_memory(results):
         assert ring <= share_bound * share, (phase, row)
 
 
+@pytest.mark.slow  # reads the 8-device subprocess run (_sharding_checks.py)
 def test_errors_name_the_argument(results):
     for name, message in get(results, "errors")["messages"].items():
         assert message.startswith(f"{name}: expected"), (name, message)
