@@ -136,15 +136,7 @@ class Gemma2ForCausalLM(nn.Module):
         x = embed(input_ids)
         x = x * jnp.asarray(math.sqrt(d["E"]), x.dtype)  # HF: the scale in the embedding's dtype
         self.sow("intermediates", "embeddings", x)
-        masks = llama.layer_masks(c, attention_mask, slots, decode)
-        for i in range(c.num_hidden_layers):
-            x, a, m = Gemma2Block(c, self.dtype, self.param_dtype, self.precision, name=f"layers_{i}")(
-                x, masks[c.window(i)], positions, decode, c.window(i))
-            self.sow("intermediates", f"layer{i}.attention", a)
-            self.sow("intermediates", f"layer{i}.mlp", m)
-            self.sow("intermediates", f"layer{i}.residual", x)
-        x = RMSNorm(c.rms_norm_eps, self.param_dtype, name="norm")(x)
-        self.sow("intermediates", "final_norm", x)
+        x = llama.decoder_stack(self, Gemma2Block, RMSNorm, x, attention_mask, slots, positions, decode)
         logits = _decoder.final_logits(self, x, embed, d["V"], c.tie_word_embeddings, dtype=self.dtype,
                                        param_dtype=self.param_dtype, precision=self.precision)
         return softcap(logits, c.final_logit_softcapping)

@@ -216,6 +216,22 @@ class LlamaBlock(nn.Module):
         return x + m, a, m
 
 
+def decoder_stack(module: nn.Module, block, norm, x, attention_mask, slots, positions, decode: bool):
+    """The layers and final norm of a Llama-shaped model, called from `module`'s compact __call__ (so the
+    submodules are its own): per-window masks, then each `block` -> (x, attention, mlp), all sown."""
+    c = module.config
+    masks = layer_masks(c, attention_mask, slots, decode)
+    for i in range(c.num_hidden_layers):
+        x, a, m = block(c, module.dtype, module.param_dtype, module.precision, name=f"layers_{i}")(
+            x, masks[c.window(i)], positions, decode, c.window(i))
+        module.sow("intermediates", f"layer{i}.attention", a)
+        module.sow("intermediates", f"layer{i}.mlp", m)
+        module.sow("intermediates", f"layer{i}.residual", x)
+    x = norm(c.rms_norm_eps, module.param_dtype, name="norm")(x)
+    module.sow("intermediates", "final_norm", x)
+    return x
+
+
 class LlamaForCausalLM(nn.Module):
     """HF LlamaForCausalLM / Qwen2ForCausalLM: input_ids [B,T] -> logits [B,T,V]. Sows "intermediates"."""
 
@@ -235,15 +251,7 @@ class LlamaForCausalLM(nn.Module):
         embed = nn.Embed(d["V"], d["E"], dtype=self.dtype, param_dtype=self.param_dtype, name="embed_tokens")
         x = embed(input_ids)
         self.sow("intermediates", "embeddings", x)
-        masks = layer_masks(c, attention_mask, slots, decode)
-        for i in range(c.num_hidden_layers):
-            x, a, m = LlamaBlock(c, self.dtype, self.param_dtype, self.precision, name=f"layers_{i}")(
-                x, masks[c.window(i)], positions, decode, c.window(i))
-            self.sow("intermediates", f"layer{i}.attention", a)
-            self.sow("intermediates", f"layer{i}.mlp", m)
-            self.sow("intermediates", f"layer{i}.residual", x)
-        x = RMSNorm(c.rms_norm_eps, self.param_dtype, name="norm")(x)
-        self.sow("intermediates", "final_norm", x)
+        x = decoder_stack(self, LlamaBlock, RMSNorm, x, attention_mask, slots, positions, decode)
         return _decoder.final_logits(self, x, embed, d["V"], c.tie_word_embeddings, dtype=self.dtype,
                                      param_dtype=self.param_dtype, precision=self.precision)
 
