@@ -148,6 +148,7 @@ def test_crosscheck_case_forward_and_gradients_float64():
     assert report.worst("output") <= 1e-12 and report.worst("grad") <= 1e-12
 
 
+@pytest.mark.slow  # compiles the example's whole model again (~8 s); the float32 and float64 checks above stay
 def test_example_runs_and_matches_pytorch(runs, batch):
     import importlib.util
     from pathlib import Path

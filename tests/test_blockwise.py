@@ -61,6 +61,7 @@ def configs(draw):
                 max_distance=draw(st.sampled_from([0, 1, 3])), seed=draw(st.integers(0, 2**16)))
 
 
+@pytest.mark.slow  # 12 draws, each its own programs: ~40 s of compiling; the fixed cases below stay in the default run
 @settings(max_examples=12, deadline=None)
 @given(configs())
 def test_blockwise_equals_dense(c):

@@ -27,7 +27,16 @@ def _dtypes(name):
     return ["float32"] if name == "hf_mpt" else ["float64", "float32"]  # MPT: .float() before its softmax
 
 
-@pytest.mark.parametrize("name, dtype", [(n, d) for n in HF_CASES for d in _dtypes(n)])
+def _hf_params():
+    """Every case in its strictest dtype in the default run; the float32 runs of cases that also have a float64
+    one (their own programs, ~12 s of compiling) in the slow group."""
+    for name in HF_CASES:
+        for dtype in _dtypes(name):
+            slow = dtype == "float32" and len(_dtypes(name)) > 1
+            yield pytest.param(name, dtype, marks=pytest.mark.slow) if slow else (name, dtype)
+
+
+@pytest.mark.parametrize("name, dtype", list(_hf_params()))
 def test_hf_module_agrees_outputs_and_gradients(name, dtype):
     assert jax.config.x64_enabled  # float64 runs really are float64 (conftest), and compare() checks dtypes
     report = getattr(cases, name)().compare(dtype=dtype, transform="jit", name=name)

@@ -12,7 +12,10 @@ from crosscheck import catalogue, run_case
 SEEDS = ("seed000", "seed001", "seed002", "seed003", "seed004")
 
 
-@pytest.mark.parametrize("transform", ["plain", "jit", "vmap"])
+# The default run checks every seed under jit; plain and vmap (each seed's own eager and batched programs,
+# ~25 s of compiling) run in the slow group, and `python -m crosscheck` runs all three again in CI.
+@pytest.mark.parametrize("transform", [pytest.param("plain", marks=pytest.mark.slow), "jit",
+                                       pytest.param("vmap", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", SEEDS)
 def test_seed_case_passes_in_float64(name, transform):
     report = run_case(name, dtype="float64", transform=transform)
