@@ -122,6 +122,25 @@ def test_batched_positions():
     compare(attend("dense"), attend("blockwise"), (q, k, v, tk), (0, 1, 2, 3))
 
 
+# The backward takes the value table's bucket sums of p from the forward when they are no larger than the
+# output (R = 2 * max_distance + 1 <= Hv = 5), and forms them again tile by tile otherwise: both paths,
+# with several key tiles, causal, key lengths and shuffled query positions.
+@pytest.mark.parametrize("max_distance", [1, 2, 3])  # R = 3, 5 (kept), 7 (formed again)
+def test_value_table_gradient_either_way(max_distance):
+    R = 2 * max_distance + 1
+    q, k, v, tk, tv = arrays(21, (2, 11, 6, 3), (2, 13, 3, 3), (2, 13, 3, 5), (R, 6, 3), (R, 6, 5))
+    rng = np.random.default_rng(22)
+    options = dict(is_causal=True, key_value_seq_lengths=jnp.asarray([13, 6], jnp.int32),
+                   query_positions=jnp.asarray(rng.permutation(11) + 2), key_positions=jnp.arange(13))
+
+    def attend(implementation):
+        return lambda q, k, v, tk, tv: jaxattn.shaw_relative_attention(
+            q, k, v, tk, tv, max_distance=max_distance, implementation=implementation, block_size=(4, 5),
+            **options)
+
+    compare(attend("dense"), attend("blockwise"), (q, k, v, tk, tv), (0, 1, 2, 3, 4))
+
+
 def alibi_like(slopes):
     def bias(q_pos, k_pos):
         distance = jnp.abs(k_pos[..., None, :] - q_pos[..., :, None]).astype(slopes.dtype)

@@ -280,10 +280,13 @@ def _engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, l
     return _engine_fwd(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays)[0]
 
 
-def fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths, arrays=TermArrays()):
+def fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths, arrays=TermArrays(),
+             with_buckets=False):
     """One query tile [B,K,G,Tb,H] against every key of k: (out [B,K,G,Tb,Hv], lse [B,K,G,Tb]), both in
     the compute dtype (a caller merging partials, like the ring, rounds only once at the end).
-    arrays: this tile's TermArrays (segments, sinks, score/mask consts, BlockMask row)."""
+    arrays: this tile's TermArrays (segments, sinks, score/mask consts, BlockMask row).
+    with_buckets (value table only): also return the probabilities' bucket sums [B,K,G,Tb,R], which are
+    exactly what the value table's gradient needs (bwd_tile's value_buckets)."""
     B, K, G, Tb, _ = q_blk.shape
     Sp, Hv = k.shape[2], v.shape[-1]
     Sb, acc = cfg.Sb, accumulation_dtype(q_blk.dtype)
@@ -306,15 +309,16 @@ def fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos,
     state = add_sinks(state, None if arrays.sinks is None else arrays.sinks[..., None])
     outs, lse = finalize_partial(state)
     out = outs[0] if value_table is None else outs[0] + _apply_table(outs[1], value_table, K, cfg, acc)
-    return out, lse
+    return (out, lse, outs[1]) if with_buckets else (out, lse)
 
 
 def bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths,
-             grads, arrays=TermArrays()):
+             grads, arrays=TermArrays(), value_buckets=None):
     """Backward of one query tile against every key of k. delta [B,K,G,Tb] = rowsum(d_out * out);
     grads = (dk, dv, d_key_table, d_value_table, d_consts[, d_score_consts]): accumulators (compute dtype,
     dk/dv shaped as k/v) the tile adds into, so a caller keeps one of each however many tiles it runs
-    (d_score_consts with a score_mod). Returns (dq tile, grads)."""
+    (d_score_consts with a score_mod). value_buckets: the forward's bucket sums of p over every key of k
+    (fwd_tile's with_buckets), or None to form them here, tile by tile. Returns (dq tile, grads)."""
     B, K = q_blk.shape[:2]
     Sp, Sb, acc = k.shape[2], cfg.Sb, accumulation_dtype(q_blk.dtype)
     R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
@@ -344,7 +348,8 @@ def bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_tabl
         dp = _einsum("bkgtv,bksv->bkgts", do_blk, v_blk, cfg, acc)
         if value_table is not None:
             dp = dp + _gather(do_table, index)
-            p_buckets = p_buckets + _bucket_sum(p, index, R, _offset0(cfg, qp, kp))
+            if value_buckets is None:
+                p_buckets = p_buckets + _bucket_sum(p, index, R, _offset0(cfg, qp, kp))
         ds = p * (dp - delta[..., None])  # d loss / d x (the final logits)
         if score_vjp is not None:  # d loss / d (logits before score_mod), and d score_mod's arrays
             ds, d_s = score_vjp(ds)
@@ -374,6 +379,7 @@ def bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_tabl
         dq = dq + _apply_table(ds_buckets, key_table, K, cfg, acc)
         d_key_table = d_key_table + _table_grad(ds_buckets, q_blk.astype(acc), key_table, K, cfg, acc)
     if value_table is not None:
+        p_buckets = p_buckets if value_buckets is None else value_buckets.astype(acc)
         d_value_table = d_value_table + _table_grad(p_buckets, do_blk.astype(acc), value_table, K, cfg, acc)
     return dq, (dk, dv, d_key_table, d_value_table, d_consts) + ((d_score,) if with_score else ())
 
@@ -390,25 +396,33 @@ def _tile_arrays(arrays, i, Tb):
     return arrays._replace(q_seg=q_seg, kinds=None if arrays.kinds is None else arrays.kinds[i])
 
 
+def _keeps_value_buckets(cfg, value_table, Hv):
+    """The backward reuses the forward's bucket sums of p (value table) when they take no more memory than
+    the output they come with (R <= Hv); otherwise it forms them again, tile by tile."""
+    return value_table is not None and 2 * cfg.max_distance + 1 <= Hv
+
+
 def _engine_fwd(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays):
     B, K, G, Tp, H = q.shape
     Tb, Hv = cfg.Tb, v.shape[-1]
+    keep = _keeps_value_buckets(cfg, value_table, Hv)
 
     def query_block(_, i):
         q_blk, qp = slice_block(q, i * Tb, Tb, 3), slice_block(q_pos, i * Tb, Tb, -1)
-        out, lse = fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths,
-                            _tile_arrays(arrays, i, Tb))
-        return None, (out.astype(q.dtype), lse)
+        out, lse, *buckets = fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos,
+                                      lengths, _tile_arrays(arrays, i, Tb), with_buckets=keep)
+        return None, (out.astype(q.dtype), lse, *buckets)
 
-    _, (out, lse) = lax.scan(query_block, None, jnp.arange(Tp // Tb))
+    _, (out, lse, *buckets) = lax.scan(query_block, None, jnp.arange(Tp // Tb))
     out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, Tp, Hv)
     lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, Tp)
-    residuals = (q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays, out, lse)
+    buckets = jnp.moveaxis(buckets[0], 0, 3).reshape(B, K, G, Tp, -1) if keep else None
+    residuals = (q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays, out, lse, buckets)
     return out, residuals
 
 
 def _engine_bwd(cfg, residuals, d_out):
-    q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays, out, lse = residuals
+    q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays, out, lse, buckets = residuals
     Tb, acc = cfg.Tb, accumulation_dtype(q.dtype)
     # score_mod's float arrays get gradients; its integer ones (ids, indices) none
     score_consts = tuple(c if d else None for c, d in zip(arrays.score_consts, mods.differentiable(arrays.score_consts)))
@@ -421,7 +435,8 @@ def _engine_bwd(cfg, residuals, d_out):
         qp = slice_block(q_pos, i * Tb, Tb, -1)
         delta = jnp.sum(do_blk.astype(acc) * o_blk.astype(acc), axis=-1)  # sum_s p dp = do . out
         dq, grads = bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_table, consts,
-                             scale, k_pos, lengths, grads, _tile_arrays(arrays, i, Tb))
+                             scale, k_pos, lengths, grads, _tile_arrays(arrays, i, Tb),
+                             None if buckets is None else slice_block(buckets, i * Tb, Tb, 3))
         if d_sinks is not None:  # d out_t / d sink = -p_sink[t] out_t, so d sink = -sum_t p_sink[t] delta_t
             d_sinks = d_sinks - jnp.sum(jnp.exp(arrays.sinks[..., None] - lse_blk) * delta, axis=-1)
         return (grads, d_sinks), dq
