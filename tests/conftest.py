@@ -22,8 +22,8 @@ jax.config.update("jax_enable_x64", True)
 def pytest_configure(config):
     """Every compiled program goes to one JAX persistent cache in pytest's cache dir (.pytest_cache/d/xla):
     the two xdist workers share what both compile (the same small eager programs recur across files),
-    and a second run reads instead of compiling (default group, 2 cores: cold 366-474 s over two noisy
-    runs, warm 185-209 s). The key hashes program, flags and versions, so a hit is the identical program.
+    and a second run reads instead of compiling (about 2.5x faster warm; docs/performance.md, "The test
+    suite"). The key hashes program, flags and versions, so a hit is the identical program.
     `--cache-clear` or `-p no:cacheprovider` runs cold."""
     cache = getattr(config, "cache", None)
     if cache is None:

@@ -348,7 +348,7 @@ def bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_tabl
         dp = _einsum("bkgtv,bksv->bkgts", do_blk, v_blk, cfg, acc)
         if value_table is not None:
             dp = dp + _gather(do_table, index)
-            if value_buckets is None:
+            if value_buckets is None:  # else p_buckets already holds the forward's sums
                 p_buckets = p_buckets + _bucket_sum(p, index, R, _offset0(cfg, qp, kp))
         ds = p * (dp - delta[..., None])  # d loss / d x (the final logits)
         if score_vjp is not None:  # d loss / d (logits before score_mod), and d score_mod's arrays
@@ -372,14 +372,14 @@ def bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_tabl
 
     dk, dv, d_key_table, d_value_table, d_consts, *with_score = grads
     buckets = jnp.zeros(q_blk.shape[:-1] + (R,), acc)
-    init = (jnp.zeros(q_blk.shape, acc), dk, dv, buckets, buckets, d_consts, with_score[0] if with_score else ())
+    p_buckets = buckets if value_buckets is None else value_buckets.astype(acc)
+    init = (jnp.zeros(q_blk.shape, acc), dk, dv, buckets, p_buckets, d_consts, with_score[0] if with_score else ())
     schedule = _schedule(cfg, qp, k_pos, lengths, arrays, Sp // Sb)
     dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score = _visit(schedule, key_block, init)
     if key_table is not None:
         dq = dq + _apply_table(ds_buckets, key_table, K, cfg, acc)
         d_key_table = d_key_table + _table_grad(ds_buckets, q_blk.astype(acc), key_table, K, cfg, acc)
     if value_table is not None:
-        p_buckets = p_buckets if value_buckets is None else value_buckets.astype(acc)
         d_value_table = d_value_table + _table_grad(p_buckets, do_blk.astype(acc), value_table, K, cfg, acc)
     return dq, (dk, dv, d_key_table, d_value_table, d_consts) + ((d_score,) if with_score else ())
 
@@ -396,16 +396,16 @@ def _tile_arrays(arrays, i, Tb):
     return arrays._replace(q_seg=q_seg, kinds=None if arrays.kinds is None else arrays.kinds[i])
 
 
-def _keeps_value_buckets(cfg, value_table, Hv):
-    """The backward reuses the forward's bucket sums of p (value table) when they take no more memory than
-    the output they come with (R <= Hv); otherwise it forms them again, tile by tile."""
-    return value_table is not None and 2 * cfg.max_distance + 1 <= Hv
+def _keeps_value_buckets(value_table, Hv):
+    """The backward reuses the forward's bucket sums of p (value table [R,(N,)Hv]) when they take no more
+    memory than the output they come with (R <= Hv); otherwise it forms them again, tile by tile."""
+    return value_table is not None and value_table.shape[0] <= Hv
 
 
 def _engine_fwd(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays):
     B, K, G, Tp, H = q.shape
     Tb, Hv = cfg.Tb, v.shape[-1]
-    keep = _keeps_value_buckets(cfg, value_table, Hv)
+    keep = _keeps_value_buckets(value_table, Hv)
 
     def query_block(_, i):
         q_blk, qp = slice_block(q, i * Tb, Tb, 3), slice_block(q_pos, i * Tb, Tb, -1)
