@@ -98,6 +98,34 @@ def check_forward_and_grads(ours, reference, args, argnums, *, tol=1e-12, grad_f
         assert error <= tol, f"gradient of argument {i}: normwise error {error:.3g} > {tol:g}"
 
 
+def randomize(module, seed):
+    """A torch module with every parameter drawn from N(0, 0.5^2) (seeded), in eval mode: torch initializes
+    in_proj_bias / out_proj.bias to zero, which would hide a misplaced bias. (torch is imported here, not at
+    the top: the subprocess scripts import this file and need no torch.)"""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
+    return module.eval()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# compiled memory (nothing runs: lowered and compiled on abstract shapes)
+
+
+def temp_bytes(fn, *shapes, dtype=jnp.float32):
+    """XLA's temp buffer bytes (scratch beyond arguments and outputs) of jit(fn) on arguments of these shapes."""
+    args = [jax.ShapeDtypeStruct(shape, dtype) for shape in shapes]
+    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
+
+
+def grad_of_sum(fn, argnums):
+    """jax.grad of sum(fn(*args)) with respect to args[argnums]: the backward pass whose memory is measured."""
+    return jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=argnums)
+
+
 # ---------------------------------------------------------------------------------------------------------
 # references
 

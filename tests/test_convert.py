@@ -21,7 +21,7 @@ import crosscheck as cc
 import jaxattn
 import torchref
 from _einsum_mha import einsum_mha
-from helpers import assert_float64, normwise, shaw_index_loop
+from helpers import assert_float64, normwise, randomize, shaw_index_loop
 
 E, KDIM, VDIM, T, S, B = 15, 7, 11, 5, 7, 2
 TOL = 1e-12
@@ -32,15 +32,6 @@ def assert_trees_close(actual, expected, tol=TOL):
     assert_float64(actual, expected)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
         assert normwise(a, b) <= tol, jax.tree_util.keystr(path)
-
-
-def randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """torch initializes in_proj_bias/out_proj.bias to zero, which would hide a misplaced bias."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
-    return module.eval()
 
 
 def inputs(Eq, Ek, Ev, seed):

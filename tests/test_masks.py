@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import crosscheck as cc
 import jaxattn
 from _einsum_mha import einsum_mha
-from helpers import assert_float64, normwise
+from helpers import assert_float64, normwise, randomize
 
 E, N, T, S, B = 15, 3, 3, 4, 2
 TOL = 1e-12
@@ -34,13 +34,8 @@ PADDING_FLOAT = np.array([[0.0, 0.5, 0.0, -np.inf],
 
 
 def mha(add_bias_kv=False, add_zero_attn=False):
-    m = torch.nn.MultiheadAttention(E, N, batch_first=True, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn,
-                                    dtype=torch.float64)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
-    return m.eval()
+    return randomize(torch.nn.MultiheadAttention(E, N, batch_first=True, add_bias_kv=add_bias_kv,
+                                                 add_zero_attn=add_zero_attn, dtype=torch.float64), seed=0)
 
 
 def qkv(seed=0):
