@@ -64,10 +64,11 @@ def test_blockwise_equals_dense(c):
 
         return f
 
-    # Gradients that vanish in exact arithmetic come up here: one key (S = 1: softmax is constant, so q and k get
-    # none), a key table at max_distance 0 (a per-row logit shift, which softmax ignores), key lengths of 0. Both
-    # paths then return rounding residue (~1e-17), whose relative error means nothing: gradients are measured
-    # against a floor of 1, the scale of these unit-normal problems. Outputs stay strictly relative.
+    # Gradients that vanish in exact arithmetic come up in this sweep: a key table at max_distance 0 is a per-row
+    # logit shift, which softmax ignores (its gradient is ~4e-16 of rounding residue in either path, and the two
+    # residues differ by 100% of that), as can one key (S = 1) or empty key lengths. Relative error means nothing
+    # there: gradients are measured against a floor of 1, the scale of these unit-normal problems. Outputs, and
+    # every fixed case below, stay strictly relative.
     check_forward_and_grads(attend("blockwise"), attend("dense"), (q, k, v, tk, tv), (0, 1, 2, 3, 4), tol=TOL,
                             grad_floor=1.0)
 
