@@ -30,6 +30,8 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
+from helpers import normwise  # noqa: E402  (tests/helpers.py: this script's folder is first on sys.path)
+
 LOCAL_DEVICES = 4
 MAX_DISTANCE = 3
 
@@ -40,11 +42,6 @@ RING_CASES = {
     "ring-1x8": dict(mesh=(1, 8), axes=("data", "seq"), B=2, T=48, S=48, N=6, K=2, H=3, Hv=5,
                      tables=("per-head", "shared"), block_size=(3, 2)),
 }
-
-
-def normwise(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1.0))
 
 
 def gather(tree):
@@ -133,8 +130,11 @@ def check_data_head_parallel():
         value, grads = gather(fn(p_sharded, x_sharded))
         ref_value, ref_grads = fn(jax.tree.map(jnp.asarray, params), jnp.asarray(x))
         flat, ref_flat = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
+        # the key bias's gradient is zero in exact arithmetic (a per-query logit shift, which softmax ignores):
+        # both runs hold rounding residue there, so gradients are measured against a floor of 1 (unit scale)
         results[impl] = {"loss": abs(float(value) - float(ref_value)) / abs(float(ref_value)),
-                         "grads": max(normwise(g, r) for g, r in zip(flat, ref_flat)), "n_grads": len(flat)}
+                         "grads": max(normwise(g, r, floor=1.0) for g, r in zip(flat, ref_flat)),
+                         "n_grads": len(flat)}
     return results
 
 

@@ -27,13 +27,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 import jaxattn  # noqa: E402
+from helpers import normwise  # noqa: E402  (tests/helpers.py: this script's folder is first on sys.path)
 
 COLLECTIVES = ("collective-permute", "all-gather", "all-to-all", "all-reduce", "reduce-scatter")
-
-
-def normwise(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return float(np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1.0))
 
 
 def collectives(compiled):
@@ -165,6 +161,10 @@ def check_case(name, dtype):
 # ---------------------------------------------------------------------------------------------------
 # Data- and head-parallel: the ordinary functions under jit with NamedSharding (no shard_map).
 
+# The key bias's gradient is zero in exact arithmetic (a per-query logit shift, which softmax ignores): both
+# runs hold rounding residue there, so the layers' gradients are measured against a floor of 1 (unit scale).
+KEY_BIAS_FLOOR = 1.0
+
 
 def check_data_head_parallel():
     mesh = mesh_of((2, 4), ("data", "model"))
@@ -191,7 +191,7 @@ def check_data_head_parallel():
             flat, ref_flat = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
             results[f"{'relative' if relative else 'mha'}-{impl}"] = {
                 "loss": abs(float(value - ref_value)) / abs(float(ref_value)),
-                "grads": max(normwise(g, r) for g, r in zip(flat, ref_flat)),
+                "grads": max(normwise(g, r, floor=KEY_BIAS_FLOOR) for g, r in zip(flat, ref_flat)),
                 "collectives": collectives(compiled),
                 "query_kernel_spec": str(p_sharded["query"]["kernel"].sharding.spec)}
     results.update(check_default_tiles_sharded(mesh))
@@ -220,7 +220,8 @@ def check_default_tiles_sharded(mesh):
         Bc, Kc = blockwise.row_groups(B, K, G, *tiles, None)
         results[f"mha-blockwise-default-tiles-{'causal' if causal else 'full'}"] = {
             "loss": abs(float(value - ref_value)) / abs(float(ref_value)),
-            "grads": max(normwise(g, r) for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads))),
+            "grads": max(normwise(g, r, floor=KEY_BIAS_FLOOR)
+                         for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads))),
             "collectives": collectives(compiled), "one_device_row_groups": (B // Bc) * (K // Kc),
             "query_kernel_spec": str(p_sharded["query"]["kernel"].sharding.spec)}
     return results

@@ -15,8 +15,13 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_enable_x64", True)
+
+# tests/helpers.py asserts on behalf of the tests (assert_float64, check_forward_and_grads): let pytest show the
+# values in those assertions too.
+pytest.register_assert_rewrite("helpers")
 
 
 def pytest_configure(config):

@@ -1,4 +1,4 @@
-"""jaxattn's attention functions against the float64 loop reference (tests/reference.py).
+"""jaxattn's attention functions against the float64 loop reference (tests/helpers.py).
 
 Axis sizes are distinct primes (B=2 T=5 S=7 H=11 Hv=13; N=6 with K in 6/3/2/1) so a swapped axis fails.
 """
@@ -10,7 +10,7 @@ import pytest
 from jax.test_util import check_grads
 
 import jaxattn
-from reference import attention_loop, normwise, shaw_index_loop
+from helpers import assert_float64, attention_loop, normwise, shaw_index_loop
 
 B, T, S, N, H, Hv = 2, 5, 7, 6, 11, 13
 TOL = 1e-12
@@ -34,7 +34,8 @@ def test_dot_product_matches_loop(K, is_causal, with_mask):
     mask = random_mask() if with_mask else None
     out, w = jaxattn.dot_product_attention(q, k, v, mask=mask, is_causal=is_causal, return_weights=True)
     ref, ref_w = attention_loop(q, k, v, mask=mask, is_causal=is_causal)
-    assert out.dtype == jnp.float64 and out.shape == (B, T, N, Hv) and w.shape == (B, N, T, S)
+    assert_float64(out, w)
+    assert out.shape == (B, T, N, Hv) and w.shape == (B, N, T, S)
     assert normwise(out, ref) <= TOL and normwise(w, ref_w) <= TOL
 
 
@@ -73,7 +74,8 @@ def test_lengths_and_positions():
     qpos, kpos = np.array([4, 1, 6, 2, 3]), np.arange(S) * 2 - 3
     out = jaxattn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, is_causal=True,
                                         query_positions=qpos, key_positions=kpos)
-    ref, _ = attention_loop(q, k, v, lengths=lengths, is_causal=True, query_pos=qpos, key_pos=kpos)
+    ref, _ = attention_loop(q, k, v, key_value_seq_lengths=lengths, is_causal=True, query_positions=qpos,
+                            key_positions=kpos)
     assert normwise(out, ref) <= TOL
 
 
@@ -140,10 +142,10 @@ def test_shaw_matches_loop_and_gathered_relative(per_head, T_):
     qpos = np.arange(T_) + 1
     out = jaxattn.shaw_relative_attention(q, k, v, t_k, t_v, max_distance=max_distance, is_causal=True,
                                           query_positions=qpos)
-    idx = shaw_index_loop(T_, S, max_distance, query_pos=qpos)
+    idx = shaw_index_loop(T_, S, max_distance, query_positions=qpos)
     a_k = np.broadcast_to(t_k[idx] if per_head else t_k[idx][:, :, None], (T_, S, N, H))
     a_v = np.broadcast_to(t_v[idx] if per_head else t_v[idx][:, :, None], (T_, S, N, Hv))
-    ref, _ = attention_loop(q, k, v, rel_key=a_k, rel_value=a_v, is_causal=True, query_pos=qpos)
+    ref, _ = attention_loop(q, k, v, rel_key=a_k, rel_value=a_v, is_causal=True, query_positions=qpos)
     assert normwise(out, ref) <= TOL
     via_relative = jaxattn.relative_attention(q, k, v, a_k, a_v, is_causal=True, query_positions=qpos)
     assert normwise(out, via_relative) <= TOL
@@ -155,6 +157,7 @@ def test_leading_batch_dims_and_unbatched():
     assert out.shape == (2, 3, T, N, Hv)
     for i in range(3):
         single = jaxattn.dot_product_attention(q[1, i], k[1, i], v[1, i], is_causal=True)  # no batch dims
+        assert_float64(out, single)
         assert normwise(out[1, i], single) <= TOL
 
 
@@ -163,6 +166,7 @@ def test_jit_and_vmap_over_any_axis():
     f = lambda q, k, v: jaxattn.shaw_relative_attention(q, k, v, np.ones((3, H)), None, max_distance=1,
                                                         is_causal=True)
     direct = f(q, k, v)
+    assert_float64(direct)
     assert normwise(jax.jit(f)(q, k, v), direct) <= TOL
     for axis in (0, 1):
         mapped = jax.vmap(f, in_axes=axis, out_axes=axis)(q, k, v)

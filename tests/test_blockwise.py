@@ -16,37 +16,11 @@ import jaxattn
 from jaxattn._core import softmax
 from jaxattn._core.positions import positions as core_positions
 from jaxattn._engines import blockwise, dispatch
+from helpers import arrays, assert_float64, check_forward_and_grads, normwise
 
 jax.config.update("jax_enable_x64", True)
 
 TOL = 1e-12
-
-
-def normwise(a, b):
-    """||a - b|| / ||b||, with ||b|| floored at 1: a gradient that is exactly zero (one key, or no key)
-    is matched by rounding residue of order 1e-17, which is no relative error at all."""
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1.0)
-
-
-def arrays(seed, *shapes, dtype=np.float64):
-    rng = np.random.default_rng(seed)
-    return [jnp.asarray(rng.normal(size=s).astype(dtype)) for s in shapes]
-
-
-def compare(dense_fn, block_fn, args, argnums):
-    """Forward and gradients (of a random projection of the output) agree to TOL; one jit each."""
-    w = arrays(99, jax.eval_shape(dense_fn, *args).shape)[0]
-
-    def forward_and_grads(f):
-        return jax.jit(lambda *a: (f(*a), jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=argnums)(*a)))
-
-    (dense, g_dense), (block, g_block) = (forward_and_grads(f)(*args) for f in (dense_fn, block_fn))
-    assert block.shape == dense.shape and block.dtype == dense.dtype
-    assert normwise(block, dense) <= TOL
-    for gd, gb in zip(g_dense, g_block):
-        assert bool(jnp.all(jnp.isfinite(gb)))
-        assert normwise(gb, gd) <= TOL
 
 
 @st.composite
@@ -90,7 +64,13 @@ def test_blockwise_equals_dense(c):
 
         return f
 
-    compare(attend("dense"), attend("blockwise"), (q, k, v, tk, tv), (0, 1, 2, 3, 4))
+    # Gradients that vanish in exact arithmetic come up in this sweep: a key table at max_distance 0 is a per-row
+    # logit shift, which softmax ignores (its gradient is ~4e-16 of rounding residue in either path, and the two
+    # residues differ by 100% of that), as can one key (S = 1) or empty key lengths. Relative error means nothing
+    # there: gradients are measured against a floor of 1, the scale of these unit-normal problems. Outputs, and
+    # every fixed case below, stay strictly relative.
+    check_forward_and_grads(attend("blockwise"), attend("dense"), (q, k, v, tk, tv), (0, 1, 2, 3, 4), tol=TOL,
+                            grad_floor=1.0)
 
 
 def test_fully_masked_rows_give_zeros_and_finite_grads():
@@ -104,7 +84,7 @@ def test_fully_masked_rows_give_zeros_and_finite_grads():
     out = attend("blockwise")(q, k, v)
     assert bool(jnp.all(out[0] == 0))  # no key at all
     assert bool(jnp.all(out[1, :4] == 0))  # T > S, bottom-right causal: the first T - S rows see nothing
-    compare(attend("dense"), attend("blockwise"), (q, k, v), (0, 1, 2))
+    check_forward_and_grads(attend("blockwise"), attend("dense"), (q, k, v), (0, 1, 2))
 
 
 def test_batched_positions():
@@ -119,7 +99,7 @@ def test_batched_positions():
             q, k, v, tk, max_distance=2, is_causal=True, query_positions=q_pos, key_positions=k_pos,
             implementation=implementation, block_size=(2, 3))
 
-    compare(attend("dense"), attend("blockwise"), (q, k, v, tk), (0, 1, 2, 3))
+    check_forward_and_grads(attend("blockwise"), attend("dense"), (q, k, v, tk), (0, 1, 2, 3))
 
 
 # The backward takes the value table's bucket sums of p from the forward when they are no larger than the
@@ -138,7 +118,7 @@ def test_value_table_gradient_either_way(max_distance):
             q, k, v, tk, tv, max_distance=max_distance, implementation=implementation, block_size=(4, 5),
             **options)
 
-    compare(attend("dense"), attend("blockwise"), (q, k, v, tk, tv), (0, 1, 2, 3, 4))
+    check_forward_and_grads(attend("blockwise"), attend("dense"), (q, k, v, tk, tv), (0, 1, 2, 3, 4))
 
 
 def alibi_like(slopes):
@@ -165,7 +145,7 @@ def test_position_bias_hook_and_its_gradient(batched_positions):
         return jaxattn.blockwise_attention(q, k, v, position_bias=alibi_like(slopes), is_causal=True,
                                               block_size=(4, 5), **positions)
 
-    compare(dense, block, (q, k, v, slopes), (0, 1, 2, 3))
+    check_forward_and_grads(block, dense, (q, k, v, slopes), (0, 1, 2, 3))
 
 
 def test_combine_partials_is_exact_over_any_split():
@@ -181,6 +161,7 @@ def test_combine_partials_is_exact_over_any_split():
     (whole,), lse = softmax.finalize_partial(partial(slice(0, 9)))
     (merged,), lse2 = softmax.finalize_partial(softmax.combine_partials(
         softmax.combine_partials(partial(slice(0, 2)), partial(slice(2, 7))), partial(slice(7, 9))))
+    assert_float64(merged, whole, lse, lse2)
     assert normwise(merged, whole) <= TOL and bool(jnp.all(merged[0] == 0))
     assert bool(jnp.all(lse[0] == -jnp.inf)) and normwise(lse2[1:], lse[1:]) <= TOL
 
@@ -191,7 +172,9 @@ def test_vmap_and_jit_agree():
     def f(q, k, v):
         return jaxattn.dot_product_attention(q, k, v, is_causal=True, implementation="blockwise", block_size=2)
 
-    assert normwise(jax.vmap(f)(q, k, v), jax.jit(f)(q, k, v)) <= TOL
+    mapped, jitted = jax.vmap(f)(q, k, v), jax.jit(f)(q, k, v)
+    assert_float64(mapped, jitted)
+    assert normwise(mapped, jitted) <= TOL
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
@@ -267,6 +250,7 @@ def test_multi_head_passes_implementation_through():
         p = params if fn is jaxattn.relative_multi_head_attention else {k: v for k, v in params.items() if k != "relative"}
         dense = jax.jit(lambda p, x: fn(p, x, is_causal=True, implementation="dense"))(p, x)
         block = jax.jit(lambda p, x: fn(p, x, is_causal=True, implementation="blockwise", block_size=3))(p, x)
+        assert_float64(block, dense)
         assert normwise(block, dense) <= TOL
 
 
@@ -327,4 +311,4 @@ def test_row_groups_equal_dense(name, monkeypatch):
                                            block_size=block, **options, **extra)
 
     argnums = (0, 1, 2) + ((3, 4) if tables else ()) + ((5,) if c["hook"] else ()) + ((6,) if c.get("modern") else ())
-    compare(dense, block_fn, (q, k, v, tk, tv, slopes, sinks), argnums)
+    check_forward_and_grads(block_fn, dense, (q, k, v, tk, tv, slopes, sinks), argnums)

@@ -15,13 +15,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import normwise_f64 as normwise
 import torch
 
 import crosscheck as cc
 import jaxattn
 import torchref
 from _einsum_mha import einsum_mha
+from helpers import assert_float64, normwise, randomize, shaw_index_loop
 
 E, KDIM, VDIM, T, S, B = 15, 7, 11, 5, 7, 2
 TOL = 1e-12
@@ -29,17 +29,9 @@ TOL = 1e-12
 
 def assert_trees_close(actual, expected, tol=TOL):
     assert jax.tree.structure(actual) == jax.tree.structure(expected)
+    assert_float64(actual, expected)
     for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
         assert normwise(a, b) <= tol, jax.tree_util.keystr(path)
-
-
-def randomize(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """torch initializes in_proj_bias/out_proj.bias to zero, which would hide a misplaced bias."""
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in module.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
-    return module.eval()
 
 
 def inputs(Eq, Ek, Ev, seed):
@@ -101,6 +93,7 @@ def test_torch_mha_forward_and_gradients(case):
     fn = lambda *args: jaxattn.multi_head_attention(*args, return_weights=True, **options)  # noqa: E731
     (out, weights), vjp = jax.vjp(fn, params, q, k, v)
     assert weights.shape == (B, case["num_heads"], T, S + extra)
+    assert_float64(out, weights, expected_out, expected_weights)
     assert normwise(out, expected_out.detach().numpy()) <= TOL
     assert normwise(weights, expected_weights.detach().numpy()) <= TOL
 
@@ -112,6 +105,7 @@ def test_torch_mha_forward_and_gradients(case):
         for tree in (grads, expected_grads):
             assert np.linalg.norm(tree["key"].pop("bias")) <= TOL * scale
     assert_trees_close(grads, expected_grads)
+    assert_float64(input_grads, [x.grad for x in torch_inputs])
     for grad, x in zip(input_grads, torch_inputs):
         assert normwise(grad, x.grad.numpy()) <= TOL
 
@@ -124,6 +118,7 @@ def test_torch_mha_einsum_forward(case):
     params = jax.tree.map(np.asarray, cc.params_from_torch(m))
     out, weights = einsum_mha(params, q, k, v, xp=np, **cc.call_options_from_torch(m))
     expected_out, expected_weights, _ = torch_mha(m, q, k, v, case["batch_first"])
+    assert_float64(out, weights, expected_out, expected_weights)
     assert normwise(out, expected_out.detach().numpy()) <= TOL
     assert normwise(weights, expected_weights.detach().numpy()) <= TOL
 
@@ -147,8 +142,10 @@ def test_seed001_einsum_equals_torch_mha_without_bias():
     x = np.random.default_rng(7).normal(size=(8, 80, 12))
     params = cc.params_from_torch(m)
     expected = m(*(torch.tensor(x),) * 3)[0].detach().numpy()
+    ours = jaxattn.multi_head_attention(params, x)
+    assert_float64(ours, expected)
     assert normwise(einsum_mha(params, x, x, x, xp=np)[0], expected) <= TOL
-    assert normwise(jaxattn.multi_head_attention(params, x), expected) <= TOL
+    assert normwise(ours, expected) <= TOL
 
 
 # ------------------------------------------------------------------------------------------- torchref modules
@@ -180,11 +177,6 @@ def make_torchref(case, dtype=torch.float64, seed=0):
     return randomize(m, seed)
 
 
-def shaw_index(T, S, max_distance):
-    t, s = np.arange(T)[:, None], np.arange(S)[None, :]
-    return np.clip(s - (t + S - T), -max_distance, max_distance) + max_distance
-
-
 @pytest.mark.parametrize("case", TORCHREF_CASES, ids=case_id)
 def test_torchref_round_trip_exact(case):
     m = make_torchref(case)
@@ -210,8 +202,9 @@ def test_torchref_forward(case):
     assert cc.call_options_from_torch(m) == {}
     run = jaxattn.relative_multi_head_attention if case["relative"] else jaxattn.multi_head_attention
     results = [run(params, q, k, v, return_weights=True),
-               einsum_mha(params, q, k, v, rel_index=shaw_index(T, S, MAX_DISTANCE), xp=np)]
+               einsum_mha(params, q, k, v, rel_index=shaw_index_loop(T, S, MAX_DISTANCE), xp=np)]
     for out, weights in results:
+        assert_float64(out, weights, expected_out, expected_weights)
         assert normwise(out, expected_out) <= TOL
         assert normwise(weights, expected_weights) <= TOL
 
@@ -230,7 +223,9 @@ def test_params_from_jax_drive_torchref():
     assert_trees_close(cc.params_from_torch(state, num_heads=6, num_kv_heads=2), params, tol=0.0)
     q, k, v = inputs(E, KDIM, VDIM, seed=9)
     expected = m(*map(torch.tensor, (q, k, v))).detach().numpy()
-    assert normwise(jaxattn.multi_head_attention(params, q, k, v), expected) <= TOL
+    ours = jaxattn.multi_head_attention(params, q, k, v)
+    assert_float64(ours, expected)
+    assert normwise(ours, expected) <= TOL
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

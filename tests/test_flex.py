@@ -1,7 +1,7 @@
 """flex_attention (score_mod / mask_mod / BlockMask) and create_block_mask, against independent references.
 
 score_mod / mask_mod see absolute positions (query t at t + S - T unless positions are given) and the
-flattened batch index b. The reference (tests/_flex_reference.py) evaluates mask_mod with Python loops on
+flattened batch index b. The reference (tests/helpers.py) evaluates mask_mod with Python loops on
 Python ints and score_mod on broadcast index grids over the full [B,N,T,S] grid; gradients of the arrays a
 score_mod closes over are compared with jax.grad of that reference in float64.
 """
@@ -12,39 +12,15 @@ import numpy as np
 import pytest
 
 import jaxattn
-from _flex_reference import allowed_loop, attention_reference
+from helpers import allowed_loop, arrays, assert_float64, attention_reference, check_forward_and_grads, normwise
 
 B, T, S, N, K, H, Hv = 2, 7, 11, 6, 3, 5, 3
 TOL = 1e-12
 IMPLEMENTATIONS = ["dense", "blockwise"]
 
 
-def normwise(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert a.dtype == b.dtype == np.float64
-    return np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1.0)
-
-
-def arrays(seed, *shapes):
-    rng = np.random.default_rng(seed)
-    return [jnp.asarray(rng.normal(size=s)) for s in shapes]
-
-
 def qkv(seed=0, t=T, s=S, batch=(B,)):
     return arrays(seed, (*batch, t, N, H), (*batch, s, K, H), (*batch, s, K, Hv))
-
-
-def check_forward_and_grads(ours, reference, args, argnums):
-    w = arrays(99, jax.eval_shape(reference, *args).shape)[0]
-
-    def both(f):
-        return jax.jit(lambda *a: (f(*a), jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=argnums)(*a)))
-
-    (expected, g_expected), (got, g_got) = both(reference)(*args), both(ours)(*args)
-    assert normwise(got, expected) <= TOL
-    for ge, gg in zip(g_expected, g_got):
-        assert bool(jnp.all(jnp.isfinite(gg)))
-        assert normwise(gg, ge) <= TOL
 
 
 # score_mods: elementwise in (score, b, n, t, s); written so that they also broadcast (the reference's way).
@@ -124,6 +100,7 @@ def test_mask_mods(name):
     expected = reference(q, k, v)
     for kw in (dict(implementation="dense"), dict(implementation="blockwise", block_size=(2, 5))):
         got = jax.jit(lambda q, k, v, kw=kw: jaxattn.flex_attention(q, k, v, mask_mod=mask_mod, **kw))(q, k, v)
+        assert_float64(got)
         assert normwise(got, expected) <= TOL
 
 
@@ -160,7 +137,7 @@ def test_score_mod_with_every_keyword(implementation):
     q, k, v = qkv(4)
     slopes, sinks = arrays(5, (N,), (N,))
     lengths = np.array([11, 8])
-    allowed = allowed_loop(B, N, T, S, window=(5, 0), lengths=lengths, mask_mod=np_mask(document))
+    allowed = allowed_loop(B, N, T, S, window=(5, 0), key_value_seq_lengths=lengths, mask_mod=np_mask(document))
 
     def ours(q, k, v, slopes, sinks):
         return jaxattn.flex_attention(q, k, v, score_mod=alibi(slopes), mask_mod=document, window=(5, 0),
@@ -169,7 +146,8 @@ def test_score_mod_with_every_keyword(implementation):
                                       block_size=(3, 2) if implementation == "blockwise" else None)
 
     def reference(q, k, v, slopes, sinks):
-        return attention_reference(q, k, v, allowed, softcap=1.4, sinks=sinks, scale=0.3, score_mod=alibi(slopes))
+        return attention_reference(q, k, v, allowed, logit_softcap=1.4, sinks=sinks, scale=0.3,
+                                   score_mod=alibi(slopes))
 
     check_forward_and_grads(ours, reference, (q, k, v, slopes, sinks), (0, 1, 2, 3, 4))
 
@@ -179,6 +157,7 @@ def test_score_mod_capping_equals_logit_softcap():
     for implementation in ("blockwise",):
         a = jaxattn.flex_attention(q, k, v, score_mod=tanh_cap, is_causal=True, implementation=implementation)
         b = jaxattn.dot_product_attention(q, k, v, logit_softcap=2.0, is_causal=True, implementation=implementation)
+        assert_float64(a, b)
         assert normwise(a, b) <= TOL
 
 
@@ -188,9 +167,11 @@ def test_positions_are_absolute_with_a_cache():
     for implementation in IMPLEMENTATIONS:
         a = jaxattn.flex_attention(q, k, v, mask_mod=causal, implementation=implementation)
         b = jaxattn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
+        assert_float64(a, b)
         assert normwise(a, b) <= TOL
     bm = jaxattn.create_block_mask(causal, B, None, 3, S, block_size=(2, 3))
     c = jaxattn.flex_attention(q, k, v, mask_mod=causal, block_mask=bm)
+    assert_float64(c)
     assert normwise(c, b) <= TOL
 
 
@@ -199,6 +180,7 @@ def test_batch_dims_are_flattened_for_b():
     q, k, v = qkv(8, batch=(2, 3))
     scales = jnp.arange(1.0, 7.0)
     got = jaxattn.flex_attention(q, k, v, score_mod=per_batch(scales))
+    assert_float64(got)
     for i in range(2):
         for j in range(3):
             expected = jaxattn.dot_product_attention(q[i, j], k[i, j], v[i, j], scale=H ** -0.5 * (3 * i + j + 1))
@@ -220,6 +202,7 @@ def test_full_tiles_skip_mask_mod():
     for implementation in IMPLEMENTATIONS:
         got = jaxattn.flex_attention(q, k, v, mask_mod=lambda b, n, t, s: t < -1, block_mask=bm,
                                      implementation=implementation)
+        assert_float64(got, expected)
         assert normwise(got, expected) <= TOL
 
 
@@ -252,6 +235,7 @@ def test_block_mask_is_a_pytree_under_jit_and_vmap():
     assert leaves and all(isinstance(x, jax.Array) for x in leaves)
     f = lambda q, k, v, bm: jaxattn.flex_attention(q, k, v, mask_mod=sliding, block_mask=bm)
     plain = f(q, k, v, bm)
+    assert_float64(plain)
     assert normwise(jax.jit(f)(q, k, v, bm), plain) <= TOL
     single = jaxattn.create_block_mask(sliding, None, None, T, S, block_size=(3, 4))
     mapped = jax.vmap(f, in_axes=(0, 0, 0, None))(q, k, v, single)

@@ -11,16 +11,11 @@ from flax import nnx
 import jaxattn
 import jaxattn.linen as jl
 import jaxattn.nnx as jx
+from helpers import assert_float64, normwise
 
 B, T, E, N, K, H = 2, 7, 13, 6, 3, 5
 TOL = 1e-12
 LAYER = dict(window=(3, 0), chunk_size=5, logit_softcap=1.3, use_sinks=True)
-
-
-def normwise(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert a.dtype == b.dtype == np.float64
-    return np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1.0)
 
 
 def random_sinks(params, seed=1):
@@ -40,6 +35,7 @@ def test_linen_layer_is_the_function_and_decodes():
     params = random_sinks(params)
     seg = jnp.asarray([[0, 0, 0, 1, 1, 1, 1], [2] * 7])
     y = layer.apply({"params": params}, x, is_causal=True, query_segment_ids=seg, key_segment_ids=seg)
+    assert_float64(y)
     assert normwise(y, functional(params, x, is_causal=True, query_segment_ids=seg, key_segment_ids=seg)) <= TOL
 
     full = layer.apply({"params": params}, x, is_causal=True)
@@ -50,6 +46,7 @@ def test_linen_layer_is_the_function_and_decodes():
     for t in range(2, T):
         y, state = step({"params": params, **state}, x[:, t:t + 1])
         outs.append(y)
+    assert_float64(outs, full)
     assert normwise(jnp.concatenate(outs, axis=1), full) <= TOL
 
 
@@ -60,6 +57,7 @@ def test_nnx_layer_is_the_function_and_decodes():
     params = layer.params()
     assert params["sinks"].shape == (N,)
     full = layer(x, is_causal=True)
+    assert_float64(full)
     assert normwise(full, functional(params, x, is_causal=True)) <= TOL
     layer.init_cache((B, T, E), jnp.float64)
     outs = [layer(x[:, t:t + 1], decode=True) for t in range(T)]
@@ -124,6 +122,7 @@ def test_rolling_cache_holds_the_window_only(flavour):
     # prefill 4 tokens, example 1 has only 2 real ones: it continues from token 2 (x[1, 2:] shifted in)
     lengths = jnp.asarray([4, 2])
     y0 = step(x[:, :4], lengths)
+    assert_float64(y0, full)
     assert normwise(y0[0], full[0, :4]) <= TOL and normwise(y0[1, :2], full[1, :2]) <= TOL
     outs = {0: [y0[0]], 1: [y0[1, :2]]}
     for i in range(L - 4):
@@ -145,4 +144,5 @@ def test_full_cache_with_chunks_softcap_and_sinks():
     layer.init_cache((B, T, E), jnp.float64)
     assert layer.cached_key[...].shape == (B, T, K, H)
     outs = [layer(x[:, :3], decode=True)] + [layer(x[:, t:t + 1], decode=True) for t in range(3, T)]
+    assert_float64(outs, full)
     assert normwise(jnp.concatenate(outs, axis=1), full) <= TOL

@@ -15,6 +15,7 @@ import crosscheck
 import jaxattn
 import jaxattn.linen as jl
 import torchref
+from helpers import assert_float64, normwise
 
 B, T, S, N, H, Hv, Eq, Ek, Ev, Eo = 3, 5, 7, 6, 11, 13, 17, 19, 23, 29
 MAX_DISTANCE = 2
@@ -37,11 +38,6 @@ def _layer(relative, K, **kw):
 
 def _functional(relative):
     return jaxattn.relative_multi_head_attention if relative else jaxattn.multi_head_attention
-
-
-def _normwise(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 # (dtype, relative, K, masking): each head layout, masking and dtype appears with both attention kinds
@@ -123,7 +119,7 @@ def test_against_torchref_modules(dtype, relative):
     layer = _layer(relative, 2, param_dtype=dtype, precision="highest")
     got = jax.jit(lambda p: layer.apply({"params": p}, q, k, v, is_causal=True, key_value_seq_lengths=lengths))(params)
     assert got.dtype == dtype
-    assert _normwise(got, want) <= (1e-12 if dtype == "float64" else 1e-6)
+    assert normwise(got, want) <= (1e-12 if dtype == "float64" else 1e-6)
 
 
 def test_our_params_run_in_flax_and_flax_params_run_in_ours():
@@ -138,8 +134,8 @@ def test_our_params_run_in_flax_and_flax_params_run_in_ours():
     for params in (our_params, their_params):
         got = ours.apply({"params": params}, q, mask=mask)
         want = theirs.apply({"params": params}, q, mask=mask)
-        assert got.dtype == want.dtype == jnp.float64
-        assert _normwise(got, want) <= 1e-13
+        assert_float64(got, want)
+        assert normwise(got, want) <= 1e-13
 
 
 def test_dropout_the_flax_way():
@@ -209,7 +205,9 @@ def test_torch_extras_bias_kv_and_zero_attn():
     want = ref(*(torch.from_numpy(x),) * 3, need_weights=False)[0].detach().numpy()
     layer = jl.MultiHeadAttention(num_heads=6, add_bias_kv=True, add_zero_attn=True, param_dtype=jnp.float64)
     assert jax.tree.structure(layer.init(jax.random.key(0), x)["params"]) == jax.tree.structure(params)
-    assert _normwise(layer.apply({"params": params}, x), want) <= 1e-12
+    got = layer.apply({"params": params}, x)
+    assert_float64(got, want)
+    assert normwise(got, want) <= 1e-12
 
 
 @pytest.mark.parametrize("make, match", [

@@ -9,13 +9,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import normwise_f64 as normwise
 import torch
 import torch.nn.functional as F
 
 import crosscheck as cc
 import jaxattn
 from _einsum_mha import einsum_mha
+from helpers import assert_float64, normwise, randomize
 
 E, N, T, S, B = 15, 3, 3, 4, 2
 TOL = 1e-12
@@ -34,13 +34,8 @@ PADDING_FLOAT = np.array([[0.0, 0.5, 0.0, -np.inf],
 
 
 def mha(add_bias_kv=False, add_zero_attn=False):
-    m = torch.nn.MultiheadAttention(E, N, batch_first=True, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn,
-                                    dtype=torch.float64)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in m.parameters():
-            p.copy_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * 0.5)
-    return m.eval()
+    return randomize(torch.nn.MultiheadAttention(E, N, batch_first=True, add_bias_kv=add_bias_kv,
+                                                 add_zero_attn=add_zero_attn, dtype=torch.float64), seed=0)
 
 
 def qkv(seed=0):
@@ -62,6 +57,7 @@ def check_against_torch_mha(m, attn_mask=None, key_padding_mask=None, **convert)
                einsum_mha(jax.tree.map(np.asarray, params), q, k, v, mask=None if mask is None else np.asarray(mask),
                           bias=None if bias is None else np.asarray(bias), xp=np, **options)]
     for jax_out, jax_weights in results:
+        assert_float64(jax_out, jax_weights, out, weights)
         assert normwise(jax_out, out.detach().numpy()) <= TOL
         assert normwise(jax_weights, weights.detach().numpy()) <= TOL
     return mask, bias
@@ -133,6 +129,7 @@ def test_is_causal_hint_uses_the_attn_mask():
     fast = m(q, k, v, attn_mask=torch.tensor(causal), is_causal=True, need_weights=False)[0]
     mask, bias = cc.masks_from_torch(causal, is_causal=True)
     out = jaxattn.multi_head_attention(cc.params_from_torch(m), *map(np.asarray, (q, k, v)), mask=mask)
+    assert_float64(out, fast)
     assert normwise(out, fast.detach().numpy()) <= TOL
     np.testing.assert_array_equal(mask, [[1, 0, 0, 0],
                                          [1, 1, 0, 0],
@@ -159,6 +156,7 @@ def check_against_sdpa(T, S, attn_mask=None, is_causal=False):
     mask, bias = cc.sdpa_masks_from_torch(attn_mask, is_causal=is_causal, query_length=T, key_length=S)
     heads_last = lambda x: np.swapaxes(x, -3, -2)  # noqa: E731  [B,N,T,H] <-> [B,T,N,H]
     out = jaxattn.dot_product_attention(*map(heads_last, (q, k, v)), mask=mask, bias=bias)
+    assert_float64(out, expected)
     assert normwise(heads_last(np.asarray(out)), expected.numpy()) <= TOL
     return mask, bias
 
@@ -191,8 +189,10 @@ def test_sdpa_is_causal_when_T_equals_S_matches_jaxattn_causal():
     mask, _ = check_against_sdpa(4, 4, is_causal=True)
     np.testing.assert_array_equal(mask, np.tril(np.ones((4, 4), bool)))
     q, k, v = (np.swapaxes(x, -3, -2) for x in sdpa_case(4, 4))
-    assert normwise(jaxattn.dot_product_attention(q, k, v, is_causal=True),
-                    jaxattn.dot_product_attention(q, k, v, mask=mask)) <= TOL
+    causal = jaxattn.dot_product_attention(q, k, v, is_causal=True)
+    masked = jaxattn.dot_product_attention(q, k, v, mask=mask)
+    assert_float64(causal, masked)
+    assert normwise(causal, masked) <= TOL
 
 
 # -------------------------------------------------------------------------------------------------- errors

@@ -11,18 +11,9 @@ import jax.numpy as jnp
 import pytest
 
 import jaxattn
+from helpers import grad_of_sum, temp_bytes
 
-F32 = jnp.float32
 MiB, GiB = 2**20, 2**30
-
-
-def temp_bytes(fn, *shapes):
-    args = [jax.ShapeDtypeStruct(s, F32) for s in shapes]
-    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
-
-
-def loss_grad(fn, argnums):
-    return jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=argnums)
 
 
 def causal(implementation):
@@ -31,14 +22,14 @@ def causal(implementation):
 
 def test_long_context_forward_backward_under_1_gib():
     shape = (1, 16384, 8, 64)  # dense logits alone: 8 GiB
-    assert temp_bytes(loss_grad(causal(None), (0, 1, 2)), shape, shape, shape) < GiB
+    assert temp_bytes(grad_of_sum(causal(None), (0, 1, 2)), shape, shape, shape) < GiB
     assert temp_bytes(causal(None), shape, shape, shape) < 256 * MiB
 
 
 def test_blockwise_memory_is_linear_in_length():
     def grad_temp(S):
         shape = (1, S, 8, 64)
-        return temp_bytes(loss_grad(causal("blockwise"), (0, 1, 2)), shape, shape, shape)
+        return temp_bytes(grad_of_sum(causal("blockwise"), (0, 1, 2)), shape, shape, shape)
 
     small, large = grad_temp(4096), grad_temp(16384)
     # 4x the length: O(S) state (q, k, v, their gradients) grows 4x, the tiles not at all; O(S^2) would be 16x.
@@ -57,8 +48,8 @@ def test_shaw_within_twice_plain_attention(per_head):
         return jaxattn.shaw_relative_attention(q, k, v, tk, tv, max_distance=max_distance)
 
     assert temp_bytes(shaw, *shapes) <= 2 * plain
-    assert temp_bytes(loss_grad(shaw, (0, 1, 2, 3, 4)), *shapes) <= 2 * temp_bytes(
-        loss_grad(jax.nn.dot_product_attention, (0, 1, 2)), *shapes[:3])
+    assert temp_bytes(grad_of_sum(shaw, (0, 1, 2, 3, 4)), *shapes) <= 2 * temp_bytes(
+        grad_of_sum(jax.nn.dot_product_attention, (0, 1, 2)), *shapes[:3])
 
 
 def seed000_naive(X, W_Q, W_K, W_V, a_K, a_V):

@@ -1,8 +1,8 @@
 """Segment ids, windows, chunks, logit softcap and sinks (DESIGN.md part 2) on every attention function.
 
-References are independent (tests/_flex_reference.py): the allowed pairs decided by Python loops, the
-formula written out over the full grid in float64 (its own forward checked against numpy loops), and its
-jax.grad for gradients. Every axis has its own prime size; tiles divide neither T nor S.
+References are independent (tests/helpers.py): the allowed pairs decided by Python loops, the
+formula written out over the full grid in float64 (its own forward checked against numpy loops in
+tests/test_helpers.py), and its jax.grad for gradients. Every axis has its own prime size; tiles divide neither T nor S.
 """
 
 import jax
@@ -11,21 +11,10 @@ import numpy as np
 import pytest
 
 import jaxattn
-from _flex_reference import allowed_loop, attention_loop, attention_reference
+from helpers import allowed_loop, arrays, assert_float64, attention_reference, check_forward_and_grads, normwise
 
 B, T, S, N, K, H, Hv = 2, 7, 11, 6, 3, 5, 3  # N = K * 2: grouped-query heads
 TOL = 1e-12
-
-
-def normwise(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    assert a.dtype == b.dtype == np.float64
-    return np.linalg.norm((a - b).ravel()) / max(np.linalg.norm(b.ravel()), 1.0)
-
-
-def arrays(seed, *shapes):
-    rng = np.random.default_rng(seed)
-    return [jnp.asarray(rng.normal(size=s)) for s in shapes]
 
 
 def qkv(seed=0, t=T, s=S):
@@ -35,17 +24,14 @@ def qkv(seed=0, t=T, s=S):
 SEGMENTS_Q = np.array([[0, 0, 1, 1, 1, 2, 2], [5, 5, 5, 5, 7, 7, 7]], np.int32)  # [B,T], sorted (packed docs)
 SEGMENTS_K = np.array([[0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7]], np.int32)
 
-# name: (keywords for jaxattn, keywords for allowed_loop, softcap, sinks?)
+# name: (keywords for jaxattn and allowed_loop alike, softcap, sinks?)
 CASES = {
-    "segments_causal": (dict(query_segment_ids=SEGMENTS_Q, key_segment_ids=SEGMENTS_K, is_causal=True),
-                        dict(query_segments=SEGMENTS_Q, key_segments=SEGMENTS_K, is_causal=True), None, False),
-    "window_both": (dict(window=(2, 1)), dict(window=(2, 1)), None, False),
-    "window_left_open": (dict(window=(None, 2)), dict(window=(None, 2)), None, False),
-    "chunk_causal": (dict(chunk_size=4, is_causal=True), dict(chunk_size=4, is_causal=True), None, False),
+    "segments_causal": (dict(query_segment_ids=SEGMENTS_Q, key_segment_ids=SEGMENTS_K, is_causal=True), None, False),
+    "window_both": (dict(window=(2, 1)), None, False),
+    "window_left_open": (dict(window=(None, 2)), None, False),
+    "chunk_causal": (dict(chunk_size=4, is_causal=True), None, False),
     "everything": (dict(query_segment_ids=SEGMENTS_Q, key_segment_ids=SEGMENTS_K, window=(4, 1), chunk_size=5,
-                        is_causal=True, logit_softcap=2.0, key_value_seq_lengths=np.array([9, 11])),
-                   dict(query_segments=SEGMENTS_Q, key_segments=SEGMENTS_K, window=(4, 1), chunk_size=5,
-                        is_causal=True, lengths=[9, 11]), 2.0, True),
+                        is_causal=True, key_value_seq_lengths=np.array([9, 11])), 2.0, True),
 }
 
 
@@ -53,43 +39,21 @@ def sinks_for(case_sinks, seed=3, shape=(N,)):
     return arrays(seed, shape)[0] if case_sinks else None
 
 
-def check_forward_and_grads(ours, reference, args, argnums):
-    w = arrays(99, jax.eval_shape(reference, *args).shape)[0]
-
-    def both(f):
-        return jax.jit(lambda *a: (f(*a), jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=argnums)(*a)))
-
-    (expected, g_expected), (got, g_got) = both(reference)(*args), both(ours)(*args)
-    assert got.shape == expected.shape
-    assert normwise(got, expected) <= TOL
-    for ge, gg in zip(g_expected, g_got):
-        assert bool(jnp.all(jnp.isfinite(gg)))
-        assert normwise(gg, ge) <= TOL
-
-
-def test_reference_formula_matches_numpy_loops():
-    q, k, v = qkv(1)
-    allowed = allowed_loop(B, N, T, S, window=(2, 1), query_segments=SEGMENTS_Q, key_segments=SEGMENTS_K)
-    sinks = sinks_for(True)
-    got = attention_reference(q, k, v, allowed, softcap=1.3, sinks=sinks)
-    assert normwise(got, attention_loop(q, k, v, allowed, softcap=1.3, sinks=sinks)) <= TOL
-
-
 @pytest.mark.parametrize("implementation", ["dense", "blockwise"])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_dot_product_attention_keywords(name, implementation):
-    ours_kw, loop_kw, softcap, with_sinks = CASES[name]
+    keywords, softcap, with_sinks = CASES[name]
     q, k, v = qkv(2)
     sinks = sinks_for(with_sinks)
-    allowed = allowed_loop(B, N, T, S, **loop_kw)
+    allowed = allowed_loop(B, N, T, S, **keywords)
     extra = dict(block_size=(3, 4)) if implementation == "blockwise" else {}
 
     def ours(q, k, v, *sinks):
         return jaxattn.dot_product_attention(q, k, v, sinks=sinks[0] if sinks else None, implementation=implementation,
-                                             **ours_kw, **extra)
+                                             logit_softcap=softcap, **keywords, **extra)
 
     def reference(q, k, v, *sinks):
-        return attention_reference(q, k, v, allowed, softcap=softcap, sinks=sinks[0] if sinks else None)
+        return attention_reference(q, k, v, allowed, logit_softcap=softcap, sinks=sinks[0] if sinks else None)
 
     args = (q, k, v) + ((sinks,) if with_sinks else ())
     check_forward_and_grads(ours, reference, args, tuple(range(len(args))))
@@ -101,14 +65,14 @@ def test_blockwise_per_example_sinks_and_segments(block_size):
     q, k, v = qkv(4)
     sinks = sinks_for(True, shape=(B, N))
     kw = dict(query_segment_ids=SEGMENTS_Q, key_segment_ids=SEGMENTS_K, logit_softcap=0.7, window=(5, 0))
-    allowed = allowed_loop(B, N, T, S, query_segments=SEGMENTS_Q, key_segments=SEGMENTS_K, window=(5, 0))
+    allowed = allowed_loop(B, N, T, S, query_segment_ids=SEGMENTS_Q, key_segment_ids=SEGMENTS_K, window=(5, 0))
 
     def ours(q, k, v, sinks):
         return jaxattn.dot_product_attention(q, k, v, sinks=sinks, implementation="blockwise",
                                              block_size=block_size, **kw)
 
     def reference(q, k, v, sinks):
-        return attention_reference(q, k, v, allowed, softcap=0.7, sinks=sinks)
+        return attention_reference(q, k, v, allowed, logit_softcap=0.7, sinks=sinks)
 
     check_forward_and_grads(ours, reference, (q, k, v, sinks), (0, 1, 2, 3))
 
@@ -132,11 +96,11 @@ def test_decoding_positions_window_and_chunks():
     q, k, v = qkv(6, t=3)
     qp = np.array([[8, 9, 10], [4, 5, 6]], np.int32)
     kp = np.tile(np.arange(S, dtype=np.int32), (B, 1))
-    allowed = allowed_loop(B, N, 3, S, query_pos=qp, key_pos=kp, window=(3, 0), chunk_size=4, is_causal=True)
+    keywords = dict(query_positions=qp, key_positions=kp, window=(3, 0), chunk_size=4, is_causal=True)
+    allowed = allowed_loop(B, N, 3, S, **keywords)
     for implementation in ("dense", "blockwise"):
-        out = jaxattn.dot_product_attention(q, k, v, query_positions=qp, key_positions=kp, window=(3, 0),
-                                            chunk_size=4, is_causal=True, implementation=implementation,
-                                            block_size=(2, 3))
+        out = jaxattn.dot_product_attention(q, k, v, implementation=implementation, block_size=(2, 3), **keywords)
+        assert_float64(out)
         assert normwise(out, attention_reference(q, k, v, allowed)) <= TOL
 
 
@@ -151,6 +115,7 @@ def test_jit_and_vmap():
                                                                        "key_segment_ids": ks})
 
         plain = f(q, k, v, SEGMENTS_Q, SEGMENTS_K)
+        assert_float64(plain)
         mapped = jax.vmap(f)(q, k, v, SEGMENTS_Q, SEGMENTS_K)
         jitted = jax.jit(f)(q, k, v, SEGMENTS_Q, SEGMENTS_K)
         assert normwise(mapped, plain) <= TOL and normwise(jitted, plain) <= TOL
@@ -178,7 +143,8 @@ def test_shaw_softcap_includes_relative_keys(implementation):
                                                sinks=sinks, implementation=implementation, block_size=(3, 4))
 
     def reference(q, k, v, table, sinks):
-        return attention_reference(q, k, v, allowed, softcap=0.9, sinks=sinks, rel_logits=shaw_rel_logits(q, table, 2))
+        return attention_reference(q, k, v, allowed, logit_softcap=0.9, sinks=sinks,
+                                   rel_logits=shaw_rel_logits(q, table, 2))
 
     check_forward_and_grads(ours, reference, (q, k, v, table, sinks), (0, 1, 2, 3, 4))
 
@@ -194,7 +160,7 @@ def test_relative_attention_softcap_and_sinks():
 
     def reference(q, k, v, a_k, sinks):
         rel = jnp.einsum("btnh,tsnh->bnts", q, a_k, precision="highest")
-        return attention_reference(q, k, v, allowed, softcap=1.2, sinks=sinks, rel_logits=rel)
+        return attention_reference(q, k, v, allowed, logit_softcap=1.2, sinks=sinks, rel_logits=rel)
 
     check_forward_and_grads(ours, reference, (q, k, v, a_k, sinks), (0, 1, 2, 3, 4))
 
@@ -215,7 +181,7 @@ def test_alibi_bias_comes_after_softcap(implementation):
 
     def reference(q, k, v, slopes, sinks):
         bias = jnp.broadcast_to(slopes[:, None, None] * distance, (B, N, T, S))
-        return attention_reference(q, k, v, allowed, softcap=0.8, bias=bias, sinks=sinks)
+        return attention_reference(q, k, v, allowed, logit_softcap=0.8, bias=bias, sinks=sinks)
 
     check_forward_and_grads(ours, reference, (q, k, v, slopes, sinks), (0, 1, 2, 3, 4))
 
@@ -239,10 +205,10 @@ def test_schemes_pass_mask_keywords_through(scheme):
     """window / chunk / segments on a scheme equal the same scheme with the equivalent bool mask."""
     q, k, v = qkv(13)
     kw = dict(window=(4, 1), chunk_size=5, query_segment_ids=SEGMENTS_Q, key_segment_ids=SEGMENTS_K)
-    allowed = allowed_loop(B, N, T, S, window=(4, 1), chunk_size=5, query_segments=SEGMENTS_Q,
-                           key_segments=SEGMENTS_K)
+    allowed = allowed_loop(B, N, T, S, **kw)
     got = SCHEMES[scheme](q, k, v, **kw)
     expected = SCHEMES[scheme](q, k, v, mask=jnp.asarray(allowed))
+    assert_float64(got, expected)
     assert normwise(got, expected) <= TOL
 
 
@@ -275,9 +241,10 @@ def test_multi_head_attention_keywords():
     q = jnp.einsum("bte,enh->btnh", x, params["query"]["kernel"]) + params["query"]["bias"]
     k = jnp.einsum("bte,ekh->btkh", x, params["key"]["kernel"]) + params["key"]["bias"]
     v = jnp.einsum("bte,ekh->btkh", x, params["value"]["kernel"]) + params["value"]["bias"]
-    allowed = allowed_loop(B, N, T, T, window=(2, 0), query_segments=SEGMENTS_Q, key_segments=SEGMENTS_Q)
-    z = attention_reference(q, k, v, allowed, softcap=1.7, sinks=sinks)
+    allowed = allowed_loop(B, N, T, T, window=(2, 0), query_segment_ids=SEGMENTS_Q, key_segment_ids=SEGMENTS_Q)
+    z = attention_reference(q, k, v, allowed, logit_softcap=1.7, sinks=sinks)
     expected = jnp.einsum("btnh,nho->bto", z, params["out"]["kernel"]) + params["out"]["bias"]
+    assert_float64(got, expected)
     assert normwise(got, expected) <= TOL
     rel = jaxattn.init_relative_multi_head_attention(jax.random.key(1), E, num_heads=N, head_dim=H, max_distance=2,
                                                      dtype=jnp.float64)

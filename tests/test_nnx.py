@@ -16,6 +16,7 @@ import crosscheck
 import jaxattn
 import jaxattn.nnx as jx
 import torchref
+from helpers import assert_float64, normwise
 
 B, T, S, N, H, Hv, Eq, Ek, Ev, Eo = 3, 5, 7, 6, 11, 13, 17, 19, 23, 29
 MAX_DISTANCE = 2
@@ -39,11 +40,6 @@ def _layer(relative, K, dtype, **kw):
 
 def _functional(relative):
     return jaxattn.relative_multi_head_attention if relative else jaxattn.multi_head_attention
-
-
-def _normwise(a, b):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 # Pairwise cover in the default run (each dtype x kind, GQA and full heads); the other two in the slow group.
@@ -75,14 +71,15 @@ def test_plain_call_and_nnx_vmap():
     want = jaxattn.multi_head_attention(layer.params(), q, k, v, is_causal=True)
     np.testing.assert_array_equal(layer(q, k, v, is_causal=True), want)
     per_example = nnx.vmap(lambda m, a, b, c: m(a, b, c, is_causal=True), in_axes=(None, 0, 0, 0))(layer, q, k, v)
-    assert _normwise(per_example, want) <= 1e-14
+    assert_float64(per_example, want)
+    assert normwise(per_example, want) <= 1e-14
     # an ensemble: nnx.vmap over layers created with different keys
     ensemble = nnx.vmap(lambda key: jx.MultiHeadAttention(Eq, N, head_dim=H, param_dtype=jnp.float64,
                                                           rngs=nnx.Rngs(key)))(jax.random.split(jax.random.key(0), 2))
     outs = nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(ensemble, q)
     assert outs.shape == (2, B, T, Eq) and not np.allclose(outs[0], outs[1])
     first = jax.tree.map(lambda p: p[0], nnx.to_pure_dict(nnx.state(ensemble, nnx.Param)))
-    assert _normwise(outs[0], jaxattn.multi_head_attention(first, q)) <= 1e-14
+    assert normwise(outs[0], jaxattn.multi_head_attention(first, q)) <= 1e-14
 
 
 @pytest.mark.parametrize("relative", [False, True])
@@ -97,7 +94,8 @@ def test_against_torchref_modules(relative):
     q, k, v = _inputs(np.float64)
     want = ref(*(torch.from_numpy(a) for a in (q, k, v)), is_causal=True).detach().numpy()
     got = layer(q, k, v, is_causal=True)
-    assert got.dtype == jnp.float64 and _normwise(got, want) <= 1e-12
+    assert_float64(got, want)
+    assert normwise(got, want) <= 1e-12
 
 
 @pytest.mark.parametrize("K", [N, 2])
@@ -115,7 +113,8 @@ def test_flax_nnx_parameters_load_into_ours(K):
     nnx.update(ours, nnx.to_pure_dict(nnx.state(flax_layer, nnx.Param)))
     mask = np.tril(np.ones((T, S), bool), S - T)
     got = ours(q, k, mask=mask)
-    assert got.dtype == jnp.float64 and _normwise(got, flax_layer(q, k, mask=mask)) <= tolerance
+    assert_float64(got)
+    assert normwise(got, flax_layer(q, k, mask=mask)) <= tolerance
 
 
 def test_dropout_with_rng_streams_and_eval_train():

@@ -21,7 +21,7 @@ from jaxattn import apply_rope, rope_attention, rope_permutation
 from jaxattn import t5_attention, t5_position_bias, t5_relative_bias, t5_relative_position_bucket
 from jaxattn import (clipped_relative_attention, clipped_relative_index, relative_sinusoids,
                          transformer_xl_attention)
-from reference import attention_loop, normwise
+from helpers import assert_float64, attention_loop, normwise
 
 B, T, S, N, K, H, Hv = 2, 5, 7, 6, 3, 11, 13
 TOL = 1e-12
@@ -68,22 +68,20 @@ def rope_loop(x, positions, base, rotary_dim, layout):
 
 
 def xl_loop(q, k, v, keys, u, w, max_left, is_causal):
-    """Transformer-XL: scale * ((q+u).k_s + (q+v).P[clip(j-i)]) over one loop per (b, n, t, s)."""
+    """Transformer-XL: scale * ((q+u).k_s + (q+w).P[clip(j-i)]), its terms built one (b, n, t, s) at a time:
+    q.(k_s + P[r]) is attention_loop's logit with rel_key = P[r], and scale * (u.k_s + w.P[r]) its bias."""
     Bq, Tq, Nq, Hq = q.shape
     Sk, G, R = k.shape[1], N // k.shape[2], keys.shape[0]
     qp = query_pos(Tq, Sk)
-    out = np.zeros((Bq, Tq, Nq, v.shape[-1]))
+    rel_key, bias = np.zeros((Tq, Sk, Nq, Hq)), np.zeros((Bq, Nq, Tq, Sk))
     for b in range(Bq):
         for n in range(Nq):
             for t in range(Tq):
-                logits, ok = np.zeros(Sk), np.ones(Sk, bool)
                 for s in range(Sk):
                     r = min(max(s - qp[t], -max_left), R - 1 - max_left) + max_left
-                    logits[s] = ((q[b, t, n] + u[n]) @ k[b, s, n // G] + (q[b, t, n] + w[n]) @ keys[r, n]) / Hq**0.5
-                    ok[s] = not (is_causal and s > qp[t])
-                p = np.where(ok, np.exp(logits - logits[ok].max()), 0)
-                out[b, t, n] = (p / p.sum()) @ v[b, :, n // G]
-    return out
+                    rel_key[t, s, n] = keys[r, n]
+                    bias[b, n, t, s] = (u[n] @ k[b, s, n // G] + w[n] @ keys[r, n]) / Hq**0.5
+    return attention_loop(q, k, v, rel_key=rel_key, bias=bias, is_causal=is_causal)[0]
 
 
 def paper_rel_shift(x):
@@ -144,7 +142,8 @@ def test_t5_attention_matches_loop(bidirectional):
     bias = np.asarray(t5_relative_bias(table, T, S, bidirectional=bidirectional, max_distance=9))
     ref, _ = attention_loop(q, k, v, bias=np.broadcast_to(bias, (B, N, T, S)), is_causal=not bidirectional,
                             scale=1.0)
-    assert out.dtype == jnp.float64 and normwise(out, ref) <= TOL
+    assert_float64(out)
+    assert normwise(out, ref) <= TOL
 
 
 # --- ALiBi ------------------------------------------------------------------------------------------------
@@ -195,7 +194,8 @@ def test_apply_rope_matches_loop(layout, rotary_dim):
     positions = np.array([3, 0, 17, 250, 1001])
     got = apply_rope(x, positions, base=500.0, rotary_dim=rotary_dim, layout=layout)
     want = rope_loop(x, positions, 500.0, rotary_dim or 10, layout)
-    assert got.dtype == jnp.float64 and normwise(got, want) <= TOL
+    assert_float64(got)
+    assert normwise(got, want) <= TOL
     # offset is arange(T) + offset
     np.testing.assert_array_equal(apply_rope(x, offset=7, rotary_dim=rotary_dim, layout=layout),
                                   apply_rope(x, np.arange(T) + 7, rotary_dim=rotary_dim, layout=layout))
@@ -273,7 +273,8 @@ def test_transformer_xl_matches_loop(is_causal, max_left, R):
     keys, u, w = rng.normal(size=(R, N, H)), rng.normal(size=(N, H)), rng.normal(size=(N, H))
     out = transformer_xl_attention(q, k, v, keys, max_left=max_left, pos_bias_u=u, pos_bias_v=w,
                                    is_causal=is_causal)
-    assert out.dtype == jnp.float64 and normwise(out, xl_loop(q, k, v, keys, u, w, max_left, is_causal)) <= TOL
+    assert_float64(out)
+    assert normwise(out, xl_loop(q, k, v, keys, u, w, max_left, is_causal)) <= TOL
 
 
 def test_transformer_xl_position_term_equals_the_papers_shift_on_visible_keys():
@@ -338,9 +339,10 @@ def test_jit_vmap_grad_against_torch_autograd(name):
     targs = [torch.tensor(a, requires_grad=True) for a in args]
     t_out = torch_fn(*targs)
     t_grads = torch.autograd.grad((t_out * torch.tensor(cot)).sum(), targs)
-    assert out.dtype == jnp.float64 and normwise(out, t_out.detach().numpy()) <= TOL
+    assert_float64(out, grads)
+    assert normwise(out, t_out.detach().numpy()) <= TOL
     for g, tg in zip(grads, t_grads):
-        assert g.dtype == jnp.float64 and normwise(g, tg.numpy()) <= TOL
+        assert normwise(g, tg.numpy()) <= TOL
     # vmap over a new leading axis of the queries (keys and tables shared) = one call per slice
     stacked = np.stack([args[0], args[0][::-1]])
     batched = jax.vmap(lambda q: jax_fn(q, *args[1:]))(stacked)

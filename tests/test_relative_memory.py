@@ -8,18 +8,9 @@ import jax.numpy as jnp
 import pytest
 
 import jaxattn
+from helpers import grad_of_sum, temp_bytes
 
-F32 = jnp.float32
-ITEM = 4
-
-
-def temp_bytes(fn, *shapes):
-    args = [jax.ShapeDtypeStruct(s, F32) for s in shapes]
-    return jax.jit(fn).lower(*args).compile().memory_analysis().temp_size_in_bytes
-
-
-def grad_of(fn, argnums):
-    return jax.grad(lambda *a: jnp.sum(fn(*a)), argnums=argnums)
+ITEM = 4  # bytes of a float32
 
 
 def naive_seed000(q, k, v, a_k, a_v):
@@ -37,7 +28,7 @@ def test_relative_attention_never_builds_the_batch_pair_tensor():
         return temp_bytes(fn, *([(B, S, N, H)] * 3 + [(S, S, N, H)] * 2))
 
     # The tables are [T,S,N,H] already; what must not happen is memory growing by a pair tensor per example.
-    for fn in (jaxattn.relative_attention, grad_of(jaxattn.relative_attention, (0, 1, 2, 3, 4))):
+    for fn in (jaxattn.relative_attention, grad_of_sum(jaxattn.relative_attention, (0, 1, 2, 3, 4))):
         growth = (temps(fn, 8) - temps(fn, 1)) / 7
         assert growth <= per_example / 8, (growth, per_example)
     naive_growth = (temps(naive_seed000, 8) - temps(naive_seed000, 1)) / 7
@@ -59,5 +50,5 @@ def test_shaw_far_below_a_gather(per_head):
     assert ours <= B * S * S * N * H * ITEM / 8
     # Beyond plain attention, only a few [N,T,S]-sized arrays (gathered key term, bucket sums' input).
     assert ours - plain <= 3 * logits, (ours, plain, logits)
-    ours_grad = temp_bytes(grad_of(shaw, (0, 1, 2, 3, 4)), *shapes)
+    ours_grad = temp_bytes(grad_of_sum(shaw, (0, 1, 2, 3, 4)), *shapes)
     assert ours_grad < gather, (ours_grad, gather)

@@ -1,4 +1,5 @@
-"""torchref against a literal loop over (batch, head, t, s) in numpy float64, and against torch's own attention.
+"""torchref against a literal loop over (batch, head, t, s) in numpy float64 (tests/helpers.py), and against torch's
+own attention.
 
 Every axis has its own prime size (T=5, S=7, N=6 with K in {6, 3, 2, 1}, H=11, Hv=13, E*=17/19/23/29) so that
 a swapped axis fails loudly.
@@ -16,70 +17,11 @@ import torch
 import torch.nn.functional as F
 
 import torchref
+from helpers import attention_loop, shaw_index_loop
 
 F64 = torch.float64
 B, T, S, N, H, HV = 2, 5, 7, 6, 11, 13
 TOL = {"rtol": 1e-12, "atol": 1e-12}
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the reference: the formula as loops
-
-
-def loop_attention(q, k, v, *, rel_k=None, rel_v=None, mask=None, bias=None, is_causal=False, lengths=None,
-                   query_positions=None, key_positions=None, scale=None):
-    """out[t, n] = sum_s p[n, t, s] (v[s, kv(n)] + A^V[t, s, n]), one scalar logit at a time."""
-    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
-    batch = np.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
-    T_, N_, H_ = q.shape[-3:]
-    S_, K_, Hv_ = v.shape[-3:]
-    q = np.broadcast_to(q, batch + q.shape[-3:])
-    k = np.broadcast_to(k, batch + k.shape[-3:])
-    v = np.broadcast_to(v, batch + v.shape[-3:])
-    scale = H_ ** -0.5 if scale is None else scale
-    mask = np.broadcast_to(True if mask is None else np.asarray(mask), batch + (N_, T_, S_))
-    bias = np.broadcast_to(0.0 if bias is None else np.asarray(bias, np.float64), batch + (N_, T_, S_))
-    qpos = np.arange(T_) + (S_ - T_) if query_positions is None else np.asarray(query_positions)
-    kpos = np.arange(S_) if key_positions is None else np.asarray(key_positions)
-    qpos, kpos = np.broadcast_to(qpos, batch + (T_,)), np.broadcast_to(kpos, batch + (S_,))
-    lengths = np.broadcast_to(S_ if lengths is None else np.asarray(lengths), batch)
-
-    def rel(a, dim):
-        a = np.zeros((T_, S_, 1, dim)) if a is None else np.asarray(a, np.float64)
-        return np.broadcast_to(a, batch + (T_, S_, N_, dim))
-
-    rel_k, rel_v = rel(rel_k, H_), rel(rel_v, Hv_)
-    out = np.zeros(batch + (T_, N_, Hv_))
-    weights = np.zeros(batch + (N_, T_, S_))
-    for b in np.ndindex(*batch):
-        for n in range(N_):
-            kv = n // (N_ // K_)
-            for t in range(T_):
-                logits = np.full(S_, -np.inf)
-                for s in range(S_):
-                    allowed = (mask[b][n, t, s] and bias[b][n, t, s] != -np.inf and s < lengths[b]
-                               and (not is_causal or kpos[b][s] <= qpos[b][t]))
-                    if allowed:
-                        dot = sum(q[b][t, n, h] * (k[b][s, kv, h] + rel_k[b][t, s, n, h]) for h in range(H_))
-                        logits[s] = scale * dot + bias[b][n, t, s]
-                if np.all(logits == -np.inf):
-                    continue  # no allowed key: zeros
-                e = np.exp(logits - logits.max())
-                p = e / e.sum()
-                weights[b][n, t] = p
-                for s in range(S_):
-                    out[b][t, n] += p[s] * (v[b][s, kv] + rel_v[b][t, s, n])
-    return out, weights
-
-
-def loop_index(T_, S_, max_distance, query_positions=None, key_positions=None):
-    qpos = np.arange(T_) + (S_ - T_) if query_positions is None else query_positions
-    kpos = np.arange(S_) if key_positions is None else key_positions
-    index = np.zeros((T_, S_), dtype=np.int64)
-    for t in range(T_):
-        for s in range(S_):
-            index[t, s] = min(max(kpos[s] - qpos[t], -max_distance), max_distance) + max_distance
-    return index
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -150,16 +92,11 @@ def build_case(case, seed=0):
     return (q, k, v), kwargs
 
 
-def loop_kwargs(kwargs):
-    renamed = {"key_value_seq_lengths": "lengths"}
-    return {renamed.get(name, name): (x.numpy() if isinstance(x, torch.Tensor) else x) for name, x in kwargs.items()}
-
-
 @pytest.mark.parametrize("case", DOT_CASES.values(), ids=DOT_CASES.keys())
 def test_dot_product_attention_matches_loop(case):
     (q, k, v), kwargs = build_case(case)
     out, weights = torchref.dot_product_attention(q, k, v, return_weights=True, **kwargs)
-    expected_out, expected_weights = loop_attention(q, k, v, **loop_kwargs(kwargs))
+    expected_out, expected_weights = attention_loop(q, k, v, **kwargs)
     assert out.dtype == F64 and out.shape == expected_out.shape
     assert_close(out, expected_out)
     assert_close(weights, expected_weights)
@@ -260,9 +197,7 @@ def test_relative_attention_matches_loop(case):
     rel_v = randn(*case.pop("rel_v"), seed=21) if "rel_v" in case else None
     (q, k, v), kwargs = build_case(case)
     out, weights = torchref.relative_attention(q, k, v, rel_k, rel_v, return_weights=True, **kwargs)
-    expected_out, expected_weights = loop_attention(
-        q, k, v, rel_k=None if rel_k is None else rel_k.numpy(), rel_v=None if rel_v is None else rel_v.numpy(),
-        **loop_kwargs(kwargs))
+    expected_out, expected_weights = attention_loop(q, k, v, rel_key=rel_k, rel_value=rel_v, **kwargs)
     assert_close(out, expected_out)
     assert_close(weights, expected_weights)
 
@@ -307,15 +242,15 @@ def test_relative_position_index_with_positions():
                                              key_positions=torch.tensor(kpos))
     assert index.shape == (2, 3, 5)
     for b in range(2):
-        np.testing.assert_array_equal(index[b].numpy(), loop_index(3, 5, 2, np.array(qpos[b]), np.array(kpos[b])))
+        np.testing.assert_array_equal(index[b].numpy(), shaw_index_loop(3, 5, 2, qpos[b], kpos[b]))
     index = torchref.relative_position_index(3, 5, 3, query_positions=torch.tensor([7, 0, 2]))
-    np.testing.assert_array_equal(index.numpy(), loop_index(3, 5, 3, np.array([7, 0, 2])))
+    np.testing.assert_array_equal(index.numpy(), shaw_index_loop(3, 5, 3, np.array([7, 0, 2])))
 
 
 @pytest.mark.parametrize("T_,S_,max_distance", [(5, 7, 2), (7, 5, 3), (6, 6, 0), (1, 13, 4)])
 def test_relative_position_index_matches_loop(T_, S_, max_distance):
     np.testing.assert_array_equal(torchref.relative_position_index(T_, S_, max_distance).numpy(),
-                                  loop_index(T_, S_, max_distance))
+                                  shaw_index_loop(T_, S_, max_distance))
 
 
 MAXD = 2
@@ -344,7 +279,7 @@ def test_shaw_tables_match_gathered_relative_attention_and_loop(case):
     qpos = kwargs.get("query_positions", torch.arange(T_) + S_ - T_).numpy()
     kpos = kwargs.get("key_positions", torch.arange(S_)).numpy()
     qpos, kpos = np.broadcast_to(qpos, (B, T_)), np.broadcast_to(kpos, (B, S_))
-    index = np.stack([loop_index(T_, S_, MAXD, qpos[b], kpos[b]) for b in range(B)])  # [B, T, S]
+    index = np.stack([shaw_index_loop(T_, S_, MAXD, qpos[b], kpos[b]) for b in range(B)])  # [B, T, S]
 
     def gather(table):
         if table is None:
@@ -353,7 +288,7 @@ def test_shaw_tables_match_gathered_relative_attention_and_loop(case):
         return table[index][..., None, :] if table.ndim == 2 else table[index]  # [B, T, S, (1|N), D]
 
     rel_k, rel_v = gather(tables["key_table"]), gather(tables["value_table"])
-    expected_out, expected_weights = loop_attention(q, k, v, rel_k=rel_k, rel_v=rel_v, **loop_kwargs(kwargs))
+    expected_out, expected_weights = attention_loop(q, k, v, rel_key=rel_k, rel_value=rel_v, **kwargs)
     assert_close(out, expected_out)
     assert_close(weights, expected_weights)
     as_tensor = (lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a)))
@@ -484,7 +419,7 @@ def test_multi_head_attention_module_matches_loop():
     q = linear(x.numpy(), mha.q_proj).reshape(2, 3, T, N, H)  # head-major features: n * H + h
     k = linear(key.numpy(), mha.k_proj).reshape(2, 3, S, 2, H)
     v = linear(value.numpy(), mha.v_proj).reshape(2, 3, S, 2, HV)
-    heads, expected_weights = loop_attention(q, k, v, mask=mask.numpy(), is_causal=True)
+    heads, expected_weights = attention_loop(q, k, v, mask=mask, is_causal=True)
     expected = linear(heads.reshape(2, 3, T, N * HV), mha.out_proj)
     assert out.shape == (2, 3, T, EO)
     assert_close(out, expected)
@@ -518,7 +453,7 @@ def test_relative_multi_head_attention_module_matches_loop(share_heads, use_tabl
     q = linear(x.numpy(), mha.q_proj).reshape(B, T, N, H)
     k = linear(x.numpy(), mha.k_proj).reshape(B, T, 3, H)
     v = linear(x.numpy(), mha.v_proj).reshape(B, T, 3, HV)
-    index = loop_index(T, T, MAXD)
+    index = shaw_index_loop(T, T, MAXD)
 
     def gather(table):
         if table is None:
@@ -526,7 +461,8 @@ def test_relative_multi_head_attention_module_matches_loop(share_heads, use_tabl
         table = table.detach().numpy()
         return table[index][..., None, :] if share_heads else table[index]
 
-    attended, _ = loop_attention(q, k, v, rel_k=gather(mha.rel_key), rel_v=gather(mha.rel_value), is_causal=True)
+    attended, _ = attention_loop(q, k, v, rel_key=gather(mha.rel_key), rel_value=gather(mha.rel_value),
+                                 is_causal=True)
     assert_close(out, linear(attended.reshape(B, T, N * HV), mha.out_proj))
     out.sum().backward()
     for table in (mha.rel_key, mha.rel_value):

@@ -3,7 +3,8 @@
 * torch's own ``flex_attention`` (eager, forward only: torch 2.13 has no CPU backward for it) on every case of
   ``crosscheck._flex.FLEX_CASES``, through the explicit row-index -> absolute-position conversion;
 * Hugging Face attention (Gemma 2, Mistral, gpt-oss, Llama 4 text, Qwen2) from tiny random configs;
-* gradients: ``torch.autograd.gradcheck`` (finite differences) and a numpy loop for softcap and sinks.
+* gradients: ``torch.autograd.gradcheck`` (finite differences); softcap and sinks also against the numpy loop
+  reference (tests/helpers.py).
 
 float64 throughout (torch's eager flex runs float64 on CPU). Axes have their own sizes: B=2, N=6, K=3 or 6,
 H=7, Hv=11, T=13 or 5 (after a cache), S=13.
@@ -25,6 +26,7 @@ from crosscheck._flex import (
     flex_reference,
     torch_mod_from_absolute,
 )
+from helpers import attention_loop
 
 F64 = torch.float64
 B, N, H, HV = 2, 6, 7, 11
@@ -148,34 +150,15 @@ def test_window_chunk_segments_literal_grids():
 
 
 # ---------------------------------------------------------------------------------------------------------
-# a numpy loop for softcap and sinks, and finite-difference gradients
-
-
-def loop_softcap_sinks(q, k, v, *, cap, sinks, left):
-    """One scalar logit at a time: causal, window (left, 0), softcap, sink in the denominator."""
-    q, k, v, sinks = (np.asarray(x.detach(), np.float64) for x in (q, k, v, sinks))
-    T, S, K = q.shape[-3], k.shape[-3], k.shape[-2]
-    out = np.zeros(q.shape[:-1] + (v.shape[-1],))
-    for b in range(q.shape[0]):
-        for n in range(N):
-            for t in range(T):
-                tq = t + S - T
-                keys = [s for s in range(S) if tq - left <= s <= tq]
-                if not keys:
-                    continue
-                logits = [cap * np.tanh(q[b, t, n] @ k[b, s, n // (N // K)] * H ** -0.5 / cap) for s in keys]
-                e = np.exp(logits)
-                denominator = e.sum() + np.exp(sinks[n])
-                for s, w in zip(keys, e / denominator):
-                    out[b, t, n] += w * v[b, s, n // (N // K)]
-    return out
+# softcap and sinks against the numpy loop reference, and finite-difference gradients
 
 
 def test_softcap_and_sinks_match_loop():
     q, k, v = qkv(5, 7, K=3)
     sinks = randn(N, seed=9)
-    got = torchref.dot_product_attention(q, k, v, is_causal=True, window=(2, 0), logit_softcap=0.7, sinks=sinks)
-    np.testing.assert_allclose(got.numpy(), loop_softcap_sinks(q, k, v, cap=0.7, sinks=sinks, left=2), **TOL)
+    keywords = dict(is_causal=True, window=(2, 0), logit_softcap=0.7, sinks=sinks)
+    got = torchref.dot_product_attention(q, k, v, **keywords)
+    np.testing.assert_allclose(got.numpy(), attention_loop(q, k, v, **keywords)[0], **TOL)
 
 
 def test_gradients_softcap_sinks_window_segments_finite_differences():
