@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import jaxattn  # noqa: E402
 from jaxattn._engines import ring as ring_engine  # noqa: E402
+from jaxattn._engines import tiles  # noqa: E402
 
 MiB = 2**20
 
@@ -68,7 +69,7 @@ def row(S, D, *, B, N, H, causal, backward, timed):
     pairs = chunk_pairs(D, causal)
     share = B * (S // D) * N * H * 4
     C = 2 if causal and D > 1 else 1
-    tile = ring_engine.tile_sizes(None, S // (C * D), S // (C * D), B * N, S // D * H)  # the default (Tb, Sb)
+    tile = tiles.ring_tile_sizes(None, S // (C * D), S // (C * D), B * N, S // D * H)  # the default (Tb, Sb)
     key_tiles = -(-(S // (C * D)) // tile[1])
     pieces = C * ring_engine.pieces_per_chunk(key_tiles, C) if D > 1 else 1
     result = {"devices": D, "phase": "forward+backward" if backward else "forward",

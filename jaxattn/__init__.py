@@ -19,6 +19,8 @@ from ._engines.dispatch import dot_product_attention as dot_product_attention
 from ._engines.dispatch import flex_attention as flex_attention
 from ._engines.flex import create_block_mask as create_block_mask
 from ._core.block_mask import BlockMask as BlockMask
+from ._core.mods import and_masks as and_masks
+from ._core.mods import or_masks as or_masks
 from ._schemes.shaw import relative_attention as relative_attention
 from ._layers.multihead import init_multi_head_attention as init_multi_head_attention
 from ._layers.multihead import init_relative_multi_head_attention as init_relative_multi_head_attention
@@ -59,6 +61,8 @@ __all__ = [
     "flex_attention",
     "create_block_mask",
     "BlockMask",
+    "and_masks",
+    "or_masks",
     "relative_attention",
     "relative_position_index",
     "shaw_relative_attention",

@@ -202,7 +202,7 @@ def check_default_tiles_sharded(mesh):
     """Blockwise with its default tiles at T = 256, where one device runs several row groups (a loop over
     batch entries x key/value heads): sharded inputs must run without that loop, or XLA all-gathers the
     sharded batch and head axes it walks."""
-    from jaxattn._engines import blockwise
+    from jaxattn._engines import tiles
     B, T, E, N, K = 8, 256, 16, 8, 4
     x = jnp.asarray(np.random.default_rng(3).normal(size=(B, T, E)))
     params = jaxattn.init_multi_head_attention(jax.random.key(1), E, N, E // N, num_kv_heads=K, dtype=jnp.float64)
@@ -216,8 +216,8 @@ def check_default_tiles_sharded(mesh):
         compiled = fn.lower(p_sharded, x_sharded).compile()
         (value, grads), (ref_value, ref_grads) = compiled(p_sharded, x_sharded), fn(params, x)
         G = N // K
-        tiles = blockwise.row_tile_sizes(None, T, T, G, causal, None)
-        Bc, Kc = blockwise.row_groups(B, K, G, *tiles, None)
+        sizes = tiles.row_tile_sizes(None, T, T, G, causal, None)
+        Bc, Kc = tiles.row_groups(B, K, G, *sizes, None)
         results[f"mha-blockwise-default-tiles-{'causal' if causal else 'full'}"] = {
             "loss": abs(float(value - ref_value)) / abs(float(ref_value)),
             "grads": max(normwise(g, r, floor=KEY_BIAS_FLOOR)

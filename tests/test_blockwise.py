@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import jaxattn
 from jaxattn._core import softmax
 from jaxattn._core.positions import positions as core_positions
-from jaxattn._engines import blockwise, dispatch
+from jaxattn._engines import blockwise, dispatch, tiles
 from helpers import arrays, assert_float64, check_forward_and_grads, normwise
 
 jax.config.update("jax_enable_x64", True)
@@ -276,9 +276,9 @@ def test_row_groups_equal_dense(name, monkeypatch):
                                             (R, N, H) if c["tables"] == "per-head" else (R, H),
                                             (R, N, Hv) if c["tables"] == "per-head" else (R, Hv), (N,), (B, N))
     block = (4, 5)
-    monkeypatch.setattr(blockwise, "ROW_TILE_BYTES", 4 * (N // K) * block[0] * block[1])  # one row a group
+    monkeypatch.setattr(tiles, "ROW_TILE_BYTES", 4 * (N // K) * block[0] * block[1])  # one row a group
     whole = None if not c["hook"] else "all" if c["positions"] == "batched" else "heads"
-    assert blockwise.row_groups(B, K, N // K, *block, whole) == {None: (1, 1), "heads": (1, K), "all": (B, K)}[whole]
+    assert tiles.row_groups(B, K, N // K, *block, whole) == {None: (1, 1), "heads": (1, K), "all": (B, K)}[whole]
     rng = np.random.default_rng(12)
     options = {"is_causal": True}
     if c["lengths"]:

@@ -188,10 +188,14 @@ def test_batch_dims_are_flattened_for_b():
 
 
 def test_full_tiles_skip_mask_mod():
-    """A tile marked full by the BlockMask is not masked: with a mask_mod that allows nothing, exactly the
-    pairs of full tiles take part (torch's contract for full blocks)."""
+    """A tile marked full by a BlockMask without a mask_mod of its own (raw tile lists) is not masked: with
+    a mask_mod that allows nothing, exactly the pairs of full tiles take part (torch's contract for full
+    blocks). A BlockMask that carries its mask_mod would AND the two instead (tests/test_block_mask.py)."""
     q, k, v = qkv(9)
-    bm = jaxattn.create_block_mask(causal, None, None, T, S, block_size=(3, 4))
+    built = jaxattn.create_block_mask(causal, None, None, T, S, block_size=(3, 4))
+    bm = jaxattn.BlockMask.from_kv_blocks(built.kv_num_blocks, built.kv_indices, built.full_kv_num_blocks,
+                                          built.full_kv_indices, block_size=(3, 4), query_length=T, key_length=S)
+    assert bm.mask_mod is None
     full_pairs = np.zeros((T, S), bool)
     nums, idx = np.asarray(bm.full_kv_num_blocks)[0, 0], np.asarray(bm.full_kv_indices)[0, 0]
     for i in range(nums.shape[0]):

@@ -22,6 +22,7 @@ from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import checks
 
@@ -103,11 +104,34 @@ def softcap_grad(capped, cap: Optional[float]):
 # score_mod / mask_mod: element functions with their closed-over arrays made explicit.
 
 
+class ElementProgram:
+    """A score_mod / mask_mod traced once on scalars: called as program(*scalars, *consts).
+
+    Static and hashable by what it computes (the jaxpr's text: primitives, literals, shapes and dtypes
+    of its consts), not by the identity of the Python function, so two BlockMasks built from the same
+    mask function (or the same factory with other closed-over arrays) share compiled programs when
+    passed to jax.jit as arguments. The consts' values travel separately, as data."""
+
+    def __init__(self, jaxpr, num_scalars: int):
+        self.jaxpr, self.num_scalars = jaxpr, num_scalars
+        self._key = (num_scalars, str(jaxpr))
+
+    def __call__(self, *scalars_and_consts):
+        scalars, consts = scalars_and_consts[:self.num_scalars], scalars_and_consts[self.num_scalars:]
+        return jax.core.eval_jaxpr(self.jaxpr, list(consts), *scalars)[0]
+
+    def __eq__(self, other):
+        return isinstance(other, ElementProgram) and self._key == other._key
+
+    def __hash__(self):
+        return hash(self._key)
+
+
 class ElementFunction(NamedTuple):
     """fn(*scalars, *consts): a score_mod or mask_mod traced once on scalars; consts are the arrays it closes
     over (float ones are differentiable inputs). Hashable static part: `fn` (and `name`); consts are data."""
 
-    fn: Callable
+    fn: ElementProgram
     consts: tuple
     name: str
 
@@ -133,13 +157,47 @@ def element_function(name: str, user_fn, score_dtype=None) -> Optional[ElementFu
     if out.dtype != want:
         what = "bool (True = may attend)" if score_dtype is None else f"the score's dtype {want.name}"
         checks.fail(signature, f"dtype {what}", f"dtype {out.dtype}")
-    jaxpr = closed.jaxpr
+    return ElementFunction(ElementProgram(closed.jaxpr, len(args)), tuple(closed.consts), name)
 
-    def fn(*scalars_and_consts):
-        scalars, consts = scalars_and_consts[:len(args)], scalars_and_consts[len(args):]
-        return jax.core.eval_jaxpr(jaxpr, list(consts), *scalars)[0]
 
-    return ElementFunction(fn, tuple(closed.consts), name)
+def same_function(a: ElementFunction, b: ElementFunction) -> bool:
+    """True when a and b certainly compute the same thing: the same program and the same consts (the
+    same arrays, or concrete arrays of equal values). Traced consts of different origin count as different."""
+    if a.fn != b.fn or len(a.consts) != len(b.consts):
+        return False
+    for x, y in zip(a.consts, b.consts):
+        if x is y:
+            continue
+        if isinstance(x, jax.core.Tracer) or isinstance(y, jax.core.Tracer):
+            return False
+        x, y = np.asarray(x), np.asarray(y)
+        if x.shape != y.shape or x.dtype != y.dtype or not np.array_equal(x, y):
+            return False
+    return True
+
+
+def _combined(name: str, combine, start: bool, mask_mods) -> Callable:
+    for i, fn in enumerate(mask_mods):
+        if not callable(fn):
+            checks.fail(f"{name} argument {i}", "a mask_mod(b, n, t, s) -> bool", type(fn).__name__)
+
+    def mask_mod(b, n, t, s):
+        allowed = jnp.asarray(start)
+        for fn in mask_mods:
+            allowed = combine(allowed, fn(b, n, t, s))
+        return allowed
+
+    return mask_mod
+
+
+def and_masks(*mask_mods: Callable) -> Callable:
+    """mask_mod(b, n, t, s) allowing a pair iff every one of mask_mods does (torch's and_masks)."""
+    return _combined("and_masks", jnp.logical_and, True, mask_mods)
+
+
+def or_masks(*mask_mods: Callable) -> Callable:
+    """mask_mod(b, n, t, s) allowing a pair iff any one of mask_mods does (torch's or_masks)."""
+    return _combined("or_masks", jnp.logical_or, False, mask_mods)
 
 
 def differentiable(consts) -> tuple:

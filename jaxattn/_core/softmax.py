@@ -14,16 +14,10 @@ from jax import lax
 from . import checks
 
 
-def masked_softmax(logits, allowed, sinks=None):
-    """Softmax over the last axis restricted to `allowed`; rows with no allowed key give zeros.
-
-    Disallowed logits are replaced *before* exp (never -inf arithmetic), and the row max is taken over
-    allowed entries only, so the forward pass and its gradient stay finite for fully masked rows.
-    sinks (broadcastable to logits[..., :1]): one more logit per row in the denominator with no value
-    (gpt-oss's attention sinks); a row with no allowed key still gives zeros.
-    """
-    if allowed is None and sinks is None:
-        return jax.nn.softmax(logits, axis=-1)
+def _shifted_exps(logits, allowed, sinks):
+    """(exps, total, row_max), the last two [...,1]: exp(logit - row_max) on allowed keys (0 elsewhere) and
+    their sum plus the sinks' terms. Disallowed logits are replaced *before* exp (never -inf arithmetic),
+    and the row max is taken over allowed entries (and sinks) only, so fully masked rows stay finite."""
     allowed = jnp.ones(logits.shape, bool) if allowed is None else jnp.broadcast_to(allowed, logits.shape)
     row_max = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
     if sinks is not None:
@@ -33,7 +27,29 @@ def masked_softmax(logits, allowed, sinks=None):
     total = jnp.sum(exps, axis=-1, keepdims=True)
     if sinks is not None:
         total = total + jnp.exp(sinks - row_max)
+    return exps, total, row_max
+
+
+def masked_softmax(logits, allowed, sinks=None):
+    """Softmax over the last axis restricted to `allowed`; rows with no allowed key give zeros.
+
+    sinks (broadcastable to logits[..., :1]): one more logit per row in the denominator with no value
+    (gpt-oss's attention sinks); a row with no allowed key still gives zeros. Forward and gradient stay
+    finite for fully masked rows (_shifted_exps).
+    """
+    if allowed is None and sinks is None:
+        return jax.nn.softmax(logits, axis=-1)
+    exps, total, _ = _shifted_exps(logits, allowed, sinks)
     return exps / jnp.where(total == 0, 1, total)
+
+
+def masked_logsumexp(logits, allowed, sinks=None):
+    """[...]: log of the softmax's normaliser, sum over allowed keys of exp(logits) plus exp(sinks) (torch's
+    flex_attention return_lse). -inf for a row with no allowed key and no sink, with zero gradients there
+    (the log is never taken of an empty sum)."""
+    _, total, row_max = _shifted_exps(logits, allowed, sinks)
+    total, row_max = total[..., 0], row_max[..., 0]
+    return jnp.where(total == 0, -jnp.inf, row_max + jnp.log(jnp.where(total == 0, 1, total)))
 
 
 def dropout(weights, rate: float, rng):

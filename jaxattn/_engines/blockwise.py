@@ -10,7 +10,9 @@ No array ever spans [T,S]: the largest temporary is one [rows,G,Tb,Sb] tile; blo
 groups of rows (batch entries x key/value heads) one after another (lax.map), each small enough that its
 tiles stay in cache (not for sharded inputs: see on_a_device_mesh). Causal and key-padding blocks
 that hold no allowed key are never visited. A custom VJP (FlashAttention-2's backward) recomputes each
-tile's probabilities from the saved log-sum-exp, so the backward pass is O(T + S) as well.
+tile's probabilities from the saved log-sum-exp, so the backward pass is O(T + S) as well. The engine
+returns that log-sum-exp too (return_lse), with its gradient: d lse / d x = p, one term in delta.
+Tile sizes and row groups: jaxattn._engines.tiles.
 
 Layout inside the engine: batch dims flattened to B, heads viewed as [K,G] (query head n = k*G + g), and
 q [B,K,G,T,H], k [B,K,S,H], v [B,K,S,Hv] so every tile product is one batched matmul whose rows are the G
@@ -18,8 +20,10 @@ query heads sharing a key/value head (grouped-query attention never copies keys 
 
 The surface other modules drive (the ring engine, the dispatch, the schemes), all without underscores:
   blockwise_attention: the entry point; use_blockwise lives in dispatch.py, above this engine;
-  EngineConfig, fwd_tile, bwd_tile, zero_grads: one query tile against a run of keys, forward/backward;
-  block_sizes, convert_hook, check_tables, slice_block, grid_options_in_use: the pieces of the entry point;
+  EngineConfig, fwd_tile, bwd_tile, zero_grads: one query tile against a run of keys, forward/backward,
+    their arguments named: QueryTile (the tile), KeySide (every key it runs against), Shared (tables,
+    hook arrays, scale), RowGrads (the backward's per-row inputs), Grads (the accumulators);
+  convert_hook, check_tables, slice_block, grid_options_in_use: the pieces of the entry point;
   position_bias hook: any logit term that is a function of positions only (T5, ALiBi), one tile at a time.
 The online-softmax merge (combine_partials, ...) and the mask rule (allowed_pairs, key_block_range) are
 _core's (softmax.py, masks.py), shared with the dense engine.
@@ -41,25 +45,7 @@ from .._core.dtypes import accumulation_dtype
 from .._core.masks import CLEAN, WITH_MOD, MaskRule, allowed_pairs, check_lengths, key_block_schedule
 from .._core.positions import clipped_index, positions
 from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial
-
-# Default tiles, measured on a 2-core CPU (benchmarks/, docs/performance.md). blockwise_attention runs
-# one group of rows (batch entries x key/value heads) at a time, so a tile [rows, G, Tb, Sb] and the
-# row's keys and values stay in the core's L2 cache (1 MiB here) across query tiles, instead of every
-# head streaming from memory for every tile. Per key/value head a tile holds G * Tb query rows (the G
-# query heads that share it) against Sb keys: 512 x 512 without a causal mask, 128 x 128 with one: the
-# diagonal tiles, half masked, then waste little (causal S = 2048 on one core: forward 107-122 ms and
-# forward+backward 402 ms against 124 and 465 ms with 256 x 256; docs/performance.md).
-DEFAULT_KEY_BLOCK = 512
-DEFAULT_QUERY_ROWS = 512  # G * Tb
-# With a causal mask: key block and query block (Tb queries of each of the G heads that share a key/value
-# head: a GQA tile has G * Tb rows). Measured on one core, GQA causal forward S=2048: Tb = 128 is 11-19%
-# faster than Tb = 128 / G (G = 4, 8), and at T = 128 a single query block halves the step's time.
-CAUSAL_BLOCK = 128
-ROW_TILE_BYTES = 2**20  # rows are grouped until one float32 tile [rows, G, Tb, Sb] would exceed this
-# Without row groups (sharded inputs, score_mod / mask_mod, the ring): key blocks of 512 and query blocks
-# as large as fit a ~16 MiB float32 tile [B,N,Tb,Sb] (64 <= Tb <= 512, powers of two).
-TILE_BUDGET_BYTES = 16 * 2**20
-
+from . import tiles
 
 # ---------------------------------------------------------------------------------------------------
 # Static configuration and per-tile pieces.
@@ -99,6 +85,59 @@ class EngineConfig(NamedTuple):
     precision: Any
     bias_fn: Optional[Callable]  # closure-converted position_bias(q_pos, k_pos, *consts)
     terms: Terms = Terms()
+
+
+class KeySide(NamedTuple):
+    """Every key a query tile runs against, in the engine layout: k [B,K,Sp,H], v [B,K,Sp,Hv], their
+    absolute positions pos [Sp] or [B,Sp], and lengths [B|1] (valid keys from key 0; None: every key)."""
+
+    k: Any
+    v: Any
+    pos: Any
+    lengths: Any = None
+
+
+class Shared(NamedTuple):
+    """What every tile reads besides its keys: Shaw tables key_table / value_table ([R,(N,)F] or None),
+    the position hook's arrays hook_consts, and scale (None: the queries were scaled before the engine)."""
+
+    key_table: Any = None
+    value_table: Any = None
+    hook_consts: tuple = ()
+    scale: Any = None
+
+
+class QueryTile(NamedTuple):
+    """One query tile: q [B,K,G,Tb,H], its absolute positions pos [Tb] or [B,Tb], and its view of the
+    TermArrays (its rows of the segment ids and of the BlockMask's tile kinds)."""
+
+    q: Any
+    pos: Any
+    arrays: TermArrays = TermArrays()
+
+
+class RowGrads(NamedTuple):
+    """What the backward of one query tile reads per row: d_out [B,K,G,Tb,Hv], the forward's lse
+    [B,K,G,Tb], delta = rowsum(d_out * out) - d_lse [B,K,G,Tb] (d_lse: the cotangent of lse, zero when only
+    the output is used), and the forward's bucket sums of p over every key value_buckets [B,K,G,Tb,R]
+    (fwd_tile's with_buckets; None: formed again tile by tile)."""
+
+    d_out: Any
+    lse: Any
+    delta: Any
+    value_buckets: Any = None
+
+
+class Grads(NamedTuple):
+    """Gradient accumulators (compute dtype) that bwd_tile adds into: dk / dv shaped as the KeySide's k / v,
+    the tables', the hook arrays', and score_mod's consts' (() without a score_mod)."""
+
+    dk: Any
+    dv: Any
+    key_table: Any = None
+    value_table: Any = None
+    hook_consts: tuple = ()
+    score_consts: tuple = ()
 
 
 def _einsum(spec, a, b, cfg, acc):
@@ -276,35 +315,37 @@ def slice_block(x, start, size, axis):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays):
-    return _engine_fwd(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays)[0]
+def _engine(cfg, q, keys, shared, q_pos, arrays):
+    """(out [B,K,G,Tp,Hv] in q's dtype, lse [B,K,G,Tp] in the compute dtype) over every query tile."""
+    return _engine_fwd(cfg, q, keys, shared, q_pos, arrays)[0]
 
 
-def fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths, arrays=TermArrays(),
-             with_buckets=False):
-    """One query tile [B,K,G,Tb,H] against every key of k: (out [B,K,G,Tb,Hv], lse [B,K,G,Tb]), both in
-    the compute dtype (a caller merging partials, like the ring, rounds only once at the end).
-    arrays: this tile's TermArrays (segments, sinks, score/mask consts, BlockMask row).
+def fwd_tile(cfg, tile: QueryTile, keys: KeySide, shared: Shared, with_buckets=False):
+    """One query tile against every key of keys: (out [B,K,G,Tb,Hv], lse [B,K,G,Tb]), both in the compute
+    dtype (a caller merging partials, like the ring, rounds only once at the end).
     with_buckets (value table only): also return the probabilities' bucket sums [B,K,G,Tb,R], which are
-    exactly what the value table's gradient needs (bwd_tile's value_buckets)."""
+    exactly what the value table's gradient needs (RowGrads.value_buckets)."""
+    q_blk, qp, arrays = tile
     B, K, G, Tb, _ = q_blk.shape
-    Sp, Hv = k.shape[2], v.shape[-1]
+    Sp, Hv = keys.k.shape[2], keys.v.shape[-1]
     Sb, acc = cfg.Sb, accumulation_dtype(q_blk.dtype)
     R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
-    per_bucket = None if key_table is None else _per_bucket(q_blk, key_table, K, cfg, acc)
+    value_table = shared.value_table
+    per_bucket = None if shared.key_table is None else _per_bucket(q_blk, shared.key_table, K, cfg, acc)
 
     def key_block(kind, j, state):
-        k_blk, v_blk = slice_block(k, j * Sb, Sb, 2), slice_block(v, j * Sb, Sb, 2)
-        kp = slice_block(k_pos, j * Sb, Sb, -1)
+        k_blk, v_blk = slice_block(keys.k, j * Sb, Sb, 2), slice_block(keys.v, j * Sb, Sb, 2)
+        kp = slice_block(keys.pos, j * Sb, Sb, -1)
         index = None if R == 0 else _bucket_index(cfg, qp, kp)
-        bias = None if cfg.bias_fn is None else _tile_bias(cfg, consts, qp, kp, K)
-        x = _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc, _score(cfg, qp, kp, B, K, arrays))
-        allowed = None if kind == CLEAN else _allowed(cfg, qp, kp, j, lengths, arrays, kind, B, K)
+        bias = None if cfg.bias_fn is None else _tile_bias(cfg, shared.hook_consts, qp, kp, K)
+        x = _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, shared.scale, acc,
+                         _score(cfg, qp, kp, B, K, arrays))
+        allowed = None if kind == CLEAN else _allowed(cfg, qp, kp, j, keys.lengths, arrays, kind, B, K)
         partial = _block_partial(x, allowed, v_blk, index, _offset0(cfg, qp, kp), R, value_table, cfg, acc)
         return combine_partials(state, partial)
 
     shapes = ((B, K, G, Tb, Hv),) + (((B, K, G, Tb, R),) if value_table is not None else ())
-    schedule = _schedule(cfg, qp, k_pos, lengths, arrays, Sp // Sb)
+    schedule = _schedule(cfg, qp, keys.pos, keys.lengths, arrays, Sp // Sb)
     state = _visit(schedule, key_block, empty_partial(shapes, (B, K, G, Tb), acc))
     state = add_sinks(state, None if arrays.sinks is None else arrays.sinks[..., None])
     outs, lse = finalize_partial(state)
@@ -312,43 +353,42 @@ def fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos,
     return (out, lse, outs[1]) if with_buckets else (out, lse)
 
 
-def bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_table, consts, scale, k_pos, lengths,
-             grads, arrays=TermArrays(), value_buckets=None):
-    """Backward of one query tile against every key of k. delta [B,K,G,Tb] = rowsum(d_out * out);
-    grads = (dk, dv, d_key_table, d_value_table, d_consts[, d_score_consts]): accumulators (compute dtype,
-    dk/dv shaped as k/v) the tile adds into, so a caller keeps one of each however many tiles it runs
-    (d_score_consts with a score_mod). value_buckets: the forward's bucket sums of p over every key of k
-    (fwd_tile's with_buckets), or None to form them here, tile by tile. Returns (dq tile, grads)."""
+def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared, grads: Grads):
+    """Backward of one query tile against every key of keys: (dq tile, grads). grads: accumulators the
+    tile adds into, so a caller keeps one of each however many tiles it runs."""
+    q_blk, qp, arrays = tile
+    do_blk, delta = rows.d_out, rows.delta
     B, K = q_blk.shape[:2]
-    Sp, Sb, acc = k.shape[2], cfg.Sb, accumulation_dtype(q_blk.dtype)
+    Sp, Sb, acc = keys.k.shape[2], cfg.Sb, accumulation_dtype(q_blk.dtype)
     R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
-    lse_blk = jnp.where(jnp.isfinite(lse_blk), lse_blk, 0)  # empty rows: every p is masked to 0 anyway
+    key_table, value_table, scale = shared.key_table, shared.value_table, shared.scale
+    lse_blk = jnp.where(jnp.isfinite(rows.lse), rows.lse, 0)  # empty rows: every p is masked to 0 anyway
     per_bucket = None if key_table is None else _per_bucket(q_blk, key_table, K, cfg, acc)
     do_table = None if value_table is None else _per_bucket(do_blk, value_table, K, cfg, acc)
 
     def key_block(kind, j, inner):
         dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score = inner
         s0 = j * Sb
-        k_blk, v_blk = slice_block(k, s0, Sb, 2), slice_block(v, s0, Sb, 2)
-        kp = slice_block(k_pos, j * Sb, Sb, -1)
+        k_blk, v_blk = slice_block(keys.k, s0, Sb, 2), slice_block(keys.v, s0, Sb, 2)
+        kp = slice_block(keys.pos, s0, Sb, -1)
         index = None if R == 0 else _bucket_index(cfg, qp, kp)
         bias, bias_vjp = None, None
         if cfg.bias_fn is not None:
-            bias, bias_vjp = jax.vjp(lambda c: _tile_bias(cfg, c, qp, kp, K), consts)
+            bias, bias_vjp = jax.vjp(lambda c: _tile_bias(cfg, c, qp, kp, K), shared.hook_consts)
         capped = _capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc)
         x = capped if bias is None else capped + bias
         score_vjp = None
         if cfg.terms.score_fn is not None:
             x, score_vjp = jax.vjp(_score(cfg, qp, kp, B, K, arrays), x, arrays.score_consts)
         p = jnp.exp(x - lse_blk[..., None])
-        allowed = None if kind == CLEAN else _allowed(cfg, qp, kp, j, lengths, arrays, kind, B, K)
+        allowed = None if kind == CLEAN else _allowed(cfg, qp, kp, j, keys.lengths, arrays, kind, B, K)
         if allowed is not None:
             p = jnp.where(allowed, p, 0)
         dv_blk = _einsum("bkgts,bkgtv->bksv", p.astype(do_blk.dtype), do_blk, cfg, acc)
         dp = _einsum("bkgtv,bksv->bkgts", do_blk, v_blk, cfg, acc)
         if value_table is not None:
             dp = dp + _gather(do_table, index)
-            if value_buckets is None:  # else p_buckets already holds the forward's sums
+            if rows.value_buckets is None:  # else p_buckets already holds the forward's sums
                 p_buckets = p_buckets + _bucket_sum(p, index, R, _offset0(cfg, qp, kp))
         ds = p * (dp - delta[..., None])  # d loss / d x (the final logits)
         if score_vjp is not None:  # d loss / d (logits before score_mod), and d score_mod's arrays
@@ -370,24 +410,29 @@ def bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_tabl
         dv = lax.dynamic_update_slice_in_dim(dv, slice_block(dv, s0, Sb, 2) + dv_blk, s0, axis=2)
         return dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score
 
-    dk, dv, d_key_table, d_value_table, d_consts, *with_score = grads
     buckets = jnp.zeros(q_blk.shape[:-1] + (R,), acc)
-    p_buckets = buckets if value_buckets is None else value_buckets.astype(acc)
-    init = (jnp.zeros(q_blk.shape, acc), dk, dv, buckets, p_buckets, d_consts, with_score[0] if with_score else ())
-    schedule = _schedule(cfg, qp, k_pos, lengths, arrays, Sp // Sb)
+    p_buckets = buckets if rows.value_buckets is None else rows.value_buckets.astype(acc)
+    init = (jnp.zeros(q_blk.shape, acc), grads.dk, grads.dv, buckets, p_buckets, grads.hook_consts,
+            grads.score_consts)
+    schedule = _schedule(cfg, qp, keys.pos, keys.lengths, arrays, Sp // Sb)
     dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score = _visit(schedule, key_block, init)
+    d_key_table, d_value_table = grads.key_table, grads.value_table
     if key_table is not None:
         dq = dq + _apply_table(ds_buckets, key_table, K, cfg, acc)
         d_key_table = d_key_table + _table_grad(ds_buckets, q_blk.astype(acc), key_table, K, cfg, acc)
     if value_table is not None:
         d_value_table = d_value_table + _table_grad(p_buckets, do_blk.astype(acc), value_table, K, cfg, acc)
-    return dq, (dk, dv, d_key_table, d_value_table, d_consts) + ((d_score,) if with_score else ())
+    return dq, Grads(dk, dv, d_key_table, d_value_table, d_consts, d_score)
 
 
-def zero_grads(acc, *arrays):
-    """Zero accumulators (compute dtype acc) shaped like each of arrays (None stays None, pytrees map):
-    what bwd_tile adds into."""
-    return tuple(jax.tree.map(lambda x: jnp.zeros(x.shape, acc), a) for a in arrays)
+def zero_grads(acc, keys: KeySide, shared: Shared, score_consts=()) -> Grads:
+    """Zero accumulators (compute dtype acc) for keys' k / v, the shared tables and hook arrays and a
+    score_mod's consts (None entries stay None): what bwd_tile adds into."""
+    def zeros(x):
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, acc), x)
+
+    return Grads(zeros(keys.k), zeros(keys.v), zeros(shared.key_table), zeros(shared.value_table),
+                 zeros(shared.hook_consts), zeros(score_consts))
 
 
 def _tile_arrays(arrays, i, Tb):
@@ -402,60 +447,72 @@ def _keeps_value_buckets(value_table, Hv):
     return value_table is not None and value_table.shape[0] <= Hv
 
 
-def _engine_fwd(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays):
+class Residuals(NamedTuple):
+    """What the engine's backward reads: its inputs, the output, lse and (kept) value-table bucket sums."""
+
+    q: Any
+    keys: KeySide
+    shared: Shared
+    q_pos: Any
+    arrays: TermArrays
+    out: Any
+    lse: Any
+    buckets: Any
+
+
+def _engine_fwd(cfg, q, keys, shared, q_pos, arrays):
     B, K, G, Tp, H = q.shape
-    Tb, Hv = cfg.Tb, v.shape[-1]
-    keep = _keeps_value_buckets(value_table, Hv)
+    Tb, Hv = cfg.Tb, keys.v.shape[-1]
+    keep = _keeps_value_buckets(shared.value_table, Hv)
 
     def query_block(_, i):
-        q_blk, qp = slice_block(q, i * Tb, Tb, 3), slice_block(q_pos, i * Tb, Tb, -1)
-        out, lse, *buckets = fwd_tile(cfg, q_blk, qp, k, v, key_table, value_table, consts, scale, k_pos,
-                                      lengths, _tile_arrays(arrays, i, Tb), with_buckets=keep)
+        tile = QueryTile(slice_block(q, i * Tb, Tb, 3), slice_block(q_pos, i * Tb, Tb, -1), _tile_arrays(arrays, i, Tb))
+        out, lse, *buckets = fwd_tile(cfg, tile, keys, shared, with_buckets=keep)
         return None, (out.astype(q.dtype), lse, *buckets)
 
     _, (out, lse, *buckets) = lax.scan(query_block, None, jnp.arange(Tp // Tb))
     out = jnp.moveaxis(out, 0, 3).reshape(B, K, G, Tp, Hv)
     lse = jnp.moveaxis(lse, 0, 3).reshape(B, K, G, Tp)
     buckets = jnp.moveaxis(buckets[0], 0, 3).reshape(B, K, G, Tp, -1) if keep else None
-    residuals = (q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays, out, lse, buckets)
-    return out, residuals
+    return (out, lse), Residuals(q, keys, shared, q_pos, arrays, out, lse, buckets)
 
 
-def _engine_bwd(cfg, residuals, d_out):
-    q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays, out, lse, buckets = residuals
-    Tb, acc = cfg.Tb, accumulation_dtype(q.dtype)
+def _engine_bwd(cfg, res: Residuals, cotangents):
+    d_out, d_lse = cotangents
+    q, arrays, Tb = res.q, res.arrays, cfg.Tb
+    acc = accumulation_dtype(q.dtype)
     # score_mod's float arrays get gradients; its integer ones (ids, indices) none
     score_consts = tuple(c if d else None for c, d in zip(arrays.score_consts, mods.differentiable(arrays.score_consts)))
-    with_score = (zero_grads(acc, *score_consts),) if cfg.terms.score_fn is not None else ()
 
     def query_block(carry, i):
         grads, d_sinks = carry
-        q_blk, do_blk = slice_block(q, i * Tb, Tb, 3), slice_block(d_out, i * Tb, Tb, 3)
-        o_blk, lse_blk = slice_block(out, i * Tb, Tb, 3), slice_block(lse, i * Tb, Tb, 3)
-        qp = slice_block(q_pos, i * Tb, Tb, -1)
-        delta = jnp.sum(do_blk.astype(acc) * o_blk.astype(acc), axis=-1)  # sum_s p dp = do . out
-        dq, grads = bwd_tile(cfg, q_blk, do_blk, lse_blk, delta, qp, k, v, key_table, value_table, consts,
-                             scale, k_pos, lengths, grads, _tile_arrays(arrays, i, Tb),
-                             None if buckets is None else slice_block(buckets, i * Tb, Tb, 3))
+        tile = QueryTile(slice_block(q, i * Tb, Tb, 3), slice_block(res.q_pos, i * Tb, Tb, -1), _tile_arrays(arrays, i, Tb))
+        do_blk, o_blk = slice_block(d_out, i * Tb, Tb, 3), slice_block(res.out, i * Tb, Tb, 3)
+        lse_blk = slice_block(res.lse, i * Tb, Tb, 3)
+        # d loss / d x = p * (dp - sum_s p dp) + p * d_lse, and sum_s p dp = d_out . out: one delta
+        delta = jnp.sum(do_blk.astype(acc) * o_blk.astype(acc), axis=-1) - slice_block(d_lse, i * Tb, Tb, 3).astype(acc)
+        buckets = None if res.buckets is None else slice_block(res.buckets, i * Tb, Tb, 3)
+        dq, grads = bwd_tile(cfg, tile, RowGrads(do_blk, lse_blk, delta, buckets), res.keys, res.shared, grads)
         if d_sinks is not None:  # d out_t / d sink = -p_sink[t] out_t, so d sink = -sum_t p_sink[t] delta_t
             d_sinks = d_sinks - jnp.sum(jnp.exp(arrays.sinks[..., None] - lse_blk) * delta, axis=-1)
         return (grads, d_sinks), dq
 
-    grads = zero_grads(acc, k, v, key_table, value_table, consts) + with_score
+    grads = zero_grads(acc, res.keys, res.shared, score_consts)
     d_sinks = None if arrays.sinks is None else jnp.zeros(arrays.sinks.shape, acc)
     (grads, d_sinks), dq = lax.scan(query_block, (grads, d_sinks), jnp.arange(q.shape[3] // Tb))
-    dk, dv, d_key_table, d_value_table, d_consts, *d_score = grads
     dq = jnp.moveaxis(dq, 0, 3).reshape(q.shape)
 
     def cast(grad, like):
         return None if like is None or grad is None else grad.astype(like.dtype)
 
+    keys, shared = res.keys, res.shared
+    d_keys = KeySide(cast(grads.dk, keys.k), cast(grads.dv, keys.v), None, None)
+    d_shared = Shared(cast(grads.key_table, shared.key_table), cast(grads.value_table, shared.value_table),
+                      jax.tree.map(cast, grads.hook_consts, shared.hook_consts), None)
     d_arrays = TermArrays(sinks=cast(d_sinks, arrays.sinks),
-                          score_consts=tuple(map(cast, d_score[0], score_consts)) if d_score else (),
+                          score_consts=tuple(map(cast, grads.score_consts, score_consts)) if score_consts else (),
                           mask_consts=tuple(None for _ in arrays.mask_consts))
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), cast(d_key_table, key_table),
-            cast(d_value_table, value_table), jax.tree.map(cast, d_consts, consts), None, None, None, None,
-            d_arrays)
+    return dq.astype(q.dtype), d_keys, d_shared, None, d_arrays
 
 
 _engine.defvjp(_engine_fwd, _engine_bwd)
@@ -463,22 +520,6 @@ _engine.defvjp(_engine_fwd, _engine_bwd)
 
 # ---------------------------------------------------------------------------------------------------
 # Row groups: blockwise_attention runs _engine over a few rows (batch entries x key/value heads) at a time.
-
-
-def _largest_divisor(n, at_most):
-    return max(d for d in range(1, max(1, min(n, at_most)) + 1) if n % d == 0)
-
-
-def row_groups(B, K, G, Tb, Sb, whole):
-    """(Bc, Kc): batch entries and key/value heads per row group, the most whose float32 tile
-    [Bc, Kc, G, Tb, Sb] fits ROW_TILE_BYTES (at least one of each). whole: None, "heads" (every group
-    keeps all K heads: a position_bias hook returns every head's bias) or "all" (one group)."""
-    if whole == "all":
-        return B, K
-    fit = max(1, ROW_TILE_BYTES // (4 * G * Tb * Sb))
-    Kc = K if whole == "heads" else _largest_divisor(K, fit)
-    Bc = _largest_divisor(B, fit // Kc) if Kc == K else 1
-    return Bc, Kc
 
 
 def on_a_device_mesh(*xs):
@@ -492,21 +533,25 @@ def on_a_device_mesh(*xs):
     return False
 
 
-def _grouped_engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays, groups):
-    """_engine over one row group at a time (lax.map); groups = (Bc, Kc) batch entries and key/value heads
-    per group. A group takes every Cb-th batch entry and every Ck-th head (b = i * Cb + cb): the loop runs
-    over the minor factors, so contiguous blocks of B or K stay together. Arrays with a batch or head axis
-    are split along it (per-head tables [R,N,F] by key/value head); shared ones are closed over, their
-    gradients summed over the groups by autodiff."""
+def _grouped_engine(cfg, q, keys, shared, q_pos, arrays, groups):
+    """_engine over one row group at a time (lax.map): (out [B,K,G,Tp,Hv], lse [B,K,G,Tp]); groups = (Bc, Kc)
+    batch entries and key/value heads per group. A group takes every Cb-th batch entry and every Ck-th
+    head (b = i * Cb + cb): the loop runs over the minor factors, so contiguous blocks of B or K stay
+    together. Arrays with a batch or head axis are split along it (per-head tables [R,N,F] by key/value
+    head); shared ones are closed over, their gradients summed over the groups by autodiff."""
     B, K, G = q.shape[:3]
     Bc, Kc = groups
     Cb, Ck = B // Bc, K // Kc
     if Cb * Ck == 1:
-        return _engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays)
+        return _engine(cfg, q, keys, shared, q_pos, arrays)
 
     def split(x):  # [B,K,...] -> [Cb*Ck, Bc, Kc, ...]
         x = jnp.moveaxis(x.reshape(Bc, Cb, Kc, Ck, *x.shape[2:]), (1, 3), (0, 1))
         return x.reshape(Cb * Ck, Bc, Kc, *x.shape[4:])
+
+    def unsplit(x):  # the inverse: [Cb*Ck, Bc, Kc, ...] -> [B,K,...]
+        x = jnp.moveaxis(x.reshape(Cb, Ck, Bc, Kc, *x.shape[3:]), (0, 1), (1, 3))
+        return x.reshape(B, K, *x.shape[4:])
 
     def per_batch(x, batched):  # [B,...] -> [Cb*Ck, Bc, ...]; a shared one stays closed over (None)
         if x is None or not batched:
@@ -529,44 +574,23 @@ def _grouped_engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, 
     def group(xs):
         qg, kg, vg, ktg, vtg, qpg, kpg, lg, qsg, ksg, sg = xs
         group_arrays = arrays._replace(q_seg=either(qsg, arrays.q_seg), k_seg=either(ksg, arrays.k_seg), sinks=sg)
-        return _engine(group_cfg, qg, kg, vg, either(ktg, key_table), either(vtg, value_table), consts, scale,
-                       either(qpg, q_pos), either(kpg, k_pos), either(lg, lengths), group_arrays)
+        group_keys = KeySide(kg, vg, either(kpg, keys.pos), either(lg, keys.lengths))
+        group_shared = shared._replace(key_table=either(ktg, shared.key_table),
+                                       value_table=either(vtg, shared.value_table))
+        return _engine(group_cfg, qg, group_keys, group_shared, either(qpg, q_pos), group_arrays)
 
     def rows_of(x):  # lengths [B|1], segment ids [B|1,L]: per batch entry when the first axis is B > 1
         return per_batch(x, x is not None and B > 1 and x.shape[0] == B)
 
-    xs = (split(q), split(k), split(v), per_head(key_table), per_head(value_table), per_batch(q_pos, q_pos.ndim > 1),
-          per_batch(k_pos, k_pos.ndim > 1), rows_of(lengths), rows_of(arrays.q_seg), rows_of(arrays.k_seg),
-          None if arrays.sinks is None else split(arrays.sinks))
-    out = lax.map(group, xs)  # [Cb*Ck, Bc, Kc, G, Tp, Hv]
-    out = jnp.moveaxis(out.reshape(Cb, Ck, Bc, Kc, *out.shape[3:]), (0, 1), (1, 3))
-    return out.reshape(B, K, *out.shape[4:])
+    xs = (split(q), split(keys.k), split(keys.v), per_head(shared.key_table), per_head(shared.value_table),
+          per_batch(q_pos, q_pos.ndim > 1), per_batch(keys.pos, keys.pos.ndim > 1), rows_of(keys.lengths),
+          rows_of(arrays.q_seg), rows_of(arrays.k_seg), None if arrays.sinks is None else split(arrays.sinks))
+    out, lse = lax.map(group, xs)  # [Cb*Ck, Bc, Kc, G, Tp, (Hv)]
+    return unsplit(out), unsplit(lse)
 
 
 # ---------------------------------------------------------------------------------------------------
 # Public entry point: argument checks and the layout changes around the engine.
-
-
-def block_sizes(block_size, T, S, rows, span=None):
-    """(Tb, Sb) from the option, or the default for `rows` = B * N tiles side by side (at least 1 each,
-    also for an empty sequence). span: how many consecutive keys a query may see at most (a sliding window's
-    width), or None: the default tiles then shrink to about span / 2 (not below 128), so a window's edge
-    tiles, which are mostly masked, stay a small part of the work."""
-    T, S, rows = max(T, 1), max(S, 1), max(rows, 1)
-    if block_size is None:
-        cap = 512 if span is None else max(128, min(512, 1 << max(span // 2, 1).bit_length() - 1))
-        key_block = min(DEFAULT_KEY_BLOCK, cap, S)
-        query_block = TILE_BUDGET_BYTES // (4 * rows * key_block)
-        query_block = max(64, min(cap, 1 << max(query_block, 1).bit_length() - 1))
-        # as many blocks as those sizes need, evened out so the padding is less than one block's worth
-        block_size = tuple(-(-L // -(-L // b)) for L, b in ((T, query_block), (S, key_block)))
-    if isinstance(block_size, (int, np.integer)) and not isinstance(block_size, bool):
-        block_size = (block_size, block_size)
-    ok = (isinstance(block_size, (tuple, list)) and len(block_size) == 2
-          and all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b > 0 for b in block_size))
-    if not ok:
-        checks.fail("block_size", "a positive int or a pair (query_block, key_block)", repr(block_size))
-    return min(int(block_size[0]), T), min(int(block_size[1]), S)
 
 
 def _flat_positions(pos, batch, length, padded):
@@ -574,32 +598,6 @@ def _flat_positions(pos, batch, length, padded):
     if pos.ndim > 1:
         pos = jnp.broadcast_to(pos, (*batch, length)).reshape(-1, length)
     return jnp.pad(pos, [(0, 0)] * (pos.ndim - 1) + [(0, padded - length)], mode="edge")
-
-
-def row_tile_sizes(block_size, T, S, G, causal, span):
-    """(Tb, Sb) for row groups: the given block_size, or the defaults (DEFAULT_QUERY_ROWS / G queries and
-    DEFAULT_KEY_BLOCK keys; CAUSAL_BLOCK queries and keys with a causal mask, whatever G; a window's span
-    caps both as in block_sizes), evened out so the padding is less than one block's worth."""
-    if block_size is None:
-        cap = 512 if span is None else max(128, min(512, 1 << max(span // 2, 1).bit_length() - 1))
-        if causal:
-            key_block, query_block = CAUSAL_BLOCK, CAUSAL_BLOCK
-        else:
-            key_block, query_block = DEFAULT_KEY_BLOCK, max(16, DEFAULT_QUERY_ROWS // G)
-        key_block, query_block = min(key_block, cap), min(query_block, cap)
-        T, S = max(T, 1), max(S, 1)
-        block_size = tuple(-(-L // -(-L // b)) for L, b in ((T, query_block), (S, key_block)))
-    return block_sizes(block_size, T, S, 1)
-
-
-def check_block_mask_tiles(block_mask, block_size):
-    """The tile of a call with a BlockMask: the mask's own (block_size None or the same), else ValueError."""
-    T, S = block_mask.query_length, block_mask.key_length
-    tiles = tuple(block_mask.block_size)
-    if block_size is not None and block_sizes(block_size, T, S, 1) != tiles:
-        checks.fail("block_mask", f"tiles of block_size={block_size!r} (or block_size=None)",
-                    f"a BlockMask of tiles {tiles}")
-    return tiles
 
 
 def grid_options_in_use(bias=None, mask=None, dropout_rate=0.0, dropout_rng=None, return_weights=False):
@@ -629,7 +627,7 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
                         key_table=None, value_table=None, max_distance=None, block_size=None,
                         precision=None, query_segment_ids=None, key_segment_ids=None, window=None,
                         chunk_size=None, logit_softcap=None, sinks=None, score_mod=None, mask_mod=None,
-                        block_mask=None, **grid_options):
+                        block_mask=None, return_lse=False, **grid_options):
     """Attention computed one [Tb,Sb] tile at a time; O(T + S) memory forward and backward.
 
     query [...,T,N,H], key [...,S,K,H], value [...,S,K,Hv] and the keywords is_causal,
@@ -651,15 +649,18 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
     block_size: int or (query_block, key_block); default: 512 keys and 512 / G queries (G = N / K query
       heads per key/value head), 128 queries and 128 keys when causal (capped by a window's span, clipped
       to T and S). The engine runs groups of rows (batch entries x key/value heads) one after another, as many per
-      group as keep a float32 tile [rows, G, Tb, Sb] within ROW_TILE_BYTES (1 MiB). Inputs laid out over a
-      multi-device mesh, and score_mod / mask_mod, keep one tile over every row (key blocks of 512, query
-      blocks sized so a tile [B,N,Tb,Sb] takes about TILE_BUDGET_BYTES): see on_a_device_mesh.
+      group as keep a float32 tile [rows, G, Tb, Sb] within tiles.ROW_TILE_BYTES (1 MiB). Inputs laid out
+      over a multi-device mesh, and score_mod / mask_mod, keep one tile over every row (key blocks of 512,
+      query blocks sized so a tile [B,N,Tb,Sb] takes about tiles.TILE_BUDGET_BYTES): see on_a_device_mesh.
+      The whole policy: jaxattn._engines.tiles.
 
     query_segment_ids, key_segment_ids, window, chunk_size, logit_softcap, sinks: as
       dot_product_attention; score_mod, mask_mod, block_mask: as flex_attention. Key tiles that causality,
       lengths, window, chunks, segment ids or the BlockMask exclude are never visited (block-sparse work);
       tiles every rule allows run without a mask, and the BlockMask's full tiles without mask_mod. With a
       block_mask, its block_size is the tile.
+    return_lse: also return lse [...,N,T], the log of each row's softmax normaliser (allowed keys and the
+      sink) in the compute dtype, -inf for a row with no allowed key; gradients flow through it.
 
     Arbitrary masks and biases (and return_weights, dropout) need the full [T,S] grid: passing them
     raises ValueError (implementation=None falls back to the dense path instead).
@@ -676,23 +677,26 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
     batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value)
     acc = accumulation_dtype(query.dtype)
     B = int(np.prod(batch, dtype=np.int64))
-    if block_mask is not None:
+    if block_mask is not None:  # the BlockMask's own mask_mod applies (block_masks.resolve)
         block_masks.check_block_mask(block_mask, B, N, T, S)
-        block_size = check_block_mask_tiles(block_mask, block_size)
+        block_size = tiles.check_block_mask_tiles(block_mask, block_size)
+        mask_mod, block_mask = block_masks.resolve(mask_mod, block_mask)
     window = mods.check_window(window)
     # Row groups unless the inputs are sharded (a row loop would all-gather a sharded batch or head axis)
     # or score_mod / mask_mod need the global batch and head indices of every row.
     grouped = score_mod is None and mask_mod is None and not on_a_device_mesh(query, key, value)
+    width = tiles.span(window, is_causal)
     if grouped:
-        Tb, Sb = row_tile_sizes(block_size, T, S, N // K, bool(is_causal), _span(window, is_causal))
+        Tb, Sb = tiles.row_tile_sizes(block_size, T, S, N // K, bool(is_causal), width)
     else:
-        Tb, Sb = block_sizes(block_size, T, S, B * N, span=_span(window, is_causal))
+        Tb, Sb = tiles.block_sizes(block_size, T, S, B * N, span=width)
     Tp, Sp = -(-T // Tb) * Tb, -(-S // Sb) * Sb
     q_pos, k_pos, lengths = _positions_and_lengths(batch, T, S, Tp, Sp, query_positions, key_positions,
                                                    key_value_seq_lengths)
     key_table, value_table, _ = check_tables(key_table, value_table, max_distance, N, H, Hv, acc)
     if T == 0 or S == 0:  # nothing to tile: no query, or no key (every query then gets zeros, as dense)
-        return jnp.zeros((*batch, T, N, Hv), value.dtype)
+        out = jnp.zeros((*batch, T, N, Hv), value.dtype)
+        return (out, _empty_lse(batch, N, T, sinks, acc)) if return_lse else out
     if key_table is None and value_table is None:
         max_distance = None
 
@@ -720,17 +724,19 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
     k, v = _engine_layout(key, batch, S, Sp), _engine_layout(value, batch, S, Sp)
     whole = "all" if not grouped or (bias_fn is not None and max(q_pos.ndim, k_pos.ndim) > 1) else (
         "heads" if bias_fn is not None else None)  # a hook's bias spans every head (and batch entry)
-    groups = row_groups(B, K, N // K, Tb, Sb, whole)
-    out = _grouped_engine(cfg, q, k, v, key_table, value_table, consts, scale, q_pos, k_pos, lengths, arrays, groups)
+    groups = tiles.row_groups(B, K, N // K, Tb, Sb, whole)
+    out, lse = _grouped_engine(cfg, q, KeySide(k, v, k_pos, lengths), Shared(key_table, value_table, consts, scale),
+                               q_pos, arrays, groups)
     out = jnp.moveaxis(out.reshape(B, N, Tp, Hv), 1, 2)[:, :T]
-    return out.reshape(*batch, T, N, Hv).astype(out_dtype)
+    out = out.reshape(*batch, T, N, Hv).astype(out_dtype)
+    return (out, lse.reshape(*batch, N, Tp)[..., :T]) if return_lse else out
 
 
-def _span(window, is_causal):
-    """The most consecutive keys a query may see under a window (None: unbounded)."""
-    if window is None or window[0] is None or (window[1] is None and not is_causal):
-        return None
-    return window[0] + (0 if window[1] is None else window[1]) + 1
+def _empty_lse(batch, N, T, sinks, acc):
+    """lse [...,N,T] when there is no key: the sink alone, or -inf."""
+    if sinks is None:
+        return jnp.full((*batch, N, T), -jnp.inf, acc)
+    return jnp.broadcast_to(jnp.asarray(sinks, acc)[..., None], (*batch, N, T))
 
 
 def _terms(batch, T, S, N, K, Tp, Sp, acc, *, query_segment_ids, key_segment_ids, logit_softcap, sinks, score_mod,

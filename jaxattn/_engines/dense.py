@@ -21,7 +21,7 @@ from .._core import checks, mods
 from .._core.dtypes import accumulation_dtype
 from .._core.masks import allowed_keys
 from .._core.positions import positions
-from .._core.softmax import dropout, masked_softmax
+from .._core.softmax import dropout, masked_logsumexp, masked_softmax
 
 
 def _add_bias(logits, allowed, bias, logits_shape, acc):
@@ -63,11 +63,12 @@ class _Programmable:
         self.cap = mods.check_softcap(logit_softcap)
         self.q_seg, self.k_seg = mods.check_segment_ids(query_segment_ids, key_segment_ids, batch, T, S)
         self.sinks = mods.check_sinks(sinks, batch, N, acc)
+        if block_mask is not None:  # the BlockMask's own mask_mod applies (block_masks.resolve)
+            block_masks.check_block_mask(block_mask, int(np.prod(batch, dtype=np.int64)), N, T, S)
+            mask_mod, block_mask = block_masks.resolve(mask_mod, block_mask)
         self.score_fn = mods.element_function("score_mod", score_mod, acc)
         self.mask_fn = mods.element_function("mask_mod", mask_mod)
         self.block_mask = block_mask
-        if block_mask is not None:
-            block_masks.check_block_mask(block_mask, int(np.prod(batch, dtype=np.int64)), N, T, S)
         with_grid = self.score_fn is not None or self.mask_fn is not None
         self.grid = flat_grid(batch, N, T, S, query_positions, key_positions) if with_grid else None
         self.batch, self.shape = batch, (*batch, N, T, S)
@@ -96,12 +97,15 @@ def attention_core(query, key, value, *, relative_logits: Optional[Callable] = N
                    key_value_seq_lengths=None, query_positions=None, key_positions=None, scale=None,
                    dropout_rate=0.0, dropout_rng=None, return_weights=False, precision=None, dims=None,
                    query_segment_ids=None, key_segment_ids=None, window=None, chunk_size=None,
-                   logit_softcap=None, sinks=None, score_mod=None, mask_mod=None, block_mask=None):
+                   logit_softcap=None, sinks=None, score_mod=None, mask_mod=None, block_mask=None,
+                   return_lse=False):
     """The dense attention routine; `relative_*` add the position terms (see module docstring).
 
     relative_logits(query) -> [...,N,T,S] (unscaled); relative_values(weights) -> [...,T,N,Hv].
     dims: checks.check_qkv's result when the caller has already checked query/key/value.
     The programmable keywords are dot_product_attention's and flex_attention's (jaxattn._core.mods).
+    Returns out, or (out, weights) / (out, lse) / (out, weights, lse) with return_weights / return_lse
+    (lse [...,N,T]: the log of the softmax's normaliser, in the accumulation dtype).
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value) if dims is None else dims
@@ -130,7 +134,9 @@ def attention_core(query, key, value, *, relative_logits: Optional[Callable] = N
     logits = prog.score(logits)
     allowed = prog.allowed(allowed)
 
-    weights = masked_softmax(logits, allowed, None if prog.sinks is None else prog.sinks[..., :, None, None])
+    sinks = None if prog.sinks is None else prog.sinks[..., :, None, None]
+    lse = jnp.broadcast_to(masked_logsumexp(logits, allowed, sinks), (*batch, N, T)) if return_lse else None
+    weights = masked_softmax(logits, allowed, sinks)
     weights = dropout(weights, dropout_rate, dropout_rng)
 
     p = weights.astype(value.dtype).reshape(*weights.shape[:-3], K, G, T, S)
@@ -138,5 +144,6 @@ def attention_core(query, key, value, *, relative_logits: Optional[Callable] = N
     out = out.reshape(*out.shape[:-3], N, Hv)
     if relative_values is not None:
         out = out + relative_values(weights)
-    out = out.astype(value.dtype)
-    return (out, weights.astype(query.dtype)) if return_weights else out
+    out = (out.astype(value.dtype),) + ((weights.astype(query.dtype),) if return_weights else ())
+    out = out + ((lse,) if return_lse else ())
+    return out if len(out) > 1 else out[0]

@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from .._core import checks
-from .blockwise import blockwise_attention, check_block_mask_tiles, grid_options_in_use
+from .blockwise import blockwise_attention, grid_options_in_use
+from .tiles import check_block_mask_tiles
 from .dense import attention_core
 
 # implementation=None picks blockwise when nothing needs the full [T,S] grid and one head's logits T x S
@@ -90,8 +91,13 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
                           chunk_size=chunk_size, logit_softcap=logit_softcap, sinks=sinks)
 
 
-def flex_attention(query, key, value, *, score_mod=None, mask_mod=None, block_mask=None, implementation=None,
-                   block_size=None, **options):
+# torch's flex_attention arguments with no JAX meaning: refused by name (never silently dropped).
+TORCH_ONLY = {"kernel_options": "Triton kernel options of torch's flex_attention; XLA compiles this kernel",
+              "return_aux": "use return_lse=True (the only auxiliary output here)"}
+
+
+def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=None,
+                   return_lse=False, *, mask_mod=None, implementation=None, block_size=None, **options):
     """Attention with a score function, a mask function and block skipping (torch's FlexAttention, in JAX).
 
         score_mod(score, b, n, t, s) -> score   the scaled logit (after logit_softcap and bias) of query
@@ -99,14 +105,43 @@ def flex_attention(query, key, value, *, score_mod=None, mask_mod=None, block_ma
                                                 batch index b; elementwise: scalars in, a scalar out
         mask_mod(b, n, t, s) -> bool            True = may attend; ANDed with every other mask keyword
 
+    The first eight arguments are torch's, in torch's order and with torch's meaning (only the layout
+    differs: query [...,T,N,H] here, [B,N,T,H] in torch):
+      block_mask: a BlockMask (create_block_mask). It carries its mask_mod, which applies inside its
+        partial tiles; empty tiles are skipped and full tiles run without it. With mask_mod= as well the
+        mask is their AND (full tiles skip mask_mod only when it is the BlockMask's own). A BlockMask
+        built from raw tile lists without a mask_mod masks nothing inside its partial tiles (torch's
+        noop_mask), or applies mask_mod= there. The blockwise path runs on its tiles (implementation=None
+        picks blockwise when one is given).
+      scale: defaults to H ** -0.5.
+      enable_gqa: None (default) or True: key/value heads K may divide the query heads N (grouped-query
+        attention); False: K must equal N, as torch requires without enable_gqa=True.
+      return_lse: also return lse [...,N,T] (float32 for half inputs), log of each row's softmax
+        normaliser, -inf for a row with no allowed key (torch's; with sinks, they are in it too).
+        Differentiable.
+
     t and s are ABSOLUTE positions (query t at t + S - T, or query_positions / key_positions), so a causal
-    mask_mod is `t >= s` with or without a cache in front (torch's are row indices). Arrays either
-    function closes over receive gradients on both paths. block_mask (create_block_mask): empty tiles are
-    skipped and full tiles run without mask_mod; the blockwise path runs on its tiles (implementation=None
-    picks blockwise when one is given). Every keyword of dot_product_attention applies.
+    mask_mod is `t >= s` with or without a cache in front; torch's are row indices: the same when T == S,
+    and query_positions=jnp.arange(T) gives torch's reading otherwise. Arrays either function closes over
+    receive gradients on both paths. Every keyword of dot_product_attention applies; torch's
+    kernel_options and return_aux are refused by name.
     """
+    for name in TORCH_ONLY:
+        if name in options:
+            checks.fail(name, f"no {name} ({TORCH_ONLY[name]})", repr(options[name]))
+    if not isinstance(return_lse, bool):
+        checks.fail("return_lse", "True or False", repr(return_lse))
+    if enable_gqa not in (None, True, False):
+        checks.fail("enable_gqa", "None, True or False", repr(enable_gqa))
+    if enable_gqa is False and np.ndim(query) >= 2 and np.ndim(key) >= 2 and np.shape(query)[-2] != np.shape(key)[-2]:
+        checks.fail("enable_gqa", "True (or None) for key/value heads K that differ from the query heads N "
+                    f"(torch refuses K != N without enable_gqa=True); query heads {np.shape(query)[-2]}, "
+                    f"key heads {np.shape(key)[-2]}", "False")
     if block_mask is not None and block_size is not None:  # the BlockMask's tiles are the blockwise tiles
         check_block_mask_tiles(block_mask, block_size)
+    options.update(scale=scale)
+    if return_lse:
+        options.update(return_lse=True)
     if use_blockwise(implementation, query, key, block_mask=block_mask, **options):
         return blockwise_attention(query, key, value, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
                                    block_size=block_size, **options)

@@ -17,7 +17,7 @@ from jax import lax
 from .._core import block_mask as block_masks
 from .._core import checks, mods
 from .._core.positions import positions
-from .blockwise import block_sizes
+from .tiles import block_sizes
 
 GRID_ELEMENTS = 2**24  # mask_mod values evaluated per step (bools): never a [T,S] grid at long lengths
 
@@ -28,18 +28,51 @@ def _size(name, value, allow_none):
     return checks.static_int(name, value, 1)
 
 
-def create_block_mask(mask_mod, batch: Optional[int], num_heads: Optional[int], query_length: int,
-                      key_length: int, *, block_size=None, query_positions=None,
-                      key_positions=None) -> block_masks.BlockMask:
+# torch's keyword spellings of create_block_mask's arguments (torch.nn.attention.flex_attention): the
+# same meaning, so a call written for torch means the same here.
+TORCH_NAMES = {"B": "batch", "H": "num_heads", "Q_LEN": "query_length", "KV_LEN": "key_length",
+               "BLOCK_SIZE": "block_size"}
+# torch's arguments with no meaning in JAX: refused by name rather than dropped.
+TORCH_ONLY = {"device": "JAX places arrays itself (jax.device_put / a sharding); leave device out",
+              "_compile": "create_block_mask is traced and compiled by XLA anyway; leave _compile out",
+              "separate_full_blocks": "full tiles are always listed apart (they skip mask_mod)",
+              "compute_dq_write_order": "a Triton backward detail with no JAX counterpart",
+              "dq_kv_order": "a Triton backward detail with no JAX counterpart"}
+
+
+def _torch_spellings(sizes: dict, torch_kwargs: dict) -> dict:
+    """Fold torch's spellings (B=, H=, Q_LEN=, KV_LEN=, BLOCK_SIZE=) into ours; refuse torch-only ones."""
+    for name, value in torch_kwargs.items():
+        if name in TORCH_ONLY:
+            checks.fail(name, f"no {name} ({TORCH_ONLY[name]})", repr(value))
+        if name not in TORCH_NAMES:
+            raise TypeError(f"create_block_mask() got an unexpected keyword argument {name!r}")
+        ours = TORCH_NAMES[name]
+        if sizes[ours] is not None:
+            checks.fail(name, f"either {name}= (torch's name) or {ours}=, not both", repr(value))
+        sizes[ours] = value
+    return sizes
+
+
+def create_block_mask(mask_mod, batch: Optional[int] = None, num_heads: Optional[int] = None,
+                      query_length: Optional[int] = None, key_length: Optional[int] = None, *, block_size=None,
+                      query_positions=None, key_positions=None, **torch_kwargs) -> block_masks.BlockMask:
     """The BlockMask of mask_mod(b, n, t, s) -> bool for these sizes (layout: jaxattn._core.block_mask).
 
     batch: the flattened batch size the mask varies over, or None when it does not depend on b (then
-    evaluated at b = 0); num_heads likewise for n. block_size: int or (Tb, Sb), default the blockwise
-    engine's tile for batch * num_heads rows. query_positions / key_positions: int [T] / [S] absolute
-    positions, as the flex_attention call will use (default bottom-right: query t at t + S - T).
+    evaluated at b = 0); num_heads likewise for n. query_length / key_length: T and S (required).
+    block_size: int or (Tb, Sb), default the blockwise engine's tile for batch * num_heads rows.
+    query_positions / key_positions: int [T] / [S] absolute positions, as the flex_attention call will use
+    (default bottom-right: query t at t + S - T). torch's spellings B=, H=, Q_LEN=, KV_LEN=, BLOCK_SIZE=
+    mean the same; device= and torch's kernel options are refused by name. The BlockMask keeps mask_mod
+    (its .mask_mod), so flex_attention(q, k, v, block_mask=bm) applies it, as torch's does.
     """
+    sizes = _torch_spellings(dict(batch=batch, num_heads=num_heads, query_length=query_length,
+                                  key_length=key_length, block_size=block_size), torch_kwargs)
+    batch, num_heads, block_size = sizes["batch"], sizes["num_heads"], sizes["block_size"]
     batch, num_heads = _size("batch", batch, True), _size("num_heads", num_heads, True)
-    T, S = _size("query_length", query_length, False), _size("key_length", key_length, False)
+    T = _size("query_length", sizes["query_length"], False)
+    S = _size("key_length", sizes["key_length"], False)
     fn = mods.element_function("mask_mod", mask_mod)
     Bm, Nm = batch or 1, num_heads or 1
     Tb, Sb = block_sizes(block_size, T, S, Bm * Nm)
@@ -67,4 +100,4 @@ def create_block_mask(mask_mod, batch: Optional[int], num_heads: Optional[int], 
     kinds = jax.jit(lambda: lax.map(row, jnp.arange(Tn)))()  # [Tn,Sn,Bm,Nm]
     kinds = jnp.transpose(kinds, (2, 3, 0, 1)).astype(jnp.int8)
     return block_masks.from_kinds(kinds, block_size=(Tb, Sb), batch=batch, num_heads=num_heads,
-                                  query_length=T, key_length=S)
+                                  query_length=T, key_length=S, mask_fn=fn)

@@ -33,7 +33,7 @@ share each way (no global reordered copies).
 
 Memory (per device, units of one local share [S/D, N, H]): the local queries in the engine layout (1),
 the key/value share held (2) plus about a piece in flight, the accumulator (written into the output
-buffer), plus a few tiles, whose default size shrinks with the share (tile_sizes). Backward adds the
+buffer), plus a few tiles, whose default size shrinks with the share (tiles.ring_tile_sizes). Backward adds the
 cotangent in the engine layout (1), dq (1) and the travelling dk/dv accumulators (2).
 
 Every position-dependent term (causal mask, Shaw buckets, the position_bias hook) reads global
@@ -55,8 +55,8 @@ from .._core import checks
 from .._core.dtypes import accumulation_dtype
 from .._core.masks import MaskRule, check_lengths
 from .._core.softmax import combine_partials, empty_partial, finalize_partial
-from . import blockwise
-from .blockwise import slice_block
+from . import blockwise, tiles
+from .blockwise import KeySide, QueryTile, RowGrads, Shared, slice_block
 
 
 # A device's key/value share travels in this many pieces, each passed on once used: the share in flight
@@ -294,17 +294,17 @@ def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
     d = _ring_index(ring)
     q_pos = _query_positions(ring, d)
     rows = q.shape[:-1]
+    shared = Shared(key_table, value_table, consts, scale)
 
     def visit(partial, held, p, src):
         k_pos, length = _piece_keys(ring, src, p, lengths)
         # the piece as its own (piece-sized) array: a slice of the held share handed to the tile loop
-        k_p, v_p = (_piece(ring, held[name], p) for name in ("k", "v"))
+        piece = KeySide(*(_piece(ring, held[name], p) for name in ("k", "v")), k_pos, length)
 
         def tile(partial, i):
-            q_blk, qp = slice_block(q, i * Tb, Tb, 3), slice_block(q_pos, i * Tb, Tb, 0)
+            q_tile = QueryTile(slice_block(q, i * Tb, Tb, 3), slice_block(q_pos, i * Tb, Tb, 0))
             # the engine skips key tiles with no allowed key (all of them: out 0, lse -inf)
-            out, lse = blockwise.fwd_tile(cfg, q_blk, qp, k_p, v_p, key_table, value_table, consts, scale,
-                                            k_pos, length)
+            out, lse = blockwise.fwd_tile(cfg, q_tile, piece, shared)
             # a normalised partial (out, lse) is the unnormalised one (out, m=lse, l=1)
             part = tuple(slice_block(x, i * Tb, Tb, 3) for x in partial)
             part = combine_partials(part, (out, lse, jnp.isfinite(lse).astype(acc)))
@@ -329,37 +329,39 @@ def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out
     delta = _queries(ring, delta, K)[..., 0]  # [B,K,G,C*Cqp]
     q, d_out = _queries(ring, q, K), _queries(ring, d_out, K)
     held = {"k": _keys(ring, k), "v": _keys(ring, v)}
-    held["dk"], held["dv"] = blockwise.zero_grads(acc, held["k"], held["v"])
+    shared = Shared(key_table, value_table, consts, scale)
+    zeros = blockwise.zero_grads(acc, KeySide(held["k"], held["v"], None), shared)
+    # dk/dv accumulators travel with their key/value piece (in `held`); the tables' and hook's stay here
+    held["dk"], held["dv"], d_tables = zeros.dk, zeros.dv, zeros._replace(dk=None, dv=None)
     d = _ring_index(ring)
     q_pos = _query_positions(ring, d)
 
     def visit(carry, held, p, src):
         k_pos, length = _piece_keys(ring, src, p, lengths)
+        piece = KeySide(*(_piece(ring, held[name], p) for name in ("k", "v")), k_pos, length)
 
         def tile(state, i):
             dq, grads = state
-            q_blk, do_blk = slice_block(q, i * Tb, Tb, 3), slice_block(d_out, i * Tb, Tb, 3)
-            lse_blk, delta_blk = slice_block(lse, i * Tb, Tb, 3), slice_block(delta, i * Tb, Tb, 3)
-            dq_blk, grads = blockwise.bwd_tile(cfg, q_blk, do_blk, lse_blk, delta_blk, slice_block(q_pos, i * Tb, Tb, 0),
-                                                 k_p, v_p, key_table, value_table, consts, scale, k_pos,
-                                                 length, grads)
+            q_tile = QueryTile(slice_block(q, i * Tb, Tb, 3), slice_block(q_pos, i * Tb, Tb, 0))
+            rows = RowGrads(*(slice_block(x, i * Tb, Tb, 3) for x in (d_out, lse, delta)))
+            dq_blk, grads = blockwise.bwd_tile(cfg, q_tile, rows, piece, shared, grads)
             dq = lax.dynamic_update_slice_in_dim(dq, slice_block(dq, i * Tb, Tb, 3) + dq_blk, i * Tb, 3)
             return dq, grads
 
         dq, d_tables = carry
-        k_p, v_p, dk, dv = (_piece(ring, held[name], p) for name in ("k", "v", "dk", "dv"))
-        dq, (dk, dv, *d_tables) = _over_query_tiles(tile, (dq, (dk, dv, *d_tables)), q.shape[3] // Tb)
+        dk, dv = (_piece(ring, held[name], p) for name in ("dk", "dv"))
+        dq, grads = _over_query_tiles(tile, (dq, d_tables._replace(dk=dk, dv=dv)), q.shape[3] // Tb)
         start = p * ring.Pk
-        return (dq, tuple(d_tables)), {**held, "dk": _put(held["dk"], dk, start), "dv": _put(held["dv"], dv, start)}
+        return ((dq, grads._replace(dk=None, dv=None)),
+                {**held, "dk": _put(held["dk"], grads.dk, start), "dv": _put(held["dv"], grads.dv, start)})
 
-    d_tables = blockwise.zero_grads(acc, key_table, value_table, consts)
     (dq, d_tables), held = _ring_loop(ring, d, visit, (jnp.zeros(q.shape, acc), d_tables), held,
                                         home=("dk", "dv"))
     dq = _unqueries(ring, dq.astype(dtypes[0]), batch_shape)
     dk = _unkeys(ring, [g.astype(dtypes[1]) for g in jnp.split(held["dk"], ring.C, axis=2)], batch_shape)
     dv = _unkeys(ring, [g.astype(dtypes[2]) for g in jnp.split(held["dv"], ring.C, axis=2)], batch_shape)
     # tables and hook arrays are shared by every device that holds them: sum their gradients
-    d_key_table, d_value_table, d_consts = d_tables
+    d_key_table, d_value_table, d_consts = d_tables.key_table, d_tables.value_table, d_tables.hook_consts
     every = (ring.batch, ring.seq, ring.head)
 
     def shared(grad, table):
@@ -426,23 +428,6 @@ def _engine_config(**fields):
     return blockwise.EngineConfig(**{name: fields[name] for name in blockwise.EngineConfig._fields})
 
 
-def tile_sizes(block_size, Cq, Ck, rows, query_elements):
-    """(Tb, Sb): as blockwise attention for an explicit block_size; the default is blockwise attention's
-    for one chunk pair, its larger side halved while a tile [rows, Tb, Sb] would hold more than an eighth
-    of the elements of this device's queries (rows * query_elements), down to 64. The engine keeps a few
-    float32 tiles live at once (about two forward, four backward): a fixed tile would be a constant that
-    stops the per-device memory from falling with D. Evened out so the padding is less than one tile."""
-    Tb, Sb = blockwise.block_sizes(block_size, Cq, Ck, rows)
-    if block_size is not None:
-        return Tb, Sb
-    while 8 * Tb * Sb > query_elements and max(Tb, Sb) > 64:
-        if Tb >= Sb:
-            Tb = max(64, Tb // 2)
-        else:
-            Sb = max(64, Sb // 2)
-    return tuple(-(-L // -(-L // b)) for L, b in ((Cq, Tb), (Ck, Sb)))
-
-
 def pieces_per_chunk(key_tiles, C, target=PIECES_PER_SHARE):
     """How many pieces each of the C chunks travels in: the most, up to target / C, that divide its
     key tiles evenly (a piece is whole key tiles)."""
@@ -505,7 +490,7 @@ def ring_attention(query, key, value, *, mesh, sequence_axis=None, batch_axis=No
     D = _axis_size(mesh, sequence_axis)
     Cq, Ck = T // (C * D), S // (C * D)
     B, Nl = int(np.prod(batch, dtype=np.int64)) // Db, N // Dh
-    Tb, Sb = tile_sizes(block_size, Cq, Ck, B * Nl, C * Cq * H)
+    Tb, Sb = tiles.ring_tile_sizes(block_size, Cq, Ck, B * Nl, C * Cq * H)
     Cqp, Ckp = -(-Cq // Tb) * Tb, -(-Ck // Sb) * Sb
 
     bias_fn, consts = None, ()
