@@ -1,4 +1,10 @@
-"""What the decoder-only families share: masks and positions, with and without the decode cache.
+"""The base every family module reads: what the models share, in one place.
+
+    norms       RMSNorm (HF's three roundings), layer_norm
+    masks       key_mask, positions / positions_and_slots, sliding_mask
+    the stack   Configured (a module's config and dtypes), layer_stack (blocks in turn, each one's outputs
+                sown), lm_head / tied_logits
+    decoding    empty_cache
 
 Calling convention of every decoder-only model here (GPT-2, Llama, Mistral, Qwen2, Gemma 2):
 
@@ -12,19 +18,69 @@ Calling convention of every decoder-only model here (GPT-2, Llama, Mistral, Qwen
         the window to the slots as a mask); position_ids default: the slots they land in.
 
 Padding is masked as keys only; a padded query position's output is not meaningful (HF's is not either).
+Every model sows its layers' outputs in "intermediates" (see layer_stack), which crosscheck.layer_report
+aligns with the torch model's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
+# --- norms ------------------------------------------------------------------------------------------------------
+
+RMS_NORMS = ("llama", "gemma", "t5")
+
+
+def rms_normalize(x, epsilon: float):
+    """x * rsqrt(mean(x^2) + eps) over the last axis, computed in float32 or wider (returned so)."""
+    wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return wide * jax.lax.rsqrt(jnp.mean(wide * wide, -1, keepdims=True) + epsilon)
+
+
+class RMSNorm(nn.Module):
+    """HF's RMS norms: the statistics in float32 or wider, then a learned scale; they differ in where they
+    round back, which decides bf16 results bit for bit, so `kind` names the one to reproduce:
+
+        "llama"  LlamaRMSNorm (Qwen2, Mistral):  weight * normed.astype(x.dtype)
+        "gemma"  Gemma2RMSNorm:                   (normed * (1 + weight)).astype(x.dtype), weight from 0
+        "t5"     T5LayerNorm:                     weight * normed, normed cast to a half weight's dtype first
+    """
+
+    epsilon: float
+    param_dtype: Any = jnp.float32
+    kind: str = "llama"
+
+    @nn.compact
+    def __call__(self, x):
+        if self.kind not in RMS_NORMS:
+            raise ValueError(f"kind: expected one of {list(RMS_NORMS)}, got {self.kind!r}")
+        init = nn.initializers.zeros if self.kind == "gemma" else nn.initializers.ones
+        weight = self.param("weight", init, (x.shape[-1],), self.param_dtype)
+        normed = rms_normalize(x, self.epsilon)
+        if self.kind == "gemma":
+            return (normed * (1.0 + weight.astype(normed.dtype))).astype(x.dtype)
+        if self.kind == "t5":
+            return weight * (normed.astype(weight.dtype) if weight.dtype in (jnp.bfloat16, jnp.float16) else normed)
+        return weight * normed.astype(x.dtype)
+
+
+def layer_norm(epsilon: float, dtype, param_dtype, name: str) -> nn.LayerNorm:
+    """torch's LayerNorm: the variance as mean((x - mean)^2); flax's fast E[x^2] - E[x]^2 loses digits."""
+    return nn.LayerNorm(epsilon=epsilon, use_fast_variance=False, dtype=dtype, param_dtype=param_dtype, name=name)
+
+
+# --- masks and positions ----------------------------------------------------------------------------------------
 
 def key_mask(attention_mask):
-    """[B,S] (1 = token) -> the attention layers' mask [B,1,1,S] (True = may attend), or None."""
+    """[...,S] (1 = token) -> the attention layers' mask [...,1,1,S] (True = may attend), or None."""
     if attention_mask is None:
         return None
-    return jnp.asarray(attention_mask).astype(bool)[:, None, None, :]
+    return jnp.asarray(attention_mask).astype(bool)[..., None, None, :]
 
 
 def positions(module: nn.Module, shape: tuple[int, int], position_ids, decode: bool):
@@ -68,12 +124,54 @@ def sliding_mask(attention_mask, slots, window: int, decode: bool):
     return band[:, None] & key_mask(attention_mask)
 
 
-def final_logits(module: nn.Module, x, embed: nn.Embed, vocab_size: int, tie: bool, *, dtype, param_dtype,
-                 precision):
-    """The LM head: x @ embedding.T when the embeddings are tied, else its own bias-free Dense."""
-    if tie:  # embed.attend, with the model's precision
-        compute = dtype if dtype is not None else jnp.result_type(x, embed.embedding)
-        return jnp.einsum("...e,ve->...v", x.astype(compute), jnp.asarray(embed.embedding, compute),
-                          precision=precision)
-    return nn.Dense(vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                    name="lm_head")(x)
+# --- the stack --------------------------------------------------------------------------------------------------
+
+class Configured(nn.Module):
+    """What every model and block of the families takes: its config and flax's dtype options."""
+
+    config: Any
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+
+
+def layer_stack(module: nn.Module, layer: Callable, num_layers: int, final_norm: nn.Module, x):
+    """x through the blocks and the final norm, inside `module`'s compact call; layer(i, x) -> (x, {row: output})
+    runs block i. Sows in "intermediates" the rows crosscheck.layer_report aligns: "embeddings" (x as it
+    comes in), each block's "layer{i}.{row}" and "layer{i}.residual" (the stream after it), "final_norm"."""
+    module.sow("intermediates", "embeddings", x)
+    for i in range(num_layers):
+        x, rows = layer(i, x)
+        for name, value in rows.items():
+            module.sow("intermediates", f"layer{i}.{name}", value)
+        module.sow("intermediates", f"layer{i}.residual", x)
+    x = final_norm(x)
+    module.sow("intermediates", "final_norm", x)
+    return x
+
+
+def tied_logits(x, embedding, dtype, precision):
+    """x @ embedding.T: a head tied to the embeddings (nn.Embed.attend, with the model's precision)."""
+    compute = dtype if dtype is not None else jnp.result_type(x, embedding)
+    return jnp.einsum("...e,ve->...v", x.astype(compute), jnp.asarray(embedding, compute), precision=precision)
+
+
+def lm_head(module: Configured, x, embed: nn.Embed, tie: bool):
+    """The LM head in `module`'s compact call: tied to `embed`, else its own bias-free Dense "lm_head"."""
+    if tie:
+        return tied_logits(x, embed.embedding, module.dtype, module.precision)
+    return nn.Dense(embed.num_embeddings, use_bias=False, dtype=module.dtype, param_dtype=module.param_dtype,
+                    precision=module.precision, name="lm_head")(x)
+
+
+# --- decoding ---------------------------------------------------------------------------------------------------
+
+def empty_cache(model: nn.Module, params, *args, method=None, **kwargs):
+    """The "cache" collection that model.apply({"params": params}, *args, decode=True, method=method,
+    **kwargs) fills, all zeros: its shapes for those arguments (jax.eval_shape, nothing is computed), its
+    dtype the one the model computes in with these params (a cache never casts silently)."""
+    def cache(params):
+        return model.apply({"params": params}, *args, decode=True, method=method, mutable=["cache"],
+                           **kwargs)[1]["cache"]
+
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(cache, params))

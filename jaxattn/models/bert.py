@@ -27,7 +27,7 @@ import numpy as np
 
 from .._core import checks
 from ..linen import MultiHeadAttention
-from . import _pretrained, _table
+from . import _decoder, _pretrained, _table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,12 +66,6 @@ class BertConfig:
                 "E": self.hidden_size, "N": N, "H": self.hidden_size // N, "F": self.intermediate_size}
 
 
-def _layer_norm(config: BertConfig, name: str, dtype, param_dtype) -> nn.LayerNorm:
-    # torch's LayerNorm takes the variance as mean((x - mean)^2); flax's fast E[x^2] - E[x]^2 loses digits.
-    return nn.LayerNorm(epsilon=config.layer_norm_eps, use_fast_variance=False, dtype=dtype,
-                        param_dtype=param_dtype, name=name)
-
-
 class BertEmbeddings(nn.Module):
     config: BertConfig
     dtype: Any = None
@@ -86,7 +80,7 @@ class BertEmbeddings(nn.Module):
             x = jnp.where((input_ids == c.pad_token_id)[..., None], jax.lax.stop_gradient(x), x)
         x = x + embed(c.type_vocab_size, name="token_type_embeddings")(token_type_ids)  # HF's summation order
         x = x + embed(c.max_position_embeddings, name="position_embeddings")(position_ids)
-        x = _layer_norm(c, "LayerNorm", self.dtype, self.param_dtype)(x)
+        x = _decoder.layer_norm(c.layer_norm_eps, self.dtype, self.param_dtype, "LayerNorm")(x)
         return nn.Dropout(c.hidden_dropout_prob)(x, deterministic=deterministic)
 
 
@@ -102,7 +96,7 @@ class BertLayer(nn.Module):
     def __call__(self, x, mask, *, deterministic: bool):
         c = self.config
         dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)
-        norm = functools.partial(_layer_norm, c, dtype=self.dtype, param_dtype=self.param_dtype)
+        norm = functools.partial(_decoder.layer_norm, c.layer_norm_eps, self.dtype, self.param_dtype)
         dropout = nn.Dropout(c.hidden_dropout_prob, deterministic=deterministic)
         attention = MultiHeadAttention(num_heads=c.num_attention_heads, dropout_rate=c.attention_probs_dropout_prob,
                                        dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision,
@@ -135,9 +129,7 @@ class BertModel(nn.Module):
         T = input_ids.shape[-1]
         token_type_ids = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         position_ids = jnp.broadcast_to(jnp.arange(T), input_ids.shape) if position_ids is None else position_ids
-        mask = None
-        if attention_mask is not None:
-            mask = jnp.asarray(attention_mask).astype(bool)[..., None, None, :]  # [B...,1,1,S]: keys only
+        mask = _decoder.key_mask(attention_mask)  # [B...,1,1,S]: keys only
         x = BertEmbeddings(self.config, self.dtype, self.param_dtype, name="embeddings")(
             input_ids, token_type_ids, position_ids, deterministic=deterministic)
         hidden_states, attention_outputs, attentions = [x], [], []

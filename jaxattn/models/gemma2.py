@@ -74,32 +74,14 @@ def softcap(x, cap: float | None):
     return x if cap is None else jnp.tanh(x / cap) * cap
 
 
-class RMSNorm(nn.Module):
-    """Gemma2RMSNorm: (x * rsqrt(mean(x^2) + eps) * (1 + weight)) in float32 or wider, cast back to x's dtype."""
-
-    epsilon: float
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        weight = self.param("weight", nn.initializers.zeros, (x.shape[-1],), self.param_dtype)
-        normed = llama.rms_normalize(x, self.epsilon)
-        return (normed * (1.0 + weight.astype(normed.dtype))).astype(x.dtype)
-
-
-class Gemma2Block(nn.Module):
-    """One sandwich-norm block; returns (residual stream, attention output, MLP output), both outputs taken
+class Gemma2Block(_decoder.Configured):
+    """One sandwich-norm block; returns (residual stream, {"attention", "mlp": their outputs}), both taken
     before their post-norms (as HF's self_attn and mlp modules return them)."""
-
-    config: Gemma2Config
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    precision: Any = None
 
     @nn.compact
     def __call__(self, x, mask, positions, decode: bool, window: int | None = None):
         c, d = self.config, self.config.dims()
-        norm = functools.partial(RMSNorm, c.rms_norm_eps, self.param_dtype)
+        norm = functools.partial(_decoder.RMSNorm, c.rms_norm_eps, self.param_dtype, "gemma")
         attention = MultiHeadAttention(num_heads=d["N"], num_kv_heads=d["K"], head_dim=d["H"],
                                        use_bias=c.attention_bias, rope=RoPE(frequencies=c.rope_frequencies),
                                        window=llama.layer_window(window, decode), scale=c.query_pre_attn_scalar ** -0.5,
@@ -113,16 +95,11 @@ class Gemma2Block(nn.Module):
         h = norm(name="pre_feedforward_layernorm")(x)
         h = nn.gelu(dense(d["F"], name="gate_proj")(h), approximate=True) * dense(d["F"], name="up_proj")(h)
         m = dense(d["E"], name="down_proj")(h)
-        return x + norm(name="post_feedforward_layernorm")(m), a, m
+        return x + norm(name="post_feedforward_layernorm")(m), {"attention": a, "mlp": m}
 
 
-class Gemma2ForCausalLM(nn.Module):
+class Gemma2ForCausalLM(_decoder.Configured):
     """HF Gemma2ForCausalLM: input_ids [B,T] -> logits [B,T,V]. Sows "intermediates"."""
-
-    config: Gemma2Config
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    precision: Any = None
 
     def max_positions(self) -> int | None:
         return None  # rotary positions have no table to run off
@@ -135,11 +112,8 @@ class Gemma2ForCausalLM(nn.Module):
         embed = nn.Embed(d["V"], d["E"], dtype=self.dtype, param_dtype=self.param_dtype, name="embed_tokens")
         x = embed(input_ids)
         x = x * jnp.asarray(math.sqrt(d["E"]), x.dtype)  # HF: the scale in the embedding's dtype
-        self.sow("intermediates", "embeddings", x)
-        x = llama.decoder_stack(self, Gemma2Block, RMSNorm, x, attention_mask, slots, positions, decode)
-        logits = _decoder.final_logits(self, x, embed, d["V"], c.tie_word_embeddings, dtype=self.dtype,
-                                       param_dtype=self.param_dtype, precision=self.precision)
-        return softcap(logits, c.final_logit_softcapping)
+        x = llama.decoder_stack(self, Gemma2Block, "gemma", x, attention_mask, slots, positions, decode)
+        return softcap(_decoder.lm_head(self, x, embed, c.tie_word_embeddings), c.final_logit_softcapping)
 
 
 def weight_table(config: Gemma2Config) -> list[_table.Row]:

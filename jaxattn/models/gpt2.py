@@ -66,27 +66,17 @@ class GPT2Config:
                 "H": self.n_embd // self.n_head, "F": self.n_inner or 4 * self.n_embd}
 
 
-def _layer_norm(config: GPT2Config, name: str, dtype, param_dtype) -> nn.LayerNorm:
-    # torch's two-pass variance (mean((x - mean)^2)); flax's default E[x^2] - E[x]^2 loses digits
-    return nn.LayerNorm(epsilon=config.layer_norm_epsilon, use_fast_variance=False, dtype=dtype,
-                        param_dtype=param_dtype, name=name)
+class GPT2Block(_decoder.Configured):
+    """One pre-LayerNorm block; returns (residual stream, {"attention": its output, "mlp": its output})."""
 
-
-class GPT2Block(nn.Module):
-    """One pre-LayerNorm block; returns (residual stream, attention output, MLP output)."""
-
-    config: GPT2Config
-    layer: int
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    precision: Any = None
+    layer: int = 0  # its index: scale_attn_by_inverse_layer_idx divides the logits by layer + 1
 
     @nn.compact
     def __call__(self, x, mask, decode: bool):
         c, d = self.config, self.config.dims()
         scale = (d["H"] ** -0.5 if c.scale_attn_weights else 1.0) / (
             self.layer + 1 if c.scale_attn_by_inverse_layer_idx else 1)
-        norm = functools.partial(_layer_norm, c, dtype=self.dtype, param_dtype=self.param_dtype)
+        norm = functools.partial(_decoder.layer_norm, c.layer_norm_epsilon, self.dtype, self.param_dtype)
         dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)
         attention = MultiHeadAttention(num_heads=c.n_head, scale=scale, dtype=self.dtype,
                                        param_dtype=self.param_dtype, precision=self.precision, name="attn")
@@ -94,16 +84,11 @@ class GPT2Block(nn.Module):
         x = x + a
         h = _ACTIVATIONS[c.activation_function](dense(d["F"], name="c_fc")(norm("ln_2")(x)))
         m = dense(d["E"], name="c_proj")(h)
-        return x + m, a, m
+        return x + m, {"attention": a, "mlp": m}
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(_decoder.Configured):
     """HF GPT2LMHeadModel: input_ids [B,T] -> logits [B,T,V]. Sows "intermediates" (see _decoder.py)."""
-
-    config: GPT2Config
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    precision: Any = None
 
     def max_positions(self) -> int | None:
         return self.config.n_positions
@@ -116,17 +101,15 @@ class GPT2LMHeadModel(nn.Module):
         embed = functools.partial(nn.Embed, features=d["E"], dtype=self.dtype, param_dtype=self.param_dtype)
         wte = embed(d["V"], name="wte")
         x = wte(input_ids) + embed(d["P"], name="wpe")(position_ids)
-        self.sow("intermediates", "embeddings", x)
         mask = _decoder.key_mask(attention_mask)
-        for i in range(c.n_layer):
-            x, a, m = GPT2Block(c, i, self.dtype, self.param_dtype, self.precision, name=f"h_{i}")(x, mask, decode)
-            self.sow("intermediates", f"layer{i}.attention", a)
-            self.sow("intermediates", f"layer{i}.mlp", m)
-            self.sow("intermediates", f"layer{i}.residual", x)
-        x = _layer_norm(c, "ln_f", self.dtype, self.param_dtype)(x)
-        self.sow("intermediates", "final_norm", x)
-        return _decoder.final_logits(self, x, wte, d["V"], c.tie_word_embeddings, dtype=self.dtype,
-                                     param_dtype=self.param_dtype, precision=self.precision)
+
+        def layer(i, x):
+            block = GPT2Block(c, self.dtype, self.param_dtype, self.precision, layer=i, name=f"h_{i}")
+            return block(x, mask, decode)
+
+        ln_f = _decoder.layer_norm(c.layer_norm_epsilon, self.dtype, self.param_dtype, "ln_f")
+        x = _decoder.layer_stack(self, layer, c.n_layer, ln_f, x)
+        return _decoder.lm_head(self, x, wte, c.tie_word_embeddings)
 
 
 # --- weights: one row per HF tensor (names of GPT2LMHeadModel; a bare GPT2Model has no "transformer.") -------

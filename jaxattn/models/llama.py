@@ -28,7 +28,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -157,24 +156,6 @@ def rope_frequencies(config: Mapping[str, Any], head_dim: int, source="config") 
     return inverse
 
 
-def rms_normalize(x, epsilon: float):
-    """x * rsqrt(mean(x^2) + eps) over the last axis, computed in float32 or wider (returned so)."""
-    wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    return wide * jax.lax.rsqrt(jnp.mean(wide * wide, -1, keepdims=True) + epsilon)
-
-
-class RMSNorm(nn.Module):
-    """LlamaRMSNorm: weight * (x * rsqrt(mean(x^2) + eps)), the statistics in float32 or wider."""
-
-    epsilon: float
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        return weight * rms_normalize(x, self.epsilon).astype(x.dtype)
-
-
 def layer_window(window: int | None, decode: bool):
     """The attention layer's `window` keyword for HF's sliding_window W: (W - 1, 0) without the cache; None
     when decoding, where the window is part of the mask (_decoder.sliding_mask)."""
@@ -188,18 +169,13 @@ def layer_masks(config, attention_mask, slots, decode: bool) -> dict:
             _decoder.sliding_mask(attention_mask, slots, w, decode) for w in windows}
 
 
-class LlamaBlock(nn.Module):
-    """One pre-norm block; returns (residual stream, attention output, MLP output)."""
-
-    config: LlamaConfig
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    precision: Any = None
+class LlamaBlock(_decoder.Configured):
+    """One pre-norm block; returns (residual stream, {"attention": its output, "mlp": its output})."""
 
     @nn.compact
     def __call__(self, x, mask, positions, decode: bool, window: int | None = None):
         c, d = self.config, self.config.dims()
-        norm = functools.partial(RMSNorm, c.rms_norm_eps, self.param_dtype)
+        norm = functools.partial(_decoder.RMSNorm, c.rms_norm_eps, self.param_dtype, "llama")
         bias = True if c.attention_bias else (("query", "key", "value") if c.qkv_bias else False)
         attention = MultiHeadAttention(num_heads=d["N"], num_kv_heads=d["K"], head_dim=d["H"], use_bias=bias,
                                        rope=RoPE(frequencies=c.rope_frequencies), window=layer_window(window, decode),
@@ -213,32 +189,25 @@ class LlamaBlock(nn.Module):
         h = norm(name="post_attention_layernorm")(x)
         h = nn.silu(dense(d["F"], name="gate_proj")(h)) * dense(d["F"], name="up_proj")(h)
         m = dense(d["E"], name="down_proj")(h)
-        return x + m, a, m
+        return x + m, {"attention": a, "mlp": m}
 
 
-def decoder_stack(module: nn.Module, block, norm, x, attention_mask, slots, positions, decode: bool):
-    """The layers and final norm of a Llama-shaped model, called from `module`'s compact __call__ (so the
-    submodules are its own): per-window masks, then each `block` -> (x, attention, mlp), all sown."""
+def decoder_stack(module: nn.Module, block, norm_kind: str, x, attention_mask, slots, positions, decode: bool):
+    """The layers and final norm (RMSNorm of `norm_kind`) of a Llama-shaped model, called from `module`'s
+    compact __call__ (so the submodules are its own): per-window masks, then _decoder.layer_stack."""
     c = module.config
     masks = layer_masks(c, attention_mask, slots, decode)
-    for i in range(c.num_hidden_layers):
-        x, a, m = block(c, module.dtype, module.param_dtype, module.precision, name=f"layers_{i}")(
+
+    def layer(i, x):
+        return block(c, module.dtype, module.param_dtype, module.precision, name=f"layers_{i}")(
             x, masks[c.window(i)], positions, decode, c.window(i))
-        module.sow("intermediates", f"layer{i}.attention", a)
-        module.sow("intermediates", f"layer{i}.mlp", m)
-        module.sow("intermediates", f"layer{i}.residual", x)
-    x = norm(c.rms_norm_eps, module.param_dtype, name="norm")(x)
-    module.sow("intermediates", "final_norm", x)
-    return x
+
+    norm = _decoder.RMSNorm(c.rms_norm_eps, module.param_dtype, norm_kind, name="norm")
+    return _decoder.layer_stack(module, layer, c.num_hidden_layers, norm, x)
 
 
-class LlamaForCausalLM(nn.Module):
+class LlamaForCausalLM(_decoder.Configured):
     """HF LlamaForCausalLM / Qwen2ForCausalLM: input_ids [B,T] -> logits [B,T,V]. Sows "intermediates"."""
-
-    config: LlamaConfig
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    precision: Any = None
 
     def max_positions(self) -> int | None:
         return None  # rotary positions have no table to run off
@@ -249,11 +218,8 @@ class LlamaForCausalLM(nn.Module):
         input_ids = jnp.asarray(input_ids)
         positions, slots = _decoder.positions_and_slots(self, input_ids.shape, position_ids, decode)
         embed = nn.Embed(d["V"], d["E"], dtype=self.dtype, param_dtype=self.param_dtype, name="embed_tokens")
-        x = embed(input_ids)
-        self.sow("intermediates", "embeddings", x)
-        x = decoder_stack(self, LlamaBlock, RMSNorm, x, attention_mask, slots, positions, decode)
-        return _decoder.final_logits(self, x, embed, d["V"], c.tie_word_embeddings, dtype=self.dtype,
-                                     param_dtype=self.param_dtype, precision=self.precision)
+        x = decoder_stack(self, LlamaBlock, "llama", embed(input_ids), attention_mask, slots, positions, decode)
+        return _decoder.lm_head(self, x, embed, c.tie_word_embeddings)
 
 
 # --- weights: one row per HF tensor ---------------------------------------------------------------------------
