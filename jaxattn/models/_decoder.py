@@ -1,10 +1,14 @@
-"""The base every family module reads: what the models share, in one place.
+"""The base every family module reads, so that a family is its config parsing, its block and its weight table.
 
+    configs     DecoderConfig (the fields of HF's Llama-shaped configs), checked_window, layer_windows,
+                rope_frequencies
     norms       RMSNorm (HF's three roundings), layer_norm
     masks       key_mask, positions / positions_and_slots, sliding_mask
     the stack   Configured (a module's config and dtypes), layer_stack (blocks in turn, each one's outputs
-                sown), lm_head / tied_logits
+                sown), self_attention and gated_mlp (the Llama-shaped block's parts), lm_head / tied_logits
+    CausalLM    HF's *ForCausalLM: embed_tokens -> layers_{i} -> norm -> lm_head; a family names its Block
     decoding    empty_cache
+    weights     causal_lm_rows and mlp_rows (HF's names, spelled out), tied_copy, loader
 
 Calling convention of every decoder-only model here (GPT-2, Llama, Mistral, Qwen2, Gemma 2):
 
@@ -20,16 +24,135 @@ Calling convention of every decoder-only model here (GPT-2, Llama, Mistral, Qwen
 Padding is masked as keys only; a padded query position's output is not meaningful (HF's is not either).
 Every model sows its layers' outputs in "intermediates" (see layer_stack), which crosscheck.layer_report
 aligns with the torch model's.
+
+    V vocab  E hidden  N heads  K key/value heads  H head dim  F intermediate
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from ..linen import MultiHeadAttention, RoPE
+from . import _pretrained, _table
+
+# --- configs ----------------------------------------------------------------------------------------------------
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """The fields HF's Llama-shaped configs share (names as in config.json; defaults: Llama's). A family
+    subclasses it with its own fields and a from_dict that refuses what it does not implement."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False       # a bias on q, k, v and o
+    mlp_bias: bool = False
+    rope_frequencies: tuple = ()       # the inverse frequencies [H/2] (rope_frequencies of the config)
+    windows: tuple = ()                # per layer: HF's sliding_window W (the query and W - 1 before) or None
+
+    rms_norm: ClassVar[str] = "llama"  # which of HF's RMS norms the family's layers use (see RMSNorm)
+
+    @classmethod
+    def parse(cls, config: Mapping[str, Any], source, *, nullable=(), **derived):
+        """cls from the config.json keys named as its fields (null: the field's default, unless the key is
+        in `nullable`), the fields the family derives, and the rope frequencies of the config's rope settings.
+        A head_dim that is neither given nor hidden_size / num_attention_heads is refused."""
+        fields = {f.name for f in dataclasses.fields(cls)} - set(derived) - {"rope_frequencies"}
+        parsed = cls(**{k: v for k, v in config.items() if k in fields and (v is not None or k in nullable)},
+                     **derived)
+        if parsed.hidden_size % parsed.num_attention_heads and parsed.head_dim is None:
+            _pretrained.refuse(source, "head_dim", "given, or hidden_size divisible by "
+                               f"num_attention_heads={parsed.num_attention_heads}", None)
+        frequencies = rope_frequencies(config, parsed.dims()["H"], source)
+        return dataclasses.replace(parsed, rope_frequencies=tuple(frequencies))
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
+
+    def attention_biases(self) -> tuple[str, ...]:
+        """The attention projections that carry a bias (the layer's use_bias): all four with attention_bias."""
+        return ("query", "key", "value", "out") if self.attention_bias else ()
+
+    def dims(self) -> dict[str, int]:
+        N = self.num_attention_heads
+        return {"V": self.vocab_size, "E": self.hidden_size, "N": N, "K": self.num_key_value_heads or N,
+                "H": self.head_dim or self.hidden_size // N, "F": self.intermediate_size}
+
+
+def checked_window(window, source, expected: str) -> int:
+    """HF's sliding_window W, refused by name unless an int >= 1."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        _pretrained.refuse(source, "sliding_window", expected, window)
+    return window
+
+
+def layer_windows(types, window, num_layers: int, source, *, why: str) -> tuple:
+    """HF's layer_types -> per layer: the sliding window W ("sliding_attention") or None ("full_attention").
+    Refuses other kinds, a count other than num_layers, and a W that is not an int >= 1 when a layer slides."""
+    if len(types) != num_layers or not set(types) <= set(LAYER_TYPES):
+        _pretrained.refuse(source, "layer_types", f"{num_layers} entries among {list(LAYER_TYPES)}", types)
+    if "sliding_attention" in types:
+        checked_window(window, source, f"an int >= 1 ({why})")
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
+
+
+def rope_parameters(config: Mapping[str, Any]) -> dict:
+    """HF's rope settings: rope_parameters (transformers >= 5), else rope_scaling + rope_theta (v4)."""
+    if config.get("rope_parameters"):
+        return dict(config["rope_parameters"])
+    scaling = dict(config.get("rope_scaling") or {})
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    return {"rope_theta": config.get("rope_theta", 10000.0), **scaling}
+
+
+def rope_frequencies(config: Mapping[str, Any], head_dim: int, source="config") -> np.ndarray:
+    """float64 inverse frequencies [head_dim/2] for HF's rope types "default", "linear" and "llama3".
+
+    default: theta_k = base^(-2k/H); linear: theta_k / factor; llama3: long wavelengths divided by factor,
+    short ones kept, a smooth blend between (HF's _compute_llama3_parameters, in float64).
+    """
+    rope = rope_parameters(config)
+    kind = rope.get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        _pretrained.refuse(source, "rope_parameters['rope_type']", f"one of {list(ROPE_TYPES)}", kind)
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        _pretrained.refuse(source, "rope_parameters['partial_rotary_factor']", "1.0", rope["partial_rotary_factor"])
+    if rope.get("attention_factor") not in (None, 1.0):
+        _pretrained.refuse(source, "rope_parameters['attention_factor']", "1.0 (or unset)", rope["attention_factor"])
+    base = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    inverse = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if kind == "linear":
+        return inverse / float(rope["factor"])
+    if kind == "llama3":
+        factor, low, high = (float(rope[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+        old = float(rope["original_max_position_embeddings"])
+        wavelength = 2 * math.pi / inverse
+        scaled = np.where(wavelength > old / low, inverse / factor, inverse)
+        smooth = (old / wavelength - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelength < old / high) & ~(wavelength > old / low)
+        return np.where(medium, blended, scaled)
+    return inverse
+
 
 # --- norms ------------------------------------------------------------------------------------------------------
 
@@ -109,7 +232,7 @@ def positions_and_slots(module: nn.Module, shape: tuple[int, int], position_ids,
 def sliding_mask(attention_mask, slots, window: int, decode: bool):
     """The attention layers' mask for a sliding layer when decoding: key slot s is visible to the query in
     slot q iff q - window < s <= q (HF's sliding_window_overlay, on cache slots, padding slots counted) and
-    s holds a token. Without the cache the layer's own `window` keyword does this (see the model).
+    s holds a token. Without the cache the layer's own `window` keyword does this (see layer_window).
 
     Decoding uses the full cache and this mask, not the layer's O(window) rolling cache: HF's window counts
     padding slots (left or right) as positions, which a rolling cache that skips padding cannot reproduce.
@@ -122,6 +245,19 @@ def sliding_mask(attention_mask, slots, window: int, decode: bool):
     key_slots = jnp.arange(jnp.shape(attention_mask)[-1], dtype=jnp.int32)
     band = (key_slots <= slots[..., None]) & (key_slots > slots[..., None] - window)  # [B,T,L]
     return band[:, None] & key_mask(attention_mask)
+
+
+def layer_window(window: int | None, decode: bool):
+    """The attention layer's `window` keyword for HF's sliding_window W: (W - 1, 0) without the cache; None
+    when decoding, where the window is part of the mask (sliding_mask)."""
+    return None if window is None or decode else (window - 1, 0)
+
+
+def layer_masks(config: DecoderConfig, attention_mask, slots, decode: bool) -> dict:
+    """{window (or None): the attention layers' mask}, one per distinct window of the model's layers."""
+    windows = {config.window(i) for i in range(config.num_hidden_layers)}
+    return {w: key_mask(attention_mask) if w is None else sliding_mask(attention_mask, slots, w, decode)
+            for w in windows}
 
 
 # --- the stack --------------------------------------------------------------------------------------------------
@@ -150,6 +286,27 @@ def layer_stack(module: nn.Module, layer: Callable, num_layers: int, final_norm:
     return x
 
 
+def self_attention(block: Configured, x, mask, positions, decode: bool, window, **options):
+    """The causal self-attention "self_attn" of a Llama-shaped block (in its compact call): GQA, RoPE at the
+    config's frequencies, the config's biases, the layer's `window` keyword; options: the family's extras
+    (scale, logit_softcap). Its params are what attention_rows describes."""
+    c, d = block.config, block.config.dims()
+    attention = MultiHeadAttention(num_heads=d["N"], num_kv_heads=d["K"], head_dim=d["H"],
+                                   use_bias=c.attention_biases(), rope=RoPE(frequencies=c.rope_frequencies),
+                                   window=window, dtype=block.dtype, param_dtype=block.param_dtype,
+                                   precision=block.precision, name="self_attn", **options)
+    return attention(x, mask=mask, is_causal=True, rope_positions=positions, decode=decode)
+
+
+def gated_mlp(block: Configured, x, activation: Callable):
+    """HF's gate/up/down MLP, down(act(gate(x)) * up(x)), in `block`'s compact call (mlp_rows: its params)."""
+    c, d = block.config, block.config.dims()
+    dense = functools.partial(nn.Dense, use_bias=c.mlp_bias, dtype=block.dtype, param_dtype=block.param_dtype,
+                              precision=block.precision)
+    h = activation(dense(d["F"], name="gate_proj")(x)) * dense(d["F"], name="up_proj")(x)
+    return dense(d["E"], name="down_proj")(h)
+
+
 def tied_logits(x, embedding, dtype, precision):
     """x @ embedding.T: a head tied to the embeddings (nn.Embed.attend, with the model's precision)."""
     compute = dtype if dtype is not None else jnp.result_type(x, embedding)
@@ -164,6 +321,45 @@ def lm_head(module: Configured, x, embed: nn.Embed, tie: bool):
                     precision=module.precision, name="lm_head")(x)
 
 
+class CausalLM(Configured):
+    """HF's *ForCausalLM of the Llama shape: input_ids [B,T] -> logits [B,T,V] (the calling convention above).
+
+        x = scale_embeddings(embed_tokens[ids]);  x = layers_i(x), i < L;  logits = cap_logits(head(norm(x)))
+
+    A family subclasses it, naming its `Block`: called (x, mask, positions, decode, window) -> (x, {row:
+    output}), with its norms "input_layernorm" and "post_attention_layernorm", its self_attention and its
+    MLP (causal_lm_rows and mlp_rows describe them). The hooks are identities unless the family's HF model
+    scales its embeddings or caps its logits. Sows "intermediates" (layer_stack).
+    """
+
+    Block: ClassVar[type]
+
+    def max_positions(self) -> int | None:
+        return None  # rotary positions have no table to run off
+
+    def scale_embeddings(self, x):
+        return x
+
+    def cap_logits(self, logits):
+        return logits
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, decode: bool = False):
+        c, d = self.config, self.config.dims()
+        input_ids = jnp.asarray(input_ids)
+        positions, slots = positions_and_slots(self, input_ids.shape, position_ids, decode)
+        embed = nn.Embed(d["V"], d["E"], dtype=self.dtype, param_dtype=self.param_dtype, name="embed_tokens")
+        masks = layer_masks(c, attention_mask, slots, decode)
+
+        def layer(i, x):
+            block = self.Block(c, self.dtype, self.param_dtype, self.precision, name=f"layers_{i}")
+            return block(x, masks[c.window(i)], positions, decode, layer_window(c.window(i), decode))
+
+        norm = RMSNorm(c.rms_norm_eps, self.param_dtype, c.rms_norm, name="norm")
+        x = layer_stack(self, layer, c.num_hidden_layers, norm, self.scale_embeddings(embed(input_ids)))
+        return self.cap_logits(lm_head(self, x, embed, c.tie_word_embeddings))
+
+
 # --- decoding ---------------------------------------------------------------------------------------------------
 
 def empty_cache(model: nn.Module, params, *args, method=None, **kwargs):
@@ -175,3 +371,77 @@ def empty_cache(model: nn.Module, params, *args, method=None, **kwargs):
                            **kwargs)[1]["cache"]
 
     return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(cache, params))
+
+
+# --- weights: HF's names, one row per tensor (see _table) -------------------------------------------------------
+
+def causal_lm_rows(config: DecoderConfig) -> list[_table.Row]:
+    """What every Llama-shaped checkpoint holds besides its MLP: the embeddings, each layer's two norms and
+    attention (torch nn.Linear [out,in] -> our heads-split kernels), the final norm and an untied head."""
+    R, biases = _table.row, config.attention_biases()
+    return [
+        R("model.embed_tokens.weight", ("V", "E"), "embed_tokens/embedding", ("V", "E")),
+        R("model.layers.{i}.input_layernorm.weight", ("E",), "layers_{i}/input_layernorm/weight", ("E",)),
+        R("model.layers.{i}.self_attn.q_proj.weight", ("N*H", "E"),
+          "layers_{i}/self_attn/query/kernel", ("E", "N", "H"), "T_reshape"),
+        R("model.layers.{i}.self_attn.k_proj.weight", ("K*H", "E"),
+          "layers_{i}/self_attn/key/kernel", ("E", "K", "H"), "T_reshape"),
+        R("model.layers.{i}.self_attn.v_proj.weight", ("K*H", "E"),
+          "layers_{i}/self_attn/value/kernel", ("E", "K", "H"), "T_reshape"),
+        R("model.layers.{i}.self_attn.o_proj.weight", ("E", "N*H"),
+          "layers_{i}/self_attn/out/kernel", ("N", "H", "E"), "T_reshape"),
+        *_table.when("query" in biases,
+                     R("model.layers.{i}.self_attn.q_proj.bias", ("N*H",),
+                       "layers_{i}/self_attn/query/bias", ("N", "H"), "reshape")),
+        *_table.when("key" in biases,
+                     R("model.layers.{i}.self_attn.k_proj.bias", ("K*H",),
+                       "layers_{i}/self_attn/key/bias", ("K", "H"), "reshape")),
+        *_table.when("value" in biases,
+                     R("model.layers.{i}.self_attn.v_proj.bias", ("K*H",),
+                       "layers_{i}/self_attn/value/bias", ("K", "H"), "reshape")),
+        *_table.when("out" in biases,
+                     R("model.layers.{i}.self_attn.o_proj.bias", ("E",), "layers_{i}/self_attn/out/bias", ("E",))),
+        R("model.layers.{i}.post_attention_layernorm.weight", ("E",),
+          "layers_{i}/post_attention_layernorm/weight", ("E",)),
+        R("model.norm.weight", ("E",), "norm/weight", ("E",)),
+        *_table.when(not config.tie_word_embeddings,
+                     R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), "transpose")),
+    ]
+
+
+def mlp_rows(config: DecoderConfig) -> list[_table.Row]:
+    """Each layer's gate/up/down MLP (gated_mlp's params)."""
+    R = _table.row
+    return [
+        R("model.layers.{i}.mlp.gate_proj.weight", ("F", "E"), "layers_{i}/gate_proj/kernel", ("E", "F"), "transpose"),
+        R("model.layers.{i}.mlp.up_proj.weight", ("F", "E"), "layers_{i}/up_proj/kernel", ("E", "F"), "transpose"),
+        R("model.layers.{i}.mlp.down_proj.weight", ("E", "F"), "layers_{i}/down_proj/kernel", ("F", "E"), "transpose"),
+        *_table.when(config.mlp_bias,
+                     R("model.layers.{i}.mlp.gate_proj.bias", ("F",), "layers_{i}/gate_proj/bias", ("F",)),
+                     R("model.layers.{i}.mlp.up_proj.bias", ("F",), "layers_{i}/up_proj/bias", ("F",)),
+                     R("model.layers.{i}.mlp.down_proj.bias", ("E",), "layers_{i}/down_proj/bias", ("E",))),
+    ]
+
+
+def tied_copy(tensors: Mapping[str, np.ndarray], files: Mapping[str, str], source, *, tied: bool,
+              embedding: str, head: str = "lm_head.weight") -> list[str]:
+    """[head] when the checkpoint stores the tied head's copy of the embeddings (the table then skips it),
+    checked equal so that nothing is dropped silently; else []."""
+    if not tied or head not in tensors:
+        return []
+    if not np.array_equal(tensors[head], tensors.get(embedding)):
+        raise ValueError(f"{files[head]}: {head!r}: expected a copy of {embedding} (tie_word_embeddings is true "
+                         f"in {source}), got other values")
+    return [head]
+
+
+def loader(config_class, model_class, table: Callable):
+    """A from_pretrained loader for a CausalLM family: config_class.from_dict, the weights through
+    table(config) (a stored copy of a tied head checked and skipped)."""
+    def load(config: dict, tensors, files, *, dtype, precision, source):
+        parsed = config_class.from_dict(config, source)
+        ignored = tied_copy(tensors, files, source, tied=parsed.tie_word_embeddings,
+                            embedding="model.embed_tokens.weight")
+        params = _table.fill(tensors, table(parsed), parsed.dims(), files, dtype=dtype, ignored=ignored)
+        return model_class(parsed, precision=precision), params
+    return load

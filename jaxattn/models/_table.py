@@ -39,6 +39,12 @@ def row(name: str, shape: tuple[str, ...], path: str, our_shape: tuple[str, ...]
     return Row(name, shape, ((path, our_shape, transform),), optional)
 
 
+def when(condition: bool, *rows: Row) -> tuple[Row, ...]:
+    """`rows` if `condition`, else none: the tensors a checkpoint holds only in some configurations (biases,
+    an untied head), kept in the table beside the rows they go with."""
+    return rows if condition else ()
+
+
 def expand(rows, num_layers: int) -> list[Row]:
     """Rows with "{i}" repeated for every layer, the others once, in table order."""
     out = []

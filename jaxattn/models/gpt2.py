@@ -151,12 +151,8 @@ def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
     """(GPT2LMHeadModel, params) from a GPT2LMHeadModel (or bare GPT2Model) checkpoint."""
     gpt2 = GPT2Config.from_dict(config, source)
     prefix = "" if "wte.weight" in tensors else "transformer."
-    rows = weight_table(gpt2, prefix=prefix)
     ignored = [n for n in tensors if n.endswith((".attn.bias", ".attn.masked_bias"))]  # old causal-mask buffers
-    if gpt2.tie_word_embeddings and "lm_head.weight" in tensors:
-        ignored.append("lm_head.weight")
-        if not (tensors["lm_head.weight"] == tensors[prefix + "wte.weight"]).all():
-            raise ValueError(f"{files['lm_head.weight']}: 'lm_head.weight': expected a copy of "
-                             f"{prefix}wte.weight (tie_word_embeddings is true in {source}), got other values")
-    params = _table.fill(tensors, rows, gpt2.dims(), files, dtype=dtype, ignored=ignored)
+    ignored += _decoder.tied_copy(tensors, files, source, tied=gpt2.tie_word_embeddings,
+                                  embedding=prefix + "wte.weight")
+    params = _table.fill(tensors, weight_table(gpt2, prefix=prefix), gpt2.dims(), files, dtype=dtype, ignored=ignored)
     return GPT2LMHeadModel(gpt2, precision=precision), params
