@@ -114,36 +114,37 @@ class GPT2LMHeadModel(_decoder.Configured):
 
 # --- weights: one row per HF tensor (names of GPT2LMHeadModel; a bare GPT2Model has no "transformer.") -------
 
-_QKV = tuple((f"h_{{i}}/attn/{part}/kernel", ("E", "N", "H"), ("part", k, 3, 1))
-             for k, part in enumerate(("query", "key", "value")))
-_QKV_BIAS = tuple((f"h_{{i}}/attn/{part}/bias", ("N", "H"), ("part", k, 3, 0))
-                  for k, part in enumerate(("query", "key", "value")))
-_ROWS = (
-    _table.row("wte.weight", ("V", "E"), "wte/embedding", ("V", "E")),
-    _table.row("wpe.weight", ("P", "E"), "wpe/embedding", ("P", "E")),
-    _table.row("h.{i}.ln_1.weight", ("E",), "h_{i}/ln_1/scale", ("E",)),
-    _table.row("h.{i}.ln_1.bias", ("E",), "h_{i}/ln_1/bias", ("E",)),
-    _table.Row("h.{i}.attn.c_attn.weight", ("E", "3*E"), _QKV),          # Conv1D [in,out]: columns q | k | v
-    _table.Row("h.{i}.attn.c_attn.bias", ("3*E",), _QKV_BIAS),
-    _table.row("h.{i}.attn.c_proj.weight", ("N*H", "E"), "h_{i}/attn/out/kernel", ("N", "H", "E"), "reshape"),
-    _table.row("h.{i}.attn.c_proj.bias", ("E",), "h_{i}/attn/out/bias", ("E",)),
-    _table.row("h.{i}.ln_2.weight", ("E",), "h_{i}/ln_2/scale", ("E",)),
-    _table.row("h.{i}.ln_2.bias", ("E",), "h_{i}/ln_2/bias", ("E",)),
-    _table.row("h.{i}.mlp.c_fc.weight", ("E", "F"), "h_{i}/c_fc/kernel", ("E", "F")),
-    _table.row("h.{i}.mlp.c_fc.bias", ("F",), "h_{i}/c_fc/bias", ("F",)),
-    _table.row("h.{i}.mlp.c_proj.weight", ("F", "E"), "h_{i}/c_proj/kernel", ("F", "E")),
-    _table.row("h.{i}.mlp.c_proj.bias", ("E",), "h_{i}/c_proj/bias", ("E",)),
-    _table.row("ln_f.weight", ("E",), "ln_f/scale", ("E",)),
-    _table.row("ln_f.bias", ("E",), "ln_f/bias", ("E",)),
-)
-_LM_HEAD = _table.row("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), "transpose")
-
-
 def weight_table(config: GPT2Config, *, prefix: str = "transformer.") -> list[_table.Row]:
-    rows = [dataclasses.replace(r, name=prefix + r.name) for r in _table.expand(_ROWS, config.n_layer)]
-    if config.tie_word_embeddings:  # save_pretrained drops the tied copy; one that is present must equal wte
-        return rows
-    return rows + [_LM_HEAD]
+    """HF's names (after `prefix`) -> our params. Conv1D stores [in,out], Flax's Dense layout already."""
+    R = _table.row
+    rows = _table.expand([
+        R("wte.weight", ("V", "E"), "wte/embedding", ("V", "E")),
+        R("wpe.weight", ("P", "E"), "wpe/embedding", ("P", "E")),
+        R("h.{i}.ln_1.weight", ("E",), "h_{i}/ln_1/scale", ("E",)),
+        R("h.{i}.ln_1.bias", ("E",), "h_{i}/ln_1/bias", ("E",)),
+        _table.Row("h.{i}.attn.c_attn.weight", ("E", "3*E"), (  # columns q | k | v
+            ("h_{i}/attn/query/kernel", ("E", "N", "H"), ("part", 0, 3, 1)),
+            ("h_{i}/attn/key/kernel", ("E", "N", "H"), ("part", 1, 3, 1)),
+            ("h_{i}/attn/value/kernel", ("E", "N", "H"), ("part", 2, 3, 1)))),
+        _table.Row("h.{i}.attn.c_attn.bias", ("3*E",), (
+            ("h_{i}/attn/query/bias", ("N", "H"), ("part", 0, 3, 0)),
+            ("h_{i}/attn/key/bias", ("N", "H"), ("part", 1, 3, 0)),
+            ("h_{i}/attn/value/bias", ("N", "H"), ("part", 2, 3, 0)))),
+        R("h.{i}.attn.c_proj.weight", ("N*H", "E"), "h_{i}/attn/out/kernel", ("N", "H", "E"), "reshape"),
+        R("h.{i}.attn.c_proj.bias", ("E",), "h_{i}/attn/out/bias", ("E",)),
+        R("h.{i}.ln_2.weight", ("E",), "h_{i}/ln_2/scale", ("E",)),
+        R("h.{i}.ln_2.bias", ("E",), "h_{i}/ln_2/bias", ("E",)),
+        R("h.{i}.mlp.c_fc.weight", ("E", "F"), "h_{i}/c_fc/kernel", ("E", "F")),
+        R("h.{i}.mlp.c_fc.bias", ("F",), "h_{i}/c_fc/bias", ("F",)),
+        R("h.{i}.mlp.c_proj.weight", ("F", "E"), "h_{i}/c_proj/kernel", ("F", "E")),
+        R("h.{i}.mlp.c_proj.bias", ("E",), "h_{i}/c_proj/bias", ("E",)),
+        R("ln_f.weight", ("E",), "ln_f/scale", ("E",)),
+        R("ln_f.bias", ("E",), "ln_f/bias", ("E",)),
+    ], config.n_layer)
+    # save_pretrained drops a tied head's copy; one that is present must equal wte (see load_pretrained)
+    head = _table.when(not config.tie_word_embeddings,
+                       R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), "transpose"))
+    return _table.prefixed(rows, prefix) + list(head)
 
 
 @_pretrained.register_family("gpt2")

@@ -235,43 +235,70 @@ def _decode_step(model, params, cache, token, encoder_output, attention_mask, sl
 
 # --- weights --------------------------------------------------------------------------------------------------
 
-def _attention_rows(hf: str, ours: str) -> tuple:
-    return (
-        _table.row(f"{hf}.q.weight", ("N*H", "E"), f"{ours}/query/kernel", ("E", "N", "H"), "T_reshape"),
-        _table.row(f"{hf}.k.weight", ("N*H", "E"), f"{ours}/key/kernel", ("E", "N", "H"), "T_reshape"),
-        _table.row(f"{hf}.v.weight", ("N*H", "E"), f"{ours}/value/kernel", ("E", "N", "H"), "T_reshape"),
-        _table.row(f"{hf}.o.weight", ("E", "N*H"), f"{ours}/out/kernel", ("N", "H", "E"), "T_reshape"),
-    )
-
-
-def _ff_rows(hf: str, ours: str, gated: bool) -> tuple:
-    wi = (("wi_0", "wi_1") if gated else ("wi",))
-    return tuple(_table.row(f"{hf}.DenseReluDense.{w}.weight", ("F", "E"), f"{ours}/ff/{w}/kernel", ("E", "F"),
-                            "transpose") for w in wi) + (
-        _table.row(f"{hf}.DenseReluDense.wo.weight", ("E", "F"), f"{ours}/ff/wo/kernel", ("F", "E"), "transpose"),
-        _table.row(f"{hf}.layer_norm.weight", ("E",), f"{ours}/ff_norm/weight", ("E",)))
-
-
 def weight_table(config: T5Config, *, lm_head: bool) -> list[_table.Row]:
-    rows = [_table.row("shared.weight", ("V", "E"), "shared/embedding", ("V", "E"))]
-    for stack, layers in (("encoder", config.num_layers), ("decoder", config.decoder_layers)):
-        rows.append(_table.row(f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", ("R", "N"),
-                               f"{stack}/relative_attention_bias", ("R", "N")))
-        for i in range(layers):
-            hf, ours = f"{stack}.block.{i}.layer", f"{stack}/block_{i}"
-            rows += _attention_rows(f"{hf}.0.SelfAttention", f"{ours}/self_attention")
-            rows.append(_table.row(f"{hf}.0.layer_norm.weight", ("E",), f"{ours}/self_attention_norm/weight", ("E",)))
-            ff = f"{hf}.1"
-            if stack == "decoder":
-                rows += _attention_rows(f"{hf}.1.EncDecAttention", f"{ours}/cross_attention")
-                rows.append(_table.row(f"{hf}.1.layer_norm.weight", ("E",), f"{ours}/cross_attention_norm/weight",
-                                       ("E",)))
-                ff = f"{hf}.2"
-            rows += _ff_rows(ff, ours, config.is_gated_act)
-        rows.append(_table.row(f"{stack}.final_layer_norm.weight", ("E",), f"{stack}/final_layer_norm/weight", ("E",)))
-    if lm_head:
-        rows.append(_table.row("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), "transpose"))
-    return rows
+    """HF's names -> our params. Each stack keeps its one relative table in block 0; a decoder block's
+    cross-attention (layer.1) comes before its FF (layer.2)."""
+    R, gated = _table.row, config.is_gated_act
+    encoder = _table.expand([
+        R("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", ("R", "N"),
+          "encoder/relative_attention_bias", ("R", "N")),
+        R("encoder.block.{i}.layer.0.SelfAttention.q.weight", ("N*H", "E"),
+          "encoder/block_{i}/self_attention/query/kernel", ("E", "N", "H"), "T_reshape"),
+        R("encoder.block.{i}.layer.0.SelfAttention.k.weight", ("N*H", "E"),
+          "encoder/block_{i}/self_attention/key/kernel", ("E", "N", "H"), "T_reshape"),
+        R("encoder.block.{i}.layer.0.SelfAttention.v.weight", ("N*H", "E"),
+          "encoder/block_{i}/self_attention/value/kernel", ("E", "N", "H"), "T_reshape"),
+        R("encoder.block.{i}.layer.0.SelfAttention.o.weight", ("E", "N*H"),
+          "encoder/block_{i}/self_attention/out/kernel", ("N", "H", "E"), "T_reshape"),
+        R("encoder.block.{i}.layer.0.layer_norm.weight", ("E",),
+          "encoder/block_{i}/self_attention_norm/weight", ("E",)),
+        *_table.when(gated, R("encoder.block.{i}.layer.1.DenseReluDense.wi_0.weight", ("F", "E"),
+                              "encoder/block_{i}/ff/wi_0/kernel", ("E", "F"), "transpose"),
+                     R("encoder.block.{i}.layer.1.DenseReluDense.wi_1.weight", ("F", "E"),
+                       "encoder/block_{i}/ff/wi_1/kernel", ("E", "F"), "transpose")),
+        *_table.when(not gated, R("encoder.block.{i}.layer.1.DenseReluDense.wi.weight", ("F", "E"),
+                                  "encoder/block_{i}/ff/wi/kernel", ("E", "F"), "transpose")),
+        R("encoder.block.{i}.layer.1.DenseReluDense.wo.weight", ("E", "F"),
+          "encoder/block_{i}/ff/wo/kernel", ("F", "E"), "transpose"),
+        R("encoder.block.{i}.layer.1.layer_norm.weight", ("E",), "encoder/block_{i}/ff_norm/weight", ("E",)),
+        R("encoder.final_layer_norm.weight", ("E",), "encoder/final_layer_norm/weight", ("E",)),
+    ], config.num_layers)
+    decoder = _table.expand([
+        R("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", ("R", "N"),
+          "decoder/relative_attention_bias", ("R", "N")),
+        R("decoder.block.{i}.layer.0.SelfAttention.q.weight", ("N*H", "E"),
+          "decoder/block_{i}/self_attention/query/kernel", ("E", "N", "H"), "T_reshape"),
+        R("decoder.block.{i}.layer.0.SelfAttention.k.weight", ("N*H", "E"),
+          "decoder/block_{i}/self_attention/key/kernel", ("E", "N", "H"), "T_reshape"),
+        R("decoder.block.{i}.layer.0.SelfAttention.v.weight", ("N*H", "E"),
+          "decoder/block_{i}/self_attention/value/kernel", ("E", "N", "H"), "T_reshape"),
+        R("decoder.block.{i}.layer.0.SelfAttention.o.weight", ("E", "N*H"),
+          "decoder/block_{i}/self_attention/out/kernel", ("N", "H", "E"), "T_reshape"),
+        R("decoder.block.{i}.layer.0.layer_norm.weight", ("E",),
+          "decoder/block_{i}/self_attention_norm/weight", ("E",)),
+        R("decoder.block.{i}.layer.1.EncDecAttention.q.weight", ("N*H", "E"),
+          "decoder/block_{i}/cross_attention/query/kernel", ("E", "N", "H"), "T_reshape"),
+        R("decoder.block.{i}.layer.1.EncDecAttention.k.weight", ("N*H", "E"),
+          "decoder/block_{i}/cross_attention/key/kernel", ("E", "N", "H"), "T_reshape"),
+        R("decoder.block.{i}.layer.1.EncDecAttention.v.weight", ("N*H", "E"),
+          "decoder/block_{i}/cross_attention/value/kernel", ("E", "N", "H"), "T_reshape"),
+        R("decoder.block.{i}.layer.1.EncDecAttention.o.weight", ("E", "N*H"),
+          "decoder/block_{i}/cross_attention/out/kernel", ("N", "H", "E"), "T_reshape"),
+        R("decoder.block.{i}.layer.1.layer_norm.weight", ("E",),
+          "decoder/block_{i}/cross_attention_norm/weight", ("E",)),
+        *_table.when(gated, R("decoder.block.{i}.layer.2.DenseReluDense.wi_0.weight", ("F", "E"),
+                              "decoder/block_{i}/ff/wi_0/kernel", ("E", "F"), "transpose"),
+                     R("decoder.block.{i}.layer.2.DenseReluDense.wi_1.weight", ("F", "E"),
+                       "decoder/block_{i}/ff/wi_1/kernel", ("E", "F"), "transpose")),
+        *_table.when(not gated, R("decoder.block.{i}.layer.2.DenseReluDense.wi.weight", ("F", "E"),
+                                  "decoder/block_{i}/ff/wi/kernel", ("E", "F"), "transpose")),
+        R("decoder.block.{i}.layer.2.DenseReluDense.wo.weight", ("E", "F"),
+          "decoder/block_{i}/ff/wo/kernel", ("F", "E"), "transpose"),
+        R("decoder.block.{i}.layer.2.layer_norm.weight", ("E",), "decoder/block_{i}/ff_norm/weight", ("E",)),
+        R("decoder.final_layer_norm.weight", ("E",), "decoder/final_layer_norm/weight", ("E",)),
+    ], config.decoder_layers)
+    return [R("shared.weight", ("V", "E"), "shared/embedding", ("V", "E")), *encoder, *decoder,
+            *_table.when(lm_head, R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), "transpose"))]
 
 
 @_pretrained.register_family("t5")
