@@ -172,6 +172,9 @@ class RMSNorm(nn.Module):
         "llama"  LlamaRMSNorm (Qwen2, Mistral):  weight * normed.astype(x.dtype)
         "gemma"  Gemma2RMSNorm:                   (normed * (1 + weight)).astype(x.dtype), weight from 0
         "t5"     T5LayerNorm:                     weight * normed, normed cast to a half weight's dtype first
+
+    HF's code takes the statistics in float32 for float64 inputs too; crosscheck's float64 reference lifts
+    that (crosscheck._hf_models.float64_reference), so float64 here means float64 throughout.
     """
 
     epsilon: float
