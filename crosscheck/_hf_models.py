@@ -103,7 +103,7 @@ _FLOAT32_ROTARY = ("LlamaRotaryEmbedding", "Qwen2RotaryEmbedding", "MistralRotar
 def _rotary_in_input_precision(self, x, position_ids):
     import torch
 
-    from jaxattn.models.llama import rope_frequencies
+    from jaxattn.models import rope_frequencies
 
     config = self.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

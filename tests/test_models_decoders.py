@@ -192,7 +192,7 @@ def test_rope_frequencies_equal_transformers(rope):
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from jaxattn.models.llama import rope_frequencies
+    from jaxattn.models import rope_frequencies
 
     config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=256,
                                       rope_parameters=rope)

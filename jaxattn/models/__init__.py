@@ -5,6 +5,11 @@
     ids = jaxattn.models.generate(model, params, input_ids, max_new_tokens=32, attention_mask=attention_mask)
 
     from jaxattn.models import BertConfig, BertModel, bert_params_from_state_dict, mean_pooling
+    jaxattn.models.rope_frequencies(config, head_dim)         # HF's rope settings -> inverse frequencies
+
+Each family module (bert, gpt2, t5, llama, gemma2) is its config parsing, its block and its weight table;
+what they share (the layer stack, the causal-LM wrapper, norms, heads, masks, the decode cache, loading) is
+in _decoder.py, and the one weight-table format with its filler in _table.py.
 """
 
 from . import bert as _bert_family  # noqa: F401  (each family module registers its model_type)
@@ -12,6 +17,7 @@ from . import gemma2 as _gemma2_family  # noqa: F401
 from . import gpt2 as _gpt2_family  # noqa: F401
 from . import llama as _llama_family  # noqa: F401  (llama, mistral and qwen2)
 from . import t5 as _t5_family  # noqa: F401
+from ._decoder import rope_frequencies as rope_frequencies
 from ._generate import generate as generate
 from ._pretrained import from_pretrained as from_pretrained
 from ._pretrained import from_state_dict as from_state_dict
@@ -23,4 +29,4 @@ from .bert import params_from_state_dict as bert_params_from_state_dict
 from .bert import state_dict_names as bert_state_dict_names
 
 __all__ = ["BertConfig", "BertModel", "bert_params_from_state_dict", "bert_state_dict_names", "from_pretrained",
-           "from_state_dict", "generate", "mean_pooling", "supported_model_types"]
+           "from_state_dict", "generate", "mean_pooling", "rope_frequencies", "supported_model_types"]

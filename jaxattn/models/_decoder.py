@@ -1,4 +1,14 @@
-"""What the decoder-only families share: masks and positions, with and without the decode cache.
+"""The base every family module reads, so that a family is its config parsing, its block and its weight table.
+
+    configs     DecoderConfig (the fields of HF's Llama-shaped configs), checked_window, layer_windows,
+                rope_frequencies
+    norms       RMSNorm (HF's three roundings), layer_norm
+    masks       key_mask, positions / positions_and_slots, sliding_mask
+    the stack   Configured (a module's config and dtypes), layer_stack (blocks in turn, each one's outputs
+                sown), self_attention and gated_mlp (the Llama-shaped block's parts), lm_head / tied_logits
+    CausalLM    HF's *ForCausalLM: embed_tokens -> layers_{i} -> norm -> lm_head; a family names its Block
+    decoding    empty_cache
+    weights     causal_lm_rows and mlp_rows (HF's names, spelled out), tied_copy, loader
 
 Calling convention of every decoder-only model here (GPT-2, Llama, Mistral, Qwen2, Gemma 2):
 
@@ -12,19 +22,191 @@ Calling convention of every decoder-only model here (GPT-2, Llama, Mistral, Qwen
         the window to the slots as a mask); position_ids default: the slots they land in.
 
 Padding is masked as keys only; a padded query position's output is not meaningful (HF's is not either).
+Every model sows its layers' outputs in "intermediates" (see layer_stack), which crosscheck.layer_report
+aligns with the torch model's.
+
+    V vocab  E hidden  N heads  K key/value heads  H head dim  F intermediate
 """
 
 from __future__ import annotations
 
-import flax.linen as nn
-import jax.numpy as jnp
+import dataclasses
+import functools
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, ClassVar
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ..linen import MultiHeadAttention, RoPE
+from . import _pretrained, _table
+
+# --- configs ----------------------------------------------------------------------------------------------------
+
+LAYER_TYPES = ("sliding_attention", "full_attention")
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """The fields HF's Llama-shaped configs share (names as in config.json; defaults: Llama's). A family
+    subclasses it with its own fields and a from_dict that refuses what it does not implement."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False       # a bias on q, k, v and o
+    mlp_bias: bool = False
+    rope_frequencies: tuple = ()       # the inverse frequencies [H/2] (rope_frequencies of the config)
+    windows: tuple = ()                # per layer: HF's sliding_window W (the query and W - 1 before) or None
+
+    rms_norm: ClassVar[str] = "llama"  # which of HF's RMS norms the family's layers use (see RMSNorm)
+
+    @classmethod
+    def parse(cls, config: Mapping[str, Any], source, *, nullable=(), **derived):
+        """cls from the config.json keys named as its fields (null: the field's default, unless the key is
+        in `nullable`), the fields the family derives, and the rope frequencies of the config's rope settings.
+        A head_dim that is neither given nor hidden_size / num_attention_heads is refused."""
+        fields = {f.name for f in dataclasses.fields(cls)} - set(derived) - {"rope_frequencies"}
+        parsed = cls(**{k: v for k, v in config.items() if k in fields and (v is not None or k in nullable)},
+                     **derived)
+        if parsed.hidden_size % parsed.num_attention_heads and parsed.head_dim is None:
+            _pretrained.refuse(source, "head_dim", "given, or hidden_size divisible by "
+                               f"num_attention_heads={parsed.num_attention_heads}", None)
+        frequencies = rope_frequencies(config, parsed.dims()["H"], source)
+        return dataclasses.replace(parsed, rope_frequencies=tuple(frequencies))
+
+    def window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
+
+    def attention_biases(self) -> tuple[str, ...]:
+        """The attention projections that carry a bias (the layer's use_bias): all four with attention_bias."""
+        return ("query", "key", "value", "out") if self.attention_bias else ()
+
+    def dims(self) -> dict[str, int]:
+        N = self.num_attention_heads
+        return {"V": self.vocab_size, "E": self.hidden_size, "N": N, "K": self.num_key_value_heads or N,
+                "H": self.head_dim or self.hidden_size // N, "F": self.intermediate_size}
+
+
+def checked_window(window, source, expected: str) -> int:
+    """HF's sliding_window W, refused by name unless an int >= 1."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        _pretrained.refuse(source, "sliding_window", expected, window)
+    return window
+
+
+def layer_windows(types, window, num_layers: int, source, *, why: str) -> tuple:
+    """HF's layer_types -> per layer: the sliding window W ("sliding_attention") or None ("full_attention").
+    Refuses other kinds, a count other than num_layers, and a W that is not an int >= 1 when a layer slides."""
+    if len(types) != num_layers or not set(types) <= set(LAYER_TYPES):
+        _pretrained.refuse(source, "layer_types", f"{num_layers} entries among {list(LAYER_TYPES)}", types)
+    if "sliding_attention" in types:
+        checked_window(window, source, f"an int >= 1 ({why})")
+    return tuple(window if kind == "sliding_attention" else None for kind in types)
+
+
+def rope_parameters(config: Mapping[str, Any]) -> dict:
+    """HF's rope settings: rope_parameters (transformers >= 5), else rope_scaling + rope_theta (v4)."""
+    if config.get("rope_parameters"):
+        return dict(config["rope_parameters"])
+    scaling = dict(config.get("rope_scaling") or {})
+    scaling.setdefault("rope_type", scaling.pop("type", "default"))
+    return {"rope_theta": config.get("rope_theta", 10000.0), **scaling}
+
+
+def rope_frequencies(config: Mapping[str, Any], head_dim: int, source="config") -> np.ndarray:
+    """float64 inverse frequencies [head_dim/2] for HF's rope types "default", "linear" and "llama3".
+
+    default: theta_k = base^(-2k/H); linear: theta_k / factor; llama3: long wavelengths divided by factor,
+    short ones kept, a smooth blend between (HF's _compute_llama3_parameters, in float64).
+    """
+    rope = rope_parameters(config)
+    kind = rope.get("rope_type", "default")
+    if kind not in ROPE_TYPES:
+        _pretrained.refuse(source, "rope_parameters['rope_type']", f"one of {list(ROPE_TYPES)}", kind)
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        _pretrained.refuse(source, "rope_parameters['partial_rotary_factor']", "1.0", rope["partial_rotary_factor"])
+    if rope.get("attention_factor") not in (None, 1.0):
+        _pretrained.refuse(source, "rope_parameters['attention_factor']", "1.0 (or unset)", rope["attention_factor"])
+    base = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    inverse = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    if kind == "linear":
+        return inverse / float(rope["factor"])
+    if kind == "llama3":
+        factor, low, high = (float(rope[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+        old = float(rope["original_max_position_embeddings"])
+        wavelength = 2 * math.pi / inverse
+        scaled = np.where(wavelength > old / low, inverse / factor, inverse)
+        smooth = (old / wavelength - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = ~(wavelength < old / high) & ~(wavelength > old / low)
+        return np.where(medium, blended, scaled)
+    return inverse
+
+
+# --- norms ------------------------------------------------------------------------------------------------------
+
+RMS_NORMS = ("llama", "gemma", "t5")
+
+
+def rms_normalize(x, epsilon: float):
+    """x * rsqrt(mean(x^2) + eps) over the last axis, computed in float32 or wider (returned so)."""
+    wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
+    return wide * jax.lax.rsqrt(jnp.mean(wide * wide, -1, keepdims=True) + epsilon)
+
+
+class RMSNorm(nn.Module):
+    """HF's RMS norms: the statistics in float32 or wider, then a learned scale; they differ in where they
+    round back, which decides bf16 results bit for bit, so `kind` names the one to reproduce:
+
+        "llama"  LlamaRMSNorm (Qwen2, Mistral):  weight * normed.astype(x.dtype)
+        "gemma"  Gemma2RMSNorm:                   (normed * (1 + weight)).astype(x.dtype), weight from 0
+        "t5"     T5LayerNorm:                     weight * normed, normed cast to a half weight's dtype first
+
+    HF's code takes the statistics in float32 for float64 inputs too; crosscheck's float64 reference lifts
+    that (crosscheck._hf_models.float64_reference), so float64 here means float64 throughout.
+    """
+
+    epsilon: float
+    param_dtype: Any = jnp.float32
+    kind: str = "llama"
+
+    @nn.compact
+    def __call__(self, x):
+        if self.kind not in RMS_NORMS:
+            raise ValueError(f"kind: expected one of {list(RMS_NORMS)}, got {self.kind!r}")
+        init = nn.initializers.zeros if self.kind == "gemma" else nn.initializers.ones
+        weight = self.param("weight", init, (x.shape[-1],), self.param_dtype)
+        normed = rms_normalize(x, self.epsilon)
+        if self.kind == "gemma":
+            return (normed * (1.0 + weight.astype(normed.dtype))).astype(x.dtype)
+        if self.kind == "t5":
+            return weight * (normed.astype(weight.dtype) if weight.dtype in (jnp.bfloat16, jnp.float16) else normed)
+        return weight * normed.astype(x.dtype)
+
+
+def layer_norm(epsilon: float, dtype, param_dtype, name: str) -> nn.LayerNorm:
+    """torch's LayerNorm: the variance as mean((x - mean)^2); flax's fast E[x^2] - E[x]^2 loses digits."""
+    return nn.LayerNorm(epsilon=epsilon, use_fast_variance=False, dtype=dtype, param_dtype=param_dtype, name=name)
+
+
+# --- masks and positions ----------------------------------------------------------------------------------------
 
 def key_mask(attention_mask):
-    """[B,S] (1 = token) -> the attention layers' mask [B,1,1,S] (True = may attend), or None."""
+    """[...,S] (1 = token) -> the attention layers' mask [...,1,1,S] (True = may attend), or None."""
     if attention_mask is None:
         return None
-    return jnp.asarray(attention_mask).astype(bool)[:, None, None, :]
+    return jnp.asarray(attention_mask).astype(bool)[..., None, None, :]
 
 
 def positions(module: nn.Module, shape: tuple[int, int], position_ids, decode: bool):
@@ -53,7 +235,7 @@ def positions_and_slots(module: nn.Module, shape: tuple[int, int], position_ids,
 def sliding_mask(attention_mask, slots, window: int, decode: bool):
     """The attention layers' mask for a sliding layer when decoding: key slot s is visible to the query in
     slot q iff q - window < s <= q (HF's sliding_window_overlay, on cache slots, padding slots counted) and
-    s holds a token. Without the cache the layer's own `window` keyword does this (see the model).
+    s holds a token. Without the cache the layer's own `window` keyword does this (see layer_window).
 
     Decoding uses the full cache and this mask, not the layer's O(window) rolling cache: HF's window counts
     padding slots (left or right) as positions, which a rolling cache that skips padding cannot reproduce.
@@ -68,12 +250,201 @@ def sliding_mask(attention_mask, slots, window: int, decode: bool):
     return band[:, None] & key_mask(attention_mask)
 
 
-def final_logits(module: nn.Module, x, embed: nn.Embed, vocab_size: int, tie: bool, *, dtype, param_dtype,
-                 precision):
-    """The LM head: x @ embedding.T when the embeddings are tied, else its own bias-free Dense."""
-    if tie:  # embed.attend, with the model's precision
-        compute = dtype if dtype is not None else jnp.result_type(x, embed.embedding)
-        return jnp.einsum("...e,ve->...v", x.astype(compute), jnp.asarray(embed.embedding, compute),
-                          precision=precision)
-    return nn.Dense(vocab_size, use_bias=False, dtype=dtype, param_dtype=param_dtype, precision=precision,
-                    name="lm_head")(x)
+def layer_window(window: int | None, decode: bool):
+    """The attention layer's `window` keyword for HF's sliding_window W: (W - 1, 0) without the cache; None
+    when decoding, where the window is part of the mask (sliding_mask)."""
+    return None if window is None or decode else (window - 1, 0)
+
+
+def layer_masks(config: DecoderConfig, attention_mask, slots, decode: bool) -> dict:
+    """{window (or None): the attention layers' mask}, one per distinct window of the model's layers."""
+    windows = {config.window(i) for i in range(config.num_hidden_layers)}
+    return {w: key_mask(attention_mask) if w is None else sliding_mask(attention_mask, slots, w, decode)
+            for w in windows}
+
+
+# --- the stack --------------------------------------------------------------------------------------------------
+
+class Configured(nn.Module):
+    """What every model and block of the families takes: its config and flax's dtype options."""
+
+    config: Any
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+
+
+def layer_stack(module: nn.Module, layer: Callable, num_layers: int, final_norm: nn.Module, x):
+    """x through the blocks and the final norm, inside `module`'s compact call; layer(i, x) -> (x, {row: output})
+    runs block i. Sows in "intermediates" the rows crosscheck.layer_report aligns: "embeddings" (x as it
+    comes in), each block's "layer{i}.{row}" and "layer{i}.residual" (the stream after it), "final_norm"."""
+    module.sow("intermediates", "embeddings", x)
+    for i in range(num_layers):
+        x, rows = layer(i, x)
+        for name, value in rows.items():
+            module.sow("intermediates", f"layer{i}.{name}", value)
+        module.sow("intermediates", f"layer{i}.residual", x)
+    x = final_norm(x)
+    module.sow("intermediates", "final_norm", x)
+    return x
+
+
+def self_attention(block: Configured, x, mask, positions, decode: bool, window, **options):
+    """The causal self-attention "self_attn" of a Llama-shaped block (in its compact call): GQA, RoPE at the
+    config's frequencies, the config's biases, the layer's `window` keyword; options: the family's extras
+    (scale, logit_softcap). Its params are what attention_rows describes."""
+    c, d = block.config, block.config.dims()
+    attention = MultiHeadAttention(num_heads=d["N"], num_kv_heads=d["K"], head_dim=d["H"],
+                                   use_bias=c.attention_biases(), rope=RoPE(frequencies=c.rope_frequencies),
+                                   window=window, dtype=block.dtype, param_dtype=block.param_dtype,
+                                   precision=block.precision, name="self_attn", **options)
+    return attention(x, mask=mask, is_causal=True, rope_positions=positions, decode=decode)
+
+
+def gated_mlp(block: Configured, x, activation: Callable):
+    """HF's gate/up/down MLP, down(act(gate(x)) * up(x)), in `block`'s compact call (mlp_rows: its params)."""
+    c, d = block.config, block.config.dims()
+    dense = functools.partial(nn.Dense, use_bias=c.mlp_bias, dtype=block.dtype, param_dtype=block.param_dtype,
+                              precision=block.precision)
+    h = activation(dense(d["F"], name="gate_proj")(x)) * dense(d["F"], name="up_proj")(x)
+    return dense(d["E"], name="down_proj")(h)
+
+
+def tied_logits(x, embedding, dtype, precision):
+    """x @ embedding.T: a head tied to the embeddings (nn.Embed.attend, with the model's precision)."""
+    compute = dtype if dtype is not None else jnp.result_type(x, embedding)
+    return jnp.einsum("...e,ve->...v", x.astype(compute), jnp.asarray(embedding, compute), precision=precision)
+
+
+def lm_head(module: Configured, x, embed: nn.Embed, tie: bool):
+    """The LM head in `module`'s compact call: tied to `embed`, else its own bias-free Dense "lm_head"."""
+    if tie:
+        return tied_logits(x, embed.embedding, module.dtype, module.precision)
+    return nn.Dense(embed.num_embeddings, use_bias=False, dtype=module.dtype, param_dtype=module.param_dtype,
+                    precision=module.precision, name="lm_head")(x)
+
+
+class CausalLM(Configured):
+    """HF's *ForCausalLM of the Llama shape: input_ids [B,T] -> logits [B,T,V] (the calling convention above).
+
+        x = scale_embeddings(embed_tokens[ids]);  x = layers_i(x), i < L;  logits = cap_logits(head(norm(x)))
+
+    A family subclasses it, naming its `Block`: called (x, mask, positions, decode, window) -> (x, {row:
+    output}), with its norms "input_layernorm" and "post_attention_layernorm", its self_attention and its
+    MLP (causal_lm_rows and mlp_rows describe them). The hooks are identities unless the family's HF model
+    scales its embeddings or caps its logits. Sows "intermediates" (layer_stack).
+    """
+
+    Block: ClassVar[type]
+
+    def max_positions(self) -> int | None:
+        return None  # rotary positions have no table to run off
+
+    def scale_embeddings(self, x):
+        return x
+
+    def cap_logits(self, logits):
+        return logits
+
+    @nn.compact
+    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, decode: bool = False):
+        c, d = self.config, self.config.dims()
+        input_ids = jnp.asarray(input_ids)
+        positions, slots = positions_and_slots(self, input_ids.shape, position_ids, decode)
+        embed = nn.Embed(d["V"], d["E"], dtype=self.dtype, param_dtype=self.param_dtype, name="embed_tokens")
+        masks = layer_masks(c, attention_mask, slots, decode)
+
+        def layer(i, x):
+            block = self.Block(c, self.dtype, self.param_dtype, self.precision, name=f"layers_{i}")
+            return block(x, masks[c.window(i)], positions, decode, layer_window(c.window(i), decode))
+
+        norm = RMSNorm(c.rms_norm_eps, self.param_dtype, c.rms_norm, name="norm")
+        x = layer_stack(self, layer, c.num_hidden_layers, norm, self.scale_embeddings(embed(input_ids)))
+        return self.cap_logits(lm_head(self, x, embed, c.tie_word_embeddings))
+
+
+# --- decoding ---------------------------------------------------------------------------------------------------
+
+def empty_cache(model: nn.Module, params, *args, method=None, **kwargs):
+    """The "cache" collection that model.apply({"params": params}, *args, decode=True, method=method,
+    **kwargs) fills, all zeros: its shapes for those arguments (jax.eval_shape, nothing is computed), its
+    dtype the one the model computes in with these params (a cache never casts silently)."""
+    def cache(params):
+        return model.apply({"params": params}, *args, decode=True, method=method, mutable=["cache"],
+                           **kwargs)[1]["cache"]
+
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(cache, params))
+
+
+# --- weights: HF's names, one row per tensor (see _table) -------------------------------------------------------
+
+def causal_lm_rows(config: DecoderConfig) -> list[_table.Row]:
+    """What every Llama-shaped checkpoint holds besides its MLP: the embeddings, each layer's two norms and
+    attention (torch nn.Linear [out,in] -> our heads-split kernels), the final norm and an untied head."""
+    R, biases = _table.row, config.attention_biases()
+    return [
+        R("model.embed_tokens.weight", ("V", "E"), "embed_tokens/embedding", ("V", "E")),
+        R("model.layers.{i}.input_layernorm.weight", ("E",), "layers_{i}/input_layernorm/weight", ("E",)),
+        R("model.layers.{i}.self_attn.q_proj.weight", ("N*H", "E"),
+          "layers_{i}/self_attn/query/kernel", ("E", "N", "H"), "T_reshape"),
+        R("model.layers.{i}.self_attn.k_proj.weight", ("K*H", "E"),
+          "layers_{i}/self_attn/key/kernel", ("E", "K", "H"), "T_reshape"),
+        R("model.layers.{i}.self_attn.v_proj.weight", ("K*H", "E"),
+          "layers_{i}/self_attn/value/kernel", ("E", "K", "H"), "T_reshape"),
+        R("model.layers.{i}.self_attn.o_proj.weight", ("E", "N*H"),
+          "layers_{i}/self_attn/out/kernel", ("N", "H", "E"), "T_reshape"),
+        *_table.when("query" in biases,
+                     R("model.layers.{i}.self_attn.q_proj.bias", ("N*H",),
+                       "layers_{i}/self_attn/query/bias", ("N", "H"), "reshape")),
+        *_table.when("key" in biases,
+                     R("model.layers.{i}.self_attn.k_proj.bias", ("K*H",),
+                       "layers_{i}/self_attn/key/bias", ("K", "H"), "reshape")),
+        *_table.when("value" in biases,
+                     R("model.layers.{i}.self_attn.v_proj.bias", ("K*H",),
+                       "layers_{i}/self_attn/value/bias", ("K", "H"), "reshape")),
+        *_table.when("out" in biases,
+                     R("model.layers.{i}.self_attn.o_proj.bias", ("E",), "layers_{i}/self_attn/out/bias", ("E",))),
+        R("model.layers.{i}.post_attention_layernorm.weight", ("E",),
+          "layers_{i}/post_attention_layernorm/weight", ("E",)),
+        R("model.norm.weight", ("E",), "norm/weight", ("E",)),
+        *_table.when(not config.tie_word_embeddings,
+                     R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), "transpose")),
+    ]
+
+
+def mlp_rows(config: DecoderConfig) -> list[_table.Row]:
+    """Each layer's gate/up/down MLP (gated_mlp's params)."""
+    R = _table.row
+    return [
+        R("model.layers.{i}.mlp.gate_proj.weight", ("F", "E"), "layers_{i}/gate_proj/kernel", ("E", "F"), "transpose"),
+        R("model.layers.{i}.mlp.up_proj.weight", ("F", "E"), "layers_{i}/up_proj/kernel", ("E", "F"), "transpose"),
+        R("model.layers.{i}.mlp.down_proj.weight", ("E", "F"), "layers_{i}/down_proj/kernel", ("F", "E"), "transpose"),
+        *_table.when(config.mlp_bias,
+                     R("model.layers.{i}.mlp.gate_proj.bias", ("F",), "layers_{i}/gate_proj/bias", ("F",)),
+                     R("model.layers.{i}.mlp.up_proj.bias", ("F",), "layers_{i}/up_proj/bias", ("F",)),
+                     R("model.layers.{i}.mlp.down_proj.bias", ("E",), "layers_{i}/down_proj/bias", ("E",))),
+    ]
+
+
+def tied_copy(tensors: Mapping[str, np.ndarray], files: Mapping[str, str], source, *, tied: bool,
+              embedding: str, head: str = "lm_head.weight") -> list[str]:
+    """[head] when the checkpoint stores the tied head's copy of the embeddings (the table then skips it),
+    checked equal so that nothing is dropped silently; else []."""
+    if not tied or head not in tensors:
+        return []
+    if not np.array_equal(tensors[head], tensors.get(embedding)):
+        raise ValueError(f"{files[head]}: {head!r}: expected a copy of {embedding} (tie_word_embeddings is true "
+                         f"in {source}), got other values")
+    return [head]
+
+
+def loader(config_class, model_class, table: Callable):
+    """A from_pretrained loader for a CausalLM family: config_class.from_dict, the weights through
+    table(config) (a stored copy of a tied head checked and skipped)."""
+    def load(config: dict, tensors, files, *, dtype, precision, source):
+        parsed = config_class.from_dict(config, source)
+        ignored = tied_copy(tensors, files, source, tied=parsed.tie_word_embeddings,
+                            embedding="model.embed_tokens.weight")
+        params = _table.fill(tensors, table(parsed), parsed.dims(), files, dtype=dtype, ignored=ignored)
+        return model_class(parsed, precision=precision), params
+    return load

@@ -14,27 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import _decoder
+
 
 @functools.partial(jax.jit, static_argnums=0)
 def _decode_call(model, params, cache, input_ids, attention_mask, position_ids):
     logits, variables = model.apply({"params": params, "cache": cache}, input_ids, attention_mask=attention_mask,
                                     position_ids=position_ids, decode=True, mutable=["cache"])
     return jnp.argmax(logits[:, -1], axis=-1).astype(input_ids.dtype), variables["cache"]
-
-
-def empty_cache(model, params, batch: int, length: int):
-    """The "cache" collection of `model` for `batch` sequences of up to `length` tokens, all zeros.
-
-    Its dtype is the one the model computes in with these params (a cache never casts silently).
-    """
-    ids = jnp.zeros((batch, length), jnp.int32)
-
-    def cache(params):
-        return model.apply({"params": params}, ids, attention_mask=jnp.ones_like(ids), decode=True,
-                           mutable=["cache"])[1]["cache"]
-
-    shapes = jax.eval_shape(cache, params)
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
 
 
 def _check(input_ids, attention_mask, max_new_tokens):
@@ -110,7 +97,8 @@ def generate(model, params, input_ids, *, max_new_tokens: int, attention_mask=No
                          f"{T} + {max_new_tokens}")
     positions = np.where(attention_mask == 1, np.cumsum(attention_mask, -1) - 1, 0)  # HF generate's
     slots = np.concatenate([attention_mask, np.ones((B, max_new_tokens), attention_mask.dtype)], -1)
-    cache = empty_cache(model, params, B, T + max_new_tokens)
+    ids = jnp.zeros((B, T + max_new_tokens), jnp.int32)
+    cache = _decoder.empty_cache(model, params, ids, attention_mask=jnp.ones_like(ids))
     token, cache = _decode_call(model, params, cache, input_ids, slots, positions)
     new, position = [stopping(token)], positions[:, -1:]
     for _ in range(max_new_tokens - 1):

@@ -1,10 +1,17 @@
 """Weight-name tables: HF checkpoint tensors -> a Flax params tree, one explicit row per tensor.
 
-A row names one HF tensor ("{i}" = layer index), its shape in axis letters, and the params leaves it fills:
-each target is (our path, our shape in letters, transform). Letters are the family's dims (e.g. E, N, H, F,
-V); "3*E" multiplies, digits are literals. `fill` checks the checkpoint against the table before any
-array is touched: missing and unexpected names are listed by name, every shape is checked, and each error
-names the file that holds the tensor, the tensor's key and both shapes.
+The one table format of every family (BERT included), and its one filler. A row names one HF tensor
+literally ("{i}" = layer index: "model.layers.{i}.self_attn.q_proj.weight", never assembled from pieces, so
+every name can be grepped), its shape in axis letters, and the params leaves it fills: each target is (our
+path, our shape in letters, transform). Letters are the family's dims (e.g. E, N, H, F, V); "3*E"
+multiplies, digits are literals. A row is the single description of its tensor, and every transform is a
+permutation, reshape or split, so the table reads in reverse too (params -> checkpoint). `fill` checks the
+checkpoint against the table before any array is touched: missing and unexpected names are listed by name,
+every shape is checked, and each error names the file that holds the tensor, the tensor's key and both
+shapes.
+
+Building a table: `when` keeps the rows a configuration has (biases, an untied head), `expand` repeats the
+"{i}" rows per layer in HF's state_dict order, `prefixed` puts the names inside a task head's prefix.
 
 Transforms (numpy, on the tensor's HF layout):
     copy        as stored
@@ -39,17 +46,27 @@ def row(name: str, shape: tuple[str, ...], path: str, our_shape: tuple[str, ...]
     return Row(name, shape, ((path, our_shape, transform),), optional)
 
 
+def when(condition: bool, *rows: Row) -> tuple[Row, ...]:
+    """`rows` if `condition`, else none: the tensors a checkpoint holds only in some configurations (biases,
+    an untied head), kept in the table beside the rows they go with."""
+    return rows if condition else ()
+
+
+def prefixed(rows, prefix: str) -> list[Row]:
+    """The rows with every HF name after `prefix` (e.g. "bert." or "transformer.": the same model saved
+    inside a task head); our paths unchanged."""
+    return [dataclasses.replace(r, name=prefix + r.name) for r in rows]
+
+
 def expand(rows, num_layers: int) -> list[Row]:
-    """Rows with "{i}" repeated for every layer, the others once, in table order."""
-    out = []
-    for r in rows:
-        if "{i}" not in r.name:
-            out.append(r)
-            continue
-        for i in range(num_layers):
-            targets = tuple((p.format(i=i), s, t) for p, s, t in r.targets)
-            out.append(Row(r.name.format(i=i), r.shape, targets, r.optional))
-    return out
+    """The rows with "{i}" once per layer, layer by layer (all of layer 0's, then layer 1's...: HF's
+    state_dict order), where the first of them stands; the other rows once, in place."""
+    rows = list(rows)
+    first = next((k for k, r in enumerate(rows) if "{i}" in r.name), len(rows))
+    per_layer = [r for r in rows if "{i}" in r.name]
+    layers = [Row(r.name.format(i=i), r.shape, tuple((p.format(i=i), s, t) for p, s, t in r.targets), r.optional)
+              for i in range(num_layers) for r in per_layer]
+    return rows[:first] + layers + [r for r in rows[first:] if "{i}" not in r.name]
 
 
 def size(letters: tuple[str, ...], dims: Mapping[str, int]) -> tuple[int, ...]:

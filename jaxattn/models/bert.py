@@ -8,7 +8,8 @@
 It matches Hugging Face's BertModel ("gelu" is the exact erf GELU, LayerNorm uses the config's eps and the
 two-pass variance as torch does). Weights come from a PyTorch state_dict of numpy arrays (e.g.
 crosscheck.load_state_dict("model.safetensors")) through `params_from_state_dict`, which follows ONE
-explicit table: every name, its shape on both sides in the letters below, and its layout transform.
+explicit table (`weight_table`, the _table format of every family): every name, its shape on both sides in
+the letters below, and its layout transform.
 
     V vocab  P positions  Y token types  E hidden (= N * H)  N heads  H head dim  F intermediate
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any, Mapping, Optional
 
 import flax.linen as nn
@@ -25,9 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core import checks
 from ..linen import MultiHeadAttention
-from . import _pretrained, _table
+from . import _decoder, _pretrained, _table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,16 +46,17 @@ class BertConfig:
     attention_probs_dropout_prob: float = 0.1
 
     @classmethod
-    def from_dict(cls, config: Mapping[str, Any]) -> "BertConfig":
-        """From a HF config.json dict; refuses what this encoder does not implement."""
+    def from_dict(cls, config: Mapping[str, Any], source="config") -> "BertConfig":
+        """From a HF config.json dict; refuses by name what this encoder does not implement."""
+        refuse = functools.partial(_pretrained.refuse, source)
         if config.get("hidden_act", "gelu") != "gelu":
-            checks.fail("config['hidden_act']", "'gelu' (exact erf GELU)", repr(config["hidden_act"]))
+            refuse("hidden_act", "'gelu' (exact erf GELU)", config["hidden_act"])
         if config.get("position_embedding_type", "absolute") != "absolute":
-            checks.fail("config['position_embedding_type']", "'absolute'", repr(config["position_embedding_type"]))
+            refuse("position_embedding_type", "'absolute'", config["position_embedding_type"])
         config = cls(**{f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config})
         if config.hidden_size % config.num_attention_heads:
-            checks.fail("config", "hidden_size divisible by num_attention_heads",
-                         f"{config.hidden_size} and {config.num_attention_heads}")
+            refuse("hidden_size", f"a multiple of num_attention_heads={config.num_attention_heads}",
+                   config.hidden_size)
         return config
 
     def dims(self) -> dict[str, int]:
@@ -64,12 +64,6 @@ class BertConfig:
         N = self.num_attention_heads
         return {"V": self.vocab_size, "P": self.max_position_embeddings, "Y": self.type_vocab_size,
                 "E": self.hidden_size, "N": N, "H": self.hidden_size // N, "F": self.intermediate_size}
-
-
-def _layer_norm(config: BertConfig, name: str, dtype, param_dtype) -> nn.LayerNorm:
-    # torch's LayerNorm takes the variance as mean((x - mean)^2); flax's fast E[x^2] - E[x]^2 loses digits.
-    return nn.LayerNorm(epsilon=config.layer_norm_eps, use_fast_variance=False, dtype=dtype,
-                        param_dtype=param_dtype, name=name)
 
 
 class BertEmbeddings(nn.Module):
@@ -86,7 +80,7 @@ class BertEmbeddings(nn.Module):
             x = jnp.where((input_ids == c.pad_token_id)[..., None], jax.lax.stop_gradient(x), x)
         x = x + embed(c.type_vocab_size, name="token_type_embeddings")(token_type_ids)  # HF's summation order
         x = x + embed(c.max_position_embeddings, name="position_embeddings")(position_ids)
-        x = _layer_norm(c, "LayerNorm", self.dtype, self.param_dtype)(x)
+        x = _decoder.layer_norm(c.layer_norm_eps, self.dtype, self.param_dtype, "LayerNorm")(x)
         return nn.Dropout(c.hidden_dropout_prob)(x, deterministic=deterministic)
 
 
@@ -102,7 +96,7 @@ class BertLayer(nn.Module):
     def __call__(self, x, mask, *, deterministic: bool):
         c = self.config
         dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)
-        norm = functools.partial(_layer_norm, c, dtype=self.dtype, param_dtype=self.param_dtype)
+        norm = functools.partial(_decoder.layer_norm, c.layer_norm_eps, self.dtype, self.param_dtype)
         dropout = nn.Dropout(c.hidden_dropout_prob, deterministic=deterministic)
         attention = MultiHeadAttention(num_heads=c.num_attention_heads, dropout_rate=c.attention_probs_dropout_prob,
                                        dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision,
@@ -135,9 +129,7 @@ class BertModel(nn.Module):
         T = input_ids.shape[-1]
         token_type_ids = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         position_ids = jnp.broadcast_to(jnp.arange(T), input_ids.shape) if position_ids is None else position_ids
-        mask = None
-        if attention_mask is not None:
-            mask = jnp.asarray(attention_mask).astype(bool)[..., None, None, :]  # [B...,1,1,S]: keys only
+        mask = _decoder.key_mask(attention_mask)  # [B...,1,1,S]: keys only
         x = BertEmbeddings(self.config, self.dtype, self.param_dtype, name="embeddings")(
             input_ids, token_type_ids, position_ids, deterministic=deterministic)
         hidden_states, attention_outputs, attentions = [x], [], []
@@ -165,71 +157,51 @@ def mean_pooling(last_hidden_state, attention_mask, *, normalize: bool = True):
     return pooled
 
 
-# --- weights: one row per tensor ------------------------------------------------------------------------------
-# (HF state_dict name, HF shape, our params path, our shape, transform); "{i}" is the layer index.
-# Transforms: copy; transpose (nn.Linear [out,in] -> Dense [in,out]); heads_in ([N*H,E] -> [E,N,H]);
-# heads ([N*H] -> [N,H]); heads_out ([E,N*H] -> [N,H,E]).
+# --- weights: one row per tensor (see _table) ------------------------------------------------------------------
 
-_EMBEDDING_ROWS = (
-    ("embeddings.word_embeddings.weight", ("V", "E"), "embeddings/word_embeddings/embedding", ("V", "E"), "copy"),
-    ("embeddings.position_embeddings.weight", ("P", "E"), "embeddings/position_embeddings/embedding", ("P", "E"),
-     "copy"),
-    ("embeddings.token_type_embeddings.weight", ("Y", "E"), "embeddings/token_type_embeddings/embedding",
-     ("Y", "E"), "copy"),
-    ("embeddings.LayerNorm.weight", ("E",), "embeddings/LayerNorm/scale", ("E",), "copy"),
-    ("embeddings.LayerNorm.bias", ("E",), "embeddings/LayerNorm/bias", ("E",), "copy"),
-)
-_LAYER_ROWS = (
-    ("encoder.layer.{i}.attention.self.query.weight", ("N*H", "E"), "layer_{i}/attention/query/kernel",
-     ("E", "N", "H"), "heads_in"),
-    ("encoder.layer.{i}.attention.self.query.bias", ("N*H",), "layer_{i}/attention/query/bias", ("N", "H"), "heads"),
-    ("encoder.layer.{i}.attention.self.key.weight", ("N*H", "E"), "layer_{i}/attention/key/kernel",
-     ("E", "N", "H"), "heads_in"),
-    ("encoder.layer.{i}.attention.self.key.bias", ("N*H",), "layer_{i}/attention/key/bias", ("N", "H"), "heads"),
-    ("encoder.layer.{i}.attention.self.value.weight", ("N*H", "E"), "layer_{i}/attention/value/kernel",
-     ("E", "N", "H"), "heads_in"),
-    ("encoder.layer.{i}.attention.self.value.bias", ("N*H",), "layer_{i}/attention/value/bias", ("N", "H"), "heads"),
-    ("encoder.layer.{i}.attention.output.dense.weight", ("E", "N*H"), "layer_{i}/attention/out/kernel",
-     ("N", "H", "E"), "heads_out"),
-    ("encoder.layer.{i}.attention.output.dense.bias", ("E",), "layer_{i}/attention/out/bias", ("E",), "copy"),
-    ("encoder.layer.{i}.attention.output.LayerNorm.weight", ("E",), "layer_{i}/attention_norm/scale", ("E",), "copy"),
-    ("encoder.layer.{i}.attention.output.LayerNorm.bias", ("E",), "layer_{i}/attention_norm/bias", ("E",), "copy"),
-    ("encoder.layer.{i}.intermediate.dense.weight", ("F", "E"), "layer_{i}/intermediate/kernel", ("E", "F"),
-     "transpose"),
-    ("encoder.layer.{i}.intermediate.dense.bias", ("F",), "layer_{i}/intermediate/bias", ("F",), "copy"),
-    ("encoder.layer.{i}.output.dense.weight", ("E", "F"), "layer_{i}/output/kernel", ("F", "E"), "transpose"),
-    ("encoder.layer.{i}.output.dense.bias", ("E",), "layer_{i}/output/bias", ("E",), "copy"),
-    ("encoder.layer.{i}.output.LayerNorm.weight", ("E",), "layer_{i}/output_norm/scale", ("E",), "copy"),
-    ("encoder.layer.{i}.output.LayerNorm.bias", ("E",), "layer_{i}/output_norm/bias", ("E",), "copy"),
-)
-_POOLER_ROWS = (
-    ("pooler.dense.weight", ("E", "E"), "pooler/kernel", ("E", "E"), "transpose"),
-    ("pooler.dense.bias", ("E",), "pooler/bias", ("E",), "copy"),
-)
-# Buffers, not parameters: torch saves them in some checkpoints. Checked against their known value, dropped.
-_BUFFERS = {"embeddings.position_ids": lambda c: np.arange(c.max_position_embeddings)[None]}
-
-
-def _transform(name: str, x: np.ndarray, jax_shape: tuple[int, ...]) -> np.ndarray:
-    if name in ("transpose", "heads_in", "heads_out"):
-        x = x.T
-    return np.ascontiguousarray(x.reshape(jax_shape))
-
-
-def _rows(config: BertConfig, add_pooling_layer: bool):
-    rows = list(_EMBEDDING_ROWS)
-    for i in range(config.num_hidden_layers):
-        rows += [(t.format(i=i), ts, p.format(i=i), js, f) for t, ts, p, js, f in _LAYER_ROWS]
-    return rows + (list(_POOLER_ROWS) if add_pooling_layer else [])
+def weight_table(config: BertConfig, *, add_pooling_layer: bool = True, prefix: str = "") -> list[_table.Row]:
+    """HF BertModel's names (after `prefix`, e.g. "bert." inside BertFor* heads) -> our params."""
+    R = _table.row
+    rows = _table.expand([
+        R("embeddings.word_embeddings.weight", ("V", "E"), "embeddings/word_embeddings/embedding", ("V", "E")),
+        R("embeddings.position_embeddings.weight", ("P", "E"), "embeddings/position_embeddings/embedding", ("P", "E")),
+        R("embeddings.token_type_embeddings.weight", ("Y", "E"),
+          "embeddings/token_type_embeddings/embedding", ("Y", "E")),
+        R("embeddings.LayerNorm.weight", ("E",), "embeddings/LayerNorm/scale", ("E",)),
+        R("embeddings.LayerNorm.bias", ("E",), "embeddings/LayerNorm/bias", ("E",)),
+        R("encoder.layer.{i}.attention.self.query.weight", ("N*H", "E"),
+          "layer_{i}/attention/query/kernel", ("E", "N", "H"), "T_reshape"),
+        R("encoder.layer.{i}.attention.self.query.bias", ("N*H",),
+          "layer_{i}/attention/query/bias", ("N", "H"), "reshape"),
+        R("encoder.layer.{i}.attention.self.key.weight", ("N*H", "E"),
+          "layer_{i}/attention/key/kernel", ("E", "N", "H"), "T_reshape"),
+        R("encoder.layer.{i}.attention.self.key.bias", ("N*H",), "layer_{i}/attention/key/bias", ("N", "H"), "reshape"),
+        R("encoder.layer.{i}.attention.self.value.weight", ("N*H", "E"),
+          "layer_{i}/attention/value/kernel", ("E", "N", "H"), "T_reshape"),
+        R("encoder.layer.{i}.attention.self.value.bias", ("N*H",),
+          "layer_{i}/attention/value/bias", ("N", "H"), "reshape"),
+        R("encoder.layer.{i}.attention.output.dense.weight", ("E", "N*H"),
+          "layer_{i}/attention/out/kernel", ("N", "H", "E"), "T_reshape"),
+        R("encoder.layer.{i}.attention.output.dense.bias", ("E",), "layer_{i}/attention/out/bias", ("E",)),
+        R("encoder.layer.{i}.attention.output.LayerNorm.weight", ("E",), "layer_{i}/attention_norm/scale", ("E",)),
+        R("encoder.layer.{i}.attention.output.LayerNorm.bias", ("E",), "layer_{i}/attention_norm/bias", ("E",)),
+        R("encoder.layer.{i}.intermediate.dense.weight", ("F", "E"),
+          "layer_{i}/intermediate/kernel", ("E", "F"), "transpose"),
+        R("encoder.layer.{i}.intermediate.dense.bias", ("F",), "layer_{i}/intermediate/bias", ("F",)),
+        R("encoder.layer.{i}.output.dense.weight", ("E", "F"), "layer_{i}/output/kernel", ("F", "E"), "transpose"),
+        R("encoder.layer.{i}.output.dense.bias", ("E",), "layer_{i}/output/bias", ("E",)),
+        R("encoder.layer.{i}.output.LayerNorm.weight", ("E",), "layer_{i}/output_norm/scale", ("E",)),
+        R("encoder.layer.{i}.output.LayerNorm.bias", ("E",), "layer_{i}/output_norm/bias", ("E",)),
+        *_table.when(add_pooling_layer,
+                     R("pooler.dense.weight", ("E", "E"), "pooler/kernel", ("E", "E"), "transpose"),
+                     R("pooler.dense.bias", ("E",), "pooler/bias", ("E",))),
+    ], config.num_hidden_layers)
+    return _table.prefixed(rows, prefix)
 
 
 def state_dict_names(config: BertConfig, *, add_pooling_layer: bool = True) -> list[str]:
     """Every parameter name params_from_state_dict expects, in table order (buffers excluded)."""
-    return [row[0] for row in _rows(config, add_pooling_layer)]
-
-
-def _size(letters: tuple[str, ...], dims: dict[str, int]) -> tuple[int, ...]:
-    return tuple(math.prod(dims[a] for a in axis.split("*")) for axis in letters)
+    return [r.name for r in weight_table(config, add_pooling_layer=add_pooling_layer)]
 
 
 def params_from_state_dict(state_dict: Mapping[str, Any], config: BertConfig, *, add_pooling_layer: bool = True,
@@ -241,34 +213,19 @@ def params_from_state_dict(state_dict: Mapping[str, Any], config: BertConfig, *,
     dtype: cast every float tensor (e.g. np.float64); default keeps the file's dtype.
     Also maps gradients taken in torch, since every transform is a permutation.
     """
-    dims = config.dims()
-    rows = _rows(config, add_pooling_layer)
-    given = {k[len(prefix):]: v for k, v in state_dict.items() if k.startswith(prefix)}
-    expected = {row[0] for row in rows}
-    unexpected = sorted(set(given) - expected - set(_BUFFERS)) + sorted(k for k in state_dict if not k.startswith(prefix))
-    missing = sorted(expected - set(given))
-    if missing or unexpected:
-        checks.fail("state_dict", f"exactly the {len(expected)} BERT tensors of the table (prefix {prefix!r})",
-                     f"missing {missing[:6]}{'...' if len(missing) > 6 else ''}, unexpected {unexpected}")
-    for name, value in _BUFFERS.items():
-        if name in given and not np.array_equal(np.asarray(given[name]), value(config)):
-            checks.fail(f"state_dict[{prefix + name!r}]", "the default buffer arange(P)", "other values")
-    params: dict = {}
-    for torch_name, torch_letters, path, jax_letters, transform in rows:
-        x = np.asarray(given[torch_name])
-        want = _size(torch_letters, dims)
-        if x.shape != want:
-            checks.fail(f"state_dict[{prefix + torch_name!r}]", f"shape {checks.shape_str(want)} "
-                         f"[{','.join(torch_letters)}]", f"shape {checks.shape_str(x.shape)}")
-        x = _transform(transform, x, _size(jax_letters, dims))
-        if dtype is not None and np.issubdtype(x.dtype, np.floating):
-            x = x.astype(dtype)
-        node = params
-        *parents, leaf = path.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = x
-    return params
+    tensors = {name: np.asarray(value) for name, value in state_dict.items()}
+    return _fill(tensors, {name: "state_dict" for name in tensors}, config, add_pooling_layer=add_pooling_layer,
+                 prefix=prefix, dtype=dtype)
+
+
+def _fill(tensors, files, config: BertConfig, *, add_pooling_layer: bool, prefix: str, dtype) -> dict:
+    """The params the table describes; torch's position_ids buffer, which some checkpoints hold, is checked
+    to be the default arange(P) and skipped."""
+    buffer = prefix + "embeddings.position_ids"
+    if buffer in tensors and not np.array_equal(tensors[buffer], np.arange(config.max_position_embeddings)[None]):
+        raise ValueError(f"{files[buffer]}: {buffer!r}: expected the default buffer arange(P), got other values")
+    rows = weight_table(config, add_pooling_layer=add_pooling_layer, prefix=prefix)
+    return _table.fill(tensors, rows, config.dims(), files, dtype=dtype, ignored=(buffer,))
 
 
 def init_params(config: BertConfig, rng=None, **model_options) -> dict:
@@ -280,16 +237,6 @@ def init_params(config: BertConfig, rng=None, **model_options) -> dict:
 
 # --- from_pretrained ------------------------------------------------------------------------------------------
 
-_TABLE_TRANSFORMS = {"copy": "copy", "transpose": "transpose", "heads_in": "T_reshape", "heads": "reshape",
-                     "heads_out": "T_reshape"}
-
-
-def weight_table(config: BertConfig, *, add_pooling_layer: bool = True, prefix: str = "") -> list[_table.Row]:
-    """The table above as _table rows (HF name -> our path, transform, shape) for from_pretrained."""
-    return [_table.row(prefix + name, letters, path, our_letters, _TABLE_TRANSFORMS[transform])
-            for name, letters, path, our_letters, transform in _rows(config, add_pooling_layer)]
-
-
 @_pretrained.register_family("bert")
 def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
     """(BertModel, params) from a BertModel checkpoint (names with or without the "bert." prefix)."""
@@ -297,15 +244,8 @@ def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
         if config.get(key, False):
             _pretrained.refuse(source, key, "false (an encoder; decoder cross-attention is not implemented)",
                                config[key])
-    try:
-        bert_config = BertConfig.from_dict(config)
-    except ValueError as error:
-        raise ValueError(f"{source}: {error}") from None
+    bert_config = BertConfig.from_dict(config, source)
     prefix = "bert." if any(name.startswith("bert.") for name in tensors) else ""
     pooler = prefix + "pooler.dense.weight" in tensors
-    rows = weight_table(bert_config, add_pooling_layer=pooler, prefix=prefix)
-    buffer = prefix + "embeddings.position_ids"
-    if buffer in tensors and not np.array_equal(tensors[buffer], _BUFFERS["embeddings.position_ids"](bert_config)):
-        raise ValueError(f"{files[buffer]}: {buffer!r}: expected the default buffer arange(P), got other values")
-    params = _table.fill(tensors, rows, bert_config.dims(), files, dtype=dtype, ignored=(buffer,))
+    params = _fill(tensors, files, bert_config, add_pooling_layer=pooler, prefix=prefix, dtype=dtype)
     return BertModel(bert_config, add_pooling_layer=pooler, precision=precision), params

@@ -66,27 +66,17 @@ class GPT2Config:
                 "H": self.n_embd // self.n_head, "F": self.n_inner or 4 * self.n_embd}
 
 
-def _layer_norm(config: GPT2Config, name: str, dtype, param_dtype) -> nn.LayerNorm:
-    # torch's two-pass variance (mean((x - mean)^2)); flax's default E[x^2] - E[x]^2 loses digits
-    return nn.LayerNorm(epsilon=config.layer_norm_epsilon, use_fast_variance=False, dtype=dtype,
-                        param_dtype=param_dtype, name=name)
+class GPT2Block(_decoder.Configured):
+    """One pre-LayerNorm block; returns (residual stream, {"attention": its output, "mlp": its output})."""
 
-
-class GPT2Block(nn.Module):
-    """One pre-LayerNorm block; returns (residual stream, attention output, MLP output)."""
-
-    config: GPT2Config
-    layer: int
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    precision: Any = None
+    layer: int = 0  # its index: scale_attn_by_inverse_layer_idx divides the logits by layer + 1
 
     @nn.compact
     def __call__(self, x, mask, decode: bool):
         c, d = self.config, self.config.dims()
         scale = (d["H"] ** -0.5 if c.scale_attn_weights else 1.0) / (
             self.layer + 1 if c.scale_attn_by_inverse_layer_idx else 1)
-        norm = functools.partial(_layer_norm, c, dtype=self.dtype, param_dtype=self.param_dtype)
+        norm = functools.partial(_decoder.layer_norm, c.layer_norm_epsilon, self.dtype, self.param_dtype)
         dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)
         attention = MultiHeadAttention(num_heads=c.n_head, scale=scale, dtype=self.dtype,
                                        param_dtype=self.param_dtype, precision=self.precision, name="attn")
@@ -94,16 +84,11 @@ class GPT2Block(nn.Module):
         x = x + a
         h = _ACTIVATIONS[c.activation_function](dense(d["F"], name="c_fc")(norm("ln_2")(x)))
         m = dense(d["E"], name="c_proj")(h)
-        return x + m, a, m
+        return x + m, {"attention": a, "mlp": m}
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(_decoder.Configured):
     """HF GPT2LMHeadModel: input_ids [B,T] -> logits [B,T,V]. Sows "intermediates" (see _decoder.py)."""
-
-    config: GPT2Config
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    precision: Any = None
 
     def max_positions(self) -> int | None:
         return self.config.n_positions
@@ -116,51 +101,50 @@ class GPT2LMHeadModel(nn.Module):
         embed = functools.partial(nn.Embed, features=d["E"], dtype=self.dtype, param_dtype=self.param_dtype)
         wte = embed(d["V"], name="wte")
         x = wte(input_ids) + embed(d["P"], name="wpe")(position_ids)
-        self.sow("intermediates", "embeddings", x)
         mask = _decoder.key_mask(attention_mask)
-        for i in range(c.n_layer):
-            x, a, m = GPT2Block(c, i, self.dtype, self.param_dtype, self.precision, name=f"h_{i}")(x, mask, decode)
-            self.sow("intermediates", f"layer{i}.attention", a)
-            self.sow("intermediates", f"layer{i}.mlp", m)
-            self.sow("intermediates", f"layer{i}.residual", x)
-        x = _layer_norm(c, "ln_f", self.dtype, self.param_dtype)(x)
-        self.sow("intermediates", "final_norm", x)
-        return _decoder.final_logits(self, x, wte, d["V"], c.tie_word_embeddings, dtype=self.dtype,
-                                     param_dtype=self.param_dtype, precision=self.precision)
+
+        def layer(i, x):
+            block = GPT2Block(c, self.dtype, self.param_dtype, self.precision, layer=i, name=f"h_{i}")
+            return block(x, mask, decode)
+
+        ln_f = _decoder.layer_norm(c.layer_norm_epsilon, self.dtype, self.param_dtype, "ln_f")
+        x = _decoder.layer_stack(self, layer, c.n_layer, ln_f, x)
+        return _decoder.lm_head(self, x, wte, c.tie_word_embeddings)
 
 
 # --- weights: one row per HF tensor (names of GPT2LMHeadModel; a bare GPT2Model has no "transformer.") -------
 
-_QKV = tuple((f"h_{{i}}/attn/{part}/kernel", ("E", "N", "H"), ("part", k, 3, 1))
-             for k, part in enumerate(("query", "key", "value")))
-_QKV_BIAS = tuple((f"h_{{i}}/attn/{part}/bias", ("N", "H"), ("part", k, 3, 0))
-                  for k, part in enumerate(("query", "key", "value")))
-_ROWS = (
-    _table.row("wte.weight", ("V", "E"), "wte/embedding", ("V", "E")),
-    _table.row("wpe.weight", ("P", "E"), "wpe/embedding", ("P", "E")),
-    _table.row("h.{i}.ln_1.weight", ("E",), "h_{i}/ln_1/scale", ("E",)),
-    _table.row("h.{i}.ln_1.bias", ("E",), "h_{i}/ln_1/bias", ("E",)),
-    _table.Row("h.{i}.attn.c_attn.weight", ("E", "3*E"), _QKV),          # Conv1D [in,out]: columns q | k | v
-    _table.Row("h.{i}.attn.c_attn.bias", ("3*E",), _QKV_BIAS),
-    _table.row("h.{i}.attn.c_proj.weight", ("N*H", "E"), "h_{i}/attn/out/kernel", ("N", "H", "E"), "reshape"),
-    _table.row("h.{i}.attn.c_proj.bias", ("E",), "h_{i}/attn/out/bias", ("E",)),
-    _table.row("h.{i}.ln_2.weight", ("E",), "h_{i}/ln_2/scale", ("E",)),
-    _table.row("h.{i}.ln_2.bias", ("E",), "h_{i}/ln_2/bias", ("E",)),
-    _table.row("h.{i}.mlp.c_fc.weight", ("E", "F"), "h_{i}/c_fc/kernel", ("E", "F")),
-    _table.row("h.{i}.mlp.c_fc.bias", ("F",), "h_{i}/c_fc/bias", ("F",)),
-    _table.row("h.{i}.mlp.c_proj.weight", ("F", "E"), "h_{i}/c_proj/kernel", ("F", "E")),
-    _table.row("h.{i}.mlp.c_proj.bias", ("E",), "h_{i}/c_proj/bias", ("E",)),
-    _table.row("ln_f.weight", ("E",), "ln_f/scale", ("E",)),
-    _table.row("ln_f.bias", ("E",), "ln_f/bias", ("E",)),
-)
-_LM_HEAD = _table.row("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), "transpose")
-
-
 def weight_table(config: GPT2Config, *, prefix: str = "transformer.") -> list[_table.Row]:
-    rows = [dataclasses.replace(r, name=prefix + r.name) for r in _table.expand(_ROWS, config.n_layer)]
-    if config.tie_word_embeddings:  # save_pretrained drops the tied copy; one that is present must equal wte
-        return rows
-    return rows + [_LM_HEAD]
+    """HF's names (after `prefix`) -> our params. Conv1D stores [in,out], Flax's Dense layout already."""
+    R = _table.row
+    rows = _table.expand([
+        R("wte.weight", ("V", "E"), "wte/embedding", ("V", "E")),
+        R("wpe.weight", ("P", "E"), "wpe/embedding", ("P", "E")),
+        R("h.{i}.ln_1.weight", ("E",), "h_{i}/ln_1/scale", ("E",)),
+        R("h.{i}.ln_1.bias", ("E",), "h_{i}/ln_1/bias", ("E",)),
+        _table.Row("h.{i}.attn.c_attn.weight", ("E", "3*E"), (  # columns q | k | v
+            ("h_{i}/attn/query/kernel", ("E", "N", "H"), ("part", 0, 3, 1)),
+            ("h_{i}/attn/key/kernel", ("E", "N", "H"), ("part", 1, 3, 1)),
+            ("h_{i}/attn/value/kernel", ("E", "N", "H"), ("part", 2, 3, 1)))),
+        _table.Row("h.{i}.attn.c_attn.bias", ("3*E",), (
+            ("h_{i}/attn/query/bias", ("N", "H"), ("part", 0, 3, 0)),
+            ("h_{i}/attn/key/bias", ("N", "H"), ("part", 1, 3, 0)),
+            ("h_{i}/attn/value/bias", ("N", "H"), ("part", 2, 3, 0)))),
+        R("h.{i}.attn.c_proj.weight", ("N*H", "E"), "h_{i}/attn/out/kernel", ("N", "H", "E"), "reshape"),
+        R("h.{i}.attn.c_proj.bias", ("E",), "h_{i}/attn/out/bias", ("E",)),
+        R("h.{i}.ln_2.weight", ("E",), "h_{i}/ln_2/scale", ("E",)),
+        R("h.{i}.ln_2.bias", ("E",), "h_{i}/ln_2/bias", ("E",)),
+        R("h.{i}.mlp.c_fc.weight", ("E", "F"), "h_{i}/c_fc/kernel", ("E", "F")),
+        R("h.{i}.mlp.c_fc.bias", ("F",), "h_{i}/c_fc/bias", ("F",)),
+        R("h.{i}.mlp.c_proj.weight", ("F", "E"), "h_{i}/c_proj/kernel", ("F", "E")),
+        R("h.{i}.mlp.c_proj.bias", ("E",), "h_{i}/c_proj/bias", ("E",)),
+        R("ln_f.weight", ("E",), "ln_f/scale", ("E",)),
+        R("ln_f.bias", ("E",), "ln_f/bias", ("E",)),
+    ], config.n_layer)
+    # save_pretrained drops a tied head's copy; one that is present must equal wte (see load_pretrained)
+    head = _table.when(not config.tie_word_embeddings,
+                       R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), "transpose"))
+    return _table.prefixed(rows, prefix) + list(head)
 
 
 @_pretrained.register_family("gpt2")
@@ -168,12 +152,8 @@ def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
     """(GPT2LMHeadModel, params) from a GPT2LMHeadModel (or bare GPT2Model) checkpoint."""
     gpt2 = GPT2Config.from_dict(config, source)
     prefix = "" if "wte.weight" in tensors else "transformer."
-    rows = weight_table(gpt2, prefix=prefix)
     ignored = [n for n in tensors if n.endswith((".attn.bias", ".attn.masked_bias"))]  # old causal-mask buffers
-    if gpt2.tie_word_embeddings and "lm_head.weight" in tensors:
-        ignored.append("lm_head.weight")
-        if not (tensors["lm_head.weight"] == tensors[prefix + "wte.weight"]).all():
-            raise ValueError(f"{files['lm_head.weight']}: 'lm_head.weight': expected a copy of "
-                             f"{prefix}wte.weight (tie_word_embeddings is true in {source}), got other values")
-    params = _table.fill(tensors, rows, gpt2.dims(), files, dtype=dtype, ignored=ignored)
+    ignored += _decoder.tied_copy(tensors, files, source, tied=gpt2.tie_word_embeddings,
+                                  embedding=prefix + "wte.weight")
+    params = _table.fill(tensors, weight_table(gpt2, prefix=prefix), gpt2.dims(), files, dtype=dtype, ignored=ignored)
     return GPT2LMHeadModel(gpt2, precision=precision), params

@@ -85,32 +85,7 @@ class T5Config:
                 "R": self.relative_attention_num_buckets}
 
 
-class RMSNorm(nn.Module):
-    """T5LayerNorm: x * rsqrt(mean(x^2) + eps) * weight, no mean subtracted, no bias.
-
-    The statistics are taken in float32 or wider (HF: float32 for half inputs). HF's code takes them in
-    float32 for float64 inputs too; crosscheck's float64 reference lifts that (see crosscheck._hf_models).
-    """
-
-    epsilon: float
-    param_dtype: Any = jnp.float32
-
-    @nn.compact
-    def __call__(self, x):
-        weight = self.param("weight", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
-        wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-        y = x * jax.lax.rsqrt(jnp.mean(wide * wide, -1, keepdims=True) + self.epsilon)
-        if weight.dtype in (jnp.bfloat16, jnp.float16):  # HF: back to the half weight's dtype first
-            y = y.astype(weight.dtype)
-        return weight * y
-
-
-class T5FeedForward(nn.Module):
-    config: T5Config
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    precision: Any = None
-
+class T5FeedForward(_decoder.Configured):
     @nn.compact
     def __call__(self, x):
         c, act = self.config, _ACTIVATIONS[self.config.dense_act_fn]
@@ -123,19 +98,15 @@ class T5FeedForward(nn.Module):
         return dense(c.d_model, name="wo")(h)
 
 
-class T5Block(nn.Module):
+class T5Block(_decoder.Configured):
     """One block; returns (residual stream, {row name: sub-layer output})."""
 
-    config: T5Config
-    is_decoder: bool
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    precision: Any = None
+    is_decoder: bool = False
 
     @nn.compact
     def __call__(self, x, self_mask, self_bias, encoder=None, encoder_mask=None, decode: bool = False):
         c = self.config
-        norm = functools.partial(RMSNorm, c.layer_norm_epsilon, self.param_dtype)
+        norm = functools.partial(_decoder.RMSNorm, c.layer_norm_epsilon, self.param_dtype, "t5")
         attention = functools.partial(MultiHeadAttention, num_heads=c.num_heads, head_dim=c.d_kv, use_bias=False,
                                       scale=1.0, dtype=self.dtype, param_dtype=self.param_dtype,
                                       precision=self.precision)
@@ -152,14 +123,10 @@ class T5Block(nn.Module):
         return x + m, rows
 
 
-class T5Stack(nn.Module):
+class T5Stack(_decoder.Configured):
     """The encoder or the decoder: blocks sharing one relative table, then the final RMSNorm."""
 
-    config: T5Config
-    is_decoder: bool
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    precision: Any = None
+    is_decoder: bool = False
 
     @nn.compact
     def __call__(self, x, attention_mask=None, encoder=None, encoder_mask=None, positions=None, *,
@@ -177,26 +144,19 @@ class T5Stack(nn.Module):
                                 key_positions=None if positions is None else jnp.arange(S, dtype=jnp.int32))
         bias = bias.astype(x.dtype)
         mask = _decoder.key_mask(attention_mask)
-        self.sow("intermediates", "embeddings", x)
-        layers = c.decoder_layers if self.is_decoder else c.num_layers
-        for i in range(layers):
-            x, rows = T5Block(c, self.is_decoder, self.dtype, self.param_dtype, self.precision, name=f"block_{i}")(
-                x, mask, bias, encoder, encoder_mask, decode)
-            for name, value in rows.items():
-                self.sow("intermediates", f"layer{i}.{name}", value)
-            self.sow("intermediates", f"layer{i}.residual", x)
-        x = RMSNorm(c.layer_norm_epsilon, self.param_dtype, name="final_layer_norm")(x)
-        self.sow("intermediates", "final_norm", x)
-        return x
+
+        def layer(i, x):
+            block = T5Block(c, self.dtype, self.param_dtype, self.precision, is_decoder=self.is_decoder,
+                            name=f"block_{i}")
+            return block(x, mask, bias, encoder, encoder_mask, decode)
+
+        norm = _decoder.RMSNorm(c.layer_norm_epsilon, self.param_dtype, "t5", name="final_layer_norm")
+        return _decoder.layer_stack(self, layer, c.decoder_layers if self.is_decoder else c.num_layers, norm, x)
 
 
-class T5ForConditionalGeneration(nn.Module):
+class T5ForConditionalGeneration(_decoder.Configured):
     """HF T5ForConditionalGeneration. Sows "intermediates" under "encoder" and "decoder"."""
 
-    config: T5Config
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    precision: Any = None
     tie_lm_head: bool = True
 
     is_encoder_decoder = True  # generate() decodes from decoder_start_token_id (not a dataclass field)
@@ -206,8 +166,8 @@ class T5ForConditionalGeneration(nn.Module):
         self.shared = nn.Embed(c.vocab_size, c.d_model, dtype=self.dtype, param_dtype=self.param_dtype)
         stack = functools.partial(T5Stack, c, dtype=self.dtype, param_dtype=self.param_dtype,
                                   precision=self.precision)
-        self.encoder = stack(False)
-        self.decoder = stack(True)
+        self.encoder = stack(is_decoder=False)
+        self.decoder = stack(is_decoder=True)
         if not self.tie_lm_head:
             self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
                                     precision=self.precision)
@@ -230,10 +190,8 @@ class T5ForConditionalGeneration(nn.Module):
                          _decoder.key_mask(attention_mask), decoder_position_ids, decode=decode)
         if self.config.scale_decoder_outputs:
             x = x * self.config.d_model ** -0.5
-        if self.tie_lm_head:  # the shared table, at the model's precision
-            compute = self.dtype if self.dtype is not None else jnp.result_type(x, self.shared.embedding)
-            return jnp.einsum("...e,ve->...v", x.astype(compute), jnp.asarray(self.shared.embedding, compute),
-                              precision=self.precision)
+        if self.tie_lm_head:
+            return _decoder.tied_logits(x, self.shared.embedding, self.dtype, self.precision)
         return self.lm_head(x)
 
     def __call__(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None):
@@ -251,7 +209,8 @@ class T5ForConditionalGeneration(nn.Module):
         encoder_output = _encode(self, params, input_ids, attention_mask)
         start = np.full((B, 1), self.config.decoder_start_token_id, input_ids.dtype)
         slots = np.ones((B, L), np.int32)
-        cache = _empty_decoder_cache(self, params, encoder_output, attention_mask, B, L)
+        cache = _decoder.empty_cache(self, params, np.zeros((B, L), np.int32), encoder_output, attention_mask, slots,
+                                     method=self.decode)
         token, new = start, [start]
         for _ in range(max_new_tokens):
             if stopping is not None and stopping.done:
@@ -274,55 +233,72 @@ def _decode_step(model, params, cache, token, encoder_output, attention_mask, sl
     return jnp.argmax(logits[:, -1], -1).astype(token.dtype), variables["cache"]
 
 
-def _empty_decoder_cache(model, params, encoder_output, attention_mask, batch: int, length: int):
-    ids = jnp.zeros((batch, length), jnp.int32)
-
-    def cache(params):
-        return model.apply({"params": params}, ids, encoder_output, attention_mask, jnp.ones_like(ids),
-                           decode=True, method=model.decode, mutable=["cache"])[1]["cache"]
-
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(cache, params))
-
-
 # --- weights --------------------------------------------------------------------------------------------------
 
-def _attention_rows(hf: str, ours: str) -> tuple:
-    return (
-        _table.row(f"{hf}.q.weight", ("N*H", "E"), f"{ours}/query/kernel", ("E", "N", "H"), "T_reshape"),
-        _table.row(f"{hf}.k.weight", ("N*H", "E"), f"{ours}/key/kernel", ("E", "N", "H"), "T_reshape"),
-        _table.row(f"{hf}.v.weight", ("N*H", "E"), f"{ours}/value/kernel", ("E", "N", "H"), "T_reshape"),
-        _table.row(f"{hf}.o.weight", ("E", "N*H"), f"{ours}/out/kernel", ("N", "H", "E"), "T_reshape"),
-    )
-
-
-def _ff_rows(hf: str, ours: str, gated: bool) -> tuple:
-    wi = (("wi_0", "wi_1") if gated else ("wi",))
-    return tuple(_table.row(f"{hf}.DenseReluDense.{w}.weight", ("F", "E"), f"{ours}/ff/{w}/kernel", ("E", "F"),
-                            "transpose") for w in wi) + (
-        _table.row(f"{hf}.DenseReluDense.wo.weight", ("E", "F"), f"{ours}/ff/wo/kernel", ("F", "E"), "transpose"),
-        _table.row(f"{hf}.layer_norm.weight", ("E",), f"{ours}/ff_norm/weight", ("E",)))
-
-
 def weight_table(config: T5Config, *, lm_head: bool) -> list[_table.Row]:
-    rows = [_table.row("shared.weight", ("V", "E"), "shared/embedding", ("V", "E"))]
-    for stack, layers in (("encoder", config.num_layers), ("decoder", config.decoder_layers)):
-        rows.append(_table.row(f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", ("R", "N"),
-                               f"{stack}/relative_attention_bias", ("R", "N")))
-        for i in range(layers):
-            hf, ours = f"{stack}.block.{i}.layer", f"{stack}/block_{i}"
-            rows += _attention_rows(f"{hf}.0.SelfAttention", f"{ours}/self_attention")
-            rows.append(_table.row(f"{hf}.0.layer_norm.weight", ("E",), f"{ours}/self_attention_norm/weight", ("E",)))
-            ff = f"{hf}.1"
-            if stack == "decoder":
-                rows += _attention_rows(f"{hf}.1.EncDecAttention", f"{ours}/cross_attention")
-                rows.append(_table.row(f"{hf}.1.layer_norm.weight", ("E",), f"{ours}/cross_attention_norm/weight",
-                                       ("E",)))
-                ff = f"{hf}.2"
-            rows += _ff_rows(ff, ours, config.is_gated_act)
-        rows.append(_table.row(f"{stack}.final_layer_norm.weight", ("E",), f"{stack}/final_layer_norm/weight", ("E",)))
-    if lm_head:
-        rows.append(_table.row("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), "transpose"))
-    return rows
+    """HF's names -> our params. Each stack keeps its one relative table in block 0; a decoder block's
+    cross-attention (layer.1) comes before its FF (layer.2)."""
+    R, gated = _table.row, config.is_gated_act
+    encoder = _table.expand([
+        R("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", ("R", "N"),
+          "encoder/relative_attention_bias", ("R", "N")),
+        R("encoder.block.{i}.layer.0.SelfAttention.q.weight", ("N*H", "E"),
+          "encoder/block_{i}/self_attention/query/kernel", ("E", "N", "H"), "T_reshape"),
+        R("encoder.block.{i}.layer.0.SelfAttention.k.weight", ("N*H", "E"),
+          "encoder/block_{i}/self_attention/key/kernel", ("E", "N", "H"), "T_reshape"),
+        R("encoder.block.{i}.layer.0.SelfAttention.v.weight", ("N*H", "E"),
+          "encoder/block_{i}/self_attention/value/kernel", ("E", "N", "H"), "T_reshape"),
+        R("encoder.block.{i}.layer.0.SelfAttention.o.weight", ("E", "N*H"),
+          "encoder/block_{i}/self_attention/out/kernel", ("N", "H", "E"), "T_reshape"),
+        R("encoder.block.{i}.layer.0.layer_norm.weight", ("E",),
+          "encoder/block_{i}/self_attention_norm/weight", ("E",)),
+        *_table.when(gated, R("encoder.block.{i}.layer.1.DenseReluDense.wi_0.weight", ("F", "E"),
+                              "encoder/block_{i}/ff/wi_0/kernel", ("E", "F"), "transpose"),
+                     R("encoder.block.{i}.layer.1.DenseReluDense.wi_1.weight", ("F", "E"),
+                       "encoder/block_{i}/ff/wi_1/kernel", ("E", "F"), "transpose")),
+        *_table.when(not gated, R("encoder.block.{i}.layer.1.DenseReluDense.wi.weight", ("F", "E"),
+                                  "encoder/block_{i}/ff/wi/kernel", ("E", "F"), "transpose")),
+        R("encoder.block.{i}.layer.1.DenseReluDense.wo.weight", ("E", "F"),
+          "encoder/block_{i}/ff/wo/kernel", ("F", "E"), "transpose"),
+        R("encoder.block.{i}.layer.1.layer_norm.weight", ("E",), "encoder/block_{i}/ff_norm/weight", ("E",)),
+        R("encoder.final_layer_norm.weight", ("E",), "encoder/final_layer_norm/weight", ("E",)),
+    ], config.num_layers)
+    decoder = _table.expand([
+        R("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", ("R", "N"),
+          "decoder/relative_attention_bias", ("R", "N")),
+        R("decoder.block.{i}.layer.0.SelfAttention.q.weight", ("N*H", "E"),
+          "decoder/block_{i}/self_attention/query/kernel", ("E", "N", "H"), "T_reshape"),
+        R("decoder.block.{i}.layer.0.SelfAttention.k.weight", ("N*H", "E"),
+          "decoder/block_{i}/self_attention/key/kernel", ("E", "N", "H"), "T_reshape"),
+        R("decoder.block.{i}.layer.0.SelfAttention.v.weight", ("N*H", "E"),
+          "decoder/block_{i}/self_attention/value/kernel", ("E", "N", "H"), "T_reshape"),
+        R("decoder.block.{i}.layer.0.SelfAttention.o.weight", ("E", "N*H"),
+          "decoder/block_{i}/self_attention/out/kernel", ("N", "H", "E"), "T_reshape"),
+        R("decoder.block.{i}.layer.0.layer_norm.weight", ("E",),
+          "decoder/block_{i}/self_attention_norm/weight", ("E",)),
+        R("decoder.block.{i}.layer.1.EncDecAttention.q.weight", ("N*H", "E"),
+          "decoder/block_{i}/cross_attention/query/kernel", ("E", "N", "H"), "T_reshape"),
+        R("decoder.block.{i}.layer.1.EncDecAttention.k.weight", ("N*H", "E"),
+          "decoder/block_{i}/cross_attention/key/kernel", ("E", "N", "H"), "T_reshape"),
+        R("decoder.block.{i}.layer.1.EncDecAttention.v.weight", ("N*H", "E"),
+          "decoder/block_{i}/cross_attention/value/kernel", ("E", "N", "H"), "T_reshape"),
+        R("decoder.block.{i}.layer.1.EncDecAttention.o.weight", ("E", "N*H"),
+          "decoder/block_{i}/cross_attention/out/kernel", ("N", "H", "E"), "T_reshape"),
+        R("decoder.block.{i}.layer.1.layer_norm.weight", ("E",),
+          "decoder/block_{i}/cross_attention_norm/weight", ("E",)),
+        *_table.when(gated, R("decoder.block.{i}.layer.2.DenseReluDense.wi_0.weight", ("F", "E"),
+                              "decoder/block_{i}/ff/wi_0/kernel", ("E", "F"), "transpose"),
+                     R("decoder.block.{i}.layer.2.DenseReluDense.wi_1.weight", ("F", "E"),
+                       "decoder/block_{i}/ff/wi_1/kernel", ("E", "F"), "transpose")),
+        *_table.when(not gated, R("decoder.block.{i}.layer.2.DenseReluDense.wi.weight", ("F", "E"),
+                                  "decoder/block_{i}/ff/wi/kernel", ("E", "F"), "transpose")),
+        R("decoder.block.{i}.layer.2.DenseReluDense.wo.weight", ("E", "F"),
+          "decoder/block_{i}/ff/wo/kernel", ("F", "E"), "transpose"),
+        R("decoder.block.{i}.layer.2.layer_norm.weight", ("E",), "decoder/block_{i}/ff_norm/weight", ("E",)),
+        R("decoder.final_layer_norm.weight", ("E",), "decoder/final_layer_norm/weight", ("E",)),
+    ], config.decoder_layers)
+    return [R("shared.weight", ("V", "E"), "shared/embedding", ("V", "E")), *encoder, *decoder,
+            *_table.when(lm_head, R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), "transpose"))]
 
 
 @_pretrained.register_family("t5")
