@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..linen import MultiHeadAttention, RoPE
-from . import _pretrained, _table
+from . import _pretrained, _sharding, _table
 
 # --- configs ----------------------------------------------------------------------------------------------------
 
@@ -272,6 +272,7 @@ class Configured(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     precision: Any = None
+    sharding: Any = None  # a _sharding.ModelSharding: the activations' layout on a mesh (None: one device)
 
 
 def layer_stack(module: nn.Module, layer: Callable, num_layers: int, final_norm: nn.Module, x):
@@ -279,8 +280,10 @@ def layer_stack(module: nn.Module, layer: Callable, num_layers: int, final_norm:
     runs block i. Sows in "intermediates" the rows crosscheck.layer_report aligns: "embeddings" (x as it
     comes in), each block's "layer{i}.{row}" and "layer{i}.residual" (the stream after it), "final_norm"."""
     module.sow("intermediates", "embeddings", x)
+    x = _sharding.constrain(module.sharding, x, "BTE")  # on a mesh: batch over "data" between blocks
     for i in range(num_layers):
         x, rows = layer(i, x)
+        x = _sharding.constrain(module.sharding, x, "BTE")
         for name, value in rows.items():
             module.sow("intermediates", f"layer{i}.{name}", value)
         module.sow("intermediates", f"layer{i}.residual", x)

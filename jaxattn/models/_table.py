@@ -110,24 +110,34 @@ def fill(tensors: Mapping[str, np.ndarray], rows, dims: Mapping[str, int], files
 
     dtype: cast every floating tensor to it (explicitly requested); None keeps the checkpoint's dtype.
     `ignored` names (known buffers, checked by the caller) may be present and are skipped.
+    A `tensors` mapping with a `leaf(path, name, tensor, transform, shape, dtype)` method (a sharded
+    checkpoint, jaxattn.models._sharding) builds each leaf itself (from the parts of the tensor it needs);
+    the names and every shape are checked here first all the same.
     """
     check_names(tensors, rows, files, ignored=ignored)
+    leaf = getattr(tensors, "leaf", None) or _dense_leaf
     params: dict = {}
     for r in rows:
         if r.name not in tensors:
             continue  # optional, absent
-        x = np.asarray(tensors[r.name])
+        x = tensors[r.name]
         want = size(r.shape, dims)
-        if x.shape != want:
+        got = np.shape(x)  # None: a sharded checkpoint's missing file, which its leaf() reports by parameter
+        if got is not None and tuple(got) != want:
             raise ValueError(f"{files[r.name]}: {r.name!r}: expected shape {_shape(want)} "
-                             f"[{','.join(r.shape)}], got shape {_shape(x.shape)}")
+                             f"[{','.join(r.shape)}], got shape {_shape(got)}")
         for path, our_letters, transform in r.targets:
-            y = _apply(transform, x, size(our_letters, dims))
-            if dtype is not None and jnp.issubdtype(y.dtype, jnp.floating):  # bfloat16 included
-                y = y.astype(dtype)
             node = params
-            *parents, leaf = path.split("/")
+            *parents, name = path.split("/")
             for p in parents:
                 node = node.setdefault(p, {})
-            node[leaf] = y
+            node[name] = leaf(path, r.name, x, transform, size(our_letters, dims), dtype)
     return params
+
+
+def _dense_leaf(path: str, name: str, x, transform, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """The leaf as a numpy array: the transform of the whole tensor, cast to dtype if floating."""
+    y = _apply(transform, np.asarray(x), shape)
+    if dtype is not None and jnp.issubdtype(y.dtype, jnp.floating):  # bfloat16 included
+        y = y.astype(dtype)
+    return y

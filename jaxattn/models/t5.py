@@ -165,7 +165,7 @@ class T5ForConditionalGeneration(_decoder.Configured):
         c = self.config
         self.shared = nn.Embed(c.vocab_size, c.d_model, dtype=self.dtype, param_dtype=self.param_dtype)
         stack = functools.partial(T5Stack, c, dtype=self.dtype, param_dtype=self.param_dtype,
-                                  precision=self.precision)
+                                  precision=self.precision, sharding=self.sharding)
         self.encoder = stack(is_decoder=False)
         self.decoder = stack(is_decoder=True)
         if not self.tie_lm_head:

@@ -1,0 +1,367 @@
+"""Models on a device mesh: each family's partition rules, the sharded loader, and the activations' layout.
+
+    model, params = from_pretrained(path, mesh=mesh)            # mesh axes "data" and/or "model"
+    model, params = from_pretrained(path, mesh=mesh, rules=[("*/self_attn/key/kernel", P("data"))])
+
+Rules: one table per family, (pattern, PartitionSpec) rows over the params path ("layers_0/self_attn/
+query/kernel"; fnmatch patterns, "*" crosses "/"), the first match wins, the last row "*" replicates.
+`rules=` rows go in front of the family's. Parameters are sharded over "data" (FSDP: XLA gathers a
+weight over "data" where it is used) and attention heads / MLP columns over "model" (tensor parallel:
+column-parallel q/k/v and gate/up, row-parallel out and down, whose partial sums XLA all-reduces over
+"model"). A default row that names an axis the mesh lacks leaves that dim unsplit (a mesh with "data"
+only is pure FSDP); a `rules=` row must name existing axes. Every spec is checked against its leaf: its
+axes exist, none twice, and each splits its dim evenly, else ValueError naming the parameter, the spec
+and the shape. An axis for mixture-of-experts weights stacked [X, ...] per layer is one row away:
+("*/experts/*", P("expert", ...)); meshes without an "expert" axis then leave X whole.
+
+Loading: every leaf is made by jax.make_array_from_callback; each process builds only the shards of its
+own devices, and for each distinct shard reads only the bytes of that region of the HF tensor
+(jaxattn.io.read_region). The table's transforms (transpose, head reshapes, GPT-2's c_attn parts) map a
+box of the leaf to a box of the tensor: a reshape [N*H] -> [N,H] is read exactly when only the leading
+letter of the merged axis (N) is split; any other cut of a merged axis reads the whole merged axis and
+slices after. A shard held by several local devices is read once.
+
+Activations: the model carries a ModelSharding (its `sharding` field): the residual stream [B,T,E] is
+constrained to batch over "data" between blocks (T over a sequence axis, if one is named), so XLA keeps
+the batch split and gathers FSDP weights rather than reducing activations; heads follow the weights.
+The decode cache [B,L,K,H] is laid out batch over "data", key/value heads over "model".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from .. import io
+from .._core import checks
+
+# --- the rules, per family ----------------------------------------------------------------------------------
+
+# Llama-shaped decoders (llama, qwen2, mistral, gemma2). Kernels: q/k/v [E,N|K,H], out [N,H,E], gate/up
+# [E,F], down [F,E], lm_head [E,V]; embeddings [V,E] split by vocabulary over "model" (XLA looks tokens
+# up in each device's rows and all-reduces), so a head tied to them is column-parallel too.
+DECODER_RULES = (
+    ("embed_tokens/embedding", P("model", "data")),
+    ("*/self_attn/query/kernel", P("data", "model", None)),
+    ("*/self_attn/key/kernel", P("data", "model", None)),
+    ("*/self_attn/value/kernel", P("data", "model", None)),
+    ("*/self_attn/out/kernel", P("model", None, "data")),
+    ("*/self_attn/query/bias", P("model", None)),
+    ("*/self_attn/key/bias", P("model", None)),
+    ("*/self_attn/value/bias", P("model", None)),
+    ("*/gate_proj/kernel", P("data", "model")),
+    ("*/up_proj/kernel", P("data", "model")),
+    ("*/down_proj/kernel", P("model", "data")),
+    ("*/gate_proj/bias", P("model")),
+    ("*/up_proj/bias", P("model")),
+    ("lm_head/kernel", P("data", "model")),
+    ("*", P()),
+)
+
+# GPT-2: attention as above; c_fc [E,F] column-, c_proj [F,E] row-parallel. Its vocabulary (50257) and
+# positions split by nothing: wte/wpe [V|P,E] are FSDP over E only.
+GPT2_RULES = (
+    ("wte/embedding", P(None, "data")),
+    ("wpe/embedding", P(None, "data")),
+    ("*/attn/query/kernel", P("data", "model", None)),
+    ("*/attn/key/kernel", P("data", "model", None)),
+    ("*/attn/value/kernel", P("data", "model", None)),
+    ("*/attn/out/kernel", P("model", None, "data")),
+    ("*/attn/query/bias", P("model", None)),
+    ("*/attn/key/bias", P("model", None)),
+    ("*/attn/value/bias", P("model", None)),
+    ("*/c_fc/kernel", P("data", "model")),
+    ("*/c_fc/bias", P("model")),
+    ("*/c_proj/kernel", P("model", "data")),
+    ("lm_head/kernel", P("data", "model")),
+    ("*", P()),
+)
+
+# T5: both stacks' self- and cross-attention, the FF (wi, or gated wi_0/wi_1, then wo), the shared
+# embeddings by vocabulary, each stack's relative table [R,N] by heads.
+T5_RULES = (
+    ("shared/embedding", P("model", "data")),
+    ("*/relative_attention_bias", P(None, "model")),
+    ("*_attention/query/kernel", P("data", "model", None)),
+    ("*_attention/key/kernel", P("data", "model", None)),
+    ("*_attention/value/kernel", P("data", "model", None)),
+    ("*_attention/out/kernel", P("model", None, "data")),
+    ("*/ff/wi*/kernel", P("data", "model")),
+    ("*/ff/wo/kernel", P("model", "data")),
+    ("lm_head/kernel", P("data", "model")),
+    ("*", P()),
+)
+
+# BERT: the encoder's attention, intermediate [E,F] column- and output [F,E] row-parallel; embeddings
+# FSDP over E (BERT's vocabulary, 30522, splits by 2 only).
+BERT_RULES = (
+    ("embeddings/*/embedding", P(None, "data")),
+    ("*/attention/query/kernel", P("data", "model", None)),
+    ("*/attention/key/kernel", P("data", "model", None)),
+    ("*/attention/value/kernel", P("data", "model", None)),
+    ("*/attention/out/kernel", P("model", None, "data")),
+    ("*/attention/query/bias", P("model", None)),
+    ("*/attention/key/bias", P("model", None)),
+    ("*/attention/value/bias", P("model", None)),
+    ("*/intermediate/kernel", P("data", "model")),
+    ("*/intermediate/bias", P("model")),
+    ("*/output/kernel", P("model", "data")),
+    ("pooler/kernel", P("data", None)),
+    ("*", P()),
+)
+
+FAMILY_RULES = {"llama": DECODER_RULES, "qwen2": DECODER_RULES, "mistral": DECODER_RULES,
+                "gemma2": DECODER_RULES, "gpt2": GPT2_RULES, "t5": T5_RULES, "bert": BERT_RULES}
+
+
+def partition_rules(model_type: str) -> tuple:
+    """The family's default rules: ((pattern over the params path, PartitionSpec), ...), first match wins."""
+    if model_type not in FAMILY_RULES:
+        checks.fail("model_type", f"one of {sorted(FAMILY_RULES)}", repr(model_type))
+    return FAMILY_RULES[model_type]
+
+
+def _axes(entry) -> tuple:
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
+def _only_axes_of(spec: P, mesh: Mesh) -> P:
+    """A default spec with the axes `mesh` lacks dropped (their dims unsplit)."""
+    kept = [tuple(a for a in _axes(e) if a in mesh.axis_names) for e in spec]
+    return P(*(None if not k else k[0] if len(k) == 1 else k for k in kept))
+
+
+@dataclasses.dataclass(frozen=True)
+class Rules:
+    """The rows a load uses: the user's first (checked strictly), then the family's (axes the mesh lacks
+    dropped)."""
+
+    mesh: Mesh
+    user: tuple
+    family: tuple
+
+    @classmethod
+    def of(cls, model_type: str, mesh: Mesh, rules=None) -> Rules:
+        checks.check_mesh(mesh)
+        user = tuple((rules.items() if isinstance(rules, Mapping) else rules) or ())
+        for k, r in enumerate(user):
+            if not (isinstance(r, tuple) and len(r) == 2 and isinstance(r[0], str) and isinstance(r[1], P)):
+                checks.fail(f"rules[{k}]", "a (pattern str, PartitionSpec) pair", repr(r))
+            for axis in (a for e in r[1] for a in _axes(e)):
+                if axis not in mesh.axis_names:
+                    checks.fail(f"rules[{k}] ({r[0]!r}: {r[1]})", f"axes of the mesh {list(mesh.axis_names)}",
+                                f"axis {axis!r}")
+        family = tuple((pattern, _only_axes_of(spec, mesh)) for pattern, spec in partition_rules(model_type))
+        return cls(mesh, user, family)
+
+    def spec(self, path: str, shape: tuple[int, ...]) -> P:
+        """The first matching row's spec for the leaf at `path`, checked against its shape."""
+        spec = next(s for pattern, s in (*self.user, *self.family) if fnmatch.fnmatchcase(path, pattern))
+        check_spec(path, spec, shape, self.mesh)
+        return spec
+
+
+def check_spec(path: str, spec: P, shape, mesh: Mesh) -> None:
+    """ValueError naming the parameter, the spec and the shape unless `spec` lays `shape` out on `mesh`:
+    rank, axes that exist (each once) and dims divisible by their axes' sizes."""
+    where = f"{path} (spec {spec}, shape {checks.shape_str(shape)})"
+    if len(spec) > len(shape):
+        checks.fail(where, f"at most {len(shape)} entries (one per dim)", f"{len(spec)}")
+    used = [a for e in spec for a in _axes(e)]
+    for axis in used:
+        if axis not in mesh.axis_names:
+            checks.fail(where, f"axes of the mesh {list(mesh.axis_names)}", f"axis {axis!r}")
+    if len(set(used)) != len(used):
+        checks.fail(where, "each mesh axis at most once", f"axes {used}")
+    for dim, (d, e) in enumerate(zip(shape, spec)):
+        parts = math.prod(mesh.shape[a] for a in _axes(e))
+        if d % parts:
+            checks.fail(where, f"dim {dim} ({d}) divisible by {parts} (mesh axes {list(_axes(e))})",
+                        f"{d} % {parts} = {d % parts}")
+
+
+# --- the checkpoint, read a region at a time ----------------------------------------------------------------
+
+class LazyTensor:
+    """A tensor of a safetensors file, known by its header entry; read whole only if converted to an array
+    (value checks such as a tied head's copy), else region by region."""
+
+    def __init__(self, file: Path, entry: io.TensorEntry | None):
+        self.file, self.entry = file, entry
+
+    @property
+    def shape(self):
+        return None if self.entry is None else self.entry.shape  # None: its file is missing
+
+    @property
+    def dtype(self):
+        return self.entry.dtype
+
+    def read(self, box) -> np.ndarray:
+        if self.entry is None:
+            raise ValueError(f"{self.file}: no such file (a shard file the index lists)")
+        return io.read_region(self.file, self.entry, box)
+
+    def __array__(self, dtype=None, copy=None):
+        whole = self.read(tuple((0, d) for d in self.shape))
+        return whole if dtype is None else whole.astype(dtype)
+
+
+def lazy_reader(directory):
+    """read(file) -> {name: LazyTensor} from its header alone, for _pretrained.read_tensors. A shard file the
+    index lists but the directory lacks gives its listed names as tensors whose file is missing (reported
+    by the parameter they fill, with its spec and shape)."""
+    index = Path(directory) / "model.safetensors.index.json"
+
+    def read(file: Path) -> dict[str, LazyTensor]:
+        if file.is_file() or not index.is_file():
+            return {name: LazyTensor(file, e) for name, e in io.safetensors_entries(file).items()}
+        import json
+
+        listed = json.loads(index.read_text())["weight_map"]
+        return {name: LazyTensor(file, None) for name, f in listed.items() if f == file.name}
+
+    return read
+
+
+class ShardedCheckpoint(Mapping):
+    """{HF name: LazyTensor} for _table.fill, whose `leaf` builds each params leaf as a sharded jax.Array."""
+
+    def __init__(self, tensors: Mapping[str, LazyTensor], rules: Rules):
+        self.tensors, self.rules = dict(tensors), rules
+
+    def __getitem__(self, name):
+        return self.tensors[name]
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self):
+        return len(self.tensors)
+
+    def leaf(self, path: str, name: str, x: LazyTensor, transform, shape, dtype) -> jax.Array:
+        spec = self.rules.spec(path, shape)
+        if x.entry is None:
+            raise ValueError(f"{path} (spec {spec}, shape {checks.shape_str(shape)}): expected tensor {name!r} "
+                             f"from {x.file.name}, got no such file in {x.file.parent}")
+        out = np.dtype(dtype) if dtype is not None and jnp.issubdtype(x.dtype, jnp.floating) else x.dtype
+        read = {}  # box -> array: a shard several local devices hold is read once
+
+        def shard(index):
+            box = tuple(s.indices(d)[:2] for s, d in zip(index, shape))
+            if box not in read:
+                read[box] = region(x, transform, shape, box).astype(out, copy=False)
+            return read[box]
+
+        return jax.make_array_from_callback(tuple(shape), NamedSharding(self.rules.mesh, spec), shard, dtype=out)
+
+
+# --- a box of a leaf as a box of its HF tensor ---------------------------------------------------------------
+
+def region(x: LazyTensor, transform, shape, box) -> np.ndarray:
+    """leaf[box] for the leaf = transform(x) of `shape` (the _table transforms), reading only what it needs.
+
+    Each transform is y = part/transpose(x), then a reshape of y to `shape` that splits each of y's axes
+    into consecutive leaf axes (a group). A box whose cut of a group is on its first axis only is one range
+    of y's axis; a group cut elsewhere is read whole (then sliced), and so is a reshape that is no split.
+    """
+    part = transform[1:] if isinstance(transform, tuple) else None  # ("part", k, n, axis)
+    flip = transform in ("transpose", "T_reshape")
+    y_shape = list(x.shape[::-1] if flip else x.shape)
+    if part is not None:
+        y_shape[part[2]] //= part[1]
+    groups = _groups(y_shape, shape)
+    if groups is None:
+        wide, y_box = [(0, d) for d in shape], [(0, d) for d in y_shape]
+    else:
+        wide = [(0, shape[a]) if any(box[b] != (0, shape[b]) for b in g[1:]) else box[a] for g in groups for a in g]
+        inner = [math.prod(shape[a] for a in g[1:]) for g in groups]
+        y_box = [(wide[g[0]][0] * m, wide[g[0]][1] * m) for g, m in zip(groups, inner)]
+    if part is not None:
+        k, _, axis = part
+        y_box[axis] = tuple(i + k * y_shape[axis] for i in y_box[axis])
+    block = x.read(y_box[::-1] if flip else y_box)
+    block = (block.T if flip else block).reshape([b - a for a, b in wide])
+    return np.ascontiguousarray(block[tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(box, wide))])
+
+
+def _groups(y_shape, shape) -> list[list[int]] | None:
+    """The consecutive leaf axes each of y's axes splits into (size-1 leaf axes at the end join the last
+    group), or None if reshaping y_shape to shape is not such a split."""
+    groups, i = [], 0
+    for d in y_shape:
+        group, size = [], 1
+        while i < len(shape) and (not group or size < d):
+            group.append(i)
+            size *= shape[i]
+            i += 1
+        if size != d or not group:
+            return None
+        groups.append(group)
+    while groups and i < len(shape) and shape[i] == 1:
+        groups[-1].append(i)
+        i += 1
+    return groups if i == len(shape) else None
+
+
+# --- activations ---------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class ModelSharding:
+    """How a model's activations lie on `mesh`: batch over batch_axis, heads over head_axis, and (with
+    sequence_axis) the sequence too. Axes the mesh lacks, or that do not divide a dim, leave it unsplit."""
+
+    mesh: Mesh
+    batch_axis: str | None = "data"
+    head_axis: str | None = "model"
+    sequence_axis: str | None = None
+
+    def spec(self, layout: str, shape) -> P:
+        """The spec of an array whose dims read `layout` (B batch, T/L sequence, N/K heads, others whole)."""
+        axis_of = {"B": self.batch_axis, "T": self.sequence_axis, "N": self.head_axis, "K": self.head_axis}
+        axes = [axis_of.get(letter) for letter in layout]
+        return P(*(a if a in self.mesh.axis_names and d % self.mesh.shape[a] == 0 else None
+                   for a, d in zip(axes, shape)))
+
+    def place(self, x, layout: str):
+        """A host array (the same in every process) as a global array laid out by `layout`."""
+        x = np.asarray(x)
+        sharding = NamedSharding(self.mesh, self.spec(layout, x.shape))
+        return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def constrain(sharding: ModelSharding | None, x, layout: str):
+    """x laid out by `layout` on the model's mesh, inside jit (no-op for a model without a mesh, or for x
+    of another rank, e.g. BERT's extra batch dims)."""
+    if sharding is None or jnp.ndim(x) != len(layout):
+        return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, sharding.spec(layout, x.shape)))
+
+
+# the decode cache's leaves (jaxattn.linen's cache and the models' position count), by name
+CACHE_LAYOUTS = {"cached_key": "BLKH", "cached_value": "BLKH", "cache_index": "B", "next_position": "B"}
+
+
+def constrain_cache(sharding: ModelSharding | None, cache):
+    """The "cache" collection laid out batch over data, key/value heads over model (no-op without a mesh)."""
+    if sharding is None:
+        return cache
+
+    def one(path, x):
+        name = getattr(path[-1], "key", path[-1])
+        if name not in CACHE_LAYOUTS:
+            checks.fail(f"cache{jax.tree_util.keystr(path)}", f"a cache entry among {sorted(CACHE_LAYOUTS)}",
+                        "an unknown entry")
+        return constrain(sharding, x, CACHE_LAYOUTS[name])
+
+    return jax.tree_util.tree_map_with_path(one, cache)
