@@ -376,7 +376,11 @@ def empty_cache(model: nn.Module, params, *args, method=None, **kwargs):
         return model.apply({"params": params}, *args, decode=True, method=method, mutable=["cache"],
                            **kwargs)[1]["cache"]
 
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(cache, params))
+    shapes = jax.eval_shape(cache, params)
+    zeros = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    if model.sharding is None:
+        return zeros()
+    return jax.jit(lambda: _sharding.constrain_cache(model.sharding, zeros()))()  # made on the mesh, sharded
 
 
 # --- weights: HF's names, one row per tensor (see _table) -------------------------------------------------------

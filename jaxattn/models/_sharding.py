@@ -365,3 +365,18 @@ def constrain_cache(sharding: ModelSharding | None, cache):
         return constrain(sharding, x, CACHE_LAYOUTS[name])
 
     return jax.tree_util.tree_map_with_path(one, cache)
+
+
+def place(model, x, layout: str):
+    """A host array (the same in every process) on the model's mesh laid out by `layout`; x itself for a
+    model without a mesh."""
+    return x if model.sharding is None else model.sharding.place(x, layout)
+
+
+def decode_outputs(model, token, cache):
+    """A decode step's outputs, inside jit: on a mesh, the new token [B] replicated (every process reads
+    it) and the cache laid out as constrain_cache does; unchanged without a mesh."""
+    if model.sharding is None:
+        return token, cache
+    token = jax.lax.with_sharding_constraint(token, NamedSharding(model.sharding.mesh, P()))
+    return token, constrain_cache(model.sharding, cache)

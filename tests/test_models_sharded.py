@@ -1,0 +1,412 @@
+"""Models on a device mesh: from_pretrained(DIR, mesh=..., rules=...), the sharded forward, generate and a
+training step, on one process with 8 host devices and on 2 processes x 4 devices.
+
+The multi-device checks run in subprocesses (tests/_models_mesh_checks.py), each on tiny random checkpoints
+this session writes with transformers (examples/train_sharded.py's configs: heads and widths that split over
+8 devices, vocabulary 128): one run over the meshes (data, model) = (8,1), (2,4), (1,8), and one run of two
+processes joined by jax.distributed (gloo) on the (2,4) mesh, "data" across the processes. Every check
+compares with the same model on one device in float64: logits normwise <= 1e-12, greedy tokens equal, one
+AdamW step's loss, gradients and parameters <= 1e-12, and the parameters' layout after the step. The byte
+ranges each process read are counted against the shards its devices hold, its host memory while loading is
+measured, and the compiled forward's collectives are named by the mesh axes they run over.
+
+The cheap parts (the byte-range reader, the transforms read by region, the rules and their errors, a
+one-device mesh) run in this session, in the default group.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import ml_dtypes
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from helpers import assert_float64, normwise
+from jaxattn import io
+from jaxattn.models import from_pretrained, partition_rules
+
+HERE = Path(__file__).resolve().parent
+SCRIPT = HERE / "_models_mesh_checks.py"
+sys.path.insert(0, str(HERE.parent / "examples"))
+from train_sharded import DEMO  # noqa: E402  (the tiny configs that split over 8 devices)
+
+FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "t5")
+MESHES = ("8x1", "2x4", "1x8")
+TOL = 1e-12
+TIMEOUT_S = 1500  # the mesh run takes about 8 minutes on a loaded 2-core machine
+
+
+def one_device_mesh(*names):
+    return Mesh(np.array(jax.devices()[:1]).reshape((1,) * len(names)), names)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    """{family: directory} of tiny random checkpoints (and "bert"), written once."""
+    pytest.importorskip("transformers")
+    from crosscheck import _hf_models as hf
+
+    root = tmp_path_factory.mktemp("sharded")
+    written = {f: str(hf.write_checkpoint(f, root / f, vocab_size=128, **DEMO[f])) for f in FAMILIES}
+    return written
+
+
+# ---------------------------------------------------------------------------------------------------------
+# This session: the reader, the transforms by region, the rules (one device).
+
+
+def test_read_region_reads_exactly_the_box(tmp_path):
+    safetensors = pytest.importorskip("safetensors.numpy")
+    rng = np.random.default_rng(0)
+    tensors = {"a": rng.normal(size=(5, 7, 3)).astype(np.float32), "b": rng.normal(size=(4,)),
+               "c": np.array(2.5), "d": rng.normal(size=(6, 10)).astype(ml_dtypes.bfloat16),
+               "e": np.zeros((0, 3), np.float32), "f": rng.integers(0, 9, (6, 10)).astype(np.int16)}
+    path = tmp_path / "x.safetensors"
+    safetensors.save_file(tensors, str(path))
+    whole, entries = io.load_safetensors(path), io.safetensors_entries(path)
+    assert list(entries) == list(whole) and entries["a"].shape == (5, 7, 3)
+    for name, x in whole.items():
+        for _ in range(12):
+            box = []
+            for n in x.shape:
+                a = int(rng.integers(0, n + 1))
+                box.append((a, int(rng.integers(a, n + 1))))
+            io.bytes_read.clear()
+            got = io.read_region(path, entries[name], box)
+            want = x[tuple(slice(a, b) for a, b in box)]
+            assert got.dtype == want.dtype and np.array_equal(got, want), (name, box)
+            assert io.bytes_read[(str(path), name)] == want.nbytes  # not a byte more
+    with pytest.raises(ValueError, match=r"'a': expected a box"):
+        io.read_region(path, entries["a"], [(0, 6), (0, 7), (0, 3)])
+
+
+def test_safetensors_entries_refuses_a_damaged_file(tmp_path):
+    safetensors = pytest.importorskip("safetensors.numpy")
+    path = tmp_path / "x.safetensors"
+    safetensors.save_file({"a": np.ones((4, 4), np.float32)}, str(path))
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-8])  # truncated
+    with pytest.raises(ValueError, match="not a valid safetensors file"):
+        io.safetensors_entries(path)
+    path.write_bytes((10 ** 9).to_bytes(8, "little") + raw[8:])  # a header longer than the file
+    with pytest.raises(ValueError, match="header length"):
+        io.safetensors_entries(path)
+    with pytest.raises(FileNotFoundError):
+        io.safetensors_entries(tmp_path / "missing.safetensors")
+
+
+# (transform, HF shape, leaf shape, the leaf axes that are a merged HF axis's later letters: a box that cuts
+# none of them reads exactly its own bytes; one that does reads the whole merged axis)
+@pytest.mark.parametrize("transform,hf_shape,shape,tails", [
+    ("copy", (6, 4), (6, 4), ()), ("transpose", (6, 4), (4, 6), ()), ("reshape", (12,), (3, 4), (1,)),
+    ("T_reshape", (12, 5), (5, 3, 4), (2,)), ("T_reshape", (5, 12), (3, 4, 5), (1,)),
+    ("reshape", (12, 5), (3, 4, 5), (1,)), (("part", 1, 3, 1), (5, 36), (5, 3, 4), (2,)),
+    (("part", 2, 3, 0), (36,), (3, 4), (1,)), (("part", 0, 3, 1), (5, 36), (5, 12), ()),
+])
+def test_a_box_of_a_leaf_reads_its_region_of_the_tensor(tmp_path, transform, hf_shape, shape, tails):
+    """_sharding.region against the dense table transform (_table.fill), on every box of a grid of cuts."""
+    from jaxattn.models import _sharding, _table
+
+    safetensors = pytest.importorskip("safetensors.numpy")
+    x = np.arange(np.prod(hf_shape), dtype=np.float64).reshape(hf_shape)
+    path = tmp_path / "t.safetensors"
+    safetensors.save_file({"t": x}, str(path))
+    tensor = _sharding.LazyTensor(path, io.safetensors_entries(path)["t"])
+    row = _table.Row("t", tuple(map(str, hf_shape)), (("w", tuple(map(str, shape)), transform),))
+    leaf = _table.fill({"t": x}, [row], {}, {"t": "t.safetensors"})["w"]
+    cuts = [[(0, d), (0, d // 2), (d // 2, d), (1, d - 1)] for d in shape]
+    for choice in np.ndindex(*[len(c) for c in cuts]):
+        box = tuple(cuts[a][k] for a, k in enumerate(choice))
+        io.bytes_read.clear()
+        got = _sharding.region(tensor, transform, shape, box)
+        want = leaf[tuple(slice(a, b) for a, b in box)]
+        assert got.dtype == want.dtype and np.array_equal(got, want), box
+        exact = all(box[a] == (0, shape[a]) for a in tails)
+        read = sum(io.bytes_read.values())
+        assert read == want.nbytes if exact else read >= want.nbytes, (box, read, want.nbytes)
+
+
+def test_rules_tables_name_every_family():
+    for model_type in ("bert", "gpt2", "t5", "llama", "qwen2", "mistral", "gemma2"):
+        rules = partition_rules(model_type)
+        assert rules[-1] == ("*", P())  # the catch-all replicates
+        assert all(isinstance(p, str) and isinstance(s, P) for p, s in rules)
+    assert dict(partition_rules("llama"))["*/self_attn/query/kernel"] == P("data", "model", None)
+    assert dict(partition_rules("llama"))["*/self_attn/out/kernel"] == P("model", None, "data")
+    with pytest.raises(ValueError, match="model_type: expected one of"):
+        partition_rules("mixtral")
+
+
+def test_rules_first_match_wins_and_user_rows_come_first():
+    from jaxattn.models import _sharding
+
+    mesh = one_device_mesh("data", "model")
+    rules = _sharding.Rules.of("llama", mesh, {"*/self_attn/*/kernel": P("data")})
+    assert rules.spec("layers_3/self_attn/query/kernel", (8, 4, 2)) == P("data")
+    assert rules.spec("layers_3/up_proj/kernel", (8, 6)) == P("data", "model")
+    assert rules.spec("norm/weight", (8,)) == P()
+    only_data = _sharding.Rules.of("llama", one_device_mesh("data"))  # "model" dropped from the defaults
+    assert only_data.spec("layers_0/self_attn/query/kernel", (8, 4, 2)) == P("data", None, None)
+
+
+@pytest.mark.parametrize("rules,match", [
+    ([("*", P("expert"))], r"rules\[0\] \('\*': P\('expert',\)\): expected axes of the mesh \['data', 'model'\], "
+                           r"got axis 'expert'"),
+    ([("*", "data")], r"rules\[0\]: expected a \(pattern str, PartitionSpec\) pair"),
+])
+def test_rules_that_name_no_axis_of_the_mesh_are_refused(rules, match):
+    from jaxattn.models import _sharding
+
+    with pytest.raises(ValueError, match=match):
+        _sharding.Rules.of("llama", one_device_mesh("data", "model"), rules)
+
+
+def test_a_spec_is_checked_against_its_leaf():
+    from jaxattn.models import _sharding
+
+    mesh = one_device_mesh("data", "model")
+    with pytest.raises(ValueError, match=r"^q \(spec P\(None, None, None, 'data'\), shape \[8,4,2\]\): expected "
+                                         r"at most 3 entries"):
+        _sharding.check_spec("q", P(None, None, None, "data"), (8, 4, 2), mesh)
+    with pytest.raises(ValueError, match=r"expected each mesh axis at most once, got axes \['data', 'data'\]"):
+        _sharding.check_spec("q", P("data", "data"), (8, 4, 2), mesh)
+    with pytest.raises(ValueError, match=r"expected axes of the mesh \['data', 'model'\], got axis 'seq'"):
+        _sharding.check_spec("q", P("seq"), (8, 4, 2), mesh)
+
+
+def test_one_device_mesh_loads_the_same_params(checkpoints):
+    """On a one-device mesh every leaf is a jax.Array with the rules' spec, equal to the unsharded load,
+    and the whole checkpoint is read exactly once (each byte of every tensor)."""
+    directory = checkpoints["gpt2"]
+    model, params = from_pretrained(directory, dtype="float64")
+    io.bytes_read.clear()
+    smodel, sparams = from_pretrained(directory, dtype="float64", mesh=one_device_mesh("data", "model"))
+    entries = io.safetensors_entries(Path(directory) / "model.safetensors")
+    assert {name: n for (_, name), n in io.bytes_read.items()} == {n: e.nbytes for n, e in entries.items()}
+    assert smodel.sharding is not None and model.sharding is None
+    assert jax.tree.structure(params) == jax.tree.structure(sparams)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(sparams)):
+        assert isinstance(b, jax.Array) and a.dtype == b.dtype and np.array_equal(a, b)
+    assert sparams["h_0"]["attn"]["query"]["kernel"].sharding.spec == P("data", "model", None)
+    ids = np.array([[5, 6, 7, 8], [9, 10, 11, 12]])
+    got = jax.jit(smodel.apply)({"params": sparams}, ids)
+    assert_float64(got)
+    assert normwise(got, model.apply({"params": params}, ids)) <= TOL
+
+
+def test_missing_shard_file_names_the_parameter_spec_and_shape(checkpoints, tmp_path):
+    """A save_pretrained directory in several shard files, one of them deleted: ValueError naming the first
+    parameter it would fill, its spec and shape; without a mesh, FileNotFoundError as before."""
+    from crosscheck import _hf_models as hf
+
+    directory = hf.write_checkpoint("llama", tmp_path / "llama", vocab_size=128, **DEMO["llama"])
+    import torch  # noqa: F401  (write_checkpoint needs it; re-save in shards)
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(directory))
+    model.save_pretrained(str(tmp_path / "sharded"), max_shard_size="100KB")
+    files = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
+    assert len(files) >= 3
+    missing = files[1]
+    names = [n for n, f in json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())[
+        "weight_map"].items() if f == missing.name]
+    missing.unlink()
+    with pytest.raises(ValueError, match=rf"\(spec P\(.*\), shape \[[\d,]+\]\): expected tensor '.*' from "
+                                         rf"{missing.name}, got no such file") as error:
+        from_pretrained(tmp_path / "sharded", mesh=one_device_mesh("data", "model"))
+    assert any(f"'{n}'" in str(error.value) for n in names)
+    with pytest.raises(FileNotFoundError, match=missing.name):
+        from_pretrained(tmp_path / "sharded")
+
+
+def test_rules_need_a_mesh(checkpoints):
+    with pytest.raises(ValueError, match="rules: expected None without a mesh"):
+        from_pretrained(checkpoints["gpt2"], rules=[("*", P())])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 8 host devices, one subprocess over the three meshes (slow group).
+
+# the forward's all-reduces over "model" on the (1, 8) mesh: one after each row-parallel projection (attention
+# out and MLP down per layer; T5's decoder layers add cross-attention's out), one for the lookup in embeddings
+# split by vocabulary (GPT-2's are not)
+ROW_PARALLEL_ALL_REDUCES = {"gpt2": 2 * 2, "llama": 2 * 2 + 1, "qwen2": 2 * 2 + 1, "mistral": 2 * 2 + 1,
+                            "gemma2": 2 * 2 + 1, "t5": 2 * 2 + 3 * 2 + 1}
+
+
+@pytest.fixture(scope="module")
+def mesh_results(checkpoints):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run([sys.executable, str(SCRIPT), "mesh", ",".join(MESHES),
+                          *(checkpoints[f] for f in FAMILIES)], capture_output=True, text=True, env=env,
+                         timeout=TIMEOUT_S, cwd=HERE)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def result_of(results, family, mesh):
+    assert "error" not in results[family], results[family]["error"]
+    result = results[family][mesh]
+    assert "error" not in result, result["error"]
+    return result
+
+
+@pytest.mark.slow  # reads the 8-device subprocess run (_models_mesh_checks.py mesh)
+@pytest.mark.parametrize("mesh", MESHES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_sharded_model_equals_one_device(mesh_results, family, mesh):
+    """Logits normwise <= 1e-12, greedy tokens equal (and the decode cache laid out batch over data, heads
+    over model), one AdamW step: loss, gradients and parameters <= 1e-12, parameters and optimizer state
+    still laid out as the rules say."""
+    result = result_of(mesh_results, family, mesh)
+    assert result["dtypes"] == ["float64"]
+    assert result["forward"] <= TOL
+    assert result["generate"]["equal"], result["generate"]
+    assert all(entry["as_expected"] for entry in result["generate"]["cache"].values()), result["generate"]
+    train = result["train"]
+    assert train["loss"] <= TOL and train["grads"] <= TOL and train["params"] <= TOL, train
+    assert train["layout_kept"] and train["state_layout_kept"], train
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_parameters_are_laid_out_by_the_rules(mesh_results, family):
+    specs = result_of(mesh_results, family, "2x4")["specs"]
+    attention = {"gpt2": "['h_0']['attn']", "t5": "['decoder']['block_1']['cross_attention']"}.get(
+        family, "['layers_0']['self_attn']")
+    assert specs[f"{attention}['query']['kernel']"] == "('data', 'model')"  # [E,N,H]: FSDP, heads
+    assert specs[f"{attention}['key']['kernel']"] == "('data', 'model')"
+    assert specs[f"{attention}['out']['kernel']"] == "('model', None, 'data')"  # [N,H,E]
+    norms = [s for path, s in specs.items() if "norm" in path or "ln_" in path]
+    assert norms and set(norms) == {"()"}  # replicated
+    mlp_in = {"gpt2": "['h_0']['c_fc']", "t5": "['encoder']['block_0']['ff']['wi_0']"}.get(family, "['layers_0']['up_proj']")
+    assert specs[f"{mlp_in}['kernel']"] == "('data', 'model')"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_collectives_are_the_ones_the_rules_imply(mesh_results, family):
+    """The compiled sharded forward, by the mesh axes each collective runs over:
+    (1,8), tensor parallel: all-reduces over "model" only, one per row-parallel projection (+1 for embeddings
+        split by vocabulary);
+    (8,1), FSDP: all-gathers over "data" (each weight gathered where it is used) and the embeddings'
+        all-to-all from features-split to batch-split over "data"; no all-reduce;
+    (2,4): all-reduces over "model" only; no weight is ever all-gathered over "model" (an all-gather whose
+        result has a model-split leaf's shape with that split undone).
+    """
+    tensor = [(op, axes) for op, axes, _ in result_of(mesh_results, family, "1x8")["collectives"]["ops"]]
+    assert tensor == [("all-reduce", ["model"])] * ROW_PARALLEL_ALL_REDUCES[family], tensor
+    fsdp = result_of(mesh_results, family, "8x1")["collectives"]["ops"]
+    assert {op for op, _, _ in fsdp} == {"all-gather", "all-to-all"} and all(axes == ["data"] for _, axes, _ in fsdp)
+    assert sum(op == "all-gather" for op, _, _ in fsdp) >= 8  # every kernel of both layers, at least
+    both = result_of(mesh_results, family, "2x4")["collectives"]
+    reduces = [axes for op, axes, _ in both["ops"] if op == "all-reduce"]
+    assert reduces and all(axes == ["model"] for axes in reduces)
+    assert any(op == "all-gather" and axes == ["data"] for op, axes, _ in both["ops"])
+    for mesh in MESHES:
+        assert result_of(mesh_results, family, mesh)["collectives"]["weights_gathered_over_model"] == [], mesh
+
+
+@pytest.mark.slow
+def test_rules_that_do_not_fit_eight_devices_are_refused(mesh_results):
+    messages = mesh_results["errors"]
+    assert messages["does not divide"] == (
+        "layers_0/self_attn/query/kernel (spec P(None, None, ('data', 'model')), shape [64,16,4]): expected dim 2 "
+        "(4) divisible by 8 (mesh axes ['data', 'model']), got 4 % 8 = 4")
+    assert messages["axis not in the mesh"].startswith("rules[0] ('*': P('expert',)): expected axes of the mesh")
+    assert "expected at most 3 entries (one per dim), got 4" in messages["too many entries"]
+    assert "expected each mesh axis at most once" in messages["axis twice"]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 2 processes x 4 devices, jax.distributed over gloo (slow group).
+
+PROCESS_TIMEOUT_S = 1500
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def big_checkpoint(tmp_path_factory):
+    """A larger Llama (8 layers, ~100 MB float32) whose memory while loading is measured."""
+    pytest.importorskip("transformers")
+    from crosscheck import _hf_models as hf
+
+    return str(hf.write_checkpoint("llama", tmp_path_factory.mktemp("big") / "llama", vocab_size=4096,
+                                   hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                                   num_attention_heads=8, num_key_value_heads=8, head_dim=64))
+
+
+@pytest.fixture(scope="module")
+def process_results(checkpoints, big_checkpoint):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), "process", str(i), "2", str(port), big_checkpoint,
+                               *(checkpoints[f] for f in FAMILIES)], env=env, cwd=HERE,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outputs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=PROCESS_TIMEOUT_S)
+            assert proc.returncode == 0, err[-4000:]
+            outputs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:  # never leave a process waiting on its peer
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return outputs
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("process", range(2))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_across_processes_the_model_equals_one_device(process_results, family, process):
+    report = process_results[process]
+    assert (report["process_index"], report["process_count"], report["devices"], report["local_devices"]) == (
+        process, 2, 8, 4)
+    result = report[family]
+    assert "error" not in result, result["error"]
+    assert result["forward"] <= TOL and result["generate"]["equal"]
+    train = result["train"]
+    assert train["loss"] <= TOL and train["grads"] <= TOL and train["params"] <= TOL, train
+    assert train["layout_kept"] and train["state_layout_kept"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("process", range(2))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_process_reads_only_the_bytes_of_its_shards(process_results, family, process):
+    """Per tensor, the bytes this process read are exactly those of the distinct shards its 4 devices hold
+    ("data" splits every matrix between the processes, so about half of each; the norm weights, replicated,
+    whole), and nothing is read twice."""
+    result = process_results[process][family]
+    assert result["bytes_read"] == result["bytes_held"]
+    assert sum(result["bytes_read"].values()) <= result["checkpoint_bytes"] / 2 + 16 * 1024
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("process", range(2))
+def test_each_process_holds_half_the_checkpoint_while_loading(process_results, process):
+    """The larger checkpoint (8 layers, 100 MB): this process's peak RSS growth while loading it onto the
+    mesh, the devices' buffers included (host memory on CPU), stays within half the checkpoint + the largest
+    tensor (the host copies of one leaf's shards live until they are on the devices) + 16 MiB; the unsharded
+    load needs more than the whole checkpoint."""
+    memory = process_results[process]["memory"]
+    half = memory["checkpoint_bytes"] / 2
+    assert memory["bytes_read"] <= half
+    assert memory["device_bytes"] <= half + 256 * 1024  # the replicated norm weights, once per device
+    assert memory["rss_peak_growth"] <= half + memory["largest_tensor_bytes"] + 16 * 2 ** 20, memory
+    assert memory["traced_peak"] <= memory["largest_tensor_bytes"] + 8 * 2 ** 20, memory
+    assert memory["unsharded_rss_peak_growth"] > memory["checkpoint_bytes"], memory
