@@ -52,13 +52,15 @@ NEW_TOKENS = 4
 ADAMW = dict(learning_rate=1e-3, eps=1e-6)  # why not eps=1e-8: see test_models_sharded.py
 
 
-def batch_of(model_type, vocab, B=8, T=11):
-    """A left-padded batch (rows of lengths T, T-4, T-2, ...; padding token 0) and, for T5, decoder tokens."""
+def batch_of(model_type, vocab, B=8, T=11, side="left"):
+    """A padded batch (rows of lengths T, T-4, T-2, ...; padding token 0, on `side`) and, for T5, decoder
+    tokens."""
     rng = np.random.default_rng(0)
     ids = rng.integers(1, vocab, (B, T))
     mask = np.ones((B, T), np.int64)
     for b in range(B):
-        mask[b, :(0, 4, 2, 7, 1)[b % 5]] = 0
+        pad = (0, 4, 2, 7, 1)[b % 5]
+        mask[b, slice(0, pad) if side == "left" else slice(T - pad, T)] = 0
     batch = {"input_ids": np.where(mask == 1, ids, 0), "attention_mask": mask}
     if model_type == "t5":
         batch["decoder_input_ids"] = rng.integers(1, vocab, (B, 6))
@@ -79,11 +81,11 @@ def spec_str(x):
     return str(tuple(entries))
 
 
-def reference(directory):
+def reference(directory, **batch_options):
     """One device: (model_type, batch, {logits, tokens, (params, optimizer state, loss) after one step})."""
     config = json.loads((Path(directory) / "config.json").read_text())
     model, params = from_pretrained(directory, dtype="float64")
-    batch = batch_of(config["model_type"], config["vocab_size"])
+    batch = batch_of(config["model_type"], config["vocab_size"], **batch_options)
     ref = {"logits": np.asarray(jax.jit(logits_of, static_argnums=0)(model, params, batch))}
     if config["model_type"] != "bert":
         ref["tokens"] = generate(model, params, batch["input_ids"], max_new_tokens=NEW_TOKENS,
@@ -133,7 +135,7 @@ def cache_layout(model, params, ids):
     layout = {}
     for path, x in jax.tree_util.tree_leaves_with_path(cache):
         keys = [getattr(k, "key", k) for k in path]
-        if "layers_0" in keys or "block_0" in keys:
+        if {"layers_0", "block_0", "h_0"} & set(keys):
             want = NamedSharding(model.sharding.mesh, model.sharding.spec(_sharding.CACHE_LAYOUTS[keys[-1]], x.shape))
             layout[keys[-1]] = {"spec": spec_str(x), "as_expected": x.sharding.is_equivalent_to(want, x.ndim)}
     return layout
@@ -331,8 +333,63 @@ def run_mesh(shapes, directories):
                 result = {"error": f"{type(error).__name__}: {error}"}
             result["seconds"] = round(time.perf_counter() - start, 1)
             results[name][key] = result
-    results["errors"] = error_messages(meshes[0], directories[0])
+    llama = next(d for d in directories if Path(d).name == "llama")
+    results["errors"] = error_messages(meshes[0], llama)
+    results["sequence_parallel"] = sequence_parallel(directories)
     return results
+
+
+def sequence_parallel(directories):
+    """Mesh (data, seq, model) = (2, 2, 2): the decoders whose attention the ring runs (no window, no softcap)
+    against one device on right-padded prompts of 12 tokens (the ring splits each into 2 x 2 chunks):
+    forward, generate (its decoding takes the cache's path), one training step (the ring's backward), and
+    the forward's collective-permutes over "seq"; a left-padded row is NaN; the others are refused."""
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("data", "seq", "model"))
+    results = {}
+    for directory in directories:
+        name = Path(directory).name
+        start = time.perf_counter()
+        try:
+            if name in ("gpt2", "llama", "qwen2"):
+                model_type, batch, ref = reference(directory, T=12, side="right")
+                result, compiled, sparams = check_family(directory, mesh, np.asarray, model_type, batch, ref)
+                result["collectives"] = forward_collectives(compiled, sparams, mesh)
+                result["left_padded_rows_nan"] = left_padded_rows_nan(directory, mesh, batch)
+            else:
+                result = {"refused": refusal(directory, mesh)}
+        except Exception as error:
+            result = {"error": f"{type(error).__name__}: {error}"}
+        result["seconds"] = round(time.perf_counter() - start, 1)
+        results[name] = result
+    return results
+
+
+def left_padded_rows_nan(directory, mesh, batch):
+    """The batch with its last row left-padded instead: [is row b of the logits all NaN], and generate's
+    ValueError."""
+    smodel, sparams = from_pretrained(directory, dtype="float64", mesh=mesh)
+    mask = batch["attention_mask"].copy()
+    mask[-1] = np.roll(mask[-1], 12 - int(mask[-1].sum()))  # the same tokens, padding first
+    placed = {"input_ids": smodel.sharding.place(batch["input_ids"], "BT"),
+              "attention_mask": smodel.sharding.place(mask, "BT")}
+    out = np.asarray(jax.jit(logits_of, static_argnums=0)(smodel, sparams, placed))
+    try:
+        generate(smodel, sparams, batch["input_ids"], max_new_tokens=1, attention_mask=mask)
+        refused = None
+    except ValueError as error:
+        refused = str(error)
+    return {"rows": [bool(np.isnan(row).all()) for row in out], "generate": refused}
+
+
+def refusal(directory, mesh):
+    """The ValueError a model the ring cannot run gives, at load or at its first forward."""
+    try:
+        smodel, sparams = from_pretrained(directory, dtype="float64", mesh=mesh)
+        ids = np.ones((2, 12), np.int32)
+        jax.jit(logits_of, static_argnums=0)(smodel, sparams, {"input_ids": ids, "attention_mask": ids})
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def error_messages(mesh, directory):

@@ -269,7 +269,9 @@ def test_sharded_model_equals_one_device(mesh_results, family, mesh):
     assert result["dtypes"] == ["float64"]
     assert result["forward"] <= TOL
     assert result["generate"]["equal"], result["generate"]
-    assert all(entry["as_expected"] for entry in result["generate"]["cache"].values()), result["generate"]
+    cache = result["generate"]["cache"]
+    assert sorted(cache) == ["cache_index", "cached_key", "cached_value"], cache
+    assert all(entry["as_expected"] for entry in cache.values()), cache
     train = result["train"]
     assert train["loss"] <= TOL and train["grads"] <= TOL and train["params"] <= TOL, train
     assert train["layout_kept"] and train["state_layout_kept"], train
@@ -323,6 +325,38 @@ def test_rules_that_do_not_fit_eight_devices_are_refused(mesh_results):
     assert messages["axis not in the mesh"].startswith("rules[0] ('*': P('expert',)): expected axes of the mesh")
     assert "expected at most 3 entries (one per dim), got 4" in messages["too many entries"]
     assert "expected each mesh axis at most once" in messages["axis twice"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gpt2", "llama", "qwen2"])
+def test_sequence_parallel_on_the_ring_equals_one_device(mesh_results, family):
+    """Mesh (data, seq, model) = (2, 2, 2), right-padded 12-token prompts: the forward, generate (prefill on
+    the ring) and one AdamW step (the ring's backward) equal one device; the compiled forward passes key/value
+    shares round "seq" (collective-permutes); a left-padded row gives NaN logits, and generate refuses it."""
+    result = mesh_results["sequence_parallel"][family]
+    assert "error" not in result, result["error"]
+    assert result["forward"] <= TOL and "'seq'" in result["forward_spec"]
+    assert result["generate"]["equal"]
+    train = result["train"]
+    assert train["loss"] <= TOL and train["grads"] <= TOL and train["params"] <= TOL, train
+    assert train["layout_kept"] and train["state_layout_kept"]
+    ops = result["collectives"]["ops"]
+    assert sum(op == "collective-permute" and axes == ["seq"] for op, axes, _ in ops) >= 2 * 2  # 2 layers, D - 1
+    assert all(axes == ["model"] for op, axes, _ in ops if op == "all-reduce")
+    assert result["collectives"]["weights_gathered_over_model"] == []
+    left = result["left_padded_rows_nan"]
+    assert left["rows"] == [False] * 7 + [True]
+    assert left["generate"] == ("attention_mask: expected right padding (each row's tokens first) with sequence "
+                                "parallelism (the ring masks keys by count), got rows [7] padded otherwise")
+
+
+@pytest.mark.slow
+def test_sequence_parallel_refuses_what_the_ring_cannot_run(mesh_results):
+    refused = {family: r["refused"] for family, r in mesh_results["sequence_parallel"].items() if "refused" in r}
+    assert sorted(refused) == ["gemma2", "mistral", "t5"]
+    assert refused["mistral"].startswith("window: expected None with sequence parallelism")  # sliding_window 5
+    assert refused["gemma2"].startswith("window: expected None with sequence parallelism")
+    assert refused["t5"].startswith("mesh: expected no axis 'seq' for t5")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -405,8 +439,8 @@ def test_each_process_holds_half_the_checkpoint_while_loading(process_results, p
     load needs more than the whole checkpoint."""
     memory = process_results[process]["memory"]
     half = memory["checkpoint_bytes"] / 2
-    assert memory["bytes_read"] <= half
-    assert memory["device_bytes"] <= half + 256 * 1024  # the replicated norm weights, once per device
+    assert memory["bytes_read"] <= half + 64 * 1024  # the norm weights, replicated, are read whole
+    assert memory["device_bytes"] <= half + 256 * 1024  # and held once per device
     assert memory["rss_peak_growth"] <= half + memory["largest_tensor_bytes"] + 16 * 2 ** 20, memory
     assert memory["traced_peak"] <= memory["largest_tensor_bytes"] + 8 * 2 ** 20, memory
     assert memory["unsharded_rss_peak_growth"] > memory["checkpoint_bytes"], memory

@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..linen import MultiHeadAttention, RoPE
+from ..linen import RoPE
 from . import _pretrained, _sharding, _table
 
 # --- configs ----------------------------------------------------------------------------------------------------
@@ -297,7 +297,7 @@ def self_attention(block: Configured, x, mask, positions, decode: bool, window, 
     config's frequencies, the config's biases, the layer's `window` keyword; options: the family's extras
     (scale, logit_softcap). Its params are what attention_rows describes."""
     c, d = block.config, block.config.dims()
-    attention = MultiHeadAttention(num_heads=d["N"], num_kv_heads=d["K"], head_dim=d["H"],
+    attention = _sharding.attention_class(block.sharding)(num_heads=d["N"], num_kv_heads=d["K"], head_dim=d["H"],
                                    use_bias=c.attention_biases(), rope=RoPE(frequencies=c.rope_frequencies),
                                    window=window, dtype=block.dtype, param_dtype=block.param_dtype,
                                    precision=block.precision, name="self_attn", **options)
@@ -358,7 +358,7 @@ class CausalLM(Configured):
         masks = layer_masks(c, attention_mask, slots, decode)
 
         def layer(i, x):
-            block = self.Block(c, self.dtype, self.param_dtype, self.precision, name=f"layers_{i}")
+            block = self.Block(c, self.dtype, self.param_dtype, self.precision, self.sharding, name=f"layers_{i}")
             return block(x, masks[c.window(i)], positions, decode, layer_window(c.window(i), decode))
 
         norm = RMSNorm(c.rms_norm_eps, self.param_dtype, c.rms_norm, name="norm")

@@ -7,7 +7,9 @@ padded slots stay masked as keys for the rest of the decode.
 
 A model loaded onto a mesh (from_pretrained(mesh=...)) decodes there: prompts and positions batch over
 "data", the cache batch over "data" and key/value heads over "model", each new token replicated so that
-every process reads it (the same prompts in every process, as multi-controller JAX runs).
+every process reads it (the same prompts in every process, as multi-controller JAX runs). With a "seq"
+axis the prefill runs on the ring (jaxattn.models._sharding.SequenceParallelAttention): prompts must then
+be right-padded.
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ def generate(model, params, input_ids, *, max_new_tokens: int, attention_mask=No
                          f"{type(model).__name__}")
     if getattr(model, "is_encoder_decoder", False):
         return model.generate(params, input_ids, attention_mask, max_new_tokens, stopping)
+    _sharding.check_prompts(model, attention_mask)
     B, T = input_ids.shape
     if max_new_tokens == 0:
         return input_ids

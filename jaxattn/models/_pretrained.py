@@ -107,10 +107,11 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any | None = None, precis
         tensors, files = read_tensors(path)
         return _load(config, tensors, files, dtype, precision, Path(path) / "config.json")
     sharded_rules = _sharding.Rules.of(config["model_type"], mesh, rules)
+    sharding = _sharding.ModelSharding.of(mesh, config["model_type"])
     tensors, files = read_tensors(path, _sharding.lazy_reader(path))
     model, params = _load(config, _sharding.ShardedCheckpoint(tensors, sharded_rules), files, dtype, precision,
                           Path(path) / "config.json")
-    return model.clone(sharding=_sharding.ModelSharding(mesh)), params
+    return model.clone(sharding=sharding), params
 
 
 def from_state_dict(config: dict, state_dict, *, dtype: Any | None = None, precision: Any = None):
