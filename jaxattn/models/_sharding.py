@@ -25,6 +25,10 @@ Activations: the model carries a ModelSharding (its `sharding` field): the resid
 constrained to batch over "data" between blocks (T over a sequence axis, if one is named), so XLA keeps
 the batch split and gathers FSDP weights rather than reducing activations; heads follow the weights.
 The decode cache [B,L,K,H] is laid out batch over "data", key/value heads over "model".
+
+Sequence parallel: a mesh axis "seq" splits the residual stream's T too, and the decoders' causal
+self-attention (the forward, and generate's prefill) runs on jaxattn.ring_attention over it
+(SequenceParallelAttention): right-padded prompts, no window or softcap; T5 and BERT refuse the axis.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import functools
+import json
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -231,8 +236,6 @@ def lazy_reader(directory):
     def read(file: Path) -> dict[str, LazyTensor]:
         if file.is_file() or not index.is_file():
             return {name: LazyTensor(file, e) for name, e in io.safetensors_entries(file).items()}
-        import json
-
         listed = json.loads(index.read_text())["weight_map"]
         return {name: LazyTensor(file, None) for name, f in listed.items() if f == file.name}
 
