@@ -32,6 +32,8 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
 
 from jaxattn import io  # noqa: E402
 from jaxattn.models import from_pretrained  # noqa: E402
@@ -119,26 +121,39 @@ def main():
     time_rounds(forward, args.rounds)
     loads, read = load_candidates(directory)
     time_rounds(loads, args.rounds)
-    base = forward[0].median_s
-    result = {"checkpoint_bytes": checkpoint_bytes, "batch": args.batch, "length": args.length,
+    base, whole = forward[0].median_s, loads[0].median_s
+    result = {"command": "python -m benchmarks.models_sharded", "jax": jax.__version__,
+              "checkpoint_bytes": checkpoint_bytes, "batch": args.batch, "length": args.length,
               "rounds": args.rounds, "cores": os.cpu_count(), "load_average": load_average(),
               "forward": {c.name: {**rows[c.name], "median_s": c.median_s, "tokens_per_s": tokens / c.median_s,
                                    "vs_one_device": base / c.median_s, "compile_s": c.compile_s,
                                    "times_s": c.times} for c in forward},
-              "load": {c.name: {"median_s": c.median_s, "bytes_read": read[c.name], "times_s": c.times}
-                       for c in loads},
+              "load": {c.name: {"median_s": c.median_s, "vs_unsharded": c.median_s / whole,
+                                "bytes_read": read[c.name], "times_s": c.times} for c in loads},
               "seconds": round(time.time() - started, 1)}
-    print(f"checkpoint {checkpoint_bytes / MiB:.1f} MiB; forward [{args.batch}, {args.length}] float32, "
-          f"{args.rounds} rounds, {os.cpu_count()} cores")
-    print(f"{'forward':<22}{'tokens/s':>10}{'x 1 device':>12}{'params MiB/dev0':>17}{'temp MiB':>10}")
-    for name, r in result["forward"].items():
-        print(f"{name:<22}{r['tokens_per_s']:>10.0f}{r['vs_one_device']:>12.2f}"
-              f"{r['param_bytes_device0'] / MiB:>17.1f}{r['temp_bytes'] / MiB:>10.1f}")
-    print(f"{'load':<40}{'median s':>10}{'MiB read':>10}")
-    for name, r in result["load"].items():
-        print(f"{name:<40}{r['median_s']:>10.3f}{r['bytes_read'] / MiB:>10.1f}")
+    report(result)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+
+
+def report(result):
+    console = Console(width=200)
+    console.print(f"checkpoint {result['checkpoint_bytes'] / MiB:.1f} MiB; forward [{result['batch']}, "
+                  f"{result['length']}] float32; {result['rounds']} rounds interleaved, medians; "
+                  f"{result['cores']} cores; load average {result['load_average']}")
+    table = Table(title="forward: jit(model.apply), one device vs 8 host devices", title_justify="left")
+    for col in ("candidate", "median ms", "tokens/s", "x 1 device", "params MiB on device 0", "XLA temp MiB"):
+        table.add_column(col, justify="left" if col == "candidate" else "right")
+    for name, r in result["forward"].items():
+        table.add_row(name, f"{r['median_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}", f"{r['vs_one_device']:.2f}",
+                      f"{r['param_bytes_device0'] / MiB:.1f}", f"{r['temp_bytes'] / MiB:.1f}")
+    console.print(table)
+    table = Table(title="load: from_pretrained, whole tensors vs each shard's byte ranges", title_justify="left")
+    for col in ("candidate", "median s", "x unsharded", "MiB read"):
+        table.add_column(col, justify="left" if col == "candidate" else "right")
+    for name, r in result["load"].items():
+        table.add_row(name, f"{r['median_s']:.3f}", f"{r['vs_unsharded']:.2f}", f"{r['bytes_read'] / MiB:.1f}")
+    console.print(table)
 
 
 if __name__ == "__main__":

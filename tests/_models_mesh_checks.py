@@ -38,7 +38,7 @@ import optax  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
-from helpers import normwise  # noqa: E402  (tests/helpers.py: this script's folder is first on sys.path)
+from helpers import join_processes, normwise  # noqa: E402  (tests/helpers.py: this script's folder is first on sys.path)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 from train_sharded import train_step  # noqa: E402
@@ -411,17 +411,13 @@ def error_messages(mesh, directory):
 
 
 def run_process(process_id, count, port, big, directories):
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=count, process_id=process_id,
-                               local_device_ids=list(range(4)), initialization_timeout=60)
+    joined = join_processes(process_id, count, port, local_devices=4)
     mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))  # "data" spans the two processes
 
     def gather(x):
         return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
-    results = {"process_index": jax.process_index(), "process_count": jax.process_count(),
-               "devices": len(jax.devices()), "local_devices": len(jax.local_devices()),
-               "memory": load_memory(big, mesh)}  # first: the process has loaded nothing yet
+    results = {**joined, "memory": load_memory(big, mesh)}  # first: the process has loaded nothing yet
     for directory in directories:
         start = time.perf_counter()
         name = Path(directory).name
