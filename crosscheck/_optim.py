@@ -60,7 +60,7 @@ def clip_grad_norm_torch(max_norm: float):
 
     def update(updates, state, params=None):
         del params
-        norm = optax.global_norm(updates)
+        norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(updates)))
         coef = jnp.minimum(max_norm / (norm + TORCH_CLIP_EPSILON), 1.0)
         return jax.tree.map(lambda g: g * coef.astype(g.dtype), updates), state
 
