@@ -248,7 +248,7 @@ def train_report(torch_model, model, params, batches: Sequence[Mapping[str, Any]
     import jax
     import torch
 
-    run = _Run.check(torch_model, params, batches, steps, dtype, mixed_precision)
+    run = _Run.check(torch_model, batches, steps, dtype, mixed_precision)
     optimizer, scheduler = _torch_setup(torch_model, optimizer, lr, scheduler, steps)
     layout = ParamLayout.of(torch_model, params)
     tx, lines = twin(optimizer, torch_model, layout, scheduler=scheduler, max_grad_norm=max_grad_norm, steps=steps)
@@ -338,7 +338,7 @@ class _Run:
         return f"{torch_model.config.model_type} ({type(torch_model).__name__})"
 
     @classmethod
-    def check(cls, torch_model, params, batches, steps, dtype, mixed_precision) -> _Run:
+    def check(cls, torch_model, batches, steps, dtype, mixed_precision) -> _Run:
         import jax
 
         model_type = getattr(getattr(torch_model, "config", None), "model_type", None)

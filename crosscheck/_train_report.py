@@ -70,6 +70,7 @@ def plot(reports, path: str) -> None:
 def main(directory: str, *, steps: int, optimizer: str, lr: float, dtypes: Sequence[str] | None,
          plot_path: str | None, json_path: str | None) -> int:
     from crosscheck import _hf_models as hf
+    from crosscheck._model_report import finish
     from crosscheck._train import FAMILIES, train_report
     from jaxattn.models import from_pretrained
 
@@ -93,23 +94,16 @@ def main(directory: str, *, steps: int, optimizer: str, lr: float, dtypes: Seque
         except ValueError as error:
             print(f"python -m crosscheck: error: {error}", file=sys.stderr)
             return 2
-    if json_path is not None:
-        text = json.dumps({"model": str(directory), "passed": all(r.passed for r in reports),
-                           "first_divergent": next((r.first_divergent for r in reports if not r.passed), None),
-                           "reports": [r.to_dict() for r in reports]}, indent=1)
-        print(text) if json_path == "-" else Path(json_path).write_text(text + "\n")
-    if json_path != "-":
-        real = sum(int(b["attention_mask"].sum()) for b in batches)
-        print(f"{directory}: {config['model_type']}, {steps} steps of {optimizer} (lr {lr}, cosine with warmup, "
+    real = sum(int(b["attention_mask"].sum()) for b in batches)
+    header = (f"{directory}: {config['model_type']}, {steps} steps of {optimizer} (lr {lr}, cosine with warmup, "
               f"clip 1.0) on {BATCHES} random batches of {BATCH}x{LENGTH} ({real} real tokens), cycled")
-        for report in reports:
-            print(report)
-    if plot_path:
-        plot(reports, plot_path)
-    failed = [r for r in reports if not r.passed]
-    for report in failed:
-        first = report.first_divergent
-        where = f", {first['parameter']} ({first['layer']})" if first["parameter"] else ""
-        print(f"first divergent step ({report.dtype}): step {first['step']}, {first['quantity']}{where}",
-              file=sys.stderr)
-    return 1 if failed else 0
+    return finish(reports, header=header, json_path=json_path, plot_path=plot_path, draw=plot, divergence=_divergence,
+                  data={"model": str(directory), "passed": all(r.passed for r in reports),
+                        "first_divergent": next((r.first_divergent for r in reports if not r.passed), None),
+                        "reports": [r.to_dict() for r in reports]})
+
+
+def _divergence(report) -> str:
+    first = report.first_divergent
+    where = f", {first['parameter']} ({first['layer']})" if first["parameter"] else ""
+    return f"first divergent step ({report.dtype}): step {first['step']}, {first['quantity']}{where}"

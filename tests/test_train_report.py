@@ -435,24 +435,21 @@ def test_the_cli_trains_a_checkpoint_with_table_plot_and_json(checkpoints, tmp_p
 
 @pytest.mark.slow
 def test_the_cli_exits_1_naming_the_first_divergent_step_and_parameter(checkpoints, tmp_path, capsys):
-    """The torch model loads the true weights; the file jaxattn reads has one entry of layer 1's MLP off."""
-    import shutil
-
-    from safetensors.numpy import load_file, save_file
-
+    """jaxattn reads the true weights; the torch model gets one entry of layer 1's MLP off (1e-3)."""
     from crosscheck._cli import main
 
-    broken = tmp_path / "broken"
-    shutil.copytree(checkpoints["gpt2"], broken)
-    tensors = load_file(broken / "model.safetensors")
     name = "transformer.h.1.mlp.c_fc.weight"
-    tensors[name] = tensors[name].copy()
-    tensors[name][3, 5] *= 1 + 1e-3
-    save_file(tensors, broken / "model.safetensors")
     real_torch_model = hf.torch_model
+
+    def off_by_one_entry(directory, dtype="float32"):
+        torch_model = real_torch_model(directory, dtype)
+        with torch.no_grad():
+            torch_model.get_parameter(name)[3, 5] *= 1 + 1e-3
+        return torch_model
+
     try:
-        hf.torch_model = lambda directory, dtype="float32": real_torch_model(checkpoints["gpt2"], dtype)
-        assert main(["--no-cache", "--model", str(broken), "--train", "2", "--dtype", "float64",
+        hf.torch_model = off_by_one_entry
+        assert main(["--no-cache", "--model", str(checkpoints["gpt2"]), "--train", "2", "--dtype", "float64",
                      "--json", str(tmp_path / "r.json")]) == 1
     finally:
         hf.torch_model = real_torch_model
