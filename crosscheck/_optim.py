@@ -86,6 +86,8 @@ def optax_from_torch(optimizer, torch_model, params, *, scheduler=None, max_grad
 def twin(optimizer, torch_model, layout, *, scheduler=None, max_grad_norm=None, steps=None) -> tuple[Any, list[str]]:
     """(optax transform, one line per mapping decision) for `optimizer` over `layout`'s parameters (the
     ParamLayout of torch_model against our params)."""
+    import jax
+
     try:
         import optax
     except ImportError:
@@ -98,7 +100,8 @@ def twin(optimizer, torch_model, layout, *, scheduler=None, max_grad_norm=None, 
     _check_scheduler(scheduler, optimizer, steps)
     group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
     named = _named_parameters(optimizer, torch_model)
-    labels = {name: f"group{group_of[id(p)]}" if id(p) in group_of else "frozen" for name, p in named.items()}
+    labels = {name: f"group{group_of[id(p)]}" if id(p) in group_of and p.requires_grad else "frozen"
+              for name, p in named.items()}
     transforms, lines = {}, []
     for k, group in enumerate(optimizer.param_groups):
         lr = _learning_rate(scheduler, k, group, steps)
@@ -108,7 +111,8 @@ def twin(optimizer, torch_model, layout, *, scheduler=None, max_grad_norm=None, 
     frozen = [n for n in layout.names if labels[n] == "frozen"]
     if frozen:
         transforms["frozen"] = optax.set_to_zero()
-        lines.append(f"not in the optimizer (never updated, set_to_zero): {', '.join(frozen)}")
+        lines.append(f"requires_grad=False or in no group (torch never updates them; set_to_zero): "
+                     f"{', '.join(frozen)}")
     neutral = sorted({key for g in optimizer.param_groups for key in NEUTRAL if key in g and g[key]})
     if neutral:
         lines.append(f"accepted, kernels only (not the update's math): {', '.join(neutral)}")
@@ -120,6 +124,9 @@ def twin(optimizer, torch_model, layout, *, scheduler=None, max_grad_norm=None, 
         if not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm: expected a number > 0, got {max_grad_norm!r}")
         tx = optax.chain(clip_grad_norm_torch(float(max_grad_norm)), tx)
+        no_grad = layout.labels(lambda name: not named[name].requires_grad)
+        if any(jax.tree.leaves(no_grad)):  # torch has no gradient for them: none in its norm either
+            tx = optax.chain(optax.masked(optax.set_to_zero(), no_grad), tx)
         lines.insert(0, f"clip_grad_norm_(all parameters, {max_grad_norm}) -> clip_grad_norm_torch({max_grad_norm}) "
                         f"(min(max_norm / (norm + 1e-6), 1), torch's formula)")
     return tx, lines

@@ -471,3 +471,26 @@ def test_bad_training_invocations_exit_2(tmp_path, capsys):
         assert exit_.value.code == 2 and message in capsys.readouterr().err
     assert main(["--no-cache", "--model", str(tmp_path / "nowhere"), "--train", "2"]) == 2
     assert "nowhere: not a directory" in capsys.readouterr().err
+
+
+def test_frozen_parameters_stay_put_and_stay_out_of_the_clipping_norm():
+    """requires_grad=False: torch gives no gradient, skips the update and leaves it out of clip_grad_norm_;
+    a parameter in no group: torch has its gradient (in the norm) but never updates it. The twin does both."""
+    torch_model, params = in_memory_gpt2()
+    layout = ParamLayout.of(torch_model, params)
+    frozen, ungrouped = "transformer.wpe.weight", "transformer.ln_f.bias"
+    torch_model.get_parameter(frozen).requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for n, p in torch_model.named_parameters() if n != ungrouped], lr=1e-2)
+    tx = crosscheck.optax_from_torch(optimizer, torch_model, params, max_grad_norm=0.5)
+    state, rng = tx.init(params), np.random.default_rng(2)
+    for _ in range(3):
+        grads = {n: rng.normal(size=p.shape) for n, p in torch_model.named_parameters()}
+        for name, p in torch_model.named_parameters():
+            p.grad = torch.from_numpy(grads[name].copy()) if p.requires_grad else None
+        torch.nn.utils.clip_grad_norm_(torch_model.parameters(), 0.5)
+        optimizer.step()
+        updates, state = tx.update(layout.to_jax(grads), state, params)
+        params = optax.apply_updates(params, updates)
+    ours = layout.to_torch(params)
+    for name, p in torch_model.named_parameters():
+        assert crosscheck.error_metrics(ours[name], p.detach().numpy())[2] <= 1e-13, name
