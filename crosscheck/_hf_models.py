@@ -20,6 +20,9 @@ VOCAB = 97
 
 # model_type -> (transformers config class name, model class name, config kwargs)
 TINY = {
+    "bert": ("BertConfig", "BertModel",
+             dict(vocab_size=VOCAB, hidden_size=44, intermediate_size=60, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=71, type_vocab_size=3)),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel",
              dict(vocab_size=VOCAB, n_positions=128, n_embd=32, n_layer=2, n_head=4)),
     "llama": ("LlamaConfig", "LlamaForCausalLM",
