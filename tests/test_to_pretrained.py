@@ -35,7 +35,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from crosscheck import _hf_models as hf
 from helpers import normwise
 from jaxattn.io import load_safetensors
-from jaxattn.models import from_pretrained, to_pretrained
+from jaxattn.models import from_pretrained, from_state_dict, to_pretrained
 
 # id -> (model_type, write_checkpoint overrides): the variants tests/test_models_decoders.py loads
 VARIANTS = {
@@ -195,6 +195,10 @@ def test_round_trip_gives_every_tensor_and_config_value_back(checkpoints, varian
     assert _config(written) == _config(source)  # every value, the keys the port does not read included
     again, _ = from_pretrained(written)
     assert again == model
+    model, params = from_state_dict(_config(source), _tensors(source))  # the same from memory
+    from_memory = to_pretrained(model, params, tmp_path / "from_state_dict")
+    _assert_same_tensors(_tensors(from_memory), _tensors(source))
+    assert _config(from_memory) == _config(source)
 
 
 def test_bf16_is_kept_and_dtype_casts_explicitly(checkpoints, tmp_path):
