@@ -255,3 +255,15 @@ def padded_batch(side: str, *, seed: int = 0, batch: int = 3, length: int = 11, 
             if side == "right":
                 mask[b, length - pad:] = 0
     return np.where(mask == 1, ids, 0), mask
+
+
+def padded_inputs(model_type: str, side: str) -> dict[str, np.ndarray]:
+    """A model's keyword inputs on padded_batch(side): input_ids and attention_mask, and for T5
+    decoder_input_ids [3,7]: its start token 0, then 6 seeded random tokens (no decoder padding)."""
+    ids, mask = padded_batch(side)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if model_type == "t5":
+        decoder = np.random.default_rng(1).integers(1, VOCAB, (3, 7))
+        decoder[:, 0] = 0
+        inputs["decoder_input_ids"] = decoder
+    return inputs

@@ -123,14 +123,8 @@ def _assert_torch_holds(torch_model, tensors):
 # --- inputs, the JAX step, the comparison -------------------------------------------------------------------
 
 def _inputs(model_type):
-    """A padded batch (left for decoders, right for the encoders); T5 adds 7 decoder tokens."""
-    ids, mask = hf.padded_batch("right" if model_type in ("bert", "t5") else "left")
-    inputs = {"input_ids": ids, "attention_mask": mask}
-    if model_type == "t5":
-        decoder = np.random.default_rng(1).integers(1, hf.VOCAB, (3, 7))
-        decoder[:, 0] = 0
-        inputs["decoder_input_ids"] = decoder
-    return inputs
+    """The padded batch: on the right for the encoders (BERT, T5), on the left for decoders."""
+    return hf.padded_inputs(model_type, "right" if model_type in ("bert", "t5") else "left")
 
 
 def _outputs(model_type, model, params, inputs):
