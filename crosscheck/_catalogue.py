@@ -8,9 +8,10 @@ and parameters). Builders make every number from a fixed seed: no network, no fi
         '''One line shown by --list.'''
         ...
 
-in a module `crosscheck/_cases_<topic>.py`: the catalogue imports every such module (the core ones first,
-in `_BUILTIN_MODULES` order, then the others by name). Each case runs in every dtype of `DTYPES` under every
-transform of `TRANSFORMS` unless it says otherwise.
+in a module of the package `crosscheck.cases` (one module per kind: `crosscheck/cases/<kind>.py`): the
+catalogue imports every module there (the core ones first, in `_BUILTIN_MODULES` order, then the others by
+name). Each case runs in every dtype of `DTYPES` under every transform of `TRANSFORMS` unless it says
+otherwise. A case registered from anywhere else (a test, a user's script) joins the catalogue the same way.
 """
 
 from __future__ import annotations
@@ -32,12 +33,8 @@ __all__ = ["CASES", "DTYPES", "Case", "Setup", "catalogue", "register_case", "ru
 
 DTYPES = ("float32", "float64")
 
-# Modules whose import registers the core cases, in --list order; other crosscheck._cases_* modules follow.
-_BUILTIN_MODULES = (
-    "crosscheck._cases_seeds",
-    "crosscheck._cases_torch",
-    "crosscheck._cases_relative",
-)
+# Modules whose import registers the core cases, in --list order; the other crosscheck.cases modules follow.
+_BUILTIN_MODULES = ("crosscheck.cases.seeds", "crosscheck.cases.torch_nn", "crosscheck.cases.relative")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,13 +102,13 @@ def register_case(name: str, *, description: str | None = None, dtypes: Iterable
 
 
 def _case_modules() -> list[str]:
-    package = Path(__file__).parent
-    found = sorted(f"crosscheck.{p.stem}" for p in package.glob("_cases_*.py"))
+    package = Path(__file__).parent / "cases"
+    found = sorted(f"crosscheck.cases.{p.stem}" for p in package.glob("*.py") if p.stem != "__init__")
     return [*_BUILTIN_MODULES, *(m for m in found if m not in _BUILTIN_MODULES)]
 
 
 def catalogue() -> dict[str, Case]:
-    """Every registered case: importing each crosscheck._cases_* module registers its cases (once)."""
+    """Every registered case: importing each crosscheck.cases module registers its cases (once)."""
     for module in _case_modules():
         importlib.import_module(module)
     return CASES

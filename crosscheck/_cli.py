@@ -19,8 +19,6 @@ from typing import Any
 from crosscheck._catalogue import DTYPES, Case, catalogue, run_case, select_cases
 from crosscheck._compare import TOLERANCES, TRANSFORMS, Report
 
-# A hidden hook for the CLI's own tests: set it to register "selftest_broken", a case that must fail.
-SELFTEST_ENV = "CROSSCHECK_SELFTEST"
 # XLA compiles (not arithmetic) are the cost of a run, and they use one core each: cases run side by side.
 DEFAULT_JOBS = max(1, min(4, os.cpu_count() or 1))
 
@@ -52,8 +50,6 @@ def configure_jax(cache_dir: str | None = None) -> None:
             jax.config.update("jax_compilation_cache_dir", str(cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    if os.environ.get(SELFTEST_ENV):
-        import crosscheck._selftest  # noqa: F401  (registers the case)
 
 
 def _positive(text: str) -> int:
@@ -198,7 +194,7 @@ def _list() -> int:
 
 
 def _weights_case(args: argparse.Namespace) -> Case:
-    from crosscheck._cases_weights import weights_setup
+    from crosscheck.cases.weights import weights_setup
 
     path = Path(args.weights)
     setup, what = weights_setup(path, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,

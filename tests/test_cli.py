@@ -6,16 +6,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from crosscheck._cli import SELFTEST_ENV, main
+from crosscheck import Setup, register_case
+from crosscheck._catalogue import CASES
+from crosscheck._cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def _crosscheck(*args, env=None):
-    env = {**os.environ, **(env or {})}
+def _crosscheck(*args):
+    env = dict(os.environ)
     env.pop("JAX_ENABLE_X64", None)  # the CLI must switch x64 on by itself
     return subprocess.run([sys.executable, "-m", "crosscheck", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)
@@ -43,12 +46,44 @@ def test_seed_cases_json_all_pass():
     assert progress[-1].startswith("[30/30 rows, ")
 
 
-def test_a_failing_case_exits_1():
-    result = _crosscheck("--case", "selftest_broken", "--dtype", "float64", "--transform", "jit",
-                         env={SELFTEST_ENV: "1"})
-    assert result.returncode == 1, result.stdout + result.stderr
-    assert "FAIL" in result.stdout and "selftest_broken" in result.stdout
-    assert "1 FAILED" in result.stdout
+@pytest.fixture
+def registered():
+    """register_case for one test: the cases it adds leave the catalogue afterwards."""
+    added = []
+
+    def register(name, build, **options):
+        register_case(name, **options)(build)
+        added.append(name)
+        return CASES[name]
+
+    yield register
+    for name in added:
+        del CASES[name]
+
+
+def _broken() -> Setup:
+    """Deliberately wrong: JAX's softmax attention is scaled by 1.001 (must FAIL)."""
+    import jaxattn
+
+    rng = np.random.default_rng(0)
+
+    def jax_fn(q, k, v):
+        return jaxattn.dot_product_attention(q, k, v) * 1.001
+
+    def torch_fn(q, k, v):
+        weights = torch.softmax(torch.einsum("btnh,bsnh->bnts", q, k) * q.shape[-1] ** -0.5, dim=-1)
+        return torch.einsum("bnts,bsnh->btnh", weights, v)
+
+    return Setup(jax_fn, torch_fn, {n: rng.standard_normal((2, 5, 3, 7)) for n in ("q", "k", "v")})
+
+
+def test_a_failing_case_exits_1(registered, capsys):
+    # the failure path end to end: a 1e-3 relative error on the JAX side turns the row red, the exit status 1
+    registered("selftest_broken", _broken)
+    assert main(["--case", "selftest_broken", "--dtype", "float64", "--transform", "jit", "--no-cache"]) == 1
+    out = capsys.readouterr().out
+    assert "FAIL" in out and "selftest_broken" in out
+    assert "1 FAILED" in out
 
 
 def test_list_and_unknown_case(capsys):

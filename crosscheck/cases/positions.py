@@ -26,7 +26,7 @@ from unittest import mock
 
 import numpy as np
 
-from crosscheck._cases_common import normal, randomize, rng_for, torch_params
+from crosscheck.cases.common import normal, randomize, rng_for, torch_params
 from crosscheck._catalogue import Setup, register_case
 
 _HF = ("transformers",)  # hf_* cases build HF modules: registered only when transformers is installed
