@@ -1,6 +1,8 @@
-"""`python -m crosscheck`: JSON output, case selection, exit status, and checking a saved checkpoint."""
+"""`python -m crosscheck`: JSON output, case selection, exit status, the summary line, and checking a saved
+checkpoint."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -10,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-from crosscheck import Setup, register_case
+from crosscheck import Metric, Report, Setup, register_case
 from crosscheck._catalogue import CASES
-from crosscheck._cli import main
+from crosscheck._cli import _print_table, _summary, main
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -84,6 +86,32 @@ def test_a_failing_case_exits_1(registered, capsys):
     out = capsys.readouterr().out
     assert "FAIL" in out and "selftest_broken" in out
     assert "1 FAILED" in out
+
+
+def _report(name, dtype, normwise, tolerance, kind="output", transform="jit"):
+    metric = Metric(kind, kind, (2,), normwise, normwise, normwise, tolerance, normwise <= tolerance)
+    return Report(name, dtype, transform, (metric,))
+
+
+def test_summary_reports_the_worst_row_as_a_share_of_its_own_tolerance(capsys):
+    # a whole-model row has its own float32 bar (1e-5): 1.35e-6 there is 0.135 of it, not "over 1e-6"
+    reports = [_report("model_gpt2", "float32", 1.35e-6, 1e-5), _report("flex_softcap", "float32", 7.3e-7, 1e-6),
+               _report("seed000", "float64", 2e-16, 1e-12, kind="grad", transform="vmap")]
+    worst = _summary(reports, 1.0)["by_dtype"]["float32"]["worst"]
+    assert worst["case"] == "flex_softcap" and math.isclose(worst["share_of_tolerance"], 0.73)
+    _print_table(reports, 1.0)
+    line = " ".join(capsys.readouterr().out.split("3 rows, 3 passed, all passed")[1].split())  # wrapped
+    assert "float32: worst 0.73 of tolerance (flex_softcap jit output: 7.30e-07 / tol 1e-06)" in line
+    assert "float64: worst 0.0002 of tolerance (seed000 vmap grad: 2.00e-16 / tol 1e-12)" in line
+    assert "1.35e-06" not in line  # the table has it; the summary line no longer sets it against 1e-06
+
+
+def test_summary_of_a_failure_counts_a_nan_as_the_worst(capsys):
+    reports = [_report("a", "float32", 5e-7, 1e-6), _report("b", "float32", math.nan, 1e-6)]
+    assert _summary(reports, 1.0)["by_dtype"]["float32"]["worst"]["case"] == "b"
+    _print_table(reports, 1.0)
+    line = " ".join(capsys.readouterr().out.split())
+    assert "1 FAILED" in line and "worst inf of tolerance (b jit output: - / tol 1e-06)" in line
 
 
 def test_list_and_unknown_case(capsys):
