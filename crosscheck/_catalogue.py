@@ -61,6 +61,7 @@ class Case:
     description: str = ""
     dtypes: tuple[str, ...] = DTYPES
     transforms: tuple[str, ...] = TRANSFORMS
+    note: str = ""  # said once per run by the CLI when the case is selected (e.g. what its reference is)
 
     def setup(self) -> Setup:
         return _built(self)
@@ -79,11 +80,11 @@ UNAVAILABLE: dict[str, tuple[str, ...]] = {}
 
 
 def register_case(name: str, *, description: str | None = None, dtypes: Iterable[str] = DTYPES,
-                  transforms: Iterable[str] = TRANSFORMS, requires: Iterable[str] = ()
+                  transforms: Iterable[str] = TRANSFORMS, note: str = "", requires: Iterable[str] = ()
                   ) -> Callable[[Callable[[], Setup]], Callable[[], Setup]]:
     """Decorator adding a builder to the catalogue; the description defaults to its docstring's first line.
 
-    `requires`: importable names the case needs beyond torch (e.g. "transformers"); when one is missing the
+    `note`: a line the CLI prints once per run when the case is selected. `requires`: importable names the case needs beyond torch (e.g. "transformers"); when one is missing the
     case is listed in UNAVAILABLE instead of the catalogue.
     """
 
@@ -95,7 +96,7 @@ def register_case(name: str, *, description: str | None = None, dtypes: Iterable
         if name in CASES:
             raise ValueError(f"register_case: a case named {name!r} is already registered")
         doc = description if description is not None else (build.__doc__ or "").strip().split("\n")[0]
-        CASES[name] = Case(name, build, doc, tuple(dtypes), tuple(transforms))
+        CASES[name] = Case(name, build, doc, tuple(dtypes), tuple(transforms), note)
         return build
 
     return add

@@ -156,6 +156,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     dtypes = tuple(dict.fromkeys(args.dtype or DTYPES))
     transforms = tuple(dict.fromkeys(args.transform or TRANSFORMS))
+    _print_notes(cases)
     started = time.perf_counter()
     reports = _run(cases, dtypes, transforms, jobs=1 if args.weights else args.jobs, cache_dir=cache_dir)
     seconds = time.perf_counter() - started
@@ -170,6 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         _print_table(reports, seconds)
         _print_unavailable()
     return 1 if failed or not reports else 0
+
+
+def _print_notes(cases: list[Case]) -> None:
+    """Each distinct note of the selected cases (e.g. what their reference is), once per run, on stderr."""
+    for note in dict.fromkeys(c.note for c in cases if c.note):
+        print(f"note: {note}", file=sys.stderr, flush=True)
 
 
 def _print_unavailable() -> None:

@@ -6,6 +6,7 @@ import math
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -112,6 +113,25 @@ def test_summary_of_a_failure_counts_a_nan_as_the_worst(capsys):
     _print_table(reports, 1.0)
     line = " ".join(capsys.readouterr().out.split())
     assert "1 FAILED" in line and "worst inf of tolerance (b jit output: - / tol 1e-06)" in line
+
+
+def test_torch_flex_reference_advice_is_silenced_and_said_once(capsys):
+    import torch.nn.attention.flex_attention as torch_flex
+
+    from crosscheck._flex import flex_reference
+
+    torch_flex._WARNINGS_SHOWN.discard("flex_attention_performance")  # as in a fresh process
+    q, k, v = (torch.randn(1, 4, 2, 8, dtype=torch.float64) for _ in range(3))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        flex_reference(q, k, v, mask_mod=lambda b, n, t, s: t >= s)
+        warnings.warn("a warning of ours still shows", UserWarning)
+    assert [str(w.message) for w in caught] == ["a warning of ours still shows"]
+    # the CLI says what the reference is, once however many flex cases run
+    assert main(["--case", "flex_causal", "--case", "flex_sliding", "--dtype", "float32", "--transform", "jit",
+                 "--jobs", "1", "--no-cache"]) == 0
+    notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "torch's eager flex_attention" in notes[0]
 
 
 def test_list_and_unknown_case(capsys):
