@@ -1,4 +1,9 @@
-"""`python -m crosscheck`: run the catalogue (or a weights file) in JAX and torch and print one row per run."""
+"""`python -m crosscheck`: run the catalogue (or a weights file) in JAX and torch and print one row per run.
+
+The default run is the quick proof: every case of the catalogue once, on its quick rows (one compiled program
+a case; the run as a whole has float32 and float64, jit, vmap and plain rows). `--all` runs every row of
+every case (CI does).
+"""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from crosscheck._catalogue import DTYPES, Case, catalogue, run_case, select_cases
+from crosscheck._catalogue import DTYPES, Case, Row, catalogue, run_case, select_cases
 from crosscheck._compare import TOLERANCES, TRANSFORMS, Report
 
 # XLA compiles (not arithmetic) are the cost of a run, and they use one core each: cases run side by side.
@@ -66,18 +71,23 @@ def _positive(text: str) -> int:
 # The options of "checking a real checkpoint": each means something only with --weights.
 _WEIGHTS_ONLY = ("num_heads", "num_kv_heads", "head_dim", "value_head_dim", "add_zero_attn")
 # Options that select or report a catalogue run: --list ignores them, --weights replaces --case.
-_RUN_ONLY = ("case", "dtype", "transform", "json", "weights", "jobs", "model", "plot", *_WEIGHTS_ONLY)
+_RUN_ONLY = ("case", "all", "dtype", "transform", "json", "weights", "jobs", "model", "plot", *_WEIGHTS_ONLY)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m crosscheck",
         description="Check that jaxattn reproduces PyTorch attention: outputs and gradients, float32 and "
-        "float64, plain / jit / vmap. Exits 1 if any row fails, 2 on a usage error.",
+        "float64, plain / jit / vmap. By default every case runs once (the quick proof); --all runs every row. "
+        "Exits 1 if any row fails, 2 on a usage error.",
     )
     p.add_argument("--case", action="append", metavar="NAME", help="case name or glob (repeatable); default: all")
-    p.add_argument("--dtype", action="append", choices=DTYPES, help="repeatable; default: all")
-    p.add_argument("--transform", action="append", choices=TRANSFORMS, help="repeatable; default: all")
+    p.add_argument("--all", action="store_true", help="every row of each case (its dtypes x transforms); "
+                   "default: each case's quick rows, every case once")
+    p.add_argument("--dtype", action="append", choices=DTYPES,
+                   help="only rows in this dtype (repeatable); a case with no quick row left runs its first one")
+    p.add_argument("--transform", action="append", choices=TRANSFORMS, help="only rows under this transform "
+                   "(repeatable), likewise")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the results as JSON to PATH, or to stdout (instead of the table) without PATH")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
@@ -122,15 +132,16 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error("--weights needs --num-heads: a state_dict does not record the number of heads")
         if args.num_kv_heads is not None and args.num_heads % args.num_kv_heads:
             parser.error(f"--num-kv-heads {args.num_kv_heads} must divide --num-heads {args.num_heads}")
-        if args.case:
-            parser.error("--weights runs that file's module, not catalogue cases: drop --case")
+        if args.case or args.all:
+            parser.error(f"--weights runs every row of that file's module, not catalogue cases: drop "
+                         f"{', '.join(given(('case', 'all')))}")
         if args.jobs is not None:
             parser.error("--weights runs one case in this process: drop --jobs")
     if args.plot is not None and args.model is None:
         parser.error("--plot draws the report of --model DIR: it needs --model")
-    if args.model is not None and given(("case", "transform", "weights", "jobs", *_WEIGHTS_ONLY)):
-        parser.error(f"--model compares one checkpoint layer by layer: drop "
-                     f"{', '.join(given(('case', 'transform', 'weights', 'jobs', *_WEIGHTS_ONLY)))}")
+    catalogue_only = ("case", "all", "transform", "weights", "jobs", *_WEIGHTS_ONLY)
+    if args.model is not None and given(catalogue_only):
+        parser.error(f"--model compares one checkpoint layer by layer: drop {', '.join(given(catalogue_only))}")
     if args.cache_dir is None and not args.no_cache:
         args.cache_dir = str(default_cache_dir())
     if args.jobs is None:
@@ -156,21 +167,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     dtypes = tuple(dict.fromkeys(args.dtype or DTYPES))
     transforms = tuple(dict.fromkeys(args.transform or TRANSFORMS))
+    every = args.all or args.weights is not None  # a checkpoint is one case: all of its rows
+    work = [(c, c.rows(dtypes, transforms, every=every)) for c in cases]
     _print_notes(cases)
     started = time.perf_counter()
-    reports = _run(cases, dtypes, transforms, jobs=1 if args.weights else args.jobs, cache_dir=cache_dir)
+    reports = _run(work, jobs=1 if args.weights else args.jobs, cache_dir=cache_dir)
     seconds = time.perf_counter() - started
     failed = [r for r in reports if not r.passed]
+    left = sum(len(c.rows(dtypes, transforms)) for c in cases) - len(reports)
     if args.json is not None:
-        text = json.dumps(_json(reports, seconds), indent=1)
+        text = json.dumps(_json(reports, seconds, every=every, left=left), indent=1)
         if args.json == "-":
             print(text)
         else:
             Path(args.json).write_text(text + "\n")
     if args.json != "-":
         _print_table(reports, seconds)
+        if left:
+            print(f"quick run: each case once; --all runs {left} more rows ({FULL_RUN})")
         _print_unavailable()
     return 1 if failed or not reports else 0
+
+
+# What `--all` costs (all 737 rows, 2 workers on 2 cores), as measured for docs/performance.md ("The main
+# job"); printed after a quick run, so that the reader knows before starting one.
+FULL_RUN = "measured: 1641 CPU-s cold, 340 CPU-s warm, i.e. 188 s on 2 quiet cores; docs/performance.md"
 
 
 def _print_notes(cases: list[Case]) -> None:
@@ -192,9 +213,9 @@ def _list() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("case", "description", box=None, pad_edge=False)
+    table = Table("case", "quick run", "description", box=None, pad_edge=False)
     for case in catalogue().values():
-        table.add_row(case.name, case.description)
+        table.add_row(case.name, ", ".join(f"{d} {t}" for d, t in case.rows(every=False)), case.description)
     Console(width=_width()).print(table)
     _print_unavailable()
     return 0
@@ -213,19 +234,14 @@ def _weights_case(args: argparse.Namespace) -> Case:
 # --- running ------------------------------------------------------------------------------------------------
 
 
-def _rows(case: Case, dtypes, transforms) -> list[tuple[str, str]]:
-    return [(d, t) for d in dtypes if d in case.dtypes for t in transforms if t in case.transforms]
-
-
 def _run_one_case(case: Case | str, rows) -> list[Report]:
     shared: dict = {}  # the rows of one case share torch's runs on identical numbers (plain and jit)
     return [run_case(case, dtype=d, transform=t, reference_cache=shared) for d, t in rows]
 
 
-def _run(cases: list[Case], dtypes, transforms, *, jobs: int, cache_dir: str | None) -> list[Report]:
-    work = [(c, _rows(c, dtypes, transforms)) for c in cases]
+def _run(work: list[tuple[Case, list[Row]]], *, jobs: int, cache_dir: str | None) -> list[Report]:
     with _progress(sum(len(rows) for _, rows in work)) as advance:
-        if jobs <= 1 or len(cases) <= 1:
+        if jobs <= 1 or len(work) <= 1:
             results = []
             for case, rows in work:
                 results += _run_one_case(case, rows)
@@ -320,12 +336,13 @@ def _finite(tree: Any) -> Any:
     return str(tree) if isinstance(tree, float) and not math.isfinite(tree) else tree
 
 
-def _json(reports: list[Report], seconds: float) -> dict[str, Any]:
+def _json(reports: list[Report], seconds: float, *, every: bool, left: int) -> dict[str, Any]:
     import jax
     import torch
 
     return {
         "passed": bool(reports) and all(r.passed for r in reports),
+        "selection": {"rows": "all" if every else "quick", "rows_run": len(reports), "rows_not_run": left},
         "summary": _finite(_summary(reports, seconds)),
         "tolerances": {d: {"output": t.forward, "grad": t.grad} for d, t in TOLERANCES.items()},
         "versions": {"python": platform.python_version(), "jax": jax.__version__, "torch": torch.__version__},

