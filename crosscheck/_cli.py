@@ -191,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 # What `--all` costs (all 737 rows, 2 workers on 2 cores), as measured for docs/performance.md ("The main
 # job"); printed after a quick run, so that the reader knows before starting one.
-FULL_RUN = "measured: 1641 CPU-s cold, 340 CPU-s warm, i.e. 188 s on 2 quiet cores; docs/performance.md"
+FULL_RUN = "a full run: 401 s cold, 91 s warm on 2 quiet cores (1651 / 426 CPU-s loaded); docs/performance.md"
 
 
 def _print_notes(cases: list[Case]) -> None:
