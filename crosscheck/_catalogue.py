@@ -14,9 +14,10 @@ name). Each case runs in every dtype of `DTYPES` under every transform of `TRANS
 otherwise. A case registered from anywhere else (a test, a user's script) joins the catalogue the same way.
 
 Rows: a case's rows are its dtypes x its transforms; `python -m crosscheck --all` runs them all. The default
-run, the quick proof, runs each case's `quick` rows: every case once as one compiled program, chosen per
-kind of case (crosscheck.cases.common) so that the run as a whole still has float32 and float64, jit, vmap
-and plain rows. A case that names none runs its float64 jit row (its first row if it has no such row).
+run, the quick proof, runs each case's `quick` rows: every case once, one row chosen per kind of case
+(crosscheck.cases.common; mostly jit, one compiled program) so that the run as a whole still has float32 and
+float64, jit, vmap and plain rows. A case that names none runs its float64 jit row (its first row if it has no
+such row).
 """
 
 from __future__ import annotations

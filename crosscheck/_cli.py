@@ -1,8 +1,8 @@
 """`python -m crosscheck`: run the catalogue (or a weights file) in JAX and torch and print one row per run.
 
-The default run is the quick proof: every case of the catalogue once, on its quick rows (one compiled program
-a case; the run as a whole has float32 and float64, jit, vmap and plain rows). `--all` runs every row of
-every case (CI does).
+The default run is the quick proof: every case of the catalogue once, on its quick row (mostly jit, one
+compiled program; the run as a whole has float32 and float64, jit, vmap and plain rows). `--all` runs every
+row of every case (CI does).
 """
 
 from __future__ import annotations

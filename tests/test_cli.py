@@ -99,7 +99,7 @@ def _doubling() -> Setup:
 def test_the_quick_run_has_every_case_once_and_every_dtype_and_transform():
     cases = catalogue()
     quick = [(name, row) for name, case in cases.items() for row in case.rows(every=False)]
-    assert sorted(name for name, _ in quick) == sorted(cases)  # every case, once: one compiled program each
+    assert sorted(name for name, _ in quick) == sorted(cases)  # every case, once
     assert {d for _, (d, _) in quick} == set(DTYPES) and {t for _, (_, t) in quick} == set(TRANSFORMS)
     assert all(set(case.rows(every=False)) <= set(case.rows()) for case in cases.values())
     assert sum(len(case.rows()) for case in cases.values()) >= 737  # --all: every row
