@@ -17,7 +17,8 @@ Proof (one tolerance table keyed by dtype; forward outputs and gradients, plain 
 
     report = compare(jax_fn, torch_fn, {"x": x}, dtype="float64", transform="jit")   # Report: per-output metrics
     assert_equivalent(jax_fn, torch_fn, {"x": x}, dtype="float32")                  # AssertionError if not
-    python -m crosscheck [--case GLOB] [--dtype float32|float64] [--transform plain|jit|vmap] [--json [PATH]]
+    python -m crosscheck [--case GLOB] [--all] [--dtype float32|float64] [--transform plain|jit|vmap] [--json [PATH]]
+                                                             # default: every case once; --all: every row
 
 Whole models (transformers checkpoints against jaxattn.models, layer by layer)::
 
