@@ -8,9 +8,16 @@ and parameters). Builders make every number from a fixed seed: no network, no fi
         '''One line shown by --list.'''
         ...
 
-in a module `crosscheck/_cases_<topic>.py`: the catalogue imports every such module (the core ones first,
-in `_BUILTIN_MODULES` order, then the others by name). Each case runs in every dtype of `DTYPES` under every
-transform of `TRANSFORMS` unless it says otherwise.
+in a module of the package `crosscheck.cases` (one module per kind: `crosscheck/cases/<kind>.py`): the
+catalogue imports every module there (the core ones first, in `_BUILTIN_MODULES` order, then the others by
+name). Each case runs in every dtype of `DTYPES` under every transform of `TRANSFORMS` unless it says
+otherwise. A case registered from anywhere else (a test, a user's script) joins the catalogue the same way.
+
+Rows: a case's rows are its dtypes x its transforms; `python -m crosscheck --all` runs them all. The default
+run, the quick proof, runs each case's `quick` rows: every case once, one row chosen per kind of case
+(crosscheck.cases.common; mostly jit, one compiled program) so that the run as a whole still has float32 and
+float64, jit, vmap and plain rows. A case that names none runs its float64 jit row (its first row if it has no
+such row).
 """
 
 from __future__ import annotations
@@ -28,16 +35,13 @@ from typing import Any
 
 from crosscheck._compare import TRANSFORMS, Report, compare
 
-__all__ = ["CASES", "DTYPES", "Case", "Setup", "catalogue", "register_case", "run_case", "select_cases"]
+__all__ = ["CASES", "DTYPES", "Case", "Row", "Setup", "catalogue", "register_case", "run_case", "select_cases"]
 
 DTYPES = ("float32", "float64")
+Row = tuple[str, str]  # (dtype, transform)
 
-# Modules whose import registers the core cases, in --list order; other crosscheck._cases_* modules follow.
-_BUILTIN_MODULES = (
-    "crosscheck._cases_seeds",
-    "crosscheck._cases_torch",
-    "crosscheck._cases_relative",
-)
+# Modules whose import registers the core cases, in --list order; the other crosscheck.cases modules follow.
+_BUILTIN_MODULES = ("crosscheck.cases.seeds", "crosscheck.cases.torch_nn", "crosscheck.cases.relative")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,9 +68,26 @@ class Case:
     description: str = ""
     dtypes: tuple[str, ...] = DTYPES
     transforms: tuple[str, ...] = TRANSFORMS
+    note: str = ""  # said once per run by the CLI when the case is selected (e.g. what its reference is)
+    quick: tuple[Row, ...] = ()  # the default run's rows; () means _default_quick's
 
     def setup(self) -> Setup:
         return _built(self)
+
+    def rows(self, dtypes: Iterable[str] = DTYPES, transforms: Iterable[str] = TRANSFORMS, *,
+             every: bool = True) -> list[Row]:
+        """This case's rows within `dtypes` x `transforms`, in catalogue order: every one, or (every=False)
+        its quick rows; when the selection leaves none of those, its first row that remains, so that a
+        selected case always runs."""
+        selected = [(d, t) for d in self.dtypes if d in dtypes for t in self.transforms if t in transforms]
+        if every:
+            return selected
+        return [row for row in selected if row in (self.quick or _default_quick(self))] or selected[:1]
+
+
+def _default_quick(case: Case) -> tuple[Row, ...]:
+    rows = case.rows()
+    return (("float64", "jit"),) if ("float64", "jit") in rows else tuple(rows[:1])
 
 
 @functools.cache
@@ -82,12 +103,14 @@ UNAVAILABLE: dict[str, tuple[str, ...]] = {}
 
 
 def register_case(name: str, *, description: str | None = None, dtypes: Iterable[str] = DTYPES,
-                  transforms: Iterable[str] = TRANSFORMS, requires: Iterable[str] = ()
-                  ) -> Callable[[Callable[[], Setup]], Callable[[], Setup]]:
+                  transforms: Iterable[str] = TRANSFORMS, quick: Iterable[Row] = (), note: str = "",
+                  requires: Iterable[str] = ()) -> Callable[[Callable[[], Setup]], Callable[[], Setup]]:
     """Decorator adding a builder to the catalogue; the description defaults to its docstring's first line.
 
-    `requires`: importable names the case needs beyond torch (e.g. "transformers"); when one is missing the
-    case is listed in UNAVAILABLE instead of the catalogue.
+    `quick`: the (dtype, transform) rows of the default run (default: the float64 jit row). `note`: a line
+    the CLI prints once per run when the case is selected. `requires`: importable names the case needs
+    beyond torch (e.g. "transformers"); when one is missing the case is listed in UNAVAILABLE instead of
+    the catalogue.
     """
 
     def add(build: Callable[[], Setup]) -> Callable[[], Setup]:
@@ -98,20 +121,24 @@ def register_case(name: str, *, description: str | None = None, dtypes: Iterable
         if name in CASES:
             raise ValueError(f"register_case: a case named {name!r} is already registered")
         doc = description if description is not None else (build.__doc__ or "").strip().split("\n")[0]
-        CASES[name] = Case(name, build, doc, tuple(dtypes), tuple(transforms))
+        case = Case(name, build, doc, tuple(dtypes), tuple(transforms), note, tuple(map(tuple, quick)))
+        outside = [row for row in case.quick if row not in case.rows()]
+        if outside:
+            raise ValueError(f"register_case: quick rows {outside} of {name!r} are not among its rows {case.rows()}")
+        CASES[name] = case
         return build
 
     return add
 
 
 def _case_modules() -> list[str]:
-    package = Path(__file__).parent
-    found = sorted(f"crosscheck.{p.stem}" for p in package.glob("_cases_*.py"))
+    package = Path(__file__).parent / "cases"
+    found = sorted(f"crosscheck.cases.{p.stem}" for p in package.glob("*.py") if p.stem != "__init__")
     return [*_BUILTIN_MODULES, *(m for m in found if m not in _BUILTIN_MODULES)]
 
 
 def catalogue() -> dict[str, Case]:
-    """Every registered case: importing each crosscheck._cases_* module registers its cases (once)."""
+    """Every registered case: importing each crosscheck.cases module registers its cases (once)."""
     for module in _case_modules():
         importlib.import_module(module)
     return CASES

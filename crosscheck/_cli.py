@@ -1,4 +1,9 @@
-"""`python -m crosscheck`: run the catalogue (or a weights file) in JAX and torch and print one row per run."""
+"""`python -m crosscheck`: run the catalogue (or a weights file) in JAX and torch and print one row per run.
+
+The default run is the quick proof: every case of the catalogue once, on its quick row (mostly jit, one
+compiled program; the run as a whole has float32 and float64, jit, vmap and plain rows). `--all` runs every
+row of every case (CI does).
+"""
 
 from __future__ import annotations
 
@@ -16,11 +21,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from crosscheck._catalogue import DTYPES, Case, catalogue, run_case, select_cases
+from crosscheck._catalogue import DTYPES, Case, Row, catalogue, run_case, select_cases
 from crosscheck._compare import TOLERANCES, TRANSFORMS, Report
 
-# A hidden hook for the CLI's own tests: set it to register "selftest_broken", a case that must fail.
-SELFTEST_ENV = "CROSSCHECK_SELFTEST"
 # XLA compiles (not arithmetic) are the cost of a run, and they use one core each: cases run side by side.
 DEFAULT_JOBS = max(1, min(4, os.cpu_count() or 1))
 
@@ -52,8 +55,6 @@ def configure_jax(cache_dir: str | None = None) -> None:
             jax.config.update("jax_compilation_cache_dir", str(cache_dir))
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    if os.environ.get(SELFTEST_ENV):
-        import crosscheck._selftest  # noqa: F401  (registers the case)
 
 
 def _positive(text: str) -> int:
@@ -70,18 +71,23 @@ def _positive(text: str) -> int:
 # The options of "checking a real checkpoint": each means something only with --weights.
 _WEIGHTS_ONLY = ("num_heads", "num_kv_heads", "head_dim", "value_head_dim", "add_zero_attn")
 # Options that select or report a catalogue run: --list ignores them, --weights replaces --case.
-_RUN_ONLY = ("case", "dtype", "transform", "json", "weights", "jobs", "model", "plot", *_WEIGHTS_ONLY)
+_RUN_ONLY = ("case", "all", "dtype", "transform", "json", "weights", "jobs", "model", "plot", "train", *_WEIGHTS_ONLY)
 
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m crosscheck",
         description="Check that jaxattn reproduces PyTorch attention: outputs and gradients, float32 and "
-        "float64, plain / jit / vmap. Exits 1 if any row fails, 2 on a usage error.",
+        "float64, plain / jit / vmap. By default every case runs once (the quick proof); --all runs every row. "
+        "Exits 1 if any row fails, 2 on a usage error.",
     )
     p.add_argument("--case", action="append", metavar="NAME", help="case name or glob (repeatable); default: all")
-    p.add_argument("--dtype", action="append", choices=DTYPES, help="repeatable; default: all")
-    p.add_argument("--transform", action="append", choices=TRANSFORMS, help="repeatable; default: all")
+    p.add_argument("--all", action="store_true", help="every row of each case (its dtypes x transforms); "
+                   "default: each case's quick rows, every case once")
+    p.add_argument("--dtype", action="append", choices=DTYPES,
+                   help="only rows in this dtype (repeatable); a case with no quick row left runs its first one")
+    p.add_argument("--transform", action="append", choices=TRANSFORMS, help="only rows under this transform "
+                   "(repeatable), likewise")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the results as JSON to PATH, or to stdout (instead of the table) without PATH")
     p.add_argument("--list", action="store_true", help="list the cases and exit")
@@ -93,6 +99,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="DIR", help="a save_pretrained directory: transformers vs jaxattn.models, "
                    "layer by layer (exit 1 names the first divergent layer)")
     p.add_argument("--plot", metavar="FILE.png", help="with --model: draw error against depth (needs matplotlib)")
+    t = p.add_argument_group("training parity (these options need --model DIR --train STEPS; optax)")
+    t.add_argument("--train", type=_positive, metavar="STEPS", help="train DIR for STEPS steps in torch and in JAX "
+                   "(optax) on seeded random batches and compare every step (exit 1 names the first divergent step)")
+    t.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), help="with --train (default adamw)")
+    t.add_argument("--lr", type=float, metavar="LR", help="with --train: peak learning rate (default 1e-3)")
     w = p.add_argument_group("checking a real checkpoint (these options need --weights)")
     w.add_argument("--weights", metavar="FILE", help="a state_dict (.safetensors/.pt/.pth/.bin) of "
                    "torch.nn.MultiheadAttention or a torchref module, run against jaxattn on random inputs")
@@ -126,15 +137,20 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error("--weights needs --num-heads: a state_dict does not record the number of heads")
         if args.num_kv_heads is not None and args.num_heads % args.num_kv_heads:
             parser.error(f"--num-kv-heads {args.num_kv_heads} must divide --num-heads {args.num_heads}")
-        if args.case:
-            parser.error("--weights runs that file's module, not catalogue cases: drop --case")
+        if args.case or args.all:
+            parser.error(f"--weights runs every row of that file's module, not catalogue cases: drop "
+                         f"{', '.join(given(('case', 'all')))}")
         if args.jobs is not None:
             parser.error("--weights runs one case in this process: drop --jobs")
     if args.plot is not None and args.model is None:
         parser.error("--plot draws the report of --model DIR: it needs --model")
-    if args.model is not None and given(("case", "transform", "weights", "jobs", *_WEIGHTS_ONLY)):
-        parser.error(f"--model compares one checkpoint layer by layer: drop "
-                     f"{', '.join(given(('case', 'transform', 'weights', 'jobs', *_WEIGHTS_ONLY)))}")
+    catalogue_only = ("case", "all", "transform", "weights", "jobs", *_WEIGHTS_ONLY)
+    if args.model is not None and given(catalogue_only):
+        parser.error(f"--model compares one checkpoint layer by layer: drop {', '.join(given(catalogue_only))}")
+    if args.train is None and given(("optimizer", "lr")):
+        parser.error(f"{', '.join(given(('optimizer', 'lr')))} configure a training run: they need --train STEPS")
+    if args.train is not None and args.model is None:
+        parser.error("--train trains a checkpoint: it needs --model DIR")
     if args.cache_dir is None and not args.no_cache:
         args.cache_dir = str(default_cache_dir())
     if args.jobs is None:
@@ -149,6 +165,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_jax(cache_dir)
     if args.list:
         return _list()
+    if args.train is not None:
+        from crosscheck._train_report import main as train_main
+
+        return train_main(args.model, steps=args.train, optimizer=args.optimizer or "adamw",
+                          lr=1e-3 if args.lr is None else args.lr,
+                          dtypes=args.dtype, plot_path=args.plot, json_path=args.json)
     if args.model is not None:
         from crosscheck._model_report import main as model_main
 
@@ -160,20 +182,38 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     dtypes = tuple(dict.fromkeys(args.dtype or DTYPES))
     transforms = tuple(dict.fromkeys(args.transform or TRANSFORMS))
+    every = args.all or args.weights is not None  # a checkpoint is one case: all of its rows
+    work = [(c, c.rows(dtypes, transforms, every=every)) for c in cases]
+    _print_notes(cases)
     started = time.perf_counter()
-    reports = _run(cases, dtypes, transforms, jobs=1 if args.weights else args.jobs, cache_dir=cache_dir)
+    reports = _run(work, jobs=1 if args.weights else args.jobs, cache_dir=cache_dir)
     seconds = time.perf_counter() - started
     failed = [r for r in reports if not r.passed]
+    left = sum(len(c.rows(dtypes, transforms)) for c in cases) - len(reports)
     if args.json is not None:
-        text = json.dumps(_json(reports, seconds), indent=1)
+        text = json.dumps(_json(reports, seconds, every=every, left=left), indent=1)
         if args.json == "-":
             print(text)
         else:
             Path(args.json).write_text(text + "\n")
     if args.json != "-":
         _print_table(reports, seconds)
+        if left:  # a quick run: say what it was and what --all adds
+            cost = "" if args.case else f" ({FULL_RUN})"
+            print(f"quick run, each case once: {seconds:.0f}s; --all runs {left} more rows{cost}")
         _print_unavailable()
     return 1 if failed or not reports else 0
+
+
+# What `--all` costs for the whole catalogue (737 rows, 2 workers), as measured (docs/performance.md, "The main
+# job"); printed after a default run, so that the reader knows before starting one.
+FULL_RUN = "a full run: 401 s cold, 91 s warm on 2 quiet cores (1651 / 426 CPU-s loaded); docs/performance.md"
+
+
+def _print_notes(cases: list[Case]) -> None:
+    """Each distinct note of the selected cases (e.g. what their reference is), once per run, on stderr."""
+    for note in dict.fromkeys(c.note for c in cases if c.note):
+        print(f"note: {note}", file=sys.stderr, flush=True)
 
 
 def _print_unavailable() -> None:
@@ -189,16 +229,16 @@ def _list() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table("case", "description", box=None, pad_edge=False)
+    table = Table("case", "quick run", "description", box=None, pad_edge=False)
     for case in catalogue().values():
-        table.add_row(case.name, case.description)
+        table.add_row(case.name, ", ".join(f"{d} {t}" for d, t in case.rows(every=False)), case.description)
     Console(width=_width()).print(table)
     _print_unavailable()
     return 0
 
 
 def _weights_case(args: argparse.Namespace) -> Case:
-    from crosscheck._cases_weights import weights_setup
+    from crosscheck.cases.weights import weights_setup
 
     path = Path(args.weights)
     setup, what = weights_setup(path, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
@@ -210,19 +250,14 @@ def _weights_case(args: argparse.Namespace) -> Case:
 # --- running ------------------------------------------------------------------------------------------------
 
 
-def _rows(case: Case, dtypes, transforms) -> list[tuple[str, str]]:
-    return [(d, t) for d in dtypes if d in case.dtypes for t in transforms if t in case.transforms]
-
-
 def _run_one_case(case: Case | str, rows) -> list[Report]:
     shared: dict = {}  # the rows of one case share torch's runs on identical numbers (plain and jit)
     return [run_case(case, dtype=d, transform=t, reference_cache=shared) for d, t in rows]
 
 
-def _run(cases: list[Case], dtypes, transforms, *, jobs: int, cache_dir: str | None) -> list[Report]:
-    work = [(c, _rows(c, dtypes, transforms)) for c in cases]
+def _run(work: list[tuple[Case, list[Row]]], *, jobs: int, cache_dir: str | None) -> list[Report]:
     with _progress(sum(len(rows) for _, rows in work)) as advance:
-        if jobs <= 1 or len(cases) <= 1:
+        if jobs <= 1 or len(work) <= 1:
             results = []
             for case, rows in work:
                 results += _run_one_case(case, rows)
@@ -275,32 +310,56 @@ def _fmt(x: float) -> str:
     return "-" if math.isnan(x) else f"{x:.2e}"
 
 
+def _worst_text(worst: dict[str, Any]) -> str:
+    """e.g. "worst 0.73 of tolerance (flex_softcap jit output: 7.30e-07 / tol 1e-06)"."""
+    what = worst["kind"] if worst["name"] == worst["kind"] else f"{worst['kind']} {worst['name']}"
+    return (f"worst {worst['share_of_tolerance']:.2g} of tolerance ({worst['case']} {worst['transform']} {what}: "
+            f"{_fmt(worst['normwise'])} / tol {worst['tolerance']:.0e})")
+
+
+def _share(m) -> float:
+    """A metric's error as a share of its own tolerance (1 = at the bar; a non-finite error counts as inf)."""
+    return math.inf if math.isnan(m.normwise) else m.normwise / m.tolerance
+
+
+def _worst_metric(rows: list[Report]) -> dict[str, Any] | None:
+    """The metric nearest its own tolerance among `rows`: rows carry their own bars (a whole model's float32
+    bar is 1e-5, not 1e-6), so the worst is measured in shares of each row's bar, and named."""
+    found = [(r, m) for r in rows for m in r.metrics]
+    if not found:
+        return None
+    r, m = max(found, key=lambda rm: _share(rm[1]))
+    return {"share_of_tolerance": _share(m), "case": r.name, "transform": r.transform, "kind": m.kind,
+            "name": m.name, "normwise": m.normwise, "tolerance": m.tolerance}
+
+
 def _summary(reports: list[Report], seconds: float) -> dict[str, Any]:
     by_dtype = {}
     for dtype in dict.fromkeys(r.dtype for r in reports):
         rows = [r for r in reports if r.dtype == dtype]
         worst = {k: max((r.worst(k) for r in rows if not math.isnan(r.worst(k))), default=math.nan)
                  for k in ("output", "grad")}
-        tol = TOLERANCES.get(dtype)
         by_dtype[dtype] = {"rows": len(rows), "worst_output": worst["output"], "worst_grad": worst["grad"],
-                           "tolerance_output": tol.forward if tol else None,
-                           "tolerance_grad": tol.grad if tol else None}
+                           "worst": _worst_metric(rows)}
     return {"rows": len(reports), "passed": sum(r.passed for r in reports),
             "failed": sum(not r.passed for r in reports), "seconds": round(seconds, 2), "by_dtype": by_dtype}
 
 
-def _json(reports: list[Report], seconds: float) -> dict[str, Any]:
+def _finite(tree: Any) -> Any:
+    """JSON has no nan/inf: strings keep them visible (as Report.to_dict does)."""
+    if isinstance(tree, dict):
+        return {k: _finite(v) for k, v in tree.items()}
+    return str(tree) if isinstance(tree, float) and not math.isfinite(tree) else tree
+
+
+def _json(reports: list[Report], seconds: float, *, every: bool, left: int) -> dict[str, Any]:
     import jax
     import torch
 
-    summary = _summary(reports, seconds)
-    for numbers in summary["by_dtype"].values():
-        for k, v in numbers.items():
-            if isinstance(v, float) and not math.isfinite(v):
-                numbers[k] = str(v)
     return {
         "passed": bool(reports) and all(r.passed for r in reports),
-        "summary": summary,
+        "selection": {"rows": "all" if every else "quick", "rows_run": len(reports), "rows_not_run": left},
+        "summary": _finite(_summary(reports, seconds)),
         "tolerances": {d: {"output": t.forward, "grad": t.grad} for d, t in TOLERANCES.items()},
         "versions": {"python": platform.python_version(), "jax": jax.__version__, "torch": torch.__version__},
         "rows": [r.to_dict() for r in reports],
@@ -325,8 +384,6 @@ def _print_table(reports: list[Report], seconds: float) -> None:
         if not r.passed:
             console.print(str(r), markup=False, highlight=False)
     s = _summary(reports, seconds)
-    parts = [f"{d}: worst output {_fmt(v['worst_output'])} (tol {v['tolerance_output']:.0e}), worst gradient "
-             f"{_fmt(v['worst_grad'])} (tol {v['tolerance_grad']:.0e})" for d, v in s["by_dtype"].items()
-             if v["tolerance_output"] is not None]
+    parts = [f"{d}: {_worst_text(v['worst'])}" for d, v in s["by_dtype"].items() if v["worst"] is not None]
     verdict = "[green]all passed[/]" if s["failed"] == 0 and s["rows"] else f"[bold red]{s['failed']} FAILED[/]"
     console.print(f"{s['rows']} rows, {s['passed']} passed, {verdict} in {seconds:.1f}s; " + "; ".join(parts))

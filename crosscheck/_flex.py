@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -114,8 +115,13 @@ def flex_reference(query, key, value, *, score_mod=None, mask_mod=None, scale=No
     if mask_mod is not None:
         block_mask = create_block_mask(torch_mod_from_absolute(mask_mod, **positions), B, N, T, S, device="cpu")
     torch_score_mod = None if score_mod is None else torch_mod_from_absolute(score_mod, **positions)
-    out, aux = flex_attention(q, k, v, score_mod=torch_score_mod, block_mask=block_mask, scale=scale,
-                              enable_gqa=K != N, return_aux=AuxRequest(lse=True))
+    with warnings.catch_warnings():
+        # torch advises its users to compile flex_attention; here the eager function is the reference on
+        # purpose (exact, unfused), so that advice is not ours to pass on (the CLI says once what it is)
+        warnings.filterwarnings("ignore", message=r"flex_attention called without torch\.compile\(\)",
+                                category=UserWarning, module=r"torch\.nn\.attention\.flex_attention")
+        out, aux = flex_attention(q, k, v, score_mod=torch_score_mod, block_mask=block_mask, scale=scale,
+                                  enable_gqa=K != N, return_aux=AuxRequest(lse=True))
     if sinks is not None:  # out * p(keys) with p(keys) = e^lse / (e^lse + e^sink) = sigmoid(lse - sink)
         out = out * torch.sigmoid(aux.lse - sinks.to(out.dtype)[:, None])[..., None]
     return out.transpose(1, 2).reshape(*batch, T, N, value.shape[-1])

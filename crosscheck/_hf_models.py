@@ -20,6 +20,9 @@ VOCAB = 97
 
 # model_type -> (transformers config class name, model class name, config kwargs)
 TINY = {
+    "bert": ("BertConfig", "BertModel",
+             dict(vocab_size=VOCAB, hidden_size=44, intermediate_size=60, num_hidden_layers=2, num_attention_heads=4,
+                  max_position_embeddings=71, type_vocab_size=3)),
     "gpt2": ("GPT2Config", "GPT2LMHeadModel",
              dict(vocab_size=VOCAB, n_positions=128, n_embd=32, n_layer=2, n_head=4)),
     "llama": ("LlamaConfig", "LlamaForCausalLM",
@@ -252,3 +255,15 @@ def padded_batch(side: str, *, seed: int = 0, batch: int = 3, length: int = 11, 
             if side == "right":
                 mask[b, length - pad:] = 0
     return np.where(mask == 1, ids, 0), mask
+
+
+def padded_inputs(model_type: str, side: str) -> dict[str, np.ndarray]:
+    """A model's keyword inputs on padded_batch(side): input_ids and attention_mask, and for T5
+    decoder_input_ids [3,7]: its start token 0, then 6 seeded random tokens (no decoder padding)."""
+    ids, mask = padded_batch(side)
+    inputs = {"input_ids": ids, "attention_mask": mask}
+    if model_type == "t5":
+        decoder = np.random.default_rng(1).integers(1, VOCAB, (3, 7))
+        decoder[:, 0] = 0
+        inputs["decoder_input_ids"] = decoder
+    return inputs

@@ -26,7 +26,7 @@ from unittest import mock
 
 import numpy as np
 
-from crosscheck._cases_common import randomize
+from crosscheck.cases.common import randomize
 
 FAMILIES = ("gemma2", "mistral", "gpt_oss", "llama4", "qwen2", "qwen2_sliding")
 

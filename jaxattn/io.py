@@ -1,10 +1,11 @@
-"""Reading weight files without torch: ``load_safetensors(path) -> {name: numpy array}``.
+"""Weight files without torch: ``load_safetensors(path) -> {name: numpy array}`` and ``save_safetensors``.
 
 The safetensors format is parsed here (8-byte little-endian header length, a JSON header, raw
 little-endian bytes), so it needs neither torch nor safetensors' numpy backend, which cannot represent
 bfloat16 (it comes back as ``ml_dtypes.bfloat16``, as JAX uses it). Every offset is validated against
 the file size before a byte is interpreted; a damaged file raises ValueError naming the path, a missing
-one FileNotFoundError. Nothing in a weight file is ever executed.
+one FileNotFoundError. Nothing in a weight file is ever executed. ``save_safetensors(tensors, path)`` writes
+the same format (what ``jaxattn.models.to_pretrained`` writes), bf16 and float8 included.
 
 A sharded load reads parts: ``safetensors_entries(path)`` parses the header alone ({name: TensorEntry}:
 dtype, shape, byte offset), and ``read_region(path, entry, box)`` reads one box of a tensor with one
@@ -189,3 +190,60 @@ def read_region(path: str | os.PathLike, entry: TensorEntry, box) -> np.ndarray:
                 raise _damaged(Path(path), f"entry {entry.name!r}: file changed while reading")
     bytes_read[(str(path), entry.name)] += len(out)
     return _little_endian(out, entry.dtype).reshape(lengths)
+
+
+_DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
+_METADATA = {"format": "pt"}  # transformers refuses a safetensors file whose metadata names no known format
+
+
+def save_safetensors(tensors, path: str | os.PathLike, *, metadata: dict[str, str] | None = None) -> Path:
+    """Write ``{name: array}`` (numpy, or anything ``np.asarray`` takes: JAX arrays) as a safetensors file.
+
+    The header lists the tensors in the given order (each ``{dtype, shape, data_offsets}``) after
+    ``"__metadata__"`` (default ``{"format": "pt"}``, which transformers requires), padded with spaces to a
+    multiple of 8 bytes as the safetensors library pads it. The data section holds the tensors back to back,
+    C order, little-endian, the widest dtypes first, so every tensor starts at a multiple of its item size.
+    A dtype the format has no name for (object, float128...), or a name that is not a non-empty string,
+    raises ValueError naming the tensor; nothing is cast. Returns the path.
+    """
+    path = Path(path)
+    metadata = dict(_METADATA if metadata is None else metadata)
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise ValueError(f"metadata: expected {{str: str}}, got {metadata!r}")
+    arrays = {}
+    for name, value in tensors.items():
+        if not isinstance(name, str) or not name or name == "__metadata__":
+            raise ValueError(f"tensors: expected names that are non-empty strings other than '__metadata__', "
+                             f"got {name!r}")
+        array = np.asarray(value)
+        if array.dtype.byteorder == (">" if sys.byteorder == "little" else "<"):  # same values, native order
+            array = array.astype(array.dtype.newbyteorder("="))
+        if array.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"tensors[{name!r}]: expected one of the safetensors dtypes "
+                             f"{sorted(str(d) for d in _DTYPE_NAMES)}, got {array.dtype}")
+        arrays[name] = array
+    order = sorted(arrays, key=lambda name: -arrays[name].dtype.itemsize)  # stable: ties keep the given order
+    header, offset = {}, 0
+    for name in order:
+        header[name] = {"dtype": _DTYPE_NAMES[arrays[name].dtype], "shape": list(arrays[name].shape),
+                        "data_offsets": [offset, offset + arrays[name].nbytes]}
+        offset += arrays[name].nbytes
+    text = json.dumps({"__metadata__": metadata, **{name: header[name] for name in arrays}},
+                      separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(len(text).to_bytes(8, "little"))
+        f.write(text)
+        for name in order:
+            f.write(_little_endian_bytes(arrays[name]))
+    return path
+
+
+def _little_endian_bytes(array: np.ndarray) -> memoryview:
+    array = np.ascontiguousarray(array).reshape(-1)
+    if array.dtype.itemsize > 1 and sys.byteorder != "little":
+        if array.dtype.kind == "c":  # each float of the pair
+            array = array.astype(array.dtype.newbyteorder("<"))
+        else:
+            array = array.view(f"=u{array.dtype.itemsize}").astype(f"<u{array.dtype.itemsize}")
+    return memoryview(array.view(np.uint8))

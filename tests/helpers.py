@@ -1,5 +1,5 @@
 """Test helpers, one home for each: the normwise error, the float64 guard, the independent attention references,
-and the two-process runs (start the processes, join them in each).
+the safetensors spec's dtype table, and the two-process runs (start the processes, join them in each).
 
 Every test file imports these from here, and so do the scripts that tests run as subprocesses
 (`python tests/_sharding_checks.py`, `python tests/_multiprocess_worker.py ...`: a script's own folder is first
@@ -22,7 +22,20 @@ import sys
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
+
+# ---------------------------------------------------------------------------------------------------------
+# the safetensors format's dtype names -> numpy, written down from its spec (not taken from jaxattn.io), and
+# the ones the safetensors library's numpy backend can hold
+
+SAFETENSORS_DTYPES = {
+    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16, "U32": np.uint32,
+    "I32": np.int32, "U64": np.uint64, "I64": np.int64, "F16": np.float16, "F32": np.float32,
+    "F64": np.float64, "C64": np.complex64, "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+}
+SAFETENSORS_LIBRARY_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "F32", "F64")
 
 # ---------------------------------------------------------------------------------------------------------
 # comparing

@@ -20,7 +20,7 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from crosscheck import _cases_minilm as minilm  # noqa: E402
+from crosscheck.cases import minilm  # noqa: E402
 from jaxattn.models import (BertConfig, BertModel, bert_params_from_state_dict,  # noqa: E402
                             bert_state_dict_names, mean_pooling)
 

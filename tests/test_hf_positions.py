@@ -1,6 +1,6 @@
 """jaxattn's position schemes against the HF `transformers` models that use them (tiny random configs, offline).
 
-The module-level comparisons are the crosscheck catalogue's `hf_*` cases (crosscheck/_cases_positions.py:
+The module-level comparisons are the crosscheck catalogue's `hf_*` cases (crosscheck/cases/positions.py:
 one explicit weight-mapping table per model, gradients of inputs and every weight compared). Here each runs
 under jit in float64 (normwise <= 1e-12) and float32 (<= 1e-6 outputs, <= 1e-5 gradients); the pieces
 (bucket ids, slopes, sinusoids, the T5 decoding bias) are compared directly and, where integers, exactly.
@@ -14,7 +14,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-import crosscheck._cases_positions as cases  # noqa: E402
+import crosscheck.cases.positions as cases  # noqa: E402
 from jaxattn import alibi_slopes  # noqa: E402
 from jaxattn import t5_relative_bias, t5_relative_position_bucket  # noqa: E402
 from jaxattn import relative_sinusoids  # noqa: E402

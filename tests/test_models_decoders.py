@@ -27,17 +27,6 @@ FAMILIES = ("gpt2", "t5", "llama", "qwen2", "mistral", "gemma2")
 NEW = 64
 
 
-def _inputs(model_type, side):
-    """The padded batch, plus T5's decoder tokens (start token, then 6 others: no decoder padding)."""
-    ids, mask = hf.padded_batch(side)
-    inputs = {"input_ids": ids, "attention_mask": mask}
-    if model_type == "t5":
-        decoder = np.random.default_rng(1).integers(1, hf.VOCAB, (3, 7))
-        decoder[:, 0] = 0
-        inputs["decoder_input_ids"] = decoder
-    return inputs
-
-
 @pytest.fixture(scope="module", params=FAMILIES)
 def checkpoint(request, tmp_path_factory):
     """(model_type, directory, torch model) of the family's tiny random checkpoint."""
@@ -49,7 +38,7 @@ def checkpoint(request, tmp_path_factory):
 def test_every_layer_and_the_logits_match(checkpoint, side):
     model_type, directory, torch_model = checkpoint
     model, params = from_pretrained(directory)
-    inputs = _inputs(model_type, side)
+    inputs = hf.padded_inputs(model_type, side)
     assert (inputs["attention_mask"] == 0).any(axis=1).sum() >= 2  # really padded, rows of different lengths
     for dtype in ("float32", "float64"):
         report = layer_report(torch_model, (model, params), inputs, dtype=dtype)
@@ -111,7 +100,7 @@ def test_drift_origin_every_injected_fault_is_found_at_its_layer(checkpoint):
     first_divergent must be that layer (or its first sub-layer)."""
     model_type, directory, torch_model = checkpoint
     model, params = from_pretrained(directory, dtype="float64")
-    inputs = _inputs(model_type, "left")
+    inputs = hf.padded_inputs(model_type, "left")
     assert layer_report(torch_model, (model, params), inputs, dtype="float64").passed
     faults = _faults(model_type, params)
     misses = []
@@ -139,7 +128,7 @@ def test_config_variants_match_transformers(tmp_path, model_type, overrides):
     model, params = from_pretrained(directory)
     assert ("lm_head" in params) != torch_model.config.tie_word_embeddings
     for dtype in ("float32", "float64"):  # the report's bars: float32 1e-5 scaled by max(1, |row|)
-        report = layer_report(torch_model, (model, params), _inputs(model_type, "left"), dtype=dtype)
+        report = layer_report(torch_model, (model, params), hf.padded_inputs(model_type, "left"), dtype=dtype)
         assert report.passed and report.rows[-1].normwise <= (1e-12 if dtype == "float64" else 1e-5), str(report)
 
 

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from crosscheck import _cases_minilm as minilm
+from crosscheck.cases import minilm
 from jaxattn.models import (
     bert_params_from_state_dict,
     from_pretrained,

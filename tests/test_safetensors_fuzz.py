@@ -18,7 +18,6 @@ and, for unmutated files, against the arrays that were written.
 import json
 import tracemalloc
 
-import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -26,18 +25,12 @@ from hypothesis import strategies as st
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
+from helpers import SAFETENSORS_DTYPES as DTYPES  # the spec's names, not the reader's or the writer's
+from helpers import SAFETENSORS_LIBRARY_DTYPES as LIBRARY_DTYPES
 from jaxattn.io import load_safetensors
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
-# The format's dtype names -> numpy; written down here from the safetensors spec, not taken from the reader.
-DTYPES = {
-    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16, "U32": np.uint32,
-    "I32": np.int32, "U64": np.uint64, "I64": np.int64, "F16": np.float16, "F32": np.float32,
-    "F64": np.float64, "C64": np.complex64, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
-}
-LIBRARY_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "F32", "F64")
 FUZZ_TARGET = 2000
 SLACK = 64 * 1024  # interpreter noise around a call (frames, small objects)
 SETTINGS = {"deadline": 2000, "derandomize": True, "database": None,

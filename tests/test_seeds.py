@@ -13,7 +13,7 @@ SEEDS = ("seed000", "seed001", "seed002", "seed003", "seed004")
 
 
 # The default run checks every seed under jit; plain and vmap (each seed's own eager and batched programs,
-# ~25 s of compiling) run in the slow group, and `python -m crosscheck` runs all three again in CI.
+# ~25 s of compiling) run in the slow group, and `python -m crosscheck --all` runs all three again in CI.
 @pytest.mark.parametrize("transform", [pytest.param("plain", marks=pytest.mark.slow), "jit",
                                        pytest.param("vmap", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("name", SEEDS)

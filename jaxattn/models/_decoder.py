@@ -8,7 +8,8 @@
                 sown), self_attention and gated_mlp (the Llama-shaped block's parts), lm_head / tied_logits
     CausalLM    HF's *ForCausalLM: embed_tokens -> layers_{i} -> norm -> lm_head; a family names its Block
     decoding    empty_cache
-    weights     causal_lm_rows and mlp_rows (HF's names, spelled out), tied_copy, loader
+    weights     causal_lm_rows and mlp_rows (HF's names, spelled out), tied_copy, loader (both ways: it registers
+                the to_pretrained writer too)
 
 Calling convention of every decoder-only model here (GPT-2, Llama, Mistral, Qwen2, Gemma 2):
 
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..linen import RoPE
-from . import _pretrained, _sharding, _table
+from . import _pretrained, _save, _sharding, _table
 
 # --- configs ----------------------------------------------------------------------------------------------------
 
@@ -68,6 +69,7 @@ class DecoderConfig:
     mlp_bias: bool = False
     rope_frequencies: tuple = ()       # the inverse frequencies [H/2] (rope_frequencies of the config)
     windows: tuple = ()                # per layer: HF's sliding_window W (the query and W - 1 before) or None
+    hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # the config.json dict read
 
     rms_norm: ClassVar[str] = "llama"  # which of HF's RMS norms the family's layers use (see RMSNorm)
 
@@ -76,7 +78,7 @@ class DecoderConfig:
         """cls from the config.json keys named as its fields (null: the field's default, unless the key is
         in `nullable`), the fields the family derives, and the rope frequencies of the config's rope settings.
         A head_dim that is neither given nor hidden_size / num_attention_heads is refused."""
-        fields = {f.name for f in dataclasses.fields(cls)} - set(derived) - {"rope_frequencies"}
+        fields = {f.name for f in dataclasses.fields(cls)} - set(derived) - {"rope_frequencies", "hf_config"}
         parsed = cls(**{k: v for k, v in config.items() if k in fields and (v is not None or k in nullable)},
                      **derived)
         if parsed.hidden_size % parsed.num_attention_heads and parsed.head_dim is None:
@@ -84,6 +86,23 @@ class DecoderConfig:
                                f"num_attention_heads={parsed.num_attention_heads}", None)
         frequencies = rope_frequencies(config, parsed.dims()["H"], source)
         return dataclasses.replace(parsed, rope_frequencies=tuple(frequencies))
+
+    def to_dict(self) -> dict:
+        """config.json's keys for the fields every Llama-shaped config shares; a family adds model_type,
+        architectures, its activation, windows and own fields. rope_frequencies are not written: HF derives
+        them from the rope settings, which come from hf_config (else HF's defaults), and to_pretrained checks
+        that they give these frequencies."""
+        shared = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                  "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings")
+        return {k: getattr(self, k) for k in shared} | ({} if self.head_dim is None else {"head_dim": self.head_dim})
+
+    def layer_types(self) -> list[str]:
+        """HF's layer_types of the windows: "sliding_attention" where a layer has one, else "full_attention"."""
+        return [LAYER_TYPES[self.window(i) is None] for i in range(self.num_hidden_layers)]
+
+    def sliding_window(self) -> dict:
+        """{"sliding_window": W} of the sliding layers, or {} when none slides."""
+        return next(({"sliding_window": w} for w in self.windows if w is not None), {})
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
@@ -447,7 +466,12 @@ def tied_copy(tensors: Mapping[str, np.ndarray], files: Mapping[str, str], sourc
 
 def loader(config_class, model_class, table: Callable):
     """A from_pretrained loader for a CausalLM family: config_class.from_dict, the weights through
-    table(config) (a stored copy of a tied head checked and skipped)."""
+    table(config) (a stored copy of a tied head checked and skipped). It registers the way back too: to_pretrained
+    writes a model_class through the same table, its config through config_class.to_dict (see _save)."""
+    @_save.register_writer(model_class)
+    def checkpoint(model):
+        return _save.config_json(model.config), table(model.config), model.config.dims()
+
     def load(config: dict, tensors, files, *, dtype, precision, source):
         parsed = config_class.from_dict(config, source)
         ignored = tied_copy(tensors, files, source, tied=parsed.tie_word_embeddings,

@@ -7,6 +7,8 @@ model.safetensors.index.json ({"weight_map": {name: file}}). Files are read by j
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
 import os
 from collections.abc import Callable
@@ -91,7 +93,8 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any | None = None, precis
 
     dtype: cast every floating tensor to it (e.g. "float32" for a bf16 checkpoint); None keeps the file's
     dtypes (bf16 stays bf16, and the model computes in it). The model is a Flax linen module:
-    model.apply({"params": params}, input_ids, attention_mask=...) (see the family's module).
+    model.apply({"params": params}, input_ids, attention_mask=...) (see the family's module). Its
+    config.hf_config is config.json's dict, whose keys the port does not read to_pretrained writes back.
     precision: the model's einsum/matmul precision (e.g. "highest" to keep float32 exact on TPU/GPU).
     mesh: a jax.sharding.Mesh (axes "data" and/or "model", and "seq" for sequence parallel): every
     parameter is a jax.Array sharded by the family's rules, each process reading only the byte ranges of
@@ -135,7 +138,11 @@ def _family(config: dict, source):
 
 def _load(config, tensors, files, dtype, precision, source):
     dtype = None if dtype is None else jnp.dtype(dtype)
-    return _family(config, source)(config, tensors, files, dtype=dtype, precision=precision, source=source)
+    model, params = _family(config, source)(config, tensors, files, dtype=dtype, precision=precision, source=source)
+    if "hf_config" in {f.name for f in dataclasses.fields(model.config)}:
+        # the dict the config was parsed from, for the keys the port does not read (to_pretrained writes them back)
+        model = model.clone(config=dataclasses.replace(model.config, hf_config=copy.deepcopy(config)))
+    return model, params
 
 
 def refuse(source, key: str, expected, got) -> None:

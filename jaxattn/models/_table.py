@@ -13,12 +13,21 @@ shapes.
 Building a table: `when` keeps the rows a configuration has (biases, an untied head), `expand` repeats the
 "{i}" rows per layer in HF's state_dict order, `prefixed` puts the names inside a task head's prefix.
 
+`unfill` reads the same rows in reverse (jaxattn.models.to_pretrained): each HF tensor is made from the
+params leaves its row names, by each transform's inverse; the "part" targets of one row are put back side by
+side along their axis (GPT-2's q, k and v kernels -> c_attn). A leaf no row reads, a row's leaf that is
+missing and a leaf of the wrong shape are ValueErrors naming the leaf. A family therefore writes
+checkpoints with no second map: its table (with the configuration's `when` rows) is the whole description.
+
 Transforms (numpy, on the tensor's HF layout):
     copy        as stored
     transpose   torch nn.Linear [out,in] -> Flax Dense [in,out]
     reshape     to the target's shape (row-major: the HF head-major layout N*H -> [N,H])
     T_reshape   transpose, then reshape (nn.Linear [N*H,E] -> [E,N,H]; [E,N*H] -> [N,H,E])
     ("part", k, n, axis): the k-th of n equal slices along `axis`, then reshape (GPT-2's fused c_attn)
+
+Their inverses (unfill, on the leaf): copy; transpose; reshape to the HF shape; reshape to the HF shape
+reversed, then transpose; reshape to the slice's shape, the n slices concatenated along `axis` in k order.
 """
 
 from __future__ import annotations
@@ -141,3 +150,86 @@ def _dense_leaf(path: str, name: str, x, transform, shape: tuple[int, ...], dtyp
     if dtype is not None and jnp.issubdtype(y.dtype, jnp.floating):  # bfloat16 included
         y = y.astype(dtype)
     return y
+
+
+def unfill(params: Mapping, rows, dims: Mapping[str, int], *, dtype: Any | None = None) -> dict[str, np.ndarray]:
+    """fill's inverse: {HF name: numpy array in HF's layout}, in table order, from the params the rows describe.
+
+    Every leaf of `params` must be read by a row and every row's leaves must be there with the shapes the
+    rows give (an optional row may be absent as a whole): otherwise ValueError naming each leaf (missing,
+    unread, or its expected and actual shapes). The leaves of one row must share a dtype (they become one
+    tensor; nothing is cast silently). dtype: cast every floating tensor to it (explicitly requested);
+    None keeps the params' dtypes.
+    """
+    leaves = _flatten(params)
+    problems, tensors, read = [], {}, set()
+    for r in rows:
+        paths = [path for path, _, _ in r.targets]
+        if r.optional and not any(p in leaves for p in paths):
+            continue
+        read.update(p for p in paths if p in leaves)
+        found = []
+        for path, our_letters, transform in r.targets:
+            want = size(our_letters, dims)
+            if path not in leaves:
+                problems.append(f"{path!r} missing (for {r.name!r})")
+            elif leaves[path].shape != want:
+                problems.append(f"{path!r}: expected shape {_shape(want)} [{','.join(our_letters)}] "
+                                f"(for {r.name!r}), got shape {_shape(leaves[path].shape)}")
+            else:
+                found.append((transform, leaves[path]))
+        if len(found) == len(paths):
+            tensors[r.name] = _unapply(r, found, size(r.shape, dims))
+    problems += [f"{p!r} is read by no row of the weight table" for p in leaves if p not in read]
+    if problems:
+        raise ValueError(f"params: expected exactly the leaves of the weight table ({len(read)} read), got "
+                         f"{len(problems)} problem(s): " + "; ".join(problems))
+    if dtype is not None:
+        tensors = {name: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+                   for name, x in tensors.items()}
+    return tensors
+
+
+def _flatten(params: Mapping, prefix: str = "") -> dict[str, np.ndarray]:
+    """{"a/b/c": leaf as a numpy array} of a nested mapping (a dict or flax's FrozenDict)."""
+    if not isinstance(params, Mapping):
+        raise ValueError(f"params: expected a nested mapping of arrays (the params tree), got "
+                         f"{type(params).__name__}" + (f" at {prefix!r}" if prefix else ""))
+    flat = {}
+    for key, value in params.items():
+        path = f"{prefix}/{key}" if prefix else str(key)
+        flat.update(_flatten(value, path) if isinstance(value, Mapping) else {path: np.asarray(value)})
+    return flat
+
+
+def _unapply(r: Row, parts, shape: tuple[int, ...]) -> np.ndarray:
+    """The HF tensor of row `r` from its leaves [(transform, leaf)], each transform inverted."""
+    kinds = [t[0] if isinstance(t, tuple) else t for t, _ in parts]
+    if kinds == ["part"] * len(parts):
+        order = sorted((t[1], t[2], t[3], x) for t, x in parts)
+        n, axis = order[0][1], order[0][2]
+        if [k for k, *_ in order] != list(range(n)) or {(m, a) for _, m, a, _ in order} != {(n, axis)}:
+            raise ValueError(f"table: {r.name!r}: expected parts 0..n-1 of one split, got "
+                             f"{[t for t, _ in parts]}")
+        dtypes = {x.dtype for *_, x in order}
+        if len(dtypes) > 1:
+            raise ValueError(f"params: the leaves {[p for p, _, _ in r.targets]} make one tensor {r.name!r}: "
+                             f"expected one dtype, got {sorted(map(str, dtypes))}")
+        piece = shape[:axis] + (shape[axis] // n,) + shape[axis + 1:]
+        x = np.concatenate([x.reshape(piece) for *_, x in order], axis=axis)
+    elif len(parts) == 1:
+        transform, x = parts[0]
+        if transform in ("transpose", "T_reshape"):
+            x = x.reshape(shape[::-1] if transform == "T_reshape" else x.shape).T
+        elif transform == "reshape":
+            x = x.reshape(shape)
+        elif transform != "copy":
+            raise ValueError(f"table transform: expected copy/transpose/reshape/T_reshape/('part', k, n, axis), "
+                             f"got {transform!r}")
+    else:
+        raise ValueError(f"table: {r.name!r}: several targets must all be parts of one split to be read back, "
+                         f"got {kinds}")
+    if x.shape != shape:
+        raise ValueError(f"table: {r.name!r}: the inverse of {kinds} gives shape {_shape(x.shape)}, "
+                         f"the tensor is {_shape(shape)}")
+    return np.ascontiguousarray(x)

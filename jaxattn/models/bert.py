@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..linen import MultiHeadAttention
-from . import _decoder, _pretrained, _sharding, _table
+from . import _decoder, _pretrained, _save, _sharding, _table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +44,7 @@ class BertConfig:
     layer_norm_eps: float = 1e-12
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1
+    hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # the config.json dict read
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], source="config") -> "BertConfig":
@@ -53,11 +54,17 @@ class BertConfig:
             refuse("hidden_act", "'gelu' (exact erf GELU)", config["hidden_act"])
         if config.get("position_embedding_type", "absolute") != "absolute":
             refuse("position_embedding_type", "'absolute'", config["position_embedding_type"])
-        config = cls(**{f.name: config[f.name] for f in dataclasses.fields(cls) if f.name in config})
+        config = cls(**{f.name: config[f.name] for f in dataclasses.fields(cls) if f.compare and f.name in config})
         if config.hidden_size % config.num_attention_heads:
             refuse("hidden_size", f"a multiple of num_attention_heads={config.num_attention_heads}",
                    config.hidden_size)
         return config
+
+    def to_dict(self) -> dict:
+        """config.json's keys (inverse of from_dict; the fields are HF's names)."""
+        return {"model_type": "bert", "architectures": ["BertModel"], "hidden_act": "gelu", "is_decoder": False,
+                "add_cross_attention": False,
+                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare}}
 
     def dims(self) -> dict[str, int]:
         """The axis letters of the weight table."""
@@ -251,3 +258,11 @@ def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
     pooler = prefix + "pooler.dense.weight" in tensors
     params = _fill(tensors, files, bert_config, add_pooling_layer=pooler, prefix=prefix, dtype=dtype)
     return BertModel(bert_config, add_pooling_layer=pooler, precision=precision), params
+
+
+@_save.register_writer(BertModel)
+def checkpoint(model: BertModel):
+    """What to_pretrained writes: HF BertModel's names (no prefix), the pooler when the model has one (HF's
+    AutoModel builds one unless given add_pooling_layer=False)."""
+    rows = weight_table(model.config, add_pooling_layer=model.add_pooling_layer)
+    return _save.config_json(model.config), rows, model.config.dims()

@@ -55,6 +55,13 @@ class Gemma2Config(_decoder.DecoderConfig):
         nullable = ("attn_logit_softcapping", "final_logit_softcapping")  # null: no softcap
         return cls.parse(config, source, nullable=nullable, windows=windows)
 
+    def to_dict(self) -> dict:
+        """config.json's keys (inverse of from_dict)."""
+        own = ("attention_bias", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
+        return super().to_dict() | {k: getattr(self, k) for k in own} | {
+            "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "hidden_activation": "gelu_pytorch_tanh",
+            "layer_types": self.layer_types(), **self.sliding_window()}
+
 
 def softcap(x, cap: float | None):
     """HF's tanh softcapping: cap * tanh(x / cap); None: x unchanged."""

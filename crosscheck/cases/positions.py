@@ -26,7 +26,7 @@ from unittest import mock
 
 import numpy as np
 
-from crosscheck._cases_common import normal, randomize, rng_for, torch_params
+from crosscheck.cases.common import FLOAT32_JIT, normal, randomize, rng_for, torch_params
 from crosscheck._catalogue import Setup, register_case
 
 _HF = ("transformers",)  # hf_* cases build HF modules: registered only when transformers is installed
@@ -219,13 +219,13 @@ def _t5(name: str, *, decoder: bool, T: int, S: int) -> Setup:
     return _hf_setup(module, _t5_table(N, H), jax_fn, torch_fn, {"x": normal(rng, (B, S, E))})
 
 
-@register_case("hf_t5_encoder", requires=_HF)
+@register_case("hf_t5_encoder", requires=_HF, quick=FLOAT32_JIT)
 def hf_t5_encoder() -> Setup:
     """HF T5Attention (encoder: bidirectional buckets, no mask), 10 buckets, max_distance 11, T=S=13."""
     return _t5("hf_t5_encoder", decoder=False, T=13, S=13)
 
 
-@register_case("hf_t5_decoder", requires=_HF)
+@register_case("hf_t5_decoder", requires=_HF, quick=FLOAT32_JIT)
 def hf_t5_decoder() -> Setup:
     """HF T5Attention (decoder: causal buckets), decoding T=5 new tokens against a DynamicCache, S=13."""
     return _t5("hf_t5_decoder", decoder=True, T=5, S=13)
@@ -246,7 +246,7 @@ def _hf_cos_sin(rotary, config, position_ids, dtype, rotary_dim: int, base: floa
     return emb.cos(), emb.sin()
 
 
-@register_case("hf_llama", requires=_HF)
+@register_case("hf_llama", requires=_HF, quick=FLOAT32_JIT)
 def hf_llama() -> Setup:
     """HF LlamaAttention (RoPE "half", GQA N=6 K=2, biases), decoding T=4 against a DynamicCache, S=11."""
     import torch
@@ -279,7 +279,7 @@ def hf_llama() -> Setup:
     return _hf_setup(module, _llama_table(N, K, H), jax_fn, torch_fn, {"x": normal(rng, (B, S, E))})
 
 
-@register_case("hf_gpt_neox", requires=_HF)
+@register_case("hf_gpt_neox", requires=_HF, quick=FLOAT32_JIT)
 def hf_gpt_neox() -> Setup:
     """HF GPTNeoXAttention (RoPE "half" on 4 of 10 dims per head: partial_rotary_factor 0.4), causal T=S=9."""
     import torch
@@ -332,7 +332,7 @@ class _Float64Softmax:
         return F.softmax(x, dim=dim, dtype=None if x.dtype == torch.float64 else dtype, **kwargs)
 
 
-@register_case("hf_bloom", requires=_HF)
+@register_case("hf_bloom", requires=_HF, quick=FLOAT32_JIT)
 def hf_bloom() -> Setup:
     """HF BloomAttention (ALiBi, slope * key_pos, N=6 heads: not a power of two), causal T=S=11."""
     import torch
@@ -366,7 +366,7 @@ def hf_bloom() -> Setup:
                      fixed=("query_key_value.bias",))
 
 
-@register_case("hf_mpt", requires=_HF, dtypes=("float32",))
+@register_case("hf_mpt", requires=_HF, quick=FLOAT32_JIT, dtypes=("float32",))
 def hf_mpt() -> Setup:
     """HF MptAttention (ALiBi, slope * (key_pos - (S-1)), N=6 heads), causal T=S=10; float32 only (see top)."""
     from transformers import MptConfig
@@ -440,13 +440,13 @@ def _w2v2bert(name: str, kind: str, *, T: int, E: int, N: int, left: int = 0, ri
     return _hf_setup(module, _w2v2bert_table(N, H, kind), jax_fn, torch_fn, inputs, fixed=("linear_k.bias",))
 
 
-@register_case("hf_w2v2bert_relative_key", requires=_HF)
+@register_case("hf_w2v2bert_relative_key", requires=_HF, quick=FLOAT32_JIT)
 def hf_w2v2bert_relative_key() -> Setup:
     """HF Wav2Vec2BertSelfAttention "relative_key": Shaw keys clipped asymmetrically (left 4, right 2), T=9."""
     return _w2v2bert("hf_w2v2bert_relative_key", "relative_key", T=9, E=21, N=3, left=4, right=2)
 
 
-@register_case("hf_w2v2bert_relative", requires=_HF)
+@register_case("hf_w2v2bert_relative", requires=_HF, quick=FLOAT32_JIT)
 def hf_w2v2bert_relative() -> Setup:
     """HF Wav2Vec2BertSelfAttention "relative": Transformer-XL u/v terms over projected sinusoids, T=8, H=11."""
     return _w2v2bert("hf_w2v2bert_relative", "relative", T=8, E=22, N=2)
@@ -572,7 +572,7 @@ def pos_transformer_xl_causal() -> Setup:
                                                                     pos_bias_v=p["w"], **opts), rng, params)
 
 
-@register_case("hf_gptj_rope", requires=_HF)
+@register_case("hf_gptj_rope", requires=_HF, quick=FLOAT32_JIT)
 def hf_gptj_rope() -> Setup:
     """HF GPT-J's apply_rotary_pos_emb (the "interleaved" layout, rotate_every_two) on 6 of H=11 features."""
     import torch

@@ -10,7 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 
-from crosscheck._cases_common import blocked, normal, randomize, rng_for, to_numpy_tree, torch_params
+from crosscheck.cases.common import (
+    FLOAT32_JIT,
+    FLOAT32_VMAP,
+    blocked,
+    normal,
+    randomize,
+    rng_for,
+    to_numpy_tree,
+    torch_params,
+)
 from crosscheck._catalogue import Setup, register_case
 from crosscheck._compare import Const
 
@@ -113,7 +122,7 @@ def _register_mha(name: str, description: str, options: dict) -> None:
         module = randomize(torch.nn.MultiheadAttention(E, N, **constructor), rng)
         return mha_setup(module, rng, **{k: v for k, v in options.items() if k not in _CONSTRUCTOR})
 
-    register_case(name, description=f"nn.MultiheadAttention: {description}")(build)
+    register_case(name, description=f"nn.MultiheadAttention: {description}", quick=FLOAT32_JIT)(build)
 
 
 for _name, (_description, _options) in _MHA_CASES.items():
@@ -179,7 +188,7 @@ _SDPA_CASES = {
 
 
 def _register_sdpa(name: str, description: str, options: dict) -> None:
-    register_case(name, description=f"F.scaled_dot_product_attention: {description}")(
+    register_case(name, description=f"F.scaled_dot_product_attention: {description}", quick=FLOAT32_VMAP)(
         lambda: _sdpa_setup(name, **options))
 
 

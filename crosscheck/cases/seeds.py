@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from crosscheck._cases_common import functional, normal, randomize, rng_for, to_numpy_tree, torch_params
+from crosscheck.cases.common import functional, normal, randomize, rng_for, to_numpy_tree, torch_params
 from crosscheck._catalogue import Setup, register_case
 from crosscheck._compare import Const
 

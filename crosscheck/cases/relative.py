@@ -2,12 +2,12 @@
 
 Both sides share the layout, so tables are params with the same tree on both sides. Sizes: B=2, T=5, S=7,
 N=3, H=11, Hv=13, max_distance=4 (R=9, clipping the offsets -6..4 of T=5 queries on S=7 keys); grouped-query
-cases use N=6 on K=2. The sizes match crosscheck._cases_torch's, so eager runs reuse each other's compiles.
+cases use N=6 on K=2. The sizes match crosscheck.cases.torch_nn's, so eager runs reuse each other's compiles.
 """
 
 from __future__ import annotations
 
-from crosscheck._cases_common import blocked, normal, randomize, rng_for, to_numpy_tree, torch_params
+from crosscheck.cases.common import blocked, normal, randomize, rng_for, to_numpy_tree, torch_params
 from crosscheck._catalogue import Setup, register_case
 from crosscheck._compare import Const
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from crosscheck._cases_common import rng_for
+from crosscheck.cases.common import rng_for
 from crosscheck._catalogue import Setup
 
 
@@ -58,7 +58,7 @@ def _dims(params) -> dict[str, int]:
 def _torch_module(params, tensors, add_zero_attn, rng):
     import torch
 
-    from crosscheck._cases_torch import mha_setup
+    from crosscheck.cases.torch_nn import mha_setup
 
     d = _dims(params)
     module = torch.nn.MultiheadAttention(
@@ -72,7 +72,7 @@ def _torchref_module(params, tensors, rng):
     import torch
 
     import torchref
-    from crosscheck._cases_relative import module_setup
+    from crosscheck.cases.relative import module_setup
 
     d = _dims(params)
     common = dict(query_features=d["Eq"], num_heads=d["N"], head_dim=d["H"], key_features=d["Ek"],

@@ -21,9 +21,12 @@ import numpy as np
 
 from crosscheck._catalogue import Setup, register_case
 from crosscheck._flex import FLEX_CASES, flex_reference
+from crosscheck.cases.common import FLOAT32_JIT, FLOAT64_PLAIN
 
 _HF = ("transformers",)
 B, N, K, H, Hv = 2, 6, 3, 8, 5
+REFERENCE_NOTE = ("flex_<pattern> cases: the reference is torch's eager flex_attention (exact, unfused; slower "
+                  "than torch.compile'd flex, whose advice to compile it is silenced)")
 
 
 class _ForwardSetup(Setup):
@@ -108,17 +111,16 @@ def _blockwise_vs_torchref(case):
     return Setup(jax_fn, _torchref_flex(case, arrays), inputs)
 
 
-def _register(name, build, description):
-    register_case(name, description=description)(build)
-
-
 for _name, _case in FLEX_CASES.items():
-    _register(f"flex_{_name}", lambda c=_case: _flex_vs_torch(c),
-              f"flex_attention mods vs torch's eager flex_attention (forward), {_name}, T={_case.T} S={_case.S}")
-    _register(f"flex_{_name}_keywords", lambda c=_case: _keywords_vs_torchref(c),
-              f"dot_product_attention keywords vs torchref.flex_attention mods (and gradients), {_name}")
-    _register(f"flex_{_name}_blockwise", lambda c=_case: _blockwise_vs_torchref(c),
-              f"flex_attention on the blockwise engine vs torchref.flex_attention (and gradients), {_name}")
+    register_case(f"flex_{_name}", quick=FLOAT32_JIT, note=REFERENCE_NOTE,
+                  description=f"flex_attention mods vs torch's eager flex_attention (forward), {_name}, "
+                              f"T={_case.T} S={_case.S}")(lambda c=_case: _flex_vs_torch(c))
+    register_case(f"flex_{_name}_keywords", quick=FLOAT64_PLAIN,
+                  description=f"dot_product_attention keywords vs torchref.flex_attention mods (and gradients), "
+                              f"{_name}")(lambda c=_case: _keywords_vs_torchref(c))
+    register_case(f"flex_{_name}_blockwise",
+                  description=f"flex_attention on the blockwise engine vs torchref.flex_attention (and gradients), "
+                              f"{_name}")(lambda c=_case: _blockwise_vs_torchref(c))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -172,6 +174,6 @@ def _hf_modern(family: str) -> Setup:
 
 
 for _family in ("gemma2", "mistral", "gpt_oss", "llama4", "qwen2", "qwen2_sliding"):
-    register_case(f"hf_modern_{_family}", requires=_HF,
+    register_case(f"hf_modern_{_family}", requires=_HF, quick=FLOAT32_JIT,
                   description=f"HF {_family} eager attention (prefill + cache steps) vs dot_product_attention "
                               "with the mapped keywords, outputs and gradients")(lambda f=_family: _hf_modern(f))

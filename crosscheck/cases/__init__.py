@@ -1,0 +1,15 @@
+"""The built-in catalogue of `python -m crosscheck`, one module per kind of case.
+
+    seeds      the five seed documents (DESIGN.md "Seed cases")
+    torch_nn   torch.nn.MultiheadAttention across its options, F.scaled_dot_product_attention
+    relative   relative_attention / shaw_relative_attention and the torchref modules
+    flex       flex_attention vs torch's flex, the keywords and the blockwise engine; HF's modern attention
+    minilm     the real all-MiniLM-L6-v2 checkpoint vs transformers
+    models     whole tiny models (GPT-2, T5, Llama, Qwen2, Mistral, Gemma 2) vs transformers
+    positions  position schemes vs torchref.positions and the HF modules that use them
+    weights    a state_dict file as a case (`python -m crosscheck --weights FILE`)
+    common     what the cases share: seeded numbers, seeded torch modules, the whole-model bar
+
+Importing a module registers its cases (crosscheck.register_case); crosscheck.catalogue() imports them all.
+A new kind is a new module here: the catalogue finds it by its file.
+"""
