@@ -180,6 +180,24 @@ def test_a_spec_is_checked_against_its_leaf():
         _sharding.check_spec("q", P("seq"), (8, 4, 2), mesh)
 
 
+def test_a_rule_that_does_not_divide_a_dimension_is_refused():
+    """On a (2, 4) mesh (an AbstractMesh: the check needs only its axes' sizes, not 8 devices), each bad spec
+    is a ValueError naming the parameter, the spec and the shape; the family's defaults with the "model" axis
+    dropped fit a width of 6."""
+    from jax.sharding import AbstractMesh
+
+    from jaxattn.models import _sharding
+
+    mesh = AbstractMesh((2, 4), ("data", "model"))
+    with pytest.raises(ValueError, match=r"^layers_0/up_proj/kernel \(spec P\('data', 'model'\), shape \[64,6\]\): "
+                                         r"expected dim 1 \(6\) divisible by 4 \(mesh axes \['model'\]\), got 6 % 4 = 2$"):
+        _sharding.check_spec("layers_0/up_proj/kernel", P("data", "model"), (64, 6), mesh)
+    with pytest.raises(ValueError, match=r"^q \(spec P\(\('data', 'model'\),\), shape \[12\]\): expected dim 0 "
+                                         r"\(12\) divisible by 8 \(mesh axes \['data', 'model'\]\)"):
+        _sharding.check_spec("q", P(("data", "model")), (12,), mesh)
+    _sharding.check_spec("layers_0/up_proj/kernel", P("data", None), (64, 6), mesh)
+
+
 def test_one_device_mesh_loads_the_same_params(checkpoints):
     """On a one-device mesh every leaf is a jax.Array with the rules' spec, equal to the unsharded load,
     and the whole checkpoint is read exactly once (each byte of every tensor)."""
