@@ -25,7 +25,6 @@ import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-import flax.linen as nn
 import jax.numpy as jnp
 
 from . import _decoder, _pretrained, _table
@@ -61,20 +60,12 @@ def softcap(x, cap: float | None):
     return x if cap is None else jnp.tanh(x / cap) * cap
 
 
-class Gemma2Block(_decoder.Configured):
-    """One sandwich-norm block; returns (residual stream, {"attention", "mlp": their outputs}), both taken
-    before their post-norms (as HF's self_attn and mlp modules return them)."""
+class Gemma2Block(_decoder.SandwichBlock):
+    """Gemma's sandwich-norm block (gelu-tanh MLP) with Gemma 2's attention scale and softcap."""
 
-    @nn.compact
-    def __call__(self, x, mask, positions, decode: bool, window=None):
+    def attention_options(self) -> dict:
         c = self.config
-        norm = functools.partial(_decoder.RMSNorm, c.rms_norm_eps, self.param_dtype, c.rms_norm)
-        a = _decoder.self_attention(self, norm(name="input_layernorm")(x), mask, positions, decode, window,
-                                    scale=c.query_pre_attn_scalar ** -0.5, logit_softcap=c.attn_logit_softcapping)
-        x = x + norm(name="post_attention_layernorm")(a)
-        m = _decoder.gated_mlp(self, norm(name="pre_feedforward_layernorm")(x),
-                               functools.partial(nn.gelu, approximate=True))
-        return x + norm(name="post_feedforward_layernorm")(m), {"attention": a, "mlp": m}
+        return dict(scale=c.query_pre_attn_scalar ** -0.5, logit_softcap=c.attn_logit_softcapping)
 
 
 class Gemma2ForCausalLM(_decoder.CausalLM):
