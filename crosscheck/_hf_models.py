@@ -51,6 +51,12 @@ TINY = {
                     rms_norm_eps=1e-6, sliding_window=5, query_pre_attn_scalar=13, attn_logit_softcapping=4.0,
                     final_logit_softcapping=10.0, tie_word_embeddings=False,
                     rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # layer 1 slides (window 5 < the 11-token prompts); head_dim 16 != hidden/heads 8; q/k norms random
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                   num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                   rms_norm_eps=1e-6, use_sliding_window=True, sliding_window=5, max_window_layers=1,
+                   tie_word_embeddings=False, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
 }
 
 
@@ -72,7 +78,7 @@ def _quiet(transformers) -> None:
 
 
 # HF norms whose code takes the mean square in float32 whatever the input dtype (a float64 run included)
-_FLOAT32_NORMS = ("T5LayerNorm", "LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+_FLOAT32_NORMS = ("T5LayerNorm", "LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm")
 
 
 def _rms_norm_in_input_precision(self, hidden_states):
@@ -97,7 +103,7 @@ def torch_promote(dtype):
 
 # HF rotary embeddings whose code computes cos/sin in float32 whatever the input dtype
 _FLOAT32_ROTARY = ("LlamaRotaryEmbedding", "Qwen2RotaryEmbedding", "MistralRotaryEmbedding",
-                   "Gemma2RotaryEmbedding")
+                   "Gemma2RotaryEmbedding", "Qwen3RotaryEmbedding")
 
 
 def _rotary_in_input_precision(self, x, position_ids):
@@ -116,7 +122,8 @@ def _rotary_in_input_precision(self, x, position_ids):
 
 # HF modules whose eager attention takes its softmax in float32 whatever the input dtype
 _FLOAT32_SOFTMAX = ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
-                    "transformers.models.mistral.modeling_mistral", "transformers.models.gemma2.modeling_gemma2")
+                    "transformers.models.mistral.modeling_mistral", "transformers.models.gemma2.modeling_gemma2",
+                    "transformers.models.qwen3.modeling_qwen3")
 
 
 def _eager_attention_in_input_precision(hf_module):
@@ -207,7 +214,7 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
 
 # weight-matrix gain per family (default 3): large enough that greedy decoding does not collapse to one
 # repeated token, small enough that float32 stays well conditioned (T5's gated FF multiplies two gains)
-_GAIN = {"t5": 1.5, "llama": 1.5, "qwen2": 1.5, "mistral": 1.5, "gemma2": 1.5}
+_GAIN = {"t5": 1.5, "llama": 1.5, "qwen2": 1.5, "mistral": 1.5, "gemma2": 1.5, "qwen3": 1.5}
 
 
 def write_checkpoint(model_type: str, directory: str | os.PathLike, *, seed: int = 0, **overrides) -> Path:

@@ -138,7 +138,7 @@ FAMILIES: dict[str, _Family] = {
     "bert": _Family(lambda m: m.embeddings, lambda m: m.encoder.layer, "attention", None, None, "layer_{i}"),
     "t5": _T5(None, None, "", None, None, "{stack}/block_{i}"),
 }
-FAMILIES["qwen2"] = FAMILIES["mistral"] = FAMILIES["gemma2"] = FAMILIES["llama"]
+FAMILIES["qwen2"] = FAMILIES["mistral"] = FAMILIES["gemma2"] = FAMILIES["qwen3"] = FAMILIES["llama"]
 
 
 def family(torch_model) -> _Family:
