@@ -57,6 +57,19 @@ TINY = {
                    num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
                    rms_norm_eps=1e-6, use_sliding_window=True, sliding_window=5, max_window_layers=1,
                    tie_word_embeddings=False, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # Gemma 2's shape (layer 0 slides, window 5; head_dim 16; query_pre_attn_scalar 13; the final softcap,
+    # null by default in Gemma 3, set to bite; no attention softcap: HF's Gemma 3 never applies it) plus q/k
+    # norms and two rotary embeddings: local "default" at base 50, global "linear" x4 at base 10 000.
+    # Untied, as Gemma 2's.
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                    dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         rms_norm_eps=1e-6, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+                         query_pre_attn_scalar=13, final_logit_softcapping=10.0,
+                         tie_word_embeddings=False,
+                         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=50.0),
+                                          "full_attention": dict(rope_type="linear", factor=4.0,
+                                                                 rope_theta=10000.0)})),
 }
 
 
@@ -103,27 +116,34 @@ def torch_promote(dtype):
 
 # HF rotary embeddings whose code computes cos/sin in float32 whatever the input dtype
 _FLOAT32_ROTARY = ("LlamaRotaryEmbedding", "Qwen2RotaryEmbedding", "MistralRotaryEmbedding",
-                   "Gemma2RotaryEmbedding", "Qwen3RotaryEmbedding")
+                   "Gemma2RotaryEmbedding", "Qwen3RotaryEmbedding", "Gemma3RotaryEmbedding")
 
 
-def _rotary_in_input_precision(self, x, position_ids):
+def _rotary_in_input_precision(self, x, position_ids, layer_type=None):
+    """HF's rotary cos/sin [..., H]; Gemma 3's per layer type (its rope_parameters keyed by layer_type)."""
     import torch
 
     from jaxattn.models import rope_frequencies
 
     config = self.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    inverse = torch.from_numpy(rope_frequencies(config.to_dict(), head_dim)).to(x.device)
+    rope = None if layer_type is None else config.rope_parameters[layer_type]
+    inverse = torch.from_numpy(rope_frequencies(config.to_dict(), head_dim, rope=rope)).to(x.device)
+    scaling = self.attention_scaling if layer_type is None else getattr(self, f"{layer_type}_attention_scaling")
     dtype = torch_promote(x.dtype)
     freqs = position_ids[..., None].to(dtype) * inverse.to(dtype)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+    return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
 
 
 # HF modules whose eager attention takes its softmax in float32 whatever the input dtype
 _FLOAT32_SOFTMAX = ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
                     "transformers.models.mistral.modeling_mistral", "transformers.models.gemma2.modeling_gemma2",
-                    "transformers.models.qwen3.modeling_qwen3")
+                    "transformers.models.qwen3.modeling_qwen3", "transformers.models.gemma3.modeling_gemma3")
+
+
+# HF embeddings scaled by sqrt(hidden_size) held in a float32 buffer (Gemma 2 / 3)
+_SCALED_EMBEDDINGS = ("Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding")
 
 
 def _eager_attention_in_input_precision(hf_module):
@@ -178,10 +198,10 @@ def float64_reference(torch_model, dtype: str):
             elif type(module).__name__ in _FLOAT32_ROTARY:
                 module.forward = types.MethodType(_rotary_in_input_precision, module)
                 patched.append(module)
-            elif type(module).__name__ == "Gemma2RMSNorm":
+            elif type(module).__name__ in ("Gemma2RMSNorm", "Gemma3RMSNorm"):
                 module.forward = types.MethodType(_gemma_rms_norm_in_input_precision, module)
                 patched.append(module)
-            elif type(module).__name__ == "Gemma2TextScaledWordEmbedding":  # a float32 buffer, then upcast
+            elif type(module).__name__ in _SCALED_EMBEDDINGS:  # a float32 buffer, then upcast
                 scales.append((module, module.embed_scale))
                 module.embed_scale = module.embed_scale.new_tensor(module.scalar_embed_scale, dtype=torch.float64)
     try:
@@ -214,7 +234,8 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
 
 # weight-matrix gain per family (default 3): large enough that greedy decoding does not collapse to one
 # repeated token, small enough that float32 stays well conditioned (T5's gated FF multiplies two gains)
-_GAIN = {"t5": 1.5, "llama": 1.5, "qwen2": 1.5, "mistral": 1.5, "gemma2": 1.5, "qwen3": 1.5}
+_GAIN = {"t5": 1.5, "llama": 1.5, "qwen2": 1.5, "mistral": 1.5, "gemma2": 1.5, "qwen3": 1.5, "gemma3_text": 1.5}
+_ONE_PLUS_W_NORMS = ("gemma2", "gemma3_text")  # norms that scale by 1 + weight: random around 0
 
 
 def write_checkpoint(model_type: str, directory: str | os.PathLike, *, seed: int = 0, **overrides) -> Path:
@@ -232,7 +253,7 @@ def write_checkpoint(model_type: str, directory: str | os.PathLike, *, seed: int
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=generator, dtype=p.dtype)
             if name.endswith("weight") and p.ndim == 1:  # norm scales: around 1 (Gemma 2 scales by 1 + weight)
-                p.copy_((0.0 if model_type == "gemma2" else 1.0) + 0.2 * noise)
+                p.copy_((0.0 if model_type in _ONE_PLUS_W_NORMS else 1.0) + 0.2 * noise)
             elif "relative_attention_bias" in name:  # T5's only position signal: strong, so decoding varies
                 p.copy_(3.0 * noise)
             else:

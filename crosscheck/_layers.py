@@ -138,7 +138,8 @@ FAMILIES: dict[str, _Family] = {
     "bert": _Family(lambda m: m.embeddings, lambda m: m.encoder.layer, "attention", None, None, "layer_{i}"),
     "t5": _T5(None, None, "", None, None, "{stack}/block_{i}"),
 }
-FAMILIES["qwen2"] = FAMILIES["mistral"] = FAMILIES["gemma2"] = FAMILIES["qwen3"] = FAMILIES["llama"]
+for _model_type in ("qwen2", "mistral", "gemma2", "qwen3", "gemma3_text"):
+    FAMILIES[_model_type] = FAMILIES["llama"]
 
 
 def family(torch_model) -> _Family:

@@ -7,9 +7,11 @@
     the stack   Configured (a module's config and dtypes), layer_stack (blocks in turn, each one's outputs
                 sown), self_attention and gated_mlp (the Llama-shaped block's parts), PreNormBlock (Llama's
                 block) and SandwichBlock (Gemma's), lm_head / tied_logits
-    CausalLM    HF's *ForCausalLM: embed_tokens -> layers_{i} -> norm -> lm_head; a family names its Block
+    CausalLM    HF's *ForCausalLM: embed_tokens -> layers_{i} -> norm -> lm_head; a family names its Block;
+                ScaledCausalLM: Gemma's (sqrt(E)-scaled embeddings, softcapped logits), softcap
     decoding    empty_cache
-    weights     causal_lm_rows, qk_norm_rows and mlp_rows (HF's names, spelled out), tied_copy, loader
+    weights     causal_lm_rows, qk_norm_rows, sandwich_norm_rows and mlp_rows (HF's names, spelled out),
+                tied_copy, loader
 
 Calling convention of every decoder-only model here (GPT-2, Llama, Mistral, Qwen2, Gemma 2):
 
@@ -74,10 +76,12 @@ class DecoderConfig:
     rms_norm: ClassVar[str] = "llama"  # which of HF's RMS norms the family's layers use (see RMSNorm)
 
     @classmethod
-    def parse(cls, config: Mapping[str, Any], source, *, nullable=(), **derived):
+    def parse(cls, config: Mapping[str, Any], source, *, nullable=(), rope: Mapping | None = None,
+              rope_name: str = "rope_parameters", **derived):
         """cls from the config.json keys named as its fields (null: the field's default, unless the key is
-        in `nullable`), the fields the family derives, and the rope frequencies of the config's rope settings.
-        A head_dim that is neither given nor hidden_size / num_attention_heads is refused."""
+        in `nullable`), the fields the family derives, and the rope frequencies of the config's rope settings
+        (or of `rope`, called `rope_name` in refusals: see rope_frequencies). A head_dim that is neither given
+        nor hidden_size / num_attention_heads is refused."""
         fields = {f.name for f in dataclasses.fields(cls)} - set(derived) - {"rope_frequencies",
                                                                              "rope_attention_factor"}
         parsed = cls(**{k: v for k, v in config.items() if k in fields and (v is not None or k in nullable)},
@@ -85,9 +89,9 @@ class DecoderConfig:
         if parsed.hidden_size % parsed.num_attention_heads and parsed.head_dim is None:
             _pretrained.refuse(source, "head_dim", "given, or hidden_size divisible by "
                                f"num_attention_heads={parsed.num_attention_heads}", None)
-        frequencies = rope_frequencies(config, parsed.dims()["H"], source)
+        frequencies = rope_frequencies(config, parsed.dims()["H"], source, rope=rope, name=rope_name)
         return dataclasses.replace(parsed, rope_frequencies=tuple(frequencies),
-                                   rope_attention_factor=rope_attention_factor(config))
+                                   rope_attention_factor=rope_attention_factor(config, rope))
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
@@ -157,23 +161,26 @@ def rope_parameters(config: Mapping[str, Any]) -> dict:
     return {"rope_theta": config.get("rope_theta", 10000.0), **scaling}
 
 
-def rope_frequencies(config: Mapping[str, Any], head_dim: int, source="config") -> np.ndarray:
+def rope_frequencies(config: Mapping[str, Any], head_dim: int, source="config", *, rope: Mapping | None = None,
+                     name: str = "rope_parameters") -> np.ndarray:
     """float64 inverse frequencies [head_dim/2] for HF's rope types "default", "linear", "llama3" and "yarn".
 
     default: theta_k = base^(-2k/H); linear: theta_k / factor; llama3: long wavelengths divided by factor,
     short ones kept, a smooth blend between (HF's _compute_llama3_parameters, in float64); yarn: theta_k and
     theta_k / factor blended by a linear ramp over the dims between the beta_fast and beta_slow corrections
     (HF's _compute_yarn_parameters, in float64; its attention factor: rope_attention_factor).
+    rope: the settings to read (default: the config's, rope_parameters(config)); name: what refusals call them
+    (Gemma 3: "rope_parameters['sliding_attention']").
     """
-    rope = rope_parameters(config)
+    rope = rope_parameters(config) if rope is None else rope
     kind = rope.get("rope_type", "default")
     if kind not in ROPE_TYPES:
-        _pretrained.refuse(source, "rope_parameters['rope_type']", f"one of {list(ROPE_TYPES)}", kind)
+        _pretrained.refuse(source, f"{name}['rope_type']", f"one of {list(ROPE_TYPES)}", kind)
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        _pretrained.refuse(source, "rope_parameters['partial_rotary_factor']", "1.0", rope["partial_rotary_factor"])
+        _pretrained.refuse(source, f"{name}['partial_rotary_factor']", "1.0", rope["partial_rotary_factor"])
     if kind != "yarn" and rope.get("attention_factor") not in (None, 1.0):
-        _pretrained.refuse(source, "rope_parameters['attention_factor']", "1.0 (or unset) unless rope_type is "
-                           "'yarn'", rope["attention_factor"])
+        _pretrained.refuse(source, f"{name}['attention_factor']", "1.0 (or unset) unless rope_type is 'yarn'",
+                           rope["attention_factor"])
     base = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     inverse = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if kind == "linear":
@@ -222,10 +229,10 @@ def _yarn_ramp(rope: Mapping[str, Any], config: Mapping[str, Any], head_dim: int
     return np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
 
 
-def rope_attention_factor(config: Mapping[str, Any]) -> float:
+def rope_attention_factor(config: Mapping[str, Any], rope: Mapping | None = None) -> float:
     """HF's attention_scaling of the rotary cos and sin: yarn's attention_factor (given, or 0.1 ln(factor) + 1,
-    or its mscale / mscale_all_dim ratio), 1.0 for every other rope type."""
-    rope = rope_parameters(config)
+    or its mscale / mscale_all_dim ratio), 1.0 for every other rope type. rope: as rope_frequencies'."""
+    rope = rope_parameters(config) if rope is None else rope
     if rope.get("rope_type", "default") != "yarn":
         return 1.0
     if rope.get("attention_factor") is not None:
@@ -512,6 +519,22 @@ class CausalLM(Configured):
 
 # --- decoding ---------------------------------------------------------------------------------------------------
 
+def softcap(x, cap: float | None):
+    """HF's tanh softcapping: cap * tanh(x / cap); None: x unchanged."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+class ScaledCausalLM(CausalLM):
+    """Gemma's causal LM: the embeddings times sqrt(E), the scale rounded to their dtype first (HF's
+    embed_scale.to(weight.dtype)); the logits softcapped by config.final_logit_softcapping (None: not)."""
+
+    def scale_embeddings(self, x):
+        return x * jnp.asarray(math.sqrt(self.config.dims()["E"]), x.dtype)
+
+    def cap_logits(self, logits):
+        return softcap(logits, self.config.final_logit_softcapping)
+
+
 def empty_cache(model: nn.Module, params, *args, method=None, **kwargs):
     """The "cache" collection that model.apply({"params": params}, *args, decode=True, method=method,
     **kwargs) fills, all zeros: its shapes for those arguments (jax.eval_shape, nothing is computed), its
@@ -564,6 +587,15 @@ def qk_norm_rows() -> list[_table.Row]:
     R = _table.row
     return [R("model.layers.{i}.self_attn.q_norm.weight", ("H",), "layers_{i}/self_attn/q_norm/weight", ("H",)),
             R("model.layers.{i}.self_attn.k_norm.weight", ("H",), "layers_{i}/self_attn/k_norm/weight", ("H",))]
+
+
+def sandwich_norm_rows() -> list[_table.Row]:
+    """Each layer's norms around the MLP of a SandwichBlock (its attention's two: causal_lm_rows)."""
+    R = _table.row
+    return [R("model.layers.{i}.pre_feedforward_layernorm.weight", ("E",),
+              "layers_{i}/pre_feedforward_layernorm/weight", ("E",)),
+            R("model.layers.{i}.post_feedforward_layernorm.weight", ("E",),
+              "layers_{i}/post_feedforward_layernorm/weight", ("E",))]
 
 
 def mlp_rows(config: DecoderConfig) -> list[_table.Row]:

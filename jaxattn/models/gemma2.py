@@ -21,11 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
-
-import jax.numpy as jnp
 
 from . import _decoder, _pretrained, _table
 
@@ -55,11 +52,6 @@ class Gemma2Config(_decoder.DecoderConfig):
         return cls.parse(config, source, nullable=nullable, windows=windows)
 
 
-def softcap(x, cap: float | None):
-    """HF's tanh softcapping: cap * tanh(x / cap); None: x unchanged."""
-    return x if cap is None else jnp.tanh(x / cap) * cap
-
-
 class Gemma2Block(_decoder.SandwichBlock):
     """Gemma's sandwich-norm block (gelu-tanh MLP) with Gemma 2's attention scale and softcap."""
 
@@ -68,29 +60,16 @@ class Gemma2Block(_decoder.SandwichBlock):
         return dict(scale=c.query_pre_attn_scalar ** -0.5, logit_softcap=c.attn_logit_softcapping)
 
 
-class Gemma2ForCausalLM(_decoder.CausalLM):
-    """HF Gemma2ForCausalLM: input_ids [B,T] -> logits [B,T,V]."""
+class Gemma2ForCausalLM(_decoder.ScaledCausalLM):
+    """HF Gemma2ForCausalLM: input_ids [B,T] -> logits [B,T,V] (sqrt(E)-scaled embeddings, softcapped logits)."""
 
     Block = Gemma2Block
-
-    def scale_embeddings(self, x):
-        return x * jnp.asarray(math.sqrt(self.config.dims()["E"]), x.dtype)  # HF: the scale in the embedding's dtype
-
-    def cap_logits(self, logits):
-        return softcap(logits, self.config.final_logit_softcapping)
 
 
 def weight_table(config: Gemma2Config) -> list[_table.Row]:
     """HF's names -> our params: the shared causal-LM rows, the MLP and its sandwich norms."""
-    R = _table.row
-    return _table.expand([
-        *_decoder.causal_lm_rows(config),
-        R("model.layers.{i}.pre_feedforward_layernorm.weight", ("E",),
-          "layers_{i}/pre_feedforward_layernorm/weight", ("E",)),
-        *_decoder.mlp_rows(config),
-        R("model.layers.{i}.post_feedforward_layernorm.weight", ("E",),
-          "layers_{i}/post_feedforward_layernorm/weight", ("E",)),
-    ], config.num_hidden_layers)
+    rows = [*_decoder.causal_lm_rows(config), *_decoder.sandwich_norm_rows(), *_decoder.mlp_rows(config)]
+    return _table.expand(rows, config.num_hidden_layers)
 
 
 _pretrained.register_family("gemma2")(_decoder.loader(Gemma2Config, Gemma2ForCausalLM, weight_table))
