@@ -13,12 +13,18 @@ shapes.
 Building a table: `when` keeps the rows a configuration has (biases, an untied head), `expand` repeats the
 "{i}" rows per layer in HF's state_dict order, `prefixed` puts the names inside a task head's prefix.
 
+Stacked rows (`stacked`): several HF tensors, one per index j of an axis ("{j}" in the name: one tensor per
+expert, "model.layers.{i}.mlp.experts.{j}.gate_proj.weight"), each transformed as a plain row's tensor,
+then stacked along a new leading axis of the one leaf (our [X,E,F] expert kernels). The way back: unstack
+the leaf along that axis, transform each slice back, name it with its j.
+
 Transforms (numpy, on the tensor's HF layout):
     copy        as stored
     transpose   torch nn.Linear [out,in] -> Flax Dense [in,out]
     reshape     to the target's shape (row-major: the HF head-major layout N*H -> [N,H])
     T_reshape   transpose, then reshape (nn.Linear [N*H,E] -> [E,N,H]; [E,N*H] -> [N,H,E])
     ("part", k, n, axis): the k-th of n equal slices along `axis`, then reshape (GPT-2's fused c_attn)
+    ("every", k, n, axis): entries k, k + n, k + 2n, ... along `axis` (gpt-oss's interleaved gate/up columns)
 """
 
 from __future__ import annotations
@@ -38,12 +44,30 @@ class Row:
     shape: tuple[str, ...]    # its shape in the family's axis letters
     targets: tuple            # ((our path "a/b/c", our shape letters, transform), ...)
     optional: bool = False    # may be absent (e.g. lm_head.weight when the embeddings are tied)
+    stack: str | None = None  # a stacked row: the letter of the axis its "{j}" runs over (see `stacked`)
 
 
 def row(name: str, shape: tuple[str, ...], path: str, our_shape: tuple[str, ...], transform: Any = "copy",
         *, optional: bool = False) -> Row:
     """The common case: one HF tensor fills one params leaf."""
     return Row(name, shape, ((path, our_shape, transform),), optional)
+
+
+def stacked(name: str, shape: tuple[str, ...], path: str, our_shape: tuple[str, ...], transform: Any = "copy",
+            *, over: str) -> Row:
+    """One HF tensor per j < dims[over] ("{j}" in `name`, each of `shape`) fills one params leaf: each one
+    transformed to our_shape[1:], stacked along a new leading axis `over` (our_shape[0])."""
+    if "{j}" not in name or our_shape[:1] != (over,):
+        raise ValueError(f"stacked: expected a name with '{{j}}' and our_shape starting with {over!r}, got "
+                         f"{name!r} and {our_shape}")
+    return Row(name, shape, ((path, our_shape, transform),), stack=over)
+
+
+def names(r: Row, dims: Mapping[str, int] | None = None) -> list[str]:
+    """The HF tensors row `r` stands for: its name, or a stacked row's one per j (needs `dims`)."""
+    if r.stack is None:
+        return [r.name]
+    return [r.name.replace("{j}", str(j)) for j in range(dims[r.stack])]
 
 
 def when(condition: bool, *rows: Row) -> tuple[Row, ...]:
@@ -64,7 +88,8 @@ def expand(rows, num_layers: int) -> list[Row]:
     rows = list(rows)
     first = next((k for k, r in enumerate(rows) if "{i}" in r.name), len(rows))
     per_layer = [r for r in rows if "{i}" in r.name]
-    layers = [Row(r.name.format(i=i), r.shape, tuple((p.format(i=i), s, t) for p, s, t in r.targets), r.optional)
+    layers = [dataclasses.replace(r, name=r.name.replace("{i}", str(i)),
+                                  targets=tuple((p.replace("{i}", str(i)), s, t) for p, s, t in r.targets))
               for i in range(num_layers) for r in per_layer]
     return rows[:first] + layers + [r for r in rows[first:] if "{i}" not in r.name]
 
@@ -82,26 +107,40 @@ def _apply(transform, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
     if isinstance(transform, tuple) and transform[0] == "part":
         _, k, n, axis = transform
         x = np.split(x, n, axis=axis)[k]
+    elif isinstance(transform, tuple) and transform[0] == "every":
+        _, k, n, axis = transform
+        x = np.take(x, np.arange(k, x.shape[axis], n), axis=axis)
     elif transform in ("transpose", "T_reshape"):
         x = x.T
     elif transform not in ("copy", "reshape"):
-        raise ValueError(f"table transform: expected copy/transpose/reshape/T_reshape/('part', k, n, axis), "
-                         f"got {transform!r}")
+        raise ValueError(f"table transform: expected copy/transpose/reshape/T_reshape/('part', k, n, axis)/"
+                         f"('every', k, n, axis), got {transform!r}")
     if transform == "copy" and x.shape != shape or transform == "transpose" and x.shape != shape:
         raise ValueError(f"table: {transform} gives shape {_shape(x.shape)}, the target needs {_shape(shape)}")
     return np.ascontiguousarray(x.reshape(shape))
 
 
-def check_names(tensors: Mapping[str, Any], rows, files: Mapping[str, str], *, ignored=()) -> None:
-    """ValueError listing every missing and every unexpected name (with the files they are in)."""
-    known = {r.name for r in rows}
-    missing = [r.name for r in rows if not r.optional and r.name not in tensors]
+def check_names(tensors: Mapping[str, Any], rows, files: Mapping[str, str], *, ignored=(), dims=None) -> None:
+    """ValueError listing every missing and every unexpected name (with the files they are in); `dims`
+    when the rows include stacked ones."""
+    known = {n for r in rows for n in names(r, dims)}
+    missing = [n for r in rows if not r.optional for n in names(r, dims) if n not in tensors]
     unexpected = [n for n in tensors if n not in known and n not in ignored]
     if missing or unexpected:
         where = sorted({files[n] for n in tensors}) or ["(no tensors)"]
         raise ValueError(f"{', '.join(where)}: expected exactly the {len(known)} tensors of the weight table, "
                          f"got {len(missing)} missing {missing} and {len(unexpected)} unexpected "
                          f"{[f'{n} (in {files[n]})' for n in unexpected]}")
+
+
+def _checked(tensors, files, name: str, letters: tuple[str, ...], dims) -> np.ndarray:
+    """tensors[name], its shape checked against `letters` (the error names the file, the key, both shapes)."""
+    x = np.asarray(tensors[name])
+    want = size(letters, dims)
+    if x.shape != want:
+        raise ValueError(f"{files[name]}: {name!r}: expected shape {_shape(want)} [{','.join(letters)}], "
+                         f"got shape {_shape(x.shape)}")
+    return x
 
 
 def fill(tensors: Mapping[str, np.ndarray], rows, dims: Mapping[str, int], files: Mapping[str, str], *,
@@ -111,18 +150,17 @@ def fill(tensors: Mapping[str, np.ndarray], rows, dims: Mapping[str, int], files
     dtype: cast every floating tensor to it (explicitly requested); None keeps the checkpoint's dtype.
     `ignored` names (known buffers, checked by the caller) may be present and are skipped.
     """
-    check_names(tensors, rows, files, ignored=ignored)
+    check_names(tensors, rows, files, ignored=ignored, dims=dims)
     params: dict = {}
     for r in rows:
-        if r.name not in tensors:
+        if r.name not in tensors and r.stack is None:
             continue  # optional, absent
-        x = np.asarray(tensors[r.name])
-        want = size(r.shape, dims)
-        if x.shape != want:
-            raise ValueError(f"{files[r.name]}: {r.name!r}: expected shape {_shape(want)} "
-                             f"[{','.join(r.shape)}], got shape {_shape(x.shape)}")
+        xs = [_checked(tensors, files, name, r.shape, dims) for name in names(r, dims)]
         for path, our_letters, transform in r.targets:
-            y = _apply(transform, x, size(our_letters, dims))
+            if r.stack is None:
+                y = _apply(transform, xs[0], size(our_letters, dims))
+            else:
+                y = np.stack([_apply(transform, x, size(our_letters[1:], dims)) for x in xs])
             if dtype is not None and jnp.issubdtype(y.dtype, jnp.floating):  # bfloat16 included
                 y = y.astype(dtype)
             node = params
