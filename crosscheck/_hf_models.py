@@ -70,6 +70,19 @@ TINY = {
                          rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=50.0),
                                           "full_attention": dict(rope_type="linear", factor=4.0,
                                                                  rope_theta=10000.0)})),
+    # 5 experts (F 40), top 2, every layer sliding (window 5, as Mistral's)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+                     num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                     num_local_experts=5, num_experts_per_tok=2, sliding_window=5,
+                     rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # HF's defaults where they are the model's (yarn rope, layer 0 sliding, biases everywhere, sinks), at tiny
+    # sizes: head_dim 16 != hidden/heads 8, 5 experts (F 40), top 2, window 5; swiglu_limit 1.0 so that the
+    # experts' clamps bite on random weights (the released 7.0 would hardly clamp here)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+                     num_attention_heads=6, num_key_value_heads=2, head_dim=16, num_local_experts=5,
+                     num_experts_per_tok=2, sliding_window=5, swiglu_limit=1.0)),
 }
 
 
@@ -85,13 +98,17 @@ def _no_special_tokens(config) -> None:
 # model_type -> the transformers Auto class whose model jaxattn.models ports (the decoders: a causal LM)
 _AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM"}
 
+# mixtures of experts: transformers' plain per-expert loop ("eager"), not a grouped matmul kernel
+_MOE = ("mixtral", "gpt_oss")
+
 
 def _quiet(transformers) -> None:
     transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars in tables and tests
 
 
 # HF norms whose code takes the mean square in float32 whatever the input dtype (a float64 run included)
-_FLOAT32_NORMS = ("T5LayerNorm", "LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm")
+_FLOAT32_NORMS = ("T5LayerNorm", "LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm",
+                  "GptOssRMSNorm")  # (GptOssRMSNorm rounds after its weight: the same numbers in float64)
 
 
 def _rms_norm_in_input_precision(self, hidden_states):
@@ -116,7 +133,9 @@ def torch_promote(dtype):
 
 # HF rotary embeddings whose code computes cos/sin in float32 whatever the input dtype
 _FLOAT32_ROTARY = ("LlamaRotaryEmbedding", "Qwen2RotaryEmbedding", "MistralRotaryEmbedding",
-                   "Gemma2RotaryEmbedding", "Qwen3RotaryEmbedding", "Gemma3RotaryEmbedding")
+                   "Gemma2RotaryEmbedding", "Qwen3RotaryEmbedding", "Gemma3RotaryEmbedding",
+                   "MixtralRotaryEmbedding", "GptOssRotaryEmbedding")
+_HALF_ROTARY = ("GptOssRotaryEmbedding",)  # cos/sin [..., H/2]: gpt-oss rotates the halves without cat
 
 
 def _rotary_in_input_precision(self, x, position_ids, layer_type=None):
@@ -132,15 +151,31 @@ def _rotary_in_input_precision(self, x, position_ids, layer_type=None):
     scaling = self.attention_scaling if layer_type is None else getattr(self, f"{layer_type}_attention_scaling")
     dtype = torch_promote(x.dtype)
     freqs = position_ids[..., None].to(dtype) * inverse.to(dtype)
-    emb = torch.cat((freqs, freqs), dim=-1)
+    emb = freqs if type(self).__name__ in _HALF_ROTARY else torch.cat((freqs, freqs), dim=-1)
     return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
 
 
 # HF modules whose eager attention takes its softmax in float32 whatever the input dtype
 _FLOAT32_SOFTMAX = ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
                     "transformers.models.mistral.modeling_mistral", "transformers.models.gemma2.modeling_gemma2",
-                    "transformers.models.qwen3.modeling_qwen3", "transformers.models.gemma3.modeling_gemma3")
+                    "transformers.models.qwen3.modeling_qwen3", "transformers.models.gemma3.modeling_gemma3",
+                    "transformers.models.mixtral.modeling_mixtral")
 
+
+def _softmax_topk_router_in_input_precision(self, hidden_states):
+    """MixtralTopKRouter.forward with its softmax in the input's precision (HF: router_logits.float())."""
+    import torch
+
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states, self.weight)
+    router_probs = torch.softmax(router_logits.to(torch_promote(router_logits.dtype)), dim=-1)
+    router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
+    router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
+    return router_logits, router_top_value, router_indices
+
+
+# HF routers whose code takes the softmax in float32 whatever the input dtype
+_FLOAT32_ROUTERS = {"MixtralTopKRouter": _softmax_topk_router_in_input_precision}
 
 # HF embeddings scaled by sqrt(hidden_size) held in a float32 buffer (Gemma 2 / 3)
 _SCALED_EMBEDDINGS = ("Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding")
@@ -198,6 +233,9 @@ def float64_reference(torch_model, dtype: str):
             elif type(module).__name__ in _FLOAT32_ROTARY:
                 module.forward = types.MethodType(_rotary_in_input_precision, module)
                 patched.append(module)
+            elif type(module).__name__ in _FLOAT32_ROUTERS:
+                module.forward = types.MethodType(_FLOAT32_ROUTERS[type(module).__name__], module)
+                patched.append(module)
             elif type(module).__name__ in ("Gemma2RMSNorm", "Gemma3RMSNorm"):
                 module.forward = types.MethodType(_gemma_rms_norm_in_input_precision, module)
                 patched.append(module)
@@ -226,7 +264,8 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
     _quiet(transformers)
     model_type = json.loads((Path(directory) / "config.json").read_text())["model_type"]
     cls = getattr(transformers, _AUTO.get(model_type, "AutoModelForCausalLM"))
-    model = cls.from_pretrained(str(directory), attn_implementation="eager", local_files_only=True)
+    experts = {"experts_implementation": "eager"} if model_type in _MOE else {}
+    model = cls.from_pretrained(str(directory), attn_implementation="eager", local_files_only=True, **experts)
     if getattr(model, "generation_config", None) is not None:  # both sides decode exactly max_new_tokens
         _no_special_tokens(model.generation_config)
     return model.to(getattr(torch, dtype)).eval()
@@ -234,7 +273,8 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
 
 # weight-matrix gain per family (default 3): large enough that greedy decoding does not collapse to one
 # repeated token, small enough that float32 stays well conditioned (T5's gated FF multiplies two gains)
-_GAIN = {"t5": 1.5, "llama": 1.5, "qwen2": 1.5, "mistral": 1.5, "gemma2": 1.5, "qwen3": 1.5, "gemma3_text": 1.5}
+_GAIN = {"t5": 1.5, "llama": 1.5, "qwen2": 1.5, "mistral": 1.5, "gemma2": 1.5, "qwen3": 1.5, "gemma3_text": 1.5,
+         "mixtral": 1.5, "gpt_oss": 1.5}
 _ONE_PLUS_W_NORMS = ("gemma2", "gemma3_text")  # norms that scale by 1 + weight: random around 0
 
 

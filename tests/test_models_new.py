@@ -1,6 +1,7 @@
 """The families of issue 20 beyond the bars every family meets (tests/test_models_decoders.py holds them to
 those): their config variants against transformers, the config options they refuse by name, the rope
-settings they read (yarn, Gemma 3's per-layer-type rotary embeddings and transformers 4's keys for them).
+settings they read (yarn, Gemma 3's per-layer-type rotary embeddings and transformers 4's keys for them),
+the mixtures of experts' router outputs and auxiliary loss, and the weight table's stacked rows.
 
 Each variant writes a tiny random checkpoint (crosscheck._hf_models) with the option set, and compares every
 layer and the logits with transformers in float32 and float64 on a left-padded batch.
@@ -19,7 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from crosscheck import _hf_models as hf
 from crosscheck import layer_report
-from jaxattn.models import from_pretrained, rope_frequencies, supported_model_types
+from jaxattn.models import from_pretrained, moe, rope_frequencies, supported_model_types
 
 
 def _inputs():
@@ -37,7 +38,7 @@ def _assert_matches(directory):
 
 
 def test_new_families_are_supported():
-    assert {"qwen3", "gemma3_text"} <= set(supported_model_types())
+    assert {"qwen3", "gemma3_text", "mixtral", "gpt_oss"} <= set(supported_model_types())
 
 
 @pytest.mark.parametrize("model_type, overrides", [
@@ -48,15 +49,21 @@ def test_new_families_are_supported():
                      "layer_types": ["full_attention", "sliding_attention"],
                      "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 30.0},
                                          "full_attention": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 500.0,
-                                                            "original_max_position_embeddings": 16}}})])
+                                                            "original_max_position_embeddings": 16}}}),
+    ("mixtral", {"sliding_window": None, "num_experts_per_tok": 3}),  # no window (Mixtral's releases), top 3
+    # no attention biases, the global layer first, a plain rope (no yarn factor), top 1 (softmax of one: 1)
+    ("gpt_oss", {"attention_bias": False, "layer_types": ["full_attention", "sliding_attention"],
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}, "num_experts_per_tok": 1})])
 def test_config_variants_match_transformers(tmp_path, model_type, overrides):
     model, params, torch_model = _assert_matches(hf.write_checkpoint(model_type, tmp_path / "variant", **overrides))
     assert ("lm_head" in params) != torch_model.config.tie_word_embeddings
+    biased = {g for g, leaves in params["layers_0"]["self_attn"].items() if "bias" in leaves}
     if model_type == "qwen3":
-        assert {g for g, leaves in params["layers_0"]["self_attn"].items() if "bias" in leaves} == {
-            "query", "key", "value", "out"}
-    else:
+        assert biased == {"query", "key", "value", "out"}
+    elif model_type == "gemma3_text":
         assert model.config.rope(1)[1] == 1.0 and model.config.rope(0)[1] > 1.0  # yarn's factor on the global layer
+    elif model_type == "gpt_oss":
+        assert not biased and model.config.windows == (None, 5) and model.config.rope(0)[1] == 1.0
 
 
 def test_gemma3_reads_transformers_4_rope_keys(tmp_path):
@@ -131,3 +138,87 @@ def test_config_options_not_implemented_are_refused(tmp_path, model_type, change
     (bad / "config.json").write_text(json.dumps({**config, **changes}))
     with pytest.raises(ValueError, match=rf"{bad}/config.json: {named}: expected"):
         from_pretrained(bad)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_router_logits_and_aux_loss_equal_transformers(tmp_path, model_type, dtype):
+    """HF's output_router_logits=True outputs: every layer's router logits (ours sown as "layer{i}.router")
+    and aux_loss (moe.load_balancing_loss over the real tokens). HF accumulates the loss in float32 whatever
+    the dtype, so the loss is held to float32's 1e-6 relative in both runs."""
+    directory = hf.write_checkpoint(model_type, tmp_path / model_type)
+    model, params = from_pretrained(directory, dtype=dtype)
+    torch_model = hf.torch_model(directory, dtype)
+    ids, mask = hf.padded_batch("left")
+    _, state = model.apply({"params": params}, ids, attention_mask=mask, mutable=["intermediates"])
+    logits = moe.router_logits(state["intermediates"])
+    with torch.no_grad(), hf.float64_reference(torch_model, dtype):
+        out = torch_model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), output_router_logits=True)
+    assert len(logits) == len(out.router_logits) == 2 and logits[0].shape == (3, 11, 5)
+    real = mask.astype(bool)
+    for ours, theirs in zip(logits, out.router_logits):
+        theirs = theirs.numpy().reshape(ours.shape)[real]
+        np.testing.assert_allclose(np.asarray(ours)[real], theirs, rtol=0, atol=1e-5 if dtype == "float32" else 1e-12)
+    config = model.config
+    loss = moe.load_balancing_loss(logits, config.num_local_experts, config.num_experts_per_tok, mask)
+    assert np.asarray(loss).dtype == np.dtype(dtype)
+    np.testing.assert_allclose(loss, out.aux_loss.double().numpy(), rtol=1e-6)
+    # no attention_mask: every token attends and counts (HF's loss without a mask)
+    _, state = model.apply({"params": params}, ids, mutable=["intermediates"])
+    with torch.no_grad(), hf.float64_reference(torch_model, dtype):
+        theirs = torch_model(torch.from_numpy(ids), output_router_logits=True).aux_loss
+    ours = moe.load_balancing_loss(moe.router_logits(state["intermediates"]), config.num_local_experts,
+                                   config.num_experts_per_tok)
+    np.testing.assert_allclose(ours, theirs.double().numpy(), rtol=1e-6)
+    assert abs(float(ours) - float(loss)) > 1e-3  # the mask mattered
+
+
+def test_routing_weights_keep_the_top_k_as_each_family_does():
+    """Literal logits: Mixtral renormalises the top k of the softmax, gpt-oss softmaxes the top k logits."""
+    logits = np.log(np.array([[1.0, 4.0, 2.0, 3.0]]))
+    mixtral = moe.routing_weights(logits, 2, "softmax_topk")
+    np.testing.assert_allclose(mixtral, [[0, 4 / 7, 0, 3 / 7]], rtol=1e-12)
+    unnormalised = moe.routing_weights(logits, 2, "softmax_topk", normalize=False)
+    np.testing.assert_allclose(unnormalised, [[0, 0.4, 0, 0.3]], rtol=1e-12)
+    np.testing.assert_allclose(moe.routing_weights(logits, 2, "topk_softmax"), mixtral, rtol=1e-12)
+    np.testing.assert_allclose(moe.routing_weights(np.array([[0.0, 3.0, 1.0, 3.0]]), 3, "topk_softmax"),
+                               [[0, np.e ** 2 / (2 * np.e ** 2 + 1), 1 / (2 * np.e ** 2 + 1), np.e ** 2 / (2 * np.e ** 2 + 1)]],
+                               rtol=1e-12)
+    with pytest.raises(ValueError, match="routing: expected one of"):
+        moe.routing_weights(logits, 2, "topk")
+
+
+def test_stacked_rows_name_each_expert_tensor(tmp_path):
+    """Mixtral's per-expert tensors fill one [X,...] leaf each: leaf[j] is expert j's tensor (transposed);
+    a missing expert tensor is listed by name, a misshapen one named with both shapes."""
+    from jaxattn.io import load_safetensors
+    from jaxattn.models import from_state_dict
+
+    directory = hf.write_checkpoint("mixtral", tmp_path / "mixtral")
+    config = json.loads((directory / "config.json").read_text())
+    tensors = load_safetensors(directory / "model.safetensors")
+    _, params = from_state_dict(config, tensors)
+    for j in range(5):
+        np.testing.assert_array_equal(params["layers_1"]["mlp"]["experts"]["down_proj"]["kernel"][j],
+                                      tensors[f"model.layers.1.block_sparse_moe.experts.{j}.w2.weight"].T)
+    gone = "model.layers.1.block_sparse_moe.experts.3.w3.weight"
+    with pytest.raises(ValueError, match=rf"1 missing \['{gone}'\]"):
+        from_state_dict(config, {k: v for k, v in tensors.items() if k != gone})
+    with pytest.raises(ValueError, match=rf"'{gone}': expected shape \[40,48\] \[F,E\], got shape \[48,40\]"):
+        from_state_dict(config, {**tensors, gone: tensors[gone].T})
+
+
+@pytest.mark.parametrize("model_type, changes, named", [
+    ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+    ("mixtral", {"num_experts_per_tok": 6}, "num_experts_per_tok"),
+    ("mixtral", {"sliding_window": 0}, "sliding_window"),
+    ("mixtral", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+     r"rope_parameters\['rope_type'\]"),
+    ("gpt_oss", {"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config"),
+    ("gpt_oss", {"hidden_act": "gelu"}, "hidden_act"),
+    ("gpt_oss", {"num_experts_per_tok": 0}, "num_experts_per_tok"),
+    ("gpt_oss", {"layer_types": ["sliding_attention"]}, "layer_types"),
+    ("gpt_oss", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, r"rope_parameters\['rope_type'\]")])
+def test_moe_config_options_not_implemented_are_refused(tmp_path, model_type, changes, named):
+    test_config_options_not_implemented_are_refused(tmp_path, model_type, changes, named)

@@ -418,7 +418,8 @@ class PreNormBlock(Configured):
 
         x = x + self_attn(input_layernorm(x));  x = x + mlp(post_attention_layernorm(x))
 
-    A family's block sets the hooks: attention_options (self_attention's extras) and mlp (-> (output, rows))."""
+    A family's block sets the hooks: attention_options (self_attention's extras) and feed_forward (the MLP:
+    -> (output, its own rows))."""
 
     layer: int = 0
 
@@ -429,7 +430,7 @@ class PreNormBlock(Configured):
         """The factory of the block's RMS norms (the config's epsilon and rounding kind)."""
         return functools.partial(RMSNorm, self.config.rms_norm_eps, self.param_dtype, self.config.rms_norm)
 
-    def mlp(self, x):
+    def feed_forward(self, x):
         return gated_mlp(self, x, nn.silu), {}
 
     @nn.compact
@@ -438,7 +439,7 @@ class PreNormBlock(Configured):
         a = self_attention(self, norm(name="input_layernorm")(x), mask, positions, decode, window,
                            **self.attention_options())
         x = x + a
-        m, rows = self.mlp(norm(name="post_attention_layernorm")(x))
+        m, rows = self.feed_forward(norm(name="post_attention_layernorm")(x))
         return x + m, {"attention": a, **rows, "mlp": m}
 
 
@@ -450,7 +451,7 @@ class SandwichBlock(PreNormBlock):
         x = x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))
     """
 
-    def mlp(self, x):
+    def feed_forward(self, x):
         return gated_mlp(self, x, functools.partial(nn.gelu, approximate=True)), {}
 
     @nn.compact
@@ -459,7 +460,7 @@ class SandwichBlock(PreNormBlock):
         a = self_attention(self, norm(name="input_layernorm")(x), mask, positions, decode, window,
                            **self.attention_options())
         x = x + norm(name="post_attention_layernorm")(a)
-        m, rows = self.mlp(norm(name="pre_feedforward_layernorm")(x))
+        m, rows = self.feed_forward(norm(name="pre_feedforward_layernorm")(x))
         return x + norm(name="post_feedforward_layernorm")(m), {"attention": a, **rows, "mlp": m}
 
 

@@ -1,0 +1,182 @@
+"""Mixture-of-experts MLPs (Mixtral, gpt-oss): a router picks k of X experts per token; each layer's expert
+weights are ONE stacked array per projection, the experts' axis X leading, so that they can be sharded over
+an expert axis of a mesh.
+
+    params of a layer's "mlp" (axis letters: X experts, E hidden, F an expert's intermediate size):
+        router/kernel [E,X]  (router/bias [X], gpt-oss)
+        experts/gate_proj/kernel [X,E,F]   experts/up_proj/kernel [X,E,F]   experts/down_proj/kernel [X,F,E]
+        (gpt-oss: experts/{gate_proj,up_proj}/bias [X,F], experts/down_proj/bias [X,E])
+
+    logits r = x @ router (+ b)                                               [...,X], the "router" row
+    routing weights w [...,X], zero off each token's top k:
+        "softmax_topk" (Mixtral): p = softmax(r), the k largest p, divided by their sum when normalize
+        "topk_softmax" (gpt-oss): the k largest r, softmaxed among themselves
+    y = sum_x w[..., x] * down_x(act(gate_x(x), up_x(x)))
+
+Dispatch is dense: every expert runs on every token and w weights them (zeros off the top k), one einsum over
+the stacked arrays. It is exact (a zero weight adds exactly nothing) and simple, at X / k times the FLOPs of
+running only the chosen experts and a [...,X,F] intermediate: right for the tiny checkpoints the ports are
+proven on and as the reference for a gather/sort dispatch, not for serving a large MoE.
+
+Routing is computed in float32 or wider (HF's Mixtral router takes its softmax in float32; crosscheck's
+float64 reference lifts that). load_balancing_loss is HF's auxiliary loss (aux_loss with
+output_router_logits) from the routers' logits, which every MoE model here sows as "layer{i}.router".
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from . import _decoder, _pretrained
+
+ROUTINGS = ("softmax_topk", "topk_softmax")
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig(_decoder.DecoderConfig):
+    """A DecoderConfig with experts (HF's names): X = num_local_experts, k = num_experts_per_tok, F = an
+    expert's intermediate_size."""
+
+    num_local_experts: int = 8
+    num_experts_per_tok: int = 2
+
+    @classmethod
+    def parse(cls, config: Mapping[str, Any], source, **kwargs):
+        """DecoderConfig.parse, and num_experts_per_tok refused unless an int in [1, num_local_experts]."""
+        parsed = super().parse(config, source, **kwargs)
+        k, X = parsed.num_experts_per_tok, parsed.num_local_experts
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= X:
+            _pretrained.refuse(source, "num_experts_per_tok", f"an int in [1, {X}] (num_local_experts)", k)
+        return parsed
+
+    def dims(self) -> dict[str, int]:
+        return {**super().dims(), "X": self.num_local_experts}
+
+
+def routing_weights(logits, top_k: int, routing: str, *, normalize: bool = True):
+    """[...,X] router logits -> [...,X] weights, zero except each token's top_k experts (see the module)."""
+    if routing not in ROUTINGS:
+        raise ValueError(f"routing: expected one of {list(ROUTINGS)}, got {routing!r}")
+    logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
+    if routing == "softmax_topk":
+        top, index = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)
+        top = top / jnp.sum(top, axis=-1, keepdims=True) if normalize else top
+    else:
+        top, index = jax.lax.top_k(logits, top_k)
+        top = jax.nn.softmax(top, axis=-1)
+    return jnp.einsum("...k,...kx->...x", top, jax.nn.one_hot(index, logits.shape[-1], dtype=top.dtype))
+
+
+def swiglu(gate, up):
+    """Mixtral's expert activation: silu(gate) * up."""
+    return nn.silu(gate) * up
+
+
+def clamped_swiglu(alpha: float, limit: float) -> Callable:
+    """gpt-oss's expert activation: gate clamped above at limit, up to [-limit, limit], then
+    (up + 1) * gate * sigmoid(alpha * gate)."""
+    def activation(gate, up):
+        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+        return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+    return activation
+
+
+class StackedDense(nn.Module):
+    """X Dense layers in one kernel [X,in,out] (bias [X,out]): x [...,in] (every expert on the same input)
+    or [...,X,in] (each expert its own) -> [...,X,out]."""
+
+    num_experts: int
+    features: int
+    use_bias: bool = False
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+
+    @nn.compact
+    def __call__(self, x, *, per_expert: bool = False):
+        X, features_in = self.num_experts, x.shape[-1]
+        kernel = self.param("kernel", nn.initializers.lecun_normal(batch_axis=(0,)), (X, features_in, self.features),
+                            self.param_dtype)
+        bias = self.param("bias", nn.initializers.zeros, (X, self.features), self.param_dtype) if self.use_bias else None
+        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+        y = jnp.einsum("...xi,xio->...xo" if per_expert else "...i,xio->...xo", x, kernel, precision=self.precision)
+        return y if bias is None else y + bias
+
+
+class SparseMoE(nn.Module):
+    """The "mlp" of an MoE block: x [...,E] -> (y [...,E], router logits [...,X]); params in the module's
+    layout. activation(gate, up) -> [...,X,F]: swiglu or clamped_swiglu."""
+
+    num_experts: int
+    top_k: int
+    hidden: int                        # F
+    routing: str = "softmax_topk"
+    normalize: bool = True             # softmax_topk: renormalise the top k (Mixtral: always)
+    activation: Callable = swiglu
+    router_bias: bool = False
+    expert_bias: bool = False
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+
+    @nn.compact
+    def __call__(self, x):
+        options = dict(dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)
+        logits = nn.Dense(self.num_experts, use_bias=self.router_bias, name="router", **options)(x)
+        weights = routing_weights(logits, self.top_k, self.routing, normalize=self.normalize)
+        experts = _Experts(self.num_experts, self.hidden, self.activation, self.expert_bias, name="experts", **options)
+        out = experts(x)  # [...,X,E]
+        y = jnp.einsum("...xe,...x->...e", out, weights.astype(out.dtype), precision=self.precision)
+        return y.astype(out.dtype), logits
+
+
+class _Experts(nn.Module):
+    """Every expert on every token: down_x(activation(gate_x(x), up_x(x))) -> [...,X,E]."""
+
+    num_experts: int
+    hidden: int
+    activation: Callable
+    use_bias: bool = False
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+
+    @nn.compact
+    def __call__(self, x):
+        def dense(features, name):
+            return StackedDense(self.num_experts, features, self.use_bias, self.dtype, self.param_dtype,
+                                self.precision, name=name)
+
+        h = self.activation(dense(self.hidden, "gate_proj")(x), dense(self.hidden, "up_proj")(x))
+        return dense(x.shape[-1], "down_proj")(h, per_expert=True)
+
+
+def router_logits(intermediates: dict) -> list:
+    """The routers' logits [B,T,X] of every MoE layer, in layer order, from a model's sown "intermediates"
+    (model.apply(..., mutable=["intermediates"])[1]["intermediates"])."""
+    rows = {name: value[0] for name, value in intermediates.items() if name.endswith(".router")}
+    return [rows[name] for name in sorted(rows, key=lambda n: int(n.removeprefix("layer").split(".")[0]))]
+
+
+def load_balancing_loss(logits: Sequence, num_experts: int, top_k: int, attention_mask=None):
+    """HF's auxiliary load-balancing loss (Switch Transformer eq. 4-6, as transformers' Mixtral and gpt-oss
+    compute it) from every layer's router logits [B,T,X]: X * sum_x f_x * P_x, where f_x is the share of
+    top-k choices that go to expert x and P_x its mean softmax probability, both over every layer's real
+    tokens (attention_mask [B,T], 1 = token; None: all)."""
+    X = num_experts
+    dtype = jnp.promote_types(jnp.result_type(*logits), jnp.float32)
+    chosen, probability, rows = jnp.zeros(X, dtype), jnp.zeros(X, dtype), 0.0
+    for layer in logits:
+        p = jax.nn.softmax(jnp.asarray(layer, dtype), axis=-1)
+        real = jnp.ones(p.shape[:-1], dtype) if attention_mask is None else jnp.asarray(attention_mask, dtype)
+        _, index = jax.lax.top_k(p, top_k)
+        chosen = chosen + jnp.einsum("...kx,...->x", jax.nn.one_hot(index, X, dtype=dtype), real)
+        probability = probability + jnp.einsum("...x,...->x", p, real)
+        rows = rows + jnp.sum(real)
+    return X * jnp.sum((chosen / rows) * (probability / rows))
