@@ -204,23 +204,30 @@ def _eager_attention_in_input_precision(hf_module):
 @contextlib.contextmanager
 def float64_reference(torch_model, dtype: str):
     """With dtype "float64": HF's float32-only steps run in float64 for the duration: the RMS norms'
-    statistics (T5, Llama, Qwen2, Mistral, Gemma 2 with its (1 + weight)), the rotary cos/sin (Llama, Qwen2,
-    Mistral, Gemma 2; their inverse frequencies from jaxattn.models.llama.rope_frequencies in float64, HF's
-    formulas) and Gemma 2's embedding scale sqrt(hidden_size) (a float32 buffer, upcast). HF's code casts
-    these to float32 even for float64 inputs, which would make the float64 reference a float32 one there
-    (~1e-7 apart, and bit-for-bit unreachable: torch's float32 reduction order and libm). Every other
-    operation is HF's own code; float32 runs are untouched.
+    statistics (T5, Llama, Qwen2, Mistral, Qwen3 and its q/k norms, Mixtral, gpt-oss; Gemma 2 / 3 with their
+    (1 + weight)), the rotary cos/sin (Llama, Qwen2, Mistral, Gemma 2, Qwen3, Gemma 3 per layer type, Mixtral,
+    gpt-oss; their inverse frequencies from jaxattn.models.rope_frequencies in float64, HF's formulas),
+    Mixtral's router softmax (router_logits.float()) and Gemma 2 / 3's embedding scale sqrt(hidden_size) (a
+    float32 buffer, upcast). HF's code casts these to float32 even for float64 inputs, which would make the
+    float64 reference a float32 one there (~1e-7 apart, and bit-for-bit unreachable: torch's float32
+    reduction order and libm). Every other operation is HF's own code; float32 runs are untouched. A mixture
+    of experts runs transformers' "eager" experts loop for the duration (its grouped_mm kernel takes no
+    float64 on CPU).
 
-    Also the eager softmax of Llama, Qwen2, Mistral and Gemma 2, which HF takes in float32: in a float64 run the
-    additive mask's float64 minimum becomes -inf there, a fully masked (padded) query row turns to NaN and
-    the NaN reaches every row through the next layer's values (HF's float64 with padding is NaN throughout).
+    Also the eager softmax of Llama, Qwen2, Mistral, Gemma 2, Qwen3, Gemma 3 and Mixtral, which HF takes in
+    float32: in a float64 run the additive mask's float64 minimum becomes -inf there, a fully masked (padded)
+    query row turns to NaN and the NaN reaches every row through the next layer's values (HF's float64 with
+    padding is NaN throughout). gpt-oss's eager attention softmaxes in the input's dtype already.
     """
     import sys
 
     import torch
 
-    patched, functions, scales = [], [], []
+    patched, functions, scales, experts = [], [], [], None
     if dtype == "float64":
+        if getattr(torch_model.config, "_experts_implementation", "eager") not in (None, "eager"):
+            experts = torch_model.get_experts_implementation()  # grouped_mm: float32/bf16 only on CPU
+            torch_model.set_experts_implementation("eager")
         for name in _FLOAT32_SOFTMAX:
             hf_module = sys.modules.get(name)
             if hf_module is not None and type(torch_model).__module__ == name:
@@ -251,6 +258,8 @@ def float64_reference(torch_model, dtype: str):
             hf_module.eager_attention_forward = original
         for module, scale in scales:
             module.embed_scale = scale
+        if experts is not None:
+            torch_model.set_experts_implementation(experts)
 
 
 def torch_model(directory: str | os.PathLike, dtype: str = "float32"):

@@ -128,6 +128,16 @@ def layer_windows(types, window, num_layers: int, source, *, why: str) -> tuple:
     return tuple(window if kind == "sliding_attention" else None for kind in types)
 
 
+def check_gemma(config: Mapping[str, Any], source) -> None:
+    """Gemma 2 / 3: refuses a hidden_activation other than the gelu-tanh SandwichBlock's MLP has, and
+    use_bidirectional_attention (their embedding variants; the blocks here are causal)."""
+    if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        _pretrained.refuse(source, "hidden_activation", "'gelu_pytorch_tanh'", config["hidden_activation"])
+    if config.get("use_bidirectional_attention"):
+        _pretrained.refuse(source, "use_bidirectional_attention", "false or null (causal)",
+                           config["use_bidirectional_attention"])
+
+
 def every_layer_window(config: Mapping[str, Any], source) -> tuple:
     """Mistral / Mixtral: HF's sliding_window W on every layer (their models pick the mask by sliding_window
     alone); null: none, ()."""

@@ -20,7 +20,6 @@ The stack, the causal-LM wrapper, the norms, the head, the decode cache and load
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -39,11 +38,7 @@ class Gemma2Config(_decoder.DecoderConfig):
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], source="config") -> Gemma2Config:
         """From a HF config.json dict; refuses by name what is not implemented."""
-        refuse = functools.partial(_pretrained.refuse, source)
-        if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-            refuse("hidden_activation", "'gelu_pytorch_tanh'", config["hidden_activation"])
-        if config.get("use_bidirectional_attention"):
-            refuse("use_bidirectional_attention", "false or null (causal)", config["use_bidirectional_attention"])
+        _decoder.check_gemma(config, source)
         L = config["num_hidden_layers"]
         types = config.get("layer_types") or [_decoder.LAYER_TYPES[i % 2] for i in range(L)]  # HF's: even slide
         windows = _decoder.layer_windows(types, config.get("sliding_window"), L, source,

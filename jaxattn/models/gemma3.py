@@ -28,7 +28,6 @@ The stack, the causal-LM wrapper, the norms, the head, the decode cache and load
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -52,14 +51,10 @@ class Gemma3Config(_decoder.DecoderConfig):
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], source="config") -> Gemma3Config:
         """From a HF config.json dict; refuses by name what is not implemented."""
-        refuse = functools.partial(_pretrained.refuse, source)
-        if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-            refuse("hidden_activation", "'gelu_pytorch_tanh'", config["hidden_activation"])
-        if config.get("use_bidirectional_attention"):
-            refuse("use_bidirectional_attention", "false or null (causal)", config["use_bidirectional_attention"])
+        _decoder.check_gemma(config, source)
         if config.get("attn_logit_softcapping") is not None:  # HF's Gemma3Attention never applies it
-            refuse("attn_logit_softcapping", "null (transformers' Gemma 3 attention does not apply it)",
-                   config["attn_logit_softcapping"])
+            _pretrained.refuse(source, "attn_logit_softcapping", "null (transformers' Gemma 3 attention does not "
+                               "apply it)", config["attn_logit_softcapping"])
         L, pattern = config["num_hidden_layers"], config.get("sliding_window_pattern", 6)
         types = config.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
                                               for i in range(L)]

@@ -55,6 +55,9 @@ class GptOssConfig(moe.MoEConfig):
     swiglu_limit: float = 7.0
 
     rms_norm: ClassVar[str] = "gpt_oss"
+    routing: ClassVar[str] = "topk_softmax"
+    router_bias: ClassVar[bool] = True
+    expert_bias: ClassVar[bool] = True
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], source="config") -> GptOssConfig:
@@ -72,21 +75,15 @@ class GptOssConfig(moe.MoEConfig):
         rope = config.get("rope_parameters") or {**DEFAULT_ROPE, "rope_theta": config.get("rope_theta", 150000.0)}
         return cls.parse(config, source, windows=windows, rope=rope)
 
+    def expert_activation(self, gate, up):
+        return moe.clamped_swiglu(gate, up, alpha=self.swiglu_alpha, limit=self.swiglu_limit)
 
-class GptOssBlock(_decoder.PreNormBlock):
-    """Llama's block with attention sinks and a sparse MoE (biases, clamped SwiGLU); rows add the router's
-    logits ("router")."""
+
+class GptOssBlock(moe.MoEBlock):
+    """The MoE block (biased router: top k then softmax; biased experts: clamped SwiGLU) with attention sinks."""
 
     def attention_options(self) -> dict:
         return dict(use_sinks=True)
-
-    def feed_forward(self, x):
-        c = self.config
-        y, logits = moe.SparseMoE(c.num_local_experts, c.num_experts_per_tok, c.intermediate_size,
-                                  routing="topk_softmax", activation=moe.clamped_swiglu(c.swiglu_alpha, c.swiglu_limit),
-                                  router_bias=True, expert_bias=True, dtype=self.dtype, param_dtype=self.param_dtype,
-                                  precision=self.precision, name="mlp")(x)
-        return y, {"router": logits}
 
 
 class GptOssForCausalLM(_decoder.CausalLM):

@@ -47,21 +47,10 @@ class MixtralConfig(moe.MoEConfig):
         return cls.parse(config, source, windows=_decoder.every_layer_window(config, source))
 
 
-class MixtralBlock(_decoder.PreNormBlock):
-    """Llama's block with a sparse MoE for its MLP; rows add the router's logits ("router")."""
-
-    def feed_forward(self, x):
-        c = self.config
-        y, logits = moe.SparseMoE(c.num_local_experts, c.num_experts_per_tok, c.intermediate_size,
-                                  dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision,
-                                  name="mlp")(x)
-        return y, {"router": logits}
-
-
 class MixtralForCausalLM(_decoder.CausalLM):
     """HF MixtralForCausalLM: input_ids [B,T] -> logits [B,T,V]."""
 
-    Block = MixtralBlock
+    Block = moe.MoEBlock  # Llama's block, a SparseMoE for its MLP: softmax, top k, renormalised; SwiGLU experts
 
 
 def weight_table(config: MixtralConfig) -> list[_table.Row]:

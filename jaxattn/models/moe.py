@@ -18,6 +18,10 @@ the stacked arrays. It is exact (a zero weight adds exactly nothing) and simple,
 running only the chosen experts and a [...,X,F] intermediate: right for the tiny checkpoints the ports are
 proven on and as the reference for a gather/sort dispatch, not for serving a large MoE.
 
+The pieces: MoEConfig (the experts' config fields; a family sets its routing, biases and activation there),
+SparseMoE (router + Experts, each projection a StackedDense), MoEBlock (Llama's block with a SparseMoE),
+router_logits and load_balancing_loss.
+
 Routing is computed in float32 or wider (HF's Mixtral router takes its softmax in float32; crosscheck's
 float64 reference lifts that). load_balancing_loss is HF's auxiliary loss (aux_loss with
 output_router_logits) from the routers' logits, which every MoE model here sows as "layer{i}.router".
@@ -26,8 +30,8 @@ output_router_logits) from the routers' logits, which every MoE model here sows 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -41,10 +45,14 @@ ROUTINGS = ("softmax_topk", "topk_softmax")
 @dataclasses.dataclass(frozen=True)
 class MoEConfig(_decoder.DecoderConfig):
     """A DecoderConfig with experts (HF's names): X = num_local_experts, k = num_experts_per_tok, F = an
-    expert's intermediate_size."""
+    expert's intermediate_size; a family sets its routing, its biases and its experts' activation."""
 
     num_local_experts: int = 8
     num_experts_per_tok: int = 2
+
+    routing: ClassVar[str] = "softmax_topk"   # see ROUTINGS
+    router_bias: ClassVar[bool] = False
+    expert_bias: ClassVar[bool] = False
 
     @classmethod
     def parse(cls, config: Mapping[str, Any], source, **kwargs):
@@ -57,6 +65,14 @@ class MoEConfig(_decoder.DecoderConfig):
 
     def dims(self) -> dict[str, int]:
         return {**super().dims(), "X": self.num_local_experts}
+
+    def normalize_top_k(self) -> bool:
+        """softmax_topk: whether the top k probabilities are divided by their sum (Mixtral: always)."""
+        return True
+
+    def expert_activation(self, gate, up):
+        """act(gate, up) of every expert: SwiGLU, silu(gate) * up."""
+        return nn.silu(gate) * up
 
 
 def routing_weights(logits, top_k: int, routing: str, *, normalize: bool = True):
@@ -73,88 +89,64 @@ def routing_weights(logits, top_k: int, routing: str, *, normalize: bool = True)
     return jnp.einsum("...k,...kx->...x", top, jax.nn.one_hot(index, logits.shape[-1], dtype=top.dtype))
 
 
-def swiglu(gate, up):
-    """Mixtral's expert activation: silu(gate) * up."""
-    return nn.silu(gate) * up
-
-
-def clamped_swiglu(alpha: float, limit: float) -> Callable:
+def clamped_swiglu(gate, up, *, alpha: float, limit: float):
     """gpt-oss's expert activation: gate clamped above at limit, up to [-limit, limit], then
     (up + 1) * gate * sigmoid(alpha * gate)."""
-    def activation(gate, up):
-        gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
-        return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
-    return activation
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return (up + 1) * (gate * jax.nn.sigmoid(gate * alpha))
 
 
-class StackedDense(nn.Module):
-    """X Dense layers in one kernel [X,in,out] (bias [X,out]): x [...,in] (every expert on the same input)
-    or [...,X,in] (each expert its own) -> [...,X,out]."""
+class StackedDense(_decoder.Configured):
+    """The config's X Dense layers in one kernel [X,in,out] (bias [X,out] with the config's expert_bias):
+    x [...,in] (every expert on the same input) or [...,X,in] (each expert its own) -> [...,X,out]."""
 
-    num_experts: int
-    features: int
-    use_bias: bool = False
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    precision: Any = None
+    features: int = 0
 
     @nn.compact
     def __call__(self, x, *, per_expert: bool = False):
-        X, features_in = self.num_experts, x.shape[-1]
-        kernel = self.param("kernel", nn.initializers.lecun_normal(batch_axis=(0,)), (X, features_in, self.features),
-                            self.param_dtype)
-        bias = self.param("bias", nn.initializers.zeros, (X, self.features), self.param_dtype) if self.use_bias else None
+        shape = (self.config.dims()["X"], x.shape[-1], self.features)
+        kernel = self.param("kernel", nn.initializers.lecun_normal(batch_axis=(0,)), shape, self.param_dtype)
+        bias = (self.param("bias", nn.initializers.zeros, (shape[0], shape[2]), self.param_dtype)
+                if self.config.expert_bias else None)
         x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
         y = jnp.einsum("...xi,xio->...xo" if per_expert else "...i,xio->...xo", x, kernel, precision=self.precision)
         return y if bias is None else y + bias
 
 
-class SparseMoE(nn.Module):
-    """The "mlp" of an MoE block: x [...,E] -> (y [...,E], router logits [...,X]); params in the module's
-    layout. activation(gate, up) -> [...,X,F]: swiglu or clamped_swiglu."""
-
-    num_experts: int
-    top_k: int
-    hidden: int                        # F
-    routing: str = "softmax_topk"
-    normalize: bool = True             # softmax_topk: renormalise the top k (Mixtral: always)
-    activation: Callable = swiglu
-    router_bias: bool = False
-    expert_bias: bool = False
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    precision: Any = None
-
-    @nn.compact
-    def __call__(self, x):
-        options = dict(dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)
-        logits = nn.Dense(self.num_experts, use_bias=self.router_bias, name="router", **options)(x)
-        weights = routing_weights(logits, self.top_k, self.routing, normalize=self.normalize)
-        experts = _Experts(self.num_experts, self.hidden, self.activation, self.expert_bias, name="experts", **options)
-        out = experts(x)  # [...,X,E]
-        y = jnp.einsum("...xe,...x->...e", out, weights.astype(out.dtype), precision=self.precision)
-        return y.astype(out.dtype), logits
-
-
-class _Experts(nn.Module):
-    """Every expert on every token: down_x(activation(gate_x(x), up_x(x))) -> [...,X,E]."""
-
-    num_experts: int
-    hidden: int
-    activation: Callable
-    use_bias: bool = False
-    dtype: Any = None
-    param_dtype: Any = jnp.float32
-    precision: Any = None
+class Experts(_decoder.Configured):
+    """Every expert on every token: down_x(act(gate_x(x), up_x(x))) -> [...,X,E] (dense dispatch)."""
 
     @nn.compact
     def __call__(self, x):
         def dense(features, name):
-            return StackedDense(self.num_experts, features, self.use_bias, self.dtype, self.param_dtype,
-                                self.precision, name=name)
+            return StackedDense(self.config, self.dtype, self.param_dtype, self.precision, features, name=name)
 
-        h = self.activation(dense(self.hidden, "gate_proj")(x), dense(self.hidden, "up_proj")(x))
+        F = self.config.dims()["F"]
+        h = self.config.expert_activation(dense(F, "gate_proj")(x), dense(F, "up_proj")(x))
         return dense(x.shape[-1], "down_proj")(h, per_expert=True)
+
+
+class SparseMoE(_decoder.Configured):
+    """The "mlp" of an MoE block: x [...,E] -> (y [...,E], router logits [...,X]); params in the module's
+    layout (router, experts)."""
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.config
+        logits = nn.Dense(c.dims()["X"], use_bias=c.router_bias, dtype=self.dtype, param_dtype=self.param_dtype,
+                          precision=self.precision, name="router")(x)
+        weights = routing_weights(logits, c.num_experts_per_tok, c.routing, normalize=c.normalize_top_k())
+        out = Experts(c, self.dtype, self.param_dtype, self.precision, name="experts")(x)  # [...,X,E]
+        y = jnp.einsum("...xe,...x->...e", out, weights.astype(out.dtype), precision=self.precision)
+        return y.astype(out.dtype), logits
+
+
+class MoEBlock(_decoder.PreNormBlock):
+    """Llama's block with a SparseMoE for its MLP ("mlp"); its rows add the router's logits ("router")."""
+
+    def feed_forward(self, x):
+        y, logits = SparseMoE(self.config, self.dtype, self.param_dtype, self.precision, name="mlp")(x)
+        return y, {"router": logits}
 
 
 def router_logits(intermediates: dict) -> list:
