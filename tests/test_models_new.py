@@ -41,6 +41,7 @@ def test_new_families_are_supported():
     assert {"qwen3", "gemma3_text", "mixtral", "gpt_oss"} <= set(supported_model_types())
 
 
+@pytest.mark.slow  # two reports per variant, on top of the bars' runs of the default configs
 @pytest.mark.parametrize("model_type, overrides", [
     # all four projections biased, tied head, no sliding layer
     ("qwen3", {"attention_bias": True, "tie_word_embeddings": True, "use_sliding_window": False}),
@@ -141,7 +142,7 @@ def test_config_options_not_implemented_are_refused(tmp_path, model_type, change
 
 
 @pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=pytest.mark.slow)])
 def test_router_logits_and_aux_loss_equal_transformers(tmp_path, model_type, dtype):
     """HF's output_router_logits=True outputs: every layer's router logits (ours sown as "layer{i}.router")
     and aux_loss (moe.load_balancing_loss over the real tokens). HF accumulates the loss in float32 whatever
