@@ -26,6 +26,14 @@ Whole models (transformers checkpoints against jaxattn.models, layer by layer)::
     python -m crosscheck --model DIR [--plot FILE.png] [--json FILE]
     write_random_checkpoint("gpt2", "dir")                   # tiny, seeded, every parameter random
 
+Training runs (torch.optim + a torch loop against optax + one jit step, step by step; needs optax)::
+
+    report = train_report(torch_model, model, params, batches, steps=100, optimizer=torch_optimizer,
+                          scheduler=scheduler, max_grad_norm=1.0, dtype="float64")
+    report.first_divergent                                   # None, or {"step": 7, "parameter": "...", ...}
+    tx = optax_from_torch(torch_optimizer, torch_model, params, scheduler=scheduler, max_grad_norm=1.0)
+    python -m crosscheck --model DIR --train STEPS [--optimizer adamw] [--lr 1e-3] [--plot FILE.png] [--json FILE]
+
 Files: ``load_state_dict(path)`` reads ``.safetensors`` without torch and ``.pt``/``.pth``/``.bin`` only via
 ``torch.load(weights_only=True)``. Axis letters (B, T, S, N, K, H, Hv, E, R) are those of DESIGN.md.
 
@@ -59,6 +67,13 @@ from crosscheck._hf_models import write_checkpoint as write_random_checkpoint
 from crosscheck._layers import LayerReport as LayerReport, layer_report as layer_report
 from crosscheck._io import SUPPORTED_SUFFIXES as SUPPORTED_SUFFIXES, load_state_dict as load_state_dict
 from crosscheck._masks import masks_from_torch as masks_from_torch, sdpa_masks_from_torch as sdpa_masks_from_torch
+from crosscheck._optim import clip_grad_norm_torch as clip_grad_norm_torch, optax_from_torch as optax_from_torch
+from crosscheck._train import (
+    TRAIN_TOLERANCES as TRAIN_TOLERANCES,
+    TrainReport as TrainReport,
+    TrainStep as TrainStep,
+    train_report as train_report,
+)
 
 __all__ = [
     "CASES",
@@ -84,4 +99,10 @@ __all__ = [
     "params_from_torch",
     "params_to_torch",
     "sdpa_masks_from_torch",
+    "TRAIN_TOLERANCES",
+    "TrainReport",
+    "TrainStep",
+    "clip_grad_norm_torch",
+    "optax_from_torch",
+    "train_report",
 ]

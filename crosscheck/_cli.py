@@ -70,7 +70,7 @@ def _positive(text: str) -> int:
 # The options of "checking a real checkpoint": each means something only with --weights.
 _WEIGHTS_ONLY = ("num_heads", "num_kv_heads", "head_dim", "value_head_dim", "add_zero_attn")
 # Options that select or report a catalogue run: --list ignores them, --weights replaces --case.
-_RUN_ONLY = ("case", "dtype", "transform", "json", "weights", "jobs", "model", "plot", *_WEIGHTS_ONLY)
+_RUN_ONLY = ("case", "dtype", "transform", "json", "weights", "jobs", "model", "plot", "train", *_WEIGHTS_ONLY)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -93,6 +93,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="DIR", help="a save_pretrained directory: transformers vs jaxattn.models, "
                    "layer by layer (exit 1 names the first divergent layer)")
     p.add_argument("--plot", metavar="FILE.png", help="with --model: draw error against depth (needs matplotlib)")
+    t = p.add_argument_group("training parity (these options need --model DIR --train STEPS; optax)")
+    t.add_argument("--train", type=_positive, metavar="STEPS", help="train DIR for STEPS steps in torch and in JAX "
+                   "(optax) on seeded random batches and compare every step (exit 1 names the first divergent step)")
+    t.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), help="with --train (default adamw)")
+    t.add_argument("--lr", type=float, metavar="LR", help="with --train: peak learning rate (default 1e-3)")
     w = p.add_argument_group("checking a real checkpoint (these options need --weights)")
     w.add_argument("--weights", metavar="FILE", help="a state_dict (.safetensors/.pt/.pth/.bin) of "
                    "torch.nn.MultiheadAttention or a torchref module, run against jaxattn on random inputs")
@@ -135,6 +140,10 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
     if args.model is not None and given(("case", "transform", "weights", "jobs", *_WEIGHTS_ONLY)):
         parser.error(f"--model compares one checkpoint layer by layer: drop "
                      f"{', '.join(given(('case', 'transform', 'weights', 'jobs', *_WEIGHTS_ONLY)))}")
+    if args.train is None and given(("optimizer", "lr")):
+        parser.error(f"{', '.join(given(('optimizer', 'lr')))} configure a training run: they need --train STEPS")
+    if args.train is not None and args.model is None:
+        parser.error("--train trains a checkpoint: it needs --model DIR")
     if args.cache_dir is None and not args.no_cache:
         args.cache_dir = str(default_cache_dir())
     if args.jobs is None:
@@ -149,6 +158,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     configure_jax(cache_dir)
     if args.list:
         return _list()
+    if args.train is not None:
+        from crosscheck._train_report import main as train_main
+
+        return train_main(args.model, steps=args.train, optimizer=args.optimizer or "adamw",
+                          lr=1e-3 if args.lr is None else args.lr,
+                          dtypes=args.dtype, plot_path=args.plot, json_path=args.json)
     if args.model is not None:
         from crosscheck._model_report import main as model_main
 

@@ -85,6 +85,26 @@ def plot(reports, path: str) -> None:
     plt.close(fig)
 
 
+def finish(reports, *, header: str, data: dict, json_path: str | None, plot_path: str | None, draw,
+           divergence) -> int:
+    """What a report command ends with: --json PATH writes `data` (--json alone, PATH "-", prints it instead
+    of the tables), else `header` and each report; `draw(reports, plot_path)` with --plot; one stderr line
+    `divergence(report)` per failed report; the exit status (1 if any failed)."""
+    if json_path is not None:
+        text = json.dumps(data, indent=1)
+        print(text) if json_path == "-" else Path(json_path).write_text(text + "\n")
+    if json_path != "-":
+        print(header)
+        for report in reports:
+            print(report)
+    if plot_path:
+        draw(reports, plot_path)
+    failed = [r for r in reports if not r.passed]
+    for report in failed:
+        print(divergence(report), file=sys.stderr)
+    return 1 if failed else 0
+
+
 def main(directory: str | None, *, dtypes: Sequence[str] | None, plot_path: str | None,
          json_path: str | None) -> int:
     from crosscheck._layers import LAYER_TOLERANCES, layer_report
@@ -106,18 +126,9 @@ def main(directory: str | None, *, dtypes: Sequence[str] | None, plot_path: str 
     inputs = model_inputs(directory, config)
     reports = [layer_report(torch, (model, params), inputs, dtype=dtype)
                for dtype in (dtypes or tuple(LAYER_TOLERANCES))]
-    if json_path is not None:
-        text = json.dumps({"model": str(directory), "passed": all(r.passed for r in reports),
-                           "reports": [r.to_dict() for r in reports]}, indent=1)
-        print(text) if json_path == "-" else Path(json_path).write_text(text + "\n")
-    if json_path != "-":
-        shape = "x".join(map(str, inputs["input_ids"].shape))
-        print(f"{directory}: {config['model_type']}, batch {shape}, {int(inputs['attention_mask'].sum())} real tokens")
-        for report in reports:
-            print(report)
-    if plot_path:
-        plot(reports, plot_path)
-    failed = [r for r in reports if not r.passed]
-    for report in failed:
-        print(f"first divergent layer ({report.dtype}): {report.first_divergent}", file=sys.stderr)
-    return 1 if failed else 0
+    shape = "x".join(map(str, inputs["input_ids"].shape))
+    return finish(reports, header=f"{directory}: {config['model_type']}, batch {shape}, "
+                  f"{int(inputs['attention_mask'].sum())} real tokens",
+                  data={"model": str(directory), "passed": all(r.passed for r in reports),
+                        "reports": [r.to_dict() for r in reports]}, json_path=json_path, plot_path=plot_path,
+                  draw=plot, divergence=lambda r: f"first divergent layer ({r.dtype}): {r.first_divergent}")
