@@ -223,3 +223,22 @@ def test_stacked_rows_name_each_expert_tensor(tmp_path):
     ("gpt_oss", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, r"rope_parameters\['rope_type'\]")])
 def test_moe_config_options_not_implemented_are_refused(tmp_path, model_type, changes, named):
     test_config_options_not_implemented_are_refused(tmp_path, model_type, changes, named)
+
+
+def test_mixtral_loads_transformers_5_fused_experts_too(tmp_path):
+    """A Mixtral state_dict in memory (transformers 5's fused mlp.experts.gate_up_proj [X,2F,E] and
+    down_proj [X,E,F]) gives the same params as the per-expert checkpoint save_pretrained wrote."""
+    from jaxattn.io import load_safetensors
+    from jaxattn.models import from_state_dict
+
+    directory = hf.write_checkpoint("mixtral", tmp_path / "mixtral")
+    config = json.loads((directory / "config.json").read_text())
+    _, saved = from_state_dict(config, load_safetensors(directory / "model.safetensors"))
+    memory = {k: v.numpy() for k, v in hf.torch_model(directory).state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in memory
+    _, fused = from_state_dict(config, memory)
+    import jax
+
+    assert jax.tree.structure(saved) == jax.tree.structure(fused)
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(fused)):
+        np.testing.assert_array_equal(a, b)

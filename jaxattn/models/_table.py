@@ -25,6 +25,8 @@ Transforms (numpy, on the tensor's HF layout):
     T_reshape   transpose, then reshape (nn.Linear [N*H,E] -> [E,N,H]; [E,N*H] -> [N,H,E])
     ("part", k, n, axis): the k-th of n equal slices along `axis`, then reshape (GPT-2's fused c_attn)
     ("every", k, n, axis): entries k, k + n, k + 2n, ... along `axis` (gpt-oss's interleaved gate/up columns)
+    ("swapaxes", a, b): axes a and b swapped (a stacked [X,out,in] kernel -> [X,in,out])
+    [step, step, ...]: the steps in turn (Mixtral's fused gate_up_proj: [("part", 0, 2, 1), ("swapaxes", 1, 2)])
 """
 
 from __future__ import annotations
@@ -103,19 +105,30 @@ def _shape(shape) -> str:
     return "[" + ",".join(str(d) for d in shape) + "]"
 
 
-def _apply(transform, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
-    if isinstance(transform, tuple) and transform[0] == "part":
-        _, k, n, axis = transform
-        x = np.split(x, n, axis=axis)[k]
-    elif isinstance(transform, tuple) and transform[0] == "every":
-        _, k, n, axis = transform
-        x = np.take(x, np.arange(k, x.shape[axis], n), axis=axis)
-    elif transform in ("transpose", "T_reshape"):
-        x = x.T
-    elif transform not in ("copy", "reshape"):
+def _step(step, x: np.ndarray) -> np.ndarray:
+    kind = step[0] if isinstance(step, tuple) else step
+    if kind == "part":
+        _, k, n, axis = step
+        return np.split(x, n, axis=axis)[k]
+    if kind == "every":
+        _, k, n, axis = step
+        return np.take(x, np.arange(k, x.shape[axis], n), axis=axis)
+    if kind == "swapaxes":
+        return np.swapaxes(x, step[1], step[2])
+    if kind in ("transpose", "T_reshape"):
+        return x.T
+    if kind not in ("copy", "reshape"):
         raise ValueError(f"table transform: expected copy/transpose/reshape/T_reshape/('part', k, n, axis)/"
-                         f"('every', k, n, axis), got {transform!r}")
-    if transform == "copy" and x.shape != shape or transform == "transpose" and x.shape != shape:
+                         f"('every', k, n, axis)/('swapaxes', a, b) or a list of them, got {step!r}")
+    return x
+
+
+def _apply(transform, x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    steps = transform if isinstance(transform, list) else [transform]
+    for step in steps:
+        x = _step(step, x)
+    last = steps[-1][0] if isinstance(steps[-1], tuple) else steps[-1]
+    if last in ("copy", "transpose", "swapaxes") and x.shape != shape:  # these never reshape
         raise ValueError(f"table: {transform} gives shape {_shape(x.shape)}, the target needs {_shape(shape)}")
     return np.ascontiguousarray(x.reshape(shape))
 

@@ -10,7 +10,9 @@
 The MoE is jaxattn.models.moe.SparseMoE (dense dispatch, cost and layout there): its params are one stacked
 array per projection and layer, experts/{gate_proj,up_proj,down_proj}/kernel [X,E,F] / [X,F,E], filled
 from the checkpoint's per-expert tensors block_sparse_moe.experts.{j}.w1 / w3 / w2 (what transformers 5.24's
-save_pretrained writes) by stacked rows of the weight table. Each layer sows its router's logits
+save_pretrained writes) by stacked rows of the weight table, or from the fused tensors of transformers 5's
+modules (a model's state_dict in memory: mlp.experts.gate_up_proj [X,2F,E], gate rows first, and
+mlp.experts.down_proj [X,E,F]); the loader picks the table by the names present. Each layer sows its router's logits
 ("layer{i}.router"); moe.load_balancing_loss turns them into HF's aux_loss.
 
 sliding_window: on every layer when set (Mistral's rule, _decoder.every_layer_window). router_jitter_noise
@@ -53,21 +55,39 @@ class MixtralForCausalLM(_decoder.CausalLM):
     Block = moe.MoEBlock  # Llama's block, a SparseMoE for its MLP: softmax, top k, renormalised; SwiGLU experts
 
 
-def weight_table(config: MixtralConfig) -> list[_table.Row]:
-    """HF's names -> our params: the shared causal-LM rows, the router and the per-expert w1 (gate), w3 (up)
-    and w2 (down) stacked into one [X,...] leaf each."""
+def weight_table(config: MixtralConfig, *, fused: bool = False) -> list[_table.Row]:
+    """HF's names -> our params: the shared causal-LM rows, the router and the experts: the per-expert w1
+    (gate), w3 (up) and w2 (down) stacked into one [X,...] leaf each, or (fused) split from gate_up_proj."""
     R, S = _table.row, functools.partial(_table.stacked, over="X")
-    return _table.expand([
-        *_decoder.causal_lm_rows(config),
-        R("model.layers.{i}.block_sparse_moe.gate.weight", ("X", "E"), "layers_{i}/mlp/router/kernel", ("E", "X"),
-          "transpose"),
-        S("model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight", ("F", "E"),
-          "layers_{i}/mlp/experts/gate_proj/kernel", ("X", "E", "F"), "transpose"),
-        S("model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight", ("F", "E"),
-          "layers_{i}/mlp/experts/up_proj/kernel", ("X", "E", "F"), "transpose"),
-        S("model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight", ("E", "F"),
-          "layers_{i}/mlp/experts/down_proj/kernel", ("X", "F", "E"), "transpose"),
-    ], config.num_hidden_layers)
+    ours = "layers_{i}/mlp/experts/"
+    if fused:
+        experts = [
+            R("model.layers.{i}.mlp.gate.weight", ("X", "E"), "layers_{i}/mlp/router/kernel", ("E", "X"), "transpose"),
+            _table.Row("model.layers.{i}.mlp.experts.gate_up_proj", ("X", "2*F", "E"), (
+                (ours + "gate_proj/kernel", ("X", "E", "F"), [("part", 0, 2, 1), ("swapaxes", 1, 2)]),
+                (ours + "up_proj/kernel", ("X", "E", "F"), [("part", 1, 2, 1), ("swapaxes", 1, 2)]))),
+            R("model.layers.{i}.mlp.experts.down_proj", ("X", "E", "F"), ours + "down_proj/kernel", ("X", "F", "E"),
+              ("swapaxes", 1, 2))]
+    else:
+        experts = [
+            R("model.layers.{i}.block_sparse_moe.gate.weight", ("X", "E"), "layers_{i}/mlp/router/kernel", ("E", "X"),
+              "transpose"),
+            S("model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight", ("F", "E"), ours + "gate_proj/kernel",
+              ("X", "E", "F"), "transpose"),
+            S("model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight", ("F", "E"), ours + "up_proj/kernel",
+              ("X", "E", "F"), "transpose"),
+            S("model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight", ("E", "F"), ours + "down_proj/kernel",
+              ("X", "F", "E"), "transpose")]
+    return _table.expand([*_decoder.causal_lm_rows(config), *experts], config.num_hidden_layers)
 
 
-_pretrained.register_family("mixtral")(_decoder.loader(MixtralConfig, MixtralForCausalLM, weight_table))
+def fused_experts(tensors) -> bool:
+    """Whether `tensors` hold transformers 5's fused expert tensors (a state_dict in memory) rather than the
+    per-expert ones save_pretrained writes."""
+    return any(name.endswith(".mlp.experts.gate_up_proj") for name in tensors)
+
+
+@_pretrained.register_family("mixtral")
+def load(config: dict, tensors, files, **options):
+    table = functools.partial(weight_table, fused=fused_experts(tensors))
+    return _decoder.loader(MixtralConfig, MixtralForCausalLM, table)(config, tensors, files, **options)
