@@ -83,6 +83,13 @@ TINY = {
                 dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
                      num_attention_heads=6, num_key_value_heads=2, head_dim=16, num_local_experts=5,
                      num_experts_per_tok=2, sliding_window=5, swiglu_limit=1.0)),
+    # Qwen 3's attention (q/k norms, head_dim 16) on every layer's window of 5; 5 experts (F 24), top 2, not
+    # renormalised (norm_topk_prob: HF's default false)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, moe_intermediate_size=24,
+                       num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                       max_position_embeddings=256, num_experts=5, num_experts_per_tok=2, use_sliding_window=True,
+                       sliding_window=5, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
 }
 
 
@@ -99,7 +106,7 @@ def _no_special_tokens(config) -> None:
 _AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM"}
 
 # mixtures of experts: transformers' plain per-expert loop ("eager"), not a grouped matmul kernel
-_MOE = ("mixtral", "gpt_oss")
+_MOE = ("mixtral", "gpt_oss", "qwen3_moe")
 
 
 def _quiet(transformers) -> None:
@@ -108,7 +115,7 @@ def _quiet(transformers) -> None:
 
 # HF norms whose code takes the mean square in float32 whatever the input dtype (a float64 run included)
 _FLOAT32_NORMS = ("T5LayerNorm", "LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm",
-                  "GptOssRMSNorm")  # (GptOssRMSNorm rounds after its weight: the same numbers in float64)
+                  "GptOssRMSNorm", "Qwen3MoeRMSNorm")  # (GptOssRMSNorm rounds after its weight: the same numbers in float64)
 
 
 def _rms_norm_in_input_precision(self, hidden_states):
@@ -134,7 +141,7 @@ def torch_promote(dtype):
 # HF rotary embeddings whose code computes cos/sin in float32 whatever the input dtype
 _FLOAT32_ROTARY = ("LlamaRotaryEmbedding", "Qwen2RotaryEmbedding", "MistralRotaryEmbedding",
                    "Gemma2RotaryEmbedding", "Qwen3RotaryEmbedding", "Gemma3RotaryEmbedding",
-                   "MixtralRotaryEmbedding", "GptOssRotaryEmbedding")
+                   "MixtralRotaryEmbedding", "GptOssRotaryEmbedding", "Qwen3MoeRotaryEmbedding")
 _HALF_ROTARY = ("GptOssRotaryEmbedding",)  # cos/sin [..., H/2]: gpt-oss rotates the halves without cat
 
 
@@ -159,23 +166,25 @@ def _rotary_in_input_precision(self, x, position_ids, layer_type=None):
 _FLOAT32_SOFTMAX = ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
                     "transformers.models.mistral.modeling_mistral", "transformers.models.gemma2.modeling_gemma2",
                     "transformers.models.qwen3.modeling_qwen3", "transformers.models.gemma3.modeling_gemma3",
-                    "transformers.models.mixtral.modeling_mixtral")
+                    "transformers.models.mixtral.modeling_mixtral", "transformers.models.qwen3_moe.modeling_qwen3_moe")
 
 
 def _softmax_topk_router_in_input_precision(self, hidden_states):
-    """MixtralTopKRouter.forward with its softmax in the input's precision (HF: router_logits.float())."""
+    """MixtralTopKRouter / Qwen3MoeTopKRouter.forward with the softmax in the input's precision (HF: in
+    float32); the top k renormalised always (Mixtral) or with norm_topk_prob (Qwen3-MoE)."""
     import torch
 
     hidden_states = hidden_states.reshape(-1, self.hidden_dim)
     router_logits = torch.nn.functional.linear(hidden_states, self.weight)
     router_probs = torch.softmax(router_logits.to(torch_promote(router_logits.dtype)), dim=-1)
     router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
-    router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
+    if getattr(self, "norm_topk_prob", True):
+        router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
     return router_logits, router_top_value, router_indices
 
 
 # HF routers whose code takes the softmax in float32 whatever the input dtype
-_FLOAT32_ROUTERS = {"MixtralTopKRouter": _softmax_topk_router_in_input_precision}
+_FLOAT32_ROUTERS = ("MixtralTopKRouter", "Qwen3MoeTopKRouter")
 
 # HF embeddings scaled by sqrt(hidden_size) held in a float32 buffer (Gemma 2 / 3)
 _SCALED_EMBEDDINGS = ("Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding")
@@ -204,20 +213,20 @@ def _eager_attention_in_input_precision(hf_module):
 @contextlib.contextmanager
 def float64_reference(torch_model, dtype: str):
     """With dtype "float64": HF's float32-only steps run in float64 for the duration: the RMS norms'
-    statistics (T5, Llama, Qwen2, Mistral, Qwen3 and its q/k norms, Mixtral, gpt-oss; Gemma 2 / 3 with their
-    (1 + weight)), the rotary cos/sin (Llama, Qwen2, Mistral, Gemma 2, Qwen3, Gemma 3 per layer type, Mixtral,
-    gpt-oss; their inverse frequencies from jaxattn.models.rope_frequencies in float64, HF's formulas),
-    Mixtral's router softmax (router_logits.float()) and Gemma 2 / 3's embedding scale sqrt(hidden_size) (a
-    float32 buffer, upcast). HF's code casts these to float32 even for float64 inputs, which would make the
-    float64 reference a float32 one there (~1e-7 apart, and bit-for-bit unreachable: torch's float32
-    reduction order and libm). Every other operation is HF's own code; float32 runs are untouched. A mixture
-    of experts runs transformers' "eager" experts loop for the duration (its grouped_mm kernel takes no
-    float64 on CPU).
+    statistics (T5, Llama, Qwen2, Mistral, Qwen3 / Qwen3-MoE and their q/k norms, Mixtral, gpt-oss; Gemma 2 / 3
+    with their (1 + weight)), the rotary cos/sin (Llama, Qwen2, Mistral, Gemma 2, Qwen3, Gemma 3 per layer
+    type, Mixtral, gpt-oss, Qwen3-MoE; their inverse frequencies from jaxattn.models.rope_frequencies in
+    float64, HF's formulas), Mixtral's and Qwen3-MoE's router softmax (in float32) and Gemma 2 / 3's
+    embedding scale sqrt(hidden_size) (a float32 buffer, upcast). HF's code casts these to float32 even for
+    float64 inputs, which would make the float64 reference a float32 one there (~1e-7 apart, and bit-for-bit
+    unreachable: torch's float32 reduction order and libm). Every other operation is HF's own code; float32
+    runs are untouched. A mixture of experts runs transformers' "eager" experts loop for the duration (its
+    grouped_mm kernel takes no float64 on CPU).
 
-    Also the eager softmax of Llama, Qwen2, Mistral, Gemma 2, Qwen3, Gemma 3 and Mixtral, which HF takes in
-    float32: in a float64 run the additive mask's float64 minimum becomes -inf there, a fully masked (padded)
-    query row turns to NaN and the NaN reaches every row through the next layer's values (HF's float64 with
-    padding is NaN throughout). gpt-oss's eager attention softmaxes in the input's dtype already.
+    Also the eager softmax of Llama, Qwen2, Mistral, Gemma 2, Qwen3, Gemma 3, Mixtral and Qwen3-MoE, which HF
+    takes in float32: in a float64 run the additive mask's float64 minimum becomes -inf there, a fully masked
+    (padded) query row turns to NaN and the NaN reaches every row through the next layer's values (HF's
+    float64 with padding is NaN throughout). gpt-oss's eager attention softmaxes in the input's dtype already.
     """
     import sys
 
@@ -241,7 +250,7 @@ def float64_reference(torch_model, dtype: str):
                 module.forward = types.MethodType(_rotary_in_input_precision, module)
                 patched.append(module)
             elif type(module).__name__ in _FLOAT32_ROUTERS:
-                module.forward = types.MethodType(_FLOAT32_ROUTERS[type(module).__name__], module)
+                module.forward = types.MethodType(_softmax_topk_router_in_input_precision, module)
                 patched.append(module)
             elif type(module).__name__ in ("Gemma2RMSNorm", "Gemma3RMSNorm"):
                 module.forward = types.MethodType(_gemma_rms_norm_in_input_precision, module)
@@ -283,7 +292,7 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
 # weight-matrix gain per family (default 3): large enough that greedy decoding does not collapse to one
 # repeated token, small enough that float32 stays well conditioned (T5's gated FF multiplies two gains)
 _GAIN = {"t5": 1.5, "llama": 1.5, "qwen2": 1.5, "mistral": 1.5, "gemma2": 1.5, "qwen3": 1.5, "gemma3_text": 1.5,
-         "mixtral": 1.5, "gpt_oss": 1.5}
+         "mixtral": 1.5, "gpt_oss": 1.5, "qwen3_moe": 1.5}
 _ONE_PLUS_W_NORMS = ("gemma2", "gemma3_text")  # norms that scale by 1 + weight: random around 0
 
 

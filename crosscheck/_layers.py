@@ -143,7 +143,7 @@ FAMILIES: dict[str, _Family] = {
 }
 for _model_type in ("qwen2", "mistral", "gemma2", "qwen3", "gemma3_text"):
     FAMILIES[_model_type] = FAMILIES["llama"]
-FAMILIES["mixtral"] = dataclasses.replace(FAMILIES["llama"], router="mlp.gate")
+FAMILIES["mixtral"] = FAMILIES["qwen3_moe"] = dataclasses.replace(FAMILIES["llama"], router="mlp.gate")
 FAMILIES["gpt_oss"] = dataclasses.replace(FAMILIES["llama"], router="mlp.router")
 
 

@@ -23,7 +23,8 @@ from crosscheck import _hf_models as hf
 from crosscheck import layer_report
 from jaxattn.models import from_pretrained, generate
 
-FAMILIES = ("gpt2", "t5", "llama", "qwen2", "mistral", "gemma2", "qwen3", "gemma3_text", "mixtral", "gpt_oss")
+FAMILIES = ("gpt2", "t5", "llama", "qwen2", "mistral", "gemma2", "qwen3", "gemma3_text", "mixtral", "gpt_oss",
+            "qwen3_moe")
 NEW = 64
 
 

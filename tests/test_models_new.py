@@ -38,7 +38,7 @@ def _assert_matches(directory):
 
 
 def test_new_families_are_supported():
-    assert {"qwen3", "gemma3_text", "mixtral", "gpt_oss"} <= set(supported_model_types())
+    assert {"qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe"} <= set(supported_model_types())
 
 
 @pytest.mark.slow  # two reports per variant, on top of the bars' runs of the default configs
@@ -54,7 +54,10 @@ def test_new_families_are_supported():
     ("mixtral", {"sliding_window": None, "num_experts_per_tok": 3}),  # no window (Mixtral's releases), top 3
     # no attention biases, the global layer first, a plain rope (no yarn factor), top 1 (softmax of one: 1)
     ("gpt_oss", {"attention_bias": False, "layer_types": ["full_attention", "sliding_attention"],
-                 "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}, "num_experts_per_tok": 1})])
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}, "num_experts_per_tok": 1}),
+    # renormalised top k, no window, tied head, q/k/v/o biases
+    ("qwen3_moe", {"norm_topk_prob": True, "use_sliding_window": False, "tie_word_embeddings": True,
+                   "attention_bias": True})])
 def test_config_variants_match_transformers(tmp_path, model_type, overrides):
     model, params, torch_model = _assert_matches(hf.write_checkpoint(model_type, tmp_path / "variant", **overrides))
     assert ("lm_head" in params) != torch_model.config.tie_word_embeddings
@@ -65,6 +68,8 @@ def test_config_variants_match_transformers(tmp_path, model_type, overrides):
         assert model.config.rope(1)[1] == 1.0 and model.config.rope(0)[1] > 1.0  # yarn's factor on the global layer
     elif model_type == "gpt_oss":
         assert not biased and model.config.windows == (None, 5) and model.config.rope(0)[1] == 1.0
+    elif model_type == "qwen3_moe":
+        assert model.config.normalize_top_k() and not model.config.windows and len(biased) == 4
 
 
 def test_gemma3_reads_transformers_4_rope_keys(tmp_path):
@@ -141,7 +146,7 @@ def test_config_options_not_implemented_are_refused(tmp_path, model_type, change
         from_pretrained(bad)
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "qwen3_moe"])
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=pytest.mark.slow)])
 def test_router_logits_and_aux_loss_equal_transformers(tmp_path, model_type, dtype):
     """HF's output_router_logits=True outputs: every layer's router logits (ours sown as "layer{i}.router")
@@ -220,18 +225,23 @@ def test_stacked_rows_name_each_expert_tensor(tmp_path):
     ("gpt_oss", {"hidden_act": "gelu"}, "hidden_act"),
     ("gpt_oss", {"num_experts_per_tok": 0}, "num_experts_per_tok"),
     ("gpt_oss", {"layer_types": ["sliding_attention"]}, "layer_types"),
-    ("gpt_oss", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, r"rope_parameters\['rope_type'\]")])
+    ("gpt_oss", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, r"rope_parameters\['rope_type'\]"),
+    ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("qwen3_moe", {"hidden_act": "relu"}, "hidden_act"),
+    ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok")])
 def test_moe_config_options_not_implemented_are_refused(tmp_path, model_type, changes, named):
     test_config_options_not_implemented_are_refused(tmp_path, model_type, changes, named)
 
 
-def test_mixtral_loads_transformers_5_fused_experts_too(tmp_path):
-    """A Mixtral state_dict in memory (transformers 5's fused mlp.experts.gate_up_proj [X,2F,E] and
-    down_proj [X,E,F]) gives the same params as the per-expert checkpoint save_pretrained wrote."""
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_moe_loads_transformers_5_fused_experts_too(tmp_path, model_type):
+    """A state_dict in memory (transformers 5's fused mlp.experts.gate_up_proj [X,2F,E] and down_proj
+    [X,E,F]) gives the same params as the per-expert checkpoint save_pretrained wrote."""
     from jaxattn.io import load_safetensors
     from jaxattn.models import from_state_dict
 
-    directory = hf.write_checkpoint("mixtral", tmp_path / "mixtral")
+    directory = hf.write_checkpoint(model_type, tmp_path / model_type)
     config = json.loads((directory / "config.json").read_text())
     _, saved = from_state_dict(config, load_safetensors(directory / "model.safetensors"))
     memory = {k: v.numpy() for k, v in hf.torch_model(directory).state_dict().items()}

@@ -70,7 +70,7 @@ def test_minilm_loads_into_the_bert_ports_params(minilm_dir):
     assert model.config == config and model.add_pooling_layer
     _same_tree(params, bert_params_from_state_dict(state_dict, config))
     assert set(supported_model_types()) == {"bert", "gemma2", "gemma3_text", "gpt2", "gpt_oss", "llama", "mistral",
-                                            "mixtral", "qwen2", "qwen3", "t5"}
+                                            "mixtral", "qwen2", "qwen3", "qwen3_moe", "t5"}
 
 
 @pytest.mark.parametrize("dtype, bar", [("float32", 1e-5), ("float64", 1e-10)])

@@ -58,36 +58,12 @@ class MixtralForCausalLM(_decoder.CausalLM):
 def weight_table(config: MixtralConfig, *, fused: bool = False) -> list[_table.Row]:
     """HF's names -> our params: the shared causal-LM rows, the router and the experts: the per-expert w1
     (gate), w3 (up) and w2 (down) stacked into one [X,...] leaf each, or (fused) split from gate_up_proj."""
-    R, S = _table.row, functools.partial(_table.stacked, over="X")
-    ours = "layers_{i}/mlp/experts/"
-    if fused:
-        experts = [
-            R("model.layers.{i}.mlp.gate.weight", ("X", "E"), "layers_{i}/mlp/router/kernel", ("E", "X"), "transpose"),
-            _table.Row("model.layers.{i}.mlp.experts.gate_up_proj", ("X", "2*F", "E"), (
-                (ours + "gate_proj/kernel", ("X", "E", "F"), [("part", 0, 2, 1), ("swapaxes", 1, 2)]),
-                (ours + "up_proj/kernel", ("X", "E", "F"), [("part", 1, 2, 1), ("swapaxes", 1, 2)]))),
-            R("model.layers.{i}.mlp.experts.down_proj", ("X", "E", "F"), ours + "down_proj/kernel", ("X", "F", "E"),
-              ("swapaxes", 1, 2))]
-    else:
-        experts = [
-            R("model.layers.{i}.block_sparse_moe.gate.weight", ("X", "E"), "layers_{i}/mlp/router/kernel", ("E", "X"),
-              "transpose"),
-            S("model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight", ("F", "E"), ours + "gate_proj/kernel",
-              ("X", "E", "F"), "transpose"),
-            S("model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight", ("F", "E"), ours + "up_proj/kernel",
-              ("X", "E", "F"), "transpose"),
-            S("model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight", ("E", "F"), ours + "down_proj/kernel",
-              ("X", "F", "E"), "transpose")]
+    experts = moe.fused_expert_rows() if fused else moe.expert_rows(
+        router="model.layers.{i}.block_sparse_moe.gate.weight",
+        gate="model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight",
+        up="model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight",
+        down="model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight")
     return _table.expand([*_decoder.causal_lm_rows(config), *experts], config.num_hidden_layers)
 
 
-def fused_experts(tensors) -> bool:
-    """Whether `tensors` hold transformers 5's fused expert tensors (a state_dict in memory) rather than the
-    per-expert ones save_pretrained writes."""
-    return any(name.endswith(".mlp.experts.gate_up_proj") for name in tensors)
-
-
-@_pretrained.register_family("mixtral")
-def load(config: dict, tensors, files, **options):
-    table = functools.partial(weight_table, fused=fused_experts(tensors))
-    return _decoder.loader(MixtralConfig, MixtralForCausalLM, table)(config, tensors, files, **options)
+_pretrained.register_family("mixtral")(moe.loader(MixtralConfig, MixtralForCausalLM, weight_table))

@@ -1,4 +1,4 @@
-"""Mixture-of-experts MLPs (Mixtral, gpt-oss): a router picks k of X experts per token; each layer's expert
+"""Mixture-of-experts MLPs (Mixtral, Qwen3-MoE, gpt-oss): a router picks k of X experts per token; each layer's expert
 weights are ONE stacked array per projection, the experts' axis X leading, so that they can be sharded over
 an expert axis of a mesh.
 
@@ -9,7 +9,8 @@ an expert axis of a mesh.
 
     logits r = x @ router (+ b)                                               [...,X], the "router" row
     routing weights w [...,X], zero off each token's top k:
-        "softmax_topk" (Mixtral): p = softmax(r), the k largest p, divided by their sum when normalize
+        "softmax_topk" (Mixtral, Qwen3-MoE): p = softmax(r), the k largest p, divided by their sum when
+                       normalize (Mixtral: always; Qwen3-MoE: norm_topk_prob)
         "topk_softmax" (gpt-oss): the k largest r, softmaxed among themselves
     y = sum_x w[..., x] * down_x(act(gate_x(x), up_x(x)))
 
@@ -20,6 +21,7 @@ proven on and as the reference for a gather/sort dispatch, not for serving a lar
 
 The pieces: MoEConfig (the experts' config fields; a family sets its routing, biases and activation there),
 SparseMoE (router + Experts, each projection a StackedDense), MoEBlock (Llama's block with a SparseMoE),
+expert_rows / fused_expert_rows (the weight-table rows of per-expert or fused checkpoints) and loader,
 router_logits and load_balancing_loss.
 
 Routing is computed in float32 or wider (HF's Mixtral router takes its softmax in float32; crosscheck's
@@ -30,14 +32,15 @@ output_router_logits) from the routers' logits, which every MoE model here sows 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from . import _decoder, _pretrained
+from . import _decoder, _pretrained, _table
 
 ROUTINGS = ("softmax_topk", "topk_softmax")
 
@@ -147,6 +150,40 @@ class MoEBlock(_decoder.PreNormBlock):
     def feed_forward(self, x):
         y, logits = SparseMoE(self.config, self.dtype, self.param_dtype, self.precision, name="mlp")(x)
         return y, {"router": logits}
+
+
+def expert_rows(*, router: str, gate: str, up: str, down: str) -> list[_table.Row]:
+    """The rows of an MoE layer's router ([X,E] -> router/kernel [E,X]) and of its experts as
+    save_pretrained writes them, one tensor per expert ("{j}"): gate and up [F,E], down [E,F] (torch Linear
+    weights), each stacked into one [X,...] leaf. The arguments are the family's literal HF names."""
+    R, S, ours = _table.row, functools.partial(_table.stacked, over="X"), "layers_{i}/mlp/experts/"
+    return [R(router, ("X", "E"), "layers_{i}/mlp/router/kernel", ("E", "X"), "transpose"),
+            S(gate, ("F", "E"), ours + "gate_proj/kernel", ("X", "E", "F"), "transpose"),
+            S(up, ("F", "E"), ours + "up_proj/kernel", ("X", "E", "F"), "transpose"),
+            S(down, ("E", "F"), ours + "down_proj/kernel", ("X", "F", "E"), "transpose")]
+
+
+def fused_expert_rows() -> list[_table.Row]:
+    """The same params from transformers 5's fused modules (Mixtral's and Qwen3-MoE's state_dict in memory):
+    mlp.gate.weight [X,E], mlp.experts.gate_up_proj [X,2F,E] (gate rows first), mlp.experts.down_proj [X,E,F]."""
+    R, ours = _table.row, "layers_{i}/mlp/experts/"
+    return [
+        R("model.layers.{i}.mlp.gate.weight", ("X", "E"), "layers_{i}/mlp/router/kernel", ("E", "X"), "transpose"),
+        _table.Row("model.layers.{i}.mlp.experts.gate_up_proj", ("X", "2*F", "E"), (
+            (ours + "gate_proj/kernel", ("X", "E", "F"), [("part", 0, 2, 1), ("swapaxes", 1, 2)]),
+            (ours + "up_proj/kernel", ("X", "E", "F"), [("part", 1, 2, 1), ("swapaxes", 1, 2)]))),
+        R("model.layers.{i}.mlp.experts.down_proj", ("X", "E", "F"), ours + "down_proj/kernel", ("X", "F", "E"),
+          ("swapaxes", 1, 2))]
+
+
+def loader(config_class, model_class, table: Callable):
+    """_decoder.loader for a family whose experts come per expert (save_pretrained) or fused (a state_dict
+    in memory): table(config, fused=...) is called with what the tensors hold."""
+    def load(config: dict, tensors, files, **options):
+        fused = any(name.endswith(".mlp.experts.gate_up_proj") for name in tensors)
+        load_table = functools.partial(table, fused=fused)
+        return _decoder.loader(config_class, model_class, load_table)(config, tensors, files, **options)
+    return load
 
 
 def router_logits(intermediates: dict) -> list:
