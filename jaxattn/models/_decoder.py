@@ -2,7 +2,7 @@
 
     configs     DecoderConfig (the fields of HF's Llama-shaped configs), checked_window, layer_windows,
                 rope_frequencies
-    norms       RMSNorm (HF's three roundings), layer_norm
+    norms       RMSNorm (HF's four roundings), layer_norm
     masks       key_mask, positions / positions_and_slots, sliding_mask
     the stack   Configured (a module's config and dtypes), layer_stack (blocks in turn, each one's outputs
                 sown), self_attention and gated_mlp (the Llama-shaped block's parts), PreNormBlock (Llama's
@@ -13,7 +13,8 @@
     weights     causal_lm_rows, qk_norm_rows, sandwich_norm_rows and mlp_rows (HF's names, spelled out),
                 tied_copy, loader
 
-Calling convention of every decoder-only model here (GPT-2, Llama, Mistral, Qwen2, Gemma 2):
+Calling convention of every decoder-only model here (GPT-2, Llama, Mistral, Qwen2, Gemma 2, Qwen 3, Gemma 3,
+Mixtral, gpt-oss, Qwen3-MoE):
 
     logits = model.apply({"params": p}, input_ids[B,T], attention_mask=None, position_ids=None)
         attention_mask [B,T] (1 = token, 0 = padding; keys only, as HF's); position_ids default arange(T),
@@ -528,8 +529,6 @@ class CausalLM(Configured):
         return self.cap_logits(lm_head(self, x, embed, c.tie_word_embeddings))
 
 
-# --- decoding ---------------------------------------------------------------------------------------------------
-
 def softcap(x, cap: float | None):
     """HF's tanh softcapping: cap * tanh(x / cap); None: x unchanged."""
     return x if cap is None else jnp.tanh(x / cap) * cap
@@ -545,6 +544,8 @@ class ScaledCausalLM(CausalLM):
     def cap_logits(self, logits):
         return softcap(logits, self.config.final_logit_softcapping)
 
+
+# --- decoding ---------------------------------------------------------------------------------------------------
 
 def empty_cache(model: nn.Module, params, *args, method=None, **kwargs):
     """The "cache" collection that model.apply({"params": params}, *args, decode=True, method=method,
