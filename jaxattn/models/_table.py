@@ -169,6 +169,7 @@ def fill(tensors: Mapping[str, np.ndarray], rows, dims: Mapping[str, int], files
     """The params tree the rows describe. tensors: {HF name: numpy array}; files: {HF name: file name}.
 
     dtype: cast every floating tensor to it (explicitly requested); None keeps the checkpoint's dtype.
+    Every leaf is a new array (no view of `tensors`).
     `ignored` names (known buffers, checked by the caller) may be present and are skipped.
     """
     check_names(tensors, rows, files, ignored=ignored, dims=dims)
@@ -180,6 +181,8 @@ def fill(tensors: Mapping[str, np.ndarray], rows, dims: Mapping[str, int], files
         for path, our_letters, transform in r.targets:
             if r.stack is None:
                 y = _apply(transform, xs[0], size(our_letters, dims))
+                if np.shares_memory(y, xs[0]):  # never a view: the caller's tensor (a torch tensor's .numpy(),
+                    y = y.copy()                # a memory map) may change under the params later
             else:
                 y = np.stack([_apply(transform, x, size(our_letters[1:], dims)) for x in xs])
             if dtype is not None and jnp.issubdtype(y.dtype, jnp.floating):  # bfloat16 included
