@@ -54,6 +54,45 @@ TINY = {
                     rms_norm_eps=1e-6, sliding_window=5, query_pre_attn_scalar=13, attn_logit_softcapping=4.0,
                     final_logit_softcapping=10.0, tie_word_embeddings=False,
                     rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # layer 1 slides (window 5 < the 11-token prompts); head_dim 16 != hidden/heads 8; q/k norms random
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
+              dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                   num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                   rms_norm_eps=1e-6, use_sliding_window=True, sliding_window=5, max_window_layers=1,
+                   tie_word_embeddings=False, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # Gemma 2's shape (layer 0 slides, window 5; head_dim 16; query_pre_attn_scalar 13; the final softcap,
+    # null by default in Gemma 3, set to bite; no attention softcap: HF's Gemma 3 never applies it) plus q/k
+    # norms and two rotary embeddings: local "default" at base 50, global "linear" x4 at base 10 000.
+    # Untied, as Gemma 2's.
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
+                    dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         rms_norm_eps=1e-6, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
+                         query_pre_attn_scalar=13, final_logit_softcapping=10.0,
+                         tie_word_embeddings=False,
+                         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=50.0),
+                                          "full_attention": dict(rope_type="linear", factor=4.0,
+                                                                 rope_theta=10000.0)})),
+    # 5 experts (F 40), top 2, every layer sliding (window 5, as Mistral's)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+                     num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
+                     num_local_experts=5, num_experts_per_tok=2, sliding_window=5,
+                     rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # HF's defaults where they are the model's (yarn rope, layer 0 sliding, biases everywhere, sinks), at tiny
+    # sizes: head_dim 16 != hidden/heads 8, 5 experts (F 40), top 2, window 5; swiglu_limit 1.0 so that the
+    # experts' clamps bite on random weights (the released 7.0 would hardly clamp here)
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
+                     num_attention_heads=6, num_key_value_heads=2, head_dim=16, num_local_experts=5,
+                     num_experts_per_tok=2, sliding_window=5, swiglu_limit=1.0)),
+    # Qwen 3's attention (q/k norms, head_dim 16) on every layer's window of 5; 5 experts (F 24), top 2, not
+    # renormalised (norm_topk_prob: HF's default false)
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, moe_intermediate_size=24,
+                       num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                       max_position_embeddings=256, num_experts=5, num_experts_per_tok=2, use_sliding_window=True,
+                       sliding_window=5, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
 }
 
 
@@ -69,13 +108,17 @@ def _no_special_tokens(config) -> None:
 # model_type -> the transformers Auto class whose model jaxattn.models ports (the decoders: a causal LM)
 _AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM"}
 
+# mixtures of experts: transformers' plain per-expert loop ("eager"), not a grouped matmul kernel
+_MOE = ("mixtral", "gpt_oss", "qwen3_moe")
+
 
 def _quiet(transformers) -> None:
     transformers.utils.logging.disable_progress_bar()  # no "Loading weights" bars in tables and tests
 
 
 # HF norms whose code takes the mean square in float32 whatever the input dtype (a float64 run included)
-_FLOAT32_NORMS = ("T5LayerNorm", "LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")
+_FLOAT32_NORMS = ("T5LayerNorm", "LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm",
+                  "GptOssRMSNorm", "Qwen3MoeRMSNorm")  # (GptOssRMSNorm rounds after its weight: the same numbers in float64)
 
 
 def _rms_norm_in_input_precision(self, hidden_states):
@@ -100,26 +143,54 @@ def torch_promote(dtype):
 
 # HF rotary embeddings whose code computes cos/sin in float32 whatever the input dtype
 _FLOAT32_ROTARY = ("LlamaRotaryEmbedding", "Qwen2RotaryEmbedding", "MistralRotaryEmbedding",
-                   "Gemma2RotaryEmbedding")
+                   "Gemma2RotaryEmbedding", "Qwen3RotaryEmbedding", "Gemma3RotaryEmbedding",
+                   "MixtralRotaryEmbedding", "GptOssRotaryEmbedding", "Qwen3MoeRotaryEmbedding")
+_HALF_ROTARY = ("GptOssRotaryEmbedding",)  # cos/sin [..., H/2]: gpt-oss rotates the halves without cat
 
 
-def _rotary_in_input_precision(self, x, position_ids):
+def _rotary_in_input_precision(self, x, position_ids, layer_type=None):
+    """HF's rotary cos/sin [..., H]; Gemma 3's per layer type (its rope_parameters keyed by layer_type)."""
     import torch
 
     from jaxattn.models import rope_frequencies
 
     config = self.config
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    inverse = torch.from_numpy(rope_frequencies(config.to_dict(), head_dim)).to(x.device)
+    rope = None if layer_type is None else config.rope_parameters[layer_type]
+    inverse = torch.from_numpy(rope_frequencies(config.to_dict(), head_dim, rope=rope)).to(x.device)
+    scaling = self.attention_scaling if layer_type is None else getattr(self, f"{layer_type}_attention_scaling")
     dtype = torch_promote(x.dtype)
     freqs = position_ids[..., None].to(dtype) * inverse.to(dtype)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+    emb = freqs if type(self).__name__ in _HALF_ROTARY else torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(x.dtype), (emb.sin() * scaling).to(x.dtype)
 
 
 # HF modules whose eager attention takes its softmax in float32 whatever the input dtype
 _FLOAT32_SOFTMAX = ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
-                    "transformers.models.mistral.modeling_mistral", "transformers.models.gemma2.modeling_gemma2")
+                    "transformers.models.mistral.modeling_mistral", "transformers.models.gemma2.modeling_gemma2",
+                    "transformers.models.qwen3.modeling_qwen3", "transformers.models.gemma3.modeling_gemma3",
+                    "transformers.models.mixtral.modeling_mixtral", "transformers.models.qwen3_moe.modeling_qwen3_moe")
+
+
+def _softmax_topk_router_in_input_precision(self, hidden_states):
+    """MixtralTopKRouter / Qwen3MoeTopKRouter.forward with the softmax in the input's precision (HF: in
+    float32); the top k renormalised always (Mixtral) or with norm_topk_prob (Qwen3-MoE)."""
+    import torch
+
+    hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states, self.weight)
+    router_probs = torch.softmax(router_logits.to(torch_promote(router_logits.dtype)), dim=-1)
+    router_top_value, router_indices = torch.topk(router_probs, self.top_k, dim=-1)
+    if getattr(self, "norm_topk_prob", True):
+        router_top_value /= router_top_value.sum(dim=-1, keepdim=True)
+    return router_logits, router_top_value, router_indices
+
+
+# HF routers whose code takes the softmax in float32 whatever the input dtype
+_FLOAT32_ROUTERS = ("MixtralTopKRouter", "Qwen3MoeTopKRouter")
+
+# HF embeddings scaled by sqrt(hidden_size) held in a float32 buffer (Gemma 2 / 3)
+_SCALED_EMBEDDINGS = ("Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding")
 
 
 def _eager_attention_in_input_precision(hf_module):
@@ -145,23 +216,30 @@ def _eager_attention_in_input_precision(hf_module):
 @contextlib.contextmanager
 def float64_reference(torch_model, dtype: str):
     """With dtype "float64": HF's float32-only steps run in float64 for the duration: the RMS norms'
-    statistics (T5, Llama, Qwen2, Mistral, Gemma 2 with its (1 + weight)), the rotary cos/sin (Llama, Qwen2,
-    Mistral, Gemma 2; their inverse frequencies from jaxattn.models.llama.rope_frequencies in float64, HF's
-    formulas) and Gemma 2's embedding scale sqrt(hidden_size) (a float32 buffer, upcast). HF's code casts
-    these to float32 even for float64 inputs, which would make the float64 reference a float32 one there
-    (~1e-7 apart, and bit-for-bit unreachable: torch's float32 reduction order and libm). Every other
-    operation is HF's own code; float32 runs are untouched.
+    statistics (T5, Llama, Qwen2, Mistral, Qwen3 / Qwen3-MoE and their q/k norms, Mixtral, gpt-oss; Gemma 2 / 3
+    with their (1 + weight)), the rotary cos/sin (Llama, Qwen2, Mistral, Gemma 2, Qwen3, Gemma 3 per layer
+    type, Mixtral, gpt-oss, Qwen3-MoE; their inverse frequencies from jaxattn.models.rope_frequencies in
+    float64, HF's formulas), Mixtral's and Qwen3-MoE's router softmax (in float32) and Gemma 2 / 3's
+    embedding scale sqrt(hidden_size) (a float32 buffer, upcast). HF's code casts these to float32 even for
+    float64 inputs, which would make the float64 reference a float32 one there (~1e-7 apart, and bit-for-bit
+    unreachable: torch's float32 reduction order and libm). Every other operation is HF's own code; float32
+    runs are untouched. A mixture of experts runs transformers' "eager" experts loop for the duration (its
+    grouped_mm kernel takes no float64 on CPU).
 
-    Also the eager softmax of Llama, Qwen2, Mistral and Gemma 2, which HF takes in float32: in a float64 run the
-    additive mask's float64 minimum becomes -inf there, a fully masked (padded) query row turns to NaN and
-    the NaN reaches every row through the next layer's values (HF's float64 with padding is NaN throughout).
+    Also the eager softmax of Llama, Qwen2, Mistral, Gemma 2, Qwen3, Gemma 3, Mixtral and Qwen3-MoE, which HF
+    takes in float32: in a float64 run the additive mask's float64 minimum becomes -inf there, a fully masked
+    (padded) query row turns to NaN and the NaN reaches every row through the next layer's values (HF's
+    float64 with padding is NaN throughout). gpt-oss's eager attention softmaxes in the input's dtype already.
     """
     import sys
 
     import torch
 
-    patched, functions, scales = [], [], []
+    patched, functions, scales, experts = [], [], [], None
     if dtype == "float64":
+        if getattr(torch_model.config, "_experts_implementation", "eager") not in (None, "eager"):
+            experts = torch_model.get_experts_implementation()  # grouped_mm: float32/bf16 only on CPU
+            torch_model.set_experts_implementation("eager")
         for name in _FLOAT32_SOFTMAX:
             hf_module = sys.modules.get(name)
             if hf_module is not None and type(torch_model).__module__ == name:
@@ -174,10 +252,13 @@ def float64_reference(torch_model, dtype: str):
             elif type(module).__name__ in _FLOAT32_ROTARY:
                 module.forward = types.MethodType(_rotary_in_input_precision, module)
                 patched.append(module)
-            elif type(module).__name__ == "Gemma2RMSNorm":
+            elif type(module).__name__ in _FLOAT32_ROUTERS:
+                module.forward = types.MethodType(_softmax_topk_router_in_input_precision, module)
+                patched.append(module)
+            elif type(module).__name__ in ("Gemma2RMSNorm", "Gemma3RMSNorm"):
                 module.forward = types.MethodType(_gemma_rms_norm_in_input_precision, module)
                 patched.append(module)
-            elif type(module).__name__ == "Gemma2TextScaledWordEmbedding":  # a float32 buffer, then upcast
+            elif type(module).__name__ in _SCALED_EMBEDDINGS:  # a float32 buffer, then upcast
                 scales.append((module, module.embed_scale))
                 module.embed_scale = module.embed_scale.new_tensor(module.scalar_embed_scale, dtype=torch.float64)
     try:
@@ -189,6 +270,8 @@ def float64_reference(torch_model, dtype: str):
             hf_module.eager_attention_forward = original
         for module, scale in scales:
             module.embed_scale = scale
+        if experts is not None:
+            torch_model.set_experts_implementation(experts)
 
 
 def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
@@ -202,7 +285,8 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
     _quiet(transformers)
     model_type = json.loads((Path(directory) / "config.json").read_text())["model_type"]
     cls = getattr(transformers, _AUTO.get(model_type, "AutoModelForCausalLM"))
-    model = cls.from_pretrained(str(directory), attn_implementation="eager", local_files_only=True)
+    experts = {"experts_implementation": "eager"} if model_type in _MOE else {}
+    model = cls.from_pretrained(str(directory), attn_implementation="eager", local_files_only=True, **experts)
     if getattr(model, "generation_config", None) is not None:  # both sides decode exactly max_new_tokens
         _no_special_tokens(model.generation_config)
     return model.to(getattr(torch, dtype)).eval()
@@ -210,7 +294,9 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
 
 # weight-matrix gain per family (default 3): large enough that greedy decoding does not collapse to one
 # repeated token, small enough that float32 stays well conditioned (T5's gated FF multiplies two gains)
-_GAIN = {"t5": 1.5, "llama": 1.5, "qwen2": 1.5, "mistral": 1.5, "gemma2": 1.5}
+_GAIN = {"t5": 1.5, "llama": 1.5, "qwen2": 1.5, "mistral": 1.5, "gemma2": 1.5, "qwen3": 1.5, "gemma3_text": 1.5,
+         "mixtral": 1.5, "gpt_oss": 1.5, "qwen3_moe": 1.5}
+_ONE_PLUS_W_NORMS = ("gemma2", "gemma3_text")  # norms that scale by 1 + weight: random around 0
 
 
 def write_checkpoint(model_type: str, directory: str | os.PathLike, *, seed: int = 0, **overrides) -> Path:
@@ -228,7 +314,7 @@ def write_checkpoint(model_type: str, directory: str | os.PathLike, *, seed: int
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=generator, dtype=p.dtype)
             if name.endswith("weight") and p.ndim == 1:  # norm scales: around 1 (Gemma 2 scales by 1 + weight)
-                p.copy_((0.0 if model_type == "gemma2" else 1.0) + 0.2 * noise)
+                p.copy_((0.0 if model_type in _ONE_PLUS_W_NORMS else 1.0) + 0.2 * noise)
             elif "relative_attention_bias" in name:  # T5's only position signal: strong, so decoding varies
                 p.copy_(3.0 * noise)
             else:

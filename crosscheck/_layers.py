@@ -1,7 +1,7 @@
 """`layer_report`: a whole model in PyTorch (transformers) against its jaxattn.models port, layer by layer.
 
 Both run the same inputs; every aligned layer output is compared: the embeddings; each block's attention
-output, MLP output and residual stream; the final norm; the logits. Rows are in forward order, so
+output, router logits (mixtures of experts), MLP output and residual stream; the final norm; the logits. Rows are in forward order, so
 `first_divergent` is where a port first goes wrong (a wrong weight, a wrong formula), not merely that it is
 wrong somewhere.
 
@@ -99,12 +99,15 @@ class _Family:
     mlp: str | None                          # block attribute: MLP sub-layer (None: fused with a norm)
     final_norm: Callable[[Any], Any] | None
     jax_layer: str                              # our params' name of block i ("h_{i}")
+    router: str | None = None                   # block attribute path of an MoE router ("mlp.gate")
 
     def watch(self, torch_model) -> list[tuple[Any, str]]:
         """(module, row name) in forward order."""
         watched = [(self.embeddings(torch_model), "embeddings")]
         for i, block in enumerate(self.layers(torch_model)):
             watched.append((getattr(block, self.attention), f"layer{i}.attention"))
+            if self.router is not None:
+                watched.append((functools.reduce(getattr, self.router.split("."), block), f"layer{i}.router"))
             if self.mlp is not None:
                 watched.append((getattr(block, self.mlp), f"layer{i}.mlp"))
             watched.append((block, f"layer{i}.residual"))
@@ -138,7 +141,10 @@ FAMILIES: dict[str, _Family] = {
     "bert": _Family(lambda m: m.embeddings, lambda m: m.encoder.layer, "attention", None, None, "layer_{i}"),
     "t5": _T5(None, None, "", None, None, "{stack}/block_{i}"),
 }
-FAMILIES["qwen2"] = FAMILIES["mistral"] = FAMILIES["gemma2"] = FAMILIES["llama"]
+for _model_type in ("qwen2", "mistral", "gemma2", "qwen3", "gemma3_text"):
+    FAMILIES[_model_type] = FAMILIES["llama"]
+FAMILIES["mixtral"] = FAMILIES["qwen3_moe"] = dataclasses.replace(FAMILIES["llama"], router="mlp.gate")
+FAMILIES["gpt_oss"] = dataclasses.replace(FAMILIES["llama"], router="mlp.router")
 
 
 def family(torch_model) -> _Family:
@@ -209,8 +215,10 @@ def layer_report(torch_model, model_and_params, inputs: Mapping[str, Any], *, dt
 
     def measure(name: str, theirs) -> None:
         real = _real_tokens(name, inputs)
-        theirs = theirs[0] if isinstance(theirs, tuple) else theirs
-        reference = theirs.detach().numpy()[real]
+        theirs = (theirs[0] if isinstance(theirs, tuple) else theirs).detach().numpy()
+        if theirs.shape != ours[name].shape and theirs.shape[-1:] == ours[name].shape[-1:]:
+            theirs = theirs.reshape(ours[name].shape)  # HF's routers see tokens as [B*T, E]: ours keep [B,T]
+        reference = theirs[real]
         max_abs, _, normwise = error_metrics(ours[name][real], reference)
         scale = float(np.abs(reference).max(initial=0.0))
         rows.append(LayerRow(name, len(rows), max_abs, normwise, scale, metric, bar))

@@ -30,7 +30,7 @@ L); the other examples of the batch are unaffected.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -73,6 +73,9 @@ class MultiHeadAttention(nn.Module):
         is_causal); with a left bound, decoding keeps a rolling cache of the window (O(window) memory).
       chunk_size: Llama 4's chunked attention.  logit_softcap: Gemma 2's attention softcap.
       use_sinks: learned per-head sinks params["sinks"] [N] (gpt-oss), initialised by sinks_init (zeros).
+      qk_norm: a module factory (e.g. functools.partial(RMSNorm, eps)) called with name="q_norm" and
+        name="k_norm": the norms of each projected query head [...,T,N,H] and key head [...,S,K,H], applied
+        before RoPE and before caching (Qwen 3, Gemma 3); their params sit beside query/key/value/out.
     """
 
     num_heads: int
@@ -101,6 +104,7 @@ class MultiHeadAttention(nn.Module):
     logit_softcap: Optional[float] = None
     use_sinks: bool = False
     sinks_init: Initializer = common.default_bias_init
+    qk_norm: Optional[Callable[..., nn.Module]] = None
 
     def _relative(self) -> Optional[dict]:
         return None
@@ -118,6 +122,13 @@ class MultiHeadAttention(nn.Module):
         if sinks is not None:
             params["sinks"] = self.param("sinks", sinks[1], sinks[0], self.param_dtype)
         return params
+
+    def _qk_norm(self):
+        """(q, k) -> (q_norm(q), k_norm(k)) with the submodules qk_norm builds, or None."""
+        if self.qk_norm is None:
+            return None
+        q_norm, k_norm = self.qk_norm(name="q_norm"), self.qk_norm(name="k_norm")
+        return lambda q, k: (q_norm(q), k_norm(k))
 
     def _dropout(self, deterministic, dropout_rng):
         """(rate, rng) after flax's rules: `deterministic` is required only when dropout_rate > 0."""
@@ -168,7 +179,8 @@ class MultiHeadAttention(nn.Module):
             cache = tuple(v.value for v in variables) if existed else None
         result, new_cache = common.attend(params, query, key, value, relative=self._relative() is not None,
                                           add_zero_attn=self.add_zero_attn, precision=self.precision,
-                                          cache=cache, rope=self.rope, rope_positions=rope_positions, **options)
+                                          cache=cache, rope=self.rope, rope_positions=rope_positions,
+                                          qk_norm=self._qk_norm(), **options)
         if new_cache is not None:
             for variable, new in zip(variables, new_cache):
                 variable.value = new

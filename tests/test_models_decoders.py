@@ -23,7 +23,8 @@ from crosscheck import _hf_models as hf
 from crosscheck import layer_report
 from jaxattn.models import from_pretrained, generate
 
-FAMILIES = ("gpt2", "t5", "llama", "qwen2", "mistral", "gemma2")
+FAMILIES = ("gpt2", "t5", "llama", "qwen2", "mistral", "gemma2", "qwen3", "gemma3_text", "mixtral", "gpt_oss",
+            "qwen3_moe")
 NEW = 64
 
 
@@ -151,7 +152,7 @@ def test_gemma2_bf16_embeddings_scale_as_transformers(tmp_path):
     ("gpt2", "reorder_and_upcast_attn", True), ("t5", "dense_act_fn", "swish"),
     ("t5", "feed_forward_proj", "gated-gelu-x"), ("t5", "is_decoder", True),
     ("llama", "hidden_act", "gelu"), ("qwen2", "layer_types", ["sliding_attention"]),
-    ("llama", "rope_parameters", {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+    ("llama", "rope_parameters", {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}),
     ("qwen2", "layer_types", ["sliding_attention", "full_attention"]),
     ("mistral", "layer_types", ["sliding_attention", "full_attention"]), ("mistral", "sliding_window", 0),
     ("mistral", "hidden_act", "gelu"), ("gemma2", "hidden_activation", "gelu"),

@@ -69,7 +69,8 @@ def test_minilm_loads_into_the_bert_ports_params(minilm_dir):
     model, params = from_pretrained(minilm_dir)
     assert model.config == config and model.add_pooling_layer
     _same_tree(params, bert_params_from_state_dict(state_dict, config))
-    assert set(supported_model_types()) == {"bert", "gemma2", "gpt2", "llama", "mistral", "qwen2", "t5"}
+    assert set(supported_model_types()) == {"bert", "gemma2", "gemma3_text", "gpt2", "gpt_oss", "llama", "mistral",
+                                            "mixtral", "qwen2", "qwen3", "qwen3_moe", "t5"}
 
 
 @pytest.mark.parametrize("dtype, bar", [("float32", 1e-5), ("float64", 1e-10)])
@@ -149,3 +150,21 @@ def test_bad_directories_raise_naming_file_key_and_shapes(minilm_dir, tmp_path):
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=rf"{name}.* is not listed for this file"):
         from_pretrained(sharded)
+
+
+
+def test_params_do_not_share_memory_with_the_state_dict(tmp_path):
+    """A torch tensor's .numpy() shares its memory: an in-place torch update after the conversion (an
+    optimizer step) must leave the params as they were converted (every leaf, "copy" rows included)."""
+    from crosscheck import _hf_models as hf
+    from jaxattn.models import from_state_dict
+
+    torch_model = hf.torch_model(hf.write_checkpoint("llama", tmp_path), "float32")
+    state = {k: v.detach().numpy() for k, v in torch_model.state_dict().items()}
+    _, params = from_state_dict(torch_model.config.to_dict(), state)
+    before = jax.tree.map(np.copy, params)
+    with torch.no_grad():
+        for p in torch_model.parameters():
+            p.add_(1.0)
+    assert all(np.array_equal(state[k], v.numpy()) for k, v in torch_model.state_dict().items())  # shared
+    _same_tree(params, before)

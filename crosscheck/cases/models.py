@@ -64,7 +64,16 @@ for _model_type, _doc in (("gpt2", "GPT-2 (2 layers, tied embeddings): logits an
                           ("mistral", "Mistral (2 layers, GQA 6/2, sliding window 5 < 11 tokens): logits and "
                                       "every parameter gradient"),
                           ("gemma2", "Gemma 2 (sliding + global layer, GQA 4/2, head_dim 16, both softcaps): "
-                                     "logits and every parameter gradient")):
+                                     "logits and every parameter gradient"),
+                          ("qwen3", "Qwen 3 (2 layers, GQA, q/k RMS norms per head): logits and every gradient"),
+                          ("gemma3_text", "Gemma 3 (local + global layers with their own ropes, q/k norms, "
+                                          "embedding scale): logits and every parameter gradient"),
+                          ("mixtral", "Mixtral (2 layers, top-2 of 5 experts, stacked expert weights): logits and "
+                                      "every gradient (torch's fused experts read through the table)"),
+                          ("gpt_oss", "gpt-oss (sinks, alternating windows, biased router, clamped SwiGLU "
+                                      "experts): logits and every parameter gradient"),
+                          ("qwen3_moe", "Qwen3-MoE (q/k norms, top-k experts, norm_topk_prob): logits and every "
+                                        "parameter gradient")):
     register_case(f"model_{_model_type}", description=f"{_doc}, left-padded batch, vs transformers",
                   transforms=("jit",), quick=FLOAT32_JIT,
                   requires=("transformers",))(functools.partial(_setup, _model_type))

@@ -229,10 +229,18 @@ def cache_length(window, max_length: int) -> int:
     return kv_cache.rolling_size(window, max_length) if rolling(window) else max_length
 
 
-def _decode(params, query, key, value, cache, *, relative, precision, options, rope=None, rope_positions=None):
+def _project(params, query, key, value, precision, qk_norm):
+    """project_qkv, then `qk_norm` (if any) on the projected queries and keys."""
+    q, k, v = project_qkv(params, query, key, value, precision=precision)
+    return (*qk_norm(q, k), v) if qk_norm is not None else (q, k, v)
+
+
+def _decode(params, query, key, value, cache, *, relative, precision, options, rope=None, rope_positions=None,
+            qk_norm=None):
     """Project, write the new keys/values into the cache, attend over all its slots, project out.
 
-    With `rope`, the new keys are rotated before they are written: the cache holds rotated keys."""
+    With `rope` (and `qk_norm`), the new keys are normalised and rotated before they are written: the cache
+    holds them as attention reads them."""
     for name in ("query_positions", "key_positions"):
         if options.pop(name, None) is not None:
             checks.fail(name, "None when decoding (positions come from the cache index)", "an array")
@@ -242,7 +250,7 @@ def _decode(params, query, key, value, cache, *, relative, precision, options, r
             checks.fail(name, "None when decoding (the cache keeps no segment ids)", "an array")
     head_dims(params, allow=(("relative",) if relative else ()) + ("sinks",))
     options = with_param_sinks(params, options)
-    q, k, v = project_qkv(params, query, key, value, precision=precision)
+    q, k, v = _project(params, query, key, value, precision, qk_norm)
     if rope is not None:
         T = q.shape[-3]
         slots = cache[2][..., None] + jnp.arange(T, dtype=jnp.int32)  # where the new tokens land
@@ -279,11 +287,11 @@ def poison_overflow(result, overflowed):
     return poison(result, 2)
 
 
-def _attend_rotary(params, query, key, value, rope, rope_positions, precision, options):
-    """multi_head_attention's projections and attention, with RoPE between them."""
+def _attend_rotary(params, query, key, value, rope, rope_positions, precision, options, qk_norm=None):
+    """multi_head_attention's projections and attention, with `qk_norm` and RoPE between them."""
     head_dims(params, allow=("sinks",))
     options = with_param_sinks(params, options)
-    q, k, v = project_qkv(params, query, key, value, precision=precision)
+    q, k, v = _project(params, query, key, value, precision, qk_norm)
     T, S = q.shape[-3], k.shape[-3]
     default = absolute_positions(T, S, options.get("query_positions"), options.get("key_positions"))
     q, k = _rotate(q, k, rope, *_rope_positions(rope_positions, T, S, *default))
@@ -292,7 +300,7 @@ def _attend_rotary(params, query, key, value, rope, rope_positions, precision, o
 
 
 def attend(params, query, key, value, *, relative: bool, add_zero_attn=False, precision=None, cache=None,
-           rope: Optional[RoPE] = None, rope_positions=None, **options):
+           rope: Optional[RoPE] = None, rope_positions=None, qk_norm: Optional[Callable] = None, **options):
     """The layers' forward pass: (result, new_cache), new_cache None unless `cache` was given.
 
     Without a cache this IS multi_head_attention / relative_multi_head_attention (same numbers).
@@ -300,20 +308,23 @@ def attend(params, query, key, value, *, relative: bool, add_zero_attn=False, pr
     key_value_seq_lengths then counts the real ones among them, mask/bias index the cache's L slots.
     rope: RoPE on queries and keys after projection, at `rope_positions` [...,T] (self-attention) or the
     attention's positions (query t + S - T, key s; decoding: the slots the new tokens land in).
+    qk_norm: (q [...,T,N,H], k [...,S,K,H]) -> (q, k), applied to the projected queries and keys before RoPE
+    (Qwen 3's and Gemma 3's per-head RMS norms).
     """
     rope = check_rope(rope)
     if rope_positions is not None and rope is None:
         checks.fail("rope_positions", "None unless the layer has rope=RoPE(...)", "an array")
-    if rope is not None and (relative or add_zero_attn or "bias_kv" in params):
-        checks.fail("rope", "None with relative tables, add_zero_attn or add_bias_kv", "a RoPE")
+    for name, given in (("rope", rope), ("qk_norm", qk_norm)):
+        if given is not None and (relative or add_zero_attn or "bias_kv" in params):
+            checks.fail(name, "None with relative tables, add_zero_attn or add_bias_kv", f"a {type(given).__name__}")
     if cache is not None:
         if add_zero_attn or "bias_kv" in params:
             checks.fail("decode", "a layer without add_zero_attn / add_bias_kv (torch-only extras)",
                          "a layer with them")
         return _decode(params, query, key, value, cache, relative=relative, precision=precision, options=options,
-                       rope=rope, rope_positions=rope_positions)
-    if rope is not None:
-        return _attend_rotary(params, query, key, value, rope, rope_positions, precision, options), None
+                       rope=rope, rope_positions=rope_positions, qk_norm=qk_norm)
+    if rope is not None or qk_norm is not None:
+        return _attend_rotary(params, query, key, value, rope, rope_positions, precision, options, qk_norm), None
     if relative:
         return relative_multi_head_attention(params, query, key, value, precision=precision, **options), None
     return multi_head_attention(params, query, key, value, add_zero_attn=add_zero_attn, precision=precision,

@@ -2,16 +2,19 @@
 
     configs     DecoderConfig (the fields of HF's Llama-shaped configs), checked_window, layer_windows,
                 rope_frequencies
-    norms       RMSNorm (HF's three roundings), layer_norm
+    norms       RMSNorm (HF's four roundings), layer_norm
     masks       key_mask, positions / positions_and_slots, sliding_mask
     the stack   Configured (a module's config and dtypes), layer_stack (blocks in turn, each one's outputs
-                sown), self_attention and gated_mlp (the Llama-shaped block's parts), lm_head / tied_logits
-    CausalLM    HF's *ForCausalLM: embed_tokens -> layers_{i} -> norm -> lm_head; a family names its Block
+                sown), self_attention and gated_mlp (the Llama-shaped block's parts), PreNormBlock (Llama's
+                block) and SandwichBlock (Gemma's), lm_head / tied_logits
+    CausalLM    HF's *ForCausalLM: embed_tokens -> layers_{i} -> norm -> lm_head; a family names its Block;
+                ScaledCausalLM: Gemma's (sqrt(E)-scaled embeddings, softcapped logits), softcap
     decoding    empty_cache
-    weights     causal_lm_rows and mlp_rows (HF's names, spelled out), tied_copy, loader (both ways: it registers
-                the to_pretrained writer too)
+    weights     causal_lm_rows, qk_norm_rows, sandwich_norm_rows and mlp_rows (HF's names, spelled out),
+                tied_copy, loader (both ways: it registers the to_pretrained writer too)
 
-Calling convention of every decoder-only model here (GPT-2, Llama, Mistral, Qwen2, Gemma 2):
+Calling convention of every decoder-only model here (GPT-2, Llama, Mistral, Qwen2, Gemma 2, Qwen 3, Gemma 3,
+Mixtral, gpt-oss, Qwen3-MoE):
 
     logits = model.apply({"params": p}, input_ids[B,T], attention_mask=None, position_ids=None)
         attention_mask [B,T] (1 = token, 0 = padding; keys only, as HF's); position_ids default arange(T),
@@ -48,7 +51,7 @@ from . import _pretrained, _save, _sharding, _table
 # --- configs ----------------------------------------------------------------------------------------------------
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
-ROPE_TYPES = ("default", "linear", "llama3")
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,24 +71,29 @@ class DecoderConfig:
     attention_bias: bool = False       # a bias on q, k, v and o
     mlp_bias: bool = False
     rope_frequencies: tuple = ()       # the inverse frequencies [H/2] (rope_frequencies of the config)
+    rope_attention_factor: float = 1.0  # HF's attention_scaling: cos and sin scaled by it (yarn)
     windows: tuple = ()                # per layer: HF's sliding_window W (the query and W - 1 before) or None
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # the config.json dict read
 
     rms_norm: ClassVar[str] = "llama"  # which of HF's RMS norms the family's layers use (see RMSNorm)
 
     @classmethod
-    def parse(cls, config: Mapping[str, Any], source, *, nullable=(), **derived):
+    def parse(cls, config: Mapping[str, Any], source, *, nullable=(), rope: Mapping | None = None,
+              rope_name: str = "rope_parameters", **derived):
         """cls from the config.json keys named as its fields (null: the field's default, unless the key is
-        in `nullable`), the fields the family derives, and the rope frequencies of the config's rope settings.
-        A head_dim that is neither given nor hidden_size / num_attention_heads is refused."""
-        fields = {f.name for f in dataclasses.fields(cls)} - set(derived) - {"rope_frequencies", "hf_config"}
+        in `nullable`), the fields the family derives, and the rope frequencies of the config's rope settings
+        (or of `rope`, called `rope_name` in refusals: see rope_frequencies). A head_dim that is neither given
+        nor hidden_size / num_attention_heads is refused."""
+        fields = {f.name for f in dataclasses.fields(cls)} - set(derived) - {"rope_frequencies",
+                                                                             "rope_attention_factor", "hf_config"}
         parsed = cls(**{k: v for k, v in config.items() if k in fields and (v is not None or k in nullable)},
                      **derived)
         if parsed.hidden_size % parsed.num_attention_heads and parsed.head_dim is None:
             _pretrained.refuse(source, "head_dim", "given, or hidden_size divisible by "
                                f"num_attention_heads={parsed.num_attention_heads}", None)
-        frequencies = rope_frequencies(config, parsed.dims()["H"], source)
-        return dataclasses.replace(parsed, rope_frequencies=tuple(frequencies))
+        frequencies = rope_frequencies(config, parsed.dims()["H"], source, rope=rope, name=rope_name)
+        return dataclasses.replace(parsed, rope_frequencies=tuple(frequencies),
+                                   rope_attention_factor=rope_attention_factor(config, rope))
 
     def to_dict(self) -> dict:
         """config.json's keys for the fields every Llama-shaped config shares; a family adds model_type,
@@ -104,8 +112,17 @@ class DecoderConfig:
         """{"sliding_window": W} of the sliding layers, or {} when none slides."""
         return next(({"sliding_window": w} for w in self.windows if w is not None), {})
 
+    def use_sliding_window_keys(self) -> dict:
+        """Qwen's window keys (use_sliding_window_layers read back): use_sliding_window, layer_types, W."""
+        return {"use_sliding_window": bool(self.windows), "layer_types": self.layer_types(), **self.sliding_window()}
+
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
+
+    def rope(self, layer: int | None) -> tuple[tuple, float]:
+        """(inverse frequencies, attention factor) of the rotary embedding of `layer` (the same for every
+        layer unless a family's layers differ, as Gemma 3's local and global ones)."""
+        return self.rope_frequencies, self.rope_attention_factor
 
     def attention_biases(self) -> tuple[str, ...]:
         """The attention projections that carry a bias (the layer's use_bias): all four with attention_bias."""
@@ -134,6 +151,40 @@ def layer_windows(types, window, num_layers: int, source, *, why: str) -> tuple:
     return tuple(window if kind == "sliding_attention" else None for kind in types)
 
 
+def check_gemma(config: Mapping[str, Any], source) -> None:
+    """Gemma 2 / 3: refuses a hidden_activation other than the gelu-tanh SandwichBlock's MLP has, and
+    use_bidirectional_attention (their embedding variants; the blocks here are causal)."""
+    if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        _pretrained.refuse(source, "hidden_activation", "'gelu_pytorch_tanh'", config["hidden_activation"])
+    if config.get("use_bidirectional_attention"):
+        _pretrained.refuse(source, "use_bidirectional_attention", "false or null (causal)",
+                           config["use_bidirectional_attention"])
+
+
+def every_layer_window(config: Mapping[str, Any], source) -> tuple:
+    """Mistral / Mixtral: HF's sliding_window W on every layer (their models pick the mask by sliding_window
+    alone); null: none, ()."""
+    if config.get("sliding_window") is None:
+        return ()
+    window = checked_window(config["sliding_window"], source, "an int >= 1 or null")
+    return (window,) * config["num_hidden_layers"]
+
+
+def use_sliding_window_layers(config: Mapping[str, Any], source) -> tuple:
+    """Qwen 2 / Qwen 3: HF's sliding_window W on the layers layer_types marks "sliding_attention" (HF's
+    default: from max_window_layers on), and only with use_sliding_window (HF's config drops the window
+    otherwise, so sliding layer_types without it are refused); () when no layer slides."""
+    n, slides = config["num_hidden_layers"], bool(config.get("use_sliding_window", False))
+    types = config.get("layer_types") or ["sliding_attention" if slides and i >= config.get("max_window_layers", 28)
+                                          else "full_attention" for i in range(n)]
+    if not slides:
+        if set(types) != {"full_attention"}:
+            _pretrained.refuse(source, "layer_types", "only 'full_attention' (use_sliding_window is false)",
+                               sorted(set(types)))
+        return ()
+    return layer_windows(types, config.get("sliding_window"), n, source, why="use_sliding_window is true")
+
+
 def rope_parameters(config: Mapping[str, Any]) -> dict:
     """HF's rope settings: rope_parameters (transformers >= 5), else rope_scaling + rope_theta (v4)."""
     if config.get("rope_parameters"):
@@ -143,24 +194,33 @@ def rope_parameters(config: Mapping[str, Any]) -> dict:
     return {"rope_theta": config.get("rope_theta", 10000.0), **scaling}
 
 
-def rope_frequencies(config: Mapping[str, Any], head_dim: int, source="config") -> np.ndarray:
-    """float64 inverse frequencies [head_dim/2] for HF's rope types "default", "linear" and "llama3".
+def rope_frequencies(config: Mapping[str, Any], head_dim: int, source="config", *, rope: Mapping | None = None,
+                     name: str = "rope_parameters") -> np.ndarray:
+    """float64 inverse frequencies [head_dim/2] for HF's rope types "default", "linear", "llama3" and "yarn".
 
     default: theta_k = base^(-2k/H); linear: theta_k / factor; llama3: long wavelengths divided by factor,
-    short ones kept, a smooth blend between (HF's _compute_llama3_parameters, in float64).
+    short ones kept, a smooth blend between (HF's _compute_llama3_parameters, in float64); yarn: theta_k and
+    theta_k / factor blended by a linear ramp over the dims between the beta_fast and beta_slow corrections
+    (HF's _compute_yarn_parameters, in float64; its attention factor: rope_attention_factor).
+    rope: the settings to read (default: the config's, rope_parameters(config)); name: what refusals call them
+    (Gemma 3: "rope_parameters['sliding_attention']").
     """
-    rope = rope_parameters(config)
+    rope = rope_parameters(config) if rope is None else rope
     kind = rope.get("rope_type", "default")
     if kind not in ROPE_TYPES:
-        _pretrained.refuse(source, "rope_parameters['rope_type']", f"one of {list(ROPE_TYPES)}", kind)
+        _pretrained.refuse(source, f"{name}['rope_type']", f"one of {list(ROPE_TYPES)}", kind)
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        _pretrained.refuse(source, "rope_parameters['partial_rotary_factor']", "1.0", rope["partial_rotary_factor"])
-    if rope.get("attention_factor") not in (None, 1.0):
-        _pretrained.refuse(source, "rope_parameters['attention_factor']", "1.0 (or unset)", rope["attention_factor"])
+        _pretrained.refuse(source, f"{name}['partial_rotary_factor']", "1.0", rope["partial_rotary_factor"])
+    if kind != "yarn" and rope.get("attention_factor") not in (None, 1.0):
+        _pretrained.refuse(source, f"{name}['attention_factor']", "1.0 (or unset) unless rope_type is 'yarn'",
+                           rope["attention_factor"])
     base = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     inverse = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     if kind == "linear":
         return inverse / float(rope["factor"])
+    if kind == "yarn":
+        ramp = _yarn_ramp(rope, config, head_dim, base)
+        return inverse * (1 - ramp) + inverse / _yarn_factor(rope, config) * ramp
     if kind == "llama3":
         factor, low, high = (float(rope[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
         old = float(rope["original_max_position_embeddings"])
@@ -173,9 +233,56 @@ def rope_frequencies(config: Mapping[str, Any], head_dim: int, source="config") 
     return inverse
 
 
+def _pretraining_length(rope: Mapping[str, Any], config: Mapping[str, Any]) -> int:
+    """yarn's original_max_position_embeddings: the config's own field first, then rope_parameters', then
+    max_position_embeddings (HF's standardize_rope_params)."""
+    return (config.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
+            or config["max_position_embeddings"])
+
+
+def _yarn_factor(rope: Mapping[str, Any], config: Mapping[str, Any]) -> float:
+    """yarn's factor; null: max_position_embeddings / original_max_position_embeddings (HF's rule)."""
+    if rope.get("factor") is None:
+        return config["max_position_embeddings"] / _pretraining_length(rope, config)
+    return float(rope["factor"])
+
+
+def _yarn_ramp(rope: Mapping[str, Any], config: Mapping[str, Any], head_dim: int, base: float) -> np.ndarray:
+    """[H/2]: 0 on the dims yarn extrapolates (theta_k kept), 1 on those it interpolates (theta_k / factor)."""
+    old = _pretraining_length(rope, config)
+
+    def correction(rotations):  # the dim at which a wavelength makes `rotations` turns over `old` positions
+        return head_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction(rope.get("beta_fast") or 32), correction(rope.get("beta_slow") or 1)
+    if rope.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if low == high else high  # HF's guard against a zero-width ramp
+    return np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
+
+
+def rope_attention_factor(config: Mapping[str, Any], rope: Mapping | None = None) -> float:
+    """HF's attention_scaling of the rotary cos and sin: yarn's attention_factor (given, or 0.1 ln(factor) + 1,
+    or its mscale / mscale_all_dim ratio), 1.0 for every other rope type. rope: as rope_frequencies'."""
+    rope = rope_parameters(config) if rope is None else rope
+    if rope.get("rope_type", "default") != "yarn":
+        return 1.0
+    if rope.get("attention_factor") is not None:
+        return float(rope["attention_factor"])
+    factor = _yarn_factor(rope, config)
+
+    def mscale(m):
+        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+    if rope.get("mscale") and rope.get("mscale_all_dim"):
+        return mscale(rope["mscale"]) / mscale(rope["mscale_all_dim"])
+    return mscale(1)
+
+
 # --- norms ------------------------------------------------------------------------------------------------------
 
-RMS_NORMS = ("llama", "gemma", "t5")
+RMS_NORMS = ("llama", "gemma", "t5", "gpt_oss")
 
 
 def rms_normalize(x, epsilon: float):
@@ -191,6 +298,7 @@ class RMSNorm(nn.Module):
         "llama"  LlamaRMSNorm (Qwen2, Mistral):  weight * normed.astype(x.dtype)
         "gemma"  Gemma2RMSNorm:                   (normed * (1 + weight)).astype(x.dtype), weight from 0
         "t5"     T5LayerNorm:                     weight * normed, normed cast to a half weight's dtype first
+        "gpt_oss" GptOssRMSNorm:                  (weight * normed).astype(x.dtype)
 
     HF's code takes the statistics in float32 for float64 inputs too; crosscheck's float64 reference lifts
     that (crosscheck._hf_models.float64_reference), so float64 here means float64 throughout.
@@ -211,6 +319,8 @@ class RMSNorm(nn.Module):
             return (normed * (1.0 + weight.astype(normed.dtype))).astype(x.dtype)
         if self.kind == "t5":
             return weight * (normed.astype(weight.dtype) if weight.dtype in (jnp.bfloat16, jnp.float16) else normed)
+        if self.kind == "gpt_oss":
+            return (weight * normed).astype(x.dtype)
         return weight * normed.astype(x.dtype)
 
 
@@ -311,13 +421,19 @@ def layer_stack(module: nn.Module, layer: Callable, num_layers: int, final_norm:
     return x
 
 
-def self_attention(block: Configured, x, mask, positions, decode: bool, window, **options):
+def self_attention(block: PreNormBlock, x, mask, positions, decode: bool, window, **options):
     """The causal self-attention "self_attn" of a Llama-shaped block (in its compact call): GQA, RoPE at the
-    config's frequencies, the config's biases, the layer's `window` keyword; options: the family's extras
-    (scale, logit_softcap). Its params are what attention_rows describes."""
+    frequencies of config.rope(block.layer), the config's biases, the layer's `window` keyword; options: the
+    family's extras (scale, logit_softcap, qk_norm, use_sinks). Its params are what causal_lm_rows describes.
+
+    A rotary attention factor a (yarn) scales HF's cos and sin, so queries and keys by a each: the logits'
+    scale (H ** -0.5 or the family's) by a ** 2 here, the same product in another rounding order."""
     c, d = block.config, block.config.dims()
+    frequencies, factor = c.rope(block.layer)
+    if factor != 1.0:
+        options["scale"] = options.get("scale", d["H"] ** -0.5) * factor ** 2
     attention = _sharding.attention_class(block.sharding)(num_heads=d["N"], num_kv_heads=d["K"], head_dim=d["H"],
-                                   use_bias=c.attention_biases(), rope=RoPE(frequencies=c.rope_frequencies),
+                                   use_bias=c.attention_biases(), rope=RoPE(frequencies=frequencies),
                                    window=window, dtype=block.dtype, param_dtype=block.param_dtype,
                                    precision=block.precision, name="self_attn", **options)
     return attention(x, mask=mask, is_causal=True, rope_positions=positions, decode=decode)
@@ -330,6 +446,58 @@ def gated_mlp(block: Configured, x, activation: Callable):
                               precision=block.precision)
     h = activation(dense(d["F"], name="gate_proj")(x)) * dense(d["F"], name="up_proj")(x)
     return dense(d["E"], name="down_proj")(h)
+
+
+class PreNormBlock(Configured):
+    """Llama's block, layer `layer` of the stack: returns (residual stream, {"attention": its output, the
+    MLP's own rows (a router's logits), "mlp": its output}).
+
+        x = x + self_attn(input_layernorm(x));  x = x + mlp(post_attention_layernorm(x))
+
+    A family's block sets the hooks: attention_options (self_attention's extras) and feed_forward (the MLP:
+    -> (output, its own rows))."""
+
+    layer: int = 0
+
+    def attention_options(self) -> dict:
+        return {}
+
+    def norm(self) -> Callable[..., RMSNorm]:
+        """The factory of the block's RMS norms (the config's epsilon and rounding kind)."""
+        return functools.partial(RMSNorm, self.config.rms_norm_eps, self.param_dtype, self.config.rms_norm)
+
+    def feed_forward(self, x):
+        return gated_mlp(self, x, nn.silu), {}
+
+    @nn.compact
+    def __call__(self, x, mask, positions, decode: bool, window=None):
+        norm = self.norm()
+        a = self_attention(self, norm(name="input_layernorm")(x), mask, positions, decode, window,
+                           **self.attention_options())
+        x = x + a
+        m, rows = self.feed_forward(norm(name="post_attention_layernorm")(x))
+        return x + m, {"attention": a, **rows, "mlp": m}
+
+
+class SandwichBlock(PreNormBlock):
+    """Gemma's block: norms before and after attention and MLP, the outputs rows taken before their post-norms
+    (as HF's self_attn and mlp modules return them); gelu-tanh gated MLP by default.
+
+        x = x + post_attention_layernorm(self_attn(input_layernorm(x)))
+        x = x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))
+    """
+
+    def feed_forward(self, x):
+        return gated_mlp(self, x, functools.partial(nn.gelu, approximate=True)), {}
+
+    @nn.compact
+    def __call__(self, x, mask, positions, decode: bool, window=None):
+        norm = self.norm()
+        a = self_attention(self, norm(name="input_layernorm")(x), mask, positions, decode, window,
+                           **self.attention_options())
+        x = x + norm(name="post_attention_layernorm")(a)
+        m, rows = self.feed_forward(norm(name="pre_feedforward_layernorm")(x))
+        return x + norm(name="post_feedforward_layernorm")(m), {"attention": a, **rows, "mlp": m}
 
 
 def tied_logits(x, embedding, dtype, precision):
@@ -351,9 +519,10 @@ class CausalLM(Configured):
 
         x = scale_embeddings(embed_tokens[ids]);  x = layers_i(x), i < L;  logits = cap_logits(head(norm(x)))
 
-    A family subclasses it, naming its `Block`: called (x, mask, positions, decode, window) -> (x, {row:
-    output}), with its norms "input_layernorm" and "post_attention_layernorm", its self_attention and its
-    MLP (causal_lm_rows and mlp_rows describe them). The hooks are identities unless the family's HF model
+    A family subclasses it, naming its `Block` (PreNormBlock or SandwichBlock, with the family's hooks):
+    built with layer=i, called (x, mask, positions, decode, window) -> (x, {row: output}), with its norms
+    "input_layernorm" and "post_attention_layernorm", its self_attention and its MLP (causal_lm_rows and
+    mlp_rows describe them). The hooks are identities unless the family's HF model
     scales its embeddings or caps its logits. Sows "intermediates" (layer_stack).
     """
 
@@ -377,12 +546,29 @@ class CausalLM(Configured):
         masks = layer_masks(c, attention_mask, slots, decode)
 
         def layer(i, x):
-            block = self.Block(c, self.dtype, self.param_dtype, self.precision, self.sharding, name=f"layers_{i}")
+            block = self.Block(c, self.dtype, self.param_dtype, self.precision, self.sharding, layer=i,
+                               name=f"layers_{i}")
             return block(x, masks[c.window(i)], positions, decode, layer_window(c.window(i), decode))
 
         norm = RMSNorm(c.rms_norm_eps, self.param_dtype, c.rms_norm, name="norm")
         x = layer_stack(self, layer, c.num_hidden_layers, norm, self.scale_embeddings(embed(input_ids)))
         return self.cap_logits(lm_head(self, x, embed, c.tie_word_embeddings))
+
+
+def softcap(x, cap: float | None):
+    """HF's tanh softcapping: cap * tanh(x / cap); None: x unchanged."""
+    return x if cap is None else jnp.tanh(x / cap) * cap
+
+
+class ScaledCausalLM(CausalLM):
+    """Gemma's causal LM: the embeddings times sqrt(E), the scale rounded to their dtype first (HF's
+    embed_scale.to(weight.dtype)); the logits softcapped by config.final_logit_softcapping (None: not)."""
+
+    def scale_embeddings(self, x):
+        return x * jnp.asarray(math.sqrt(self.config.dims()["E"]), x.dtype)
+
+    def cap_logits(self, logits):
+        return softcap(logits, self.config.final_logit_softcapping)
 
 
 # --- decoding ---------------------------------------------------------------------------------------------------
@@ -436,6 +622,22 @@ def causal_lm_rows(config: DecoderConfig) -> list[_table.Row]:
         *_table.when(not config.tie_word_embeddings,
                      R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), "transpose")),
     ]
+
+
+def qk_norm_rows() -> list[_table.Row]:
+    """Each layer's per-head RMS norms of queries and keys (self_attention with qk_norm; Qwen 3, Gemma 3)."""
+    R = _table.row
+    return [R("model.layers.{i}.self_attn.q_norm.weight", ("H",), "layers_{i}/self_attn/q_norm/weight", ("H",)),
+            R("model.layers.{i}.self_attn.k_norm.weight", ("H",), "layers_{i}/self_attn/k_norm/weight", ("H",))]
+
+
+def sandwich_norm_rows() -> list[_table.Row]:
+    """Each layer's norms around the MLP of a SandwichBlock (its attention's two: causal_lm_rows)."""
+    R = _table.row
+    return [R("model.layers.{i}.pre_feedforward_layernorm.weight", ("E",),
+              "layers_{i}/pre_feedforward_layernorm/weight", ("E",)),
+            R("model.layers.{i}.post_feedforward_layernorm.weight", ("E",),
+              "layers_{i}/post_feedforward_layernorm/weight", ("E",))]
 
 
 def mlp_rows(config: DecoderConfig) -> list[_table.Row]:

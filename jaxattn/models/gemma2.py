@@ -20,13 +20,8 @@ The stack, the causal-LM wrapper, the norms, the head, the decode cache and load
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from collections.abc import Mapping
 from typing import Any, ClassVar
-
-import flax.linen as nn
-import jax.numpy as jnp
 
 from . import _decoder, _pretrained, _table
 
@@ -43,11 +38,7 @@ class Gemma2Config(_decoder.DecoderConfig):
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], source="config") -> Gemma2Config:
         """From a HF config.json dict; refuses by name what is not implemented."""
-        refuse = functools.partial(_pretrained.refuse, source)
-        if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
-            refuse("hidden_activation", "'gelu_pytorch_tanh'", config["hidden_activation"])
-        if config.get("use_bidirectional_attention"):
-            refuse("use_bidirectional_attention", "false or null (causal)", config["use_bidirectional_attention"])
+        _decoder.check_gemma(config, source)
         L = config["num_hidden_layers"]
         types = config.get("layer_types") or [_decoder.LAYER_TYPES[i % 2] for i in range(L)]  # HF's: even slide
         windows = _decoder.layer_windows(types, config.get("sliding_window"), L, source,
@@ -63,50 +54,24 @@ class Gemma2Config(_decoder.DecoderConfig):
             "layer_types": self.layer_types(), **self.sliding_window()}
 
 
-def softcap(x, cap: float | None):
-    """HF's tanh softcapping: cap * tanh(x / cap); None: x unchanged."""
-    return x if cap is None else jnp.tanh(x / cap) * cap
+class Gemma2Block(_decoder.SandwichBlock):
+    """Gemma's sandwich-norm block (gelu-tanh MLP) with Gemma 2's attention scale and softcap."""
 
-
-class Gemma2Block(_decoder.Configured):
-    """One sandwich-norm block; returns (residual stream, {"attention", "mlp": their outputs}), both taken
-    before their post-norms (as HF's self_attn and mlp modules return them)."""
-
-    @nn.compact
-    def __call__(self, x, mask, positions, decode: bool, window=None):
+    def attention_options(self) -> dict:
         c = self.config
-        norm = functools.partial(_decoder.RMSNorm, c.rms_norm_eps, self.param_dtype, c.rms_norm)
-        a = _decoder.self_attention(self, norm(name="input_layernorm")(x), mask, positions, decode, window,
-                                    scale=c.query_pre_attn_scalar ** -0.5, logit_softcap=c.attn_logit_softcapping)
-        x = x + norm(name="post_attention_layernorm")(a)
-        m = _decoder.gated_mlp(self, norm(name="pre_feedforward_layernorm")(x),
-                               functools.partial(nn.gelu, approximate=True))
-        return x + norm(name="post_feedforward_layernorm")(m), {"attention": a, "mlp": m}
+        return dict(scale=c.query_pre_attn_scalar ** -0.5, logit_softcap=c.attn_logit_softcapping)
 
 
-class Gemma2ForCausalLM(_decoder.CausalLM):
-    """HF Gemma2ForCausalLM: input_ids [B,T] -> logits [B,T,V]."""
+class Gemma2ForCausalLM(_decoder.ScaledCausalLM):
+    """HF Gemma2ForCausalLM: input_ids [B,T] -> logits [B,T,V] (sqrt(E)-scaled embeddings, softcapped logits)."""
 
     Block = Gemma2Block
-
-    def scale_embeddings(self, x):
-        return x * jnp.asarray(math.sqrt(self.config.dims()["E"]), x.dtype)  # HF: the scale in the embedding's dtype
-
-    def cap_logits(self, logits):
-        return softcap(logits, self.config.final_logit_softcapping)
 
 
 def weight_table(config: Gemma2Config) -> list[_table.Row]:
     """HF's names -> our params: the shared causal-LM rows, the MLP and its sandwich norms."""
-    R = _table.row
-    return _table.expand([
-        *_decoder.causal_lm_rows(config),
-        R("model.layers.{i}.pre_feedforward_layernorm.weight", ("E",),
-          "layers_{i}/pre_feedforward_layernorm/weight", ("E",)),
-        *_decoder.mlp_rows(config),
-        R("model.layers.{i}.post_feedforward_layernorm.weight", ("E",),
-          "layers_{i}/post_feedforward_layernorm/weight", ("E",)),
-    ], config.num_hidden_layers)
+    rows = [*_decoder.causal_lm_rows(config), *_decoder.sandwich_norm_rows(), *_decoder.mlp_rows(config)]
+    return _table.expand(rows, config.num_hidden_layers)
 
 
 _pretrained.register_family("gemma2")(_decoder.loader(Gemma2Config, Gemma2ForCausalLM, weight_table))

@@ -25,7 +25,6 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-import flax.linen as nn
 
 from . import _decoder, _pretrained, _table
 
@@ -43,9 +42,8 @@ class LlamaConfig(_decoder.DecoderConfig):
         if config.get("pretraining_tp", 1) != 1:
             refuse("pretraining_tp", "1", config["pretraining_tp"])
         layer_types = config.get("layer_types") or ["full_attention"]
-        if not qwen2_slides(config) and set(layer_types) != {"full_attention"}:  # Mistral: HF ignores them (warns)
-            refuse("layer_types", "only 'full_attention'" + (" (use_sliding_window is false)"
-                   if config.get("model_type") == "qwen2" else ""), sorted(set(layer_types)))
+        if config.get("model_type") != "qwen2" and set(layer_types) != {"full_attention"}:  # Mistral: HF ignores them
+            refuse("layer_types", "only 'full_attention'", sorted(set(layer_types)))
         return cls.parse(config, source, qkv_bias=config.get("model_type") == "qwen2",
                          windows=sliding_windows(config, source))
 
@@ -68,8 +66,7 @@ class LlamaConfig(_decoder.DecoderConfig):
         elif model_type == "mistral":
             keys |= {"sliding_window": None, **self.sliding_window()}
         else:
-            keys |= {"use_sliding_window": bool(self.windows), "layer_types": self.layer_types(),
-                     **self.sliding_window()}
+            keys |= self.use_sliding_window_keys()
         return super().to_dict() | keys
 
     def attention_biases(self) -> tuple[str, ...]:
@@ -89,35 +86,18 @@ def sliding_windows(config: Mapping[str, Any], source) -> tuple:
     """HF's sliding_window W per layer (None: full attention), or () when no layer slides.
 
     Mistral: W on every layer (HF's MistralModel picks its mask by sliding_window alone); null = none.
-    Qwen2: W on the layers layer_types marks "sliding_attention" (HF's default: from max_window_layers on),
-    and only with use_sliding_window (HF's config drops the window otherwise)."""
-    n = config["num_hidden_layers"]
-    if config.get("model_type") == "mistral" and config.get("sliding_window") is not None:
-        return (_decoder.checked_window(config["sliding_window"], source, "an int >= 1 or null"),) * n
-    if not qwen2_slides(config):
-        return ()
-    types = config.get("layer_types") or ["sliding_attention" if i >= config.get("max_window_layers", 28)
-                                          else "full_attention" for i in range(n)]
-    return _decoder.layer_windows(types, config.get("sliding_window"), n, source, why="use_sliding_window is true")
-
-
-class LlamaBlock(_decoder.Configured):
-    """One pre-norm block; returns (residual stream, {"attention": its output, "mlp": its output})."""
-
-    @nn.compact
-    def __call__(self, x, mask, positions, decode: bool, window=None):
-        c = self.config
-        norm = functools.partial(_decoder.RMSNorm, c.rms_norm_eps, self.param_dtype, c.rms_norm)
-        a = _decoder.self_attention(self, norm(name="input_layernorm")(x), mask, positions, decode, window)
-        x = x + a
-        m = _decoder.gated_mlp(self, norm(name="post_attention_layernorm")(x), nn.silu)
-        return x + m, {"attention": a, "mlp": m}
+    Qwen2: _decoder.use_sliding_window_layers. Llama: none."""
+    if config.get("model_type") == "qwen2":
+        return _decoder.use_sliding_window_layers(config, source)
+    if config.get("model_type") == "mistral":
+        return _decoder.every_layer_window(config, source)
+    return ()
 
 
 class LlamaForCausalLM(_decoder.CausalLM):
     """HF LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM: input_ids [B,T] -> logits [B,T,V]."""
 
-    Block = LlamaBlock
+    Block = _decoder.PreNormBlock  # Llama's own block, SwiGLU MLP
 
 
 def weight_table(config: LlamaConfig) -> list[_table.Row]:

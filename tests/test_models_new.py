@@ -1,0 +1,254 @@
+"""The families of issue 20 beyond the bars every family meets (tests/test_models_decoders.py holds them to
+those): their config variants against transformers, the config options they refuse by name, the rope
+settings they read (yarn, Gemma 3's per-layer-type rotary embeddings and transformers 4's keys for them),
+the mixtures of experts' router outputs and auxiliary loss, and the weight table's stacked rows.
+
+Each variant writes a tiny random checkpoint (crosscheck._hf_models) with the option set, and compares every
+layer and the logits with transformers in float32 and float64 on a left-padded batch.
+"""
+
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+
+pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from crosscheck import _hf_models as hf
+from crosscheck import layer_report
+from jaxattn.models import from_pretrained, moe, rope_frequencies, supported_model_types
+
+
+def _inputs():
+    ids, mask = hf.padded_batch("left")
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _assert_matches(directory):
+    torch_model = hf.torch_model(directory)
+    model, params = from_pretrained(directory)
+    for dtype in ("float32", "float64"):
+        report = layer_report(torch_model, (model, params), _inputs(), dtype=dtype)
+        assert report.passed and report.rows[-1].normwise <= (1e-12 if dtype == "float64" else 1e-5), str(report)
+    return model, params, torch_model
+
+
+def test_new_families_are_supported():
+    assert {"qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe"} <= set(supported_model_types())
+
+
+@pytest.mark.slow  # two reports per variant, on top of the bars' runs of the default configs
+@pytest.mark.parametrize("model_type, overrides", [
+    # all four projections biased, tied head, no sliding layer
+    ("qwen3", {"attention_bias": True, "tie_word_embeddings": True, "use_sliding_window": False}),
+    # tied (HF's default), no final softcap (HF's default), the global layer first, yarn on the global layers
+    ("gemma3_text", {"tie_word_embeddings": True, "final_logit_softcapping": None,
+                     "layer_types": ["full_attention", "sliding_attention"],
+                     "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 30.0},
+                                         "full_attention": {"rope_type": "yarn", "factor": 8.0, "rope_theta": 500.0,
+                                                            "original_max_position_embeddings": 16}}}),
+    ("mixtral", {"sliding_window": None, "num_experts_per_tok": 3}),  # no window (Mixtral's releases), top 3
+    # no attention biases, the global layer first, a plain rope (no yarn factor), top 1 (softmax of one: 1)
+    ("gpt_oss", {"attention_bias": False, "layer_types": ["full_attention", "sliding_attention"],
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 1000.0}, "num_experts_per_tok": 1}),
+    # renormalised top k, no window, tied head, q/k/v/o biases
+    ("qwen3_moe", {"norm_topk_prob": True, "use_sliding_window": False, "tie_word_embeddings": True,
+                   "attention_bias": True})])
+def test_config_variants_match_transformers(tmp_path, model_type, overrides):
+    model, params, torch_model = _assert_matches(hf.write_checkpoint(model_type, tmp_path / "variant", **overrides))
+    assert ("lm_head" in params) != torch_model.config.tie_word_embeddings
+    biased = {g for g, leaves in params["layers_0"]["self_attn"].items() if "bias" in leaves}
+    if model_type == "qwen3":
+        assert biased == {"query", "key", "value", "out"}
+    elif model_type == "gemma3_text":
+        assert model.config.rope(1)[1] == 1.0 and model.config.rope(0)[1] > 1.0  # yarn's factor on the global layer
+    elif model_type == "gpt_oss":
+        assert not biased and model.config.windows == (None, 5) and model.config.rope(0)[1] == 1.0
+    elif model_type == "qwen3_moe":
+        assert model.config.normalize_top_k() and not model.config.windows and len(biased) == 4
+
+
+def test_gemma3_reads_transformers_4_rope_keys(tmp_path):
+    """rope_theta + rope_scaling (global layers) and rope_local_base_freq (local layers), as Google's Gemma 3
+    configs spell them, give the rotary embeddings transformers 5 builds from them."""
+    directory = hf.write_checkpoint("gemma3_text", tmp_path / "legacy")
+    config = json.loads((directory / "config.json").read_text())
+    del config["rope_parameters"]
+    config.update(rope_theta=2000.0, rope_local_base_freq=70.0, rope_scaling={"rope_type": "linear", "factor": 3.0})
+    (directory / "config.json").write_text(json.dumps(config))
+    model, _, torch_model = _assert_matches(directory)
+    rotary = torch_model.model.rotary_emb
+    for layer, kind in enumerate(("sliding_attention", "full_attention")):
+        theirs = getattr(rotary, f"{kind}_inv_freq").double().numpy()
+        np.testing.assert_allclose(model.config.rope(layer)[0], theirs, rtol=1e-6, atol=0)
+
+
+def test_gemma3_layer_types_default_to_the_sliding_window_pattern():
+    import transformers
+
+    from jaxattn.models.gemma3 import Gemma3Config
+
+    theirs = transformers.Gemma3TextConfig(num_hidden_layers=7, sliding_window=9, sliding_window_pattern=3)
+    config = {k: v for k, v in theirs.to_dict().items() if k != "layer_types"}
+    ours = Gemma3Config.from_dict({**config, "sliding_window_pattern": 3})
+    assert ours.windows == tuple(9 if t == "sliding_attention" else None for t in theirs.layer_types)
+    assert ours.windows == (9, 9, None, 9, 9, None, 9)
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+     "original_max_position_embeddings": 4096, "rope_theta": 150000.0},  # gpt-oss's
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "rope_theta": 10000.0},
+    {"rope_type": "yarn", "factor": 8.0, "mscale": 1.0, "mscale_all_dim": 0.5, "original_max_position_embeddings": 32,
+     "rope_theta": 500.0},
+    {"rope_type": "yarn", "factor": 2.0, "attention_factor": 1.25, "original_max_position_embeddings": 128,
+     "rope_theta": 10000.0}])
+def test_yarn_frequencies_and_attention_factor_equal_transformers(rope):
+    import transformers
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from jaxattn.models._decoder import rope_attention_factor
+
+    config = transformers.LlamaConfig(hidden_size=96, num_attention_heads=3, max_position_embeddings=256,
+                                      rope_parameters=dict(rope))
+    theirs, factor = ROPE_INIT_FUNCTIONS["yarn"](config, "cpu")
+    ours = rope_frequencies(config.to_dict(), 32)
+    np.testing.assert_allclose(ours, theirs.double().numpy(), rtol=1e-6, atol=0)
+    assert rope_attention_factor(config.to_dict()) == pytest.approx(factor, rel=1e-12)
+
+
+@pytest.mark.parametrize("model_type, changes, named", [
+    ("qwen3", {"hidden_act": "gelu"}, "hidden_act"),
+    ("qwen3", {"use_sliding_window": False, "layer_types": ["sliding_attention", "full_attention"]}, "layer_types"),
+    ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+     r"rope_parameters\['rope_type'\]"),
+    ("gemma3_text", {"hidden_activation": "gelu"}, "hidden_activation"),
+    ("gemma3_text", {"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ("gemma3_text", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+    ("gemma3_text", {"layer_types": ["chunked_attention", "full_attention"]}, "layer_types"),
+    ("gemma3_text", {"rope_parameters": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}}, "rope_parameters"),
+    ("gemma3_text", {"rope_parameters": {"sliding_attention": {"rope_type": "longrope", "rope_theta": 1e4}}},
+     r"rope_parameters\['sliding_attention'\]\['rope_type'\]"),
+    ("gemma3_text", {"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4,
+                                                            "partial_rotary_factor": 0.5}}},
+     r"rope_parameters\['full_attention'\]\['partial_rotary_factor'\]")])
+def test_config_options_not_implemented_are_refused(tmp_path, model_type, changes, named):
+    source = hf.write_checkpoint(model_type, tmp_path / "ok")
+    config = json.loads((source / "config.json").read_text())
+    bad = tmp_path / "bad"
+    shutil.copytree(source, bad)
+    (bad / "config.json").write_text(json.dumps({**config, **changes}))
+    with pytest.raises(ValueError, match=rf"{bad}/config.json: {named}: expected"):
+        from_pretrained(bad)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=pytest.mark.slow)])
+def test_router_logits_and_aux_loss_equal_transformers(tmp_path, model_type, dtype):
+    """HF's output_router_logits=True outputs: every layer's router logits (ours sown as "layer{i}.router")
+    and aux_loss (moe.load_balancing_loss over the real tokens). HF accumulates the loss in float32 whatever
+    the dtype, so the loss is held to float32's 1e-6 relative in both runs."""
+    directory = hf.write_checkpoint(model_type, tmp_path / model_type)
+    model, params = from_pretrained(directory, dtype=dtype)
+    torch_model = hf.torch_model(directory, dtype)
+    ids, mask = hf.padded_batch("left")
+    _, state = model.apply({"params": params}, ids, attention_mask=mask, mutable=["intermediates"])
+    logits = moe.router_logits(state["intermediates"])
+    with torch.no_grad(), hf.float64_reference(torch_model, dtype):
+        out = torch_model(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), output_router_logits=True)
+    assert len(logits) == len(out.router_logits) == 2 and logits[0].shape == (3, 11, 5)
+    real = mask.astype(bool)
+    for ours, theirs in zip(logits, out.router_logits):
+        theirs = theirs.numpy().reshape(ours.shape)[real]
+        np.testing.assert_allclose(np.asarray(ours)[real], theirs, rtol=0, atol=1e-5 if dtype == "float32" else 1e-12)
+    config = model.config
+    loss = moe.load_balancing_loss(logits, config.num_local_experts, config.num_experts_per_tok, mask)
+    assert np.asarray(loss).dtype == np.dtype(dtype)
+    np.testing.assert_allclose(loss, out.aux_loss.double().numpy(), rtol=1e-6)
+    # no attention_mask: every token attends and counts (HF's loss without a mask)
+    _, state = model.apply({"params": params}, ids, mutable=["intermediates"])
+    with torch.no_grad(), hf.float64_reference(torch_model, dtype):
+        theirs = torch_model(torch.from_numpy(ids), output_router_logits=True).aux_loss
+    ours = moe.load_balancing_loss(moe.router_logits(state["intermediates"]), config.num_local_experts,
+                                   config.num_experts_per_tok)
+    np.testing.assert_allclose(ours, theirs.double().numpy(), rtol=1e-6)
+    assert abs(float(ours) - float(loss)) > 1e-3  # the mask mattered
+
+
+def test_routing_weights_keep_the_top_k_as_each_family_does():
+    """Literal logits: Mixtral renormalises the top k of the softmax, gpt-oss softmaxes the top k logits."""
+    logits = np.log(np.array([[1.0, 4.0, 2.0, 3.0]]))
+    mixtral = moe.routing_weights(logits, 2, "softmax_topk")
+    np.testing.assert_allclose(mixtral, [[0, 4 / 7, 0, 3 / 7]], rtol=1e-12)
+    unnormalised = moe.routing_weights(logits, 2, "softmax_topk", normalize=False)
+    np.testing.assert_allclose(unnormalised, [[0, 0.4, 0, 0.3]], rtol=1e-12)
+    np.testing.assert_allclose(moe.routing_weights(logits, 2, "topk_softmax"), mixtral, rtol=1e-12)
+    np.testing.assert_allclose(moe.routing_weights(np.array([[0.0, 3.0, 1.0, 3.0]]), 3, "topk_softmax"),
+                               [[0, np.e ** 2 / (2 * np.e ** 2 + 1), 1 / (2 * np.e ** 2 + 1), np.e ** 2 / (2 * np.e ** 2 + 1)]],
+                               rtol=1e-12)
+    with pytest.raises(ValueError, match="routing: expected one of"):
+        moe.routing_weights(logits, 2, "topk")
+
+
+def test_stacked_rows_name_each_expert_tensor(tmp_path):
+    """Mixtral's per-expert tensors fill one [X,...] leaf each: leaf[j] is expert j's tensor (transposed);
+    a missing expert tensor is listed by name, a misshapen one named with both shapes."""
+    from jaxattn.io import load_safetensors
+    from jaxattn.models import from_state_dict
+
+    directory = hf.write_checkpoint("mixtral", tmp_path / "mixtral")
+    config = json.loads((directory / "config.json").read_text())
+    tensors = load_safetensors(directory / "model.safetensors")
+    _, params = from_state_dict(config, tensors)
+    for j in range(5):
+        np.testing.assert_array_equal(params["layers_1"]["mlp"]["experts"]["down_proj"]["kernel"][j],
+                                      tensors[f"model.layers.1.block_sparse_moe.experts.{j}.w2.weight"].T)
+    gone = "model.layers.1.block_sparse_moe.experts.3.w3.weight"
+    with pytest.raises(ValueError, match=rf"1 missing \['{gone}'\]"):
+        from_state_dict(config, {k: v for k, v in tensors.items() if k != gone})
+    with pytest.raises(ValueError, match=rf"'{gone}': expected shape \[40,48\] \[F,E\], got shape \[48,40\]"):
+        from_state_dict(config, {**tensors, gone: tensors[gone].T})
+
+
+@pytest.mark.parametrize("model_type, changes, named", [
+    ("mixtral", {"hidden_act": "gelu"}, "hidden_act"),
+    ("mixtral", {"router_jitter_noise": 0.1}, "router_jitter_noise"),
+    ("mixtral", {"num_experts_per_tok": 6}, "num_experts_per_tok"),
+    ("mixtral", {"sliding_window": 0}, "sliding_window"),
+    ("mixtral", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+     r"rope_parameters\['rope_type'\]"),
+    ("gpt_oss", {"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config"),
+    ("gpt_oss", {"hidden_act": "gelu"}, "hidden_act"),
+    ("gpt_oss", {"num_experts_per_tok": 0}, "num_experts_per_tok"),
+    ("gpt_oss", {"layer_types": ["sliding_attention"]}, "layer_types"),
+    ("gpt_oss", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, r"rope_parameters\['rope_type'\]"),
+    ("qwen3_moe", {"mlp_only_layers": [1]}, "mlp_only_layers"),
+    ("qwen3_moe", {"decoder_sparse_step": 2}, "decoder_sparse_step"),
+    ("qwen3_moe", {"hidden_act": "relu"}, "hidden_act"),
+    ("qwen3_moe", {"num_experts_per_tok": 9}, "num_experts_per_tok")])
+def test_moe_config_options_not_implemented_are_refused(tmp_path, model_type, changes, named):
+    test_config_options_not_implemented_are_refused(tmp_path, model_type, changes, named)
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_moe_loads_transformers_5_fused_experts_too(tmp_path, model_type):
+    """A state_dict in memory (transformers 5's fused mlp.experts.gate_up_proj [X,2F,E] and down_proj
+    [X,E,F]) gives the same params as the per-expert checkpoint save_pretrained wrote."""
+    from jaxattn.io import load_safetensors
+    from jaxattn.models import from_state_dict
+
+    directory = hf.write_checkpoint(model_type, tmp_path / model_type)
+    config = json.loads((directory / "config.json").read_text())
+    _, saved = from_state_dict(config, load_safetensors(directory / "model.safetensors"))
+    memory = {k: v.numpy() for k, v in hf.torch_model(directory).state_dict().items()}
+    assert "model.layers.0.mlp.experts.gate_up_proj" in memory
+    _, fused = from_state_dict(config, memory)
+    import jax
+
+    assert jax.tree.structure(saved) == jax.tree.structure(fused)
+    for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(fused)):
+        np.testing.assert_array_equal(a, b)
