@@ -11,8 +11,8 @@ column-parallel q/k/v and gate/up, row-parallel out and down, whose partial sums
 "model"). A default row that names an axis the mesh lacks leaves that dim unsplit (a mesh with "data"
 only is pure FSDP); a `rules=` row must name existing axes. Every spec is checked against its leaf: its
 axes exist, none twice, and each splits its dim evenly, else ValueError naming the parameter, the spec
-and the shape. An axis for mixture-of-experts weights stacked [X, ...] per layer is one row away:
-("*/experts/*", P("expert", ...)); meshes without an "expert" axis then leave X whole.
+and the shape. Mixture-of-experts weights stacked [X, ...] per layer split X over "model" by default
+(MOE_RULES); a separate expert axis is one `rules=` row away: ("*/experts/*/kernel", P("expert", ...)).
 
 Loading: every leaf is made by jax.make_array_from_callback; each process builds only the shards of its
 own devices, and for each distinct shard reads only the bytes of that region of the HF tensor
@@ -63,7 +63,7 @@ from ..linen import MultiHeadAttention
 
 # --- the rules, per family ----------------------------------------------------------------------------------
 
-# Llama-shaped decoders (llama, qwen2, mistral, gemma2). Kernels: q/k/v [E,N|K,H], out [N,H,E], gate/up
+# Llama-shaped decoders (llama, qwen2, mistral, gemma2, qwen3, gemma3_text). Kernels: q/k/v [E,N|K,H], out [N,H,E], gate/up
 # [E,F], down [F,E], lm_head [E,V]; embeddings [V,E] split by vocabulary over "model" (XLA looks tokens
 # up in each device's rows and all-reduces), so a head tied to them is column-parallel too.
 DECODER_RULES = (
@@ -136,8 +136,28 @@ BERT_RULES = (
     ("*", P()),
 )
 
+# Mixture-of-experts decoders (mixtral, qwen3_moe, gpt_oss; jaxattn.models.moe): the Llama rows for attention,
+# embeddings and head, after the experts' rows (which must come first: "*/gate_proj/kernel" would match the
+# 3-D expert kernels). Expert kernels gate/up [X,E,F] and down [X,F,E] are split by expert over "model"
+# (expert parallel: each device runs its experts on every token, the dense dispatch's weighted sum over X
+# is the all-reduce over "model"), FSDP over E; the expert biases [X,F]/[X,E] by expert; the router [E,X]
+# FSDP over E, X whole (every device needs every expert's logit for the top k); gpt-oss's sinks [N] by head.
+# X must divide by the "model" axis' size (8 for Mixtral, 32 or 128 for gpt-oss, 128 for Qwen3-MoE).
+MOE_RULES = (
+    ("*/mlp/experts/gate_proj/kernel", P("model", "data", None)),
+    ("*/mlp/experts/up_proj/kernel", P("model", "data", None)),
+    ("*/mlp/experts/down_proj/kernel", P("model", None, "data")),
+    ("*/mlp/experts/*/bias", P("model", None)),
+    ("*/mlp/router/kernel", P("data", None)),
+    ("*/self_attn/sinks", P("model")),
+    *DECODER_RULES,
+)
+
+# qwen3 and gemma3_text are Llama-shaped: their q_norm/k_norm weights [H] fall to "*" (replicated).
 FAMILY_RULES = {"llama": DECODER_RULES, "qwen2": DECODER_RULES, "mistral": DECODER_RULES,
-                "gemma2": DECODER_RULES, "gpt2": GPT2_RULES, "t5": T5_RULES, "bert": BERT_RULES}
+                "gemma2": DECODER_RULES, "qwen3": DECODER_RULES, "gemma3_text": DECODER_RULES,
+                "mixtral": MOE_RULES, "qwen3_moe": MOE_RULES, "gpt_oss": MOE_RULES,
+                "gpt2": GPT2_RULES, "t5": T5_RULES, "bert": BERT_RULES}
 
 
 def partition_rules(model_type: str) -> tuple:
@@ -275,23 +295,24 @@ class ShardedCheckpoint(Mapping):
         out = np.dtype(dtype) if dtype is not None and jnp.issubdtype(x0.dtype, jnp.floating) else x0.dtype
         read = {}  # box -> array: a shard several local devices hold is read once
 
-        def one(x, shape, box):
-            return region(x, transform, shape, box).astype(out, copy=False)
-
         def shard(index):
             box = tuple(s.indices(d)[:2] for s, d in zip(index, shape))
             if box not in read:
-                if stacked:  # experts box[0] of X, each its own tensor: only theirs are read
-                    (a, b), rest = box[0], box[1:]
-                    read[box] = np.stack([one(xs[j], shape[1:], rest) for j in range(a, b)])
-                else:
-                    read[box] = one(x0, shape, box)
+                got = stacked_region(xs, transform, shape, box) if stacked else region(x0, transform, shape, box)
+                read[box] = got.astype(out, copy=False)
             return read[box]
 
         return jax.make_array_from_callback(tuple(shape), NamedSharding(self.rules.mesh, spec), shard, dtype=out)
 
 
 # --- a box of a leaf as a box of its HF tensor ---------------------------------------------------------------
+
+def stacked_region(xs, transform, shape, box) -> np.ndarray:
+    """leaf[box] for a stacked row's leaf [X, ...] = stack(transform(x) for x in xs): only the tensors of the
+    experts in box[0] are read, each for its box of the rest."""
+    (a, b), rest = box[0], box[1:]
+    return np.stack([region(xs[j], transform, shape[1:], rest) for j in range(a, b)])
+
 
 def _kind(step) -> str:
     return step[0] if isinstance(step, tuple) else step
@@ -493,6 +514,8 @@ class SequenceParallelAttention(MultiHeadAttention):
         dtype = common.layer_dtype(self.dtype, self.variables["params"], query)
         params, query = common.cast((self.variables["params"], query), dtype)
         q, k, v = project_qkv(params, query, precision=self.precision)
+        if (qk_norm := self._qk_norm()) is not None:  # Qwen 3, Gemma 3: before RoPE and the cache, as attend
+            q, k = qk_norm(q, k)
         T = q.shape[-3]
         if self.rope is not None:
             positions = jnp.arange(T) if rope_positions is None else rope_positions
