@@ -101,8 +101,15 @@ def main():
 DEMO = {"gpt2": dict(n_embd=64, n_head=8), "t5": dict(d_model=64, d_kv=8, num_heads=8, d_ff=96),
         **{f: dict(hidden_size=64, intermediate_size=96, num_attention_heads=16, num_key_value_heads=8)
            for f in ("llama", "qwen2", "mistral")},
-        "gemma2": dict(hidden_size=64, intermediate_size=96, num_attention_heads=16, num_key_value_heads=8,
-                       head_dim=8)}
+        **{f: dict(hidden_size=64, intermediate_size=96, num_attention_heads=16, num_key_value_heads=8,
+                   head_dim=8) for f in ("gemma2", "gemma3_text", "qwen3")},
+        # mixtures of experts: 8 experts (X splits over "model" by default)
+        "mixtral": dict(hidden_size=64, intermediate_size=96, num_attention_heads=16, num_key_value_heads=8,
+                        num_local_experts=8),
+        "gpt_oss": dict(hidden_size=64, intermediate_size=96, num_attention_heads=16, num_key_value_heads=8,
+                        head_dim=8, num_local_experts=8),
+        "qwen3_moe": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=16,
+                          num_key_value_heads=8, head_dim=8, num_experts=8)}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -2,6 +2,8 @@
 devices before it starts, so the pytest session keeps its single one).
 
     python tests/_models_mesh_checks.py mesh 8x1,2x4,1x8 DIR...              8 host devices, these meshes
+    python tests/_models_mesh_checks.py families 2x4 DIR...                   the same, without the error
+                                                                             and sequence-parallel runs
     python tests/_models_mesh_checks.py process ID COUNT PORT BIG DIR...     one of 2 processes x 4 devices
 
 For every checkpoint DIR (tiny random ones written by the test with transformers): from_pretrained(DIR,
@@ -21,7 +23,7 @@ import sys
 MODE = sys.argv[1] if len(sys.argv) > 1 else "mesh"
 # LLVM optimisation off: tiny programs compiled once and run once (as tests/_sharding_checks.py)
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-                           f" --xla_force_host_platform_device_count={8 if MODE == 'mesh' else 4}")
+                           f" --xla_force_host_platform_device_count={4 if MODE == 'process' else 8}")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json  # noqa: E402
@@ -310,8 +312,9 @@ def load_memory(directory, mesh):
 
 # --- the two modes ------------------------------------------------------------------------------------------------
 
-def run_mesh(shapes, directories):
-    """Each family's one-device reference once, then each mesh's sharded run against it."""
+def run_mesh(shapes, directories, *, extras=True):
+    """Each family's one-device reference once, then each mesh's sharded run against it; with extras, the
+    rules' error messages (on the llama checkpoint) and the sequence-parallel runs too."""
     meshes = [Mesh(np.array(jax.devices()).reshape(shape), ("data", "model")) for shape in shapes]
     results = {"devices": len(jax.devices())}
     for directory in directories:
@@ -333,6 +336,8 @@ def run_mesh(shapes, directories):
                 result = {"error": f"{type(error).__name__}: {error}"}
             result["seconds"] = round(time.perf_counter() - start, 1)
             results[name][key] = result
+    if not extras:
+        return results
     llama = next(d for d in directories if Path(d).name == "llama")
     results["errors"] = error_messages(meshes[0], llama)
     results["sequence_parallel"] = sequence_parallel(directories)
@@ -437,8 +442,8 @@ def run_process(process_id, count, port, big, directories):
 
 
 if __name__ == "__main__":
-    if MODE == "mesh":
+    if MODE in ("mesh", "families"):
         shapes = [tuple(int(n) for n in mesh.split("x")) for mesh in sys.argv[2].split(",")]
-        print(json.dumps(run_mesh(shapes, sys.argv[3:])), flush=True)
+        print(json.dumps(run_mesh(shapes, sys.argv[3:], extras=MODE == "mesh")), flush=True)
     else:
         run_process(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5], sys.argv[6:])

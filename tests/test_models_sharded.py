@@ -37,6 +37,7 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 from train_sharded import DEMO  # noqa: E402  (the tiny configs that split over 8 devices)
 
 FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "t5")
+NEW_FAMILIES = ("qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe")  # run on the (2, 4) mesh only
 MESHES = ("8x1", "2x4", "1x8")
 TOL = 1e-12
 TIMEOUT_S = 1500  # the mesh run takes about 8 minutes on a loaded 2-core machine
@@ -55,6 +56,22 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("sharded")
     written = {f: str(hf.write_checkpoint(f, root / f, vocab_size=128, **DEMO[f])) for f in FAMILIES}
     return written
+
+
+@pytest.fixture(scope="module")
+def new_checkpoints(tmp_path_factory):
+    """{family: directory} of the newer families' tiny checkpoints (DEMO's: 8 experts), written on first use."""
+    pytest.importorskip("transformers")
+    from crosscheck import _hf_models as hf
+
+    root = tmp_path_factory.mktemp("sharded_new")
+
+    class Written(dict):
+        def __missing__(self, family):
+            self[family] = str(hf.write_checkpoint(family, root / family, vocab_size=128, **DEMO[family]))
+            return self[family]
+
+    return Written()
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -108,6 +125,10 @@ def test_safetensors_entries_refuses_a_damaged_file(tmp_path):
     ("T_reshape", (12, 5), (5, 3, 4), (2,)), ("T_reshape", (5, 12), (3, 4, 5), (1,)),
     ("reshape", (12, 5), (3, 4, 5), (1,)), (("part", 1, 3, 1), (5, 36), (5, 3, 4), (2,)),
     (("part", 2, 3, 0), (36,), (3, 4), (1,)), (("part", 0, 3, 1), (5, 36), (5, 12), ()),
+    # the MoE families' steps (jaxattn.models.moe): a stacked [X,out,in] kernel to [X,in,out], Mixtral's fused
+    # gate_up_proj [X,2F,E] halves; gpt-oss's interleaved columns (every: the span read, tails = its axis)
+    (("swapaxes", 1, 2), (4, 6, 8), (4, 8, 6), ()), ([("part", 1, 2, 1), ("swapaxes", 1, 2)], (4, 12, 8), (4, 8, 6), ()),
+    (("every", 0, 2, 2), (4, 6, 16), (4, 6, 8), (2,)), (("every", 1, 2, 1), (6, 16), (6, 8), (1,)),
 ])
 def test_a_box_of_a_leaf_reads_its_region_of_the_tensor(tmp_path, transform, hf_shape, shape, tails):
     """_sharding.region against the dense table transform (_table.fill), on every box of a grid of cuts."""
@@ -129,18 +150,88 @@ def test_a_box_of_a_leaf_reads_its_region_of_the_tensor(tmp_path, transform, hf_
         assert got.dtype == want.dtype and np.array_equal(got, want), box
         exact = all(box[a] == (0, shape[a]) for a in tails)
         read = sum(io.bytes_read.values())
-        assert read == want.nbytes if exact else read >= want.nbytes, (box, read, want.nbytes)
+        if isinstance(transform, tuple) and transform[0] == "every":  # the span of the n interleaved slices
+            assert want.nbytes <= read <= transform[2] * want.nbytes, (box, read, want.nbytes)
+        else:
+            assert read == want.nbytes if exact else read >= want.nbytes, (box, read, want.nbytes)
+
+
+def test_a_stacked_row_reads_only_the_experts_of_its_shard(tmp_path):
+    """A stacked row (one HF tensor per expert): a box over experts [1, 3) reads only experts 1 and 2, each
+    for its own box, and equals the dense table's leaf there."""
+    from jaxattn.models import _sharding, _table
+
+    safetensors = pytest.importorskip("safetensors.numpy")
+    rng = np.random.default_rng(0)
+    tensors = {f"e.{j}.w": rng.normal(size=(6, 8)) for j in range(4)}  # [F,E] each
+    path = tmp_path / "t.safetensors"
+    safetensors.save_file(tensors, str(path))
+    entries = io.safetensors_entries(path)
+    row = _table.stacked("e.{j}.w", ("F", "E"), "w", ("X", "E", "F"), "transpose", over="X")
+    dims = {"X": 4, "E": 8, "F": 6}
+    leaf = _table.fill(tensors, [row], dims, {n: "t.safetensors" for n in tensors})["w"]
+    xs = [_sharding.LazyTensor(path, entries[f"e.{j}.w"]) for j in range(4)]
+    box = ((1, 3), (4, 8), (0, 6))
+    io.bytes_read.clear()
+    got = _sharding.stacked_region(xs, "transpose", (4, 8, 6), box)
+    assert np.array_equal(got, leaf[1:3, 4:8])
+    assert {name: n for (_, name), n in io.bytes_read.items()} == {"e.1.w": 6 * 4 * 8, "e.2.w": 6 * 4 * 8}
 
 
 def test_rules_tables_name_every_family():
-    for model_type in ("bert", "gpt2", "t5", "llama", "qwen2", "mistral", "gemma2"):
+    for model_type in ("bert", "gpt2", "t5", "llama", "qwen2", "mistral", "gemma2", *NEW_FAMILIES):
         rules = partition_rules(model_type)
         assert rules[-1] == ("*", P())  # the catch-all replicates
         assert all(isinstance(p, str) and isinstance(s, P) for p, s in rules)
     assert dict(partition_rules("llama"))["*/self_attn/query/kernel"] == P("data", "model", None)
     assert dict(partition_rules("llama"))["*/self_attn/out/kernel"] == P("model", None, "data")
+    assert partition_rules("qwen3") == partition_rules("gemma3_text") == partition_rules("llama")
     with pytest.raises(ValueError, match="model_type: expected one of"):
-        partition_rules("mixtral")
+        partition_rules("whisper")
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_moe_rules_split_experts_before_the_llama_rows(model_type):
+    """The expert rows come first (Llama's "*/gate_proj/kernel" would match a 3-D expert kernel): experts by
+    X over "model", FSDP over E; the router FSDP over E; the dense rows as Llama's."""
+    from jaxattn.models import _sharding
+
+    rules = _sharding.Rules.of(model_type, one_device_mesh("data", "model"))
+    E, X, F = 8, 4, 6
+    assert rules.spec("layers_1/mlp/experts/gate_proj/kernel", (X, E, F)) == P("model", "data", None)
+    assert rules.spec("layers_1/mlp/experts/up_proj/kernel", (X, E, F)) == P("model", "data", None)
+    assert rules.spec("layers_1/mlp/experts/down_proj/kernel", (X, F, E)) == P("model", None, "data")
+    assert rules.spec("layers_1/mlp/experts/gate_proj/bias", (X, F)) == P("model", None)
+    assert rules.spec("layers_1/mlp/experts/down_proj/bias", (X, E)) == P("model", None)
+    assert rules.spec("layers_1/mlp/router/kernel", (E, X)) == P("data", None)
+    assert rules.spec("layers_1/mlp/router/bias", (X,)) == P()
+    assert rules.spec("layers_1/self_attn/sinks", (4,)) == P("model")
+    assert rules.spec("layers_1/self_attn/query/kernel", (E, 4, 2)) == P("data", "model", None)
+    assert rules.spec("layers_1/self_attn/q_norm/weight", (2,)) == P()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+def test_one_device_mesh_loads_moe_params_the_same(new_checkpoints, family):
+    """Stacked per-expert rows (Mixtral) and gpt-oss's interleaved gate/up ("every"): on a one-device mesh
+    the params equal the unsharded load and so do the logits; every tensor is read whole once, except
+    gpt-oss's fused gate_up tensors [...,2F], read once for gate and once for up, each the span from its
+    first column to its last (2F - 1 of the 2F columns)."""
+    directory = new_checkpoints[family]
+    model, params = from_pretrained(directory, dtype="float64")
+    io.bytes_read.clear()
+    smodel, sparams = from_pretrained(directory, dtype="float64", mesh=one_device_mesh("data", "model"))
+    entries = io.safetensors_entries(Path(directory) / "model.safetensors")
+    twice = {n for n in entries if n.endswith(("gate_up_proj", "gate_up_proj_bias"))}
+    assert (family == "gpt_oss") == bool(twice)
+    assert {name: n for (_, name), n in io.bytes_read.items()} == {
+        n: 2 * e.nbytes * (e.shape[-1] - 1) // e.shape[-1] if n in twice else e.nbytes for n, e in entries.items()}
+    assert jax.tree.structure(params) == jax.tree.structure(sparams)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(sparams)):
+        assert isinstance(b, jax.Array) and a.dtype == b.dtype and np.array_equal(a, b)
+    ids = np.array([[5, 6, 7, 8], [9, 10, 11, 12]])
+    got = jax.jit(smodel.apply)({"params": sparams}, ids)
+    assert_float64(got)
+    assert normwise(got, model.apply({"params": params}, ids)) <= TOL
 
 
 def test_rules_first_match_wins_and_user_rows_come_first():
@@ -216,6 +307,24 @@ def test_one_device_mesh_loads_the_same_params(checkpoints):
     got = jax.jit(smodel.apply)({"params": sparams}, ids)
     assert_float64(got)
     assert normwise(got, model.apply({"params": params}, ids)) <= TOL
+
+
+def test_sequence_parallel_applies_the_qk_norms(tmp_path):
+    """Qwen 3 without windows on a one-device (data, seq, model) mesh: its attention runs on the ring
+    (SequenceParallelAttention), q_norm/k_norm included, and equals the unsharded model."""
+    from crosscheck import _hf_models as hf
+    from jaxattn.models import _sharding
+
+    directory = hf.write_checkpoint("qwen3", tmp_path / "qwen3", vocab_size=128, use_sliding_window=False,
+                                    **DEMO["qwen3"])
+    model, params = from_pretrained(directory, dtype="float64")
+    smodel, sparams = from_pretrained(directory, dtype="float64", mesh=one_device_mesh("data", "seq", "model"))
+    assert _sharding.attention_class(smodel.sharding) is not _sharding.MultiHeadAttention
+    ids, mask = np.array([[5, 6, 7, 8, 9, 10], [9, 10, 11, 12, 0, 0]]), np.array([[1] * 6, [1] * 4 + [0] * 2])
+    got = jax.jit(smodel.apply)({"params": sparams}, ids, attention_mask=mask)
+    want = model.apply({"params": params}, ids, attention_mask=mask)
+    assert_float64(got)
+    assert normwise(np.asarray(got)[mask == 1], np.asarray(want)[mask == 1]) <= TOL
 
 
 def test_missing_shard_file_names_the_parameter_spec_and_shape(checkpoints, tmp_path):
@@ -331,6 +440,46 @@ def test_collectives_are_the_ones_the_rules_imply(mesh_results, family):
     assert any(op == "all-gather" and axes == ["data"] for op, axes, _ in both["ops"])
     for mesh in MESHES:
         assert result_of(mesh_results, family, mesh)["collectives"]["weights_gathered_over_model"] == [], mesh
+
+
+@pytest.fixture(scope="module")
+def new_family_results(new_checkpoints):
+    """The newer families on the (2, 4) mesh (_models_mesh_checks.py families: no error or sequence-parallel
+    runs), each against one device."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run([sys.executable, str(SCRIPT), "families", "2x4",
+                          *(new_checkpoints[f] for f in NEW_FAMILIES)], capture_output=True, text=True, env=env,
+                         timeout=TIMEOUT_S, cwd=HERE)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # reads the 8-device subprocess run (_models_mesh_checks.py families)
+@pytest.mark.parametrize("family", NEW_FAMILIES)
+def test_newer_family_on_a_mesh_equals_one_device(new_family_results, family):
+    """Qwen 3, Gemma 3, Mixtral, gpt-oss, Qwen3-MoE on (data, model) = (2, 4) in float64: logits normwise
+    <= 1e-12, greedy tokens equal, one AdamW step <= 1e-12 with the layout kept; the experts laid out by
+    MOE_RULES (X over "model"), and no weight all-gathered over "model" in the compiled forward."""
+    result = result_of(new_family_results, family, "2x4")
+    assert result["dtypes"] == ["float64"]
+    assert result["forward"] <= TOL
+    assert result["generate"]["equal"], result["generate"]
+    train = result["train"]
+    assert train["loss"] <= TOL and train["grads"] <= TOL and train["params"] <= TOL, train
+    assert train["layout_kept"] and train["state_layout_kept"], train
+    specs = result["specs"]
+    assert specs["['layers_0']['self_attn']['query']['kernel']"] == "('data', 'model')"
+    if family in ("qwen3", "gemma3_text", "qwen3_moe"):
+        assert specs["['layers_0']['self_attn']['q_norm']['weight']"] == "()"
+    if family in ("mixtral", "gpt_oss", "qwen3_moe"):
+        assert specs["['layers_0']['mlp']['experts']['gate_proj']['kernel']"] == "('model', 'data')"
+        assert specs["['layers_0']['mlp']['experts']['down_proj']['kernel']"] == "('model', None, 'data')"
+        assert specs["['layers_0']['mlp']['router']['kernel']"] == "('data',)"
+    else:
+        assert specs["['layers_0']['up_proj']['kernel']"] == "('data', 'model')"
+    assert result["collectives"]["weights_gathered_over_model"] == []
+    reduces = [axes for op, axes, t in result["collectives"]["ops"] if op == "all-reduce" and "f64" in t]
+    assert reduces and all(axes == ["model"] for axes in reduces), reduces
 
 
 @pytest.mark.slow
