@@ -28,7 +28,13 @@ from crosscheck._param_layout import ParamLayout  # noqa: E402
 from crosscheck._train_report import random_batches  # noqa: E402
 from jaxattn.models import from_pretrained, from_state_dict  # noqa: E402
 
-DECODERS = ("gpt2", "llama", "qwen2", "mistral", "gemma2")
+DECODERS = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe")
+# float32 runs follow torch within the envelope where the model is smooth in its weights near the run's path:
+# gpt-oss's clamped SwiGLU (min(gate, limit); the tiny checkpoint's limit 1.0 so that the clamps bite) is not,
+# and a float32 rounding that moves an entry across the clamp changes a gradient by a whole term (gpt-oss: at
+# step 25-31 of 100, its expert biases). A router's top-k could flip the same way on a near tie; Mixtral's and
+# Qwen3-MoE's did not in these runs. float64 holds for every family.
+SMOOTH_IN_FLOAT32 = tuple(f for f in DECODERS if f != "gpt_oss")
 
 
 @pytest.fixture(autouse=True)
@@ -397,7 +403,7 @@ def test_100_adamw_steps_agree_to_float64_rounding(family, checkpoints):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", DECODERS)
+@pytest.mark.parametrize("family", SMOOTH_IN_FLOAT32)
 def test_100_float32_steps_stay_in_the_envelope(family, checkpoints):
     """float32: the measured envelope (TRAIN_TOLERANCES): every parameter within 1e-5, losses within 1e-4."""
     report = _hundred_steps(checkpoints[family], "float32")

@@ -1,8 +1,10 @@
 """crosscheck cases of programmable attention (issue 11), each against code nobody here wrote or against torchref.
 
-* ``flex_<pattern>``: ``jaxattn.flex_attention`` with the pattern's score_mod / mask_mod (absolute positions)
-  against torch's eager ``flex_attention`` (crosscheck._flex.flex_reference converts row indices explicitly).
-  Forward only: torch has no CPU backward for flex.
+* ``flex_<pattern>``: ``jaxattn.flex_attention`` called as torch users call theirs (the score_mod, and the
+  mask_mod only inside ``create_block_mask``'s BlockMask: ``flex_attention(q, k, v, score_mod, block_mask)``)
+  against torch's eager ``flex_attention`` making the same call (crosscheck._flex.flex_reference converts row
+  indices explicitly). Forward only: torch has no CPU backward for flex. The ``mask_mod=`` keyword is proven
+  by the ``_keywords`` and ``_blockwise`` cases (and tests/test_block_mask.py: block_mask alone == mask_mod).
 * ``flex_<pattern>_keywords``: the same pattern through dot_product_attention's first-class keywords (segments,
   window, chunk_size, logit_softcap, masks, biases), forward and gradients against torchref.flex_attention
   running the mods.
@@ -80,6 +82,22 @@ def _torchref_flex(case, arrays):
     return torch_fn
 
 
+def _torch_style_flex(case, arrays):
+    """The call as a torch user writes it: the mask only inside a BlockMask (torch's flex_attention has no
+    mask_mod argument), flex_attention(q, k, v, score_mod, block_mask=create_block_mask(mask_mod, B, N, T, S))."""
+    def jax_fn(query, key, value):
+        import jax.numpy as jnp
+
+        import jaxattn
+
+        score_mod, mask_mod = case.mods(jnp, _cast(jnp, arrays, query))
+        block_mask = None if mask_mod is None else jaxattn.create_block_mask(
+            mask_mod, B=query.shape[0], H=N, Q_LEN=query.shape[-3], KV_LEN=key.shape[-3])
+        return jaxattn.flex_attention(query, key, value, score_mod, block_mask)
+
+    return jax_fn
+
+
 def _flex_vs_torch(case):
     inputs, arrays = _inputs(case, 11)
 
@@ -89,7 +107,7 @@ def _flex_vs_torch(case):
         score_mod, mask_mod = case.mods(torch, _cast(torch, arrays, query))
         return flex_reference(query, key, value, score_mod=score_mod, mask_mod=mask_mod)
 
-    return _ForwardSetup(_jax_flex(case, arrays), torch_fn, inputs)
+    return _ForwardSetup(_torch_style_flex(case, arrays), torch_fn, inputs)
 
 
 def _keywords_vs_torchref(case):
@@ -113,7 +131,7 @@ def _blockwise_vs_torchref(case):
 
 for _name, _case in FLEX_CASES.items():
     register_case(f"flex_{_name}", quick=FLOAT32_JIT, note=REFERENCE_NOTE,
-                  description=f"flex_attention mods vs torch's eager flex_attention (forward), {_name}, "
+                  description=f"flex_attention(q, k, v, score_mod, block_mask) vs torch's eager call (forward), {_name}, "
                               f"T={_case.T} S={_case.S}")(lambda c=_case: _flex_vs_torch(c))
     register_case(f"flex_{_name}_keywords", quick=FLOAT64_PLAIN,
                   description=f"dot_product_attention keywords vs torchref.flex_attention mods (and gradients), "
