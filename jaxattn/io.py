@@ -6,10 +6,16 @@ bfloat16 (it comes back as ``ml_dtypes.bfloat16``, as JAX uses it). Every offset
 the file size before a byte is interpreted; a damaged file raises ValueError naming the path, a missing
 one FileNotFoundError. Nothing in a weight file is ever executed. ``save_safetensors(tensors, path)`` writes
 the same format (what ``jaxattn.models.to_pretrained`` writes), bf16 and float8 included.
+
+A sharded load reads parts: ``safetensors_entries(path)`` parses the header alone ({name: TensorEntry}:
+dtype, shape, byte offset), and ``read_region(path, entry, box)`` reads one box of a tensor with one
+``os.preadv`` per contiguous run of its bytes, counting them in ``bytes_read`` (per file and tensor).
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import math
 import os
@@ -112,6 +118,78 @@ def _little_endian(buffer, dtype: np.dtype) -> np.ndarray:
         return np.frombuffer(buffer, dtype=dtype.newbyteorder("<")).astype(dtype)
     as_uint = np.frombuffer(buffer, dtype=f"<u{dtype.itemsize}")  # ml_dtypes have no byte-order variants
     return as_uint.astype(f"=u{dtype.itemsize}").view(dtype)
+
+
+# --- reading parts of a file: a sharded load reads only the bytes of its own shards --------------------------
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file, from its header: where its bytes lie, nothing read yet."""
+
+    name: str
+    dtype: np.dtype
+    shape: tuple[int, ...]
+    offset: int  # of its first byte, from the start of the file
+    nbytes: int
+
+
+# Bytes read by read_region, per (file, tensor name): what a sharded load read (tests count it).
+bytes_read: collections.Counter = collections.Counter()
+
+
+def safetensors_entries(path: str | os.PathLike) -> dict[str, TensorEntry]:
+    """{name: TensorEntry} in the file's order, reading the header only. Every entry is checked as
+    load_safetensors checks it (back to back, no gap, its bytes matching its shape, nothing past the end)."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            n = int.from_bytes(head, "little")
+            raw = head + (f.read(n) if len(head) == 8 and n <= min(_MAX_HEADER, size - 8) else b"")
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such file") from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read ({exc})") from exc
+    if len(raw) == 8 and size > 8:  # the header length was refused above: say why, as load_safetensors does
+        raise _damaged(path, f"header length {n} exceeds the {size - 8} bytes after it")
+    header = _read_header(path, memoryview(raw))
+    data = size - len(raw)
+    entries, end = {}, 0
+    by_offset = sorted(((*_entry(path, name, info), name) for name, info in header.items()), key=lambda e: e[2:4])
+    for dtype, shape, begin, stop, name in by_offset:
+        if begin != end or stop > data or stop - begin != math.prod(shape) * dtype.itemsize:
+            raise _damaged(path, f"entry {name!r}: offsets [{begin}, {stop}] for shape {list(shape)} of {dtype} "
+                                 f"(the previous entry ends at {end}, the data section is {data} bytes)")
+        entries[name], end = TensorEntry(name, dtype, shape, len(raw) + begin, stop - begin), stop
+    if end != data:
+        raise _damaged(path, f"{data - end} trailing bytes after the last tensor")
+    return {name: entries[name] for name in header}
+
+
+def read_region(path: str | os.PathLike, entry: TensorEntry, box) -> np.ndarray:
+    """The part box = ((start, stop) per axis) of the tensor `entry` of the file at `path`, reading only its
+    bytes: one read per contiguous run (a single run when only the leading axis is cut; one per row when
+    the last axis is). Counted in `bytes_read`."""
+    box = tuple((int(a), int(b)) for a, b in box)
+    if len(box) != len(entry.shape) or not all(0 <= a <= b <= d for (a, b), d in zip(box, entry.shape)):
+        raise ValueError(f"{path}: {entry.name!r}: expected a box of (start, stop) within shape "
+                         f"{list(entry.shape)}, got {list(box)}")
+    lengths = [b - a for a, b in box]
+    out = bytearray(math.prod(lengths) * entry.dtype.itemsize)
+    # the axes after `cut` are whole, so each index over the axes before it starts one contiguous run
+    cut = max([k for k, ((a, b), d) in enumerate(zip(box, entry.shape)) if b - a != d] or [0])
+    strides = np.cumprod((entry.shape[1:] + (1,))[::-1])[::-1] * entry.dtype.itemsize
+    run = lengths[cut] * int(strides[cut]) if entry.shape else entry.dtype.itemsize
+    with open(path, "rb") as f:
+        view = memoryview(out)
+        for k, index in enumerate(np.ndindex(*lengths[:cut])):
+            first = sum((i + a) * int(s) for i, (a, _), s in zip(index, box, strides))
+            first += box[cut][0] * int(strides[cut]) if entry.shape else 0
+            if run and os.preadv(f.fileno(), [view[k * run:(k + 1) * run]], entry.offset + first) != run:
+                raise _damaged(Path(path), f"entry {entry.name!r}: file changed while reading")
+    bytes_read[(str(path), entry.name)] += len(out)
+    return _little_endian(out, entry.dtype).reshape(lengths)
 
 
 _DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}

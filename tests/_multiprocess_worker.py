@@ -30,7 +30,7 @@ import numpy as np  # noqa: E402
 from jax.experimental import multihost_utils  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
-from helpers import normwise  # noqa: E402  (tests/helpers.py: this script's folder is first on sys.path)
+from helpers import join_processes, normwise  # noqa: E402  (tests/helpers.py: this script's folder is first on sys.path)
 
 LOCAL_DEVICES = 4
 MAX_DISTANCE = 3
@@ -139,13 +139,8 @@ def check_data_head_parallel():
 
 
 def main(process_id, num_processes, port):
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.config.update("jax_enable_x64", True)
-    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=num_processes,
-                               process_id=process_id, local_device_ids=list(range(LOCAL_DEVICES)),
-                               initialization_timeout=60)
-    results = {"process_index": jax.process_index(), "process_count": jax.process_count(),
-               "devices": len(jax.devices()), "local_devices": len(jax.local_devices())}
+    results = join_processes(process_id, num_processes, port, LOCAL_DEVICES)
     checks = {**{name: (lambda case=case: check_ring(case)) for name, case in RING_CASES.items()},
               "data-head-parallel": check_data_head_parallel}
     for name, check in checks.items():

@@ -1,5 +1,5 @@
-"""Test helpers, one home for each: the normwise error, the float64 guard, the independent attention references
-and the safetensors spec's dtype table.
+"""Test helpers, one home for each: the normwise error, the float64 guard, the independent attention references,
+the safetensors spec's dtype table, and the two-process runs (start the processes, join them in each).
 
 Every test file imports these from here, and so do the scripts that tests run as subprocesses
 (`python tests/_sharding_checks.py`, `python tests/_multiprocess_worker.py ...`: a script's own folder is first
@@ -13,7 +13,12 @@ it to `attention_loop`). Their keywords are the contract's own (`key_value_seq_l
 `window`, `logit_softcap`, `sinks`...), so a test hands the reference the keywords it gives jaxattn.
 """
 
+import json
 import math
+import os
+import socket
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -322,3 +327,43 @@ def attention_reference(q, k, v, allowed, *, scale=None, logit_softcap=None, bia
     total = jnp.sum(e, axis=-1, keepdims=True)
     p = (e / jnp.where(total == 0, 1, total))[..., :S]
     return jnp.einsum("bnts,bsnh->btnh", p, v, precision="highest")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# several processes on localhost (tests/test_multiprocess.py, tests/test_models_sharded.py)
+
+
+def run_processes(script, count, *args, timeout_s, mode=()):
+    """Starts `count` copies of `python SCRIPT *mode PROCESS_ID COUNT PORT *args` (PORT: a free localhost port
+    for jax.distributed's coordinator; XLA_FLAGS cleared, each script sets its own), waits for each at most
+    timeout_s and returns [the JSON of each one's last stdout line]. A process that fails fails the caller
+    with its stderr; none is left waiting on its peer."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, str(script), *mode, str(i), str(count), str(port), *map(str, args)],
+                              env=env, cwd=os.path.dirname(str(script)), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for i in range(count)]
+    outputs = []
+    try:
+        for proc in procs:
+            out, err = proc.communicate(timeout=timeout_s)
+            assert proc.returncode == 0, err[-4000:]
+            outputs.append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return outputs
+
+
+def join_processes(process_id, count, port, local_devices):
+    """In a script run_processes started: JAX's multi-process runtime over `local_devices` CPU devices per
+    process (CPU collectives over gloo, coordinator on localhost:PORT); jax.devices() then spans them all."""
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=count, process_id=process_id,
+                               local_device_ids=list(range(local_devices)), initialization_timeout=60)
+    return {"process_index": jax.process_index(), "process_count": jax.process_count(),
+            "devices": len(jax.devices()), "local_devices": len(jax.local_devices())}

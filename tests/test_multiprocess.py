@@ -6,13 +6,11 @@ sharded multi_head_attention, forward and gradients, each gathered and compared 
 single-device dense run in float64. This file only starts them (bounded time) and reads their reports.
 """
 
-import json
 import os
-import socket
-import subprocess
-import sys
 
 import pytest
+
+from helpers import run_processes
 
 pytestmark = pytest.mark.slow  # two processes x 4 devices: the longest single check
 
@@ -22,31 +20,9 @@ TIMEOUT_S = 240  # generous for a loaded 2-core machine; about 30 s when it is q
 TOL = 1e-12
 
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def reports():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    port = free_port()
-    procs = [subprocess.Popen([sys.executable, WORKER, str(i), str(PROCESSES), str(port)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for i in range(PROCESSES)]
-    outputs = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=TIMEOUT_S)
-            assert proc.returncode == 0, err[-4000:]
-            outputs.append(json.loads(out.strip().splitlines()[-1]))
-    finally:
-        for proc in procs:  # never leave a process waiting on its peer
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
-    return outputs
+    return run_processes(WORKER, PROCESSES, timeout_s=TIMEOUT_S)
 
 
 def test_runtime_spans_processes(reports):

@@ -1,6 +1,7 @@
 """Models assembled from jaxattn's Flax layers (pure JAX + Flax; weights come in as numpy arrays).
 
     model, params = jaxattn.models.from_pretrained("dir")     # a transformers save_pretrained directory
+    model, params = jaxattn.models.from_pretrained("dir", mesh=mesh)   # sharded by partition_rules(model_type)
     jaxattn.models.to_pretrained(model, params, "out")        # and back: transformers' from_pretrained("out")
     logits = model.apply({"params": params}, input_ids, attention_mask=attention_mask)
     ids = jaxattn.models.generate(model, params, input_ids, max_new_tokens=32, attention_mask=attention_mask)
@@ -29,11 +30,14 @@ from ._pretrained import from_pretrained as from_pretrained
 from ._pretrained import from_state_dict as from_state_dict
 from ._pretrained import supported_model_types as supported_model_types
 from ._save import to_pretrained as to_pretrained
+from ._sharding import ModelSharding as ModelSharding
+from ._sharding import partition_rules as partition_rules
 from .bert import BertConfig as BertConfig
 from .bert import BertModel as BertModel
 from .bert import mean_pooling as mean_pooling
 from .bert import params_from_state_dict as bert_params_from_state_dict
 from .bert import state_dict_names as bert_state_dict_names
 
-__all__ = ["BertConfig", "BertModel", "bert_params_from_state_dict", "bert_state_dict_names", "from_pretrained",
-           "from_state_dict", "generate", "mean_pooling", "rope_frequencies", "supported_model_types", "to_pretrained"]
+__all__ = ["BertConfig", "BertModel", "ModelSharding", "bert_params_from_state_dict", "bert_state_dict_names",
+           "from_pretrained", "from_state_dict", "generate", "mean_pooling", "partition_rules", "rope_frequencies",
+           "supported_model_types", "to_pretrained"]

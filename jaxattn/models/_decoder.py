@@ -45,8 +45,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..linen import MultiHeadAttention, RoPE
-from . import _pretrained, _save, _table
+from ..linen import RoPE
+from . import _pretrained, _save, _sharding, _table
 
 # --- configs ----------------------------------------------------------------------------------------------------
 
@@ -401,6 +401,7 @@ class Configured(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     precision: Any = None
+    sharding: Any = None  # a _sharding.ModelSharding: the activations' layout on a mesh (None: one device)
 
 
 def layer_stack(module: nn.Module, layer: Callable, num_layers: int, final_norm: nn.Module, x):
@@ -408,8 +409,10 @@ def layer_stack(module: nn.Module, layer: Callable, num_layers: int, final_norm:
     runs block i. Sows in "intermediates" the rows crosscheck.layer_report aligns: "embeddings" (x as it
     comes in), each block's "layer{i}.{row}" and "layer{i}.residual" (the stream after it), "final_norm"."""
     module.sow("intermediates", "embeddings", x)
+    x = _sharding.constrain(module.sharding, x, "BTE")  # on a mesh: batch over "data" between blocks
     for i in range(num_layers):
         x, rows = layer(i, x)
+        x = _sharding.constrain(module.sharding, x, "BTE")
         for name, value in rows.items():
             module.sow("intermediates", f"layer{i}.{name}", value)
         module.sow("intermediates", f"layer{i}.residual", x)
@@ -429,7 +432,7 @@ def self_attention(block: PreNormBlock, x, mask, positions, decode: bool, window
     frequencies, factor = c.rope(block.layer)
     if factor != 1.0:
         options["scale"] = options.get("scale", d["H"] ** -0.5) * factor ** 2
-    attention = MultiHeadAttention(num_heads=d["N"], num_kv_heads=d["K"], head_dim=d["H"],
+    attention = _sharding.attention_class(block.sharding)(num_heads=d["N"], num_kv_heads=d["K"], head_dim=d["H"],
                                    use_bias=c.attention_biases(), rope=RoPE(frequencies=frequencies),
                                    window=window, dtype=block.dtype, param_dtype=block.param_dtype,
                                    precision=block.precision, name="self_attn", **options)
@@ -543,7 +546,8 @@ class CausalLM(Configured):
         masks = layer_masks(c, attention_mask, slots, decode)
 
         def layer(i, x):
-            block = self.Block(c, self.dtype, self.param_dtype, self.precision, layer=i, name=f"layers_{i}")
+            block = self.Block(c, self.dtype, self.param_dtype, self.precision, self.sharding, layer=i,
+                               name=f"layers_{i}")
             return block(x, masks[c.window(i)], positions, decode, layer_window(c.window(i), decode))
 
         norm = RMSNorm(c.rms_norm_eps, self.param_dtype, c.rms_norm, name="norm")
@@ -577,7 +581,11 @@ def empty_cache(model: nn.Module, params, *args, method=None, **kwargs):
         return model.apply({"params": params}, *args, decode=True, method=method, mutable=["cache"],
                            **kwargs)[1]["cache"]
 
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(cache, params))
+    shapes = jax.eval_shape(cache, params)
+    zeros = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    if model.sharding is None:
+        return zeros()
+    return jax.jit(lambda: _sharding.constrain_cache(model.sharding, zeros()))()  # made on the mesh, sharded
 
 
 # --- weights: HF's names, one row per tensor (see _table) -------------------------------------------------------

@@ -4,6 +4,12 @@ Positions and padding follow Hugging Face's `generate` exactly, so that token-fo
 meaningful test: prompt positions are cumsum(attention_mask) - 1 (0 on padding), every new token takes
 the previous position + 1, new tokens are appended after the whole prompt (after right padding too), and
 padded slots stay masked as keys for the rest of the decode.
+
+A model loaded onto a mesh (from_pretrained(mesh=...)) decodes there: prompts and positions batch over
+"data", the cache batch over "data" and key/value heads over "model", each new token replicated so that
+every process reads it (the same prompts in every process, as multi-controller JAX runs). With a "seq"
+axis the prefill runs on the ring (jaxattn.models._sharding.SequenceParallelAttention): prompts must then
+be right-padded.
 """
 
 from __future__ import annotations
@@ -14,14 +20,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _decoder
+from . import _decoder, _sharding
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _decode_call(model, params, cache, input_ids, attention_mask, position_ids):
     logits, variables = model.apply({"params": params, "cache": cache}, input_ids, attention_mask=attention_mask,
                                     position_ids=position_ids, decode=True, mutable=["cache"])
-    return jnp.argmax(logits[:, -1], axis=-1).astype(input_ids.dtype), variables["cache"]
+    return _sharding.decode_outputs(model, jnp.argmax(logits[:, -1], axis=-1).astype(input_ids.dtype),
+                                    variables["cache"])
 
 
 def _check(input_ids, attention_mask, max_new_tokens):
@@ -88,6 +95,7 @@ def generate(model, params, input_ids, *, max_new_tokens: int, attention_mask=No
                          f"{type(model).__name__}")
     if getattr(model, "is_encoder_decoder", False):
         return model.generate(params, input_ids, attention_mask, max_new_tokens, stopping)
+    _sharding.check_prompts(model, attention_mask)
     B, T = input_ids.shape
     if max_new_tokens == 0:
         return input_ids
@@ -99,12 +107,14 @@ def generate(model, params, input_ids, *, max_new_tokens: int, attention_mask=No
     slots = np.concatenate([attention_mask, np.ones((B, max_new_tokens), attention_mask.dtype)], -1)
     ids = jnp.zeros((B, T + max_new_tokens), jnp.int32)
     cache = _decoder.empty_cache(model, params, ids, attention_mask=jnp.ones_like(ids))
-    token, cache = _decode_call(model, params, cache, input_ids, slots, positions)
+    place = functools.partial(_sharding.place, model, layout="BT")  # on a mesh: batch over "data"
+    slots = place(slots)
+    token, cache = _decode_call(model, params, cache, place(input_ids), slots, place(positions))
     new, position = [stopping(token)], positions[:, -1:]
     for _ in range(max_new_tokens - 1):
         if stopping.done:
             break
         position = position + 1
-        token, cache = _decode_call(model, params, cache, jnp.asarray(new[-1])[:, None], slots, position)
+        token, cache = _decode_call(model, params, cache, place(np.asarray(new[-1])[:, None]), slots, place(position))
         new.append(stopping(token))
     return np.concatenate([input_ids, np.stack(new, -1)], -1)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..io import load_safetensors
+from . import _sharding
 
 # model_type -> loader(config dict, tensors, files, dtype, source) -> (model, params); filled by the families.
 _FAMILIES: dict[str, Callable] = {}
@@ -53,8 +54,10 @@ def read_config(path: str | os.PathLike) -> dict:
     return config
 
 
-def read_tensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-    """({name: array}, {name: file name}) from model.safetensors or the shards of its index."""
+def read_tensors(path: str | os.PathLike, read: Callable = load_safetensors) -> tuple[dict[str, Any], dict[str, str]]:
+    """({name: array}, {name: file name}) from model.safetensors or the shards of its index.
+
+    read(file) -> {name: tensor}: load_safetensors, or a reader of headers only (a sharded load)."""
     directory = Path(path)
     index = directory / "model.safetensors.index.json"
     if index.is_file():
@@ -65,7 +68,7 @@ def read_tensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[s
                              f"{error!r}") from None
         tensors, files = {}, {}
         for shard in sorted(set(weight_map.values())):
-            for name, array in load_safetensors(directory / shard).items():
+            for name, array in read(directory / shard).items():
                 if weight_map.get(name) != shard:
                     raise ValueError(f"{directory / shard}: tensor {name!r} is not listed for this file in "
                                      f"{index.name} (listed: {weight_map.get(name)!r})")
@@ -80,11 +83,12 @@ def read_tensors(path: str | os.PathLike) -> tuple[dict[str, np.ndarray], dict[s
         raise FileNotFoundError(f"{single}: no model.safetensors and no model.safetensors.index.json in "
                                 f"{directory} (found {found}); .bin/.pt checkpoints need torch: "
                                 f"re-save with save_pretrained(safe_serialization=True)")
-    tensors = load_safetensors(single)
+    tensors = read(single)
     return tensors, {name: single.name for name in tensors}
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype: Any | None = None, precision: Any = None):
+def from_pretrained(path: str | os.PathLike, *, dtype: Any | None = None, precision: Any = None, mesh=None,
+                    rules=None):
     """(model, params) for a save_pretrained directory of a supported model_type, without torch.
 
     dtype: cast every floating tensor to it (e.g. "float32" for a bf16 checkpoint); None keeps the file's
@@ -92,11 +96,25 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any | None = None, precis
     model.apply({"params": params}, input_ids, attention_mask=...) (see the family's module). Its
     config.hf_config is config.json's dict, whose keys the port does not read to_pretrained writes back.
     precision: the model's einsum/matmul precision (e.g. "highest" to keep float32 exact on TPU/GPU).
+    mesh: a jax.sharding.Mesh (axes "data" and/or "model", and "seq" for sequence parallel): every
+    parameter is a jax.Array sharded by the family's rules, each process reading only the byte ranges of
+    its own devices' shards; the model keeps its activations on the mesh (see _sharding.py).
+    rules: ((pattern, PartitionSpec), ...) or {pattern: spec}, tried before the family's
+    (jaxattn.models.partition_rules(model_type)); only with a mesh.
     """
     config = read_config(path)
     _family(config, Path(path) / "config.json")
-    tensors, files = read_tensors(path)
-    return _load(config, tensors, files, dtype, precision, Path(path) / "config.json")
+    if mesh is None:
+        if rules is not None:
+            raise ValueError(f"rules: expected None without a mesh (they lay parameters out on one), got {rules!r}")
+        tensors, files = read_tensors(path)
+        return _load(config, tensors, files, dtype, precision, Path(path) / "config.json")
+    sharded_rules = _sharding.Rules.of(config["model_type"], mesh, rules)
+    sharding = _sharding.ModelSharding.of(mesh, config["model_type"])
+    tensors, files = read_tensors(path, _sharding.lazy_reader(path))
+    model, params = _load(config, _sharding.ShardedCheckpoint(tensors, sharded_rules), files, dtype, precision,
+                          Path(path) / "config.json")
+    return model.clone(sharding=sharding), params
 
 
 def from_state_dict(config: dict, state_dict, *, dtype: Any | None = None, precision: Any = None):

@@ -154,13 +154,15 @@ def check_names(tensors: Mapping[str, Any], rows, files: Mapping[str, str], *, i
                          f"{[f'{n} (in {files[n]})' for n in unexpected]}")
 
 
-def _checked(tensors, files, name: str, letters: tuple[str, ...], dims) -> np.ndarray:
-    """tensors[name], its shape checked against `letters` (the error names the file, the key, both shapes)."""
-    x = np.asarray(tensors[name])
+def _checked(tensors, files, name: str, letters: tuple[str, ...], dims):
+    """tensors[name] as given (an array, or a sharded checkpoint's lazy tensor, not read here), its shape
+    checked against `letters` (the error names the file, the key, both shapes)."""
+    x = tensors[name]
     want = size(letters, dims)
-    if x.shape != want:
+    got = np.shape(x)  # None: a sharded checkpoint's missing file, which its leaf() reports by parameter
+    if got is not None and tuple(got) != want:
         raise ValueError(f"{files[name]}: {name!r}: expected shape {_shape(want)} [{','.join(letters)}], "
-                         f"got shape {_shape(x.shape)}")
+                         f"got shape {_shape(got)}")
     return x
 
 
@@ -171,28 +173,41 @@ def fill(tensors: Mapping[str, np.ndarray], rows, dims: Mapping[str, int], files
     dtype: cast every floating tensor to it (explicitly requested); None keeps the checkpoint's dtype.
     Every leaf is a new array (no view of `tensors`).
     `ignored` names (known buffers, checked by the caller) may be present and are skipped.
+    A `tensors` mapping with a `leaf(path, names, xs, transform, shape, dtype, stacked)` method (a sharded
+    checkpoint, jaxattn.models._sharding) builds each leaf itself (from the parts of the tensors it needs;
+    xs: the row's tensors, one per "{j}" of a stacked row, whose leaf `shape` then leads with their count);
+    the names and every shape are checked here first all the same.
     """
     check_names(tensors, rows, files, ignored=ignored, dims=dims)
+    leaf = getattr(tensors, "leaf", None) or _dense_leaf
     params: dict = {}
     for r in rows:
         if r.name not in tensors and r.stack is None:
             continue  # optional, absent
-        xs = [_checked(tensors, files, name, r.shape, dims) for name in names(r, dims)]
+        row_names = names(r, dims)
+        xs = [_checked(tensors, files, name, r.shape, dims) for name in row_names]
         for path, our_letters, transform in r.targets:
-            if r.stack is None:
-                y = _apply(transform, xs[0], size(our_letters, dims))
-                if np.shares_memory(y, xs[0]):  # never a view: the caller's tensor (a torch tensor's .numpy(),
-                    y = y.copy()                # a memory map) may change under the params later
-            else:
-                y = np.stack([_apply(transform, x, size(our_letters[1:], dims)) for x in xs])
-            if dtype is not None and jnp.issubdtype(y.dtype, jnp.floating):  # bfloat16 included
-                y = y.astype(dtype)
             node = params
-            *parents, leaf = path.split("/")
+            *parents, name = path.split("/")
             for p in parents:
                 node = node.setdefault(p, {})
-            node[leaf] = y
+            node[name] = leaf(path, row_names, xs, transform, size(our_letters, dims), dtype, r.stack is not None)
     return params
+
+
+def _dense_leaf(path: str, row_names, xs, transform, shape: tuple[int, ...], dtype, stacked: bool) -> np.ndarray:
+    """The leaf as a numpy array: the transform of the whole tensor (of each, stacked), cast to dtype if
+    floating; never a view of the caller's tensor."""
+    xs = [np.asarray(x) for x in xs]
+    if not stacked:
+        y = _apply(transform, xs[0], shape)
+        if np.shares_memory(y, xs[0]):  # never a view: the caller's tensor (a torch tensor's .numpy(),
+            y = y.copy()                # a memory map) may change under the params later
+    else:
+        y = np.stack([_apply(transform, x, shape[1:]) for x in xs])
+    if dtype is not None and jnp.issubdtype(y.dtype, jnp.floating):  # bfloat16 included
+        y = y.astype(dtype)
+    return y
 
 
 def unfill(params: Mapping, rows, dims: Mapping[str, int], *, dtype: Any | None = None) -> dict[str, np.ndarray]:

@@ -122,7 +122,8 @@ class Experts(_decoder.Configured):
     @nn.compact
     def __call__(self, x):
         def dense(features, name):
-            return StackedDense(self.config, self.dtype, self.param_dtype, self.precision, features, name=name)
+            return StackedDense(self.config, self.dtype, self.param_dtype, self.precision, self.sharding,
+                                features=features, name=name)
 
         F = self.config.dims()["F"]
         h = self.config.expert_activation(dense(F, "gate_proj")(x), dense(F, "up_proj")(x))
@@ -139,7 +140,7 @@ class SparseMoE(_decoder.Configured):
         logits = nn.Dense(c.dims()["X"], use_bias=c.router_bias, dtype=self.dtype, param_dtype=self.param_dtype,
                           precision=self.precision, name="router")(x)
         weights = routing_weights(logits, c.num_experts_per_tok, c.routing, normalize=c.normalize_top_k())
-        out = Experts(c, self.dtype, self.param_dtype, self.precision, name="experts")(x)  # [...,X,E]
+        out = Experts(c, self.dtype, self.param_dtype, self.precision, self.sharding, name="experts")(x)  # [...,X,E]
         y = jnp.einsum("...xe,...x->...e", out, weights.astype(out.dtype), precision=self.precision)
         return y.astype(out.dtype), logits
 
@@ -148,7 +149,7 @@ class MoEBlock(_decoder.PreNormBlock):
     """Llama's block with a SparseMoE for its MLP ("mlp"); its rows add the router's logits ("router")."""
 
     def feed_forward(self, x):
-        y, logits = SparseMoE(self.config, self.dtype, self.param_dtype, self.precision, name="mlp")(x)
+        y, logits = SparseMoE(self.config, self.dtype, self.param_dtype, self.precision, self.sharding, name="mlp")(x)
         return y, {"router": logits}
 
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import t5_relative_bias
 from ..linen import MultiHeadAttention
-from . import _decoder, _pretrained, _save, _table
+from . import _decoder, _pretrained, _save, _sharding, _table
 
 _ACTIVATIONS = {"relu": nn.relu, "gelu_new": functools.partial(nn.gelu, approximate=True),
                 "gelu": functools.partial(nn.gelu, approximate=False),
@@ -174,7 +174,7 @@ class T5ForConditionalGeneration(_decoder.Configured):
         c = self.config
         self.shared = nn.Embed(c.vocab_size, c.d_model, dtype=self.dtype, param_dtype=self.param_dtype)
         stack = functools.partial(T5Stack, c, dtype=self.dtype, param_dtype=self.param_dtype,
-                                  precision=self.precision)
+                                  precision=self.precision, sharding=self.sharding)
         self.encoder = stack(is_decoder=False)
         self.decoder = stack(is_decoder=True)
         if not self.tie_lm_head:
@@ -215,16 +215,18 @@ class T5ForConditionalGeneration(_decoder.Configured):
         stopping: a jaxattn.models._generate.Stopping (eos/pad rule), or None (exactly max_new_tokens)."""
         B = input_ids.shape[0]
         L = max_new_tokens + 1
-        encoder_output = _encode(self, params, input_ids, attention_mask)
+        place = functools.partial(_sharding.place, self, layout="BT")  # on a mesh: batch over "data"
+        attention_mask = place(attention_mask)
+        encoder_output = _encode(self, params, place(input_ids), attention_mask)
         start = np.full((B, 1), self.config.decoder_start_token_id, input_ids.dtype)
-        slots = np.ones((B, L), np.int32)
+        slots = place(np.ones((B, L), np.int32))
         cache = _decoder.empty_cache(self, params, np.zeros((B, L), np.int32), encoder_output, attention_mask, slots,
                                      method=self.decode)
         token, new = start, [start]
         for _ in range(max_new_tokens):
             if stopping is not None and stopping.done:
                 break
-            token, cache = _decode_step(self, params, cache, token, encoder_output, attention_mask, slots)
+            token, cache = _decode_step(self, params, cache, place(token), encoder_output, attention_mask, slots)
             token = np.asarray(token if stopping is None else stopping(token))[:, None]
             new.append(token)
         return np.concatenate(new, -1)
@@ -239,7 +241,7 @@ def _encode(model, params, input_ids, attention_mask):
 def _decode_step(model, params, cache, token, encoder_output, attention_mask, slots):
     logits, variables = model.apply({"params": params, "cache": cache}, token, encoder_output, attention_mask,
                                     slots, decode=True, method=model.decode, mutable=["cache"])
-    return jnp.argmax(logits[:, -1], -1).astype(token.dtype), variables["cache"]
+    return _sharding.decode_outputs(model, jnp.argmax(logits[:, -1], -1).astype(token.dtype), variables["cache"])
 
 
 # --- weights --------------------------------------------------------------------------------------------------
