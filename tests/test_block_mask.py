@@ -60,7 +60,15 @@ def reference(mask_mod, q, k, v, **kw):
     return attention_reference(q, k, v, allowed, **kw)
 
 
-@pytest.mark.parametrize("name", sorted(PATTERNS))
+# the document pattern's loop reference (a Python call per element) is the slowest: slow group (CI runs it)
+_SLOW_DOCUMENT = pytest.mark.slow
+
+
+def _params(names):
+    return [pytest.param(n, marks=_SLOW_DOCUMENT if n == "document" else ()) for n in sorted(names)]
+
+
+@pytest.mark.parametrize("name", _params(PATTERNS))
 def test_block_mask_alone_applies_its_mask_mod(name):
     """block_mask alone == mask_mod alone == both, on both engines, plain and under jit with the BlockMask
     as an argument; and the call that used to run partial tiles unmasked no longer equals the unmasked
@@ -88,6 +96,7 @@ def test_block_mask_alone_applies_its_mask_mod(name):
             assert f64_error(got, expected) <= TOL, (impl, call)
 
 
+@pytest.mark.slow  # ~25 s: the loop reference per vmapped entry
 def test_block_mask_under_vmap():
     q, k, v = qkv(2)
     bm = jaxattn.create_block_mask(document, None, None, T, S, block_size=TILES)
@@ -100,6 +109,7 @@ def test_block_mask_under_vmap():
         assert f64_error(passed, expected) <= TOL, impl
 
 
+@pytest.mark.slow  # ~40 s: jax.grad through the loop reference
 def test_gradients_through_block_mask_alone():
     """jax.grad of q, k, v and of a table a score_mod closes over, with the mask from block_mask alone;
     a float array the mask_mod closes over gets a zero (finite) gradient: masks are not differentiable."""
@@ -246,7 +256,7 @@ def torch_document(b, h, i, j):
 TORCH_MASKS = {"causal": lambda b, h, i, j: i >= j, "document": torch_document}  # the same, on torch indices
 
 
-@pytest.mark.parametrize("name", sorted(TORCH_MASKS))
+@pytest.mark.parametrize("name", _params(TORCH_MASKS))
 def test_return_lse_and_block_mask_fields_equal_torchs(name):
     """T == S (where torch's row indices and our positions agree): output, lse and the BlockMask's
     tiles equal torch's eager flex_attention in float64, on both engines; lse's gradient matches the
