@@ -43,6 +43,12 @@ from torchref._functional import (
     relative_position_index as relative_position_index,
     shaw_relative_attention as shaw_relative_attention,
 )
+from torchref._forms import (
+    causal_conv1d as causal_conv1d,
+    gated_delta_rule as gated_delta_rule,
+    gated_rms_norm as gated_rms_norm,
+    latent_attention as latent_attention,
+)
 from torchref._modules import (
     MultiHeadAttention as MultiHeadAttention,
     RelativeMultiHeadAttention as RelativeMultiHeadAttention,
@@ -56,4 +62,8 @@ __all__ = [
     "shaw_relative_attention",
     "MultiHeadAttention",
     "RelativeMultiHeadAttention",
+    "gated_delta_rule",
+    "causal_conv1d",
+    "gated_rms_norm",
+    "latent_attention",
 ]
