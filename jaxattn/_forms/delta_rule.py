@@ -112,7 +112,7 @@ def _step(state, q, k, v, g, beta):
 def _recurrent(q, k, v, g, beta, state):
     """The recurrence as a lax.scan over T, on the grouped layout of _prepare."""
     n = q.ndim - 3  # batch rank
-    to_front = lambda x: jnp.moveaxis(x, n, 0)  # noqa: E731 - the scan runs over T
+    to_front = lambda x: jnp.moveaxis(x, n, 0)  # the scan runs over T
     state, out = jax.lax.scan(lambda s, xs: _step(s, *xs), state, tuple(map(to_front, (q, k, v, g, beta))))
     return jnp.moveaxis(out, 0, n), state
 
@@ -126,7 +126,7 @@ def _chunked(q, k, v, g, beta, state, C):
                             for x in (q, k, v, g, beta))
     n = len(batch)
     # [...,T,...] -> [nC,...,C,...]: the chunk index leads (the scan's axis)
-    chunks = lambda x: jnp.moveaxis(x.reshape(*batch, -1, C, *x.shape[n + 1:]), n, 0)  # noqa: E731
+    chunks = lambda x: jnp.moveaxis(x.reshape(*batch, -1, C, *x.shape[n + 1:]), n, 0)
     q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
     gamma = jnp.cumsum(g, axis=n + 1)  # [nC,...,C,K,G]: cumulative log decay within each chunk
     i = jnp.arange(C)
@@ -143,7 +143,7 @@ def _chunked(q, k, v, g, beta, state, C):
     system = jnp.moveaxis(A, (n + 1, n + 2), (-2, -1)) + jnp.eye(C, dtype=A.dtype)
     rhs_v = jnp.moveaxis(beta[..., None] * v, n + 1, -2)  # [nC,...,K,G,C,Hv]
     rhs_k = jnp.moveaxis((beta * jnp.exp(gamma))[..., None] * k[..., None, :], n + 1, -2)  # [nC,...,K,G,C,H]
-    solve = lambda b: jax.lax.linalg.triangular_solve(system, b, left_side=True, lower=True,  # noqa: E731
+    solve = lambda b: jax.lax.linalg.triangular_solve(system, b, left_side=True, lower=True,
                                                       unit_diagonal=True)
     w_v, w_k = solve(rhs_v), solve(rhs_k)  # [nC,...,K,G,C,Hv], [nC,...,K,G,C,H]
     q_decayed = jnp.exp(gamma)[..., None] * q[..., None, :]  # [nC,...,C,K,G,H]
@@ -194,7 +194,7 @@ def gated_delta_rule_step(query, key, value, g, beta, state, *, scale=None):
     """One decode token: query/key [...,K,H], value [...,N,Hv], g/beta [...,N], state [...,N,H,Hv]
     -> (out [...,N,Hv], new state [...,N,H,Hv]): gated_delta_rule on T = 1 with initial_state=state."""
     query, key, value, g, beta, state = map(jnp.asarray, (query, key, value, g, beta, state))
-    expand = lambda x, axes=-3: jnp.expand_dims(x, axes)  # noqa: E731 - add the T axis of one token
+    expand = lambda x, axes=-3: jnp.expand_dims(x, axes)  # add the T axis of one token
     q, k, v, g, beta, s = _prepare(expand(query), expand(key), expand(value), expand(g, -2), expand(beta, -2),
                                    state, scale)
     s, out = _step(s, q[..., 0, :, :], k[..., 0, :, :], v[..., 0, :, :, :], g[..., 0, :, :], beta[..., 0, :, :])

@@ -115,7 +115,7 @@ def latent_projections(params, x, positions=None, *, rope_base: float = 10000.0,
     """x [...,T,E] -> LatentQKV(q_nope, q_rope, latent, k_rope), the rope parts rotated at `positions`
     (int [...,T], default arange(T)). norm_eps: the latent norms' epsilon (transformers: 1e-6)."""
     x = jnp.asarray(x)
-    N, Hn, R, C, Hv = latent_dims(params)
+    Hn = latent_dims(params)[1]
     checks.check_min_rank("x", x, 2, "[...,T,E]")
     E = jnp.shape(params["latent"]["kernel"])[0]
     checks.check_dim("x", x, -1, E, f"[...,T,E] with E={E} as in params['latent']['kernel']")
