@@ -83,22 +83,40 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--part", choices=["mla", "delta", "both"], default="both")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "new_attention.json"))
     args = parser.parse_args(argv)
-    result = {"mla": MLA, "delta": DELTA, "device": str(jax.devices()[0]), "load_before": load_average(),
-              "mla_decode": {}, "delta_rule": {}}
+    result = {}
+    if os.path.exists(args.out):  # one part at a time keeps the other's figures
+        with open(args.out) as f:
+            result = json.load(f)
+    result.update({"mla": MLA, "delta": DELTA, "device": str(jax.devices()[0])})
+    if args.part in ("mla", "both"):
+        result["mla_decode"] = {"load_before": load_average()}
+        _mla(args, result["mla_decode"])
+        result["mla_decode"]["load_after"] = load_average()
+        _write(args.out, result)
+    if args.part in ("delta", "both"):
+        result["delta_rule"] = {"load_before": load_average()}
+        cands = delta_cases()
+        time_rounds(cands, args.rounds)
+        result["delta_rule"].update({c.name: c.summary() for c in cands})
+        print({c.name: (round(c.median_s * 1e3, 1), c.temp_bytes) for c in cands}, flush=True)
+        result["delta_rule"]["load_after"] = load_average()
+        _write(args.out, result)
+
+
+def _write(path, result):
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+def _mla(args, result):
     for S in args.lengths:
         cands, cache_bytes = mla_cases(S)
         time_rounds(cands, args.rounds)
-        result["mla_decode"][S] = {"cache_bytes": cache_bytes, **{c.name: c.summary() for c in cands}}
+        result[S] = {"cache_bytes": cache_bytes, **{c.name: c.summary() for c in cands}}
         print(S, cache_bytes, {c.name: (round(c.median_s * 1e3, 3), c.temp_bytes) for c in cands}, flush=True)
-    cands = delta_cases()
-    time_rounds(cands, args.rounds)
-    result["delta_rule"] = {c.name: c.summary() for c in cands}
-    print({c.name: (round(c.median_s * 1e3, 1), c.temp_bytes) for c in cands}, flush=True)
-    result["load_after"] = load_average()
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

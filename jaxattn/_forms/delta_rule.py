@@ -117,6 +117,42 @@ def _recurrent(q, k, v, g, beta, state):
     return jnp.moveaxis(out, 0, n), state
 
 
+def _unit_lower_inverse(A):
+    """(I + A)^-1 for strictly lower triangular A [...,C,C], by forward substitution: row i of the inverse is
+    e_i - sum_{j<i} A_ij (row j). A loop of C batched vector-matrix products, no LAPACK call (two concurrent
+    LAPACK triangular solves of chunk-sized batches deadlock XLA's CPU runtime)."""
+    C = A.shape[-1]
+
+    def row(i, M):  # M = inverse - I; rows < i are final, row i still holds -A_i
+        r = M[..., i, :]
+        return M.at[..., i, :].set(r + jnp.einsum("...j,...jc->...c", r, M))
+
+    return jax.lax.fori_loop(1, C, row, -A) + jnp.eye(C, dtype=A.dtype)
+
+
+@jax.custom_vjp
+def unit_lower_solve(A, B):
+    """X = (I + A)^-1 B for strictly lower triangular A [...,C,C], B [...,C,F] (the UT transform's solve).
+    Its gradient is written out (dB = (I + A)^-T dX, dA = -dB X^T below the diagonal) so that the backward
+    pass keeps one [C,C] inverse per system instead of the loop's C intermediate ones: memory O(T x C)."""
+    return _unit_lower_inverse(A) @ B
+
+
+def _solve_forward(A, B):
+    inverse = _unit_lower_inverse(A)
+    X = inverse @ B
+    return X, (inverse, X)
+
+
+def _solve_backward(residuals, dX):
+    inverse, X = residuals
+    dB = jnp.swapaxes(inverse, -1, -2) @ dX
+    return jnp.tril(-dB @ jnp.swapaxes(X, -1, -2), -1), dB
+
+
+unit_lower_solve.defvjp(_solve_forward, _solve_backward)
+
+
 def _chunked(q, k, v, g, beta, state, C):
     """The chunked parallel form on the grouped layout of _prepare (see the module docstring)."""
     *batch, T, K, G, Hv = v.shape
@@ -139,13 +175,12 @@ def _chunked(q, k, v, g, beta, state, C):
     strictly = (i[:, None] > i[None, :])[:, :, None, None]
     A = jnp.where(strictly, beta[..., :, None, :, :] * decay * kk, 0)  # [nC,...,i,j,K,G]
     attn = decay * qk  # intra-chunk "attention", j <= i
-    # (I + A) W = rhs, unit lower triangular, solved per (chunk, batch, K, G): move [i,j] to the end
-    system = jnp.moveaxis(A, (n + 1, n + 2), (-2, -1)) + jnp.eye(C, dtype=A.dtype)
+    # (I + A) W = rhs, unit lower triangular, per (chunk, batch, K, G): move [i,j] to the end
+    strict = jnp.moveaxis(A, (n + 1, n + 2), (-2, -1))
     rhs_v = jnp.moveaxis(beta[..., None] * v, n + 1, -2)  # [nC,...,K,G,C,Hv]
     rhs_k = jnp.moveaxis((beta * jnp.exp(gamma))[..., None] * k[..., None, :], n + 1, -2)  # [nC,...,K,G,C,H]
-    solve = lambda b: jax.lax.linalg.triangular_solve(system, b, left_side=True, lower=True,
-                                                      unit_diagonal=True)
-    w_v, w_k = solve(rhs_v), solve(rhs_k)  # [nC,...,K,G,C,Hv], [nC,...,K,G,C,H]
+    w = unit_lower_solve(strict, jnp.concatenate([rhs_v, rhs_k], axis=-1))
+    w_v, w_k = w[..., :Hv], w[..., Hv:]  # [nC,...,K,G,C,Hv], [nC,...,K,G,C,H]
     q_decayed = jnp.exp(gamma)[..., None] * q[..., None, :]  # [nC,...,C,K,G,H]
     k_to_end = jnp.exp(gamma[..., -1:, :, :] - gamma)[..., None] * k[..., None, :]  # [nC,...,C,K,G,H]
     chunk_decay = jnp.exp(gamma[..., -1, :, :])  # [nC,...,K,G]
