@@ -64,6 +64,7 @@ def test_chunk_size_and_batch_layouts_change_nothing():
                                                      v, g, beta, initial_state=s0, chunk_size=C)) <= 1e-13
 
 
+@pytest.mark.slow
 def test_decode_steps_continue_a_prefill():
     q, k, v, g, beta, s0 = inputs(2)
     full, full_state = jaxattn.gated_delta_rule(q, k, v, g, beta, initial_state=s0, chunk_size=C, return_state=True)
@@ -81,13 +82,14 @@ def test_decode_steps_continue_a_prefill():
 @pytest.mark.slow
 def test_torchref_twin_and_bfloat16():
     q, k, v, g, beta, s0 = inputs(3)
-    to = lambda x: torch.from_numpy(np.array(x))  # noqa: E731
+    to = lambda x: torch.from_numpy(np.array(x))
     want = torchref.gated_delta_rule(*map(to, (q, k, v, g, beta)), initial_state=to(s0))
     assert normwise(jaxattn.gated_delta_rule(q, k, v, g, beta, initial_state=s0), want) <= 1e-12
     half = jaxattn.gated_delta_rule(*(x.astype(jnp.bfloat16) for x in (q, k, v)), g, beta, initial_state=s0)
     assert half.dtype == jnp.bfloat16 and normwise(half, want) <= 3e-2
 
 
+@pytest.mark.slow
 def test_memory_is_linear_in_length():
     """Forward and backward at T and 4T: O(T x C) grows 4x; a [T,T] matrix (T=4096: 64 MiB per head) would
     be 16x."""
@@ -103,7 +105,7 @@ def test_memory_is_linear_in_length():
 @pytest.mark.slow
 def test_conv1d_and_gated_norm():
     x, w, bias, gate = arrays(4, (B, T, 11), (11, 4), (11,), (B, T, 11))
-    to = lambda a: torch.from_numpy(np.array(a))  # noqa: E731
+    to = lambda a: torch.from_numpy(np.array(a))
     full = jaxattn.causal_conv1d(x, w, bias)
     assert normwise(full, torchref.causal_conv1d(to(x), to(w), to(bias))) <= 1e-13
     # prefill then one token at a time from the conv state
