@@ -163,7 +163,8 @@ def unsupported(query, key, value, *, interpret=False, **options) -> Optional[st
     for name in ("score_mod", "mask_mod"):
         fn = options.get(name)
         if fn is not None and callable(fn):
-            traced = mods.element_function(name, fn, jnp.float32 if name == "score_mod" else None)
+            score_dtype = accumulation_dtype(getattr(query, "dtype", jnp.float32)) if name == "score_mod" else None
+            traced = mods.element_function(name, fn, score_dtype)
             if traced.consts:
                 return name
     return None
@@ -385,7 +386,8 @@ def _row_inputs(cfg, side, Hp, Hvp):
     inputs = {
         "q_pos": (side.q_pos, pl.BlockSpec((None, cfg.Tb), lambda b, n, i: (_pick(bq, b), i))),
         "k_pos": (side.k_pos, pl.BlockSpec((None, Sp), lambda b, n, i: (_pick(bk, b), 0))),
-        "lengths": None if side.lengths is None else (side.lengths, pl.BlockSpec((None,), lambda b, n, i: (_pick(bl, b),))),
+        "lengths": None if side.lengths is None else (
+            side.lengths, pl.BlockSpec((None,), lambda b, n, i: (_pick(bl, b),))),
         "q_seg": None if side.q_seg is None else (
             side.q_seg, pl.BlockSpec((None, cfg.Tb), lambda b, n, i: (_pick(bs, b), i))),
         "k_seg": None if side.k_seg is None else (
@@ -414,7 +416,8 @@ def _forward(cfg, q, k, v, side):
     acc = accumulation_dtype(q.dtype)
     outputs = {"out": (jax.ShapeDtypeStruct((B, Tp, N, Hvp), q.dtype),
                        pl.BlockSpec((None, cfg.Tb, None, Hvp), lambda b, n, i: (b, i, n, 0))),
-               "lse": (jax.ShapeDtypeStruct((B, N, Tp), acc), pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i)))}
+               "lse": (jax.ShapeDtypeStruct((B, N, Tp), acc),
+                       pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i)))}
     return tuple(_call(cfg, _forward_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_forward"))
 
 
@@ -432,7 +435,7 @@ def _flash_bwd(cfg, res, cotangents):
     q, k, v, side, out, lse = res
     d_out, d_lse = cotangents
     B, Tp, N, Hp = q.shape
-    Sp, K, Hvp = v.shape[1], v.shape[2], v.shape[3]
+    K, Hvp = v.shape[2], v.shape[3]
     G = N // K
     acc = accumulation_dtype(q.dtype)
     d_out = d_out.astype(q.dtype)
@@ -454,20 +457,20 @@ def _flash_bwd(cfg, res, cotangents):
     dq, *d_floats = _call(cfg, _dq_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_dq")
 
     bq, bk, bs, bl, bsched = cfg.batched
-    Tp_ = cfg.Tn * cfg.Tb
     heads = G if cfg.head_kinds else 1
     kv_inputs = {
-        "q": (q, pl.BlockSpec((None, Tp_, G, Hp), lambda b, h, j: (b, 0, h, 0))),
-        "do": (d_out, pl.BlockSpec((None, Tp_, G, Hvp), lambda b, h, j: (b, 0, h, 0))),
-        "lse": (lse, pl.BlockSpec((None, G, Tp_), lambda b, h, j: (b, h, 0))),
-        "delta": (delta, pl.BlockSpec((None, G, Tp_), lambda b, h, j: (b, h, 0))),
+        "q": (q, pl.BlockSpec((None, Tp, G, Hp), lambda b, h, j: (b, 0, h, 0))),
+        "do": (d_out, pl.BlockSpec((None, Tp, G, Hvp), lambda b, h, j: (b, 0, h, 0))),
+        "lse": (lse, pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))),
+        "delta": (delta, pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))),
         "k": (k, pl.BlockSpec((None, cfg.Sb, None, Hp), lambda b, h, j: (b, j, h, 0))),
         "v": (v, pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0))),
-        "q_pos": (side.q_pos, pl.BlockSpec((None, Tp_), lambda b, h, j: (_pick(bq, b), 0))),
+        "q_pos": (side.q_pos, pl.BlockSpec((None, Tp), lambda b, h, j: (_pick(bq, b), 0))),
         "k_pos": (side.k_pos, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (_pick(bk, b), j))),
-        "lengths": None if side.lengths is None else (side.lengths, pl.BlockSpec((None,), lambda b, h, j: (_pick(bl, b),))),
+        "lengths": None if side.lengths is None else (
+            side.lengths, pl.BlockSpec((None,), lambda b, h, j: (_pick(bl, b),))),
         "q_seg": None if side.q_seg is None else (
-            side.q_seg, pl.BlockSpec((None, Tp_), lambda b, h, j: (_pick(bs, b), 0))),
+            side.q_seg, pl.BlockSpec((None, Tp), lambda b, h, j: (_pick(bs, b), 0))),
         "k_seg": None if side.k_seg is None else (
             side.k_seg, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (_pick(bs, b), j))),
         "t_order": (side.t_order, pl.BlockSpec((None, heads, None, cfg.Tn),
