@@ -18,10 +18,10 @@ from jaxattn._kernels import pallas_gpu
 from helpers import allowed_loop, attention_reference, normwise
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
-# bf16 inputs (float32 logits and softmax inside): the kernel's normwise error against the float32 dense
-# result of the same bf16 inputs, measured over the cases below (largest seen: 2.3e-3 output, 3.9e-3
-# gradients), and the envelope the test holds it to.
-BF16_OUT_TOL, BF16_GRAD_TOL = 6e-3, 1e-2
+# bf16 inputs (float32 logits and softmax inside), normwise error against the float32 dense result of the
+# same bf16-rounded inputs, measured over the four cases below: kernel output <= 2.0e-3, gradients <= 4.0e-3
+# (the dense engine run in bf16 itself: 2.4e-3 and 3.3e-3; lse 3e-8). The envelope is twice the kernel's.
+BF16_OUT_TOL, BF16_GRAD_TOL = 4e-3, 8e-3
 
 
 def _arrays(seed, *shapes, dtype=np.float32):
@@ -193,10 +193,21 @@ def _lowered(f, *args):
     return jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-@pytest.mark.parametrize("options", [dict(is_causal=True), dict(
-    is_causal=True, window=(127, 0), query_segment_ids=jnp.zeros((1, 512), jnp.int32),
-    key_segment_ids=jnp.zeros((1, 512), jnp.int32))], ids=["causal", "window_segments"])
-def test_lowers_to_triton_for_cuda(options):
+LOWERED = {
+    "causal": lambda: dict(is_causal=True),
+    # window, segment ids, and a score_mod and BlockMask mask_mod that close over no array (one that does
+    # falls back: see unsupported)
+    "window_segments_score_mod_block_mask": lambda: dict(
+        window=(127, 0), query_segment_ids=jnp.zeros((1, 512), jnp.int32),
+        key_segment_ids=jnp.zeros((1, 512), jnp.int32),
+        score_mod=lambda x, b, n, t, s: x - 0.01 * jnp.abs(t - s).astype(x.dtype),
+        block_mask=jaxattn.create_block_mask(lambda b, n, t, s: t >= s, None, None, 512, 512, block_size=(64, 64))),
+}
+
+
+@pytest.mark.parametrize("name", list(LOWERED))
+def test_lowers_to_triton_for_cuda(name):
+    options = LOWERED[name]()
     q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
 
     def f(q, k, v):
@@ -215,21 +226,28 @@ def test_lowers_to_triton_for_cuda(options):
 # slow: each option alone, vmap, bf16
 
 
-GRID = [dict(is_causal=True), dict(is_causal=False), dict(key_value_seq_lengths=jnp.asarray([5, 0], jnp.int32)),
-        dict(window=(3, 1)), dict(chunk_size=4), dict(logit_softcap=1.5),
-        dict(query_positions=jnp.asarray([[9, 2, 4, 7, 3]] * 2, jnp.int32), is_causal=True),
-        dict(query_segment_ids=jnp.asarray([[0, 0, 1, 1, 2]] * 2), key_segment_ids=jnp.asarray([[0, 1, 1, 2, 2, 2, 2]] * 2)),
-        dict(mask_mod=_band), dict(score_mod=lambda x, b, n, t, s: x * (1.0 + 0.1 * n))]
+# One option per test, T < S and T > S in turn (T = 5 with S = 7, or T = 7 with S = 5): B = 2, N = 6, K = 3.
+GRID = {
+    "causal_t<s": (5, 7, dict(is_causal=True)),
+    "causal_t>s": (7, 5, dict(is_causal=True)),
+    "full_t>s": (7, 5, {}),
+    "lengths": (5, 7, dict(key_value_seq_lengths=jnp.asarray([5, 0], jnp.int32))),
+    "window": (7, 5, dict(window=(3, 1))),
+    "chunk": (5, 7, dict(chunk_size=4)),
+    "softcap": (7, 5, dict(logit_softcap=1.5)),
+    "positions": (5, 7, dict(query_positions=jnp.asarray([[9, 2, 4, 7, 3], [0, 1, 2, 3, 4]], jnp.int32),
+                             is_causal=True)),
+    "segments": (5, 7, dict(query_segment_ids=jnp.asarray([[0, 0, 1, 1, 2]] * 2, jnp.int32),
+                            key_segment_ids=jnp.asarray([[0, 1, 1, 2, 2, 2, 2]] * 2, jnp.int32))),
+    "mask_mod": (7, 5, dict(mask_mod=_band)),
+    "score_mod": (5, 7, dict(score_mod=lambda x, b, n, t, s: x * (1.0 + 0.1 * n))),
+}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("T,S", [(5, 7), (7, 5)])
-@pytest.mark.parametrize("options", GRID, ids=lambda o: "_".join(o))
-def test_each_option(options, T, S):
-    if any(k.startswith("query_") for k in options) and T != 5:
-        pytest.skip("the position / segment arrays are written for T = 5")
-    if "key_segment_ids" in options and S != 7:
-        pytest.skip("the key segment ids are written for S = 7")
+@pytest.mark.parametrize("name", list(GRID))
+def test_each_option(name):
+    T, S, options = GRID[name]
     N, K, H, Hv = 6, 3, 3, 2
     q, k, v, w = _arrays(5, (2, T, N, H), (2, S, K, H), (2, S, K, Hv), (2, T, N, Hv))
 
