@@ -183,6 +183,8 @@ def test_unsupported_names_the_option():
     assert pallas_gpu.unsupported(q, k, v, block_size=(24, 16)) == "block_size"
     with pytest.raises(ValueError, match="implementation.*bias"):
         pallas_gpu.attention(q, k, v, bias=jnp.zeros((5, 5)), interpret=True)
+    out, lse = pallas_gpu.attention(q, k[:, :0], v[:, :0], interpret=True, return_lse=True)  # no key: no tile
+    assert bool(jnp.all(out == 0)) and out.shape == (2, 5, 2, 4) and bool(jnp.all(lse == -jnp.inf))
 
 
 # ---------------------------------------------------------------------------------------------------------
