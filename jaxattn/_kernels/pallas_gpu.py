@@ -156,9 +156,8 @@ def unsupported(query, key, value, *, interpret=False, **options) -> Optional[st
         return "block_size"
     block_mask = options.get("block_mask")
     if block_mask is not None:
-        if not all(_is_power_of_two(b) and b >= MIN_GPU_BLOCK for b in block_mask.block_size):
-            return "block_mask"
-        if block_mask.mask_consts:
+        tiles_ok = all(_is_power_of_two(b) and b >= MIN_GPU_BLOCK for b in getattr(block_mask, "block_size", ()))
+        if not tiles_ok or getattr(block_mask, "mask_consts", ()):  # mask_consts: as a mask_mod's, below
             return "block_mask"
     for name in ("score_mod", "mask_mod"):
         fn = options.get(name)
@@ -215,9 +214,10 @@ def _visit(cfg, counts, order, body, state):
     return state
 
 
-def _load(r, name, *index):
+def _load(r, name):
+    """The whole block of an optional input (None when the call has none)."""
     ref = r.get(name)
-    return None if ref is None else ref[index if index else ...]
+    return None if ref is None else ref[...]
 
 
 def _consts(r, prefix, count):
@@ -277,11 +277,13 @@ def _logit_grads(cfg, b, n, qp, kp, capped, score_consts, ds_for, with_consts):
             consts = tuple(next(it) if g else c for c, g in zip(score_consts, cfg.score_grads))
             return _score(cfg, b, n, qp, kp, x, consts)
 
-        x, score_vjp = jax.vjp(score, capped, floats)
+        if with_consts:
+            x, score_vjp = jax.vjp(score, capped, floats)
+        else:  # the dk/dv kernel: the consts' gradients come from the dq kernel
+            x, vjp_x = jax.vjp(lambda x: score(x, floats), capped)
+            score_vjp = lambda ds: (vjp_x(ds)[0], None)  # noqa: E731
         p, ds = ds_for(x)
         ds, d_consts = score_vjp(ds)
-        if not with_consts:
-            d_consts = None
     if cfg.softcap is not None:
         ds = ds * mods.softcap_grad(capped, cfg.softcap)
     return p, ds * cfg.scale, d_consts
