@@ -19,7 +19,7 @@ from helpers import allowed_loop, attention_reference, normwise
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
 # bf16 inputs (float32 logits and softmax inside), normwise error against the float32 dense result of the
-# same bf16-rounded inputs, measured over the four cases below: kernel output <= 2.0e-3, gradients <= 4.0e-3
+# same bf16-rounded inputs, measured over this file's four cases: kernel output <= 2.0e-3, gradients <= 4.0e-3
 # (the dense engine run in bf16 itself: 2.4e-3 and 3.3e-3; lse 3e-8). The envelope is twice the kernel's.
 BF16_OUT_TOL, BF16_GRAD_TOL = 4e-3, 8e-3
 
@@ -286,7 +286,7 @@ def test_vmap_over_a_batch_axis():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", [DEFAULT_CASE] + CASES)
+@pytest.mark.parametrize("case", [DEFAULT_CASE, "window_chunk_segments_softcap_sinks"])  # every option between them
 def test_bf16_envelope(case):
     """bf16 inputs against the float32 dense result of the same (bf16-rounded) inputs."""
     got = jax.tree.map(lambda x: x.astype(jnp.float32), _run("kernel", case, dtype=jnp.bfloat16))
