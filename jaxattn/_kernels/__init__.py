@@ -1,0 +1,1 @@
+"""Fused attention kernels (Pallas) behind the same calls as the XLA engines: pallas_gpu (Triton lowering)."""
