@@ -12,14 +12,19 @@
                   CUDA the Pallas GPU kernel and on TPU splash attention when the kernel can express the
                   call (its `unsupported` says None), else the same XLA engines there.
 
-A call no kernel can express never builds the platform switch, so its program is exactly the XLA engine's.
+A call no kernel can express never builds the platform switch, so its program is exactly the XLA engine's;
+nor does any call traced on a CPU host unless inside cross_platform_lowering() (exporting for an accelerator
+from a CPU machine), which keeps CPU tracing as cheap as before.
 interpret=True runs an explicit pallas_gpu / pallas_tpu in Pallas' interpreter on any platform (CPU tests).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import importlib
 
+import jax
 import numpy as np
 from jax import lax
 
@@ -74,9 +79,35 @@ def kernel_refusal(implementation, query, key, value, options) -> str | None:
 
 
 def kernel_options(options) -> dict:
-    """options without the grid's (unset, once kernel_refusal passed) and the XLA engines' own."""
+    """The options a kernel reads: those set (not None / False), without the grid's (unset once
+    kernel_refusal passed) and the XLA engines' own."""
     grid = ("bias", "mask", "return_weights", "dropout_rate", "dropout_rng")
-    return {k: v for k, v in options.items() if k not in grid and k not in XLA_ONLY}
+    return {k: v for k, v in options.items()
+            if k not in grid and k not in XLA_ONLY and v is not None and v is not False}
+
+
+_CROSS_PLATFORM = contextvars.ContextVar("jaxattn_cross_platform", default=False)
+
+
+@contextlib.contextmanager
+def cross_platform_lowering():
+    """Within it, implementation=None builds the per-platform switch even when JAX's default backend is
+    the CPU, so a program traced here and lowered for CUDA or TPU (jax.jit(f).trace(...).lower(
+    lowering_platforms=("cuda",)), jax.export) carries the kernels.
+
+    Outside it, on a CPU host the switch is left out: its CPU branch is the only one a CPU lowering keeps
+    (bit-identical results, same compile time), but tracing the kernel branches costs about 0.7 s per
+    trace of a causal forward+backward (measured, docs/performance.md) for nothing.
+    """
+    token = _CROSS_PLATFORM.set(True)
+    try:
+        yield
+    finally:
+        _CROSS_PLATFORM.reset(token)
+
+
+def _switch_wanted() -> bool:
+    return _CROSS_PLATFORM.get() or jax.default_backend() != "cpu"
 
 
 def attend(xla, query, key, value, *, implementation=None, interpret=False, **options):
@@ -93,7 +124,7 @@ def attend(xla, query, key, value, *, implementation=None, interpret=False, **op
             checks.fail(refused, f"an option implementation={implementation!r} can express (it cannot express "
                         f"{refused}; implementation=None falls back to the XLA engines)", "it in use")
         return _kernel(implementation).attention(query, key, value, interpret=interpret, **kernel_options(options))
-    if implementation is not None:
+    if implementation is not None or not _switch_wanted():
         return xla()
     branches = {}
     for platform, name in (("cuda", "pallas_gpu"), ("tpu", "pallas_tpu")):
@@ -103,6 +134,15 @@ def attend(xla, query, key, value, *, implementation=None, interpret=False, **op
     if not branches:
         return xla()
     return lax.platform_dependent(cpu=xla, default=xla, **branches)
+
+
+def dense_only(implementation, interpret, term: str) -> None:
+    """For a call whose `term` only the dense engine computes (per-pair relative terms): ValueError unless
+    implementation is None (the dense engine on every platform) or "dense"."""
+    check_implementation(implementation, interpret)
+    if implementation not in (None, "dense"):
+        checks.fail(term, f"not in use with implementation={implementation!r} (only the dense engine computes "
+                    f"{term}; use implementation=None or 'dense')", "it in use")
 
 
 def use_blockwise(implementation, query, key, **options) -> bool:

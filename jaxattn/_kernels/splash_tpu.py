@@ -169,7 +169,7 @@ def attention(query, key, value, *, interpret=False, is_causal=False, scale=None
 
     del precision, return_lse  # splash's matmuls accumulate in float32; return_lse is refused (unsupported)
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value)
+    batch, T, S, N, _, H, Hv = checks.check_qkv(query, key, value)
     B = int(np.prod(batch, dtype=np.int64))
     window, chunk = mods.check_window(window), mods.check_chunk_size(chunk_size)
     cap = mods.check_softcap(logit_softcap)
