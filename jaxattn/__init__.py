@@ -57,8 +57,9 @@ from ._schemes.clipped import clipped_relative_index as clipped_relative_index
 from ._schemes.xl import relative_sinusoids as relative_sinusoids
 from ._schemes.xl import transformer_xl_attention as transformer_xl_attention
 
-__all__ = ["cross_platform_lowering", 
+__all__ = [
     "dot_product_attention",
+    "cross_platform_lowering",
     "flex_attention",
     "create_block_mask",
     "BlockMask",

@@ -9,6 +9,7 @@ the first option outside that.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -19,6 +20,8 @@ HANDLED = ("is_causal", "scale", "precision", "query_segment_ids", "key_segment_
 
 def unsupported(query, key, value, **options):
     """None when mha computes this call exactly, else the name of the first option it cannot express."""
+    if jax.config.jax_enable_x64:
+        return "jax_enable_x64 (mha's loop bounds mix int32 and int64)"
     for name, value_ in options.items():
         if name not in HANDLED and value_ is not None and value_ is not False:
             return name

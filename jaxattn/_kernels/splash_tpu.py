@@ -19,7 +19,8 @@ accumulate in float32, the softmax is float32); half inputs stay half in the mat
 
 Not expressible here (unsupported names them): explicit query/key positions, score_mod, mask_mod,
 block_mask, return_lse (splash's residuals are not differentiable), relative tables and position biases,
-segment ids together with key_value_seq_lengths.
+segment ids together with key_value_seq_lengths; and any call traced with jax_enable_x64 on (splash's
+index arithmetic then mixes int32 and int64 and fails to lower).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ HANDLED = ("is_causal", "scale", "precision", "query_segment_ids", "key_segment_
 
 def unsupported(query, key, value, **options):
     """None when splash computes this call exactly, else the name of the first option it cannot express."""
+    if jax.config.jax_enable_x64:
+        return "jax_enable_x64 (splash's index arithmetic does not trace with 64-bit ints on)"
     for name, given in options.items():
         if name not in HANDLED and given is not None and given is not False:
             return name
