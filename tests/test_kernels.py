@@ -1,0 +1,179 @@
+"""The accelerator kernels behind implementation= (issue 26): refusals by name, the cuDNN argument mapping,
+and TPU splash attention run in Pallas' interpreter on the CPU against the dense engine.
+
+Splash computes in float32 (float32 accumulation, float32 softmax), so float32 inputs meet DESIGN.md's
+float32 bar against the dense engine at precision="highest": forward <= 1e-6, gradients <= 1e-5 normwise.
+Pallas kernels trace with 64-bit ints off (JAX's default; the suite turns x64 on), hence x64_off.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxattn
+from jaxattn._kernels import cudnn
+from tests.helpers import normwise
+
+B, T, S, N, K, H, Hv = 2, 37, 53, 6, 3, 13, 11
+
+
+@pytest.fixture
+def x64_off():
+    with jax.enable_x64(False):
+        yield
+
+
+def qkv(dtype=jnp.float32, T=T, S=S, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = ((B, T, N, H), (B, S, K, H), (B, S, K, Hv))
+    return [jnp.asarray(rng.standard_normal(shape), dtype) for shape in shapes]
+
+
+# --- refusals ---------------------------------------------------------------------------------------------------
+
+def test_unknown_implementation_is_refused_by_name():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="^implementation: .*'pallas_tpu'.*got 'flash'"):
+        jaxattn.dot_product_attention(q, k, v, implementation="flash")
+
+
+@pytest.mark.parametrize("implementation", [None, "dense", "blockwise", "cudnn"])
+def test_interpret_only_with_a_pallas_kernel(implementation):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="^interpret: "):
+        jaxattn.dot_product_attention(q, k, v, implementation=implementation, interpret=True)
+
+
+def score_shift(x, b, n, t, s):
+    return x + 0.5
+
+
+@pytest.mark.parametrize("implementation, keywords, option", [
+    ("pallas_tpu", dict(mask=np.ones((T, S), bool)), "mask"),
+    ("pallas_tpu", dict(bias=np.zeros((T, S), np.float32)), "bias"),
+    ("pallas_tpu", dict(return_weights=True), "return_weights"),
+    ("pallas_tpu", dict(query_positions=np.arange(T)), "query_positions"),
+    ("pallas_tpu", dict(score_mod=score_shift), "score_mod"),
+    ("pallas_tpu", dict(return_lse=True), "return_lse"),
+    ("cudnn", dict(), "query (dtype"),  # float32 inputs
+    ("cudnn", dict(logit_softcap=5.0), "logit_softcap"),
+])
+def test_an_explicit_kernel_refuses_what_it_cannot_express(x64_off, implementation, keywords, option):
+    q, k, v = qkv(jnp.bfloat16 if "dtype" not in option else jnp.float32)
+    with pytest.raises(ValueError, match=rf"^{re.escape(option)}.*implementation='{implementation}'"):
+        jaxattn.flex_attention(q, k, v, implementation=implementation, **keywords)
+
+
+def test_the_dense_only_schemes_refuse_a_kernel_by_their_terms():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="^rel_key / rel_value: .*'pallas_tpu'"):
+        jaxattn.relative_attention(q, k, v, np.zeros((T, S, 1, H), np.float32), implementation="pallas_tpu")
+
+
+def test_shaw_tables_are_refused_by_splash(x64_off):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="^key_table.*'pallas_tpu'"):
+        jaxattn.shaw_relative_attention(q, k, v, np.zeros((9, H), np.float32), max_distance=4,
+                                        implementation="pallas_tpu", interpret=True)
+
+
+def test_x64_keeps_implementation_none_on_the_xla_engines():
+    # the suite runs with x64 on: the platform switch is never built then, whatever the host
+    q, k, v = qkv()
+    with jaxattn.cross_platform_lowering():
+        text = jax.jit(lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True)).trace(
+            q, k, v).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" not in text
+
+
+# --- cuDNN: the argument mapping, with jax.nn's XLA path standing in for cuDNN (no cuDNN on this machine) -----
+
+@pytest.mark.parametrize("keywords", [dict(window=(4, 2)),
+                                      dict(is_causal=True, window=(6, None), key_value_seq_lengths=[0, 23])],
+                         ids=["window", "causal-window-lengths"])
+def test_cudnn_maps_our_keywords_onto_jax_nn(monkeypatch, keywords):
+    real = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, implementation, **kw: real(*a, implementation="xla", **kw))
+    q, k, _ = qkv(T=S)  # T == S: jax.nn's top-left alignment is ours there
+    v = qkv(T=S, seed=2)[1]  # [B,S,K,H]: cuDNN (and jax.nn) need Hv == H
+    ours = jaxattn.dot_product_attention(q, k, v, implementation="dense", precision="highest", **keywords)
+    mapped = cudnn.attention(q, k, v, **keywords)
+    assert normwise(mapped, ours) <= 1e-6
+
+
+# --- splash attention in the interpreter ---------------------------------------------------------------------
+
+def check_splash(keywords, *, dtype=jnp.float32, T=T, S=S, sinks=False, tol=(1e-6, 1e-5)):
+    """Forward and gradients (q, k, v and sinks) of the splash kernel against the dense engine."""
+    q, k, v = qkv(dtype, T=T, S=S)
+    w = qkv(jnp.float32, T=T, S=S, seed=1)[0][..., :Hv]
+    args = (q, k, v) + ((jnp.asarray(np.linspace(-1.0, 1.0, N), jnp.float32),) if sinks else ())
+
+    def run(implementation, **extra):
+        def f(q, k, v, *sinks):
+            out = jaxattn.dot_product_attention(q, k, v, implementation=implementation, sinks=sinks[0] if sinks else None,
+                                                **keywords, **extra)
+            return out, jnp.sum(out.astype(jnp.float32) * w)
+
+        return jax.jit(lambda *a: (f(*a)[0], jax.grad(lambda *a: f(*a)[1], argnums=range(len(a)))(*a)))(*args)
+
+    with jax.enable_x64(False):
+        got, g_got = run("pallas_tpu", interpret=True)
+        up = [a.astype(jnp.float32) for a in args]
+        args = tuple(up)
+        expected, g_expected = run("dense", precision="highest")
+    errors = [normwise(got, expected)] + [normwise(a, b) for a, b in zip(g_got, g_expected, strict=True)]
+    assert all(np.isfinite(errors)), errors
+    assert errors[0] <= tol[0] and max(errors[1:]) <= tol[1], errors
+    return got, errors
+
+
+def test_splash_grouped_heads_causal_lengths_softcap_sinks():
+    # T < S (a cache in front), GQA, one example with no key at all (length 0: zeros), softcap and sinks
+    got, _ = check_splash(dict(is_causal=True, key_value_seq_lengths=jnp.array([0, 41]), logit_softcap=4.0),
+                          sinks=True)
+    assert not np.asarray(got[0]).any()
+
+
+SPLASH_GRID = {
+    "plain": dict(),
+    "causal T>S (empty rows)": dict(is_causal=True, T=S + 7, S=S),
+    "window": dict(window=(5, 2)),
+    "chunk": dict(chunk_size=7, is_causal=True),
+    "segments": dict(query_segment_ids=np.arange(B * T).reshape(B, T) % 3,
+                     key_segment_ids=np.arange(B * S).reshape(B, S) % 4),
+    "lengths+window": dict(key_value_seq_lengths=np.array([5, 53]), window=(3, 3)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SPLASH_GRID))
+def test_splash_option_grid(case):
+    keywords = dict(SPLASH_GRID[case])
+    sizes = {name: keywords.pop(name) for name in ("T", "S") if name in keywords}
+    got, _ = check_splash(keywords, **sizes)
+    if case.startswith("causal T>S"):
+        assert not np.asarray(got[:, :7]).any()  # the first T - S rows see no key
+
+
+@pytest.mark.slow
+def test_splash_bfloat16_envelope():
+    # measured: normwise error of bf16 splash against the float32 dense engine on float32 copies of the
+    # same inputs, forward ~4e-3, gradients ~6e-3 (bf16 has 8 bits of mantissa; q is scaled in bf16)
+    check_splash(dict(is_causal=True), dtype=jnp.bfloat16, tol=(1e-2, 2e-2))
+
+
+@pytest.mark.slow
+def test_splash_under_vmap():
+    q, k, v = qkv()
+    with jax.enable_x64(False):
+        f = jax.vmap(lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True, precision="highest"))
+        g = jax.vmap(lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True, implementation="pallas_tpu",
+                                                                   interpret=True))
+        assert normwise(g(q, k, v), f(q, k, v)) <= 1e-6
