@@ -165,8 +165,9 @@ def test_splash_option_grid(case):
 @pytest.mark.slow
 def test_splash_bfloat16_envelope():
     # measured: normwise error of bf16 splash against the float32 dense engine on float32 copies of the
-    # same inputs, forward ~4e-3, gradients ~6e-3 (bf16 has 8 bits of mantissa; q is scaled in bf16)
-    check_splash(dict(is_causal=True), dtype=jnp.bfloat16, tol=(1e-2, 2e-2))
+    # same inputs, forward 2.2e-3, gradients (q, k, v) 3.7e-3 / 3.8e-3 / 3.2e-3 (causal; a (5, 2) window
+    # alike): bf16 rounding of q * scale, of p before p @ v, and of the outputs; envelope ~2.5x that
+    check_splash(dict(is_causal=True), dtype=jnp.bfloat16, tol=(5e-3, 1e-2))
 
 
 @pytest.mark.slow
