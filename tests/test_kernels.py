@@ -93,7 +93,7 @@ def test_x64_keeps_implementation_none_on_the_xla_engines():
 
 # --- cuDNN: the argument mapping, with jax.nn's XLA path standing in for cuDNN (no cuDNN on this machine) -----
 
-@pytest.mark.parametrize("keywords", [dict(window=(4, 2)),
+@pytest.mark.parametrize("keywords", [pytest.param(dict(window=(4, 2)), marks=pytest.mark.slow),
                                       dict(is_causal=True, window=(6, None), key_value_seq_lengths=[0, 23])],
                          ids=["window", "causal-window-lengths"])
 def test_cudnn_maps_our_keywords_onto_jax_nn(monkeypatch, keywords):
