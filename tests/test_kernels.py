@@ -178,3 +178,30 @@ def test_splash_under_vmap():
         g = jax.vmap(lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True, implementation="pallas_tpu",
                                                                    interpret=True))
         assert normwise(g(q, k, v), f(q, k, v)) <= 1e-6
+
+
+# --- the layers and the models pass implementation= to every attention call ---------------------------------
+
+def test_a_layer_passes_implementation_on(x64_off):
+    from jaxattn.linen import MultiHeadAttention
+
+    layer = MultiHeadAttention(num_heads=3, head_dim=5, implementation="pallas_tpu", interpret=True)
+    x = jnp.ones((2, 7, 11))
+    params = jax.eval_shape(MultiHeadAttention(num_heads=3, head_dim=5).init, jax.random.key(0), x)
+    with pytest.raises(ValueError, match="^mask.*implementation='pallas_tpu'"):
+        jax.eval_shape(lambda p: layer.apply(p, x, mask=np.ones((7, 7), bool)), params)  # traced, not run
+
+
+def test_a_model_config_passes_implementation_on():
+    import dataclasses
+
+    from jaxattn.models.llama import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=17, hidden_size=12, intermediate_size=10, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=6,
+                         rope_frequencies=(1.0, 0.1, 0.01))
+    ids = jnp.zeros((1, 5), jnp.int32)
+    params = jax.eval_shape(LlamaForCausalLM(config=config).init, jax.random.key(0), ids)
+    model = LlamaForCausalLM(config=dataclasses.replace(config, implementation="flash"))
+    with pytest.raises(ValueError, match="^implementation: .*got 'flash'"):
+        jax.eval_shape(lambda p: model.apply(p, ids), params)
