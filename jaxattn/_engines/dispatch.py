@@ -14,7 +14,8 @@
 
 A call no kernel can express never builds the platform switch, so its program is exactly the XLA engine's;
 nor does any call traced on a CPU host unless inside cross_platform_lowering() (exporting for an accelerator
-from a CPU machine), which keeps CPU tracing as cheap as before.
+from a CPU machine), which keeps CPU tracing as cheap as before; on a GPU or TPU host it holds that host's
+kernel (and the XLA engines for every other platform).
 interpret=True runs an explicit pallas_gpu / pallas_tpu in Pallas' interpreter on any platform (CPU tests).
 """
 
@@ -96,8 +97,9 @@ def cross_platform_lowering():
     lowering_platforms=("cuda",)), jax.export) carries the kernels.
 
     Outside it, on a CPU host the switch is left out: its CPU branch is the only one a CPU lowering keeps
-    (bit-identical results, same compile time), but tracing the kernel branches costs about 0.7 s per
-    trace of a causal forward+backward (measured, docs/performance.md) for nothing.
+    (bit-identical results, same compile time), but tracing the kernel branches costs about 0.6 s per
+    trace of a causal forward+backward (measured, docs/performance.md) for nothing; on a GPU or TPU host
+    the switch holds that host's kernel only.
     """
     token = _CROSS_PLATFORM.set(True)
     try:
@@ -106,8 +108,12 @@ def cross_platform_lowering():
         _CROSS_PLATFORM.reset(token)
 
 
-def _switch_wanted() -> bool:
-    return _CROSS_PLATFORM.get() or jax.default_backend() != "cpu"
+def _switch_platforms() -> tuple:
+    """The platforms whose kernel branch the switch gets: every one inside cross_platform_lowering(), else
+    the default backend's own (a GPU host traces no TPU kernel, a CPU host none)."""
+    if _CROSS_PLATFORM.get():
+        return ("cuda", "tpu")
+    return {"gpu": ("cuda",), "cuda": ("cuda",), "tpu": ("tpu",)}.get(jax.default_backend(), ())
 
 
 def attend(xla, query, key, value, *, implementation=None, interpret=False, **options):
@@ -121,14 +127,15 @@ def attend(xla, query, key, value, *, implementation=None, interpret=False, **op
     if implementation in KERNELS:
         refused = kernel_refusal(implementation, query, key, value, options)
         if refused is not None:
-            checks.fail(refused, f"an option implementation={implementation!r} can express (it cannot express "
-                        f"{refused}; implementation=None falls back to the XLA engines)", "it in use")
+            checks.fail(refused, f"not in use with implementation={implementation!r}, which cannot express it "
+                        "(implementation=None falls back to the XLA engines)", "in use")
         return _kernel(implementation).attention(query, key, value, interpret=interpret, **kernel_options(options))
-    if implementation is not None or not _switch_wanted():
+    platforms = _switch_platforms()
+    if implementation is not None or not platforms:
         return xla()
     branches = {}
     for platform, name in (("cuda", "pallas_gpu"), ("tpu", "pallas_tpu")):
-        if kernel_refusal(name, query, key, value, options) is None:
+        if platform in platforms and kernel_refusal(name, query, key, value, options) is None:
             kernel = _kernel(name).attention
             branches[platform] = lambda kernel=kernel: kernel(query, key, value, **kernel_options(options))
     if not branches:
