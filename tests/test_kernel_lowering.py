@@ -72,7 +72,7 @@ def test_causal_attention_lowered_for_cpu_is_the_xla_engine(program):
     assert "stablehlo.while" in text  # the blockwise engine, as before
 
 
-NO_TPU_KERNEL = pytest.mark.xfail(strict=True, reason="splash attention cannot express it and jaxattn has no own "
+NO_TPU_KERNEL = pytest.mark.xfail(strict=True, reason="splash attention has no score_mod and jaxattn has no own "
                                    "Pallas TPU kernel yet (issue 26 §1): the XLA engine runs on TPU")
 
 
@@ -134,10 +134,10 @@ def test_llama_lowers_to_the_kernel(platform, program):
     assert_fused(text, platform, 384, 384)
 
 
-@pytest.mark.parametrize("platform", ["cuda", pytest.param("tpu", marks=NO_TPU_KERNEL)])
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_llama_decode_step_lowers_to_the_kernel(platform):
     # T = 1 against a 4096-slot cache: the cache's keywords (query_positions, key_positions, lengths) need
-    # the Pallas GPU kernel's explicit positions on cuda; splash's mask is static (issue 26 §3)
+    # the Pallas GPU kernel's explicit positions on cuda; splash takes the one row's keys as segment ids
     model, params, _ = tiny_llama()
     token = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     text = lowered(llama_decode_step(model), params, cache_shapes(model, params, T), token, platform=platform)

@@ -163,6 +163,15 @@ def test_splash_option_grid(case):
 
 
 @pytest.mark.slow
+def test_splash_one_query_row_against_a_cache():
+    # a decode step: T = 1 at explicit positions with lengths and a window (one empty row: position 2 with
+    # lengths 0), keys at their defaults
+    got, _ = check_splash(dict(is_causal=True, query_positions=np.array([[2], [40]]),
+                               key_value_seq_lengths=np.array([0, 47]), window=(9, 0)), T=1)
+    assert not np.asarray(got[0]).any()
+
+
+@pytest.mark.slow
 def test_splash_bfloat16_envelope():
     # measured: normwise error of bf16 splash against the float32 dense engine on float32 copies of the
     # same inputs, forward 2.2e-3, gradients (q, k, v) 3.7e-3 / 3.8e-3 / 3.2e-3 (causal; a (5, 2) window

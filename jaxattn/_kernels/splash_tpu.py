@@ -17,10 +17,14 @@ padded rows) are let through to one extra zero key column S (key 0, value 0) tha
 their output is exactly 0 and every gradient finite and zero. Splash computes in float32 (its matmuls
 accumulate in float32, the softmax is float32); half inputs stay half in the matmuls, as ours do.
 
-Not expressible here (unsupported names them): explicit query/key positions, score_mod, mask_mod,
-block_mask, return_lse (splash's residuals are not differentiable), relative tables and position biases,
-segment ids together with key_value_seq_lengths; and any call traced with jax_enable_x64 on (splash's
-index arithmetic then mixes int32 and int64 and fails to lower).
+One query row (T = 1, a decode step against a cache): whatever masks its keys (explicit positions, lengths,
+segment ids, causal, window, chunk) is one vector over the keys per batch entry, computed by the dense
+engine's mask rule and handed to splash as key segment ids, so a decode step takes splash too.
+
+Not expressible here (unsupported names them): explicit query/key positions with T > 1, score_mod,
+mask_mod, block_mask, return_lse (splash's residuals are not differentiable), relative tables and position
+biases, segment ids together with key_value_seq_lengths with T > 1; and any call traced with
+jax_enable_x64 on (splash's index arithmetic then mixes int32 and int64 and fails to lower).
 """
 
 from __future__ import annotations
@@ -34,25 +38,30 @@ import numpy as np
 from jax import lax
 
 from .._core import checks, mods
+from .._core.masks import allowed_keys
 
 LANES = 128  # splash's tiles are multiples of the TPU lane width
 MAX_BLOCK = 512
 # The options splash expresses (with their defaults, every other blockwise option must be unset).
 HANDLED = ("is_causal", "scale", "precision", "query_segment_ids", "key_segment_ids", "key_value_seq_lengths",
            "window", "chunk_size", "logit_softcap", "sinks", "return_lse")
+# With one query row (a decode step) every mask keyword is one vector over the keys per batch entry, which
+# segment ids carry exactly: explicit positions too, and lengths with segment ids.
+ONE_ROW = ("query_positions", "key_positions")
 
 
 def unsupported(query, key, value, **options):
     """None when splash computes this call exactly, else the name of the first option it cannot express."""
     if jax.config.jax_enable_x64:
         return "jax_enable_x64 (splash's index arithmetic does not trace with 64-bit ints on)"
+    one_row = np.shape(query)[-3] == 1
     for name, given in options.items():
-        if name not in HANDLED and given is not None and given is not False:
+        if name not in HANDLED + (ONE_ROW if one_row else ()) and given is not None and given is not False:
             return name
     if options.get("return_lse"):
         return "return_lse"
-    if options.get("key_value_seq_lengths") is not None and (options.get("query_segment_ids") is not None or
-                                                             options.get("key_segment_ids") is not None):
+    if not one_row and options.get("key_value_seq_lengths") is not None and (
+            options.get("query_segment_ids") is not None or options.get("key_segment_ids") is not None):
         return "key_value_seq_lengths (with segment ids)"
     if min(np.shape(query)[-3], np.shape(key)[-3]) == 0:
         return "query (an empty sequence)"
@@ -136,6 +145,8 @@ def _row_has_key(rule, q_ids, kv_ids, block):
         ids = lax.dynamic_slice_in_dim(q_ids, i * block, block)
         return jnp.any(real.allowed(t[:, None], s[None, :]) & (ids[:, None] == kv_ids[None, :]), axis=-1)
 
+    if Tp == block:  # one tile (a decode step): no loop
+        return tile(0)
     return lax.map(tile, jnp.arange(Tp // block)).reshape(Tp)
 
 
@@ -163,9 +174,19 @@ def _segment_ids(rule, batch, T, S, Tp, Sp, block_q, q_seg, k_seg, lengths, stat
     return q_ids, kv_ids
 
 
+def _one_row_keys(batch, S, **mask_options):
+    """For T == 1: int32 [...,S] key segment ids, 0 where the single query may attend, 1 elsewhere (the
+    dense engine's own mask rule, jaxattn._core.masks), or None when every key is allowed."""
+    allowed = allowed_keys((*batch, 1, 1, S), **mask_options)
+    if allowed is None:
+        return None
+    return jnp.where(jnp.broadcast_to(allowed, (*batch, 1, 1, S))[..., 0, 0, :], 0, 1).astype(jnp.int32)
+
+
 def attention(query, key, value, *, interpret=False, is_causal=False, scale=None, precision=None,
               query_segment_ids=None, key_segment_ids=None, key_value_seq_lengths=None, window=None,
-              chunk_size=None, logit_softcap=None, sinks=None, return_lse=False):
+              chunk_size=None, logit_softcap=None, sinks=None, return_lse=False, query_positions=None,
+              key_positions=None):
     """Splash attention over [...,T,N,H] inputs, with our semantics (module docstring)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
@@ -180,6 +201,14 @@ def attention(query, key, value, *, interpret=False, is_causal=False, scale=None
     if key_value_seq_lengths is not None:
         checks.check_int("key_value_seq_lengths", jnp.asarray(key_value_seq_lengths))
     sinks = mods.check_sinks(sinks, batch, N, jnp.float32)
+    if T == 1 and (query_positions is not None or key_positions is not None or
+                   (key_value_seq_lengths is not None and q_seg is not None)):
+        # one query row: its allowed keys become key segment ids (queries 0), the rule's keywords spent
+        k_seg = _one_row_keys(batch, S, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
+                              query_positions=query_positions, key_positions=key_positions, window=window,
+                              chunk_size=chunk_size, query_segments=q_seg, key_segments=k_seg)
+        q_seg = None if k_seg is None else jnp.zeros((*batch, 1), jnp.int32)
+        is_causal, window, chunk, key_value_seq_lengths = False, None, None, None
 
     block_q, Tp = _blocks(T)
     rule = PositionRule(T, S, causal=bool(is_causal), window=window, chunk=chunk, dummy=False)
