@@ -134,6 +134,7 @@ def check_splash(keywords, *, dtype=jnp.float32, T=T, S=S, sinks=False, tol=(1e-
     return got, errors
 
 
+@pytest.mark.slow  # ~8 s on a quiet 2-core machine (the interpreter runs 128-row blocks): over the default budget
 def test_splash_grouped_heads_causal_lengths_softcap_sinks():
     # T < S (a cache in front), GQA, one example with no key at all (length 0: zeros), softcap and sinks
     got, _ = check_splash(dict(is_causal=True, key_value_seq_lengths=jnp.array([0, 41]), logit_softcap=4.0),
