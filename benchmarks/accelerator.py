@@ -37,7 +37,8 @@ def _inputs(T, S, seed=0):
     import jax.numpy as jnp
 
     keys = jax.random.split(jax.random.key(seed), 3)
-    return [jax.random.normal(key, (B, length, N, H), jnp.bfloat16) for key, length in zip(keys, (T, S, S), strict=True)]
+    lengths = (T, S, S)
+    return [jax.random.normal(key, (B, length, N, H), jnp.bfloat16) for key, length in zip(keys, lengths, strict=True)]
 
 
 def _with_backward(attention):

@@ -117,8 +117,8 @@ def check_splash(keywords, *, dtype=jnp.float32, T=T, S=S, sinks=False, tol=(1e-
 
     def run(implementation, **extra):
         def f(q, k, v, *sinks):
-            out = jaxattn.dot_product_attention(q, k, v, implementation=implementation, sinks=sinks[0] if sinks else None,
-                                                **keywords, **extra)
+            out = jaxattn.dot_product_attention(q, k, v, implementation=implementation,
+                                                sinks=sinks[0] if sinks else None, **keywords, **extra)
             return out, jnp.sum(out.astype(jnp.float32) * w)
 
         return jax.jit(lambda *a: (f(*a)[0], jax.grad(lambda *a: f(*a)[1], argnums=range(len(a)))(*a)))(*args)
