@@ -73,6 +73,8 @@ class DecoderConfig:
     rope_frequencies: tuple = ()       # the inverse frequencies [H/2] (rope_frequencies of the config)
     rope_attention_factor: float = 1.0  # HF's attention_scaling: cos and sin scaled by it (yarn)
     windows: tuple = ()                # per layer: HF's sliding_window W (the query and W - 1 before) or None
+    # every attention call's implementation= (jaxattn.dot_product_attention; None: per platform); not in config.json
+    implementation: str | None = dataclasses.field(default=None, compare=False)
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # the config.json dict read
 
     rms_norm: ClassVar[str] = "llama"  # which of HF's RMS norms the family's layers use (see RMSNorm)
@@ -85,7 +87,8 @@ class DecoderConfig:
         (or of `rope`, called `rope_name` in refusals: see rope_frequencies). A head_dim that is neither given
         nor hidden_size / num_attention_heads is refused."""
         fields = {f.name for f in dataclasses.fields(cls)} - set(derived) - {"rope_frequencies",
-                                                                             "rope_attention_factor", "hf_config"}
+                                                                             "rope_attention_factor", "hf_config",
+                                                                             "implementation"}
         parsed = cls(**{k: v for k, v in config.items() if k in fields and (v is not None or k in nullable)},
                      **derived)
         if parsed.hidden_size % parsed.num_attention_heads and parsed.head_dim is None:
@@ -435,7 +438,8 @@ def self_attention(block: PreNormBlock, x, mask, positions, decode: bool, window
     attention = _sharding.attention_class(block.sharding)(num_heads=d["N"], num_kv_heads=d["K"], head_dim=d["H"],
                                    use_bias=c.attention_biases(), rope=RoPE(frequencies=frequencies),
                                    window=window, dtype=block.dtype, param_dtype=block.param_dtype,
-                                   precision=block.precision, name="self_attn", **options)
+                                   precision=block.precision, implementation=c.implementation, name="self_attn",
+                                   **options)
     return attention(x, mask=mask, is_causal=True, rope_positions=positions, decode=decode)
 
 

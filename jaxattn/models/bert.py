@@ -44,6 +44,8 @@ class BertConfig:
     layer_norm_eps: float = 1e-12
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1
+    # every attention call's implementation= (jaxattn.dot_product_attention; None: per platform); not in config.json
+    implementation: str | None = dataclasses.field(default=None, compare=False)
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # the config.json dict read
 
     @classmethod
@@ -107,7 +109,7 @@ class BertLayer(nn.Module):
         dropout = nn.Dropout(c.hidden_dropout_prob, deterministic=deterministic)
         attention = MultiHeadAttention(num_heads=c.num_attention_heads, dropout_rate=c.attention_probs_dropout_prob,
                                        dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision,
-                                       name="attention")
+                                       implementation=c.implementation, name="attention")
         y, weights = attention(x, mask=mask, deterministic=deterministic, return_weights=True)
         a = norm("attention_norm")(x + dropout(y))
         h = nn.gelu(dense(c.intermediate_size, name="intermediate")(a), approximate=False)

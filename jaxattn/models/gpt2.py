@@ -44,6 +44,8 @@ class GPT2Config:
     scale_attn_weights: bool = True
     scale_attn_by_inverse_layer_idx: bool = False
     tie_word_embeddings: bool = True
+    # every attention call's implementation= (jaxattn.dot_product_attention; None: per platform); not in config.json
+    implementation: str | None = dataclasses.field(default=None, compare=False)
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # the config.json dict read
 
     @classmethod
@@ -86,7 +88,7 @@ class GPT2Block(_decoder.Configured):
         dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)
         attention = _sharding.attention_class(self.sharding)(num_heads=c.n_head, scale=scale, dtype=self.dtype,
                                                              param_dtype=self.param_dtype, precision=self.precision,
-                                                             name="attn")
+                                                             implementation=c.implementation, name="attn")
         a = attention(norm("ln_1")(x), mask=mask, is_causal=True, decode=decode)
         x = x + a
         h = _ACTIVATIONS[c.activation_function](dense(d["F"], name="c_fc")(norm("ln_2")(x)))

@@ -55,6 +55,8 @@ class T5Config:
     is_gated_act: bool = False
     scale_decoder_outputs: bool = True
     decoder_start_token_id: int = 0
+    # every attention call's implementation= (jaxattn.dot_product_attention; None: per platform); not in config.json
+    implementation: str | None = dataclasses.field(default=None, compare=False)
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # the config.json dict read
 
     @classmethod
@@ -118,7 +120,7 @@ class T5Block(_decoder.Configured):
         norm = functools.partial(_decoder.RMSNorm, c.layer_norm_epsilon, self.param_dtype, "t5")
         attention = functools.partial(MultiHeadAttention, num_heads=c.num_heads, head_dim=c.d_kv, use_bias=False,
                                       scale=1.0, dtype=self.dtype, param_dtype=self.param_dtype,
-                                      precision=self.precision)
+                                      precision=self.precision, implementation=c.implementation)
         a = attention(name="self_attention")(norm(name="self_attention_norm")(x), mask=self_mask, bias=self_bias,
                                              is_causal=self.is_decoder, decode=decode)
         x = x + a
