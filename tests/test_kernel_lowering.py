@@ -9,7 +9,9 @@ stablehlo.while); lowered for the CPU, the same calls hold no custom call at all
 
 from __future__ import annotations
 
+import functools
 import re
+
 
 import jax
 import jax.numpy as jnp
@@ -47,11 +49,17 @@ def attention_fwd_bwd(q):
     return jax.grad(lambda q: attention_fwd(q).astype(jnp.float32).sum())(q)
 
 
+@functools.cache
+def sliding_block_mask(window=256):
+    """Built once, outside the program, as torch users do: create_block_mask evaluates mask_mod tile by
+    tile in a loop of its own, which is mask construction, not attention."""
+    return jaxattn.create_block_mask(lambda b, n, t, s: (s <= t) & (t - s < window), None, None, T, T,
+                                     block_size=128)
+
+
 def sliding_flex(q):
-    window = 256
-    block_mask = jaxattn.create_block_mask(lambda b, n, t, s: (s <= t) & (t - s < window), None, None, T, T,
-                                           block_size=128)
-    return jaxattn.flex_attention(q, q, q, score_mod=lambda x, b, n, t, s: x - 0.01 * (t - s), block_mask=block_mask)
+    return jaxattn.flex_attention(q, q, q, score_mod=lambda x, b, n, t, s: x - 0.01 * (t - s),
+                                  block_mask=sliding_block_mask())
 
 
 ATTENTION = {"forward": attention_fwd, "forward+backward": attention_fwd_bwd}
@@ -79,6 +87,7 @@ NO_TPU_KERNEL = pytest.mark.xfail(strict=True, reason="splash attention has no s
 @pytest.mark.parametrize("platform", ["cuda", pytest.param("tpu", marks=NO_TPU_KERNEL)])
 def test_flex_score_mod_and_sliding_block_mask_lower_to_the_kernel(platform):
     # cuda: needs the Pallas GPU kernel's score_mod and BlockMask
+    sliding_block_mask()  # built eagerly here, so the program only closes over its tile lists
     q = jax.ShapeDtypeStruct((1, T, 8, 128), jnp.bfloat16)
     assert_fused(lowered(sliding_flex, q, platform=platform), platform, T, T)
 

@@ -67,8 +67,9 @@ def _kernel(implementation):
     return importlib.import_module(f".._kernels.{KERNELS[implementation]}", __package__)
 
 
-def kernel_refusal(implementation, query, key, value, options) -> str | None:
-    """The option that kernel `implementation` cannot express in this call (None: it can).
+def kernel_refusal(implementation, query, key, value, options, interpret=False) -> str | None:
+    """The option that kernel `implementation` cannot express in this call (None: it can); interpret=True
+    asks about Pallas' interpreter, which lifts a chip's limits (tile shapes, dtypes) but not the kernel's.
 
     The options that span the [T,S] grid (mask, bias, return_weights, dropout) are refused here for every
     kernel; the rest is the kernel module's `unsupported`."""
@@ -76,7 +77,7 @@ def kernel_refusal(implementation, query, key, value, options) -> str | None:
     in_use = grid_options_in_use(dropout_rate=options.get("dropout_rate", 0.0), **grid)
     if in_use:
         return in_use[0]
-    return _kernel(implementation).unsupported(query, key, value, **kernel_options(options))
+    return _kernel(implementation).unsupported(query, key, value, interpret=interpret, **kernel_options(options))
 
 
 def kernel_options(options) -> dict:
@@ -125,7 +126,7 @@ def attend(xla, query, key, value, *, implementation=None, interpret=False, **op
     """
     check_implementation(implementation, interpret)
     if implementation in KERNELS:
-        refused = kernel_refusal(implementation, query, key, value, options)
+        refused = kernel_refusal(implementation, query, key, value, options, interpret)
         if refused is not None:
             checks.fail(refused, f"not in use with implementation={implementation!r}, which cannot express it "
                         "(implementation=None falls back to the XLA engines)", "in use")

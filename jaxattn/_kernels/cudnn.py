@@ -24,7 +24,7 @@ from .._core import checks, mods
 HANDLED = ("is_causal", "scale", "precision", "key_value_seq_lengths", "window")
 
 
-def unsupported(query, key, value, **options):
+def unsupported(query, key, value, *, interpret=False, **options):
     """None when cuDNN computes this call exactly, else the name of the first option it cannot express."""
     for name, given in options.items():
         if name not in HANDLED and given is not None and given is not False:

@@ -50,8 +50,10 @@ HANDLED = ("is_causal", "scale", "precision", "query_segment_ids", "key_segment_
 ONE_ROW = ("query_positions", "key_positions")
 
 
-def unsupported(query, key, value, **options):
-    """None when splash computes this call exactly, else the name of the first option it cannot express."""
+def unsupported(query, key, value, *, interpret=False, **options):
+    """None when splash computes this call exactly, else the name of the first option it cannot express.
+
+    The same in Pallas' interpreter (interpret=True) as on a TPU: splash's own limits, not the chip's."""
     if jax.config.jax_enable_x64:
         return "jax_enable_x64 (splash's index arithmetic does not trace with 64-bit ints on)"
     one_row = np.shape(query)[-3] == 1
