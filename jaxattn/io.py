@@ -20,10 +20,13 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
+from . import _atomic_files as atomic_files
 
 _SAFETENSORS_DTYPES = {
     "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
@@ -205,8 +208,22 @@ def save_safetensors(tensors, path: str | os.PathLike, *, metadata: dict[str, st
     C order, little-endian, the widest dtypes first, so every tensor starts at a multiple of its item size.
     A dtype the format has no name for (object, float128...), or a name that is not a non-empty string,
     raises ValueError naming the tensor; nothing is cast. Returns the path.
+
+    The file is written whole under a hidden temporary name beside `path` (jaxattn._atomic_files), fsynced
+    and renamed over `path` in one step: a reader finds the old file or the new one, never a part, and a
+    failed write (a full disk, an interrupt) leaves `path` as it was and no temporary file behind.
     """
     path = Path(path)
+    write = safetensors_writer(tensors, metadata=metadata)  # every check before a file is created
+    atomic_files.replace(atomic_files.write_temp(path, write), path)
+    atomic_files.fsync_directory(path.parent)
+    return path
+
+
+def safetensors_writer(tensors, *, metadata: dict[str, str] | None = None) -> Callable[[int], None]:
+    """write(fd): the bytes of save_safetensors' file for `tensors`, written to an open descriptor. Every
+    name, dtype and the metadata are checked here, before anything is written (ValueError as
+    save_safetensors)."""
     metadata = dict(_METADATA if metadata is None else metadata)
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise ValueError(f"metadata: expected {{str: str}}, got {metadata!r}")
@@ -231,12 +248,13 @@ def save_safetensors(tensors, path: str | os.PathLike, *, metadata: dict[str, st
     text = json.dumps({"__metadata__": metadata, **{name: header[name] for name in arrays}},
                       separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little"))
-        f.write(text)
+
+    def write(fd: int) -> None:
+        atomic_files.write_all(fd, len(text).to_bytes(8, "little") + text)
         for name in order:
-            f.write(_little_endian_bytes(arrays[name]))
-    return path
+            atomic_files.write_all(fd, _little_endian_bytes(arrays[name]))
+
+    return write
 
 
 def _little_endian_bytes(array: np.ndarray) -> memoryview:
