@@ -6,7 +6,7 @@
 
 A temporary name starts with "." and ends ".tmp-<8 hex>" (HIDDEN), so it matches no checkpoint name
 (model.safetensors, model-*-of-*.safetensors, *.safetensors globs): after a SIGKILL it is debris a reader
-never takes, which the next save removes (is_hidden). Every write goes through write_all (os.write in a
+never takes, which the next save removes (hidden_for). Every write goes through write_all (os.write in a
 loop): one place where a full disk (ENOSPC), a file-size limit (EFBIG) or a test's injected error surfaces.
 """
 
@@ -27,9 +27,14 @@ def hidden_name(path: Path, kind: str = "tmp") -> Path:
     return path.with_name(f".{path.name}.{kind}-{secrets.token_hex(4)}")
 
 
-def is_hidden(name: str, kind: str | None = None) -> bool:
-    match = HIDDEN.fullmatch(name)
-    return match is not None and (kind is None or match.group(1) == kind)
+def hidden_for(name: str) -> str | None:
+    """The file a hidden name stands for (".a.old-<hex>" -> "a", "..a.old-<hex>.old-<hex>" -> "a"), or None
+    if `name` is not a hidden name of ours."""
+    if HIDDEN.fullmatch(name) is None:
+        return None
+    while (match := HIDDEN.fullmatch(name)) is not None:
+        name = name[1:match.start(1) - 1]
+    return name
 
 
 def write_all(fd: int, data) -> None:

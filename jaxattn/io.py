@@ -8,8 +8,9 @@ one FileNotFoundError. Nothing in a weight file is ever executed. ``save_safeten
 the same format (what ``jaxattn.models.to_pretrained`` writes), bf16 and float8 included.
 
 A sharded load reads parts: ``safetensors_entries(path)`` parses the header alone ({name: TensorEntry}:
-dtype, shape, byte offset), and ``read_region(path, entry, box)`` reads one box of a tensor with one
-``os.preadv`` per contiguous run of its bytes, counting them in ``bytes_read`` (per file and tensor).
+dtype, shape, byte offset), and ``read_region(path, entry, box)`` copies one box of a tensor out of
+memory maps of its bytes (numpy slicing: only the pages holding the box are read; 4 MiB mapped at a
+time), counting the box's bytes in ``bytes_read`` (per file and tensor).
 """
 
 from __future__ import annotations
@@ -170,29 +171,41 @@ def safetensors_entries(path: str | os.PathLike) -> dict[str, TensorEntry]:
     return {name: entries[name] for name in header}
 
 
+_MAP_BYTES = 1 << 22  # at most this much of a tensor is mapped at once: its touched pages count as resident
+
+
 def read_region(path: str | os.PathLike, entry: TensorEntry, box) -> np.ndarray:
     """The part box = ((start, stop) per axis) of the tensor `entry` of the file at `path`, reading only its
-    bytes: one read per contiguous run (a single run when only the leading axis is cut; one per row when
-    the last axis is). Counted in `bytes_read`."""
+    bytes: the tensor's bytes memory-mapped (numpy.memmap) a slab of leading-axis indices at a time (4 MiB)
+    and the box sliced out and copied by numpy, which touches only the pages that hold it. Counted in
+    `bytes_read` (the box's bytes; the OS pages in whole pages around them)."""
     box = tuple((int(a), int(b)) for a, b in box)
     if len(box) != len(entry.shape) or not all(0 <= a <= b <= d for (a, b), d in zip(box, entry.shape)):
         raise ValueError(f"{path}: {entry.name!r}: expected a box of (start, stop) within shape "
                          f"{list(entry.shape)}, got {list(box)}")
     lengths = [b - a for a, b in box]
-    out = bytearray(math.prod(lengths) * entry.dtype.itemsize)
-    # the axes after `cut` are whole, so each index over the axes before it starts one contiguous run
-    cut = max([k for k, ((a, b), d) in enumerate(zip(box, entry.shape)) if b - a != d] or [0])
-    strides = np.cumprod((entry.shape[1:] + (1,))[::-1])[::-1] * entry.dtype.itemsize
-    run = lengths[cut] * int(strides[cut]) if entry.shape else entry.dtype.itemsize
-    with open(path, "rb") as f:
-        view = memoryview(out)
-        for k, index in enumerate(np.ndindex(*lengths[:cut])):
-            first = sum((i + a) * int(s) for i, (a, _), s in zip(index, box, strides))
-            first += box[cut][0] * int(strides[cut]) if entry.shape else 0
-            if run and os.preadv(f.fileno(), [view[k * run:(k + 1) * run]], entry.offset + first) != run:
-                raise _damaged(Path(path), f"entry {entry.name!r}: file changed while reading")
-    bytes_read[(str(path), entry.name)] += len(out)
-    return _little_endian(out, entry.dtype).reshape(lengths)
+    shape, cut = (entry.shape, box) if entry.shape else ((1,), ((0, 1),))  # a scalar as one entry
+    # bytes [..., itemsize]: the box is a plain slice whatever the dtype; byte order fixed after the copy
+    part = np.empty((*(b - a for a, b in cut), entry.dtype.itemsize), np.uint8)
+    if part.size:
+        try:
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no such file") from None
+        if size < entry.offset + entry.nbytes:  # a mapped page past the end of the file would be a SIGBUS
+            raise _damaged(Path(path), f"entry {entry.name!r}: file changed while reading")
+        row = math.prod(shape[1:]) * entry.dtype.itemsize  # bytes per index of the leading axis
+        step = max(1, _MAP_BYTES // row)
+        inner = tuple(slice(a, b) for a, b in cut[1:])
+        (first, last) = cut[0]
+        for a in range(first, last, step):
+            b = min(last, a + step)
+            slab = np.memmap(path, np.uint8, "r", offset=entry.offset + a * row,
+                             shape=(b - a, *shape[1:], entry.dtype.itemsize))
+            part[a - first:b - first] = slab[(slice(None), *inner)]
+            del slab  # unmapped now, not when the garbage collector gets to it
+    bytes_read[(str(path), entry.name)] += part.nbytes
+    return _little_endian(part.data, entry.dtype).reshape(lengths)
 
 
 _DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}

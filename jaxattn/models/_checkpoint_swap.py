@@ -11,8 +11,8 @@ reader switches from the old set to the new one at the one rename (or unlink) th
 
 The steps, each a single rename, link or unlink (atomic on POSIX), in this order:
 
-1. Debris of a killed save goes: hidden names (".<name>.tmp-<hex>", ".<name>.old-<hex>") that the
-   current index does not list.
+1. Debris of a killed save goes: hidden names of the checkpoint's files (".<name>.tmp-<hex>",
+   ".<name>.old-<hex>") that the current index does not list.
 2. Every new file is written whole under a hidden temporary name in the directory (same filesystem, so
    the renames below are atomic), and fsynced, and so is the directory. A failure here (a full disk, a
    file-size limit, an interrupt, a bad tensor found late) removes the temporary files; nothing else has
@@ -90,7 +90,7 @@ class _Swap:
     def remove_debris(self) -> None:
         listed = set((listed_files(self.directory) or {}).values())
         for file in self.directory.iterdir():
-            if atomic_files.is_hidden(file.name) and file.name not in listed and file.is_file():
+            if _ours(atomic_files.hidden_for(file.name)) and file.name not in listed and file.is_file():
                 atomic_files.remove(file)
 
     def write_all(self, files) -> dict[str, Path]:
@@ -165,12 +165,17 @@ class _Swap:
         """Step 7: shards of another save and every hidden file of ours (nothing lists them now). The new set
         is in place: a file that cannot be removed stays for the next save (step 1) rather than fail this one."""
         leftovers = [*self.temps, *(file for file in self.directory.iterdir() if file.name not in new and (
-            file.name in (SINGLE, INDEX) or SHARD.fullmatch(file.name) or atomic_files.is_hidden(file.name)))]
+            file.name in (SINGLE, INDEX) or SHARD.fullmatch(file.name) or _ours(atomic_files.hidden_for(file.name))))]
         for file in leftovers:
             try:
                 atomic_files.remove(file)
             except OSError:
                 pass
+
+
+def _ours(name: str | None) -> bool:
+    """Whether a (hidden file's) name is one of the checkpoint's: the user's own files are never removed."""
+    return name is not None and (name in (CONFIG, SINGLE, INDEX) or SHARD.fullmatch(name) is not None)
 
 
 def _json_bytes(value) -> bytes:
