@@ -2,6 +2,7 @@
 
     python -m benchmarks.models_sharded [--dir DIR] [--batch 8] [--length 128] [--rounds 7] [--only load]
                                         [--out benchmarks/results/models_sharded.json]
+    (--only load: the load part alone, into benchmarks/results/models_sharded_load.json)
 
 Runs on 8 host CPU devices (forced below, before JAX starts). DIR: a save_pretrained directory; default: a
 random Llama written with transformers (8 layers, hidden 512, MLP 1024, 8 heads of 64, vocabulary 4096,
@@ -112,9 +113,10 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", default="benchmarks/results/models_sharded.json")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/models_sharded[_ONLY].json")
     parser.add_argument("--only", choices=("forward", "load"), default=None, help="measure one part only")
     args = parser.parse_args()
+    out = args.out or f"benchmarks/results/models_sharded{'_' + args.only if args.only else ''}.json"
     directory = checkpoint(args.dir)
     checkpoint_bytes = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)
                            if f.endswith(".safetensors"))
@@ -138,7 +140,7 @@ def main():
                                 "bytes_read": read[c.name], "times_s": c.times} for c in loads},
               "seconds": round(time.time() - started, 1)}
     report(result)
-    with open(args.out, "w") as f:
+    with open(out, "w") as f:
         json.dump(result, f, indent=1)
 
 

@@ -9,16 +9,18 @@ the same format (what ``jaxattn.models.to_pretrained`` writes), bf16 and float8 
 
 A sharded load reads parts: ``safetensors_entries(path)`` parses the header alone ({name: TensorEntry}:
 dtype, shape, byte offset), and ``read_region(path, entry, box)`` copies one box of a tensor out of
-memory maps of its bytes (numpy slicing: only the pages holding the box are read; 4 MiB mapped at a
-time), counting the box's bytes in ``bytes_read`` (per file and tensor).
+memory maps of the rows it spans (numpy slicing; 4 MiB mapped at a time), counting the box's bytes in
+``bytes_read`` (per file and tensor).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import math
+import mmap
 import os
 import sys
 from collections.abc import Callable
@@ -46,7 +48,9 @@ def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     path = Path(path)
     try:
         size = path.stat().st_size
-        raw = bytearray(size)  # writable, so the arrays are too; one copy of the file in memory
+        # writable, so the arrays are too; one copy of the file in memory; np.empty, not bytearray: no
+        # zero-filling of memory the read overwrites (3x faster for a 100 MB file)
+        raw = memoryview(np.empty(size, np.uint8))
         with open(path, "rb") as f:
             if f.readinto(raw) != size:
                 raise _damaged(path, "file changed while reading")
@@ -174,36 +178,53 @@ def safetensors_entries(path: str | os.PathLike) -> dict[str, TensorEntry]:
 _MAP_BYTES = 1 << 22  # at most this much of a tensor is mapped at once: its touched pages count as resident
 
 
+@contextlib.contextmanager
+def _mapped(f, start: int, length: int):
+    """A read-only memoryview of bytes [start, start + length) of the open file f, memory-mapped with its
+    pages read in at once (MAP_POPULATE where the OS has it: one call instead of a fault per page)."""
+    aligned = start - start % mmap.ALLOCATIONGRANULARITY
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    with mmap.mmap(f.fileno(), start - aligned + length, flags=flags, prot=mmap.PROT_READ, offset=aligned) as m:
+        view = memoryview(m)[start - aligned:]
+        try:
+            yield view
+        finally:
+            view.release()
+
+
 def read_region(path: str | os.PathLike, entry: TensorEntry, box) -> np.ndarray:
     """The part box = ((start, stop) per axis) of the tensor `entry` of the file at `path`, reading only its
-    bytes: the tensor's bytes memory-mapped (numpy.memmap) a slab of leading-axis indices at a time (4 MiB)
-    and the box sliced out and copied by numpy, which touches only the pages that hold it. Counted in
-    `bytes_read` (the box's bytes; the OS pages in whole pages around them)."""
+    bytes: the tensor's bytes memory-mapped a slab of leading-axis indices at a time (4 MiB; the rows the
+    box spans), and the box sliced out of each slab and copied by numpy. Counted in `bytes_read` (the
+    box's bytes; the OS reads whole pages, those of the rows the box spans)."""
     box = tuple((int(a), int(b)) for a, b in box)
     if len(box) != len(entry.shape) or not all(0 <= a <= b <= d for (a, b), d in zip(box, entry.shape)):
         raise ValueError(f"{path}: {entry.name!r}: expected a box of (start, stop) within shape "
                          f"{list(entry.shape)}, got {list(box)}")
     lengths = [b - a for a, b in box]
     shape, cut = (entry.shape, box) if entry.shape else ((1,), ((0, 1),))  # a scalar as one entry
-    # bytes [..., itemsize]: the box is a plain slice whatever the dtype; byte order fixed after the copy
-    part = np.empty((*(b - a for a, b in cut), entry.dtype.itemsize), np.uint8)
+    # moved as unsigned ints of the item's size (whatever the dtype: ml_dtypes, complex), byte order as in
+    # the file; interpreted after the copy
+    unit = np.dtype(f"u{entry.dtype.itemsize}")
+    part = np.empty([b - a for a, b in cut], unit)
     if part.size:
         try:
-            size = os.path.getsize(path)
+            f = open(path, "rb")
         except FileNotFoundError:
             raise FileNotFoundError(f"{path}: no such file") from None
-        if size < entry.offset + entry.nbytes:  # a mapped page past the end of the file would be a SIGBUS
-            raise _damaged(Path(path), f"entry {entry.name!r}: file changed while reading")
-        row = math.prod(shape[1:]) * entry.dtype.itemsize  # bytes per index of the leading axis
-        step = max(1, _MAP_BYTES // row)
-        inner = tuple(slice(a, b) for a, b in cut[1:])
-        (first, last) = cut[0]
-        for a in range(first, last, step):
-            b = min(last, a + step)
-            slab = np.memmap(path, np.uint8, "r", offset=entry.offset + a * row,
-                             shape=(b - a, *shape[1:], entry.dtype.itemsize))
-            part[a - first:b - first] = slab[(slice(None), *inner)]
-            del slab  # unmapped now, not when the garbage collector gets to it
+        with f:
+            if os.fstat(f.fileno()).st_size < entry.offset + entry.nbytes:  # a page past the end: SIGBUS
+                raise _damaged(Path(path), f"entry {entry.name!r}: file changed while reading")
+            row = math.prod(shape[1:]) * entry.dtype.itemsize  # bytes per index of the leading axis
+            step = max(1, _MAP_BYTES // row)
+            inner = tuple(slice(a, b) for a, b in cut[1:])
+            first, last = cut[0]
+            for a in range(first, last, step):
+                b = min(last, a + step)
+                with _mapped(f, entry.offset + a * row, (b - a) * row) as raw:
+                    slab = np.frombuffer(raw, unit).reshape(b - a, *shape[1:])
+                    part[a - first:b - first] = slab[(slice(None), *inner)]
+                    del slab  # before the map closes
     bytes_read[(str(path), entry.name)] += part.nbytes
     return _little_endian(part.data, entry.dtype).reshape(lengths)
 
