@@ -3,10 +3,11 @@
 It writes config.json and model.safetensors, or shards model-0000k-of-0000n.safetensors with
 model.safetensors.index.json, as save_pretrained does. The tensors are the family's weight table read in
 reverse (_table.unfill: the same rows from_pretrained fills from, no second map), written by
-jaxattn.io.save_safetensors (no torch). config.json holds the values the model was built from: the
-config.json dict it was read from (`config.hf_config`, which from_pretrained and from_state_dict attach),
-overridden by what the family's config maps to HF's keys (`config.to_dict()`), and checked: parsed back by
-the family's from_dict it must give the model's config, field for field, or nothing is written.
+jaxattn.io.safetensors_writer (no torch) and swapped in without ever losing the old set (_checkpoint_swap).
+config.json holds the values the model was built from: the config.json dict it was read from
+(`config.hf_config`, which from_pretrained and from_state_dict attach), overridden by what the family's
+config maps to HF's keys (`config.to_dict()`), and checked: parsed back by the family's from_dict it must
+give the model's config, field for field, or nothing is written.
 
 A family provides: a config dataclass with an `hf_config` field (compare=False), `from_dict(dict, source)`
 and `to_dict()` (its fields under HF's keys, model_type and architectures included), and a writer
@@ -17,6 +18,7 @@ which registers both ways.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -31,7 +33,7 @@ import numpy as np
 from .. import _atomic_files as atomic_files
 from .. import io
 from . import _table
-from ._checkpoint_swap import INDEX, SINGLE, swap_in
+from ._checkpoint_swap import CONFIG, INDEX, SINGLE, swap_in
 
 # model class -> writer(model) -> (config.json dict, rows, dims); filled by the families.
 _WRITERS: dict[type, Callable] = {}
@@ -146,7 +148,7 @@ def to_pretrained(model, params, path: str | os.PathLike, *, dtype: Any | None =
     groups = shards(tensors, limit)
     names = [SINGLE] if len(groups) == 1 else [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
                                                  for k in range(len(groups))]
-    files = {"config.json": _text_writer(json.dumps(config, indent=2, sort_keys=True) + "\n")}
+    files = {CONFIG: _text_writer(json.dumps(config, indent=2, sort_keys=True) + "\n")}
     for name, group in zip(names, groups):  # every tensor checked here, before a file is written
         files[name] = io.safetensors_writer({k: tensors[k] for k in group})
     if len(groups) > 1:
@@ -159,7 +161,8 @@ def to_pretrained(model, params, path: str | os.PathLike, *, dtype: Any | None =
         swap_in(directory, files)
     except BaseException:
         for new in made:  # a directory this save made goes with it (empty again: swap_in removed its files)
-            new.rmdir()
+            with contextlib.suppress(OSError):
+                new.rmdir()
         raise
     return directory
 
