@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..linen import MultiHeadAttention
-from . import _decoder, _pretrained, _save, _sharding, _table
+from . import _activation_layout, _decoder, _pretrained, _save, _table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +130,7 @@ class BertModel(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     precision: Any = None
-    sharding: Any = None  # a _sharding.ModelSharding: the activations' layout on a mesh (None: one device)
+    sharding: Any = None  # a _activation_layout.ModelSharding: the activations' layout on a mesh (None: one device)
 
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *,
@@ -144,7 +144,7 @@ class BertModel(nn.Module):
             input_ids, token_type_ids, position_ids, deterministic=deterministic)
         hidden_states, attention_outputs, attentions = [x], [], []
         for i in range(self.config.num_hidden_layers):
-            x = _sharding.constrain(self.sharding, x, "BTE")  # on a mesh: batch over "data" between layers
+            x = _activation_layout.constrain(self.sharding, x, "BTE")  # on a mesh: batch over "data" between layers
             x, a, weights = BertLayer(self.config, self.dtype, self.param_dtype, self.precision,
                                       name=f"layer_{i}")(x, mask, deterministic=deterministic)
             hidden_states.append(x)

@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import t5_relative_bias
 from ..linen import MultiHeadAttention
-from . import _decoder, _pretrained, _save, _sharding, _table
+from . import _activation_layout, _decoder, _pretrained, _save, _table
 
 _ACTIVATIONS = {"relu": nn.relu, "gelu_new": functools.partial(nn.gelu, approximate=True),
                 "gelu": functools.partial(nn.gelu, approximate=False),
@@ -217,7 +217,7 @@ class T5ForConditionalGeneration(_decoder.Configured):
         stopping: a jaxattn.models._generate.Stopping (eos/pad rule), or None (exactly max_new_tokens)."""
         B = input_ids.shape[0]
         L = max_new_tokens + 1
-        place = functools.partial(_sharding.place, self, layout="BT")  # on a mesh: batch over "data"
+        place = functools.partial(_activation_layout.place, self, layout="BT")  # on a mesh: batch over "data"
         attention_mask = place(attention_mask)
         encoder_output = _encode(self, params, place(input_ids), attention_mask)
         start = np.full((B, 1), self.config.decoder_start_token_id, input_ids.dtype)
@@ -243,7 +243,8 @@ def _encode(model, params, input_ids, attention_mask):
 def _decode_step(model, params, cache, token, encoder_output, attention_mask, slots):
     logits, variables = model.apply({"params": params, "cache": cache}, token, encoder_output, attention_mask,
                                     slots, decode=True, method=model.decode, mutable=["cache"])
-    return _sharding.decode_outputs(model, jnp.argmax(logits[:, -1], -1).astype(token.dtype), variables["cache"])
+    token = jnp.argmax(logits[:, -1], -1).astype(token.dtype)
+    return _activation_layout.decode_outputs(model, token, variables["cache"])
 
 
 # --- weights --------------------------------------------------------------------------------------------------
