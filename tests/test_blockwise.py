@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 import jaxattn
 from jaxattn._core import softmax
 from jaxattn._core.positions import positions as core_positions
-from jaxattn._engines import blockwise, dispatch, tiles
+from jaxattn._engines import dispatch, tiles
 from helpers import arrays, assert_float64, check_forward_and_grads, normwise
 
 jax.config.update("jax_enable_x64", True)
@@ -134,7 +134,8 @@ def test_position_bias_hook_and_its_gradient(batched_positions):
     q, k, v, slopes = arrays(4, (2, 11, 6, 3), (2, 13, 3, 3), (2, 13, 3, 5), (6,))
     positions = {}
     if batched_positions:
-        positions = {"query_positions": jnp.tile(jnp.arange(11) + 2, (2, 1)), "key_positions": jnp.tile(jnp.arange(13), (2, 1))}
+        positions = {"query_positions": jnp.tile(jnp.arange(11) + 2, (2, 1)),
+                     "key_positions": jnp.tile(jnp.arange(13), (2, 1))}
     q_pos, k_pos = core_positions(11, 13, positions.get("query_positions"), positions.get("key_positions"))
 
     def dense(q, k, v, slopes):
@@ -247,7 +248,8 @@ def test_multi_head_passes_implementation_through():
                                                         dtype=jnp.float64)
     (x,) = arrays(9, (2, 7, 12))
     for fn in (jaxattn.multi_head_attention, jaxattn.relative_multi_head_attention):
-        p = params if fn is jaxattn.relative_multi_head_attention else {k: v for k, v in params.items() if k != "relative"}
+        relative = fn is jaxattn.relative_multi_head_attention
+        p = params if relative else {k: v for k, v in params.items() if k != "relative"}
         dense = jax.jit(lambda p, x: fn(p, x, is_causal=True, implementation="dense"))(p, x)
         block = jax.jit(lambda p, x: fn(p, x, is_causal=True, implementation="blockwise", block_size=3))(p, x)
         assert_float64(block, dense)

@@ -60,5 +60,6 @@ def test_multi_head_attention_with_empty_sequence(implementation, T, S):
     out = jaxattn.multi_head_attention(params, x_q, x_kv, implementation=implementation)
     # zero attention output -> the output projection's bias alone (zeros at init), [B,T,E]
     np.testing.assert_array_equal(out, np.broadcast_to(params["out"]["bias"], (B, T, E)))
-    grad = jax.grad(lambda p: jnp.sum(jaxattn.multi_head_attention(p, x_q, x_kv, implementation=implementation)))(params)
+    grad = jax.grad(lambda p: jnp.sum(jaxattn.multi_head_attention(p, x_q, x_kv,
+                                                                   implementation=implementation)))(params)
     assert all(np.isfinite(g).all() for g in jax.tree.leaves(grad))

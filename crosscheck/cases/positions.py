@@ -187,7 +187,6 @@ def _out(p, z):
 
 
 def _t5(name: str, *, decoder: bool, T: int, S: int) -> Setup:
-    import torch
     from transformers import T5Config
     from transformers.cache_utils import DynamicCache
     from transformers.models.t5.modeling_t5 import T5Attention

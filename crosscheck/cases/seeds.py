@@ -6,7 +6,6 @@ kept in the seed's layout and variable names; the JAX side is the jaxattn way of
 
 from __future__ import annotations
 
-import numpy as np
 
 from crosscheck.cases.common import functional, normal, randomize, rng_for, to_numpy_tree, torch_params
 from crosscheck._catalogue import Setup, register_case

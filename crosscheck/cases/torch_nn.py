@@ -140,7 +140,6 @@ def _sdpa_setup(name: str, *, T=T, S=S, N=N, K=N, Hv=Hv, is_causal=False, jax_ca
     is_causal (bottom-right aligned) against torch given that explicit mask. attn_mask: None, "bool" (SDPA:
     True = takes part) or "float".
     """
-    import torch
     import torch.nn.functional as F
 
     import jaxattn

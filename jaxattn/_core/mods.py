@@ -206,8 +206,9 @@ def differentiable(consts) -> tuple:
 
 
 def on_grid(fn: Callable, consts, b, n, t, s, score=None):
-    """Evaluate fn (an ElementFunction's fn) elementwise over the grid [B,N,T,S]: b [B], n [N], t [T] or [B,T], s [S] or [B,S] (int32),
-    score [B,N,T,S] (score_mod) or None (mask_mod). Nested vmaps, so fn sees scalars, as torch's does."""
+    """Evaluate fn (an ElementFunction's fn) elementwise over the grid [B,N,T,S]: b [B], n [N], t [T] or [B,T],
+    s [S] or [B,S] (int32), score [B,N,T,S] (score_mod) or None (mask_mod). Nested vmaps, so fn sees scalars, as
+    torch's does."""
 
     def call(*a):
         return fn(*a, *consts)

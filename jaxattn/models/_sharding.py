@@ -63,8 +63,8 @@ from ..linen import MultiHeadAttention
 
 # --- the rules, per family ----------------------------------------------------------------------------------
 
-# Llama-shaped decoders (llama, qwen2, mistral, gemma2, qwen3, gemma3_text). Kernels: q/k/v [E,N|K,H], out [N,H,E], gate/up
-# [E,F], down [F,E], lm_head [E,V]; embeddings [V,E] split by vocabulary over "model" (XLA looks tokens
+# Llama-shaped decoders (llama, qwen2, mistral, gemma2, qwen3, gemma3_text). Kernels: q/k/v [E,N|K,H], out [N,H,E],
+# gate/up [E,F], down [F,E], lm_head [E,V]; embeddings [V,E] split by vocabulary over "model" (XLA looks tokens
 # up in each device's rows and all-reduces), so a head tied to them is column-parallel too.
 DECODER_RULES = (
     ("embed_tokens/embedding", P("model", "data")),
