@@ -105,7 +105,8 @@ def test_batched_positions():
 # The backward takes the value table's bucket sums of p from the forward when they are no larger than the
 # output (R = 2 * max_distance + 1 <= Hv = 5), and forms them again tile by tile otherwise: both paths,
 # with several key tiles, causal, key lengths and shuffled query positions.
-@pytest.mark.parametrize("max_distance", [1, 2, 3])  # R = 3, 5 (kept), 7 (formed again)
+@pytest.mark.parametrize("max_distance", [pytest.param(1, marks=pytest.mark.slow), 2, 3])  # R = 3, 5 (kept),
+# 7 (formed again); R = 3 takes R = 5's path: slow group
 def test_value_table_gradient_either_way(max_distance):
     R = 2 * max_distance + 1
     q, k, v, tk, tv = arrays(21, (2, 11, 6, 3), (2, 13, 3, 3), (2, 13, 3, 5), (R, 6, 3), (R, 6, 5))
@@ -269,7 +270,13 @@ ROW_CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(ROW_CASES))
+# Two combinations in the slow group: each of their features is in a case kept in the default run
+# (per-head tables and lengths: gqa-per-head-tables-lengths; batched positions, the hook: hook-batched-positions).
+_SLOW_ROWS = {"batched-positions-per-head-tables", "hook-shared-positions"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_ROWS else n
+                                  for n in sorted(ROW_CASES)])
 def test_row_groups_equal_dense(name, monkeypatch):
     c = ROW_CASES[name]
     B, T, S, N, K, H, Hv, md = 3, 11, 13, 6, 2, 3, 5, 2

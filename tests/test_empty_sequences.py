@@ -50,7 +50,7 @@ def test_empty_sequence_gives_zeros_and_finite_gradients(path, T, S):
         assert g.shape == x.shape and np.isfinite(g).all()
 
 
-@pytest.mark.parametrize("implementation", ["dense", "blockwise"])
+@pytest.mark.parametrize("implementation", [pytest.param("dense", marks=pytest.mark.slow), "blockwise"])
 @pytest.mark.parametrize("T, S", [(0, LENGTH), (LENGTH, 0)])
 def test_multi_head_attention_with_empty_sequence(implementation, T, S):
     params = jaxattn.init_multi_head_attention(jax.random.key(0), E, N, H, num_kv_heads=K, value_head_dim=Hv,

@@ -211,7 +211,7 @@ def test_moe_rules_split_experts_before_the_llama_rows(model_type):
     assert rules.spec("layers_1/self_attn/q_norm/weight", (2,)) == P()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_one_device_mesh_loads_moe_params_the_same(new_checkpoints, family):
     """Stacked per-expert rows (Mixtral) and gpt-oss's interleaved gate/up ("every"): on a one-device mesh
     the params equal the unsharded load and so do the logits; every tensor is read whole once, except
