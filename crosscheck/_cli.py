@@ -214,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # What `--all` costs for the whole catalogue against the quick run, as measured in CPU time side by side
 # (docs/performance.md, "The main job"); printed after a default run, so that the reader knows before starting
 # one. A ratio, not seconds: it holds on a faster or busier machine too.
-FULL_RUN = "a full run takes about 5x this one cold, 4x warm: docs/performance.md"
+FULL_RUN = "a full run takes about 40x the CPU time of this one cold, 20x warm: docs/performance.md"
 
 
 def _print_notes(cases: list[Case]) -> None:
