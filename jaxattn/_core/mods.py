@@ -21,6 +21,7 @@ import numbers
 from typing import Callable, NamedTuple, Optional
 
 import jax
+import jax.core  # jax.core.Tracer, eval_jaxpr: a submodule, imported by name so that type checkers see it
 import jax.numpy as jnp
 import numpy as np
 
