@@ -161,7 +161,8 @@ def report(result):
     for col in ("candidate", "median s", "x unsharded", "MiB read"):
         table.add_column(col, justify="left" if col == "candidate" else "right")
     for name, r in result["load"].items():
-        table.add_row(name, f"{r['median_s']:.3f}", f"{r['vs_unsharded']:.2f}", "every tensor" if r["bytes_read"] is None else f"{r['bytes_read'] / MiB:.1f}")
+        read = "every tensor" if r["bytes_read"] is None else f"{r['bytes_read'] / MiB:.1f}"
+        table.add_row(name, f"{r['median_s']:.3f}", f"{r['vs_unsharded']:.2f}", read)
     console.print(table)
 
 

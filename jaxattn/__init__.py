@@ -15,6 +15,7 @@ aligned (query t sits at t + S - T); a query with no allowed key returns zeros. 
 and works under jax.jit, jax.vmap and jax.grad; bad input raises ValueError at trace time.
 """
 
+from ._version import __version__ as __version__
 from ._engines.dispatch import dot_product_attention as dot_product_attention
 from ._engines.dispatch import flex_attention as flex_attention
 from ._engines.dispatch import cross_platform_lowering as cross_platform_lowering

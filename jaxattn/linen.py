@@ -72,7 +72,7 @@ class MultiHeadAttention(nn.Module):
       window: (left, right) sliding window on absolute positions (Mistral / Gemma 2: (W - 1, 0) with
         is_causal); with a left bound, decoding keeps a rolling cache of the window (O(window) memory).
       chunk_size: Llama 4's chunked attention.  logit_softcap: Gemma 2's attention softcap.
-      use_sinks: learned per-head sinks params["sinks"] [N] (gpt-oss), initialised by sinks_init (zeros).
+      use_sinks: learned per-head sinks `params["sinks"]`, shape [N] (gpt-oss), initialised by sinks_init (zeros).
       qk_norm: a module factory (e.g. functools.partial(RMSNorm, eps)) called with name="q_norm" and
         name="k_norm": the norms of each projected query head [...,T,N,H] and key head [...,S,K,H], applied
         before RoPE and before caching (Qwen 3, Gemma 3); their params sit beside query/key/value/out.

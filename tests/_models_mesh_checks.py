@@ -28,7 +28,6 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json  # noqa: E402
 import re  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 import tracemalloc  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -187,7 +186,8 @@ def device_groups(line, n):
         sizes = [(a, int(s)) for a, s in re.findall(r"'(\w+)'=(\d+)", m.group(1))]
         ids = iota(m.group(2), n) if m.group(2) else np.arange(n)  # device_ids: the mesh's device order
         over = set(re.findall(r"'(\w+)'", m.group(3)))
-        order = [i for i, (a, _) in enumerate(sizes) if a not in over] + [i for i, (a, _) in enumerate(sizes) if a in over]
+        order = ([i for i, (a, _) in enumerate(sizes) if a not in over]
+                 + [i for i, (a, _) in enumerate(sizes) if a in over])
         inner = int(np.prod([s for a, s in sizes if a in over]))
         return ids.reshape([s for _, s in sizes]).transpose(order).reshape(-1, inner).tolist()
     if m := re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line):

@@ -130,10 +130,12 @@ def _blockwise_vs_torchref(case):
 
 
 for _name, _case in FLEX_CASES.items():
-    register_case(f"flex_{_name}", quick=FLOAT32_JIT, note=REFERENCE_NOTE,
-                  description=f"flex_attention(q, k, v, score_mod, block_mask) vs torch's eager call (forward), {_name}, "
+    _quick_proof = _name == "documents_sliding_softcap"  # three keywords at once, vs torch's flex and torchref
+    register_case(f"flex_{_name}", quick=FLOAT32_JIT, note=REFERENCE_NOTE, default_run=_quick_proof,
+                  description=f"flex_attention(q, k, v, score_mod, block_mask) vs torch's eager call (forward), "
+                              f"{_name}, "
                               f"T={_case.T} S={_case.S}")(lambda c=_case: _flex_vs_torch(c))
-    register_case(f"flex_{_name}_keywords", quick=FLOAT64_PLAIN,
+    register_case(f"flex_{_name}_keywords", quick=FLOAT64_PLAIN, default_run=_quick_proof,
                   description=f"dot_product_attention keywords vs torchref.flex_attention mods (and gradients), "
                               f"{_name}")(lambda c=_case: _keywords_vs_torchref(c))
     register_case(f"flex_{_name}_blockwise",
@@ -167,7 +169,8 @@ def _hf_family(family: str) -> Setup:
         out = {}
         for name, value in kw.items():
             if isinstance(value, np.ndarray):
-                value = jnp.asarray(value, like.dtype) if np.issubdtype(value.dtype, np.floating) else jnp.asarray(value)
+                floating = np.issubdtype(value.dtype, np.floating)
+                value = jnp.asarray(value, like.dtype) if floating else jnp.asarray(value)
             out[name] = value
         return out
 

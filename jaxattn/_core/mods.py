@@ -21,6 +21,7 @@ import numbers
 from typing import Callable, NamedTuple, Optional
 
 import jax
+import jax.core  # jax.core.Tracer, eval_jaxpr: a submodule, imported by name so that type checkers see it
 import jax.numpy as jnp
 import numpy as np
 
@@ -206,8 +207,9 @@ def differentiable(consts) -> tuple:
 
 
 def on_grid(fn: Callable, consts, b, n, t, s, score=None):
-    """Evaluate fn (an ElementFunction's fn) elementwise over the grid [B,N,T,S]: b [B], n [N], t [T] or [B,T], s [S] or [B,S] (int32),
-    score [B,N,T,S] (score_mod) or None (mask_mod). Nested vmaps, so fn sees scalars, as torch's does."""
+    """Evaluate fn (an ElementFunction's fn) elementwise over the grid [B,N,T,S]: b [B], n [N], t [T] or [B,T],
+    s [S] or [B,S] (int32), score [B,N,T,S] (score_mod) or None (mask_mod). Nested vmaps, so fn sees scalars, as
+    torch's does."""
 
     def call(*a):
         return fn(*a, *consts)

@@ -9,7 +9,8 @@
     from jaxattn.models import BertConfig, BertModel, bert_params_from_state_dict, mean_pooling
     jaxattn.models.rope_frequencies(config, head_dim)         # HF's rope settings -> inverse frequencies
 
-Each family module (bert, gpt2, t5, llama, gemma2, qwen3, gemma3, mixtral, gpt_oss, qwen3_moe) is its config parsing, its block and its weight table;
+Each family module (bert, gpt2, t5, llama, gemma2, qwen3, gemma3, mixtral, gpt_oss, qwen3_moe) is its config
+parsing, its block and its weight table;
 what they share (the layer stack, the causal-LM wrapper, norms, heads, masks, the decode cache, loading) is
 in _decoder.py, and the one weight-table format with its filler in _table.py.
 """

@@ -56,11 +56,11 @@ class BertConfig:
             refuse("hidden_act", "'gelu' (exact erf GELU)", config["hidden_act"])
         if config.get("position_embedding_type", "absolute") != "absolute":
             refuse("position_embedding_type", "'absolute'", config["position_embedding_type"])
-        config = cls(**{f.name: config[f.name] for f in dataclasses.fields(cls) if f.compare and f.name in config})
-        if config.hidden_size % config.num_attention_heads:
-            refuse("hidden_size", f"a multiple of num_attention_heads={config.num_attention_heads}",
-                   config.hidden_size)
-        return config
+        parsed = cls(**{f.name: config[f.name] for f in dataclasses.fields(cls) if f.compare and f.name in config})
+        if parsed.hidden_size % parsed.num_attention_heads:
+            refuse("hidden_size", f"a multiple of num_attention_heads={parsed.num_attention_heads}",
+                   parsed.hidden_size)
+        return parsed
 
     def to_dict(self) -> dict:
         """config.json's keys (inverse of from_dict; the fields are HF's names)."""

@@ -58,10 +58,10 @@ class GPT2Config:
             if config.get(key, False):
                 refuse(key, "false", config[key])
         fields = {f.name for f in dataclasses.fields(cls) if f.compare}
-        config = cls(**{k: v for k, v in config.items() if k in fields})
-        if config.n_embd % config.n_head:
-            refuse("n_embd", f"a multiple of n_head={config.n_head}", config.n_embd)
-        return config
+        parsed = cls(**{k: v for k, v in config.items() if k in fields})
+        if parsed.n_embd % parsed.n_head:
+            refuse("n_embd", f"a multiple of n_head={parsed.n_head}", parsed.n_embd)
+        return parsed
 
     def to_dict(self) -> dict:
         """config.json's keys (inverse of from_dict; the fields are HF's names)."""
