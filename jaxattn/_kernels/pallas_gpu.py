@@ -34,6 +34,7 @@ import numbers
 from typing import Any, NamedTuple, Optional
 
 import jax
+import jax.core  # jax.core.Tracer: a submodule, imported by name so that type checkers see it
 import jax.numpy as jnp
 import numpy as np
 from jax import lax

@@ -54,7 +54,7 @@ def unsupported(query, key, value, *, interpret=False, **options):
     """None when splash computes this call exactly, else the name of the first option it cannot express.
 
     The same in Pallas' interpreter (interpret=True) as on a TPU: splash's own limits, not the chip's."""
-    if jax.config.jax_enable_x64:
+    if jax.config.read("jax_enable_x64"):
         return "jax_enable_x64 (splash's index arithmetic does not trace with 64-bit ints on)"
     one_row = np.shape(query)[-3] == 1
     for name, given in options.items():
