@@ -138,9 +138,10 @@ class Certificate:
     def table(self) -> str:
         lines = [f"certificate [{self.dtype}]: {'PASS' if self.passed else 'FAIL'}"
                  + (f" (golden file {self.golden})" if self.golden else ""),
-                 f"  {'row':40} {'kind':6} {'max abs':>10} {'normwise':>10} {'value':>10} {'bar':>9}  status"]
-        lines += [f"  {r.name:40} {r.kind:6} {r.max_abs:10.2e} {r.normwise:10.2e} {r.value:10.3e} {r.bar:9.1e}  "
-                  f"{r.status}" for r in self.rows]
+                 f"  {'row':36} {'JAX':24} {'kind':6} {'max abs':>10} {'normwise':>10} {'value':>10} {'bar':>9}"
+                 "  status"]
+        lines += [f"  {r.name:36} {r.jax_name:24} {r.kind:6} {r.max_abs:10.2e} {r.normwise:10.2e} {r.value:10.3e} "
+                  f"{r.bar:9.1e}  {r.status}" for r in self.rows]
         lines.append(f"  first divergent: {self.first_divergent}" if not self.passed else "  every row passes")
         return "\n".join(lines)
 
@@ -150,10 +151,10 @@ class Certificate:
         from rich.table import Table
 
         table = Table(title=f"certificate [{self.dtype}]: {'PASS' if self.passed else 'FAIL'}")
-        for column in ("row", "kind", "max abs", "normwise", "value", "bar", "status"):
-            table.add_column(column, justify="left" if column in ("row", "kind", "status") else "right")
+        for column in ("row", "JAX", "kind", "max abs", "normwise", "value", "bar", "status"):
+            table.add_column(column, justify="left" if column in ("row", "JAX", "kind", "status") else "right")
         for r in self.rows:
-            table.add_row(r.name, r.kind, f"{r.max_abs:.2e}", f"{r.normwise:.2e}", f"{r.value:.3e}",
+            table.add_row(r.name, r.jax_name, r.kind, f"{r.max_abs:.2e}", f"{r.normwise:.2e}", f"{r.value:.3e}",
                           f"{r.bar:.1e}", r.status if r.passed else f"[bold red]{r.status}[/]")
         return table
 
@@ -329,7 +330,7 @@ def run_torch(torch_fn, inputs: Mapping[str, np.ndarray], *, dtype: str, pairs, 
     torch = _need_torch("certify(torch_fn, ...)")
     module = torch_module if torch_module is not None else torch_fn
     is_module = isinstance(module, torch.nn.Module)
-    if is_module and torch_module is None:
+    if is_module:
         module.to(getattr(torch, dtype)).eval()
     if pairs and not is_module:
         raise ValueError("layers: module paths need torch_fn to be a torch.nn.Module (or torch_module=)")
@@ -411,14 +412,24 @@ def cotangents(reference: Mapping[str, np.ndarray], seed: int = 0) -> dict[str, 
 # --- the JAX side ------------------------------------------------------------------------------------------
 
 
-def run_jax(jax_fn, inputs: Mapping[str, np.ndarray], *, want_layers: bool):
-    """(outputs {name: numpy}, intermediates {name: numpy}) of jax_fn at matmul precision "highest"."""
+def run_jax(jax_fn, inputs: Mapping[str, np.ndarray]):
+    """jax_fn's raw result at matmul precision "highest" (outputs, or (outputs, intermediates))."""
     import jax
     import jax.numpy as jnp
 
     with jax.default_matmul_precision("highest"):
-        out = jax_fn(**{k: jnp.asarray(v) for k, v in inputs.items()})
-    out, inter = _split(out, want_layers)
+        return jax_fn(**{k: jnp.asarray(v) for k, v in inputs.items()})
+
+
+def split_jax(raw, want_layers: bool, torch_names=None):
+    """({output: numpy}, {intermediate: numpy}): a result `(outputs, {name: array})` is split when layers are
+    asked for, or when its outputs alone (not the pair) have torch's output names."""
+    out, inter = raw, {}
+    if isinstance(raw, tuple) and len(raw) == 2 and isinstance(raw[1], Mapping):
+        whole = set(named_outputs(raw))
+        if want_layers or (torch_names is not None and whole != set(torch_names)
+                           and set(named_outputs(raw[0])) == set(torch_names)):
+            out, inter = raw
     return ({k: np.asarray(v) for k, v in named_outputs(out).items()},
             {k: np.asarray(v) for k, v in flat_intermediates(inter).items()})
 
@@ -430,7 +441,7 @@ def _split(out, want_layers: bool):
 
 
 def jax_grads(jax_fn, inputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], *, loss, logits,
-              want_layers: bool) -> dict[str, np.ndarray]:
+              split: bool) -> dict[str, np.ndarray]:
     import jax
     import jax.numpy as jnp
 
@@ -438,7 +449,7 @@ def jax_grads(jax_fn, inputs: Mapping[str, np.ndarray], reference: Mapping[str, 
     others = {k: jnp.asarray(v) for k, v in inputs.items() if k not in floats}
 
     def scalar(f):
-        out = named_outputs(_split(jax_fn(**f, **others), want_layers)[0])
+        out = named_outputs(_split(jax_fn(**f, **others), split)[0])
         return _loss(jnp, out, {**f, **others}, reference, loss, logits)
 
     if not floats:
@@ -477,8 +488,7 @@ def logit_rows(name: str, ours: np.ndarray, theirs: np.ndarray, bars: LogitBars)
         return [Row(f"{name}.{k}", k, shape, math.nan, math.nan, math.nan, m, math.nan, bar, status)
                 for k, m, bar in (("kl", "kl", bars.kl), ("top1", "agreement", bars.top1),
                                   ("top5", "agreement", bars.top5))]
-    log_p, log_q = _log_softmax(a), _log_softmax(b)
-    kl = float(np.max(np.sum(np.exp(log_p) * (log_p - log_q), axis=-1)))
+    kl = float(np.max(kl_divergence(a, b)))
     top1 = float(np.mean(a.argmax(-1) == b.argmax(-1)))
     k = min(5, a.shape[-1])
     top_a, top_b = np.argsort(-a, axis=-1)[:, :k], np.argsort(-b, axis=-1)[:, :k]
@@ -489,6 +499,18 @@ def logit_rows(name: str, ours: np.ndarray, theirs: np.ndarray, bars: LogitBars)
                 "ok" if top1 >= bars.top1 else "FAIL"),
             Row(f"{name}.top5", "top5", shape, nan, nan, nan, "agreement", top5, bars.top5,
                 "ok" if top5 >= bars.top5 else "FAIL")]
+
+
+def kl_divergence(theirs: np.ndarray, ours: np.ndarray) -> np.ndarray:
+    """Per row KL(softmax(theirs) || softmax(ours)) = sum p (d - 1 + e^-d), d = log p - log q: the same sum as
+    sum p d (sum p e^-d = sum q = 1), but of non-negative terms ~ d^2 / 2, so a float64 KL near 1e-30 is
+    resolved instead of drowning in the 1e-16 rounding of sum p d."""
+    log_p, log_q = _log_softmax(theirs), _log_softmax(ours)
+    d = log_p - log_q
+    small = np.abs(d) < 1e-3
+    series = d * d / 2 - d ** 3 / 6 + d ** 4 / 24   # d + expm1(-d) cancels for small d; its Taylor series does not
+    terms = np.where(small, series, d + np.expm1(-np.where(small, 0.0, d)))
+    return np.sum(np.exp(log_p) * terms, axis=-1)
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -542,7 +564,8 @@ def certify(torch_fn, jax_fn, inputs: Mapping[str, Any] | None, *, dtype: str = 
     if inputs is None:
         raise ValueError("inputs: expected {name: array}, got None")
     inputs = cast_inputs(inputs, dtype)
-    ours, inter = run_jax(jax_fn, inputs, want_layers=bool(pairs))
+    raw = run_jax(jax_fn, inputs)
+    ours, inter = split_jax(raw, bool(pairs))
     missing = [name for _, name, _ in pairs if name not in inter]
     if missing:
         raise nearest(missing[0], list(inter), "JAX intermediate")
@@ -567,7 +590,7 @@ def certify(torch_fn, jax_fn, inputs: Mapping[str, Any] | None, *, dtype: str = 
     if reference is None:
         theirs, their_grads = run_torch(torch_fn, inputs, dtype=dtype, pairs=pairs, torch_module=torch_module,
                                         on_layer=on_layer, grads=grads, loss=loss,
-                                        logits=_logits_name(logits, ours))
+                                        logits=_logits_name(logits, split_jax(raw, True)[0]))
     else:
         theirs, their_grads = reference.outputs, reference.grads
         calls: dict[str, int] = {}
@@ -576,13 +599,15 @@ def certify(torch_fn, jax_fn, inputs: Mapping[str, Any] | None, *, dtype: str = 
             array = reference.layer(path if calls[path] == 1 else f"{path} (call {calls[path]})")
             on_layer(index, path, name, array if transform is None else np.asarray(transform(array)))
         layer_rows.sort(key=lambda r: reference.order(r.name))  # forward order, as recorded
+    ours = split_jax(raw, bool(pairs), theirs)[0]
     check_structure(ours, theirs, "outputs")
     rows = layer_rows + [measure(k, "output", select(k, ours[k]), select(k, theirs[k]), bar, k) for k in theirs]
     name = _logits_name(logits, theirs)
     if name is not None:
         rows += logit_rows(name, select(name, ours[name]), select(name, theirs[name]), LOGIT_BARS[dtype])
     if grads:
-        mine = jax_grads(jax_fn, inputs, theirs, loss=loss, logits=name, want_layers=bool(pairs))
+        split = bool(pairs) or len(ours) != len(named_outputs(raw))
+        mine = jax_grads(jax_fn, inputs, theirs, loss=loss, logits=name, split=split)
         check_structure(mine, their_grads, "gradients")
         grad_bar = Bar("normwise", TOLERANCES[dtype].grad)
         rows += [measure(f"grad/{k}", "grad", mine[k], their_grads[k], grad_bar, k) for k in their_grads]
