@@ -539,7 +539,7 @@ def certify(torch_fn, jax_fn, inputs: Mapping[str, Any] | None, *, dtype: str = 
     `golden=` (a file from crosscheck.record: torch is then never imported). layers: {torch module path: JAX
     intermediate name} or {path: (name, transform)} with `transform(torch_array) -> JAX's layout`, or a
     sequence of (path, name[, transform]) where a repeated path means the module's next call. torch_module:
-    the module the paths are resolved in when torch_fn is a plain callable. logits: the output holding
+    the module the paths are resolved in when torch_fn is a plain callable (cast too). logits: the output holding
     logits (default "logits" when present; False: none). loss(outputs, inputs) -> scalar, called with torch
     tensors and with JAX arrays (write it with operations both have), for grads=True. bar: the bar of output
     and layer rows (default: normwise TOLERANCES[dtype].forward). select(jax_name, array) -> the entries to
