@@ -65,6 +65,7 @@ from crosscheck._certify import (
     certify as certify,
 )
 from crosscheck._compare import (
+    MODEL_TOLERANCES as MODEL_TOLERANCES,
     TOLERANCES as TOLERANCES,
     Const as Const,
     Metric as Metric,
@@ -100,6 +101,7 @@ __all__ = [
     "certify",
     "record",
     "CASES",
+    "MODEL_TOLERANCES",
     "TOLERANCES",
     "Const",
     "Metric",

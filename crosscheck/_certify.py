@@ -18,8 +18,9 @@ Rows, each measured against torch (the reference), in this order:
   token agrees, and the mean share of the top-5 sets that agree, each against a bar.
 - "grad": with `grads=True`, gradients of a scalar loss with respect to the floating inputs.
 
-Bars: outputs and layers take crosscheck's one tolerance table (TOLERANCES[dtype].forward, normwise), or
-the `bar` given; gradients TOLERANCES[dtype].grad; logits LOGIT_BARS[dtype]. A row non-finite on one side
+Bars: outputs and layers take crosscheck's whole-model tolerances, normwise (MODEL_TOLERANCES[dtype].forward:
+float64 1e-12, float32 1e-5), or the `bar` given; gradients MODEL_TOLERANCES[dtype].grad; logits
+LOGIT_BARS[dtype]. A row non-finite on one side
 is its own status ("non-finite in JAX only"), never folded into a number; it fails.
 
 Memory: JAX runs first and keeps its intermediates; each torch layer is compared inside its forward hook
@@ -39,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from crosscheck._compare import TOLERANCES, error_metrics
+from crosscheck._compare import MODEL_TOLERANCES, TOLERANCES, error_metrics
 
 __all__ = ["LOGIT_BARS", "Bar", "Certificate", "LogitBars", "Row", "certify", "versions"]
 
@@ -130,7 +131,7 @@ class Certificate:
             "passed": self.passed, "first_divergent": self.first_divergent, "dtype": self.dtype,
             "versions": dict(self.versions), "golden": self.golden,
             "inputs": {k: {"shape": list(s), "dtype": d} for k, (s, d) in self.inputs.items()},
-            "tolerances": {"outputs": {k: dataclasses.asdict(v) for k, v in TOLERANCES.items()},
+            "tolerances": {"outputs": {k: dataclasses.asdict(v) for k, v in MODEL_TOLERANCES.items()},
                            "logits": {k: dataclasses.asdict(v) for k, v in LOGIT_BARS.items()}},
             "rows": [r.to_dict() for r in self.rows],
         }
@@ -491,7 +492,7 @@ def logit_rows(name: str, ours: np.ndarray, theirs: np.ndarray, bars: LogitBars)
     kl = float(np.max(kl_divergence(a, b)))
     top1 = float(np.mean(a.argmax(-1) == b.argmax(-1)))
     k = min(5, a.shape[-1])
-    top_a, top_b = np.argsort(-a, axis=-1)[:, :k], np.argsort(-b, axis=-1)[:, :k]
+    top_a, top_b = np.argpartition(-a, k - 1, axis=-1)[:, :k], np.argpartition(-b, k - 1, axis=-1)[:, :k]
     top5 = float(np.mean([len(set(x) & set(y)) / k for x, y in zip(top_a, top_b)]))
     nan = math.nan
     return [Row(f"{name}.kl", "kl", shape, nan, nan, nan, "kl", kl, bars.kl, "ok" if kl <= bars.kl else "FAIL"),
@@ -536,18 +537,22 @@ def certify(torch_fn, jax_fn, inputs: Mapping[str, Any] | None, *, dtype: str = 
     """Certify `jax_fn` against `torch_fn` on `inputs` ({name: numpy array}); see the module docstring.
 
     torch_fn: a torch.nn.Module (cast to `dtype` and put in eval mode, in place) or any callable; None with
-    `golden=` (a file from crosscheck.record: torch is then never imported). layers: {torch module path: JAX
-    intermediate name} or {path: (name, transform)} with `transform(torch_array) -> JAX's layout`, or a
-    sequence of (path, name[, transform]) where a repeated path means the module's next call. torch_module:
-    the module the paths are resolved in when torch_fn is a plain callable (cast too). logits: the output holding
-    logits (default "logits" when present; False: none). loss(outputs, inputs) -> scalar, called with torch
-    tensors and with JAX arrays (write it with operations both have), for grads=True. bar: the bar of output
-    and layer rows (default: normwise TOLERANCES[dtype].forward). select(jax_name, array) -> the entries to
-    compare (e.g. real tokens), applied to both sides of output, layer and logit rows. checkpoint_hash: with
-    golden=, refuse a file recorded from another checkpoint (or pass the torch module as torch_fn).
+    `golden=` (a file from crosscheck.record: torch is then never imported).
+    layers: {torch module path: JAX intermediate name}, {path: (name, transform)} with
+    `transform(torch_array) -> JAX's layout`, or a sequence of (path, name[, transform]) where a repeated path
+    means the module's next call. With golden= and no `layers`: the pairs the file was recorded for.
+    torch_module: the module the paths are resolved in when torch_fn is a plain callable (cast too).
+    logits: the output holding logits (default "logits" when present; False: none).
+    loss(outputs, inputs) -> scalar, for grads=True: called with torch tensors and with JAX arrays (write it
+    with operations both have).
+    bar: the bar of output and layer rows (default: normwise MODEL_TOLERANCES[dtype].forward).
+    select(jax_name, array) -> the entries to compare (e.g. real tokens), applied to both sides of output,
+    layer and logit rows.
+    checkpoint_hash: with golden=, refuse a file recorded from another checkpoint (or pass the torch module
+    as torch_fn).
     """
     dtype = checked_dtype(dtype)
-    bar = bar or Bar("normwise", TOLERANCES[dtype].forward)
+    bar = bar or Bar("normwise", MODEL_TOLERANCES[dtype].forward)
     pairs = layer_pairs(layers)
     select = select or (lambda name, array: array)
     reference = None
@@ -557,6 +562,8 @@ def certify(torch_fn, jax_fn, inputs: Mapping[str, Any] | None, *, dtype: str = 
         reference = load_golden(golden, inputs, dtype=dtype, torch_fn=torch_fn, checkpoint_hash=checkpoint_hash,
                                 grads=grads)
         inputs = reference.inputs
+        if layers is None:  # the pairs the file was recorded for (their transforms, if any, are not stored)
+            pairs = [(path, name, None) for path, name in reference.meta.get("pairs", [])]
     elif torch_fn is None:
         raise ValueError("torch_fn: None needs golden=PATH (a file written by crosscheck.record)")
     else:
@@ -609,7 +616,7 @@ def certify(torch_fn, jax_fn, inputs: Mapping[str, Any] | None, *, dtype: str = 
         split = bool(pairs) or len(ours) != len(named_outputs(raw))
         mine = jax_grads(jax_fn, inputs, theirs, loss=loss, logits=name, split=split)
         check_structure(mine, their_grads, "gradients")
-        grad_bar = Bar("normwise", TOLERANCES[dtype].grad)
+        grad_bar = Bar("normwise", MODEL_TOLERANCES[dtype].grad)
         rows += [measure(f"grad/{k}", "grad", mine[k], their_grads[k], grad_bar, k) for k in their_grads]
     shapes = {k: (tuple(v.shape), str(v.dtype)) for k, v in inputs.items()}
     info = versions() if reference is None else {**versions(), "recorded_with": json.dumps(reference.versions)}

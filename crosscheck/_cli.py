@@ -158,6 +158,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["certify"]:  # a subcommand with its own options (crosscheck._certify_cli)
+        from crosscheck._certify_cli import main as certify_main
+
+        return certify_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)

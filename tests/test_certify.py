@@ -18,35 +18,16 @@ import crosscheck  # noqa: E402
 from crosscheck import certify, record  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _certify_port import LAYERS, port  # noqa: E402
+from _certify_port import B, E, F, LAYERS, T, V, port, torch_toy, toy_inputs  # noqa: E402
 
-B, T, E, F, V = 3, 13, 5, 7, 11  # every axis its own prime size
-
-
-class Toy(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = torch.nn.Linear(E, F)
-        self.act = torch.nn.GELU()
-        self.norm = torch.nn.LayerNorm(F)
-        self.head = torch.nn.Linear(F, V, bias=False)
-
-    def forward(self, x):
-        return {"logits": self.head(self.norm(self.act(self.proj(x))))}
 
 
 def toy(seed=0):
-    torch.manual_seed(seed)
-    model = Toy()
-    with torch.no_grad():
-        model.norm.weight.add_(0.3 * torch.randn(F))  # not the identity
-        model.norm.bias.add_(0.3 * torch.randn(F))
-    weights = {k: v.detach().numpy().astype(np.float64) for k, v in model.state_dict().items()}
-    return model, weights
+    return torch_toy(seed)
 
 
 def inputs(seed=1):
-    return {"x": np.random.default_rng(seed).standard_normal((B, T, E))}
+    return toy_inputs(seed)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -58,7 +39,7 @@ def test_a_faithful_port_passes_every_row_in_forward_order(dtype):
     assert [r.name for r in cert.rows] == ["proj", "act", "norm", "head", "logits", "logits.kl", "logits.top1",
                                            "logits.top5", "grad/x"]
     assert [r.jax_name for r in cert.rows[:4]] == ["dense", "gelu", "ln", "lm_head"]
-    bar = crosscheck.TOLERANCES[dtype]
+    bar = crosscheck.MODEL_TOLERANCES[dtype]
     assert all(r.value <= bar.forward for r in cert.rows[:5]) and cert.rows[-1].value <= bar.grad
     assert cert.rows[5].value <= crosscheck.LOGIT_BARS[dtype].kl and cert.rows[6].value == 1.0
 
@@ -171,7 +152,7 @@ def test_json_rich_table_and_plot(tmp_path):
     data = json.loads(json.dumps(cert.to_json()))
     assert set(data["versions"]) >= {"torch", "jax", "jaxlib", "transformers"} and data["dtype"] == "float32"
     assert data["inputs"] == {"x": {"shape": [B, T, E], "dtype": "float32"}}
-    assert data["tolerances"]["outputs"]["float32"]["forward"] == crosscheck.TOLERANCES["float32"].forward
+    assert data["tolerances"]["outputs"]["float32"]["forward"] == crosscheck.MODEL_TOLERANCES["float32"].forward
     assert [r["name"] for r in data["rows"]][:4] == list(LAYERS) and data["passed"]
     console = Console(record=True, width=160)
     console.print(cert)
@@ -238,3 +219,24 @@ def test_a_golden_file_certifies_without_torch_and_refuses_what_it_cannot_certif
         certify(None, jax_fn, {"x": inputs()["x"][:, :12]}, golden=golden, dtype="float64")
     with pytest.raises(ValueError, match="recorded in float64, certify asked for dtype='float32'"):
         certify(None, jax_fn, None, golden=golden, dtype="float32")
+
+
+def test_the_cli_records_certifies_and_exits_1_naming_the_first_divergent_row(tmp_path, capsys):
+    from crosscheck._cli import main
+
+    port_file = Path(__file__).parent / "_certify_port.py"
+    golden, report = tmp_path / "golden.safetensors", tmp_path / "cert.json"
+    assert main(["certify", "--torch", f"{port_file}:torch_factory", "--jax", f"{port_file}:jax_factory",
+                 "--record", str(golden), "--dtype", "float64", "--json", str(report)]) == 0
+    assert "every row passes" in capsys.readouterr().out and json.loads(report.read_text())["passed"]
+    assert main(["certify", "--jax", f"{port_file}:faulty_jax_factory", "--golden", str(golden),
+                 "--dtype", "float64"]) == 1
+    captured = capsys.readouterr()
+    assert "first divergent: norm" in captured.err and "FAIL" in captured.out
+    assert main(["certify", "--jax", f"{port_file}:jax_factory", "--golden", str(golden), "--dtype", "float64"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        main(["certify", "--jax", f"{port_file}:jax_factory"])
+    assert exit_.value.code == 2 and "--torch MODULE:FACTORY is needed" in capsys.readouterr().err
+    assert main(["certify", "--torch", f"{port_file}:nowhere", "--jax", f"{port_file}:jax_factory"]) == 2
+    assert "has no 'nowhere'" in capsys.readouterr().err
