@@ -6,8 +6,8 @@
 One safetensors file (written by jaxattn.io.save_safetensors): "inputs/<name>", "outputs/<name>",
 "layers/<torch path>" (a module's later calls: "<path> (call 2)", ...), "grads/<input>". Its metadata holds
 one JSON document under "crosscheck.golden": format version, library versions, dtype, input shapes and
-dtypes, the layers in forward order and the
-(torch path, JAX name) pairs they were recorded for (certify's default `layers` with this file), the loss used for gradients, and the sha256 of the module's state_dict
+dtypes, the layers in forward order, the (torch path, JAX name) pairs they were recorded for (certify's
+default `layers` with this file), the loss used for gradients, and the sha256 of the module's state_dict
 (names, dtypes, shapes, bytes) when torch_fn is a module.
 
 Refused (ValueError): a file of another checkpoint (`checkpoint_hash=` or a torch module given to certify
@@ -64,7 +64,8 @@ def record(torch_fn, inputs: Mapping[str, Any], path: str | os.PathLike, *, laye
     meta = {
         "format": FORMAT, "versions": versions(), "dtype": dtype,
         "inputs": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in inputs.items()},
-        "outputs": list(outputs), "layers": order, "pairs": [[path, name] for path, name, _ in pairs], "grads": sorted(input_grads) if grads else None,
+        "outputs": list(outputs), "layers": order, "pairs": [[path, name] for path, name, _ in pairs],
+        "grads": sorted(input_grads) if grads else None,
         "loss": None if not grads else ("custom" if loss is not None else
                                         "labels" if "labels" in inputs and "logits" in outputs else "cotangent"),
         "checkpoint_sha256": state_hash(module) if isinstance(module, torch.nn.Module) else None,
