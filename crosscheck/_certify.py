@@ -67,13 +67,14 @@ class LogitBars:
     top5: float
 
 
-# float64: KL ~ (logit error)^2 / 2, at machine precision ~1e-30; 1e-24 leaves room for 1e-12 logit errors.
-# float32: from the clean runs of docs/certify.md (largest per-token KL seen 2.4e-13 over tiny random Llama,
-# GPT-2 and Qwen3 checkpoints at 512+ tokens); the bar sits ~100x above that, ~1000x below the mildest
-# planted fault measured there. Agreement: a clean run flips no top-1 token; top-5 sets may swap a near tie.
+# float64: KL ~ (logit error)^2 / 2; clean runs land near 4e-29 (521 tokens), the bar leaves room for 1e-12
+# logit errors. float32: set from clean runs (benchmarks/certify_margins.py, docs/certify.md): the largest
+# per-token KL over tiny random GPT-2, Qwen2, Qwen3 and Llama checkpoints on 521 real tokens was 4.9e-11;
+# the bar sits 100x above it and 400x below the mildest planted fault (norm epsilon 1e-5 for 1e-6: 2.0e-6).
+# Agreement: no clean run flipped a top-1 token or a top-5 set; float32 allows a top-5 near tie to swap.
 LOGIT_BARS: Mapping[str, LogitBars] = MappingProxyType({
     "float64": LogitBars(kl=1e-24, top1=1.0, top5=1.0),
-    "float32": LogitBars(kl=3e-11, top1=1.0, top5=0.99),
+    "float32": LogitBars(kl=5e-9, top1=1.0, top5=0.99),
 })
 
 

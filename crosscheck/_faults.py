@@ -59,10 +59,12 @@ def real_text_ids(length: int = SEQUENCE) -> np.ndarray:
 
 def write_llama(directory: str | os.PathLike) -> Path:
     """The tiny random Llama the faults are planted in: tied head, MiniLM's vocabulary, room for the prompt."""
-    from crosscheck._hf_models import write_checkpoint
-    from crosscheck.cases.minilm import load_minilm
+    import json
 
-    vocab = load_minilm()[0].vocab_size
+    from crosscheck._hf_models import write_checkpoint
+    from crosscheck.cases.minilm import model_dir
+
+    vocab = json.loads((model_dir() / "config.json").read_text())["vocab_size"]
     return write_checkpoint("llama", directory, vocab_size=vocab, tie_word_embeddings=True,
                             max_position_embeddings=1024)
 
@@ -145,3 +147,42 @@ FAULTS: dict[str, tuple[Callable, str]] = {
     "kernel_transposed": (lambda m, p: (m, _attention(p, 0, _transpose_out), 0), ATTENTION0),
     "head_untied": (_untied, "logits"),
 }
+
+
+def minilm_layers(num_layers: int) -> dict[str, str]:
+    """transformers' BertModel paths -> the names minilm_jax gives its intermediates."""
+    pairs = {"embeddings": "embeddings"}
+    for i in range(num_layers):
+        pairs |= {f"encoder.layer.{i}.attention": f"layer{i}.attention", f"encoder.layer.{i}": f"layer{i}.residual"}
+    return pairs
+
+
+def minilm_jax(dtype: str = "float32", offset: int = 0) -> Callable:
+    """jax_fn(input_ids, attention_mask) -> (HF BertModel's outputs, intermediates) of jaxattn.models' BERT on
+    the packaged all-MiniLM-L6-v2 weights; positions offset by `offset` (0: faithful)."""
+    import jax
+    import jax.numpy as jnp
+
+    from crosscheck.cases.minilm import load_minilm
+    from jaxattn.models import BertModel, bert_params_from_state_dict
+
+    config, state_dict = load_minilm()
+    params = jax.tree.map(lambda x: np.asarray(x, dtype), bert_params_from_state_dict(state_dict, config))
+    model = BertModel(config, param_dtype=getattr(jnp, dtype), precision="highest")
+
+    @jax.jit
+    def jax_fn(input_ids, attention_mask):
+        positions = jnp.broadcast_to(jnp.arange(input_ids.shape[-1]) + offset, input_ids.shape)
+        out = model.apply({"params": params}, input_ids, attention_mask, position_ids=positions)
+        rows = {"embeddings": out["hidden_states"][0]}
+        for i, a in enumerate(out["attention_outputs"]):
+            rows |= {f"layer{i}.attention": a, f"layer{i}.residual": out["hidden_states"][i + 1]}
+        return {"last_hidden_state": out["last_hidden_state"], "pooler_output": out["pooler_output"]}, rows
+
+    return jax_fn
+
+
+def real_tokens(attention_mask: np.ndarray) -> Callable[[str, np.ndarray], np.ndarray]:
+    """certify's `select`: [B,T,...] rows on real tokens only (a padded query's output has no meaning)."""
+    real = np.asarray(attention_mask).astype(bool)
+    return lambda name, array: array if name == "pooler_output" else array[real]

