@@ -79,8 +79,8 @@ def clean_kl_rows(dtype: str) -> list[dict]:
     ids = real_text_ids()
     vocab = json.loads((model_dir() / "config.json").read_text())["vocab_size"]
     rows = []
-    for model_type, room in (("gpt2", {"n_positions": 1024}), ("qwen2", {"max_position_embeddings": 1024}),
-                             ("qwen3", {"max_position_embeddings": 1024}), ("llama", {"max_position_embeddings": 1024})):
+    room = {"max_position_embeddings": 1024}
+    for model_type, room in (("gpt2", {"n_positions": 1024}), ("qwen2", room), ("qwen3", room), ("llama", room)):
         for seed in (1, 2):
             directory = write_checkpoint(model_type, tempfile.mkdtemp(), vocab_size=vocab, seed=seed, **room)
             theirs = torch_model(directory, dtype)
