@@ -2,7 +2,8 @@
 
 The default run is the quick proof: every case of the catalogue once, on its quick row (mostly jit, one
 compiled program; the run as a whole has float32 and float64, jit, vmap and plain rows). `--all` runs every
-row of every case (CI does).
+row of every case (CI does). `python -m crosscheck certify ...` is crosscheck.certify's command
+(crosscheck/_certify_cli.py).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m crosscheck",
         description="Check that jaxattn reproduces PyTorch attention: outputs and gradients, float32 and "
         "float64, plain / jit / vmap. By default every case runs once (the quick proof); --all runs every row. "
-        "Exits 1 if any row fails, 2 on a usage error.",
+        "Exits 1 if any row fails, 2 on a usage error. `python -m crosscheck certify --help`: certify any "
+        "JAX port of a PyTorch model (crosscheck.certify).",
     )
     p.add_argument("--case", action="append", metavar="NAME", help="case name or glob (repeatable); default: all")
     p.add_argument("--all", action="store_true", help="every row of each case (its dtypes x transforms); "
