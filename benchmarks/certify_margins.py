@@ -100,7 +100,8 @@ def clean_kl_rows(dtype: str) -> list[dict]:
 
 def _row(model: str, fault: str, expected, cert, clean) -> dict:
     ours, base = {r.name: r for r in cert.rows}, {r.name: r for r in clean.rows}
-    where = cert.first_divergent or cert.rows[-1].name
+    measured = [r for r in cert.rows if r.kind in ("layer", "output")]
+    where = cert.first_divergent or max(measured, key=lambda r: r.ratio).name  # clean: the row nearest its bar
     kl = ours.get("logits.kl")
     return {"model": model, "fault": fault, "dtype": cert.dtype, "passed": cert.passed,
             "first_divergent": cert.first_divergent, "expected": expected, "row": where,
