@@ -296,12 +296,17 @@ def cast_inputs(inputs: Mapping[str, Any], dtype: str) -> dict[str, np.ndarray]:
 
 
 def state_hash(module) -> str:
-    """sha256 over a torch module's state_dict: names, dtypes, shapes and bytes, in name order."""
+    """sha256 over a torch module's state_dict: names, shapes and values, in name order. Floating tensors are
+    hashed as float64 (exact from float32 / bfloat16), so a module cast to the certificate's dtype in place
+    keeps the hash of the checkpoint it was loaded from."""
+    import torch
+
     digest = hashlib.sha256()
     for name, tensor in sorted(module.state_dict().items()):
-        array = tensor.detach().cpu().contiguous()
+        array = tensor.detach().cpu()
+        array = (array.double() if array.is_floating_point() else array).contiguous()
         digest.update(f"{name}|{array.dtype}|{tuple(array.shape)}|".encode())
-        digest.update(array.view(-1).view(__import__("torch").uint8).numpy().tobytes())
+        digest.update(array.view(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
 
 

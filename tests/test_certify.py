@@ -214,7 +214,8 @@ def test_a_golden_file_certifies_without_torch_and_refuses_what_it_cannot_certif
     other, _ = toy(seed=5)
     with pytest.raises(ValueError, match="recorded from another checkpoint"):
         certify(other, jax_fn, None, golden=golden, dtype="float64")
-    assert certify(model, jax_fn, None, golden=golden, dtype="float64").passed  # its own checkpoint
+    # its own checkpoint, freshly loaded in float32 (record cast `model` to float64 in place)
+    assert certify(toy()[0], jax_fn, None, golden=golden, dtype="float64").passed
     with pytest.raises(ValueError, match=r"inputs\['x'\] has shape \(3, 12, 5\), .* recorded with \(3, 13, 5\)"):
         certify(None, jax_fn, {"x": inputs()["x"][:, :12]}, golden=golden, dtype="float64")
     with pytest.raises(ValueError, match="recorded in float64, certify asked for dtype='float32'"):
