@@ -31,7 +31,7 @@ def inputs(seed=1):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_a_faithful_port_passes_every_row_in_forward_order(dtype):
+def test_a_faithful_port_passes_every_row_in_forward_order(dtype, tmp_path):
     model, weights = toy()
     cert = certify(model, port({k: v.astype(dtype) for k, v in weights.items()}), inputs(), dtype=dtype,
                    layers=LAYERS, grads=True)
@@ -42,6 +42,24 @@ def test_a_faithful_port_passes_every_row_in_forward_order(dtype):
     bar = crosscheck.MODEL_TOLERANCES[dtype]
     assert all(r.value <= bar.forward for r in cert.rows[:5]) and cert.rows[-1].value <= bar.grad
     assert cert.rows[5].value <= crosscheck.LOGIT_BARS[dtype].kl and cert.rows[6].value == 1.0
+    if dtype == "float32":
+        _check_json_rich_table_and_plot(cert, tmp_path)
+
+
+def _check_json_rich_table_and_plot(cert, tmp_path):
+    from rich.console import Console
+
+    data = json.loads(json.dumps(cert.to_json()))
+    assert set(data["versions"]) >= {"torch", "jax", "jaxlib", "transformers"} and data["dtype"] == "float32"
+    assert data["inputs"] == {"x": {"shape": [B, T, E], "dtype": "float32"}}
+    assert data["tolerances"]["outputs"]["float32"]["forward"] == crosscheck.MODEL_TOLERANCES["float32"].forward
+    assert [r["name"] for r in data["rows"]][:4] == list(LAYERS) and data["passed"]
+    console = Console(record=True, width=160)
+    console.print(cert)
+    text = console.export_text()
+    assert "lm_head" in text and "norm" in text and "every row passes" in cert.table()
+    cert.plot(tmp_path / "rows.png")
+    assert (tmp_path / "rows.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_a_planted_fault_fails_at_its_layer_and_not_before():
@@ -142,24 +160,6 @@ def test_flax_capture_intermediates_names_the_jax_side():
     cert = certify(lambda x: model(x), jax_fn, inputs(), dtype="float64", torch_module=model, grads=True,
                    layers={"proj": "proj/__call__", "head": "head/__call__"})
     assert cert.passed and [r.name for r in cert.rows] == ["proj", "head", "output", "grad/x"], cert.table()
-
-
-def test_json_rich_table_and_plot(tmp_path):
-    from rich.console import Console
-
-    model, weights = toy()
-    cert = certify(model, port({k: v.astype("float32") for k, v in weights.items()}), inputs(), layers=LAYERS)
-    data = json.loads(json.dumps(cert.to_json()))
-    assert set(data["versions"]) >= {"torch", "jax", "jaxlib", "transformers"} and data["dtype"] == "float32"
-    assert data["inputs"] == {"x": {"shape": [B, T, E], "dtype": "float32"}}
-    assert data["tolerances"]["outputs"]["float32"]["forward"] == crosscheck.MODEL_TOLERANCES["float32"].forward
-    assert [r["name"] for r in data["rows"]][:4] == list(LAYERS) and data["passed"]
-    console = Console(record=True, width=160)
-    console.print(cert)
-    text = console.export_text()
-    assert "lm_head" in text and "norm" in text and "every row passes" in cert.table()
-    cert.plot(tmp_path / "rows.png")
-    assert (tmp_path / "rows.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def _without_torch(script: str, *args: str) -> dict:
@@ -311,7 +311,7 @@ def test_minilm_certifies_on_real_sentences_and_shifted_positions_fail_at_the_em
 
     ids, mask = encode()
     inputs = {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64)}
-    for dtype in ("float32", "float64"):
+    for dtype in ("float32",):  # float64: benchmarks/certify_margins.py (the same code, a 1.7e15 margin)
         theirs = torch_bert(dtype)
         clean = certify(theirs, minilm_jax(dtype), inputs, dtype=dtype, layers=minilm_layers(6),
                         select=real_tokens(mask))
