@@ -387,7 +387,7 @@ def run_torch(torch_fn, inputs: Mapping[str, np.ndarray], *, dtype: str, pairs, 
             scalar = _loss(torch, raw, tensors, outputs, loss, logits)
             got = torch.autograd.grad(scalar, list(wrt.values()), allow_unused=True)
             input_grads = {k: np.zeros(t.shape, dtype) if g is None else g.detach().numpy()
-                           for (k, t), g in zip(wrt.items(), got)}
+                           for (k, t), g in zip(wrt.items(), got, strict=True)}
     return outputs, input_grads
 
 
@@ -499,7 +499,7 @@ def logit_rows(name: str, ours: np.ndarray, theirs: np.ndarray, bars: LogitBars)
     top1 = float(np.mean(a.argmax(-1) == b.argmax(-1)))
     k = min(5, a.shape[-1])
     top_a, top_b = np.argpartition(-a, k - 1, axis=-1)[:, :k], np.argpartition(-b, k - 1, axis=-1)[:, :k]
-    top5 = float(np.mean([len(set(x) & set(y)) / k for x, y in zip(top_a, top_b)]))
+    top5 = float(np.mean([len(set(x) & set(y)) / k for x, y in zip(top_a, top_b, strict=True)]))
     nan = math.nan
     return [Row(f"{name}.kl", "kl", shape, nan, nan, nan, "kl", kl, bars.kl, "ok" if kl <= bars.kl else "FAIL"),
             Row(f"{name}.top1", "top1", shape, nan, nan, nan, "agreement", top1, bars.top1,
