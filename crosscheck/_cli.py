@@ -3,6 +3,7 @@
 The default run is the quick proof: the catalogue's `default_run` sample of cases, each once on its quick row
 (every seed, float32 and float64, jit, vmap and plain rows, one whole model; about a minute). `--case '*'` runs
 every case once; `--all` runs every row of every case (CI does).
+`python -m crosscheck certify ...` is crosscheck.certify's command (crosscheck/_certify_cli.py).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Check that jaxattn reproduces PyTorch attention: outputs and gradients, float32 and "
         "float64, plain / jit / vmap. By default a sample of the cases runs once each (the quick proof); "
         "--case '*' runs every case once; --all runs every row of every case. "
-        "Exits 1 if any row fails, 2 on a usage error.",
+        "Exits 1 if any row fails, 2 on a usage error. `python -m crosscheck certify --help`: certify any "
+        "JAX port of a PyTorch model (crosscheck.certify).",
     )
     p.add_argument("--case", action="append", metavar="NAME",
                    help="case name or glob (repeatable); default: the quick proof's sample (with --all: every case)")
@@ -160,6 +162,11 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["certify"]:  # a subcommand with its own options (crosscheck._certify_cli)
+        from crosscheck._certify_cli import main as certify_main
+
+        return certify_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
