@@ -101,7 +101,7 @@ TINY = {
                     dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, intermediate_size_mlp=56,
                          num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
                          max_position_embeddings=256, num_local_experts=5, num_experts_per_tok=1,
-                         interleave_moe_layer_step=2, attention_chunk_size=5, floor_scale=3, attn_scale=0.5,
+                         interleave_moe_layer_step=2, attention_chunk_size=6, floor_scale=3, attn_scale=0.5,
                          rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=4.0,
                                               low_freq_factor=1.0, high_freq_factor=4.0,
                                               original_max_position_embeddings=16))),

@@ -24,7 +24,7 @@ from crosscheck import layer_report
 from jaxattn.models import from_pretrained, generate
 
 FAMILIES = ("gpt2", "t5", "llama", "qwen2", "mistral", "gemma2", "qwen3", "gemma3_text", "mixtral", "gpt_oss",
-            "qwen3_moe")
+            "qwen3_moe", "llama4_text")
 NEW = 64
 
 
@@ -88,7 +88,7 @@ def _faults(model_type, params):
             elif node == "relative_attention_bias":
                 faults.append((path, leaf, f"{stack}.layer0.attention"))
             continue
-        layer = next((i for i in range(2) if keys[0] == {"gpt2": "h_{i}"}.get(model_type, "layers_{i}").format(i=i)),
+        layer = next((i for i in range(4) if keys[0] == {"gpt2": "h_{i}"}.get(model_type, "layers_{i}").format(i=i)),
                      None)
         if layer is not None:
             faults.append((path, leaf, f"layer{layer}."))
