@@ -93,15 +93,17 @@ TINY = {
                        num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
                        max_position_embeddings=256, num_experts=5, num_experts_per_tok=2, use_sliding_window=True,
                        sliding_window=5, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
-    # 4 layers: 0-2 RoPE + chunked (chunks of 5 < the 11-token prompts), 3 NoPE + global with the temperature
-    # biting (floor_scale 3, attn_scale 0.5; HF's 8192 would leave tau = 1 at these lengths); MoE on layers 1
-    # and 3 (5 experts, F 40, top 1, shared expert), dense SwiGLU of G 56 on 0 and 2; head_dim 16 !=
+    # layer 0: RoPE + chunked (chunks of 6 < the 11-token prompts; not 5, which leaves a right-padded prompt a
+    # chunk of padding only, where HF's first new token reads a query with nothing to attend), dense SwiGLU of
+    # G 56; layer 1: NoPE + global with the temperature biting (floor_scale 3, attn_scale 0.5; HF's 8192 would
+    # leave tau = 1 at these lengths), MoE (5 experts, F 40, top 1, shared expert); head_dim 16 !=
     # hidden/heads 8; llama3 rope (the released models') with a short original length so that it bites
     "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",
                     dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, intermediate_size_mlp=56,
-                         num_hidden_layers=4, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                         num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
                          max_position_embeddings=256, num_local_experts=5, num_experts_per_tok=1,
-                         interleave_moe_layer_step=2, attention_chunk_size=6, floor_scale=3, attn_scale=0.5,
+                         no_rope_layer_interval=2, interleave_moe_layer_step=2, attention_chunk_size=6,
+                         floor_scale=3, attn_scale=0.5,
                          rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=4.0,
                                               low_freq_factor=1.0, high_freq_factor=4.0,
                                               original_max_position_embeddings=16))),

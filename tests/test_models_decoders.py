@@ -88,7 +88,7 @@ def _faults(model_type, params):
             elif node == "relative_attention_bias":
                 faults.append((path, leaf, f"{stack}.layer0.attention"))
             continue
-        layer = next((i for i in range(4) if keys[0] == {"gpt2": "h_{i}"}.get(model_type, "layers_{i}").format(i=i)),
+        layer = next((i for i in range(2) if keys[0] == {"gpt2": "h_{i}"}.get(model_type, "layers_{i}").format(i=i)),
                      None)
         if layer is not None:
             faults.append((path, leaf, f"layer{layer}."))
