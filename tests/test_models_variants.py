@@ -292,7 +292,8 @@ def test_llama4_options_not_implemented_are_refused(tmp_path):
     config = json.loads((source / "config.json").read_text())
     bad = tmp_path / "bad"
     shutil.copytree(source, bad)
-    for changes, named in [({"hidden_act": "gelu"}, "hidden_act"), ({"router_jitter_noise": 0.1}, "router_jitter_noise"),
+    for changes, named in [({"hidden_act": "gelu"}, "hidden_act"),
+                           ({"router_jitter_noise": 0.1}, "router_jitter_noise"),
                            ({"num_experts_per_tok": 6}, "num_experts_per_tok"),
                            ({"layer_types": ["full_attention", "full_attention"]}, "layer_types"),
                            ({"no_rope_layers": [1]}, "no_rope_layers"), ({"no_rope_layers": [1, 2]}, "no_rope_layers"),

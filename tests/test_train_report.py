@@ -28,7 +28,8 @@ from crosscheck._param_layout import ParamLayout  # noqa: E402
 from crosscheck._train_report import random_batches  # noqa: E402
 from jaxattn.models import from_pretrained, from_state_dict  # noqa: E402
 
-DECODERS = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe")
+DECODERS = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe",
+            "llama4_text")
 # float32 runs follow torch within the envelope where the model is smooth in its weights near the run's path:
 # gpt-oss's clamped SwiGLU (min(gate, limit); the tiny checkpoint's limit 1.0 so that the clamps bite) is not,
 # and a float32 rounding that moves an entry across the clamp changes a gradient by a whole term (gpt-oss: at
