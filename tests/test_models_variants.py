@@ -180,7 +180,8 @@ def test_router_logits_and_aux_loss_equal_transformers(tmp_path, model_type, dty
 
 
 def test_routing_weights_keep_the_top_k_as_each_family_does():
-    """Literal logits: Mixtral renormalises the top k of the softmax, gpt-oss softmaxes the top k logits."""
+    """Literal logits: Mixtral renormalises the top k of the softmax, gpt-oss softmaxes the top k logits, Llama 4
+    sigmoids them."""
     logits = np.log(np.array([[1.0, 4.0, 2.0, 3.0]]))
     mixtral = moe.routing_weights(logits, 2, "softmax_topk")
     np.testing.assert_allclose(mixtral, [[0, 4 / 7, 0, 3 / 7]], rtol=1e-12)
@@ -190,6 +191,8 @@ def test_routing_weights_keep_the_top_k_as_each_family_does():
     np.testing.assert_allclose(moe.routing_weights(np.array([[0.0, 3.0, 1.0, 3.0]]), 3, "topk_softmax"),
                                [[0, np.e ** 2 / (2 * np.e ** 2 + 1), 1 / (2 * np.e ** 2 + 1), np.e ** 2 / (2 * np.e ** 2 + 1)]],
                                rtol=1e-12)
+    # Llama 4: each of the top k logits through a sigmoid, not normalised: log(4) -> 4/5, log(3) -> 3/4
+    np.testing.assert_allclose(moe.routing_weights(logits, 2, "topk_sigmoid"), [[0, 0.8, 0, 0.75]], rtol=1e-12)
     with pytest.raises(ValueError, match="routing: expected one of"):
         moe.routing_weights(logits, 2, "topk")
 

@@ -249,7 +249,8 @@ def test_a_used_optimizer_and_bad_arguments_are_refused_before_anything_runs():
         crosscheck.train_report(bert, model, params, batches, steps=2, optimizer="sgd", lr=0.1)
 
 
-@pytest.mark.parametrize("family", DECODERS)
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "llama4_text" else f
+                                    for f in DECODERS])  # (llama4_text: its 100-step runs read the layout too)
 def test_the_layout_is_the_weight_table_both_ways(family, checkpoints):
     """to_jax(state_dict) is from_state_dict's tree, exactly; to_torch gives the state_dict back."""
     torch_model, _, params = fresh(checkpoints[family])
