@@ -132,7 +132,8 @@ def _quiet(transformers) -> None:
 
 # HF norms whose code takes the mean square in float32 whatever the input dtype (a float64 run included)
 _FLOAT32_NORMS = ("T5LayerNorm", "LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm",
-                  "GptOssRMSNorm", "Qwen3MoeRMSNorm")  # (GptOssRMSNorm rounds after its weight: the same numbers in float64)
+                  "GptOssRMSNorm", "Qwen3MoeRMSNorm")
+# (GptOssRMSNorm rounds after its weight: the same numbers in float64)
 
 
 def _rms_norm_in_input_precision(self, hidden_states):

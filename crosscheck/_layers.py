@@ -1,7 +1,8 @@
 """`layer_report`: a whole model in PyTorch (transformers) against its jaxattn.models port, layer by layer.
 
 Both run the same inputs; every aligned layer output is compared: the embeddings; each block's attention
-output, router logits (mixtures of experts), MLP output and residual stream; the final norm; the logits. Rows are in forward order, so
+output, router logits (mixtures of experts), MLP output and residual stream; the final norm; the logits. Rows
+are in forward order, so
 `first_divergent` is where a port first goes wrong (a wrong weight, a wrong formula), not merely that it is
 wrong somewhere.
 

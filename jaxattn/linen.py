@@ -72,10 +72,11 @@ class MultiHeadAttention(nn.Module):
       window: (left, right) sliding window on absolute positions (Mistral / Gemma 2: (W - 1, 0) with
         is_causal); with a left bound, decoding keeps a rolling cache of the window (O(window) memory).
       chunk_size: Llama 4's chunked attention.  logit_softcap: Gemma 2's attention softcap.
-      use_sinks: learned per-head sinks params["sinks"] [N] (gpt-oss), initialised by sinks_init (zeros).
+      use_sinks: learned per-head sinks `params["sinks"]`, shape [N] (gpt-oss), initialised by sinks_init (zeros).
       qk_norm: a module factory (e.g. functools.partial(RMSNorm, eps)) called with name="q_norm" and
         name="k_norm": the norms of each projected query head [...,T,N,H] and key head [...,S,K,H], applied
         before RoPE and before caching (Qwen 3, Gemma 3); their params sit beside query/key/value/out.
+      implementation / interpret: as jaxattn.dot_product_attention (None: per platform at lowering time).
     """
 
     num_heads: int
@@ -105,6 +106,8 @@ class MultiHeadAttention(nn.Module):
     use_sinks: bool = False
     sinks_init: Initializer = common.default_bias_init
     qk_norm: Optional[Callable[..., nn.Module]] = None
+    implementation: Optional[str] = None
+    interpret: bool = False
 
     def _relative(self) -> Optional[dict]:
         return None
@@ -171,7 +174,8 @@ class MultiHeadAttention(nn.Module):
                        query_positions=query_positions, key_positions=key_positions, scale=self.scale,
                        dropout_rate=rate, dropout_rng=rng, return_weights=return_weights,
                        query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids, window=self.window,
-                       chunk_size=self.chunk_size, logit_softcap=self.logit_softcap)
+                       chunk_size=self.chunk_size, logit_softcap=self.logit_softcap,
+                       implementation=self.implementation, interpret=self.interpret)
         cache = None
         if self.decode if decode is None else decode:
             batch = jnp.broadcast_shapes(query.shape[:-2], key.shape[:-2])

@@ -77,7 +77,7 @@ class MultiHeadAttention(nnx.Module):
                  window: Optional[tuple] = None, chunk_size: Optional[int] = None,
                  logit_softcap: Optional[float] = None, use_sinks: bool = False,
                  sinks_init: Initializer = common.default_bias_init, rope: Optional[RoPE] = None, rngs: nnx.Rngs,
-                 _relative: Optional[dict] = None):
+                 implementation: Optional[str] = None, interpret: bool = False, _relative: Optional[dict] = None):
         sizes = common.flax_sizes(num_heads, query_features=query_features, head_dim=head_dim,
                                   key_features=key_features, value_features=value_features,
                                   in_features=in_features, qkv_features=qkv_features, in_kv_features=in_kv_features)
@@ -95,6 +95,7 @@ class MultiHeadAttention(nnx.Module):
         self.groups = tuple(specs)
         self.sinks = nnx.data(None) if sinks is None else nnx.Param(sinks[1](rngs.params(), sinks[0], param_dtype))
         self.window, self.chunk_size, self.logit_softcap = window, chunk_size, logit_softcap
+        self.implementation, self.interpret = implementation, interpret  # as dot_product_attention's
         self.relative_attention = _relative is not None
         self.add_zero_attn, self.dropout_rate, self.deterministic = add_zero_attn, dropout_rate, deterministic
         self.scale, self.dtype, self.param_dtype, self.precision = scale, dtype, param_dtype, precision
@@ -163,7 +164,8 @@ class MultiHeadAttention(nnx.Module):
             key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
             key_positions=key_positions, scale=self.scale, dropout_rate=rate, dropout_rng=rng,
             return_weights=return_weights, query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-            window=self.window, chunk_size=self.chunk_size, logit_softcap=self.logit_softcap)
+            window=self.window, chunk_size=self.chunk_size, logit_softcap=self.logit_softcap,
+            implementation=self.implementation, interpret=self.interpret)
         if new_cache is not None:
             self.cached_key[...], self.cached_value[...], self.cache_index[...] = new_cache
         return result

@@ -189,7 +189,8 @@ def test_routing_weights_keep_the_top_k_as_each_family_does():
     np.testing.assert_allclose(unnormalised, [[0, 0.4, 0, 0.3]], rtol=1e-12)
     np.testing.assert_allclose(moe.routing_weights(logits, 2, "topk_softmax"), mixtral, rtol=1e-12)
     np.testing.assert_allclose(moe.routing_weights(np.array([[0.0, 3.0, 1.0, 3.0]]), 3, "topk_softmax"),
-                               [[0, np.e ** 2 / (2 * np.e ** 2 + 1), 1 / (2 * np.e ** 2 + 1), np.e ** 2 / (2 * np.e ** 2 + 1)]],
+                               [[0, np.e ** 2 / (2 * np.e ** 2 + 1), 1 / (2 * np.e ** 2 + 1),
+                                 np.e ** 2 / (2 * np.e ** 2 + 1)]],
                                rtol=1e-12)
     # Llama 4: each of the top k logits through a sigmoid, not normalised: log(4) -> 4/5, log(3) -> 3/4
     np.testing.assert_allclose(moe.routing_weights(logits, 2, "topk_sigmoid"), [[0, 0.8, 0, 0.75]], rtol=1e-12)

@@ -73,7 +73,7 @@ def test_minilm_loads_into_the_bert_ports_params(minilm_dir):
                                             "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "t5"}
 
 
-@pytest.mark.parametrize("dtype, bar", [("float32", 1e-5), ("float64", 1e-10)])
+@pytest.mark.parametrize("dtype, bar", [("float32", 1e-5), pytest.param("float64", 1e-10, marks=pytest.mark.slow)])
 def test_minilm_keeps_its_figures_through_from_pretrained(minilm_dir, dtype, bar):
     input_ids, attention_mask = minilm.encode()
     model, params = from_pretrained(minilm_dir, dtype=dtype, precision="highest")

@@ -318,7 +318,8 @@ def test_writing_into_an_existing_directory_replaces_only_weight_files(checkpoin
 
 # --- 4. python -m crosscheck --model on a written directory ----------------------------------------------------
 
-@pytest.mark.parametrize("variant", _variant_params())
+# slow group only: --model is tests/test_cli_model.py's (default group), writing is the tests above
+@pytest.mark.parametrize("variant", _variant_params(default=()))
 def test_crosscheck_model_passes_on_a_written_directory(checkpoints, variant, tmp_path, capsys):
     from crosscheck._cli import main
 

@@ -78,5 +78,5 @@ for _model_type, _doc in (("gpt2", "GPT-2 (2 layers, tied embeddings): logits an
                                           "temperature, sigmoid-routed experts + shared expert): logits and every "
                                           "parameter gradient")):
     register_case(f"model_{_model_type}", description=f"{_doc}, left-padded batch, vs transformers",
-                  transforms=("jit",), quick=FLOAT32_JIT,
+                  transforms=("jit",), quick=FLOAT32_JIT, default_run=_model_type == "gpt2",  # one whole model
                   requires=("transformers",))(functools.partial(_setup, _model_type))

@@ -482,11 +482,13 @@ def _engine_bwd(cfg, res: Residuals, cotangents):
     q, arrays, Tb = res.q, res.arrays, cfg.Tb
     acc = accumulation_dtype(q.dtype)
     # score_mod's float arrays get gradients; its integer ones (ids, indices) none
-    score_consts = tuple(c if d else None for c, d in zip(arrays.score_consts, mods.differentiable(arrays.score_consts)))
+    score_consts = tuple(c if d else None
+                         for c, d in zip(arrays.score_consts, mods.differentiable(arrays.score_consts)))
 
     def query_block(carry, i):
         grads, d_sinks = carry
-        tile = QueryTile(slice_block(q, i * Tb, Tb, 3), slice_block(res.q_pos, i * Tb, Tb, -1), _tile_arrays(arrays, i, Tb))
+        tile = QueryTile(slice_block(q, i * Tb, Tb, 3), slice_block(res.q_pos, i * Tb, Tb, -1),
+                         _tile_arrays(arrays, i, Tb))
         do_blk, o_blk = slice_block(d_out, i * Tb, Tb, 3), slice_block(res.out, i * Tb, Tb, 3)
         lse_blk = slice_block(res.lse, i * Tb, Tb, 3)
         # d loss / d x = p * (dp - sum_s p dp) + p * d_lse, and sum_s p dp = d_out . out: one delta

@@ -52,7 +52,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from ..linen import RoPE
-from . import _decoder, _pretrained, _sharding, _table, moe
+from . import _activation_layout, _decoder, _pretrained, _table, moe
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,7 +248,7 @@ class Llama4MoE(_decoder.Configured):
         scores = moe.routing_weights(logits, c.num_experts_per_tok, c.routing).astype(x.dtype)  # HF: back to x's
         # each expert's input [B,T,X,E], kept batch over "data" on a mesh: left to itself XLA splits E over
         # "data" as the FSDP'd expert kernels are, and all-reduces the activations over "data"
-        inputs = _sharding.constrain(self.sharding, x[..., None, :] * scores[..., :, None], "BTXE")
+        inputs = _activation_layout.constrain(self.sharding, x[..., None, :] * scores[..., :, None], "BTXE")
         routed = RoutedExperts(c, self.dtype, self.param_dtype, self.precision, self.sharding, name="experts")(inputs)
         shared = SwiGLU(c, self.dtype, self.param_dtype, self.precision, self.sharding, features=c.dims()["F"],
                         name="shared_expert")(x)

@@ -41,6 +41,7 @@ from typing import Any, ClassVar
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen.dtypes import promote_dtype
 
 from . import _decoder, _pretrained, _table
 
@@ -113,7 +114,7 @@ class StackedDense(_decoder.Configured):
         kernel = self.param("kernel", nn.initializers.lecun_normal(batch_axis=(0,)), shape, self.param_dtype)
         bias = (self.param("bias", nn.initializers.zeros, (shape[0], shape[2]), self.param_dtype)
                 if self.config.expert_bias else None)
-        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+        x, kernel, bias = promote_dtype(x, kernel, bias, dtype=self.dtype)
         y = jnp.einsum("...xi,xio->...xo" if per_expert else "...i,xio->...xo", x, kernel, precision=self.precision)
         return y if bias is None else y + bias
 
