@@ -122,6 +122,31 @@ class _Family:
         return watched
 
 
+class _Llama4(_Family):
+    """Llama 4: the block's MLP is "feed_forward"; only its MoE layers have a router, whose forward returns
+    (scores, logits): the row is the logits (second)."""
+
+    def watch(self, torch_model) -> list[tuple[Any, str]]:
+        watched = []
+        for module, name in super().watch(torch_model):
+            watched.append((module, name))
+            if name.endswith(".attention"):
+                block = self.layers(torch_model)[int(name.removeprefix("layer").split(".")[0])]
+                if block.is_moe_layer:
+                    watched.append((_Second(block.feed_forward.router), name.replace(".attention", ".router")))
+        return watched
+
+
+class _Second:
+    """A torch module whose hooked output is the second element of the tuple its forward returns."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def register_forward_hook(self, hook):
+        return self.module.register_forward_hook(lambda module, args, out: hook(module, args, out[1]))
+
+
 class _T5(_Family):
     """T5: the encoder's rows ("encoder.*"), then the decoder's (with each block's cross-attention)."""
 
@@ -151,6 +176,8 @@ for _model_type in ("qwen2", "mistral", "gemma2", "qwen3", "gemma3_text"):
     FAMILIES[_model_type] = FAMILIES["llama"]
 FAMILIES["mixtral"] = FAMILIES["qwen3_moe"] = dataclasses.replace(FAMILIES["llama"], router="mlp.gate")
 FAMILIES["gpt_oss"] = dataclasses.replace(FAMILIES["llama"], router="mlp.router")
+FAMILIES["llama4_text"] = _Llama4(lambda m: m.model.embed_tokens, lambda m: m.model.layers, "self_attn", "feed_forward",
+                                  lambda m: m.model.norm, "layers_{i}")
 
 
 def family(torch_model) -> _Family:

@@ -37,7 +37,7 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 from train_sharded import DEMO  # noqa: E402  (the tiny configs that split over 8 devices)
 
 FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "t5")
-NEW_FAMILIES = ("qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe")  # run on the (2, 4) mesh only
+NEW_FAMILIES = ("qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe", "llama4_text")  # the (2, 4) mesh only
 MESHES = ("8x1", "2x4", "1x8")
 TOL = 1e-12
 TIMEOUT_S = 1500  # the mesh run takes about 8 minutes on a loaded 2-core machine
@@ -191,7 +191,7 @@ def test_rules_tables_name_every_family():
         partition_rules("whisper")
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss", "llama4_text"])
 def test_moe_rules_split_experts_before_the_llama_rows(model_type):
     """The expert rows come first (Llama's "*/gate_proj/kernel" would match a 3-D expert kernel): experts by
     X over "model", FSDP over E; the router FSDP over E; the dense rows as Llama's."""
@@ -209,6 +209,8 @@ def test_moe_rules_split_experts_before_the_llama_rows(model_type):
     assert rules.spec("layers_1/self_attn/sinks", (4,)) == P("model")
     assert rules.spec("layers_1/self_attn/query/kernel", (E, 4, 2)) == P("data", "model", None)
     assert rules.spec("layers_1/self_attn/q_norm/weight", (2,)) == P()
+    assert rules.spec("layers_1/mlp/shared_expert/gate_proj/kernel", (E, F)) == P("data", "model")  # Llama 4's
+    assert rules.spec("layers_1/mlp/shared_expert/down_proj/kernel", (F, E)) == P("model", "data")
 
 
 @pytest.mark.parametrize("family", ["mixtral", pytest.param("gpt_oss", marks=pytest.mark.slow)])
@@ -461,7 +463,7 @@ def new_family_results(new_checkpoints):
 @pytest.mark.slow  # reads the 8-device subprocess run (_models_mesh_checks.py families)
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_newer_family_on_a_mesh_equals_one_device(new_family_results, family):
-    """Qwen 3, Gemma 3, Mixtral, gpt-oss, Qwen3-MoE on (data, model) = (2, 4) in float64: logits normwise
+    """Qwen 3, Gemma 3, Mixtral, gpt-oss, Qwen3-MoE, Llama 4 on (data, model) = (2, 4) in float64: logits normwise
     <= 1e-12, greedy tokens equal, one AdamW step <= 1e-12 with the layout kept; the experts laid out by
     MOE_RULES (X over "model"), and no weight all-gathered over "model" in the compiled forward."""
     result = result_of(new_family_results, family, "2x4")
@@ -475,7 +477,11 @@ def test_newer_family_on_a_mesh_equals_one_device(new_family_results, family):
     assert specs["['layers_0']['self_attn']['query']['kernel']"] == "('data', 'model')"
     if family in ("qwen3", "gemma3_text", "qwen3_moe"):
         assert specs["['layers_0']['self_attn']['q_norm']['weight']"] == "()"
-    if family in ("mixtral", "gpt_oss", "qwen3_moe"):
+    if family == "llama4_text":  # layer 0 dense (its SwiGLU under "mlp"), layer 1 the MoE with a shared expert
+        assert specs["['layers_0']['mlp']['up_proj']['kernel']"] == "('data', 'model')"
+        assert specs["['layers_1']['mlp']['experts']['gate_proj']['kernel']"] == "('model', 'data')"
+        assert specs["['layers_1']['mlp']['shared_expert']['down_proj']['kernel']"] == "('model', 'data')"
+    elif family in ("mixtral", "gpt_oss", "qwen3_moe"):
         assert specs["['layers_0']['mlp']['experts']['gate_proj']['kernel']"] == "('model', 'data')"
         assert specs["['layers_0']['mlp']['experts']['down_proj']['kernel']"] == "('model', None, 'data')"
         assert specs["['layers_0']['mlp']['router']['kernel']"] == "('data',)"

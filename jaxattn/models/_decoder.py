@@ -427,7 +427,8 @@ def layer_stack(module: nn.Module, layer: Callable, num_layers: int, final_norm:
 def self_attention(block: PreNormBlock, x, mask, positions, decode: bool, window, **options):
     """The causal self-attention "self_attn" of a Llama-shaped block (in its compact call): GQA, RoPE at the
     frequencies of config.rope(block.layer), the config's biases, the layer's `window` keyword; options: the
-    family's extras (scale, logit_softcap, qk_norm, use_sinks). Its params are what causal_lm_rows describes.
+    family's extras (scale, logit_softcap, qk_norm, use_sinks, chunk_size; rope: the family's own RoPE, or None
+    on a layer without one). Its params are what causal_lm_rows describes.
 
     A rotary attention factor a (yarn) scales HF's cos and sin, so queries and keys by a each: the logits'
     scale (H ** -0.5 or the family's) by a ** 2 here, the same product in another rounding order."""
@@ -435,21 +436,24 @@ def self_attention(block: PreNormBlock, x, mask, positions, decode: bool, window
     frequencies, factor = c.rope(block.layer)
     if factor != 1.0:
         options["scale"] = options.get("scale", d["H"] ** -0.5) * factor ** 2
+    rope = options.pop("rope", RoPE(frequencies=frequencies))  # a family's own RoPE (layout), or None: no RoPE
     attention_layer = _activation_layout.attention_class(block.sharding)
     attention = attention_layer(num_heads=d["N"], num_kv_heads=d["K"], head_dim=d["H"],
-                                use_bias=c.attention_biases(), rope=RoPE(frequencies=frequencies),
+                                use_bias=c.attention_biases(), rope=rope,
                                 window=window, dtype=block.dtype, param_dtype=block.param_dtype,
                                 precision=block.precision, implementation=c.implementation, name="self_attn",
                                 **options)
-    return attention(x, mask=mask, is_causal=True, rope_positions=positions, decode=decode)
+    return attention(x, mask=mask, is_causal=True, rope_positions=None if rope is None else positions, decode=decode)
 
 
-def gated_mlp(block: Configured, x, activation: Callable):
-    """HF's gate/up/down MLP, down(act(gate(x)) * up(x)), in `block`'s compact call (mlp_rows: its params)."""
+def gated_mlp(block: Configured, x, activation: Callable, features: int | None = None):
+    """HF's gate/up/down MLP, down(act(gate(x)) * up(x)), in `block`'s compact call (mlp_rows: its params);
+    features: its intermediate width (default: the config's F)."""
     c, d = block.config, block.config.dims()
+    F = d["F"] if features is None else features
     dense = functools.partial(nn.Dense, use_bias=c.mlp_bias, dtype=block.dtype, param_dtype=block.param_dtype,
                               precision=block.precision)
-    h = activation(dense(d["F"], name="gate_proj")(x)) * dense(d["F"], name="up_proj")(x)
+    h = activation(dense(F, name="gate_proj")(x)) * dense(F, name="up_proj")(x)
     return dense(d["E"], name="down_proj")(h)
 
 

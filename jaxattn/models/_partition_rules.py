@@ -125,7 +125,7 @@ MOE_RULES = (
 # qwen3 and gemma3_text are Llama-shaped: their q_norm/k_norm weights [H] fall to "*" (replicated).
 FAMILY_RULES = {"llama": DECODER_RULES, "qwen2": DECODER_RULES, "mistral": DECODER_RULES,
                 "gemma2": DECODER_RULES, "qwen3": DECODER_RULES, "gemma3_text": DECODER_RULES,
-                "mixtral": MOE_RULES, "qwen3_moe": MOE_RULES, "gpt_oss": MOE_RULES,
+                "mixtral": MOE_RULES, "qwen3_moe": MOE_RULES, "gpt_oss": MOE_RULES, "llama4_text": MOE_RULES,
                 "gpt2": GPT2_RULES, "t5": T5_RULES, "bert": BERT_RULES}
 
 
