@@ -30,7 +30,7 @@ def _add_bias(logits, allowed, bias, logits_shape, acc):
     checks.check_broadcastable("bias", bias, logits_shape, "[...,N,T,S]")
     logits = logits + bias
     # -inf in an additive mask (torch's float masks) means "blocked": same rule as mask=False.
-    finite = logits > -jnp.inf
+    finite = jnp.isfinite(logits) | (logits > 0)  # not -inf (no -inf literal: eager jax_debug_infs)
     return logits, (finite if allowed is None else allowed & finite)
 
 
