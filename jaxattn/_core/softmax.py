@@ -62,8 +62,10 @@ def masked_logsumexp(logits, allowed, sinks=None):
                      row_max + jnp.log(jnp.where(empty, 1, total)))
 
 
-def dropout(weights, rate: float, rng):
-    """Inverted dropout on the attention weights (the weights returned are the ones used)."""
+def dropout(weights, rate: float, rng, broadcast: bool = False):
+    """Inverted dropout on the attention weights (the weights returned are the ones used).
+
+    broadcast: one keep-mask [T,S] shared by every batch entry and head (flax's broadcast_dropout)."""
     if not 0.0 <= rate <= 1.0:
         checks.fail("dropout_rate", "a float in [0, 1]", rate)
     if rate == 0.0:
@@ -72,7 +74,8 @@ def dropout(weights, rate: float, rng):
         checks.fail("dropout_rng", "a jax.random key when dropout_rate > 0", None)
     if rate == 1.0:
         return jnp.zeros_like(weights)
-    keep = jax.random.bernoulli(rng, 1.0 - rate, weights.shape)
+    shape = (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast else weights.shape
+    keep = jax.random.bernoulli(rng, 1.0 - rate, shape)
     return jnp.where(keep, weights / (1.0 - rate), 0)
 
 

@@ -54,7 +54,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal=
                           scale=None, dropout_rate=0.0, dropout_rng=None, return_weights=False,
                           precision=None, implementation=None, block_size=None, query_segment_ids=None,
                           key_segment_ids=None, window=None, chunk_size=None, logit_softcap=None, sinks=None,
-                          query_seq_lengths=None, local_window_size=None, return_residual=False):
+                          query_seq_lengths=None, local_window_size=None, return_residual=False,
+                          broadcast_dropout=False):
     """Scaled dot-product attention, multi-head / multi-query / grouped-query.
 
     Args:
@@ -88,6 +89,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal=
     t >= length see no key (zeros); local_window_size: int or (left, right), our window; return_residual: also
     return jax.nn's residual, the lse [...,T,N] in the value dtype, without gradient (return_lse of
     flex_attention is the differentiable [...,N,T] one); implementation="xla": the XLA engines.
+    broadcast_dropout (flax's): one dropout keep-mask [T,S] shared by every batch entry and head.
 
     The blockwise path skips the key tiles that causality, lengths, window, chunks or segment ids exclude.
     Returns [...,T,N,Hv] (or (out, weights)). A query with no allowed key (or T = 0 / S = 0) gets zeros.
@@ -103,7 +105,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal=
                           dropout_rng=dropout_rng, return_weights=return_weights, precision=precision,
                           implementation=implementation, block_size=block_size,
                           query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids, window=window,
-                          chunk_size=chunk_size, logit_softcap=logit_softcap, sinks=sinks, return_lse=return_residual)
+                          chunk_size=chunk_size, logit_softcap=logit_softcap, sinks=sinks, return_lse=return_residual,
+                          **({"broadcast_dropout": True} if broadcast_dropout and dropout_rate != 0 else {}))
     return aliases.residual(outs, jnp.result_type(value)) if return_residual else outs
 
 
