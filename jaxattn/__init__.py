@@ -17,6 +17,7 @@ and works under jax.jit, jax.vmap and jax.grad; bad input raises ValueError at t
 
 from ._engines.dispatch import dot_product_attention as dot_product_attention
 from ._engines.dispatch import flex_attention as flex_attention
+from ._engines.dispatch import cross_platform_lowering as cross_platform_lowering
 from ._engines.flex import create_block_mask as create_block_mask
 from ._core.block_mask import BlockMask as BlockMask
 from ._core.mods import and_masks as and_masks
@@ -59,6 +60,7 @@ from ._schemes.xl import transformer_xl_attention as transformer_xl_attention
 
 __all__ = [
     "dot_product_attention",
+    "cross_platform_lowering",
     "flex_attention",
     "create_block_mask",
     "BlockMask",

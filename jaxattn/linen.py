@@ -86,6 +86,7 @@ class MultiHeadAttention(nn.Module):
 
     Call: flax's sow_weights=True also stores the weights [...,N,T,S] in "intermediates" as
     "attention_weights" (flax's name); inputs_kv= (flax's deprecated spelling of key = value) is accepted.
+      implementation / interpret: as jaxattn.dot_product_attention (None: per platform at lowering time).
     """
 
     num_heads: int
@@ -118,6 +119,8 @@ class MultiHeadAttention(nn.Module):
     normalize_qk: bool = False
     broadcast_dropout: bool = False
     out_bias_init: Optional[Initializer] = None
+    implementation: Optional[str] = None
+    interpret: bool = False
 
     def _relative(self) -> Optional[dict]:
         return None
@@ -193,6 +196,7 @@ class MultiHeadAttention(nn.Module):
                        dropout_rate=rate, dropout_rng=rng, return_weights=return_weights or sow_weights,
                        query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids, window=self.window,
                        chunk_size=self.chunk_size, logit_softcap=self.logit_softcap,
+                       implementation=self.implementation, interpret=self.interpret,
                        **common.dropout_options(self.broadcast_dropout))
         cache = None
         if self.decode if decode is None else decode:

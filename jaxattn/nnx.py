@@ -83,6 +83,7 @@ class MultiHeadAttention(nnx.Module):
                  window: Optional[tuple] = None, chunk_size: Optional[int] = None,
                  logit_softcap: Optional[float] = None, use_sinks: bool = False,
                  sinks_init: Initializer = common.default_bias_init, rope: Optional[RoPE] = None, rngs: nnx.Rngs,
+                 implementation: Optional[str] = None, interpret: bool = False,
                  normalize_qk: bool = False, broadcast_dropout: bool = False,
                  out_bias_init: Optional[Initializer] = None, keep_rngs: bool = True,
                  _relative: Optional[dict] = None):
@@ -103,6 +104,7 @@ class MultiHeadAttention(nnx.Module):
         self.groups = tuple(specs)
         self.sinks = nnx.data(None) if sinks is None else nnx.Param(sinks[1](rngs.params(), sinks[0], param_dtype))
         self.window, self.chunk_size, self.logit_softcap = window, chunk_size, logit_softcap
+        self.implementation, self.interpret = implementation, interpret  # as dot_product_attention's
         self.relative_attention = _relative is not None
         self.add_zero_attn, self.dropout_rate, self.deterministic = add_zero_attn, dropout_rate, deterministic
         self.scale, self.dtype, self.param_dtype, self.precision = scale, dtype, param_dtype, precision
@@ -176,8 +178,9 @@ class MultiHeadAttention(nnx.Module):
             **common.dropout_options(self.broadcast_dropout),
             key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
             key_positions=key_positions, scale=self.scale, dropout_rate=rate, dropout_rng=rng,
-            return_weights=return_weights or sow_weights, query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-            window=self.window, chunk_size=self.chunk_size, logit_softcap=self.logit_softcap)
+            return_weights=return_weights or sow_weights, query_segment_ids=query_segment_ids,
+            key_segment_ids=key_segment_ids, window=self.window, chunk_size=self.chunk_size,
+            logit_softcap=self.logit_softcap, implementation=self.implementation, interpret=self.interpret)
         if new_cache is not None:
             self.cached_key[...], self.cached_value[...], self.cache_index[...] = new_cache
         if sow_weights:

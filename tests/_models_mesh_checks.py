@@ -125,7 +125,7 @@ def cache_layout(model, params, ids):
     over model)}, the cache as the sharded model makes it for generate."""
     from jax.sharding import NamedSharding
 
-    from jaxattn.models import _decoder, _sharding
+    from jaxattn.models import _activation_layout, _decoder
 
     B = ids.shape[0]
     if getattr(model, "is_encoder_decoder", False):
@@ -138,7 +138,8 @@ def cache_layout(model, params, ids):
     for path, x in jax.tree_util.tree_leaves_with_path(cache):
         keys = [getattr(k, "key", k) for k in path]
         if {"layers_0", "block_0", "h_0"} & set(keys):
-            want = NamedSharding(model.sharding.mesh, model.sharding.spec(_sharding.CACHE_LAYOUTS[keys[-1]], x.shape))
+            spec = model.sharding.spec(_activation_layout.CACHE_LAYOUTS[keys[-1]], x.shape)
+            want = NamedSharding(model.sharding.mesh, spec)
             layout[keys[-1]] = {"spec": spec_str(x), "as_expected": x.sharding.is_equivalent_to(want, x.ndim)}
     return layout
 

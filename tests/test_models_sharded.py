@@ -131,21 +131,21 @@ def test_safetensors_entries_refuses_a_damaged_file(tmp_path):
     (("every", 0, 2, 2), (4, 6, 16), (4, 6, 8), (2,)), (("every", 1, 2, 1), (6, 16), (6, 8), (1,)),
 ])
 def test_a_box_of_a_leaf_reads_its_region_of_the_tensor(tmp_path, transform, hf_shape, shape, tails):
-    """_sharding.region against the dense table transform (_table.fill), on every box of a grid of cuts."""
-    from jaxattn.models import _sharding, _table
+    """_lazy_checkpoint.region against the dense table transform (_table.fill), on every box of a grid of cuts."""
+    from jaxattn.models import _lazy_checkpoint, _table
 
     safetensors = pytest.importorskip("safetensors.numpy")
     x = np.arange(np.prod(hf_shape), dtype=np.float64).reshape(hf_shape)
     path = tmp_path / "t.safetensors"
     safetensors.save_file({"t": x}, str(path))
-    tensor = _sharding.LazyTensor(path, io.safetensors_entries(path)["t"])
+    tensor = _lazy_checkpoint.LazyTensor(path, io.safetensors_entries(path)["t"])
     row = _table.Row("t", tuple(map(str, hf_shape)), (("w", tuple(map(str, shape)), transform),))
     leaf = _table.fill({"t": x}, [row], {}, {"t": "t.safetensors"})["w"]
     cuts = [[(0, d), (0, d // 2), (d // 2, d), (1, d - 1)] for d in shape]
     for choice in np.ndindex(*[len(c) for c in cuts]):
         box = tuple(cuts[a][k] for a, k in enumerate(choice))
         io.bytes_read.clear()
-        got = _sharding.region(tensor, transform, shape, box)
+        got = _lazy_checkpoint.region(tensor, transform, shape, box)
         want = leaf[tuple(slice(a, b) for a, b in box)]
         assert got.dtype == want.dtype and np.array_equal(got, want), box
         exact = all(box[a] == (0, shape[a]) for a in tails)
@@ -159,7 +159,7 @@ def test_a_box_of_a_leaf_reads_its_region_of_the_tensor(tmp_path, transform, hf_
 def test_a_stacked_row_reads_only_the_experts_of_its_shard(tmp_path):
     """A stacked row (one HF tensor per expert): a box over experts [1, 3) reads only experts 1 and 2, each
     for its own box, and equals the dense table's leaf there."""
-    from jaxattn.models import _sharding, _table
+    from jaxattn.models import _lazy_checkpoint, _table
 
     safetensors = pytest.importorskip("safetensors.numpy")
     rng = np.random.default_rng(0)
@@ -170,10 +170,10 @@ def test_a_stacked_row_reads_only_the_experts_of_its_shard(tmp_path):
     row = _table.stacked("e.{j}.w", ("F", "E"), "w", ("X", "E", "F"), "transpose", over="X")
     dims = {"X": 4, "E": 8, "F": 6}
     leaf = _table.fill(tensors, [row], dims, {n: "t.safetensors" for n in tensors})["w"]
-    xs = [_sharding.LazyTensor(path, entries[f"e.{j}.w"]) for j in range(4)]
+    xs = [_lazy_checkpoint.LazyTensor(path, entries[f"e.{j}.w"]) for j in range(4)]
     box = ((1, 3), (4, 8), (0, 6))
     io.bytes_read.clear()
-    got = _sharding.stacked_region(xs, "transpose", (4, 8, 6), box)
+    got = _lazy_checkpoint.stacked_region(xs, "transpose", (4, 8, 6), box)
     assert np.array_equal(got, leaf[1:3, 4:8])
     assert {name: n for (_, name), n in io.bytes_read.items()} == {"e.1.w": 6 * 4 * 8, "e.2.w": 6 * 4 * 8}
 
@@ -194,9 +194,9 @@ def test_rules_tables_name_every_family():
 def test_moe_rules_split_experts_before_the_llama_rows(model_type):
     """The expert rows come first (Llama's "*/gate_proj/kernel" would match a 3-D expert kernel): experts by
     X over "model", FSDP over E; the router FSDP over E; the dense rows as Llama's."""
-    from jaxattn.models import _sharding
+    from jaxattn.models import _partition_rules
 
-    rules = _sharding.Rules.of(model_type, one_device_mesh("data", "model"))
+    rules = _partition_rules.Rules.of(model_type, one_device_mesh("data", "model"))
     E, X, F = 8, 4, 6
     assert rules.spec("layers_1/mlp/experts/gate_proj/kernel", (X, E, F)) == P("model", "data", None)
     assert rules.spec("layers_1/mlp/experts/up_proj/kernel", (X, E, F)) == P("model", "data", None)
@@ -235,14 +235,14 @@ def test_one_device_mesh_loads_moe_params_the_same(new_checkpoints, family):
 
 
 def test_rules_first_match_wins_and_user_rows_come_first():
-    from jaxattn.models import _sharding
+    from jaxattn.models import _partition_rules
 
     mesh = one_device_mesh("data", "model")
-    rules = _sharding.Rules.of("llama", mesh, {"*/self_attn/*/kernel": P("data")})
+    rules = _partition_rules.Rules.of("llama", mesh, {"*/self_attn/*/kernel": P("data")})
     assert rules.spec("layers_3/self_attn/query/kernel", (8, 4, 2)) == P("data")
     assert rules.spec("layers_3/up_proj/kernel", (8, 6)) == P("data", "model")
     assert rules.spec("norm/weight", (8,)) == P()
-    only_data = _sharding.Rules.of("llama", one_device_mesh("data"))  # "model" dropped from the defaults
+    only_data = _partition_rules.Rules.of("llama", one_device_mesh("data"))  # "model" dropped from the defaults
     assert only_data.spec("layers_0/self_attn/query/kernel", (8, 4, 2)) == P("data", None, None)
 
 
@@ -252,23 +252,23 @@ def test_rules_first_match_wins_and_user_rows_come_first():
     ([("*", "data")], r"rules\[0\]: expected a \(pattern str, PartitionSpec\) pair"),
 ])
 def test_rules_that_name_no_axis_of_the_mesh_are_refused(rules, match):
-    from jaxattn.models import _sharding
+    from jaxattn.models import _partition_rules
 
     with pytest.raises(ValueError, match=match):
-        _sharding.Rules.of("llama", one_device_mesh("data", "model"), rules)
+        _partition_rules.Rules.of("llama", one_device_mesh("data", "model"), rules)
 
 
 def test_a_spec_is_checked_against_its_leaf():
-    from jaxattn.models import _sharding
+    from jaxattn.models import _partition_rules
 
     mesh = one_device_mesh("data", "model")
     with pytest.raises(ValueError, match=r"^q \(spec P\(None, None, None, 'data'\), shape \[8,4,2\]\): expected "
                                          r"at most 3 entries"):
-        _sharding.check_spec("q", P(None, None, None, "data"), (8, 4, 2), mesh)
+        _partition_rules.check_spec("q", P(None, None, None, "data"), (8, 4, 2), mesh)
     with pytest.raises(ValueError, match=r"expected each mesh axis at most once, got axes \['data', 'data'\]"):
-        _sharding.check_spec("q", P("data", "data"), (8, 4, 2), mesh)
+        _partition_rules.check_spec("q", P("data", "data"), (8, 4, 2), mesh)
     with pytest.raises(ValueError, match=r"expected axes of the mesh \['data', 'model'\], got axis 'seq'"):
-        _sharding.check_spec("q", P("seq"), (8, 4, 2), mesh)
+        _partition_rules.check_spec("q", P("seq"), (8, 4, 2), mesh)
 
 
 def test_a_rule_that_does_not_divide_a_dimension_is_refused():
@@ -277,16 +277,16 @@ def test_a_rule_that_does_not_divide_a_dimension_is_refused():
     dropped fit a width of 6."""
     from jax.sharding import AbstractMesh
 
-    from jaxattn.models import _sharding
+    from jaxattn.models import _partition_rules
 
     mesh = AbstractMesh((2, 4), ("data", "model"))
     with pytest.raises(ValueError, match=r"^layers_0/up_proj/kernel \(spec P\('data', 'model'\), shape \[64,6\]\): "
                                          r"expected dim 1 \(6\) divisible by 4 \(mesh axes \['model'\]\), got 6 % 4 = 2$"):
-        _sharding.check_spec("layers_0/up_proj/kernel", P("data", "model"), (64, 6), mesh)
+        _partition_rules.check_spec("layers_0/up_proj/kernel", P("data", "model"), (64, 6), mesh)
     with pytest.raises(ValueError, match=r"^q \(spec P\(\('data', 'model'\),\), shape \[12\]\): expected dim 0 "
                                          r"\(12\) divisible by 8 \(mesh axes \['data', 'model'\]\)"):
-        _sharding.check_spec("q", P(("data", "model")), (12,), mesh)
-    _sharding.check_spec("layers_0/up_proj/kernel", P("data", None), (64, 6), mesh)
+        _partition_rules.check_spec("q", P(("data", "model")), (12,), mesh)
+    _partition_rules.check_spec("layers_0/up_proj/kernel", P("data", None), (64, 6), mesh)
 
 
 def test_one_device_mesh_loads_the_same_params(checkpoints):
@@ -313,13 +313,14 @@ def test_sequence_parallel_applies_the_qk_norms(tmp_path):
     """Qwen 3 without windows on a one-device (data, seq, model) mesh: its attention runs on the ring
     (SequenceParallelAttention), q_norm/k_norm included, and equals the unsharded model."""
     from crosscheck import _hf_models as hf
-    from jaxattn.models import _sharding
+    from jaxattn.linen import MultiHeadAttention
+    from jaxattn.models import _activation_layout
 
     directory = hf.write_checkpoint("qwen3", tmp_path / "qwen3", vocab_size=128, use_sliding_window=False,
                                     **DEMO["qwen3"])
     model, params = from_pretrained(directory, dtype="float64")
     smodel, sparams = from_pretrained(directory, dtype="float64", mesh=one_device_mesh("data", "seq", "model"))
-    assert _sharding.attention_class(smodel.sharding) is not _sharding.MultiHeadAttention
+    assert _activation_layout.attention_class(smodel.sharding) is not MultiHeadAttention
     ids, mask = np.array([[5, 6, 7, 8, 9, 10], [9, 10, 11, 12, 0, 0]]), np.array([[1] * 6, [1] * 4 + [0] * 2])
     got = jax.jit(smodel.apply)({"params": sparams}, ids, attention_mask=mask)
     want = model.apply({"params": params}, ids, attention_mask=mask)

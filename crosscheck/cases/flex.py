@@ -11,7 +11,7 @@
 * ``flex_<pattern>_blockwise``: flex_attention on the blockwise engine (small tiles, mask_mod per tile, the
   custom VJP), forward and gradients against torchref.flex_attention.
 * ``hf_modern_<family>``: every eager attention call of a tiny random Gemma 2 / Mistral / gpt-oss / Llama 4 /
-  Qwen2 model (a prefill, then tokens on the cache), recorded with crosscheck._hf_modern, against
+  Qwen2 model (a prefill, then tokens on the cache), recorded with crosscheck._hf_attention, against
   dot_product_attention with the mapped keywords; gradients through HF's own eager function.
 
 Patterns with ``_cache`` have T < S: a cache precedes the queries, positions are bottom-right.
@@ -145,11 +145,11 @@ for _name, _case in FLEX_CASES.items():
 # Hugging Face attention of today's models
 
 
-def _hf_modern(family: str) -> Setup:
+def _hf_family(family: str) -> Setup:
     """Every recorded attention call of the family: outputs and gradients, one entry per call."""
     import torch
 
-    from crosscheck._hf_modern import record_attention
+    from crosscheck._hf_attention import record_attention
 
     calls = record_attention(family, dtype=torch.float64)
     # each module's float64 parameters (gpt-oss sinks...), restored before every run: a float32 run casts
@@ -194,4 +194,4 @@ def _hf_modern(family: str) -> Setup:
 for _family in ("gemma2", "mistral", "gpt_oss", "llama4", "qwen2", "qwen2_sliding"):
     register_case(f"hf_modern_{_family}", requires=_HF, quick=FLOAT32_JIT,
                   description=f"HF {_family} eager attention (prefill + cache steps) vs dot_product_attention "
-                              "with the mapped keywords, outputs and gradients")(lambda f=_family: _hf_modern(f))
+                              "with the mapped keywords, outputs and gradients")(lambda f=_family: _hf_family(f))

@@ -224,3 +224,18 @@ def on_grid(fn: Callable, consts, b, n, t, s, score=None):
     f = jax.vmap(f, in_axes=lead + (None, 0, None, None))  # N
     f = jax.vmap(f, in_axes=lead + (0, None, 0 if t.ndim == 2 else None, 0 if s.ndim == 2 else None))  # B
     return f(*((score,) if has_score else ()), b, n, t, s)
+
+
+def on_tile(fn: Callable, consts, b, n, t, s, score=None):
+    """fn over one (batch, head) tile [Tb,Sb] inside a kernel: b, n int32 scalars (a kernel's program ids),
+    t [Tb], s [Sb] int32 absolute positions, score [Tb,Sb] (score_mod) or None (mask_mod). The same
+    elementwise calls as on_grid, with no batch or head axis (a Triton tile is two-dimensional)."""
+
+    def call(*a):
+        return fn(*a, *consts)
+
+    if score is None:
+        f = jax.vmap(jax.vmap(lambda ti, si: call(b, n, ti, si), in_axes=(None, 0)), in_axes=(0, None))
+        return f(t, s)
+    f = jax.vmap(jax.vmap(lambda x, ti, si: call(x, b, n, ti, si), in_axes=(0, None, 0)), in_axes=(0, 0, None))
+    return f(score, t, s)

@@ -24,14 +24,14 @@ from . import mixtral as _mixtral_family  # noqa: F401
 from . import qwen3 as _qwen3_family  # noqa: F401
 from . import qwen3_moe as _qwen3_moe_family  # noqa: F401
 from . import t5 as _t5_family  # noqa: F401
+from ._activation_layout import ModelSharding as ModelSharding
 from ._decoder import rope_frequencies as rope_frequencies
 from ._generate import generate as generate
+from ._partition_rules import partition_rules as partition_rules
 from ._pretrained import from_pretrained as from_pretrained
 from ._pretrained import from_state_dict as from_state_dict
 from ._pretrained import supported_model_types as supported_model_types
 from ._save import to_pretrained as to_pretrained
-from ._sharding import ModelSharding as ModelSharding
-from ._sharding import partition_rules as partition_rules
 from .bert import BertConfig as BertConfig
 from .bert import BertModel as BertModel
 from .bert import mean_pooling as mean_pooling
