@@ -71,7 +71,7 @@ def test_mha_out_initializers():
     np.testing.assert_array_equal(params["out"]["bias"], 1.0)
 
 
-@pytest.mark.parametrize("broadcast_dropout", [True, False])
+@pytest.mark.parametrize("broadcast_dropout", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_dropout_matches_flax(broadcast_dropout):
     """test_multihead_self_attention_w_dropout / _explicit_dropout: the "dropout" stream or an explicit
     dropout_rng; flax and we draw the same keep-mask from the same key."""

@@ -45,15 +45,17 @@ def test_basic():
     _close(y, theirs(x, decode=False), 1e-6)
 
 
-@pytest.mark.parametrize("use_bias, normalize_qk, dtype, decode", [
-    (True, False, jnp.float32, False), (False, True, jnp.float32, True), (True, True, jnp.bfloat16, False),
-    pytest.param(True, True, jnp.float16, True, marks=pytest.mark.slow),
-    pytest.param(False, False, jnp.bfloat16, True, marks=pytest.mark.slow)])
-def test_flax_equivalence(use_bias, normalize_qk, dtype, decode):
+@pytest.mark.parametrize("use_bias, normalize_qk, dtype, decode, num_kv_heads", [
+    (True, False, jnp.float32, False, None), (False, True, jnp.float32, True, 1),
+    pytest.param(True, True, jnp.bfloat16, False, 1, marks=pytest.mark.slow),
+    pytest.param(True, True, jnp.float16, True, None, marks=pytest.mark.slow),
+    pytest.param(False, False, jnp.bfloat16, True, None, marks=pytest.mark.slow)])
+def test_flax_equivalence(use_bias, normalize_qk, dtype, decode, num_kv_heads):
     """test_nnx_attention_equivalence: flax's constructor options, the same numbers (decode: token by
-    token through both caches)."""
+    token through both caches); num_kv_heads=1: multi-query, flax's GQA path."""
     kw = dict(num_heads=N, in_features=E, qkv_features=18, out_features=7, use_bias=use_bias, dtype=dtype,
-              normalize_qk=normalize_qk, decode=decode, precision=jax.lax.Precision.HIGHEST)
+              normalize_qk=normalize_qk, decode=decode, precision=jax.lax.Precision.HIGHEST,
+              num_kv_heads=num_kv_heads)
     theirs, ours = _pair(**kw)
     assert jax.tree.structure(nnx.state(ours, nnx.Param)) == jax.tree.structure(nnx.state(theirs, nnx.Param))
     x = arrays(1, (B, T, E))[0].astype(jnp.float32)
@@ -81,6 +83,7 @@ def test_sow_attention_weights():
     assert not sown
 
 
+@pytest.mark.slow  # the linen twin runs in the default group
 def test_autoregressive_decode_with_x64():
     layer = jaxattn.nnx.MultiHeadAttention(in_features=4, num_heads=2, qkv_features=4, decode=True,
                                            rngs=nnx.Rngs(0))
@@ -140,6 +143,7 @@ def test_varying_num_features():
     _close(ours(x, y), theirs(x, y), 1e-6)
 
 
+@pytest.mark.slow  # GQA against flax runs in the default group through test_flax_equivalence
 def test_gqa_multihead_attention():
     """TestGQADotProductAttention.test_gqa_multihead_attention at small sizes: kernel shapes, output equal to
     flax's, the decode cache [B,L,K,H] and its index."""

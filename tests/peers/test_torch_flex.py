@@ -145,7 +145,7 @@ def _mod(name, xp):
 
 # the slow group runs the rest of upstream's list (time budget of the default group)
 SLOW = {"times_two", "squared", "inverse_causal", "skip_odd_keys", "composition", "seq_masking", "bias_seq_only",
-        "bias_seq_batch", "rel_bias_table", "index_multiple", "causal_bidirectional", "silu"}
+        "bias_seq_batch", "rel_bias_table", "index_multiple", "causal_bidirectional", "silu", "trig"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in SCORE_MODS])
@@ -200,7 +200,10 @@ def _mask(name, xp):
     return MASK_MODS[name](xp, c)
 
 
-@pytest.mark.parametrize("name", list(MASK_MODS))
+SLOW_MASKS = {"per_head", "per_batch_prefix", "prefix_lm"}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_MASKS else n for n in MASK_MODS])
 def test_block_masks(name):
     """create_block_mask in torch's spelling: the same tiles (to_dense), sparsity and shape as torch's, and
     flex_attention(block_mask=...) equal to torch's, forward and lse; gradients vs torch float64 math."""
@@ -225,17 +228,22 @@ def test_block_masks(name):
             assert normwise(g, _from_torch(tg)) <= TOL
 
 
-def test_mask_combiners_and_noop_mask():
-    """and_masks / or_masks / noop_mask mean what torch's do, through a BlockMask and through mask_mod=."""
+@pytest.mark.parametrize("combine", ["and_masks", pytest.param("or_masks", marks=pytest.mark.slow)])
+def test_mask_combiners(combine):
+    """and_masks / or_masks mean what torch's do, through a BlockMask and through mask_mod=."""
     q, k, v = _qkv()
-    for combine in ("and_masks", "or_masks"):
-        theirs = getattr(tflex, combine)(_mask("sliding_window", torch), _mask("document", torch))
-        ours = getattr(jaxattn, combine)(_mask("sliding_window", jnp), _mask("document", jnp))
-        want, _ = torch_flex(q, k, v, block_mask=tflex.create_block_mask(theirs, None, None, T, S, device="cpu",
-                                                                          BLOCK_SIZE=8))
-        assert normwise(jaxattn.flex_attention(q, k, v, mask_mod=ours), want) <= TOL
-        bm = jaxattn.create_block_mask(ours, None, None, T, S, BLOCK_SIZE=8)
-        assert normwise(jaxattn.flex_attention(q, k, v, block_mask=bm), want) <= TOL
+    theirs = getattr(tflex, combine)(_mask("sliding_window", torch), _mask("document", torch))
+    ours = getattr(jaxattn, combine)(_mask("sliding_window", jnp), _mask("document", jnp))
+    want, _ = torch_flex(q, k, v, block_mask=tflex.create_block_mask(theirs, None, None, T, S, device="cpu",
+                                                                      BLOCK_SIZE=8))
+    assert normwise(jaxattn.flex_attention(q, k, v, mask_mod=ours), want) <= TOL
+    bm = jaxattn.create_block_mask(ours, None, None, T, S, BLOCK_SIZE=8)
+    assert normwise(jaxattn.flex_attention(q, k, v, block_mask=bm), want) <= TOL
+
+
+def test_noop_mask():
+    """noop_mask: every tile full, the plain attention, as torch's."""
+    q, k, v = _qkv()
     want, _ = torch_flex(q, k, v, block_mask=tflex.create_block_mask(tflex.noop_mask, B, N, T, S, device="cpu"))
     bm = jaxattn.create_block_mask(jaxattn.noop_mask, B, N, T, S)
     assert normwise(jaxattn.flex_attention(q, k, v, block_mask=bm), want) <= TOL
