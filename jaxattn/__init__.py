@@ -23,6 +23,7 @@ from ._engines.flex import create_block_mask as create_block_mask
 from ._core.block_mask import BlockMask as BlockMask
 from ._core.mods import and_masks as and_masks
 from ._core.mods import or_masks as or_masks
+from ._core.mods import noop_mask as noop_mask
 from ._schemes.shaw import relative_attention as relative_attention
 from ._layers.multihead import init_multi_head_attention as init_multi_head_attention
 from ._layers.multihead import init_relative_multi_head_attention as init_relative_multi_head_attention
@@ -66,6 +67,7 @@ __all__ = [
     "BlockMask",
     "and_masks",
     "or_masks",
+    "noop_mask",
     "relative_attention",
     "relative_position_index",
     "shaw_relative_attention",

@@ -191,6 +191,11 @@ def _combined(name: str, combine, start: bool, mask_mods) -> Callable:
     return mask_mod
 
 
+def noop_mask(b, n, t, s):
+    """torch's noop_mask: every (query, key) pair may attend (a BlockMask of it has only full tiles)."""
+    return jnp.ones_like(t, dtype=bool)
+
+
 def and_masks(*mask_mods: Callable) -> Callable:
     """mask_mod(b, n, t, s) allowing a pair iff every one of mask_mods does (torch's and_masks)."""
     return _combined("and_masks", jnp.logical_and, True, mask_mods)

@@ -26,10 +26,11 @@ import contextvars
 import importlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._core import checks
+from .._core import aliases, checks
 from .blockwise import blockwise_attention, grid_options_in_use
 from .tiles import check_block_mask_tiles
 from .dense import attention_core
@@ -174,12 +175,13 @@ def use_blockwise(implementation, query, key, **options) -> bool:
     return np.shape(query)[-3] * np.shape(key)[-3] >= AUTO_BLOCKWISE_ELEMENTS
 
 
-def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=False,
+def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal=False,
                           key_value_seq_lengths=None, query_positions=None, key_positions=None,
                           scale=None, dropout_rate=0.0, dropout_rng=None, return_weights=False,
                           precision=None, implementation=None, block_size=None, query_segment_ids=None,
                           key_segment_ids=None, window=None, chunk_size=None, logit_softcap=None, sinks=None,
-                          interpret=False):
+                          interpret=False, query_seq_lengths=None, local_window_size=None, return_residual=False,
+                          broadcast_dropout=False):
     """Scaled dot-product attention, multi-head / multi-query / grouped-query.
 
     Args:
@@ -213,16 +215,34 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
       sinks: float [N] or [...,N]: one logit per query head in the softmax denominator with no value
         (gpt-oss); it receives gradients; a row with no allowed key still gives zeros.
 
+    jax.nn.dot_product_attention's spellings mean what they mean there (jaxattn._core.aliases,
+    docs/coming_from.md): bias and mask may be passed positionally; query_seq_lengths: int [...], queries
+    t >= length see no key (zeros); local_window_size: int or (left, right), our window; return_residual: also
+    return jax.nn's residual, the lse [...,T,N] in the value dtype, without gradient (return_lse of
+    flex_attention is the differentiable [...,N,T] one); implementation="xla": the XLA engines.
+    broadcast_dropout (flax's): one dropout keep-mask [T,S] shared by every batch entry and head.
+
     The blockwise path skips the key tiles that causality, lengths, window, chunks or segment ids exclude.
     Returns [...,T,N,Hv] (or (out, weights)). A query with no allowed key (or T = 0 / S = 0) gets zeros.
     """
-    return flex_attention(query, key, value, bias=bias, mask=mask, is_causal=is_causal,
+    if implementation == "xla":  # jax.nn's name for its XLA path: the XLA engines' own choice, never a kernel
+        grid = dict(bias=bias, mask=mask, return_weights=return_weights, dropout_rate=dropout_rate,
+                    dropout_rng=dropout_rng)
+        implementation = "blockwise" if use_blockwise(None, query, key, **grid) else "dense"
+    window = aliases.window_from_local(local_window_size, window)
+    query_segment_ids, key_segment_ids = aliases.query_length_segments(
+        query_seq_lengths, query_segment_ids, key_segment_ids, np.shape(query), np.shape(key))
+    if not isinstance(return_residual, bool):
+        checks.fail("return_residual", "True or False", repr(return_residual))
+    outs = flex_attention(query, key, value, bias=bias, mask=mask, is_causal=is_causal,
                           key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
                           key_positions=key_positions, scale=scale, dropout_rate=dropout_rate,
                           dropout_rng=dropout_rng, return_weights=return_weights, precision=precision,
                           implementation=implementation, interpret=interpret, block_size=block_size,
                           query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids, window=window,
-                          chunk_size=chunk_size, logit_softcap=logit_softcap, sinks=sinks)
+                          chunk_size=chunk_size, logit_softcap=logit_softcap, sinks=sinks, return_lse=return_residual,
+                          **({"broadcast_dropout": True} if broadcast_dropout and dropout_rate != 0 else {}))
+    return aliases.residual(outs, jnp.result_type(value)) if return_residual else outs
 
 
 # torch's flex_attention arguments with no JAX meaning: refused by name (never silently dropped).

@@ -47,7 +47,7 @@ from .._core.dtypes import accumulation_dtype
 from .._core.masks import (CLEAN, MASKED, WITH_MOD, MaskRule, allowed_pairs, check_lengths, key_block_kinds,
                            masks_anything)
 from .._core.positions import positions
-from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial
+from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial, has_keys, public_lse
 from .._engines.blockwise import blockwise_attention, grid_options_in_use
 from .._engines.tiles import check_block_mask_tiles
 
@@ -256,7 +256,7 @@ def _forward_kernel(cfg: Config, r):
 
 def _row_grads(cfg, x, lse, allowed, do, v, delta):
     """(p, ds) of one tile: p recomputed from the saved lse, ds = d loss / d x = p (dO v^T - delta)."""
-    p = jnp.exp(x - jnp.where(jnp.isfinite(lse), lse, 0)[:, None])  # a row with no allowed key: p masked to 0
+    p = jnp.exp(x - jnp.where(has_keys(lse), lse, 0)[:, None])  # a row with no allowed key: p masked to 0
     if allowed is not None:
         p = jnp.where(allowed, p, 0)
     return p, p * (_dot(do, v, cfg, (1, 1)) - delta[:, None])
@@ -657,5 +657,5 @@ def attention(query, key, value, *, interpret=False, **options):
     out, lse = _flash(cfg, q, k, v, side)
     out = out[:, :T, :, :Hv].reshape(*batch, T, N, Hv)
     if o.get("return_lse", False):
-        return out, lse[..., :T].reshape(*batch, N, T)
+        return out, public_lse(lse[..., :T].reshape(*batch, N, T))  # -inf for a row with no key
     return out
