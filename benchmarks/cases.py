@@ -387,7 +387,8 @@ def sweep_case(quick):
         flops = 4.0 * B * N * S * S * H
         spec = {"B": B, "T": S, "S": S, "N": N, "H": H}
         entries = [("jaxattn blockwise", lambda: jax_candidate(
-            f"jaxattn blockwise S={S}", lambda q, k, v: jaxattn.dot_product_attention(q, k, v, implementation="blockwise"),
+            f"jaxattn blockwise S={S}",
+            lambda q, k, v: jaxattn.dot_product_attention(q, k, v, implementation="blockwise"),
             q, k, v, flops=flops))]
         sdpa = _torch_sdpa(tq, tk, tv)  # bound now: a lambda here would see the last S's tensors
         entries.append(("torch SDPA", lambda: torch_candidate(

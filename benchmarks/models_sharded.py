@@ -1,7 +1,8 @@
 """A ported model on 8 devices against one: forward tokens/s, load time, memory per device.
 
-    python -m benchmarks.models_sharded [--dir DIR] [--batch 8] [--length 128] [--rounds 7]
+    python -m benchmarks.models_sharded [--dir DIR] [--batch 8] [--length 128] [--rounds 7] [--only load]
                                         [--out benchmarks/results/models_sharded.json]
+    (--only load: the load part alone, into benchmarks/results/models_sharded_load.json)
 
 Runs on 8 host CPU devices (forced below, before JAX starts). DIR: a save_pretrained directory; default: a
 random Llama written with transformers (8 layers, hidden 512, MLP 1024, 8 heads of 64, vocabulary 4096,
@@ -112,17 +113,23 @@ def main():
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--out", default="benchmarks/results/models_sharded.json")
+    parser.add_argument("--out", default=None, help="default benchmarks/results/models_sharded[_ONLY].json")
+    parser.add_argument("--only", choices=("forward", "load"), default=None, help="measure one part only")
     args = parser.parse_args()
+    out = args.out or f"benchmarks/results/models_sharded{'_' + args.only if args.only else ''}.json"
     directory = checkpoint(args.dir)
     checkpoint_bytes = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)
                            if f.endswith(".safetensors"))
     started = time.time()
-    forward, rows, tokens = forward_candidates(directory, args.batch, args.length)
-    time_rounds(forward, args.rounds)
-    loads, read = load_candidates(directory)
-    time_rounds(loads, args.rounds)
-    base, whole = forward[0].median_s, loads[0].median_s
+    forward, rows, tokens, loads, read = [], {}, 0, [], {}
+    if args.only != "load":
+        forward, rows, tokens = forward_candidates(directory, args.batch, args.length)
+        time_rounds(forward, args.rounds)
+    if args.only != "forward":
+        loads, read = load_candidates(directory)
+        time_rounds(loads, args.rounds)
+    base = forward[0].median_s if forward else None
+    whole = loads[0].median_s if loads else None
     result = {"command": "python -m benchmarks.models_sharded", "jax": jax.__version__,
               "checkpoint_bytes": checkpoint_bytes, "batch": args.batch, "length": args.length,
               "rounds": args.rounds, "cores": os.cpu_count(), "load_average": load_average(),
@@ -133,7 +140,7 @@ def main():
                                 "bytes_read": read[c.name], "times_s": c.times} for c in loads},
               "seconds": round(time.time() - started, 1)}
     report(result)
-    with open(args.out, "w") as f:
+    with open(out, "w") as f:
         json.dump(result, f, indent=1)
 
 
@@ -148,12 +155,14 @@ def report(result):
     for name, r in result["forward"].items():
         table.add_row(name, f"{r['median_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}", f"{r['vs_one_device']:.2f}",
                       f"{r['param_bytes_device0'] / MiB:.1f}", f"{r['temp_bytes'] / MiB:.1f}")
-    console.print(table)
+    if result["forward"]:
+        console.print(table)
     table = Table(title="load: from_pretrained, whole tensors vs each shard's byte ranges", title_justify="left")
     for col in ("candidate", "median s", "x unsharded", "MiB read"):
         table.add_column(col, justify="left" if col == "candidate" else "right")
     for name, r in result["load"].items():
-        table.add_row(name, f"{r['median_s']:.3f}", f"{r['vs_unsharded']:.2f}", "every tensor" if r["bytes_read"] is None else f"{r['bytes_read'] / MiB:.1f}")
+        read = "every tensor" if r["bytes_read"] is None else f"{r['bytes_read'] / MiB:.1f}"
+        table.add_row(name, f"{r['median_s']:.3f}", f"{r['vs_unsharded']:.2f}", read)
     console.print(table)
 
 

@@ -134,7 +134,8 @@ def main():
           f"{'causal (zigzag)' if causal else 'non-causal'}; single-device blockwise temp: "
           + ", ".join(f"{p} {m:.1f} MiB" for p, m in reference.items()))
     header = f"{'phase':17} {'D':>2} {'temp MiB/dev':>12} {'x 1-dev':>7} {'steps':>5} {'kv hops':>7} " \
-             f"{'MiB/step':>8} {'pieces':>6} {'pairs run/skip':>14} {'logits/dev':>10} {'permutes':>8} {'gathers':>7} {'tile':>9}"
+             f"{'MiB/step':>8} {'pieces':>6} {'pairs run/skip':>14} {'logits/dev':>10} {'permutes':>8} " \
+             f"{'gathers':>7} {'tile':>9}"
     print(header)
     for r in rows:
         print(f"{r['phase']:17} {r['devices']:>2} {r['temp_MiB_per_device']:>12.1f} "
@@ -142,7 +143,8 @@ def main():
               f"{r['bytes_per_step'] / MiB:>8.1f} {r['pieces_per_step']:>6} "
               f"{r['chunk_pairs_per_device']:>7}/{r['chunk_pairs_skipped_per_device']:<6} "
               f"{r['logit_fraction_per_device']:>10.4f} {r['collectives']['collective-permute']:>8} "
-              f"{r['collectives']['all-gather']:>7} {'x'.join(map(str, r['tile'])):>9}" + (f"  {r['median_s'] * 1e3:.1f} ms" if "median_s" in r else ""))
+              f"{r['collectives']['all-gather']:>7} {'x'.join(map(str, r['tile'])):>9}"
+              + (f"  {r['median_s'] * 1e3:.1f} ms" if "median_s" in r else ""))
 
     report = {"command": "python -m benchmarks.ring", "jax": jax.__version__, "backend": jax.default_backend(),
               "devices": [str(d) for d in jax.devices()], "shape": {"S": args.seq, **shape}, "causal": causal,

@@ -90,7 +90,8 @@ def print_case(console, case, rows, targets):
 
 def markdown(results):
     lines = [f"Measured {results['date']} on {results['machine']['cpu']} ({results['machine']['cores']} cores), "
-             f"jax {results['machine']['jax']}, flax {results['machine']['flax']}, torch {results['machine']['torch']}; "
+             f"jax {results['machine']['jax']}, flax {results['machine']['flax']}, "
+             f"torch {results['machine']['torch']}; "
              f"load average {results['load_average_start']} at start, {results['load_average_end']} at end; "
              f"{results['rounds']} rounds; `{results['command']}`.", ""]
     for case in results["cases"]:

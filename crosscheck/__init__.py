@@ -27,6 +27,14 @@ Whole models (transformers checkpoints against jaxattn.models, layer by layer)::
     python -m crosscheck --model DIR [--plot FILE.png] [--json FILE]
     write_random_checkpoint("gpt2", "dir")                   # tiny, seeded, every parameter random
 
+Any PyTorch model against any JAX port (outputs, layers by forward hooks, logits KL / top-k, gradients)::
+
+    cert = certify(torch_model, jax_fn, {"input_ids": ids}, dtype="float32", layers={"model.norm": "norm"})
+    cert.passed; cert.first_divergent; cert.to_json(); cert.plot("drift.png"); print(cert.table())
+    record(torch_model, {"input_ids": ids}, "golden.safetensors", layers=...)   # torch's side, once
+    certify(None, jax_fn, None, golden="golden.safetensors", layers=...)       # then without torch
+    python -m crosscheck certify --torch MODULE:FACTORY --jax MODULE:FACTORY [--record PATH | --golden PATH]
+
 Training runs (torch.optim + a torch loop against optax + one jit step, step by step; needs optax)::
 
     report = train_report(torch_model, model, params, batches, steps=100, optimizer=torch_optimizer,
@@ -49,7 +57,15 @@ from crosscheck._catalogue import (
     register_case as register_case,
     run_case as run_case,
 )
+from crosscheck._certify import (
+    LOGIT_BARS as LOGIT_BARS,
+    Bar as Bar,
+    Certificate as Certificate,
+    LogitBars as LogitBars,
+    certify as certify,
+)
 from crosscheck._compare import (
+    MODEL_TOLERANCES as MODEL_TOLERANCES,
     TOLERANCES as TOLERANCES,
     Const as Const,
     Metric as Metric,
@@ -64,6 +80,7 @@ from crosscheck._convert import (
     params_from_torch as params_from_torch,
     params_to_torch as params_to_torch,
 )
+from crosscheck._golden import record as record
 from crosscheck._hf_models import write_checkpoint as write_random_checkpoint
 from crosscheck._layers import LayerReport as LayerReport, layer_report as layer_report
 from crosscheck._io import SUPPORTED_SUFFIXES as SUPPORTED_SUFFIXES, load_state_dict as load_state_dict
@@ -77,7 +94,14 @@ from crosscheck._train import (
 )
 
 __all__ = [
+    "LOGIT_BARS",
+    "Bar",
+    "Certificate",
+    "LogitBars",
+    "certify",
+    "record",
     "CASES",
+    "MODEL_TOLERANCES",
     "TOLERANCES",
     "Const",
     "Metric",

@@ -13,11 +13,14 @@ catalogue imports every module there (the core ones first, in `_BUILTIN_MODULES`
 name). Each case runs in every dtype of `DTYPES` under every transform of `TRANSFORMS` unless it says
 otherwise. A case registered from anywhere else (a test, a user's script) joins the catalogue the same way.
 
-Rows: a case's rows are its dtypes x its transforms; `python -m crosscheck --all` runs them all. The default
-run, the quick proof, runs each case's `quick` rows: every case once, one row chosen per kind of case
-(crosscheck.cases.common; mostly jit, one compiled program) so that the run as a whole still has float32 and
-float64, jit, vmap and plain rows. A case that names none runs its float64 jit row (its first row if it has no
-such row).
+Rows: a case's rows are its dtypes x its transforms; `python -m crosscheck --all` runs them all. A case run
+once runs its `quick` rows: one row chosen per kind of case (crosscheck.cases.common; mostly jit, one compiled
+program); a case that names none runs its float64 jit row (its first row if it has no such row).
+
+The default run (`python -m crosscheck`, no --case), the quick proof, runs once each the cases registered with
+`default_run=True`: a sample chosen to show in about a minute every seed, float32 and float64, jit, vmap and
+plain rows, each reference (torch's modules, torchref, HF's attention) and one whole model. `--case '*'` runs
+every case once; `--all` every row of every case.
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ class Case:
     dtypes: tuple[str, ...] = DTYPES
     transforms: tuple[str, ...] = TRANSFORMS
     note: str = ""  # said once per run by the CLI when the case is selected (e.g. what its reference is)
-    quick: tuple[Row, ...] = ()  # the default run's rows; () means _default_quick's
+    quick: tuple[Row, ...] = ()  # the rows of a run that takes the case once; () means _default_quick's
+    default_run: bool = False  # one of the cases `python -m crosscheck` runs with no --case
 
     def setup(self) -> Setup:
         return _built(self)
@@ -104,10 +108,12 @@ UNAVAILABLE: dict[str, tuple[str, ...]] = {}
 
 def register_case(name: str, *, description: str | None = None, dtypes: Iterable[str] = DTYPES,
                   transforms: Iterable[str] = TRANSFORMS, quick: Iterable[Row] = (), note: str = "",
-                  requires: Iterable[str] = ()) -> Callable[[Callable[[], Setup]], Callable[[], Setup]]:
+                  requires: Iterable[str] = (), default_run: bool = False,
+                  ) -> Callable[[Callable[[], Setup]], Callable[[], Setup]]:
     """Decorator adding a builder to the catalogue; the description defaults to its docstring's first line.
 
-    `quick`: the (dtype, transform) rows of the default run (default: the float64 jit row). `note`: a line
+    `quick`: the (dtype, transform) rows run when the case runs once (default: the float64 jit row).
+    `default_run`: the case is in `python -m crosscheck`'s default run (the quick proof). `note`: a line
     the CLI prints once per run when the case is selected. `requires`: importable names the case needs
     beyond torch (e.g. "transformers"); when one is missing the case is listed in UNAVAILABLE instead of
     the catalogue.
@@ -121,7 +127,8 @@ def register_case(name: str, *, description: str | None = None, dtypes: Iterable
         if name in CASES:
             raise ValueError(f"register_case: a case named {name!r} is already registered")
         doc = description if description is not None else (build.__doc__ or "").strip().split("\n")[0]
-        case = Case(name, build, doc, tuple(dtypes), tuple(transforms), note, tuple(map(tuple, quick)))
+        case = Case(name, build, doc, tuple(dtypes), tuple(transforms), note, tuple(map(tuple, quick)),
+                    default_run)
         outside = [row for row in case.quick if row not in case.rows()]
         if outside:
             raise ValueError(f"register_case: quick rows {outside} of {name!r} are not among its rows {case.rows()}")

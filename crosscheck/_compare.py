@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "MODEL_TOLERANCES",
     "TOLERANCES",
     "TRANSFORMS",
     "Const",
@@ -57,6 +58,17 @@ TOLERANCES: Mapping[str, Tolerance] = MappingProxyType(
     {
         "float64": Tolerance(forward=1e-12, grad=1e-12),
         "float32": Tolerance(forward=1e-6, grad=1e-5),
+    }
+)
+
+
+# A whole model's bar (many layers, hundreds of tokens; crosscheck.certify's default, the model cases' float32
+# rows): DESIGN.md's float32 1e-6 / 1e-5 is the bar of ONE attention call, and across layers torch's own float32
+# result lies ~1e-6 (normwise) from the float64 truth, as does ours. float64 keeps the one-call bar.
+MODEL_TOLERANCES: Mapping[str, Tolerance] = MappingProxyType(
+    {
+        "float64": TOLERANCES["float64"],
+        "float32": Tolerance(forward=1e-5, grad=1e-4),
     }
 )
 

@@ -93,6 +93,20 @@ TINY = {
                        num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
                        max_position_embeddings=256, num_experts=5, num_experts_per_tok=2, use_sliding_window=True,
                        sliding_window=5, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    # layer 0: RoPE + chunked (chunks of 6 < the 11-token prompts; not 5, which leaves a right-padded prompt a
+    # chunk of padding only, where HF's first new token reads a query with nothing to attend), dense SwiGLU of
+    # G 56; layer 1: NoPE + global with the temperature biting (floor_scale 3, attn_scale 0.5; HF's 8192 would
+    # leave tau = 1 at these lengths), MoE (5 experts, F 40, top 1, shared expert); head_dim 16 !=
+    # hidden/heads 8; llama3 rope (the released models') with a short original length so that it bites
+    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",
+                    dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, intermediate_size_mlp=56,
+                         num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
+                         max_position_embeddings=256, num_local_experts=5, num_experts_per_tok=1,
+                         no_rope_layer_interval=2, interleave_moe_layer_step=2, attention_chunk_size=6,
+                         floor_scale=3, attn_scale=0.5,
+                         rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=4.0,
+                                              low_freq_factor=1.0, high_freq_factor=4.0,
+                                              original_max_position_embeddings=16))),
 }
 
 
@@ -118,7 +132,8 @@ def _quiet(transformers) -> None:
 
 # HF norms whose code takes the mean square in float32 whatever the input dtype (a float64 run included)
 _FLOAT32_NORMS = ("T5LayerNorm", "LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm",
-                  "GptOssRMSNorm", "Qwen3MoeRMSNorm", "DeepseekV3RMSNorm")  # (GptOssRMSNorm rounds after its weight: the same numbers in float64)
+                  "GptOssRMSNorm", "Qwen3MoeRMSNorm", "DeepseekV3RMSNorm")
+# (GptOssRMSNorm rounds after its weight: the same numbers in float64)
 
 
 def _rms_norm_in_input_precision(self, hidden_states):
@@ -214,6 +229,66 @@ def _eager_attention_in_input_precision(hf_module):
     return eager_attention_forward
 
 
+def _llama4_rms_norm_in_input_precision(self, x):
+    """Llama4TextRMSNorm (weight) / Llama4TextL2Norm (none): the statistics in float32 or wider."""
+    wide = x.to(torch_promote(x.dtype))
+    normed = (wide * (wide.pow(2).mean(-1, keepdim=True) + self.eps).rsqrt()).type_as(x)
+    return normed * self.weight if hasattr(self, "weight") else normed
+
+
+def _llama4_rotary_in_input_precision(self, x, position_ids):
+    """Llama4TextRotaryEmbedding: the complex rotations exp(i pos theta_k) in float64 (HF: complex64)."""
+    import torch
+
+    from jaxattn.models import rope_frequencies
+
+    config = self.config
+    inverse = torch.from_numpy(rope_frequencies(config.to_dict(), config.head_dim)).to(x.device)
+    freqs = position_ids[..., None].to(torch.float64) * inverse
+    return torch.polar(torch.ones_like(freqs), freqs) * self.attention_scaling
+
+
+def _llama4_apply_rotary_emb_in_input_precision(xq, xk, freqs_cis):
+    """Llama 4's apply_rotary_emb with the complex product in the inputs' precision (HF: xq.float())."""
+    import torch
+
+    def rotate(x):
+        pairs = torch.view_as_complex(x.to(torch_promote(x.dtype)).reshape(*x.shape[:-1], -1, 2).contiguous())
+        return torch.view_as_real(pairs * freqs_cis[:, :, None, :]).flatten(3).type_as(x)
+
+    return rotate(xq), rotate(xk)
+
+
+def _llama4_router_in_input_precision(self, hidden_states):
+    """Llama4Router.forward with the sigmoid in the input's precision (HF: in float32)."""
+    import torch
+
+    router_logits = torch.nn.functional.linear(hidden_states, self.weight)
+    top_value, top_index = torch.topk(router_logits, self.top_k, dim=1)
+    scores = torch.full_like(router_logits, float("-inf")).scatter_(1, top_index, top_value)
+    return torch.sigmoid(scores.to(torch_promote(scores.dtype))).to(scores.dtype), router_logits
+
+
+class _TorchWithWideLog1p:
+    """torch, except log1p of a float32 tensor in float64: Llama 4's NoPE temperature takes its positions as
+    positions.float(), so in a float64 run its log1p would be float32's (~1e-8 relative)."""
+
+    def __init__(self, torch):
+        self._torch = torch
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+    def log1p(self, x):
+        return self._torch.log1p(x.to(self._torch.float64))
+
+
+# Llama 4's modules whose code computes in float32 whatever the input dtype -> their input-precision forward
+_LLAMA4_PATCHES = {"Llama4TextRMSNorm": _llama4_rms_norm_in_input_precision,
+                   "Llama4TextL2Norm": _llama4_rms_norm_in_input_precision,
+                   "Llama4TextRotaryEmbedding": _llama4_rotary_in_input_precision,
+                   "Llama4Router": _llama4_router_in_input_precision}
+
 @contextlib.contextmanager
 def float64_reference(torch_model, dtype: str):
     """With dtype "float64": HF's float32-only steps run in float64 for the duration: the RMS norms'
@@ -231,6 +306,9 @@ def float64_reference(torch_model, dtype: str):
     takes in float32: in a float64 run the additive mask's float64 minimum becomes -inf there, a fully masked
     (padded) query row turns to NaN and the NaN reaches every row through the next layer's values (HF's
     float64 with padding is NaN throughout). gpt-oss's eager attention softmaxes in the input's dtype already.
+
+    Llama 4 (llama4_text): its RMS and L2 norms, its complex rotary embedding and rotation (complex64 in HF),
+    its router's sigmoid and the NoPE layers' temperature log1p, all in float32 in HF's code.
     """
     import sys
 
@@ -244,10 +322,19 @@ def float64_reference(torch_model, dtype: str):
         for name in _FLOAT32_SOFTMAX:
             hf_module = sys.modules.get(name)
             if hf_module is not None and type(torch_model).__module__ == name:
-                functions.append((hf_module, hf_module.eager_attention_forward))
+                functions.append((hf_module, "eager_attention_forward", hf_module.eager_attention_forward))
                 hf_module.eager_attention_forward = _eager_attention_in_input_precision(hf_module)
+        llama4 = sys.modules.get("transformers.models.llama4.modeling_llama4")
+        if llama4 is not None and type(torch_model).__module__ == llama4.__name__:
+            functions.append((llama4, "apply_rotary_emb", llama4.apply_rotary_emb))
+            functions.append((llama4, "torch", llama4.torch))
+            llama4.apply_rotary_emb = _llama4_apply_rotary_emb_in_input_precision
+            llama4.torch = _TorchWithWideLog1p(torch)
         for module in torch_model.modules():
-            if type(module).__name__ in _FLOAT32_NORMS:
+            if type(module).__name__ in _LLAMA4_PATCHES:
+                module.forward = types.MethodType(_LLAMA4_PATCHES[type(module).__name__], module)
+                patched.append(module)
+            elif type(module).__name__ in _FLOAT32_NORMS:
                 module.forward = types.MethodType(_rms_norm_in_input_precision, module)
                 patched.append(module)
             elif type(module).__name__ in _FLOAT32_ROTARY:
@@ -267,8 +354,8 @@ def float64_reference(torch_model, dtype: str):
     finally:
         for module in patched:
             del module.forward
-        for hf_module, original in functions:
-            hf_module.eager_attention_forward = original
+        for hf_module, name, original in functions:
+            setattr(hf_module, name, original)
         for module, scale in scales:
             module.embed_scale = scale
         if experts is not None:
@@ -296,7 +383,7 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
 # weight-matrix gain per family (default 3): large enough that greedy decoding does not collapse to one
 # repeated token, small enough that float32 stays well conditioned (T5's gated FF multiplies two gains)
 _GAIN = {"t5": 1.5, "llama": 1.5, "qwen2": 1.5, "mistral": 1.5, "gemma2": 1.5, "qwen3": 1.5, "gemma3_text": 1.5,
-         "mixtral": 1.5, "gpt_oss": 1.5, "qwen3_moe": 1.5}
+         "mixtral": 1.5, "gpt_oss": 1.5, "qwen3_moe": 1.5, "llama4_text": 1.5}
 _ONE_PLUS_W_NORMS = ("gemma2", "gemma3_text")  # norms that scale by 1 + weight: random around 0
 
 

@@ -1,8 +1,8 @@
 """Weight files -> ``{name: numpy array}``, without ever running code from the file.
 
-``.safetensors`` goes through ``jaxattn.io.load_safetensors`` (its own parser, no torch). Pickle-based files (``.pt``, ``.pth``,
-``.bin``) go only through ``torch.load(weights_only=True)``, whose restricted unpickler refuses anything but
-tensors and plain containers.
+``.safetensors`` goes through ``jaxattn.io.load_safetensors`` (its own parser, no torch). Pickle-based files
+(``.pt``, ``.pth``, ``.bin``) go only through ``torch.load(weights_only=True)``, whose restricted unpickler
+refuses anything but tensors and plain containers.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def load_state_dict(path: str | os.PathLike) -> dict[str, np.ndarray]:
     map_location="cpu")``: a pickle that would run code is refused. The file must hold a flat mapping of
     names to tensors; a wrapper such as ``{"state_dict": ...}`` is not unwrapped by guessing (the error
     lists its top-level keys; pick the entry and save it again). A missing file raises FileNotFoundError;
-    a damaged or refused one raises ValueError naming the path; an unknown suffix raises ValueError listing the supported ones. Feed the result to
+    a damaged or refused one raises ValueError naming the path; an unknown suffix raises ValueError listing the
+    supported ones. Feed the result to
     :func:`crosscheck.params_from_torch` (with the head counts).
     """
     path = Path(path)

@@ -1,13 +1,15 @@
 """`layer_report`: a whole model in PyTorch (transformers) against its jaxattn.models port, layer by layer.
 
 Both run the same inputs; every aligned layer output is compared: the embeddings; each block's attention
-output, router logits (mixtures of experts), MLP output and residual stream; the final norm; the logits. Rows are in forward order, so
+output, router logits (mixtures of experts), MLP output and residual stream; the final norm; the logits. Rows
+are in forward order, so
 `first_divergent` is where a port first goes wrong (a wrong weight, a wrong formula), not merely that it is
 wrong somewhere.
 
-Memory: only ONE model's activations are ever held. The JAX side runs first and keeps its sown
-intermediates ("intermediates" collection, see jaxattn/models/_decoder.py); the torch side is compared
-inside forward hooks, each activation reduced to three numbers the moment it exists and then dropped.
+The comparison is crosscheck.certify's (layer_report is its client): only ONE model's activations are ever
+held. The JAX side runs first and keeps its sown intermediates ("intermediates" collection, see
+jaxattn/models/_decoder.py); the torch side is compared inside forward hooks, each activation reduced to
+three numbers the moment it exists and then dropped.
 
 float64: HF's RMS norms take their statistics in float32 even for float64 inputs; the float64 reference
 lifts exactly that (crosscheck._hf_models.float64_reference), everything else is HF's code.
@@ -30,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from crosscheck._compare import error_metrics
+from crosscheck._certify import Bar, certify
 from crosscheck._hf_models import float64_reference
 
 # dtype -> (metric, bar); "max_abs" is measured against bar * max(1, the row's largest |reference value|)
@@ -55,6 +57,10 @@ class LayerRow:
     def passed(self) -> bool:
         value = getattr(self, self.metric)
         return not math.isnan(value) and value <= self.bar
+
+    @property
+    def ratio(self) -> float:
+        return getattr(self, self.metric) / self.bar
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +122,31 @@ class _Family:
         return watched
 
 
+class _Llama4(_Family):
+    """Llama 4: the block's MLP is "feed_forward"; only its MoE layers have a router, whose forward returns
+    (scores, logits): the row is the logits (second)."""
+
+    def watch(self, torch_model) -> list[tuple[Any, str]]:
+        watched = []
+        for module, name in super().watch(torch_model):
+            watched.append((module, name))
+            if name.endswith(".attention"):
+                block = self.layers(torch_model)[int(name.removeprefix("layer").split(".")[0])]
+                if block.is_moe_layer:
+                    watched.append((_Second(block.feed_forward.router), name.replace(".attention", ".router")))
+        return watched
+
+
+class _Second:
+    """A torch module whose hooked output is the second element of the tuple its forward returns."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def register_forward_hook(self, hook):
+        return self.module.register_forward_hook(lambda module, args, out: hook(module, args, out[1]))
+
+
 class _T5(_Family):
     """T5: the encoder's rows ("encoder.*"), then the decoder's (with each block's cross-attention)."""
 
@@ -145,6 +176,8 @@ for _model_type in ("qwen2", "mistral", "gemma2", "qwen3", "gemma3_text"):
     FAMILIES[_model_type] = FAMILIES["llama"]
 FAMILIES["mixtral"] = FAMILIES["qwen3_moe"] = dataclasses.replace(FAMILIES["llama"], router="mlp.gate")
 FAMILIES["gpt_oss"] = dataclasses.replace(FAMILIES["llama"], router="mlp.router")
+FAMILIES["llama4_text"] = _Llama4(lambda m: m.model.embed_tokens, lambda m: m.model.layers, "self_attn", "feed_forward",
+                                  lambda m: m.model.norm, "layers_{i}")
 
 
 def family(torch_model) -> _Family:
@@ -194,11 +227,19 @@ def _real_tokens(name: str, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
     return np.ones(ids.shape, bool) if mask is None else mask.astype(bool)
 
 
+def _to_layout(shape: tuple[int, ...]) -> Callable[[np.ndarray], np.ndarray]:
+    """HF's routers see tokens as [B*T, E]: ours keep [B,T,E]."""
+    return lambda theirs: theirs.reshape(shape) if theirs.shape != shape and theirs.shape[-1:] == shape[-1:] \
+        else theirs
+
+
 def layer_report(torch_model, model_and_params, inputs: Mapping[str, Any], *, dtype: str) -> LayerReport:
     """Compare every aligned layer of `torch_model` (a transformers model) and (model, params) (its port).
 
     inputs: {"input_ids": int [B,T], "attention_mask": [B,T] (optional)} as numpy arrays. dtype: "float32"
     or "float64"; both sides are cast to it (the torch model in place, our params by an explicit astype).
+    A client of crosscheck.certify: the family's watched modules become its `layers` pairs, our sown
+    intermediates its JAX side, real tokens its `select`, LAYER_TOLERANCES its bar.
     """
     import jax
     import torch
@@ -211,34 +252,19 @@ def layer_report(torch_model, model_and_params, inputs: Mapping[str, Any], *, dt
     params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
     inputs = {k: np.asarray(v) for k, v in inputs.items()}
     ours = _jax_rows(model, params, inputs)
-    rows: list[LayerRow] = []
+    logits = {"logits": ours.pop("logits")} if "logits" in ours else {}
+    paths = {id(module): path for path, module in torch_model.named_modules()}
+    pairs = [(paths[id(module)], name, _to_layout(ours[name].shape)) for module, name in spec.watch(torch_model)]
 
-    def measure(name: str, theirs) -> None:
-        real = _real_tokens(name, inputs)
-        theirs = (theirs[0] if isinstance(theirs, tuple) else theirs).detach().numpy()
-        if theirs.shape != ours[name].shape and theirs.shape[-1:] == ours[name].shape[-1:]:
-            theirs = theirs.reshape(ours[name].shape)  # HF's routers see tokens as [B*T, E]: ours keep [B,T]
-        reference = theirs[real]
-        max_abs, _, normwise = error_metrics(ours[name][real], reference)
-        scale = float(np.abs(reference).max(initial=0.0))
-        rows.append(LayerRow(name, len(rows), max_abs, normwise, scale, metric, bar))
-
-    names: dict[Any, list[str]] = {}  # module -> its rows, in call order (a module may serve twice)
-    for module, name in spec.watch(torch_model):
-        names.setdefault(module, []).append(name)
-
-    def hook(queue):
-        calls = iter(queue)
-        return lambda module, args, out: measure(next(calls), out)
+    def torch_fn(**tensors):
+        with float64_reference(torch_model, dtype):
+            out = torch_model(**{k: t.long() for k, t in tensors.items()})
+        return {"logits": out.logits} if logits else {}
 
     torch_model.to(getattr(torch, dtype)).eval()
-    handles = [module.register_forward_hook(hook(queue)) for module, queue in names.items()]
-    try:
-        with torch.no_grad(), float64_reference(torch_model, dtype):
-            out = torch_model(**{k: torch.from_numpy(v).long() for k, v in inputs.items()})
-        if "logits" in ours:
-            measure("logits", out.logits)
-    finally:
-        for handle in handles:
-            handle.remove()
+    cert = certify(torch_fn, lambda **_: (logits, ours), inputs, dtype=dtype, layers=pairs, logits=False,
+                   bar=Bar(metric, bar, scaled=metric == "max_abs"), torch_module=torch_model,
+                   select=lambda name, array: array[_real_tokens(name, inputs)])
+    rows = [LayerRow(r.jax_name, depth, r.max_abs, r.normwise, r.scale, metric, bar)
+            for depth, r in enumerate(cert.rows)]
     return LayerReport(torch_model.config.model_type, dtype, tuple(rows))

@@ -60,29 +60,15 @@ def _encoder_inputs(directory: Path, config: dict) -> dict[str, np.ndarray]:
 
 def plot(reports, path: str) -> None:
     """Error against depth, one line per dtype; each row's error is divided by its bar, so 1 = tolerance."""
-    try:
-        import matplotlib
+    from crosscheck._certify import plot_series
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+    try:
+        plot_series([(f"{r.dtype}: " + ("max abs / (1e-5 max(1,|ref|))" if r.dtype == "float32" else
+                                         "normwise / 1e-12"), r.rows) for r in reports], path,
+                    title=f"{reports[0].model}: jaxattn.models vs transformers, per layer", ylabel="error / tolerance")
     except ImportError:
         raise SystemExit("python -m crosscheck: error: --plot needs matplotlib "
                          "(pip install -e \".[bench]\" or pip install matplotlib)") from None
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(reports[0].rows)), 4.0))
-    for report in reports:
-        ratio = [max(getattr(r, r.metric) / r.bar, 1e-8) for r in report.rows]
-        what = "max abs / (1e-5 max(1,|ref|))" if report.dtype == "float32" else "normwise / 1e-12"
-        ax.plot(range(len(ratio)), ratio, marker="o", label=f"{report.dtype}: {what}")
-    ax.axhline(1.0, color="red", linestyle="--", label="tolerance")
-    ax.set_yscale("log")
-    ax.set_xticks(range(len(reports[0].rows)), [r.name for r in reports[0].rows], rotation=60, ha="right",
-                  fontsize=7)
-    ax.set_ylabel("error / tolerance")
-    ax.set_title(f"{reports[0].model}: jaxattn.models vs transformers, per layer")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def finish(reports, *, header: str, data: dict, json_path: str | None, plot_path: str | None, draw,

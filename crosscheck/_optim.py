@@ -14,7 +14,8 @@ torch/nn/utils/clip_grad.py, transformers/optimization.py) and optax's (alias.py
 | each param group                             | its own transform; multi_transform over labels of our leaves  |
 | a parameter in no group                      | set_to_zero() (torch never updates it)                        |
 | clip_grad_norm_(parameters, max_norm)         | clip_grad_norm_torch(max_norm) (below: not clip_by_global_norm) |
-| get_cosine_schedule_with_warmup (LambdaLR)    | warmup_cosine_decay_schedule(0, lr, W, N, end_value=lr * min_lr_rate) |
+| get_cosine_schedule_with_warmup (LambdaLR)    | warmup_cosine_decay_schedule(0, lr, W, N,                      |
+|                                              |   end_value=lr * min_lr_rate)                                 |
 | get_linear_schedule_with_warmup (LambdaLR)    | join_schedules(linear 0 -> lr over W, linear lr -> 0 over N - W) |
 | no scheduler                                 | the group's lr, constant                                      |
 

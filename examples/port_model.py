@@ -4,7 +4,8 @@
     python examples/port_model.py --demo gpt2          # a tiny random GPT-2 written to a temp directory
 
 DIR is what transformers' save_pretrained writes (config.json + model.safetensors, or shards): bert, gpt2,
-t5, llama, mistral, qwen2, gemma2, qwen3, gemma3_text, mixtral, gpt_oss and qwen3_moe. The JAX side loads it with jaxattn.models.from_pretrained (no torch);
+t5, llama, mistral, qwen2, gemma2, qwen3, gemma3_text, mixtral, gpt_oss and qwen3_moe. The JAX side loads it
+with jaxattn.models.from_pretrained (no torch);
 the PyTorch side with transformers (eager attention). Printed: crosscheck.layer_report in float32 and float64 (every
 aligned layer: max abs, normwise, pass/fail, the first divergent layer), then, for generative models, a
 greedy continuation from both frameworks side by side.

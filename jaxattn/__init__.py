@@ -15,12 +15,15 @@ aligned (query t sits at t + S - T); a query with no allowed key returns zeros. 
 and works under jax.jit, jax.vmap and jax.grad; bad input raises ValueError at trace time.
 """
 
+from ._version import __version__ as __version__
 from ._engines.dispatch import dot_product_attention as dot_product_attention
 from ._engines.dispatch import flex_attention as flex_attention
+from ._engines.dispatch import cross_platform_lowering as cross_platform_lowering
 from ._engines.flex import create_block_mask as create_block_mask
 from ._core.block_mask import BlockMask as BlockMask
 from ._core.mods import and_masks as and_masks
 from ._core.mods import or_masks as or_masks
+from ._core.mods import noop_mask as noop_mask
 from ._schemes.shaw import relative_attention as relative_attention
 from ._layers.multihead import init_multi_head_attention as init_multi_head_attention
 from ._layers.multihead import init_relative_multi_head_attention as init_relative_multi_head_attention
@@ -70,11 +73,13 @@ from ._layers.latent import latent_projections as latent_projections
 
 __all__ = [
     "dot_product_attention",
+    "cross_platform_lowering",
     "flex_attention",
     "create_block_mask",
     "BlockMask",
     "and_masks",
     "or_masks",
+    "noop_mask",
     "relative_attention",
     "relative_position_index",
     "shaw_relative_attention",

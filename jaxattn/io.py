@@ -8,22 +8,28 @@ one FileNotFoundError. Nothing in a weight file is ever executed. ``save_safeten
 the same format (what ``jaxattn.models.to_pretrained`` writes), bf16 and float8 included.
 
 A sharded load reads parts: ``safetensors_entries(path)`` parses the header alone ({name: TensorEntry}:
-dtype, shape, byte offset), and ``read_region(path, entry, box)`` reads one box of a tensor with one
-``os.preadv`` per contiguous run of its bytes, counting them in ``bytes_read`` (per file and tensor).
+dtype, shape, byte offset), and ``read_region(path, entry, box)`` copies one box of a tensor out of
+memory maps of the rows it spans (numpy slicing; 4 MiB mapped at a time), counting the box's bytes in
+``bytes_read`` (per file and tensor).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import json
 import math
+import mmap
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import ml_dtypes
 import numpy as np
+
+from . import _atomic_files as atomic_files
 
 _SAFETENSORS_DTYPES = {
     "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
@@ -42,7 +48,9 @@ def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     path = Path(path)
     try:
         size = path.stat().st_size
-        raw = bytearray(size)  # writable, so the arrays are too; one copy of the file in memory
+        # writable, so the arrays are too; one copy of the file in memory; np.empty, not bytearray: no
+        # zero-filling of memory the read overwrites (3x faster for a 100 MB file)
+        raw = memoryview(np.empty(size, np.uint8))
         with open(path, "rb") as f:
             if f.readinto(raw) != size:
                 raise _damaged(path, "file changed while reading")
@@ -167,29 +175,58 @@ def safetensors_entries(path: str | os.PathLike) -> dict[str, TensorEntry]:
     return {name: entries[name] for name in header}
 
 
+_MAP_BYTES = 1 << 22  # at most this much of a tensor is mapped at once: its touched pages count as resident
+
+
+@contextlib.contextmanager
+def _mapped(f, start: int, length: int):
+    """A read-only memoryview of bytes [start, start + length) of the open file f, memory-mapped with its
+    pages read in at once (MAP_POPULATE where the OS has it: one call instead of a fault per page)."""
+    aligned = start - start % mmap.ALLOCATIONGRANULARITY
+    flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+    with mmap.mmap(f.fileno(), start - aligned + length, flags=flags, prot=mmap.PROT_READ, offset=aligned) as m:
+        view = memoryview(m)[start - aligned:]
+        try:
+            yield view
+        finally:
+            view.release()
+
+
 def read_region(path: str | os.PathLike, entry: TensorEntry, box) -> np.ndarray:
     """The part box = ((start, stop) per axis) of the tensor `entry` of the file at `path`, reading only its
-    bytes: one read per contiguous run (a single run when only the leading axis is cut; one per row when
-    the last axis is). Counted in `bytes_read`."""
+    bytes: the tensor's bytes memory-mapped a slab of leading-axis indices at a time (4 MiB; the rows the
+    box spans), and the box sliced out of each slab and copied by numpy. Counted in `bytes_read` (the
+    box's bytes; the OS reads whole pages, those of the rows the box spans)."""
     box = tuple((int(a), int(b)) for a, b in box)
     if len(box) != len(entry.shape) or not all(0 <= a <= b <= d for (a, b), d in zip(box, entry.shape)):
         raise ValueError(f"{path}: {entry.name!r}: expected a box of (start, stop) within shape "
                          f"{list(entry.shape)}, got {list(box)}")
     lengths = [b - a for a, b in box]
-    out = bytearray(math.prod(lengths) * entry.dtype.itemsize)
-    # the axes after `cut` are whole, so each index over the axes before it starts one contiguous run
-    cut = max([k for k, ((a, b), d) in enumerate(zip(box, entry.shape)) if b - a != d] or [0])
-    strides = np.cumprod((entry.shape[1:] + (1,))[::-1])[::-1] * entry.dtype.itemsize
-    run = lengths[cut] * int(strides[cut]) if entry.shape else entry.dtype.itemsize
-    with open(path, "rb") as f:
-        view = memoryview(out)
-        for k, index in enumerate(np.ndindex(*lengths[:cut])):
-            first = sum((i + a) * int(s) for i, (a, _), s in zip(index, box, strides))
-            first += box[cut][0] * int(strides[cut]) if entry.shape else 0
-            if run and os.preadv(f.fileno(), [view[k * run:(k + 1) * run]], entry.offset + first) != run:
+    shape, cut = (entry.shape, box) if entry.shape else ((1,), ((0, 1),))  # a scalar as one entry
+    # moved as unsigned ints of the item's size (whatever the dtype: ml_dtypes, complex), byte order as in
+    # the file; interpreted after the copy
+    unit = np.dtype(f"u{entry.dtype.itemsize}")
+    part = np.empty([b - a for a, b in cut], unit)
+    if part.size:
+        try:
+            f = open(path, "rb")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{path}: no such file") from None
+        with f:
+            if os.fstat(f.fileno()).st_size < entry.offset + entry.nbytes:  # a page past the end: SIGBUS
                 raise _damaged(Path(path), f"entry {entry.name!r}: file changed while reading")
-    bytes_read[(str(path), entry.name)] += len(out)
-    return _little_endian(out, entry.dtype).reshape(lengths)
+            row = math.prod(shape[1:]) * entry.dtype.itemsize  # bytes per index of the leading axis
+            step = max(1, _MAP_BYTES // row)
+            inner = tuple(slice(a, b) for a, b in cut[1:])
+            first, last = cut[0]
+            for a in range(first, last, step):
+                b = min(last, a + step)
+                with _mapped(f, entry.offset + a * row, (b - a) * row) as raw:
+                    slab = np.frombuffer(raw, unit).reshape(b - a, *shape[1:])
+                    part[a - first:b - first] = slab[(slice(None), *inner)]
+                    del slab  # before the map closes
+    bytes_read[(str(path), entry.name)] += part.nbytes
+    return _little_endian(part.data, entry.dtype).reshape(lengths)
 
 
 _DTYPE_NAMES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
@@ -205,8 +242,22 @@ def save_safetensors(tensors, path: str | os.PathLike, *, metadata: dict[str, st
     C order, little-endian, the widest dtypes first, so every tensor starts at a multiple of its item size.
     A dtype the format has no name for (object, float128...), or a name that is not a non-empty string,
     raises ValueError naming the tensor; nothing is cast. Returns the path.
+
+    The file is written whole under a hidden temporary name beside `path` (jaxattn._atomic_files), fsynced
+    and renamed over `path` in one step: a reader finds the old file or the new one, never a part, and a
+    failed write (a full disk, an interrupt) leaves `path` as it was and no temporary file behind.
     """
     path = Path(path)
+    write = safetensors_writer(tensors, metadata=metadata)  # every check before a file is created
+    atomic_files.replace(atomic_files.write_temp(path, write), path)
+    atomic_files.fsync_directory(path.parent)
+    return path
+
+
+def safetensors_writer(tensors, *, metadata: dict[str, str] | None = None) -> Callable[[int], None]:
+    """write(fd): the bytes of save_safetensors' file for `tensors`, written to an open descriptor. Every
+    name, dtype and the metadata are checked here, before anything is written (ValueError as
+    save_safetensors)."""
     metadata = dict(_METADATA if metadata is None else metadata)
     if not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
         raise ValueError(f"metadata: expected {{str: str}}, got {metadata!r}")
@@ -231,12 +282,13 @@ def save_safetensors(tensors, path: str | os.PathLike, *, metadata: dict[str, st
     text = json.dumps({"__metadata__": metadata, **{name: header[name] for name in arrays}},
                       separators=(",", ":")).encode("utf-8")
     text += b" " * (-len(text) % 8)
-    with open(path, "wb") as f:
-        f.write(len(text).to_bytes(8, "little"))
-        f.write(text)
+
+    def write(fd: int) -> None:
+        atomic_files.write_all(fd, len(text).to_bytes(8, "little") + text)
         for name in order:
-            f.write(_little_endian_bytes(arrays[name]))
-    return path
+            atomic_files.write_all(fd, _little_endian_bytes(arrays[name]))
+
+    return write
 
 
 def _little_endian_bytes(array: np.ndarray) -> memoryview:

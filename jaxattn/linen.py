@@ -30,11 +30,13 @@ L); the other examples of the batch are unaffected.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional, Union
 
 import flax.linen as nn
 import jax.numpy as jnp
 
+from ._core import checks
 from ._layers import cache as kv_cache
 from ._layers import common
 from ._layers.common import Initializer, RoPE  # noqa: F401  (RoPE: part of this module's API)
@@ -72,10 +74,19 @@ class MultiHeadAttention(nn.Module):
       window: (left, right) sliding window on absolute positions (Mistral / Gemma 2: (W - 1, 0) with
         is_causal); with a left bound, decoding keeps a rolling cache of the window (O(window) memory).
       chunk_size: Llama 4's chunked attention.  logit_softcap: Gemma 2's attention softcap.
-      use_sinks: learned per-head sinks params["sinks"] [N] (gpt-oss), initialised by sinks_init (zeros).
+      use_sinks: learned per-head sinks `params["sinks"]`, shape [N] (gpt-oss), initialised by sinks_init (zeros).
       qk_norm: a module factory (e.g. functools.partial(RMSNorm, eps)) called with name="q_norm" and
         name="k_norm": the norms of each projected query head [...,T,N,H] and key head [...,S,K,H], applied
         before RoPE and before caching (Qwen 3, Gemma 3); their params sit beside query/key/value/out.
+      normalize_qk: flax's QK normalisation: LayerNorm without bias over each head's H features of the
+        projected queries and keys, params "query_ln" / "key_ln" {"scale": [H]} as in flax (not with qk_norm).
+      broadcast_dropout: flax's: one dropout keep-mask [T,S] for every batch entry and head. Default False
+        (independent per head, as torch); flax defaults to True (docs/coming_from.md).
+      out_bias_init: the out projection's bias initialiser (default bias_init), as flax's.
+
+    Call: flax's sow_weights=True also stores the weights [...,N,T,S] in "intermediates" as
+    "attention_weights" (flax's name); inputs_kv= (flax's deprecated spelling of key = value) is accepted.
+      implementation / interpret: as jaxattn.dot_product_attention (None: per platform at lowering time).
     """
 
     num_heads: int
@@ -105,6 +116,11 @@ class MultiHeadAttention(nn.Module):
     use_sinks: bool = False
     sinks_init: Initializer = common.default_bias_init
     qk_norm: Optional[Callable[..., nn.Module]] = None
+    normalize_qk: bool = False
+    broadcast_dropout: bool = False
+    out_bias_init: Optional[Initializer] = None
+    implementation: Optional[str] = None
+    interpret: bool = False
 
     def _relative(self) -> Optional[dict]:
         return None
@@ -113,7 +129,7 @@ class MultiHeadAttention(nn.Module):
         specs = common.param_specs(dims, use_bias=self.use_bias, add_bias_kv=self.add_bias_kv,
                                    kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init,
                                    bias_init=self.bias_init, bias_kv_init=self.bias_kv_init,
-                                   relative=self._relative(),
+                                   relative=self._relative(), out_bias_init=self.out_bias_init,
                                    sinks_init=self.sinks_init if self.use_sinks else None)
         sinks = specs.pop("sinks", None)
         params = {group: _Group(tuple((leaf, shape, init) for leaf, (shape, init) in leaves.items()),
@@ -125,6 +141,12 @@ class MultiHeadAttention(nn.Module):
 
     def _qk_norm(self):
         """(q, k) -> (q_norm(q), k_norm(k)) with the submodules qk_norm builds, or None."""
+        if self.normalize_qk:
+            if self.qk_norm is not None:
+                checks.fail("normalize_qk", "False with qk_norm (give one of the two)", True)
+            norm = functools.partial(nn.LayerNorm, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype)
+            q_norm, k_norm = norm(name="query_ln"), norm(name="key_ln")  # flax's names
+            return lambda q, k: (q_norm(q), k_norm(k))
         if self.qk_norm is None:
             return None
         q_norm, k_norm = self.qk_norm(name="q_norm"), self.qk_norm(name="k_norm")
@@ -152,12 +174,14 @@ class MultiHeadAttention(nn.Module):
                  key_value_seq_lengths=None, query_positions=None, key_positions=None,
                  deterministic: Optional[bool] = None, dropout_rng=None, return_weights: bool = False,
                  decode: Optional[bool] = None, rope_positions=None, query_segment_ids=None,
-                 key_segment_ids=None):
+                 key_segment_ids=None, sow_weights: bool = False, inputs_kv=None):
         """query [...,T,Eq], key [...,S,Ek] (default query), value [...,S,Ev] (default key) -> [...,T,Eo].
 
         Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights.
         rope_positions [...,T]: with `rope`, the rotary positions of the queries and keys (self-attention).
+        sow_weights / inputs_kv: flax's (see the class docstring).
         """
+        key, value = common.flax_inputs_kv(inputs_kv, key, value)
         query, key, value = common.inputs(query, key, value)
         head_dim = common.flax_sizes(self.num_heads, head_dim=self.head_dim, qkv_features=self.qkv_features)["head_dim"]
         dims = common.resolve_dims(query.shape[-1], self.num_heads, head_dim, key_features=key.shape[-1],
@@ -169,9 +193,11 @@ class MultiHeadAttention(nn.Module):
         rate, rng = self._dropout(deterministic, dropout_rng)
         options = dict(mask=mask, bias=bias, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
                        query_positions=query_positions, key_positions=key_positions, scale=self.scale,
-                       dropout_rate=rate, dropout_rng=rng, return_weights=return_weights,
+                       dropout_rate=rate, dropout_rng=rng, return_weights=return_weights or sow_weights,
                        query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids, window=self.window,
-                       chunk_size=self.chunk_size, logit_softcap=self.logit_softcap)
+                       chunk_size=self.chunk_size, logit_softcap=self.logit_softcap,
+                       implementation=self.implementation, interpret=self.interpret,
+                       **common.dropout_options(self.broadcast_dropout))
         cache = None
         if self.decode if decode is None else decode:
             batch = jnp.broadcast_shapes(query.shape[:-2], key.shape[:-2])
@@ -184,6 +210,9 @@ class MultiHeadAttention(nn.Module):
         if new_cache is not None:
             for variable, new in zip(variables, new_cache):
                 variable.value = new
+        if sow_weights:
+            result, weights = common.weights_to_sow(result, return_weights)
+            self.sow("intermediates", "attention_weights", weights)
         return result
 
 

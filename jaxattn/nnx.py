@@ -61,6 +61,12 @@ class MultiHeadAttention(nnx.Module):
     out_features, num_kv_heads, decode, dtype, param_dtype, ... (giving both spellings of one size is a
     ValueError). Pass them by keyword: flax's positional order is (num_heads, in_features), ours
     (query_features, num_heads).
+
+    Also flax's: normalize_qk (LayerNorm without bias on each projected query / key head, params
+    query_ln / key_ln {"scale": [H]}), broadcast_dropout (one keep-mask [T,S] for every batch entry and head;
+    default False here, True in flax: docs/coming_from.md), out_bias_init, keep_rngs (False: no dropout
+    stream is stored, pass rngs= at call time), and at call time sow_weights=True (the weights [...,N,T,S]
+    sown as nnx.Intermediate "attention_weights").
     """
 
     def __init__(self, query_features: Optional[int] = None, num_heads: Optional[int] = None,
@@ -77,6 +83,9 @@ class MultiHeadAttention(nnx.Module):
                  window: Optional[tuple] = None, chunk_size: Optional[int] = None,
                  logit_softcap: Optional[float] = None, use_sinks: bool = False,
                  sinks_init: Initializer = common.default_bias_init, rope: Optional[RoPE] = None, rngs: nnx.Rngs,
+                 implementation: Optional[str] = None, interpret: bool = False,
+                 normalize_qk: bool = False, broadcast_dropout: bool = False,
+                 out_bias_init: Optional[Initializer] = None, keep_rngs: bool = True,
                  _relative: Optional[dict] = None):
         sizes = common.flax_sizes(num_heads, query_features=query_features, head_dim=head_dim,
                                   key_features=key_features, value_features=value_features,
@@ -87,7 +96,7 @@ class MultiHeadAttention(nnx.Module):
                                         num_kv_heads=num_kv_heads, value_head_dim=value_head_dim, **sizes)
         specs = common.param_specs(self.dims, use_bias=use_bias, add_bias_kv=add_bias_kv, kernel_init=kernel_init,
                                    out_kernel_init=out_kernel_init, bias_init=bias_init,
-                                   bias_kv_init=bias_kv_init, relative=_relative,
+                                   bias_kv_init=bias_kv_init, relative=_relative, out_bias_init=out_bias_init,
                                    sinks_init=sinks_init if use_sinks else None)
         sinks = specs.pop("sinks", None)
         for group, leaves in specs.items():
@@ -95,11 +104,16 @@ class MultiHeadAttention(nnx.Module):
         self.groups = tuple(specs)
         self.sinks = nnx.data(None) if sinks is None else nnx.Param(sinks[1](rngs.params(), sinks[0], param_dtype))
         self.window, self.chunk_size, self.logit_softcap = window, chunk_size, logit_softcap
+        self.implementation, self.interpret = implementation, interpret  # as dot_product_attention's
         self.relative_attention = _relative is not None
         self.add_zero_attn, self.dropout_rate, self.deterministic = add_zero_attn, dropout_rate, deterministic
         self.scale, self.dtype, self.param_dtype, self.precision = scale, dtype, param_dtype, precision
         self.decode, self.rope = decode, common.check_rope(rope)
-        self.rngs = rngs.dropout.fork() if dropout_rate > 0 else None
+        self.rngs = rngs.dropout.fork() if dropout_rate > 0 and keep_rngs else nnx.data(None)
+        self.broadcast_dropout = broadcast_dropout
+        norm = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)  # flax's query_ln / key_ln
+        self.query_ln = nnx.LayerNorm(self.dims.H, **norm) if normalize_qk else nnx.data(None)
+        self.key_ln = nnx.LayerNorm(self.dims.H, **norm) if normalize_qk else nnx.data(None)
         self.cached_key: Optional[nnx.Cache] = nnx.data(None)
         self.cached_value: Optional[nnx.Cache] = nnx.data(None)
         self.cache_index: Optional[nnx.Cache] = nnx.data(None)
@@ -141,10 +155,11 @@ class MultiHeadAttention(nnx.Module):
                  key_value_seq_lengths=None, query_positions=None, key_positions=None,
                  deterministic: Optional[bool] = None, rngs=None, dropout_rng=None, return_weights: bool = False,
                  decode: Optional[bool] = None, rope_positions=None, query_segment_ids=None,
-                 key_segment_ids=None):
+                 key_segment_ids=None, sow_weights: bool = False):
         """query [...,T,Eq], key [...,S,Ek] (default query), value [...,S,Ev] (default key) -> [...,T,Eo].
 
-        Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights.
+        Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights;
+        sow_weights: flax's (the class docstring).
         """
         query, key, value = common.inputs(query, key, value)
         params = self.params()
@@ -159,14 +174,25 @@ class MultiHeadAttention(nnx.Module):
         result, new_cache = common.attend(
             params, query, key, value, relative=self.relative_attention, add_zero_attn=self.add_zero_attn,
             precision=self.precision, cache=cache, rope=self.rope, rope_positions=rope_positions, mask=mask,
-            bias=bias, is_causal=is_causal,
+            bias=bias, is_causal=is_causal, qk_norm=self._qk_norm(),
+            **common.dropout_options(self.broadcast_dropout),
             key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
             key_positions=key_positions, scale=self.scale, dropout_rate=rate, dropout_rng=rng,
-            return_weights=return_weights, query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-            window=self.window, chunk_size=self.chunk_size, logit_softcap=self.logit_softcap)
+            return_weights=return_weights or sow_weights, query_segment_ids=query_segment_ids,
+            key_segment_ids=key_segment_ids, window=self.window, chunk_size=self.chunk_size,
+            logit_softcap=self.logit_softcap, implementation=self.implementation, interpret=self.interpret)
         if new_cache is not None:
             self.cached_key[...], self.cached_value[...], self.cache_index[...] = new_cache
+        if sow_weights:
+            result, weights = common.weights_to_sow(result, return_weights)
+            self.sow(nnx.Intermediate, "attention_weights", weights)
         return result
+
+    def _qk_norm(self):
+        """flax's normalize_qk: (q, k) -> (query_ln(q), key_ln(k)), or None."""
+        if self.query_ln is None:
+            return None
+        return lambda q, k: (self.query_ln(q), self.key_ln(k))
 
 
 class RelativeMultiHeadAttention(MultiHeadAttention):

@@ -28,7 +28,6 @@ os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json  # noqa: E402
 import re  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 import tracemalloc  # noqa: E402
 from pathlib import Path  # noqa: E402
@@ -125,7 +124,7 @@ def cache_layout(model, params, ids):
     over model)}, the cache as the sharded model makes it for generate."""
     from jax.sharding import NamedSharding
 
-    from jaxattn.models import _decoder, _sharding
+    from jaxattn.models import _activation_layout, _decoder
 
     B = ids.shape[0]
     if getattr(model, "is_encoder_decoder", False):
@@ -138,7 +137,8 @@ def cache_layout(model, params, ids):
     for path, x in jax.tree_util.tree_leaves_with_path(cache):
         keys = [getattr(k, "key", k) for k in path]
         if {"layers_0", "block_0", "h_0"} & set(keys):
-            want = NamedSharding(model.sharding.mesh, model.sharding.spec(_sharding.CACHE_LAYOUTS[keys[-1]], x.shape))
+            spec = model.sharding.spec(_activation_layout.CACHE_LAYOUTS[keys[-1]], x.shape)
+            want = NamedSharding(model.sharding.mesh, spec)
             layout[keys[-1]] = {"spec": spec_str(x), "as_expected": x.sharding.is_equivalent_to(want, x.ndim)}
     return layout
 
@@ -186,7 +186,8 @@ def device_groups(line, n):
         sizes = [(a, int(s)) for a, s in re.findall(r"'(\w+)'=(\d+)", m.group(1))]
         ids = iota(m.group(2), n) if m.group(2) else np.arange(n)  # device_ids: the mesh's device order
         over = set(re.findall(r"'(\w+)'", m.group(3)))
-        order = [i for i, (a, _) in enumerate(sizes) if a not in over] + [i for i, (a, _) in enumerate(sizes) if a in over]
+        order = ([i for i, (a, _) in enumerate(sizes) if a not in over]
+                 + [i for i, (a, _) in enumerate(sizes) if a in over])
         inner = int(np.prod([s for a, s in sizes if a in over]))
         return ids.reshape([s for _, s in sizes]).transpose(order).reshape(-1, inner).tolist()
     if m := re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line):

@@ -68,7 +68,12 @@ def _params(names):
     return [pytest.param(n, marks=_SLOW_DOCUMENT if n == "document" else ()) for n in sorted(names)]
 
 
-@pytest.mark.parametrize("name", _params(PATTERNS))
+def _causal_by_default(names):
+    """The default run takes the causal pattern; the others repeat the mechanism (slow group)."""
+    return [pytest.param(n, marks=pytest.mark.slow if n != "causal" else ()) for n in sorted(names)]
+
+
+@pytest.mark.parametrize("name", _causal_by_default(PATTERNS))
 def test_block_mask_alone_applies_its_mask_mod(name):
     """block_mask alone == mask_mod alone == both, on both engines, plain and under jit with the BlockMask
     as an argument; and the call that used to run partial tiles unmasked no longer equals the unmasked

@@ -170,6 +170,7 @@ def test_linen_cache_overflow_under_jit_gives_nan_for_that_example_only():
     _assert_overflow_poisons_only_that_example(run)
 
 
+@pytest.mark.slow  # linen's overflow test runs the shared cache code in the default group
 def test_nnx_cache_overflow_under_jit_gives_nan_for_that_example_only():
     step = nnx.jit(lambda m, x, n: m(x, decode=True, key_value_seq_lengths=n, return_weights=True))
 

@@ -96,13 +96,19 @@ def _doubling() -> Setup:
     return Setup(lambda x: 2 * x, lambda x: 2 * x, {"x": np.random.default_rng(1).standard_normal((3, 2))})
 
 
-def test_the_quick_run_has_every_case_once_and_every_dtype_and_transform():
+def test_the_default_run_is_a_sample_with_every_seed_dtype_transform_and_a_whole_model():
     cases = catalogue()
-    quick = [(name, row) for name, case in cases.items() for row in case.rows(every=False)]
-    assert sorted(name for name, _ in quick) == sorted(cases)  # every case, once
-    assert {d for _, (d, _) in quick} == set(DTYPES) and {t for _, (_, t) in quick} == set(TRANSFORMS)
+    once = [(name, row) for name, case in cases.items() for row in case.rows(every=False)]
+    assert sorted(name for name, _ in once) == sorted(cases)  # --case '*': every case, once
     assert all(set(case.rows(every=False)) <= set(case.rows()) for case in cases.values())
     assert sum(len(case.rows()) for case in cases.values()) >= 737  # --all: every row
+    sample = {name: case.rows(every=False) for name, case in cases.items() if case.default_run}
+    rows = [row for case_rows in sample.values() for row in case_rows]
+    assert {f"seed00{i}" for i in range(5)} <= set(sample)
+    assert {d for d, _ in rows} == set(DTYPES) and {t for _, t in rows} == set(TRANSFORMS)
+    assert any(name.startswith("model_") for name in sample)  # one whole model against transformers
+    assert any(name.startswith("hf_") for name in sample) and any(name.startswith("mha_") for name in sample)
+    assert len(sample) <= 20 < len(cases)  # a sample: the default run stays about a minute
 
 
 def test_quick_rows_all_and_filters_compose(registered):
@@ -175,6 +181,25 @@ def test_torch_flex_reference_advice_is_silenced_and_said_once(capsys):
                  "--jobs", "1", "--no-cache"]) == 0
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and "torch's eager flex_attention" in notes[0]
+
+
+def test_without_case_the_default_run_takes_the_sample_and_case_star_takes_every_case(monkeypatch, capsys):
+    import crosscheck._cli as cli
+
+    ran = []
+
+    def fake_run(work, *, jobs, cache_dir):  # records the selection instead of compiling it
+        ran.append([case.name for case, _ in work])
+        return [_report(case.name, rows[0][0], 0.0, 1.0, transform=rows[0][1])
+                for case, rows in work]
+
+    monkeypatch.setattr(cli, "_run", fake_run)
+    assert main(["--no-cache"]) == 0
+    assert sorted(ran[-1]) == sorted(name for name, case in catalogue().items() if case.default_run)
+    out = capsys.readouterr().out
+    assert f"({len(ran[-1])} of {len(catalogue())} cases)" in out and "--all runs" in out
+    assert main(["--case", "*", "--no-cache"]) == 0
+    assert sorted(ran[-1]) == sorted(catalogue())
 
 
 def test_list_and_unknown_case(capsys):

@@ -183,7 +183,8 @@ def test_params_gradients_mapped_from_torch_layout():
 def test_wrong_param_gradient_mapping_fails():
     w = RNG.standard_normal((3, 3))
     report = compare(lambda p, x: x @ p["kernel"], lambda p, x: x @ p["weight"].T, {"x": X}, dtype="float64",
-                     params={"kernel": w}, torch_params={"weight": w.T}, grads_from_torch=lambda g: {"kernel": g["weight"]})
+                     params={"kernel": w}, torch_params={"weight": w.T},
+                     grads_from_torch=lambda g: {"kernel": g["weight"]})
     assert not report.passed  # the forward agrees, the untransposed gradient does not
     assert [m.name for m in report.metrics if not m.passed] == ["params/kernel"]
 

@@ -50,7 +50,7 @@ def test_empty_sequence_gives_zeros_and_finite_gradients(path, T, S):
         assert g.shape == x.shape and np.isfinite(g).all()
 
 
-@pytest.mark.parametrize("implementation", ["dense", "blockwise"])
+@pytest.mark.parametrize("implementation", [pytest.param("dense", marks=pytest.mark.slow), "blockwise"])
 @pytest.mark.parametrize("T, S", [(0, LENGTH), (LENGTH, 0)])
 def test_multi_head_attention_with_empty_sequence(implementation, T, S):
     params = jaxattn.init_multi_head_attention(jax.random.key(0), E, N, H, num_kv_heads=K, value_head_dim=Hv,
@@ -60,5 +60,6 @@ def test_multi_head_attention_with_empty_sequence(implementation, T, S):
     out = jaxattn.multi_head_attention(params, x_q, x_kv, implementation=implementation)
     # zero attention output -> the output projection's bias alone (zeros at init), [B,T,E]
     np.testing.assert_array_equal(out, np.broadcast_to(params["out"]["bias"], (B, T, E)))
-    grad = jax.grad(lambda p: jnp.sum(jaxattn.multi_head_attention(p, x_q, x_kv, implementation=implementation)))(params)
+    grad = jax.grad(lambda p: jnp.sum(jaxattn.multi_head_attention(p, x_q, x_kv,
+                                                                   implementation=implementation)))(params)
     assert all(np.isfinite(g).all() for g in jax.tree.leaves(grad))

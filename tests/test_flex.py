@@ -112,7 +112,8 @@ SCORE_MODS = {
 
 
 @pytest.mark.parametrize("name,implementation", [("t5_table", "dense"), ("t5_table", "blockwise"),
-                                                 ("alibi", "blockwise"), ("per_batch", "dense")])
+                                                 pytest.param("alibi", "blockwise", marks=pytest.mark.slow),
+                                                 ("per_batch", "dense")])
 def test_score_mods_and_the_gradient_of_what_they_close_over(name, implementation):
     make, shape = SCORE_MODS[name]
     q, k, v = qkv(2)
@@ -294,6 +295,7 @@ def test_create_block_mask_bad_input():
         jaxattn.create_block_mask(causal, 1, 1, 4, 4, block_size=(0, 2))
 
 
+@pytest.mark.slow  # big shapes; XLA's memory analysis stays in the default run through tests/test_memory.py
 def test_memory_is_linear_in_length():
     """Forward + backward of flex_attention with a closed-over score_mod table and a causal BlockMask:
     XLA's compiled temp memory grows like S (4x length: <= 4.2x memory), never like S^2."""

@@ -87,7 +87,7 @@ def test_learned_sinks_and_keyword_are_exclusive():
         jaxattn.multi_head_attention(params, x)
 
 
-@pytest.mark.parametrize("flavour", ["linen", "nnx"])
+@pytest.mark.parametrize("flavour", ["linen", pytest.param("nnx", marks=pytest.mark.slow)])
 def test_rolling_cache_holds_the_window_only(flavour):
     """window (3, 0): the cache keeps 3 slots, whatever the max length; prefill of 4 with per-example
     lengths, then steps: equal to the full causal pass of each example's real tokens."""

@@ -49,7 +49,8 @@ def _torch_reference(params, x, positions):
     return y, p
 
 
-@pytest.mark.parametrize("use_bias", [True, ("query", "key", "value"), False])
+@pytest.mark.parametrize("use_bias", [pytest.param(True, marks=pytest.mark.slow), ("query", "key", "value"),
+                                      pytest.param(False, marks=pytest.mark.slow)])  # partial biases: both kinds
 def test_rope_layer_equals_torch_forward_and_gradients(use_bias):
     layer = _layer(use_bias=use_bias)
     x = np.random.default_rng(0).standard_normal((B, T, E))

@@ -148,7 +148,8 @@ def layer_violations(edges) -> list[str]:
 @pytest.fixture(scope="module")
 def graph():
     sources = package_sources()
-    assert {"jaxattn._engines.blockwise", "jaxattn._engines.ring", "crosscheck._cli", "torchref._functional"} <= set(sources)
+    expected = {"jaxattn._engines.blockwise", "jaxattn._engines.ring", "crosscheck._cli", "torchref._functional"}
+    assert expected <= set(sources)
     return sources, *analyse(sources)
 
 

@@ -36,7 +36,7 @@ def test_blockwise_memory_is_linear_in_length():
     assert large <= 4.2 * small, (small, large)
 
 
-@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("per_head", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_shaw_within_twice_plain_attention(per_head):
     B, S, N, H, max_distance = 1, 2048, 8, 64, 16
     R = 2 * max_distance + 1

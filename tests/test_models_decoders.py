@@ -24,7 +24,7 @@ from crosscheck import layer_report
 from jaxattn.models import from_pretrained, generate
 
 FAMILIES = ("gpt2", "t5", "llama", "qwen2", "mistral", "gemma2", "qwen3", "gemma3_text", "mixtral", "gpt_oss",
-            "qwen3_moe")
+            "qwen3_moe", "llama4_text")
 NEW = 64
 
 

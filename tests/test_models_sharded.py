@@ -37,7 +37,7 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 from train_sharded import DEMO  # noqa: E402  (the tiny configs that split over 8 devices)
 
 FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "t5")
-NEW_FAMILIES = ("qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe")  # run on the (2, 4) mesh only
+NEW_FAMILIES = ("qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe", "llama4_text")  # the (2, 4) mesh only
 MESHES = ("8x1", "2x4", "1x8")
 TOL = 1e-12
 TIMEOUT_S = 1500  # the mesh run takes about 8 minutes on a loaded 2-core machine
@@ -127,25 +127,26 @@ def test_safetensors_entries_refuses_a_damaged_file(tmp_path):
     (("part", 2, 3, 0), (36,), (3, 4), (1,)), (("part", 0, 3, 1), (5, 36), (5, 12), ()),
     # the MoE families' steps (jaxattn.models.moe): a stacked [X,out,in] kernel to [X,in,out], Mixtral's fused
     # gate_up_proj [X,2F,E] halves; gpt-oss's interleaved columns (every: the span read, tails = its axis)
-    (("swapaxes", 1, 2), (4, 6, 8), (4, 8, 6), ()), ([("part", 1, 2, 1), ("swapaxes", 1, 2)], (4, 12, 8), (4, 8, 6), ()),
+    (("swapaxes", 1, 2), (4, 6, 8), (4, 8, 6), ()),
+    ([("part", 1, 2, 1), ("swapaxes", 1, 2)], (4, 12, 8), (4, 8, 6), ()),
     (("every", 0, 2, 2), (4, 6, 16), (4, 6, 8), (2,)), (("every", 1, 2, 1), (6, 16), (6, 8), (1,)),
 ])
 def test_a_box_of_a_leaf_reads_its_region_of_the_tensor(tmp_path, transform, hf_shape, shape, tails):
-    """_sharding.region against the dense table transform (_table.fill), on every box of a grid of cuts."""
-    from jaxattn.models import _sharding, _table
+    """_lazy_checkpoint.region against the dense table transform (_table.fill), on every box of a grid of cuts."""
+    from jaxattn.models import _lazy_checkpoint, _table
 
     safetensors = pytest.importorskip("safetensors.numpy")
     x = np.arange(np.prod(hf_shape), dtype=np.float64).reshape(hf_shape)
     path = tmp_path / "t.safetensors"
     safetensors.save_file({"t": x}, str(path))
-    tensor = _sharding.LazyTensor(path, io.safetensors_entries(path)["t"])
+    tensor = _lazy_checkpoint.LazyTensor(path, io.safetensors_entries(path)["t"])
     row = _table.Row("t", tuple(map(str, hf_shape)), (("w", tuple(map(str, shape)), transform),))
     leaf = _table.fill({"t": x}, [row], {}, {"t": "t.safetensors"})["w"]
     cuts = [[(0, d), (0, d // 2), (d // 2, d), (1, d - 1)] for d in shape]
     for choice in np.ndindex(*[len(c) for c in cuts]):
         box = tuple(cuts[a][k] for a, k in enumerate(choice))
         io.bytes_read.clear()
-        got = _sharding.region(tensor, transform, shape, box)
+        got = _lazy_checkpoint.region(tensor, transform, shape, box)
         want = leaf[tuple(slice(a, b) for a, b in box)]
         assert got.dtype == want.dtype and np.array_equal(got, want), box
         exact = all(box[a] == (0, shape[a]) for a in tails)
@@ -159,7 +160,7 @@ def test_a_box_of_a_leaf_reads_its_region_of_the_tensor(tmp_path, transform, hf_
 def test_a_stacked_row_reads_only_the_experts_of_its_shard(tmp_path):
     """A stacked row (one HF tensor per expert): a box over experts [1, 3) reads only experts 1 and 2, each
     for its own box, and equals the dense table's leaf there."""
-    from jaxattn.models import _sharding, _table
+    from jaxattn.models import _lazy_checkpoint, _table
 
     safetensors = pytest.importorskip("safetensors.numpy")
     rng = np.random.default_rng(0)
@@ -170,10 +171,10 @@ def test_a_stacked_row_reads_only_the_experts_of_its_shard(tmp_path):
     row = _table.stacked("e.{j}.w", ("F", "E"), "w", ("X", "E", "F"), "transpose", over="X")
     dims = {"X": 4, "E": 8, "F": 6}
     leaf = _table.fill(tensors, [row], dims, {n: "t.safetensors" for n in tensors})["w"]
-    xs = [_sharding.LazyTensor(path, entries[f"e.{j}.w"]) for j in range(4)]
+    xs = [_lazy_checkpoint.LazyTensor(path, entries[f"e.{j}.w"]) for j in range(4)]
     box = ((1, 3), (4, 8), (0, 6))
     io.bytes_read.clear()
-    got = _sharding.stacked_region(xs, "transpose", (4, 8, 6), box)
+    got = _lazy_checkpoint.stacked_region(xs, "transpose", (4, 8, 6), box)
     assert np.array_equal(got, leaf[1:3, 4:8])
     assert {name: n for (_, name), n in io.bytes_read.items()} == {"e.1.w": 6 * 4 * 8, "e.2.w": 6 * 4 * 8}
 
@@ -190,13 +191,13 @@ def test_rules_tables_name_every_family():
         partition_rules("whisper")
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss", "llama4_text"])
 def test_moe_rules_split_experts_before_the_llama_rows(model_type):
     """The expert rows come first (Llama's "*/gate_proj/kernel" would match a 3-D expert kernel): experts by
     X over "model", FSDP over E; the router FSDP over E; the dense rows as Llama's."""
-    from jaxattn.models import _sharding
+    from jaxattn.models import _partition_rules
 
-    rules = _sharding.Rules.of(model_type, one_device_mesh("data", "model"))
+    rules = _partition_rules.Rules.of(model_type, one_device_mesh("data", "model"))
     E, X, F = 8, 4, 6
     assert rules.spec("layers_1/mlp/experts/gate_proj/kernel", (X, E, F)) == P("model", "data", None)
     assert rules.spec("layers_1/mlp/experts/up_proj/kernel", (X, E, F)) == P("model", "data", None)
@@ -208,9 +209,11 @@ def test_moe_rules_split_experts_before_the_llama_rows(model_type):
     assert rules.spec("layers_1/self_attn/sinks", (4,)) == P("model")
     assert rules.spec("layers_1/self_attn/query/kernel", (E, 4, 2)) == P("data", "model", None)
     assert rules.spec("layers_1/self_attn/q_norm/weight", (2,)) == P()
+    assert rules.spec("layers_1/mlp/shared_expert/gate_proj/kernel", (E, F)) == P("data", "model")  # Llama 4's
+    assert rules.spec("layers_1/mlp/shared_expert/down_proj/kernel", (F, E)) == P("model", "data")
 
 
-@pytest.mark.parametrize("family", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_one_device_mesh_loads_moe_params_the_same(new_checkpoints, family):
     """Stacked per-expert rows (Mixtral) and gpt-oss's interleaved gate/up ("every"): on a one-device mesh
     the params equal the unsharded load and so do the logits; every tensor is read whole once, except
@@ -235,14 +238,14 @@ def test_one_device_mesh_loads_moe_params_the_same(new_checkpoints, family):
 
 
 def test_rules_first_match_wins_and_user_rows_come_first():
-    from jaxattn.models import _sharding
+    from jaxattn.models import _partition_rules
 
     mesh = one_device_mesh("data", "model")
-    rules = _sharding.Rules.of("llama", mesh, {"*/self_attn/*/kernel": P("data")})
+    rules = _partition_rules.Rules.of("llama", mesh, {"*/self_attn/*/kernel": P("data")})
     assert rules.spec("layers_3/self_attn/query/kernel", (8, 4, 2)) == P("data")
     assert rules.spec("layers_3/up_proj/kernel", (8, 6)) == P("data", "model")
     assert rules.spec("norm/weight", (8,)) == P()
-    only_data = _sharding.Rules.of("llama", one_device_mesh("data"))  # "model" dropped from the defaults
+    only_data = _partition_rules.Rules.of("llama", one_device_mesh("data"))  # "model" dropped from the defaults
     assert only_data.spec("layers_0/self_attn/query/kernel", (8, 4, 2)) == P("data", None, None)
 
 
@@ -252,23 +255,23 @@ def test_rules_first_match_wins_and_user_rows_come_first():
     ([("*", "data")], r"rules\[0\]: expected a \(pattern str, PartitionSpec\) pair"),
 ])
 def test_rules_that_name_no_axis_of_the_mesh_are_refused(rules, match):
-    from jaxattn.models import _sharding
+    from jaxattn.models import _partition_rules
 
     with pytest.raises(ValueError, match=match):
-        _sharding.Rules.of("llama", one_device_mesh("data", "model"), rules)
+        _partition_rules.Rules.of("llama", one_device_mesh("data", "model"), rules)
 
 
 def test_a_spec_is_checked_against_its_leaf():
-    from jaxattn.models import _sharding
+    from jaxattn.models import _partition_rules
 
     mesh = one_device_mesh("data", "model")
     with pytest.raises(ValueError, match=r"^q \(spec P\(None, None, None, 'data'\), shape \[8,4,2\]\): expected "
                                          r"at most 3 entries"):
-        _sharding.check_spec("q", P(None, None, None, "data"), (8, 4, 2), mesh)
+        _partition_rules.check_spec("q", P(None, None, None, "data"), (8, 4, 2), mesh)
     with pytest.raises(ValueError, match=r"expected each mesh axis at most once, got axes \['data', 'data'\]"):
-        _sharding.check_spec("q", P("data", "data"), (8, 4, 2), mesh)
+        _partition_rules.check_spec("q", P("data", "data"), (8, 4, 2), mesh)
     with pytest.raises(ValueError, match=r"expected axes of the mesh \['data', 'model'\], got axis 'seq'"):
-        _sharding.check_spec("q", P("seq"), (8, 4, 2), mesh)
+        _partition_rules.check_spec("q", P("seq"), (8, 4, 2), mesh)
 
 
 def test_a_rule_that_does_not_divide_a_dimension_is_refused():
@@ -277,16 +280,17 @@ def test_a_rule_that_does_not_divide_a_dimension_is_refused():
     dropped fit a width of 6."""
     from jax.sharding import AbstractMesh
 
-    from jaxattn.models import _sharding
+    from jaxattn.models import _partition_rules
 
     mesh = AbstractMesh((2, 4), ("data", "model"))
-    with pytest.raises(ValueError, match=r"^layers_0/up_proj/kernel \(spec P\('data', 'model'\), shape \[64,6\]\): "
-                                         r"expected dim 1 \(6\) divisible by 4 \(mesh axes \['model'\]\), got 6 % 4 = 2$"):
-        _sharding.check_spec("layers_0/up_proj/kernel", P("data", "model"), (64, 6), mesh)
+    with pytest.raises(ValueError,
+                       match=r"^layers_0/up_proj/kernel \(spec P\('data', 'model'\), shape \[64,6\]\): "
+                       r"expected dim 1 \(6\) divisible by 4 \(mesh axes \['model'\]\), got 6 % 4 = 2$"):
+        _partition_rules.check_spec("layers_0/up_proj/kernel", P("data", "model"), (64, 6), mesh)
     with pytest.raises(ValueError, match=r"^q \(spec P\(\('data', 'model'\),\), shape \[12\]\): expected dim 0 "
                                          r"\(12\) divisible by 8 \(mesh axes \['data', 'model'\]\)"):
-        _sharding.check_spec("q", P(("data", "model")), (12,), mesh)
-    _sharding.check_spec("layers_0/up_proj/kernel", P("data", None), (64, 6), mesh)
+        _partition_rules.check_spec("q", P(("data", "model")), (12,), mesh)
+    _partition_rules.check_spec("layers_0/up_proj/kernel", P("data", None), (64, 6), mesh)
 
 
 def test_one_device_mesh_loads_the_same_params(checkpoints):
@@ -313,13 +317,14 @@ def test_sequence_parallel_applies_the_qk_norms(tmp_path):
     """Qwen 3 without windows on a one-device (data, seq, model) mesh: its attention runs on the ring
     (SequenceParallelAttention), q_norm/k_norm included, and equals the unsharded model."""
     from crosscheck import _hf_models as hf
-    from jaxattn.models import _sharding
+    from jaxattn.linen import MultiHeadAttention
+    from jaxattn.models import _activation_layout
 
     directory = hf.write_checkpoint("qwen3", tmp_path / "qwen3", vocab_size=128, use_sliding_window=False,
                                     **DEMO["qwen3"])
     model, params = from_pretrained(directory, dtype="float64")
     smodel, sparams = from_pretrained(directory, dtype="float64", mesh=one_device_mesh("data", "seq", "model"))
-    assert _sharding.attention_class(smodel.sharding) is not _sharding.MultiHeadAttention
+    assert _activation_layout.attention_class(smodel.sharding) is not MultiHeadAttention
     ids, mask = np.array([[5, 6, 7, 8, 9, 10], [9, 10, 11, 12, 0, 0]]), np.array([[1] * 6, [1] * 4 + [0] * 2])
     got = jax.jit(smodel.apply)({"params": sparams}, ids, attention_mask=mask)
     want = model.apply({"params": params}, ids, attention_mask=mask)
@@ -414,7 +419,8 @@ def test_parameters_are_laid_out_by_the_rules(mesh_results, family):
     assert specs[f"{attention}['out']['kernel']"] == "('model', None, 'data')"  # [N,H,E]
     norms = [s for path, s in specs.items() if "norm" in path or "ln_" in path]
     assert norms and set(norms) == {"()"}  # replicated
-    mlp_in = {"gpt2": "['h_0']['c_fc']", "t5": "['encoder']['block_0']['ff']['wi_0']"}.get(family, "['layers_0']['up_proj']")
+    mlp_in = {"gpt2": "['h_0']['c_fc']",
+              "t5": "['encoder']['block_0']['ff']['wi_0']"}.get(family, "['layers_0']['up_proj']")
     assert specs[f"{mlp_in}['kernel']"] == "('data', 'model')"
 
 
@@ -457,7 +463,7 @@ def new_family_results(new_checkpoints):
 @pytest.mark.slow  # reads the 8-device subprocess run (_models_mesh_checks.py families)
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_newer_family_on_a_mesh_equals_one_device(new_family_results, family):
-    """Qwen 3, Gemma 3, Mixtral, gpt-oss, Qwen3-MoE on (data, model) = (2, 4) in float64: logits normwise
+    """Qwen 3, Gemma 3, Mixtral, gpt-oss, Qwen3-MoE, Llama 4 on (data, model) = (2, 4) in float64: logits normwise
     <= 1e-12, greedy tokens equal, one AdamW step <= 1e-12 with the layout kept; the experts laid out by
     MOE_RULES (X over "model"), and no weight all-gathered over "model" in the compiled forward."""
     result = result_of(new_family_results, family, "2x4")
@@ -471,7 +477,11 @@ def test_newer_family_on_a_mesh_equals_one_device(new_family_results, family):
     assert specs["['layers_0']['self_attn']['query']['kernel']"] == "('data', 'model')"
     if family in ("qwen3", "gemma3_text", "qwen3_moe"):
         assert specs["['layers_0']['self_attn']['q_norm']['weight']"] == "()"
-    if family in ("mixtral", "gpt_oss", "qwen3_moe"):
+    if family == "llama4_text":  # layer 0 dense (its SwiGLU under "mlp"), layer 1 the MoE with a shared expert
+        assert specs["['layers_0']['mlp']['up_proj']['kernel']"] == "('data', 'model')"
+        assert specs["['layers_1']['mlp']['experts']['gate_proj']['kernel']"] == "('model', 'data')"
+        assert specs["['layers_1']['mlp']['shared_expert']['down_proj']['kernel']"] == "('model', 'data')"
+    elif family in ("mixtral", "gpt_oss", "qwen3_moe"):
         assert specs["['layers_0']['mlp']['experts']['gate_proj']['kernel']"] == "('model', 'data')"
         assert specs["['layers_0']['mlp']['experts']['down_proj']['kernel']"] == "('model', None, 'data')"
         assert specs["['layers_0']['mlp']['router']['kernel']"] == "('data',)"
@@ -498,7 +508,8 @@ def test_rules_that_do_not_fit_eight_devices_are_refused(mesh_results):
 def test_sequence_parallel_on_the_ring_equals_one_device(mesh_results, family):
     """Mesh (data, seq, model) = (2, 2, 2), right-padded 12-token prompts: the forward, generate (prefill on
     the ring) and one AdamW step (the ring's backward) equal one device; the compiled forward passes key/value
-    shares round "seq" (collective-permutes) and all-reduces floats over "model" only; a left-padded row gives NaN logits, and generate refuses it."""
+    shares round "seq" (collective-permutes) and all-reduces floats over "model" only; a left-padded row gives NaN
+    logits, and generate refuses it."""
     result = mesh_results["sequence_parallel"][family]
     assert "error" not in result, result["error"]
     assert result["forward"] <= TOL and "'seq'" in result["forward_spec"]

@@ -38,7 +38,7 @@ def _assert_matches(directory):
 
 
 def test_new_families_are_supported():
-    assert {"qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe"} <= set(supported_model_types())
+    assert {"qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe", "llama4_text"} <= set(supported_model_types())
 
 
 @pytest.mark.slow  # two reports per variant, on top of the bars' runs of the default configs
@@ -180,7 +180,8 @@ def test_router_logits_and_aux_loss_equal_transformers(tmp_path, model_type, dty
 
 
 def test_routing_weights_keep_the_top_k_as_each_family_does():
-    """Literal logits: Mixtral renormalises the top k of the softmax, gpt-oss softmaxes the top k logits."""
+    """Literal logits: Mixtral renormalises the top k of the softmax, gpt-oss softmaxes the top k logits, Llama 4
+    sigmoids them."""
     logits = np.log(np.array([[1.0, 4.0, 2.0, 3.0]]))
     mixtral = moe.routing_weights(logits, 2, "softmax_topk")
     np.testing.assert_allclose(mixtral, [[0, 4 / 7, 0, 3 / 7]], rtol=1e-12)
@@ -188,8 +189,11 @@ def test_routing_weights_keep_the_top_k_as_each_family_does():
     np.testing.assert_allclose(unnormalised, [[0, 0.4, 0, 0.3]], rtol=1e-12)
     np.testing.assert_allclose(moe.routing_weights(logits, 2, "topk_softmax"), mixtral, rtol=1e-12)
     np.testing.assert_allclose(moe.routing_weights(np.array([[0.0, 3.0, 1.0, 3.0]]), 3, "topk_softmax"),
-                               [[0, np.e ** 2 / (2 * np.e ** 2 + 1), 1 / (2 * np.e ** 2 + 1), np.e ** 2 / (2 * np.e ** 2 + 1)]],
+                               [[0, np.e ** 2 / (2 * np.e ** 2 + 1), 1 / (2 * np.e ** 2 + 1),
+                                 np.e ** 2 / (2 * np.e ** 2 + 1)]],
                                rtol=1e-12)
+    # Llama 4: each of the top k logits through a sigmoid, not normalised: log(4) -> 4/5, log(3) -> 3/4
+    np.testing.assert_allclose(moe.routing_weights(logits, 2, "topk_sigmoid"), [[0, 0.8, 0, 0.75]], rtol=1e-12)
     with pytest.raises(ValueError, match="routing: expected one of"):
         moe.routing_weights(logits, 2, "topk")
 
@@ -252,3 +256,53 @@ def test_moe_loads_transformers_5_fused_experts_too(tmp_path, model_type):
     assert jax.tree.structure(saved) == jax.tree.structure(fused)
     for a, b in zip(jax.tree.leaves(saved), jax.tree.leaves(fused)):
         np.testing.assert_array_equal(a, b)
+
+
+# --- Llama 4 (llama4_text): its layer pattern and options --------------------------------------------------------
+
+@pytest.mark.slow  # two reports per variant, on top of the bars' runs of the default config
+@pytest.mark.parametrize("overrides", [
+    # no chunks (every layer global), the NoPE layer first, both layers MoE with top 2, biased projections
+    {"attention_chunk_size": None, "no_rope_layers": [0, 1], "moe_layers": [0, 1], "num_experts_per_tok": 2,
+     "attention_bias": True},
+    # no L2 q/k norm, no temperature, tied head, HF's default rope
+    {"use_qk_norm": False, "attn_temperature_tuning": False, "tie_word_embeddings": True,
+     "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}}])
+def test_llama4_variants_match_transformers(tmp_path, overrides):
+    model, params, torch_model = _assert_matches(hf.write_checkpoint("llama4_text", tmp_path / "v", **overrides))
+    c = model.config
+    assert c.layer_types() == torch_model.config.layer_types and list(c.moe_layers) == torch_model.config.moe_layers
+    assert ("lm_head" in params) != c.tie_word_embeddings
+
+
+def test_llama4_layer_pattern_follows_hf_defaults():
+    """no_rope_layers and moe_layers unset: a NoPE layer every no_rope_layer_interval-th layer, an MoE every
+    interleave_moe_layer_step-th, as transformers' Llama4TextConfig derives them."""
+    import transformers
+
+    from jaxattn.models.llama4 import Llama4TextConfig
+
+    hf_config = transformers.Llama4TextConfig(num_hidden_layers=9, no_rope_layer_interval=3,
+                                              interleave_moe_layer_step=4, attention_chunk_size=7)
+    ours = Llama4TextConfig.from_dict({k: v for k, v in hf_config.to_dict().items()
+                                       if k not in ("no_rope_layers", "moe_layers", "layer_types")})
+    assert [int(r) for r in ours.rope_layers] == hf_config.no_rope_layers == [1, 1, 0] * 3
+    assert list(ours.moe_layers) == hf_config.moe_layers == [3, 7]
+    assert ours.layer_types() == hf_config.layer_types
+
+
+def test_llama4_options_not_implemented_are_refused(tmp_path):
+    source = hf.write_checkpoint("llama4_text", tmp_path / "ok")
+    config = json.loads((source / "config.json").read_text())
+    bad = tmp_path / "bad"
+    shutil.copytree(source, bad)
+    for changes, named in [({"hidden_act": "gelu"}, "hidden_act"),
+                           ({"router_jitter_noise": 0.1}, "router_jitter_noise"),
+                           ({"num_experts_per_tok": 6}, "num_experts_per_tok"),
+                           ({"layer_types": ["full_attention", "full_attention"]}, "layer_types"),
+                           ({"no_rope_layers": [1]}, "no_rope_layers"), ({"no_rope_layers": [1, 2]}, "no_rope_layers"),
+                           ({"moe_layers": [2]}, "moe_layers"), ({"attention_chunk_size": 0}, "attention_chunk_size"),
+                           ({"floor_scale": 0}, "floor_scale")]:
+        (bad / "config.json").write_text(json.dumps({**config, **changes}))
+        with pytest.raises(ValueError, match=rf"{bad}/config.json: {named}: expected"):
+            from_pretrained(bad)

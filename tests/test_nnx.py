@@ -82,7 +82,7 @@ def test_plain_call_and_nnx_vmap():
     assert normwise(outs[0], jaxattn.multi_head_attention(first, q)) <= 1e-14
 
 
-@pytest.mark.parametrize("relative", [False, True])
+@pytest.mark.parametrize("relative", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_against_torchref_modules(relative):
     torch.manual_seed(0)
     kwargs = dict(head_dim=H, num_kv_heads=3, value_head_dim=Hv, key_features=Ek, value_features=Ev,
@@ -98,7 +98,7 @@ def test_against_torchref_modules(relative):
     assert normwise(got, want) <= 1e-12
 
 
-@pytest.mark.parametrize("K", [N, 2])
+@pytest.mark.parametrize("K", [pytest.param(N, marks=pytest.mark.slow), 2])
 def test_flax_nnx_parameters_load_into_ours(K):
     # Without dropout flax.nnx attends through jax.nn.dot_product_attention, whose softmax runs in float32
     # even for float64 inputs: flax is the less precise side, hence float32's bar (linen's own layer is
@@ -138,6 +138,7 @@ def test_dropout_with_rng_streams_and_eval_train():
                                   jax.jit(jaxattn.multi_head_attention)(layer.params(), q))
 
 
+@pytest.mark.slow  # linen's test_dtype_and_param_dtype runs the shared code in the default group
 def test_dtype_param_dtype_and_initialisers():
     layer = jx.RelativeMultiHeadAttention(Eq, N, H, max_distance=1, share_heads=True, param_dtype=jnp.bfloat16,
                                           dtype=jnp.float32, kernel_init=nn.initializers.ones,

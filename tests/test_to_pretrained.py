@@ -59,6 +59,7 @@ VARIANTS = {
     "mixtral": ("mixtral", {}),                                            # stacked per-expert rows
     "gpt_oss": ("gpt_oss", {}),                                            # interleaved gate/up, sinks
     "qwen3_moe": ("qwen3_moe", {}),                                        # q/k norms on experts
+    "llama4_text": ("llama4_text", {}),                                    # fused experts, dense/MoE layers
 }
 _AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM"}
 
@@ -317,7 +318,8 @@ def test_writing_into_an_existing_directory_replaces_only_weight_files(checkpoin
 
 # --- 4. python -m crosscheck --model on a written directory ----------------------------------------------------
 
-@pytest.mark.parametrize("variant", _variant_params())
+# slow group only: --model is tests/test_cli_model.py's (default group), writing is the tests above
+@pytest.mark.parametrize("variant", _variant_params(default=()))
 def test_crosscheck_model_passes_on_a_written_directory(checkpoints, variant, tmp_path, capsys):
     from crosscheck._cli import main
 
@@ -332,8 +334,10 @@ def test_crosscheck_model_passes_on_a_written_directory(checkpoints, variant, tm
 
 # --- configs with no config.json behind them ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if VARIANTS[v][0] not in ("llama", "gemma3_text")])
-# llama: linear rope; gemma3: the tiny checkpoint's two ropes are not HF's defaults (both in no field)
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if VARIANTS[v][0] not in ("llama", "gemma3_text",
+                                                                                  "llama4_text")])
+# llama: linear rope; llama4_text: llama3 rope; gemma3: the tiny checkpoint's two ropes are not HF's defaults
+# (all in no field)
 def test_a_config_without_hf_config_is_written_from_the_family_mapping(checkpoints, variant, tmp_path):
     """hf_config None (a config built in Python): config.json holds the family's own keys only, reads back as
     the same config, and transformers builds the model from it with every weight in place."""

@@ -305,7 +305,7 @@ FAMILY_KEYWORDS = ("window", "chunk_size", "logit_softcap", "sinks")
 @pytest.fixture(scope="module")
 def hf_calls():
     pytest.importorskip("transformers")
-    from crosscheck._hf_modern import FAMILIES, record_attention
+    from crosscheck._hf_attention import FAMILIES, record_attention
 
     return {family: record_attention(family) for family in FAMILIES}
 
@@ -345,7 +345,7 @@ def test_hf_gradients_equal_torchref_softcap_and_sinks(hf_calls, family):
 
 
 def test_hf_float32_within_float32_tolerance():
-    from crosscheck._hf_modern import record_attention
+    from crosscheck._hf_attention import record_attention
 
     for call in record_attention("gemma2", dtype=torch.float32):
         got = torchref.dot_product_attention(call.query, call.key, call.value, **call.keywords)

@@ -149,7 +149,8 @@ DAMAGED = [
     (safetensors_bytes({"a": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}}, b"\0" * 8), "8 bytes for"),
     (safetensors_bytes({"a": {"dtype": "Q7", "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8), "dtype"),
     (safetensors_bytes({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8), "bad shape"),
-    (safetensors_bytes({"a": {"dtype": [], "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8), "dtype \\[\\]"),  # found by fuzzing
+    # found by fuzzing:
+    (safetensors_bytes({"a": {"dtype": [], "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8), "dtype \\[\\]"),
     (safetensors_bytes({**F32_HEADER, "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8),
      "gap or overlap"),
     (b'\x1c\0\0\0\0\0\0\0{"a": {}, "a": {}}          ', "duplicate"),

@@ -11,7 +11,7 @@
 * ``flex_<pattern>_blockwise``: flex_attention on the blockwise engine (small tiles, mask_mod per tile, the
   custom VJP), forward and gradients against torchref.flex_attention.
 * ``hf_modern_<family>``: every eager attention call of a tiny random Gemma 2 / Mistral / gpt-oss / Llama 4 /
-  Qwen2 model (a prefill, then tokens on the cache), recorded with crosscheck._hf_modern, against
+  Qwen2 model (a prefill, then tokens on the cache), recorded with crosscheck._hf_attention, against
   dot_product_attention with the mapped keywords; gradients through HF's own eager function.
 
 Patterns with ``_cache`` have T < S: a cache precedes the queries, positions are bottom-right.
@@ -130,10 +130,12 @@ def _blockwise_vs_torchref(case):
 
 
 for _name, _case in FLEX_CASES.items():
-    register_case(f"flex_{_name}", quick=FLOAT32_JIT, note=REFERENCE_NOTE,
-                  description=f"flex_attention(q, k, v, score_mod, block_mask) vs torch's eager call (forward), {_name}, "
+    _quick_proof = _name == "documents_sliding_softcap"  # three keywords at once, vs torch's flex and torchref
+    register_case(f"flex_{_name}", quick=FLOAT32_JIT, note=REFERENCE_NOTE, default_run=_quick_proof,
+                  description=f"flex_attention(q, k, v, score_mod, block_mask) vs torch's eager call (forward), "
+                              f"{_name}, "
                               f"T={_case.T} S={_case.S}")(lambda c=_case: _flex_vs_torch(c))
-    register_case(f"flex_{_name}_keywords", quick=FLOAT64_PLAIN,
+    register_case(f"flex_{_name}_keywords", quick=FLOAT64_PLAIN, default_run=_quick_proof,
                   description=f"dot_product_attention keywords vs torchref.flex_attention mods (and gradients), "
                               f"{_name}")(lambda c=_case: _keywords_vs_torchref(c))
     register_case(f"flex_{_name}_blockwise",
@@ -145,11 +147,11 @@ for _name, _case in FLEX_CASES.items():
 # Hugging Face attention of today's models
 
 
-def _hf_modern(family: str) -> Setup:
+def _hf_family(family: str) -> Setup:
     """Every recorded attention call of the family: outputs and gradients, one entry per call."""
     import torch
 
-    from crosscheck._hf_modern import record_attention
+    from crosscheck._hf_attention import record_attention
 
     calls = record_attention(family, dtype=torch.float64)
     # each module's float64 parameters (gpt-oss sinks...), restored before every run: a float32 run casts
@@ -167,7 +169,8 @@ def _hf_modern(family: str) -> Setup:
         out = {}
         for name, value in kw.items():
             if isinstance(value, np.ndarray):
-                value = jnp.asarray(value, like.dtype) if np.issubdtype(value.dtype, np.floating) else jnp.asarray(value)
+                floating = np.issubdtype(value.dtype, np.floating)
+                value = jnp.asarray(value, like.dtype) if floating else jnp.asarray(value)
             out[name] = value
         return out
 
@@ -194,4 +197,4 @@ def _hf_modern(family: str) -> Setup:
 for _family in ("gemma2", "mistral", "gpt_oss", "llama4", "qwen2", "qwen2_sliding"):
     register_case(f"hf_modern_{_family}", requires=_HF, quick=FLOAT32_JIT,
                   description=f"HF {_family} eager attention (prefill + cache steps) vs dot_product_attention "
-                              "with the mapped keywords, outputs and gradients")(lambda f=_family: _hf_modern(f))
+                              "with the mapped keywords, outputs and gradients")(lambda f=_family: _hf_family(f))

@@ -187,7 +187,6 @@ def _out(p, z):
 
 
 def _t5(name: str, *, decoder: bool, T: int, S: int) -> Setup:
-    import torch
     from transformers import T5Config
     from transformers.cache_utils import DynamicCache
     from transformers.models.t5.modeling_t5 import T5Attention
@@ -246,7 +245,7 @@ def _hf_cos_sin(rotary, config, position_ids, dtype, rotary_dim: int, base: floa
     return emb.cos(), emb.sin()
 
 
-@register_case("hf_llama", requires=_HF, quick=FLOAT32_JIT)
+@register_case("hf_llama", requires=_HF, quick=FLOAT32_JIT, default_run=True)
 def hf_llama() -> Setup:
     """HF LlamaAttention (RoPE "half", GQA N=6 K=2, biases), decoding T=4 against a DynamicCache, S=11."""
     import torch
@@ -493,7 +492,7 @@ def pos_t5_bidirectional_blockwise() -> Setup:
                       {"table": normal(rng, (10, _N))})
 
 
-@register_case("pos_alibi_causal")
+@register_case("pos_alibi_causal", default_run=True)
 def pos_alibi_causal() -> Setup:
     """alibi_attention (slope * (j - i), 6 heads) vs torchref.positions, GQA, causal T=5 < S=11."""
     import jaxattn

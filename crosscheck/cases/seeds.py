@@ -6,14 +6,13 @@ kept in the seed's layout and variable names; the JAX side is the jaxattn way of
 
 from __future__ import annotations
 
-import numpy as np
 
 from crosscheck.cases.common import functional, normal, randomize, rng_for, to_numpy_tree, torch_params
 from crosscheck._catalogue import Setup, register_case
 from crosscheck._compare import Const
 
 
-@register_case("seed000")
+@register_case("seed000", default_run=True)
 def seed000() -> Setup:
     """Seed 000: relative attention, X [B,S,N,H], per-head W [N,H,H], A^K/A^V [S,S,N,H] -> z [B,S,N,H]."""
     import jax.numpy as jnp
@@ -48,7 +47,7 @@ def seed000() -> Setup:
     return Setup(jax_fn, torch_fn, {"X": normal(rng, (B, S, N, H))}, params=params)
 
 
-@register_case("seed001")
+@register_case("seed001", default_run=True)
 def seed001() -> Setup:
     """Seed 001: einsum multi-head self-attention == torch.nn.MultiheadAttention(bias=False), d=12, n_h=2."""
     import torch
@@ -73,7 +72,7 @@ def seed001() -> Setup:
                  grads_from_torch=lambda g: params_from_torch(g, num_heads=n_h))
 
 
-@register_case("seed002")
+@register_case("seed002", default_run=True)
 def seed002() -> Setup:
     """Seed 002: per-head W [N,E,H] vs the packed [E,N*H] matmul, triu(diagonal=1) as blocked, bmm."""
     import jax.numpy as jnp
@@ -109,7 +108,7 @@ def seed002() -> Setup:
     return Setup(jax_fn, torch_fn, {"x": normal(rng, (B, T, E))}, params=params)
 
 
-@register_case("seed003")
+@register_case("seed003", default_run=True)
 def seed003() -> Setup:
     """Seed 003: step-by-step SDPA (similarities, / sqrt(d_k), masked_fill -inf, softmax, @ values), [B,N,T,H]."""
     import torch
@@ -142,7 +141,7 @@ def seed003() -> Setup:
 SEED004_LENGTH = 8
 
 
-@register_case("seed004")
+@register_case("seed004", default_run=True)
 def seed004() -> Setup:
     """Seed 004: zero logits under a causal mask = the running mean tril(ones)/rowsum @ values (T=8)."""
     import jax.numpy as jnp

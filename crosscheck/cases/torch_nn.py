@@ -122,7 +122,8 @@ def _register_mha(name: str, description: str, options: dict) -> None:
         module = randomize(torch.nn.MultiheadAttention(E, N, **constructor), rng)
         return mha_setup(module, rng, **{k: v for k, v in options.items() if k not in _CONSTRUCTOR})
 
-    register_case(name, description=f"nn.MultiheadAttention: {description}", quick=FLOAT32_JIT)(build)
+    register_case(name, description=f"nn.MultiheadAttention: {description}", quick=FLOAT32_JIT,
+                  default_run=name == "mha_everything")(build)  # the quick proof: every option at once
 
 
 for _name, (_description, _options) in _MHA_CASES.items():
@@ -140,7 +141,6 @@ def _sdpa_setup(name: str, *, T=T, S=S, N=N, K=N, Hv=Hv, is_causal=False, jax_ca
     is_causal (bottom-right aligned) against torch given that explicit mask. attn_mask: None, "bool" (SDPA:
     True = takes part) or "float".
     """
-    import torch
     import torch.nn.functional as F
 
     import jaxattn
@@ -188,7 +188,8 @@ _SDPA_CASES = {
 
 
 def _register_sdpa(name: str, description: str, options: dict) -> None:
-    register_case(name, description=f"F.scaled_dot_product_attention: {description}", quick=FLOAT32_VMAP)(
+    register_case(name, description=f"F.scaled_dot_product_attention: {description}", quick=FLOAT32_VMAP,
+                  default_run=name == "sdpa_gqa")(
         lambda: _sdpa_setup(name, **options))
 
 

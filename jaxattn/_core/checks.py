@@ -7,14 +7,14 @@ reading an XLA error. Shapes are static under jit, so none of this costs anythin
 from __future__ import annotations
 
 import numbers
-from typing import NamedTuple, Sequence
+from typing import NamedTuple, NoReturn, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 
-def fail(name: str, expected, actual) -> None:
+def fail(name: str, expected, actual) -> NoReturn:
     raise ValueError(f"{name}: expected {expected}, got {actual}")
 
 

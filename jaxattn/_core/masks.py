@@ -78,6 +78,7 @@ def allowed_pairs(rule: MaskRule, query_pos, key_pos, key_index, lengths=None, q
 # Kinds of the key tiles a query tile visits (key_block_schedule): mask_mod and the rule apply, only the
 # rule applies, or nothing masks (every pair allowed).
 WITH_MOD, MASKED, CLEAN = 0, 1, 2
+SKIPPED = 3  # a key tile with no allowed pair (key_block_kinds)
 
 
 class TileSchedule(NamedTuple):
@@ -92,16 +93,34 @@ def key_block_schedule(rule: MaskRule, query_pos, key_pos, lengths, block: int, 
                        query_segments=None, key_segments=None, block_kinds=None, mask_mod=False) -> TileSchedule:
     """Which key blocks (of `block` keys; key_pos [...,n_blocks * block]) a query tile (query_pos [...,Tb])
     visits under `rule`, lengths [B|1] (counted from key 0), segment ids (query [B|1,Tb], key
-    [B|1,n_blocks * block]) and a BlockMask row block_kinds [n_blocks] (EMPTY / PARTIAL / FULL), and how.
+    [B|1,n_blocks * block]) and a BlockMask row block_kinds [n_blocks] (EMPTY / PARTIAL / FULL), and how:
+    key_block_kinds's kinds, sorted. Static (every tile CLEAN, in order) when nothing masks.
+    """
+    if not masks_anything(rule, lengths, query_segments, block_kinds, mask_mod):
+        return TileSchedule(jnp.arange(n_blocks, dtype=jnp.int32), (0, 0, n_blocks))
+    kind = key_block_kinds(rule, query_pos, key_pos, lengths, block, n_blocks, query_segments=query_segments,
+                           key_segments=key_segments, block_kinds=block_kinds, mask_mod=mask_mod)
+    order = jnp.argsort(kind, stable=True).astype(jnp.int32)
+    counts = tuple(jnp.sum(kind == k, dtype=jnp.int32) for k in (WITH_MOD, MASKED, CLEAN))
+    return TileSchedule(order, counts if mask_mod else (0,) + counts[1:])  # static 0: no mask_mod loop to compile
+
+
+def masks_anything(rule: MaskRule, lengths=None, query_segments=None, block_kinds=None, mask_mod=False) -> bool:
+    """False when every (query, key) pair is allowed: no rule, lengths, segment ids, BlockMask or mask_mod."""
+    return bool(rule.is_causal or rule.window or rule.chunk_size or lengths is not None
+                or query_segments is not None or block_kinds is not None or mask_mod)
+
+
+def key_block_kinds(rule: MaskRule, query_pos, key_pos, lengths, block: int, n_blocks: int, *,
+                    query_segments=None, key_segments=None, block_kinds=None, mask_mod=False):
+    """int32 [n_blocks]: the kind of each key block for one query tile (arguments as key_block_schedule):
+    WITH_MOD, MASKED or CLEAN, or SKIPPED when it holds no allowed pair.
 
     Every test reads ranges (min / max of positions and ids per tile): exact for contiguous positions and
     sorted segment ids, conservative for any others (a needed tile is never skipped, a tile with a blocked
     pair is never CLEAN). mask_mod: a mask function is in use (WITH_MOD on the BlockMask's partial tiles,
-    on every visited tile without a BlockMask). Static (every tile CLEAN, in order) when nothing masks.
+    on every visited tile without a BlockMask).
     """
-    if not (rule.is_causal or rule.window or rule.chunk_size or lengths is not None or query_segments is not None
-            or block_kinds is not None or mask_mod):
-        return TileSchedule(jnp.arange(n_blocks, dtype=jnp.int32), (0, 0, n_blocks))
     k_blocks = key_pos.reshape(-1, n_blocks, block)
     k_min, k_max = k_blocks.min(axis=(0, 2)), k_blocks.max(axis=(0, 2))
     q_min, q_max = query_pos.min(), query_pos.max()
@@ -130,10 +149,7 @@ def key_block_schedule(rule: MaskRule, query_pos, key_pos, lengths, block: int, 
     if block_kinds is not None:
         needed &= block_kinds != EMPTY
         with_mod &= block_kinds == PARTIAL  # the BlockMask's full tiles skip mask_mod
-    kind = jnp.where(needed, jnp.where(with_mod, WITH_MOD, jnp.where(full, CLEAN, MASKED)), CLEAN + 1)
-    order = jnp.argsort(kind, stable=True).astype(jnp.int32)
-    counts = tuple(jnp.sum(kind == k, dtype=jnp.int32) for k in (WITH_MOD, MASKED, CLEAN))
-    return TileSchedule(order, counts if mask_mod else (0,) + counts[1:])  # static 0: no mask_mod loop to compile
+    return jnp.where(needed, jnp.where(with_mod, WITH_MOD, jnp.where(full, CLEAN, MASKED)), SKIPPED).astype(jnp.int32)
 
 
 def allowed_keys(logits_shape, *, mask=None, is_causal=False, key_value_seq_lengths=None,

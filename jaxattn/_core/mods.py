@@ -21,6 +21,7 @@ import numbers
 from typing import Callable, NamedTuple, Optional
 
 import jax
+import jax.core  # jax.core.Tracer, eval_jaxpr: a submodule, imported by name so that type checkers see it
 import jax.numpy as jnp
 import numpy as np
 
@@ -190,6 +191,11 @@ def _combined(name: str, combine, start: bool, mask_mods) -> Callable:
     return mask_mod
 
 
+def noop_mask(b, n, t, s):
+    """torch's noop_mask: every (query, key) pair may attend (a BlockMask of it has only full tiles)."""
+    return jnp.ones_like(t, dtype=bool)
+
+
 def and_masks(*mask_mods: Callable) -> Callable:
     """mask_mod(b, n, t, s) allowing a pair iff every one of mask_mods does (torch's and_masks)."""
     return _combined("and_masks", jnp.logical_and, True, mask_mods)
@@ -206,8 +212,9 @@ def differentiable(consts) -> tuple:
 
 
 def on_grid(fn: Callable, consts, b, n, t, s, score=None):
-    """Evaluate fn (an ElementFunction's fn) elementwise over the grid [B,N,T,S]: b [B], n [N], t [T] or [B,T], s [S] or [B,S] (int32),
-    score [B,N,T,S] (score_mod) or None (mask_mod). Nested vmaps, so fn sees scalars, as torch's does."""
+    """Evaluate fn (an ElementFunction's fn) elementwise over the grid [B,N,T,S]: b [B], n [N], t [T] or [B,T],
+    s [S] or [B,S] (int32), score [B,N,T,S] (score_mod) or None (mask_mod). Nested vmaps, so fn sees scalars, as
+    torch's does."""
 
     def call(*a):
         return fn(*a, *consts)
@@ -219,3 +226,18 @@ def on_grid(fn: Callable, consts, b, n, t, s, score=None):
     f = jax.vmap(f, in_axes=lead + (None, 0, None, None))  # N
     f = jax.vmap(f, in_axes=lead + (0, None, 0 if t.ndim == 2 else None, 0 if s.ndim == 2 else None))  # B
     return f(*((score,) if has_score else ()), b, n, t, s)
+
+
+def on_tile(fn: Callable, consts, b, n, t, s, score=None):
+    """fn over one (batch, head) tile [Tb,Sb] inside a kernel: b, n int32 scalars (a kernel's program ids),
+    t [Tb], s [Sb] int32 absolute positions, score [Tb,Sb] (score_mod) or None (mask_mod). The same
+    elementwise calls as on_grid, with no batch or head axis (a Triton tile is two-dimensional)."""
+
+    def call(*a):
+        return fn(*a, *consts)
+
+    if score is None:
+        f = jax.vmap(jax.vmap(lambda ti, si: call(b, n, ti, si), in_axes=(None, 0)), in_axes=(0, None))
+        return f(t, s)
+    f = jax.vmap(jax.vmap(lambda x, ti, si: call(x, b, n, ti, si), in_axes=(0, None, 0)), in_axes=(0, 0, None))
+    return f(score, t, s)

@@ -3,6 +3,11 @@
 Every engine normalises through here: the dense engine with masked_softmax over one [...,S] row, the
 blockwise and ring engines with partials (out, running max, running sum) merged by combine_partials.
 Both give zeros (and finite gradients) for a query with no allowed key.
+
+No -inf is ever materialised on valid input (JAX's jax_debug_infs checks every intermediate in eager mode,
+and jax.nn passes it): a partial with no key yet carries the finite running max no_key(dtype), the engines'
+lse of an empty row is that value too, and public_lse turns it into -inf (torch's lse of an empty row) only
+where a row is empty.
 """
 
 from __future__ import annotations
@@ -19,10 +24,14 @@ def _shifted_exps(logits, allowed, sinks):
     their sum plus the sinks' terms. Disallowed logits are replaced *before* exp (never -inf arithmetic),
     and the row max is taken over allowed entries (and sinks) only, so fully masked rows stay finite."""
     allowed = jnp.ones(logits.shape, bool) if allowed is None else jnp.broadcast_to(allowed, logits.shape)
-    row_max = jnp.max(jnp.where(allowed, logits, -jnp.inf), axis=-1, keepdims=True, initial=-jnp.inf)
+    # The lowest finite value stands in for "no key" (no -inf literal: under eager jax_debug_infs every
+    # intermediate is checked, and jax.nn passes that check on valid input).
+    lowest = jnp.finfo(logits.dtype).min
+    some = jnp.any(allowed, axis=-1, keepdims=True)
+    row_max = jnp.max(jnp.where(allowed, logits, lowest), axis=-1, keepdims=True, initial=lowest)
     if sinks is not None:
-        row_max = jnp.maximum(row_max, sinks)
-    row_max = lax.stop_gradient(jnp.where(jnp.isfinite(row_max), row_max, 0))
+        row_max, some = jnp.maximum(row_max, sinks), some | True
+    row_max = lax.stop_gradient(jnp.where(some & jnp.isfinite(row_max), row_max, 0))
     exps = jnp.where(allowed, jnp.exp(jnp.where(allowed, logits, row_max) - row_max), 0)
     total = jnp.sum(exps, axis=-1, keepdims=True)
     if sinks is not None:
@@ -35,10 +44,9 @@ def masked_softmax(logits, allowed, sinks=None):
 
     sinks (broadcastable to logits[..., :1]): one more logit per row in the denominator with no value
     (gpt-oss's attention sinks); a row with no allowed key still gives zeros. Forward and gradient stay
-    finite for fully masked rows (_shifted_exps).
+    finite for fully masked rows (_shifted_exps). Always masked, even with allowed None: a score_mod may
+    block a whole row with -inf (torch's idiom), which must give zeros too, never softmax's NaN.
     """
-    if allowed is None and sinks is None:
-        return jax.nn.softmax(logits, axis=-1)
     exps, total, _ = _shifted_exps(logits, allowed, sinks)
     return exps / jnp.where(total == 0, 1, total)
 
@@ -49,11 +57,15 @@ def masked_logsumexp(logits, allowed, sinks=None):
     (the log is never taken of an empty sum)."""
     _, total, row_max = _shifted_exps(logits, allowed, sinks)
     total, row_max = total[..., 0], row_max[..., 0]
-    return jnp.where(total == 0, -jnp.inf, row_max + jnp.log(jnp.where(total == 0, 1, total)))
+    empty = total == 0  # log(0) = -inf computed only where a row is empty (no -inf literal), without gradient
+    return jnp.where(empty, lax.stop_gradient(jnp.log(jnp.where(empty, 0, 1).astype(total.dtype))),
+                     row_max + jnp.log(jnp.where(empty, 1, total)))
 
 
-def dropout(weights, rate: float, rng):
-    """Inverted dropout on the attention weights (the weights returned are the ones used)."""
+def dropout(weights, rate: float, rng, broadcast: bool = False):
+    """Inverted dropout on the attention weights (the weights returned are the ones used).
+
+    broadcast: one keep-mask [T,S] shared by every batch entry and head (flax's broadcast_dropout)."""
     if not 0.0 <= rate <= 1.0:
         checks.fail("dropout_rate", "a float in [0, 1]", rate)
     if rate == 0.0:
@@ -62,8 +74,26 @@ def dropout(weights, rate: float, rng):
         checks.fail("dropout_rng", "a jax.random key when dropout_rate > 0", None)
     if rate == 1.0:
         return jnp.zeros_like(weights)
-    keep = jax.random.bernoulli(rng, 1.0 - rate, weights.shape)
+    shape = (1,) * (weights.ndim - 2) + weights.shape[-2:] if broadcast else weights.shape
+    keep = jax.random.bernoulli(rng, 1.0 - rate, shape)
     return jnp.where(keep, weights / (1.0 - rate), 0)
+
+
+def no_key(dtype):
+    """The running max of a row with no allowed key (yet): finite, and so low that exp(no_key - m) is 0
+    against any real logit m (half the lowest float, so no_key - m cannot overflow)."""
+    return jnp.asarray(jnp.finfo(dtype).min / 2, dtype)
+
+
+def has_keys(lse):
+    """bool [...]: the rows of an engine lse (finalize_partial) that had at least one key."""
+    return lse > no_key(lse.dtype)
+
+
+def public_lse(lse):
+    """An engine lse with -inf for the rows with no key (log 0; computed only where a row is empty)."""
+    empty = ~has_keys(lse)
+    return jnp.where(empty, lax.stop_gradient(jnp.log(jnp.where(empty, 0, 1).astype(lse.dtype))), lse)
 
 
 def combine_partials(a, b):
@@ -71,9 +101,9 @@ def combine_partials(a, b):
 
     A partial is a triple (out, m, l) for rows [...]:
       out: pytree of arrays [...,F]  sum_s exp(x_s - m) * value_s   (unnormalised, relative to m)
-      m:   [...]                     max_s x_s over the partial's allowed keys (-inf if it has none)
+      m:   [...]                     max_s x_s over the partial's allowed keys (no_key or -inf if none)
       l:   [...]                     sum_s exp(x_s - m)               (0 if it has none)
-    The merge is exact and associative; rows empty in both stay (0, -inf, 0) with no NaN.
+    The merge is exact and associative; rows empty in both stay (0, no_key or -inf, 0) with no NaN.
     """
     out_a, m_a, l_a = a
     out_b, m_b, l_b = b
@@ -85,9 +115,9 @@ def combine_partials(a, b):
 
 
 def empty_partial(out_shapes, rows_shape, dtype):
-    """The identity of combine_partials: zeros, m = -inf, l = 0. out_shapes is a sequence of shapes."""
+    """The identity of combine_partials: zeros, m = no_key, l = 0. out_shapes is a sequence of shapes."""
     out = tuple(jnp.zeros(shape, dtype) for shape in out_shapes)
-    return out, jnp.full(rows_shape, -jnp.inf, dtype), jnp.zeros(rows_shape, dtype)
+    return out, jnp.full(rows_shape, no_key(dtype), dtype), jnp.zeros(rows_shape, dtype)
 
 
 def add_sinks(partial, sinks):
@@ -101,8 +131,9 @@ def add_sinks(partial, sinks):
 
 
 def finalize_partial(partial):
-    """(out, m, l) -> (out / l, log-sum-exp); rows with no allowed key give zeros and lse = -inf."""
+    """(out, m, l) -> (out / l, log-sum-exp); rows with no allowed key give zeros and lse = no_key (finite:
+    the engines' residual; public_lse makes it -inf)."""
     out, m, l = partial
     denom = jnp.where(l == 0, 1, l)
     out = jax.tree.map(lambda x: x / denom[..., None], out)
-    return out, jnp.where(l == 0, -jnp.inf, m + jnp.log(denom))
+    return out, jnp.where(l == 0, no_key(m.dtype), m + jnp.log(denom))

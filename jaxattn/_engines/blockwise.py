@@ -44,7 +44,7 @@ from .._core import checks, mods
 from .._core.dtypes import accumulation_dtype
 from .._core.masks import CLEAN, WITH_MOD, MaskRule, allowed_pairs, check_lengths, key_block_schedule
 from .._core.positions import clipped_index, positions
-from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial
+from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial, has_keys, no_key, public_lse
 from . import tiles
 
 # ---------------------------------------------------------------------------------------------------
@@ -362,7 +362,7 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
     Sp, Sb, acc = keys.k.shape[2], cfg.Sb, accumulation_dtype(q_blk.dtype)
     R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
     key_table, value_table, scale = shared.key_table, shared.value_table, shared.scale
-    lse_blk = jnp.where(jnp.isfinite(rows.lse), rows.lse, 0)  # empty rows: every p is masked to 0 anyway
+    lse_blk = jnp.where(has_keys(rows.lse), rows.lse, 0)  # empty rows: every p is masked to 0 anyway
     per_bucket = None if key_table is None else _per_bucket(q_blk, key_table, K, cfg, acc)
     do_table = None if value_table is None else _per_bucket(do_blk, value_table, K, cfg, acc)
 
@@ -482,11 +482,13 @@ def _engine_bwd(cfg, res: Residuals, cotangents):
     q, arrays, Tb = res.q, res.arrays, cfg.Tb
     acc = accumulation_dtype(q.dtype)
     # score_mod's float arrays get gradients; its integer ones (ids, indices) none
-    score_consts = tuple(c if d else None for c, d in zip(arrays.score_consts, mods.differentiable(arrays.score_consts)))
+    score_consts = tuple(c if d else None
+                         for c, d in zip(arrays.score_consts, mods.differentiable(arrays.score_consts)))
 
     def query_block(carry, i):
         grads, d_sinks = carry
-        tile = QueryTile(slice_block(q, i * Tb, Tb, 3), slice_block(res.q_pos, i * Tb, Tb, -1), _tile_arrays(arrays, i, Tb))
+        tile = QueryTile(slice_block(q, i * Tb, Tb, 3), slice_block(res.q_pos, i * Tb, Tb, -1),
+                         _tile_arrays(arrays, i, Tb))
         do_blk, o_blk = slice_block(d_out, i * Tb, Tb, 3), slice_block(res.out, i * Tb, Tb, 3)
         lse_blk = slice_block(res.lse, i * Tb, Tb, 3)
         # d loss / d x = p * (dp - sum_s p dp) + p * d_lse, and sum_s p dp = d_out . out: one delta
@@ -729,13 +731,13 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
                                q_pos, arrays, groups)
     out = jnp.moveaxis(out.reshape(B, N, Tp, Hv), 1, 2)[:, :T]
     out = out.reshape(*batch, T, N, Hv).astype(out_dtype)
-    return (out, lse.reshape(*batch, N, Tp)[..., :T]) if return_lse else out
+    return (out, public_lse(lse.reshape(*batch, N, Tp)[..., :T])) if return_lse else out
 
 
 def _empty_lse(batch, N, T, sinks, acc):
     """lse [...,N,T] when there is no key: the sink alone, or -inf."""
     if sinks is None:
-        return jnp.full((*batch, N, T), -jnp.inf, acc)
+        return public_lse(jnp.full((*batch, N, T), no_key(acc), acc))
     return jnp.broadcast_to(jnp.asarray(sinks, acc)[..., None], (*batch, N, T))
 
 

@@ -30,7 +30,7 @@ def _add_bias(logits, allowed, bias, logits_shape, acc):
     checks.check_broadcastable("bias", bias, logits_shape, "[...,N,T,S]")
     logits = logits + bias
     # -inf in an additive mask (torch's float masks) means "blocked": same rule as mask=False.
-    finite = logits > -jnp.inf
+    finite = jnp.isfinite(logits) | (logits > 0)  # not -inf (no -inf literal: eager jax_debug_infs)
     return logits, (finite if allowed is None else allowed & finite)
 
 
@@ -98,7 +98,7 @@ def attention_core(query, key, value, *, relative_logits: Optional[Callable] = N
                    dropout_rate=0.0, dropout_rng=None, return_weights=False, precision=None, dims=None,
                    query_segment_ids=None, key_segment_ids=None, window=None, chunk_size=None,
                    logit_softcap=None, sinks=None, score_mod=None, mask_mod=None, block_mask=None,
-                   return_lse=False):
+                   return_lse=False, broadcast_dropout=False):
     """The dense attention routine; `relative_*` add the position terms (see module docstring).
 
     relative_logits(query) -> [...,N,T,S] (unscaled); relative_values(weights) -> [...,T,N,Hv].
@@ -137,7 +137,7 @@ def attention_core(query, key, value, *, relative_logits: Optional[Callable] = N
     sinks = None if prog.sinks is None else prog.sinks[..., :, None, None]
     lse = jnp.broadcast_to(masked_logsumexp(logits, allowed, sinks), (*batch, N, T)) if return_lse else None
     weights = masked_softmax(logits, allowed, sinks)
-    weights = dropout(weights, dropout_rate, dropout_rng)
+    weights = dropout(weights, dropout_rate, dropout_rng, broadcast_dropout)
 
     p = weights.astype(value.dtype).reshape(*weights.shape[:-3], K, G, T, S)
     out = jnp.einsum("...kgts,...skh->...tkgh", p, value, precision=precision, preferred_element_type=acc)

@@ -1,17 +1,36 @@
-"""The choice of implementation, above both engines: dot_product_attention / flex_attention pick dense or
-blockwise.
+"""The choice of implementation, above the engines and kernels: every attention function resolves its
+`implementation=` here.
 
-    implementation="dense"      one [...,N,T,S] array (every option)
-    implementation="blockwise"  O(T + S) tiles (no mask, bias, return_weights or dropout: they span [T,S])
-    implementation=None         blockwise when nothing needs the grid and one head's logits T x S hold at
-                                least AUTO_BLOCKWISE_ELEMENTS, dense otherwise (use_blockwise)
+    "dense"       one [...,N,T,S] array (every option)
+    "blockwise"   O(T + S) tiles (no mask, bias, return_weights or dropout: they span [T,S])
+    "pallas_gpu"  the Pallas flash-attention kernel for GPUs (jaxattn._kernels.pallas_gpu)
+    "pallas_tpu"  TPU splash attention (jaxattn._kernels.splash_tpu)
+    "cudnn"       cuDNN through jax.nn.dot_product_attention (jaxattn._kernels.cudnn; explicit only)
+    None          per platform, at lowering time (jax.lax.platform_dependent): on CPU (and ROCm, and any
+                  other platform) the XLA engines, blockwise when nothing needs the grid and one head's
+                  logits T x S hold at least AUTO_BLOCKWISE_ELEMENTS, dense otherwise (use_blockwise); on
+                  CUDA the Pallas GPU kernel and on TPU splash attention when the kernel can express the
+                  call (its `unsupported` says None), else the same XLA engines there.
+
+A call no kernel can express never builds the platform switch, so its program is exactly the XLA engine's;
+nor does any call traced on a CPU host unless inside cross_platform_lowering() (exporting for an accelerator
+from a CPU machine), which keeps CPU tracing as cheap as before; on a GPU or TPU host it holds that host's
+kernel (and the XLA engines for every other platform).
+interpret=True runs an explicit pallas_gpu / pallas_tpu in Pallas' interpreter on any platform (CPU tests).
 """
 
 from __future__ import annotations
 
-import numpy as np
+import contextlib
+import contextvars
+import importlib
 
-from .._core import checks
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from .._core import aliases, checks
 from .blockwise import blockwise_attention, grid_options_in_use
 from .tiles import check_block_mask_tiles
 from .dense import attention_core
@@ -25,16 +44,126 @@ from .dense import attention_core
 AUTO_BLOCKWISE_ELEMENTS = 128 * 128
 
 
+IMPLEMENTATIONS = (None, "dense", "blockwise", "pallas_gpu", "pallas_tpu", "cudnn")
+# The kernels by implementation name: the module under jaxattn._kernels with unsupported / attention.
+KERNELS = {"pallas_gpu": "pallas_gpu", "pallas_tpu": "splash_tpu", "cudnn": "cudnn"}
+INTERPRETED = ("pallas_gpu", "pallas_tpu")  # the kernels Pallas' interpreter can run
+# Options only the XLA engines read: block_size is the blockwise engine's tile; a kernel picks its own.
+XLA_ONLY = ("block_size",)
+
+
+def check_implementation(implementation, interpret=False):
+    """ValueError naming `implementation` / `interpret` for a value outside IMPLEMENTATIONS."""
+    if implementation not in IMPLEMENTATIONS:
+        checks.fail("implementation", "None (per platform), " + ", ".join(repr(i) for i in IMPLEMENTATIONS[1:]),
+                    repr(implementation))
+    if not isinstance(interpret, bool):
+        checks.fail("interpret", "True or False", repr(interpret))
+    if interpret and implementation not in INTERPRETED:
+        checks.fail("interpret", f"False unless implementation is {' or '.join(map(repr, INTERPRETED))} "
+                    "(only Pallas kernels have an interpreter)", f"True with implementation={implementation!r}")
+
+
+def _kernel(implementation):
+    return importlib.import_module(f".._kernels.{KERNELS[implementation]}", __package__)
+
+
+def kernel_refusal(implementation, query, key, value, options, interpret=False) -> str | None:
+    """The option that kernel `implementation` cannot express in this call (None: it can); interpret=True
+    asks about Pallas' interpreter, which lifts a chip's limits (tile shapes, dtypes) but not the kernel's.
+
+    The options that span the [T,S] grid (mask, bias, return_weights, dropout) are refused here for every
+    kernel; the rest is the kernel module's `unsupported`."""
+    grid = {k: options.get(k) for k in ("bias", "mask", "return_weights", "dropout_rng")}
+    in_use = grid_options_in_use(dropout_rate=options.get("dropout_rate", 0.0), **grid)
+    if in_use:
+        return in_use[0]
+    return _kernel(implementation).unsupported(query, key, value, interpret=interpret, **kernel_options(options))
+
+
+def kernel_options(options) -> dict:
+    """The options a kernel reads: those set (not None / False), without the grid's (unset once
+    kernel_refusal passed) and the XLA engines' own."""
+    grid = ("bias", "mask", "return_weights", "dropout_rate", "dropout_rng")
+    return {k: v for k, v in options.items()
+            if k not in grid and k not in XLA_ONLY and v is not None and v is not False}
+
+
+_CROSS_PLATFORM = contextvars.ContextVar("jaxattn_cross_platform", default=False)
+
+
+@contextlib.contextmanager
+def cross_platform_lowering():
+    """Within it, implementation=None builds the per-platform switch even when JAX's default backend is
+    the CPU, so a program traced here and lowered for CUDA or TPU (jax.jit(f).trace(...).lower(
+    lowering_platforms=("cuda",)), jax.export) carries the kernels.
+
+    Outside it, on a CPU host the switch is left out: its CPU branch is the only one a CPU lowering keeps
+    (bit-identical results, same compile time), but tracing the kernel branches costs about 0.6 s per
+    trace of a causal forward+backward (measured, docs/performance.md) for nothing; on a GPU or TPU host
+    the switch holds that host's kernel only.
+    """
+    token = _CROSS_PLATFORM.set(True)
+    try:
+        yield
+    finally:
+        _CROSS_PLATFORM.reset(token)
+
+
+def _switch_platforms() -> tuple:
+    """The platforms whose kernel branch the switch gets: every one inside cross_platform_lowering(), else
+    the default backend's own (a GPU host traces no TPU kernel, a CPU host none)."""
+    if _CROSS_PLATFORM.get():
+        return ("cuda", "tpu")
+    return {"gpu": ("cuda",), "cuda": ("cuda",), "tpu": ("tpu",)}.get(jax.default_backend(), ())
+
+
+def attend(xla, query, key, value, *, implementation=None, interpret=False, **options):
+    """The result of `implementation` for this call; xla(): the XLA engines' (dense or blockwise).
+
+    options: the call's keywords in blockwise_attention's names (plus the grid's: mask, bias, ...), as
+    the kernels read them. An explicit kernel that cannot express an option raises ValueError naming the
+    option and the implementation; None takes a kernel only where one can (module docstring).
+    """
+    check_implementation(implementation, interpret)
+    if implementation in KERNELS:
+        refused = kernel_refusal(implementation, query, key, value, options, interpret)
+        if refused is not None:
+            checks.fail(refused, f"not in use with implementation={implementation!r}, which cannot express it "
+                        "(implementation=None falls back to the XLA engines)", "in use")
+        return _kernel(implementation).attention(query, key, value, interpret=interpret, **kernel_options(options))
+    platforms = _switch_platforms()
+    if implementation is not None or not platforms:
+        return xla()
+    branches = {}
+    for platform, name in (("cuda", "pallas_gpu"), ("tpu", "pallas_tpu")):
+        if platform in platforms and kernel_refusal(name, query, key, value, options) is None:
+            kernel = _kernel(name).attention
+            branches[platform] = lambda kernel=kernel: kernel(query, key, value, **kernel_options(options))
+    if not branches:
+        return xla()
+    return lax.platform_dependent(cpu=xla, default=xla, **branches)
+
+
+def dense_only(implementation, interpret, term: str) -> None:
+    """For a call whose `term` only the dense engine computes (per-pair relative terms): ValueError unless
+    implementation is None (the dense engine on every platform) or "dense"."""
+    check_implementation(implementation, interpret)
+    if implementation not in (None, "dense"):
+        checks.fail(term, f"not in use with implementation={implementation!r} (only the dense engine computes "
+                    f"{term}; use implementation=None or 'dense')", "it in use")
+
+
 def use_blockwise(implementation, query, key, **options) -> bool:
-    """The implementation rule of dot_product_attention / shaw_relative_attention / the position schemes.
+    """The XLA engines' rule (dot_product_attention, shaw_relative_attention, the position schemes).
 
     "dense" and "blockwise" are taken as given (blockwise_attention raises for options it cannot do).
-    None (automatic): blockwise when no option needs the full grid (mask, bias, return_weights, dropout)
-    and one head's logits T x S hold at least AUTO_BLOCKWISE_ELEMENTS; dense otherwise.
+    None (automatic) and the kernels' names (their XLA fallback): blockwise when no option needs the full
+    grid (mask, bias, return_weights, dropout) and one head's logits T x S hold at least
+    AUTO_BLOCKWISE_ELEMENTS; dense otherwise.
     """
-    if implementation not in (None, "dense", "blockwise"):
-        checks.fail("implementation", 'None (automatic), "dense" or "blockwise"', repr(implementation))
-    if implementation is not None:
+    check_implementation(implementation)
+    if implementation in ("dense", "blockwise"):
         return implementation == "blockwise"
     grid = {k: options.get(k) for k in ("bias", "mask", "return_weights", "dropout_rng")}
     if grid_options_in_use(dropout_rate=options.get("dropout_rate", 0.0), **grid):
@@ -46,11 +175,13 @@ def use_blockwise(implementation, query, key, **options) -> bool:
     return np.shape(query)[-3] * np.shape(key)[-3] >= AUTO_BLOCKWISE_ELEMENTS
 
 
-def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=False,
+def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal=False,
                           key_value_seq_lengths=None, query_positions=None, key_positions=None,
                           scale=None, dropout_rate=0.0, dropout_rng=None, return_weights=False,
                           precision=None, implementation=None, block_size=None, query_segment_ids=None,
-                          key_segment_ids=None, window=None, chunk_size=None, logit_softcap=None, sinks=None):
+                          key_segment_ids=None, window=None, chunk_size=None, logit_softcap=None, sinks=None,
+                          interpret=False, query_seq_lengths=None, local_window_size=None, return_residual=False,
+                          broadcast_dropout=False):
     """Scaled dot-product attention, multi-head / multi-query / grouped-query.
 
     Args:
@@ -65,9 +196,14 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
       dropout_rate, dropout_rng: dropout on the weights (a key is required when rate > 0).
       return_weights: also return the weights [...,N,T,S] (after dropout).
       precision: passed to every einsum (use "highest" for float32 comparisons).
-      implementation: "dense" (one [...,N,T,S] array), "blockwise" (O(T+S) memory tiles; no mask, bias,
-        return_weights or dropout) or None: blockwise when none of those is used and T x S >= 128 x 128
-        (jaxattn._engines.dispatch.use_blockwise).
+      implementation: None (default) chooses per platform when the program is lowered: on CPU "blockwise"
+        when no mask, bias, return_weights or dropout is used and T x S >= 128 x 128, else "dense"; on
+        CUDA "pallas_gpu" and on TPU "pallas_tpu" where the kernel expresses the call, else that same XLA
+        choice (docs/performance.md, "GPU and TPU"). "dense": one [...,N,T,S] array (every option);
+        "blockwise": O(T+S) memory tiles (no mask, bias, return_weights or dropout); "pallas_gpu" /
+        "pallas_tpu" / "cudnn": that fused kernel, ValueError naming the option it cannot express.
+      interpret: with "pallas_gpu" / "pallas_tpu", run the kernel in Pallas' interpreter (any platform,
+        CPU included; for tests).
       block_size: blockwise tile, int or (query_block, key_block); default: see blockwise_attention.
       query_segment_ids / key_segment_ids: int [...,T] / [...,S]: a query sees only keys with its id
         (packed documents).
@@ -79,16 +215,34 @@ def dot_product_attention(query, key, value, *, bias=None, mask=None, is_causal=
       sinks: float [N] or [...,N]: one logit per query head in the softmax denominator with no value
         (gpt-oss); it receives gradients; a row with no allowed key still gives zeros.
 
+    jax.nn.dot_product_attention's spellings mean what they mean there (jaxattn._core.aliases,
+    docs/coming_from.md): bias and mask may be passed positionally; query_seq_lengths: int [...], queries
+    t >= length see no key (zeros); local_window_size: int or (left, right), our window; return_residual: also
+    return jax.nn's residual, the lse [...,T,N] in the value dtype, without gradient (return_lse of
+    flex_attention is the differentiable [...,N,T] one); implementation="xla": the XLA engines.
+    broadcast_dropout (flax's): one dropout keep-mask [T,S] shared by every batch entry and head.
+
     The blockwise path skips the key tiles that causality, lengths, window, chunks or segment ids exclude.
     Returns [...,T,N,Hv] (or (out, weights)). A query with no allowed key (or T = 0 / S = 0) gets zeros.
     """
-    return flex_attention(query, key, value, bias=bias, mask=mask, is_causal=is_causal,
+    if implementation == "xla":  # jax.nn's name for its XLA path: the XLA engines' own choice, never a kernel
+        grid = dict(bias=bias, mask=mask, return_weights=return_weights, dropout_rate=dropout_rate,
+                    dropout_rng=dropout_rng)
+        implementation = "blockwise" if use_blockwise(None, query, key, **grid) else "dense"
+    window = aliases.window_from_local(local_window_size, window)
+    query_segment_ids, key_segment_ids = aliases.query_length_segments(
+        query_seq_lengths, query_segment_ids, key_segment_ids, np.shape(query), np.shape(key))
+    if not isinstance(return_residual, bool):
+        checks.fail("return_residual", "True or False", repr(return_residual))
+    outs = flex_attention(query, key, value, bias=bias, mask=mask, is_causal=is_causal,
                           key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
                           key_positions=key_positions, scale=scale, dropout_rate=dropout_rate,
                           dropout_rng=dropout_rng, return_weights=return_weights, precision=precision,
-                          implementation=implementation, block_size=block_size,
+                          implementation=implementation, interpret=interpret, block_size=block_size,
                           query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids, window=window,
-                          chunk_size=chunk_size, logit_softcap=logit_softcap, sinks=sinks)
+                          chunk_size=chunk_size, logit_softcap=logit_softcap, sinks=sinks, return_lse=return_residual,
+                          **({"broadcast_dropout": True} if broadcast_dropout and dropout_rate != 0 else {}))
+    return aliases.residual(outs, jnp.result_type(value)) if return_residual else outs
 
 
 # torch's flex_attention arguments with no JAX meaning: refused by name (never silently dropped).
@@ -97,7 +251,8 @@ TORCH_ONLY = {"kernel_options": "Triton kernel options of torch's flex_attention
 
 
 def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=None,
-                   return_lse=False, *, mask_mod=None, implementation=None, block_size=None, **options):
+                   return_lse=False, *, mask_mod=None, implementation=None, interpret=False, block_size=None,
+                   **options):
     """Attention with a score function, a mask function and block skipping (torch's FlexAttention, in JAX).
 
         score_mod(score, b, n, t, s) -> score   the scaled logit (after logit_softcap and bias) of query
@@ -123,8 +278,8 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     t and s are ABSOLUTE positions (query t at t + S - T, or query_positions / key_positions), so a causal
     mask_mod is `t >= s` with or without a cache in front; torch's are row indices: the same when T == S,
     and query_positions=jnp.arange(T) gives torch's reading otherwise. Arrays either function closes over
-    receive gradients on both paths. Every keyword of dot_product_attention applies; torch's
-    kernel_options and return_aux are refused by name.
+    receive gradients on both paths. Every keyword of dot_product_attention applies (implementation and
+    interpret included); torch's kernel_options and return_aux are refused by name.
     """
     for name in TORCH_ONLY:
         if name in options:
@@ -142,8 +297,13 @@ def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=Non
     options.update(scale=scale)
     if return_lse:
         options.update(return_lse=True)
-    if use_blockwise(implementation, query, key, block_mask=block_mask, **options):
-        return blockwise_attention(query, key, value, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
-                                   block_size=block_size, **options)
-    return attention_core(query, key, value, score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
-                          **options)
+    check_implementation(implementation, interpret)
+    engine = implementation if implementation in ("dense", "blockwise") else None
+    mods = dict(score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
+
+    def xla():
+        if use_blockwise(engine, query, key, block_mask=block_mask, **options):
+            return blockwise_attention(query, key, value, block_size=block_size, **mods, **options)
+        return attention_core(query, key, value, **mods, **options)
+
+    return attend(xla, query, key, value, implementation=implementation, interpret=interpret, **mods, **options)

@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec
 from .._core import checks
 from .._core.dtypes import accumulation_dtype
 from .._core.masks import MaskRule, check_lengths
-from .._core.softmax import combine_partials, empty_partial, finalize_partial
+from .._core.softmax import combine_partials, empty_partial, finalize_partial, has_keys
 from . import blockwise, tiles
 from .blockwise import KeySide, QueryTile, RowGrads, Shared, slice_block
 
@@ -303,11 +303,11 @@ def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
 
         def tile(partial, i):
             q_tile = QueryTile(slice_block(q, i * Tb, Tb, 3), slice_block(q_pos, i * Tb, Tb, 0))
-            # the engine skips key tiles with no allowed key (all of them: out 0, lse -inf)
+            # the engine skips key tiles with no allowed key (all of them: out 0, lse no_key)
             out, lse = blockwise.fwd_tile(cfg, q_tile, piece, shared)
             # a normalised partial (out, lse) is the unnormalised one (out, m=lse, l=1)
             part = tuple(slice_block(x, i * Tb, Tb, 3) for x in partial)
-            part = combine_partials(part, (out, lse, jnp.isfinite(lse).astype(acc)))
+            part = combine_partials(part, (out, lse, has_keys(lse).astype(acc)))
             return tuple(lax.dynamic_update_slice_in_dim(x, y, i * Tb, 3) for x, y in zip(partial, part))
 
         return _over_query_tiles(tile, partial, q.shape[3] // Tb), held

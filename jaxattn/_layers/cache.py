@@ -12,6 +12,7 @@ steps that write each example's next token right after its own prompt, overwriti
 from __future__ import annotations
 
 import jax
+import jax.core  # jax.core.Tracer, eval_jaxpr: a submodule, imported by name so that type checkers see it
 import jax.numpy as jnp
 
 from .._core import checks

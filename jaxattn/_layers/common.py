@@ -145,11 +145,13 @@ def flat_kernel_init(init: Initializer, fan_in_dims: int) -> Initializer:
 
 def param_specs(d: Dims, *, use_bias=True, add_bias_kv=False, kernel_init=default_kernel_init,
                 out_kernel_init=None, bias_init=default_bias_init, bias_kv_init=default_table_init,
-                relative: Optional[dict] = None, sinks_init: Optional[Initializer] = None) -> dict:
+                relative: Optional[dict] = None, sinks_init: Optional[Initializer] = None,
+                out_bias_init: Optional[Initializer] = None) -> dict:
     """{group: {leaf: (shape, init)}} in DESIGN.md's layout; "sinks": (shape [N], init) at the top level.
 
     relative: None, or dict(max_distance, share_heads, use_key_table, use_value_table, table_init).
     sinks_init: None (no sinks) or the initialiser of learned per-head sinks [N] (gpt-oss).
+    out_bias_init: the out projection's bias initialiser (default bias_init), flax's out_bias_init.
     """
     kernel_in = flat_kernel_init(kernel_init, 1)
     kernel_out = flat_kernel_init(out_kernel_init or kernel_init, 2)
@@ -164,7 +166,7 @@ def param_specs(d: Dims, *, use_bias=True, add_bias_kv=False, kernel_init=defaul
     for name, (kernel_shape, bias_shape, init) in groups.items():
         specs[name] = {"kernel": (kernel_shape, init)}
         if name in biased:
-            specs[name]["bias"] = (bias_shape, bias_init)
+            specs[name]["bias"] = (bias_shape, (out_bias_init or bias_init) if name == "out" else bias_init)
     if add_bias_kv:
         specs["bias_kv"] = {"key": ((d.K, d.H), bias_kv_init), "value": ((d.K, d.Hv), bias_kv_init)}
     if relative is not None:
@@ -189,6 +191,26 @@ def layer_dtype(dtype, params, *arrays):
 
 def cast(tree, dtype):
     return jax.tree.map(lambda x: jnp.asarray(x, dtype), tree)
+
+
+def flax_inputs_kv(inputs_kv, key, value):
+    """flax's inputs_kv= (key = value = inputs_kv), refused together with key or value."""
+    if inputs_kv is None:
+        return key, value
+    if key is not None or value is not None:
+        checks.fail("inputs_kv", "None when key or value is given (flax's rule)", "an array")
+    return inputs_kv, inputs_kv
+
+
+def dropout_options(broadcast_dropout: bool) -> dict:
+    """flax's broadcast_dropout as an attention keyword (absent when False: relative engines lack it)."""
+    return {"broadcast_dropout": True} if broadcast_dropout else {}
+
+
+def weights_to_sow(result, return_weights: bool):
+    """(what the call returns, the weights to sow) from a result computed with return_weights=True."""
+    out, weights = result
+    return (result if return_weights else out), weights
 
 
 def inputs(query, key, value):
@@ -314,6 +336,8 @@ def attend(params, query, key, value, *, relative: bool, add_zero_attn=False, pr
     rope = check_rope(rope)
     if rope_positions is not None and rope is None:
         checks.fail("rope_positions", "None unless the layer has rope=RoPE(...)", "an array")
+    if options.get("broadcast_dropout") and relative:
+        checks.fail("broadcast_dropout", "False with relative tables (their engine draws dropout per head)", True)
     for name, given in (("rope", rope), ("qk_norm", qk_norm)):
         if given is not None and (relative or add_zero_attn or "bias_kv" in params):
             checks.fail(name, "None with relative tables, add_zero_attn or add_bias_kv", f"a {type(given).__name__}")

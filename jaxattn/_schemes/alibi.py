@@ -73,8 +73,8 @@ def alibi_bias(slopes, query_length: int, key_length: int, *, bidirectional: boo
 def alibi_attention(query, key, value, slopes, *, bidirectional: bool = False, **options):
     """Attention with the ALiBi bias added to the scaled logits.
 
-    Keywords as dot_product_attention, plus implementation="dense" | "blockwise" (and block_size), as
-    t5_attention.
+    Keywords as dot_product_attention, plus implementation=None (dense on CPU) | "dense" | "blockwise" | a
+    kernel (and block_size, interpret), as t5_attention.
     """
     bias_fn = alibi_position_bias(slopes, bidirectional=bidirectional)
     return position_bias_attention(query, key, value, bias_fn, **options)

@@ -16,6 +16,7 @@ from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
 from .._core.positions import clipped_index, positions
 from .._engines.dense import attention_core
+from .._engines.dispatch import dense_only
 
 
 def clipped_relative_index(query_length: int, key_length: int, *, max_left: int, max_right: int,
@@ -97,8 +98,10 @@ def clipped_relative_attention(query, key, value, key_table=None, value_table=No
     key_table: [R,H] (shared over heads) or [R,N,H]; value_table: [R,Hv] or [R,N,Hv]; R = max_left +
     max_right + 1, row r <-> j - i = r - max_left. logits = scale * q . (k + key_table[index]),
     out = sum p (v + value_table[index]). Keywords as dot_product_attention. max_left == max_right ==
-    max_distance is shaw_relative_attention.
+    max_distance is shaw_relative_attention. implementation: None or "dense" (the dense engine computes
+    these tables), interpret=False.
     """
+    dense_only(options.pop("implementation", None), options.pop("interpret", False), "key_table / value_table")
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     dims = checks.check_qkv(query, key, value)
     max_left = static_int("max_left", max_left, 0)

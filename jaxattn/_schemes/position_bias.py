@@ -18,6 +18,7 @@ from .._core import checks
 from .._core.positions import positions
 from .._engines.blockwise import blockwise_attention
 from .._engines.dense import attention_core
+from .._engines.dispatch import attend, check_implementation
 
 PositionBias = Callable[..., jnp.ndarray]  # (query_pos [...,T], key_pos [...,S]) -> [...,N,T,S]
 
@@ -48,7 +49,7 @@ def _unset(value) -> bool:
     return value is None or (isinstance(value, (bool, int, float)) and not value)
 
 
-def position_bias_attention(query, key, value, bias_fn: PositionBias, *, implementation: str = "dense",
+def position_bias_attention(query, key, value, bias_fn: PositionBias, *, implementation=None, interpret=False,
                             block_size=None, **options):
     """dot_product_attention with `bias_fn(query_pos, key_pos) -> [...,N,T,S]` added to the scaled logits.
 
@@ -57,9 +58,18 @@ def position_bias_attention(query, key, value, bias_fn: PositionBias, *, impleme
     accepts every dot_product_attention keyword, a user `bias` is added on top); "blockwise" hands
     bias_fn to the blockwise engine, which evaluates it one [Tb,Sb] tile at a time (O(T + S) memory;
     keywords: is_causal, key_value_seq_lengths, positions, scale, precision, and block_size).
+    None (default): "dense" on CPU (as ever), and a kernel on GPU / TPU only where it takes the bias
+    function (position_bias), as dot_product_attention's implementation=; interpret likewise.
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     options = dict(options)
+    check_implementation(implementation, interpret)
+    if implementation not in ("dense", "blockwise"):
+        def xla():
+            return position_bias_attention(query, key, value, bias_fn, implementation="dense", block_size=block_size,
+                                           **options)
+        return attend(xla, query, key, value, implementation=implementation, interpret=interpret,
+                      position_bias=bias_fn, **options)
     if implementation == "blockwise":
         unsupported = sorted(k for k, v in options.items() if k not in _BLOCKWISE_OPTIONS and not _unset(v))
         if unsupported:
@@ -67,8 +77,6 @@ def position_bias_attention(query, key, value, bias_fn: PositionBias, *, impleme
                          f"{list(_BLOCKWISE_OPTIONS)} and block_size)", repr(implementation))
         options = {k: v for k, v in options.items() if k in _BLOCKWISE_OPTIONS}
         return blockwise_attention(query, key, value, position_bias=bias_fn, block_size=block_size, **options)
-    if implementation != "dense":
-        checks.fail("implementation", "'dense' or 'blockwise'", repr(implementation))
     if block_size is not None:
         checks.fail("block_size", "None with implementation='dense'", repr(block_size))
     dims = checks.check_qkv(query, key, value)

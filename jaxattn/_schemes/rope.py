@@ -22,7 +22,9 @@ from .._core import checks
 from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
 from .._core.positions import positions as absolute_positions
+from .._engines.blockwise import blockwise_attention
 from .._engines.dense import attention_core
+from .._engines.dispatch import attend
 
 LAYOUTS = ("half", "interleaved")
 
@@ -140,10 +142,19 @@ def rope_attention(query, key, value, *, base: float = 10000.0, rotary_dim: int 
     Positions: query t at t + S - T, key s at s (or `query_positions` / `key_positions`), the same ones
     the causal mask uses; so decoding T new tokens against S cached keys needs no offset bookkeeping.
     Keys here are the *unrotated* projections (rotate-then-cache users call apply_rope themselves).
+    implementation / interpret: None (default: the dense engine on CPU, as ever; a kernel on GPU / TPU
+    where it expresses the call), "dense", "blockwise" or a kernel, as dot_product_attention's.
     """
+    implementation, interpret = options.pop("implementation", None), options.pop("interpret", False)
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     dims = checks.check_qkv(query, key, value)
     q_pos, k_pos = absolute_positions(dims.T, dims.S, options.get("query_positions"), options.get("key_positions"))
     rope = dict(base=base, rotary_dim=rotary_dim, layout=layout)
-    return attention_core(apply_rope(query, q_pos, **rope), apply_rope(key, k_pos, **rope), value, dims=dims,
-                          **options)
+    q, k = apply_rope(query, q_pos, **rope), apply_rope(key, k_pos, **rope)
+    if implementation == "blockwise":
+        return blockwise_attention(q, k, value, **options)
+
+    def xla():
+        return attention_core(q, k, value, dims=dims, **options)
+
+    return attend(xla, q, k, value, implementation=implementation, interpret=interpret, **options)

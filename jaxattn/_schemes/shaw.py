@@ -16,7 +16,7 @@ from .._core import checks
 from .._core.dtypes import accumulation_dtype
 from .._engines.blockwise import blockwise_attention
 from .._engines.dense import attention_core
-from .._engines.dispatch import use_blockwise
+from .._engines.dispatch import attend, dense_only, use_blockwise
 from .._engines.pairwise import pair_logits, pair_values
 from .clipped import clipped_relative_index, head_index, table_terms
 
@@ -39,20 +39,30 @@ def shaw_relative_attention(query, key, value, key_table=None, value_table=None,
     causal mask, so `query_positions` / `key_positions` move both). Keywords as dot_product_attention.
     Equal to relative_attention(query, key, value, key_table[index], value_table[index]) with extra
     memory O(... * N * T * (S + R)) rather than a [T,S,H] gather.
-    implementation / block_size: as dot_product_attention; blockwise computes the table terms per tile.
+    implementation / interpret / block_size: as dot_product_attention; blockwise computes the table terms per
+    tile; a kernel takes the call only where it expresses the tables (else None keeps the XLA engines).
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     max_distance = checks.check_max_distance(max_distance)
     implementation, block_size = options.pop("implementation", None), options.pop("block_size", None)
-    if use_blockwise(implementation, query, key, **options):
-        return blockwise_attention(query, key, value, key_table=key_table, value_table=value_table,
-                                   max_distance=max_distance, block_size=block_size, **options)
-    dims = checks.check_qkv(query, key, value)
-    index = head_index(dims.T, dims.S, max_distance, max_distance, options)
-    rel_logits, rel_values = table_terms(query, dims, key_table, value_table, index, 2 * max_distance + 1,
-                                         options.get("precision"), TABLE_LAYOUT)
-    return attention_core(query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims,
-                          **options)
+    interpret = options.pop("interpret", False)
+    engine = implementation if implementation in ("dense", "blockwise") else None
+    tables = dict(key_table=key_table, value_table=value_table)
+
+    def xla():
+        if use_blockwise(engine, query, key, **options):
+            return blockwise_attention(query, key, value, max_distance=max_distance, block_size=block_size,
+                                       **tables, **options)
+        dims = checks.check_qkv(query, key, value)
+        index = head_index(dims.T, dims.S, max_distance, max_distance, options)
+        rel_logits, rel_values = table_terms(query, dims, key_table, value_table, index, 2 * max_distance + 1,
+                                             options.get("precision"), TABLE_LAYOUT)
+        return attention_core(query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims,
+                              **options)
+
+    with_tables = {**tables, "max_distance": max_distance} if key_table is not None or value_table is not None else {}
+    return attend(xla, query, key, value, implementation=implementation, interpret=interpret, **with_tables,
+                  **options)
 
 
 def _per_pair_table(name, table, dims, head_dim, layout, acc):
@@ -74,7 +84,9 @@ def relative_attention(query, key, value, rel_key=None, rel_value=None, **option
     Keywords as dot_product_attention. The relative einsums batch over (t, n) and contract h (or s),
     so no tensor ever holds both the batch dims and [T,S,...,H] (the seed answer's [B,S,S,H,D]).
     Per-head tables use the fused pairwise contractions (no [T,N,S,H] copy of the table, see pairwise.py).
+    implementation: None or "dense" (only the dense engine computes per-pair terms), interpret=False.
     """
+    dense_only(options.pop("implementation", None), options.pop("interpret", False), "rel_key / rel_value")
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     dims = checks.check_qkv(query, key, value)
     precision = options.get("precision")

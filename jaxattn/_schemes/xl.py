@@ -28,6 +28,7 @@ from .._core import checks
 from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
 from .._engines.dense import attention_core
+from .._engines.dispatch import dense_only
 from .clipped import gather_buckets, head_index, per_row_logits
 
 
@@ -70,8 +71,10 @@ def transformer_xl_attention(query, key, value, position_keys, *, max_left: int,
     position_keys P: [R,N,H] (or [R,H] shared), the projected R_{i-j} (W_R applied, e.g. to
     `relative_sinusoids(...)`), row r <-> j - i = r - max_left, so max_right = R - 1 - max_left.
     pos_bias_u / pos_bias_v: [N,H] (the paper's u, v; HF's pos_bias_u / pos_bias_v); None = zeros.
-    Keywords as dot_product_attention (causal use: is_causal=True; rows with j > i are then never read).
+    Keywords as dot_product_attention (causal use: is_causal=True; rows with j > i are then never read);
+    implementation: None or "dense" (the dense engine computes the position terms), interpret=False.
     """
+    dense_only(options.pop("implementation", None), options.pop("interpret", False), "position_keys")
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     dims = checks.check_qkv(query, key, value)
     N, H = dims.N, dims.H

@@ -9,7 +9,8 @@
     from jaxattn.models import BertConfig, BertModel, bert_params_from_state_dict, mean_pooling
     jaxattn.models.rope_frequencies(config, head_dim)         # HF's rope settings -> inverse frequencies
 
-Each family module (bert, gpt2, t5, llama, gemma2, qwen3, gemma3, mixtral, gpt_oss, qwen3_moe) is its config parsing, its block and its weight table;
+Each family module (bert, gpt2, t5, llama, gemma2, qwen3, gemma3, mixtral, gpt_oss, qwen3_moe, llama4) is its
+config parsing, its block and its weight table;
 what they share (the layer stack, the causal-LM wrapper, norms, heads, masks, the decode cache, loading) is
 in _decoder.py, and the one weight-table format with its filler in _table.py.
 """
@@ -20,18 +21,19 @@ from . import gemma3 as _gemma3_family  # noqa: F401  (gemma3_text)
 from . import gpt2 as _gpt2_family  # noqa: F401
 from . import gpt_oss as _gpt_oss_family  # noqa: F401
 from . import llama as _llama_family  # noqa: F401  (llama, mistral and qwen2)
+from . import llama4 as _llama4_family  # noqa: F401  (llama4_text)
 from . import mixtral as _mixtral_family  # noqa: F401
 from . import qwen3 as _qwen3_family  # noqa: F401
 from . import qwen3_moe as _qwen3_moe_family  # noqa: F401
 from . import t5 as _t5_family  # noqa: F401
+from ._activation_layout import ModelSharding as ModelSharding
 from ._decoder import rope_frequencies as rope_frequencies
 from ._generate import generate as generate
+from ._partition_rules import partition_rules as partition_rules
 from ._pretrained import from_pretrained as from_pretrained
 from ._pretrained import from_state_dict as from_state_dict
 from ._pretrained import supported_model_types as supported_model_types
 from ._save import to_pretrained as to_pretrained
-from ._sharding import ModelSharding as ModelSharding
-from ._sharding import partition_rules as partition_rules
 from .bert import BertConfig as BertConfig
 from .bert import BertModel as BertModel
 from .bert import mean_pooling as mean_pooling

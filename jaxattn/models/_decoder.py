@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..linen import RoPE
-from . import _pretrained, _save, _sharding, _table
+from . import _activation_layout, _pretrained, _save, _table
 
 # --- configs ----------------------------------------------------------------------------------------------------
 
@@ -73,6 +73,8 @@ class DecoderConfig:
     rope_frequencies: tuple = ()       # the inverse frequencies [H/2] (rope_frequencies of the config)
     rope_attention_factor: float = 1.0  # HF's attention_scaling: cos and sin scaled by it (yarn)
     windows: tuple = ()                # per layer: HF's sliding_window W (the query and W - 1 before) or None
+    # every attention call's implementation= (jaxattn.dot_product_attention; None: per platform); not in config.json
+    implementation: str | None = dataclasses.field(default=None, compare=False)
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # the config.json dict read
 
     rms_norm: ClassVar[str] = "llama"  # which of HF's RMS norms the family's layers use (see RMSNorm)
@@ -85,7 +87,8 @@ class DecoderConfig:
         (or of `rope`, called `rope_name` in refusals: see rope_frequencies). A head_dim that is neither given
         nor hidden_size / num_attention_heads is refused."""
         fields = {f.name for f in dataclasses.fields(cls)} - set(derived) - {"rope_frequencies",
-                                                                             "rope_attention_factor", "hf_config"}
+                                                                             "rope_attention_factor", "hf_config",
+                                                                             "implementation"}
         parsed = cls(**{k: v for k, v in config.items() if k in fields and (v is not None or k in nullable)},
                      **derived)
         if parsed.hidden_size % parsed.num_attention_heads and parsed.head_dim is None:
@@ -401,7 +404,7 @@ class Configured(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     precision: Any = None
-    sharding: Any = None  # a _sharding.ModelSharding: the activations' layout on a mesh (None: one device)
+    sharding: Any = None  # a _activation_layout.ModelSharding: the activations' layout on a mesh (None: one device)
 
 
 def layer_stack(module: nn.Module, layer: Callable, num_layers: int, final_norm: nn.Module, x):
@@ -409,10 +412,10 @@ def layer_stack(module: nn.Module, layer: Callable, num_layers: int, final_norm:
     runs block i. Sows in "intermediates" the rows crosscheck.layer_report aligns: "embeddings" (x as it
     comes in), each block's "layer{i}.{row}" and "layer{i}.residual" (the stream after it), "final_norm"."""
     module.sow("intermediates", "embeddings", x)
-    x = _sharding.constrain(module.sharding, x, "BTE")  # on a mesh: batch over "data" between blocks
+    x = _activation_layout.constrain(module.sharding, x, "BTE")  # on a mesh: batch over "data" between blocks
     for i in range(num_layers):
         x, rows = layer(i, x)
-        x = _sharding.constrain(module.sharding, x, "BTE")
+        x = _activation_layout.constrain(module.sharding, x, "BTE")
         for name, value in rows.items():
             module.sow("intermediates", f"layer{i}.{name}", value)
         module.sow("intermediates", f"layer{i}.residual", x)
@@ -424,7 +427,8 @@ def layer_stack(module: nn.Module, layer: Callable, num_layers: int, final_norm:
 def self_attention(block: PreNormBlock, x, mask, positions, decode: bool, window, **options):
     """The causal self-attention "self_attn" of a Llama-shaped block (in its compact call): GQA, RoPE at the
     frequencies of config.rope(block.layer), the config's biases, the layer's `window` keyword; options: the
-    family's extras (scale, logit_softcap, qk_norm, use_sinks). Its params are what causal_lm_rows describes.
+    family's extras (scale, logit_softcap, qk_norm, use_sinks, chunk_size; rope: the family's own RoPE, or None
+    on a layer without one). Its params are what causal_lm_rows describes.
 
     A rotary attention factor a (yarn) scales HF's cos and sin, so queries and keys by a each: the logits'
     scale (H ** -0.5 or the family's) by a ** 2 here, the same product in another rounding order."""
@@ -432,19 +436,24 @@ def self_attention(block: PreNormBlock, x, mask, positions, decode: bool, window
     frequencies, factor = c.rope(block.layer)
     if factor != 1.0:
         options["scale"] = options.get("scale", d["H"] ** -0.5) * factor ** 2
-    attention = _sharding.attention_class(block.sharding)(num_heads=d["N"], num_kv_heads=d["K"], head_dim=d["H"],
-                                   use_bias=c.attention_biases(), rope=RoPE(frequencies=frequencies),
-                                   window=window, dtype=block.dtype, param_dtype=block.param_dtype,
-                                   precision=block.precision, name="self_attn", **options)
-    return attention(x, mask=mask, is_causal=True, rope_positions=positions, decode=decode)
+    rope = options.pop("rope", RoPE(frequencies=frequencies))  # a family's own RoPE (layout), or None: no RoPE
+    attention_layer = _activation_layout.attention_class(block.sharding)
+    attention = attention_layer(num_heads=d["N"], num_kv_heads=d["K"], head_dim=d["H"],
+                                use_bias=c.attention_biases(), rope=rope,
+                                window=window, dtype=block.dtype, param_dtype=block.param_dtype,
+                                precision=block.precision, implementation=c.implementation, name="self_attn",
+                                **options)
+    return attention(x, mask=mask, is_causal=True, rope_positions=None if rope is None else positions, decode=decode)
 
 
-def gated_mlp(block: Configured, x, activation: Callable):
-    """HF's gate/up/down MLP, down(act(gate(x)) * up(x)), in `block`'s compact call (mlp_rows: its params)."""
+def gated_mlp(block: Configured, x, activation: Callable, features: int | None = None):
+    """HF's gate/up/down MLP, down(act(gate(x)) * up(x)), in `block`'s compact call (mlp_rows: its params);
+    features: its intermediate width (default: the config's F)."""
     c, d = block.config, block.config.dims()
+    F = d["F"] if features is None else features
     dense = functools.partial(nn.Dense, use_bias=c.mlp_bias, dtype=block.dtype, param_dtype=block.param_dtype,
                               precision=block.precision)
-    h = activation(dense(d["F"], name="gate_proj")(x)) * dense(d["F"], name="up_proj")(x)
+    h = activation(dense(F, name="gate_proj")(x)) * dense(F, name="up_proj")(x)
     return dense(d["E"], name="down_proj")(h)
 
 
@@ -585,7 +594,7 @@ def empty_cache(model: nn.Module, params, *args, method=None, **kwargs):
     zeros = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype), shapes)
     if model.sharding is None:
         return zeros()
-    return jax.jit(lambda: _sharding.constrain_cache(model.sharding, zeros()))()  # made on the mesh, sharded
+    return jax.jit(lambda: _activation_layout.constrain_cache(model.sharding, zeros()))()  # made on the mesh, sharded
 
 
 # --- weights: HF's names, one row per tensor (see _table) -------------------------------------------------------

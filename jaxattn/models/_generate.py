@@ -8,8 +8,8 @@ padded slots stay masked as keys for the rest of the decode.
 A model loaded onto a mesh (from_pretrained(mesh=...)) decodes there: prompts and positions batch over
 "data", the cache batch over "data" and key/value heads over "model", each new token replicated so that
 every process reads it (the same prompts in every process, as multi-controller JAX runs). With a "seq"
-axis the prefill runs on the ring (jaxattn.models._sharding.SequenceParallelAttention): prompts must then
-be right-padded.
+axis the prefill runs on the ring (jaxattn.models._activation_layout.SequenceParallelAttention): prompts
+must then be right-padded.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import _decoder, _sharding
+from . import _activation_layout, _decoder
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _decode_call(model, params, cache, input_ids, attention_mask, position_ids):
     logits, variables = model.apply({"params": params, "cache": cache}, input_ids, attention_mask=attention_mask,
                                     position_ids=position_ids, decode=True, mutable=["cache"])
-    return _sharding.decode_outputs(model, jnp.argmax(logits[:, -1], axis=-1).astype(input_ids.dtype),
+    return _activation_layout.decode_outputs(model, jnp.argmax(logits[:, -1], axis=-1).astype(input_ids.dtype),
                                     variables["cache"])
 
 
@@ -95,7 +95,7 @@ def generate(model, params, input_ids, *, max_new_tokens: int, attention_mask=No
                          f"{type(model).__name__}")
     if getattr(model, "is_encoder_decoder", False):
         return model.generate(params, input_ids, attention_mask, max_new_tokens, stopping)
-    _sharding.check_prompts(model, attention_mask)
+    _activation_layout.check_prompts(model, attention_mask)
     B, T = input_ids.shape
     if max_new_tokens == 0:
         return input_ids
@@ -107,7 +107,7 @@ def generate(model, params, input_ids, *, max_new_tokens: int, attention_mask=No
     slots = np.concatenate([attention_mask, np.ones((B, max_new_tokens), attention_mask.dtype)], -1)
     ids = jnp.zeros((B, T + max_new_tokens), jnp.int32)
     cache = _decoder.empty_cache(model, params, ids, attention_mask=jnp.ones_like(ids))
-    place = functools.partial(_sharding.place, model, layout="BT")  # on a mesh: batch over "data"
+    place = functools.partial(_activation_layout.place, model, layout="BT")  # on a mesh: batch over "data"
     slots = place(slots)
     token, cache = _decode_call(model, params, cache, place(input_ids), slots, place(positions))
     new, position = [stopping(token)], positions[:, -1:]

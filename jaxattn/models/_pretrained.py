@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..io import load_safetensors
-from . import _sharding
+from . import _activation_layout, _lazy_checkpoint, _partition_rules
 
 # model_type -> loader(config dict, tensors, files, dtype, source) -> (model, params); filled by the families.
 _FAMILIES: dict[str, Callable] = {}
@@ -98,7 +98,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any | None = None, precis
     precision: the model's einsum/matmul precision (e.g. "highest" to keep float32 exact on TPU/GPU).
     mesh: a jax.sharding.Mesh (axes "data" and/or "model", and "seq" for sequence parallel): every
     parameter is a jax.Array sharded by the family's rules, each process reading only the byte ranges of
-    its own devices' shards; the model keeps its activations on the mesh (see _sharding.py).
+    its own devices' shards; the model keeps its activations on the mesh (see _activation_layout.py).
     rules: ((pattern, PartitionSpec), ...) or {pattern: spec}, tried before the family's
     (jaxattn.models.partition_rules(model_type)); only with a mesh.
     """
@@ -109,11 +109,11 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any | None = None, precis
             raise ValueError(f"rules: expected None without a mesh (they lay parameters out on one), got {rules!r}")
         tensors, files = read_tensors(path)
         return _load(config, tensors, files, dtype, precision, Path(path) / "config.json")
-    sharded_rules = _sharding.Rules.of(config["model_type"], mesh, rules)
-    sharding = _sharding.ModelSharding.of(mesh, config["model_type"])
-    tensors, files = read_tensors(path, _sharding.lazy_reader(path))
-    model, params = _load(config, _sharding.ShardedCheckpoint(tensors, sharded_rules), files, dtype, precision,
-                          Path(path) / "config.json")
+    sharded_rules = _partition_rules.Rules.of(config["model_type"], mesh, rules)
+    sharding = _activation_layout.ModelSharding.of(mesh, config["model_type"])
+    tensors, files = read_tensors(path, _lazy_checkpoint.lazy_reader(path))
+    checkpoint = _lazy_checkpoint.ShardedCheckpoint(tensors, sharded_rules)
+    model, params = _load(config, checkpoint, files, dtype, precision, Path(path) / "config.json")
     return model.clone(sharding=sharding), params
 
 

@@ -3,10 +3,11 @@
 It writes config.json and model.safetensors, or shards model-0000k-of-0000n.safetensors with
 model.safetensors.index.json, as save_pretrained does. The tensors are the family's weight table read in
 reverse (_table.unfill: the same rows from_pretrained fills from, no second map), written by
-jaxattn.io.save_safetensors (no torch). config.json holds the values the model was built from: the
-config.json dict it was read from (`config.hf_config`, which from_pretrained and from_state_dict attach),
-overridden by what the family's config maps to HF's keys (`config.to_dict()`), and checked: parsed back by
-the family's from_dict it must give the model's config, field for field, or nothing is written.
+jaxattn.io.safetensors_writer (no torch) and swapped in without ever losing the old set (_checkpoint_swap).
+config.json holds the values the model was built from: the config.json dict it was read from
+(`config.hf_config`, which from_pretrained and from_state_dict attach), overridden by what the family's
+config maps to HF's keys (`config.to_dict()`), and checked: parsed back by the family's from_dict it must
+give the model's config, field for field, or nothing is written.
 
 A family provides: a config dataclass with an `hf_config` field (compare=False), `from_dict(dict, source)`
 and `to_dict()` (its fields under HF's keys, model_type and architectures included), and a writer
@@ -17,11 +18,11 @@ which registers both ways.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import os
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -29,15 +30,14 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from ..io import save_safetensors
+from .. import _atomic_files as atomic_files
+from .. import io
 from . import _table
+from ._checkpoint_swap import CONFIG, INDEX, SINGLE, swap_in
 
 # model class -> writer(model) -> (config.json dict, rows, dims); filled by the families.
 _WRITERS: dict[type, Callable] = {}
 
-SINGLE = "model.safetensors"
-INDEX = "model.safetensors.index.json"
-_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _SIZE_UNITS = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}  # huggingface_hub's parse_size_to_int
 DEFAULT_SHARD_SIZE = "50GB"  # save_pretrained's default
 
@@ -121,7 +121,10 @@ def to_pretrained(model, params, path: str | os.PathLike, *, dtype: Any | None =
     A tied head is written once, as the embeddings (transformers ties it on load). An existing directory
     is written into as save_pretrained does: the files written are replaced, and weight files of an earlier
     save that would shadow the new ones (model.safetensors, the index, other model-*-of-* shards) are
-    removed; nothing else is touched.
+    removed; nothing else is touched. No checkpoint is lost on the way (_checkpoint_swap): the new files
+    are written whole under hidden names first and swapped in so that a reader finds the complete old set
+    or the complete new one; a save that fails (a full disk, an interrupt, a bad leaf) leaves the directory
+    as it was, and one that is killed leaves only hidden files, which the next save removes.
     """
     writer = _WRITERS.get(type(model))
     if writer is None:
@@ -142,27 +145,35 @@ def to_pretrained(model, params, path: str | os.PathLike, *, dtype: Any | None =
     directory = Path(path)
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"path: expected a directory (or a new one), got the file {directory}")
-    directory.mkdir(parents=True, exist_ok=True)
     groups = shards(tensors, limit)
     names = [SINGLE] if len(groups) == 1 else [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
                                                  for k in range(len(groups))]
-    _remove_stale(directory, keep=set(names) | ({INDEX} if len(groups) > 1 else set()))
-    (directory / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    for name, group in zip(names, groups):
-        save_safetensors({k: tensors[k] for k in group}, directory / name)
+    files = {CONFIG: _text_writer(json.dumps(config, indent=2, sort_keys=True) + "\n")}
+    for name, group in zip(names, groups):  # every tensor checked here, before a file is written
+        files[name] = io.safetensors_writer({k: tensors[k] for k in group})
     if len(groups) > 1:
         index = {"metadata": {"total_parameters": sum(x.size for x in tensors.values()),
                               "total_size": sum(x.nbytes for x in tensors.values())},
                  "weight_map": {k: name for name, group in zip(names, groups) for k in group}}
-        (directory / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        files[INDEX] = _text_writer(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    made = _make_directories(directory)
+    try:
+        swap_in(directory, files)
+    except BaseException:
+        for new in made:  # a directory this save made goes with it (empty again: swap_in removed its files)
+            with contextlib.suppress(OSError):
+                new.rmdir()
+        raise
     return directory
 
 
-def _remove_stale(directory: Path, keep: set[str]) -> None:
-    """Weight files of an earlier save that the new files would not replace, and that a reader would take
-    instead of them or mix in: model.safetensors (transformers prefers it to an index), the index (our
-    reader prefers it), and shards of another count."""
-    for file in directory.iterdir():
-        stale = file.name in (SINGLE, INDEX) or _SHARD.fullmatch(file.name)
-        if stale and file.name not in keep and file.is_file():
-            file.unlink()
+def _text_writer(text: str) -> Callable[[int], None]:
+    data = text.encode()
+    return lambda fd: atomic_files.write_all(fd, data)
+
+
+def _make_directories(directory: Path) -> list[Path]:
+    """mkdir -p; the directories it made, innermost first."""
+    made = [p for p in (directory, *directory.parents) if not p.exists()]
+    directory.mkdir(parents=True, exist_ok=True)
+    return made

@@ -174,9 +174,9 @@ def fill(tensors: Mapping[str, np.ndarray], rows, dims: Mapping[str, int], files
     Every leaf is a new array (no view of `tensors`).
     `ignored` names (known buffers, checked by the caller) may be present and are skipped.
     A `tensors` mapping with a `leaf(path, names, xs, transform, shape, dtype, stacked)` method (a sharded
-    checkpoint, jaxattn.models._sharding) builds each leaf itself (from the parts of the tensors it needs;
-    xs: the row's tensors, one per "{j}" of a stacked row, whose leaf `shape` then leads with their count);
-    the names and every shape are checked here first all the same.
+    checkpoint, jaxattn.models._lazy_checkpoint) builds each leaf itself (from the parts of the tensors it
+    needs; xs: the row's tensors, one per "{j}" of a stacked row, whose leaf `shape` then leads with their
+    count); the names and every shape are checked here first all the same.
     """
     check_names(tensors, rows, files, ignored=ignored, dims=dims)
     leaf = getattr(tensors, "leaf", None) or _dense_leaf

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..linen import MultiHeadAttention
-from . import _decoder, _pretrained, _save, _sharding, _table
+from . import _activation_layout, _decoder, _pretrained, _save, _table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +44,8 @@ class BertConfig:
     layer_norm_eps: float = 1e-12
     hidden_dropout_prob: float = 0.1
     attention_probs_dropout_prob: float = 0.1
+    # every attention call's implementation= (jaxattn.dot_product_attention; None: per platform); not in config.json
+    implementation: str | None = dataclasses.field(default=None, compare=False)
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # the config.json dict read
 
     @classmethod
@@ -54,11 +56,11 @@ class BertConfig:
             refuse("hidden_act", "'gelu' (exact erf GELU)", config["hidden_act"])
         if config.get("position_embedding_type", "absolute") != "absolute":
             refuse("position_embedding_type", "'absolute'", config["position_embedding_type"])
-        config = cls(**{f.name: config[f.name] for f in dataclasses.fields(cls) if f.compare and f.name in config})
-        if config.hidden_size % config.num_attention_heads:
-            refuse("hidden_size", f"a multiple of num_attention_heads={config.num_attention_heads}",
-                   config.hidden_size)
-        return config
+        parsed = cls(**{f.name: config[f.name] for f in dataclasses.fields(cls) if f.compare and f.name in config})
+        if parsed.hidden_size % parsed.num_attention_heads:
+            refuse("hidden_size", f"a multiple of num_attention_heads={parsed.num_attention_heads}",
+                   parsed.hidden_size)
+        return parsed
 
     def to_dict(self) -> dict:
         """config.json's keys (inverse of from_dict; the fields are HF's names)."""
@@ -107,7 +109,7 @@ class BertLayer(nn.Module):
         dropout = nn.Dropout(c.hidden_dropout_prob, deterministic=deterministic)
         attention = MultiHeadAttention(num_heads=c.num_attention_heads, dropout_rate=c.attention_probs_dropout_prob,
                                        dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision,
-                                       name="attention")
+                                       implementation=c.implementation, name="attention")
         y, weights = attention(x, mask=mask, deterministic=deterministic, return_weights=True)
         a = norm("attention_norm")(x + dropout(y))
         h = nn.gelu(dense(c.intermediate_size, name="intermediate")(a), approximate=False)
@@ -128,7 +130,7 @@ class BertModel(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     precision: Any = None
-    sharding: Any = None  # a _sharding.ModelSharding: the activations' layout on a mesh (None: one device)
+    sharding: Any = None  # a _activation_layout.ModelSharding: the activations' layout on a mesh (None: one device)
 
     @nn.compact
     def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *,
@@ -142,7 +144,7 @@ class BertModel(nn.Module):
             input_ids, token_type_ids, position_ids, deterministic=deterministic)
         hidden_states, attention_outputs, attentions = [x], [], []
         for i in range(self.config.num_hidden_layers):
-            x = _sharding.constrain(self.sharding, x, "BTE")  # on a mesh: batch over "data" between layers
+            x = _activation_layout.constrain(self.sharding, x, "BTE")  # on a mesh: batch over "data" between layers
             x, a, weights = BertLayer(self.config, self.dtype, self.param_dtype, self.precision,
                                       name=f"layer_{i}")(x, mask, deterministic=deterministic)
             hidden_states.append(x)

@@ -21,7 +21,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from . import _decoder, _pretrained, _save, _sharding, _table
+from . import _activation_layout, _decoder, _pretrained, _save, _table
 
 _ACTIVATIONS = {  # HF's ACT2FN names -> the exact formula
     "gelu_new": functools.partial(nn.gelu, approximate=True),
@@ -44,6 +44,8 @@ class GPT2Config:
     scale_attn_weights: bool = True
     scale_attn_by_inverse_layer_idx: bool = False
     tie_word_embeddings: bool = True
+    # every attention call's implementation= (jaxattn.dot_product_attention; None: per platform); not in config.json
+    implementation: str | None = dataclasses.field(default=None, compare=False)
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # the config.json dict read
 
     @classmethod
@@ -56,10 +58,10 @@ class GPT2Config:
             if config.get(key, False):
                 refuse(key, "false", config[key])
         fields = {f.name for f in dataclasses.fields(cls) if f.compare}
-        config = cls(**{k: v for k, v in config.items() if k in fields})
-        if config.n_embd % config.n_head:
-            refuse("n_embd", f"a multiple of n_head={config.n_head}", config.n_embd)
-        return config
+        parsed = cls(**{k: v for k, v in config.items() if k in fields})
+        if parsed.n_embd % parsed.n_head:
+            refuse("n_embd", f"a multiple of n_head={parsed.n_head}", parsed.n_embd)
+        return parsed
 
     def to_dict(self) -> dict:
         """config.json's keys (inverse of from_dict; the fields are HF's names)."""
@@ -84,9 +86,10 @@ class GPT2Block(_decoder.Configured):
             self.layer + 1 if c.scale_attn_by_inverse_layer_idx else 1)
         norm = functools.partial(_decoder.layer_norm, c.layer_norm_epsilon, self.dtype, self.param_dtype)
         dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)
-        attention = _sharding.attention_class(self.sharding)(num_heads=c.n_head, scale=scale, dtype=self.dtype,
-                                                             param_dtype=self.param_dtype, precision=self.precision,
-                                                             name="attn")
+        attention_layer = _activation_layout.attention_class(self.sharding)
+        attention = attention_layer(num_heads=c.n_head, scale=scale, dtype=self.dtype,
+                                    param_dtype=self.param_dtype, precision=self.precision,
+                                    implementation=c.implementation, name="attn")
         a = attention(norm("ln_1")(x), mask=mask, is_causal=True, decode=decode)
         x = x + a
         h = _ACTIVATIONS[c.activation_function](dense(d["F"], name="c_fc")(norm("ln_2")(x)))

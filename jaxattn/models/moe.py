@@ -12,6 +12,8 @@ an expert axis of a mesh.
         "softmax_topk" (Mixtral, Qwen3-MoE): p = softmax(r), the k largest p, divided by their sum when
                        normalize (Mixtral: always; Qwen3-MoE: norm_topk_prob)
         "topk_softmax" (gpt-oss): the k largest r, softmaxed among themselves
+        "topk_sigmoid" (Llama 4): the k largest r, each through a sigmoid (Llama 4 weights the experts' inputs
+                       by them, not their outputs: jaxattn.models.llama4)
     y = sum_x w[..., x] * down_x(act(gate_x(x), up_x(x)))
 
 Dispatch is dense: every expert runs on every token and w weights them (zeros off the top k), one einsum over
@@ -39,10 +41,11 @@ from typing import Any, ClassVar
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen.dtypes import promote_dtype
 
 from . import _decoder, _pretrained, _table
 
-ROUTINGS = ("softmax_topk", "topk_softmax")
+ROUTINGS = ("softmax_topk", "topk_softmax", "topk_sigmoid")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,7 +91,7 @@ def routing_weights(logits, top_k: int, routing: str, *, normalize: bool = True)
         top = top / jnp.sum(top, axis=-1, keepdims=True) if normalize else top
     else:
         top, index = jax.lax.top_k(logits, top_k)
-        top = jax.nn.softmax(top, axis=-1)
+        top = jax.nn.softmax(top, axis=-1) if routing == "topk_softmax" else jax.nn.sigmoid(top)
     return jnp.einsum("...k,...kx->...x", top, jax.nn.one_hot(index, logits.shape[-1], dtype=top.dtype))
 
 
@@ -111,7 +114,7 @@ class StackedDense(_decoder.Configured):
         kernel = self.param("kernel", nn.initializers.lecun_normal(batch_axis=(0,)), shape, self.param_dtype)
         bias = (self.param("bias", nn.initializers.zeros, (shape[0], shape[2]), self.param_dtype)
                 if self.config.expert_bias else None)
-        x, kernel, bias = nn.dtypes.promote_dtype(x, kernel, bias, dtype=self.dtype)
+        x, kernel, bias = promote_dtype(x, kernel, bias, dtype=self.dtype)
         y = jnp.einsum("...xi,xio->...xo" if per_expert else "...i,xio->...xo", x, kernel, precision=self.precision)
         return y if bias is None else y + bias
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import t5_relative_bias
 from ..linen import MultiHeadAttention
-from . import _decoder, _pretrained, _save, _sharding, _table
+from . import _activation_layout, _decoder, _pretrained, _save, _table
 
 _ACTIVATIONS = {"relu": nn.relu, "gelu_new": functools.partial(nn.gelu, approximate=True),
                 "gelu": functools.partial(nn.gelu, approximate=False),
@@ -55,6 +55,8 @@ class T5Config:
     is_gated_act: bool = False
     scale_decoder_outputs: bool = True
     decoder_start_token_id: int = 0
+    # every attention call's implementation= (jaxattn.dot_product_attention; None: per platform); not in config.json
+    implementation: str | None = dataclasses.field(default=None, compare=False)
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # the config.json dict read
 
     @classmethod
@@ -118,7 +120,7 @@ class T5Block(_decoder.Configured):
         norm = functools.partial(_decoder.RMSNorm, c.layer_norm_epsilon, self.param_dtype, "t5")
         attention = functools.partial(MultiHeadAttention, num_heads=c.num_heads, head_dim=c.d_kv, use_bias=False,
                                       scale=1.0, dtype=self.dtype, param_dtype=self.param_dtype,
-                                      precision=self.precision)
+                                      precision=self.precision, implementation=c.implementation)
         a = attention(name="self_attention")(norm(name="self_attention_norm")(x), mask=self_mask, bias=self_bias,
                                              is_causal=self.is_decoder, decode=decode)
         x = x + a
@@ -215,7 +217,7 @@ class T5ForConditionalGeneration(_decoder.Configured):
         stopping: a jaxattn.models._generate.Stopping (eos/pad rule), or None (exactly max_new_tokens)."""
         B = input_ids.shape[0]
         L = max_new_tokens + 1
-        place = functools.partial(_sharding.place, self, layout="BT")  # on a mesh: batch over "data"
+        place = functools.partial(_activation_layout.place, self, layout="BT")  # on a mesh: batch over "data"
         attention_mask = place(attention_mask)
         encoder_output = _encode(self, params, place(input_ids), attention_mask)
         start = np.full((B, 1), self.config.decoder_start_token_id, input_ids.dtype)
@@ -241,7 +243,8 @@ def _encode(model, params, input_ids, attention_mask):
 def _decode_step(model, params, cache, token, encoder_output, attention_mask, slots):
     logits, variables = model.apply({"params": params, "cache": cache}, token, encoder_output, attention_mask,
                                     slots, decode=True, method=model.decode, mutable=["cache"])
-    return _sharding.decode_outputs(model, jnp.argmax(logits[:, -1], -1).astype(token.dtype), variables["cache"])
+    token = jnp.argmax(logits[:, -1], -1).astype(token.dtype)
+    return _activation_layout.decode_outputs(model, token, variables["cache"])
 
 
 # --- weights --------------------------------------------------------------------------------------------------

@@ -1,0 +1,639 @@
+"""`certify`: any PyTorch model against any JAX port of it, output by output and layer by layer.
+
+    cert = certify(torch_fn, jax_fn, {"input_ids": ids}, dtype="float32", layers={"model.layers.0.mlp": "l0.mlp"})
+    cert.passed; cert.first_divergent; cert.rows; cert.to_json(); cert.plot("drift.png"); print(cert.table())
+
+Both callables get the same inputs as keyword arguments (torch tensors / JAX arrays; floating inputs cast to
+`dtype`). Each returns an array, a tuple / list / dict of arrays (nested: "hidden_states[2]"), or an object
+with `.logits` (transformers' outputs: only the logits are taken). Both must give the same names and shapes.
+
+Rows, each measured against torch (the reference), in this order:
+- "layer": `layers` pairs (torch module path -> JAX intermediate name), in the order torch's forward hooks
+  fire. JAX's intermediates come from a jax_fn returning `(outputs, {name: array})`, that dict possibly
+  nested (Flax `capture_intermediates` / `sow` / nnx `Intermediate` state: names joined with "/", a
+  one-element tuple taken as its element, "intermediates" unwrapped).
+- "output": every output.
+- "kl", "top1", "top5": for the logits output (`logits=` names it; default "logits" when there is one):
+  per-token KL(torch's softmax || JAX's), its largest value against a bar; the share of tokens whose top-1
+  token agrees, and the mean share of the top-5 sets that agree, each against a bar.
+- "grad": with `grads=True`, gradients of a scalar loss with respect to the floating inputs.
+
+Bars: outputs and layers take crosscheck's whole-model tolerances, normwise (MODEL_TOLERANCES[dtype].forward:
+float64 1e-12, float32 1e-5), or the `bar` given; gradients MODEL_TOLERANCES[dtype].grad; logits
+LOGIT_BARS[dtype]. A row non-finite on one side
+is its own status ("non-finite in JAX only"), never folded into a number; it fails.
+
+Memory: JAX runs first and keeps its intermediates; each torch layer is compared inside its forward hook
+and dropped, so only one model's activations are held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from crosscheck._compare import MODEL_TOLERANCES, TOLERANCES, error_metrics
+
+__all__ = ["LOGIT_BARS", "Bar", "Certificate", "LogitBars", "Row", "certify", "versions"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Bar:
+    """The bar of an output / layer row: `metric` ("normwise" or "max_abs") <= value, times max(1, max |ref|)
+    when `scaled` (float32 rounding grows with the magnitude of what is rounded)."""
+
+    metric: str
+    value: float
+    scaled: bool = False
+
+    def at(self, scale: float) -> float:
+        return self.value * max(1.0, scale) if self.scaled else self.value
+
+
+@dataclasses.dataclass(frozen=True)
+class LogitBars:
+    """Largest per-token KL divergence allowed, smallest top-1 / top-5 agreement allowed."""
+
+    kl: float
+    top1: float
+    top5: float
+
+
+# float64: KL ~ (logit error)^2 / 2; clean runs land near 4e-29 (521 tokens), the bar leaves room for 1e-12
+# logit errors. float32: set from clean runs (benchmarks/certify_margins.py, docs/certify.md): the largest
+# per-token KL over tiny random GPT-2, Qwen2, Qwen3 and Llama checkpoints on 521 real tokens was 4.9e-11;
+# the bar sits 100x above it and 400x below the mildest planted fault (norm epsilon 1e-5 for 1e-6: 2.0e-6).
+# Agreement: no clean run flipped a top-1 token or a top-5 set; float32 allows a top-5 near tie to swap.
+LOGIT_BARS: Mapping[str, LogitBars] = MappingProxyType({
+    "float64": LogitBars(kl=1e-24, top1=1.0, top5=1.0),
+    "float32": LogitBars(kl=5e-9, top1=1.0, top5=0.99),
+})
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One compared quantity. `value` is what meets `bar`: an error (<=) or, for top1/top5, an agreement (>=)."""
+
+    name: str              # torch module path (layers), output name, "logits.kl", "grad/x"
+    kind: str              # "layer" | "output" | "kl" | "top1" | "top5" | "grad"
+    shape: tuple[int, ...]
+    max_abs: float
+    normwise: float
+    scale: float           # the reference's largest |value|
+    metric: str            # "normwise" | "max_abs" | "kl" | "agreement"
+    value: float
+    bar: float
+    status: str            # "ok", "FAIL", "non-finite in JAX only", "torch module never ran", ...
+    jax_name: str = ""
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def ratio(self) -> float:
+        """How far along its bar the row is (1 = at the bar); for agreement, the disagreement against its own."""
+        if self.metric == "agreement":
+            return (1.0 - self.value) / max(1.0 - self.bar, 1e-12)
+        return self.value / self.bar if self.bar > 0 else math.inf
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**{k: _json_float(v) for k, v in dataclasses.asdict(self).items()}, "shape": list(self.shape),
+                "passed": self.passed}
+
+
+@dataclasses.dataclass(frozen=True)
+class Certificate:
+    dtype: str
+    rows: tuple[Row, ...]
+    inputs: Mapping[str, tuple[tuple[int, ...], str]]   # name -> (shape, dtype)
+    versions: Mapping[str, str | None]
+    golden: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.rows) and all(r.passed for r in self.rows)
+
+    @property
+    def first_divergent(self) -> str | None:
+        """The first row (forward order: layers, outputs, logits, gradients) over its bar; None if none."""
+        return next((r.name for r in self.rows if not r.passed), None)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "passed": self.passed, "first_divergent": self.first_divergent, "dtype": self.dtype,
+            "versions": dict(self.versions), "golden": self.golden,
+            "inputs": {k: {"shape": list(s), "dtype": d} for k, (s, d) in self.inputs.items()},
+            "tolerances": {"outputs": {k: dataclasses.asdict(v) for k, v in MODEL_TOLERANCES.items()},
+                           "logits": {k: dataclasses.asdict(v) for k, v in LOGIT_BARS.items()}},
+            "rows": [r.to_dict() for r in self.rows],
+        }
+
+    def table(self) -> str:
+        lines = [f"certificate [{self.dtype}]: {'PASS' if self.passed else 'FAIL'}"
+                 + (f" (golden file {self.golden})" if self.golden else ""),
+                 f"  {'row':36} {'JAX':24} {'kind':6} {'max abs':>10} {'normwise':>10} {'value':>10} {'bar':>9}"
+                 "  status"]
+        lines += [f"  {r.name:36} {r.jax_name:24} {r.kind:6} {r.max_abs:10.2e} {r.normwise:10.2e} {r.value:10.3e} "
+                  f"{r.bar:9.1e}  {r.status}" for r in self.rows]
+        lines.append(f"  first divergent: {self.first_divergent}" if not self.passed else "  every row passes")
+        return "\n".join(lines)
+
+    __str__ = table
+
+    def __rich__(self):
+        from rich.table import Table
+
+        table = Table(title=f"certificate [{self.dtype}]: {'PASS' if self.passed else 'FAIL'}")
+        for column in ("row", "JAX", "kind", "max abs", "normwise", "value", "bar", "status"):
+            table.add_column(column, justify="left" if column in ("row", "JAX", "kind", "status") else "right")
+        for r in self.rows:
+            table.add_row(r.name, r.jax_name, r.kind, f"{r.max_abs:.2e}", f"{r.normwise:.2e}", f"{r.value:.3e}",
+                          f"{r.bar:.1e}", r.status if r.passed else f"[bold red]{r.status}[/]")
+        return table
+
+    def plot(self, path: str) -> None:
+        """Each row's error divided by its bar against forward order (log scale; 1 = the bar)."""
+        plot_series([(self.dtype, self.rows)], path, title="torch vs JAX, per row")
+
+
+def plot_series(series: Sequence[tuple[str, Sequence[Any]]], path: str, *, title: str,
+                ylabel: str = "error / bar") -> None:
+    """One line per (label, rows); a row has .name and .ratio. Needs matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise ImportError("plotting needs matplotlib: pip install matplotlib") from None
+    names = [r.name for r in series[0][1]]
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.35 * len(names)), 4.0))
+    for label, rows in series:
+        ratio = [min(max(r.ratio, 1e-8), 1e8) if not math.isnan(r.ratio) else 1e8 for r in rows]
+        ax.plot(range(len(ratio)), ratio, marker="o", label=label)
+    ax.axhline(1.0, color="red", linestyle="--", label="bar")
+    ax.set_yscale("log")
+    ax.set_xticks(range(len(names)), names, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _json_float(value: Any) -> Any:
+    # JSON has no nan/inf; strings keep them visible instead of silently turning them into null.
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of the libraries a certificate depends on (None: not installed)."""
+    import importlib.metadata
+
+    found = {}
+    for name in ("torch", "jax", "jaxlib", "transformers", "flax"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+# --- structure --------------------------------------------------------------------------------------------
+
+
+def named_outputs(out: Any, prefix: str = "") -> dict[str, Any]:
+    """An output tree -> {name: array}: `.logits` objects give "logits"; dicts their keys; sequences "[i]"."""
+    if not isinstance(out, Mapping) and getattr(out, "logits", None) is not None:
+        return {"logits": out.logits}
+    if isinstance(out, Mapping) and "logits" in out and hasattr(out, "to_tuple"):  # transformers' ModelOutput
+        return {"logits": out["logits"]}
+    if isinstance(out, Mapping):
+        flat: dict[str, Any] = {}
+        for k, v in out.items():
+            if v is not None:
+                flat.update(named_outputs(v, f"{prefix}.{k}" if prefix else str(k)))
+        return flat
+    if isinstance(out, (tuple, list)):
+        flat = {}
+        for i, v in enumerate(out):
+            flat.update(named_outputs(v, f"{prefix}[{i}]" if prefix else f"output[{i}]"))
+        return flat
+    return {prefix or "output": out}
+
+
+def flat_intermediates(tree: Any, prefix: str = "") -> dict[str, Any]:
+    """Flax / nnx intermediates {"intermediates": {"block": {"mlp": (x,)}}} -> {"block/mlp": x}."""
+    if isinstance(tree, Mapping):
+        if set(tree) == {"intermediates"} and not prefix:
+            return flat_intermediates(tree["intermediates"])
+        flat: dict[str, Any] = {}
+        for k, v in tree.items():
+            flat.update(flat_intermediates(v, f"{prefix}/{k}" if prefix else str(k)))
+        return flat
+    if hasattr(tree, "value") and not hasattr(tree, "shape"):  # an nnx Variable
+        return flat_intermediates(tree.value, prefix)
+    if isinstance(tree, (tuple, list)):
+        if len(tree) == 1:
+            return flat_intermediates(tree[0], prefix)
+        return {k: v for i, t in enumerate(tree) for k, v in flat_intermediates(t, f"{prefix}[{i}]").items()}
+    return {prefix: tree}
+
+
+def nearest(name: str, candidates: Sequence[str], what: str) -> ValueError:
+    close = difflib.get_close_matches(name, list(candidates), n=5, cutoff=0.4)
+    return ValueError(f"layers: {what} {name!r} does not exist; nearest: {close or sorted(candidates)[:10]}")
+
+
+def layer_pairs(layers: Any) -> list[tuple[str, str, Callable[[np.ndarray], np.ndarray] | None]]:
+    """{path: name} / {path: (name, transform)} / [(path, name[, transform]), ...] -> [(path, name, transform)]."""
+    if layers is None:
+        return []
+    items = layers.items() if isinstance(layers, Mapping) else layers
+    pairs = []
+    for item in items:
+        path, target = item[0], item[1] if len(item) == 2 else tuple(item[1:])
+        name, transform = (target, None) if isinstance(target, str) else (target[0], target[1])
+        if not isinstance(path, str) or not isinstance(name, str):
+            raise ValueError(f"layers: expected {{torch module path: JAX name}} strings, got {item!r}")
+        pairs.append((path, name, transform))
+    return pairs
+
+
+def checked_dtype(dtype: Any) -> str:
+    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    if name not in TOLERANCES:
+        raise ValueError(f"dtype: expected one of {sorted(TOLERANCES)}, got {dtype!r}")
+    if name == "float64":
+        import jax
+
+        if not jax.config.x64_enabled:
+            raise RuntimeError("dtype: float64 needs JAX's x64 mode (jax.config.update('jax_enable_x64', True)); "
+                               "without it JAX would silently compute in float32")
+    return name
+
+
+def cast_inputs(inputs: Mapping[str, Any], dtype: str) -> dict[str, np.ndarray]:
+    out = {}
+    for k, v in inputs.items():
+        v = np.asarray(v)
+        out[k] = v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v
+    return out
+
+
+def state_hash(module) -> str:
+    """sha256 over a torch module's state_dict: names, shapes and values, in name order. Floating tensors are
+    hashed as float64 (exact from float32 / bfloat16), so a module cast to the certificate's dtype in place
+    keeps the hash of the checkpoint it was loaded from."""
+    import torch
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(module.state_dict().items()):
+        array = tensor.detach().cpu()
+        array = (array.double() if array.is_floating_point() else array).contiguous()
+        digest.update(f"{name}|{array.dtype}|{tuple(array.shape)}|".encode())
+        digest.update(array.view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+# --- the torch side (the reference) ------------------------------------------------------------------------
+
+
+def _need_torch(what: str):
+    try:
+        import torch
+    except ImportError:
+        raise ImportError(f"{what} runs the PyTorch model and needs torch: pip install torch (or \"jaxattn[torch]\"), "
+                          "or certify against a golden file: certify(None, jax_fn, inputs, golden=PATH), "
+                          "PATH written by crosscheck.record on a machine with torch") from None
+    return torch
+
+
+def _to_numpy(value) -> np.ndarray:
+    while isinstance(value, (tuple, list)) or (isinstance(value, Mapping) and value):
+        value = value[0] if isinstance(value, (tuple, list)) else next(iter(value.values()))
+    return value.detach().cpu().numpy()
+
+
+def run_torch(torch_fn, inputs: Mapping[str, np.ndarray], *, dtype: str, pairs, torch_module=None,
+              on_layer: Callable[[int, str, str, np.ndarray | None], None], grads: bool = False, loss=None,
+              logits: str | None = None):
+    """torch_fn(**inputs) with forward hooks on the `pairs`' module paths; `on_layer(index, path, name, array)`
+    per hooked call in firing order (array None: never ran). Returns ({output: array}, {input: grad})."""
+    torch = _need_torch("certify(torch_fn, ...)")
+    module = torch_module if torch_module is not None else torch_fn
+    is_module = isinstance(module, torch.nn.Module)
+    if is_module:
+        module.to(getattr(torch, dtype)).eval()
+    if pairs and not is_module:
+        raise ValueError("layers: module paths need torch_fn to be a torch.nn.Module (or torch_module=)")
+    queues: dict[int, list[tuple[int, str, str, Any]]] = {}
+    targets = {}
+    for index, (path, name, transform) in enumerate(pairs):
+        try:
+            target = module.get_submodule(path)
+        except AttributeError:
+            raise nearest(path, [n for n, _ in module.named_modules(remove_duplicate=False) if n],
+                          "torch module path") from None
+        targets[id(target)] = target
+        queues.setdefault(id(target), []).append((index, path, name, transform))
+    ran: set[int] = set()
+
+    def hook(queue):
+        calls = iter(queue)
+
+        def on_call(mod, args, out):
+            entry = next(calls, None)
+            if entry is not None:
+                index, path, name, transform = entry
+                array = _to_numpy(out)
+                ran.add(index)
+                on_layer(index, path, name, array if transform is None else np.asarray(transform(array)))
+        return on_call
+
+    tensors = {k: torch.from_numpy(np.array(v)) for k, v in inputs.items()}
+    if grads:
+        for t in tensors.values():
+            t.requires_grad_(t.is_floating_point())
+    handles = [targets[key].register_forward_hook(hook(queue)) for key, queue in queues.items()]
+    try:
+        with torch.set_grad_enabled(grads):
+            raw = named_outputs(torch_fn(**tensors))
+    finally:
+        for handle in handles:
+            handle.remove()
+    for index, (path, name, _) in enumerate(pairs):
+        if index not in ran:
+            on_layer(index, path, name, None)
+    outputs = {k: v.detach().cpu().numpy() for k, v in raw.items()}
+    input_grads = {}
+    if grads:
+        wrt = {k: t for k, t in tensors.items() if t.requires_grad}
+        if wrt:
+            scalar = _loss(torch, raw, tensors, outputs, loss, logits)
+            got = torch.autograd.grad(scalar, list(wrt.values()), allow_unused=True)
+            input_grads = {k: np.zeros(t.shape, dtype) if g is None else g.detach().numpy()
+                           for (k, t), g in zip(wrt.items(), got, strict=True)}
+    return outputs, input_grads
+
+
+def _loss(xp, outputs, inputs, reference, loss, logits):
+    """The scalar both sides differentiate: `loss(outputs, inputs)`; else the mean log-likelihood of
+    inputs["labels"] under the logits; else sum(out * c) with one seeded cotangent c per output."""
+    if loss is not None:
+        return loss(outputs, inputs)
+    if logits is not None and logits in outputs and "labels" in inputs:
+        labels = inputs["labels"]
+        if hasattr(xp, "nn") and hasattr(xp.nn, "functional"):  # torch
+            logp = xp.log_softmax(outputs[logits], dim=-1)
+            return xp.take_along_dim(logp, labels.long()[..., None], dim=-1).mean()
+        import jax
+
+        logp = jax.nn.log_softmax(outputs[logits], axis=-1)
+        return xp.take_along_axis(logp, labels[..., None].astype(xp.int32), axis=-1).mean()
+    total = 0.0
+    for name, cot in cotangents(reference).items():
+        total = total + (outputs[name] * (xp.from_numpy(cot) if hasattr(xp, "from_numpy") else cot)).sum()
+    return total
+
+
+def cotangents(reference: Mapping[str, np.ndarray], seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed + 2)
+    return {k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in reference.items()}
+
+
+# --- the JAX side ------------------------------------------------------------------------------------------
+
+
+def run_jax(jax_fn, inputs: Mapping[str, np.ndarray]):
+    """jax_fn's raw result at matmul precision "highest" (outputs, or (outputs, intermediates))."""
+    import jax
+    import jax.numpy as jnp
+
+    with jax.default_matmul_precision("highest"):
+        return jax_fn(**{k: jnp.asarray(v) for k, v in inputs.items()})
+
+
+def split_jax(raw, want_layers: bool, torch_names=None):
+    """({output: numpy}, {intermediate: numpy}): a result `(outputs, {name: array})` is split when layers are
+    asked for, or when its outputs alone (not the pair) have torch's output names."""
+    out, inter = raw, {}
+    if isinstance(raw, tuple) and len(raw) == 2 and isinstance(raw[1], Mapping):
+        whole = set(named_outputs(raw))
+        if want_layers or (torch_names is not None and whole != set(torch_names)
+                           and set(named_outputs(raw[0])) == set(torch_names)):
+            out, inter = raw
+    return ({k: np.asarray(v) for k, v in named_outputs(out).items()},
+            {k: np.asarray(v) for k, v in flat_intermediates(inter).items()})
+
+
+def _split(out, want_layers: bool):
+    if want_layers and isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], Mapping):
+        return out[0], out[1]
+    return out, {}
+
+
+def jax_grads(jax_fn, inputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], *, loss, logits,
+              split: bool) -> dict[str, np.ndarray]:
+    import jax
+    import jax.numpy as jnp
+
+    floats = {k: jnp.asarray(v) for k, v in inputs.items() if np.issubdtype(v.dtype, np.floating)}
+    others = {k: jnp.asarray(v) for k, v in inputs.items() if k not in floats}
+
+    def scalar(f):
+        out = named_outputs(_split(jax_fn(**f, **others), split)[0])
+        return _loss(jnp, out, {**f, **others}, reference, loss, logits)
+
+    if not floats:
+        return {}
+    with jax.default_matmul_precision("highest"):
+        got = jax.grad(scalar)(floats)
+    return {k: np.asarray(v) for k, v in got.items()}
+
+
+# --- measuring ---------------------------------------------------------------------------------------------
+
+
+def measure(name: str, kind: str, ours: np.ndarray, theirs: np.ndarray, bar: Bar, jax_name: str = "") -> Row:
+    """One row: JAX's `ours` against torch's `theirs` (same shape: checked by the caller)."""
+    ours, theirs = np.asarray(ours), np.asarray(theirs)
+    bad_jax, bad_torch = not np.isfinite(ours).all(), not np.isfinite(theirs).all()
+    scale = float(np.abs(np.where(np.isfinite(theirs), theirs, 0)).max(initial=0.0))
+    max_abs, _, normwise = error_metrics(ours, theirs)
+    value = max_abs if bar.metric == "max_abs" else normwise
+    limit = bar.at(scale)
+    if bad_jax or bad_torch:
+        status = ("non-finite on both sides" if bad_jax and bad_torch else
+                  "non-finite in JAX only" if bad_jax else "non-finite in torch only")
+    else:
+        status = "ok" if value <= limit else "FAIL"
+    return Row(name, kind, tuple(theirs.shape), max_abs, normwise, scale, bar.metric, value, limit, status, jax_name)
+
+
+def logit_rows(name: str, ours: np.ndarray, theirs: np.ndarray, bars: LogitBars) -> list[Row]:
+    """Per-token KL(torch || JAX) (largest), top-1 agreement (share of tokens), top-5 overlap (mean share)."""
+    a = np.asarray(theirs, np.float64).reshape(-1, theirs.shape[-1])
+    b = np.asarray(ours, np.float64).reshape(-1, ours.shape[-1])
+    shape = tuple(theirs.shape[:-1])
+    if not (np.isfinite(a).all() and np.isfinite(b).all()) or not a.size:
+        status = "non-finite logits" if a.size else "no tokens"
+        return [Row(f"{name}.{k}", k, shape, math.nan, math.nan, math.nan, m, math.nan, bar, status)
+                for k, m, bar in (("kl", "kl", bars.kl), ("top1", "agreement", bars.top1),
+                                  ("top5", "agreement", bars.top5))]
+    kl = float(np.max(kl_divergence(a, b)))
+    top1 = float(np.mean(a.argmax(-1) == b.argmax(-1)))
+    k = min(5, a.shape[-1])
+    top_a, top_b = np.argpartition(-a, k - 1, axis=-1)[:, :k], np.argpartition(-b, k - 1, axis=-1)[:, :k]
+    top5 = float(np.mean([len(set(x) & set(y)) / k for x, y in zip(top_a, top_b, strict=True)]))
+    nan = math.nan
+    return [Row(f"{name}.kl", "kl", shape, nan, nan, nan, "kl", kl, bars.kl, "ok" if kl <= bars.kl else "FAIL"),
+            Row(f"{name}.top1", "top1", shape, nan, nan, nan, "agreement", top1, bars.top1,
+                "ok" if top1 >= bars.top1 else "FAIL"),
+            Row(f"{name}.top5", "top5", shape, nan, nan, nan, "agreement", top5, bars.top5,
+                "ok" if top5 >= bars.top5 else "FAIL")]
+
+
+def kl_divergence(theirs: np.ndarray, ours: np.ndarray) -> np.ndarray:
+    """Per row KL(softmax(theirs) || softmax(ours)) = sum p (d - 1 + e^-d), d = log p - log q: the same sum as
+    sum p d (sum p e^-d = sum q = 1), but of non-negative terms ~ d^2 / 2, so a float64 KL near 1e-30 is
+    resolved instead of drowning in the 1e-16 rounding of sum p d."""
+    log_p, log_q = _log_softmax(theirs), _log_softmax(ours)
+    d = log_p - log_q
+    small = np.abs(d) < 1e-3
+    series = d * d / 2 - d ** 3 / 6 + d ** 4 / 24   # d + expm1(-d) cancels for small d; its Taylor series does not
+    terms = np.where(small, series, d + np.expm1(-np.where(small, 0.0, d)))
+    return np.sum(np.exp(log_p) * terms, axis=-1)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    shifted = x - x.max(axis=-1, keepdims=True)
+    return shifted - np.log(np.exp(shifted).sum(axis=-1, keepdims=True))
+
+
+def check_structure(ours: Mapping[str, np.ndarray], theirs: Mapping[str, np.ndarray], what: str) -> None:
+    if set(ours) != set(theirs):
+        raise ValueError(f"{what}: JAX gives {sorted(ours)}, torch gives {sorted(theirs)}")
+    for k in theirs:
+        if ours[k].shape != theirs[k].shape:
+            raise ValueError(f"{what} {k!r}: torch shape {tuple(theirs[k].shape)} vs JAX shape {tuple(ours[k].shape)}")
+
+
+# --- certify -----------------------------------------------------------------------------------------------
+
+
+def certify(torch_fn, jax_fn, inputs: Mapping[str, Any] | None, *, dtype: str = "float32", layers=None,
+            logits: str | None = None, grads: bool = False, golden=None, loss=None, bar: Bar | None = None,
+            select: Callable[[str, np.ndarray], np.ndarray] | None = None, torch_module=None,
+            checkpoint_hash: str | None = None) -> Certificate:
+    """Certify `jax_fn` against `torch_fn` on `inputs` ({name: numpy array}); see the module docstring.
+
+    torch_fn: a torch.nn.Module (cast to `dtype` and put in eval mode, in place) or any callable; None with
+    `golden=` (a file from crosscheck.record: torch is then never imported).
+    layers: {torch module path: JAX intermediate name}, {path: (name, transform)} with
+    `transform(torch_array) -> JAX's layout`, or a sequence of (path, name[, transform]) where a repeated path
+    means the module's next call. With golden= and no `layers`: the pairs the file was recorded for.
+    torch_module: the module the paths are resolved in when torch_fn is a plain callable (cast too).
+    logits: the output holding logits (default "logits" when present; False: none).
+    loss(outputs, inputs) -> scalar, for grads=True: called with torch tensors and with JAX arrays (write it
+    with operations both have).
+    bar: the bar of output and layer rows (default: normwise MODEL_TOLERANCES[dtype].forward).
+    select(jax_name, array) -> the entries to compare (e.g. real tokens), applied to both sides of output,
+    layer and logit rows.
+    checkpoint_hash: with golden=, refuse a file recorded from another checkpoint (or pass the torch module
+    as torch_fn).
+    """
+    dtype = checked_dtype(dtype)
+    bar = bar or Bar("normwise", MODEL_TOLERANCES[dtype].forward)
+    pairs = layer_pairs(layers)
+    select = select or (lambda name, array: array)
+    reference = None
+    if golden is not None:
+        from crosscheck._golden import load_golden
+
+        reference = load_golden(golden, inputs, dtype=dtype, torch_fn=torch_fn, checkpoint_hash=checkpoint_hash,
+                                grads=grads)
+        inputs = reference.inputs
+        if layers is None:  # the pairs the file was recorded for (their transforms, if any, are not stored)
+            pairs = [(path, name, None) for path, name in reference.meta.get("pairs", [])]
+    elif torch_fn is None:
+        raise ValueError("torch_fn: None needs golden=PATH (a file written by crosscheck.record)")
+    else:
+        _need_torch("certify(torch_fn, ...)")
+    if inputs is None:
+        raise ValueError("inputs: expected {name: array}, got None")
+    inputs = cast_inputs(inputs, dtype)
+    raw = run_jax(jax_fn, inputs)
+    ours, inter = split_jax(raw, bool(pairs))
+    missing = [name for _, name, _ in pairs if name not in inter]
+    if missing:
+        raise nearest(missing[0], list(inter), "JAX intermediate")
+
+    layer_rows: list[Row] = []
+    seen: dict[str, int] = {}
+
+    def on_layer(index: int, path: str, name: str, array: np.ndarray | None) -> None:
+        seen[path] = seen.get(path, 0) + 1
+        label = path if seen[path] == 1 else f"{path} (call {seen[path]})"
+        if array is None:
+            nan = math.nan
+            layer_rows.append(Row(label, "layer", (), nan, nan, nan, bar.metric, nan, nan, "torch module never ran",
+                                  name))
+            return
+        mine = inter[name]
+        if mine.shape != array.shape:
+            raise ValueError(f"layers {path!r} -> {name!r}: torch shape {array.shape} vs JAX shape {mine.shape} "
+                             "(give a transform: {path: (name, transform)})")
+        layer_rows.append(measure(label, "layer", select(name, mine), select(name, array), bar, name))
+
+    if reference is None:
+        theirs, their_grads = run_torch(torch_fn, inputs, dtype=dtype, pairs=pairs, torch_module=torch_module,
+                                        on_layer=on_layer, grads=grads, loss=loss,
+                                        logits=_logits_name(logits, split_jax(raw, True)[0]))
+    else:
+        theirs, their_grads = reference.outputs, reference.grads
+        calls: dict[str, int] = {}
+        for index, (path, name, transform) in enumerate(pairs):
+            calls[path] = calls.get(path, 0) + 1
+            array = reference.layer(path if calls[path] == 1 else f"{path} (call {calls[path]})")
+            on_layer(index, path, name, array if transform is None else np.asarray(transform(array)))
+        layer_rows.sort(key=lambda r: reference.order(r.name))  # forward order, as recorded
+    ours = split_jax(raw, bool(pairs), theirs)[0]
+    check_structure(ours, theirs, "outputs")
+    rows = layer_rows + [measure(k, "output", select(k, ours[k]), select(k, theirs[k]), bar, k) for k in theirs]
+    name = _logits_name(logits, theirs)
+    if name is not None:
+        rows += logit_rows(name, select(name, ours[name]), select(name, theirs[name]), LOGIT_BARS[dtype])
+    if grads:
+        split = bool(pairs) or len(ours) != len(named_outputs(raw))
+        mine = jax_grads(jax_fn, inputs, theirs, loss=loss, logits=name, split=split)
+        check_structure(mine, their_grads, "gradients")
+        grad_bar = Bar("normwise", MODEL_TOLERANCES[dtype].grad)
+        rows += [measure(f"grad/{k}", "grad", mine[k], their_grads[k], grad_bar, k) for k in their_grads]
+    shapes = {k: (tuple(v.shape), str(v.dtype)) for k, v in inputs.items()}
+    info = versions() if reference is None else {**versions(), "recorded_with": json.dumps(reference.versions)}
+    return Certificate(dtype, tuple(rows), shapes, info, None if golden is None else str(golden))
+
+
+def _logits_name(logits, outputs: Mapping[str, Any]) -> str | None:
+    if logits is False:
+        return None
+    if logits is None:
+        return "logits" if "logits" in outputs else None
+    if logits not in outputs:
+        raise ValueError(f"logits: expected one of the outputs {sorted(outputs)}, got {logits!r}")
+    return logits

@@ -1,0 +1,74 @@
+"""cuDNN's fused attention, through jax.nn.dot_product_attention(implementation="cudnn"), for the calls it
+computes exactly as we define them.
+
+Its conventions against ours: jax.nn's is_causal and local_window_size are TOP-LEFT aligned (query t at t),
+ours bottom-right (t + S - T): the same only when T == S, so causal and window need T == S. A row with no
+allowed key is not zeroed by cuDNN: rows that lengths leave empty (length 0, or a window past the last real
+key) are set to zero here. Inputs must be float16 / bfloat16 with H == Hv (cuDNN's kernels).
+
+Lowering checks the installed cuDNN, so this path cannot be lowered on a machine without one (JAX raises
+"cuDNN is not detected"); it is therefore explicit only: implementation=None never takes it, and it is not
+measured yet (docs/performance.md). Refused by name: float32, T != S with causal or window, explicit
+positions, segment ids, chunk_size, logit_softcap, sinks, score_mod / mask_mod / block_mask, return_lse,
+relative tables and position biases.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .._core import checks, mods
+
+HANDLED = ("is_causal", "scale", "precision", "key_value_seq_lengths", "window")
+
+
+def unsupported(query, key, value, *, interpret=False, **options):
+    """None when cuDNN computes this call exactly, else the name of the first option it cannot express."""
+    for name, given in options.items():
+        if name not in HANDLED and given is not None and given is not False:
+            return name
+    if jnp.dtype(getattr(query, "dtype", np.float32)) not in (jnp.float16, jnp.bfloat16):
+        return "query (dtype: cuDNN takes float16 / bfloat16)"
+    T, S = np.shape(query)[-3], np.shape(key)[-3]
+    for name in ("is_causal", "window"):
+        if options.get(name) not in (None, False) and T != S:
+            return f"{name} (cuDNN aligns it top-left: T == S only)"
+    if np.shape(value)[-1] != np.shape(query)[-1]:
+        return "value (head dim Hv != H)"
+    return None
+
+
+def _empty_rows(T, lengths, causal, window):
+    """bool [B,T]: rows with no allowed key once lengths cut the keys (T == S here)."""
+    t = jnp.arange(T)[None, :]
+    left, right = (None, None) if window is None else window
+    lo = jnp.zeros_like(t) if left is None else jnp.maximum(0, t - left)
+    hi = lengths[:, None] - 1
+    hi = jnp.minimum(hi, t) if causal else hi
+    hi = hi if right is None else jnp.minimum(hi, t + right)
+    return lo > hi
+
+
+def attention(query, key, value, *, interpret=False, is_causal=False, scale=None, precision=None,
+              key_value_seq_lengths=None, window=None):
+    """jax.nn.dot_product_attention(implementation="cudnn") over [...,T,N,H] inputs (module docstring)."""
+    del interpret, precision  # no interpreter for cuDNN; it computes at its own (float32-accumulating) precision
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    batch, T, S, N, _, _, Hv = checks.check_qkv(query, key, value)
+    window = mods.check_window(window)
+    B = int(np.prod(batch, dtype=np.int64))
+    flat = lambda x: x.reshape(B, *x.shape[len(batch):])  # noqa: E731
+    lengths = None
+    if key_value_seq_lengths is not None:
+        lengths = jnp.asarray(key_value_seq_lengths)
+        checks.check_int("key_value_seq_lengths", lengths)
+        lengths = jnp.broadcast_to(lengths, batch).reshape(B).astype(jnp.int32)
+    local = None if window is None else tuple(S if side is None else side for side in window)
+    out = jax.nn.dot_product_attention(flat(query), flat(key), flat(value), scale=scale, is_causal=bool(is_causal),
+                                       key_value_seq_lengths=lengths, local_window_size=local,
+                                       implementation="cudnn")
+    if lengths is not None:
+        out = jnp.where(_empty_rows(T, lengths, bool(is_causal), window)[:, :, None, None], 0, out)
+    return out.reshape(*batch, T, N, Hv).astype(value.dtype)

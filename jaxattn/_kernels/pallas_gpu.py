@@ -1,0 +1,661 @@
+"""Flash attention for GPU: a Pallas kernel (Triton lowering), forward and FlashAttention-2 backward.
+
+    forward, grid (b, n, query tile i):        for each key tile j the schedule lists for (b, n, i)
+        x = score_mod(softcap(scale * q_i k_j^T))        [Tb,Sb], float32 (or wider)
+        (out, m, l) = combine_partials((out, m, l), partial of x over the allowed pairs, v_j)
+      out_i = out / l (sinks folded in), lse_i = m + log l
+    dq, grid (b, n, i): p = exp(x - lse) recomputed, ds = p (dO V^T - delta), dq_i = sum_j scale ds k_j
+    dk/dv, grid (b, key head kh, key tile j): over the G query heads of kh and the query tiles that see j,
+        dv_j += p^T dO, dk_j += scale ds^T q                        (delta = rowsum(dO * out) - d lse)
+
+The semantics are blockwise_attention's (its docstring), and every rule is _core's: which pairs may attend
+(masks.allowed_pairs, on the tile's positions), which key tiles a query tile visits and whether they need
+a mask (masks.key_block_kinds, computed per (batch, head, query tile) before the kernel, sorted into a
+schedule: WITH_MOD tiles, then MASKED, then CLEAN, then skipped ones), the online-softmax merge and sinks
+(softmax.combine_partials, add_sinks, finalize_partial), softcap (mods.softcap / softcap_grad), and
+score_mod / mask_mod (mods.element_function traced once; mods.on_tile calls them on the tile's iota grids;
+the arrays they close over are explicit kernel inputs, and the float ones get gradients: partial sums per
+(b, n, query tile) from the dq kernel, added up outside).
+
+Layout: q [B,Tp,N,Hp], k [B,Sp,K,Hp], v [B,Sp,K,Hvp] (batch dims flattened, T, S padded to whole tiles,
+head dims to powers of two): a BlockSpec picks one head's [Tb,Hp] tile, and query head n reads key/value
+head n // G (G = N // K) through its index map, so grouped-query attention never copies keys or values.
+Padding keys are masked as past the length; padding queries are computed and sliced off.
+
+The surface: `unsupported(query, key, value, **options)` (the first option the kernel cannot express, or
+None) and `attention(query, key, value, *, interpret=False, **options)`. `interpret=True` runs the same
+kernels with Pallas' interpreter on any platform (the CPU tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.core  # jax.core.Tracer: a submodule, imported by name so that type checkers see it
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .._core import block_mask as block_masks
+from .._core import checks, mods
+from .._core.dtypes import accumulation_dtype
+from .._core.masks import (CLEAN, MASKED, WITH_MOD, MaskRule, allowed_pairs, check_lengths, key_block_kinds,
+                           masks_anything)
+from .._core.positions import positions
+from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial, has_keys, public_lse
+from .._engines.blockwise import blockwise_attention, grid_options_in_use
+from .._engines.tiles import check_block_mask_tiles
+
+# Tiles on a GPU (queries x keys): 128 x 64 up to head dim 64, 64 x 64 above (a float32 [Tb,Sb] tile plus
+# q, k, v tiles must fit the registers / shared memory of one thread block); Triton's dot needs powers of
+# two of at least 16. The interpreter takes any size: 16 x 16 keeps interpret-mode tests quick.
+GPU_BLOCKS = {64: (128, 64), 256: (64, 64)}  # largest padded head dim -> (Tb, Sb)
+INTERPRET_BLOCK = 16
+MIN_GPU_BLOCK = 16
+MAX_HEAD_DIM = 256
+
+# Keywords whose terms need the full [T,S] grid or relative-position tables: the XLA engines take them.
+_TABLE_OPTIONS = ("key_table", "value_table", "position_bias")
+_OPTIONS = {"is_causal", "key_value_seq_lengths", "query_positions", "key_positions", "scale", "precision",
+            "block_size", "query_segment_ids", "key_segment_ids", "window", "chunk_size", "logit_softcap", "sinks",
+            "score_mod", "mask_mod", "block_mask", "return_lse", "max_distance", "bias", "mask", "dropout_rate",
+            "dropout_rng", "return_weights", *_TABLE_OPTIONS}
+
+
+class Config(NamedTuple):
+    """Static (hashable) description of one kernel run."""
+
+    Tb: int
+    Sb: int
+    Tn: int
+    Sn: int
+    N: int
+    K: int
+    rule: MaskRule
+    scale: float
+    softcap: Optional[float]
+    score_fn: Any  # mods.ElementProgram or None
+    mask_fn: Any
+    score_grads: tuple  # per score_mod const: True when it is a float array (it gets a gradient)
+    n_mask_consts: int
+    batched: tuple  # (q_pos, k_pos, segments, lengths, schedule): which carry a batch axis B (else 1)
+    head_kinds: bool  # the schedule has a head axis (a per-head BlockMask)
+    precision: Any
+    interpret: bool
+    num_warps: int
+
+
+class Side(NamedTuple):
+    """The kernels' inputs besides q, k, v: positions [B|1,Tp] / [B|1,Sp], lengths [B], segment ids
+    [B|1,Tp] / [B|1,Sp], sinks [B,N], score_mod / mask_mod consts, and the key-tile schedules (forward /
+    dq: order [Bs,Ns,Tn,Sn] and counts [Bs,Ns,Tn,4]; dk/dv: over query tiles, [Bs,Ns,Sn,Tn] and [Bs,Ns,Sn,4])."""
+
+    q_pos: Any
+    k_pos: Any
+    lengths: Any
+    q_seg: Any
+    k_seg: Any
+    sinks: Any
+    score_consts: tuple
+    mask_consts: tuple
+    order: Any
+    counts: Any
+    t_order: Any
+    t_counts: Any
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the kernel can express.
+
+
+def _is_power_of_two(n) -> bool:
+    return isinstance(n, numbers.Integral) and n > 0 and (n & (n - 1)) == 0
+
+
+def _block_pair(block_size):
+    if block_size is None:
+        return None
+    return (block_size, block_size) if isinstance(block_size, numbers.Integral) else tuple(block_size)
+
+
+def unsupported(query, key, value, *, interpret=False, **options) -> Optional[str]:
+    """None when attention() computes this call; else the name of the first option it cannot express.
+
+    Cheap (shapes and Python values only). Relative-position tables and biases (key_table, value_table,
+    position_bias) and the full-grid options (bias, mask, dropout_rate, return_weights) are the XLA
+    engines'. On a GPU (interpret=False) tiles must be powers of two >= 16 (block_size, a BlockMask's
+    tiles), head dims at most 256, inputs at most 32-bit floats, scale a Python number, and score_mod /
+    mask_mod must close over no array (Triton cannot index one by head or position).
+    """
+    for name in options:
+        if name not in _OPTIONS:
+            return name
+    for name in _TABLE_OPTIONS:
+        if options.get(name) is not None:
+            return name
+    in_use = grid_options_in_use(**{k: options[k] for k in ("bias", "mask", "dropout_rate", "dropout_rng",
+                                                             "return_weights") if k in options})
+    if in_use:
+        return in_use[0]
+    scale = options.get("scale")
+    if scale is not None and not isinstance(scale, numbers.Real) and (
+            isinstance(scale, jax.core.Tracer) or np.ndim(scale) != 0):
+        return "scale"
+    if interpret:
+        return None
+    if np.dtype(getattr(query, "dtype", np.float32)).itemsize > 4:
+        return "dtype"
+    if max(np.shape(query)[-1:] + np.shape(value)[-1:], default=0) > MAX_HEAD_DIM:
+        return "head_dim"
+    pair = _block_pair(options.get("block_size"))
+    if pair is not None and not all(_is_power_of_two(b) and b >= MIN_GPU_BLOCK for b in pair):
+        return "block_size"
+    block_mask = options.get("block_mask")
+    if block_mask is not None:
+        tiles_ok = all(_is_power_of_two(b) and b >= MIN_GPU_BLOCK for b in getattr(block_mask, "block_size", ()))
+        if not tiles_ok or getattr(block_mask, "mask_consts", ()):  # mask_consts: as a mask_mod's, below
+            return "block_mask"
+    for name in ("score_mod", "mask_mod"):
+        fn = options.get(name)
+        if fn is not None and callable(fn):
+            score_dtype = accumulation_dtype(getattr(query, "dtype", jnp.float32)) if name == "score_mod" else None
+            traced = mods.element_function(name, fn, score_dtype)
+            if traced.consts:
+                return name
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# Inside the kernels: one [Tb,Sb] tile.
+
+
+def _dot(a, b, cfg, contract=(1, 0)):
+    """a @ b over a's axis contract[0] and b's axis contract[1], accumulated in float32 (or wider)."""
+    acc = accumulation_dtype(a.dtype)
+    return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), precision=cfg.precision,
+                           preferred_element_type=acc)
+
+
+def _capped_logits(cfg, q, k):
+    """softcap(scale * q k^T): [Tb,Sb]."""
+    return mods.softcap(_dot(q, k, cfg, (1, 1)) * cfg.scale, cfg.softcap)
+
+
+def _score(cfg, b, n, qp, kp, capped, score_consts):
+    return capped if cfg.score_fn is None else mods.on_tile(cfg.score_fn, score_consts, b, n, qp, kp, capped)
+
+
+def _allowed(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts):
+    """bool [Tb,Sb] (or None: every pair allowed) of a tile of kind WITH_MOD / MASKED / CLEAN."""
+    if kind == CLEAN:
+        return None
+    key_index = s0 + lax.broadcasted_iota(jnp.int32, (cfg.Sb,), 0)
+    allowed = allowed_pairs(cfg.rule, qp, kp, key_index, lengths, q_seg, k_seg)
+    if kind == WITH_MOD:
+        by_mod = mods.on_tile(cfg.mask_fn, mask_consts, b, n, qp, kp)
+        allowed = by_mod if allowed is None else allowed & by_mod
+    return None if allowed is None else jnp.broadcast_to(allowed, (qp.shape[0], cfg.Sb))
+
+
+def _visit(cfg, counts, order, body, state):
+    """body(kind, tile, state) over the scheduled tiles: one loop per kind, each with a static body.
+    counts(kind) / order(index) read the schedule's scalars."""
+    start = 0
+    for kind in (WITH_MOD, MASKED, CLEAN):
+        if kind == WITH_MOD and cfg.mask_fn is None:
+            continue
+        stop = start + counts(kind)
+        state = lax.fori_loop(start, stop, lambda idx, st, kind=kind: body(kind, order(idx), st), state)
+        start = stop
+    return state
+
+
+def _load(r, name):
+    """The whole block of an optional input (None when the call has none)."""
+    ref = r.get(name)
+    return None if ref is None else ref[...]
+
+
+def _consts(r, prefix, count):
+    return tuple(r[f"{prefix}{c}"][...] for c in range(count))
+
+
+def _forward_kernel(cfg: Config, r):
+    b, n = pl.program_id(0), pl.program_id(1)
+    q, qp, q_seg = r["q"][...], r["q_pos"][...], _load(r, "q_seg")
+    lengths = _load(r, "lengths")
+    score_consts, mask_consts = _consts(r, "score", len(cfg.score_grads)), _consts(r, "mask", cfg.n_mask_consts)
+    acc = accumulation_dtype(q.dtype)
+
+    def key_tile(kind, j, state):
+        s0 = j * cfg.Sb
+        keys = pl.ds(s0, cfg.Sb)
+        k, v, kp = r["k"][keys, :], r["v"][keys, :], r["k_pos"][keys]
+        k_seg = None if q_seg is None else r["k_seg"][keys]
+        x = _score(cfg, b, n, qp, kp, _capped_logits(cfg, q, k), score_consts)
+        allowed = _allowed(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
+        if allowed is not None:
+            x = jnp.where(allowed, x, -jnp.inf)
+        m = jnp.max(x, axis=-1)
+        p = jnp.exp(x - jnp.where(jnp.isfinite(m), m, 0)[:, None])  # masked: exp(-inf) = 0
+        out = _dot(p.astype(v.dtype), v, cfg)
+        return combine_partials(state, ((out,), m, jnp.sum(p, axis=-1)))
+
+    state = empty_partial(((cfg.Tb, r["v"].shape[-1]),), (cfg.Tb,), acc)
+    state = _visit(cfg, lambda kind: r["counts"][kind], lambda idx: r["order"][idx], key_tile, state)
+    state = add_sinks(state, _load(r, "sinks"))
+    (out,), lse = finalize_partial(state)
+    r["out"][...] = out.astype(r["out"].dtype)
+    r["lse"][...] = lse
+
+
+def _row_grads(cfg, x, lse, allowed, do, v, delta):
+    """(p, ds) of one tile: p recomputed from the saved lse, ds = d loss / d x = p (dO v^T - delta)."""
+    p = jnp.exp(x - jnp.where(has_keys(lse), lse, 0)[:, None])  # a row with no allowed key: p masked to 0
+    if allowed is not None:
+        p = jnp.where(allowed, p, 0)
+    return p, p * (_dot(do, v, cfg, (1, 1)) - delta[:, None])
+
+
+def _logit_grads(cfg, b, n, qp, kp, capped, score_consts, ds_for, with_consts):
+    """Run the tile backward from the capped logits: returns (p, d loss / d (scale q k^T), d float consts).
+
+    ds_for(x) -> (p, ds) at the final logits x; the score_mod's vjp and softcap's derivative take ds back
+    to the product q k^T (times scale: the scale applies to ds here, once)."""
+    d_consts = None
+    if cfg.score_fn is None:
+        p, ds = ds_for(capped)
+    else:
+        floats = tuple(c for c, g in zip(score_consts, cfg.score_grads) if g)
+
+        def score(x, floats):
+            it = iter(floats)
+            consts = tuple(next(it) if g else c for c, g in zip(score_consts, cfg.score_grads))
+            return _score(cfg, b, n, qp, kp, x, consts)
+
+        if with_consts:
+            x, score_vjp = jax.vjp(score, capped, floats)
+        else:  # the dk/dv kernel: the consts' gradients come from the dq kernel
+            x, vjp_x = jax.vjp(lambda x: score(x, floats), capped)
+            score_vjp = lambda ds: (vjp_x(ds)[0], None)  # noqa: E731
+        p, ds = ds_for(x)
+        ds, d_consts = score_vjp(ds)
+    if cfg.softcap is not None:
+        ds = ds * mods.softcap_grad(capped, cfg.softcap)
+    return p, ds * cfg.scale, d_consts
+
+
+def _dq_kernel(cfg: Config, r):
+    b, n = pl.program_id(0), pl.program_id(1)
+    q, qp, q_seg, lengths = r["q"][...], r["q_pos"][...], _load(r, "q_seg"), _load(r, "lengths")
+    do, lse, delta = r["do"][...], r["lse"][...], r["delta"][...]
+    score_consts, mask_consts = _consts(r, "score", len(cfg.score_grads)), _consts(r, "mask", cfg.n_mask_consts)
+    acc = accumulation_dtype(q.dtype)
+
+    def key_tile(kind, j, carry):
+        dq, d_consts = carry
+        s0 = j * cfg.Sb
+        keys = pl.ds(s0, cfg.Sb)
+        k, v, kp = r["k"][keys, :], r["v"][keys, :], r["k_pos"][keys]
+        k_seg = None if q_seg is None else r["k_seg"][keys]
+        allowed = _allowed(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
+        _, ds, d_c = _logit_grads(cfg, b, n, qp, kp, _capped_logits(cfg, q, k), score_consts,
+                                  lambda x: _row_grads(cfg, x, lse, allowed, do, v, delta), True)
+        dq = dq + _dot(ds.astype(k.dtype), k, cfg)
+        if d_c is not None:
+            d_consts = tuple(a + g.astype(a.dtype) for a, g in zip(d_consts, d_c))
+        return dq, d_consts
+
+    floats = tuple(c for c, g in zip(score_consts, cfg.score_grads) if g)
+    init = (jnp.zeros(q.shape, acc), tuple(jnp.zeros(c.shape, acc) for c in floats))
+    dq, d_consts = _visit(cfg, lambda kind: r["counts"][kind], lambda idx: r["order"][idx], key_tile, init)
+    r["dq"][...] = dq.astype(r["dq"].dtype)
+    for c, d in enumerate(d_consts):
+        r[f"d_score{c}"][...] = d
+
+
+def _dkv_kernel(cfg: Config, r):
+    b, kh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    G = cfg.N // cfg.K
+    k, v, kp, k_seg = r["k"][...], r["v"][...], r["k_pos"][...], _load(r, "k_seg")
+    lengths = _load(r, "lengths")
+    score_consts, mask_consts = _consts(r, "score", len(cfg.score_grads)), _consts(r, "mask", cfg.n_mask_consts)
+    acc = accumulation_dtype(k.dtype)
+    s0 = j * cfg.Sb
+
+    def query_tile(g, kind, i, carry):
+        dk, dv = carry
+        n = kh * G + g
+        rows = pl.ds(i * cfg.Tb, cfg.Tb)
+        q, do = r["q"][rows, g, :], r["do"][rows, g, :]
+        lse, delta, qp = r["lse"][g, rows], r["delta"][g, rows], r["q_pos"][rows]
+        q_seg = None if k_seg is None else r["q_seg"][rows]
+        allowed = _allowed(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
+        p, ds, _ = _logit_grads(cfg, b, n, qp, kp, _capped_logits(cfg, q, k), score_consts,
+                                lambda x: _row_grads(cfg, x, lse, allowed, do, v, delta), False)
+        dv = dv + _dot(p.astype(do.dtype), do, cfg, (0, 0))
+        dk = dk + _dot(ds.astype(q.dtype), q, cfg, (0, 0))
+        return dk, dv
+
+    carry = (jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
+    for g in range(G):  # the query heads sharing key/value head kh
+        h = g if cfg.head_kinds else 0
+        carry = _visit(cfg, lambda kind, h=h: r["t_counts"][h, kind], lambda idx, h=h: r["t_order"][h, idx],
+                       functools.partial(query_tile, g), carry)
+    r["dk"][...] = carry[0].astype(r["dk"].dtype)
+    r["dv"][...] = carry[1].astype(r["dv"].dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# pallas_call plumbing: named inputs, each with its BlockSpec.
+
+
+def _call(cfg, kernel, grid, inputs, outputs, name):
+    """pallas_call of kernel(cfg, refs by name); inputs / outputs: {name: (array or ShapeDtypeStruct, spec)},
+    None values left out."""
+    inputs = {k: v for k, v in inputs.items() if v is not None}
+    names = tuple(inputs) + tuple(outputs)
+
+    def body(*refs):
+        kernel(cfg, dict(zip(names, refs)))
+
+    return pl.pallas_call(body, grid=grid, in_specs=[spec for _, spec in inputs.values()],
+                          out_specs=[spec for _, spec in outputs.values()],
+                          out_shape=[shape for shape, _ in outputs.values()], interpret=cfg.interpret,
+                          compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=2),
+                          name=name)(*[x for x, _ in inputs.values()])
+
+
+def _whole(x):
+    """Every program reads all of x (a score_mod / mask_mod const)."""
+    return x, pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
+def _pick(batched, b):
+    return b if batched else 0
+
+
+def _row_inputs(cfg, side, Hp, Hvp):
+    """Inputs shared by the forward and dq kernels (grid b, n, i): positions, lengths, segments, consts,
+    the forward schedule; q / k / v specs."""
+    G = cfg.N // cfg.K
+    bq, bk, bs, bl, bsched = cfg.batched
+    Sp = cfg.Sn * cfg.Sb
+    inputs = {
+        "q_pos": (side.q_pos, pl.BlockSpec((None, cfg.Tb), lambda b, n, i: (_pick(bq, b), i))),
+        "k_pos": (side.k_pos, pl.BlockSpec((None, Sp), lambda b, n, i: (_pick(bk, b), 0))),
+        "lengths": None if side.lengths is None else (
+            side.lengths, pl.BlockSpec((None,), lambda b, n, i: (_pick(bl, b),))),
+        "q_seg": None if side.q_seg is None else (
+            side.q_seg, pl.BlockSpec((None, cfg.Tb), lambda b, n, i: (_pick(bs, b), i))),
+        "k_seg": None if side.k_seg is None else (
+            side.k_seg, pl.BlockSpec((None, Sp), lambda b, n, i: (_pick(bs, b), 0))),
+        "order": (side.order, pl.BlockSpec((None, None, None, cfg.Sn),
+                                           lambda b, n, i: (_pick(bsched, b), _pick(cfg.head_kinds, n), i, 0))),
+        "counts": (side.counts, pl.BlockSpec((None, None, None, 4),
+                                             lambda b, n, i: (_pick(bsched, b), _pick(cfg.head_kinds, n), i, 0))),
+    }
+    inputs.update({f"score{c}": _whole(x) for c, x in enumerate(side.score_consts)})
+    inputs.update({f"mask{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
+    specs = dict(q=pl.BlockSpec((None, cfg.Tb, None, Hp), lambda b, n, i: (b, i, n, 0)),
+                 k=pl.BlockSpec((None, Sp, None, Hp), lambda b, n, i: (b, 0, n // G, 0)),
+                 v=pl.BlockSpec((None, Sp, None, Hvp), lambda b, n, i: (b, 0, n // G, 0)))
+    return inputs, specs
+
+
+def _forward(cfg, q, k, v, side):
+    """(out [B,Tp,N,Hvp] in q's dtype, lse [B,N,Tp] in the compute dtype)."""
+    B, Tp, N, Hp = q.shape
+    Hvp = v.shape[-1]
+    inputs, specs = _row_inputs(cfg, side, Hp, Hvp)
+    inputs.update(q=(q, specs["q"]), k=(k, specs["k"]), v=(v, specs["v"]))
+    if side.sinks is not None:
+        inputs["sinks"] = (side.sinks, pl.BlockSpec((None, None), lambda b, n, i: (b, n)))
+    acc = accumulation_dtype(q.dtype)
+    outputs = {"out": (jax.ShapeDtypeStruct((B, Tp, N, Hvp), q.dtype),
+                       pl.BlockSpec((None, cfg.Tb, None, Hvp), lambda b, n, i: (b, i, n, 0))),
+               "lse": (jax.ShapeDtypeStruct((B, N, Tp), acc),
+                       pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i)))}
+    return tuple(_call(cfg, _forward_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_forward"))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(cfg, q, k, v, side):
+    return _forward(cfg, q, k, v, side)
+
+
+def _flash_fwd(cfg, q, k, v, side):
+    out, lse = _forward(cfg, q, k, v, side)
+    return (out, lse), (q, k, v, side, out, lse)
+
+
+def _flash_bwd(cfg, res, cotangents):
+    q, k, v, side, out, lse = res
+    d_out, d_lse = cotangents
+    B, Tp, N, Hp = q.shape
+    K, Hvp = v.shape[2], v.shape[3]
+    G = N // K
+    acc = accumulation_dtype(q.dtype)
+    d_out = d_out.astype(q.dtype)
+    # d loss / d x = p (dp - sum_s p dp) + p d_lse, and sum_s p dp = d_out . out: one delta per row
+    delta = jnp.einsum("btnv,btnv->bnt", d_out.astype(acc), out.astype(acc)) - d_lse.astype(acc)
+
+    inputs, specs = _row_inputs(cfg, side, Hp, Hvp)
+    inputs.update(q=(q, specs["q"]), k=(k, specs["k"]), v=(v, specs["v"]),
+                  do=(d_out, pl.BlockSpec((None, cfg.Tb, None, Hvp), lambda b, n, i: (b, i, n, 0))),
+                  lse=(lse, pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i))),
+                  delta=(delta, pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i))))
+    floats = [c for c, g in zip(side.score_consts, cfg.score_grads) if g]
+    outputs = {"dq": (jax.ShapeDtypeStruct(q.shape, q.dtype),
+                      pl.BlockSpec((None, cfg.Tb, None, Hp), lambda b, n, i: (b, i, n, 0)))}
+    for c, x in enumerate(floats):  # partial sums per (b, n, query tile), added up below
+        outputs[f"d_score{c}"] = (jax.ShapeDtypeStruct((B, N, cfg.Tn, *x.shape), acc),
+                                  pl.BlockSpec((None, None, None, *x.shape),
+                                               lambda b, n, i, nd=x.ndim: (b, n, i) + (0,) * nd))
+    dq, *d_floats = _call(cfg, _dq_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_dq")
+
+    bq, bk, bs, bl, bsched = cfg.batched
+    heads = G if cfg.head_kinds else 1
+    kv_inputs = {
+        "q": (q, pl.BlockSpec((None, Tp, G, Hp), lambda b, h, j: (b, 0, h, 0))),
+        "do": (d_out, pl.BlockSpec((None, Tp, G, Hvp), lambda b, h, j: (b, 0, h, 0))),
+        "lse": (lse, pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))),
+        "delta": (delta, pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))),
+        "k": (k, pl.BlockSpec((None, cfg.Sb, None, Hp), lambda b, h, j: (b, j, h, 0))),
+        "v": (v, pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0))),
+        "q_pos": (side.q_pos, pl.BlockSpec((None, Tp), lambda b, h, j: (_pick(bq, b), 0))),
+        "k_pos": (side.k_pos, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (_pick(bk, b), j))),
+        "lengths": None if side.lengths is None else (
+            side.lengths, pl.BlockSpec((None,), lambda b, h, j: (_pick(bl, b),))),
+        "q_seg": None if side.q_seg is None else (
+            side.q_seg, pl.BlockSpec((None, Tp), lambda b, h, j: (_pick(bs, b), 0))),
+        "k_seg": None if side.k_seg is None else (
+            side.k_seg, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (_pick(bs, b), j))),
+        "t_order": (side.t_order, pl.BlockSpec((None, heads, None, cfg.Tn),
+                                               lambda b, h, j: (_pick(bsched, b), _pick(cfg.head_kinds, h), j, 0))),
+        "t_counts": (side.t_counts, pl.BlockSpec((None, heads, None, 4),
+                                                 lambda b, h, j: (_pick(bsched, b), _pick(cfg.head_kinds, h), j, 0))),
+    }
+    kv_inputs.update({f"score{c}": _whole(x) for c, x in enumerate(side.score_consts)})
+    kv_inputs.update({f"mask{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
+    kv_outputs = {"dk": (jax.ShapeDtypeStruct(k.shape, k.dtype),
+                         pl.BlockSpec((None, cfg.Sb, None, Hp), lambda b, h, j: (b, j, h, 0))),
+                  "dv": (jax.ShapeDtypeStruct(v.shape, v.dtype),
+                         pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0)))}
+    dk, dv = _call(cfg, _dkv_kernel, (B, K, cfg.Sn), kv_inputs, kv_outputs, "jaxattn_flash_dkv")
+
+    d_sinks = None
+    if side.sinks is not None:  # d out_t / d sink = -p_sink[t] out_t, so d sink = -sum_t p_sink[t] delta_t
+        d_sinks = -jnp.sum(jnp.exp(side.sinks[..., None] - lse) * delta, axis=-1).astype(side.sinks.dtype)
+    it = iter(d_floats)
+    d_score = tuple(jnp.sum(next(it), axis=(0, 1, 2)).astype(c.dtype) if g else None
+                    for c, g in zip(side.score_consts, cfg.score_grads))
+    d_side = Side(None, None, None, None, None, d_sinks, d_score, tuple(None for _ in side.mask_consts),
+                  None, None, None, None)
+    return dq, dk, dv, d_side
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The entry point: checks, layout, schedules.
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def tile_sizes(block_size, T: int, S: int, Hp: int, interpret: bool) -> tuple:
+    """(Tb, Sb): block_size as given, else GPU_BLOCKS by head dim (INTERPRET_BLOCK when interpreted),
+    shrunk to the next power of two of T / S (never below MIN_GPU_BLOCK on a GPU)."""
+    pair = _block_pair(block_size)
+    if pair is not None:
+        for b in pair:
+            if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b <= 0:
+                checks.fail("block_size", "an int > 0 or a pair of them", repr(block_size))
+        return int(pair[0]), int(pair[1])
+    if interpret:
+        wanted = (INTERPRET_BLOCK, INTERPRET_BLOCK)
+    else:
+        wanted = next(blocks for dim, blocks in sorted(GPU_BLOCKS.items()) if Hp <= dim or dim == MAX_HEAD_DIM)
+    floor = 1 if interpret else MIN_GPU_BLOCK
+    return tuple(min(b, max(floor, _next_power_of_two(L))) for b, L in zip(wanted, (T, S)))
+
+
+def _padded_head(H: int, interpret: bool) -> int:
+    return _next_power_of_two(H) if interpret else max(MIN_GPU_BLOCK, _next_power_of_two(H))
+
+
+def _rows(x, batch, length, padded):
+    """[...,L] (broadcastable to the batch dims) -> [B|1, L padded] (edge-padded: padding repeats the last)."""
+    if x.ndim > 1:
+        x = jnp.broadcast_to(x, (*batch, length)).reshape(-1, length)
+    else:
+        x = x[None]
+    return jnp.pad(x, [(0, 0), (0, padded - length)], mode="edge")
+
+
+def _kernel_layout(x, batch, length, padded, F):
+    """[...,L,K,H] -> [B, L padded, K, F padded] (zeros)."""
+    x = jnp.broadcast_to(x, (*batch, *x.shape[-3:])).reshape(-1, *x.shape[-3:])
+    return jnp.pad(x, [(0, 0), (0, padded - length), (0, 0), (0, F - x.shape[-1])])
+
+
+def _schedules(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds):
+    """The key-tile kinds of every (batch, head, query tile), int32 [Bs,Ns,Tn,Sn] (Bs = B when a batched
+    array decides them, Ns = N with a per-head BlockMask), sorted into (order, counts) for the forward /
+    dq kernels and, transposed, for the dk/dv kernel: (order, counts, t_order, t_counts)."""
+    rule, Tn, Sn, Tb, Sb = cfg.rule, cfg.Tn, cfg.Sn, cfg.Tb, cfg.Sb
+    mask_mod = cfg.mask_fn is not None
+    if not masks_anything(rule, lengths, q_seg, tile_kinds, mask_mod):
+        kinds = jnp.full((1, 1, Tn, Sn), CLEAN, jnp.int32)
+    else:
+        def rows(x, *shape):
+            return None if x is None else jnp.broadcast_to(x, (Bs, *x.shape[1:])).reshape(Bs, *shape)
+
+        qp, qs = rows(q_pos, Tn, Tb), rows(q_seg, Tn, Tb)
+        kp, ks, ln = rows(k_pos, Sn * Sb), rows(k_seg, Sn * Sb), rows(lengths)
+
+        def one(qp, kp, ln, qs, ks, tk=None):  # one (batch, head, query tile)
+            return key_block_kinds(rule, qp, kp, None if ln is None else ln[None], Sb, Sn,
+                                   query_segments=None if qs is None else qs[None],
+                                   key_segments=None if ks is None else ks[None], block_kinds=tk, mask_mod=mask_mod)
+
+        tiles = (0, None, None, 0, None)
+        if tile_kinds is None:
+            kinds = jax.vmap(jax.vmap(one, in_axes=tiles))(qp, kp, ln, qs, ks)[:, None]
+        else:
+            per_head = jax.vmap(jax.vmap(one, in_axes=tiles + (0,)), in_axes=(None,) * 5 + (0,))
+            kinds = jax.vmap(per_head)(qp, kp, ln, qs, ks, rows(tile_kinds, *tile_kinds.shape[1:]))
+
+    def sorted_kinds(kinds):
+        order = jnp.argsort(kinds, axis=-1, stable=True).astype(jnp.int32)
+        counts = jnp.stack([jnp.sum(kinds == kind, axis=-1, dtype=jnp.int32) for kind in (WITH_MOD, MASKED, CLEAN)]
+                           + [jnp.zeros(kinds.shape[:-1], jnp.int32)], axis=-1)
+        return order, counts
+
+    return sorted_kinds(kinds) + sorted_kinds(jnp.swapaxes(kinds, -1, -2))
+
+
+def attention(query, key, value, *, interpret=False, **options):
+    """blockwise_attention's call (its keywords and semantics) computed by the Pallas GPU kernel.
+
+    query [...,T,N,H], key [...,S,K,H], value [...,S,K,Hv] -> [...,T,N,Hv] in query's dtype, or
+    (out, lse [...,N,T]) with return_lse=True. interpret=True runs Pallas' interpreter (any platform).
+    Options the kernel cannot express (unsupported) raise ValueError naming the option.
+    """
+    problem = unsupported(query, key, value, interpret=interpret, **options)
+    if problem is not None:
+        checks.fail("implementation", f'the XLA engines ("dense", "blockwise" or None) with {problem}: the Pallas '
+                    "GPU kernel cannot express it", '"pallas_gpu"')
+    o = dict(options)
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value)
+    if T == 0 or S == 0:  # no tile to run: the XLA engine's zeros (and its lse of the sinks alone)
+        return blockwise_attention(query, key, value, **{k: v for k, v in o.items() if k not in ("block_size",)})
+    B = int(np.prod(batch, dtype=np.int64))
+    acc = accumulation_dtype(query.dtype)
+    mask_mod, block_mask, block_size = o.get("mask_mod"), o.get("block_mask"), o.get("block_size")
+    if block_mask is not None:  # its tiles are the kernel's tiles; its own mask_mod applies (resolve)
+        block_masks.check_block_mask(block_mask, B, N, T, S)
+        block_size = check_block_mask_tiles(block_mask, block_size)
+        mask_mod, block_mask = block_masks.resolve(mask_mod, block_mask)
+    Hp, Hvp = _padded_head(H, interpret), _padded_head(Hv, interpret)
+    Tb, Sb = tile_sizes(block_size, T, S, max(Hp, Hvp), interpret)
+    Tn, Sn = -(-T // Tb), -(-S // Sb)
+    Tp, Sp = Tn * Tb, Sn * Sb
+
+    q_pos, k_pos = positions(T, S, o.get("query_positions"), o.get("key_positions"))
+    checks.check_broadcastable("query_positions", q_pos, (*batch, T), "[...,T]")
+    checks.check_broadcastable("key_positions", k_pos, (*batch, S), "[...,S]")
+    q_pos, k_pos = _rows(q_pos, batch, T, Tp), _rows(k_pos, batch, S, Sp)
+    lengths = check_lengths(o.get("key_value_seq_lengths"), batch)
+    if lengths is not None:
+        lengths = jnp.minimum(jnp.broadcast_to(lengths, batch).reshape(-1), S).astype(jnp.int32)
+    elif Sp != S:
+        lengths = jnp.full((1,), S, jnp.int32)  # the padding keys past S
+    q_seg, k_seg = mods.check_segment_ids(o.get("query_segment_ids"), o.get("key_segment_ids"), batch, T, S)
+    if q_seg is not None:
+        q_seg, k_seg = _rows(q_seg, batch, T, Tp), _rows(k_seg, batch, S, Sp)
+        if q_seg.shape[0] != k_seg.shape[0]:
+            q_seg, k_seg = (jnp.broadcast_to(x, (B, x.shape[1])) for x in (q_seg, k_seg))
+    sinks = mods.check_sinks(o.get("sinks"), batch, N, acc)
+    if sinks is not None:
+        sinks = jnp.broadcast_to(sinks, (*batch, N)).reshape(B, N).astype(acc)
+    score_fn = mods.element_function("score_mod", o.get("score_mod"), acc)
+    mask_fn = mods.element_function("mask_mod", mask_mod)
+    tile_kinds = None if block_mask is None else block_masks.tile_kinds(block_mask).astype(jnp.int32)
+    score_consts = () if score_fn is None else tuple(jnp.asarray(c) for c in score_fn.consts)
+    mask_consts = () if mask_fn is None else tuple(jnp.asarray(c) for c in mask_fn.consts)
+
+    scale = H ** -0.5 if o.get("scale") is None else float(o["scale"])
+    rule = MaskRule(is_causal=bool(o.get("is_causal", False)), window=mods.check_window(o.get("window")),
+                    chunk_size=mods.check_chunk_size(o.get("chunk_size")))
+    precision = o.get("precision")
+    if precision == "highest":
+        precision = lax.Precision.HIGHEST
+    Bs = max([1] + [x.shape[0] for x in (q_pos, k_pos, lengths, q_seg, tile_kinds) if x is not None])
+    cfg = Config(Tb=Tb, Sb=Sb, Tn=Tn, Sn=Sn, N=N, K=K, rule=rule, scale=scale,
+                 softcap=mods.check_softcap(o.get("logit_softcap")),
+                 score_fn=None if score_fn is None else score_fn.fn, mask_fn=None if mask_fn is None else mask_fn.fn,
+                 score_grads=mods.differentiable(score_consts), n_mask_consts=len(mask_consts),
+                 batched=(), head_kinds=tile_kinds is not None and tile_kinds.shape[1] > 1, precision=precision,
+                 interpret=bool(interpret), num_warps=4 if max(Hp, Hvp) <= 64 else 8)
+    order, counts, t_order, t_counts = _schedules(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds)
+    cfg = cfg._replace(batched=tuple(x is not None and x.shape[0] > 1 for x in (q_pos, k_pos, q_seg, lengths, order)))
+    side = Side(q_pos, k_pos, lengths, q_seg, k_seg, sinks, score_consts, mask_consts, order, counts, t_order,
+                t_counts)
+
+    q = _kernel_layout(query, batch, T, Tp, Hp)
+    k, v = _kernel_layout(key, batch, S, Sp, Hp), _kernel_layout(value, batch, S, Sp, Hvp)
+    out, lse = _flash(cfg, q, k, v, side)
+    out = out[:, :T, :, :Hv].reshape(*batch, T, N, Hv)
+    if o.get("return_lse", False):
+        return out, public_lse(lse[..., :T].reshape(*batch, N, T))  # -inf for a row with no key
+    return out

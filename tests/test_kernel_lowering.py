@@ -1,0 +1,160 @@
+"""implementation=None carries the fused kernel into programs lowered for CUDA and TPU, and nothing new into
+programs lowered for the CPU (issue 26 §2, "Lowering"). Lowered only: nothing is compiled or run, so the
+4096-long programs cost well under a second each.
+
+Each program must hold the kernel's custom call (Triton's for CUDA, Mosaic's tpu_custom_call for TPU), no
+[T,S] logits buffer (no tensor type with both T and S) and no XLA tile loop (the blockwise engine's
+stablehlo.while); lowered for the CPU, the same calls hold no custom call at all (today's XLA engines).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import jaxattn
+from jaxattn.models.llama import LlamaConfig, LlamaForCausalLM
+
+KERNEL_CALL = {"cuda": "__gpu$xla.gpu.triton", "tpu": "tpu_custom_call"}
+T = 4096
+
+
+def lowered(fn, *args, platform):
+    # x64 off, as JAX's default (the test suite turns it on): the Pallas kernels index in int32
+    with jax.enable_x64(False), jaxattn.cross_platform_lowering():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def assert_fused(text, platform, T, S):
+    assert KERNEL_CALL[platform] in text, f"no {KERNEL_CALL[platform]} custom call"
+    # logits [...,T,S] in any float type (a decode cache [B,L,K,H] has other dims after S)
+    assert not re.search(rf"[<x]{T}x{S}x(f32|bf16|f16)>", text), "a [T,S] logits buffer"
+    assert "stablehlo.while" not in text, "an XLA tile loop"
+
+
+def assert_xla_only(text):
+    assert "custom_call" not in text
+
+
+def attention_fwd(q):
+    return jaxattn.dot_product_attention(q, q, q, is_causal=True)
+
+
+def attention_fwd_bwd(q):
+    return jax.grad(lambda q: attention_fwd(q).astype(jnp.float32).sum())(q)
+
+
+@functools.cache
+def sliding_block_mask(window=256):
+    """Built once, outside the program, as torch users do: create_block_mask evaluates mask_mod tile by
+    tile in a loop of its own, which is mask construction, not attention."""
+    return jaxattn.create_block_mask(lambda b, n, t, s: (s <= t) & (t - s < window), None, None, T, T,
+                                     block_size=128)
+
+
+def sliding_flex(q):
+    return jaxattn.flex_attention(q, q, q, score_mod=lambda x, b, n, t, s: x - 0.01 * (t - s),
+                                  block_mask=sliding_block_mask())
+
+
+ATTENTION = {"forward": attention_fwd, "forward+backward": attention_fwd_bwd}
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("program", list(ATTENTION))
+def test_causal_attention_lowers_to_the_kernel(platform, program):
+    q = jax.ShapeDtypeStruct((1, T, 8, 128), jnp.bfloat16)
+    assert_fused(lowered(ATTENTION[program], q, platform=platform), platform, T, T)
+
+
+@pytest.mark.parametrize("program", list(ATTENTION))
+def test_causal_attention_lowered_for_cpu_is_the_xla_engine(program):
+    q = jax.ShapeDtypeStruct((1, T, 8, 128), jnp.bfloat16)
+    text = lowered(ATTENTION[program], q, platform="cpu")
+    assert_xla_only(text)
+    assert "stablehlo.while" in text  # the blockwise engine, as before
+
+
+NO_TPU_KERNEL = pytest.mark.xfail(strict=True, reason="splash attention has no score_mod and jaxattn has no own "
+                                   "Pallas TPU kernel yet (issue 26 §1): the XLA engine runs on TPU")
+
+
+@pytest.mark.parametrize("platform", ["cuda", pytest.param("tpu", marks=NO_TPU_KERNEL)])
+def test_flex_score_mod_and_sliding_block_mask_lower_to_the_kernel(platform):
+    # cuda: needs the Pallas GPU kernel's score_mod and BlockMask
+    sliding_block_mask()  # built eagerly here, so the program only closes over its tile lists
+    q = jax.ShapeDtypeStruct((1, T, 8, 128), jnp.bfloat16)
+    assert_fused(lowered(sliding_flex, q, platform=platform), platform, T, T)
+
+
+def test_flex_lowered_for_cpu_is_the_xla_engine():
+    q = jax.ShapeDtypeStruct((1, T, 8, 128), jnp.bfloat16)
+    assert_xla_only(lowered(sliding_flex, q, platform="cpu"))
+
+
+def tiny_llama():
+    """A one-layer Llama with grouped-query heads (N = 4, K = 2), bf16, its params as shapes only."""
+    config = LlamaConfig(vocab_size=211, hidden_size=256, intermediate_size=320, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                         rope_frequencies=tuple((1e4 ** (-jnp.arange(0, 64, 2) / 64)).tolist()))
+    model = LlamaForCausalLM(config=config, dtype=jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((1, 384), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 384), jnp.int32))["params"])
+    return model, params, ids
+
+
+def llama_forward(model):
+    return lambda params, ids: model.apply({"params": params}, ids)
+
+
+def llama_train_step(model):
+    def loss(params, ids):
+        logits = model.apply({"params": params}, ids).astype(jnp.float32)
+        return -jnp.mean(jax.nn.log_softmax(logits[:, :-1])[..., 0])
+
+    return lambda params, ids: jax.grad(loss)(params, ids)
+
+
+def llama_decode_step(model):
+    def step(params, cache, token):
+        return model.apply({"params": params, "cache": cache}, token, decode=True, mutable=["cache"])
+
+    return step
+
+
+def cache_shapes(model, params, length):
+    """The decode cache's shapes for `length` slots (nothing computed)."""
+    ids = jnp.zeros((1, length), jnp.int32)
+    return jax.eval_shape(lambda p: model.apply({"params": p}, ids, decode=True, mutable=["cache"])[1]["cache"],
+                          params)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+@pytest.mark.parametrize("program", ["forward", "training step"])
+def test_llama_lowers_to_the_kernel(platform, program):
+    model, params, ids = tiny_llama()
+    fn = llama_forward(model) if program == "forward" else llama_train_step(model)
+    text = lowered(fn, params, ids, platform=platform)
+    assert_fused(text, platform, 384, 384)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
+def test_llama_decode_step_lowers_to_the_kernel(platform):
+    # T = 1 against a 4096-slot cache: the cache's keywords (query_positions, key_positions, lengths) need
+    # the Pallas GPU kernel's explicit positions on cuda; splash takes the one row's keys as segment ids
+    model, params, _ = tiny_llama()
+    token = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    text = lowered(llama_decode_step(model), params, cache_shapes(model, params, T), token, platform=platform)
+    assert_fused(text, platform, 1, T)
+
+
+@pytest.mark.parametrize("program", ["forward", pytest.param("training step", marks=pytest.mark.slow)])
+def test_llama_lowered_for_cpu_is_the_xla_engine(program):
+    model, params, ids = tiny_llama()
+    fn = llama_forward(model) if program == "forward" else llama_train_step(model)
+    assert_xla_only(lowered(fn, params, ids, platform="cpu"))

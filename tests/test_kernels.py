@@ -1,0 +1,217 @@
+"""The accelerator kernels behind implementation= (issue 26): refusals by name, the cuDNN argument mapping,
+and TPU splash attention run in Pallas' interpreter on the CPU against the dense engine.
+
+Splash computes in float32 (float32 accumulation, float32 softmax), so float32 inputs meet DESIGN.md's
+float32 bar against the dense engine at precision="highest": forward <= 1e-6, gradients <= 1e-5 normwise.
+Pallas kernels trace with 64-bit ints off (JAX's default; the suite turns x64 on), hence x64_off.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxattn
+from jaxattn._kernels import cudnn
+from tests.helpers import normwise
+
+B, T, S, N, K, H, Hv = 2, 37, 53, 6, 3, 13, 11
+
+
+@pytest.fixture
+def x64_off():
+    with jax.enable_x64(False):
+        yield
+
+
+def qkv(dtype=jnp.float32, T=T, S=S, seed=0):
+    rng = np.random.default_rng(seed)
+    shapes = ((B, T, N, H), (B, S, K, H), (B, S, K, Hv))
+    return [jnp.asarray(rng.standard_normal(shape), dtype) for shape in shapes]
+
+
+# --- refusals ---------------------------------------------------------------------------------------------------
+
+def test_unknown_implementation_is_refused_by_name():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="^implementation: .*'pallas_tpu'.*got 'flash'"):
+        jaxattn.dot_product_attention(q, k, v, implementation="flash")
+
+
+@pytest.mark.parametrize("implementation", [None, "dense", "blockwise", "cudnn"])
+def test_interpret_only_with_a_pallas_kernel(implementation):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="^interpret: "):
+        jaxattn.dot_product_attention(q, k, v, implementation=implementation, interpret=True)
+
+
+def score_shift(x, b, n, t, s):
+    return x + 0.5
+
+
+@pytest.mark.parametrize("implementation, keywords, option", [
+    ("pallas_tpu", dict(mask=np.ones((T, S), bool)), "mask"),
+    ("pallas_tpu", dict(bias=np.zeros((T, S), np.float32)), "bias"),
+    ("pallas_tpu", dict(return_weights=True), "return_weights"),
+    ("pallas_tpu", dict(query_positions=np.arange(T)), "query_positions"),
+    ("pallas_tpu", dict(score_mod=score_shift), "score_mod"),
+    ("pallas_tpu", dict(return_lse=True), "return_lse"),
+    ("cudnn", dict(), "query (dtype"),  # float32 inputs
+    ("cudnn", dict(logit_softcap=5.0), "logit_softcap"),
+])
+def test_an_explicit_kernel_refuses_what_it_cannot_express(x64_off, implementation, keywords, option):
+    q, k, v = qkv(jnp.bfloat16 if "dtype" not in option else jnp.float32)
+    with pytest.raises(ValueError, match=rf"^{re.escape(option)}.*implementation='{implementation}'"):
+        jaxattn.flex_attention(q, k, v, implementation=implementation, **keywords)
+
+
+def test_the_dense_only_schemes_refuse_a_kernel_by_their_terms():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="^rel_key / rel_value: .*'pallas_tpu'"):
+        jaxattn.relative_attention(q, k, v, np.zeros((T, S, 1, H), np.float32), implementation="pallas_tpu")
+
+
+def test_shaw_tables_are_refused_by_splash(x64_off):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="^key_table.*'pallas_tpu'"):
+        jaxattn.shaw_relative_attention(q, k, v, np.zeros((9, H), np.float32), max_distance=4,
+                                        implementation="pallas_tpu", interpret=True)
+
+
+def test_x64_keeps_implementation_none_on_the_xla_engines():
+    # the suite runs with x64 on: the platform switch is never built then, whatever the host
+    q, k, v = qkv()
+    with jaxattn.cross_platform_lowering():
+        text = jax.jit(lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True)).trace(
+            q, k, v).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" not in text
+
+
+# --- cuDNN: the argument mapping, with jax.nn's XLA path standing in for cuDNN (no cuDNN on this machine) -----
+
+@pytest.mark.parametrize("keywords", [pytest.param(dict(window=(4, 2)), marks=pytest.mark.slow),
+                                      dict(is_causal=True, window=(6, None), key_value_seq_lengths=[0, 23])],
+                         ids=["window", "causal-window-lengths"])
+def test_cudnn_maps_our_keywords_onto_jax_nn(monkeypatch, keywords):
+    real = jax.nn.dot_product_attention
+    monkeypatch.setattr(jax.nn, "dot_product_attention",
+                        lambda *a, implementation, **kw: real(*a, implementation="xla", **kw))
+    q, k, _ = qkv(T=S)  # T == S: jax.nn's top-left alignment is ours there
+    v = qkv(T=S, seed=2)[1]  # [B,S,K,H]: cuDNN (and jax.nn) need Hv == H
+    ours = jaxattn.dot_product_attention(q, k, v, implementation="dense", precision="highest", **keywords)
+    mapped = cudnn.attention(q, k, v, **keywords)
+    assert normwise(mapped, ours) <= 1e-6
+
+
+# --- splash attention in the interpreter ---------------------------------------------------------------------
+
+def check_splash(keywords, *, dtype=jnp.float32, T=T, S=S, sinks=False, tol=(1e-6, 1e-5)):
+    """Forward and gradients (q, k, v and sinks) of the splash kernel against the dense engine."""
+    q, k, v = qkv(dtype, T=T, S=S)
+    w = qkv(jnp.float32, T=T, S=S, seed=1)[0][..., :Hv]
+    args = (q, k, v) + ((jnp.asarray(np.linspace(-1.0, 1.0, N), jnp.float32),) if sinks else ())
+
+    def run(implementation, **extra):
+        def f(q, k, v, *sinks):
+            out = jaxattn.dot_product_attention(q, k, v, implementation=implementation,
+                                                sinks=sinks[0] if sinks else None, **keywords, **extra)
+            return out, jnp.sum(out.astype(jnp.float32) * w)
+
+        return jax.jit(lambda *a: (f(*a)[0], jax.grad(lambda *a: f(*a)[1], argnums=range(len(a)))(*a)))(*args)
+
+    with jax.enable_x64(False):
+        got, g_got = run("pallas_tpu", interpret=True)
+        up = [a.astype(jnp.float32) for a in args]
+        args = tuple(up)
+        expected, g_expected = run("dense", precision="highest")
+    errors = [normwise(got, expected)] + [normwise(a, b) for a, b in zip(g_got, g_expected, strict=True)]
+    assert all(np.isfinite(errors)), errors
+    assert errors[0] <= tol[0] and max(errors[1:]) <= tol[1], errors
+    return got, errors
+
+
+@pytest.mark.slow  # ~8 s on a quiet 2-core machine (the interpreter runs 128-row blocks): over the default budget
+def test_splash_grouped_heads_causal_lengths_softcap_sinks():
+    # T < S (a cache in front), GQA, one example with no key at all (length 0: zeros), softcap and sinks
+    got, _ = check_splash(dict(is_causal=True, key_value_seq_lengths=jnp.array([0, 41]), logit_softcap=4.0),
+                          sinks=True)
+    assert not np.asarray(got[0]).any()
+
+
+SPLASH_GRID = {
+    "plain": dict(),
+    "causal T>S (empty rows)": dict(is_causal=True, T=S + 7, S=S),
+    "window": dict(window=(5, 2)),
+    "chunk": dict(chunk_size=7, is_causal=True),
+    "segments": dict(query_segment_ids=np.arange(B * T).reshape(B, T) % 3,
+                     key_segment_ids=np.arange(B * S).reshape(B, S) % 4),
+    "lengths+window": dict(key_value_seq_lengths=np.array([5, 53]), window=(3, 3)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SPLASH_GRID))
+def test_splash_option_grid(case):
+    keywords = dict(SPLASH_GRID[case])
+    sizes = {name: keywords.pop(name) for name in ("T", "S") if name in keywords}
+    got, _ = check_splash(keywords, **sizes)
+    if case.startswith("causal T>S"):
+        assert not np.asarray(got[:, :7]).any()  # the first T - S rows see no key
+
+
+@pytest.mark.slow
+def test_splash_one_query_row_against_a_cache():
+    # a decode step: T = 1 at explicit positions with lengths and a window (one empty row: position 2 with
+    # lengths 0), keys at their defaults
+    got, _ = check_splash(dict(is_causal=True, query_positions=np.array([[2], [40]]),
+                               key_value_seq_lengths=np.array([0, 47]), window=(9, 0)), T=1)
+    assert not np.asarray(got[0]).any()
+
+
+@pytest.mark.slow
+def test_splash_bfloat16_envelope():
+    # measured: normwise error of bf16 splash against the float32 dense engine on float32 copies of the
+    # same inputs, forward 2.2e-3, gradients (q, k, v) 3.7e-3 / 3.8e-3 / 3.2e-3 (causal; a (5, 2) window
+    # alike): bf16 rounding of q * scale, of p before p @ v, and of the outputs; envelope ~2.5x that
+    check_splash(dict(is_causal=True), dtype=jnp.bfloat16, tol=(5e-3, 1e-2))
+
+
+@pytest.mark.slow
+def test_splash_under_vmap():
+    q, k, v = qkv()
+    with jax.enable_x64(False):
+        f = jax.vmap(lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True, precision="highest"))
+        g = jax.vmap(lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True, implementation="pallas_tpu",
+                                                                   interpret=True))
+        assert normwise(g(q, k, v), f(q, k, v)) <= 1e-6
+
+
+# --- the layers and the models pass implementation= to every attention call ---------------------------------
+
+def test_a_layer_passes_implementation_on(x64_off):
+    from jaxattn.linen import MultiHeadAttention
+
+    layer = MultiHeadAttention(num_heads=3, head_dim=5, implementation="pallas_tpu", interpret=True)
+    x = jnp.ones((2, 7, 11))
+    params = jax.eval_shape(MultiHeadAttention(num_heads=3, head_dim=5).init, jax.random.key(0), x)
+    with pytest.raises(ValueError, match="^mask.*implementation='pallas_tpu'"):
+        jax.eval_shape(lambda p: layer.apply(p, x, mask=np.ones((7, 7), bool)), params)  # traced, not run
+
+
+def test_a_model_config_passes_implementation_on():
+    import dataclasses
+
+    from jaxattn.models.llama import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=17, hidden_size=12, intermediate_size=10, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=6,
+                         rope_frequencies=(1.0, 0.1, 0.01))
+    ids = jnp.zeros((1, 5), jnp.int32)
+    params = jax.eval_shape(LlamaForCausalLM(config=config).init, jax.random.key(0), ids)
+    model = LlamaForCausalLM(config=dataclasses.replace(config, implementation="flash"))
+    with pytest.raises(ValueError, match="^implementation: .*got 'flash'"):
+        jax.eval_shape(lambda p: model.apply(p, ids), params)
