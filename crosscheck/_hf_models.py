@@ -132,7 +132,7 @@ def _quiet(transformers) -> None:
 
 # HF norms whose code takes the mean square in float32 whatever the input dtype (a float64 run included)
 _FLOAT32_NORMS = ("T5LayerNorm", "LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm",
-                  "GptOssRMSNorm", "Qwen3MoeRMSNorm")
+                  "GptOssRMSNorm", "Qwen3MoeRMSNorm", "DeepseekV3RMSNorm")
 # (GptOssRMSNorm rounds after its weight: the same numbers in float64)
 
 
@@ -184,7 +184,8 @@ def _rotary_in_input_precision(self, x, position_ids, layer_type=None):
 _FLOAT32_SOFTMAX = ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
                     "transformers.models.mistral.modeling_mistral", "transformers.models.gemma2.modeling_gemma2",
                     "transformers.models.qwen3.modeling_qwen3", "transformers.models.gemma3.modeling_gemma3",
-                    "transformers.models.mixtral.modeling_mixtral", "transformers.models.qwen3_moe.modeling_qwen3_moe")
+                    "transformers.models.mixtral.modeling_mixtral", "transformers.models.qwen3_moe.modeling_qwen3_moe",
+                    "transformers.models.deepseek_v3.modeling_deepseek_v3")
 
 
 def _softmax_topk_router_in_input_precision(self, hidden_states):

@@ -59,6 +59,18 @@ from ._schemes.clipped import clipped_relative_index as clipped_relative_index
 from ._schemes.xl import relative_sinusoids as relative_sinusoids
 from ._schemes.xl import transformer_xl_attention as transformer_xl_attention
 
+# Attention forms of 2025-26 models (docs/new_attention.md): gated delta-rule linear attention (Qwen3-Next) and
+# multi-head latent attention (DeepSeek V2/V3).
+from ._forms.delta_rule import causal_conv1d as causal_conv1d
+from ._forms.delta_rule import gated_delta_rule as gated_delta_rule
+from ._forms.delta_rule import gated_delta_rule_step as gated_delta_rule_step
+from ._forms.delta_rule import gated_rms_norm as gated_rms_norm
+from ._layers.latent import init_latent_attention as init_latent_attention
+from ._layers.latent import init_latent_cache as init_latent_cache
+from ._layers.latent import latent_attention as latent_attention
+from ._layers.latent import latent_core as latent_core
+from ._layers.latent import latent_projections as latent_projections
+
 __all__ = [
     "dot_product_attention",
     "cross_platform_lowering",
@@ -98,4 +110,13 @@ __all__ = [
     "shard_params",
     "shard_inputs",
     "partition_spec",
+    "gated_delta_rule",
+    "gated_delta_rule_step",
+    "causal_conv1d",
+    "gated_rms_norm",
+    "latent_attention",
+    "latent_core",
+    "latent_projections",
+    "init_latent_attention",
+    "init_latent_cache",
 ]

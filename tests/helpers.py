@@ -367,3 +367,26 @@ def join_processes(process_id, count, port, local_devices):
                                local_device_ids=list(range(local_devices)), initialization_timeout=60)
     return {"process_index": jax.process_index(), "process_count": jax.process_count(),
             "devices": len(jax.devices()), "local_devices": len(jax.local_devices())}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# gated delta rule (DESIGN.md "New attention forms"), the recurrence as written there
+
+
+def delta_rule_reference(q, k, v, g, beta, initial_state=None, *, scale=None):
+    """(out [B,T,N,Hv], state [B,N,H,Hv]) token by token in jax.numpy (a Python loop over T, differentiable):
+    value head n reads query/key head n // (N // K); S <- exp(g_t) S;  S <- S + k_t (beta_t (v_t - S^T k_t))^T;
+    o_t = S^T (scale q_t), scale = H ** -0.5 by default. q, k [B,T,K,H]; v [B,T,N,Hv]; g, beta [B,T,N];
+    initial_state [B,N,H,Hv] (default zeros)."""
+    B, T, K, H = q.shape
+    N, Hv = v.shape[-2:]
+    scale = H ** -0.5 if scale is None else scale
+    q, k = jnp.repeat(q, N // K, axis=2), jnp.repeat(k, N // K, axis=2)  # [B,T,N,H]: head n reads n // (N // K)
+    S = jnp.zeros((B, N, H, Hv), v.dtype) if initial_state is None else initial_state
+    outs = []
+    for t in range(T):
+        S = jnp.exp(g[:, t])[..., None, None] * S
+        delta = beta[:, t, :, None] * (v[:, t] - jnp.einsum("bnh,bnhv->bnv", k[:, t], S))
+        S = S + k[:, t, :, :, None] * delta[:, :, None, :]
+        outs.append(jnp.einsum("bnh,bnhv->bnv", scale * q[:, t], S))
+    return jnp.stack(outs, axis=1), S

@@ -34,6 +34,10 @@ documents), ``window=(left, right)`` (key s allowed iff t - left <= s <= t + rig
 ``chunk_size`` (t // C == s // C), ``logit_softcap`` (c * tanh(x / c) on the scaled query-key logits, before
 biases), ``sinks`` [N] (a per-head logit in the softmax denominator with no value). ``flex_attention`` adds
 ``score_mod(score, b, n, t, s)`` / ``mask_mod(b, n, t, s)`` on absolute positions.
+
+Attention forms of 2025-26 models (torchref/_forms.py): ``gated_delta_rule`` token by token (Qwen3-Next's linear
+attention), ``latent_attention`` in its expanded form (DeepSeek's MLA, on jaxattn's parameter tree),
+``causal_conv1d`` and ``gated_rms_norm``.
 """
 
 from torchref._functional import (
@@ -42,6 +46,12 @@ from torchref._functional import (
     relative_attention as relative_attention,
     relative_position_index as relative_position_index,
     shaw_relative_attention as shaw_relative_attention,
+)
+from torchref._forms import (
+    causal_conv1d as causal_conv1d,
+    gated_delta_rule as gated_delta_rule,
+    gated_rms_norm as gated_rms_norm,
+    latent_attention as latent_attention,
 )
 from torchref._modules import (
     MultiHeadAttention as MultiHeadAttention,
@@ -56,4 +66,8 @@ __all__ = [
     "shaw_relative_attention",
     "MultiHeadAttention",
     "RelativeMultiHeadAttention",
+    "gated_delta_rule",
+    "causal_conv1d",
+    "gated_rms_norm",
+    "latent_attention",
 ]

@@ -1,0 +1,1 @@
+"""New attention forms: gated delta-rule linear attention (and its family helpers)."""
