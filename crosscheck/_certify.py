@@ -30,8 +30,6 @@ and dropped, so only one model's activations are held.
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import hashlib
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -40,7 +38,10 @@ from typing import Any
 
 import numpy as np
 
-from crosscheck._compare import MODEL_TOLERANCES, TOLERANCES, error_metrics
+from crosscheck._compare import MODEL_TOLERANCES, error_metrics
+from crosscheck._golden import load_golden
+from crosscheck._reference import (cast_inputs, checked_dtype, flat_intermediates, layer_pairs, loss_value,
+                                   named_outputs, nearest, need_torch, run_torch, versions)
 
 __all__ = ["LOGIT_BARS", "Bar", "Certificate", "LogitBars", "Row", "certify", "versions"]
 
@@ -200,220 +201,10 @@ def _json_float(value: Any) -> Any:
     return value
 
 
-def versions() -> dict[str, str | None]:
-    """Versions of the libraries a certificate depends on (None: not installed)."""
-    import importlib.metadata
-
-    found = {}
-    for name in ("torch", "jax", "jaxlib", "transformers", "flax"):
-        try:
-            found[name] = importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            found[name] = None
-    return found
-
-
 # --- structure --------------------------------------------------------------------------------------------
 
 
-def named_outputs(out: Any, prefix: str = "") -> dict[str, Any]:
-    """An output tree -> {name: array}: `.logits` objects give "logits"; dicts their keys; sequences "[i]"."""
-    if not isinstance(out, Mapping) and getattr(out, "logits", None) is not None:
-        return {"logits": out.logits}
-    if isinstance(out, Mapping) and "logits" in out and hasattr(out, "to_tuple"):  # transformers' ModelOutput
-        return {"logits": out["logits"]}
-    if isinstance(out, Mapping):
-        flat: dict[str, Any] = {}
-        for k, v in out.items():
-            if v is not None:
-                flat.update(named_outputs(v, f"{prefix}.{k}" if prefix else str(k)))
-        return flat
-    if isinstance(out, (tuple, list)):
-        flat = {}
-        for i, v in enumerate(out):
-            flat.update(named_outputs(v, f"{prefix}[{i}]" if prefix else f"output[{i}]"))
-        return flat
-    return {prefix or "output": out}
-
-
-def flat_intermediates(tree: Any, prefix: str = "") -> dict[str, Any]:
-    """Flax / nnx intermediates {"intermediates": {"block": {"mlp": (x,)}}} -> {"block/mlp": x}."""
-    if isinstance(tree, Mapping):
-        if set(tree) == {"intermediates"} and not prefix:
-            return flat_intermediates(tree["intermediates"])
-        flat: dict[str, Any] = {}
-        for k, v in tree.items():
-            flat.update(flat_intermediates(v, f"{prefix}/{k}" if prefix else str(k)))
-        return flat
-    if hasattr(tree, "value") and not hasattr(tree, "shape"):  # an nnx Variable
-        return flat_intermediates(tree.value, prefix)
-    if isinstance(tree, (tuple, list)):
-        if len(tree) == 1:
-            return flat_intermediates(tree[0], prefix)
-        return {k: v for i, t in enumerate(tree) for k, v in flat_intermediates(t, f"{prefix}[{i}]").items()}
-    return {prefix: tree}
-
-
-def nearest(name: str, candidates: Sequence[str], what: str) -> ValueError:
-    close = difflib.get_close_matches(name, list(candidates), n=5, cutoff=0.4)
-    return ValueError(f"layers: {what} {name!r} does not exist; nearest: {close or sorted(candidates)[:10]}")
-
-
-def layer_pairs(layers: Any) -> list[tuple[str, str, Callable[[np.ndarray], np.ndarray] | None]]:
-    """{path: name} / {path: (name, transform)} / [(path, name[, transform]), ...] -> [(path, name, transform)]."""
-    if layers is None:
-        return []
-    items = layers.items() if isinstance(layers, Mapping) else layers
-    pairs = []
-    for item in items:
-        path, target = item[0], item[1] if len(item) == 2 else tuple(item[1:])
-        name, transform = (target, None) if isinstance(target, str) else (target[0], target[1])
-        if not isinstance(path, str) or not isinstance(name, str):
-            raise ValueError(f"layers: expected {{torch module path: JAX name}} strings, got {item!r}")
-        pairs.append((path, name, transform))
-    return pairs
-
-
-def checked_dtype(dtype: Any) -> str:
-    name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
-    if name not in TOLERANCES:
-        raise ValueError(f"dtype: expected one of {sorted(TOLERANCES)}, got {dtype!r}")
-    if name == "float64":
-        import jax
-
-        if not jax.config.x64_enabled:
-            raise RuntimeError("dtype: float64 needs JAX's x64 mode (jax.config.update('jax_enable_x64', True)); "
-                               "without it JAX would silently compute in float32")
-    return name
-
-
-def cast_inputs(inputs: Mapping[str, Any], dtype: str) -> dict[str, np.ndarray]:
-    out = {}
-    for k, v in inputs.items():
-        v = np.asarray(v)
-        out[k] = v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v
-    return out
-
-
-def state_hash(module) -> str:
-    """sha256 over a torch module's state_dict: names, shapes and values, in name order. Floating tensors are
-    hashed as float64 (exact from float32 / bfloat16), so a module cast to the certificate's dtype in place
-    keeps the hash of the checkpoint it was loaded from."""
-    import torch
-
-    digest = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
-        array = tensor.detach().cpu()
-        array = (array.double() if array.is_floating_point() else array).contiguous()
-        digest.update(f"{name}|{array.dtype}|{tuple(array.shape)}|".encode())
-        digest.update(array.view(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()
-
-
 # --- the torch side (the reference) ------------------------------------------------------------------------
-
-
-def _need_torch(what: str):
-    try:
-        import torch
-    except ImportError:
-        raise ImportError(f"{what} runs the PyTorch model and needs torch: pip install torch (or \"jaxattn[torch]\"), "
-                          "or certify against a golden file: certify(None, jax_fn, inputs, golden=PATH), "
-                          "PATH written by crosscheck.record on a machine with torch") from None
-    return torch
-
-
-def _to_numpy(value) -> np.ndarray:
-    while isinstance(value, (tuple, list)) or (isinstance(value, Mapping) and value):
-        value = value[0] if isinstance(value, (tuple, list)) else next(iter(value.values()))
-    return value.detach().cpu().numpy()
-
-
-def run_torch(torch_fn, inputs: Mapping[str, np.ndarray], *, dtype: str, pairs, torch_module=None,
-              on_layer: Callable[[int, str, str, np.ndarray | None], None], grads: bool = False, loss=None,
-              logits: str | None = None):
-    """torch_fn(**inputs) with forward hooks on the `pairs`' module paths; `on_layer(index, path, name, array)`
-    per hooked call in firing order (array None: never ran). Returns ({output: array}, {input: grad})."""
-    torch = _need_torch("certify(torch_fn, ...)")
-    module = torch_module if torch_module is not None else torch_fn
-    is_module = isinstance(module, torch.nn.Module)
-    if is_module:
-        module.to(getattr(torch, dtype)).eval()
-    if pairs and not is_module:
-        raise ValueError("layers: module paths need torch_fn to be a torch.nn.Module (or torch_module=)")
-    queues: dict[int, list[tuple[int, str, str, Any]]] = {}
-    targets = {}
-    for index, (path, name, transform) in enumerate(pairs):
-        try:
-            target = module.get_submodule(path)
-        except AttributeError:
-            raise nearest(path, [n for n, _ in module.named_modules(remove_duplicate=False) if n],
-                          "torch module path") from None
-        targets[id(target)] = target
-        queues.setdefault(id(target), []).append((index, path, name, transform))
-    ran: set[int] = set()
-
-    def hook(queue):
-        calls = iter(queue)
-
-        def on_call(mod, args, out):
-            entry = next(calls, None)
-            if entry is not None:
-                index, path, name, transform = entry
-                array = _to_numpy(out)
-                ran.add(index)
-                on_layer(index, path, name, array if transform is None else np.asarray(transform(array)))
-        return on_call
-
-    tensors = {k: torch.from_numpy(np.array(v)) for k, v in inputs.items()}
-    if grads:
-        for t in tensors.values():
-            t.requires_grad_(t.is_floating_point())
-    handles = [targets[key].register_forward_hook(hook(queue)) for key, queue in queues.items()]
-    try:
-        with torch.set_grad_enabled(grads):
-            raw = named_outputs(torch_fn(**tensors))
-    finally:
-        for handle in handles:
-            handle.remove()
-    for index, (path, name, _) in enumerate(pairs):
-        if index not in ran:
-            on_layer(index, path, name, None)
-    outputs = {k: v.detach().cpu().numpy() for k, v in raw.items()}
-    input_grads = {}
-    if grads:
-        wrt = {k: t for k, t in tensors.items() if t.requires_grad}
-        if wrt:
-            scalar = _loss(torch, raw, tensors, outputs, loss, logits)
-            got = torch.autograd.grad(scalar, list(wrt.values()), allow_unused=True)
-            input_grads = {k: np.zeros(t.shape, dtype) if g is None else g.detach().numpy()
-                           for (k, t), g in zip(wrt.items(), got, strict=True)}
-    return outputs, input_grads
-
-
-def _loss(xp, outputs, inputs, reference, loss, logits):
-    """The scalar both sides differentiate: `loss(outputs, inputs)`; else the mean log-likelihood of
-    inputs["labels"] under the logits; else sum(out * c) with one seeded cotangent c per output."""
-    if loss is not None:
-        return loss(outputs, inputs)
-    if logits is not None and logits in outputs and "labels" in inputs:
-        labels = inputs["labels"]
-        if hasattr(xp, "nn") and hasattr(xp.nn, "functional"):  # torch
-            logp = xp.log_softmax(outputs[logits], dim=-1)
-            return xp.take_along_dim(logp, labels.long()[..., None], dim=-1).mean()
-        import jax
-
-        logp = jax.nn.log_softmax(outputs[logits], axis=-1)
-        return xp.take_along_axis(logp, labels[..., None].astype(xp.int32), axis=-1).mean()
-    total = 0.0
-    for name, cot in cotangents(reference).items():
-        total = total + (outputs[name] * (xp.from_numpy(cot) if hasattr(xp, "from_numpy") else cot)).sum()
-    return total
-
-
-def cotangents(reference: Mapping[str, np.ndarray], seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed + 2)
-    return {k: rng.standard_normal(v.shape).astype(v.dtype) for k, v in reference.items()}
 
 
 # --- the JAX side ------------------------------------------------------------------------------------------
@@ -457,7 +248,7 @@ def jax_grads(jax_fn, inputs: Mapping[str, np.ndarray], reference: Mapping[str, 
 
     def scalar(f):
         out = named_outputs(_split(jax_fn(**f, **others), split)[0])
-        return _loss(jnp, out, {**f, **others}, reference, loss, logits)
+        return loss_value(jnp, out, {**f, **others}, reference, loss, logits)
 
     if not floats:
         return {}
@@ -563,8 +354,6 @@ def certify(torch_fn, jax_fn, inputs: Mapping[str, Any] | None, *, dtype: str = 
     select = select or (lambda name, array: array)
     reference = None
     if golden is not None:
-        from crosscheck._golden import load_golden
-
         reference = load_golden(golden, inputs, dtype=dtype, torch_fn=torch_fn, checkpoint_hash=checkpoint_hash,
                                 grads=grads)
         inputs = reference.inputs
@@ -573,7 +362,7 @@ def certify(torch_fn, jax_fn, inputs: Mapping[str, Any] | None, *, dtype: str = 
     elif torch_fn is None:
         raise ValueError("torch_fn: None needs golden=PATH (a file written by crosscheck.record)")
     else:
-        _need_torch("certify(torch_fn, ...)")
+        need_torch("certify(torch_fn, ...)")
     if inputs is None:
         raise ValueError("inputs: expected {name: array}, got None")
     inputs = cast_inputs(inputs, dtype)

@@ -62,7 +62,7 @@ def load_factory(spec: str):
 
 def main(argv: Sequence[str]) -> int:
     from crosscheck._certify import certify
-    from crosscheck._cli import configure_jax
+    from crosscheck._jax_setup import configure_jax
     from crosscheck._golden import record
 
     parser = _parser()

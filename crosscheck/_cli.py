@@ -24,6 +24,7 @@ from typing import Any
 
 from crosscheck._catalogue import DTYPES, Case, Row, catalogue, run_case, select_cases
 from crosscheck._compare import TOLERANCES, TRANSFORMS, Report
+from crosscheck._jax_setup import configure_jax
 
 # XLA compiles (not arithmetic) are the cost of a run, and they use one core each: cases run side by side.
 DEFAULT_JOBS = max(1, min(4, os.cpu_count() or 1))
@@ -34,28 +35,6 @@ def default_cache_dir() -> Path:
     if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
         return Path(os.environ["JAX_COMPILATION_CACHE_DIR"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "crosscheck" / "xla"
-
-
-def configure_jax(cache_dir: str | None = None) -> None:
-    """x64 on (float32 rows still pass explicit float32 arrays), and JAX's persistent compilation cache.
-
-    A run spends its time compiling (each eager operation of a "plain" row is its own small XLA program),
-    and the same programs come back in every run and in every worker: cached, a second run is ~5x faster.
-    The cache is JAX's own, keyed by the program, the compile options and the jax/jaxlib versions, so a
-    cached executable is the executable a fresh compile would produce.
-    """
-    import jax
-
-    jax.config.update("jax_enable_x64", True)
-    if cache_dir:
-        try:
-            Path(cache_dir).mkdir(parents=True, exist_ok=True)
-        except OSError:
-            pass  # an unwritable cache only costs time
-        else:
-            jax.config.update("jax_compilation_cache_dir", str(cache_dir))
-            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-            jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _positive(text: str) -> int:

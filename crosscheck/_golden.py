@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from crosscheck._certify import cast_inputs, checked_dtype, layer_pairs, nearest, run_torch, state_hash, versions
+from crosscheck._reference import cast_inputs, checked_dtype, layer_pairs, nearest, run_torch, state_hash, versions
 
 FORMAT = 1
 _KEY = "crosscheck.golden"

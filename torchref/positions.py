@@ -16,7 +16,7 @@ import math
 import torch
 from torch import Tensor
 
-from torchref import dot_product_attention, relative_attention
+from torchref._functional import dot_product_attention, relative_attention
 
 __all__ = [
     "t5_relative_position_bucket", "t5_relative_bias", "t5_attention",

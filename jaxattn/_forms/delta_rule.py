@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from .._core import checks
 from .._core.checks import shape_str
 from .._core.dtypes import accumulation_dtype
+from .._core.norms import rms_normalize
 
 DEFAULT_CHUNK_SIZE = 64
 IMPLEMENTATIONS = (None, "chunked", "recurrent")
@@ -294,7 +295,5 @@ def gated_rms_norm(x, gate, weight, *, eps: float = 1e-6):
     checks.check_shape("weight", weight, x.shape[-1:], "[F]")
     if gate.shape[-1:] != x.shape[-1:]:
         checks.fail("gate", f"shape [...,{x.shape[-1]}] (as x {shape_str(x.shape)})", f"shape {shape_str(gate.shape)}")
-    acc = accumulation_dtype(x.dtype)
-    wide = x.astype(acc)
-    normed = (wide * jax.lax.rsqrt(jnp.mean(wide * wide, -1, keepdims=True) + eps)).astype(x.dtype)
-    return (weight * normed * jax.nn.silu(gate.astype(acc))).astype(x.dtype)
+    normed = rms_normalize(x, eps).astype(x.dtype)
+    return (weight * normed * jax.nn.silu(gate.astype(accumulation_dtype(x.dtype)))).astype(x.dtype)

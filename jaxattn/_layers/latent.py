@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from .._core import checks
-from .._core.dtypes import accumulation_dtype
+from .._core.norms import rms_normalize
 from .._engines.dispatch import dot_product_attention
 from .._schemes.rope import apply_rope
 from . import cache as kv_cache
@@ -105,9 +105,7 @@ def _dense(params, name, x, spec, precision):
 def rms_norm(x, scale, eps):
     """DeepSeek's RMSNorm: scale * (x / sqrt(mean(x^2) + eps)), the statistics in float32 or wider and the
     normalised x rounded to x's dtype before the scale (transformers' DeepseekV3RMSNorm)."""
-    wide = x.astype(accumulation_dtype(x.dtype))
-    normed = wide * jax.lax.rsqrt(jnp.mean(wide * wide, -1, keepdims=True) + eps)
-    return jnp.asarray(scale) * normed.astype(x.dtype)
+    return jnp.asarray(scale) * rms_normalize(x, eps).astype(x.dtype)
 
 
 def latent_projections(params, x, positions=None, *, rope_base: float = 10000.0, rope_layout: str = "interleaved",

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._core.norms import rms_normalize
 from ..linen import RoPE
 from . import _activation_layout, _pretrained, _save, _table
 
@@ -286,12 +287,6 @@ def rope_attention_factor(config: Mapping[str, Any], rope: Mapping | None = None
 # --- norms ------------------------------------------------------------------------------------------------------
 
 RMS_NORMS = ("llama", "gemma", "t5", "gpt_oss")
-
-
-def rms_normalize(x, epsilon: float):
-    """x * rsqrt(mean(x^2) + eps) over the last axis, computed in float32 or wider (returned so)."""
-    wide = x.astype(jnp.promote_types(x.dtype, jnp.float32))
-    return wide * jax.lax.rsqrt(jnp.mean(wide * wide, -1, keepdims=True) + epsilon)
 
 
 class RMSNorm(nn.Module):

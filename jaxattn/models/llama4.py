@@ -51,6 +51,7 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
+from .._core.norms import rms_normalize
 from ..linen import RoPE
 from . import _activation_layout, _decoder, _pretrained, _table, moe
 
@@ -185,7 +186,7 @@ class L2Norm(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        return _decoder.rms_normalize(x, self.epsilon).astype(x.dtype)
+        return rms_normalize(x, self.epsilon).astype(x.dtype)
 
 
 class QueryTemperature(nn.Module):
