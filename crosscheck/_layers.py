@@ -138,13 +138,10 @@ class _Llama4(_Family):
 
 
 class _Second:
-    """A torch module whose hooked output is the second element of the tuple its forward returns."""
+    """The second element of the tuple a torch module returns: certify's path "<module path>[1]"."""
 
     def __init__(self, module):
         self.module = module
-
-    def register_forward_hook(self, hook):
-        return self.module.register_forward_hook(lambda module, args, out: hook(module, args, out[1]))
 
 
 class _T5(_Family):
@@ -254,7 +251,8 @@ def layer_report(torch_model, model_and_params, inputs: Mapping[str, Any], *, dt
     ours = _jax_rows(model, params, inputs)
     logits = {"logits": ours.pop("logits")} if "logits" in ours else {}
     paths = {id(module): path for path, module in torch_model.named_modules()}
-    pairs = [(paths[id(module)], name, _to_layout(ours[name].shape)) for module, name in spec.watch(torch_model)]
+    pairs = [(paths[id(module.module)] + "[1]" if isinstance(module, _Second) else paths[id(module)], name,
+              _to_layout(ours[name].shape)) for module, name in spec.watch(torch_model)]
 
     def torch_fn(**tensors):
         with float64_reference(torch_model, dtype):

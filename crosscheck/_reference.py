@@ -139,6 +139,17 @@ def to_numpy(value) -> np.ndarray:
     return value.detach().cpu().numpy()
 
 
+def output_element(path: str) -> tuple[str, int | None]:
+    """"model.layers.1.router[1]" -> ("model.layers.1.router", 1): element 1 of the tuple the module returns
+    (HF's routers return (scores, logits)); a plain path -> (path, None): the module's output, or the first
+    array in it."""
+    if path.endswith("]") and "[" in path:
+        base, _, index = path[:-1].rpartition("[")
+        if index.isdigit():
+            return base, int(index)
+    return path, None
+
+
 def run_torch(torch_fn, inputs: Mapping[str, np.ndarray], *, dtype: str, pairs, torch_module=None,
               on_layer: Callable[[int, str, str, np.ndarray | None], None], grads: bool = False, loss=None,
               logits: str | None = None):
@@ -154,13 +165,14 @@ def run_torch(torch_fn, inputs: Mapping[str, np.ndarray], *, dtype: str, pairs, 
     queues: dict[int, list[tuple[int, str, str, Any]]] = {}
     targets = {}
     for index, (path, name, transform) in enumerate(pairs):
+        module_path, element = output_element(path)
         try:
-            target = module.get_submodule(path)
+            target = module.get_submodule(module_path)
         except AttributeError:
-            raise nearest(path, [n for n, _ in module.named_modules(remove_duplicate=False) if n],
+            raise nearest(module_path, [n for n, _ in module.named_modules(remove_duplicate=False) if n],
                           "torch module path") from None
         targets[id(target)] = target
-        queues.setdefault(id(target), []).append((index, path, name, transform))
+        queues.setdefault(id(target), []).append((index, path, name, transform, element))
     ran: set[int] = set()
 
     def hook(queue):
@@ -169,8 +181,8 @@ def run_torch(torch_fn, inputs: Mapping[str, np.ndarray], *, dtype: str, pairs, 
         def on_call(mod, args, out):
             entry = next(calls, None)
             if entry is not None:
-                index, path, name, transform = entry
-                array = to_numpy(out)
+                index, path, name, transform, element = entry
+                array = to_numpy(out if element is None else out[element])
                 ran.add(index)
                 on_layer(index, path, name, array if transform is None else np.asarray(transform(array)))
         return on_call

@@ -107,6 +107,32 @@ def test_output_forms_tuple_dict_and_logits_object():
         assert [r.name for r in cert.rows if r.kind == "output"] == names and cert.passed
 
 
+def test_a_path_ending_in_an_index_takes_that_element_of_a_modules_tuple():
+    x = inputs()["x"]
+
+    class Router(torch.nn.Module):  # returns (scores, logits), as HF's MoE routers do
+        def forward(self, h):
+            return torch.sigmoid(h), h * 3
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = Router()
+
+        def forward(self, x):
+            scores, logits = self.router(x)
+            return {"out": scores + logits}
+
+    def port_fn(x):
+        scores, logits = jnp.asarray(1 / (1 + np.exp(-np.asarray(x)))), x * 3
+        return {"out": scores + logits}, {"router_logits": logits, "router_scores": scores}
+
+    for path, name in (("router[1]", "router_logits"), ("router", "router_scores"), ("router[0]", "router_scores")):
+        cert = certify(Model(), port_fn, {"x": x}, dtype="float64", layers={path: name})
+        assert cert.passed and [r.name for r in cert.rows if r.kind == "layer"] == [path], path
+    assert certify(Model(), port_fn, {"x": x}, dtype="float64", layers={"router[1]": "router_scores"}).first_divergent
+
+
 def test_bad_input_names_the_output_the_layer_and_the_nearest_names():
     model, weights = toy()
     x = inputs()
