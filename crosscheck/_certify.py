@@ -10,8 +10,9 @@ with `.logits` (transformers' outputs: only the logits are taken). Both must giv
 Rows, each measured against torch (the reference), in this order:
 - "layer": `layers` pairs (torch module path -> JAX intermediate name), in the order torch's forward hooks
   fire. A module returning a tuple gives its first array, or element i with the path "<path>[i]". JAX's
-  intermediates come from a jax_fn returning `(outputs, {name: array})`, that dict possibly nested (Flax `capture_intermediates` / `sow` / nnx `Intermediate` state: names joined with "/", a
-  one-element tuple taken as its element, "intermediates" unwrapped).
+  intermediates come from a jax_fn returning `(outputs, {name: array})`, that dict possibly nested (Flax
+  `capture_intermediates` / `sow` / nnx `Intermediate` state: names joined with "/", a one-element tuple
+  taken as its element, "intermediates" unwrapped).
 - "output": every output.
 - "kl", "top1", "top5": for the logits output (`logits=` names it; default "logits" when there is one):
   per-token KL(torch's softmax || JAX's), its largest value against a bar; the share of tokens whose top-1
