@@ -632,42 +632,66 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
                         block_mask=None, return_lse=False, **grid_options):
     """Attention computed one [Tb,Sb] tile at a time; O(T + S) memory forward and backward.
 
-    query [...,T,N,H], key [...,S,K,H], value [...,S,K,Hv] and the keywords is_causal,
-    key_value_seq_lengths, query_positions, key_positions, scale, precision mean exactly what they mean
-    for dot_product_attention; results equal it (fully masked rows give zeros, finite gradients).
-    Half-precision inputs accumulate logits, softmax and outputs in float32.
+    query [...,T,N,H], key [...,S,K,H], value [...,S,K,Hv] and is_causal, key_value_seq_lengths,
+    query_positions, key_positions, scale, precision, query_segment_ids, key_segment_ids, window, chunk_size,
+    logit_softcap, sinks: as dot_product_attention, with equal results (fully masked rows give zeros, finite
+    gradients); score_mod, mask_mod, block_mask: as flex_attention. Half precision accumulates in float32.
+    Key tiles that causality, lengths, window, chunks, segment ids or the BlockMask exclude are never visited;
+    tiles every rule allows run without a mask, the BlockMask's full tiles without mask_mod.
 
     key_table / value_table / max_distance: Shaw et al. clipped tables, as shaw_relative_attention
       ([R,H] or [R,N,H], R = 2*max_distance+1); each tile gathers q . table[r] per bucket.
-    position_bias: the per-tile position hook. A pure function
-        position_bias(query_pos, key_pos) -> bias
-      with query_pos int32 [Tb] and key_pos int32 [Sb] (or [B,Tb] / [B,Sb] when positions were passed
-      with batch dims, flattened to B), returning a float array broadcastable to [N,Tb,Sb] (or
-      [B,N,Tb,Sb]) that is added to the *scaled* logits of that tile. It is called once per tile with
-      the tile's absolute positions (the same ones the causal mask reads; padding past T or S repeats
-      the last position and is masked), so it must depend on positions only, never on T or S or on a
-      tile's index. Arrays it closes over (a T5 table, ALiBi slopes) are differentiated: their
-      gradients flow through the custom VJP.
-    block_size: int or (query_block, key_block); default: 512 keys and 512 / G queries (G = N / K query
-      heads per key/value head), 128 queries and 128 keys when causal (capped by a window's span, clipped
-      to T and S). The engine runs groups of rows (batch entries x key/value heads) one after another, as many per
-      group as keep a float32 tile [rows, G, Tb, Sb] within tiles.ROW_TILE_BYTES (1 MiB). Inputs laid out
-      over a multi-device mesh, and score_mod / mask_mod, keep one tile over every row (key blocks of 512,
-      query blocks sized so a tile [B,N,Tb,Sb] takes about tiles.TILE_BUDGET_BYTES): see on_a_device_mesh.
-      The whole policy: jaxattn._engines.tiles.
-
-    query_segment_ids, key_segment_ids, window, chunk_size, logit_softcap, sinks: as
-      dot_product_attention; score_mod, mask_mod, block_mask: as flex_attention. Key tiles that causality,
-      lengths, window, chunks, segment ids or the BlockMask exclude are never visited (block-sparse work);
-      tiles every rule allows run without a mask, and the BlockMask's full tiles without mask_mod. With a
-      block_mask, its block_size is the tile.
+    position_bias(query_pos, key_pos) -> bias: the per-tile position hook, a pure function of the tile's
+      absolute positions (int32 [Tb] and [Sb], or [B,Tb] / [B,Sb] for batched positions flattened to B; the
+      causal mask's; padding past T or S repeats the last one and is masked), never of T, S or a tile's
+      index; bias broadcastable to [(B,)N,Tb,Sb], added to the *scaled* logits. Arrays it closes over (a T5
+      table, ALiBi slopes) get gradients through the custom VJP.
+    block_size: int or (query_block, key_block); default (jaxattn._engines.tiles, the whole policy): 512 keys
+      and 512 / G queries, 128 x 128 when causal, capped by a window's span; rows (batch entries x key/value
+      heads) run in groups whose float32 tile fits tiles.ROW_TILE_BYTES, all rows at once for inputs on a
+      multi-device mesh (on_a_device_mesh) or with score_mod / mask_mod. A block_mask's block_size is the tile.
     return_lse: also return lse [...,N,T], the log of each row's softmax normaliser (allowed keys and the
       sink) in the compute dtype, -inf for a row with no allowed key; gradients flow through it.
 
     Arbitrary masks and biases (and return_weights, dropout) need the full [T,S] grid: passing them
     raises ValueError (implementation=None falls back to the dense path instead).
     """
-    unknown = sorted(set(grid_options) - {"bias", "mask", "dropout_rate", "dropout_rng", "return_weights"})
+    _refuse_grid_options(grid_options)
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value)
+    acc, B = accumulation_dtype(query.dtype), int(np.prod(batch, dtype=np.int64))
+    if block_mask is not None:  # the BlockMask's own mask_mod applies (block_masks.resolve)
+        block_size, mask_mod, block_mask = _with_block_mask(block_mask, block_size, mask_mod, B, N, T, S)
+    window = mods.check_window(window)
+    grouped = _row_grouped(query, key, value, score_mod, mask_mod)
+    Tb, Sb = _tile_sizes(block_size, T, S, B, N, K, tiles.span(window, is_causal), bool(is_causal), grouped)
+    Tp, Sp = -(-T // Tb) * Tb, -(-S // Sb) * Sb
+    q_pos, k_pos, lengths = _positions_and_lengths(batch, T, S, Tp, Sp, query_positions, key_positions,
+                                                   key_value_seq_lengths)
+    key_table, value_table, _ = check_tables(key_table, value_table, max_distance, N, H, Hv, acc)
+    if T == 0 or S == 0:  # nothing to tile: no query, or no key (every query then gets zeros, as dense)
+        return _nothing_to_tile(batch, T, N, Hv, value.dtype, sinks, acc, return_lse)
+    bias_fn, consts = _hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc)
+    rule = MaskRule(is_causal=bool(is_causal), window=window, chunk_size=mods.check_chunk_size(chunk_size))
+    terms, arrays = _terms(batch, T, S, N, K, Tp, Sp, acc, query_segment_ids=query_segment_ids,
+                           key_segment_ids=key_segment_ids, logit_softcap=logit_softcap, sinks=sinks,
+                           score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
+    cfg = EngineConfig(Tb, Sb, N, rule, None if key_table is None and value_table is None else max_distance,
+                       query_positions is None and key_positions is None, precision, bias_fn, terms)
+    q, k, v = _engine_operands(query, key, value, H ** -0.5 if scale is None else scale, acc, batch, Tp, Sp)
+    groups = tiles.row_groups(B, K, N // K, Tb, Sb, _whole_rows(grouped, bias_fn is not None, q_pos, k_pos))
+    out, lse = _grouped_engine(cfg, q, KeySide(k, v, k_pos, lengths), Shared(key_table, value_table, consts, None),
+                               q_pos, arrays, groups)
+    return _from_engine(out, lse, batch, T, query.dtype, return_lse)
+
+
+_GRID_OPTIONS = ("bias", "mask", "dropout_rate", "dropout_rng", "return_weights")
+
+
+def _refuse_grid_options(grid_options):
+    """TypeError for keywords dot_product_attention does not take either; ValueError for those it takes that
+    need the full [T,S] grid."""
+    unknown = sorted(set(grid_options) - set(_GRID_OPTIONS))
     if unknown:
         raise TypeError(f"blockwise_attention() got unexpected keyword arguments {unknown}")
     in_use = grid_options_in_use(**grid_options)
@@ -675,63 +699,67 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
         checks.fail("implementation", f'"dense" or None with {"/".join(in_use)}: blockwise attention does not '
                      "take arbitrary masks or biases (nor return_weights or dropout), as they span the full [T,S] "
                      "grid", '"blockwise"')
-    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value)
-    acc = accumulation_dtype(query.dtype)
-    B = int(np.prod(batch, dtype=np.int64))
-    if block_mask is not None:  # the BlockMask's own mask_mod applies (block_masks.resolve)
-        block_masks.check_block_mask(block_mask, B, N, T, S)
-        block_size = tiles.check_block_mask_tiles(block_mask, block_size)
-        mask_mod, block_mask = block_masks.resolve(mask_mod, block_mask)
-    window = mods.check_window(window)
-    # Row groups unless the inputs are sharded (a row loop would all-gather a sharded batch or head axis)
-    # or score_mod / mask_mod need the global batch and head indices of every row.
-    grouped = score_mod is None and mask_mod is None and not on_a_device_mesh(query, key, value)
-    width = tiles.span(window, is_causal)
+
+
+def _with_block_mask(block_mask, block_size, mask_mod, B, N, T, S):
+    """A BlockMask's checks: (its tile as block_size, the mask_mod that applies, the resolved BlockMask)."""
+    block_masks.check_block_mask(block_mask, B, N, T, S)
+    block_size = tiles.check_block_mask_tiles(block_mask, block_size)
+    mask_mod, block_mask = block_masks.resolve(mask_mod, block_mask)
+    return block_size, mask_mod, block_mask
+
+
+def _hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc):
+    """convert_hook's (bias_fn, consts), or (None, ()) without a position_bias."""
+    return (None, ()) if position_bias is None else convert_hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc)
+
+
+def _row_grouped(query, key, value, score_mod, mask_mod):
+    """Row groups unless the inputs are sharded (a row loop would all-gather a sharded batch or head axis)
+    or score_mod / mask_mod need the global batch and head indices of every row."""
+    return score_mod is None and mask_mod is None and not on_a_device_mesh(query, key, value)
+
+
+def _tile_sizes(block_size, T, S, B, N, K, span, causal, grouped):
+    """(Tb, Sb): the row-group tiles, or one tile over all B * N rows (tiles.py's two defaults)."""
     if grouped:
-        Tb, Sb = tiles.row_tile_sizes(block_size, T, S, N // K, bool(is_causal), width)
-    else:
-        Tb, Sb = tiles.block_sizes(block_size, T, S, B * N, span=width)
-    Tp, Sp = -(-T // Tb) * Tb, -(-S // Sb) * Sb
-    q_pos, k_pos, lengths = _positions_and_lengths(batch, T, S, Tp, Sp, query_positions, key_positions,
-                                                   key_value_seq_lengths)
-    key_table, value_table, _ = check_tables(key_table, value_table, max_distance, N, H, Hv, acc)
-    if T == 0 or S == 0:  # nothing to tile: no query, or no key (every query then gets zeros, as dense)
-        out = jnp.zeros((*batch, T, N, Hv), value.dtype)
-        return (out, _empty_lse(batch, N, T, sinks, acc)) if return_lse else out
-    if key_table is None and value_table is None:
-        max_distance = None
+        return tiles.row_tile_sizes(block_size, T, S, N // K, causal, span)
+    return tiles.block_sizes(block_size, T, S, B * N, span=span)
 
-    bias_fn, consts = None, ()
-    if position_bias is not None:
-        bias_fn, consts = convert_hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc)
 
-    contiguous = query_positions is None and key_positions is None
-    rule = MaskRule(is_causal=bool(is_causal), window=window, chunk_size=mods.check_chunk_size(chunk_size))
-    terms, arrays = _terms(batch, T, S, N, K, Tp, Sp, acc, query_segment_ids=query_segment_ids,
-                           key_segment_ids=key_segment_ids, logit_softcap=logit_softcap, sinks=sinks,
-                           score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
-    cfg = EngineConfig(Tb, Sb, N, rule, max_distance, contiguous, precision, bias_fn, terms)
-    scale = jnp.asarray(H ** -0.5 if scale is None else scale, acc)
-    out_dtype = query.dtype
+def _whole_rows(grouped, hooked, q_pos, k_pos):
+    """tiles.row_groups' `whole`: one group of all rows when not grouped or when a hook's bias spans every
+    batch entry (batched positions); every head in each group when a hook's bias spans every head."""
+    if not grouped or (hooked and max(q_pos.ndim, k_pos.ndim) > 1):
+        return "all"
+    return "heads" if hooked else None
+
+
+def _engine_operands(query, key, value, scale, acc, batch, Tp, Sp):
+    """q * scale [B,K,G,Tp,H], k [B,K,Sp,H], v [B,K,Sp,Hv] in the accumulation dtype. Half precision: widen
+    q, k, v once here (O(T + S) memory) rather than in every tile product, where XLA's CPU dots convert both
+    operands again for each tile pair (bf16 S=2048 causal forward: 176 -> 113 ms). Probabilities then meet
+    the values in float32 too, one rounding fewer. Scaling [T,H] queries once beats scaling every [Tb,Sb]
+    tile (forward and backward)."""
+    (T, N, H), (S, K) = query.shape[-3:], key.shape[-3:-1]
+    scale = jnp.asarray(scale, acc)
     if query.dtype != acc:
-        # Half precision: widen q, k, v once here (O(T + S) memory) rather than in every tile product,
-        # where XLA's CPU dots convert both operands again for each tile pair (bf16 S=2048 causal forward:
-        # 176 -> 113 ms). Probabilities then meet the values in float32 too, one rounding fewer.
         query, key, value = query.astype(acc), key.astype(acc), value.astype(acc)
-    # Scaling [T,H] queries once beats scaling every [Tb,Sb] tile (forward and backward).
-    query, scale = query * scale, None
+    q = _engine_layout(query * scale, batch, T, Tp).reshape(int(np.prod(batch, dtype=np.int64)), K, N // K, Tp, H)
+    return q, _engine_layout(key, batch, S, Sp), _engine_layout(value, batch, S, Sp)
 
-    q = _engine_layout(query, batch, T, Tp).reshape(B, K, N // K, Tp, H)
-    k, v = _engine_layout(key, batch, S, Sp), _engine_layout(value, batch, S, Sp)
-    whole = "all" if not grouped or (bias_fn is not None and max(q_pos.ndim, k_pos.ndim) > 1) else (
-        "heads" if bias_fn is not None else None)  # a hook's bias spans every head (and batch entry)
-    groups = tiles.row_groups(B, K, N // K, Tb, Sb, whole)
-    out, lse = _grouped_engine(cfg, q, KeySide(k, v, k_pos, lengths), Shared(key_table, value_table, consts, scale),
-                               q_pos, arrays, groups)
-    out = jnp.moveaxis(out.reshape(B, N, Tp, Hv), 1, 2)[:, :T]
-    out = out.reshape(*batch, T, N, Hv).astype(out_dtype)
-    return (out, public_lse(lse.reshape(*batch, N, Tp)[..., :T])) if return_lse else out
+
+def _from_engine(out, lse, batch, T, dtype, return_lse):
+    """out [B,K,G,Tp,Hv] -> [...,T,N,Hv] in the inputs' dtype; lse [B,K,G,Tp] -> [...,N,T] if asked for."""
+    B, K, G, Tp, Hv = out.shape
+    out = jnp.moveaxis(out.reshape(B, K * G, Tp, Hv), 1, 2)[:, :T].reshape(*batch, T, K * G, Hv).astype(dtype)
+    return (out, public_lse(lse.reshape(*batch, K * G, Tp)[..., :T])) if return_lse else out
+
+
+def _nothing_to_tile(batch, T, N, Hv, dtype, sinks, acc, return_lse):
+    """T == 0 or S == 0: zeros [...,T,N,Hv] (and lse: _empty_lse)."""
+    out = jnp.zeros((*batch, T, N, Hv), dtype)
+    return (out, _empty_lse(batch, N, T, sinks, acc)) if return_lse else out
 
 
 def _empty_lse(batch, N, T, sinks, acc):
