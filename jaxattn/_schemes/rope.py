@@ -105,12 +105,12 @@ def apply_rope(x, positions=None, *, offset=0, base: float = 10000.0, rotary_dim
         checks.check_int("positions", positions)
         checks.check_min_rank("positions", positions, 1, "[...,T]")
         checks.check_dim("positions", positions, -1, T, "[...,T]")
-    acc = accumulation_dtype(x.dtype)
-    angles = positions.astype(acc)[..., :, None, None] * _frequencies(frequencies, rotary_dim, base, acc)
+    acc_dtype = accumulation_dtype(x.dtype)
+    angles = positions.astype(acc_dtype)[..., :, None, None] * _frequencies(frequencies, rotary_dim, base, acc_dtype)
     cos, sin = jnp.cos(angles), jnp.sin(angles)  # [...,T,1,rotary_dim/2]
-    a, b = _split_pairs(x.astype(acc), rotary_dim, layout)
+    a, b = _split_pairs(x.astype(acc_dtype), rotary_dim, layout)
     rotated = _join_pairs(a * cos - b * sin, b * cos + a * sin, layout)
-    rest = jnp.broadcast_to(x[..., rotary_dim:], rotated.shape[:-1] + (H - rotary_dim,)).astype(acc)
+    rest = jnp.broadcast_to(x[..., rotary_dim:], rotated.shape[:-1] + (H - rotary_dim,)).astype(acc_dtype)
     return jnp.concatenate([rotated, rest], axis=-1).astype(x.dtype)
 
 
