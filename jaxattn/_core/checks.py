@@ -142,7 +142,7 @@ def check_qkv(query, key, value) -> QKV:
     return QKV(batch, T, S, N, K, H, Hv)
 
 
-def check_clipped_table(name: str, table, R: int, N: int, head_dim: int, acc, layout: str):
+def check_clipped_table(name: str, table, R: int, N: int, head_dim: int, acc_dtype, layout: str):
     """A clipped relative table (Shaw, asymmetric, Transformer-XL): [R,F] shared over heads or [R,N,F]."""
     table = jnp.asarray(table)
     if table.ndim not in (2, 3):
@@ -150,7 +150,7 @@ def check_clipped_table(name: str, table, R: int, N: int, head_dim: int, acc, la
     expected = (R, head_dim) if table.ndim == 2 else (R, N, head_dim)
     if tuple(table.shape) != expected:
         fail(name, f"shape {shape_str(expected)} ({layout})", f"shape {shape_str(table.shape)}")
-    check_fits(name, table, acc)
+    check_fits(name, table, acc_dtype)
     return table
 
 

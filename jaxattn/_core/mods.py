@@ -79,7 +79,7 @@ def check_segment_ids(query_segment_ids, key_segment_ids, batch, T: int, S: int)
     return tuple(out)
 
 
-def check_sinks(sinks, batch, N: int, acc):
+def check_sinks(sinks, batch, N: int, acc_dtype):
     """sinks [N] or [...,N] (float, fits the compute dtype) broadcastable to [*batch, N], or None."""
     if sinks is None:
         return None
@@ -87,7 +87,7 @@ def check_sinks(sinks, batch, N: int, acc):
     checks.check_float("sinks", sinks)
     checks.check_min_rank("sinks", sinks, 1, "[N] or [...,N]")
     checks.check_broadcastable("sinks", sinks, (*batch, N), f"[N] or [...,N] with N={N} query heads")
-    checks.check_fits("sinks", sinks, acc)
+    checks.check_fits("sinks", sinks, acc_dtype)
     return sinks
 
 

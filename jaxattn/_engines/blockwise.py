@@ -140,8 +140,8 @@ class Grads(NamedTuple):
     score_consts: tuple = ()
 
 
-def _einsum(spec, a, b, cfg, acc):
-    return jnp.einsum(spec, a, b, precision=cfg.precision, preferred_element_type=acc)
+def _einsum(spec, a, b, cfg, acc_dtype):
+    return jnp.einsum(spec, a, b, precision=cfg.precision, preferred_element_type=acc_dtype)
 
 
 def _heads_view(x, K):
@@ -221,9 +221,9 @@ def _tile_bias(cfg, consts, qp, kp, K):
     return _heads_view(cfg.bias_fn(qp, kp, *consts), K)
 
 
-def _capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc):
+def _capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc_dtype):
     """softcap(scale * (q . k + q . table[index])): the query-key part of a tile's logits."""
-    x = _einsum("bkgth,bksh->bkgts", q_blk, k_blk, cfg, acc)
+    x = _einsum("bkgth,bksh->bkgts", q_blk, k_blk, cfg, acc_dtype)
     if per_bucket is not None:
         x = x + _gather(per_bucket, index)
     if scale is not None:  # None: the query was scaled before the engine
@@ -231,9 +231,9 @@ def _capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc):
     return mods.softcap(x, cfg.terms.softcap)
 
 
-def _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc, score=None):
+def _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc_dtype, score=None):
     """A tile's logits: the capped query-key logits plus the position bias, then score (score_mod)."""
-    x = _capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc)
+    x = _capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc_dtype)
     x = x if bias is None else x + bias
     return x if score is None else score(x)
 
@@ -269,39 +269,39 @@ def _offset0(cfg, qp, kp):
     return kp[0] - qp[0] if cfg.contiguous else None
 
 
-def _block_partial(x, allowed, v_blk, index, offset0, R, value_table, cfg, acc):
+def _block_partial(x, allowed, v_blk, index, offset0, R, value_table, cfg, acc_dtype):
     """One tile's partial (out, m, l); out also carries the bucket sums of p for a value table."""
     if allowed is not None:
         x = jnp.where(allowed, x, -jnp.inf)
     m = jnp.max(x, axis=-1)
     p = jnp.exp(x - jnp.where(jnp.isfinite(m), m, 0)[..., None])  # masked: exp(-inf) = 0
-    out = (_einsum("bkgts,bksv->bkgtv", p.astype(v_blk.dtype), v_blk, cfg, acc),)
+    out = (_einsum("bkgts,bksv->bkgtv", p.astype(v_blk.dtype), v_blk, cfg, acc_dtype),)
     if value_table is not None:
         out = out + (_bucket_sum(p, index, R, offset0),)
     return out, m, jnp.sum(p, axis=-1)
 
 
-def _per_bucket(q_blk, table, K, cfg, acc):
+def _per_bucket(q_blk, table, K, cfg, acc_dtype):
     """q . table[r] for every bucket: [B,K,G,Tb,R] (table [R,H] or [R,N,H])."""
     if table.ndim == 2:
-        return _einsum("bkgth,rh->bkgtr", q_blk, table.astype(acc), cfg, acc)
-    table = table.reshape(table.shape[0], K, -1, table.shape[-1]).astype(acc)
-    return _einsum("bkgth,rkgh->bkgtr", q_blk, table, cfg, acc)
+        return _einsum("bkgth,rh->bkgtr", q_blk, table.astype(acc_dtype), cfg, acc_dtype)
+    table = table.reshape(table.shape[0], K, -1, table.shape[-1]).astype(acc_dtype)
+    return _einsum("bkgth,rkgh->bkgtr", q_blk, table, cfg, acc_dtype)
 
 
-def _apply_table(buckets, table, K, cfg, acc):
+def _apply_table(buckets, table, K, cfg, acc_dtype):
     """[B,K,G,Tb,R] @ table [R,(N,)F] -> [B,K,G,Tb,F]."""
     if table.ndim == 2:
-        return _einsum("bkgtr,rf->bkgtf", buckets, table.astype(acc), cfg, acc)
-    table = table.reshape(table.shape[0], K, -1, table.shape[-1]).astype(acc)
-    return _einsum("bkgtr,rkgf->bkgtf", buckets, table, cfg, acc)
+        return _einsum("bkgtr,rf->bkgtf", buckets, table.astype(acc_dtype), cfg, acc_dtype)
+    table = table.reshape(table.shape[0], K, -1, table.shape[-1]).astype(acc_dtype)
+    return _einsum("bkgtr,rkgf->bkgtf", buckets, table, cfg, acc_dtype)
 
 
-def _table_grad(buckets, x_blk, table, K, cfg, acc):
+def _table_grad(buckets, x_blk, table, K, cfg, acc_dtype):
     """d table from bucket sums [B,K,G,Tb,R] and per-row vectors x [B,K,G,Tb,F]: [R,(N,)F]."""
     if table.ndim == 2:
-        return _einsum("bkgtr,bkgtf->rf", buckets, x_blk, cfg, acc)
-    grad = _einsum("bkgtr,bkgtf->rkgf", buckets, x_blk, cfg, acc)
+        return _einsum("bkgtr,bkgtf->rf", buckets, x_blk, cfg, acc_dtype)
+    grad = _einsum("bkgtr,bkgtf->rkgf", buckets, x_blk, cfg, acc_dtype)
     return grad.reshape(table.shape)
 
 
@@ -328,28 +328,28 @@ def fwd_tile(cfg, tile: QueryTile, keys: KeySide, shared: Shared, with_buckets=F
     q_blk, qp, arrays = tile
     B, K, G, Tb, _ = q_blk.shape
     Sp, Hv = keys.k.shape[2], keys.v.shape[-1]
-    Sb, acc = cfg.Sb, accumulation_dtype(q_blk.dtype)
+    Sb, acc_dtype = cfg.Sb, accumulation_dtype(q_blk.dtype)
     R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
     value_table = shared.value_table
-    per_bucket = None if shared.key_table is None else _per_bucket(q_blk, shared.key_table, K, cfg, acc)
+    per_bucket = None if shared.key_table is None else _per_bucket(q_blk, shared.key_table, K, cfg, acc_dtype)
 
     def key_block(kind, j, state):
         k_blk, v_blk = slice_block(keys.k, j * Sb, Sb, 2), slice_block(keys.v, j * Sb, Sb, 2)
         kp = slice_block(keys.pos, j * Sb, Sb, -1)
         index = None if R == 0 else _bucket_index(cfg, qp, kp)
         bias = None if cfg.bias_fn is None else _tile_bias(cfg, shared.hook_consts, qp, kp, K)
-        x = _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, shared.scale, acc,
+        x = _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, shared.scale, acc_dtype,
                          _score(cfg, qp, kp, B, K, arrays))
         allowed = None if kind == CLEAN else _allowed(cfg, qp, kp, j, keys.lengths, arrays, kind, B, K)
-        partial = _block_partial(x, allowed, v_blk, index, _offset0(cfg, qp, kp), R, value_table, cfg, acc)
+        partial = _block_partial(x, allowed, v_blk, index, _offset0(cfg, qp, kp), R, value_table, cfg, acc_dtype)
         return combine_partials(state, partial)
 
     shapes = ((B, K, G, Tb, Hv),) + (((B, K, G, Tb, R),) if value_table is not None else ())
     schedule = _schedule(cfg, qp, keys.pos, keys.lengths, arrays, Sp // Sb)
-    state = _visit(schedule, key_block, empty_partial(shapes, (B, K, G, Tb), acc))
+    state = _visit(schedule, key_block, empty_partial(shapes, (B, K, G, Tb), acc_dtype))
     state = add_sinks(state, None if arrays.sinks is None else arrays.sinks[..., None])
     outs, lse = finalize_partial(state)
-    out = outs[0] if value_table is None else outs[0] + _apply_table(outs[1], value_table, K, cfg, acc)
+    out = outs[0] if value_table is None else outs[0] + _apply_table(outs[1], value_table, K, cfg, acc_dtype)
     return (out, lse, outs[1]) if with_buckets else (out, lse)
 
 
@@ -359,12 +359,12 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
     q_blk, qp, arrays = tile
     do_blk, delta = rows.d_out, rows.delta
     B, K = q_blk.shape[:2]
-    Sp, Sb, acc = keys.k.shape[2], cfg.Sb, accumulation_dtype(q_blk.dtype)
+    Sp, Sb, acc_dtype = keys.k.shape[2], cfg.Sb, accumulation_dtype(q_blk.dtype)
     R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
     key_table, value_table, scale = shared.key_table, shared.value_table, shared.scale
     lse_blk = jnp.where(has_keys(rows.lse), rows.lse, 0)  # empty rows: every p is masked to 0 anyway
-    per_bucket = None if key_table is None else _per_bucket(q_blk, key_table, K, cfg, acc)
-    do_table = None if value_table is None else _per_bucket(do_blk, value_table, K, cfg, acc)
+    per_bucket = None if key_table is None else _per_bucket(q_blk, key_table, K, cfg, acc_dtype)
+    do_table = None if value_table is None else _per_bucket(do_blk, value_table, K, cfg, acc_dtype)
 
     def key_block(kind, j, inner):
         dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score = inner
@@ -375,7 +375,7 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
         bias, bias_vjp = None, None
         if cfg.bias_fn is not None:
             bias, bias_vjp = jax.vjp(lambda c: _tile_bias(cfg, c, qp, kp, K), shared.hook_consts)
-        capped = _capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc)
+        capped = _capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc_dtype)
         x = capped if bias is None else capped + bias
         score_vjp = None
         if cfg.terms.score_fn is not None:
@@ -384,8 +384,8 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
         allowed = None if kind == CLEAN else _allowed(cfg, qp, kp, j, keys.lengths, arrays, kind, B, K)
         if allowed is not None:
             p = jnp.where(allowed, p, 0)
-        dv_blk = _einsum("bkgts,bkgtv->bksv", p.astype(do_blk.dtype), do_blk, cfg, acc)
-        dp = _einsum("bkgtv,bksv->bkgts", do_blk, v_blk, cfg, acc)
+        dv_blk = _einsum("bkgts,bkgtv->bksv", p.astype(do_blk.dtype), do_blk, cfg, acc_dtype)
+        dp = _einsum("bkgtv,bksv->bkgts", do_blk, v_blk, cfg, acc_dtype)
         if value_table is not None:
             dp = dp + _gather(do_table, index)
             if rows.value_buckets is None:  # else p_buckets already holds the forward's sums
@@ -402,34 +402,34 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
             ds = ds * mods.softcap_grad(capped, cfg.terms.softcap)
         if scale is not None:
             ds = ds * scale
-        dq = dq + _einsum("bkgts,bksh->bkgth", ds.astype(q_blk.dtype), k_blk, cfg, acc)
-        dk_blk = _einsum("bkgts,bkgth->bksh", ds.astype(q_blk.dtype), q_blk, cfg, acc)
+        dq = dq + _einsum("bkgts,bksh->bkgth", ds.astype(q_blk.dtype), k_blk, cfg, acc_dtype)
+        dk_blk = _einsum("bkgts,bkgth->bksh", ds.astype(q_blk.dtype), q_blk, cfg, acc_dtype)
         if key_table is not None:
             ds_buckets = ds_buckets + _bucket_sum(ds, index, R, _offset0(cfg, qp, kp))
         dk = lax.dynamic_update_slice_in_dim(dk, slice_block(dk, s0, Sb, 2) + dk_blk, s0, axis=2)
         dv = lax.dynamic_update_slice_in_dim(dv, slice_block(dv, s0, Sb, 2) + dv_blk, s0, axis=2)
         return dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score
 
-    buckets = jnp.zeros(q_blk.shape[:-1] + (R,), acc)
-    p_buckets = buckets if rows.value_buckets is None else rows.value_buckets.astype(acc)
-    init = (jnp.zeros(q_blk.shape, acc), grads.dk, grads.dv, buckets, p_buckets, grads.hook_consts,
+    buckets = jnp.zeros(q_blk.shape[:-1] + (R,), acc_dtype)
+    p_buckets = buckets if rows.value_buckets is None else rows.value_buckets.astype(acc_dtype)
+    init = (jnp.zeros(q_blk.shape, acc_dtype), grads.dk, grads.dv, buckets, p_buckets, grads.hook_consts,
             grads.score_consts)
     schedule = _schedule(cfg, qp, keys.pos, keys.lengths, arrays, Sp // Sb)
     dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score = _visit(schedule, key_block, init)
     d_key_table, d_value_table = grads.key_table, grads.value_table
     if key_table is not None:
-        dq = dq + _apply_table(ds_buckets, key_table, K, cfg, acc)
-        d_key_table = d_key_table + _table_grad(ds_buckets, q_blk.astype(acc), key_table, K, cfg, acc)
+        dq = dq + _apply_table(ds_buckets, key_table, K, cfg, acc_dtype)
+        d_key_table = d_key_table + _table_grad(ds_buckets, q_blk.astype(acc_dtype), key_table, K, cfg, acc_dtype)
     if value_table is not None:
-        d_value_table = d_value_table + _table_grad(p_buckets, do_blk.astype(acc), value_table, K, cfg, acc)
+        d_value_table = d_value_table + _table_grad(p_buckets, do_blk.astype(acc_dtype), value_table, K, cfg, acc_dtype)
     return dq, Grads(dk, dv, d_key_table, d_value_table, d_consts, d_score)
 
 
-def zero_grads(acc, keys: KeySide, shared: Shared, score_consts=()) -> Grads:
-    """Zero accumulators (compute dtype acc) for keys' k / v, the shared tables and hook arrays and a
+def zero_grads(acc_dtype, keys: KeySide, shared: Shared, score_consts=()) -> Grads:
+    """Zero accumulators (compute dtype acc_dtype) for keys' k / v, the shared tables and hook arrays and a
     score_mod's consts (None entries stay None): what bwd_tile adds into."""
     def zeros(x):
-        return jax.tree.map(lambda a: jnp.zeros(a.shape, acc), x)
+        return jax.tree.map(lambda a: jnp.zeros(a.shape, acc_dtype), x)
 
     return Grads(zeros(keys.k), zeros(keys.v), zeros(shared.key_table), zeros(shared.value_table),
                  zeros(shared.hook_consts), zeros(score_consts))
@@ -480,7 +480,7 @@ def _engine_fwd(cfg, q, keys, shared, q_pos, arrays):
 def _engine_bwd(cfg, res: Residuals, cotangents):
     d_out, d_lse = cotangents
     q, arrays, Tb = res.q, res.arrays, cfg.Tb
-    acc = accumulation_dtype(q.dtype)
+    acc_dtype = accumulation_dtype(q.dtype)
     # score_mod's float arrays get gradients; its integer ones (ids, indices) none
     score_consts = tuple(c if d else None
                          for c, d in zip(arrays.score_consts, mods.differentiable(arrays.score_consts)))
@@ -492,15 +492,16 @@ def _engine_bwd(cfg, res: Residuals, cotangents):
         do_blk, o_blk = slice_block(d_out, i * Tb, Tb, 3), slice_block(res.out, i * Tb, Tb, 3)
         lse_blk = slice_block(res.lse, i * Tb, Tb, 3)
         # d loss / d x = p * (dp - sum_s p dp) + p * d_lse, and sum_s p dp = d_out . out: one delta
-        delta = jnp.sum(do_blk.astype(acc) * o_blk.astype(acc), axis=-1) - slice_block(d_lse, i * Tb, Tb, 3).astype(acc)
+        d_lse_blk = slice_block(d_lse, i * Tb, Tb, 3).astype(acc_dtype)
+        delta = jnp.sum(do_blk.astype(acc_dtype) * o_blk.astype(acc_dtype), axis=-1) - d_lse_blk
         buckets = None if res.buckets is None else slice_block(res.buckets, i * Tb, Tb, 3)
         dq, grads = bwd_tile(cfg, tile, RowGrads(do_blk, lse_blk, delta, buckets), res.keys, res.shared, grads)
         if d_sinks is not None:  # d out_t / d sink = -p_sink[t] out_t, so d sink = -sum_t p_sink[t] delta_t
             d_sinks = d_sinks - jnp.sum(jnp.exp(arrays.sinks[..., None] - lse_blk) * delta, axis=-1)
         return (grads, d_sinks), dq
 
-    grads = zero_grads(acc, res.keys, res.shared, score_consts)
-    d_sinks = None if arrays.sinks is None else jnp.zeros(arrays.sinks.shape, acc)
+    grads = zero_grads(acc_dtype, res.keys, res.shared, score_consts)
+    d_sinks = None if arrays.sinks is None else jnp.zeros(arrays.sinks.shape, acc_dtype)
     (grads, d_sinks), dq = lax.scan(query_block, (grads, d_sinks), jnp.arange(q.shape[3] // Tb))
     dq = jnp.moveaxis(dq, 0, 3).reshape(q.shape)
 
@@ -612,15 +613,15 @@ def grid_options_in_use(bias=None, mask=None, dropout_rate=0.0, dropout_rng=None
 TABLE_LAYOUT = "[R,(N,)H] with R = 2*max_distance+1"
 
 
-def check_tables(key_table, value_table, max_distance, N, H, Hv, acc):
+def check_tables(key_table, value_table, max_distance, N, H, Hv, acc_dtype):
     """Validate optional Shaw tables against max_distance: (key_table, value_table, R or None)."""
     if (key_table is not None or value_table is not None) and max_distance is None:
         checks.fail("max_distance", "a Python int >= 0 with key_table/value_table", None)
     R = None if max_distance is None else 2 * checks.check_max_distance(max_distance) + 1
     if key_table is not None:
-        key_table = checks.check_clipped_table("key_table", key_table, R, N, H, acc, TABLE_LAYOUT)
+        key_table = checks.check_clipped_table("key_table", key_table, R, N, H, acc_dtype, TABLE_LAYOUT)
     if value_table is not None:
-        value_table = checks.check_clipped_table("value_table", value_table, R, N, Hv, acc, TABLE_LAYOUT)
+        value_table = checks.check_clipped_table("value_table", value_table, R, N, Hv, acc_dtype, TABLE_LAYOUT)
     return key_table, value_table, R
 
 
@@ -632,42 +633,66 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
                         block_mask=None, return_lse=False, **grid_options):
     """Attention computed one [Tb,Sb] tile at a time; O(T + S) memory forward and backward.
 
-    query [...,T,N,H], key [...,S,K,H], value [...,S,K,Hv] and the keywords is_causal,
-    key_value_seq_lengths, query_positions, key_positions, scale, precision mean exactly what they mean
-    for dot_product_attention; results equal it (fully masked rows give zeros, finite gradients).
-    Half-precision inputs accumulate logits, softmax and outputs in float32.
+    query [...,T,N,H], key [...,S,K,H], value [...,S,K,Hv] and is_causal, key_value_seq_lengths,
+    query_positions, key_positions, scale, precision, query_segment_ids, key_segment_ids, window, chunk_size,
+    logit_softcap, sinks: as dot_product_attention, with equal results (fully masked rows give zeros, finite
+    gradients); score_mod, mask_mod, block_mask: as flex_attention. Half precision accumulates in float32.
+    Key tiles that causality, lengths, window, chunks, segment ids or the BlockMask exclude are never visited;
+    tiles every rule allows run without a mask, the BlockMask's full tiles without mask_mod.
 
     key_table / value_table / max_distance: Shaw et al. clipped tables, as shaw_relative_attention
       ([R,H] or [R,N,H], R = 2*max_distance+1); each tile gathers q . table[r] per bucket.
-    position_bias: the per-tile position hook. A pure function
-        position_bias(query_pos, key_pos) -> bias
-      with query_pos int32 [Tb] and key_pos int32 [Sb] (or [B,Tb] / [B,Sb] when positions were passed
-      with batch dims, flattened to B), returning a float array broadcastable to [N,Tb,Sb] (or
-      [B,N,Tb,Sb]) that is added to the *scaled* logits of that tile. It is called once per tile with
-      the tile's absolute positions (the same ones the causal mask reads; padding past T or S repeats
-      the last position and is masked), so it must depend on positions only, never on T or S or on a
-      tile's index. Arrays it closes over (a T5 table, ALiBi slopes) are differentiated: their
-      gradients flow through the custom VJP.
-    block_size: int or (query_block, key_block); default: 512 keys and 512 / G queries (G = N / K query
-      heads per key/value head), 128 queries and 128 keys when causal (capped by a window's span, clipped
-      to T and S). The engine runs groups of rows (batch entries x key/value heads) one after another, as many per
-      group as keep a float32 tile [rows, G, Tb, Sb] within tiles.ROW_TILE_BYTES (1 MiB). Inputs laid out
-      over a multi-device mesh, and score_mod / mask_mod, keep one tile over every row (key blocks of 512,
-      query blocks sized so a tile [B,N,Tb,Sb] takes about tiles.TILE_BUDGET_BYTES): see on_a_device_mesh.
-      The whole policy: jaxattn._engines.tiles.
-
-    query_segment_ids, key_segment_ids, window, chunk_size, logit_softcap, sinks: as
-      dot_product_attention; score_mod, mask_mod, block_mask: as flex_attention. Key tiles that causality,
-      lengths, window, chunks, segment ids or the BlockMask exclude are never visited (block-sparse work);
-      tiles every rule allows run without a mask, and the BlockMask's full tiles without mask_mod. With a
-      block_mask, its block_size is the tile.
+    position_bias(query_pos, key_pos) -> bias: the per-tile position hook, a pure function of the tile's
+      absolute positions (int32 [Tb] and [Sb], or [B,Tb] / [B,Sb] for batched positions flattened to B; the
+      causal mask's; padding past T or S repeats the last one and is masked), never of T, S or a tile's
+      index; bias broadcastable to [(B,)N,Tb,Sb], added to the *scaled* logits. Arrays it closes over (a T5
+      table, ALiBi slopes) get gradients through the custom VJP.
+    block_size: int or (query_block, key_block); default (jaxattn._engines.tiles, the whole policy): 512 keys
+      and 512 / G queries, 128 x 128 when causal, capped by a window's span; rows (batch entries x key/value
+      heads) run in groups whose float32 tile fits tiles.ROW_TILE_BYTES, all rows at once for inputs on a
+      multi-device mesh (on_a_device_mesh) or with score_mod / mask_mod. A block_mask's block_size is the tile.
     return_lse: also return lse [...,N,T], the log of each row's softmax normaliser (allowed keys and the
       sink) in the compute dtype, -inf for a row with no allowed key; gradients flow through it.
 
     Arbitrary masks and biases (and return_weights, dropout) need the full [T,S] grid: passing them
     raises ValueError (implementation=None falls back to the dense path instead).
     """
-    unknown = sorted(set(grid_options) - {"bias", "mask", "dropout_rate", "dropout_rng", "return_weights"})
+    _refuse_grid_options(grid_options)
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value)
+    acc_dtype, B = accumulation_dtype(query.dtype), int(np.prod(batch, dtype=np.int64))
+    if block_mask is not None:  # the BlockMask's own mask_mod applies (block_masks.resolve)
+        block_size, mask_mod, block_mask = _with_block_mask(block_mask, block_size, mask_mod, B, N, T, S)
+    window = mods.check_window(window)
+    grouped = _row_grouped(query, key, value, score_mod, mask_mod)
+    Tb, Sb = _tile_sizes(block_size, T, S, B, N, K, tiles.span(window, is_causal), bool(is_causal), grouped)
+    Tp, Sp = -(-T // Tb) * Tb, -(-S // Sb) * Sb
+    q_pos, k_pos, lengths = _positions_and_lengths(batch, T, S, Tp, Sp, query_positions, key_positions,
+                                                   key_value_seq_lengths)
+    key_table, value_table, _ = check_tables(key_table, value_table, max_distance, N, H, Hv, acc_dtype)
+    if T == 0 or S == 0:  # nothing to tile: no query, or no key (every query then gets zeros, as dense)
+        return _nothing_to_tile(batch, T, N, Hv, value.dtype, sinks, acc_dtype, return_lse)
+    bias_fn, consts = _hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc_dtype)
+    rule = MaskRule(is_causal=bool(is_causal), window=window, chunk_size=mods.check_chunk_size(chunk_size))
+    terms, arrays = _terms(batch, T, S, N, K, Tp, Sp, acc_dtype, query_segment_ids=query_segment_ids,
+                           key_segment_ids=key_segment_ids, logit_softcap=logit_softcap, sinks=sinks,
+                           score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
+    cfg = EngineConfig(Tb, Sb, N, rule, None if key_table is None and value_table is None else max_distance,
+                       query_positions is None and key_positions is None, precision, bias_fn, terms)
+    q, k, v = _engine_operands(query, key, value, H ** -0.5 if scale is None else scale, acc_dtype, batch, Tp, Sp)
+    groups = tiles.row_groups(B, K, N // K, Tb, Sb, _whole_rows(grouped, bias_fn is not None, q_pos, k_pos))
+    out, lse = _grouped_engine(cfg, q, KeySide(k, v, k_pos, lengths), Shared(key_table, value_table, consts, None),
+                               q_pos, arrays, groups)
+    return _from_engine(out, lse, batch, T, query.dtype, return_lse)
+
+
+_GRID_OPTIONS = ("bias", "mask", "dropout_rate", "dropout_rng", "return_weights")
+
+
+def _refuse_grid_options(grid_options):
+    """TypeError for keywords dot_product_attention does not take either; ValueError for those it takes that
+    need the full [T,S] grid."""
+    unknown = sorted(set(grid_options) - set(_GRID_OPTIONS))
     if unknown:
         raise TypeError(f"blockwise_attention() got unexpected keyword arguments {unknown}")
     in_use = grid_options_in_use(**grid_options)
@@ -675,73 +700,77 @@ def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_len
         checks.fail("implementation", f'"dense" or None with {"/".join(in_use)}: blockwise attention does not '
                      "take arbitrary masks or biases (nor return_weights or dropout), as they span the full [T,S] "
                      "grid", '"blockwise"')
-    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value)
-    acc = accumulation_dtype(query.dtype)
-    B = int(np.prod(batch, dtype=np.int64))
-    if block_mask is not None:  # the BlockMask's own mask_mod applies (block_masks.resolve)
-        block_masks.check_block_mask(block_mask, B, N, T, S)
-        block_size = tiles.check_block_mask_tiles(block_mask, block_size)
-        mask_mod, block_mask = block_masks.resolve(mask_mod, block_mask)
-    window = mods.check_window(window)
-    # Row groups unless the inputs are sharded (a row loop would all-gather a sharded batch or head axis)
-    # or score_mod / mask_mod need the global batch and head indices of every row.
-    grouped = score_mod is None and mask_mod is None and not on_a_device_mesh(query, key, value)
-    width = tiles.span(window, is_causal)
+
+
+def _with_block_mask(block_mask, block_size, mask_mod, B, N, T, S):
+    """A BlockMask's checks: (its tile as block_size, the mask_mod that applies, the resolved BlockMask)."""
+    block_masks.check_block_mask(block_mask, B, N, T, S)
+    block_size = tiles.check_block_mask_tiles(block_mask, block_size)
+    mask_mod, block_mask = block_masks.resolve(mask_mod, block_mask)
+    return block_size, mask_mod, block_mask
+
+
+def _hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc_dtype):
+    """convert_hook's (bias_fn, consts), or (None, ()) without a position_bias."""
+    return (None, ()) if position_bias is None else convert_hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc_dtype)
+
+
+def _row_grouped(query, key, value, score_mod, mask_mod):
+    """Row groups unless the inputs are sharded (a row loop would all-gather a sharded batch or head axis)
+    or score_mod / mask_mod need the global batch and head indices of every row."""
+    return score_mod is None and mask_mod is None and not on_a_device_mesh(query, key, value)
+
+
+def _tile_sizes(block_size, T, S, B, N, K, span, causal, grouped):
+    """(Tb, Sb): the row-group tiles, or one tile over all B * N rows (tiles.py's two defaults)."""
     if grouped:
-        Tb, Sb = tiles.row_tile_sizes(block_size, T, S, N // K, bool(is_causal), width)
-    else:
-        Tb, Sb = tiles.block_sizes(block_size, T, S, B * N, span=width)
-    Tp, Sp = -(-T // Tb) * Tb, -(-S // Sb) * Sb
-    q_pos, k_pos, lengths = _positions_and_lengths(batch, T, S, Tp, Sp, query_positions, key_positions,
-                                                   key_value_seq_lengths)
-    key_table, value_table, _ = check_tables(key_table, value_table, max_distance, N, H, Hv, acc)
-    if T == 0 or S == 0:  # nothing to tile: no query, or no key (every query then gets zeros, as dense)
-        out = jnp.zeros((*batch, T, N, Hv), value.dtype)
-        return (out, _empty_lse(batch, N, T, sinks, acc)) if return_lse else out
-    if key_table is None and value_table is None:
-        max_distance = None
-
-    bias_fn, consts = None, ()
-    if position_bias is not None:
-        bias_fn, consts = convert_hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc)
-
-    contiguous = query_positions is None and key_positions is None
-    rule = MaskRule(is_causal=bool(is_causal), window=window, chunk_size=mods.check_chunk_size(chunk_size))
-    terms, arrays = _terms(batch, T, S, N, K, Tp, Sp, acc, query_segment_ids=query_segment_ids,
-                           key_segment_ids=key_segment_ids, logit_softcap=logit_softcap, sinks=sinks,
-                           score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
-    cfg = EngineConfig(Tb, Sb, N, rule, max_distance, contiguous, precision, bias_fn, terms)
-    scale = jnp.asarray(H ** -0.5 if scale is None else scale, acc)
-    out_dtype = query.dtype
-    if query.dtype != acc:
-        # Half precision: widen q, k, v once here (O(T + S) memory) rather than in every tile product,
-        # where XLA's CPU dots convert both operands again for each tile pair (bf16 S=2048 causal forward:
-        # 176 -> 113 ms). Probabilities then meet the values in float32 too, one rounding fewer.
-        query, key, value = query.astype(acc), key.astype(acc), value.astype(acc)
-    # Scaling [T,H] queries once beats scaling every [Tb,Sb] tile (forward and backward).
-    query, scale = query * scale, None
-
-    q = _engine_layout(query, batch, T, Tp).reshape(B, K, N // K, Tp, H)
-    k, v = _engine_layout(key, batch, S, Sp), _engine_layout(value, batch, S, Sp)
-    whole = "all" if not grouped or (bias_fn is not None and max(q_pos.ndim, k_pos.ndim) > 1) else (
-        "heads" if bias_fn is not None else None)  # a hook's bias spans every head (and batch entry)
-    groups = tiles.row_groups(B, K, N // K, Tb, Sb, whole)
-    out, lse = _grouped_engine(cfg, q, KeySide(k, v, k_pos, lengths), Shared(key_table, value_table, consts, scale),
-                               q_pos, arrays, groups)
-    out = jnp.moveaxis(out.reshape(B, N, Tp, Hv), 1, 2)[:, :T]
-    out = out.reshape(*batch, T, N, Hv).astype(out_dtype)
-    return (out, public_lse(lse.reshape(*batch, N, Tp)[..., :T])) if return_lse else out
+        return tiles.row_tile_sizes(block_size, T, S, N // K, causal, span)
+    return tiles.block_sizes(block_size, T, S, B * N, span=span)
 
 
-def _empty_lse(batch, N, T, sinks, acc):
+def _whole_rows(grouped, hooked, q_pos, k_pos):
+    """tiles.row_groups' `whole`: one group of all rows when not grouped or when a hook's bias spans every
+    batch entry (batched positions); every head in each group when a hook's bias spans every head."""
+    if not grouped or (hooked and max(q_pos.ndim, k_pos.ndim) > 1):
+        return "all"
+    return "heads" if hooked else None
+
+
+def _engine_operands(query, key, value, scale, acc_dtype, batch, Tp, Sp):
+    """q * scale [B,K,G,Tp,H], k [B,K,Sp,H], v [B,K,Sp,Hv] in the accumulation dtype. Half precision: widen
+    q, k, v once here (O(T + S) memory) rather than in every tile product, where XLA's CPU dots convert both
+    operands again for each tile pair (bf16 S=2048 causal forward: 176 -> 113 ms). Probabilities then meet
+    the values in float32 too, one rounding fewer. Scaling [T,H] queries once beats scaling every [Tb,Sb]
+    tile (forward and backward)."""
+    (T, N, H), (S, K) = query.shape[-3:], key.shape[-3:-1]
+    scale = jnp.asarray(scale, acc_dtype)
+    if query.dtype != acc_dtype:
+        query, key, value = query.astype(acc_dtype), key.astype(acc_dtype), value.astype(acc_dtype)
+    q = _engine_layout(query * scale, batch, T, Tp).reshape(int(np.prod(batch, dtype=np.int64)), K, N // K, Tp, H)
+    return q, _engine_layout(key, batch, S, Sp), _engine_layout(value, batch, S, Sp)
+
+
+def _from_engine(out, lse, batch, T, dtype, return_lse):
+    """out [B,K,G,Tp,Hv] -> [...,T,N,Hv] in the inputs' dtype; lse [B,K,G,Tp] -> [...,N,T] if asked for."""
+    B, K, G, Tp, Hv = out.shape
+    out = jnp.moveaxis(out.reshape(B, K * G, Tp, Hv), 1, 2)[:, :T].reshape(*batch, T, K * G, Hv).astype(dtype)
+    return (out, public_lse(lse.reshape(*batch, K * G, Tp)[..., :T])) if return_lse else out
+
+
+def _nothing_to_tile(batch, T, N, Hv, dtype, sinks, acc_dtype, return_lse):
+    """T == 0 or S == 0: zeros [...,T,N,Hv] (and lse: _empty_lse)."""
+    out = jnp.zeros((*batch, T, N, Hv), dtype)
+    return (out, _empty_lse(batch, N, T, sinks, acc_dtype)) if return_lse else out
+
+
+def _empty_lse(batch, N, T, sinks, acc_dtype):
     """lse [...,N,T] when there is no key: the sink alone, or -inf."""
     if sinks is None:
-        return public_lse(jnp.full((*batch, N, T), no_key(acc), acc))
-    return jnp.broadcast_to(jnp.asarray(sinks, acc)[..., None], (*batch, N, T))
+        return public_lse(jnp.full((*batch, N, T), no_key(acc_dtype), acc_dtype))
+    return jnp.broadcast_to(jnp.asarray(sinks, acc_dtype)[..., None], (*batch, N, T))
 
 
-def _terms(batch, T, S, N, K, Tp, Sp, acc, *, query_segment_ids, key_segment_ids, logit_softcap, sinks, score_mod,
+def _terms(batch, T, S, N, K, Tp, Sp, acc_dtype, *, query_segment_ids, key_segment_ids, logit_softcap, sinks, score_mod,
            mask_mod, block_mask):
     """Check the programmable keywords: (Terms, TermArrays) in the engine layout."""
     B = int(np.prod(batch, dtype=np.int64))
@@ -749,10 +778,10 @@ def _terms(batch, T, S, N, K, Tp, Sp, acc, *, query_segment_ids, key_segment_ids
     if q_seg is not None:  # [B|1, L padded]: padding repeats the last id (padded keys are masked by length)
         q_seg, k_seg = (_flat_positions(x, batch, L, Lp) for x, L, Lp in ((q_seg, T, Tp), (k_seg, S, Sp)))
         q_seg, k_seg = (x if x.ndim == 2 else x[None] for x in (q_seg, k_seg))
-    sinks = mods.check_sinks(sinks, batch, N, acc)
+    sinks = mods.check_sinks(sinks, batch, N, acc_dtype)
     if sinks is not None:
         sinks = jnp.broadcast_to(sinks, (*batch, N)).reshape(B, K, N // K)
-    score_fn = mods.element_function("score_mod", score_mod, acc)
+    score_fn = mods.element_function("score_mod", score_mod, acc_dtype)
     mask_fn = mods.element_function("mask_mod", mask_mod)
     kinds = None
     if block_mask is not None:  # one kind per tile for every batch row and head (they share the tile)
@@ -790,7 +819,7 @@ def _engine_layout(x, batch, length, padded):
     return jnp.moveaxis(x, 1, -2)
 
 
-def convert_hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc):
+def convert_hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc_dtype):
     """Closure-convert the hook (its arrays become differentiable engine inputs); check its shape."""
     qp, kp = q_pos[..., :Tb], k_pos[..., :Sb]
     lead = (B,) if max(q_pos.ndim, k_pos.ndim) > 1 else ()
@@ -805,7 +834,7 @@ def convert_hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc):
                      "([(B,)N,Tb,Sb] for one tile)", f"shape {checks.shape_str(shape)}")
 
     def tile_bias(qp, kp):
-        return jnp.broadcast_to(jnp.asarray(position_bias(qp, kp)).astype(acc), target)
+        return jnp.broadcast_to(jnp.asarray(position_bias(qp, kp)).astype(acc_dtype), target)
 
     bias_fn, consts = jax.closure_convert(tile_bias, qp, kp)
     return bias_fn, tuple(consts)

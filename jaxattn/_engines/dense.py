@@ -24,9 +24,9 @@ from .._core.positions import positions
 from .._core.softmax import dropout, masked_logsumexp, masked_softmax
 
 
-def _add_bias(logits, allowed, bias, logits_shape, acc):
+def _add_bias(logits, allowed, bias, logits_shape, acc_dtype):
     bias = jnp.asarray(bias)
-    checks.check_fits("bias", bias, acc)
+    checks.check_fits("bias", bias, acc_dtype)
     checks.check_broadcastable("bias", bias, logits_shape, "[...,N,T,S]")
     logits = logits + bias
     # -inf in an additive mask (torch's float masks) means "blocked": same rule as mask=False.
@@ -57,16 +57,16 @@ def _unflatten(grid, batch):
 class _Programmable:
     """The programmable keywords of one dense call, checked (jaxattn._core.mods)."""
 
-    def __init__(self, batch, N, T, S, acc, *, query_segment_ids, key_segment_ids, window, chunk_size,
+    def __init__(self, batch, N, T, S, acc_dtype, *, query_segment_ids, key_segment_ids, window, chunk_size,
                  logit_softcap, sinks, score_mod, mask_mod, block_mask, query_positions, key_positions):
         self.window, self.chunk_size = mods.check_window(window), mods.check_chunk_size(chunk_size)
         self.cap = mods.check_softcap(logit_softcap)
         self.q_seg, self.k_seg = mods.check_segment_ids(query_segment_ids, key_segment_ids, batch, T, S)
-        self.sinks = mods.check_sinks(sinks, batch, N, acc)
+        self.sinks = mods.check_sinks(sinks, batch, N, acc_dtype)
         if block_mask is not None:  # the BlockMask's own mask_mod applies (block_masks.resolve)
             block_masks.check_block_mask(block_mask, int(np.prod(batch, dtype=np.int64)), N, T, S)
             mask_mod, block_mask = block_masks.resolve(mask_mod, block_mask)
-        self.score_fn = mods.element_function("score_mod", score_mod, acc)
+        self.score_fn = mods.element_function("score_mod", score_mod, acc_dtype)
         self.mask_fn = mods.element_function("mask_mod", mask_mod)
         self.block_mask = block_mask
         with_grid = self.score_fn is not None or self.mask_fn is not None
@@ -110,27 +110,27 @@ def attention_core(query, key, value, *, relative_logits: Optional[Callable] = N
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value) if dims is None else dims
     G = N // K
-    acc = accumulation_dtype(query.dtype)
+    acc_dtype = accumulation_dtype(query.dtype)
     scale = H ** -0.5 if scale is None else scale
     logits_shape = (*batch, N, T, S)
-    prog = _Programmable(batch, N, T, S, acc, query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-                         window=window, chunk_size=chunk_size, logit_softcap=logit_softcap, sinks=sinks,
-                         score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask,
-                         query_positions=query_positions, key_positions=key_positions)
+    prog = _Programmable(batch, N, T, S, acc_dtype, query_segment_ids=query_segment_ids,
+                         key_segment_ids=key_segment_ids, window=window, chunk_size=chunk_size,
+                         logit_softcap=logit_softcap, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod,
+                         block_mask=block_mask, query_positions=query_positions, key_positions=key_positions)
 
     q = query.reshape(*query.shape[:-2], K, G, H)
-    logits = jnp.einsum("...tkgh,...skh->...kgts", q, key, precision=precision, preferred_element_type=acc)
+    logits = jnp.einsum("...tkgh,...skh->...kgts", q, key, precision=precision, preferred_element_type=acc_dtype)
     logits = logits.reshape(*logits.shape[:-4], N, T, S)
     if relative_logits is not None:
         logits = logits + relative_logits(query)
-    logits = mods.softcap(logits * jnp.asarray(scale, acc), prog.cap)
+    logits = mods.softcap(logits * jnp.asarray(scale, acc_dtype), prog.cap)
 
     allowed = allowed_keys(logits_shape, mask=mask, is_causal=is_causal,
                            key_value_seq_lengths=key_value_seq_lengths,
                            query_positions=query_positions, key_positions=key_positions, window=prog.window,
                            chunk_size=prog.chunk_size, query_segments=prog.q_seg, key_segments=prog.k_seg)
     if bias is not None:
-        logits, allowed = _add_bias(logits, allowed, bias, logits_shape, acc)
+        logits, allowed = _add_bias(logits, allowed, bias, logits_shape, acc_dtype)
     logits = prog.score(logits)
     allowed = prog.allowed(allowed)
 
@@ -140,7 +140,7 @@ def attention_core(query, key, value, *, relative_logits: Optional[Callable] = N
     weights = dropout(weights, dropout_rate, dropout_rng, broadcast_dropout)
 
     p = weights.astype(value.dtype).reshape(*weights.shape[:-3], K, G, T, S)
-    out = jnp.einsum("...kgts,...skh->...tkgh", p, value, precision=precision, preferred_element_type=acc)
+    out = jnp.einsum("...kgts,...skh->...tkgh", p, value, precision=precision, preferred_element_type=acc_dtype)
     out = out.reshape(*out.shape[:-3], N, Hv)
     if relative_values is not None:
         out = out + relative_values(weights)

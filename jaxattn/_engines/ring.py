@@ -287,7 +287,7 @@ def _over_query_tiles(visit_tile, carry, n):
 def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
     cfg = _engine_cfg(ring)
     batch_shape = q.shape[:ring.nb]
-    acc = accumulation_dtype(q.dtype)
+    acc_dtype = accumulation_dtype(q.dtype)
     K, Tb = k.shape[-2], cfg.Tb
     q = _queries(ring, q, K)  # [B,K,G,C*Cqp,H]
     held = {"k": _keys(ring, k), "v": _keys(ring, v)}  # [B,K,C*Ckp,F]: the slots side by side
@@ -307,12 +307,12 @@ def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
             out, lse = blockwise.fwd_tile(cfg, q_tile, piece, shared)
             # a normalised partial (out, lse) is the unnormalised one (out, m=lse, l=1)
             part = tuple(slice_block(x, i * Tb, Tb, 3) for x in partial)
-            part = combine_partials(part, (out, lse, has_keys(lse).astype(acc)))
+            part = combine_partials(part, (out, lse, has_keys(lse).astype(acc_dtype)))
             return tuple(lax.dynamic_update_slice_in_dim(x, y, i * Tb, 3) for x, y in zip(partial, part))
 
         return _over_query_tiles(tile, partial, q.shape[3] // Tb), held
 
-    (out0,), m0, l0 = empty_partial((rows + v.shape[-1:],), rows, acc)
+    (out0,), m0, l0 = empty_partial((rows + v.shape[-1:],), rows, acc_dtype)
     (out, m, l), _ = _ring_loop(ring, d, visit, (out0, m0, l0), held)
     (out,), lse = finalize_partial(((out,), m, l))
     return _unqueries(ring, out.astype(q.dtype), batch_shape), lse  # lse [B,K,G,C*Cqp], slot order
@@ -321,16 +321,16 @@ def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
 def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out, lse, d_out):
     cfg = _engine_cfg(ring)
     batch_shape = q.shape[:ring.nb]
-    acc = accumulation_dtype(q.dtype)
+    acc_dtype = accumulation_dtype(q.dtype)
     dtypes = (q.dtype, k.dtype, v.dtype)
     K, Tb = k.shape[-2], cfg.Tb
     # delta = rowsum(d_out * out) once, in the natural layout: the output itself is not held in the ring
-    delta = jnp.sum(d_out.astype(acc) * out.astype(acc), axis=-1, keepdims=True)
+    delta = jnp.sum(d_out.astype(acc_dtype) * out.astype(acc_dtype), axis=-1, keepdims=True)
     delta = _queries(ring, delta, K)[..., 0]  # [B,K,G,C*Cqp]
     q, d_out = _queries(ring, q, K), _queries(ring, d_out, K)
     held = {"k": _keys(ring, k), "v": _keys(ring, v)}
     shared = Shared(key_table, value_table, consts, scale)
-    zeros = blockwise.zero_grads(acc, KeySide(held["k"], held["v"], None), shared)
+    zeros = blockwise.zero_grads(acc_dtype, KeySide(held["k"], held["v"], None), shared)
     # dk/dv accumulators travel with their key/value piece (in `held`); the tables' and hook's stay here
     held["dk"], held["dv"], d_tables = zeros.dk, zeros.dv, zeros._replace(dk=None, dv=None)
     d = _ring_index(ring)
@@ -355,7 +355,7 @@ def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out
         return ((dq, grads._replace(dk=None, dv=None)),
                 {**held, "dk": _put(held["dk"], grads.dk, start), "dv": _put(held["dv"], grads.dv, start)})
 
-    (dq, d_tables), held = _ring_loop(ring, d, visit, (jnp.zeros(q.shape, acc), d_tables), held,
+    (dq, d_tables), held = _ring_loop(ring, d, visit, (jnp.zeros(q.shape, acc_dtype), d_tables), held,
                                         home=("dk", "dv"))
     dq = _unqueries(ring, dq.astype(dtypes[0]), batch_shape)
     dk = _unkeys(ring, [g.astype(dtypes[1]) for g in jnp.split(held["dk"], ring.C, axis=2)], batch_shape)
@@ -478,8 +478,8 @@ def ring_attention(query, key, value, *, mesh, sequence_axis=None, batch_axis=No
     batch, T, S, N, K, H, Hv = dims
     C, Db, Dh = _check_split(mesh, dims, sequence_axis, batch_axis, head_axis, is_causal and load_balance)
     lengths = check_lengths(key_value_seq_lengths, batch)
-    acc = accumulation_dtype(query.dtype)
-    key_table, value_table, _ = blockwise.check_tables(key_table, value_table, max_distance, N, H, Hv, acc)
+    acc_dtype = accumulation_dtype(query.dtype)
+    key_table, value_table, _ = blockwise.check_tables(key_table, value_table, max_distance, N, H, Hv, acc_dtype)
     if T == 0 or S == 0:  # no query, or no key: zeros, as dot_product_attention gives
         return jnp.zeros((*batch, T, N, Hv), value.dtype)
     if key_table is None and value_table is None:
@@ -496,14 +496,14 @@ def ring_attention(query, key, value, *, mesh, sequence_axis=None, batch_axis=No
     bias_fn, consts = None, ()
     if position_bias is not None:
         dummy_q, dummy_k = jnp.arange(Tb, dtype=jnp.int32), jnp.arange(Sb, dtype=jnp.int32)
-        bias_fn, consts = blockwise.convert_hook(position_bias, dummy_q, dummy_k, 1, N, Tb, Sb, acc)
+        bias_fn, consts = blockwise.convert_hook(position_bias, dummy_q, dummy_k, 1, N, Tb, Sb, acc_dtype)
 
     engine = _engine_config(Tb=Tb, Sb=Sb, N=Nl, mask=MaskRule(is_causal=bool(is_causal)),
                             max_distance=max_distance, contiguous=True, precision=precision, bias_fn=bias_fn)
     m = pieces_per_chunk(Ckp // Sb, C) if D > 1 else 1
     ring = _Ring(mesh, sequence_axis, batch_axis, head_axis, D, C, len(batch), T, S, Cq, Ck, Cqp, Ckp, N, Nl,
                  m, Ckp // m, lengths is not None or Ckp != Ck, engine)
-    scale = jnp.asarray(H ** -0.5 if scale is None else scale, acc)
+    scale = jnp.asarray(H ** -0.5 if scale is None else scale, acc_dtype)
 
     query, key, value = (jnp.broadcast_to(x, (*batch, *x.shape[-3:])) for x in (query, key, value))
     return _ring_core(ring, query, key, value, key_table, value_table, consts, scale, lengths)

@@ -88,15 +88,15 @@ def _scale(scale, H):
 def _prepare(query, key, value, g, beta, initial_state, scale):
     """Broadcast to one batch shape, group value heads as [K,G], cast to the accumulation dtype."""
     batch, T, K, G, H, Hv = _check_inputs(query, key, value, g, beta, initial_state)
-    acc = accumulation_dtype(query.dtype)
-    q = jnp.broadcast_to(query, batch + query.shape[-3:]).astype(acc) * _scale(scale, H)
-    k = jnp.broadcast_to(key, batch + key.shape[-3:]).astype(acc)
-    v = jnp.broadcast_to(value, batch + value.shape[-3:]).astype(acc).reshape(*batch, T, K, G, Hv)
-    g, beta = (jnp.broadcast_to(x, batch + x.shape[-2:]).astype(acc).reshape(*batch, T, K, G) for x in (g, beta))
+    acc_dtype = accumulation_dtype(query.dtype)
+    q = jnp.broadcast_to(query, batch + query.shape[-3:]).astype(acc_dtype) * _scale(scale, H)
+    k = jnp.broadcast_to(key, batch + key.shape[-3:]).astype(acc_dtype)
+    v = jnp.broadcast_to(value, batch + value.shape[-3:]).astype(acc_dtype).reshape(*batch, T, K, G, Hv)
+    g, beta = (jnp.broadcast_to(x, batch + x.shape[-2:]).astype(acc_dtype).reshape(*batch, T, K, G) for x in (g, beta))
     if initial_state is None:
-        state = jnp.zeros((*batch, K, G, H, Hv), acc)
+        state = jnp.zeros((*batch, K, G, H, Hv), acc_dtype)
     else:
-        state = jnp.broadcast_to(initial_state, batch + initial_state.shape[-3:]).astype(acc)
+        state = jnp.broadcast_to(initial_state, batch + initial_state.shape[-3:]).astype(acc_dtype)
         state = state.reshape(*batch, K, G, H, Hv)
     return q, k, v, g, beta, state
 
@@ -260,7 +260,7 @@ def causal_conv1d(x, weight, bias=None, *, state=None, activation="silu", return
     checks.check_dim("weight", weight, 0, E, f"[E,W] with E={E} as in x {shape_str(x.shape)}")
     if activation not in ACTIVATIONS:
         checks.fail("activation", f"one of {tuple(ACTIVATIONS)}", repr(activation))
-    acc = accumulation_dtype(x.dtype)
+    acc_dtype = accumulation_dtype(x.dtype)
     if state is None:
         state = jnp.zeros((*batch, W - 1, E), x.dtype)
     state = jnp.asarray(state)
@@ -269,13 +269,13 @@ def causal_conv1d(x, weight, bias=None, *, state=None, activation="silu", return
         checks.fail("state", f"shape [...,{W - 1},{E}] ([...,W-1,E] for weight {shape_str(weight.shape)})",
                     f"shape {shape_str(state.shape)}")
     batch = tuple(checks.broadcast_batch(("x", "state"), (batch, state.shape[:-2])))
-    window = jnp.concatenate([jnp.broadcast_to(state, batch + state.shape[-2:]).astype(acc),
-                              jnp.broadcast_to(x, batch + x.shape[-2:]).astype(acc)], axis=-2)  # [...,W-1+T,E]
-    y = sum(window[..., w:w + T, :] * weight[:, w].astype(acc) for w in range(W))
+    window = jnp.concatenate([jnp.broadcast_to(state, batch + state.shape[-2:]).astype(acc_dtype),
+                              jnp.broadcast_to(x, batch + x.shape[-2:]).astype(acc_dtype)], axis=-2)  # [...,W-1+T,E]
+    y = sum(window[..., w:w + T, :] * weight[:, w].astype(acc_dtype) for w in range(W))
     if bias is not None:
         bias = jnp.asarray(bias)
         checks.check_shape("bias", bias, (E,), "[E]")
-        y = y + bias.astype(acc)
+        y = y + bias.astype(acc_dtype)
     y = ACTIVATIONS[activation](y).astype(x.dtype)
     if return_state:
         return y, window[..., window.shape[-2] - (W - 1):, :].astype(x.dtype)

@@ -176,9 +176,9 @@ def unsupported(query, key, value, *, interpret=False, **options) -> Optional[st
 
 def _dot(a, b, cfg, contract=(1, 0)):
     """a @ b over a's axis contract[0] and b's axis contract[1], accumulated in float32 (or wider)."""
-    acc = accumulation_dtype(a.dtype)
+    acc_dtype = accumulation_dtype(a.dtype)
     return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), precision=cfg.precision,
-                           preferred_element_type=acc)
+                           preferred_element_type=acc_dtype)
 
 
 def _capped_logits(cfg, q, k):
@@ -230,7 +230,7 @@ def _forward_kernel(cfg: Config, r):
     q, qp, q_seg = r["q"][...], r["q_pos"][...], _load(r, "q_seg")
     lengths = _load(r, "lengths")
     score_consts, mask_consts = _consts(r, "score", len(cfg.score_grads)), _consts(r, "mask", cfg.n_mask_consts)
-    acc = accumulation_dtype(q.dtype)
+    acc_dtype = accumulation_dtype(q.dtype)
 
     def key_tile(kind, j, state):
         s0 = j * cfg.Sb
@@ -246,7 +246,7 @@ def _forward_kernel(cfg: Config, r):
         out = _dot(p.astype(v.dtype), v, cfg)
         return combine_partials(state, ((out,), m, jnp.sum(p, axis=-1)))
 
-    state = empty_partial(((cfg.Tb, r["v"].shape[-1]),), (cfg.Tb,), acc)
+    state = empty_partial(((cfg.Tb, r["v"].shape[-1]),), (cfg.Tb,), acc_dtype)
     state = _visit(cfg, lambda kind: r["counts"][kind], lambda idx: r["order"][idx], key_tile, state)
     state = add_sinks(state, _load(r, "sinks"))
     (out,), lse = finalize_partial(state)
@@ -295,7 +295,7 @@ def _dq_kernel(cfg: Config, r):
     q, qp, q_seg, lengths = r["q"][...], r["q_pos"][...], _load(r, "q_seg"), _load(r, "lengths")
     do, lse, delta = r["do"][...], r["lse"][...], r["delta"][...]
     score_consts, mask_consts = _consts(r, "score", len(cfg.score_grads)), _consts(r, "mask", cfg.n_mask_consts)
-    acc = accumulation_dtype(q.dtype)
+    acc_dtype = accumulation_dtype(q.dtype)
 
     def key_tile(kind, j, carry):
         dq, d_consts = carry
@@ -312,7 +312,7 @@ def _dq_kernel(cfg: Config, r):
         return dq, d_consts
 
     floats = tuple(c for c, g in zip(score_consts, cfg.score_grads) if g)
-    init = (jnp.zeros(q.shape, acc), tuple(jnp.zeros(c.shape, acc) for c in floats))
+    init = (jnp.zeros(q.shape, acc_dtype), tuple(jnp.zeros(c.shape, acc_dtype) for c in floats))
     dq, d_consts = _visit(cfg, lambda kind: r["counts"][kind], lambda idx: r["order"][idx], key_tile, init)
     r["dq"][...] = dq.astype(r["dq"].dtype)
     for c, d in enumerate(d_consts):
@@ -325,7 +325,7 @@ def _dkv_kernel(cfg: Config, r):
     k, v, kp, k_seg = r["k"][...], r["v"][...], r["k_pos"][...], _load(r, "k_seg")
     lengths = _load(r, "lengths")
     score_consts, mask_consts = _consts(r, "score", len(cfg.score_grads)), _consts(r, "mask", cfg.n_mask_consts)
-    acc = accumulation_dtype(k.dtype)
+    acc_dtype = accumulation_dtype(k.dtype)
     s0 = j * cfg.Sb
 
     def query_tile(g, kind, i, carry):
@@ -342,7 +342,7 @@ def _dkv_kernel(cfg: Config, r):
         dk = dk + _dot(ds.astype(q.dtype), q, cfg, (0, 0))
         return dk, dv
 
-    carry = (jnp.zeros(k.shape, acc), jnp.zeros(v.shape, acc))
+    carry = (jnp.zeros(k.shape, acc_dtype), jnp.zeros(v.shape, acc_dtype))
     for g in range(G):  # the query heads sharing key/value head kh
         h = g if cfg.head_kinds else 0
         carry = _visit(cfg, lambda kind, h=h: r["t_counts"][h, kind], lambda idx, h=h: r["t_order"][h, idx],
@@ -416,10 +416,10 @@ def _forward(cfg, q, k, v, side):
     inputs.update(q=(q, specs["q"]), k=(k, specs["k"]), v=(v, specs["v"]))
     if side.sinks is not None:
         inputs["sinks"] = (side.sinks, pl.BlockSpec((None, None), lambda b, n, i: (b, n)))
-    acc = accumulation_dtype(q.dtype)
+    acc_dtype = accumulation_dtype(q.dtype)
     outputs = {"out": (jax.ShapeDtypeStruct((B, Tp, N, Hvp), q.dtype),
                        pl.BlockSpec((None, cfg.Tb, None, Hvp), lambda b, n, i: (b, i, n, 0))),
-               "lse": (jax.ShapeDtypeStruct((B, N, Tp), acc),
+               "lse": (jax.ShapeDtypeStruct((B, N, Tp), acc_dtype),
                        pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i)))}
     return tuple(_call(cfg, _forward_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_forward"))
 
@@ -440,10 +440,10 @@ def _flash_bwd(cfg, res, cotangents):
     B, Tp, N, Hp = q.shape
     K, Hvp = v.shape[2], v.shape[3]
     G = N // K
-    acc = accumulation_dtype(q.dtype)
+    acc_dtype = accumulation_dtype(q.dtype)
     d_out = d_out.astype(q.dtype)
     # d loss / d x = p (dp - sum_s p dp) + p d_lse, and sum_s p dp = d_out . out: one delta per row
-    delta = jnp.einsum("btnv,btnv->bnt", d_out.astype(acc), out.astype(acc)) - d_lse.astype(acc)
+    delta = jnp.einsum("btnv,btnv->bnt", d_out.astype(acc_dtype), out.astype(acc_dtype)) - d_lse.astype(acc_dtype)
 
     inputs, specs = _row_inputs(cfg, side, Hp, Hvp)
     inputs.update(q=(q, specs["q"]), k=(k, specs["k"]), v=(v, specs["v"]),
@@ -454,7 +454,7 @@ def _flash_bwd(cfg, res, cotangents):
     outputs = {"dq": (jax.ShapeDtypeStruct(q.shape, q.dtype),
                       pl.BlockSpec((None, cfg.Tb, None, Hp), lambda b, n, i: (b, i, n, 0)))}
     for c, x in enumerate(floats):  # partial sums per (b, n, query tile), added up below
-        outputs[f"d_score{c}"] = (jax.ShapeDtypeStruct((B, N, cfg.Tn, *x.shape), acc),
+        outputs[f"d_score{c}"] = (jax.ShapeDtypeStruct((B, N, cfg.Tn, *x.shape), acc_dtype),
                                   pl.BlockSpec((None, None, None, *x.shape),
                                                lambda b, n, i, nd=x.ndim: (b, n, i) + (0,) * nd))
     dq, *d_floats = _call(cfg, _dq_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_dq")
@@ -600,7 +600,7 @@ def attention(query, key, value, *, interpret=False, **options):
     if T == 0 or S == 0:  # no tile to run: the XLA engine's zeros (and its lse of the sinks alone)
         return blockwise_attention(query, key, value, **{k: v for k, v in o.items() if k not in ("block_size",)})
     B = int(np.prod(batch, dtype=np.int64))
-    acc = accumulation_dtype(query.dtype)
+    acc_dtype = accumulation_dtype(query.dtype)
     mask_mod, block_mask, block_size = o.get("mask_mod"), o.get("block_mask"), o.get("block_size")
     if block_mask is not None:  # its tiles are the kernel's tiles; its own mask_mod applies (resolve)
         block_masks.check_block_mask(block_mask, B, N, T, S)
@@ -625,10 +625,10 @@ def attention(query, key, value, *, interpret=False, **options):
         q_seg, k_seg = _rows(q_seg, batch, T, Tp), _rows(k_seg, batch, S, Sp)
         if q_seg.shape[0] != k_seg.shape[0]:
             q_seg, k_seg = (jnp.broadcast_to(x, (B, x.shape[1])) for x in (q_seg, k_seg))
-    sinks = mods.check_sinks(o.get("sinks"), batch, N, acc)
+    sinks = mods.check_sinks(o.get("sinks"), batch, N, acc_dtype)
     if sinks is not None:
-        sinks = jnp.broadcast_to(sinks, (*batch, N)).reshape(B, N).astype(acc)
-    score_fn = mods.element_function("score_mod", o.get("score_mod"), acc)
+        sinks = jnp.broadcast_to(sinks, (*batch, N)).reshape(B, N).astype(acc_dtype)
+    score_fn = mods.element_function("score_mod", o.get("score_mod"), acc_dtype)
     mask_fn = mods.element_function("mask_mod", mask_mod)
     tile_kinds = None if block_mask is None else block_masks.tile_kinds(block_mask).astype(jnp.int32)
     score_consts = () if score_fn is None else tuple(jnp.asarray(c) for c in score_fn.consts)

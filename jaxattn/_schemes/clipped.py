@@ -61,10 +61,10 @@ def sum_into_buckets(weights, index, R):
     return sums.reshape(*lead, T, R)
 
 
-def per_row_logits(q, table, precision, acc):
+def per_row_logits(q, table, precision, acc_dtype):
     """q [...,T,N,H] . table [R,(N,)H] -> [...,N,T,R]."""
     spec = "...tnh,rnh->...ntr" if table.ndim == 3 else "...tnh,rh->...ntr"
-    return jnp.einsum(spec, q, table, precision=precision, preferred_element_type=acc)
+    return jnp.einsum(spec, q, table, precision=precision, preferred_element_type=acc_dtype)
 
 
 def table_terms(query, dims, key_table, value_table, index, R, precision, layout):
@@ -72,21 +72,21 @@ def table_terms(query, dims, key_table, value_table, index, R, precision, layout
 
     layout names the tables' shape in error messages ("H" reads "Hv" for value_table).
     """
-    acc = accumulation_dtype(query.dtype)
+    acc_dtype = accumulation_dtype(query.dtype)
     rel_logits = rel_values = None
     if key_table is not None:
-        t_k = checks.check_clipped_table("key_table", key_table, R, dims.N, dims.H, acc, layout)
+        t_k = checks.check_clipped_table("key_table", key_table, R, dims.N, dims.H, acc_dtype, layout)
 
         def rel_logits(q):
-            return gather_buckets(per_row_logits(q, t_k, precision, acc), index)
+            return gather_buckets(per_row_logits(q, t_k, precision, acc_dtype), index)
 
     if value_table is not None:
-        t_v = checks.check_clipped_table("value_table", value_table, R, dims.N, dims.Hv, acc,
+        t_v = checks.check_clipped_table("value_table", value_table, R, dims.N, dims.Hv, acc_dtype,
                                          layout.replace("H", "Hv"))
         spec = "...ntr,rnh->...tnh" if t_v.ndim == 3 else "...ntr,rh->...tnh"
 
         def rel_values(p):
-            return jnp.einsum(spec, sum_into_buckets(p, index, R), t_v.astype(acc), precision=precision)
+            return jnp.einsum(spec, sum_into_buckets(p, index, R), t_v.astype(acc_dtype), precision=precision)
 
     return rel_logits, rel_values
 

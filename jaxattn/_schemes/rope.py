@@ -10,7 +10,8 @@ Which features form pair k is the layout (the two conventions in use):
 A checkpoint trained in one layout runs in the other after permuting the q/k projection outputs of every
 head by `rope_permutation` (HF's Llama conversion script does exactly this). Angles are computed in float32
 or wider (float64 inputs keep float64), never in the input's half precision: bf16 positions lose
-integers above 256.
+integers above 256. The inverse frequencies of HF's context extensions (linear, llama3, yarn) are
+rope_scaling.py's; they enter here as `frequencies`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from .._core.positions import positions as absolute_positions
 from .._engines.blockwise import blockwise_attention
 from .._engines.dense import attention_core
 from .._engines.dispatch import attend
+from .rope_scaling import default_frequencies
 
 LAYOUTS = ("half", "interleaved")
 
@@ -52,8 +54,7 @@ def _check_base(base):
 
 def inverse_frequencies(rotary_dim: int, base: float, dtype):
     """theta_k = base ** (-2k / rotary_dim), computed in float64 and then cast."""
-    k = np.arange(0, rotary_dim, 2, dtype=np.float64)
-    return jnp.asarray(1.0 / base ** (k / rotary_dim), dtype)
+    return jnp.asarray(default_frequencies(rotary_dim, base), dtype)
 
 
 def _frequencies(frequencies, rotary_dim: int, base: float, dtype):
@@ -104,12 +105,12 @@ def apply_rope(x, positions=None, *, offset=0, base: float = 10000.0, rotary_dim
         checks.check_int("positions", positions)
         checks.check_min_rank("positions", positions, 1, "[...,T]")
         checks.check_dim("positions", positions, -1, T, "[...,T]")
-    acc = accumulation_dtype(x.dtype)
-    angles = positions.astype(acc)[..., :, None, None] * _frequencies(frequencies, rotary_dim, base, acc)
+    acc_dtype = accumulation_dtype(x.dtype)
+    angles = positions.astype(acc_dtype)[..., :, None, None] * _frequencies(frequencies, rotary_dim, base, acc_dtype)
     cos, sin = jnp.cos(angles), jnp.sin(angles)  # [...,T,1,rotary_dim/2]
-    a, b = _split_pairs(x.astype(acc), rotary_dim, layout)
+    a, b = _split_pairs(x.astype(acc_dtype), rotary_dim, layout)
     rotated = _join_pairs(a * cos - b * sin, b * cos + a * sin, layout)
-    rest = jnp.broadcast_to(x[..., rotary_dim:], rotated.shape[:-1] + (H - rotary_dim,)).astype(acc)
+    rest = jnp.broadcast_to(x[..., rotary_dim:], rotated.shape[:-1] + (H - rotary_dim,)).astype(acc_dtype)
     return jnp.concatenate([rotated, rest], axis=-1).astype(x.dtype)
 
 

@@ -65,13 +65,13 @@ def shaw_relative_attention(query, key, value, key_table=None, value_table=None,
                   **options)
 
 
-def _per_pair_table(name, table, dims, head_dim, layout, acc):
+def _per_pair_table(name, table, dims, head_dim, layout, acc_dtype):
     table = jnp.asarray(table)
     checks.check_rank(name, table, 4, layout)
     if table.shape[2] not in (1, dims.N) or tuple(table.shape[:2]) != (dims.T, dims.S) or table.shape[3] != head_dim:
         checks.fail(name, f"shape [{dims.T},{dims.S},{dims.N} or 1,{head_dim}] ({layout})",
                     f"shape {checks.shape_str(table.shape)}")
-    checks.check_fits(name, table, acc)
+    checks.check_fits(name, table, acc_dtype)
     return table
 
 
@@ -90,21 +90,21 @@ def relative_attention(query, key, value, rel_key=None, rel_value=None, **option
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     dims = checks.check_qkv(query, key, value)
     precision = options.get("precision")
-    acc = accumulation_dtype(query.dtype)
+    acc_dtype = accumulation_dtype(query.dtype)
     rel_logits = rel_values = None
     if rel_key is not None:
-        a_k = _per_pair_table("rel_key", rel_key, dims, dims.H, "A^K [T,S,N,H]", acc)
+        a_k = _per_pair_table("rel_key", rel_key, dims, dims.H, "A^K [T,S,N,H]", acc_dtype)
         if a_k.shape[2] == dims.N:
             rel_logits = lambda q: jnp.moveaxis(pair_logits(q, a_k, precision), -1, -3)  # noqa: E731
         else:
             rel_logits = lambda q: jnp.einsum("...tnh,tsh->...nts", q, a_k[:, :, 0],  # noqa: E731
-                                              precision=precision, preferred_element_type=acc)
+                                              precision=precision, preferred_element_type=acc_dtype)
     if rel_value is not None:
-        a_v = _per_pair_table("rel_value", rel_value, dims, dims.Hv, "A^V [T,S,N,Hv]", acc)
+        a_v = _per_pair_table("rel_value", rel_value, dims, dims.Hv, "A^V [T,S,N,Hv]", acc_dtype)
         if a_v.shape[2] == dims.N:
             rel_values = lambda p: pair_values(jnp.moveaxis(p, -3, -1), a_v, precision)  # noqa: E731
         else:
-            rel_values = lambda p: jnp.einsum("...nts,tsh->...tnh", p, a_v[:, :, 0].astype(acc),  # noqa: E731
+            rel_values = lambda p: jnp.einsum("...nts,tsh->...tnh", p, a_v[:, :, 0].astype(acc_dtype),  # noqa: E731
                                               precision=precision)
     return attention_core(query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims,
                           **options)

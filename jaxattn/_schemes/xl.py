@@ -84,11 +84,11 @@ def transformer_xl_attention(query, key, value, position_keys, *, max_left: int,
     if R <= max_left:
         checks.fail("position_keys", f"more than max_left={max_left} rows ([R,N,H], row r <-> j - i = "
                      "r - max_left)", f"shape {checks.shape_str(position_keys.shape)}")
-    precision, acc = options.get("precision"), accumulation_dtype(query.dtype)
-    P = checks.check_clipped_table("position_keys", position_keys, R, N, H, acc, "[R,H] or [R,N,H]")
+    precision, acc_dtype = options.get("precision"), accumulation_dtype(query.dtype)
+    P = checks.check_clipped_table("position_keys", position_keys, R, N, H, acc_dtype, "[R,H] or [R,N,H]")
     index = head_index(dims.T, dims.S, max_left, R - 1 - max_left, options)
 
     q_u = query if pos_bias_u is None else query + _check_head_bias("pos_bias_u", pos_bias_u, N, H, query)
     q_v = query if pos_bias_v is None else query + _check_head_bias("pos_bias_v", pos_bias_v, N, H, query)
-    rel_logits = lambda _: gather_buckets(per_row_logits(q_v, P, precision, acc), index)  # noqa: E731
+    rel_logits = lambda _: gather_buckets(per_row_logits(q_v, P, precision, acc_dtype), index)  # noqa: E731
     return attention_core(q_u, key, value, relative_logits=rel_logits, dims=dims, **options)

@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._core.norms import rms_normalize
+from .._schemes import rope_scaling
 from ..linen import RoPE
 from . import _activation_layout, _pretrained, _save, _table
 
@@ -202,10 +203,8 @@ def rope_frequencies(config: Mapping[str, Any], head_dim: int, source="config", 
                      name: str = "rope_parameters") -> np.ndarray:
     """float64 inverse frequencies [head_dim/2] for HF's rope types "default", "linear", "llama3" and "yarn".
 
-    default: theta_k = base^(-2k/H); linear: theta_k / factor; llama3: long wavelengths divided by factor,
-    short ones kept, a smooth blend between (HF's _compute_llama3_parameters, in float64); yarn: theta_k and
-    theta_k / factor blended by a linear ramp over the dims between the beta_fast and beta_slow corrections
-    (HF's _compute_yarn_parameters, in float64; its attention factor: rope_attention_factor).
+    Reads the settings (HF's defaults, refusals) and applies the rule of jaxattn/_schemes/rope_scaling.py
+    (default, linear, llama3, yarn; yarn's attention factor: rope_attention_factor).
     rope: the settings to read (default: the config's, rope_parameters(config)); name: what refusals call them
     (Gemma 3: "rope_parameters['sliding_attention']").
     """
@@ -219,21 +218,17 @@ def rope_frequencies(config: Mapping[str, Any], head_dim: int, source="config", 
         _pretrained.refuse(source, f"{name}['attention_factor']", "1.0 (or unset) unless rope_type is 'yarn'",
                            rope["attention_factor"])
     base = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-    inverse = 1.0 / base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    inverse = rope_scaling.default_frequencies(head_dim, base)
     if kind == "linear":
-        return inverse / float(rope["factor"])
+        return rope_scaling.linear_frequencies(inverse, float(rope["factor"]))
     if kind == "yarn":
-        ramp = _yarn_ramp(rope, config, head_dim, base)
-        return inverse * (1 - ramp) + inverse / _yarn_factor(rope, config) * ramp
+        ramp = rope_scaling.yarn_ramp(head_dim, base, _pretraining_length(rope, config), rope.get("beta_fast") or 32,
+                                      rope.get("beta_slow") or 1, rope.get("truncate", True))
+        return rope_scaling.yarn_frequencies(inverse, _yarn_factor(rope, config), ramp)
     if kind == "llama3":
         factor, low, high = (float(rope[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
-        old = float(rope["original_max_position_embeddings"])
-        wavelength = 2 * math.pi / inverse
-        scaled = np.where(wavelength > old / low, inverse / factor, inverse)
-        smooth = (old / wavelength - low) / (high - low)
-        blended = (1 - smooth) * scaled / factor + smooth * scaled
-        medium = ~(wavelength < old / high) & ~(wavelength > old / low)
-        return np.where(medium, blended, scaled)
+        return rope_scaling.llama3_frequencies(inverse, factor, low, high,
+                                               float(rope["original_max_position_embeddings"]))
     return inverse
 
 
@@ -251,21 +246,6 @@ def _yarn_factor(rope: Mapping[str, Any], config: Mapping[str, Any]) -> float:
     return float(rope["factor"])
 
 
-def _yarn_ramp(rope: Mapping[str, Any], config: Mapping[str, Any], head_dim: int, base: float) -> np.ndarray:
-    """[H/2]: 0 on the dims yarn extrapolates (theta_k kept), 1 on those it interpolates (theta_k / factor)."""
-    old = _pretraining_length(rope, config)
-
-    def correction(rotations):  # the dim at which a wavelength makes `rotations` turns over `old` positions
-        return head_dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction(rope.get("beta_fast") or 32), correction(rope.get("beta_slow") or 1)
-    if rope.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, head_dim - 1)
-    high = high + 0.001 if low == high else high  # HF's guard against a zero-width ramp
-    return np.clip((np.arange(head_dim // 2, dtype=np.float64) - low) / (high - low), 0, 1)
-
-
 def rope_attention_factor(config: Mapping[str, Any], rope: Mapping | None = None) -> float:
     """HF's attention_scaling of the rotary cos and sin: yarn's attention_factor (given, or 0.1 ln(factor) + 1,
     or its mscale / mscale_all_dim ratio), 1.0 for every other rope type. rope: as rope_frequencies'."""
@@ -274,14 +254,8 @@ def rope_attention_factor(config: Mapping[str, Any], rope: Mapping | None = None
         return 1.0
     if rope.get("attention_factor") is not None:
         return float(rope["attention_factor"])
-    factor = _yarn_factor(rope, config)
-
-    def mscale(m):
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
-    if rope.get("mscale") and rope.get("mscale_all_dim"):
-        return mscale(rope["mscale"]) / mscale(rope["mscale_all_dim"])
-    return mscale(1)
+    return rope_scaling.yarn_attention_factor(_yarn_factor(rope, config), rope.get("mscale"),
+                                              rope.get("mscale_all_dim"))
 
 
 # --- norms ------------------------------------------------------------------------------------------------------
