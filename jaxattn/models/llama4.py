@@ -85,11 +85,7 @@ class Llama4TextConfig(moe.MoEConfig):
     def from_dict(cls, config: Mapping[str, Any], source="config") -> Llama4TextConfig:
         """From a HF config.json dict; refuses by name what is not implemented (see the module)."""
         refuse = functools.partial(_pretrained.refuse, source)
-        if config.get("hidden_act", "silu") != "silu":
-            refuse("hidden_act", "'silu'", config["hidden_act"])
-        if config.get("router_jitter_noise", 0.0):
-            refuse("router_jitter_noise", "0.0 (training-time noise on the router's input is not implemented)",
-                   config["router_jitter_noise"])
+        moe.refuse_silu_and_jitter(config, refuse)
         n = config.get("num_hidden_layers", cls.num_hidden_layers)
         rope_layers = _rope_layers(config, n, refuse)
         chunk = config.get("attention_chunk_size", cls.attention_chunk_size)

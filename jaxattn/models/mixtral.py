@@ -41,11 +41,7 @@ class MixtralConfig(moe.MoEConfig):
     def from_dict(cls, config: Mapping[str, Any], source="config") -> MixtralConfig:
         """From a HF config.json dict; refuses by name what is not implemented."""
         refuse = functools.partial(_pretrained.refuse, source)
-        if config.get("hidden_act", "silu") != "silu":
-            refuse("hidden_act", "'silu'", config["hidden_act"])
-        if config.get("router_jitter_noise", 0.0):
-            refuse("router_jitter_noise", "0.0 (training-time noise on the router's input is not implemented)",
-                   config["router_jitter_noise"])
+        moe.refuse_silu_and_jitter(config, refuse)
         return cls.parse(config, source, windows=_decoder.every_layer_window(config, source))
 
     def to_dict(self) -> dict:

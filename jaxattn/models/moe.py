@@ -81,6 +81,15 @@ class MoEConfig(_decoder.DecoderConfig):
         return nn.silu(gate) * up
 
 
+def refuse_silu_and_jitter(config: Mapping[str, Any], refuse: Callable) -> None:
+    """The refusals Mixtral and Llama 4 share: SwiGLU experts (hidden_act "silu") and no router jitter."""
+    if config.get("hidden_act", "silu") != "silu":
+        refuse("hidden_act", "'silu'", config["hidden_act"])
+    if config.get("router_jitter_noise", 0.0):
+        refuse("router_jitter_noise", "0.0 (training-time noise on the router's input is not implemented)",
+               config["router_jitter_noise"])
+
+
 def routing_weights(logits, top_k: int, routing: str, *, normalize: bool = True):
     """[...,X] router logits -> [...,X] weights, zero except each token's top_k experts (see the module)."""
     if routing not in ROUTINGS:
