@@ -112,13 +112,11 @@ class Row:
                 "passed": self.passed}
 
 
-@dataclasses.dataclass(frozen=True)
-class Certificate:
-    dtype: str
-    rows: tuple[Row, ...]
-    inputs: Mapping[str, tuple[tuple[int, ...], str]]   # name -> (shape, dtype)
-    versions: Mapping[str, str | None]
-    golden: str | None = None
+class Verdict:
+    """A report's verdict from its rows (each with .name and .passed), in forward order: a Certificate's and
+    layer_report's LayerReport."""
+
+    rows: Sequence[Any]
 
     @property
     def passed(self) -> bool:
@@ -128,6 +126,15 @@ class Certificate:
     def first_divergent(self) -> str | None:
         """The first row (forward order: layers, outputs, logits, gradients) over its bar; None if none."""
         return next((r.name for r in self.rows if not r.passed), None)
+
+
+@dataclasses.dataclass(frozen=True)
+class Certificate(Verdict):
+    dtype: str
+    rows: tuple[Row, ...]
+    inputs: Mapping[str, tuple[tuple[int, ...], str]]   # name -> (shape, dtype)
+    versions: Mapping[str, str | None]
+    golden: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from crosscheck._certify import Bar, certify
+from crosscheck._certify import Bar, Verdict, certify
 from crosscheck._hf_models import float64_reference
 
 # dtype -> (metric, bar); "max_abs" is measured against bar * max(1, the row's largest |reference value|)
@@ -64,19 +64,10 @@ class LayerRow:
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerReport:
+class LayerReport(Verdict):
     model: str
     dtype: str
     rows: tuple[LayerRow, ...]
-
-    @property
-    def passed(self) -> bool:
-        return bool(self.rows) and all(r.passed for r in self.rows)
-
-    @property
-    def first_divergent(self) -> str | None:
-        """The first row (forward order) over its tolerance; None when every row passes."""
-        return next((r.name for r in self.rows if not r.passed), None)
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "dtype": self.dtype, "passed": self.passed,
