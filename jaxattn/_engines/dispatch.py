@@ -89,6 +89,32 @@ def kernel_options(options) -> dict:
             if k not in grid and k not in XLA_ONLY and v is not None and v is not False}
 
 
+# Kernels that take a key-only mask as segment ids (key_mask_as_segments).
+KEY_MASK_KERNELS = ("pallas_gpu",)
+
+
+def key_mask_as_segments(query, key, options) -> dict:
+    """options with a boolean `mask` that varies only over keys ([...,1,1,S] or [S]: a decoder's padding mask
+    over its cache, as jaxattn.models' decode step passes it) rewritten as segment ids: query ids 0, key ids
+    0 where the mask allows and 1 where it does not, the same rule (a row with no allowed key: zeros). Any
+    other mask, or one beside segment ids, leaves options unchanged (the kernel refuses it)."""
+    mask = options.get("mask")
+    if mask is None or options.get("query_segment_ids") is not None or options.get("key_segment_ids") is not None:
+        return options
+    shape, S, batch = np.shape(mask), np.shape(key)[-3], tuple(np.shape(query)[:-3])
+    if (jnp.result_type(mask) != jnp.bool_ or not shape or shape[-1] != S or any(d != 1 for d in shape[-3:-1])
+            or len(shape[:-3]) > len(batch)):
+        return options
+    try:
+        if np.broadcast_shapes(shape[:-3], batch) != batch:
+            return options
+    except ValueError:
+        return options
+    keys = jnp.where(jnp.reshape(mask, (*shape[:-3], S)), 0, 1).astype(jnp.int32)
+    return {**options, "mask": None, "query_segment_ids": jnp.zeros((np.shape(query)[-3],), jnp.int32),
+            "key_segment_ids": keys}
+
+
 _CROSS_PLATFORM = contextvars.ContextVar("jaxattn_cross_platform", default=False)
 
 
@@ -126,6 +152,8 @@ def attend(xla, query, key, value, *, implementation=None, interpret=False, **op
     option and the implementation; None takes a kernel only where one can (module docstring).
     """
     check_implementation(implementation, interpret)
+    if implementation in KEY_MASK_KERNELS:
+        options = key_mask_as_segments(query, key, options)
     if implementation in KERNELS:
         refused = kernel_refusal(implementation, query, key, value, options, interpret)
         if refused is not None:
@@ -137,9 +165,12 @@ def attend(xla, query, key, value, *, implementation=None, interpret=False, **op
         return xla()
     branches = {}
     for platform, name in (("cuda", "pallas_gpu"), ("tpu", "pallas_tpu")):
-        if platform in platforms and kernel_refusal(name, query, key, value, options) is None:
+        if platform not in platforms:
+            continue
+        kernel_call = key_mask_as_segments(query, key, options) if name in KEY_MASK_KERNELS else options
+        if kernel_refusal(name, query, key, value, kernel_call) is None:
             kernel = _kernel(name).attention
-            branches[platform] = lambda kernel=kernel: kernel(query, key, value, **kernel_options(options))
+            branches[platform] = lambda kernel=kernel, o=kernel_call: kernel(query, key, value, **kernel_options(o))
     if not branches:
         return xla()
     return lax.platform_dependent(cpu=xla, default=xla, **branches)
