@@ -143,13 +143,31 @@ def test_llama_lowers_to_the_kernel(platform, program):
     assert_fused(text, platform, 384, 384)
 
 
+def generate_step(model):
+    """jaxattn.models.generate's step (models/_generate.py: _decode_call): one token with the attention
+    mask over every cache slot (its padding mask) and its position."""
+    def step(params, cache, token, attention_mask, position_ids):
+        logits, variables = model.apply({"params": params, "cache": cache}, token, attention_mask=attention_mask,
+                                        position_ids=position_ids, decode=True, mutable=["cache"])
+        return jnp.argmax(logits[:, -1], axis=-1), variables["cache"]
+
+    return step
+
+
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_llama_decode_step_lowers_to_the_kernel(platform):
-    # T = 1 against a 4096-slot cache: the cache's keywords (query_positions, key_positions, lengths) need
-    # the Pallas GPU kernel's explicit positions on cuda; splash takes the one row's keys as segment ids
+    # T = 1 against a 4096-slot cache. cuda: generate's step (the cache's positions and length, and the
+    # padding mask, which reaches the kernel as key segment ids) takes the split-key decode kernel. tpu:
+    # splash takes the one row's keys as segment ids (without the padding mask: splash is not given a mask)
     model, params, _ = tiny_llama()
     token = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    text = lowered(llama_decode_step(model), params, cache_shapes(model, params, T), token, platform=platform)
+    cache = cache_shapes(model, params, T)
+    if platform == "cuda":
+        slots = jax.ShapeDtypeStruct((1, T), jnp.int32)
+        text = lowered(generate_step(model), params, cache, token, slots, token, platform=platform)
+        assert re.findall(r'name = "(jaxattn_\w+)"', text) == ["jaxattn_decode_split_key"]  # one layer
+    else:
+        text = lowered(llama_decode_step(model), params, cache, token, platform=platform)
     assert_fused(text, platform, 1, T)
 
 

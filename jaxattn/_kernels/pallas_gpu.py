@@ -667,6 +667,16 @@ def attention(query, key, value, *, interpret=False, **options):
     A few query rows against a long key axis (use_decode: a decode step against a cache) take the
     split-key kernel (decode_attention) forward; their gradient, if asked for, is the flash kernel's.
     """
+    return _attention(query, key, value, interpret, options, split_keys=True)
+
+
+def flash_attention(query, key, value, *, interpret=False, **options):
+    """attention() by the flash kernels whatever the shapes (never the split-key kernel): for comparisons
+    (benchmarks/accelerator.py's decode rows)."""
+    return _attention(query, key, value, interpret, options, split_keys=False)
+
+
+def _attention(query, key, value, interpret, options, split_keys: bool):
     problem = unsupported(query, key, value, interpret=interpret, **options)
     if problem is not None:
         checks.fail("implementation", f'the XLA engines ("dense", "blockwise" or None) with {problem}: the Pallas '
@@ -676,7 +686,7 @@ def attention(query, key, value, *, interpret=False, **options):
     batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value)
     if T == 0 or S == 0:  # no tile to run: the XLA engine's zeros (and its lse of the sinks alone)
         return blockwise_attention(query, key, value, **{k: v for k, v in o.items() if k not in ("block_size",)})
-    if use_decode(query, key, value, interpret=interpret, **o):
+    if split_keys and use_decode(query, key, value, interpret=interpret, **o):
         return _decode_with_flash_gradient(query, key, value, interpret, o)
     return _flash_attention(query, key, value, interpret, o)
 
