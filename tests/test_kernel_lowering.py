@@ -80,13 +80,9 @@ def test_causal_attention_lowered_for_cpu_is_the_xla_engine(program):
     assert "stablehlo.while" in text  # the blockwise engine, as before
 
 
-NO_TPU_KERNEL = pytest.mark.xfail(strict=True, reason="splash attention has no score_mod and jaxattn has no own "
-                                   "Pallas TPU kernel yet (issue 26 §1): the XLA engine runs on TPU")
-
-
-@pytest.mark.parametrize("platform", ["cuda", pytest.param("tpu", marks=NO_TPU_KERNEL)])
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_flex_score_mod_and_sliding_block_mask_lower_to_the_kernel(platform):
-    # cuda: needs the Pallas GPU kernel's score_mod and BlockMask
+    # cuda: the Pallas GPU kernel's score_mod and BlockMask; tpu: our Pallas TPU kernel (splash has no score_mod)
     sliding_block_mask()  # built eagerly here, so the program only closes over its tile lists
     q = jax.ShapeDtypeStruct((1, T, 8, 128), jnp.bfloat16)
     assert_fused(lowered(sliding_flex, q, platform=platform), platform, T, T)

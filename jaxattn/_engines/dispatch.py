@@ -4,7 +4,8 @@
     "dense"       one [...,N,T,S] array (every option)
     "blockwise"   O(T + S) tiles (no mask, bias, return_weights or dropout: they span [T,S])
     "pallas_gpu"  the Pallas flash-attention kernel for GPUs (jaxattn._kernels.pallas_gpu)
-    "pallas_tpu"  TPU splash attention (jaxattn._kernels.splash_tpu)
+    "pallas_tpu"  TPU splash attention (jaxattn._kernels.splash_tpu); with score_mod, mask_mod or a BlockMask
+                  our Pallas TPU kernel (jaxattn._kernels.flex_tpu, forward; XLA's backward)
     "cudnn"       cuDNN through jax.nn.dot_product_attention (jaxattn._kernels.cudnn; explicit only)
     None          per platform, at lowering time (jax.lax.platform_dependent): on CPU (and ROCm, and any
                   other platform) the XLA engines, blockwise when nothing needs the grid and one head's
@@ -46,7 +47,7 @@ AUTO_BLOCKWISE_ELEMENTS = 128 * 128
 
 IMPLEMENTATIONS = (None, "dense", "blockwise", "pallas_gpu", "pallas_tpu", "cudnn")
 # The kernels by implementation name: the module under jaxattn._kernels with unsupported / attention.
-KERNELS = {"pallas_gpu": "pallas_gpu", "pallas_tpu": "splash_tpu", "cudnn": "cudnn"}
+KERNELS = {"pallas_gpu": "pallas_gpu", "pallas_tpu": "pallas_tpu", "cudnn": "cudnn"}
 INTERPRETED = ("pallas_gpu", "pallas_tpu")  # the kernels Pallas' interpreter can run
 # Options only the XLA engines read: block_size is the blockwise engine's tile; a kernel picks its own.
 XLA_ONLY = ("block_size",)

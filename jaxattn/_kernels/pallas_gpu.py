@@ -233,7 +233,7 @@ def _key_tiles(cfg: Config, r, b, n, q, qp, q_seg, lengths, key_start=0):
     score_consts, mask_consts = _consts(r, "score", len(cfg.score_grads)), _consts(r, "mask", cfg.n_mask_consts)
 
     def key_tile(kind, j, state):
-        keys = pl.ds(j * cfg.Sb, cfg.Sb)
+        keys = pl.ds(pl.multiple_of(j * cfg.Sb, cfg.Sb), cfg.Sb)  # aligned: a TPU's dynamic slices need it
         k, v, kp = r["k"][keys, :], r["v"][keys, :], r["k_pos"][keys]
         k_seg = None if q_seg is None else r["k_seg"][keys]
         x = _score(cfg, b, n, qp, kp, _capped_logits(cfg, q, k), score_consts)
@@ -249,7 +249,9 @@ def _key_tiles(cfg: Config, r, b, n, q, qp, q_seg, lengths, key_start=0):
     return _visit(cfg, lambda kind: r["counts"][kind], lambda idx: r["order"][idx], key_tile, state)
 
 
-def _forward_kernel(cfg: Config, r):
+def forward_kernel(cfg: Config, r):
+    """The flash forward of one (b, n, query tile): r maps input / output names to refs (_forward's; the
+    TPU kernel's adapters read the same names)."""
     b, n = pl.program_id(0), pl.program_id(1)
     state = _key_tiles(cfg, r, b, n, r["q"][...], r["q_pos"][...], _load(r, "q_seg"), _load(r, "lengths"))
     state = add_sinks(state, _load(r, "sinks"))
@@ -380,7 +382,8 @@ def _whole(x):
     return x, pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
-def _pick(batched, b):
+def pick(batched, b):
+    """b when the array is batched (one row per batch entry), else its single row 0."""
     return b if batched else 0
 
 
@@ -391,18 +394,18 @@ def _row_inputs(cfg, side, Hp, Hvp):
     bq, bk, bs, bl, bsched = cfg.batched
     Sp = cfg.Sn * cfg.Sb
     inputs = {
-        "q_pos": (side.q_pos, pl.BlockSpec((None, cfg.Tb), lambda b, n, i: (_pick(bq, b), i))),
-        "k_pos": (side.k_pos, pl.BlockSpec((None, Sp), lambda b, n, i: (_pick(bk, b), 0))),
+        "q_pos": (side.q_pos, pl.BlockSpec((None, cfg.Tb), lambda b, n, i: (pick(bq, b), i))),
+        "k_pos": (side.k_pos, pl.BlockSpec((None, Sp), lambda b, n, i: (pick(bk, b), 0))),
         "lengths": None if side.lengths is None else (
-            side.lengths, pl.BlockSpec((None,), lambda b, n, i: (_pick(bl, b),))),
+            side.lengths, pl.BlockSpec((None,), lambda b, n, i: (pick(bl, b),))),
         "q_seg": None if side.q_seg is None else (
-            side.q_seg, pl.BlockSpec((None, cfg.Tb), lambda b, n, i: (_pick(bs, b), i))),
+            side.q_seg, pl.BlockSpec((None, cfg.Tb), lambda b, n, i: (pick(bs, b), i))),
         "k_seg": None if side.k_seg is None else (
-            side.k_seg, pl.BlockSpec((None, Sp), lambda b, n, i: (_pick(bs, b), 0))),
+            side.k_seg, pl.BlockSpec((None, Sp), lambda b, n, i: (pick(bs, b), 0))),
         "order": (side.order, pl.BlockSpec((None, None, None, cfg.Sn),
-                                           lambda b, n, i: (_pick(bsched, b), _pick(cfg.head_kinds, n), i, 0))),
+                                           lambda b, n, i: (pick(bsched, b), pick(cfg.head_kinds, n), i, 0))),
         "counts": (side.counts, pl.BlockSpec((None, None, None, 4),
-                                             lambda b, n, i: (_pick(bsched, b), _pick(cfg.head_kinds, n), i, 0))),
+                                             lambda b, n, i: (pick(bsched, b), pick(cfg.head_kinds, n), i, 0))),
     }
     inputs.update({f"score{c}": _whole(x) for c, x in enumerate(side.score_consts)})
     inputs.update({f"mask{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
@@ -425,7 +428,7 @@ def _forward(cfg, q, k, v, side):
                        pl.BlockSpec((None, cfg.Tb, None, Hvp), lambda b, n, i: (b, i, n, 0))),
                "lse": (jax.ShapeDtypeStruct((B, N, Tp), acc_dtype),
                        pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i)))}
-    return tuple(_call(cfg, _forward_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_forward"))
+    return tuple(_call(cfg, forward_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_forward"))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -472,18 +475,18 @@ def _flash_bwd(cfg, res, cotangents):
         "delta": (delta, pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))),
         "k": (k, pl.BlockSpec((None, cfg.Sb, None, Hp), lambda b, h, j: (b, j, h, 0))),
         "v": (v, pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0))),
-        "q_pos": (side.q_pos, pl.BlockSpec((None, Tp), lambda b, h, j: (_pick(bq, b), 0))),
-        "k_pos": (side.k_pos, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (_pick(bk, b), j))),
+        "q_pos": (side.q_pos, pl.BlockSpec((None, Tp), lambda b, h, j: (pick(bq, b), 0))),
+        "k_pos": (side.k_pos, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bk, b), j))),
         "lengths": None if side.lengths is None else (
-            side.lengths, pl.BlockSpec((None,), lambda b, h, j: (_pick(bl, b),))),
+            side.lengths, pl.BlockSpec((None,), lambda b, h, j: (pick(bl, b),))),
         "q_seg": None if side.q_seg is None else (
-            side.q_seg, pl.BlockSpec((None, Tp), lambda b, h, j: (_pick(bs, b), 0))),
+            side.q_seg, pl.BlockSpec((None, Tp), lambda b, h, j: (pick(bs, b), 0))),
         "k_seg": None if side.k_seg is None else (
-            side.k_seg, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (_pick(bs, b), j))),
+            side.k_seg, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bs, b), j))),
         "t_order": (side.t_order, pl.BlockSpec((None, heads, None, cfg.Tn),
-                                               lambda b, h, j: (_pick(bsched, b), _pick(cfg.head_kinds, h), j, 0))),
+                                               lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0))),
         "t_counts": (side.t_counts, pl.BlockSpec((None, heads, None, 4),
-                                                 lambda b, h, j: (_pick(bsched, b), _pick(cfg.head_kinds, h), j, 0))),
+                                                 lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0))),
     }
     kv_inputs.update({f"score{c}": _whole(x) for c, x in enumerate(side.score_consts)})
     kv_inputs.update({f"mask{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
@@ -691,8 +694,40 @@ def _attention(query, key, value, interpret, options, split_keys: bool):
     return _flash_attention(query, key, value, interpret, o)
 
 
+class Prepared(NamedTuple):
+    """The flash kernels' inputs for one call (prepare): q [B,Tp,N,Hp], k [B,Sp,K,Hp], v [B,Sp,K,Hvp]."""
+
+    cfg: Config
+    q: Any
+    k: Any
+    v: Any
+    side: Side
+    batch: tuple
+    T: int
+    N: int
+    Hv: int
+
+
 def _flash_attention(query, key, value, interpret, o):
     """attention() by the flash kernels (forward and backward)."""
+    p = prepare(query, key, value, o, interpret)
+    out, lse = _flash(p.cfg, p.q, p.k, p.v, p.side)
+    return finish(p, out, lse, o.get("return_lse", False))
+
+
+def finish(p: Prepared, out, lse, return_lse: bool):
+    """The kernel's out [B,Tp,N,Hvp] and lse [B,N,Tp] -> the public result ([...,T,N,Hv], lse [...,N,T])."""
+    batch, T, N, Hv = p.batch, p.T, p.N, p.Hv
+    out = out[:, :T, :, :Hv].reshape(*batch, T, N, Hv)
+    if return_lse:
+        return out, public_lse(lse[..., :T].reshape(*batch, N, T))  # -inf for a row with no key
+    return out
+
+
+def prepare(query, key, value, o, interpret, blocks=None, head_multiple=None) -> Prepared:
+    """Checks, tiles, layout and key-tile schedules of one call for the flash kernels (forward_kernel's
+    inputs). blocks: (Tb, Sb) instead of tile_sizes' (a BlockMask's tiles still win); head_multiple: pad
+    head dims to a multiple of it (a TPU's lane width) rather than to a power of two."""
     call = _checked_call(query, key, value, o)
     batch, T, S, N, K, H, Hv = call[:7]
     B = int(np.prod(batch, dtype=np.int64))
@@ -702,8 +737,14 @@ def _flash_attention(query, key, value, interpret, o):
         block_masks.check_block_mask(block_mask, B, N, T, S)
         block_size = check_block_mask_tiles(block_mask, block_size)
         mask_mod, block_mask = block_masks.resolve(mask_mod, block_mask)
-    Hp, Hvp = _padded_head(H, interpret), _padded_head(Hv, interpret)
-    Tb, Sb = tile_sizes(block_size, T, S, max(Hp, Hvp), interpret)
+    if head_multiple is None:
+        Hp, Hvp = _padded_head(H, interpret), _padded_head(Hv, interpret)
+    else:
+        Hp, Hvp = (-(-x // head_multiple) * head_multiple for x in (H, Hv))
+    if blocks is not None and block_mask is None:
+        Tb, Sb = blocks
+    else:
+        Tb, Sb = tile_sizes(block_size, T, S, max(Hp, Hvp), interpret)
     Tn, Sn = -(-T // Tb), -(-S // Sb)
     Tp, Sp = Tn * Tb, Sn * Sb
     q_pos, k_pos, lengths, q_seg, k_seg = _padded_rows(call, Tp, Sp)
@@ -726,11 +767,7 @@ def _flash_attention(query, key, value, interpret, o):
 
     q = _kernel_layout(query, batch, T, Tp, Hp)
     k, v = _kernel_layout(key, batch, S, Sp, Hp), _kernel_layout(value, batch, S, Sp, Hvp)
-    out, lse = _flash(cfg, q, k, v, side)
-    out = out[:, :T, :, :Hv].reshape(*batch, T, N, Hv)
-    if o.get("return_lse", False):
-        return out, public_lse(lse[..., :T].reshape(*batch, N, T))  # -inf for a row with no key
-    return out
+    return Prepared(cfg, q, k, v, side, batch, T, N, Hv)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -815,13 +852,13 @@ def _decode_partials(cfg, q, k, v, q_pos, k_pos, lengths, q_seg, k_seg, order, c
         "q": (q, pl.BlockSpec((None, None, Rp, Hp), lambda b, h, c: (b, h, 0, 0))),
         "k": (k, pl.BlockSpec((None, Sc, None, Hp), lambda b, h, c: (b, c, h, 0))),
         "v": (v, pl.BlockSpec((None, Sc, None, Hvp), lambda b, h, c: (b, c, h, 0))),
-        "q_pos": (q_pos, pl.BlockSpec((None, Rp), lambda b, h, c: (_pick(bq, b), 0))),
-        "k_pos": (k_pos, pl.BlockSpec((None, Sc), lambda b, h, c: (_pick(bk, b), c))),
-        "lengths": None if lengths is None else (lengths, pl.BlockSpec((None,), lambda b, h, c: (_pick(bl, b),))),
-        "q_seg": None if q_seg is None else (q_seg, pl.BlockSpec((None, Rp), lambda b, h, c: (_pick(bs, b), 0))),
-        "k_seg": None if k_seg is None else (k_seg, pl.BlockSpec((None, Sc), lambda b, h, c: (_pick(bs, b), c))),
-        "order": (order, pl.BlockSpec((None, None, cfg.Sn), lambda b, h, c: (_pick(bsched, b), c, 0))),
-        "counts": (counts, pl.BlockSpec((None, None, 4), lambda b, h, c: (_pick(bsched, b), c, 0))),
+        "q_pos": (q_pos, pl.BlockSpec((None, Rp), lambda b, h, c: (pick(bq, b), 0))),
+        "k_pos": (k_pos, pl.BlockSpec((None, Sc), lambda b, h, c: (pick(bk, b), c))),
+        "lengths": None if lengths is None else (lengths, pl.BlockSpec((None,), lambda b, h, c: (pick(bl, b),))),
+        "q_seg": None if q_seg is None else (q_seg, pl.BlockSpec((None, Rp), lambda b, h, c: (pick(bs, b), 0))),
+        "k_seg": None if k_seg is None else (k_seg, pl.BlockSpec((None, Sc), lambda b, h, c: (pick(bs, b), c))),
+        "order": (order, pl.BlockSpec((None, None, cfg.Sn), lambda b, h, c: (pick(bsched, b), c, 0))),
+        "counts": (counts, pl.BlockSpec((None, None, 4), lambda b, h, c: (pick(bsched, b), c, 0))),
     }
     acc_dtype = accumulation_dtype(q.dtype)
     rows = pl.BlockSpec((None, None, None, Rp), lambda b, h, c: (b, h, c, 0))
