@@ -10,8 +10,9 @@
     None          per platform, at lowering time (jax.lax.platform_dependent): on CPU (and ROCm, and any
                   other platform) the XLA engines, blockwise when nothing needs the grid and one head's
                   logits T x S hold at least AUTO_BLOCKWISE_ELEMENTS, dense otherwise (use_blockwise); on
-                  CUDA the Pallas GPU kernel and on TPU splash attention when the kernel can express the
-                  call (its `unsupported` says None), else the same XLA engines there.
+                  CUDA the Pallas GPU kernel (its split-key kernel for a decode step) and on TPU splash
+                  attention (our flex kernel for score_mod / mask_mod / BlockMask) when the kernel can
+                  express the call (its `unsupported` says None), else the same XLA engines there.
 
 A call no kernel can express never builds the platform switch, so its program is exactly the XLA engine's;
 nor does any call traced on a CPU host unless inside cross_platform_lowering() (exporting for an accelerator
