@@ -225,3 +225,18 @@ def test_attention_routes_a_decode_step_and_differentiates_through_the_flash_ker
     assert normwise(out, out_e) <= OUT_TOL
     for g, e in zip(grads, grads_e, strict=True):
         assert normwise(g, e) <= GRAD_TOL
+
+
+@pytest.mark.slow
+def test_vmap_over_a_batch_axis():
+    q, k, v = _arrays(11, (3, 1, 6, 3), (3, 29, 2, 3), (3, 29, 2, 2))
+    lengths = jnp.asarray([29, 4, 17], jnp.int32)
+
+    def attend(q, k, v, length):
+        return pallas_gpu.decode_attention(q, k, v, interpret=True, precision="highest", block_size=4, key_chunk=8,
+                                           is_causal=True, key_value_seq_lengths=length)
+
+    got = jax.jit(jax.vmap(attend))(q, k, v, lengths)
+    expected = jaxattn.dot_product_attention(q, k, v, implementation="dense", precision="highest", is_causal=True,
+                                             key_value_seq_lengths=lengths)
+    assert normwise(got, expected) <= OUT_TOL

@@ -888,7 +888,7 @@ def decode_attention(query, key, value, *, interpret=False, key_chunk=None, **op
     Sb, Sc = decode_tiles(options.get("block_size"), key_chunk, B, K, S, max(Hp, Hvp), interpret)
     C, tiles = -(-S // Sc), Sc // Sb
     R = G * T  # the rows of one key/value head: query head kh * G + g, query t -> row g * T + t
-    Rp = R if interpret else max(MIN_GPU_BLOCK, _next_power_of_two(R))
+    Rp = _next_power_of_two(R) if interpret else max(MIN_GPU_BLOCK, _next_power_of_two(R))  # padded as on a GPU
     q_pos, k_pos, lengths, q_seg, k_seg = _padded_rows(call, T, C * Sc)
 
     Bs = max([1] + [x.shape[0] for x in (q_pos, k_pos, lengths, q_seg) if x is not None])
