@@ -234,7 +234,7 @@ def check_flex_tpu(keywords, *, grads, dtype=jnp.float32, tol=(1e-6, 1e-5), T=T,
 
 def test_tpu_flex_kernel_forward():
     # T < S with lengths (one example's keys all masked by the band or past its length: zeros), GQA, softcap
-    out = check_flex_tpu(dict(is_causal=True, key_value_seq_lengths=jnp.array([0, 9]), logit_softcap=4.0,
+    out = check_flex_tpu(dict(is_causal=True, key_value_seq_lengths=np.array([0, 9], np.int32), logit_softcap=4.0,
                               mask_mod=band), grads=False, T=7, S=19)
     assert not np.asarray(out[0]).any()
 
@@ -243,11 +243,12 @@ def test_tpu_flex_kernel_forward():
 @pytest.mark.parametrize("case", ["mask_mod", "block_mask", "window_segments"])
 def test_tpu_flex_kernel_with_gradients(case):
     keywords = {
-        "mask_mod": dict(is_causal=True, key_value_seq_lengths=jnp.array([0, 41]), mask_mod=band),
+        "mask_mod": dict(is_causal=True, key_value_seq_lengths=np.array([0, 41], np.int32), mask_mod=band),
         "block_mask": dict(block_mask=jaxattn.create_block_mask(lambda b, n, t, s: (s <= t + S - T) & band(b, n, t, s),
                                                                 None, None, T, S, block_size=16)),
-        "window_segments": dict(window=(9, 2), query_segment_ids=np.arange(B * T).reshape(B, T) * 3 // T,
-                                key_segment_ids=np.arange(B * S).reshape(B, S) * 3 // S),
+        "window_segments": dict(window=(9, 2),
+                                query_segment_ids=(np.arange(B * T).reshape(B, T) * 3 // T).astype(np.int32),
+                                key_segment_ids=(np.arange(B * S).reshape(B, S) * 3 // S).astype(np.int32)),
     }[case]
     check_flex_tpu(keywords, grads=True)
 
