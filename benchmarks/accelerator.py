@@ -48,17 +48,26 @@ def _with_backward(attention):
     return jax.grad(lambda q, k, v: jnp.sum(attention(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
 
 
-def jax_attentions(mask, window):
-    """{name: attention(q, k, v)} of the JAX candidates for this mask."""
+def jax_attentions(mask, window, decode=False):
+    """{name: attention(q, k, v)} of the JAX candidates for this mask. decode (T = 1): also jaxattn's XLA
+    engines and, on a GPU, its flash kernel without the key split, against the split-key kernel that
+    implementation=None takes there (docs/kernels.md: the choice is not yet measured)."""
     import jax
 
     import jaxattn
+    from jaxattn._kernels import pallas_gpu
 
     win = dict(window=(window - 1, 0)) if mask == "sliding" else {}
     local = dict(local_window_size=(window - 1, 0)) if mask == "sliding" else {}
     candidates = {"jaxattn": lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True, **win),
                   "jax.nn xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                                              implementation="xla", **local)}
+    if decode:
+        candidates["jaxattn xla"] = lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True,
+                                                                                  implementation="xla", **win)
+    if decode and _device()[0] == "gpu":
+        candidates["jaxattn flash, no key split"] = lambda q, k, v: pallas_gpu.flash_attention(q, k, v,
+                                                                                              is_causal=True, **win)
     if _device()[0] == "gpu":
         candidates["jax.nn cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
                                                                                   implementation="cudnn", **local)
@@ -98,7 +107,7 @@ def torch_attentions(mask, window, T, S):
 def _jax_candidates(mask, mode, T, S, window):
     candidates, skipped = [], {}
     q, k, v = _inputs(T, S)
-    for name, attention in jax_attentions(mask, window).items():
+    for name, attention in jax_attentions(mask, window, decode=T == 1).items():
         fn = _with_backward(attention) if mode == "forward+backward" else attention
         try:
             candidates.append(jax_candidate(name, fn, q, k, v))

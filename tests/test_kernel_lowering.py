@@ -80,13 +80,9 @@ def test_causal_attention_lowered_for_cpu_is_the_xla_engine(program):
     assert "stablehlo.while" in text  # the blockwise engine, as before
 
 
-NO_TPU_KERNEL = pytest.mark.xfail(strict=True, reason="splash attention has no score_mod and jaxattn has no own "
-                                   "Pallas TPU kernel yet (issue 26 §1): the XLA engine runs on TPU")
-
-
-@pytest.mark.parametrize("platform", ["cuda", pytest.param("tpu", marks=NO_TPU_KERNEL)])
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_flex_score_mod_and_sliding_block_mask_lower_to_the_kernel(platform):
-    # cuda: needs the Pallas GPU kernel's score_mod and BlockMask
+    # cuda: the Pallas GPU kernel's score_mod and BlockMask; tpu: our Pallas TPU kernel (splash has no score_mod)
     sliding_block_mask()  # built eagerly here, so the program only closes over its tile lists
     q = jax.ShapeDtypeStruct((1, T, 8, 128), jnp.bfloat16)
     assert_fused(lowered(sliding_flex, q, platform=platform), platform, T, T)
@@ -143,13 +139,31 @@ def test_llama_lowers_to_the_kernel(platform, program):
     assert_fused(text, platform, 384, 384)
 
 
+def generate_step(model):
+    """jaxattn.models.generate's step (models/_generate.py: _decode_call): one token with the attention
+    mask over every cache slot (its padding mask) and its position."""
+    def step(params, cache, token, attention_mask, position_ids):
+        logits, variables = model.apply({"params": params, "cache": cache}, token, attention_mask=attention_mask,
+                                        position_ids=position_ids, decode=True, mutable=["cache"])
+        return jnp.argmax(logits[:, -1], axis=-1), variables["cache"]
+
+    return step
+
+
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
 def test_llama_decode_step_lowers_to_the_kernel(platform):
-    # T = 1 against a 4096-slot cache: the cache's keywords (query_positions, key_positions, lengths) need
-    # the Pallas GPU kernel's explicit positions on cuda; splash takes the one row's keys as segment ids
+    # T = 1 against a 4096-slot cache. cuda: generate's step (the cache's positions and length, and the
+    # padding mask, which reaches the kernel as key segment ids) takes the split-key decode kernel. tpu:
+    # splash takes the one row's keys as segment ids (without the padding mask: splash is not given a mask)
     model, params, _ = tiny_llama()
     token = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    text = lowered(llama_decode_step(model), params, cache_shapes(model, params, T), token, platform=platform)
+    cache = cache_shapes(model, params, T)
+    if platform == "cuda":
+        slots = jax.ShapeDtypeStruct((1, T), jnp.int32)
+        text = lowered(generate_step(model), params, cache, token, slots, token, platform=platform)
+        assert re.findall(r'name = "(jaxattn_\w+)"', text) == ["jaxattn_decode_split_key"]  # one layer
+    else:
+        text = lowered(llama_decode_step(model), params, cache, token, platform=platform)
     assert_fused(text, platform, 1, T)
 
 

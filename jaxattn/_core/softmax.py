@@ -114,6 +114,16 @@ def combine_partials(a, b):
     return out, m, l_a * c_a + l_b * c_b
 
 
+def merge_partials(partial, axis: int):
+    """combine_partials of the partials stacked along `axis` (>= 0: the same axis of out [...,F], m and l):
+    one partial with that axis reduced (split-key attention: one partial per key chunk)."""
+    out, m, l = partial
+    top = jnp.max(m, axis=axis, keepdims=True)
+    c = jnp.exp(m - jnp.where(jnp.isfinite(top), top, 0))  # rows empty in every chunk: m = no_key, c = 1, l = 0
+    out = jax.tree.map(lambda x: jnp.sum(x * c[..., None], axis=axis), out)
+    return out, jnp.squeeze(top, axis), jnp.sum(l * c, axis=axis)
+
+
 def empty_partial(out_shapes, rows_shape, dtype):
     """The identity of combine_partials: zeros, m = no_key, l = 0. out_shapes is a sequence of shapes."""
     out = tuple(jnp.zeros(shape, dtype) for shape in out_shapes)

@@ -4,13 +4,15 @@
     "dense"       one [...,N,T,S] array (every option)
     "blockwise"   O(T + S) tiles (no mask, bias, return_weights or dropout: they span [T,S])
     "pallas_gpu"  the Pallas flash-attention kernel for GPUs (jaxattn._kernels.pallas_gpu)
-    "pallas_tpu"  TPU splash attention (jaxattn._kernels.splash_tpu)
+    "pallas_tpu"  TPU splash attention (jaxattn._kernels.splash_tpu); with score_mod, mask_mod or a BlockMask
+                  our Pallas TPU kernel (jaxattn._kernels.flex_tpu, forward; XLA's backward)
     "cudnn"       cuDNN through jax.nn.dot_product_attention (jaxattn._kernels.cudnn; explicit only)
     None          per platform, at lowering time (jax.lax.platform_dependent): on CPU (and ROCm, and any
                   other platform) the XLA engines, blockwise when nothing needs the grid and one head's
                   logits T x S hold at least AUTO_BLOCKWISE_ELEMENTS, dense otherwise (use_blockwise); on
-                  CUDA the Pallas GPU kernel and on TPU splash attention when the kernel can express the
-                  call (its `unsupported` says None), else the same XLA engines there.
+                  CUDA the Pallas GPU kernel (its split-key kernel for a decode step) and on TPU splash
+                  attention (our flex kernel for score_mod / mask_mod / BlockMask) when the kernel can
+                  express the call (its `unsupported` says None), else the same XLA engines there.
 
 A call no kernel can express never builds the platform switch, so its program is exactly the XLA engine's;
 nor does any call traced on a CPU host unless inside cross_platform_lowering() (exporting for an accelerator
@@ -46,7 +48,7 @@ AUTO_BLOCKWISE_ELEMENTS = 128 * 128
 
 IMPLEMENTATIONS = (None, "dense", "blockwise", "pallas_gpu", "pallas_tpu", "cudnn")
 # The kernels by implementation name: the module under jaxattn._kernels with unsupported / attention.
-KERNELS = {"pallas_gpu": "pallas_gpu", "pallas_tpu": "splash_tpu", "cudnn": "cudnn"}
+KERNELS = {"pallas_gpu": "pallas_gpu", "pallas_tpu": "pallas_tpu", "cudnn": "cudnn"}
 INTERPRETED = ("pallas_gpu", "pallas_tpu")  # the kernels Pallas' interpreter can run
 # Options only the XLA engines read: block_size is the blockwise engine's tile; a kernel picks its own.
 XLA_ONLY = ("block_size",)
@@ -89,6 +91,32 @@ def kernel_options(options) -> dict:
             if k not in grid and k not in XLA_ONLY and v is not None and v is not False}
 
 
+# Kernels that take a key-only mask as segment ids (key_mask_as_segments).
+KEY_MASK_KERNELS = ("pallas_gpu",)
+
+
+def key_mask_as_segments(query, key, options) -> dict:
+    """options with a boolean `mask` that varies only over keys ([...,1,1,S] or [S]: a decoder's padding mask
+    over its cache, as jaxattn.models' decode step passes it) rewritten as segment ids: query ids 0, key ids
+    0 where the mask allows and 1 where it does not, the same rule (a row with no allowed key: zeros). Any
+    other mask, or one beside segment ids, leaves options unchanged (the kernel refuses it)."""
+    mask = options.get("mask")
+    if mask is None or options.get("query_segment_ids") is not None or options.get("key_segment_ids") is not None:
+        return options
+    shape, S, batch = np.shape(mask), np.shape(key)[-3], tuple(np.shape(query)[:-3])
+    if (jnp.result_type(mask) != jnp.bool_ or not shape or shape[-1] != S or any(d != 1 for d in shape[-3:-1])
+            or len(shape[:-3]) > len(batch)):
+        return options
+    try:
+        if np.broadcast_shapes(shape[:-3], batch) != batch:
+            return options
+    except ValueError:
+        return options
+    keys = jnp.where(jnp.reshape(mask, (*shape[:-3], S)), 0, 1).astype(jnp.int32)
+    return {**options, "mask": None, "query_segment_ids": jnp.zeros((np.shape(query)[-3],), jnp.int32),
+            "key_segment_ids": keys}
+
+
 _CROSS_PLATFORM = contextvars.ContextVar("jaxattn_cross_platform", default=False)
 
 
@@ -126,6 +154,8 @@ def attend(xla, query, key, value, *, implementation=None, interpret=False, **op
     option and the implementation; None takes a kernel only where one can (module docstring).
     """
     check_implementation(implementation, interpret)
+    if implementation in KEY_MASK_KERNELS:
+        options = key_mask_as_segments(query, key, options)
     if implementation in KERNELS:
         refused = kernel_refusal(implementation, query, key, value, options, interpret)
         if refused is not None:
@@ -137,9 +167,12 @@ def attend(xla, query, key, value, *, implementation=None, interpret=False, **op
         return xla()
     branches = {}
     for platform, name in (("cuda", "pallas_gpu"), ("tpu", "pallas_tpu")):
-        if platform in platforms and kernel_refusal(name, query, key, value, options) is None:
+        if platform not in platforms:
+            continue
+        kernel_call = key_mask_as_segments(query, key, options) if name in KEY_MASK_KERNELS else options
+        if kernel_refusal(name, query, key, value, kernel_call) is None:
             kernel = _kernel(name).attention
-            branches[platform] = lambda kernel=kernel: kernel(query, key, value, **kernel_options(options))
+            branches[platform] = lambda kernel=kernel, o=kernel_call: kernel(query, key, value, **kernel_options(o))
     if not branches:
         return xla()
     return lax.platform_dependent(cpu=xla, default=xla, **branches)

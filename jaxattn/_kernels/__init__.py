@@ -11,7 +11,9 @@ segment ids, window, chunk_size, logit_softcap, sinks, score_mod, mask_mod, bloc
 the results follow DESIGN.md's semantics (bottom-right causal, zeros for a row with no allowed key).
 
     pallas_gpu  a Pallas flash-attention kernel for GPUs (Triton lowering)
+    pallas_tpu  implementation="pallas_tpu": splash_tpu, or flex_tpu for score_mod / mask_mod / BlockMask
     splash_tpu  TPU splash attention, shipped with JAX (jax.experimental.pallas.ops.tpu.splash_attention)
+    flex_tpu    our Pallas TPU kernel (pallas_gpu's forward kernel body on a TPU layout), forward only
     cudnn       cuDNN's fused attention through jax.nn.dot_product_attention(implementation="cudnn")
 
 Nothing here is imported by `import jaxattn`: the dispatch imports a module the first time a call may use it.

@@ -1,0 +1,214 @@
+"""Our Pallas TPU kernel for what splash attention cannot express: score_mod, mask_mod and a BlockMask
+(flex_attention), with every other option of the Pallas GPU kernel beside them. Forward only; a gradient
+runs the XLA blockwise engine's backward.
+
+The kernel body is the Pallas GPU kernel's forward (pallas_gpu.forward_kernel: one (b, n, query tile), a
+loop over the key tiles its schedule lists, score_mod / mask_mod / softcap / the mask rule per tile, sinks,
+the online-softmax merge of _core), run on a TPU layout by Mosaic:
+
+    q [B,N,Tp,Hp]   block [Tb,Hp] per (b, n, i)          out [B,N,Tp,Hvp]   block [Tb,Hvp]
+    k [B,K,Sp,Hp]   block [Sp,Hp]: one key/value head's whole key axis (head n // G: GQA without copies),
+    v [B,K,Sp,Hvp]  sliced per tile inside the kernel
+    positions and segment ids as rows [B|1,1,L] (blocks [1,Tb] / [1,Sp]), lse [B,N,1,Tp]
+    schedule (order, counts), lengths and sinks: scalar-prefetched into SMEM (scalars read per tile)
+
+Tiles 128 x 128 (the TPU lane width; a BlockMask's own tiles when they are multiples of 128), head dims
+padded to a multiple of 128, T and S padded inside. The whole key axis of one head sits in VMEM (with its
+double buffer), so S x (H + Hv) is bounded (MAX_KEY_BYTES); longer calls fall back to the XLA engine.
+
+On a TPU (interpret=False) also refused: score_mod / mask_mod / BlockMask mask_mod closing over an array
+(as on the GPU: indexing one by head or position inside the kernel is not lowered), inputs wider than 32
+bits, jax_enable_x64 on. interpret=True runs Pallas' interpreter (any platform; closed-over arrays work).
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .._core import checks, mods
+from .._core.dtypes import accumulation_dtype
+from .._engines.blockwise import blockwise_attention
+from . import pallas_gpu
+
+LANES = 128
+INTERPRET_BLOCK = 16
+MAX_KEY_BYTES = 8 * 2**20  # one head's keys and values in VMEM (doubled by the pipeline's second buffer)
+# The options only this kernel takes on TPU (splash takes every other call it can express).
+FLEX_OPTIONS = ("score_mod", "mask_mod", "block_mask")
+
+
+def wanted(options) -> bool:
+    """The call uses what splash cannot express and this kernel exists for."""
+    return any(options.get(name) is not None for name in FLEX_OPTIONS)
+
+
+def _tiles_ok(pair) -> bool:
+    return all(isinstance(b, numbers.Integral) and b > 0 and b % LANES == 0 for b in pair)
+
+
+def unsupported(query, key, value, *, interpret=False, **options) -> Optional[str]:
+    """None when attention() computes this call; else the first option it cannot express: the Pallas GPU
+    kernel's own refusals (without its GPU chip limits), and on a TPU the limits in the module docstring."""
+    problem = pallas_gpu.unsupported(query, key, value, interpret=True, **options)
+    if problem is not None or interpret:
+        return problem
+    if jax.config.read("jax_enable_x64"):
+        return "jax_enable_x64 (the Pallas TPU kernels index in int32)"
+    if np.dtype(getattr(query, "dtype", np.float32)).itemsize > 4:
+        return "dtype"
+    block_mask = options.get("block_mask")
+    if block_mask is not None and (not _tiles_ok(getattr(block_mask, "block_size", ()))
+                                   or getattr(block_mask, "mask_consts", ())):
+        return "block_mask"
+    for name in ("score_mod", "mask_mod"):
+        fn = options.get(name)
+        if fn is not None:
+            score_dtype = accumulation_dtype(getattr(query, "dtype", jnp.float32)) if name == "score_mod" else None
+            if mods.element_function(name, fn, score_dtype).consts:
+                return name
+    S, H, Hv = np.shape(key)[-3], np.shape(query)[-1], np.shape(value)[-1]
+    padded = lambda x: -(-x // LANES) * LANES  # noqa: E731
+    if padded(S) * (padded(H) + padded(Hv)) * np.dtype(getattr(key, "dtype", np.float32)).itemsize > MAX_KEY_BYTES:
+        return f"key (S={S}: one head's keys and values must fit {MAX_KEY_BYTES >> 20} MiB of VMEM)"
+    return None
+
+
+class _Row:
+    """A [1,L] block read and written as [L] (TPU blocks are two-dimensional; the kernel reads rows)."""
+
+    def __init__(self, ref):
+        self.ref, self.dtype, self.shape = ref, ref.dtype, ref.shape[1:]
+
+    def __getitem__(self, index):
+        return self.ref[0, :] if index is Ellipsis else self.ref[0, index]
+
+    def __setitem__(self, index, value):
+        self.ref[0, :] = value
+
+
+class _Scalars:
+    """An SMEM array read at fixed leading indices: [...] the scalar there, [j] the next axis's entry j."""
+
+    def __init__(self, ref, lead):
+        self.ref, self.lead = ref, tuple(lead)
+
+    def __getitem__(self, index):
+        return self.ref[self.lead] if index is Ellipsis else self.ref[(*self.lead, index)]
+
+
+def _forward(p: pallas_gpu.Prepared, interpret: bool):
+    """pallas_gpu.forward_kernel on the TPU layout: (out [B,Tp,N,Hvp], lse [B,N,Tp]) as the GPU kernel's."""
+    cfg, side = p.cfg, p.side
+    q = jnp.swapaxes(p.q, 1, 2)  # [B,N,Tp,Hp]
+    k, v = jnp.swapaxes(p.k, 1, 2), jnp.swapaxes(p.v, 1, 2)
+    B, N, Tp, Hp = q.shape
+    Sp, Hvp = k.shape[2], v.shape[-1]
+    G = cfg.N // cfg.K
+    bq, bk, bs, bl, bsched = cfg.batched
+    pick = pallas_gpu.pick
+
+    scalars = {"order": side.order, "counts": side.counts}
+    if side.lengths is not None:
+        scalars["lengths"] = side.lengths
+    if side.sinks is not None:
+        scalars["sinks"] = side.sinks
+    n_scalars = len(scalars)
+
+    def spec(shape, index):  # index(b, n, i) -> block indices; the scalar refs are not read by index maps
+        return pl.BlockSpec(shape, lambda b, n, i, *_: index(b, n, i))
+
+    rows = lambda x: x[:, None, :]  # noqa: E731  [B|1,L] -> [B|1,1,L]
+    inputs = {
+        "q": (q, spec((None, None, cfg.Tb, Hp), lambda b, n, i: (b, n, i, 0))),
+        # lax.div: n >= 0, and Mosaic lowers floor division through sign, which asks the TPU generation
+        "k": (k, spec((None, None, Sp, Hp), lambda b, n, i: (b, lax.div(n, G), 0, 0))),
+        "v": (v, spec((None, None, Sp, Hvp), lambda b, n, i: (b, lax.div(n, G), 0, 0))),
+        "q_pos": (rows(side.q_pos), spec((None, 1, cfg.Tb), lambda b, n, i: (pick(bq, b), 0, i))),
+        "k_pos": (rows(side.k_pos), spec((None, 1, Sp), lambda b, n, i: (pick(bk, b), 0, 0))),
+    }
+    if side.q_seg is not None:
+        inputs["q_seg"] = (rows(side.q_seg), spec((None, 1, cfg.Tb), lambda b, n, i: (pick(bs, b), 0, i)))
+        inputs["k_seg"] = (rows(side.k_seg), spec((None, 1, Sp), lambda b, n, i: (pick(bs, b), 0, 0)))
+    for prefix, consts in (("score", side.score_consts), ("mask", side.mask_consts)):
+        for c, x in enumerate(consts):
+            inputs[f"{prefix}{c}"] = (x, spec(x.shape, lambda b, n, i, nd=x.ndim: (0,) * nd))
+    acc_dtype = accumulation_dtype(q.dtype)
+    outputs = {"out": (jax.ShapeDtypeStruct((B, N, Tp, Hvp), q.dtype),
+                       spec((None, None, cfg.Tb, Hvp), lambda b, n, i: (b, n, i, 0))),
+               "lse": (jax.ShapeDtypeStruct((B, N, 1, Tp), acc_dtype),
+                       spec((None, None, 1, cfg.Tb), lambda b, n, i: (b, n, 0, i)))}
+    names = tuple(scalars) + tuple(inputs) + tuple(outputs)
+
+    def kernel(*refs):
+        r = dict(zip(names, refs))
+        b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        lead = (pick(bsched, b), pick(cfg.head_kinds, n), i)
+        r["order"], r["counts"] = _Scalars(r["order"], lead), _Scalars(r["counts"], lead)
+        if "lengths" in r:
+            r["lengths"] = _Scalars(r["lengths"], (pick(bl, b),))
+        if "sinks" in r:
+            r["sinks"] = _Scalars(r["sinks"], (b, n))
+        for name in ("q_pos", "k_pos", "q_seg", "k_seg", "lse"):
+            if name in r:
+                r[name] = _Row(r[name])
+        pallas_gpu.forward_kernel(cfg, r)
+
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=n_scalars, grid=(B, N, cfg.Tn), in_specs=[s for _, s in inputs.values()],
+        out_specs=[s for _, s in outputs.values()])
+    out, lse = pl.pallas_call(
+        kernel, grid_spec=grid_spec, out_shape=[shape for shape, _ in outputs.values()], interpret=interpret,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
+        name="jaxattn_flex_tpu_forward")(*scalars.values(), *[x for x, _ in inputs.values()])
+    return jnp.swapaxes(out, 1, 2), lse[:, :, 0]
+
+
+def attention(query, key, value, *, interpret=False, **options):
+    """blockwise_attention's call computed forward by the Pallas TPU kernel (module docstring); its gradient
+    (q, k, v, sinks, a score_mod's closed-over arrays) is the blockwise engine's. ValueError naming the
+    option it cannot express (unsupported)."""
+    problem = unsupported(query, key, value, interpret=interpret, **options)
+    if problem is not None:
+        checks.fail("implementation", f'the XLA engines ("dense", "blockwise" or None) with {problem}: the Pallas '
+                    "TPU flex kernel cannot express it", '"pallas_tpu"')
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    o = {k: v for k, v in options.items() if k != "block_size"}  # the kernel's tiles are its own
+    if query.shape[-3] == 0 or key.shape[-3] == 0:
+        return blockwise_attention(query, key, value, **o)
+    # Differentiable inputs are explicit (custom_vjp): q, k, v, sinks and the score_mod's closed-over arrays
+    # (traced out of it); the rest (positions, lengths, segment ids, mask_mod, BlockMask) is closed over.
+    score = mods.element_function("score_mod", o.pop("score_mod", None), accumulation_dtype(query.dtype))
+    consts = () if score is None else tuple(jnp.asarray(c) for c in score.consts)
+    sinks = o.pop("sinks", None)
+    blocks = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else (LANES, LANES)
+
+    def keywords(sinks, consts):
+        if score is None:
+            return dict(o, sinks=sinks)
+        return dict(o, sinks=sinks, score_mod=lambda x, b, n, t, s: score.fn(x, b, n, t, s, *consts))
+
+    @jax.custom_vjp
+    def run(query, key, value, sinks, consts):
+        opts = keywords(sinks, consts)
+        p = pallas_gpu.prepare(query, key, value, opts, interpret, blocks=blocks,
+                               head_multiple=None if interpret else LANES)
+        out, lse = _forward(p, interpret)
+        return pallas_gpu.finish(p, out, lse, bool(opts.get("return_lse", False)))
+
+    def run_fwd(*args):
+        return run(*args), args
+
+    def run_bwd(args, cotangent):  # the XLA blockwise engine's backward (it recomputes its own forward)
+        return jax.vjp(lambda query, key, value, sinks, consts: blockwise_attention(
+            query, key, value, **keywords(sinks, consts)), *args)[1](cotangent)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(query, key, value, sinks, consts)
