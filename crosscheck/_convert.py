@@ -23,7 +23,6 @@ attributes, or from a few named "anchor" tensors plus the head counts the caller
 from __future__ import annotations
 
 import itertools
-import math
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -126,13 +125,12 @@ def _identify(fmts, names: set[str], keys_of, what: str) -> tuple[str, frozenset
 # ------------------------------------------------------------------------------------------------- shapes
 
 
-def _axis(expr: str, dims: Mapping[str, int]) -> int:
-    return math.prod(int(f) if f.isdigit() else dims[f] for f in expr.split("*"))
-
-
 def _allowed_shapes(spec: tuple[str, ...], dims: Mapping[str, int]) -> list[tuple[int, ...]]:
-    with_heads = tuple(_axis(a.rstrip("?"), dims) for a in spec)
-    without = tuple(_axis(a, dims) for a in spec if not a.endswith("?"))
+    """The sizes of `spec`'s letters (weights.size), with and without its "?" axes."""
+    from jaxattn.models.weights import size
+
+    with_heads = size([a.rstrip("?") for a in spec], dims)
+    without = size([a for a in spec if not a.endswith("?")], dims)
     return [with_heads] if with_heads == without else [with_heads, without]
 
 
