@@ -1,17 +1,18 @@
 """torch attention weights <-> jaxattn params, through ONE explicit mapping table.
 
-Every torch tensor a supported module owns has a row in ``_TABLE``: its state_dict name, where it lands in
-the jaxattn params tree, its shape on each side (written in the axis letters of DESIGN.md) and the layout
-transform. Both directions read the same rows, so a weight cannot be mapped one way and unmapped another.
+Every torch tensor a supported module owns has a row in the table of its layout (``_rows``), written in
+jaxattn.models.weights' format, the one of every model family: its state_dict name, where it lands in the
+jaxattn params tree, its shape on each side (in the axis letters of DESIGN.md) and the layout transform.
+Both directions read the same rows (the way back is weights.unapply: each transform run on the tensor's
+flat positions), so a weight cannot be mapped one way and unmapped another.
 
-The transform is one of two, because ``nn.Linear`` computes ``x @ W.T + b`` with ``W: [out, in]`` and the
-projected features are head-major (feature ``n * H + h``):
-
-* ``transpose``: ``kernel = W.T.reshape(jax_shape)``  (``[N*H, Eq] -> [Eq, N, H]``, ``[Eo, N*Hv] -> [N, Hv, Eo]``)
-* plain reshape: ``bias [N*H] -> [N, H]``, ``bias_k [1, 1, K*H] -> [K, H]``, relative tables unchanged.
-
-torch's packed ``in_proj_weight [3E, E]`` (rows ``[q; k; v]``) and ``in_proj_bias [3E]`` have one row per
-block (``block`` of ``blocks``); the blocks are split on the way in and concatenated on the way out.
+``nn.Linear`` computes ``x @ W.T + b`` with ``W: [out, in]`` and the projected features are head-major
+(feature ``n * H + h``), so its weights take ``Steps(Transpose(), Reshape())`` (``[N*H, Eq] -> [Eq, N, H]``,
+``[Eo, N*Hv] -> [N, Hv, Eo]``) and biases ``Reshape()`` (``[N*H] -> [N, H]``, ``bias_k [1, 1, K*H] -> [K, H]``);
+relative tables are copied. torch's packed ``in_proj_weight [3E, E]`` (rows ``[q; k; v]``) and
+``in_proj_bias [3E]`` fill three leaves each, one ``Part(k, 3, 0)`` per block. Axis ``"N?"`` (this module's
+own letter, resolved here before a transform runs) may be absent: a Shaw table is [R, N, H] per head or
+[R, H] shared over heads.
 
 A state_dict's layout is identified by its EXACT key set against the key sets the table generates (one per
 layout variant: bias or not, torch's packed or separate projections, add_bias_kv, relative tables); nothing
@@ -22,73 +23,59 @@ attributes, or from a few named "anchor" tensors plus the head counts the caller
 from __future__ import annotations
 
 import itertools
-import math
 from collections import OrderedDict
-from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
-
-@dataclass(frozen=True)
-class _Rule:
-    """One torch tensor (or one row block of a packed one) <-> one jaxattn params leaf."""
-
-    torch_name: str
-    path: tuple[str, ...]
-    torch_shape: tuple[str, ...]  # axis expressions of this rule's block, e.g. ("N*H", "Eq")
-    jax_shape: tuple[str, ...]
-    transpose: bool  # nn.Linear weight [out, in] -> kernel [in, ...]
-    needs: frozenset[str] = frozenset()  # layout flags under which the tensor exists
-    block: int = 0
-    blocks: int = 1
+if TYPE_CHECKING:
+    from jaxattn.models.weights import Row
 
 
-def _rule(torch_name, path, torch_shape, jax_shape, *, transpose=False, needs=(), block=0, blocks=1):
-    return _Rule(torch_name, tuple(path.split("/")), tuple(torch_shape), tuple(jax_shape), transpose,
-                 frozenset(needs), block, blocks)
+def _rows(fmt: str, flags: frozenset[str]) -> list[Row]:
+    """The table of one layout (the rows its flags keep), in the module's own state_dict order (own
+    parameters first, then submodules)."""
+    # imported here: jaxattn.models brings flax and every model family, which `import crosscheck` need not
+    from jaxattn.models.weights import Part, Reshape, Row, Steps, Target, Transpose, row, when
 
+    _HEADS = Steps(Transpose(), Reshape())  # nn.Linear [N*H, E] -> kernel [E, N, H]; [E, N*H] -> [N, H, E]
+    bias = "bias" in flags
+    if fmt == "torch":  # torch.nn.MultiheadAttention; there Eq = Eo = N*H, K = N, Hv = H
+        return [
+            *when("packed" in flags, Row("in_proj_weight", ("3*N*H", "Eq"), (
+                Target("query/kernel", ("Eq", "N", "H"), Steps(Part(0, 3, 0), _HEADS)),
+                Target("key/kernel", ("Ek", "K", "H"), Steps(Part(1, 3, 0), _HEADS)),
+                Target("value/kernel", ("Ev", "K", "Hv"), Steps(Part(2, 3, 0), _HEADS))))),
+            *when("separate" in flags,
+                  row("q_proj_weight", ("N*H", "Eq"), "query/kernel", ("Eq", "N", "H"), _HEADS),
+                  row("k_proj_weight", ("K*H", "Ek"), "key/kernel", ("Ek", "K", "H"), _HEADS),
+                  row("v_proj_weight", ("K*Hv", "Ev"), "value/kernel", ("Ev", "K", "Hv"), _HEADS)),
+            *when(bias, Row("in_proj_bias", ("3*N*H",), (
+                Target("query/bias", ("N", "H"), Part(0, 3, 0)),
+                Target("key/bias", ("K", "H"), Part(1, 3, 0)),
+                Target("value/bias", ("K", "Hv"), Part(2, 3, 0))))),
+            *when("bias_kv" in flags,
+                  row("bias_k", ("1", "1", "K*H"), "bias_kv/key", ("K", "H"), Reshape()),
+                  row("bias_v", ("1", "1", "K*Hv"), "bias_kv/value", ("K", "Hv"), Reshape())),
+            row("out_proj.weight", ("Eo", "N*Hv"), "out/kernel", ("N", "Hv", "Eo"), _HEADS),
+            *when(bias, row("out_proj.bias", ("Eo",), "out/bias", ("Eo",))),
+        ]
+    return [  # torchref.MultiHeadAttention / RelativeMultiHeadAttention
+        *when("rel_key" in flags, row("rel_key", ("R", "N?", "H"), "relative/key", ("R", "N?", "H"))),
+        *when("rel_value" in flags, row("rel_value", ("R", "N?", "Hv"), "relative/value", ("R", "N?", "Hv"))),
+        row("q_proj.weight", ("N*H", "Eq"), "query/kernel", ("Eq", "N", "H"), _HEADS),
+        *when(bias, row("q_proj.bias", ("N*H",), "query/bias", ("N", "H"), Reshape())),
+        row("k_proj.weight", ("K*H", "Ek"), "key/kernel", ("Ek", "K", "H"), _HEADS),
+        *when(bias, row("k_proj.bias", ("K*H",), "key/bias", ("K", "H"), Reshape())),
+        row("v_proj.weight", ("K*Hv", "Ev"), "value/kernel", ("Ev", "K", "Hv"), _HEADS),
+        *when(bias, row("v_proj.bias", ("K*Hv",), "value/bias", ("K", "Hv"), Reshape())),
+        row("out_proj.weight", ("Eo", "N*Hv"), "out/kernel", ("N", "Hv", "Eo"), _HEADS),
+        *when(bias, row("out_proj.bias", ("Eo",), "out/bias", ("Eo",))),
+    ]
 
-# Axis "N?" is optional: a Shaw table is [R, N, H] per head or [R, H] shared over heads.
-# Rows are in each module's own state_dict order (own parameters first, then submodules).
-_TABLE = {
-    "torch": (  # torch.nn.MultiheadAttention; there Eq = Eo = N*H, K = N, Hv = H
-        _rule("in_proj_weight", "query/kernel", ("N*H", "Eq"), ("Eq", "N", "H"), transpose=True,
-              needs={"packed"}, block=0, blocks=3),
-        _rule("in_proj_weight", "key/kernel", ("K*H", "Ek"), ("Ek", "K", "H"), transpose=True,
-              needs={"packed"}, block=1, blocks=3),
-        _rule("in_proj_weight", "value/kernel", ("K*Hv", "Ev"), ("Ev", "K", "Hv"), transpose=True,
-              needs={"packed"}, block=2, blocks=3),
-        _rule("q_proj_weight", "query/kernel", ("N*H", "Eq"), ("Eq", "N", "H"), transpose=True,
-              needs={"separate"}),
-        _rule("k_proj_weight", "key/kernel", ("K*H", "Ek"), ("Ek", "K", "H"), transpose=True,
-              needs={"separate"}),
-        _rule("v_proj_weight", "value/kernel", ("K*Hv", "Ev"), ("Ev", "K", "Hv"), transpose=True,
-              needs={"separate"}),
-        _rule("in_proj_bias", "query/bias", ("N*H",), ("N", "H"), needs={"bias"}, block=0, blocks=3),
-        _rule("in_proj_bias", "key/bias", ("K*H",), ("K", "H"), needs={"bias"}, block=1, blocks=3),
-        _rule("in_proj_bias", "value/bias", ("K*Hv",), ("K", "Hv"), needs={"bias"}, block=2, blocks=3),
-        _rule("bias_k", "bias_kv/key", ("1", "1", "K*H"), ("K", "H"), needs={"bias_kv"}),
-        _rule("bias_v", "bias_kv/value", ("1", "1", "K*Hv"), ("K", "Hv"), needs={"bias_kv"}),
-        _rule("out_proj.weight", "out/kernel", ("Eo", "N*Hv"), ("N", "Hv", "Eo"), transpose=True),
-        _rule("out_proj.bias", "out/bias", ("Eo",), ("Eo",), needs={"bias"}),
-    ),
-    "torchref": (  # torchref.MultiHeadAttention / RelativeMultiHeadAttention
-        _rule("rel_key", "relative/key", ("R", "N?", "H"), ("R", "N?", "H"), needs={"rel_key"}),
-        _rule("rel_value", "relative/value", ("R", "N?", "Hv"), ("R", "N?", "Hv"), needs={"rel_value"}),
-        _rule("q_proj.weight", "query/kernel", ("N*H", "Eq"), ("Eq", "N", "H"), transpose=True),
-        _rule("q_proj.bias", "query/bias", ("N*H",), ("N", "H"), needs={"bias"}),
-        _rule("k_proj.weight", "key/kernel", ("K*H", "Ek"), ("Ek", "K", "H"), transpose=True),
-        _rule("k_proj.bias", "key/bias", ("K*H",), ("K", "H"), needs={"bias"}),
-        _rule("v_proj.weight", "value/kernel", ("K*Hv", "Ev"), ("Ev", "K", "Hv"), transpose=True),
-        _rule("v_proj.bias", "value/bias", ("K*Hv",), ("K", "Hv"), needs={"bias"}),
-        _rule("out_proj.weight", "out/kernel", ("Eo", "N*Hv"), ("N", "Hv", "Eo"), transpose=True),
-        _rule("out_proj.bias", "out/bias", ("Eo",), ("Eo",), needs={"bias"}),
-    ),
-}
 
 # Every layout a format can take: one choice from each group (an empty string means "flag off").
 _FLAG_GROUPS = {
@@ -96,30 +83,35 @@ _FLAG_GROUPS = {
     "torchref": (("bias", ""), ("rel_key", ""), ("rel_value", "")),
 }
 _DESCRIPTION = {"torch": "torch.nn.MultiheadAttention", "torchref": "torchref.MultiHeadAttention"}
-_FORMATS = tuple(_TABLE)
+_FORMATS = tuple(_FLAG_GROUPS)
 
 
 def _variants(fmt: str) -> list[frozenset[str]]:
     return [frozenset(f for f in combo if f) for combo in itertools.product(*_FLAG_GROUPS[fmt])]
 
 
-def _active(fmt: str, flags: frozenset[str]) -> list[_Rule]:
-    return [r for r in _TABLE[fmt] if r.needs <= flags]
-
-
 def _describe(fmt: str, flags: frozenset[str]) -> str:
     return f"{_DESCRIPTION[fmt]}({', '.join(sorted(flags)) or 'no bias'})"
+
+
+def _tensor_names(rows: list[Row]) -> set[str]:
+    return {r.name for r in rows}
+
+
+def _leaf_paths(rows: list[Row]) -> set[str]:
+    return {t.path for r in rows for t in r.targets}
 
 
 # ----------------------------------------------------------------------------------------- layout identity
 
 
-def _identify(fmts, names: set[str], key_of, what: str) -> tuple[str, frozenset[str]]:
-    """The (format, flags) whose key set is exactly ``names``; else a ValueError listing the nearest ones."""
+def _identify(fmts, names: set[str], keys_of, what: str) -> tuple[str, frozenset[str]]:
+    """The (format, flags) whose key set (keys_of(rows)) is exactly ``names``; else a ValueError listing the
+    nearest ones."""
     candidates = []
     for fmt in fmts:
         for flags in _variants(fmt):
-            expected = {key_of(r) for r in _active(fmt, flags)}
+            expected = keys_of(_rows(fmt, flags))
             if expected == names:
                 return fmt, flags
             missing, unexpected = sorted(expected - names), sorted(names - expected)
@@ -130,20 +122,15 @@ def _identify(fmts, names: set[str], key_of, what: str) -> tuple[str, frozenset[
     raise ValueError(f"{what} keys match no supported layout exactly; closest:\n" + "\n".join(lines))
 
 
-def _path_str(path: tuple[str, ...]) -> str:
-    return "/".join(path)
-
-
 # ------------------------------------------------------------------------------------------------- shapes
 
 
-def _axis(expr: str, dims: Mapping[str, int]) -> int:
-    return math.prod(int(f) if f.isdigit() else dims[f] for f in expr.split("*"))
-
-
 def _allowed_shapes(spec: tuple[str, ...], dims: Mapping[str, int]) -> list[tuple[int, ...]]:
-    with_heads = tuple(_axis(a.rstrip("?"), dims) for a in spec)
-    without = tuple(_axis(a, dims) for a in spec if not a.endswith("?"))
+    """The sizes of `spec`'s letters (weights.size), with and without its "?" axes."""
+    from jaxattn.models.weights import size
+
+    with_heads = size([a.rstrip("?") for a in spec], dims)
+    without = size([a for a in spec if not a.endswith("?")], dims)
     return [with_heads] if with_heads == without else [with_heads, without]
 
 
@@ -151,27 +138,6 @@ def _check_shape(name: str, shape, allowed: list[tuple[int, ...]]) -> None:
     if tuple(shape) not in allowed:
         want = " or ".join(str(s) for s in allowed)
         raise ValueError(f"{name}: expected shape {want}, got {tuple(shape)}")
-
-
-def _torch_shape(rules: list[_Rule], dims) -> list[tuple[int, ...]]:
-    """Allowed shapes of one torch tensor; a packed one stacks its blocks' rows."""
-    if len(rules) == 1:
-        return _allowed_shapes(rules[0].torch_shape, dims)
-    blocks = [_allowed_shapes(r.torch_shape, dims)[0] for r in rules]
-    return [(sum(b[0] for b in blocks), *blocks[0][1:])]
-
-
-def _row_slices(rules: list[_Rule], dims) -> list[slice]:
-    sizes = [_axis(r.torch_shape[0], dims) for r in rules]
-    starts = np.cumsum([0, *sizes])
-    return [slice(int(a), int(b)) for a, b in zip(starts[:-1], starts[1:])]
-
-
-def _by_tensor(rules: list[_Rule]) -> "OrderedDict[str, list[_Rule]]":
-    grouped: OrderedDict[str, list[_Rule]] = OrderedDict()
-    for r in rules:
-        grouped.setdefault(r.torch_name, []).append(r)
-    return grouped
 
 
 # ------------------------------------------------------------------------------------------------- arrays
@@ -377,26 +343,24 @@ def params_from_torch(module_or_state_dict, *, num_heads: int | None = None, num
     if format is not None and format not in _FORMATS:
         raise ValueError(f"format: expected one of {list(_FORMATS)}, got {format!r}")
     searched = [fmt or format] if (fmt or format) else list(_FORMATS)
-    fmt, flags = _identify(searched, set(state), lambda r: r.torch_name, "state_dict")
+    fmt, flags = _identify(searched, set(state), _tensor_names, "state_dict")
     if module_or_state_dict is state:
         dims = _dims_from_state_dict(fmt, flags, state, num_heads, num_kv_heads, head_dim, value_head_dim)
     else:
         dims = _dims_from_module(fmt, module_or_state_dict)
     _check_dims(fmt, dims)
-    return _nest(_leaves_from_torch(_active(fmt, flags), state, dims))
+    return _nest(_leaves_from_torch(_rows(fmt, flags), state, dims))
 
 
-def _leaves_from_torch(rules: list[_Rule], state: Mapping[str, Any], dims) -> dict[tuple[str, ...], Any]:
-    """The table read forwards: split packed rows, W.T for nn.Linear weights, reshape to heads."""
+def _leaves_from_torch(rows: list[Row], state: Mapping[str, Any], dims) -> dict[tuple[str, ...], Any]:
+    """The table read forwards: each tensor's shape checked, then each of its leaves made by its transform."""
     leaves = {}
-    for name, tensor_rules in _by_tensor(rules).items():
-        tensor = to_numpy(state[name])
-        _check_shape(name, tensor.shape, _torch_shape(tensor_rules, dims))
-        for rule, rows in zip(tensor_rules, _row_slices(tensor_rules, dims)):
-            block = tensor[rows] if rule.blocks > 1 else tensor
-            block = block.T if rule.transpose else block
-            shape = _allowed_shapes(rule.jax_shape, dims)[0 if block.ndim == len(rule.jax_shape) else -1]
-            leaves[rule.path] = to_jax(np.ascontiguousarray(block.reshape(shape)), name)
+    for r in rows:
+        tensor = to_numpy(state[r.name])
+        _check_shape(r.name, tensor.shape, _allowed_shapes(r.shape, dims))
+        for t in r.targets:
+            shape = _allowed_shapes(t.shape, dims)[0 if tensor.ndim == len(r.shape) else -1]
+            leaves[tuple(t.path.split("/"))] = to_jax(t.transform.leaf(tensor, shape), r.name)
     return leaves
 
 
@@ -437,29 +401,31 @@ def params_to_torch(params: Mapping, *, format: str) -> "OrderedDict[str, Any]":
     if format not in _FORMATS:
         raise ValueError(f"format: expected one of {list(_FORMATS)}, got {format!r}")
     leaves = {path: to_numpy(x) for path, x in _flatten(params).items()}
-    _, flags = _identify([format], {_path_str(p) for p in leaves}, lambda r: _path_str(r.path), "params")
+    _, flags = _identify([format], {"/".join(p) for p in leaves}, _leaf_paths, "params")
     dims = _dims_from_params(leaves)
     _check_dims(format, dims)
     if format == "torch":  # packed and separate share one params key set; torch picks by kdim/vdim
         packed = dims["Ek"] == dims["Eq"] == dims["Ev"]
         flags = flags - {"packed", "separate"} | {"packed" if packed else "separate"}
-    return _torch_from_leaves(_active(format, flags), leaves, dims)
+    return _torch_from_leaves(_rows(format, flags), leaves, dims)
 
 
-def _torch_from_leaves(rules: list[_Rule], leaves, dims) -> "OrderedDict[str, Any]":
-    """The table read backwards: heads flattened, kernel.T for nn.Linear weights, packed blocks stacked."""
+def _torch_from_leaves(rows: list[Row], leaves, dims) -> "OrderedDict[str, Any]":
+    """The table read backwards: each tensor from its leaves (weights.unapply: packed blocks side by side)."""
+    from jaxattn.models import weights
+
     state: OrderedDict[str, Any] = OrderedDict()
-    for name, tensor_rules in _by_tensor(rules).items():
-        blocks = []
-        for rule in tensor_rules:
-            leaf = leaves[rule.path]
-            _check_shape(f"params['{_path_str(rule.path)}']", leaf.shape, _allowed_shapes(rule.jax_shape, dims))
-            torch_shape = _allowed_shapes(rule.torch_shape, dims)[0 if leaf.ndim == len(rule.jax_shape) else -1]
-            blocks.append(leaf.reshape(torch_shape[::-1]).T if rule.transpose else leaf.reshape(torch_shape))
-        if len({b.dtype for b in blocks}) > 1:
-            raise ValueError(f"{name} packs {[_path_str(r.path) for r in tensor_rules]}, which must share one "
-                             f"dtype, got {[str(b.dtype) for b in blocks]}")
-        state[name] = _to_torch(np.concatenate(blocks) if len(blocks) > 1 else blocks[0])
+    for r in rows:
+        parts = []
+        for t in r.targets:
+            leaf = leaves[tuple(t.path.split("/"))]
+            _check_shape(f"params['{t.path}']", leaf.shape, _allowed_shapes(t.shape, dims))
+            parts.append((t.transform, leaf))
+        if len({leaf.dtype for _, leaf in parts}) > 1:
+            raise ValueError(f"{r.name} packs {[t.path for t in r.targets]}, which must share one "
+                             f"dtype, got {[str(leaf.dtype) for _, leaf in parts]}")
+        shape = _allowed_shapes(r.shape, dims)[0 if parts[0][1].ndim == len(r.targets[0].shape) else -1]
+        state[r.name] = _to_torch(weights.unapply(r.name, parts, shape))
     return state
 
 

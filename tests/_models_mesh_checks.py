@@ -253,10 +253,10 @@ def expected_bytes(sparams, directory):
 
 def leaf_tensors(directory):
     """{params path: (HF tensor name, its itemsize in the file)}, from the families' weight tables."""
-    from jaxattn.models import _table
+    from jaxattn.models import weights
 
     found = {}
-    real = _table.fill
+    real = weights.fill
 
     def record(tensors, rows, dims, files, **kwargs):
         for r in rows:
@@ -266,11 +266,11 @@ def leaf_tensors(directory):
                     found[key] = (r.name, tensors[r.name].dtype.itemsize)
         return real(tensors, rows, dims, files, **kwargs)
 
-    _table.fill = record
+    weights.fill = record
     try:
         from_pretrained(directory, mesh=Mesh(np.array(jax.local_devices()[:1]), ("data",)))
     finally:
-        _table.fill = real
+        weights.fill = real
     return found
 
 

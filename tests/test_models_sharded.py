@@ -30,6 +30,7 @@ from jax.sharding import PartitionSpec as P
 from helpers import assert_float64, normwise, run_processes
 from jaxattn import io
 from jaxattn.models import from_pretrained, partition_rules
+from jaxattn.models import weights as W
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "_models_mesh_checks.py"
@@ -121,38 +122,44 @@ def test_safetensors_entries_refuses_a_damaged_file(tmp_path):
 # (transform, HF shape, leaf shape, the leaf axes that are a merged HF axis's later letters: a box that cuts
 # none of them reads exactly its own bytes; one that does reads the whole merged axis)
 @pytest.mark.parametrize("transform,hf_shape,shape,tails", [
-    ("copy", (6, 4), (6, 4), ()), ("transpose", (6, 4), (4, 6), ()), ("reshape", (12,), (3, 4), (1,)),
-    ("T_reshape", (12, 5), (5, 3, 4), (2,)), ("T_reshape", (5, 12), (3, 4, 5), (1,)),
-    ("reshape", (12, 5), (3, 4, 5), (1,)), (("part", 1, 3, 1), (5, 36), (5, 3, 4), (2,)),
-    (("part", 2, 3, 0), (36,), (3, 4), (1,)), (("part", 0, 3, 1), (5, 36), (5, 12), ()),
+    (W.Copy(), (6, 4), (6, 4), ()), (W.Transpose(), (6, 4), (4, 6), ()), (W.Reshape(), (12,), (3, 4), (1,)),
+    (W.Steps(W.Transpose(), W.Reshape()), (12, 5), (5, 3, 4), (2,)),
+    (W.Steps(W.Transpose(), W.Reshape()), (5, 12), (3, 4, 5), (1,)),
+    (W.Reshape(), (12, 5), (3, 4, 5), (1,)), (W.Part(1, 3, 1), (5, 36), (5, 3, 4), (2,)),
+    (W.Part(2, 3, 0), (36,), (3, 4), (1,)), (W.Part(0, 3, 1), (5, 36), (5, 12), ()),
     # the MoE families' steps (jaxattn.models.moe): a stacked [X,out,in] kernel to [X,in,out], Mixtral's fused
     # gate_up_proj [X,2F,E] halves; gpt-oss's interleaved columns (every: the span read, tails = its axis)
-    (("swapaxes", 1, 2), (4, 6, 8), (4, 8, 6), ()),
-    ([("part", 1, 2, 1), ("swapaxes", 1, 2)], (4, 12, 8), (4, 8, 6), ()),
-    (("every", 0, 2, 2), (4, 6, 16), (4, 6, 8), (2,)), (("every", 1, 2, 1), (6, 16), (6, 8), (1,)),
+    (W.SwapAxes(1, 2), (4, 6, 8), (4, 8, 6), ()),
+    (W.Steps(W.Part(1, 2, 1), W.SwapAxes(1, 2)), (4, 12, 8), (4, 8, 6), ()),
+    (W.Every(0, 2, 2), (4, 6, 16), (4, 6, 8), (2,)), (W.Every(1, 2, 1), (6, 16), (6, 8), (1,)),
+    # blocks of w entries (GPT-NeoX's per-head q/k/v rows): no single strided range, the tensor is read whole
+    (W.Steps(W.Every(1, 3, 0, w=4), W.Transpose(), W.Reshape()), (24, 5), (5, 2, 4), None),
 ])
 def test_a_box_of_a_leaf_reads_its_region_of_the_tensor(tmp_path, transform, hf_shape, shape, tails):
-    """_lazy_checkpoint.region against the dense table transform (_table.fill), on every box of a grid of cuts."""
-    from jaxattn.models import _lazy_checkpoint, _table
+    """Transform.region (what the sharded reader reads) against the dense table transform (weights.fill), on
+    every box of a grid of cuts."""
 
     safetensors = pytest.importorskip("safetensors.numpy")
     x = np.arange(np.prod(hf_shape), dtype=np.float64).reshape(hf_shape)
     path = tmp_path / "t.safetensors"
     safetensors.save_file({"t": x}, str(path))
-    tensor = _lazy_checkpoint.LazyTensor(path, io.safetensors_entries(path)["t"])
-    row = _table.Row("t", tuple(map(str, hf_shape)), (("w", tuple(map(str, shape)), transform),))
-    leaf = _table.fill({"t": x}, [row], {}, {"t": "t.safetensors"})["w"]
+    entry = io.safetensors_entries(path)["t"]
+    row = W.row("t", tuple(map(str, hf_shape)), "w", tuple(map(str, shape)), transform)
+    leaf = W.fill({"t": x}, [row], {}, {"t": "t.safetensors"})["w"]
     cuts = [[(0, d), (0, d // 2), (d // 2, d), (1, d - 1)] for d in shape]
     for choice in np.ndindex(*[len(c) for c in cuts]):
         box = tuple(cuts[a][k] for a, k in enumerate(choice))
         io.bytes_read.clear()
-        got = _lazy_checkpoint.region(tensor, transform, shape, box)
+        got = transform.region(lambda b: io.read_region(path, entry, b), hf_shape, shape, box)
         want = leaf[tuple(slice(a, b) for a, b in box)]
         assert got.dtype == want.dtype and np.array_equal(got, want), box
-        exact = all(box[a] == (0, shape[a]) for a in tails)
         read = sum(io.bytes_read.values())
-        if isinstance(transform, tuple) and transform[0] == "every":  # the span of the n interleaved slices
-            assert want.nbytes <= read <= transform[2] * want.nbytes, (box, read, want.nbytes)
+        if tails is None:
+            assert read == x.nbytes, (box, read)
+            continue
+        exact = all(box[a] == (0, shape[a]) for a in tails)
+        if isinstance(transform, W.Every):  # the span of the n interleaved slices
+            assert want.nbytes <= read <= transform.n * want.nbytes, (box, read, want.nbytes)
         else:
             assert read == want.nbytes if exact else read >= want.nbytes, (box, read, want.nbytes)
 
@@ -160,7 +167,7 @@ def test_a_box_of_a_leaf_reads_its_region_of_the_tensor(tmp_path, transform, hf_
 def test_a_stacked_row_reads_only_the_experts_of_its_shard(tmp_path):
     """A stacked row (one HF tensor per expert): a box over experts [1, 3) reads only experts 1 and 2, each
     for its own box, and equals the dense table's leaf there."""
-    from jaxattn.models import _lazy_checkpoint, _table
+    from jaxattn.models import _lazy_checkpoint
 
     safetensors = pytest.importorskip("safetensors.numpy")
     rng = np.random.default_rng(0)
@@ -168,13 +175,13 @@ def test_a_stacked_row_reads_only_the_experts_of_its_shard(tmp_path):
     path = tmp_path / "t.safetensors"
     safetensors.save_file(tensors, str(path))
     entries = io.safetensors_entries(path)
-    row = _table.stacked("e.{j}.w", ("F", "E"), "w", ("X", "E", "F"), "transpose", over="X")
+    row = W.stacked("e.{j}.w", ("F", "E"), "w", ("X", "E", "F"), W.Transpose(), over="X")
     dims = {"X": 4, "E": 8, "F": 6}
-    leaf = _table.fill(tensors, [row], dims, {n: "t.safetensors" for n in tensors})["w"]
+    leaf = W.fill(tensors, [row], dims, {n: "t.safetensors" for n in tensors})["w"]
     xs = [_lazy_checkpoint.LazyTensor(path, entries[f"e.{j}.w"]) for j in range(4)]
     box = ((1, 3), (4, 8), (0, 6))
     io.bytes_read.clear()
-    got = _lazy_checkpoint.stacked_region(xs, "transpose", (4, 8, 6), box)
+    got = _lazy_checkpoint.stacked_region(xs, W.Transpose(), (4, 8, 6), box)
     assert np.array_equal(got, leaf[1:3, 4:8])
     assert {name: n for (_, name), n in io.bytes_read.items()} == {"e.1.w": 6 * 4 * 8, "e.2.w": 6 * 4 * 8}
 

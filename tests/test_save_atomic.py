@@ -81,11 +81,11 @@ def transformers_choice(directory: Path) -> dict[str, np.ndarray]:
 
 def params_as_tensors(llamas, params) -> dict:
     """from_pretrained's params as {HF name: array} (the table read backwards), to compare with a save."""
-    from jaxattn.models import _save, _table
+    from jaxattn.models import _save, weights
 
     model = llamas["old"][0]
     _, rows, dims = _save._WRITERS[type(model)](model)
-    return _table.unfill(params, rows, dims)
+    return weights.unfill(params, rows, dims)
 
 
 def which_set(tensors: dict, expected: dict) -> str:

@@ -6,8 +6,9 @@ Two kinds of case:
   heads, bottom-right causal T < S where the scheme is causal.
 * ``hf_*``: a tiny random HF ``transformers`` attention module (built offline from a config, weights seeded
   here) against the same computation written with jaxattn. Each model has ONE explicit mapping table
-  (``_*_TABLE``: HF parameter name -> jaxattn params path, and the layout transform); the key set must match
-  exactly. The same table maps torch's gradients, since a weight conversion is a permutation.
+  (``_*_table``, rows of jaxattn.models.weights: HF parameter name -> jaxattn params path, and the layout
+  transform); the key set must match exactly and every shape its letters. The same table maps torch's
+  gradients, since a weight conversion is a permutation.
 
 Where an HF module rounds to float32 on purpose, the float64 run says how it was kept in float64:
 
@@ -22,6 +23,7 @@ Where an HF module rounds to float32 on purpose, the float64 run says how it was
 from __future__ import annotations
 
 import contextlib
+from typing import TYPE_CHECKING
 from unittest import mock
 
 import numpy as np
@@ -29,106 +31,111 @@ import numpy as np
 from crosscheck.cases.common import FLOAT32_JIT, normal, randomize, rng_for, torch_params
 from crosscheck._catalogue import Setup, register_case
 
+if TYPE_CHECKING:
+    from jaxattn.models.weights import Row
+
 _HF = ("transformers",)  # hf_* cases build HF modules: registered only when transformers is installed
 
 # --- mapping tables ------------------------------------------------------------------------------------
-# transforms, all on numpy (weights and gradients alike). nn.Linear weight is [out, in], head-major out.
+# In jaxattn.models.weights' format (the one of every model family): HF name, its shape in letters, our path,
+# our shape, the transform (numpy; weights and gradients alike). nn.Linear weight is [out, in], head-major out.
+# Imported in each function: jaxattn.models brings flax and every model family, which registering cases need not.
 
 
-def _heads_in(heads: int, dim: int, block: int = 0, blocks: int = 1, per_head_blocks: bool = False):
-    """[blocks*heads*dim, E] -> kernel [E, heads, dim]: `block` of a fused projection.
+def _heads():
+    """nn.Linear [N*H, E] -> kernel [E, N, H]; [E, N*H] -> [N, H, E]."""
+    from jaxattn.models.weights import Reshape, Steps, Transpose
 
-    per_head_blocks: rows are [heads, blocks, dim] (GPT-NeoX, BLOOM) instead of [blocks, heads, dim] (MPT).
-    """
-    def transform(w):
-        if per_head_blocks:
-            rows = w.reshape(heads, blocks, dim, -1)[:, block]
-        else:
-            rows = w.reshape(blocks, heads, dim, -1)[block]
-        return np.transpose(rows, (2, 0, 1))
-    return transform
+    return Steps(Transpose(), Reshape())
 
 
-def _heads_bias(heads: int, dim: int, block: int = 0, blocks: int = 1, per_head_blocks: bool = False):
-    def transform(b):
-        return b.reshape(heads, blocks, dim)[:, block] if per_head_blocks else b.reshape(blocks, heads, dim)[block]
-    return transform
+def _t5_table() -> list[Row]:
+    from jaxattn.models.weights import row
+
+    heads = _heads()
+    return [row("q.weight", ("N*H", "E"), "query/kernel", ("E", "N", "H"), heads),
+            row("k.weight", ("N*H", "E"), "key/kernel", ("E", "N", "H"), heads),
+            row("v.weight", ("N*H", "E"), "value/kernel", ("E", "N", "H"), heads),
+            row("o.weight", ("E", "N*H"), "out/kernel", ("N", "H", "E"), heads),
+            row("relative_attention_bias.weight", ("R", "N"), "t5/table", ("R", "N"))]  # [R,N] as is
 
 
-def _heads_out(heads: int, dim: int):
-    """[E, heads*dim] -> kernel [heads, dim, E]."""
-    return lambda w: np.transpose(w.reshape(-1, heads, dim), (1, 2, 0))
+def _linear_rows(hf: str, ours: str, N: str) -> list[Row]:
+    """An nn.Linear projection to N heads (the letter: "N" or "K") and its bias."""
+    from jaxattn.models.weights import Reshape, row
+
+    return [row(f"{hf}.weight", (f"{N}*H", "E"), f"{ours}/kernel", ("E", N, "H"), _heads()),
+            row(f"{hf}.bias", (f"{N}*H",), f"{ours}/bias", (N, "H"), Reshape())]
 
 
-def _same(x):
-    return x
+def _llama_table() -> list[Row]:
+    from jaxattn.models.weights import row
+
+    heads = _heads()
+    return [*_linear_rows("q_proj", "query", "N"), *_linear_rows("k_proj", "key", "K"),
+            *_linear_rows("v_proj", "value", "K"),
+            row("o_proj.weight", ("E", "N*H"), "out/kernel", ("N", "H", "E"), heads),
+            row("o_proj.bias", ("E",), "out/bias", ("E",))]
 
 
-def _apply_table(table, state: dict) -> dict:
-    """HF flat {name: array} -> jaxattn tree; fused weights appear in several rows (one per block)."""
-    names = {row[0] for row in table}
-    if set(state) != names:
-        raise ValueError(f"HF parameters: expected exactly {sorted(names)}, got {sorted(state)}")
-    tree: dict = {}
-    for name, path, transform in table:
-        node = tree
-        *parents, leaf = path.split("/")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = np.asarray(transform(np.asarray(state[name])))
-    return tree
+def _fused_per_head_table(H: int, fused: str, dense: str) -> list[Row]:
+    """GPT-NeoX / BLOOM: fused rows [N, 3, H] (per head: q, k, v), biases everywhere: block j of every 3
+    blocks of H rows."""
+    from jaxattn.models.weights import Every, Row, Steps, Target, row
+
+    heads = _heads()
+    names = ("query", "key", "value")
+    return [Row(f"{fused}.weight", ("N*3*H", "E"), tuple(
+                Target(f"{name}/kernel", ("E", "N", "H"), Steps(Every(j, 3, 0, w=H), heads))
+                for j, name in enumerate(names))),
+            Row(f"{fused}.bias", ("N*3*H",), tuple(
+                Target(f"{name}/bias", ("N", "H"), Every(j, 3, 0, w=H)) for j, name in enumerate(names))),
+            row(f"{dense}.weight", ("E", "N*H"), "out/kernel", ("N", "H", "E"), heads),
+            row(f"{dense}.bias", ("E",), "out/bias", ("E",))]
 
 
-def _t5_table(N, H):
-    return (("q.weight", "query/kernel", _heads_in(N, H)), ("k.weight", "key/kernel", _heads_in(N, H)),
-            ("v.weight", "value/kernel", _heads_in(N, H)), ("o.weight", "out/kernel", _heads_out(N, H)),
-            ("relative_attention_bias.weight", "t5/table", _same))  # [R,N] as is
-
-
-def _llama_table(N, K, H):
-    return (("q_proj.weight", "query/kernel", _heads_in(N, H)), ("q_proj.bias", "query/bias", _heads_bias(N, H)),
-            ("k_proj.weight", "key/kernel", _heads_in(K, H)), ("k_proj.bias", "key/bias", _heads_bias(K, H)),
-            ("v_proj.weight", "value/kernel", _heads_in(K, H)), ("v_proj.bias", "value/bias", _heads_bias(K, H)),
-            ("o_proj.weight", "out/kernel", _heads_out(N, H)), ("o_proj.bias", "out/bias", _same))
-
-
-def _fused_per_head_table(N, H, fused: str, dense: str):
-    """GPT-NeoX / BLOOM: fused rows [N, 3, H] (per head: q, k, v), biases everywhere."""
-    table = []
-    for block, name in enumerate(("query", "key", "value")):
-        table.append((f"{fused}.weight", f"{name}/kernel", _heads_in(N, H, block, 3, per_head_blocks=True)))
-        table.append((f"{fused}.bias", f"{name}/bias", _heads_bias(N, H, block, 3, per_head_blocks=True)))
-    return tuple(table) + ((f"{dense}.weight", "out/kernel", _heads_out(N, H)), (f"{dense}.bias", "out/bias", _same))
-
-
-def _mpt_table(N, H):
+def _mpt_table() -> list[Row]:
     """MPT: Wqkv rows [3, N, H] (q block, k block, v block), no biases."""
-    return tuple((("Wqkv.weight", f"{name}/kernel", _heads_in(N, H, block, 3)))
-                 for block, name in enumerate(("query", "key", "value"))) + (
-        ("out_proj.weight", "out/kernel", _heads_out(N, H)),)
+    from jaxattn.models.weights import Part, Row, Steps, Target, row
+
+    heads = _heads()
+    return [Row("Wqkv.weight", ("3*N*H", "E"), tuple(
+                Target(f"{name}/kernel", ("E", "N", "H"), Steps(Part(j, 3, 0), heads))
+                for j, name in enumerate(("query", "key", "value")))),
+            row("out_proj.weight", ("E", "N*H"), "out/kernel", ("N", "H", "E"), heads)]
 
 
-def _w2v2bert_table(N, H, kind: str):
-    table = [(f"linear_{t}.{p}", f"{name}/{'kernel' if p == 'weight' else 'bias'}",
-              (_heads_in(N, H) if p == "weight" else _heads_bias(N, H)))
-             for t, name in (("q", "query"), ("k", "key"), ("v", "value")) for p in ("weight", "bias")]
-    table += [("linear_out.weight", "out/kernel", _heads_out(N, H)), ("linear_out.bias", "out/bias", _same)]
-    if kind == "relative_key":
-        table.append(("distance_embedding.weight", "relative/key", _same))  # [L+R+1, H], shared over heads
-    else:
-        table += [("linear_pos.weight", "position/kernel", _heads_in(N, H)),
-                  ("pos_bias_u", "pos_bias_u", _same), ("pos_bias_v", "pos_bias_v", _same)]  # [N,H]
-    return tuple(table)
+def _w2v2bert_table(kind: str) -> list[Row]:
+    from jaxattn.models.weights import row
+
+    heads = _heads()
+    table = [*_linear_rows("linear_q", "query", "N"), *_linear_rows("linear_k", "key", "N"),
+             *_linear_rows("linear_v", "value", "N"),
+             row("linear_out.weight", ("E", "N*H"), "out/kernel", ("N", "H", "E"), heads),
+             row("linear_out.bias", ("E",), "out/bias", ("E",))]
+    if kind == "relative_key":  # [L+R+1, H], shared over heads
+        return table + [row("distance_embedding.weight", ("R", "H"), "relative/key", ("R", "H"))]
+    return table + [row("linear_pos.weight", ("N*H", "E"), "position/kernel", ("E", "N", "H"), heads),
+                    row("pos_bias_u", ("N", "H"), "pos_bias_u", ("N", "H")),
+                    row("pos_bias_v", ("N", "H"), "pos_bias_v", ("N", "H"))]
 
 
-def _hf_setup(module, table, jax_fn, torch_fn, inputs, fixed=()) -> Setup:
-    """Setup with jax params from the table. `fixed` names are held constant (not differentiated) on both sides:
-    key biases without RoPE, whose gradient is identically zero (q . b_k is constant along each softmax row), so
-    both frameworks return roundoff noise that no relative error can compare."""
+def _fill(rows: list[Row], dims: dict, state: dict) -> dict:
+    """HF flat {name: array} -> jaxattn tree (exactly the rows' names, every shape checked against dims)."""
+    from jaxattn.models import weights
+
+    return weights.fill({k: np.asarray(v) for k, v in state.items()}, rows, dims, {k: "HF module" for k in state})
+
+
+def _hf_setup(module, table, dims, jax_fn, torch_fn, inputs, fixed=()) -> Setup:
+    """Setup with jax params from the table (its letters' sizes: dims). `fixed` names are held constant (not
+    differentiated) on both sides: key biases without RoPE, whose gradient is identically zero (q . b_k is
+    constant along each softmax row), so both frameworks return roundoff noise that no relative error can
+    compare."""
     state = torch_params(module)
     consts = {name: state.pop(name) for name in fixed}
-    jax_consts = _apply_table(tuple(row for row in table if row[0] in fixed), consts)
-    table = tuple(row for row in table if row[0] not in fixed)
+    jax_consts = _fill([r for r in table if r.name in fixed], dims, consts)
+    table = [r for r in table if r.name not in fixed]
 
     def jax_with_consts(p, **kw):
         dtype = next(iter(kw.values())).dtype
@@ -143,8 +150,8 @@ def _hf_setup(module, table, jax_fn, torch_fn, inputs, fixed=()) -> Setup:
         dtype = next(iter(kw.values())).dtype
         return torch_fn({**p, **{n: torch.from_numpy(a).to(dtype) for n, a in consts.items()}}, **kw)
 
-    return Setup(jax_with_consts, torch_with_consts, inputs, params=_apply_table(table, state), torch_params=state,
-                 grads_from_torch=lambda grads: _apply_table(table, grads))
+    return Setup(jax_with_consts, torch_with_consts, inputs, params=_fill(table, dims, state), torch_params=state,
+                 grads_from_torch=lambda grads: _fill(table, dims, grads))
 
 
 def _call(module, params, *args, **kwargs):
@@ -215,7 +222,7 @@ def _t5(name: str, *, decoder: bool, T: int, S: int) -> Setup:
             _call(module, p, x[:, :past], mask=_additive_causal(past, past, x.dtype), past_key_values=cache)
         return _call(module, p, x[:, past:], mask=_additive_causal(T, S, x.dtype), past_key_values=cache)[0]
 
-    return _hf_setup(module, _t5_table(N, H), jax_fn, torch_fn, {"x": normal(rng, (B, S, E))})
+    return _hf_setup(module, _t5_table(), dict(E=E, N=N, H=H, R=R), jax_fn, torch_fn, {"x": normal(rng, (B, S, E))})
 
 
 @register_case("hf_t5_encoder", requires=_HF, quick=FLOAT32_JIT)
@@ -275,7 +282,7 @@ def hf_llama() -> Setup:
         return _call(module, p, x[:, past:], position_embeddings=tuple(c[:, past:] for c in cos_sin),
                      attention_mask=_bool_causal(T, S), past_key_values=cache)[0]
 
-    return _hf_setup(module, _llama_table(N, K, H), jax_fn, torch_fn, {"x": normal(rng, (B, S, E))})
+    return _hf_setup(module, _llama_table(), dict(E=E, N=N, K=K, H=H), jax_fn, torch_fn, {"x": normal(rng, (B, S, E))})
 
 
 @register_case("hf_gpt_neox", requires=_HF, quick=FLOAT32_JIT)
@@ -308,8 +315,8 @@ def hf_gpt_neox() -> Setup:
         cos_sin = _hf_cos_sin(rotary, config, torch.arange(T)[None], x.dtype, rotary_dim, base)
         return _call(module, p, x, attention_mask=None, position_embeddings=cos_sin)[0]
 
-    table = _fused_per_head_table(N, H, "query_key_value", "dense")
-    return _hf_setup(module, table, jax_fn, torch_fn, {"x": normal(rng, (B, T, E))})
+    table = _fused_per_head_table(H, "query_key_value", "dense")
+    return _hf_setup(module, table, dict(E=E, N=N, H=H), jax_fn, torch_fn, {"x": normal(rng, (B, T, E))})
 
 
 # --- ALiBi: BLOOM, MPT ----------------------------------------------------------------------------------
@@ -359,9 +366,9 @@ def hf_bloom() -> Setup:
         with keep:
             return _call(module, p, x, torch.zeros_like(x), alibi_tensor, _additive_causal(T, T, x.dtype))[0]
 
-    table = _fused_per_head_table(N, H, "query_key_value", "dense")
+    table = _fused_per_head_table(H, "query_key_value", "dense")
     # the fused bias holds BLOOM's key bias (zero gradient, see _hf_setup): the whole tensor is held fixed
-    return _hf_setup(module, table, jax_fn, torch_fn, {"x": normal(rng, (B, T, E))},
+    return _hf_setup(module, table, dict(E=E, N=N, H=H), jax_fn, torch_fn, {"x": normal(rng, (B, T, E))},
                      fixed=("query_key_value.bias",))
 
 
@@ -389,7 +396,7 @@ def hf_mpt() -> Setup:
         blocked = ~_bool_causal(T, T)  # MPT's mask: True = masked
         return _call(module, p, x, position_bias, attention_mask=blocked)[0]
 
-    return _hf_setup(module, _mpt_table(N, H), jax_fn, torch_fn, {"x": normal(rng, (B, T, E))})
+    return _hf_setup(module, _mpt_table(), dict(E=E, N=N, H=H), jax_fn, torch_fn, {"x": normal(rng, (B, T, E))})
 
 
 # --- Wav2Vec2-BERT: clipped relative keys, Transformer-XL ----------------------------------------------
@@ -436,7 +443,8 @@ def _w2v2bert(name: str, kind: str, *, T: int, E: int, N: int, left: int = 0, ri
         def torch_fn(p, x, pos):
             return _call(module, p, x, relative_position_embeddings=pos)[0]
 
-    return _hf_setup(module, _w2v2bert_table(N, H, kind), jax_fn, torch_fn, inputs, fixed=("linear_k.bias",))
+    dims = dict(E=E, N=N, H=H, R=left + right + 1)
+    return _hf_setup(module, _w2v2bert_table(kind), dims, jax_fn, torch_fn, inputs, fixed=("linear_k.bias",))
 
 
 @register_case("hf_w2v2bert_relative_key", requires=_HF, quick=FLOAT32_JIT)

@@ -26,6 +26,7 @@ from . import mixtral as _mixtral_family  # noqa: F401
 from . import qwen3 as _qwen3_family  # noqa: F401
 from . import qwen3_moe as _qwen3_moe_family  # noqa: F401
 from . import t5 as _t5_family  # noqa: F401
+from . import weights as weights
 from ._activation_layout import ModelSharding as ModelSharding
 from ._decoder import rope_frequencies as rope_frequencies
 from ._generate import generate as generate

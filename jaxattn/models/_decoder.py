@@ -48,7 +48,8 @@ import numpy as np
 from .._core.norms import rms_normalize
 from .._schemes import rope_scaling
 from ..linen import RoPE
-from . import _activation_layout, _pretrained, _save, _table
+from . import _activation_layout, _pretrained, _save, weights
+from .weights import Reshape, Steps, Transpose
 
 # --- configs ----------------------------------------------------------------------------------------------------
 
@@ -566,69 +567,69 @@ def empty_cache(model: nn.Module, params, *args, method=None, **kwargs):
     return jax.jit(lambda: _activation_layout.constrain_cache(model.sharding, zeros()))()  # made on the mesh, sharded
 
 
-# --- weights: HF's names, one row per tensor (see _table) -------------------------------------------------------
+# --- weights: HF's names, one row per tensor (see jaxattn.models.weights) ----------------------------------------
 
-def causal_lm_rows(config: DecoderConfig) -> list[_table.Row]:
+def causal_lm_rows(config: DecoderConfig) -> list[weights.Row]:
     """What every Llama-shaped checkpoint holds besides its MLP: the embeddings, each layer's two norms and
     attention (torch nn.Linear [out,in] -> our heads-split kernels), the final norm and an untied head."""
-    R, biases = _table.row, config.attention_biases()
+    R, biases = weights.row, config.attention_biases()
     return [
         R("model.embed_tokens.weight", ("V", "E"), "embed_tokens/embedding", ("V", "E")),
         R("model.layers.{i}.input_layernorm.weight", ("E",), "layers_{i}/input_layernorm/weight", ("E",)),
         R("model.layers.{i}.self_attn.q_proj.weight", ("N*H", "E"),
-          "layers_{i}/self_attn/query/kernel", ("E", "N", "H"), "T_reshape"),
+          "layers_{i}/self_attn/query/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
         R("model.layers.{i}.self_attn.k_proj.weight", ("K*H", "E"),
-          "layers_{i}/self_attn/key/kernel", ("E", "K", "H"), "T_reshape"),
+          "layers_{i}/self_attn/key/kernel", ("E", "K", "H"), Steps(Transpose(), Reshape())),
         R("model.layers.{i}.self_attn.v_proj.weight", ("K*H", "E"),
-          "layers_{i}/self_attn/value/kernel", ("E", "K", "H"), "T_reshape"),
+          "layers_{i}/self_attn/value/kernel", ("E", "K", "H"), Steps(Transpose(), Reshape())),
         R("model.layers.{i}.self_attn.o_proj.weight", ("E", "N*H"),
-          "layers_{i}/self_attn/out/kernel", ("N", "H", "E"), "T_reshape"),
-        *_table.when("query" in biases,
-                     R("model.layers.{i}.self_attn.q_proj.bias", ("N*H",),
-                       "layers_{i}/self_attn/query/bias", ("N", "H"), "reshape")),
-        *_table.when("key" in biases,
-                     R("model.layers.{i}.self_attn.k_proj.bias", ("K*H",),
-                       "layers_{i}/self_attn/key/bias", ("K", "H"), "reshape")),
-        *_table.when("value" in biases,
-                     R("model.layers.{i}.self_attn.v_proj.bias", ("K*H",),
-                       "layers_{i}/self_attn/value/bias", ("K", "H"), "reshape")),
-        *_table.when("out" in biases,
-                     R("model.layers.{i}.self_attn.o_proj.bias", ("E",), "layers_{i}/self_attn/out/bias", ("E",))),
+          "layers_{i}/self_attn/out/kernel", ("N", "H", "E"), Steps(Transpose(), Reshape())),
+        *weights.when("query" in biases,
+                      R("model.layers.{i}.self_attn.q_proj.bias", ("N*H",),
+                        "layers_{i}/self_attn/query/bias", ("N", "H"), Reshape())),
+        *weights.when("key" in biases,
+                      R("model.layers.{i}.self_attn.k_proj.bias", ("K*H",),
+                        "layers_{i}/self_attn/key/bias", ("K", "H"), Reshape())),
+        *weights.when("value" in biases,
+                      R("model.layers.{i}.self_attn.v_proj.bias", ("K*H",),
+                        "layers_{i}/self_attn/value/bias", ("K", "H"), Reshape())),
+        *weights.when("out" in biases,
+                      R("model.layers.{i}.self_attn.o_proj.bias", ("E",), "layers_{i}/self_attn/out/bias", ("E",))),
         R("model.layers.{i}.post_attention_layernorm.weight", ("E",),
           "layers_{i}/post_attention_layernorm/weight", ("E",)),
         R("model.norm.weight", ("E",), "norm/weight", ("E",)),
-        *_table.when(not config.tie_word_embeddings,
-                     R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), "transpose")),
+        *weights.when(not config.tie_word_embeddings,
+                      R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), Transpose())),
     ]
 
 
-def qk_norm_rows() -> list[_table.Row]:
+def qk_norm_rows() -> list[weights.Row]:
     """Each layer's per-head RMS norms of queries and keys (self_attention with qk_norm; Qwen 3, Gemma 3)."""
-    R = _table.row
+    R = weights.row
     return [R("model.layers.{i}.self_attn.q_norm.weight", ("H",), "layers_{i}/self_attn/q_norm/weight", ("H",)),
             R("model.layers.{i}.self_attn.k_norm.weight", ("H",), "layers_{i}/self_attn/k_norm/weight", ("H",))]
 
 
-def sandwich_norm_rows() -> list[_table.Row]:
+def sandwich_norm_rows() -> list[weights.Row]:
     """Each layer's norms around the MLP of a SandwichBlock (its attention's two: causal_lm_rows)."""
-    R = _table.row
+    R = weights.row
     return [R("model.layers.{i}.pre_feedforward_layernorm.weight", ("E",),
               "layers_{i}/pre_feedforward_layernorm/weight", ("E",)),
             R("model.layers.{i}.post_feedforward_layernorm.weight", ("E",),
               "layers_{i}/post_feedforward_layernorm/weight", ("E",))]
 
 
-def mlp_rows(config: DecoderConfig) -> list[_table.Row]:
+def mlp_rows(config: DecoderConfig) -> list[weights.Row]:
     """Each layer's gate/up/down MLP (gated_mlp's params)."""
-    R = _table.row
+    R = weights.row
     return [
-        R("model.layers.{i}.mlp.gate_proj.weight", ("F", "E"), "layers_{i}/gate_proj/kernel", ("E", "F"), "transpose"),
-        R("model.layers.{i}.mlp.up_proj.weight", ("F", "E"), "layers_{i}/up_proj/kernel", ("E", "F"), "transpose"),
-        R("model.layers.{i}.mlp.down_proj.weight", ("E", "F"), "layers_{i}/down_proj/kernel", ("F", "E"), "transpose"),
-        *_table.when(config.mlp_bias,
-                     R("model.layers.{i}.mlp.gate_proj.bias", ("F",), "layers_{i}/gate_proj/bias", ("F",)),
-                     R("model.layers.{i}.mlp.up_proj.bias", ("F",), "layers_{i}/up_proj/bias", ("F",)),
-                     R("model.layers.{i}.mlp.down_proj.bias", ("E",), "layers_{i}/down_proj/bias", ("E",))),
+        R("model.layers.{i}.mlp.gate_proj.weight", ("F", "E"), "layers_{i}/gate_proj/kernel", ("E", "F"), Transpose()),
+        R("model.layers.{i}.mlp.up_proj.weight", ("F", "E"), "layers_{i}/up_proj/kernel", ("E", "F"), Transpose()),
+        R("model.layers.{i}.mlp.down_proj.weight", ("E", "F"), "layers_{i}/down_proj/kernel", ("F", "E"), Transpose()),
+        *weights.when(config.mlp_bias,
+                      R("model.layers.{i}.mlp.gate_proj.bias", ("F",), "layers_{i}/gate_proj/bias", ("F",)),
+                      R("model.layers.{i}.mlp.up_proj.bias", ("F",), "layers_{i}/up_proj/bias", ("F",)),
+                      R("model.layers.{i}.mlp.down_proj.bias", ("E",), "layers_{i}/down_proj/bias", ("E",))),
     ]
 
 
@@ -656,6 +657,6 @@ def loader(config_class, model_class, table: Callable):
         parsed = config_class.from_dict(config, source)
         ignored = tied_copy(tensors, files, source, tied=parsed.tie_word_embeddings,
                             embedding="model.embed_tokens.weight")
-        params = _table.fill(tensors, table(parsed), parsed.dims(), files, dtype=dtype, ignored=ignored)
+        params = weights.fill(tensors, table(parsed), parsed.dims(), files, dtype=dtype, ignored=ignored)
         return model_class(parsed, precision=precision), params
     return load

@@ -2,7 +2,7 @@
 
 The directory holds config.json and either model.safetensors or shards listed by
 model.safetensors.index.json ({"weight_map": {name: file}}). Files are read by jaxattn.io.load_safetensors
-(no torch); each family maps names through its one explicit table (see _table.py and the family module).
+(no torch); each family maps names through its one explicit table (see jaxattn.models.weights and the family module).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 It writes config.json and model.safetensors, or shards model-0000k-of-0000n.safetensors with
 model.safetensors.index.json, as save_pretrained does. The tensors are the family's weight table read in
-reverse (_table.unfill: the same rows from_pretrained fills from, no second map), written by
+reverse (weights.unfill: the same rows from_pretrained fills from, no second map), written by
 jaxattn.io.safetensors_writer (no torch) and swapped in without ever losing the old set (_checkpoint_swap).
 config.json holds the values the model was built from: the config.json dict it was read from
 (`config.hf_config`, which from_pretrained and from_state_dict attach), overridden by what the family's
@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import _atomic_files as atomic_files
 from .. import io
-from . import _table
+from . import weights
 from ._checkpoint_swap import CONFIG, INDEX, SINGLE, swap_in
 
 # model class -> writer(model) -> (config.json dict, rows, dims); filled by the families.
@@ -138,7 +138,7 @@ def to_pretrained(model, params, path: str | os.PathLike, *, dtype: Any | None =
         raise ValueError(f"dtype: expected a floating dtype (e.g. 'bfloat16') or None, got {dtype!r}")
     limit = shard_size(max_shard_size)
     config, rows, dims = writer(model)
-    tensors = _table.unfill(params, rows, dims, dtype=None if dtype is None else jnp.dtype(dtype))
+    tensors = weights.unfill(params, rows, dims, dtype=None if dtype is None else jnp.dtype(dtype))
     floating = [x.dtype for x in tensors.values() if jnp.issubdtype(x.dtype, jnp.floating)]
     if floating:
         config["dtype"] = str(floating[0])

@@ -8,8 +8,8 @@
 It matches Hugging Face's BertModel ("gelu" is the exact erf GELU, LayerNorm uses the config's eps and the
 two-pass variance as torch does). Weights come from a PyTorch state_dict of numpy arrays (e.g.
 crosscheck.load_state_dict("model.safetensors")) through `params_from_state_dict`, which follows ONE
-explicit table (`weight_table`, the _table format of every family): every name, its shape on both sides in
-the letters below, and its layout transform.
+explicit table (`weight_table`, the jaxattn.models.weights format of every family): every name, its shape
+on both sides in the letters below, and its layout transform.
 
     V vocab  P positions  Y token types  E hidden (= N * H)  N heads  H head dim  F intermediate
 """
@@ -26,7 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..linen import MultiHeadAttention
-from . import _activation_layout, _decoder, _pretrained, _save, _table
+from . import _activation_layout, _decoder, _pretrained, _save, weights
+from .weights import Reshape, Steps, Transpose
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,12 +169,12 @@ def mean_pooling(last_hidden_state, attention_mask, *, normalize: bool = True):
     return pooled
 
 
-# --- weights: one row per tensor (see _table) ------------------------------------------------------------------
+# --- weights: one row per tensor (see jaxattn.models.weights) ---------------------------------------------------
 
-def weight_table(config: BertConfig, *, add_pooling_layer: bool = True, prefix: str = "") -> list[_table.Row]:
+def weight_table(config: BertConfig, *, add_pooling_layer: bool = True, prefix: str = "") -> list[weights.Row]:
     """HF BertModel's names (after `prefix`, e.g. "bert." inside BertFor* heads) -> our params."""
-    R = _table.row
-    rows = _table.expand([
+    R = weights.row
+    rows = weights.expand([
         R("embeddings.word_embeddings.weight", ("V", "E"), "embeddings/word_embeddings/embedding", ("V", "E")),
         R("embeddings.position_embeddings.weight", ("P", "E"), "embeddings/position_embeddings/embedding", ("P", "E")),
         R("embeddings.token_type_embeddings.weight", ("Y", "E"),
@@ -181,33 +182,33 @@ def weight_table(config: BertConfig, *, add_pooling_layer: bool = True, prefix: 
         R("embeddings.LayerNorm.weight", ("E",), "embeddings/LayerNorm/scale", ("E",)),
         R("embeddings.LayerNorm.bias", ("E",), "embeddings/LayerNorm/bias", ("E",)),
         R("encoder.layer.{i}.attention.self.query.weight", ("N*H", "E"),
-          "layer_{i}/attention/query/kernel", ("E", "N", "H"), "T_reshape"),
+          "layer_{i}/attention/query/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
         R("encoder.layer.{i}.attention.self.query.bias", ("N*H",),
-          "layer_{i}/attention/query/bias", ("N", "H"), "reshape"),
+          "layer_{i}/attention/query/bias", ("N", "H"), Reshape()),
         R("encoder.layer.{i}.attention.self.key.weight", ("N*H", "E"),
-          "layer_{i}/attention/key/kernel", ("E", "N", "H"), "T_reshape"),
-        R("encoder.layer.{i}.attention.self.key.bias", ("N*H",), "layer_{i}/attention/key/bias", ("N", "H"), "reshape"),
+          "layer_{i}/attention/key/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
+        R("encoder.layer.{i}.attention.self.key.bias", ("N*H",), "layer_{i}/attention/key/bias", ("N", "H"), Reshape()),
         R("encoder.layer.{i}.attention.self.value.weight", ("N*H", "E"),
-          "layer_{i}/attention/value/kernel", ("E", "N", "H"), "T_reshape"),
+          "layer_{i}/attention/value/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
         R("encoder.layer.{i}.attention.self.value.bias", ("N*H",),
-          "layer_{i}/attention/value/bias", ("N", "H"), "reshape"),
+          "layer_{i}/attention/value/bias", ("N", "H"), Reshape()),
         R("encoder.layer.{i}.attention.output.dense.weight", ("E", "N*H"),
-          "layer_{i}/attention/out/kernel", ("N", "H", "E"), "T_reshape"),
+          "layer_{i}/attention/out/kernel", ("N", "H", "E"), Steps(Transpose(), Reshape())),
         R("encoder.layer.{i}.attention.output.dense.bias", ("E",), "layer_{i}/attention/out/bias", ("E",)),
         R("encoder.layer.{i}.attention.output.LayerNorm.weight", ("E",), "layer_{i}/attention_norm/scale", ("E",)),
         R("encoder.layer.{i}.attention.output.LayerNorm.bias", ("E",), "layer_{i}/attention_norm/bias", ("E",)),
         R("encoder.layer.{i}.intermediate.dense.weight", ("F", "E"),
-          "layer_{i}/intermediate/kernel", ("E", "F"), "transpose"),
+          "layer_{i}/intermediate/kernel", ("E", "F"), Transpose()),
         R("encoder.layer.{i}.intermediate.dense.bias", ("F",), "layer_{i}/intermediate/bias", ("F",)),
-        R("encoder.layer.{i}.output.dense.weight", ("E", "F"), "layer_{i}/output/kernel", ("F", "E"), "transpose"),
+        R("encoder.layer.{i}.output.dense.weight", ("E", "F"), "layer_{i}/output/kernel", ("F", "E"), Transpose()),
         R("encoder.layer.{i}.output.dense.bias", ("E",), "layer_{i}/output/bias", ("E",)),
         R("encoder.layer.{i}.output.LayerNorm.weight", ("E",), "layer_{i}/output_norm/scale", ("E",)),
         R("encoder.layer.{i}.output.LayerNorm.bias", ("E",), "layer_{i}/output_norm/bias", ("E",)),
-        *_table.when(add_pooling_layer,
-                     R("pooler.dense.weight", ("E", "E"), "pooler/kernel", ("E", "E"), "transpose"),
-                     R("pooler.dense.bias", ("E",), "pooler/bias", ("E",))),
+        *weights.when(add_pooling_layer,
+                       R("pooler.dense.weight", ("E", "E"), "pooler/kernel", ("E", "E"), Transpose()),
+                       R("pooler.dense.bias", ("E",), "pooler/bias", ("E",))),
     ], config.num_hidden_layers)
-    return _table.prefixed(rows, prefix)
+    return weights.prefixed(rows, prefix)
 
 
 def state_dict_names(config: BertConfig, *, add_pooling_layer: bool = True) -> list[str]:
@@ -236,7 +237,7 @@ def _fill(tensors, files, config: BertConfig, *, add_pooling_layer: bool, prefix
     if buffer in tensors and not np.array_equal(tensors[buffer], np.arange(config.max_position_embeddings)[None]):
         raise ValueError(f"{files[buffer]}: {buffer!r}: expected the default buffer arange(P), got other values")
     rows = weight_table(config, add_pooling_layer=add_pooling_layer, prefix=prefix)
-    return _table.fill(tensors, rows, config.dims(), files, dtype=dtype, ignored=(buffer,))
+    return weights.fill(tensors, rows, config.dims(), files, dtype=dtype, ignored=(buffer,))
 
 
 def init_params(config: BertConfig, rng=None, **model_options) -> dict:

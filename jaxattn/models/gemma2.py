@@ -23,7 +23,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from . import _decoder, _pretrained, _table
+from . import _decoder, _pretrained, weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,10 +68,10 @@ class Gemma2ForCausalLM(_decoder.ScaledCausalLM):
     Block = Gemma2Block
 
 
-def weight_table(config: Gemma2Config) -> list[_table.Row]:
+def weight_table(config: Gemma2Config) -> list[weights.Row]:
     """HF's names -> our params: the shared causal-LM rows, the MLP and its sandwich norms."""
     rows = [*_decoder.causal_lm_rows(config), *_decoder.sandwich_norm_rows(), *_decoder.mlp_rows(config)]
-    return _table.expand(rows, config.num_hidden_layers)
+    return weights.expand(rows, config.num_hidden_layers)
 
 
 _pretrained.register_family("gemma2")(_decoder.loader(Gemma2Config, Gemma2ForCausalLM, weight_table))

@@ -31,7 +31,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from . import _decoder, _pretrained, _table
+from . import _decoder, _pretrained, weights
 
 # HF's default rope_theta per layer type (Gemma3TextConfig.default_theta)
 DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
@@ -119,11 +119,11 @@ class Gemma3ForCausalLM(_decoder.ScaledCausalLM):
     Block = Gemma3Block
 
 
-def weight_table(config: Gemma3Config) -> list[_table.Row]:
+def weight_table(config: Gemma3Config) -> list[weights.Row]:
     """HF's names -> our params: the shared causal-LM rows, the q/k norms, the MLP and its sandwich norms."""
     rows = [*_decoder.causal_lm_rows(config), *_decoder.qk_norm_rows(), *_decoder.sandwich_norm_rows(),
             *_decoder.mlp_rows(config)]
-    return _table.expand(rows, config.num_hidden_layers)
+    return weights.expand(rows, config.num_hidden_layers)
 
 
 _pretrained.register_family("gemma3_text")(_decoder.loader(Gemma3Config, Gemma3ForCausalLM, weight_table))

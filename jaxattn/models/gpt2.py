@@ -21,7 +21,8 @@ from typing import Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from . import _activation_layout, _decoder, _pretrained, _save, _table
+from . import _activation_layout, _decoder, _pretrained, _save, weights
+from .weights import Part, Reshape, Target, Transpose
 
 _ACTIVATIONS = {  # HF's ACT2FN names -> the exact formula
     "gelu_new": functools.partial(nn.gelu, approximate=True),
@@ -124,23 +125,23 @@ class GPT2LMHeadModel(_decoder.Configured):
 
 # --- weights: one row per HF tensor (names of GPT2LMHeadModel; a bare GPT2Model has no "transformer.") -------
 
-def weight_table(config: GPT2Config, *, prefix: str = "transformer.") -> list[_table.Row]:
+def weight_table(config: GPT2Config, *, prefix: str = "transformer.") -> list[weights.Row]:
     """HF's names (after `prefix`) -> our params. Conv1D stores [in,out], Flax's Dense layout already."""
-    R = _table.row
-    rows = _table.expand([
+    R = weights.row
+    rows = weights.expand([
         R("wte.weight", ("V", "E"), "wte/embedding", ("V", "E")),
         R("wpe.weight", ("P", "E"), "wpe/embedding", ("P", "E")),
         R("h.{i}.ln_1.weight", ("E",), "h_{i}/ln_1/scale", ("E",)),
         R("h.{i}.ln_1.bias", ("E",), "h_{i}/ln_1/bias", ("E",)),
-        _table.Row("h.{i}.attn.c_attn.weight", ("E", "3*E"), (  # columns q | k | v
-            ("h_{i}/attn/query/kernel", ("E", "N", "H"), ("part", 0, 3, 1)),
-            ("h_{i}/attn/key/kernel", ("E", "N", "H"), ("part", 1, 3, 1)),
-            ("h_{i}/attn/value/kernel", ("E", "N", "H"), ("part", 2, 3, 1)))),
-        _table.Row("h.{i}.attn.c_attn.bias", ("3*E",), (
-            ("h_{i}/attn/query/bias", ("N", "H"), ("part", 0, 3, 0)),
-            ("h_{i}/attn/key/bias", ("N", "H"), ("part", 1, 3, 0)),
-            ("h_{i}/attn/value/bias", ("N", "H"), ("part", 2, 3, 0)))),
-        R("h.{i}.attn.c_proj.weight", ("N*H", "E"), "h_{i}/attn/out/kernel", ("N", "H", "E"), "reshape"),
+        weights.Row("h.{i}.attn.c_attn.weight", ("E", "3*E"), (  # columns q | k | v
+              Target("h_{i}/attn/query/kernel", ("E", "N", "H"), Part(0, 3, 1)),
+              Target("h_{i}/attn/key/kernel", ("E", "N", "H"), Part(1, 3, 1)),
+              Target("h_{i}/attn/value/kernel", ("E", "N", "H"), Part(2, 3, 1)))),
+        weights.Row("h.{i}.attn.c_attn.bias", ("3*E",), (
+              Target("h_{i}/attn/query/bias", ("N", "H"), Part(0, 3, 0)),
+              Target("h_{i}/attn/key/bias", ("N", "H"), Part(1, 3, 0)),
+              Target("h_{i}/attn/value/bias", ("N", "H"), Part(2, 3, 0)))),
+        R("h.{i}.attn.c_proj.weight", ("N*H", "E"), "h_{i}/attn/out/kernel", ("N", "H", "E"), Reshape()),
         R("h.{i}.attn.c_proj.bias", ("E",), "h_{i}/attn/out/bias", ("E",)),
         R("h.{i}.ln_2.weight", ("E",), "h_{i}/ln_2/scale", ("E",)),
         R("h.{i}.ln_2.bias", ("E",), "h_{i}/ln_2/bias", ("E",)),
@@ -152,9 +153,9 @@ def weight_table(config: GPT2Config, *, prefix: str = "transformer.") -> list[_t
         R("ln_f.bias", ("E",), "ln_f/bias", ("E",)),
     ], config.n_layer)
     # save_pretrained drops a tied head's copy; one that is present must equal wte (see load_pretrained)
-    head = _table.when(not config.tie_word_embeddings,
-                       R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), "transpose"))
-    return _table.prefixed(rows, prefix) + list(head)
+    head = weights.when(not config.tie_word_embeddings,
+                        R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), Transpose()))
+    return weights.prefixed(rows, prefix) + list(head)
 
 
 @_pretrained.register_family("gpt2")
@@ -165,7 +166,7 @@ def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
     ignored = [n for n in tensors if n.endswith((".attn.bias", ".attn.masked_bias"))]  # old causal-mask buffers
     ignored += _decoder.tied_copy(tensors, files, source, tied=gpt2.tie_word_embeddings,
                                   embedding=prefix + "wte.weight")
-    params = _table.fill(tensors, weight_table(gpt2, prefix=prefix), gpt2.dims(), files, dtype=dtype, ignored=ignored)
+    params = weights.fill(tensors, weight_table(gpt2, prefix=prefix), gpt2.dims(), files, dtype=dtype, ignored=ignored)
     return GPT2LMHeadModel(gpt2, precision=precision), params
 
 

@@ -20,7 +20,7 @@ Norms: GptOssRMSNorm's rounding, (weight * normed).astype(x.dtype).
 Experts (jaxattn.models.moe.SparseMoE, dense dispatch): the checkpoint stores them fused, experts.gate_up_proj
 [X,E,2F] with gate and up INTERLEAVED along the last axis (gate = [..., ::2], up = [..., 1::2]) and its bias
 [X,2F], experts.down_proj [X,F,E] and its bias [X,E]; the table splits the interleaved columns with the
-("every", k, 2, axis) transform into experts/gate_proj and experts/up_proj ([X,E,F], [X,F]). Each layer
+Every(k, 2, axis) transform into experts/gate_proj and experts/up_proj ([X,E,F], [X,F]). Each layer
 sows its router's logits ("layer{i}.router"; moe.load_balancing_loss: HF's aux_loss).
 
 Refused by name: quantization_config (MXFP4 experts: the released checkpoints; dequantize to bf16 first),
@@ -37,7 +37,8 @@ import functools
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from . import _decoder, _pretrained, _table, moe
+from . import _decoder, _pretrained, moe, weights
+from .weights import Every, Target, Transpose
 
 # HF's GptOssConfig rope_parameters when the config has none (rope_theta: its default_theta)
 DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -100,23 +101,23 @@ class GptOssForCausalLM(_decoder.CausalLM):
     Block = GptOssBlock
 
 
-def weight_table(config: GptOssConfig) -> list[_table.Row]:
+def weight_table(config: GptOssConfig) -> list[weights.Row]:
     """HF's names -> our params: the shared causal-LM rows, the sinks, the router and the fused experts
-    (gate/up columns interleaved: split by ("every", k, 2, axis))."""
-    R = _table.row
+    (gate/up columns interleaved: split by Every(k, 2, axis))."""
+    R = weights.row
     experts = "model.layers.{i}.mlp.experts."
     ours = "layers_{i}/mlp/experts/"
-    return _table.expand([
+    return weights.expand([
         *_decoder.causal_lm_rows(config),
         R("model.layers.{i}.self_attn.sinks", ("N",), "layers_{i}/self_attn/sinks", ("N",)),
-        R("model.layers.{i}.mlp.router.weight", ("X", "E"), "layers_{i}/mlp/router/kernel", ("E", "X"), "transpose"),
+        R("model.layers.{i}.mlp.router.weight", ("X", "E"), "layers_{i}/mlp/router/kernel", ("E", "X"), Transpose()),
         R("model.layers.{i}.mlp.router.bias", ("X",), "layers_{i}/mlp/router/bias", ("X",)),
-        _table.Row(experts + "gate_up_proj", ("X", "E", "2*F"), (
-            (ours + "gate_proj/kernel", ("X", "E", "F"), ("every", 0, 2, 2)),
-            (ours + "up_proj/kernel", ("X", "E", "F"), ("every", 1, 2, 2)))),
-        _table.Row(experts + "gate_up_proj_bias", ("X", "2*F"), (
-            (ours + "gate_proj/bias", ("X", "F"), ("every", 0, 2, 1)),
-            (ours + "up_proj/bias", ("X", "F"), ("every", 1, 2, 1)))),
+        weights.Row(experts + "gate_up_proj", ("X", "E", "2*F"), (
+              Target(ours + "gate_proj/kernel", ("X", "E", "F"), Every(0, 2, 2)),
+              Target(ours + "up_proj/kernel", ("X", "E", "F"), Every(1, 2, 2)))),
+        weights.Row(experts + "gate_up_proj_bias", ("X", "2*F"), (
+              Target(ours + "gate_proj/bias", ("X", "F"), Every(0, 2, 1)),
+              Target(ours + "up_proj/bias", ("X", "F"), Every(1, 2, 1)))),
         R(experts + "down_proj", ("X", "F", "E"), ours + "down_proj/kernel", ("X", "F", "E")),
         R(experts + "down_proj_bias", ("X", "E"), ours + "down_proj/bias", ("X", "E")),
     ], config.num_hidden_layers)

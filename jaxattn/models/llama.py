@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from typing import Any
 
 
-from . import _decoder, _pretrained, _table
+from . import _decoder, _pretrained, weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,9 +100,9 @@ class LlamaForCausalLM(_decoder.CausalLM):
     Block = _decoder.PreNormBlock  # Llama's own block, SwiGLU MLP
 
 
-def weight_table(config: LlamaConfig) -> list[_table.Row]:
+def weight_table(config: LlamaConfig) -> list[weights.Row]:
     """HF's names -> our params: the shared causal-LM rows and the gate/up/down MLP."""
-    return _table.expand([*_decoder.causal_lm_rows(config), *_decoder.mlp_rows(config)], config.num_hidden_layers)
+    return weights.expand([*_decoder.causal_lm_rows(config), *_decoder.mlp_rows(config)], config.num_hidden_layers)
 
 
 for _model_type in ("llama", "qwen2", "mistral"):

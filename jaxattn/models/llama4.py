@@ -53,7 +53,8 @@ import jax.numpy as jnp
 
 from .._core.norms import rms_normalize
 from ..linen import RoPE
-from . import _activation_layout, _decoder, _pretrained, _table, moe
+from . import _activation_layout, _decoder, _pretrained, moe, weights
+from .weights import Part, Target, Transpose
 
 
 @dataclasses.dataclass(frozen=True)
@@ -317,39 +318,39 @@ class Llama4ForCausalLM(_decoder.CausalLM):
 
 # --- weights ------------------------------------------------------------------------------------------------------
 
-def _feed_forward_rows() -> tuple[list[_table.Row], list[_table.Row]]:
+def _feed_forward_rows() -> tuple[list[weights.Row], list[weights.Row]]:
     """(a dense layer's rows, an MoE layer's rows): HF's feed_forward.* tensors -> our layers_{i}/mlp/*."""
-    R, ours = _table.row, "layers_{i}/mlp/"
+    R, ours = weights.row, "layers_{i}/mlp/"
 
-    def swiglu(hf: str, path: str, width: str) -> list[_table.Row]:
-        return [R(hf + "gate_proj.weight", (width, "E"), path + "gate_proj/kernel", ("E", width), "transpose"),
-                R(hf + "up_proj.weight", (width, "E"), path + "up_proj/kernel", ("E", width), "transpose"),
-                R(hf + "down_proj.weight", ("E", width), path + "down_proj/kernel", (width, "E"), "transpose")]
+    def swiglu(hf: str, path: str, width: str) -> list[weights.Row]:
+        return [R(hf + "gate_proj.weight", (width, "E"), path + "gate_proj/kernel", ("E", width), Transpose()),
+                R(hf + "up_proj.weight", (width, "E"), path + "up_proj/kernel", ("E", width), Transpose()),
+                R(hf + "down_proj.weight", ("E", width), path + "down_proj/kernel", (width, "E"), Transpose())]
 
     dense = swiglu("model.layers.{i}.feed_forward.", ours, "G")
     experts = [
-        R("model.layers.{i}.feed_forward.router.weight", ("X", "E"), ours + "router/kernel", ("E", "X"), "transpose"),
-        _table.Row("model.layers.{i}.feed_forward.experts.gate_up_proj", ("X", "E", "2*F"), (
-            (ours + "experts/gate_proj/kernel", ("X", "E", "F"), ("part", 0, 2, 2)),
-            (ours + "experts/up_proj/kernel", ("X", "E", "F"), ("part", 1, 2, 2)))),
+        R("model.layers.{i}.feed_forward.router.weight", ("X", "E"), ours + "router/kernel", ("E", "X"), Transpose()),
+        weights.Row("model.layers.{i}.feed_forward.experts.gate_up_proj", ("X", "E", "2*F"), (
+             Target(ours + "experts/gate_proj/kernel", ("X", "E", "F"), Part(0, 2, 2)),
+             Target(ours + "experts/up_proj/kernel", ("X", "E", "F"), Part(1, 2, 2)))),
         R("model.layers.{i}.feed_forward.experts.down_proj", ("X", "F", "E"), ours + "experts/down_proj/kernel",
           ("X", "F", "E")),
         *swiglu("model.layers.{i}.feed_forward.shared_expert.", ours + "shared_expert/", "F")]
     return dense, experts
 
 
-def weight_table(config: Llama4TextConfig) -> list[_table.Row]:
+def weight_table(config: Llama4TextConfig) -> list[weights.Row]:
     """HF's names -> our params: the shared causal-LM rows, then each layer's dense MLP or MoE (its router,
     its fused experts split into gate and up, its shared expert), as moe_layers says."""
     dense, experts = _feed_forward_rows()
     on_moe_layers = {r.name: False for r in dense} | {r.name: True for r in experts}
 
-    def kept(r: _table.Row) -> bool:
+    def kept(r: weights.Row) -> bool:
         template = _template(r.name)
         return template not in on_moe_layers or on_moe_layers[template] == (
             int(r.name.split(".")[2]) in config.moe_layers)
 
-    rows = _table.expand([*_decoder.causal_lm_rows(config), *dense, *experts], config.num_hidden_layers)
+    rows = weights.expand([*_decoder.causal_lm_rows(config), *dense, *experts], config.num_hidden_layers)
     return [r for r in rows if kept(r)]
 
 

@@ -30,7 +30,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from . import _decoder, _pretrained, _table, moe
+from . import _decoder, _pretrained, moe, weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +58,7 @@ class MixtralForCausalLM(_decoder.CausalLM):
     Block = moe.MoEBlock  # Llama's block, a SparseMoE for its MLP: softmax, top k, renormalised; SwiGLU experts
 
 
-def weight_table(config: MixtralConfig, *, fused: bool = False) -> list[_table.Row]:
+def weight_table(config: MixtralConfig, *, fused: bool = False) -> list[weights.Row]:
     """HF's names -> our params: the shared causal-LM rows, the router and the experts: the per-expert w1
     (gate), w3 (up) and w2 (down) stacked into one [X,...] leaf each, or (fused) split from gate_up_proj."""
     experts = moe.fused_expert_rows() if fused else moe.expert_rows(
@@ -66,7 +66,7 @@ def weight_table(config: MixtralConfig, *, fused: bool = False) -> list[_table.R
         gate="model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight",
         up="model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight",
         down="model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight")
-    return _table.expand([*_decoder.causal_lm_rows(config), *experts], config.num_hidden_layers)
+    return weights.expand([*_decoder.causal_lm_rows(config), *experts], config.num_hidden_layers)
 
 
 _pretrained.register_family("mixtral")(moe.loader(MixtralConfig, MixtralForCausalLM, weight_table))

@@ -43,7 +43,8 @@ import jax
 import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
-from . import _decoder, _pretrained, _table
+from . import _decoder, _pretrained, weights
+from .weights import Part, Steps, SwapAxes, Target, Transpose
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "topk_sigmoid")
 
@@ -165,28 +166,28 @@ class MoEBlock(_decoder.PreNormBlock):
         return y, {"router": logits}
 
 
-def expert_rows(*, router: str, gate: str, up: str, down: str) -> list[_table.Row]:
+def expert_rows(*, router: str, gate: str, up: str, down: str) -> list[weights.Row]:
     """The rows of an MoE layer's router ([X,E] -> router/kernel [E,X]) and of its experts as
     save_pretrained writes them, one tensor per expert ("{j}"): gate and up [F,E], down [E,F] (torch Linear
     weights), each stacked into one [X,...] leaf. The arguments are the family's literal HF names."""
-    R, S, ours = _table.row, functools.partial(_table.stacked, over="X"), "layers_{i}/mlp/experts/"
-    return [R(router, ("X", "E"), "layers_{i}/mlp/router/kernel", ("E", "X"), "transpose"),
-            S(gate, ("F", "E"), ours + "gate_proj/kernel", ("X", "E", "F"), "transpose"),
-            S(up, ("F", "E"), ours + "up_proj/kernel", ("X", "E", "F"), "transpose"),
-            S(down, ("E", "F"), ours + "down_proj/kernel", ("X", "F", "E"), "transpose")]
+    R, S, ours = weights.row, functools.partial(weights.stacked, over="X"), "layers_{i}/mlp/experts/"
+    return [R(router, ("X", "E"), "layers_{i}/mlp/router/kernel", ("E", "X"), Transpose()),
+            S(gate, ("F", "E"), ours + "gate_proj/kernel", ("X", "E", "F"), Transpose()),
+            S(up, ("F", "E"), ours + "up_proj/kernel", ("X", "E", "F"), Transpose()),
+            S(down, ("E", "F"), ours + "down_proj/kernel", ("X", "F", "E"), Transpose())]
 
 
-def fused_expert_rows() -> list[_table.Row]:
+def fused_expert_rows() -> list[weights.Row]:
     """The same params from transformers 5's fused modules (Mixtral's and Qwen3-MoE's state_dict in memory):
     mlp.gate.weight [X,E], mlp.experts.gate_up_proj [X,2F,E] (gate rows first), mlp.experts.down_proj [X,E,F]."""
-    R, ours = _table.row, "layers_{i}/mlp/experts/"
+    R, ours = weights.row, "layers_{i}/mlp/experts/"
     return [
-        R("model.layers.{i}.mlp.gate.weight", ("X", "E"), "layers_{i}/mlp/router/kernel", ("E", "X"), "transpose"),
-        _table.Row("model.layers.{i}.mlp.experts.gate_up_proj", ("X", "2*F", "E"), (
-            (ours + "gate_proj/kernel", ("X", "E", "F"), [("part", 0, 2, 1), ("swapaxes", 1, 2)]),
-            (ours + "up_proj/kernel", ("X", "E", "F"), [("part", 1, 2, 1), ("swapaxes", 1, 2)]))),
+        R("model.layers.{i}.mlp.gate.weight", ("X", "E"), "layers_{i}/mlp/router/kernel", ("E", "X"), Transpose()),
+        weights.Row("model.layers.{i}.mlp.experts.gate_up_proj", ("X", "2*F", "E"), (
+             Target(ours + "gate_proj/kernel", ("X", "E", "F"), Steps(Part(0, 2, 1), SwapAxes(1, 2))),
+             Target(ours + "up_proj/kernel", ("X", "E", "F"), Steps(Part(1, 2, 1), SwapAxes(1, 2))))),
         R("model.layers.{i}.mlp.experts.down_proj", ("X", "E", "F"), ours + "down_proj/kernel", ("X", "F", "E"),
-          ("swapaxes", 1, 2))]
+          SwapAxes(1, 2))]
 
 
 def loader(config_class, model_class, table: Callable):

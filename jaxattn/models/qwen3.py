@@ -22,7 +22,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from . import _decoder, _pretrained, _table
+from . import _decoder, _pretrained, weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +55,10 @@ class Qwen3ForCausalLM(_decoder.CausalLM):
     Block = Qwen3Block
 
 
-def weight_table(config: Qwen3Config) -> list[_table.Row]:
+def weight_table(config: Qwen3Config) -> list[weights.Row]:
     """HF's names -> our params: the shared causal-LM rows, the q/k norms and the gate/up/down MLP."""
     rows = [*_decoder.causal_lm_rows(config), *_decoder.qk_norm_rows(), *_decoder.mlp_rows(config)]
-    return _table.expand(rows, config.num_hidden_layers)
+    return weights.expand(rows, config.num_hidden_layers)
 
 
 _pretrained.register_family("qwen3")(_decoder.loader(Qwen3Config, Qwen3ForCausalLM, weight_table))

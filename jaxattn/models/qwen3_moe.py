@@ -29,7 +29,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from . import _decoder, _pretrained, _table, moe
+from . import _decoder, _pretrained, moe, weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +84,7 @@ class Qwen3MoeForCausalLM(_decoder.CausalLM):
     Block = Qwen3MoeBlock
 
 
-def weight_table(config: Qwen3MoeConfig, *, fused: bool = False) -> list[_table.Row]:
+def weight_table(config: Qwen3MoeConfig, *, fused: bool = False) -> list[weights.Row]:
     """HF's names -> our params: the shared causal-LM rows, the q/k norms, the router and the experts (per
     expert, stacked into one [X,...] leaf each, or fused)."""
     experts = moe.fused_expert_rows() if fused else moe.expert_rows(
@@ -93,7 +93,7 @@ def weight_table(config: Qwen3MoeConfig, *, fused: bool = False) -> list[_table.
         up="model.layers.{i}.mlp.experts.{j}.up_proj.weight",
         down="model.layers.{i}.mlp.experts.{j}.down_proj.weight")
     rows = [*_decoder.causal_lm_rows(config), *_decoder.qk_norm_rows(), *experts]
-    return _table.expand(rows, config.num_hidden_layers)
+    return weights.expand(rows, config.num_hidden_layers)
 
 
 _pretrained.register_family("qwen3_moe")(moe.loader(Qwen3MoeConfig, Qwen3MoeForCausalLM, weight_table))

@@ -32,7 +32,8 @@ import numpy as np
 
 from .. import t5_relative_bias
 from ..linen import MultiHeadAttention
-from . import _activation_layout, _decoder, _pretrained, _save, _table
+from . import _activation_layout, _decoder, _pretrained, _save, weights
+from .weights import Reshape, Steps, Transpose
 
 _ACTIVATIONS = {"relu": nn.relu, "gelu_new": functools.partial(nn.gelu, approximate=True),
                 "gelu": functools.partial(nn.gelu, approximate=False),
@@ -249,70 +250,70 @@ def _decode_step(model, params, cache, token, encoder_output, attention_mask, sl
 
 # --- weights --------------------------------------------------------------------------------------------------
 
-def weight_table(config: T5Config, *, lm_head: bool) -> list[_table.Row]:
+def weight_table(config: T5Config, *, lm_head: bool) -> list[weights.Row]:
     """HF's names -> our params. Each stack keeps its one relative table in block 0; a decoder block's
     cross-attention (layer.1) comes before its FF (layer.2)."""
-    R, gated = _table.row, config.is_gated_act
-    encoder = _table.expand([
+    R, gated = weights.row, config.is_gated_act
+    encoder = weights.expand([
         R("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", ("R", "N"),
           "encoder/relative_attention_bias", ("R", "N")),
         R("encoder.block.{i}.layer.0.SelfAttention.q.weight", ("N*H", "E"),
-          "encoder/block_{i}/self_attention/query/kernel", ("E", "N", "H"), "T_reshape"),
+          "encoder/block_{i}/self_attention/query/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
         R("encoder.block.{i}.layer.0.SelfAttention.k.weight", ("N*H", "E"),
-          "encoder/block_{i}/self_attention/key/kernel", ("E", "N", "H"), "T_reshape"),
+          "encoder/block_{i}/self_attention/key/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
         R("encoder.block.{i}.layer.0.SelfAttention.v.weight", ("N*H", "E"),
-          "encoder/block_{i}/self_attention/value/kernel", ("E", "N", "H"), "T_reshape"),
+          "encoder/block_{i}/self_attention/value/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
         R("encoder.block.{i}.layer.0.SelfAttention.o.weight", ("E", "N*H"),
-          "encoder/block_{i}/self_attention/out/kernel", ("N", "H", "E"), "T_reshape"),
+          "encoder/block_{i}/self_attention/out/kernel", ("N", "H", "E"), Steps(Transpose(), Reshape())),
         R("encoder.block.{i}.layer.0.layer_norm.weight", ("E",),
           "encoder/block_{i}/self_attention_norm/weight", ("E",)),
-        *_table.when(gated, R("encoder.block.{i}.layer.1.DenseReluDense.wi_0.weight", ("F", "E"),
-                              "encoder/block_{i}/ff/wi_0/kernel", ("E", "F"), "transpose"),
-                     R("encoder.block.{i}.layer.1.DenseReluDense.wi_1.weight", ("F", "E"),
-                       "encoder/block_{i}/ff/wi_1/kernel", ("E", "F"), "transpose")),
-        *_table.when(not gated, R("encoder.block.{i}.layer.1.DenseReluDense.wi.weight", ("F", "E"),
-                                  "encoder/block_{i}/ff/wi/kernel", ("E", "F"), "transpose")),
+        *weights.when(gated, R("encoder.block.{i}.layer.1.DenseReluDense.wi_0.weight", ("F", "E"),
+                                "encoder/block_{i}/ff/wi_0/kernel", ("E", "F"), Transpose()),
+                       R("encoder.block.{i}.layer.1.DenseReluDense.wi_1.weight", ("F", "E"),
+                         "encoder/block_{i}/ff/wi_1/kernel", ("E", "F"), Transpose())),
+        *weights.when(not gated, R("encoder.block.{i}.layer.1.DenseReluDense.wi.weight", ("F", "E"),
+                                    "encoder/block_{i}/ff/wi/kernel", ("E", "F"), Transpose())),
         R("encoder.block.{i}.layer.1.DenseReluDense.wo.weight", ("E", "F"),
-          "encoder/block_{i}/ff/wo/kernel", ("F", "E"), "transpose"),
+          "encoder/block_{i}/ff/wo/kernel", ("F", "E"), Transpose()),
         R("encoder.block.{i}.layer.1.layer_norm.weight", ("E",), "encoder/block_{i}/ff_norm/weight", ("E",)),
         R("encoder.final_layer_norm.weight", ("E",), "encoder/final_layer_norm/weight", ("E",)),
     ], config.num_layers)
-    decoder = _table.expand([
+    decoder = weights.expand([
         R("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", ("R", "N"),
           "decoder/relative_attention_bias", ("R", "N")),
         R("decoder.block.{i}.layer.0.SelfAttention.q.weight", ("N*H", "E"),
-          "decoder/block_{i}/self_attention/query/kernel", ("E", "N", "H"), "T_reshape"),
+          "decoder/block_{i}/self_attention/query/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
         R("decoder.block.{i}.layer.0.SelfAttention.k.weight", ("N*H", "E"),
-          "decoder/block_{i}/self_attention/key/kernel", ("E", "N", "H"), "T_reshape"),
+          "decoder/block_{i}/self_attention/key/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
         R("decoder.block.{i}.layer.0.SelfAttention.v.weight", ("N*H", "E"),
-          "decoder/block_{i}/self_attention/value/kernel", ("E", "N", "H"), "T_reshape"),
+          "decoder/block_{i}/self_attention/value/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
         R("decoder.block.{i}.layer.0.SelfAttention.o.weight", ("E", "N*H"),
-          "decoder/block_{i}/self_attention/out/kernel", ("N", "H", "E"), "T_reshape"),
+          "decoder/block_{i}/self_attention/out/kernel", ("N", "H", "E"), Steps(Transpose(), Reshape())),
         R("decoder.block.{i}.layer.0.layer_norm.weight", ("E",),
           "decoder/block_{i}/self_attention_norm/weight", ("E",)),
         R("decoder.block.{i}.layer.1.EncDecAttention.q.weight", ("N*H", "E"),
-          "decoder/block_{i}/cross_attention/query/kernel", ("E", "N", "H"), "T_reshape"),
+          "decoder/block_{i}/cross_attention/query/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
         R("decoder.block.{i}.layer.1.EncDecAttention.k.weight", ("N*H", "E"),
-          "decoder/block_{i}/cross_attention/key/kernel", ("E", "N", "H"), "T_reshape"),
+          "decoder/block_{i}/cross_attention/key/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
         R("decoder.block.{i}.layer.1.EncDecAttention.v.weight", ("N*H", "E"),
-          "decoder/block_{i}/cross_attention/value/kernel", ("E", "N", "H"), "T_reshape"),
+          "decoder/block_{i}/cross_attention/value/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
         R("decoder.block.{i}.layer.1.EncDecAttention.o.weight", ("E", "N*H"),
-          "decoder/block_{i}/cross_attention/out/kernel", ("N", "H", "E"), "T_reshape"),
+          "decoder/block_{i}/cross_attention/out/kernel", ("N", "H", "E"), Steps(Transpose(), Reshape())),
         R("decoder.block.{i}.layer.1.layer_norm.weight", ("E",),
           "decoder/block_{i}/cross_attention_norm/weight", ("E",)),
-        *_table.when(gated, R("decoder.block.{i}.layer.2.DenseReluDense.wi_0.weight", ("F", "E"),
-                              "decoder/block_{i}/ff/wi_0/kernel", ("E", "F"), "transpose"),
-                     R("decoder.block.{i}.layer.2.DenseReluDense.wi_1.weight", ("F", "E"),
-                       "decoder/block_{i}/ff/wi_1/kernel", ("E", "F"), "transpose")),
-        *_table.when(not gated, R("decoder.block.{i}.layer.2.DenseReluDense.wi.weight", ("F", "E"),
-                                  "decoder/block_{i}/ff/wi/kernel", ("E", "F"), "transpose")),
+        *weights.when(gated, R("decoder.block.{i}.layer.2.DenseReluDense.wi_0.weight", ("F", "E"),
+                                "decoder/block_{i}/ff/wi_0/kernel", ("E", "F"), Transpose()),
+                       R("decoder.block.{i}.layer.2.DenseReluDense.wi_1.weight", ("F", "E"),
+                         "decoder/block_{i}/ff/wi_1/kernel", ("E", "F"), Transpose())),
+        *weights.when(not gated, R("decoder.block.{i}.layer.2.DenseReluDense.wi.weight", ("F", "E"),
+                                    "decoder/block_{i}/ff/wi/kernel", ("E", "F"), Transpose())),
         R("decoder.block.{i}.layer.2.DenseReluDense.wo.weight", ("E", "F"),
-          "decoder/block_{i}/ff/wo/kernel", ("F", "E"), "transpose"),
+          "decoder/block_{i}/ff/wo/kernel", ("F", "E"), Transpose()),
         R("decoder.block.{i}.layer.2.layer_norm.weight", ("E",), "decoder/block_{i}/ff_norm/weight", ("E",)),
         R("decoder.final_layer_norm.weight", ("E",), "decoder/final_layer_norm/weight", ("E",)),
     ], config.decoder_layers)
     return [R("shared.weight", ("V", "E"), "shared/embedding", ("V", "E")), *encoder, *decoder,
-            *_table.when(lm_head, R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), "transpose"))]
+            *weights.when(lm_head, R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), Transpose()))]
 
 
 @_pretrained.register_family("t5")
@@ -324,7 +325,7 @@ def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
         if copy in tensors and "shared.weight" in tensors and np.array_equal(tensors[copy], tensors["shared.weight"]):
             ignored.append(copy)
     untied = "lm_head.weight" in tensors and "lm_head.weight" not in ignored
-    params = _table.fill(tensors, weight_table(t5, lm_head=untied), t5.dims(), files, dtype=dtype, ignored=ignored)
+    params = weights.fill(tensors, weight_table(t5, lm_head=untied), t5.dims(), files, dtype=dtype, ignored=ignored)
     return T5ForConditionalGeneration(t5, precision=precision, tie_lm_head=not untied), params
 
 
