@@ -12,7 +12,7 @@
 Each family module (bert, gpt2, t5, llama, gemma2, qwen3, gemma3, mixtral, gpt_oss, qwen3_moe, llama4) is its
 config parsing, its block and its weight table;
 what they share (the layer stack, the causal-LM wrapper, norms, heads, masks, the decode cache, loading) is
-in _decoder.py, and the one weight-table format with its filler in _table.py.
+in _decoder.py, and the one weight-table format with its filler in weights.py (public: jaxattn.models.weights).
 """
 
 from . import bert as _bert_family  # noqa: F401  (each family module registers its model_type)
