@@ -3,7 +3,8 @@
 `write_checkpoint(model_type, directory)` builds a transformers model from a tiny config (2 layers, hidden
 32-48, vocab 97, GQA where the family has it), randomises EVERY parameter (HF's init leaves biases at 0 and
 norm weights at 1, which would hide a transposed bias or a misplaced norm), and save_pretrained()s it.
-`torch_model(directory)` loads it back in transformers with eager attention; `padded_batch` makes prompts
+`torch_model(directory)` loads it back in transformers with eager attention (a saved buffer the weight
+tables read, DeepSeek V3's router bias, as a frozen parameter); `padded_batch` makes prompts
 of different lengths padded on the left or the right.
 """
 
@@ -402,6 +403,25 @@ def float64_reference(torch_model, dtype: str):
             torch_model.set_experts_implementation(experts)
 
 
+# HF buffers that checkpoints hold and the weight tables read (DeepSeek V3's router bias, which DeepSeek adjusts
+# by a balancing rule outside the loss): named by their last component
+_SAVED_BUFFERS = ("e_score_correction_bias",)
+
+
+def buffers_as_frozen_parameters(torch_model):
+    """torch_model with each of its _SAVED_BUFFERS made a parameter with requires_grad=False (the same tensor,
+    the same forward), so that named_parameters() pairs with every leaf of our params and a training twin
+    leaves them unchanged, as torch's optimizers do (crosscheck._optim: frozen -> set_to_zero). In place."""
+    import torch
+
+    for module in torch_model.modules():
+        for name in _SAVED_BUFFERS:
+            if name in module._buffers and module._buffers[name] is not None:
+                value = module._buffers.pop(name)
+                module.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
+    return torch_model
+
+
 def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
     """The transformers model saved in `directory` (offline, eager attention), in `dtype`, eval mode."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -417,7 +437,7 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
     model = cls.from_pretrained(str(directory), attn_implementation="eager", local_files_only=True, **experts)
     if getattr(model, "generation_config", None) is not None:  # both sides decode exactly max_new_tokens
         _no_special_tokens(model.generation_config)
-    return model.to(getattr(torch, dtype)).eval()
+    return buffers_as_frozen_parameters(model.to(getattr(torch, dtype)).eval())
 
 
 # weight-matrix gain per family (default 3): large enough that greedy decoding does not collapse to one

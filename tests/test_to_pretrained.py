@@ -60,6 +60,9 @@ VARIANTS = {
     "gpt_oss": ("gpt_oss", {}),                                            # interleaved gate/up, sinks
     "qwen3_moe": ("qwen3_moe", {}),                                        # q/k norms on experts
     "llama4_text": ("llama4_text", {}),                                    # fused experts, dense/MoE layers
+    "deepseek_v3": ("deepseek_v3", {}),                                    # MLA (q latent), yarn, MoE layer
+    "deepseek_v3-direct": ("deepseek_v3", {"q_lora_rank": None, "attention_bias": True, "tie_word_embeddings": True,
+                                           "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}),
 }
 _AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM"}
 
@@ -335,9 +338,10 @@ def test_crosscheck_model_passes_on_a_written_directory(checkpoints, variant, tm
 # --- configs with no config.json behind them ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if VARIANTS[v][0] not in ("llama", "gemma3_text",
-                                                                                  "llama4_text")])
-# llama: linear rope; llama4_text: llama3 rope; gemma3: the tiny checkpoint's two ropes are not HF's defaults
-# (all in no field)
+                                                                                  "llama4_text")
+                                     and v != "deepseek_v3"])
+# llama: linear rope; llama4_text: llama3 rope; deepseek_v3: yarn; gemma3: the tiny checkpoint's two ropes are
+# not HF's defaults (all in no field)
 def test_a_config_without_hf_config_is_written_from_the_family_mapping(checkpoints, variant, tmp_path):
     """hf_config None (a config built in Python): config.json holds the family's own keys only, reads back as
     the same config, and transformers builds the model from it with every weight in place."""
