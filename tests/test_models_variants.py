@@ -328,19 +328,24 @@ def test_deepseek_v3_variants_match_transformers(tmp_path, overrides):
     assert ("lm_head" in params) != model.config.tie_word_embeddings
 
 
-def test_deepseek_v3_decodes_from_the_compressed_latent_cache(tmp_path):
+def test_deepseek_v3_decodes_from_the_compressed_latent_cache():
     """generate's cache holds, per layer, the latent [B,L,C] and the rope key [B,L,R] (C + R numbers per token,
-    against N (Hq + Hv) for an expanded key/value cache) and nothing else; the softmax scale and the rope factor
-    are transformers' (yarn: mscale 0.7 / mscale_all_dim 0.9, both biting)."""
+    against N (Hq + Hv) for an expanded key/value cache) and nothing else (shapes only: nothing is computed).
+    The tiny config's yarn makes both of HF's factors bite: the softmax scale Hq ** -0.5 * m(0.9) ** 2 and the
+    rope factor m(0.7) / m(0.9), m(a) = 0.1 a ln(4) + 1 (HF's yarn_get_mscale; the layer reports check them
+    against transformers)."""
+    import math
+
+    import jax
     import jax.numpy as jnp
 
     from jaxattn.models._decoder import empty_cache
-    from jaxattn.models.deepseek_v3 import cache_numbers_per_token
+    from jaxattn.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, cache_numbers_per_token
 
-    directory = hf.write_checkpoint("deepseek_v3", tmp_path / "ds")
-    model, params = from_pretrained(directory)
-    c = model.config
+    c = DeepseekV3Config.from_dict(hf.TINY["deepseek_v3"][2])
+    model = DeepseekV3ForCausalLM(c)
     ids = jnp.zeros((3, 17), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), ids))["params"]
     cache = empty_cache(model, params, ids, attention_mask=jnp.ones_like(ids))
     assert sorted(cache) == ["layers_0", "layers_1", "next_position"]
     for i in range(2):
@@ -348,13 +353,9 @@ def test_deepseek_v3_decodes_from_the_compressed_latent_cache(tmp_path):
         assert {k: v.shape for k, v in layer.items()} == {
             "cached_latent": (3, 17, 13), "cached_rope": (3, 17, 4), "cache_index": (3,)}
     assert cache_numbers_per_token(c) == 13 + 4 < c.num_attention_heads * (9 + 7)
-    import transformers
-
-    theirs = transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(**json.loads(
-        (directory / "config.json").read_text())))
-    assert c.softmax_scale == pytest.approx(theirs.model.layers[0].self_attn.scaling, rel=1e-15)
-    assert c.rope_attention_factor == pytest.approx(theirs.model.rotary_emb.attention_scaling, rel=1e-15)
-    assert c.softmax_scale != 9 ** -0.5 and c.rope_attention_factor != 1.0  # both bite
+    m = lambda a: 0.1 * a * math.log(4.0) + 1.0  # noqa: E731
+    assert c.softmax_scale == pytest.approx(9 ** -0.5 * m(0.9) ** 2, rel=1e-15)
+    assert c.rope_attention_factor == pytest.approx(m(0.7) / m(0.9), rel=1e-15)
 
 
 def test_deepseek_v3_group_limited_routing_equals_a_loop():
