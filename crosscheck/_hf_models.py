@@ -3,7 +3,8 @@
 `write_checkpoint(model_type, directory)` builds a transformers model from a tiny config (2 layers, hidden
 32-48, vocab 97, GQA where the family has it), randomises EVERY parameter (HF's init leaves biases at 0 and
 norm weights at 1, which would hide a transposed bias or a misplaced norm), and save_pretrained()s it.
-`torch_model(directory)` loads it back in transformers with eager attention; `padded_batch` makes prompts
+`torch_model(directory)` loads it back in transformers with eager attention (a saved buffer the weight
+tables read, DeepSeek V3's router bias, as a frozen parameter); `padded_batch` makes prompts
 of different lengths padded on the left or the right.
 """
 
@@ -107,6 +108,18 @@ TINY = {
                          rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=4.0,
                                               low_freq_factor=1.0, high_freq_factor=4.0,
                                               original_max_position_embeddings=16))),
+    # MLA with every dimension its own: hidden 41, 3 heads, q latent 11, kv latent 13, rope 4, nope 5, value 7;
+    # layer 0 dense (SwiGLU 29), layer 1 the MoE: 15 experts (F 19) in 3 groups of 5, the best 2 groups
+    # eligible, top 3, 2 shared experts (S 38), random score-correction biases; yarn rope x4 over an original
+    # 64 positions with mscale 0.7 / mscale_all_dim 0.9 (both the cos/sin factor and the softmax scale bite)
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
+                    dict(vocab_size=VOCAB, hidden_size=41, intermediate_size=29, moe_intermediate_size=19,
+                         num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=3, q_lora_rank=11,
+                         kv_lora_rank=13, qk_rope_head_dim=4, qk_nope_head_dim=5, v_head_dim=7,
+                         n_routed_experts=15, n_group=3, topk_group=2, num_experts_per_tok=3, n_shared_experts=2,
+                         first_k_dense_replace=1, max_position_embeddings=256, tie_word_embeddings=False,
+                         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.7,
+                                              mscale_all_dim=0.9, original_max_position_embeddings=64))),
 }
 
 
@@ -123,7 +136,7 @@ def _no_special_tokens(config) -> None:
 _AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM"}
 
 # mixtures of experts: transformers' plain per-expert loop ("eager"), not a grouped matmul kernel
-_MOE = ("mixtral", "gpt_oss", "qwen3_moe")
+_MOE = ("mixtral", "gpt_oss", "qwen3_moe", "deepseek_v3")
 
 
 def _quiet(transformers) -> None:
@@ -159,7 +172,8 @@ def torch_promote(dtype):
 # HF rotary embeddings whose code computes cos/sin in float32 whatever the input dtype
 _FLOAT32_ROTARY = ("LlamaRotaryEmbedding", "Qwen2RotaryEmbedding", "MistralRotaryEmbedding",
                    "Gemma2RotaryEmbedding", "Qwen3RotaryEmbedding", "Gemma3RotaryEmbedding",
-                   "MixtralRotaryEmbedding", "GptOssRotaryEmbedding", "Qwen3MoeRotaryEmbedding")
+                   "MixtralRotaryEmbedding", "GptOssRotaryEmbedding", "Qwen3MoeRotaryEmbedding",
+                   "DeepseekV3RotaryEmbedding")
 _HALF_ROTARY = ("GptOssRotaryEmbedding",)  # cos/sin [..., H/2]: gpt-oss rotates the halves without cat
 
 
@@ -204,6 +218,29 @@ def _softmax_topk_router_in_input_precision(self, hidden_states):
 
 # HF routers whose code takes the softmax in float32 whatever the input dtype
 _FLOAT32_ROUTERS = ("MixtralTopKRouter", "Qwen3MoeTopKRouter")
+
+
+def _deepseek_router_in_input_precision(self, hidden_states):
+    """DeepseekV3TopkRouter.forward with the logits, sigmoid and weights in the input's precision (HF: its
+    input and weight cast to float32); the group-limited selection is HF's, line for line."""
+    import torch
+
+    wide = torch_promote(hidden_states.dtype)
+    hidden_states = hidden_states.view(-1, self.hidden_dim)
+    router_logits = torch.nn.functional.linear(hidden_states.to(wide), self.weight.to(wide))
+    scores = router_logits.sigmoid()
+    choice = scores + self.e_score_correction_bias.to(wide)
+    group_size = self.num_experts // self.num_group
+    group_scores = choice.view(-1, self.num_group, group_size).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+    score_mask = group_mask.unsqueeze(-1).expand(-1, self.num_group, group_size).reshape(-1, self.num_experts)
+    choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+    topk_indices = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]
+    topk_weights = scores.gather(1, topk_indices)
+    if self.norm_topk_prob:
+        topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
 
 # HF embeddings scaled by sqrt(hidden_size) held in a float32 buffer (Gemma 2 / 3)
 _SCALED_EMBEDDINGS = ("Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding")
@@ -308,7 +345,8 @@ def float64_reference(torch_model, dtype: str):
     float64 with padding is NaN throughout). gpt-oss's eager attention softmaxes in the input's dtype already.
 
     Llama 4 (llama4_text): its RMS and L2 norms, its complex rotary embedding and rotation (complex64 in HF),
-    its router's sigmoid and the NoPE layers' temperature log1p, all in float32 in HF's code.
+    its router's sigmoid and the NoPE layers' temperature log1p, all in float32 in HF's code. DeepSeek V3: its
+    RMS norms, rotary cos/sin, eager softmax, and its router (logits, sigmoid, weights) in float32 in HF's code.
     """
     import sys
 
@@ -340,6 +378,9 @@ def float64_reference(torch_model, dtype: str):
             elif type(module).__name__ in _FLOAT32_ROTARY:
                 module.forward = types.MethodType(_rotary_in_input_precision, module)
                 patched.append(module)
+            elif type(module).__name__ == "DeepseekV3TopkRouter":
+                module.forward = types.MethodType(_deepseek_router_in_input_precision, module)
+                patched.append(module)
             elif type(module).__name__ in _FLOAT32_ROUTERS:
                 module.forward = types.MethodType(_softmax_topk_router_in_input_precision, module)
                 patched.append(module)
@@ -362,6 +403,25 @@ def float64_reference(torch_model, dtype: str):
             torch_model.set_experts_implementation(experts)
 
 
+# HF buffers that checkpoints hold and the weight tables read (DeepSeek V3's router bias, which DeepSeek adjusts
+# by a balancing rule outside the loss): named by their last component
+_SAVED_BUFFERS = ("e_score_correction_bias",)
+
+
+def buffers_as_frozen_parameters(torch_model):
+    """torch_model with each of its _SAVED_BUFFERS made a parameter with requires_grad=False (the same tensor,
+    the same forward), so that named_parameters() pairs with every leaf of our params and a training twin
+    leaves them unchanged, as torch's optimizers do (crosscheck._optim: frozen -> set_to_zero). In place."""
+    import torch
+
+    for module in torch_model.modules():
+        for name in _SAVED_BUFFERS:
+            if name in module._buffers and module._buffers[name] is not None:
+                value = module._buffers.pop(name)
+                module.register_parameter(name, torch.nn.Parameter(value, requires_grad=False))
+    return torch_model
+
+
 def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
     """The transformers model saved in `directory` (offline, eager attention), in `dtype`, eval mode."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -377,13 +437,13 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
     model = cls.from_pretrained(str(directory), attn_implementation="eager", local_files_only=True, **experts)
     if getattr(model, "generation_config", None) is not None:  # both sides decode exactly max_new_tokens
         _no_special_tokens(model.generation_config)
-    return model.to(getattr(torch, dtype)).eval()
+    return buffers_as_frozen_parameters(model.to(getattr(torch, dtype)).eval())
 
 
 # weight-matrix gain per family (default 3): large enough that greedy decoding does not collapse to one
 # repeated token, small enough that float32 stays well conditioned (T5's gated FF multiplies two gains)
 _GAIN = {"t5": 1.5, "llama": 1.5, "qwen2": 1.5, "mistral": 1.5, "gemma2": 1.5, "qwen3": 1.5, "gemma3_text": 1.5,
-         "mixtral": 1.5, "gpt_oss": 1.5, "qwen3_moe": 1.5, "llama4_text": 1.5}
+         "mixtral": 1.5, "gpt_oss": 1.5, "qwen3_moe": 1.5, "llama4_text": 1.5, "deepseek_v3": 1.5}
 _ONE_PLUS_W_NORMS = ("gemma2", "gemma3_text")  # norms that scale by 1 + weight: random around 0
 
 
@@ -409,6 +469,9 @@ def write_checkpoint(model_type: str, directory: str | os.PathLike, *, seed: int
                 p.copy_(0.2 * noise if p.ndim == 1 else _GAIN.get(model_type, 3.0) * noise / p.shape[-1] ** 0.5)
             if name.endswith(("Attention.q.weight",)):  # T5 has no 1/sqrt(d) in its logits: its init has it
                 p.mul_(config.d_kv ** -0.5)
+        for name, b in model.named_buffers():  # DeepSeek V3's router bias: a saved buffer, zero by HF's init
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(0.2 * torch.randn(b.shape, generator=generator, dtype=b.dtype))
     directory = Path(directory)
     model.save_pretrained(str(directory))
     return directory

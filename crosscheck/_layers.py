@@ -152,6 +152,20 @@ class _T5(_Family):
         return watched
 
 
+class _DeepseekV3(_Family):
+    """DeepSeek V3: a router row (mlp.gate's first output, the logits) on its MoE layers only."""
+
+    def watch(self, torch_model) -> list[tuple[Any, str]]:
+        watched = []
+        for module, name in super().watch(torch_model):
+            if name.endswith(".mlp"):
+                gate = getattr(module, "gate", None)
+                if gate is not None:
+                    watched.append((gate, name.replace(".mlp", ".router")))
+            watched.append((module, name))
+        return watched
+
+
 FAMILIES: dict[str, _Family] = {
     "gpt2": _Family(lambda m: m.transformer.drop, lambda m: m.transformer.h, "attn", "mlp",
                     lambda m: m.transformer.ln_f, "h_{i}"),
@@ -164,6 +178,8 @@ for _model_type in ("qwen2", "mistral", "gemma2", "qwen3", "gemma3_text"):
     FAMILIES[_model_type] = FAMILIES["llama"]
 FAMILIES["mixtral"] = FAMILIES["qwen3_moe"] = dataclasses.replace(FAMILIES["llama"], router="mlp.gate")
 FAMILIES["gpt_oss"] = dataclasses.replace(FAMILIES["llama"], router="mlp.router")
+FAMILIES["deepseek_v3"] = _DeepseekV3(lambda m: m.model.embed_tokens, lambda m: m.model.layers, "self_attn", "mlp",
+                                      lambda m: m.model.norm, "layers_{i}")
 FAMILIES["llama4_text"] = _Llama4(lambda m: m.model.embed_tokens, lambda m: m.model.layers, "self_attn", "feed_forward",
                                   lambda m: m.model.norm, "layers_{i}")
 

@@ -42,12 +42,12 @@ from typing import Any
 import numpy as np
 
 from crosscheck._compare import error_metrics
-from crosscheck._hf_models import float64_reference
+from crosscheck._hf_models import buffers_as_frozen_parameters, float64_reference
 from crosscheck._optim import SPECS, torch_optimizer, twin, warmup_cosine
 from crosscheck._param_layout import ParamLayout, layer_of
 
 FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "qwen3", "gemma3_text", "mixtral", "gpt_oss",
-            "qwen3_moe", "llama4_text")  # the causal LMs of jaxattn.models
+            "qwen3_moe", "llama4_text", "deepseek_v3")  # the causal LMs of jaxattn.models
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +251,7 @@ def train_report(torch_model, model, params, batches: Sequence[Mapping[str, Any]
     import torch
 
     run = _Run.check(torch_model, batches, steps, dtype, mixed_precision)
+    buffers_as_frozen_parameters(torch_model)  # DeepSeek V3's router bias: a leaf of ours, frozen on both sides
     optimizer, scheduler = _torch_setup(torch_model, optimizer, lr, scheduler, steps)
     layout = ParamLayout.of(torch_model, params)
     tx, lines = twin(optimizer, torch_model, layout, scheduler=scheduler, max_grad_norm=max_grad_norm, steps=steps)

@@ -111,7 +111,12 @@ DEMO = {"gpt2": dict(n_embd=64, n_head=8), "t5": dict(d_model=64, d_kv=8, num_he
         "qwen3_moe": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=16,
                           num_key_value_heads=8, head_dim=8, num_experts=8),
         "llama4_text": dict(hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_attention_heads=16,
-                            num_key_value_heads=8, head_dim=8, num_local_experts=8)}
+                            num_key_value_heads=8, head_dim=8, num_local_experts=8),
+        # MLA: 8 heads, q latent 32, kv latent 16, rope 4, nope 8, value 8; 8 experts in 2 groups
+        "deepseek_v3": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=8,
+                            num_key_value_heads=8, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=4,
+                            qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=8, n_group=2, topk_group=1,
+                            num_experts_per_tok=2, n_shared_experts=1)}
 
 if __name__ == "__main__":
     sys.exit(main())

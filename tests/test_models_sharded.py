@@ -38,7 +38,8 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 from train_sharded import DEMO  # noqa: E402  (the tiny configs that split over 8 devices)
 
 FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "t5")
-NEW_FAMILIES = ("qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe", "llama4_text")  # the (2, 4) mesh only
+NEW_FAMILIES = ("qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe", "llama4_text",
+                "deepseek_v3")  # the (2, 4) mesh only
 MESHES = ("8x1", "2x4", "1x8")
 TOL = 1e-12
 TIMEOUT_S = 1500  # the mesh run takes about 8 minutes on a loaded 2-core machine
@@ -198,7 +199,7 @@ def test_rules_tables_name_every_family():
         partition_rules("whisper")
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss", "llama4_text"])
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe", "gpt_oss", "llama4_text", "deepseek_v3"])
 def test_moe_rules_split_experts_before_the_llama_rows(model_type):
     """The expert rows come first (Llama's "*/gate_proj/kernel" would match a 3-D expert kernel): experts by
     X over "model", FSDP over E; the router FSDP over E; the dense rows as Llama's."""
@@ -218,6 +219,25 @@ def test_moe_rules_split_experts_before_the_llama_rows(model_type):
     assert rules.spec("layers_1/self_attn/q_norm/weight", (2,)) == P()
     assert rules.spec("layers_1/mlp/shared_expert/gate_proj/kernel", (E, F)) == P("data", "model")  # Llama 4's
     assert rules.spec("layers_1/mlp/shared_expert/down_proj/kernel", (F, E)) == P("model", "data")
+
+
+def test_deepseek_rules_split_mla_heads_and_keep_the_latents_whole():
+    """MLA's per-head kernels by head over "model", its projections to the latents FSDP only (every head reads
+    the whole latent), the router's correction bias replicated."""
+    from jaxattn.models import _partition_rules
+
+    rules = _partition_rules.Rules.of("deepseek_v3", one_device_mesh("data", "model"))
+    E, N, Cq, C, R, Hn, Hv, X = 8, 4, 6, 10, 2, 3, 5, 4
+    spec = rules.spec
+    assert spec("layers_0/self_attn/query/kernel", (E, N, Hn + R)) == P("data", "model", None)
+    assert spec("layers_0/self_attn/query_up/kernel", (Cq, N, Hn + R)) == P(None, "model", None)
+    assert spec("layers_0/self_attn/key_value_up/kernel", (C, N, Hn + Hv)) == P("data", "model", None)
+    assert spec("layers_0/self_attn/out/kernel", (N, Hv, E)) == P("model", None, "data")
+    assert spec("layers_0/self_attn/query_down/kernel", (E, Cq)) == P("data", None)
+    assert spec("layers_0/self_attn/latent_and_key_rope/kernel", (E, C + R)) == P("data", None)
+    assert spec("layers_0/self_attn/latent_norm/scale", (C,)) == P()
+    assert spec("layers_1/mlp/score_correction_bias", (X,)) == P()
+    assert spec("layers_1/mlp/shared_experts/down_proj/kernel", (6, E)) == P("model", "data")
 
 
 @pytest.mark.parametrize("family", ["mixtral", pytest.param("gpt_oss", marks=pytest.mark.slow)])
@@ -470,8 +490,8 @@ def new_family_results(new_checkpoints):
 @pytest.mark.slow  # reads the 8-device subprocess run (_models_mesh_checks.py families)
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_newer_family_on_a_mesh_equals_one_device(new_family_results, family):
-    """Qwen 3, Gemma 3, Mixtral, gpt-oss, Qwen3-MoE, Llama 4 on (data, model) = (2, 4) in float64: logits normwise
-    <= 1e-12, greedy tokens equal, one AdamW step <= 1e-12 with the layout kept; the experts laid out by
+    """Qwen 3, Gemma 3, Mixtral, gpt-oss, Qwen3-MoE, Llama 4, DeepSeek V3 on (data, model) = (2, 4) in float64:
+    logits normwise <= 1e-12, greedy tokens equal, one AdamW step <= 1e-12 with the layout kept; the experts laid out by
     MOE_RULES (X over "model"), and no weight all-gathered over "model" in the compiled forward."""
     result = result_of(new_family_results, family, "2x4")
     assert result["dtypes"] == ["float64"]
@@ -481,7 +501,17 @@ def test_newer_family_on_a_mesh_equals_one_device(new_family_results, family):
     assert train["loss"] <= TOL and train["grads"] <= TOL and train["params"] <= TOL, train
     assert train["layout_kept"] and train["state_layout_kept"], train
     specs = result["specs"]
-    assert specs["['layers_0']['self_attn']['query']['kernel']"] == "('data', 'model')"
+    if family == "deepseek_v3":  # MLA: heads over "model", the latent projections FSDP; layer 1 the MoE
+        assert specs["['layers_0']['self_attn']['query_up']['kernel']"] == "(None, 'model')"
+        assert specs["['layers_0']['self_attn']['key_value_up']['kernel']"] == "('data', 'model')"
+        assert specs["['layers_0']['self_attn']['latent_and_key_rope']['kernel']"] == "('data',)"
+        assert specs["['layers_0']['mlp']['up_proj']['kernel']"] == "('data', 'model')"
+        assert specs["['layers_1']['mlp']['experts']['gate_proj']['kernel']"] == "('model', 'data')"
+        assert specs["['layers_1']['mlp']['shared_experts']['down_proj']['kernel']"] == "('model', 'data')"
+        assert {k: v["spec"] for k, v in result["generate"]["cache"].items()} == {
+            "cache_index": "('data',)", "cached_latent": "('data',)", "cached_rope": "('data',)"}
+    else:
+        assert specs["['layers_0']['self_attn']['query']['kernel']"] == "('data', 'model')"
     if family in ("qwen3", "gemma3_text", "qwen3_moe"):
         assert specs["['layers_0']['self_attn']['q_norm']['weight']"] == "()"
     if family == "llama4_text":  # layer 0 dense (its SwiGLU under "mlp"), layer 1 the MoE with a shared expert
@@ -492,7 +522,7 @@ def test_newer_family_on_a_mesh_equals_one_device(new_family_results, family):
         assert specs["['layers_0']['mlp']['experts']['gate_proj']['kernel']"] == "('model', 'data')"
         assert specs["['layers_0']['mlp']['experts']['down_proj']['kernel']"] == "('model', None, 'data')"
         assert specs["['layers_0']['mlp']['router']['kernel']"] == "('data',)"
-    else:
+    elif family != "deepseek_v3":
         assert specs["['layers_0']['up_proj']['kernel']"] == "('data', 'model')"
     assert result["collectives"]["weights_gathered_over_model"] == []
     reduces = [axes for op, axes, t in result["collectives"]["ops"] if op == "all-reduce" and "f64" in t]

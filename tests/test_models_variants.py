@@ -20,6 +20,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from crosscheck import _hf_models as hf
 from crosscheck import layer_report
+from helpers import assert_float64
 from jaxattn.models import from_pretrained, moe, rope_frequencies, supported_model_types
 
 
@@ -38,7 +39,8 @@ def _assert_matches(directory):
 
 
 def test_new_families_are_supported():
-    assert {"qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe", "llama4_text"} <= set(supported_model_types())
+    assert {"qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe", "llama4_text", "deepseek_v3"} <= set(
+        supported_model_types())
 
 
 @pytest.mark.slow  # two reports per variant, on top of the bars' runs of the default configs
@@ -303,6 +305,96 @@ def test_llama4_options_not_implemented_are_refused(tmp_path):
                            ({"no_rope_layers": [1]}, "no_rope_layers"), ({"no_rope_layers": [1, 2]}, "no_rope_layers"),
                            ({"moe_layers": [2]}, "moe_layers"), ({"attention_chunk_size": 0}, "attention_chunk_size"),
                            ({"floor_scale": 0}, "floor_scale")]:
+        (bad / "config.json").write_text(json.dumps({**config, **changes}))
+        with pytest.raises(ValueError, match=rf"{bad}/config.json: {named}: expected"):
+            from_pretrained(bad)
+
+
+# --- DeepSeek V3 (deepseek_v3): MLA options, the router's options, the compressed decode cache -------------------
+
+@pytest.mark.slow  # two reports per variant, on top of the bars' runs of the default config
+@pytest.mark.parametrize("overrides", [
+    # queries straight from x (no q latent), half-split rope, biased projections, tied head, plain rope
+    {"q_lora_rank": None, "rope_interleave": False, "attention_bias": True, "tie_word_embeddings": True,
+     "rope_parameters": {"rope_type": "default", "rope_theta": 500.0}},
+    # every layer MoE, one group (no group limit), top 2 not renormalised, one shared expert, a linear rope with
+    # mscale_all_dim (HF's yarn_apply_mscale scales the softmax for any rope type but "default")
+    {"first_k_dense_replace": 0, "n_group": 1, "topk_group": 1, "num_experts_per_tok": 2, "norm_topk_prob": False,
+     "n_shared_experts": 1, "routed_scaling_factor": 1.7,
+     "rope_parameters": {"rope_type": "linear", "factor": 3.0, "rope_theta": 10000.0, "mscale_all_dim": 0.8}}])
+def test_deepseek_v3_variants_match_transformers(tmp_path, overrides):
+    model, params, torch_model = _assert_matches(hf.write_checkpoint("deepseek_v3", tmp_path / "v", **overrides))
+    assert model.config.softmax_scale == pytest.approx(torch_model.model.layers[0].self_attn.scaling, rel=1e-15)
+    assert ("lm_head" in params) != model.config.tie_word_embeddings
+
+
+def test_deepseek_v3_decodes_from_the_compressed_latent_cache():
+    """generate's cache holds, per layer, the latent [B,L,C] and the rope key [B,L,R] (C + R numbers per token,
+    against N (Hq + Hv) for an expanded key/value cache) and nothing else (shapes only: nothing is computed).
+    The tiny config's yarn makes both of HF's factors bite: the softmax scale Hq ** -0.5 * m(0.9) ** 2 and the
+    rope factor m(0.7) / m(0.9), m(a) = 0.1 a ln(4) + 1 (HF's yarn_get_mscale; the layer reports check them
+    against transformers)."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+
+    from jaxattn.models._decoder import empty_cache
+    from jaxattn.models.deepseek_v3 import DeepseekV3Config, DeepseekV3ForCausalLM, cache_numbers_per_token
+
+    c = DeepseekV3Config.from_dict(hf.TINY["deepseek_v3"][2])
+    model = DeepseekV3ForCausalLM(c)
+    ids = jnp.zeros((3, 17), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), ids))["params"]
+    cache = empty_cache(model, params, ids, attention_mask=jnp.ones_like(ids))
+    assert sorted(cache) == ["layers_0", "layers_1", "next_position"]
+    for i in range(2):
+        layer = cache[f"layers_{i}"]["self_attn"]
+        assert {k: v.shape for k, v in layer.items()} == {
+            "cached_latent": (3, 17, 13), "cached_rope": (3, 17, 4), "cache_index": (3,)}
+    assert cache_numbers_per_token(c) == 13 + 4 < c.num_attention_heads * (9 + 7)
+    m = lambda a: 0.1 * a * math.log(4.0) + 1.0  # noqa: E731
+    assert c.softmax_scale == pytest.approx(9 ** -0.5 * m(0.9) ** 2, rel=1e-15)
+    assert c.rope_attention_factor == pytest.approx(m(0.7) / m(0.9), rel=1e-15)
+
+
+def test_deepseek_v3_group_limited_routing_equals_a_loop():
+    """group_limited_weights against a per-token loop (numpy, float64): groups scored by their two best
+    biased scores, the best groups' experts eligible, top k by biased score, weighted by the plain sigmoid."""
+    import jax
+
+    from jaxattn.models.deepseek_v3 import group_limited_weights
+
+    rng = np.random.default_rng(0)
+    T, X, n_group, topk_group, k, scaling = 7, 15, 3, 2, 3, 2.5
+    logits, bias = rng.normal(size=(T, X)), rng.normal(size=X) * 0.3
+    ours = np.asarray(group_limited_weights(jax.numpy.asarray(logits), jax.numpy.asarray(bias), top_k=k,
+                                            n_group=n_group, topk_group=topk_group, normalize=True, scaling=scaling))
+    assert_float64(ours)
+    expected = np.zeros((T, X))
+    for t in range(T):
+        s = 1 / (1 + np.exp(-logits[t]))
+        choice = s + bias
+        groups = sorted(range(n_group), key=lambda g: -np.sort(choice[g * 5:(g + 1) * 5])[-2:].sum())[:topk_group]
+        eligible = [x for x in range(X) if x // 5 in groups]
+        picked = sorted(eligible, key=lambda x: -choice[x])[:k]
+        expected[t, picked] = s[picked] / (s[picked].sum() + 1e-20) * scaling
+    np.testing.assert_allclose(ours, expected, rtol=1e-14, atol=0)
+    assert ((ours > 0).sum(-1) == k).all()
+
+
+def test_deepseek_v3_options_not_implemented_are_refused(tmp_path):
+    source = hf.write_checkpoint("deepseek_v3", tmp_path / "ok")
+    config = json.loads((source / "config.json").read_text())
+    bad = tmp_path / "bad"
+    shutil.copytree(source, bad)
+    for changes, named in [({"hidden_act": "gelu"}, "hidden_act"), ({"n_group": 4}, "n_group"),
+                           ({"n_group": 15}, "n_group"), ({"topk_group": 4}, "topk_group"),
+                           ({"num_experts_per_tok": 11}, "num_experts_per_tok"),
+                           ({"num_key_value_heads": 1}, "num_key_value_heads"),
+                           ({"first_k_dense_replace": -1}, "first_k_dense_replace"),
+                           ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 2.0}},
+                            r"rope_parameters\['rope_type'\]")]:
         (bad / "config.json").write_text(json.dumps({**config, **changes}))
         with pytest.raises(ValueError, match=rf"{bad}/config.json: {named}: expected"):
             from_pretrained(bad)

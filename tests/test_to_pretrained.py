@@ -60,6 +60,9 @@ VARIANTS = {
     "gpt_oss": ("gpt_oss", {}),                                            # interleaved gate/up, sinks
     "qwen3_moe": ("qwen3_moe", {}),                                        # q/k norms on experts
     "llama4_text": ("llama4_text", {}),                                    # fused experts, dense/MoE layers
+    "deepseek_v3": ("deepseek_v3", {}),                                    # MLA (q latent), yarn, MoE layer
+    "deepseek_v3-direct": ("deepseek_v3", {"q_lora_rank": None, "attention_bias": True, "tie_word_embeddings": True,
+                                           "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}),
 }
 _AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM"}
 
@@ -105,8 +108,10 @@ def _torch_load(directory, model_type):
 
     transformers.utils.logging.disable_progress_bar()
     cls = getattr(transformers, _AUTO.get(model_type, "AutoModelForCausalLM"))
+    # DeepSeek V3: transformers' grouped_mm experts need 16-byte strides, which the tiny prime sizes do not give
+    experts = {"experts_implementation": "eager"} if model_type == "deepseek_v3" else {}
     model, info = cls.from_pretrained(str(directory), attn_implementation="eager", output_loading_info=True,
-                                      local_files_only=True)
+                                      local_files_only=True, **experts)
     assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
     return model.eval()
 
@@ -233,7 +238,11 @@ def test_bf16_is_kept_and_dtype_casts_explicitly(checkpoints, tmp_path):
 
 @pytest.mark.parametrize("variant, dtype", [
     pytest.param(v, d, marks=() if (v, d) in (("gpt2", "float64"), ("qwen2", "float32")) else pytest.mark.slow)
-    for v in VARIANTS for d in ("float64", "float32")])
+    for v in VARIANTS for d in ("float64", "float32")
+    # DeepSeek V3 in float64: transformers loads the router's weight and bias in float32 whatever the checkpoint's
+    # dtype (_keep_in_fp32_modules_strict), so its float64 outputs are not the written weights' (the written
+    # tensors themselves are checked bit for bit by the round-trip test)
+    if not (VARIANTS[v][0] == "deepseek_v3" and d == "float64")])
 def test_params_changed_in_jax_give_transformers_the_same_outputs(checkpoints, variant, dtype, tmp_path):
     model_type = VARIANTS[variant][0]
     model, params = from_pretrained(checkpoints(variant), dtype=dtype)
@@ -243,7 +252,10 @@ def test_params_changed_in_jax_give_transformers_the_same_outputs(checkpoints, v
     tensors = _tensors(written)
     original = _tensors(checkpoints(variant))
     moved = [n for n in tensors if not np.array_equal(tensors[n], original[n].astype(dtype))]
-    assert len(moved) >= 0.9 * len(tensors), sorted(set(tensors) - set(moved))  # the step changed the weights
+    # an expert no token of the batch picks has no gradient (DeepSeek V3: 15 experts, top 3), nor has DeepSeek V3's
+    # router bias (it only selects): Adam leaves them; every other weight moves
+    idle = {n for n in set(tensors) - set(moved) if ".mlp.experts." in n or n.endswith("e_score_correction_bias")}
+    assert len(moved) >= 0.9 * (len(tensors) - len(idle)), sorted(set(tensors) - set(moved) - idle)
     assert _config(written)["dtype"] == dtype
     torch_model = _torch_load(written, model_type)
     _assert_torch_holds(torch_model, tensors)  # loaded in `dtype` (config.json's), exactly as written
@@ -335,9 +347,10 @@ def test_crosscheck_model_passes_on_a_written_directory(checkpoints, variant, tm
 # --- configs with no config.json behind them ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if VARIANTS[v][0] not in ("llama", "gemma3_text",
-                                                                                  "llama4_text")])
-# llama: linear rope; llama4_text: llama3 rope; gemma3: the tiny checkpoint's two ropes are not HF's defaults
-# (all in no field)
+                                                                                  "llama4_text")
+                                     and v != "deepseek_v3"])
+# llama: linear rope; llama4_text: llama3 rope; deepseek_v3: yarn; gemma3: the tiny checkpoint's two ropes are
+# not HF's defaults (all in no field)
 def test_a_config_without_hf_config_is_written_from_the_family_mapping(checkpoints, variant, tmp_path):
     """hf_config None (a config built in Python): config.json holds the family's own keys only, reads back as
     the same config, and transformers builds the model from it with every weight in place."""

@@ -109,9 +109,12 @@ def rms_norm(x, scale, eps):
 
 
 def latent_projections(params, x, positions=None, *, rope_base: float = 10000.0, rope_layout: str = "interleaved",
-                       rope_frequencies=None, norm_eps: float = 1e-6, precision=None) -> LatentQKV:
+                       rope_frequencies=None, rope_attention_factor: float = 1.0, norm_eps: float = 1e-6,
+                       precision=None) -> LatentQKV:
     """x [...,T,E] -> LatentQKV(q_nope, q_rope, latent, k_rope), the rope parts rotated at `positions`
-    (int [...,T], default arange(T)). norm_eps: the latent norms' epsilon (transformers: 1e-6)."""
+    (int [...,T], default arange(T)). norm_eps: the latent norms' epsilon (transformers: 1e-6).
+    rope_attention_factor: yarn's factor a on the rotated parts (transformers scales cos and sin by it, so the
+    rope part of every logit by a ** 2 and the nope part not at all)."""
     x = jnp.asarray(x)
     Hn = latent_dims(params)[1]
     checks.check_min_rank("x", x, 2, "[...,T,E]")
@@ -129,6 +132,8 @@ def latent_projections(params, x, positions=None, *, rope_base: float = 10000.0,
     rope = dict(base=rope_base, layout=rope_layout, frequencies=rope_frequencies)
     q_rope = apply_rope(q[..., Hn:], positions, **rope)
     k_rope = apply_rope(k_rope[..., None, :], positions, **rope)[..., 0, :]  # one rope key, shared by the heads
+    if rope_attention_factor != 1.0:
+        q_rope, k_rope = (r * jnp.asarray(rope_attention_factor, r.dtype) for r in (q_rope, k_rope))
     return LatentQKV(q[..., :Hn], q_rope, latent, k_rope)
 
 
@@ -180,7 +185,7 @@ def init_latent_cache(batch_shape, max_length: int, latent_dim: int, rope_dim: i
 
 def latent_attention(params, x, *, form: str = "absorbed", cache=None, positions=None, scale=None,
                      rope_base: float = 10000.0, rope_layout: str = "interleaved", rope_frequencies=None,
-                     norm_eps: float = 1e-6, precision=None, **options):
+                     rope_attention_factor: float = 1.0, norm_eps: float = 1e-6, precision=None, **options):
     """Multi-head latent attention of x [...,T,E] -> y [...,T,Eo] (module docstring has the formulas).
 
     form: "absorbed" (default) or "expanded", equal numbers. positions: int [...,T] for RoPE (default
@@ -196,7 +201,8 @@ def latent_attention(params, x, *, form: str = "absorbed", cache=None, positions
         if positions is None:
             positions = index[..., None] + jnp.arange(jnp.shape(x)[-2], dtype=jnp.int32)
     qkv = latent_projections(params, x, positions, rope_base=rope_base, rope_layout=rope_layout,
-                             rope_frequencies=rope_frequencies, norm_eps=norm_eps, precision=precision)
+                             rope_frequencies=rope_frequencies, rope_attention_factor=rope_attention_factor,
+                             norm_eps=norm_eps, precision=precision)
     latent, k_rope = qkv.latent, qkv.k_rope
     if cache is not None:
         # the key/value cache's writer with one "head": the latent as keys, the rope key as values

@@ -59,13 +59,14 @@ def yarn_frequencies(inverse: np.ndarray, factor: float, ramp: np.ndarray) -> np
     return inverse * (1 - ramp) + inverse / factor * ramp
 
 
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """yarn's magnitude rule 0.1 m ln(factor) + 1 (1 when factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
 def yarn_attention_factor(factor: float, mscale: float | None = None, mscale_all_dim: float | None = None) -> float:
-    """0.1 ln(factor) + 1 (1 when factor <= 1), or the ratio of that rule at mscale and at mscale_all_dim when
-    both are given (DeepSeek's form)."""
-
-    def rule(m):
-        return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
-
+    """yarn_mscale(factor), or the ratio of that rule at mscale and at mscale_all_dim when both are given
+    (DeepSeek's form)."""
     if mscale and mscale_all_dim:
-        return rule(mscale) / rule(mscale_all_dim)
-    return rule(1)
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all_dim)
+    return yarn_mscale(factor)

@@ -9,13 +9,14 @@
     from jaxattn.models import BertConfig, BertModel, bert_params_from_state_dict, mean_pooling
     jaxattn.models.rope_frequencies(config, head_dim)         # HF's rope settings -> inverse frequencies
 
-Each family module (bert, gpt2, t5, llama, gemma2, qwen3, gemma3, mixtral, gpt_oss, qwen3_moe, llama4) is its
-config parsing, its block and its weight table;
+Each family module (bert, gpt2, t5, llama, gemma2, qwen3, gemma3, mixtral, gpt_oss, qwen3_moe, llama4,
+deepseek_v3) is its config parsing, its block and its weight table;
 what they share (the layer stack, the causal-LM wrapper, norms, heads, masks, the decode cache, loading) is
 in _decoder.py, and the one weight-table format with its filler in weights.py (public: jaxattn.models.weights).
 """
 
 from . import bert as _bert_family  # noqa: F401  (each family module registers its model_type)
+from . import deepseek_v3 as _deepseek_v3_family  # noqa: F401
 from . import gemma2 as _gemma2_family  # noqa: F401
 from . import gemma3 as _gemma3_family  # noqa: F401  (gemma3_text)
 from . import gpt2 as _gpt2_family  # noqa: F401

@@ -73,7 +73,8 @@ def constrain(sharding: ModelSharding | None, x, layout: str):
 
 
 # the decode cache's leaves (jaxattn.linen's cache and the models' position count), by name
-CACHE_LAYOUTS = {"cached_key": "BLKH", "cached_value": "BLKH", "cache_index": "B", "next_position": "B"}
+CACHE_LAYOUTS = {"cached_key": "BLKH", "cached_value": "BLKH", "cache_index": "B", "next_position": "B",
+                 "cached_latent": "BLC", "cached_rope": "BLR"}  # (MLA's compressed cache: batch over data only)
 
 
 def constrain_cache(sharding: ModelSharding | None, cache):

@@ -122,10 +122,24 @@ MOE_RULES = (
     *DECODER_RULES,
 )
 
+# DeepSeek V3 (jaxattn.models.deepseek_v3): MLA's per-head kernels by head over "model" (query or query_up
+# [E|Cq,N,Hq], key_value_up [C,N,Hn+Hv] column-parallel, out [N,Hv,E] row-parallel: MOE_RULES' Llama rows), its
+# down projections to the latents (query_down [E,Cq], latent_and_key_rope [E,C+R]) FSDP only (every head reads
+# the whole latent), the norms and the router's score-correction bias [X] replicated; experts, router and the
+# shared experts' and dense layers' SwiGLU as MOE_RULES.
+DEEPSEEK_RULES = (
+    ("*/self_attn/query_up/kernel", P(None, "model", None)),
+    ("*/self_attn/key_value_up/kernel", P("data", "model", None)),
+    ("*/self_attn/query_down/kernel", P("data", None)),
+    ("*/self_attn/latent_and_key_rope/kernel", P("data", None)),
+    *MOE_RULES,
+)
+
 # qwen3 and gemma3_text are Llama-shaped: their q_norm/k_norm weights [H] fall to "*" (replicated).
 FAMILY_RULES = {"llama": DECODER_RULES, "qwen2": DECODER_RULES, "mistral": DECODER_RULES,
                 "gemma2": DECODER_RULES, "qwen3": DECODER_RULES, "gemma3_text": DECODER_RULES,
                 "mixtral": MOE_RULES, "qwen3_moe": MOE_RULES, "gpt_oss": MOE_RULES, "llama4_text": MOE_RULES,
+                "deepseek_v3": DEEPSEEK_RULES,
                 "gpt2": GPT2_RULES, "t5": T5_RULES, "bert": BERT_RULES}
 
 
