@@ -57,7 +57,8 @@ import numpy as np
 
 from .._layers.latent import latent_attention
 from .._schemes import rope_scaling
-from . import _decoder, _pretrained, _table, moe
+from . import _decoder, _pretrained, moe, weights
+from .weights import Reshape, Steps, Transpose
 from .llama4 import SwiGLU
 
 
@@ -315,47 +316,49 @@ def cache_numbers_per_token(config: DeepseekV3Config) -> int:
 
 # --- weights ------------------------------------------------------------------------------------------------------
 
-def _attention_rows(config: DeepseekV3Config) -> list[_table.Row]:
-    R, hf, ours, b = _table.row, "model.layers.{i}.self_attn.", "layers_{i}/self_attn/", config.attention_bias
+HEADS = Steps(Transpose(), Reshape())  # nn.Linear [N*H,E] -> [E,N,H] (and [E,N*H] -> [N,H,E])
+
+def _attention_rows(config: DeepseekV3Config) -> list[weights.Row]:
+    R, hf, ours, b = weights.row, "model.layers.{i}.self_attn.", "layers_{i}/self_attn/", config.attention_bias
     if config.q_lora_rank is None:
-        query = [R(hf + "q_proj.weight", ("N*Hq", "E"), ours + "query/kernel", ("E", "N", "Hq"), "T_reshape")]
+        query = [R(hf + "q_proj.weight", ("N*Hq", "E"), ours + "query/kernel", ("E", "N", "Hq"), HEADS)]
     else:
-        query = [R(hf + "q_a_proj.weight", ("Cq", "E"), ours + "query_down/kernel", ("E", "Cq"), "transpose"),
-                 *_table.when(b, R(hf + "q_a_proj.bias", ("Cq",), ours + "query_down/bias", ("Cq",))),
+        query = [R(hf + "q_a_proj.weight", ("Cq", "E"), ours + "query_down/kernel", ("E", "Cq"), Transpose()),
+                 *weights.when(b, R(hf + "q_a_proj.bias", ("Cq",), ours + "query_down/bias", ("Cq",))),
                  R(hf + "q_a_layernorm.weight", ("Cq",), ours + "query_norm/scale", ("Cq",)),
-                 R(hf + "q_b_proj.weight", ("N*Hq", "Cq"), ours + "query_up/kernel", ("Cq", "N", "Hq"), "T_reshape")]
+                 R(hf + "q_b_proj.weight", ("N*Hq", "Cq"), ours + "query_up/kernel", ("Cq", "N", "Hq"), HEADS)]
     return [*query,
             R(hf + "kv_a_proj_with_mqa.weight", ("CR", "E"), ours + "latent_and_key_rope/kernel", ("E", "CR"),
-              "transpose"),
-            *_table.when(b, R(hf + "kv_a_proj_with_mqa.bias", ("CR",), ours + "latent_and_key_rope/bias", ("CR",))),
+              Transpose()),
+            *weights.when(b, R(hf + "kv_a_proj_with_mqa.bias", ("CR",), ours + "latent_and_key_rope/bias", ("CR",))),
             R(hf + "kv_a_layernorm.weight", ("C",), ours + "latent_norm/scale", ("C",)),
-            R(hf + "kv_b_proj.weight", ("N*Hkv", "C"), ours + "key_value_up/kernel", ("C", "N", "Hkv"), "T_reshape"),
-            R(hf + "o_proj.weight", ("E", "N*Hv"), ours + "out/kernel", ("N", "Hv", "E"), "T_reshape"),
-            *_table.when(b, R(hf + "o_proj.bias", ("E",), ours + "out/bias", ("E",)))]
+            R(hf + "kv_b_proj.weight", ("N*Hkv", "C"), ours + "key_value_up/kernel", ("C", "N", "Hkv"), HEADS),
+            R(hf + "o_proj.weight", ("E", "N*Hv"), ours + "out/kernel", ("N", "Hv", "E"), HEADS),
+            *weights.when(b, R(hf + "o_proj.bias", ("E",), ours + "out/bias", ("E",)))]
 
 
-def _swiglu_rows(hf: str, ours: str, width: str) -> list[_table.Row]:
-    R = _table.row
-    return [R(hf + "gate_proj.weight", (width, "E"), ours + "gate_proj/kernel", ("E", width), "transpose"),
-            R(hf + "up_proj.weight", (width, "E"), ours + "up_proj/kernel", ("E", width), "transpose"),
-            R(hf + "down_proj.weight", ("E", width), ours + "down_proj/kernel", (width, "E"), "transpose")]
+def _swiglu_rows(hf: str, ours: str, width: str) -> list[weights.Row]:
+    R = weights.row
+    return [R(hf + "gate_proj.weight", (width, "E"), ours + "gate_proj/kernel", ("E", width), Transpose()),
+            R(hf + "up_proj.weight", (width, "E"), ours + "up_proj/kernel", ("E", width), Transpose()),
+            R(hf + "down_proj.weight", ("E", width), ours + "down_proj/kernel", (width, "E"), Transpose())]
 
 
-def _moe_rows(fused: bool) -> list[_table.Row]:
+def _moe_rows(fused: bool) -> list[weights.Row]:
     """An MoE layer's router (weight, correction bias), experts (per expert or fused) and shared experts."""
     experts = moe.fused_expert_rows() if fused else moe.expert_rows(
         router="model.layers.{i}.mlp.gate.weight", gate="model.layers.{i}.mlp.experts.{j}.gate_proj.weight",
         up="model.layers.{i}.mlp.experts.{j}.up_proj.weight", down="model.layers.{i}.mlp.experts.{j}.down_proj.weight")
     return [*experts,
-            _table.row("model.layers.{i}.mlp.gate.e_score_correction_bias", ("X",),
-                       "layers_{i}/mlp/score_correction_bias", ("X",)),
+            weights.row("model.layers.{i}.mlp.gate.e_score_correction_bias", ("X",),
+                        "layers_{i}/mlp/score_correction_bias", ("X",)),
             *_swiglu_rows("model.layers.{i}.mlp.shared_experts.", "layers_{i}/mlp/shared_experts/", "S")]
 
 
-def weight_table(config: DeepseekV3Config, *, fused: bool = False) -> list[_table.Row]:
+def weight_table(config: DeepseekV3Config, *, fused: bool = False) -> list[weights.Row]:
     """HF's names -> our params, layer by layer: norms, MLA, then the dense SwiGLU (layers before
     first_k_dense_replace) or the MoE."""
-    R = _table.row
+    R = weights.row
     norms = [R("model.layers.{i}.input_layernorm.weight", ("E",), "layers_{i}/input_layernorm/weight", ("E",)),
              R("model.layers.{i}.post_attention_layernorm.weight", ("E",),
                "layers_{i}/post_attention_layernorm/weight", ("E",))]
@@ -364,11 +367,11 @@ def weight_table(config: DeepseekV3Config, *, fused: bool = False) -> list[_tabl
     layers = []
     for i in range(config.num_hidden_layers):
         rows = [*shared, *(_moe_rows(fused) if config.moe_layer(i) else dense)]
-        layers += _table.expand(rows, i + 1)[i * len(rows):]  # layer i's rows ("{i}" = i)
+        layers += weights.expand(rows, i + 1)[i * len(rows):]  # layer i's rows ("{i}" = i)
     return [R("model.embed_tokens.weight", ("V", "E"), "embed_tokens/embedding", ("V", "E")), *layers,
             R("model.norm.weight", ("E",), "norm/weight", ("E",)),
-            *_table.when(not config.tie_word_embeddings,
-                         R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), "transpose"))]
+            *weights.when(not config.tie_word_embeddings,
+                          R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), Transpose()))]
 
 
 _pretrained.register_family("deepseek_v3")(moe.loader(DeepseekV3Config, DeepseekV3ForCausalLM, weight_table))
