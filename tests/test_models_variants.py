@@ -38,7 +38,7 @@ def _assert_matches(directory):
 
 
 def test_new_families_are_supported():
-    assert {"qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe", "llama4_text"} <= set(supported_model_types())
+    assert {"qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe", "llama4_text", "qwen3_next"} <= set(supported_model_types())
 
 
 @pytest.mark.slow  # two reports per variant, on top of the bars' runs of the default configs

@@ -60,6 +60,7 @@ VARIANTS = {
     "gpt_oss": ("gpt_oss", {}),                                            # interleaved gate/up, sinks
     "qwen3_moe": ("qwen3_moe", {}),                                        # q/k norms on experts
     "llama4_text": ("llama4_text", {}),                                    # fused experts, dense/MoE layers
+    "qwen3_next": ("qwen3_next", {}),                                      # linear + full layers, shared expert
 }
 _AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM"}
 

@@ -29,7 +29,7 @@ from crosscheck._train_report import random_batches  # noqa: E402
 from jaxattn.models import from_pretrained, from_state_dict  # noqa: E402
 
 DECODERS = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe",
-            "llama4_text")
+            "llama4_text", "qwen3_next")
 # float32 runs follow torch within the envelope where the model is smooth in its weights near the run's path:
 # gpt-oss's clamped SwiGLU (min(gate, limit); the tiny checkpoint's limit 1.0 so that the clamps bite) is not,
 # and a float32 rounding that moves an entry across the clamp changes a gradient by a whole term (gpt-oss: at
@@ -250,7 +250,7 @@ def test_a_used_optimizer_and_bad_arguments_are_refused_before_anything_runs():
         crosscheck.train_report(bert, model, params, batches, steps=2, optimizer="sgd", lr=0.1)
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f == "llama4_text" else f
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in ("llama4_text", "qwen3_next") else f
                                     for f in DECODERS])  # (llama4_text: its 100-step runs read the layout too)
 def test_the_layout_is_the_weight_table_both_ways(family, checkpoints):
     """to_jax(state_dict) is from_state_dict's tree, exactly; to_torch gives the state_dict back."""
