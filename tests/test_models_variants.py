@@ -38,7 +38,8 @@ def _assert_matches(directory):
 
 
 def test_new_families_are_supported():
-    assert {"qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe", "llama4_text", "qwen3_next"} <= set(supported_model_types())
+    assert {"qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe", "llama4_text",
+            "qwen3_next"} <= set(supported_model_types())
 
 
 @pytest.mark.slow  # two reports per variant, on top of the bars' runs of the default configs
@@ -303,6 +304,62 @@ def test_llama4_options_not_implemented_are_refused(tmp_path):
                            ({"no_rope_layers": [1]}, "no_rope_layers"), ({"no_rope_layers": [1, 2]}, "no_rope_layers"),
                            ({"moe_layers": [2]}, "moe_layers"), ({"attention_chunk_size": 0}, "attention_chunk_size"),
                            ({"floor_scale": 0}, "floor_scale")]:
+        (bad / "config.json").write_text(json.dumps({**config, **changes}))
+        with pytest.raises(ValueError, match=rf"{bad}/config.json: {named}: expected"):
+            from_pretrained(bad)
+
+
+# --- Qwen3-Next (qwen3_next): its layer pattern and options ---------------------------------------------------------
+
+@pytest.mark.slow  # two reports, on top of the bars' runs of the default config
+def test_qwen3_next_variant_matches_transformers(tmp_path):
+    """The full layer first, both layers MoE (decoder_sparse_step 1, no mlp_only_layers), top 2 not renormalised,
+    half of each head rotated, tied head, value heads = key heads in the linear layer."""
+    overrides = {"layer_types": ["full_attention", "linear_attention"], "mlp_only_layers": [],
+                 "norm_topk_prob": False, "tie_word_embeddings": True, "linear_num_value_heads": 3,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}}
+    model, params, torch_model = _assert_matches(hf.write_checkpoint("qwen3_next", tmp_path / "v", **overrides))
+    c = model.config
+    assert c.linear_layers == (False, True) and c.moe_layers == (0, 1) and c.rotary_dim == 8
+    assert ("lm_head" in params) != c.tie_word_embeddings
+
+
+def test_qwen3_next_layer_pattern_follows_hf_defaults():
+    """layer_types unset: a full attention layer every full_attention_interval-th layer; the MoE on every
+    decoder_sparse_step-th layer outside mlp_only_layers; partial_rotary_factor HF's 0.25 of head_dim."""
+    import transformers
+
+    from jaxattn.models.qwen3_next import Qwen3NextConfig
+
+    hf_config = transformers.Qwen3NextConfig(num_hidden_layers=7, full_attention_interval=3, decoder_sparse_step=2,
+                                             mlp_only_layers=[3], head_dim=16, num_experts=4, num_experts_per_tok=2)
+    config = {k: v for k, v in hf_config.to_dict().items() if k != "layer_types"}
+    ours = Qwen3NextConfig.from_dict({**config, "full_attention_interval": 3})
+    assert [("linear_attention" if linear else "full_attention") for linear in ours.linear_layers] == \
+        hf_config.layer_types
+    hf_moe = [i for i in range(7) if i not in hf_config.mlp_only_layers and (i + 1) % 2 == 0]  # HF's decoder layer
+    assert list(ours.moe_layers) == hf_moe == [1, 5] and ours.rotary_dim == 4
+    np.testing.assert_allclose(ours.rope_frequencies, 1.0 / hf_config.rope_parameters["rope_theta"] ** (
+        np.arange(0, 4, 2) / 4), rtol=1e-15)
+
+
+def test_qwen3_next_options_not_implemented_are_refused(tmp_path):
+    source = hf.write_checkpoint("qwen3_next", tmp_path / "ok")
+    config = json.loads((source / "config.json").read_text())
+    bad = tmp_path / "bad"
+    shutil.copytree(source, bad)
+    rope = config["rope_parameters"]
+    for changes, named in [({"hidden_act": "gelu"}, "hidden_act"), ({"attention_bias": True}, "attention_bias"),
+                           ({"num_experts": 0}, "num_experts"), ({"num_experts_per_tok": 6}, "num_experts_per_tok"),
+                           ({"layer_types": ["linear_attention"]}, "layer_types"),
+                           ({"layer_types": ["linear_attention", "sliding_attention"]}, "layer_types"),
+                           ({"linear_num_value_heads": 8}, "linear_num_value_heads"),
+                           ({"mlp_only_layers": [2]}, "mlp_only_layers"),
+                           ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
+                           ({"rope_parameters": {**rope, "rope_type": "linear", "factor": 2.0}},
+                            r"rope_parameters\['rope_type'\]"),
+                           ({"rope_parameters": {**rope, "partial_rotary_factor": 0.01}},
+                            r"rope_parameters\['partial_rotary_factor'\]")]:
         (bad / "config.json").write_text(json.dumps({**config, **changes}))
         with pytest.raises(ValueError, match=rf"{bad}/config.json: {named}: expected"):
             from_pretrained(bad)
