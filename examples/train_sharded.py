@@ -111,7 +111,11 @@ DEMO = {"gpt2": dict(n_embd=64, n_head=8), "t5": dict(d_model=64, d_kv=8, num_he
         "qwen3_moe": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=16,
                           num_key_value_heads=8, head_dim=8, num_experts=8),
         "llama4_text": dict(hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_attention_heads=16,
-                            num_key_value_heads=8, head_dim=8, num_local_experts=8)}
+                            num_key_value_heads=8, head_dim=8, num_local_experts=8),
+        "qwen3_next": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=48, num_attention_heads=16, num_key_value_heads=8,
+                           head_dim=8, linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=8,
+                           linear_value_head_dim=6, num_experts=8)}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -213,6 +213,24 @@ def test_moe_rules_split_experts_before_the_llama_rows(model_type):
     assert rules.spec("layers_1/mlp/shared_expert/down_proj/kernel", (F, E)) == P("model", "data")
 
 
+def test_qwen3_next_rules_split_heads_and_experts():
+    """Qwen3-Next's own projections by heads (gated attention) and key / value heads (linear layers), its
+    experts and shared expert as the MoE rows, the conv and the decay parameters replicated."""
+    from jaxattn.models import _partition_rules
+
+    rules = _partition_rules.Rules.of("qwen3_next", one_device_mesh("data", "model"))
+    E, N, K, H, J, P_, M, D, X, F = 8, 4, 2, 6, 2, 10, 4, 3, 4, 6
+    assert rules.spec("layers_1/self_attn/q_proj/kernel", (E, N, 2 * H)) == P("data", "model", None)
+    assert rules.spec("layers_1/self_attn/o_proj/kernel", (N, H, E)) == P("model", None, "data")
+    assert rules.spec("layers_0/linear_attn/in_proj_qkvz/kernel", (E, J, P_)) == P("data", "model", None)
+    assert rules.spec("layers_0/linear_attn/out_proj/kernel", (M, D, E)) == P("model", None, "data")
+    assert rules.spec("layers_0/linear_attn/conv_weight", (2 * J * 5 + M * D, 4)) == P()
+    assert rules.spec("layers_0/linear_attn/A_log", (M,)) == P()
+    assert rules.spec("layers_0/mlp/experts/gate_proj/kernel", (X, E, F)) == P("model", "data", None)
+    assert rules.spec("layers_0/mlp/shared_expert/down_proj/kernel", (F, E)) == P("model", "data")
+    assert rules.spec("layers_0/mlp/shared_expert_gate/kernel", (E, 1)) == P("data", None)
+
+
 @pytest.mark.parametrize("family", ["mixtral", pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_one_device_mesh_loads_moe_params_the_same(new_checkpoints, family):
     """Stacked per-expert rows (Mixtral) and gpt-oss's interleaved gate/up ("every"): on a one-device mesh

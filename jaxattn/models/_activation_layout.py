@@ -72,8 +72,10 @@ def constrain(sharding: ModelSharding | None, x, layout: str):
     return jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, sharding.spec(layout, x.shape)))
 
 
-# the decode cache's leaves (jaxattn.linen's cache and the models' position count), by name
-CACHE_LAYOUTS = {"cached_key": "BLKH", "cached_value": "BLKH", "cache_index": "B", "next_position": "B"}
+# the decode cache's leaves (jaxattn.linen's cache and the models' position count), by name; Qwen3-Next's
+# linear layers: the conv's last inputs [B,W-1,C] batch over data, the delta rule's state [B,M,Q,D] by value head
+CACHE_LAYOUTS = {"cached_key": "BLKH", "cached_value": "BLKH", "cache_index": "B", "next_position": "B",
+                 "conv_state": "BLE", "recurrent_state": "BNHH"}
 
 
 def constrain_cache(sharding: ModelSharding | None, cache):
