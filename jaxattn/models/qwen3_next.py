@@ -54,6 +54,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax.linen.dtypes import promote_dtype
 
 from .._core.dtypes import accumulation_dtype
 from .._engines.dispatch import dot_product_attention
@@ -186,7 +187,7 @@ class Projection(nn.Module):
         init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=0,
                                                 out_axis=tuple(range(1, len(self.out) + 1)))
         kernel = self.param("kernel", init, (x.shape[-1], *self.out), self.param_dtype)
-        x, kernel = nn.dtypes.promote_dtype(x, kernel, dtype=self.dtype)
+        x, kernel = promote_dtype(x, kernel, dtype=self.dtype)
         letters = "abcd"[:len(self.out)]
         return jnp.einsum(f"...e,e{letters}->...{letters}", x, kernel, precision=self.precision)
 
@@ -203,7 +204,7 @@ class OutProjection(nn.Module):
     def __call__(self, z):
         init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=(0, 1), out_axis=2)
         kernel = self.param("kernel", init, (*z.shape[-2:], self.features), self.param_dtype)
-        z, kernel = nn.dtypes.promote_dtype(z, kernel, dtype=self.dtype)
+        z, kernel = promote_dtype(z, kernel, dtype=self.dtype)
         return jnp.einsum("...nh,nhe->...e", z, kernel, precision=self.precision)
 
 
