@@ -343,11 +343,19 @@ def test_qwen3_next_layer_pattern_follows_hf_defaults():
         np.arange(0, 4, 2) / 4), rtol=1e-15)
 
 
-def test_qwen3_next_options_not_implemented_are_refused(tmp_path):
-    source = hf.write_checkpoint("qwen3_next", tmp_path / "ok")
-    config = json.loads((source / "config.json").read_text())
-    bad = tmp_path / "bad"
-    shutil.copytree(source, bad)
+@pytest.fixture(scope="module")
+def qwen3_next_checkpoint(tmp_path_factory):
+    return hf.write_checkpoint("qwen3_next", tmp_path_factory.mktemp("qwen3_next"))
+
+
+def test_qwen3_next_options_not_implemented_are_refused(qwen3_next_checkpoint):
+    """Each option this port does not implement: ValueError naming the file and the key (the config alone is
+    parsed, as from_pretrained does before any weight)."""
+    from jaxattn.models.qwen3_next import Qwen3NextConfig
+
+    source = qwen3_next_checkpoint / "config.json"
+    config = json.loads(source.read_text())
+    Qwen3NextConfig.from_dict(config, source)
     rope = config["rope_parameters"]
     for changes, named in [({"hidden_act": "gelu"}, "hidden_act"), ({"attention_bias": True}, "attention_bias"),
                            ({"num_experts": 0}, "num_experts"), ({"num_experts_per_tok": 6}, "num_experts_per_tok"),
@@ -360,6 +368,26 @@ def test_qwen3_next_options_not_implemented_are_refused(tmp_path):
                             r"rope_parameters\['rope_type'\]"),
                            ({"rope_parameters": {**rope, "partial_rotary_factor": 0.01}},
                             r"rope_parameters\['partial_rotary_factor'\]")]:
-        (bad / "config.json").write_text(json.dumps({**config, **changes}))
-        with pytest.raises(ValueError, match=rf"{bad}/config.json: {named}: expected"):
-            from_pretrained(bad)
+        with pytest.raises(ValueError, match=rf"{source}: {named}: expected"):
+            Qwen3NextConfig.from_dict({**config, **changes}, source)
+
+
+def test_qwen3_next_linear_layers_decode_from_fixed_size_states(qwen3_next_checkpoint):
+    """The decode cache for 16 and for 64 slots: the linear layer holds the conv's last W - 1 inputs [B,W-1,C]
+    and the delta rule's state [B,M,Q,D] whatever the length (no key/value cache), the full layer L slots."""
+    import jax
+
+    from jaxattn.models import _decoder
+
+    model, params = from_pretrained(qwen3_next_checkpoint, dtype="float64")
+    d = model.config.dims()
+    shapes = {}
+    for L in (16, 64):
+        ids = np.zeros((3, L), np.int32)
+        cache = _decoder.empty_cache(model, params, ids, attention_mask=np.ones_like(ids))
+        shapes[L] = {jax.tree_util.keystr(p): (x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(cache)}
+    linear = {k: v for k, v in shapes[64].items() if "linear_attn" in k}
+    assert linear == {"['layers_0']['linear_attn']['conv_state']": ((3, d["W"] - 1, d["C"]), np.float64),
+                      "['layers_0']['linear_attn']['recurrent_state']": ((3, d["M"], d["Q"], d["D"]), np.float64)}
+    assert {k: v for k, v in shapes[16].items() if "linear_attn" in k} == linear
+    assert shapes[64]["['layers_1']['self_attn']['cached_key']"][0] == (3, 64, d["K"], d["H"])

@@ -124,8 +124,8 @@ class Qwen3NextConfig(moe.MoEConfig):
         return dataclasses.replace(parsed, rotary_dim=rotary_dim, rope_frequencies=tuple(frequencies))
 
     def to_dict(self) -> dict:
-        """config.json's keys (inverse of from_dict)."""
-        H = self.dims()["H"]
+        """config.json's keys (inverse of from_dict); the rope settings (partial_rotary_factor among them) come
+        from hf_config, as every family's (to_pretrained checks that they give rotary_dim and the frequencies)."""
         return super().to_dict() | {
             "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "hidden_act": "silu",
             "attention_bias": False, "num_experts": self.num_local_experts,
@@ -136,7 +136,7 @@ class Qwen3NextConfig(moe.MoEConfig):
             "layer_types": [LAYER_KINDS[not linear] for linear in self.linear_layers],
             "linear_conv_kernel_dim": self.linear_conv_kernel_dim, "linear_key_head_dim": self.linear_key_head_dim,
             "linear_value_head_dim": self.linear_value_head_dim, "linear_num_key_heads": self.linear_num_key_heads,
-            "linear_num_value_heads": self.linear_num_value_heads, "partial_rotary_factor": self.rotary_dim / H}
+            "linear_num_value_heads": self.linear_num_value_heads}
 
     def dims(self) -> dict[str, int]:
         J, M = self.linear_num_key_heads, self.linear_num_value_heads
