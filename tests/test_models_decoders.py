@@ -63,7 +63,8 @@ def _real_logits(model_type, directory, side, dtype, torch_model=None):
     ids, mask = hf.padded_batch(side)
     if torch_model is None:
         model, params = from_pretrained(directory, dtype=dtype)
-        logits = np.asarray(model.apply({"params": params}, jnp.asarray(ids), attention_mask=jnp.asarray(mask)))
+        apply = jax.jit(lambda p, ids, mask: model.apply({"params": p}, ids, attention_mask=mask))
+        logits = np.asarray(apply(params, jnp.asarray(ids), jnp.asarray(mask)))
     else:
         with torch.no_grad(), hf.float64_reference(torch_model.to(getattr(torch, dtype)), dtype):
             logits = torch_model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits.numpy()

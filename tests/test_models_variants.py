@@ -391,3 +391,33 @@ def test_qwen3_next_linear_layers_decode_from_fixed_size_states(qwen3_next_check
                       "['layers_0']['linear_attn']['recurrent_state']": ((3, d["M"], d["Q"], d["D"]), np.float64)}
     assert {k: v for k, v in shapes[16].items() if "linear_attn" in k} == linear
     assert shapes[64]["['layers_1']['self_attn']['cached_key']"][0] == (3, 64, d["K"], d["H"])
+
+
+@pytest.mark.slow  # three compiles of the delta rule's chunked and recurrent forms
+def test_qwen3_next_decoding_in_pieces_equals_one_pass(qwen3_next_checkpoint):
+    """float64, left-padded prompts of 11 tokens: a 7-token prefill, a 3-token call continuing from the conv and
+    delta-rule states (HF's cached multi-token path) and one single-token step give the logits of one pass."""
+    import jax
+    import jax.numpy as jnp
+    from helpers import normwise
+
+    from jaxattn.models import _decoder
+
+    model, params = from_pretrained(qwen3_next_checkpoint, dtype="float64")
+    ids, mask = hf.padded_batch("left")
+    whole = np.asarray(jax.jit(lambda p: model.apply({"params": p}, ids, attention_mask=mask))(params))
+    cache = _decoder.empty_cache(model, params, ids, attention_mask=np.ones_like(ids))
+    positions = np.where(mask == 1, np.cumsum(mask, -1) - 1, 0)
+
+    @jax.jit
+    def decode(params, cache, ids, positions):
+        logits, variables = model.apply({"params": params, "cache": cache}, ids, attention_mask=mask,
+                                        position_ids=positions, decode=True, mutable=["cache"])
+        return logits, variables["cache"]
+
+    pieces = []
+    for start, stop in ((0, 7), (7, 10), (10, 11)):
+        logits, cache = decode(params, cache, jnp.asarray(ids[:, start:stop]), positions[:, start:stop])
+        pieces.append(np.asarray(logits))
+    real = mask == 1
+    assert normwise(np.concatenate(pieces, axis=1)[real], whole[real]) <= 1e-12
