@@ -120,6 +120,18 @@ TINY = {
                          first_k_dense_replace=1, max_position_embeddings=256, tie_word_embeddings=False,
                          rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.7,
                                               mscale_all_dim=0.9, original_max_position_embeddings=64))),
+    # layer 0: gated delta rule (3 key heads of 12 features, 9 value heads of 10, conv kernel 4), MoE (5 experts,
+    # F 24, top 2, renormalised; shared expert S 40 with its sigmoid gate); layer 1: gated softmax attention
+    # (head_dim 16 != hidden/heads 8, RoPE on a quarter of each head: partial_rotary_factor 0.25), a dense SwiGLU
+    # of G 56 (mlp_only_layers)
+    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
+                   dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=56, moe_intermediate_size=24,
+                        shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=6,
+                        num_key_value_heads=2, head_dim=16, linear_num_key_heads=3, linear_num_value_heads=9,
+                        linear_key_head_dim=12, linear_value_head_dim=10, linear_conv_kernel_dim=4,
+                        num_experts=5, num_experts_per_tok=2, full_attention_interval=2, mlp_only_layers=[1],
+                        max_position_embeddings=256,
+                        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))),
 }
 
 
@@ -136,7 +148,7 @@ def _no_special_tokens(config) -> None:
 _AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM"}
 
 # mixtures of experts: transformers' plain per-expert loop ("eager"), not a grouped matmul kernel
-_MOE = ("mixtral", "gpt_oss", "qwen3_moe", "deepseek_v3")
+_MOE = ("mixtral", "gpt_oss", "qwen3_moe", "deepseek_v3", "qwen3_next")
 
 
 def _quiet(transformers) -> None:
@@ -326,6 +338,43 @@ _LLAMA4_PATCHES = {"Llama4TextRMSNorm": _llama4_rms_norm_in_input_precision,
                    "Llama4TextRotaryEmbedding": _llama4_rotary_in_input_precision,
                    "Llama4Router": _llama4_router_in_input_precision}
 
+class _TorchWithWideFloat32:
+    """torch, except that float32 (and its alias float) is float64: Qwen3-Next's modeling code casts to
+    torch.float32 by name in its delta rule, its gated norm, its router and its eager softmax."""
+
+    def __init__(self, torch):
+        self._torch = torch
+        self.float32 = self.float = torch.float64
+
+    def __getattr__(self, name):
+        return getattr(self._torch, name)
+
+
+def _wide_tensor_float(self, memory_format=None):
+    """torch.Tensor.float in a Qwen3-Next float64 run: float32 or wider (HF's A_log.float(), a.float(),
+    x.float() in its RMS norm), so that a float64 tensor stays float64."""
+    import torch
+
+    kwargs = {} if memory_format is None else {"memory_format": memory_format}
+    return self.to(torch_promote(self.dtype) if self.is_floating_point() else torch.float32, **kwargs)
+
+
+def _qwen3_next_rotary_in_input_precision(self, x, position_ids):
+    """Qwen3NextRotaryEmbedding: cos/sin [..., p] of the first p = head_dim * partial_rotary_factor features,
+    inverse frequencies in float64 (HF: a float32 buffer)."""
+    import torch
+
+    from jaxattn.models import rope_frequencies
+
+    config = self.config
+    rope = dict(config.rope_parameters)
+    rotary_dim = int(config.head_dim * rope.pop("partial_rotary_factor", 1.0))
+    inverse = torch.from_numpy(rope_frequencies(config.to_dict(), rotary_dim, rope=rope)).to(x.device)
+    freqs = position_ids[..., None].to(torch.float64) * inverse
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * self.attention_scaling).to(x.dtype), (emb.sin() * self.attention_scaling).to(x.dtype)
+
+
 @contextlib.contextmanager
 def float64_reference(torch_model, dtype: str):
     """With dtype "float64": HF's float32-only steps run in float64 for the duration: the RMS norms'
@@ -347,6 +396,10 @@ def float64_reference(torch_model, dtype: str):
     Llama 4 (llama4_text): its RMS and L2 norms, its complex rotary embedding and rotation (complex64 in HF),
     its router's sigmoid and the NoPE layers' temperature log1p, all in float32 in HF's code. DeepSeek V3: its
     RMS norms, rotary cos/sin, eager softmax, and its router (logits, sigmoid, weights) in float32 in HF's code.
+
+    Qwen3-Next (qwen3_next): its modeling module's torch.float32 / torch.float read as float64 (the delta rule's
+    casts, the gated norm, the router's and the eager softmax), torch.Tensor.float() keeping float64 for the
+    duration (its RMS norms, A_log and a in g), and its partial rotary cos/sin from float64 frequencies.
     """
     import sys
 
@@ -368,6 +421,12 @@ def float64_reference(torch_model, dtype: str):
             functions.append((llama4, "torch", llama4.torch))
             llama4.apply_rotary_emb = _llama4_apply_rotary_emb_in_input_precision
             llama4.torch = _TorchWithWideLog1p(torch)
+        qwen3_next = sys.modules.get("transformers.models.qwen3_next.modeling_qwen3_next")
+        if qwen3_next is not None and type(torch_model).__module__ == qwen3_next.__name__:
+            functions.append((qwen3_next, "torch", qwen3_next.torch))
+            functions.append((torch.Tensor, "float", torch.Tensor.float))
+            qwen3_next.torch = _TorchWithWideFloat32(torch)
+            torch.Tensor.float = _wide_tensor_float
         for module in torch_model.modules():
             if type(module).__name__ in _LLAMA4_PATCHES:
                 module.forward = types.MethodType(_LLAMA4_PATCHES[type(module).__name__], module)
@@ -383,6 +442,9 @@ def float64_reference(torch_model, dtype: str):
                 patched.append(module)
             elif type(module).__name__ in _FLOAT32_ROUTERS:
                 module.forward = types.MethodType(_softmax_topk_router_in_input_precision, module)
+                patched.append(module)
+            elif type(module).__name__ == "Qwen3NextRotaryEmbedding":
+                module.forward = types.MethodType(_qwen3_next_rotary_in_input_precision, module)
                 patched.append(module)
             elif type(module).__name__ in ("Gemma2RMSNorm", "Gemma3RMSNorm"):
                 module.forward = types.MethodType(_gemma_rms_norm_in_input_precision, module)
@@ -443,8 +505,10 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
 # weight-matrix gain per family (default 3): large enough that greedy decoding does not collapse to one
 # repeated token, small enough that float32 stays well conditioned (T5's gated FF multiplies two gains)
 _GAIN = {"t5": 1.5, "llama": 1.5, "qwen2": 1.5, "mistral": 1.5, "gemma2": 1.5, "qwen3": 1.5, "gemma3_text": 1.5,
-         "mixtral": 1.5, "gpt_oss": 1.5, "qwen3_moe": 1.5, "llama4_text": 1.5, "deepseek_v3": 1.5}
-_ONE_PLUS_W_NORMS = ("gemma2", "gemma3_text")  # norms that scale by 1 + weight: random around 0
+         "mixtral": 1.5, "gpt_oss": 1.5, "qwen3_moe": 1.5, "llama4_text": 1.5, "deepseek_v3": 1.5,
+         "qwen3_next": 1.5}
+_ONE_PLUS_W_NORMS = ("gemma2", "gemma3_text", "qwen3_next")  # norms that scale by 1 + weight: random around 0
+_PLAIN_NORMS = ("linear_attn.norm.weight",)  # Qwen3-Next's gated output norm scales by its weight: around 1
 
 
 def write_checkpoint(model_type: str, directory: str | os.PathLike, *, seed: int = 0, **overrides) -> Path:
@@ -462,7 +526,8 @@ def write_checkpoint(model_type: str, directory: str | os.PathLike, *, seed: int
         for name, p in model.named_parameters():
             noise = torch.randn(p.shape, generator=generator, dtype=p.dtype)
             if name.endswith("weight") and p.ndim == 1:  # norm scales: around 1 (Gemma 2 scales by 1 + weight)
-                p.copy_((0.0 if model_type in _ONE_PLUS_W_NORMS else 1.0) + 0.2 * noise)
+                one_plus_w = model_type in _ONE_PLUS_W_NORMS and not name.endswith(_PLAIN_NORMS)
+                p.copy_((0.0 if one_plus_w else 1.0) + 0.2 * noise)
             elif "relative_attention_bias" in name:  # T5's only position signal: strong, so decoding varies
                 p.copy_(3.0 * noise)
             else:

@@ -135,6 +135,21 @@ class _Second:
         self.module = module
 
 
+class _Qwen3Next(_Family):
+    """Qwen3-Next: a block's token mixer is "linear_attn" (gated delta rule) or "self_attn" (gated softmax
+    attention), per layer_types; only its MoE layers have a router ("mlp.gate", logits first)."""
+
+    def watch(self, torch_model) -> list[tuple[Any, str]]:
+        watched = [(self.embeddings(torch_model), "embeddings")]
+        for i, block in enumerate(self.layers(torch_model)):
+            mixer = block.linear_attn if hasattr(block, "linear_attn") else block.self_attn
+            watched.append((mixer, f"layer{i}.attention"))
+            if hasattr(block.mlp, "gate") and hasattr(block.mlp, "experts"):
+                watched.append((block.mlp.gate, f"layer{i}.router"))
+            watched += [(block.mlp, f"layer{i}.mlp"), (block, f"layer{i}.residual")]
+        return [*watched, (self.final_norm(torch_model), "final_norm")]
+
+
 class _T5(_Family):
     """T5: the encoder's rows ("encoder.*"), then the decoder's (with each block's cross-attention)."""
 
@@ -182,6 +197,8 @@ FAMILIES["deepseek_v3"] = _DeepseekV3(lambda m: m.model.embed_tokens, lambda m: 
                                       lambda m: m.model.norm, "layers_{i}")
 FAMILIES["llama4_text"] = _Llama4(lambda m: m.model.embed_tokens, lambda m: m.model.layers, "self_attn", "feed_forward",
                                   lambda m: m.model.norm, "layers_{i}")
+FAMILIES["qwen3_next"] = _Qwen3Next(lambda m: m.model.embed_tokens, lambda m: m.model.layers, "", "mlp",
+                                    lambda m: m.model.norm, "layers_{i}")
 
 
 def family(torch_model) -> _Family:

@@ -47,7 +47,7 @@ from crosscheck._optim import SPECS, torch_optimizer, twin, warmup_cosine
 from crosscheck._param_layout import ParamLayout, layer_of
 
 FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "qwen3", "gemma3_text", "mixtral", "gpt_oss",
-            "qwen3_moe", "llama4_text", "deepseek_v3")  # the causal LMs of jaxattn.models
+            "qwen3_moe", "llama4_text", "deepseek_v3", "qwen3_next")  # the causal LMs of jaxattn.models
 
 
 @dataclasses.dataclass(frozen=True)

@@ -116,7 +116,11 @@ DEMO = {"gpt2": dict(n_embd=64, n_head=8), "t5": dict(d_model=64, d_kv=8, num_he
         "deepseek_v3": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=8,
                             num_key_value_heads=8, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=4,
                             qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=8, n_group=2, topk_group=1,
-                            num_experts_per_tok=2, n_shared_experts=1)}
+                            num_experts_per_tok=2, n_shared_experts=1),
+        "qwen3_next": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+                           shared_expert_intermediate_size=48, num_attention_heads=16, num_key_value_heads=8,
+                           head_dim=8, linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=8,
+                           linear_value_head_dim=6, num_experts=8)}
 
 if __name__ == "__main__":
     sys.exit(main())

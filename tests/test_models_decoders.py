@@ -24,11 +24,16 @@ from crosscheck import layer_report
 from jaxattn.models import from_pretrained, generate
 
 FAMILIES = ("gpt2", "t5", "llama", "qwen2", "mistral", "gemma2", "qwen3", "gemma3_text", "mixtral", "gpt_oss",
-            "qwen3_moe", "llama4_text", "deepseek_v3")
+            "qwen3_moe", "llama4_text", "deepseek_v3", "qwen3_next")
 NEW = 64
+# families whose transformers float32 run is itself further than 1e-5 from its float64 run on the tiny
+# checkpoint: their float32 logits are held to that envelope instead (test_float32_within_transformers_envelope)
+FLOAT32_ENVELOPE = ("qwen3_next",)
 
 
-@pytest.fixture(scope="module", params=FAMILIES)
+# qwen3_next: its chunked delta rule's compile makes its reports ~40 s on 2 cores, so all its runs are slow
+@pytest.fixture(scope="module", params=[pytest.param(f, marks=pytest.mark.slow) if f == "qwen3_next" else f
+                                        for f in FAMILIES])
 def checkpoint(request, tmp_path_factory):
     """(model_type, directory, torch model) of the family's tiny random checkpoint."""
     directory = hf.write_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
@@ -47,7 +52,38 @@ def test_every_layer_and_the_logits_match(checkpoint, side):
         names = [r.name.removeprefix("decoder.") for r in report.rows]
         assert names[0].endswith("embeddings") and names[-1] == "logits" and "layer1.residual" in names
         logits = report.rows[-1]
-        assert logits.max_abs <= 1e-5 if dtype == "float32" else logits.normwise <= 1e-12, str(report)
+        if dtype == "float64" or model_type not in FLOAT32_ENVELOPE:
+            assert logits.max_abs <= 1e-5 if dtype == "float32" else logits.normwise <= 1e-12, str(report)
+
+
+def _real_logits(model_type, directory, side, dtype, torch_model=None):
+    """float64 logits [real tokens, V]: ours (torch_model None) or transformers' (its float64 truly float64)."""
+    import jax.numpy as jnp
+
+    ids, mask = hf.padded_batch(side)
+    if torch_model is None:
+        model, params = from_pretrained(directory, dtype=dtype)
+        apply = jax.jit(lambda p, ids, mask: model.apply({"params": p}, ids, attention_mask=mask))
+        logits = np.asarray(apply(params, jnp.asarray(ids), jnp.asarray(mask)))
+    else:
+        with torch.no_grad(), hf.float64_reference(torch_model.to(getattr(torch, dtype)), dtype):
+            logits = torch_model(input_ids=torch.from_numpy(ids), attention_mask=torch.from_numpy(mask)).logits.numpy()
+    return logits.astype(np.float64)[mask == 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("model_type", FLOAT32_ENVELOPE)
+def test_float32_within_transformers_envelope(tmp_path, model_type, side):
+    """Where transformers' own float32 logits are more than 1e-5 from its float64 ones (Qwen3-Next: 1.3e-5 to
+    1.6e-5 on these prompts), ours in float32 are held to twice that distance from the float64 truth."""
+    directory = hf.write_checkpoint(model_type, tmp_path / model_type)
+    torch_model = hf.torch_model(directory)
+    truth = _real_logits(model_type, directory, side, "float64", torch_model)
+    theirs = np.abs(_real_logits(model_type, directory, side, "float32", torch_model) - truth).max()
+    ours = np.abs(_real_logits(model_type, directory, side, "float32") - truth).max()
+    print(f"{model_type} {side}: float32 max abs from float64: transformers {theirs:.2e}, ours {ours:.2e}")
+    assert 1e-5 < theirs and ours <= 2 * theirs
 
 
 @pytest.mark.slow  # 64 decoding steps per family, side and dtype

@@ -39,7 +39,7 @@ from train_sharded import DEMO  # noqa: E402  (the tiny configs that split over 
 
 FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "t5")
 NEW_FAMILIES = ("qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe", "llama4_text",
-                "deepseek_v3")  # the (2, 4) mesh only
+                "deepseek_v3", "qwen3_next")  # the (2, 4) mesh only
 MESHES = ("8x1", "2x4", "1x8")
 TOL = 1e-12
 TIMEOUT_S = 1500  # the mesh run takes about 8 minutes on a loaded 2-core machine
@@ -238,6 +238,24 @@ def test_deepseek_rules_split_mla_heads_and_keep_the_latents_whole():
     assert spec("layers_0/self_attn/latent_norm/scale", (C,)) == P()
     assert spec("layers_1/mlp/score_correction_bias", (X,)) == P()
     assert spec("layers_1/mlp/shared_experts/down_proj/kernel", (6, E)) == P("model", "data")
+def test_qwen3_next_rules_split_heads_and_experts():
+    """Qwen3-Next's own projections by heads (gated attention) and key / value heads (linear layers), the conv
+    by channel and the decay parameters by value head, its experts and shared expert as the MoE rows."""
+    from jaxattn.models import _partition_rules
+
+    rules = _partition_rules.Rules.of("qwen3_next", one_device_mesh("data", "model"))
+    E, N, K, H, J, P_, M, D, X, F = 8, 4, 2, 6, 2, 10, 4, 3, 4, 6
+    assert rules.spec("layers_1/self_attn/q_proj/kernel", (E, N, 2 * H)) == P("data", "model", None)
+    assert rules.spec("layers_1/self_attn/k_proj/kernel", (E, K, H)) == P("data", "model", None)
+    assert rules.spec("layers_1/self_attn/o_proj/kernel", (N, H, E)) == P("model", None, "data")
+    assert rules.spec("layers_0/linear_attn/in_proj_qkvz/kernel", (E, J, P_)) == P("data", "model", None)
+    assert rules.spec("layers_0/linear_attn/out_proj/kernel", (M, D, E)) == P("model", None, "data")
+    assert rules.spec("layers_0/linear_attn/conv_weight", (2 * J * 5 + M * D, 4)) == P("model", None)
+    assert rules.spec("layers_0/linear_attn/A_log", (M,)) == P("model")
+    assert rules.spec("layers_0/linear_attn/norm_weight", (D,)) == P()
+    assert rules.spec("layers_0/mlp/experts/gate_proj/kernel", (X, E, F)) == P("model", "data", None)
+    assert rules.spec("layers_0/mlp/shared_expert/down_proj/kernel", (F, E)) == P("model", "data")
+    assert rules.spec("layers_0/mlp/shared_expert_gate/kernel", (E, 1)) == P("data", None)
 
 
 @pytest.mark.parametrize("family", ["mixtral", pytest.param("gpt_oss", marks=pytest.mark.slow)])
@@ -490,9 +508,9 @@ def new_family_results(new_checkpoints):
 @pytest.mark.slow  # reads the 8-device subprocess run (_models_mesh_checks.py families)
 @pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_newer_family_on_a_mesh_equals_one_device(new_family_results, family):
-    """Qwen 3, Gemma 3, Mixtral, gpt-oss, Qwen3-MoE, Llama 4, DeepSeek V3 on (data, model) = (2, 4) in float64:
-    logits normwise <= 1e-12, greedy tokens equal, one AdamW step <= 1e-12 with the layout kept; the experts laid out by
-    MOE_RULES (X over "model"), and no weight all-gathered over "model" in the compiled forward."""
+    """Qwen 3, Gemma 3, Mixtral, gpt-oss, Qwen3-MoE, Llama 4, DeepSeek V3, Qwen3-Next on (data, model) = (2, 4)
+    in float64: logits normwise <= 1e-12, greedy tokens equal, one AdamW step <= 1e-12 with the layout kept; the
+    experts laid out by MOE_RULES (X over "model"), and no weight all-gathered over "model" in the compiled forward."""
     result = result_of(new_family_results, family, "2x4")
     assert result["dtypes"] == ["float64"]
     assert result["forward"] <= TOL
@@ -510,6 +528,12 @@ def test_newer_family_on_a_mesh_equals_one_device(new_family_results, family):
         assert specs["['layers_1']['mlp']['shared_experts']['down_proj']['kernel']"] == "('model', 'data')"
         assert {k: v["spec"] for k, v in result["generate"]["cache"].items()} == {
             "cache_index": "('data',)", "cached_latent": "('data',)", "cached_rope": "('data',)"}
+    elif family == "qwen3_next":  # layer 0 linear with the MoE, layer 1 gated attention with a dense SwiGLU
+        assert specs["['layers_0']['linear_attn']['in_proj_qkvz']['kernel']"] == "('data', 'model')"
+        assert specs["['layers_0']['linear_attn']['out_proj']['kernel']"] == "('model', None, 'data')"
+        assert specs["['layers_1']['self_attn']['q_proj']['kernel']"] == "('data', 'model')"
+        assert specs["['layers_0']['mlp']['experts']['gate_proj']['kernel']"] == "('model', 'data')"
+        assert result["generate"]["cache"]["recurrent_state"]["as_expected"], result["generate"]
     else:
         assert specs["['layers_0']['self_attn']['query']['kernel']"] == "('data', 'model')"
     if family in ("qwen3", "gemma3_text", "qwen3_moe"):
@@ -522,7 +546,7 @@ def test_newer_family_on_a_mesh_equals_one_device(new_family_results, family):
         assert specs["['layers_0']['mlp']['experts']['gate_proj']['kernel']"] == "('model', 'data')"
         assert specs["['layers_0']['mlp']['experts']['down_proj']['kernel']"] == "('model', None, 'data')"
         assert specs["['layers_0']['mlp']['router']['kernel']"] == "('data',)"
-    elif family != "deepseek_v3":
+    elif family not in ("deepseek_v3", "qwen3_next"):
         assert specs["['layers_0']['up_proj']['kernel']"] == "('data', 'model')"
     assert result["collectives"]["weights_gathered_over_model"] == []
     reduces = [axes for op, axes, t in result["collectives"]["ops"] if op == "all-reduce" and "f64" in t]

@@ -39,8 +39,8 @@ def _assert_matches(directory):
 
 
 def test_new_families_are_supported():
-    assert {"qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe", "llama4_text", "deepseek_v3"} <= set(
-        supported_model_types())
+    assert {"qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe", "llama4_text", "deepseek_v3",
+            "qwen3_next"} <= set(supported_model_types())
 
 
 @pytest.mark.slow  # two reports per variant, on top of the bars' runs of the default configs
@@ -398,3 +398,115 @@ def test_deepseek_v3_options_not_implemented_are_refused(tmp_path):
         (bad / "config.json").write_text(json.dumps({**config, **changes}))
         with pytest.raises(ValueError, match=rf"{bad}/config.json: {named}: expected"):
             from_pretrained(bad)
+# --- Qwen3-Next (qwen3_next): its layer pattern and options ---------------------------------------------------------
+
+@pytest.mark.slow  # two reports, on top of the bars' runs of the default config
+def test_qwen3_next_variant_matches_transformers(tmp_path):
+    """The full layer first, both layers MoE (decoder_sparse_step 1, no mlp_only_layers), top 2 not renormalised,
+    half of each head rotated, tied head, value heads = key heads in the linear layer."""
+    overrides = {"layer_types": ["full_attention", "linear_attention"], "mlp_only_layers": [],
+                 "norm_topk_prob": False, "tie_word_embeddings": True, "linear_num_value_heads": 3,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.5}}
+    model, params, torch_model = _assert_matches(hf.write_checkpoint("qwen3_next", tmp_path / "v", **overrides))
+    c = model.config
+    assert c.linear_layers == (False, True) and c.moe_layers == (0, 1) and c.rotary_dim == 8
+    assert ("lm_head" in params) != c.tie_word_embeddings
+
+
+def test_qwen3_next_layer_pattern_follows_hf_defaults():
+    """layer_types unset: a full attention layer every full_attention_interval-th layer; the MoE on every
+    decoder_sparse_step-th layer outside mlp_only_layers; partial_rotary_factor HF's 0.25 of head_dim."""
+    import transformers
+
+    from jaxattn.models.qwen3_next import Qwen3NextConfig
+
+    hf_config = transformers.Qwen3NextConfig(num_hidden_layers=7, full_attention_interval=3, decoder_sparse_step=2,
+                                             mlp_only_layers=[3], head_dim=16, num_experts=4, num_experts_per_tok=2)
+    config = {k: v for k, v in hf_config.to_dict().items() if k != "layer_types"}
+    ours = Qwen3NextConfig.from_dict({**config, "full_attention_interval": 3})
+    assert [("linear_attention" if linear else "full_attention") for linear in ours.linear_layers] == \
+        hf_config.layer_types
+    hf_moe = [i for i in range(7) if i not in hf_config.mlp_only_layers and (i + 1) % 2 == 0]  # HF's decoder layer
+    assert list(ours.moe_layers) == hf_moe == [1, 5] and ours.rotary_dim == 4
+    np.testing.assert_allclose(ours.rope_frequencies, 1.0 / hf_config.rope_parameters["rope_theta"] ** (
+        np.arange(0, 4, 2) / 4), rtol=1e-15)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_checkpoint(tmp_path_factory):
+    return hf.write_checkpoint("qwen3_next", tmp_path_factory.mktemp("qwen3_next"))
+
+
+def test_qwen3_next_options_not_implemented_are_refused(qwen3_next_checkpoint):
+    """Each option this port does not implement: ValueError naming the file and the key (the config alone is
+    parsed, as from_pretrained does before any weight)."""
+    from jaxattn.models.qwen3_next import Qwen3NextConfig
+
+    source = qwen3_next_checkpoint / "config.json"
+    config = json.loads(source.read_text())
+    Qwen3NextConfig.from_dict(config, source)
+    rope = config["rope_parameters"]
+    for changes, named in [({"hidden_act": "gelu"}, "hidden_act"), ({"attention_bias": True}, "attention_bias"),
+                           ({"num_experts": 0}, "num_experts"), ({"num_experts_per_tok": 6}, "num_experts_per_tok"),
+                           ({"layer_types": ["linear_attention"]}, "layer_types"),
+                           ({"layer_types": ["linear_attention", "sliding_attention"]}, "layer_types"),
+                           ({"linear_num_value_heads": 8}, "linear_num_value_heads"),
+                           ({"mlp_only_layers": [2]}, "mlp_only_layers"),
+                           ({"decoder_sparse_step": 0}, "decoder_sparse_step"),
+                           ({"rope_parameters": {**rope, "rope_type": "linear", "factor": 2.0}},
+                            r"rope_parameters\['rope_type'\]"),
+                           ({"rope_parameters": {**rope, "partial_rotary_factor": 0.01}},
+                            r"rope_parameters\['partial_rotary_factor'\]")]:
+        with pytest.raises(ValueError, match=rf"{source}: {named}: expected"):
+            Qwen3NextConfig.from_dict({**config, **changes}, source)
+
+
+def test_qwen3_next_linear_layers_decode_from_fixed_size_states(qwen3_next_checkpoint):
+    """The decode cache for 16 and for 64 slots: the linear layer holds the conv's last W - 1 inputs [B,W-1,C]
+    and the delta rule's state [B,M,Q,D] whatever the length (no key/value cache), the full layer L slots."""
+    import jax
+
+    from jaxattn.models import _decoder
+
+    model, params = from_pretrained(qwen3_next_checkpoint, dtype="float64")
+    d = model.config.dims()
+    shapes = {}
+    for L in (16, 64):
+        ids = np.zeros((3, L), np.int32)
+        cache = _decoder.empty_cache(model, params, ids, attention_mask=np.ones_like(ids))
+        shapes[L] = {jax.tree_util.keystr(p): (x.shape, x.dtype) for p, x in jax.tree_util.tree_leaves_with_path(cache)}
+    linear = {k: v for k, v in shapes[64].items() if "linear_attn" in k}
+    assert linear == {"['layers_0']['linear_attn']['conv_state']": ((3, d["W"] - 1, d["C"]), np.float64),
+                      "['layers_0']['linear_attn']['recurrent_state']": ((3, d["M"], d["Q"], d["D"]), np.float64)}
+    assert {k: v for k, v in shapes[16].items() if "linear_attn" in k} == linear
+    assert shapes[64]["['layers_1']['self_attn']['cached_key']"][0] == (3, 64, d["K"], d["H"])
+
+
+@pytest.mark.slow  # three compiles of the delta rule's chunked and recurrent forms
+def test_qwen3_next_decoding_in_pieces_equals_one_pass(qwen3_next_checkpoint):
+    """float64, left-padded prompts of 11 tokens: a 7-token prefill, a 3-token call continuing from the conv and
+    delta-rule states (HF's cached multi-token path) and one single-token step give the logits of one pass."""
+    import jax
+    import jax.numpy as jnp
+    from helpers import normwise
+
+    from jaxattn.models import _decoder
+
+    model, params = from_pretrained(qwen3_next_checkpoint, dtype="float64")
+    ids, mask = hf.padded_batch("left")
+    whole = np.asarray(jax.jit(lambda p: model.apply({"params": p}, ids, attention_mask=mask))(params))
+    cache = _decoder.empty_cache(model, params, ids, attention_mask=np.ones_like(ids))
+    positions = np.where(mask == 1, np.cumsum(mask, -1) - 1, 0)
+
+    @jax.jit
+    def decode(params, cache, ids, positions):
+        logits, variables = model.apply({"params": params, "cache": cache}, ids, attention_mask=mask,
+                                        position_ids=positions, decode=True, mutable=["cache"])
+        return logits, variables["cache"]
+
+    pieces = []
+    for start, stop in ((0, 7), (7, 10), (10, 11)):
+        logits, cache = decode(params, cache, jnp.asarray(ids[:, start:stop]), positions[:, start:stop])
+        pieces.append(np.asarray(logits))
+    real = mask == 1
+    assert normwise(np.concatenate(pieces, axis=1)[real], whole[real]) <= 1e-12

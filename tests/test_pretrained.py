@@ -70,7 +70,8 @@ def test_minilm_loads_into_the_bert_ports_params(minilm_dir):
     assert model.config == config and model.add_pooling_layer
     _same_tree(params, bert_params_from_state_dict(state_dict, config))
     assert set(supported_model_types()) == {"bert", "deepseek_v3", "gemma2", "gemma3_text", "gpt2", "gpt_oss", "llama",
-                                            "llama4_text", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe", "t5"}
+                                            "llama4_text", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe",
+                                            "qwen3_next", "t5"}
 
 
 @pytest.mark.parametrize("dtype, bar", [("float32", 1e-5), pytest.param("float64", 1e-10, marks=pytest.mark.slow)])

@@ -63,6 +63,7 @@ VARIANTS = {
     "deepseek_v3": ("deepseek_v3", {}),                                    # MLA (q latent), yarn, MoE layer
     "deepseek_v3-direct": ("deepseek_v3", {"q_lora_rank": None, "attention_bias": True, "tie_word_embeddings": True,
                                            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}),
+    "qwen3_next": ("qwen3_next", {}),                                      # linear + full layers, shared expert
 }
 _AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM"}
 

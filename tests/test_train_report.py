@@ -29,13 +29,16 @@ from crosscheck._train_report import random_batches  # noqa: E402
 from jaxattn.models import from_pretrained, from_state_dict  # noqa: E402
 
 DECODERS = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe",
-            "llama4_text", "deepseek_v3")
+            "llama4_text", "deepseek_v3", "qwen3_next")
 # float32 runs follow torch within the envelope where the model is smooth in its weights near the run's path:
 # gpt-oss's clamped SwiGLU (min(gate, limit); the tiny checkpoint's limit 1.0 so that the clamps bite) is not,
 # and a float32 rounding that moves an entry across the clamp changes a gradient by a whole term (gpt-oss: at
 # step 25-31 of 100, its expert biases). A router's top-k could flip the same way on a near tie; Mixtral's and
-# Qwen3-MoE's did not in these runs. float64 holds for every family.
-SMOOTH_IN_FLOAT32 = tuple(f for f in DECODERS if f != "gpt_oss")
+# Qwen3-MoE's did not in these runs. Qwen3-Next's float32 run drifts from torch's smoothly but steadily (loss
+# difference 2e-7 at step 20, 2e-5 at 40, 8e-5 at 50; parameters 7.6e-5 at step 100): its forward is already at
+# transformers' own float32 envelope (1.3e-5..1.6e-5 on the logits, docs/new_attention.md) and 100 steps
+# amplify it past 1e-5. float64 holds for every family.
+SMOOTH_IN_FLOAT32 = tuple(f for f in DECODERS if f not in ("gpt_oss", "qwen3_next"))
 
 
 @pytest.fixture(autouse=True)
@@ -250,7 +253,8 @@ def test_a_used_optimizer_and_bad_arguments_are_refused_before_anything_runs():
         crosscheck.train_report(bert, model, params, batches, steps=2, optimizer="sgd", lr=0.1)
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow) if f in ("llama4_text", "deepseek_v3")
+@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow)
+                                    if f in ("llama4_text", "deepseek_v3", "qwen3_next")
                                     else f for f in DECODERS])  # (these: their 100-step runs read the layout too)
 def test_the_layout_is_the_weight_table_both_ways(family, checkpoints):
     """to_jax(state_dict) is from_state_dict's tree, exactly; to_torch gives the state_dict back."""

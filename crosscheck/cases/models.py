@@ -79,7 +79,10 @@ for _model_type, _doc in (("gpt2", "GPT-2 (2 layers, tied embeddings): logits an
                                           "parameter gradient"),
                           ("deepseek_v3", "DeepSeek V3 (multi-head latent attention with yarn, dense layer, "
                                           "group-limited sigmoid-routed experts + shared experts): logits and "
-                                          "every parameter gradient")):
+                                          "every parameter gradient"),
+                          ("qwen3_next", "Qwen3-Next (gated delta-rule layer with its conv, gated softmax layer with "
+                                         "partial RoPE, experts + gated shared expert): logits and every parameter "
+                                         "gradient")):
     register_case(f"model_{_model_type}", description=f"{_doc}, left-padded batch, vs transformers",
                   transforms=("jit",), quick=FLOAT32_JIT, default_run=_model_type == "gpt2",  # one whole model
                   requires=("transformers",))(functools.partial(_setup, _model_type))

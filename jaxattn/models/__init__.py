@@ -10,7 +10,7 @@
     jaxattn.models.rope_frequencies(config, head_dim)         # HF's rope settings -> inverse frequencies
 
 Each family module (bert, gpt2, t5, llama, gemma2, qwen3, gemma3, mixtral, gpt_oss, qwen3_moe, llama4,
-deepseek_v3) is its config parsing, its block and its weight table;
+deepseek_v3, qwen3_next) is its config parsing, its block and its weight table;
 what they share (the layer stack, the causal-LM wrapper, norms, heads, masks, the decode cache, loading) is
 in _decoder.py, and the one weight-table format with its filler in weights.py (public: jaxattn.models.weights).
 """
@@ -26,6 +26,7 @@ from . import llama4 as _llama4_family  # noqa: F401  (llama4_text)
 from . import mixtral as _mixtral_family  # noqa: F401
 from . import qwen3 as _qwen3_family  # noqa: F401
 from . import qwen3_moe as _qwen3_moe_family  # noqa: F401
+from . import qwen3_next as _qwen3_next_family  # noqa: F401
 from . import t5 as _t5_family  # noqa: F401
 from . import weights as weights
 from ._activation_layout import ModelSharding as ModelSharding

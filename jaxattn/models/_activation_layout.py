@@ -72,9 +72,11 @@ def constrain(sharding: ModelSharding | None, x, layout: str):
     return jax.lax.with_sharding_constraint(x, NamedSharding(sharding.mesh, sharding.spec(layout, x.shape)))
 
 
-# the decode cache's leaves (jaxattn.linen's cache and the models' position count), by name
+# the decode cache's leaves (jaxattn.linen's cache and the models' position count), by name; MLA's compressed
+# cache batch over data only; Qwen3-Next's linear layers: the conv's last inputs [B,W-1,C] batch over data, the
+# delta rule's state [B,M,Q,D] by value head
 CACHE_LAYOUTS = {"cached_key": "BLKH", "cached_value": "BLKH", "cache_index": "B", "next_position": "B",
-                 "cached_latent": "BLC", "cached_rope": "BLR"}  # (MLA's compressed cache: batch over data only)
+                 "cached_latent": "BLC", "cached_rope": "BLR", "conv_state": "BLE", "recurrent_state": "BNHH"}
 
 
 def constrain_cache(sharding: ModelSharding | None, cache):

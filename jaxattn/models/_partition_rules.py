@@ -135,11 +135,32 @@ DEEPSEEK_RULES = (
     *MOE_RULES,
 )
 
+# Qwen3-Next: its gated attention's q_proj [E,N,2H] (query and gate per head), k/v [E,K,H] and o_proj [N,H,E] by
+# heads as Llama's; the linear layers' fused projections [E,J,...] by key head, out_proj [M,D,E], A_log [M] and
+# dt_bias [M] by value head and the conv [C,W] by channel (where XLA's propagation puts them in the train step:
+# replicated, they would come out of it laid out otherwise); norms replicated; the shared expert's gate [E,1]
+# FSDP; experts as MOE_RULES.
+QWEN3_NEXT_RULES = (
+    ("*/self_attn/q_proj/kernel", P("data", "model", None)),
+    ("*/self_attn/k_proj/kernel", P("data", "model", None)),
+    ("*/self_attn/v_proj/kernel", P("data", "model", None)),
+    ("*/self_attn/o_proj/kernel", P("model", None, "data")),
+    ("*/linear_attn/in_proj_qkvz/kernel", P("data", "model", None)),
+    ("*/linear_attn/in_proj_ba/kernel", P("data", "model", None)),
+    ("*/linear_attn/out_proj/kernel", P("model", None, "data")),
+    ("*/linear_attn/A_log", P("model")),
+    ("*/linear_attn/dt_bias", P("model")),
+    ("*/linear_attn/conv_weight", P("model", None)),
+    ("*/mlp/shared_expert_gate/kernel", P("data", None)),
+    *MOE_RULES,
+)
+
 # qwen3 and gemma3_text are Llama-shaped: their q_norm/k_norm weights [H] fall to "*" (replicated).
 FAMILY_RULES = {"llama": DECODER_RULES, "qwen2": DECODER_RULES, "mistral": DECODER_RULES,
                 "gemma2": DECODER_RULES, "qwen3": DECODER_RULES, "gemma3_text": DECODER_RULES,
                 "mixtral": MOE_RULES, "qwen3_moe": MOE_RULES, "gpt_oss": MOE_RULES, "llama4_text": MOE_RULES,
                 "deepseek_v3": DEEPSEEK_RULES,
+                "qwen3_next": QWEN3_NEXT_RULES,
                 "gpt2": GPT2_RULES, "t5": T5_RULES, "bert": BERT_RULES}
 
 
