@@ -64,6 +64,7 @@ from crosscheck._certify import (
     LogitBars as LogitBars,
     certify as certify,
 )
+from crosscheck._param_grads import parameter_map as parameter_map
 from crosscheck._compare import (
     MODEL_TOLERANCES as MODEL_TOLERANCES,
     TOLERANCES as TOLERANCES,
