@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from crosscheck._certify import call_jax, run_jax, split_jax
 from crosscheck._compare import error_metrics
 from crosscheck._reference import cast_inputs, checked_dtype, flat_intermediates, need_torch, to_numpy
 
@@ -76,8 +77,6 @@ def propose_layers(torch_module, jax_fn, inputs: Mapping[str, Any], *, dtype: st
     torch_fn: what to call with the inputs (default torch_module itself; e.g. a wrapper around a model whose
     submodules are torch_module's). jax_params: as for certify (jax_fn(jax_params, **inputs)).
     within: the largest normwise difference of a sure pair. echo: print the proposal as Python to paste."""
-    from crosscheck._certify import run_jax, split_jax
-
     torch = need_torch("propose_layers")
     dtype = checked_dtype(dtype)
     inputs = cast_inputs(inputs, dtype)
@@ -128,8 +127,6 @@ def jax_order(jax_fn, inputs: Mapping[str, np.ndarray], jax_params) -> dict[str,
     followed into jit'd sub-programs. None when jax_fn cannot be traced abstractly."""
     import jax
     import jax.numpy as jnp
-
-    from crosscheck._certify import call_jax
 
     def intermediates(params, arrays):
         raw = call_jax(jax_fn, params, arrays)
