@@ -64,6 +64,9 @@ from crosscheck._certify import (
     LogitBars as LogitBars,
     certify as certify,
 )
+from crosscheck._param_grads import parameter_map as parameter_map
+from crosscheck._propose import LayerProposal as LayerProposal
+from crosscheck._propose import propose_layers as propose_layers
 from crosscheck._compare import (
     MODEL_TOLERANCES as MODEL_TOLERANCES,
     TOLERANCES as TOLERANCES,
@@ -100,6 +103,9 @@ __all__ = [
     "LogitBars",
     "certify",
     "record",
+    "LayerProposal",
+    "parameter_map",
+    "propose_layers",
     "CASES",
     "MODEL_TOLERANCES",
     "TOLERANCES",

@@ -18,6 +18,8 @@ Rows, each measured against torch (the reference), in this order:
   per-token KL(torch's softmax || JAX's), its largest value against a bar; the share of tokens whose top-1
   token agrees, and the mean share of the top-5 sets that agree, each against a bar.
 - "grad": with `grads=True`, gradients of a scalar loss with respect to the floating inputs.
+- "param_grad": with `grads=True` and `params=`, the loss's gradient with respect to each mapped torch
+  parameter (the row's name) against the JAX leaf it maps to (jax_fn then takes `jax_params` first).
 
 Bars: outputs and layers take crosscheck's whole-model tolerances, normwise (MODEL_TOLERANCES[dtype].forward:
 float64 1e-12, float32 1e-5), or the `bar` given; gradients MODEL_TOLERANCES[dtype].grad; logits
@@ -41,8 +43,9 @@ import numpy as np
 
 from crosscheck._compare import MODEL_TOLERANCES, error_metrics
 from crosscheck._golden import load_golden
-from crosscheck._reference import (cast_inputs, checked_dtype, flat_intermediates, layer_pairs, loss_value,
-                                   named_outputs, nearest, need_torch, run_torch, versions)
+from crosscheck._param_grads import ParamPair, param_pairs
+from crosscheck._reference import (cast_inputs, checked_dtype, cotangents, flat_intermediates, layer_pairs,
+                                   loss_value, named_outputs, nearest, need_torch, run_torch, versions)
 
 __all__ = ["LOGIT_BARS", "Bar", "Certificate", "LogitBars", "Row", "certify", "versions"]
 
@@ -84,8 +87,8 @@ LOGIT_BARS: Mapping[str, LogitBars] = MappingProxyType({
 class Row:
     """One compared quantity. `value` is what meets `bar`: an error (<=) or, for top1/top5, an agreement (>=)."""
 
-    name: str              # torch module path (layers), output name, "logits.kl", "grad/x"
-    kind: str              # "layer" | "output" | "kl" | "top1" | "top5" | "grad"
+    name: str              # torch module path (layers), output name, "logits.kl", "grad/x", torch parameter name
+    kind: str              # "layer" | "output" | "kl" | "top1" | "top5" | "grad" | "param_grad"
     shape: tuple[int, ...]
     max_abs: float
     normwise: float
@@ -149,9 +152,9 @@ class Certificate(Verdict):
     def table(self) -> str:
         lines = [f"certificate [{self.dtype}]: {'PASS' if self.passed else 'FAIL'}"
                  + (f" (golden file {self.golden})" if self.golden else ""),
-                 f"  {'row':36} {'JAX':24} {'kind':6} {'max abs':>10} {'normwise':>10} {'value':>10} {'bar':>9}"
+                 f"  {'row':36} {'JAX':24} {'kind':10} {'max abs':>10} {'normwise':>10} {'value':>10} {'bar':>9}"
                  "  status"]
-        lines += [f"  {r.name:36} {r.jax_name:24} {r.kind:6} {r.max_abs:10.2e} {r.normwise:10.2e} {r.value:10.3e} "
+        lines += [f"  {r.name:36} {r.jax_name:24} {r.kind:10} {r.max_abs:10.2e} {r.normwise:10.2e} {r.value:10.3e} "
                   f"{r.bar:9.1e}  {r.status}" for r in self.rows]
         lines.append(f"  first divergent: {self.first_divergent}" if not self.passed else "  every row passes")
         return "\n".join(lines)
@@ -218,13 +221,18 @@ def _json_float(value: Any) -> Any:
 # --- the JAX side ------------------------------------------------------------------------------------------
 
 
-def run_jax(jax_fn, inputs: Mapping[str, np.ndarray]):
+def run_jax(jax_fn, inputs: Mapping[str, np.ndarray], jax_params=None):
     """jax_fn's raw result at matmul precision "highest" (outputs, or (outputs, intermediates))."""
     import jax
     import jax.numpy as jnp
 
     with jax.default_matmul_precision("highest"):
-        return jax_fn(**{k: jnp.asarray(v) for k, v in inputs.items()})
+        return call_jax(jax_fn, jax_params, {k: jnp.asarray(v) for k, v in inputs.items()})
+
+
+def call_jax(jax_fn, jax_params, inputs: Mapping[str, Any]):
+    """jax_fn(**inputs), or jax_fn(jax_params, **inputs) when the port's parameters are given."""
+    return jax_fn(**inputs) if jax_params is None else jax_fn(jax_params, **inputs)
 
 
 def split_jax(raw, want_layers: bool, torch_names=None):
@@ -247,22 +255,27 @@ def _split(out, want_layers: bool):
 
 
 def jax_grads(jax_fn, inputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], *, loss, logits,
-              split: bool) -> dict[str, np.ndarray]:
+              split: bool, jax_params=None) -> tuple[dict[str, np.ndarray], Any]:
+    """({input: d loss / d input} for the floating inputs, d loss / d jax_params (a tree; None without them))."""
     import jax
     import jax.numpy as jnp
 
     floats = {k: jnp.asarray(v) for k, v in inputs.items() if np.issubdtype(v.dtype, np.floating)}
     others = {k: jnp.asarray(v) for k, v in inputs.items() if k not in floats}
 
-    def scalar(f):
-        out = named_outputs(_split(jax_fn(**f, **others), split)[0])
-        return loss_value(jnp, out, {**f, **others}, reference, loss, logits)
+    def scalar(f, p, o, cots):
+        out = named_outputs(_split(call_jax(jax_fn, p, {**f, **o}), split)[0])
+        return loss_value(jnp, out, {**f, **o}, reference, loss, logits, cots)
 
-    if not floats:
-        return {}
+    if not floats and jax_params is None:
+        return {}, None
+    # one compile of the whole backward pass (op by op, every loss operation and each piece of a jitted
+    # jax_fn's transpose compiles on its own); the cotangents are arguments, not constants baked into it
+    labelled = loss is None and logits is not None and logits in reference and "labels" in inputs
+    cots = {} if loss is not None or labelled else {k: jnp.asarray(v) for k, v in cotangents(reference).items()}
     with jax.default_matmul_precision("highest"):
-        got = jax.grad(scalar)(floats)
-    return {k: np.asarray(v) for k, v in got.items()}
+        got, params = jax.jit(jax.grad(scalar, argnums=(0, 1)))(floats, jax_params, others, cots)
+    return {k: np.asarray(v) for k, v in got.items()}, params
 
 
 # --- measuring ---------------------------------------------------------------------------------------------
@@ -338,7 +351,8 @@ def check_structure(ours: Mapping[str, np.ndarray], theirs: Mapping[str, np.ndar
 def certify(torch_fn, jax_fn, inputs: Mapping[str, Any] | None, *, dtype: str = "float32", layers=None,
             logits: str | None = None, grads: bool = False, golden=None, loss=None, bar: Bar | None = None,
             select: Callable[[str, np.ndarray], np.ndarray] | None = None, torch_module=None,
-            checkpoint_hash: str | None = None) -> Certificate:
+            checkpoint_hash: str | None = None, params: Mapping[str, Any] | None = None,
+            jax_params=None) -> Certificate:
     """Certify `jax_fn` against `torch_fn` on `inputs` ({name: numpy array}); see the module docstring.
 
     torch_fn: a torch.nn.Module (cast to `dtype` and put in eval mode, in place) or any callable; None with
@@ -355,15 +369,26 @@ def certify(torch_fn, jax_fn, inputs: Mapping[str, Any] | None, *, dtype: str = 
     layer and logit rows.
     checkpoint_hash: with golden=, refuse a file recorded from another checkpoint (or pass the torch module
     as torch_fn).
+    jax_params: the port's parameters; jax_fn is then called `jax_fn(jax_params, **inputs)` (e.g.
+    `lambda p, input_ids: model.apply({"params": p}, input_ids)`), so that they can be differentiated.
+    params: with grads=True, {torch parameter name: JAX path "a/b/kernel", pull(grads tree) -> array, or
+    (either, transform(torch grad) -> JAX's layout)}: one row per pair, named by the torch parameter, comparing
+    d loss / d parameter (crosscheck/_param_grads.py; parameter_map(torch_model, tree) for our families).
     """
     dtype = checked_dtype(dtype)
+    weights = param_pairs(params)
+    if weights and not grads:
+        raise ValueError("params: parameter gradients are compared with grads=True only")
+    if weights and jax_params is None:
+        raise ValueError("params: needs jax_params=, the JAX tree the gradients are taken with respect to "
+                         "(jax_fn is then called jax_fn(jax_params, **inputs))")
     bar = bar or Bar("normwise", MODEL_TOLERANCES[dtype].forward)
     pairs = layer_pairs(layers)
     select = select or (lambda name, array: array)
     reference = None
     if golden is not None:
         reference = load_golden(golden, inputs, dtype=dtype, torch_fn=torch_fn, checkpoint_hash=checkpoint_hash,
-                                grads=grads)
+                                grads=grads, params=[name for name, *_ in weights])
         inputs = reference.inputs
         if layers is None:  # the pairs the file was recorded for (their transforms, if any, are not stored)
             pairs = [(path, name, None) for path, name in reference.meta.get("pairs", [])]
@@ -374,7 +399,7 @@ def certify(torch_fn, jax_fn, inputs: Mapping[str, Any] | None, *, dtype: str = 
     if inputs is None:
         raise ValueError("inputs: expected {name: array}, got None")
     inputs = cast_inputs(inputs, dtype)
-    raw = run_jax(jax_fn, inputs)
+    raw = run_jax(jax_fn, inputs, jax_params)
     ours, inter = split_jax(raw, bool(pairs))
     missing = [name for _, name, _ in pairs if name not in inter]
     if missing:
@@ -398,11 +423,11 @@ def certify(torch_fn, jax_fn, inputs: Mapping[str, Any] | None, *, dtype: str = 
         layer_rows.append(measure(label, "layer", select(name, mine), select(name, array), bar, name))
 
     if reference is None:
-        theirs, their_grads = run_torch(torch_fn, inputs, dtype=dtype, pairs=pairs, torch_module=torch_module,
-                                        on_layer=on_layer, grads=grads, loss=loss,
-                                        logits=_logits_name(logits, split_jax(raw, True)[0]))
+        theirs, their_grads, their_params = run_torch(
+            torch_fn, inputs, dtype=dtype, pairs=pairs, torch_module=torch_module, on_layer=on_layer, grads=grads,
+            loss=loss, logits=_logits_name(logits, split_jax(raw, True)[0]), params=[name for name, *_ in weights])
     else:
-        theirs, their_grads = reference.outputs, reference.grads
+        theirs, their_grads, their_params = reference.outputs, reference.grads, reference.param_grads
         calls: dict[str, int] = {}
         for index, (path, name, transform) in enumerate(pairs):
             calls[path] = calls.get(path, 0) + 1
@@ -417,13 +442,25 @@ def certify(torch_fn, jax_fn, inputs: Mapping[str, Any] | None, *, dtype: str = 
         rows += logit_rows(name, select(name, ours[name]), select(name, theirs[name]), LOGIT_BARS[dtype])
     if grads:
         split = bool(pairs) or len(ours) != len(named_outputs(raw))
-        mine = jax_grads(jax_fn, inputs, theirs, loss=loss, logits=name, split=split)
+        mine, tree = jax_grads(jax_fn, inputs, theirs, loss=loss, logits=name, split=split, jax_params=jax_params)
         check_structure(mine, their_grads, "gradients")
         grad_bar = Bar("normwise", MODEL_TOLERANCES[dtype].grad)
         rows += [measure(f"grad/{k}", "grad", mine[k], their_grads[k], grad_bar, k) for k in their_grads]
+        rows += [param_row(pair, tree, their_params[pair[0]], grad_bar) for pair in weights]
     shapes = {k: (tuple(v.shape), str(v.dtype)) for k, v in inputs.items()}
     info = versions() if reference is None else {**versions(), "recorded_with": json.dumps(reference.versions)}
     return Certificate(dtype, tuple(rows), shapes, info, None if golden is None else str(golden))
+
+
+def param_row(pair: ParamPair, tree, theirs: np.ndarray, bar: Bar) -> Row:
+    """d loss / d (torch parameter) against the JAX leaf the pair pulls from the gradient tree."""
+    name, pull, transform, label = pair
+    theirs = theirs if transform is None else np.asarray(transform(theirs))
+    ours = np.asarray(pull(tree))
+    if ours.shape != theirs.shape:
+        raise ValueError(f"params {name!r} -> {label!r}: torch gradient shape {theirs.shape} vs JAX shape "
+                         f"{ours.shape} (give a transform: {{name: (path, transform)}})")
+    return measure(name, "param_grad", ours, theirs, bar, label)
 
 
 def _logits_name(logits, outputs: Mapping[str, Any]) -> str | None:

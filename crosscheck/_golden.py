@@ -4,7 +4,8 @@
     certify(None, jax_fn, None, golden="golden.safetensors", layers={...})        # no torch imported
 
 One safetensors file (written by jaxattn.io.save_safetensors): "inputs/<name>", "outputs/<name>",
-"layers/<torch path>" (a module's later calls: "<path> (call 2)", ...), "grads/<input>". Its metadata holds
+"layers/<torch path>" (a module's later calls: "<path> (call 2)", ...), "grads/<input>", "param_grads/<torch
+parameter name>" (record's `params`: d loss / d parameter, in torch's layout). Its metadata holds
 one JSON document under "crosscheck.golden": format version, library versions, dtype, input shapes and
 dtypes, the layers in forward order, the (torch path, JAX name) pairs they were recorded for (certify's
 default `layers` with this file), the loss used for gradients, and the sha256 of the module's state_dict
@@ -12,7 +13,7 @@ default `layers` with this file), the loss used for gradients, and the sha256 of
 
 Refused (ValueError): a file of another checkpoint (`checkpoint_hash=` or a torch module given to certify
 and the recorded hash differ), other input shapes or values, another dtype, gradients asked of a file
-recorded without them.
+recorded without them, or parameter gradients it does not hold.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +34,14 @@ _KEY = "crosscheck.golden"
 
 
 def record(torch_fn, inputs: Mapping[str, Any], path: str | os.PathLike, *, layers=None, grads: bool = False,
-           dtype: str = "float32", loss=None, logits: str | None = None, torch_module=None) -> Path:
+           dtype: str = "float32", loss=None, logits: str | None = None, torch_module=None,
+           params: Iterable[str] | None = None) -> Path:
     """Run `torch_fn(**inputs)` in `dtype` and write what certify compares against to `path` (see above).
 
     layers, loss, logits, torch_module: as for certify (only the torch paths of `layers` are used). A custom
-    `loss` cannot be stored: certify must then be given the same one. Returns the path.
+    `loss` cannot be stored: certify must then be given the same one. params (with grads=True): the torch
+    parameter names whose gradients are stored (certify's `params=` map works: its keys are taken). Returns
+    the path.
     """
     from jaxattn.io import save_safetensors
 
@@ -55,9 +59,12 @@ def record(torch_fn, inputs: Mapping[str, Any], path: str | os.PathLike, *, laye
             captured[label] = array
             order.append(label)
 
-    outputs, input_grads = run_torch(torch_fn, inputs, dtype=dtype, pairs=pairs, torch_module=torch_module,
-                                     on_layer=on_layer, grads=grads, loss=loss,
-                                     logits=None if logits is False else (logits or "logits"))
+    names = list(params or ())
+    if names and not grads:
+        raise ValueError("params: parameter gradients are recorded with grads=True only")
+    outputs, input_grads, param_grads = run_torch(
+        torch_fn, inputs, dtype=dtype, pairs=pairs, torch_module=torch_module, on_layer=on_layer, grads=grads,
+        loss=loss, logits=None if logits is False else (logits or "logits"), params=names)
     import torch
 
     module = torch_module if torch_module is not None else torch_fn
@@ -65,13 +72,14 @@ def record(torch_fn, inputs: Mapping[str, Any], path: str | os.PathLike, *, laye
         "format": FORMAT, "versions": versions(), "dtype": dtype,
         "inputs": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in inputs.items()},
         "outputs": list(outputs), "layers": order, "pairs": [[path, name] for path, name, _ in pairs],
-        "grads": sorted(input_grads) if grads else None,
+        "grads": sorted(input_grads) if grads else None, "param_grads": names if grads else None,
         "loss": None if not grads else ("custom" if loss is not None else
                                         "labels" if "labels" in inputs and "logits" in outputs else "cotangent"),
         "checkpoint_sha256": state_hash(module) if isinstance(module, torch.nn.Module) else None,
     }
     tensors = {**{f"inputs/{k}": v for k, v in inputs.items()}, **{f"outputs/{k}": v for k, v in outputs.items()},
-               **{f"layers/{k}": captured[k] for k in order}, **{f"grads/{k}": v for k, v in input_grads.items()}}
+               **{f"layers/{k}": captured[k] for k in order}, **{f"grads/{k}": v for k, v in input_grads.items()},
+               **{f"param_grads/{k}": v for k, v in param_grads.items()}}
     return save_safetensors(tensors, path, metadata={"format": "np", _KEY: json.dumps(meta)})
 
 
@@ -83,6 +91,7 @@ class Golden:
     outputs: dict[str, np.ndarray]
     layers: dict[str, np.ndarray]
     grads: dict[str, np.ndarray]
+    param_grads: dict[str, np.ndarray]
 
     @property
     def versions(self) -> Mapping[str, Any]:
@@ -105,7 +114,7 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
 
 
 def load_golden(path, inputs, *, dtype: str, torch_fn=None, checkpoint_hash: str | None = None,
-                grads: bool = False) -> Golden:
+                grads: bool = False, params: Iterable[str] = ()) -> Golden:
     """Read a golden file and refuse it where it cannot certify this run (see the module docstring)."""
     from jaxattn.io import load_safetensors
 
@@ -145,5 +154,11 @@ def load_golden(path, inputs, *, dtype: str, torch_fn=None, checkpoint_hash: str
     def part(prefix):
         return {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith(prefix + "/")}
 
+    param_grads = part("param_grads")
+    for name in params:
+        if name not in param_grads:
+            raise nearest(name, list(param_grads) or ["(none: record(..., grads=True, params=...))"],
+                          f"torch parameter (gradients recorded in {path})", "params")
     outputs = part("outputs")
-    return Golden(path, meta, stored, {k: outputs[k] for k in meta["outputs"]}, part("layers"), part("grads"))
+    return Golden(path, meta, stored, {k: outputs[k] for k in meta["outputs"]}, part("layers"), part("grads"),
+                  param_grads)

@@ -76,19 +76,22 @@ class ParamLayout:
         flat = {name: np.asarray(tensors[name]).reshape(-1) for name in self.names}
         return jax.tree_util.tree_unflatten(self.treedef, [flat[leaf.name][leaf.index] for leaf in self.leaves])
 
-    def to_torch(self, tree) -> dict[str, np.ndarray]:
-        """A tree shaped like the params -> {torch name: numpy array in torch's layout}."""
+    def to_torch(self, tree, names=None) -> dict[str, np.ndarray]:
+        """A tree shaped like the params -> {torch name: numpy array in torch's layout} (only `names`, if given)."""
         import jax
 
         values = jax.tree_util.tree_leaves(tree)
         if len(values) != len(self.leaves):
             raise ValueError(f"tree: expected {len(self.leaves)} leaves (the params' structure), got {len(values)}")
+        wanted = self.names if names is None else tuple(names)
         out: dict[str, np.ndarray] = {}
         for leaf, value in zip(self.leaves, values):
+            if leaf.name not in wanted:
+                continue
             value = np.asarray(value)
             target = out.setdefault(leaf.name, np.empty(int(np.prod(self.shapes[leaf.name])), value.dtype))
             target[leaf.index.reshape(-1)] = value.reshape(-1)
-        return {name: out[name].reshape(self.shapes[name]) for name in self.names}
+        return {name: out[name].reshape(self.shapes[name]) for name in wanted}
 
     def kept(self, excluded: set[int]) -> dict[str, np.ndarray]:
         """{torch name: bool array in torch's layout}: False on the elements of the excluded leaves (indices

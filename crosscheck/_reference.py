@@ -67,9 +67,9 @@ def flat_intermediates(tree: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: tree}
 
 
-def nearest(name: str, candidates: Sequence[str], what: str) -> ValueError:
+def nearest(name: str, candidates: Sequence[str], what: str, argument: str = "layers") -> ValueError:
     close = difflib.get_close_matches(name, list(candidates), n=5, cutoff=0.4)
-    return ValueError(f"layers: {what} {name!r} does not exist; nearest: {close or sorted(candidates)[:10]}")
+    return ValueError(f"{argument}: {what} {name!r} does not exist; nearest: {close or sorted(candidates)[:10]}")
 
 
 def layer_pairs(layers: Any) -> list[tuple[str, str, Callable[[np.ndarray], np.ndarray] | None]]:
@@ -152,9 +152,11 @@ def output_element(path: str) -> tuple[str, int | None]:
 
 def run_torch(torch_fn, inputs: Mapping[str, np.ndarray], *, dtype: str, pairs, torch_module=None,
               on_layer: Callable[[int, str, str, np.ndarray | None], None], grads: bool = False, loss=None,
-              logits: str | None = None):
+              logits: str | None = None, params: Sequence[str] = ()):
     """torch_fn(**inputs) with forward hooks on the `pairs`' module paths; `on_layer(index, path, name, array)`
-    per hooked call in firing order (array None: never ran). Returns ({output: array}, {input: grad})."""
+    per hooked call in firing order (array None: never ran). With grads, the loss is differentiated with
+    respect to the floating inputs and the module's parameters named in `params` (named_parameters() names).
+    Returns ({output: array}, {input: grad}, {parameter: grad})."""
     torch = need_torch("certify(torch_fn, ...)")
     module = torch_module if torch_module is not None else torch_fn
     is_module = isinstance(module, torch.nn.Module)
@@ -162,6 +164,7 @@ def run_torch(torch_fn, inputs: Mapping[str, np.ndarray], *, dtype: str, pairs, 
         module.to(getattr(torch, dtype)).eval()
     if pairs and not is_module:
         raise ValueError("layers: module paths need torch_fn to be a torch.nn.Module (or torch_module=)")
+    weights = torch_parameters(module, params) if grads and params else {}
     queues: dict[int, list[tuple[int, str, str, Any]]] = {}
     targets = {}
     for index, (path, name, transform) in enumerate(pairs):
@@ -202,20 +205,37 @@ def run_torch(torch_fn, inputs: Mapping[str, np.ndarray], *, dtype: str, pairs, 
         if index not in ran:
             on_layer(index, path, name, None)
     outputs = {k: v.detach().cpu().numpy() for k, v in raw.items()}
-    input_grads = {}
+    input_grads: dict[str, np.ndarray] = {}
+    param_grads: dict[str, np.ndarray] = {}
     if grads:
         wrt = {k: t for k, t in tensors.items() if t.requires_grad}
-        if wrt:
+        if wrt or weights:
             scalar = loss_value(torch, raw, tensors, outputs, loss, logits)
-            got = torch.autograd.grad(scalar, list(wrt.values()), allow_unused=True)
-            input_grads = {k: np.zeros(t.shape, dtype) if g is None else g.detach().numpy()
-                           for (k, t), g in zip(wrt.items(), got, strict=True)}
-    return outputs, input_grads
+            got = torch.autograd.grad(scalar, [*wrt.values(), *weights.values()], allow_unused=True)
+            every = {k: np.zeros(tuple(t.shape), dtype) if g is None else g.detach().cpu().numpy()
+                     for (k, t), g in zip([*wrt.items(), *weights.items()], got, strict=True)}
+            input_grads = {k: every[k] for k in wrt}
+            param_grads = {k: every[k] for k in weights}  # a parameter the loss never reached: zeros
+    return outputs, input_grads, param_grads
 
 
-def loss_value(xp, outputs, inputs, reference, loss, logits):
+def torch_parameters(module, names: Sequence[str]) -> dict[str, Any]:
+    """{name: parameter} of a torch module, by named_parameters() name (ValueError with the nearest names)."""
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError("params: parameter gradients need torch_fn to be a torch.nn.Module (or torch_module=)")
+    found = dict(module.named_parameters())
+    for name in names:
+        if name not in found:
+            raise nearest(name, list(found), "torch parameter", "params")
+    return {name: found[name] for name in names}
+
+
+def loss_value(xp, outputs, inputs, reference, loss, logits, cots=None):
     """The scalar both sides differentiate: `loss(outputs, inputs)`; else the mean log-likelihood of
-    inputs["labels"] under the logits; else sum(out * c) with one seeded cotangent c per output."""
+    inputs["labels"] under the logits; else sum(out * c) with one seeded cotangent c per output
+    (`cots`: those cotangents, already made from `reference`, e.g. as arguments of a jitted function)."""
     if loss is not None:
         return loss(outputs, inputs)
     if logits is not None and logits in outputs and "labels" in inputs:
@@ -228,7 +248,7 @@ def loss_value(xp, outputs, inputs, reference, loss, logits):
         logp = jax.nn.log_softmax(outputs[logits], axis=-1)
         return xp.take_along_axis(logp, labels[..., None].astype(xp.int32), axis=-1).mean()
     total = 0.0
-    for name, cot in cotangents(reference).items():
+    for name, cot in (cotangents(reference) if cots is None else cots).items():
         total = total + (outputs[name] * (xp.from_numpy(cot) if hasattr(xp, "from_numpy") else cot)).sum()
     return total
 

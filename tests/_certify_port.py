@@ -11,23 +11,48 @@ B, T, E, F, V = 3, 13, 5, 7, 11  # every axis its own prime size
 EPS = 1e-5  # torch.nn.LayerNorm's default, which the torch module uses
 
 
-def port(weights, *, eps=EPS):
-    """jax_fn(x [B,T,E]) -> ({"logits": [B,T,V]}, {name: intermediate}); the names are the port's own."""
-    w = {k: jnp.asarray(v) for k, v in weights.items()}
-
+def forward(w, x, *, eps=EPS):
+    """The port: w {torch name: array} (torch's layouts), x [B,T,E] -> ({"logits": [B,T,V]}, intermediates)."""
     def layer_norm(h):
         mean = h.mean(-1, keepdims=True)
         var = ((h - mean) ** 2).mean(-1, keepdims=True)
         return (h - mean) / jnp.sqrt(var + eps) * w["norm.weight"] + w["norm.bias"]
 
-    def jax_fn(x):
-        proj = jnp.einsum("btd,fd->btf", x, w["proj.weight"]) + w["proj.bias"]
-        act = jax.nn.gelu(proj, approximate=False)
-        norm = layer_norm(act)
-        logits = jnp.einsum("btf,vf->btv", norm, w["head.weight"])
-        return {"logits": logits}, {"dense": proj, "gelu": act, "ln": norm, "lm_head": logits}
+    proj = jnp.einsum("btd,fd->btf", x, w["proj.weight"]) + w["proj.bias"]
+    act = jax.nn.gelu(proj, approximate=False)
+    norm = layer_norm(act)
+    logits = jnp.einsum("btf,vf->btv", norm, w["head.weight"])
+    return {"logits": logits}, {"dense": proj, "gelu": act, "ln": norm, "lm_head": logits}
 
-    return jax.jit(jax_fn)  # one compile instead of one per eager operation
+
+def port(weights, *, eps=EPS):
+    """jax_fn(x [B,T,E]) -> ({"logits": [B,T,V]}, {name: intermediate}); the names are the port's own."""
+    w = {k: jnp.asarray(v) for k, v in weights.items()}
+    return jax.jit(lambda x: forward(w, x, eps=eps))  # one compile instead of one per eager operation
+
+
+def flax_tree(weights):
+    """The toy's weights as a Flax-style params tree (kernels [in, out]), what params= maps torch names into."""
+    return {"proj": {"kernel": weights["proj.weight"].T, "bias": weights["proj.bias"]},
+            "norm": {"scale": weights["norm.weight"], "bias": weights["norm.bias"]},
+            "head": {"kernel": weights["head.weight"].T}}
+
+
+def tree_port(frozen=()):
+    """jax_fn(params, x) on flax_tree's layout; the torch names in `frozen` enter as constants (stop_gradient:
+    a port that closes over a weight instead of taking it as a parameter), so they never get a gradient."""
+    def jax_fn(params, x):
+        w = {"proj.weight": params["proj"]["kernel"].T, "proj.bias": params["proj"]["bias"],
+             "norm.weight": params["norm"]["scale"], "norm.bias": params["norm"]["bias"],
+             "head.weight": params["head"]["kernel"].T}
+        return forward({k: jax.lax.stop_gradient(v) if k in frozen else v for k, v in w.items()}, x)
+    return jax.jit(jax_fn)
+
+
+# torch parameter -> its place in flax_tree: a path with a layout transform, a path, a callable on the tree
+PARAMS = {"proj.weight": ("proj/kernel", np.transpose), "proj.bias": "proj/bias",
+          "norm.weight": lambda grads: grads["norm"]["scale"], "norm.bias": "norm/bias",
+          "head.weight": ("head/kernel", np.transpose)}
 
 
 LAYERS = {"proj": "dense", "act": "gelu", "norm": "ln", "head": "lm_head"}

@@ -18,8 +18,7 @@ import crosscheck  # noqa: E402
 from crosscheck import certify, record  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _certify_port import B, E, F, LAYERS, T, V, port, torch_toy, toy_inputs  # noqa: E402
-
+from _certify_port import B, E, F, LAYERS, PARAMS, T, V, flax_tree, port, torch_toy, toy_inputs, tree_port  # noqa: E402
 
 
 def toy(seed=0):
@@ -188,6 +187,51 @@ def test_flax_capture_intermediates_names_the_jax_side():
     assert cert.passed and [r.name for r in cert.rows] == ["proj", "head", "output", "grad/x"], cert.table()
 
 
+def test_parameter_gradients_through_a_name_map_and_a_frozen_weight_named(tmp_path):
+    """d loss / d parameter for each torch name -> JAX leaf pair (a path with a layout transform, a path, a
+    callable), float64; a port that closes over norm.weight (stop_gradient) passes every forward row and
+    fails that row alone, live and against a golden file. float32: the Llama tests in the slow group."""
+    model, weights = toy()
+    tree = flax_tree(weights)
+    cert = certify(model, tree_port(), inputs(), dtype="float64", grads=True, jax_params=tree, params=PARAMS)
+    assert cert.passed, cert.table()
+    rows = [r for r in cert.rows if r.kind == "param_grad"]
+    assert [r.name for r in rows] == list(PARAMS) and rows[0].jax_name == "proj/kernel"
+    assert all(0 < r.value <= crosscheck.MODEL_TOLERANCES["float64"].grad for r in rows)
+    frozen_port = tree_port(frozen=("norm.weight",))
+    frozen = certify(model, frozen_port, inputs(), dtype="float64", grads=True, jax_params=tree, params=PARAMS)
+    assert frozen.first_divergent == "norm.weight" and [r.name for r in frozen.rows if not r.passed] == ["norm.weight"]
+    golden = record(model, inputs(), tmp_path / "g.safetensors", grads=True, params=PARAMS, dtype="float64")
+    again = certify(None, frozen_port, None, golden=golden, dtype="float64", grads=True, jax_params=tree,
+                    params=PARAMS)
+    assert [(r.name, r.value) for r in again.rows] == [(r.name, r.value) for r in frozen.rows]
+    with pytest.raises(ValueError, match=r"params: torch parameter \(gradients recorded in .*\) 'head.bias'"):
+        certify(None, frozen_port, None, golden=golden, dtype="float64", grads=True, jax_params=tree,
+                params={**PARAMS, "head.bias": "head/bias"})
+
+
+def test_bad_parameter_maps_name_the_parameter_the_path_and_both_shapes():
+    model, weights = toy()
+    tree, x = flax_tree(weights), inputs()
+
+    def run(params, **kw):
+        certify(model, tree_port(), x, dtype="float64", params=params, **{"grads": True, "jax_params": tree, **kw})
+
+    with pytest.raises(ValueError, match="params: parameter gradients are compared with grads=True only"):
+        run(PARAMS, grads=False)
+    with pytest.raises(ValueError, match="params: needs jax_params="):
+        run(PARAMS, jax_params=None)
+    with pytest.raises(ValueError, match=r"params: torch parameter 'norm.wieght' does not exist; nearest: "
+                                         r"\['norm.weight'"):
+        run({"norm.wieght": "norm/scale"})
+    with pytest.raises(ValueError, match=r"params 'proj.weight' -> 'proj/kernel': torch gradient shape \(7, 5\) vs "
+                                         r"JAX shape \(5, 7\) \(give a transform"):
+        run({"proj.weight": "proj/kernel"})
+    with pytest.raises(ValueError, match=r"params: JAX path 'proj/kernal': no 'kernal' under proj \(there: \['bias', "
+                                         r"'kernel'\]\)"):
+        run({"proj.weight": "proj/kernal"})
+
+
 def _without_torch(script: str, *args: str) -> dict:
     """Run `script` in a fresh Python where `import torch` fails; it prints one JSON line."""
     prelude = "import sys; sys.modules['torch'] = None\n"
@@ -326,6 +370,51 @@ def test_every_planted_fault_fails_at_its_layer_on_512_real_tokens(llama_dir, dt
         assert cert.first_divergent == expected, (fault, cert.table())
         rows = {r.name: r for r in cert.rows}
         assert not rows["logits.kl"].passed, fault  # every fault also moves the distribution past its bar
+
+
+def _llama_gradient_certificate(directory, dtype, frozen=None):
+    """grads=True with respect to every parameter of the tiny Llama through its weight table
+    (crosscheck.parameter_map); `frozen`: a JAX leaf path the port closes over (stop_gradient)."""
+    import jax
+
+    from crosscheck._faults import real_text_ids
+    from crosscheck._hf_models import float64_reference, torch_model
+    from jaxattn.models import from_pretrained
+
+    model, params = from_pretrained(directory, dtype=dtype, precision="highest")
+    theirs = torch_model(directory, dtype)
+    ids = real_text_ids(29)
+    apply = jax.jit(lambda p, input_ids: model.apply({"params": p}, input_ids))
+
+    def jax_fn(p, input_ids, labels):
+        if frozen is not None:
+            layer, *rest = frozen.split("/")
+            p = {**p, layer: jax.tree_util.tree_map_with_path(
+                lambda path, x: jax.lax.stop_gradient(x) if "/".join(k.key for k in path) == "/".join(rest) else x,
+                p[layer])}
+        return {"logits": apply(p, input_ids)}
+
+    def torch_fn(input_ids, labels):
+        with float64_reference(theirs, dtype):
+            return theirs(input_ids=input_ids)
+
+    inputs = {"input_ids": ids, "labels": np.roll(ids, -1, axis=-1)}  # loss: the next token's log-likelihood
+    return certify(torch_fn, jax_fn, inputs, dtype=dtype, grads=True, torch_module=theirs, jax_params=params,
+                   params=crosscheck.parameter_map(theirs, params))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_llama_parameter_gradients_through_its_weight_table_and_a_frozen_layer_1_weight(llama_dir, dtype):
+    clean = _llama_gradient_certificate(llama_dir, dtype)
+    assert clean.passed, clean.table()
+    rows = [r for r in clean.rows if r.kind == "param_grad"]
+    assert len(rows) == 1 + 2 * 9 + 1 and rows[0].name == "model.embed_tokens.weight"  # tied: no lm_head.weight
+    assert rows[0].jax_name == "embed_tokens/embedding" and max(r.value for r in rows) <= (
+        crosscheck.MODEL_TOLERANCES[dtype].grad / 10)
+    frozen = _llama_gradient_certificate(llama_dir, dtype, frozen="layers_1/down_proj/kernel")
+    assert frozen.first_divergent == "model.layers.1.mlp.down_proj.weight"
+    assert [r.name for r in frozen.rows if not r.passed] == ["model.layers.1.mlp.down_proj.weight"]
 
 
 @pytest.mark.slow
