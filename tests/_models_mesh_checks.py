@@ -21,8 +21,9 @@ import os
 import sys
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "mesh"
-# LLVM optimisation off: tiny programs compiled once and run once (as tests/_sharding_checks.py)
+# Fast compiles for tiny programs compiled once and run once (tests/conftest.py says why and what it costs)
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                           " --xla_cpu_use_fusion_emitters=false"
                            f" --xla_force_host_platform_device_count={4 if MODE == 'process' else 8}")
 os.environ["JAX_PLATFORMS"] = "cpu"
 

@@ -17,7 +17,7 @@ import sys
 
 # LLVM optimisation off: tiny programs compiled once and run once (as tests/_sharding_checks.py).
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-                           " --xla_backend_optimization_level=0")
+                           " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import functools  # noqa: E402

@@ -13,7 +13,7 @@ import sys
 # LLVM optimisation off: these programs are compiled once and run once on tiny shapes, so this halves the
 # checks' time; XLA's buffer assignment (the memory figures) happens before it and is unchanged.
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0")
+                           " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402

@@ -3,16 +3,22 @@
 float64 is switched on deliberately, once, before any array is made: without it JAX silently computes
 "float64" references in float32, the classic false pass. float32 tests pass explicit float32 arrays.
 
-XLA's LLVM optimisation is off for the test session (set before JAX's CPU backend starts, i.e. before the
-first array): the tests compile many small programs and run each a few times, so compiling dominates and
-this cuts the suite's CPU time by about 40% (tests/test_nnx.py + tests/test_cache.py: 140 s -> 87 s CPU).
+Two XLA CPU compiler settings for the test session (set before JAX's CPU backend starts, i.e. before the
+first array): the tests compile thousands of small programs (every eager op of a new shape is one) and run
+each a few times, so compiling dominates.
+- LLVM optimisation off: about 40% less CPU (tests/test_nnx.py + tests/test_cache.py: 140 s -> 87 s CPU).
+- XLA CPU's classic elemental emitters for fusions instead of the newer MLIR fusion emitters: another ~35%
+  (tests/test_layer_qk_norm.py + tests/test_cache.py: 34 -> 21 CPU-s, 2026-11-25). Same HLO, same ops.
 Numerics stay IEEE (same ops, no fast-math either way); buffer assignment, which the memory tests read, runs
-before LLVM and is unchanged. Subprocesses started by tests inherit it unless they set XLA_FLAGS themselves.
+before code generation and is unchanged. `python -m crosscheck --all` (CI) runs with XLA's defaults, so the
+default code generation is proven against torch there. Subprocesses started by tests inherit the flags
+unless they set XLA_FLAGS themselves.
 """
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0").strip()
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                           " --xla_cpu_use_fusion_emitters=false").strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

@@ -57,12 +57,17 @@ def test_qk_norm_equals_torch_forward_and_gradients():
     layer = _layer()
     x = np.random.default_rng(0).standard_normal((B, T, E))
     params = _params(layer, x)
-    y, vjp = jax.vjp(lambda p: layer.apply({"params": p}, x, is_causal=True), params)
     theirs, p = _torch_reference(params, x)
-    cotangent = np.random.default_rng(1).standard_normal(y.shape)
+    cotangent = np.random.default_rng(1).standard_normal(theirs.shape)
     theirs.backward(torch.tensor(cotangent))
+
+    @jax.jit  # one compile for the whole layer and its VJP (eager dispatch compiles every op on its own)
+    def forward_and_grads(params, cotangent):
+        y, vjp = jax.vjp(lambda p: layer.apply({"params": p}, x, is_causal=True), params)
+        return y, vjp(cotangent)[0]
+
+    y, grads = forward_and_grads(params, cotangent)
     np.testing.assert_allclose(y, theirs.detach().numpy(), rtol=0, atol=1e-12)
-    grads = vjp(cotangent)[0]
     for group, leaves in grads.items():
         for leaf, g in leaves.items():
             np.testing.assert_allclose(g, p[group][leaf].grad.numpy(), rtol=0, atol=1e-11, err_msg=f"{group}/{leaf}")
@@ -73,11 +78,12 @@ def test_qk_norm_decode_caches_normed_keys():
     layer = _layer()
     x = np.random.default_rng(0).standard_normal((B, T, E))
     params = _params(layer, x)
-    full = layer.apply({"params": params}, x, is_causal=True)
+    full = jax.jit(lambda p, x: layer.apply({"params": p}, x, is_causal=True))(params, x)
     cache = layer.init(jax.random.key(0), x, decode=True)["cache"]
+    step = jax.jit(lambda p, c, x: layer.apply({"params": p, "cache": c}, x, decode=True, mutable=["cache"]))
     steps = []
     for t in range(T):
-        y, mutated = layer.apply({"params": params, "cache": cache}, x[:, t:t + 1], decode=True, mutable=["cache"])
+        y, mutated = step(params, cache, x[:, t:t + 1])
         cache = mutated["cache"]
         steps.append(y)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=0, atol=1e-12)
