@@ -644,7 +644,7 @@ def tied_copy(tensors: Mapping[str, np.ndarray], files: Mapping[str, str], sourc
     return [head]
 
 
-def loader(config_class, model_class, table: Callable):
+def loader(config_class, model_class, table: Callable) -> _pretrained.Family:
     """A from_pretrained loader for a CausalLM family: config_class.from_dict, the weights through
     table(config) (a stored copy of a tied head checked and skipped). It registers the way back too: to_pretrained
     writes a model_class through the same table, its config through config_class.to_dict (see _save)."""
@@ -658,4 +658,4 @@ def loader(config_class, model_class, table: Callable):
                             embedding="model.embed_tokens.weight")
         params = _table.fill(tensors, table(parsed), parsed.dims(), files, dtype=dtype, ignored=ignored)
         return model_class(parsed, precision=precision), params
-    return load
+    return _pretrained.Family(config_class, model_class, load)

@@ -249,6 +249,7 @@ def init_params(config: BertConfig, rng=None, **model_options) -> dict:
 # --- from_pretrained ------------------------------------------------------------------------------------------
 
 @_pretrained.register_family("bert")
+@_pretrained.loads(BertConfig, BertModel)
 def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
     """(BertModel, params) from a BertModel checkpoint (names with or without the "bert." prefix)."""
     for key in ("is_decoder", "add_cross_attention"):

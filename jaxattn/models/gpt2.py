@@ -158,6 +158,7 @@ def weight_table(config: GPT2Config, *, prefix: str = "transformer.") -> list[_t
 
 
 @_pretrained.register_family("gpt2")
+@_pretrained.loads(GPT2Config, GPT2LMHeadModel)
 def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
     """(GPT2LMHeadModel, params) from a GPT2LMHeadModel (or bare GPT2Model) checkpoint."""
     gpt2 = GPT2Config.from_dict(config, source)

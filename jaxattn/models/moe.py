@@ -189,14 +189,14 @@ def fused_expert_rows() -> list[_table.Row]:
           ("swapaxes", 1, 2))]
 
 
-def loader(config_class, model_class, table: Callable):
+def loader(config_class, model_class, table: Callable) -> _pretrained.Family:
     """_decoder.loader for a family whose experts come per expert (save_pretrained) or fused (a state_dict
     in memory): table(config, fused=...) is called with what the tensors hold."""
     def load(config: dict, tensors, files, **options):
         fused = any(name.endswith(".mlp.experts.gate_up_proj") for name in tensors)
         load_table = functools.partial(table, fused=fused)
         return _decoder.loader(config_class, model_class, load_table)(config, tensors, files, **options)
-    return load
+    return _pretrained.Family(config_class, model_class, load)
 
 
 def router_logits(intermediates: dict) -> list:

@@ -316,6 +316,7 @@ def weight_table(config: T5Config, *, lm_head: bool) -> list[_table.Row]:
 
 
 @_pretrained.register_family("t5")
+@_pretrained.loads(T5Config, T5ForConditionalGeneration)
 def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
     """(T5ForConditionalGeneration, params). A stored lm_head equal to shared.weight is the tied copy."""
     t5 = T5Config.from_dict(config, source)
