@@ -26,8 +26,7 @@ from unittest import mock
 
 import numpy as np
 
-from crosscheck.cases.common import FLOAT32_JIT, normal, randomize, rng_for, torch_params
-from crosscheck._catalogue import Setup, register_case
+from crosscheck.catalogue import FLOAT32_JIT, Setup, normal, randomize, register_case, rng_for, torch_params
 
 _HF = ("transformers",)  # hf_* cases build HF modules: registered only when transformers is installed
 
@@ -601,6 +600,6 @@ def hf_gptj_rope() -> Setup:
 
 def cases() -> list[str]:
     """The names this module registers (in catalogue order), e.g. for a catalogue that does not import it."""
-    from crosscheck._catalogue import CASES
+    from crosscheck.catalogue import CASES
 
     return [name for name, case in CASES.items() if case.build.__module__ == __name__]
