@@ -10,12 +10,14 @@ it depends on positions only, never on the whole [T,S] grid, so a blockwise engi
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import jax.numpy as jnp
+from jaxtyping import ArrayLike, Float
 
 from .._core import checks
 from .._core.positions import positions
+from .._core.shapes import AttentionOutput
 from .._engines.blockwise import blockwise_attention
 from .._engines.dense import attention_core
 from .._engines.dispatch import attend, check_implementation
@@ -49,8 +51,9 @@ def _unset(value) -> bool:
     return value is None or (isinstance(value, (bool, int, float)) and not value)
 
 
-def position_bias_attention(query, key, value, bias_fn: PositionBias, *, implementation=None, interpret=False,
-                            block_size=None, **options):
+def position_bias_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
+                            value: Float[ArrayLike, "*#B S K Hv"], bias_fn: PositionBias, *, implementation=None,
+                            interpret=False, block_size=None, **options) -> AttentionOutput:
     """dot_product_attention with `bias_fn(query_pos, key_pos) -> [...,N,T,S]` added to the scaled logits.
 
     The positions are the core's (bottom-right by default; `query_positions` / `key_positions` override

@@ -44,6 +44,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from .._core.norms import rms_normalize
 from .._schemes import rope_scaling
@@ -516,7 +517,9 @@ class CausalLM(Configured):
         return logits
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, decode: bool = False):
+    def __call__(self, input_ids: Int[ArrayLike, "B T"],
+                 attention_mask: Int[ArrayLike, "B _keys"] | Bool[ArrayLike, "B _keys"] | None = None,
+                 position_ids: Int[ArrayLike, "B T"] | None = None, *, decode: bool = False) -> Float[Array, "B T V"]:
         c, d = self.config, self.config.dims()
         input_ids = jnp.asarray(input_ids)
         positions, slots = positions_and_slots(self, input_ids.shape, position_ids, decode)

@@ -24,6 +24,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import ArrayLike, Bool, Int
 
 from ..linen import MultiHeadAttention
 from . import _activation_layout, _decoder, _pretrained, _save, _table
@@ -133,8 +134,10 @@ class BertModel(nn.Module):
     sharding: Any = None  # a _activation_layout.ModelSharding: the activations' layout on a mesh (None: one device)
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *,
-                 deterministic: bool = True):
+    def __call__(self, input_ids: Int[ArrayLike, "*B T"],
+                 attention_mask: Int[ArrayLike, "*B T"] | Bool[ArrayLike, "*B T"] | None = None,
+                 token_type_ids: Int[ArrayLike, "*B T"] | None = None,
+                 position_ids: Int[ArrayLike, "*B T"] | None = None, *, deterministic: bool = True) -> dict[str, Any]:
         input_ids = jnp.asarray(input_ids)
         T = input_ids.shape[-1]
         token_type_ids = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids

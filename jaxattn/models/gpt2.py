@@ -20,6 +20,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from . import _activation_layout, _decoder, _pretrained, _save, _table
 
@@ -104,7 +105,9 @@ class GPT2LMHeadModel(_decoder.Configured):
         return self.config.n_positions
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, decode: bool = False):
+    def __call__(self, input_ids: Int[ArrayLike, "B T"],
+                 attention_mask: Int[ArrayLike, "B _keys"] | Bool[ArrayLike, "B _keys"] | None = None,
+                 position_ids: Int[ArrayLike, "B T"] | None = None, *, decode: bool = False) -> Float[Array, "B T V"]:
         c, d = self.config, self.config.dims()
         input_ids = jnp.asarray(input_ids)
         position_ids = _decoder.positions(self, input_ids.shape, position_ids, decode)

@@ -50,6 +50,7 @@ from typing import Any
 
 import flax.linen as nn
 import jax.numpy as jnp
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from .._core.norms import rms_normalize
 from ..linen import RoPE
@@ -292,7 +293,9 @@ class Llama4ForCausalLM(_decoder.CausalLM):
     Block = Llama4Block
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, decode: bool = False):
+    def __call__(self, input_ids: Int[ArrayLike, "B T"],
+                 attention_mask: Int[ArrayLike, "B _keys"] | Bool[ArrayLike, "B _keys"] | None = None,
+                 position_ids: Int[ArrayLike, "B T"] | None = None, *, decode: bool = False) -> Float[Array, "B T V"]:
         c, d = self.config, self.config.dims()
         input_ids = jnp.asarray(input_ids)
         positions, slots = _decoder.positions_and_slots(self, input_ids.shape, position_ids, decode)

@@ -29,6 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from .. import t5_relative_bias
 from ..linen import MultiHeadAttention
@@ -205,7 +206,11 @@ class T5ForConditionalGeneration(_decoder.Configured):
             return _decoder.tied_logits(x, self.shared.embedding, self.dtype, self.precision)
         return self.lm_head(x)
 
-    def __call__(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None):
+    def __call__(self, input_ids: Int[ArrayLike, "B T"],
+                 attention_mask: Int[ArrayLike, "B T"] | Bool[ArrayLike, "B T"] | None = None,
+                 decoder_input_ids: Int[ArrayLike, "B Td"] | None = None,
+                 decoder_attention_mask: Int[ArrayLike, "B Td"] | Bool[ArrayLike, "B Td"] | None = None,
+                 ) -> Float[Array, "B Td V"]:
         if decoder_input_ids is None:
             raise ValueError("decoder_input_ids: expected int [B,Td] (T5 is an encoder-decoder), got None")
         encoder_output = self.encode(input_ids, attention_mask)
