@@ -4,8 +4,8 @@ The library only annotates; here each public attention function, layer `__call__
 wrapped in jaxtyping's `jaxtyped(typechecker=beartype)` and called on a representative input, so a wrong
 annotation (a swapped letter, a missing batch dim, a return that is not what the annotation says) fails.
 Every axis has its own size (B=2, T=3, S=5, N=6, K=2, H=7, Hv=11, E=13, R=9), so a letter bound to the
-wrong axis shows. The calls are traced by jax.eval_shape (the checker runs on the tracers at trace time; no
-compile), except one eager call that shows numpy inputs meet the ArrayLike annotations.
+wrong axis shows. The calls run under jax.eval_shape: the checker runs at trace time, on the numpy inputs
+the calls close over and on the traced results, and nothing is compiled.
 """
 
 import jax
@@ -17,7 +17,18 @@ from jax.sharding import Mesh
 import jaxattn
 import jaxattn.linen
 import jaxattn.nnx
-from jaxattn.models import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM, T5Config, T5ForConditionalGeneration
+from jaxattn.models import (
+    BertConfig,
+    BertModel,
+    GPT2Config,
+    GPT2LMHeadModel,
+    Llama4ForCausalLM,
+    Llama4TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 
 beartype = pytest.importorskip("beartype").beartype
 jaxtyping = pytest.importorskip("jaxtyping")
@@ -108,8 +119,9 @@ def test_public_functions_meet_their_annotations(name):
     jax.eval_shape(CALLS[name])
 
 
-def test_numpy_inputs_meet_the_array_like_annotations():
-    out = checked(jaxattn.dot_product_attention)(q, k, v, is_causal=True)
+def test_traced_inputs_meet_the_array_like_annotations():
+    # CALLS hand the checker numpy arrays (closed over, so not traced); under jit it sees jax arrays
+    out = jax.eval_shape(lambda q, k, v: checked(jaxattn.dot_product_attention)(q, k, v, is_causal=True), q, k, v)
     assert out.shape == (B, T, N, Hv)
 
 
@@ -141,12 +153,22 @@ TINY_DECODER = dict(vocab_size=19, hidden_size=16, intermediate_size=10, num_hid
                     num_attention_heads=4, num_key_value_heads=2)
 
 
-@pytest.mark.parametrize("family", ["llama", "bert", "t5"])
+# one model per distinct __call__: the shared causal LM (Llama and most families), GPT-2, Llama 4, BERT, T5
+@pytest.mark.parametrize("family", ["llama", "gpt2", "llama4_text", "bert", "t5"])
 def test_models_call_meets_its_annotations(family):
     ids = np.arange(B * T).reshape(B, T) % 19
     mask = np.ones((B, T), np.int32)
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig.from_dict({"model_type": "llama", **TINY_DECODER}))
+        args = (ids, mask)
+    elif family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config.from_dict({"model_type": "gpt2", "vocab_size": 19, "n_embd": 12,
+                                                      "n_layer": 1, "n_head": 4, "n_positions": 8}))
+        args = (ids, mask)
+    elif family == "llama4_text":
+        model = Llama4ForCausalLM(Llama4TextConfig.from_dict({
+            "model_type": "llama4_text", **TINY_DECODER, "intermediate_size_mlp": 10, "num_local_experts": 3,
+            "attention_chunk_size": 4}))
         args = (ids, mask)
     elif family == "bert":
         model = BertModel(BertConfig(vocab_size=19, hidden_size=12, num_hidden_layers=1, num_attention_heads=4,
