@@ -1,22 +1,36 @@
 """The shapes in the public signatures (jaxtyping, in the package's axis letters) hold at run time.
 
-The library only annotates; here each public attention function, layer `__call__` and model `__call__` is
-wrapped in jaxtyping's `jaxtyped(typechecker=beartype)` and called on a representative input, so a wrong
-annotation (a swapped letter, a missing batch dim, a return that is not what the annotation says) fails.
+The library only annotates, and never imports jaxtyping (a test extra, not a dependency): its modules keep
+their annotations as strings (`from __future__ import annotations`) and import jaxtyping and
+jaxattn._core.shapes' aliases under TYPE_CHECKING alone. Here each public attention function, layer `__call__`
+and model `__call__` has those strings resolved (typing.get_type_hints with the jaxtyping names and the aliases:
+a name it cannot resolve raises, where jaxtyping alone would quietly read it as Any), is wrapped in jaxtyping's
+`jaxtyped(typechecker=beartype)` and called on a representative input, so a wrong annotation (a swapped letter,
+a missing batch dim, a return that is not what the annotation says) fails.
 Every axis has its own size (B=2, T=3, S=5, N=6, K=2, H=7, Hv=11, E=13, R=9), so a letter bound to the
 wrong axis shows. The calls run under jax.eval_shape: the checker runs at trace time, on the numpy inputs
 the calls close over and on the traced results, and nothing is compiled.
 """
 
+import functools
+import inspect
+import os
+import subprocess
+import sys
+import typing
+
 import jax
+import jaxtyping
 import numpy as np
 import pytest
+from beartype import beartype
 from flax import nnx
 from jax.sharding import Mesh
 
 import jaxattn
 import jaxattn.linen
 import jaxattn.nnx
+from jaxattn._core import shapes
 from jaxattn.models import (
     BertConfig,
     BertModel,
@@ -30,17 +44,44 @@ from jaxattn.models import (
     T5ForConditionalGeneration,
 )
 
-beartype = pytest.importorskip("beartype").beartype
-jaxtyping = pytest.importorskip("jaxtyping")
-
 B, T, S, N, K, H, Hv, E = 2, 3, 5, 6, 2, 7, 11, 13
 MAX_DISTANCE = 4
 R = 2 * MAX_DISTANCE + 1
 
 
+# What the annotation strings name beyond each module's own globals: jaxtyping's and shapes.py's aliases.
+SHAPE_NAMES = {**{name: getattr(jaxtyping, name) for name in ("Array", "ArrayLike", "Bool", "Float", "Int")},
+               **{name: value for name, value in vars(shapes).items() if name[:1].isupper()}}
+
+
 def checked(fn):
-    """fn under jaxtyping's run-time check: arguments and return against its annotations, one set of sizes."""
-    return jaxtyping.jaxtyped(typechecker=beartype)(fn)
+    """fn under jaxtyping's run-time check: arguments and return against its annotations, one set of sizes.
+    The annotation strings are resolved first (NameError for a name that is neither in fn's module nor in
+    SHAPE_NAMES), and the check runs on a wrapper that carries the resolved signature."""
+    hints = typing.get_type_hints(fn, localns=SHAPE_NAMES, include_extras=True)
+    signature = inspect.signature(fn)
+    signature = signature.replace(
+        parameters=[p.replace(annotation=hints.get(name, p.empty)) for name, p in signature.parameters.items()],
+        return_annotation=hints.get("return", signature.empty))
+
+    @functools.wraps(fn)
+    def resolved(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    resolved.__signature__ = signature  # inspect.signature (jaxtyping's) stops here, not at fn's strings
+    resolved.__annotations__ = hints
+    return jaxtyping.jaxtyped(typechecker=beartype)(resolved)
+
+
+def test_importing_jaxattn_imports_no_jaxtyping():
+    """The annotations cost nothing at run time: a fresh interpreter imports every public module of jaxattn
+    without jaxtyping, beartype or torch (DESIGN.md: jaxattn depends on jax, flax and numpy only)."""
+    script = ("import sys, jaxattn, jaxattn.linen, jaxattn.nnx, jaxattn.models\n"
+              "print(sorted(m for m in ('jaxtyping', 'beartype', 'torch') if m in sys.modules))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
 
 
 def _arrays(*shapes, dtype=np.float32):

@@ -2,13 +2,18 @@
 
 The public signatures spell their arguments' shapes inline (`query: Float[ArrayLike, "*#B T N H"]`); the
 returns, the same few unions everywhere, are named once here. `*#B` is the leading batch dims (`...` of the
-letters table), broadcast between the arguments as the functions do. Annotations only: the library never
-checks them at run time (tests/test_shapes.py runs representative calls under jaxtyping + beartype).
+letters table), broadcast between the arguments as the functions do.
+
+Annotations only, and jaxtyping is no dependency of jaxattn: every annotated module has
+`from __future__ import annotations` (its annotations stay strings) and imports jaxtyping and this module
+under `typing.TYPE_CHECKING` alone, so nothing imports this module at run time. Type checkers (pyright)
+and mkdocstrings read it statically; tests/test_shapes.py imports it (with jaxtyping, from the test extra)
+to resolve the strings and check representative calls under jaxtyping + beartype.
 """
 
 from __future__ import annotations
 
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
 Attended = Float[Array, "*#B T N Hv"]
 Weights = Float[Array, "*#B N T S"]
@@ -22,3 +27,6 @@ AttentionOutput = (Attended | tuple[Attended, Weights] | tuple[Attended, Lse | R
 # A layer (jaxattn.linen / jaxattn.nnx, multi_head_attention): out [...,T,Eo], or (out, weights) with
 # return_weights; with a decode cache the weights' keys are the cache's, hence the unchecked _keys.
 LayerOutput = Float[Array, "*#B T Eo"] | tuple[Float[Array, "*#B T Eo"], Float[Array, "*#B N T _keys"]]
+
+# latent_attention's decode cache: (latent [...,L,C], rope keys [...,L,R], index int32 [...]: tokens written).
+LatentCache = tuple[Float[Array, "*#B L C"], Float[Array, "*#B L _rope"], Int[Array, "*#B"]]

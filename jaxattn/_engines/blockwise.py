@@ -32,13 +32,12 @@ _core's (softmax.py, masks.py), shared with the dense engine.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jaxtyping import ArrayLike, Float, Int
 
 from .._core import block_mask as block_masks
 from .._core import checks, mods
@@ -46,8 +45,11 @@ from .._core.dtypes import accumulation_dtype
 from .._core.masks import CLEAN, WITH_MOD, MaskRule, allowed_pairs, check_lengths, key_block_schedule
 from .._core.positions import clipped_index, positions
 from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial, has_keys, no_key, public_lse
-from .._core.shapes import Attended, Lse
 from . import tiles
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import ArrayLike, Float, Int
+    from .._core.shapes import Attended, Lse
 
 # ---------------------------------------------------------------------------------------------------
 # Static configuration and per-tile pieces.

@@ -24,18 +24,21 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jaxtyping import ArrayLike, Bool, Float, Int
 
 from .._core import aliases, checks
-from .._core.shapes import AttentionOutput
 from .blockwise import blockwise_attention, grid_options_in_use
 from .tiles import check_block_mask_tiles
 from .dense import attention_core
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import ArrayLike, Bool, Float, Int
+    from .._core.shapes import AttentionOutput
 
 # implementation=None picks blockwise when nothing needs the full [T,S] grid and one head's logits T x S
 # hold at least this many elements. Measured (benchmarks/auto.py, results/auto.json, docs/performance.md)

@@ -43,22 +43,24 @@ positions computed from each chunk's offset in the sequence, never sliced from a
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec
-from jaxtyping import ArrayLike, Float, Int
 
 from .._core import checks
 from .._core.dtypes import accumulation_dtype
 from .._core.masks import MaskRule, check_lengths
 from .._core.softmax import combine_partials, empty_partial, finalize_partial, has_keys
-from .._core.shapes import Attended
 from . import blockwise, tiles
 from .blockwise import KeySide, QueryTile, RowGrads, Shared, slice_block
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import ArrayLike, Float, Int
+    from .._core.shapes import Attended
 
 
 # A device's key/value share travels in this many pieces, each passed on once used: the share in flight

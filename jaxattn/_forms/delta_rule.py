@@ -31,14 +31,18 @@ decode-time state of the conv.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float
 
 from .._core import checks
 from .._core.checks import shape_str
 from .._core.dtypes import accumulation_dtype
 from .._core.norms import rms_normalize
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float
 
 DEFAULT_CHUNK_SIZE = 64
 IMPLEMENTATIONS = (None, "chunked", "recurrent")

@@ -35,24 +35,22 @@ latent as transformers caches them; written like the key/value cache (jaxattn/_l
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._core import checks
 from .._core.norms import rms_normalize
-from .._core.shapes import Weights
 from .._engines.dispatch import dot_product_attention
 from .._schemes.rope import apply_rope
 from . import cache as kv_cache
 
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float, Int
+    from .._core.shapes import LatentCache, Weights
+
 FORMS = ("absorbed", "expanded")
-
-
-# The decode cache: (latent [...,L,C], rope keys [...,L,R], index int32 [...]: tokens written so far).
-LatentCache = tuple[Float[Array, "*#B L C"], Float[Array, "*#B L _rope"], Int[Array, "*#B"]]
 
 
 class LatentQKV(NamedTuple):

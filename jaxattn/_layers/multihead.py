@@ -13,15 +13,19 @@ the keyword add_zero_attn; both append key columns that every query may attend (
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float
 
 from .._core import checks
 from .._core.masks import allowed_keys
-from .._core.shapes import LayerOutput
 from .._engines.dispatch import dot_product_attention
 from .._schemes.shaw import shaw_relative_attention
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float
+    from .._core.shapes import LayerOutput
 
 _PROJECTIONS = {  # name: (kernel layout, bias layout)
     "query": ("[Eq,N,H]", "[N,H]"),

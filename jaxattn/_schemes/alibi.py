@@ -13,16 +13,19 @@ difference, slope * query_pos, is constant along each softmax row, so the attent
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._core import checks
 from .._core.checks import static_int
 from .._core.positions import offsets, positions
-from .._core.shapes import AttentionOutput
 from .position_bias import position_bias_attention
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float, Int
+    from .._core.shapes import AttentionOutput
 
 
 def alibi_slopes(num_heads: int, *, max_bias: float = 8.0, dtype=jnp.float32) -> Float[Array, " N"]:

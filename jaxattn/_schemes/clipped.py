@@ -9,16 +9,20 @@ then multiplies the table.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._core import checks
 from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
 from .._core.positions import clipped_index, positions
-from .._core.shapes import AttentionOutput
 from .._engines.dense import attention_core
 from .._engines.dispatch import dense_only
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float, Int
+    from .._core.shapes import AttentionOutput
 
 
 def clipped_relative_index(query_length: int, key_length: int, *, max_left: int, max_right: int,

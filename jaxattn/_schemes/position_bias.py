@@ -11,16 +11,19 @@ it depends on positions only, never on the whole [T,S] grid, so a blockwise engi
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
-from jaxtyping import ArrayLike, Float
 
 from .._core import checks
 from .._core.positions import positions
-from .._core.shapes import AttentionOutput
 from .._engines.blockwise import blockwise_attention
 from .._engines.dense import attention_core
 from .._engines.dispatch import attend, check_implementation
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import ArrayLike, Float
+    from .._core.shapes import AttentionOutput
 
 PositionBias = Callable[..., jnp.ndarray]  # (query_pos [...,T], key_pos [...,S]) -> [...,N,T,S]
 

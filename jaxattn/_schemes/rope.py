@@ -16,19 +16,23 @@ rope_scaling.py's; they enter here as `frequencies`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._core import checks
 from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
 from .._core.positions import positions as absolute_positions
-from .._core.shapes import AttentionOutput
 from .._engines.blockwise import blockwise_attention
 from .._engines.dense import attention_core
 from .._engines.dispatch import attend
 from .rope_scaling import default_frequencies
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float, Int
+    from .._core.shapes import AttentionOutput
 
 LAYOUTS = ("half", "interleaved")
 

@@ -10,17 +10,21 @@ Shaw attention equals relative_attention with A = table[index], but never gather
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._core import checks
 from .._core.dtypes import accumulation_dtype
-from .._core.shapes import AttentionOutput
 from .._engines.blockwise import blockwise_attention
 from .._engines.dense import attention_core
 from .._engines.dispatch import attend, dense_only, use_blockwise
 from .._engines.pairwise import pair_logits, pair_values
 from .clipped import clipped_relative_index, head_index, table_terms
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float, Int
+    from .._core.shapes import AttentionOutput
 
 TABLE_LAYOUT = "[R,H] or [R,N,H], R = 2*max_distance+1"
 

@@ -15,15 +15,18 @@ the trained models bit for bit (a float64 log moves a few boundaries).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Float, Int
 
 from .._core import checks
 from .._core.checks import static_int
 from .._core.positions import offsets, positions
-from .._core.shapes import AttentionOutput
 from .position_bias import heads_first, position_bias_attention
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float, Int
+    from .._core.shapes import AttentionOutput
 
 
 def _check_buckets(num_buckets, max_distance, bidirectional: bool) -> tuple[int, int, int]:

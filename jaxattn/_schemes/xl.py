@@ -21,17 +21,21 @@ T == S with P spanning exactly the needed 2S-1 (or S causal) rows, and leaves st
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Float
 
 from .._core import checks
 from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
-from .._core.shapes import AttentionOutput
 from .._engines.dense import attention_core
 from .._engines.dispatch import dense_only
 from .clipped import gather_buckets, head_index, per_row_logits
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float
+    from .._core.shapes import AttentionOutput
 
 
 def relative_sinusoids(dim: int, *, max_left: int, max_right: int, base: float = 10000.0,

@@ -38,18 +38,20 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from .._core.norms import rms_normalize
 from .._schemes import rope_scaling
 from ..linen import RoPE
 from . import _activation_layout, _pretrained, _save, _table
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 # --- configs ----------------------------------------------------------------------------------------------------
 

@@ -18,16 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import ArrayLike, Bool, Int
 
 from ..linen import MultiHeadAttention
 from . import _activation_layout, _decoder, _pretrained, _save, _table
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import ArrayLike, Bool, Int
 
 
 @dataclasses.dataclass(frozen=True)

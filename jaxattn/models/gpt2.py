@@ -16,13 +16,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from . import _activation_layout, _decoder, _pretrained, _save, _table
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 _ACTIVATIONS = {  # HF's ACT2FN names -> the exact formula
     "gelu_new": functools.partial(nn.gelu, approximate=True),

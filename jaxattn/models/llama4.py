@@ -46,15 +46,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax.numpy as jnp
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from .._core.norms import rms_normalize
 from ..linen import RoPE
 from . import _activation_layout, _decoder, _pretrained, _table, moe
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,17 +23,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from .. import t5_relative_bias
 from ..linen import MultiHeadAttention
 from . import _activation_layout, _decoder, _pretrained, _save, _table
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 _ACTIVATIONS = {"relu": nn.relu, "gelu_new": functools.partial(nn.gelu, approximate=True),
                 "gelu": functools.partial(nn.gelu, approximate=False),
