@@ -657,10 +657,16 @@ def loader(config_class, model_class, table: Callable) -> _pretrained.Family:
     def checkpoint(model):
         return _save.config_json(model.config), table(model.config), model.config.dims()
 
+    return _pretrained.Family(config_class, model_class, reader(config_class, model_class, table))
+
+
+def reader(config_class, model_class, table: Callable) -> Callable:
+    """loader's load function alone, registering no writer: for a table that is only read (moe.loader's
+    fused experts, which transformers' save_pretrained never writes)."""
     def load(config: dict, tensors, files, *, dtype, precision, source):
         parsed = config_class.from_dict(config, source)
         ignored = tied_copy(tensors, files, source, tied=parsed.tie_word_embeddings,
                             embedding="model.embed_tokens.weight")
         params = _table.fill(tensors, table(parsed), parsed.dims(), files, dtype=dtype, ignored=ignored)
         return model_class(parsed, precision=precision), params
-    return _pretrained.Family(config_class, model_class, load)
+    return load
