@@ -20,6 +20,14 @@ Proof (one tolerance table keyed by dtype; forward outputs and gradients, plain 
     python -m crosscheck [--case GLOB] [--all] [--dtype float32|float64] [--transform plain|jit|vmap] [--json [PATH]]
                                                              # default: every case once; --all: every row
 
+The catalogue those runs draw from (crosscheck.catalogue: CASES, register_case, Setup, Const, run_case and the
+seeded helpers a case author needs)::
+
+    from crosscheck.catalogue import Const, Setup, register_case, rng_for, run_case
+    @register_case("my_case")
+    def _my_case() -> Setup: ...                             # seeded inputs; Const(x): not differentiated
+    report = run_case("my_case", dtype="float64", transform="jit")
+
 Whole models (transformers checkpoints against jaxattn.models, layer by layer)::
 
     report = layer_report(torch_model, (model, params), {"input_ids": ids, "attention_mask": m}, dtype="float64")
@@ -50,13 +58,7 @@ torch is imported lazily, only where a torch object or a pickle file is involved
 module imported here, so that the safetensors -> jaxattn route works on a machine without torch.
 """
 
-from crosscheck._catalogue import (
-    CASES as CASES,
-    Setup as Setup,
-    catalogue as catalogue,
-    register_case as register_case,
-    run_case as run_case,
-)
+from crosscheck import catalogue as catalogue  # the cases: CASES, register_case, Setup, Const, run_case...
 from crosscheck._certify import (
     LOGIT_BARS as LOGIT_BARS,
     Bar as Bar,
@@ -70,7 +72,6 @@ from crosscheck._propose import propose_layers as propose_layers
 from crosscheck._compare import (
     MODEL_TOLERANCES as MODEL_TOLERANCES,
     TOLERANCES as TOLERANCES,
-    Const as Const,
     Metric as Metric,
     Report as Report,
     Tolerance as Tolerance,
@@ -106,13 +107,10 @@ __all__ = [
     "LayerProposal",
     "parameter_map",
     "propose_layers",
-    "CASES",
     "MODEL_TOLERANCES",
     "TOLERANCES",
-    "Const",
     "Metric",
     "Report",
-    "Setup",
     "Tolerance",
     "assert_equivalent",
     "catalogue",
@@ -121,8 +119,6 @@ __all__ = [
     "LayerReport",
     "layer_report",
     "write_random_checkpoint",
-    "register_case",
-    "run_case",
     "SUPPORTED_SUFFIXES",
     "call_options_from_torch",
     "load_state_dict",

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from crosscheck._catalogue import DTYPES, Case, Row, catalogue, run_case, select_cases
+from crosscheck.catalogue import DTYPES, UNAVAILABLE, Case, Row, all_cases, run_case, select_cases
 from crosscheck._compare import TOLERANCES, TRANSFORMS, Report
 from crosscheck._jax_setup import configure_jax
 
@@ -210,8 +210,6 @@ def _print_notes(cases: list[Case]) -> None:
 
 
 def _print_unavailable() -> None:
-    from crosscheck._catalogue import UNAVAILABLE
-
     if UNAVAILABLE:
         needs = sorted({m for missing in UNAVAILABLE.values() for m in missing})
         print(f"not run ({len(UNAVAILABLE)} cases need {', '.join(needs)}): {', '.join(UNAVAILABLE)}; "
@@ -223,7 +221,7 @@ def _list() -> int:
     from rich.table import Table
 
     table = Table("case", "run once", "default", "description", box=None, pad_edge=False)
-    for case in catalogue().values():
+    for case in all_cases().values():
         table.add_row(case.name, ", ".join(f"{d} {t}" for d, t in case.rows(every=False)),
                       "yes" if case.default_run else "", case.description)
     Console(width=_width()).print(table)

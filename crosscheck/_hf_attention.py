@@ -26,7 +26,7 @@ from unittest import mock
 
 import numpy as np
 
-from crosscheck.cases.common import randomize
+from crosscheck.catalogue import randomize
 
 FAMILIES = ("gemma2", "mistral", "gpt_oss", "llama4", "qwen2", "qwen2_sliding")
 

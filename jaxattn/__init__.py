@@ -9,7 +9,10 @@ Axis letters (one table, used in every einsum string, shape doc, local name and 
     E    model width (Eq, Ek, Ev, Eo where they differ)
     R    relative-position buckets (2 * max_distance + 1 for clipped tables)
 
-Head-split tensors are [...,T,N,H]; attention logits/weights are [...,N,T,S].
+Head-split tensors are [...,T,N,H]; attention logits/weights are [...,N,T,S]. The signatures carry these shapes
+as jaxtyping annotations in the same letters (`query: Float[ArrayLike, "*#B T N H"]`, *#B being `...`),
+annotations only: strings, jaxtyping imported for type checkers alone (no run-time dependency), never checked
+at run time here (tests/test_shapes.py resolves and checks them with beartype).
 Masks are bool with True = may attend; biases are added to the scaled logits; is_causal is bottom-right
 aligned (query t sits at t + S - T); a query with no allowed key returns zeros. Every function is pure
 and works under jax.jit, jax.vmap and jax.grad; bad input raises ValueError at trace time.

@@ -31,7 +31,7 @@ L); the other examples of the batch are unaffected.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -40,6 +40,10 @@ from ._core import checks
 from ._layers import cache as kv_cache
 from ._layers import common
 from ._layers.common import Initializer, RoPE  # noqa: F401  (RoPE: part of this module's API)
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import ArrayLike, Bool, Float, Int
+    from ._core.shapes import LayerOutput
 
 
 class _Group(nn.Module):
@@ -170,11 +174,17 @@ class MultiHeadAttention(nn.Module):
         return variables, existed
 
     @nn.compact
-    def __call__(self, query, key=None, value=None, *, mask=None, bias=None, is_causal=False,
-                 key_value_seq_lengths=None, query_positions=None, key_positions=None,
+    def __call__(self, query: Float[ArrayLike, "*#B T Eq"], key: Float[ArrayLike, "*#B S Ek"] | None = None,
+                 value: Float[ArrayLike, "*#B S Ev"] | None = None, *, mask: Bool[ArrayLike, "..."] | None = None,
+                 bias: Float[ArrayLike, "..."] | None = None, is_causal=False,
+                 key_value_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
+                 query_positions: Int[ArrayLike, "*#B T"] | None = None,
+                 key_positions: Int[ArrayLike, "*#B S"] | None = None,
                  deterministic: Optional[bool] = None, dropout_rng=None, return_weights: bool = False,
-                 decode: Optional[bool] = None, rope_positions=None, query_segment_ids=None,
-                 key_segment_ids=None, sow_weights: bool = False, inputs_kv=None):
+                 decode: Optional[bool] = None, rope_positions: Int[ArrayLike, "*#B T"] | None = None,
+                 query_segment_ids: Int[ArrayLike, "*#B T"] | None = None,
+                 key_segment_ids: Int[ArrayLike, "*#B S"] | None = None, sow_weights: bool = False,
+                 inputs_kv: Float[ArrayLike, "*#B S Ek"] | None = None) -> LayerOutput:
         """query [...,T,Eq], key [...,S,Ek] (default query), value [...,S,Ev] (default key) -> [...,T,Eo].
 
         Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights.
@@ -200,7 +210,7 @@ class MultiHeadAttention(nn.Module):
                        **common.dropout_options(self.broadcast_dropout))
         cache = None
         if self.decode if decode is None else decode:
-            batch = jnp.broadcast_shapes(query.shape[:-2], key.shape[:-2])
+            batch = jnp.broadcast_shapes(jnp.shape(query)[:-2], jnp.shape(key)[:-2])
             variables, existed = self._cache(dims, key, batch, dtype)
             cache = tuple(v.value for v in variables) if existed else None
         result, new_cache = common.attend(params, query, key, value, relative=self._relative() is not None,

@@ -25,7 +25,7 @@ of the batch are unaffected.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import jax.numpy as jnp
 from flax import nnx
@@ -34,6 +34,10 @@ from ._core import checks
 from ._layers import cache as kv_cache
 from ._layers import common
 from ._layers.common import Initializer, RoPE  # noqa: F401  (RoPE: part of this module's API)
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import ArrayLike, Bool, Float, Int
+    from ._core.shapes import LayerOutput
 
 
 class _Group(nnx.Module):
@@ -151,11 +155,17 @@ class MultiHeadAttention(nnx.Module):
         stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs if rngs is not None else self.rngs)
         return self.dropout_rate, stream()
 
-    def __call__(self, query, key=None, value=None, *, mask=None, bias=None, is_causal=False,
-                 key_value_seq_lengths=None, query_positions=None, key_positions=None,
+    def __call__(self, query: Float[ArrayLike, "*#B T Eq"], key: Float[ArrayLike, "*#B S Ek"] | None = None,
+                 value: Float[ArrayLike, "*#B S Ev"] | None = None, *, mask: Bool[ArrayLike, "..."] | None = None,
+                 bias: Float[ArrayLike, "..."] | None = None, is_causal=False,
+                 key_value_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
+                 query_positions: Int[ArrayLike, "*#B T"] | None = None,
+                 key_positions: Int[ArrayLike, "*#B S"] | None = None,
                  deterministic: Optional[bool] = None, rngs=None, dropout_rng=None, return_weights: bool = False,
-                 decode: Optional[bool] = None, rope_positions=None, query_segment_ids=None,
-                 key_segment_ids=None, sow_weights: bool = False):
+                 decode: Optional[bool] = None, rope_positions: Int[ArrayLike, "*#B T"] | None = None,
+                 query_segment_ids: Int[ArrayLike, "*#B T"] | None = None,
+                 key_segment_ids: Int[ArrayLike, "*#B S"] | None = None,
+                 sow_weights: bool = False) -> LayerOutput:
         """query [...,T,Eq], key [...,S,Ek] (default query), value [...,S,Ev] (default key) -> [...,T,Eo].
 
         Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights;

@@ -141,7 +141,7 @@ def test_float64_matches_pytorch_everywhere(runs):
 @pytest.mark.slow
 def test_crosscheck_case_forward_and_gradients_float64():
     """The catalogue's `minilm` case: outputs and every parameter gradient, torch vs JAX, float64."""
-    from crosscheck._catalogue import CASES, run_case
+    from crosscheck.catalogue import CASES, run_case
 
     report = run_case(CASES["minilm"], dtype="float64", transform="jit")
     assert report.passed, str(report)

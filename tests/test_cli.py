@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from crosscheck import Metric, Report, Setup, catalogue, register_case
-from crosscheck._catalogue import CASES, DTYPES
+from crosscheck import Metric, Report
+from crosscheck.catalogue import CASES, DTYPES, UNAVAILABLE, Setup, all_cases, register_case
 from crosscheck._cli import _print_table, _summary, main
 from crosscheck._compare import TRANSFORMS
 
@@ -97,7 +97,7 @@ def _doubling() -> Setup:
 
 
 def test_the_default_run_is_a_sample_with_every_seed_dtype_transform_and_a_whole_model():
-    cases = catalogue()
+    cases = all_cases()
     once = [(name, row) for name, case in cases.items() for row in case.rows(every=False)]
     assert sorted(name for name, _ in once) == sorted(cases)  # --case '*': every case, once
     assert all(set(case.rows(every=False)) <= set(case.rows()) for case in cases.values())
@@ -195,11 +195,11 @@ def test_without_case_the_default_run_takes_the_sample_and_case_star_takes_every
 
     monkeypatch.setattr(cli, "_run", fake_run)
     assert main(["--no-cache"]) == 0
-    assert sorted(ran[-1]) == sorted(name for name, case in catalogue().items() if case.default_run)
+    assert sorted(ran[-1]) == sorted(name for name, case in all_cases().items() if case.default_run)
     out = capsys.readouterr().out
-    assert f"({len(ran[-1])} of {len(catalogue())} cases)" in out and "--all runs" in out
+    assert f"({len(ran[-1])} of {len(all_cases())} cases)" in out and "--all runs" in out
     assert main(["--case", "*", "--no-cache"]) == 0
-    assert sorted(ran[-1]) == sorted(catalogue())
+    assert sorted(ran[-1]) == sorted(all_cases())
 
 
 def test_list_and_unknown_case(capsys):
@@ -277,11 +277,9 @@ def test_a_missing_weights_file_exits_2(tmp_path, capsys):
 
 
 def test_cases_needing_a_missing_package_are_listed_not_run():
-    from crosscheck import _catalogue
-
-    @_catalogue.register_case("needs_missing_package", requires=("no_such_package_jaxattn",))
+    @register_case("needs_missing_package", requires=("no_such_package_jaxattn",))
     def _never():  # pragma: no cover - must not be registered, let alone run
         raise AssertionError("registered although its package is missing")
 
-    assert "needs_missing_package" not in _catalogue.CASES
-    assert _catalogue.UNAVAILABLE.pop("needs_missing_package") == ("no_such_package_jaxattn",)
+    assert "needs_missing_package" not in CASES
+    assert UNAVAILABLE.pop("needs_missing_package") == ("no_such_package_jaxattn",)

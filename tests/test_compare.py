@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from crosscheck import TOLERANCES, Const, Report, Tolerance, assert_equivalent, compare, error_metrics
+from crosscheck import TOLERANCES, Report, Tolerance, assert_equivalent, compare, error_metrics
+from crosscheck.catalogue import Const
 
 REPO = Path(__file__).resolve().parents[1]
 RNG = np.random.default_rng(7)

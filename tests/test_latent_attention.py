@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import jaxattn
-from crosscheck import run_case
+from crosscheck.catalogue import run_case
 from helpers import arrays, assert_float64, normwise
 
 B, T, E, N, Cq, C, R, Hn, Hv = 2, 11, 23, 3, 13, 17, 4, 5, 7

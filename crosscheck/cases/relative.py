@@ -7,9 +7,17 @@ cases use N=6 on K=2. The sizes match crosscheck.cases.torch_nn's, so eager runs
 
 from __future__ import annotations
 
-from crosscheck.cases.common import blocked, normal, randomize, rng_for, to_numpy_tree, torch_params
-from crosscheck._catalogue import Setup, register_case
-from crosscheck._compare import Const
+from crosscheck.catalogue import (
+    Const,
+    Setup,
+    blocked,
+    normal,
+    randomize,
+    register_case,
+    rng_for,
+    to_numpy_tree,
+    torch_params,
+)
 
 B, T, S, N, H, Hv, MAX_DISTANCE = 2, 5, 7, 3, 11, 13, 4
 R = 2 * MAX_DISTANCE + 1

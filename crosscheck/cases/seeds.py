@@ -7,9 +7,17 @@ kept in the seed's layout and variable names; the JAX side is the jaxattn way of
 from __future__ import annotations
 
 
-from crosscheck.cases.common import functional, normal, randomize, rng_for, to_numpy_tree, torch_params
-from crosscheck._catalogue import Setup, register_case
-from crosscheck._compare import Const
+from crosscheck.catalogue import (
+    Const,
+    Setup,
+    functional,
+    normal,
+    randomize,
+    register_case,
+    rng_for,
+    to_numpy_tree,
+    torch_params,
+)
 
 
 @register_case("seed000", default_run=True)

@@ -10,18 +10,19 @@ from __future__ import annotations
 
 import numpy as np
 
-from crosscheck.cases.common import (
+from crosscheck.catalogue import (
+    Const,
     FLOAT32_JIT,
     FLOAT32_VMAP,
+    Setup,
     blocked,
     normal,
     randomize,
+    register_case,
     rng_for,
     to_numpy_tree,
     torch_params,
 )
-from crosscheck._catalogue import Setup, register_case
-from crosscheck._compare import Const
 
 B, T, S, N, H, Hv, Ek, Ev = 2, 5, 7, 3, 11, 13, 17, 19
 E = N * H

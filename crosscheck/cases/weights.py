@@ -11,8 +11,7 @@ from pathlib import Path
 
 import numpy as np
 
-from crosscheck.cases.common import rng_for
-from crosscheck._catalogue import Setup
+from crosscheck.catalogue import Setup, rng_for
 
 
 def weights_setup(path: Path, *, num_heads: int, num_kv_heads: int | None = None, head_dim: int | None = None,

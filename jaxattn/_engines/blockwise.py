@@ -32,7 +32,7 @@ _core's (softmax.py, masks.py), shared with the dense engine.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +46,10 @@ from .._core.masks import CLEAN, WITH_MOD, MaskRule, allowed_pairs, check_length
 from .._core.positions import clipped_index, positions
 from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial, has_keys, no_key, public_lse
 from . import tiles
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import ArrayLike, Float, Int
+    from .._core.shapes import Attended, Lse
 
 # ---------------------------------------------------------------------------------------------------
 # Static configuration and per-tile pieces.
@@ -625,12 +629,19 @@ def check_tables(key_table, value_table, max_distance, N, H, Hv, acc_dtype):
     return key_table, value_table, R
 
 
-def blockwise_attention(query, key, value, *, is_causal=False, key_value_seq_lengths=None,
-                        query_positions=None, key_positions=None, scale=None, position_bias=None,
-                        key_table=None, value_table=None, max_distance=None, block_size=None,
-                        precision=None, query_segment_ids=None, key_segment_ids=None, window=None,
-                        chunk_size=None, logit_softcap=None, sinks=None, score_mod=None, mask_mod=None,
-                        block_mask=None, return_lse=False, **grid_options):
+def blockwise_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
+                        value: Float[ArrayLike, "*#B S K Hv"], *, is_causal=False,
+                        key_value_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
+                        query_positions: Int[ArrayLike, "*#B T"] | None = None,
+                        key_positions: Int[ArrayLike, "*#B S"] | None = None, scale=None, position_bias=None,
+                        key_table: Float[ArrayLike, "R H"] | Float[ArrayLike, "R N H"] | None = None,
+                        value_table: Float[ArrayLike, "R Hv"] | Float[ArrayLike, "R N Hv"] | None = None,
+                        max_distance=None, block_size=None, precision=None,
+                        query_segment_ids: Int[ArrayLike, "*#B T"] | None = None,
+                        key_segment_ids: Int[ArrayLike, "*#B S"] | None = None, window=None,
+                        chunk_size=None, logit_softcap=None, sinks: Float[ArrayLike, "*#B N"] | None = None,
+                        score_mod=None, mask_mod=None, block_mask=None, return_lse=False,
+                        **grid_options) -> Attended | tuple[Attended, Lse]:
     """Attention computed one [Tb,Sb] tile at a time; O(T + S) memory forward and backward.
 
     query [...,T,N,H], key [...,S,K,H], value [...,S,K,Hv] and is_causal, key_value_seq_lengths,

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import importlib
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +37,10 @@ from .._core import aliases, checks
 from .blockwise import blockwise_attention, grid_options_in_use
 from .tiles import check_block_mask_tiles
 from .dense import attention_core
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import ArrayLike, Bool, Float, Int
+    from .._core.shapes import AttentionOutput
 
 # implementation=None picks blockwise when nothing needs the full [T,S] grid and one head's logits T x S
 # hold at least this many elements. Measured (benchmarks/auto.py, results/auto.json, docs/performance.md)
@@ -208,13 +213,20 @@ def use_blockwise(implementation, query, key, **options) -> bool:
     return np.shape(query)[-3] * np.shape(key)[-3] >= AUTO_BLOCKWISE_ELEMENTS
 
 
-def dot_product_attention(query, key, value, bias=None, mask=None, *, is_causal=False,
-                          key_value_seq_lengths=None, query_positions=None, key_positions=None,
+def dot_product_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
+                          value: Float[ArrayLike, "*#B S K Hv"], bias: Float[ArrayLike, "..."] | None = None,
+                          mask: Bool[ArrayLike, "..."] | None = None, *, is_causal=False,
+                          key_value_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
+                          query_positions: Int[ArrayLike, "*#B T"] | None = None,
+                          key_positions: Int[ArrayLike, "*#B S"] | None = None,
                           scale=None, dropout_rate=0.0, dropout_rng=None, return_weights=False,
-                          precision=None, implementation=None, block_size=None, query_segment_ids=None,
-                          key_segment_ids=None, window=None, chunk_size=None, logit_softcap=None, sinks=None,
-                          interpret=False, query_seq_lengths=None, local_window_size=None, return_residual=False,
-                          broadcast_dropout=False):
+                          precision=None, implementation=None, block_size=None,
+                          query_segment_ids: Int[ArrayLike, "*#B T"] | None = None,
+                          key_segment_ids: Int[ArrayLike, "*#B S"] | None = None, window=None, chunk_size=None,
+                          logit_softcap=None, sinks: Float[ArrayLike, "*#B N"] | None = None,
+                          interpret=False, query_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
+                          local_window_size=None, return_residual=False,
+                          broadcast_dropout=False) -> AttentionOutput:
     """Scaled dot-product attention, multi-head / multi-query / grouped-query.
 
     Args:
@@ -283,9 +295,10 @@ TORCH_ONLY = {"kernel_options": "Triton kernel options of torch's flex_attention
               "return_aux": "use return_lse=True (the only auxiliary output here)"}
 
 
-def flex_attention(query, key, value, score_mod=None, block_mask=None, scale=None, enable_gqa=None,
-                   return_lse=False, *, mask_mod=None, implementation=None, interpret=False, block_size=None,
-                   **options):
+def flex_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
+                   value: Float[ArrayLike, "*#B S K Hv"], score_mod=None, block_mask=None, scale=None,
+                   enable_gqa=None, return_lse=False, *, mask_mod=None, implementation=None, interpret=False,
+                   block_size=None, **options) -> AttentionOutput:
     """Attention with a score function, a mask function and block skipping (torch's FlexAttention, in JAX).
 
         score_mod(score, b, n, t, s) -> score   the scaled logit (after logit_softcap and bias) of query

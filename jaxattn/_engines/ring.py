@@ -43,7 +43,7 @@ positions computed from each chunk's offset in the sequence, never sliced from a
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -57,6 +57,10 @@ from .._core.masks import MaskRule, check_lengths
 from .._core.softmax import combine_partials, empty_partial, finalize_partial, has_keys
 from . import blockwise, tiles
 from .blockwise import KeySide, QueryTile, RowGrads, Shared, slice_block
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import ArrayLike, Float, Int
+    from .._core.shapes import Attended
 
 
 # A device's key/value share travels in this many pieces, each passed on once used: the share in flight
@@ -443,10 +447,13 @@ def _check_divides(name, size, parts, what):
         checks.fail(name, f"{what} divisible by {parts}", size)
 
 
-def ring_attention(query, key, value, *, mesh, sequence_axis=None, batch_axis=None, head_axis=None,
-                   is_causal=False, key_value_seq_lengths=None, key_table=None, value_table=None,
+def ring_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
+                   value: Float[ArrayLike, "*#B S K Hv"], *, mesh, sequence_axis=None, batch_axis=None,
+                   head_axis=None, is_causal=False, key_value_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
+                   key_table: Float[ArrayLike, "R H"] | Float[ArrayLike, "R N H"] | None = None,
+                   value_table: Float[ArrayLike, "R Hv"] | Float[ArrayLike, "R N Hv"] | None = None,
                    max_distance=None, position_bias=None, scale=None, load_balance=True, block_size=None,
-                   precision=None):
+                   precision=None) -> Attended:
     """Attention sharded over a device mesh: sequence-parallel (ring), data- and head-parallel.
 
     query [...,T,N,H], key [...,S,K,H], value [...,S,K,Hv] are global arrays (placed on the mesh or

@@ -31,6 +31,8 @@ decode-time state of the conv.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 
@@ -38,6 +40,9 @@ from .._core import checks
 from .._core.checks import shape_str
 from .._core.dtypes import accumulation_dtype
 from .._core.norms import rms_normalize
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float
 
 DEFAULT_CHUNK_SIZE = 64
 IMPLEMENTATIONS = (None, "chunked", "recurrent")
@@ -199,8 +204,12 @@ def _chunked(q, k, v, g, beta, state, C):
     return out[..., :T, :, :, :], state
 
 
-def gated_delta_rule(query, key, value, g, beta, *, scale=None, initial_state=None, chunk_size=None,
-                     return_state=False, implementation=None):
+def gated_delta_rule(query: Float[ArrayLike, "*#B T K H"], key: Float[ArrayLike, "*#B T K H"],
+                     value: Float[ArrayLike, "*#B T N Hv"], g: Float[ArrayLike, "*#B T N"],
+                     beta: Float[ArrayLike, "*#B T N"], *, scale=None,
+                     initial_state: Float[ArrayLike, "*#B N H Hv"] | None = None, chunk_size=None,
+                     return_state=False, implementation=None,
+                     ) -> Float[Array, "*#B T N Hv"] | tuple[Float[Array, "*#B T N Hv"], Float[Array, "*#B N H Hv"]]:
     """Gated delta-rule linear attention (module docstring has the recurrence).
 
     query [...,T,K,H], key [...,T,K,H], value [...,T,N,Hv], g [...,T,N] (log decay), beta [...,T,N];
@@ -226,7 +235,10 @@ def gated_delta_rule(query, key, value, g, beta, *, scale=None, initial_state=No
     return out
 
 
-def gated_delta_rule_step(query, key, value, g, beta, state, *, scale=None):
+def gated_delta_rule_step(query: Float[ArrayLike, "*#B K H"], key: Float[ArrayLike, "*#B K H"],
+                          value: Float[ArrayLike, "*#B N Hv"], g: Float[ArrayLike, "*#B N"],
+                          beta: Float[ArrayLike, "*#B N"], state: Float[ArrayLike, "*#B N H Hv"], *, scale=None,
+                          ) -> tuple[Float[Array, "*#B N Hv"], Float[Array, "*#B N H Hv"]]:
     """One decode token: query/key [...,K,H], value [...,N,Hv], g/beta [...,N], state [...,N,H,Hv]
     -> (out [...,N,Hv], new state [...,N,H,Hv]): gated_delta_rule on T = 1 with initial_state=state."""
     query, key, value, g, beta, state = map(jnp.asarray, (query, key, value, g, beta, state))
@@ -243,7 +255,10 @@ def gated_delta_rule_step(query, key, value, g, beta, state, *, scale=None):
 ACTIVATIONS = {None: lambda x: x, "silu": jax.nn.silu}
 
 
-def causal_conv1d(x, weight, bias=None, *, state=None, activation="silu", return_state=False):
+def causal_conv1d(x: Float[ArrayLike, "*#B T E"], weight: Float[ArrayLike, "E W"],
+                  bias: Float[ArrayLike, " E"] | None = None, *, state: Float[ArrayLike, "*#B _W1 E"] | None = None,
+                  activation="silu", return_state=False,
+                  ) -> Float[Array, "*#B T E"] | tuple[Float[Array, "*#B T E"], Float[Array, "*#B _W1 E"]]:
     """Causal depthwise convolution over T (Qwen3-Next's short conv on the mixed q/k/v features):
 
         y[t,e] = act(bias[e] + sum_w weight[e,w] x[t - (W - 1) + w, e])
@@ -282,7 +297,8 @@ def causal_conv1d(x, weight, bias=None, *, state=None, activation="silu", return
     return y
 
 
-def gated_rms_norm(x, gate, weight, *, eps: float = 1e-6):
+def gated_rms_norm(x: Float[ArrayLike, "*#B F"], gate: Float[ArrayLike, "*#B F"], weight: Float[ArrayLike, " F"], *,
+                   eps: float = 1e-6) -> Float[Array, "*#B F"]:
     """Qwen3-Next's gated output norm (Qwen3NextRMSNormGated), over the last axis F:
 
         weight * x / sqrt(mean(x^2) + eps) * silu(gate)

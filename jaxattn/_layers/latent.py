@@ -35,7 +35,7 @@ latent as transformers caches them; written like the key/value cache (jaxattn/_l
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,10 @@ from .._core.norms import rms_normalize
 from .._engines.dispatch import dot_product_attention
 from .._schemes.rope import apply_rope
 from . import cache as kv_cache
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float, Int
+    from .._core.shapes import LatentCache, Weights
 
 FORMS = ("absorbed", "expanded")
 
@@ -176,16 +180,19 @@ def latent_core(params, q_nope, q_rope, latent, k_rope, *, form: str = "absorbed
                                  precision=precision, **options)
 
 
-def init_latent_cache(batch_shape, max_length: int, latent_dim: int, rope_dim: int, dtype=jnp.float32):
+def init_latent_cache(batch_shape, max_length: int, latent_dim: int, rope_dim: int,
+                      dtype=jnp.float32) -> LatentCache:
     """An empty MLA decode cache: (latent [...,L,C], rope [...,L,R], index int32 [...]) of zeros."""
     batch_shape = tuple(batch_shape)
     return (jnp.zeros((*batch_shape, max_length, latent_dim), dtype),
             jnp.zeros((*batch_shape, max_length, rope_dim), dtype), jnp.zeros(batch_shape, jnp.int32))
 
 
-def latent_attention(params, x, *, form: str = "absorbed", cache=None, positions=None, scale=None,
+def latent_attention(params, x: Float[ArrayLike, "*#B T E"], *, form: str = "absorbed",
+                     cache: LatentCache | None = None, positions: Int[ArrayLike, "*#B T"] | None = None, scale=None,
                      rope_base: float = 10000.0, rope_layout: str = "interleaved", rope_frequencies=None,
-                     rope_attention_factor: float = 1.0, norm_eps: float = 1e-6, precision=None, **options):
+                     rope_attention_factor: float = 1.0, norm_eps: float = 1e-6, precision=None, **options,
+                     ) -> Float[Array, "*#B T Eo"] | tuple[Float[Array, "*#B T Eo"], Weights | LatentCache]:
     """Multi-head latent attention of x [...,T,E] -> y [...,T,Eo] (module docstring has the formulas).
 
     form: "absorbed" (default) or "expanded", equal numbers. positions: int [...,T] for RoPE (default

@@ -13,6 +13,8 @@ the keyword add_zero_attn; both append key columns that every query may attend (
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax
 import jax.numpy as jnp
 
@@ -20,6 +22,10 @@ from .._core import checks
 from .._core.masks import allowed_keys
 from .._engines.dispatch import dot_product_attention
 from .._schemes.shaw import shaw_relative_attention
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float
+    from .._core.shapes import LayerOutput
 
 _PROJECTIONS = {  # name: (kernel layout, bias layout)
     "query": ("[Eq,N,H]", "[N,H]"),
@@ -88,7 +94,9 @@ def _dense(name, params, x, spec, precision):
     return y + entry["bias"] if "bias" in entry else y
 
 
-def project_qkv(params, query, key=None, value=None, *, precision=None):
+def project_qkv(params, query: Float[ArrayLike, "*#B T Eq"], key: Float[ArrayLike, "*#B S Ek"] | None = None,
+                value: Float[ArrayLike, "*#B S Ev"] | None = None, *, precision=None,
+                ) -> tuple[Float[Array, "*#B T N H"], Float[Array, "*#B S K H"], Float[Array, "*#B S K Hv"]]:
     """[...,T,Eq], [...,S,Ek], [...,S,Ev] -> q [...,T,N,H], k [...,S,K,H], v [...,S,K,Hv]."""
     query = jnp.asarray(query)
     key = query if key is None else jnp.asarray(key)
@@ -99,7 +107,7 @@ def project_qkv(params, query, key=None, value=None, *, precision=None):
     return q, k, v
 
 
-def project_out(params, z, *, precision=None):
+def project_out(params, z: Float[ArrayLike, "*#B T N Hv"], *, precision=None) -> Float[Array, "*#B T Eo"]:
     """[...,T,N,Hv] -> [...,T,Eo]."""
     return _dense("out", params, z, "...tnh,nho->...to", precision)
 
@@ -156,7 +164,9 @@ def _append_keys(params, q, k, v, add_zero_attn, options):
     return k, v, options
 
 
-def multi_head_attention(params, query, key=None, value=None, *, add_zero_attn=False, precision=None, **options):
+def multi_head_attention(params, query: Float[ArrayLike, "*#B T Eq"], key: Float[ArrayLike, "*#B S Ek"] | None = None,
+                         value: Float[ArrayLike, "*#B S Ev"] | None = None, *, add_zero_attn=False, precision=None,
+                         **options) -> LayerOutput:
     """Project, attend (dot_product_attention), project out.
 
     query [...,T,Eq]; key [...,S,Ek] defaults to query, value [...,S,Ev] to key (self-attention).
@@ -196,7 +206,10 @@ def relative_tables(params):
     return rel.get("key"), rel.get("value"), (rows - 1) // 2
 
 
-def relative_multi_head_attention(params, query, key=None, value=None, *, precision=None, **options):
+def relative_multi_head_attention(params, query: Float[ArrayLike, "*#B T Eq"],
+                                  key: Float[ArrayLike, "*#B S Ek"] | None = None,
+                                  value: Float[ArrayLike, "*#B S Ev"] | None = None, *, precision=None,
+                                  **options) -> LayerOutput:
     """multi_head_attention with Shaw tables from params['relative'] (see shaw_relative_attention)."""
     head_dims(params, allow=("relative", "sinks"))
     options = with_param_sinks(params, options)

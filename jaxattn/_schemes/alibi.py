@@ -13,6 +13,7 @@ difference, slope * query_pos, is constant along each softmax row, so the attent
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 import numpy as np
@@ -22,8 +23,12 @@ from .._core.checks import static_int
 from .._core.positions import offsets, positions
 from .position_bias import position_bias_attention
 
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float, Int
+    from .._core.shapes import AttentionOutput
 
-def alibi_slopes(num_heads: int, *, max_bias: float = 8.0, dtype=jnp.float32):
+
+def alibi_slopes(num_heads: int, *, max_bias: float = 8.0, dtype=jnp.float32) -> Float[Array, " N"]:
     """[N] slopes: 2 ** (-max_bias * k / N), k = 1..N, for N a power of two.
 
     Otherwise (the paper's recipe, also BLOOM's and MPT's): the slopes of the closest lower power of two
@@ -59,8 +64,9 @@ def alibi_position_bias(slopes, *, bidirectional: bool = False):
     return bias_fn
 
 
-def alibi_bias(slopes, query_length: int, key_length: int, *, bidirectional: bool = False,
-               query_positions=None, key_positions=None):
+def alibi_bias(slopes: Float[ArrayLike, "*#B N"], query_length: int, key_length: int, *,
+               bidirectional: bool = False, query_positions: Int[ArrayLike, "*#B T"] | None = None,
+               key_positions: Int[ArrayLike, "*#B S"] | None = None) -> Float[Array, "*#B N T S"]:
     """ALiBi's additive bias [N,T,S] (or [...,N,T,S]) from slopes [N] (see `alibi_slopes`).
 
     bidirectional=False: slope * (j - i) (pair it with is_causal); True: -slope * |j - i|.
@@ -70,7 +76,9 @@ def alibi_bias(slopes, query_length: int, key_length: int, *, bidirectional: boo
     return bias_fn(*positions(query_length, key_length, query_positions, key_positions))
 
 
-def alibi_attention(query, key, value, slopes, *, bidirectional: bool = False, **options):
+def alibi_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
+                    value: Float[ArrayLike, "*#B S K Hv"], slopes: Float[ArrayLike, "*#B N"], *,
+                    bidirectional: bool = False, **options) -> AttentionOutput:
     """Attention with the ALiBi bias added to the scaled logits.
 
     Keywords as dot_product_attention, plus implementation=None (dense on CPU) | "dense" | "blockwise" | a

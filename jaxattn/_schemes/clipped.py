@@ -9,6 +9,8 @@ then multiplies the table.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax.numpy as jnp
 
 from .._core import checks
@@ -18,9 +20,14 @@ from .._core.positions import clipped_index, positions
 from .._engines.dense import attention_core
 from .._engines.dispatch import dense_only
 
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float, Int
+    from .._core.shapes import AttentionOutput
+
 
 def clipped_relative_index(query_length: int, key_length: int, *, max_left: int, max_right: int,
-                           query_positions=None, key_positions=None):
+                           query_positions: Int[ArrayLike, "*#B T"] | None = None,
+                           key_positions: Int[ArrayLike, "*#B S"] | None = None) -> Int[Array, "*#B T S"]:
     """int32 [T,S] (or [...,T,S]): clip(j - i, -max_left, max_right) + max_left, core positions."""
     max_left = static_int("max_left", max_left, 0)
     max_right = static_int("max_right", max_right, 0)
@@ -91,8 +98,11 @@ def table_terms(query, dims, key_table, value_table, index, R, precision, layout
     return rel_logits, rel_values
 
 
-def clipped_relative_attention(query, key, value, key_table=None, value_table=None, *, max_left: int,
-                               max_right: int, **options):
+def clipped_relative_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
+                               value: Float[ArrayLike, "*#B S K Hv"],
+                               key_table: Float[ArrayLike, "R H"] | Float[ArrayLike, "R N H"] | None = None,
+                               value_table: Float[ArrayLike, "R Hv"] | Float[ArrayLike, "R N Hv"] | None = None, *,
+                               max_left: int, max_right: int, **options) -> AttentionOutput:
     """Shaw-style relative attention with an asymmetric clip (HF "relative_key" of Wav2Vec2-BERT).
 
     key_table: [R,H] (shared over heads) or [R,N,H]; value_table: [R,Hv] or [R,N,Hv]; R = max_left +

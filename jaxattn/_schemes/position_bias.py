@@ -10,7 +10,8 @@ it depends on positions only, never on the whole [T,S] grid, so a blockwise engi
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 
@@ -19,6 +20,10 @@ from .._core.positions import positions
 from .._engines.blockwise import blockwise_attention
 from .._engines.dense import attention_core
 from .._engines.dispatch import attend, check_implementation
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import ArrayLike, Float
+    from .._core.shapes import AttentionOutput
 
 PositionBias = Callable[..., jnp.ndarray]  # (query_pos [...,T], key_pos [...,S]) -> [...,N,T,S]
 
@@ -49,8 +54,9 @@ def _unset(value) -> bool:
     return value is None or (isinstance(value, (bool, int, float)) and not value)
 
 
-def position_bias_attention(query, key, value, bias_fn: PositionBias, *, implementation=None, interpret=False,
-                            block_size=None, **options):
+def position_bias_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
+                            value: Float[ArrayLike, "*#B S K Hv"], bias_fn: PositionBias, *, implementation=None,
+                            interpret=False, block_size=None, **options) -> AttentionOutput:
     """dot_product_attention with `bias_fn(query_pos, key_pos) -> [...,N,T,S]` added to the scaled logits.
 
     The positions are the core's (bottom-right by default; `query_positions` / `key_positions` override

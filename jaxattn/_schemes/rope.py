@@ -16,6 +16,8 @@ rope_scaling.py's; they enter here as `frequencies`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -27,6 +29,10 @@ from .._engines.blockwise import blockwise_attention
 from .._engines.dense import attention_core
 from .._engines.dispatch import attend
 from .rope_scaling import default_frequencies
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float, Int
+    from .._core.shapes import AttentionOutput
 
 LAYOUTS = ("half", "interleaved")
 
@@ -78,8 +84,9 @@ def _join_pairs(a, b, layout: str):
     return jnp.stack([a, b], axis=-1).reshape(*a.shape[:-1], 2 * a.shape[-1])
 
 
-def apply_rope(x, positions=None, *, offset=0, base: float = 10000.0, rotary_dim: int | None = None,
-               layout: str = "half", frequencies=None):
+def apply_rope(x: Float[ArrayLike, "*#B T N H"], positions: Int[ArrayLike, "*#B T"] | None = None, *, offset=0,
+               base: float = 10000.0, rotary_dim: int | None = None, layout: str = "half",
+               frequencies: Float[ArrayLike, " _half_rotary_dim"] | None = None) -> Float[Array, "*#B T N H"]:
     """Rotate the first `rotary_dim` features of every head of x [...,T,N,H] by its position.
 
     positions: int [...,T] (broadcast against x's batch dims); default arange(T) + offset (offset: an int
@@ -136,8 +143,9 @@ def rope_permutation(head_dim: int, *, rotary_dim: int | None = None, source: st
     return perm
 
 
-def rope_attention(query, key, value, *, base: float = 10000.0, rotary_dim: int | None = None,
-                   layout: str = "half", **options):
+def rope_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
+                   value: Float[ArrayLike, "*#B S K Hv"], *, base: float = 10000.0, rotary_dim: int | None = None,
+                   layout: str = "half", **options) -> AttentionOutput:
     """RoPE on query and key at the core's positions, then dot_product_attention.
 
     Positions: query t at t + S - T, key s at s (or `query_positions` / `key_positions`), the same ones

@@ -10,6 +10,8 @@ Shaw attention equals relative_attention with A = table[index], but never gather
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax.numpy as jnp
 
 from .._core import checks
@@ -20,18 +22,27 @@ from .._engines.dispatch import attend, dense_only, use_blockwise
 from .._engines.pairwise import pair_logits, pair_values
 from .clipped import clipped_relative_index, head_index, table_terms
 
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float, Int
+    from .._core.shapes import AttentionOutput
+
 TABLE_LAYOUT = "[R,H] or [R,N,H], R = 2*max_distance+1"
 
 
 def relative_position_index(query_length: int, key_length: int, max_distance: int, *,
-                            query_positions=None, key_positions=None):
+                            query_positions: Int[ArrayLike, "*#B T"] | None = None,
+                            key_positions: Int[ArrayLike, "*#B S"] | None = None) -> Int[Array, "*#B T S"]:
     """int32 [T,S] (or [...,T,S] for batched positions): clip(j - i, -k, k) + k, bottom-right aligned."""
     max_distance = checks.check_max_distance(max_distance)
     return clipped_relative_index(query_length, key_length, max_left=max_distance, max_right=max_distance,
                                   query_positions=query_positions, key_positions=key_positions)
 
 
-def shaw_relative_attention(query, key, value, key_table=None, value_table=None, *, max_distance, **options):
+def shaw_relative_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
+                            value: Float[ArrayLike, "*#B S K Hv"],
+                            key_table: Float[ArrayLike, "R H"] | Float[ArrayLike, "R N H"] | None = None,
+                            value_table: Float[ArrayLike, "R Hv"] | Float[ArrayLike, "R N Hv"] | None = None, *,
+                            max_distance, **options) -> AttentionOutput:
     """Attention with Shaw et al. clipped relative-position tables.
 
     key_table: [R,H] shared over heads or [R,N,H] per head; value_table: [R,Hv] or [R,N,Hv];
@@ -75,7 +86,9 @@ def _per_pair_table(name, table, dims, head_dim, layout, acc_dtype):
     return table
 
 
-def relative_attention(query, key, value, rel_key=None, rel_value=None, **options):
+def relative_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
+                       value: Float[ArrayLike, "*#B S K Hv"], rel_key: Float[ArrayLike, "T S #N H"] | None = None,
+                       rel_value: Float[ArrayLike, "T S #N Hv"] | None = None, **options) -> AttentionOutput:
     """Attention with per-pair relative terms (Shaw et al.; the seed-000 formula).
 
         logits[n,t,s] = scale * q[t,n] . (k[s] + A^K[t,s,n]);   out[t,n] = sum_s p[n,t,s] (v[s] + A^V[t,s,n])

@@ -15,6 +15,7 @@ the trained models bit for bit (a float64 log moves a few boundaries).
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 
@@ -22,6 +23,10 @@ from .._core import checks
 from .._core.checks import static_int
 from .._core.positions import offsets, positions
 from .position_bias import heads_first, position_bias_attention
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float, Int
+    from .._core.shapes import AttentionOutput
 
 
 def _check_buckets(num_buckets, max_distance, bidirectional: bool) -> tuple[int, int, int]:
@@ -80,8 +85,10 @@ def t5_position_bias(table, *, bidirectional: bool = True, max_distance: int = 1
     return bias_fn
 
 
-def t5_relative_bias(table, query_length: int, key_length: int, *, bidirectional: bool = True,
-                     max_distance: int = 128, query_positions=None, key_positions=None):
+def t5_relative_bias(table: Float[ArrayLike, "R N"], query_length: int, key_length: int, *,
+                     bidirectional: bool = True, max_distance: int = 128,
+                     query_positions: Int[ArrayLike, "*#B T"] | None = None,
+                     key_positions: Int[ArrayLike, "*#B S"] | None = None) -> Float[Array, "*#B N T S"]:
     """T5's additive bias [N,T,S] (or [...,N,T,S] for batched positions): table[bucket(j - i)].
 
     Positions are the core's: query t at t + S - T (HF's past_seen_tokens = S - T when decoding with a
@@ -92,8 +99,9 @@ def t5_relative_bias(table, query_length: int, key_length: int, *, bidirectional
     return bias_fn(*positions(query_length, key_length, query_positions, key_positions))
 
 
-def t5_attention(query, key, value, table, *, bidirectional: bool = True, max_distance: int = 128,
-                 scale=1.0, **options):
+def t5_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
+                 value: Float[ArrayLike, "*#B S K Hv"], table: Float[ArrayLike, "R N"], *,
+                 bidirectional: bool = True, max_distance: int = 128, scale=1.0, **options) -> AttentionOutput:
     """Attention with the T5 bias added to the logits; `scale` defaults to 1 as in T5.
 
     Keywords as dot_product_attention, plus implementation=None (dense on CPU) | "dense" | "blockwise" | a

@@ -21,6 +21,8 @@ T == S with P spanning exactly the needed 2S-1 (or S causal) rows, and leaves st
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import jax.numpy as jnp
 import numpy as np
 
@@ -31,9 +33,13 @@ from .._engines.dense import attention_core
 from .._engines.dispatch import dense_only
 from .clipped import gather_buckets, head_index, per_row_logits
 
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float
+    from .._core.shapes import AttentionOutput
+
 
 def relative_sinusoids(dim: int, *, max_left: int, max_right: int, base: float = 10000.0,
-                       layout: str = "concat", dtype=jnp.float32):
+                       layout: str = "concat", dtype=jnp.float32) -> Float[Array, "R dim"]:
     """Transformer-XL's R: [R, dim], row r = the sinusoid of i - j = max_left - r (see module docstring).
 
     frequencies w_k = base ** (-2k / dim); layout "concat": [sin(d w), cos(d w)] (the paper's code);
@@ -64,8 +70,11 @@ def _check_head_bias(name, b, N, H, query):
     return b.astype(query.dtype)
 
 
-def transformer_xl_attention(query, key, value, position_keys, *, max_left: int, pos_bias_u=None,
-                             pos_bias_v=None, **options):
+def transformer_xl_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
+                             value: Float[ArrayLike, "*#B S K Hv"],
+                             position_keys: Float[ArrayLike, "R N H"] | Float[ArrayLike, "R H"], *, max_left: int,
+                             pos_bias_u: Float[ArrayLike, "N H"] | None = None,
+                             pos_bias_v: Float[ArrayLike, "N H"] | None = None, **options) -> AttentionOutput:
     """Transformer-XL relative attention: scale * ((q + u) . k + (q + v) . P[index]) (module docstring).
 
     position_keys P: [R,N,H] (or [R,H] shared), the projected R_{i-j} (W_R applied, e.g. to

@@ -6,7 +6,8 @@
     logits = model.apply({"params": params}, input_ids, attention_mask=attention_mask)
     ids = jaxattn.models.generate(model, params, input_ids, max_new_tokens=32, attention_mask=attention_mask)
 
-    from jaxattn.models import BertConfig, BertModel, bert_params_from_state_dict, mean_pooling
+    from jaxattn.models import LlamaConfig, LlamaForCausalLM        # every family's config and model
+    from jaxattn.models import bert_params_from_state_dict, mean_pooling
     jaxattn.models.rope_frequencies(config, head_dim)         # HF's rope settings -> inverse frequencies
 
 Each family module (bert, gpt2, t5, llama, gemma2, qwen3, gemma3, mixtral, gpt_oss, qwen3_moe, llama4,
@@ -15,19 +16,34 @@ what they share (the layer stack, the causal-LM wrapper, norms, heads, masks, th
 in _decoder.py, and the one weight-table format with its filler in weights.py (public: jaxattn.models.weights).
 """
 
-from . import bert as _bert_family  # noqa: F401  (each family module registers its model_type)
-from . import deepseek_v3 as _deepseek_v3_family  # noqa: F401
-from . import gemma2 as _gemma2_family  # noqa: F401
-from . import gemma3 as _gemma3_family  # noqa: F401  (gemma3_text)
-from . import gpt2 as _gpt2_family  # noqa: F401
-from . import gpt_oss as _gpt_oss_family  # noqa: F401
-from . import llama as _llama_family  # noqa: F401  (llama, mistral and qwen2)
-from . import llama4 as _llama4_family  # noqa: F401  (llama4_text)
-from . import mixtral as _mixtral_family  # noqa: F401
-from . import qwen3 as _qwen3_family  # noqa: F401
-from . import qwen3_moe as _qwen3_moe_family  # noqa: F401
-from . import qwen3_next as _qwen3_next_family  # noqa: F401
-from . import t5 as _t5_family  # noqa: F401
+# Every family's config and model (importing a family module registers its model_type for from_pretrained;
+# tests/test_models_exports.py checks that each registered family is exported here).
+from .bert import BertConfig as BertConfig
+from .bert import BertModel as BertModel
+from .deepseek_v3 import DeepseekV3Config as DeepseekV3Config
+from .deepseek_v3 import DeepseekV3ForCausalLM as DeepseekV3ForCausalLM
+from .gemma2 import Gemma2Config as Gemma2Config
+from .gemma2 import Gemma2ForCausalLM as Gemma2ForCausalLM
+from .gemma3 import Gemma3Config as Gemma3Config  # gemma3_text
+from .gemma3 import Gemma3ForCausalLM as Gemma3ForCausalLM
+from .gpt2 import GPT2Config as GPT2Config
+from .gpt2 import GPT2LMHeadModel as GPT2LMHeadModel
+from .gpt_oss import GptOssConfig as GptOssConfig
+from .gpt_oss import GptOssForCausalLM as GptOssForCausalLM
+from .llama import LlamaConfig as LlamaConfig  # llama, mistral and qwen2
+from .llama import LlamaForCausalLM as LlamaForCausalLM
+from .llama4 import Llama4TextConfig as Llama4TextConfig  # llama4_text
+from .llama4 import Llama4ForCausalLM as Llama4ForCausalLM
+from .mixtral import MixtralConfig as MixtralConfig
+from .mixtral import MixtralForCausalLM as MixtralForCausalLM
+from .qwen3 import Qwen3Config as Qwen3Config
+from .qwen3 import Qwen3ForCausalLM as Qwen3ForCausalLM
+from .qwen3_moe import Qwen3MoeConfig as Qwen3MoeConfig
+from .qwen3_moe import Qwen3MoeForCausalLM as Qwen3MoeForCausalLM
+from .qwen3_next import Qwen3NextConfig as Qwen3NextConfig
+from .qwen3_next import Qwen3NextForCausalLM as Qwen3NextForCausalLM
+from .t5 import T5Config as T5Config
+from .t5 import T5ForConditionalGeneration as T5ForConditionalGeneration
 from . import weights as weights
 from ._activation_layout import ModelSharding as ModelSharding
 from ._decoder import rope_frequencies as rope_frequencies
@@ -37,12 +53,26 @@ from ._pretrained import from_pretrained as from_pretrained
 from ._pretrained import from_state_dict as from_state_dict
 from ._pretrained import supported_model_types as supported_model_types
 from ._save import to_pretrained as to_pretrained
-from .bert import BertConfig as BertConfig
-from .bert import BertModel as BertModel
 from .bert import mean_pooling as mean_pooling
 from .bert import params_from_state_dict as bert_params_from_state_dict
 from .bert import state_dict_names as bert_state_dict_names
 
-__all__ = ["BertConfig", "BertModel", "ModelSharding", "bert_params_from_state_dict", "bert_state_dict_names",
-           "from_pretrained", "from_state_dict", "generate", "mean_pooling", "partition_rules", "rope_frequencies",
-           "supported_model_types", "to_pretrained"]
+__all__ = [
+    # the families: config, model
+    "BertConfig", "BertModel",
+    "DeepseekV3Config", "DeepseekV3ForCausalLM",
+    "Gemma2Config", "Gemma2ForCausalLM",
+    "Gemma3Config", "Gemma3ForCausalLM",
+    "GPT2Config", "GPT2LMHeadModel",
+    "GptOssConfig", "GptOssForCausalLM",
+    "LlamaConfig", "LlamaForCausalLM",
+    "Llama4TextConfig", "Llama4ForCausalLM",
+    "MixtralConfig", "MixtralForCausalLM",
+    "Qwen3Config", "Qwen3ForCausalLM",
+    "Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+    "Qwen3NextConfig", "Qwen3NextForCausalLM",
+    "T5Config", "T5ForConditionalGeneration",
+    # loading, saving, generating, placing
+    "ModelSharding", "bert_params_from_state_dict", "bert_state_dict_names", "from_pretrained", "from_state_dict",
+    "generate", "mean_pooling", "partition_rules", "rope_frequencies", "supported_model_types", "to_pretrained",
+]

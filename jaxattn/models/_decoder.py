@@ -38,7 +38,7 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import flax.linen as nn
 import jax
@@ -50,6 +50,9 @@ from .._schemes import rope_scaling
 from ..linen import RoPE
 from . import _activation_layout, _pretrained, _save, weights
 from .weights import Reshape, Steps, Transpose
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 # --- configs ----------------------------------------------------------------------------------------------------
 
@@ -517,7 +520,9 @@ class CausalLM(Configured):
         return logits
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, decode: bool = False):
+    def __call__(self, input_ids: Int[ArrayLike, "B T"],
+                 attention_mask: Int[ArrayLike, "B _keys"] | Bool[ArrayLike, "B _keys"] | None = None,
+                 position_ids: Int[ArrayLike, "B T"] | None = None, *, decode: bool = False) -> Float[Array, "B T V"]:
         c, d = self.config, self.config.dims()
         input_ids = jnp.asarray(input_ids)
         positions, slots = positions_and_slots(self, input_ids.shape, position_ids, decode)
@@ -645,7 +650,7 @@ def tied_copy(tensors: Mapping[str, np.ndarray], files: Mapping[str, str], sourc
     return [head]
 
 
-def loader(config_class, model_class, table: Callable):
+def loader(config_class, model_class, table: Callable) -> _pretrained.Family:
     """A from_pretrained loader for a CausalLM family: config_class.from_dict, the weights through
     table(config) (a stored copy of a tied head checked and skipped). It registers the way back too: to_pretrained
     writes a model_class through the same table, its config through config_class.to_dict (see _save)."""
@@ -653,6 +658,12 @@ def loader(config_class, model_class, table: Callable):
     def checkpoint(model):
         return _save.config_json(model.config), table(model.config), model.config.dims()
 
+    return _pretrained.Family(config_class, model_class, reader(config_class, model_class, table))
+
+
+def reader(config_class, model_class, table: Callable) -> Callable:
+    """loader's load function alone, registering no writer: for a table that is only read (moe.loader's
+    fused experts, which transformers' save_pretrained never writes)."""
     def load(config: dict, tensors, files, *, dtype, precision, source):
         parsed = config_class.from_dict(config, source)
         ignored = tied_copy(tensors, files, source, tied=parsed.tie_word_embeddings,

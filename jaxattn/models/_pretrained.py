@@ -21,15 +21,41 @@ import numpy as np
 from ..io import load_safetensors
 from . import _activation_layout, _lazy_checkpoint, _partition_rules
 
-# model_type -> loader(config dict, tensors, files, dtype, source) -> (model, params); filled by the families.
-_FAMILIES: dict[str, Callable] = {}
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """A model_type's port as from_pretrained registers it: the config class it parses, the model class it
+    builds (jaxattn.models exports both), and load(config dict, tensors, files, *, dtype, precision, source)
+    -> (model, params). _decoder.loader and moe.loader make one; a family with its own loader function says
+    its classes with @loads(ConfigClass, ModelClass)."""
+
+    config_class: type
+    model_class: type
+    load: Callable
+
+    def __call__(self, *args, **kwargs):
+        return self.load(*args, **kwargs)
 
 
-def register_family(model_type: str):
-    def add(loader):
-        _FAMILIES[model_type] = loader
-        return loader
+def loads(config_class: type, model_class: type) -> Callable[[Callable], Family]:
+    """Decorator: a loader function as the Family of config_class and model_class."""
+    return lambda load: Family(config_class, model_class, load)
+
+
+# model_type -> its Family; filled by the family modules as they are imported.
+_FAMILIES: dict[str, Family] = {}
+
+
+def register_family(model_type: str) -> Callable[[Family], Family]:
+    def add(family: Family) -> Family:
+        _FAMILIES[model_type] = family
+        return family
     return add
+
+
+def registered_families() -> dict[str, Family]:
+    """model_type -> Family, for every supported model_type (a copy)."""
+    return dict(sorted(_FAMILIES.items()))
 
 
 def supported_model_types() -> tuple[str, ...]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 import flax.linen as nn
 import jax
@@ -28,6 +28,9 @@ import numpy as np
 from ..linen import MultiHeadAttention
 from . import _activation_layout, _decoder, _pretrained, _save, weights
 from .weights import Reshape, Steps, Transpose
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import ArrayLike, Bool, Int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,8 +137,10 @@ class BertModel(nn.Module):
     sharding: Any = None  # a _activation_layout.ModelSharding: the activations' layout on a mesh (None: one device)
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, *,
-                 deterministic: bool = True):
+    def __call__(self, input_ids: Int[ArrayLike, "*B T"],
+                 attention_mask: Int[ArrayLike, "*B T"] | Bool[ArrayLike, "*B T"] | None = None,
+                 token_type_ids: Int[ArrayLike, "*B T"] | None = None,
+                 position_ids: Int[ArrayLike, "*B T"] | None = None, *, deterministic: bool = True) -> dict[str, Any]:
         input_ids = jnp.asarray(input_ids)
         T = input_ids.shape[-1]
         token_type_ids = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids
@@ -250,6 +255,7 @@ def init_params(config: BertConfig, rng=None, **model_options) -> dict:
 # --- from_pretrained ------------------------------------------------------------------------------------------
 
 @_pretrained.register_family("bert")
+@_pretrained.loads(BertConfig, BertModel)
 def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
     """(BertModel, params) from a BertModel checkpoint (names with or without the "bert." prefix)."""
     for key in ("is_decoder", "add_cross_attention"):

@@ -16,13 +16,16 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax.numpy as jnp
 
 from . import _activation_layout, _decoder, _pretrained, _save, weights
 from .weights import Part, Reshape, Target, Transpose
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 _ACTIVATIONS = {  # HF's ACT2FN names -> the exact formula
     "gelu_new": functools.partial(nn.gelu, approximate=True),
@@ -105,7 +108,9 @@ class GPT2LMHeadModel(_decoder.Configured):
         return self.config.n_positions
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, decode: bool = False):
+    def __call__(self, input_ids: Int[ArrayLike, "B T"],
+                 attention_mask: Int[ArrayLike, "B _keys"] | Bool[ArrayLike, "B _keys"] | None = None,
+                 position_ids: Int[ArrayLike, "B T"] | None = None, *, decode: bool = False) -> Float[Array, "B T V"]:
         c, d = self.config, self.config.dims()
         input_ids = jnp.asarray(input_ids)
         position_ids = _decoder.positions(self, input_ids.shape, position_ids, decode)
@@ -159,6 +164,7 @@ def weight_table(config: GPT2Config, *, prefix: str = "transformer.") -> list[we
 
 
 @_pretrained.register_family("gpt2")
+@_pretrained.loads(GPT2Config, GPT2LMHeadModel)
 def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
     """(GPT2LMHeadModel, params) from a GPT2LMHeadModel (or bare GPT2Model) checkpoint."""
     gpt2 = GPT2Config.from_dict(config, source)

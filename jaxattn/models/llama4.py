@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax.numpy as jnp
@@ -55,6 +55,9 @@ from .._core.norms import rms_normalize
 from ..linen import RoPE
 from . import _activation_layout, _decoder, _pretrained, moe, weights
 from .weights import Part, Target, Transpose
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,7 +296,9 @@ class Llama4ForCausalLM(_decoder.CausalLM):
     Block = Llama4Block
 
     @nn.compact
-    def __call__(self, input_ids, attention_mask=None, position_ids=None, *, decode: bool = False):
+    def __call__(self, input_ids: Int[ArrayLike, "B T"],
+                 attention_mask: Int[ArrayLike, "B _keys"] | Bool[ArrayLike, "B _keys"] | None = None,
+                 position_ids: Int[ArrayLike, "B T"] | None = None, *, decode: bool = False) -> Float[Array, "B T V"]:
         c, d = self.config, self.config.dims()
         input_ids = jnp.asarray(input_ids)
         positions, slots = _decoder.positions_and_slots(self, input_ids.shape, position_ids, decode)

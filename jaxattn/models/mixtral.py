@@ -17,7 +17,8 @@ mlp.experts.down_proj [X,E,F]); the loader picks the table by the names present.
 
 sliding_window: on every layer when set (Mistral's rule, _decoder.every_layer_window). router_jitter_noise
 (training-time noise on the router's input) is refused unless 0; router_aux_loss_coef and
-output_router_logits only weigh and return the auxiliary loss, which is moe.load_balancing_loss here.
+output_router_logits only weigh and return the auxiliary loss, which is moe.load_balancing_loss here. A config
+without rope settings has HF's Mixtral default, rope_theta 1e6.
 
 The stack, the causal-LM wrapper, the norms, the head, the decode cache and loading are the shared base's
 (jaxattn/models/_decoder.py, with the calling convention and the axis letters; X = experts).
@@ -32,6 +33,10 @@ from typing import Any
 
 from . import _decoder, _pretrained, moe, weights
 
+# HF's MixtralConfig rope_theta when a config has none (not Llama's 10 000, _decoder's default): a config read
+# or written without rope settings means the same frequencies here and in transformers.
+DEFAULT_ROPE_THETA = 1e6
+
 
 @dataclasses.dataclass(frozen=True)
 class MixtralConfig(moe.MoEConfig):
@@ -42,7 +47,8 @@ class MixtralConfig(moe.MoEConfig):
         """From a HF config.json dict; refuses by name what is not implemented."""
         refuse = functools.partial(_pretrained.refuse, source)
         moe.refuse_silu_and_jitter(config, refuse)
-        return cls.parse(config, source, windows=_decoder.every_layer_window(config, source))
+        rope = _decoder.rope_parameters({"rope_theta": DEFAULT_ROPE_THETA, **config})
+        return cls.parse(config, source, windows=_decoder.every_layer_window(config, source), rope=rope)
 
     def to_dict(self) -> dict:
         """config.json's keys (inverse of from_dict)."""

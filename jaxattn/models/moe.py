@@ -190,14 +190,18 @@ def fused_expert_rows() -> list[weights.Row]:
           SwapAxes(1, 2))]
 
 
-def loader(config_class, model_class, table: Callable):
+def loader(config_class, model_class, table: Callable) -> _pretrained.Family:
     """_decoder.loader for a family whose experts come per expert (save_pretrained) or fused (a state_dict
-    in memory): table(config, fused=...) is called with what the tensors hold."""
+    in memory): table(config, fused=...) is called with what the tensors hold. to_pretrained's writer is
+    registered here, once, with the per-expert rows (HF's own save layout), so a model built in Python is
+    writable before any load, and a fused load does not change what is written."""
+    per_expert = _decoder.loader(config_class, model_class, functools.partial(table, fused=False))
+    fused = _decoder.reader(config_class, model_class, functools.partial(table, fused=True))
+
     def load(config: dict, tensors, files, **options):
-        fused = any(name.endswith(".mlp.experts.gate_up_proj") for name in tensors)
-        load_table = functools.partial(table, fused=fused)
-        return _decoder.loader(config_class, model_class, load_table)(config, tensors, files, **options)
-    return load
+        is_fused = any(name.endswith(".mlp.experts.gate_up_proj") for name in tensors)
+        return (fused if is_fused else per_expert.load)(config, tensors, files, **options)
+    return _pretrained.Family(config_class, model_class, load)
 
 
 def router_logits(intermediates: dict) -> list:

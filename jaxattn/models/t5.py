@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
 import jax
@@ -34,6 +34,9 @@ from .. import t5_relative_bias
 from ..linen import MultiHeadAttention
 from . import _activation_layout, _decoder, _pretrained, _save, weights
 from .weights import Reshape, Steps, Transpose
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 _ACTIVATIONS = {"relu": nn.relu, "gelu_new": functools.partial(nn.gelu, approximate=True),
                 "gelu": functools.partial(nn.gelu, approximate=False),
@@ -206,7 +209,11 @@ class T5ForConditionalGeneration(_decoder.Configured):
             return _decoder.tied_logits(x, self.shared.embedding, self.dtype, self.precision)
         return self.lm_head(x)
 
-    def __call__(self, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None):
+    def __call__(self, input_ids: Int[ArrayLike, "B T"],
+                 attention_mask: Int[ArrayLike, "B T"] | Bool[ArrayLike, "B T"] | None = None,
+                 decoder_input_ids: Int[ArrayLike, "B Td"] | None = None,
+                 decoder_attention_mask: Int[ArrayLike, "B Td"] | Bool[ArrayLike, "B Td"] | None = None,
+                 ) -> Float[Array, "B Td V"]:
         if decoder_input_ids is None:
             raise ValueError("decoder_input_ids: expected int [B,Td] (T5 is an encoder-decoder), got None")
         encoder_output = self.encode(input_ids, attention_mask)
@@ -317,6 +324,7 @@ def weight_table(config: T5Config, *, lm_head: bool) -> list[weights.Row]:
 
 
 @_pretrained.register_family("t5")
+@_pretrained.loads(T5Config, T5ForConditionalGeneration)
 def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
     """(T5ForConditionalGeneration, params). A stored lm_head equal to shared.weight is the tied copy."""
     t5 = T5Config.from_dict(config, source)

@@ -14,13 +14,18 @@ name). Each case runs in every dtype of `DTYPES` under every transform of `TRANS
 otherwise. A case registered from anywhere else (a test, a user's script) joins the catalogue the same way.
 
 Rows: a case's rows are its dtypes x its transforms; `python -m crosscheck --all` runs them all. A case run
-once runs its `quick` rows: one row chosen per kind of case (crosscheck.cases.common; mostly jit, one compiled
+once runs its `quick` rows: one row chosen per kind of case (FLOAT32_JIT, ... below; mostly jit, one compiled
 program); a case that names none runs its float64 jit row (its first row if it has no such row).
 
 The default run (`python -m crosscheck`, no --case), the quick proof, runs once each the cases registered with
 `default_run=True`: a sample chosen to show in about a minute every seed, float32 and float64, jit, vmap and
 plain rows, each reference (torch's modules, torchref, HF's attention) and one whole model. `--case '*'` runs
 every case once; `--all` every row of every case.
+
+This module is crosscheck's public surface for case authors: the registry (CASES, register_case, all_cases,
+select_cases, run_case), what a builder returns (Setup, ModelSetup for whole models; Const marks an input
+that is neither differentiated nor vmapped), and the seeded helpers the built-in cases share (rng_for, normal,
+randomize, torch_params, functional, blocked, to_numpy_tree).
 """
 
 from __future__ import annotations
@@ -32,13 +37,20 @@ import importlib
 import importlib.util
 import time
 import traceback
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from crosscheck._compare import TRANSFORMS, Report, compare
+import numpy as np
 
-__all__ = ["CASES", "DTYPES", "Case", "Row", "Setup", "catalogue", "register_case", "run_case", "select_cases"]
+from crosscheck._compare import MODEL_TOLERANCES, TRANSFORMS, Report, compare
+from crosscheck._compare import Const as Const
+
+__all__ = ["CASES", "DTYPES", "FLOAT32_JIT", "FLOAT32_MODEL_TOLERANCE", "FLOAT32_VMAP", "FLOAT64_PLAIN",
+           "UNAVAILABLE", "Case", "Const", "ModelSetup", "Row", "Setup", "all_cases", "blocked", "functional",
+           "normal", "randomize", "register_case", "rng_for", "run_case", "select_cases", "to_numpy_tree",
+           "torch_params"]
 
 DTYPES = ("float32", "float64")
 Row = tuple[str, str]  # (dtype, transform)
@@ -62,6 +74,20 @@ class Setup:
         return compare(self.jax_fn, self.torch_fn, self.inputs, dtype=dtype, transform=transform,
                        params=self.params, torch_params=self.torch_params,
                        grads_from_torch=self.grads_from_torch, name=name, **kwargs)
+
+
+# float32 bar for a whole model (crosscheck._compare.MODEL_TOLERANCES says why)
+FLOAT32_MODEL_TOLERANCE = MODEL_TOLERANCES["float32"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelSetup(Setup):
+    """A Setup whose float32 rows use the whole-model bar (FLOAT32_MODEL_TOLERANCE); float64 keeps 1e-12."""
+
+    def compare(self, *, dtype: str, **kwargs: Any) -> Report:
+        if dtype == "float32":
+            kwargs.setdefault("tolerance", FLOAT32_MODEL_TOLERANCE)
+        return super().compare(dtype=dtype, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,7 +170,7 @@ def _case_modules() -> list[str]:
     return [*_BUILTIN_MODULES, *(m for m in found if m not in _BUILTIN_MODULES)]
 
 
-def catalogue() -> dict[str, Case]:
+def all_cases() -> dict[str, Case]:
     """Every registered case: importing each crosscheck.cases module registers its cases (once)."""
     for module in _case_modules():
         importlib.import_module(module)
@@ -153,7 +179,7 @@ def catalogue() -> dict[str, Case]:
 
 def select_cases(patterns: Iterable[str] | None = None) -> list[Case]:
     """Cases whose name matches any glob in `patterns` (all when None/empty), in catalogue order."""
-    cases = catalogue()
+    cases = all_cases()
     patterns = list(patterns or [])
     if not patterns:
         return list(cases.values())
@@ -165,7 +191,7 @@ def select_cases(patterns: Iterable[str] | None = None) -> list[Case]:
 
 def run_case(case: Case | str, *, dtype: str, transform: str, **kwargs: Any) -> Report:
     """One table row. An exception (a broken case, a missing dependency) becomes a failing report."""
-    case = catalogue()[case] if isinstance(case, str) else case
+    case = all_cases()[case] if isinstance(case, str) else case
     started = time.perf_counter()
     try:
         return case.setup().compare(dtype=dtype, transform=transform, name=case.name, **kwargs)
@@ -173,3 +199,73 @@ def run_case(case: Case | str, *, dtype: str, transform: str, **kwargs: Any) -> 
         where = traceback.extract_tb(error.__traceback__)[-1]
         problem = f"{type(error).__name__}: {error} (at {where.filename}:{where.lineno})"
         return Report(case.name, dtype, transform, (), (problem,), time.perf_counter() - started)
+
+
+# --- what the built-in cases share: seeded numbers and torch modules, the rows a case runs once ----------
+
+def rng_for(name: str) -> np.random.Generator:
+    """A generator seeded by the case name: every case has its own, fixed numbers."""
+    return np.random.default_rng(zlib.crc32(name.encode()))
+
+
+def normal(rng: np.random.Generator, shape: tuple[int, ...], scale: float = 1.0) -> np.ndarray:
+    return rng.standard_normal(shape) * scale
+
+
+def randomize(module, rng: np.random.Generator):
+    """Overwrite every parameter from `rng` (weights ~ N(0, 1/fan_in), the rest ~ N(0, 0.5^2)), in float64.
+
+    torch's own initialisers would tie the numbers to torch's global RNG; these depend on the seed only.
+    """
+    import torch
+
+    module.to(torch.float64)
+    with torch.no_grad():
+        for _, p in module.named_parameters():
+            scale = p.shape[-1] ** -0.5 if p.ndim == 2 else 0.5
+            p.copy_(torch.from_numpy(normal(rng, tuple(p.shape), scale)))
+    return module
+
+
+def torch_params(module) -> dict[str, np.ndarray]:
+    """The module's parameters by state_dict name, as numpy (the tensors torch differentiates)."""
+    return {name: p.detach().numpy().copy() for name, p in module.named_parameters()}
+
+
+def to_numpy_tree(tree: Any) -> Any:
+    if isinstance(tree, Mapping):
+        return {k: to_numpy_tree(v) for k, v in tree.items()}
+    return np.asarray(tree)
+
+
+def functional(module, *args_names: str, **call_kwargs: Any):
+    """torch_fn(params, **inputs) running `module` with `params` swapped in (torch.func.functional_call)."""
+    import torch
+
+    def torch_fn(params, **inputs):
+        args = tuple(inputs[n] for n in args_names)
+        return torch.func.functional_call(module, params, args, call_kwargs)
+
+    return torch_fn
+
+
+def blocked(rng: np.random.Generator, shape: tuple[int, ...], p: float = 0.3) -> np.ndarray:
+    """Random bool "blocked" mask (True with probability p) that leaves every row some key: key 0 is open.
+
+    A fully blocked row is NaN in torch and zeros in jaxattn by design, so it is no place for a comparison.
+    """
+    mask = rng.random(shape) < p
+    mask[..., 0] = False
+    return mask
+
+
+# The rows of a case run once (`quick=` of register_case; `--all` runs every row), mostly under
+# jit (one compiled program). The default run (`default_run=`) takes a sample of the cases: every seed, one
+# case of each reference (nn.MultiheadAttention, SDPA, torchref's relative forms, torch's flex, an HF
+# position module, a whole HF model), so that it shows float32 and float64, plain, jit and vmap in a minute.
+# float64 where the reference is torchref or a seed's own code (the sharpest bar), float32 where it is torch's
+# or HF's own modules, as users run them; vmap and plain on families whose rows cost least so
+# (docs/performance.md, "The main job").
+FLOAT32_JIT = (("float32", "jit"),)
+FLOAT32_VMAP = (("float32", "vmap"),)
+FLOAT64_PLAIN = (("float64", "plain"),)
