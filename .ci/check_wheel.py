@@ -22,8 +22,9 @@ PACKAGES = ("jaxattn", "torchref", "crosscheck")
 
 
 def tracked_files(checkout: Path) -> set[str]:
-    listed = subprocess.run(["git", "-C", str(checkout), "ls-files", *PACKAGES], check=True,
-                            capture_output=True, text=True).stdout.split()
+    listed = subprocess.run(
+        ["git", "-C", str(checkout), "ls-files", *PACKAGES], check=True, capture_output=True, text=True
+    ).stdout.split()
     return {f for f in listed if f.endswith((".py", "py.typed"))}
 
 
@@ -37,16 +38,20 @@ def all_modules() -> list[str]:
     for top in PACKAGES:
         package = importlib.import_module(top)
         names.append(top)
-        names += [m.name for m in pkgutil.walk_packages(package.__path__, f"{top}.")
-                  if not m.name.endswith(".__main__")]
+        names += [
+            m.name for m in pkgutil.walk_packages(package.__path__, f"{top}.") if not m.name.endswith(".__main__")
+        ]
     return names
 
 
 def main(checkout: Path, wheel: Path) -> int:
     expected, shipped = tracked_files(checkout), wheel_files(wheel)
     if expected != shipped:
-        print(f"wheel {wheel.name} differs from the checkout:\n  missing: {sorted(expected - shipped)}\n"
-              f"  extra: {sorted(shipped - expected)}", file=sys.stderr)
+        print(
+            f"wheel {wheel.name} differs from the checkout:\n  missing: {sorted(expected - shipped)}\n"
+            f"  extra: {sorted(shipped - expected)}",
+            file=sys.stderr,
+        )
         return 1
     checkout = checkout.resolve()
     modules = all_modules()
@@ -54,12 +59,12 @@ def main(checkout: Path, wheel: Path) -> int:
         module = importlib.import_module(name)
         where = Path(module.__file__).resolve()
         if where.is_relative_to(checkout):
-            print(f"{name} was imported from the checkout ({where}), not from the installed wheel",
-                  file=sys.stderr)
+            print(f"{name} was imported from the checkout ({where}), not from the installed wheel", file=sys.stderr)
             return 1
     public = [m for m in modules if not any(part.startswith("_") for part in m.split("."))]
-    print(f"wheel OK: {len(shipped)} files; {len(modules)} modules import from site-packages; "
-          f"public: {', '.join(public)}")
+    print(
+        f"wheel OK: {len(shipped)} files; {len(modules)} modules import from site-packages; public: {', '.join(public)}"
+    )
     return 0
 
 

@@ -59,18 +59,24 @@ def jax_attentions(mask, window, decode=False):
 
     win = dict(window=(window - 1, 0)) if mask == "sliding" else {}
     local = dict(local_window_size=(window - 1, 0)) if mask == "sliding" else {}
-    candidates = {"jaxattn": lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True, **win),
-                  "jax.nn xla": lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                                             implementation="xla", **local)}
+    candidates = {
+        "jaxattn": lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True, **win),
+        "jax.nn xla": lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation="xla", **local
+        ),
+    }
     if decode:
-        candidates["jaxattn xla"] = lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True,
-                                                                                  implementation="xla", **win)
+        candidates["jaxattn xla"] = lambda q, k, v: jaxattn.dot_product_attention(
+            q, k, v, is_causal=True, implementation="xla", **win
+        )
     if decode and _device()[0] == "gpu":
-        candidates["jaxattn flash, no key split"] = lambda q, k, v: pallas_gpu.flash_attention(q, k, v,
-                                                                                              is_causal=True, **win)
+        candidates["jaxattn flash, no key split"] = lambda q, k, v: pallas_gpu.flash_attention(
+            q, k, v, is_causal=True, **win
+        )
     if _device()[0] == "gpu":
-        candidates["jax.nn cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                                                  implementation="cudnn", **local)
+        candidates["jax.nn cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation="cudnn", **local
+        )
     return candidates
 
 
@@ -96,6 +102,7 @@ def torch_attentions(mask, window, T, S):
     flex = torch.compile(flex_attention, dynamic=False)
     candidates = {"torch flex compiled": lambda q, k, v: flex(q, k, v, block_mask=block_mask)}
     if mask == "causal" and T == S:  # SDPA's flash kernel has no window and aligns causal top-left
+
         def sdpa(q, k, v):
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -122,9 +129,11 @@ def _torch_candidates(mask, mode, T, S, window):
     candidates, skipped = [], {}
     generator = torch.Generator(device="cuda").manual_seed(0)
     shapes = ((B, N, T, H), (B, N, S, H), (B, N, S, H))
-    q, k, v = (torch.randn(s, generator=generator, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for s in shapes)
+    q, k, v = (
+        torch.randn(s, generator=generator, device="cuda", dtype=torch.bfloat16, requires_grad=True) for s in shapes
+    )
     for name, attention in torch_attentions(mask, window, T, S).items():
+
         def call(attention=attention):
             out = attention(q, k, v)
             if mode == "forward+backward":
@@ -176,9 +185,18 @@ def print_table(results):
     for case in results["cases"]:
         for name, row in case["candidates"].items():
             memory = row["temp_bytes"] if row["temp_bytes"] is not None else row["peak_bytes"]
-            lines.append([case["mask"], case["mode"], str(case["T"]), str(case["S"]), name,
-                          f"{row['median_s'] * 1e3:.3f}", f"{row['ratio_to_jaxattn']:.2f}",
-                          "-" if memory is None else f"{memory / 2**20:.1f}"])
+            lines.append(
+                [
+                    case["mask"],
+                    case["mode"],
+                    str(case["T"]),
+                    str(case["S"]),
+                    name,
+                    f"{row['median_s'] * 1e3:.3f}",
+                    f"{row['ratio_to_jaxattn']:.2f}",
+                    "-" if memory is None else f"{memory / 2**20:.1f}",
+                ]
+            )
         for name, why in case["skipped"].items():
             lines.append([case["mask"], case["mode"], str(case["T"]), str(case["S"]), name, "skipped", "", why[:60]])
     if Console is None:
@@ -206,8 +224,15 @@ def main(argv=None):
     sizes, rounds, window = (args.sizes, args.rounds, WINDOW) if not args.smoke else ([256], 2, 64)
     platform, kind = _device()
     cases = [run_case(mask, mode, S, rounds, window) for S in sizes for mask in args.masks for mode in args.modes]
-    results = {"device": kind, "platform": platform, "window": window, "rounds": rounds, "smoke": args.smoke,
-               "load_average": load_average(), "cases": cases}
+    results = {
+        "device": kind,
+        "platform": platform,
+        "window": window,
+        "rounds": rounds,
+        "smoke": args.smoke,
+        "load_average": load_average(),
+        "cases": cases,
+    }
     print_table(results)
     path = args.json or f"benchmarks/results/accelerator_{re.sub(r'[^A-Za-z0-9]+', '_', kind).strip('_').lower()}.json"
     if not args.smoke or args.json:

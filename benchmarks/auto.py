@@ -39,17 +39,21 @@ def point_functions(T, N, K, H, causal, shaw, backward):
     def attend(implementation):
         def f(q, k, v, tk, tv):
             if shaw:
-                return jaxattn.shaw_relative_attention(q, k, v, tk, tv, max_distance=max_distance,
-                                                       is_causal=causal, implementation=implementation)
+                return jaxattn.shaw_relative_attention(
+                    q, k, v, tk, tv, max_distance=max_distance, is_causal=causal, implementation=implementation
+                )
             return jaxattn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+
         if not backward:
             return f
         return jax.grad(lambda *a: f(*a).sum(), argnums=(0, 1, 2, 3, 4) if shaw else (0, 1, 2))
 
     rng = np.random.default_rng(0)
     R = 2 * max_distance + 1
-    args = [jnp.asarray(rng.normal(size=s).astype(np.float32)) for s in
-            ((1, T, N, H), (1, T, K, H), (1, T, K, H), (R, H), (R, H))]
+    args = [
+        jnp.asarray(rng.normal(size=s).astype(np.float32))
+        for s in ((1, T, N, H), (1, T, K, H), (1, T, K, H), (R, H), (R, H))
+    ]
     return attend, args
 
 
@@ -70,11 +74,26 @@ def run_point(T, N, K, causal, shaw, backward, rounds, max_dense, H=64):
     if T <= max_dense:
         cands["dense"] = jax_candidate("dense", attend("dense"), *args)
     time_rounds(list(cands.values()), rounds)
-    point = {"T": T, "S": T, "B": 1, "N": N, "K": K, "H": H, "causal": causal, "shaw": shaw,
-             "direction": "fwd+bwd" if backward else "fwd"}
+    point = {
+        "T": T,
+        "S": T,
+        "B": 1,
+        "N": N,
+        "K": K,
+        "H": H,
+        "causal": causal,
+        "shaw": shaw,
+        "direction": "fwd+bwd" if backward else "fwd",
+    }
     for name, c in cands.items():
-        point[name] = {"median_s": c.median_s, "median_cpu_s": c.median_cpu_s, "times_s": c.times,
-                       "cpu_times_s": c.cpu_times, "compile_s": c.compile_s, "temp_bytes": c.temp_bytes}
+        point[name] = {
+            "median_s": c.median_s,
+            "median_cpu_s": c.median_cpu_s,
+            "times_s": c.times,
+            "cpu_times_s": c.cpu_times,
+            "compile_s": c.compile_s,
+            "temp_bytes": c.temp_bytes,
+        }
     point["pick"] = automatic_pick(T, N, K, H, causal, shaw)
     return point
 
@@ -93,8 +112,9 @@ def markdown_table(result):
     faster), the automatic pick's letter, and its time over the better of the two."""
     key = result["ranked_by"]
     variants = sorted({(p["K"], p["causal"], p["shaw"]) for p in result["points"]}, key=lambda v: (-v[0], v[1], v[2]))
-    names = [f"{'MHA' if K == 8 else f'GQA K={K}'}{', causal' if c else ''}{', Shaw' if s else ''}"
-             for K, c, s in variants]
+    names = [
+        f"{'MHA' if K == 8 else f'GQA K={K}'}{', causal' if c else ''}{', Shaw' if s else ''}" for K, c, s in variants
+    ]
     lines = ["| pass | T = S | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
     rows = sorted({(p["direction"], p["T"]) for p in result["points"]}, key=lambda r: (r[0] != "fwd", r[1]))
     by = {(p["direction"], p["T"], p["K"], p["causal"], p["shaw"]): p for p in result["points"]}
@@ -119,8 +139,9 @@ def rescore(path):
     for point in result["points"]:
         point["pick"] = automatic_pick(point["T"], point["N"], point["K"], point["H"], point["causal"], point["shaw"])
         point["auto_over_best"], point["best"] = score(point, result["ranked_by"])
-    result["worst_auto_over_best"] = max(p["auto_over_best"] for p in result["points"]
-                                         if p["auto_over_best"] is not None)
+    result["worst_auto_over_best"] = max(
+        p["auto_over_best"] for p in result["points"] if p["auto_over_best"] is not None
+    )
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(f"worst automatic / best: {result['worst_auto_over_best']:.2f}x")
@@ -137,8 +158,9 @@ def main(argv=None):
     parser.add_argument("--directions", default="fwd,fwd+bwd", help="fwd, fwd+bwd or both (comma-separated)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "auto.json"))
     parser.add_argument("--table", action="store_true", help="print the markdown table of --out (no timing)")
-    parser.add_argument("--rescore", action="store_true",
-                        help="re-apply the current rule to the timings already in --out (no timing)")
+    parser.add_argument(
+        "--rescore", action="store_true", help="re-apply the current rule to the timings already in --out (no timing)"
+    )
     args = parser.parse_args(argv)
     if args.rescore:
         return rescore(args.out)
@@ -150,12 +172,17 @@ def main(argv=None):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     key = "median_cpu_s" if args.cpu else "median_s"
     lengths = [int(x) for x in args.lengths.split(",")]
-    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "command": "python -m benchmarks.auto " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "ranked_by": key, "load_average_start": load_average(), "points": []}
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": "python -m benchmarks.auto " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "ranked_by": key,
+        "load_average_start": load_average(),
+        "points": [],
+    }
     started = time.perf_counter()
-    for backward, T, (N, K), causal, shaw in itertools.product((False, True), lengths, ((8, 8), (8, 2)),
-                                                               (False, True), (False, True)):
+    for backward, T, (N, K), causal, shaw in itertools.product(
+        (False, True), lengths, ((8, 8), (8, 2)), (False, True), (False, True)
+    ):
         if backward and T > args.max_backward or ("fwd+bwd" if backward else "fwd") not in args.directions.split(","):
             continue
         point = run_point(T, N, K, causal, shaw, backward, args.rounds, args.max_dense)
@@ -163,9 +190,12 @@ def main(argv=None):
         point["auto_over_best"], point["best"] = ratio, best
         result["points"].append(point)
         times = "  ".join(f"{n} {point[n][key] * 1e3:8.2f} ms" for n in ("dense", "blockwise") if n in point)
-        print(f"{point['direction']:7s} T={T:5d} N={N} K={K} causal={causal:d} shaw={shaw:d}  {times}  "
-              f"pick {point['pick']:9s} best {best:9s} "
-              f"{'' if ratio is None else f'{ratio:.2f}x'}", flush=True)
+        print(
+            f"{point['direction']:7s} T={T:5d} N={N} K={K} causal={causal:d} shaw={shaw:d}  {times}  "
+            f"pick {point['pick']:9s} best {best:9s} "
+            f"{'' if ratio is None else f'{ratio:.2f}x'}",
+            flush=True,
+        )
     result["load_average_end"] = load_average()
     result["total_s"] = time.perf_counter() - started
     worst = max((p["auto_over_best"] for p in result["points"] if p["auto_over_best"] is not None), default=None)

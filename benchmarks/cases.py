@@ -100,10 +100,11 @@ def matmul_case(quick):
     a, b = _rng_arrays([(n, n), (n, n)])
     ta, tb = torch.from_numpy(a), torch.from_numpy(b)
     flops = 2.0 * n**3
-    cands = [jax_candidate("jax matmul", jnp.matmul, jnp.asarray(a), jnp.asarray(b), flops=flops),
-             torch_candidate("torch matmul", lambda: ta @ tb, flops=flops)]
-    return Case("matmul", f"Practical ceiling: float32 matmul {n}x{n}x{n}", cands, "torch matmul",
-                params={"n": n})
+    cands = [
+        jax_candidate("jax matmul", jnp.matmul, jnp.asarray(a), jnp.asarray(b), flops=flops),
+        torch_candidate("torch matmul", lambda: ta @ tb, flops=flops),
+    ]
+    return Case("matmul", f"Practical ceiling: float32 matmul {n}x{n}x{n}", cands, "torch matmul", params={"n": n})
 
 
 def _mha_setup(quick):
@@ -122,8 +123,20 @@ def _mha_setup(quick):
     torch.manual_seed(0)
     module = torch.nn.MultiheadAttention(E, N, batch_first=True)
     flops = 4 * 2.0 * B * T * E * E + 4.0 * B * T * T * E
-    return dict(B=B, T=T, E=E, N=N, x=x, xj=jnp.asarray(x), params=params, flax_layer=flax_layer,
-                flax_params=flax_params, module=module, xt=torch.from_numpy(x), flops=flops)
+    return dict(
+        B=B,
+        T=T,
+        E=E,
+        N=N,
+        x=x,
+        xj=jnp.asarray(x),
+        params=params,
+        flax_layer=flax_layer,
+        flax_params=flax_params,
+        module=module,
+        xt=torch.from_numpy(x),
+        flops=flops,
+    )
 
 
 def _jax_nn_mha(params, x):
@@ -149,26 +162,56 @@ def mha_forward_case(quick):
 
     flax_layer, flops = s["flax_layer"], s["flops"]
     cands = [
-        torch_candidate("torch MHA (fast path)", torch_fast_path, flops=flops,
-                        memory_spec={"kind": "mha", **{k: s[k] for k in "BTEN"}}),
+        torch_candidate(
+            "torch MHA (fast path)",
+            torch_fast_path,
+            flops=flops,
+            memory_spec={"kind": "mha", **{k: s[k] for k in "BTEN"}},
+        ),
         torch_candidate("torch MHA (fast path, 1 thread)", torch_fast_path, flops=flops, threads=1),
         jax_candidate("flax MHA", lambda p, x: flax_layer.apply(p, x, x), s["flax_params"], s["xj"], flops=flops),
         jax_candidate("jax.nn + projections", _jax_nn_mha, s["params"], s["xj"], flops=flops),
-        jax_candidate("jaxattn", jaxattn.multi_head_attention, s["params"], s["xj"], flops=flops,
-                      note="implementation=None (automatic)"),
-        jax_candidate("jaxattn dense", lambda p, x: jaxattn.multi_head_attention(p, x, implementation="dense"),
-                      s["params"], s["xj"], flops=flops),
-        jax_candidate("jaxattn blockwise", lambda p, x: jaxattn.multi_head_attention(
-            p, x, implementation="blockwise"), s["params"], s["xj"], flops=flops),
+        jax_candidate(
+            "jaxattn",
+            jaxattn.multi_head_attention,
+            s["params"],
+            s["xj"],
+            flops=flops,
+            note="implementation=None (automatic)",
+        ),
+        jax_candidate(
+            "jaxattn dense",
+            lambda p, x: jaxattn.multi_head_attention(p, x, implementation="dense"),
+            s["params"],
+            s["xj"],
+            flops=flops,
+        ),
+        jax_candidate(
+            "jaxattn blockwise",
+            lambda p, x: jaxattn.multi_head_attention(p, x, implementation="blockwise"),
+            s["params"],
+            s["xj"],
+            flops=flops,
+        ),
     ]
     targets = [
         ratio_target("jaxattn <= 1.0x flax", "jaxattn", ["flax MHA"], 1.0),
-        ratio_target("jaxattn <= 1.1x torch (faster thread setting)", "jaxattn",
-                     ["torch MHA (fast path)", "torch MHA (fast path, 1 thread)"], 1.1),
+        ratio_target(
+            "jaxattn <= 1.1x torch (faster thread setting)",
+            "jaxattn",
+            ["torch MHA (fast path)", "torch MHA (fast path, 1 thread)"],
+            1.1,
+        ),
         compile_target("jit compile of multi_head_attention < 5 s", "jaxattn", 5.0),
     ]
-    return Case("mha_forward", "MHA forward B={B} T={T} E={E} N={N} float32".format(**s), cands,
-                "torch MHA (fast path)", targets, {k: s[k] for k in "BTEN"})
+    return Case(
+        "mha_forward",
+        "MHA forward B={B} T={T} E={E} N={N} float32".format(**s),
+        cands,
+        "torch MHA (fast path)",
+        targets,
+        {k: s[k] for k in "BTEN"},
+    )
 
 
 def mha_backward_case(quick):
@@ -195,17 +238,45 @@ def mha_backward_case(quick):
         torch_candidate("torch autograd (1 thread)", torch_autograd, flops=flops, threads=1),
         jax_candidate("flax", grads(lambda p, x: flax_layer.apply(p, x, x)), s["flax_params"], s["xj"], flops=flops),
         jax_candidate("jax.nn + projections", grads(_jax_nn_mha), s["params"], s["xj"], flops=flops),
-        jax_candidate("jaxattn", grads(jaxattn.multi_head_attention), s["params"], s["xj"], flops=flops,
-                      note="implementation=None (automatic)"),
-        jax_candidate("jaxattn dense", grads(lambda p, x: jaxattn.multi_head_attention(p, x, implementation="dense")),
-                      s["params"], s["xj"], flops=flops),
-        jax_candidate("jaxattn blockwise", grads(lambda p, x: jaxattn.multi_head_attention(
-            p, x, implementation="blockwise")), s["params"], s["xj"], flops=flops),
+        jax_candidate(
+            "jaxattn",
+            grads(jaxattn.multi_head_attention),
+            s["params"],
+            s["xj"],
+            flops=flops,
+            note="implementation=None (automatic)",
+        ),
+        jax_candidate(
+            "jaxattn dense",
+            grads(lambda p, x: jaxattn.multi_head_attention(p, x, implementation="dense")),
+            s["params"],
+            s["xj"],
+            flops=flops,
+        ),
+        jax_candidate(
+            "jaxattn blockwise",
+            grads(lambda p, x: jaxattn.multi_head_attention(p, x, implementation="blockwise")),
+            s["params"],
+            s["xj"],
+            flops=flops,
+        ),
     ]
-    targets = [ratio_target("jaxattn <= 1.1x the faster of torch/flax", "jaxattn",
-                            ["torch autograd", "torch autograd (1 thread)", "flax"], 1.1)]
-    return Case("mha_forward_backward", "MHA forward+backward B={B} T={T} E={E} N={N} float32".format(**s), cands,
-                "torch autograd", targets, {k: s[k] for k in "BTEN"})
+    targets = [
+        ratio_target(
+            "jaxattn <= 1.1x the faster of torch/flax",
+            "jaxattn",
+            ["torch autograd", "torch autograd (1 thread)", "flax"],
+            1.1,
+        )
+    ]
+    return Case(
+        "mha_forward_backward",
+        "MHA forward+backward B={B} T={T} E={E} N={N} float32".format(**s),
+        cands,
+        "torch autograd",
+        targets,
+        {k: s[k] for k in "BTEN"},
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -251,22 +322,38 @@ def seed000_case(quick):
             return seed000_torch(*targs)
 
     cands = [
-        torch_candidate("torch seed-000 answer", torch_seed, flops=flops,
-                        memory_spec={"kind": "seed000", "B": B, "S": S, "N": N, "H": H}),
+        torch_candidate(
+            "torch seed-000 answer",
+            torch_seed,
+            flops=flops,
+            memory_spec={"kind": "seed000", "B": B, "S": S, "N": N, "H": H},
+        ),
         torch_candidate("torch seed-000 answer (1 thread)", torch_seed, flops=flops, threads=1),
         jax_candidate("naive JAX port", seed000_naive, *jargs, flops=flops),
         jax_candidate("jaxattn.relative_attention", seed000_jaxattn, *jargs, flops=flops),
     ]
     targets = [
-        speedup_target("jaxattn >= 10x faster than the torch answer", ["torch seed-000 answer",
-                                                                        "torch seed-000 answer (1 thread)"],
-                       "jaxattn.relative_attention", 10.0),
-        memory_target("XLA temp <= 1/4 of the naive JAX port", "jaxattn.relative_attention",
-                      lambda c: c["naive JAX port"].temp_bytes / 4,
-                      lambda c: f"naive port {c['naive JAX port'].temp_bytes / MiB:.0f} MiB"),
+        speedup_target(
+            "jaxattn >= 10x faster than the torch answer",
+            ["torch seed-000 answer", "torch seed-000 answer (1 thread)"],
+            "jaxattn.relative_attention",
+            10.0,
+        ),
+        memory_target(
+            "XLA temp <= 1/4 of the naive JAX port",
+            "jaxattn.relative_attention",
+            lambda c: c["naive JAX port"].temp_bytes / 4,
+            lambda c: f"naive port {c['naive JAX port'].temp_bytes / MiB:.0f} MiB",
+        ),
     ]
-    return Case("seed000", f"seed-000 relative attention B={B} S={S} N={N} H={H} float32 (incl. projections)",
-                cands, "torch seed-000 answer", targets, dict(B=B, S=S, N=N, H=H))
+    return Case(
+        "seed000",
+        f"seed-000 relative attention B={B} S={S} N={N} H={H} float32 (incl. projections)",
+        cands,
+        "torch seed-000 answer",
+        targets,
+        dict(B=B, S=S, N=N, H=H),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -298,7 +385,8 @@ def shaw_case(quick):
 
     def shaw(implementation):
         return lambda q, k, v, tk, tv: jaxattn.shaw_relative_attention(
-            q, k, v, tk, tv, max_distance=md, implementation=implementation)
+            q, k, v, tk, tv, max_distance=md, implementation=implementation
+        )
 
     cands = [
         jax_candidate("jax.nn.dot_product_attention (no tables)", jax.nn.dot_product_attention, q, k, v, flops=flops),
@@ -309,12 +397,22 @@ def shaw_case(quick):
     ]
     plain = "jax.nn.dot_product_attention (no tables)"
     targets = [
-        memory_target("temp memory <= 2x plain", "jaxattn", lambda c: 2 * c[plain].temp_bytes,
-                      lambda c: f"plain {c[plain].temp_bytes / MiB:.0f} MiB"),
+        memory_target(
+            "temp memory <= 2x plain",
+            "jaxattn",
+            lambda c: 2 * c[plain].temp_bytes,
+            lambda c: f"plain {c[plain].temp_bytes / MiB:.0f} MiB",
+        ),
         ratio_target("time <= 1.5x plain", "jaxattn", [plain], 1.5),
     ]
-    return Case("shaw", f"Shaw tables k={md} (R={R}, shared over heads) B={B} T=S={T} N={N} H={H} float32 forward",
-                cands, plain, targets, dict(B=B, T=T, N=N, H=H, max_distance=md))
+    return Case(
+        "shaw",
+        f"Shaw tables k={md} (R={R}, shared over heads) B={B} T=S={T} N={N} H={H} float32 forward",
+        cands,
+        plain,
+        targets,
+        dict(B=B, T=T, N=N, H=H, max_distance=md),
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -337,17 +435,37 @@ def long_context_case(quick):
 
         return jax.grad(loss, argnums=(0, 1, 2))
 
-    dense = jax_candidate("jaxattn dense (compiled, not run)", train_step("dense"), shape, shape, shape,
-                          run=False, note="XLA memory analysis only: too large to run")
+    dense = jax_candidate(
+        "jaxattn dense (compiled, not run)",
+        train_step("dense"),
+        shape,
+        shape,
+        shape,
+        run=False,
+        note="XLA memory analysis only: too large to run",
+    )
     cands = [jax_candidate("jaxattn", train_step(None), q, k, v, flops=flops, note="implementation=None"), dense]
     targets = [
-        Target("runs (forward+backward)", lambda c: (c["jaxattn"].median_s is not None,
-                                                     f"{c['jaxattn'].median_s:.1f} s per step")),
-        memory_target("XLA temp memory < 1 GiB", "jaxattn", lambda c: GiB,
-                      lambda c: f"dense would need {c['jaxattn dense (compiled, not run)'].temp_bytes / GiB:.1f} GiB"),
+        Target(
+            "runs (forward+backward)",
+            lambda c: (c["jaxattn"].median_s is not None, f"{c['jaxattn'].median_s:.1f} s per step"),
+        ),
+        memory_target(
+            "XLA temp memory < 1 GiB",
+            "jaxattn",
+            lambda c: GiB,
+            lambda c: f"dense would need {c['jaxattn dense (compiled, not run)'].temp_bytes / GiB:.1f} GiB",
+        ),
     ]
-    return Case("long_context", f"Long context causal forward+backward B={B} T=S={T} N={N} H={H} float32", cands,
-                "jaxattn", targets, dict(B=B, T=T, N=N, H=H), rounds=2)
+    return Case(
+        "long_context",
+        f"Long context causal forward+backward B={B} T=S={T} N={N} H={H} float32",
+        cands,
+        "jaxattn",
+        targets,
+        dict(B=B, T=T, N=N, H=H),
+        rounds=2,
+    )
 
 
 def blockwise_vs_dense_case(quick):
@@ -362,12 +480,20 @@ def blockwise_vs_dense_case(quick):
     def attend(implementation):
         return lambda q, k, v: jaxattn.dot_product_attention(q, k, v, implementation=implementation)
 
-    cands = [jax_candidate("dense", attend("dense"), q, k, v, flops=flops),
-             jax_candidate("blockwise", attend("blockwise"), q, k, v, flops=flops),
-             jax_candidate("automatic", attend(None), q, k, v, flops=flops)]
+    cands = [
+        jax_candidate("dense", attend("dense"), q, k, v, flops=flops),
+        jax_candidate("blockwise", attend("blockwise"), q, k, v, flops=flops),
+        jax_candidate("automatic", attend(None), q, k, v, flops=flops),
+    ]
     targets = [ratio_target("blockwise forward <= 1.3x dense", "blockwise", ["dense"], 1.3)]
-    return Case("blockwise_vs_dense", f"Blockwise vs dense forward B={B} T=S={T} N={N} H={H} float32", cands, "dense",
-                targets, dict(B=B, T=T, N=N, H=H))
+    return Case(
+        "blockwise_vs_dense",
+        f"Blockwise vs dense forward B={B} T=S={T} N={N} H={H} float32",
+        cands,
+        "dense",
+        targets,
+        dict(B=B, T=T, N=N, H=H),
+    )
 
 
 def sweep_case(quick):
@@ -386,27 +512,66 @@ def sweep_case(quick):
         tq, tk, tv = (torch.from_numpy(np.asarray(a).transpose(0, 2, 1, 3).copy()) for a in (q, k, v))
         flops = 4.0 * B * N * S * S * H
         spec = {"B": B, "T": S, "S": S, "N": N, "H": H}
-        entries = [("jaxattn blockwise", lambda: jax_candidate(
-            f"jaxattn blockwise S={S}",
-            lambda q, k, v: jaxattn.dot_product_attention(q, k, v, implementation="blockwise"),
-            q, k, v, flops=flops))]
+        entries = [
+            (
+                "jaxattn blockwise",
+                lambda: jax_candidate(
+                    f"jaxattn blockwise S={S}",
+                    lambda q, k, v: jaxattn.dot_product_attention(q, k, v, implementation="blockwise"),
+                    q,
+                    k,
+                    v,
+                    flops=flops,
+                ),
+            )
+        ]
         sdpa = _torch_sdpa(tq, tk, tv)  # bound now: a lambda here would see the last S's tensors
-        entries.append(("torch SDPA", lambda: torch_candidate(
-            f"torch SDPA S={S}", sdpa, flops=flops, memory_spec={"kind": "sdpa", **spec})))
-        entries.append(("torch SDPA (1 thread)", lambda: torch_candidate(
-            f"torch SDPA 1 thread S={S}", sdpa, flops=flops, threads=1)))
+        entries.append(
+            (
+                "torch SDPA",
+                lambda: torch_candidate(f"torch SDPA S={S}", sdpa, flops=flops, memory_spec={"kind": "sdpa", **spec}),
+            )
+        )
+        entries.append(
+            (
+                "torch SDPA (1 thread)",
+                lambda: torch_candidate(f"torch SDPA 1 thread S={S}", sdpa, flops=flops, threads=1),
+            )
+        )
         if S <= dense_max:
-            entries.append(("jaxattn dense", lambda: jax_candidate(
-                f"jaxattn dense S={S}", lambda q, k, v: jaxattn.dot_product_attention(q, k, v, implementation="dense"),
-                q, k, v, flops=flops)))
-            entries.append(("torch math", lambda: torch_candidate(
-                f"torch math S={S}", _torch_math(tq, tk, tv), flops=flops, memory_spec={"kind": "math", **spec})))
+            entries.append(
+                (
+                    "jaxattn dense",
+                    lambda: jax_candidate(
+                        f"jaxattn dense S={S}",
+                        lambda q, k, v: jaxattn.dot_product_attention(q, k, v, implementation="dense"),
+                        q,
+                        k,
+                        v,
+                        flops=flops,
+                    ),
+                )
+            )
+            entries.append(
+                (
+                    "torch math",
+                    lambda: torch_candidate(
+                        f"torch math S={S}", _torch_math(tq, tk, tv), flops=flops, memory_spec={"kind": "math", **spec}
+                    ),
+                )
+            )
         for series_name, make in entries:
             cand = make()
             cands.append(cand)
             series.setdefault(series_name, []).append((S, cand.name))
-    return Case("sweep", f"Forward time and memory against sequence length, B={B} N={N} H={H} float32", cands,
-                cands[0].name, params=dict(B=B, N=N, H=H, lengths=lengths), sweep=series)
+    return Case(
+        "sweep",
+        f"Forward time and memory against sequence length, B={B} N={N} H={H} float32",
+        cands,
+        cands[0].name,
+        params=dict(B=B, N=N, H=H, lengths=lengths),
+        sweep=series,
+    )
 
 
 def _torch_sdpa(q, k, v):
@@ -451,8 +616,7 @@ def mha_breakdown_case(quick):
     B, T, E, N = (s[k] for k in "BTEN")
     H = E // N
     q, k, v = (jnp.asarray(a) for a in _rng_arrays([(B, T, N, H)] * 3, seed=2))
-    tq, tk, tv = (torch.from_numpy(np.asarray(a).transpose(0, 2, 1, 3).copy()).requires_grad_(True)
-                  for a in (q, k, v))
+    tq, tk, tv = (torch.from_numpy(np.asarray(a).transpose(0, 2, 1, 3).copy()).requires_grad_(True) for a in (q, k, v))
     xt = s["xt"].clone().requires_grad_(True)
     w_in = torch.randn(3 * E, E) * E**-0.5
     w_out = torch.randn(E, E) * E**-0.5
@@ -497,20 +661,26 @@ def mha_breakdown_case(quick):
     cands = [
         jax_candidate("jaxattn projections fwd", projections, s["params"], s["xj"], flops=proj_flops),
         torch_candidate("torch projections fwd", torch_projections_fwd, flops=proj_flops),
-        jax_candidate("jaxattn projections fwd+bwd", grads(projections, (0, 1)), s["params"], s["xj"],
-                      flops=3 * proj_flops),
+        jax_candidate(
+            "jaxattn projections fwd+bwd", grads(projections, (0, 1)), s["params"], s["xj"], flops=3 * proj_flops
+        ),
         torch_candidate("torch projections fwd+bwd", torch_projections_bwd, flops=3 * proj_flops),
         jax_candidate("jaxattn attention fwd", attention(None), q, k, v, flops=attn_flops),
         jax_candidate("jaxattn dense attention fwd", attention("dense"), q, k, v, flops=attn_flops),
         torch_candidate("torch SDPA fwd", torch_attention_fwd, flops=attn_flops),
-        jax_candidate("jaxattn attention fwd+bwd", grads(attention(None), (0, 1, 2)), q, k, v,
-                      flops=3.5 * attn_flops),
-        jax_candidate("jaxattn dense attention fwd+bwd", grads(attention("dense"), (0, 1, 2)), q, k, v,
-                      flops=3.5 * attn_flops),
+        jax_candidate("jaxattn attention fwd+bwd", grads(attention(None), (0, 1, 2)), q, k, v, flops=3.5 * attn_flops),
+        jax_candidate(
+            "jaxattn dense attention fwd+bwd", grads(attention("dense"), (0, 1, 2)), q, k, v, flops=3.5 * attn_flops
+        ),
         torch_candidate("torch SDPA fwd+bwd", torch_attention_bwd, flops=3.5 * attn_flops),
     ]
-    return Case("mha_breakdown", "Where the MHA step's time goes, B={B} T={T} E={E} N={N} float32".format(**s),
-                cands, "torch projections fwd", params={k: s[k] for k in "BTEN"})
+    return Case(
+        "mha_breakdown",
+        "Where the MHA step's time goes, B={B} T={T} E={E} N={N} float32".format(**s),
+        cands,
+        "torch projections fwd",
+        params={k: s[k] for k in "BTEN"},
+    )
 
 
 def _sdpa_pair(B, S, N, H, dtype, causal, quick_seed=0):
@@ -556,32 +726,56 @@ def _attention_vs_sdpa(name, title, lengths, dtype, quick):
                 a.grad = None
             F.scaled_dot_product_attention(tq, tk, tv, is_causal=True).float().sum().backward()
 
-        for direction, jfn, tfn, f in (("fwd", attend, torch_fwd, flops),
-                                       ("fwd+bwd", jax.grad(loss, argnums=(0, 1, 2)), torch_bwd, 3.5 * flops)):
-            names = [f"jaxattn {direction} S={S}", f"torch SDPA {direction} S={S}",
-                     f"torch SDPA 1 thread {direction} S={S}"]
-            cands += [jax_candidate(names[0], jfn, q, k, v, flops=f, note="implementation=None"),
-                      torch_candidate(names[1], tfn, flops=f), torch_candidate(names[2], tfn, flops=f, threads=1)]
-            targets.append(ratio_target(f"{direction} S={S}: jaxattn <= 1.0x torch SDPA (faster thread setting)",
-                                        names[0], names[1:], 1.0))
-    return Case(name, title, cands, cands[1].name, targets, dict(B=B, N=N, H=H, lengths=lengths, causal=True),
-                rounds=3 if max(lengths) > 4096 else None)
+        for direction, jfn, tfn, f in (
+            ("fwd", attend, torch_fwd, flops),
+            ("fwd+bwd", jax.grad(loss, argnums=(0, 1, 2)), torch_bwd, 3.5 * flops),
+        ):
+            names = [
+                f"jaxattn {direction} S={S}",
+                f"torch SDPA {direction} S={S}",
+                f"torch SDPA 1 thread {direction} S={S}",
+            ]
+            cands += [
+                jax_candidate(names[0], jfn, q, k, v, flops=f, note="implementation=None"),
+                torch_candidate(names[1], tfn, flops=f),
+                torch_candidate(names[2], tfn, flops=f, threads=1),
+            ]
+            targets.append(
+                ratio_target(
+                    f"{direction} S={S}: jaxattn <= 1.0x torch SDPA (faster thread setting)", names[0], names[1:], 1.0
+                )
+            )
+    return Case(
+        name,
+        title,
+        cands,
+        cands[1].name,
+        targets,
+        dict(B=B, N=N, H=H, lengths=lengths, causal=True),
+        rounds=3 if max(lengths) > 4096 else None,
+    )
 
 
 def causal_case(quick):
     import jax.numpy as jnp
 
     lengths = [512, 1024] if quick else [2048, 8192]
-    return _attention_vs_sdpa("causal", "Causal attention vs torch SDPA (CPU flash kernel), B=1 N=8 H=64 float32",
-                              lengths, jnp.float32, quick)
+    return _attention_vs_sdpa(
+        "causal", "Causal attention vs torch SDPA (CPU flash kernel), B=1 N=8 H=64 float32", lengths, jnp.float32, quick
+    )
 
 
 def bf16_case(quick):
     import jax.numpy as jnp
 
     lengths = [512] if quick else [2048]
-    return _attention_vs_sdpa("bf16", "bfloat16 causal attention (float32 accumulation) vs torch SDPA in "
-                              "bfloat16, B=1 N=8 H=64", lengths, jnp.bfloat16, quick)
+    return _attention_vs_sdpa(
+        "bf16",
+        "bfloat16 causal attention (float32 accumulation) vs torch SDPA in bfloat16, B=1 N=8 H=64",
+        lengths,
+        jnp.bfloat16,
+        quick,
+    )
 
 
 ALL_CASES = {

@@ -36,8 +36,9 @@ def llama_rows(dtype: str) -> list[dict]:
             return theirs(input_ids=input_ids)
 
     def run(m, p, offset=0):
-        return certify(torch_fn, jax_llama(m, p, offset), {"input_ids": ids}, dtype=dtype, layers=layers,
-                       torch_module=theirs)
+        return certify(
+            torch_fn, jax_llama(m, p, offset), {"input_ids": ids}, dtype=dtype, layers=layers, torch_module=theirs
+        )
 
     clean = run(model, params)
     rows = [_row("llama", "clean", None, clean, clean)]
@@ -58,12 +59,15 @@ def minilm_rows(dtype: str) -> list[dict]:
     theirs = torch_bert(dtype)
 
     def run(offset):
-        return certify(theirs, minilm_jax(dtype, offset), inputs, dtype=dtype, layers=minilm_layers(6),
-                       select=real_tokens(mask))
+        return certify(
+            theirs, minilm_jax(dtype, offset), inputs, dtype=dtype, layers=minilm_layers(6), select=real_tokens(mask)
+        )
 
     clean = run(0)
-    return [_row("minilm", "clean", None, clean, clean), _row("minilm", "positions_shifted", "embeddings", run(1),
-                                                              clean)]
+    return [
+        _row("minilm", "clean", None, clean, clean),
+        _row("minilm", "positions_shifted", "embeddings", run(1), clean),
+    ]
 
 
 def clean_kl_rows(dtype: str) -> list[dict]:
@@ -103,12 +107,22 @@ def _row(model: str, fault: str, expected, cert, clean) -> dict:
     measured = [r for r in cert.rows if r.kind in ("layer", "output")]
     where = cert.first_divergent or max(measured, key=lambda r: r.ratio).name  # clean: the row nearest its bar
     kl = ours.get("logits.kl")
-    return {"model": model, "fault": fault, "dtype": cert.dtype, "passed": cert.passed,
-            "first_divergent": cert.first_divergent, "expected": expected, "row": where,
-            "normwise": ours[where].normwise, "clean_normwise": base[where].normwise, "bar": ours[where].bar,
-            "margin": ours[where].normwise / max(base[where].normwise, 1e-300),
-            "kl": kl.value if kl else None, "clean_kl": base["logits.kl"].value if kl else None,
-            "top1": ours["logits.top1"].value if kl else None}
+    return {
+        "model": model,
+        "fault": fault,
+        "dtype": cert.dtype,
+        "passed": cert.passed,
+        "first_divergent": cert.first_divergent,
+        "expected": expected,
+        "row": where,
+        "normwise": ours[where].normwise,
+        "clean_normwise": base[where].normwise,
+        "bar": ours[where].bar,
+        "margin": ours[where].normwise / max(base[where].normwise, 1e-300),
+        "kl": kl.value if kl else None,
+        "clean_kl": base["logits.kl"].value if kl else None,
+        "top1": ours["logits.top1"].value if kl else None,
+    }
 
 
 def main() -> None:
@@ -123,12 +137,16 @@ def main() -> None:
     rows = [r for dtype in args.dtype for r in llama_rows(dtype) + minilm_rows(dtype)]
     if args.clean:
         rows += [r for dtype in args.dtype for r in clean_kl_rows(dtype)]
-    print(f"{'model':8} {'fault':18} {'dtype':8} {'first divergent':26} {'normwise':>9} {'clean':>9} {'bar':>7} "
-          f"{'margin':>9} {'KL':>9} {'clean KL':>9} {'top1':>5}")
+    print(
+        f"{'model':8} {'fault':18} {'dtype':8} {'first divergent':26} {'normwise':>9} {'clean':>9} {'bar':>7} "
+        f"{'margin':>9} {'KL':>9} {'clean KL':>9} {'top1':>5}"
+    )
     for r in rows:
         kl = "" if r["kl"] is None else f"{r['kl']:9.2e} {r['clean_kl']:9.2e} {r['top1']:5.3f}"
-        print(f"{r['model']:8} {r['fault']:18} {r['dtype']:8} {str(r['first_divergent']):26} {r['normwise']:9.2e} "
-              f"{r['clean_normwise']:9.2e} {r['bar']:7.0e} {r['margin']:9.2e} {kl}")
+        print(
+            f"{r['model']:8} {r['fault']:18} {r['dtype']:8} {str(r['first_divergent']):26} {r['normwise']:9.2e} "
+            f"{r['clean_normwise']:9.2e} {r['bar']:7.0e} {r['margin']:9.2e} {kl}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

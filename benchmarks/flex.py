@@ -52,21 +52,43 @@ def cases(scale):
     sinks = jnp.linspace(-1.0, 1.0, 8, dtype=F32)
     block_mask = jaxattn.create_block_mask(causal_mod, None, None, mid, mid)
     return [
-        ("sliding window (512, 0) causal, T=S=%d" % long, 0.12,
-         {"full causal": attend(is_causal=True), "window": attend(is_causal=True, window=(512, 0))},
-         "full causal", q16),
-        ("16 packed documents of %d, S=%d" % (doc_len, docs), 0.15,
-         {"full": attend(), "segments": lambda q, k, v: jaxattn.dot_product_attention(
-             q, k, v, implementation="blockwise", query_segment_ids=segments, key_segment_ids=segments)},
-         "full", q8),
-        ("logit_softcap 50, T=S=%d" % mid, 1.3,
-         {"plain": attend(), "softcap": attend(logit_softcap=50.0)}, "plain", q2),
-        ("sinks [N], T=S=%d" % mid, 1.05,
-         {"plain": attend(), "sinks": attend(sinks=sinks)}, "plain", q2),
-        ("flex causal mask_mod + create_block_mask, T=S=%d" % mid, 1.1,
-         {"is_causal": attend(is_causal=True),
-          "flex": lambda q, k, v: jaxattn.flex_attention(q, k, v, mask_mod=causal_mod, block_mask=block_mask)},
-         "is_causal", q2),
+        (
+            "sliding window (512, 0) causal, T=S=%d" % long,
+            0.12,
+            {"full causal": attend(is_causal=True), "window": attend(is_causal=True, window=(512, 0))},
+            "full causal",
+            q16,
+        ),
+        (
+            "16 packed documents of %d, S=%d" % (doc_len, docs),
+            0.15,
+            {
+                "full": attend(),
+                "segments": lambda q, k, v: jaxattn.dot_product_attention(
+                    q, k, v, implementation="blockwise", query_segment_ids=segments, key_segment_ids=segments
+                ),
+            },
+            "full",
+            q8,
+        ),
+        (
+            "logit_softcap 50, T=S=%d" % mid,
+            1.3,
+            {"plain": attend(), "softcap": attend(logit_softcap=50.0)},
+            "plain",
+            q2,
+        ),
+        ("sinks [N], T=S=%d" % mid, 1.05, {"plain": attend(), "sinks": attend(sinks=sinks)}, "plain", q2),
+        (
+            "flex causal mask_mod + create_block_mask, T=S=%d" % mid,
+            1.1,
+            {
+                "is_causal": attend(is_causal=True),
+                "flex": lambda q, k, v: jaxattn.flex_attention(q, k, v, mask_mod=causal_mod, block_mask=block_mask),
+            },
+            "is_causal",
+            q2,
+        ),
     ]
 
 
@@ -86,6 +108,7 @@ def memory_rows(scale):
     }
     rows = {}
     for name, kw in variants.items():
+
         def loss(q, k, v, kw=kw):
             return jnp.sum(jaxattn.flex_attention(q, k, v, implementation="blockwise", **kw))
 
@@ -102,22 +125,40 @@ def torch_rows(scale, rounds):
     for S in (2048 // scale, 8192 // scale):
         q, k, v = qkv(S)
         docs = (jnp.arange(S, dtype=jnp.int32) // 512)[None]
-        ours = [jax_candidate("ours_causal", attend(is_causal=True), q, k, v),
-                jax_candidate("ours_sliding_512", attend(is_causal=True, window=(512, 0)), q, k, v),
-                jax_candidate("ours_documents_512", lambda q, k, v: jaxattn.dot_product_attention(
-                    q, k, v, implementation="blockwise", query_segment_ids=docs, key_segment_ids=docs), q, k, v)]
+        ours = [
+            jax_candidate("ours_causal", attend(is_causal=True), q, k, v),
+            jax_candidate("ours_sliding_512", attend(is_causal=True, window=(512, 0)), q, k, v),
+            jax_candidate(
+                "ours_documents_512",
+                lambda q, k, v: jaxattn.dot_product_attention(
+                    q, k, v, implementation="blockwise", query_segment_ids=docs, key_segment_ids=docs
+                ),
+                q,
+                k,
+                v,
+            ),
+        ]
         theirs = flex_candidates(S)
         time_rounds(ours + theirs, rounds)
         by_name = {c.name: c for c in ours + theirs}
         for mask in ("causal", "sliding_512", "documents_512"):
             mine, torch_ = by_name[f"ours_{mask}"], by_name[f"flex_{mask}"]
-            row = {"S": S, "mask": mask, "ours_s": mine.median_s, "torch_flex_s": torch_.median_s,
-                   "ratio": mine.median_s / torch_.median_s, "target": 1.0}
+            row = {
+                "S": S,
+                "mask": mask,
+                "ours_s": mine.median_s,
+                "torch_flex_s": torch_.median_s,
+                "ratio": mine.median_s / torch_.median_s,
+                "target": 1.0,
+            }
             row["met"] = row["ratio"] <= 1.0
             rows.append(row)
-            print(f"S={S:5d} {mask:14s} ours {1e3 * row['ours_s']:9.1f} ms  torch.compile(flex) "
-                  f"{1e3 * row['torch_flex_s']:9.1f} ms  ratio {row['ratio']:.2f} (target <= 1.0: "
-                  f"{'met' if row['met'] else 'MISSED'})", flush=True)
+            print(
+                f"S={S:5d} {mask:14s} ours {1e3 * row['ours_s']:9.1f} ms  torch.compile(flex) "
+                f"{1e3 * row['torch_flex_s']:9.1f} ms  ratio {row['ratio']:.2f} (target <= 1.0: "
+                f"{'met' if row['met'] else 'MISSED'})",
+                flush=True,
+            )
         rows.append({"S": S, "mask": "sdpa_causal (torch yardstick)", "torch_s": by_name["sdpa_causal"].median_s})
     return rows
 
@@ -133,15 +174,21 @@ def run(scale, rounds, with_torch=True):
         row["ratio"] = other.median_s / base.median_s
         row["met"] = row["ratio"] <= target
         results["cases"].append(row)
-        print(f"{name:60s} {other.name:10s} {1e3 * other.median_s:9.1f} ms  {baseline:12s} "
-              f"{1e3 * base.median_s:9.1f} ms  ratio {row['ratio']:.3f} (target <= {target}: "
-              f"{'met' if row['met'] else 'MISSED'})", flush=True)
+        print(
+            f"{name:60s} {other.name:10s} {1e3 * other.median_s:9.1f} ms  {baseline:12s} "
+            f"{1e3 * base.median_s:9.1f} ms  ratio {row['ratio']:.3f} (target <= {target}: "
+            f"{'met' if row['met'] else 'MISSED'})",
+            flush=True,
+        )
     if with_torch:
         results["vs_torch_compile_flex"] = torch_rows(scale, rounds)
     results["memory_fwd_bwd_bytes"] = memory_rows(scale)
     for name, temp in results["memory_fwd_bwd_bytes"].items():
-        print(f"fwd+bwd temp, {name:28s} {temp / 2**20:8.1f} MiB (target < 1024 MiB: "
-              f"{'met' if temp < 2**30 else 'MISSED'})", flush=True)
+        print(
+            f"fwd+bwd temp, {name:28s} {temp / 2**20:8.1f} MiB (target < 1024 MiB: "
+            f"{'met' if temp < 2**30 else 'MISSED'})",
+            flush=True,
+        )
     return results
 
 

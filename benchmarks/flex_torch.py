@@ -62,8 +62,11 @@ def flex_candidates(S, seed=0):
         cand = torch_candidate(f"flex_{name}", run, note=f"block sparsity {block_mask.sparsity():.1f}%")
         cand.compile_s = compile_s
         candidates.append(cand)
-    candidates.append(torch_candidate(
-        "sdpa_causal", lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)))
+    candidates.append(
+        torch_candidate(
+            "sdpa_causal", lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        )
+    )
     return candidates
 
 
@@ -76,16 +79,23 @@ def main(argv=None):
     warnings.filterwarnings("ignore", category=UserWarning)
     import torch
 
-    results = {"device": "cpu", "threads": torch.get_num_threads(), "torch": torch.__version__,
-               "B": B, "N": N, "H": H, "dtype": "float32", "sizes": {}}
+    results = {
+        "device": "cpu",
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "B": B,
+        "N": N,
+        "H": H,
+        "dtype": "float32",
+        "sizes": {},
+    }
     for S in args.sizes:
         candidates = flex_candidates(S)
         time_rounds(candidates, args.rounds)
         results["sizes"][str(S)] = {c.name: c.summary() for c in candidates}
         for c in candidates:
             compile_s = f"compile {c.compile_s:5.1f} s" if c.compile_s else ""
-            print(f"S={S:5d} {c.name:18s} median {c.median_s * 1e3:9.1f} ms  {compile_s:16s} {c.note}",
-                  flush=True)
+            print(f"S={S:5d} {c.name:18s} median {c.median_s * 1e3:9.1f} ms  {compile_s:16s} {c.note}", flush=True)
     results["load_average"] = load_average()
     with open(args.json, "w") as f:
         json.dump(results, f, indent=1)

@@ -51,11 +51,19 @@ class Candidate:
         return float(np.median(self.cpu_times)) if self.cpu_times else None
 
     def summary(self):
-        return {"median_s": self.median_s, "times_s": self.times, "median_cpu_s": self.median_cpu_s,
-                "cpu_times_s": self.cpu_times, "flops": self.flops,
-                "gflops_per_s": self.flops / self.median_s / 1e9 if self.flops and self.times else None,
-                "compile_s": self.compile_s, "temp_bytes": self.temp_bytes, "output_bytes": self.output_bytes,
-                "peak_bytes": self.peak_bytes, "note": self.note}
+        return {
+            "median_s": self.median_s,
+            "times_s": self.times,
+            "median_cpu_s": self.median_cpu_s,
+            "cpu_times_s": self.cpu_times,
+            "flops": self.flops,
+            "gflops_per_s": self.flops / self.median_s / 1e9 if self.flops and self.times else None,
+            "compile_s": self.compile_s,
+            "temp_bytes": self.temp_bytes,
+            "output_bytes": self.output_bytes,
+            "peak_bytes": self.peak_bytes,
+            "note": self.note,
+        }
 
 
 def jax_candidate(name, fn, *args, flops=None, note="", run=True):
@@ -66,9 +74,15 @@ def jax_candidate(name, fn, *args, flops=None, note="", run=True):
     compiled = jax.jit(fn).lower(*args).compile()
     compile_s = time.perf_counter() - start
     memory = compiled.memory_analysis()
-    cand = Candidate(name, lambda: jax.block_until_ready(compiled(*args)), flops=flops, compile_s=compile_s,
-                     temp_bytes=int(memory.temp_size_in_bytes), output_bytes=int(memory.output_size_in_bytes),
-                     note=note)
+    cand = Candidate(
+        name,
+        lambda: jax.block_until_ready(compiled(*args)),
+        flops=flops,
+        compile_s=compile_s,
+        temp_bytes=int(memory.temp_size_in_bytes),
+        output_bytes=int(memory.output_size_in_bytes),
+        note=note,
+    )
     if run:
         cand.run()
     cand.timed = run
@@ -103,7 +117,7 @@ def time_rounds(candidates, rounds):
     steadier figure for comparing candidates."""
     candidates = [c for c in candidates if c.timed]
     for r in range(rounds):
-        order = candidates[r % len(candidates):] + candidates[:r % len(candidates)]
+        order = candidates[r % len(candidates) :] + candidates[: r % len(candidates)]
         for cand in order:
             start, cpu = time.perf_counter(), time.process_time()
             cand.run()
@@ -119,8 +133,9 @@ def measure_torch_memory(specs):
     # A fixed mmap threshold turns off glibc's adaptive one, so every tensor over 64 KiB is mmapped and
     # unmapped on free: RSS then follows live tensors instead of a heap that keeps freed memory.
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    proc = subprocess.run([sys.executable, worker], input=json.dumps(specs), capture_output=True, text=True,
-                          timeout=600, env=env)
+    proc = subprocess.run(
+        [sys.executable, worker], input=json.dumps(specs), capture_output=True, text=True, timeout=600, env=env
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"torch memory worker failed:\n{proc.stderr[-2000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])

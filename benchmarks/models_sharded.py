@@ -42,7 +42,7 @@ from jaxattn.models import from_pretrained  # noqa: E402
 from .harness import jax_candidate, load_average, time_rounds  # noqa: E402
 
 MESHES = ((8, 1), (2, 4), (1, 8))
-MiB = 2 ** 20
+MiB = 2**20
 
 
 def checkpoint(directory):
@@ -50,9 +50,19 @@ def checkpoint(directory):
         return directory
     from crosscheck import _hf_models
 
-    return str(_hf_models.write_checkpoint("llama", tempfile.mkdtemp(), vocab_size=4096, hidden_size=512,
-                                           intermediate_size=1024, num_hidden_layers=8, num_attention_heads=8,
-                                           num_key_value_heads=8, head_dim=64))
+    return str(
+        _hf_models.write_checkpoint(
+            "llama",
+            tempfile.mkdtemp(),
+            vocab_size=4096,
+            hidden_size=512,
+            intermediate_size=1024,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            head_dim=64,
+        )
+    )
 
 
 def device0_bytes(params):
@@ -118,8 +128,9 @@ def main():
     args = parser.parse_args()
     out = args.out or f"benchmarks/results/models_sharded{'_' + args.only if args.only else ''}.json"
     directory = checkpoint(args.dir)
-    checkpoint_bytes = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory)
-                           if f.endswith(".safetensors"))
+    checkpoint_bytes = sum(
+        os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory) if f.endswith(".safetensors")
+    )
     started = time.time()
     forward, rows, tokens, loads, read = [], {}, 0, [], {}
     if args.only != "load":
@@ -130,15 +141,37 @@ def main():
         time_rounds(loads, args.rounds)
     base = forward[0].median_s if forward else None
     whole = loads[0].median_s if loads else None
-    result = {"command": "python -m benchmarks.models_sharded", "jax": jax.__version__,
-              "checkpoint_bytes": checkpoint_bytes, "batch": args.batch, "length": args.length,
-              "rounds": args.rounds, "cores": os.cpu_count(), "load_average": load_average(),
-              "forward": {c.name: {**rows[c.name], "median_s": c.median_s, "tokens_per_s": tokens / c.median_s,
-                                   "vs_one_device": base / c.median_s, "compile_s": c.compile_s,
-                                   "times_s": c.times} for c in forward},
-              "load": {c.name: {"median_s": c.median_s, "vs_unsharded": c.median_s / whole,
-                                "bytes_read": read[c.name], "times_s": c.times} for c in loads},
-              "seconds": round(time.time() - started, 1)}
+    result = {
+        "command": "python -m benchmarks.models_sharded",
+        "jax": jax.__version__,
+        "checkpoint_bytes": checkpoint_bytes,
+        "batch": args.batch,
+        "length": args.length,
+        "rounds": args.rounds,
+        "cores": os.cpu_count(),
+        "load_average": load_average(),
+        "forward": {
+            c.name: {
+                **rows[c.name],
+                "median_s": c.median_s,
+                "tokens_per_s": tokens / c.median_s,
+                "vs_one_device": base / c.median_s,
+                "compile_s": c.compile_s,
+                "times_s": c.times,
+            }
+            for c in forward
+        },
+        "load": {
+            c.name: {
+                "median_s": c.median_s,
+                "vs_unsharded": c.median_s / whole,
+                "bytes_read": read[c.name],
+                "times_s": c.times,
+            }
+            for c in loads
+        },
+        "seconds": round(time.time() - started, 1),
+    }
     report(result)
     with open(out, "w") as f:
         json.dump(result, f, indent=1)
@@ -146,15 +179,23 @@ def main():
 
 def report(result):
     console = Console(width=200)
-    console.print(f"checkpoint {result['checkpoint_bytes'] / MiB:.1f} MiB; forward [{result['batch']}, "
-                  f"{result['length']}] float32; {result['rounds']} rounds interleaved, medians; "
-                  f"{result['cores']} cores; load average {result['load_average']}")
+    console.print(
+        f"checkpoint {result['checkpoint_bytes'] / MiB:.1f} MiB; forward [{result['batch']}, "
+        f"{result['length']}] float32; {result['rounds']} rounds interleaved, medians; "
+        f"{result['cores']} cores; load average {result['load_average']}"
+    )
     table = Table(title="forward: jit(model.apply), one device vs 8 host devices", title_justify="left")
     for col in ("candidate", "median ms", "tokens/s", "x 1 device", "params MiB on device 0", "XLA temp MiB"):
         table.add_column(col, justify="left" if col == "candidate" else "right")
     for name, r in result["forward"].items():
-        table.add_row(name, f"{r['median_s'] * 1e3:.1f}", f"{r['tokens_per_s']:.0f}", f"{r['vs_one_device']:.2f}",
-                      f"{r['param_bytes_device0'] / MiB:.1f}", f"{r['temp_bytes'] / MiB:.1f}")
+        table.add_row(
+            name,
+            f"{r['median_s'] * 1e3:.1f}",
+            f"{r['tokens_per_s']:.0f}",
+            f"{r['vs_one_device']:.2f}",
+            f"{r['param_bytes_device0'] / MiB:.1f}",
+            f"{r['temp_bytes'] / MiB:.1f}",
+        )
     if result["forward"]:
         console.print(table)
     table = Table(title="load: from_pretrained, whole tensors vs each shard's byte ranges", title_justify="left")

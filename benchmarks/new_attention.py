@@ -33,8 +33,15 @@ def _zeros(shape):
 
 def mla_cases(S):
     m = MLA
-    params = jaxattn.init_latent_attention(jax.random.PRNGKey(0), m["E"], m["N"], latent_dim=m["C"],
-                                           rope_dim=m["R"], nope_head_dim=m["Hn"], value_head_dim=m["Hv"])
+    params = jaxattn.init_latent_attention(
+        jax.random.PRNGKey(0),
+        m["E"],
+        m["N"],
+        latent_dim=m["C"],
+        rope_dim=m["R"],
+        nope_head_dim=m["Hn"],
+        value_head_dim=m["Hv"],
+    )
     x = _zeros((1, 1, m["E"]))
     cache = (_zeros((1, S, m["C"])), _zeros((1, S, m["R"])), jnp.array([S - 1], jnp.int32))
     H = m["Hn"] + m["R"]
@@ -47,9 +54,11 @@ def mla_cases(S):
     def expanded_cache(q, k, v):  # the attention read alone over an expanded cache, no projections
         return jaxattn.dot_product_attention(q, k, v, is_causal=True)
 
-    cands = [jax_candidate(f"mla_absorbed_S{S}", step("absorbed"), params, x, cache),
-             jax_candidate(f"mla_expanded_from_latent_S{S}", step("expanded"), params, x, cache),
-             jax_candidate(f"attention_over_expanded_cache_S{S}", expanded_cache, q, k_cache, v_cache)]
+    cands = [
+        jax_candidate(f"mla_absorbed_S{S}", step("absorbed"), params, x, cache),
+        jax_candidate(f"mla_expanded_from_latent_S{S}", step("expanded"), params, x, cache),
+        jax_candidate(f"attention_over_expanded_cache_S{S}", expanded_cache, q, k_cache, v_cache),
+    ]
     cache_bytes = {"compressed": S * (m["C"] + m["R"]) * 4, "expanded": S * m["N"] * (H + m["Hv"]) * 4}
     return cands, cache_bytes
 
@@ -62,8 +71,9 @@ def delta_cases():
     sq, sk, sv = _zeros((1, T, N, H)), _zeros((1, T, N, H)), _zeros((1, T, N, Hv))
 
     def delta(impl):
-        return lambda q, k, v, g, beta: jaxattn.gated_delta_rule(q, k, v, g, beta, chunk_size=d["C"],
-                                                                  implementation=impl)
+        return lambda q, k, v, g, beta: jaxattn.gated_delta_rule(
+            q, k, v, g, beta, chunk_size=d["C"], implementation=impl
+        )
 
     def softmax(q, k, v):
         return jaxattn.dot_product_attention(q, k, v, is_causal=True)
@@ -71,12 +81,14 @@ def delta_cases():
     def grad(f, n):
         return jax.grad(lambda *a: jnp.sum(f(*a)), argnums=tuple(range(n)))
 
-    return [jax_candidate("delta_chunked_fwd", delta("chunked"), q, k, v, g, beta),
-            jax_candidate("delta_recurrent_fwd", delta("recurrent"), q, k, v, g, beta),
-            jax_candidate("softmax_causal_fwd", softmax, sq, sk, sv),
-            jax_candidate("delta_chunked_fwd_bwd", grad(delta("chunked"), 5), q, k, v, g, beta),
-            jax_candidate("delta_recurrent_fwd_bwd", grad(delta("recurrent"), 5), q, k, v, g, beta),
-            jax_candidate("softmax_causal_fwd_bwd", grad(softmax, 3), sq, sk, sv)]
+    return [
+        jax_candidate("delta_chunked_fwd", delta("chunked"), q, k, v, g, beta),
+        jax_candidate("delta_recurrent_fwd", delta("recurrent"), q, k, v, g, beta),
+        jax_candidate("softmax_causal_fwd", softmax, sq, sk, sv),
+        jax_candidate("delta_chunked_fwd_bwd", grad(delta("chunked"), 5), q, k, v, g, beta),
+        jax_candidate("delta_recurrent_fwd_bwd", grad(delta("recurrent"), 5), q, k, v, g, beta),
+        jax_candidate("softmax_causal_fwd_bwd", grad(softmax, 3), sq, sk, sv),
+    ]
 
 
 def main(argv=None):

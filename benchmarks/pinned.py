@@ -33,8 +33,9 @@ def build(names, ungrouped):
         blockwise.on_a_device_mesh = lambda *xs: True  # the engine's own fallback: one all-rows tile
         try:
             for name in names:
-                extra = [c for c in cases_mod.ALL_CASES[name](False).candidates
-                         if c.name.startswith("jaxattn") and c.timed]
+                extra = [
+                    c for c in cases_mod.ALL_CASES[name](False).candidates if c.name.startswith("jaxattn") and c.timed
+                ]
                 for c in extra:
                     c.name += " ungrouped"
                 built[name].candidates.extend(extra)
@@ -59,10 +60,14 @@ def main(argv=None):
     everything = [c for case in built.values() for c in case.candidates]
     load = load_average()
     time_rounds(everything, args.rounds)
-    result = {"date": datetime.datetime.now().isoformat(timespec="seconds"),
-              "command": "python -m benchmarks.pinned " + " ".join(argv if argv is not None else sys.argv[1:]),
-              "ranked_by": "median_cpu_s", "load_average_start": load, "load_average_end": load_average(),
-              "cases": {}}
+    result = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "command": "python -m benchmarks.pinned " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "ranked_by": "median_cpu_s",
+        "load_average_start": load,
+        "load_average_end": load_average(),
+        "cases": {},
+    }
     for name, case in built.items():
         ref = next(c for c in case.candidates if c.name == case.reference).median_cpu_s
         print(f"\n{case.title} (CPU time, one core; reference {case.reference})")

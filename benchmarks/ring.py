@@ -45,14 +45,17 @@ def chunk_pairs(D, causal):
 
 def collectives(compiled):
     lines = [line for line in compiled.as_text().splitlines() if " = " in line]
-    return {op: sum(f" {op}(" in line or f" {op}-start(" in line for line in lines)
-            for op in ("collective-permute", "all-gather", "all-to-all", "all-reduce")}
+    return {
+        op: sum(f" {op}(" in line or f" {op}-start(" in line for line in lines)
+        for op in ("collective-permute", "all-gather", "all-to-all", "all-reduce")
+    }
 
 
 def row(S, D, *, B, N, H, causal, backward, timed):
     mesh = Mesh(np.array(jax.devices()[:D]), ("seq",))
-    x = jax.ShapeDtypeStruct((B, S, N, H), jnp.float32,
-                             sharding=NamedSharding(mesh, PartitionSpec(None, "seq", None, None)))
+    x = jax.ShapeDtypeStruct(
+        (B, S, N, H), jnp.float32, sharding=NamedSharding(mesh, PartitionSpec(None, "seq", None, None))
+    )
 
     def attend(q, k, v):
         return jaxattn.ring_attention(q, k, v, mesh=mesh, sequence_axis="seq", is_causal=causal)
@@ -72,15 +75,24 @@ def row(S, D, *, B, N, H, causal, backward, timed):
     tile = tiles.ring_tile_sizes(None, S // (C * D), S // (C * D), B * N, S // D * H)  # the default (Tb, Sb)
     key_tiles = -(-(S // (C * D)) // tile[1])
     pieces = C * ring_engine.pieces_per_chunk(key_tiles, C) if D > 1 else 1
-    result = {"devices": D, "phase": "forward+backward" if backward else "forward",
-              "temp_MiB_per_device": memory.temp_size_in_bytes / MiB,
-              "arguments_MiB_per_device": memory.argument_size_in_bytes / MiB,
-              "ring_steps": D, "kv_hops": D - 1, "dkv_hops": D if backward else 0,
-              "bytes_per_step": 2 * share, "pieces_per_step": pieces, "chunk_pairs_per_device": pairs[0],
-              "chunk_pairs_skipped_per_device": pairs[1], "tile": list(tile),
-              # share of the S x S logits grid each device computes (diagonal pairs are half needed)
-              "logit_fraction_per_device": (0.5 if causal else 1.0) / D,
-              "compile_s": time.perf_counter() - start, "collectives": collectives(compiled)}
+    result = {
+        "devices": D,
+        "phase": "forward+backward" if backward else "forward",
+        "temp_MiB_per_device": memory.temp_size_in_bytes / MiB,
+        "arguments_MiB_per_device": memory.argument_size_in_bytes / MiB,
+        "ring_steps": D,
+        "kv_hops": D - 1,
+        "dkv_hops": D if backward else 0,
+        "bytes_per_step": 2 * share,
+        "pieces_per_step": pieces,
+        "chunk_pairs_per_device": pairs[0],
+        "chunk_pairs_skipped_per_device": pairs[1],
+        "tile": list(tile),
+        # share of the S x S logits grid each device computes (diagonal pairs are half needed)
+        "logit_fraction_per_device": (0.5 if causal else 1.0) / D,
+        "compile_s": time.perf_counter() - start,
+        "collectives": collectives(compiled),
+    }
     if timed:
         rng = np.random.default_rng(0)
         args = [jax.device_put(jnp.asarray(rng.normal(size=x.shape), jnp.float32), x.sharding) for _ in range(3)]
@@ -105,6 +117,7 @@ def single_device(S, *, B, N, H, causal, backward):
             return attend(q, k, v)
         out, vjp = jax.vjp(attend, q, k, v)
         return vjp(out)
+
     return jax.jit(run).lower(x, x, x).compile().memory_analysis().temp_size_in_bytes / MiB
 
 
@@ -130,27 +143,42 @@ def main():
             r["x_single_device_blockwise"] = r["temp_MiB_per_device"] / reference[phase]
             rows.append(r)
 
-    print(f"ring attention, float32 [B={args.batch}, S={args.seq}, N={args.heads}, H={args.head_dim}], "
-          f"{'causal (zigzag)' if causal else 'non-causal'}; single-device blockwise temp: "
-          + ", ".join(f"{p} {m:.1f} MiB" for p, m in reference.items()))
-    header = f"{'phase':17} {'D':>2} {'temp MiB/dev':>12} {'x 1-dev':>7} {'steps':>5} {'kv hops':>7} " \
-             f"{'MiB/step':>8} {'pieces':>6} {'pairs run/skip':>14} {'logits/dev':>10} {'permutes':>8} " \
-             f"{'gathers':>7} {'tile':>9}"
+    print(
+        f"ring attention, float32 [B={args.batch}, S={args.seq}, N={args.heads}, H={args.head_dim}], "
+        f"{'causal (zigzag)' if causal else 'non-causal'}; single-device blockwise temp: "
+        + ", ".join(f"{p} {m:.1f} MiB" for p, m in reference.items())
+    )
+    header = (
+        f"{'phase':17} {'D':>2} {'temp MiB/dev':>12} {'x 1-dev':>7} {'steps':>5} {'kv hops':>7} "
+        f"{'MiB/step':>8} {'pieces':>6} {'pairs run/skip':>14} {'logits/dev':>10} {'permutes':>8} "
+        f"{'gathers':>7} {'tile':>9}"
+    )
     print(header)
     for r in rows:
-        print(f"{r['phase']:17} {r['devices']:>2} {r['temp_MiB_per_device']:>12.1f} "
-              f"{r['x_single_device_blockwise']:>7.3f} {r['ring_steps']:>5} {r['kv_hops']:>7} "
-              f"{r['bytes_per_step'] / MiB:>8.1f} {r['pieces_per_step']:>6} "
-              f"{r['chunk_pairs_per_device']:>7}/{r['chunk_pairs_skipped_per_device']:<6} "
-              f"{r['logit_fraction_per_device']:>10.4f} {r['collectives']['collective-permute']:>8} "
-              f"{r['collectives']['all-gather']:>7} {'x'.join(map(str, r['tile'])):>9}"
-              + (f"  {r['median_s'] * 1e3:.1f} ms" if "median_s" in r else ""))
+        print(
+            f"{r['phase']:17} {r['devices']:>2} {r['temp_MiB_per_device']:>12.1f} "
+            f"{r['x_single_device_blockwise']:>7.3f} {r['ring_steps']:>5} {r['kv_hops']:>7} "
+            f"{r['bytes_per_step'] / MiB:>8.1f} {r['pieces_per_step']:>6} "
+            f"{r['chunk_pairs_per_device']:>7}/{r['chunk_pairs_skipped_per_device']:<6} "
+            f"{r['logit_fraction_per_device']:>10.4f} {r['collectives']['collective-permute']:>8} "
+            f"{r['collectives']['all-gather']:>7} {'x'.join(map(str, r['tile'])):>9}"
+            + (f"  {r['median_s'] * 1e3:.1f} ms" if "median_s" in r else "")
+        )
 
-    report = {"command": "python -m benchmarks.ring", "jax": jax.__version__, "backend": jax.default_backend(),
-              "devices": [str(d) for d in jax.devices()], "shape": {"S": args.seq, **shape}, "causal": causal,
-              "timed": args.time, "timing_note": None if args.time else
-              "no timings: 8 fake CPU devices share the host's cores (no GPU was available)",
-              "single_device_blockwise_temp_MiB": reference, "rows": rows}
+    report = {
+        "command": "python -m benchmarks.ring",
+        "jax": jax.__version__,
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "shape": {"S": args.seq, **shape},
+        "causal": causal,
+        "timed": args.time,
+        "timing_note": None
+        if args.time
+        else "no timings: 8 fake CPU devices share the host's cores (no GPU was available)",
+        "single_device_blockwise_temp_MiB": reference,
+        "rows": rows,
+    }
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)

@@ -35,9 +35,17 @@ def machine():
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "jax": jax.__version__, "jax_backend": jax.default_backend(), "flax": flax.__version__,
-            "torch": torch.__version__, "torch_threads": torch.get_num_threads()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jax_backend": jax.default_backend(),
+        "flax": flax.__version__,
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def _fmt(x, spec, scale=1.0):
@@ -50,17 +58,19 @@ def case_rows(case, matmul_gflops):
     for c in case.candidates:
         s = c.summary()
         gflops = s["gflops_per_s"]
-        rows.append({
-            "candidate": c.name,
-            "median ms": _fmt(c.median_s, ".1f", 1e3),
-            f"x {case.reference}": _fmt(c.median_s / ref if c.median_s and ref else None, ".2f"),
-            "GFLOP/s": _fmt(gflops, ".1f"),
-            "% matmul": _fmt(gflops / matmul_gflops if gflops and matmul_gflops else None, ".0f", 100),
-            "compile s": _fmt(c.compile_s, ".2f"),
-            "XLA temp MiB": _fmt(c.temp_bytes, ".1f", 1 / MiB),
-            "torch peak MiB": _fmt(c.peak_bytes, ".1f", 1 / MiB),
-            "note": c.note,
-        })
+        rows.append(
+            {
+                "candidate": c.name,
+                "median ms": _fmt(c.median_s, ".1f", 1e3),
+                f"x {case.reference}": _fmt(c.median_s / ref if c.median_s and ref else None, ".2f"),
+                "GFLOP/s": _fmt(gflops, ".1f"),
+                "% matmul": _fmt(gflops / matmul_gflops if gflops and matmul_gflops else None, ".0f", 100),
+                "compile s": _fmt(c.compile_s, ".2f"),
+                "XLA temp MiB": _fmt(c.temp_bytes, ".1f", 1 / MiB),
+                "torch peak MiB": _fmt(c.peak_bytes, ".1f", 1 / MiB),
+                "note": c.note,
+            }
+        )
     return rows
 
 
@@ -89,11 +99,14 @@ def print_case(console, case, rows, targets):
 
 
 def markdown(results):
-    lines = [f"Measured {results['date']} on {results['machine']['cpu']} ({results['machine']['cores']} cores), "
-             f"jax {results['machine']['jax']}, flax {results['machine']['flax']}, "
-             f"torch {results['machine']['torch']}; "
-             f"load average {results['load_average_start']} at start, {results['load_average_end']} at end; "
-             f"{results['rounds']} rounds; `{results['command']}`.", ""]
+    lines = [
+        f"Measured {results['date']} on {results['machine']['cpu']} ({results['machine']['cores']} cores), "
+        f"jax {results['machine']['jax']}, flax {results['machine']['flax']}, "
+        f"torch {results['machine']['torch']}; "
+        f"load average {results['load_average_start']} at start, {results['load_average_end']} at end; "
+        f"{results['rounds']} rounds; `{results['command']}`.",
+        "",
+    ]
     for case in results["cases"]:
         lines.append(f"**{case['title']}**")
         lines.append("")
@@ -121,8 +134,12 @@ def plot(case, path, title):
         style = dict(color=f"C{index}", label=series)  # one colour per series on both axes
         xs = [s for s, _ in points]
         ax_t.plot(xs, [by_name[n].median_s * 1e3 for _, n in points], "o-", **style)
-        mem = [by_name[n].peak_bytes if by_name[n].peak_bytes is not None
-               else (by_name[n].temp_bytes or 0) + (by_name[n].output_bytes or 0) for _, n in points]
+        mem = [
+            by_name[n].peak_bytes
+            if by_name[n].peak_bytes is not None
+            else (by_name[n].temp_bytes or 0) + (by_name[n].output_bytes or 0)
+            for _, n in points
+        ]
         if any(by_name[n].peak_bytes is not None or by_name[n].temp_bytes is not None for _, n in points):
             ax_m.plot(xs, [m / MiB for m in mem], "o-", **style)
     for ax, label in ((ax_t, "forward time (ms, median)"), (ax_m, "memory (MiB)")):
@@ -156,9 +173,15 @@ def main(argv=None):
         names.insert(0, "matmul")  # every run measures its own ceiling
 
     console = Console(width=200)
-    results = {"date": datetime.datetime.now().isoformat(timespec="seconds"), "machine": machine(),
-               "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]),
-               "quick": args.quick, "rounds": rounds, "load_average_start": load_average(), "cases": []}
+    results = {
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "machine": machine(),
+        "command": "python -m benchmarks.run " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "quick": args.quick,
+        "rounds": rounds,
+        "load_average_start": load_average(),
+        "cases": [],
+    }
     console.print(f"[bold]jaxattn benchmarks[/bold] {results['date']} {results['machine']}")
     started = time.perf_counter()
     built = []
@@ -171,19 +194,30 @@ def main(argv=None):
         for cand, peak in zip(specs, measure_torch_memory([c.torch_memory for c in specs])):
             cand.peak_bytes = peak
         # "% matmul" is against the matmul timed in this case's own rounds (same load)
-        matmul_gflops = max(c.summary()["gflops_per_s"] for c in case.candidates
-                            if c.name.startswith("(ceiling") or name == "matmul")
+        matmul_gflops = max(
+            c.summary()["gflops_per_s"] for c in case.candidates if c.name.startswith("(ceiling") or name == "matmul"
+        )
         rows, targets = case_rows(case, matmul_gflops), target_rows(case)
         print_case(console, case, rows, targets)
-        results["cases"].append({"name": case.name, "title": case.title, "params": case.params,
-                                 "reference": case.reference, "rows": rows, "targets": targets,
-                                 "candidates": {c.name: c.summary() for c in case.candidates}})
+        results["cases"].append(
+            {
+                "name": case.name,
+                "title": case.title,
+                "params": case.params,
+                "reference": case.reference,
+                "rows": rows,
+                "targets": targets,
+                "candidates": {c.name: c.summary() for c in case.candidates},
+            }
+        )
         built.append(case)
     results["load_average_end"] = load_average()
     results["total_s"] = time.perf_counter() - started
     missed = [t["target"] for c in results["cases"] for t in c["targets"] if not t["met"]]
-    console.print(f"done in {results['total_s']:.0f} s; load average {results['load_average_end']}; "
-                  f"{len(missed)} target(s) missed{': ' + '; '.join(missed) if missed else ''}")
+    console.print(
+        f"done in {results['total_s']:.0f} s; load average {results['load_average_end']}; "
+        f"{len(missed)} target(s) missed{': ' + '; '.join(missed) if missed else ''}"
+    )
 
     os.makedirs(args.out, exist_ok=True)
     stem = "quick" if args.quick else "results"
@@ -193,8 +227,11 @@ def main(argv=None):
         f.write(markdown(results) + "\n")
     sweep = next((c for c in built if c.sweep), None)
     if sweep is not None and not args.no_plot:
-        plot(sweep, os.path.join(args.out, f"{'quick-' if args.quick else ''}sweep.png"),
-             f"{sweep.title}\n{results['machine']['cpu']}, {results['date']}")
+        plot(
+            sweep,
+            os.path.join(args.out, f"{'quick-' if args.quick else ''}sweep.png"),
+            f"{sweep.title}\n{results['machine']['cpu']}, {results['date']}",
+        )
     return 0
 
 

@@ -43,8 +43,14 @@ def llama_tensors(layers: int, dtype) -> dict[str, np.ndarray]:
     for i in range(layers):
         p = f"model.layers.{i}."
         shapes.update({p + f"self_attn.{n}_proj.weight": (E, E) for n in "qkvo"})
-        shapes.update({p + "mlp.gate_proj.weight": (F, E), p + "mlp.up_proj.weight": (F, E),
-                       p + "mlp.down_proj.weight": (E, F), p + "input_layernorm.weight": (E,)})
+        shapes.update(
+            {
+                p + "mlp.gate_proj.weight": (F, E),
+                p + "mlp.up_proj.weight": (F, E),
+                p + "mlp.down_proj.weight": (E, F),
+                p + "input_layernorm.weight": (E,),
+            }
+        )
     return {k: rng.standard_normal(s, dtype=np.float32).astype(dtype) for k, s in shapes.items()}
 
 
@@ -77,15 +83,21 @@ def candidates(path, tensors, scratch):
 
     got, want = ours_region(), library_region()
     assert all(a.dtype == b.dtype and np.array_equal(a, b) for a, b in zip(got, want))
-    return [Candidate("read: io.load_safetensors", lambda: io.load_safetensors(path)),
-            Candidate("read: safetensors.numpy.load_file", lambda: load_file(str(path))),
-            Candidate("region: io.read_region (memmap)", ours_region),
-            Candidate("region: safe_open get_slice", library_region),
-            Candidate("write: io.save_safetensors (fsync, rename)",
-                      lambda: io.save_safetensors(tensors, os.path.join(scratch, "ours.safetensors"))),
-            Candidate("write: io.safetensors_writer (no fsync)", ours_unsynced),
-            Candidate("write: safetensors.numpy.save_file",
-                      lambda: save_file(tensors, os.path.join(scratch, "library.safetensors")))]
+    return [
+        Candidate("read: io.load_safetensors", lambda: io.load_safetensors(path)),
+        Candidate("read: safetensors.numpy.load_file", lambda: load_file(str(path))),
+        Candidate("region: io.read_region (memmap)", ours_region),
+        Candidate("region: safe_open get_slice", library_region),
+        Candidate(
+            "write: io.save_safetensors (fsync, rename)",
+            lambda: io.save_safetensors(tensors, os.path.join(scratch, "ours.safetensors")),
+        ),
+        Candidate("write: io.safetensors_writer (no fsync)", ours_unsynced),
+        Candidate(
+            "write: safetensors.numpy.save_file",
+            lambda: save_file(tensors, os.path.join(scratch, "library.safetensors")),
+        ),
+    ]
 
 
 def mutations(raw: bytes, count: int, rng):
@@ -98,7 +110,7 @@ def mutations(raw: bytes, count: int, rng):
             for at in rng.integers(0, min(len(data), 8 + n + 64), rng.integers(1, 6)):
                 data[at] ^= 1 << int(rng.integers(8))
         elif kind == 1:
-            data = data[:int(rng.integers(0, len(data)))]
+            data = data[: int(rng.integers(0, len(data)))]
         elif kind == 2:
             data += bytes(rng.integers(0, 256, int(rng.integers(1, 64)), dtype=np.uint8))
         else:
@@ -139,16 +151,22 @@ def main():
     parser.add_argument("--out", default="benchmarks/results/safetensors_io.json")
     args = parser.parse_args()
     started = time.time()
-    result = {"command": "python -m benchmarks.safetensors_io", "rounds": args.rounds, "cores": os.cpu_count(),
-              "load_average": load_average()}
+    result = {
+        "command": "python -m benchmarks.safetensors_io",
+        "rounds": args.rounds,
+        "cores": os.cpu_count(),
+        "load_average": load_average(),
+    }
     with tempfile.TemporaryDirectory() as scratch:
         for dtype in (np.float32, ml_dtypes.bfloat16):
             tensors = llama_tensors(args.layers, dtype)
             path = io.save_safetensors(tensors, os.path.join(scratch, "checkpoint.safetensors"))
             cands = candidates(path, tensors, scratch)
             time_rounds(cands, args.rounds)
-            result[np.dtype(dtype).name] = {"bytes": os.path.getsize(path),
-                                            **{c.name: {"median_s": c.median_s, "times_s": c.times} for c in cands}}
+            result[np.dtype(dtype).name] = {
+                "bytes": os.path.getsize(path),
+                **{c.name: {"median_s": c.median_s, "times_s": c.times} for c in cands},
+            }
             for c in cands:
                 print(f"{np.dtype(dtype).name:9s} {c.name:45s} {c.median_s * 1e3:9.1f} ms")
         result["damaged"] = damaged(scratch)

@@ -39,6 +39,7 @@ def main(argv=None):
 
         def f(q, k, v, block=block):
             return jaxattn.dot_product_attention(q, k, v, is_causal=True, implementation="blockwise", block_size=block)
+
         if args.backward:
             f = jax.grad(lambda q, k, v, f=f: f(q, k, v).sum(), argnums=(0, 1, 2))
         cands.append(jax_candidate(tile, f, q, k, v))

@@ -44,8 +44,19 @@ import numpy as np
 from crosscheck._compare import MODEL_TOLERANCES, error_metrics
 from crosscheck._golden import load_golden
 from crosscheck._param_grads import ParamPair, param_pairs
-from crosscheck._reference import (cast_inputs, checked_dtype, cotangents, flat_intermediates, layer_pairs,
-                                   loss_value, named_outputs, nearest, need_torch, run_torch, versions)
+from crosscheck._reference import (
+    cast_inputs,
+    checked_dtype,
+    cotangents,
+    flat_intermediates,
+    layer_pairs,
+    loss_value,
+    named_outputs,
+    nearest,
+    need_torch,
+    run_torch,
+    versions,
+)
 
 __all__ = ["LOGIT_BARS", "Bar", "Certificate", "LogitBars", "Row", "certify", "versions"]
 
@@ -77,26 +88,28 @@ class LogitBars:
 # per-token KL over tiny random GPT-2, Qwen2, Qwen3 and Llama checkpoints on 521 real tokens was 4.9e-11;
 # the bar sits 100x above it and 400x below the mildest planted fault (norm epsilon 1e-5 for 1e-6: 2.0e-6).
 # Agreement: no clean run flipped a top-1 token or a top-5 set; float32 allows a top-5 near tie to swap.
-LOGIT_BARS: Mapping[str, LogitBars] = MappingProxyType({
-    "float64": LogitBars(kl=1e-24, top1=1.0, top5=1.0),
-    "float32": LogitBars(kl=5e-9, top1=1.0, top5=0.99),
-})
+LOGIT_BARS: Mapping[str, LogitBars] = MappingProxyType(
+    {
+        "float64": LogitBars(kl=1e-24, top1=1.0, top5=1.0),
+        "float32": LogitBars(kl=5e-9, top1=1.0, top5=0.99),
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class Row:
     """One compared quantity. `value` is what meets `bar`: an error (<=) or, for top1/top5, an agreement (>=)."""
 
-    name: str              # torch module path (layers), output name, "logits.kl", "grad/x", torch parameter name
-    kind: str              # "layer" | "output" | "kl" | "top1" | "top5" | "grad" | "param_grad"
+    name: str  # torch module path (layers), output name, "logits.kl", "grad/x", torch parameter name
+    kind: str  # "layer" | "output" | "kl" | "top1" | "top5" | "grad" | "param_grad"
     shape: tuple[int, ...]
     max_abs: float
     normwise: float
-    scale: float           # the reference's largest |value|
-    metric: str            # "normwise" | "max_abs" | "kl" | "agreement"
+    scale: float  # the reference's largest |value|
+    metric: str  # "normwise" | "max_abs" | "kl" | "agreement"
     value: float
     bar: float
-    status: str            # "ok", "FAIL", "non-finite in JAX only", "torch module never ran", ...
+    status: str  # "ok", "FAIL", "non-finite in JAX only", "torch module never ran", ...
     jax_name: str = ""
 
     @property
@@ -111,8 +124,11 @@ class Row:
         return self.value / self.bar if self.bar > 0 else math.inf
 
     def to_dict(self) -> dict[str, Any]:
-        return {**{k: _json_float(v) for k, v in dataclasses.asdict(self).items()}, "shape": list(self.shape),
-                "passed": self.passed}
+        return {
+            **{k: _json_float(v) for k, v in dataclasses.asdict(self).items()},
+            "shape": list(self.shape),
+            "passed": self.passed,
+        }
 
 
 class Verdict:
@@ -135,27 +151,36 @@ class Verdict:
 class Certificate(Verdict):
     dtype: str
     rows: tuple[Row, ...]
-    inputs: Mapping[str, tuple[tuple[int, ...], str]]   # name -> (shape, dtype)
+    inputs: Mapping[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype)
     versions: Mapping[str, str | None]
     golden: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "passed": self.passed, "first_divergent": self.first_divergent, "dtype": self.dtype,
-            "versions": dict(self.versions), "golden": self.golden,
+            "passed": self.passed,
+            "first_divergent": self.first_divergent,
+            "dtype": self.dtype,
+            "versions": dict(self.versions),
+            "golden": self.golden,
             "inputs": {k: {"shape": list(s), "dtype": d} for k, (s, d) in self.inputs.items()},
-            "tolerances": {"outputs": {k: dataclasses.asdict(v) for k, v in MODEL_TOLERANCES.items()},
-                           "logits": {k: dataclasses.asdict(v) for k, v in LOGIT_BARS.items()}},
+            "tolerances": {
+                "outputs": {k: dataclasses.asdict(v) for k, v in MODEL_TOLERANCES.items()},
+                "logits": {k: dataclasses.asdict(v) for k, v in LOGIT_BARS.items()},
+            },
             "rows": [r.to_dict() for r in self.rows],
         }
 
     def table(self) -> str:
-        lines = [f"certificate [{self.dtype}]: {'PASS' if self.passed else 'FAIL'}"
-                 + (f" (golden file {self.golden})" if self.golden else ""),
-                 f"  {'row':36} {'JAX':24} {'kind':10} {'max abs':>10} {'normwise':>10} {'value':>10} {'bar':>9}"
-                 "  status"]
-        lines += [f"  {r.name:36} {r.jax_name:24} {r.kind:10} {r.max_abs:10.2e} {r.normwise:10.2e} {r.value:10.3e} "
-                  f"{r.bar:9.1e}  {r.status}" for r in self.rows]
+        lines = [
+            f"certificate [{self.dtype}]: {'PASS' if self.passed else 'FAIL'}"
+            + (f" (golden file {self.golden})" if self.golden else ""),
+            f"  {'row':36} {'JAX':24} {'kind':10} {'max abs':>10} {'normwise':>10} {'value':>10} {'bar':>9}  status",
+        ]
+        lines += [
+            f"  {r.name:36} {r.jax_name:24} {r.kind:10} {r.max_abs:10.2e} {r.normwise:10.2e} {r.value:10.3e} "
+            f"{r.bar:9.1e}  {r.status}"
+            for r in self.rows
+        ]
         lines.append(f"  first divergent: {self.first_divergent}" if not self.passed else "  every row passes")
         return "\n".join(lines)
 
@@ -168,8 +193,16 @@ class Certificate(Verdict):
         for column in ("row", "JAX", "kind", "max abs", "normwise", "value", "bar", "status"):
             table.add_column(column, justify="left" if column in ("row", "JAX", "kind", "status") else "right")
         for r in self.rows:
-            table.add_row(r.name, r.jax_name, r.kind, f"{r.max_abs:.2e}", f"{r.normwise:.2e}", f"{r.value:.3e}",
-                          f"{r.bar:.1e}", r.status if r.passed else f"[bold red]{r.status}[/]")
+            table.add_row(
+                r.name,
+                r.jax_name,
+                r.kind,
+                f"{r.max_abs:.2e}",
+                f"{r.normwise:.2e}",
+                f"{r.value:.3e}",
+                f"{r.bar:.1e}",
+                r.status if r.passed else f"[bold red]{r.status}[/]",
+            )
         return table
 
     def plot(self, path: str) -> None:
@@ -177,8 +210,9 @@ class Certificate(Verdict):
         plot_series([(self.dtype, self.rows)], path, title="torch vs JAX, per row")
 
 
-def plot_series(series: Sequence[tuple[str, Sequence[Any]]], path: str, *, title: str,
-                ylabel: str = "error / bar") -> None:
+def plot_series(
+    series: Sequence[tuple[str, Sequence[Any]]], path: str, *, title: str, ylabel: str = "error / bar"
+) -> None:
     """One line per (label, rows); a row has .name and .ratio. Needs matplotlib."""
     try:
         import matplotlib
@@ -241,11 +275,14 @@ def split_jax(raw, want_layers: bool, torch_names=None):
     out, inter = raw, {}
     if isinstance(raw, tuple) and len(raw) == 2 and isinstance(raw[1], Mapping):
         whole = set(named_outputs(raw))
-        if want_layers or (torch_names is not None and whole != set(torch_names)
-                           and set(named_outputs(raw[0])) == set(torch_names)):
+        if want_layers or (
+            torch_names is not None and whole != set(torch_names) and set(named_outputs(raw[0])) == set(torch_names)
+        ):
             out, inter = raw
-    return ({k: np.asarray(v) for k, v in named_outputs(out).items()},
-            {k: np.asarray(v) for k, v in flat_intermediates(inter).items()})
+    return (
+        {k: np.asarray(v) for k, v in named_outputs(out).items()},
+        {k: np.asarray(v) for k, v in flat_intermediates(inter).items()},
+    )
 
 
 def _split(out, want_layers: bool):
@@ -254,8 +291,16 @@ def _split(out, want_layers: bool):
     return out, {}
 
 
-def jax_grads(jax_fn, inputs: Mapping[str, np.ndarray], reference: Mapping[str, np.ndarray], *, loss, logits,
-              split: bool, jax_params=None) -> tuple[dict[str, np.ndarray], Any]:
+def jax_grads(
+    jax_fn,
+    inputs: Mapping[str, np.ndarray],
+    reference: Mapping[str, np.ndarray],
+    *,
+    loss,
+    logits,
+    split: bool,
+    jax_params=None,
+) -> tuple[dict[str, np.ndarray], Any]:
     """({input: d loss / d input} for the floating inputs, d loss / d jax_params (a tree; None without them))."""
     import jax
     import jax.numpy as jnp
@@ -290,8 +335,13 @@ def measure(name: str, kind: str, ours: np.ndarray, theirs: np.ndarray, bar: Bar
     value = max_abs if bar.metric == "max_abs" else normwise
     limit = bar.at(scale)
     if bad_jax or bad_torch:
-        status = ("non-finite on both sides" if bad_jax and bad_torch else
-                  "non-finite in JAX only" if bad_jax else "non-finite in torch only")
+        status = (
+            "non-finite on both sides"
+            if bad_jax and bad_torch
+            else "non-finite in JAX only"
+            if bad_jax
+            else "non-finite in torch only"
+        )
     else:
         status = "ok" if value <= limit else "FAIL"
     return Row(name, kind, tuple(theirs.shape), max_abs, normwise, scale, bar.metric, value, limit, status, jax_name)
@@ -304,20 +354,43 @@ def logit_rows(name: str, ours: np.ndarray, theirs: np.ndarray, bars: LogitBars)
     shape = tuple(theirs.shape[:-1])
     if not (np.isfinite(a).all() and np.isfinite(b).all()) or not a.size:
         status = "non-finite logits" if a.size else "no tokens"
-        return [Row(f"{name}.{k}", k, shape, math.nan, math.nan, math.nan, m, math.nan, bar, status)
-                for k, m, bar in (("kl", "kl", bars.kl), ("top1", "agreement", bars.top1),
-                                  ("top5", "agreement", bars.top5))]
+        return [
+            Row(f"{name}.{k}", k, shape, math.nan, math.nan, math.nan, m, math.nan, bar, status)
+            for k, m, bar in (("kl", "kl", bars.kl), ("top1", "agreement", bars.top1), ("top5", "agreement", bars.top5))
+        ]
     kl = float(np.max(kl_divergence(a, b)))
     top1 = float(np.mean(a.argmax(-1) == b.argmax(-1)))
     k = min(5, a.shape[-1])
     top_a, top_b = np.argpartition(-a, k - 1, axis=-1)[:, :k], np.argpartition(-b, k - 1, axis=-1)[:, :k]
     top5 = float(np.mean([len(set(x) & set(y)) / k for x, y in zip(top_a, top_b, strict=True)]))
     nan = math.nan
-    return [Row(f"{name}.kl", "kl", shape, nan, nan, nan, "kl", kl, bars.kl, "ok" if kl <= bars.kl else "FAIL"),
-            Row(f"{name}.top1", "top1", shape, nan, nan, nan, "agreement", top1, bars.top1,
-                "ok" if top1 >= bars.top1 else "FAIL"),
-            Row(f"{name}.top5", "top5", shape, nan, nan, nan, "agreement", top5, bars.top5,
-                "ok" if top5 >= bars.top5 else "FAIL")]
+    return [
+        Row(f"{name}.kl", "kl", shape, nan, nan, nan, "kl", kl, bars.kl, "ok" if kl <= bars.kl else "FAIL"),
+        Row(
+            f"{name}.top1",
+            "top1",
+            shape,
+            nan,
+            nan,
+            nan,
+            "agreement",
+            top1,
+            bars.top1,
+            "ok" if top1 >= bars.top1 else "FAIL",
+        ),
+        Row(
+            f"{name}.top5",
+            "top5",
+            shape,
+            nan,
+            nan,
+            nan,
+            "agreement",
+            top5,
+            bars.top5,
+            "ok" if top5 >= bars.top5 else "FAIL",
+        ),
+    ]
 
 
 def kl_divergence(theirs: np.ndarray, ours: np.ndarray) -> np.ndarray:
@@ -327,7 +400,7 @@ def kl_divergence(theirs: np.ndarray, ours: np.ndarray) -> np.ndarray:
     log_p, log_q = _log_softmax(theirs), _log_softmax(ours)
     d = log_p - log_q
     small = np.abs(d) < 1e-3
-    series = d * d / 2 - d ** 3 / 6 + d ** 4 / 24   # d + expm1(-d) cancels for small d; its Taylor series does not
+    series = d * d / 2 - d**3 / 6 + d**4 / 24  # d + expm1(-d) cancels for small d; its Taylor series does not
     terms = np.where(small, series, d + np.expm1(-np.where(small, 0.0, d)))
     return np.sum(np.exp(log_p) * terms, axis=-1)
 
@@ -348,11 +421,24 @@ def check_structure(ours: Mapping[str, np.ndarray], theirs: Mapping[str, np.ndar
 # --- certify -----------------------------------------------------------------------------------------------
 
 
-def certify(torch_fn, jax_fn, inputs: Mapping[str, Any] | None, *, dtype: str = "float32", layers=None,
-            logits: str | None = None, grads: bool = False, golden=None, loss=None, bar: Bar | None = None,
-            select: Callable[[str, np.ndarray], np.ndarray] | None = None, torch_module=None,
-            checkpoint_hash: str | None = None, params: Mapping[str, Any] | None = None,
-            jax_params=None) -> Certificate:
+def certify(
+    torch_fn,
+    jax_fn,
+    inputs: Mapping[str, Any] | None,
+    *,
+    dtype: str = "float32",
+    layers=None,
+    logits: str | None = None,
+    grads: bool = False,
+    golden=None,
+    loss=None,
+    bar: Bar | None = None,
+    select: Callable[[str, np.ndarray], np.ndarray] | None = None,
+    torch_module=None,
+    checkpoint_hash: str | None = None,
+    params: Mapping[str, Any] | None = None,
+    jax_params=None,
+) -> Certificate:
     """Certify `jax_fn` against `torch_fn` on `inputs` ({name: numpy array}); see the module docstring.
 
     torch_fn: a torch.nn.Module (cast to `dtype` and put in eval mode, in place) or any callable; None with
@@ -380,15 +466,24 @@ def certify(torch_fn, jax_fn, inputs: Mapping[str, Any] | None, *, dtype: str = 
     if weights and not grads:
         raise ValueError("params: parameter gradients are compared with grads=True only")
     if weights and jax_params is None:
-        raise ValueError("params: needs jax_params=, the JAX tree the gradients are taken with respect to "
-                         "(jax_fn is then called jax_fn(jax_params, **inputs))")
+        raise ValueError(
+            "params: needs jax_params=, the JAX tree the gradients are taken with respect to "
+            "(jax_fn is then called jax_fn(jax_params, **inputs))"
+        )
     bar = bar or Bar("normwise", MODEL_TOLERANCES[dtype].forward)
     pairs = layer_pairs(layers)
     select = select or (lambda name, array: array)
     reference = None
     if golden is not None:
-        reference = load_golden(golden, inputs, dtype=dtype, torch_fn=torch_fn, checkpoint_hash=checkpoint_hash,
-                                grads=grads, params=[name for name, *_ in weights])
+        reference = load_golden(
+            golden,
+            inputs,
+            dtype=dtype,
+            torch_fn=torch_fn,
+            checkpoint_hash=checkpoint_hash,
+            grads=grads,
+            params=[name for name, *_ in weights],
+        )
         inputs = reference.inputs
         if layers is None:  # the pairs the file was recorded for (their transforms, if any, are not stored)
             pairs = [(path, name, None) for path, name in reference.meta.get("pairs", [])]
@@ -413,19 +508,31 @@ def certify(torch_fn, jax_fn, inputs: Mapping[str, Any] | None, *, dtype: str = 
         label = path if seen[path] == 1 else f"{path} (call {seen[path]})"
         if array is None:
             nan = math.nan
-            layer_rows.append(Row(label, "layer", (), nan, nan, nan, bar.metric, nan, nan, "torch module never ran",
-                                  name))
+            layer_rows.append(
+                Row(label, "layer", (), nan, nan, nan, bar.metric, nan, nan, "torch module never ran", name)
+            )
             return
         mine = inter[name]
         if mine.shape != array.shape:
-            raise ValueError(f"layers {path!r} -> {name!r}: torch shape {array.shape} vs JAX shape {mine.shape} "
-                             "(give a transform: {path: (name, transform)})")
+            raise ValueError(
+                f"layers {path!r} -> {name!r}: torch shape {array.shape} vs JAX shape {mine.shape} "
+                "(give a transform: {path: (name, transform)})"
+            )
         layer_rows.append(measure(label, "layer", select(name, mine), select(name, array), bar, name))
 
     if reference is None:
         theirs, their_grads, their_params = run_torch(
-            torch_fn, inputs, dtype=dtype, pairs=pairs, torch_module=torch_module, on_layer=on_layer, grads=grads,
-            loss=loss, logits=_logits_name(logits, split_jax(raw, True)[0]), params=[name for name, *_ in weights])
+            torch_fn,
+            inputs,
+            dtype=dtype,
+            pairs=pairs,
+            torch_module=torch_module,
+            on_layer=on_layer,
+            grads=grads,
+            loss=loss,
+            logits=_logits_name(logits, split_jax(raw, True)[0]),
+            params=[name for name, *_ in weights],
+        )
     else:
         theirs, their_grads, their_params = reference.outputs, reference.grads, reference.param_grads
         calls: dict[str, int] = {}
@@ -458,8 +565,10 @@ def param_row(pair: ParamPair, tree, theirs: np.ndarray, bar: Bar) -> Row:
     theirs = theirs if transform is None else np.asarray(transform(theirs))
     ours = np.asarray(pull(tree))
     if ours.shape != theirs.shape:
-        raise ValueError(f"params {name!r} -> {label!r}: torch gradient shape {theirs.shape} vs JAX shape "
-                         f"{ours.shape} (give a transform: {{name: (path, transform)}})")
+        raise ValueError(
+            f"params {name!r} -> {label!r}: torch gradient shape {theirs.shape} vs JAX shape "
+            f"{ours.shape} (give a transform: {{name: (path, transform)}})"
+        )
     return measure(name, "param_grad", ours, theirs, bar, label)
 
 

@@ -21,9 +21,11 @@ from pathlib import Path
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m crosscheck certify",
-                                description="Certify a JAX port of a PyTorch model: every output and named "
-                                            "layer, logits' KL and top-k agreement, optional gradients.")
+    p = argparse.ArgumentParser(
+        prog="python -m crosscheck certify",
+        description="Certify a JAX port of a PyTorch model: every output and named "
+        "layer, logits' KL and top-k agreement, optional gradients.",
+    )
     p.add_argument("--torch", metavar="MODULE:FACTORY", help="returns (torch callable or nn.Module, inputs[, layers])")
     p.add_argument("--jax", metavar="MODULE:FACTORY", help="returns (JAX callable, inputs[, layers])")
     where = p.add_mutually_exclusive_group()
@@ -37,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def load_factory(spec: str):
-    """"package.module:name" or "path/to/file.py:name" -> the factory's (callable, inputs, layers or None)."""
+    """ "package.module:name" or "path/to/file.py:name" -> the factory's (callable, inputs, layers or None)."""
     module_name, sep, name = spec.rpartition(":")
     if not sep or not module_name or not name:
         raise ValueError(f"expected MODULE:FACTORY, got {spec!r}")
@@ -55,8 +57,9 @@ def load_factory(spec: str):
         raise ValueError(f"{spec}: module {module_name!r} has no {name!r}")
     made = getattr(module, name)()
     if not isinstance(made, tuple) or len(made) not in (2, 3):
-        raise ValueError(f"{spec}: expected the factory to return (callable, inputs[, layers]), "
-                         f"got {type(made).__name__}")
+        raise ValueError(
+            f"{spec}: expected the factory to return (callable, inputs[, layers]), got {type(made).__name__}"
+        )
     return made if len(made) == 3 else (*made, None)
 
 
@@ -89,8 +92,15 @@ def main(argv: Sequence[str]) -> int:
             print(f"recorded {args.record}")
             if jax_fn is None:
                 return 0
-        cert = certify(None if args.golden else torch_fn, jax_fn, inputs, dtype=args.dtype, layers=layers,
-                       grads=args.grads, golden=args.golden)
+        cert = certify(
+            None if args.golden else torch_fn,
+            jax_fn,
+            inputs,
+            dtype=args.dtype,
+            layers=layers,
+            grads=args.grads,
+            golden=args.golden,
+        )
     except (ImportError, ValueError, OSError) as error:
         print(f"python -m crosscheck certify: error: {error}", file=sys.stderr)
         return 2

@@ -63,40 +63,79 @@ def _parser() -> argparse.ArgumentParser:
         "Exits 1 if any row fails, 2 on a usage error. `python -m crosscheck certify --help`: certify any "
         "JAX port of a PyTorch model (crosscheck.certify).",
     )
-    p.add_argument("--case", action="append", metavar="NAME",
-                   help="case name or glob (repeatable); default: the quick proof's sample (with --all: every case)")
-    p.add_argument("--all", action="store_true", help="every row of each case (its dtypes x transforms); "
-                   "default: each case's quick rows, every case once")
-    p.add_argument("--dtype", action="append", choices=DTYPES,
-                   help="only rows in this dtype (repeatable); a case with no quick row left runs its first one")
-    p.add_argument("--transform", action="append", choices=TRANSFORMS, help="only rows under this transform "
-                   "(repeatable), likewise")
-    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
-                   help="write the results as JSON to PATH, or to stdout (instead of the table) without PATH")
+    p.add_argument(
+        "--case",
+        action="append",
+        metavar="NAME",
+        help="case name or glob (repeatable); default: the quick proof's sample (with --all: every case)",
+    )
+    p.add_argument(
+        "--all",
+        action="store_true",
+        help="every row of each case (its dtypes x transforms); default: each case's quick rows, every case once",
+    )
+    p.add_argument(
+        "--dtype",
+        action="append",
+        choices=DTYPES,
+        help="only rows in this dtype (repeatable); a case with no quick row left runs its first one",
+    )
+    p.add_argument(
+        "--transform", action="append", choices=TRANSFORMS, help="only rows under this transform (repeatable), likewise"
+    )
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const="-",
+        metavar="PATH",
+        help="write the results as JSON to PATH, or to stdout (instead of the table) without PATH",
+    )
     p.add_argument("--list", action="store_true", help="list the cases and exit")
-    p.add_argument("--cache-dir", metavar="DIR",
-                   help=f"JAX's persistent compilation cache (default: {default_cache_dir()})")
+    p.add_argument(
+        "--cache-dir", metavar="DIR", help=f"JAX's persistent compilation cache (default: {default_cache_dir()})"
+    )
     p.add_argument("--no-cache", action="store_true", help="compile everything afresh, cache nothing")
-    p.add_argument("--jobs", type=_positive, metavar="N",
-                   help=f"worker processes, one case at a time each (default {DEFAULT_JOBS}: the CPUs, at most 4)")
-    p.add_argument("--model", metavar="DIR", help="a save_pretrained directory: transformers vs jaxattn.models, "
-                   "layer by layer (exit 1 names the first divergent layer)")
+    p.add_argument(
+        "--jobs",
+        type=_positive,
+        metavar="N",
+        help=f"worker processes, one case at a time each (default {DEFAULT_JOBS}: the CPUs, at most 4)",
+    )
+    p.add_argument(
+        "--model",
+        metavar="DIR",
+        help="a save_pretrained directory: transformers vs jaxattn.models, "
+        "layer by layer (exit 1 names the first divergent layer)",
+    )
     p.add_argument("--plot", metavar="FILE.png", help="with --model: draw error against depth (needs matplotlib)")
     t = p.add_argument_group("training parity (these options need --model DIR --train STEPS; optax)")
-    t.add_argument("--train", type=_positive, metavar="STEPS", help="train DIR for STEPS steps in torch and in JAX "
-                   "(optax) on seeded random batches and compare every step (exit 1 names the first divergent step)")
+    t.add_argument(
+        "--train",
+        type=_positive,
+        metavar="STEPS",
+        help="train DIR for STEPS steps in torch and in JAX "
+        "(optax) on seeded random batches and compare every step (exit 1 names the first divergent step)",
+    )
     t.add_argument("--optimizer", choices=("sgd", "adam", "adamw"), help="with --train (default adamw)")
     t.add_argument("--lr", type=float, metavar="LR", help="with --train: peak learning rate (default 1e-3)")
     w = p.add_argument_group("checking a real checkpoint (these options need --weights)")
-    w.add_argument("--weights", metavar="FILE", help="a state_dict (.safetensors/.pt/.pth/.bin) of "
-                   "torch.nn.MultiheadAttention or a torchref module, run against jaxattn on random inputs")
-    w.add_argument("--num-heads", type=_positive, metavar="N",
-                   help="query heads (required: a state_dict does not record them)")
+    w.add_argument(
+        "--weights",
+        metavar="FILE",
+        help="a state_dict (.safetensors/.pt/.pth/.bin) of "
+        "torch.nn.MultiheadAttention or a torchref module, run against jaxattn on random inputs",
+    )
+    w.add_argument(
+        "--num-heads", type=_positive, metavar="N", help="query heads (required: a state_dict does not record them)"
+    )
     w.add_argument("--num-kv-heads", type=_positive, metavar="K", help="key/value heads (torchref modules; default N)")
     w.add_argument("--head-dim", type=_positive, metavar="H", help="query/key head dim (default: rows / heads)")
     w.add_argument("--value-head-dim", type=_positive, metavar="HV", help="value head dim (default: H)")
-    w.add_argument("--add-zero-attn", action="store_true",
-                   help="the torch.nn.MultiheadAttention was built with add_zero_attn=True (not in its state_dict)")
+    w.add_argument(
+        "--add-zero-attn",
+        action="store_true",
+        help="the torch.nn.MultiheadAttention was built with add_zero_attn=True (not in its state_dict)",
+    )
     return p
 
 
@@ -106,6 +145,7 @@ def _flag(dest: str) -> str:
 
 def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """Every option either takes effect or is refused (exit 2): nothing is silently ignored."""
+
     def given(dests):
         return [_flag(d) for d in dests if getattr(args, d) not in (None, False)]
 
@@ -121,8 +161,10 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         if args.num_kv_heads is not None and args.num_heads % args.num_kv_heads:
             parser.error(f"--num-kv-heads {args.num_kv_heads} must divide --num-heads {args.num_heads}")
         if args.case or args.all:
-            parser.error(f"--weights runs every row of that file's module, not catalogue cases: drop "
-                         f"{', '.join(given(('case', 'all')))}")
+            parser.error(
+                f"--weights runs every row of that file's module, not catalogue cases: drop "
+                f"{', '.join(given(('case', 'all')))}"
+            )
         if args.jobs is not None:
             parser.error("--weights runs one case in this process: drop --jobs")
     if args.plot is not None and args.model is None:
@@ -156,9 +198,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.train is not None:
         from crosscheck._train_report import main as train_main
 
-        return train_main(args.model, steps=args.train, optimizer=args.optimizer or "adamw",
-                          lr=1e-3 if args.lr is None else args.lr,
-                          dtypes=args.dtype, plot_path=args.plot, json_path=args.json)
+        return train_main(
+            args.model,
+            steps=args.train,
+            optimizer=args.optimizer or "adamw",
+            lr=1e-3 if args.lr is None else args.lr,
+            dtypes=args.dtype,
+            plot_path=args.plot,
+            json_path=args.json,
+        )
     if args.model is not None:
         from crosscheck._model_report import main as model_main
 
@@ -212,8 +260,10 @@ def _print_notes(cases: list[Case]) -> None:
 def _print_unavailable() -> None:
     if UNAVAILABLE:
         needs = sorted({m for missing in UNAVAILABLE.values() for m in missing})
-        print(f"not run ({len(UNAVAILABLE)} cases need {', '.join(needs)}): {', '.join(UNAVAILABLE)}; "
-              f"pip install -e \".[models]\" to include them")
+        print(
+            f"not run ({len(UNAVAILABLE)} cases need {', '.join(needs)}): {', '.join(UNAVAILABLE)}; "
+            f'pip install -e ".[models]" to include them'
+        )
 
 
 def _list() -> int:
@@ -222,8 +272,12 @@ def _list() -> int:
 
     table = Table("case", "run once", "default", "description", box=None, pad_edge=False)
     for case in all_cases().values():
-        table.add_row(case.name, ", ".join(f"{d} {t}" for d, t in case.rows(every=False)),
-                      "yes" if case.default_run else "", case.description)
+        table.add_row(
+            case.name,
+            ", ".join(f"{d} {t}" for d, t in case.rows(every=False)),
+            "yes" if case.default_run else "",
+            case.description,
+        )
     Console(width=_width()).print(table)
     _print_unavailable()
     return 0
@@ -233,9 +287,14 @@ def _weights_case(args: argparse.Namespace) -> Case:
     from crosscheck.cases.weights import weights_setup
 
     path = Path(args.weights)
-    setup, what = weights_setup(path, num_heads=args.num_heads, num_kv_heads=args.num_kv_heads,
-                                head_dim=args.head_dim, value_head_dim=args.value_head_dim,
-                                add_zero_attn=args.add_zero_attn)
+    setup, what = weights_setup(
+        path,
+        num_heads=args.num_heads,
+        num_kv_heads=args.num_kv_heads,
+        head_dim=args.head_dim,
+        value_head_dim=args.value_head_dim,
+        add_zero_attn=args.add_zero_attn,
+    )
     return Case(f"weights:{path.name}", lambda: setup, what)
 
 
@@ -260,8 +319,9 @@ def _run(work: list[tuple[Case, list[Row]]], *, jobs: int, cache_dir: str | None
         # compilation cache on disk (eager ops included), when it is on.
         # spawn, not fork: a forked JAX/XLA runtime is not safe. Cases travel by name and are rebuilt there.
         ctx = multiprocessing.get_context("spawn")
-        with concurrent.futures.ProcessPoolExecutor(min(jobs, len(work)), mp_context=ctx,
-                                                    initializer=configure_jax, initargs=(cache_dir,)) as pool:
+        with concurrent.futures.ProcessPoolExecutor(
+            min(jobs, len(work)), mp_context=ctx, initializer=configure_jax, initargs=(cache_dir,)
+        ) as pool:
             futures = {pool.submit(_run_one_case, c.name, rows): (c, rows) for c, rows in work}
             for done in concurrent.futures.as_completed(futures):
                 case, rows = futures[done]
@@ -278,8 +338,11 @@ def _progress(total: int):
 
         def line(rows: int, name: str) -> None:
             done[0] += rows
-            print(f"[{done[0]}/{total} rows, {time.perf_counter() - started:.0f}s] {name}: {rows} rows done",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[{done[0]}/{total} rows, {time.perf_counter() - started:.0f}s] {name}: {rows} rows done",
+                file=sys.stderr,
+                flush=True,
+            )
 
         yield line
         return
@@ -305,8 +368,10 @@ def _fmt(x: float) -> str:
 def _worst_text(worst: dict[str, Any]) -> str:
     """e.g. "worst 0.73 of tolerance (flex_softcap jit output: 7.30e-07 / tol 1e-06)"."""
     what = worst["kind"] if worst["name"] == worst["kind"] else f"{worst['kind']} {worst['name']}"
-    return (f"worst {worst['share_of_tolerance']:.2g} of tolerance ({worst['case']} {worst['transform']} {what}: "
-            f"{_fmt(worst['normwise'])} / tol {worst['tolerance']:.0e})")
+    return (
+        f"worst {worst['share_of_tolerance']:.2g} of tolerance ({worst['case']} {worst['transform']} {what}: "
+        f"{_fmt(worst['normwise'])} / tol {worst['tolerance']:.0e})"
+    )
 
 
 def _share(m) -> float:
@@ -321,20 +386,38 @@ def _worst_metric(rows: list[Report]) -> dict[str, Any] | None:
     if not found:
         return None
     r, m = max(found, key=lambda rm: _share(rm[1]))
-    return {"share_of_tolerance": _share(m), "case": r.name, "transform": r.transform, "kind": m.kind,
-            "name": m.name, "normwise": m.normwise, "tolerance": m.tolerance}
+    return {
+        "share_of_tolerance": _share(m),
+        "case": r.name,
+        "transform": r.transform,
+        "kind": m.kind,
+        "name": m.name,
+        "normwise": m.normwise,
+        "tolerance": m.tolerance,
+    }
 
 
 def _summary(reports: list[Report], seconds: float) -> dict[str, Any]:
     by_dtype = {}
     for dtype in dict.fromkeys(r.dtype for r in reports):
         rows = [r for r in reports if r.dtype == dtype]
-        worst = {k: max((r.worst(k) for r in rows if not math.isnan(r.worst(k))), default=math.nan)
-                 for k in ("output", "grad")}
-        by_dtype[dtype] = {"rows": len(rows), "worst_output": worst["output"], "worst_grad": worst["grad"],
-                           "worst": _worst_metric(rows)}
-    return {"rows": len(reports), "passed": sum(r.passed for r in reports),
-            "failed": sum(not r.passed for r in reports), "seconds": round(seconds, 2), "by_dtype": by_dtype}
+        worst = {
+            k: max((r.worst(k) for r in rows if not math.isnan(r.worst(k))), default=math.nan)
+            for k in ("output", "grad")
+        }
+        by_dtype[dtype] = {
+            "rows": len(rows),
+            "worst_output": worst["output"],
+            "worst_grad": worst["grad"],
+            "worst": _worst_metric(rows),
+        }
+    return {
+        "rows": len(reports),
+        "passed": sum(r.passed for r in reports),
+        "failed": sum(not r.passed for r in reports),
+        "seconds": round(seconds, 2),
+        "by_dtype": by_dtype,
+    }
 
 
 def _finite(tree: Any) -> Any:
@@ -364,13 +447,29 @@ def _print_table(reports: list[Report], seconds: float) -> None:
 
     console = Console(width=_width())
     table = Table(title="jaxattn vs torch: normwise relative error ||jax - torch|| / ||torch||")
-    for column, justify in (("case", "left"), ("dtype", "left"), ("transform", "left"), ("outputs", "right"),
-                            ("gradients", "right"), ("max abs", "right"), ("time", "right"), ("result", "left")):
+    for column, justify in (
+        ("case", "left"),
+        ("dtype", "left"),
+        ("transform", "left"),
+        ("outputs", "right"),
+        ("gradients", "right"),
+        ("max abs", "right"),
+        ("time", "right"),
+        ("result", "left"),
+    ):
         table.add_column(column, justify=justify, no_wrap=True)
     for r in reports:
         result = "[green]pass[/]" if r.passed else "[bold red]FAIL[/]"
-        table.add_row(r.name, r.dtype, r.transform, _fmt(r.worst("output")), _fmt(r.worst("grad")),
-                      _fmt(r.max_abs), f"{r.seconds:.1f}s", result)
+        table.add_row(
+            r.name,
+            r.dtype,
+            r.transform,
+            _fmt(r.worst("output")),
+            _fmt(r.worst("grad")),
+            _fmt(r.max_abs),
+            f"{r.seconds:.1f}s",
+            result,
+        )
     console.print(table)
     for r in reports:
         if not r.passed:

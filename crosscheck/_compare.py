@@ -147,8 +147,7 @@ class Report:
             mark = "ok  " if m.passed else "FAIL"
             lines.append(
                 f"  {mark} {m.kind:6} {m.name:28} normwise={m.normwise:.3e} (tol {m.tolerance:.0e}) "
-                f"max_abs={m.max_abs:.3e} max_rel={m.max_rel:.3e} shape={m.shape}"
-                + (f"  {m.note}" if m.note else "")
+                f"max_abs={m.max_abs:.3e} max_rel={m.max_rel:.3e} shape={m.shape}" + (f"  {m.note}" if m.note else "")
             )
         return "\n".join(lines)
 
@@ -225,8 +224,11 @@ def compare(
     cast = [_cast_inputs(s, dtype) for s in slices]
     consts = {k: _cast(v.value, dtype) for k, v in inputs.items() if isinstance(v, Const)}
 
-    torch_out, torch_grads = _cached_torch(reference_cache, (dtype, len(slices), grad, seed), lambda: _run_torch(
-        torch_fn, cast, consts, torch_params, dtype, grad, seed))
+    torch_out, torch_grads = _cached_torch(
+        reference_cache,
+        (dtype, len(slices), grad, seed),
+        lambda: _run_torch(torch_fn, cast, consts, torch_params, dtype, grad, seed),
+    )
     problems: list[str] = []
     cot = _cotangents(torch_out, seed) if grad else None
     jax_out, jax_grads = _run_jax(jax_fn, cast, consts, params, dtype, transform, cot, problems)
@@ -236,13 +238,15 @@ def compare(
         torch_param_grads = torch_grads["params"]
         if grads_from_torch is not None and torch_param_grads:
             torch_param_grads = grads_from_torch(torch_param_grads)
-        metrics += _grad_metrics(jax_grads, {**torch_grads, "params": torch_param_grads}, dtype, tolerance.grad,
-                                 problems)
+        metrics += _grad_metrics(
+            jax_grads, {**torch_grads, "params": torch_param_grads}, dtype, tolerance.grad, problems
+        )
     return Report(name, dtype, transform, tuple(metrics), tuple(problems), time.perf_counter() - started)
 
 
-def assert_equivalent(jax_fn: Callable[..., Any], torch_fn: Callable[..., Any], inputs: Mapping[str, Any],
-                      **kwargs: Any) -> Report:
+def assert_equivalent(
+    jax_fn: Callable[..., Any], torch_fn: Callable[..., Any], inputs: Mapping[str, Any], **kwargs: Any
+) -> Report:
     """`compare(...)`, raising AssertionError with the full report when anything fails."""
     report = compare(jax_fn, torch_fn, inputs, **kwargs)
     if not report.passed:
@@ -337,7 +341,6 @@ def _cached_torch(cache: MutableMapping[Any, Any] | None, key: tuple[Any, ...], 
     return cache[key]
 
 
-
 def _run_torch(torch_fn, slices, consts, torch_params, dtype, grad, seed):
     """Forward (and backward with the cotangents of `_cotangents`) of torch, slice by slice."""
     import torch
@@ -365,9 +368,7 @@ def _run_torch(torch_fn, slices, consts, torch_params, dtype, grad, seed):
 
     cot = _cotangents(outputs, seed)
     cot_slices = [cot] if len(slices) == 1 else [{k: v[i] for k, v in cot.items()} for i in range(len(slices))]
-    loss = sum(
-        (o * torch.from_numpy(c[k])).sum() for o, c in zip(per_slice, cot_slices) for k, o in o.items()
-    )
+    loss = sum((o * torch.from_numpy(c[k])).sum() for o, c in zip(per_slice, cot_slices) for k, o in o.items())
     flat_params = _flatten(tparams, "")
     wrt = [t for ts in leaves for t in ts.values() if t.requires_grad] + list(flat_params.values())
     got = iter(torch.autograd.grad(loss, wrt, allow_unused=True) if wrt else [])
@@ -474,8 +475,11 @@ def _compiled_vjp(forward, forward_backward, args, cot, problems):
 def _structure_problem(shapes: Mapping[str, Any], cot: Mapping[str, np.ndarray]) -> str:
     if set(shapes) != set(cot):
         return f"outputs differ: JAX gives {sorted(shapes)}, torch gives {sorted(cot)}"
-    bad = [f"{k}: JAX {tuple(shapes[k].shape)} vs torch {cot[k].shape}"
-           for k in shapes if tuple(shapes[k].shape) != cot[k].shape]
+    bad = [
+        f"{k}: JAX {tuple(shapes[k].shape)} vs torch {cot[k].shape}"
+        for k in shapes
+        if tuple(shapes[k].shape) != cot[k].shape
+    ]
     return "output shapes differ: " + "; ".join(bad) if bad else ""
 
 
@@ -485,8 +489,17 @@ def _structure_problem(shapes: Mapping[str, Any], cot: Mapping[str, np.ndarray])
 def _metric(name, kind, actual, expected, dtype, tol, norm_floor=0.0) -> Metric:
     notes = []
     if actual.shape != expected.shape:
-        return Metric(name, kind, tuple(expected.shape), math.nan, math.nan, math.nan, tol, False,
-                      f"shape: JAX {actual.shape} vs torch {expected.shape}")
+        return Metric(
+            name,
+            kind,
+            tuple(expected.shape),
+            math.nan,
+            math.nan,
+            math.nan,
+            tol,
+            False,
+            f"shape: JAX {actual.shape} vs torch {expected.shape}",
+        )
     for side, x in (("JAX", actual), ("torch", expected)):
         if x.dtype != np.dtype(dtype):
             notes.append(f"{side} dtype {x.dtype} != requested {dtype}")

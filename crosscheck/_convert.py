@@ -45,21 +45,41 @@ def _rows(fmt: str, flags: frozenset[str]) -> list[Row]:
     bias = "bias" in flags
     if fmt == "torch":  # torch.nn.MultiheadAttention; there Eq = Eo = N*H, K = N, Hv = H
         return [
-            *when("packed" in flags, Row("in_proj_weight", ("3*N*H", "Eq"), (
-                Target("query/kernel", ("Eq", "N", "H"), Steps(Part(0, 3, 0), _HEADS)),
-                Target("key/kernel", ("Ek", "K", "H"), Steps(Part(1, 3, 0), _HEADS)),
-                Target("value/kernel", ("Ev", "K", "Hv"), Steps(Part(2, 3, 0), _HEADS))))),
-            *when("separate" in flags,
-                  row("q_proj_weight", ("N*H", "Eq"), "query/kernel", ("Eq", "N", "H"), _HEADS),
-                  row("k_proj_weight", ("K*H", "Ek"), "key/kernel", ("Ek", "K", "H"), _HEADS),
-                  row("v_proj_weight", ("K*Hv", "Ev"), "value/kernel", ("Ev", "K", "Hv"), _HEADS)),
-            *when(bias, Row("in_proj_bias", ("3*N*H",), (
-                Target("query/bias", ("N", "H"), Part(0, 3, 0)),
-                Target("key/bias", ("K", "H"), Part(1, 3, 0)),
-                Target("value/bias", ("K", "Hv"), Part(2, 3, 0))))),
-            *when("bias_kv" in flags,
-                  row("bias_k", ("1", "1", "K*H"), "bias_kv/key", ("K", "H"), Reshape()),
-                  row("bias_v", ("1", "1", "K*Hv"), "bias_kv/value", ("K", "Hv"), Reshape())),
+            *when(
+                "packed" in flags,
+                Row(
+                    "in_proj_weight",
+                    ("3*N*H", "Eq"),
+                    (
+                        Target("query/kernel", ("Eq", "N", "H"), Steps(Part(0, 3, 0), _HEADS)),
+                        Target("key/kernel", ("Ek", "K", "H"), Steps(Part(1, 3, 0), _HEADS)),
+                        Target("value/kernel", ("Ev", "K", "Hv"), Steps(Part(2, 3, 0), _HEADS)),
+                    ),
+                ),
+            ),
+            *when(
+                "separate" in flags,
+                row("q_proj_weight", ("N*H", "Eq"), "query/kernel", ("Eq", "N", "H"), _HEADS),
+                row("k_proj_weight", ("K*H", "Ek"), "key/kernel", ("Ek", "K", "H"), _HEADS),
+                row("v_proj_weight", ("K*Hv", "Ev"), "value/kernel", ("Ev", "K", "Hv"), _HEADS),
+            ),
+            *when(
+                bias,
+                Row(
+                    "in_proj_bias",
+                    ("3*N*H",),
+                    (
+                        Target("query/bias", ("N", "H"), Part(0, 3, 0)),
+                        Target("key/bias", ("K", "H"), Part(1, 3, 0)),
+                        Target("value/bias", ("K", "Hv"), Part(2, 3, 0)),
+                    ),
+                ),
+            ),
+            *when(
+                "bias_kv" in flags,
+                row("bias_k", ("1", "1", "K*H"), "bias_kv/key", ("K", "H"), Reshape()),
+                row("bias_v", ("1", "1", "K*Hv"), "bias_kv/value", ("K", "Hv"), Reshape()),
+            ),
             row("out_proj.weight", ("Eo", "N*Hv"), "out/kernel", ("N", "Hv", "Eo"), _HEADS),
             *when(bias, row("out_proj.bias", ("Eo",), "out/bias", ("Eo",))),
         ]
@@ -117,8 +137,11 @@ def _identify(fmts, names: set[str], keys_of, what: str) -> tuple[str, frozenset
             missing, unexpected = sorted(expected - names), sorted(names - expected)
             candidates.append((len(missing) + len(unexpected), fmt, flags, missing, unexpected))
     best = min(c[0] for c in candidates)
-    lines = [f"  {_describe(fmt, flags)}: missing {missing}, unexpected {unexpected}"
-             for score, fmt, flags, missing, unexpected in candidates if score == best]
+    lines = [
+        f"  {_describe(fmt, flags)}: missing {missing}, unexpected {unexpected}"
+        for score, fmt, flags, missing, unexpected in candidates
+        if score == best
+    ]
     raise ValueError(f"{what} keys match no supported layout exactly; closest:\n" + "\n".join(lines))
 
 
@@ -204,12 +227,18 @@ def _divide(total: int, parts: int, what: str) -> int:
 def _dims_from_module(fmt: str, module) -> dict[str, int]:
     if fmt == "torch":
         N, H = module.num_heads, module.head_dim
-        dims = dict(N=N, K=N, H=H, Hv=H, Eq=module.embed_dim, Eo=module.embed_dim, Ek=module.kdim,
-                    Ev=module.vdim)
+        dims = dict(N=N, K=N, H=H, Hv=H, Eq=module.embed_dim, Eo=module.embed_dim, Ek=module.kdim, Ev=module.vdim)
     else:
-        dims = dict(N=module.num_heads, K=module.num_kv_heads, H=module.head_dim, Hv=module.value_head_dim,
-                    Eq=module.q_proj.in_features, Ek=module.k_proj.in_features,
-                    Ev=module.v_proj.in_features, Eo=module.out_proj.out_features)
+        dims = dict(
+            N=module.num_heads,
+            K=module.num_kv_heads,
+            H=module.head_dim,
+            Hv=module.value_head_dim,
+            Eq=module.q_proj.in_features,
+            Ek=module.k_proj.in_features,
+            Ev=module.v_proj.in_features,
+            Eo=module.out_proj.out_features,
+        )
         if hasattr(module, "max_distance"):
             dims["R"] = 2 * module.max_distance + 1
     return dims
@@ -230,8 +259,10 @@ def _dims_from_state_dict(fmt, flags, sd, num_heads, num_kv_heads, head_dim, val
         given = dict(num_kv_heads=(num_kv_heads, N), head_dim=(head_dim, H), value_head_dim=(value_head_dim, H))
         for arg, (value, implied) in given.items():
             if value is not None and value != implied:
-                raise ValueError(f"{arg}={value} is impossible for torch.nn.MultiheadAttention with "
-                                 f"embed_dim={E}, num_heads={N} (it must be {implied})")
+                raise ValueError(
+                    f"{arg}={value} is impossible for torch.nn.MultiheadAttention with "
+                    f"embed_dim={E}, num_heads={N} (it must be {implied})"
+                )
         separate = "separate" in flags
         Ek = _shape_of(sd, "k_proj_weight", 2)[1] if separate else E
         Ev = _shape_of(sd, "v_proj_weight", 2)[1] if separate else E
@@ -241,8 +272,16 @@ def _dims_from_state_dict(fmt, flags, sd, num_heads, num_kv_heads, head_dim, val
     v_rows, Ev = _shape_of(sd, "v_proj.weight", 2)
     H = _divide(q_rows, N, f"q_proj.weight rows / num_heads={N}") if head_dim is None else head_dim
     Hv = _divide(v_rows, K, f"v_proj.weight rows / num_kv_heads={K}") if value_head_dim is None else value_head_dim
-    dims = dict(N=N, K=K, H=H, Hv=Hv, Eq=Eq, Ek=_shape_of(sd, "k_proj.weight", 2)[1], Ev=Ev,
-                Eo=_shape_of(sd, "out_proj.weight", 2)[0])
+    dims = dict(
+        N=N,
+        K=K,
+        H=H,
+        Hv=Hv,
+        Eq=Eq,
+        Ek=_shape_of(sd, "k_proj.weight", 2)[1],
+        Ev=Ev,
+        Eo=_shape_of(sd, "out_proj.weight", 2)[0],
+    )
     table = "rel_key" if "rel_key" in flags else "rel_value" if "rel_value" in flags else None
     if table is not None:
         dims["R"] = tuple(sd[table].shape)[0] if len(sd[table].shape) else 0
@@ -261,10 +300,13 @@ def _check_dims(fmt: str, dims: Mapping[str, int]) -> None:
             if dims[name] != value:
                 raise ValueError(
                     f"torch.nn.MultiheadAttention cannot hold these params: it needs {name} == {value} "
-                    f"(dims from the kernels: {dict(sorted(dims.items()))})")
+                    f"(dims from the kernels: {dict(sorted(dims.items()))})"
+                )
         if dims["N"] * dims["H"] != E:
-            raise ValueError(f"torch.nn.MultiheadAttention needs num_heads * head_dim == embed_dim, got "
-                             f"{dims['N']} * {dims['H']} != {E}")
+            raise ValueError(
+                f"torch.nn.MultiheadAttention needs num_heads * head_dim == embed_dim, got "
+                f"{dims['N']} * {dims['H']} != {E}"
+            )
 
 
 def _dims_from_params(leaves: Mapping[tuple[str, ...], Any]) -> dict[str, int]:
@@ -298,14 +340,22 @@ def _module_format(module) -> str | None:
 
         if isinstance(module, torchref.MultiHeadAttention):
             return "torchref"
-        raise ValueError(f"params_from_torch: unsupported module {type(module).__name__}; expected "
-                         "torch.nn.MultiheadAttention, torchref.MultiHeadAttention or RelativeMultiHeadAttention")
+        raise ValueError(
+            f"params_from_torch: unsupported module {type(module).__name__}; expected "
+            "torch.nn.MultiheadAttention, torchref.MultiHeadAttention or RelativeMultiHeadAttention"
+        )
     return None
 
 
-def params_from_torch(module_or_state_dict, *, num_heads: int | None = None, num_kv_heads: int | None = None,
-                      head_dim: int | None = None, value_head_dim: int | None = None,
-                      format: str | None = None) -> dict:
+def params_from_torch(
+    module_or_state_dict,
+    *,
+    num_heads: int | None = None,
+    num_kv_heads: int | None = None,
+    head_dim: int | None = None,
+    value_head_dim: int | None = None,
+    format: str | None = None,
+) -> dict:
     """jaxattn params (nested dicts of jnp arrays) for a torch attention module or its state_dict.
 
     ``module_or_state_dict``: a ``torch.nn.MultiheadAttention`` (any constructor options: bias, add_bias_kv,
@@ -329,8 +379,13 @@ def params_from_torch(module_or_state_dict, *, num_heads: int | None = None, num
     """
     fmt = _module_format(module_or_state_dict)
     if fmt is not None:
-        passed = dict(num_heads=num_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                      value_head_dim=value_head_dim, format=format)
+        passed = dict(
+            num_heads=num_heads,
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
+            value_head_dim=value_head_dim,
+            format=format,
+        )
         extra = sorted(k for k, v in passed.items() if v is not None)
         if extra:
             raise ValueError(f"params_from_torch: {extra} are read from the module; pass them only with a state_dict")
@@ -338,8 +393,10 @@ def params_from_torch(module_or_state_dict, *, num_heads: int | None = None, num
     elif isinstance(module_or_state_dict, Mapping):
         state = module_or_state_dict
     else:
-        raise ValueError("params_from_torch: expected a torch attention module or a state_dict mapping, got "
-                         f"{type(module_or_state_dict).__name__}")
+        raise ValueError(
+            "params_from_torch: expected a torch attention module or a state_dict mapping, got "
+            f"{type(module_or_state_dict).__name__}"
+        )
     if format is not None and format not in _FORMATS:
         raise ValueError(f"format: expected one of {list(_FORMATS)}, got {format!r}")
     searched = [fmt or format] if (fmt or format) else list(_FORMATS)
@@ -422,8 +479,10 @@ def _torch_from_leaves(rows: list[Row], leaves, dims) -> "OrderedDict[str, Any]"
             _check_shape(f"params['{t.path}']", leaf.shape, _allowed_shapes(t.shape, dims))
             parts.append((t.transform, leaf))
         if len({leaf.dtype for _, leaf in parts}) > 1:
-            raise ValueError(f"{r.name} packs {[t.path for t in r.targets]}, which must share one "
-                             f"dtype, got {[str(leaf.dtype) for _, leaf in parts]}")
+            raise ValueError(
+                f"{r.name} packs {[t.path for t in r.targets]}, which must share one "
+                f"dtype, got {[str(leaf.dtype) for _, leaf in parts]}"
+            )
         shape = _allowed_shapes(r.shape, dims)[0 if parts[0][1].ndim == len(r.targets[0].shape) else -1]
         state[r.name] = _to_torch(weights.unapply(r.name, parts, shape))
     return state

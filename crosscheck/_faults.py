@@ -36,8 +36,11 @@ def llama_layers(num_layers: int) -> dict[str, str]:
     """transformers' Llama module paths -> the names jaxattn.models sows (layer_report's rows)."""
     pairs = {"model.embed_tokens": "embeddings"}
     for i in range(num_layers):
-        pairs |= {f"model.layers.{i}.self_attn": f"layer{i}.attention", f"model.layers.{i}.mlp": f"layer{i}.mlp",
-                  f"model.layers.{i}": f"layer{i}.residual"}
+        pairs |= {
+            f"model.layers.{i}.self_attn": f"layer{i}.attention",
+            f"model.layers.{i}.mlp": f"layer{i}.mlp",
+            f"model.layers.{i}": f"layer{i}.residual",
+        }
     return pairs | {"model.norm": "final_norm"}
 
 
@@ -65,8 +68,11 @@ def write_llama(directory: str | os.PathLike, **overrides) -> Path:
     from crosscheck.cases.minilm import model_dir
 
     vocab = json.loads((model_dir() / "config.json").read_text())["vocab_size"]
-    return write_checkpoint("llama", directory, **{"vocab_size": vocab, "tie_word_embeddings": True,
-                                                   "max_position_embeddings": 1024, **overrides})
+    return write_checkpoint(
+        "llama",
+        directory,
+        **{"vocab_size": vocab, "tie_word_embeddings": True, "max_position_embeddings": 1024, **overrides},
+    )
 
 
 def jax_llama(model, params, offset: int = 0) -> Callable:
@@ -102,6 +108,7 @@ def _permute_qk(order: Callable[[int], np.ndarray]) -> Callable[[dict], dict]:
             kernel = np.asarray(attention[name]["kernel"])  # [E, N, H]
             attention[name] = {**attention[name], "kernel": kernel[..., order(kernel.shape[-1])]}
         return attention
+
     return edit
 
 
@@ -121,6 +128,7 @@ def _scale_off(model) -> Callable[[dict], dict]:
         factor = (kernel.shape[-1] / c.hidden_size) ** 0.5  # 1/sqrt(E) where 1/sqrt(H) belongs
         attention["query"] = {**attention["query"], "kernel": kernel * factor}
         return attention
+
     return edit
 
 
@@ -133,7 +141,7 @@ def _transpose_out(attention: dict) -> dict:
 
 def _untied(model, params):
     c = model.config
-    kernel = np.random.default_rng(0).standard_normal((c.hidden_size, c.vocab_size)) / c.hidden_size ** 0.5
+    kernel = np.random.default_rng(0).standard_normal((c.hidden_size, c.vocab_size)) / c.hidden_size**0.5
     untied = model.clone(config=dataclasses.replace(c, tie_word_embeddings=False))
     return untied, {**params, "lm_head": {"kernel": kernel.astype(params["norm"]["weight"].dtype)}}, 0
 

@@ -43,13 +43,13 @@ def _is_score_mod(mod: Callable) -> bool:
     same way, so the wrappers below must have exact signatures, not ``*args``)."""
     count = len(inspect.signature(mod).parameters)
     if count not in (4, 5):
-        raise ValueError(f"mod: expected score_mod(score, b, n, t, s) or mask_mod(b, n, t, s), got {count} "
-                         "parameters")
+        raise ValueError(f"mod: expected score_mod(score, b, n, t, s) or mask_mod(b, n, t, s), got {count} parameters")
     return count == 5
 
 
-def torch_mod_from_absolute(mod: Callable, *, query_length: int, key_length: int, query_positions=None,
-                            key_positions=None) -> Callable:
+def torch_mod_from_absolute(
+    mod: Callable, *, query_length: int, key_length: int, query_positions=None, key_positions=None
+) -> Callable:
     """A score_mod or mask_mod on ABSOLUTE positions -> one in torch's convention (row indices, top-left).
 
     ``query_positions [T] / [B, T]``, ``key_positions [S] / [B, S]``: int torch tensors (B = flattened batch).
@@ -60,12 +60,15 @@ def torch_mod_from_absolute(mod: Callable, *, query_length: int, key_length: int
         return (_row_to_absolute(q_idx, b, query_positions, offset), _row_to_absolute(kv_idx, b, key_positions, 0))
 
     if _is_score_mod(mod):
+
         def score_mod(score, b, h, q_idx, kv_idx):
             return mod(score, b, h, *positions(b, q_idx, kv_idx))
+
         return score_mod
 
     def mask_mod(b, h, q_idx, kv_idx):
         return mod(b, h, *positions(b, q_idx, kv_idx))
+
     return mask_mod
 
 
@@ -74,12 +77,15 @@ def absolute_mod_from_torch(mod: Callable, *, query_length: int, key_length: int
     query row ``i`` at ``i + (S - T)``, key row ``j`` at ``j``; custom positions have no inverse)."""
     offset = key_length - query_length
     if _is_score_mod(mod):
+
         def score_mod(score, b, n, t, s):
             return mod(score, b, n, t - offset, s)
+
         return score_mod
 
     def mask_mod(b, n, t, s):
         return mod(b, n, t - offset, s)
+
     return mask_mod
 
 
@@ -89,8 +95,18 @@ def _to_torch_layout(x, batch):
     return x.reshape(-1, *x.shape[-3:]).transpose(1, 2)
 
 
-def flex_reference(query, key, value, *, score_mod=None, mask_mod=None, scale=None, sinks=None,
-                   query_positions=None, key_positions=None):
+def flex_reference(
+    query,
+    key,
+    value,
+    *,
+    score_mod=None,
+    mask_mod=None,
+    scale=None,
+    sinks=None,
+    query_positions=None,
+    key_positions=None,
+):
     """torch's eager ``flex_attention`` on ``[..., T, N, H], [..., S, K, H], [..., S, K, Hv]`` -> ``[..., T, N, Hv]``.
 
     ``score_mod(score, b, n, t, s)`` / ``mask_mod(b, n, t, s)`` on ABSOLUTE positions (jaxattn's convention),
@@ -109,8 +125,12 @@ def flex_reference(query, key, value, *, score_mod=None, mask_mod=None, scale=No
     S, K = key.shape[-3], key.shape[-2]
     q, k, v = (_to_torch_layout(x, batch) for x in (query, key, value))
     B = q.shape[0]
-    positions = {"query_length": T, "key_length": S, "query_positions": _flat(query_positions, batch),
-                 "key_positions": _flat(key_positions, batch)}
+    positions = {
+        "query_length": T,
+        "key_length": S,
+        "query_positions": _flat(query_positions, batch),
+        "key_positions": _flat(key_positions, batch),
+    }
     block_mask = None
     if mask_mod is not None:
         block_mask = create_block_mask(torch_mod_from_absolute(mask_mod, **positions), B, N, T, S, device="cpu")
@@ -118,10 +138,22 @@ def flex_reference(query, key, value, *, score_mod=None, mask_mod=None, scale=No
     with warnings.catch_warnings():
         # torch advises its users to compile flex_attention; here the eager function is the reference on
         # purpose (exact, unfused), so that advice is not ours to pass on (the CLI says once what it is)
-        warnings.filterwarnings("ignore", message=r"flex_attention called without torch\.compile\(\)",
-                                category=UserWarning, module=r"torch\.nn\.attention\.flex_attention")
-        out, aux = flex_attention(q, k, v, score_mod=torch_score_mod, block_mask=block_mask, scale=scale,
-                                  enable_gqa=K != N, return_aux=AuxRequest(lse=True))
+        warnings.filterwarnings(
+            "ignore",
+            message=r"flex_attention called without torch\.compile\(\)",
+            category=UserWarning,
+            module=r"torch\.nn\.attention\.flex_attention",
+        )
+        out, aux = flex_attention(
+            q,
+            k,
+            v,
+            score_mod=torch_score_mod,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=K != N,
+            return_aux=AuxRequest(lse=True),
+        )
     if sinks is not None:  # out * p(keys) with p(keys) = e^lse / (e^lse + e^sink) = sigmoid(lse - sink)
         out = out * torch.sigmoid(aux.lse - sinks.to(out.dtype)[:, None])[..., None]
     return out.transpose(1, 2).reshape(*batch, T, N, value.shape[-1])
@@ -167,8 +199,12 @@ def _documents(rng, batch, S, count=3):
 
 
 def _case_arrays(rng, batch, N, S=0, R=0):
-    return {"docs": _documents(rng, batch, S), "slopes": 2.0 ** -rng.uniform(0.5, 4.0, N),
-            "table": rng.standard_normal((R, N)), "sinks": rng.standard_normal(N)}
+    return {
+        "docs": _documents(rng, batch, S),
+        "slopes": 2.0 ** -rng.uniform(0.5, 4.0, N),
+        "table": rng.standard_normal((R, N)),
+        "sinks": rng.standard_normal(N),
+    }
 
 
 def _rel_bucket(xp, t, s, D):
@@ -212,23 +248,24 @@ def _flex_cases() -> dict[str, FlexCase]:
 
     def docs_sliding_softcap(xp, a):
         docs = xp.asarray(a["docs"])
-        return (softcap(xp, a)[0],
-                lambda b, n, t, s: (docs[b, t] == docs[b, s]) & (t >= s) & (t - s <= _W))
+        return (softcap(xp, a)[0], lambda b, n, t, s: (docs[b, t] == docs[b, s]) & (t >= s) & (t - s <= _W))
 
     def chunked_alibi(xp, a):
         return alibi(xp, a)[0], chunked(xp, a)[1]
 
     def softcap_t5_sliding(xp, a):
         table = xp.asarray(a["table"])
-        return ((lambda score, b, n, t, s: _CAP * xp.tanh(score / _CAP) + table[_rel_bucket(xp, t, s, _D), n]),
-                lambda b, n, t, s: (s >= t - _W) & (s <= t + 1))
+        return (
+            (lambda score, b, n, t, s: _CAP * xp.tanh(score / _CAP) + table[_rel_bucket(xp, t, s, _D), n]),
+            lambda b, n, t, s: (s >= t - _W) & (s <= t + 1),
+        )
 
     def kw_causal(xp, a):
         return {"is_causal": True}
 
     def kw_docs(xp, a, T, S):
         docs = xp.asarray(a["docs"])
-        return {"query_segment_ids": docs[..., S - T:], "key_segment_ids": docs}
+        return {"query_segment_ids": docs[..., S - T :], "key_segment_ids": docs}
 
     def kw_prefix(xp, a, T, S):
         t = xp.asarray(np.arange(T) + S - T)[:, None]
@@ -244,8 +281,14 @@ def _flex_cases() -> dict[str, FlexCase]:
         return {"bias": xp.asarray(np.moveaxis(a["table"][index], -1, 0))}  # [N, T, S]
 
     def case(name, T, S, mods, keywords, R=0):
-        return FlexCase(name, T, S, mods, lambda xp, a: keywords(xp, a, T, S),
-                        lambda rng, batch, N: _case_arrays(rng, batch, N, S, R))
+        return FlexCase(
+            name,
+            T,
+            S,
+            mods,
+            lambda xp, a: keywords(xp, a, T, S),
+            lambda rng, batch, N: _case_arrays(rng, batch, N, S, R),
+        )
 
     plain = {
         "causal": (causal, lambda xp, a, T, S: kw_causal(xp, a)),
@@ -257,12 +300,18 @@ def _flex_cases() -> dict[str, FlexCase]:
         "softcap": (softcap, lambda xp, a, T, S: {"logit_softcap": _CAP}),
         "alibi": (alibi, lambda xp, a, T, S: {"is_causal": True, **kw_alibi_bias(xp, a, T, S)}),
         "t5_table": (t5_table, kw_t5_bias),
-        "documents_sliding_softcap": (docs_sliding_softcap, lambda xp, a, T, S: {
-            **kw_docs(xp, a, T, S), "is_causal": True, "window": (_W, 0), "logit_softcap": _CAP}),
-        "chunked_alibi": (chunked_alibi, lambda xp, a, T, S: {
-            "is_causal": True, "chunk_size": _C, **kw_alibi_bias(xp, a, T, S)}),
-        "softcap_t5_window": (softcap_t5_sliding, lambda xp, a, T, S: {
-            "logit_softcap": _CAP, "window": (_W, 1), **kw_t5_bias(xp, a, T, S)}),
+        "documents_sliding_softcap": (
+            docs_sliding_softcap,
+            lambda xp, a, T, S: {**kw_docs(xp, a, T, S), "is_causal": True, "window": (_W, 0), "logit_softcap": _CAP},
+        ),
+        "chunked_alibi": (
+            chunked_alibi,
+            lambda xp, a, T, S: {"is_causal": True, "chunk_size": _C, **kw_alibi_bias(xp, a, T, S)},
+        ),
+        "softcap_t5_window": (
+            softcap_t5_sliding,
+            lambda xp, a, T, S: {"logit_softcap": _CAP, "window": (_W, 1), **kw_t5_bias(xp, a, T, S)},
+        ),
     }
     cases = {}
     for name, (mods, keywords) in plain.items():

@@ -33,9 +33,19 @@ FORMAT = 1
 _KEY = "crosscheck.golden"
 
 
-def record(torch_fn, inputs: Mapping[str, Any], path: str | os.PathLike, *, layers=None, grads: bool = False,
-           dtype: str = "float32", loss=None, logits: str | None = None, torch_module=None,
-           params: Iterable[str] | None = None) -> Path:
+def record(
+    torch_fn,
+    inputs: Mapping[str, Any],
+    path: str | os.PathLike,
+    *,
+    layers=None,
+    grads: bool = False,
+    dtype: str = "float32",
+    loss=None,
+    logits: str | None = None,
+    torch_module=None,
+    params: Iterable[str] | None = None,
+) -> Path:
     """Run `torch_fn(**inputs)` in `dtype` and write what certify compares against to `path` (see above).
 
     layers, loss, logits, torch_module: as for certify (only the torch paths of `layers` are used). A custom
@@ -63,23 +73,44 @@ def record(torch_fn, inputs: Mapping[str, Any], path: str | os.PathLike, *, laye
     if names and not grads:
         raise ValueError("params: parameter gradients are recorded with grads=True only")
     outputs, input_grads, param_grads = run_torch(
-        torch_fn, inputs, dtype=dtype, pairs=pairs, torch_module=torch_module, on_layer=on_layer, grads=grads,
-        loss=loss, logits=None if logits is False else (logits or "logits"), params=names)
+        torch_fn,
+        inputs,
+        dtype=dtype,
+        pairs=pairs,
+        torch_module=torch_module,
+        on_layer=on_layer,
+        grads=grads,
+        loss=loss,
+        logits=None if logits is False else (logits or "logits"),
+        params=names,
+    )
     import torch
 
     module = torch_module if torch_module is not None else torch_fn
     meta = {
-        "format": FORMAT, "versions": versions(), "dtype": dtype,
+        "format": FORMAT,
+        "versions": versions(),
+        "dtype": dtype,
         "inputs": {k: {"shape": list(v.shape), "dtype": str(v.dtype)} for k, v in inputs.items()},
-        "outputs": list(outputs), "layers": order, "pairs": [[path, name] for path, name, _ in pairs],
-        "grads": sorted(input_grads) if grads else None, "param_grads": names if grads else None,
-        "loss": None if not grads else ("custom" if loss is not None else
-                                        "labels" if "labels" in inputs and "logits" in outputs else "cotangent"),
+        "outputs": list(outputs),
+        "layers": order,
+        "pairs": [[path, name] for path, name, _ in pairs],
+        "grads": sorted(input_grads) if grads else None,
+        "param_grads": names if grads else None,
+        "loss": None
+        if not grads
+        else (
+            "custom" if loss is not None else "labels" if "labels" in inputs and "logits" in outputs else "cotangent"
+        ),
         "checkpoint_sha256": state_hash(module) if isinstance(module, torch.nn.Module) else None,
     }
-    tensors = {**{f"inputs/{k}": v for k, v in inputs.items()}, **{f"outputs/{k}": v for k, v in outputs.items()},
-               **{f"layers/{k}": captured[k] for k in order}, **{f"grads/{k}": v for k, v in input_grads.items()},
-               **{f"param_grads/{k}": v for k, v in param_grads.items()}}
+    tensors = {
+        **{f"inputs/{k}": v for k, v in inputs.items()},
+        **{f"outputs/{k}": v for k, v in outputs.items()},
+        **{f"layers/{k}": captured[k] for k in order},
+        **{f"grads/{k}": v for k, v in input_grads.items()},
+        **{f"param_grads/{k}": v for k, v in param_grads.items()},
+    }
     return save_safetensors(tensors, path, metadata={"format": "np", _KEY: json.dumps(meta)})
 
 
@@ -113,8 +144,16 @@ def read_metadata(path: str | os.PathLike) -> dict[str, str]:
         return json.loads(f.read(size)).get("__metadata__", {})
 
 
-def load_golden(path, inputs, *, dtype: str, torch_fn=None, checkpoint_hash: str | None = None,
-                grads: bool = False, params: Iterable[str] = ()) -> Golden:
+def load_golden(
+    path,
+    inputs,
+    *,
+    dtype: str,
+    torch_fn=None,
+    checkpoint_hash: str | None = None,
+    grads: bool = False,
+    params: Iterable[str] = (),
+) -> Golden:
     """Read a golden file and refuse it where it cannot certify this run (see the module docstring)."""
     from jaxattn.io import load_safetensors
 
@@ -129,13 +168,16 @@ def load_golden(path, inputs, *, dtype: str, torch_fn=None, checkpoint_hash: str
         raise ValueError(f"golden: {path} was recorded in {meta['dtype']}, certify asked for dtype={dtype!r}")
     if torch_fn is not None and checkpoint_hash is None:
         if not hasattr(torch_fn, "state_dict"):
-            raise ValueError("torch_fn: with golden=, expected None or the torch module the file was recorded "
-                             f"from (to check its checkpoint), got {type(torch_fn).__name__}")
+            raise ValueError(
+                "torch_fn: with golden=, expected None or the torch module the file was recorded "
+                f"from (to check its checkpoint), got {type(torch_fn).__name__}"
+            )
         checkpoint_hash = state_hash(torch_fn)
     recorded = meta.get("checkpoint_sha256")
     if checkpoint_hash is not None and checkpoint_hash != recorded:
-        raise ValueError(f"golden: {path} was recorded from another checkpoint (sha256 {recorded}), "
-                         f"not this one ({checkpoint_hash})")
+        raise ValueError(
+            f"golden: {path} was recorded from another checkpoint (sha256 {recorded}), not this one ({checkpoint_hash})"
+        )
     tensors = load_safetensors(path)
     stored = {k.split("/", 1)[1]: v for k, v in tensors.items() if k.startswith("inputs/")}
     if inputs is not None:
@@ -144,8 +186,9 @@ def load_golden(path, inputs, *, dtype: str, torch_fn=None, checkpoint_hash: str
             raise ValueError(f"golden: {path} was recorded with inputs {sorted(stored)}, got {sorted(given)}")
         for k, v in given.items():
             if v.shape != stored[k].shape:
-                raise ValueError(f"golden: inputs[{k!r}] has shape {v.shape}, {path} was recorded with "
-                                 f"{stored[k].shape}")
+                raise ValueError(
+                    f"golden: inputs[{k!r}] has shape {v.shape}, {path} was recorded with {stored[k].shape}"
+                )
             if not np.array_equal(v, stored[k]):
                 raise ValueError(f"golden: inputs[{k!r}] differs from the values {path} was recorded with")
     if grads and meta.get("grads") is None:
@@ -157,8 +200,13 @@ def load_golden(path, inputs, *, dtype: str, torch_fn=None, checkpoint_hash: str
     param_grads = part("param_grads")
     for name in params:
         if name not in param_grads:
-            raise nearest(name, list(param_grads) or ["(none: record(..., grads=True, params=...))"],
-                          f"torch parameter (gradients recorded in {path})", "params")
+            raise nearest(
+                name,
+                list(param_grads) or ["(none: record(..., grads=True, params=...))"],
+                f"torch parameter (gradients recorded in {path})",
+                "params",
+            )
     outputs = part("outputs")
-    return Golden(path, meta, stored, {k: outputs[k] for k in meta["outputs"]}, part("layers"), part("grads"),
-                  param_grads)
+    return Golden(
+        path, meta, stored, {k: outputs[k] for k in meta["outputs"]}, part("layers"), part("grads"), param_grads
+    )

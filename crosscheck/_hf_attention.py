@@ -37,21 +37,45 @@ def tiny_config(family: str):
     """A 2-layer config with N=6 query heads, K=2 or 3 key/value heads, H=8, eager attention."""
     import transformers as tf
 
-    common = {"vocab_size": 61, "hidden_size": 24, "intermediate_size": 20, "num_hidden_layers": 2,
-              "num_attention_heads": 6, "num_key_value_heads": 3, "head_dim": 8, "max_position_embeddings": 64,
-              "attn_implementation": "eager"}
+    common = {
+        "vocab_size": 61,
+        "hidden_size": 24,
+        "intermediate_size": 20,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 3,
+        "head_dim": 8,
+        "max_position_embeddings": 64,
+        "attn_implementation": "eager",
+    }
     if family == "gemma2":  # alternating sliding/full layers by default; query_pre_attn_scalar != head_dim
-        return tf.Gemma2Config(**common, sliding_window=_WINDOW, attn_logit_softcapping=_SOFTCAP,
-                               final_logit_softcapping=None, query_pre_attn_scalar=13)
+        return tf.Gemma2Config(
+            **common,
+            sliding_window=_WINDOW,
+            attn_logit_softcapping=_SOFTCAP,
+            final_logit_softcapping=None,
+            query_pre_attn_scalar=13,
+        )
     if family == "mistral":  # every layer slides
         return tf.MistralConfig(**common, sliding_window=_WINDOW)
     if family == "gpt_oss":  # alternating sliding/full, per-head sinks
-        return tf.GptOssConfig(**{**common, "num_key_value_heads": 2}, sliding_window=_WINDOW,
-                               num_local_experts=2, num_experts_per_tok=1, experts_implementation="eager")
+        return tf.GptOssConfig(
+            **{**common, "num_key_value_heads": 2},
+            sliding_window=_WINDOW,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            experts_implementation="eager",
+        )
     if family == "llama4":  # chunked layers are those with RoPE; no_rope_layers [1, 0]: chunked, then full
-        return tf.Llama4TextConfig(**common, attention_chunk_size=_CHUNK, no_rope_layers=[1, 0],
-                                   intermediate_size_mlp=20, num_local_experts=2, num_experts_per_tok=1,
-                                   interleave_moe_layer_step=2)
+        return tf.Llama4TextConfig(
+            **common,
+            attention_chunk_size=_CHUNK,
+            no_rope_layers=[1, 0],
+            intermediate_size_mlp=20,
+            num_local_experts=2,
+            num_experts_per_tok=1,
+            interleave_moe_layer_step=2,
+        )
     if family == "qwen2":  # full attention, biased q/k/v projections
         return tf.Qwen2Config(**common)
     if family == "qwen2_sliding":  # layers >= max_window_layers slide
@@ -152,8 +176,9 @@ def build_model(family: str, *, dtype=None, seed: int = 0):
     return model.to(dtype or torch.float64).eval()
 
 
-def record_attention(family: str, *, dtype=None, batch: int = 2, prefill: int = 9, extend: int = 4,
-                     seed: int = 0) -> list[AttentionCall]:
+def record_attention(
+    family: str, *, dtype=None, batch: int = 2, prefill: int = 9, extend: int = 4, seed: int = 0
+) -> list[AttentionCall]:
     """Run the tiny model on ``prefill`` tokens, then ``extend`` more with the cache; record every layer."""
     import torch
 
@@ -173,9 +198,11 @@ def record_attention(family: str, *, dtype=None, batch: int = 2, prefill: int = 
             if mask is not None and mask.is_floating_point():
                 mask = mask.to(query.dtype)
             with precision():
-                out, _ = original(attention, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-                                  mask, **kwargs)
+                out, _ = original(
+                    attention, query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), mask, **kwargs
+                )
             return out
+
         rerun.module = attention
         return rerun
 
@@ -186,10 +213,19 @@ def record_attention(family: str, *, dtype=None, batch: int = 2, prefill: int = 
         keywords = keywords_for_layer(attention)
         keywords["query_positions"] = torch.arange(end - T, end)
         keywords["key_positions"] = torch.arange(end - S, end)  # trimmed caches keep the last S tokens
-        calls.append(AttentionCall(family, attention.layer_idx, _layer_type(attention.config, attention.layer_idx),
-                                   query.transpose(1, 2).detach(), key.transpose(1, 2).detach(),
-                                   value.transpose(1, 2).detach(), out.detach(), keywords,
-                                   hf_rerun(attention, attention_mask, kwargs)))
+        calls.append(
+            AttentionCall(
+                family,
+                attention.layer_idx,
+                _layer_type(attention.config, attention.layer_idx),
+                query.transpose(1, 2).detach(),
+                key.transpose(1, 2).detach(),
+                value.transpose(1, 2).detach(),
+                out.detach(),
+                keywords,
+                hf_rerun(attention, attention_mask, kwargs),
+            )
+        )
         return out, weights
 
     ids = torch.from_numpy(np.random.default_rng(seed).integers(0, model.config.vocab_size, (batch, prefill + extend)))

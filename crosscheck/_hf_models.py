@@ -21,117 +21,323 @@ VOCAB = 97
 
 # model_type -> (transformers config class name, model class name, config kwargs)
 TINY = {
-    "bert": ("BertConfig", "BertModel",
-             dict(vocab_size=VOCAB, hidden_size=44, intermediate_size=60, num_hidden_layers=2, num_attention_heads=4,
-                  max_position_embeddings=71, type_vocab_size=3)),
-    "gpt2": ("GPT2Config", "GPT2LMHeadModel",
-             dict(vocab_size=VOCAB, n_positions=128, n_embd=32, n_layer=2, n_head=4)),
-    "llama": ("LlamaConfig", "LlamaForCausalLM",
-              dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
-                   rms_norm_eps=1e-6, tie_word_embeddings=False,
-                   rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0))),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
-              dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                   num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
-                   rms_norm_eps=1e-6, tie_word_embeddings=True,
-                   rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
-    "t5": ("T5Config", "T5ForConditionalGeneration",
-           dict(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=56, num_layers=2, num_decoder_layers=2, num_heads=4,
-                relative_attention_num_buckets=8, relative_attention_max_distance=20,
-                feed_forward_proj="gated-gelu", decoder_start_token_id=0)),
+    "bert": (
+        "BertConfig",
+        "BertModel",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=44,
+            intermediate_size=60,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=71,
+            type_vocab_size=3,
+        ),
+    ),
+    "gpt2": ("GPT2Config", "GPT2LMHeadModel", dict(vocab_size=VOCAB, n_positions=128, n_embd=32, n_layer=2, n_head=4)),
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="linear", factor=2.0, rope_theta=10000.0),
+        ),
+    ),
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
+    "t5": (
+        "T5Config",
+        "T5ForConditionalGeneration",
+        dict(
+            vocab_size=VOCAB,
+            d_model=32,
+            d_kv=8,
+            d_ff=56,
+            num_layers=2,
+            num_decoder_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            relative_attention_max_distance=20,
+            feed_forward_proj="gated-gelu",
+            decoder_start_token_id=0,
+        ),
+    ),
     # every layer slides; the window (5) is shorter than the prompts (11) and than prompt + new tokens
-    "mistral": ("MistralConfig", "MistralForCausalLM",
-                dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                     num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256,
-                     rms_norm_eps=1e-6, sliding_window=5, rope_parameters=dict(rope_type="default",
-                                                                               rope_theta=10000.0))),
+    "mistral": (
+        "MistralConfig",
+        "MistralForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-6,
+            sliding_window=5,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     # layer 0 slides (window 5), layer 1 is global; head_dim 16 != hidden/heads 12; query_pre_attn_scalar 13
     # != head_dim; both softcaps small enough to bite. Untied: with tied random embeddings, the scaled
     # embedding of the last token dominates the residual stream and greedy decoding repeats one token.
-    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM",
-               dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                    rms_norm_eps=1e-6, sliding_window=5, query_pre_attn_scalar=13, attn_logit_softcapping=4.0,
-                    final_logit_softcapping=10.0, tie_word_embeddings=False,
-                    rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    "gemma2": (
+        "Gemma2Config",
+        "Gemma2ForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-6,
+            sliding_window=5,
+            query_pre_attn_scalar=13,
+            attn_logit_softcapping=4.0,
+            final_logit_softcapping=10.0,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     # layer 1 slides (window 5 < the 11-token prompts); head_dim 16 != hidden/heads 8; q/k norms random
-    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",
-              dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                   num_attention_heads=6, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                   rms_norm_eps=1e-6, use_sliding_window=True, sliding_window=5, max_window_layers=1,
-                   tie_word_embeddings=False, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    "qwen3": (
+        "Qwen3Config",
+        "Qwen3ForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-6,
+            use_sliding_window=True,
+            sliding_window=5,
+            max_window_layers=1,
+            tie_word_embeddings=False,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     # Gemma 2's shape (layer 0 slides, window 5; head_dim 16; query_pre_attn_scalar 13; the final softcap,
     # null by default in Gemma 3, set to bite; no attention softcap: HF's Gemma 3 never applies it) plus q/k
     # norms and two rotary embeddings: local "default" at base 50, global "linear" x4 at base 10 000.
     # Untied, as Gemma 2's.
-    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM",
-                    dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-                         rms_norm_eps=1e-6, sliding_window=5, layer_types=["sliding_attention", "full_attention"],
-                         query_pre_attn_scalar=13, final_logit_softcapping=10.0,
-                         tie_word_embeddings=False,
-                         rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=50.0),
-                                          "full_attention": dict(rope_type="linear", factor=4.0,
-                                                                 rope_theta=10000.0)})),
+    "gemma3_text": (
+        "Gemma3TextConfig",
+        "Gemma3ForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-6,
+            sliding_window=5,
+            layer_types=["sliding_attention", "full_attention"],
+            query_pre_attn_scalar=13,
+            final_logit_softcapping=10.0,
+            tie_word_embeddings=False,
+            rope_parameters={
+                "sliding_attention": dict(rope_type="default", rope_theta=50.0),
+                "full_attention": dict(rope_type="linear", factor=4.0, rope_theta=10000.0),
+            },
+        ),
+    ),
     # 5 experts (F 40), top 2, every layer sliding (window 5, as Mistral's)
-    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
-                dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
-                     num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5,
-                     num_local_experts=5, num_experts_per_tok=2, sliding_window=5,
-                     rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-5,
+            num_local_experts=5,
+            num_experts_per_tok=2,
+            sliding_window=5,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     # HF's defaults where they are the model's (yarn rope, layer 0 sliding, biases everywhere, sinks), at tiny
     # sizes: head_dim 16 != hidden/heads 8, 5 experts (F 40), top 2, window 5; swiglu_limit 1.0 so that the
     # experts' clamps bite on random weights (the released 7.0 would hardly clamp here)
-    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
-                dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, num_hidden_layers=2,
-                     num_attention_heads=6, num_key_value_heads=2, head_dim=16, num_local_experts=5,
-                     num_experts_per_tok=2, sliding_window=5, swiglu_limit=1.0)),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=16,
+            num_local_experts=5,
+            num_experts_per_tok=2,
+            sliding_window=5,
+            swiglu_limit=1.0,
+        ),
+    ),
     # Qwen 3's attention (q/k norms, head_dim 16) on every layer's window of 5; 5 experts (F 24), top 2, not
     # renormalised (norm_topk_prob: HF's default false)
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
-                  dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=80, moe_intermediate_size=24,
-                       num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-                       max_position_embeddings=256, num_experts=5, num_experts_per_tok=2, use_sliding_window=True,
-                       sliding_window=5, rope_parameters=dict(rope_type="default", rope_theta=10000.0))),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=80,
+            moe_intermediate_size=24,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=256,
+            num_experts=5,
+            num_experts_per_tok=2,
+            use_sliding_window=True,
+            sliding_window=5,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     # layer 0: RoPE + chunked (chunks of 6 < the 11-token prompts; not 5, which leaves a right-padded prompt a
     # chunk of padding only, where HF's first new token reads a query with nothing to attend), dense SwiGLU of
     # G 56; layer 1: NoPE + global with the temperature biting (floor_scale 3, attn_scale 0.5; HF's 8192 would
     # leave tau = 1 at these lengths), MoE (5 experts, F 40, top 1, shared expert); head_dim 16 !=
     # hidden/heads 8; llama3 rope (the released models') with a short original length so that it bites
-    "llama4_text": ("Llama4TextConfig", "Llama4ForCausalLM",
-                    dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=40, intermediate_size_mlp=56,
-                         num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-                         max_position_embeddings=256, num_local_experts=5, num_experts_per_tok=1,
-                         no_rope_layer_interval=2, interleave_moe_layer_step=2, attention_chunk_size=6,
-                         floor_scale=3, attn_scale=0.5,
-                         rope_parameters=dict(rope_type="llama3", rope_theta=10000.0, factor=4.0,
-                                              low_freq_factor=1.0, high_freq_factor=4.0,
-                                              original_max_position_embeddings=16))),
+    "llama4_text": (
+        "Llama4TextConfig",
+        "Llama4ForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=40,
+            intermediate_size_mlp=56,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=256,
+            num_local_experts=5,
+            num_experts_per_tok=1,
+            no_rope_layer_interval=2,
+            interleave_moe_layer_step=2,
+            attention_chunk_size=6,
+            floor_scale=3,
+            attn_scale=0.5,
+            rope_parameters=dict(
+                rope_type="llama3",
+                rope_theta=10000.0,
+                factor=4.0,
+                low_freq_factor=1.0,
+                high_freq_factor=4.0,
+                original_max_position_embeddings=16,
+            ),
+        ),
+    ),
     # MLA with every dimension its own: hidden 41, 3 heads, q latent 11, kv latent 13, rope 4, nope 5, value 7;
     # layer 0 dense (SwiGLU 29), layer 1 the MoE: 15 experts (F 19) in 3 groups of 5, the best 2 groups
     # eligible, top 3, 2 shared experts (S 38), random score-correction biases; yarn rope x4 over an original
     # 64 positions with mscale 0.7 / mscale_all_dim 0.9 (both the cos/sin factor and the softmax scale bite)
-    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM",
-                    dict(vocab_size=VOCAB, hidden_size=41, intermediate_size=29, moe_intermediate_size=19,
-                         num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=3, q_lora_rank=11,
-                         kv_lora_rank=13, qk_rope_head_dim=4, qk_nope_head_dim=5, v_head_dim=7,
-                         n_routed_experts=15, n_group=3, topk_group=2, num_experts_per_tok=3, n_shared_experts=2,
-                         first_k_dense_replace=1, max_position_embeddings=256, tie_word_embeddings=False,
-                         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=0.7,
-                                              mscale_all_dim=0.9, original_max_position_embeddings=64))),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=41,
+            intermediate_size=29,
+            moe_intermediate_size=19,
+            num_hidden_layers=2,
+            num_attention_heads=3,
+            num_key_value_heads=3,
+            q_lora_rank=11,
+            kv_lora_rank=13,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=5,
+            v_head_dim=7,
+            n_routed_experts=15,
+            n_group=3,
+            topk_group=2,
+            num_experts_per_tok=3,
+            n_shared_experts=2,
+            first_k_dense_replace=1,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+            rope_parameters=dict(
+                rope_type="yarn",
+                rope_theta=10000.0,
+                factor=4.0,
+                mscale=0.7,
+                mscale_all_dim=0.9,
+                original_max_position_embeddings=64,
+            ),
+        ),
+    ),
     # layer 0: gated delta rule (3 key heads of 12 features, 9 value heads of 10, conv kernel 4), MoE (5 experts,
     # F 24, top 2, renormalised; shared expert S 40 with its sigmoid gate); layer 1: gated softmax attention
     # (head_dim 16 != hidden/heads 8, RoPE on a quarter of each head: partial_rotary_factor 0.25), a dense SwiGLU
     # of G 56 (mlp_only_layers)
-    "qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM",
-                   dict(vocab_size=VOCAB, hidden_size=48, intermediate_size=56, moe_intermediate_size=24,
-                        shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=6,
-                        num_key_value_heads=2, head_dim=16, linear_num_key_heads=3, linear_num_value_heads=9,
-                        linear_key_head_dim=12, linear_value_head_dim=10, linear_conv_kernel_dim=4,
-                        num_experts=5, num_experts_per_tok=2, full_attention_interval=2, mlp_only_layers=[1],
-                        max_position_embeddings=256,
-                        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25))),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=56,
+            moe_intermediate_size=24,
+            shared_expert_intermediate_size=40,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_num_key_heads=3,
+            linear_num_value_heads=9,
+            linear_key_head_dim=12,
+            linear_value_head_dim=10,
+            linear_conv_kernel_dim=4,
+            num_experts=5,
+            num_experts_per_tok=2,
+            full_attention_interval=2,
+            mlp_only_layers=[1],
+            max_position_embeddings=256,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
+        ),
+    ),
 }
 
 
@@ -156,8 +362,17 @@ def _quiet(transformers) -> None:
 
 
 # HF norms whose code takes the mean square in float32 whatever the input dtype (a float64 run included)
-_FLOAT32_NORMS = ("T5LayerNorm", "LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm", "Qwen3RMSNorm", "MixtralRMSNorm",
-                  "GptOssRMSNorm", "Qwen3MoeRMSNorm", "DeepseekV3RMSNorm")
+_FLOAT32_NORMS = (
+    "T5LayerNorm",
+    "LlamaRMSNorm",
+    "Qwen2RMSNorm",
+    "MistralRMSNorm",
+    "Qwen3RMSNorm",
+    "MixtralRMSNorm",
+    "GptOssRMSNorm",
+    "Qwen3MoeRMSNorm",
+    "DeepseekV3RMSNorm",
+)
 # (GptOssRMSNorm rounds after its weight: the same numbers in float64)
 
 
@@ -182,10 +397,18 @@ def torch_promote(dtype):
 
 
 # HF rotary embeddings whose code computes cos/sin in float32 whatever the input dtype
-_FLOAT32_ROTARY = ("LlamaRotaryEmbedding", "Qwen2RotaryEmbedding", "MistralRotaryEmbedding",
-                   "Gemma2RotaryEmbedding", "Qwen3RotaryEmbedding", "Gemma3RotaryEmbedding",
-                   "MixtralRotaryEmbedding", "GptOssRotaryEmbedding", "Qwen3MoeRotaryEmbedding",
-                   "DeepseekV3RotaryEmbedding")
+_FLOAT32_ROTARY = (
+    "LlamaRotaryEmbedding",
+    "Qwen2RotaryEmbedding",
+    "MistralRotaryEmbedding",
+    "Gemma2RotaryEmbedding",
+    "Qwen3RotaryEmbedding",
+    "Gemma3RotaryEmbedding",
+    "MixtralRotaryEmbedding",
+    "GptOssRotaryEmbedding",
+    "Qwen3MoeRotaryEmbedding",
+    "DeepseekV3RotaryEmbedding",
+)
 _HALF_ROTARY = ("GptOssRotaryEmbedding",)  # cos/sin [..., H/2]: gpt-oss rotates the halves without cat
 
 
@@ -207,11 +430,17 @@ def _rotary_in_input_precision(self, x, position_ids, layer_type=None):
 
 
 # HF modules whose eager attention takes its softmax in float32 whatever the input dtype
-_FLOAT32_SOFTMAX = ("transformers.models.llama.modeling_llama", "transformers.models.qwen2.modeling_qwen2",
-                    "transformers.models.mistral.modeling_mistral", "transformers.models.gemma2.modeling_gemma2",
-                    "transformers.models.qwen3.modeling_qwen3", "transformers.models.gemma3.modeling_gemma3",
-                    "transformers.models.mixtral.modeling_mixtral", "transformers.models.qwen3_moe.modeling_qwen3_moe",
-                    "transformers.models.deepseek_v3.modeling_deepseek_v3")
+_FLOAT32_SOFTMAX = (
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.mistral.modeling_mistral",
+    "transformers.models.gemma2.modeling_gemma2",
+    "transformers.models.qwen3.modeling_qwen3",
+    "transformers.models.gemma3.modeling_gemma3",
+    "transformers.models.mixtral.modeling_mixtral",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "transformers.models.deepseek_v3.modeling_deepseek_v3",
+)
 
 
 def _softmax_topk_router_in_input_precision(self, hidden_states):
@@ -254,6 +483,7 @@ def _deepseek_router_in_input_precision(self, hidden_states):
         topk_weights = topk_weights / (topk_weights.sum(dim=-1, keepdim=True) + 1e-20)
     return router_logits, topk_weights * self.routed_scaling_factor, topk_indices
 
+
 # HF embeddings scaled by sqrt(hidden_size) held in a float32 buffer (Gemma 2 / 3)
 _SCALED_EMBEDDINGS = ("Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbedding")
 
@@ -262,8 +492,9 @@ def _eager_attention_in_input_precision(hf_module):
     """HF's eager_attention_forward of `hf_module` (Llama's), the softmax taken in the input's dtype."""
     import torch
 
-    def eager_attention_forward(module, query, key, value, attention_mask, scaling, dropout=0.0, softcap=None,
-                                **kwargs):
+    def eager_attention_forward(
+        module, query, key, value, attention_mask, scaling, dropout=0.0, softcap=None, **kwargs
+    ):
         key_states = hf_module.repeat_kv(key, module.num_key_value_groups)
         value_states = hf_module.repeat_kv(value, module.num_key_value_groups)
         attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
@@ -333,10 +564,13 @@ class _TorchWithWideLog1p:
 
 
 # Llama 4's modules whose code computes in float32 whatever the input dtype -> their input-precision forward
-_LLAMA4_PATCHES = {"Llama4TextRMSNorm": _llama4_rms_norm_in_input_precision,
-                   "Llama4TextL2Norm": _llama4_rms_norm_in_input_precision,
-                   "Llama4TextRotaryEmbedding": _llama4_rotary_in_input_precision,
-                   "Llama4Router": _llama4_router_in_input_precision}
+_LLAMA4_PATCHES = {
+    "Llama4TextRMSNorm": _llama4_rms_norm_in_input_precision,
+    "Llama4TextL2Norm": _llama4_rms_norm_in_input_precision,
+    "Llama4TextRotaryEmbedding": _llama4_rotary_in_input_precision,
+    "Llama4Router": _llama4_router_in_input_precision,
+}
+
 
 class _TorchWithWideFloat32:
     """torch, except that float32 (and its alias float) is float64: Qwen3-Next's modeling code casts to
@@ -504,9 +738,21 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
 
 # weight-matrix gain per family (default 3): large enough that greedy decoding does not collapse to one
 # repeated token, small enough that float32 stays well conditioned (T5's gated FF multiplies two gains)
-_GAIN = {"t5": 1.5, "llama": 1.5, "qwen2": 1.5, "mistral": 1.5, "gemma2": 1.5, "qwen3": 1.5, "gemma3_text": 1.5,
-         "mixtral": 1.5, "gpt_oss": 1.5, "qwen3_moe": 1.5, "llama4_text": 1.5, "deepseek_v3": 1.5,
-         "qwen3_next": 1.5}
+_GAIN = {
+    "t5": 1.5,
+    "llama": 1.5,
+    "qwen2": 1.5,
+    "mistral": 1.5,
+    "gemma2": 1.5,
+    "qwen3": 1.5,
+    "gemma3_text": 1.5,
+    "mixtral": 1.5,
+    "gpt_oss": 1.5,
+    "qwen3_moe": 1.5,
+    "llama4_text": 1.5,
+    "deepseek_v3": 1.5,
+    "qwen3_next": 1.5,
+}
 _ONE_PLUS_W_NORMS = ("gemma2", "gemma3_text", "qwen3_next")  # norms that scale by 1 + weight: random around 0
 _PLAIN_NORMS = ("linear_attn.norm.weight",)  # Qwen3-Next's gated output norm scales by its weight: around 1
 
@@ -533,7 +779,7 @@ def write_checkpoint(model_type: str, directory: str | os.PathLike, *, seed: int
             else:
                 p.copy_(0.2 * noise if p.ndim == 1 else _GAIN.get(model_type, 3.0) * noise / p.shape[-1] ** 0.5)
             if name.endswith(("Attention.q.weight",)):  # T5 has no 1/sqrt(d) in its logits: its init has it
-                p.mul_(config.d_kv ** -0.5)
+                p.mul_(config.d_kv**-0.5)
         for name, b in model.named_buffers():  # DeepSeek V3's router bias: a saved buffer, zero by HF's init
             if name.endswith("e_score_correction_bias"):
                 b.copy_(0.2 * torch.randn(b.shape, generator=generator, dtype=b.dtype))
@@ -555,7 +801,7 @@ def padded_batch(side: str, *, seed: int = 0, batch: int = 3, length: int = 11, 
         if pad:
             mask[b, :pad] = 0 if side == "left" else 1
             if side == "right":
-                mask[b, length - pad:] = 0
+                mask[b, length - pad :] = 0
     return np.where(mask == 1, ids, 0), mask
 
 

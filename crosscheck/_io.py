@@ -49,8 +49,10 @@ def _load_torch(path: Path) -> dict[str, np.ndarray]:
     try:
         import torch
     except ImportError:
-        raise ImportError(f"{path}: reading {path.suffix} files needs torch (pip install 'jaxattn[torch]'); "
-                          ".safetensors files load without it") from None
+        raise ImportError(
+            f"{path}: reading {path.suffix} files needs torch (pip install 'jaxattn[torch]'); "
+            ".safetensors files load without it"
+        ) from None
     from crosscheck._convert import to_numpy
 
     try:
@@ -64,7 +66,8 @@ def _load_torch(path: Path) -> dict[str, np.ndarray]:
         raise ValueError(
             f"{path}: expected a flat state_dict of name -> tensor, but entries {not_tensors!r} are not tensors "
             f"(top-level keys: {list(obj)!r}). A wrapper such as {{'state_dict': ...}} or {{'model': ...}} is "
-            "not guessed: load it with torch.load(..., weights_only=True)[key] and pass that dict on")
+            "not guessed: load it with torch.load(..., weights_only=True)[key] and pass that dict on"
+        )
     return {name: to_numpy(tensor) for name, tensor in obj.items()}
 
 
@@ -81,6 +84,8 @@ def _load_error(path: Path, exc: Exception) -> str:
         return f"{path}: torch.load(weights_only=True) cannot load it: {type(exc).__name__}: {text}"
     found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", text)
     culprit = f" (it names {found.group(1)}, which is not a tensor or a plain container)" if found else ""
-    return (f"{path}: refused: loading this pickle could run code from the file{culprit}. Only tensors and "
-            "plain containers are read; save the weights as .safetensors, or as a dict of tensors "
-            "(torch.save(module.state_dict(), ...)), and load that")
+    return (
+        f"{path}: refused: loading this pickle could run code from the file{culprit}. Only tensors and "
+        "plain containers are read; save the weights as .safetensors, or as a dict of tensors "
+        "(torch.save(module.state_dict(), ...)), and load that"
+    )

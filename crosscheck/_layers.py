@@ -41,12 +41,12 @@ LAYER_TOLERANCES: Mapping[str, tuple[str, float]] = {"float32": ("max_abs", 1e-5
 
 @dataclasses.dataclass(frozen=True)
 class LayerRow:
-    name: str          # "embeddings", "layer3.attention", "layer3.mlp", "layer3.residual", "final_norm", "logits"
-    depth: int         # position in forward order (the plot's x axis)
+    name: str  # "embeddings", "layer3.attention", "layer3.mlp", "layer3.residual", "final_norm", "logits"
+    depth: int  # position in forward order (the plot's x axis)
     max_abs: float
     normwise: float
-    scale: float       # the reference row's largest |value|
-    metric: str        # which of the two the bar applies to
+    scale: float  # the reference row's largest |value|
+    metric: str  # which of the two the bar applies to
     tolerance: float
 
     @property
@@ -70,17 +70,26 @@ class LayerReport(Verdict):
     rows: tuple[LayerRow, ...]
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model, "dtype": self.dtype, "passed": self.passed,
-                "first_divergent": self.first_divergent,
-                "rows": [{**dataclasses.asdict(r), "bar": r.bar, "passed": r.passed} for r in self.rows]}
+        return {
+            "model": self.model,
+            "dtype": self.dtype,
+            "passed": self.passed,
+            "first_divergent": self.first_divergent,
+            "rows": [{**dataclasses.asdict(r), "bar": r.bar, "passed": r.passed} for r in self.rows],
+        }
 
     def __str__(self) -> str:
         metric, bar = LAYER_TOLERANCES[self.dtype]
         what = f"max abs <= {bar:.0e} * max(1, max |ref|)" if metric == "max_abs" else f"normwise <= {bar:.0e}"
-        lines = [f"{self.model} [{self.dtype}]: {what} per layer, real tokens only",
-                 f"  {'layer':32} {'max |ref|':>10} {'max abs':>10} {'normwise':>10} {'bar':>9}  result"]
-        lines += [f"  {r.name:32} {r.scale:10.2e} {r.max_abs:10.2e} {r.normwise:10.2e} {r.bar:9.1e}  "
-                  f"{'ok' if r.passed else 'FAIL'}" for r in self.rows]
+        lines = [
+            f"{self.model} [{self.dtype}]: {what} per layer, real tokens only",
+            f"  {'layer':32} {'max |ref|':>10} {'max abs':>10} {'normwise':>10} {'bar':>9}  result",
+        ]
+        lines += [
+            f"  {r.name:32} {r.scale:10.2e} {r.max_abs:10.2e} {r.normwise:10.2e} {r.bar:9.1e}  "
+            f"{'ok' if r.passed else 'FAIL'}"
+            for r in self.rows
+        ]
         lines.append(f"  first divergent: {self.first_divergent}" if not self.passed else "  every layer passes")
         return "\n".join(lines)
 
@@ -90,13 +99,13 @@ class LayerReport(Verdict):
 
 @dataclasses.dataclass(frozen=True)
 class _Family:
-    embeddings: Callable[[Any], Any]            # torch model -> module whose output is the embeddings row
-    layers: Callable[[Any], Any]                # torch model -> the blocks
-    attention: str                              # block attribute: attention sub-layer
-    mlp: str | None                          # block attribute: MLP sub-layer (None: fused with a norm)
+    embeddings: Callable[[Any], Any]  # torch model -> module whose output is the embeddings row
+    layers: Callable[[Any], Any]  # torch model -> the blocks
+    attention: str  # block attribute: attention sub-layer
+    mlp: str | None  # block attribute: MLP sub-layer (None: fused with a norm)
     final_norm: Callable[[Any], Any] | None
-    jax_layer: str                              # our params' name of block i ("h_{i}")
-    router: str | None = None                   # block attribute path of an MoE router ("mlp.gate")
+    jax_layer: str  # our params' name of block i ("h_{i}")
+    router: str | None = None  # block attribute path of an MoE router ("mlp.gate")
 
     def watch(self, torch_model) -> list[tuple[Any, str]]:
         """(module, row name) in forward order."""
@@ -182,10 +191,17 @@ class _DeepseekV3(_Family):
 
 
 FAMILIES: dict[str, _Family] = {
-    "gpt2": _Family(lambda m: m.transformer.drop, lambda m: m.transformer.h, "attn", "mlp",
-                    lambda m: m.transformer.ln_f, "h_{i}"),
-    "llama": _Family(lambda m: m.model.embed_tokens, lambda m: m.model.layers, "self_attn", "mlp",
-                     lambda m: m.model.norm, "layers_{i}"),
+    "gpt2": _Family(
+        lambda m: m.transformer.drop, lambda m: m.transformer.h, "attn", "mlp", lambda m: m.transformer.ln_f, "h_{i}"
+    ),
+    "llama": _Family(
+        lambda m: m.model.embed_tokens,
+        lambda m: m.model.layers,
+        "self_attn",
+        "mlp",
+        lambda m: m.model.norm,
+        "layers_{i}",
+    ),
     "bert": _Family(lambda m: m.embeddings, lambda m: m.encoder.layer, "attention", None, None, "layer_{i}"),
     "t5": _T5(None, None, "", None, None, "{stack}/block_{i}"),
 }
@@ -193,12 +209,20 @@ for _model_type in ("qwen2", "mistral", "gemma2", "qwen3", "gemma3_text"):
     FAMILIES[_model_type] = FAMILIES["llama"]
 FAMILIES["mixtral"] = FAMILIES["qwen3_moe"] = dataclasses.replace(FAMILIES["llama"], router="mlp.gate")
 FAMILIES["gpt_oss"] = dataclasses.replace(FAMILIES["llama"], router="mlp.router")
-FAMILIES["deepseek_v3"] = _DeepseekV3(lambda m: m.model.embed_tokens, lambda m: m.model.layers, "self_attn", "mlp",
-                                      lambda m: m.model.norm, "layers_{i}")
-FAMILIES["llama4_text"] = _Llama4(lambda m: m.model.embed_tokens, lambda m: m.model.layers, "self_attn", "feed_forward",
-                                  lambda m: m.model.norm, "layers_{i}")
-FAMILIES["qwen3_next"] = _Qwen3Next(lambda m: m.model.embed_tokens, lambda m: m.model.layers, "", "mlp",
-                                    lambda m: m.model.norm, "layers_{i}")
+FAMILIES["deepseek_v3"] = _DeepseekV3(
+    lambda m: m.model.embed_tokens, lambda m: m.model.layers, "self_attn", "mlp", lambda m: m.model.norm, "layers_{i}"
+)
+FAMILIES["llama4_text"] = _Llama4(
+    lambda m: m.model.embed_tokens,
+    lambda m: m.model.layers,
+    "self_attn",
+    "feed_forward",
+    lambda m: m.model.norm,
+    "layers_{i}",
+)
+FAMILIES["qwen3_next"] = _Qwen3Next(
+    lambda m: m.model.embed_tokens, lambda m: m.model.layers, "", "mlp", lambda m: m.model.norm, "layers_{i}"
+)
 
 
 def family(torch_model) -> _Family:
@@ -250,8 +274,7 @@ def _real_tokens(name: str, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
 
 def _to_layout(shape: tuple[int, ...]) -> Callable[[np.ndarray], np.ndarray]:
     """HF's routers see tokens as [B*T, E]: ours keep [B,T,E]."""
-    return lambda theirs: theirs.reshape(shape) if theirs.shape != shape and theirs.shape[-1:] == shape[-1:] \
-        else theirs
+    return lambda theirs: theirs.reshape(shape) if theirs.shape != shape and theirs.shape[-1:] == shape[-1:] else theirs
 
 
 def layer_report(torch_model, model_and_params, inputs: Mapping[str, Any], *, dtype: str) -> LayerReport:
@@ -275,8 +298,14 @@ def layer_report(torch_model, model_and_params, inputs: Mapping[str, Any], *, dt
     ours = _jax_rows(model, params, inputs)
     logits = {"logits": ours.pop("logits")} if "logits" in ours else {}
     paths = {id(module): path for path, module in torch_model.named_modules()}
-    pairs = [(paths[id(module.module)] + "[1]" if isinstance(module, _Second) else paths[id(module)], name,
-              _to_layout(ours[name].shape)) for module, name in spec.watch(torch_model)]
+    pairs = [
+        (
+            paths[id(module.module)] + "[1]" if isinstance(module, _Second) else paths[id(module)],
+            name,
+            _to_layout(ours[name].shape),
+        )
+        for module, name in spec.watch(torch_model)
+    ]
 
     def torch_fn(**tensors):
         with float64_reference(torch_model, dtype):
@@ -284,9 +313,18 @@ def layer_report(torch_model, model_and_params, inputs: Mapping[str, Any], *, dt
         return {"logits": out.logits} if logits else {}
 
     torch_model.to(getattr(torch, dtype)).eval()
-    cert = certify(torch_fn, lambda **_: (logits, ours), inputs, dtype=dtype, layers=pairs, logits=False,
-                   bar=Bar(metric, bar, scaled=metric == "max_abs"), torch_module=torch_model,
-                   select=lambda name, array: array[_real_tokens(name, inputs)])
-    rows = [LayerRow(r.jax_name, depth, r.max_abs, r.normwise, r.scale, metric, bar)
-            for depth, r in enumerate(cert.rows)]
+    cert = certify(
+        torch_fn,
+        lambda **_: (logits, ours),
+        inputs,
+        dtype=dtype,
+        layers=pairs,
+        logits=False,
+        bar=Bar(metric, bar, scaled=metric == "max_abs"),
+        torch_module=torch_model,
+        select=lambda name, array: array[_real_tokens(name, inputs)],
+    )
+    rows = [
+        LayerRow(r.jax_name, depth, r.max_abs, r.normwise, r.scale, metric, bar) for depth, r in enumerate(cert.rows)
+    ]
     return LayerReport(torch_model.config.model_type, dtype, tuple(rows))

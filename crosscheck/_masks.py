@@ -59,12 +59,18 @@ def _split(parts: list[tuple[str, np.ndarray]], bool_means_allowed: bool):
             mask = allowed if mask is None else mask & allowed
         else:
             bias = x if bias is None else bias + x
-    return (None if mask is None else to_jax(mask, "mask"),
-            None if bias is None else to_jax(bias, "bias"))
+    return (None if mask is None else to_jax(mask, "mask"), None if bias is None else to_jax(bias, "bias"))
 
 
-def masks_from_torch(attn_mask=None, key_padding_mask=None, *, num_heads: int | None = None,
-                     is_causal: bool = False, query_length: int | None = None, key_length: int | None = None):
+def masks_from_torch(
+    attn_mask=None,
+    key_padding_mask=None,
+    *,
+    num_heads: int | None = None,
+    is_causal: bool = False,
+    query_length: int | None = None,
+    key_length: int | None = None,
+):
     """``(mask, bias)`` for jaxattn from ``torch.nn.MultiheadAttention``'s mask arguments (either may be None).
 
     ``attn_mask``: ``[T, S]`` or ``[B*N, T, S]`` (row ``b*N + n``; needs ``num_heads``, result ``[B, N, T, S]``);
@@ -91,16 +97,20 @@ def masks_from_torch(attn_mask=None, key_padding_mask=None, *, num_heads: int | 
         if is_causal:
             _check_causal_hint(a)
     elif is_causal:
-        raise ValueError("is_causal: torch.nn.MultiheadAttention takes is_causal only as a hint that attn_mask is "
-                         "the causal mask, and refuses it without attn_mask; pass the attn_mask (or use "
-                         "sdpa_masks_from_torch for F.scaled_dot_product_attention's is_causal)")
+        raise ValueError(
+            "is_causal: torch.nn.MultiheadAttention takes is_causal only as a hint that attn_mask is "
+            "the causal mask, and refuses it without attn_mask; pass the attn_mask (or use "
+            "sdpa_masks_from_torch for F.scaled_dot_product_attention's is_causal)"
+        )
     if kpm is not None:
         if kpm.ndim not in (1, 2):
             raise ValueError(f"key_padding_mask: expected shape [B, S] (or [S]), got {kpm.shape}")
         _check_length("key_padding_mask", kpm.shape[-1], key_length, "key length S")
         if a is not None and a.ndim == 4 and kpm.ndim == 2 and kpm.shape[0] != a.shape[0]:
-            raise ValueError(f"key_padding_mask: expected batch B = {a.shape[0]} (from attn_mask "
-                             f"[B*N, T, S] with N={num_heads}), got shape {kpm.shape}")
+            raise ValueError(
+                f"key_padding_mask: expected batch B = {a.shape[0]} (from attn_mask "
+                f"[B*N, T, S] with N={num_heads}), got shape {kpm.shape}"
+            )
         kpm = kpm.reshape(*kpm.shape[:-1], 1, 1, kpm.shape[-1])  # [B, 1, 1, S]
     parts = [(name, x) for name, x in (("attn_mask", a), ("key_padding_mask", kpm)) if x is not None]
     return _split(parts, bool_means_allowed=False)
@@ -128,11 +138,13 @@ def _check_causal_hint(a: np.ndarray) -> None:
             "is_causal: torch.nn.MultiheadAttention treats is_causal as a promise that attn_mask is the top-left "
             "causal mask (blocked above the diagonal: torch.triu(ones(T, S), 1) as bool, -inf as float), and "
             "may then replace attn_mask by SDPA's causal mask; this attn_mask is not that mask, so torch's "
-            "result is ill-defined. Drop is_causal=True.")
+            "result is ill-defined. Drop is_causal=True."
+        )
 
 
-def sdpa_masks_from_torch(attn_mask=None, *, is_causal: bool = False, query_length: int | None = None,
-                          key_length: int | None = None):
+def sdpa_masks_from_torch(
+    attn_mask=None, *, is_causal: bool = False, query_length: int | None = None, key_length: int | None = None
+):
     """``(mask, bias)`` for jaxattn from ``torch.nn.functional.scaled_dot_product_attention``'s arguments.
 
     SDPA's bool ``attn_mask`` means True = TAKES PART in attention, the opposite of MultiheadAttention's; it is
@@ -146,8 +158,10 @@ def sdpa_masks_from_torch(attn_mask=None, *, is_causal: bool = False, query_leng
     """
     if is_causal:
         if attn_mask is not None:
-            raise ValueError("is_causal: scaled_dot_product_attention refuses is_causal=True with an attn_mask; "
-                             "pass one or the other")
+            raise ValueError(
+                "is_causal: scaled_dot_product_attention refuses is_causal=True with an attn_mask; "
+                "pass one or the other"
+            )
         if query_length is None or key_length is None:
             raise ValueError("is_causal: pass query_length= and key_length= to build torch's top-left causal mask")
         return _split([("is_causal", _top_left_causal(query_length, key_length))], bool_means_allowed=True)

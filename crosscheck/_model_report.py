@@ -15,8 +15,12 @@ from pathlib import Path
 
 import numpy as np
 
-SENTENCES = ("The quick brown fox jumps over the lazy dog.", "Hi!", "A man is eating food.",
-             "Two dogs are playing in the snow near the old wooden fence.")
+SENTENCES = (
+    "The quick brown fox jumps over the lazy dog.",
+    "Hi!",
+    "A man is eating food.",
+    "Two dogs are playing in the snow near the old wooden fence.",
+)
 
 
 def model_inputs(directory: Path, config: dict) -> dict[str, np.ndarray]:
@@ -52,8 +56,10 @@ def _encoder_inputs(directory: Path, config: dict) -> dict[str, np.ndarray]:
             tokenizer.no_truncation()
             tokenizer.enable_padding(pad_id=pad, direction=side)
             encoded = tokenizer.encode_batch(list(SENTENCES))
-            return {"input_ids": np.array([e.ids for e in encoded], np.int64),
-                    "attention_mask": np.array([e.attention_mask for e in encoded], np.int64)}
+            return {
+                "input_ids": np.array([e.ids for e in encoded], np.int64),
+                "attention_mask": np.array([e.attention_mask for e in encoded], np.int64),
+            }
     ids, mask = padded_batch(side, vocab=config["vocab_size"])
     return {"input_ids": np.where(mask == 1, ids, pad), "attention_mask": mask}
 
@@ -63,16 +69,25 @@ def plot(reports, path: str) -> None:
     from crosscheck._certify import plot_series
 
     try:
-        plot_series([(f"{r.dtype}: " + ("max abs / (1e-5 max(1,|ref|))" if r.dtype == "float32" else
-                                         "normwise / 1e-12"), r.rows) for r in reports], path,
-                    title=f"{reports[0].model}: jaxattn.models vs transformers, per layer", ylabel="error / tolerance")
+        plot_series(
+            [
+                (
+                    f"{r.dtype}: " + ("max abs / (1e-5 max(1,|ref|))" if r.dtype == "float32" else "normwise / 1e-12"),
+                    r.rows,
+                )
+                for r in reports
+            ],
+            path,
+            title=f"{reports[0].model}: jaxattn.models vs transformers, per layer",
+            ylabel="error / tolerance",
+        )
     except ImportError:
-        raise SystemExit("python -m crosscheck: error: --plot needs matplotlib "
-                         "(pip install -e \".[bench]\" or pip install matplotlib)") from None
+        raise SystemExit(
+            'python -m crosscheck: error: --plot needs matplotlib (pip install -e ".[bench]" or pip install matplotlib)'
+        ) from None
 
 
-def finish(reports, *, header: str, data: dict, json_path: str | None, plot_path: str | None, draw,
-           divergence) -> int:
+def finish(reports, *, header: str, data: dict, json_path: str | None, plot_path: str | None, draw, divergence) -> int:
     """What a report command ends with: --json PATH writes `data` (--json alone, PATH "-", prints it instead
     of the tables), else `header` and each report; `draw(reports, plot_path)` with --plot; one stderr line
     `divergence(report)` per failed report; the exit status (1 if any failed)."""
@@ -91,8 +106,7 @@ def finish(reports, *, header: str, data: dict, json_path: str | None, plot_path
     return 1 if failed else 0
 
 
-def main(directory: str | None, *, dtypes: Sequence[str] | None, plot_path: str | None,
-         json_path: str | None) -> int:
+def main(directory: str | None, *, dtypes: Sequence[str] | None, plot_path: str | None, json_path: str | None) -> int:
     from crosscheck._layers import LAYER_TOLERANCES, layer_report
     from jaxattn.models import from_pretrained
 
@@ -110,11 +124,20 @@ def main(directory: str | None, *, dtypes: Sequence[str] | None, plot_path: str 
         print(f"python -m crosscheck: error: {error}", file=sys.stderr)
         return 2
     inputs = model_inputs(directory, config)
-    reports = [layer_report(torch, (model, params), inputs, dtype=dtype)
-               for dtype in (dtypes or tuple(LAYER_TOLERANCES))]
+    reports = [
+        layer_report(torch, (model, params), inputs, dtype=dtype) for dtype in (dtypes or tuple(LAYER_TOLERANCES))
+    ]
     shape = "x".join(map(str, inputs["input_ids"].shape))
-    return finish(reports, header=f"{directory}: {config['model_type']}, batch {shape}, "
-                  f"{int(inputs['attention_mask'].sum())} real tokens",
-                  data={"model": str(directory), "passed": all(r.passed for r in reports),
-                        "reports": [r.to_dict() for r in reports]}, json_path=json_path, plot_path=plot_path,
-                  draw=plot, divergence=lambda r: f"first divergent layer ({r.dtype}): {r.first_divergent}")
+    return finish(
+        reports,
+        header=f"{directory}: {config['model_type']}, batch {shape}, {int(inputs['attention_mask'].sum())} real tokens",
+        data={
+            "model": str(directory),
+            "passed": all(r.passed for r in reports),
+            "reports": [r.to_dict() for r in reports],
+        },
+        json_path=json_path,
+        plot_path=plot_path,
+        draw=plot,
+        divergence=lambda r: f"first divergent layer ({r.dtype}): {r.first_divergent}",
+    )

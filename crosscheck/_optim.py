@@ -68,8 +68,9 @@ def clip_grad_norm_torch(max_norm: float):
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def optax_from_torch(optimizer, torch_model, params, *, scheduler=None, max_grad_norm: float | None = None,
-                     steps: int | None = None):
+def optax_from_torch(
+    optimizer, torch_model, params, *, scheduler=None, max_grad_norm: float | None = None, steps: int | None = None
+):
     """The optax GradientTransformation that follows `optimizer` (and `scheduler`, and clipping) exactly.
 
     optimizer: a fresh torch.optim SGD / Adam / AdamW on `torch_model`'s parameters, any param groups.
@@ -92,17 +93,21 @@ def twin(optimizer, torch_model, layout, *, scheduler=None, max_grad_norm=None, 
     try:
         import optax
     except ImportError:
-        raise ImportError("crosscheck's training parity needs optax: pip install \"jaxattn[train]\"") from None
+        raise ImportError('crosscheck\'s training parity needs optax: pip install "jaxattn[train]"') from None
 
     kind = _kind(optimizer)
     if optimizer.state:
-        raise ValueError(f"optimizer: expected a fresh {type(optimizer).__name__} (no state yet: the optax twin "
-                         f"starts from zero moments), got state for {len(optimizer.state)} parameters")
+        raise ValueError(
+            f"optimizer: expected a fresh {type(optimizer).__name__} (no state yet: the optax twin "
+            f"starts from zero moments), got state for {len(optimizer.state)} parameters"
+        )
     _check_scheduler(scheduler, optimizer, steps)
     group_of = {id(p): k for k, g in enumerate(optimizer.param_groups) for p in g["params"]}
     named = _named_parameters(optimizer, torch_model)
-    labels = {name: f"group{group_of[id(p)]}" if id(p) in group_of and p.requires_grad else "frozen"
-              for name, p in named.items()}
+    labels = {
+        name: f"group{group_of[id(p)]}" if id(p) in group_of and p.requires_grad else "frozen"
+        for name, p in named.items()
+    }
     transforms, lines = {}, []
     for k, group in enumerate(optimizer.param_groups):
         lr = _learning_rate(scheduler, k, group, steps)
@@ -112,8 +117,7 @@ def twin(optimizer, torch_model, layout, *, scheduler=None, max_grad_norm=None, 
     frozen = [n for n in layout.names if labels[n] == "frozen"]
     if frozen:
         transforms["frozen"] = optax.set_to_zero()
-        lines.append(f"requires_grad=False or in no group (torch never updates them; set_to_zero): "
-                     f"{', '.join(frozen)}")
+        lines.append(f"requires_grad=False or in no group (torch never updates them; set_to_zero): {', '.join(frozen)}")
     neutral = sorted({key for g in optimizer.param_groups for key in NEUTRAL if key in g and g[key]})
     if neutral:
         lines.append(f"accepted, kernels only (not the update's math): {', '.join(neutral)}")
@@ -128,8 +132,11 @@ def twin(optimizer, torch_model, layout, *, scheduler=None, max_grad_norm=None, 
         no_grad = layout.labels(lambda name: not named[name].requires_grad)
         if any(jax.tree.leaves(no_grad)):  # torch has no gradient for them: none in its norm either
             tx = optax.chain(optax.masked(optax.set_to_zero(), no_grad), tx)
-        lines.insert(0, f"clip_grad_norm_(all parameters, {max_grad_norm}) -> clip_grad_norm_torch({max_grad_norm}) "
-                        f"(min(max_norm / (norm + 1e-6), 1), torch's formula)")
+        lines.insert(
+            0,
+            f"clip_grad_norm_(all parameters, {max_grad_norm}) -> clip_grad_norm_torch({max_grad_norm}) "
+            f"(min(max_norm / (norm + 1e-6), 1), torch's formula)",
+        )
     return tx, lines
 
 
@@ -140,8 +147,9 @@ def _named_parameters(optimizer, torch_model) -> dict:
     known = {id(p) for p in named.values()}
     strangers = [tuple(p.shape) for i, p in params.items() if i not in known]
     if strangers:
-        raise ValueError(f"optimizer: expected parameters of torch_model only, got {len(strangers)} others "
-                         f"(shapes {strangers[:4]})")
+        raise ValueError(
+            f"optimizer: expected parameters of torch_model only, got {len(strangers)} others (shapes {strangers[:4]})"
+        )
     return named
 
 
@@ -154,10 +162,12 @@ def _kind(optimizer) -> str:
         return kind
     name = type(optimizer).__name__
     if name == "Adafactor":
-        raise ValueError("optimizer: Adafactor has no optax twin: torch factors the second moment over the last "
-                         "two dims of torch's layout, optax over the two largest dims (>= min_dim_size_to_factor) "
-                         "of ours, and the weight tables change layouts; eps1 clamps the estimate in torch but is "
-                         "added to g^2 in optax; torch's step min(lr, 1/sqrt(t)) * RMS(param) has no optax twin")
+        raise ValueError(
+            "optimizer: Adafactor has no optax twin: torch factors the second moment over the last "
+            "two dims of torch's layout, optax over the two largest dims (>= min_dim_size_to_factor) "
+            "of ours, and the weight tables change layouts; eps1 clamps the estimate in torch but is "
+            "added to g^2 in optax; torch's step min(lr, 1/sqrt(t)) * RMS(param) has no optax twin"
+        )
     raise ValueError(f"optimizer: expected torch.optim.SGD, Adam or AdamW (the mapped ones), got {name}")
 
 
@@ -173,39 +183,54 @@ def _group_twin(kind: str, group, lr, defaults) -> tuple[Any, str]:
     """One param group -> (optax transform, "torch ... -> optax ..." line)."""
     import optax
 
-    known = {"sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"},
-             "adam": {"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay"}}[kind]
+    known = {
+        "sgd": {"lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"},
+        "adam": {"lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay"},
+    }[kind]
     unknown = sorted(k for k in defaults if k not in known and k not in NEUTRAL)
     if unknown:
-        raise ValueError(f"optimizer: option(s) {unknown} of {kind} are not in the mapping table (a newer torch?): "
-                         f"refused rather than guessed")
+        raise ValueError(
+            f"optimizer: option(s) {unknown} of {kind} are not in the mapping table (a newer torch?): "
+            f"refused rather than guessed"
+        )
     if group.get("maximize"):
         _refuse("maximize", True, "optax minimises; negate the loss instead")
     wd = _scalar(group["weight_decay"])
     rate = lr if isinstance(lr, float) else "schedule"
     if kind == "sgd":
         if group["dampening"] != 0:
-            _refuse("dampening", group["dampening"], "optax.trace has no dampening (and torch skips it on the "
-                    "first step)")
+            _refuse(
+                "dampening", group["dampening"], "optax.trace has no dampening (and torch skips it on the first step)"
+            )
         momentum = _scalar(group["momentum"])
         tx = optax.sgd(lr, momentum=momentum or None, nesterov=bool(group["nesterov"]))
-        text = (f"SGD(lr={rate}, momentum={momentum}, nesterov={group['nesterov']}, weight_decay={wd}) -> "
-                f"{'add_decayed_weights(%g) + ' % wd if wd else ''}sgd({rate}, momentum={momentum or None}, "
-                f"nesterov={group['nesterov']})")
+        text = (
+            f"SGD(lr={rate}, momentum={momentum}, nesterov={group['nesterov']}, weight_decay={wd}) -> "
+            f"{'add_decayed_weights(%g) + ' % wd if wd else ''}sgd({rate}, momentum={momentum or None}, "
+            f"nesterov={group['nesterov']})"
+        )
         return (optax.chain(optax.add_decayed_weights(wd), tx) if wd else tx), text
     if group["amsgrad"]:
-        _refuse("amsgrad", True, "torch keeps the max of the raw second moment and divides it by the current bias "
-                "correction; optax.scale_by_amsgrad keeps the max of the bias-corrected moment")
+        _refuse(
+            "amsgrad",
+            True,
+            "torch keeps the max of the raw second moment and divides it by the current bias "
+            "correction; optax.scale_by_amsgrad keeps the max of the bias-corrected moment",
+        )
     b1, b2 = (_scalar(b) for b in group["betas"])
     eps = _scalar(group["eps"])
     if group.get("decoupled_weight_decay"):
-        return (optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd),
-                f"AdamW(lr={rate}, betas=({b1}, {b2}), eps={eps}, weight_decay={wd}) -> "
-                f"adamw({rate}, b1={b1}, b2={b2}, eps={eps}, weight_decay={wd})")
+        return (
+            optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=wd),
+            f"AdamW(lr={rate}, betas=({b1}, {b2}), eps={eps}, weight_decay={wd}) -> "
+            f"adamw({rate}, b1={b1}, b2={b2}, eps={eps}, weight_decay={wd})",
+        )
     tx = optax.adam(lr, b1=b1, b2=b2, eps=eps)
-    return ((optax.chain(optax.add_decayed_weights(wd), tx) if wd else tx),
-            f"Adam(lr={rate}, betas=({b1}, {b2}), eps={eps}, weight_decay={wd}) -> "
-            f"{'add_decayed_weights(%g) + ' % wd if wd else ''}adam({rate}, b1={b1}, b2={b2}, eps={eps})")
+    return (
+        (optax.chain(optax.add_decayed_weights(wd), tx) if wd else tx),
+        f"Adam(lr={rate}, betas=({b1}, {b2}), eps={eps}, weight_decay={wd}) -> "
+        f"{'add_decayed_weights(%g) + ' % wd if wd else ''}adam({rate}, b1={b1}, b2={b2}, eps={eps})",
+    )
 
 
 # --- learning-rate schedulers ---------------------------------------------------------------------------------
@@ -219,8 +244,7 @@ def _check_scheduler(scheduler, optimizer, steps) -> None:
     if getattr(scheduler, "optimizer", None) is not optimizer:
         raise ValueError("scheduler: expected a scheduler built on `optimizer`, got one on another optimizer")
     if scheduler.last_epoch != 0:
-        raise ValueError(f"scheduler: expected a fresh scheduler (last_epoch 0), got last_epoch "
-                         f"{scheduler.last_epoch}")
+        raise ValueError(f"scheduler: expected a fresh scheduler (last_epoch 0), got last_epoch {scheduler.last_epoch}")
 
 
 def _learning_rate(scheduler, k: int, group, steps):
@@ -231,12 +255,17 @@ def _learning_rate(scheduler, k: int, group, steps):
         return _scalar(group["lr"])
     name = type(scheduler).__name__
     function = scheduler.lr_lambdas[k] if name == "LambdaLR" else None
-    hf = (function.func.__name__ if isinstance(function, functools.partial)
-          and getattr(function.func, "__module__", None) == _HF else None)
+    hf = (
+        function.func.__name__
+        if isinstance(function, functools.partial) and getattr(function.func, "__module__", None) == _HF
+        else None
+    )
     if hf not in ("_get_cosine_schedule_with_warmup_lr_lambda", "_get_linear_schedule_with_warmup_lr_lambda"):
-        raise ValueError(f"scheduler: expected transformers' get_cosine_schedule_with_warmup or "
-                         f"get_linear_schedule_with_warmup (a LambdaLR), got {name}"
-                         f"{' of ' + repr(function) if function is not None else ''}: no mapped optax twin")
+        raise ValueError(
+            f"scheduler: expected transformers' get_cosine_schedule_with_warmup or "
+            f"get_linear_schedule_with_warmup (a LambdaLR), got {name}"
+            f"{' of ' + repr(function) if function is not None else ''}: no mapped optax twin"
+        )
     base = float(scheduler.base_lrs[k])
     options = dict(function.keywords)
     warmup, total = int(options.pop("num_warmup_steps")), int(options.pop("num_training_steps"))
@@ -248,11 +277,15 @@ def _learning_rate(scheduler, k: int, group, steps):
     if options:
         raise ValueError(f"scheduler: options {sorted(options)} of {hf} are not in the mapping table")
     if cycles != 0.5:
-        raise ValueError(f"scheduler: num_cycles={cycles} has no optax twin (warmup_cosine_decay_schedule is "
-                         f"the half cosine, num_cycles=0.5)")
+        raise ValueError(
+            f"scheduler: num_cycles={cycles} has no optax twin (warmup_cosine_decay_schedule is "
+            f"the half cosine, num_cycles=0.5)"
+        )
     if steps is not None and steps > total:
-        raise ValueError(f"steps: expected at most num_training_steps={total} with a cosine schedule (HF's "
-                         f"cosine rises again after it, optax's stays at its end value), got {steps}")
+        raise ValueError(
+            f"steps: expected at most num_training_steps={total} with a cosine schedule (HF's "
+            f"cosine rises again after it, optax's stays at its end value), got {steps}"
+        )
     return float_count(optax.warmup_cosine_decay_schedule(0.0, base, warmup, total, end_value=base * floor))
 
 
@@ -271,7 +304,7 @@ def float_count(schedule):
 
 
 def torch_optimizer(spec: str, torch_model, *, lr: float, weight_decay: float = 0.01):
-    """"sgd" (momentum 0.9), "adam" or "adamw" on torch_model's parameters. adamw: two groups, weight decay
+    """ "sgd" (momentum 0.9), "adam" or "adamw" on torch_model's parameters. adamw: two groups, weight decay
     on the matrices (ndim >= 2: projections and embeddings), none on biases and norm scales (the usual
     convention, HF Trainer's too)."""
     import torch
@@ -285,8 +318,10 @@ def torch_optimizer(spec: str, torch_model, *, lr: float, weight_decay: float = 
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     if spec == "adam":
         return torch.optim.Adam(params, lr=lr)
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr)
 
 
@@ -295,4 +330,3 @@ def warmup_cosine(optimizer, steps: int, warmup: int | None = None):
     from transformers import get_cosine_schedule_with_warmup
 
     return get_cosine_schedule_with_warmup(optimizer, max(1, steps // 10) if warmup is None else warmup, steps)
-

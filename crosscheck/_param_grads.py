@@ -50,8 +50,10 @@ def param_pairs(params: Mapping[str, Any] | None) -> list[ParamPair]:
     for name, target in (params or {}).items():
         target, transform = target if isinstance(target, tuple) else (target, None)
         if not isinstance(name, str) or not (isinstance(target, str) or callable(target)):
-            raise ValueError(f"params: expected {{torch parameter name: JAX path, callable or (either, transform)}}, "
-                             f"got {name!r}: {target!r}")
+            raise ValueError(
+                f"params: expected {{torch parameter name: JAX path, callable or (either, transform)}}, "
+                f"got {name!r}: {target!r}"
+            )
         if isinstance(target, str):
             pairs.append((name, _path_pull(target), transform, target))
         else:
@@ -65,6 +67,7 @@ def _path_pull(path: str) -> Callable[[Any], Any]:
             return leaf_at(tree, path)
         except KeyError as error:
             raise ValueError(f"params: JAX path {error.args[0]}") from None
+
     return pull
 
 

@@ -25,16 +25,16 @@ import numpy as np
 
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
-    name: str             # the torch parameter it comes from
-    index: np.ndarray     # int64, the leaf's shape: flat positions in that torch parameter
-    path: str             # "h_0/attn/query/kernel"
+    name: str  # the torch parameter it comes from
+    index: np.ndarray  # int64, the leaf's shape: flat positions in that torch parameter
+    path: str  # "h_0/attn/query/kernel"
 
 
 @dataclasses.dataclass(frozen=True)
 class ParamLayout:
-    names: tuple[str, ...]                       # torch parameter names, named_parameters() order
-    shapes: Mapping[str, tuple[int, ...]]        # torch shapes
-    leaves: tuple[_Leaf, ...]                    # our leaves, in jax.tree flatten order
+    names: tuple[str, ...]  # torch parameter names, named_parameters() order
+    shapes: Mapping[str, tuple[int, ...]]  # torch shapes
+    leaves: tuple[_Leaf, ...]  # our leaves, in jax.tree flatten order
     treedef: Any
 
     @classmethod
@@ -47,19 +47,25 @@ class ParamLayout:
         named = list(torch_model.named_parameters())
         shapes = {name: tuple(p.shape) for name, p in named}
         offsets = np.cumsum([0] + [p.numel() for _, p in named])
-        probe = {name: np.arange(offsets[k], offsets[k + 1], dtype=np.int64).reshape(shapes[name])
-                 for k, name in enumerate(shapes)}
+        probe = {
+            name: np.arange(offsets[k], offsets[k + 1], dtype=np.int64).reshape(shapes[name])
+            for k, name in enumerate(shapes)
+        }
         _, numbered = from_state_dict(torch_model.config.to_dict(), probe)
         flat, treedef = jax.tree_util.tree_flatten_with_path(numbered)
         theirs, their_def = jax.tree_util.tree_flatten_with_path(params)
         if their_def != treedef or any(np.shape(a) != np.shape(b) for (_, a), (_, b) in zip(flat, theirs)):
-            raise ValueError(f"params: expected the tree jaxattn.models builds for {type(torch_model).__name__} "
-                             f"({_describe(flat)}), got {_describe(theirs)}")
+            raise ValueError(
+                f"params: expected the tree jaxattn.models builds for {type(torch_model).__name__} "
+                f"({_describe(flat)}), got {_describe(theirs)}"
+            )
         seen = np.sort(np.concatenate([np.asarray(leaf).ravel() for _, leaf in flat]))
         if not np.array_equal(seen, np.arange(offsets[-1])):
-            raise ValueError(f"torch_model: the weight table of {torch_model.config.model_type!r} is not a "
-                             f"permutation of the torch parameters ({seen.size} elements for {offsets[-1]}): "
-                             f"parameters cannot be compared element by element")
+            raise ValueError(
+                f"torch_model: the weight table of {torch_model.config.model_type!r} is not a "
+                f"permutation of the torch parameters ({seen.size} elements for {offsets[-1]}): "
+                f"parameters cannot be compared element by element"
+            )
         leaves = []
         for path, leaf in flat:
             leaf = np.asarray(leaf)
@@ -109,7 +115,7 @@ class ParamLayout:
 
 
 def layer_of(name: str) -> str:
-    """"model.layers.3.mlp.up_proj.weight" -> "layer3"; "transformer.wte.weight" -> "wte" (no layer index);
+    """ "model.layers.3.mlp.up_proj.weight" -> "layer3"; "transformer.wte.weight" -> "wte" (no layer index);
     "decoder.block.1.layer.0.SelfAttention.q.weight" -> "decoder.layer1"."""
     stack = name.split(".")[0] + "." if name.startswith(("encoder.", "decoder.")) else ""  # T5's two stacks
     match = re.search(r"\.(\d+)\.", name)
@@ -124,5 +130,8 @@ def _path(path) -> str:
 
 
 def _describe(flat) -> str:
-    return f"{len(flat)} leaves: " + ", ".join(f"{_path(p)} {list(np.shape(x))}" for p, x in flat[:4]) + \
-        (", ..." if len(flat) > 4 else "")
+    return (
+        f"{len(flat)} leaves: "
+        + ", ".join(f"{_path(p)} {list(np.shape(x))}" for p, x in flat[:4])
+        + (", ..." if len(flat) > 4 else "")
+    )

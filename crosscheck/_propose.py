@@ -35,17 +35,17 @@ from crosscheck._reference import cast_inputs, checked_dtype, flat_intermediates
 
 @dataclasses.dataclass(frozen=True)
 class ProposedPair:
-    path: str          # torch module path ("<path> (call k)" for a module's k-th call)
-    name: str          # JAX intermediate
+    path: str  # torch module path ("<path> (call k)" for a module's k-th call)
+    name: str  # JAX intermediate
     shape: tuple[int, ...]
     normwise: float
-    sure: bool         # under `within`; False: the closest same-shaped output no sure pair took
+    sure: bool  # under `within`; False: the closest same-shaped output no sure pair took
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerProposal:
-    pairs: tuple[ProposedPair, ...]   # in torch's firing order
-    unmatched: tuple[str, ...]        # JAX intermediates with no torch output of their shape where they belong
+    pairs: tuple[ProposedPair, ...]  # in torch's firing order
+    unmatched: tuple[str, ...]  # JAX intermediates with no torch output of their shape where they belong
     within: float
 
     @property
@@ -70,8 +70,17 @@ class LayerProposal:
         return "\n".join(lines)
 
 
-def propose_layers(torch_module, jax_fn, inputs: Mapping[str, Any], *, dtype: str = "float32", torch_fn=None,
-                   jax_params=None, within: float = 1e-3, echo: bool = True) -> LayerProposal:
+def propose_layers(
+    torch_module,
+    jax_fn,
+    inputs: Mapping[str, Any],
+    *,
+    dtype: str = "float32",
+    torch_fn=None,
+    jax_params=None,
+    within: float = 1e-3,
+    echo: bool = True,
+) -> LayerProposal:
     """Pair jax_fn's intermediates with torch_module's submodule outputs (see the module docstring).
 
     torch_fn: what to call with the inputs (default torch_module itself; e.g. a wrapper around a model whose
@@ -82,8 +91,10 @@ def propose_layers(torch_module, jax_fn, inputs: Mapping[str, Any], *, dtype: st
     inputs = cast_inputs(inputs, dtype)
     _, inter = split_jax(run_jax(jax_fn, inputs, jax_params), True)
     if not inter:
-        raise ValueError("jax_fn: expected it to return (outputs, {name: array}) with at least one intermediate, "
-                         "got no intermediates")
+        raise ValueError(
+            "jax_fn: expected it to return (outputs, {name: array}) with at least one intermediate, "
+            "got no intermediates"
+        )
     theirs = torch_outputs(torch, torch_module, torch_fn or torch_module, inputs, dtype)
     proposal = align(list(inter.items()), theirs, within, jax_order(jax_fn, inputs, jax_params))
     if echo:
@@ -91,8 +102,7 @@ def propose_layers(torch_module, jax_fn, inputs: Mapping[str, Any], *, dtype: st
     return proposal
 
 
-def torch_outputs(torch, module, torch_fn, inputs: Mapping[str, np.ndarray],
-                  dtype: str) -> list[tuple[str, Any, bool]]:
+def torch_outputs(torch, module, torch_fn, inputs: Mapping[str, np.ndarray], dtype: str) -> list[tuple[str, Any, bool]]:
     """[(path, first array of its output, whether the output is a mapping)] for every submodule call, in the
     order the forward hooks fire (a mapping: a whole model's output, e.g. transformers' ModelOutput)."""
     if not isinstance(module, torch.nn.Module):
@@ -110,6 +120,7 @@ def torch_outputs(torch, module, torch_fn, inputs: Mapping[str, np.ndarray],
             calls[path] = calls.get(path, 0) + 1
             label = path if calls[path] == 1 else f"{path} (call {calls[path]})"
             fired.append((label, array, isinstance(out, Mapping)))
+
         return on_call
 
     handles = [m.register_forward_hook(hook(path)) for path, m in module.named_modules() if path]
@@ -134,7 +145,8 @@ def jax_order(jax_fn, inputs: Mapping[str, np.ndarray], jax_params) -> dict[str,
 
     try:
         closed, shape = jax.make_jaxpr(intermediates, return_shape=True)(
-            jax_params, {k: jnp.asarray(v) for k, v in inputs.items()})
+            jax_params, {k: jnp.asarray(v) for k, v in inputs.items()}
+        )
     except Exception:  # noqa: BLE001  (a jax_fn that leaves JAX, e.g. for numpy: fall back on the values)
         return None
     paths = [path[0].key for path, _ in jax.tree_util.tree_flatten_with_path(shape)[0]]
@@ -155,8 +167,12 @@ def program_position(jaxpr, var) -> tuple[int, ...]:
     return (-1,)
 
 
-def align(ours: list[tuple[str, Any]], theirs: list[tuple[str, Any, bool]], within: float,
-          order: Mapping[str, tuple[int, ...]] | None = None) -> LayerProposal:
+def align(
+    ours: list[tuple[str, Any]],
+    theirs: list[tuple[str, Any, bool]],
+    within: float,
+    order: Mapping[str, tuple[int, ...]] | None = None,
+) -> LayerProposal:
     """Pairs JAX intermediates with torch outputs so that both stay in execution order: `order` (JAX's program
     order; None: the order of each one's closest torch output) against torch's firing order. Of those
     pairings, the one with the most digits of agreement, -log10(normwise), summed over its sure pairs (under
@@ -186,10 +202,16 @@ def align(ours: list[tuple[str, Any]], theirs: list[tuple[str, Any, bool]], with
     for left, right in zip(anchors, anchors[1:]):  # the unsure ones, in order between their sure neighbours
         low = sure[rank[left]] + 1 if left >= 0 else 0
         high = sure[rank[right]] if right < len(rank) else len(theirs)
-        matched |= _best_alignment(rank[left + 1:right], range(low, high), lambda i, j: None if (i, j) not in error
-                                   else 10 - math.log10(max(error[i, j], 1e-9)) - _tie(theirs[j]))
-    pairs = [ProposedPair(theirs[matched[i]][0], ours[i][0], tuple(np.shape(ours[i][1])), error[i, matched[i]],
-                          i in sure) for i in rank if i in matched]
+        matched |= _best_alignment(
+            rank[left + 1 : right],
+            range(low, high),
+            lambda i, j: None if (i, j) not in error else 10 - math.log10(max(error[i, j], 1e-9)) - _tie(theirs[j]),
+        )
+    pairs = [
+        ProposedPair(theirs[matched[i]][0], ours[i][0], tuple(np.shape(ours[i][1])), error[i, matched[i]], i in sure)
+        for i in rank
+        if i in matched
+    ]
     unmatched = [ours[i][0] for i in rank if i not in matched]
     return LayerProposal(tuple(pairs), tuple(unmatched), within)
 

@@ -95,8 +95,10 @@ def checked_dtype(dtype: Any) -> str:
         import jax
 
         if not jax.config.x64_enabled:
-            raise RuntimeError("dtype: float64 needs JAX's x64 mode (jax.config.update('jax_enable_x64', True)); "
-                               "without it JAX would silently compute in float32")
+            raise RuntimeError(
+                "dtype: float64 needs JAX's x64 mode (jax.config.update('jax_enable_x64', True)); "
+                "without it JAX would silently compute in float32"
+            )
     return name
 
 
@@ -127,9 +129,11 @@ def need_torch(what: str):
     try:
         import torch
     except ImportError:
-        raise ImportError(f"{what} runs the PyTorch model and needs torch: pip install torch (or \"jaxattn[torch]\"), "
-                          "or certify against a golden file: certify(None, jax_fn, inputs, golden=PATH), "
-                          "PATH written by crosscheck.record on a machine with torch") from None
+        raise ImportError(
+            f'{what} runs the PyTorch model and needs torch: pip install torch (or "jaxattn[torch]"), '
+            "or certify against a golden file: certify(None, jax_fn, inputs, golden=PATH), "
+            "PATH written by crosscheck.record on a machine with torch"
+        ) from None
     return torch
 
 
@@ -140,7 +144,7 @@ def to_numpy(value) -> np.ndarray:
 
 
 def output_element(path: str) -> tuple[str, int | None]:
-    """"model.layers.1.router[1]" -> ("model.layers.1.router", 1): element 1 of the tuple the module returns
+    """ "model.layers.1.router[1]" -> ("model.layers.1.router", 1): element 1 of the tuple the module returns
     (HF's routers return (scores, logits)); a plain path -> (path, None): the module's output, or the first
     array in it."""
     if path.endswith("]") and "[" in path:
@@ -150,9 +154,19 @@ def output_element(path: str) -> tuple[str, int | None]:
     return path, None
 
 
-def run_torch(torch_fn, inputs: Mapping[str, np.ndarray], *, dtype: str, pairs, torch_module=None,
-              on_layer: Callable[[int, str, str, np.ndarray | None], None], grads: bool = False, loss=None,
-              logits: str | None = None, params: Sequence[str] = ()):
+def run_torch(
+    torch_fn,
+    inputs: Mapping[str, np.ndarray],
+    *,
+    dtype: str,
+    pairs,
+    torch_module=None,
+    on_layer: Callable[[int, str, str, np.ndarray | None], None],
+    grads: bool = False,
+    loss=None,
+    logits: str | None = None,
+    params: Sequence[str] = (),
+):
     """torch_fn(**inputs) with forward hooks on the `pairs`' module paths; `on_layer(index, path, name, array)`
     per hooked call in firing order (array None: never ran). With grads, the loss is differentiated with
     respect to the floating inputs and the module's parameters named in `params` (named_parameters() names).
@@ -172,8 +186,9 @@ def run_torch(torch_fn, inputs: Mapping[str, np.ndarray], *, dtype: str, pairs, 
         try:
             target = module.get_submodule(module_path)
         except AttributeError:
-            raise nearest(module_path, [n for n, _ in module.named_modules(remove_duplicate=False) if n],
-                          "torch module path") from None
+            raise nearest(
+                module_path, [n for n, _ in module.named_modules(remove_duplicate=False) if n], "torch module path"
+            ) from None
         targets[id(target)] = target
         queues.setdefault(id(target), []).append((index, path, name, transform, element))
     ran: set[int] = set()
@@ -188,6 +203,7 @@ def run_torch(torch_fn, inputs: Mapping[str, np.ndarray], *, dtype: str, pairs, 
                 array = to_numpy(out if element is None else out[element])
                 ran.add(index)
                 on_layer(index, path, name, array if transform is None else np.asarray(transform(array)))
+
         return on_call
 
     tensors = {k: torch.from_numpy(np.array(v)) for k, v in inputs.items()}
@@ -212,8 +228,10 @@ def run_torch(torch_fn, inputs: Mapping[str, np.ndarray], *, dtype: str, pairs, 
         if wrt or weights:
             scalar = loss_value(torch, raw, tensors, outputs, loss, logits)
             got = torch.autograd.grad(scalar, [*wrt.values(), *weights.values()], allow_unused=True)
-            every = {k: np.zeros(tuple(t.shape), dtype) if g is None else g.detach().cpu().numpy()
-                     for (k, t), g in zip([*wrt.items(), *weights.items()], got, strict=True)}
+            every = {
+                k: np.zeros(tuple(t.shape), dtype) if g is None else g.detach().cpu().numpy()
+                for (k, t), g in zip([*wrt.items(), *weights.items()], got, strict=True)
+            }
             input_grads = {k: every[k] for k in wrt}
             param_grads = {k: every[k] for k in weights}  # a parameter the loss never reached: zeros
     return outputs, input_grads, param_grads

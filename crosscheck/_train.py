@@ -46,8 +46,21 @@ from crosscheck._hf_models import buffers_as_frozen_parameters, float64_referenc
 from crosscheck._optim import SPECS, torch_optimizer, twin, warmup_cosine
 from crosscheck._param_layout import ParamLayout, layer_of
 
-FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "qwen3", "gemma3_text", "mixtral", "gpt_oss",
-            "qwen3_moe", "llama4_text", "deepseek_v3", "qwen3_next")  # the causal LMs of jaxattn.models
+FAMILIES = (
+    "gpt2",
+    "llama",
+    "qwen2",
+    "mistral",
+    "gemma2",
+    "qwen3",
+    "gemma3_text",
+    "mixtral",
+    "gpt_oss",
+    "qwen3_moe",
+    "llama4_text",
+    "deepseek_v3",
+    "qwen3_next",
+)  # the causal LMs of jaxattn.models
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,26 +81,28 @@ class TrainTolerance:
 #            float64 on the same run: parameter 5.8e-7, loss 1.3e-5 for Llama)  bars 1e-5, 1e-2, 1e-4
 #   bfloat16-mixed  parameter 2.9e-2, gradient 2.8, loss 5.9e-2 (torch autocast against torch float32 on the
 #            same run: parameter 3.1e-2, loss 6.9e-2)                            bars 1e-1, none, 2e-1
-TRAIN_TOLERANCES: Mapping[str, TrainTolerance] = MappingProxyType({
-    "float64": TrainTolerance(parameter=1e-10, gradient=1e-10, loss=1e-12),
-    "float32": TrainTolerance(parameter=1e-5, gradient=1e-2, loss=1e-4),
-    # gradients of two bf16 computations differ by O(1) late in a run: reported, not held to a bar
-    "bfloat16-mixed": TrainTolerance(parameter=1e-1, gradient=math.inf, loss=2e-1),
-})
+TRAIN_TOLERANCES: Mapping[str, TrainTolerance] = MappingProxyType(
+    {
+        "float64": TrainTolerance(parameter=1e-10, gradient=1e-10, loss=1e-12),
+        "float32": TrainTolerance(parameter=1e-5, gradient=1e-2, loss=1e-4),
+        # gradients of two bf16 computations differ by O(1) late in a run: reported, not held to a bar
+        "bfloat16-mixed": TrainTolerance(parameter=1e-1, gradient=math.inf, loss=2e-1),
+    }
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainStep:
-    step: int                        # 1-based optimizer step
-    lr: float                        # torch's first param group's lr at this step
+    step: int  # 1-based optimizer step
+    lr: float  # torch's first param group's lr at this step
     loss_torch: float
     loss_jax: float
-    grad_norm_torch: float           # global 2-norm of the raw gradients (before clipping)
+    grad_norm_torch: float  # global 2-norm of the raw gradients (before clipping)
     grad_norm_jax: float
-    gradients: Mapping[str, float]   # torch name -> normwise difference of its gradient
+    gradients: Mapping[str, float]  # torch name -> normwise difference of its gradient
     parameters: Mapping[str, float]  # torch name -> normwise difference after the update
-    parameter_difference: float      # all parameters together, normwise (noise leaves apart)
-    noise_difference: float          # the noise leaves' elements together, normwise (nan when there are none)
+    parameter_difference: float  # all parameters together, normwise (noise leaves apart)
+    noise_difference: float  # the noise leaves' elements together, normwise (nan when there are none)
 
     @property
     def loss_difference(self) -> float:
@@ -97,14 +112,14 @@ class TrainStep:
 @dataclasses.dataclass(frozen=True)
 class TrainReport:
     model: str
-    dtype: str                       # "float32", "float64" or "bfloat16-mixed"
-    optimizer: tuple[str, ...]       # the mapping, one line per decision (or "jax_optimizer: given")
-    layers: Mapping[str, str]        # torch name -> its layer ("layer3", "wte", ...), names in model order
-    initial: Mapping[str, float]     # step 0: torch name -> normwise difference before training
-    noise: tuple[str, ...]           # leaves whose gradient is rounding noise on both sides (no bar)
+    dtype: str  # "float32", "float64" or "bfloat16-mixed"
+    optimizer: tuple[str, ...]  # the mapping, one line per decision (or "jax_optimizer: given")
+    layers: Mapping[str, str]  # torch name -> its layer ("layer3", "wte", ...), names in model order
+    initial: Mapping[str, float]  # step 0: torch name -> normwise difference before training
+    noise: tuple[str, ...]  # leaves whose gradient is rounding noise on both sides (no bar)
     steps: tuple[TrainStep, ...]
     tolerance: TrainTolerance
-    seconds: Mapping[str, float]     # {"torch": s, "jax": s, "jax_compile": s}
+    seconds: Mapping[str, float]  # {"torch": s, "jax": s, "jax_compile": s}
 
     def _over(self, values: Mapping[str, float], bar: float) -> list[str]:
         """Names over `bar` (NaN included), the worst first."""
@@ -120,8 +135,10 @@ class TrainReport:
         for s in self.steps:
             if not s.loss_difference <= t.loss:
                 found.append({"step": s.step, "quantity": "loss", "names": []})
-            for quantity, values, bar in (("gradient", s.gradients, t.gradient), ("parameter", s.parameters,
-                                                                                   t.parameter)):
+            for quantity, values, bar in (
+                ("gradient", s.gradients, t.gradient),
+                ("parameter", s.parameters, t.parameter),
+            ):
                 if self._over(values, bar):
                     found.append({"step": s.step, "quantity": quantity, "names": self._over(values, bar)})
         return found
@@ -135,8 +152,13 @@ class TrainReport:
             return None
         first = found[0]
         name = first["names"][0] if first["names"] else None
-        return {"step": first["step"], "quantity": first["quantity"], "parameter": name,
-                "layer": self.layers[name] if name else None, "over_bar": first["names"]}
+        return {
+            "step": first["step"],
+            "quantity": first["quantity"],
+            "parameter": name,
+            "layer": self.layers[name] if name else None,
+            "over_bar": first["names"],
+        }
 
     @property
     def first_divergent_step(self) -> int | None:
@@ -150,41 +172,63 @@ class TrainReport:
     def worst(self) -> dict[str, float]:
         """The run's largest parameter, gradient and loss differences."""
         per = [max(s.parameters.values()) for s in self.steps]
-        return {"parameter": max(per, default=math.nan),
-                "gradient": max((max(s.gradients.values()) for s in self.steps), default=math.nan),
-                "loss": max((s.loss_difference for s in self.steps), default=math.nan),
-                "initial": max(self.initial.values(), default=math.nan),
-                "noise": max((s.noise_difference for s in self.steps), default=math.nan)}
+        return {
+            "parameter": max(per, default=math.nan),
+            "gradient": max((max(s.gradients.values()) for s in self.steps), default=math.nan),
+            "loss": max((s.loss_difference for s in self.steps), default=math.nan),
+            "initial": max(self.initial.values(), default=math.nan),
+            "noise": max((s.noise_difference for s in self.steps), default=math.nan),
+        }
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready (NaN -> None)."""
-        return _json_ready({
-            "model": self.model, "dtype": self.dtype, "passed": self.passed, "first_divergent": self.first_divergent,
-            "optimizer": list(self.optimizer), "tolerance": dataclasses.asdict(self.tolerance), "worst": self.worst(),
-            "noise": list(self.noise), "seconds": dict(self.seconds), "initial": dict(self.initial),
-            "layers": dict(self.layers),
-            "steps": [{**dataclasses.asdict(s), "loss_difference": s.loss_difference} for s in self.steps]})
+        return _json_ready(
+            {
+                "model": self.model,
+                "dtype": self.dtype,
+                "passed": self.passed,
+                "first_divergent": self.first_divergent,
+                "optimizer": list(self.optimizer),
+                "tolerance": dataclasses.asdict(self.tolerance),
+                "worst": self.worst(),
+                "noise": list(self.noise),
+                "seconds": dict(self.seconds),
+                "initial": dict(self.initial),
+                "layers": dict(self.layers),
+                "steps": [{**dataclasses.asdict(s), "loss_difference": s.loss_difference} for s in self.steps],
+            }
+        )
 
     def __str__(self) -> str:
         t = self.tolerance
-        lines = [f"{self.model} [{self.dtype}]: {len(self.steps)} steps; bars: parameter <= {t.parameter:.0e}, "
-                 f"gradient <= {t.gradient:.0e} normwise, loss <= {t.loss:.0e} relative", *self.optimizer,
-                 f"  {'step':>5} {'lr':>9} {'loss torch':>12} {'loss jax':>12} {'loss diff':>9} "
-                 f"{'|g| torch':>9} {'param diff':>10} {'worst parameter':36}"]
+        lines = [
+            f"{self.model} [{self.dtype}]: {len(self.steps)} steps; bars: parameter <= {t.parameter:.0e}, "
+            f"gradient <= {t.gradient:.0e} normwise, loss <= {t.loss:.0e} relative",
+            *self.optimizer,
+            f"  {'step':>5} {'lr':>9} {'loss torch':>12} {'loss jax':>12} {'loss diff':>9} "
+            f"{'|g| torch':>9} {'param diff':>10} {'worst parameter':36}",
+        ]
         for s in _shown(self.steps):
             name = max(s.parameters, key=lambda n: s.parameters[n])
-            lines.append(f"  {s.step:5d} {s.lr:9.2e} {s.loss_torch:12.8f} {s.loss_jax:12.8f} "
-                         f"{s.loss_difference:9.1e} {s.grad_norm_torch:9.2e} {s.parameter_difference:10.2e} "
-                         f"{name} {s.parameters[name]:.1e}")
+            lines.append(
+                f"  {s.step:5d} {s.lr:9.2e} {s.loss_torch:12.8f} {s.loss_jax:12.8f} "
+                f"{s.loss_difference:9.1e} {s.grad_norm_torch:9.2e} {s.parameter_difference:10.2e} "
+                f"{name} {s.parameters[name]:.1e}"
+            )
         first = self.first_divergent
         w = self.worst()
         lines.append(f"  worst: parameter {w['parameter']:.2e}, gradient {w['gradient']:.2e}, loss {w['loss']:.2e}")
         if self.noise:
-            lines.append(f"  compared apart, no bar (gradient at rounding level on both sides at step 1: Adam steps on "
-                         f"noise): {'; '.join(self.noise)}; largest difference {w['noise']:.1e}")
-        lines.append("  every step passes" if first is None else
-                     f"  first divergent: step {first['step']}, {first['quantity']}"
-                     + (f" of {first['parameter']} ({first['layer']})" if first["parameter"] else ""))
+            lines.append(
+                f"  compared apart, no bar (gradient at rounding level on both sides at step 1: Adam steps on "
+                f"noise): {'; '.join(self.noise)}; largest difference {w['noise']:.1e}"
+            )
+        lines.append(
+            "  every step passes"
+            if first is None
+            else f"  first divergent: step {first['step']}, {first['quantity']}"
+            + (f" of {first['parameter']} ({first['layer']})" if first["parameter"] else "")
+        )
         return "\n".join(lines)
 
 
@@ -232,9 +276,21 @@ def causal_lm_loss_torch(logits, input_ids, attention_mask):
 # --- the report -------------------------------------------------------------------------------------------------
 
 
-def train_report(torch_model, model, params, batches: Sequence[Mapping[str, Any]], *, steps: int, optimizer,
-                 lr: float | None = None, scheduler=None, max_grad_norm: float | None = None,
-                 jax_optimizer=None, dtype: str = "float32", mixed_precision: str | None = None) -> TrainReport:
+def train_report(
+    torch_model,
+    model,
+    params,
+    batches: Sequence[Mapping[str, Any]],
+    *,
+    steps: int,
+    optimizer,
+    lr: float | None = None,
+    scheduler=None,
+    max_grad_norm: float | None = None,
+    jax_optimizer=None,
+    dtype: str = "float32",
+    mixed_precision: str | None = None,
+) -> TrainReport:
     """Train `torch_model` (transformers, a causal LM) and (model, params) (its jaxattn.models port) for
     `steps` steps on `batches` ([{"input_ids": int [B,T], "attention_mask": [B,T] (optional)}], cycled),
     and compare the two runs step by step.
@@ -268,8 +324,9 @@ def train_report(torch_model, model, params, batches: Sequence[Mapping[str, Any]
             ids, mask = run.batch(k)
             started = time.perf_counter()
             lr_now = float(optimizer.param_groups[0]["lr"])
-            loss_t, grads_t = _torch_step(torch_model, named, optimizer, scheduler, max_grad_norm, ids, mask,
-                                          mixed_precision)
+            loss_t, grads_t = _torch_step(
+                torch_model, named, optimizer, scheduler, max_grad_norm, ids, mask, mixed_precision
+            )
             clock["torch"] += time.perf_counter() - started
             started = time.perf_counter()
             params, state, loss_j, grads_tree = jax.block_until_ready(jax_step(params, state, ids, mask))
@@ -279,11 +336,30 @@ def train_report(torch_model, model, params, batches: Sequence[Mapping[str, Any]
             grads_j = layout.to_torch(grads_tree)
             values_t, values_j = _values(named), layout.to_torch(params)
             trained = {n for n, p in named.items() if p.requires_grad}
-            rows.append(TrainStep(k, lr_now, loss_t, float(loss_j), _norm(grads_t), _norm(grads_j),
-                                  _differences(grads_j, grads_t, noise.kept, trained),
-                                  _differences(values_j, values_t, noise.kept), *noise.totals(values_j, values_t)))
-    return TrainReport(run.name(torch_model), run.key, tuple(lines), {n: layer_of(n) for n in named}, initial,
-                       noise.described, tuple(rows), TRAIN_TOLERANCES[run.key], clock)
+            rows.append(
+                TrainStep(
+                    k,
+                    lr_now,
+                    loss_t,
+                    float(loss_j),
+                    _norm(grads_t),
+                    _norm(grads_j),
+                    _differences(grads_j, grads_t, noise.kept, trained),
+                    _differences(values_j, values_t, noise.kept),
+                    *noise.totals(values_j, values_t),
+                )
+            )
+    return TrainReport(
+        run.name(torch_model),
+        run.key,
+        tuple(lines),
+        {n: layer_of(n) for n in named},
+        initial,
+        noise.described,
+        tuple(rows),
+        TRAIN_TOLERANCES[run.key],
+        clock,
+    )
 
 
 # a leaf whose gradient norm is at most this many machine epsilons of the global gradient norm, on both sides
@@ -299,7 +375,7 @@ class _Noise:
     (GPT-2's key biases drift ~1e-3 apart in float32, as torch float32 drifts from torch float64); their
     elements are compared apart (`noise_difference`), with no bar."""
 
-    kept: Mapping[str, np.ndarray]   # torch name -> bool, False on noise elements
+    kept: Mapping[str, np.ndarray]  # torch name -> bool, False on noise elements
     described: tuple[str, ...]
 
     @classmethod
@@ -310,14 +386,18 @@ class _Noise:
         ours = [np.linalg.norm(np.asarray(g, np.float64)) for g in jax.tree.leaves(grads_tree)]
         floor = NOISE_FLOOR_EPS * np.finfo(dtype).eps * max(_norm(grads_t), math.hypot(*ours) if ours else 0.0)
         noise = {i for i, (a, b) in enumerate(zip(theirs, ours)) if a <= floor and b <= floor}
-        described = tuple(f"{layout.leaves[i].path} ({layout.leaves[i].index.size} elements of "
-                          f"{layout.leaves[i].name})" for i in sorted(noise))
+        described = tuple(
+            f"{layout.leaves[i].path} ({layout.leaves[i].index.size} elements of {layout.leaves[i].name})"
+            for i in sorted(noise)
+        )
         return cls(layout.kept(noise), described)
 
     def totals(self, ours: Mapping[str, np.ndarray], theirs: Mapping[str, np.ndarray]) -> tuple[float, float]:
         """(normwise difference of the kept elements, of the noise elements) over all parameters."""
-        pick = [(np.asarray(ours[n])[k], np.asarray(theirs[n])[k], np.asarray(ours[n])[~k], np.asarray(theirs[n])[~k])
-                for n, k in self.kept.items()]
+        pick = [
+            (np.asarray(ours[n])[k], np.asarray(theirs[n])[k], np.asarray(ours[n])[~k], np.asarray(theirs[n])[~k])
+            for n, k in self.kept.items()
+        ]
         kept = error_metrics(_flat([p[0] for p in pick]), _flat([p[1] for p in pick]))[2]
         noisy = [p for p in pick if p[2].size]
         rest = error_metrics(_flat([p[2] for p in noisy]), _flat([p[3] for p in noisy]))[2] if noisy else math.nan
@@ -352,15 +432,19 @@ class _Run:
         if dtype not in ("float32", "float64"):
             raise ValueError(f"dtype: expected 'float32' or 'float64', got {dtype!r}")
         if dtype == "float64" and not jax.config.jax_enable_x64:
-            raise ValueError("dtype: 'float64' needs jax_enable_x64 (jax.config.update('jax_enable_x64', True)); "
-                             "without it JAX would compute in float32")
+            raise ValueError(
+                "dtype: 'float64' needs jax_enable_x64 (jax.config.update('jax_enable_x64', True)); "
+                "without it JAX would compute in float32"
+            )
         if mixed_precision not in (None, "bfloat16"):
             raise ValueError(f"mixed_precision: expected None or 'bfloat16', got {mixed_precision!r}")
         if mixed_precision and dtype != "float32":
             raise ValueError(f"dtype: mixed_precision keeps float32 master weights: expected 'float32', got {dtype!r}")
         if not isinstance(batches, Sequence) or not batches:
-            raise ValueError(f"batches: expected a non-empty sequence of {{'input_ids', 'attention_mask'}}, "
-                             f"got {type(batches).__name__}")
+            raise ValueError(
+                f"batches: expected a non-empty sequence of {{'input_ids', 'attention_mask'}}, "
+                f"got {type(batches).__name__}"
+            )
         return cls(tuple(_checked_batch(i, b) for i, b in enumerate(batches)), dtype, mixed_precision)
 
 
@@ -372,15 +456,20 @@ def _checked_batch(i: int, batch) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"batches[{i}]: expected only 'input_ids' and 'attention_mask', got also {extra}")
     ids = np.asarray(batch["input_ids"])
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.shape[1] < 2:
-        raise ValueError(f"batches[{i}]['input_ids']: expected integer [B,T] with T >= 2, got {ids.dtype} "
-                         f"{list(ids.shape)}")
+        raise ValueError(
+            f"batches[{i}]['input_ids']: expected integer [B,T] with T >= 2, got {ids.dtype} {list(ids.shape)}"
+        )
     mask = np.asarray(batch.get("attention_mask", np.ones_like(ids)))
     if mask.shape != ids.shape or not np.isin(mask, (0, 1)).all():
-        raise ValueError(f"batches[{i}]['attention_mask']: expected 0/1 of shape {list(ids.shape)}, got "
-                         f"{mask.dtype} {list(mask.shape)}")
+        raise ValueError(
+            f"batches[{i}]['attention_mask']: expected 0/1 of shape {list(ids.shape)}, got "
+            f"{mask.dtype} {list(mask.shape)}"
+        )
     if not (mask[:, :-1] * mask[:, 1:]).any():
-        raise ValueError(f"batches[{i}]['attention_mask']: expected at least one real token after a real token "
-                         f"(a target of the loss), got none")
+        raise ValueError(
+            f"batches[{i}]['attention_mask']: expected at least one real token after a real token "
+            f"(a target of the loss), got none"
+        )
     return ids.astype(np.int64), mask.astype(np.int64)
 
 
@@ -393,8 +482,9 @@ def _torch_setup(torch_model, optimizer, lr, scheduler, steps):
             raise ValueError(f"lr: expected a learning rate with optimizer={optimizer!r}, got None")
         optimizer = torch_optimizer(optimizer, torch_model, lr=lr)
     elif not isinstance(optimizer, torch.optim.Optimizer):
-        raise ValueError(f"optimizer: expected a torch.optim optimizer or one of {list(SPECS)}, got "
-                         f"{type(optimizer).__name__}")
+        raise ValueError(
+            f"optimizer: expected a torch.optim optimizer or one of {list(SPECS)}, got {type(optimizer).__name__}"
+        )
     elif lr is not None:
         raise ValueError("lr: the torch optimizer carries its learning rates; give lr only with a string spec")
     if scheduler == "cosine":
@@ -413,17 +503,21 @@ def _torch_step(torch_model, named, optimizer, scheduler, max_grad_norm, ids, ma
     optimizer.zero_grad(set_to_none=True)
     torch_model.zero_grad(set_to_none=True)
     ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
-    autocast = (torch.autocast("cpu", dtype=torch.bfloat16) if mixed_precision else contextlib.nullcontext())
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed_precision else contextlib.nullcontext()
     with autocast:
         logits = torch_model(input_ids=ids_t, attention_mask=mask_t, use_cache=False).logits
     loss = causal_lm_loss_torch(logits, ids_t, mask_t)
     loss.backward()
     missing = [n for n, p in named.items() if p.requires_grad and p.grad is None]
     if missing:
-        raise ValueError(f"torch_model: parameters {missing} get no gradient from the loss: torch's optimizers skip "
-                         f"them while optax updates every leaf; freeze them (requires_grad=False)")
-    grads = {n: (p.grad.detach().numpy().copy() if p.grad is not None else np.zeros(p.shape, p.detach().numpy().dtype))
-             for n, p in named.items()}
+        raise ValueError(
+            f"torch_model: parameters {missing} get no gradient from the loss: torch's optimizers skip "
+            f"them while optax updates every leaf; freeze them (requires_grad=False)"
+        )
+    grads = {
+        n: (p.grad.detach().numpy().copy() if p.grad is not None else np.zeros(p.shape, p.detach().numpy().dtype))
+        for n, p in named.items()
+    }
     if max_grad_norm is not None:
         torch.nn.utils.clip_grad_norm_(torch_model.parameters(), max_grad_norm)
     optimizer.step()
@@ -469,8 +563,9 @@ def _loss_and_gradient(model, mixed_precision):
     return jax.jit(jax.value_and_grad(loss))
 
 
-def _differences(ours: Mapping[str, np.ndarray], theirs: Mapping[str, np.ndarray], kept=None,
-                 names=None) -> dict[str, float]:
+def _differences(
+    ours: Mapping[str, np.ndarray], theirs: Mapping[str, np.ndarray], kept=None, names=None
+) -> dict[str, float]:
     """torch name -> normwise difference over its kept elements (names with none kept are left out)."""
     out = {}
     for n in theirs:

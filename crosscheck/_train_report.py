@@ -48,12 +48,23 @@ def plot(reports, path: str) -> None:
         steps = [s.step for s in report.steps]
         top.plot(steps, [s.loss_torch for s in report.steps], label=f"torch {report.dtype}")
         top.plot(steps, [s.loss_jax for s in report.steps], linestyle="--", label=f"jax {report.dtype}")
-        line, = bottom.plot(steps, [max(s.parameter_difference, FLOOR) for s in report.steps],
-                            label=f"{report.dtype}: all parameters")
-        bottom.plot(steps, [max(max(s.parameters.values()), FLOOR) for s in report.steps], color=line.get_color(),
-                    linestyle=":", label=f"{report.dtype}: worst parameter")
-        bottom.axhline(report.tolerance.parameter, color=line.get_color(), linestyle="--", linewidth=0.8,
-                       label=f"{report.dtype}: bar {report.tolerance.parameter:.0e}")
+        (line,) = bottom.plot(
+            steps, [max(s.parameter_difference, FLOOR) for s in report.steps], label=f"{report.dtype}: all parameters"
+        )
+        bottom.plot(
+            steps,
+            [max(max(s.parameters.values()), FLOOR) for s in report.steps],
+            color=line.get_color(),
+            linestyle=":",
+            label=f"{report.dtype}: worst parameter",
+        )
+        bottom.axhline(
+            report.tolerance.parameter,
+            color=line.get_color(),
+            linestyle="--",
+            linewidth=0.8,
+            label=f"{report.dtype}: bar {report.tolerance.parameter:.0e}",
+        )
     top.set_yscale("log")
     top.set_ylabel("loss (causal LM, real tokens)")
     top.set_title(f"{reports[0].model}: torch.optim vs optax, {len(reports[0].steps)} steps")
@@ -67,8 +78,16 @@ def plot(reports, path: str) -> None:
     plt.close(fig)
 
 
-def main(directory: str, *, steps: int, optimizer: str, lr: float, dtypes: Sequence[str] | None,
-         plot_path: str | None, json_path: str | None) -> int:
+def main(
+    directory: str,
+    *,
+    steps: int,
+    optimizer: str,
+    lr: float,
+    dtypes: Sequence[str] | None,
+    plot_path: str | None,
+    json_path: str | None,
+) -> int:
     from crosscheck import _hf_models as hf
     from crosscheck._model_report import finish
     from crosscheck._train import FAMILIES, train_report
@@ -79,8 +98,10 @@ def main(directory: str, *, steps: int, optimizer: str, lr: float, dtypes: Seque
         model, params = from_pretrained(directory, precision="highest")
         config = json.loads((directory / "config.json").read_text())
         if config.get("model_type") not in FAMILIES:
-            raise ValueError(f"{directory}: --train trains causal LMs ({', '.join(FAMILIES)}), got model_type "
-                             f"{config.get('model_type')!r}")
+            raise ValueError(
+                f"{directory}: --train trains causal LMs ({', '.join(FAMILIES)}), got model_type "
+                f"{config.get('model_type')!r}"
+            )
     except (OSError, ValueError) as error:
         print(f"python -m crosscheck: error: {error}", file=sys.stderr)
         return 2
@@ -89,18 +110,42 @@ def main(directory: str, *, steps: int, optimizer: str, lr: float, dtypes: Seque
     for dtype in dtypes or ("float64", "float32"):
         torch_model = hf.torch_model(directory)  # a fresh copy per run: training changes it
         try:
-            reports.append(train_report(torch_model, model, params, batches, steps=steps, optimizer=optimizer,
-                                        lr=lr, scheduler="cosine", max_grad_norm=1.0, dtype=dtype))
+            reports.append(
+                train_report(
+                    torch_model,
+                    model,
+                    params,
+                    batches,
+                    steps=steps,
+                    optimizer=optimizer,
+                    lr=lr,
+                    scheduler="cosine",
+                    max_grad_norm=1.0,
+                    dtype=dtype,
+                )
+            )
         except ValueError as error:
             print(f"python -m crosscheck: error: {error}", file=sys.stderr)
             return 2
     real = sum(int(b["attention_mask"].sum()) for b in batches)
-    header = (f"{directory}: {config['model_type']}, {steps} steps of {optimizer} (lr {lr}, cosine with warmup, "
-              f"clip 1.0) on {BATCHES} random batches of {BATCH}x{LENGTH} ({real} real tokens), cycled")
-    return finish(reports, header=header, json_path=json_path, plot_path=plot_path, draw=plot, divergence=_divergence,
-                  data={"model": str(directory), "passed": all(r.passed for r in reports),
-                        "first_divergent": next((r.first_divergent for r in reports if not r.passed), None),
-                        "reports": [r.to_dict() for r in reports]})
+    header = (
+        f"{directory}: {config['model_type']}, {steps} steps of {optimizer} (lr {lr}, cosine with warmup, "
+        f"clip 1.0) on {BATCHES} random batches of {BATCH}x{LENGTH} ({real} real tokens), cycled"
+    )
+    return finish(
+        reports,
+        header=header,
+        json_path=json_path,
+        plot_path=plot_path,
+        draw=plot,
+        divergence=_divergence,
+        data={
+            "model": str(directory),
+            "passed": all(r.passed for r in reports),
+            "first_divergent": next((r.first_divergent for r in reports if not r.passed), None),
+            "reports": [r.to_dict() for r in reports],
+        },
+    )
 
 
 def _divergence(report) -> str:

@@ -47,10 +47,31 @@ import numpy as np
 from crosscheck._compare import MODEL_TOLERANCES, TRANSFORMS, Report, compare
 from crosscheck._compare import Const as Const
 
-__all__ = ["CASES", "DTYPES", "FLOAT32_JIT", "FLOAT32_MODEL_TOLERANCE", "FLOAT32_VMAP", "FLOAT64_PLAIN",
-           "UNAVAILABLE", "Case", "Const", "ModelSetup", "Row", "Setup", "all_cases", "blocked", "functional",
-           "normal", "randomize", "register_case", "rng_for", "run_case", "select_cases", "to_numpy_tree",
-           "torch_params"]
+__all__ = [
+    "CASES",
+    "DTYPES",
+    "FLOAT32_JIT",
+    "FLOAT32_MODEL_TOLERANCE",
+    "FLOAT32_VMAP",
+    "FLOAT64_PLAIN",
+    "UNAVAILABLE",
+    "Case",
+    "Const",
+    "ModelSetup",
+    "Row",
+    "Setup",
+    "all_cases",
+    "blocked",
+    "functional",
+    "normal",
+    "randomize",
+    "register_case",
+    "rng_for",
+    "run_case",
+    "select_cases",
+    "to_numpy_tree",
+    "torch_params",
+]
 
 DTYPES = ("float32", "float64")
 Row = tuple[str, str]  # (dtype, transform)
@@ -71,9 +92,18 @@ class Setup:
     grads_from_torch: Callable[[dict[str, Any]], Any] | None = None
 
     def compare(self, *, dtype: str, transform: str = "plain", name: str = "", **kwargs: Any) -> Report:
-        return compare(self.jax_fn, self.torch_fn, self.inputs, dtype=dtype, transform=transform,
-                       params=self.params, torch_params=self.torch_params,
-                       grads_from_torch=self.grads_from_torch, name=name, **kwargs)
+        return compare(
+            self.jax_fn,
+            self.torch_fn,
+            self.inputs,
+            dtype=dtype,
+            transform=transform,
+            params=self.params,
+            torch_params=self.torch_params,
+            grads_from_torch=self.grads_from_torch,
+            name=name,
+            **kwargs,
+        )
 
 
 # float32 bar for a whole model (crosscheck._compare.MODEL_TOLERANCES says why)
@@ -104,8 +134,9 @@ class Case:
     def setup(self) -> Setup:
         return _built(self)
 
-    def rows(self, dtypes: Iterable[str] = DTYPES, transforms: Iterable[str] = TRANSFORMS, *,
-             every: bool = True) -> list[Row]:
+    def rows(
+        self, dtypes: Iterable[str] = DTYPES, transforms: Iterable[str] = TRANSFORMS, *, every: bool = True
+    ) -> list[Row]:
         """This case's rows within `dtypes` x `transforms`, in catalogue order: every one, or (every=False)
         its quick rows; when the selection leaves none of those, its first row that remains, so that a
         selected case always runs."""
@@ -132,10 +163,17 @@ CASES: dict[str, Case] = {}
 UNAVAILABLE: dict[str, tuple[str, ...]] = {}
 
 
-def register_case(name: str, *, description: str | None = None, dtypes: Iterable[str] = DTYPES,
-                  transforms: Iterable[str] = TRANSFORMS, quick: Iterable[Row] = (), note: str = "",
-                  requires: Iterable[str] = (), default_run: bool = False,
-                  ) -> Callable[[Callable[[], Setup]], Callable[[], Setup]]:
+def register_case(
+    name: str,
+    *,
+    description: str | None = None,
+    dtypes: Iterable[str] = DTYPES,
+    transforms: Iterable[str] = TRANSFORMS,
+    quick: Iterable[Row] = (),
+    note: str = "",
+    requires: Iterable[str] = (),
+    default_run: bool = False,
+) -> Callable[[Callable[[], Setup]], Callable[[], Setup]]:
     """Decorator adding a builder to the catalogue; the description defaults to its docstring's first line.
 
     `quick`: the (dtype, transform) rows run when the case runs once (default: the float64 jit row).
@@ -153,8 +191,7 @@ def register_case(name: str, *, description: str | None = None, dtypes: Iterable
         if name in CASES:
             raise ValueError(f"register_case: a case named {name!r} is already registered")
         doc = description if description is not None else (build.__doc__ or "").strip().split("\n")[0]
-        case = Case(name, build, doc, tuple(dtypes), tuple(transforms), note, tuple(map(tuple, quick)),
-                    default_run)
+        case = Case(name, build, doc, tuple(dtypes), tuple(transforms), note, tuple(map(tuple, quick)), default_run)
         outside = [row for row in case.quick if row not in case.rows()]
         if outside:
             raise ValueError(f"register_case: quick rows {outside} of {name!r} are not among its rows {case.rows()}")
@@ -202,6 +239,7 @@ def run_case(case: Case | str, *, dtype: str, transform: str, **kwargs: Any) -> 
 
 
 # --- what the built-in cases share: seeded numbers and torch modules, the rows a case runs once ----------
+
 
 def rng_for(name: str) -> np.random.Generator:
     """A generator seeded by the case name: every case has its own, fixed numbers."""

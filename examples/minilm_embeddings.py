@@ -62,5 +62,13 @@ def main(sentences):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or ["A man is eating food.", "Someone is having a meal.", "A man is riding a horse.",
-                          "The new movie is awesome.", "The sky is blue today."])
+    main(
+        sys.argv[1:]
+        or [
+            "A man is eating food.",
+            "Someone is having a meal.",
+            "A man is riding a horse.",
+            "The new movie is awesome.",
+            "The sky is blue today.",
+        ]
+    )

@@ -49,10 +49,13 @@ def _batch(directory: Path, config: dict, prompts):
         tokenizer.no_truncation()
         tokenizer.enable_padding(pad_id=pad, direction=side)
         encoded = tokenizer.encode_batch(list(prompts))
-        return (np.array([e.ids for e in encoded]), np.array([e.attention_mask for e in encoded]),
-                lambda ids: tokenizer.decode(list(map(int, ids))))
+        return (
+            np.array([e.ids for e in encoded]),
+            np.array([e.attention_mask for e in encoded]),
+            lambda ids: tokenizer.decode(list(map(int, ids))),
+        )
     rng = np.random.default_rng(0)
-    lengths = [9, 5, 7][:len(prompts)]
+    lengths = [9, 5, 7][: len(prompts)]
     T = max(lengths)
     ids = rng.integers(1, config["vocab_size"], (len(lengths), T))
     mask = np.array([[int(t >= T - n) if side == "left" else int(t < n) for t in range(T)] for n in lengths])
@@ -80,11 +83,17 @@ def main(directory, *, new_tokens: int = 24, prompts=PROMPTS) -> dict:
     torch_model.float()
     torch_model.generation_config.eos_token_id = None  # both sides produce exactly new_tokens
     torch_model.generation_config.pad_token_id = config.get("pad_token_id") or 0
-    ours = generate(model, jax.tree.map(lambda x: np.asarray(x, np.float32), params), ids,
-                    max_new_tokens=new_tokens, attention_mask=mask)
+    ours = generate(
+        model,
+        jax.tree.map(lambda x: np.asarray(x, np.float32), params),
+        ids,
+        max_new_tokens=new_tokens,
+        attention_mask=mask,
+    )
     with torch.no_grad():
-        theirs = torch_model.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                                      max_new_tokens=new_tokens, do_sample=False).numpy()
+        theirs = torch_model.generate(
+            torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=new_tokens, do_sample=False
+        ).numpy()
     print(f"greedy continuation, {new_tokens} new tokens (float32), jaxattn | PyTorch:")
     for row, (a, b) in enumerate(zip(ours[:, -new_tokens:], theirs[:, -new_tokens:])):
         same = "same" if np.array_equal(a, b) else "DIFFERENT"
@@ -96,9 +105,23 @@ def main(directory, *, new_tokens: int = 24, prompts=PROMPTS) -> dict:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("directory", nargs="?", help="a save_pretrained directory")
-    parser.add_argument("--demo", choices=("gpt2", "t5", "llama", "qwen2", "mistral", "gemma2", "qwen3", "gemma3_text",
-                                           "mixtral", "gpt_oss", "qwen3_moe"),
-                        help="write a tiny random checkpoint and port it")
+    parser.add_argument(
+        "--demo",
+        choices=(
+            "gpt2",
+            "t5",
+            "llama",
+            "qwen2",
+            "mistral",
+            "gemma2",
+            "qwen3",
+            "gemma3_text",
+            "mixtral",
+            "gpt_oss",
+            "qwen3_moe",
+        ),
+        help="write a tiny random checkpoint and port it",
+    )
     parser.add_argument("--new-tokens", type=int, default=24)
     args = parser.parse_args()
     if bool(args.directory) == bool(args.demo):

@@ -52,8 +52,11 @@ def train_step(model, optimizer):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("directory", nargs="?", help="a transformers save_pretrained directory")
-    parser.add_argument("--demo", choices=["gpt2", "llama", "qwen2", "mistral", "gemma2", "t5"],
-                        help="write a tiny random checkpoint of this family (needs torch + transformers)")
+    parser.add_argument(
+        "--demo",
+        choices=["gpt2", "llama", "qwen2", "mistral", "gemma2", "t5"],
+        help="write a tiny random checkpoint of this family (needs torch + transformers)",
+    )
     parser.add_argument("--mesh", default=None, help="data x model, e.g. 2x4 (default: all devices over data)")
     parser.add_argument("--host-devices", type=int, default=None, help="CPU only: pretend to have N devices")
     parser.add_argument("--steps", type=int, default=3)
@@ -76,7 +79,7 @@ def main():
         parser.error("give DIR or --demo FAMILY")
     devices = np.array(jax.devices())
     shape = tuple(int(n) for n in args.mesh.split("x")) if args.mesh else (len(devices), 1)
-    mesh = Mesh(devices[:int(np.prod(shape))].reshape(shape), ("data", "model"))
+    mesh = Mesh(devices[: int(np.prod(shape))].reshape(shape), ("data", "model"))
     model, params = from_pretrained(directory, mesh=mesh)
     optimizer = optax.adamw(1e-3)
     opt_state = jax.jit(optimizer.init)(params)
@@ -98,29 +101,80 @@ def main():
 
 
 # tiny configs whose heads and widths split over 8 devices (vocab 128; see crosscheck._hf_models.TINY)
-DEMO = {"gpt2": dict(n_embd=64, n_head=8), "t5": dict(d_model=64, d_kv=8, num_heads=8, d_ff=96),
-        **{f: dict(hidden_size=64, intermediate_size=96, num_attention_heads=16, num_key_value_heads=8)
-           for f in ("llama", "qwen2", "mistral")},
-        **{f: dict(hidden_size=64, intermediate_size=96, num_attention_heads=16, num_key_value_heads=8,
-                   head_dim=8) for f in ("gemma2", "gemma3_text", "qwen3")},
-        # mixtures of experts: 8 experts (X splits over "model" by default)
-        "mixtral": dict(hidden_size=64, intermediate_size=96, num_attention_heads=16, num_key_value_heads=8,
-                        num_local_experts=8),
-        "gpt_oss": dict(hidden_size=64, intermediate_size=96, num_attention_heads=16, num_key_value_heads=8,
-                        head_dim=8, num_local_experts=8),
-        "qwen3_moe": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=16,
-                          num_key_value_heads=8, head_dim=8, num_experts=8),
-        "llama4_text": dict(hidden_size=64, intermediate_size=32, intermediate_size_mlp=96, num_attention_heads=16,
-                            num_key_value_heads=8, head_dim=8, num_local_experts=8),
-        # MLA: 8 heads, q latent 32, kv latent 16, rope 4, nope 8, value 8; 8 experts in 2 groups
-        "deepseek_v3": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_attention_heads=8,
-                            num_key_value_heads=8, q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=4,
-                            qk_nope_head_dim=8, v_head_dim=8, n_routed_experts=8, n_group=2, topk_group=1,
-                            num_experts_per_tok=2, n_shared_experts=1),
-        "qwen3_next": dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                           shared_expert_intermediate_size=48, num_attention_heads=16, num_key_value_heads=8,
-                           head_dim=8, linear_num_key_heads=8, linear_num_value_heads=16, linear_key_head_dim=8,
-                           linear_value_head_dim=6, num_experts=8)}
+DEMO = {
+    "gpt2": dict(n_embd=64, n_head=8),
+    "t5": dict(d_model=64, d_kv=8, num_heads=8, d_ff=96),
+    **{
+        f: dict(hidden_size=64, intermediate_size=96, num_attention_heads=16, num_key_value_heads=8)
+        for f in ("llama", "qwen2", "mistral")
+    },
+    **{
+        f: dict(hidden_size=64, intermediate_size=96, num_attention_heads=16, num_key_value_heads=8, head_dim=8)
+        for f in ("gemma2", "gemma3_text", "qwen3")
+    },
+    # mixtures of experts: 8 experts (X splits over "model" by default)
+    "mixtral": dict(
+        hidden_size=64, intermediate_size=96, num_attention_heads=16, num_key_value_heads=8, num_local_experts=8
+    ),
+    "gpt_oss": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=8,
+        num_local_experts=8,
+    ),
+    "qwen3_moe": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=8,
+        num_experts=8,
+    ),
+    "llama4_text": dict(
+        hidden_size=64,
+        intermediate_size=32,
+        intermediate_size_mlp=96,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=8,
+        num_local_experts=8,
+    ),
+    # MLA: 8 heads, q latent 32, kv latent 16, rope 4, nope 8, value 8; 8 experts in 2 groups
+    "deepseek_v3": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=8,
+        n_group=2,
+        topk_group=1,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+    ),
+    "qwen3_next": dict(
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=8,
+        linear_num_key_heads=8,
+        linear_num_value_heads=16,
+        linear_key_head_dim=8,
+        linear_value_head_dim=6,
+        num_experts=8,
+    ),
+}
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -33,7 +33,7 @@ def hidden_for(name: str) -> str | None:
     if HIDDEN.fullmatch(name) is None:
         return None
     while (match := HIDDEN.fullmatch(name)) is not None:
-        name = name[1:match.start(1) - 1]
+        name = name[1 : match.start(1) - 1]
     return name
 
 
@@ -41,7 +41,7 @@ def write_all(fd: int, data) -> None:
     """All of `data` (bytes or a buffer) to the descriptor, however many os.write calls that takes."""
     view = memoryview(data).cast("B")
     while view:
-        view = view[os.write(fd, view):]
+        view = view[os.write(fd, view) :]
 
 
 def write_temp(path: str | os.PathLike, write: Callable[[int], None]) -> Path:

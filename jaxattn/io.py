@@ -32,13 +32,22 @@ import numpy as np
 from . import _atomic_files as atomic_files
 
 _SAFETENSORS_DTYPES = {
-    "BOOL": np.dtype(np.bool_), "U8": np.dtype(np.uint8), "I8": np.dtype(np.int8),
-    "U16": np.dtype(np.uint16), "I16": np.dtype(np.int16), "U32": np.dtype(np.uint32),
-    "I32": np.dtype(np.int32), "U64": np.dtype(np.uint64), "I64": np.dtype(np.int64),
-    "F16": np.dtype(np.float16), "F32": np.dtype(np.float32), "F64": np.dtype(np.float64),
+    "BOOL": np.dtype(np.bool_),
+    "U8": np.dtype(np.uint8),
+    "I8": np.dtype(np.int8),
+    "U16": np.dtype(np.uint16),
+    "I16": np.dtype(np.int16),
+    "U32": np.dtype(np.uint32),
+    "I32": np.dtype(np.int32),
+    "U64": np.dtype(np.uint64),
+    "I64": np.dtype(np.int64),
+    "F16": np.dtype(np.float16),
+    "F32": np.dtype(np.float32),
+    "F64": np.dtype(np.float64),
     "C64": np.dtype(np.complex64),
     "BF16": np.dtype(ml_dtypes.bfloat16),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn), "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
+    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
 }
 _MAX_HEADER = 100_000_000  # the safetensors format's own limit
 
@@ -61,9 +70,8 @@ def load_safetensors(path: str | os.PathLike) -> dict[str, np.ndarray]:
     view = memoryview(raw)
     header = _read_header(path, view)
     n = int.from_bytes(view[:8], "little")
-    data = view[8 + n:]
-    entries = sorted(((*_entry(path, name, info), name) for name, info in header.items()),
-                     key=lambda e: (e[2], e[3]))
+    data = view[8 + n :]
+    entries = sorted(((*_entry(path, name, info), name) for name, info in header.items()), key=lambda e: (e[2], e[3]))
     end = 0
     arrays = {}
     for dtype, shape, begin, stop, name in entries:
@@ -98,7 +106,7 @@ def _read_header(path: Path, raw: memoryview) -> dict:
         return dict(pairs)
 
     try:
-        header = json.loads(bytes(raw[8:8 + n]).decode("utf-8"), object_pairs_hook=no_duplicates)
+        header = json.loads(bytes(raw[8 : 8 + n]).decode("utf-8"), object_pairs_hook=no_duplicates)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise _damaged(path, f"header is not UTF-8 JSON: {exc}") from None
     if not isinstance(header, dict):
@@ -129,6 +137,7 @@ def _little_endian(buffer, dtype: np.dtype) -> np.ndarray:
 
 
 # --- reading parts of a file: a sharded load reads only the bytes of its own shards --------------------------
+
 
 @dataclasses.dataclass(frozen=True)
 class TensorEntry:
@@ -167,8 +176,11 @@ def safetensors_entries(path: str | os.PathLike) -> dict[str, TensorEntry]:
     by_offset = sorted(((*_entry(path, name, info), name) for name, info in header.items()), key=lambda e: e[2:4])
     for dtype, shape, begin, stop, name in by_offset:
         if begin != end or stop > data or stop - begin != math.prod(shape) * dtype.itemsize:
-            raise _damaged(path, f"entry {name!r}: offsets [{begin}, {stop}] for shape {list(shape)} of {dtype} "
-                                 f"(the previous entry ends at {end}, the data section is {data} bytes)")
+            raise _damaged(
+                path,
+                f"entry {name!r}: offsets [{begin}, {stop}] for shape {list(shape)} of {dtype} "
+                f"(the previous entry ends at {end}, the data section is {data} bytes)",
+            )
         entries[name], end = TensorEntry(name, dtype, shape, len(raw) + begin, stop - begin), stop
     if end != data:
         raise _damaged(path, f"{data - end} trailing bytes after the last tensor")
@@ -185,7 +197,7 @@ def _mapped(f, start: int, length: int):
     aligned = start - start % mmap.ALLOCATIONGRANULARITY
     flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
     with mmap.mmap(f.fileno(), start - aligned + length, flags=flags, prot=mmap.PROT_READ, offset=aligned) as m:
-        view = memoryview(m)[start - aligned:]
+        view = memoryview(m)[start - aligned :]
         try:
             yield view
         finally:
@@ -199,8 +211,9 @@ def read_region(path: str | os.PathLike, entry: TensorEntry, box) -> np.ndarray:
     box's bytes; the OS reads whole pages, those of the rows the box spans)."""
     box = tuple((int(a), int(b)) for a, b in box)
     if len(box) != len(entry.shape) or not all(0 <= a <= b <= d for (a, b), d in zip(box, entry.shape)):
-        raise ValueError(f"{path}: {entry.name!r}: expected a box of (start, stop) within shape "
-                         f"{list(entry.shape)}, got {list(box)}")
+        raise ValueError(
+            f"{path}: {entry.name!r}: expected a box of (start, stop) within shape {list(entry.shape)}, got {list(box)}"
+        )
     lengths = [b - a for a, b in box]
     shape, cut = (entry.shape, box) if entry.shape else ((1,), ((0, 1),))  # a scalar as one entry
     # moved as unsigned ints of the item's size (whatever the dtype: ml_dtypes, complex), byte order as in
@@ -223,7 +236,7 @@ def read_region(path: str | os.PathLike, entry: TensorEntry, box) -> np.ndarray:
                 b = min(last, a + step)
                 with _mapped(f, entry.offset + a * row, (b - a) * row) as raw:
                     slab = np.frombuffer(raw, unit).reshape(b - a, *shape[1:])
-                    part[a - first:b - first] = slab[(slice(None), *inner)]
+                    part[a - first : b - first] = slab[(slice(None), *inner)]
                     del slab  # before the map closes
     bytes_read[(str(path), entry.name)] += part.nbytes
     return _little_endian(part.data, entry.dtype).reshape(lengths)
@@ -264,23 +277,30 @@ def safetensors_writer(tensors, *, metadata: dict[str, str] | None = None) -> Ca
     arrays = {}
     for name, value in tensors.items():
         if not isinstance(name, str) or not name or name == "__metadata__":
-            raise ValueError(f"tensors: expected names that are non-empty strings other than '__metadata__', "
-                             f"got {name!r}")
+            raise ValueError(
+                f"tensors: expected names that are non-empty strings other than '__metadata__', got {name!r}"
+            )
         array = np.asarray(value)
         if array.dtype.byteorder == (">" if sys.byteorder == "little" else "<"):  # same values, native order
             array = array.astype(array.dtype.newbyteorder("="))
         if array.dtype not in _DTYPE_NAMES:
-            raise ValueError(f"tensors[{name!r}]: expected one of the safetensors dtypes "
-                             f"{sorted(str(d) for d in _DTYPE_NAMES)}, got {array.dtype}")
+            raise ValueError(
+                f"tensors[{name!r}]: expected one of the safetensors dtypes "
+                f"{sorted(str(d) for d in _DTYPE_NAMES)}, got {array.dtype}"
+            )
         arrays[name] = array
     order = sorted(arrays, key=lambda name: -arrays[name].dtype.itemsize)  # stable: ties keep the given order
     header, offset = {}, 0
     for name in order:
-        header[name] = {"dtype": _DTYPE_NAMES[arrays[name].dtype], "shape": list(arrays[name].shape),
-                        "data_offsets": [offset, offset + arrays[name].nbytes]}
+        header[name] = {
+            "dtype": _DTYPE_NAMES[arrays[name].dtype],
+            "shape": list(arrays[name].shape),
+            "data_offsets": [offset, offset + arrays[name].nbytes],
+        }
         offset += arrays[name].nbytes
-    text = json.dumps({"__metadata__": metadata, **{name: header[name] for name in arrays}},
-                      separators=(",", ":")).encode("utf-8")
+    text = json.dumps(
+        {"__metadata__": metadata, **{name: header[name] for name in arrays}}, separators=(",", ":")
+    ).encode("utf-8")
     text += b" " * (-len(text) % 8)
 
     def write(fd: int) -> None:

@@ -130,15 +130,25 @@ class MultiHeadAttention(nn.Module):
         return None
 
     def _params(self, dims):
-        specs = common.param_specs(dims, use_bias=self.use_bias, add_bias_kv=self.add_bias_kv,
-                                   kernel_init=self.kernel_init, out_kernel_init=self.out_kernel_init,
-                                   bias_init=self.bias_init, bias_kv_init=self.bias_kv_init,
-                                   relative=self._relative(), out_bias_init=self.out_bias_init,
-                                   sinks_init=self.sinks_init if self.use_sinks else None)
+        specs = common.param_specs(
+            dims,
+            use_bias=self.use_bias,
+            add_bias_kv=self.add_bias_kv,
+            kernel_init=self.kernel_init,
+            out_kernel_init=self.out_kernel_init,
+            bias_init=self.bias_init,
+            bias_kv_init=self.bias_kv_init,
+            relative=self._relative(),
+            out_bias_init=self.out_bias_init,
+            sinks_init=self.sinks_init if self.use_sinks else None,
+        )
         sinks = specs.pop("sinks", None)
-        params = {group: _Group(tuple((leaf, shape, init) for leaf, (shape, init) in leaves.items()),
-                                self.param_dtype, name=group)()
-                  for group, leaves in specs.items()}
+        params = {
+            group: _Group(
+                tuple((leaf, shape, init) for leaf, (shape, init) in leaves.items()), self.param_dtype, name=group
+            )()
+            for group, leaves in specs.items()
+        }
         if sinks is not None:
             params["sinks"] = self.param("sinks", sinks[1], sinks[0], self.param_dtype)
         return params
@@ -174,17 +184,28 @@ class MultiHeadAttention(nn.Module):
         return variables, existed
 
     @nn.compact
-    def __call__(self, query: Float[ArrayLike, "*#B T Eq"], key: Float[ArrayLike, "*#B S Ek"] | None = None,
-                 value: Float[ArrayLike, "*#B S Ev"] | None = None, *, mask: Bool[ArrayLike, "..."] | None = None,
-                 bias: Float[ArrayLike, "..."] | None = None, is_causal=False,
-                 key_value_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
-                 query_positions: Int[ArrayLike, "*#B T"] | None = None,
-                 key_positions: Int[ArrayLike, "*#B S"] | None = None,
-                 deterministic: Optional[bool] = None, dropout_rng=None, return_weights: bool = False,
-                 decode: Optional[bool] = None, rope_positions: Int[ArrayLike, "*#B T"] | None = None,
-                 query_segment_ids: Int[ArrayLike, "*#B T"] | None = None,
-                 key_segment_ids: Int[ArrayLike, "*#B S"] | None = None, sow_weights: bool = False,
-                 inputs_kv: Float[ArrayLike, "*#B S Ek"] | None = None) -> LayerOutput:
+    def __call__(
+        self,
+        query: Float[ArrayLike, "*#B T Eq"],
+        key: Float[ArrayLike, "*#B S Ek"] | None = None,
+        value: Float[ArrayLike, "*#B S Ev"] | None = None,
+        *,
+        mask: Bool[ArrayLike, "..."] | None = None,
+        bias: Float[ArrayLike, "..."] | None = None,
+        is_causal=False,
+        key_value_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
+        query_positions: Int[ArrayLike, "*#B T"] | None = None,
+        key_positions: Int[ArrayLike, "*#B S"] | None = None,
+        deterministic: Optional[bool] = None,
+        dropout_rng=None,
+        return_weights: bool = False,
+        decode: Optional[bool] = None,
+        rope_positions: Int[ArrayLike, "*#B T"] | None = None,
+        query_segment_ids: Int[ArrayLike, "*#B T"] | None = None,
+        key_segment_ids: Int[ArrayLike, "*#B S"] | None = None,
+        sow_weights: bool = False,
+        inputs_kv: Float[ArrayLike, "*#B S Ek"] | None = None,
+    ) -> LayerOutput:
         """query [...,T,Eq], key [...,S,Ek] (default query), value [...,S,Ev] (default key) -> [...,T,Eo].
 
         Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights.
@@ -194,29 +215,59 @@ class MultiHeadAttention(nn.Module):
         key, value = common.flax_inputs_kv(inputs_kv, key, value)
         query, key, value = common.inputs(query, key, value)
         head_dim = common.flax_sizes(self.num_heads, head_dim=self.head_dim, qkv_features=self.qkv_features)["head_dim"]
-        dims = common.resolve_dims(query.shape[-1], self.num_heads, head_dim, key_features=key.shape[-1],
-                                   value_features=value.shape[-1], out_features=self.out_features,
-                                   num_kv_heads=self.num_kv_heads, value_head_dim=self.value_head_dim)
+        dims = common.resolve_dims(
+            query.shape[-1],
+            self.num_heads,
+            head_dim,
+            key_features=key.shape[-1],
+            value_features=value.shape[-1],
+            out_features=self.out_features,
+            num_kv_heads=self.num_kv_heads,
+            value_head_dim=self.value_head_dim,
+        )
         params = self._params(dims)
         dtype = common.layer_dtype(self.dtype, params, query, key, value)
         params, query, key, value = common.cast((params, query, key, value), dtype)
         rate, rng = self._dropout(deterministic, dropout_rng)
-        options = dict(mask=mask, bias=bias, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
-                       query_positions=query_positions, key_positions=key_positions, scale=self.scale,
-                       dropout_rate=rate, dropout_rng=rng, return_weights=return_weights or sow_weights,
-                       query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids, window=self.window,
-                       chunk_size=self.chunk_size, logit_softcap=self.logit_softcap,
-                       implementation=self.implementation, interpret=self.interpret,
-                       **common.dropout_options(self.broadcast_dropout))
+        options = dict(
+            mask=mask,
+            bias=bias,
+            is_causal=is_causal,
+            key_value_seq_lengths=key_value_seq_lengths,
+            query_positions=query_positions,
+            key_positions=key_positions,
+            scale=self.scale,
+            dropout_rate=rate,
+            dropout_rng=rng,
+            return_weights=return_weights or sow_weights,
+            query_segment_ids=query_segment_ids,
+            key_segment_ids=key_segment_ids,
+            window=self.window,
+            chunk_size=self.chunk_size,
+            logit_softcap=self.logit_softcap,
+            implementation=self.implementation,
+            interpret=self.interpret,
+            **common.dropout_options(self.broadcast_dropout),
+        )
         cache = None
         if self.decode if decode is None else decode:
             batch = jnp.broadcast_shapes(jnp.shape(query)[:-2], jnp.shape(key)[:-2])
             variables, existed = self._cache(dims, key, batch, dtype)
             cache = tuple(v.value for v in variables) if existed else None
-        result, new_cache = common.attend(params, query, key, value, relative=self._relative() is not None,
-                                          add_zero_attn=self.add_zero_attn, precision=self.precision,
-                                          cache=cache, rope=self.rope, rope_positions=rope_positions,
-                                          qk_norm=self._qk_norm(), **options)
+        result, new_cache = common.attend(
+            params,
+            query,
+            key,
+            value,
+            relative=self._relative() is not None,
+            add_zero_attn=self.add_zero_attn,
+            precision=self.precision,
+            cache=cache,
+            rope=self.rope,
+            rope_positions=rope_positions,
+            qk_norm=self._qk_norm(),
+            **options,
+        )
         if new_cache is not None:
             for variable, new in zip(variables, new_cache):
                 variable.value = new
@@ -241,6 +292,10 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
     table_init: Initializer = common.default_table_init
 
     def _relative(self) -> Optional[dict]:
-        return dict(max_distance=self.max_distance, share_heads=self.share_heads,
-                    use_key_table=self.use_key_table, use_value_table=self.use_value_table,
-                    table_init=self.table_init)
+        return dict(
+            max_distance=self.max_distance,
+            share_heads=self.share_heads,
+            use_key_table=self.use_key_table,
+            use_value_table=self.use_value_table,
+            table_init=self.table_init,
+        )

@@ -73,35 +73,81 @@ class MultiHeadAttention(nnx.Module):
     sown as nnx.Intermediate "attention_weights").
     """
 
-    def __init__(self, query_features: Optional[int] = None, num_heads: Optional[int] = None,
-                 head_dim: Optional[int] = None, *, key_features: Optional[int] = None,
-                 value_features: Optional[int] = None, in_features: Optional[int] = None,
-                 qkv_features: Optional[int] = None, in_kv_features: Optional[int] = None,
-                 out_features: Optional[int] = None, num_kv_heads: Optional[int] = None,
-                 value_head_dim: Optional[int] = None, use_bias: bool = True, add_bias_kv: bool = False,
-                 add_zero_attn: bool = False, dropout_rate: float = 0.0, deterministic: Optional[bool] = None,
-                 scale: Optional[float] = None, dtype: Any = None, param_dtype: Any = jnp.float32,
-                 precision: Any = None, kernel_init: Initializer = common.default_kernel_init,
-                 out_kernel_init: Optional[Initializer] = None, bias_init: Initializer = common.default_bias_init,
-                 bias_kv_init: Initializer = common.default_table_init, decode: bool = False,
-                 window: Optional[tuple] = None, chunk_size: Optional[int] = None,
-                 logit_softcap: Optional[float] = None, use_sinks: bool = False,
-                 sinks_init: Initializer = common.default_bias_init, rope: Optional[RoPE] = None, rngs: nnx.Rngs,
-                 implementation: Optional[str] = None, interpret: bool = False,
-                 normalize_qk: bool = False, broadcast_dropout: bool = False,
-                 out_bias_init: Optional[Initializer] = None, keep_rngs: bool = True,
-                 _relative: Optional[dict] = None):
-        sizes = common.flax_sizes(num_heads, query_features=query_features, head_dim=head_dim,
-                                  key_features=key_features, value_features=value_features,
-                                  in_features=in_features, qkv_features=qkv_features, in_kv_features=in_kv_features)
+    def __init__(
+        self,
+        query_features: Optional[int] = None,
+        num_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        *,
+        key_features: Optional[int] = None,
+        value_features: Optional[int] = None,
+        in_features: Optional[int] = None,
+        qkv_features: Optional[int] = None,
+        in_kv_features: Optional[int] = None,
+        out_features: Optional[int] = None,
+        num_kv_heads: Optional[int] = None,
+        value_head_dim: Optional[int] = None,
+        use_bias: bool = True,
+        add_bias_kv: bool = False,
+        add_zero_attn: bool = False,
+        dropout_rate: float = 0.0,
+        deterministic: Optional[bool] = None,
+        scale: Optional[float] = None,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        precision: Any = None,
+        kernel_init: Initializer = common.default_kernel_init,
+        out_kernel_init: Optional[Initializer] = None,
+        bias_init: Initializer = common.default_bias_init,
+        bias_kv_init: Initializer = common.default_table_init,
+        decode: bool = False,
+        window: Optional[tuple] = None,
+        chunk_size: Optional[int] = None,
+        logit_softcap: Optional[float] = None,
+        use_sinks: bool = False,
+        sinks_init: Initializer = common.default_bias_init,
+        rope: Optional[RoPE] = None,
+        rngs: nnx.Rngs,
+        implementation: Optional[str] = None,
+        interpret: bool = False,
+        normalize_qk: bool = False,
+        broadcast_dropout: bool = False,
+        out_bias_init: Optional[Initializer] = None,
+        keep_rngs: bool = True,
+        _relative: Optional[dict] = None,
+    ):
+        sizes = common.flax_sizes(
+            num_heads,
+            query_features=query_features,
+            head_dim=head_dim,
+            key_features=key_features,
+            value_features=value_features,
+            in_features=in_features,
+            qkv_features=qkv_features,
+            in_kv_features=in_kv_features,
+        )
         if sizes["query_features"] is None:
             checks.fail("query_features", "a positive int (or flax's spelling in_features)", None)
-        self.dims = common.resolve_dims(sizes.pop("query_features"), num_heads, out_features=out_features,
-                                        num_kv_heads=num_kv_heads, value_head_dim=value_head_dim, **sizes)
-        specs = common.param_specs(self.dims, use_bias=use_bias, add_bias_kv=add_bias_kv, kernel_init=kernel_init,
-                                   out_kernel_init=out_kernel_init, bias_init=bias_init,
-                                   bias_kv_init=bias_kv_init, relative=_relative, out_bias_init=out_bias_init,
-                                   sinks_init=sinks_init if use_sinks else None)
+        self.dims = common.resolve_dims(
+            sizes.pop("query_features"),
+            num_heads,
+            out_features=out_features,
+            num_kv_heads=num_kv_heads,
+            value_head_dim=value_head_dim,
+            **sizes,
+        )
+        specs = common.param_specs(
+            self.dims,
+            use_bias=use_bias,
+            add_bias_kv=add_bias_kv,
+            kernel_init=kernel_init,
+            out_kernel_init=out_kernel_init,
+            bias_init=bias_init,
+            bias_kv_init=bias_kv_init,
+            relative=_relative,
+            out_bias_init=out_bias_init,
+            sinks_init=sinks_init if use_sinks else None,
+        )
         sinks = specs.pop("sinks", None)
         for group, leaves in specs.items():
             setattr(self, group, _Group(leaves, param_dtype, rngs))
@@ -155,17 +201,28 @@ class MultiHeadAttention(nnx.Module):
         stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs if rngs is not None else self.rngs)
         return self.dropout_rate, stream()
 
-    def __call__(self, query: Float[ArrayLike, "*#B T Eq"], key: Float[ArrayLike, "*#B S Ek"] | None = None,
-                 value: Float[ArrayLike, "*#B S Ev"] | None = None, *, mask: Bool[ArrayLike, "..."] | None = None,
-                 bias: Float[ArrayLike, "..."] | None = None, is_causal=False,
-                 key_value_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
-                 query_positions: Int[ArrayLike, "*#B T"] | None = None,
-                 key_positions: Int[ArrayLike, "*#B S"] | None = None,
-                 deterministic: Optional[bool] = None, rngs=None, dropout_rng=None, return_weights: bool = False,
-                 decode: Optional[bool] = None, rope_positions: Int[ArrayLike, "*#B T"] | None = None,
-                 query_segment_ids: Int[ArrayLike, "*#B T"] | None = None,
-                 key_segment_ids: Int[ArrayLike, "*#B S"] | None = None,
-                 sow_weights: bool = False) -> LayerOutput:
+    def __call__(
+        self,
+        query: Float[ArrayLike, "*#B T Eq"],
+        key: Float[ArrayLike, "*#B S Ek"] | None = None,
+        value: Float[ArrayLike, "*#B S Ev"] | None = None,
+        *,
+        mask: Bool[ArrayLike, "..."] | None = None,
+        bias: Float[ArrayLike, "..."] | None = None,
+        is_causal=False,
+        key_value_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
+        query_positions: Int[ArrayLike, "*#B T"] | None = None,
+        key_positions: Int[ArrayLike, "*#B S"] | None = None,
+        deterministic: Optional[bool] = None,
+        rngs=None,
+        dropout_rng=None,
+        return_weights: bool = False,
+        decode: Optional[bool] = None,
+        rope_positions: Int[ArrayLike, "*#B T"] | None = None,
+        query_segment_ids: Int[ArrayLike, "*#B T"] | None = None,
+        key_segment_ids: Int[ArrayLike, "*#B S"] | None = None,
+        sow_weights: bool = False,
+    ) -> LayerOutput:
         """query [...,T,Eq], key [...,S,Ek] (default query), value [...,S,Ev] (default key) -> [...,T,Eo].
 
         Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights;
@@ -182,15 +239,36 @@ class MultiHeadAttention(nnx.Module):
                 checks.fail("decode", "a cache: call init_cache((*batch, L, E)) first", "no cache")
             cache = (self.cached_key[...], self.cached_value[...], self.cache_index[...])
         result, new_cache = common.attend(
-            params, query, key, value, relative=self.relative_attention, add_zero_attn=self.add_zero_attn,
-            precision=self.precision, cache=cache, rope=self.rope, rope_positions=rope_positions, mask=mask,
-            bias=bias, is_causal=is_causal, qk_norm=self._qk_norm(),
+            params,
+            query,
+            key,
+            value,
+            relative=self.relative_attention,
+            add_zero_attn=self.add_zero_attn,
+            precision=self.precision,
+            cache=cache,
+            rope=self.rope,
+            rope_positions=rope_positions,
+            mask=mask,
+            bias=bias,
+            is_causal=is_causal,
+            qk_norm=self._qk_norm(),
             **common.dropout_options(self.broadcast_dropout),
-            key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
-            key_positions=key_positions, scale=self.scale, dropout_rate=rate, dropout_rng=rng,
-            return_weights=return_weights or sow_weights, query_segment_ids=query_segment_ids,
-            key_segment_ids=key_segment_ids, window=self.window, chunk_size=self.chunk_size,
-            logit_softcap=self.logit_softcap, implementation=self.implementation, interpret=self.interpret)
+            key_value_seq_lengths=key_value_seq_lengths,
+            query_positions=query_positions,
+            key_positions=key_positions,
+            scale=self.scale,
+            dropout_rate=rate,
+            dropout_rng=rng,
+            return_weights=return_weights or sow_weights,
+            query_segment_ids=query_segment_ids,
+            key_segment_ids=key_segment_ids,
+            window=self.window,
+            chunk_size=self.chunk_size,
+            logit_softcap=self.logit_softcap,
+            implementation=self.implementation,
+            interpret=self.interpret,
+        )
         if new_cache is not None:
             self.cached_key[...], self.cached_value[...], self.cache_index[...] = new_cache
         if sow_weights:
@@ -212,10 +290,25 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
     use_key_table / use_value_table; table_init (default normal(0.02)). Not with add_bias_kv / add_zero_attn.
     """
 
-    def __init__(self, query_features: Optional[int] = None, num_heads: Optional[int] = None,
-                 head_dim: Optional[int] = None, *, max_distance: int,
-                 share_heads: bool = False, use_key_table: bool = True, use_value_table: bool = True,
-                 table_init: Initializer = common.default_table_init, rngs: nnx.Rngs, **options):
-        relative = dict(max_distance=max_distance, share_heads=share_heads, use_key_table=use_key_table,
-                        use_value_table=use_value_table, table_init=table_init)
+    def __init__(
+        self,
+        query_features: Optional[int] = None,
+        num_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        *,
+        max_distance: int,
+        share_heads: bool = False,
+        use_key_table: bool = True,
+        use_value_table: bool = True,
+        table_init: Initializer = common.default_table_init,
+        rngs: nnx.Rngs,
+        **options,
+    ):
+        relative = dict(
+            max_distance=max_distance,
+            share_heads=share_heads,
+            use_key_table=use_key_table,
+            use_value_table=use_value_table,
+            table_init=table_init,
+        )
         super().__init__(query_features, num_heads, head_dim, rngs=rngs, _relative=relative, **options)

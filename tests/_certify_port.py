@@ -13,6 +13,7 @@ EPS = 1e-5  # torch.nn.LayerNorm's default, which the torch module uses
 
 def forward(w, x, *, eps=EPS):
     """The port: w {torch name: array} (torch's layouts), x [B,T,E] -> ({"logits": [B,T,V]}, intermediates)."""
+
     def layer_norm(h):
         mean = h.mean(-1, keepdims=True)
         var = ((h - mean) ** 2).mean(-1, keepdims=True)
@@ -33,26 +34,38 @@ def port(weights, *, eps=EPS):
 
 def flax_tree(weights):
     """The toy's weights as a Flax-style params tree (kernels [in, out]), what params= maps torch names into."""
-    return {"proj": {"kernel": weights["proj.weight"].T, "bias": weights["proj.bias"]},
-            "norm": {"scale": weights["norm.weight"], "bias": weights["norm.bias"]},
-            "head": {"kernel": weights["head.weight"].T}}
+    return {
+        "proj": {"kernel": weights["proj.weight"].T, "bias": weights["proj.bias"]},
+        "norm": {"scale": weights["norm.weight"], "bias": weights["norm.bias"]},
+        "head": {"kernel": weights["head.weight"].T},
+    }
 
 
 def tree_port(frozen=()):
     """jax_fn(params, x) on flax_tree's layout; the torch names in `frozen` enter as constants (stop_gradient:
     a port that closes over a weight instead of taking it as a parameter), so they never get a gradient."""
+
     def jax_fn(params, x):
-        w = {"proj.weight": params["proj"]["kernel"].T, "proj.bias": params["proj"]["bias"],
-             "norm.weight": params["norm"]["scale"], "norm.bias": params["norm"]["bias"],
-             "head.weight": params["head"]["kernel"].T}
+        w = {
+            "proj.weight": params["proj"]["kernel"].T,
+            "proj.bias": params["proj"]["bias"],
+            "norm.weight": params["norm"]["scale"],
+            "norm.bias": params["norm"]["bias"],
+            "head.weight": params["head"]["kernel"].T,
+        }
         return forward({k: jax.lax.stop_gradient(v) if k in frozen else v for k, v in w.items()}, x)
+
     return jax.jit(jax_fn)
 
 
 # torch parameter -> its place in flax_tree: a path with a layout transform, a path, a callable on the tree
-PARAMS = {"proj.weight": ("proj/kernel", np.transpose), "proj.bias": "proj/bias",
-          "norm.weight": lambda grads: grads["norm"]["scale"], "norm.bias": "norm/bias",
-          "head.weight": ("head/kernel", np.transpose)}
+PARAMS = {
+    "proj.weight": ("proj/kernel", np.transpose),
+    "proj.bias": "proj/bias",
+    "norm.weight": lambda grads: grads["norm"]["scale"],
+    "norm.bias": "norm/bias",
+    "head.weight": ("head/kernel", np.transpose),
+}
 
 
 LAYERS = {"proj": "dense", "act": "gelu", "norm": "ln", "head": "lm_head"}

@@ -37,7 +37,7 @@ def einsum_mha(params, query, key, value, *, mask=None, bias=None, add_zero_attn
     if "key" in rel:
         table = rel["key"] if rel["key"].ndim == 3 else rel["key"][:, None, :]
         logits = logits + xp.einsum("btnh,tsnh->bnts", q, xp.broadcast_to(table[rel_index], (T, S, N, H)))
-    logits = logits * H ** -0.5
+    logits = logits * H**-0.5
     pad = [(0, 0)] * 3 + [(0, len(extras))]
     if bias is not None:
         logits = logits + xp.pad(xp.broadcast_to(bias, (B, N, T, S)), pad)

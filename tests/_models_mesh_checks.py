@@ -22,9 +22,11 @@ import sys
 
 MODE = sys.argv[1] if len(sys.argv) > 1 else "mesh"
 # Fast compiles for tiny programs compiled once and run once (tests/conftest.py says why and what it costs)
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-                           " --xla_cpu_use_fusion_emitters=false"
-                           f" --xla_force_host_platform_device_count={4 if MODE == 'process' else 8}")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+    " --xla_cpu_use_fusion_emitters=false"
+    f" --xla_force_host_platform_device_count={4 if MODE == 'process' else 8}"
+)
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import json  # noqa: E402
@@ -90,8 +92,9 @@ def reference(directory, **batch_options):
     batch = batch_of(config["model_type"], config["vocab_size"], **batch_options)
     ref = {"logits": np.asarray(jax.jit(logits_of, static_argnums=0)(model, params, batch))}
     if config["model_type"] != "bert":
-        ref["tokens"] = generate(model, params, batch["input_ids"], max_new_tokens=NEW_TOKENS,
-                                 attention_mask=batch["attention_mask"])
+        ref["tokens"] = generate(
+            model, params, batch["input_ids"], max_new_tokens=NEW_TOKENS, attention_mask=batch["attention_mask"]
+        )
         optimizer = optax.adamw(**ADAMW)
         ref["stepped"] = train_step(model, optimizer)(params, optimizer.init(params), batch)
     return config["model_type"], batch, ref
@@ -104,9 +107,12 @@ def check_family(directory, mesh, gather, model_type, batch, ref):
     placed = {k: smodel.sharding.place(v, "BT") for k, v in batch.items()}
     compiled = jax.jit(logits_of, static_argnums=0).lower(smodel, sparams, placed).compile()
     got = compiled(sparams, placed)
-    result = {"specs": {jax.tree_util.keystr(p): spec_str(x) for p, x in jax.tree_util.tree_leaves_with_path(sparams)},
-              "dtypes": sorted({str(x.dtype) for x in jax.tree.leaves(sparams)}),
-              "forward": normwise(gather(got), ref["logits"]), "forward_spec": str(got.sharding.spec)}
+    result = {
+        "specs": {jax.tree_util.keystr(p): spec_str(x) for p, x in jax.tree_util.tree_leaves_with_path(sparams)},
+        "dtypes": sorted({str(x.dtype) for x in jax.tree.leaves(sparams)}),
+        "forward": normwise(gather(got), ref["logits"]),
+        "forward_spec": str(got.sharding.spec),
+    }
     if model_type != "bert":
         result["generate"] = generate_check(smodel, sparams, batch, ref["tokens"])
         result["train"] = train_check(smodel, sparams, placed, ref, gather)
@@ -116,8 +122,11 @@ def check_family(directory, mesh, gather, model_type, batch, ref):
 def generate_check(smodel, sparams, batch, tokens):
     ids, mask = batch["input_ids"], batch["attention_mask"]
     ours = generate(smodel, sparams, ids, max_new_tokens=NEW_TOKENS, attention_mask=mask)
-    return {"equal": bool(np.array_equal(ours, tokens)), "shape": list(ours.shape),
-            "cache": cache_layout(smodel, sparams, ids)}
+    return {
+        "equal": bool(np.array_equal(ours, tokens)),
+        "shape": list(ours.shape),
+        "cache": cache_layout(smodel, sparams, ids),
+    }
 
 
 def cache_layout(model, params, ids):
@@ -130,8 +139,9 @@ def cache_layout(model, params, ids):
     B = ids.shape[0]
     if getattr(model, "is_encoder_decoder", False):
         encoder = jnp.zeros((B, ids.shape[1], model.config.d_model), jnp.float64)
-        cache = _decoder.empty_cache(model, params, np.zeros((B, 3), np.int32), encoder, None,
-                                     np.ones((B, 3), np.int32), method=model.decode)
+        cache = _decoder.empty_cache(
+            model, params, np.zeros((B, 3), np.int32), encoder, None, np.ones((B, 3), np.int32), method=model.decode
+        )
     else:
         cache = _decoder.empty_cache(model, params, ids, attention_mask=np.ones_like(ids))
     layout = {}
@@ -155,20 +165,26 @@ def train_check(smodel, sparams, placed, ref, gather):
     def errors(ours, theirs, floor_keys=()):
         # a key bias's gradient is zero in exact arithmetic (softmax ignores a per-query shift): both runs hold
         # rounding residue there, so it is measured against a floor of 1 (unit scale), as helpers.normwise says
-        return {jax.tree_util.keystr(p): normwise(gather(x), r, floor=1.0 if any(k in jax.tree_util.keystr(p)
-                                                                                  for k in floor_keys) else 0.0)
-                for (p, x), r in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(theirs))}
+        return {
+            jax.tree_util.keystr(p): normwise(
+                gather(x), r, floor=1.0 if any(k in jax.tree_util.keystr(p) for k in floor_keys) else 0.0
+            )
+            for (p, x), r in zip(jax.tree_util.tree_leaves_with_path(ours), jax.tree.leaves(theirs))
+        }
 
     grad_errors = errors(sstate[0].mu, state[0].mu, floor_keys=("['key']['bias']",))
     param_errors = errors(snew, new)
     same = lambda a, b: a.sharding.is_equivalent_to(b.sharding, a.ndim)  # noqa: E731
-    return {"loss": abs(float(sloss) - float(loss)) / abs(float(loss)),
-            "grads": max(grad_errors.values()), "worst_grad": max(grad_errors, key=grad_errors.get),
-            "params": max(param_errors.values()), "worst_param": max(param_errors, key=param_errors.get),
-            "n_params": len(param_errors),
-            "layout_kept": all(same(a, b) for a, b in zip(jax.tree.leaves(snew), jax.tree.leaves(sparams))),
-            "state_layout_kept": all(same(a, b) for a, b in zip(jax.tree.leaves(sstate[0].mu),
-                                                                 jax.tree.leaves(sparams)))}
+    return {
+        "loss": abs(float(sloss) - float(loss)) / abs(float(loss)),
+        "grads": max(grad_errors.values()),
+        "worst_grad": max(grad_errors, key=grad_errors.get),
+        "params": max(param_errors.values()),
+        "worst_param": max(param_errors, key=param_errors.get),
+        "n_params": len(param_errors),
+        "layout_kept": all(same(a, b) for a, b in zip(jax.tree.leaves(snew), jax.tree.leaves(sparams))),
+        "state_layout_kept": all(same(a, b) for a, b in zip(jax.tree.leaves(sstate[0].mu), jax.tree.leaves(sparams))),
+    }
 
 
 # --- collectives in the compiled HLO, by the mesh axes they run over -----------------------------------------
@@ -187,8 +203,9 @@ def device_groups(line, n):
         sizes = [(a, int(s)) for a, s in re.findall(r"'(\w+)'=(\d+)", m.group(1))]
         ids = iota(m.group(2), n) if m.group(2) else np.arange(n)  # device_ids: the mesh's device order
         over = set(re.findall(r"'(\w+)'", m.group(3)))
-        order = ([i for i, (a, _) in enumerate(sizes) if a not in over]
-                 + [i for i, (a, _) in enumerate(sizes) if a in over])
+        order = [i for i, (a, _) in enumerate(sizes) if a not in over] + [
+            i for i, (a, _) in enumerate(sizes) if a in over
+        ]
         inner = int(np.prod([s for a, s in sizes if a in over]))
         return ids.reshape([s for _, s in sizes]).transpose(order).reshape(-1, inner).tolist()
     if m := re.search(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}", line):
@@ -232,12 +249,18 @@ def forward_collectives(compiled, sparams, mesh):
             weights[str(tuple(shard))] = str(x.shape)
             weights[str(tuple(x.shape))] = str(x.shape)
     found = collectives(compiled, mesh)
-    gathered_weights = [(op, axes, t) for op, axes, t in found if op == "all-gather" and "model" in axes
-                        and str(tuple(int(d) for d in re.findall(r"\d+", t.split("[", 1)[1]))) in weights]
+    gathered_weights = [
+        (op, axes, t)
+        for op, axes, t in found
+        if op == "all-gather"
+        and "model" in axes
+        and str(tuple(int(d) for d in re.findall(r"\d+", t.split("[", 1)[1]))) in weights
+    ]
     return {"ops": [list(f) for f in found], "weights_gathered_over_model": gathered_weights}
 
 
 # --- one process of two: bytes read, host memory ----------------------------------------------------------------
+
 
 def expected_bytes(sparams, directory):
     """{tensor: bytes of the distinct shards of it this process's devices hold}, in the file's dtype, from
@@ -246,8 +269,10 @@ def expected_bytes(sparams, directory):
     expected = {}
     for path, x in jax.tree_util.tree_leaves_with_path(sparams):
         name, itemsize = names[jax.tree_util.keystr(path)]
-        boxes = {tuple(s.indices(d)[:2] for s, d in zip(index, x.shape))
-                 for index in x.sharding.addressable_devices_indices_map(x.shape).values()}
+        boxes = {
+            tuple(s.indices(d)[:2] for s, d in zip(index, x.shape))
+            for index in x.sharding.addressable_devices_indices_map(x.shape).values()
+        }
         expected[name] = expected.get(name, 0) + sum(int(np.prod([b - a for a, b in box])) * itemsize for box in boxes)
     return expected
 
@@ -278,6 +303,7 @@ def leaf_tensors(directory):
 def rss_peak_during(fn):
     """(fn(), peak resident-set growth in bytes while it ran): the kernel's high-water mark VmHWM, reset
     through /proc/self/clear_refs before the call (as benchmarks/harness.py measures torch)."""
+
     def status(key):
         line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith(key))
         return int(line.split()[1]) * 1024
@@ -307,12 +333,20 @@ def load_memory(directory, mesh):
     _, rss_whole = rss_peak_during(lambda: jax.block_until_ready(from_pretrained(directory)))
     traced_whole = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    return {"checkpoint_bytes": checkpoint, "largest_tensor_bytes": largest, "bytes_read": read,
-            "traced_peak": traced, "device_bytes": held, "rss_peak_growth": rss,
-            "unsharded_traced_peak": traced_whole, "unsharded_rss_peak_growth": rss_whole}
+    return {
+        "checkpoint_bytes": checkpoint,
+        "largest_tensor_bytes": largest,
+        "bytes_read": read,
+        "traced_peak": traced,
+        "device_bytes": held,
+        "rss_peak_growth": rss,
+        "unsharded_traced_peak": traced_whole,
+        "unsharded_rss_peak_growth": rss_whole,
+    }
 
 
 # --- the two modes ------------------------------------------------------------------------------------------------
+
 
 def run_mesh(shapes, directories, *, extras=True):
     """Each family's one-device reference once, then each mesh's sharded run against it; with extras, the
@@ -377,8 +411,10 @@ def left_padded_rows_nan(directory, mesh, batch):
     smodel, sparams = from_pretrained(directory, dtype="float64", mesh=mesh)
     mask = batch["attention_mask"].copy()
     mask[-1] = np.roll(mask[-1], 12 - int(mask[-1].sum()))  # the same tokens, padding first
-    placed = {"input_ids": smodel.sharding.place(batch["input_ids"], "BT"),
-              "attention_mask": smodel.sharding.place(mask, "BT")}
+    placed = {
+        "input_ids": smodel.sharding.place(batch["input_ids"], "BT"),
+        "attention_mask": smodel.sharding.place(mask, "BT"),
+    }
     out = np.asarray(jax.jit(logits_of, static_argnums=0)(smodel, sparams, placed))
     try:
         generate(smodel, sparams, batch["input_ids"], max_new_tokens=1, attention_mask=mask)
@@ -403,10 +439,12 @@ def error_messages(mesh, directory):
     """{case: the ValueError's message} for rules that cannot lay a parameter out on an 8-device mesh."""
     from jax.sharding import PartitionSpec as P
 
-    cases = {"does not divide": [("*/query/kernel", P(None, None, ("data", "model")))],
-             "axis not in the mesh": [("*", P("expert"))],
-             "too many entries": [("*/query/kernel", P(None, None, None, "data"))],
-             "axis twice": [("*/query/kernel", P("data", "data"))]}
+    cases = {
+        "does not divide": [("*/query/kernel", P(None, None, ("data", "model")))],
+        "axis not in the mesh": [("*", P("expert"))],
+        "too many entries": [("*/query/kernel", P(None, None, None, "data"))],
+        "axis twice": [("*/query/kernel", P("data", "data"))],
+    }
     messages = {}
     for case, rules in cases.items():
         try:
@@ -434,8 +472,12 @@ def run_process(process_id, count, port, big, directories):
             read = {tensor: n for (_, tensor), n in io.bytes_read.items()}
             held = expected_bytes(sparams, directory)
             total = sum(f.stat().st_size for f in Path(directory).glob("*.safetensors"))
-            results[name] = {**check_family(directory, mesh, gather, *reference(directory))[0],
-                             "bytes_read": read, "bytes_held": held, "checkpoint_bytes": total}
+            results[name] = {
+                **check_family(directory, mesh, gather, *reference(directory))[0],
+                "bytes_read": read,
+                "bytes_held": held,
+                "checkpoint_bytes": total,
+            }
         except Exception as error:
             results[name] = {"error": f"{type(error).__name__}: {error}"}
         results[name]["seconds"] = round(time.perf_counter() - start, 1)

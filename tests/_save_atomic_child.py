@@ -23,9 +23,20 @@ import sys
 import numpy as np
 
 E, V, F, N, K, H = 12, 37, 20, 3, 1, 4  # each its own size; float32 params, ~13 KB in all
-CONFIG = dict(model_type="llama", vocab_size=V, hidden_size=E, intermediate_size=F, num_hidden_layers=2,
-              num_attention_heads=N, num_key_value_heads=K, head_dim=H, rms_norm_eps=1e-6,
-              max_position_embeddings=64, tie_word_embeddings=False, rope_theta=10000.0)
+CONFIG = dict(
+    model_type="llama",
+    vocab_size=V,
+    hidden_size=E,
+    intermediate_size=F,
+    num_hidden_layers=2,
+    num_attention_heads=N,
+    num_key_value_heads=K,
+    head_dim=H,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=64,
+    tie_word_embeddings=False,
+    rope_theta=10000.0,
+)
 EVENTS = ("write_all", "replace", "link", "remove")  # the file operations of jaxattn._atomic_files
 
 
@@ -33,11 +44,19 @@ def state_dict(seed: int) -> dict[str, np.ndarray]:
     shapes = {"model.embed_tokens.weight": (V, E), "model.norm.weight": (E,), "lm_head.weight": (V, E)}
     for i in range(CONFIG["num_hidden_layers"]):
         layer = f"model.layers.{i}."
-        shapes.update({layer + "self_attn.q_proj.weight": (N * H, E), layer + "self_attn.k_proj.weight": (K * H, E),
-                       layer + "self_attn.v_proj.weight": (K * H, E), layer + "self_attn.o_proj.weight": (E, N * H),
-                       layer + "mlp.gate_proj.weight": (F, E), layer + "mlp.up_proj.weight": (F, E),
-                       layer + "mlp.down_proj.weight": (E, F), layer + "input_layernorm.weight": (E,),
-                       layer + "post_attention_layernorm.weight": (E,)})
+        shapes.update(
+            {
+                layer + "self_attn.q_proj.weight": (N * H, E),
+                layer + "self_attn.k_proj.weight": (K * H, E),
+                layer + "self_attn.v_proj.weight": (K * H, E),
+                layer + "self_attn.o_proj.weight": (E, N * H),
+                layer + "mlp.gate_proj.weight": (F, E),
+                layer + "mlp.up_proj.weight": (F, E),
+                layer + "mlp.down_proj.weight": (E, F),
+                layer + "input_layernorm.weight": (E,),
+                layer + "post_attention_layernorm.weight": (E,),
+            }
+        )
     rng = np.random.default_rng(seed)
     return {name: rng.normal(size=shape).astype(np.float32) for name, shape in shapes.items()}
 
@@ -59,12 +78,14 @@ def on_event(k: int, then) -> None:
 
     count = [0]
     for name in EVENTS:
+
         def counted(*args, _real=getattr(_atomic_files, name), **kwargs):
             out = _real(*args, **kwargs)
             count[0] += 1
             if count[0] == k:
                 then()
             return out
+
         setattr(_atomic_files, name, counted)
 
 

@@ -12,8 +12,10 @@ import sys
 
 # LLVM optimisation off: these programs are compiled once and run once on tiny shapes, so this halves the
 # checks' time; XLA's buffer assignment (the memory figures) happens before it and is unchanged.
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-                           " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false")
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import json  # noqa: E402
@@ -39,7 +41,7 @@ def collectives(compiled):
 
 
 def mesh_of(shape, names):
-    return Mesh(np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape), names)
+    return Mesh(np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape), names)
 
 
 def alibi(slopes):
@@ -53,16 +55,83 @@ def alibi(slopes):
 # name: mesh shape, axis names, sizes and options; every axis has its own size. block_size makes key/value
 # shares travel in several pieces (1x8: 3 per chunk; 2x4: 4 per share, the last one ending in padding).
 CASES = {
-    "1x8": dict(mesh=(1, 8), axes=("data", "seq"), batch=(2,), T=48, S=48, N=6, K=2, H=3, Hv=5,
-                causal=True, lengths=True, tables="key-per-head+value-shared", bias=False, block_size=(3, 1)),
-    "2x4": dict(mesh=(2, 4), axes=("data", "seq"), batch=(2, 3), T=36, S=44, N=3, K=1, H=5, Hv=2,
-                causal=False, lengths=True, tables=None, bias=True, block_size=(2, 3)),
-    "4x2": dict(mesh=(4, 2), axes=("data", "seq"), batch=(4,), T=24, S=40, N=4, K=2, H=3, Hv=5,
-                causal=True, lengths=False, tables="key-shared+value-per-head", bias=True),
-    "8x1": dict(mesh=(8, 1), axes=("data", "seq"), batch=(8,), T=20, S=28, N=2, K=2, H=3, Hv=5,
-                causal=True, lengths=True, tables="key-per-head+value-shared", bias=False),
-    "2x2x2": dict(mesh=(2, 2, 2), axes=("data", "seq", "heads"), batch=(2,), T=32, S=32, N=6, K=2, H=3, Hv=5,
-                  causal=True, lengths=True, tables="key-per-head+value-per-head", bias=True),
+    "1x8": dict(
+        mesh=(1, 8),
+        axes=("data", "seq"),
+        batch=(2,),
+        T=48,
+        S=48,
+        N=6,
+        K=2,
+        H=3,
+        Hv=5,
+        causal=True,
+        lengths=True,
+        tables="key-per-head+value-shared",
+        bias=False,
+        block_size=(3, 1),
+    ),
+    "2x4": dict(
+        mesh=(2, 4),
+        axes=("data", "seq"),
+        batch=(2, 3),
+        T=36,
+        S=44,
+        N=3,
+        K=1,
+        H=5,
+        Hv=2,
+        causal=False,
+        lengths=True,
+        tables=None,
+        bias=True,
+        block_size=(2, 3),
+    ),
+    "4x2": dict(
+        mesh=(4, 2),
+        axes=("data", "seq"),
+        batch=(4,),
+        T=24,
+        S=40,
+        N=4,
+        K=2,
+        H=3,
+        Hv=5,
+        causal=True,
+        lengths=False,
+        tables="key-shared+value-per-head",
+        bias=True,
+    ),
+    "8x1": dict(
+        mesh=(8, 1),
+        axes=("data", "seq"),
+        batch=(8,),
+        T=20,
+        S=28,
+        N=2,
+        K=2,
+        H=3,
+        Hv=5,
+        causal=True,
+        lengths=True,
+        tables="key-per-head+value-shared",
+        bias=False,
+    ),
+    "2x2x2": dict(
+        mesh=(2, 2, 2),
+        axes=("data", "seq", "heads"),
+        batch=(2,),
+        T=32,
+        S=32,
+        N=6,
+        K=2,
+        H=3,
+        Hv=5,
+        causal=True,
+        lengths=True,
+        tables="key-per-head+value-per-head",
+        bias=True,
+    ),
 }
 MAX_DISTANCE = 3
 
@@ -98,11 +167,24 @@ def ring_fn(case, lengths, mesh, precision=None):
     def f(args):
         bias = alibi(args["slopes"]) if "slopes" in args else None
         return jaxattn.ring_attention(
-            args["q"], args["k"], args["v"], mesh=mesh, sequence_axis=seq, batch_axis=batch, head_axis=head,
-            is_causal=case["causal"], key_value_seq_lengths=lengths, key_table=args.get("key_table"),
-            value_table=args.get("value_table"), max_distance=MAX_DISTANCE if case["tables"] else None,
-            position_bias=bias, load_balance=case.get("load_balance", True), block_size=case.get("block_size"),
-            precision=precision)
+            args["q"],
+            args["k"],
+            args["v"],
+            mesh=mesh,
+            sequence_axis=seq,
+            batch_axis=batch,
+            head_axis=head,
+            is_causal=case["causal"],
+            key_value_seq_lengths=lengths,
+            key_table=args.get("key_table"),
+            value_table=args.get("value_table"),
+            max_distance=MAX_DISTANCE if case["tables"] else None,
+            position_bias=bias,
+            load_balance=case.get("load_balance", True),
+            block_size=case.get("block_size"),
+            precision=precision,
+        )
+
     return f
 
 
@@ -114,9 +196,19 @@ def dense_fn(case, lengths, precision=None):
         if "slopes" in args:  # the same hook, evaluated on the whole grid of global positions
             bias = alibi(args["slopes"])(jnp.arange(T) + S - T, jnp.arange(S))
         return jaxattn.shaw_relative_attention(
-            args["q"], args["k"], args["v"], args.get("key_table"), args.get("value_table"),
-            max_distance=MAX_DISTANCE, is_causal=case["causal"], key_value_seq_lengths=lengths, bias=bias,
-            implementation="dense", precision=precision)
+            args["q"],
+            args["k"],
+            args["v"],
+            args.get("key_table"),
+            args.get("value_table"),
+            max_distance=MAX_DISTANCE,
+            is_causal=case["causal"],
+            key_value_seq_lengths=lengths,
+            bias=bias,
+            implementation="dense",
+            precision=precision,
+        )
+
     return f
 
 
@@ -124,6 +216,7 @@ def forward_and_grads(f, w):
     def run(args):
         out, vjp = jax.vjp(f, args)
         return out, vjp(w)[0]
+
     return jax.jit(run)
 
 
@@ -134,8 +227,9 @@ def place(case, mesh, args):
     placed = dict(args)
     letters = "B" + "." * (len(case["batch"]) - 1)
     for name, layout in (("q", letters + "TNH"), ("k", letters + "SKH"), ("v", letters + "SKH")):
-        placed[name] = jaxattn.shard_inputs(args[name], mesh, layout, batch_axis=batch, sequence_axis=seq,
-                                              head_axis=head)
+        placed[name] = jaxattn.shard_inputs(
+            args[name], mesh, layout, batch_axis=batch, sequence_axis=seq, head_axis=head
+        )
     return placed
 
 
@@ -151,10 +245,14 @@ def check_case(name, dtype):
     compiled = ring.lower(place(case, mesh, args)).compile()
     out, grads = compiled(place(case, mesh, args))
     ref_out, ref_grads = forward_and_grads(dense_fn(case, lengths, precision), w)(args)
-    result = {"forward": normwise(out, ref_out),
-              "grads": {k: normwise(grads[k], ref_grads[k]) for k in sorted(ref_grads)},
-              "finite": bool(all(np.isfinite(np.asarray(g)).all() for g in grads.values())),
-              "out_spec": str(out.sharding.spec), "dtype": str(out.dtype), "collectives": collectives(compiled)}
+    result = {
+        "forward": normwise(out, ref_out),
+        "grads": {k: normwise(grads[k], ref_grads[k]) for k in sorted(ref_grads)},
+        "finite": bool(all(np.isfinite(np.asarray(g)).all() for g in grads.values())),
+        "out_spec": str(out.sharding.spec),
+        "dtype": str(out.dtype),
+        "collectives": collectives(compiled),
+    }
     return result
 
 
@@ -173,18 +271,20 @@ def check_data_head_parallel():
     results = {}
     for relative in (False, True):
         if relative:
-            params = jaxattn.init_relative_multi_head_attention(jax.random.key(0), 12, 8, 3, num_kv_heads=4,
-                                                                max_distance=2, dtype=jnp.float64)
+            params = jaxattn.init_relative_multi_head_attention(
+                jax.random.key(0), 12, 8, 3, num_kv_heads=4, max_distance=2, dtype=jnp.float64
+            )
             layer = jaxattn.relative_multi_head_attention
         else:
-            params = jaxattn.init_multi_head_attention(jax.random.key(0), 12, 8, 3, num_kv_heads=4,
-                                                       dtype=jnp.float64)
+            params = jaxattn.init_multi_head_attention(jax.random.key(0), 12, 8, 3, num_kv_heads=4, dtype=jnp.float64)
             layer = jaxattn.multi_head_attention
         p_sharded = jaxattn.shard_params(params, mesh, head_axis="model")
         x_sharded = jaxattn.shard_inputs(x, mesh, "BTE", batch_axis="data")
         for impl in ("dense", "blockwise"):  # dense Shaw too: its bucket views keep head shardings
+
             def loss(p, x):
                 return jnp.sum(jnp.sin(layer(p, x, is_causal=True, implementation=impl, block_size=8)))
+
             fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
             compiled = fn.lower(p_sharded, x_sharded).compile()
             (value, grads), (ref_value, ref_grads) = compiled(p_sharded, x_sharded), fn(params, x)
@@ -193,7 +293,8 @@ def check_data_head_parallel():
                 "loss": abs(float(value - ref_value)) / abs(float(ref_value)),
                 "grads": max(normwise(g, r, floor=KEY_BIAS_FLOOR) for g, r in zip(flat, ref_flat)),
                 "collectives": collectives(compiled),
-                "query_kernel_spec": str(p_sharded["query"]["kernel"].sharding.spec)}
+                "query_kernel_spec": str(p_sharded["query"]["kernel"].sharding.spec),
+            }
     results.update(check_default_tiles_sharded(mesh))
     return results
 
@@ -203,6 +304,7 @@ def check_default_tiles_sharded(mesh):
     batch entries x key/value heads): sharded inputs must run without that loop, or XLA all-gathers the
     sharded batch and head axes it walks."""
     from jaxattn._engines import tiles
+
     B, T, E, N, K = 8, 256, 16, 8, 4
     x = jnp.asarray(np.random.default_rng(3).normal(size=(B, T, E)))
     params = jaxattn.init_multi_head_attention(jax.random.key(1), E, N, E // N, num_kv_heads=K, dtype=jnp.float64)
@@ -210,8 +312,10 @@ def check_default_tiles_sharded(mesh):
     x_sharded = jaxattn.shard_inputs(x, mesh, "BTE", batch_axis="data")
     results = {}
     for causal in (False, True):
+
         def loss(p, x, causal=causal):
             return jnp.sum(jnp.sin(jaxattn.multi_head_attention(p, x, is_causal=causal, implementation="blockwise")))
+
         fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
         compiled = fn.lower(p_sharded, x_sharded).compile()
         (value, grads), (ref_value, ref_grads) = compiled(p_sharded, x_sharded), fn(params, x)
@@ -220,10 +324,13 @@ def check_default_tiles_sharded(mesh):
         Bc, Kc = tiles.row_groups(B, K, G, *sizes, None)
         results[f"mha-blockwise-default-tiles-{'causal' if causal else 'full'}"] = {
             "loss": abs(float(value - ref_value)) / abs(float(ref_value)),
-            "grads": max(normwise(g, r, floor=KEY_BIAS_FLOOR)
-                         for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads))),
-            "collectives": collectives(compiled), "one_device_row_groups": (B // Bc) * (K // Kc),
-            "query_kernel_spec": str(p_sharded["query"]["kernel"].sharding.spec)}
+            "grads": max(
+                normwise(g, r, floor=KEY_BIAS_FLOOR) for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads))
+            ),
+            "collectives": collectives(compiled),
+            "one_device_row_groups": (B // Bc) * (K // Kc),
+            "query_kernel_spec": str(p_sharded["query"]["kernel"].sharding.spec),
+        }
     return results
 
 
@@ -243,12 +350,16 @@ def memory_row(S, devices, *, causal=True, backward=False, B=1, N=8, H=64):
     sharding = NamedSharding(mesh, PartitionSpec(None, "seq", None, None)) if devices else None
     x = jax.ShapeDtypeStruct((B, S, N, H), jnp.float32, sharding=sharding)
     if devices:
+
         def attend(q, k, v):
             return jaxattn.ring_attention(q, k, v, mesh=mesh, sequence_axis="seq", is_causal=causal)
     else:
+
         def attend(q, k, v):
             return jaxattn.dot_product_attention(q, k, v, is_causal=causal, implementation="blockwise")
+
     if backward:
+
         def run(q, k, v):
             out, vjp = jax.vjp(attend, q, k, v)
             return vjp(out)
@@ -262,9 +373,11 @@ def check_memory():
     result = {}
     for backward in (False, True):
         key = "forward+backward" if backward else "forward"
-        result[key] = {"blockwise 1 device, S": memory_row(S, 0, backward=backward),
-                       "blockwise 1 device, S/8": memory_row(S // 8, 0, backward=backward),
-                       "ring 8 devices, S": memory_row(S, 8, backward=backward)}
+        result[key] = {
+            "blockwise 1 device, S": memory_row(S, 0, backward=backward),
+            "blockwise 1 device, S/8": memory_row(S // 8, 0, backward=backward),
+            "ring 8 devices, S": memory_row(S, 8, backward=backward),
+        }
     return result
 
 
@@ -279,16 +392,20 @@ def check_errors():
     calls = {
         "query": lambda: jaxattn.ring_attention(*qkv(T=36, S=36), mesh=mesh, sequence_axis="seq", is_causal=True),
         "key": lambda: jaxattn.ring_attention(*qkv(N=6, K=3), mesh=mesh, sequence_axis="seq", head_axis="data"),
-        "query/key/value": lambda: jaxattn.ring_attention(*qkv(B=(3,)), mesh=mesh, sequence_axis="seq",
-                                                       batch_axis="data"),
+        "query/key/value": lambda: jaxattn.ring_attention(
+            *qkv(B=(3,)), mesh=mesh, sequence_axis="seq", batch_axis="data"
+        ),
         "sequence_axis": lambda: jaxattn.ring_attention(*qkv(), mesh=mesh, sequence_axis="time"),
         "batch_axis": lambda: jaxattn.ring_attention(*qkv(B=()), mesh=mesh, sequence_axis="seq", batch_axis="data"),
-        "sequence_axis/batch_axis": lambda: jaxattn.ring_attention(*qkv(), mesh=mesh, sequence_axis="seq",
-                                                                batch_axis="seq"),
-        "max_distance": lambda: jaxattn.ring_attention(*qkv(), mesh=mesh, sequence_axis="seq",
-                                                     key_table=jnp.zeros((3, 3))),
-        "key_value_seq_lengths": lambda: jaxattn.ring_attention(*qkv(), mesh=mesh, sequence_axis="seq",
-                                                              key_value_seq_lengths=jnp.ones((2,))),
+        "sequence_axis/batch_axis": lambda: jaxattn.ring_attention(
+            *qkv(), mesh=mesh, sequence_axis="seq", batch_axis="seq"
+        ),
+        "max_distance": lambda: jaxattn.ring_attention(
+            *qkv(), mesh=mesh, sequence_axis="seq", key_table=jnp.zeros((3, 3))
+        ),
+        "key_value_seq_lengths": lambda: jaxattn.ring_attention(
+            *qkv(), mesh=mesh, sequence_axis="seq", key_value_seq_lengths=jnp.ones((2,))
+        ),
         "inputs": lambda: jaxattn.shard_inputs(jnp.zeros((2, 6, 4, 3)), mesh, "BTNH", sequence_axis="seq"),
     }
     messages = {}

@@ -17,8 +17,9 @@ unless they set XLA_FLAGS themselves.
 
 import os
 
-os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
-                           " --xla_cpu_use_fusion_emitters=false").strip()
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+).strip()
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

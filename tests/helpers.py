@@ -30,10 +30,22 @@ import numpy as np
 # the ones the safetensors library's numpy backend can hold
 
 SAFETENSORS_DTYPES = {
-    "BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16, "U32": np.uint32,
-    "I32": np.int32, "U64": np.uint64, "I64": np.int64, "F16": np.float16, "F32": np.float32,
-    "F64": np.float64, "C64": np.complex64, "BF16": ml_dtypes.bfloat16,
-    "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+    "BOOL": np.bool_,
+    "U8": np.uint8,
+    "I8": np.int8,
+    "U16": np.uint16,
+    "I16": np.int16,
+    "U32": np.uint32,
+    "I32": np.int32,
+    "U64": np.uint64,
+    "I64": np.int64,
+    "F16": np.float16,
+    "F32": np.float32,
+    "F64": np.float64,
+    "C64": np.complex64,
+    "BF16": ml_dtypes.bfloat16,
+    "F8_E4M3": ml_dtypes.float8_e4m3fn,
+    "F8_E5M2": ml_dtypes.float8_e5m2,
 }
 SAFETENSORS_LIBRARY_DTYPES = ("BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "F32", "F64")
 
@@ -83,8 +95,9 @@ def assert_float64(*arrays):
     so a float32 result fails it; give it what the code under test returned. tests/test_helpers.py shows it
     failing with x64 off.
     """
-    assert jax.config.jax_enable_x64, ("jax_enable_x64 is off: JAX computes float64 inputs in float32 "
-                                       "(tests/conftest.py turns it on)")
+    assert jax.config.jax_enable_x64, (
+        "jax_enable_x64 is off: JAX computes float64 inputs in float32 (tests/conftest.py turns it on)"
+    )
     leaves = jax.tree.leaves(arrays)
     assert leaves, "assert_float64: no array to check"
     dtypes = [str(x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype).removeprefix("torch.") for x in leaves]
@@ -167,9 +180,22 @@ def _positions(batch, T, S, query_positions, key_positions):
     return np.broadcast_to(qp, batch + (T,)), np.broadcast_to(kp, batch + (S,))
 
 
-def allowed_loop(batch, N, T, S, *, is_causal=False, key_value_seq_lengths=None, query_positions=None,
-                 key_positions=None, query_segment_ids=None, key_segment_ids=None, window=None, chunk_size=None,
-                 mask_mod=None):
+def allowed_loop(
+    batch,
+    N,
+    T,
+    S,
+    *,
+    is_causal=False,
+    key_value_seq_lengths=None,
+    query_positions=None,
+    key_positions=None,
+    query_segment_ids=None,
+    key_segment_ids=None,
+    window=None,
+    chunk_size=None,
+    mask_mod=None,
+):
     """bool [*batch,N,T,S]: which keys each query may attend, by the rules of DESIGN.md, one pair at a time.
 
     batch: an int or a tuple of leading batch dims. Positions are [T]/[S] or batch + [T]/[S] (absolute; default
@@ -210,8 +236,21 @@ def allowed_loop(batch, N, T, S, *, is_causal=False, key_value_seq_lengths=None,
     return ok
 
 
-def attention_loop(q, k, v, *, mask=None, bias=None, rel_key=None, rel_value=None, scale=None, logit_softcap=None,
-                   score_mod=None, sinks=None, **rules):
+def attention_loop(
+    q,
+    k,
+    v,
+    *,
+    mask=None,
+    bias=None,
+    rel_key=None,
+    rel_value=None,
+    scale=None,
+    logit_softcap=None,
+    score_mod=None,
+    sinks=None,
+    **rules,
+):
     """The attention formula in float64, one scalar logit at a time: (out [*batch,T,N,Hv], weights [*batch,N,T,S]).
 
     q [*batch,T,N,H], k [*batch,S,K,H], v [*batch,S,K,Hv] (batch dims broadcast; query head n uses key/value
@@ -231,7 +270,7 @@ def attention_loop(q, k, v, *, mask=None, bias=None, rel_key=None, rel_value=Non
     (T, N, H), (S, K, Hv) = q.shape[-3:], v.shape[-3:]
     q, k, v = (np.broadcast_to(x, batch + x.shape[-3:]) for x in (q, k, v))
     G = N // K
-    scale = H ** -0.5 if scale is None else scale
+    scale = H**-0.5 if scale is None else scale
     ok = allowed_loop(batch, N, T, S, **rules)
     if mask is not None:
         mask = _numpy(mask)
@@ -239,8 +278,9 @@ def attention_loop(q, k, v, *, mask=None, bias=None, rel_key=None, rel_value=Non
         ok &= np.broadcast_to(mask, ok.shape)
     bias = None if bias is None else np.broadcast_to(_numpy(bias).astype(np.float64), ok.shape)
     rel_key = None if rel_key is None else np.broadcast_to(_numpy(rel_key).astype(np.float64), batch + (T, S, N, H))
-    rel_value = (None if rel_value is None
-                 else np.broadcast_to(_numpy(rel_value).astype(np.float64), batch + (T, S, N, Hv)))
+    rel_value = (
+        None if rel_value is None else np.broadcast_to(_numpy(rel_value).astype(np.float64), batch + (T, S, N, Hv))
+    )
     sinks = None if sinks is None else np.broadcast_to(_numpy(sinks).astype(np.float64), batch + (N,))
     qp, kp = _positions(batch, T, S, rules.get("query_positions"), rules.get("key_positions"))
     out = np.zeros(batch + (T, N, Hv))
@@ -291,8 +331,21 @@ def _index_grids(B, N, T, S, query_positions=None, key_positions=None):
     return tuple(jnp.asarray(x, jnp.int32) for x in (b, n, t, s))
 
 
-def attention_reference(q, k, v, allowed, *, scale=None, logit_softcap=None, bias=None, sinks=None, score_mod=None,
-                        rel_logits=None, query_positions=None, key_positions=None):
+def attention_reference(
+    q,
+    k,
+    v,
+    allowed,
+    *,
+    scale=None,
+    logit_softcap=None,
+    bias=None,
+    sinks=None,
+    score_mod=None,
+    rel_logits=None,
+    query_positions=None,
+    key_positions=None,
+):
     """attention_loop's formula over the full grid in jax.numpy (differentiable: jax.grad gives the reference
     gradients, and of the arrays a score_mod closes over).
 
@@ -305,7 +358,7 @@ def attention_reference(q, k, v, allowed, *, scale=None, logit_softcap=None, bia
     S, K = k.shape[1], k.shape[2]
     G = N // K
     k, v = jnp.repeat(k, G, axis=2), jnp.repeat(v, G, axis=2)
-    scale = H ** -0.5 if scale is None else scale
+    scale = H**-0.5 if scale is None else scale
     x = jnp.einsum("btnh,bsnh->bnts", q, k, precision="highest")
     if rel_logits is not None:
         x = x + rel_logits
@@ -318,8 +371,9 @@ def attention_reference(q, k, v, allowed, *, scale=None, logit_softcap=None, bia
         x = score_mod(x, *_index_grids(B, N, T, S, query_positions, key_positions))
     x = jnp.where(jnp.asarray(allowed), x, -jnp.inf)
     if sinks is not None:
-        sink = jnp.broadcast_to(jnp.asarray(sinks).reshape(-1 if jnp.ndim(sinks) == 2 else 1, N)[:, :, None, None],
-                                (B, N, T, 1))
+        sink = jnp.broadcast_to(
+            jnp.asarray(sinks).reshape(-1 if jnp.ndim(sinks) == 2 else 1, N)[:, :, None, None], (B, N, T, 1)
+        )
         x = jnp.concatenate([x, sink], axis=-1)
     row_max = jax.lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))
     row_max = jnp.where(jnp.isfinite(row_max), row_max, 0)
@@ -342,9 +396,17 @@ def run_processes(script, count, *args, timeout_s, mode=()):
     with socket.socket() as s:
         s.bind(("localhost", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, str(script), *mode, str(i), str(count), str(port), *map(str, args)],
-                              env=env, cwd=os.path.dirname(str(script)), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for i in range(count)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *mode, str(i), str(count), str(port), *map(str, args)],
+            env=env,
+            cwd=os.path.dirname(str(script)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for i in range(count)
+    ]
     outputs = []
     try:
         for proc in procs:
@@ -363,10 +425,19 @@ def join_processes(process_id, count, port, local_devices):
     """In a script run_processes started: JAX's multi-process runtime over `local_devices` CPU devices per
     process (CPU collectives over gloo, coordinator on localhost:PORT); jax.devices() then spans them all."""
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=count, process_id=process_id,
-                               local_device_ids=list(range(local_devices)), initialization_timeout=60)
-    return {"process_index": jax.process_index(), "process_count": jax.process_count(),
-            "devices": len(jax.devices()), "local_devices": len(jax.local_devices())}
+    jax.distributed.initialize(
+        coordinator_address=f"localhost:{port}",
+        num_processes=count,
+        process_id=process_id,
+        local_device_ids=list(range(local_devices)),
+        initialization_timeout=60,
+    )
+    return {
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "devices": len(jax.devices()),
+        "local_devices": len(jax.local_devices()),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -380,7 +451,7 @@ def delta_rule_reference(q, k, v, g, beta, initial_state=None, *, scale=None):
     initial_state [B,N,H,Hv] (default zeros)."""
     B, T, K, H = q.shape
     N, Hv = v.shape[-2:]
-    scale = H ** -0.5 if scale is None else scale
+    scale = H**-0.5 if scale is None else scale
     q, k = jnp.repeat(q, N // K, axis=2), jnp.repeat(k, N // K, axis=2)  # [B,T,N,H]: head n reads n // (N // K)
     S = jnp.zeros((B, N, H, Hv), v.dtype) if initial_state is None else initial_state
     outs = []

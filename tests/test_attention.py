@@ -18,8 +18,7 @@ TOL = 1e-12
 
 def qkv(K=N, T=T, S=S, seed=0, batch=(B,)):
     rng = np.random.default_rng(seed)
-    return (rng.normal(size=(*batch, T, N, H)), rng.normal(size=(*batch, S, K, H)),
-            rng.normal(size=(*batch, S, K, Hv)))
+    return (rng.normal(size=(*batch, T, N, H)), rng.normal(size=(*batch, S, K, H)), rng.normal(size=(*batch, S, K, Hv)))
 
 
 def random_mask(T=T, S=S, seed=1):
@@ -61,7 +60,7 @@ def test_bias_and_mask_together_and_scale():
     q, k, v = qkv(2)
     rng = np.random.default_rng(5)
     bias = rng.normal(size=(B, 1, T, S))  # broadcast over heads
-    bias[0, 0, 1, 2] = -np.inf            # -inf in an additive mask blocks like mask=False
+    bias[0, 0, 1, 2] = -np.inf  # -inf in an additive mask blocks like mask=False
     mask = random_mask()
     out = jaxattn.dot_product_attention(q, k, v, bias=bias, mask=mask, scale=0.37)
     ref, _ = attention_loop(q, k, v, bias=np.broadcast_to(bias, (B, N, T, S)), mask=mask, scale=0.37)
@@ -72,10 +71,12 @@ def test_lengths_and_positions():
     q, k, v = qkv(3)
     lengths = np.array([3, 7])
     qpos, kpos = np.array([4, 1, 6, 2, 3]), np.arange(S) * 2 - 3
-    out = jaxattn.dot_product_attention(q, k, v, key_value_seq_lengths=lengths, is_causal=True,
-                                        query_positions=qpos, key_positions=kpos)
-    ref, _ = attention_loop(q, k, v, key_value_seq_lengths=lengths, is_causal=True, query_positions=qpos,
-                            key_positions=kpos)
+    out = jaxattn.dot_product_attention(
+        q, k, v, key_value_seq_lengths=lengths, is_causal=True, query_positions=qpos, key_positions=kpos
+    )
+    ref, _ = attention_loop(
+        q, k, v, key_value_seq_lengths=lengths, is_causal=True, query_positions=qpos, key_positions=kpos
+    )
     assert normwise(out, ref) <= TOL
 
 
@@ -117,16 +118,20 @@ def test_relative_attention_matches_loop(shared):
     heads = 1 if shared else N
     a_k, a_v = rng.normal(size=(T, S, heads, H)), rng.normal(size=(T, S, heads, Hv))
     out = jaxattn.relative_attention(q, k, v, a_k, a_v, is_causal=True)
-    ref, _ = attention_loop(q, k, v, rel_key=np.broadcast_to(a_k, (T, S, N, H)),
-                            rel_value=np.broadcast_to(a_v, (T, S, N, Hv)), is_causal=True)
+    ref, _ = attention_loop(
+        q,
+        k,
+        v,
+        rel_key=np.broadcast_to(a_k, (T, S, N, H)),
+        rel_value=np.broadcast_to(a_v, (T, S, N, Hv)),
+        is_causal=True,
+    )
     assert normwise(out, ref) <= TOL
 
 
 def test_relative_position_index_literal_grid():
     # T=3 queries at absolute positions 2,3,4 (bottom-right), S=5 keys, clipped at 2: j - i.
-    expected = [[0, 1, 2, 3, 4],
-                [0, 0, 1, 2, 3],
-                [0, 0, 0, 1, 2]]
+    expected = [[0, 1, 2, 3, 4], [0, 0, 1, 2, 3], [0, 0, 0, 1, 2]]
     np.testing.assert_array_equal(jaxattn.relative_position_index(3, 5, 2), expected)
     np.testing.assert_array_equal(jaxattn.relative_position_index(4, 4, 1), shaw_index_loop(4, 4, 1))
     assert jaxattn.relative_position_index(3, 5, 2).dtype == jnp.int32
@@ -140,8 +145,9 @@ def test_shaw_matches_loop_and_gathered_relative(per_head, T_):
     heads = (N,) if per_head else ()
     t_k, t_v = rng.normal(size=(5, *heads, H)), rng.normal(size=(5, *heads, Hv))
     qpos = np.arange(T_) + 1
-    out = jaxattn.shaw_relative_attention(q, k, v, t_k, t_v, max_distance=max_distance, is_causal=True,
-                                          query_positions=qpos)
+    out = jaxattn.shaw_relative_attention(
+        q, k, v, t_k, t_v, max_distance=max_distance, is_causal=True, query_positions=qpos
+    )
     idx = shaw_index_loop(T_, S, max_distance, query_positions=qpos)
     a_k = np.broadcast_to(t_k[idx] if per_head else t_k[idx][:, :, None], (T_, S, N, H))
     a_v = np.broadcast_to(t_v[idx] if per_head else t_v[idx][:, :, None], (T_, S, N, Hv))
@@ -163,8 +169,7 @@ def test_leading_batch_dims_and_unbatched():
 
 def test_jit_and_vmap_over_any_axis():
     q, k, v = qkv(3, batch=(2, 3))
-    f = lambda q, k, v: jaxattn.shaw_relative_attention(q, k, v, np.ones((3, H)), None, max_distance=1,
-                                                        is_causal=True)
+    f = lambda q, k, v: jaxattn.shaw_relative_attention(q, k, v, np.ones((3, H)), None, max_distance=1, is_causal=True)
     direct = f(q, k, v)
     assert_float64(direct)
     assert normwise(jax.jit(f)(q, k, v), direct) <= TOL
@@ -206,9 +211,19 @@ def test_dropout():
 def test_multi_head_attention_against_explicit_projections():
     rng = np.random.default_rng(2)
     Eq, Ek, Ev, Eo, K = 17, 19, 23, 29, 2
-    params = jaxattn.init_multi_head_attention(jax.random.key(0), Eq, N, H, key_features=Ek, value_features=Ev,
-                                               out_features=Eo, num_kv_heads=K, value_head_dim=Hv,
-                                               dtype=jnp.float64, bias_init=jax.nn.initializers.normal(1.0))
+    params = jaxattn.init_multi_head_attention(
+        jax.random.key(0),
+        Eq,
+        N,
+        H,
+        key_features=Ek,
+        value_features=Ev,
+        out_features=Eo,
+        num_kv_heads=K,
+        value_head_dim=Hv,
+        dtype=jnp.float64,
+        bias_init=jax.nn.initializers.normal(1.0),
+    )
     xq, xk, xv = rng.normal(size=(B, T, Eq)), rng.normal(size=(B, S, Ek)), rng.normal(size=(B, S, Ev))
     p = jax.tree.map(np.asarray, params)
     q = np.einsum("bte,enh->btnh", xq, p["query"]["kernel"]) + p["query"]["bias"]
@@ -224,16 +239,29 @@ def test_multi_head_attention_against_explicit_projections():
 def test_relative_multi_head_attention_self_attention():
     rng = np.random.default_rng(4)
     E = 17
-    params = jaxattn.init_relative_multi_head_attention(jax.random.key(3), E, N, H, max_distance=3,
-                                                        num_kv_heads=3, dtype=jnp.float64,
-                                                        table_init=jax.nn.initializers.normal(1.0))
+    params = jaxattn.init_relative_multi_head_attention(
+        jax.random.key(3),
+        E,
+        N,
+        H,
+        max_distance=3,
+        num_kv_heads=3,
+        dtype=jnp.float64,
+        table_init=jax.nn.initializers.normal(1.0),
+    )
     x = rng.normal(size=(B, S, E))
     out = jaxattn.relative_multi_head_attention(params, x, is_causal=True)
     p = jax.tree.map(np.asarray, params)
     proj = lambda name, heads: np.einsum("bse,ekh->bskh", x, p[name]["kernel"]) + p[name]["bias"]
     idx = shaw_index_loop(S, S, 3)
-    z, _ = attention_loop(proj("query", N), proj("key", 3), proj("value", 3), is_causal=True,
-                          rel_key=p["relative"]["key"][idx], rel_value=p["relative"]["value"][idx])
+    z, _ = attention_loop(
+        proj("query", N),
+        proj("key", 3),
+        proj("value", 3),
+        is_causal=True,
+        rel_key=p["relative"]["key"][idx],
+        rel_value=p["relative"]["value"][idx],
+    )
     ref = np.einsum("btnh,nho->bto", z, p["out"]["kernel"]) + p["out"]["bias"]
     assert normwise(out, ref) <= TOL
     assert p["relative"]["key"].shape == (7, N, H) and p["relative"]["value"].shape == (7, N, H)

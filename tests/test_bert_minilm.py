@@ -21,8 +21,13 @@ torch = pytest.importorskip("torch")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from crosscheck.cases import minilm  # noqa: E402
-from jaxattn.models import (BertConfig, BertModel, bert_params_from_state_dict,  # noqa: E402
-                            bert_state_dict_names, mean_pooling)
+from jaxattn.models import (
+    BertConfig,
+    BertModel,
+    bert_params_from_state_dict,  # noqa: E402
+    bert_state_dict_names,
+    mean_pooling,
+)
 
 
 @pytest.fixture(scope="module")
@@ -45,9 +50,12 @@ def runs(batch):
         for layer in hf.encoder.layer:
             hooks.append(layer.attention.register_forward_hook(lambda m, a, out: captured.append(out[0])))
         with torch.no_grad():
-            theirs = hf(input_ids=torch.from_numpy(input_ids).long(),
-                        attention_mask=torch.from_numpy(attention_mask).long(),
-                        output_attentions=True, output_hidden_states=True)
+            theirs = hf(
+                input_ids=torch.from_numpy(input_ids).long(),
+                attention_mask=torch.from_numpy(attention_mask).long(),
+                output_attentions=True,
+                output_hidden_states=True,
+            )
         for hook in hooks:
             hook.remove()
         results[dtype] = (jax.tree.map(np.asarray, ours), theirs, [c.numpy() for c in captured])
@@ -90,8 +98,10 @@ def test_bad_state_dicts_raise():
     with pytest.raises(ValueError, match=r"key.weight.*shape \[384,384\]"):
         bert_params_from_state_dict(bad, config)
     prefixed = {"bert." + k: v for k, v in state_dict.items()}
-    assert bert_params_from_state_dict(prefixed, config, prefix="bert.").keys() == \
-        bert_params_from_state_dict(state_dict, config).keys()
+    assert (
+        bert_params_from_state_dict(prefixed, config, prefix="bert.").keys()
+        == bert_params_from_state_dict(state_dict, config).keys()
+    )
 
 
 def test_float32_matches_pytorch(runs, batch):
@@ -104,9 +114,10 @@ def test_float32_matches_pytorch(runs, batch):
     for i in range(6):
         # Per-layer activations reach |x| ~ 10-50, where float32 rounding alone is ~1e-6 per op: the bar
         # scales with the layer's magnitude, and ours must be as close to the float64 truth as torch's.
-        pairs = [(ours["attention_outputs"][i], attention_outputs[i], truth[2][i]),
-                 (ours["hidden_states"][i + 1], theirs.hidden_states[i + 1].numpy(),
-                  truth[1].hidden_states[i + 1].numpy())]
+        pairs = [
+            (ours["attention_outputs"][i], attention_outputs[i], truth[2][i]),
+            (ours["hidden_states"][i + 1], theirs.hidden_states[i + 1].numpy(), truth[1].hidden_states[i + 1].numpy()),
+        ]
         for mine, torchs, exact in pairs:
             mine, torchs, exact = mine[real], torchs[real], exact[real]
             assert np.abs(mine - torchs).max() <= 1e-5 * max(1.0, np.abs(torchs).max()), i

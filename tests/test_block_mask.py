@@ -84,12 +84,20 @@ def test_block_mask_alone_applies_its_mask_mod(name):
     assert bm.mask_mod is not None
     expected = reference(mask_mod, q, k, v)
     # the old reading of this call: the same tiles with nothing inside partial ones (a raw BlockMask now)
-    raw = jaxattn.BlockMask.from_kv_blocks(bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
-                                           bm.full_kv_indices, block_size=TILES, query_length=T, key_length=S)
+    raw = jaxattn.BlockMask.from_kv_blocks(
+        bm.kv_num_blocks,
+        bm.kv_indices,
+        bm.full_kv_num_blocks,
+        bm.full_kv_indices,
+        block_size=TILES,
+        query_length=T,
+        key_length=S,
+    )
     unmasked_partials = jaxattn.flex_attention(q, k, v, block_mask=raw)
     assert f64_error(unmasked_partials, expected) > 0.1
-    jitted = jax.jit(lambda q, k, v, bm, impl: jaxattn.flex_attention(q, k, v, block_mask=bm, implementation=impl),
-                     static_argnums=4)
+    jitted = jax.jit(
+        lambda q, k, v, bm, impl: jaxattn.flex_attention(q, k, v, block_mask=bm, implementation=impl), static_argnums=4
+    )
     for impl in IMPLEMENTATIONS:
         calls = {
             "block_mask": jaxattn.flex_attention(q, k, v, block_mask=bm, implementation=impl),
@@ -109,8 +117,10 @@ def test_block_mask_under_vmap():
     for impl in IMPLEMENTATIONS:
         mapped = jax.vmap(lambda q, k, v: jaxattn.flex_attention(q, k, v, block_mask=bm, implementation=impl))(q, k, v)
         assert f64_error(mapped, expected) <= TOL, impl
-        passed = jax.vmap(lambda q, k, v, bm: jaxattn.flex_attention(q, k, v, block_mask=bm, implementation=impl),
-                          in_axes=(0, 0, 0, None))(q, k, v, bm)
+        passed = jax.vmap(
+            lambda q, k, v, bm: jaxattn.flex_attention(q, k, v, block_mask=bm, implementation=impl),
+            in_axes=(0, 0, 0, None),
+        )(q, k, v, bm)
         assert f64_error(passed, expected) <= TOL, impl
 
 
@@ -127,13 +137,15 @@ def test_gradients_through_block_mask_alone():
     def loss_ours(q, k, v, table, weights):
         mask_mod = lambda b, n, t, s: (weights[s] > -1.0) & document(b, n, t, s)  # noqa: E731
         bm = jaxattn.create_block_mask(mask_mod, None, None, T, S, block_size=TILES)
-        return jnp.sum(jaxattn.flex_attention(q, k, v, score_mod=score_mod(table), block_mask=bm,
-                                              implementation="blockwise") * cot)
+        return jnp.sum(
+            jaxattn.flex_attention(q, k, v, score_mod=score_mod(table), block_mask=bm, implementation="blockwise") * cot
+        )
 
     def loss_reference(q, k, v, table):
         keep = np.asarray(weights) > -1.0
-        return jnp.sum(reference(lambda b, n, t, s: keep[s] and document(b, n, t, s), q, k, v,
-                                 score_mod=score_mod(table)) * cot)
+        return jnp.sum(
+            reference(lambda b, n, t, s: keep[s] and document(b, n, t, s), q, k, v, score_mod=score_mod(table)) * cot
+        )
 
     got = jax.grad(loss_ours, argnums=(0, 1, 2, 3, 4))(q, k, v, table, weights)
     expected = jax.grad(loss_reference, argnums=(0, 1, 2, 3))(q, k, v, table)
@@ -161,8 +173,7 @@ def test_raw_tile_lists_apply_a_given_mask_mod_on_partial_tiles():
     q, k, v = qkv(6)
     built = jaxattn.create_block_mask(sliding, None, None, T, S, block_size=TILES)
     lists = (built.kv_num_blocks, built.kv_indices, built.full_kv_num_blocks, built.full_kv_indices)
-    carried = jaxattn.BlockMask.from_kv_blocks(*lists, block_size=TILES, query_length=T, key_length=S,
-                                                mask_mod=sliding)
+    carried = jaxattn.BlockMask.from_kv_blocks(*lists, block_size=TILES, query_length=T, key_length=S, mask_mod=sliding)
     raw = jaxattn.BlockMask.from_kv_blocks(*lists, block_size=TILES, query_length=T, key_length=S)
     expected = reference(sliding, q, k, v)
     for impl in IMPLEMENTATIONS:
@@ -246,8 +257,9 @@ def torch_flex(q, k, v, mask_mod, score_mod=None):
     bm = create_block_mask(mask_mod, None, None, L, L, device="cpu", BLOCK_SIZE=TILES)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*flex_attention.*torch.compile", category=UserWarning)
-        out, lse = flex_attention(t(q), t(k), t(v), score_mod=score_mod, block_mask=bm, enable_gqa=True,
-                                  return_lse=True)
+        out, lse = flex_attention(
+            t(q), t(k), t(v), score_mod=score_mod, block_mask=bm, enable_gqa=True, return_lse=True
+        )
     return out.transpose(1, 2).numpy(), lse.numpy(), bm
 
 
@@ -276,7 +288,7 @@ def test_return_lse_and_block_mask_fields_equal_torchs(name):
     cot = arrays(12, (B, N, S))[0]
 
     def lse_reference(q, k):
-        x = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, N // K, axis=2)) * H ** -0.5
+        x = jnp.einsum("btnh,bsnh->bnts", q, jnp.repeat(k, N // K, axis=2)) * H**-0.5
         return jax.nn.logsumexp(jnp.where(allowed, x, -jnp.inf), axis=-1)
 
     expected_grads = jax.grad(lambda q, k: jnp.sum(lse_reference(q, k) * cot), argnums=(0, 1))(q, k)
@@ -284,8 +296,12 @@ def test_return_lse_and_block_mask_fields_equal_torchs(name):
         out, lse = jaxattn.flex_attention(q, k, v, block_mask=bm, return_lse=True, implementation=impl)
         assert lse.shape == (B, N, S) and lse.dtype == jnp.float64
         assert f64_error(out, out_t) <= TOL and f64_error(lse, lse_t) <= TOL, impl
-        grads = jax.grad(lambda q, k: jnp.sum(jaxattn.flex_attention(
-            q, k, v, block_mask=bm, return_lse=True, implementation=impl)[1] * cot), argnums=(0, 1))(q, k)
+        grads = jax.grad(
+            lambda q, k: jnp.sum(
+                jaxattn.flex_attention(q, k, v, block_mask=bm, return_lse=True, implementation=impl)[1] * cot
+            ),
+            argnums=(0, 1),
+        )(q, k)
         for g, e in zip(grads, expected_grads):
             assert f64_error(g, e) <= TOL, impl
 
@@ -297,10 +313,10 @@ def test_lse_of_rows_with_no_key_and_with_sinks():
     sinks = arrays(14, (N,))[0]
     lengths = jnp.array([S, 0])
     for impl in IMPLEMENTATIONS:
-        out, lse = jaxattn.flex_attention(q, k, v, key_value_seq_lengths=lengths, return_lse=True,
-                                          implementation=impl)
+        out, lse = jaxattn.flex_attention(q, k, v, key_value_seq_lengths=lengths, return_lse=True, implementation=impl)
         assert bool(jnp.all(jnp.isneginf(lse[1]))) and bool(jnp.all(jnp.isfinite(lse[0])))
         assert bool(jnp.all(out[1] == 0))
-        out, lse = jaxattn.flex_attention(q, k, v, key_value_seq_lengths=lengths, sinks=sinks, return_lse=True,
-                                          implementation=impl)
+        out, lse = jaxattn.flex_attention(
+            q, k, v, key_value_seq_lengths=lengths, sinks=sinks, return_lse=True, implementation=impl
+        )
         assert np.array_equal(np.asarray(lse[1]), np.broadcast_to(np.asarray(sinks)[:, None], (N, T)))

@@ -28,11 +28,23 @@ def configs(draw):
     batch = draw(st.sampled_from([(), (2,), (2, 3)]))
     T, S = draw(st.sampled_from([1, 5, 11, 13])), draw(st.sampled_from([1, 7, 13, 17]))
     K, G = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 3]))
-    return dict(batch=batch, T=T, S=S, N=K * G, K=K, H=draw(st.sampled_from([2, 3])), Hv=draw(st.sampled_from([3, 5])),
-                block=(draw(st.sampled_from([2, 3, 4, 16])), draw(st.sampled_from([2, 3, 5, 16]))),
-                causal=draw(st.booleans()), lengths=draw(st.booleans()), positions=draw(st.booleans()),
-                tables=draw(st.sampled_from([None, "key", "value", "both"])), shared=draw(st.booleans()),
-                max_distance=draw(st.sampled_from([0, 1, 3])), seed=draw(st.integers(0, 2**16)))
+    return dict(
+        batch=batch,
+        T=T,
+        S=S,
+        N=K * G,
+        K=K,
+        H=draw(st.sampled_from([2, 3])),
+        Hv=draw(st.sampled_from([3, 5])),
+        block=(draw(st.sampled_from([2, 3, 4, 16])), draw(st.sampled_from([2, 3, 5, 16]))),
+        causal=draw(st.booleans()),
+        lengths=draw(st.booleans()),
+        positions=draw(st.booleans()),
+        tables=draw(st.sampled_from([None, "key", "value", "both"])),
+        shared=draw(st.booleans()),
+        max_distance=draw(st.sampled_from([0, 1, 3])),
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 @pytest.mark.slow  # 12 draws, each its own programs: ~40 s of compiling; the fixed cases below stay in the default run
@@ -41,8 +53,14 @@ def configs(draw):
 def test_blockwise_equals_dense(c):
     batch, T, S, N, K, H, Hv = (c[k] for k in ("batch", "T", "S", "N", "K", "H", "Hv"))
     R = 2 * c["max_distance"] + 1
-    q, k, v, tk, tv = arrays(c["seed"], (*batch, T, N, H), (*batch, S, K, H), (*batch, S, K, Hv),
-                             (R, H) if c["shared"] else (R, N, H), (R, Hv) if c["shared"] else (R, N, Hv))
+    q, k, v, tk, tv = arrays(
+        c["seed"],
+        (*batch, T, N, H),
+        (*batch, S, K, H),
+        (*batch, S, K, Hv),
+        (R, H) if c["shared"] else (R, N, H),
+        (R, Hv) if c["shared"] else (R, N, Hv),
+    )
     rng = np.random.default_rng(c["seed"] + 1)
     options = {"is_causal": c["causal"]}
     if c["lengths"]:
@@ -56,11 +74,20 @@ def test_blockwise_equals_dense(c):
     def attend(implementation):
         def f(q, k, v, tk, tv):
             if c["tables"] is None:
-                return jaxattn.dot_product_attention(q, k, v, implementation=implementation, block_size=c["block"],
-                                                     **options)
-            return jaxattn.shaw_relative_attention(q, k, v, tk if use_key else None, tv if use_value else None,
-                                                   max_distance=c["max_distance"], implementation=implementation,
-                                                   block_size=c["block"], **options)
+                return jaxattn.dot_product_attention(
+                    q, k, v, implementation=implementation, block_size=c["block"], **options
+                )
+            return jaxattn.shaw_relative_attention(
+                q,
+                k,
+                v,
+                tk if use_key else None,
+                tv if use_value else None,
+                max_distance=c["max_distance"],
+                implementation=implementation,
+                block_size=c["block"],
+                **options,
+            )
 
         return f
 
@@ -69,8 +96,9 @@ def test_blockwise_equals_dense(c):
     # residues differ by 100% of that), as can one key (S = 1) or empty key lengths. Relative error means nothing
     # there: gradients are measured against a floor of 1, the scale of these unit-normal problems. Outputs, and
     # every fixed case below, stay strictly relative.
-    check_forward_and_grads(attend("blockwise"), attend("dense"), (q, k, v, tk, tv), (0, 1, 2, 3, 4), tol=TOL,
-                            grad_floor=1.0)
+    check_forward_and_grads(
+        attend("blockwise"), attend("dense"), (q, k, v, tk, tv), (0, 1, 2, 3, 4), tol=TOL, grad_floor=1.0
+    )
 
 
 def test_fully_masked_rows_give_zeros_and_finite_grads():
@@ -78,8 +106,9 @@ def test_fully_masked_rows_give_zeros_and_finite_grads():
     lengths = jnp.array([0, 2])
 
     def attend(implementation):
-        return lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True, key_value_seq_lengths=lengths,
-                                                             implementation=implementation, block_size=2)
+        return lambda q, k, v: jaxattn.dot_product_attention(
+            q, k, v, is_causal=True, key_value_seq_lengths=lengths, implementation=implementation, block_size=2
+        )
 
     out = attend("blockwise")(q, k, v)
     assert bool(jnp.all(out[0] == 0))  # no key at all
@@ -96,8 +125,17 @@ def test_batched_positions():
 
     def attend(implementation):
         return lambda q, k, v, tk: jaxattn.shaw_relative_attention(
-            q, k, v, tk, max_distance=2, is_causal=True, query_positions=q_pos, key_positions=k_pos,
-            implementation=implementation, block_size=(2, 3))
+            q,
+            k,
+            v,
+            tk,
+            max_distance=2,
+            is_causal=True,
+            query_positions=q_pos,
+            key_positions=k_pos,
+            implementation=implementation,
+            block_size=(2, 3),
+        )
 
     check_forward_and_grads(attend("blockwise"), attend("dense"), (q, k, v, tk), (0, 1, 2, 3))
 
@@ -111,13 +149,17 @@ def test_value_table_gradient_either_way(max_distance):
     R = 2 * max_distance + 1
     q, k, v, tk, tv = arrays(21, (2, 11, 6, 3), (2, 13, 3, 3), (2, 13, 3, 5), (R, 6, 3), (R, 6, 5))
     rng = np.random.default_rng(22)
-    options = dict(is_causal=True, key_value_seq_lengths=jnp.asarray([13, 6], jnp.int32),
-                   query_positions=jnp.asarray(rng.permutation(11) + 2), key_positions=jnp.arange(13))
+    options = dict(
+        is_causal=True,
+        key_value_seq_lengths=jnp.asarray([13, 6], jnp.int32),
+        query_positions=jnp.asarray(rng.permutation(11) + 2),
+        key_positions=jnp.arange(13),
+    )
 
     def attend(implementation):
         return lambda q, k, v, tk, tv: jaxattn.shaw_relative_attention(
-            q, k, v, tk, tv, max_distance=max_distance, implementation=implementation, block_size=(4, 5),
-            **options)
+            q, k, v, tk, tv, max_distance=max_distance, implementation=implementation, block_size=(4, 5), **options
+        )
 
     check_forward_and_grads(attend("blockwise"), attend("dense"), (q, k, v, tk, tv), (0, 1, 2, 3, 4))
 
@@ -135,8 +177,10 @@ def test_position_bias_hook_and_its_gradient(batched_positions):
     q, k, v, slopes = arrays(4, (2, 11, 6, 3), (2, 13, 3, 3), (2, 13, 3, 5), (6,))
     positions = {}
     if batched_positions:
-        positions = {"query_positions": jnp.tile(jnp.arange(11) + 2, (2, 1)),
-                     "key_positions": jnp.tile(jnp.arange(13), (2, 1))}
+        positions = {
+            "query_positions": jnp.tile(jnp.arange(11) + 2, (2, 1)),
+            "key_positions": jnp.tile(jnp.arange(13), (2, 1)),
+        }
     q_pos, k_pos = core_positions(11, 13, positions.get("query_positions"), positions.get("key_positions"))
 
     def dense(q, k, v, slopes):
@@ -144,8 +188,9 @@ def test_position_bias_hook_and_its_gradient(batched_positions):
         return jaxattn.dot_product_attention(q, k, v, bias=bias, is_causal=True, implementation="dense", **positions)
 
     def block(q, k, v, slopes):
-        return jaxattn.blockwise_attention(q, k, v, position_bias=alibi_like(slopes), is_causal=True,
-                                              block_size=(4, 5), **positions)
+        return jaxattn.blockwise_attention(
+            q, k, v, position_bias=alibi_like(slopes), is_causal=True, block_size=(4, 5), **positions
+        )
 
     check_forward_and_grads(block, dense, (q, k, v, slopes), (0, 1, 2, 3))
 
@@ -161,8 +206,11 @@ def test_combine_partials_is_exact_over_any_split():
         return (jnp.einsum("rs,rsf->rf", p, values[:, cols]),), m, p.sum(-1)
 
     (whole,), lse = softmax.finalize_partial(partial(slice(0, 9)))
-    (merged,), lse2 = softmax.finalize_partial(softmax.combine_partials(
-        softmax.combine_partials(partial(slice(0, 2)), partial(slice(2, 7))), partial(slice(7, 9))))
+    (merged,), lse2 = softmax.finalize_partial(
+        softmax.combine_partials(
+            softmax.combine_partials(partial(slice(0, 2)), partial(slice(2, 7))), partial(slice(7, 9))
+        )
+    )
     assert_float64(merged, whole, lse, lse2)
     assert normwise(merged, whole) <= TOL and bool(jnp.all(merged[0] == 0))
     # the engines' lse of an empty row is the finite no_key (no -inf under jax_debug_infs); public_lse: -inf
@@ -193,6 +241,7 @@ def test_half_precision_accumulates_in_float32(dtype):
     def out_and_dq(impl, dt):
         def f(q, k, v):
             return jaxattn.dot_product_attention(q, k, v, is_causal=True, implementation=impl, block_size=8)
+
         w = jnp.asarray(np.random.default_rng(9).normal(size=(2, 37, 4, 16)), dtype).astype(dt)  # same numbers
         return jax.jit(lambda *a: (f(*a), jax.grad(lambda q, k, v: jnp.sum(f(q, k, v) * w).astype(jnp.float64))(*a)))
 
@@ -221,8 +270,9 @@ def test_implementation_rule():
     assert dispatch.use_blockwise("blockwise", small, small) and not dispatch.use_blockwise("dense", large, large)
 
 
-@pytest.mark.parametrize("option", [{"mask": jnp.ones((5, 5), bool)}, {"bias": jnp.zeros((5, 5))},
-                                    {"return_weights": True}])
+@pytest.mark.parametrize(
+    "option", [{"mask": jnp.ones((5, 5), bool)}, {"bias": jnp.zeros((5, 5))}, {"return_weights": True}]
+)
 def test_blockwise_refuses_grid_options(option):
     q = jnp.ones((5, 2, 3))
     with pytest.raises(ValueError, match="blockwise attention does not take arbitrary masks"):
@@ -230,9 +280,14 @@ def test_blockwise_refuses_grid_options(option):
     jaxattn.dot_product_attention(q, q, q, implementation=None, **option)  # automatic: falls back to dense
 
 
-@pytest.mark.parametrize("kwargs, match", [({"implementation": "flash"}, "implementation"),
-                                           ({"implementation": "blockwise", "block_size": 0}, "block_size"),
-                                           ({"implementation": "blockwise", "block_size": (2, 2, 2)}, "block_size")])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"implementation": "flash"}, "implementation"),
+        ({"implementation": "blockwise", "block_size": 0}, "block_size"),
+        ({"implementation": "blockwise", "block_size": (2, 2, 2)}, "block_size"),
+    ],
+)
 def test_bad_options(kwargs, match):
     q = jnp.ones((5, 2, 3))
     with pytest.raises(ValueError, match=match):
@@ -246,8 +301,9 @@ def test_position_bias_shape_is_checked():
 
 
 def test_multi_head_passes_implementation_through():
-    params = jaxattn.init_relative_multi_head_attention(jax.random.key(0), 12, 4, max_distance=2, num_kv_heads=2,
-                                                        dtype=jnp.float64)
+    params = jaxattn.init_relative_multi_head_attention(
+        jax.random.key(0), 12, 4, max_distance=2, num_kv_heads=2, dtype=jnp.float64
+    )
     (x,) = arrays(9, (2, 7, 12))
     for fn in (jaxattn.multi_head_attention, jaxattn.relative_multi_head_attention):
         relative = fn is jaxattn.relative_multi_head_attention
@@ -276,15 +332,23 @@ ROW_CASES = {
 _SLOW_ROWS = {"batched-positions-per-head-tables", "hook-shared-positions"}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_ROWS else n
-                                  for n in sorted(ROW_CASES)])
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n in _SLOW_ROWS else n for n in sorted(ROW_CASES)]
+)
 def test_row_groups_equal_dense(name, monkeypatch):
     c = ROW_CASES[name]
     B, T, S, N, K, H, Hv, md = 3, 11, 13, 6, 2, 3, 5, 2
     R = 2 * md + 1
-    q, k, v, tk, tv, slopes, sinks = arrays(11, (B, T, N, H), (B, S, K, H), (B, S, K, Hv),
-                                            (R, N, H) if c["tables"] == "per-head" else (R, H),
-                                            (R, N, Hv) if c["tables"] == "per-head" else (R, Hv), (N,), (B, N))
+    q, k, v, tk, tv, slopes, sinks = arrays(
+        11,
+        (B, T, N, H),
+        (B, S, K, H),
+        (B, S, K, Hv),
+        (R, N, H) if c["tables"] == "per-head" else (R, H),
+        (R, N, Hv) if c["tables"] == "per-head" else (R, Hv),
+        (N,),
+        (B, N),
+    )
     block = (4, 5)
     monkeypatch.setattr(tiles, "ROW_TILE_BYTES", 4 * (N // K) * block[0] * block[1])  # one row a group
     whole = None if not c["hook"] else "all" if c["positions"] == "batched" else "heads"
@@ -296,12 +360,17 @@ def test_row_groups_equal_dense(name, monkeypatch):
     if c["positions"] == "shared":
         options.update(query_positions=jnp.asarray(rng.permutation(T) + 3), key_positions=jnp.arange(S))
     elif c["positions"] == "batched":
-        options.update(query_positions=jnp.asarray(rng.integers(0, 15, size=(B, T))),
-                       key_positions=jnp.asarray(rng.integers(0, 15, size=(B, S))))
+        options.update(
+            query_positions=jnp.asarray(rng.integers(0, 15, size=(B, T))),
+            key_positions=jnp.asarray(rng.integers(0, 15, size=(B, S))),
+        )
     if c.get("modern"):  # per-row segment ids and sinks, a window, a softcap: each split by row group
-        options.update(query_segment_ids=jnp.asarray(rng.integers(0, 2, size=(B, T))),
-                       key_segment_ids=jnp.asarray(rng.integers(0, 2, size=(B, S))), window=(4, 1),
-                       logit_softcap=3.0)
+        options.update(
+            query_segment_ids=jnp.asarray(rng.integers(0, 2, size=(B, T))),
+            key_segment_ids=jnp.asarray(rng.integers(0, 2, size=(B, S))),
+            window=(4, 1),
+            logit_softcap=3.0,
+        )
     q_pos, k_pos = core_positions(T, S, options.get("query_positions"), options.get("key_positions"))
     tables = c["tables"] is not None
 
@@ -310,15 +379,24 @@ def test_row_groups_equal_dense(name, monkeypatch):
         extra = {"sinks": sinks} if c.get("modern") else {}
         if not tables:
             return jaxattn.dot_product_attention(q, k, v, bias=bias, implementation="dense", **options, **extra)
-        return jaxattn.shaw_relative_attention(q, k, v, tk, tv, max_distance=md, bias=bias, implementation="dense",
-                                               **options)
+        return jaxattn.shaw_relative_attention(
+            q, k, v, tk, tv, max_distance=md, bias=bias, implementation="dense", **options
+        )
 
     def block_fn(q, k, v, tk, tv, slopes, sinks):
         extra = {"sinks": sinks} if c.get("modern") else {}
-        return jaxattn.blockwise_attention(q, k, v, key_table=tk if tables else None,
-                                           value_table=tv if tables else None, max_distance=md if tables else None,
-                                           position_bias=alibi_like(slopes) if c["hook"] else None,
-                                           block_size=block, **options, **extra)
+        return jaxattn.blockwise_attention(
+            q,
+            k,
+            v,
+            key_table=tk if tables else None,
+            value_table=tv if tables else None,
+            max_distance=md if tables else None,
+            position_bias=alibi_like(slopes) if c["hook"] else None,
+            block_size=block,
+            **options,
+            **extra,
+        )
 
     argnums = (0, 1, 2) + ((3, 4) if tables else ()) + ((5,) if c["hook"] else ()) + ((6,) if c.get("modern") else ())
     check_forward_and_grads(block_fn, dense, (q, k, v, tk, tv, slopes, sinks), argnums)

@@ -31,7 +31,7 @@ def _calls(x, rng):
     for width, real in [(PROMPTS.max(), PROMPTS), *((n, np.array(r)) for n, r in STEPS)]:
         inp = rng.standard_normal((B, width, E)).astype(x.dtype)
         for b in range(B):
-            inp[b, :real[b]] = x[b, pos[b]:pos[b] + real[b]]
+            inp[b, : real[b]] = x[b, pos[b] : pos[b] + real[b]]
         pos += real
         yield inp, real
 
@@ -42,21 +42,27 @@ def _decode(step, x):
     for inp, real in _calls(x, np.random.default_rng(1)):
         out = np.asarray(step(inp, real))
         for b in range(B):
-            rows[b].append(out[b, :real[b]])
+            rows[b].append(out[b, : real[b]])
     return [np.concatenate(r) for r in rows]
 
 
 def _assert_matches_full_pass(decoded, full, dtype):
     for b in range(B):
         assert decoded[b].dtype == dtype
-        err = normwise(decoded[b], full[b, :len(decoded[b])])
+        err = normwise(decoded[b], full[b, : len(decoded[b])])
         assert err <= TOLERANCE[dtype], (b, err)
     assert [len(d) for d in decoded] == [7, 11, 9]
 
 
 def _linen_layer(relative, dtype):
-    kw = dict(num_heads=N, num_kv_heads=K, head_dim=H, value_head_dim=Hv, param_dtype=dtype,
-              kernel_init=jax.nn.initializers.normal(0.3))  # cheaper to compile eagerly than truncated normal
+    kw = dict(
+        num_heads=N,
+        num_kv_heads=K,
+        head_dim=H,
+        value_head_dim=Hv,
+        param_dtype=dtype,
+        kernel_init=jax.nn.initializers.normal(0.3),
+    )  # cheaper to compile eagerly than truncated normal
     return jl.RelativeMultiHeadAttention(max_distance=MAX_DISTANCE, **kw) if relative else jl.MultiHeadAttention(**kw)
 
 
@@ -67,14 +73,18 @@ def test_linen_cached_decoding_equals_full_causal_pass(dtype, relative):
     layer = _linen_layer(relative, dtype)
     variables = layer.init(jax.random.key(0), np.zeros((B, L, E), dtype), decode=True)
     params, cache = variables["params"], variables["cache"]
-    assert jax.tree.map(jnp.shape, cache) == {"cached_key": (B, L, K, H), "cached_value": (B, L, K, Hv),
-                                             "cache_index": (B,)}
+    assert jax.tree.map(jnp.shape, cache) == {
+        "cached_key": (B, L, K, H),
+        "cached_value": (B, L, K, Hv),
+        "cache_index": (B,),
+    }
     assert cache["cached_key"].dtype == dtype and cache["cache_index"].dtype == jnp.int32
 
     @jax.jit
     def step(cache, inp, real):
-        return layer.apply({"params": params, "cache": cache}, inp, decode=True, key_value_seq_lengths=real,
-                           mutable=["cache"])
+        return layer.apply(
+            {"params": params, "cache": cache}, inp, decode=True, key_value_seq_lengths=real, mutable=["cache"]
+        )
 
     def run(inp, real):
         nonlocal cache
@@ -92,10 +102,16 @@ def test_linen_cached_decoding_equals_full_causal_pass(dtype, relative):
 def test_nnx_cached_decoding_equals_full_causal_pass(dtype, relative):
     x = np.random.default_rng(0).standard_normal((B, SEQ, E)).astype(dtype)
     kw = dict(num_kv_heads=K, value_head_dim=Hv, param_dtype=dtype, rngs=nnx.Rngs(0))
-    layer = (jx.RelativeMultiHeadAttention(E, N, H, max_distance=MAX_DISTANCE, **kw) if relative
-             else jx.MultiHeadAttention(E, N, H, **kw))
-    full = jax.jit(lambda p, x: (jaxattn.relative_multi_head_attention if relative
-                                 else jaxattn.multi_head_attention)(p, x, is_causal=True))(layer.params(), x)
+    layer = (
+        jx.RelativeMultiHeadAttention(E, N, H, max_distance=MAX_DISTANCE, **kw)
+        if relative
+        else jx.MultiHeadAttention(E, N, H, **kw)
+    )
+    full = jax.jit(
+        lambda p, x: (jaxattn.relative_multi_head_attention if relative else jaxattn.multi_head_attention)(
+            p, x, is_causal=True
+        )
+    )(layer.params(), x)
     layer.init_cache((B, L, E))
     step = nnx.jit(lambda m, inp, real: m(inp, decode=True, key_value_seq_lengths=real))
     decoded = _decode(lambda inp, real: step(layer, inp, real), x)
@@ -123,13 +139,24 @@ def test_decode_errors():
     with pytest.raises(ValueError, match="room in the cache"):  # 3 filled + 2 new > 4 slots
         layer.apply({**variables, **filled}, np.zeros((B, 2, E), np.float32), decode=True, mutable=["cache"])
     with pytest.raises(ValueError, match="query_positions"):
-        layer.apply(variables, np.zeros((B, 1, E), np.float32), decode=True, mutable=["cache"],
-                    query_positions=np.zeros((B, 1), np.int32))
+        layer.apply(
+            variables,
+            np.zeros((B, 1, E), np.float32),
+            decode=True,
+            mutable=["cache"],
+            query_positions=np.zeros((B, 1), np.int32),
+        )
     with pytest.raises(ValueError, match=r"key_value_seq_lengths \(decode\)"):
-        layer.apply(variables, np.zeros((B, 2, E), np.float32), decode=True, mutable=["cache"],
-                    key_value_seq_lengths=np.array([1, 3, 0]))
-    torch_like = jl.MultiHeadAttention(num_heads=N, head_dim=H, add_zero_attn=True,
-                                       kernel_init=jax.nn.initializers.normal(0.3))
+        layer.apply(
+            variables,
+            np.zeros((B, 2, E), np.float32),
+            decode=True,
+            mutable=["cache"],
+            key_value_seq_lengths=np.array([1, 3, 0]),
+        )
+    torch_like = jl.MultiHeadAttention(
+        num_heads=N, head_dim=H, add_zero_attn=True, kernel_init=jax.nn.initializers.normal(0.3)
+    )
     variables = torch_like.init(jax.random.key(0), np.zeros((B, 4, E), np.float32), decode=True)
     with pytest.raises(ValueError, match="add_zero_attn"):
         torch_like.apply(variables, np.zeros((B, 1, E), np.float32), decode=True, mutable=["cache"])
@@ -175,8 +202,9 @@ def test_nnx_cache_overflow_under_jit_gives_nan_for_that_example_only():
     step = nnx.jit(lambda m, x, n: m(x, decode=True, key_value_seq_lengths=n, return_weights=True))
 
     def run(calls):
-        layer = jx.MultiHeadAttention(E, N, H, num_kv_heads=K, value_head_dim=Hv, param_dtype=np.float64,
-                                      rngs=nnx.Rngs(0))
+        layer = jx.MultiHeadAttention(
+            E, N, H, num_kv_heads=K, value_head_dim=Hv, param_dtype=np.float64, rngs=nnx.Rngs(0)
+        )
         layer.init_cache((B, 4, E))
         outs = []
         for x, n in calls:

@@ -32,11 +32,21 @@ def inputs(seed=1):
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_a_faithful_port_passes_every_row_in_forward_order(dtype, tmp_path):
     model, weights = toy()
-    cert = certify(model, port({k: v.astype(dtype) for k, v in weights.items()}), inputs(), dtype=dtype,
-                   layers=LAYERS, grads=True)
+    cert = certify(
+        model, port({k: v.astype(dtype) for k, v in weights.items()}), inputs(), dtype=dtype, layers=LAYERS, grads=True
+    )
     assert cert.passed and cert.first_divergent is None, cert.table()
-    assert [r.name for r in cert.rows] == ["proj", "act", "norm", "head", "logits", "logits.kl", "logits.top1",
-                                           "logits.top5", "grad/x"]
+    assert [r.name for r in cert.rows] == [
+        "proj",
+        "act",
+        "norm",
+        "head",
+        "logits",
+        "logits.kl",
+        "logits.top1",
+        "logits.top5",
+        "grad/x",
+    ]
     assert [r.jax_name for r in cert.rows[:4]] == ["dense", "gelu", "ln", "lm_head"]
     bar = crosscheck.MODEL_TOLERANCES[dtype]
     assert all(r.value <= bar.forward for r in cert.rows[:5]) and cert.rows[-1].value <= bar.grad
@@ -74,19 +84,29 @@ def test_kl_and_top_k_agree_with_torch_s_own_kl_div():
     rng = np.random.default_rng(2)
     theirs = rng.standard_normal((B, T, V))
     ours = theirs.copy()
-    ours[1, 4] += 3.0 * rng.standard_normal(V)   # one token far off
-    ours[2, 7] = ours[2, 7, ::-1]                 # one token's ranking reversed
-    cert = certify(lambda x: torch.from_numpy(theirs) + 0 * x.sum(), lambda x: jnp.asarray(ours) + 0 * x.sum(),
-                   inputs(), dtype="float64", logits="output")
+    ours[1, 4] += 3.0 * rng.standard_normal(V)  # one token far off
+    ours[2, 7] = ours[2, 7, ::-1]  # one token's ranking reversed
+    cert = certify(
+        lambda x: torch.from_numpy(theirs) + 0 * x.sum(),
+        lambda x: jnp.asarray(ours) + 0 * x.sum(),
+        inputs(),
+        dtype="float64",
+        logits="output",
+    )
     rows = {r.kind: r for r in cert.rows}
-    kl = torch.nn.functional.kl_div(torch.log_softmax(torch.from_numpy(ours), -1),
-                                    torch.log_softmax(torch.from_numpy(theirs), -1), log_target=True,
-                                    reduction="none").sum(-1)
+    kl = torch.nn.functional.kl_div(
+        torch.log_softmax(torch.from_numpy(ours), -1),
+        torch.log_softmax(torch.from_numpy(theirs), -1),
+        log_target=True,
+        reduction="none",
+    ).sum(-1)
     assert rows["kl"].value == pytest.approx(float(kl.max()), rel=1e-10) and not rows["kl"].passed
     flips = (theirs.argmax(-1) != ours.argmax(-1)).sum()
     assert flips >= 1 and rows["top1"].value == pytest.approx(1 - flips / (B * T))
-    top5 = [len(set(np.argsort(-a)[:5]) & set(np.argsort(-b)[:5])) / 5
-            for a, b in zip(theirs.reshape(-1, V), ours.reshape(-1, V))]
+    top5 = [
+        len(set(np.argsort(-a)[:5]) & set(np.argsort(-b)[:5])) / 5
+        for a, b in zip(theirs.reshape(-1, V), ours.reshape(-1, V))
+    ]
     assert rows["top5"].value == pytest.approx(np.mean(top5))
     assert cert.first_divergent == "output"  # the output row itself comes before its logit rows
 
@@ -98,9 +118,14 @@ def test_output_forms_tuple_dict_and_logits_object():
         def __init__(self, logits):
             self.logits, self.hidden = logits, None
 
-    forms = [(lambda x: (x * 2, {"a": x + 1, "b": [x, x * 3]}), lambda x: (x * 2, {"a": x + 1, "b": [x, x * 3]}),
-              ["output[0]", "output[1].a", "output[1].b[0]", "output[1].b[1]"]),
-             (lambda x: Out(x.sum(-1)), lambda x: Out(x.sum(-1)), ["logits"])]
+    forms = [
+        (
+            lambda x: (x * 2, {"a": x + 1, "b": [x, x * 3]}),
+            lambda x: (x * 2, {"a": x + 1, "b": [x, x * 3]}),
+            ["output[0]", "output[1].a", "output[1].b[0]", "output[1].b[1]"],
+        ),
+        (lambda x: Out(x.sum(-1)), lambda x: Out(x.sum(-1)), ["logits"]),
+    ]
     for torch_fn, jax_fn, names in forms:
         cert = certify(torch_fn, jax_fn, {"x": x}, dtype="float64")
         assert [r.name for r in cert.rows if r.kind == "output"] == names and cert.passed
@@ -144,8 +169,13 @@ def test_bad_input_names_the_output_the_layer_and_the_nearest_names():
     with pytest.raises(ValueError, match=r"JAX intermediate 'gelu_out' does not exist; nearest: \['gelu'"):
         certify(model, port(weights), x, dtype="float64", layers={"act": "gelu_out"})
     with pytest.raises(ValueError, match=r"layers 'proj' -> 'gelu'.*torch shape \(3, 13, 7\)"):
-        certify(model, lambda x: ({"logits": port(weights)(x)[0]["logits"]}, {"gelu": x}), x, dtype="float64",
-                layers={"proj": "gelu"})
+        certify(
+            model,
+            lambda x: ({"logits": port(weights)(x)[0]["logits"]}, {"gelu": x}),
+            x,
+            dtype="float64",
+            layers={"proj": "gelu"},
+        )
     with pytest.raises(ValueError, match="dtype: expected one of"):
         certify(model, port(weights), x, dtype="float16")
 
@@ -159,8 +189,9 @@ def test_a_non_finite_output_on_one_side_is_its_own_status():
     cert = certify(lambda x: {"a": x, "b": x * 2}, jax_fn, {"x": x}, dtype="float64")
     rows = {r.name: r for r in cert.rows}
     assert rows["a"].status == "non-finite in JAX only" and not rows["a"].passed and rows["b"].passed
-    swapped = certify(lambda x: {"a": x * np.inf, "b": x * 2}, lambda x: {"a": x, "b": x * 2}, {"x": x},
-                      dtype="float64")
+    swapped = certify(
+        lambda x: {"a": x * np.inf, "b": x * 2}, lambda x: {"a": x, "b": x * 2}, {"x": x}, dtype="float64"
+    )
     assert swapped.rows[0].status == "non-finite in torch only" and swapped.first_divergent == "a"
 
 
@@ -176,14 +207,23 @@ def test_flax_capture_intermediates_names_the_jax_side():
     proj, head = torch.nn.Linear(E, F).double(), torch.nn.Linear(F, V).double()
     model = torch.nn.Sequential()
     model.add_module("proj", proj), model.add_module("act", torch.nn.Tanh()), model.add_module("head", head)
-    params = {name: {"kernel": m.weight.detach().numpy().T, "bias": m.bias.detach().numpy()}
-              for name, m in (("proj", proj), ("head", head))}
+    params = {
+        name: {"kernel": m.weight.detach().numpy().T, "bias": m.bias.detach().numpy()}
+        for name, m in (("proj", proj), ("head", head))
+    }
 
     def jax_fn(x):
         return Port().apply({"params": params}, x, capture_intermediates=True)
 
-    cert = certify(lambda x: model(x), jax_fn, inputs(), dtype="float64", torch_module=model, grads=True,
-                   layers={"proj": "proj/__call__", "head": "head/__call__"})
+    cert = certify(
+        lambda x: model(x),
+        jax_fn,
+        inputs(),
+        dtype="float64",
+        torch_module=model,
+        grads=True,
+        layers={"proj": "proj/__call__", "head": "head/__call__"},
+    )
     assert cert.passed and [r.name for r in cert.rows] == ["proj", "head", "output", "grad/x"], cert.table()
 
 
@@ -202,12 +242,19 @@ def test_parameter_gradients_through_a_name_map_and_a_frozen_weight_named(tmp_pa
     frozen = certify(model, frozen_port, inputs(), dtype="float64", grads=True, jax_params=tree, params=PARAMS)
     assert frozen.first_divergent == "norm.weight" and [r.name for r in frozen.rows if not r.passed] == ["norm.weight"]
     golden = record(model, inputs(), tmp_path / "g.safetensors", grads=True, params=PARAMS, dtype="float64")
-    again = certify(None, frozen_port, None, golden=golden, dtype="float64", grads=True, jax_params=tree,
-                    params=PARAMS)
+    again = certify(None, frozen_port, None, golden=golden, dtype="float64", grads=True, jax_params=tree, params=PARAMS)
     assert [(r.name, r.value) for r in again.rows] == [(r.name, r.value) for r in frozen.rows]
     with pytest.raises(ValueError, match=r"params: torch parameter \(gradients recorded in .*\) 'head.bias'"):
-        certify(None, frozen_port, None, golden=golden, dtype="float64", grads=True, jax_params=tree,
-                params={**PARAMS, "head.bias": "head/bias"})
+        certify(
+            None,
+            frozen_port,
+            None,
+            golden=golden,
+            dtype="float64",
+            grads=True,
+            jax_params=tree,
+            params={**PARAMS, "head.bias": "head/bias"},
+        )
 
 
 def test_bad_parameter_maps_name_the_parameter_the_path_and_both_shapes():
@@ -221,24 +268,37 @@ def test_bad_parameter_maps_name_the_parameter_the_path_and_both_shapes():
         run(PARAMS, grads=False)
     with pytest.raises(ValueError, match="params: needs jax_params="):
         run(PARAMS, jax_params=None)
-    with pytest.raises(ValueError, match=r"params: torch parameter 'norm.wieght' does not exist; nearest: "
-                                         r"\['norm.weight'"):
+    with pytest.raises(
+        ValueError,
+        match=r"params: torch parameter 'norm.wieght' does not exist; nearest: "
+        r"\['norm.weight'",
+    ):
         run({"norm.wieght": "norm/scale"})
-    with pytest.raises(ValueError, match=r"params 'proj.weight' -> 'proj/kernel': torch gradient shape \(7, 5\) vs "
-                                         r"JAX shape \(5, 7\) \(give a transform"):
+    with pytest.raises(
+        ValueError,
+        match=r"params 'proj.weight' -> 'proj/kernel': torch gradient shape \(7, 5\) vs "
+        r"JAX shape \(5, 7\) \(give a transform",
+    ):
         run({"proj.weight": "proj/kernel"})
-    with pytest.raises(ValueError, match=r"params: JAX path 'proj/kernal': no 'kernal' under proj \(there: \['bias', "
-                                         r"'kernel'\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"params: JAX path 'proj/kernal': no 'kernal' under proj \(there: \['bias', "
+        r"'kernel'\]\)",
+    ):
         run({"proj.weight": "proj/kernal"})
 
 
 def _without_torch(script: str, *args: str) -> dict:
     """Run `script` in a fresh Python where `import torch` fails; it prints one JSON line."""
     prelude = "import sys; sys.modules['torch'] = None\n"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent),
-                                                         str(Path(__file__).parent)])}
-    done = subprocess.run([sys.executable, "-c", prelude + textwrap.dedent(script), *args], capture_output=True,
-                          text=True, env=env, timeout=120)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parent.parent), str(Path(__file__).parent)])}
+    done = subprocess.run(
+        [sys.executable, "-c", prelude + textwrap.dedent(script), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -255,7 +315,8 @@ def test_a_golden_file_certifies_without_torch_and_refuses_what_it_cannot_certif
     tensors["layers/norm"] = tensors["layers/norm"].copy()
     tensors["layers/norm"][1, 2, 3] += 1e-6
     save_safetensors(tensors, tampered, metadata=read_metadata(golden))
-    result = _without_torch("""
+    result = _without_torch(
+        """
         import json, sys
         import jax; jax.config.update("jax_enable_x64", True)
         import numpy as np
@@ -272,9 +333,16 @@ def test_a_golden_file_certifies_without_torch_and_refuses_what_it_cannot_certif
         except ImportError as error:
             out["no_torch"] = str(error)
         print(json.dumps(out))
-        """, str(tmp_path / "weights.npz"), str(golden), str(tampered))
-    assert result["clean"] == [True, None, ["proj", "act", "norm", "head", "logits", "logits.kl", "logits.top1",
-                                            "logits.top5", "grad/x"]]
+        """,
+        str(tmp_path / "weights.npz"),
+        str(golden),
+        str(tampered),
+    )
+    assert result["clean"] == [
+        True,
+        None,
+        ["proj", "act", "norm", "head", "logits", "logits.kl", "logits.top1", "logits.top5", "grad/x"],
+    ]
     assert result["tampered"][:2] == [False, "norm"]
     assert "pip install torch" in result["no_torch"] and "golden=" in result["no_torch"]
 
@@ -297,11 +365,29 @@ def test_the_cli_records_certifies_and_exits_1_naming_the_first_divergent_row(tm
 
     port_file = Path(__file__).parent / "_certify_port.py"
     golden, report = tmp_path / "golden.safetensors", tmp_path / "cert.json"
-    assert main(["certify", "--torch", f"{port_file}:torch_factory", "--jax", f"{port_file}:jax_factory",
-                 "--record", str(golden), "--dtype", "float64", "--json", str(report)]) == 0
+    assert (
+        main(
+            [
+                "certify",
+                "--torch",
+                f"{port_file}:torch_factory",
+                "--jax",
+                f"{port_file}:jax_factory",
+                "--record",
+                str(golden),
+                "--dtype",
+                "float64",
+                "--json",
+                str(report),
+            ]
+        )
+        == 0
+    )
     assert "every row passes" in capsys.readouterr().out and json.loads(report.read_text())["passed"]
-    assert main(["certify", "--jax", f"{port_file}:faulty_jax_factory", "--golden", str(golden),
-                 "--dtype", "float64"]) == 1
+    assert (
+        main(["certify", "--jax", f"{port_file}:faulty_jax_factory", "--golden", str(golden), "--dtype", "float64"])
+        == 1
+    )
     captured = capsys.readouterr()
     assert "first divergent: norm" in captured.err and "FAIL" in captured.out
     assert main(["certify", "--jax", f"{port_file}:jax_factory", "--golden", str(golden), "--dtype", "float64"]) == 0
@@ -340,8 +426,14 @@ def _llama_certificate(directory, fault, dtype, ids):
         with float64_reference(theirs, dtype):
             return theirs(input_ids=input_ids)
 
-    return certify(torch_fn, jax_llama(model, params, offset), {"input_ids": ids}, dtype=dtype,
-                   layers=llama_layers(model.config.num_hidden_layers), torch_module=theirs)
+    return certify(
+        torch_fn,
+        jax_llama(model, params, offset),
+        {"input_ids": ids},
+        dtype=dtype,
+        layers=llama_layers(model.config.num_hidden_layers),
+        torch_module=theirs,
+    )
 
 
 @pytest.mark.slow
@@ -389,9 +481,13 @@ def _llama_gradient_certificate(directory, dtype, frozen=None):
     def jax_fn(p, input_ids, labels):
         if frozen is not None:
             layer, *rest = frozen.split("/")
-            p = {**p, layer: jax.tree_util.tree_map_with_path(
-                lambda path, x: jax.lax.stop_gradient(x) if "/".join(k.key for k in path) == "/".join(rest) else x,
-                p[layer])}
+            p = {
+                **p,
+                layer: jax.tree_util.tree_map_with_path(
+                    lambda path, x: jax.lax.stop_gradient(x) if "/".join(k.key for k in path) == "/".join(rest) else x,
+                    p[layer],
+                ),
+            }
         return {"logits": apply(p, input_ids)}
 
     def torch_fn(input_ids, labels):
@@ -399,8 +495,16 @@ def _llama_gradient_certificate(directory, dtype, frozen=None):
             return theirs(input_ids=input_ids)
 
     inputs = {"input_ids": ids, "labels": np.roll(ids, -1, axis=-1)}  # loss: the next token's log-likelihood
-    return certify(torch_fn, jax_fn, inputs, dtype=dtype, grads=True, torch_module=theirs, jax_params=params,
-                   params=crosscheck.parameter_map(theirs, params))
+    return certify(
+        torch_fn,
+        jax_fn,
+        inputs,
+        dtype=dtype,
+        grads=True,
+        torch_module=theirs,
+        jax_params=params,
+        params=crosscheck.parameter_map(theirs, params),
+    )
 
 
 @pytest.mark.slow
@@ -411,7 +515,8 @@ def test_llama_parameter_gradients_through_its_weight_table_and_a_frozen_layer_1
     rows = [r for r in clean.rows if r.kind == "param_grad"]
     assert len(rows) == 1 + 2 * 9 + 1 and rows[0].name == "model.embed_tokens.weight"  # tied: no lm_head.weight
     assert rows[0].jax_name == "embed_tokens/embedding" and max(r.value for r in rows) <= (
-        crosscheck.MODEL_TOLERANCES[dtype].grad / 10)
+        crosscheck.MODEL_TOLERANCES[dtype].grad / 10
+    )
     frozen = _llama_gradient_certificate(llama_dir, dtype, frozen="layers_1/down_proj/kernel")
     assert frozen.first_divergent == "model.layers.1.mlp.down_proj.weight"
     assert [r.name for r in frozen.rows if not r.passed] == ["model.layers.1.mlp.down_proj.weight"]
@@ -428,11 +533,13 @@ def test_minilm_certifies_on_real_sentences_and_shifted_positions_fail_at_the_em
     inputs = {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64)}
     for dtype in ("float32",):  # float64: benchmarks/certify_margins.py (the same code, a 1.7e15 margin)
         theirs = torch_bert(dtype)
-        clean = certify(theirs, minilm_jax(dtype), inputs, dtype=dtype, layers=minilm_layers(6),
-                        select=real_tokens(mask))
+        clean = certify(
+            theirs, minilm_jax(dtype), inputs, dtype=dtype, layers=minilm_layers(6), select=real_tokens(mask)
+        )
         assert clean.passed and len(clean.rows) == 1 + 2 * 6 + 2, clean.table()
-        shifted = certify(theirs, minilm_jax(dtype, offset=1), inputs, dtype=dtype, layers=minilm_layers(6),
-                          select=real_tokens(mask))
+        shifted = certify(
+            theirs, minilm_jax(dtype, offset=1), inputs, dtype=dtype, layers=minilm_layers(6), select=real_tokens(mask)
+        )
         assert shifted.first_divergent == "embeddings"
 
 
@@ -477,8 +584,9 @@ def test_a_third_party_port_penzai_llama_certifies_and_a_fault_planted_in_it_fai
     from crosscheck._hf_models import torch_model
 
     # penzai converts untied heads and the "default" rope type only
-    directory = write_llama(tmp_path / "llama", tie_word_embeddings=False,
-                            rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    directory = write_llama(
+        tmp_path / "llama", tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}
+    )
     theirs = torch_model(directory, "float32")
     inputs = {"input_ids": real_text_ids()}
     cert = certify(theirs, _penzai_llama(theirs), inputs)

@@ -34,8 +34,12 @@ import crosscheck  # noqa: E402
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 # transformers' module paths -> keras-hub's layer names: what propose_layers gives for the clean port (checked
 # below), kept for the ports that fail, where only the rows up to the first divergent one are sure
-LAYERS = {"model.embed_tokens": "token_embedding", "model.layers.0": "transformer_layer_0",
-          "model.layers.1": "transformer_layer_1", "model.norm": "sequence_output_layernorm"}
+LAYERS = {
+    "model.embed_tokens": "token_embedding",
+    "model.layers.0": "transformer_layer_0",
+    "model.layers.1": "transformer_layer_1",
+    "model.norm": "sequence_output_layernorm",
+}
 
 
 def keras_llama(directory):
@@ -47,8 +51,10 @@ def keras_llama(directory):
     assert keras.backend.backend() == "jax", "KERAS_BACKEND must be jax for a JAX port"
     backbone = keras_hub.models.LlamaBackbone.from_preset(str(directory))
     names = ["token_embedding", *(f"transformer_layer_{i}" for i in range(backbone.num_layers))]
-    layers = keras.Model(backbone.input, {**{n: backbone.get_layer(n).output for n in names},
-                                          "sequence_output_layernorm": backbone.output})
+    layers = keras.Model(
+        backbone.input,
+        {**{n: backbone.get_layer(n).output for n in names}, "sequence_output_layernorm": backbone.output},
+    )
 
     def jax_fn(input_ids):
         out = layers({"token_ids": input_ids, "padding_mask": jnp.ones_like(input_ids)})
@@ -83,8 +89,9 @@ def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("keras_hub")
     return {
         "clean": write_llama(root / "clean", tie_word_embeddings=False, rope_parameters=DEFAULT_ROPE),
-        "eps_1e-5": write_llama(root / "eps", tie_word_embeddings=False, rope_parameters=DEFAULT_ROPE,
-                                rms_norm_eps=1e-5),
+        "eps_1e-5": write_llama(
+            root / "eps", tie_word_embeddings=False, rope_parameters=DEFAULT_ROPE, rms_norm_eps=1e-5
+        ),
         "rope_linear": write_llama(root / "rope", tie_word_embeddings=False),  # the fixture's linear RoPE scaling
     }
 
@@ -121,16 +128,20 @@ def keras_parameter_map(config) -> dict:
     def transpose(g):
         return g.T
 
-    mapped = {"model.embed_tokens.weight": "token_embedding/embeddings",
-              "lm_head.weight": ("token_embedding/reverse_embeddings", transpose)}
+    mapped = {
+        "model.embed_tokens.weight": "token_embedding/embeddings",
+        "lm_head.weight": ("token_embedding/reverse_embeddings", transpose),
+    }
     for i in range(config["num_hidden_layers"]):
         at, torch_at = f"transformer_layer_{i}/", f"model.layers.{i}."
         mapped |= {
             torch_at + "self_attn.q_proj.weight": (at + "self_attention/query/kernel", heads_in(N)),
             torch_at + "self_attn.k_proj.weight": (at + "self_attention/key/kernel", heads_in(K)),
             torch_at + "self_attn.v_proj.weight": (at + "self_attention/value/kernel", heads_in(K)),
-            torch_at + "self_attn.o_proj.weight": (at + "self_attention/attention_output/kernel",
-                                                   lambda g: g.T.reshape(N, H, E)),
+            torch_at + "self_attn.o_proj.weight": (
+                at + "self_attention/attention_output/kernel",
+                lambda g: g.T.reshape(N, H, E),
+            ),
             torch_at + "mlp.gate_proj.weight": (at + "feedforward_gate_dense/kernel", transpose),
             torch_at + "mlp.up_proj.weight": (at + "feedforward_intermediate_dense/kernel", transpose),
             torch_at + "mlp.down_proj.weight": (at + "feedforward_output_dense/kernel", transpose),
@@ -171,9 +182,15 @@ def test_keras_hub_llama_parameter_gradients_agree_through_a_name_map(checkpoint
     theirs = torch_model(directory, "float32")
     ids = real_text_ids()
     config = json.loads((directory / "config.json").read_text())
-    cert = crosscheck.certify(lambda input_ids, labels: theirs(input_ids=input_ids), jax_fn,
-                              {"input_ids": ids, "labels": np.roll(ids, -1, axis=-1)}, grads=True,
-                              torch_module=theirs, jax_params=tree, params=keras_parameter_map(config))
+    cert = crosscheck.certify(
+        lambda input_ids, labels: theirs(input_ids=input_ids),
+        jax_fn,
+        {"input_ids": ids, "labels": np.roll(ids, -1, axis=-1)},
+        grads=True,
+        torch_module=theirs,
+        jax_params=tree,
+        params=keras_parameter_map(config),
+    )
     assert cert.passed, cert.table()
     rows = [r for r in cert.rows if r.kind == "param_grad"]
     assert len(rows) == 2 + 9 * config["num_hidden_layers"] + 1 == len(list(theirs.parameters()))

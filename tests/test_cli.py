@@ -24,8 +24,9 @@ REPO = Path(__file__).resolve().parents[1]
 def _crosscheck(*args):
     env = dict(os.environ)
     env.pop("JAX_ENABLE_X64", None)  # the CLI must switch x64 on by itself
-    return subprocess.run([sys.executable, "-m", "crosscheck", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "crosscheck", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.slow  # a subprocess runs 30 catalogue rows (CI also runs the whole catalogue)
@@ -38,7 +39,8 @@ def test_seed_cases_json_all_pass():
     rows = data["rows"]
     assert {r["case"] for r in rows} == {f"seed00{i}" for i in range(5)}
     assert {(r["dtype"], r["transform"]) for r in rows} == {
-        (d, t) for d in ("float32", "float64") for t in ("plain", "jit", "vmap")}
+        (d, t) for d in ("float32", "float64") for t in ("plain", "jit", "vmap")
+    }
     assert len(rows) == 30 and all(r["passed"] for r in rows)
     by_dtype = data["summary"]["by_dtype"]
     assert by_dtype["float64"]["worst_output"] <= 1e-12 and by_dtype["float64"]["worst_grad"] <= 1e-12
@@ -145,8 +147,11 @@ def _report(name, dtype, normwise, tolerance, kind="output", transform="jit"):
 
 def test_summary_reports_the_worst_row_as_a_share_of_its_own_tolerance(capsys):
     # a whole-model row has its own float32 bar (1e-5): 1.35e-6 there is 0.135 of it, not "over 1e-6"
-    reports = [_report("model_gpt2", "float32", 1.35e-6, 1e-5), _report("flex_softcap", "float32", 7.3e-7, 1e-6),
-               _report("seed000", "float64", 2e-16, 1e-12, kind="grad", transform="vmap")]
+    reports = [
+        _report("model_gpt2", "float32", 1.35e-6, 1e-5),
+        _report("flex_softcap", "float32", 7.3e-7, 1e-6),
+        _report("seed000", "float64", 2e-16, 1e-12, kind="grad", transform="vmap"),
+    ]
     worst = _summary(reports, 1.0)["by_dtype"]["float32"]["worst"]
     assert worst["case"] == "flex_softcap" and math.isclose(worst["share_of_tolerance"], 0.73)
     _print_table(reports, 1.0)
@@ -177,8 +182,24 @@ def test_torch_flex_reference_advice_is_silenced_and_said_once(capsys):
         warnings.warn("a warning of ours still shows", UserWarning)
     assert [str(w.message) for w in caught] == ["a warning of ours still shows"]
     # the CLI says what the reference is, once however many flex cases run
-    assert main(["--case", "flex_causal", "--case", "flex_sliding", "--dtype", "float32", "--transform", "jit",
-                 "--jobs", "1", "--no-cache"]) == 0
+    assert (
+        main(
+            [
+                "--case",
+                "flex_causal",
+                "--case",
+                "flex_sliding",
+                "--dtype",
+                "float32",
+                "--transform",
+                "jit",
+                "--jobs",
+                "1",
+                "--no-cache",
+            ]
+        )
+        == 0
+    )
     notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("note:")]
     assert len(notes) == 1 and "torch's eager flex_attention" in notes[0]
 
@@ -190,8 +211,7 @@ def test_without_case_the_default_run_takes_the_sample_and_case_star_takes_every
 
     def fake_run(work, *, jobs, cache_dir):  # records the selection instead of compiling it
         ran.append([case.name for case, _ in work])
-        return [_report(case.name, rows[0][0], 0.0, 1.0, transform=rows[0][1])
-                for case, rows in work]
+        return [_report(case.name, rows[0][0], 0.0, 1.0, transform=rows[0][1]) for case, rows in work]
 
     monkeypatch.setattr(cli, "_run", fake_run)
     assert main(["--no-cache"]) == 0

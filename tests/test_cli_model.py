@@ -64,9 +64,11 @@ def test_a_broken_checkpoint_exits_1_naming_the_first_divergent_layer(gpt2_dir, 
 
 
 def test_bad_invocations_exit_2(tmp_path, capsys):
-    for argv, message in ((["--plot", str(tmp_path / "x.png")], "--plot draws the report of --model DIR"),
-                          (["--model", str(tmp_path), "--case", "seed*"], "--model compares one checkpoint"),
-                          (["--list", "--model", str(tmp_path)], "--list lists the cases")):
+    for argv, message in (
+        (["--plot", str(tmp_path / "x.png")], "--plot draws the report of --model DIR"),
+        (["--model", str(tmp_path), "--case", "seed*"], "--model compares one checkpoint"),
+        (["--list", "--model", str(tmp_path)], "--list lists the cases"),
+    ):
         with pytest.raises(SystemExit) as exit_:
             main(["--no-cache", *argv])
         assert exit_.value.code == 2 and message in capsys.readouterr().err
@@ -87,8 +89,7 @@ def test_port_model_example_reports_and_continues_like_pytorch(gpt2_dir, capsys)
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
     outcome = example.main(gpt2_dir, new_tokens=12)
-    assert all(r.passed for r in outcome["reports"]) and [r.dtype for r in outcome["reports"]] == ["float32",
-                                                                                                  "float64"]
+    assert all(r.passed for r in outcome["reports"]) and [r.dtype for r in outcome["reports"]] == ["float32", "float64"]
     assert outcome["ours"].shape == outcome["theirs"].shape == (3, 9 + 12)
     assert (outcome["ours"] == outcome["theirs"]).all()
     out = capsys.readouterr().out

@@ -144,8 +144,10 @@ def test_reference_cache_runs_torch_once_for_identical_numbers():
         return torch.tanh(x)
 
     shared = {}
-    cached = [compare(jax_tanh, counted, {"x": X}, dtype="float64", transform=t, reference_cache=shared)
-              for t in ("plain", "jit", "vmap")]
+    cached = [
+        compare(jax_tanh, counted, {"x": X}, dtype="float64", transform=t, reference_cache=shared)
+        for t in ("plain", "jit", "vmap")
+    ]
     assert len(calls) == 1 + 3  # plain and jit feed torch the same numbers; vmap runs its 3 slices
     fresh = [compare(jax_tanh, torch_tanh, {"x": X}, dtype="float64", transform=t) for t in ("plain", "jit", "vmap")]
     for a, b in zip(cached, fresh):
@@ -183,9 +185,15 @@ def test_params_gradients_mapped_from_torch_layout():
 
 def test_wrong_param_gradient_mapping_fails():
     w = RNG.standard_normal((3, 3))
-    report = compare(lambda p, x: x @ p["kernel"], lambda p, x: x @ p["weight"].T, {"x": X}, dtype="float64",
-                     params={"kernel": w}, torch_params={"weight": w.T},
-                     grads_from_torch=lambda g: {"kernel": g["weight"]})
+    report = compare(
+        lambda p, x: x @ p["kernel"],
+        lambda p, x: x @ p["weight"].T,
+        {"x": X},
+        dtype="float64",
+        params={"kernel": w},
+        torch_params={"weight": w.T},
+        grads_from_torch=lambda g: {"kernel": g["weight"]},
+    )
     assert not report.passed  # the forward agrees, the untransposed gradient does not
     assert [m.name for m in report.metrics if not m.passed] == ["params/kernel"]
 
@@ -225,8 +233,9 @@ def test_float64_refused_without_x64():
         "print('float32 passed:', r.passed)\n"
     )
     env = {k: v for k, v in os.environ.items() if k != "JAX_ENABLE_X64"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     assert "refused: compare: float64 requested but JAX's x64 mode is off" in result.stdout
     assert "float32 passed: True" in result.stdout

@@ -42,8 +42,14 @@ def inputs(Eq, Ek, Ev, seed):
 # ----------------------------------------------------------------- torch.nn.MultiheadAttention, every option
 
 MHA_CASES = [
-    dict(bias=bias, add_bias_kv=bias_kv, add_zero_attn=zero_attn, kvdim=kvdim, batch_first=batch_first,
-         num_heads=3 if bias_kv == zero_attn else 5)
+    dict(
+        bias=bias,
+        add_bias_kv=bias_kv,
+        add_zero_attn=zero_attn,
+        kvdim=kvdim,
+        batch_first=batch_first,
+        num_heads=3 if bias_kv == zero_attn else 5,
+    )
     for bias, bias_kv, zero_attn, kvdim, batch_first in itertools.product([True, False], repeat=5)
 ]
 
@@ -54,9 +60,17 @@ def case_id(case):
 
 def make_mha(case, seed=0):
     kdim, vdim = (KDIM, VDIM) if case["kvdim"] else (None, None)
-    m = torch.nn.MultiheadAttention(E, case["num_heads"], bias=case["bias"], add_bias_kv=case["add_bias_kv"],
-                                    add_zero_attn=case["add_zero_attn"], kdim=kdim, vdim=vdim,
-                                    batch_first=case["batch_first"], dtype=torch.float64)
+    m = torch.nn.MultiheadAttention(
+        E,
+        case["num_heads"],
+        bias=case["bias"],
+        add_bias_kv=case["add_bias_kv"],
+        add_zero_attn=case["add_zero_attn"],
+        kdim=kdim,
+        vdim=vdim,
+        batch_first=case["batch_first"],
+        dtype=torch.float64,
+    )
     return randomize(m, seed), (E, kdim or E, vdim or E)
 
 
@@ -153,14 +167,50 @@ def test_seed001_einsum_equals_torch_mha_without_bias():
 TORCHREF_CASES = [
     dict(relative=False, bias=True, num_heads=3, num_kv_heads=3, head_dim=5, value_head_dim=5),
     dict(relative=False, bias=False, num_heads=6, num_kv_heads=2, head_dim=7, value_head_dim=11),
-    dict(relative=True, bias=True, num_heads=5, num_kv_heads=1, head_dim=3, value_head_dim=13,
-         share_heads=False, use_key_table=True, use_value_table=True),
-    dict(relative=True, bias=False, num_heads=3, num_kv_heads=3, head_dim=5, value_head_dim=5,
-         share_heads=True, use_key_table=True, use_value_table=True),
-    dict(relative=True, bias=True, num_heads=3, num_kv_heads=3, head_dim=5, value_head_dim=7,
-         share_heads=False, use_key_table=True, use_value_table=False),
-    dict(relative=True, bias=True, num_heads=3, num_kv_heads=1, head_dim=5, value_head_dim=7,
-         share_heads=True, use_key_table=False, use_value_table=True),
+    dict(
+        relative=True,
+        bias=True,
+        num_heads=5,
+        num_kv_heads=1,
+        head_dim=3,
+        value_head_dim=13,
+        share_heads=False,
+        use_key_table=True,
+        use_value_table=True,
+    ),
+    dict(
+        relative=True,
+        bias=False,
+        num_heads=3,
+        num_kv_heads=3,
+        head_dim=5,
+        value_head_dim=5,
+        share_heads=True,
+        use_key_table=True,
+        use_value_table=True,
+    ),
+    dict(
+        relative=True,
+        bias=True,
+        num_heads=3,
+        num_kv_heads=3,
+        head_dim=5,
+        value_head_dim=7,
+        share_heads=False,
+        use_key_table=True,
+        use_value_table=False,
+    ),
+    dict(
+        relative=True,
+        bias=True,
+        num_heads=3,
+        num_kv_heads=1,
+        head_dim=5,
+        value_head_dim=7,
+        share_heads=True,
+        use_key_table=False,
+        use_value_table=True,
+    ),
 ]
 MAX_DISTANCE = 2
 
@@ -196,13 +246,14 @@ def test_torchref_forward(case):
     """The head-major feature order and grouped-query sharing survive the conversion."""
     m = make_torchref(case)
     q, k, v = inputs(E, KDIM, VDIM, seed=8)
-    expected_out, expected_weights = (x.detach().numpy() for x in m(*map(torch.tensor, (q, k, v)),
-                                                                     return_weights=True))
+    expected_out, expected_weights = (x.detach().numpy() for x in m(*map(torch.tensor, (q, k, v)), return_weights=True))
     params = cc.params_from_torch(m)
     assert cc.call_options_from_torch(m) == {}
     run = jaxattn.relative_multi_head_attention if case["relative"] else jaxattn.multi_head_attention
-    results = [run(params, q, k, v, return_weights=True),
-               einsum_mha(params, q, k, v, rel_index=shaw_index_loop(T, S, MAX_DISTANCE), xp=np)]
+    results = [
+        run(params, q, k, v, return_weights=True),
+        einsum_mha(params, q, k, v, rel_index=shaw_index_loop(T, S, MAX_DISTANCE), xp=np),
+    ]
     for out, weights in results:
         assert_float64(out, weights, expected_out, expected_weights)
         assert normwise(out, expected_out) <= TOL
@@ -213,12 +264,25 @@ def test_params_from_jax_drive_torchref():
     """The way back: params made on the JAX side load into a torchref module and give the same output."""
     rng = np.random.default_rng(10)
     shapes = {"query": (E, 6, 7), "key": (KDIM, 2, 7), "value": (VDIM, 2, 11), "out": (6, 11, 13)}
-    params = {name: {"kernel": jnp.asarray(rng.normal(size=shape)),
-                     "bias": jnp.asarray(rng.normal(size=shape[1:] if name != "out" else shape[2:]))}
-              for name, shape in shapes.items()}
+    params = {
+        name: {
+            "kernel": jnp.asarray(rng.normal(size=shape)),
+            "bias": jnp.asarray(rng.normal(size=shape[1:] if name != "out" else shape[2:])),
+        }
+        for name, shape in shapes.items()
+    }
     state = cc.params_to_torch(params, format="torchref")
-    m = torchref.MultiHeadAttention(E, 6, 7, key_features=KDIM, value_features=VDIM, out_features=13,
-                                    num_kv_heads=2, value_head_dim=11, dtype=torch.float64)
+    m = torchref.MultiHeadAttention(
+        E,
+        6,
+        7,
+        key_features=KDIM,
+        value_features=VDIM,
+        out_features=13,
+        num_kv_heads=2,
+        value_head_dim=11,
+        dtype=torch.float64,
+    )
     m.load_state_dict(state, strict=True)
     assert_trees_close(cc.params_from_torch(state, num_heads=6, num_kv_heads=2), params, tol=0.0)
     q, k, v = inputs(E, KDIM, VDIM, seed=9)
@@ -335,6 +399,11 @@ def test_float64_without_x64_is_refused():
                 raise SystemExit("float64 was converted with x64 off")
         print("refused")
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            env={"JAX_ENABLE_X64": "0", "JAX_PLATFORMS": "cpu", "PATH": ""}, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env={"JAX_ENABLE_X64": "0", "JAX_PLATFORMS": "cpu", "PATH": ""},
+        timeout=120,
+    )
     assert result.returncode == 0 and "refused" in result.stdout, result.stderr

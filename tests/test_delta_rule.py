@@ -18,15 +18,23 @@ B, T, K, N, H, Hv, C = 2, 13, 2, 6, 5, 7, 4
 
 
 def inputs(seed=0, *, batch=(B,), T=T):
-    q, k, v, a, b, s0 = arrays(seed, (*batch, T, K, H), (*batch, T, K, H), (*batch, T, N, Hv), (*batch, T, N),
-                               (*batch, T, N), (*batch, N, H, Hv))
+    q, k, v, a, b, s0 = arrays(
+        seed,
+        (*batch, T, K, H),
+        (*batch, T, K, H),
+        (*batch, T, N, Hv),
+        (*batch, T, N),
+        (*batch, T, N),
+        (*batch, N, H, Hv),
+    )
     k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)  # unit keys, as the family l2-normalises them
     return q, k, v, -jax.nn.softplus(a), jax.nn.sigmoid(b), 0.5 * s0
 
 
 def both(implementation, **kw):
     return lambda q, k, v, g, beta, s0: jaxattn.gated_delta_rule(
-        q, k, v, g, beta, initial_state=s0, return_state=True, implementation=implementation, **kw)
+        q, k, v, g, beta, initial_state=s0, return_state=True, implementation=implementation, **kw
+    )
 
 
 @pytest.mark.parametrize("implementation", ["chunked", pytest.param("recurrent", marks=pytest.mark.slow)])
@@ -38,6 +46,7 @@ def test_equals_the_recurrence_with_gradients(implementation):
         def weighted(*a):
             out, state = f(*a)
             return jnp.sum(out * w_out) + jnp.sum(state * w_state), (out, state)
+
         return jax.jit(jax.value_and_grad(weighted, argnums=range(6), has_aux=True))(*args)
 
     (_, (out, state)), grads = loss_and_grads(both(implementation, chunk_size=C))
@@ -56,11 +65,25 @@ def test_chunk_size_and_batch_layouts_change_nothing():
         assert normwise(jaxattn.gated_delta_rule(q, k, v, g, beta, initial_state=s0, chunk_size=C_), want) <= 1e-13
     # vmap over the batch axis, and a leading batch dim that broadcasts (q, k shared by both examples)
     vmapped = jax.vmap(lambda *a: jaxattn.gated_delta_rule(*a[:5], initial_state=a[5], chunk_size=C))(
-        q, k, v, g, beta, s0)
+        q, k, v, g, beta, s0
+    )
     assert normwise(vmapped, want) <= 1e-13
     shared = jaxattn.gated_delta_rule(q[:1], k[:1], v, g, beta, initial_state=s0, chunk_size=C)
-    assert normwise(shared, jaxattn.gated_delta_rule(jnp.broadcast_to(q[:1], q.shape), jnp.broadcast_to(k[:1], k.shape),
-                                                     v, g, beta, initial_state=s0, chunk_size=C)) <= 1e-13
+    assert (
+        normwise(
+            shared,
+            jaxattn.gated_delta_rule(
+                jnp.broadcast_to(q[:1], q.shape),
+                jnp.broadcast_to(k[:1], k.shape),
+                v,
+                g,
+                beta,
+                initial_state=s0,
+                chunk_size=C,
+            ),
+        )
+        <= 1e-13
+    )
 
 
 @pytest.mark.slow
@@ -68,8 +91,9 @@ def test_decode_steps_continue_a_prefill():
     q, k, v, g, beta, s0 = inputs(2)
     full, full_state = jaxattn.gated_delta_rule(q, k, v, g, beta, initial_state=s0, chunk_size=C, return_state=True)
     prefix = 9
-    out, state = jaxattn.gated_delta_rule(*(x[:, :prefix] for x in (q, k, v, g, beta)), initial_state=s0,
-                                          chunk_size=C, return_state=True)
+    out, state = jaxattn.gated_delta_rule(
+        *(x[:, :prefix] for x in (q, k, v, g, beta)), initial_state=s0, chunk_size=C, return_state=True
+    )
     step = jax.jit(jaxattn.gated_delta_rule_step)
     outs = [out]
     for t in range(prefix, T):
@@ -92,6 +116,7 @@ def test_torchref_twin_and_bfloat16():
 def test_memory_is_linear_in_length():
     """Forward and backward at T and 4T: O(T x C) grows 4x; a [T,T] matrix (T=4096: 64 MiB per head) would
     be 16x."""
+
     def temp(T):
         shapes = [(1, T, 2, 64), (1, T, 2, 64), (1, T, 4, 64), (1, T, 4), (1, T, 4)]
         return temp_bytes(grad_of_sum(jaxattn.gated_delta_rule, (0, 1, 2, 3, 4)), *shapes)
@@ -111,21 +136,30 @@ def test_conv1d_and_gated_norm():
     y, state = jaxattn.causal_conv1d(x[:, :6], w, bias, return_state=True)
     ys = [y]
     for t in range(6, T):
-        y, state = jaxattn.causal_conv1d(x[:, t:t + 1], w, bias, state=state, return_state=True)
+        y, state = jaxattn.causal_conv1d(x[:, t : t + 1], w, bias, state=state, return_state=True)
         ys.append(y)
     assert normwise(jnp.concatenate(ys, axis=1), full) <= 1e-13
     assert normwise(jaxattn.gated_rms_norm(x, gate, bias), torchref.gated_rms_norm(to(x), to(gate), to(bias))) <= 1e-13
 
 
-@pytest.mark.parametrize("change, match", [
-    ({"g": (B, T, N + 1)}, r"g: expected shape \[\.\.\.,13,6\].*got shape \[2,13,7\]"),
-    ({"beta": (B, T - 1, N)}, r"beta: expected shape \[\.\.\.,13,6\].*got shape \[2,12,6\]"),
-    ({"value": (B, T, 5, Hv)}, r"value: expected .*K=2.*got N=5"),
-    ({"initial_state": (B, N, Hv, H)}, r"initial_state: expected shape \[\.\.\.,6,5,7\].*got shape \[2,6,7,5\]"),
-])
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        ({"g": (B, T, N + 1)}, r"g: expected shape \[\.\.\.,13,6\].*got shape \[2,13,7\]"),
+        ({"beta": (B, T - 1, N)}, r"beta: expected shape \[\.\.\.,13,6\].*got shape \[2,12,6\]"),
+        ({"value": (B, T, 5, Hv)}, r"value: expected .*K=2.*got N=5"),
+        ({"initial_state": (B, N, Hv, H)}, r"initial_state: expected shape \[\.\.\.,6,5,7\].*got shape \[2,6,7,5\]"),
+    ],
+)
 def test_bad_shapes(change, match):
-    shapes = {"query": (B, T, K, H), "key": (B, T, K, H), "value": (B, T, N, Hv), "g": (B, T, N),
-              "beta": (B, T, N), "initial_state": (B, N, H, Hv)} | change
+    shapes = {
+        "query": (B, T, K, H),
+        "key": (B, T, K, H),
+        "value": (B, T, N, Hv),
+        "g": (B, T, N),
+        "beta": (B, T, N),
+        "initial_state": (B, N, H, Hv),
+    } | change
     a = dict(zip(shapes, arrays(5, *shapes.values())))
     with pytest.raises(ValueError, match=match):
         jaxattn.gated_delta_rule(**a)

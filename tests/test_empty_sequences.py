@@ -21,13 +21,16 @@ PATHS = {
     "dense": lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True, implementation="dense"),
     "blockwise": lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True, implementation="blockwise"),
     "blockwise_lengths": lambda q, k, v: jaxattn.blockwise_attention(q, k, v, key_value_seq_lengths=jnp.array([0, 0])),
-    "shaw_dense": lambda q, k, v: jaxattn.shaw_relative_attention(q, k, v, SHAW_TABLE, max_distance=1,
-                                                                  implementation="dense"),
-    "shaw_blockwise": lambda q, k, v: jaxattn.shaw_relative_attention(q, k, v, SHAW_TABLE, max_distance=1,
-                                                                      implementation="blockwise"),
+    "shaw_dense": lambda q, k, v: jaxattn.shaw_relative_attention(
+        q, k, v, SHAW_TABLE, max_distance=1, implementation="dense"
+    ),
+    "shaw_blockwise": lambda q, k, v: jaxattn.shaw_relative_attention(
+        q, k, v, SHAW_TABLE, max_distance=1, implementation="blockwise"
+    ),
     "t5_dense": lambda q, k, v: jaxattn.t5_attention(q, k, v, T5_TABLE, max_distance=16),
-    "t5_blockwise": lambda q, k, v: jaxattn.t5_attention(q, k, v, T5_TABLE, max_distance=16,
-                                                         implementation="blockwise"),
+    "t5_blockwise": lambda q, k, v: jaxattn.t5_attention(
+        q, k, v, T5_TABLE, max_distance=16, implementation="blockwise"
+    ),
     "ring": lambda q, k, v: jaxattn.ring_attention(q, k, v, mesh=MESH, sequence_axis="seq", is_causal=True),
 }
 
@@ -53,13 +56,15 @@ def test_empty_sequence_gives_zeros_and_finite_gradients(path, T, S):
 @pytest.mark.parametrize("implementation", [pytest.param("dense", marks=pytest.mark.slow), "blockwise"])
 @pytest.mark.parametrize("T, S", [(0, LENGTH), (LENGTH, 0)])
 def test_multi_head_attention_with_empty_sequence(implementation, T, S):
-    params = jaxattn.init_multi_head_attention(jax.random.key(0), E, N, H, num_kv_heads=K, value_head_dim=Hv,
-                                               dtype=jnp.float64)
+    params = jaxattn.init_multi_head_attention(
+        jax.random.key(0), E, N, H, num_kv_heads=K, value_head_dim=Hv, dtype=jnp.float64
+    )
     rng = np.random.default_rng(1)
     x_q, x_kv = rng.standard_normal((B, T, E)), rng.standard_normal((B, S, E))
     out = jaxattn.multi_head_attention(params, x_q, x_kv, implementation=implementation)
     # zero attention output -> the output projection's bias alone (zeros at init), [B,T,E]
     np.testing.assert_array_equal(out, np.broadcast_to(params["out"]["bias"], (B, T, E)))
-    grad = jax.grad(lambda p: jnp.sum(jaxattn.multi_head_attention(p, x_q, x_kv,
-                                                                   implementation=implementation)))(params)
+    grad = jax.grad(lambda p: jnp.sum(jaxattn.multi_head_attention(p, x_q, x_kv, implementation=implementation)))(
+        params
+    )
     assert all(np.isfinite(g).all() for g in jax.tree.leaves(grad))

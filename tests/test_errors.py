@@ -12,8 +12,9 @@ f64 = np.float64
 q = np.zeros((B, T, N, H))
 k = np.zeros((B, S, K, H))
 v = np.zeros((B, S, K, Hv))
-params = jax.tree.map(np.asarray, jaxattn.init_multi_head_attention(jax.random.key(0), E, N, H, num_kv_heads=K,
-                                                                    dtype=jnp.float64))
+params = jax.tree.map(
+    np.asarray, jaxattn.init_multi_head_attention(jax.random.key(0), E, N, H, num_kv_heads=K, dtype=jnp.float64)
+)
 x = np.zeros((B, T, E))
 
 
@@ -51,40 +52,67 @@ CASES = {
     "mask extra dims": (lambda: dpa(q, k, v, mask=np.ones((1, 1, 1, T, S), bool)), ["mask", "[1,1,1,5,7]"]),
     "bias shape": (lambda: dpa(q, k, v, bias=np.zeros((N + 1, T, S))), ["bias", "[2,6,5,7]", "[7,5,7]"]),
     "bias int": (lambda: dpa(q, k, v, bias=np.zeros((T, S), np.int32)), ["bias", "floating", "int32"]),
-    "bias narrower": (lambda: dpa(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32),
-                                  bias=np.zeros((T, S))), ["bias", "float32", "float64"]),
-    "lengths shape": (lambda: dpa(q, k, v, key_value_seq_lengths=np.array([1, 2, 3])),
-                      ["key_value_seq_lengths", "[3]"]),
-    "lengths float": (lambda: dpa(q, k, v, key_value_seq_lengths=np.array([1.0, 2.0])), ["key_value_seq_lengths",
-                                                                                          "integer"]),
-    "positions length": (lambda: dpa(q, k, v, is_causal=True, query_positions=np.arange(4)), ["query_positions",
-                                                                                               "[4]"]),
-    "positions float": (lambda: dpa(q, k, v, is_causal=True, key_positions=np.arange(S) * 1.0), ["key_positions",
-                                                                                                  "integer"]),
+    "bias narrower": (
+        lambda: dpa(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), bias=np.zeros((T, S))),
+        ["bias", "float32", "float64"],
+    ),
+    "lengths shape": (
+        lambda: dpa(q, k, v, key_value_seq_lengths=np.array([1, 2, 3])),
+        ["key_value_seq_lengths", "[3]"],
+    ),
+    "lengths float": (
+        lambda: dpa(q, k, v, key_value_seq_lengths=np.array([1.0, 2.0])),
+        ["key_value_seq_lengths", "integer"],
+    ),
+    "positions length": (
+        lambda: dpa(q, k, v, is_causal=True, query_positions=np.arange(4)),
+        ["query_positions", "[4]"],
+    ),
+    "positions float": (
+        lambda: dpa(q, k, v, is_causal=True, key_positions=np.arange(S) * 1.0),
+        ["key_positions", "integer"],
+    ),
     "dropout no rng": (lambda: dpa(q, k, v, dropout_rate=0.5), ["dropout_rng"]),
     "dropout rate": (lambda: dpa(q, k, v, dropout_rate=1.5, dropout_rng=jax.random.key(0)), ["dropout_rate", "1.5"]),
-    "rel_key shape": (lambda: jaxattn.relative_attention(q, k, v, np.zeros((T, S, 2, H))),
-                      ["rel_key", "[5,7,6 or 1,11]", "[5,7,2,11]"]),
-    "rel_value rank": (lambda: jaxattn.relative_attention(q, k, v, None, np.zeros((T, S, Hv))), ["rel_value",
-                                                                                                 "[5,7,13]"]),
-    "shaw table rows": (lambda: jaxattn.shaw_relative_attention(q, k, v, np.zeros((4, H)), max_distance=2),
-                        ["key_table", "[5,11]", "[4,11]"]),
-    "shaw table heads": (lambda: jaxattn.shaw_relative_attention(q, k, v, None, np.zeros((5, K, Hv)), max_distance=2),
-                         ["value_table", "[5,6,13]", "[5,3,13]"]),
-    "max_distance < 0": (lambda: jaxattn.shaw_relative_attention(q, k, v, np.zeros((1, H)), max_distance=-1),
-                         ["max_distance", "-1"]),
+    "rel_key shape": (
+        lambda: jaxattn.relative_attention(q, k, v, np.zeros((T, S, 2, H))),
+        ["rel_key", "[5,7,6 or 1,11]", "[5,7,2,11]"],
+    ),
+    "rel_value rank": (
+        lambda: jaxattn.relative_attention(q, k, v, None, np.zeros((T, S, Hv))),
+        ["rel_value", "[5,7,13]"],
+    ),
+    "shaw table rows": (
+        lambda: jaxattn.shaw_relative_attention(q, k, v, np.zeros((4, H)), max_distance=2),
+        ["key_table", "[5,11]", "[4,11]"],
+    ),
+    "shaw table heads": (
+        lambda: jaxattn.shaw_relative_attention(q, k, v, None, np.zeros((5, K, Hv)), max_distance=2),
+        ["value_table", "[5,6,13]", "[5,3,13]"],
+    ),
+    "max_distance < 0": (
+        lambda: jaxattn.shaw_relative_attention(q, k, v, np.zeros((1, H)), max_distance=-1),
+        ["max_distance", "-1"],
+    ),
     "max_distance float": (lambda: jaxattn.relative_position_index(3, 3, 2.0), ["max_distance", "2.0"]),
-    "params missing kernel": (lambda: jaxattn.multi_head_attention(without(params, "key", "kernel"), x),
-                              ["params['key']", "kernel"]),
+    "params missing kernel": (
+        lambda: jaxattn.multi_head_attention(without(params, "key", "kernel"), x),
+        ["params['key']", "kernel"],
+    ),
     "params missing entry": (lambda: jaxattn.multi_head_attention(without(params, "out"), x), ["params['out']"]),
     "params unexpected key": (lambda: jaxattn.multi_head_attention({**params, "extra": {}}, x), ["params", "extra"]),
-    "params kernel heads": (lambda: jaxattn.multi_head_attention(
-        replaced(params, ("out", "kernel"), np.zeros((N - 1, H, E))), x), ["params['out']['kernel']", "[6,11,17]",
-                                                                           "[5,11,17]"]),
-    "params bias shape": (lambda: jaxattn.multi_head_attention(replaced(params, ("key", "bias"), np.zeros((N, H))), x),
-                          ["params['key']['bias']", "[3,11]", "[6,11]"]),
-    "input features": (lambda: jaxattn.multi_head_attention(params, np.zeros((B, T, E + 2))),
-                       ["query", "17", "[2,5,19]"]),
+    "params kernel heads": (
+        lambda: jaxattn.multi_head_attention(replaced(params, ("out", "kernel"), np.zeros((N - 1, H, E))), x),
+        ["params['out']['kernel']", "[6,11,17]", "[5,11,17]"],
+    ),
+    "params bias shape": (
+        lambda: jaxattn.multi_head_attention(replaced(params, ("key", "bias"), np.zeros((N, H))), x),
+        ["params['key']['bias']", "[3,11]", "[6,11]"],
+    ),
+    "input features": (
+        lambda: jaxattn.multi_head_attention(params, np.zeros((B, T, E + 2))),
+        ["query", "17", "[2,5,19]"],
+    ),
     "relative params missing": (lambda: jaxattn.relative_multi_head_attention(params, x), ["params", "relative"]),
 }
 

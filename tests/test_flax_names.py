@@ -32,10 +32,15 @@ def test_nnx_takes_flax_keywords_and_declares_flax_shapes():
     assert ours(x, kv).shape == (2, 11, EO)
 
 
-@pytest.mark.parametrize("ours, flax_name", [(dict(query_features=E), dict(in_features=E)),
-                                             (dict(head_dim=H), dict(qkv_features=N * H)),
-                                             (dict(key_features=EKV), dict(in_kv_features=EKV)),
-                                             (dict(value_features=EKV), dict(in_kv_features=EKV))])
+@pytest.mark.parametrize(
+    "ours, flax_name",
+    [
+        (dict(query_features=E), dict(in_features=E)),
+        (dict(head_dim=H), dict(qkv_features=N * H)),
+        (dict(key_features=EKV), dict(in_kv_features=EKV)),
+        (dict(value_features=EKV), dict(in_kv_features=EKV)),
+    ],
+)
 def test_nnx_refuses_both_spellings(ours, flax_name):
     kw = {"in_features": E, **ours, **flax_name} if "query_features" not in ours else {**ours, **flax_name}
     with pytest.raises(ValueError, match=f"{next(iter(ours))}/{next(iter(flax_name))}.*one of them"):
@@ -53,7 +58,8 @@ def test_linen_takes_qkv_features_and_declares_flax_shapes():
     x = np.ones((2, 11, E))
     ours = jl.MultiHeadAttention(num_heads=N, qkv_features=N * H, out_features=EO).init(jax.random.key(0), x)
     theirs = nn.MultiHeadDotProductAttention(num_heads=N, qkv_features=N * H, out_features=EO).init(
-        jax.random.key(0), x)
+        jax.random.key(0), x
+    )
     assert jax.tree.map(jnp.shape, ours) == jax.tree.map(jnp.shape, theirs)
     with pytest.raises(ValueError, match="head_dim/qkv_features // num_heads.*one of them"):
         jl.MultiHeadAttention(num_heads=N, head_dim=H, qkv_features=N * H).init(jax.random.key(0), x)

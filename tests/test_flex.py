@@ -72,8 +72,14 @@ def head_dependent(b, n, t, s):
     return (s <= t + n - 2) | (s == 0)
 
 
-MASK_MODS = {"causal": causal, "sliding": sliding, "document": document, "prefix_lm": prefix_lm,
-             "chunked": chunked, "head_dependent": head_dependent}
+MASK_MODS = {
+    "causal": causal,
+    "sliding": sliding,
+    "document": document,
+    "prefix_lm": prefix_lm,
+    "chunked": chunked,
+    "head_dependent": head_dependent,
+}
 GRADIENT_CASES = ("document", "prefix_lm", "chunked", "head_dependent")  # causal / sliding: tests below
 
 
@@ -111,9 +117,15 @@ SCORE_MODS = {
 }
 
 
-@pytest.mark.parametrize("name,implementation", [("t5_table", "dense"), ("t5_table", "blockwise"),
-                                                 pytest.param("alibi", "blockwise", marks=pytest.mark.slow),
-                                                 ("per_batch", "dense")])
+@pytest.mark.parametrize(
+    "name,implementation",
+    [
+        ("t5_table", "dense"),
+        ("t5_table", "blockwise"),
+        pytest.param("alibi", "blockwise", marks=pytest.mark.slow),
+        ("per_batch", "dense"),
+    ],
+)
 def test_score_mods_and_the_gradient_of_what_they_close_over(name, implementation):
     make, shape = SCORE_MODS[name]
     q, k, v = qkv(2)
@@ -122,9 +134,15 @@ def test_score_mods_and_the_gradient_of_what_they_close_over(name, implementatio
     allowed = allowed_loop(B, N, T, S, is_causal=True)
 
     def ours(q, k, v, param):
-        return jaxattn.flex_attention(q, k, v, score_mod=make(param), mask_mod=causal,
-                                      block_mask=block_mask if implementation == "blockwise" else None,
-                                      implementation=implementation)
+        return jaxattn.flex_attention(
+            q,
+            k,
+            v,
+            score_mod=make(param),
+            mask_mod=causal,
+            block_mask=block_mask if implementation == "blockwise" else None,
+            implementation=implementation,
+        )
 
     def reference(q, k, v, param):
         return attention_reference(q, k, v, allowed, score_mod=make(param))
@@ -141,14 +159,23 @@ def test_score_mod_with_every_keyword(implementation):
     allowed = allowed_loop(B, N, T, S, window=(5, 0), key_value_seq_lengths=lengths, mask_mod=np_mask(document))
 
     def ours(q, k, v, slopes, sinks):
-        return jaxattn.flex_attention(q, k, v, score_mod=alibi(slopes), mask_mod=document, window=(5, 0),
-                                      key_value_seq_lengths=lengths, logit_softcap=1.4, sinks=sinks, scale=0.3,
-                                      implementation=implementation,
-                                      block_size=(3, 2) if implementation == "blockwise" else None)
+        return jaxattn.flex_attention(
+            q,
+            k,
+            v,
+            score_mod=alibi(slopes),
+            mask_mod=document,
+            window=(5, 0),
+            key_value_seq_lengths=lengths,
+            logit_softcap=1.4,
+            sinks=sinks,
+            scale=0.3,
+            implementation=implementation,
+            block_size=(3, 2) if implementation == "blockwise" else None,
+        )
 
     def reference(q, k, v, slopes, sinks):
-        return attention_reference(q, k, v, allowed, logit_softcap=1.4, sinks=sinks, scale=0.3,
-                                   score_mod=alibi(slopes))
+        return attention_reference(q, k, v, allowed, logit_softcap=1.4, sinks=sinks, scale=0.3, score_mod=alibi(slopes))
 
     check_forward_and_grads(ours, reference, (q, k, v, slopes, sinks), (0, 1, 2, 3, 4))
 
@@ -184,7 +211,7 @@ def test_batch_dims_are_flattened_for_b():
     assert_float64(got)
     for i in range(2):
         for j in range(3):
-            expected = jaxattn.dot_product_attention(q[i, j], k[i, j], v[i, j], scale=H ** -0.5 * (3 * i + j + 1))
+            expected = jaxattn.dot_product_attention(q[i, j], k[i, j], v[i, j], scale=H**-0.5 * (3 * i + j + 1))
             assert normwise(got[i, j], expected) <= TOL
 
 
@@ -194,19 +221,27 @@ def test_full_tiles_skip_mask_mod():
     blocks). A BlockMask that carries its mask_mod would AND the two instead (tests/test_block_mask.py)."""
     q, k, v = qkv(9)
     built = jaxattn.create_block_mask(causal, None, None, T, S, block_size=(3, 4))
-    bm = jaxattn.BlockMask.from_kv_blocks(built.kv_num_blocks, built.kv_indices, built.full_kv_num_blocks,
-                                          built.full_kv_indices, block_size=(3, 4), query_length=T, key_length=S)
+    bm = jaxattn.BlockMask.from_kv_blocks(
+        built.kv_num_blocks,
+        built.kv_indices,
+        built.full_kv_num_blocks,
+        built.full_kv_indices,
+        block_size=(3, 4),
+        query_length=T,
+        key_length=S,
+    )
     assert bm.mask_mod is None
     full_pairs = np.zeros((T, S), bool)
     nums, idx = np.asarray(bm.full_kv_num_blocks)[0, 0], np.asarray(bm.full_kv_indices)[0, 0]
     for i in range(nums.shape[0]):
-        for j in idx[i, :nums[i]]:
-            full_pairs[3 * i:3 * i + 3, 4 * j:4 * j + 4] = True
+        for j in idx[i, : nums[i]]:
+            full_pairs[3 * i : 3 * i + 3, 4 * j : 4 * j + 4] = True
     assert full_pairs.any() and not full_pairs.all()
     expected = attention_reference(q, k, v, np.broadcast_to(full_pairs, (B, N, T, S)))
     for implementation in IMPLEMENTATIONS:
-        got = jaxattn.flex_attention(q, k, v, mask_mod=lambda b, n, t, s: t < -1, block_mask=bm,
-                                     implementation=implementation)
+        got = jaxattn.flex_attention(
+            q, k, v, mask_mod=lambda b, n, t, s: t < -1, block_mask=bm, implementation=implementation
+        )
         assert_float64(got, expected)
         assert normwise(got, expected) <= TOL
 
@@ -224,13 +259,13 @@ def test_create_block_mask_against_brute_force(name):
     for b in range(B):
         for n in range(N):
             for i in range(nq):
-                tile = [allowed[b, n, i * Tb:(i + 1) * Tb, j * Sb:(j + 1) * Sb] for j in range(nk)]
+                tile = [allowed[b, n, i * Tb : (i + 1) * Tb, j * Sb : (j + 1) * Sb] for j in range(nk)]
                 full = [j for j in range(nk) if tile[j].all()]
                 partial = [j for j in range(nk) if tile[j].any() and not tile[j].all()]
                 assert int(bm.full_kv_num_blocks[b, n, i]) == len(full)
-                assert sorted(np.asarray(bm.full_kv_indices[b, n, i, :len(full)]).tolist()) == full
+                assert sorted(np.asarray(bm.full_kv_indices[b, n, i, : len(full)]).tolist()) == full
                 assert int(bm.kv_num_blocks[b, n, i]) == len(partial)
-                assert sorted(np.asarray(bm.kv_indices[b, n, i, :len(partial)]).tolist()) == partial
+                assert sorted(np.asarray(bm.kv_indices[b, n, i, : len(partial)]).tolist()) == partial
 
 
 def test_block_mask_is_a_pytree_under_jit_and_vmap():
@@ -255,7 +290,7 @@ def test_block_mask_skips_empty_tiles():
     assert visited.sum() < B * 3 * 3  # fewer than every (query tile, key tile) pair
     for b in range(B):
         for i in range(3):
-            assert visited[b, 0, i] == sum(allowed[b, 0, 3 * i:3 * i + 3, 4 * j:4 * j + 4].any() for j in range(3))
+            assert visited[b, 0, i] == sum(allowed[b, 0, 3 * i : 3 * i + 3, 4 * j : 4 * j + 4].any() for j in range(3))
 
 
 BAD = [
@@ -282,8 +317,9 @@ def test_bad_input(kwargs, match, implementation):
     elif kwargs.get("block_mask") == "heads":
         kwargs["block_mask"] = jaxattn.create_block_mask(causal, B, 4, T, S)
     with pytest.raises(ValueError, match=match):
-        jax.eval_shape(lambda q, k, v: jaxattn.flex_attention(q, k, v, implementation=implementation, **kwargs),
-                       q, k, v)
+        jax.eval_shape(
+            lambda q, k, v: jaxattn.flex_attention(q, k, v, implementation=implementation, **kwargs), q, k, v
+        )
 
 
 def test_create_block_mask_bad_input():
@@ -307,8 +343,9 @@ def test_memory_is_linear_in_length():
         table = jax.ShapeDtypeStruct((9, 4), F32)
 
         def loss(q, k, v, table):
-            out = jaxattn.flex_attention(q, k, v, score_mod=t5_table(table), mask_mod=causal, block_mask=bm,
-                                         implementation="blockwise")
+            out = jaxattn.flex_attention(
+                q, k, v, score_mod=t5_table(table), mask_mod=causal, block_mask=bm, implementation="blockwise"
+            )
             return jnp.sum(out)
 
         g = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))

@@ -44,7 +44,7 @@ def test_linen_layer_is_the_function_and_decodes():
     y, state = step({"params": params, "cache": cache}, x[:, :2])  # prefill of 2
     outs = [y]
     for t in range(2, T):
-        y, state = step({"params": params, **state}, x[:, t:t + 1])
+        y, state = step({"params": params, **state}, x[:, t : t + 1])
         outs.append(y)
     assert_float64(outs, full)
     assert normwise(jnp.concatenate(outs, axis=1), full) <= TOL
@@ -60,7 +60,7 @@ def test_nnx_layer_is_the_function_and_decodes():
     assert_float64(full)
     assert normwise(full, functional(params, x, is_causal=True)) <= TOL
     layer.init_cache((B, T, E), jnp.float64)
-    outs = [layer(x[:, t:t + 1], decode=True) for t in range(T)]
+    outs = [layer(x[:, t : t + 1], decode=True) for t in range(T)]
     assert normwise(jnp.concatenate(outs, axis=1), full) <= TOL
 
 
@@ -100,8 +100,11 @@ def test_rolling_cache_holds_the_window_only(flavour):
         cache = layer.init(jax.random.key(1), jnp.zeros((B, L, E)), decode=True)["cache"]
         assert cache["cached_key"].shape == (B, 3, K, H)
         state = {"cache": cache}
-        apply = jax.jit(lambda variables, xs, lengths: layer.apply(variables, xs, decode=True,
-                                                                   key_value_seq_lengths=lengths, mutable=["cache"]))
+        apply = jax.jit(
+            lambda variables, xs, lengths: layer.apply(
+                variables, xs, decode=True, key_value_seq_lengths=lengths, mutable=["cache"]
+            )
+        )
 
         def step(xs, lengths=None):
             nonlocal state
@@ -131,18 +134,27 @@ def test_rolling_cache_holds_the_window_only(flavour):
         outs[0].append(y[0])
         outs[1].append(y[1])
     assert normwise(jnp.concatenate(outs[0]), full[0, :L]) <= TOL
-    assert normwise(jnp.concatenate(outs[1]), full[1, :L - 2]) <= TOL
+    assert normwise(jnp.concatenate(outs[1]), full[1, : L - 2]) <= TOL
 
 
 def test_full_cache_with_chunks_softcap_and_sinks():
     """No window: the ordinary cache (L slots); chunks, softcap and sinks read the cache's absolute positions."""
     x = jnp.asarray(np.random.default_rng(7).normal(size=(B, T, E)))
-    layer = jx.MultiHeadAttention(E, N, H, num_kv_heads=K, param_dtype=jnp.float64, rngs=nnx.Rngs(1),
-                                  chunk_size=3, logit_softcap=0.9, use_sinks=True)
+    layer = jx.MultiHeadAttention(
+        E,
+        N,
+        H,
+        num_kv_heads=K,
+        param_dtype=jnp.float64,
+        rngs=nnx.Rngs(1),
+        chunk_size=3,
+        logit_softcap=0.9,
+        use_sinks=True,
+    )
     layer.sinks[...] = random_sinks({}, seed=8)["sinks"]
     full = layer(x, is_causal=True)
     layer.init_cache((B, T, E), jnp.float64)
     assert layer.cached_key[...].shape == (B, T, K, H)
-    outs = [layer(x[:, :3], decode=True)] + [layer(x[:, t:t + 1], decode=True) for t in range(3, T)]
+    outs = [layer(x[:, :3], decode=True)] + [layer(x[:, t : t + 1], decode=True) for t in range(3, T)]
     assert_float64(outs, full)
     assert normwise(jnp.concatenate(outs, axis=1), full) <= TOL

@@ -19,8 +19,16 @@ import pytest
 import torch
 
 import jaxattn
-from helpers import (allowed_loop, arrays, assert_float64, attention_loop, attention_reference,
-                     check_forward_and_grads, normwise, shaw_index_loop)
+from helpers import (
+    allowed_loop,
+    arrays,
+    assert_float64,
+    attention_loop,
+    attention_reference,
+    check_forward_and_grads,
+    normwise,
+    shaw_index_loop,
+)
 
 B, T, S, N, K, H, Hv = 2, 7, 11, 6, 3, 5, 3  # N = 2 K: grouped-query heads
 TOL = 1e-12
@@ -66,8 +74,13 @@ def test_normwise_computes_in_float64_from_any_array():
 def test_assert_float64_checks_dtypes_as_they_stand():
     assert_float64(jnp.zeros(2), np.zeros(3), torch.zeros(2, dtype=torch.float64, requires_grad=True))
     assert_float64({"a": [jnp.zeros(2)], "b": np.zeros(1)})  # pytrees: every leaf
-    for bad in (jnp.zeros(2, jnp.float32), np.zeros(2, np.float32), torch.zeros(2), jnp.zeros(2, jnp.bfloat16),
-                np.zeros(2, np.int64)):
+    for bad in (
+        jnp.zeros(2, jnp.float32),
+        np.zeros(2, np.float32),
+        torch.zeros(2),
+        jnp.zeros(2, jnp.bfloat16),
+        np.zeros(2, np.int64),
+    ):
         with pytest.raises(AssertionError, match="expected float64"):
             assert_float64(jnp.zeros(2), bad)
     with pytest.raises(AssertionError, match="no array"):
@@ -113,8 +126,11 @@ def test_guard_fails_without_the_conftest():
     float32 numbers, and a jit/vmap-equals-plain comparison can even come out at 0 (what made the old guards,
     which cast to float64 before asserting float64, useless); assert_float64 refuses it."""
     here = os.path.dirname(os.path.abspath(__file__))
-    env = {**os.environ, "JAX_ENABLE_X64": "0",
-           "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "JAX_ENABLE_X64": "0",
+        "PYTHONPATH": os.pathsep.join([here, os.path.dirname(here), os.environ.get("PYTHONPATH", "")]),
+    }
     run = subprocess.run([sys.executable, "-c", GUARD_SCRIPT], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
@@ -144,16 +160,26 @@ def test_allowed_loop_literal_grids():
     # bottom-right causal: query t sits at t + S - T
     assert grid(T=3, S=5, is_causal=True) == [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
     assert grid(T=4, S=2, is_causal=True) == [[0, 0], [0, 0], [1, 0], [1, 1]]
-    assert grid(T=4, S=6, window=(1, 0)) == [[0, 1, 1, 0, 0, 0], [0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0],
-                                            [0, 0, 0, 0, 1, 1]]
+    assert grid(T=4, S=6, window=(1, 0)) == [
+        [0, 1, 1, 0, 0, 0],
+        [0, 0, 1, 1, 0, 0],
+        [0, 0, 0, 1, 1, 0],
+        [0, 0, 0, 0, 1, 1],
+    ]
     assert grid(T=3, S=3, window=(None, 1)) == [[1, 1, 0], [1, 1, 1], [1, 1, 1]]
     # T > S: query positions -2..2; chunks floor(position / 2): -2,-1 | 0,1 | 2
     assert grid(T=5, S=3, chunk_size=2) == [[0, 0, 0], [0, 0, 0], [1, 1, 0], [1, 1, 0], [0, 0, 1]]
     ids = np.array([0, 0, 1, 1, 1])
     assert grid(T=5, S=5, query_segment_ids=ids, key_segment_ids=ids, is_causal=True) == [
-        [1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]]
-    assert grid(T=2, S=4, key_value_seq_lengths=3, query_positions=[0, 9], key_positions=[9, 0, 5, 1],
-                is_causal=True) == [[0, 1, 0, 0], [1, 1, 1, 0]]
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [0, 0, 1, 0, 0],
+        [0, 0, 1, 1, 0],
+        [0, 0, 1, 1, 1],
+    ]
+    assert grid(
+        T=2, S=4, key_value_seq_lengths=3, query_positions=[0, 9], key_positions=[9, 0, 5, 1], is_causal=True
+    ) == [[0, 1, 0, 0], [1, 1, 1, 0]]
     with pytest.raises(ValueError, match="both"):
         allowed_loop(1, 1, 2, 2, query_segment_ids=np.zeros((1, 2)))
 
@@ -209,23 +235,41 @@ def test_attention_loop_literals():
 def test_attention_reference_matches_the_loop_on_every_term():
     """The differentiable full-grid formula against the loop: grouped-query heads, custom positions, window,
     chunks, segments, lengths, relative keys, softcap, bias, score_mod and sinks per example, all at once."""
-    q, k, v, a_k, bias, slopes, sinks = arrays(1, (B, T, N, H), (B, S, K, H), (B, S, K, Hv), (T, S, N, H),
-                                              (B, N, T, S), (N,), (B, N))
+    q, k, v, a_k, bias, slopes, sinks = arrays(
+        1, (B, T, N, H), (B, S, K, H), (B, S, K, Hv), (T, S, N, H), (B, N, T, S), (N,), (B, N)
+    )
     segments_q = np.array([[0, 0, 1, 1, 1, 2, 2], [5, 5, 5, 5, 7, 7, 7]])
     segments_k = np.array([[0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7]])
-    rules = dict(query_positions=np.array([[4, 5, 6, 7, 8, 9, 10], [9, 3, 4, 10, 5, 6, 7]]),
-                 key_positions=np.arange(S), window=(5, 1), chunk_size=9, query_segment_ids=segments_q,
-                 key_segment_ids=segments_k, key_value_seq_lengths=np.array([11, 9]))
+    rules = dict(
+        query_positions=np.array([[4, 5, 6, 7, 8, 9, 10], [9, 3, 4, 10, 5, 6, 7]]),
+        key_positions=np.arange(S),
+        window=(5, 1),
+        chunk_size=9,
+        query_segment_ids=segments_q,
+        key_segment_ids=segments_k,
+        key_value_seq_lengths=np.array([11, 9]),
+    )
     allowed = allowed_loop(B, N, T, S, **rules)
     assert allowed.any(-1).mean() > 0.5 and not allowed.all(-1).any()  # most rows see some keys, none all
 
     def score_mod(score, b, n, t, s):
         return score + slopes[n] * (s - t) - 0.1 * b
 
-    got = attention_reference(q, k, v, allowed, logit_softcap=1.3, bias=bias, sinks=sinks, score_mod=score_mod,
-                              rel_logits=jnp.einsum("btnh,tsnh->bnts", q, a_k, precision="highest"),
-                              query_positions=rules["query_positions"], key_positions=rules["key_positions"])
-    want, _ = attention_loop(q, k, v, rel_key=a_k, logit_softcap=1.3, bias=bias, sinks=sinks, score_mod=score_mod,
-                             **rules)
+    got = attention_reference(
+        q,
+        k,
+        v,
+        allowed,
+        logit_softcap=1.3,
+        bias=bias,
+        sinks=sinks,
+        score_mod=score_mod,
+        rel_logits=jnp.einsum("btnh,tsnh->bnts", q, a_k, precision="highest"),
+        query_positions=rules["query_positions"],
+        key_positions=rules["key_positions"],
+    )
+    want, _ = attention_loop(
+        q, k, v, rel_key=a_k, logit_softcap=1.3, bias=bias, sinks=sinks, score_mod=score_mod, **rules
+    )
     assert_float64(got)
     assert normwise(got, want) <= TOL

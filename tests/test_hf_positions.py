@@ -19,8 +19,17 @@ from jaxattn import alibi_slopes  # noqa: E402
 from jaxattn import t5_relative_bias, t5_relative_position_bucket  # noqa: E402
 from jaxattn import relative_sinusoids  # noqa: E402
 
-HF_CASES = ["hf_t5_encoder", "hf_t5_decoder", "hf_llama", "hf_gpt_neox", "hf_bloom", "hf_mpt",
-            "hf_w2v2bert_relative_key", "hf_w2v2bert_relative", "hf_gptj_rope"]
+HF_CASES = [
+    "hf_t5_encoder",
+    "hf_t5_decoder",
+    "hf_llama",
+    "hf_gpt_neox",
+    "hf_bloom",
+    "hf_mpt",
+    "hf_w2v2bert_relative_key",
+    "hf_w2v2bert_relative",
+    "hf_gptj_rope",
+]
 
 
 def _dtypes(name):
@@ -50,10 +59,12 @@ def test_t5_bucket_ids_equal_hf(bidirectional, num_buckets, max_distance):
     from transformers.models.t5.modeling_t5 import T5Attention
 
     n = np.arange(-2000, 2001)
-    hf = T5Attention._relative_position_bucket(torch.tensor(n), bidirectional=bidirectional,
-                                               num_buckets=num_buckets, max_distance=max_distance)
-    ours = t5_relative_position_bucket(n, bidirectional=bidirectional, num_buckets=num_buckets,
-                                       max_distance=max_distance)
+    hf = T5Attention._relative_position_bucket(
+        torch.tensor(n), bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+    )
+    ours = t5_relative_position_bucket(
+        n, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+    )
     np.testing.assert_array_equal(np.asarray(ours), hf.numpy())
 
 
@@ -62,8 +73,14 @@ def test_t5_bias_with_past_tokens_equals_hf_compute_bias(decoder):
     from transformers import T5Config
     from transformers.models.t5.modeling_t5 import T5Attention
 
-    config = T5Config(d_model=8, d_kv=2, num_heads=3, relative_attention_num_buckets=12,
-                      relative_attention_max_distance=20, is_decoder=decoder)
+    config = T5Config(
+        d_model=8,
+        d_kv=2,
+        num_heads=3,
+        relative_attention_num_buckets=12,
+        relative_attention_max_distance=20,
+        is_decoder=decoder,
+    )
     module = T5Attention(config, has_relative_attention_bias=True, layer_idx=0).double()
     T, S = 5, 31
     hf = module.compute_bias(T, S, past_seen_tokens=S - T)[0].detach().numpy()  # [N,T,S]
@@ -104,8 +121,12 @@ def test_llama_inverse_frequencies_equal_hf():
 
     from jaxattn._schemes.rope import inverse_frequencies
 
-    config = LlamaConfig(hidden_size=24, num_attention_heads=2, head_dim=12,
-                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+    config = LlamaConfig(
+        hidden_size=24,
+        num_attention_heads=2,
+        head_dim=12,
+        rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+    )
     hf = LlamaRotaryEmbedding(config).inv_freq.numpy()
     ours = np.asarray(inverse_frequencies(12, 500000.0, jnp.float64))
     np.testing.assert_allclose(ours, hf, rtol=1e-6)  # HF: float32 pow

@@ -45,23 +45,52 @@ def _arrays(seed, *shapes, dtype=np.float32):
 CASES = {
     # a decode step's keywords (positions, cache length, causal) with a window, softcap, sinks and GQA
     # (G = 3 query heads per key/value head); query position -1 sees no key (zeros, lse = the sink alone)
-    "cache_window_softcap_sinks": (((2,), 3, 37, 6, 2, 5, 7), 4, 8, dict(
-        is_causal=True, query_positions=np.array([[-1, 2, 4], [30, 31, 35]], np.int32),
-        key_value_seq_lengths=np.array([5, 33], np.int32), window=(20, 0), logit_softcap=3.0,
-        sinks=np.linspace(-1.0, 1.0, 6, dtype=np.float32), return_lse=True)),
+    "cache_window_softcap_sinks": (
+        ((2,), 3, 37, 6, 2, 5, 7),
+        4,
+        8,
+        dict(
+            is_causal=True,
+            query_positions=np.array([[-1, 2, 4], [30, 31, 35]], np.int32),
+            key_value_seq_lengths=np.array([5, 33], np.int32),
+            window=(20, 0),
+            logit_softcap=3.0,
+            sinks=np.linspace(-1.0, 1.0, 6, dtype=np.float32),
+            return_lse=True,
+        ),
+    ),
     "one_row_plain": (((3,), 1, 41, 5, 5, 3, 2), 4, 12, {}),
-    "lengths_only": (((2,), 2, 43, 6, 3, 5, 3), 8, 16, dict(key_value_seq_lengths=np.array([0, 29], np.int32),
-                                                             return_lse=True)),
+    "lengths_only": (
+        ((2,), 2, 43, 6, 3, 5, 3),
+        8,
+        16,
+        dict(key_value_seq_lengths=np.array([0, 29], np.int32), return_lse=True),
+    ),
     "chunk_size": (((), 1, 37, 4, 2, 3, 5), 4, 8, dict(chunk_size=11, is_causal=True)),
     # a rolling cache: batched key positions, some slots unseen (2**30: beyond every query)
-    "rolling_key_positions": (((2,), 1, 31, 6, 2, 5, 5), 4, 8, dict(
-        is_causal=True, query_positions=np.array([[40], [12]], np.int32),
-        key_positions=np.where(np.arange(62).reshape(2, 31) % 7 == 3, 2**30,
-                               np.arange(62).reshape(2, 31) % 41).astype(np.int32))),
+    "rolling_key_positions": (
+        ((2,), 1, 31, 6, 2, 5, 5),
+        4,
+        8,
+        dict(
+            is_causal=True,
+            query_positions=np.array([[40], [12]], np.int32),
+            key_positions=np.where(
+                np.arange(62).reshape(2, 31) % 7 == 3, 2**30, np.arange(62).reshape(2, 31) % 41
+            ).astype(np.int32),
+        ),
+    ),
     # a padding mask over the cache as segment ids (what dot_product_attention makes of a key mask)
-    "segments": (((2,), 2, 29, 6, 3, 3, 5), 4, 8, dict(
-        query_segment_ids=np.zeros((2, 2), np.int32),
-        key_segment_ids=(np.arange(58).reshape(2, 29) % 5 == 1).astype(np.int32), is_causal=True)),
+    "segments": (
+        ((2,), 2, 29, 6, 3, 3, 5),
+        4,
+        8,
+        dict(
+            query_segment_ids=np.zeros((2, 2), np.int32),
+            key_segment_ids=(np.arange(58).reshape(2, 29) % 5 == 1).astype(np.int32),
+            is_causal=True,
+        ),
+    ),
 }
 
 
@@ -73,8 +102,9 @@ def _run(impl, case, dtype=np.float32, rounded_to=None):
     @jax.jit
     def f(q, k, v):
         if impl == "kernel":
-            result = pallas_gpu.decode_attention(q, k, v, interpret=True, precision="highest", block_size=tile,
-                                                 key_chunk=chunk, **options)
+            result = pallas_gpu.decode_attention(
+                q, k, v, interpret=True, precision="highest", block_size=tile, key_chunk=chunk, **options
+            )
         else:
             result = jaxattn.flex_attention(q, k, v, implementation="dense", precision="highest", **options)
         return result if options.get("return_lse") else (result, None)
@@ -159,16 +189,24 @@ def _kernels_in(text):
     return re.findall(r'name = "(jaxattn_\w+)"', text)
 
 
-STEP_SHAPES = (jax.ShapeDtypeStruct((1, 1, 8, 128), jnp.bfloat16),
-               jax.ShapeDtypeStruct((1, 4096, 2, 128), jnp.bfloat16))
+STEP_SHAPES = (
+    jax.ShapeDtypeStruct((1, 1, 8, 128), jnp.bfloat16),
+    jax.ShapeDtypeStruct((1, 4096, 2, 128), jnp.bfloat16),
+)
 
 
 def _step(q, k, v):
     """A decode step: T = 1 against 4096 cached keys, bf16, GQA, the cache's keywords and a padding mask (as a
     model's decode step passes them)."""
-    return jaxattn.dot_product_attention(q, k, v, is_causal=True, query_positions=jnp.full((1, 1), 3000),
-                                         key_value_seq_lengths=jnp.asarray([3001]),
-                                         mask=jnp.arange(4096)[None, None, None, :] % 9 != 0)
+    return jaxattn.dot_product_attention(
+        q,
+        k,
+        v,
+        is_causal=True,
+        query_positions=jnp.full((1, 1), 3000),
+        key_value_seq_lengths=jnp.asarray([3001]),
+        mask=jnp.arange(4096)[None, None, None, :] % 9 != 0,
+    )
 
 
 def _lowered_for_cuda(fn):
@@ -191,10 +229,12 @@ def test_a_differentiated_decode_step_lowers_to_the_flash_kernels_too():
     gradient; no XLA loop. (The platform switch carries the XLA branch's residuals, the dense engine's
     [N,T,S] weights at T = 1, as zeros through the kernel branch: JAX's linearization of a switch gives every
     branch the union of the residuals, so no [T,S] check here.)"""
-    text = _lowered_for_cuda(jax.value_and_grad(lambda *a: jnp.sum(jnp.asarray(_step(*a), jnp.float32)),
-                                                argnums=(0, 1, 2)))
-    assert sorted(_kernels_in(text)) == sorted([DECODE, "jaxattn_flash_forward", "jaxattn_flash_dq",
-                                                "jaxattn_flash_dkv"])
+    text = _lowered_for_cuda(
+        jax.value_and_grad(lambda *a: jnp.sum(jnp.asarray(_step(*a), jnp.float32)), argnums=(0, 1, 2))
+    )
+    assert sorted(_kernels_in(text)) == sorted(
+        [DECODE, "jaxattn_flash_forward", "jaxattn_flash_dq", "jaxattn_flash_dkv"]
+    )
     assert "stablehlo.while" not in text
 
 
@@ -207,15 +247,20 @@ def test_attention_routes_a_decode_step_and_differentiates_through_the_flash_ker
     B, T, S, N, K, H = 2, 1, 521, 6, 3, 7  # S >= 2 * DECODE_MIN_CHUNK: the decode kernel (3 chunks of 256)
     q, k, v, w = _arrays(3, (B, T, N, H), (B, S, K, H), (B, S, K, H), (B, T, N, H))
     rng = np.random.default_rng(4)
-    keywords = dict(is_causal=True, query_positions=np.array([[300], [517]], np.int32),
-                    key_value_seq_lengths=np.array([301, 518], np.int32),
-                    mask=rng.uniform(size=(B, 1, 1, S)) > 0.3, sinks=np.linspace(-1, 1, N, dtype=np.float32))
+    keywords = dict(
+        is_causal=True,
+        query_positions=np.array([[300], [517]], np.int32),
+        key_value_seq_lengths=np.array([301, 518], np.int32),
+        mask=rng.uniform(size=(B, 1, 1, S)) > 0.3,
+        sinks=np.linspace(-1, 1, N, dtype=np.float32),
+    )
     assert pallas_gpu.use_decode(q, k, v, interpret=True, **{name: x for name, x in keywords.items() if name != "mask"})
 
     def run(implementation, **extra):
         def f(q, k, v):
-            out = jaxattn.dot_product_attention(q, k, v, implementation=implementation, precision="highest",
-                                                **keywords, **extra)
+            out = jaxattn.dot_product_attention(
+                q, k, v, implementation=implementation, precision="highest", **keywords, **extra
+            )
             return jnp.sum(out * w), out
 
         return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2), has_aux=True))(q, k, v)
@@ -233,10 +278,20 @@ def test_vmap_over_a_batch_axis():
     lengths = jnp.asarray([29, 4, 17], jnp.int32)
 
     def attend(q, k, v, length):
-        return pallas_gpu.decode_attention(q, k, v, interpret=True, precision="highest", block_size=4, key_chunk=8,
-                                           is_causal=True, key_value_seq_lengths=length)
+        return pallas_gpu.decode_attention(
+            q,
+            k,
+            v,
+            interpret=True,
+            precision="highest",
+            block_size=4,
+            key_chunk=8,
+            is_causal=True,
+            key_value_seq_lengths=length,
+        )
 
     got = jax.jit(jax.vmap(attend))(q, k, v, lengths)
-    expected = jaxattn.dot_product_attention(q, k, v, implementation="dense", precision="highest", is_causal=True,
-                                             key_value_seq_lengths=lengths)
+    expected = jaxattn.dot_product_attention(
+        q, k, v, implementation="dense", precision="highest", is_causal=True, key_value_seq_lengths=lengths
+    )
     assert normwise(got, expected) <= OUT_TOL

@@ -53,13 +53,13 @@ def attention_fwd_bwd(q):
 def sliding_block_mask(window=256):
     """Built once, outside the program, as torch users do: create_block_mask evaluates mask_mod tile by
     tile in a loop of its own, which is mask construction, not attention."""
-    return jaxattn.create_block_mask(lambda b, n, t, s: (s <= t) & (t - s < window), None, None, T, T,
-                                     block_size=128)
+    return jaxattn.create_block_mask(lambda b, n, t, s: (s <= t) & (t - s < window), None, None, T, T, block_size=128)
 
 
 def sliding_flex(q):
-    return jaxattn.flex_attention(q, q, q, score_mod=lambda x, b, n, t, s: x - 0.01 * (t - s),
-                                  block_mask=sliding_block_mask())
+    return jaxattn.flex_attention(
+        q, q, q, score_mod=lambda x, b, n, t, s: x - 0.01 * (t - s), block_mask=sliding_block_mask()
+    )
 
 
 ATTENTION = {"forward": attention_fwd, "forward+backward": attention_fwd_bwd}
@@ -95,9 +95,16 @@ def test_flex_lowered_for_cpu_is_the_xla_engine():
 
 def tiny_llama():
     """A one-layer Llama with grouped-query heads (N = 4, K = 2), bf16, its params as shapes only."""
-    config = LlamaConfig(vocab_size=211, hidden_size=256, intermediate_size=320, num_hidden_layers=1,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                         rope_frequencies=tuple((1e4 ** (-jnp.arange(0, 64, 2) / 64)).tolist()))
+    config = LlamaConfig(
+        vocab_size=211,
+        hidden_size=256,
+        intermediate_size=320,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rope_frequencies=tuple((1e4 ** (-jnp.arange(0, 64, 2) / 64)).tolist()),
+    )
     model = LlamaForCausalLM(config=config, dtype=jnp.bfloat16)
     ids = jax.ShapeDtypeStruct((1, 384), jnp.int32)
     params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 384), jnp.int32))["params"])
@@ -126,8 +133,7 @@ def llama_decode_step(model):
 def cache_shapes(model, params, length):
     """The decode cache's shapes for `length` slots (nothing computed)."""
     ids = jnp.zeros((1, length), jnp.int32)
-    return jax.eval_shape(lambda p: model.apply({"params": p}, ids, decode=True, mutable=["cache"])[1]["cache"],
-                          params)
+    return jax.eval_shape(lambda p: model.apply({"params": p}, ids, decode=True, mutable=["cache"])[1]["cache"], params)
 
 
 @pytest.mark.parametrize("platform", ["cuda", "tpu"])
@@ -142,9 +148,16 @@ def test_llama_lowers_to_the_kernel(platform, program):
 def generate_step(model):
     """jaxattn.models.generate's step (models/_generate.py: _decode_call): one token with the attention
     mask over every cache slot (its padding mask) and its position."""
+
     def step(params, cache, token, attention_mask, position_ids):
-        logits, variables = model.apply({"params": params, "cache": cache}, token, attention_mask=attention_mask,
-                                        position_ids=position_ids, decode=True, mutable=["cache"])
+        logits, variables = model.apply(
+            {"params": params, "cache": cache},
+            token,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            decode=True,
+            mutable=["cache"],
+        )
         return jnp.argmax(logits[:, -1], axis=-1), variables["cache"]
 
     return step

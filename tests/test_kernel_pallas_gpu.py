@@ -44,36 +44,68 @@ def _case(name):
         batch, T, S, N, K, H, Hv = (2,), 13, 11, 6, 2, 5, 7
         q_seg = jnp.asarray(np.sort(rng.integers(0, 2, (2, T)), axis=-1), jnp.int32)
         k_seg = jnp.asarray(np.sort(rng.integers(0, 2, (2, S)), axis=-1), jnp.int32)
-        return (batch, T, S, N, K, H, Hv), (8, 4), dict(
-            is_causal=True, key_value_seq_lengths=jnp.asarray([9, 6], jnp.int32), query_segment_ids=q_seg,
-            key_segment_ids=k_seg, logit_softcap=4.0, mask_mod=_band, return_lse=True), {
-            "sinks": jnp.asarray(rng.normal(size=N), jnp.float32),
-            "slope": jnp.asarray(rng.uniform(0.1, 1.0, N), jnp.float32)}
+        return (
+            (batch, T, S, N, K, H, Hv),
+            (8, 4),
+            dict(
+                is_causal=True,
+                key_value_seq_lengths=jnp.asarray([9, 6], jnp.int32),
+                query_segment_ids=q_seg,
+                key_segment_ids=k_seg,
+                logit_softcap=4.0,
+                mask_mod=_band,
+                return_lse=True,
+            ),
+            {
+                "sinks": jnp.asarray(rng.normal(size=N), jnp.float32),
+                "slope": jnp.asarray(rng.uniform(0.1, 1.0, N), jnp.float32),
+            },
+        )
     if name == "causal_gqa_lengths_lse":  # T > S: the first queries see no key
         batch, T, S, N, K, H, Hv = (2,), 13, 11, 6, 3, 5, 7
-        return (batch, T, S, N, K, H, Hv), (8, 4), dict(
-            is_causal=True, key_value_seq_lengths=jnp.asarray([9, 4], jnp.int32), return_lse=True), {}
+        return (
+            (batch, T, S, N, K, H, Hv),
+            (8, 4),
+            dict(is_causal=True, key_value_seq_lengths=jnp.asarray([9, 4], jnp.int32), return_lse=True),
+            {},
+        )
     if name == "window_chunk_segments_softcap_sinks":
         batch, T, S, N, K, H, Hv = (), 11, 17, 6, 2, 3, 5
         q_seg = jnp.asarray(np.sort(rng.integers(0, 3, T)), jnp.int32)
         k_seg = jnp.asarray(np.sort(rng.integers(0, 3, S)), jnp.int32)
-        return (batch, T, S, N, K, H, Hv), (4, 8), dict(
-            window=(5, 2), chunk_size=7, query_segment_ids=q_seg, key_segment_ids=k_seg, logit_softcap=2.0,
-            query_positions=jnp.asarray(rng.permutation(T) + 3, jnp.int32), return_lse=True), {
-            "sinks": jnp.asarray(rng.normal(size=N), jnp.float32)}
+        return (
+            (batch, T, S, N, K, H, Hv),
+            (4, 8),
+            dict(
+                window=(5, 2),
+                chunk_size=7,
+                query_segment_ids=q_seg,
+                key_segment_ids=k_seg,
+                logit_softcap=2.0,
+                query_positions=jnp.asarray(rng.permutation(T) + 3, jnp.int32),
+                return_lse=True,
+            ),
+            {"sinks": jnp.asarray(rng.normal(size=N), jnp.float32)},
+        )
     if name == "score_mod_mask_mod_block_mask":
         batch, T, S, N, K, H, Hv = (3,), 19, 23, 6, 2, 5, 3
         kinds = rng.integers(0, 3, (1, N, 3, 3))
         kinds[0, :, 1, 0] = 0  # an empty tile for every head
         block_mask = jaxattn.BlockMask.from_kv_blocks(
-            *_tile_lists(kinds), block_size=(8, 8), query_length=T, key_length=S, mask_mod=_band)
-        return (batch, T, S, N, K, H, Hv), None, dict(block_mask=block_mask, is_causal=True, return_lse=True), {
-            "slope": jnp.asarray(rng.uniform(0.1, 1.0, N), jnp.float32)}
+            *_tile_lists(kinds), block_size=(8, 8), query_length=T, key_length=S, mask_mod=_band
+        )
+        return (
+            (batch, T, S, N, K, H, Hv),
+            None,
+            dict(block_mask=block_mask, is_causal=True, return_lse=True),
+            {"slope": jnp.asarray(rng.uniform(0.1, 1.0, N), jnp.float32)},
+        )
     raise KeyError(name)
 
 
 def _tile_lists(kinds):
     """torch's tile lists (partial then full) from kinds [B,N,Tn,Sn] (0 empty, 1 partial, 2 full)."""
+
     def listing(selected):
         order = np.argsort(~selected, axis=-1, kind="stable")
         return jnp.asarray(selected.sum(-1), jnp.int32), jnp.asarray(order, jnp.int32)
@@ -87,6 +119,7 @@ CASES = ["causal_gqa_lengths_lse", "window_chunk_segments_softcap_sinks", "score
 
 def _attend(impl, block, options, extras):
     """f(q, k, v, extras) -> (out, lse or None) for the kernel ("kernel") or the dense engine ("dense")."""
+
     def f(q, k, v, extras):
         opts = dict(options)
         if "sinks" in extras:
@@ -106,8 +139,9 @@ def _run(impl, case, dtype=np.float32, rounded_to=None):
     """jit of (out, lse, gradients of sum(out * w) + sum(lse * w_lse) over finite lse) for one case, inputs
     in dtype (rounded_to: first rounded to that dtype, the bf16 inputs a float32 reference sees)."""
     (batch, T, S, N, K, H, Hv), block, options, extras = _case(case)
-    q, k, v, w, w_lse = _arrays(1, (*batch, T, N, H), (*batch, S, K, H), (*batch, S, K, Hv), (*batch, T, N, Hv),
-                                (*batch, N, T))
+    q, k, v, w, w_lse = _arrays(
+        1, (*batch, T, N, H), (*batch, S, K, H), (*batch, S, K, Hv), (*batch, T, N, Hv), (*batch, N, T)
+    )
     q, k, v = (x.astype(rounded_to or dtype).astype(dtype) for x in (q, k, v))
     f = _attend(impl, block, options, extras)
 
@@ -144,11 +178,20 @@ def test_kernel_equals_dense_and_the_loop_reference():
     assert bool(jnp.all(out[:, :2] == 0))  # queries before the first key: zeros (lse = the sink alone)
     assert normwise(lse[..., :2], jnp.broadcast_to(extras["sinks"][:, None], (2, N, 2))) == 0
     q, k, v = _arrays(1, (*batch, T, N, H), (*batch, S, K, H), (*batch, S, K, Hv))
-    rules = {name: options[name] for name in ("is_causal", "key_value_seq_lengths", "query_segment_ids",
-                                              "key_segment_ids", "mask_mod")}
+    rules = {
+        name: options[name]
+        for name in ("is_causal", "key_value_seq_lengths", "query_segment_ids", "key_segment_ids", "mask_mod")
+    }
     allowed = allowed_loop(batch, N, T, S, **rules)
-    expected = attention_reference(q, k, v, allowed, logit_softcap=options["logit_softcap"], sinks=extras["sinks"],
-                                   score_mod=_alibi(extras["slope"]))
+    expected = attention_reference(
+        q,
+        k,
+        v,
+        allowed,
+        logit_softcap=options["logit_softcap"],
+        sinks=extras["sinks"],
+        score_mod=_alibi(extras["slope"]),
+    )
     assert normwise(out, expected) <= OUT_TOL
 
 
@@ -200,10 +243,12 @@ LOWERED = {
     # window, segment ids, and a score_mod and BlockMask mask_mod that close over no array (one that does
     # falls back: see unsupported)
     "window_segments_score_mod_block_mask": lambda: dict(
-        window=(127, 0), query_segment_ids=jnp.zeros((1, 512), jnp.int32),
+        window=(127, 0),
+        query_segment_ids=jnp.zeros((1, 512), jnp.int32),
         key_segment_ids=jnp.zeros((1, 512), jnp.int32),
         score_mod=lambda x, b, n, t, s: x - 0.01 * jnp.abs(t - s).astype(x.dtype),
-        block_mask=jaxattn.create_block_mask(lambda b, n, t, s: t >= s, None, None, 512, 512, block_size=(64, 64))),
+        block_mask=jaxattn.create_block_mask(lambda b, n, t, s: t >= s, None, None, 512, 512, block_size=(64, 64)),
+    ),
 }
 
 
@@ -237,10 +282,19 @@ GRID = {
     "window": (7, 5, dict(window=(3, 1))),
     "chunk": (5, 7, dict(chunk_size=4)),
     "softcap": (7, 5, dict(logit_softcap=1.5)),
-    "positions": (5, 7, dict(query_positions=jnp.asarray([[9, 2, 4, 7, 3], [0, 1, 2, 3, 4]], jnp.int32),
-                             is_causal=True)),
-    "segments": (5, 7, dict(query_segment_ids=jnp.asarray([[0, 0, 1, 1, 2]] * 2, jnp.int32),
-                            key_segment_ids=jnp.asarray([[0, 1, 1, 2, 2, 2, 2]] * 2, jnp.int32))),
+    "positions": (
+        5,
+        7,
+        dict(query_positions=jnp.asarray([[9, 2, 4, 7, 3], [0, 1, 2, 3, 4]], jnp.int32), is_causal=True),
+    ),
+    "segments": (
+        5,
+        7,
+        dict(
+            query_segment_ids=jnp.asarray([[0, 0, 1, 1, 2]] * 2, jnp.int32),
+            key_segment_ids=jnp.asarray([[0, 1, 1, 2, 2, 2, 2]] * 2, jnp.int32),
+        ),
+    ),
     "mask_mod": (7, 5, dict(mask_mod=_band)),
     "score_mod": (5, 7, dict(score_mod=lambda x, b, n, t, s: x * (1.0 + 0.1 * n))),
 }
@@ -279,8 +333,12 @@ def test_vmap_over_a_batch_axis():
     got = jax.jit(jax.vmap(attend))(q, k, v)
     assert normwise(got, expected) <= OUT_TOL
     grads = jax.jit(jax.vmap(jax.grad(lambda *a: jnp.sum(attend(*a)), argnums=(0, 1, 2))))(q, k, v)
-    grads_e = jax.grad(lambda *a: jnp.sum(jaxattn.dot_product_attention(
-        *a, implementation="dense", precision="highest", is_causal=True)), argnums=(0, 1, 2))(q, k, v)
+    grads_e = jax.grad(
+        lambda *a: jnp.sum(
+            jaxattn.dot_product_attention(*a, implementation="dense", precision="highest", is_causal=True)
+        ),
+        argnums=(0, 1, 2),
+    )(q, k, v)
     for g, e in zip(grads, grads_e):
         assert normwise(g, e) <= GRAD_TOL
 

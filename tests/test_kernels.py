@@ -36,6 +36,7 @@ def qkv(dtype=jnp.float32, T=T, S=S, seed=0):
 
 # --- refusals ---------------------------------------------------------------------------------------------------
 
+
 def test_unknown_implementation_is_refused_by_name():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="^implementation: .*'pallas_tpu'.*got 'flash'"):
@@ -52,17 +53,20 @@ def test_interpret_only_with_a_pallas_kernel(implementation):
 SLOPES = jnp.asarray(np.linspace(0.0, 1.0, N), jnp.float32)
 
 
-@pytest.mark.parametrize("implementation, keywords, option", [
-    ("pallas_tpu", dict(mask=np.ones((T, S), bool)), "mask"),
-    ("pallas_tpu", dict(bias=np.zeros((T, S), np.float32)), "bias"),
-    ("pallas_tpu", dict(return_weights=True), "return_weights"),
-    ("pallas_tpu", dict(query_positions=np.arange(T)), "query_positions"),
-    # a score_mod closing over an array: the TPU flex kernel cannot index it by head on a TPU
-    ("pallas_tpu", dict(score_mod=lambda x, b, n, t, s: x + SLOPES[n]), "score_mod"),
-    ("pallas_tpu", dict(return_lse=True), "return_lse"),
-    ("cudnn", dict(), "query (dtype"),  # float32 inputs
-    ("cudnn", dict(logit_softcap=5.0), "logit_softcap"),
-])
+@pytest.mark.parametrize(
+    "implementation, keywords, option",
+    [
+        ("pallas_tpu", dict(mask=np.ones((T, S), bool)), "mask"),
+        ("pallas_tpu", dict(bias=np.zeros((T, S), np.float32)), "bias"),
+        ("pallas_tpu", dict(return_weights=True), "return_weights"),
+        ("pallas_tpu", dict(query_positions=np.arange(T)), "query_positions"),
+        # a score_mod closing over an array: the TPU flex kernel cannot index it by head on a TPU
+        ("pallas_tpu", dict(score_mod=lambda x, b, n, t, s: x + SLOPES[n]), "score_mod"),
+        ("pallas_tpu", dict(return_lse=True), "return_lse"),
+        ("cudnn", dict(), "query (dtype"),  # float32 inputs
+        ("cudnn", dict(logit_softcap=5.0), "logit_softcap"),
+    ],
+)
 def test_an_explicit_kernel_refuses_what_it_cannot_express(x64_off, implementation, keywords, option):
     q, k, v = qkv(jnp.bfloat16 if "dtype" not in option else jnp.float32)
     with pytest.raises(ValueError, match=rf"^{re.escape(option)}.*implementation='{implementation}'"):
@@ -78,28 +82,40 @@ def test_the_dense_only_schemes_refuse_a_kernel_by_their_terms():
 def test_shaw_tables_are_refused_by_splash(x64_off):
     q, k, v = qkv()
     with pytest.raises(ValueError, match="^key_table.*'pallas_tpu'"):
-        jaxattn.shaw_relative_attention(q, k, v, np.zeros((9, H), np.float32), max_distance=4,
-                                        implementation="pallas_tpu", interpret=True)
+        jaxattn.shaw_relative_attention(
+            q, k, v, np.zeros((9, H), np.float32), max_distance=4, implementation="pallas_tpu", interpret=True
+        )
 
 
 def test_x64_keeps_implementation_none_on_the_xla_engines():
     # the suite runs with x64 on: the platform switch is never built then, whatever the host
     q, k, v = qkv()
     with jaxattn.cross_platform_lowering():
-        text = jax.jit(lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True)).trace(
-            q, k, v).lower(lowering_platforms=("tpu",)).as_text()
+        text = (
+            jax.jit(lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True))
+            .trace(q, k, v)
+            .lower(lowering_platforms=("tpu",))
+            .as_text()
+        )
     assert "tpu_custom_call" not in text
 
 
 # --- cuDNN: the argument mapping, with jax.nn's XLA path standing in for cuDNN (no cuDNN on this machine) -----
 
-@pytest.mark.parametrize("keywords", [pytest.param(dict(window=(4, 2)), marks=pytest.mark.slow),
-                                      dict(is_causal=True, window=(6, None), key_value_seq_lengths=[0, 23])],
-                         ids=["window", "causal-window-lengths"])
+
+@pytest.mark.parametrize(
+    "keywords",
+    [
+        pytest.param(dict(window=(4, 2)), marks=pytest.mark.slow),
+        dict(is_causal=True, window=(6, None), key_value_seq_lengths=[0, 23]),
+    ],
+    ids=["window", "causal-window-lengths"],
+)
 def test_cudnn_maps_our_keywords_onto_jax_nn(monkeypatch, keywords):
     real = jax.nn.dot_product_attention
-    monkeypatch.setattr(jax.nn, "dot_product_attention",
-                        lambda *a, implementation, **kw: real(*a, implementation="xla", **kw))
+    monkeypatch.setattr(
+        jax.nn, "dot_product_attention", lambda *a, implementation, **kw: real(*a, implementation="xla", **kw)
+    )
     q, k, _ = qkv(T=S)  # T == S: jax.nn's top-left alignment is ours there
     v = qkv(T=S, seed=2)[1]  # [B,S,K,H]: cuDNN (and jax.nn) need Hv == H
     ours = jaxattn.dot_product_attention(q, k, v, implementation="dense", precision="highest", **keywords)
@@ -109,6 +125,7 @@ def test_cudnn_maps_our_keywords_onto_jax_nn(monkeypatch, keywords):
 
 # --- splash attention in the interpreter ---------------------------------------------------------------------
 
+
 def check_splash(keywords, *, dtype=jnp.float32, T=T, S=S, sinks=False, tol=(1e-6, 1e-5)):
     """Forward and gradients (q, k, v and sinks) of the splash kernel against the dense engine."""
     q, k, v = qkv(dtype, T=T, S=S)
@@ -117,8 +134,9 @@ def check_splash(keywords, *, dtype=jnp.float32, T=T, S=S, sinks=False, tol=(1e-
 
     def run(implementation, **extra):
         def f(q, k, v, *sinks):
-            out = jaxattn.dot_product_attention(q, k, v, implementation=implementation,
-                                                sinks=sinks[0] if sinks else None, **keywords, **extra)
+            out = jaxattn.dot_product_attention(
+                q, k, v, implementation=implementation, sinks=sinks[0] if sinks else None, **keywords, **extra
+            )
             return out, jnp.sum(out.astype(jnp.float32) * w)
 
         return jax.jit(lambda *a: (f(*a)[0], jax.grad(lambda *a: f(*a)[1], argnums=range(len(a)))(*a)))(*args)
@@ -137,8 +155,7 @@ def check_splash(keywords, *, dtype=jnp.float32, T=T, S=S, sinks=False, tol=(1e-
 @pytest.mark.slow  # ~8 s on a quiet 2-core machine (the interpreter runs 128-row blocks): over the default budget
 def test_splash_grouped_heads_causal_lengths_softcap_sinks():
     # T < S (a cache in front), GQA, one example with no key at all (length 0: zeros), softcap and sinks
-    got, _ = check_splash(dict(is_causal=True, key_value_seq_lengths=jnp.array([0, 41]), logit_softcap=4.0),
-                          sinks=True)
+    got, _ = check_splash(dict(is_causal=True, key_value_seq_lengths=jnp.array([0, 41]), logit_softcap=4.0), sinks=True)
     assert not np.asarray(got[0]).any()
 
 
@@ -147,8 +164,9 @@ SPLASH_GRID = {
     "causal T>S (empty rows)": dict(is_causal=True, T=S + 7, S=S),
     "window": dict(window=(5, 2)),
     "chunk": dict(chunk_size=7, is_causal=True),
-    "segments": dict(query_segment_ids=np.arange(B * T).reshape(B, T) % 3,
-                     key_segment_ids=np.arange(B * S).reshape(B, S) % 4),
+    "segments": dict(
+        query_segment_ids=np.arange(B * T).reshape(B, T) % 3, key_segment_ids=np.arange(B * S).reshape(B, S) % 4
+    ),
     "lengths+window": dict(key_value_seq_lengths=np.array([5, 53]), window=(3, 3)),
 }
 
@@ -167,8 +185,15 @@ def test_splash_option_grid(case):
 def test_splash_one_query_row_against_a_cache():
     # a decode step: T = 1 at explicit positions with lengths and a window (one empty row: position 2 with
     # lengths 0), keys at their defaults
-    got, _ = check_splash(dict(is_causal=True, query_positions=np.array([[2], [40]]),
-                               key_value_seq_lengths=np.array([0, 47]), window=(9, 0)), T=1)
+    got, _ = check_splash(
+        dict(
+            is_causal=True,
+            query_positions=np.array([[2], [40]]),
+            key_value_seq_lengths=np.array([0, 47]),
+            window=(9, 0),
+        ),
+        T=1,
+    )
     assert not np.asarray(got[0]).any()
 
 
@@ -185,12 +210,16 @@ def test_splash_under_vmap():
     q, k, v = qkv()
     with jax.enable_x64(False):
         f = jax.vmap(lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True, precision="highest"))
-        g = jax.vmap(lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True, implementation="pallas_tpu",
-                                                                   interpret=True))
+        g = jax.vmap(
+            lambda q, k, v: jaxattn.dot_product_attention(
+                q, k, v, is_causal=True, implementation="pallas_tpu", interpret=True
+            )
+        )
         assert normwise(g(q, k, v), f(q, k, v)) <= 1e-6
 
 
 # --- our Pallas TPU kernel (flex_tpu: score_mod, mask_mod, BlockMask) in the interpreter -----------------------
+
 
 def alibi(slope):
     return lambda x, b, n, t, s: x - slope[n] * jnp.abs(t - s).astype(x.dtype)
@@ -211,8 +240,9 @@ def check_flex_tpu(keywords, *, grads, dtype=jnp.float32, tol=(1e-6, 1e-5), T=T,
 
     def run(implementation, **extra):
         def f(q, k, v, slope, sinks):
-            out, lse = jaxattn.flex_attention(q, k, v, alibi(slope), implementation=implementation, sinks=sinks,
-                                              return_lse=True, **keywords, **extra)
+            out, lse = jaxattn.flex_attention(
+                q, k, v, alibi(slope), implementation=implementation, sinks=sinks, return_lse=True, **keywords, **extra
+            )
             return jnp.sum(out.astype(jnp.float32) * w) + jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0)), (out, lse)
 
         if grads:
@@ -234,8 +264,12 @@ def check_flex_tpu(keywords, *, grads, dtype=jnp.float32, tol=(1e-6, 1e-5), T=T,
 
 def test_tpu_flex_kernel_forward():
     # T < S with lengths (one example's keys all masked by the band or past its length: zeros), GQA, softcap
-    out = check_flex_tpu(dict(is_causal=True, key_value_seq_lengths=np.array([0, 9], np.int32), logit_softcap=4.0,
-                              mask_mod=band), grads=False, T=7, S=19)
+    out = check_flex_tpu(
+        dict(is_causal=True, key_value_seq_lengths=np.array([0, 9], np.int32), logit_softcap=4.0, mask_mod=band),
+        grads=False,
+        T=7,
+        S=19,
+    )
     assert not np.asarray(out[0]).any()
 
 
@@ -244,11 +278,16 @@ def test_tpu_flex_kernel_forward():
 def test_tpu_flex_kernel_with_gradients(case):
     keywords = {
         "mask_mod": dict(is_causal=True, key_value_seq_lengths=np.array([0, 41], np.int32), mask_mod=band),
-        "block_mask": dict(block_mask=jaxattn.create_block_mask(lambda b, n, t, s: (s <= t + S - T) & band(b, n, t, s),
-                                                                None, None, T, S, block_size=16)),
-        "window_segments": dict(window=(9, 2),
-                                query_segment_ids=(np.arange(B * T).reshape(B, T) * 3 // T).astype(np.int32),
-                                key_segment_ids=(np.arange(B * S).reshape(B, S) * 3 // S).astype(np.int32)),
+        "block_mask": dict(
+            block_mask=jaxattn.create_block_mask(
+                lambda b, n, t, s: (s <= t + S - T) & band(b, n, t, s), None, None, T, S, block_size=16
+            )
+        ),
+        "window_segments": dict(
+            window=(9, 2),
+            query_segment_ids=(np.arange(B * T).reshape(B, T) * 3 // T).astype(np.int32),
+            key_segment_ids=(np.arange(B * S).reshape(B, S) * 3 // S).astype(np.int32),
+        ),
     }[case]
     check_flex_tpu(keywords, grads=True)
 
@@ -262,6 +301,7 @@ def test_tpu_flex_kernel_bfloat16_envelope():
 
 
 # --- the layers and the models pass implementation= to every attention call ---------------------------------
+
 
 def test_a_layer_passes_implementation_on(x64_off):
     from jaxattn.linen import MultiHeadAttention
@@ -278,9 +318,16 @@ def test_a_model_config_passes_implementation_on():
 
     from jaxattn.models.llama import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(vocab_size=17, hidden_size=12, intermediate_size=10, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=6,
-                         rope_frequencies=(1.0, 0.1, 0.01))
+    config = LlamaConfig(
+        vocab_size=17,
+        hidden_size=12,
+        intermediate_size=10,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=6,
+        rope_frequencies=(1.0, 0.1, 0.01),
+    )
     ids = jnp.zeros((1, 5), jnp.int32)
     params = jax.eval_shape(LlamaForCausalLM(config=config).init, jax.random.key(0), ids)
     model = LlamaForCausalLM(config=dataclasses.replace(config, implementation="flash"))

@@ -30,8 +30,18 @@ CASES = {
     "window_both": (dict(window=(2, 1)), None, False),
     "window_left_open": (dict(window=(None, 2)), None, False),
     "chunk_causal": (dict(chunk_size=4, is_causal=True), None, False),
-    "everything": (dict(query_segment_ids=SEGMENTS_Q, key_segment_ids=SEGMENTS_K, window=(4, 1), chunk_size=5,
-                        is_causal=True, key_value_seq_lengths=np.array([9, 11])), 2.0, True),
+    "everything": (
+        dict(
+            query_segment_ids=SEGMENTS_Q,
+            key_segment_ids=SEGMENTS_K,
+            window=(4, 1),
+            chunk_size=5,
+            is_causal=True,
+            key_value_seq_lengths=np.array([9, 11]),
+        ),
+        2.0,
+        True,
+    ),
 }
 
 
@@ -49,8 +59,16 @@ def test_dot_product_attention_keywords(name, implementation):
     extra = dict(block_size=(3, 4)) if implementation == "blockwise" else {}
 
     def ours(q, k, v, *sinks):
-        return jaxattn.dot_product_attention(q, k, v, sinks=sinks[0] if sinks else None, implementation=implementation,
-                                             logit_softcap=softcap, **keywords, **extra)
+        return jaxattn.dot_product_attention(
+            q,
+            k,
+            v,
+            sinks=sinks[0] if sinks else None,
+            implementation=implementation,
+            logit_softcap=softcap,
+            **keywords,
+            **extra,
+        )
 
     def reference(q, k, v, *sinks):
         return attention_reference(q, k, v, allowed, logit_softcap=softcap, sinks=sinks[0] if sinks else None)
@@ -68,8 +86,9 @@ def test_blockwise_per_example_sinks_and_segments(block_size):
     allowed = allowed_loop(B, N, T, S, query_segment_ids=SEGMENTS_Q, key_segment_ids=SEGMENTS_K, window=(5, 0))
 
     def ours(q, k, v, sinks):
-        return jaxattn.dot_product_attention(q, k, v, sinks=sinks, implementation="blockwise",
-                                             block_size=block_size, **kw)
+        return jaxattn.dot_product_attention(
+            q, k, v, sinks=sinks, implementation="blockwise", block_size=block_size, **kw
+        )
 
     def reference(q, k, v, sinks):
         return attention_reference(q, k, v, allowed, logit_softcap=0.7, sinks=sinks)
@@ -82,11 +101,13 @@ def test_rows_without_keys_give_zeros_with_sinks():
     sinks = sinks_for(True)
 
     def f(q, k, v, sinks):
-        return jaxattn.dot_product_attention(q, k, v, sinks=sinks, key_value_seq_lengths=jnp.array([0, 4]),
-                                             implementation="blockwise", block_size=(3, 4))
+        return jaxattn.dot_product_attention(
+            q, k, v, sinks=sinks, key_value_seq_lengths=jnp.array([0, 4]), implementation="blockwise", block_size=(3, 4)
+        )
 
     out, grads = jax.jit(lambda *a: (f(*a), jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2, 3))(*a)))(
-        q, k, v, sinks)
+        q, k, v, sinks
+    )
     assert bool(jnp.all(out[0] == 0))
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
 
@@ -109,10 +130,17 @@ def test_jit_and_vmap():
     sinks = sinks_for(True)
     kw = dict(window=(3, 0), logit_softcap=1.1, query_segment_ids=SEGMENTS_Q, key_segment_ids=SEGMENTS_K)
     for implementation in ("blockwise",):
+
         def f(q, k, v, qs, ks):
-            return jaxattn.dot_product_attention(q, k, v, sinks=sinks, implementation=implementation,
-                                                 block_size=(3, 4), **{**kw, "query_segment_ids": qs,
-                                                                       "key_segment_ids": ks})
+            return jaxattn.dot_product_attention(
+                q,
+                k,
+                v,
+                sinks=sinks,
+                implementation=implementation,
+                block_size=(3, 4),
+                **{**kw, "query_segment_ids": qs, "key_segment_ids": ks},
+            )
 
         plain = f(q, k, v, SEGMENTS_Q, SEGMENTS_K)
         assert_float64(plain)
@@ -139,12 +167,23 @@ def test_shaw_softcap_includes_relative_keys(implementation):
     allowed = allowed_loop(B, N, T, S, window=(3, 1))
 
     def ours(q, k, v, table, sinks):
-        return jaxattn.shaw_relative_attention(q, k, v, table, max_distance=2, window=(3, 1), logit_softcap=0.9,
-                                               sinks=sinks, implementation=implementation, block_size=(3, 4))
+        return jaxattn.shaw_relative_attention(
+            q,
+            k,
+            v,
+            table,
+            max_distance=2,
+            window=(3, 1),
+            logit_softcap=0.9,
+            sinks=sinks,
+            implementation=implementation,
+            block_size=(3, 4),
+        )
 
     def reference(q, k, v, table, sinks):
-        return attention_reference(q, k, v, allowed, logit_softcap=0.9, sinks=sinks,
-                                   rel_logits=shaw_rel_logits(q, table, 2))
+        return attention_reference(
+            q, k, v, allowed, logit_softcap=0.9, sinks=sinks, rel_logits=shaw_rel_logits(q, table, 2)
+        )
 
     check_forward_and_grads(ours, reference, (q, k, v, table, sinks), (0, 1, 2, 3, 4))
 
@@ -175,9 +214,18 @@ def test_alibi_bias_comes_after_softcap(implementation):
     distance = jnp.asarray(kp[None, :] - qp[:, None], jnp.float64)
 
     def ours(q, k, v, slopes, sinks):
-        return jaxattn.alibi_attention(q, k, v, slopes, is_causal=True, window=(4, 0), logit_softcap=0.8, sinks=sinks,
-                                       implementation=implementation,
-                                       block_size=(3, 4) if implementation == "blockwise" else None)
+        return jaxattn.alibi_attention(
+            q,
+            k,
+            v,
+            slopes,
+            is_causal=True,
+            window=(4, 0),
+            logit_softcap=0.8,
+            sinks=sinks,
+            implementation=implementation,
+            block_size=(3, 4) if implementation == "blockwise" else None,
+        )
 
     def reference(q, k, v, slopes, sinks):
         bias = jnp.broadcast_to(slopes[:, None, None] * distance, (B, N, T, S))
@@ -187,16 +235,20 @@ def test_alibi_bias_comes_after_softcap(implementation):
 
 
 SCHEMES = {
-    "t5": lambda q, k, v, **kw: jaxattn.t5_attention(q, k, v, jnp.linspace(-1, 1, 16 * N).reshape(16, N),
-                                                     max_distance=20, **kw),
+    "t5": lambda q, k, v, **kw: jaxattn.t5_attention(
+        q, k, v, jnp.linspace(-1, 1, 16 * N).reshape(16, N), max_distance=20, **kw
+    ),
     "alibi": lambda q, k, v, **kw: jaxattn.alibi_attention(q, k, v, jaxattn.alibi_slopes(N, dtype=jnp.float64), **kw),
     "rope": lambda q, k, v, **kw: jaxattn.rope_attention(q, k, v, rotary_dim=4, **kw),
-    "xl": lambda q, k, v, **kw: jaxattn.transformer_xl_attention(q, k, v, jnp.linspace(0, 1, 9 * H).reshape(9, H),
-                                                                 max_left=5, **kw),
-    "clipped": lambda q, k, v, **kw: jaxattn.clipped_relative_attention(q, k, v, jnp.ones((5, H)) * 0.1,
-                                                                        max_left=3, max_right=1, **kw),
-    "shaw": lambda q, k, v, **kw: jaxattn.shaw_relative_attention(q, k, v, jnp.ones((5, H)) * 0.1, max_distance=2,
-                                                                  **kw),
+    "xl": lambda q, k, v, **kw: jaxattn.transformer_xl_attention(
+        q, k, v, jnp.linspace(0, 1, 9 * H).reshape(9, H), max_left=5, **kw
+    ),
+    "clipped": lambda q, k, v, **kw: jaxattn.clipped_relative_attention(
+        q, k, v, jnp.ones((5, H)) * 0.1, max_left=3, max_right=1, **kw
+    ),
+    "shaw": lambda q, k, v, **kw: jaxattn.shaw_relative_attention(
+        q, k, v, jnp.ones((5, H)) * 0.1, max_distance=2, **kw
+    ),
 }
 
 
@@ -232,8 +284,9 @@ def test_schemes_take_sinks(scheme):
 
 def test_multi_head_attention_keywords():
     E = 13
-    params = jaxattn.init_multi_head_attention(jax.random.key(0), E, num_heads=N, num_kv_heads=K, head_dim=H,
-                                               dtype=jnp.float64)
+    params = jaxattn.init_multi_head_attention(
+        jax.random.key(0), E, num_heads=N, num_kv_heads=K, head_dim=H, dtype=jnp.float64
+    )
     x = arrays(15, (B, T, E))[0]
     sinks = sinks_for(True)
     kw = dict(window=(2, 0), logit_softcap=1.7, query_segment_ids=SEGMENTS_Q, key_segment_ids=SEGMENTS_Q)
@@ -246,8 +299,9 @@ def test_multi_head_attention_keywords():
     expected = jnp.einsum("btnh,nho->bto", z, params["out"]["kernel"]) + params["out"]["bias"]
     assert_float64(got, expected)
     assert normwise(got, expected) <= TOL
-    rel = jaxattn.init_relative_multi_head_attention(jax.random.key(1), E, num_heads=N, head_dim=H, max_distance=2,
-                                                     dtype=jnp.float64)
+    rel = jaxattn.init_relative_multi_head_attention(
+        jax.random.key(1), E, num_heads=N, head_dim=H, max_distance=2, dtype=jnp.float64
+    )
     y = jax.jit(lambda p, x, s: jaxattn.relative_multi_head_attention(p, x, sinks=s, **kw))(rel, x, sinks)
     assert y.shape == (B, T, E) and bool(jnp.all(jnp.isfinite(y)))
 
@@ -263,12 +317,18 @@ BAD = [
     (dict(chunk_size=-3), "chunk_size"),
     (dict(logit_softcap=0.0), "logit_softcap"),
     (dict(logit_softcap=-1.0), "logit_softcap"),
-    (dict(query_segment_ids=np.zeros((B, T + 1), np.int32), key_segment_ids=np.zeros((B, S), np.int32)),
-     r"query_segment_ids.*\[2,8\]"),
-    (dict(query_segment_ids=np.zeros((B, T), np.float32), key_segment_ids=np.zeros((B, S), np.int32)),
-     "query_segment_ids.*dtype"),
-    (dict(query_segment_ids=np.zeros((B, T), np.int32), key_segment_ids=np.zeros((3, S), np.int32)),
-     r"key_segment_ids.*\[3,11\]"),
+    (
+        dict(query_segment_ids=np.zeros((B, T + 1), np.int32), key_segment_ids=np.zeros((B, S), np.int32)),
+        r"query_segment_ids.*\[2,8\]",
+    ),
+    (
+        dict(query_segment_ids=np.zeros((B, T), np.float32), key_segment_ids=np.zeros((B, S), np.int32)),
+        "query_segment_ids.*dtype",
+    ),
+    (
+        dict(query_segment_ids=np.zeros((B, T), np.int32), key_segment_ids=np.zeros((3, S), np.int32)),
+        r"key_segment_ids.*\[3,11\]",
+    ),
     (dict(query_segment_ids=np.zeros((B, T), np.int32)), "key_segment_ids"),
     (dict(sinks=np.zeros((N + 1,))), r"sinks.*\[7\]"),
     (dict(sinks=np.zeros((3, N))), r"sinks.*\[3,6\]"),
@@ -281,8 +341,9 @@ BAD = [
 def test_bad_keywords(kwargs, match, implementation):
     q, k, v = qkv(16)
     with pytest.raises(ValueError, match=match):
-        jax.eval_shape(lambda q, k, v: jaxattn.dot_product_attention(q, k, v, implementation=implementation, **kwargs),
-                       q, k, v)
+        jax.eval_shape(
+            lambda q, k, v: jaxattn.dot_product_attention(q, k, v, implementation=implementation, **kwargs), q, k, v
+        )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -295,7 +356,7 @@ def visits(rule, i, L=64, block=8, **kw):
     qp = jnp.arange(i * block, (i + 1) * block)
     schedule = key_block_schedule(rule, qp, jnp.arange(L), None, block, L // block, **kw)
     counts = [int(c) for c in schedule.counts]
-    visited = sorted(int(j) for j in schedule.order[:sum(counts)])
+    visited = sorted(int(j) for j in schedule.order[: sum(counts)])
     return visited, counts  # counts: (with mask_mod, masked, clean)
 
 

@@ -19,9 +19,21 @@ B, T, E, N, Cq, C, R, Hn, Hv = 2, 11, 23, 3, 13, 17, 4, 5, 7
 
 def make_params(seed=0, **kw):
     """Random float64 params in latent_attention's tree (shapes from init_latent_attention, traced, not run)."""
-    shapes = jax.eval_shape(lambda: jaxattn.init_latent_attention(
-        jax.random.PRNGKey(seed), E, N, latent_dim=C, rope_dim=R, nope_head_dim=Hn, value_head_dim=Hv,
-        query_latent_dim=Cq, use_bias=True, dtype=jnp.float64, **kw))
+    shapes = jax.eval_shape(
+        lambda: jaxattn.init_latent_attention(
+            jax.random.PRNGKey(seed),
+            E,
+            N,
+            latent_dim=C,
+            rope_dim=R,
+            nope_head_dim=Hn,
+            value_head_dim=Hv,
+            query_latent_dim=Cq,
+            use_bias=True,
+            dtype=jnp.float64,
+            **kw,
+        )
+    )
     leaves, tree = jax.tree.flatten(shapes)
     rng = np.random.default_rng(seed)
     return jax.tree.unflatten(tree, [jnp.asarray(rng.normal(size=x.shape) * x.shape[0] ** -0.5) for x in leaves])
@@ -64,7 +76,7 @@ def test_decode_from_the_compressed_cache(form):
     y, cache = step(params, x[:, :7], cache)
     ys = [y]
     for t in range(7, T):
-        y, cache = step(params, x[:, t:t + 1], cache)
+        y, cache = step(params, x[:, t : t + 1], cache)
         ys.append(y)
     assert normwise(jnp.concatenate(ys, axis=1), full) <= 1e-12
     assert cache[2].tolist() == [T, T]
@@ -76,8 +88,11 @@ def test_keywords_apply_to_both_forms():
 
     @jax.jit  # one compiled program for the three calls
     def three(params, x):
-        return (jaxattn.latent_attention(params, x, **kw), jaxattn.latent_attention(params, x, form="expanded", **kw),
-                jaxattn.latent_attention(params, x, is_causal=True))
+        return (
+            jaxattn.latent_attention(params, x, **kw),
+            jaxattn.latent_attention(params, x, form="expanded", **kw),
+            jaxattn.latent_attention(params, x, is_causal=True),
+        )
 
     absorbed, expanded, plain = three(params, x)
     assert_float64(absorbed, expanded)
@@ -92,8 +107,15 @@ def test_decode_cache_and_step_memory():
     builds the expanded keys (its scratch is below one expanded key cache), while the expanded form from the
     same compressed cache must (its scratch is above)."""
     L, big = 4096, dict(E=64, N=8, C=32, R=16, Hn=32, Hv=32)
-    params = jaxattn.init_latent_attention(jax.random.PRNGKey(0), big["E"], big["N"], latent_dim=big["C"],
-                                           rope_dim=big["R"], nope_head_dim=big["Hn"], value_head_dim=big["Hv"])
+    params = jaxattn.init_latent_attention(
+        jax.random.PRNGKey(0),
+        big["E"],
+        big["N"],
+        latent_dim=big["C"],
+        rope_dim=big["R"],
+        nope_head_dim=big["Hn"],
+        value_head_dim=big["Hv"],
+    )
     shapes = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
     cache = jaxattn.init_latent_cache((1,), L, big["C"], big["R"])
     per_token = sum(int(np.prod(c.shape[2:])) for c in cache[:2])
@@ -102,8 +124,15 @@ def test_decode_cache_and_step_memory():
 
     def step(form):
         fn = lambda p, x, c: jaxattn.latent_attention(p, x, cache=c, form=form)
-        return jax.jit(fn).lower(shapes, jax.ShapeDtypeStruct((1, 1, big["E"]), jnp.float32),
-                                 jax.tree.map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype), cache)).compile()
+        return (
+            jax.jit(fn)
+            .lower(
+                shapes,
+                jax.ShapeDtypeStruct((1, 1, big["E"]), jnp.float32),
+                jax.tree.map(lambda c: jax.ShapeDtypeStruct(c.shape, c.dtype), cache),
+            )
+            .compile()
+        )
 
     absorbed, expanded = step("absorbed").memory_analysis(), step("expanded").memory_analysis()
     param_bytes = sum(p.size * 4 for p in jax.tree.leaves(params))
@@ -113,11 +142,14 @@ def test_decode_cache_and_step_memory():
     assert expanded_cache_bytes >= 10 * L * per_token * 4  # (C + R) = 48 vs 2 N H-ish = 640 numbers per token
 
 
-@pytest.mark.parametrize("bad, match", [
-    ("value_up", r"params\['value_up'\]\['kernel'\]: expected shape \[17,3,7\].*got shape \[16,3,7\]"),
-    ("latent", r"params\['latent'\]\['kernel'\]: expected shape \[23,17\].*got shape \[23,16\]"),
-    ("query_up", r"params\['query_up'\]\['kernel'\]: expected shape \[\.\.,3,9\].*got shape \[13,3,8\]"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ("value_up", r"params\['value_up'\]\['kernel'\]: expected shape \[17,3,7\].*got shape \[16,3,7\]"),
+        ("latent", r"params\['latent'\]\['kernel'\]: expected shape \[23,17\].*got shape \[23,16\]"),
+        ("query_up", r"params\['query_up'\]\['kernel'\]: expected shape \[\.\.,3,9\].*got shape \[13,3,8\]"),
+    ],
+)
 def test_bad_weights(bad, match):
     params, (x,) = make_params(), arrays(7, (B, T, E))
     kernel = params[bad]["kernel"]

@@ -21,8 +21,15 @@ BASE, EPS = 500.0, 1e-6
 
 
 def _layer(**kw):
-    return jl.MultiHeadAttention(num_heads=N, num_kv_heads=K, head_dim=H, rope=jl.RoPE(base=BASE), use_bias=False,
-                                 qk_norm=functools.partial(RMSNorm, EPS, kind="gemma"), **kw)
+    return jl.MultiHeadAttention(
+        num_heads=N,
+        num_kv_heads=K,
+        head_dim=H,
+        rope=jl.RoPE(base=BASE),
+        use_bias=False,
+        qk_norm=functools.partial(RMSNorm, EPS, kind="gemma"),
+        **kw,
+    )
 
 
 def _params(layer, x):
@@ -35,8 +42,10 @@ def _params(layer, x):
 
 def _torch_reference(params, x):
     """Causal GQA attention, q/k heads RMS-normed with (1 + w) then rotated, torch float64."""
-    p = {g: {k: torch.tensor(np.asarray(v), requires_grad=True) for k, v in leaves.items()}
-         for g, leaves in params.items()}
+    p = {
+        g: {k: torch.tensor(np.asarray(v), requires_grad=True) for k, v in leaves.items()}
+        for g, leaves in params.items()
+    }
     x = torch.tensor(np.asarray(x))
 
     def norm(h, w):
@@ -48,7 +57,7 @@ def _torch_reference(params, x):
     pos = torch.arange(T)
     q, k = torch_rope(q, pos, base=BASE), torch_rope(k, pos, base=BASE)
     k, v = k.repeat_interleave(N // K, dim=2), v.repeat_interleave(N // K, dim=2)
-    logits = torch.einsum("btnh,bsnh->bnts", q, k) * H ** -0.5
+    logits = torch.einsum("btnh,bsnh->bnts", q, k) * H**-0.5
     weights = torch.softmax(logits.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -torch.inf), -1)
     return torch.einsum("btnh,nho->bto", torch.einsum("bnts,bsnh->btnh", weights, v), p["out"]["kernel"]), p
 
@@ -83,15 +92,19 @@ def test_qk_norm_decode_caches_normed_keys():
     step = jax.jit(lambda p, c, x: layer.apply({"params": p, "cache": c}, x, decode=True, mutable=["cache"]))
     steps = []
     for t in range(T):
-        y, mutated = step(params, cache, x[:, t:t + 1])
+        y, mutated = step(params, cache, x[:, t : t + 1])
         cache = mutated["cache"]
         steps.append(y)
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("make", [
-    lambda: jl.RelativeMultiHeadAttention(num_heads=2, max_distance=3, qk_norm=functools.partial(RMSNorm, EPS)),
-    lambda: jl.MultiHeadAttention(num_heads=2, add_bias_kv=True, qk_norm=functools.partial(RMSNorm, EPS))])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: jl.RelativeMultiHeadAttention(num_heads=2, max_distance=3, qk_norm=functools.partial(RMSNorm, EPS)),
+        lambda: jl.MultiHeadAttention(num_heads=2, add_bias_kv=True, qk_norm=functools.partial(RMSNorm, EPS)),
+    ],
+)
 def test_qk_norm_refused_with_relative_tables_and_bias_kv(make):
     with pytest.raises(ValueError, match="qk_norm: expected None with relative tables"):
         make().init(jax.random.key(0), np.zeros((1, 3, 4)))

@@ -32,8 +32,10 @@ def _params(layer, x):
 
 def _torch_reference(params, x, positions):
     """Causal GQA attention with RoPE at `positions` [B,T], in torch float64 (differentiable in params)."""
-    p = {g: {k: torch.tensor(np.asarray(v), requires_grad=True) for k, v in leaves.items()}
-         for g, leaves in params.items()}
+    p = {
+        g: {k: torch.tensor(np.asarray(v), requires_grad=True) for k, v in leaves.items()}
+        for g, leaves in params.items()
+    }
     x = torch.tensor(np.asarray(x))
     q = torch.einsum("bte,enh->btnh", x, p["query"]["kernel"]) + p["query"].get("bias", 0)
     k = torch.einsum("bte,ekh->btkh", x, p["key"]["kernel"]) + p["key"].get("bias", 0)
@@ -41,7 +43,7 @@ def _torch_reference(params, x, positions):
     pos = torch.as_tensor(np.asarray(positions))
     q, k = torch_rope(q, pos, base=BASE), torch_rope(k, pos, base=BASE)
     k, v = k.repeat_interleave(N // K, dim=2), v.repeat_interleave(N // K, dim=2)
-    logits = torch.einsum("btnh,bsnh->bnts", q, k) * H ** -0.5
+    logits = torch.einsum("btnh,bsnh->bnts", q, k) * H**-0.5
     causal = torch.ones(T, T, dtype=torch.bool).tril()
     weights = torch.softmax(logits.masked_fill(~causal, -torch.inf), -1)
     z = torch.einsum("bnts,bsnh->btnh", weights, v)
@@ -49,8 +51,14 @@ def _torch_reference(params, x, positions):
     return y, p
 
 
-@pytest.mark.parametrize("use_bias", [pytest.param(True, marks=pytest.mark.slow), ("query", "key", "value"),
-                                      pytest.param(False, marks=pytest.mark.slow)])  # partial biases: both kinds
+@pytest.mark.parametrize(
+    "use_bias",
+    [
+        pytest.param(True, marks=pytest.mark.slow),
+        ("query", "key", "value"),
+        pytest.param(False, marks=pytest.mark.slow),
+    ],
+)  # partial biases: both kinds
 def test_rope_layer_equals_torch_forward_and_gradients(use_bias):
     layer = _layer(use_bias=use_bias)
     x = np.random.default_rng(0).standard_normal((B, T, E))
@@ -72,12 +80,14 @@ def test_rope_layer_equals_torch_forward_and_gradients(use_bias):
     np.testing.assert_allclose(ours, theirs.detach().numpy(), rtol=0, atol=1e-12)
     for group, leaves in tparams.items():
         for leaf, tensor in leaves.items():
-            np.testing.assert_allclose(grads[group][leaf], tensor.grad.numpy(), rtol=0, atol=1e-11,
-                                       err_msg=f"{group}/{leaf}")
+            np.testing.assert_allclose(
+                grads[group][leaf], tensor.grad.numpy(), rtol=0, atol=1e-11, err_msg=f"{group}/{leaf}"
+            )
     # default rope positions = the attention's own (arange for self-attention)
     plain = layer.apply({"params": params}, x, is_causal=True)
-    np.testing.assert_allclose(plain, _torch_reference(params, x, np.tile(np.arange(T), (B, 1)))[0].detach(),
-                               rtol=0, atol=1e-12)
+    np.testing.assert_allclose(
+        plain, _torch_reference(params, x, np.tile(np.arange(T), (B, 1)))[0].detach(), rtol=0, atol=1e-12
+    )
 
 
 def test_rope_decode_rotates_keys_before_caching():
@@ -88,12 +98,15 @@ def test_rope_decode_rotates_keys_before_caching():
     positions = np.maximum(np.arange(T)[None] - np.array([[0], [3], [1]]), 0)
     full = layer.apply({"params": params}, x, is_causal=True, rope_positions=positions)
     cache = layer.init(jax.random.key(0), np.zeros((B, T, E)), decode=True)["cache"]
-    step = jax.jit(lambda c, xs, pos: layer.apply({"params": params, "cache": c}, xs, decode=True,
-                                                 rope_positions=pos, mutable=["cache"]))
+    step = jax.jit(
+        lambda c, xs, pos: layer.apply(
+            {"params": params, "cache": c}, xs, decode=True, rope_positions=pos, mutable=["cache"]
+        )
+    )
     out, state = step(cache, x[:, :3], positions[:, :3])
     outs = [out]
     for t in range(3, T):
-        out, state = step(state["cache"], x[:, t:t + 1], positions[:, t:t + 1])
+        out, state = step(state["cache"], x[:, t : t + 1], positions[:, t : t + 1])
         outs.append(out)
     np.testing.assert_allclose(np.concatenate(outs, 1), full, rtol=0, atol=1e-12)
 
@@ -101,8 +114,9 @@ def test_rope_decode_rotates_keys_before_caching():
 def test_nnx_layer_has_the_same_options():
     from flax import nnx
 
-    layer = jn.MultiHeadAttention(E, N, H, num_kv_heads=K, use_bias=("query", "key", "value"),
-                                  rope=jn.RoPE(base=BASE), rngs=nnx.Rngs(0))
+    layer = jn.MultiHeadAttention(
+        E, N, H, num_kv_heads=K, use_bias=("query", "key", "value"), rope=jn.RoPE(base=BASE), rngs=nnx.Rngs(0)
+    )
     assert "bias" not in layer.params()["out"] and "bias" in layer.params()["query"]
     x = np.random.default_rng(0).standard_normal((B, T, E))
     linen = _layer(use_bias=("query", "key", "value"))
@@ -123,16 +137,28 @@ def test_scaled_frequencies_replace_the_base():
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("make, call, match", [
-    (lambda: jl.MultiHeadAttention(num_heads=N, use_bias=("query", "bogus")), {}, "use_bias: expected"),
-    (lambda: jl.MultiHeadAttention(num_heads=N, rope={"base": 1e4}), {}, "rope: expected None or a RoPE"),
-    (lambda: jl.MultiHeadAttention(num_heads=N), {"rope_positions": np.zeros((B, T), int)},
-     "rope_positions: expected None unless"),
-    (lambda: jl.RelativeMultiHeadAttention(num_heads=N, max_distance=2, rope=jl.RoPE()), {},
-     "rope: expected None with relative tables"),
-    (lambda: jl.MultiHeadAttention(num_heads=N, rope=jl.RoPE(frequencies=(1.0, 0.5))), {},
-     r"frequencies: expected shape \[1\]"),
-])
+@pytest.mark.parametrize(
+    "make, call, match",
+    [
+        (lambda: jl.MultiHeadAttention(num_heads=N, use_bias=("query", "bogus")), {}, "use_bias: expected"),
+        (lambda: jl.MultiHeadAttention(num_heads=N, rope={"base": 1e4}), {}, "rope: expected None or a RoPE"),
+        (
+            lambda: jl.MultiHeadAttention(num_heads=N),
+            {"rope_positions": np.zeros((B, T), int)},
+            "rope_positions: expected None unless",
+        ),
+        (
+            lambda: jl.RelativeMultiHeadAttention(num_heads=N, max_distance=2, rope=jl.RoPE()),
+            {},
+            "rope: expected None with relative tables",
+        ),
+        (
+            lambda: jl.MultiHeadAttention(num_heads=N, rope=jl.RoPE(frequencies=(1.0, 0.5))),
+            {},
+            r"frequencies: expected shape \[1\]",
+        ),
+    ],
+)
 def test_bad_rope_options_raise(make, call, match):
     x = np.zeros((B, T, 12))
     with pytest.raises(ValueError, match=match):

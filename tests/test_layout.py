@@ -115,7 +115,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
         stack.append(m)
         for n in sorted(edges.get(m, ())):
             if state.get(n) == 1:
-                return stack[stack.index(n):] + [n]
+                return stack[stack.index(n) :] + [n]
             if n not in state:
                 found = visit(n)
                 if found:
@@ -138,8 +138,12 @@ def _layer(module: str) -> int:
 
 
 def layer_violations(edges) -> list[str]:
-    return [f"{m} ({_layer(m)}) imports {n} ({_layer(n)})" for m, targets in edges.items() for n in targets
-            if m.startswith("jaxattn") and n.startswith("jaxattn") and _layer(n) > _layer(m)]
+    return [
+        f"{m} ({_layer(m)}) imports {n} ({_layer(n)})"
+        for m, targets in edges.items()
+        for n in targets
+        if m.startswith("jaxattn") and n.startswith("jaxattn") and _layer(n) > _layer(m)
+    ]
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -191,13 +195,18 @@ def test_checker_catches_each_kind_of_violation():
         "crosscheck": ("import jaxattn._core.a\n", True),  # private module from outside
     }
     edges, violations = analyse(sources)
-    assert find_cycle(edges) in (["jaxattn._core.a", "jaxattn._core.b", "jaxattn._core.a"],
-                                 ["jaxattn._core.b", "jaxattn._core.a", "jaxattn._core.b"])
+    assert find_cycle(edges) in (
+        ["jaxattn._core.a", "jaxattn._core.b", "jaxattn._core.a"],
+        ["jaxattn._core.b", "jaxattn._core.a", "jaxattn._core.b"],
+    )
     assert "jaxattn._core.b: from jaxattn._core.a import _hidden" in violations
     assert "jaxattn._engines.e: jaxattn._core.a._hidden" in violations
     assert "crosscheck: imports jaxattn's private module jaxattn._core.a" in violations
     assert layer_violations(edges) == ["jaxattn._core.c (0) imports jaxattn._engines.e (1)"]
-    clean = {"jaxattn": ("", True), "jaxattn.x": ("from . import y\nprint(y.public, y.__name__)\n", False),
-             "jaxattn.y": ("public = 1\n", False)}
+    clean = {
+        "jaxattn": ("", True),
+        "jaxattn.x": ("from . import y\nprint(y.public, y.__name__)\n", False),
+        "jaxattn.y": ("public = 1\n", False),
+    }
     edges, violations = analyse(clean)
     assert find_cycle(edges) is None and violations == [] and edges["jaxattn.x"] == {"jaxattn.y"}

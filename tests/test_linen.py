@@ -42,17 +42,26 @@ def _functional(relative):
 
 # (dtype, relative, K, masking): each head layout, masking and dtype appears with both attention kinds
 # (a pairwise cover rather than the full product: every case compiles forward and backward twice).
-CASES = [(np.float32, False, 6, "none"), (np.float64, False, 2, "causal"), (np.float32, False, 1, "mask+lengths"),
-         (np.float64, True, 6, "causal"), (np.float32, True, 2, "mask+lengths"), (np.float64, True, 1, "none"),
-         (np.float64, False, 6, "mask+lengths"), (np.float32, True, 2, "causal")]
+CASES = [
+    (np.float32, False, 6, "none"),
+    (np.float64, False, 2, "causal"),
+    (np.float32, False, 1, "mask+lengths"),
+    (np.float64, True, 6, "causal"),
+    (np.float32, True, 2, "mask+lengths"),
+    (np.float64, True, 1, "none"),
+    (np.float64, False, 6, "mask+lengths"),
+    (np.float32, True, 2, "causal"),
+]
 
 
 def _masking(masking):
     if masking == "causal":
         return {"is_causal": True}
     if masking == "mask+lengths":
-        return {"mask": np.random.default_rng(2).random((B, 1, T, S)) < 0.7,
-                "key_value_seq_lengths": np.array([7, 4, 1])}
+        return {
+            "mask": np.random.default_rng(2).random((B, 1, T, S)) < 0.7,
+            "key_value_seq_lengths": np.array([7, 4, 1]),
+        }
     return {}
 
 
@@ -68,7 +77,7 @@ def output_and_grad(f):
 
     def loss(p):
         out = f(p)
-        return jnp.sum(out ** 2), out
+        return jnp.sum(out**2), out
 
     return jax.jit(lambda p: jax.grad(loss, has_aux=True)(p)[::-1])
 
@@ -105,8 +114,15 @@ def test_self_attention_defaults_and_weights():
 @pytest.mark.parametrize("relative", [False, True])
 def test_against_torchref_modules(dtype, relative):
     torch.manual_seed(0)
-    kwargs = dict(head_dim=H, num_kv_heads=2, value_head_dim=Hv, key_features=Ek, value_features=Ev,
-                  out_features=Eo, dtype=getattr(torch, dtype))
+    kwargs = dict(
+        head_dim=H,
+        num_kv_heads=2,
+        value_head_dim=Hv,
+        key_features=Ek,
+        value_features=Ev,
+        out_features=Eo,
+        dtype=getattr(torch, dtype),
+    )
     if relative:
         ref = torchref.RelativeMultiHeadAttention(Eq, N, max_distance=MAX_DISTANCE, **kwargs)
     else:
@@ -114,8 +130,11 @@ def test_against_torchref_modules(dtype, relative):
     params = jax.tree.map(jnp.asarray, crosscheck.params_from_torch(ref))
     q, k, v = _inputs(dtype)
     lengths = np.array([7, 3, 5])
-    want = ref(*(torch.from_numpy(a) for a in (q, k, v)), is_causal=True,
-               key_value_seq_lengths=torch.from_numpy(lengths)).detach().numpy()
+    want = (
+        ref(*(torch.from_numpy(a) for a in (q, k, v)), is_causal=True, key_value_seq_lengths=torch.from_numpy(lengths))
+        .detach()
+        .numpy()
+    )
     layer = _layer(relative, 2, param_dtype=dtype, precision="highest")
     got = jax.jit(lambda p: layer.apply({"params": p}, q, k, v, is_causal=True, key_value_seq_lengths=lengths))(params)
     assert got.dtype == dtype
@@ -154,7 +173,8 @@ def test_dropout_the_flax_way():
     key = jax.random.key(7)  # an explicit dropout_rng reproduces the functional call exactly
     np.testing.assert_array_equal(
         layer.apply({"params": params}, q, deterministic=False, dropout_rng=key),
-        jaxattn.multi_head_attention(params, q, dropout_rate=0.4, dropout_rng=key))
+        jaxattn.multi_head_attention(params, q, dropout_rate=0.4, dropout_rng=key),
+    )
     fixed = jl.MultiHeadAttention(num_heads=N, head_dim=H, dropout_rate=0.4, deterministic=True)
     np.testing.assert_array_equal(fixed.apply({"params": params}, q), plain)
 
@@ -166,8 +186,9 @@ def test_dtype_and_param_dtype():
     assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(params))
     out = layer.apply({"params": params}, q)
     assert out.dtype == jnp.float32
-    np.testing.assert_array_equal(out, jaxattn.multi_head_attention(jax.tree.map(lambda p: p.astype(jnp.float32),
-                                                                                 params), q))
+    np.testing.assert_array_equal(
+        out, jaxattn.multi_head_attention(jax.tree.map(lambda p: p.astype(jnp.float32), params), q)
+    )
     half = jl.MultiHeadAttention(num_heads=N, head_dim=H, param_dtype=jnp.bfloat16)  # dtype None: promote
     assert half.apply({"params": params}, q.astype(jnp.bfloat16)).dtype == jnp.bfloat16
 
@@ -175,9 +196,15 @@ def test_dtype_and_param_dtype():
 def test_initialisers_can_be_overridden():
     q, k, v = _inputs(np.float32)
     layer = jl.RelativeMultiHeadAttention(
-        num_heads=N, head_dim=H, max_distance=MAX_DISTANCE, kernel_init=nn.initializers.ones,
-        out_kernel_init=nn.initializers.constant(2.0), bias_init=nn.initializers.constant(3.0),
-        table_init=nn.initializers.constant(4.0), share_heads=True)
+        num_heads=N,
+        head_dim=H,
+        max_distance=MAX_DISTANCE,
+        kernel_init=nn.initializers.ones,
+        out_kernel_init=nn.initializers.constant(2.0),
+        bias_init=nn.initializers.constant(3.0),
+        table_init=nn.initializers.constant(4.0),
+        share_heads=True,
+    )
     params = layer.init(jax.random.key(0), q, k, v)["params"]
     assert params["relative"]["key"].shape == (2 * MAX_DISTANCE + 1, H)
     for name in ("query", "key", "value"):
@@ -198,8 +225,9 @@ def test_default_kernels_use_the_flat_fan_in():
 
 def test_torch_extras_bias_kv_and_zero_attn():
     torch.manual_seed(0)
-    ref = torch.nn.MultiheadAttention(Eq + 1, 6, add_bias_kv=True, add_zero_attn=True, batch_first=True,
-                                      dtype=torch.float64)
+    ref = torch.nn.MultiheadAttention(
+        Eq + 1, 6, add_bias_kv=True, add_zero_attn=True, batch_first=True, dtype=torch.float64
+    )
     params = jax.tree.map(jnp.asarray, crosscheck.params_from_torch(ref))
     x = np.random.default_rng(0).standard_normal((B, T, Eq + 1))
     want = ref(*(torch.from_numpy(x),) * 3, need_weights=False)[0].detach().numpy()
@@ -210,13 +238,20 @@ def test_torch_extras_bias_kv_and_zero_attn():
     assert normwise(got, want) <= 1e-12
 
 
-@pytest.mark.parametrize("make, match", [
-    (lambda: jl.RelativeMultiHeadAttention(num_heads=2), "max_distance"),
-    (lambda: jl.MultiHeadAttention(num_heads=4, num_kv_heads=3), "num_kv_heads"),
-    (lambda: jl.MultiHeadAttention(num_heads=5), "head_dim"),
-    (lambda: jl.RelativeMultiHeadAttention(num_heads=2, max_distance=1, use_key_table=False,
-                                           use_value_table=False), "use_key_table"),
-])
+@pytest.mark.parametrize(
+    "make, match",
+    [
+        (lambda: jl.RelativeMultiHeadAttention(num_heads=2), "max_distance"),
+        (lambda: jl.MultiHeadAttention(num_heads=4, num_kv_heads=3), "num_kv_heads"),
+        (lambda: jl.MultiHeadAttention(num_heads=5), "head_dim"),
+        (
+            lambda: jl.RelativeMultiHeadAttention(
+                num_heads=2, max_distance=1, use_key_table=False, use_value_table=False
+            ),
+            "use_key_table",
+        ),
+    ],
+)
 def test_bad_configuration_raises(make, match):
     with pytest.raises(ValueError, match=match):
         make().init(jax.random.key(0), np.zeros((1, 3, 8), np.float32))

@@ -21,21 +21,19 @@ E, N, T, S, B = 15, 3, 3, 4, 2
 TOL = 1e-12
 X, O = True, False  # torch MHA bool masks: X = blocked
 
-BOOL_GRID = np.array([[X, O, O, X],
-                      [O, X, O, O],
-                      [O, O, X, O]])
-FLOAT_GRID = np.array([[0.0, -np.inf, 1.5, -0.5],
-                       [-2.0, 0.0, -np.inf, 0.25],
-                       [0.5, -np.inf, -np.inf, 0.0]])
-PADDING = np.array([[O, O, O, X],
-                    [X, O, O, O]])  # batch 0 ignores key 3, batch 1 ignores key 0
-PADDING_FLOAT = np.array([[0.0, 0.5, 0.0, -np.inf],
-                          [-np.inf, 0.0, -1.0, 0.0]])
+BOOL_GRID = np.array([[X, O, O, X], [O, X, O, O], [O, O, X, O]])
+FLOAT_GRID = np.array([[0.0, -np.inf, 1.5, -0.5], [-2.0, 0.0, -np.inf, 0.25], [0.5, -np.inf, -np.inf, 0.0]])
+PADDING = np.array([[O, O, O, X], [X, O, O, O]])  # batch 0 ignores key 3, batch 1 ignores key 0
+PADDING_FLOAT = np.array([[0.0, 0.5, 0.0, -np.inf], [-np.inf, 0.0, -1.0, 0.0]])
 
 
 def mha(add_bias_kv=False, add_zero_attn=False):
-    return randomize(torch.nn.MultiheadAttention(E, N, batch_first=True, add_bias_kv=add_bias_kv,
-                                                 add_zero_attn=add_zero_attn, dtype=torch.float64), seed=0)
+    return randomize(
+        torch.nn.MultiheadAttention(
+            E, N, batch_first=True, add_bias_kv=add_bias_kv, add_zero_attn=add_zero_attn, dtype=torch.float64
+        ),
+        seed=0,
+    )
 
 
 def qkv(seed=0):
@@ -46,16 +44,28 @@ def qkv(seed=0):
 def check_against_torch_mha(m, attn_mask=None, key_padding_mask=None, **convert):
     """torch's MHA with its masks == jaxattn and the einsum form with the converted (mask, bias)."""
     q, k, v = qkv()
-    torch_args = {name: None if x is None else torch.tensor(x) for name, x in
-                  (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask))}
+    torch_args = {
+        name: None if x is None else torch.tensor(x)
+        for name, x in (("attn_mask", attn_mask), ("key_padding_mask", key_padding_mask))
+    }
     out, weights = m(*map(torch.tensor, (q, k, v)), need_weights=True, average_attn_weights=False, **torch_args)
     mask, bias = cc.masks_from_torch(**torch_args, **convert)
     if bias is not None:
         assert bias.dtype == jnp.float64
     params, options = cc.params_from_torch(m), cc.call_options_from_torch(m)
-    results = [jaxattn.multi_head_attention(params, q, k, v, mask=mask, bias=bias, return_weights=True, **options),
-               einsum_mha(jax.tree.map(np.asarray, params), q, k, v, mask=None if mask is None else np.asarray(mask),
-                          bias=None if bias is None else np.asarray(bias), xp=np, **options)]
+    results = [
+        jaxattn.multi_head_attention(params, q, k, v, mask=mask, bias=bias, return_weights=True, **options),
+        einsum_mha(
+            jax.tree.map(np.asarray, params),
+            q,
+            k,
+            v,
+            mask=None if mask is None else np.asarray(mask),
+            bias=None if bias is None else np.asarray(bias),
+            xp=np,
+            **options,
+        ),
+    ]
     for jax_out, jax_weights in results:
         assert_float64(jax_out, jax_weights, out, weights)
         assert normwise(jax_out, out.detach().numpy()) <= TOL
@@ -69,9 +79,7 @@ def check_against_torch_mha(m, attn_mask=None, key_padding_mask=None, **convert)
 def test_bool_attn_mask_2d():
     mask, bias = check_against_torch_mha(mha(), attn_mask=BOOL_GRID)
     assert bias is None
-    np.testing.assert_array_equal(mask, [[0, 1, 1, 0],
-                                         [1, 0, 1, 1],
-                                         [1, 1, 0, 1]])
+    np.testing.assert_array_equal(mask, [[0, 1, 1, 0], [1, 0, 1, 1], [1, 1, 0, 1]])
 
 
 def test_bool_attn_mask_3d_is_batch_major():
@@ -109,16 +117,15 @@ def test_attn_mask_and_key_padding_together(attn_mask, padding):
     mask, bias = check_against_torch_mha(mha(), attn_mask=attn_mask, key_padding_mask=padding)
     if attn_mask.dtype == padding.dtype == bool:
         assert bias is None and mask.shape == (B, 1, T, S)
-        np.testing.assert_array_equal(mask[1, 0], [[0, 1, 1, 0],
-                                                   [0, 0, 1, 1],
-                                                   [0, 1, 0, 1]])
+        np.testing.assert_array_equal(mask[1, 0], [[0, 1, 1, 0], [0, 0, 1, 1], [0, 1, 0, 1]])
 
 
 @pytest.mark.filterwarnings(MIXED_TYPES)
 def test_masks_with_bias_kv_and_zero_attn_cover_real_keys_only():
     """torch pads its masks for the extra key columns; jaxattn pads (mask, bias) the same way."""
-    check_against_torch_mha(mha(add_bias_kv=True, add_zero_attn=True), attn_mask=BOOL_GRID,
-                            key_padding_mask=PADDING_FLOAT)
+    check_against_torch_mha(
+        mha(add_bias_kv=True, add_zero_attn=True), attn_mask=BOOL_GRID, key_padding_mask=PADDING_FLOAT
+    )
 
 
 def test_is_causal_hint_uses_the_attn_mask():
@@ -131,9 +138,7 @@ def test_is_causal_hint_uses_the_attn_mask():
     out = jaxattn.multi_head_attention(cc.params_from_torch(m), *map(np.asarray, (q, k, v)), mask=mask)
     assert_float64(out, fast)
     assert normwise(out, fast.detach().numpy()) <= TOL
-    np.testing.assert_array_equal(mask, [[1, 0, 0, 0],
-                                         [1, 1, 0, 0],
-                                         [1, 1, 1, 0]])
+    np.testing.assert_array_equal(mask, [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 0]])
     with pytest.raises(ValueError, match="not that mask"):
         cc.masks_from_torch(BOOL_GRID, is_causal=True)
     with pytest.raises(ValueError, match="refuses it without attn_mask"):
@@ -151,8 +156,11 @@ def sdpa_case(T, S, seed=1):
 
 def check_against_sdpa(T, S, attn_mask=None, is_causal=False):
     q, k, v = sdpa_case(T, S)
-    expected = F.scaled_dot_product_attention(*map(torch.tensor, (q, k, v)), is_causal=is_causal,
-                                              attn_mask=None if attn_mask is None else torch.tensor(attn_mask))
+    expected = F.scaled_dot_product_attention(
+        *map(torch.tensor, (q, k, v)),
+        is_causal=is_causal,
+        attn_mask=None if attn_mask is None else torch.tensor(attn_mask),
+    )
     mask, bias = cc.sdpa_masks_from_torch(attn_mask, is_causal=is_causal, query_length=T, key_length=S)
     heads_last = lambda x: np.swapaxes(x, -3, -2)  # noqa: E731  [B,N,T,H] <-> [B,T,N,H]
     out = jaxattn.dot_product_attention(*map(heads_last, (q, k, v)), mask=mask, bias=bias)
@@ -176,9 +184,7 @@ def test_sdpa_float_mask_and_per_head_shape():
 
 def test_sdpa_is_causal_is_top_left_when_T_below_S():
     mask, _ = check_against_sdpa(3, 5, is_causal=True)
-    np.testing.assert_array_equal(mask, [[1, 0, 0, 0, 0],
-                                         [1, 1, 0, 0, 0],
-                                         [1, 1, 1, 0, 0]])
+    np.testing.assert_array_equal(mask, [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
     # the pitfall, shown: jaxattn's own is_causal is bottom-right, a different mask when T != S
     q, k, v = (np.swapaxes(x, -3, -2) for x in sdpa_case(3, 5))
     with_mask = jaxattn.dot_product_attention(q, k, v, mask=mask)
@@ -198,18 +204,20 @@ def test_sdpa_is_causal_when_T_equals_S_matches_jaxattn_causal():
 # -------------------------------------------------------------------------------------------------- errors
 
 
-@pytest.mark.parametrize("call, message", [
-    (lambda: cc.masks_from_torch(np.zeros((6, T, S), bool)), "pass num_heads"),
-    (lambda: cc.masks_from_torch(np.zeros((7, T, S), bool), num_heads=N), "divisible by num_heads=3"),
-    (lambda: cc.masks_from_torch(np.zeros((T,), bool)), r"\[T, S\] or \[B\*N, T, S\]"),
-    (lambda: cc.masks_from_torch(np.zeros((T, S), np.int64)), "bool or floating"),
-    (lambda: cc.masks_from_torch(BOOL_GRID, PADDING[:, :3]), "key length S = 4, got 3"),
-    (lambda: cc.masks_from_torch(BOOL_GRID, query_length=4), "query length T = 4, got 3"),
-    (lambda: cc.masks_from_torch(np.zeros((6, T, S), bool), np.zeros((3, S), bool), num_heads=N),
-     "batch B = 2"),
-    (lambda: cc.sdpa_masks_from_torch(is_causal=True), "query_length= and key_length="),
-    (lambda: cc.sdpa_masks_from_torch(~BOOL_GRID, is_causal=True), "one or the other"),
-])
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: cc.masks_from_torch(np.zeros((6, T, S), bool)), "pass num_heads"),
+        (lambda: cc.masks_from_torch(np.zeros((7, T, S), bool), num_heads=N), "divisible by num_heads=3"),
+        (lambda: cc.masks_from_torch(np.zeros((T,), bool)), r"\[T, S\] or \[B\*N, T, S\]"),
+        (lambda: cc.masks_from_torch(np.zeros((T, S), np.int64)), "bool or floating"),
+        (lambda: cc.masks_from_torch(BOOL_GRID, PADDING[:, :3]), "key length S = 4, got 3"),
+        (lambda: cc.masks_from_torch(BOOL_GRID, query_length=4), "query length T = 4, got 3"),
+        (lambda: cc.masks_from_torch(np.zeros((6, T, S), bool), np.zeros((3, S), bool), num_heads=N), "batch B = 2"),
+        (lambda: cc.sdpa_masks_from_torch(is_causal=True), "query_length= and key_length="),
+        (lambda: cc.sdpa_masks_from_torch(~BOOL_GRID, is_causal=True), "one or the other"),
+    ],
+)
 def test_bad_masks(call, message):
     with pytest.raises(ValueError, match=message):
         call()

@@ -49,7 +49,8 @@ def test_shaw_within_twice_plain_attention(per_head):
 
     assert temp_bytes(shaw, *shapes) <= 2 * plain
     assert temp_bytes(grad_of_sum(shaw, (0, 1, 2, 3, 4)), *shapes) <= 2 * temp_bytes(
-        grad_of_sum(jax.nn.dot_product_attention, (0, 1, 2)), *shapes[:3])
+        grad_of_sum(jax.nn.dot_product_attention, (0, 1, 2)), *shapes[:3]
+    )
 
 
 def seed000_naive(X, W_Q, W_K, W_V, a_K, a_V):

@@ -23,8 +23,22 @@ from crosscheck import _hf_models as hf
 from crosscheck import layer_report
 from jaxattn.models import from_pretrained, generate
 
-FAMILIES = ("gpt2", "t5", "llama", "qwen2", "mistral", "gemma2", "qwen3", "gemma3_text", "mixtral", "gpt_oss",
-            "qwen3_moe", "llama4_text", "deepseek_v3", "qwen3_next")
+FAMILIES = (
+    "gpt2",
+    "t5",
+    "llama",
+    "qwen2",
+    "mistral",
+    "gemma2",
+    "qwen3",
+    "gemma3_text",
+    "mixtral",
+    "gpt_oss",
+    "qwen3_moe",
+    "llama4_text",
+    "deepseek_v3",
+    "qwen3_next",
+)
 NEW = 64
 # families whose transformers float32 run is itself further than 1e-5 from its float64 run on the tiny
 # checkpoint: their float32 logits are held to that envelope instead (test_float32_within_transformers_envelope)
@@ -32,8 +46,9 @@ FLOAT32_ENVELOPE = ("qwen3_next",)
 
 
 # qwen3_next: its chunked delta rule's compile makes its reports ~40 s on 2 cores, so all its runs are slow
-@pytest.fixture(scope="module", params=[pytest.param(f, marks=pytest.mark.slow) if f == "qwen3_next" else f
-                                        for f in FAMILIES])
+@pytest.fixture(
+    scope="module", params=[pytest.param(f, marks=pytest.mark.slow) if f == "qwen3_next" else f for f in FAMILIES]
+)
 def checkpoint(request, tmp_path_factory):
     """(model_type, directory, torch model) of the family's tiny random checkpoint."""
     directory = hf.write_checkpoint(request.param, tmp_path_factory.mktemp(request.param))
@@ -96,8 +111,9 @@ def test_greedy_decoding_equals_transformers_generate(checkpoint, side, dtype):
     ids, mask = hf.padded_batch(side)
     ours = generate(model, params, ids, max_new_tokens=NEW, attention_mask=mask)
     with torch.no_grad(), hf.float64_reference(torch_model, dtype):
-        theirs = torch_model.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                                      max_new_tokens=NEW, do_sample=False).numpy()
+        theirs = torch_model.generate(
+            torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=NEW, do_sample=False
+        ).numpy()
     # decoder-only: the prompt then the new tokens; T5: the decoder start token then the new tokens
     assert ours.shape == theirs.shape == (3, (1 if model_type == "t5" else 11) + NEW)
     new = ours[:, -NEW:]
@@ -124,8 +140,9 @@ def _faults(model_type, params):
             elif node == "relative_attention_bias":
                 faults.append((path, leaf, f"{stack}.layer0.attention"))
             continue
-        layer = next((i for i in range(2) if keys[0] == {"gpt2": "h_{i}"}.get(model_type, "layers_{i}").format(i=i)),
-                     None)
+        layer = next(
+            (i for i in range(2) if keys[0] == {"gpt2": "h_{i}"}.get(model_type, "layers_{i}").format(i=i)), None
+        )
         if layer is not None:
             faults.append((path, leaf, f"layer{layer}."))
     return faults
@@ -144,12 +161,13 @@ def test_drift_origin_every_injected_fault_is_found_at_its_layer(checkpoint):
     for path, leaf, expected in faults:
         faulty = np.array(leaf)
         if "experts" in jax.tree_util.keystr(path):  # stacked [X,...]: each expert's largest entry (the largest
-            for expert in faulty:                     # of all may be an expert no token picks, which changes nothing)
+            for expert in faulty:  # of all may be an expert no token picks, which changes nothing)
                 expert[np.unravel_index(np.argmax(np.abs(expert)), expert.shape)] *= 1 + 1e-3
         else:
             faulty[np.unravel_index(np.argmax(np.abs(leaf)), leaf.shape)] *= 1 + 1e-3
-        bad = jax.tree_util.tree_map_with_path(lambda p, x, path=path, faulty=faulty: faulty if p == path else x,
-                                               params)
+        bad = jax.tree_util.tree_map_with_path(
+            lambda p, x, path=path, faulty=faulty: faulty if p == path else x, params
+        )
         report = layer_report(torch_model, (model, bad), inputs, dtype="float64")
         if not (report.first_divergent or "").startswith(expected):
             misses.append((jax.tree_util.keystr(path), expected, report.first_divergent))
@@ -157,11 +175,22 @@ def test_drift_origin_every_injected_fault_is_found_at_its_layer(checkpoint):
     assert len(faults) >= 16 and not misses, misses  # every weight tensor of both layers
 
 
-@pytest.mark.parametrize("model_type, overrides", [
-    ("gemma2", {"tie_word_embeddings": True, "final_logit_softcapping": None, "attn_logit_softcapping": None,
-                "layer_types": ["full_attention", "sliding_attention"]}),  # tied (HF's default), no softcaps
-    ("mistral", {"sliding_window": None}),  # null: no window at all
-    ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1})])  # layer 1 slides
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [
+        (
+            "gemma2",
+            {
+                "tie_word_embeddings": True,
+                "final_logit_softcapping": None,
+                "attn_logit_softcapping": None,
+                "layer_types": ["full_attention", "sliding_attention"],
+            },
+        ),  # tied (HF's default), no softcaps
+        ("mistral", {"sliding_window": None}),  # null: no window at all
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
+    ],
+)  # layer 1 slides
 def test_config_variants_match_transformers(tmp_path, model_type, overrides):
     directory = hf.write_checkpoint(model_type, tmp_path / "variant", **overrides)
     torch_model = hf.torch_model(directory)
@@ -186,18 +215,30 @@ def test_gemma2_bf16_embeddings_scale_as_transformers(tmp_path):
     np.testing.assert_array_equal(np.asarray(state["intermediates"]["embeddings"][0], np.float32), theirs)
 
 
-@pytest.mark.parametrize("model_type, key, value", [
-    ("gpt2", "activation_function", "swish"), ("gpt2", "add_cross_attention", True),
-    ("gpt2", "reorder_and_upcast_attn", True), ("t5", "dense_act_fn", "swish"),
-    ("t5", "feed_forward_proj", "gated-gelu-x"), ("t5", "is_decoder", True),
-    ("llama", "hidden_act", "gelu"), ("qwen2", "layer_types", ["sliding_attention"]),
-    ("llama", "rope_parameters", {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}),
-    ("qwen2", "layer_types", ["sliding_attention", "full_attention"]),
-    ("mistral", "layer_types", ["sliding_attention", "full_attention"]), ("mistral", "sliding_window", 0),
-    ("mistral", "hidden_act", "gelu"), ("gemma2", "hidden_activation", "gelu"),
-    ("gemma2", "use_bidirectional_attention", True), ("gemma2", "layer_types", ["sliding_attention"]),
-    ("gemma2", "layer_types", ["chunked_attention", "full_attention"]), ("gemma2", "sliding_window", None),
-    ("gemma2", "rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})])
+@pytest.mark.parametrize(
+    "model_type, key, value",
+    [
+        ("gpt2", "activation_function", "swish"),
+        ("gpt2", "add_cross_attention", True),
+        ("gpt2", "reorder_and_upcast_attn", True),
+        ("t5", "dense_act_fn", "swish"),
+        ("t5", "feed_forward_proj", "gated-gelu-x"),
+        ("t5", "is_decoder", True),
+        ("llama", "hidden_act", "gelu"),
+        ("qwen2", "layer_types", ["sliding_attention"]),
+        ("llama", "rope_parameters", {"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}),
+        ("qwen2", "layer_types", ["sliding_attention", "full_attention"]),
+        ("mistral", "layer_types", ["sliding_attention", "full_attention"]),
+        ("mistral", "sliding_window", 0),
+        ("mistral", "hidden_act", "gelu"),
+        ("gemma2", "hidden_activation", "gelu"),
+        ("gemma2", "use_bidirectional_attention", True),
+        ("gemma2", "layer_types", ["sliding_attention"]),
+        ("gemma2", "layer_types", ["chunked_attention", "full_attention"]),
+        ("gemma2", "sliding_window", None),
+        ("gemma2", "rope_parameters", {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}),
+    ],
+)
 def test_config_options_not_implemented_are_refused(tmp_path, model_type, key, value):
     import json
     import shutil
@@ -211,11 +252,21 @@ def test_config_options_not_implemented_are_refused(tmp_path, model_type, key, v
         from_pretrained(bad)
 
 
-@pytest.mark.parametrize("rope", [
-    {"rope_type": "default", "rope_theta": 500.0},
-    {"rope_type": "linear", "factor": 3.0, "rope_theta": 10000.0},
-    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-     "original_max_position_embeddings": 64, "rope_theta": 500000.0}])
+@pytest.mark.parametrize(
+    "rope",
+    [
+        {"rope_type": "default", "rope_theta": 500.0},
+        {"rope_type": "linear", "factor": 3.0, "rope_theta": 10000.0},
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 500000.0,
+        },
+    ],
+)
 def test_rope_frequencies_equal_transformers(rope):
     """Our float64 inverse frequencies against HF's own rope init functions (float32: 1e-6 relative)."""
     import transformers
@@ -223,11 +274,13 @@ def test_rope_frequencies_equal_transformers(rope):
 
     from jaxattn.models import rope_frequencies
 
-    config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=256,
-                                      rope_parameters=rope)
+    config = transformers.LlamaConfig(
+        hidden_size=64, num_attention_heads=2, max_position_embeddings=256, rope_parameters=rope
+    )
     if rope["rope_type"] == "default":
         theirs, _ = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding.compute_default_rope_parameters(
-            config)
+            config
+        )
     else:
         theirs, _ = ROPE_INIT_FUNCTIONS[rope["rope_type"]](config, "cpu")
     ours = rope_frequencies(config.to_dict(), 32)
@@ -266,12 +319,24 @@ def test_greedy_decoding_stops_at_eos_like_transformers(tmp_path, model_type):
     free = generate(model, params, ids, max_new_tokens=24, attention_mask=mask)[:, -24:]
     eos = [int(free[0, 3]), int(free[1, 6]), int(free[2, 9])]
     for eos_token_id, pad_token_id in ((eos, 0), (eos[1], None)):
-        ours = generate(model, params, ids, max_new_tokens=24, attention_mask=mask, eos_token_id=eos_token_id,
-                        pad_token_id=pad_token_id)
+        ours = generate(
+            model,
+            params,
+            ids,
+            max_new_tokens=24,
+            attention_mask=mask,
+            eos_token_id=eos_token_id,
+            pad_token_id=pad_token_id,
+        )
         with torch.no_grad():
-            theirs = torch_model.generate(torch.from_numpy(ids), attention_mask=torch.from_numpy(mask),
-                                          max_new_tokens=24, do_sample=False, eos_token_id=eos_token_id,
-                                          pad_token_id=pad_token_id).numpy()
+            theirs = torch_model.generate(
+                torch.from_numpy(ids),
+                attention_mask=torch.from_numpy(mask),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=eos_token_id,
+                pad_token_id=pad_token_id,
+            ).numpy()
         np.testing.assert_array_equal(ours, theirs)
         if eos_token_id == eos:  # every row finished by step 9, so decoding stopped after <= 10 tokens
             assert ours.shape[1] - (1 if model_type == "t5" else 11) <= 10

@@ -17,7 +17,8 @@ def test_every_family_exports_its_config_and_model(model_type):
     family = registered_families()[model_type]
     assert isinstance(family, Family), (
         f"{model_type}: registered a bare loader; register a Family (_decoder.loader, moe.loader, or "
-        f"@_pretrained.loads(ConfigClass, ModelClass) under @register_family)")
+        f"@_pretrained.loads(ConfigClass, ModelClass) under @register_family)"
+    )
     for cls in (family.config_class, family.model_class):
         assert cls.__name__ in jaxattn.models.__all__, f"{model_type}: jaxattn.models.__all__ lacks {cls.__name__}"
         assert getattr(jaxattn.models, cls.__name__) is cls, f"{model_type}: jaxattn.models.{cls.__name__} is another"

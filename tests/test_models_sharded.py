@@ -38,8 +38,16 @@ sys.path.insert(0, str(HERE.parent / "examples"))
 from train_sharded import DEMO  # noqa: E402  (the tiny configs that split over 8 devices)
 
 FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "t5")
-NEW_FAMILIES = ("qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe", "llama4_text",
-                "deepseek_v3", "qwen3_next")  # the (2, 4) mesh only
+NEW_FAMILIES = (
+    "qwen3",
+    "gemma3_text",
+    "mixtral",
+    "gpt_oss",
+    "qwen3_moe",
+    "llama4_text",
+    "deepseek_v3",
+    "qwen3_next",
+)  # the (2, 4) mesh only
 MESHES = ("8x1", "2x4", "1x8")
 TOL = 1e-12
 TIMEOUT_S = 1500  # the mesh run takes about 8 minutes on a loaded 2-core machine
@@ -83,9 +91,14 @@ def new_checkpoints(tmp_path_factory):
 def test_read_region_reads_exactly_the_box(tmp_path):
     safetensors = pytest.importorskip("safetensors.numpy")
     rng = np.random.default_rng(0)
-    tensors = {"a": rng.normal(size=(5, 7, 3)).astype(np.float32), "b": rng.normal(size=(4,)),
-               "c": np.array(2.5), "d": rng.normal(size=(6, 10)).astype(ml_dtypes.bfloat16),
-               "e": np.zeros((0, 3), np.float32), "f": rng.integers(0, 9, (6, 10)).astype(np.int16)}
+    tensors = {
+        "a": rng.normal(size=(5, 7, 3)).astype(np.float32),
+        "b": rng.normal(size=(4,)),
+        "c": np.array(2.5),
+        "d": rng.normal(size=(6, 10)).astype(ml_dtypes.bfloat16),
+        "e": np.zeros((0, 3), np.float32),
+        "f": rng.integers(0, 9, (6, 10)).astype(np.int16),
+    }
     path = tmp_path / "x.safetensors"
     safetensors.save_file(tensors, str(path))
     whole, entries = io.load_safetensors(path), io.safetensors_entries(path)
@@ -113,7 +126,7 @@ def test_safetensors_entries_refuses_a_damaged_file(tmp_path):
     path.write_bytes(raw[:-8])  # truncated
     with pytest.raises(ValueError, match="not a valid safetensors file"):
         io.safetensors_entries(path)
-    path.write_bytes((10 ** 9).to_bytes(8, "little") + raw[8:])  # a header longer than the file
+    path.write_bytes((10**9).to_bytes(8, "little") + raw[8:])  # a header longer than the file
     with pytest.raises(ValueError, match="header length"):
         io.safetensors_entries(path)
     with pytest.raises(FileNotFoundError):
@@ -122,20 +135,28 @@ def test_safetensors_entries_refuses_a_damaged_file(tmp_path):
 
 # (transform, HF shape, leaf shape, the leaf axes that are a merged HF axis's later letters: a box that cuts
 # none of them reads exactly its own bytes; one that does reads the whole merged axis)
-@pytest.mark.parametrize("transform,hf_shape,shape,tails", [
-    (W.Copy(), (6, 4), (6, 4), ()), (W.Transpose(), (6, 4), (4, 6), ()), (W.Reshape(), (12,), (3, 4), (1,)),
-    (W.Steps(W.Transpose(), W.Reshape()), (12, 5), (5, 3, 4), (2,)),
-    (W.Steps(W.Transpose(), W.Reshape()), (5, 12), (3, 4, 5), (1,)),
-    (W.Reshape(), (12, 5), (3, 4, 5), (1,)), (W.Part(1, 3, 1), (5, 36), (5, 3, 4), (2,)),
-    (W.Part(2, 3, 0), (36,), (3, 4), (1,)), (W.Part(0, 3, 1), (5, 36), (5, 12), ()),
-    # the MoE families' steps (jaxattn.models.moe): a stacked [X,out,in] kernel to [X,in,out], Mixtral's fused
-    # gate_up_proj [X,2F,E] halves; gpt-oss's interleaved columns (every: the span read, tails = its axis)
-    (W.SwapAxes(1, 2), (4, 6, 8), (4, 8, 6), ()),
-    (W.Steps(W.Part(1, 2, 1), W.SwapAxes(1, 2)), (4, 12, 8), (4, 8, 6), ()),
-    (W.Every(0, 2, 2), (4, 6, 16), (4, 6, 8), (2,)), (W.Every(1, 2, 1), (6, 16), (6, 8), (1,)),
-    # blocks of w entries (GPT-NeoX's per-head q/k/v rows): no single strided range, the tensor is read whole
-    (W.Steps(W.Every(1, 3, 0, w=4), W.Transpose(), W.Reshape()), (24, 5), (5, 2, 4), None),
-])
+@pytest.mark.parametrize(
+    "transform,hf_shape,shape,tails",
+    [
+        (W.Copy(), (6, 4), (6, 4), ()),
+        (W.Transpose(), (6, 4), (4, 6), ()),
+        (W.Reshape(), (12,), (3, 4), (1,)),
+        (W.Steps(W.Transpose(), W.Reshape()), (12, 5), (5, 3, 4), (2,)),
+        (W.Steps(W.Transpose(), W.Reshape()), (5, 12), (3, 4, 5), (1,)),
+        (W.Reshape(), (12, 5), (3, 4, 5), (1,)),
+        (W.Part(1, 3, 1), (5, 36), (5, 3, 4), (2,)),
+        (W.Part(2, 3, 0), (36,), (3, 4), (1,)),
+        (W.Part(0, 3, 1), (5, 36), (5, 12), ()),
+        # the MoE families' steps (jaxattn.models.moe): a stacked [X,out,in] kernel to [X,in,out], Mixtral's fused
+        # gate_up_proj [X,2F,E] halves; gpt-oss's interleaved columns (every: the span read, tails = its axis)
+        (W.SwapAxes(1, 2), (4, 6, 8), (4, 8, 6), ()),
+        (W.Steps(W.Part(1, 2, 1), W.SwapAxes(1, 2)), (4, 12, 8), (4, 8, 6), ()),
+        (W.Every(0, 2, 2), (4, 6, 16), (4, 6, 8), (2,)),
+        (W.Every(1, 2, 1), (6, 16), (6, 8), (1,)),
+        # blocks of w entries (GPT-NeoX's per-head q/k/v rows): no single strided range, the tensor is read whole
+        (W.Steps(W.Every(1, 3, 0, w=4), W.Transpose(), W.Reshape()), (24, 5), (5, 2, 4), None),
+    ],
+)
 def test_a_box_of_a_leaf_reads_its_region_of_the_tensor(tmp_path, transform, hf_shape, shape, tails):
     """Transform.region (what the sharded reader reads) against the dense table transform (weights.fill), on
     every box of a grid of cuts."""
@@ -238,6 +259,8 @@ def test_deepseek_rules_split_mla_heads_and_keep_the_latents_whole():
     assert spec("layers_0/self_attn/latent_norm/scale", (C,)) == P()
     assert spec("layers_1/mlp/score_correction_bias", (X,)) == P()
     assert spec("layers_1/mlp/shared_experts/down_proj/kernel", (6, E)) == P("model", "data")
+
+
 def test_qwen3_next_rules_split_heads_and_experts():
     """Qwen3-Next's own projections by heads (gated attention) and key / value heads (linear layers), the conv
     by channel and the decay parameters by value head, its experts and shared expert as the MoE rows."""
@@ -272,7 +295,8 @@ def test_one_device_mesh_loads_moe_params_the_same(new_checkpoints, family):
     twice = {n for n in entries if n.endswith(("gate_up_proj", "gate_up_proj_bias"))}
     assert (family == "gpt_oss") == bool(twice)
     assert {name: n for (_, name), n in io.bytes_read.items()} == {
-        n: 2 * e.nbytes * (e.shape[-1] - 1) // e.shape[-1] if n in twice else e.nbytes for n, e in entries.items()}
+        n: 2 * e.nbytes * (e.shape[-1] - 1) // e.shape[-1] if n in twice else e.nbytes for n, e in entries.items()
+    }
     assert jax.tree.structure(params) == jax.tree.structure(sparams)
     for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(sparams)):
         assert isinstance(b, jax.Array) and a.dtype == b.dtype and np.array_equal(a, b)
@@ -294,11 +318,17 @@ def test_rules_first_match_wins_and_user_rows_come_first():
     assert only_data.spec("layers_0/self_attn/query/kernel", (8, 4, 2)) == P("data", None, None)
 
 
-@pytest.mark.parametrize("rules,match", [
-    ([("*", P("expert"))], r"rules\[0\] \('\*': P\('expert',\)\): expected axes of the mesh \['data', 'model'\], "
-                           r"got axis 'expert'"),
-    ([("*", "data")], r"rules\[0\]: expected a \(pattern str, PartitionSpec\) pair"),
-])
+@pytest.mark.parametrize(
+    "rules,match",
+    [
+        (
+            [("*", P("expert"))],
+            r"rules\[0\] \('\*': P\('expert',\)\): expected axes of the mesh \['data', 'model'\], "
+            r"got axis 'expert'",
+        ),
+        ([("*", "data")], r"rules\[0\]: expected a \(pattern str, PartitionSpec\) pair"),
+    ],
+)
 def test_rules_that_name_no_axis_of_the_mesh_are_refused(rules, match):
     from jaxattn.models import _partition_rules
 
@@ -310,8 +340,11 @@ def test_a_spec_is_checked_against_its_leaf():
     from jaxattn.models import _partition_rules
 
     mesh = one_device_mesh("data", "model")
-    with pytest.raises(ValueError, match=r"^q \(spec P\(None, None, None, 'data'\), shape \[8,4,2\]\): expected "
-                                         r"at most 3 entries"):
+    with pytest.raises(
+        ValueError,
+        match=r"^q \(spec P\(None, None, None, 'data'\), shape \[8,4,2\]\): expected "
+        r"at most 3 entries",
+    ):
         _partition_rules.check_spec("q", P(None, None, None, "data"), (8, 4, 2), mesh)
     with pytest.raises(ValueError, match=r"expected each mesh axis at most once, got axes \['data', 'data'\]"):
         _partition_rules.check_spec("q", P("data", "data"), (8, 4, 2), mesh)
@@ -328,12 +361,17 @@ def test_a_rule_that_does_not_divide_a_dimension_is_refused():
     from jaxattn.models import _partition_rules
 
     mesh = AbstractMesh((2, 4), ("data", "model"))
-    with pytest.raises(ValueError,
-                       match=r"^layers_0/up_proj/kernel \(spec P\('data', 'model'\), shape \[64,6\]\): "
-                       r"expected dim 1 \(6\) divisible by 4 \(mesh axes \['model'\]\), got 6 % 4 = 2$"):
+    with pytest.raises(
+        ValueError,
+        match=r"^layers_0/up_proj/kernel \(spec P\('data', 'model'\), shape \[64,6\]\): "
+        r"expected dim 1 \(6\) divisible by 4 \(mesh axes \['model'\]\), got 6 % 4 = 2$",
+    ):
         _partition_rules.check_spec("layers_0/up_proj/kernel", P("data", "model"), (64, 6), mesh)
-    with pytest.raises(ValueError, match=r"^q \(spec P\(\('data', 'model'\),\), shape \[12\]\): expected dim 0 "
-                                         r"\(12\) divisible by 8 \(mesh axes \['data', 'model'\]\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"^q \(spec P\(\('data', 'model'\),\), shape \[12\]\): expected dim 0 "
+        r"\(12\) divisible by 8 \(mesh axes \['data', 'model'\]\)",
+    ):
         _partition_rules.check_spec("q", P(("data", "model")), (12,), mesh)
     _partition_rules.check_spec("layers_0/up_proj/kernel", P("data", None), (64, 6), mesh)
 
@@ -365,8 +403,9 @@ def test_sequence_parallel_applies_the_qk_norms(tmp_path):
     from jaxattn.linen import MultiHeadAttention
     from jaxattn.models import _activation_layout
 
-    directory = hf.write_checkpoint("qwen3", tmp_path / "qwen3", vocab_size=128, use_sliding_window=False,
-                                    **DEMO["qwen3"])
+    directory = hf.write_checkpoint(
+        "qwen3", tmp_path / "qwen3", vocab_size=128, use_sliding_window=False, **DEMO["qwen3"]
+    )
     model, params = from_pretrained(directory, dtype="float64")
     smodel, sparams = from_pretrained(directory, dtype="float64", mesh=one_device_mesh("data", "seq", "model"))
     assert _activation_layout.attention_class(smodel.sharding) is not MultiHeadAttention
@@ -391,11 +430,19 @@ def test_missing_shard_file_names_the_parameter_spec_and_shape(checkpoints, tmp_
     files = sorted((tmp_path / "sharded").glob("model-*.safetensors"))
     assert len(files) >= 3
     missing = files[1]
-    names = [n for n, f in json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())[
-        "weight_map"].items() if f == missing.name]
+    names = [
+        n
+        for n, f in json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())[
+            "weight_map"
+        ].items()
+        if f == missing.name
+    ]
     missing.unlink()
-    with pytest.raises(ValueError, match=rf"\(spec P\(.*\), shape \[[\d,]+\]\): expected tensor '.*' from "
-                                         rf"{missing.name}, got no such file") as error:
+    with pytest.raises(
+        ValueError,
+        match=rf"\(spec P\(.*\), shape \[[\d,]+\]\): expected tensor '.*' from "
+        rf"{missing.name}, got no such file",
+    ) as error:
         from_pretrained(tmp_path / "sharded", mesh=one_device_mesh("data", "model"))
     assert any(f"'{n}'" in str(error.value) for n in names)
     with pytest.raises(FileNotFoundError, match=missing.name):
@@ -413,16 +460,27 @@ def test_rules_need_a_mesh(checkpoints):
 # the forward's all-reduces over "model" on the (1, 8) mesh: one after each row-parallel projection (attention
 # out and MLP down per layer; T5's decoder layers add cross-attention's out), one for the lookup in embeddings
 # split by vocabulary (GPT-2's are not)
-ROW_PARALLEL_ALL_REDUCES = {"gpt2": 2 * 2, "llama": 2 * 2 + 1, "qwen2": 2 * 2 + 1, "mistral": 2 * 2 + 1,
-                            "gemma2": 2 * 2 + 1, "t5": 2 * 2 + 3 * 2 + 1}
+ROW_PARALLEL_ALL_REDUCES = {
+    "gpt2": 2 * 2,
+    "llama": 2 * 2 + 1,
+    "qwen2": 2 * 2 + 1,
+    "mistral": 2 * 2 + 1,
+    "gemma2": 2 * 2 + 1,
+    "t5": 2 * 2 + 3 * 2 + 1,
+}
 
 
 @pytest.fixture(scope="module")
 def mesh_results(checkpoints):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    run = subprocess.run([sys.executable, str(SCRIPT), "mesh", ",".join(MESHES),
-                          *(checkpoints[f] for f in FAMILIES)], capture_output=True, text=True, env=env,
-                         timeout=TIMEOUT_S, cwd=HERE)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "mesh", ",".join(MESHES), *(checkpoints[f] for f in FAMILIES)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT_S,
+        cwd=HERE,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -458,14 +516,16 @@ def test_sharded_model_equals_one_device(mesh_results, family, mesh):
 def test_parameters_are_laid_out_by_the_rules(mesh_results, family):
     specs = result_of(mesh_results, family, "2x4")["specs"]
     attention = {"gpt2": "['h_0']['attn']", "t5": "['decoder']['block_1']['cross_attention']"}.get(
-        family, "['layers_0']['self_attn']")
+        family, "['layers_0']['self_attn']"
+    )
     assert specs[f"{attention}['query']['kernel']"] == "('data', 'model')"  # [E,N,H]: FSDP, heads
     assert specs[f"{attention}['key']['kernel']"] == "('data', 'model')"
     assert specs[f"{attention}['out']['kernel']"] == "('model', None, 'data')"  # [N,H,E]
     norms = [s for path, s in specs.items() if "norm" in path or "ln_" in path]
     assert norms and set(norms) == {"()"}  # replicated
-    mlp_in = {"gpt2": "['h_0']['c_fc']",
-              "t5": "['encoder']['block_0']['ff']['wi_0']"}.get(family, "['layers_0']['up_proj']")
+    mlp_in = {"gpt2": "['h_0']['c_fc']", "t5": "['encoder']['block_0']['ff']['wi_0']"}.get(
+        family, "['layers_0']['up_proj']"
+    )
     assert specs[f"{mlp_in}['kernel']"] == "('data', 'model')"
 
 
@@ -498,9 +558,14 @@ def new_family_results(new_checkpoints):
     """The newer families on the (2, 4) mesh (_models_mesh_checks.py families: no error or sequence-parallel
     runs), each against one device."""
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    run = subprocess.run([sys.executable, str(SCRIPT), "families", "2x4",
-                          *(new_checkpoints[f] for f in NEW_FAMILIES)], capture_output=True, text=True, env=env,
-                         timeout=TIMEOUT_S, cwd=HERE)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "families", "2x4", *(new_checkpoints[f] for f in NEW_FAMILIES)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT_S,
+        cwd=HERE,
+    )
     assert run.returncode == 0, run.stderr[-4000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -527,7 +592,10 @@ def test_newer_family_on_a_mesh_equals_one_device(new_family_results, family):
         assert specs["['layers_1']['mlp']['experts']['gate_proj']['kernel']"] == "('model', 'data')"
         assert specs["['layers_1']['mlp']['shared_experts']['down_proj']['kernel']"] == "('model', 'data')"
         assert {k: v["spec"] for k, v in result["generate"]["cache"].items()} == {
-            "cache_index": "('data',)", "cached_latent": "('data',)", "cached_rope": "('data',)"}
+            "cache_index": "('data',)",
+            "cached_latent": "('data',)",
+            "cached_rope": "('data',)",
+        }
     elif family == "qwen3_next":  # layer 0 linear with the MoE, layer 1 gated attention with a dense SwiGLU
         assert specs["['layers_0']['linear_attn']['in_proj_qkvz']['kernel']"] == "('data', 'model')"
         assert specs["['layers_0']['linear_attn']['out_proj']['kernel']"] == "('model', None, 'data')"
@@ -558,7 +626,8 @@ def test_rules_that_do_not_fit_eight_devices_are_refused(mesh_results):
     messages = mesh_results["errors"]
     assert messages["does not divide"] == (
         "layers_0/self_attn/query/kernel (spec P(None, None, ('data', 'model')), shape [64,16,4]): expected dim 2 "
-        "(4) divisible by 8 (mesh axes ['data', 'model']), got 4 % 8 = 4")
+        "(4) divisible by 8 (mesh axes ['data', 'model']), got 4 % 8 = 4"
+    )
     assert messages["axis not in the mesh"].startswith("rules[0] ('*': P('expert',)): expected axes of the mesh")
     assert "expected at most 3 entries (one per dim), got 4" in messages["too many entries"]
     assert "expected each mesh axis at most once" in messages["axis twice"]
@@ -588,8 +657,10 @@ def test_sequence_parallel_on_the_ring_equals_one_device(mesh_results, family):
     assert result["collectives"]["weights_gathered_over_model"] == []
     left = result["left_padded_rows_nan"]
     assert left["rows"] == [False] * 7 + [True]
-    assert left["generate"] == ("attention_mask: expected right padding (each row's tokens first) with sequence "
-                                "parallelism (the ring masks keys by count), got rows [7] padded otherwise")
+    assert left["generate"] == (
+        "attention_mask: expected right padding (each row's tokens first) with sequence "
+        "parallelism (the ring masks keys by count), got rows [7] padded otherwise"
+    )
 
 
 @pytest.mark.slow
@@ -613,16 +684,27 @@ def big_checkpoint(tmp_path_factory):
     pytest.importorskip("transformers")
     from crosscheck import _hf_models as hf
 
-    return str(hf.write_checkpoint("llama", tmp_path_factory.mktemp("big") / "llama", vocab_size=4096,
-                                   hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
-                                   num_attention_heads=8, num_key_value_heads=8, head_dim=64))
+    return str(
+        hf.write_checkpoint(
+            "llama",
+            tmp_path_factory.mktemp("big") / "llama",
+            vocab_size=4096,
+            hidden_size=512,
+            intermediate_size=1024,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=8,
+            head_dim=64,
+        )
+    )
 
 
 @pytest.fixture(scope="module")
 def process_results(checkpoints, big_checkpoint):
     """The two processes' reports (tests/helpers.py's run_processes, as tests/test_multiprocess.py's)."""
-    return run_processes(SCRIPT, 2, big_checkpoint, *(checkpoints[f] for f in FAMILIES), mode=("process",),
-                         timeout_s=PROCESS_TIMEOUT_S)
+    return run_processes(
+        SCRIPT, 2, big_checkpoint, *(checkpoints[f] for f in FAMILIES), mode=("process",), timeout_s=PROCESS_TIMEOUT_S
+    )
 
 
 @pytest.mark.slow
@@ -631,7 +713,11 @@ def process_results(checkpoints, big_checkpoint):
 def test_across_processes_the_model_equals_one_device(process_results, family, process):
     report = process_results[process]
     assert (report["process_index"], report["process_count"], report["devices"], report["local_devices"]) == (
-        process, 2, 8, 4)
+        process,
+        2,
+        8,
+        4,
+    )
     result = report[family]
     assert "error" not in result, result["error"]
     assert result["forward"] <= TOL and result["generate"]["equal"]
@@ -663,9 +749,9 @@ def test_each_process_holds_half_the_checkpoint_while_loading(process_results, p
     needs more than the whole checkpoint."""
     memory = process_results[process]["memory"]
     half = memory["checkpoint_bytes"] / 2
-    assert memory["traced_peak"] <= half + 8 * 2 ** 20, memory  # the issue's bar: tracemalloc's peak, 8 MiB slack
+    assert memory["traced_peak"] <= half + 8 * 2**20, memory  # the issue's bar: tracemalloc's peak, 8 MiB slack
     assert memory["bytes_read"] <= half + 64 * 1024  # the norm weights, replicated, are read whole
     assert memory["device_bytes"] <= half + 256 * 1024  # and held once per device
-    assert memory["rss_peak_growth"] <= half + memory["largest_tensor_bytes"] + 16 * 2 ** 20, memory
-    assert memory["traced_peak"] <= memory["largest_tensor_bytes"] + 8 * 2 ** 20, memory
+    assert memory["rss_peak_growth"] <= half + memory["largest_tensor_bytes"] + 16 * 2**20, memory
+    assert memory["traced_peak"] <= memory["largest_tensor_bytes"] + 8 * 2**20, memory
     assert memory["unsharded_rss_peak_growth"] > memory["checkpoint_bytes"], memory

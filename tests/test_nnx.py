@@ -25,14 +25,27 @@ CHEAP_INIT = nn.initializers.normal(0.3)  # eager truncated-normal compiles are 
 
 def _inputs(dtype, seed=0):
     rng = np.random.default_rng(seed)
-    return (rng.standard_normal((B, T, Eq)).astype(dtype), rng.standard_normal((B, S, Ek)).astype(dtype),
-            rng.standard_normal((B, S, Ev)).astype(dtype))
+    return (
+        rng.standard_normal((B, T, Eq)).astype(dtype),
+        rng.standard_normal((B, S, Ek)).astype(dtype),
+        rng.standard_normal((B, S, Ev)).astype(dtype),
+    )
 
 
 def _layer(relative, K, dtype, **kw):
-    kw = dict(head_dim=H, key_features=Ek, value_features=Ev, out_features=Eo, num_kv_heads=K,
-              value_head_dim=Hv, param_dtype=dtype, kernel_init=CHEAP_INIT, bias_init=CHEAP_INIT,
-              rngs=nnx.Rngs(0), **kw)
+    kw = dict(
+        head_dim=H,
+        key_features=Ek,
+        value_features=Ev,
+        out_features=Eo,
+        num_kv_heads=K,
+        value_head_dim=Hv,
+        param_dtype=dtype,
+        kernel_init=CHEAP_INIT,
+        bias_init=CHEAP_INIT,
+        rngs=nnx.Rngs(0),
+        **kw,
+    )
     if relative:
         return jx.RelativeMultiHeadAttention(Eq, N, max_distance=MAX_DISTANCE, **kw)
     return jx.MultiHeadAttention(Eq, N, **kw)
@@ -43,9 +56,15 @@ def _functional(relative):
 
 
 # Pairwise cover in the default run (each dtype x kind, GQA and full heads); the other two in the slow group.
-@pytest.mark.parametrize("dtype, relative, K", [(np.float64, False, 2), (np.float32, True, 6),
-                                                pytest.param(np.float64, True, 1, marks=pytest.mark.slow),
-                                                pytest.param(np.float32, False, 3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "dtype, relative, K",
+    [
+        (np.float64, False, 2),
+        (np.float32, True, 6),
+        pytest.param(np.float64, True, 1, marks=pytest.mark.slow),
+        pytest.param(np.float32, False, 3, marks=pytest.mark.slow),
+    ],
+)
 def test_module_equals_functional_exactly(dtype, relative, K):
     q, k, v = _inputs(dtype)
     layer = _layer(relative, K, dtype)
@@ -55,8 +74,9 @@ def test_module_equals_functional_exactly(dtype, relative, K):
     lengths = np.array([7, 2, 5])
     got = nnx.jit(lambda m: m(q, k, v, is_causal=True, key_value_seq_lengths=lengths))(layer)
     assert got.dtype == dtype
-    np.testing.assert_array_equal(got, jax.jit(lambda p: _functional(relative)(
-        p, q, k, v, is_causal=True, key_value_seq_lengths=lengths))(params))
+    np.testing.assert_array_equal(
+        got, jax.jit(lambda p: _functional(relative)(p, q, k, v, is_causal=True, key_value_seq_lengths=lengths))(params)
+    )
 
     grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(q, k, v, is_causal=True) ** 2)))(layer)
     want_grads = jax.jit(jax.grad(lambda p: jnp.sum(_functional(relative)(p, q, k, v, is_causal=True) ** 2)))(params)
@@ -74,8 +94,9 @@ def test_plain_call_and_nnx_vmap():
     assert_float64(per_example, want)
     assert normwise(per_example, want) <= 1e-14
     # an ensemble: nnx.vmap over layers created with different keys
-    ensemble = nnx.vmap(lambda key: jx.MultiHeadAttention(Eq, N, head_dim=H, param_dtype=jnp.float64,
-                                                          rngs=nnx.Rngs(key)))(jax.random.split(jax.random.key(0), 2))
+    ensemble = nnx.vmap(
+        lambda key: jx.MultiHeadAttention(Eq, N, head_dim=H, param_dtype=jnp.float64, rngs=nnx.Rngs(key))
+    )(jax.random.split(jax.random.key(0), 2))
     outs = nnx.vmap(lambda m, x: m(x), in_axes=(0, None))(ensemble, q)
     assert outs.shape == (2, B, T, Eq) and not np.allclose(outs[0], outs[1])
     first = jax.tree.map(lambda p: p[0], nnx.to_pure_dict(nnx.state(ensemble, nnx.Param)))
@@ -85,10 +106,20 @@ def test_plain_call_and_nnx_vmap():
 @pytest.mark.parametrize("relative", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_against_torchref_modules(relative):
     torch.manual_seed(0)
-    kwargs = dict(head_dim=H, num_kv_heads=3, value_head_dim=Hv, key_features=Ek, value_features=Ev,
-                  out_features=Eo, dtype=torch.float64)
-    ref = (torchref.RelativeMultiHeadAttention(Eq, N, max_distance=MAX_DISTANCE, **kwargs) if relative
-           else torchref.MultiHeadAttention(Eq, N, **kwargs))
+    kwargs = dict(
+        head_dim=H,
+        num_kv_heads=3,
+        value_head_dim=Hv,
+        key_features=Ek,
+        value_features=Ev,
+        out_features=Eo,
+        dtype=torch.float64,
+    )
+    ref = (
+        torchref.RelativeMultiHeadAttention(Eq, N, max_distance=MAX_DISTANCE, **kwargs)
+        if relative
+        else torchref.MultiHeadAttention(Eq, N, **kwargs)
+    )
     layer = _layer(relative, 3, np.float64)
     nnx.update(layer, crosscheck.params_from_torch(ref))  # a converted torch module drops straight in
     q, k, v = _inputs(np.float64)
@@ -106,10 +137,26 @@ def test_flax_nnx_parameters_load_into_ours(K):
     tolerance = 1e-6
     q, k, _ = _inputs(np.float64)
     k = k[..., :Eq]
-    flax_layer = nnx.MultiHeadAttention(N, Eq, qkv_features=N * H, out_features=Eo, num_kv_heads=K,
-                                        param_dtype=jnp.float64, decode=False, rngs=nnx.Rngs(3))
-    ours = jx.MultiHeadAttention(Eq, N, head_dim=H, out_features=Eo, num_kv_heads=K, param_dtype=jnp.float64,
-                                 kernel_init=CHEAP_INIT, rngs=nnx.Rngs(0))
+    flax_layer = nnx.MultiHeadAttention(
+        N,
+        Eq,
+        qkv_features=N * H,
+        out_features=Eo,
+        num_kv_heads=K,
+        param_dtype=jnp.float64,
+        decode=False,
+        rngs=nnx.Rngs(3),
+    )
+    ours = jx.MultiHeadAttention(
+        Eq,
+        N,
+        head_dim=H,
+        out_features=Eo,
+        num_kv_heads=K,
+        param_dtype=jnp.float64,
+        kernel_init=CHEAP_INIT,
+        rngs=nnx.Rngs(0),
+    )
     nnx.update(ours, nnx.to_pure_dict(nnx.state(flax_layer, nnx.Param)))
     mask = np.tril(np.ones((T, S), bool), S - T)
     got = ours(q, k, mask=mask)
@@ -119,8 +166,15 @@ def test_flax_nnx_parameters_load_into_ours(K):
 
 def test_dropout_with_rng_streams_and_eval_train():
     q, _, _ = _inputs(np.float64)
-    layer = jx.MultiHeadAttention(Eq, N, head_dim=H, dropout_rate=0.4, param_dtype=jnp.float64,
-                                  kernel_init=CHEAP_INIT, rngs=nnx.Rngs(params=0, dropout=1))
+    layer = jx.MultiHeadAttention(
+        Eq,
+        N,
+        head_dim=H,
+        dropout_rate=0.4,
+        param_dtype=jnp.float64,
+        kernel_init=CHEAP_INIT,
+        rngs=nnx.Rngs(params=0, dropout=1),
+    )
     with pytest.raises(ValueError, match="deterministic"):
         layer(q)
     plain = jaxattn.multi_head_attention(layer.params(), q)
@@ -130,20 +184,31 @@ def test_dropout_with_rng_streams_and_eval_train():
     assert not np.allclose(a, b) and not np.allclose(a, plain)
     np.testing.assert_array_equal(layer(q, rngs=nnx.Rngs(dropout=9)), layer(q, rngs=nnx.Rngs(dropout=9)))
     key = jax.random.key(4)
-    np.testing.assert_array_equal(layer(q, dropout_rng=key),
-                                  jaxattn.multi_head_attention(layer.params(), q, dropout_rate=0.4, dropout_rng=key))
+    np.testing.assert_array_equal(
+        layer(q, dropout_rng=key), jaxattn.multi_head_attention(layer.params(), q, dropout_rate=0.4, dropout_rng=key)
+    )
     layer.eval()
     np.testing.assert_array_equal(layer(q), plain)
-    np.testing.assert_array_equal(nnx.jit(lambda m: m(q))(layer),
-                                  jax.jit(jaxattn.multi_head_attention)(layer.params(), q))
+    np.testing.assert_array_equal(
+        nnx.jit(lambda m: m(q))(layer), jax.jit(jaxattn.multi_head_attention)(layer.params(), q)
+    )
 
 
 @pytest.mark.slow  # linen's test_dtype_and_param_dtype runs the shared code in the default group
 def test_dtype_param_dtype_and_initialisers():
-    layer = jx.RelativeMultiHeadAttention(Eq, N, H, max_distance=1, share_heads=True, param_dtype=jnp.bfloat16,
-                                          dtype=jnp.float32, kernel_init=nn.initializers.ones,
-                                          out_kernel_init=nn.initializers.constant(2.0),
-                                          table_init=nn.initializers.constant(4.0), rngs=nnx.Rngs(0))
+    layer = jx.RelativeMultiHeadAttention(
+        Eq,
+        N,
+        H,
+        max_distance=1,
+        share_heads=True,
+        param_dtype=jnp.bfloat16,
+        dtype=jnp.float32,
+        kernel_init=nn.initializers.ones,
+        out_kernel_init=nn.initializers.constant(2.0),
+        table_init=nn.initializers.constant(4.0),
+        rngs=nnx.Rngs(0),
+    )
     params = layer.params()
     assert all(p.dtype == jnp.bfloat16 for p in jax.tree.leaves(params))
     assert params["relative"]["key"].shape == (3, H)

@@ -19,8 +19,7 @@ from jaxattn import alibi_attention, alibi_bias, alibi_slopes
 from jaxattn import blockwise_attention
 from jaxattn import apply_rope, rope_attention, rope_permutation
 from jaxattn import t5_attention, t5_position_bias, t5_relative_bias, t5_relative_position_bucket
-from jaxattn import (clipped_relative_attention, clipped_relative_index, relative_sinusoids,
-                         transformer_xl_attention)
+from jaxattn import clipped_relative_attention, clipped_relative_index, relative_sinusoids, transformer_xl_attention
 from helpers import assert_float64, attention_loop, normwise
 
 B, T, S, N, K, H, Hv = 2, 5, 7, 6, 3, 11, 13
@@ -108,8 +107,9 @@ def test_t5_bucket_literal_grids():
 @pytest.mark.parametrize("num_buckets, max_distance", [(32, 128), (10, 11), (7, 40)])
 def test_t5_bucket_matches_loop(bidirectional, num_buckets, max_distance):
     n = np.arange(-300, 301)
-    got = t5_relative_position_bucket(n, bidirectional=bidirectional, num_buckets=num_buckets,
-                                      max_distance=max_distance)
+    got = t5_relative_position_bucket(
+        n, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+    )
     want = [bucket_loop(int(i), bidirectional, num_buckets, max_distance) for i in n]
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), want)
@@ -128,9 +128,16 @@ def test_t5_bias_loop_and_decoding_offsets(bidirectional):
     np.testing.assert_array_equal(np.asarray(bias), want)
     # decoding T new tokens after S - T cached ones = the last T rows of the full square bias
     full = t5_relative_bias(table, S, S, bidirectional=bidirectional, max_distance=10)
-    np.testing.assert_array_equal(np.asarray(bias), np.asarray(full)[:, S - T:])
-    moved = t5_relative_bias(table, T, S, bidirectional=bidirectional, max_distance=10,
-                             query_positions=np.arange(T) + 40, key_positions=np.arange(S) + 40 - (S - T))
+    np.testing.assert_array_equal(np.asarray(bias), np.asarray(full)[:, S - T :])
+    moved = t5_relative_bias(
+        table,
+        T,
+        S,
+        bidirectional=bidirectional,
+        max_distance=10,
+        query_positions=np.arange(T) + 40,
+        key_positions=np.arange(S) + 40 - (S - T),
+    )
     np.testing.assert_array_equal(np.asarray(moved), want)
 
 
@@ -140,8 +147,7 @@ def test_t5_attention_matches_loop(bidirectional):
     table = np.random.default_rng(2).normal(size=(8, N))
     out = t5_attention(q, k, v, table, bidirectional=bidirectional, max_distance=9, is_causal=not bidirectional)
     bias = np.asarray(t5_relative_bias(table, T, S, bidirectional=bidirectional, max_distance=9))
-    ref, _ = attention_loop(q, k, v, bias=np.broadcast_to(bias, (B, N, T, S)), is_causal=not bidirectional,
-                            scale=1.0)
+    ref, _ = attention_loop(q, k, v, bias=np.broadcast_to(bias, (B, N, T, S)), is_causal=not bidirectional, scale=1.0)
     assert_float64(out)
     assert normwise(out, ref) <= TOL
 
@@ -197,19 +203,30 @@ def test_apply_rope_matches_loop(layout, rotary_dim):
     assert_float64(got)
     assert normwise(got, want) <= TOL
     # offset is arange(T) + offset
-    np.testing.assert_array_equal(apply_rope(x, offset=7, rotary_dim=rotary_dim, layout=layout),
-                                  apply_rope(x, np.arange(T) + 7, rotary_dim=rotary_dim, layout=layout))
+    np.testing.assert_array_equal(
+        apply_rope(x, offset=7, rotary_dim=rotary_dim, layout=layout),
+        apply_rope(x, np.arange(T) + 7, rotary_dim=rotary_dim, layout=layout),
+    )
 
 
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 def test_rope_attention_is_relative_and_matches_loop(layout):
     q, k, v = qkv()
     out = rope_attention(q, k, v, layout=layout, rotary_dim=6, is_causal=True)
-    ref, _ = attention_loop(rope_loop(q, query_pos(), 1e4, 6, layout), rope_loop(k, np.arange(S), 1e4, 6, layout),
-                            v, is_causal=True)
+    ref, _ = attention_loop(
+        rope_loop(q, query_pos(), 1e4, 6, layout), rope_loop(k, np.arange(S), 1e4, 6, layout), v, is_causal=True
+    )
     assert normwise(out, ref) <= TOL
-    shifted = rope_attention(q, k, v, layout=layout, rotary_dim=6, is_causal=True,
-                             query_positions=query_pos() + 123, key_positions=np.arange(S) + 123)
+    shifted = rope_attention(
+        q,
+        k,
+        v,
+        layout=layout,
+        rotary_dim=6,
+        is_causal=True,
+        query_positions=query_pos() + 123,
+        key_positions=np.arange(S) + 123,
+    )
     assert normwise(shifted, out) <= 1e-12  # only j - i matters
 
 
@@ -220,9 +237,12 @@ def test_rope_permutation_converts_layouts(source, target):
     np.testing.assert_array_equal(p, twin.rope_permutation(H, rotary_dim=8, source=source, target=target).numpy())
     assert sorted(p) == list(range(H))
     x = q
-    np.testing.assert_allclose(apply_rope(x[..., p], np.arange(T), rotary_dim=8, layout=target),
-                               np.asarray(apply_rope(x, np.arange(T), rotary_dim=8, layout=source))[..., p],
-                               rtol=0, atol=1e-14)
+    np.testing.assert_allclose(
+        apply_rope(x[..., p], np.arange(T), rotary_dim=8, layout=target),
+        np.asarray(apply_rope(x, np.arange(T), rotary_dim=8, layout=source))[..., p],
+        rtol=0,
+        atol=1e-14,
+    )
     # a checkpoint's q/k features permuted per head give the same attention in the other layout
     a = rope_attention(q[..., p], k[..., p], v, rotary_dim=8, layout=target, is_causal=True)
     b = rope_attention(q, k, v, rotary_dim=8, layout=source, is_causal=True)
@@ -271,8 +291,7 @@ def test_transformer_xl_matches_loop(is_causal, max_left, R):
     q, k, v = qkv()
     rng = np.random.default_rng(5)
     keys, u, w = rng.normal(size=(R, N, H)), rng.normal(size=(N, H)), rng.normal(size=(N, H))
-    out = transformer_xl_attention(q, k, v, keys, max_left=max_left, pos_bias_u=u, pos_bias_v=w,
-                                   is_causal=is_causal)
+    out = transformer_xl_attention(q, k, v, keys, max_left=max_left, pos_bias_u=u, pos_bias_v=w, is_causal=is_causal)
     assert_float64(out)
     assert normwise(out, xl_loop(q, k, v, keys, u, w, max_left, is_causal)) <= TOL
 
@@ -294,8 +313,9 @@ def test_relative_sinusoids_formula():
     d = 3 - np.arange(6)  # i - j of rows 0..5
     w = 100.0 ** (-np.arange(0, 6, 2) / 6)
     np.testing.assert_allclose(got, np.concatenate([np.sin(np.outer(d, w)), np.cos(np.outer(d, w))], 1), atol=1e-15)
-    inter = np.asarray(relative_sinusoids(6, max_left=3, max_right=2, base=100.0, layout="interleaved",
-                                          dtype=jnp.float64))
+    inter = np.asarray(
+        relative_sinusoids(6, max_left=3, max_right=2, base=100.0, layout="interleaved", dtype=jnp.float64)
+    )
     np.testing.assert_array_equal(inter[:, 0::2], np.asarray(got)[:, :3])
     np.testing.assert_array_equal(inter[:, 1::2], np.asarray(got)[:, 3:])
 
@@ -303,25 +323,45 @@ def test_relative_sinusoids_formula():
 # --- every scheme: jit, vmap, grad (against torchref's autograd), GQA, bottom-right causal T < S -------------
 
 _rng = np.random.default_rng(7)
-_TABLES = {"t5": _rng.normal(size=(8, N)), "slopes": np.asarray(alibi_slopes(N, dtype=jnp.float64)),
-           "kt": _rng.normal(size=(6, N, H)), "pk": _rng.normal(size=(S, N, H)), "u": _rng.normal(size=(N, H)),
-           "w": _rng.normal(size=(N, H))}
+_TABLES = {
+    "t5": _rng.normal(size=(8, N)),
+    "slopes": np.asarray(alibi_slopes(N, dtype=jnp.float64)),
+    "kt": _rng.normal(size=(6, N, H)),
+    "pk": _rng.normal(size=(S, N, H)),
+    "u": _rng.normal(size=(N, H)),
+    "w": _rng.normal(size=(N, H)),
+}
 
 SCHEMES = {  # name: (jaxattn fn, torchref.positions fn, table keys); all causal with T < S and K < N
-    "t5": (lambda q, k, v, t: t5_attention(q, k, v, t, bidirectional=False, max_distance=9, is_causal=True),
-           lambda q, k, v, t: twin.t5_attention(q, k, v, t, bidirectional=False, max_distance=9, is_causal=True),
-           ("t5",)),
-    "alibi": (lambda q, k, v, s: alibi_attention(q, k, v, s, is_causal=True),
-              lambda q, k, v, s: twin.alibi_attention(q, k, v, s, is_causal=True), ("slopes",)),
-    "rope": (lambda q, k, v: rope_attention(q, k, v, rotary_dim=6, layout="interleaved", is_causal=True),
-             lambda q, k, v: twin.rope_attention(q, k, v, rotary_dim=6, layout="interleaved", is_causal=True), ()),
-    "clipped": (lambda q, k, v, t: clipped_relative_attention(q, k, v, t, max_left=4, max_right=1, is_causal=True),
-                lambda q, k, v, t: twin.clipped_relative_attention(q, k, v, t, max_left=4, max_right=1,
-                                                                   is_causal=True), ("kt",)),
-    "xl": (lambda q, k, v, p, u, w: transformer_xl_attention(q, k, v, p, max_left=S - 1, pos_bias_u=u,
-                                                             pos_bias_v=w, is_causal=True),
-           lambda q, k, v, p, u, w: twin.transformer_xl_attention(q, k, v, p, max_left=S - 1, pos_bias_u=u,
-                                                                  pos_bias_v=w, is_causal=True), ("pk", "u", "w")),
+    "t5": (
+        lambda q, k, v, t: t5_attention(q, k, v, t, bidirectional=False, max_distance=9, is_causal=True),
+        lambda q, k, v, t: twin.t5_attention(q, k, v, t, bidirectional=False, max_distance=9, is_causal=True),
+        ("t5",),
+    ),
+    "alibi": (
+        lambda q, k, v, s: alibi_attention(q, k, v, s, is_causal=True),
+        lambda q, k, v, s: twin.alibi_attention(q, k, v, s, is_causal=True),
+        ("slopes",),
+    ),
+    "rope": (
+        lambda q, k, v: rope_attention(q, k, v, rotary_dim=6, layout="interleaved", is_causal=True),
+        lambda q, k, v: twin.rope_attention(q, k, v, rotary_dim=6, layout="interleaved", is_causal=True),
+        (),
+    ),
+    "clipped": (
+        lambda q, k, v, t: clipped_relative_attention(q, k, v, t, max_left=4, max_right=1, is_causal=True),
+        lambda q, k, v, t: twin.clipped_relative_attention(q, k, v, t, max_left=4, max_right=1, is_causal=True),
+        ("kt",),
+    ),
+    "xl": (
+        lambda q, k, v, p, u, w: transformer_xl_attention(
+            q, k, v, p, max_left=S - 1, pos_bias_u=u, pos_bias_v=w, is_causal=True
+        ),
+        lambda q, k, v, p, u, w: twin.transformer_xl_attention(
+            q, k, v, p, max_left=S - 1, pos_bias_u=u, pos_bias_v=w, is_causal=True
+        ),
+        ("pk", "u", "w"),
+    ),
 }
 
 
@@ -349,16 +389,34 @@ def test_jit_vmap_grad_against_torch_autograd(name):
     assert normwise(batched[1], jax_fn(stacked[1], *args[1:])) <= TOL
 
 
-@pytest.mark.parametrize("scheme, block_size, is_causal", [("t5", (2, 3), True), ("t5", 4, False),
-                                                            ("alibi", (3, 2), True)])
+@pytest.mark.parametrize(
+    "scheme, block_size, is_causal", [("t5", (2, 3), True), ("t5", 4, False), ("alibi", (3, 2), True)]
+)
 def test_blockwise_equals_dense(scheme, block_size, is_causal):
     q, k, v = qkv(T=7, S=11, seed=10)
     if scheme == "t5":
-        fn = lambda bs, impl: t5_attention(q, k, v, _TABLES["t5"], bidirectional=not is_causal, max_distance=9,
-                                            is_causal=is_causal, implementation=impl, block_size=bs)
+        fn = lambda bs, impl: t5_attention(
+            q,
+            k,
+            v,
+            _TABLES["t5"],
+            bidirectional=not is_causal,
+            max_distance=9,
+            is_causal=is_causal,
+            implementation=impl,
+            block_size=bs,
+        )
     else:
-        fn = lambda bs, impl: alibi_attention(q, k, v, _TABLES["slopes"], bidirectional=not is_causal,
-                                               is_causal=is_causal, implementation=impl, block_size=bs)
+        fn = lambda bs, impl: alibi_attention(
+            q,
+            k,
+            v,
+            _TABLES["slopes"],
+            bidirectional=not is_causal,
+            is_causal=is_causal,
+            implementation=impl,
+            block_size=bs,
+        )
     assert normwise(fn(block_size, "blockwise"), fn(None, "dense")) <= TOL
 
 
@@ -395,12 +453,16 @@ BAD = [
     ("max_left", lambda: clipped_relative_index(T, S, max_left=-1, max_right=0)),
     ("key_table", lambda: clipped_relative_attention(_q, _k, _v, np.zeros((5, H)), max_left=2, max_right=3)),
     ("position_keys", lambda: transformer_xl_attention(_q, _k, _v, np.zeros((4, N, H)), max_left=4)),
-    ("pos_bias_u", lambda: transformer_xl_attention(_q, _k, _v, np.zeros((S, N, H)), max_left=3,
-                                                    pos_bias_u=np.zeros((K, H)))),
+    (
+        "pos_bias_u",
+        lambda: transformer_xl_attention(_q, _k, _v, np.zeros((S, N, H)), max_left=3, pos_bias_u=np.zeros((K, H))),
+    ),
     ("dim", lambda: relative_sinusoids(7, max_left=1, max_right=1)),
     ("implementation", lambda: t5_attention(_q, _k, _v, np.zeros((8, N)), implementation="flash")),
-    ("implementation", lambda: alibi_attention(_q, _k, _v, np.ones(N), implementation="blockwise",
-                                               mask=np.ones((T, S), bool))),
+    (
+        "implementation",
+        lambda: alibi_attention(_q, _k, _v, np.ones(N), implementation="blockwise", mask=np.ones((T, S), bool)),
+    ),
 ]
 
 

@@ -42,8 +42,7 @@ def _write(directory, config, tensors, *, shards=1):
     """config.json and the tensors (numpy or torch) as one file or `shards` files plus an index."""
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config))
-    tensors = {k: torch.as_tensor(np.asarray(v)) if not isinstance(v, torch.Tensor) else v
-               for k, v in tensors.items()}
+    tensors = {k: torch.as_tensor(np.asarray(v)) if not isinstance(v, torch.Tensor) else v for k, v in tensors.items()}
     if shards == 1:
         save_file({k: v.contiguous() for k, v in tensors.items()}, str(directory / "model.safetensors"))
         return directory
@@ -69,9 +68,23 @@ def test_minilm_loads_into_the_bert_ports_params(minilm_dir):
     model, params = from_pretrained(minilm_dir)
     assert model.config == config and model.add_pooling_layer
     _same_tree(params, bert_params_from_state_dict(state_dict, config))
-    assert set(supported_model_types()) == {"bert", "deepseek_v3", "gemma2", "gemma3_text", "gpt2", "gpt_oss", "llama",
-                                            "llama4_text", "mistral", "mixtral", "qwen2", "qwen3", "qwen3_moe",
-                                            "qwen3_next", "t5"}
+    assert set(supported_model_types()) == {
+        "bert",
+        "deepseek_v3",
+        "gemma2",
+        "gemma3_text",
+        "gpt2",
+        "gpt_oss",
+        "llama",
+        "llama4_text",
+        "mistral",
+        "mixtral",
+        "qwen2",
+        "qwen3",
+        "qwen3_moe",
+        "qwen3_next",
+        "t5",
+    }
 
 
 @pytest.mark.parametrize("dtype, bar", [("float32", 1e-5), pytest.param("float64", 1e-10, marks=pytest.mark.slow)])
@@ -81,8 +94,9 @@ def test_minilm_keeps_its_figures_through_from_pretrained(minilm_dir, dtype, bar
     assert all(x.dtype == np.dtype(dtype) for x in jax.tree.leaves(params))
     ours = np.asarray(jax.jit(model.apply)({"params": params}, input_ids, attention_mask)["last_hidden_state"])
     with torch.no_grad():
-        theirs = minilm.torch_bert(dtype)(input_ids=torch.from_numpy(input_ids).long(),
-                                          attention_mask=torch.from_numpy(attention_mask).long())
+        theirs = minilm.torch_bert(dtype)(
+            input_ids=torch.from_numpy(input_ids).long(), attention_mask=torch.from_numpy(attention_mask).long()
+        )
     real = attention_mask.astype(bool)
     assert ours.dtype == np.dtype(dtype)
     assert np.abs(ours - theirs.last_hidden_state.numpy())[real].max() <= bar
@@ -118,11 +132,13 @@ def test_bad_directories_raise_naming_file_key_and_shapes(minilm_dir, tmp_path):
     (empty / "config.json").write_text(json.dumps(config))
     with pytest.raises(FileNotFoundError, match=r"model.safetensors"):
         from_pretrained(empty)
-    for key, value, pattern in (("model_type", "roberta", r"model_type: expected one of \[.*'bert'.*'gpt2'"),
-                                ("is_decoder", True, "is_decoder"),
-                                ("add_cross_attention", True, "add_cross_attention"),
-                                ("hidden_act", "relu", "hidden_act"),
-                                ("position_embedding_type", "relative_key", "position_embedding_type")):
+    for key, value, pattern in (
+        ("model_type", "roberta", r"model_type: expected one of \[.*'bert'.*'gpt2'"),
+        ("is_decoder", True, "is_decoder"),
+        ("add_cross_attention", True, "add_cross_attention"),
+        ("hidden_act", "relu", "hidden_act"),
+        ("position_embedding_type", "relative_key", "position_embedding_type"),
+    ):
         bad = tmp_path / f"config_{key}"
         bad.mkdir()
         (bad / "config.json").write_text(json.dumps({**config, key: value}))
@@ -136,22 +152,30 @@ def test_bad_directories_raise_naming_file_key_and_shapes(minilm_dir, tmp_path):
     with pytest.raises(ValueError, match=r"1 unexpected \['cls.predictions.bias \(in model.safetensors\)'\]"):
         from_pretrained(_write(tmp_path / "extra", config, extra))
     wrong = {**state_dict, "encoder.layer.0.attention.self.key.weight": np.zeros((384, 383), np.float32)}
-    with pytest.raises(ValueError, match=r"model.safetensors: 'encoder.layer.0.attention.self.key.weight': "
-                                         r"expected shape \[384,384\] \[N\*H,E\], got shape \[384,383\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.safetensors: 'encoder.layer.0.attention.self.key.weight': "
+        r"expected shape \[384,384\] \[N\*H,E\], got shape \[384,383\]",
+    ):
         from_pretrained(_write(tmp_path / "wrong", config, wrong))
     wrong_config = {**config, "intermediate_size": 1000}
-    with pytest.raises(ValueError, match=r"'encoder.layer.0.intermediate.dense.weight': expected shape "
-                                         r"\[1000,384\] \[F,E\], got shape \[1536,384\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"'encoder.layer.0.intermediate.dense.weight': expected shape "
+        r"\[1000,384\] \[F,E\], got shape \[1536,384\]",
+    ):
         from_pretrained(_write(tmp_path / "wrong_config", wrong_config, state_dict))
     sharded = _write(tmp_path / "sharded_bad", config, state_dict, shards=2)
     index = json.loads((sharded / "model.safetensors.index.json").read_text())
     name = next(iter(index["weight_map"]))
-    index["weight_map"][name] = "model-00002-of-00002.safetensors" if index["weight_map"][name].startswith(
-        "model-00001") else "model-00001-of-00002.safetensors"
+    index["weight_map"][name] = (
+        "model-00002-of-00002.safetensors"
+        if index["weight_map"][name].startswith("model-00001")
+        else "model-00001-of-00002.safetensors"
+    )
     (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
     with pytest.raises(ValueError, match=rf"{name}.* is not listed for this file"):
         from_pretrained(sharded)
-
 
 
 def test_params_do_not_share_memory_with_the_state_dict(tmp_path):

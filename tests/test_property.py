@@ -29,10 +29,21 @@ def problems(draw):
     S = draw(st.sampled_from([s for s in PRIMES + [11] if s >= T]))
     H, Hv = draw(st.sampled_from([(2, 3), (5, 3), (3, 7)]))
     relative = draw(st.sampled_from(["none", "shared", "per_head"]))
-    return dict(batch=batch, N=N, K=K, T=T, S=S, H=H, Hv=Hv, relative=relative,
-                max_distance=draw(st.sampled_from([0, 1, 3])),
-                is_causal=draw(st.booleans()), with_mask=draw(st.booleans()),
-                transform=draw(st.sampled_from(["jit", "vmap", "none"])), seed=draw(st.integers(0, 2**16)))
+    return dict(
+        batch=batch,
+        N=N,
+        K=K,
+        T=T,
+        S=S,
+        H=H,
+        Hv=Hv,
+        relative=relative,
+        max_distance=draw(st.sampled_from([0, 1, 3])),
+        is_causal=draw(st.booleans()),
+        with_mask=draw(st.booleans()),
+        transform=draw(st.sampled_from(["jit", "vmap", "none"])),
+        seed=draw(st.integers(0, 2**16)),
+    )
 
 
 def arrays(p):
@@ -40,8 +51,12 @@ def arrays(p):
     b, T, S, N, K, H, Hv = p["batch"], p["T"], p["S"], p["N"], p["K"], p["H"], p["Hv"]
     R = 2 * p["max_distance"] + 1
     heads = {"none": None, "shared": (), "per_head": (N,)}[p["relative"]]
-    out = {"q": rng.normal(size=(*b, T, N, H)), "k": rng.normal(size=(*b, S, K, H)),
-           "v": rng.normal(size=(*b, S, K, Hv)), "cot": rng.normal(size=(*b, T, N, Hv))}
+    out = {
+        "q": rng.normal(size=(*b, T, N, H)),
+        "k": rng.normal(size=(*b, S, K, H)),
+        "v": rng.normal(size=(*b, S, K, Hv)),
+        "cot": rng.normal(size=(*b, T, N, Hv)),
+    }
     if heads is not None:
         out["tk"], out["tv"] = rng.normal(size=(R, *heads, H)), rng.normal(size=(R, *heads, Hv))
     mask = rng.random((*b, N, T, S)) > 0.25 if p["with_mask"] else None
@@ -55,8 +70,9 @@ def run_jax(p, x, mask, transform):
         a = dict(zip(names, args))
         kw = dict(mask=mask, is_causal=p["is_causal"])
         if "tk" in a:
-            return jaxattn.shaw_relative_attention(a["q"], a["k"], a["v"], a["tk"], a["tv"],
-                                                   max_distance=p["max_distance"], **kw)
+            return jaxattn.shaw_relative_attention(
+                a["q"], a["k"], a["v"], a["tk"], a["tv"], max_distance=p["max_distance"], **kw
+            )
         return jaxattn.dot_product_attention(a["q"], a["k"], a["v"], **kw)
 
     loss = lambda *args: jnp.sum(f(*args) * x["cot"])
@@ -78,8 +94,9 @@ def run_torch(p, x, mask):
     t = {n: torch.tensor(a, dtype=torch.float64, requires_grad=(n != "cot")) for n, a in x.items()}
     kw = dict(mask=None if mask is None else torch.tensor(mask), is_causal=p["is_causal"])
     if "tk" in t:
-        out = torchref.shaw_relative_attention(t["q"], t["k"], t["v"], t["tk"], t["tv"],
-                                               max_distance=p["max_distance"], **kw)
+        out = torchref.shaw_relative_attention(
+            t["q"], t["k"], t["v"], t["tk"], t["tv"], max_distance=p["max_distance"], **kw
+        )
     else:
         out = torchref.dot_product_attention(t["q"], t["k"], t["v"], **kw)
     (out * t["cot"]).sum().backward()
@@ -108,14 +125,15 @@ def test_grouped_query_multi_head_module_equals_torchref(K):
     """jaxattn.multi_head_attention on params from torchref's nn.Linear module, with GQA and Hv != H."""
     torch.manual_seed(0)
     Eq, N, H, Hv, Eo, T = 17, 6, 5, 7, 11, 3
-    m = torchref.MultiHeadAttention(Eq, N, H, num_kv_heads=K, value_head_dim=Hv, out_features=Eo,
-                                    dtype=torch.float64)
+    m = torchref.MultiHeadAttention(Eq, N, H, num_kv_heads=K, value_head_dim=Hv, out_features=Eo, dtype=torch.float64)
     sd = {k: v.detach().numpy() for k, v in m.state_dict().items()}
     w = lambda name, heads, dim: sd[f"{name}.weight"].T.reshape(-1, heads, dim)
-    params = {"query": {"kernel": w("q_proj", N, H), "bias": sd["q_proj.bias"].reshape(N, H)},
-              "key": {"kernel": w("k_proj", K, H), "bias": sd["k_proj.bias"].reshape(K, H)},
-              "value": {"kernel": w("v_proj", K, Hv), "bias": sd["v_proj.bias"].reshape(K, Hv)},
-              "out": {"kernel": sd["out_proj.weight"].T.reshape(N, Hv, Eo), "bias": sd["out_proj.bias"]}}
+    params = {
+        "query": {"kernel": w("q_proj", N, H), "bias": sd["q_proj.bias"].reshape(N, H)},
+        "key": {"kernel": w("k_proj", K, H), "bias": sd["k_proj.bias"].reshape(K, H)},
+        "value": {"kernel": w("v_proj", K, Hv), "bias": sd["v_proj.bias"].reshape(K, Hv)},
+        "out": {"kernel": sd["out_proj.weight"].T.reshape(N, Hv, Eo), "bias": sd["out_proj.bias"]},
+    }
     x = np.random.default_rng(1).normal(size=(2, T, Eq))
     ours = jaxattn.multi_head_attention(params, x, is_causal=True)
     ref = m(torch.tensor(x), is_causal=True).detach().numpy()

@@ -38,8 +38,7 @@ def test_readme_examples_run_in_order(tmp_path):
     # A fresh interpreter, as a user has it: JAX's defaults (no x64), nothing imported by the test suite.
     script = tmp_path / "readme_examples.py"
     script.write_text("\n".join(BLOCKS))
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                          cwd=README.parent)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, cwd=README.parent)
     assert done.returncode == 0, done.stderr[-3000:]
 
 
@@ -60,8 +59,15 @@ def test_docs_examples_run_in_order(tmp_path, doc):
     script = tmp_path / f"{doc.stem}_examples.py"
     script.write_text("\n".join(python_blocks(doc)))
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
-                          cwd=README.parent, env=env, check=False)
+    done = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=README.parent,
+        env=env,
+        check=False,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 

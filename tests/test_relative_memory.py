@@ -42,8 +42,8 @@ def test_shaw_far_below_a_gather(per_head):
     table = (R, N, H) if per_head else (R, H)
     shaw = lambda q, k, v, tk, tv: jaxattn.shaw_relative_attention(q, k, v, tk, tv, max_distance=max_distance)
     shapes = [(B, S, N, H)] * 3 + [table] * 2
-    gather = S * S * H * ITEM              # one [T,S,H] gather: 1 GiB
-    logits = B * N * S * S * ITEM          # one [N,T,S] float32 array: 128 MiB
+    gather = S * S * H * ITEM  # one [T,S,H] gather: 1 GiB
+    logits = B * N * S * S * ITEM  # one [N,T,S] float32 array: 128 MiB
     ours = temp_bytes(shaw, *shapes)
     plain = temp_bytes(jaxattn.dot_product_attention, *shapes[:3])
     assert ours < gather, (ours, gather)

@@ -33,9 +33,12 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 FUZZ_TARGET = 2000
 SLACK = 64 * 1024  # interpreter noise around a call (frames, small objects)
-SETTINGS = {"deadline": 2000, "derandomize": True, "database": None,
-            "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large,
-                                      HealthCheck.function_scoped_fixture]}
+SETTINGS = {
+    "deadline": 2000,
+    "derandomize": True,
+    "database": None,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+}
 
 
 # --- the oracle --------------------------------------------------------------------------------------------
@@ -44,11 +47,13 @@ SETTINGS = {"deadline": 2000, "derandomize": True, "database": None,
 def independent_reading(raw: bytes) -> dict[str, tuple[np.dtype, tuple, bytes]]:
     """{name: (dtype, shape, bytes)} as the spec describes a valid file; only called after a successful read."""
     n = int.from_bytes(raw[:8], "little")
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     header.pop("__metadata__", None)
-    data = raw[8 + n:]
-    return {name: (np.dtype(DTYPES[e["dtype"]]), tuple(e["shape"]), data[e["data_offsets"][0]:e["data_offsets"][1]])
-            for name, e in header.items()}
+    data = raw[8 + n :]
+    return {
+        name: (np.dtype(DTYPES[e["dtype"]]), tuple(e["shape"]), data[e["data_offsets"][0] : e["data_offsets"][1]])
+        for name, e in header.items()
+    }
 
 
 def library_reading(raw: bytes) -> dict[str, np.ndarray] | None:
@@ -82,7 +87,8 @@ def read_and_check(path, raw: bytes, expected: dict[str, np.ndarray] | None = No
         # keys in an entry ({"dtype", "shape", "data_offsets", "extra": 0}); this reader refuses such an
         # entry rather than silently drop what it does not understand.
         assert library is None or "is not {dtype, shape, data_offsets}" in why, (
-            f"safetensors reads a file this reader refuses ({why}): {sorted(library)}")
+            f"safetensors reads a file this reader refuses ({why}): {sorted(library)}"
+        )
         return outcome
     mine = independent_reading(raw)
     assert list(got) == list(mine)  # the file's own order
@@ -122,9 +128,15 @@ def arrays(draw, dtypes=LIBRARY_DTYPES):
 
 # a field's replacement: right and wrong types, negative, huge, fractional
 odd_values = st.one_of(
-    st.integers(-3, 40), st.integers(2**31, 2**66), st.floats(allow_nan=False, allow_infinity=False),
-    st.text(max_size=4), st.sampled_from(list(DTYPES) + ["F128", "f32", ""]), st.none(), st.booleans(),
-    st.lists(st.integers(-2, 2**64), max_size=4), st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+    st.integers(-3, 40),
+    st.integers(2**31, 2**66),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=4),
+    st.sampled_from(list(DTYPES) + ["F128", "f32", ""]),
+    st.none(),
+    st.booleans(),
+    st.lists(st.integers(-2, 2**64), max_size=4),
+    st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
 )
 
 
@@ -149,13 +161,13 @@ def mutated_file(draw):
             raw[draw(st.integers(0, len(raw) - 1))] = draw(st.integers(0, 255))
         return bytes(raw), None
     if kind == "truncate":
-        return raw[:draw(st.integers(0, len(raw) - 1))], None
+        return raw[: draw(st.integers(0, len(raw) - 1))], None
     if kind == "extend":
         return raw + draw(st.binary(min_size=1, max_size=16)), None
     if kind == "length":
         new = draw(st.integers(0, 2**64 - 1) | st.integers(max(0, n - 9), n + 9).filter(lambda m: m != n))
         return new.to_bytes(8, "little") + raw[8:], None
-    header = json.loads(raw[8:8 + n])
+    header = json.loads(raw[8 : 8 + n])
     name = draw(st.sampled_from(sorted(header)))
     field = draw(st.sampled_from(["dtype", "shape", "data_offsets", "extra", "drop", "entry"]))
     if field == "drop":
@@ -165,7 +177,7 @@ def mutated_file(draw):
         header[name] = draw(odd_values)
     elif isinstance(header[name], dict):
         header[name][field] = draw(odd_values)
-    return with_header(header, raw[8 + n:]), None
+    return with_header(header, raw[8 + n :]), None
 
 
 @st.composite
@@ -185,9 +197,11 @@ def generated_file(draw):
     if draw(st.booleans()):
         header["__metadata__"] = draw(st.dictionaries(st.text(max_size=3), st.text(max_size=3), max_size=2))
     tail = draw(st.sampled_from([b"", b"\0", b"\0" * 7]))
-    json_header = st.recursive(st.none() | st.booleans() | st.integers() | st.text(max_size=4),
-                               lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=3), c, max_size=3),
-                               max_leaves=8)
+    json_header = st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=4),
+        lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=3), c, max_size=3),
+        max_leaves=8,
+    )
     if draw(st.integers(0, 9)) == 0:  # an arbitrary JSON document as the header
         return with_header(draw(json_header), data)
     return with_header(header, data + tail, draw(st.sampled_from([0, 0, 0, -1, 1])))

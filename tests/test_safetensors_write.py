@@ -23,8 +23,11 @@ def _tensors():
         shape = SHAPES[k % len(SHAPES)]
         size = int(np.prod(shape)) * np.dtype(dtype).itemsize
         raw = rng.integers(0, 256, size, dtype=np.uint8)
-        tensors[f"t.{name.lower()}"] = raw.view(np.uint8 if dtype == np.bool_ else dtype).reshape(shape) if \
-            dtype != np.bool_ else (raw % 2).astype(bool).reshape(shape)
+        tensors[f"t.{name.lower()}"] = (
+            raw.view(np.uint8 if dtype == np.bool_ else dtype).reshape(shape)
+            if dtype != np.bool_
+            else (raw % 2).astype(bool).reshape(shape)
+        )
     return tensors
 
 
@@ -61,15 +64,23 @@ def test_every_dtype_reads_back_bit_for_bit_through_three_readers(tmp_path):
 
 
 def test_layout_header_alignment_and_metadata(tmp_path):
-    tensors = {"b16": np.ones((3,), ml_dtypes.bfloat16), "f64": np.arange(5.0), "u8": np.arange(3, dtype=np.uint8),
-               "f32": np.arange(4, dtype=np.float32)}
+    tensors = {
+        "b16": np.ones((3,), ml_dtypes.bfloat16),
+        "f64": np.arange(5.0),
+        "u8": np.arange(3, dtype=np.uint8),
+        "f32": np.arange(4, dtype=np.float32),
+    }
     raw = save_safetensors(tensors, tmp_path / "x.safetensors").read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    assert n % 8 == 0 and raw[8 + n - 1:8 + n] in (b"}", b" ")
-    header = json.loads(raw[8:8 + n])
+    assert n % 8 == 0 and raw[8 + n - 1 : 8 + n] in (b"}", b" ")
+    header = json.loads(raw[8 : 8 + n])
     assert list(header) == ["__metadata__", "b16", "f64", "u8", "f32"] and header["__metadata__"] == {"format": "pt"}
     assert {k: e["dtype"] for k, e in header.items() if k != "__metadata__"} == {
-        "b16": "BF16", "f64": "F64", "u8": "U8", "f32": "F32"}
+        "b16": "BF16",
+        "f64": "F64",
+        "u8": "U8",
+        "f32": "F32",
+    }
     spans = sorted(tuple(e["data_offsets"]) for k, e in header.items() if k != "__metadata__")
     assert spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:])) and spans[-1][1] == len(raw) - 8 - n
     for name, e in header.items():  # widest first: each tensor starts at a multiple of its item size
@@ -77,13 +88,17 @@ def test_layout_header_alignment_and_metadata(tmp_path):
             assert e["data_offsets"][0] % tensors[name].dtype.itemsize == 0
     raw = save_safetensors(tensors, tmp_path / "m.safetensors", metadata={"format": "pt", "note": "x"}).read_bytes()
     n = int.from_bytes(raw[:8], "little")
-    assert json.loads(raw[8:8 + n])["__metadata__"] == {"format": "pt", "note": "x"}
+    assert json.loads(raw[8 : 8 + n])["__metadata__"] == {"format": "pt", "note": "x"}
 
 
 def test_jax_arrays_views_and_other_byte_orders_keep_their_values(tmp_path):
     values = np.arange(12, dtype=np.float64).reshape(3, 4)
-    tensors = {"jax": jnp.asarray(values, jnp.bfloat16), "transposed": values.T, "big_endian": values.astype(">f8"),
-               "strided": values[:, ::2]}
+    tensors = {
+        "jax": jnp.asarray(values, jnp.bfloat16),
+        "transposed": values.T,
+        "big_endian": values.astype(">f8"),
+        "strided": values[:, ::2],
+    }
     back = load_safetensors(save_safetensors(tensors, tmp_path / "x.safetensors"))
     _same(back["jax"], values.astype(ml_dtypes.bfloat16))
     _same(back["transposed"], np.ascontiguousarray(values.T))
@@ -91,14 +106,17 @@ def test_jax_arrays_views_and_other_byte_orders_keep_their_values(tmp_path):
     _same(back["strided"], np.ascontiguousarray(values[:, ::2]))
 
 
-@pytest.mark.parametrize("tensors, pattern", [
-    ({"x": np.array([object()])}, r"tensors\['x'\]: expected one of the safetensors dtypes .* got object"),
-    ({"x": np.array(["abc"])}, r"tensors\['x'\]: expected one of the safetensors dtypes .* got <U3"),
-    ({"x": np.zeros(2, np.complex128)}, r"tensors\['x'\]: .* got complex128"),
-    ({"": np.zeros(2)}, r"tensors: expected names that are non-empty strings .* got ''"),
-    ({"__metadata__": np.zeros(2)}, r"got '__metadata__'"),
-    ({3: np.zeros(2)}, r"tensors: expected names .* got 3"),
-])
+@pytest.mark.parametrize(
+    "tensors, pattern",
+    [
+        ({"x": np.array([object()])}, r"tensors\['x'\]: expected one of the safetensors dtypes .* got object"),
+        ({"x": np.array(["abc"])}, r"tensors\['x'\]: expected one of the safetensors dtypes .* got <U3"),
+        ({"x": np.zeros(2, np.complex128)}, r"tensors\['x'\]: .* got complex128"),
+        ({"": np.zeros(2)}, r"tensors: expected names that are non-empty strings .* got ''"),
+        ({"__metadata__": np.zeros(2)}, r"got '__metadata__'"),
+        ({3: np.zeros(2)}, r"tensors: expected names .* got 3"),
+    ],
+)
 def test_bad_tensors_are_refused_by_name_and_nothing_is_written(tmp_path, tensors, pattern):
     with pytest.raises(ValueError, match=pattern):
         save_safetensors(tensors, tmp_path / "x.safetensors")

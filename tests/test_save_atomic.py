@@ -36,8 +36,13 @@ USERS_HIDDEN = ".notes.tmp-0123abcd"
 CHILD = os.path.join(os.path.dirname(__file__), "_save_atomic_child.py")
 LIMIT = 2000  # bytes per shard: 7 shards
 # (old max_shard_size, new max_shard_size): None is one file
-LAYOUTS = {"same-count": (LIMIT, LIMIT), "one-over-shards": (LIMIT, None), "shards-over-one": (None, LIMIT),
-           "new-count": (LIMIT, 3 * LIMIT), "same-count-3": (3 * LIMIT, 3 * LIMIT)}
+LAYOUTS = {
+    "same-count": (LIMIT, LIMIT),
+    "one-over-shards": (LIMIT, None),
+    "shards-over-one": (None, LIMIT),
+    "new-count": (LIMIT, 3 * LIMIT),
+    "same-count-3": (3 * LIMIT, 3 * LIMIT),
+}
 
 
 @pytest.fixture(scope="module")
@@ -89,10 +94,11 @@ def params_as_tensors(llamas, params) -> dict:
 
 
 def which_set(tensors: dict, expected: dict) -> str:
-    """"old" or "new": the set `tensors` equals bit for bit (AssertionError on a mix or anything else)."""
+    """ "old" or "new": the set `tensors` equals bit for bit (AssertionError on a mix or anything else)."""
     for which, want in expected.items():
         if tensors.keys() == want.keys() and all(
-                tensors[k].dtype == want[k].dtype and tensors[k].tobytes() == want[k].tobytes() for k in want):
+            tensors[k].dtype == want[k].dtype and tensors[k].tobytes() == want[k].tobytes() for k in want
+        ):
             return which
     raise AssertionError("the directory holds neither the old nor the new tensors")
 
@@ -117,13 +123,15 @@ def count_events(monkeypatch, run) -> int:
         count = [0]
         for name in EVENTS:
             real = getattr(_atomic_files, name)
-            patch.setattr(_atomic_files, name, lambda *a, _real=real, **k: (count.__setitem__(0, count[0] + 1),
-                                                                            _real(*a, **k))[1])
+            patch.setattr(
+                _atomic_files, name, lambda *a, _real=real, **k: (count.__setitem__(0, count[0] + 1), _real(*a, **k))[1]
+            )
         run()
     return count[0]
 
 
 # --- an exception at each file event in turn ----------------------------------------------------------------
+
 
 def events_of_a_save(llamas, tmp_path, monkeypatch, layout) -> int:
     old_limit, new_limit = LAYOUTS[layout]
@@ -142,6 +150,7 @@ def fail_at(patch, k: int, error: BaseException) -> None:
             if count[0] == k:
                 raise error
             return real(*args, **kwargs)
+
         return event
 
     for name in EVENTS:
@@ -202,8 +211,11 @@ def test_a_completed_save_replaces_the_set_and_leaves_no_debris(llamas, expected
     assert hidden_files(directory) == []
     weights = sorted(p.name for p in directory.iterdir() if p.name.startswith("model"))
     index = json.loads((directory / "model.safetensors.index.json").read_text()) if new_limit else None
-    want = ["model.safetensors"] if index is None else sorted({*index["weight_map"].values(),
-                                                               "model.safetensors.index.json"})
+    want = (
+        ["model.safetensors"]
+        if index is None
+        else sorted({*index["weight_map"].values(), "model.safetensors.index.json"})
+    )
     assert weights == want  # the old set's other files (old shards, the other kind's file) are gone
 
 
@@ -238,10 +250,16 @@ def test_save_safetensors_replaces_a_file_whole_or_not_at_all(tmp_path, monkeypa
 
 # --- subprocesses: a file-size limit, and SIGKILL -------------------------------------------------------------
 
+
 def run_child(old, work, new_limit, *tasks) -> dict[str, str]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-    out = subprocess.run([sys.executable, CHILD, str(old), str(work), str(new_limit).lower(), *tasks],
-                         capture_output=True, text=True, env=env, timeout=600)
+    out = subprocess.run(
+        [sys.executable, CHILD, str(old), str(work), str(new_limit).lower(), *tasks],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -276,8 +294,11 @@ def test_a_killed_or_size_limited_save_leaves_the_old_or_the_new_set(llamas, exp
     """One subprocess: SIGKILL right after a shard's write (before the switch) and after the switch's last
     rename; RLIMIT_FSIZE below one shard (the first shard's write fails with EFBIG)."""
     seen, results = _in_subprocess(llamas, expected, tmp_path, "same-count", ["kill:3", "kill:60", "fsize:1500"])
-    assert seen == {"old", "new"} and results == {"kill:3": "killed", "kill:60": "killed",
-                                                  "fsize:1500": f"OSError {errno.EFBIG}"}
+    assert seen == {"old", "new"} and results == {
+        "kill:3": "killed",
+        "kill:60": "killed",
+        "fsize:1500": f"OSError {errno.EFBIG}",
+    }
 
 
 @pytest.mark.slow  # one fork per event (every third in the layouts other than same-count)
@@ -286,6 +307,7 @@ def test_a_sigkill_after_every_file_event(llamas, expected, tmp_path, monkeypatc
     events = events_of_a_save(llamas, tmp_path, monkeypatch, layout)
     limits = [f"fsize:{n}" for n in (100, 1500, 5000, 9000)]  # in the header, in a shard, in the single file
     every = 1 if layout == "same-count" else 3  # fewer forks: the exception tests above visit every step
-    seen, results = _in_subprocess(llamas, expected, tmp_path, layout,
-                                   [f"kill:{k}" for k in range(1, events + 1, every)] + limits)
+    seen, results = _in_subprocess(
+        llamas, expected, tmp_path, layout, [f"kill:{k}" for k in range(1, events + 1, every)] + limits
+    )
     assert seen == {"old", "new"} and f"OSError {errno.EFBIG}" in results.values()

@@ -14,8 +14,9 @@ SEEDS = ("seed000", "seed001", "seed002", "seed003", "seed004")
 
 # The default run checks every seed under jit; plain and vmap (each seed's own eager and batched programs,
 # ~25 s of compiling) run in the slow group, and `python -m crosscheck --all` runs all three again in CI.
-@pytest.mark.parametrize("transform", [pytest.param("plain", marks=pytest.mark.slow), "jit",
-                                       pytest.param("vmap", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "transform", [pytest.param("plain", marks=pytest.mark.slow), "jit", pytest.param("vmap", marks=pytest.mark.slow)]
+)
 @pytest.mark.parametrize("name", SEEDS)
 def test_seed_case_passes_in_float64(name, transform):
     report = run_case(name, dtype="float64", transform=transform)
@@ -71,7 +72,7 @@ def test_seed002_batched_matmul_is_bmm_and_per_head_is_packed():
 
     x = torch.randn((B, N, T), dtype=torch.float64)
     w_Q = torch.randn((n_heads, T, d_k), dtype=torch.float64)
-    packed = (x.view((-1, T)) @ w_Q.permute([1, 0, 2]).contiguous().view(T, -1))
+    packed = x.view((-1, T)) @ w_Q.permute([1, 0, 2]).contiguous().view(T, -1)
     packed = packed.view((B, N, n_heads, d_k)).permute([0, 2, 1, 3])
     per_head = torch.stack([x @ w_Q[i] for i in range(n_heads)], dim=1)
     assert torch.allclose(per_head, packed, rtol=1e-14, atol=1e-15)
@@ -84,7 +85,7 @@ def test_seed001_notebook_function_equals_torch_mha():
     X = torch.randn(n_b, p, d, dtype=torch.float64)
     M = torch.nn.MultiheadAttention(d, n_h, batch_first=True, dropout=0.0, bias=False, dtype=torch.float64)
     Y_torch, _ = M(X, X, X)
-    Q, K, V = M.in_proj_weight[:d], M.in_proj_weight[d:2 * d], M.in_proj_weight[2 * d:]
+    Q, K, V = M.in_proj_weight[:d], M.in_proj_weight[d : 2 * d], M.in_proj_weight[2 * d :]
     L = M.out_proj.weight
     d_h = d // n_h
     KX = torch.einsum("ij,bsj->bsi", K, X).reshape(n_b, p, n_h, d_h)

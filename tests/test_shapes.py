@@ -50,8 +50,10 @@ R = 2 * MAX_DISTANCE + 1
 
 
 # What the annotation strings name beyond each module's own globals: jaxtyping's and shapes.py's aliases.
-SHAPE_NAMES = {**{name: getattr(jaxtyping, name) for name in ("Array", "ArrayLike", "Bool", "Float", "Int")},
-               **{name: value for name, value in vars(shapes).items() if name[:1].isupper()}}
+SHAPE_NAMES = {
+    **{name: getattr(jaxtyping, name) for name in ("Array", "ArrayLike", "Bool", "Float", "Int")},
+    **{name: value for name, value in vars(shapes).items() if name[:1].isupper()},
+}
 
 
 def checked(fn):
@@ -62,7 +64,8 @@ def checked(fn):
     signature = inspect.signature(fn)
     signature = signature.replace(
         parameters=[p.replace(annotation=hints.get(name, p.empty)) for name, p in signature.parameters.items()],
-        return_annotation=hints.get("return", signature.empty))
+        return_annotation=hints.get("return", signature.empty),
+    )
 
     @functools.wraps(fn)
     def resolved(*args, **kwargs):
@@ -76,10 +79,17 @@ def checked(fn):
 def test_importing_jaxattn_imports_no_jaxtyping():
     """The annotations cost nothing at run time: a fresh interpreter imports every public module of jaxattn
     without jaxtyping, beartype or torch (DESIGN.md: jaxattn depends on jax, flax and numpy only)."""
-    script = ("import sys, jaxattn, jaxattn.linen, jaxattn.nnx, jaxattn.models\n"
-              "print(sorted(m for m in ('jaxtyping', 'beartype', 'torch') if m in sys.modules))")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    script = (
+        "import sys, jaxattn, jaxattn.linen, jaxattn.nnx, jaxattn.models\n"
+        "print(sorted(m for m in ('jaxtyping', 'beartype', 'torch') if m in sys.modules))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
@@ -96,30 +106,43 @@ positions = np.arange(T)[None].repeat(B, 0)
 
 
 def _mha_params(**options):
-    return jaxattn.init_multi_head_attention(jax.random.key(0), E, N, H, key_features=17, num_kv_heads=K,
-                                             value_head_dim=Hv, **options)
+    return jaxattn.init_multi_head_attention(
+        jax.random.key(0), E, N, H, key_features=17, num_kv_heads=K, value_head_dim=Hv, **options
+    )
 
 
 # name -> call(): each a public function called through `checked`, on the sizes above
 CALLS = {
     "dot_product_attention": lambda: checked(jaxattn.dot_product_attention)(
-        q, k, v, mask=causal, query_positions=positions, key_value_seq_lengths=np.array([S, 4]),
-        sinks=np.zeros(N, np.float32), return_weights=True),
+        q,
+        k,
+        v,
+        mask=causal,
+        query_positions=positions,
+        key_value_seq_lengths=np.array([S, 4]),
+        sinks=np.zeros(N, np.float32),
+        return_weights=True,
+    ),
     "dot_product_attention residual": lambda: checked(jaxattn.dot_product_attention)(
-        q, k[0], v[0], is_causal=True, return_residual=True),
+        q, k[0], v[0], is_causal=True, return_residual=True
+    ),
     "flex_attention": lambda: checked(jaxattn.flex_attention)(
-        q, k, v, score_mod=lambda score, b, n, t, s: score - (t - s), return_lse=True),
+        q, k, v, score_mod=lambda score, b, n, t, s: score - (t - s), return_lse=True
+    ),
     "blockwise_attention": lambda: checked(jaxattn.blockwise_attention)(q, k, v, is_causal=True, return_lse=True),
     "ring_attention": lambda: checked(jaxattn.ring_attention)(
-        q, k, v, mesh=Mesh(np.array(jax.devices()[:1]), ("seq",)), sequence_axis="seq"),
-    "relative_attention": lambda: checked(jaxattn.relative_attention)(
-        q, k, v, *_arrays((T, S, 1, H), (T, S, N, Hv))),
+        q, k, v, mesh=Mesh(np.array(jax.devices()[:1]), ("seq",)), sequence_axis="seq"
+    ),
+    "relative_attention": lambda: checked(jaxattn.relative_attention)(q, k, v, *_arrays((T, S, 1, H), (T, S, N, Hv))),
     "shaw_relative_attention": lambda: checked(jaxattn.shaw_relative_attention)(
-        q, k, v, *_arrays((R, H), (R, N, Hv)), max_distance=MAX_DISTANCE),
+        q, k, v, *_arrays((R, H), (R, N, Hv)), max_distance=MAX_DISTANCE
+    ),
     "relative_position_index": lambda: checked(jaxattn.relative_position_index)(
-        T, S, MAX_DISTANCE, query_positions=positions, key_positions=np.arange(S)),
+        T, S, MAX_DISTANCE, query_positions=positions, key_positions=np.arange(S)
+    ),
     "clipped_relative_attention": lambda: checked(jaxattn.clipped_relative_attention)(
-        q, k, v, *_arrays((R, N, H), (R, Hv)), max_left=5, max_right=3),
+        q, k, v, *_arrays((R, N, H), (R, Hv)), max_left=5, max_right=3
+    ),
     "clipped_relative_index": lambda: checked(jaxattn.clipped_relative_index)(T, S, max_left=5, max_right=3),
     "t5_attention": lambda: checked(jaxattn.t5_attention)(q, k, v, *_arrays((32, N))),
     "t5_relative_bias": lambda: checked(jaxattn.t5_relative_bias)(*_arrays((32, N)), T, S),
@@ -128,31 +151,41 @@ CALLS = {
     "apply_rope": lambda: checked(jaxattn.apply_rope)(q, positions, rotary_dim=H - 1),
     "rope_attention": lambda: checked(jaxattn.rope_attention)(q, k, v, rotary_dim=H - 1, is_causal=True),
     "transformer_xl_attention": lambda: checked(jaxattn.transformer_xl_attention)(
-        q, k, v, *_arrays((R, N, H)), max_left=5, pos_bias_u=_arrays((N, H))[0]),
+        q, k, v, *_arrays((R, N, H)), max_left=5, pos_bias_u=_arrays((N, H))[0]
+    ),
     "relative_sinusoids": lambda: checked(jaxattn.relative_sinusoids)(H + 1, max_left=5, max_right=3),
     "position_bias_attention": lambda: checked(jaxattn.position_bias_attention)(
-        q, k, v, jaxattn.alibi_position_bias(jaxattn.alibi_slopes(N))),
+        q, k, v, jaxattn.alibi_position_bias(jaxattn.alibi_slopes(N))
+    ),
     "multi_head_attention": lambda: checked(jaxattn.multi_head_attention)(
-        _mha_params(), x_q, x_kv, add_zero_attn=True, return_weights=True),
+        _mha_params(), x_q, x_kv, add_zero_attn=True, return_weights=True
+    ),
     "relative_multi_head_attention": lambda: checked(jaxattn.relative_multi_head_attention)(
-        jaxattn.init_relative_multi_head_attention(jax.random.key(0), E, N, H, max_distance=MAX_DISTANCE), x_q),
+        jaxattn.init_relative_multi_head_attention(jax.random.key(0), E, N, H, max_distance=MAX_DISTANCE), x_q
+    ),
     "project_qkv and project_out": lambda: checked(jaxattn.project_out)(
-        _mha_params(), checked(jaxattn.project_qkv)(_mha_params(), x_q, x_kv)[2][..., :T, :, :].repeat(3, -2)),
+        _mha_params(), checked(jaxattn.project_qkv)(_mha_params(), x_q, x_kv)[2][..., :T, :, :].repeat(3, -2)
+    ),
     "gated_delta_rule": lambda: checked(jaxattn.gated_delta_rule)(
-        *_arrays((B, T, K, H), (B, T, K, H), (B, T, N, Hv), (B, T, N), (B, T, N)), return_state=True),
+        *_arrays((B, T, K, H), (B, T, K, H), (B, T, N, Hv), (B, T, N), (B, T, N)), return_state=True
+    ),
     "gated_delta_rule_step": lambda: checked(jaxattn.gated_delta_rule_step)(
-        *_arrays((B, K, H), (B, K, H), (B, N, Hv), (B, N), (B, N), (B, N, H, Hv))),
+        *_arrays((B, K, H), (B, K, H), (B, N, Hv), (B, N), (B, N), (B, N, H, Hv))
+    ),
     "causal_conv1d": lambda: checked(jaxattn.causal_conv1d)(
-        *_arrays((B, T, E), (E, 4), (E,)), state=_arrays((B, 3, E))[0], return_state=True),
+        *_arrays((B, T, E), (E, 4), (E,)), state=_arrays((B, 3, E))[0], return_state=True
+    ),
     "gated_rms_norm": lambda: checked(jaxattn.gated_rms_norm)(*_arrays((B, T, E), (B, T, E), (E,))),
     "latent_attention": lambda: checked(jaxattn.latent_attention)(
-        _latent_params(), x_q, cache=jaxattn.init_latent_cache((B,), 8, 5, 4)),
+        _latent_params(), x_q, cache=jaxattn.init_latent_cache((B,), 8, 5, 4)
+    ),
 }
 
 
 def _latent_params():
-    return jaxattn.init_latent_attention(jax.random.key(0), E, N, latent_dim=5, rope_dim=4, nope_head_dim=3,
-                                         value_head_dim=Hv, query_latent_dim=7)
+    return jaxattn.init_latent_attention(
+        jax.random.key(0), E, N, latent_dim=5, rope_dim=4, nope_head_dim=3, value_head_dim=Hv, query_latent_dim=7
+    )
 
 
 @pytest.mark.parametrize("name", CALLS)
@@ -182,16 +215,24 @@ def test_layers_call_meets_its_annotations(layers):
         variables = jax.eval_shape(layer.init, jax.random.key(0), x_q, x_kv)
         out, weights = jax.eval_shape(
             lambda variables: layer.apply(variables, x_q, x_kv, mask=causal, return_weights=True, method=call),
-            variables)
+            variables,
+        )
     else:
-        layer = layers.MultiHeadAttention(E, N, head_dim=H, key_features=17, num_kv_heads=K, value_head_dim=Hv,
-                                          rngs=nnx.Rngs(0))
+        layer = layers.MultiHeadAttention(
+            E, N, head_dim=H, key_features=17, num_kv_heads=K, value_head_dim=Hv, rngs=nnx.Rngs(0)
+        )
         out, weights = jax.eval_shape(lambda: call(layer, x_q, x_kv, mask=causal, return_weights=True))
     assert out.shape == (B, T, E) and weights.shape == (B, N, T, S)
 
 
-TINY_DECODER = dict(vocab_size=19, hidden_size=16, intermediate_size=10, num_hidden_layers=1,
-                    num_attention_heads=4, num_key_value_heads=2)
+TINY_DECODER = dict(
+    vocab_size=19,
+    hidden_size=16,
+    intermediate_size=10,
+    num_hidden_layers=1,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+)
 
 
 # one model per distinct __call__: the shared causal LM (Llama and most families), GPT-2, Llama 4, BERT, T5
@@ -203,22 +244,53 @@ def test_models_call_meets_its_annotations(family):
         model = LlamaForCausalLM(LlamaConfig.from_dict({"model_type": "llama", **TINY_DECODER}))
         args = (ids, mask)
     elif family == "gpt2":
-        model = GPT2LMHeadModel(GPT2Config.from_dict({"model_type": "gpt2", "vocab_size": 19, "n_embd": 12,
-                                                      "n_layer": 1, "n_head": 4, "n_positions": 8}))
+        model = GPT2LMHeadModel(
+            GPT2Config.from_dict(
+                {"model_type": "gpt2", "vocab_size": 19, "n_embd": 12, "n_layer": 1, "n_head": 4, "n_positions": 8}
+            )
+        )
         args = (ids, mask)
     elif family == "llama4_text":
-        model = Llama4ForCausalLM(Llama4TextConfig.from_dict({
-            "model_type": "llama4_text", **TINY_DECODER, "intermediate_size_mlp": 10, "num_local_experts": 3,
-            "attention_chunk_size": 4}))
+        model = Llama4ForCausalLM(
+            Llama4TextConfig.from_dict(
+                {
+                    "model_type": "llama4_text",
+                    **TINY_DECODER,
+                    "intermediate_size_mlp": 10,
+                    "num_local_experts": 3,
+                    "attention_chunk_size": 4,
+                }
+            )
+        )
         args = (ids, mask)
     elif family == "bert":
-        model = BertModel(BertConfig(vocab_size=19, hidden_size=12, num_hidden_layers=1, num_attention_heads=4,
-                                     intermediate_size=10, max_position_embeddings=8))
+        model = BertModel(
+            BertConfig(
+                vocab_size=19,
+                hidden_size=12,
+                num_hidden_layers=1,
+                num_attention_heads=4,
+                intermediate_size=10,
+                max_position_embeddings=8,
+            )
+        )
         args = (ids, mask)
     else:
-        model = T5ForConditionalGeneration(T5Config.from_dict({
-            "model_type": "t5", "vocab_size": 19, "d_model": 12, "d_kv": 3, "d_ff": 10, "num_layers": 1,
-            "num_heads": 4, "relative_attention_num_buckets": 8, "relative_attention_max_distance": 16}))
+        model = T5ForConditionalGeneration(
+            T5Config.from_dict(
+                {
+                    "model_type": "t5",
+                    "vocab_size": 19,
+                    "d_model": 12,
+                    "d_kv": 3,
+                    "d_ff": 10,
+                    "num_layers": 1,
+                    "num_heads": 4,
+                    "relative_attention_num_buckets": 8,
+                    "relative_attention_max_distance": 16,
+                }
+            )
+        )
         args = (ids, mask, ids[:, :2])
     params = jax.eval_shape(model.init, jax.random.key(0), *args)
     out = jax.eval_shape(lambda params: model.apply(params, *args, method=checked(type(model).__call__)), params)

@@ -46,7 +46,7 @@ def get(results, name):
 @pytest.mark.slow  # reads the 8-device subprocess run (_sharding_checks.py)
 @pytest.mark.parametrize("dtype,mesh", [("float64", m) for m in F64_MESHES] + [("float32", m) for m in F32_MESHES])
 def test_ring_equals_single_device(results, dtype, mesh):
-    result = get(results, f"ring-{ {'float64': 'f64', 'float32': 'f32'}[dtype]}-{mesh}")
+    result = get(results, f"ring-{ {'float64': 'f64', 'float32': 'f32'}[dtype] }-{mesh}")
     assert result["dtype"] == dtype
     assert result["forward"] <= TOL[dtype]
     assert result["finite"]
@@ -117,8 +117,9 @@ def one_device_mesh():
 
 def test_shard_params_layouts():
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1), ("model",))
-    params = jaxattn.init_relative_multi_head_attention(jax.random.key(0), 6, 4, 3, num_kv_heads=2,
-                                                        max_distance=2, share_heads=True)
+    params = jaxattn.init_relative_multi_head_attention(
+        jax.random.key(0), 6, 4, 3, num_kv_heads=2, max_distance=2, share_heads=True
+    )
     placed = jaxattn.shard_params(params, mesh, head_axis="model")
     specs = jax.tree.map(lambda x: tuple(x.sharding.spec), placed)
     assert specs["query"]["kernel"] == (None, "model", None) and specs["query"]["bias"] == ("model", None)

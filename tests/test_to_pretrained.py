@@ -40,30 +40,43 @@ from jaxattn.models import from_pretrained, from_state_dict, to_pretrained
 # id -> (model_type, write_checkpoint overrides): the variants tests/test_models_decoders.py loads
 VARIANTS = {
     "bert": ("bert", {}),
-    "gpt2": ("gpt2", {}),                                                  # tied
+    "gpt2": ("gpt2", {}),  # tied
     "gpt2-untied": ("gpt2", {"tie_word_embeddings": False}),
-    "t5": ("t5", {}),                                                      # gated-gelu, tied, scaled head
-    "t5-unscaled": ("t5", {"tie_word_embeddings": False}),                 # transformers 5: tied, no d^-0.5
-    "llama": ("llama", {}),                                                # untied, linear rope
+    "t5": ("t5", {}),  # gated-gelu, tied, scaled head
+    "t5-unscaled": ("t5", {"tie_word_embeddings": False}),  # transformers 5: tied, no d^-0.5
+    "llama": ("llama", {}),  # untied, linear rope
     "llama-biases": ("llama", {"tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True}),
-    "qwen2": ("qwen2", {}),                                                # tied, q/k/v biases
+    "qwen2": ("qwen2", {}),  # tied, q/k/v biases
     "qwen2-sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 5, "max_window_layers": 1}),
-    "mistral": ("mistral", {}),                                            # window 5 on every layer
+    "mistral": ("mistral", {}),  # window 5 on every layer
     "mistral-no-window": ("mistral", {"sliding_window": None}),
-    "gemma2": ("gemma2", {}),                                              # untied, softcaps, windows
-    "gemma2-tied": ("gemma2", {"tie_word_embeddings": True, "final_logit_softcapping": None,
-                               "attn_logit_softcapping": None, "layer_types": ["full_attention",
-                                                                                "sliding_attention"]}),
-    "qwen3": ("qwen3", {}),                                                # q/k norms, tied
-    "gemma3": ("gemma3_text", {}),                                         # local/global ropes, windows
-    "mixtral": ("mixtral", {}),                                            # stacked per-expert rows
-    "gpt_oss": ("gpt_oss", {}),                                            # interleaved gate/up, sinks
-    "qwen3_moe": ("qwen3_moe", {}),                                        # q/k norms on experts
-    "llama4_text": ("llama4_text", {}),                                    # fused experts, dense/MoE layers
-    "deepseek_v3": ("deepseek_v3", {}),                                    # MLA (q latent), yarn, MoE layer
-    "deepseek_v3-direct": ("deepseek_v3", {"q_lora_rank": None, "attention_bias": True, "tie_word_embeddings": True,
-                                           "rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}),
-    "qwen3_next": ("qwen3_next", {}),                                      # linear + full layers, shared expert
+    "gemma2": ("gemma2", {}),  # untied, softcaps, windows
+    "gemma2-tied": (
+        "gemma2",
+        {
+            "tie_word_embeddings": True,
+            "final_logit_softcapping": None,
+            "attn_logit_softcapping": None,
+            "layer_types": ["full_attention", "sliding_attention"],
+        },
+    ),
+    "qwen3": ("qwen3", {}),  # q/k norms, tied
+    "gemma3": ("gemma3_text", {}),  # local/global ropes, windows
+    "mixtral": ("mixtral", {}),  # stacked per-expert rows
+    "gpt_oss": ("gpt_oss", {}),  # interleaved gate/up, sinks
+    "qwen3_moe": ("qwen3_moe", {}),  # q/k norms on experts
+    "llama4_text": ("llama4_text", {}),  # fused experts, dense/MoE layers
+    "deepseek_v3": ("deepseek_v3", {}),  # MLA (q latent), yarn, MoE layer
+    "deepseek_v3-direct": (
+        "deepseek_v3",
+        {
+            "q_lora_rank": None,
+            "attention_bias": True,
+            "tie_word_embeddings": True,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 1e4},
+        },
+    ),
+    "qwen3_next": ("qwen3_next", {}),  # linear + full layers, shared expert
 }
 _AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM"}
 
@@ -83,6 +96,7 @@ def checkpoints(tmp_path_factory):
             model_type, overrides = VARIANTS[variant]
             made[variant] = hf.write_checkpoint(model_type, tmp_path_factory.mktemp(variant), **overrides)
         return made[variant]
+
     return get
 
 
@@ -111,8 +125,9 @@ def _torch_load(directory, model_type):
     cls = getattr(transformers, _AUTO.get(model_type, "AutoModelForCausalLM"))
     # DeepSeek V3: transformers' grouped_mm experts need 16-byte strides, which the tiny prime sizes do not give
     experts = {"experts_implementation": "eager"} if model_type == "deepseek_v3" else {}
-    model, info = cls.from_pretrained(str(directory), attn_implementation="eager", output_loading_info=True,
-                                      local_files_only=True, **experts)
+    model, info = cls.from_pretrained(
+        str(directory), attn_implementation="eager", output_loading_info=True, local_files_only=True, **experts
+    )
     assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
     return model.eval()
 
@@ -130,8 +145,11 @@ def _assert_torch_holds(torch_model, tensors):
         return
     for name, value in state.items():
         if name in tensors:
-            written = torch.from_numpy(np.asarray(tensors[name], np.float32)) if tensors[name].dtype == \
-                ml_dtypes.bfloat16 else torch.from_numpy(tensors[name])
+            written = (
+                torch.from_numpy(np.asarray(tensors[name], np.float32))
+                if tensors[name].dtype == ml_dtypes.bfloat16
+                else torch.from_numpy(tensors[name])
+            )
             assert value.dtype == (torch.bfloat16 if tensors[name].dtype == ml_dtypes.bfloat16 else written.dtype)
             assert torch.equal(value.to(written.dtype), written), name
     tied = {p.data_ptr() for n, p in torch_model.named_parameters() if n in tensors}
@@ -139,6 +157,7 @@ def _assert_torch_holds(torch_model, tensors):
 
 
 # --- inputs, the JAX step, the comparison -------------------------------------------------------------------
+
 
 def _inputs(model_type):
     """The padded batch: on the right for the encoders (BERT, T5), on the left for decoders."""
@@ -196,6 +215,7 @@ def _errors(model_type, ours, theirs, inputs):
 
 # --- 1. from_pretrained -> to_pretrained: the same files --------------------------------------------------------
 
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_round_trip_gives_every_tensor_and_config_value_back(checkpoints, variant, tmp_path):
     source = checkpoints(variant)
@@ -237,13 +257,19 @@ def test_bf16_is_kept_and_dtype_casts_explicitly(checkpoints, tmp_path):
 
 # --- 2. changed in JAX -> to_pretrained -> transformers ---------------------------------------------------------
 
-@pytest.mark.parametrize("variant, dtype", [
-    pytest.param(v, d, marks=() if (v, d) in (("gpt2", "float64"), ("qwen2", "float32")) else pytest.mark.slow)
-    for v in VARIANTS for d in ("float64", "float32")
-    # DeepSeek V3 in float64: transformers loads the router's weight and bias in float32 whatever the checkpoint's
-    # dtype (_keep_in_fp32_modules_strict), so its float64 outputs are not the written weights' (the written
-    # tensors themselves are checked bit for bit by the round-trip test)
-    if not (VARIANTS[v][0] == "deepseek_v3" and d == "float64")])
+
+@pytest.mark.parametrize(
+    "variant, dtype",
+    [
+        pytest.param(v, d, marks=() if (v, d) in (("gpt2", "float64"), ("qwen2", "float32")) else pytest.mark.slow)
+        for v in VARIANTS
+        for d in ("float64", "float32")
+        # DeepSeek V3 in float64: transformers loads the router's weight and bias in float32 whatever the checkpoint's
+        # dtype (_keep_in_fp32_modules_strict), so its float64 outputs are not the written weights' (the written
+        # tensors themselves are checked bit for bit by the round-trip test)
+        if not (VARIANTS[v][0] == "deepseek_v3" and d == "float64")
+    ],
+)
 def test_params_changed_in_jax_give_transformers_the_same_outputs(checkpoints, variant, dtype, tmp_path):
     model_type = VARIANTS[variant][0]
     model, params = from_pretrained(checkpoints(variant), dtype=dtype)
@@ -269,6 +295,7 @@ def test_params_changed_in_jax_give_transformers_the_same_outputs(checkpoints, v
 
 # --- 3. shards ------------------------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("variant", _variant_params())
 def test_small_max_shard_size_writes_shards_that_both_sides_load(checkpoints, variant, tmp_path):
     model_type = VARIANTS[variant][0]
@@ -281,8 +308,10 @@ def test_small_max_shard_size_writes_shards_that_both_sides_load(checkpoints, va
     assert sorted(set(index["weight_map"].values())) == [f.name for f in files]
     assert all(f.name.endswith(f"-of-{len(files):05d}.safetensors") for f in files)
     original = _tensors(checkpoints(variant))
-    assert index["metadata"] == {"total_size": sum(x.nbytes for x in original.values()),
-                                 "total_parameters": sum(x.size for x in original.values())}
+    assert index["metadata"] == {
+        "total_size": sum(x.nbytes for x in original.values()),
+        "total_parameters": sum(x.size for x in original.values()),
+    }
     for f in files:  # every tensor in exactly the file the index names; a file over the limit holds one tensor
         held = load_safetensors(f)
         assert all(index["weight_map"][k] == f.name for k in held)
@@ -322,14 +351,19 @@ def test_writing_into_an_existing_directory_replaces_only_weight_files(checkpoin
     assert "model.safetensors" not in names and "model.safetensors.index.json" in names
     assert {"tokenizer.json", "model-00001-of-00009.bin"} <= set(names)
     to_pretrained(model, params, directory)
-    assert sorted(p.name for p in directory.iterdir()) == ["config.json", "model-00001-of-00009.bin",
-                                                            "model.safetensors", "tokenizer.json"]
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "config.json",
+        "model-00001-of-00009.bin",
+        "model.safetensors",
+        "tokenizer.json",
+    ]
     _assert_same_tensors(_tensors(directory), _tensors(checkpoints("gpt2")))
     with pytest.raises(ValueError, match=r"path: expected a directory .* got the file .*tokenizer.json"):
         to_pretrained(model, params, directory / "tokenizer.json")
 
 
 # --- 4. python -m crosscheck --model on a written directory ----------------------------------------------------
+
 
 # slow group only: --model is tests/test_cli_model.py's (default group), writing is the tests above
 @pytest.mark.parametrize("variant", _variant_params(default=()))
@@ -347,9 +381,15 @@ def test_crosscheck_model_passes_on_a_written_directory(checkpoints, variant, tm
 
 # --- configs with no config.json behind them ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("variant", [v for v in VARIANTS if VARIANTS[v][0] not in ("llama", "gemma3_text",
-                                                                                  "llama4_text", "mixtral")
-                                     and v != "deepseek_v3"])
+
+@pytest.mark.parametrize(
+    "variant",
+    [
+        v
+        for v in VARIANTS
+        if VARIANTS[v][0] not in ("llama", "gemma3_text", "llama4_text", "mixtral") and v != "deepseek_v3"
+    ],
+)
 # llama: linear rope; llama4_text: llama3 rope; deepseek_v3: yarn; gemma3: the tiny checkpoint's two ropes are
 # not HF's defaults; mixtral: rope_theta 1e4, not HF Mixtral's default 1e6 (all in no field)
 def test_a_config_without_hf_config_is_written_from_the_family_mapping(checkpoints, variant, tmp_path):
@@ -371,17 +411,22 @@ def test_rope_settings_come_from_hf_config_and_are_checked(checkpoints, tmp_path
     config would mean other frequencies, which is refused by name; hf_config's rope_parameters alone suffice."""
     model, params = from_pretrained(checkpoints("llama"))
     bare = model.clone(config=dataclasses.replace(model.config, hf_config=None))
-    with pytest.raises(ValueError, match=r"model.config: expected a config that config.json can hold, got fields "
-                                         r"its HF keys do not reproduce: rope_frequencies: "):
+    with pytest.raises(
+        ValueError,
+        match=r"model.config: expected a config that config.json can hold, got fields "
+        r"its HF keys do not reproduce: rope_frequencies: ",
+    ):
         to_pretrained(bare, params, tmp_path / "bare")
     assert not (tmp_path / "bare").exists()
     rope = {"rope_parameters": model.config.hf_config["rope_parameters"]}
-    written = to_pretrained(model.clone(config=dataclasses.replace(model.config, hf_config=rope)), params,
-                            tmp_path / "rope")
+    written = to_pretrained(
+        model.clone(config=dataclasses.replace(model.config, hf_config=rope)), params, tmp_path / "rope"
+    )
     assert from_pretrained(written)[0] == model
 
 
 # --- bad params and arguments -----------------------------------------------------------------------------------
+
 
 def _replace(params, path, value):
     """A copy of params with the leaf at "a/b/c" replaced (None: removed)."""
@@ -397,8 +442,11 @@ def test_params_that_do_not_fit_the_model_raise_naming_the_leaf(checkpoints, tmp
     query = "h_1/attn/query/kernel"
     with pytest.raises(ValueError, match=rf"'{query}' missing \(for 'transformer.h.1.attn.c_attn.weight'\)"):
         to_pretrained(model, _replace(params, query, None), out)
-    with pytest.raises(ValueError, match=rf"'{query}': expected shape \[32,4,8\] \[E,N,H\] \(for "
-                                         rf"'transformer.h.1.attn.c_attn.weight'\), got shape \[32,8,4\]"):
+    with pytest.raises(
+        ValueError,
+        match=rf"'{query}': expected shape \[32,4,8\] \[E,N,H\] \(for "
+        rf"'transformer.h.1.attn.c_attn.weight'\), got shape \[32,8,4\]",
+    ):
         to_pretrained(model, _replace(params, query, np.zeros((32, 8, 4), np.float32)), out)
     with pytest.raises(ValueError, match=r"'h_0/attn/extra' is read by no row of the weight table"):
         to_pretrained(model, _replace(params, "h_0/attn/extra", np.zeros(3, np.float32)), out)
@@ -407,8 +455,11 @@ def test_params_that_do_not_fit_the_model_raise_naming_the_leaf(checkpoints, tmp
     with pytest.raises(ValueError, match=r"'wte/embedding' missing.*'params/wte/embedding' is read by no row"):
         to_pretrained(model, {"params": params}, out)  # the variables dict, not the params
     bf16 = _replace(params, query, params["h_1"]["attn"]["query"]["kernel"].astype(ml_dtypes.bfloat16))
-    with pytest.raises(ValueError, match=r"make one tensor 'transformer.h.1.attn.c_attn.weight': expected one "
-                                         r"dtype, got \['bfloat16', 'float32'\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"make one tensor 'transformer.h.1.attn.c_attn.weight': expected one "
+        r"dtype, got \['bfloat16', 'float32'\]",
+    ):
         to_pretrained(model, bf16, out)
     with pytest.raises(ValueError, match=r"'wte/embedding' missing .*; 'wte' is read by no row"):
         to_pretrained(model, {**params, "wte": [1, 2]}, out)
@@ -422,7 +473,10 @@ def test_bad_arguments_raise_naming_them(checkpoints, tmp_path):
     for dtype in ("int32", "no such dtype", bool):
         with pytest.raises(ValueError, match=rf"dtype: expected a floating dtype .* got {dtype!r}"):
             to_pretrained(model, params, tmp_path / "x", dtype=dtype)
-    with pytest.raises(ValueError, match=r"model: expected a jaxattn.models model of one of \[.*'BertModel'.*"
-                                         r"'GPT2LMHeadModel'.*\], got dict"):
+    with pytest.raises(
+        ValueError,
+        match=r"model: expected a jaxattn.models model of one of \[.*'BertModel'.*"
+        r"'GPT2LMHeadModel'.*\], got dict",
+    ):
         to_pretrained({}, params, tmp_path / "x")
     assert not (tmp_path / "x").exists()

@@ -29,17 +29,37 @@ from crosscheck import _hf_models as hf
 from jaxattn.io import load_safetensors
 from jaxattn.models import from_pretrained, from_state_dict, to_pretrained
 
-ATTENTION = {"vocab_size": 23, "hidden_size": 20, "num_hidden_layers": 2, "num_attention_heads": 5,
-             "num_key_value_heads": 1, "head_dim": 6, "max_position_embeddings": 32}
+ATTENTION = {
+    "vocab_size": 23,
+    "hidden_size": 20,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 5,
+    "num_key_value_heads": 1,
+    "head_dim": 6,
+    "max_position_embeddings": 32,
+}
 CONFIGS = {
-    "mixtral": {"model_type": "mixtral", **ATTENTION, "intermediate_size": 13, "num_local_experts": 3,
-                "num_experts_per_tok": 2},
-    "qwen3_moe": {"model_type": "qwen3_moe", **ATTENTION, "intermediate_size": 13, "moe_intermediate_size": 13,
-                  "num_experts": 3, "num_experts_per_tok": 2},
+    "mixtral": {
+        "model_type": "mixtral",
+        **ATTENTION,
+        "intermediate_size": 13,
+        "num_local_experts": 3,
+        "num_experts_per_tok": 2,
+    },
+    "qwen3_moe": {
+        "model_type": "qwen3_moe",
+        **ATTENTION,
+        "intermediate_size": 13,
+        "moe_intermediate_size": 13,
+        "num_experts": 3,
+        "num_experts_per_tok": 2,
+    },
 }
 # each family's first expert tensor as save_pretrained names it
-PER_EXPERT = {"mixtral": "model.layers.0.block_sparse_moe.experts.0.w1.weight",
-              "qwen3_moe": "model.layers.0.mlp.experts.0.gate_proj.weight"}
+PER_EXPERT = {
+    "mixtral": "model.layers.0.block_sparse_moe.experts.0.w1.weight",
+    "qwen3_moe": "model.layers.0.mlp.experts.0.gate_proj.weight",
+}
 
 # In a fresh interpreter: builds each family's model from its config dict (argv[1]), its params the init tree
 # (traced, nothing compiled) filled with seeded normal values, and writes it under argv[2]/<model_type>.
@@ -67,8 +87,13 @@ def _tensors(directory):
 def written(tmp_path_factory):
     """model_type -> the directory a fresh interpreter wrote for the model built from CONFIGS[model_type]."""
     root = tmp_path_factory.mktemp("built")
-    result = subprocess.run([sys.executable, "-c", WRITE, json.dumps(CONFIGS), str(root)], capture_output=True,
-                            text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    result = subprocess.run(
+        [sys.executable, "-c", WRITE, json.dumps(CONFIGS), str(root)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert result.returncode == 0, result.stderr
     return {model_type: root / model_type for model_type in CONFIGS}
 
@@ -85,8 +110,12 @@ def test_transformers_loads_a_built_mixtral_with_its_logits(written, tmp_path):
 
     transformers.utils.logging.disable_progress_bar()
     theirs, info = transformers.AutoModelForCausalLM.from_pretrained(
-        str(written["mixtral"]), attn_implementation="eager", experts_implementation="eager",
-        output_loading_info=True, local_files_only=True)
+        str(written["mixtral"]),
+        attn_implementation="eager",
+        experts_implementation="eager",
+        output_loading_info=True,
+        local_files_only=True,
+    )
     assert info == {"missing_keys": set(), "unexpected_keys": set(), "mismatched_keys": set(), "error_msgs": []}
     ids, mask = hf.padded_batch("left", vocab=23)
     with torch.no_grad():

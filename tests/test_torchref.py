@@ -67,8 +67,12 @@ DOT_CASES = {
     "lengths_and_causal_two_batch_dims": dict(batch=(2, 3), lengths=[[1, 4, 7], [0, 2, 5]], is_causal=True),
     "scale": dict(scale=0.37, K_=3),
     "query_positions": dict(T_=3, is_causal=True, query_positions=[2, 4, 6]),
-    "batched_positions": dict(T_=3, is_causal=True, query_positions=[[0, 5, 6], [3, 3, 1]],
-                              key_positions=[[0, 1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1, 0]]),
+    "batched_positions": dict(
+        T_=3,
+        is_causal=True,
+        query_positions=[[0, 5, 6], [3, 3, 1]],
+        key_positions=[[0, 1, 2, 3, 4, 5, 6], [6, 5, 4, 3, 2, 1, 0]],
+    ),
 }
 
 
@@ -106,17 +110,11 @@ def test_dot_product_attention_matches_loop(case):
 def test_causal_alignment_is_bottom_right_literal_grid():
     q, k, v = qkv(batch=(), T_=3, S_=5, N_=1, K_=1)
     _, weights = torchref.dot_product_attention(q, k, v, is_causal=True, return_weights=True)
-    expected = [[1, 1, 1, 0, 0],
-                [1, 1, 1, 1, 0],
-                [1, 1, 1, 1, 1]]
+    expected = [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]]
     np.testing.assert_array_equal((weights[0] > 0).numpy(), np.array(expected, dtype=bool))
     q, k, v = qkv(batch=(), T_=5, S_=3, N_=1, K_=1)
     _, weights = torchref.dot_product_attention(q, k, v, is_causal=True, return_weights=True)
-    expected = [[0, 0, 0],
-                [0, 0, 0],
-                [1, 0, 0],
-                [1, 1, 0],
-                [1, 1, 1]]
+    expected = [[0, 0, 0], [0, 0, 0], [1, 0, 0], [1, 1, 0], [1, 1, 1]]
     np.testing.assert_array_equal((weights[0] > 0).numpy(), np.array(expected, dtype=bool))
 
 
@@ -185,8 +183,9 @@ REL_CASES = {
     "key_only_grouped": dict(rel_k=(T, S, N, H), K_=3),
     "value_only_multi_query": dict(rel_v=(T, S, 1, HV), K_=1),
     "batched_tables": dict(rel_k=(B, 1, T, S, N, H), rel_v=(3, T, S, 1, HV), batch=(B, 3)),
-    "causal_mask_bias_scale": dict(rel_k=(T, S, 1, H), rel_v=(T, S, N, HV), K_=2, is_causal=True,
-                                   mask=(B, 1, T, S), bias=(N, T, S), scale=0.29),
+    "causal_mask_bias_scale": dict(
+        rel_k=(T, S, 1, H), rel_v=(T, S, N, HV), K_=2, is_causal=True, mask=(B, 1, T, S), bias=(N, T, S), scale=0.29
+    ),
 }
 
 
@@ -214,32 +213,33 @@ def test_seed000_per_head_weights_and_pair_tables():
     W_Q, W_K, W_V = (randn(3, H, H, seed=31 + i) for i in range(3))
     a_K, a_V = randn(S, S, 3, H, seed=34), randn(S, S, 3, H, seed=35)
     q, k, v = (torch.einsum("bsnd,nde->bsne", X, W) for W in (W_Q, W_K, W_V))
-    e = (q.unsqueeze(2) * (k.unsqueeze(1) + a_K)).sum(-1) / H ** 0.5  # [B, S, S, N]
+    e = (q.unsqueeze(2) * (k.unsqueeze(1) + a_K)).sum(-1) / H**0.5  # [B, S, S, N]
     alpha = torch.softmax(e, dim=2)
     z = torch.einsum("bijn,bijnd->bind", alpha, v.unsqueeze(1) + a_V)
     torch.testing.assert_close(torchref.relative_attention(q, k, v, a_K, a_V), z, rtol=1e-12, atol=1e-12)
 
 
 def test_relative_position_index_literal_grids():
-    expected = [[0, 1, 2, 3, 4],
-                [0, 0, 1, 2, 3],
-                [0, 0, 0, 1, 2]]
+    expected = [[0, 1, 2, 3, 4], [0, 0, 1, 2, 3], [0, 0, 0, 1, 2]]
     index = torchref.relative_position_index(3, 5, 2)
     assert index.dtype == torch.int64
     np.testing.assert_array_equal(index.numpy(), expected)
-    expected = [[2, 2, 2],  # query 0 sits at -2: every key is at distance >= +2, clipped to +1
-                [2, 2, 2],
-                [1, 2, 2],
-                [0, 1, 2],
-                [0, 0, 1]]
+    expected = [
+        [2, 2, 2],  # query 0 sits at -2: every key is at distance >= +2, clipped to +1
+        [2, 2, 2],
+        [1, 2, 2],
+        [0, 1, 2],
+        [0, 0, 1],
+    ]
     np.testing.assert_array_equal(torchref.relative_position_index(5, 3, 1).numpy(), expected)
     np.testing.assert_array_equal(torchref.relative_position_index(4, 4, 0).numpy(), np.zeros((4, 4)))
 
 
 def test_relative_position_index_with_positions():
     qpos, kpos = [[0, 3, 9], [1, 1, 2]], [[0, 1, 2, 3, 4], [4, 3, 2, 1, 0]]
-    index = torchref.relative_position_index(3, 5, 2, query_positions=torch.tensor(qpos),
-                                             key_positions=torch.tensor(kpos))
+    index = torchref.relative_position_index(
+        3, 5, 2, query_positions=torch.tensor(qpos), key_positions=torch.tensor(kpos)
+    )
     assert index.shape == (2, 3, 5)
     for b in range(2):
         np.testing.assert_array_equal(index[b].numpy(), shaw_index_loop(3, 5, 2, qpos[b], kpos[b]))
@@ -249,8 +249,9 @@ def test_relative_position_index_with_positions():
 
 @pytest.mark.parametrize("T_,S_,max_distance", [(5, 7, 2), (7, 5, 3), (6, 6, 0), (1, 13, 4)])
 def test_relative_position_index_matches_loop(T_, S_, max_distance):
-    np.testing.assert_array_equal(torchref.relative_position_index(T_, S_, max_distance).numpy(),
-                                  shaw_index_loop(T_, S_, max_distance))
+    np.testing.assert_array_equal(
+        torchref.relative_position_index(T_, S_, max_distance).numpy(), shaw_index_loop(T_, S_, max_distance)
+    )
 
 
 MAXD = 2
@@ -260,20 +261,27 @@ SHAW_CASES = {
     "per_head_tables_grouped": dict(key_table=(R, N, H), value_table=(R, N, HV), K_=3),
     "key_table_only_causal_more_queries": dict(key_table=(R, N, H), T_=9, is_causal=True),
     "value_table_only_with_lengths": dict(value_table=(R, HV), lengths=[2, 6]),
-    "batched_positions": dict(key_table=(R, H), value_table=(R, N, HV), T_=3, is_causal=True,
-                              query_positions=[[4, 5, 6], [0, 2, 9]], key_positions=[0, 1, 2, 3, 4, 5, 6]),
+    "batched_positions": dict(
+        key_table=(R, H),
+        value_table=(R, N, HV),
+        T_=3,
+        is_causal=True,
+        query_positions=[[4, 5, 6], [0, 2, 9]],
+        key_positions=[0, 1, 2, 3, 4, 5, 6],
+    ),
 }
 
 
 @pytest.mark.parametrize("case", SHAW_CASES.values(), ids=SHAW_CASES.keys())
 def test_shaw_tables_match_gathered_relative_attention_and_loop(case):
     case = dict(case)
-    tables = {name: randn(*case.pop(name), seed=40 + i) if name in case else None
-              for i, name in enumerate(("key_table", "value_table"))}
+    tables = {
+        name: randn(*case.pop(name), seed=40 + i) if name in case else None
+        for i, name in enumerate(("key_table", "value_table"))
+    }
     (q, k, v), kwargs = build_case(case)
     T_, S_ = q.shape[-3], k.shape[-3]
-    out, weights = torchref.shaw_relative_attention(q, k, v, **tables, max_distance=MAXD, return_weights=True,
-                                                    **kwargs)
+    out, weights = torchref.shaw_relative_attention(q, k, v, **tables, max_distance=MAXD, return_weights=True, **kwargs)
 
     # The gather, by hand: one index grid per batch entry, each from the loop formula.
     qpos = kwargs.get("query_positions", torch.arange(T_) + S_ - T_).numpy()
@@ -291,7 +299,7 @@ def test_shaw_tables_match_gathered_relative_attention_and_loop(case):
     expected_out, expected_weights = attention_loop(q, k, v, rel_key=rel_k, rel_value=rel_v, **kwargs)
     assert_close(out, expected_out)
     assert_close(weights, expected_weights)
-    as_tensor = (lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a)))
+    as_tensor = lambda a: None if a is None else torch.from_numpy(np.ascontiguousarray(a))
     relative = torchref.relative_attention(q, k, v, as_tensor(rel_k), as_tensor(rel_v), **kwargs)
     assert_close(out, relative.detach().numpy())
 
@@ -315,11 +323,13 @@ def test_relative_gradients_match_finite_differences():
 def test_half_precision_output_close_to_float32(dtype):
     q, k, v = (x.to(dtype) for x in qkv(K_=3))
     table = randn(R, N, H, seed=60).to(dtype)
-    out, weights = torchref.shaw_relative_attention(q, k, v, table, max_distance=MAXD, is_causal=True,
-                                                    return_weights=True)
+    out, weights = torchref.shaw_relative_attention(
+        q, k, v, table, max_distance=MAXD, is_causal=True, return_weights=True
+    )
     assert out.dtype == dtype and weights.dtype == dtype
-    reference = torchref.shaw_relative_attention(*(x.float() for x in (q, k, v)), table.float(),
-                                                 max_distance=MAXD, is_causal=True)
+    reference = torchref.shaw_relative_attention(
+        *(x.float() for x in (q, k, v)), table.float(), max_distance=MAXD, is_causal=True
+    )
     torch.testing.assert_close(out.float(), reference, rtol=2e-2, atol=2e-2)
 
 
@@ -327,7 +337,8 @@ def test_dropout_is_seeded_and_returned_weights_are_the_ones_used():
     q, k, v = qkv(K_=3)
     _, clean = torchref.dot_product_attention(q, k, v, return_weights=True)
     run = lambda seed: torchref.dot_product_attention(  # noqa: E731
-        q, k, v, dropout_rate=0.4, generator=torch.Generator().manual_seed(seed), return_weights=True)
+        q, k, v, dropout_rate=0.4, generator=torch.Generator().manual_seed(seed), return_weights=True
+    )
     out, weights = run(0)
     out_again, _ = run(0)
     out_other, _ = run(1)
@@ -349,16 +360,18 @@ def test_matches_torch_sdpa_with_bool_mask(K_):
     q, k, v = qkv(K_=K_)
     mask = random_mask(B, 1, T, S, seed=70)
     mask[..., 0] = True  # SDPA returns NaN for empty rows; the contract returns zeros, so keep rows non-empty
-    expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              attn_mask=mask, scale=0.31, enable_gqa=K_ != N).transpose(1, 2)
+    expected = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask, scale=0.31, enable_gqa=K_ != N
+    ).transpose(1, 2)
     out = torchref.dot_product_attention(q, k, v, mask=mask, scale=0.31)
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
 
 def test_matches_torch_sdpa_causal_square():
     q, k, v = qkv(T_=S)
-    expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                              is_causal=True).transpose(1, 2)
+    expected = F.scaled_dot_product_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True
+    ).transpose(1, 2)
     out = torchref.dot_product_attention(q, k, v, is_causal=True)
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
 
@@ -368,8 +381,7 @@ def test_matches_torch_sdpa_causal_square():
 def test_multi_head_attention_matches_torch_mha(bias, kdim_vdim):
     E, heads = 18, 3  # torch's MHA needs E divisible by heads
     kdim, vdim = kdim_vdim or (E, E)
-    torch_mha = torch.nn.MultiheadAttention(E, heads, bias=bias, batch_first=True, kdim=kdim, vdim=vdim,
-                                            dtype=F64)
+    torch_mha = torch.nn.MultiheadAttention(E, heads, bias=bias, batch_first=True, kdim=kdim, vdim=vdim, dtype=F64)
     ours = torchref.MultiHeadAttention(E, heads, key_features=kdim, value_features=vdim, bias=bias, dtype=F64)
     with torch.no_grad():
         if kdim_vdim is None:
@@ -405,14 +417,21 @@ def linear(x, layer):
 
 
 def test_multi_head_attention_module_matches_loop():
-    mha = torchref.MultiHeadAttention(EQ, N, H, key_features=EK, value_features=EV, out_features=EO,
-                                      num_kv_heads=2, value_head_dim=HV, dtype=F64)
+    mha = torchref.MultiHeadAttention(
+        EQ, N, H, key_features=EK, value_features=EV, out_features=EO, num_kv_heads=2, value_head_dim=HV, dtype=F64
+    )
     assert (mha.num_heads, mha.num_kv_heads, mha.head_dim, mha.value_head_dim) == (N, 2, H, HV)
     shapes = {name: tuple(p.shape) for name, p in mha.state_dict().items()}
-    assert shapes == {"q_proj.weight": (N * H, EQ), "q_proj.bias": (N * H,),
-                      "k_proj.weight": (2 * H, EK), "k_proj.bias": (2 * H,),
-                      "v_proj.weight": (2 * HV, EV), "v_proj.bias": (2 * HV,),
-                      "out_proj.weight": (EO, N * HV), "out_proj.bias": (EO,)}
+    assert shapes == {
+        "q_proj.weight": (N * H, EQ),
+        "q_proj.bias": (N * H,),
+        "k_proj.weight": (2 * H, EK),
+        "k_proj.bias": (2 * H,),
+        "v_proj.weight": (2 * HV, EV),
+        "v_proj.bias": (2 * HV,),
+        "out_proj.weight": (EO, N * HV),
+        "out_proj.bias": (EO,),
+    }
     x, key, value = randn(2, 3, T, EQ, seed=90), randn(2, 3, S, EK, seed=91), randn(2, 3, S, EV, seed=92)
     mask = random_mask(3, 1, T, S, seed=93)
     out, weights = mha(x, key, value, mask=mask, is_causal=True, return_weights=True)
@@ -439,8 +458,18 @@ def test_multi_head_attention_module_defaults_to_self_attention():
 @pytest.mark.parametrize("use_tables", [(True, True), (True, False), (False, True)])
 def test_relative_multi_head_attention_module_matches_loop(share_heads, use_tables):
     mha = torchref.RelativeMultiHeadAttention(
-        EQ, N, H, max_distance=MAXD, share_heads=share_heads, use_key_table=use_tables[0],
-        use_value_table=use_tables[1], num_kv_heads=3, value_head_dim=HV, out_features=EO, dtype=F64)
+        EQ,
+        N,
+        H,
+        max_distance=MAXD,
+        share_heads=share_heads,
+        use_key_table=use_tables[0],
+        use_value_table=use_tables[1],
+        num_kv_heads=3,
+        value_head_dim=HV,
+        out_features=EO,
+        dtype=F64,
+    )
     heads = () if share_heads else (N,)
     for name, used, dim in (("rel_key", use_tables[0], H), ("rel_value", use_tables[1], HV)):
         table = getattr(mha, name)
@@ -461,8 +490,7 @@ def test_relative_multi_head_attention_module_matches_loop(share_heads, use_tabl
         table = table.detach().numpy()
         return table[index][..., None, :] if share_heads else table[index]
 
-    attended, _ = attention_loop(q, k, v, rel_key=gather(mha.rel_key), rel_value=gather(mha.rel_value),
-                                 is_causal=True)
+    attended, _ = attention_loop(q, k, v, rel_key=gather(mha.rel_key), rel_value=gather(mha.rel_value), is_causal=True)
     assert_close(out, linear(attended.reshape(B, T, N * HV), mha.out_proj))
     out.sum().backward()
     for table in (mha.rel_key, mha.rel_value):
@@ -516,8 +544,10 @@ BAD_INPUTS = {
     "value_table_dim": ("value_table", _shaw(args=(None, randn(R, H, seed=0)), max_distance=MAXD)),
     "shaw_max_distance": ("max_distance", _shaw(args=(randn(R, H, seed=0),), max_distance=-1)),
     "index_max_distance": ("max_distance", lambda: torchref.relative_position_index(T, S, -2)),
-    "index_positions": ("query_positions",
-                        lambda: torchref.relative_position_index(T, S, 2, query_positions=torch.arange(T + 2))),
+    "index_positions": (
+        "query_positions",
+        lambda: torchref.relative_position_index(T, S, 2, query_positions=torch.arange(T + 2)),
+    ),
     "module_kv_heads": ("num_kv_heads", lambda: torchref.MultiHeadAttention(EQ, N, num_kv_heads=4)),
     "module_head_dim": ("head_dim", lambda: torchref.MultiHeadAttention(3, 5)),
     "module_max_distance": ("max_distance", lambda: torchref.RelativeMultiHeadAttention(EQ, N, max_distance=-1)),
@@ -532,8 +562,14 @@ def test_bad_input_raises_value_error_naming_the_argument(name, call):
 
 
 def test_public_surface_and_independence():
-    core = {"dot_product_attention", "relative_attention", "relative_position_index", "shaw_relative_attention",
-            "MultiHeadAttention", "RelativeMultiHeadAttention"}
+    core = {
+        "dot_product_attention",
+        "relative_attention",
+        "relative_position_index",
+        "shaw_relative_attention",
+        "MultiHeadAttention",
+        "RelativeMultiHeadAttention",
+    }
     assert core <= set(torchref.__all__)
     assert all(hasattr(torchref, name) for name in torchref.__all__)
     for letter in ("... B", "T", "S", "N", "K", "H", "E", "R"):  # the axis-letter table, one row each

@@ -41,8 +41,11 @@ def randn(*shape, seed, dtype=F64):
 
 
 def qkv(T, S, K=N, batch=(B,), seed=0, requires_grad=False):
-    q, k, v = randn(*batch, T, N, H, seed=seed), randn(*batch, S, K, H, seed=seed + 1), randn(*batch, S, K, HV,
-                                                                                             seed=seed + 2)
+    q, k, v = (
+        randn(*batch, T, N, H, seed=seed),
+        randn(*batch, S, K, H, seed=seed + 1),
+        randn(*batch, S, K, HV, seed=seed + 2),
+    )
     return tuple(x.requires_grad_(requires_grad) for x in (q, k, v))
 
 
@@ -104,14 +107,13 @@ def test_position_conversion_literal_grids():
     # torch's own top-left causal (q_idx >= kv_idx), seen on absolute positions, is shifted by S - T
     top_left = absolute_mod_from_torch(lambda b, h, q, kv: q >= kv, query_length=T, key_length=S)
     t = qi + (S - T)
-    np.testing.assert_array_equal(top_left(0, 0, t, ki).numpy(), [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0],
-                                                                   [1, 1, 1, 0, 0]])
+    np.testing.assert_array_equal(top_left(0, 0, t, ki).numpy(), [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
     # explicit positions, per batch row: [B, T] and [B, S]
     qpos, kpos = torch.tensor([[0, 2, 4], [9, 9, 9]]), torch.tensor([[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]])
-    converted = torch_mod_from_absolute(causal_abs, query_length=T, key_length=S, query_positions=qpos,
-                                        key_positions=kpos)
-    np.testing.assert_array_equal(converted(0, 0, qi, ki).numpy(), [[1, 0, 0, 0, 0], [1, 1, 1, 0, 0],
-                                                                    [1, 1, 1, 1, 1]])
+    converted = torch_mod_from_absolute(
+        causal_abs, query_length=T, key_length=S, query_positions=qpos, key_positions=kpos
+    )
+    np.testing.assert_array_equal(converted(0, 0, qi, ki).numpy(), [[1, 0, 0, 0, 0], [1, 1, 1, 0, 0], [1, 1, 1, 1, 1]])
     assert converted(1, 0, qi, ki).all()
 
 
@@ -119,10 +121,12 @@ def test_flex_reference_with_explicit_positions_matches_keywords():
     q, k, v = qkv(5, 13, K=3)
     qpos = torch.tensor([[3, 4, 8, 9, 12], [0, 1, 2, 6, 7]])
     kpos = torch.arange(13).expand(B, 13)
-    expected = flex_reference(q, k, v, mask_mod=lambda b, n, t, s: (t >= s) & (t // 4 == s // 4),
-                              query_positions=qpos, key_positions=kpos)
-    got = torchref.dot_product_attention(q, k, v, is_causal=True, chunk_size=4, query_positions=qpos,
-                                         key_positions=kpos)
+    expected = flex_reference(
+        q, k, v, mask_mod=lambda b, n, t, s: (t >= s) & (t // 4 == s // 4), query_positions=qpos, key_positions=kpos
+    )
+    got = torchref.dot_product_attention(
+        q, k, v, is_causal=True, chunk_size=4, query_positions=qpos, key_positions=kpos
+    )
     assert_close(got, expected)
 
 
@@ -137,16 +141,20 @@ def allowed_grid(T, S, **keywords):
 
 
 def test_window_chunk_segments_literal_grids():
-    np.testing.assert_array_equal(allowed_grid(4, 6, window=(1, 0)), [[0, 1, 1, 0, 0, 0], [0, 0, 1, 1, 0, 0],
-                                                                      [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1]])
+    np.testing.assert_array_equal(
+        allowed_grid(4, 6, window=(1, 0)),
+        [[0, 1, 1, 0, 0, 0], [0, 0, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0], [0, 0, 0, 0, 1, 1]],
+    )
     np.testing.assert_array_equal(allowed_grid(3, 3, window=(None, 1)), [[1, 1, 0], [1, 1, 1], [1, 1, 1]])
     # T > S: query positions -2..2; chunks are floor(position / 2): -2,-1 | 0,1 | 2
-    np.testing.assert_array_equal(allowed_grid(5, 3, chunk_size=2), [[0, 0, 0], [0, 0, 0], [1, 1, 0],
-                                                                     [1, 1, 0], [0, 0, 1]])
+    np.testing.assert_array_equal(
+        allowed_grid(5, 3, chunk_size=2), [[0, 0, 0], [0, 0, 0], [1, 1, 0], [1, 1, 0], [0, 0, 1]]
+    )
     ids = torch.tensor([0, 0, 1, 1, 1])
-    np.testing.assert_array_equal(allowed_grid(5, 5, query_segment_ids=ids, is_causal=True),
-                                  [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0],
-                                   [0, 0, 1, 1, 1]])
+    np.testing.assert_array_equal(
+        allowed_grid(5, 5, query_segment_ids=ids, is_causal=True),
+        [[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [0, 0, 1, 0, 0], [0, 0, 1, 1, 0], [0, 0, 1, 1, 1]],
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -168,8 +176,9 @@ def test_gradients_softcap_sinks_window_segments_finite_differences():
     ids = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 1, 2]])
 
     def f(q, k, v, sinks):
-        return torchref.dot_product_attention(q, k, v, logit_softcap=0.9, sinks=sinks, window=(2, 1),
-                                              query_segment_ids=ids[:, 2:], key_segment_ids=ids)
+        return torchref.dot_product_attention(
+            q, k, v, logit_softcap=0.9, sinks=sinks, window=(2, 1), query_segment_ids=ids[:, 2:], key_segment_ids=ids
+        )
 
     assert torch.autograd.gradcheck(f, (q, k, v, sinks), fast_mode=True)
 
@@ -191,6 +200,7 @@ def test_gradients_reach_arrays_the_score_mod_closes_over():
         def score_mod(score, b, n, t, s):
             bucket = (s - t).clamp(-3, 3) + 3
             return score + slopes[n] * (s - t) + table[bucket, n]
+
         return torchref.flex_attention(q, k, v, score_mod=score_mod, is_causal=True, logit_softcap=1.3)
 
     assert torch.autograd.gradcheck(f, (slopes, table), fast_mode=True)
@@ -204,8 +214,13 @@ def test_alibi_twin_caps_before_the_position_bias():
     q, k, v = qkv(5, 13, K=3)
     slopes = P.alibi_slopes(N)
     got = P.alibi_attention(q, k, v, slopes, is_causal=True, logit_softcap=1.1, chunk_size=4)
-    expected = flex_reference(q, k, v, score_mod=lambda sc, b, n, t, s: 1.1 * torch.tanh(sc / 1.1)
-                              + slopes[n] * (s - t), mask_mod=lambda b, n, t, s: (t >= s) & (t // 4 == s // 4))
+    expected = flex_reference(
+        q,
+        k,
+        v,
+        score_mod=lambda sc, b, n, t, s: 1.1 * torch.tanh(sc / 1.1) + slopes[n] * (s - t),
+        mask_mod=lambda b, n, t, s: (t >= s) & (t // 4 == s // 4),
+    )
     assert_close(got, expected)
 
 
@@ -213,12 +228,13 @@ def test_transformer_xl_softcap_caps_both_logit_terms():
     q, k, v = qkv(4, 6)
     R, max_left = 9, 6
     table, u, w = randn(R, H, seed=1), randn(N, H, seed=2), randn(N, H, seed=3)
-    got = P.transformer_xl_attention(q, k, v, table, max_left=max_left, pos_bias_u=u, pos_bias_v=w,
-                                     logit_softcap=0.8, is_causal=True)
+    got = P.transformer_xl_attention(
+        q, k, v, table, max_left=max_left, pos_bias_u=u, pos_bias_v=w, logit_softcap=0.8, is_causal=True
+    )
     index = P.clipped_relative_index(4, 6, max_left=max_left, max_right=R - 1 - max_left)
     content = torch.einsum("btnh,bsnh->bnts", q + u, k)
     position = torch.einsum("btnh,tsh->bnts", q + w, table[index])
-    logits = 0.8 * torch.tanh(H ** -0.5 * (content + position) / 0.8)
+    logits = 0.8 * torch.tanh(H**-0.5 * (content + position) / 0.8)
     logits = logits.masked_fill(~torch.ones(4, 6, dtype=torch.bool).tril(2), float("-inf"))
     expected = torch.einsum("bnts,bsnh->btnh", logits.softmax(-1), v)
     assert_close(got, expected)
@@ -230,14 +246,22 @@ def test_modules_pass_the_keywords_through():
     rel_module = torchref.RelativeMultiHeadAttention(17, N, H, max_distance=3, num_kv_heads=3, dtype=F64)
     x = randn(B, 13, 17, seed=1)
     ids = torch.tensor([[0] * 6 + [1] * 7, [0] * 2 + [1] * 11])
-    keywords = {"is_causal": True, "window": (4, 0), "chunk_size": 8, "logit_softcap": 1.5,
-                "sinks": randn(N, seed=2), "query_segment_ids": ids, "key_segment_ids": ids}
+    keywords = {
+        "is_causal": True,
+        "window": (4, 0),
+        "chunk_size": 8,
+        "logit_softcap": 1.5,
+        "sinks": randn(N, seed=2),
+        "query_segment_ids": ids,
+        "key_segment_ids": ids,
+    }
     q, k, v = module._project(x, None, None)
     expected = module.out_proj(torchref.dot_product_attention(q, k, v, **keywords).flatten(-2))
     assert_close(module(x, **keywords), expected)
     q, k, v = rel_module._project(x, None, None)
-    expected = torchref.shaw_relative_attention(q, k, v, rel_module.rel_key, rel_module.rel_value, max_distance=3,
-                                                **keywords)
+    expected = torchref.shaw_relative_attention(
+        q, k, v, rel_module.rel_key, rel_module.rel_value, max_distance=3, **keywords
+    )
     assert_close(rel_module(x, **keywords), rel_module.out_proj(expected.flatten(-2)))
 
 
@@ -250,23 +274,37 @@ BAD = {
     "window_not_pair": (lambda: torchref.dot_product_attention(q_, k_, v_, window=3), "window"),
     "chunk_zero": (lambda: torchref.dot_product_attention(q_, k_, v_, chunk_size=0), "chunk_size"),
     "softcap_zero": (lambda: torchref.dot_product_attention(q_, k_, v_, logit_softcap=0.0), "logit_softcap"),
-    "sinks_wrong_heads": (lambda: torchref.dot_product_attention(q_, k_, v_, sinks=torch.zeros(3, dtype=F64)),
-                          "sinks"),
-    "sinks_int": (lambda: torchref.dot_product_attention(q_, k_, v_, sinks=torch.zeros(N, dtype=torch.long)),
-                  "sinks"),
-    "segments_float": (lambda: torchref.dot_product_attention(
-        q_, k_, v_, query_segment_ids=torch.zeros(B, 5), key_segment_ids=torch.zeros(B, 7)), "query_segment_ids"),
-    "segments_wrong_length": (lambda: torchref.dot_product_attention(
-        q_, k_, v_, query_segment_ids=torch.zeros(B, 5, dtype=torch.long),
-        key_segment_ids=torch.zeros(B, 5, dtype=torch.long)), "key_segment_ids"),
-    "segments_one_side_T_ne_S": (lambda: torchref.dot_product_attention(
-        q_, k_, v_, query_segment_ids=torch.zeros(B, 5, dtype=torch.long)), "key_segment_ids"),
-    "mask_mod_not_bool": (lambda: torchref.flex_attention(q_, k_, v_, mask_mod=lambda b, n, t, s: t - s),
-                          "mask_mod"),
-    "score_mod_changes_shape": (lambda: torchref.flex_attention(
-        q_, k_, v_, score_mod=lambda sc, b, n, t, s: sc.sum(-1)), "score_mod"),
-    "score_mod_changes_dtype": (lambda: torchref.flex_attention(
-        q_, k_, v_, score_mod=lambda sc, b, n, t, s: sc.float()), "score_mod"),
+    "sinks_wrong_heads": (lambda: torchref.dot_product_attention(q_, k_, v_, sinks=torch.zeros(3, dtype=F64)), "sinks"),
+    "sinks_int": (lambda: torchref.dot_product_attention(q_, k_, v_, sinks=torch.zeros(N, dtype=torch.long)), "sinks"),
+    "segments_float": (
+        lambda: torchref.dot_product_attention(
+            q_, k_, v_, query_segment_ids=torch.zeros(B, 5), key_segment_ids=torch.zeros(B, 7)
+        ),
+        "query_segment_ids",
+    ),
+    "segments_wrong_length": (
+        lambda: torchref.dot_product_attention(
+            q_,
+            k_,
+            v_,
+            query_segment_ids=torch.zeros(B, 5, dtype=torch.long),
+            key_segment_ids=torch.zeros(B, 5, dtype=torch.long),
+        ),
+        "key_segment_ids",
+    ),
+    "segments_one_side_T_ne_S": (
+        lambda: torchref.dot_product_attention(q_, k_, v_, query_segment_ids=torch.zeros(B, 5, dtype=torch.long)),
+        "key_segment_ids",
+    ),
+    "mask_mod_not_bool": (lambda: torchref.flex_attention(q_, k_, v_, mask_mod=lambda b, n, t, s: t - s), "mask_mod"),
+    "score_mod_changes_shape": (
+        lambda: torchref.flex_attention(q_, k_, v_, score_mod=lambda sc, b, n, t, s: sc.sum(-1)),
+        "score_mod",
+    ),
+    "score_mod_changes_dtype": (
+        lambda: torchref.flex_attention(q_, k_, v_, score_mod=lambda sc, b, n, t, s: sc.float()),
+        "score_mod",
+    ),
 }
 
 
@@ -295,9 +333,12 @@ def test_flex_keeps_torchref_independent_of_jax():
 # Hugging Face attention (tiny random configs, offline): prefill, then more tokens on the cache
 
 EXPECTED_LAYERS = {  # the layer types each tiny config must produce, so every mapping row is exercised
-    "gemma2": {"sliding_attention", "full_attention"}, "mistral": {"sliding_attention"},
-    "gpt_oss": {"sliding_attention", "full_attention"}, "llama4": {"chunked_attention", "full_attention"},
-    "qwen2": {"full_attention"}, "qwen2_sliding": {"sliding_attention", "full_attention"},
+    "gemma2": {"sliding_attention", "full_attention"},
+    "mistral": {"sliding_attention"},
+    "gpt_oss": {"sliding_attention", "full_attention"},
+    "llama4": {"chunked_attention", "full_attention"},
+    "qwen2": {"full_attention"},
+    "qwen2_sliding": {"sliding_attention", "full_attention"},
 }
 FAMILY_KEYWORDS = ("window", "chunk_size", "logit_softcap", "sinks")
 
@@ -332,8 +373,9 @@ def test_hf_gradients_equal_torchref_softcap_and_sinks(hf_calls, family):
     inputs = [x.clone().requires_grad_() for x in (call.query, call.key, call.value)]
     cotangent = randn(*call.output.shape, seed=1)
     sinks_param = getattr(call.rerun.module, "sinks", None)
-    hf_grads = torch.autograd.grad((call.rerun(*inputs) * cotangent).sum(),
-                                   inputs + ([sinks_param] if sinks_param is not None else []))
+    hf_grads = torch.autograd.grad(
+        (call.rerun(*inputs) * cotangent).sum(), inputs + ([sinks_param] if sinks_param is not None else [])
+    )
     keywords = dict(call.keywords)
     ours = list(inputs)
     if sinks_param is not None:

@@ -28,8 +28,21 @@ from crosscheck._param_layout import ParamLayout  # noqa: E402
 from crosscheck._train_report import random_batches  # noqa: E402
 from jaxattn.models import from_pretrained, from_state_dict  # noqa: E402
 
-DECODERS = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "qwen3", "gemma3_text", "mixtral", "gpt_oss", "qwen3_moe",
-            "llama4_text", "deepseek_v3", "qwen3_next")
+DECODERS = (
+    "gpt2",
+    "llama",
+    "qwen2",
+    "mistral",
+    "gemma2",
+    "qwen3",
+    "gemma3_text",
+    "mixtral",
+    "gpt_oss",
+    "qwen3_moe",
+    "llama4_text",
+    "deepseek_v3",
+    "qwen3_next",
+)
 # float32 runs follow torch within the envelope where the model is smooth in its weights near the run's path:
 # gpt-oss's clamped SwiGLU (min(gate, limit); the tiny checkpoint's limit 1.0 so that the clamps bite) is not,
 # and a float32 rounding that moves an entry across the clamp changes a gradient by a whole term (gpt-oss: at
@@ -95,26 +108,45 @@ def decays(name: str, layout: ParamLayout) -> bool:
 
 
 def _adamw_groups(params, lr=1e-3, wd=0.1, **kwargs):
-    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": wd, **kwargs},
-            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "lr": lr * 3, "eps": 1e-6}]
+    return [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": wd, **kwargs},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "lr": lr * 3, "eps": 1e-6},
+    ]
 
 
 SETUPS = {  # name -> (torch optimizer on parameters, scheduler factory or None, max_grad_norm)
     "sgd": (lambda ps: torch.optim.SGD(ps, lr=0.05), None, None),
-    "sgd_momentum_nesterov_l2": (lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True,
-                                                            weight_decay=0.01), None, None),
-    "sgd_momentum_groups": (lambda ps: torch.optim.SGD(_adamw_groups(ps, lr=0.05, momentum=0.5), lr=0.05,
-                                                       momentum=0.9), None, 0.5),
+    "sgd_momentum_nesterov_l2": (
+        lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+        None,
+        None,
+    ),
+    "sgd_momentum_groups": (
+        lambda ps: torch.optim.SGD(_adamw_groups(ps, lr=0.05, momentum=0.5), lr=0.05, momentum=0.9),
+        None,
+        0.5,
+    ),
     "adam_l2": (lambda ps: torch.optim.Adam(ps, lr=1e-2, betas=(0.8, 0.99), eps=1e-7, weight_decay=0.05), None, None),
-    "adam_decoupled": (lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.05, decoupled_weight_decay=True),
-                       None, None),
-    "adamw_groups_cosine_clip": (lambda ps: torch.optim.AdamW(_adamw_groups(ps), lr=1e-3),
-                                 lambda o: transformers.get_cosine_schedule_with_warmup(o, 2, 6), 0.5),
-    "adamw_linear_min_lr": (lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False),
-                            lambda o: transformers.get_linear_schedule_with_warmup(o, 0, 6), None),
-    "adamw_cosine_floor": (lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                           lambda o: transformers.get_cosine_with_min_lr_schedule_with_warmup(
-                               o, 1, 6, min_lr_rate=0.1), 1e9),
+    "adam_decoupled": (
+        lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.05, decoupled_weight_decay=True),
+        None,
+        None,
+    ),
+    "adamw_groups_cosine_clip": (
+        lambda ps: torch.optim.AdamW(_adamw_groups(ps), lr=1e-3),
+        lambda o: transformers.get_cosine_schedule_with_warmup(o, 2, 6),
+        0.5,
+    ),
+    "adamw_linear_min_lr": (
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3, foreach=False),
+        lambda o: transformers.get_linear_schedule_with_warmup(o, 0, 6),
+        None,
+    ),
+    "adamw_cosine_floor": (
+        lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+        lambda o: transformers.get_cosine_with_min_lr_schedule_with_warmup(o, 1, 6, min_lr_rate=0.1),
+        1e9,
+    ),
 }
 
 
@@ -163,8 +195,10 @@ def test_torch_clipping_is_not_optax_clip_by_global_norm():
 def test_hf_schedules_equal_their_optax_twins_at_every_step(kind):
     """LambdaLR's lr at step i (scheduler.step() after optimizer.step(): step i uses lr(i)) is the twin's
     schedule at optax count i; and why the twin feeds it a float count: optax's int32 count divides in float32."""
-    make = {"cosine": transformers.get_cosine_schedule_with_warmup,
-            "linear": transformers.get_linear_schedule_with_warmup}[kind]
+    make = {
+        "cosine": transformers.get_cosine_schedule_with_warmup,
+        "linear": transformers.get_linear_schedule_with_warmup,
+    }[kind]
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=3e-4)
     scheduler = make(optimizer, 7, 50)
     torch_lrs = []
@@ -172,40 +206,86 @@ def test_hf_schedules_equal_their_optax_twins_at_every_step(kind):
         torch_lrs.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
         scheduler.step()
-    stock = (optax.warmup_cosine_decay_schedule(0.0, 3e-4, 7, 50) if kind == "cosine" else
-             optax.join_schedules([optax.linear_schedule(0.0, 3e-4, 7), optax.linear_schedule(3e-4, 0.0, 43)], [7]))
+    stock = (
+        optax.warmup_cosine_decay_schedule(0.0, 3e-4, 7, 50)
+        if kind == "cosine"
+        else optax.join_schedules([optax.linear_schedule(0.0, 3e-4, 7), optax.linear_schedule(3e-4, 0.0, 43)], [7])
+    )
     ours = [float(float_count(stock)(np.int32(i))) for i in range(50)]
     np.testing.assert_allclose(ours, torch_lrs, rtol=1e-14, atol=1e-20)
     assert max(abs(float(stock(np.int32(i))) - t) / t for i, t in enumerate(torch_lrs) if t) > 1e-9  # float32
 
 
 REFUSALS = [  # (what, call, message)
-    ("adafactor", lambda m, p: crosscheck.optax_from_torch(torch.optim.Adafactor(m.parameters()), m, p),
-     "Adafactor has no optax twin"),
-    ("rmsprop", lambda m, p: crosscheck.optax_from_torch(torch.optim.RMSprop(m.parameters()), m, p),
-     "expected torch.optim.SGD, Adam or AdamW"),
-    ("amsgrad", lambda m, p: crosscheck.optax_from_torch(torch.optim.AdamW(m.parameters(), amsgrad=True), m, p),
-     "amsgrad=True has no optax twin"),
-    ("maximize", lambda m, p: crosscheck.optax_from_torch(torch.optim.Adam(m.parameters(), maximize=True), m, p),
-     "maximize=True has no optax twin"),
-    ("dampening", lambda m, p: crosscheck.optax_from_torch(
-        torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, dampening=0.1), m, p), "dampening=0.1 has no optax twin"),
-    ("step_lr", lambda m, p: (lambda o: crosscheck.optax_from_torch(
-        o, m, p, scheduler=torch.optim.lr_scheduler.StepLR(o, 3)))(torch.optim.AdamW(m.parameters())),
-     "got StepLR"),
-    ("num_cycles", lambda m, p: (lambda o: crosscheck.optax_from_torch(
-        o, m, p, scheduler=transformers.get_cosine_schedule_with_warmup(o, 1, 9, num_cycles=1.0)))(
-        torch.optim.AdamW(m.parameters())), "num_cycles=1.0 has no optax twin"),
-    ("past_the_schedule", lambda m, p: (lambda o: crosscheck.optax_from_torch(
-        o, m, p, scheduler=transformers.get_cosine_schedule_with_warmup(o, 1, 9), steps=10))(
-        torch.optim.AdamW(m.parameters())), "expected at most num_training_steps=9"),
-    ("foreign_parameter", lambda m, p: crosscheck.optax_from_torch(
-        torch.optim.SGD([*m.parameters(), torch.nn.Parameter(torch.zeros(5))], lr=0.1), m, p),
-     "expected parameters of torch_model only"),
-    ("clip", lambda m, p: crosscheck.optax_from_torch(torch.optim.SGD(m.parameters(), lr=0.1), m, p,
-                                                      max_grad_norm=0.0), "max_grad_norm: expected a number > 0"),
-    ("params", lambda m, p: crosscheck.optax_from_torch(torch.optim.SGD(m.parameters(), lr=0.1), m,
-                                                        {"wte": p["wte"]}), "params: expected the tree"),
+    (
+        "adafactor",
+        lambda m, p: crosscheck.optax_from_torch(torch.optim.Adafactor(m.parameters()), m, p),
+        "Adafactor has no optax twin",
+    ),
+    (
+        "rmsprop",
+        lambda m, p: crosscheck.optax_from_torch(torch.optim.RMSprop(m.parameters()), m, p),
+        "expected torch.optim.SGD, Adam or AdamW",
+    ),
+    (
+        "amsgrad",
+        lambda m, p: crosscheck.optax_from_torch(torch.optim.AdamW(m.parameters(), amsgrad=True), m, p),
+        "amsgrad=True has no optax twin",
+    ),
+    (
+        "maximize",
+        lambda m, p: crosscheck.optax_from_torch(torch.optim.Adam(m.parameters(), maximize=True), m, p),
+        "maximize=True has no optax twin",
+    ),
+    (
+        "dampening",
+        lambda m, p: crosscheck.optax_from_torch(
+            torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9, dampening=0.1), m, p
+        ),
+        "dampening=0.1 has no optax twin",
+    ),
+    (
+        "step_lr",
+        lambda m, p: (lambda o: crosscheck.optax_from_torch(o, m, p, scheduler=torch.optim.lr_scheduler.StepLR(o, 3)))(
+            torch.optim.AdamW(m.parameters())
+        ),
+        "got StepLR",
+    ),
+    (
+        "num_cycles",
+        lambda m, p: (
+            lambda o: crosscheck.optax_from_torch(
+                o, m, p, scheduler=transformers.get_cosine_schedule_with_warmup(o, 1, 9, num_cycles=1.0)
+            )
+        )(torch.optim.AdamW(m.parameters())),
+        "num_cycles=1.0 has no optax twin",
+    ),
+    (
+        "past_the_schedule",
+        lambda m, p: (
+            lambda o: crosscheck.optax_from_torch(
+                o, m, p, scheduler=transformers.get_cosine_schedule_with_warmup(o, 1, 9), steps=10
+            )
+        )(torch.optim.AdamW(m.parameters())),
+        "expected at most num_training_steps=9",
+    ),
+    (
+        "foreign_parameter",
+        lambda m, p: crosscheck.optax_from_torch(
+            torch.optim.SGD([*m.parameters(), torch.nn.Parameter(torch.zeros(5))], lr=0.1), m, p
+        ),
+        "expected parameters of torch_model only",
+    ),
+    (
+        "clip",
+        lambda m, p: crosscheck.optax_from_torch(torch.optim.SGD(m.parameters(), lr=0.1), m, p, max_grad_norm=0.0),
+        "max_grad_norm: expected a number > 0",
+    ),
+    (
+        "params",
+        lambda m, p: crosscheck.optax_from_torch(torch.optim.SGD(m.parameters(), lr=0.1), m, {"wte": p["wte"]}),
+        "params: expected the tree",
+    ),
 ]
 
 
@@ -236,26 +316,44 @@ def test_a_used_optimizer_and_bad_arguments_are_refused_before_anything_runs():
         (dict(optimizer="sgd", lr=0.1, steps=0), "steps: expected an int >= 1"),
         (dict(optimizer="sgd", lr=0.1, batches=[]), "batches: expected a non-empty sequence"),
         (dict(optimizer="sgd", lr=0.1, batches=[{"input_ids": np.ones((2, 5))}]), "expected integer \\[B,T\\]"),
-        (dict(optimizer="sgd", lr=0.1,
-              batches=[{"input_ids": np.ones((2, 5), int), "attention_mask": np.ones((2, 4))}]),
-         "expected 0/1 of shape \\[2, 5\\]"),
-        (dict(optimizer="sgd", lr=0.1, batches=[{"input_ids": np.ones((2, 5), int),
-                                                  "attention_mask": np.eye(2, 5, dtype=int)}]), "got none"),
+        (
+            dict(
+                optimizer="sgd",
+                lr=0.1,
+                batches=[{"input_ids": np.ones((2, 5), int), "attention_mask": np.ones((2, 4))}],
+            ),
+            "expected 0/1 of shape \\[2, 5\\]",
+        ),
+        (
+            dict(
+                optimizer="sgd",
+                lr=0.1,
+                batches=[{"input_ids": np.ones((2, 5), int), "attention_mask": np.eye(2, 5, dtype=int)}],
+            ),
+            "got none",
+        ),
         (dict(optimizer="sgd", lr=0.1, batches=[{"input_ids": np.ones((2, 5), int), "labels": 1}]), "got also"),
     ]
     for kwargs, message in cases:
         kwargs = {"batches": batches, "steps": 2, **kwargs}
         with pytest.raises(ValueError, match=message):
             crosscheck.train_report(torch_model, model, params, **kwargs)
-    bert = transformers.BertModel(transformers.BertConfig(vocab_size=11, hidden_size=8, num_hidden_layers=1,
-                                                          num_attention_heads=2, intermediate_size=8))
+    bert = transformers.BertModel(
+        transformers.BertConfig(
+            vocab_size=11, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=8
+        )
+    )
     with pytest.raises(ValueError, match="expected a causal LM of model_type"):
         crosscheck.train_report(bert, model, params, batches, steps=2, optimizer="sgd", lr=0.1)
 
 
-@pytest.mark.parametrize("family", [pytest.param(f, marks=pytest.mark.slow)
-                                    if f in ("llama4_text", "deepseek_v3", "qwen3_next")
-                                    else f for f in DECODERS])  # (these: their 100-step runs read the layout too)
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(f, marks=pytest.mark.slow) if f in ("llama4_text", "deepseek_v3", "qwen3_next") else f
+        for f in DECODERS
+    ],
+)  # (these: their 100-step runs read the layout too)
 def test_the_layout_is_the_weight_table_both_ways(family, checkpoints):
     """to_jax(state_dict) is from_state_dict's tree, exactly; to_torch gives the state_dict back."""
     torch_model, _, params = fresh(checkpoints[family])
@@ -296,8 +394,13 @@ def _expected_step_one(torch_model, batch, lr, weight_decay, kept):
 def _groups_twin(layout, schedule, weight_decay, **adamw):
     """A hand-written optax setup: adamw with decay on the matrices, none on biases and norms."""
     labels = layout.labels(lambda name: "decay" if decays(name, layout) else "no_decay")
-    return optax.multi_transform({"decay": optax.adamw(schedule, weight_decay=weight_decay, **adamw),
-                                  "no_decay": optax.adamw(schedule, weight_decay=0.0, **adamw)}, labels)
+    return optax.multi_transform(
+        {
+            "decay": optax.adamw(schedule, weight_decay=weight_decay, **adamw),
+            "no_decay": optax.adamw(schedule, weight_decay=0.0, **adamw),
+        },
+        labels,
+    )
 
 
 def _assert_named(report, step, predicted, bar):
@@ -306,7 +409,9 @@ def _assert_named(report, step, predicted, bar):
     first = report.first_divergent
     assert first is not None and first["step"] == step and first["quantity"] == "parameter", first
     assert first["parameter"] == max(predicted, key=predicted.get), (
-        first, sorted(predicted.items(), key=lambda x: -x[1])[:3])
+        first,
+        sorted(predicted.items(), key=lambda x: -x[1])[:3],
+    )
     over = set(first["over_bar"])
     assert {n for n, v in predicted.items() if v > 3 * bar} <= over <= {n for n, v in predicted.items() if v > bar / 3}
     assert first["layer"] == report.layers[first["parameter"]]
@@ -321,8 +426,16 @@ def _run(checkpoints, jax_optimizer, *, warm: bool):
     torch_model, model, params = fresh(checkpoints["gpt2"])
     optimizer = torch_optimizer("adamw", torch_model, lr=LR, weight_decay=WD)
     scheduler = transformers.get_cosine_schedule_with_warmup(optimizer, WARMUP, 6) if warm else None
-    return crosscheck.train_report(torch_model, model, params, random_batches(97), steps=3, optimizer=optimizer,
-                                   scheduler=scheduler, jax_optimizer=jax_optimizer)
+    return crosscheck.train_report(
+        torch_model,
+        model,
+        params,
+        random_batches(97),
+        steps=3,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        jax_optimizer=jax_optimizer,
+    )
 
 
 def _schedule(warm: bool):
@@ -347,16 +460,27 @@ def test_a_clean_run_passes_and_reports_every_step(checkpoints, clean_runs):
         assert [s.step for s in report.steps] == [1, 2, 3] and report.steps[0].lr == (0.0 if warm else LR)
         worst = report.worst()
         assert worst["parameter"] <= 1e-6 and worst["loss"] <= 1e-6 and worst["initial"] == 0.0, worst
-    assert report.noise == ("h_0/attn/key/bias (32 elements of transformer.h.0.attn.c_attn.bias)",
-                            "h_1/attn/key/bias (32 elements of transformer.h.1.attn.c_attn.bias)")
+    assert report.noise == (
+        "h_0/attn/key/bias (32 elements of transformer.h.0.attn.c_attn.bias)",
+        "h_1/attn/key/bias (32 elements of transformer.h.1.attn.c_attn.bias)",
+    )
     data = json.loads(json.dumps(report.to_dict(), allow_nan=False))
     assert data["first_divergent"] is None and len(data["steps"]) == 3
     assert data["layers"]["transformer.wte.weight"] == "wte"
     assert "every step passes" in str(report) and "jax_optimizer: given" in str(report)
     # the string spec and the mapped twin (clipping, HF's cosine) on the same run
     torch_model, model, params = fresh(checkpoints["gpt2"])
-    mapped = crosscheck.train_report(torch_model, model, params, random_batches(97), steps=3, optimizer="adamw",
-                                     lr=LR, scheduler="cosine", max_grad_norm=1.0)
+    mapped = crosscheck.train_report(
+        torch_model,
+        model,
+        params,
+        random_batches(97),
+        steps=3,
+        optimizer="adamw",
+        lr=LR,
+        scheduler="cosine",
+        max_grad_norm=1.0,
+    )
     assert mapped.passed and "clip_grad_norm_torch(1.0)" in str(mapped) and "group 1 (18 parameters)" in str(mapped)
 
 
@@ -377,8 +501,9 @@ def test_a_planted_optimizer_mismatch_is_named_at_its_step_and_parameter(checkpo
     bar = crosscheck.TRAIN_TOLERANCES["float32"].parameter
     noise = {p.split(" ")[0] for p in report.noise}  # GPT-2's key biases, compared apart
     kept = layout.kept({i for i, leaf in enumerate(layout.leaves) if leaf.path in noise})
-    first_step, eps_moved = _expected_step_one(hf.torch_model(checkpoints["gpt2"]), random_batches(97)[0], LR,
-                                               lambda n: WD if decays(n, layout) else 0.0, kept)
+    first_step, eps_moved = _expected_step_one(
+        hf.torch_model(checkpoints["gpt2"]), random_batches(97)[0], LR, lambda n: WD if decays(n, layout) else 0.0, kept
+    )
     if plant == "eps_inside_the_root":
         _assert_named(report, 1, eps_moved, bar)
     elif plant == "decay_on_norms":  # lr(0) = 0 hides it at step 1; from step 2 on, p * lr * wd on every norm/bias
@@ -394,9 +519,19 @@ def test_a_planted_optimizer_mismatch_is_named_at_its_step_and_parameter(checkpo
 
 def _hundred_steps(directory, dtype, mixed_precision=None):
     torch_model, model, params = fresh(directory)
-    return crosscheck.train_report(torch_model, model, params, random_batches(97), steps=100, optimizer="adamw",
-                                   lr=1e-3, scheduler="cosine", max_grad_norm=1.0, dtype=dtype,
-                                   mixed_precision=mixed_precision)
+    return crosscheck.train_report(
+        torch_model,
+        model,
+        params,
+        random_batches(97),
+        steps=100,
+        optimizer="adamw",
+        lr=1e-3,
+        scheduler="cosine",
+        max_grad_norm=1.0,
+        dtype=dtype,
+        mixed_precision=mixed_precision,
+    )
 
 
 @pytest.mark.slow
@@ -437,9 +572,29 @@ def test_the_cli_trains_a_checkpoint_with_table_plot_and_json(checkpoints, tmp_p
     import sys
 
     png, out = tmp_path / "drift.png", tmp_path / "train.json"
-    run = subprocess.run([sys.executable, "-m", "crosscheck", "--no-cache", "--model", str(checkpoints["gpt2"]),
-                          "--train", "12", "--optimizer", "adamw", "--lr", "1e-3", "--plot", str(png), "--json",
-                          str(out)], capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "crosscheck",
+            "--no-cache",
+            "--model",
+            str(checkpoints["gpt2"]),
+            "--train",
+            "12",
+            "--optimizer",
+            "adamw",
+            "--lr",
+            "1e-3",
+            "--plot",
+            str(png),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout + run.stderr
     assert "12 steps of adamw" in run.stdout and run.stdout.count("every step passes") == 2
     assert png.read_bytes()[:4] == b"\x89PNG" and png.stat().st_size > 10_000
@@ -465,8 +620,22 @@ def test_the_cli_exits_1_naming_the_first_divergent_step_and_parameter(checkpoin
 
     try:
         hf.torch_model = off_by_one_entry
-        assert main(["--no-cache", "--model", str(checkpoints["gpt2"]), "--train", "2", "--dtype", "float64",
-                     "--json", str(tmp_path / "r.json")]) == 1
+        assert (
+            main(
+                [
+                    "--no-cache",
+                    "--model",
+                    str(checkpoints["gpt2"]),
+                    "--train",
+                    "2",
+                    "--dtype",
+                    "float64",
+                    "--json",
+                    str(tmp_path / "r.json"),
+                ]
+            )
+            == 1
+        )
     finally:
         hf.torch_model = real_torch_model
     err = capsys.readouterr().err
@@ -478,10 +647,12 @@ def test_the_cli_exits_1_naming_the_first_divergent_step_and_parameter(checkpoin
 def test_bad_training_invocations_exit_2(tmp_path, capsys):
     from crosscheck._cli import main
 
-    for argv, message in ((["--train", "3"], "--train trains a checkpoint: it needs --model DIR"),
-                          (["--model", str(tmp_path), "--optimizer", "sgd"], "they need --train STEPS"),
-                          (["--model", str(tmp_path), "--train", "0"], "expected an integer >= 1"),
-                          (["--model", str(tmp_path), "--train", "2", "--optimizer", "lion"], "invalid choice")):
+    for argv, message in (
+        (["--train", "3"], "--train trains a checkpoint: it needs --model DIR"),
+        (["--model", str(tmp_path), "--optimizer", "sgd"], "they need --train STEPS"),
+        (["--model", str(tmp_path), "--train", "0"], "expected an integer >= 1"),
+        (["--model", str(tmp_path), "--train", "2", "--optimizer", "lion"], "invalid choice"),
+    ):
         with pytest.raises(SystemExit) as exit_:
             main(["--no-cache", *argv])
         assert exit_.value.code == 2 and message in capsys.readouterr().err

@@ -29,8 +29,14 @@ def tensors():
     }
 
 
-NUMPY_DTYPES = {"f32": np.float32, "f64": np.float64, "bf16": ml_dtypes.bfloat16, "i64": np.int64,
-                "scalar": np.float32, "empty": np.float32}
+NUMPY_DTYPES = {
+    "f32": np.float32,
+    "f64": np.float64,
+    "bf16": ml_dtypes.bfloat16,
+    "i64": np.int64,
+    "scalar": np.float32,
+    "empty": np.float32,
+}
 
 
 def assert_same(loaded: dict, expected: dict):
@@ -61,8 +67,13 @@ def test_safetensors_loads_without_torch(tmp_path):
         assert "torch" not in sys.modules, "torch was imported"
         print({{name: str(a.dtype) for name, a in state.items()}})
     """)
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
-                            env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    result = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
     assert result.returncode == 0, result.stderr
     assert eval(result.stdout) == {name: np.dtype(d).name for name, d in NUMPY_DTYPES.items()}
 
@@ -151,8 +162,10 @@ DAMAGED = [
     (safetensors_bytes({"a": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}}, b"\0" * 8), "bad shape"),
     # found by fuzzing:
     (safetensors_bytes({"a": {"dtype": [], "shape": [2], "data_offsets": [0, 8]}}, b"\0" * 8), "dtype \\[\\]"),
-    (safetensors_bytes({**F32_HEADER, "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8),
-     "gap or overlap"),
+    (
+        safetensors_bytes({**F32_HEADER, "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8),
+        "gap or overlap",
+    ),
     (b'\x1c\0\0\0\0\0\0\0{"a": {}, "a": {}}          ', "duplicate"),
 ]
 

@@ -12,16 +12,28 @@ CASES = {
     "copy": (W.Copy(), (E, N), (E, N), lambda x: x),
     "transpose": (W.Transpose(), (N, E), (E, N), lambda x: x.T),
     "reshape": (W.Reshape(), (N * H,), (N, H), lambda x: x.reshape(N, H)),
-    "linear_heads": (W.Steps(W.Transpose(), W.Reshape()), (N * H, E), (E, N, H),
-                     lambda x: np.stack([x[n * H:(n + 1) * H].T for n in range(N)], axis=1)),
-    "part": (W.Part(1, 3, 1), (E, 3 * N * H), (E, N, H), lambda x: x[:, N * H:2 * N * H].reshape(E, N, H)),
+    "linear_heads": (
+        W.Steps(W.Transpose(), W.Reshape()),
+        (N * H, E),
+        (E, N, H),
+        lambda x: np.stack([x[n * H : (n + 1) * H].T for n in range(N)], axis=1),
+    ),
+    "part": (W.Part(1, 3, 1), (E, 3 * N * H), (E, N, H), lambda x: x[:, N * H : 2 * N * H].reshape(E, N, H)),
     "every": (W.Every(1, 2, 1), (E, 2 * X), (E, X), lambda x: x[:, 1::2]),
     # GPT-NeoX's fused rows [N, 3, H]: the value rows (block 2 of every 3 blocks of H)
-    "every_blocks": (W.Steps(W.Every(2, 3, 0, w=H), W.Transpose(), W.Reshape()), (N * 3 * H, E), (E, N, H),
-                     lambda x: np.transpose(x.reshape(N, 3, H, E)[:, 2], (2, 0, 1))),
+    "every_blocks": (
+        W.Steps(W.Every(2, 3, 0, w=H), W.Transpose(), W.Reshape()),
+        (N * 3 * H, E),
+        (E, N, H),
+        lambda x: np.transpose(x.reshape(N, 3, H, E)[:, 2], (2, 0, 1)),
+    ),
     "swapaxes": (W.SwapAxes(1, 2), (X, H, E), (X, E, H), lambda x: np.transpose(x, (0, 2, 1))),
-    "fused_halves": (W.Steps(W.Part(0, 2, 1), W.SwapAxes(1, 2)), (X, 2 * H, E), (X, E, H),
-                     lambda x: np.transpose(x[:, :H], (0, 2, 1))),
+    "fused_halves": (
+        W.Steps(W.Part(0, 2, 1), W.SwapAxes(1, 2)),
+        (X, 2 * H, E),
+        (X, E, H),
+        lambda x: np.transpose(x[:, :H], (0, 2, 1)),
+    ),
 }
 
 
@@ -51,8 +63,11 @@ def test_unapply_writes_each_entry_once_and_refuses_overlaps():
 
 
 def test_rows_refuse_the_old_string_spellings_and_bad_steps():
-    with pytest.raises(ValueError, match=r"q\.weight: query/kernel: expected a jaxattn.models.weights transform.*"
-                                         r"got 'T_reshape'"):
+    with pytest.raises(
+        ValueError,
+        match=r"q\.weight: query/kernel: expected a jaxattn.models.weights transform.*"
+        r"got 'T_reshape'",
+    ):
         W.row("q.weight", ("N*H", "E"), "query/kernel", ("E", "N", "H"), "T_reshape")
     with pytest.raises(ValueError, match=r"Part: expected 0 <= k < n, got k=3, n=3"):
         W.Part(3, 3, 0)

@@ -11,8 +11,17 @@ from torchref._functional import check, dot_product_attention
 from torchref.positions import apply_rope
 
 
-def gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta: Tensor, *, scale=None,
-                     initial_state: Tensor | None = None, return_state: bool = False):
+def gated_delta_rule(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale=None,
+    initial_state: Tensor | None = None,
+    return_state: bool = False,
+):
     """query/key [..., T, K, H], value [..., T, N, Hv], g/beta [..., T, N], initial_state [..., N, H, Hv].
     For each value head n (reading query/key head n // (N // K)) and token t:
         S <- exp(g_t) S;   S <- S + k_t (beta_t (v_t - S^T k_t))^T;   o_t = S^T (scale q_t)."""
@@ -22,7 +31,7 @@ def gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta:
     check(N % K == 0, "value", f"a head count divisible by K={K}", N)
     check(tuple(g.shape[-2:]) == (T, N), "g", f"[..., {T}, {N}]", tuple(g.shape))
     check(tuple(beta.shape[-2:]) == (T, N), "beta", f"[..., {T}, {N}]", tuple(beta.shape))
-    scale = H ** -0.5 if scale is None else scale
+    scale = H**-0.5 if scale is None else scale
     heads = torch.arange(N) // (N // K)
     q, k = query[..., heads, :] * scale, key[..., heads, :]  # [..., T, N, H]
     batch = torch.broadcast_shapes(q.shape[:-3], value.shape[:-3], g.shape[:-2], beta.shape[:-2])
@@ -38,8 +47,14 @@ def gated_delta_rule(query: Tensor, key: Tensor, value: Tensor, g: Tensor, beta:
     return (out, state) if return_state else out
 
 
-def causal_conv1d(x: Tensor, weight: Tensor, bias: Tensor | None = None, *, state: Tensor | None = None,
-                  activation: str | None = "silu") -> Tensor:
+def causal_conv1d(
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor | None = None,
+    *,
+    state: Tensor | None = None,
+    activation: str | None = "silu",
+) -> Tensor:
     """x [..., T, E], weight [E, W], state [..., W-1, E] (the inputs before x): y[t] = act(bias + sum_w
     weight[:, w] x[t - (W - 1) + w]) as torch's grouped conv1d."""
     E, W = weight.shape
@@ -65,8 +80,17 @@ def _linear(entry: dict, x: Tensor, spec: str) -> Tensor:
     return y + entry["bias"] if "bias" in entry else y
 
 
-def latent_attention(params: dict, x: Tensor, *, positions=None, scale=None, rope_base: float = 10000.0,
-                     rope_layout: str = "interleaved", norm_eps: float = 1e-6, **options) -> Tensor:
+def latent_attention(
+    params: dict,
+    x: Tensor,
+    *,
+    positions=None,
+    scale=None,
+    rope_base: float = 10000.0,
+    rope_layout: str = "interleaved",
+    norm_eps: float = 1e-6,
+    **options,
+) -> Tensor:
     """Multi-head latent attention, the expanded form: x [..., T, E] -> [..., T, Eo] on jaxattn's tree
     (query or query_down/query_norm/query_up, latent, latent_norm, key_rope, key_up, value_up, out).
     Keys k[s, n] = [c_s W_UK[:, n] | rope(k_rope_s)], values c_s W_UV[:, n]; options as dot_product_attention."""

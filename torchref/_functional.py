@@ -64,11 +64,15 @@ def _positions(positions, length: int, default: Tensor, name: str) -> Tensor:
     positions = torch.as_tensor(positions, device=default.device)
     _check(
         not positions.is_floating_point() and not positions.is_complex() and positions.dtype != torch.bool,
-        name, "an integer tensor", positions.dtype,
+        name,
+        "an integer tensor",
+        positions.dtype,
     )
     _check(
         positions.ndim == 0 or positions.shape[-1] in (1, length),
-        name, f"shape broadcastable to [..., {length}]", _shape(positions),
+        name,
+        f"shape broadcastable to [..., {length}]",
+        _shape(positions),
     )
     last = positions.shape[:-1] if positions.ndim else ()
     return torch.broadcast_to(positions.long(), (*last, length))
@@ -108,7 +112,9 @@ def relative_position_index(
     key_pos = _positions(key_positions, key_length, default_k, "key_positions")
     _check(
         _broadcasts_together(query_pos.shape[:-1], key_pos.shape[:-1]),
-        "key_positions", f"batch dims broadcastable with query_positions {_shape(query_pos)}", _shape(key_pos),
+        "key_positions",
+        f"batch dims broadcastable with query_positions {_shape(query_pos)}",
+        _shape(key_pos),
     )
     distance = key_pos.unsqueeze(-2) - query_pos.unsqueeze(-1)  # [..., T, S]
     return distance.clamp(-max_distance, max_distance) + max_distance
@@ -122,21 +128,37 @@ def _check_qkv(query: Tensor, key: Tensor, value: Tensor) -> tuple[int, ...]:
     """Validate ``query [..., T, N, H]``, ``key [..., S, K, H]``, ``value [..., S, K, Hv]``; return the batch."""
     for name, x in (("query", query), ("key", key), ("value", value)):
         _check(isinstance(x, Tensor), name, "a torch.Tensor", type(x).__name__)
-        _check(x.ndim >= 3, name, f"rank >= 3 ([..., {'T' if name == 'query' else 'S'}, heads, head_dim])",
-               f"shape {_shape(x)}")
+        _check(
+            x.ndim >= 3,
+            name,
+            f"rank >= 3 ([..., {'T' if name == 'query' else 'S'}, heads, head_dim])",
+            f"shape {_shape(x)}",
+        )
         _check(x.is_floating_point(), name, "a floating-point tensor", x.dtype)
     *_, T, N, H = query.shape
     *_, S, K, _ = key.shape
-    _check(key.shape[-1] == H, "key", f"head dim H={H} (query's last dim), shape [..., S, K, {H}]",
-           f"shape {_shape(key)}")
-    _check(value.shape[-3:-1] == key.shape[-3:-1], "value", f"shape [..., {S}, {K}, Hv] matching key's S and K",
-           f"shape {_shape(value)}")
-    _check(K > 0 and N % K == 0, "key", f"a head count K dividing the query head count N={N}",
-           f"K={K} (shape {_shape(key)})")
+    _check(
+        key.shape[-1] == H, "key", f"head dim H={H} (query's last dim), shape [..., S, K, {H}]", f"shape {_shape(key)}"
+    )
+    _check(
+        value.shape[-3:-1] == key.shape[-3:-1],
+        "value",
+        f"shape [..., {S}, {K}, Hv] matching key's S and K",
+        f"shape {_shape(value)}",
+    )
+    _check(
+        K > 0 and N % K == 0,
+        "key",
+        f"a head count K dividing the query head count N={N}",
+        f"K={K} (shape {_shape(key)})",
+    )
     batches = (query.shape[:-3], key.shape[:-3], value.shape[:-3])
-    _check(_broadcasts_together(*batches), "key",
-           f"batch dims broadcastable with query {tuple(query.shape[:-3])} and value {tuple(value.shape[:-3])}",
-           tuple(key.shape[:-3]))
+    _check(
+        _broadcasts_together(*batches),
+        "key",
+        f"batch dims broadcastable with query {tuple(query.shape[:-3])} and value {tuple(value.shape[:-3])}",
+        tuple(key.shape[:-3]),
+    )
     return tuple(torch.broadcast_shapes(*batches))
 
 
@@ -146,10 +168,18 @@ def _check_rel(rel: Tensor | None, name: str, batch: tuple[int, ...], T: int, S:
     expected = f"shape [..., {T}, {S}, {N} or 1, {dim}] ([T, S, N or 1, head_dim])"
     _check(isinstance(rel, Tensor), name, "a torch.Tensor", type(rel).__name__)
     _check(rel.ndim >= 4, name, expected, f"shape {_shape(rel)}")
-    _check(tuple(rel.shape[-4:-2]) == (T, S) and rel.shape[-2] in (N, 1) and rel.shape[-1] == dim,
-           name, expected, f"shape {_shape(rel)}")
-    _check(_broadcasts_to(rel.shape[:-4], batch), name, f"leading dims broadcastable to the batch {batch}",
-           f"shape {_shape(rel)}")
+    _check(
+        tuple(rel.shape[-4:-2]) == (T, S) and rel.shape[-2] in (N, 1) and rel.shape[-1] == dim,
+        name,
+        expected,
+        f"shape {_shape(rel)}",
+    )
+    _check(
+        _broadcasts_to(rel.shape[:-4], batch),
+        name,
+        f"leading dims broadcastable to the batch {batch}",
+        f"shape {_shape(rel)}",
+    )
 
 
 def _check_extra(
@@ -157,34 +187,66 @@ def _check_extra(
 ) -> None:
     target = (*batch, N, T, S)
     if mask is not None:
-        _check(isinstance(mask, Tensor) and mask.dtype == torch.bool, "mask", "a bool tensor (True = may attend)",
-               getattr(mask, "dtype", type(mask).__name__))
-        _check(_broadcasts_to(mask.shape, target), "mask", f"shape broadcastable to [..., N, T, S] = {target}",
-               _shape(mask))
+        _check(
+            isinstance(mask, Tensor) and mask.dtype == torch.bool,
+            "mask",
+            "a bool tensor (True = may attend)",
+            getattr(mask, "dtype", type(mask).__name__),
+        )
+        _check(
+            _broadcasts_to(mask.shape, target),
+            "mask",
+            f"shape broadcastable to [..., N, T, S] = {target}",
+            _shape(mask),
+        )
     if bias is not None:
-        _check(isinstance(bias, Tensor) and bias.is_floating_point(), "bias", "a floating-point tensor",
-               getattr(bias, "dtype", type(bias).__name__))
-        _check(_broadcasts_to(bias.shape, target), "bias", f"shape broadcastable to [..., N, T, S] = {target}",
-               _shape(bias))
+        _check(
+            isinstance(bias, Tensor) and bias.is_floating_point(),
+            "bias",
+            "a floating-point tensor",
+            getattr(bias, "dtype", type(bias).__name__),
+        )
+        _check(
+            _broadcasts_to(bias.shape, target),
+            "bias",
+            f"shape broadcastable to [..., N, T, S] = {target}",
+            _shape(bias),
+        )
     if key_value_seq_lengths is not None:
         lengths = torch.as_tensor(key_value_seq_lengths)
-        _check(not lengths.is_floating_point() and lengths.dtype != torch.bool, "key_value_seq_lengths",
-               "an integer tensor", lengths.dtype)
-        _check(_broadcasts_to(lengths.shape, batch), "key_value_seq_lengths",
-               f"shape broadcastable to the batch dims {batch}", _shape(lengths))
+        _check(
+            not lengths.is_floating_point() and lengths.dtype != torch.bool,
+            "key_value_seq_lengths",
+            "an integer tensor",
+            lengths.dtype,
+        )
+        _check(
+            _broadcasts_to(lengths.shape, batch),
+            "key_value_seq_lengths",
+            f"shape broadcastable to the batch dims {batch}",
+            _shape(lengths),
+        )
     for name, pos, length in (("query_positions", query_positions, T), ("key_positions", key_positions, S)):
         if pos is not None:
             pos = torch.as_tensor(pos)
             _check(not pos.is_floating_point() and pos.dtype != torch.bool, name, "an integer tensor", pos.dtype)
-            _check(_broadcasts_to(pos.shape, (*batch, length)), name,
-                   f"shape broadcastable to [..., {length}] = {(*batch, length)}", _shape(pos))
+            _check(
+                _broadcasts_to(pos.shape, (*batch, length)),
+                name,
+                f"shape broadcastable to [..., {length}] = {(*batch, length)}",
+                _shape(pos),
+            )
     _check(0.0 <= dropout_rate < 1.0, "dropout_rate", "a float in [0, 1)", dropout_rate)
 
 
 def _check_int_ids(ids, name: str, target: tuple[int, ...]) -> None:
     _check(isinstance(ids, Tensor), name, "a torch.Tensor", type(ids).__name__)
-    _check(not ids.is_floating_point() and not ids.is_complex() and ids.dtype != torch.bool, name,
-           "an integer tensor", ids.dtype)
+    _check(
+        not ids.is_floating_point() and not ids.is_complex() and ids.dtype != torch.bool,
+        name,
+        "an integer tensor",
+        ids.dtype,
+    )
     _check(_broadcasts_to(ids.shape, target), name, f"shape broadcastable to {target}", _shape(ids))
 
 
@@ -193,18 +255,27 @@ def _segments(query_segment_ids, key_segment_ids, T: int, S: int):
     if query_segment_ids is None and key_segment_ids is None:
         return None, None
     if key_segment_ids is None:
-        _check(T == S, "key_segment_ids", f"an int tensor [..., S={S}] (query_segment_ids alone serves both sides "
-               f"only when T == S; T={T})", None)
+        _check(
+            T == S,
+            "key_segment_ids",
+            f"an int tensor [..., S={S}] (query_segment_ids alone serves both sides only when T == S; T={T})",
+            None,
+        )
         return query_segment_ids, query_segment_ids
     if query_segment_ids is None:
-        _check(T == S, "query_segment_ids", f"an int tensor [..., T={T}] (key_segment_ids alone serves both sides "
-               f"only when T == S; S={S})", None)
+        _check(
+            T == S,
+            "query_segment_ids",
+            f"an int tensor [..., T={T}] (key_segment_ids alone serves both sides only when T == S; S={S})",
+            None,
+        )
         return key_segment_ids, key_segment_ids
     return query_segment_ids, key_segment_ids
 
 
-def _check_modern(batch, N, T, S, *, query_segment_ids, key_segment_ids, window, chunk_size, logit_softcap,
-                  sinks) -> None:
+def _check_modern(
+    batch, N, T, S, *, query_segment_ids, key_segment_ids, window, chunk_size, logit_softcap, sinks
+) -> None:
     """The issue-11 keywords: segments, window, chunk_size, logit_softcap, sinks."""
     if query_segment_ids is not None:
         _check_int_ids(query_segment_ids, "query_segment_ids", (*batch, T))
@@ -212,18 +283,36 @@ def _check_modern(batch, N, T, S, *, query_segment_ids, key_segment_ids, window,
         _check_int_ids(key_segment_ids, "key_segment_ids", (*batch, S))
     if window is not None:
         _check(isinstance(window, (tuple, list)) and len(window) == 2, "window", "a pair (left, right)", window)
-        _check(all(side is None or _is_count(side) for side in window), "window",
-               "(left, right) each a non-negative int or None", window)
+        _check(
+            all(side is None or _is_count(side) for side in window),
+            "window",
+            "(left, right) each a non-negative int or None",
+            window,
+        )
     if chunk_size is not None:
         _check(_is_count(chunk_size) and chunk_size > 0, "chunk_size", "a positive int", chunk_size)
     if logit_softcap is not None:
-        _check(isinstance(logit_softcap, numbers.Real) and not isinstance(logit_softcap, bool)
-               and 0 < logit_softcap < float("inf"), "logit_softcap", "a positive finite float", logit_softcap)
+        _check(
+            isinstance(logit_softcap, numbers.Real)
+            and not isinstance(logit_softcap, bool)
+            and 0 < logit_softcap < float("inf"),
+            "logit_softcap",
+            "a positive finite float",
+            logit_softcap,
+        )
     if sinks is not None:
-        _check(isinstance(sinks, Tensor) and sinks.is_floating_point(), "sinks", "a floating-point tensor",
-               getattr(sinks, "dtype", type(sinks).__name__))
-        _check(sinks.ndim >= 1 and sinks.shape[-1] == N and _broadcasts_to(sinks.shape, (*batch, N)), "sinks",
-               f"shape [N] or [..., N] broadcastable to {(*batch, N)}", _shape(sinks))
+        _check(
+            isinstance(sinks, Tensor) and sinks.is_floating_point(),
+            "sinks",
+            "a floating-point tensor",
+            getattr(sinks, "dtype", type(sinks).__name__),
+        )
+        _check(
+            sinks.ndim >= 1 and sinks.shape[-1] == N and _broadcasts_to(sinks.shape, (*batch, N)),
+            "sinks",
+            f"shape [N] or [..., N] broadcastable to {(*batch, N)}",
+            _shape(sinks),
+        )
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -233,8 +322,10 @@ def _check_modern(batch, N, T, S, *, query_segment_ids, key_segment_ids, window,
 def _absolute_positions(T: int, S: int, query_positions, key_positions, device) -> tuple[Tensor, Tensor]:
     """``[..., T]`` and ``[..., S]``: query t at t + (S - T) and key s at s, unless positions are given."""
     default_q, default_k = _default_positions(T, S, device)
-    return (_positions(query_positions, T, default_q, "query_positions"),
-            _positions(key_positions, S, default_k, "key_positions"))
+    return (
+        _positions(query_positions, T, default_q, "query_positions"),
+        _positions(key_positions, S, default_k, "key_positions"),
+    )
 
 
 def _floor_div(x: Tensor, d: int) -> Tensor:
@@ -260,8 +351,19 @@ def _position_rules(query_pos: Tensor, key_pos: Tensor, *, is_causal, window, ch
 
 
 def _allowed(
-    logits: Tensor, query_pos: Tensor, key_pos: Tensor, *, mask, bias, is_causal, key_value_seq_lengths,
-    query_segment_ids, key_segment_ids, window, chunk_size, mod_mask,
+    logits: Tensor,
+    query_pos: Tensor,
+    key_pos: Tensor,
+    *,
+    mask,
+    bias,
+    is_causal,
+    key_value_seq_lengths,
+    query_segment_ids,
+    key_segment_ids,
+    window,
+    chunk_size,
+    mod_mask,
 ) -> Tensor | None:
     """Bool ``[..., N, T, S]``: where a query may attend a key (None: everywhere)."""
     S = logits.shape[-1]
@@ -271,8 +373,12 @@ def _allowed(
         terms.append(mask.to(device))
     if bias is not None:
         terms.append(bias.to(device) != float("-inf"))
-    terms += [rule.unsqueeze(-3) for rule in _position_rules(  # [..., 1, T, S]
-        query_pos, key_pos, is_causal=is_causal, window=window, chunk_size=chunk_size)]
+    terms += [
+        rule.unsqueeze(-3)
+        for rule in _position_rules(  # [..., 1, T, S]
+            query_pos, key_pos, is_causal=is_causal, window=window, chunk_size=chunk_size
+        )
+    ]
     if key_value_seq_lengths is not None:
         lengths = torch.as_tensor(key_value_seq_lengths, device=device)
         valid = torch.arange(S, device=device) < lengths.unsqueeze(-1)  # [..., S]
@@ -310,19 +416,30 @@ def _mod_indices(batch: tuple[int, ...], N: int, query_pos: Tensor, key_pos: Ten
 def _apply_score_mod(score_mod, logits: Tensor, indices) -> Tensor:
     flat = logits.reshape(-1, *logits.shape[-3:])  # [Bf, N, T, S]
     result = score_mod(flat, *indices)
-    _check(isinstance(result, Tensor) and tuple(result.shape) == tuple(flat.shape) and result.dtype == flat.dtype,
-           "score_mod", f"to return a {flat.dtype} tensor of shape {tuple(flat.shape)} ([B, N, T, S])",
-           f"{getattr(result, 'dtype', type(result).__name__)} of shape {tuple(getattr(result, 'shape', ()))}")
+    _check(
+        isinstance(result, Tensor) and tuple(result.shape) == tuple(flat.shape) and result.dtype == flat.dtype,
+        "score_mod",
+        f"to return a {flat.dtype} tensor of shape {tuple(flat.shape)} ([B, N, T, S])",
+        f"{getattr(result, 'dtype', type(result).__name__)} of shape {tuple(getattr(result, 'shape', ()))}",
+    )
     return result.reshape(logits.shape)
 
 
 def _apply_mask_mod(mask_mod, shape: tuple[int, ...], indices) -> Tensor:
     flat_shape = (math.prod(shape[:-3]), *shape[-3:])  # [Bf, N, T, S]
     allowed = mask_mod(*indices)
-    _check(isinstance(allowed, Tensor) and allowed.dtype == torch.bool, "mask_mod", "to return a bool tensor",
-           getattr(allowed, "dtype", type(allowed).__name__))
-    _check(_broadcasts_to(allowed.shape, flat_shape), "mask_mod",
-           f"to return a shape broadcastable to {flat_shape} ([B, N, T, S])", _shape(allowed))
+    _check(
+        isinstance(allowed, Tensor) and allowed.dtype == torch.bool,
+        "mask_mod",
+        "to return a bool tensor",
+        getattr(allowed, "dtype", type(allowed).__name__),
+    )
+    _check(
+        _broadcasts_to(allowed.shape, flat_shape),
+        "mask_mod",
+        f"to return a shape broadcastable to {flat_shape} ([B, N, T, S])",
+        _shape(allowed),
+    )
     return torch.broadcast_to(allowed, flat_shape).reshape(shape)
 
 
@@ -373,23 +490,63 @@ def _compute_dtype(*tensors: Tensor | None) -> torch.dtype:
 
 
 def _attention(
-    query, key, value, rel_key, rel_value, *, bias, mask, is_causal, key_value_seq_lengths,
-    query_positions, key_positions, scale, dropout_rate, generator, return_weights,
-    query_segment_ids=None, key_segment_ids=None, window=None, chunk_size=None, logit_softcap=None, sinks=None,
-    score_mod=None, mask_mod=None,
+    query,
+    key,
+    value,
+    rel_key,
+    rel_value,
+    *,
+    bias,
+    mask,
+    is_causal,
+    key_value_seq_lengths,
+    query_positions,
+    key_positions,
+    scale,
+    dropout_rate,
+    generator,
+    return_weights,
+    query_segment_ids=None,
+    key_segment_ids=None,
+    window=None,
+    chunk_size=None,
+    logit_softcap=None,
+    sinks=None,
+    score_mod=None,
+    mask_mod=None,
 ):
     batch = _check_qkv(query, key, value)
     *_, T, N, H = query.shape
     S, Hv = key.shape[-3], value.shape[-1]
     _check_rel(rel_key, "rel_key", batch, T, S, N, H)
     _check_rel(rel_value, "rel_value", batch, T, S, N, Hv)
-    _check_extra(batch, N, T, S, mask=mask, bias=bias, key_value_seq_lengths=key_value_seq_lengths,
-                 query_positions=query_positions, key_positions=key_positions, dropout_rate=dropout_rate)
+    _check_extra(
+        batch,
+        N,
+        T,
+        S,
+        mask=mask,
+        bias=bias,
+        key_value_seq_lengths=key_value_seq_lengths,
+        query_positions=query_positions,
+        key_positions=key_positions,
+        dropout_rate=dropout_rate,
+    )
     query_segment_ids, key_segment_ids = _segments(query_segment_ids, key_segment_ids, T, S)
-    _check_modern(batch, N, T, S, query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-                  window=window, chunk_size=chunk_size, logit_softcap=logit_softcap, sinks=sinks)
+    _check_modern(
+        batch,
+        N,
+        T,
+        S,
+        query_segment_ids=query_segment_ids,
+        key_segment_ids=key_segment_ids,
+        window=window,
+        chunk_size=chunk_size,
+        logit_softcap=logit_softcap,
+        sinks=sinks,
+    )
     if scale is None:
-        scale = H ** -0.5
+        scale = H**-0.5
 
     dtype = _compute_dtype(query, key, value, rel_key, rel_value, bias, sinks)
     q = query.to(dtype)
@@ -416,9 +573,20 @@ def _attention(
     if bias is not None:
         logits = logits + bias.to(dtype)
 
-    allowed = _allowed(logits, query_pos, key_pos, mask=mask, bias=bias, is_causal=is_causal,
-                       key_value_seq_lengths=key_value_seq_lengths, query_segment_ids=query_segment_ids,
-                       key_segment_ids=key_segment_ids, window=window, chunk_size=chunk_size, mod_mask=mod_mask)
+    allowed = _allowed(
+        logits,
+        query_pos,
+        key_pos,
+        mask=mask,
+        bias=bias,
+        is_causal=is_causal,
+        key_value_seq_lengths=key_value_seq_lengths,
+        query_segment_ids=query_segment_ids,
+        key_segment_ids=key_segment_ids,
+        window=window,
+        chunk_size=chunk_size,
+        mod_mask=mod_mask,
+    )
     weights = _softmax_with_empty_rows(logits, allowed, None if sinks is None else sinks.to(dtype))
     weights = _dropout(weights, dropout_rate, generator)
 
@@ -435,8 +603,14 @@ def _attention(
 
 def _modern(query_segment_ids, key_segment_ids, window, chunk_size, logit_softcap, sinks) -> dict:
     """The programmable-attention keywords, passed on unchanged by every public function."""
-    return {"query_segment_ids": query_segment_ids, "key_segment_ids": key_segment_ids, "window": window,
-            "chunk_size": chunk_size, "logit_softcap": logit_softcap, "sinks": sinks}
+    return {
+        "query_segment_ids": query_segment_ids,
+        "key_segment_ids": key_segment_ids,
+        "window": window,
+        "chunk_size": chunk_size,
+        "logit_softcap": logit_softcap,
+        "sinks": sinks,
+    }
 
 
 def dot_product_attention(
@@ -482,11 +656,22 @@ def dot_product_attention(
     the softmax denominator with no value; a row with no allowed key still gives zeros (and zero gradient).
     """
     return _attention(
-        query, key, value, None, None, bias=bias, mask=mask, is_causal=is_causal,
-        key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
-        key_positions=key_positions, scale=scale, dropout_rate=dropout_rate, generator=generator,
-        return_weights=return_weights, **_modern(query_segment_ids, key_segment_ids, window, chunk_size,
-                                                 logit_softcap, sinks),
+        query,
+        key,
+        value,
+        None,
+        None,
+        bias=bias,
+        mask=mask,
+        is_causal=is_causal,
+        key_value_seq_lengths=key_value_seq_lengths,
+        query_positions=query_positions,
+        key_positions=key_positions,
+        scale=scale,
+        dropout_rate=dropout_rate,
+        generator=generator,
+        return_weights=return_weights,
+        **_modern(query_segment_ids, key_segment_ids, window, chunk_size, logit_softcap, sinks),
     )
 
 
@@ -523,11 +708,22 @@ def relative_attention(
     :func:`dot_product_attention`.
     """
     return _attention(
-        query, key, value, rel_key, rel_value, bias=bias, mask=mask, is_causal=is_causal,
-        key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
-        key_positions=key_positions, scale=scale, dropout_rate=dropout_rate, generator=generator,
-        return_weights=return_weights, **_modern(query_segment_ids, key_segment_ids, window, chunk_size,
-                                                 logit_softcap, sinks),
+        query,
+        key,
+        value,
+        rel_key,
+        rel_value,
+        bias=bias,
+        mask=mask,
+        is_causal=is_causal,
+        key_value_seq_lengths=key_value_seq_lengths,
+        query_positions=query_positions,
+        key_positions=key_positions,
+        scale=scale,
+        dropout_rate=dropout_rate,
+        generator=generator,
+        return_weights=return_weights,
+        **_modern(query_segment_ids, key_segment_ids, window, chunk_size, logit_softcap, sinks),
     )
 
 
@@ -537,8 +733,7 @@ def _gather_table(table: Tensor | None, name: str, index: Tensor, R: int, N: int
         return None
     expected = f"shape [{R}, {dim}] (shared over heads) or [{R}, {N}, {dim}] (per head), R = 2 * max_distance + 1"
     _check(isinstance(table, Tensor), name, "a torch.Tensor", type(table).__name__)
-    ok = (table.ndim == 2 and tuple(table.shape) == (R, dim)) or (
-        table.ndim == 3 and tuple(table.shape) == (R, N, dim))
+    ok = (table.ndim == 2 and tuple(table.shape) == (R, dim)) or (table.ndim == 3 and tuple(table.shape) == (R, N, dim))
     _check(ok, name, expected, f"shape {_shape(table)}")
     gathered = table[index.to(table.device)]  # [..., T, S, (N,) D]
     return gathered.unsqueeze(-2) if table.ndim == 2 else gathered
@@ -581,19 +776,39 @@ def shaw_relative_attention(
     batch = _check_qkv(query, key, value)
     *_, T, N, H = query.shape
     S, Hv = key.shape[-3], value.shape[-1]
-    _check_extra(batch, N, T, S, mask=mask, bias=bias, key_value_seq_lengths=key_value_seq_lengths,
-                 query_positions=query_positions, key_positions=key_positions, dropout_rate=dropout_rate)
+    _check_extra(
+        batch,
+        N,
+        T,
+        S,
+        mask=mask,
+        bias=bias,
+        key_value_seq_lengths=key_value_seq_lengths,
+        query_positions=query_positions,
+        key_positions=key_positions,
+        dropout_rate=dropout_rate,
+    )
     R = 2 * max_distance + 1
-    index = relative_position_index(T, S, max_distance, query_positions=query_positions,
-                                    key_positions=key_positions)
+    index = relative_position_index(T, S, max_distance, query_positions=query_positions, key_positions=key_positions)
     rel_key = _gather_table(key_table, "key_table", index, R, N, H)
     rel_value = _gather_table(value_table, "value_table", index, R, N, Hv)
     return relative_attention(
-        query, key, value, rel_key, rel_value, bias=bias, mask=mask, is_causal=is_causal,
-        key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
-        key_positions=key_positions, scale=scale, dropout_rate=dropout_rate, generator=generator,
-        return_weights=return_weights, **_modern(query_segment_ids, key_segment_ids, window, chunk_size,
-                                                 logit_softcap, sinks),
+        query,
+        key,
+        value,
+        rel_key,
+        rel_value,
+        bias=bias,
+        mask=mask,
+        is_causal=is_causal,
+        key_value_seq_lengths=key_value_seq_lengths,
+        query_positions=query_positions,
+        key_positions=key_positions,
+        scale=scale,
+        dropout_rate=dropout_rate,
+        generator=generator,
+        return_weights=return_weights,
+        **_modern(query_segment_ids, key_segment_ids, window, chunk_size, logit_softcap, sinks),
     )
 
 
@@ -632,9 +847,22 @@ def flex_attention(
     combined (AND) with every other mask keyword. Tensors the functions close over receive gradients.
     """
     return _attention(
-        query, key, value, None, None, bias=bias, mask=mask, is_causal=is_causal,
-        key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
-        key_positions=key_positions, scale=scale, dropout_rate=dropout_rate, generator=generator,
-        return_weights=return_weights, score_mod=score_mod, mask_mod=mask_mod,
+        query,
+        key,
+        value,
+        None,
+        None,
+        bias=bias,
+        mask=mask,
+        is_causal=is_causal,
+        key_value_seq_lengths=key_value_seq_lengths,
+        query_positions=query_positions,
+        key_positions=key_positions,
+        scale=scale,
+        dropout_rate=dropout_rate,
+        generator=generator,
+        return_weights=return_weights,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
         **_modern(query_segment_ids, key_segment_ids, window, chunk_size, logit_softcap, sinks),
     )

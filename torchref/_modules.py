@@ -34,8 +34,12 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         check(isinstance(num_heads, int) and num_heads > 0, "num_heads", "a positive int", num_heads)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
-        check(isinstance(num_kv_heads, int) and num_kv_heads > 0 and num_heads % num_kv_heads == 0,
-               "num_kv_heads", f"a positive int dividing num_heads={num_heads}", num_kv_heads)
+        check(
+            isinstance(num_kv_heads, int) and num_kv_heads > 0 and num_heads % num_kv_heads == 0,
+            "num_kv_heads",
+            f"a positive int dividing num_heads={num_heads}",
+            num_kv_heads,
+        )
         head_dim = query_features // num_heads if head_dim is None else head_dim
         check(head_dim > 0, "head_dim", f"a positive int (query_features={query_features} // num_heads)", head_dim)
         value_head_dim = head_dim if value_head_dim is None else value_head_dim
@@ -92,10 +96,23 @@ class MultiHeadAttention(nn.Module):
         """Every keyword is the function's (see :func:`torchref.dot_product_attention`), passed on unchanged."""
         q, k, v = self._project(query, key, value)
         result = self._attend(
-            q, k, v, mask=mask, bias=bias, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
-            query_positions=query_positions, key_positions=key_positions, scale=scale,
-            return_weights=return_weights, query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids,
-            window=window, chunk_size=chunk_size, logit_softcap=logit_softcap, sinks=sinks,
+            q,
+            k,
+            v,
+            mask=mask,
+            bias=bias,
+            is_causal=is_causal,
+            key_value_seq_lengths=key_value_seq_lengths,
+            query_positions=query_positions,
+            key_positions=key_positions,
+            scale=scale,
+            return_weights=return_weights,
+            query_segment_ids=query_segment_ids,
+            key_segment_ids=key_segment_ids,
+            window=window,
+            chunk_size=chunk_size,
+            logit_softcap=logit_softcap,
+            sinks=sinks,
         )
         return self._output(result, return_weights)
 
@@ -131,9 +148,17 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
         dtype=None,
     ):
         super().__init__(
-            query_features, num_heads, head_dim, key_features=key_features, value_features=value_features,
-            out_features=out_features, num_kv_heads=num_kv_heads, value_head_dim=value_head_dim, bias=bias,
-            device=device, dtype=dtype,
+            query_features,
+            num_heads,
+            head_dim,
+            key_features=key_features,
+            value_features=value_features,
+            out_features=out_features,
+            num_kv_heads=num_kv_heads,
+            value_head_dim=value_head_dim,
+            bias=bias,
+            device=device,
+            dtype=dtype,
         )
         check(is_count(max_distance), "max_distance", "a non-negative int", max_distance)
         self.max_distance = int(max_distance)
@@ -153,5 +178,4 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
                 nn.init.normal_(table, std=0.02)
 
     def _attend(self, q, k, v, **options):
-        return shaw_relative_attention(q, k, v, self.rel_key, self.rel_value, max_distance=self.max_distance,
-                                       **options)
+        return shaw_relative_attention(q, k, v, self.rel_key, self.rel_value, max_distance=self.max_distance, **options)

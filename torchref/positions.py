@@ -19,11 +19,19 @@ from torch import Tensor
 from torchref._functional import dot_product_attention, relative_attention
 
 __all__ = [
-    "t5_relative_position_bucket", "t5_relative_bias", "t5_attention",
-    "alibi_slopes", "alibi_bias", "alibi_attention",
-    "apply_rope", "rope_permutation", "rope_attention",
-    "clipped_relative_index", "clipped_relative_attention",
-    "relative_sinusoids", "transformer_xl_attention",
+    "t5_relative_position_bucket",
+    "t5_relative_bias",
+    "t5_attention",
+    "alibi_slopes",
+    "alibi_bias",
+    "alibi_attention",
+    "apply_rope",
+    "rope_permutation",
+    "rope_attention",
+    "clipped_relative_index",
+    "clipped_relative_attention",
+    "relative_sinusoids",
+    "transformer_xl_attention",
 ]
 
 
@@ -57,12 +65,12 @@ def _qkv_lengths(query: Tensor, key: Tensor) -> tuple[int, int]:
 # --- T5 -------------------------------------------------------------------------------------------------
 
 
-def t5_relative_position_bucket(relative_position: Tensor, *, bidirectional: bool = True,
-                                num_buckets: int = 32, max_distance: int = 128) -> Tensor:
+def t5_relative_position_bucket(
+    relative_position: Tensor, *, bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128
+) -> Tensor:
     """Mesh TensorFlow's bucket of j - i, log in float32 (as the trained models). int64."""
     _check(_is_int(num_buckets) and num_buckets >= 2, "num_buckets", "an int >= 2", num_buckets)
-    _check(not relative_position.is_floating_point(), "relative_position", "an integer tensor",
-           relative_position.dtype)
+    _check(not relative_position.is_floating_point(), "relative_position", "an integer tensor", relative_position.dtype)
     if bidirectional:
         half = num_buckets // 2
         offset = torch.where(relative_position > 0, half, 0)
@@ -73,29 +81,44 @@ def t5_relative_position_bucket(relative_position: Tensor, *, bidirectional: boo
         distance = (-relative_position).clamp(min=0)
     max_exact = half // 2
     _check(max_exact >= 1, "num_buckets", ">= 4 when bidirectional", num_buckets)
-    _check(_is_int(max_distance) and max_distance > max_exact, "max_distance", f"an int > {max_exact}",
-           max_distance)
+    _check(_is_int(max_distance) and max_distance > max_exact, "max_distance", f"an int > {max_exact}", max_distance)
     log_ratio = torch.log(distance.clamp(min=max_exact).float() / max_exact) / math.log(max_distance / max_exact)
     large = (max_exact + (log_ratio * (half - max_exact)).long()).clamp(max=half - 1)
     return offset + torch.where(distance < max_exact, distance, large)
 
 
-def t5_relative_bias(table: Tensor, query_length: int, key_length: int, *, bidirectional: bool = True,
-                     max_distance: int = 128, query_positions=None, key_positions=None) -> Tensor:
+def t5_relative_bias(
+    table: Tensor,
+    query_length: int,
+    key_length: int,
+    *,
+    bidirectional: bool = True,
+    max_distance: int = 128,
+    query_positions=None,
+    key_positions=None,
+) -> Tensor:
     """table [R, N] -> bias [..., N, T, S] = table[bucket(j - i), n]."""
     _check(table.ndim == 2, "table", "shape [R, N]", tuple(table.shape))
-    buckets = t5_relative_position_bucket(_relative(query_length, key_length, query_positions, key_positions),
-                                          bidirectional=bidirectional, num_buckets=table.shape[0],
-                                          max_distance=max_distance)
+    buckets = t5_relative_position_bucket(
+        _relative(query_length, key_length, query_positions, key_positions),
+        bidirectional=bidirectional,
+        num_buckets=table.shape[0],
+        max_distance=max_distance,
+    )
     return table[buckets].movedim(-1, -3)
 
 
-def t5_attention(query, key, value, table, *, bidirectional=True, max_distance=128, scale=1.0, bias=None,
-                 **options):
+def t5_attention(query, key, value, table, *, bidirectional=True, max_distance=128, scale=1.0, bias=None, **options):
     T, S = _qkv_lengths(query, key)
-    position_bias = t5_relative_bias(table, T, S, bidirectional=bidirectional, max_distance=max_distance,
-                                     query_positions=options.get("query_positions"),
-                                     key_positions=options.get("key_positions"))
+    position_bias = t5_relative_bias(
+        table,
+        T,
+        S,
+        bidirectional=bidirectional,
+        max_distance=max_distance,
+        query_positions=options.get("query_positions"),
+        key_positions=options.get("key_positions"),
+    )
     bias = position_bias if bias is None else position_bias + bias
     return dot_product_attention(query, key, value, bias=bias, scale=scale, **options)
 
@@ -120,8 +143,15 @@ def alibi_slopes(num_heads: int, *, max_bias: float = 8.0, dtype=torch.float64) 
     return torch.tensor(get_slopes(num_heads), dtype=dtype)
 
 
-def alibi_bias(slopes: Tensor, query_length: int, key_length: int, *, bidirectional: bool = False,
-               query_positions=None, key_positions=None) -> Tensor:
+def alibi_bias(
+    slopes: Tensor,
+    query_length: int,
+    key_length: int,
+    *,
+    bidirectional: bool = False,
+    query_positions=None,
+    key_positions=None,
+) -> Tensor:
     """slope * (j - i) (causal form) or -slope * |j - i| (symmetric), [..., N, T, S]."""
     distance = _relative(query_length, key_length, query_positions, key_positions).to(slopes.dtype)
     if bidirectional:
@@ -131,9 +161,14 @@ def alibi_bias(slopes: Tensor, query_length: int, key_length: int, *, bidirectio
 
 def alibi_attention(query, key, value, slopes, *, bidirectional=False, bias=None, **options):
     T, S = _qkv_lengths(query, key)
-    position_bias = alibi_bias(slopes, T, S, bidirectional=bidirectional,
-                               query_positions=options.get("query_positions"),
-                               key_positions=options.get("key_positions"))
+    position_bias = alibi_bias(
+        slopes,
+        T,
+        S,
+        bidirectional=bidirectional,
+        query_positions=options.get("query_positions"),
+        key_positions=options.get("key_positions"),
+    )
     bias = position_bias if bias is None else position_bias + bias
     return dot_product_attention(query, key, value, bias=bias, **options)
 
@@ -153,14 +188,19 @@ def _complex_layout(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return torch.view_as_real(pairs * torch.complex(cos, sin)).flatten(-2)
 
 
-def apply_rope(x: Tensor, positions=None, *, offset: int = 0, base: float = 10000.0, rotary_dim=None,
-               layout: str = "half") -> Tensor:
+def apply_rope(
+    x: Tensor, positions=None, *, offset: int = 0, base: float = 10000.0, rotary_dim=None, layout: str = "half"
+) -> Tensor:
     """x [..., T, N, H] rotated on its first rotary_dim features; angles in float64 for float64 input,
     float32 otherwise."""
     T, H = x.shape[-3], x.shape[-1]
     rotary_dim = H if rotary_dim is None else rotary_dim
-    _check(_is_int(rotary_dim) and 2 <= rotary_dim <= H and rotary_dim % 2 == 0, "rotary_dim",
-           f"an even int in [2, {H}]", rotary_dim)
+    _check(
+        _is_int(rotary_dim) and 2 <= rotary_dim <= H and rotary_dim % 2 == 0,
+        "rotary_dim",
+        f"an even int in [2, {H}]",
+        rotary_dim,
+    )
     _check(layout in ("half", "interleaved"), "layout", "'half' or 'interleaved'", layout)
     positions = torch.arange(T) + offset if positions is None else torch.as_tensor(positions)
     _check(not positions.is_floating_point(), "positions", "an integer tensor", positions.dtype)
@@ -175,16 +215,23 @@ def apply_rope(x: Tensor, positions=None, *, offset: int = 0, base: float = 1000
     return torch.cat([rotated, rest], -1).to(x.dtype)
 
 
-def rope_permutation(head_dim: int, *, rotary_dim=None, source: str = "interleaved",
-                     target: str = "half") -> Tensor:
+def rope_permutation(head_dim: int, *, rotary_dim=None, source: str = "interleaved", target: str = "half") -> Tensor:
     """int64 [H] p: apply_rope(x[..., p], layout=target) == apply_rope(x, layout=source)[..., p]."""
     rotary_dim = head_dim if rotary_dim is None else rotary_dim
-    _check(_is_int(rotary_dim) and 2 <= rotary_dim <= head_dim and rotary_dim % 2 == 0, "rotary_dim",
-           f"an even int in [2, {head_dim}]", rotary_dim)
+    _check(
+        _is_int(rotary_dim) and 2 <= rotary_dim <= head_dim and rotary_dim % 2 == 0,
+        "rotary_dim",
+        f"an even int in [2, {head_dim}]",
+        rotary_dim,
+    )
     # HF convert_llama_weights_to_hf.permute: view(H/2, 2) -> transpose -> flatten, on the rotary part.
     to_half = torch.arange(rotary_dim).view(rotary_dim // 2, 2).t().reshape(-1)
-    perm = {("interleaved", "half"): to_half, ("half", "interleaved"): torch.argsort(to_half),
-            ("half", "half"): torch.arange(rotary_dim), ("interleaved", "interleaved"): torch.arange(rotary_dim)}
+    perm = {
+        ("interleaved", "half"): to_half,
+        ("half", "interleaved"): torch.argsort(to_half),
+        ("half", "half"): torch.arange(rotary_dim),
+        ("interleaved", "interleaved"): torch.arange(rotary_dim),
+    }
     return torch.cat([perm[(source, target)], torch.arange(rotary_dim, head_dim)])
 
 
@@ -192,15 +239,17 @@ def rope_attention(query, key, value, *, base=10000.0, rotary_dim=None, layout="
     T, S = _qkv_lengths(query, key)
     query_pos, key_pos = _positions(T, S, options.get("query_positions"), options.get("key_positions"))
     rope = dict(base=base, rotary_dim=rotary_dim, layout=layout)
-    return dot_product_attention(apply_rope(query, query_pos, **rope), apply_rope(key, key_pos, **rope), value,
-                                 **options)
+    return dot_product_attention(
+        apply_rope(query, query_pos, **rope), apply_rope(key, key_pos, **rope), value, **options
+    )
 
 
 # --- clipped relative keys and Transformer-XL ----------------------------------------------------------
 
 
-def clipped_relative_index(query_length: int, key_length: int, *, max_left: int, max_right: int,
-                           query_positions=None, key_positions=None) -> Tensor:
+def clipped_relative_index(
+    query_length: int, key_length: int, *, max_left: int, max_right: int, query_positions=None, key_positions=None
+) -> Tensor:
     """clip(j - i, -max_left, max_right) + max_left, int64 [..., T, S]."""
     _check(_is_int(max_left) and max_left >= 0, "max_left", "an int >= 0", max_left)
     _check(_is_int(max_right) and max_right >= 0, "max_right", "an int >= 0", max_right)
@@ -216,21 +265,26 @@ def _gather(table: Tensor | None, index: Tensor) -> Tensor | None:
     return gathered.unsqueeze(-2) if table.ndim == 2 else gathered
 
 
-def clipped_relative_attention(query, key, value, key_table=None, value_table=None, *, max_left, max_right,
-                               **options):
+def clipped_relative_attention(query, key, value, key_table=None, value_table=None, *, max_left, max_right, **options):
     """relative_attention with A = table[clipped_relative_index(...)] (the [T, S, N, H] tensor, built)."""
     T, S = _qkv_lengths(query, key)
-    index = clipped_relative_index(T, S, max_left=max_left, max_right=max_right,
-                                   query_positions=options.get("query_positions"),
-                                   key_positions=options.get("key_positions"))
+    index = clipped_relative_index(
+        T,
+        S,
+        max_left=max_left,
+        max_right=max_right,
+        query_positions=options.get("query_positions"),
+        key_positions=options.get("key_positions"),
+    )
     R = max_left + max_right + 1
     for name, table in (("key_table", key_table), ("value_table", value_table)):
         _check(table is None or table.shape[0] == R, name, f"{R} rows", None if table is None else tuple(table.shape))
     return relative_attention(query, key, value, _gather(key_table, index), _gather(value_table, index), **options)
 
 
-def relative_sinusoids(dim: int, *, max_left: int, max_right: int, base: float = 10000.0,
-                       layout: str = "concat", dtype=torch.float64) -> Tensor:
+def relative_sinusoids(
+    dim: int, *, max_left: int, max_right: int, base: float = 10000.0, layout: str = "concat", dtype=torch.float64
+) -> Tensor:
     """[R, dim], row r = sinusoid of i - j = max_left - r; "concat" [sin, cos] or "interleaved" sin/cos."""
     _check(_is_int(dim) and dim >= 2 and dim % 2 == 0, "dim", "an even int >= 2", dim)
     distance = max_left - torch.arange(max_left + max_right + 1, dtype=torch.float64)
@@ -244,8 +298,9 @@ def relative_sinusoids(dim: int, *, max_left: int, max_right: int, base: float =
     return table.to(dtype)
 
 
-def transformer_xl_attention(query, key, value, position_keys, *, max_left, pos_bias_u=None, pos_bias_v=None,
-                             scale=None, bias=None, **options):
+def transformer_xl_attention(
+    query, key, value, position_keys, *, max_left, pos_bias_u=None, pos_bias_v=None, scale=None, bias=None, **options
+):
     """scale * ((q + u) . k + (q + v) . P[index]), P[index] gathered as the full [..., T, S, N or 1, H] table.
 
     Both terms are query-key logits (``logit_softcap`` caps their sum), so they are written as ONE dot product
@@ -253,10 +308,15 @@ def transformer_xl_attention(query, key, value, position_keys, *, max_left, pos_
     """
     T, S, H = query.shape[-3], key.shape[-3], query.shape[-1]
     R = position_keys.shape[0]
-    scale = H ** -0.5 if scale is None else scale
-    index = clipped_relative_index(T, S, max_left=max_left, max_right=R - 1 - max_left,
-                                   query_positions=options.get("query_positions"),
-                                   key_positions=options.get("key_positions"))
+    scale = H**-0.5 if scale is None else scale
+    index = clipped_relative_index(
+        T,
+        S,
+        max_left=max_left,
+        max_right=R - 1 - max_left,
+        query_positions=options.get("query_positions"),
+        key_positions=options.get("key_positions"),
+    )
     q_u = query if pos_bias_u is None else query + pos_bias_u
     q_v = query if pos_bias_v is None else query + pos_bias_v
     P = _gather(position_keys, index)  # [..., T, S, 1 or N, H]

@@ -26,8 +26,10 @@ from crosscheck._flex import FLEX_CASES, flex_reference
 
 _HF = ("transformers",)
 B, N, K, H, Hv = 2, 6, 3, 8, 5
-REFERENCE_NOTE = ("flex_<pattern> cases: the reference is torch's eager flex_attention (exact, unfused; slower "
-                  "than torch.compile'd flex, whose advice to compile it is silenced)")
+REFERENCE_NOTE = (
+    "flex_<pattern> cases: the reference is torch's eager flex_attention (exact, unfused; slower "
+    "than torch.compile'd flex, whose advice to compile it is silenced)"
+)
 
 
 class _ForwardSetup(Setup):
@@ -40,8 +42,11 @@ class _ForwardSetup(Setup):
 def _inputs(case, seed):
     rng = np.random.default_rng(seed)
     arrays = case.arrays(rng, (B,), N)
-    inputs = {"query": rng.standard_normal((B, case.T, N, H)), "key": rng.standard_normal((B, case.S, K, H)),
-              "value": rng.standard_normal((B, case.S, K, Hv))}
+    inputs = {
+        "query": rng.standard_normal((B, case.T, N, H)),
+        "key": rng.standard_normal((B, case.S, K, H)),
+        "value": rng.standard_normal((B, case.S, K, Hv)),
+    }
     return inputs, arrays
 
 
@@ -84,14 +89,18 @@ def _torchref_flex(case, arrays):
 def _torch_style_flex(case, arrays):
     """The call as a torch user writes it: the mask only inside a BlockMask (torch's flex_attention has no
     mask_mod argument), flex_attention(q, k, v, score_mod, block_mask=create_block_mask(mask_mod, B, N, T, S))."""
+
     def jax_fn(query, key, value):
         import jax.numpy as jnp
 
         import jaxattn
 
         score_mod, mask_mod = case.mods(jnp, _cast(jnp, arrays, query))
-        block_mask = None if mask_mod is None else jaxattn.create_block_mask(
-            mask_mod, B=query.shape[0], H=N, Q_LEN=query.shape[-3], KV_LEN=key.shape[-3])
+        block_mask = (
+            None
+            if mask_mod is None
+            else jaxattn.create_block_mask(mask_mod, B=query.shape[0], H=N, Q_LEN=query.shape[-3], KV_LEN=key.shape[-3])
+        )
         return jaxattn.flex_attention(query, key, value, score_mod, block_mask)
 
     return jax_fn
@@ -130,16 +139,25 @@ def _blockwise_vs_torchref(case):
 
 for _name, _case in FLEX_CASES.items():
     _quick_proof = _name == "documents_sliding_softcap"  # three keywords at once, vs torch's flex and torchref
-    register_case(f"flex_{_name}", quick=FLOAT32_JIT, note=REFERENCE_NOTE, default_run=_quick_proof,
-                  description=f"flex_attention(q, k, v, score_mod, block_mask) vs torch's eager call (forward), "
-                              f"{_name}, "
-                              f"T={_case.T} S={_case.S}")(lambda c=_case: _flex_vs_torch(c))
-    register_case(f"flex_{_name}_keywords", quick=FLOAT64_PLAIN, default_run=_quick_proof,
-                  description=f"dot_product_attention keywords vs torchref.flex_attention mods (and gradients), "
-                              f"{_name}")(lambda c=_case: _keywords_vs_torchref(c))
-    register_case(f"flex_{_name}_blockwise",
-                  description=f"flex_attention on the blockwise engine vs torchref.flex_attention (and gradients), "
-                              f"{_name}")(lambda c=_case: _blockwise_vs_torchref(c))
+    register_case(
+        f"flex_{_name}",
+        quick=FLOAT32_JIT,
+        note=REFERENCE_NOTE,
+        default_run=_quick_proof,
+        description=f"flex_attention(q, k, v, score_mod, block_mask) vs torch's eager call (forward), "
+        f"{_name}, "
+        f"T={_case.T} S={_case.S}",
+    )(lambda c=_case: _flex_vs_torch(c))
+    register_case(
+        f"flex_{_name}_keywords",
+        quick=FLOAT64_PLAIN,
+        default_run=_quick_proof,
+        description=f"dot_product_attention keywords vs torchref.flex_attention mods (and gradients), {_name}",
+    )(lambda c=_case: _keywords_vs_torchref(c))
+    register_case(
+        f"flex_{_name}_blockwise",
+        description=f"flex_attention on the blockwise engine vs torchref.flex_attention (and gradients), {_name}",
+    )(lambda c=_case: _blockwise_vs_torchref(c))
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -176,9 +194,12 @@ def _hf_family(family: str) -> Setup:
     def jax_fn(**arrays):
         import jaxattn
 
-        return {f"call{i}": jaxattn.dot_product_attention(arrays[f"query{i}"], arrays[f"key{i}"], arrays[f"value{i}"],
-                                                          **jax_keywords(kw, arrays[f"query{i}"]))
-                for i, kw in enumerate(fixed)}
+        return {
+            f"call{i}": jaxattn.dot_product_attention(
+                arrays[f"query{i}"], arrays[f"key{i}"], arrays[f"value{i}"], **jax_keywords(kw, arrays[f"query{i}"])
+            )
+            for i, kw in enumerate(fixed)
+        }
 
     def torch_fn(**arrays):
         outs = {}
@@ -194,6 +215,10 @@ def _hf_family(family: str) -> Setup:
 
 
 for _family in ("gemma2", "mistral", "gpt_oss", "llama4", "qwen2", "qwen2_sliding"):
-    register_case(f"hf_modern_{_family}", requires=_HF, quick=FLOAT32_JIT,
-                  description=f"HF {_family} eager attention (prefill + cache steps) vs dot_product_attention "
-                              "with the mapped keywords, outputs and gradients")(lambda f=_family: _hf_family(f))
+    register_case(
+        f"hf_modern_{_family}",
+        requires=_HF,
+        quick=FLOAT32_JIT,
+        description=f"HF {_family} eager attention (prefill + cache steps) vs dot_product_attention "
+        "with the mapped keywords, outputs and gradients",
+    )(lambda f=_family: _hf_family(f))

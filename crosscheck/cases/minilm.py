@@ -101,16 +101,27 @@ def jax_outputs(params, input_ids, attention_mask, key_bias=None, *, config, pre
 
     if key_bias is not None:
         N = config.num_attention_heads
-        params = {**params, **{f"layer_{i}": {**params[f"layer_{i}"], "attention": {
-            **params[f"layer_{i}"]["attention"], "key": {**params[f"layer_{i}"]["attention"]["key"],
-                                                        "bias": jnp.reshape(b, (N, -1))}}}
-            for i, b in enumerate(key_bias)}}
+        params = {
+            **params,
+            **{
+                f"layer_{i}": {
+                    **params[f"layer_{i}"],
+                    "attention": {
+                        **params[f"layer_{i}"]["attention"],
+                        "key": {**params[f"layer_{i}"]["attention"]["key"], "bias": jnp.reshape(b, (N, -1))},
+                    },
+                }
+                for i, b in enumerate(key_bias)
+            },
+        }
     dtype = params["embeddings"]["LayerNorm"]["scale"].dtype
-    out = BertModel(config, param_dtype=dtype, precision=precision).apply(
-        {"params": params}, input_ids, attention_mask)
+    out = BertModel(config, param_dtype=dtype, precision=precision).apply({"params": params}, input_ids, attention_mask)
     real = jnp.asarray(attention_mask)[..., None].astype(dtype)
-    named = {"sentence_embedding": mean_pooling(out["last_hidden_state"], attention_mask),
-             "last_hidden_state": out["last_hidden_state"] * real, "pooler_output": out["pooler_output"]}
+    named = {
+        "sentence_embedding": mean_pooling(out["last_hidden_state"], attention_mask),
+        "last_hidden_state": out["last_hidden_state"] * real,
+        "pooler_output": out["pooler_output"],
+    }
     for i, (a, w) in enumerate(zip(out["attention_outputs"], out["attentions"])):
         named[f"layer{i}.attention_output"] = a * real
         named[f"layer{i}.attention_weights"] = w
@@ -126,18 +137,27 @@ def torch_outputs(model, state, input_ids, attention_mask, key_bias=None):
     if key_bias is not None:
         state.update({_KEY_BIAS.format(i=i): b for i, b in enumerate(key_bias)})
     captured = []
-    hooks = [layer.attention.register_forward_hook(lambda mod, args, out: captured.append(out[0]))
-             for layer in model.encoder.layer]
+    hooks = [
+        layer.attention.register_forward_hook(lambda mod, args, out: captured.append(out[0]))
+        for layer in model.encoder.layer
+    ]
     try:
-        out = functional_call(model, state, args=(), kwargs=dict(
-            input_ids=input_ids.long(), attention_mask=attention_mask.long(), output_attentions=True))
+        out = functional_call(
+            model,
+            state,
+            args=(),
+            kwargs=dict(input_ids=input_ids.long(), attention_mask=attention_mask.long(), output_attentions=True),
+        )
     finally:
         for hook in hooks:
             hook.remove()
     real = attention_mask[..., None].to(out.last_hidden_state.dtype)
     pooled = (out.last_hidden_state * real).sum(-2) / real.sum(-2).clamp(min=1e-9)
-    named = {"sentence_embedding": torch.nn.functional.normalize(pooled, dim=-1),
-             "last_hidden_state": out.last_hidden_state * real, "pooler_output": out.pooler_output}
+    named = {
+        "sentence_embedding": torch.nn.functional.normalize(pooled, dim=-1),
+        "last_hidden_state": out.last_hidden_state * real,
+        "pooler_output": out.pooler_output,
+    }
     for i, (a, w) in enumerate(zip(captured, out.attentions)):
         named[f"layer{i}.attention_output"] = a * real
         named[f"layer{i}.attention_weights"] = w
@@ -156,8 +176,11 @@ def _setup():
     input_ids, attention_mask = encode()
     key_names = [_KEY_BIAS.format(i=i) for i in range(config.num_hidden_layers)]
     key_bias = np.stack([state_dict[name] for name in key_names])
-    torch_state = {k: v for k, v in state_dict.items()  # parameters only: no int buffers, no key biases
-                   if np.issubdtype(v.dtype, np.floating) and k not in key_names}
+    torch_state = {
+        k: v
+        for k, v in state_dict.items()  # parameters only: no int buffers, no key biases
+        if np.issubdtype(v.dtype, np.floating) and k not in key_names
+    }
     params = bert_params_from_state_dict(state_dict, config)
     for i in range(config.num_hidden_layers):
         del params[f"layer_{i}"]["attention"]["key"]["bias"]
@@ -186,5 +209,6 @@ def _setup():
     )
 
 
-register_case("minilm", transforms=("jit",), quick=FLOAT32_JIT,
-              requires=(PACKAGE, "transformers", "tokenizers"))(_setup)
+register_case("minilm", transforms=("jit",), quick=FLOAT32_JIT, requires=(PACKAGE, "transformers", "tokenizers"))(
+    _setup
+)

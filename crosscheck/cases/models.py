@@ -27,8 +27,11 @@ def _setup(model_type: str) -> Setup:
         config = json.loads((_hf_models.Path(directory) / "config.json").read_text())
         model, params = from_pretrained(directory, precision="highest")
         torch_models = {dtype: _hf_models.torch_model(directory, dtype) for dtype in ("float32", "float64")}
-    state = {k: v.detach().numpy() for k, v in torch_models["float32"].state_dict().items()
-             if k in dict(torch_models["float32"].named_parameters())}
+    state = {
+        k: v.detach().numpy()
+        for k, v in torch_models["float32"].state_dict().items()
+        if k in dict(torch_models["float32"].named_parameters())
+    }
     input_ids, attention_mask = _hf_models.padded_batch("left")
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
     if model_type == "t5":  # the decoder's tokens: start token, then 6 others
@@ -52,36 +55,67 @@ def _setup(model_type: str) -> Setup:
     def grads_from_torch(grads):
         return from_state_dict(config, {k: np.asarray(v) for k, v in grads.items()})[1]
 
-    return ModelSetup(jax_fn=jax_fn, torch_fn=torch_fn, inputs=inputs,
-                      params=params, torch_params=state, grads_from_torch=grads_from_torch)
+    return ModelSetup(
+        jax_fn=jax_fn,
+        torch_fn=torch_fn,
+        inputs=inputs,
+        params=params,
+        torch_params=state,
+        grads_from_torch=grads_from_torch,
+    )
 
 
-for _model_type, _doc in (("gpt2", "GPT-2 (2 layers, tied embeddings): logits and every parameter gradient"),
-                          ("t5", "T5 v1.1 (2+2 layers, gated FF): logits and every parameter gradient"),
-                          ("llama", "Llama (2 layers, GQA 6/2, linear rope): logits and every parameter gradient"),
-                          ("qwen2", "Qwen2 (2 layers, GQA 6/2, q/k/v biases, tied): logits and every gradient"),
-                          ("mistral", "Mistral (2 layers, GQA 6/2, sliding window 5 < 11 tokens): logits and "
-                                      "every parameter gradient"),
-                          ("gemma2", "Gemma 2 (sliding + global layer, GQA 4/2, head_dim 16, both softcaps): "
-                                     "logits and every parameter gradient"),
-                          ("qwen3", "Qwen 3 (2 layers, GQA, q/k RMS norms per head): logits and every gradient"),
-                          ("gemma3_text", "Gemma 3 (local + global layers with their own ropes, q/k norms, "
-                                          "embedding scale): logits and every parameter gradient"),
-                          ("mixtral", "Mixtral (2 layers, top-2 of 5 experts, stacked expert weights): logits and "
-                                      "every gradient (torch's fused experts read through the table)"),
-                          ("gpt_oss", "gpt-oss (sinks, alternating windows, biased router, clamped SwiGLU "
-                                      "experts): logits and every parameter gradient"),
-                          ("qwen3_moe", "Qwen3-MoE (q/k norms, top-k experts, norm_topk_prob): logits and every "
-                                        "parameter gradient"),
-                          ("llama4_text", "Llama 4 (chunked RoPE layer with L2 q/k norms, NoPE layer with attention "
-                                          "temperature, sigmoid-routed experts + shared expert): logits and every "
-                                          "parameter gradient"),
-                          ("deepseek_v3", "DeepSeek V3 (multi-head latent attention with yarn, dense layer, "
-                                          "group-limited sigmoid-routed experts + shared experts): logits and "
-                                          "every parameter gradient"),
-                          ("qwen3_next", "Qwen3-Next (gated delta-rule layer with its conv, gated softmax layer with "
-                                         "partial RoPE, experts + gated shared expert): logits and every parameter "
-                                         "gradient")):
-    register_case(f"model_{_model_type}", description=f"{_doc}, left-padded batch, vs transformers",
-                  transforms=("jit",), quick=FLOAT32_JIT, default_run=_model_type == "gpt2",  # one whole model
-                  requires=("transformers",))(functools.partial(_setup, _model_type))
+for _model_type, _doc in (
+    ("gpt2", "GPT-2 (2 layers, tied embeddings): logits and every parameter gradient"),
+    ("t5", "T5 v1.1 (2+2 layers, gated FF): logits and every parameter gradient"),
+    ("llama", "Llama (2 layers, GQA 6/2, linear rope): logits and every parameter gradient"),
+    ("qwen2", "Qwen2 (2 layers, GQA 6/2, q/k/v biases, tied): logits and every gradient"),
+    ("mistral", "Mistral (2 layers, GQA 6/2, sliding window 5 < 11 tokens): logits and every parameter gradient"),
+    (
+        "gemma2",
+        "Gemma 2 (sliding + global layer, GQA 4/2, head_dim 16, both softcaps): logits and every parameter gradient",
+    ),
+    ("qwen3", "Qwen 3 (2 layers, GQA, q/k RMS norms per head): logits and every gradient"),
+    (
+        "gemma3_text",
+        "Gemma 3 (local + global layers with their own ropes, q/k norms, "
+        "embedding scale): logits and every parameter gradient",
+    ),
+    (
+        "mixtral",
+        "Mixtral (2 layers, top-2 of 5 experts, stacked expert weights): logits and "
+        "every gradient (torch's fused experts read through the table)",
+    ),
+    (
+        "gpt_oss",
+        "gpt-oss (sinks, alternating windows, biased router, clamped SwiGLU "
+        "experts): logits and every parameter gradient",
+    ),
+    ("qwen3_moe", "Qwen3-MoE (q/k norms, top-k experts, norm_topk_prob): logits and every parameter gradient"),
+    (
+        "llama4_text",
+        "Llama 4 (chunked RoPE layer with L2 q/k norms, NoPE layer with attention "
+        "temperature, sigmoid-routed experts + shared expert): logits and every "
+        "parameter gradient",
+    ),
+    (
+        "deepseek_v3",
+        "DeepSeek V3 (multi-head latent attention with yarn, dense layer, "
+        "group-limited sigmoid-routed experts + shared experts): logits and "
+        "every parameter gradient",
+    ),
+    (
+        "qwen3_next",
+        "Qwen3-Next (gated delta-rule layer with its conv, gated softmax layer with "
+        "partial RoPE, experts + gated shared expert): logits and every parameter "
+        "gradient",
+    ),
+):
+    register_case(
+        f"model_{_model_type}",
+        description=f"{_doc}, left-padded batch, vs transformers",
+        transforms=("jit",),
+        quick=FLOAT32_JIT,
+        default_run=_model_type == "gpt2",  # one whole model
+        requires=("transformers",),
+    )(functools.partial(_setup, _model_type))

@@ -36,8 +36,14 @@ B, T, K, N, H, Hv, CHUNK = 2, 13, 2, 6, 5, 7, 4
 
 def _delta_inputs(name):
     rng = rng_for(name)
-    return {"query": normal(rng, (B, T, K, H)), "key": normal(rng, (B, T, K, H)), "value": normal(rng, (B, T, N, Hv)),
-            "a": normal(rng, (B, T, N)), "b": normal(rng, (B, T, N)), "initial_state": normal(rng, (B, N, H, Hv), 0.5)}
+    return {
+        "query": normal(rng, (B, T, K, H)),
+        "key": normal(rng, (B, T, K, H)),
+        "value": normal(rng, (B, T, N, Hv)),
+        "a": normal(rng, (B, T, N)),
+        "b": normal(rng, (B, T, N)),
+        "initial_state": normal(rng, (B, N, H, Hv), 0.5),
+    }
 
 
 def _jax_delta(implementation):
@@ -50,9 +56,17 @@ def _jax_delta(implementation):
         return x * jax.lax.rsqrt(jnp.sum(x * x, -1, keepdims=True) + 1e-6)
 
     def jax_fn(query, key, value, a, b, initial_state):
-        out, state = jaxattn.gated_delta_rule(l2norm(query), l2norm(key), value, -jax.nn.softplus(a),
-                                              jax.nn.sigmoid(b), initial_state=initial_state, chunk_size=CHUNK,
-                                              return_state=True, implementation=implementation)
+        out, state = jaxattn.gated_delta_rule(
+            l2norm(query),
+            l2norm(key),
+            value,
+            -jax.nn.softplus(a),
+            jax.nn.sigmoid(b),
+            initial_state=initial_state,
+            chunk_size=CHUNK,
+            return_state=True,
+            implementation=implementation,
+        )
         return {"out": out, "state": state}
 
     return jax_fn
@@ -82,8 +96,17 @@ def _hf_delta(function_name):
 
     def torch_fn(query, key, value, a, b, initial_state):
         with _float32_cast_is(hf, query.dtype):
-            out, state = function(query, key, value, -F.softplus(a), b.sigmoid(), initial_state=initial_state,
-                                  output_final_state=True, use_qk_l2norm_in_kernel=True, **chunked)
+            out, state = function(
+                query,
+                key,
+                value,
+                -F.softplus(a),
+                b.sigmoid(),
+                initial_state=initial_state,
+                output_final_state=True,
+                use_qk_l2norm_in_kernel=True,
+                **chunked,
+            )
         return {"out": out, "state": state}
 
     return torch_fn
@@ -92,15 +115,17 @@ def _hf_delta(function_name):
 @register_case("delta_rule_hf_chunked", requires=("transformers",))
 def _delta_rule_hf_chunked() -> Setup:
     """gated_delta_rule (chunked, C=4, T=13, N=6 on K=2) vs transformers' torch_chunk_gated_delta_rule"""
-    return Setup(_jax_delta("chunked"), _hf_delta("torch_chunk_gated_delta_rule"),
-                         _delta_inputs("delta_rule_hf_chunked"))
+    return Setup(
+        _jax_delta("chunked"), _hf_delta("torch_chunk_gated_delta_rule"), _delta_inputs("delta_rule_hf_chunked")
+    )
 
 
 @register_case("delta_rule_hf_recurrent", requires=("transformers",))
 def _delta_rule_hf_recurrent() -> Setup:
     """gated_delta_rule (recurrent) vs transformers' torch_recurrent_gated_delta_rule"""
-    return Setup(_jax_delta("recurrent"), _hf_delta("torch_recurrent_gated_delta_rule"),
-                         _delta_inputs("delta_rule_hf_recurrent"))
+    return Setup(
+        _jax_delta("recurrent"), _hf_delta("torch_recurrent_gated_delta_rule"), _delta_inputs("delta_rule_hf_recurrent")
+    )
 
 
 @register_case("delta_rule_torchref")
@@ -115,8 +140,15 @@ def _delta_rule_torchref() -> Setup:
         return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6)
 
     def torch_fn(query, key, value, a, b, initial_state):
-        out, state = torchref.gated_delta_rule(l2norm(query), l2norm(key), value, -F.softplus(a), b.sigmoid(),
-                                               initial_state=initial_state, return_state=True)
+        out, state = torchref.gated_delta_rule(
+            l2norm(query),
+            l2norm(key),
+            value,
+            -F.softplus(a),
+            b.sigmoid(),
+            initial_state=initial_state,
+            return_state=True,
+        )
         return {"out": out, "state": state}
 
     return Setup(_jax_delta("chunked"), torch_fn, _delta_inputs("delta_rule_torchref"))
@@ -124,8 +156,16 @@ def _delta_rule_torchref() -> Setup:
 
 # --- multi-head latent attention -----------------------------------------------------------------------------------
 
-MLA = {"hidden_size": 23, "num_attention_heads": 3, "num_key_value_heads": 3, "q_lora_rank": 13, "kv_lora_rank": 11,
-       "qk_rope_head_dim": 4, "qk_nope_head_dim": 5, "v_head_dim": 7}
+MLA = {
+    "hidden_size": 23,
+    "num_attention_heads": 3,
+    "num_key_value_heads": 3,
+    "q_lora_rank": 13,
+    "kv_lora_rank": 11,
+    "qk_rope_head_dim": 4,
+    "qk_nope_head_dim": 5,
+    "v_head_dim": 7,
+}
 MLA_T = 9
 
 
@@ -138,10 +178,14 @@ def latent_params_from_deepseek(state_dict, config) -> dict:
     Hn, Hv = config.qk_nope_head_dim, config.v_head_dim
     kv_a = sd["kv_a_proj_with_mqa.weight"].T  # [E, C+R]
     kv_b = sd["kv_b_proj.weight"].T.reshape(C, N, Hn + Hv)
-    params = {"latent": {"kernel": kv_a[:, :C]}, "key_rope": {"kernel": kv_a[:, C:]},
-              "latent_norm": {"scale": sd["kv_a_layernorm.weight"]},
-              "key_up": {"kernel": kv_b[..., :Hn]}, "value_up": {"kernel": kv_b[..., Hn:]},
-              "out": {"kernel": sd["o_proj.weight"].T.reshape(N, Hv, -1)}}
+    params = {
+        "latent": {"kernel": kv_a[:, :C]},
+        "key_rope": {"kernel": kv_a[:, C:]},
+        "latent_norm": {"scale": sd["kv_a_layernorm.weight"]},
+        "key_up": {"kernel": kv_b[..., :Hn]},
+        "value_up": {"kernel": kv_b[..., Hn:]},
+        "out": {"kernel": sd["o_proj.weight"].T.reshape(N, Hv, -1)},
+    }
     if "kv_a_proj_with_mqa.bias" in sd:
         params["latent"]["bias"] = sd["kv_a_proj_with_mqa.bias"][:C]
         params["key_rope"]["bias"] = sd["kv_a_proj_with_mqa.bias"][C:]
@@ -167,8 +211,12 @@ def _mla_setup(name, *, form="absorbed", interleave=True, q_lora=True, bias=True
     from crosscheck._hf_models import float64_reference
 
     rng = rng_for(name)
-    config = DeepseekV3Config(**{**MLA, "q_lora_rank": MLA["q_lora_rank"] if q_lora else None},
-                              rope_interleave=interleave, attention_bias=bias, max_position_embeddings=64)
+    config = DeepseekV3Config(
+        **{**MLA, "q_lora_rank": MLA["q_lora_rank"] if q_lora else None},
+        rope_interleave=interleave,
+        attention_bias=bias,
+        max_position_embeddings=64,
+    )
     config._attn_implementation = "eager"
     module = randomize(DeepseekV3Attention(config, layer_idx=0), rng).eval()
     base = config.rope_parameters.get("rope_theta", 10000.0)
@@ -181,29 +229,44 @@ def _mla_setup(name, *, form="absorbed", interleave=True, q_lora=True, bias=True
         emb = torch.cat([angles, angles], -1)[None]
         mask = causal.to(hidden.dtype)[None, None]
         with float64_reference(module, "float64" if hidden.dtype == torch.float64 else "float32"):
-            out, _ = torch.func.functional_call(module, params, (hidden, (emb.cos().to(hidden.dtype),
-                                                                          emb.sin().to(hidden.dtype)), mask))
+            out, _ = torch.func.functional_call(
+                module, params, (hidden, (emb.cos().to(hidden.dtype), emb.sin().to(hidden.dtype)), mask)
+            )
         return out
 
     def jax_fn(params, hidden):
-        return jaxattn.latent_attention(params, hidden, form=form, is_causal=True, rope_base=base,
-                                        rope_layout="interleaved" if interleave else "half")
+        return jaxattn.latent_attention(
+            params,
+            hidden,
+            form=form,
+            is_causal=True,
+            rope_base=base,
+            rope_layout="interleaved" if interleave else "half",
+        )
 
-    return Setup(jax_fn, torch_fn, {"hidden": normal(rng, (B, MLA_T, MLA["hidden_size"]))},
-                 params=to_numpy_tree(latent_params_from_deepseek(module.state_dict(), config)),
-                 torch_params=torch_params(module),
-                 grads_from_torch=lambda g: latent_params_from_deepseek(g, config))
+    return Setup(
+        jax_fn,
+        torch_fn,
+        {"hidden": normal(rng, (B, MLA_T, MLA["hidden_size"]))},
+        params=to_numpy_tree(latent_params_from_deepseek(module.state_dict(), config)),
+        torch_params=torch_params(module),
+        grads_from_torch=lambda g: latent_params_from_deepseek(g, config),
+    )
 
 
-register_case("mla_hf_absorbed", requires=("transformers",),
-              description="latent_attention absorbed vs transformers' DeepseekV3Attention (q_lora, bias, "
-                          "rope_interleave)")(lambda: _mla_setup("mla_hf_absorbed"))
-register_case("mla_hf_expanded", requires=("transformers",),
-              description="latent_attention expanded vs DeepseekV3Attention")(
-    lambda: _mla_setup("mla_hf_expanded", form="expanded"))
-register_case("mla_hf_direct_half", requires=("transformers",),
-              description="latent_attention absorbed vs DeepseekV3Attention, direct q_proj, no bias, half rope")(
-    lambda: _mla_setup("mla_hf_direct_half", interleave=False, q_lora=False, bias=False))
+register_case(
+    "mla_hf_absorbed",
+    requires=("transformers",),
+    description="latent_attention absorbed vs transformers' DeepseekV3Attention (q_lora, bias, rope_interleave)",
+)(lambda: _mla_setup("mla_hf_absorbed"))
+register_case(
+    "mla_hf_expanded", requires=("transformers",), description="latent_attention expanded vs DeepseekV3Attention"
+)(lambda: _mla_setup("mla_hf_expanded", form="expanded"))
+register_case(
+    "mla_hf_direct_half",
+    requires=("transformers",),
+    description="latent_attention absorbed vs DeepseekV3Attention, direct q_proj, no bias, half rope",
+)(lambda: _mla_setup("mla_hf_direct_half", interleave=False, q_lora=False, bias=False))
 
 
 @register_case("mla_torchref")
@@ -216,10 +279,22 @@ def _mla_torchref() -> Setup:
     import torchref
 
     rng = rng_for("mla_torchref")
-    params = jaxattn.init_latent_attention(jax.random.PRNGKey(0), 23, 3, latent_dim=11, rope_dim=4,
-                                           nope_head_dim=5, value_head_dim=7, query_latent_dim=13, use_bias=True,
-                                           dtype=jnp.float64)
+    params = jaxattn.init_latent_attention(
+        jax.random.PRNGKey(0),
+        23,
+        3,
+        latent_dim=11,
+        rope_dim=4,
+        nope_head_dim=5,
+        value_head_dim=7,
+        query_latent_dim=13,
+        use_bias=True,
+        dtype=jnp.float64,
+    )
     params = jax.tree.map(lambda p: np.asarray(p) + normal(rng, p.shape, 0.3), params)
-    return Setup(lambda p, hidden: jaxattn.latent_attention(p, hidden, is_causal=True),
-                 lambda p, hidden: torchref.latent_attention(p, hidden, is_causal=True),
-                 {"hidden": normal(rng, (B, MLA_T, 23))}, params=params)
+    return Setup(
+        lambda p, hidden: jaxattn.latent_attention(p, hidden, is_causal=True),
+        lambda p, hidden: torchref.latent_attention(p, hidden, is_causal=True),
+        {"hidden": normal(rng, (B, MLA_T, 23))},
+        params=params,
+    )

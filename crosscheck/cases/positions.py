@@ -52,29 +52,36 @@ def _t5_table() -> list[Row]:
     from jaxattn.models.weights import row
 
     heads = _heads()
-    return [row("q.weight", ("N*H", "E"), "query/kernel", ("E", "N", "H"), heads),
-            row("k.weight", ("N*H", "E"), "key/kernel", ("E", "N", "H"), heads),
-            row("v.weight", ("N*H", "E"), "value/kernel", ("E", "N", "H"), heads),
-            row("o.weight", ("E", "N*H"), "out/kernel", ("N", "H", "E"), heads),
-            row("relative_attention_bias.weight", ("R", "N"), "t5/table", ("R", "N"))]  # [R,N] as is
+    return [
+        row("q.weight", ("N*H", "E"), "query/kernel", ("E", "N", "H"), heads),
+        row("k.weight", ("N*H", "E"), "key/kernel", ("E", "N", "H"), heads),
+        row("v.weight", ("N*H", "E"), "value/kernel", ("E", "N", "H"), heads),
+        row("o.weight", ("E", "N*H"), "out/kernel", ("N", "H", "E"), heads),
+        row("relative_attention_bias.weight", ("R", "N"), "t5/table", ("R", "N")),
+    ]  # [R,N] as is
 
 
 def _linear_rows(hf: str, ours: str, N: str) -> list[Row]:
     """An nn.Linear projection to N heads (the letter: "N" or "K") and its bias."""
     from jaxattn.models.weights import Reshape, row
 
-    return [row(f"{hf}.weight", (f"{N}*H", "E"), f"{ours}/kernel", ("E", N, "H"), _heads()),
-            row(f"{hf}.bias", (f"{N}*H",), f"{ours}/bias", (N, "H"), Reshape())]
+    return [
+        row(f"{hf}.weight", (f"{N}*H", "E"), f"{ours}/kernel", ("E", N, "H"), _heads()),
+        row(f"{hf}.bias", (f"{N}*H",), f"{ours}/bias", (N, "H"), Reshape()),
+    ]
 
 
 def _llama_table() -> list[Row]:
     from jaxattn.models.weights import row
 
     heads = _heads()
-    return [*_linear_rows("q_proj", "query", "N"), *_linear_rows("k_proj", "key", "K"),
-            *_linear_rows("v_proj", "value", "K"),
-            row("o_proj.weight", ("E", "N*H"), "out/kernel", ("N", "H", "E"), heads),
-            row("o_proj.bias", ("E",), "out/bias", ("E",))]
+    return [
+        *_linear_rows("q_proj", "query", "N"),
+        *_linear_rows("k_proj", "key", "K"),
+        *_linear_rows("v_proj", "value", "K"),
+        row("o_proj.weight", ("E", "N*H"), "out/kernel", ("N", "H", "E"), heads),
+        row("o_proj.bias", ("E",), "out/bias", ("E",)),
+    ]
 
 
 def _fused_per_head_table(H: int, fused: str, dense: str) -> list[Row]:
@@ -84,13 +91,23 @@ def _fused_per_head_table(H: int, fused: str, dense: str) -> list[Row]:
 
     heads = _heads()
     names = ("query", "key", "value")
-    return [Row(f"{fused}.weight", ("N*3*H", "E"), tuple(
+    return [
+        Row(
+            f"{fused}.weight",
+            ("N*3*H", "E"),
+            tuple(
                 Target(f"{name}/kernel", ("E", "N", "H"), Steps(Every(j, 3, 0, w=H), heads))
-                for j, name in enumerate(names))),
-            Row(f"{fused}.bias", ("N*3*H",), tuple(
-                Target(f"{name}/bias", ("N", "H"), Every(j, 3, 0, w=H)) for j, name in enumerate(names))),
-            row(f"{dense}.weight", ("E", "N*H"), "out/kernel", ("N", "H", "E"), heads),
-            row(f"{dense}.bias", ("E",), "out/bias", ("E",))]
+                for j, name in enumerate(names)
+            ),
+        ),
+        Row(
+            f"{fused}.bias",
+            ("N*3*H",),
+            tuple(Target(f"{name}/bias", ("N", "H"), Every(j, 3, 0, w=H)) for j, name in enumerate(names)),
+        ),
+        row(f"{dense}.weight", ("E", "N*H"), "out/kernel", ("N", "H", "E"), heads),
+        row(f"{dense}.bias", ("E",), "out/bias", ("E",)),
+    ]
 
 
 def _mpt_table() -> list[Row]:
@@ -98,25 +115,37 @@ def _mpt_table() -> list[Row]:
     from jaxattn.models.weights import Part, Row, Steps, Target, row
 
     heads = _heads()
-    return [Row("Wqkv.weight", ("3*N*H", "E"), tuple(
+    return [
+        Row(
+            "Wqkv.weight",
+            ("3*N*H", "E"),
+            tuple(
                 Target(f"{name}/kernel", ("E", "N", "H"), Steps(Part(j, 3, 0), heads))
-                for j, name in enumerate(("query", "key", "value")))),
-            row("out_proj.weight", ("E", "N*H"), "out/kernel", ("N", "H", "E"), heads)]
+                for j, name in enumerate(("query", "key", "value"))
+            ),
+        ),
+        row("out_proj.weight", ("E", "N*H"), "out/kernel", ("N", "H", "E"), heads),
+    ]
 
 
 def _w2v2bert_table(kind: str) -> list[Row]:
     from jaxattn.models.weights import row
 
     heads = _heads()
-    table = [*_linear_rows("linear_q", "query", "N"), *_linear_rows("linear_k", "key", "N"),
-             *_linear_rows("linear_v", "value", "N"),
-             row("linear_out.weight", ("E", "N*H"), "out/kernel", ("N", "H", "E"), heads),
-             row("linear_out.bias", ("E",), "out/bias", ("E",))]
+    table = [
+        *_linear_rows("linear_q", "query", "N"),
+        *_linear_rows("linear_k", "key", "N"),
+        *_linear_rows("linear_v", "value", "N"),
+        row("linear_out.weight", ("E", "N*H"), "out/kernel", ("N", "H", "E"), heads),
+        row("linear_out.bias", ("E",), "out/bias", ("E",)),
+    ]
     if kind == "relative_key":  # [L+R+1, H], shared over heads
         return table + [row("distance_embedding.weight", ("R", "H"), "relative/key", ("R", "H"))]
-    return table + [row("linear_pos.weight", ("N*H", "E"), "position/kernel", ("E", "N", "H"), heads),
-                    row("pos_bias_u", ("N", "H"), "pos_bias_u", ("N", "H")),
-                    row("pos_bias_v", ("N", "H"), "pos_bias_v", ("N", "H"))]
+    return table + [
+        row("linear_pos.weight", ("N*H", "E"), "position/kernel", ("E", "N", "H"), heads),
+        row("pos_bias_u", ("N", "H"), "pos_bias_u", ("N", "H")),
+        row("pos_bias_v", ("N", "H"), "pos_bias_v", ("N", "H")),
+    ]
 
 
 def _fill(rows: list[Row], dims: dict, state: dict) -> dict:
@@ -149,8 +178,14 @@ def _hf_setup(module, table, dims, jax_fn, torch_fn, inputs, fixed=()) -> Setup:
         dtype = next(iter(kw.values())).dtype
         return torch_fn({**p, **{n: torch.from_numpy(a).to(dtype) for n, a in consts.items()}}, **kw)
 
-    return Setup(jax_with_consts, torch_with_consts, inputs, params=_fill(table, dims, state), torch_params=state,
-                 grads_from_torch=lambda grads: _fill(table, dims, grads))
+    return Setup(
+        jax_with_consts,
+        torch_with_consts,
+        inputs,
+        params=_fill(table, dims, state),
+        torch_params=state,
+        grads_from_torch=lambda grads: _fill(table, dims, grads),
+    )
 
 
 def _call(module, params, *args, **kwargs):
@@ -200,17 +235,32 @@ def _t5(name: str, *, decoder: bool, T: int, S: int) -> Setup:
     import jaxattn
 
     B, E, N, H, R, max_distance = 2, 14, 3, 5, 10, 11
-    config = T5Config(d_model=E, d_kv=H, num_heads=N, relative_attention_num_buckets=R,
-                      relative_attention_max_distance=max_distance, dropout_rate=0.0, is_decoder=decoder)
+    config = T5Config(
+        d_model=E,
+        d_kv=H,
+        num_heads=N,
+        relative_attention_num_buckets=R,
+        relative_attention_max_distance=max_distance,
+        dropout_rate=0.0,
+        is_decoder=decoder,
+    )
     config._attn_implementation = "eager"
     rng = rng_for(name)
     module = randomize(T5Attention(config, has_relative_attention_bias=True, layer_idx=0, is_causal=decoder), rng)
     module.eval()
 
     def jax_fn(p, x):
-        q, k, v = _project(p, x[..., S - T:, :], x)
-        z = jaxattn.t5_attention(q, k, v, p["t5"]["table"], bidirectional=not decoder, max_distance=max_distance,
-                            is_causal=decoder, precision="highest")
+        q, k, v = _project(p, x[..., S - T :, :], x)
+        z = jaxattn.t5_attention(
+            q,
+            k,
+            v,
+            p["t5"]["table"],
+            bidirectional=not decoder,
+            max_distance=max_distance,
+            is_causal=decoder,
+            precision="highest",
+        )
         return _out(p, z)
 
     def torch_fn(p, x):
@@ -262,24 +312,42 @@ def hf_llama() -> Setup:
     import jaxattn
 
     B, T, S, E, N, K, H, base = 2, 4, 11, 18, 6, 2, 10, 500.0
-    config = LlamaConfig(hidden_size=E, num_attention_heads=N, num_key_value_heads=K, head_dim=H,
-                         attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": base})
+    config = LlamaConfig(
+        hidden_size=E,
+        num_attention_heads=N,
+        num_key_value_heads=K,
+        head_dim=H,
+        attention_bias=True,
+        rope_parameters={"rope_type": "default", "rope_theta": base},
+    )
     config._attn_implementation = "sdpa"
     rng = rng_for("hf_llama")
     module = randomize(LlamaAttention(config, layer_idx=0), rng).eval()
     rotary = LlamaRotaryEmbedding(config)
 
     def jax_fn(p, x):
-        q, k, v = _project(p, x[..., S - T:, :], x)
+        q, k, v = _project(p, x[..., S - T :, :], x)
         return _out(p, jaxattn.rope_attention(q, k, v, base=base, layout="half", is_causal=True, precision="highest"))
 
     def torch_fn(p, x):
         cache, past = DynamicCache(), S - T
         cos_sin = _hf_cos_sin(rotary, config, torch.arange(S)[None], x.dtype, H, base)
-        _call(module, p, x[:, :past], position_embeddings=tuple(c[:, :past] for c in cos_sin), attention_mask=None,
-              past_key_values=cache)  # SDPA's is_causal: T == S here
-        return _call(module, p, x[:, past:], position_embeddings=tuple(c[:, past:] for c in cos_sin),
-                     attention_mask=_bool_causal(T, S), past_key_values=cache)[0]
+        _call(
+            module,
+            p,
+            x[:, :past],
+            position_embeddings=tuple(c[:, :past] for c in cos_sin),
+            attention_mask=None,
+            past_key_values=cache,
+        )  # SDPA's is_causal: T == S here
+        return _call(
+            module,
+            p,
+            x[:, past:],
+            position_embeddings=tuple(c[:, past:] for c in cos_sin),
+            attention_mask=_bool_causal(T, S),
+            past_key_values=cache,
+        )[0]
 
     return _hf_setup(module, _llama_table(), dict(E=E, N=N, K=K, H=H), jax_fn, torch_fn, {"x": normal(rng, (B, S, E))})
 
@@ -296,9 +364,13 @@ def hf_gpt_neox() -> Setup:
     B, T, E, N, base, factor = 2, 9, 30, 3, 300.0, 0.4
     H = E // N
     rotary_dim = int(H * factor)
-    config = GPTNeoXConfig(hidden_size=E, num_attention_heads=N, attention_bias=True, attention_dropout=0.0,
-                           rope_parameters={"rope_type": "default", "rope_theta": base,
-                                            "partial_rotary_factor": factor})
+    config = GPTNeoXConfig(
+        hidden_size=E,
+        num_attention_heads=N,
+        attention_bias=True,
+        attention_dropout=0.0,
+        rope_parameters={"rope_type": "default", "rope_theta": base, "partial_rotary_factor": factor},
+    )
     config._attn_implementation = "sdpa"
     rng = rng_for("hf_gpt_neox")
     module = randomize(GPTNeoXAttention(config, layer_idx=0), rng).eval()
@@ -306,8 +378,9 @@ def hf_gpt_neox() -> Setup:
 
     def jax_fn(p, x):
         q, k, v = _project(p, x)
-        z = jaxattn.rope_attention(q, k, v, base=base, rotary_dim=rotary_dim, layout="half", is_causal=True,
-                                precision="highest")
+        z = jaxattn.rope_attention(
+            q, k, v, base=base, rotary_dim=rotary_dim, layout="half", is_causal=True, precision="highest"
+        )
         return _out(p, z)
 
     def torch_fn(p, x):
@@ -360,15 +433,25 @@ def hf_bloom() -> Setup:
 
     def torch_fn(p, x):
         alibi_tensor = build_alibi_tensor(torch.ones(B, T), N, x.dtype)  # [B*N, 1, T]: slope * key_pos
-        keep = mock.patch.object(modeling_bloom, "F", _Float64Softmax()) if x.dtype == torch.float64 \
+        keep = (
+            mock.patch.object(modeling_bloom, "F", _Float64Softmax())
+            if x.dtype == torch.float64
             else contextlib.nullcontext()
+        )
         with keep:
             return _call(module, p, x, torch.zeros_like(x), alibi_tensor, _additive_causal(T, T, x.dtype))[0]
 
     table = _fused_per_head_table(H, "query_key_value", "dense")
     # the fused bias holds BLOOM's key bias (zero gradient, see _hf_setup): the whole tensor is held fixed
-    return _hf_setup(module, table, dict(E=E, N=N, H=H), jax_fn, torch_fn, {"x": normal(rng, (B, T, E))},
-                     fixed=("query_key_value.bias",))
+    return _hf_setup(
+        module,
+        table,
+        dict(E=E, N=N, H=H),
+        jax_fn,
+        torch_fn,
+        {"x": normal(rng, (B, T, E))},
+        fixed=("query_key_value.bias",),
+    )
 
 
 @register_case("hf_mpt", requires=_HF, quick=FLOAT32_JIT, dtypes=("float32",))
@@ -408,35 +491,51 @@ def _w2v2bert(name: str, kind: str, *, T: int, E: int, N: int, left: int = 0, ri
     import jaxattn
 
     B, H = 2, E // N
-    config = Wav2Vec2BertConfig(hidden_size=E, num_attention_heads=N, position_embeddings_type=kind,
-                                left_max_position_embeddings=left, right_max_position_embeddings=right,
-                                attention_dropout=0.0)
+    config = Wav2Vec2BertConfig(
+        hidden_size=E,
+        num_attention_heads=N,
+        position_embeddings_type=kind,
+        left_max_position_embeddings=left,
+        right_max_position_embeddings=right,
+        attention_dropout=0.0,
+    )
     config._attn_implementation = "eager"  # its eager path keeps the softmax in the input dtype
     rng = rng_for(name)
     module = randomize(Wav2Vec2BertSelfAttention(config), rng).eval()
     inputs = {"x": normal(rng, (B, T, E))}
 
     if kind == "relative_key":
+
         def jax_fn(p, x):
             q, k, v = _project(p, x)
-            z = jaxattn.clipped_relative_attention(q, k, v, p["relative"]["key"], max_left=left, max_right=right,
-                                              precision="highest")
+            z = jaxattn.clipped_relative_attention(
+                q, k, v, p["relative"]["key"], max_left=left, max_right=right, precision="highest"
+            )
             return _out(p, z)
 
         def torch_fn(p, x):
             return _call(module, p, x)[0]
     else:
         # HF's Wav2Vec2BertRelPositionalEmbedding rows: i - j = T-1 .. -(T-1), interleaved sin/cos
-        inputs["pos"] = np.asarray(jaxattn.relative_sinusoids(E, max_left=T - 1, max_right=T - 1, layout="interleaved",
-                                                         dtype=np.float64))[None]
+        inputs["pos"] = np.asarray(
+            jaxattn.relative_sinusoids(E, max_left=T - 1, max_right=T - 1, layout="interleaved", dtype=np.float64)
+        )[None]
 
         def jax_fn(p, x, pos):
             import jax.numpy as jnp
 
             q, k, v = _project(p, x)
             keys = jnp.einsum("re,enh->rnh", pos[0], p["position"]["kernel"], precision="highest")
-            z = jaxattn.transformer_xl_attention(q, k, v, keys, max_left=T - 1, pos_bias_u=p["pos_bias_u"],
-                                            pos_bias_v=p["pos_bias_v"], precision="highest")
+            z = jaxattn.transformer_xl_attention(
+                q,
+                k,
+                v,
+                keys,
+                max_left=T - 1,
+                pos_bias_u=p["pos_bias_u"],
+                pos_bias_v=p["pos_bias_v"],
+                precision="highest",
+            )
             return _out(p, z)
 
         def torch_fn(p, x, pos):
@@ -479,9 +578,13 @@ def pos_t5_causal() -> Setup:
 
     rng = rng_for("pos_t5_causal")
     opts = dict(bidirectional=False, max_distance=7, is_causal=True)
-    return _twin_case("pos_t5_causal", lambda p, q, k, v: jaxattn.t5_attention(q, k, v, p["table"], **opts),
-                      lambda p, q, k, v: P.t5_attention(q, k, v, p["table"], **opts), rng,
-                      {"table": normal(rng, (8, _N))})
+    return _twin_case(
+        "pos_t5_causal",
+        lambda p, q, k, v: jaxattn.t5_attention(q, k, v, p["table"], **opts),
+        lambda p, q, k, v: P.t5_attention(q, k, v, p["table"], **opts),
+        rng,
+        {"table": normal(rng, (8, _N))},
+    )
 
 
 @register_case("pos_t5_bidirectional_blockwise")
@@ -492,11 +595,15 @@ def pos_t5_bidirectional_blockwise() -> Setup:
 
     rng = rng_for("pos_t5_bidirectional_blockwise")
     opts = dict(bidirectional=True, max_distance=6)
-    return _twin_case("pos_t5_bidirectional_blockwise",
-                      lambda p, q, k, v: jaxattn.t5_attention(q, k, v, p["table"], implementation="blockwise",
-                                                         block_size=(2, 4), **opts),
-                      lambda p, q, k, v: P.t5_attention(q, k, v, p["table"], **opts), rng,
-                      {"table": normal(rng, (10, _N))})
+    return _twin_case(
+        "pos_t5_bidirectional_blockwise",
+        lambda p, q, k, v: jaxattn.t5_attention(
+            q, k, v, p["table"], implementation="blockwise", block_size=(2, 4), **opts
+        ),
+        lambda p, q, k, v: P.t5_attention(q, k, v, p["table"], **opts),
+        rng,
+        {"table": normal(rng, (10, _N))},
+    )
 
 
 @register_case("pos_alibi_causal", default_run=True)
@@ -507,10 +614,13 @@ def pos_alibi_causal() -> Setup:
 
     rng = rng_for("pos_alibi_causal")
     slopes = np.asarray(P.alibi_slopes(_N))
-    return _twin_case("pos_alibi_causal",
-                      lambda p, q, k, v: jaxattn.alibi_attention(q, k, v, p["slopes"], is_causal=True),
-                      lambda p, q, k, v: P.alibi_attention(q, k, v, p["slopes"], is_causal=True), rng,
-                      {"slopes": slopes})
+    return _twin_case(
+        "pos_alibi_causal",
+        lambda p, q, k, v: jaxattn.alibi_attention(q, k, v, p["slopes"], is_causal=True),
+        lambda p, q, k, v: P.alibi_attention(q, k, v, p["slopes"], is_causal=True),
+        rng,
+        {"slopes": slopes},
+    )
 
 
 @register_case("pos_alibi_symmetric_blockwise")
@@ -520,11 +630,15 @@ def pos_alibi_symmetric_blockwise() -> Setup:
     import torchref.positions as P
 
     rng = rng_for("pos_alibi_symmetric_blockwise")
-    return _twin_case("pos_alibi_symmetric_blockwise",
-                      lambda p, q, k, v: jaxattn.alibi_attention(q, k, v, p["slopes"], bidirectional=True,
-                                                               implementation="blockwise", block_size=3),
-                      lambda p, q, k, v: P.alibi_attention(q, k, v, p["slopes"], bidirectional=True), rng,
-                      {"slopes": np.asarray(P.alibi_slopes(_N))})
+    return _twin_case(
+        "pos_alibi_symmetric_blockwise",
+        lambda p, q, k, v: jaxattn.alibi_attention(
+            q, k, v, p["slopes"], bidirectional=True, implementation="blockwise", block_size=3
+        ),
+        lambda p, q, k, v: P.alibi_attention(q, k, v, p["slopes"], bidirectional=True),
+        rng,
+        {"slopes": np.asarray(P.alibi_slopes(_N))},
+    )
 
 
 def _rope_case(name, layout, rotary_dim):
@@ -532,8 +646,12 @@ def _rope_case(name, layout, rotary_dim):
     import torchref.positions as P
 
     opts = dict(layout=layout, rotary_dim=rotary_dim, base=50.0, is_causal=True)
-    return _twin_case(name, lambda q, k, v: jaxattn.rope_attention(q, k, v, **opts),
-                      lambda q, k, v: P.rope_attention(q, k, v, **opts), rng_for(name))
+    return _twin_case(
+        name,
+        lambda q, k, v: jaxattn.rope_attention(q, k, v, **opts),
+        lambda q, k, v: P.rope_attention(q, k, v, **opts),
+        rng_for(name),
+    )
 
 
 @register_case("pos_rope_half_partial")
@@ -556,10 +674,13 @@ def pos_clipped_relative() -> Setup:
 
     rng = rng_for("pos_clipped_relative")
     opts = dict(max_left=4, max_right=1, is_causal=True)
-    return _twin_case("pos_clipped_relative",
-                      lambda p, q, k, v: jaxattn.clipped_relative_attention(q, k, v, p["kt"], p["vt"], **opts),
-                      lambda p, q, k, v: P.clipped_relative_attention(q, k, v, p["kt"], p["vt"], **opts), rng,
-                      {"kt": normal(rng, (6, _N, _H)), "vt": normal(rng, (6, _HV))})
+    return _twin_case(
+        "pos_clipped_relative",
+        lambda p, q, k, v: jaxattn.clipped_relative_attention(q, k, v, p["kt"], p["vt"], **opts),
+        lambda p, q, k, v: P.clipped_relative_attention(q, k, v, p["kt"], p["vt"], **opts),
+        rng,
+        {"kt": normal(rng, (6, _N, _H)), "vt": normal(rng, (6, _HV))},
+    )
 
 
 @register_case("pos_transformer_xl_causal")
@@ -571,11 +692,15 @@ def pos_transformer_xl_causal() -> Setup:
     rng = rng_for("pos_transformer_xl_causal")
     opts = dict(max_left=_S - 1, is_causal=True)
     params = {"keys": normal(rng, (_S, _N, _H)), "u": normal(rng, (_N, _H)), "w": normal(rng, (_N, _H))}
-    return _twin_case("pos_transformer_xl_causal",
-                      lambda p, q, k, v: jaxattn.transformer_xl_attention(q, k, v, p["keys"], pos_bias_u=p["u"],
-                                                                     pos_bias_v=p["w"], **opts),
-                      lambda p, q, k, v: P.transformer_xl_attention(q, k, v, p["keys"], pos_bias_u=p["u"],
-                                                                    pos_bias_v=p["w"], **opts), rng, params)
+    return _twin_case(
+        "pos_transformer_xl_causal",
+        lambda p, q, k, v: jaxattn.transformer_xl_attention(
+            q, k, v, p["keys"], pos_bias_u=p["u"], pos_bias_v=p["w"], **opts
+        ),
+        lambda p, q, k, v: P.transformer_xl_attention(q, k, v, p["keys"], pos_bias_u=p["u"], pos_bias_v=p["w"], **opts),
+        rng,
+        params,
+    )
 
 
 @register_case("hf_gptj_rope", requires=_HF, quick=FLOAT32_JIT)

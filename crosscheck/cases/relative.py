@@ -24,8 +24,7 @@ R = 2 * MAX_DISTANCE + 1
 
 
 def _qkv(rng, *, N=N, K=N):
-    return {"query": normal(rng, (B, T, N, H)), "key": normal(rng, (B, S, K, H)),
-            "value": normal(rng, (B, S, K, Hv))}
+    return {"query": normal(rng, (B, T, N, H)), "key": normal(rng, (B, S, K, H)), "value": normal(rng, (B, S, K, Hv))}
 
 
 def _relative_setup(name: str, *, heads: int, causal: bool = False, weights: bool = False) -> Setup:
@@ -38,14 +37,16 @@ def _relative_setup(name: str, *, heads: int, causal: bool = False, weights: boo
     inputs = _qkv(rng) | {"mask": Const(~blocked(rng, (B, 1, T, S)))}
 
     def call(module, p, query, key, value, mask):
-        return module.relative_attention(query, key, value, p["rel_key"], p["rel_value"], mask=mask,
-                                         is_causal=causal, return_weights=weights)
+        return module.relative_attention(
+            query, key, value, p["rel_key"], p["rel_value"], mask=mask, is_causal=causal, return_weights=weights
+        )
 
     return Setup(lambda p, **x: call(jaxattn, p, **x), lambda p, **x: call(torchref, p, **x), inputs, params=params)
 
 
-def _shaw_setup(name: str, *, per_head: bool, causal: bool = False, weights: bool = False,
-                N: int = N, K: int = N) -> Setup:
+def _shaw_setup(
+    name: str, *, per_head: bool, causal: bool = False, weights: bool = False, N: int = N, K: int = N
+) -> Setup:
     """shaw_relative_attention with clipped tables [R,(N,)H] / [R,(N,)Hv]."""
     import jaxattn
     import torchref
@@ -55,11 +56,20 @@ def _shaw_setup(name: str, *, per_head: bool, causal: bool = False, weights: boo
     params = {"key_table": normal(rng, (R, *heads, H)), "value_table": normal(rng, (R, *heads, Hv))}
 
     def call(module, p, query, key, value):
-        return module.shaw_relative_attention(query, key, value, p["key_table"], p["value_table"],
-                                              max_distance=MAX_DISTANCE, is_causal=causal, return_weights=weights)
+        return module.shaw_relative_attention(
+            query,
+            key,
+            value,
+            p["key_table"],
+            p["value_table"],
+            max_distance=MAX_DISTANCE,
+            is_causal=causal,
+            return_weights=weights,
+        )
 
-    return Setup(lambda p, **x: call(jaxattn, p, **x), lambda p, **x: call(torchref, p, **x),
-                 _qkv(rng, N=N, K=K), params=params)
+    return Setup(
+        lambda p, **x: call(jaxattn, p, **x), lambda p, **x: call(torchref, p, **x), _qkv(rng, N=N, K=K), params=params
+    )
 
 
 def module_setup(module, rng, *, causal: bool = False, weights: bool = False) -> Setup:
@@ -70,12 +80,17 @@ def module_setup(module, rng, *, causal: bool = False, weights: bool = False) ->
     import torchref
     from crosscheck import params_from_torch
 
-    jax_attention = (jaxattn.relative_multi_head_attention if isinstance(module, torchref.RelativeMultiHeadAttention)
-                     else jaxattn.multi_head_attention)
-    inputs = {"query": normal(rng, (B, T, module.q_proj.in_features)),
-              "key": normal(rng, (B, S, module.k_proj.in_features)),
-              "value": normal(rng, (B, S, module.v_proj.in_features)),
-              "mask": Const(~blocked(rng, (B, 1, T, S)))}
+    jax_attention = (
+        jaxattn.relative_multi_head_attention
+        if isinstance(module, torchref.RelativeMultiHeadAttention)
+        else jaxattn.multi_head_attention
+    )
+    inputs = {
+        "query": normal(rng, (B, T, module.q_proj.in_features)),
+        "key": normal(rng, (B, S, module.k_proj.in_features)),
+        "value": normal(rng, (B, S, module.v_proj.in_features)),
+        "mask": Const(~blocked(rng, (B, 1, T, S))),
+    }
     call = {"is_causal": causal, "return_weights": weights}
 
     def torch_fn(params, query, key, value, mask):
@@ -84,35 +99,82 @@ def module_setup(module, rng, *, causal: bool = False, weights: bool = False) ->
     def jax_fn(params, query, key, value, mask):
         return jax_attention(params, query, key, value, mask=mask, **call)
 
-    head_counts = {"num_heads": module.num_heads, "num_kv_heads": module.num_kv_heads,
-                   "head_dim": module.head_dim, "value_head_dim": module.value_head_dim}
-    return Setup(jax_fn, torch_fn, inputs, params=to_numpy_tree(params_from_torch(module)),
-                 torch_params=torch_params(module),
-                 grads_from_torch=lambda g: params_from_torch(g, format="torchref", **head_counts))
+    head_counts = {
+        "num_heads": module.num_heads,
+        "num_kv_heads": module.num_kv_heads,
+        "head_dim": module.head_dim,
+        "value_head_dim": module.value_head_dim,
+    }
+    return Setup(
+        jax_fn,
+        torch_fn,
+        inputs,
+        params=to_numpy_tree(params_from_torch(module)),
+        torch_params=torch_params(module),
+        grads_from_torch=lambda g: params_from_torch(g, format="torchref", **head_counts),
+    )
 
 
 _CASES = {
-    "relative_per_head": ("relative_attention, A^K/A^V [T,S,N,H], bool mask, weights",
-                          lambda n: _relative_setup(n, heads=N, weights=True)),
-    "relative_shared": ("relative_attention, tables shared over heads [T,S,1,H], causal T<S",
-                        lambda n: _relative_setup(n, heads=1, causal=True)),
-    "shaw_shared": ("shaw_relative_attention, tables [R,H], weights", lambda n: _shaw_setup(n, per_head=False,
-                                                                                           weights=True)),
-    "shaw_per_head_causal_gqa": ("shaw_relative_attention, tables [R,N,H], causal T<S, N=6 on K=2 heads",
-                        lambda n: _shaw_setup(n, per_head=True, causal=True, N=6, K=2)),
-    "torchref_mha_gqa": ("torchref.MultiHeadAttention, N=6 on K=2 heads, Hv != H, Eq/Ek/Ev/Eo distinct, weights",
-                         lambda n: _module_case(n, "MultiHeadAttention", weights=True, query_features=17,
-                                                 num_heads=6, head_dim=H, num_kv_heads=2, value_head_dim=Hv,
-                                                 key_features=19, value_features=23, out_features=29)),
-    "torchref_relative_mha": ("torchref.RelativeMultiHeadAttention, per-head tables, Hv != H, causal T<S",
-                              lambda n: _module_case(n, "RelativeMultiHeadAttention", causal=True,
-                                                      query_features=17, num_heads=3, head_dim=11,
-                                                      value_head_dim=13, max_distance=MAX_DISTANCE)),
-    "torchref_relative_mha_shared": ("torchref.RelativeMultiHeadAttention, shared tables, no bias, weights",
-                                     lambda n: _module_case(n, "RelativeMultiHeadAttention", weights=True,
-                                                             query_features=17, num_heads=3, head_dim=11,
-                                                             share_heads=True, bias=False,
-                                                             max_distance=MAX_DISTANCE)),
+    "relative_per_head": (
+        "relative_attention, A^K/A^V [T,S,N,H], bool mask, weights",
+        lambda n: _relative_setup(n, heads=N, weights=True),
+    ),
+    "relative_shared": (
+        "relative_attention, tables shared over heads [T,S,1,H], causal T<S",
+        lambda n: _relative_setup(n, heads=1, causal=True),
+    ),
+    "shaw_shared": (
+        "shaw_relative_attention, tables [R,H], weights",
+        lambda n: _shaw_setup(n, per_head=False, weights=True),
+    ),
+    "shaw_per_head_causal_gqa": (
+        "shaw_relative_attention, tables [R,N,H], causal T<S, N=6 on K=2 heads",
+        lambda n: _shaw_setup(n, per_head=True, causal=True, N=6, K=2),
+    ),
+    "torchref_mha_gqa": (
+        "torchref.MultiHeadAttention, N=6 on K=2 heads, Hv != H, Eq/Ek/Ev/Eo distinct, weights",
+        lambda n: _module_case(
+            n,
+            "MultiHeadAttention",
+            weights=True,
+            query_features=17,
+            num_heads=6,
+            head_dim=H,
+            num_kv_heads=2,
+            value_head_dim=Hv,
+            key_features=19,
+            value_features=23,
+            out_features=29,
+        ),
+    ),
+    "torchref_relative_mha": (
+        "torchref.RelativeMultiHeadAttention, per-head tables, Hv != H, causal T<S",
+        lambda n: _module_case(
+            n,
+            "RelativeMultiHeadAttention",
+            causal=True,
+            query_features=17,
+            num_heads=3,
+            head_dim=11,
+            value_head_dim=13,
+            max_distance=MAX_DISTANCE,
+        ),
+    ),
+    "torchref_relative_mha_shared": (
+        "torchref.RelativeMultiHeadAttention, shared tables, no bias, weights",
+        lambda n: _module_case(
+            n,
+            "RelativeMultiHeadAttention",
+            weights=True,
+            query_features=17,
+            num_heads=3,
+            head_dim=11,
+            share_heads=True,
+            bias=False,
+            max_distance=MAX_DISTANCE,
+        ),
+    ),
 }
 
 

@@ -75,9 +75,14 @@ def seed001() -> Setup:
         Y_torch, _ = mha(params, X=X)
         return Y_torch
 
-    return Setup(jax_fn, torch_fn, {"X": normal(rng, (n_b, p, d))},
-                 params=to_numpy_tree(params_from_torch(M)), torch_params=torch_params(M),
-                 grads_from_torch=lambda g: params_from_torch(g, num_heads=n_h))
+    return Setup(
+        jax_fn,
+        torch_fn,
+        {"X": normal(rng, (n_b, p, d))},
+        params=to_numpy_tree(params_from_torch(M)),
+        torch_params=torch_params(M),
+        grads_from_torch=lambda g: params_from_torch(g, num_heads=n_h),
+    )
 
 
 @register_case("seed002", default_run=True)
@@ -130,8 +135,9 @@ def seed003() -> Setup:
 
     def jax_fn(q, k, v):
         bnth_to_btnh = (0, 2, 1, 3)
-        out = jaxattn.dot_product_attention(q.transpose(bnth_to_btnh), k.transpose(bnth_to_btnh),
-                                            v.transpose(bnth_to_btnh), is_causal=True)
+        out = jaxattn.dot_product_attention(
+            q.transpose(bnth_to_btnh), k.transpose(bnth_to_btnh), v.transpose(bnth_to_btnh), is_causal=True
+        )
         return out.transpose(bnth_to_btnh)
 
     def torch_fn(q, k, v):
@@ -162,8 +168,9 @@ def seed004() -> Setup:
 
     def jax_fn(values, keys):
         query = jnp.zeros((B, T, 1, 1), values.dtype)  # q = 0: every logit q.k is 0
-        out, weights = jaxattn.dot_product_attention(query, keys[..., None, None], values[..., None, :],
-                                                     is_causal=True, return_weights=True)
+        out, weights = jaxattn.dot_product_attention(
+            query, keys[..., None, None], values[..., None, :], is_causal=True, return_weights=True
+        )
         return {"out": out[..., 0, :], "weights": weights[..., 0, :, :]}
 
     def torch_fn(values, keys):

@@ -24,11 +24,15 @@ def window_from_local(local_window_size, window):
     if local_window_size is None:
         return window
     if window is not None:
-        checks.fail("local_window_size", "either local_window_size= (jax.nn's name) or window=, not both",
-                    repr(local_window_size))
+        checks.fail(
+            "local_window_size",
+            "either local_window_size= (jax.nn's name) or window=, not both",
+            repr(local_window_size),
+        )
     sides = (local_window_size,) * 2 if not isinstance(local_window_size, (tuple, list)) else local_window_size
-    if len(sides) != 2 or not all(isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0
-                                  for x in sides):
+    if len(sides) != 2 or not all(
+        isinstance(x, numbers.Integral) and not isinstance(x, bool) and x >= 0 for x in sides
+    ):
         checks.fail("local_window_size", "an int >= 0 or a pair (left, right) of ints >= 0", repr(local_window_size))
     return tuple(int(x) for x in sides)
 

@@ -98,8 +98,18 @@ class BlockMask:
         return 100.0 * (1.0 - visited * self.block_size[0] * self.block_size[1] / (B * N * T * S))
 
     @classmethod
-    def from_kv_blocks(cls, kv_num_blocks, kv_indices, full_kv_num_blocks=None, full_kv_indices=None, *,
-                       block_size, query_length: int, key_length: int, mask_mod: Optional[Callable] = None):
+    def from_kv_blocks(
+        cls,
+        kv_num_blocks,
+        kv_indices,
+        full_kv_num_blocks=None,
+        full_kv_indices=None,
+        *,
+        block_size,
+        query_length: int,
+        key_length: int,
+        mask_mod: Optional[Callable] = None,
+    ):
         """A BlockMask from torch's tile lists ([B,N,Tn] counts, [B,N,Tn,Sn] indices; B or N of 1 apply to
         any batch / head). Without full lists every listed tile is partial; without mask_mod partial
         tiles are not masked (torch's noop_mask)."""
@@ -112,9 +122,16 @@ class BlockMask:
         checks.check_rank("kv_indices", arrays[1], 4, "[B,N,Tn,Sn]")
         B, N = arrays[1].shape[:2]
         fn = mods.element_function("mask_mod", mask_mod)
-        block_mask = cls(*arrays, block_size=tuple(block_size), batch=None if B == 1 else B,
-                         num_heads=None if N == 1 else N, query_length=query_length, key_length=key_length,
-                         mask_program=None if fn is None else fn.fn, mask_consts=() if fn is None else fn.consts)
+        block_mask = cls(
+            *arrays,
+            block_size=tuple(block_size),
+            batch=None if B == 1 else B,
+            num_heads=None if N == 1 else N,
+            query_length=query_length,
+            key_length=key_length,
+            mask_program=None if fn is None else fn.fn,
+            mask_consts=() if fn is None else fn.consts,
+        )
         return check_layout(block_mask)
 
 
@@ -127,10 +144,19 @@ def from_kinds(kinds, *, block_size, batch, num_heads, query_length, key_length,
 
     kv_num, kv_idx = listing(kinds == PARTIAL)
     full_num, full_idx = listing(kinds == FULL)
-    return BlockMask(kv_num, kv_idx, full_num, full_idx, block_size=tuple(block_size), batch=batch,
-                     num_heads=num_heads, query_length=query_length, key_length=key_length,
-                     mask_program=None if mask_fn is None else mask_fn.fn,
-                     mask_consts=() if mask_fn is None else mask_fn.consts)
+    return BlockMask(
+        kv_num,
+        kv_idx,
+        full_num,
+        full_idx,
+        block_size=tuple(block_size),
+        batch=batch,
+        num_heads=num_heads,
+        query_length=query_length,
+        key_length=key_length,
+        mask_program=None if mask_fn is None else mask_fn.fn,
+        mask_consts=() if mask_fn is None else mask_fn.consts,
+    )
 
 
 def tile_kinds(block_mask: BlockMask):
@@ -164,15 +190,20 @@ def check_block_mask(block_mask, batch_size: int, N: int, T: int, S: int):
     if not isinstance(block_mask, BlockMask):
         checks.fail("block_mask", "a BlockMask (create_block_mask)", type(block_mask).__name__)
     built = (block_mask.batch, block_mask.num_heads, block_mask.query_length, block_mask.key_length)
-    fits = (built[0] in (None, batch_size) and built[1] in (None, N) and built[2:] == (T, S))
+    fits = built[0] in (None, batch_size) and built[1] in (None, N) and built[2:] == (T, S)
     if not fits:
         shown = ",".join("any" if d is None else str(d) for d in built)
         hint = ""
         if built[2] == N and built[2] != T:  # the query's head axis has the mask's query length
-            hint = (" (query looks like torch's [B,N,T,H] layout: jaxattn takes [...,T,N,H], "
-                    "e.g. jnp.swapaxes(query, -3, -2))")
-        checks.fail("block_mask", f"one built for [batch,heads,T,S] = [{batch_size},{N},{T},{S}] (batch and heads "
-                    "may be None)", f"one built for [{shown}]{hint}")
+            hint = (
+                " (query looks like torch's [B,N,T,H] layout: jaxattn takes [...,T,N,H], "
+                "e.g. jnp.swapaxes(query, -3, -2))"
+            )
+        checks.fail(
+            "block_mask",
+            f"one built for [batch,heads,T,S] = [{batch_size},{N},{T},{S}] (batch and heads may be None)",
+            f"one built for [{shown}]{hint}",
+        )
     return check_layout(block_mask)
 
 
@@ -193,9 +224,14 @@ def resolve(mask_mod, block_mask):
     if mods.same_function(mods.element_function("mask_mod", mask_mod), own):
         return mask_mod, block_mask
     kinds = tile_kinds(block_mask)
-    demoted = from_kinds(jnp.where(kinds == FULL, PARTIAL, kinds), block_size=block_mask.block_size,
-                         batch=block_mask.batch, num_heads=block_mask.num_heads,
-                         query_length=block_mask.query_length, key_length=block_mask.key_length)
+    demoted = from_kinds(
+        jnp.where(kinds == FULL, PARTIAL, kinds),
+        block_size=block_mask.block_size,
+        batch=block_mask.batch,
+        num_heads=block_mask.num_heads,
+        query_length=block_mask.query_length,
+        key_length=block_mask.key_length,
+    )
     return mods.and_masks(block_mask.mask_mod, mask_mod), demoted
 
 

@@ -112,6 +112,7 @@ def static_int(name: str, value, minimum: int | None = None) -> int:
 
 class QKV(NamedTuple):
     """The sizes check_qkv reads off query [...,T,N,H], key [...,S,K,H], value [...,S,K,Hv]."""
+
     batch: tuple
     T: int
     S: int
@@ -132,8 +133,11 @@ def check_qkv(query, key, value) -> QKV:
     if Hk != H:
         fail("key", f"head dim H={H} as in query [...,T,N,H]={shape_str(query.shape)}", f"shape {shape_str(key.shape)}")
     if (Sv, Kv) != (S, K):
-        fail("value", f"shape [...,{S},{K},Hv] (S and K as in key {shape_str(key.shape)})",
-             f"shape {shape_str(value.shape)}")
+        fail(
+            "value",
+            f"shape [...,{S},{K},Hv] (S and K as in key {shape_str(key.shape)})",
+            f"shape {shape_str(value.shape)}",
+        )
     if N % K != 0:
         fail("key", f"a number of heads K dividing the query's N={N}", f"K={K} in shape {shape_str(key.shape)}")
     check_same_dtype(("query", "key", "value"), (query, key, value))

@@ -47,8 +47,7 @@ def _both(a, b):
     return b if a is None else a & b
 
 
-def allowed_pairs(rule: MaskRule, query_pos, key_pos, key_index, lengths=None, query_segments=None,
-                  key_segments=None):
+def allowed_pairs(rule: MaskRule, query_pos, key_pos, key_index, lengths=None, query_segments=None, key_segments=None):
     """bool [...,T,S] (broadcastable), or None when every pair is allowed.
 
     query_pos [...,T], key_pos [...,S]: absolute positions; key_index [S]: each key's index among its
@@ -89,8 +88,19 @@ class TileSchedule(NamedTuple):
     counts: tuple
 
 
-def key_block_schedule(rule: MaskRule, query_pos, key_pos, lengths, block: int, n_blocks: int, *,
-                       query_segments=None, key_segments=None, block_kinds=None, mask_mod=False) -> TileSchedule:
+def key_block_schedule(
+    rule: MaskRule,
+    query_pos,
+    key_pos,
+    lengths,
+    block: int,
+    n_blocks: int,
+    *,
+    query_segments=None,
+    key_segments=None,
+    block_kinds=None,
+    mask_mod=False,
+) -> TileSchedule:
     """Which key blocks (of `block` keys; key_pos [...,n_blocks * block]) a query tile (query_pos [...,Tb])
     visits under `rule`, lengths [B|1] (counted from key 0), segment ids (query [B|1,Tb], key
     [B|1,n_blocks * block]) and a BlockMask row block_kinds [n_blocks] (EMPTY / PARTIAL / FULL), and how:
@@ -98,8 +108,18 @@ def key_block_schedule(rule: MaskRule, query_pos, key_pos, lengths, block: int, 
     """
     if not masks_anything(rule, lengths, query_segments, block_kinds, mask_mod):
         return TileSchedule(jnp.arange(n_blocks, dtype=jnp.int32), (0, 0, n_blocks))
-    kind = key_block_kinds(rule, query_pos, key_pos, lengths, block, n_blocks, query_segments=query_segments,
-                           key_segments=key_segments, block_kinds=block_kinds, mask_mod=mask_mod)
+    kind = key_block_kinds(
+        rule,
+        query_pos,
+        key_pos,
+        lengths,
+        block,
+        n_blocks,
+        query_segments=query_segments,
+        key_segments=key_segments,
+        block_kinds=block_kinds,
+        mask_mod=mask_mod,
+    )
     order = jnp.argsort(kind, stable=True).astype(jnp.int32)
     counts = tuple(jnp.sum(kind == k, dtype=jnp.int32) for k in (WITH_MOD, MASKED, CLEAN))
     return TileSchedule(order, counts if mask_mod else (0,) + counts[1:])  # static 0: no mask_mod loop to compile
@@ -107,12 +127,30 @@ def key_block_schedule(rule: MaskRule, query_pos, key_pos, lengths, block: int, 
 
 def masks_anything(rule: MaskRule, lengths=None, query_segments=None, block_kinds=None, mask_mod=False) -> bool:
     """False when every (query, key) pair is allowed: no rule, lengths, segment ids, BlockMask or mask_mod."""
-    return bool(rule.is_causal or rule.window or rule.chunk_size or lengths is not None
-                or query_segments is not None or block_kinds is not None or mask_mod)
+    return bool(
+        rule.is_causal
+        or rule.window
+        or rule.chunk_size
+        or lengths is not None
+        or query_segments is not None
+        or block_kinds is not None
+        or mask_mod
+    )
 
 
-def key_block_kinds(rule: MaskRule, query_pos, key_pos, lengths, block: int, n_blocks: int, *,
-                    query_segments=None, key_segments=None, block_kinds=None, mask_mod=False):
+def key_block_kinds(
+    rule: MaskRule,
+    query_pos,
+    key_pos,
+    lengths,
+    block: int,
+    n_blocks: int,
+    *,
+    query_segments=None,
+    key_segments=None,
+    block_kinds=None,
+    mask_mod=False,
+):
     """int32 [n_blocks]: the kind of each key block for one query tile (arguments as key_block_schedule):
     WITH_MOD, MASKED or CLEAN, or SKIPPED when it holds no allowed pair.
 
@@ -152,9 +190,19 @@ def key_block_kinds(rule: MaskRule, query_pos, key_pos, lengths, block: int, n_b
     return jnp.where(needed, jnp.where(with_mod, WITH_MOD, jnp.where(full, CLEAN, MASKED)), SKIPPED).astype(jnp.int32)
 
 
-def allowed_keys(logits_shape, *, mask=None, is_causal=False, key_value_seq_lengths=None,
-                 query_positions=None, key_positions=None, window=None, chunk_size=None, query_segments=None,
-                 key_segments=None):
+def allowed_keys(
+    logits_shape,
+    *,
+    mask=None,
+    is_causal=False,
+    key_value_seq_lengths=None,
+    query_positions=None,
+    key_positions=None,
+    window=None,
+    chunk_size=None,
+    query_segments=None,
+    key_segments=None,
+):
     """The dense engine's bool 'may attend' array (broadcastable to logits_shape [...,N,T,S]), or None."""
     *batch, N, T, S = logits_shape
     allowed = None
@@ -166,10 +214,14 @@ def allowed_keys(logits_shape, *, mask=None, is_causal=False, key_value_seq_leng
     rule = MaskRule(is_causal=bool(is_causal), window=window, chunk_size=chunk_size)
     if rule != MaskRule() or lengths is not None or query_segments is not None:
         q_pos, k_pos = positions(T, S, query_positions, key_positions)
-        pairs = allowed_pairs(rule, q_pos, k_pos, jnp.arange(S), lengths, query_segments,
-                              key_segments)[..., None, :, :]  # head axis
+        pairs = allowed_pairs(rule, q_pos, k_pos, jnp.arange(S), lengths, query_segments, key_segments)[
+            ..., None, :, :
+        ]  # head axis
         allowed = pairs if allowed is None else allowed & pairs
     if allowed is not None and allowed.ndim > len(logits_shape):
-        checks.fail("query_positions/key_positions", f"batch dims that fit [...,T]/[...,S] of {logits_shape}",
-                    f"a mask of shape {checks.shape_str(allowed.shape)}")
+        checks.fail(
+            "query_positions/key_positions",
+            f"batch dims that fit [...,T]/[...,S] of {logits_shape}",
+            f"a mask of shape {checks.shape_str(allowed.shape)}",
+        )
     return allowed

@@ -118,7 +118,7 @@ class ElementProgram:
         self._key = (num_scalars, str(jaxpr))
 
     def __call__(self, *scalars_and_consts):
-        scalars, consts = scalars_and_consts[:self.num_scalars], scalars_and_consts[self.num_scalars:]
+        scalars, consts = scalars_and_consts[: self.num_scalars], scalars_and_consts[self.num_scalars :]
         return jax.core.eval_jaxpr(self.jaxpr, list(consts), *scalars)[0]
 
     def __eq__(self, other):
@@ -152,8 +152,11 @@ def element_function(name: str, user_fn, score_dtype=None) -> Optional[ElementFu
     closed, out = jax.make_jaxpr(lambda *a: jnp.asarray(user_fn(*a)), return_shape=True)(*args)
     signature = f"{name}({'score, ' if score_dtype is not None else ''}b, n, t, s)"
     if out.shape != ():
-        checks.fail(signature, "a scalar (shape []) per element, as its score/index arguments",
-                    f"shape {checks.shape_str(out.shape)}")
+        checks.fail(
+            signature,
+            "a scalar (shape []) per element, as its score/index arguments",
+            f"shape {checks.shape_str(out.shape)}",
+        )
     want = jnp.dtype(score_dtype) if score_dtype is not None else jnp.dtype(jnp.bool_)
     if out.dtype != want:
         what = "bool (True = may attend)" if score_dtype is None else f"the score's dtype {want.name}"

@@ -21,8 +21,9 @@ Lse = Float[Array, "*#B N T"]  # flex_attention's return_lse; dot_product_attent
 Residual = Float[Array, "*#B T N"]
 
 # out, or (out, weights) with return_weights, (out, lse) with return_lse / return_residual, or all three.
-AttentionOutput = (Attended | tuple[Attended, Weights] | tuple[Attended, Lse | Residual]
-                   | tuple[Attended, Weights, Lse | Residual])
+AttentionOutput = (
+    Attended | tuple[Attended, Weights] | tuple[Attended, Lse | Residual] | tuple[Attended, Weights, Lse | Residual]
+)
 
 # A layer (jaxattn.linen / jaxattn.nnx, multi_head_attention): out [...,T,Eo], or (out, weights) with
 # return_weights; with a decode cache the weights' keys are the cache's, hence the unchecked _keys.

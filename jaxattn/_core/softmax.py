@@ -58,8 +58,11 @@ def masked_logsumexp(logits, allowed, sinks=None):
     _, total, row_max = _shifted_exps(logits, allowed, sinks)
     total, row_max = total[..., 0], row_max[..., 0]
     empty = total == 0  # log(0) = -inf computed only where a row is empty (no -inf literal), without gradient
-    return jnp.where(empty, lax.stop_gradient(jnp.log(jnp.where(empty, 0, 1).astype(total.dtype))),
-                     row_max + jnp.log(jnp.where(empty, 1, total)))
+    return jnp.where(
+        empty,
+        lax.stop_gradient(jnp.log(jnp.where(empty, 0, 1).astype(total.dtype))),
+        row_max + jnp.log(jnp.where(empty, 1, total)),
+    )
 
 
 def dropout(weights, rate: float, rng, broadcast: bool = False):

@@ -80,6 +80,7 @@ class TermArrays(NamedTuple):
 
 class EngineConfig(NamedTuple):
     """Static (hashable) description of one engine run: tiles, heads and which terms are on."""
+
     Tb: int
     Sb: int
     N: int
@@ -212,8 +213,9 @@ def _allowed(cfg, qp, kp, j, lengths, arrays, kind, B, K):
     """bool tile broadcastable to [B,K,G,Tb,Sb], or None when every key is allowed (key block j).
     arrays: this query tile's TermArrays; mask_mod is evaluated on WITH_MOD tiles only."""
     k_seg = None if arrays.k_seg is None else slice_block(arrays.k_seg, j * cfg.Sb, cfg.Sb, -1)
-    allowed = allowed_pairs(cfg.mask, qp, kp, j * cfg.Sb + jnp.arange(cfg.Sb), lengths,
-                            None if k_seg is None else arrays.q_seg, k_seg)
+    allowed = allowed_pairs(
+        cfg.mask, qp, kp, j * cfg.Sb + jnp.arange(cfg.Sb), lengths, None if k_seg is None else arrays.q_seg, k_seg
+    )
     allowed = None if allowed is None else _rows(allowed)
     if cfg.terms.mask_fn is not None and kind == WITH_MOD:
         by_mod = _element_grid(cfg, cfg.terms.mask_fn, arrays.mask_consts, qp, kp, B, K)
@@ -250,10 +252,18 @@ def _score(cfg, qp, kp, B, K, arrays):
 
 
 def _schedule(cfg, qp, k_pos, lengths, arrays, n_blocks):
-    return key_block_schedule(cfg.mask, qp, k_pos, lengths, cfg.Sb, n_blocks,
-                              query_segments=arrays.q_seg if cfg.terms.segments else None, key_segments=arrays.k_seg,
-                              block_kinds=arrays.kinds if cfg.terms.block_kinds else None,
-                              mask_mod=cfg.terms.mask_fn is not None)
+    return key_block_schedule(
+        cfg.mask,
+        qp,
+        k_pos,
+        lengths,
+        cfg.Sb,
+        n_blocks,
+        query_segments=arrays.q_seg if cfg.terms.segments else None,
+        key_segments=arrays.k_seg,
+        block_kinds=arrays.kinds if cfg.terms.block_kinds else None,
+        mask_mod=cfg.terms.mask_fn is not None,
+    )
 
 
 def _visit(schedule, body, state):
@@ -342,8 +352,9 @@ def fwd_tile(cfg, tile: QueryTile, keys: KeySide, shared: Shared, with_buckets=F
         kp = slice_block(keys.pos, j * Sb, Sb, -1)
         index = None if R == 0 else _bucket_index(cfg, qp, kp)
         bias = None if cfg.bias_fn is None else _tile_bias(cfg, shared.hook_consts, qp, kp, K)
-        x = _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, shared.scale, acc_dtype,
-                         _score(cfg, qp, kp, B, K, arrays))
+        x = _tile_logits(
+            cfg, q_blk, k_blk, per_bucket, bias, index, shared.scale, acc_dtype, _score(cfg, qp, kp, B, K, arrays)
+        )
         allowed = None if kind == CLEAN else _allowed(cfg, qp, kp, j, keys.lengths, arrays, kind, B, K)
         partial = _block_partial(x, allowed, v_blk, index, _offset0(cfg, qp, kp), R, value_table, cfg, acc_dtype)
         return combine_partials(state, partial)
@@ -399,8 +410,9 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
             ds, d_s = score_vjp(ds)
             d_score = tuple(a if a is None else a + g for a, g in zip(d_score, d_s))
         if bias_vjp is not None:
-            (d_c,) = bias_vjp(jnp.sum(ds, axis=tuple(range(ds.ndim - bias.ndim))).reshape(bias.shape)
-                              .astype(bias.dtype))
+            (d_c,) = bias_vjp(
+                jnp.sum(ds, axis=tuple(range(ds.ndim - bias.ndim))).reshape(bias.shape).astype(bias.dtype)
+            )
             d_consts = jax.tree.map(jnp.add, d_consts, d_c)
         if cfg.terms.softcap is not None:
             ds = ds * mods.softcap_grad(capped, cfg.terms.softcap)
@@ -416,8 +428,15 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
 
     buckets = jnp.zeros(q_blk.shape[:-1] + (R,), acc_dtype)
     p_buckets = buckets if rows.value_buckets is None else rows.value_buckets.astype(acc_dtype)
-    init = (jnp.zeros(q_blk.shape, acc_dtype), grads.dk, grads.dv, buckets, p_buckets, grads.hook_consts,
-            grads.score_consts)
+    init = (
+        jnp.zeros(q_blk.shape, acc_dtype),
+        grads.dk,
+        grads.dv,
+        buckets,
+        p_buckets,
+        grads.hook_consts,
+        grads.score_consts,
+    )
     schedule = _schedule(cfg, qp, keys.pos, keys.lengths, arrays, Sp // Sb)
     dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score = _visit(schedule, key_block, init)
     d_key_table, d_value_table = grads.key_table, grads.value_table
@@ -432,11 +451,18 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
 def zero_grads(acc_dtype, keys: KeySide, shared: Shared, score_consts=()) -> Grads:
     """Zero accumulators (compute dtype acc_dtype) for keys' k / v, the shared tables and hook arrays and a
     score_mod's consts (None entries stay None): what bwd_tile adds into."""
+
     def zeros(x):
         return jax.tree.map(lambda a: jnp.zeros(a.shape, acc_dtype), x)
 
-    return Grads(zeros(keys.k), zeros(keys.v), zeros(shared.key_table), zeros(shared.value_table),
-                 zeros(shared.hook_consts), zeros(score_consts))
+    return Grads(
+        zeros(keys.k),
+        zeros(keys.v),
+        zeros(shared.key_table),
+        zeros(shared.value_table),
+        zeros(shared.hook_consts),
+        zeros(score_consts),
+    )
 
 
 def _tile_arrays(arrays, i, Tb):
@@ -486,13 +512,15 @@ def _engine_bwd(cfg, res: Residuals, cotangents):
     q, arrays, Tb = res.q, res.arrays, cfg.Tb
     acc_dtype = accumulation_dtype(q.dtype)
     # score_mod's float arrays get gradients; its integer ones (ids, indices) none
-    score_consts = tuple(c if d else None
-                         for c, d in zip(arrays.score_consts, mods.differentiable(arrays.score_consts)))
+    score_consts = tuple(
+        c if d else None for c, d in zip(arrays.score_consts, mods.differentiable(arrays.score_consts))
+    )
 
     def query_block(carry, i):
         grads, d_sinks = carry
-        tile = QueryTile(slice_block(q, i * Tb, Tb, 3), slice_block(res.q_pos, i * Tb, Tb, -1),
-                         _tile_arrays(arrays, i, Tb))
+        tile = QueryTile(
+            slice_block(q, i * Tb, Tb, 3), slice_block(res.q_pos, i * Tb, Tb, -1), _tile_arrays(arrays, i, Tb)
+        )
         do_blk, o_blk = slice_block(d_out, i * Tb, Tb, 3), slice_block(res.out, i * Tb, Tb, 3)
         lse_blk = slice_block(res.lse, i * Tb, Tb, 3)
         # d loss / d x = p * (dp - sum_s p dp) + p * d_lse, and sum_s p dp = d_out . out: one delta
@@ -514,11 +542,17 @@ def _engine_bwd(cfg, res: Residuals, cotangents):
 
     keys, shared = res.keys, res.shared
     d_keys = KeySide(cast(grads.dk, keys.k), cast(grads.dv, keys.v), None, None)
-    d_shared = Shared(cast(grads.key_table, shared.key_table), cast(grads.value_table, shared.value_table),
-                      jax.tree.map(cast, grads.hook_consts, shared.hook_consts), None)
-    d_arrays = TermArrays(sinks=cast(d_sinks, arrays.sinks),
-                          score_consts=tuple(map(cast, grads.score_consts, score_consts)) if score_consts else (),
-                          mask_consts=tuple(None for _ in arrays.mask_consts))
+    d_shared = Shared(
+        cast(grads.key_table, shared.key_table),
+        cast(grads.value_table, shared.value_table),
+        jax.tree.map(cast, grads.hook_consts, shared.hook_consts),
+        None,
+    )
+    d_arrays = TermArrays(
+        sinks=cast(d_sinks, arrays.sinks),
+        score_consts=tuple(map(cast, grads.score_consts, score_consts)) if score_consts else (),
+        mask_consts=tuple(None for _ in arrays.mask_consts),
+    )
     return dq.astype(q.dtype), d_keys, d_shared, None, d_arrays
 
 
@@ -582,16 +616,27 @@ def _grouped_engine(cfg, q, keys, shared, q_pos, arrays, groups):
         qg, kg, vg, ktg, vtg, qpg, kpg, lg, qsg, ksg, sg = xs
         group_arrays = arrays._replace(q_seg=either(qsg, arrays.q_seg), k_seg=either(ksg, arrays.k_seg), sinks=sg)
         group_keys = KeySide(kg, vg, either(kpg, keys.pos), either(lg, keys.lengths))
-        group_shared = shared._replace(key_table=either(ktg, shared.key_table),
-                                       value_table=either(vtg, shared.value_table))
+        group_shared = shared._replace(
+            key_table=either(ktg, shared.key_table), value_table=either(vtg, shared.value_table)
+        )
         return _engine(group_cfg, qg, group_keys, group_shared, either(qpg, q_pos), group_arrays)
 
     def rows_of(x):  # lengths [B|1], segment ids [B|1,L]: per batch entry when the first axis is B > 1
         return per_batch(x, x is not None and B > 1 and x.shape[0] == B)
 
-    xs = (split(q), split(keys.k), split(keys.v), per_head(shared.key_table), per_head(shared.value_table),
-          per_batch(q_pos, q_pos.ndim > 1), per_batch(keys.pos, keys.pos.ndim > 1), rows_of(keys.lengths),
-          rows_of(arrays.q_seg), rows_of(arrays.k_seg), None if arrays.sinks is None else split(arrays.sinks))
+    xs = (
+        split(q),
+        split(keys.k),
+        split(keys.v),
+        per_head(shared.key_table),
+        per_head(shared.value_table),
+        per_batch(q_pos, q_pos.ndim > 1),
+        per_batch(keys.pos, keys.pos.ndim > 1),
+        rows_of(keys.lengths),
+        rows_of(arrays.q_seg),
+        rows_of(arrays.k_seg),
+        None if arrays.sinks is None else split(arrays.sinks),
+    )
     out, lse = lax.map(group, xs)  # [Cb*Ck, Bc, Kc, G, Tp, (Hv)]
     return unsplit(out), unsplit(lse)
 
@@ -609,8 +654,12 @@ def _flat_positions(pos, batch, length, padded):
 
 def grid_options_in_use(bias=None, mask=None, dropout_rate=0.0, dropout_rng=None, return_weights=False):
     """The options that need the full [T,S] grid, by name, when they are in use."""
-    used = {"mask": mask is not None, "bias": bias is not None, "return_weights": bool(return_weights),
-            "dropout_rate": not (isinstance(dropout_rate, (int, float)) and dropout_rate == 0)}
+    used = {
+        "mask": mask is not None,
+        "bias": bias is not None,
+        "return_weights": bool(return_weights),
+        "dropout_rate": not (isinstance(dropout_rate, (int, float)) and dropout_rate == 0),
+    }
     return [name for name, on in used.items() if on]
 
 
@@ -629,19 +678,34 @@ def check_tables(key_table, value_table, max_distance, N, H, Hv, acc_dtype):
     return key_table, value_table, R
 
 
-def blockwise_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
-                        value: Float[ArrayLike, "*#B S K Hv"], *, is_causal=False,
-                        key_value_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
-                        query_positions: Int[ArrayLike, "*#B T"] | None = None,
-                        key_positions: Int[ArrayLike, "*#B S"] | None = None, scale=None, position_bias=None,
-                        key_table: Float[ArrayLike, "R H"] | Float[ArrayLike, "R N H"] | None = None,
-                        value_table: Float[ArrayLike, "R Hv"] | Float[ArrayLike, "R N Hv"] | None = None,
-                        max_distance=None, block_size=None, precision=None,
-                        query_segment_ids: Int[ArrayLike, "*#B T"] | None = None,
-                        key_segment_ids: Int[ArrayLike, "*#B S"] | None = None, window=None,
-                        chunk_size=None, logit_softcap=None, sinks: Float[ArrayLike, "*#B N"] | None = None,
-                        score_mod=None, mask_mod=None, block_mask=None, return_lse=False,
-                        **grid_options) -> Attended | tuple[Attended, Lse]:
+def blockwise_attention(
+    query: Float[ArrayLike, "*#B T N H"],
+    key: Float[ArrayLike, "*#B S K H"],
+    value: Float[ArrayLike, "*#B S K Hv"],
+    *,
+    is_causal=False,
+    key_value_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
+    query_positions: Int[ArrayLike, "*#B T"] | None = None,
+    key_positions: Int[ArrayLike, "*#B S"] | None = None,
+    scale=None,
+    position_bias=None,
+    key_table: Float[ArrayLike, "R H"] | Float[ArrayLike, "R N H"] | None = None,
+    value_table: Float[ArrayLike, "R Hv"] | Float[ArrayLike, "R N Hv"] | None = None,
+    max_distance=None,
+    block_size=None,
+    precision=None,
+    query_segment_ids: Int[ArrayLike, "*#B T"] | None = None,
+    key_segment_ids: Int[ArrayLike, "*#B S"] | None = None,
+    window=None,
+    chunk_size=None,
+    logit_softcap=None,
+    sinks: Float[ArrayLike, "*#B N"] | None = None,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
+    return_lse=False,
+    **grid_options,
+) -> Attended | tuple[Attended, Lse]:
     """Attention computed one [Tb,Sb] tile at a time; O(T + S) memory forward and backward.
 
     query [...,T,N,H], key [...,S,K,H], value [...,S,K,Hv] and is_causal, key_value_seq_lengths,
@@ -678,22 +742,47 @@ def blockwise_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLi
     grouped = _row_grouped(query, key, value, score_mod, mask_mod)
     Tb, Sb = _tile_sizes(block_size, T, S, B, N, K, tiles.span(window, is_causal), bool(is_causal), grouped)
     Tp, Sp = -(-T // Tb) * Tb, -(-S // Sb) * Sb
-    q_pos, k_pos, lengths = _positions_and_lengths(batch, T, S, Tp, Sp, query_positions, key_positions,
-                                                   key_value_seq_lengths)
+    q_pos, k_pos, lengths = _positions_and_lengths(
+        batch, T, S, Tp, Sp, query_positions, key_positions, key_value_seq_lengths
+    )
     key_table, value_table, _ = check_tables(key_table, value_table, max_distance, N, H, Hv, acc_dtype)
     if T == 0 or S == 0:  # nothing to tile: no query, or no key (every query then gets zeros, as dense)
         return _nothing_to_tile(batch, T, N, Hv, value.dtype, sinks, acc_dtype, return_lse)
     bias_fn, consts = _hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc_dtype)
     rule = MaskRule(is_causal=bool(is_causal), window=window, chunk_size=mods.check_chunk_size(chunk_size))
-    terms, arrays = _terms(batch, T, S, N, K, Tp, Sp, acc_dtype, query_segment_ids=query_segment_ids,
-                           key_segment_ids=key_segment_ids, logit_softcap=logit_softcap, sinks=sinks,
-                           score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
-    cfg = EngineConfig(Tb, Sb, N, rule, None if key_table is None and value_table is None else max_distance,
-                       query_positions is None and key_positions is None, precision, bias_fn, terms)
-    q, k, v = _engine_operands(query, key, value, H ** -0.5 if scale is None else scale, acc_dtype, batch, Tp, Sp)
+    terms, arrays = _terms(
+        batch,
+        T,
+        S,
+        N,
+        K,
+        Tp,
+        Sp,
+        acc_dtype,
+        query_segment_ids=query_segment_ids,
+        key_segment_ids=key_segment_ids,
+        logit_softcap=logit_softcap,
+        sinks=sinks,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        block_mask=block_mask,
+    )
+    cfg = EngineConfig(
+        Tb,
+        Sb,
+        N,
+        rule,
+        None if key_table is None and value_table is None else max_distance,
+        query_positions is None and key_positions is None,
+        precision,
+        bias_fn,
+        terms,
+    )
+    q, k, v = _engine_operands(query, key, value, H**-0.5 if scale is None else scale, acc_dtype, batch, Tp, Sp)
     groups = tiles.row_groups(B, K, N // K, Tb, Sb, _whole_rows(grouped, bias_fn is not None, q_pos, k_pos))
-    out, lse = _grouped_engine(cfg, q, KeySide(k, v, k_pos, lengths), Shared(key_table, value_table, consts, None),
-                               q_pos, arrays, groups)
+    out, lse = _grouped_engine(
+        cfg, q, KeySide(k, v, k_pos, lengths), Shared(key_table, value_table, consts, None), q_pos, arrays, groups
+    )
     return _from_engine(out, lse, batch, T, query.dtype, return_lse)
 
 
@@ -708,9 +797,13 @@ def _refuse_grid_options(grid_options):
         raise TypeError(f"blockwise_attention() got unexpected keyword arguments {unknown}")
     in_use = grid_options_in_use(**grid_options)
     if in_use:
-        checks.fail("implementation", f'"dense" or None with {"/".join(in_use)}: blockwise attention does not '
-                     "take arbitrary masks or biases (nor return_weights or dropout), as they span the full [T,S] "
-                     "grid", '"blockwise"')
+        checks.fail(
+            "implementation",
+            f'"dense" or None with {"/".join(in_use)}: blockwise attention does not '
+            "take arbitrary masks or biases (nor return_weights or dropout), as they span the full [T,S] "
+            "grid",
+            '"blockwise"',
+        )
 
 
 def _with_block_mask(block_mask, block_size, mask_mod, B, N, T, S):
@@ -781,8 +874,24 @@ def _empty_lse(batch, N, T, sinks, acc_dtype):
     return jnp.broadcast_to(jnp.asarray(sinks, acc_dtype)[..., None], (*batch, N, T))
 
 
-def _terms(batch, T, S, N, K, Tp, Sp, acc_dtype, *, query_segment_ids, key_segment_ids, logit_softcap, sinks, score_mod,
-           mask_mod, block_mask):
+def _terms(
+    batch,
+    T,
+    S,
+    N,
+    K,
+    Tp,
+    Sp,
+    acc_dtype,
+    *,
+    query_segment_ids,
+    key_segment_ids,
+    logit_softcap,
+    sinks,
+    score_mod,
+    mask_mod,
+    block_mask,
+):
     """Check the programmable keywords: (Terms, TermArrays) in the engine layout."""
     B = int(np.prod(batch, dtype=np.int64))
     q_seg, k_seg = mods.check_segment_ids(query_segment_ids, key_segment_ids, batch, T, S)
@@ -797,14 +906,26 @@ def _terms(batch, T, S, N, K, Tp, Sp, acc_dtype, *, query_segment_ids, key_segme
     kinds = None
     if block_mask is not None:  # one kind per tile for every batch row and head (they share the tile)
         each = block_masks.tile_kinds(block_mask)
-        kinds = jnp.where(jnp.all(each == block_masks.FULL, axis=(0, 1)), block_masks.FULL,
-                          jnp.where(jnp.any(each != block_masks.EMPTY, axis=(0, 1)), block_masks.PARTIAL,
-                                    block_masks.EMPTY)).astype(jnp.int8)
-    terms = Terms(softcap=mods.check_softcap(logit_softcap), score_fn=None if score_fn is None else score_fn.fn,
-                  mask_fn=None if mask_fn is None else mask_fn.fn, segments=q_seg is not None,
-                  block_kinds=kinds is not None)
-    arrays = TermArrays(q_seg=q_seg, k_seg=k_seg, sinks=sinks, score_consts=() if score_fn is None else score_fn.consts,
-                        mask_consts=() if mask_fn is None else mask_fn.consts, kinds=kinds)
+        kinds = jnp.where(
+            jnp.all(each == block_masks.FULL, axis=(0, 1)),
+            block_masks.FULL,
+            jnp.where(jnp.any(each != block_masks.EMPTY, axis=(0, 1)), block_masks.PARTIAL, block_masks.EMPTY),
+        ).astype(jnp.int8)
+    terms = Terms(
+        softcap=mods.check_softcap(logit_softcap),
+        score_fn=None if score_fn is None else score_fn.fn,
+        mask_fn=None if mask_fn is None else mask_fn.fn,
+        segments=q_seg is not None,
+        block_kinds=kinds is not None,
+    )
+    arrays = TermArrays(
+        q_seg=q_seg,
+        k_seg=k_seg,
+        sinks=sinks,
+        score_consts=() if score_fn is None else score_fn.consts,
+        mask_consts=() if mask_fn is None else mask_fn.consts,
+        kinds=kinds,
+    )
     return terms, arrays
 
 
@@ -841,8 +962,11 @@ def convert_hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc_dtype):
     except ValueError:
         fits = False
     if not fits:
-        checks.fail("position_bias(query_pos, key_pos)", f"a shape broadcastable to {checks.shape_str(target)} "
-                     "([(B,)N,Tb,Sb] for one tile)", f"shape {checks.shape_str(shape)}")
+        checks.fail(
+            "position_bias(query_pos, key_pos)",
+            f"a shape broadcastable to {checks.shape_str(target)} ([(B,)N,Tb,Sb] for one tile)",
+            f"shape {checks.shape_str(shape)}",
+        )
 
     def tile_bias(qp, kp):
         return jnp.broadcast_to(jnp.asarray(position_bias(qp, kp)).astype(acc_dtype), target)

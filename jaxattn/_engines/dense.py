@@ -57,8 +57,26 @@ def _unflatten(grid, batch):
 class _Programmable:
     """The programmable keywords of one dense call, checked (jaxattn._core.mods)."""
 
-    def __init__(self, batch, N, T, S, acc_dtype, *, query_segment_ids, key_segment_ids, window, chunk_size,
-                 logit_softcap, sinks, score_mod, mask_mod, block_mask, query_positions, key_positions):
+    def __init__(
+        self,
+        batch,
+        N,
+        T,
+        S,
+        acc_dtype,
+        *,
+        query_segment_ids,
+        key_segment_ids,
+        window,
+        chunk_size,
+        logit_softcap,
+        sinks,
+        score_mod,
+        mask_mod,
+        block_mask,
+        query_positions,
+        key_positions,
+    ):
         self.window, self.chunk_size = mods.check_window(window), mods.check_chunk_size(chunk_size)
         self.cap = mods.check_softcap(logit_softcap)
         self.q_seg, self.k_seg = mods.check_segment_ids(query_segment_ids, key_segment_ids, batch, T, S)
@@ -92,13 +110,37 @@ class _Programmable:
         return by_mod if allowed is None else allowed & by_mod
 
 
-def attention_core(query, key, value, *, relative_logits: Optional[Callable] = None,
-                   relative_values: Optional[Callable] = None, bias=None, mask=None, is_causal=False,
-                   key_value_seq_lengths=None, query_positions=None, key_positions=None, scale=None,
-                   dropout_rate=0.0, dropout_rng=None, return_weights=False, precision=None, dims=None,
-                   query_segment_ids=None, key_segment_ids=None, window=None, chunk_size=None,
-                   logit_softcap=None, sinks=None, score_mod=None, mask_mod=None, block_mask=None,
-                   return_lse=False, broadcast_dropout=False):
+def attention_core(
+    query,
+    key,
+    value,
+    *,
+    relative_logits: Optional[Callable] = None,
+    relative_values: Optional[Callable] = None,
+    bias=None,
+    mask=None,
+    is_causal=False,
+    key_value_seq_lengths=None,
+    query_positions=None,
+    key_positions=None,
+    scale=None,
+    dropout_rate=0.0,
+    dropout_rng=None,
+    return_weights=False,
+    precision=None,
+    dims=None,
+    query_segment_ids=None,
+    key_segment_ids=None,
+    window=None,
+    chunk_size=None,
+    logit_softcap=None,
+    sinks=None,
+    score_mod=None,
+    mask_mod=None,
+    block_mask=None,
+    return_lse=False,
+    broadcast_dropout=False,
+):
     """The dense attention routine; `relative_*` add the position terms (see module docstring).
 
     relative_logits(query) -> [...,N,T,S] (unscaled); relative_values(weights) -> [...,T,N,Hv].
@@ -111,12 +153,26 @@ def attention_core(query, key, value, *, relative_logits: Optional[Callable] = N
     batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value) if dims is None else dims
     G = N // K
     acc_dtype = accumulation_dtype(query.dtype)
-    scale = H ** -0.5 if scale is None else scale
+    scale = H**-0.5 if scale is None else scale
     logits_shape = (*batch, N, T, S)
-    prog = _Programmable(batch, N, T, S, acc_dtype, query_segment_ids=query_segment_ids,
-                         key_segment_ids=key_segment_ids, window=window, chunk_size=chunk_size,
-                         logit_softcap=logit_softcap, sinks=sinks, score_mod=score_mod, mask_mod=mask_mod,
-                         block_mask=block_mask, query_positions=query_positions, key_positions=key_positions)
+    prog = _Programmable(
+        batch,
+        N,
+        T,
+        S,
+        acc_dtype,
+        query_segment_ids=query_segment_ids,
+        key_segment_ids=key_segment_ids,
+        window=window,
+        chunk_size=chunk_size,
+        logit_softcap=logit_softcap,
+        sinks=sinks,
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        block_mask=block_mask,
+        query_positions=query_positions,
+        key_positions=key_positions,
+    )
 
     q = query.reshape(*query.shape[:-2], K, G, H)
     logits = jnp.einsum("...tkgh,...skh->...kgts", q, key, precision=precision, preferred_element_type=acc_dtype)
@@ -125,10 +181,18 @@ def attention_core(query, key, value, *, relative_logits: Optional[Callable] = N
         logits = logits + relative_logits(query)
     logits = mods.softcap(logits * jnp.asarray(scale, acc_dtype), prog.cap)
 
-    allowed = allowed_keys(logits_shape, mask=mask, is_causal=is_causal,
-                           key_value_seq_lengths=key_value_seq_lengths,
-                           query_positions=query_positions, key_positions=key_positions, window=prog.window,
-                           chunk_size=prog.chunk_size, query_segments=prog.q_seg, key_segments=prog.k_seg)
+    allowed = allowed_keys(
+        logits_shape,
+        mask=mask,
+        is_causal=is_causal,
+        key_value_seq_lengths=key_value_seq_lengths,
+        query_positions=query_positions,
+        key_positions=key_positions,
+        window=prog.window,
+        chunk_size=prog.chunk_size,
+        query_segments=prog.q_seg,
+        key_segments=prog.k_seg,
+    )
     if bias is not None:
         logits, allowed = _add_bias(logits, allowed, bias, logits_shape, acc_dtype)
     logits = prog.score(logits)

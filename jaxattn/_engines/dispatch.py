@@ -62,13 +62,20 @@ XLA_ONLY = ("block_size",)
 def check_implementation(implementation, interpret=False):
     """ValueError naming `implementation` / `interpret` for a value outside IMPLEMENTATIONS."""
     if implementation not in IMPLEMENTATIONS:
-        checks.fail("implementation", "None (per platform), " + ", ".join(repr(i) for i in IMPLEMENTATIONS[1:]),
-                    repr(implementation))
+        checks.fail(
+            "implementation",
+            "None (per platform), " + ", ".join(repr(i) for i in IMPLEMENTATIONS[1:]),
+            repr(implementation),
+        )
     if not isinstance(interpret, bool):
         checks.fail("interpret", "True or False", repr(interpret))
     if interpret and implementation not in INTERPRETED:
-        checks.fail("interpret", f"False unless implementation is {' or '.join(map(repr, INTERPRETED))} "
-                    "(only Pallas kernels have an interpreter)", f"True with implementation={implementation!r}")
+        checks.fail(
+            "interpret",
+            f"False unless implementation is {' or '.join(map(repr, INTERPRETED))} "
+            "(only Pallas kernels have an interpreter)",
+            f"True with implementation={implementation!r}",
+        )
 
 
 def _kernel(implementation):
@@ -92,8 +99,9 @@ def kernel_options(options) -> dict:
     """The options a kernel reads: those set (not None / False), without the grid's (unset once
     kernel_refusal passed) and the XLA engines' own."""
     grid = ("bias", "mask", "return_weights", "dropout_rate", "dropout_rng")
-    return {k: v for k, v in options.items()
-            if k not in grid and k not in XLA_ONLY and v is not None and v is not False}
+    return {
+        k: v for k, v in options.items() if k not in grid and k not in XLA_ONLY and v is not None and v is not False
+    }
 
 
 # Kernels that take a key-only mask as segment ids (key_mask_as_segments).
@@ -109,8 +117,13 @@ def key_mask_as_segments(query, key, options) -> dict:
     if mask is None or options.get("query_segment_ids") is not None or options.get("key_segment_ids") is not None:
         return options
     shape, S, batch = np.shape(mask), np.shape(key)[-3], tuple(np.shape(query)[:-3])
-    if (jnp.result_type(mask) != jnp.bool_ or not shape or shape[-1] != S or any(d != 1 for d in shape[-3:-1])
-            or len(shape[:-3]) > len(batch)):
+    if (
+        jnp.result_type(mask) != jnp.bool_
+        or not shape
+        or shape[-1] != S
+        or any(d != 1 for d in shape[-3:-1])
+        or len(shape[:-3]) > len(batch)
+    ):
         return options
     try:
         if np.broadcast_shapes(shape[:-3], batch) != batch:
@@ -118,8 +131,12 @@ def key_mask_as_segments(query, key, options) -> dict:
     except ValueError:
         return options
     keys = jnp.where(jnp.reshape(mask, (*shape[:-3], S)), 0, 1).astype(jnp.int32)
-    return {**options, "mask": None, "query_segment_ids": jnp.zeros((np.shape(query)[-3],), jnp.int32),
-            "key_segment_ids": keys}
+    return {
+        **options,
+        "mask": None,
+        "query_segment_ids": jnp.zeros((np.shape(query)[-3],), jnp.int32),
+        "key_segment_ids": keys,
+    }
 
 
 _CROSS_PLATFORM = contextvars.ContextVar("jaxattn_cross_platform", default=False)
@@ -164,8 +181,12 @@ def attend(xla, query, key, value, *, implementation=None, interpret=False, **op
     if implementation in KERNELS:
         refused = kernel_refusal(implementation, query, key, value, options, interpret)
         if refused is not None:
-            checks.fail(refused, f"not in use with implementation={implementation!r}, which cannot express it "
-                        "(implementation=None falls back to the XLA engines)", "in use")
+            checks.fail(
+                refused,
+                f"not in use with implementation={implementation!r}, which cannot express it "
+                "(implementation=None falls back to the XLA engines)",
+                "in use",
+            )
         return _kernel(implementation).attention(query, key, value, interpret=interpret, **kernel_options(options))
     platforms = _switch_platforms()
     if implementation is not None or not platforms:
@@ -188,8 +209,12 @@ def dense_only(implementation, interpret, term: str) -> None:
     implementation is None (the dense engine on every platform) or "dense"."""
     check_implementation(implementation, interpret)
     if implementation not in (None, "dense"):
-        checks.fail(term, f"not in use with implementation={implementation!r} (only the dense engine computes "
-                    f"{term}; use implementation=None or 'dense')", "it in use")
+        checks.fail(
+            term,
+            f"not in use with implementation={implementation!r} (only the dense engine computes "
+            f"{term}; use implementation=None or 'dense')",
+            "it in use",
+        )
 
 
 def use_blockwise(implementation, query, key, **options) -> bool:
@@ -213,20 +238,36 @@ def use_blockwise(implementation, query, key, **options) -> bool:
     return np.shape(query)[-3] * np.shape(key)[-3] >= AUTO_BLOCKWISE_ELEMENTS
 
 
-def dot_product_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
-                          value: Float[ArrayLike, "*#B S K Hv"], bias: Float[ArrayLike, "..."] | None = None,
-                          mask: Bool[ArrayLike, "..."] | None = None, *, is_causal=False,
-                          key_value_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
-                          query_positions: Int[ArrayLike, "*#B T"] | None = None,
-                          key_positions: Int[ArrayLike, "*#B S"] | None = None,
-                          scale=None, dropout_rate=0.0, dropout_rng=None, return_weights=False,
-                          precision=None, implementation=None, block_size=None,
-                          query_segment_ids: Int[ArrayLike, "*#B T"] | None = None,
-                          key_segment_ids: Int[ArrayLike, "*#B S"] | None = None, window=None, chunk_size=None,
-                          logit_softcap=None, sinks: Float[ArrayLike, "*#B N"] | None = None,
-                          interpret=False, query_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
-                          local_window_size=None, return_residual=False,
-                          broadcast_dropout=False) -> AttentionOutput:
+def dot_product_attention(
+    query: Float[ArrayLike, "*#B T N H"],
+    key: Float[ArrayLike, "*#B S K H"],
+    value: Float[ArrayLike, "*#B S K Hv"],
+    bias: Float[ArrayLike, "..."] | None = None,
+    mask: Bool[ArrayLike, "..."] | None = None,
+    *,
+    is_causal=False,
+    key_value_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
+    query_positions: Int[ArrayLike, "*#B T"] | None = None,
+    key_positions: Int[ArrayLike, "*#B S"] | None = None,
+    scale=None,
+    dropout_rate=0.0,
+    dropout_rng=None,
+    return_weights=False,
+    precision=None,
+    implementation=None,
+    block_size=None,
+    query_segment_ids: Int[ArrayLike, "*#B T"] | None = None,
+    key_segment_ids: Int[ArrayLike, "*#B S"] | None = None,
+    window=None,
+    chunk_size=None,
+    logit_softcap=None,
+    sinks: Float[ArrayLike, "*#B N"] | None = None,
+    interpret=False,
+    query_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
+    local_window_size=None,
+    return_residual=False,
+    broadcast_dropout=False,
+) -> AttentionOutput:
     """Scaled dot-product attention, multi-head / multi-query / grouped-query.
 
     Args:
@@ -271,34 +312,69 @@ def dot_product_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[Array
     Returns [...,T,N,Hv] (or (out, weights)). A query with no allowed key (or T = 0 / S = 0) gets zeros.
     """
     if implementation == "xla":  # jax.nn's name for its XLA path: the XLA engines' own choice, never a kernel
-        grid = dict(bias=bias, mask=mask, return_weights=return_weights, dropout_rate=dropout_rate,
-                    dropout_rng=dropout_rng)
+        grid = dict(
+            bias=bias, mask=mask, return_weights=return_weights, dropout_rate=dropout_rate, dropout_rng=dropout_rng
+        )
         implementation = "blockwise" if use_blockwise(None, query, key, **grid) else "dense"
     window = aliases.window_from_local(local_window_size, window)
     query_segment_ids, key_segment_ids = aliases.query_length_segments(
-        query_seq_lengths, query_segment_ids, key_segment_ids, np.shape(query), np.shape(key))
+        query_seq_lengths, query_segment_ids, key_segment_ids, np.shape(query), np.shape(key)
+    )
     if not isinstance(return_residual, bool):
         checks.fail("return_residual", "True or False", repr(return_residual))
-    outs = flex_attention(query, key, value, bias=bias, mask=mask, is_causal=is_causal,
-                          key_value_seq_lengths=key_value_seq_lengths, query_positions=query_positions,
-                          key_positions=key_positions, scale=scale, dropout_rate=dropout_rate,
-                          dropout_rng=dropout_rng, return_weights=return_weights, precision=precision,
-                          implementation=implementation, interpret=interpret, block_size=block_size,
-                          query_segment_ids=query_segment_ids, key_segment_ids=key_segment_ids, window=window,
-                          chunk_size=chunk_size, logit_softcap=logit_softcap, sinks=sinks, return_lse=return_residual,
-                          **({"broadcast_dropout": True} if broadcast_dropout and dropout_rate != 0 else {}))
+    outs = flex_attention(
+        query,
+        key,
+        value,
+        bias=bias,
+        mask=mask,
+        is_causal=is_causal,
+        key_value_seq_lengths=key_value_seq_lengths,
+        query_positions=query_positions,
+        key_positions=key_positions,
+        scale=scale,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+        return_weights=return_weights,
+        precision=precision,
+        implementation=implementation,
+        interpret=interpret,
+        block_size=block_size,
+        query_segment_ids=query_segment_ids,
+        key_segment_ids=key_segment_ids,
+        window=window,
+        chunk_size=chunk_size,
+        logit_softcap=logit_softcap,
+        sinks=sinks,
+        return_lse=return_residual,
+        **({"broadcast_dropout": True} if broadcast_dropout and dropout_rate != 0 else {}),
+    )
     return aliases.residual(outs, jnp.result_type(value)) if return_residual else outs
 
 
 # torch's flex_attention arguments with no JAX meaning: refused by name (never silently dropped).
-TORCH_ONLY = {"kernel_options": "Triton kernel options of torch's flex_attention; XLA compiles this kernel",
-              "return_aux": "use return_lse=True (the only auxiliary output here)"}
+TORCH_ONLY = {
+    "kernel_options": "Triton kernel options of torch's flex_attention; XLA compiles this kernel",
+    "return_aux": "use return_lse=True (the only auxiliary output here)",
+}
 
 
-def flex_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
-                   value: Float[ArrayLike, "*#B S K Hv"], score_mod=None, block_mask=None, scale=None,
-                   enable_gqa=None, return_lse=False, *, mask_mod=None, implementation=None, interpret=False,
-                   block_size=None, **options) -> AttentionOutput:
+def flex_attention(
+    query: Float[ArrayLike, "*#B T N H"],
+    key: Float[ArrayLike, "*#B S K H"],
+    value: Float[ArrayLike, "*#B S K Hv"],
+    score_mod=None,
+    block_mask=None,
+    scale=None,
+    enable_gqa=None,
+    return_lse=False,
+    *,
+    mask_mod=None,
+    implementation=None,
+    interpret=False,
+    block_size=None,
+    **options,
+) -> AttentionOutput:
     """Attention with a score function, a mask function and block skipping (torch's FlexAttention, in JAX).
 
         score_mod(score, b, n, t, s) -> score   the scaled logit (after logit_softcap and bias) of query
@@ -335,9 +411,13 @@ def flex_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "
     if enable_gqa not in (None, True, False):
         checks.fail("enable_gqa", "None, True or False", repr(enable_gqa))
     if enable_gqa is False and np.ndim(query) >= 2 and np.ndim(key) >= 2 and np.shape(query)[-2] != np.shape(key)[-2]:
-        checks.fail("enable_gqa", "True (or None) for key/value heads K that differ from the query heads N "
-                    f"(torch refuses K != N without enable_gqa=True); query heads {np.shape(query)[-2]}, "
-                    f"key heads {np.shape(key)[-2]}", "False")
+        checks.fail(
+            "enable_gqa",
+            "True (or None) for key/value heads K that differ from the query heads N "
+            f"(torch refuses K != N without enable_gqa=True); query heads {np.shape(query)[-2]}, "
+            f"key heads {np.shape(key)[-2]}",
+            "False",
+        )
     if block_mask is not None and block_size is not None:  # the BlockMask's tiles are the blockwise tiles
         check_block_mask_tiles(block_mask, block_size)
     options.update(scale=scale)

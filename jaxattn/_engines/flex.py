@@ -30,14 +30,21 @@ def _size(name, value, allow_none):
 
 # torch's keyword spellings of create_block_mask's arguments (torch.nn.attention.flex_attention): the
 # same meaning, so a call written for torch means the same here.
-TORCH_NAMES = {"B": "batch", "H": "num_heads", "Q_LEN": "query_length", "KV_LEN": "key_length",
-               "BLOCK_SIZE": "block_size"}
+TORCH_NAMES = {
+    "B": "batch",
+    "H": "num_heads",
+    "Q_LEN": "query_length",
+    "KV_LEN": "key_length",
+    "BLOCK_SIZE": "block_size",
+}
 # torch's arguments with no meaning in JAX: refused by name rather than dropped.
-TORCH_ONLY = {"device": "JAX places arrays itself (jax.device_put / a sharding); leave device out",
-              "_compile": "create_block_mask is traced and compiled by XLA anyway; leave _compile out",
-              "separate_full_blocks": "full tiles are always listed apart (they skip mask_mod)",
-              "compute_dq_write_order": "a Triton backward detail with no JAX counterpart",
-              "dq_kv_order": "a Triton backward detail with no JAX counterpart"}
+TORCH_ONLY = {
+    "device": "JAX places arrays itself (jax.device_put / a sharding); leave device out",
+    "_compile": "create_block_mask is traced and compiled by XLA anyway; leave _compile out",
+    "separate_full_blocks": "full tiles are always listed apart (they skip mask_mod)",
+    "compute_dq_write_order": "a Triton backward detail with no JAX counterpart",
+    "dq_kv_order": "a Triton backward detail with no JAX counterpart",
+}
 
 
 def _torch_spellings(sizes: dict, torch_kwargs: dict) -> dict:
@@ -54,9 +61,18 @@ def _torch_spellings(sizes: dict, torch_kwargs: dict) -> dict:
     return sizes
 
 
-def create_block_mask(mask_mod, batch: Optional[int] = None, num_heads: Optional[int] = None,
-                      query_length: Optional[int] = None, key_length: Optional[int] = None, *, block_size=None,
-                      query_positions=None, key_positions=None, **torch_kwargs) -> block_masks.BlockMask:
+def create_block_mask(
+    mask_mod,
+    batch: Optional[int] = None,
+    num_heads: Optional[int] = None,
+    query_length: Optional[int] = None,
+    key_length: Optional[int] = None,
+    *,
+    block_size=None,
+    query_positions=None,
+    key_positions=None,
+    **torch_kwargs,
+) -> block_masks.BlockMask:
     """The BlockMask of mask_mod(b, n, t, s) -> bool for these sizes (layout: jaxattn._core.block_mask).
 
     batch: the flattened batch size the mask varies over, or None when it does not depend on b (then
@@ -67,8 +83,10 @@ def create_block_mask(mask_mod, batch: Optional[int] = None, num_heads: Optional
     mean the same; device= and torch's kernel options are refused by name. The BlockMask keeps mask_mod
     (its .mask_mod), so flex_attention(q, k, v, block_mask=bm) applies it, as torch's does.
     """
-    sizes = _torch_spellings(dict(batch=batch, num_heads=num_heads, query_length=query_length,
-                                  key_length=key_length, block_size=block_size), torch_kwargs)
+    sizes = _torch_spellings(
+        dict(batch=batch, num_heads=num_heads, query_length=query_length, key_length=key_length, block_size=block_size),
+        torch_kwargs,
+    )
     batch, num_heads, block_size = sizes["batch"], sizes["num_heads"], sizes["block_size"]
     batch, num_heads = _size("batch", batch, True), _size("num_heads", num_heads, True)
     T = _size("query_length", sizes["query_length"], False)
@@ -99,5 +117,6 @@ def create_block_mask(mask_mod, batch: Optional[int] = None, num_heads: Optional
 
     kinds = jax.jit(lambda: lax.map(row, jnp.arange(Tn)))()  # [Tn,Sn,Bm,Nm]
     kinds = jnp.transpose(kinds, (2, 3, 0, 1)).astype(jnp.int8)
-    return block_masks.from_kinds(kinds, block_size=(Tb, Sb), batch=batch, num_heads=num_heads,
-                                  query_length=T, key_length=S, mask_fn=fn)
+    return block_masks.from_kinds(
+        kinds, block_size=(Tb, Sb), batch=batch, num_heads=num_heads, query_length=T, key_length=S, mask_fn=fn
+    )

@@ -27,8 +27,8 @@ def _acc_dtype(*arrays):
 
 def _flat_batch(x, core_dims):
     """[...,*core] -> ([Bf,*core], batch shape)."""
-    batch = x.shape[:x.ndim - core_dims]
-    return x.reshape(-1, *x.shape[x.ndim - core_dims:]), batch
+    batch = x.shape[: x.ndim - core_dims]
+    return x.reshape(-1, *x.shape[x.ndim - core_dims :]), batch
 
 
 def _dot_h(y, table, precision):
@@ -45,8 +45,9 @@ def _dot_h(y, table, precision):
         return jnp.sum(y.astype(acc_dtype)[..., :, None, :, :] * table.astype(acc_dtype), axis=-1)
     flat, batch = _flat_batch(y, 3)
     diagonal = jnp.einsum("btnh,nm->tnhbm", flat, jnp.eye(N, dtype=y.dtype)).reshape(T, N * H, -1)
-    out = jnp.einsum("tsk,tkj->tsj", table.reshape(T, S, N * H), diagonal, precision=precision,
-                     preferred_element_type=acc_dtype)
+    out = jnp.einsum(
+        "tsk,tkj->tsj", table.reshape(T, S, N * H), diagonal, precision=precision, preferred_element_type=acc_dtype
+    )
     return jnp.moveaxis(out.reshape(T, S, -1, N), 2, 0).reshape(*batch, T, S, N)
 
 
@@ -84,8 +85,7 @@ def _pair_logits_fwd(y, table, precision):
 
 def _pair_logits_bwd(precision, res, g):
     y, table = res
-    return (_sum_s_einsum(g, table, precision).astype(y.dtype),
-            _outer(g, y, precision).astype(table.dtype))
+    return (_sum_s_einsum(g, table, precision).astype(y.dtype), _outer(g, y, precision).astype(table.dtype))
 
 
 pair_logits.defvjp(_pair_logits_fwd, _pair_logits_bwd)
@@ -102,8 +102,7 @@ def _pair_values_fwd(x, table, precision):
 
 def _pair_values_bwd(precision, res, g):
     x, table = res
-    return (_dot_h_einsum(g, table, precision).astype(x.dtype),
-            _outer(x, g, precision).astype(table.dtype))
+    return (_dot_h_einsum(g, table, precision).astype(x.dtype), _outer(x, g, precision).astype(table.dtype))
 
 
 pair_values.defvjp(_pair_values_fwd, _pair_values_bwd)

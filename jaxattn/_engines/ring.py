@@ -71,6 +71,7 @@ PIECES_PER_SHARE = 8
 
 class _Ring(NamedTuple):
     """Static description of one ring_attention call (hashable: the custom VJP's nondiff argument)."""
+
     mesh: Any
     seq: Optional[str]  # mesh axes (None: not split over)
     batch: Optional[str]
@@ -133,8 +134,7 @@ def _query_positions(ring, d):
     """Global positions [C*Cqp] of the query chunks device d holds, slot after slot (padding repeats the
     last position): query t at t + (S - T), bottom-right aligned. Keys: _piece_keys."""
     local = jnp.minimum(jnp.arange(ring.Cqp, dtype=jnp.int32), ring.Cq - 1)
-    return jnp.concatenate([(c * ring.Cq + local + ring.S - ring.T).astype(jnp.int32)
-                            for c in _chunk_ids(ring, d)])
+    return jnp.concatenate([(c * ring.Cq + local + ring.S - ring.T).astype(jnp.int32) for c in _chunk_ids(ring, d)])
 
 
 def _engine_cfg(ring):
@@ -170,8 +170,10 @@ def _psum(x, axes):
 
 def _zigzag_perms(D):
     """For each half h of a device's natural share (chunk c = 2e + h on device e), where it goes."""
+
     def dest(c):
         return c if c < D else 2 * D - 1 - c
+
     return [[(e, dest(2 * e + h)) for e in range(D)] for h in (0, 1)]
 
 
@@ -254,6 +256,7 @@ def _ring_loop(ring, d, visit, carry, held, home=()):
     arrives is written over it in place, so one piece, not a whole share, is in flight beside the share
     held. After the last visit only the entries named in `home` (the travelling dk/dv) move: their last
     hop brings them to the device owning their keys."""
+
     def sweep(carry, held, src, moving):
         for p in range(ring.C * ring.m):
             carry, held = visit(carry, held, p, src)
@@ -261,8 +264,10 @@ def _ring_loop(ring, d, visit, carry, held, home=()):
                 # the barrier orders this piece's ppermute after the compute that reads it (else XLA may
                 # issue every ppermute at the start of the step and hold two whole shares)
                 carry, held = lax.optimization_barrier((carry, held))
-                held = {name: (_put(x, _shift(ring, _piece(ring, x, p)), p * ring.Pk)
-                               if name in moving else x) for name, x in held.items()}
+                held = {
+                    name: (_put(x, _shift(ring, _piece(ring, x, p)), p * ring.Pk) if name in moving else x)
+                    for name, x in held.items()
+                }
         return carry, held
 
     def step(state, s):
@@ -274,7 +279,7 @@ def _ring_loop(ring, d, visit, carry, held, home=()):
 
 
 def _piece(ring, x, p):
-    return x[:, :, p * ring.Pk:(p + 1) * ring.Pk]
+    return x[:, :, p * ring.Pk : (p + 1) * ring.Pk]
 
 
 def _put(x, piece, start):
@@ -290,7 +295,7 @@ def _over_query_tiles(visit_tile, carry, n):
 
 def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
     cfg = _engine_cfg(ring)
-    batch_shape = q.shape[:ring.nb]
+    batch_shape = q.shape[: ring.nb]
     acc_dtype = accumulation_dtype(q.dtype)
     K, Tb = k.shape[-2], cfg.Tb
     q = _queries(ring, q, K)  # [B,K,G,C*Cqp,H]
@@ -324,7 +329,7 @@ def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
 
 def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out, lse, d_out):
     cfg = _engine_cfg(ring)
-    batch_shape = q.shape[:ring.nb]
+    batch_shape = q.shape[: ring.nb]
     acc_dtype = accumulation_dtype(q.dtype)
     dtypes = (q.dtype, k.dtype, v.dtype)
     K, Tb = k.shape[-2], cfg.Tb
@@ -356,11 +361,14 @@ def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out
         dk, dv = (_piece(ring, held[name], p) for name in ("dk", "dv"))
         dq, grads = _over_query_tiles(tile, (dq, d_tables._replace(dk=dk, dv=dv)), q.shape[3] // Tb)
         start = p * ring.Pk
-        return ((dq, grads._replace(dk=None, dv=None)),
-                {**held, "dk": _put(held["dk"], grads.dk, start), "dv": _put(held["dv"], grads.dv, start)})
+        return (
+            (dq, grads._replace(dk=None, dv=None)),
+            {**held, "dk": _put(held["dk"], grads.dk, start), "dv": _put(held["dv"], grads.dv, start)},
+        )
 
-    (dq, d_tables), held = _ring_loop(ring, d, visit, (jnp.zeros(q.shape, acc_dtype), d_tables), held,
-                                        home=("dk", "dv"))
+    (dq, d_tables), held = _ring_loop(
+        ring, d, visit, (jnp.zeros(q.shape, acc_dtype), d_tables), held, home=("dk", "dv")
+    )
     dq = _unqueries(ring, dq.astype(dtypes[0]), batch_shape)
     dk = _unkeys(ring, [g.astype(dtypes[1]) for g in jnp.split(held["dk"], ring.C, axis=2)], batch_shape)
     dv = _unkeys(ring, [g.astype(dtypes[2]) for g in jnp.split(held["dv"], ring.C, axis=2)], batch_shape)
@@ -384,13 +392,22 @@ def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out
 
 def _in_specs(ring, key_table, value_table, consts):
     x = _spec(ring, "TNH")
-    return (x, x, x, _table_spec(ring, key_table), _table_spec(ring, value_table),
-            tuple(PartitionSpec() for _ in consts), PartitionSpec(), _spec(ring, "B"))
+    return (
+        x,
+        x,
+        x,
+        _table_spec(ring, key_table),
+        _table_spec(ring, value_table),
+        tuple(PartitionSpec() for _ in consts),
+        PartitionSpec(),
+        _spec(ring, "B"),
+    )
 
 
 def _shard_map(ring, body, in_specs, out_specs):
-    return jax.shard_map(functools.partial(body, ring), mesh=ring.mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)
+    return jax.shard_map(
+        functools.partial(body, ring), mesh=ring.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+    )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -447,13 +464,26 @@ def _check_divides(name, size, parts, what):
         checks.fail(name, f"{what} divisible by {parts}", size)
 
 
-def ring_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
-                   value: Float[ArrayLike, "*#B S K Hv"], *, mesh, sequence_axis=None, batch_axis=None,
-                   head_axis=None, is_causal=False, key_value_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
-                   key_table: Float[ArrayLike, "R H"] | Float[ArrayLike, "R N H"] | None = None,
-                   value_table: Float[ArrayLike, "R Hv"] | Float[ArrayLike, "R N Hv"] | None = None,
-                   max_distance=None, position_bias=None, scale=None, load_balance=True, block_size=None,
-                   precision=None) -> Attended:
+def ring_attention(
+    query: Float[ArrayLike, "*#B T N H"],
+    key: Float[ArrayLike, "*#B S K H"],
+    value: Float[ArrayLike, "*#B S K Hv"],
+    *,
+    mesh,
+    sequence_axis=None,
+    batch_axis=None,
+    head_axis=None,
+    is_causal=False,
+    key_value_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
+    key_table: Float[ArrayLike, "R H"] | Float[ArrayLike, "R N H"] | None = None,
+    value_table: Float[ArrayLike, "R Hv"] | Float[ArrayLike, "R N Hv"] | None = None,
+    max_distance=None,
+    position_bias=None,
+    scale=None,
+    load_balance=True,
+    block_size=None,
+    precision=None,
+) -> Attended:
     """Attention sharded over a device mesh: sequence-parallel (ring), data- and head-parallel.
 
     query [...,T,N,H], key [...,S,K,H], value [...,S,K,Hv] are global arrays (placed on the mesh or
@@ -505,12 +535,39 @@ def ring_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "
         dummy_q, dummy_k = jnp.arange(Tb, dtype=jnp.int32), jnp.arange(Sb, dtype=jnp.int32)
         bias_fn, consts = blockwise.convert_hook(position_bias, dummy_q, dummy_k, 1, N, Tb, Sb, acc_dtype)
 
-    engine = _engine_config(Tb=Tb, Sb=Sb, N=Nl, mask=MaskRule(is_causal=bool(is_causal)),
-                            max_distance=max_distance, contiguous=True, precision=precision, bias_fn=bias_fn)
+    engine = _engine_config(
+        Tb=Tb,
+        Sb=Sb,
+        N=Nl,
+        mask=MaskRule(is_causal=bool(is_causal)),
+        max_distance=max_distance,
+        contiguous=True,
+        precision=precision,
+        bias_fn=bias_fn,
+    )
     m = pieces_per_chunk(Ckp // Sb, C) if D > 1 else 1
-    ring = _Ring(mesh, sequence_axis, batch_axis, head_axis, D, C, len(batch), T, S, Cq, Ck, Cqp, Ckp, N, Nl,
-                 m, Ckp // m, lengths is not None or Ckp != Ck, engine)
-    scale = jnp.asarray(H ** -0.5 if scale is None else scale, acc_dtype)
+    ring = _Ring(
+        mesh,
+        sequence_axis,
+        batch_axis,
+        head_axis,
+        D,
+        C,
+        len(batch),
+        T,
+        S,
+        Cq,
+        Ck,
+        Cqp,
+        Ckp,
+        N,
+        Nl,
+        m,
+        Ckp // m,
+        lengths is not None or Ckp != Ck,
+        engine,
+    )
+    scale = jnp.asarray(H**-0.5 if scale is None else scale, acc_dtype)
 
     query, key, value = (jnp.broadcast_to(x, (*batch, *x.shape[-3:])) for x in (query, key, value))
     return _ring_core(ring, query, key, value, key_table, value_table, consts, scale, lengths)
@@ -526,6 +583,10 @@ def _check_split(mesh, dims, sequence_axis, batch_axis, head_axis, balance):
     _check_divides("key", dims.K, Dh, f"heads K (head_axis {head_axis!r})")
     C = 2 if balance and D > 1 else 1
     for name, L, letter in (("query", dims.T, "T"), ("key", dims.S, "S")):
-        _check_divides(name, L, C * D, f"length {letter} (sequence_axis {sequence_axis!r}"
-                       + (", zigzag causal layout" if C == 2 else "") + ")")
+        _check_divides(
+            name,
+            L,
+            C * D,
+            f"length {letter} (sequence_axis {sequence_axis!r}" + (", zigzag causal layout" if C == 2 else "") + ")",
+        )
     return C, Db, Dh

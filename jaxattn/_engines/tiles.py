@@ -74,8 +74,11 @@ def block_sizes(block_size, T: int, S: int, rows: int, span: Optional[int] = Non
         block_size = _evened(T, S, query_block, key_block)
     if isinstance(block_size, (int, np.integer)) and not isinstance(block_size, bool):
         block_size = (block_size, block_size)
-    ok = (isinstance(block_size, (tuple, list)) and len(block_size) == 2
-          and all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b > 0 for b in block_size))
+    ok = (
+        isinstance(block_size, (tuple, list))
+        and len(block_size) == 2
+        and all(isinstance(b, (int, np.integer)) and not isinstance(b, bool) and b > 0 for b in block_size)
+    )
     if not ok:
         checks.fail("block_size", "a positive int or a pair (query_block, key_block)", repr(block_size))
     return min(int(block_size[0]), T), min(int(block_size[1]), S)
@@ -132,6 +135,7 @@ def check_block_mask_tiles(block_mask, block_size) -> tuple:
     T, S = block_mask.query_length, block_mask.key_length
     tiles = tuple(block_mask.block_size)
     if block_size is not None and block_sizes(block_size, T, S, 1) != tiles:
-        checks.fail("block_mask", f"tiles of block_size={block_size!r} (or block_size=None)",
-                    f"a BlockMask of tiles {tiles}")
+        checks.fail(
+            "block_mask", f"tiles of block_size={block_size!r} (or block_size=None)", f"a BlockMask of tiles {tiles}"
+        )
     return tiles

@@ -56,18 +56,27 @@ def _check_inputs(query, key, value, g, beta, initial_state):
     *_, T, K, H = query.shape
     *_, _, N, Hv = value.shape
     if key.shape[-3:] != query.shape[-3:]:
-        checks.fail("key", f"shape [...,{T},{K},{H}] (as query [...,T,K,H]={shape_str(query.shape)})",
-                    f"shape {shape_str(key.shape)}")
+        checks.fail(
+            "key",
+            f"shape [...,{T},{K},{H}] (as query [...,T,K,H]={shape_str(query.shape)})",
+            f"shape {shape_str(key.shape)}",
+        )
     if value.shape[-3] != T:
         checks.fail("value", f"shape [...,{T},N,Hv] (T={T} as in query)", f"shape {shape_str(value.shape)}")
     if N % K != 0:
-        checks.fail("value", f"a number of value heads N that the K={K} query/key heads divide",
-                    f"N={N} in shape {shape_str(value.shape)}")
+        checks.fail(
+            "value",
+            f"a number of value heads N that the K={K} query/key heads divide",
+            f"N={N} in shape {shape_str(value.shape)}",
+        )
     for name, x in (("g", g), ("beta", beta)):
         checks.check_min_rank(name, x, 2, "[...,T,N]")
         if x.shape[-2:] != (T, N):
-            checks.fail(name, f"shape [...,{T},{N}] ([...,T,N] as value {shape_str(value.shape)})",
-                        f"shape {shape_str(x.shape)}")
+            checks.fail(
+                name,
+                f"shape [...,{T},{N}] ([...,T,N] as value {shape_str(value.shape)})",
+                f"shape {shape_str(x.shape)}",
+            )
     checks.check_same_dtype(("query", "key", "value"), (query, key, value))
     for name, x in (("query", query), ("g", g), ("beta", beta)):
         checks.check_float(name, x)
@@ -76,9 +85,12 @@ def _check_inputs(query, key, value, g, beta, initial_state):
     if initial_state is not None:
         checks.check_min_rank("initial_state", initial_state, 3, "[...,N,H,Hv]")
         if initial_state.shape[-3:] != (N, H, Hv):
-            checks.fail("initial_state", f"shape [...,{N},{H},{Hv}] ([...,N,H,Hv] for value "
-                        f"{shape_str(value.shape)} and query {shape_str(query.shape)})",
-                        f"shape {shape_str(initial_state.shape)}")
+            checks.fail(
+                "initial_state",
+                f"shape [...,{N},{H},{Hv}] ([...,N,H,Hv] for value "
+                f"{shape_str(value.shape)} and query {shape_str(query.shape)})",
+                f"shape {shape_str(initial_state.shape)}",
+            )
         checks.check_float("initial_state", initial_state)
         shapes.append(initial_state.shape[:-3])
         names.append("initial_state")
@@ -87,7 +99,7 @@ def _check_inputs(query, key, value, g, beta, initial_state):
 
 
 def _scale(scale, H):
-    return H ** -0.5 if scale is None else scale
+    return H**-0.5 if scale is None else scale
 
 
 def _prepare(query, key, value, g, beta, initial_state, scale):
@@ -164,11 +176,13 @@ def _chunked(q, k, v, g, beta, state, C):
     *batch, T, K, G, Hv = v.shape
     pad = -T % C
     if pad:  # padding tokens: g = 0, beta = 0 keep the state; their outputs are dropped
-        q, k, v, g, beta = (jnp.pad(x, [(0, 0)] * len(batch) + [(0, pad)] + [(0, 0)] * (x.ndim - len(batch) - 1))
-                            for x in (q, k, v, g, beta))
+        q, k, v, g, beta = (
+            jnp.pad(x, [(0, 0)] * len(batch) + [(0, pad)] + [(0, 0)] * (x.ndim - len(batch) - 1))
+            for x in (q, k, v, g, beta)
+        )
     n = len(batch)
     # [...,T,...] -> [nC,...,C,...]: the chunk index leads (the scan's axis)
-    chunks = lambda x: jnp.moveaxis(x.reshape(*batch, -1, C, *x.shape[n + 1:]), n, 0)
+    chunks = lambda x: jnp.moveaxis(x.reshape(*batch, -1, C, *x.shape[n + 1 :]), n, 0)
     q, k, v, g, beta = map(chunks, (q, k, v, g, beta))
     gamma = jnp.cumsum(g, axis=n + 1)  # [nC,...,C,K,G]: cumulative log decay within each chunk
     i = jnp.arange(C)
@@ -194,8 +208,7 @@ def _chunked(q, k, v, g, beta, state, C):
     def scan_chunk(s0, xs):
         w_v, w_k, q_decayed, k_to_end, attn, chunk_decay = xs
         u = w_v - jnp.einsum("...kgch,...kghv->...kgcv", w_k, s0)  # the delta-rule updates
-        out = (jnp.einsum("...ckgh,...kghv->...ckgv", q_decayed, s0)
-               + jnp.einsum("...ijkg,...kgjv->...ikgv", attn, u))
+        out = jnp.einsum("...ckgh,...kghv->...ckgv", q_decayed, s0) + jnp.einsum("...ijkg,...kgjv->...ikgv", attn, u)
         s1 = chunk_decay[..., None, None] * s0 + jnp.einsum("...ckgh,...kgcv->...kghv", k_to_end, u)
         return s1, out
 
@@ -204,12 +217,19 @@ def _chunked(q, k, v, g, beta, state, C):
     return out[..., :T, :, :, :], state
 
 
-def gated_delta_rule(query: Float[ArrayLike, "*#B T K H"], key: Float[ArrayLike, "*#B T K H"],
-                     value: Float[ArrayLike, "*#B T N Hv"], g: Float[ArrayLike, "*#B T N"],
-                     beta: Float[ArrayLike, "*#B T N"], *, scale=None,
-                     initial_state: Float[ArrayLike, "*#B N H Hv"] | None = None, chunk_size=None,
-                     return_state=False, implementation=None,
-                     ) -> Float[Array, "*#B T N Hv"] | tuple[Float[Array, "*#B T N Hv"], Float[Array, "*#B N H Hv"]]:
+def gated_delta_rule(
+    query: Float[ArrayLike, "*#B T K H"],
+    key: Float[ArrayLike, "*#B T K H"],
+    value: Float[ArrayLike, "*#B T N Hv"],
+    g: Float[ArrayLike, "*#B T N"],
+    beta: Float[ArrayLike, "*#B T N"],
+    *,
+    scale=None,
+    initial_state: Float[ArrayLike, "*#B N H Hv"] | None = None,
+    chunk_size=None,
+    return_state=False,
+    implementation=None,
+) -> Float[Array, "*#B T N Hv"] | tuple[Float[Array, "*#B T N Hv"], Float[Array, "*#B N H Hv"]]:
     """Gated delta-rule linear attention (module docstring has the recurrence).
 
     query [...,T,K,H], key [...,T,K,H], value [...,T,N,Hv], g [...,T,N] (log decay), beta [...,T,N];
@@ -235,16 +255,23 @@ def gated_delta_rule(query: Float[ArrayLike, "*#B T K H"], key: Float[ArrayLike,
     return out
 
 
-def gated_delta_rule_step(query: Float[ArrayLike, "*#B K H"], key: Float[ArrayLike, "*#B K H"],
-                          value: Float[ArrayLike, "*#B N Hv"], g: Float[ArrayLike, "*#B N"],
-                          beta: Float[ArrayLike, "*#B N"], state: Float[ArrayLike, "*#B N H Hv"], *, scale=None,
-                          ) -> tuple[Float[Array, "*#B N Hv"], Float[Array, "*#B N H Hv"]]:
+def gated_delta_rule_step(
+    query: Float[ArrayLike, "*#B K H"],
+    key: Float[ArrayLike, "*#B K H"],
+    value: Float[ArrayLike, "*#B N Hv"],
+    g: Float[ArrayLike, "*#B N"],
+    beta: Float[ArrayLike, "*#B N"],
+    state: Float[ArrayLike, "*#B N H Hv"],
+    *,
+    scale=None,
+) -> tuple[Float[Array, "*#B N Hv"], Float[Array, "*#B N H Hv"]]:
     """One decode token: query/key [...,K,H], value [...,N,Hv], g/beta [...,N], state [...,N,H,Hv]
     -> (out [...,N,Hv], new state [...,N,H,Hv]): gated_delta_rule on T = 1 with initial_state=state."""
     query, key, value, g, beta, state = map(jnp.asarray, (query, key, value, g, beta, state))
     expand = lambda x, axes=-3: jnp.expand_dims(x, axes)  # add the T axis of one token
-    q, k, v, g, beta, s = _prepare(expand(query), expand(key), expand(value), expand(g, -2), expand(beta, -2),
-                                   state, scale)
+    q, k, v, g, beta, s = _prepare(
+        expand(query), expand(key), expand(value), expand(g, -2), expand(beta, -2), state, scale
+    )
     s, out = _step(s, q[..., 0, :, :], k[..., 0, :, :], v[..., 0, :, :, :], g[..., 0, :, :], beta[..., 0, :, :])
     *batch, K, G, Hv = out.shape
     return out.reshape(*batch, K * G, Hv).astype(value.dtype), s.reshape(*batch, K * G, *s.shape[-2:])
@@ -255,10 +282,15 @@ def gated_delta_rule_step(query: Float[ArrayLike, "*#B K H"], key: Float[ArrayLi
 ACTIVATIONS = {None: lambda x: x, "silu": jax.nn.silu}
 
 
-def causal_conv1d(x: Float[ArrayLike, "*#B T E"], weight: Float[ArrayLike, "E W"],
-                  bias: Float[ArrayLike, " E"] | None = None, *, state: Float[ArrayLike, "*#B _W1 E"] | None = None,
-                  activation="silu", return_state=False,
-                  ) -> Float[Array, "*#B T E"] | tuple[Float[Array, "*#B T E"], Float[Array, "*#B _W1 E"]]:
+def causal_conv1d(
+    x: Float[ArrayLike, "*#B T E"],
+    weight: Float[ArrayLike, "E W"],
+    bias: Float[ArrayLike, " E"] | None = None,
+    *,
+    state: Float[ArrayLike, "*#B _W1 E"] | None = None,
+    activation="silu",
+    return_state=False,
+) -> Float[Array, "*#B T E"] | tuple[Float[Array, "*#B T E"], Float[Array, "*#B _W1 E"]]:
     """Causal depthwise convolution over T (Qwen3-Next's short conv on the mixed q/k/v features):
 
         y[t,e] = act(bias[e] + sum_w weight[e,w] x[t - (W - 1) + w, e])
@@ -281,24 +313,33 @@ def causal_conv1d(x: Float[ArrayLike, "*#B T E"], weight: Float[ArrayLike, "E W"
     state = jnp.asarray(state)
     checks.check_min_rank("state", state, 2, "[...,W-1,E]")
     if state.shape[-2:] != (W - 1, E):
-        checks.fail("state", f"shape [...,{W - 1},{E}] ([...,W-1,E] for weight {shape_str(weight.shape)})",
-                    f"shape {shape_str(state.shape)}")
+        checks.fail(
+            "state",
+            f"shape [...,{W - 1},{E}] ([...,W-1,E] for weight {shape_str(weight.shape)})",
+            f"shape {shape_str(state.shape)}",
+        )
     batch = tuple(checks.broadcast_batch(("x", "state"), (batch, state.shape[:-2])))
-    window = jnp.concatenate([jnp.broadcast_to(state, batch + state.shape[-2:]).astype(acc_dtype),
-                              jnp.broadcast_to(x, batch + x.shape[-2:]).astype(acc_dtype)], axis=-2)  # [...,W-1+T,E]
-    y = sum(window[..., w:w + T, :] * weight[:, w].astype(acc_dtype) for w in range(W))
+    window = jnp.concatenate(
+        [
+            jnp.broadcast_to(state, batch + state.shape[-2:]).astype(acc_dtype),
+            jnp.broadcast_to(x, batch + x.shape[-2:]).astype(acc_dtype),
+        ],
+        axis=-2,
+    )  # [...,W-1+T,E]
+    y = sum(window[..., w : w + T, :] * weight[:, w].astype(acc_dtype) for w in range(W))
     if bias is not None:
         bias = jnp.asarray(bias)
         checks.check_shape("bias", bias, (E,), "[E]")
         y = y + bias.astype(acc_dtype)
     y = ACTIVATIONS[activation](y).astype(x.dtype)
     if return_state:
-        return y, window[..., window.shape[-2] - (W - 1):, :].astype(x.dtype)
+        return y, window[..., window.shape[-2] - (W - 1) :, :].astype(x.dtype)
     return y
 
 
-def gated_rms_norm(x: Float[ArrayLike, "*#B F"], gate: Float[ArrayLike, "*#B F"], weight: Float[ArrayLike, " F"], *,
-                   eps: float = 1e-6) -> Float[Array, "*#B F"]:
+def gated_rms_norm(
+    x: Float[ArrayLike, "*#B F"], gate: Float[ArrayLike, "*#B F"], weight: Float[ArrayLike, " F"], *, eps: float = 1e-6
+) -> Float[Array, "*#B F"]:
     """Qwen3-Next's gated output norm (Qwen3NextRMSNormGated), over the last axis F:
 
         weight * x / sqrt(mean(x^2) + eps) * silu(gate)

@@ -51,24 +51,41 @@ def _empty_rows(T, lengths, causal, window):
     return lo > hi
 
 
-def attention(query, key, value, *, interpret=False, is_causal=False, scale=None, precision=None,
-              key_value_seq_lengths=None, window=None):
+def attention(
+    query,
+    key,
+    value,
+    *,
+    interpret=False,
+    is_causal=False,
+    scale=None,
+    precision=None,
+    key_value_seq_lengths=None,
+    window=None,
+):
     """jax.nn.dot_product_attention(implementation="cudnn") over [...,T,N,H] inputs (module docstring)."""
     del interpret, precision  # no interpreter for cuDNN; it computes at its own (float32-accumulating) precision
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     batch, T, S, N, _, _, Hv = checks.check_qkv(query, key, value)
     window = mods.check_window(window)
     B = int(np.prod(batch, dtype=np.int64))
-    flat = lambda x: x.reshape(B, *x.shape[len(batch):])  # noqa: E731
+    flat = lambda x: x.reshape(B, *x.shape[len(batch) :])  # noqa: E731
     lengths = None
     if key_value_seq_lengths is not None:
         lengths = jnp.asarray(key_value_seq_lengths)
         checks.check_int("key_value_seq_lengths", lengths)
         lengths = jnp.broadcast_to(lengths, batch).reshape(B).astype(jnp.int32)
     local = None if window is None else tuple(S if side is None else side for side in window)
-    out = jax.nn.dot_product_attention(flat(query), flat(key), flat(value), scale=scale, is_causal=bool(is_causal),
-                                       key_value_seq_lengths=lengths, local_window_size=local,
-                                       implementation="cudnn")
+    out = jax.nn.dot_product_attention(
+        flat(query),
+        flat(key),
+        flat(value),
+        scale=scale,
+        is_causal=bool(is_causal),
+        key_value_seq_lengths=lengths,
+        local_window_size=local,
+        implementation="cudnn",
+    )
     if lengths is not None:
         out = jnp.where(_empty_rows(T, lengths, bool(is_causal), window)[:, :, None, None], 0, out)
     return out.reshape(*batch, T, N, Hv).astype(value.dtype)

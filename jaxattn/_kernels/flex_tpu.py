@@ -65,8 +65,9 @@ def unsupported(query, key, value, *, interpret=False, **options) -> Optional[st
     if np.dtype(getattr(query, "dtype", np.float32)).itemsize > 4:
         return "dtype"
     block_mask = options.get("block_mask")
-    if block_mask is not None and (not _tiles_ok(getattr(block_mask, "block_size", ()))
-                                   or getattr(block_mask, "mask_consts", ())):
+    if block_mask is not None and (
+        not _tiles_ok(getattr(block_mask, "block_size", ())) or getattr(block_mask, "mask_consts", ())
+    ):
         return "block_mask"
     for name in ("score_mod", "mask_mod"):
         fn = options.get(name)
@@ -141,10 +142,16 @@ def _forward(p: pallas_gpu.Prepared, interpret: bool):
         for c, x in enumerate(consts):
             inputs[f"{prefix}{c}"] = (x, spec(x.shape, lambda b, n, i, nd=x.ndim: (0,) * nd))
     acc_dtype = accumulation_dtype(q.dtype)
-    outputs = {"out": (jax.ShapeDtypeStruct((B, N, Tp, Hvp), q.dtype),
-                       spec((None, None, cfg.Tb, Hvp), lambda b, n, i: (b, n, i, 0))),
-               "lse": (jax.ShapeDtypeStruct((B, N, 1, Tp), acc_dtype),
-                       spec((None, None, 1, cfg.Tb), lambda b, n, i: (b, n, 0, i)))}
+    outputs = {
+        "out": (
+            jax.ShapeDtypeStruct((B, N, Tp, Hvp), q.dtype),
+            spec((None, None, cfg.Tb, Hvp), lambda b, n, i: (b, n, i, 0)),
+        ),
+        "lse": (
+            jax.ShapeDtypeStruct((B, N, 1, Tp), acc_dtype),
+            spec((None, None, 1, cfg.Tb), lambda b, n, i: (b, n, 0, i)),
+        ),
+    }
     names = tuple(scalars) + tuple(inputs) + tuple(outputs)
 
     def kernel(*refs):
@@ -162,12 +169,19 @@ def _forward(p: pallas_gpu.Prepared, interpret: bool):
         pallas_gpu.forward_kernel(cfg, r)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=n_scalars, grid=(B, N, cfg.Tn), in_specs=[s for _, s in inputs.values()],
-        out_specs=[s for _, s in outputs.values()])
+        num_scalar_prefetch=n_scalars,
+        grid=(B, N, cfg.Tn),
+        in_specs=[s for _, s in inputs.values()],
+        out_specs=[s for _, s in outputs.values()],
+    )
     out, lse = pl.pallas_call(
-        kernel, grid_spec=grid_spec, out_shape=[shape for shape, _ in outputs.values()], interpret=interpret,
+        kernel,
+        grid_spec=grid_spec,
+        out_shape=[shape for shape, _ in outputs.values()],
+        interpret=interpret,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
-        name="jaxattn_flex_tpu_forward")(*scalars.values(), *[x for x, _ in inputs.values()])
+        name="jaxattn_flex_tpu_forward",
+    )(*scalars.values(), *[x for x, _ in inputs.values()])
     return jnp.swapaxes(out, 1, 2), lse[:, :, 0]
 
 
@@ -177,8 +191,12 @@ def attention(query, key, value, *, interpret=False, **options):
     option it cannot express (unsupported)."""
     problem = unsupported(query, key, value, interpret=interpret, **options)
     if problem is not None:
-        checks.fail("implementation", f'the XLA engines ("dense", "blockwise" or None) with {problem}: the Pallas '
-                    "TPU flex kernel cannot express it", '"pallas_tpu"')
+        checks.fail(
+            "implementation",
+            f'the XLA engines ("dense", "blockwise" or None) with {problem}: the Pallas '
+            "TPU flex kernel cannot express it",
+            '"pallas_tpu"',
+        )
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     o = {k: v for k, v in options.items() if k != "block_size"}  # the kernel's tiles are its own
     if query.shape[-3] == 0 or key.shape[-3] == 0:
@@ -198,8 +216,9 @@ def attention(query, key, value, *, interpret=False, **options):
     @jax.custom_vjp
     def run(query, key, value, sinks, consts):
         opts = keywords(sinks, consts)
-        p = pallas_gpu.prepare(query, key, value, opts, interpret, blocks=blocks,
-                               head_multiple=None if interpret else LANES)
+        p = pallas_gpu.prepare(
+            query, key, value, opts, interpret, blocks=blocks, head_multiple=None if interpret else LANES
+        )
         out, lse = _forward(p, interpret)
         return pallas_gpu.finish(p, out, lse, bool(opts.get("return_lse", False)))
 
@@ -207,8 +226,10 @@ def attention(query, key, value, *, interpret=False, **options):
         return run(*args), args
 
     def run_bwd(args, cotangent):  # the XLA blockwise engine's backward (it recomputes its own forward)
-        return jax.vjp(lambda query, key, value, sinks, consts: blockwise_attention(
-            query, key, value, **keywords(sinks, consts)), *args)[1](cotangent)
+        return jax.vjp(
+            lambda query, key, value, sinks, consts: blockwise_attention(query, key, value, **keywords(sinks, consts)),
+            *args,
+        )[1](cotangent)
 
     run.defvjp(run_fwd, run_bwd)
     return run(query, key, value, sinks, consts)

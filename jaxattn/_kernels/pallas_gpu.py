@@ -44,11 +44,26 @@ from jax.experimental.pallas import triton as plgpu
 from .._core import block_mask as block_masks
 from .._core import checks, mods
 from .._core.dtypes import accumulation_dtype
-from .._core.masks import (CLEAN, MASKED, WITH_MOD, MaskRule, allowed_pairs, check_lengths, key_block_kinds,
-                           masks_anything)
+from .._core.masks import (
+    CLEAN,
+    MASKED,
+    WITH_MOD,
+    MaskRule,
+    allowed_pairs,
+    check_lengths,
+    key_block_kinds,
+    masks_anything,
+)
 from .._core.positions import positions
-from .._core.softmax import (add_sinks, combine_partials, empty_partial, finalize_partial, has_keys, merge_partials,
-                             public_lse)
+from .._core.softmax import (
+    add_sinks,
+    combine_partials,
+    empty_partial,
+    finalize_partial,
+    has_keys,
+    merge_partials,
+    public_lse,
+)
 from .._engines.blockwise import blockwise_attention, grid_options_in_use
 from .._engines.tiles import check_block_mask_tiles
 
@@ -62,10 +77,32 @@ MAX_HEAD_DIM = 256
 
 # Keywords whose terms need the full [T,S] grid or relative-position tables: the XLA engines take them.
 _TABLE_OPTIONS = ("key_table", "value_table", "position_bias")
-_OPTIONS = {"is_causal", "key_value_seq_lengths", "query_positions", "key_positions", "scale", "precision",
-            "block_size", "query_segment_ids", "key_segment_ids", "window", "chunk_size", "logit_softcap", "sinks",
-            "score_mod", "mask_mod", "block_mask", "return_lse", "max_distance", "bias", "mask", "dropout_rate",
-            "dropout_rng", "return_weights", *_TABLE_OPTIONS}
+_OPTIONS = {
+    "is_causal",
+    "key_value_seq_lengths",
+    "query_positions",
+    "key_positions",
+    "scale",
+    "precision",
+    "block_size",
+    "query_segment_ids",
+    "key_segment_ids",
+    "window",
+    "chunk_size",
+    "logit_softcap",
+    "sinks",
+    "score_mod",
+    "mask_mod",
+    "block_mask",
+    "return_lse",
+    "max_distance",
+    "bias",
+    "mask",
+    "dropout_rate",
+    "dropout_rng",
+    "return_weights",
+    *_TABLE_OPTIONS,
+}
 
 
 class Config(NamedTuple):
@@ -139,13 +176,17 @@ def unsupported(query, key, value, *, interpret=False, **options) -> Optional[st
     for name in _TABLE_OPTIONS:
         if options.get(name) is not None:
             return name
-    in_use = grid_options_in_use(**{k: options[k] for k in ("bias", "mask", "dropout_rate", "dropout_rng",
-                                                             "return_weights") if k in options})
+    in_use = grid_options_in_use(
+        **{k: options[k] for k in ("bias", "mask", "dropout_rate", "dropout_rng", "return_weights") if k in options}
+    )
     if in_use:
         return in_use[0]
     scale = options.get("scale")
-    if scale is not None and not isinstance(scale, numbers.Real) and (
-            isinstance(scale, jax.core.Tracer) or np.ndim(scale) != 0):
+    if (
+        scale is not None
+        and not isinstance(scale, numbers.Real)
+        and (isinstance(scale, jax.core.Tracer) or np.ndim(scale) != 0)
+    ):
         return "scale"
     if interpret:
         return None
@@ -178,8 +219,9 @@ def unsupported(query, key, value, *, interpret=False, **options) -> Optional[st
 def _dot(a, b, cfg, contract=(1, 0)):
     """a @ b over a's axis contract[0] and b's axis contract[1], accumulated in float32 (or wider)."""
     acc_dtype = accumulation_dtype(a.dtype)
-    return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())), precision=cfg.precision,
-                           preferred_element_type=acc_dtype)
+    return lax.dot_general(
+        a, b, (((contract[0],), (contract[1],)), ((), ())), precision=cfg.precision, preferred_element_type=acc_dtype
+    )
 
 
 def _capped_logits(cfg, q, k):
@@ -310,8 +352,17 @@ def _dq_kernel(cfg: Config, r):
         k, v, kp = r["k"][keys, :], r["v"][keys, :], r["k_pos"][keys]
         k_seg = None if q_seg is None else r["k_seg"][keys]
         allowed = _allowed(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
-        _, ds, d_c = _logit_grads(cfg, b, n, qp, kp, _capped_logits(cfg, q, k), score_consts,
-                                  lambda x: _row_grads(cfg, x, lse, allowed, do, v, delta), True)
+        _, ds, d_c = _logit_grads(
+            cfg,
+            b,
+            n,
+            qp,
+            kp,
+            _capped_logits(cfg, q, k),
+            score_consts,
+            lambda x: _row_grads(cfg, x, lse, allowed, do, v, delta),
+            True,
+        )
         dq = dq + _dot(ds.astype(k.dtype), k, cfg)
         if d_c is not None:
             d_consts = tuple(a + g.astype(a.dtype) for a, g in zip(d_consts, d_c))
@@ -342,8 +393,17 @@ def _dkv_kernel(cfg: Config, r):
         lse, delta, qp = r["lse"][g, rows], r["delta"][g, rows], r["q_pos"][rows]
         q_seg = None if k_seg is None else r["q_seg"][rows]
         allowed = _allowed(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
-        p, ds, _ = _logit_grads(cfg, b, n, qp, kp, _capped_logits(cfg, q, k), score_consts,
-                                lambda x: _row_grads(cfg, x, lse, allowed, do, v, delta), False)
+        p, ds, _ = _logit_grads(
+            cfg,
+            b,
+            n,
+            qp,
+            kp,
+            _capped_logits(cfg, q, k),
+            score_consts,
+            lambda x: _row_grads(cfg, x, lse, allowed, do, v, delta),
+            False,
+        )
         dv = dv + _dot(p.astype(do.dtype), do, cfg, (0, 0))
         dk = dk + _dot(ds.astype(q.dtype), q, cfg, (0, 0))
         return dk, dv
@@ -351,8 +411,13 @@ def _dkv_kernel(cfg: Config, r):
     carry = (jnp.zeros(k.shape, acc_dtype), jnp.zeros(v.shape, acc_dtype))
     for g in range(G):  # the query heads sharing key/value head kh
         h = g if cfg.head_kinds else 0
-        carry = _visit(cfg, lambda kind, h=h: r["t_counts"][h, kind], lambda idx, h=h: r["t_order"][h, idx],
-                       functools.partial(query_tile, g), carry)
+        carry = _visit(
+            cfg,
+            lambda kind, h=h: r["t_counts"][h, kind],
+            lambda idx, h=h: r["t_order"][h, idx],
+            functools.partial(query_tile, g),
+            carry,
+        )
     r["dk"][...] = carry[0].astype(r["dk"].dtype)
     r["dv"][...] = carry[1].astype(r["dv"].dtype)
 
@@ -370,11 +435,16 @@ def _call(cfg, kernel, grid, inputs, outputs, name):
     def body(*refs):
         kernel(cfg, dict(zip(names, refs)))
 
-    return pl.pallas_call(body, grid=grid, in_specs=[spec for _, spec in inputs.values()],
-                          out_specs=[spec for _, spec in outputs.values()],
-                          out_shape=[shape for shape, _ in outputs.values()], interpret=cfg.interpret,
-                          compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=2),
-                          name=name)(*[x for x, _ in inputs.values()])
+    return pl.pallas_call(
+        body,
+        grid=grid,
+        in_specs=[spec for _, spec in inputs.values()],
+        out_specs=[spec for _, spec in outputs.values()],
+        out_shape=[shape for shape, _ in outputs.values()],
+        interpret=cfg.interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=2),
+        name=name,
+    )(*[x for x, _ in inputs.values()])
 
 
 def _whole(x):
@@ -396,22 +466,31 @@ def _row_inputs(cfg, side, Hp, Hvp):
     inputs = {
         "q_pos": (side.q_pos, pl.BlockSpec((None, cfg.Tb), lambda b, n, i: (pick(bq, b), i))),
         "k_pos": (side.k_pos, pl.BlockSpec((None, Sp), lambda b, n, i: (pick(bk, b), 0))),
-        "lengths": None if side.lengths is None else (
-            side.lengths, pl.BlockSpec((None,), lambda b, n, i: (pick(bl, b),))),
-        "q_seg": None if side.q_seg is None else (
-            side.q_seg, pl.BlockSpec((None, cfg.Tb), lambda b, n, i: (pick(bs, b), i))),
-        "k_seg": None if side.k_seg is None else (
-            side.k_seg, pl.BlockSpec((None, Sp), lambda b, n, i: (pick(bs, b), 0))),
-        "order": (side.order, pl.BlockSpec((None, None, None, cfg.Sn),
-                                           lambda b, n, i: (pick(bsched, b), pick(cfg.head_kinds, n), i, 0))),
-        "counts": (side.counts, pl.BlockSpec((None, None, None, 4),
-                                             lambda b, n, i: (pick(bsched, b), pick(cfg.head_kinds, n), i, 0))),
+        "lengths": None
+        if side.lengths is None
+        else (side.lengths, pl.BlockSpec((None,), lambda b, n, i: (pick(bl, b),))),
+        "q_seg": None
+        if side.q_seg is None
+        else (side.q_seg, pl.BlockSpec((None, cfg.Tb), lambda b, n, i: (pick(bs, b), i))),
+        "k_seg": None
+        if side.k_seg is None
+        else (side.k_seg, pl.BlockSpec((None, Sp), lambda b, n, i: (pick(bs, b), 0))),
+        "order": (
+            side.order,
+            pl.BlockSpec((None, None, None, cfg.Sn), lambda b, n, i: (pick(bsched, b), pick(cfg.head_kinds, n), i, 0)),
+        ),
+        "counts": (
+            side.counts,
+            pl.BlockSpec((None, None, None, 4), lambda b, n, i: (pick(bsched, b), pick(cfg.head_kinds, n), i, 0)),
+        ),
     }
     inputs.update({f"score{c}": _whole(x) for c, x in enumerate(side.score_consts)})
     inputs.update({f"mask{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
-    specs = dict(q=pl.BlockSpec((None, cfg.Tb, None, Hp), lambda b, n, i: (b, i, n, 0)),
-                 k=pl.BlockSpec((None, Sp, None, Hp), lambda b, n, i: (b, 0, n // G, 0)),
-                 v=pl.BlockSpec((None, Sp, None, Hvp), lambda b, n, i: (b, 0, n // G, 0)))
+    specs = dict(
+        q=pl.BlockSpec((None, cfg.Tb, None, Hp), lambda b, n, i: (b, i, n, 0)),
+        k=pl.BlockSpec((None, Sp, None, Hp), lambda b, n, i: (b, 0, n // G, 0)),
+        v=pl.BlockSpec((None, Sp, None, Hvp), lambda b, n, i: (b, 0, n // G, 0)),
+    )
     return inputs, specs
 
 
@@ -424,10 +503,16 @@ def _forward(cfg, q, k, v, side):
     if side.sinks is not None:
         inputs["sinks"] = (side.sinks, pl.BlockSpec((None, None), lambda b, n, i: (b, n)))
     acc_dtype = accumulation_dtype(q.dtype)
-    outputs = {"out": (jax.ShapeDtypeStruct((B, Tp, N, Hvp), q.dtype),
-                       pl.BlockSpec((None, cfg.Tb, None, Hvp), lambda b, n, i: (b, i, n, 0))),
-               "lse": (jax.ShapeDtypeStruct((B, N, Tp), acc_dtype),
-                       pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i)))}
+    outputs = {
+        "out": (
+            jax.ShapeDtypeStruct((B, Tp, N, Hvp), q.dtype),
+            pl.BlockSpec((None, cfg.Tb, None, Hvp), lambda b, n, i: (b, i, n, 0)),
+        ),
+        "lse": (
+            jax.ShapeDtypeStruct((B, N, Tp), acc_dtype),
+            pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i)),
+        ),
+    }
     return tuple(_call(cfg, forward_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_forward"))
 
 
@@ -453,17 +538,26 @@ def _flash_bwd(cfg, res, cotangents):
     delta = jnp.einsum("btnv,btnv->bnt", d_out.astype(acc_dtype), out.astype(acc_dtype)) - d_lse.astype(acc_dtype)
 
     inputs, specs = _row_inputs(cfg, side, Hp, Hvp)
-    inputs.update(q=(q, specs["q"]), k=(k, specs["k"]), v=(v, specs["v"]),
-                  do=(d_out, pl.BlockSpec((None, cfg.Tb, None, Hvp), lambda b, n, i: (b, i, n, 0))),
-                  lse=(lse, pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i))),
-                  delta=(delta, pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i))))
+    inputs.update(
+        q=(q, specs["q"]),
+        k=(k, specs["k"]),
+        v=(v, specs["v"]),
+        do=(d_out, pl.BlockSpec((None, cfg.Tb, None, Hvp), lambda b, n, i: (b, i, n, 0))),
+        lse=(lse, pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i))),
+        delta=(delta, pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i))),
+    )
     floats = [c for c, g in zip(side.score_consts, cfg.score_grads) if g]
-    outputs = {"dq": (jax.ShapeDtypeStruct(q.shape, q.dtype),
-                      pl.BlockSpec((None, cfg.Tb, None, Hp), lambda b, n, i: (b, i, n, 0)))}
+    outputs = {
+        "dq": (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            pl.BlockSpec((None, cfg.Tb, None, Hp), lambda b, n, i: (b, i, n, 0)),
+        )
+    }
     for c, x in enumerate(floats):  # partial sums per (b, n, query tile), added up below
-        outputs[f"d_score{c}"] = (jax.ShapeDtypeStruct((B, N, cfg.Tn, *x.shape), acc_dtype),
-                                  pl.BlockSpec((None, None, None, *x.shape),
-                                               lambda b, n, i, nd=x.ndim: (b, n, i) + (0,) * nd))
+        outputs[f"d_score{c}"] = (
+            jax.ShapeDtypeStruct((B, N, cfg.Tn, *x.shape), acc_dtype),
+            pl.BlockSpec((None, None, None, *x.shape), lambda b, n, i, nd=x.ndim: (b, n, i) + (0,) * nd),
+        )
     dq, *d_floats = _call(cfg, _dq_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_dq")
 
     bq, bk, bs, bl, bsched = cfg.batched
@@ -477,33 +571,49 @@ def _flash_bwd(cfg, res, cotangents):
         "v": (v, pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0))),
         "q_pos": (side.q_pos, pl.BlockSpec((None, Tp), lambda b, h, j: (pick(bq, b), 0))),
         "k_pos": (side.k_pos, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bk, b), j))),
-        "lengths": None if side.lengths is None else (
-            side.lengths, pl.BlockSpec((None,), lambda b, h, j: (pick(bl, b),))),
-        "q_seg": None if side.q_seg is None else (
-            side.q_seg, pl.BlockSpec((None, Tp), lambda b, h, j: (pick(bs, b), 0))),
-        "k_seg": None if side.k_seg is None else (
-            side.k_seg, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bs, b), j))),
-        "t_order": (side.t_order, pl.BlockSpec((None, heads, None, cfg.Tn),
-                                               lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0))),
-        "t_counts": (side.t_counts, pl.BlockSpec((None, heads, None, 4),
-                                                 lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0))),
+        "lengths": None
+        if side.lengths is None
+        else (side.lengths, pl.BlockSpec((None,), lambda b, h, j: (pick(bl, b),))),
+        "q_seg": None
+        if side.q_seg is None
+        else (side.q_seg, pl.BlockSpec((None, Tp), lambda b, h, j: (pick(bs, b), 0))),
+        "k_seg": None
+        if side.k_seg is None
+        else (side.k_seg, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bs, b), j))),
+        "t_order": (
+            side.t_order,
+            pl.BlockSpec((None, heads, None, cfg.Tn), lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0)),
+        ),
+        "t_counts": (
+            side.t_counts,
+            pl.BlockSpec((None, heads, None, 4), lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0)),
+        ),
     }
     kv_inputs.update({f"score{c}": _whole(x) for c, x in enumerate(side.score_consts)})
     kv_inputs.update({f"mask{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
-    kv_outputs = {"dk": (jax.ShapeDtypeStruct(k.shape, k.dtype),
-                         pl.BlockSpec((None, cfg.Sb, None, Hp), lambda b, h, j: (b, j, h, 0))),
-                  "dv": (jax.ShapeDtypeStruct(v.shape, v.dtype),
-                         pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0)))}
+    kv_outputs = {
+        "dk": (
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            pl.BlockSpec((None, cfg.Sb, None, Hp), lambda b, h, j: (b, j, h, 0)),
+        ),
+        "dv": (
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0)),
+        ),
+    }
     dk, dv = _call(cfg, _dkv_kernel, (B, K, cfg.Sn), kv_inputs, kv_outputs, "jaxattn_flash_dkv")
 
     d_sinks = None
     if side.sinks is not None:  # d out_t / d sink = -p_sink[t] out_t, so d sink = -sum_t p_sink[t] delta_t
         d_sinks = -jnp.sum(jnp.exp(side.sinks[..., None] - lse) * delta, axis=-1).astype(side.sinks.dtype)
     it = iter(d_floats)
-    d_score = tuple(jnp.sum(next(it), axis=(0, 1, 2)).astype(c.dtype) if g else None
-                    for c, g in zip(side.score_consts, cfg.score_grads))
-    d_side = Side(None, None, None, None, None, d_sinks, d_score, tuple(None for _ in side.mask_consts),
-                  None, None, None, None)
+    d_score = tuple(
+        jnp.sum(next(it), axis=(0, 1, 2)).astype(c.dtype) if g else None
+        for c, g in zip(side.score_consts, cfg.score_grads)
+    )
+    d_side = Side(
+        None, None, None, None, None, d_sinks, d_score, tuple(None for _ in side.mask_consts), None, None, None, None
+    )
     return dq, dk, dv, d_side
 
 
@@ -569,9 +679,18 @@ def _tile_kinds(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds):
     kp, ks, ln = rows(k_pos, Sn * Sb), rows(k_seg, Sn * Sb), rows(lengths)
 
     def one(qp, kp, ln, qs, ks, tk=None):  # one (batch, head, query tile)
-        return key_block_kinds(rule, qp, kp, None if ln is None else ln[None], Sb, Sn,
-                               query_segments=None if qs is None else qs[None],
-                               key_segments=None if ks is None else ks[None], block_kinds=tk, mask_mod=mask_mod)
+        return key_block_kinds(
+            rule,
+            qp,
+            kp,
+            None if ln is None else ln[None],
+            Sb,
+            Sn,
+            query_segments=None if qs is None else qs[None],
+            key_segments=None if ks is None else ks[None],
+            block_kinds=tk,
+            mask_mod=mask_mod,
+        )
 
     tiles = (0, None, None, 0, None)
     if tile_kinds is None:
@@ -584,8 +703,11 @@ def _sorted_kinds(kinds):
     """(order, counts) over the last axis: the tiles' indices sorted by kind (WITH_MOD, MASKED, CLEAN, then
     skipped ones), and how many of each kind ([...,4]; the last, SKIPPED, is never read)."""
     order = jnp.argsort(kinds, axis=-1, stable=True).astype(jnp.int32)
-    counts = jnp.stack([jnp.sum(kinds == kind, axis=-1, dtype=jnp.int32) for kind in (WITH_MOD, MASKED, CLEAN)]
-                       + [jnp.zeros(kinds.shape[:-1], jnp.int32)], axis=-1)
+    counts = jnp.stack(
+        [jnp.sum(kinds == kind, axis=-1, dtype=jnp.int32) for kind in (WITH_MOD, MASKED, CLEAN)]
+        + [jnp.zeros(kinds.shape[:-1], jnp.int32)],
+        axis=-1,
+    )
     return order, counts
 
 
@@ -633,14 +755,34 @@ def _checked_call(query, key, value, o) -> _Call:
     sinks = mods.check_sinks(o.get("sinks"), batch, N, acc_dtype)
     if sinks is not None:
         sinks = jnp.broadcast_to(sinks, (*batch, N)).reshape(B, N).astype(acc_dtype)
-    rule = MaskRule(is_causal=bool(o.get("is_causal", False)), window=mods.check_window(o.get("window")),
-                    chunk_size=mods.check_chunk_size(o.get("chunk_size")))
+    rule = MaskRule(
+        is_causal=bool(o.get("is_causal", False)),
+        window=mods.check_window(o.get("window")),
+        chunk_size=mods.check_chunk_size(o.get("chunk_size")),
+    )
     precision = o.get("precision")
     if precision == "highest":
         precision = lax.Precision.HIGHEST
-    scale = H ** -0.5 if o.get("scale") is None else float(o["scale"])
-    return _Call(tuple(batch), T, S, N, K, H, Hv, q_pos, k_pos, lengths, q_seg, k_seg, sinks, rule, scale,
-                 mods.check_softcap(o.get("logit_softcap")), precision)
+    scale = H**-0.5 if o.get("scale") is None else float(o["scale"])
+    return _Call(
+        tuple(batch),
+        T,
+        S,
+        N,
+        K,
+        H,
+        Hv,
+        q_pos,
+        k_pos,
+        lengths,
+        q_seg,
+        k_seg,
+        sinks,
+        rule,
+        scale,
+        mods.check_softcap(o.get("logit_softcap")),
+        precision,
+    )
 
 
 def _padded_rows(call: _Call, Tp: int, Sp: int):
@@ -682,8 +824,11 @@ def flash_attention(query, key, value, *, interpret=False, **options):
 def _attention(query, key, value, interpret, options, split_keys: bool):
     problem = unsupported(query, key, value, interpret=interpret, **options)
     if problem is not None:
-        checks.fail("implementation", f'the XLA engines ("dense", "blockwise" or None) with {problem}: the Pallas '
-                    "GPU kernel cannot express it", '"pallas_gpu"')
+        checks.fail(
+            "implementation",
+            f'the XLA engines ("dense", "blockwise" or None) with {problem}: the Pallas GPU kernel cannot express it',
+            '"pallas_gpu"',
+        )
     o = dict(options)
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value)
@@ -755,15 +900,31 @@ def prepare(query, key, value, o, interpret, blocks=None, head_multiple=None) ->
     mask_consts = () if mask_fn is None else tuple(jnp.asarray(c) for c in mask_fn.consts)
 
     Bs = max([1] + [x.shape[0] for x in (q_pos, k_pos, lengths, q_seg, tile_kinds) if x is not None])
-    cfg = Config(Tb=Tb, Sb=Sb, Tn=Tn, Sn=Sn, N=N, K=K, rule=call.rule, scale=call.scale, softcap=call.softcap,
-                 score_fn=None if score_fn is None else score_fn.fn, mask_fn=None if mask_fn is None else mask_fn.fn,
-                 score_grads=mods.differentiable(score_consts), n_mask_consts=len(mask_consts),
-                 batched=(), head_kinds=tile_kinds is not None and tile_kinds.shape[1] > 1,
-                 precision=call.precision, interpret=bool(interpret), num_warps=4 if max(Hp, Hvp) <= 64 else 8)
+    cfg = Config(
+        Tb=Tb,
+        Sb=Sb,
+        Tn=Tn,
+        Sn=Sn,
+        N=N,
+        K=K,
+        rule=call.rule,
+        scale=call.scale,
+        softcap=call.softcap,
+        score_fn=None if score_fn is None else score_fn.fn,
+        mask_fn=None if mask_fn is None else mask_fn.fn,
+        score_grads=mods.differentiable(score_consts),
+        n_mask_consts=len(mask_consts),
+        batched=(),
+        head_kinds=tile_kinds is not None and tile_kinds.shape[1] > 1,
+        precision=call.precision,
+        interpret=bool(interpret),
+        num_warps=4 if max(Hp, Hvp) <= 64 else 8,
+    )
     order, counts, t_order, t_counts = _schedules(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds)
     cfg = cfg._replace(batched=tuple(x is not None and x.shape[0] > 1 for x in (q_pos, k_pos, q_seg, lengths, order)))
-    side = Side(q_pos, k_pos, lengths, q_seg, k_seg, call.sinks, score_consts, mask_consts, order, counts, t_order,
-                t_counts)
+    side = Side(
+        q_pos, k_pos, lengths, q_seg, k_seg, call.sinks, score_consts, mask_consts, order, counts, t_order, t_counts
+    )
 
     q = _kernel_layout(query, batch, T, Tp, Hp)
     k, v = _kernel_layout(key, batch, S, Sp, Hp), _kernel_layout(value, batch, S, Sp, Hvp)
@@ -787,8 +948,14 @@ DECODE_MIN_CHUNK = 256  # keys per program at least (a power of two): fewer woul
 # Options the decode kernel does not take (the flash kernel does: attention() routes such calls there).
 _NOT_DECODE = ("score_mod", "mask_mod", "block_mask")
 # Array-valued options (the custom VJP's differentiable / integer inputs).
-_ARRAY_OPTIONS = ("query_positions", "key_positions", "key_value_seq_lengths", "query_segment_ids",
-                  "key_segment_ids", "sinks")
+_ARRAY_OPTIONS = (
+    "query_positions",
+    "key_positions",
+    "key_value_seq_lengths",
+    "query_segment_ids",
+    "key_segment_ids",
+    "sinks",
+)
 
 
 def decode_unsupported(query, key, value, *, interpret=False, **options) -> Optional[str]:
@@ -815,11 +982,9 @@ def use_decode(query, key, value, *, interpret=False, **options) -> bool:
         return False
     *batch, T, N, H = np.shape(query)
     S, K = np.shape(key)[-3], np.shape(key)[-2]
-    Tb, _ = tile_sizes(options.get("block_size"), T, S, _padded_head(max(H, np.shape(value)[-1]), interpret),
-                       interpret)
+    Tb, _ = tile_sizes(options.get("block_size"), T, S, _padded_head(max(H, np.shape(value)[-1]), interpret), interpret)
     flash_programs = int(np.prod(batch, dtype=np.int64)) * N * -(-T // Tb)
-    return (T * (N // K) <= DECODE_MAX_ROWS and flash_programs < DECODE_PROGRAMS
-            and S >= 2 * DECODE_MIN_CHUNK)
+    return T * (N // K) <= DECODE_MAX_ROWS and flash_programs < DECODE_PROGRAMS and S >= 2 * DECODE_MIN_CHUNK
 
 
 def decode_tiles(block_size, key_chunk, B: int, K: int, S: int, Hp: int, interpret: bool) -> tuple:
@@ -829,17 +994,34 @@ def decode_tiles(block_size, key_chunk, B: int, K: int, S: int, Hp: int, interpr
     if key_chunk is None:
         wanted = -(-DECODE_PROGRAMS // max(B * K, 1))
         return Sb, max(Sb, DECODE_MIN_CHUNK, _next_power_of_two(-(-S // wanted)))
-    if isinstance(key_chunk, bool) or not isinstance(key_chunk, numbers.Integral) or key_chunk <= 0 or (
-            key_chunk % Sb) or (not interpret and not _is_power_of_two(key_chunk)):
-        checks.fail("key_chunk", f"a multiple of the key tile {Sb} ({'' if interpret else 'a power of two, '}> 0)",
-                    repr(key_chunk))
+    if (
+        isinstance(key_chunk, bool)
+        or not isinstance(key_chunk, numbers.Integral)
+        or key_chunk <= 0
+        or (key_chunk % Sb)
+        or (not interpret and not _is_power_of_two(key_chunk))
+    ):
+        checks.fail(
+            "key_chunk",
+            f"a multiple of the key tile {Sb} ({'' if interpret else 'a power of two, '}> 0)",
+            repr(key_chunk),
+        )
     return Sb, int(key_chunk)
 
 
 def _decode_kernel(cfg: Config, r):
     b, c = pl.program_id(0), pl.program_id(2)
-    (out,), m, l = _key_tiles(cfg, r, b, None, r["q"][...], r["q_pos"][...], _load(r, "q_seg"), _load(r, "lengths"),
-                              key_start=c * cfg.Sn * cfg.Sb)
+    (out,), m, l = _key_tiles(
+        cfg,
+        r,
+        b,
+        None,
+        r["q"][...],
+        r["q_pos"][...],
+        _load(r, "q_seg"),
+        _load(r, "lengths"),
+        key_start=c * cfg.Sn * cfg.Sb,
+    )
     r["out"][...], r["m"][...], r["l"][...] = out, m, l
 
 
@@ -862,10 +1044,14 @@ def _decode_partials(cfg, q, k, v, q_pos, k_pos, lengths, q_seg, k_seg, order, c
     }
     acc_dtype = accumulation_dtype(q.dtype)
     rows = pl.BlockSpec((None, None, None, Rp), lambda b, h, c: (b, h, c, 0))
-    outputs = {"out": (jax.ShapeDtypeStruct((B, K, C, Rp, Hvp), acc_dtype),
-                       pl.BlockSpec((None, None, None, Rp, Hvp), lambda b, h, c: (b, h, c, 0, 0))),
-               "m": (jax.ShapeDtypeStruct((B, K, C, Rp), acc_dtype), rows),
-               "l": (jax.ShapeDtypeStruct((B, K, C, Rp), acc_dtype), rows)}
+    outputs = {
+        "out": (
+            jax.ShapeDtypeStruct((B, K, C, Rp, Hvp), acc_dtype),
+            pl.BlockSpec((None, None, None, Rp, Hvp), lambda b, h, c: (b, h, c, 0, 0)),
+        ),
+        "m": (jax.ShapeDtypeStruct((B, K, C, Rp), acc_dtype), rows),
+        "l": (jax.ShapeDtypeStruct((B, K, C, Rp), acc_dtype), rows),
+    }
     return tuple(_call(cfg, _decode_kernel, (B, K, C), inputs, outputs, "jaxattn_decode_split_key"))
 
 
@@ -876,8 +1062,11 @@ def decode_attention(query, key, value, *, interpret=False, key_chunk=None, **op
     (decode_unsupported) raises ValueError naming the option."""
     problem = decode_unsupported(query, key, value, interpret=interpret, **options)
     if problem is not None:
-        checks.fail("implementation", f"the flash kernel or the XLA engines with {problem}: the split-key decode "
-                    "kernel cannot express it", '"pallas_gpu" decode_attention')
+        checks.fail(
+            "implementation",
+            f"the flash kernel or the XLA engines with {problem}: the split-key decode kernel cannot express it",
+            '"pallas_gpu" decode_attention',
+        )
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     call = _checked_call(query, key, value, options)
     batch, T, S, N, K, H, Hv = call[:7]
@@ -892,22 +1081,41 @@ def decode_attention(query, key, value, *, interpret=False, key_chunk=None, **op
     q_pos, k_pos, lengths, q_seg, k_seg = _padded_rows(call, T, C * Sc)
 
     Bs = max([1] + [x.shape[0] for x in (q_pos, k_pos, lengths, q_seg) if x is not None])
-    cfg = Config(Tb=T, Sb=Sb, Tn=1, Sn=C * tiles, N=N, K=K, rule=call.rule, scale=call.scale, softcap=call.softcap,
-                 score_fn=None, mask_fn=None, score_grads=(), n_mask_consts=0, batched=(), head_kinds=False,
-                 precision=call.precision, interpret=bool(interpret), num_warps=4 if max(Hp, Hvp) <= 64 else 8)
+    cfg = Config(
+        Tb=T,
+        Sb=Sb,
+        Tn=1,
+        Sn=C * tiles,
+        N=N,
+        K=K,
+        rule=call.rule,
+        scale=call.scale,
+        softcap=call.softcap,
+        score_fn=None,
+        mask_fn=None,
+        score_grads=(),
+        n_mask_consts=0,
+        batched=(),
+        head_kinds=False,
+        precision=call.precision,
+        interpret=bool(interpret),
+        num_warps=4 if max(Hp, Hvp) <= 64 else 8,
+    )
     kinds = _tile_kinds(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, None)[:, 0, 0]  # all T rows: one tile
     order, counts = _sorted_kinds(kinds.reshape(kinds.shape[0], C, tiles))  # per chunk, chunk-local indices
 
     def group_rows(x):  # [B|1,T] -> [B|1,Rp]: each row's value for the G heads, edge-padded
         return None if x is None else jnp.pad(jnp.tile(x, (1, G)), [(0, 0), (0, Rp - R)], mode="edge")
 
-    cfg = cfg._replace(Tb=Rp, Sn=tiles, batched=tuple(x is not None and x.shape[0] > 1
-                                                      for x in (q_pos, k_pos, q_seg, lengths, order)))
+    cfg = cfg._replace(
+        Tb=Rp, Sn=tiles, batched=tuple(x is not None and x.shape[0] > 1 for x in (q_pos, k_pos, q_seg, lengths, order))
+    )
     q = _kernel_layout(query, batch, T, T, Hp).reshape(B, T, K, G, Hp)
     q = jnp.pad(q.transpose(0, 2, 3, 1, 4).reshape(B, K, R, Hp), [(0, 0), (0, 0), (0, Rp - R), (0, 0)])
     k, v = _kernel_layout(key, batch, S, C * Sc, Hp), _kernel_layout(value, batch, S, C * Sc, Hvp)
-    out, m, l = _decode_partials(cfg, q, k, v, group_rows(q_pos), k_pos, lengths, group_rows(q_seg), k_seg,
-                                 order, counts)
+    out, m, l = _decode_partials(
+        cfg, q, k, v, group_rows(q_pos), k_pos, lengths, group_rows(q_seg), k_seg, order, counts
+    )
     (out,), m, l = merge_partials(((out[:, :, :, :R],), m[..., :R], l[..., :R]), axis=2)  # [B,K,R,Hvp], [B,K,R]
     heads = lambda x: x.reshape(B, N, T, *x.shape[3:])  # noqa: E731  [B,K,G*T,...] -> [B,N,T,...]
     partial = add_sinks(((heads(out),), heads(m), heads(l)), None if call.sinks is None else call.sinks[..., None])

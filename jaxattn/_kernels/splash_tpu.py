@@ -43,8 +43,19 @@ from .._core.masks import allowed_keys
 LANES = 128  # splash's tiles are multiples of the TPU lane width
 MAX_BLOCK = 512
 # The options splash expresses (with their defaults, every other blockwise option must be unset).
-HANDLED = ("is_causal", "scale", "precision", "query_segment_ids", "key_segment_ids", "key_value_seq_lengths",
-           "window", "chunk_size", "logit_softcap", "sinks", "return_lse")
+HANDLED = (
+    "is_causal",
+    "scale",
+    "precision",
+    "query_segment_ids",
+    "key_segment_ids",
+    "key_value_seq_lengths",
+    "window",
+    "chunk_size",
+    "logit_softcap",
+    "sinks",
+    "return_lse",
+)
 # With one query row (a decode step) every mask keyword is one vector over the keys per batch entry, which
 # segment ids carry exactly: explicit positions too, and lengths with segment ids.
 ONE_ROW = ("query_positions", "key_positions")
@@ -62,8 +73,11 @@ def unsupported(query, key, value, *, interpret=False, **options):
             return name
     if options.get("return_lse"):
         return "return_lse"
-    if not one_row and options.get("key_value_seq_lengths") is not None and (
-            options.get("query_segment_ids") is not None or options.get("key_segment_ids") is not None):
+    if (
+        not one_row
+        and options.get("key_value_seq_lengths") is not None
+        and (options.get("query_segment_ids") is not None or options.get("key_segment_ids") is not None)
+    ):
         return "key_value_seq_lengths (with segment ids)"
     if min(np.shape(query)[-3], np.shape(key)[-3]) == 0:
         return "query (an empty sequence)"
@@ -185,10 +199,26 @@ def _one_row_keys(batch, S, **mask_options):
     return jnp.where(jnp.broadcast_to(allowed, (*batch, 1, 1, S))[..., 0, 0, :], 0, 1).astype(jnp.int32)
 
 
-def attention(query, key, value, *, interpret=False, is_causal=False, scale=None, precision=None,
-              query_segment_ids=None, key_segment_ids=None, key_value_seq_lengths=None, window=None,
-              chunk_size=None, logit_softcap=None, sinks=None, return_lse=False, query_positions=None,
-              key_positions=None):
+def attention(
+    query,
+    key,
+    value,
+    *,
+    interpret=False,
+    is_causal=False,
+    scale=None,
+    precision=None,
+    query_segment_ids=None,
+    key_segment_ids=None,
+    key_value_seq_lengths=None,
+    window=None,
+    chunk_size=None,
+    logit_softcap=None,
+    sinks=None,
+    return_lse=False,
+    query_positions=None,
+    key_positions=None,
+):
     """Splash attention over [...,T,N,H] inputs, with our semantics (module docstring)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
@@ -203,12 +233,24 @@ def attention(query, key, value, *, interpret=False, is_causal=False, scale=None
     if key_value_seq_lengths is not None:
         checks.check_int("key_value_seq_lengths", jnp.asarray(key_value_seq_lengths))
     sinks = mods.check_sinks(sinks, batch, N, jnp.float32)
-    if T == 1 and (query_positions is not None or key_positions is not None or
-                   (key_value_seq_lengths is not None and q_seg is not None)):
+    if T == 1 and (
+        query_positions is not None
+        or key_positions is not None
+        or (key_value_seq_lengths is not None and q_seg is not None)
+    ):
         # one query row: its allowed keys become key segment ids (queries 0), the rule's keywords spent
-        k_seg = _one_row_keys(batch, S, is_causal=is_causal, key_value_seq_lengths=key_value_seq_lengths,
-                              query_positions=query_positions, key_positions=key_positions, window=window,
-                              chunk_size=chunk_size, query_segments=q_seg, key_segments=k_seg)
+        k_seg = _one_row_keys(
+            batch,
+            S,
+            is_causal=is_causal,
+            key_value_seq_lengths=key_value_seq_lengths,
+            query_positions=query_positions,
+            key_positions=key_positions,
+            window=window,
+            chunk_size=chunk_size,
+            query_segments=q_seg,
+            key_segments=k_seg,
+        )
         q_seg = None if k_seg is None else jnp.zeros((*batch, 1), jnp.int32)
         is_causal, window, chunk, key_value_seq_lengths = False, None, None, None
 
@@ -220,14 +262,22 @@ def attention(query, key, value, *, interpret=False, is_causal=False, scale=None
     block_kv, Sp = _blocks(S + rule.dummy)
     ids = _segment_ids(rule, batch, T, S, Tp, Sp, block_q, q_seg, k_seg, key_value_seq_lengths, static_rows)
 
-    blocks = splash.BlockSizes(block_q=block_q, block_kv=block_kv, block_kv_compute=block_kv, block_q_dkv=block_q,
-                               block_kv_dkv=block_kv, block_kv_dkv_compute=block_kv, block_q_dq=block_q,
-                               block_kv_dq=block_kv)
+    blocks = splash.BlockSizes(
+        block_q=block_q,
+        block_kv=block_kv,
+        block_kv_compute=block_kv,
+        block_q_dkv=block_q,
+        block_kv_dkv=block_kv,
+        block_kv_dkv_compute=block_kv,
+        block_q_dq=block_q,
+        block_kv_dq=block_kv,
+    )
     mask = masks.MultiHeadMask([_splash_mask(rule, Tp, Sp)] * N)
-    kernel = splash.make_splash_mha(mask, block_sizes=blocks, attn_logits_soft_cap=cap, head_shards=1,
-                                    q_seq_shards=1, interpret=interpret)
+    kernel = splash.make_splash_mha(
+        mask, block_sizes=blocks, attn_logits_soft_cap=cap, head_shards=1, q_seq_shards=1, interpret=interpret
+    )
 
-    scale = H ** -0.5 if scale is None else scale
+    scale = H**-0.5 if scale is None else scale
     q = (query.astype(jnp.float32) * scale).astype(query.dtype)
 
     def heads_first(x, length, padded):  # [...,L,heads,F] -> [B,heads,padded,F], zeros in the padding

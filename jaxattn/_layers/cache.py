@@ -21,9 +21,11 @@ from .._core import checks
 def init(batch_shape, max_length: int, num_kv_heads: int, head_dim: int, value_head_dim: int, dtype):
     """(cached_key, cached_value, cache_index) of zeros: an empty cache of max_length slots."""
     batch_shape = tuple(batch_shape)
-    return (jnp.zeros((*batch_shape, max_length, num_kv_heads, head_dim), dtype),
-            jnp.zeros((*batch_shape, max_length, num_kv_heads, value_head_dim), dtype),
-            jnp.zeros(batch_shape, jnp.int32))
+    return (
+        jnp.zeros((*batch_shape, max_length, num_kv_heads, head_dim), dtype),
+        jnp.zeros((*batch_shape, max_length, num_kv_heads, value_head_dim), dtype),
+        jnp.zeros(batch_shape, jnp.int32),
+    )
 
 
 def _is_concrete(x) -> bool:
@@ -34,11 +36,19 @@ def _check_step(cached_key, cached_value, index, key, value, lengths, rolling=Fa
     *batch, L, K, H = cached_key.shape
     name_shape = checks.shape_str
     if tuple(key.shape[:-3]) != tuple(batch) or tuple(key.shape[-2:]) != (K, H):
-        checks.fail("key (decode)", f"shape [{','.join(map(str, batch))}{',' if batch else ''}T,{K},{H}] "
-                     f"to fit the cache {name_shape(cached_key.shape)} [...,L,K,H]", f"shape {name_shape(key.shape)}")
+        checks.fail(
+            "key (decode)",
+            f"shape [{','.join(map(str, batch))}{',' if batch else ''}T,{K},{H}] "
+            f"to fit the cache {name_shape(cached_key.shape)} [...,L,K,H]",
+            f"shape {name_shape(key.shape)}",
+        )
     if tuple(value.shape[:-1]) != tuple(key.shape[:-1]) or value.shape[-1] != cached_value.shape[-1]:
-        checks.fail("value (decode)", f"shape {name_shape((*key.shape[:-1], cached_value.shape[-1]))} to fit "
-                     f"the cache {name_shape(cached_value.shape)} [...,L,K,Hv]", f"shape {name_shape(value.shape)}")
+        checks.fail(
+            "value (decode)",
+            f"shape {name_shape((*key.shape[:-1], cached_value.shape[-1]))} to fit "
+            f"the cache {name_shape(cached_value.shape)} [...,L,K,Hv]",
+            f"shape {name_shape(value.shape)}",
+        )
     T = key.shape[-3]
     if T > L and not rolling:  # a rolling cache takes any number of tokens (it keeps the newest)
         checks.fail("decode", f"at most L={L} new tokens per call (the cache's length)", f"T={T}")
@@ -49,8 +59,7 @@ def _check_step(cached_key, cached_value, index, key, value, lengths, rolling=Fa
     if _is_concrete(lengths) and (jnp.any(lengths < 0) or jnp.any(lengths > T)):
         checks.fail("key_value_seq_lengths (decode)", f"counts of new tokens in [0, T={T}]", lengths)
     if not rolling and _is_concrete(index) and jnp.any(index + T > L):
-        checks.fail("decode", f"room in the cache: index + T <= L={L}",
-                     f"index {index.tolist()} with T={T} new tokens")
+        checks.fail("decode", f"room in the cache: index + T <= L={L}", f"index {index.tolist()} with T={T} new tokens")
 
 
 def write(cached_key, cached_value, index, key, value, lengths=None):
@@ -67,8 +76,7 @@ def write(cached_key, cached_value, index, key, value, lengths=None):
     fresh = ((offset >= 0) & (offset < T))[..., None, None]
     take = jnp.clip(offset, 0, T - 1)[..., None, None]
     new_key = jnp.where(fresh, jnp.take_along_axis(key.astype(cached_key.dtype), take, axis=-3), cached_key)
-    new_value = jnp.where(fresh, jnp.take_along_axis(value.astype(cached_value.dtype), take, axis=-3),
-                          cached_value)
+    new_value = jnp.where(fresh, jnp.take_along_axis(value.astype(cached_value.dtype), take, axis=-3), cached_value)
     attend = {
         "is_causal": True,
         "query_positions": index[..., None] + jnp.arange(T, dtype=jnp.int32),
@@ -109,8 +117,11 @@ def rolling_write(cached_key, cached_value, index, key, value, lengths=None):
     new_pos = jnp.where(t < lengths[..., None], index[..., None] + t, UNSEEN)  # [...,T]
     keys = jnp.concatenate([cached_key, key.astype(cached_key.dtype)], axis=-3)
     values = jnp.concatenate([cached_value, value.astype(cached_value.dtype)], axis=-3)
-    attend = {"is_causal": True, "query_positions": index[..., None] + t,
-              "key_positions": jnp.concatenate([slot_pos, new_pos], axis=-1)}
+    attend = {
+        "is_causal": True,
+        "query_positions": index[..., None] + t,
+        "key_positions": jnp.concatenate([slot_pos, new_pos], axis=-1),
+    }
     # slot s now holds the newest real position p <= index + lengths - 1 with p % W == s
     last = index + lengths - 1
     newest = last[..., None] - jnp.mod(last[..., None] - slots, W)  # [...,W]

@@ -21,8 +21,15 @@ from .._core.positions import positions as absolute_positions
 from .._schemes.rope import apply_rope
 from .._schemes.shaw import shaw_relative_attention
 from . import cache as kv_cache
-from .multihead import (head_dims, multi_head_attention, project_qkv, project_result, relative_multi_head_attention,
-                        relative_tables, with_param_sinks)
+from .multihead import (
+    head_dims,
+    multi_head_attention,
+    project_qkv,
+    project_result,
+    relative_multi_head_attention,
+    relative_tables,
+    with_param_sinks,
+)
 
 Initializer = Callable[[Any, tuple, Any], jax.Array]  # flax's convention: init(rng, shape, dtype)
 
@@ -87,8 +94,17 @@ def _positive(name, value):
     return value
 
 
-def resolve_dims(query_features, num_heads, head_dim=None, *, key_features=None, value_features=None,
-                 out_features=None, num_kv_heads=None, value_head_dim=None) -> Dims:
+def resolve_dims(
+    query_features,
+    num_heads,
+    head_dim=None,
+    *,
+    key_features=None,
+    value_features=None,
+    out_features=None,
+    num_kv_heads=None,
+    value_head_dim=None,
+) -> Dims:
     """Fill the defaults (as init_multi_head_attention does) and validate every size."""
     N = _positive("num_heads", num_heads)
     Eq = _positive("query_features", query_features)
@@ -100,20 +116,40 @@ def resolve_dims(query_features, num_heads, head_dim=None, *, key_features=None,
         checks.fail("num_kv_heads", f"a divisor of num_heads={N}", K)
     Ek = _positive("key_features", Eq if key_features is None else key_features)
     Ev = _positive("value_features", Ek if value_features is None else value_features)
-    return Dims(Eq=Eq, Ek=Ek, Ev=Ev, Eo=_positive("out_features", Eq if out_features is None else out_features),
-                N=N, K=K, H=H, Hv=_positive("value_head_dim", H if value_head_dim is None else value_head_dim))
+    return Dims(
+        Eq=Eq,
+        Ek=Ek,
+        Ev=Ev,
+        Eo=_positive("out_features", Eq if out_features is None else out_features),
+        N=N,
+        K=K,
+        H=H,
+        Hv=_positive("value_head_dim", H if value_head_dim is None else value_head_dim),
+    )
 
 
 def _one_of(ours: str, value, flax_name: str, flax_value):
     """One spelling of a size: ours, or flax's name for the same thing; both is an error."""
     if value is not None and flax_value is not None:
-        checks.fail(f"{ours}/{flax_name}", f"one of them ({flax_name} is flax's name for {ours})",
-                    f"{ours}={value!r} and {flax_name}={flax_value!r}")
+        checks.fail(
+            f"{ours}/{flax_name}",
+            f"one of them ({flax_name} is flax's name for {ours})",
+            f"{ours}={value!r} and {flax_name}={flax_value!r}",
+        )
     return flax_value if value is None else value
 
 
-def flax_sizes(num_heads, *, query_features=None, head_dim=None, key_features=None, value_features=None,
-               in_features=None, qkv_features=None, in_kv_features=None) -> dict:
+def flax_sizes(
+    num_heads,
+    *,
+    query_features=None,
+    head_dim=None,
+    key_features=None,
+    value_features=None,
+    in_features=None,
+    qkv_features=None,
+    in_kv_features=None,
+) -> dict:
     """Our size arguments from either spelling: flax's in_features = query_features, in_kv_features =
     key_features = value_features, qkv_features = num_heads * head_dim (flax's per-head dim is
     qkv_features // num_heads). Returns dict(query_features, head_dim, key_features, value_features)."""
@@ -125,8 +161,9 @@ def flax_sizes(num_heads, *, query_features=None, head_dim=None, key_features=No
         if total % N:
             checks.fail("qkv_features", f"a multiple of num_heads={N} (flax: num_heads * head_dim)", total)
         head_dim = _one_of("head_dim", head_dim, "qkv_features // num_heads", total // N)
-    return dict(query_features=query_features, head_dim=head_dim, key_features=key_features,
-                value_features=value_features)
+    return dict(
+        query_features=query_features, head_dim=head_dim, key_features=key_features, value_features=value_features
+    )
 
 
 def flat_kernel_init(init: Initializer, fan_in_dims: int) -> Initializer:
@@ -143,10 +180,19 @@ def flat_kernel_init(init: Initializer, fan_in_dims: int) -> Initializer:
     return kernel_init
 
 
-def param_specs(d: Dims, *, use_bias=True, add_bias_kv=False, kernel_init=default_kernel_init,
-                out_kernel_init=None, bias_init=default_bias_init, bias_kv_init=default_table_init,
-                relative: Optional[dict] = None, sinks_init: Optional[Initializer] = None,
-                out_bias_init: Optional[Initializer] = None) -> dict:
+def param_specs(
+    d: Dims,
+    *,
+    use_bias=True,
+    add_bias_kv=False,
+    kernel_init=default_kernel_init,
+    out_kernel_init=None,
+    bias_init=default_bias_init,
+    bias_kv_init=default_table_init,
+    relative: Optional[dict] = None,
+    sinks_init: Optional[Initializer] = None,
+    out_bias_init: Optional[Initializer] = None,
+) -> dict:
     """{group: {leaf: (shape, init)}} in DESIGN.md's layout; "sinks": (shape [N], init) at the top level.
 
     relative: None, or dict(max_distance, share_heads, use_key_table, use_value_table, table_init).
@@ -175,8 +221,9 @@ def param_specs(d: Dims, *, use_bias=True, add_bias_kv=False, kernel_init=defaul
             checks.fail("use_key_table/use_value_table", "at least one table", "neither")
         R, heads = 2 * max_distance + 1, (() if relative["share_heads"] else (d.N,))
         tables = {"key": (R, *heads, d.H), "value": (R, *heads, d.Hv)}
-        specs["relative"] = {name: (shape, relative["table_init"]) for name, shape in tables.items()
-                             if relative[f"use_{name}_table"]}
+        specs["relative"] = {
+            name: (shape, relative["table_init"]) for name, shape in tables.items() if relative[f"use_{name}_table"]
+        }
     if sinks_init is not None:
         specs["sinks"] = ((d.N,), sinks_init)
     return specs
@@ -257,8 +304,9 @@ def _project(params, query, key, value, precision, qk_norm):
     return (*qk_norm(q, k), v) if qk_norm is not None else (q, k, v)
 
 
-def _decode(params, query, key, value, cache, *, relative, precision, options, rope=None, rope_positions=None,
-            qk_norm=None):
+def _decode(
+    params, query, key, value, cache, *, relative, precision, options, rope=None, rope_positions=None, qk_norm=None
+):
     """Project, write the new keys/values into the cache, attend over all its slots, project out.
 
     With `rope` (and `qk_norm`), the new keys are normalised and rotated before they are written: the cache
@@ -285,8 +333,17 @@ def _decode(params, query, key, value, cache, *, relative, precision, options, r
         keys, values, new_cache = cached_key, cached_value, (cached_key, cached_value, index)
     if relative:
         key_table, value_table, max_distance = relative_tables(params)
-        result = shaw_relative_attention(q, keys, values, key_table, value_table,
-                                         max_distance=max_distance, precision=precision, **attend_kw, **options)
+        result = shaw_relative_attention(
+            q,
+            keys,
+            values,
+            key_table,
+            value_table,
+            max_distance=max_distance,
+            precision=precision,
+            **attend_kw,
+            **options,
+        )
     else:
         result = dot_product_attention(q, keys, values, precision=precision, **attend_kw, **options)
     result = project_result(params, result, precision=precision)
@@ -299,6 +356,7 @@ def poison_overflow(result, overflowed):
     """NaN in every output (and weight) of the examples whose cache overflowed (bool [...]), so a step past
     the cache never returns plausible numbers; the other examples are untouched. Outside jit the cache
     raises first; inside jit the index keeps counting past L, so every later step of that example is NaN too."""
+
     def poison(x, core_dims):
         flag = overflowed.reshape(overflowed.shape + (1,) * core_dims)
         return jnp.where(flag, jnp.asarray(jnp.nan, x.dtype), x)
@@ -321,8 +379,21 @@ def _attend_rotary(params, query, key, value, rope, rope_positions, precision, o
     return project_result(params, result, precision=precision)
 
 
-def attend(params, query, key, value, *, relative: bool, add_zero_attn=False, precision=None, cache=None,
-           rope: Optional[RoPE] = None, rope_positions=None, qk_norm: Optional[Callable] = None, **options):
+def attend(
+    params,
+    query,
+    key,
+    value,
+    *,
+    relative: bool,
+    add_zero_attn=False,
+    precision=None,
+    cache=None,
+    rope: Optional[RoPE] = None,
+    rope_positions=None,
+    qk_norm: Optional[Callable] = None,
+    **options,
+):
     """The layers' forward pass: (result, new_cache), new_cache None unless `cache` was given.
 
     Without a cache this IS multi_head_attention / relative_multi_head_attention (same numbers).
@@ -343,13 +414,26 @@ def attend(params, query, key, value, *, relative: bool, add_zero_attn=False, pr
             checks.fail(name, "None with relative tables, add_zero_attn or add_bias_kv", f"a {type(given).__name__}")
     if cache is not None:
         if add_zero_attn or "bias_kv" in params:
-            checks.fail("decode", "a layer without add_zero_attn / add_bias_kv (torch-only extras)",
-                         "a layer with them")
-        return _decode(params, query, key, value, cache, relative=relative, precision=precision, options=options,
-                       rope=rope, rope_positions=rope_positions, qk_norm=qk_norm)
+            checks.fail(
+                "decode", "a layer without add_zero_attn / add_bias_kv (torch-only extras)", "a layer with them"
+            )
+        return _decode(
+            params,
+            query,
+            key,
+            value,
+            cache,
+            relative=relative,
+            precision=precision,
+            options=options,
+            rope=rope,
+            rope_positions=rope_positions,
+            qk_norm=qk_norm,
+        )
     if rope is not None or qk_norm is not None:
         return _attend_rotary(params, query, key, value, rope, rope_positions, precision, options, qk_norm), None
     if relative:
         return relative_multi_head_attention(params, query, key, value, precision=precision, **options), None
-    return multi_head_attention(params, query, key, value, add_zero_attn=add_zero_attn, precision=precision,
-                                **options), None
+    return multi_head_attention(
+        params, query, key, value, add_zero_attn=add_zero_attn, precision=precision, **options
+    ), None

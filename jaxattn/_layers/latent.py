@@ -56,6 +56,7 @@ FORMS = ("absorbed", "expanded")
 class LatentQKV(NamedTuple):
     """What the projections give: q_nope [...,T,N,Hn], q_rope [...,T,N,R] (rotated), latent [...,T,C]
     (normalised), k_rope [...,T,R] (rotated)."""
+
     q_nope: jax.Array
     q_rope: jax.Array
     latent: jax.Array
@@ -76,8 +77,12 @@ def latent_dims(params):
     C, N, Hn = key_up.shape
     value_up = _kernel(params, "value_up", 3, "[C,N,Hv]")
     Hv = value_up.shape[2]
-    checks.check_shape("params['value_up']['kernel']", value_up, (C, N, Hv),
-                       f"[C,N,Hv] with C={C}, N={N} as in params['key_up']['kernel']")
+    checks.check_shape(
+        "params['value_up']['kernel']",
+        value_up,
+        (C, N, Hv),
+        f"[C,N,Hv] with C={C}, N={N} as in params['key_up']['kernel']",
+    )
     latent = _kernel(params, "latent", 2, "[E,C]")
     checks.check_dim("params['latent']['kernel']", latent, 1, C, f"[E,C] with C={C} as in params['key_up']")
     E = latent.shape[0]
@@ -87,13 +92,17 @@ def latent_dims(params):
     query_name = "query" if "query" in params else "query_up"
     query = _kernel(params, query_name, 3, "[E,N,Hn+R]" if query_name == "query" else "[Cq,N,Hn+R]")
     if query.shape[1:] != (N, Hn + R):
-        checks.fail(f"params['{query_name}']['kernel']", f"shape [..,{N},{Hn + R}] (N={N}, Hn+R={Hn}+{R} from "
-                    "params['key_up'] and params['key_rope'])", f"shape {checks.shape_str(query.shape)}")
+        checks.fail(
+            f"params['{query_name}']['kernel']",
+            f"shape [..,{N},{Hn + R}] (N={N}, Hn+R={Hn}+{R} from params['key_up'] and params['key_rope'])",
+            f"shape {checks.shape_str(query.shape)}",
+        )
     if query_name == "query_up":
         down = _kernel(params, "query_down", 2, "[E,Cq]")
         checks.check_shape("params['query_down']['kernel']", down, (E, query.shape[0]), "[E,Cq]")
-        checks.check_shape("params['query_norm']['scale']", jnp.asarray(params["query_norm"]["scale"]),
-                           (query.shape[0],), "[Cq]")
+        checks.check_shape(
+            "params['query_norm']['scale']", jnp.asarray(params["query_norm"]["scale"]), (query.shape[0],), "[Cq]"
+        )
     checks.check_shape("params['latent_norm']['scale']", jnp.asarray(params["latent_norm"]["scale"]), (C,), "[C]")
     out = _kernel(params, "out", 3, "[N,Hv,Eo]")
     checks.check_shape("params['out']['kernel']", out, (N, Hv, out.shape[2]), "[N,Hv,Eo]")
@@ -112,9 +121,18 @@ def rms_norm(x, scale, eps):
     return jnp.asarray(scale) * rms_normalize(x, eps).astype(x.dtype)
 
 
-def latent_projections(params, x, positions=None, *, rope_base: float = 10000.0, rope_layout: str = "interleaved",
-                       rope_frequencies=None, rope_attention_factor: float = 1.0, norm_eps: float = 1e-6,
-                       precision=None) -> LatentQKV:
+def latent_projections(
+    params,
+    x,
+    positions=None,
+    *,
+    rope_base: float = 10000.0,
+    rope_layout: str = "interleaved",
+    rope_frequencies=None,
+    rope_attention_factor: float = 1.0,
+    norm_eps: float = 1e-6,
+    precision=None,
+) -> LatentQKV:
     """x [...,T,E] -> LatentQKV(q_nope, q_rope, latent, k_rope), the rope parts rotated at `positions`
     (int [...,T], default arange(T)). norm_eps: the latent norms' epsilon (transformers: 1e-6).
     rope_attention_factor: yarn's factor a on the rotated parts (transformers scales cos and sin by it, so the
@@ -127,11 +145,13 @@ def latent_projections(params, x, positions=None, *, rope_base: float = 10000.0,
     if "query" in params:
         q = _dense(params, "query", x, "...te,enh->...tnh", precision)
     else:
-        q_low = rms_norm(_dense(params, "query_down", x, "...te,ec->...tc", precision),
-                         params["query_norm"]["scale"], norm_eps)
+        q_low = rms_norm(
+            _dense(params, "query_down", x, "...te,ec->...tc", precision), params["query_norm"]["scale"], norm_eps
+        )
         q = _dense(params, "query_up", q_low, "...tc,cnh->...tnh", precision)
-    latent = rms_norm(_dense(params, "latent", x, "...te,ec->...tc", precision), params["latent_norm"]["scale"],
-                      norm_eps)
+    latent = rms_norm(
+        _dense(params, "latent", x, "...te,ec->...tc", precision), params["latent_norm"]["scale"], norm_eps
+    )
     k_rope = _dense(params, "key_rope", x, "...te,er->...tr", precision)
     rope = dict(base=rope_base, layout=rope_layout, frequencies=rope_frequencies)
     q_rope = apply_rope(q[..., Hn:], positions, **rope)
@@ -148,8 +168,9 @@ def _map_output(result, f):
     return f(result)
 
 
-def latent_core(params, q_nope, q_rope, latent, k_rope, *, form: str = "absorbed", scale=None, precision=None,
-                **options):
+def latent_core(
+    params, q_nope, q_rope, latent, k_rope, *, form: str = "absorbed", scale=None, precision=None, **options
+):
     """Attention of q_nope [...,T,N,Hn], q_rope [...,T,N,R] over latent [...,S,C], k_rope [...,S,R] with
     params' key_up [C,N,Hn] and value_up [C,N,Hv] -> z [...,T,N,Hv] (or (z, weights [...,N,T,S])).
 
@@ -169,30 +190,45 @@ def latent_core(params, q_nope, q_rope, latent, k_rope, *, form: str = "absorbed
         q_latent = jnp.einsum("...tnh,cnh->...tnc", q_nope, key_up, precision=precision)
         query = jnp.concatenate([q_latent, q_rope.astype(q_latent.dtype)], axis=-1)  # [...,T,N,C+R]
         key = jnp.concatenate([latent, k_rope.astype(latent.dtype)], axis=-1)[..., None, :]  # [...,S,1,C+R]
-        result = dot_product_attention(query, key, latent[..., None, :], scale=scale, precision=precision,
-                                       **options)  # [...,T,N,C]
+        result = dot_product_attention(
+            query, key, latent[..., None, :], scale=scale, precision=precision, **options
+        )  # [...,T,N,C]
         return _map_output(result, lambda z: jnp.einsum("...tnc,cnv->...tnv", z, value_up, precision=precision))
     k_nope = jnp.einsum("...sc,cnh->...snh", latent, key_up, precision=precision)
     value = jnp.einsum("...sc,cnv->...snv", latent, value_up, precision=precision)
     k_shared = jnp.broadcast_to(k_rope[..., None, :], (*k_rope.shape[:-1], N, R)).astype(k_nope.dtype)
     query = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)
-    return dot_product_attention(query, jnp.concatenate([k_nope, k_shared], axis=-1), value, scale=scale,
-                                 precision=precision, **options)
+    return dot_product_attention(
+        query, jnp.concatenate([k_nope, k_shared], axis=-1), value, scale=scale, precision=precision, **options
+    )
 
 
-def init_latent_cache(batch_shape, max_length: int, latent_dim: int, rope_dim: int,
-                      dtype=jnp.float32) -> LatentCache:
+def init_latent_cache(batch_shape, max_length: int, latent_dim: int, rope_dim: int, dtype=jnp.float32) -> LatentCache:
     """An empty MLA decode cache: (latent [...,L,C], rope [...,L,R], index int32 [...]) of zeros."""
     batch_shape = tuple(batch_shape)
-    return (jnp.zeros((*batch_shape, max_length, latent_dim), dtype),
-            jnp.zeros((*batch_shape, max_length, rope_dim), dtype), jnp.zeros(batch_shape, jnp.int32))
+    return (
+        jnp.zeros((*batch_shape, max_length, latent_dim), dtype),
+        jnp.zeros((*batch_shape, max_length, rope_dim), dtype),
+        jnp.zeros(batch_shape, jnp.int32),
+    )
 
 
-def latent_attention(params, x: Float[ArrayLike, "*#B T E"], *, form: str = "absorbed",
-                     cache: LatentCache | None = None, positions: Int[ArrayLike, "*#B T"] | None = None, scale=None,
-                     rope_base: float = 10000.0, rope_layout: str = "interleaved", rope_frequencies=None,
-                     rope_attention_factor: float = 1.0, norm_eps: float = 1e-6, precision=None, **options,
-                     ) -> Float[Array, "*#B T Eo"] | tuple[Float[Array, "*#B T Eo"], Weights | LatentCache]:
+def latent_attention(
+    params,
+    x: Float[ArrayLike, "*#B T E"],
+    *,
+    form: str = "absorbed",
+    cache: LatentCache | None = None,
+    positions: Int[ArrayLike, "*#B T"] | None = None,
+    scale=None,
+    rope_base: float = 10000.0,
+    rope_layout: str = "interleaved",
+    rope_frequencies=None,
+    rope_attention_factor: float = 1.0,
+    norm_eps: float = 1e-6,
+    precision=None,
+    **options,
+) -> Float[Array, "*#B T Eo"] | tuple[Float[Array, "*#B T Eo"], Weights | LatentCache]:
     """Multi-head latent attention of x [...,T,E] -> y [...,T,Eo] (module docstring has the formulas).
 
     form: "absorbed" (default) or "expanded", equal numbers. positions: int [...,T] for RoPE (default
@@ -207,34 +243,58 @@ def latent_attention(params, x: Float[ArrayLike, "*#B T E"], *, form: str = "abs
         cached_latent, cached_rope, index = (jnp.asarray(c) for c in cache)
         if positions is None:
             positions = index[..., None] + jnp.arange(jnp.shape(x)[-2], dtype=jnp.int32)
-    qkv = latent_projections(params, x, positions, rope_base=rope_base, rope_layout=rope_layout,
-                             rope_frequencies=rope_frequencies, rope_attention_factor=rope_attention_factor,
-                             norm_eps=norm_eps, precision=precision)
+    qkv = latent_projections(
+        params,
+        x,
+        positions,
+        rope_base=rope_base,
+        rope_layout=rope_layout,
+        rope_frequencies=rope_frequencies,
+        rope_attention_factor=rope_attention_factor,
+        norm_eps=norm_eps,
+        precision=precision,
+    )
     latent, k_rope = qkv.latent, qkv.k_rope
     if cache is not None:
         # the key/value cache's writer with one "head": the latent as keys, the rope key as values
-        new_latent, new_rope, index, attend = kv_cache.write(cached_latent[..., None, :], cached_rope[..., None, :],
-                                                             index, latent[..., None, :], k_rope[..., None, :])
+        new_latent, new_rope, index, attend = kv_cache.write(
+            cached_latent[..., None, :], cached_rope[..., None, :], index, latent[..., None, :], k_rope[..., None, :]
+        )
         latent, k_rope = new_latent[..., 0, :], new_rope[..., 0, :]
         options = {**options, **attend}
-    z = latent_core(params, qkv.q_nope, qkv.q_rope, latent, k_rope, form=form, scale=scale, precision=precision,
-                    **options)
+    z = latent_core(
+        params, qkv.q_nope, qkv.q_rope, latent, k_rope, form=form, scale=scale, precision=precision, **options
+    )
     y = _map_output(z, lambda z: _dense(params, "out", z, "...tnv,nve->...te", precision))
     return y if cache is None else (y, (latent, k_rope, index))
 
 
-def init_latent_attention(rng, features: int, num_heads: int, *, latent_dim: int, rope_dim: int,
-                          nope_head_dim: int, value_head_dim: int, query_latent_dim: int | None = None,
-                          out_features: int | None = None, use_bias: bool = False, dtype=jnp.float32):
+def init_latent_attention(
+    rng,
+    features: int,
+    num_heads: int,
+    *,
+    latent_dim: int,
+    rope_dim: int,
+    nope_head_dim: int,
+    value_head_dim: int,
+    query_latent_dim: int | None = None,
+    out_features: int | None = None,
+    use_bias: bool = False,
+    dtype=jnp.float32,
+):
     """Fresh MLA params (module docstring's tree): lecun_normal kernels over the fan-in, unit norm scales, zero
     biases (on the down projections and out, as DeepSeek's attention_bias). query_latent_dim None: direct
     queries [E,N,Hn+R]."""
     out_features = features if out_features is None else out_features
     H = nope_head_dim + rope_dim
-    kernels = {"latent": ((features, latent_dim), 0), "key_rope": ((features, rope_dim), 0),
-               "key_up": ((latent_dim, num_heads, nope_head_dim), 0),
-               "value_up": ((latent_dim, num_heads, value_head_dim), 0),
-               "out": ((num_heads, value_head_dim, out_features), (0, 1))}
+    kernels = {
+        "latent": ((features, latent_dim), 0),
+        "key_rope": ((features, rope_dim), 0),
+        "key_up": ((latent_dim, num_heads, nope_head_dim), 0),
+        "value_up": ((latent_dim, num_heads, value_head_dim), 0),
+        "out": ((num_heads, value_head_dim, out_features), (0, 1)),
+    }
     if query_latent_dim is None:
         kernels["query"] = ((features, num_heads, H), 0)
     else:

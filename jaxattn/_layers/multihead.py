@@ -40,8 +40,11 @@ def _entry(params, name):
     if not isinstance(params, dict) and not hasattr(params, "keys"):
         checks.fail("params", "a dict with 'query', 'key', 'value', 'out'", type(params).__name__)
     if name not in params or "kernel" not in params[name]:
-        checks.fail(f"params['{name}']", "an entry with a 'kernel'", f"keys {sorted(params)}"
-                     if name not in params else f"keys {sorted(params[name])}")
+        checks.fail(
+            f"params['{name}']",
+            "an entry with a 'kernel'",
+            f"keys {sorted(params)}" if name not in params else f"keys {sorted(params[name])}",
+        )
     return params[name]
 
 
@@ -57,8 +60,11 @@ def head_dims(params, *, allow=_EXTRAS):
     K = wk.shape[1]
     checks.check_dim("params['key']['kernel']", wk, 2, H, "[Ek,K,H]")
     if N % K != 0:
-        checks.fail("params['key']['kernel']", f"K dividing N={N} (from params['query']['kernel'])",
-                     f"K={K} in shape {checks.shape_str(wk.shape)}")
+        checks.fail(
+            "params['key']['kernel']",
+            f"K dividing N={N} (from params['query']['kernel'])",
+            f"K={K} in shape {checks.shape_str(wk.shape)}",
+        )
     checks.check_rank("params['value']['kernel']", wv, 3, "[Ev,K,Hv]")
     checks.check_dim("params['value']['kernel']", wv, 1, K, "[Ev,K,Hv]")
     Hv = wv.shape[2]
@@ -67,8 +73,9 @@ def head_dims(params, *, allow=_EXTRAS):
     expected_bias = {"query": (N, H), "key": (K, H), "value": (K, Hv), "out": (wo.shape[2],)}
     for name, shape in expected_bias.items():
         if "bias" in params[name]:
-            checks.check_shape(f"params['{name}']['bias']", jnp.asarray(params[name]["bias"]), shape,
-                                _PROJECTIONS[name][1])
+            checks.check_shape(
+                f"params['{name}']['bias']", jnp.asarray(params[name]["bias"]), shape, _PROJECTIONS[name][1]
+            )
     if "sinks" in params:
         checks.check_shape("params['sinks']", jnp.asarray(params["sinks"]), (N,), "[N]: one sink logit per head")
     if "bias_kv" in params:
@@ -86,17 +93,24 @@ def _dense(name, params, x, spec, precision):
     features = kernel.shape[0] if name != "out" else kernel.shape[:2]
     got = x.shape[-1] if name != "out" else x.shape[-2:]
     if got != features:
-        checks.fail(name if name != "out" else "attention output", f"features {features} to match "
-                     f"params['{name}']['kernel'] {layout}={checks.shape_str(kernel.shape)}",
-                     f"shape {checks.shape_str(x.shape)}")
+        checks.fail(
+            name if name != "out" else "attention output",
+            f"features {features} to match params['{name}']['kernel'] {layout}={checks.shape_str(kernel.shape)}",
+            f"shape {checks.shape_str(x.shape)}",
+        )
     checks.check_same_dtype((name, f"params['{name}']['kernel']"), (x, kernel))
     y = jnp.einsum(spec, x, kernel, precision=precision)
     return y + entry["bias"] if "bias" in entry else y
 
 
-def project_qkv(params, query: Float[ArrayLike, "*#B T Eq"], key: Float[ArrayLike, "*#B S Ek"] | None = None,
-                value: Float[ArrayLike, "*#B S Ev"] | None = None, *, precision=None,
-                ) -> tuple[Float[Array, "*#B T N H"], Float[Array, "*#B S K H"], Float[Array, "*#B S K Hv"]]:
+def project_qkv(
+    params,
+    query: Float[ArrayLike, "*#B T Eq"],
+    key: Float[ArrayLike, "*#B S Ek"] | None = None,
+    value: Float[ArrayLike, "*#B S Ev"] | None = None,
+    *,
+    precision=None,
+) -> tuple[Float[Array, "*#B T N H"], Float[Array, "*#B S K H"], Float[Array, "*#B S K Hv"]]:
     """[...,T,Eq], [...,S,Ek], [...,S,Ev] -> q [...,T,N,H], k [...,S,K,H], v [...,S,K,Hv]."""
     query = jnp.asarray(query)
     key = query if key is None else jnp.asarray(key)
@@ -133,11 +147,17 @@ def _append_keys(params, q, k, v, add_zero_attn, options):
         extras.append((jnp.zeros(k.shape[-2:], k.dtype), jnp.zeros(v.shape[-2:], v.dtype)))
     if not extras:
         return k, v, options
-    rules = [name for name in ("window", "chunk_size", "query_segment_ids", "key_segment_ids")
-             if options.get(name) is not None]
+    rules = [
+        name
+        for name in ("window", "chunk_size", "query_segment_ids", "key_segment_ids")
+        if options.get(name) is not None
+    ]
     if rules:
-        checks.fail("/".join(rules), "None with add_bias_kv / add_zero_attn (torch's extra key columns have "
-                    "no position)", "a value")
+        checks.fail(
+            "/".join(rules),
+            "None with add_bias_kv / add_zero_attn (torch's extra key columns have no position)",
+            "a value",
+        )
     batch = jnp.broadcast_shapes(q.shape[:-3], k.shape[:-3], v.shape[:-3])
     T, N = q.shape[-3:-1]
     S = k.shape[-3]
@@ -148,25 +168,36 @@ def _append_keys(params, q, k, v, add_zero_attn, options):
 
     options = dict(options)
     logits_shape = (*batch, N, T, S)
-    allowed = allowed_keys(logits_shape, mask=options.pop("mask", None), is_causal=options.pop("is_causal", False),
-                           key_value_seq_lengths=options.pop("key_value_seq_lengths", None),
-                           query_positions=options.pop("query_positions", None),
-                           key_positions=options.pop("key_positions", None))
+    allowed = allowed_keys(
+        logits_shape,
+        mask=options.pop("mask", None),
+        is_causal=options.pop("is_causal", False),
+        key_value_seq_lengths=options.pop("key_value_seq_lengths", None),
+        query_positions=options.pop("query_positions", None),
+        key_positions=options.pop("key_positions", None),
+    )
     pad = [(0, 0)] * (len(logits_shape) - 1) + [(0, len(extras))]
     if allowed is not None:
         allowed = jnp.broadcast_to(allowed, jnp.broadcast_shapes(allowed.shape, (1,) * len(logits_shape)))
-        options["mask"] = jnp.pad(allowed, pad[-allowed.ndim:], constant_values=True)
+        options["mask"] = jnp.pad(allowed, pad[-allowed.ndim :], constant_values=True)
     if options.get("bias") is not None:
         bias = jnp.asarray(options["bias"])
         checks.check_broadcastable("bias", bias, logits_shape, "[...,N,T,S]")
         bias = jnp.broadcast_to(bias, jnp.broadcast_shapes(bias.shape, (1,) * len(logits_shape)))
-        options["bias"] = jnp.pad(bias, pad[-bias.ndim:])
+        options["bias"] = jnp.pad(bias, pad[-bias.ndim :])
     return k, v, options
 
 
-def multi_head_attention(params, query: Float[ArrayLike, "*#B T Eq"], key: Float[ArrayLike, "*#B S Ek"] | None = None,
-                         value: Float[ArrayLike, "*#B S Ev"] | None = None, *, add_zero_attn=False, precision=None,
-                         **options) -> LayerOutput:
+def multi_head_attention(
+    params,
+    query: Float[ArrayLike, "*#B T Eq"],
+    key: Float[ArrayLike, "*#B S Ek"] | None = None,
+    value: Float[ArrayLike, "*#B S Ev"] | None = None,
+    *,
+    add_zero_attn=False,
+    precision=None,
+    **options,
+) -> LayerOutput:
     """Project, attend (dot_product_attention), project out.
 
     query [...,T,Eq]; key [...,S,Ek] defaults to query, value [...,S,Ev] to key (self-attention).
@@ -201,22 +232,31 @@ def relative_tables(params):
     R = {jnp.shape(t)[0] for t in rel.values()}
     (rows,) = R if len(R) == 1 else (None,)
     if rows is None or rows % 2 != 1:
-        checks.fail("params['relative']", "tables with one odd number of rows R = 2*max_distance+1",
-                     {n: checks.shape_str(jnp.shape(t)) for n, t in rel.items()})
+        checks.fail(
+            "params['relative']",
+            "tables with one odd number of rows R = 2*max_distance+1",
+            {n: checks.shape_str(jnp.shape(t)) for n, t in rel.items()},
+        )
     return rel.get("key"), rel.get("value"), (rows - 1) // 2
 
 
-def relative_multi_head_attention(params, query: Float[ArrayLike, "*#B T Eq"],
-                                  key: Float[ArrayLike, "*#B S Ek"] | None = None,
-                                  value: Float[ArrayLike, "*#B S Ev"] | None = None, *, precision=None,
-                                  **options) -> LayerOutput:
+def relative_multi_head_attention(
+    params,
+    query: Float[ArrayLike, "*#B T Eq"],
+    key: Float[ArrayLike, "*#B S Ek"] | None = None,
+    value: Float[ArrayLike, "*#B S Ev"] | None = None,
+    *,
+    precision=None,
+    **options,
+) -> LayerOutput:
     """multi_head_attention with Shaw tables from params['relative'] (see shaw_relative_attention)."""
     head_dims(params, allow=("relative", "sinks"))
     options = with_param_sinks(params, options)
     key_table, value_table, max_distance = relative_tables(params)
     q, k, v = project_qkv(params, query, key, value, precision=precision)
-    result = shaw_relative_attention(q, k, v, key_table, value_table, max_distance=max_distance,
-                                     precision=precision, **options)
+    result = shaw_relative_attention(
+        q, k, v, key_table, value_table, max_distance=max_distance, precision=precision, **options
+    )
     return project_result(params, result, precision=precision)
 
 
@@ -224,11 +264,22 @@ def _kernel_init(fan_in_axes, out_axes):
     return jax.nn.initializers.lecun_normal(in_axis=fan_in_axes, out_axis=out_axes)
 
 
-def init_multi_head_attention(rng, query_features: int, num_heads: int, head_dim: int | None = None, *,
-                              key_features: int | None = None, value_features: int | None = None,
-                              out_features: int | None = None, num_kv_heads: int | None = None,
-                              value_head_dim: int | None = None, use_bias: bool = True,
-                              dtype=jnp.float32, kernel_init=None, bias_init=None):
+def init_multi_head_attention(
+    rng,
+    query_features: int,
+    num_heads: int,
+    head_dim: int | None = None,
+    *,
+    key_features: int | None = None,
+    value_features: int | None = None,
+    out_features: int | None = None,
+    num_kv_heads: int | None = None,
+    value_head_dim: int | None = None,
+    use_bias: bool = True,
+    dtype=jnp.float32,
+    kernel_init=None,
+    bias_init=None,
+):
     """Fresh params in the flax layout (flax's defaults: lecun_normal kernels over the fan-in, zero biases).
 
     head_dim defaults to query_features // num_heads, num_kv_heads to num_heads, value_head_dim to
@@ -237,8 +288,9 @@ def init_multi_head_attention(rng, query_features: int, num_heads: int, head_dim
     """
     if head_dim is None:
         if query_features % num_heads:
-            checks.fail("head_dim", f"given, or query_features={query_features} divisible by num_heads="
-                         f"{num_heads}", None)
+            checks.fail(
+                "head_dim", f"given, or query_features={query_features} divisible by num_heads={num_heads}", None
+            )
         head_dim = query_features // num_heads
     num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
     if num_heads % num_kv_heads:
@@ -264,9 +316,19 @@ def init_multi_head_attention(rng, query_features: int, num_heads: int, head_dim
     return params
 
 
-def init_relative_multi_head_attention(rng, query_features: int, num_heads: int, head_dim: int | None = None, *,
-                                       max_distance: int, share_heads: bool = False, key_table: bool = True,
-                                       value_table: bool = True, table_init=None, **kwargs):
+def init_relative_multi_head_attention(
+    rng,
+    query_features: int,
+    num_heads: int,
+    head_dim: int | None = None,
+    *,
+    max_distance: int,
+    share_heads: bool = False,
+    key_table: bool = True,
+    value_table: bool = True,
+    table_init=None,
+    **kwargs,
+):
     """init_multi_head_attention plus params['relative'] Shaw tables ([R,N,H] or [R,H] if share_heads)."""
     rng_mha, rng_k, rng_v = jax.random.split(rng, 3)
     params = init_multi_head_attention(rng_mha, query_features, num_heads, head_dim, **kwargs)

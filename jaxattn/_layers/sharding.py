@@ -22,12 +22,18 @@ from .._core.checks import check_mesh
 # The flax-layout params (DESIGN.md) by entry: layout letters of each array. Nothing is guessed from
 # names or ranks beyond this table (Shaw tables come shared [R,H] or per head [R,N,H]).
 _PARAM_LAYOUTS = {
-    ("query", "kernel"): "ENH", ("query", "bias"): "NH",
-    ("key", "kernel"): "EKH", ("key", "bias"): "KH",
-    ("value", "kernel"): "EKH", ("value", "bias"): "KH",
-    ("out", "kernel"): "NHE", ("out", "bias"): "E",
-    ("bias_kv", "key"): "KH", ("bias_kv", "value"): "KH",
-    ("relative", "key"): ("RH", "RNH"), ("relative", "value"): ("RH", "RNH"),
+    ("query", "kernel"): "ENH",
+    ("query", "bias"): "NH",
+    ("key", "kernel"): "EKH",
+    ("key", "bias"): "KH",
+    ("value", "kernel"): "EKH",
+    ("value", "bias"): "KH",
+    ("out", "kernel"): "NHE",
+    ("out", "bias"): "E",
+    ("bias_kv", "key"): "KH",
+    ("bias_kv", "value"): "KH",
+    ("relative", "key"): ("RH", "RNH"),
+    ("relative", "value"): ("RH", "RNH"),
 }
 
 
@@ -40,8 +46,11 @@ def partition_spec(layout: str, *, batch_axis=None, sequence_axis=None, head_axi
 def _check_divides(name, x, layout, spec, mesh):
     for dim, (letter, axis) in enumerate(zip(layout, spec)):
         if axis is not None and x.shape[dim] % mesh.shape[axis]:
-            checks.fail(name, f"dim {dim} ({letter}) divisible by mesh axis {axis!r} of size {mesh.shape[axis]}",
-                         f"shape {checks.shape_str(x.shape)}")
+            checks.fail(
+                name,
+                f"dim {dim} ({letter}) divisible by mesh axis {axis!r} of size {mesh.shape[axis]}",
+                f"shape {checks.shape_str(x.shape)}",
+            )
 
 
 def shard_inputs(inputs, mesh, layout: str, *, batch_axis=None, sequence_axis=None, head_axis=None):

@@ -64,9 +64,15 @@ def alibi_position_bias(slopes, *, bidirectional: bool = False):
     return bias_fn
 
 
-def alibi_bias(slopes: Float[ArrayLike, "*#B N"], query_length: int, key_length: int, *,
-               bidirectional: bool = False, query_positions: Int[ArrayLike, "*#B T"] | None = None,
-               key_positions: Int[ArrayLike, "*#B S"] | None = None) -> Float[Array, "*#B N T S"]:
+def alibi_bias(
+    slopes: Float[ArrayLike, "*#B N"],
+    query_length: int,
+    key_length: int,
+    *,
+    bidirectional: bool = False,
+    query_positions: Int[ArrayLike, "*#B T"] | None = None,
+    key_positions: Int[ArrayLike, "*#B S"] | None = None,
+) -> Float[Array, "*#B N T S"]:
     """ALiBi's additive bias [N,T,S] (or [...,N,T,S]) from slopes [N] (see `alibi_slopes`).
 
     bidirectional=False: slope * (j - i) (pair it with is_causal); True: -slope * |j - i|.
@@ -76,9 +82,15 @@ def alibi_bias(slopes: Float[ArrayLike, "*#B N"], query_length: int, key_length:
     return bias_fn(*positions(query_length, key_length, query_positions, key_positions))
 
 
-def alibi_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
-                    value: Float[ArrayLike, "*#B S K Hv"], slopes: Float[ArrayLike, "*#B N"], *,
-                    bidirectional: bool = False, **options) -> AttentionOutput:
+def alibi_attention(
+    query: Float[ArrayLike, "*#B T N H"],
+    key: Float[ArrayLike, "*#B S K H"],
+    value: Float[ArrayLike, "*#B S K Hv"],
+    slopes: Float[ArrayLike, "*#B N"],
+    *,
+    bidirectional: bool = False,
+    **options,
+) -> AttentionOutput:
     """Attention with the ALiBi bias added to the scaled logits.
 
     Keywords as dot_product_attention, plus implementation=None (dense on CPU) | "dense" | "blockwise" | a

@@ -25,9 +25,15 @@ if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping i
     from .._core.shapes import AttentionOutput
 
 
-def clipped_relative_index(query_length: int, key_length: int, *, max_left: int, max_right: int,
-                           query_positions: Int[ArrayLike, "*#B T"] | None = None,
-                           key_positions: Int[ArrayLike, "*#B S"] | None = None) -> Int[Array, "*#B T S"]:
+def clipped_relative_index(
+    query_length: int,
+    key_length: int,
+    *,
+    max_left: int,
+    max_right: int,
+    query_positions: Int[ArrayLike, "*#B T"] | None = None,
+    key_positions: Int[ArrayLike, "*#B S"] | None = None,
+) -> Int[Array, "*#B T S"]:
     """int32 [T,S] (or [...,T,S]): clip(j - i, -max_left, max_right) + max_left, core positions."""
     max_left = static_int("max_left", max_left, 0)
     max_right = static_int("max_right", max_right, 0)
@@ -88,8 +94,9 @@ def table_terms(query, dims, key_table, value_table, index, R, precision, layout
             return gather_buckets(per_row_logits(q, t_k, precision, acc_dtype), index)
 
     if value_table is not None:
-        t_v = checks.check_clipped_table("value_table", value_table, R, dims.N, dims.Hv, acc_dtype,
-                                         layout.replace("H", "Hv"))
+        t_v = checks.check_clipped_table(
+            "value_table", value_table, R, dims.N, dims.Hv, acc_dtype, layout.replace("H", "Hv")
+        )
         spec = "...ntr,rnh->...tnh" if t_v.ndim == 3 else "...ntr,rh->...tnh"
 
         def rel_values(p):
@@ -98,11 +105,17 @@ def table_terms(query, dims, key_table, value_table, index, R, precision, layout
     return rel_logits, rel_values
 
 
-def clipped_relative_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
-                               value: Float[ArrayLike, "*#B S K Hv"],
-                               key_table: Float[ArrayLike, "R H"] | Float[ArrayLike, "R N H"] | None = None,
-                               value_table: Float[ArrayLike, "R Hv"] | Float[ArrayLike, "R N Hv"] | None = None, *,
-                               max_left: int, max_right: int, **options) -> AttentionOutput:
+def clipped_relative_attention(
+    query: Float[ArrayLike, "*#B T N H"],
+    key: Float[ArrayLike, "*#B S K H"],
+    value: Float[ArrayLike, "*#B S K Hv"],
+    key_table: Float[ArrayLike, "R H"] | Float[ArrayLike, "R N H"] | None = None,
+    value_table: Float[ArrayLike, "R Hv"] | Float[ArrayLike, "R N Hv"] | None = None,
+    *,
+    max_left: int,
+    max_right: int,
+    **options,
+) -> AttentionOutput:
     """Shaw-style relative attention with an asymmetric clip (HF "relative_key" of Wav2Vec2-BERT).
 
     key_table: [R,H] (shared over heads) or [R,N,H]; value_table: [R,Hv] or [R,N,Hv]; R = max_left +
@@ -117,7 +130,16 @@ def clipped_relative_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[
     max_left = static_int("max_left", max_left, 0)
     max_right = static_int("max_right", max_right, 0)
     index = head_index(dims.T, dims.S, max_left, max_right, options)
-    rel_logits, rel_values = table_terms(query, dims, key_table, value_table, index, max_left + max_right + 1,
-                                         options.get("precision"), "[R,H] or [R,N,H], R = max_left + max_right + 1")
-    return attention_core(query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims,
-                          **options)
+    rel_logits, rel_values = table_terms(
+        query,
+        dims,
+        key_table,
+        value_table,
+        index,
+        max_left + max_right + 1,
+        options.get("precision"),
+        "[R,H] or [R,N,H], R = max_left + max_right + 1",
+    )
+    return attention_core(
+        query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims, **options
+    )

@@ -44,9 +44,20 @@ def _combined_bias(bias_fn: PositionBias, T: int, S: int, options: dict):
     return position_bias + user_bias
 
 
-_BLOCKWISE_OPTIONS = ("is_causal", "key_value_seq_lengths", "query_positions", "key_positions", "scale",
-                      "precision", "query_segment_ids", "key_segment_ids", "window", "chunk_size", "logit_softcap",
-                      "sinks")
+_BLOCKWISE_OPTIONS = (
+    "is_causal",
+    "key_value_seq_lengths",
+    "query_positions",
+    "key_positions",
+    "scale",
+    "precision",
+    "query_segment_ids",
+    "key_segment_ids",
+    "window",
+    "chunk_size",
+    "logit_softcap",
+    "sinks",
+)
 
 
 def _unset(value) -> bool:
@@ -54,9 +65,17 @@ def _unset(value) -> bool:
     return value is None or (isinstance(value, (bool, int, float)) and not value)
 
 
-def position_bias_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
-                            value: Float[ArrayLike, "*#B S K Hv"], bias_fn: PositionBias, *, implementation=None,
-                            interpret=False, block_size=None, **options) -> AttentionOutput:
+def position_bias_attention(
+    query: Float[ArrayLike, "*#B T N H"],
+    key: Float[ArrayLike, "*#B S K H"],
+    value: Float[ArrayLike, "*#B S K Hv"],
+    bias_fn: PositionBias,
+    *,
+    implementation=None,
+    interpret=False,
+    block_size=None,
+    **options,
+) -> AttentionOutput:
     """dot_product_attention with `bias_fn(query_pos, key_pos) -> [...,N,T,S]` added to the scaled logits.
 
     The positions are the core's (bottom-right by default; `query_positions` / `key_positions` override
@@ -71,16 +90,23 @@ def position_bias_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[Arr
     options = dict(options)
     check_implementation(implementation, interpret)
     if implementation not in ("dense", "blockwise"):
+
         def xla():
-            return position_bias_attention(query, key, value, bias_fn, implementation="dense", block_size=block_size,
-                                           **options)
-        return attend(xla, query, key, value, implementation=implementation, interpret=interpret,
-                      position_bias=bias_fn, **options)
+            return position_bias_attention(
+                query, key, value, bias_fn, implementation="dense", block_size=block_size, **options
+            )
+
+        return attend(
+            xla, query, key, value, implementation=implementation, interpret=interpret, position_bias=bias_fn, **options
+        )
     if implementation == "blockwise":
         unsupported = sorted(k for k, v in options.items() if k not in _BLOCKWISE_OPTIONS and not _unset(v))
         if unsupported:
-            checks.fail("implementation", f"'dense' for {unsupported} (blockwise takes "
-                         f"{list(_BLOCKWISE_OPTIONS)} and block_size)", repr(implementation))
+            checks.fail(
+                "implementation",
+                f"'dense' for {unsupported} (blockwise takes {list(_BLOCKWISE_OPTIONS)} and block_size)",
+                repr(implementation),
+            )
         options = {k: v for k, v in options.items() if k in _BLOCKWISE_OPTIONS}
         return blockwise_attention(query, key, value, position_bias=bias_fn, block_size=block_size, **options)
     if block_size is not None:

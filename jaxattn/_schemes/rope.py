@@ -84,9 +84,16 @@ def _join_pairs(a, b, layout: str):
     return jnp.stack([a, b], axis=-1).reshape(*a.shape[:-1], 2 * a.shape[-1])
 
 
-def apply_rope(x: Float[ArrayLike, "*#B T N H"], positions: Int[ArrayLike, "*#B T"] | None = None, *, offset=0,
-               base: float = 10000.0, rotary_dim: int | None = None, layout: str = "half",
-               frequencies: Float[ArrayLike, " _half_rotary_dim"] | None = None) -> Float[Array, "*#B T N H"]:
+def apply_rope(
+    x: Float[ArrayLike, "*#B T N H"],
+    positions: Int[ArrayLike, "*#B T"] | None = None,
+    *,
+    offset=0,
+    base: float = 10000.0,
+    rotary_dim: int | None = None,
+    layout: str = "half",
+    frequencies: Float[ArrayLike, " _half_rotary_dim"] | None = None,
+) -> Float[Array, "*#B T N H"]:
     """Rotate the first `rotary_dim` features of every head of x [...,T,N,H] by its position.
 
     positions: int [...,T] (broadcast against x's batch dims); default arange(T) + offset (offset: an int
@@ -121,8 +128,9 @@ def apply_rope(x: Float[ArrayLike, "*#B T N H"], positions: Int[ArrayLike, "*#B 
     return jnp.concatenate([rotated, rest], axis=-1).astype(x.dtype)
 
 
-def rope_permutation(head_dim: int, *, rotary_dim: int | None = None, source: str = "interleaved",
-                     target: str = "half"):
+def rope_permutation(
+    head_dim: int, *, rotary_dim: int | None = None, source: str = "interleaved", target: str = "half"
+):
     """int [H] permutation p with apply_rope(x[..., p], layout=target) == apply_rope(x, layout=source)[..., p].
 
     Permute a q/k projection's output features per head with it (flax kernel [E,N,H]: kernel[..., p],
@@ -143,9 +151,16 @@ def rope_permutation(head_dim: int, *, rotary_dim: int | None = None, source: st
     return perm
 
 
-def rope_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
-                   value: Float[ArrayLike, "*#B S K Hv"], *, base: float = 10000.0, rotary_dim: int | None = None,
-                   layout: str = "half", **options) -> AttentionOutput:
+def rope_attention(
+    query: Float[ArrayLike, "*#B T N H"],
+    key: Float[ArrayLike, "*#B S K H"],
+    value: Float[ArrayLike, "*#B S K Hv"],
+    *,
+    base: float = 10000.0,
+    rotary_dim: int | None = None,
+    layout: str = "half",
+    **options,
+) -> AttentionOutput:
     """RoPE on query and key at the core's positions, then dot_product_attention.
 
     Positions: query t at t + S - T, key s at s (or `query_positions` / `key_positions`), the same ones

@@ -29,8 +29,9 @@ def linear_frequencies(inverse: np.ndarray, factor: float) -> np.ndarray:
     return inverse / factor
 
 
-def llama3_frequencies(inverse: np.ndarray, factor: float, low_freq_factor: float, high_freq_factor: float,
-                       original_length: float) -> np.ndarray:
+def llama3_frequencies(
+    inverse: np.ndarray, factor: float, low_freq_factor: float, high_freq_factor: float, original_length: float
+) -> np.ndarray:
     low, high, old = low_freq_factor, high_freq_factor, original_length
     wavelength = 2 * math.pi / inverse
     scaled = np.where(wavelength > old / low, inverse / factor, inverse)
@@ -40,8 +41,9 @@ def llama3_frequencies(inverse: np.ndarray, factor: float, low_freq_factor: floa
     return np.where(medium, blended, scaled)
 
 
-def yarn_ramp(head_dim: int, base: float, original_length: float, beta_fast: float, beta_slow: float,
-              truncate: bool) -> np.ndarray:
+def yarn_ramp(
+    head_dim: int, base: float, original_length: float, beta_fast: float, beta_slow: float, truncate: bool
+) -> np.ndarray:
     """[H/2]: 0 on the dims yarn extrapolates (theta_k kept), 1 on those it interpolates (theta_k / factor)."""
 
     def correction(rotations):  # the dim at which a wavelength makes `rotations` turns over the original length

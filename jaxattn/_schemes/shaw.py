@@ -29,20 +29,36 @@ if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping i
 TABLE_LAYOUT = "[R,H] or [R,N,H], R = 2*max_distance+1"
 
 
-def relative_position_index(query_length: int, key_length: int, max_distance: int, *,
-                            query_positions: Int[ArrayLike, "*#B T"] | None = None,
-                            key_positions: Int[ArrayLike, "*#B S"] | None = None) -> Int[Array, "*#B T S"]:
+def relative_position_index(
+    query_length: int,
+    key_length: int,
+    max_distance: int,
+    *,
+    query_positions: Int[ArrayLike, "*#B T"] | None = None,
+    key_positions: Int[ArrayLike, "*#B S"] | None = None,
+) -> Int[Array, "*#B T S"]:
     """int32 [T,S] (or [...,T,S] for batched positions): clip(j - i, -k, k) + k, bottom-right aligned."""
     max_distance = checks.check_max_distance(max_distance)
-    return clipped_relative_index(query_length, key_length, max_left=max_distance, max_right=max_distance,
-                                  query_positions=query_positions, key_positions=key_positions)
+    return clipped_relative_index(
+        query_length,
+        key_length,
+        max_left=max_distance,
+        max_right=max_distance,
+        query_positions=query_positions,
+        key_positions=key_positions,
+    )
 
 
-def shaw_relative_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
-                            value: Float[ArrayLike, "*#B S K Hv"],
-                            key_table: Float[ArrayLike, "R H"] | Float[ArrayLike, "R N H"] | None = None,
-                            value_table: Float[ArrayLike, "R Hv"] | Float[ArrayLike, "R N Hv"] | None = None, *,
-                            max_distance, **options) -> AttentionOutput:
+def shaw_relative_attention(
+    query: Float[ArrayLike, "*#B T N H"],
+    key: Float[ArrayLike, "*#B S K H"],
+    value: Float[ArrayLike, "*#B S K Hv"],
+    key_table: Float[ArrayLike, "R H"] | Float[ArrayLike, "R N H"] | None = None,
+    value_table: Float[ArrayLike, "R Hv"] | Float[ArrayLike, "R N Hv"] | None = None,
+    *,
+    max_distance,
+    **options,
+) -> AttentionOutput:
     """Attention with Shaw et al. clipped relative-position tables.
 
     key_table: [R,H] shared over heads or [R,N,H] per head; value_table: [R,Hv] or [R,N,Hv];
@@ -62,33 +78,43 @@ def shaw_relative_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[Arr
 
     def xla():
         if use_blockwise(engine, query, key, **options):
-            return blockwise_attention(query, key, value, max_distance=max_distance, block_size=block_size,
-                                       **tables, **options)
+            return blockwise_attention(
+                query, key, value, max_distance=max_distance, block_size=block_size, **tables, **options
+            )
         dims = checks.check_qkv(query, key, value)
         index = head_index(dims.T, dims.S, max_distance, max_distance, options)
-        rel_logits, rel_values = table_terms(query, dims, key_table, value_table, index, 2 * max_distance + 1,
-                                             options.get("precision"), TABLE_LAYOUT)
-        return attention_core(query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims,
-                              **options)
+        rel_logits, rel_values = table_terms(
+            query, dims, key_table, value_table, index, 2 * max_distance + 1, options.get("precision"), TABLE_LAYOUT
+        )
+        return attention_core(
+            query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims, **options
+        )
 
     with_tables = {**tables, "max_distance": max_distance} if key_table is not None or value_table is not None else {}
-    return attend(xla, query, key, value, implementation=implementation, interpret=interpret, **with_tables,
-                  **options)
+    return attend(xla, query, key, value, implementation=implementation, interpret=interpret, **with_tables, **options)
 
 
 def _per_pair_table(name, table, dims, head_dim, layout, acc_dtype):
     table = jnp.asarray(table)
     checks.check_rank(name, table, 4, layout)
     if table.shape[2] not in (1, dims.N) or tuple(table.shape[:2]) != (dims.T, dims.S) or table.shape[3] != head_dim:
-        checks.fail(name, f"shape [{dims.T},{dims.S},{dims.N} or 1,{head_dim}] ({layout})",
-                    f"shape {checks.shape_str(table.shape)}")
+        checks.fail(
+            name,
+            f"shape [{dims.T},{dims.S},{dims.N} or 1,{head_dim}] ({layout})",
+            f"shape {checks.shape_str(table.shape)}",
+        )
     checks.check_fits(name, table, acc_dtype)
     return table
 
 
-def relative_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
-                       value: Float[ArrayLike, "*#B S K Hv"], rel_key: Float[ArrayLike, "T S #N H"] | None = None,
-                       rel_value: Float[ArrayLike, "T S #N Hv"] | None = None, **options) -> AttentionOutput:
+def relative_attention(
+    query: Float[ArrayLike, "*#B T N H"],
+    key: Float[ArrayLike, "*#B S K H"],
+    value: Float[ArrayLike, "*#B S K Hv"],
+    rel_key: Float[ArrayLike, "T S #N H"] | None = None,
+    rel_value: Float[ArrayLike, "T S #N Hv"] | None = None,
+    **options,
+) -> AttentionOutput:
     """Attention with per-pair relative terms (Shaw et al.; the seed-000 formula).
 
         logits[n,t,s] = scale * q[t,n] . (k[s] + A^K[t,s,n]);   out[t,n] = sum_s p[n,t,s] (v[s] + A^V[t,s,n])
@@ -110,14 +136,24 @@ def relative_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLik
         if a_k.shape[2] == dims.N:
             rel_logits = lambda q: jnp.moveaxis(pair_logits(q, a_k, precision), -1, -3)  # noqa: E731
         else:
-            rel_logits = lambda q: jnp.einsum("...tnh,tsh->...nts", q, a_k[:, :, 0],  # noqa: E731
-                                              precision=precision, preferred_element_type=acc_dtype)
+            rel_logits = lambda q: jnp.einsum(
+                "...tnh,tsh->...nts",
+                q,
+                a_k[:, :, 0],  # noqa: E731
+                precision=precision,
+                preferred_element_type=acc_dtype,
+            )
     if rel_value is not None:
         a_v = _per_pair_table("rel_value", rel_value, dims, dims.Hv, "A^V [T,S,N,Hv]", acc_dtype)
         if a_v.shape[2] == dims.N:
             rel_values = lambda p: pair_values(jnp.moveaxis(p, -3, -1), a_v, precision)  # noqa: E731
         else:
-            rel_values = lambda p: jnp.einsum("...nts,tsh->...tnh", p, a_v[:, :, 0].astype(acc_dtype),  # noqa: E731
-                                              precision=precision)
-    return attention_core(query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims,
-                          **options)
+            rel_values = lambda p: jnp.einsum(
+                "...nts,tsh->...tnh",
+                p,
+                a_v[:, :, 0].astype(acc_dtype),  # noqa: E731
+                precision=precision,
+            )
+    return attention_core(
+        query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims, **options
+    )

@@ -37,13 +37,18 @@ def _check_buckets(num_buckets, max_distance, bidirectional: bool) -> tuple[int,
     if max_exact < 1:
         checks.fail("num_buckets", ">= 4 when bidirectional (each half needs >= 2 buckets)", num_buckets)
     if max_distance <= max_exact:
-        checks.fail("max_distance", f"> {max_exact} (the exact-bucket range num_buckets"
-                     f"{' // 2' if bidirectional else ''} // 2; the log buckets need room)", max_distance)
+        checks.fail(
+            "max_distance",
+            f"> {max_exact} (the exact-bucket range num_buckets"
+            f"{' // 2' if bidirectional else ''} // 2; the log buckets need room)",
+            max_distance,
+        )
     return half, max_exact, max_distance
 
 
-def t5_relative_position_bucket(relative_position, *, bidirectional: bool = True, num_buckets: int = 32,
-                                max_distance: int = 128):
+def t5_relative_position_bucket(
+    relative_position, *, bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128
+):
     """int32 bucket ids in [0, num_buckets) of `relative_position` = j - i (int array, any shape)."""
     relative_position = jnp.asarray(relative_position)
     checks.check_int("relative_position", relative_position)
@@ -78,17 +83,27 @@ def t5_position_bias(table, *, bidirectional: bool = True, max_distance: int = 1
     _check_buckets(table.shape[0], max_distance, bidirectional)
 
     def bias_fn(query_pos, key_pos):
-        buckets = t5_relative_position_bucket(offsets(query_pos, key_pos), bidirectional=bidirectional,
-                                              num_buckets=table.shape[0], max_distance=max_distance)
+        buckets = t5_relative_position_bucket(
+            offsets(query_pos, key_pos),
+            bidirectional=bidirectional,
+            num_buckets=table.shape[0],
+            max_distance=max_distance,
+        )
         return heads_first(table[buckets])
 
     return bias_fn
 
 
-def t5_relative_bias(table: Float[ArrayLike, "R N"], query_length: int, key_length: int, *,
-                     bidirectional: bool = True, max_distance: int = 128,
-                     query_positions: Int[ArrayLike, "*#B T"] | None = None,
-                     key_positions: Int[ArrayLike, "*#B S"] | None = None) -> Float[Array, "*#B N T S"]:
+def t5_relative_bias(
+    table: Float[ArrayLike, "R N"],
+    query_length: int,
+    key_length: int,
+    *,
+    bidirectional: bool = True,
+    max_distance: int = 128,
+    query_positions: Int[ArrayLike, "*#B T"] | None = None,
+    key_positions: Int[ArrayLike, "*#B S"] | None = None,
+) -> Float[Array, "*#B N T S"]:
     """T5's additive bias [N,T,S] (or [...,N,T,S] for batched positions): table[bucket(j - i)].
 
     Positions are the core's: query t at t + S - T (HF's past_seen_tokens = S - T when decoding with a
@@ -99,9 +114,17 @@ def t5_relative_bias(table: Float[ArrayLike, "R N"], query_length: int, key_leng
     return bias_fn(*positions(query_length, key_length, query_positions, key_positions))
 
 
-def t5_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
-                 value: Float[ArrayLike, "*#B S K Hv"], table: Float[ArrayLike, "R N"], *,
-                 bidirectional: bool = True, max_distance: int = 128, scale=1.0, **options) -> AttentionOutput:
+def t5_attention(
+    query: Float[ArrayLike, "*#B T N H"],
+    key: Float[ArrayLike, "*#B S K H"],
+    value: Float[ArrayLike, "*#B S K Hv"],
+    table: Float[ArrayLike, "R N"],
+    *,
+    bidirectional: bool = True,
+    max_distance: int = 128,
+    scale=1.0,
+    **options,
+) -> AttentionOutput:
     """Attention with the T5 bias added to the logits; `scale` defaults to 1 as in T5.
 
     Keywords as dot_product_attention, plus implementation=None (dense on CPU) | "dense" | "blockwise" | a

@@ -38,8 +38,9 @@ if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping i
     from .._core.shapes import AttentionOutput
 
 
-def relative_sinusoids(dim: int, *, max_left: int, max_right: int, base: float = 10000.0,
-                       layout: str = "concat", dtype=jnp.float32) -> Float[Array, "R dim"]:
+def relative_sinusoids(
+    dim: int, *, max_left: int, max_right: int, base: float = 10000.0, layout: str = "concat", dtype=jnp.float32
+) -> Float[Array, "R dim"]:
     """Transformer-XL's R: [R, dim], row r = the sinusoid of i - j = max_left - r (see module docstring).
 
     frequencies w_k = base ** (-2k / dim); layout "concat": [sin(d w), cos(d w)] (the paper's code);
@@ -70,11 +71,17 @@ def _check_head_bias(name, b, N, H, query):
     return b.astype(query.dtype)
 
 
-def transformer_xl_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[ArrayLike, "*#B S K H"],
-                             value: Float[ArrayLike, "*#B S K Hv"],
-                             position_keys: Float[ArrayLike, "R N H"] | Float[ArrayLike, "R H"], *, max_left: int,
-                             pos_bias_u: Float[ArrayLike, "N H"] | None = None,
-                             pos_bias_v: Float[ArrayLike, "N H"] | None = None, **options) -> AttentionOutput:
+def transformer_xl_attention(
+    query: Float[ArrayLike, "*#B T N H"],
+    key: Float[ArrayLike, "*#B S K H"],
+    value: Float[ArrayLike, "*#B S K Hv"],
+    position_keys: Float[ArrayLike, "R N H"] | Float[ArrayLike, "R H"],
+    *,
+    max_left: int,
+    pos_bias_u: Float[ArrayLike, "N H"] | None = None,
+    pos_bias_v: Float[ArrayLike, "N H"] | None = None,
+    **options,
+) -> AttentionOutput:
     """Transformer-XL relative attention: scale * ((q + u) . k + (q + v) . P[index]) (module docstring).
 
     position_keys P: [R,N,H] (or [R,H] shared), the projected R_{i-j} (W_R applied, e.g. to
@@ -91,8 +98,11 @@ def transformer_xl_attention(query: Float[ArrayLike, "*#B T N H"], key: Float[Ar
     position_keys = jnp.asarray(position_keys)
     R = position_keys.shape[0] if position_keys.ndim else 0
     if R <= max_left:
-        checks.fail("position_keys", f"more than max_left={max_left} rows ([R,N,H], row r <-> j - i = "
-                     "r - max_left)", f"shape {checks.shape_str(position_keys.shape)}")
+        checks.fail(
+            "position_keys",
+            f"more than max_left={max_left} rows ([R,N,H], row r <-> j - i = r - max_left)",
+            f"shape {checks.shape_str(position_keys.shape)}",
+        )
     precision, acc_dtype = options.get("precision"), accumulation_dtype(query.dtype)
     P = checks.check_clipped_table("position_keys", position_keys, R, N, H, acc_dtype, "[R,H] or [R,N,H]")
     index = head_index(dims.T, dims.S, max_left, R - 1 - max_left, options)

@@ -31,6 +31,7 @@ from ..linen import MultiHeadAttention
 
 # --- activations ---------------------------------------------------------------------------------------------
 
+
 @dataclasses.dataclass(frozen=True)
 class ModelSharding:
     """How a model's activations lie on `mesh`: batch over batch_axis, heads over head_axis, and (with
@@ -46,16 +47,21 @@ class ModelSharding:
         """from_pretrained's: batch over "data", heads over "model", and a mesh axis "seq" is the sequence
         axis (sequence parallel, the decoders' attention on the ring)."""
         if "seq" in mesh.axis_names and model_type in ("t5", "bert"):
-            checks.fail("mesh", f"no axis 'seq' for {model_type} (sequence parallelism runs the decoders' causal "
-                                f"self-attention on the ring)", f"axes {list(mesh.axis_names)}")
+            checks.fail(
+                "mesh",
+                f"no axis 'seq' for {model_type} (sequence parallelism runs the decoders' causal "
+                f"self-attention on the ring)",
+                f"axes {list(mesh.axis_names)}",
+            )
         return cls(mesh, sequence_axis="seq" if "seq" in mesh.axis_names else None)
 
     def spec(self, layout: str, shape) -> P:
         """The spec of an array whose dims read `layout` (B batch, T/L sequence, N/K heads, others whole)."""
         axis_of = {"B": self.batch_axis, "T": self.sequence_axis, "N": self.head_axis, "K": self.head_axis}
         axes = [axis_of.get(letter) for letter in layout]
-        return P(*(a if a in self.mesh.axis_names and d % self.mesh.shape[a] == 0 else None
-                   for a, d in zip(axes, shape)))
+        return P(
+            *(a if a in self.mesh.axis_names and d % self.mesh.shape[a] == 0 else None for a, d in zip(axes, shape))
+        )
 
     def place(self, x, layout: str):
         """A host array (the same in every process) as a global array laid out by `layout`."""
@@ -75,8 +81,16 @@ def constrain(sharding: ModelSharding | None, x, layout: str):
 # the decode cache's leaves (jaxattn.linen's cache and the models' position count), by name; MLA's compressed
 # cache batch over data only; Qwen3-Next's linear layers: the conv's last inputs [B,W-1,C] batch over data, the
 # delta rule's state [B,M,Q,D] by value head
-CACHE_LAYOUTS = {"cached_key": "BLKH", "cached_value": "BLKH", "cache_index": "B", "next_position": "B",
-                 "cached_latent": "BLC", "cached_rope": "BLR", "conv_state": "BLE", "recurrent_state": "BNHH"}
+CACHE_LAYOUTS = {
+    "cached_key": "BLKH",
+    "cached_value": "BLKH",
+    "cache_index": "B",
+    "next_position": "B",
+    "cached_latent": "BLC",
+    "cached_rope": "BLR",
+    "conv_state": "BLE",
+    "recurrent_state": "BNHH",
+}
 
 
 def constrain_cache(sharding: ModelSharding | None, cache):
@@ -87,8 +101,9 @@ def constrain_cache(sharding: ModelSharding | None, cache):
     def one(path, x):
         name = getattr(path[-1], "key", path[-1])
         if name not in CACHE_LAYOUTS:
-            checks.fail(f"cache{jax.tree_util.keystr(path)}", f"a cache entry among {sorted(CACHE_LAYOUTS)}",
-                        "an unknown entry")
+            checks.fail(
+                f"cache{jax.tree_util.keystr(path)}", f"a cache entry among {sorted(CACHE_LAYOUTS)}", "an unknown entry"
+            )
         return constrain(sharding, x, CACHE_LAYOUTS[name])
 
     return jax.tree_util.tree_map_with_path(one, cache)
@@ -111,6 +126,7 @@ def decode_outputs(model, token, cache):
 
 # --- sequence parallel: the ring engine for the causal self-attention of a whole sequence ------------------------
 
+
 class SequenceParallelAttention(MultiHeadAttention):
     """jaxattn.linen.MultiHeadAttention (the same params and cache) whose causal self-attention over a whole
     sequence runs as jaxattn.ring_attention over the model's sequence axis: queries stay where their tokens
@@ -129,17 +145,36 @@ class SequenceParallelAttention(MultiHeadAttention):
     sharding: Any = None  # a ModelSharding whose sequence_axis is one of its mesh's axes
 
     @nn.compact
-    def __call__(self, query, key=None, value=None, *, mask=None, is_causal=False, rope_positions=None,
-                 decode=None, **options):
+    def __call__(
+        self, query, key=None, value=None, *, mask=None, is_causal=False, rope_positions=None, decode=None, **options
+    ):
         if self.is_initializing() or decode and (query.shape[-2] == 1 or not self.has_variable("cache", "cached_key")):
-            return super().__call__(query, key, value, mask=mask, is_causal=is_causal, rope_positions=rope_positions,
-                                    decode=decode, **options)
-        unsupported = {"key": key, "value": value, "window": self.window, "chunk_size": self.chunk_size,
-                       "logit_softcap": self.logit_softcap, "use_sinks": self.use_sinks or None, **options}
+            return super().__call__(
+                query,
+                key,
+                value,
+                mask=mask,
+                is_causal=is_causal,
+                rope_positions=rope_positions,
+                decode=decode,
+                **options,
+            )
+        unsupported = {
+            "key": key,
+            "value": value,
+            "window": self.window,
+            "chunk_size": self.chunk_size,
+            "logit_softcap": self.logit_softcap,
+            "use_sinks": self.use_sinks or None,
+            **options,
+        }
         for name, given in unsupported.items():
             if given is not None:
-                checks.fail(name, "None with sequence parallelism (the ring runs causal self-attention, keys "
-                                  "masked by count)", repr(given) if isinstance(given, (tuple, float, int)) else "one")
+                checks.fail(
+                    name,
+                    "None with sequence parallelism (the ring runs causal self-attention, keys masked by count)",
+                    repr(given) if isinstance(given, (tuple, float, int)) else "one",
+                )
         if not (is_causal or decode):
             checks.fail("is_causal", "True with sequence parallelism (the ring runs causal self-attention)", is_causal)
         dtype = common.layer_dtype(self.dtype, self.variables["params"], query)
@@ -163,12 +198,27 @@ class SequenceParallelAttention(MultiHeadAttention):
 
     def _ring(self, q, k, v, lengths):
         s = self.sharding
-        fits = lambda axis, *dims: axis if axis in s.mesh.axis_names and all(  # noqa: E731
-            d % s.mesh.shape[axis] == 0 for d in dims) else None
-        return ring_attention(q, k, v, mesh=s.mesh, sequence_axis=s.sequence_axis, is_causal=True,
-                              batch_axis=fits(s.batch_axis, q.shape[0]),
-                              head_axis=fits(s.head_axis, q.shape[-2], k.shape[-2]), key_value_seq_lengths=lengths,
-                              scale=self.scale, precision=self.precision)
+        fits = lambda axis, *dims: (
+            axis
+            if axis in s.mesh.axis_names
+            and all(  # noqa: E731
+                d % s.mesh.shape[axis] == 0 for d in dims
+            )
+            else None
+        )
+        return ring_attention(
+            q,
+            k,
+            v,
+            mesh=s.mesh,
+            sequence_axis=s.sequence_axis,
+            is_causal=True,
+            batch_axis=fits(s.batch_axis, q.shape[0]),
+            head_axis=fits(s.head_axis, q.shape[-2], k.shape[-2]),
+            key_value_seq_lengths=lengths,
+            scale=self.scale,
+            precision=self.precision,
+        )
 
 
 def _key_counts(mask, S: int):
@@ -177,8 +227,11 @@ def _key_counts(mask, S: int):
     if mask is None:
         return None, None
     if mask.ndim != 4 or mask.shape[1:3] != (1, 1):
-        checks.fail("mask", "a key mask [B,1,1,S] (attention_mask) with sequence parallelism",
-                    f"shape {checks.shape_str(mask.shape)}")
+        checks.fail(
+            "mask",
+            "a key mask [B,1,1,S] (attention_mask) with sequence parallelism",
+            f"shape {checks.shape_str(mask.shape)}",
+        )
     tokens = mask[:, 0, 0, :]
     lengths = jnp.sum(tokens, -1).astype(jnp.int32)
     return lengths, jnp.all(tokens == (jnp.arange(S) < lengths[:, None]), -1)
@@ -201,6 +254,8 @@ def check_prompts(model, attention_mask) -> None:
     mask = np.asarray(attention_mask)
     right = mask == (np.arange(mask.shape[-1]) < mask.sum(-1, keepdims=True))
     if not right.all():
-        checks.fail("attention_mask", "right padding (each row's tokens first) with sequence parallelism (the "
-                                      "ring masks keys by count)", f"rows {np.flatnonzero(~right.all(-1)).tolist()} "
-                                                                   "padded otherwise")
+        checks.fail(
+            "attention_mask",
+            "right padding (each row's tokens first) with sequence parallelism (the ring masks keys by count)",
+            f"rows {np.flatnonzero(~right.all(-1)).tolist()} padded otherwise",
+        )

@@ -164,8 +164,19 @@ class _Swap:
     def remove_leftovers(self, new: set[str]) -> None:
         """Step 7: shards of another save and every hidden file of ours (nothing lists them now). The new set
         is in place: a file that cannot be removed stays for the next save (step 1) rather than fail this one."""
-        leftovers = [*self.temps, *(file for file in self.directory.iterdir() if file.name not in new and (
-            file.name in (SINGLE, INDEX) or SHARD.fullmatch(file.name) or _ours(atomic_files.hidden_for(file.name))))]
+        leftovers = [
+            *self.temps,
+            *(
+                file
+                for file in self.directory.iterdir()
+                if file.name not in new
+                and (
+                    file.name in (SINGLE, INDEX)
+                    or SHARD.fullmatch(file.name)
+                    or _ours(atomic_files.hidden_for(file.name))
+                )
+            ),
+        ]
         for file in leftovers:
             try:
                 atomic_files.remove(file)

@@ -74,11 +74,11 @@ class DecoderConfig:
     head_dim: int | None = None
     rms_norm_eps: float = 1e-6
     tie_word_embeddings: bool = False
-    attention_bias: bool = False       # a bias on q, k, v and o
+    attention_bias: bool = False  # a bias on q, k, v and o
     mlp_bias: bool = False
-    rope_frequencies: tuple = ()       # the inverse frequencies [H/2] (rope_frequencies of the config)
+    rope_frequencies: tuple = ()  # the inverse frequencies [H/2] (rope_frequencies of the config)
     rope_attention_factor: float = 1.0  # HF's attention_scaling: cos and sin scaled by it (yarn)
-    windows: tuple = ()                # per layer: HF's sliding_window W (the query and W - 1 before) or None
+    windows: tuple = ()  # per layer: HF's sliding_window W (the query and W - 1 before) or None
     # every attention call's implementation= (jaxattn.dot_product_attention; None: per platform); not in config.json
     implementation: str | None = dataclasses.field(default=None, compare=False)
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # the config.json dict read
@@ -86,31 +86,53 @@ class DecoderConfig:
     rms_norm: ClassVar[str] = "llama"  # which of HF's RMS norms the family's layers use (see RMSNorm)
 
     @classmethod
-    def parse(cls, config: Mapping[str, Any], source, *, nullable=(), rope: Mapping | None = None,
-              rope_name: str = "rope_parameters", **derived):
+    def parse(
+        cls,
+        config: Mapping[str, Any],
+        source,
+        *,
+        nullable=(),
+        rope: Mapping | None = None,
+        rope_name: str = "rope_parameters",
+        **derived,
+    ):
         """cls from the config.json keys named as its fields (null: the field's default, unless the key is
         in `nullable`), the fields the family derives, and the rope frequencies of the config's rope settings
         (or of `rope`, called `rope_name` in refusals: see rope_frequencies). A head_dim that is neither given
         nor hidden_size / num_attention_heads is refused."""
-        fields = {f.name for f in dataclasses.fields(cls)} - set(derived) - {"rope_frequencies",
-                                                                             "rope_attention_factor", "hf_config",
-                                                                             "implementation"}
-        parsed = cls(**{k: v for k, v in config.items() if k in fields and (v is not None or k in nullable)},
-                     **derived)
+        fields = (
+            {f.name for f in dataclasses.fields(cls)}
+            - set(derived)
+            - {"rope_frequencies", "rope_attention_factor", "hf_config", "implementation"}
+        )
+        parsed = cls(**{k: v for k, v in config.items() if k in fields and (v is not None or k in nullable)}, **derived)
         if parsed.hidden_size % parsed.num_attention_heads and parsed.head_dim is None:
-            _pretrained.refuse(source, "head_dim", "given, or hidden_size divisible by "
-                               f"num_attention_heads={parsed.num_attention_heads}", None)
+            _pretrained.refuse(
+                source,
+                "head_dim",
+                f"given, or hidden_size divisible by num_attention_heads={parsed.num_attention_heads}",
+                None,
+            )
         frequencies = rope_frequencies(config, parsed.dims()["H"], source, rope=rope, name=rope_name)
-        return dataclasses.replace(parsed, rope_frequencies=tuple(frequencies),
-                                   rope_attention_factor=rope_attention_factor(config, rope))
+        return dataclasses.replace(
+            parsed, rope_frequencies=tuple(frequencies), rope_attention_factor=rope_attention_factor(config, rope)
+        )
 
     def to_dict(self) -> dict:
         """config.json's keys for the fields every Llama-shaped config shares; a family adds model_type,
         architectures, its activation, windows and own fields. rope_frequencies are not written: HF derives
         them from the rope settings, which come from hf_config (else HF's defaults), and to_pretrained checks
         that they give these frequencies."""
-        shared = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                  "num_key_value_heads", "rms_norm_eps", "tie_word_embeddings")
+        shared = (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "rms_norm_eps",
+            "tie_word_embeddings",
+        )
         return {k: getattr(self, k) for k in shared} | ({} if self.head_dim is None else {"head_dim": self.head_dim})
 
     def layer_types(self) -> list[str]:
@@ -139,8 +161,14 @@ class DecoderConfig:
 
     def dims(self) -> dict[str, int]:
         N = self.num_attention_heads
-        return {"V": self.vocab_size, "E": self.hidden_size, "N": N, "K": self.num_key_value_heads or N,
-                "H": self.head_dim or self.hidden_size // N, "F": self.intermediate_size}
+        return {
+            "V": self.vocab_size,
+            "E": self.hidden_size,
+            "N": N,
+            "K": self.num_key_value_heads or N,
+            "H": self.head_dim or self.hidden_size // N,
+            "F": self.intermediate_size,
+        }
 
 
 def checked_window(window, source, expected: str) -> int:
@@ -166,8 +194,9 @@ def check_gemma(config: Mapping[str, Any], source) -> None:
     if config.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
         _pretrained.refuse(source, "hidden_activation", "'gelu_pytorch_tanh'", config["hidden_activation"])
     if config.get("use_bidirectional_attention"):
-        _pretrained.refuse(source, "use_bidirectional_attention", "false or null (causal)",
-                           config["use_bidirectional_attention"])
+        _pretrained.refuse(
+            source, "use_bidirectional_attention", "false or null (causal)", config["use_bidirectional_attention"]
+        )
 
 
 def every_layer_window(config: Mapping[str, Any], source) -> tuple:
@@ -184,12 +213,15 @@ def use_sliding_window_layers(config: Mapping[str, Any], source) -> tuple:
     default: from max_window_layers on), and only with use_sliding_window (HF's config drops the window
     otherwise, so sliding layer_types without it are refused); () when no layer slides."""
     n, slides = config["num_hidden_layers"], bool(config.get("use_sliding_window", False))
-    types = config.get("layer_types") or ["sliding_attention" if slides and i >= config.get("max_window_layers", 28)
-                                          else "full_attention" for i in range(n)]
+    types = config.get("layer_types") or [
+        "sliding_attention" if slides and i >= config.get("max_window_layers", 28) else "full_attention"
+        for i in range(n)
+    ]
     if not slides:
         if set(types) != {"full_attention"}:
-            _pretrained.refuse(source, "layer_types", "only 'full_attention' (use_sliding_window is false)",
-                               sorted(set(types)))
+            _pretrained.refuse(
+                source, "layer_types", "only 'full_attention' (use_sliding_window is false)", sorted(set(types))
+            )
         return ()
     return layer_windows(types, config.get("sliding_window"), n, source, why="use_sliding_window is true")
 
@@ -203,8 +235,14 @@ def rope_parameters(config: Mapping[str, Any]) -> dict:
     return {"rope_theta": config.get("rope_theta", 10000.0), **scaling}
 
 
-def rope_frequencies(config: Mapping[str, Any], head_dim: int, source="config", *, rope: Mapping | None = None,
-                     name: str = "rope_parameters") -> np.ndarray:
+def rope_frequencies(
+    config: Mapping[str, Any],
+    head_dim: int,
+    source="config",
+    *,
+    rope: Mapping | None = None,
+    name: str = "rope_parameters",
+) -> np.ndarray:
     """float64 inverse frequencies [head_dim/2] for HF's rope types "default", "linear", "llama3" and "yarn".
 
     Reads the settings (HF's defaults, refusals) and applies the rule of jaxattn/_schemes/rope_scaling.py
@@ -219,28 +257,39 @@ def rope_frequencies(config: Mapping[str, Any], head_dim: int, source="config", 
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         _pretrained.refuse(source, f"{name}['partial_rotary_factor']", "1.0", rope["partial_rotary_factor"])
     if kind != "yarn" and rope.get("attention_factor") not in (None, 1.0):
-        _pretrained.refuse(source, f"{name}['attention_factor']", "1.0 (or unset) unless rope_type is 'yarn'",
-                           rope["attention_factor"])
+        _pretrained.refuse(
+            source, f"{name}['attention_factor']", "1.0 (or unset) unless rope_type is 'yarn'", rope["attention_factor"]
+        )
     base = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     inverse = rope_scaling.default_frequencies(head_dim, base)
     if kind == "linear":
         return rope_scaling.linear_frequencies(inverse, float(rope["factor"]))
     if kind == "yarn":
-        ramp = rope_scaling.yarn_ramp(head_dim, base, _pretraining_length(rope, config), rope.get("beta_fast") or 32,
-                                      rope.get("beta_slow") or 1, rope.get("truncate", True))
+        ramp = rope_scaling.yarn_ramp(
+            head_dim,
+            base,
+            _pretraining_length(rope, config),
+            rope.get("beta_fast") or 32,
+            rope.get("beta_slow") or 1,
+            rope.get("truncate", True),
+        )
         return rope_scaling.yarn_frequencies(inverse, _yarn_factor(rope, config), ramp)
     if kind == "llama3":
         factor, low, high = (float(rope[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
-        return rope_scaling.llama3_frequencies(inverse, factor, low, high,
-                                               float(rope["original_max_position_embeddings"]))
+        return rope_scaling.llama3_frequencies(
+            inverse, factor, low, high, float(rope["original_max_position_embeddings"])
+        )
     return inverse
 
 
 def _pretraining_length(rope: Mapping[str, Any], config: Mapping[str, Any]) -> int:
     """yarn's original_max_position_embeddings: the config's own field first, then rope_parameters', then
     max_position_embeddings (HF's standardize_rope_params)."""
-    return (config.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings")
-            or config["max_position_embeddings"])
+    return (
+        config.get("original_max_position_embeddings")
+        or rope.get("original_max_position_embeddings")
+        or config["max_position_embeddings"]
+    )
 
 
 def _yarn_factor(rope: Mapping[str, Any], config: Mapping[str, Any]) -> float:
@@ -258,8 +307,9 @@ def rope_attention_factor(config: Mapping[str, Any], rope: Mapping | None = None
         return 1.0
     if rope.get("attention_factor") is not None:
         return float(rope["attention_factor"])
-    return rope_scaling.yarn_attention_factor(_yarn_factor(rope, config), rope.get("mscale"),
-                                              rope.get("mscale_all_dim"))
+    return rope_scaling.yarn_attention_factor(
+        _yarn_factor(rope, config), rope.get("mscale"), rope.get("mscale_all_dim")
+    )
 
 
 # --- norms ------------------------------------------------------------------------------------------------------
@@ -307,6 +357,7 @@ def layer_norm(epsilon: float, dtype, param_dtype, name: str) -> nn.LayerNorm:
 
 # --- masks and positions ----------------------------------------------------------------------------------------
 
+
 def key_mask(attention_mask):
     """[...,S] (1 = token) -> the attention layers' mask [...,1,1,S] (True = may attend), or None."""
     if attention_mask is None:
@@ -348,8 +399,10 @@ def sliding_mask(attention_mask, slots, window: int, decode: bool):
     if not decode:
         return key_mask(attention_mask)
     if attention_mask is None:
-        raise ValueError("attention_mask: expected [B,L] covering the cache's L slots when decoding a model "
-                         "with sliding windows, got None")
+        raise ValueError(
+            "attention_mask: expected [B,L] covering the cache's L slots when decoding a model "
+            "with sliding windows, got None"
+        )
     key_slots = jnp.arange(jnp.shape(attention_mask)[-1], dtype=jnp.int32)
     band = (key_slots <= slots[..., None]) & (key_slots > slots[..., None] - window)  # [B,T,L]
     return band[:, None] & key_mask(attention_mask)
@@ -364,11 +417,13 @@ def layer_window(window: int | None, decode: bool):
 def layer_masks(config: DecoderConfig, attention_mask, slots, decode: bool) -> dict:
     """{window (or None): the attention layers' mask}, one per distinct window of the model's layers."""
     windows = {config.window(i) for i in range(config.num_hidden_layers)}
-    return {w: key_mask(attention_mask) if w is None else sliding_mask(attention_mask, slots, w, decode)
-            for w in windows}
+    return {
+        w: key_mask(attention_mask) if w is None else sliding_mask(attention_mask, slots, w, decode) for w in windows
+    }
 
 
 # --- the stack --------------------------------------------------------------------------------------------------
+
 
 class Configured(nn.Module):
     """What every model and block of the families takes: its config and flax's dtype options."""
@@ -408,14 +463,23 @@ def self_attention(block: PreNormBlock, x, mask, positions, decode: bool, window
     c, d = block.config, block.config.dims()
     frequencies, factor = c.rope(block.layer)
     if factor != 1.0:
-        options["scale"] = options.get("scale", d["H"] ** -0.5) * factor ** 2
+        options["scale"] = options.get("scale", d["H"] ** -0.5) * factor**2
     rope = options.pop("rope", RoPE(frequencies=frequencies))  # a family's own RoPE (layout), or None: no RoPE
     attention_layer = _activation_layout.attention_class(block.sharding)
-    attention = attention_layer(num_heads=d["N"], num_kv_heads=d["K"], head_dim=d["H"],
-                                use_bias=c.attention_biases(), rope=rope,
-                                window=window, dtype=block.dtype, param_dtype=block.param_dtype,
-                                precision=block.precision, implementation=c.implementation, name="self_attn",
-                                **options)
+    attention = attention_layer(
+        num_heads=d["N"],
+        num_kv_heads=d["K"],
+        head_dim=d["H"],
+        use_bias=c.attention_biases(),
+        rope=rope,
+        window=window,
+        dtype=block.dtype,
+        param_dtype=block.param_dtype,
+        precision=block.precision,
+        implementation=c.implementation,
+        name="self_attn",
+        **options,
+    )
     return attention(x, mask=mask, is_causal=True, rope_positions=None if rope is None else positions, decode=decode)
 
 
@@ -424,8 +488,9 @@ def gated_mlp(block: Configured, x, activation: Callable, features: int | None =
     features: its intermediate width (default: the config's F)."""
     c, d = block.config, block.config.dims()
     F = d["F"] if features is None else features
-    dense = functools.partial(nn.Dense, use_bias=c.mlp_bias, dtype=block.dtype, param_dtype=block.param_dtype,
-                              precision=block.precision)
+    dense = functools.partial(
+        nn.Dense, use_bias=c.mlp_bias, dtype=block.dtype, param_dtype=block.param_dtype, precision=block.precision
+    )
     h = activation(dense(F, name="gate_proj")(x)) * dense(F, name="up_proj")(x)
     return dense(d["E"], name="down_proj")(h)
 
@@ -454,8 +519,9 @@ class PreNormBlock(Configured):
     @nn.compact
     def __call__(self, x, mask, positions, decode: bool, window=None):
         norm = self.norm()
-        a = self_attention(self, norm(name="input_layernorm")(x), mask, positions, decode, window,
-                           **self.attention_options())
+        a = self_attention(
+            self, norm(name="input_layernorm")(x), mask, positions, decode, window, **self.attention_options()
+        )
         x = x + a
         m, rows = self.feed_forward(norm(name="post_attention_layernorm")(x))
         return x + m, {"attention": a, **rows, "mlp": m}
@@ -475,8 +541,9 @@ class SandwichBlock(PreNormBlock):
     @nn.compact
     def __call__(self, x, mask, positions, decode: bool, window=None):
         norm = self.norm()
-        a = self_attention(self, norm(name="input_layernorm")(x), mask, positions, decode, window,
-                           **self.attention_options())
+        a = self_attention(
+            self, norm(name="input_layernorm")(x), mask, positions, decode, window, **self.attention_options()
+        )
         x = x + norm(name="post_attention_layernorm")(a)
         m, rows = self.feed_forward(norm(name="pre_feedforward_layernorm")(x))
         return x + norm(name="post_feedforward_layernorm")(m), {"attention": a, **rows, "mlp": m}
@@ -492,8 +559,14 @@ def lm_head(module: Configured, x, embed: nn.Embed, tie: bool):
     """The LM head in `module`'s compact call: tied to `embed`, else its own bias-free Dense "lm_head"."""
     if tie:
         return tied_logits(x, embed.embedding, module.dtype, module.precision)
-    return nn.Dense(embed.num_embeddings, use_bias=False, dtype=module.dtype, param_dtype=module.param_dtype,
-                    precision=module.precision, name="lm_head")(x)
+    return nn.Dense(
+        embed.num_embeddings,
+        use_bias=False,
+        dtype=module.dtype,
+        param_dtype=module.param_dtype,
+        precision=module.precision,
+        name="lm_head",
+    )(x)
 
 
 class CausalLM(Configured):
@@ -520,9 +593,14 @@ class CausalLM(Configured):
         return logits
 
     @nn.compact
-    def __call__(self, input_ids: Int[ArrayLike, "B T"],
-                 attention_mask: Int[ArrayLike, "B _keys"] | Bool[ArrayLike, "B _keys"] | None = None,
-                 position_ids: Int[ArrayLike, "B T"] | None = None, *, decode: bool = False) -> Float[Array, "B T V"]:
+    def __call__(
+        self,
+        input_ids: Int[ArrayLike, "B T"],
+        attention_mask: Int[ArrayLike, "B _keys"] | Bool[ArrayLike, "B _keys"] | None = None,
+        position_ids: Int[ArrayLike, "B T"] | None = None,
+        *,
+        decode: bool = False,
+    ) -> Float[Array, "B T V"]:
         c, d = self.config, self.config.dims()
         input_ids = jnp.asarray(input_ids)
         positions, slots = positions_and_slots(self, input_ids.shape, position_ids, decode)
@@ -530,8 +608,9 @@ class CausalLM(Configured):
         masks = layer_masks(c, attention_mask, slots, decode)
 
         def layer(i, x):
-            block = self.Block(c, self.dtype, self.param_dtype, self.precision, self.sharding, layer=i,
-                               name=f"layers_{i}")
+            block = self.Block(
+                c, self.dtype, self.param_dtype, self.precision, self.sharding, layer=i, name=f"layers_{i}"
+            )
             return block(x, masks[c.window(i)], positions, decode, layer_window(c.window(i), decode))
 
         norm = RMSNorm(c.rms_norm_eps, self.param_dtype, c.rms_norm, name="norm")
@@ -557,13 +636,16 @@ class ScaledCausalLM(CausalLM):
 
 # --- decoding ---------------------------------------------------------------------------------------------------
 
+
 def empty_cache(model: nn.Module, params, *args, method=None, **kwargs):
     """The "cache" collection that model.apply({"params": params}, *args, decode=True, method=method,
     **kwargs) fills, all zeros: its shapes for those arguments (jax.eval_shape, nothing is computed), its
     dtype the one the model computes in with these params (a cache never casts silently)."""
+
     def cache(params):
-        return model.apply({"params": params}, *args, decode=True, method=method, mutable=["cache"],
-                           **kwargs)[1]["cache"]
+        return model.apply({"params": params}, *args, decode=True, method=method, mutable=["cache"], **kwargs)[1][
+            "cache"
+        ]
 
     shapes = jax.eval_shape(cache, params)
     zeros = functools.partial(jax.tree.map, lambda s: jnp.zeros(s.shape, s.dtype), shapes)
@@ -574,6 +656,7 @@ def empty_cache(model: nn.Module, params, *args, method=None, **kwargs):
 
 # --- weights: HF's names, one row per tensor (see jaxattn.models.weights) ----------------------------------------
 
+
 def causal_lm_rows(config: DecoderConfig) -> list[weights.Row]:
     """What every Llama-shaped checkpoint holds besides its MLP: the embeddings, each layer's two norms and
     attention (torch nn.Linear [out,in] -> our heads-split kernels), the final norm and an untied head."""
@@ -581,47 +664,107 @@ def causal_lm_rows(config: DecoderConfig) -> list[weights.Row]:
     return [
         R("model.embed_tokens.weight", ("V", "E"), "embed_tokens/embedding", ("V", "E")),
         R("model.layers.{i}.input_layernorm.weight", ("E",), "layers_{i}/input_layernorm/weight", ("E",)),
-        R("model.layers.{i}.self_attn.q_proj.weight", ("N*H", "E"),
-          "layers_{i}/self_attn/query/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
-        R("model.layers.{i}.self_attn.k_proj.weight", ("K*H", "E"),
-          "layers_{i}/self_attn/key/kernel", ("E", "K", "H"), Steps(Transpose(), Reshape())),
-        R("model.layers.{i}.self_attn.v_proj.weight", ("K*H", "E"),
-          "layers_{i}/self_attn/value/kernel", ("E", "K", "H"), Steps(Transpose(), Reshape())),
-        R("model.layers.{i}.self_attn.o_proj.weight", ("E", "N*H"),
-          "layers_{i}/self_attn/out/kernel", ("N", "H", "E"), Steps(Transpose(), Reshape())),
-        *weights.when("query" in biases,
-                      R("model.layers.{i}.self_attn.q_proj.bias", ("N*H",),
-                        "layers_{i}/self_attn/query/bias", ("N", "H"), Reshape())),
-        *weights.when("key" in biases,
-                      R("model.layers.{i}.self_attn.k_proj.bias", ("K*H",),
-                        "layers_{i}/self_attn/key/bias", ("K", "H"), Reshape())),
-        *weights.when("value" in biases,
-                      R("model.layers.{i}.self_attn.v_proj.bias", ("K*H",),
-                        "layers_{i}/self_attn/value/bias", ("K", "H"), Reshape())),
-        *weights.when("out" in biases,
-                      R("model.layers.{i}.self_attn.o_proj.bias", ("E",), "layers_{i}/self_attn/out/bias", ("E",))),
-        R("model.layers.{i}.post_attention_layernorm.weight", ("E",),
-          "layers_{i}/post_attention_layernorm/weight", ("E",)),
+        R(
+            "model.layers.{i}.self_attn.q_proj.weight",
+            ("N*H", "E"),
+            "layers_{i}/self_attn/query/kernel",
+            ("E", "N", "H"),
+            Steps(Transpose(), Reshape()),
+        ),
+        R(
+            "model.layers.{i}.self_attn.k_proj.weight",
+            ("K*H", "E"),
+            "layers_{i}/self_attn/key/kernel",
+            ("E", "K", "H"),
+            Steps(Transpose(), Reshape()),
+        ),
+        R(
+            "model.layers.{i}.self_attn.v_proj.weight",
+            ("K*H", "E"),
+            "layers_{i}/self_attn/value/kernel",
+            ("E", "K", "H"),
+            Steps(Transpose(), Reshape()),
+        ),
+        R(
+            "model.layers.{i}.self_attn.o_proj.weight",
+            ("E", "N*H"),
+            "layers_{i}/self_attn/out/kernel",
+            ("N", "H", "E"),
+            Steps(Transpose(), Reshape()),
+        ),
+        *weights.when(
+            "query" in biases,
+            R(
+                "model.layers.{i}.self_attn.q_proj.bias",
+                ("N*H",),
+                "layers_{i}/self_attn/query/bias",
+                ("N", "H"),
+                Reshape(),
+            ),
+        ),
+        *weights.when(
+            "key" in biases,
+            R(
+                "model.layers.{i}.self_attn.k_proj.bias",
+                ("K*H",),
+                "layers_{i}/self_attn/key/bias",
+                ("K", "H"),
+                Reshape(),
+            ),
+        ),
+        *weights.when(
+            "value" in biases,
+            R(
+                "model.layers.{i}.self_attn.v_proj.bias",
+                ("K*H",),
+                "layers_{i}/self_attn/value/bias",
+                ("K", "H"),
+                Reshape(),
+            ),
+        ),
+        *weights.when(
+            "out" in biases,
+            R("model.layers.{i}.self_attn.o_proj.bias", ("E",), "layers_{i}/self_attn/out/bias", ("E",)),
+        ),
+        R(
+            "model.layers.{i}.post_attention_layernorm.weight",
+            ("E",),
+            "layers_{i}/post_attention_layernorm/weight",
+            ("E",),
+        ),
         R("model.norm.weight", ("E",), "norm/weight", ("E",)),
-        *weights.when(not config.tie_word_embeddings,
-                      R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), Transpose())),
+        *weights.when(
+            not config.tie_word_embeddings, R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), Transpose())
+        ),
     ]
 
 
 def qk_norm_rows() -> list[weights.Row]:
     """Each layer's per-head RMS norms of queries and keys (self_attention with qk_norm; Qwen 3, Gemma 3)."""
     R = weights.row
-    return [R("model.layers.{i}.self_attn.q_norm.weight", ("H",), "layers_{i}/self_attn/q_norm/weight", ("H",)),
-            R("model.layers.{i}.self_attn.k_norm.weight", ("H",), "layers_{i}/self_attn/k_norm/weight", ("H",))]
+    return [
+        R("model.layers.{i}.self_attn.q_norm.weight", ("H",), "layers_{i}/self_attn/q_norm/weight", ("H",)),
+        R("model.layers.{i}.self_attn.k_norm.weight", ("H",), "layers_{i}/self_attn/k_norm/weight", ("H",)),
+    ]
 
 
 def sandwich_norm_rows() -> list[weights.Row]:
     """Each layer's norms around the MLP of a SandwichBlock (its attention's two: causal_lm_rows)."""
     R = weights.row
-    return [R("model.layers.{i}.pre_feedforward_layernorm.weight", ("E",),
-              "layers_{i}/pre_feedforward_layernorm/weight", ("E",)),
-            R("model.layers.{i}.post_feedforward_layernorm.weight", ("E",),
-              "layers_{i}/post_feedforward_layernorm/weight", ("E",))]
+    return [
+        R(
+            "model.layers.{i}.pre_feedforward_layernorm.weight",
+            ("E",),
+            "layers_{i}/pre_feedforward_layernorm/weight",
+            ("E",),
+        ),
+        R(
+            "model.layers.{i}.post_feedforward_layernorm.weight",
+            ("E",),
+            "layers_{i}/post_feedforward_layernorm/weight",
+            ("E",),
+        ),
+    ]
 
 
 def mlp_rows(config: DecoderConfig) -> list[weights.Row]:
@@ -631,22 +774,33 @@ def mlp_rows(config: DecoderConfig) -> list[weights.Row]:
         R("model.layers.{i}.mlp.gate_proj.weight", ("F", "E"), "layers_{i}/gate_proj/kernel", ("E", "F"), Transpose()),
         R("model.layers.{i}.mlp.up_proj.weight", ("F", "E"), "layers_{i}/up_proj/kernel", ("E", "F"), Transpose()),
         R("model.layers.{i}.mlp.down_proj.weight", ("E", "F"), "layers_{i}/down_proj/kernel", ("F", "E"), Transpose()),
-        *weights.when(config.mlp_bias,
-                      R("model.layers.{i}.mlp.gate_proj.bias", ("F",), "layers_{i}/gate_proj/bias", ("F",)),
-                      R("model.layers.{i}.mlp.up_proj.bias", ("F",), "layers_{i}/up_proj/bias", ("F",)),
-                      R("model.layers.{i}.mlp.down_proj.bias", ("E",), "layers_{i}/down_proj/bias", ("E",))),
+        *weights.when(
+            config.mlp_bias,
+            R("model.layers.{i}.mlp.gate_proj.bias", ("F",), "layers_{i}/gate_proj/bias", ("F",)),
+            R("model.layers.{i}.mlp.up_proj.bias", ("F",), "layers_{i}/up_proj/bias", ("F",)),
+            R("model.layers.{i}.mlp.down_proj.bias", ("E",), "layers_{i}/down_proj/bias", ("E",)),
+        ),
     ]
 
 
-def tied_copy(tensors: Mapping[str, np.ndarray], files: Mapping[str, str], source, *, tied: bool,
-              embedding: str, head: str = "lm_head.weight") -> list[str]:
+def tied_copy(
+    tensors: Mapping[str, np.ndarray],
+    files: Mapping[str, str],
+    source,
+    *,
+    tied: bool,
+    embedding: str,
+    head: str = "lm_head.weight",
+) -> list[str]:
     """[head] when the checkpoint stores the tied head's copy of the embeddings (the table then skips it),
     checked equal so that nothing is dropped silently; else []."""
     if not tied or head not in tensors:
         return []
     if not np.array_equal(tensors[head], tensors.get(embedding)):
-        raise ValueError(f"{files[head]}: {head!r}: expected a copy of {embedding} (tie_word_embeddings is true "
-                         f"in {source}), got other values")
+        raise ValueError(
+            f"{files[head]}: {head!r}: expected a copy of {embedding} (tie_word_embeddings is true "
+            f"in {source}), got other values"
+        )
     return [head]
 
 
@@ -654,6 +808,7 @@ def loader(config_class, model_class, table: Callable) -> _pretrained.Family:
     """A from_pretrained loader for a CausalLM family: config_class.from_dict, the weights through
     table(config) (a stored copy of a tied head checked and skipped). It registers the way back too: to_pretrained
     writes a model_class through the same table, its config through config_class.to_dict (see _save)."""
+
     @_save.register_writer(model_class)
     def checkpoint(model):
         return _save.config_json(model.config), table(model.config), model.config.dims()
@@ -664,10 +819,13 @@ def loader(config_class, model_class, table: Callable) -> _pretrained.Family:
 def reader(config_class, model_class, table: Callable) -> Callable:
     """loader's load function alone, registering no writer: for a table that is only read (moe.loader's
     fused experts, which transformers' save_pretrained never writes)."""
+
     def load(config: dict, tensors, files, *, dtype, precision, source):
         parsed = config_class.from_dict(config, source)
-        ignored = tied_copy(tensors, files, source, tied=parsed.tie_word_embeddings,
-                            embedding="model.embed_tokens.weight")
+        ignored = tied_copy(
+            tensors, files, source, tied=parsed.tie_word_embeddings, embedding="model.embed_tokens.weight"
+        )
         params = weights.fill(tensors, table(parsed), parsed.dims(), files, dtype=dtype, ignored=ignored)
         return model_class(parsed, precision=precision), params
+
     return load

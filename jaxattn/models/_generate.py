@@ -25,23 +25,31 @@ from . import _activation_layout, _decoder
 
 @functools.partial(jax.jit, static_argnums=0)
 def _decode_call(model, params, cache, input_ids, attention_mask, position_ids):
-    logits, variables = model.apply({"params": params, "cache": cache}, input_ids, attention_mask=attention_mask,
-                                    position_ids=position_ids, decode=True, mutable=["cache"])
-    return _activation_layout.decode_outputs(model, jnp.argmax(logits[:, -1], axis=-1).astype(input_ids.dtype),
-                                    variables["cache"])
+    logits, variables = model.apply(
+        {"params": params, "cache": cache},
+        input_ids,
+        attention_mask=attention_mask,
+        position_ids=position_ids,
+        decode=True,
+        mutable=["cache"],
+    )
+    return _activation_layout.decode_outputs(
+        model, jnp.argmax(logits[:, -1], axis=-1).astype(input_ids.dtype), variables["cache"]
+    )
 
 
 def _check(input_ids, attention_mask, max_new_tokens):
     if input_ids.ndim != 2 or not jnp.issubdtype(input_ids.dtype, jnp.integer):
         raise ValueError(f"input_ids: expected int [B,T], got {input_ids.dtype} shape {list(input_ids.shape)}")
     if attention_mask.shape != input_ids.shape:
-        raise ValueError(f"attention_mask: expected shape {list(input_ids.shape)} (that of input_ids), "
-                         f"got {list(attention_mask.shape)}")
+        raise ValueError(
+            f"attention_mask: expected shape {list(input_ids.shape)} (that of input_ids), "
+            f"got {list(attention_mask.shape)}"
+        )
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise ValueError(f"max_new_tokens: expected an int >= 0, got {max_new_tokens!r}")
     if not np.isin(attention_mask, (0, 1)).all() or (attention_mask.sum(-1) == 0).any():
-        raise ValueError("attention_mask: expected 0/1 with at least one 1 per row, got "
-                         f"{attention_mask.tolist()}")
+        raise ValueError(f"attention_mask: expected 0/1 with at least one 1 per row, got {attention_mask.tolist()}")
 
 
 class Stopping:
@@ -76,8 +84,9 @@ class Stopping:
         return not self.unfinished.any()
 
 
-def generate(model, params, input_ids, *, max_new_tokens: int, attention_mask=None, eos_token_id=None,
-             pad_token_id=None):
+def generate(
+    model, params, input_ids, *, max_new_tokens: int, attention_mask=None, eos_token_id=None, pad_token_id=None
+):
     """Greedy continuation: int [B,T] prompts -> [B,T+n] (the prompts, then the n new tokens).
 
     attention_mask [B,T] (1 = token, 0 = padding, left or right). Without eos_token_id, exactly
@@ -91,8 +100,9 @@ def generate(model, params, input_ids, *, max_new_tokens: int, attention_mask=No
     _check(input_ids, attention_mask, max_new_tokens)
     stopping = Stopping(input_ids.shape[0], eos_token_id, pad_token_id)
     if not (getattr(model, "is_encoder_decoder", False) or hasattr(model, "max_positions")):
-        raise ValueError(f"model: expected a generative model (gpt2, llama, mistral, qwen2, gemma2, t5), got "
-                         f"{type(model).__name__}")
+        raise ValueError(
+            f"model: expected a generative model (gpt2, llama, mistral, qwen2, gemma2, t5), got {type(model).__name__}"
+        )
     if getattr(model, "is_encoder_decoder", False):
         return model.generate(params, input_ids, attention_mask, max_new_tokens, stopping)
     _activation_layout.check_prompts(model, attention_mask)
@@ -101,8 +111,10 @@ def generate(model, params, input_ids, *, max_new_tokens: int, attention_mask=No
         return input_ids
     limit = model.max_positions()
     if limit is not None and T + max_new_tokens > limit:
-        raise ValueError(f"max_new_tokens: expected T + max_new_tokens <= {limit} (the model's positions), got "
-                         f"{T} + {max_new_tokens}")
+        raise ValueError(
+            f"max_new_tokens: expected T + max_new_tokens <= {limit} (the model's positions), got "
+            f"{T} + {max_new_tokens}"
+        )
     positions = np.where(attention_mask == 1, np.cumsum(attention_mask, -1) - 1, 0)  # HF generate's
     slots = np.concatenate([attention_mask, np.ones((B, max_new_tokens), attention_mask.dtype)], -1)
     ids = jnp.zeros((B, T + max_new_tokens), jnp.int32)

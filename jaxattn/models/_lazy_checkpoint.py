@@ -33,6 +33,7 @@ from .weights import Transform
 
 # --- the checkpoint, read a region at a time ----------------------------------------------------------------
 
+
 class LazyTensor:
     """A tensor of a safetensors file, known by its header entry; read whole only if converted to an array
     (value checks such as a tied head's copy), else region by region."""
@@ -94,8 +95,10 @@ class ShardedCheckpoint(Mapping):
         spec = self.rules.spec(path, shape)
         for name, x in zip(names, xs):
             if x.entry is None:
-                raise ValueError(f"{path} (spec {spec}, shape {checks.shape_str(shape)}): expected tensor "
-                                 f"{name!r} from {x.file.name}, got no such file in {x.file.parent}")
+                raise ValueError(
+                    f"{path} (spec {spec}, shape {checks.shape_str(shape)}): expected tensor "
+                    f"{name!r} from {x.file.name}, got no such file in {x.file.parent}"
+                )
         x0 = xs[0]
         out = np.dtype(dtype) if dtype is not None and jnp.issubdtype(x0.dtype, jnp.floating) else x0.dtype
         read = {}  # box -> array: a shard several local devices hold is read once
@@ -111,6 +114,7 @@ class ShardedCheckpoint(Mapping):
 
 
 # --- a box of a leaf as a box of its HF tensor ---------------------------------------------------------------
+
 
 def region(x: LazyTensor, transform: Transform, shape, box) -> np.ndarray:
     """leaf[box] for the leaf = transform(x) of `shape`, reading only the box of x it needs

@@ -156,12 +156,23 @@ QWEN3_NEXT_RULES = (
 )
 
 # qwen3 and gemma3_text are Llama-shaped: their q_norm/k_norm weights [H] fall to "*" (replicated).
-FAMILY_RULES = {"llama": DECODER_RULES, "qwen2": DECODER_RULES, "mistral": DECODER_RULES,
-                "gemma2": DECODER_RULES, "qwen3": DECODER_RULES, "gemma3_text": DECODER_RULES,
-                "mixtral": MOE_RULES, "qwen3_moe": MOE_RULES, "gpt_oss": MOE_RULES, "llama4_text": MOE_RULES,
-                "deepseek_v3": DEEPSEEK_RULES,
-                "qwen3_next": QWEN3_NEXT_RULES,
-                "gpt2": GPT2_RULES, "t5": T5_RULES, "bert": BERT_RULES}
+FAMILY_RULES = {
+    "llama": DECODER_RULES,
+    "qwen2": DECODER_RULES,
+    "mistral": DECODER_RULES,
+    "gemma2": DECODER_RULES,
+    "qwen3": DECODER_RULES,
+    "gemma3_text": DECODER_RULES,
+    "mixtral": MOE_RULES,
+    "qwen3_moe": MOE_RULES,
+    "gpt_oss": MOE_RULES,
+    "llama4_text": MOE_RULES,
+    "deepseek_v3": DEEPSEEK_RULES,
+    "qwen3_next": QWEN3_NEXT_RULES,
+    "gpt2": GPT2_RULES,
+    "t5": T5_RULES,
+    "bert": BERT_RULES,
+}
 
 
 def partition_rules(model_type: str) -> tuple:
@@ -199,8 +210,9 @@ class Rules:
                 checks.fail(f"rules[{k}]", "a (pattern str, PartitionSpec) pair", repr(r))
             for axis in (a for e in r[1] for a in _axes(e)):
                 if axis not in mesh.axis_names:
-                    checks.fail(f"rules[{k}] ({r[0]!r}: {r[1]})", f"axes of the mesh {list(mesh.axis_names)}",
-                                f"axis {axis!r}")
+                    checks.fail(
+                        f"rules[{k}] ({r[0]!r}: {r[1]})", f"axes of the mesh {list(mesh.axis_names)}", f"axis {axis!r}"
+                    )
         family = tuple((pattern, _only_axes_of(spec, mesh)) for pattern, spec in partition_rules(model_type))
         return cls(mesh, user, family)
 
@@ -226,5 +238,8 @@ def check_spec(path: str, spec: P, shape, mesh: Mesh) -> None:
     for dim, (d, e) in enumerate(zip(shape, spec)):
         parts = math.prod(mesh.shape[a] for a in _axes(e))
         if d % parts:
-            checks.fail(where, f"dim {dim} ({d}) divisible by {parts} (mesh axes {list(_axes(e))})",
-                        f"{d} % {parts} = {d % parts}")
+            checks.fail(
+                where,
+                f"dim {dim} ({d}) divisible by {parts} (mesh axes {list(_axes(e))})",
+                f"{d} % {parts} = {d % parts}",
+            )

@@ -50,6 +50,7 @@ def register_family(model_type: str) -> Callable[[Family], Family]:
     def add(family: Family) -> Family:
         _FAMILIES[model_type] = family
         return family
+
     return add
 
 
@@ -69,8 +70,9 @@ def read_config(path: str | os.PathLike) -> dict:
         raise FileNotFoundError(f"{directory}: not a directory (from_pretrained takes a save_pretrained directory)")
     file = directory / "config.json"
     if not file.is_file():
-        raise FileNotFoundError(f"{file}: no config.json in {directory} (from_pretrained needs the directory "
-                                f"save_pretrained wrote)")
+        raise FileNotFoundError(
+            f"{file}: no config.json in {directory} (from_pretrained needs the directory save_pretrained wrote)"
+        )
     try:
         config = json.loads(file.read_text())
     except json.JSONDecodeError as error:
@@ -90,14 +92,17 @@ def read_tensors(path: str | os.PathLike, read: Callable = load_safetensors) -> 
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise ValueError(f"{index}: expected JSON with a 'weight_map' {{name: file}}, got an error: "
-                             f"{error!r}") from None
+            raise ValueError(
+                f"{index}: expected JSON with a 'weight_map' {{name: file}}, got an error: {error!r}"
+            ) from None
         tensors, files = {}, {}
         for shard in sorted(set(weight_map.values())):
             for name, array in read(directory / shard).items():
                 if weight_map.get(name) != shard:
-                    raise ValueError(f"{directory / shard}: tensor {name!r} is not listed for this file in "
-                                     f"{index.name} (listed: {weight_map.get(name)!r})")
+                    raise ValueError(
+                        f"{directory / shard}: tensor {name!r} is not listed for this file in "
+                        f"{index.name} (listed: {weight_map.get(name)!r})"
+                    )
                 tensors[name], files[name] = array, shard
         listed_only = sorted(set(weight_map) - set(tensors))
         if listed_only:
@@ -106,15 +111,16 @@ def read_tensors(path: str | os.PathLike, read: Callable = load_safetensors) -> 
     single = directory / "model.safetensors"
     if not single.is_file():
         found = sorted(p.name for p in directory.iterdir())
-        raise FileNotFoundError(f"{single}: no model.safetensors and no model.safetensors.index.json in "
-                                f"{directory} (found {found}); .bin/.pt checkpoints need torch: "
-                                f"re-save with save_pretrained(safe_serialization=True)")
+        raise FileNotFoundError(
+            f"{single}: no model.safetensors and no model.safetensors.index.json in "
+            f"{directory} (found {found}); .bin/.pt checkpoints need torch: "
+            f"re-save with save_pretrained(safe_serialization=True)"
+        )
     tensors = read(single)
     return tensors, {name: single.name for name in tensors}
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype: Any | None = None, precision: Any = None, mesh=None,
-                    rules=None):
+def from_pretrained(path: str | os.PathLike, *, dtype: Any | None = None, precision: Any = None, mesh=None, rules=None):
     """(model, params) for a save_pretrained directory of a supported model_type, without torch.
 
     dtype: cast every floating tensor to it (e.g. "float32" for a bf16 checkpoint); None keeps the file's
@@ -157,8 +163,7 @@ def from_state_dict(config: dict, state_dict, *, dtype: Any | None = None, preci
 def _family(config: dict, source):
     model_type = config.get("model_type")
     if model_type not in _FAMILIES:
-        raise ValueError(f"{source}: model_type: expected one of {list(supported_model_types())}, "
-                         f"got {model_type!r}")
+        raise ValueError(f"{source}: model_type: expected one of {list(supported_model_types())}, got {model_type!r}")
     return _FAMILIES[model_type]
 
 

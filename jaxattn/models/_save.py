@@ -46,6 +46,7 @@ def register_writer(model_class: type):
     def add(writer):
         _WRITERS[model_class] = writer
         return writer
+
     return add
 
 
@@ -57,15 +58,22 @@ def config_json(config) -> dict:
     written = {k: v for k, v in copy.deepcopy(dict(config.hf_config or {})).items() if k != "torch_dtype"}
     written.update(config.to_dict())
     if not isinstance(written.get("model_type"), str):
-        raise ValueError(f"model.config: expected a model_type from to_dict() or hf_config (transformers picks the "
-                         f"model by it), got {written.get('model_type')!r}")
+        raise ValueError(
+            f"model.config: expected a model_type from to_dict() or hf_config (transformers picks the "
+            f"model by it), got {written.get('model_type')!r}"
+        )
     back = type(config).from_dict(written, "config.json")
-    differ = [f"{f.name}: {getattr(config, f.name)!r} would be read back as {getattr(back, f.name)!r}"
-              for f in dataclasses.fields(config) if f.compare and getattr(config, f.name) != getattr(back, f.name)]
+    differ = [
+        f"{f.name}: {getattr(config, f.name)!r} would be read back as {getattr(back, f.name)!r}"
+        for f in dataclasses.fields(config)
+        if f.compare and getattr(config, f.name) != getattr(back, f.name)
+    ]
     if differ:
-        raise ValueError(f"model.config: expected a config that config.json can hold, got fields its HF keys "
-                         f"do not reproduce: {'; '.join(differ)} (keys no field maps, e.g. rope_parameters, come "
-                         f"from config.hf_config)")
+        raise ValueError(
+            f"model.config: expected a config that config.json can hold, got fields its HF keys "
+            f"do not reproduce: {'; '.join(differ)} (keys no field maps, e.g. rope_parameters, come "
+            f"from config.hf_config)"
+        )
     return written
 
 
@@ -83,8 +91,10 @@ def shard_size(max_shard_size) -> int:
             size = 0
         if size >= 1:
             return size
-    raise ValueError(f"max_shard_size: expected an int >= 1 (bytes) or a size such as '5GB' (units "
-                     f"{list(_SIZE_UNITS)}), got {max_shard_size!r}")
+    raise ValueError(
+        f"max_shard_size: expected an int >= 1 (bytes) or a size such as '5GB' (units "
+        f"{list(_SIZE_UNITS)}), got {max_shard_size!r}"
+    )
 
 
 def shards(tensors: Mapping[str, np.ndarray], limit: int) -> list[list[str]]:
@@ -104,8 +114,9 @@ def shards(tensors: Mapping[str, np.ndarray], limit: int) -> list[list[str]]:
     return files + [current] if current or not files else files
 
 
-def to_pretrained(model, params, path: str | os.PathLike, *, dtype: Any | None = None,
-                  max_shard_size: int | str | None = None) -> Path:
+def to_pretrained(
+    model, params, path: str | os.PathLike, *, dtype: Any | None = None, max_shard_size: int | str | None = None
+) -> Path:
     """Write (model, params) as a save_pretrained directory that transformers loads with no missing or
     unexpected keys; returns the directory.
 
@@ -128,8 +139,10 @@ def to_pretrained(model, params, path: str | os.PathLike, *, dtype: Any | None =
     """
     writer = _WRITERS.get(type(model))
     if writer is None:
-        raise ValueError(f"model: expected a jaxattn.models model of one of "
-                         f"{sorted(c.__name__ for c in _WRITERS)}, got {type(model).__name__}")
+        raise ValueError(
+            f"model: expected a jaxattn.models model of one of "
+            f"{sorted(c.__name__ for c in _WRITERS)}, got {type(model).__name__}"
+        )
     try:
         floating_dtype = dtype is None or jnp.issubdtype(jnp.dtype(dtype), jnp.floating)
     except TypeError:  # not a dtype at all
@@ -146,15 +159,22 @@ def to_pretrained(model, params, path: str | os.PathLike, *, dtype: Any | None =
     if directory.exists() and not directory.is_dir():
         raise ValueError(f"path: expected a directory (or a new one), got the file {directory}")
     groups = shards(tensors, limit)
-    names = [SINGLE] if len(groups) == 1 else [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors"
-                                                 for k in range(len(groups))]
+    names = (
+        [SINGLE]
+        if len(groups) == 1
+        else [f"model-{k + 1:05d}-of-{len(groups):05d}.safetensors" for k in range(len(groups))]
+    )
     files = {CONFIG: _text_writer(json.dumps(config, indent=2, sort_keys=True) + "\n")}
     for name, group in zip(names, groups):  # every tensor checked here, before a file is written
         files[name] = io.safetensors_writer({k: tensors[k] for k in group})
     if len(groups) > 1:
-        index = {"metadata": {"total_parameters": sum(x.size for x in tensors.values()),
-                              "total_size": sum(x.nbytes for x in tensors.values())},
-                 "weight_map": {k: name for name, group in zip(names, groups) for k in group}}
+        index = {
+            "metadata": {
+                "total_parameters": sum(x.size for x in tensors.values()),
+                "total_size": sum(x.nbytes for x in tensors.values()),
+            },
+            "weight_map": {k: name for name, group in zip(names, groups) for k in group},
+        }
         files[INDEX] = _text_writer(json.dumps(index, indent=2, sort_keys=True) + "\n")
     made = _make_directories(directory)
     try:

@@ -62,21 +62,32 @@ class BertConfig:
             refuse("position_embedding_type", "'absolute'", config["position_embedding_type"])
         parsed = cls(**{f.name: config[f.name] for f in dataclasses.fields(cls) if f.compare and f.name in config})
         if parsed.hidden_size % parsed.num_attention_heads:
-            refuse("hidden_size", f"a multiple of num_attention_heads={parsed.num_attention_heads}",
-                   parsed.hidden_size)
+            refuse("hidden_size", f"a multiple of num_attention_heads={parsed.num_attention_heads}", parsed.hidden_size)
         return parsed
 
     def to_dict(self) -> dict:
         """config.json's keys (inverse of from_dict; the fields are HF's names)."""
-        return {"model_type": "bert", "architectures": ["BertModel"], "hidden_act": "gelu", "is_decoder": False,
-                "add_cross_attention": False,
-                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare}}
+        return {
+            "model_type": "bert",
+            "architectures": ["BertModel"],
+            "hidden_act": "gelu",
+            "is_decoder": False,
+            "add_cross_attention": False,
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare},
+        }
 
     def dims(self) -> dict[str, int]:
         """The axis letters of the weight table."""
         N = self.num_attention_heads
-        return {"V": self.vocab_size, "P": self.max_position_embeddings, "Y": self.type_vocab_size,
-                "E": self.hidden_size, "N": N, "H": self.hidden_size // N, "F": self.intermediate_size}
+        return {
+            "V": self.vocab_size,
+            "P": self.max_position_embeddings,
+            "Y": self.type_vocab_size,
+            "E": self.hidden_size,
+            "N": N,
+            "H": self.hidden_size // N,
+            "F": self.intermediate_size,
+        }
 
 
 class BertEmbeddings(nn.Module):
@@ -111,9 +122,15 @@ class BertLayer(nn.Module):
         dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)
         norm = functools.partial(_decoder.layer_norm, c.layer_norm_eps, self.dtype, self.param_dtype)
         dropout = nn.Dropout(c.hidden_dropout_prob, deterministic=deterministic)
-        attention = MultiHeadAttention(num_heads=c.num_attention_heads, dropout_rate=c.attention_probs_dropout_prob,
-                                       dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision,
-                                       implementation=c.implementation, name="attention")
+        attention = MultiHeadAttention(
+            num_heads=c.num_attention_heads,
+            dropout_rate=c.attention_probs_dropout_prob,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            precision=self.precision,
+            implementation=c.implementation,
+            name="attention",
+        )
         y, weights = attention(x, mask=mask, deterministic=deterministic, return_weights=True)
         a = norm("attention_norm")(x + dropout(y))
         h = nn.gelu(dense(c.intermediate_size, name="intermediate")(a), approximate=False)
@@ -137,30 +154,46 @@ class BertModel(nn.Module):
     sharding: Any = None  # a _activation_layout.ModelSharding: the activations' layout on a mesh (None: one device)
 
     @nn.compact
-    def __call__(self, input_ids: Int[ArrayLike, "*B T"],
-                 attention_mask: Int[ArrayLike, "*B T"] | Bool[ArrayLike, "*B T"] | None = None,
-                 token_type_ids: Int[ArrayLike, "*B T"] | None = None,
-                 position_ids: Int[ArrayLike, "*B T"] | None = None, *, deterministic: bool = True) -> dict[str, Any]:
+    def __call__(
+        self,
+        input_ids: Int[ArrayLike, "*B T"],
+        attention_mask: Int[ArrayLike, "*B T"] | Bool[ArrayLike, "*B T"] | None = None,
+        token_type_ids: Int[ArrayLike, "*B T"] | None = None,
+        position_ids: Int[ArrayLike, "*B T"] | None = None,
+        *,
+        deterministic: bool = True,
+    ) -> dict[str, Any]:
         input_ids = jnp.asarray(input_ids)
         T = input_ids.shape[-1]
         token_type_ids = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         position_ids = jnp.broadcast_to(jnp.arange(T), input_ids.shape) if position_ids is None else position_ids
         mask = _decoder.key_mask(attention_mask)  # [B...,1,1,S]: keys only
         x = BertEmbeddings(self.config, self.dtype, self.param_dtype, name="embeddings")(
-            input_ids, token_type_ids, position_ids, deterministic=deterministic)
+            input_ids, token_type_ids, position_ids, deterministic=deterministic
+        )
         hidden_states, attention_outputs, attentions = [x], [], []
         for i in range(self.config.num_hidden_layers):
             x = _activation_layout.constrain(self.sharding, x, "BTE")  # on a mesh: batch over "data" between layers
-            x, a, weights = BertLayer(self.config, self.dtype, self.param_dtype, self.precision,
-                                      name=f"layer_{i}")(x, mask, deterministic=deterministic)
+            x, a, weights = BertLayer(self.config, self.dtype, self.param_dtype, self.precision, name=f"layer_{i}")(
+                x, mask, deterministic=deterministic
+            )
             hidden_states.append(x)
             attention_outputs.append(a)
             attentions.append(weights)
-        outputs = {"last_hidden_state": x, "hidden_states": tuple(hidden_states),
-                   "attention_outputs": tuple(attention_outputs), "attentions": tuple(attentions)}
+        outputs = {
+            "last_hidden_state": x,
+            "hidden_states": tuple(hidden_states),
+            "attention_outputs": tuple(attention_outputs),
+            "attentions": tuple(attentions),
+        }
         if self.add_pooling_layer:
-            pooler = nn.Dense(self.config.hidden_size, dtype=self.dtype, param_dtype=self.param_dtype,
-                              precision=self.precision, name="pooler")
+            pooler = nn.Dense(
+                self.config.hidden_size,
+                dtype=self.dtype,
+                param_dtype=self.param_dtype,
+                precision=self.precision,
+                name="pooler",
+            )
             outputs["pooler_output"] = jnp.tanh(pooler(x[..., 0, :]))
         return outputs
 
@@ -176,43 +209,99 @@ def mean_pooling(last_hidden_state, attention_mask, *, normalize: bool = True):
 
 # --- weights: one row per tensor (see jaxattn.models.weights) ---------------------------------------------------
 
+
 def weight_table(config: BertConfig, *, add_pooling_layer: bool = True, prefix: str = "") -> list[weights.Row]:
     """HF BertModel's names (after `prefix`, e.g. "bert." inside BertFor* heads) -> our params."""
     R = weights.row
-    rows = weights.expand([
-        R("embeddings.word_embeddings.weight", ("V", "E"), "embeddings/word_embeddings/embedding", ("V", "E")),
-        R("embeddings.position_embeddings.weight", ("P", "E"), "embeddings/position_embeddings/embedding", ("P", "E")),
-        R("embeddings.token_type_embeddings.weight", ("Y", "E"),
-          "embeddings/token_type_embeddings/embedding", ("Y", "E")),
-        R("embeddings.LayerNorm.weight", ("E",), "embeddings/LayerNorm/scale", ("E",)),
-        R("embeddings.LayerNorm.bias", ("E",), "embeddings/LayerNorm/bias", ("E",)),
-        R("encoder.layer.{i}.attention.self.query.weight", ("N*H", "E"),
-          "layer_{i}/attention/query/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
-        R("encoder.layer.{i}.attention.self.query.bias", ("N*H",),
-          "layer_{i}/attention/query/bias", ("N", "H"), Reshape()),
-        R("encoder.layer.{i}.attention.self.key.weight", ("N*H", "E"),
-          "layer_{i}/attention/key/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
-        R("encoder.layer.{i}.attention.self.key.bias", ("N*H",), "layer_{i}/attention/key/bias", ("N", "H"), Reshape()),
-        R("encoder.layer.{i}.attention.self.value.weight", ("N*H", "E"),
-          "layer_{i}/attention/value/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
-        R("encoder.layer.{i}.attention.self.value.bias", ("N*H",),
-          "layer_{i}/attention/value/bias", ("N", "H"), Reshape()),
-        R("encoder.layer.{i}.attention.output.dense.weight", ("E", "N*H"),
-          "layer_{i}/attention/out/kernel", ("N", "H", "E"), Steps(Transpose(), Reshape())),
-        R("encoder.layer.{i}.attention.output.dense.bias", ("E",), "layer_{i}/attention/out/bias", ("E",)),
-        R("encoder.layer.{i}.attention.output.LayerNorm.weight", ("E",), "layer_{i}/attention_norm/scale", ("E",)),
-        R("encoder.layer.{i}.attention.output.LayerNorm.bias", ("E",), "layer_{i}/attention_norm/bias", ("E",)),
-        R("encoder.layer.{i}.intermediate.dense.weight", ("F", "E"),
-          "layer_{i}/intermediate/kernel", ("E", "F"), Transpose()),
-        R("encoder.layer.{i}.intermediate.dense.bias", ("F",), "layer_{i}/intermediate/bias", ("F",)),
-        R("encoder.layer.{i}.output.dense.weight", ("E", "F"), "layer_{i}/output/kernel", ("F", "E"), Transpose()),
-        R("encoder.layer.{i}.output.dense.bias", ("E",), "layer_{i}/output/bias", ("E",)),
-        R("encoder.layer.{i}.output.LayerNorm.weight", ("E",), "layer_{i}/output_norm/scale", ("E",)),
-        R("encoder.layer.{i}.output.LayerNorm.bias", ("E",), "layer_{i}/output_norm/bias", ("E",)),
-        *weights.when(add_pooling_layer,
-                       R("pooler.dense.weight", ("E", "E"), "pooler/kernel", ("E", "E"), Transpose()),
-                       R("pooler.dense.bias", ("E",), "pooler/bias", ("E",))),
-    ], config.num_hidden_layers)
+    rows = weights.expand(
+        [
+            R("embeddings.word_embeddings.weight", ("V", "E"), "embeddings/word_embeddings/embedding", ("V", "E")),
+            R(
+                "embeddings.position_embeddings.weight",
+                ("P", "E"),
+                "embeddings/position_embeddings/embedding",
+                ("P", "E"),
+            ),
+            R(
+                "embeddings.token_type_embeddings.weight",
+                ("Y", "E"),
+                "embeddings/token_type_embeddings/embedding",
+                ("Y", "E"),
+            ),
+            R("embeddings.LayerNorm.weight", ("E",), "embeddings/LayerNorm/scale", ("E",)),
+            R("embeddings.LayerNorm.bias", ("E",), "embeddings/LayerNorm/bias", ("E",)),
+            R(
+                "encoder.layer.{i}.attention.self.query.weight",
+                ("N*H", "E"),
+                "layer_{i}/attention/query/kernel",
+                ("E", "N", "H"),
+                Steps(Transpose(), Reshape()),
+            ),
+            R(
+                "encoder.layer.{i}.attention.self.query.bias",
+                ("N*H",),
+                "layer_{i}/attention/query/bias",
+                ("N", "H"),
+                Reshape(),
+            ),
+            R(
+                "encoder.layer.{i}.attention.self.key.weight",
+                ("N*H", "E"),
+                "layer_{i}/attention/key/kernel",
+                ("E", "N", "H"),
+                Steps(Transpose(), Reshape()),
+            ),
+            R(
+                "encoder.layer.{i}.attention.self.key.bias",
+                ("N*H",),
+                "layer_{i}/attention/key/bias",
+                ("N", "H"),
+                Reshape(),
+            ),
+            R(
+                "encoder.layer.{i}.attention.self.value.weight",
+                ("N*H", "E"),
+                "layer_{i}/attention/value/kernel",
+                ("E", "N", "H"),
+                Steps(Transpose(), Reshape()),
+            ),
+            R(
+                "encoder.layer.{i}.attention.self.value.bias",
+                ("N*H",),
+                "layer_{i}/attention/value/bias",
+                ("N", "H"),
+                Reshape(),
+            ),
+            R(
+                "encoder.layer.{i}.attention.output.dense.weight",
+                ("E", "N*H"),
+                "layer_{i}/attention/out/kernel",
+                ("N", "H", "E"),
+                Steps(Transpose(), Reshape()),
+            ),
+            R("encoder.layer.{i}.attention.output.dense.bias", ("E",), "layer_{i}/attention/out/bias", ("E",)),
+            R("encoder.layer.{i}.attention.output.LayerNorm.weight", ("E",), "layer_{i}/attention_norm/scale", ("E",)),
+            R("encoder.layer.{i}.attention.output.LayerNorm.bias", ("E",), "layer_{i}/attention_norm/bias", ("E",)),
+            R(
+                "encoder.layer.{i}.intermediate.dense.weight",
+                ("F", "E"),
+                "layer_{i}/intermediate/kernel",
+                ("E", "F"),
+                Transpose(),
+            ),
+            R("encoder.layer.{i}.intermediate.dense.bias", ("F",), "layer_{i}/intermediate/bias", ("F",)),
+            R("encoder.layer.{i}.output.dense.weight", ("E", "F"), "layer_{i}/output/kernel", ("F", "E"), Transpose()),
+            R("encoder.layer.{i}.output.dense.bias", ("E",), "layer_{i}/output/bias", ("E",)),
+            R("encoder.layer.{i}.output.LayerNorm.weight", ("E",), "layer_{i}/output_norm/scale", ("E",)),
+            R("encoder.layer.{i}.output.LayerNorm.bias", ("E",), "layer_{i}/output_norm/bias", ("E",)),
+            *weights.when(
+                add_pooling_layer,
+                R("pooler.dense.weight", ("E", "E"), "pooler/kernel", ("E", "E"), Transpose()),
+                R("pooler.dense.bias", ("E",), "pooler/bias", ("E",)),
+            ),
+        ],
+        config.num_hidden_layers,
+    )
     return weights.prefixed(rows, prefix)
 
 
@@ -221,8 +310,14 @@ def state_dict_names(config: BertConfig, *, add_pooling_layer: bool = True) -> l
     return [r.name for r in weight_table(config, add_pooling_layer=add_pooling_layer)]
 
 
-def params_from_state_dict(state_dict: Mapping[str, Any], config: BertConfig, *, add_pooling_layer: bool = True,
-                           prefix: str = "", dtype: Optional[Any] = None) -> dict:
+def params_from_state_dict(
+    state_dict: Mapping[str, Any],
+    config: BertConfig,
+    *,
+    add_pooling_layer: bool = True,
+    prefix: str = "",
+    dtype: Optional[Any] = None,
+) -> dict:
     """HF BertModel state_dict ({name: array}) -> BertModel params, by the table above.
 
     The key set must be exactly the table's names (each after `prefix`, e.g. "bert." for BertFor* heads),
@@ -231,8 +326,14 @@ def params_from_state_dict(state_dict: Mapping[str, Any], config: BertConfig, *,
     Also maps gradients taken in torch, since every transform is a permutation.
     """
     tensors = {name: np.asarray(value) for name, value in state_dict.items()}
-    return _fill(tensors, {name: "state_dict" for name in tensors}, config, add_pooling_layer=add_pooling_layer,
-                 prefix=prefix, dtype=dtype)
+    return _fill(
+        tensors,
+        {name: "state_dict" for name in tensors},
+        config,
+        add_pooling_layer=add_pooling_layer,
+        prefix=prefix,
+        dtype=dtype,
+    )
 
 
 def _fill(tensors, files, config: BertConfig, *, add_pooling_layer: bool, prefix: str, dtype) -> dict:
@@ -254,14 +355,16 @@ def init_params(config: BertConfig, rng=None, **model_options) -> dict:
 
 # --- from_pretrained ------------------------------------------------------------------------------------------
 
+
 @_pretrained.register_family("bert")
 @_pretrained.loads(BertConfig, BertModel)
 def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
     """(BertModel, params) from a BertModel checkpoint (names with or without the "bert." prefix)."""
     for key in ("is_decoder", "add_cross_attention"):
         if config.get(key, False):
-            _pretrained.refuse(source, key, "false (an encoder; decoder cross-attention is not implemented)",
-                               config[key])
+            _pretrained.refuse(
+                source, key, "false (an encoder; decoder cross-attention is not implemented)", config[key]
+            )
     bert_config = BertConfig.from_dict(config, source)
     prefix = "bert." if any(name.startswith("bert.") for name in tensors) else ""
     pooler = prefix + "pooler.dense.weight" in tensors

@@ -100,41 +100,67 @@ class DeepseekV3Config(moe.MoEConfig):
         X = config.get("n_routed_experts", cls.num_local_experts)
         N = config.get("num_attention_heads", cls.num_attention_heads)
         if config.get("num_key_value_heads") not in (None, N):
-            refuse("num_key_value_heads", f"null or {N} (num_attention_heads: MLA has no key/value groups)",
-                   config["num_key_value_heads"])
+            refuse(
+                "num_key_value_heads",
+                f"null or {N} (num_attention_heads: MLA has no key/value groups)",
+                config["num_key_value_heads"],
+            )
         groups = config.get("n_group") or 1
         if isinstance(groups, bool) or not isinstance(groups, int) or groups < 1 or X % groups or X // groups < 2:
-            refuse("n_group", f"an int dividing n_routed_experts={X} into groups of >= 2 experts (HF scores a "
-                   "group by its two best)", config.get("n_group"))
+            refuse(
+                "n_group",
+                f"an int dividing n_routed_experts={X} into groups of >= 2 experts (HF scores a group by its two best)",
+                config.get("n_group"),
+            )
         eligible = config.get("topk_group") or 1
         if isinstance(eligible, bool) or not isinstance(eligible, int) or not 1 <= eligible <= groups:
             refuse("topk_group", f"an int in [1, {groups}] (n_group)", config.get("topk_group"))
         k = config.get("num_experts_per_tok") or cls.num_experts_per_tok
         if isinstance(k, int) and k > eligible * (X // groups):
-            refuse("num_experts_per_tok", f"at most {eligible * (X // groups)} (the experts of topk_group "
-                   "groups)", k)
+            refuse("num_experts_per_tok", f"at most {eligible * (X // groups)} (the experts of topk_group groups)", k)
         dense = config.get("first_k_dense_replace") or 0
         if isinstance(dense, bool) or not isinstance(dense, int) or dense < 0:
             refuse("first_k_dense_replace", "an int >= 0", dense)
         R = config.get("qk_rope_head_dim", cls.qk_rope_head_dim)
         Hq = config.get("qk_nope_head_dim", cls.qk_nope_head_dim) + R
-        parsed = cls.parse(config, source, nullable=("q_lora_rank",), num_local_experts=X, n_group=groups,
-                           topk_group=eligible, first_k_dense_replace=dense, head_dim=R, num_key_value_heads=N,
-                           softmax_scale=Hq ** -0.5 * _mscale(config, refuse) ** 2)
+        parsed = cls.parse(
+            config,
+            source,
+            nullable=("q_lora_rank",),
+            num_local_experts=X,
+            n_group=groups,
+            topk_group=eligible,
+            first_k_dense_replace=dense,
+            head_dim=R,
+            num_key_value_heads=N,
+            softmax_scale=Hq**-0.5 * _mscale(config, refuse) ** 2,
+        )
         return parsed
 
     def to_dict(self) -> dict:
         """config.json's keys (inverse of from_dict)."""
         return super().to_dict() | {
-            "model_type": "deepseek_v3", "architectures": ["DeepseekV3ForCausalLM"], "hidden_act": "silu",
-            "attention_bias": self.attention_bias, "moe_intermediate_size": self.moe_intermediate_size,
-            "n_routed_experts": self.num_local_experts, "num_experts_per_tok": self.num_experts_per_tok,
-            "n_shared_experts": self.n_shared_experts, "routed_scaling_factor": self.routed_scaling_factor,
-            "kv_lora_rank": self.kv_lora_rank, "q_lora_rank": self.q_lora_rank,
-            "qk_rope_head_dim": self.qk_rope_head_dim, "qk_nope_head_dim": self.qk_nope_head_dim,
-            "v_head_dim": self.v_head_dim, "n_group": self.n_group, "topk_group": self.topk_group,
-            "first_k_dense_replace": self.first_k_dense_replace, "norm_topk_prob": self.norm_topk_prob,
-            "rope_interleave": self.rope_interleave, "max_position_embeddings": self.max_position_embeddings}
+            "model_type": "deepseek_v3",
+            "architectures": ["DeepseekV3ForCausalLM"],
+            "hidden_act": "silu",
+            "attention_bias": self.attention_bias,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "n_routed_experts": self.num_local_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "n_shared_experts": self.n_shared_experts,
+            "routed_scaling_factor": self.routed_scaling_factor,
+            "kv_lora_rank": self.kv_lora_rank,
+            "q_lora_rank": self.q_lora_rank,
+            "qk_rope_head_dim": self.qk_rope_head_dim,
+            "qk_nope_head_dim": self.qk_nope_head_dim,
+            "v_head_dim": self.v_head_dim,
+            "n_group": self.n_group,
+            "topk_group": self.topk_group,
+            "first_k_dense_replace": self.first_k_dense_replace,
+            "norm_topk_prob": self.norm_topk_prob,
+            "rope_interleave": self.rope_interleave,
+            "max_position_embeddings": self.max_position_embeddings,
+        }
 
     def moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
@@ -142,9 +168,20 @@ class DeepseekV3Config(moe.MoEConfig):
     def dims(self) -> dict[str, int]:
         C, R, Hn, Hv = self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim
         F = self.moe_intermediate_size
-        return {**super().dims(), "F": F, "G": self.intermediate_size, "S": self.n_shared_experts * F, "C": C,
-                "R": R, "Hn": Hn, "Hv": Hv, "Hq": Hn + R, "Hkv": Hn + Hv, "CR": C + R,
-                **({} if self.q_lora_rank is None else {"Cq": self.q_lora_rank})}
+        return {
+            **super().dims(),
+            "F": F,
+            "G": self.intermediate_size,
+            "S": self.n_shared_experts * F,
+            "C": C,
+            "R": R,
+            "Hn": Hn,
+            "Hv": Hv,
+            "Hq": Hn + R,
+            "Hkv": Hn + Hv,
+            "CR": C + R,
+            **({} if self.q_lora_rank is None else {"Cq": self.q_lora_rank}),
+        }
 
 
 def _mscale(config: Mapping[str, Any], refuse) -> float:
@@ -155,15 +192,18 @@ def _mscale(config: Mapping[str, Any], refuse) -> float:
     if rope.get("rope_type", "default") == "default" or not m:
         return 1.0
     if rope.get("factor") is None:
-        refuse("rope_parameters['factor']", "a number when mscale_all_dim is set (HF's yarn_apply_mscale reads "
-               "it)", None)
+        refuse(
+            "rope_parameters['factor']", "a number when mscale_all_dim is set (HF's yarn_apply_mscale reads it)", None
+        )
     return rope_scaling.yarn_mscale(float(rope["factor"]), float(m))
 
 
 # --- routing ------------------------------------------------------------------------------------------------------
 
-def group_limited_weights(logits, correction_bias, *, top_k: int, n_group: int, topk_group: int,
-                          normalize: bool, scaling: float):
+
+def group_limited_weights(
+    logits, correction_bias, *, top_k: int, n_group: int, topk_group: int, normalize: bool, scaling: float
+):
     """Router logits [...,X] -> the experts' weights [...,X] (zero off each token's k picks): DeepSeek V3's
     sigmoid scores, picked by score + correction_bias among the experts of the topk_group best groups (a group's
     score: the sum of its two best), weighted by the plain scores (see the module). Float32 or wider."""
@@ -191,20 +231,29 @@ class DeepseekMoE(_decoder.Configured):
     def __call__(self, x):
         c, d = self.config, self.config.dims()
         wide = jnp.promote_types(x.dtype, jnp.float32)  # HF: the router's input and weight in float32
-        logits = nn.Dense(d["X"], use_bias=False, dtype=wide, param_dtype=self.param_dtype,
-                          precision=self.precision, name="router")(x)
+        logits = nn.Dense(
+            d["X"], use_bias=False, dtype=wide, param_dtype=self.param_dtype, precision=self.precision, name="router"
+        )(x)
         bias = self.param("score_correction_bias", nn.initializers.zeros, (d["X"],), self.param_dtype)
-        weights = group_limited_weights(logits, bias, top_k=c.num_experts_per_tok, n_group=c.n_group,
-                                        topk_group=c.topk_group, normalize=c.norm_topk_prob,
-                                        scaling=c.routed_scaling_factor)
+        weights = group_limited_weights(
+            logits,
+            bias,
+            top_k=c.num_experts_per_tok,
+            n_group=c.n_group,
+            topk_group=c.topk_group,
+            normalize=c.norm_topk_prob,
+            scaling=c.routed_scaling_factor,
+        )
         out = moe.Experts(c, self.dtype, self.param_dtype, self.precision, self.sharding, name="experts")(x)
         routed = jnp.einsum("...xe,...x->...e", out, weights.astype(out.dtype), precision=self.precision)
-        shared = SwiGLU(c, self.dtype, self.param_dtype, self.precision, self.sharding, features=d["S"],
-                        name="shared_experts")(x)
+        shared = SwiGLU(
+            c, self.dtype, self.param_dtype, self.precision, self.sharding, features=d["S"], name="shared_experts"
+        )(x)
         return routed + shared, logits
 
 
 # --- attention ---------------------------------------------------------------------------------------------------
+
 
 class _Leaves(nn.Module):
     """A named group of params (kernel, bias, scale), no computation: {name: leaf}."""
@@ -240,9 +289,11 @@ class LatentSelfAttention(_decoder.Configured):
         if c.q_lora_rank is None:
             tree = {"query": group("query", (d["E"], d["N"], d["Hq"]))}
         else:
-            tree = {"query_down": group("query_down", (d["E"], d["Cq"]), bias=b),
-                    "query_norm": scale("query_norm", d["Cq"]),
-                    "query_up": group("query_up", (d["Cq"], d["N"], d["Hq"]))}
+            tree = {
+                "query_down": group("query_down", (d["E"], d["Cq"]), bias=b),
+                "query_norm": scale("query_norm", d["Cq"]),
+                "query_up": group("query_up", (d["Cq"], d["N"], d["Hq"])),
+            }
         fused = group("latent_and_key_rope", (d["E"], d["CR"]), bias=b)
         kv_up = group("key_value_up", (d["C"], d["N"], d["Hkv"]))["kernel"]
         C, Hn = d["C"], d["Hn"]
@@ -259,10 +310,16 @@ class LatentSelfAttention(_decoder.Configured):
         tree = self._tree()
         dtype = self.dtype if self.dtype is not None else jnp.result_type(x, *jax.tree.leaves(tree))
         tree, x = jax.tree.map(lambda a: jnp.asarray(a, dtype), (tree, x))
-        options = dict(positions=positions, scale=c.softmax_scale, rope_frequencies=np.asarray(c.rope_frequencies),
-                       rope_layout="interleaved" if c.rope_interleave else "half",
-                       rope_attention_factor=c.rope_attention_factor, precision=self.precision, mask=mask,
-                       implementation=c.implementation)
+        options = dict(
+            positions=positions,
+            scale=c.softmax_scale,
+            rope_frequencies=np.asarray(c.rope_frequencies),
+            rope_layout="interleaved" if c.rope_interleave else "half",
+            rope_attention_factor=c.rope_attention_factor,
+            precision=self.precision,
+            mask=mask,
+            implementation=c.implementation,
+        )
         if not decode:
             return latent_attention(tree, x, form="expanded", is_causal=True, **options)
         B, L = x.shape[:2]
@@ -280,14 +337,16 @@ class LatentSelfAttention(_decoder.Configured):
 
 # --- the block and the model ----------------------------------------------------------------------------------------
 
+
 class DeepseekV3Block(_decoder.PreNormBlock):
     """Llama's pre-norm block with MLA and (from first_k_dense_replace on) DeepSeek's MoE; rows as
     PreNormBlock's ("router" on MoE layers)."""
 
     def feed_forward(self, x):
         c = self.config
-        options = dict(dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision,
-                       sharding=self.sharding, name="mlp")
+        options = dict(
+            dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision, sharding=self.sharding, name="mlp"
+        )
         if c.moe_layer(self.layer):
             y, logits = DeepseekMoE(c, **options)(x)
             return y, {"router": logits}
@@ -296,8 +355,9 @@ class DeepseekV3Block(_decoder.PreNormBlock):
     @nn.compact
     def __call__(self, x, mask, positions, decode: bool, window=None):
         norm = self.norm()
-        a = LatentSelfAttention(self.config, self.dtype, self.param_dtype, self.precision, self.sharding,
-                                name="self_attn")(norm(name="input_layernorm")(x), mask, positions, decode)
+        a = LatentSelfAttention(
+            self.config, self.dtype, self.param_dtype, self.precision, self.sharding, name="self_attn"
+        )(norm(name="input_layernorm")(x), mask, positions, decode)
         x = x + a
         m, rows = self.feed_forward(norm(name="post_attention_layernorm")(x))
         return x + m, {"attention": a, **rows, "mlp": m}
@@ -318,60 +378,86 @@ def cache_numbers_per_token(config: DeepseekV3Config) -> int:
 
 HEADS = Steps(Transpose(), Reshape())  # nn.Linear [N*H,E] -> [E,N,H] (and [E,N*H] -> [N,H,E])
 
+
 def _attention_rows(config: DeepseekV3Config) -> list[weights.Row]:
     R, hf, ours, b = weights.row, "model.layers.{i}.self_attn.", "layers_{i}/self_attn/", config.attention_bias
     if config.q_lora_rank is None:
         query = [R(hf + "q_proj.weight", ("N*Hq", "E"), ours + "query/kernel", ("E", "N", "Hq"), HEADS)]
     else:
-        query = [R(hf + "q_a_proj.weight", ("Cq", "E"), ours + "query_down/kernel", ("E", "Cq"), Transpose()),
-                 *weights.when(b, R(hf + "q_a_proj.bias", ("Cq",), ours + "query_down/bias", ("Cq",))),
-                 R(hf + "q_a_layernorm.weight", ("Cq",), ours + "query_norm/scale", ("Cq",)),
-                 R(hf + "q_b_proj.weight", ("N*Hq", "Cq"), ours + "query_up/kernel", ("Cq", "N", "Hq"), HEADS)]
-    return [*query,
-            R(hf + "kv_a_proj_with_mqa.weight", ("CR", "E"), ours + "latent_and_key_rope/kernel", ("E", "CR"),
-              Transpose()),
-            *weights.when(b, R(hf + "kv_a_proj_with_mqa.bias", ("CR",), ours + "latent_and_key_rope/bias", ("CR",))),
-            R(hf + "kv_a_layernorm.weight", ("C",), ours + "latent_norm/scale", ("C",)),
-            R(hf + "kv_b_proj.weight", ("N*Hkv", "C"), ours + "key_value_up/kernel", ("C", "N", "Hkv"), HEADS),
-            R(hf + "o_proj.weight", ("E", "N*Hv"), ours + "out/kernel", ("N", "Hv", "E"), HEADS),
-            *weights.when(b, R(hf + "o_proj.bias", ("E",), ours + "out/bias", ("E",)))]
+        query = [
+            R(hf + "q_a_proj.weight", ("Cq", "E"), ours + "query_down/kernel", ("E", "Cq"), Transpose()),
+            *weights.when(b, R(hf + "q_a_proj.bias", ("Cq",), ours + "query_down/bias", ("Cq",))),
+            R(hf + "q_a_layernorm.weight", ("Cq",), ours + "query_norm/scale", ("Cq",)),
+            R(hf + "q_b_proj.weight", ("N*Hq", "Cq"), ours + "query_up/kernel", ("Cq", "N", "Hq"), HEADS),
+        ]
+    return [
+        *query,
+        R(hf + "kv_a_proj_with_mqa.weight", ("CR", "E"), ours + "latent_and_key_rope/kernel", ("E", "CR"), Transpose()),
+        *weights.when(b, R(hf + "kv_a_proj_with_mqa.bias", ("CR",), ours + "latent_and_key_rope/bias", ("CR",))),
+        R(hf + "kv_a_layernorm.weight", ("C",), ours + "latent_norm/scale", ("C",)),
+        R(hf + "kv_b_proj.weight", ("N*Hkv", "C"), ours + "key_value_up/kernel", ("C", "N", "Hkv"), HEADS),
+        R(hf + "o_proj.weight", ("E", "N*Hv"), ours + "out/kernel", ("N", "Hv", "E"), HEADS),
+        *weights.when(b, R(hf + "o_proj.bias", ("E",), ours + "out/bias", ("E",))),
+    ]
 
 
 def _swiglu_rows(hf: str, ours: str, width: str) -> list[weights.Row]:
     R = weights.row
-    return [R(hf + "gate_proj.weight", (width, "E"), ours + "gate_proj/kernel", ("E", width), Transpose()),
-            R(hf + "up_proj.weight", (width, "E"), ours + "up_proj/kernel", ("E", width), Transpose()),
-            R(hf + "down_proj.weight", ("E", width), ours + "down_proj/kernel", (width, "E"), Transpose())]
+    return [
+        R(hf + "gate_proj.weight", (width, "E"), ours + "gate_proj/kernel", ("E", width), Transpose()),
+        R(hf + "up_proj.weight", (width, "E"), ours + "up_proj/kernel", ("E", width), Transpose()),
+        R(hf + "down_proj.weight", ("E", width), ours + "down_proj/kernel", (width, "E"), Transpose()),
+    ]
 
 
 def _moe_rows(fused: bool) -> list[weights.Row]:
     """An MoE layer's router (weight, correction bias), experts (per expert or fused) and shared experts."""
-    experts = moe.fused_expert_rows() if fused else moe.expert_rows(
-        router="model.layers.{i}.mlp.gate.weight", gate="model.layers.{i}.mlp.experts.{j}.gate_proj.weight",
-        up="model.layers.{i}.mlp.experts.{j}.up_proj.weight", down="model.layers.{i}.mlp.experts.{j}.down_proj.weight")
-    return [*experts,
-            weights.row("model.layers.{i}.mlp.gate.e_score_correction_bias", ("X",),
-                        "layers_{i}/mlp/score_correction_bias", ("X",)),
-            *_swiglu_rows("model.layers.{i}.mlp.shared_experts.", "layers_{i}/mlp/shared_experts/", "S")]
+    experts = (
+        moe.fused_expert_rows()
+        if fused
+        else moe.expert_rows(
+            router="model.layers.{i}.mlp.gate.weight",
+            gate="model.layers.{i}.mlp.experts.{j}.gate_proj.weight",
+            up="model.layers.{i}.mlp.experts.{j}.up_proj.weight",
+            down="model.layers.{i}.mlp.experts.{j}.down_proj.weight",
+        )
+    )
+    return [
+        *experts,
+        weights.row(
+            "model.layers.{i}.mlp.gate.e_score_correction_bias", ("X",), "layers_{i}/mlp/score_correction_bias", ("X",)
+        ),
+        *_swiglu_rows("model.layers.{i}.mlp.shared_experts.", "layers_{i}/mlp/shared_experts/", "S"),
+    ]
 
 
 def weight_table(config: DeepseekV3Config, *, fused: bool = False) -> list[weights.Row]:
     """HF's names -> our params, layer by layer: norms, MLA, then the dense SwiGLU (layers before
     first_k_dense_replace) or the MoE."""
     R = weights.row
-    norms = [R("model.layers.{i}.input_layernorm.weight", ("E",), "layers_{i}/input_layernorm/weight", ("E",)),
-             R("model.layers.{i}.post_attention_layernorm.weight", ("E",),
-               "layers_{i}/post_attention_layernorm/weight", ("E",))]
+    norms = [
+        R("model.layers.{i}.input_layernorm.weight", ("E",), "layers_{i}/input_layernorm/weight", ("E",)),
+        R(
+            "model.layers.{i}.post_attention_layernorm.weight",
+            ("E",),
+            "layers_{i}/post_attention_layernorm/weight",
+            ("E",),
+        ),
+    ]
     shared = [*norms, *_attention_rows(config)]
     dense = _swiglu_rows("model.layers.{i}.mlp.", "layers_{i}/mlp/", "G")
     layers = []
     for i in range(config.num_hidden_layers):
         rows = [*shared, *(_moe_rows(fused) if config.moe_layer(i) else dense)]
-        layers += weights.expand(rows, i + 1)[i * len(rows):]  # layer i's rows ("{i}" = i)
-    return [R("model.embed_tokens.weight", ("V", "E"), "embed_tokens/embedding", ("V", "E")), *layers,
-            R("model.norm.weight", ("E",), "norm/weight", ("E",)),
-            *weights.when(not config.tie_word_embeddings,
-                          R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), Transpose()))]
+        layers += weights.expand(rows, i + 1)[i * len(rows) :]  # layer i's rows ("{i}" = i)
+    return [
+        R("model.embed_tokens.weight", ("V", "E"), "embed_tokens/embedding", ("V", "E")),
+        *layers,
+        R("model.norm.weight", ("E",), "norm/weight", ("E",)),
+        *weights.when(
+            not config.tie_word_embeddings, R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), Transpose())
+        ),
+    ]
 
 
 _pretrained.register_family("deepseek_v3")(moe.loader(DeepseekV3Config, DeepseekV3ForCausalLM, weight_table))

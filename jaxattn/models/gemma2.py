@@ -41,17 +41,26 @@ class Gemma2Config(_decoder.DecoderConfig):
         _decoder.check_gemma(config, source)
         L = config["num_hidden_layers"]
         types = config.get("layer_types") or [_decoder.LAYER_TYPES[i % 2] for i in range(L)]  # HF's: even slide
-        windows = _decoder.layer_windows(types, config.get("sliding_window"), L, source,
-                                         why="the config has sliding layers")
+        windows = _decoder.layer_windows(
+            types, config.get("sliding_window"), L, source, why="the config has sliding layers"
+        )
         nullable = ("attn_logit_softcapping", "final_logit_softcapping")  # null: no softcap
         return cls.parse(config, source, nullable=nullable, windows=windows)
 
     def to_dict(self) -> dict:
         """config.json's keys (inverse of from_dict)."""
         own = ("attention_bias", "query_pre_attn_scalar", "attn_logit_softcapping", "final_logit_softcapping")
-        return super().to_dict() | {k: getattr(self, k) for k in own} | {
-            "model_type": "gemma2", "architectures": ["Gemma2ForCausalLM"], "hidden_activation": "gelu_pytorch_tanh",
-            "layer_types": self.layer_types(), **self.sliding_window()}
+        return (
+            super().to_dict()
+            | {k: getattr(self, k) for k in own}
+            | {
+                "model_type": "gemma2",
+                "architectures": ["Gemma2ForCausalLM"],
+                "hidden_activation": "gelu_pytorch_tanh",
+                "layer_types": self.layer_types(),
+                **self.sliding_window(),
+            }
+        )
 
 
 class Gemma2Block(_decoder.SandwichBlock):
@@ -59,7 +68,7 @@ class Gemma2Block(_decoder.SandwichBlock):
 
     def attention_options(self) -> dict:
         c = self.config
-        return dict(scale=c.query_pre_attn_scalar ** -0.5, logit_softcap=c.attn_logit_softcapping)
+        return dict(scale=c.query_pre_attn_scalar**-0.5, logit_softcap=c.attn_logit_softcapping)
 
 
 class Gemma2ForCausalLM(_decoder.ScaledCausalLM):

@@ -53,31 +53,54 @@ class Gemma3Config(_decoder.DecoderConfig):
         """From a HF config.json dict; refuses by name what is not implemented."""
         _decoder.check_gemma(config, source)
         if config.get("attn_logit_softcapping") is not None:  # HF's Gemma3Attention never applies it
-            _pretrained.refuse(source, "attn_logit_softcapping", "null (transformers' Gemma 3 attention does not "
-                               "apply it)", config["attn_logit_softcapping"])
+            _pretrained.refuse(
+                source,
+                "attn_logit_softcapping",
+                "null (transformers' Gemma 3 attention does not apply it)",
+                config["attn_logit_softcapping"],
+            )
         L, pattern = config["num_hidden_layers"], config.get("sliding_window_pattern", 6)
-        types = config.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention"
-                                              for i in range(L)]
-        windows = _decoder.layer_windows(types, config.get("sliding_window"), L, source,
-                                         why="the config has sliding layers")
+        types = config.get("layer_types") or [
+            "sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(L)
+        ]
+        windows = _decoder.layer_windows(
+            types, config.get("sliding_window"), L, source, why="the config has sliding layers"
+        )
         ropes = layer_type_ropes(config, source)
-        parsed = cls.parse(config, source, nullable=("final_logit_softcapping",),
-                           windows=windows, rope=ropes["full_attention"],
-                           rope_name="rope_parameters['full_attention']")
+        parsed = cls.parse(
+            config,
+            source,
+            nullable=("final_logit_softcapping",),
+            windows=windows,
+            rope=ropes["full_attention"],
+            rope_name="rope_parameters['full_attention']",
+        )
         local = ropes["sliding_attention"]
-        frequencies = _decoder.rope_frequencies(config, parsed.dims()["H"], source, rope=local,
-                                                name="rope_parameters['sliding_attention']")
-        return dataclasses.replace(parsed, sliding_rope_frequencies=tuple(frequencies),
-                                   sliding_rope_attention_factor=_decoder.rope_attention_factor(config, local))
+        frequencies = _decoder.rope_frequencies(
+            config, parsed.dims()["H"], source, rope=local, name="rope_parameters['sliding_attention']"
+        )
+        return dataclasses.replace(
+            parsed,
+            sliding_rope_frequencies=tuple(frequencies),
+            sliding_rope_attention_factor=_decoder.rope_attention_factor(config, local),
+        )
 
     def to_dict(self) -> dict:
         """config.json's keys (inverse of from_dict; the ropes of both layer types come from hf_config, else
         HF's defaults, and to_pretrained checks they read back as these frequencies)."""
         own = ("attention_bias", "query_pre_attn_scalar", "final_logit_softcapping")
-        return super().to_dict() | {k: getattr(self, k) for k in own} | {
-            "model_type": "gemma3_text", "architectures": ["Gemma3ForCausalLM"],
-            "hidden_activation": "gelu_pytorch_tanh", "attn_logit_softcapping": None,
-            "layer_types": self.layer_types(), **self.sliding_window()}
+        return (
+            super().to_dict()
+            | {k: getattr(self, k) for k in own}
+            | {
+                "model_type": "gemma3_text",
+                "architectures": ["Gemma3ForCausalLM"],
+                "hidden_activation": "gelu_pytorch_tanh",
+                "attn_logit_softcapping": None,
+                "layer_types": self.layer_types(),
+                **self.sliding_window(),
+            }
+        )
 
     def rope(self, layer: int | None) -> tuple[tuple, float]:
         if layer is not None and self.window(layer) is not None:
@@ -92,8 +115,9 @@ def layer_type_ropes(config: Mapping[str, Any], source) -> dict[str, dict]:
     given = config.get("rope_parameters") or {}
     unknown = sorted(set(given) - set(_decoder.LAYER_TYPES))
     if unknown:
-        _pretrained.refuse(source, "rope_parameters", f"a dict keyed by layer type, keys among "
-                           f"{list(_decoder.LAYER_TYPES)}", unknown)
+        _pretrained.refuse(
+            source, "rope_parameters", f"a dict keyed by layer type, keys among {list(_decoder.LAYER_TYPES)}", unknown
+        )
     legacy = {"full_attention": config.get("rope_theta"), "sliding_attention": config.get("rope_local_base_freq")}
     scaling = dict(config.get("rope_scaling") or {})
     if "type" in scaling:
@@ -110,7 +134,7 @@ class Gemma3Block(_decoder.SandwichBlock):
     """Gemma's sandwich-norm block (gelu-tanh MLP) with Gemma 3's attention: its scale and q/k norms."""
 
     def attention_options(self) -> dict:
-        return dict(scale=self.config.query_pre_attn_scalar ** -0.5, qk_norm=self.norm())
+        return dict(scale=self.config.query_pre_attn_scalar**-0.5, qk_norm=self.norm())
 
 
 class Gemma3ForCausalLM(_decoder.ScaledCausalLM):
@@ -121,8 +145,12 @@ class Gemma3ForCausalLM(_decoder.ScaledCausalLM):
 
 def weight_table(config: Gemma3Config) -> list[weights.Row]:
     """HF's names -> our params: the shared causal-LM rows, the q/k norms, the MLP and its sandwich norms."""
-    rows = [*_decoder.causal_lm_rows(config), *_decoder.qk_norm_rows(), *_decoder.sandwich_norm_rows(),
-            *_decoder.mlp_rows(config)]
+    rows = [
+        *_decoder.causal_lm_rows(config),
+        *_decoder.qk_norm_rows(),
+        *_decoder.sandwich_norm_rows(),
+        *_decoder.mlp_rows(config),
+    ]
     return weights.expand(rows, config.num_hidden_layers)
 
 

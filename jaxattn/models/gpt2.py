@@ -69,13 +69,23 @@ class GPT2Config:
 
     def to_dict(self) -> dict:
         """config.json's keys (inverse of from_dict; the fields are HF's names)."""
-        return {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "add_cross_attention": False,
-                "reorder_and_upcast_attn": False,
-                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare}}
+        return {
+            "model_type": "gpt2",
+            "architectures": ["GPT2LMHeadModel"],
+            "add_cross_attention": False,
+            "reorder_and_upcast_attn": False,
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare},
+        }
 
     def dims(self) -> dict[str, int]:
-        return {"V": self.vocab_size, "P": self.n_positions, "E": self.n_embd, "N": self.n_head,
-                "H": self.n_embd // self.n_head, "F": self.n_inner or 4 * self.n_embd}
+        return {
+            "V": self.vocab_size,
+            "P": self.n_positions,
+            "E": self.n_embd,
+            "N": self.n_head,
+            "H": self.n_embd // self.n_head,
+            "F": self.n_inner or 4 * self.n_embd,
+        }
 
 
 class GPT2Block(_decoder.Configured):
@@ -87,13 +97,20 @@ class GPT2Block(_decoder.Configured):
     def __call__(self, x, mask, decode: bool):
         c, d = self.config, self.config.dims()
         scale = (d["H"] ** -0.5 if c.scale_attn_weights else 1.0) / (
-            self.layer + 1 if c.scale_attn_by_inverse_layer_idx else 1)
+            self.layer + 1 if c.scale_attn_by_inverse_layer_idx else 1
+        )
         norm = functools.partial(_decoder.layer_norm, c.layer_norm_epsilon, self.dtype, self.param_dtype)
         dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)
         attention_layer = _activation_layout.attention_class(self.sharding)
-        attention = attention_layer(num_heads=c.n_head, scale=scale, dtype=self.dtype,
-                                    param_dtype=self.param_dtype, precision=self.precision,
-                                    implementation=c.implementation, name="attn")
+        attention = attention_layer(
+            num_heads=c.n_head,
+            scale=scale,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            precision=self.precision,
+            implementation=c.implementation,
+            name="attn",
+        )
         a = attention(norm("ln_1")(x), mask=mask, is_causal=True, decode=decode)
         x = x + a
         h = _ACTIVATIONS[c.activation_function](dense(d["F"], name="c_fc")(norm("ln_2")(x)))
@@ -108,9 +125,14 @@ class GPT2LMHeadModel(_decoder.Configured):
         return self.config.n_positions
 
     @nn.compact
-    def __call__(self, input_ids: Int[ArrayLike, "B T"],
-                 attention_mask: Int[ArrayLike, "B _keys"] | Bool[ArrayLike, "B _keys"] | None = None,
-                 position_ids: Int[ArrayLike, "B T"] | None = None, *, decode: bool = False) -> Float[Array, "B T V"]:
+    def __call__(
+        self,
+        input_ids: Int[ArrayLike, "B T"],
+        attention_mask: Int[ArrayLike, "B _keys"] | Bool[ArrayLike, "B _keys"] | None = None,
+        position_ids: Int[ArrayLike, "B T"] | None = None,
+        *,
+        decode: bool = False,
+    ) -> Float[Array, "B T V"]:
         c, d = self.config, self.config.dims()
         input_ids = jnp.asarray(input_ids)
         position_ids = _decoder.positions(self, input_ids.shape, position_ids, decode)
@@ -130,36 +152,51 @@ class GPT2LMHeadModel(_decoder.Configured):
 
 # --- weights: one row per HF tensor (names of GPT2LMHeadModel; a bare GPT2Model has no "transformer.") -------
 
+
 def weight_table(config: GPT2Config, *, prefix: str = "transformer.") -> list[weights.Row]:
     """HF's names (after `prefix`) -> our params. Conv1D stores [in,out], Flax's Dense layout already."""
     R = weights.row
-    rows = weights.expand([
-        R("wte.weight", ("V", "E"), "wte/embedding", ("V", "E")),
-        R("wpe.weight", ("P", "E"), "wpe/embedding", ("P", "E")),
-        R("h.{i}.ln_1.weight", ("E",), "h_{i}/ln_1/scale", ("E",)),
-        R("h.{i}.ln_1.bias", ("E",), "h_{i}/ln_1/bias", ("E",)),
-        weights.Row("h.{i}.attn.c_attn.weight", ("E", "3*E"), (  # columns q | k | v
-              Target("h_{i}/attn/query/kernel", ("E", "N", "H"), Part(0, 3, 1)),
-              Target("h_{i}/attn/key/kernel", ("E", "N", "H"), Part(1, 3, 1)),
-              Target("h_{i}/attn/value/kernel", ("E", "N", "H"), Part(2, 3, 1)))),
-        weights.Row("h.{i}.attn.c_attn.bias", ("3*E",), (
-              Target("h_{i}/attn/query/bias", ("N", "H"), Part(0, 3, 0)),
-              Target("h_{i}/attn/key/bias", ("N", "H"), Part(1, 3, 0)),
-              Target("h_{i}/attn/value/bias", ("N", "H"), Part(2, 3, 0)))),
-        R("h.{i}.attn.c_proj.weight", ("N*H", "E"), "h_{i}/attn/out/kernel", ("N", "H", "E"), Reshape()),
-        R("h.{i}.attn.c_proj.bias", ("E",), "h_{i}/attn/out/bias", ("E",)),
-        R("h.{i}.ln_2.weight", ("E",), "h_{i}/ln_2/scale", ("E",)),
-        R("h.{i}.ln_2.bias", ("E",), "h_{i}/ln_2/bias", ("E",)),
-        R("h.{i}.mlp.c_fc.weight", ("E", "F"), "h_{i}/c_fc/kernel", ("E", "F")),
-        R("h.{i}.mlp.c_fc.bias", ("F",), "h_{i}/c_fc/bias", ("F",)),
-        R("h.{i}.mlp.c_proj.weight", ("F", "E"), "h_{i}/c_proj/kernel", ("F", "E")),
-        R("h.{i}.mlp.c_proj.bias", ("E",), "h_{i}/c_proj/bias", ("E",)),
-        R("ln_f.weight", ("E",), "ln_f/scale", ("E",)),
-        R("ln_f.bias", ("E",), "ln_f/bias", ("E",)),
-    ], config.n_layer)
+    rows = weights.expand(
+        [
+            R("wte.weight", ("V", "E"), "wte/embedding", ("V", "E")),
+            R("wpe.weight", ("P", "E"), "wpe/embedding", ("P", "E")),
+            R("h.{i}.ln_1.weight", ("E",), "h_{i}/ln_1/scale", ("E",)),
+            R("h.{i}.ln_1.bias", ("E",), "h_{i}/ln_1/bias", ("E",)),
+            weights.Row(
+                "h.{i}.attn.c_attn.weight",
+                ("E", "3*E"),
+                (  # columns q | k | v
+                    Target("h_{i}/attn/query/kernel", ("E", "N", "H"), Part(0, 3, 1)),
+                    Target("h_{i}/attn/key/kernel", ("E", "N", "H"), Part(1, 3, 1)),
+                    Target("h_{i}/attn/value/kernel", ("E", "N", "H"), Part(2, 3, 1)),
+                ),
+            ),
+            weights.Row(
+                "h.{i}.attn.c_attn.bias",
+                ("3*E",),
+                (
+                    Target("h_{i}/attn/query/bias", ("N", "H"), Part(0, 3, 0)),
+                    Target("h_{i}/attn/key/bias", ("N", "H"), Part(1, 3, 0)),
+                    Target("h_{i}/attn/value/bias", ("N", "H"), Part(2, 3, 0)),
+                ),
+            ),
+            R("h.{i}.attn.c_proj.weight", ("N*H", "E"), "h_{i}/attn/out/kernel", ("N", "H", "E"), Reshape()),
+            R("h.{i}.attn.c_proj.bias", ("E",), "h_{i}/attn/out/bias", ("E",)),
+            R("h.{i}.ln_2.weight", ("E",), "h_{i}/ln_2/scale", ("E",)),
+            R("h.{i}.ln_2.bias", ("E",), "h_{i}/ln_2/bias", ("E",)),
+            R("h.{i}.mlp.c_fc.weight", ("E", "F"), "h_{i}/c_fc/kernel", ("E", "F")),
+            R("h.{i}.mlp.c_fc.bias", ("F",), "h_{i}/c_fc/bias", ("F",)),
+            R("h.{i}.mlp.c_proj.weight", ("F", "E"), "h_{i}/c_proj/kernel", ("F", "E")),
+            R("h.{i}.mlp.c_proj.bias", ("E",), "h_{i}/c_proj/bias", ("E",)),
+            R("ln_f.weight", ("E",), "ln_f/scale", ("E",)),
+            R("ln_f.bias", ("E",), "ln_f/bias", ("E",)),
+        ],
+        config.n_layer,
+    )
     # save_pretrained drops a tied head's copy; one that is present must equal wte (see load_pretrained)
-    head = weights.when(not config.tie_word_embeddings,
-                        R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), Transpose()))
+    head = weights.when(
+        not config.tie_word_embeddings, R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), Transpose())
+    )
     return weights.prefixed(rows, prefix) + list(head)
 
 
@@ -170,8 +207,9 @@ def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
     gpt2 = GPT2Config.from_dict(config, source)
     prefix = "" if "wte.weight" in tensors else "transformer."
     ignored = [n for n in tensors if n.endswith((".attn.bias", ".attn.masked_bias"))]  # old causal-mask buffers
-    ignored += _decoder.tied_copy(tensors, files, source, tied=gpt2.tie_word_embeddings,
-                                  embedding=prefix + "wte.weight")
+    ignored += _decoder.tied_copy(
+        tensors, files, source, tied=gpt2.tie_word_embeddings, embedding=prefix + "wte.weight"
+    )
     params = weights.fill(tensors, weight_table(gpt2, prefix=prefix), gpt2.dims(), files, dtype=dtype, ignored=ignored)
     return GPT2LMHeadModel(gpt2, precision=precision), params
 

@@ -41,8 +41,15 @@ from . import _decoder, _pretrained, moe, weights
 from .weights import Every, Target, Transpose
 
 # HF's GptOssConfig rope_parameters when the config has none (rope_theta: its default_theta)
-DEFAULT_ROPE = {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-                "original_max_position_embeddings": 4096, "rope_theta": 150000.0}
+DEFAULT_ROPE = {
+    "rope_type": "yarn",
+    "factor": 32.0,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "truncate": False,
+    "original_max_position_embeddings": 4096,
+    "rope_theta": 150000.0,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,14 +72,18 @@ class GptOssConfig(moe.MoEConfig):
         """From a HF config.json dict; refuses by name what is not implemented."""
         refuse = functools.partial(_pretrained.refuse, source)
         if config.get("quantization_config") is not None:
-            refuse("quantization_config", "null (quantized experts such as MXFP4 are not implemented: "
-                   "dequantize first)", config["quantization_config"])
+            refuse(
+                "quantization_config",
+                "null (quantized experts such as MXFP4 are not implemented: dequantize first)",
+                config["quantization_config"],
+            )
         if config.get("hidden_act", "silu") != "silu":
             refuse("hidden_act", "'silu' (transformers' gpt-oss experts ignore it)", config["hidden_act"])
         L = config["num_hidden_layers"]
         types = config.get("layer_types") or [_decoder.LAYER_TYPES[i % 2] for i in range(L)]  # HF's: even slide
-        windows = _decoder.layer_windows(types, config.get("sliding_window"), L, source,
-                                         why="the config has sliding layers")
+        windows = _decoder.layer_windows(
+            types, config.get("sliding_window"), L, source, why="the config has sliding layers"
+        )
         rope = config.get("rope_parameters") or {**DEFAULT_ROPE, "rope_theta": config.get("rope_theta", 150000.0)}
         return cls.parse(config, source, windows=windows, rope=rope)
 
@@ -80,9 +91,15 @@ class GptOssConfig(moe.MoEConfig):
         """config.json's keys (inverse of from_dict; swiglu_alpha is HF's constant, not a config key; the
         rope settings come from hf_config, else HF's default yarn, checked on the way back)."""
         return super().to_dict() | {
-            "model_type": "gpt_oss", "architectures": ["GptOssForCausalLM"], "attention_bias": self.attention_bias,
-            "num_local_experts": self.num_local_experts, "num_experts_per_tok": self.num_experts_per_tok,
-            "swiglu_limit": self.swiglu_limit, "layer_types": self.layer_types(), **self.sliding_window()}
+            "model_type": "gpt_oss",
+            "architectures": ["GptOssForCausalLM"],
+            "attention_bias": self.attention_bias,
+            "num_local_experts": self.num_local_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "swiglu_limit": self.swiglu_limit,
+            "layer_types": self.layer_types(),
+            **self.sliding_window(),
+        }
 
     def expert_activation(self, gate, up):
         return moe.clamped_swiglu(gate, up, alpha=self.swiglu_alpha, limit=self.swiglu_limit)
@@ -107,20 +124,39 @@ def weight_table(config: GptOssConfig) -> list[weights.Row]:
     R = weights.row
     experts = "model.layers.{i}.mlp.experts."
     ours = "layers_{i}/mlp/experts/"
-    return weights.expand([
-        *_decoder.causal_lm_rows(config),
-        R("model.layers.{i}.self_attn.sinks", ("N",), "layers_{i}/self_attn/sinks", ("N",)),
-        R("model.layers.{i}.mlp.router.weight", ("X", "E"), "layers_{i}/mlp/router/kernel", ("E", "X"), Transpose()),
-        R("model.layers.{i}.mlp.router.bias", ("X",), "layers_{i}/mlp/router/bias", ("X",)),
-        weights.Row(experts + "gate_up_proj", ("X", "E", "2*F"), (
-              Target(ours + "gate_proj/kernel", ("X", "E", "F"), Every(0, 2, 2)),
-              Target(ours + "up_proj/kernel", ("X", "E", "F"), Every(1, 2, 2)))),
-        weights.Row(experts + "gate_up_proj_bias", ("X", "2*F"), (
-              Target(ours + "gate_proj/bias", ("X", "F"), Every(0, 2, 1)),
-              Target(ours + "up_proj/bias", ("X", "F"), Every(1, 2, 1)))),
-        R(experts + "down_proj", ("X", "F", "E"), ours + "down_proj/kernel", ("X", "F", "E")),
-        R(experts + "down_proj_bias", ("X", "E"), ours + "down_proj/bias", ("X", "E")),
-    ], config.num_hidden_layers)
+    return weights.expand(
+        [
+            *_decoder.causal_lm_rows(config),
+            R("model.layers.{i}.self_attn.sinks", ("N",), "layers_{i}/self_attn/sinks", ("N",)),
+            R(
+                "model.layers.{i}.mlp.router.weight",
+                ("X", "E"),
+                "layers_{i}/mlp/router/kernel",
+                ("E", "X"),
+                Transpose(),
+            ),
+            R("model.layers.{i}.mlp.router.bias", ("X",), "layers_{i}/mlp/router/bias", ("X",)),
+            weights.Row(
+                experts + "gate_up_proj",
+                ("X", "E", "2*F"),
+                (
+                    Target(ours + "gate_proj/kernel", ("X", "E", "F"), Every(0, 2, 2)),
+                    Target(ours + "up_proj/kernel", ("X", "E", "F"), Every(1, 2, 2)),
+                ),
+            ),
+            weights.Row(
+                experts + "gate_up_proj_bias",
+                ("X", "2*F"),
+                (
+                    Target(ours + "gate_proj/bias", ("X", "F"), Every(0, 2, 1)),
+                    Target(ours + "up_proj/bias", ("X", "F"), Every(1, 2, 1)),
+                ),
+            ),
+            R(experts + "down_proj", ("X", "F", "E"), ours + "down_proj/kernel", ("X", "F", "E")),
+            R(experts + "down_proj_bias", ("X", "E"), ours + "down_proj/bias", ("X", "E")),
+        ],
+        config.num_hidden_layers,
+    )
 
 
 _pretrained.register_family("gpt_oss")(_decoder.loader(GptOssConfig, GptOssForCausalLM, weight_table))

@@ -31,7 +31,7 @@ from . import _decoder, _pretrained, weights
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig(_decoder.DecoderConfig):
-    qkv_bias: bool = False             # Qwen2: a bias on q, k and v only
+    qkv_bias: bool = False  # Qwen2: a bias on q, k and v only
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], source="config") -> LlamaConfig:
@@ -44,8 +44,9 @@ class LlamaConfig(_decoder.DecoderConfig):
         layer_types = config.get("layer_types") or ["full_attention"]
         if config.get("model_type") != "qwen2" and set(layer_types) != {"full_attention"}:  # Mistral: HF ignores them
             refuse("layer_types", "only 'full_attention'", sorted(set(layer_types)))
-        return cls.parse(config, source, qkv_bias=config.get("model_type") == "qwen2",
-                         windows=sliding_windows(config, source))
+        return cls.parse(
+            config, source, qkv_bias=config.get("model_type") == "qwen2", windows=sliding_windows(config, source)
+        )
 
     def model_type(self) -> str:
         """hf_config's model_type, else the one the fields imply: q/k/v biases qwen2, windows mistral, llama."""
@@ -58,8 +59,9 @@ class LlamaConfig(_decoder.DecoderConfig):
         sliding_window, Qwen2's use_sliding_window and layer_types)."""
         model_type = self.model_type()
         if model_type not in ARCHITECTURES:
-            raise ValueError(f"model.config.hf_config['model_type']: expected one of {list(ARCHITECTURES)}, "
-                             f"got {model_type!r}")
+            raise ValueError(
+                f"model.config.hf_config['model_type']: expected one of {list(ARCHITECTURES)}, got {model_type!r}"
+            )
         keys = {"model_type": model_type, "architectures": [ARCHITECTURES[model_type]], "hidden_act": "silu"}
         if model_type == "llama":
             keys |= {"attention_bias": self.attention_bias, "mlp_bias": self.mlp_bias}

@@ -80,8 +80,8 @@ class Llama4TextConfig(moe.MoEConfig):
     attn_temperature_tuning: bool = True
     floor_scale: int = 8192
     attn_scale: float = 0.1
-    rope_layers: tuple = ()   # per layer: True = RoPE (chunked when attention_chunk_size), False = NoPE, global
-    moe_layers: tuple = ()    # the layers whose MLP is the mixture of experts
+    rope_layers: tuple = ()  # per layer: True = RoPE (chunked when attention_chunk_size), False = NoPE, global
+    moe_layers: tuple = ()  # the layers whose MLP is the mixture of experts
 
     routing = "topk_sigmoid"  # (moe.ROUTINGS) the k largest logits, each through a sigmoid
 
@@ -97,25 +97,42 @@ class Llama4TextConfig(moe.MoEConfig):
             refuse("attention_chunk_size", "an int >= 1 or null", chunk)
         types = ["chunked_attention" if rope and chunk is not None else "full_attention" for rope in rope_layers]
         if config.get("layer_types") is not None and list(config["layer_types"]) != types:
-            refuse("layer_types", f"{types} (chunked exactly on the RoPE layers, as HF derives them)",
-                   config["layer_types"])
+            refuse(
+                "layer_types",
+                f"{types} (chunked exactly on the RoPE layers, as HF derives them)",
+                config["layer_types"],
+            )
         floor = config.get("floor_scale", cls.floor_scale)
         if isinstance(floor, bool) or not isinstance(floor, (int, float)) or floor <= 0:
             refuse("floor_scale", "a number > 0", floor)
-        return cls.parse(config, source, nullable=("attention_chunk_size",), rope_layers=rope_layers,
-                         moe_layers=_moe_layers(config, n, refuse))
+        return cls.parse(
+            config,
+            source,
+            nullable=("attention_chunk_size",),
+            rope_layers=rope_layers,
+            moe_layers=_moe_layers(config, n, refuse),
+        )
 
     def to_dict(self) -> dict:
         """config.json's keys (inverse of from_dict)."""
         return super().to_dict() | {
-            "model_type": "llama4_text", "architectures": ["Llama4ForCausalLM"], "hidden_act": "silu",
-            "attention_bias": self.attention_bias, "intermediate_size_mlp": self.intermediate_size_mlp,
-            "num_local_experts": self.num_local_experts, "num_experts_per_tok": self.num_experts_per_tok,
-            "router_jitter_noise": 0.0, "moe_layers": list(self.moe_layers),
-            "no_rope_layers": [int(r) for r in self.rope_layers], "use_qk_norm": self.use_qk_norm,
-            "attention_chunk_size": self.attention_chunk_size, "layer_types": self.layer_types(),
-            "attn_temperature_tuning": self.attn_temperature_tuning, "floor_scale": self.floor_scale,
-            "attn_scale": self.attn_scale}
+            "model_type": "llama4_text",
+            "architectures": ["Llama4ForCausalLM"],
+            "hidden_act": "silu",
+            "attention_bias": self.attention_bias,
+            "intermediate_size_mlp": self.intermediate_size_mlp,
+            "num_local_experts": self.num_local_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "router_jitter_noise": 0.0,
+            "moe_layers": list(self.moe_layers),
+            "no_rope_layers": [int(r) for r in self.rope_layers],
+            "use_qk_norm": self.use_qk_norm,
+            "attention_chunk_size": self.attention_chunk_size,
+            "layer_types": self.layer_types(),
+            "attn_temperature_tuning": self.attn_temperature_tuning,
+            "floor_scale": self.floor_scale,
+            "attn_scale": self.attn_scale,
+        }
 
     def layer_types(self) -> list[str]:
         return ["chunked_attention" if self.chunked(i) else "full_attention" for i in range(self.num_hidden_layers)]
@@ -157,13 +174,16 @@ def _moe_layers(config: Mapping[str, Any], n: int, refuse) -> tuple:
 
 # --- masks and the attention's per-head hooks -------------------------------------------------------------------
 
+
 def chunked_mask(attention_mask, slots, chunk: int):
     """The attention layers' mask of a chunked layer on the cache's slots [B,1,T,L]: key slot s is visible to
     the query in slot t iff s <= t, (s - p) // C == (t - p) // C with p the row's left padding (HF's
     chunked_overlay), and s holds a token."""
     if attention_mask is None:
-        raise ValueError("attention_mask: expected [B,L] covering the cache's L slots when decoding a model "
-                         "with chunked layers, got None")
+        raise ValueError(
+            "attention_mask: expected [B,L] covering the cache's L slots when decoding a model "
+            "with chunked layers, got None"
+        )
     attention_mask = jnp.asarray(attention_mask)
     left = jnp.sum(jnp.cumsum(attention_mask, -1) == 0, -1)[:, None, None]  # leading padding slots
     key_slots = jnp.arange(attention_mask.shape[-1], dtype=jnp.int32)
@@ -207,12 +227,15 @@ class Unchanged(nn.Module):
 
 def _temperature_hook(scales):
     """The qk_norm factory of a NoPE layer: q_norm scales the queries by tau, k_norm leaves the keys."""
+
     def make(name):
         return QueryTemperature(scales, name=name) if name == "q_norm" else Unchanged(name=name)
+
     return make
 
 
 # --- the block ---------------------------------------------------------------------------------------------------
+
 
 class SwiGLU(_decoder.Configured):
     """down(silu(gate(x)) * up(x)) of intermediate width `features` (the dense layers' G, the shared expert's F)."""
@@ -230,8 +253,9 @@ class RoutedExperts(_decoder.Configured):
     @nn.compact
     def __call__(self, x):
         def dense(features, name):
-            return moe.StackedDense(self.config, self.dtype, self.param_dtype, self.precision, self.sharding,
-                                    features=features, name=name)
+            return moe.StackedDense(
+                self.config, self.dtype, self.param_dtype, self.precision, self.sharding, features=features, name=name
+            )
 
         F = self.config.dims()["F"]
         h = nn.silu(dense(F, "gate_proj")(x, per_expert=True)) * dense(F, "up_proj")(x, per_expert=True)
@@ -244,15 +268,22 @@ class Llama4MoE(_decoder.Configured):
     @nn.compact
     def __call__(self, x):
         c = self.config
-        logits = nn.Dense(c.dims()["X"], use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
-                          precision=self.precision, name="router")(x)
+        logits = nn.Dense(
+            c.dims()["X"],
+            use_bias=False,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            precision=self.precision,
+            name="router",
+        )(x)
         scores = moe.routing_weights(logits, c.num_experts_per_tok, c.routing).astype(x.dtype)  # HF: back to x's
         # each expert's input [B,T,X,E], kept batch over "data" on a mesh: left to itself XLA splits E over
         # "data" as the FSDP'd expert kernels are, and all-reduces the activations over "data"
         inputs = _activation_layout.constrain(self.sharding, x[..., None, :] * scores[..., :, None], "BTXE")
         routed = RoutedExperts(c, self.dtype, self.param_dtype, self.precision, self.sharding, name="experts")(inputs)
-        shared = SwiGLU(c, self.dtype, self.param_dtype, self.precision, self.sharding, features=c.dims()["F"],
-                        name="shared_expert")(x)
+        shared = SwiGLU(
+            c, self.dtype, self.param_dtype, self.precision, self.sharding, features=c.dims()["F"], name="shared_expert"
+        )(x)
         return shared + jnp.sum(routed, axis=-2), logits
 
 
@@ -262,8 +293,9 @@ class Llama4Block(_decoder.PreNormBlock):
 
     def feed_forward(self, x):
         c, d = self.config, self.config.dims()
-        options = dict(dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision,
-                       sharding=self.sharding, name="mlp")
+        options = dict(
+            dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision, sharding=self.sharding, name="mlp"
+        )
         if self.layer in c.moe_layers:
             y, logits = Llama4MoE(c, **options)(x)
             return y, {"router": logits}
@@ -273,8 +305,11 @@ class Llama4Block(_decoder.PreNormBlock):
         """self_attention's options of this layer: RoPE, chunks and L2 norms, or the NoPE temperature."""
         c = self.config
         if c.rope_layers[self.layer]:
-            return dict(rope=RoPE(frequencies=c.rope_frequencies, layout="interleaved"), chunk_size=chunk_size,
-                        qk_norm=functools.partial(L2Norm, c.rms_norm_eps) if c.use_qk_norm else None)
+            return dict(
+                rope=RoPE(frequencies=c.rope_frequencies, layout="interleaved"),
+                chunk_size=chunk_size,
+                qk_norm=functools.partial(L2Norm, c.rms_norm_eps) if c.use_qk_norm else None,
+            )
         if not c.attn_temperature_tuning:
             return dict(rope=None)
         return dict(rope=None, qk_norm=_temperature_hook(temperature(slots, c.floor_scale, c.attn_scale, dtype)))
@@ -283,8 +318,9 @@ class Llama4Block(_decoder.PreNormBlock):
     def __call__(self, x, mask, positions, decode: bool, slots=None, chunk_size=None):
         norm = self.norm()
         h = norm(name="input_layernorm")(x)
-        a = _decoder.self_attention(self, h, mask, positions, decode, None,
-                                    **self.attention_hooks(slots, h.dtype, chunk_size))
+        a = _decoder.self_attention(
+            self, h, mask, positions, decode, None, **self.attention_hooks(slots, h.dtype, chunk_size)
+        )
         x = x + a
         m, rows = self.feed_forward(norm(name="post_attention_layernorm")(x))
         return x + m, {"attention": a, **rows, "mlp": m}
@@ -296,9 +332,14 @@ class Llama4ForCausalLM(_decoder.CausalLM):
     Block = Llama4Block
 
     @nn.compact
-    def __call__(self, input_ids: Int[ArrayLike, "B T"],
-                 attention_mask: Int[ArrayLike, "B _keys"] | Bool[ArrayLike, "B _keys"] | None = None,
-                 position_ids: Int[ArrayLike, "B T"] | None = None, *, decode: bool = False) -> Float[Array, "B T V"]:
+    def __call__(
+        self,
+        input_ids: Int[ArrayLike, "B T"],
+        attention_mask: Int[ArrayLike, "B _keys"] | Bool[ArrayLike, "B _keys"] | None = None,
+        position_ids: Int[ArrayLike, "B T"] | None = None,
+        *,
+        decode: bool = False,
+    ) -> Float[Array, "B T V"]:
         c, d = self.config, self.config.dims()
         input_ids = jnp.asarray(input_ids)
         positions, slots = _decoder.positions_and_slots(self, input_ids.shape, position_ids, decode)
@@ -306,12 +347,16 @@ class Llama4ForCausalLM(_decoder.CausalLM):
         full = _decoder.key_mask(attention_mask)
         # the layer's chunk_size keyword counts chunks from slot 0: right without padding or a cache
         plain = attention_mask is None and not decode
-        chunked = full if plain or c.attention_chunk_size is None else chunked_mask(attention_mask, slots,
-                                                                                   c.attention_chunk_size)
+        chunked = (
+            full
+            if plain or c.attention_chunk_size is None
+            else chunked_mask(attention_mask, slots, c.attention_chunk_size)
+        )
 
         def layer(i, x):
-            block = self.Block(c, self.dtype, self.param_dtype, self.precision, self.sharding, layer=i,
-                               name=f"layers_{i}")
+            block = self.Block(
+                c, self.dtype, self.param_dtype, self.precision, self.sharding, layer=i, name=f"layers_{i}"
+            )
             if not c.chunked(i):
                 return block(x, full, positions, decode, slots)
             return block(x, chunked, positions, decode, slots, c.attention_chunk_size if plain else None)
@@ -323,24 +368,37 @@ class Llama4ForCausalLM(_decoder.CausalLM):
 
 # --- weights ------------------------------------------------------------------------------------------------------
 
+
 def _feed_forward_rows() -> tuple[list[weights.Row], list[weights.Row]]:
     """(a dense layer's rows, an MoE layer's rows): HF's feed_forward.* tensors -> our layers_{i}/mlp/*."""
     R, ours = weights.row, "layers_{i}/mlp/"
 
     def swiglu(hf: str, path: str, width: str) -> list[weights.Row]:
-        return [R(hf + "gate_proj.weight", (width, "E"), path + "gate_proj/kernel", ("E", width), Transpose()),
-                R(hf + "up_proj.weight", (width, "E"), path + "up_proj/kernel", ("E", width), Transpose()),
-                R(hf + "down_proj.weight", ("E", width), path + "down_proj/kernel", (width, "E"), Transpose())]
+        return [
+            R(hf + "gate_proj.weight", (width, "E"), path + "gate_proj/kernel", ("E", width), Transpose()),
+            R(hf + "up_proj.weight", (width, "E"), path + "up_proj/kernel", ("E", width), Transpose()),
+            R(hf + "down_proj.weight", ("E", width), path + "down_proj/kernel", (width, "E"), Transpose()),
+        ]
 
     dense = swiglu("model.layers.{i}.feed_forward.", ours, "G")
     experts = [
         R("model.layers.{i}.feed_forward.router.weight", ("X", "E"), ours + "router/kernel", ("E", "X"), Transpose()),
-        weights.Row("model.layers.{i}.feed_forward.experts.gate_up_proj", ("X", "E", "2*F"), (
-             Target(ours + "experts/gate_proj/kernel", ("X", "E", "F"), Part(0, 2, 2)),
-             Target(ours + "experts/up_proj/kernel", ("X", "E", "F"), Part(1, 2, 2)))),
-        R("model.layers.{i}.feed_forward.experts.down_proj", ("X", "F", "E"), ours + "experts/down_proj/kernel",
-          ("X", "F", "E")),
-        *swiglu("model.layers.{i}.feed_forward.shared_expert.", ours + "shared_expert/", "F")]
+        weights.Row(
+            "model.layers.{i}.feed_forward.experts.gate_up_proj",
+            ("X", "E", "2*F"),
+            (
+                Target(ours + "experts/gate_proj/kernel", ("X", "E", "F"), Part(0, 2, 2)),
+                Target(ours + "experts/up_proj/kernel", ("X", "E", "F"), Part(1, 2, 2)),
+            ),
+        ),
+        R(
+            "model.layers.{i}.feed_forward.experts.down_proj",
+            ("X", "F", "E"),
+            ours + "experts/down_proj/kernel",
+            ("X", "F", "E"),
+        ),
+        *swiglu("model.layers.{i}.feed_forward.shared_expert.", ours + "shared_expert/", "F"),
+    ]
     return dense, experts
 
 
@@ -353,7 +411,8 @@ def weight_table(config: Llama4TextConfig) -> list[weights.Row]:
     def kept(r: weights.Row) -> bool:
         template = _template(r.name)
         return template not in on_moe_layers or on_moe_layers[template] == (
-            int(r.name.split(".")[2]) in config.moe_layers)
+            int(r.name.split(".")[2]) in config.moe_layers
+        )
 
     rows = weights.expand([*_decoder.causal_lm_rows(config), *dense, *experts], config.num_hidden_layers)
     return [r for r in rows if kept(r)]

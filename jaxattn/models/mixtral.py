@@ -53,9 +53,15 @@ class MixtralConfig(moe.MoEConfig):
     def to_dict(self) -> dict:
         """config.json's keys (inverse of from_dict)."""
         return super().to_dict() | {
-            "model_type": "mixtral", "architectures": ["MixtralForCausalLM"], "hidden_act": "silu",
-            "num_local_experts": self.num_local_experts, "num_experts_per_tok": self.num_experts_per_tok,
-            "router_jitter_noise": 0.0, "sliding_window": None, **self.sliding_window()}
+            "model_type": "mixtral",
+            "architectures": ["MixtralForCausalLM"],
+            "hidden_act": "silu",
+            "num_local_experts": self.num_local_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "router_jitter_noise": 0.0,
+            "sliding_window": None,
+            **self.sliding_window(),
+        }
 
 
 class MixtralForCausalLM(_decoder.CausalLM):
@@ -67,11 +73,16 @@ class MixtralForCausalLM(_decoder.CausalLM):
 def weight_table(config: MixtralConfig, *, fused: bool = False) -> list[weights.Row]:
     """HF's names -> our params: the shared causal-LM rows, the router and the experts: the per-expert w1
     (gate), w3 (up) and w2 (down) stacked into one [X,...] leaf each, or (fused) split from gate_up_proj."""
-    experts = moe.fused_expert_rows() if fused else moe.expert_rows(
-        router="model.layers.{i}.block_sparse_moe.gate.weight",
-        gate="model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight",
-        up="model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight",
-        down="model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight")
+    experts = (
+        moe.fused_expert_rows()
+        if fused
+        else moe.expert_rows(
+            router="model.layers.{i}.block_sparse_moe.gate.weight",
+            gate="model.layers.{i}.block_sparse_moe.experts.{j}.w1.weight",
+            up="model.layers.{i}.block_sparse_moe.experts.{j}.w3.weight",
+            down="model.layers.{i}.block_sparse_moe.experts.{j}.w2.weight",
+        )
+    )
     return weights.expand([*_decoder.causal_lm_rows(config), *experts], config.num_hidden_layers)
 
 

@@ -57,7 +57,7 @@ class MoEConfig(_decoder.DecoderConfig):
     num_local_experts: int = 8
     num_experts_per_tok: int = 2
 
-    routing: ClassVar[str] = "softmax_topk"   # see ROUTINGS
+    routing: ClassVar[str] = "softmax_topk"  # see ROUTINGS
     router_bias: ClassVar[bool] = False
     expert_bias: ClassVar[bool] = False
 
@@ -87,8 +87,11 @@ def refuse_silu_and_jitter(config: Mapping[str, Any], refuse: Callable) -> None:
     if config.get("hidden_act", "silu") != "silu":
         refuse("hidden_act", "'silu'", config["hidden_act"])
     if config.get("router_jitter_noise", 0.0):
-        refuse("router_jitter_noise", "0.0 (training-time noise on the router's input is not implemented)",
-               config["router_jitter_noise"])
+        refuse(
+            "router_jitter_noise",
+            "0.0 (training-time noise on the router's input is not implemented)",
+            config["router_jitter_noise"],
+        )
 
 
 def routing_weights(logits, top_k: int, routing: str, *, normalize: bool = True):
@@ -122,8 +125,11 @@ class StackedDense(_decoder.Configured):
     def __call__(self, x, *, per_expert: bool = False):
         shape = (self.config.dims()["X"], x.shape[-1], self.features)
         kernel = self.param("kernel", nn.initializers.lecun_normal(batch_axis=(0,)), shape, self.param_dtype)
-        bias = (self.param("bias", nn.initializers.zeros, (shape[0], shape[2]), self.param_dtype)
-                if self.config.expert_bias else None)
+        bias = (
+            self.param("bias", nn.initializers.zeros, (shape[0], shape[2]), self.param_dtype)
+            if self.config.expert_bias
+            else None
+        )
         x, kernel, bias = promote_dtype(x, kernel, bias, dtype=self.dtype)
         y = jnp.einsum("...xi,xio->...xo" if per_expert else "...i,xio->...xo", x, kernel, precision=self.precision)
         return y if bias is None else y + bias
@@ -135,8 +141,9 @@ class Experts(_decoder.Configured):
     @nn.compact
     def __call__(self, x):
         def dense(features, name):
-            return StackedDense(self.config, self.dtype, self.param_dtype, self.precision, self.sharding,
-                                features=features, name=name)
+            return StackedDense(
+                self.config, self.dtype, self.param_dtype, self.precision, self.sharding, features=features, name=name
+            )
 
         F = self.config.dims()["F"]
         h = self.config.expert_activation(dense(F, "gate_proj")(x), dense(F, "up_proj")(x))
@@ -150,8 +157,14 @@ class SparseMoE(_decoder.Configured):
     @nn.compact
     def __call__(self, x):
         c = self.config
-        logits = nn.Dense(c.dims()["X"], use_bias=c.router_bias, dtype=self.dtype, param_dtype=self.param_dtype,
-                          precision=self.precision, name="router")(x)
+        logits = nn.Dense(
+            c.dims()["X"],
+            use_bias=c.router_bias,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            precision=self.precision,
+            name="router",
+        )(x)
         weights = routing_weights(logits, c.num_experts_per_tok, c.routing, normalize=c.normalize_top_k())
         out = Experts(c, self.dtype, self.param_dtype, self.precision, self.sharding, name="experts")(x)  # [...,X,E]
         y = jnp.einsum("...xe,...x->...e", out, weights.astype(out.dtype), precision=self.precision)
@@ -171,10 +184,12 @@ def expert_rows(*, router: str, gate: str, up: str, down: str) -> list[weights.R
     save_pretrained writes them, one tensor per expert ("{j}"): gate and up [F,E], down [E,F] (torch Linear
     weights), each stacked into one [X,...] leaf. The arguments are the family's literal HF names."""
     R, S, ours = weights.row, functools.partial(weights.stacked, over="X"), "layers_{i}/mlp/experts/"
-    return [R(router, ("X", "E"), "layers_{i}/mlp/router/kernel", ("E", "X"), Transpose()),
-            S(gate, ("F", "E"), ours + "gate_proj/kernel", ("X", "E", "F"), Transpose()),
-            S(up, ("F", "E"), ours + "up_proj/kernel", ("X", "E", "F"), Transpose()),
-            S(down, ("E", "F"), ours + "down_proj/kernel", ("X", "F", "E"), Transpose())]
+    return [
+        R(router, ("X", "E"), "layers_{i}/mlp/router/kernel", ("E", "X"), Transpose()),
+        S(gate, ("F", "E"), ours + "gate_proj/kernel", ("X", "E", "F"), Transpose()),
+        S(up, ("F", "E"), ours + "up_proj/kernel", ("X", "E", "F"), Transpose()),
+        S(down, ("E", "F"), ours + "down_proj/kernel", ("X", "F", "E"), Transpose()),
+    ]
 
 
 def fused_expert_rows() -> list[weights.Row]:
@@ -183,11 +198,22 @@ def fused_expert_rows() -> list[weights.Row]:
     R, ours = weights.row, "layers_{i}/mlp/experts/"
     return [
         R("model.layers.{i}.mlp.gate.weight", ("X", "E"), "layers_{i}/mlp/router/kernel", ("E", "X"), Transpose()),
-        weights.Row("model.layers.{i}.mlp.experts.gate_up_proj", ("X", "2*F", "E"), (
-             Target(ours + "gate_proj/kernel", ("X", "E", "F"), Steps(Part(0, 2, 1), SwapAxes(1, 2))),
-             Target(ours + "up_proj/kernel", ("X", "E", "F"), Steps(Part(1, 2, 1), SwapAxes(1, 2))))),
-        R("model.layers.{i}.mlp.experts.down_proj", ("X", "E", "F"), ours + "down_proj/kernel", ("X", "F", "E"),
-          SwapAxes(1, 2))]
+        weights.Row(
+            "model.layers.{i}.mlp.experts.gate_up_proj",
+            ("X", "2*F", "E"),
+            (
+                Target(ours + "gate_proj/kernel", ("X", "E", "F"), Steps(Part(0, 2, 1), SwapAxes(1, 2))),
+                Target(ours + "up_proj/kernel", ("X", "E", "F"), Steps(Part(1, 2, 1), SwapAxes(1, 2))),
+            ),
+        ),
+        R(
+            "model.layers.{i}.mlp.experts.down_proj",
+            ("X", "E", "F"),
+            ours + "down_proj/kernel",
+            ("X", "F", "E"),
+            SwapAxes(1, 2),
+        ),
+    ]
 
 
 def loader(config_class, model_class, table: Callable) -> _pretrained.Family:
@@ -201,6 +227,7 @@ def loader(config_class, model_class, table: Callable) -> _pretrained.Family:
     def load(config: dict, tensors, files, **options):
         is_fused = any(name.endswith(".mlp.experts.gate_up_proj") for name in tensors)
         return (fused if is_fused else per_expert.load)(config, tensors, files, **options)
+
     return _pretrained.Family(config_class, model_class, load)
 
 

@@ -38,8 +38,13 @@ class Qwen3Config(_decoder.DecoderConfig):
 
     def to_dict(self) -> dict:
         """config.json's keys (inverse of from_dict)."""
-        return super().to_dict() | {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"], "hidden_act": "silu",
-                                    "attention_bias": self.attention_bias, **self.use_sliding_window_keys()}
+        return super().to_dict() | {
+            "model_type": "qwen3",
+            "architectures": ["Qwen3ForCausalLM"],
+            "hidden_act": "silu",
+            "attention_bias": self.attention_bias,
+            **self.use_sliding_window_keys(),
+        }
 
 
 class Qwen3Block(_decoder.PreNormBlock):

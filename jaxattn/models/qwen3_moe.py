@@ -57,12 +57,20 @@ class Qwen3MoeConfig(moe.MoEConfig):
     def to_dict(self) -> dict:
         """config.json's keys (inverse of from_dict)."""
         return super().to_dict() | {
-            "model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_act": "silu",
+            "model_type": "qwen3_moe",
+            "architectures": ["Qwen3MoeForCausalLM"],
+            "hidden_act": "silu",
             "attention_bias": self.attention_bias,
             "num_local_experts": self.num_local_experts,  # transformers 5's key (4's num_experts maps to it)
-            "num_experts_per_tok": self.num_experts_per_tok, "moe_intermediate_size": self.moe_intermediate_size,
-            "norm_topk_prob": self.norm_topk_prob, "mlp_only_layers": [], "decoder_sparse_step": 1,
-            "use_sliding_window": bool(self.windows), "sliding_window": None, **self.sliding_window()}
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
+            "norm_topk_prob": self.norm_topk_prob,
+            "mlp_only_layers": [],
+            "decoder_sparse_step": 1,
+            "use_sliding_window": bool(self.windows),
+            "sliding_window": None,
+            **self.sliding_window(),
+        }
 
     def dims(self) -> dict[str, int]:
         return {**super().dims(), "F": self.moe_intermediate_size}
@@ -87,11 +95,16 @@ class Qwen3MoeForCausalLM(_decoder.CausalLM):
 def weight_table(config: Qwen3MoeConfig, *, fused: bool = False) -> list[weights.Row]:
     """HF's names -> our params: the shared causal-LM rows, the q/k norms, the router and the experts (per
     expert, stacked into one [X,...] leaf each, or fused)."""
-    experts = moe.fused_expert_rows() if fused else moe.expert_rows(
-        router="model.layers.{i}.mlp.gate.weight",
-        gate="model.layers.{i}.mlp.experts.{j}.gate_proj.weight",
-        up="model.layers.{i}.mlp.experts.{j}.up_proj.weight",
-        down="model.layers.{i}.mlp.experts.{j}.down_proj.weight")
+    experts = (
+        moe.fused_expert_rows()
+        if fused
+        else moe.expert_rows(
+            router="model.layers.{i}.mlp.gate.weight",
+            gate="model.layers.{i}.mlp.experts.{j}.gate_proj.weight",
+            up="model.layers.{i}.mlp.experts.{j}.up_proj.weight",
+            down="model.layers.{i}.mlp.experts.{j}.down_proj.weight",
+        )
+    )
     rows = [*_decoder.causal_lm_rows(config), *_decoder.qk_norm_rows(), *experts]
     return weights.expand(rows, config.num_hidden_layers)
 

@@ -91,8 +91,8 @@ class Qwen3NextConfig(moe.MoEConfig):
     linear_num_key_heads: int = 16
     linear_num_value_heads: int = 32
     linear_layers: tuple = ()  # per layer: True = gated delta rule, False = gated softmax attention
-    moe_layers: tuple = ()     # the layers whose MLP is the mixture of experts
-    rotary_dim: int = 64       # head_dim * partial_rotary_factor
+    moe_layers: tuple = ()  # the layers whose MLP is the mixture of experts
+    rotary_dim: int = 64  # head_dim * partial_rotary_factor
 
     rms_norm = "gemma"  # (_decoder.RMSNorm) Qwen3NextRMSNorm: (1 + w), rounded after the scale
 
@@ -110,14 +110,20 @@ class Qwen3NextConfig(moe.MoEConfig):
             refuse("num_experts", "an int >= 1 (a dense Qwen3-Next is not implemented)", experts)
         J = config.get("linear_num_key_heads", cls.linear_num_key_heads)
         if config.get("linear_num_value_heads", cls.linear_num_value_heads) % J:
-            refuse("linear_num_value_heads", f"a multiple of linear_num_key_heads={J}",
-                   config["linear_num_value_heads"])
+            refuse(
+                "linear_num_value_heads", f"a multiple of linear_num_key_heads={J}", config["linear_num_value_heads"]
+            )
         rope = _decoder.rope_parameters(config)
         if rope.get("rope_type", "default") != "default":
             refuse("rope_parameters['rope_type']", "'default'", rope["rope_type"])
         factor = rope.pop("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
-        parsed = cls.parse({**config, "num_local_experts": experts}, source, rope=rope,
-                           linear_layers=_linear_layers(config, n, refuse), moe_layers=_moe_layers(config, n, refuse))
+        parsed = cls.parse(
+            {**config, "num_local_experts": experts},
+            source,
+            rope=rope,
+            linear_layers=_linear_layers(config, n, refuse),
+            moe_layers=_moe_layers(config, n, refuse),
+        )
         rotary_dim = int(parsed.dims()["H"] * factor)
         if rotary_dim < 2 or rotary_dim % 2:
             refuse("rope_parameters['partial_rotary_factor']", "a factor giving an even rotary dim >= 2", factor)
@@ -128,23 +134,42 @@ class Qwen3NextConfig(moe.MoEConfig):
         """config.json's keys (inverse of from_dict); the rope settings (partial_rotary_factor among them) come
         from hf_config, as every family's (to_pretrained checks that they give rotary_dim and the frequencies)."""
         return super().to_dict() | {
-            "model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"], "hidden_act": "silu",
-            "attention_bias": False, "num_experts": self.num_local_experts,
-            "num_experts_per_tok": self.num_experts_per_tok, "moe_intermediate_size": self.moe_intermediate_size,
+            "model_type": "qwen3_next",
+            "architectures": ["Qwen3NextForCausalLM"],
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "num_experts": self.num_local_experts,
+            "num_experts_per_tok": self.num_experts_per_tok,
+            "moe_intermediate_size": self.moe_intermediate_size,
             "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
-            "norm_topk_prob": self.norm_topk_prob, "decoder_sparse_step": 1,
+            "norm_topk_prob": self.norm_topk_prob,
+            "decoder_sparse_step": 1,
             "mlp_only_layers": [i for i in range(self.num_hidden_layers) if i not in self.moe_layers],
             "layer_types": [LAYER_KINDS[not linear] for linear in self.linear_layers],
-            "linear_conv_kernel_dim": self.linear_conv_kernel_dim, "linear_key_head_dim": self.linear_key_head_dim,
-            "linear_value_head_dim": self.linear_value_head_dim, "linear_num_key_heads": self.linear_num_key_heads,
-            "linear_num_value_heads": self.linear_num_value_heads}
+            "linear_conv_kernel_dim": self.linear_conv_kernel_dim,
+            "linear_key_head_dim": self.linear_key_head_dim,
+            "linear_value_head_dim": self.linear_value_head_dim,
+            "linear_num_key_heads": self.linear_num_key_heads,
+            "linear_num_value_heads": self.linear_num_value_heads,
+        }
 
     def dims(self) -> dict[str, int]:
         J, M = self.linear_num_key_heads, self.linear_num_value_heads
         Q, D = self.linear_key_head_dim, self.linear_value_head_dim
-        return {**super().dims(), "F": self.moe_intermediate_size, "G": self.intermediate_size,
-                "S": self.shared_expert_intermediate_size, "J": J, "M": M, "Q": Q, "D": D,
-                "U": M // J, "P": 2 * Q + 2 * (M // J) * D, "C": 2 * J * Q + M * D, "W": self.linear_conv_kernel_dim}
+        return {
+            **super().dims(),
+            "F": self.moe_intermediate_size,
+            "G": self.intermediate_size,
+            "S": self.shared_expert_intermediate_size,
+            "J": J,
+            "M": M,
+            "Q": Q,
+            "D": D,
+            "U": M // J,
+            "P": 2 * Q + 2 * (M // J) * D,
+            "C": 2 * J * Q + M * D,
+            "W": self.linear_conv_kernel_dim,
+        }
 
     def normalize_top_k(self) -> bool:
         return self.norm_topk_prob
@@ -175,6 +200,7 @@ def _moe_layers(config: Mapping[str, Any], n: int, refuse) -> tuple:
 
 # --- the token mixers ---------------------------------------------------------------------------------------------
 
+
 class Projection(nn.Module):
     """x [...,E] @ kernel [E,*out] -> [...,*out] (a Dense onto a head-split layout, no bias)."""
 
@@ -185,11 +211,12 @@ class Projection(nn.Module):
 
     @nn.compact
     def __call__(self, x):
-        init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=0,
-                                                out_axis=tuple(range(1, len(self.out) + 1)))
+        init = nn.initializers.variance_scaling(
+            1.0, "fan_in", "truncated_normal", in_axis=0, out_axis=tuple(range(1, len(self.out) + 1))
+        )
         kernel = self.param("kernel", init, (x.shape[-1], *self.out), self.param_dtype)
         x, kernel = promote_dtype(x, kernel, dtype=self.dtype)
-        letters = "abcd"[:len(self.out)]
+        letters = "abcd"[: len(self.out)]
         return jnp.einsum(f"...e,e{letters}->...{letters}", x, kernel, precision=self.precision)
 
 
@@ -217,23 +244,33 @@ class GatedAttention(_decoder.Configured):
     def __call__(self, h, key_mask, positions, slots, decode: bool):
         c, d = self.config, self.config.dims()
         N, K, H = d["N"], d["K"], d["H"]
-        project = functools.partial(Projection, dtype=self.dtype, param_dtype=self.param_dtype,
-                                    precision=self.precision)
+        project = functools.partial(
+            Projection, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision
+        )
         norm = functools.partial(_decoder.RMSNorm, c.rms_norm_eps, self.param_dtype, c.rms_norm)
         q, gate = jnp.split(project((N, 2 * H), name="q_proj")(h), 2, axis=-1)  # head n: H query, H gate
         q = norm(name="q_norm")(q)
         k = norm(name="k_norm")(project((K, H), name="k_proj")(h))
         v = project((K, H), name="v_proj")(h)
-        rope = functools.partial(apply_rope, positions=positions, rotary_dim=c.rotary_dim, layout="half",
-                                 frequencies=c.rope_frequencies)
+        rope = functools.partial(
+            apply_rope, positions=positions, rotary_dim=c.rotary_dim, layout="half", frequencies=c.rope_frequencies
+        )
         q, k = rope(q), rope(k)
         query_positions = key_positions = None
         if decode:
             k, v = self._cached(k, v, slots)
             query_positions, key_positions = slots, jnp.arange(k.shape[-3], dtype=jnp.int32)
-        z = dot_product_attention(q, k, v, mask=key_mask, is_causal=True, query_positions=query_positions,
-                                  key_positions=key_positions, precision=self.precision,
-                                  implementation=c.implementation)
+        z = dot_product_attention(
+            q,
+            k,
+            v,
+            mask=key_mask,
+            is_causal=True,
+            query_positions=query_positions,
+            key_positions=key_positions,
+            precision=self.precision,
+            implementation=c.implementation,
+        )
         z = z * jax.nn.sigmoid(gate)
         return OutProjection(d["E"], self.dtype, self.param_dtype, self.precision, name="o_proj")(z)
 
@@ -266,20 +303,30 @@ class GatedDeltaNet(_decoder.Configured):
         J, M, Q, D, G = d["J"], d["M"], d["Q"], d["D"], d["M"] // d["J"]
         if token_mask is not None:  # padded tokens in: zeros (HF's apply_mask_to_padding_states)
             h = (h * token_mask[..., None]).astype(h.dtype)
-        project = functools.partial(Projection, dtype=self.dtype, param_dtype=self.param_dtype,
-                                    precision=self.precision)
+        project = functools.partial(
+            Projection, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision
+        )
         q, k, v, z = jnp.split(project((J, d["P"]), name="in_proj_qkvz")(h), (Q, 2 * Q, 2 * Q + G * D), axis=-1)
         b, a = jnp.split(project((J, 2 * G), name="in_proj_ba")(h), 2, axis=-1)
         *batch, T, _ = h.shape
-        mixed = jnp.concatenate([q.reshape(*batch, T, J * Q), k.reshape(*batch, T, J * Q),
-                                 v.reshape(*batch, T, M * D)], axis=-1)  # [B,T,C]: the conv's channel order
-        conv = self.param("conv_weight", nn.initializers.lecun_normal(in_axis=1, out_axis=0), (d["C"], d["W"]),
-                          self.param_dtype)
-        conv_state = self.variable("cache", "conv_state", jnp.zeros, (*batch, d["W"] - 1, d["C"]),
-                                   mixed.dtype) if decode else None
+        mixed = jnp.concatenate(
+            [q.reshape(*batch, T, J * Q), k.reshape(*batch, T, J * Q), v.reshape(*batch, T, M * D)], axis=-1
+        )  # [B,T,C]: the conv's channel order
+        conv = self.param(
+            "conv_weight", nn.initializers.lecun_normal(in_axis=1, out_axis=0), (d["C"], d["W"]), self.param_dtype
+        )
+        conv_state = (
+            self.variable("cache", "conv_state", jnp.zeros, (*batch, d["W"] - 1, d["C"]), mixed.dtype)
+            if decode
+            else None
+        )
         mixed, new_conv_state = delta_rule.causal_conv1d(
-            mixed, jnp.asarray(conv, mixed.dtype), state=None if conv_state is None else conv_state.value,
-            activation="silu", return_state=True)
+            mixed,
+            jnp.asarray(conv, mixed.dtype),
+            state=None if conv_state is None else conv_state.value,
+            activation="silu",
+            return_state=True,
+        )
         q, k, v = jnp.split(mixed, (J * Q, 2 * J * Q), axis=-1)
         q, k, v = q.reshape(*batch, T, J, Q), k.reshape(*batch, T, J, Q), v.reshape(*batch, T, M, D)
         dt_bias = self.param("dt_bias", nn.initializers.ones, (M,), self.param_dtype)
@@ -289,9 +336,15 @@ class GatedDeltaNet(_decoder.Configured):
         g = -jnp.exp(a_log.astype(wide)) * jax.nn.softplus(a.reshape(*batch, T, M).astype(wide) + dt_bias)
         state = self.variable("cache", "recurrent_state", jnp.zeros, (*batch, M, Q, D), wide) if decode else None
         out, new_state = delta_rule.gated_delta_rule(
-            l2_normalize(q), l2_normalize(k), v.astype(wide), g, beta, return_state=True,
+            l2_normalize(q),
+            l2_normalize(k),
+            v.astype(wide),
+            g,
+            beta,
+            return_state=True,
             initial_state=None if state is None else state.value,
-            implementation="recurrent" if decode and T == 1 else None)  # HF's: recurrent for one token
+            implementation="recurrent" if decode and T == 1 else None,
+        )  # HF's: recurrent for one token
         if decode and not self.is_initializing():
             conv_state.value, state.value = new_conv_state, new_state.astype(wide)  # type: ignore[union-attr]
         weight = self.param("norm_weight", nn.initializers.ones, (D,), self.param_dtype)
@@ -300,6 +353,7 @@ class GatedDeltaNet(_decoder.Configured):
 
 
 # --- the block ---------------------------------------------------------------------------------------------------
+
 
 class SwiGLU(_decoder.Configured):
     """down(silu(gate(x)) * up(x)) of intermediate width `features` (the dense layers' G, the shared expert's S)."""
@@ -337,8 +391,7 @@ class Qwen3NextBlock(_decoder.Configured):
     @nn.compact
     def __call__(self, x, key_mask, token_mask, positions, slots, decode: bool):
         c, d = self.config, self.config.dims()
-        options = dict(dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision,
-                       sharding=self.sharding)
+        options = dict(dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision, sharding=self.sharding)
         norm = functools.partial(_decoder.RMSNorm, c.rms_norm_eps, self.param_dtype, c.rms_norm)
         h = norm(name="input_layernorm")(x)
         if c.linear_layers[self.layer]:
@@ -372,8 +425,9 @@ class Qwen3NextForCausalLM(_decoder.CausalLM):
             token_mask = jnp.take_along_axis(attention_mask, slots, axis=-1) if decode else attention_mask
 
         def layer(i, x):
-            block = self.Block(c, self.dtype, self.param_dtype, self.precision, self.sharding, layer=i,
-                               name=f"layers_{i}")
+            block = self.Block(
+                c, self.dtype, self.param_dtype, self.precision, self.sharding, layer=i, name=f"layers_{i}"
+            )
             return block(x, key_mask, token_mask, positions, slots, decode)
 
         norm = _decoder.RMSNorm(c.rms_norm_eps, self.param_dtype, c.rms_norm, name="norm")
@@ -383,6 +437,7 @@ class Qwen3NextForCausalLM(_decoder.CausalLM):
 
 # --- weights ------------------------------------------------------------------------------------------------------
 
+
 def _mixer_rows() -> tuple[list[weights.Row], list[weights.Row]]:
     """(a linear layer's rows, a full attention layer's rows): HF's linear_attn.* / self_attn.* tensors."""
     R, hf, ours = weights.row, "model.layers.{i}.", "layers_{i}/"
@@ -390,24 +445,61 @@ def _mixer_rows() -> tuple[list[weights.Row], list[weights.Row]]:
         R(hf + "linear_attn.dt_bias", ("M",), ours + "linear_attn/dt_bias", ("M",)),
         R(hf + "linear_attn.A_log", ("M",), ours + "linear_attn/A_log", ("M",)),
         R(hf + "linear_attn.conv1d.weight", ("C", "1", "W"), ours + "linear_attn/conv_weight", ("C", "W"), Reshape()),
-        R(hf + "linear_attn.in_proj_qkvz.weight", ("J*P", "E"), ours + "linear_attn/in_proj_qkvz/kernel",
-          ("E", "J", "P"), Steps(Transpose(), Reshape())),
-        R(hf + "linear_attn.in_proj_ba.weight", ("2*M", "E"), ours + "linear_attn/in_proj_ba/kernel",
-          ("E", "J", "2*U"), Steps(Transpose(), Reshape())),
+        R(
+            hf + "linear_attn.in_proj_qkvz.weight",
+            ("J*P", "E"),
+            ours + "linear_attn/in_proj_qkvz/kernel",
+            ("E", "J", "P"),
+            Steps(Transpose(), Reshape()),
+        ),
+        R(
+            hf + "linear_attn.in_proj_ba.weight",
+            ("2*M", "E"),
+            ours + "linear_attn/in_proj_ba/kernel",
+            ("E", "J", "2*U"),
+            Steps(Transpose(), Reshape()),
+        ),
         R(hf + "linear_attn.norm.weight", ("D",), ours + "linear_attn/norm_weight", ("D",)),
-        R(hf + "linear_attn.out_proj.weight", ("E", "M*D"), ours + "linear_attn/out_proj/kernel", ("M", "D", "E"),
-          Steps(Transpose(), Reshape()))]
+        R(
+            hf + "linear_attn.out_proj.weight",
+            ("E", "M*D"),
+            ours + "linear_attn/out_proj/kernel",
+            ("M", "D", "E"),
+            Steps(Transpose(), Reshape()),
+        ),
+    ]
     full = [
-        R(hf + "self_attn.q_proj.weight", ("N*2*H", "E"), ours + "self_attn/q_proj/kernel", ("E", "N", "2*H"),
-          Steps(Transpose(), Reshape())),
-        R(hf + "self_attn.k_proj.weight", ("K*H", "E"), ours + "self_attn/k_proj/kernel", ("E", "K", "H"),
-          Steps(Transpose(), Reshape())),
-        R(hf + "self_attn.v_proj.weight", ("K*H", "E"), ours + "self_attn/v_proj/kernel", ("E", "K", "H"),
-          Steps(Transpose(), Reshape())),
-        R(hf + "self_attn.o_proj.weight", ("E", "N*H"), ours + "self_attn/o_proj/kernel", ("N", "H", "E"),
-          Steps(Transpose(), Reshape())),
+        R(
+            hf + "self_attn.q_proj.weight",
+            ("N*2*H", "E"),
+            ours + "self_attn/q_proj/kernel",
+            ("E", "N", "2*H"),
+            Steps(Transpose(), Reshape()),
+        ),
+        R(
+            hf + "self_attn.k_proj.weight",
+            ("K*H", "E"),
+            ours + "self_attn/k_proj/kernel",
+            ("E", "K", "H"),
+            Steps(Transpose(), Reshape()),
+        ),
+        R(
+            hf + "self_attn.v_proj.weight",
+            ("K*H", "E"),
+            ours + "self_attn/v_proj/kernel",
+            ("E", "K", "H"),
+            Steps(Transpose(), Reshape()),
+        ),
+        R(
+            hf + "self_attn.o_proj.weight",
+            ("E", "N*H"),
+            ours + "self_attn/o_proj/kernel",
+            ("N", "H", "E"),
+            Steps(Transpose(), Reshape()),
+        ),
         R(hf + "self_attn.q_norm.weight", ("H",), ours + "self_attn/q_norm/weight", ("H",)),
-        R(hf + "self_attn.k_norm.weight", ("H",), ours + "self_attn/k_norm/weight", ("H",))]
+        R(hf + "self_attn.k_norm.weight", ("H",), ours + "self_attn/k_norm/weight", ("H",)),
+    ]
     return linear, full
 
 
@@ -416,19 +508,44 @@ def _mlp_rows(fused: bool) -> tuple[list[weights.Row], list[weights.Row]]:
     R, hf, ours = weights.row, "model.layers.{i}.mlp.", "layers_{i}/mlp/"
 
     def swiglu(prefix: str, width: str) -> list[weights.Row]:
-        return [R(hf + prefix + "gate_proj.weight", (width, "E"), ours + prefix.replace(".", "/") + "gate_proj/kernel",
-                  ("E", width), Transpose()),
-                R(hf + prefix + "up_proj.weight", (width, "E"), ours + prefix.replace(".", "/") + "up_proj/kernel",
-                  ("E", width), Transpose()),
-                R(hf + prefix + "down_proj.weight", ("E", width), ours + prefix.replace(".", "/") + "down_proj/kernel",
-                  (width, "E"), Transpose())]
+        return [
+            R(
+                hf + prefix + "gate_proj.weight",
+                (width, "E"),
+                ours + prefix.replace(".", "/") + "gate_proj/kernel",
+                ("E", width),
+                Transpose(),
+            ),
+            R(
+                hf + prefix + "up_proj.weight",
+                (width, "E"),
+                ours + prefix.replace(".", "/") + "up_proj/kernel",
+                ("E", width),
+                Transpose(),
+            ),
+            R(
+                hf + prefix + "down_proj.weight",
+                ("E", width),
+                ours + prefix.replace(".", "/") + "down_proj/kernel",
+                (width, "E"),
+                Transpose(),
+            ),
+        ]
 
-    experts = moe.fused_expert_rows() if fused else moe.expert_rows(
-        router=hf + "gate.weight", gate=hf + "experts.{j}.gate_proj.weight", up=hf + "experts.{j}.up_proj.weight",
-        down=hf + "experts.{j}.down_proj.weight")
-    shared = [*swiglu("shared_expert.", "S"),
-              R(hf + "shared_expert_gate.weight", ("1", "E"), ours + "shared_expert_gate/kernel", ("E", "1"),
-                Transpose())]
+    experts = (
+        moe.fused_expert_rows()
+        if fused
+        else moe.expert_rows(
+            router=hf + "gate.weight",
+            gate=hf + "experts.{j}.gate_proj.weight",
+            up=hf + "experts.{j}.up_proj.weight",
+            down=hf + "experts.{j}.down_proj.weight",
+        )
+    )
+    shared = [
+        *swiglu("shared_expert.", "S"),
+        R(hf + "shared_expert_gate.weight", ("1", "E"), ours + "shared_expert_gate/kernel", ("E", "1"), Transpose()),
+    ]
     return swiglu("", "G"), [*experts, *shared]
 
 
@@ -438,11 +555,21 @@ def weight_table(config: Qwen3NextConfig, *, fused: bool = False) -> list[weight
     R = weights.row
     linear, full = _mixer_rows()
     dense, sparse = _mlp_rows(fused)
-    norms = [R("model.layers.{i}.input_layernorm.weight", ("E",), "layers_{i}/input_layernorm/weight", ("E",)),
-             R("model.layers.{i}.post_attention_layernorm.weight", ("E",),
-               "layers_{i}/post_attention_layernorm/weight", ("E",))]
-    kinds = {r.name: "linear" for r in linear} | {r.name: "full" for r in full} | {
-        r.name: "dense" for r in dense} | {r.name: "sparse" for r in sparse}
+    norms = [
+        R("model.layers.{i}.input_layernorm.weight", ("E",), "layers_{i}/input_layernorm/weight", ("E",)),
+        R(
+            "model.layers.{i}.post_attention_layernorm.weight",
+            ("E",),
+            "layers_{i}/post_attention_layernorm/weight",
+            ("E",),
+        ),
+    ]
+    kinds = (
+        {r.name: "linear" for r in linear}
+        | {r.name: "full" for r in full}
+        | {r.name: "dense" for r in dense}
+        | {r.name: "sparse" for r in sparse}
+    )
 
     def kept(r: weights.Row) -> bool:
         """A layer's row of the kind its layer is (norms on every layer; other rows once, in place)."""
@@ -453,11 +580,18 @@ def weight_table(config: Qwen3NextConfig, *, fused: bool = False) -> list[weight
         mixer = "linear" if config.linear_layers[i] else "full"
         return kind is None or kind in (mixer, "sparse" if i in config.moe_layers else "dense")
 
-    rows = [R("model.embed_tokens.weight", ("V", "E"), "embed_tokens/embedding", ("V", "E")),
-            *norms, *linear, *full, *dense, *sparse,
-            R("model.norm.weight", ("E",), "norm/weight", ("E",)),
-            *weights.when(not config.tie_word_embeddings,
-                          R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), Transpose()))]
+    rows = [
+        R("model.embed_tokens.weight", ("V", "E"), "embed_tokens/embedding", ("V", "E")),
+        *norms,
+        *linear,
+        *full,
+        *dense,
+        *sparse,
+        R("model.norm.weight", ("E",), "norm/weight", ("E",)),
+        *weights.when(
+            not config.tie_word_embeddings, R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), Transpose())
+        ),
+    ]
     return [r for r in weights.expand(rows, config.num_hidden_layers) if kept(r)]
 
 

@@ -38,9 +38,12 @@ from .weights import Reshape, Steps, Transpose
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
-_ACTIVATIONS = {"relu": nn.relu, "gelu_new": functools.partial(nn.gelu, approximate=True),
-                "gelu": functools.partial(nn.gelu, approximate=False),
-                "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True)}
+_ACTIVATIONS = {
+    "relu": nn.relu,
+    "gelu_new": functools.partial(nn.gelu, approximate=True),
+    "gelu": functools.partial(nn.gelu, approximate=False),
+    "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,25 +90,35 @@ class T5Config:
         """config.json's keys (inverse of from_dict). feed_forward_proj as HF names it ("gated-gelu" for the
         gated gelu_new); dense_act_fn and is_gated_act are written too, and both readers take them over it."""
         act = "gelu" if self.is_gated_act and self.dense_act_fn == "gelu_new" else self.dense_act_fn
-        return {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"],
-                "feed_forward_proj": f"gated-{act}" if self.is_gated_act else act,
-                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare}}
+        return {
+            "model_type": "t5",
+            "architectures": ["T5ForConditionalGeneration"],
+            "feed_forward_proj": f"gated-{act}" if self.is_gated_act else act,
+            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.compare},
+        }
 
     @property
     def decoder_layers(self) -> int:
         return self.num_layers if self.num_decoder_layers is None else self.num_decoder_layers
 
     def dims(self) -> dict[str, int]:
-        return {"V": self.vocab_size, "E": self.d_model, "N": self.num_heads, "H": self.d_kv, "F": self.d_ff,
-                "R": self.relative_attention_num_buckets}
+        return {
+            "V": self.vocab_size,
+            "E": self.d_model,
+            "N": self.num_heads,
+            "H": self.d_kv,
+            "F": self.d_ff,
+            "R": self.relative_attention_num_buckets,
+        }
 
 
 class T5FeedForward(_decoder.Configured):
     @nn.compact
     def __call__(self, x):
         c, act = self.config, _ACTIVATIONS[self.config.dense_act_fn]
-        dense = functools.partial(nn.Dense, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
-                                  precision=self.precision)
+        dense = functools.partial(
+            nn.Dense, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision
+        )
         if c.is_gated_act:
             h = act(dense(c.d_ff, name="wi_0")(x)) * dense(c.d_ff, name="wi_1")(x)
         else:
@@ -122,11 +135,24 @@ class T5Block(_decoder.Configured):
     def __call__(self, x, self_mask, self_bias, encoder=None, encoder_mask=None, decode: bool = False):
         c = self.config
         norm = functools.partial(_decoder.RMSNorm, c.layer_norm_epsilon, self.param_dtype, "t5")
-        attention = functools.partial(MultiHeadAttention, num_heads=c.num_heads, head_dim=c.d_kv, use_bias=False,
-                                      scale=1.0, dtype=self.dtype, param_dtype=self.param_dtype,
-                                      precision=self.precision, implementation=c.implementation)
-        a = attention(name="self_attention")(norm(name="self_attention_norm")(x), mask=self_mask, bias=self_bias,
-                                             is_causal=self.is_decoder, decode=decode)
+        attention = functools.partial(
+            MultiHeadAttention,
+            num_heads=c.num_heads,
+            head_dim=c.d_kv,
+            use_bias=False,
+            scale=1.0,
+            dtype=self.dtype,
+            param_dtype=self.param_dtype,
+            precision=self.precision,
+            implementation=c.implementation,
+        )
+        a = attention(name="self_attention")(
+            norm(name="self_attention_norm")(x),
+            mask=self_mask,
+            bias=self_bias,
+            is_causal=self.is_decoder,
+            decode=decode,
+        )
         x = x + a
         rows = {"attention": a}
         if self.is_decoder:
@@ -144,25 +170,37 @@ class T5Stack(_decoder.Configured):
     is_decoder: bool = False
 
     @nn.compact
-    def __call__(self, x, attention_mask=None, encoder=None, encoder_mask=None, positions=None, *,
-                 decode: bool = False):
+    def __call__(
+        self, x, attention_mask=None, encoder=None, encoder_mask=None, positions=None, *, decode: bool = False
+    ):
         c = self.config
         if decode:  # queries sit after the tokens already in the cache
             positions = _decoder.positions(self, x.shape[:2], positions, decode)
-        table = self.param("relative_attention_bias", nn.initializers.normal(c.d_model ** -0.5),
-                           (c.relative_attention_num_buckets, c.num_heads), self.param_dtype)
+        table = self.param(
+            "relative_attention_bias",
+            nn.initializers.normal(c.d_model**-0.5),
+            (c.relative_attention_num_buckets, c.num_heads),
+            self.param_dtype,
+        )
         T = x.shape[-2]
         S = T if attention_mask is None else attention_mask.shape[-1]  # decoding: the cache's L slots
         # [N,T,S], or [B,N,T,S] when decoding (query positions per example, keys at their slots)
-        bias = t5_relative_bias(table, T, S, bidirectional=not self.is_decoder,
-                                max_distance=c.relative_attention_max_distance, query_positions=positions,
-                                key_positions=None if positions is None else jnp.arange(S, dtype=jnp.int32))
+        bias = t5_relative_bias(
+            table,
+            T,
+            S,
+            bidirectional=not self.is_decoder,
+            max_distance=c.relative_attention_max_distance,
+            query_positions=positions,
+            key_positions=None if positions is None else jnp.arange(S, dtype=jnp.int32),
+        )
         bias = bias.astype(x.dtype)
         mask = _decoder.key_mask(attention_mask)
 
         def layer(i, x):
-            block = T5Block(c, self.dtype, self.param_dtype, self.precision, is_decoder=self.is_decoder,
-                            name=f"block_{i}")
+            block = T5Block(
+                c, self.dtype, self.param_dtype, self.precision, is_decoder=self.is_decoder, name=f"block_{i}"
+            )
             return block(x, mask, bias, encoder, encoder_mask, decode)
 
         norm = _decoder.RMSNorm(c.layer_norm_epsilon, self.param_dtype, "t5", name="final_layer_norm")
@@ -179,20 +217,30 @@ class T5ForConditionalGeneration(_decoder.Configured):
     def setup(self):
         c = self.config
         self.shared = nn.Embed(c.vocab_size, c.d_model, dtype=self.dtype, param_dtype=self.param_dtype)
-        stack = functools.partial(T5Stack, c, dtype=self.dtype, param_dtype=self.param_dtype,
-                                  precision=self.precision, sharding=self.sharding)
+        stack = functools.partial(
+            T5Stack, c, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision, sharding=self.sharding
+        )
         self.encoder = stack(is_decoder=False)
         self.decoder = stack(is_decoder=True)
         if not self.tie_lm_head:
-            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype,
-                                    precision=self.precision)
+            self.lm_head = nn.Dense(
+                c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision
+            )
 
     def encode(self, input_ids, attention_mask=None):
         """input_ids [B,T] -> the encoder's output [B,T,E]."""
         return self.encoder(self.shared(jnp.asarray(input_ids)), attention_mask)
 
-    def decode(self, decoder_input_ids, encoder_output, attention_mask=None, decoder_attention_mask=None,
-               decoder_position_ids=None, *, decode: bool = False):
+    def decode(
+        self,
+        decoder_input_ids,
+        encoder_output,
+        attention_mask=None,
+        decoder_attention_mask=None,
+        decoder_position_ids=None,
+        *,
+        decode: bool = False,
+    ):
         """Decoder tokens [B,Td] over the encoder output -> logits [B,Td,V].
 
         decode=True: append to the decoder's cache; decoder_attention_mask [B,L] then covers its L slots
@@ -201,19 +249,27 @@ class T5ForConditionalGeneration(_decoder.Configured):
         decoder_input_ids = jnp.asarray(decoder_input_ids)
         if decode and decoder_attention_mask is None:
             raise ValueError("decoder_attention_mask: expected [B,L] over the cache's L slots when decoding, got None")
-        x = self.decoder(self.shared(decoder_input_ids), decoder_attention_mask, encoder_output,
-                         _decoder.key_mask(attention_mask), decoder_position_ids, decode=decode)
+        x = self.decoder(
+            self.shared(decoder_input_ids),
+            decoder_attention_mask,
+            encoder_output,
+            _decoder.key_mask(attention_mask),
+            decoder_position_ids,
+            decode=decode,
+        )
         if self.config.scale_decoder_outputs:
-            x = x * self.config.d_model ** -0.5
+            x = x * self.config.d_model**-0.5
         if self.tie_lm_head:
             return _decoder.tied_logits(x, self.shared.embedding, self.dtype, self.precision)
         return self.lm_head(x)
 
-    def __call__(self, input_ids: Int[ArrayLike, "B T"],
-                 attention_mask: Int[ArrayLike, "B T"] | Bool[ArrayLike, "B T"] | None = None,
-                 decoder_input_ids: Int[ArrayLike, "B Td"] | None = None,
-                 decoder_attention_mask: Int[ArrayLike, "B Td"] | Bool[ArrayLike, "B Td"] | None = None,
-                 ) -> Float[Array, "B Td V"]:
+    def __call__(
+        self,
+        input_ids: Int[ArrayLike, "B T"],
+        attention_mask: Int[ArrayLike, "B T"] | Bool[ArrayLike, "B T"] | None = None,
+        decoder_input_ids: Int[ArrayLike, "B Td"] | None = None,
+        decoder_attention_mask: Int[ArrayLike, "B Td"] | Bool[ArrayLike, "B Td"] | None = None,
+    ) -> Float[Array, "B Td V"]:
         if decoder_input_ids is None:
             raise ValueError("decoder_input_ids: expected int [B,Td] (T5 is an encoder-decoder), got None")
         encoder_output = self.encode(input_ids, attention_mask)
@@ -230,8 +286,9 @@ class T5ForConditionalGeneration(_decoder.Configured):
         encoder_output = _encode(self, params, place(input_ids), attention_mask)
         start = np.full((B, 1), self.config.decoder_start_token_id, input_ids.dtype)
         slots = place(np.ones((B, L), np.int32))
-        cache = _decoder.empty_cache(self, params, np.zeros((B, L), np.int32), encoder_output, attention_mask, slots,
-                                     method=self.decode)
+        cache = _decoder.empty_cache(
+            self, params, np.zeros((B, L), np.int32), encoder_output, attention_mask, slots, method=self.decode
+        )
         token, new = start, [start]
         for _ in range(max_new_tokens):
             if stopping is not None and stopping.done:
@@ -249,78 +306,229 @@ def _encode(model, params, input_ids, attention_mask):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _decode_step(model, params, cache, token, encoder_output, attention_mask, slots):
-    logits, variables = model.apply({"params": params, "cache": cache}, token, encoder_output, attention_mask,
-                                    slots, decode=True, method=model.decode, mutable=["cache"])
+    logits, variables = model.apply(
+        {"params": params, "cache": cache},
+        token,
+        encoder_output,
+        attention_mask,
+        slots,
+        decode=True,
+        method=model.decode,
+        mutable=["cache"],
+    )
     token = jnp.argmax(logits[:, -1], -1).astype(token.dtype)
     return _activation_layout.decode_outputs(model, token, variables["cache"])
 
 
 # --- weights --------------------------------------------------------------------------------------------------
 
+
 def weight_table(config: T5Config, *, lm_head: bool) -> list[weights.Row]:
     """HF's names -> our params. Each stack keeps its one relative table in block 0; a decoder block's
     cross-attention (layer.1) comes before its FF (layer.2)."""
     R, gated = weights.row, config.is_gated_act
-    encoder = weights.expand([
-        R("encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", ("R", "N"),
-          "encoder/relative_attention_bias", ("R", "N")),
-        R("encoder.block.{i}.layer.0.SelfAttention.q.weight", ("N*H", "E"),
-          "encoder/block_{i}/self_attention/query/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
-        R("encoder.block.{i}.layer.0.SelfAttention.k.weight", ("N*H", "E"),
-          "encoder/block_{i}/self_attention/key/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
-        R("encoder.block.{i}.layer.0.SelfAttention.v.weight", ("N*H", "E"),
-          "encoder/block_{i}/self_attention/value/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
-        R("encoder.block.{i}.layer.0.SelfAttention.o.weight", ("E", "N*H"),
-          "encoder/block_{i}/self_attention/out/kernel", ("N", "H", "E"), Steps(Transpose(), Reshape())),
-        R("encoder.block.{i}.layer.0.layer_norm.weight", ("E",),
-          "encoder/block_{i}/self_attention_norm/weight", ("E",)),
-        *weights.when(gated, R("encoder.block.{i}.layer.1.DenseReluDense.wi_0.weight", ("F", "E"),
-                                "encoder/block_{i}/ff/wi_0/kernel", ("E", "F"), Transpose()),
-                       R("encoder.block.{i}.layer.1.DenseReluDense.wi_1.weight", ("F", "E"),
-                         "encoder/block_{i}/ff/wi_1/kernel", ("E", "F"), Transpose())),
-        *weights.when(not gated, R("encoder.block.{i}.layer.1.DenseReluDense.wi.weight", ("F", "E"),
-                                    "encoder/block_{i}/ff/wi/kernel", ("E", "F"), Transpose())),
-        R("encoder.block.{i}.layer.1.DenseReluDense.wo.weight", ("E", "F"),
-          "encoder/block_{i}/ff/wo/kernel", ("F", "E"), Transpose()),
-        R("encoder.block.{i}.layer.1.layer_norm.weight", ("E",), "encoder/block_{i}/ff_norm/weight", ("E",)),
-        R("encoder.final_layer_norm.weight", ("E",), "encoder/final_layer_norm/weight", ("E",)),
-    ], config.num_layers)
-    decoder = weights.expand([
-        R("decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight", ("R", "N"),
-          "decoder/relative_attention_bias", ("R", "N")),
-        R("decoder.block.{i}.layer.0.SelfAttention.q.weight", ("N*H", "E"),
-          "decoder/block_{i}/self_attention/query/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
-        R("decoder.block.{i}.layer.0.SelfAttention.k.weight", ("N*H", "E"),
-          "decoder/block_{i}/self_attention/key/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
-        R("decoder.block.{i}.layer.0.SelfAttention.v.weight", ("N*H", "E"),
-          "decoder/block_{i}/self_attention/value/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
-        R("decoder.block.{i}.layer.0.SelfAttention.o.weight", ("E", "N*H"),
-          "decoder/block_{i}/self_attention/out/kernel", ("N", "H", "E"), Steps(Transpose(), Reshape())),
-        R("decoder.block.{i}.layer.0.layer_norm.weight", ("E",),
-          "decoder/block_{i}/self_attention_norm/weight", ("E",)),
-        R("decoder.block.{i}.layer.1.EncDecAttention.q.weight", ("N*H", "E"),
-          "decoder/block_{i}/cross_attention/query/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
-        R("decoder.block.{i}.layer.1.EncDecAttention.k.weight", ("N*H", "E"),
-          "decoder/block_{i}/cross_attention/key/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
-        R("decoder.block.{i}.layer.1.EncDecAttention.v.weight", ("N*H", "E"),
-          "decoder/block_{i}/cross_attention/value/kernel", ("E", "N", "H"), Steps(Transpose(), Reshape())),
-        R("decoder.block.{i}.layer.1.EncDecAttention.o.weight", ("E", "N*H"),
-          "decoder/block_{i}/cross_attention/out/kernel", ("N", "H", "E"), Steps(Transpose(), Reshape())),
-        R("decoder.block.{i}.layer.1.layer_norm.weight", ("E",),
-          "decoder/block_{i}/cross_attention_norm/weight", ("E",)),
-        *weights.when(gated, R("decoder.block.{i}.layer.2.DenseReluDense.wi_0.weight", ("F", "E"),
-                                "decoder/block_{i}/ff/wi_0/kernel", ("E", "F"), Transpose()),
-                       R("decoder.block.{i}.layer.2.DenseReluDense.wi_1.weight", ("F", "E"),
-                         "decoder/block_{i}/ff/wi_1/kernel", ("E", "F"), Transpose())),
-        *weights.when(not gated, R("decoder.block.{i}.layer.2.DenseReluDense.wi.weight", ("F", "E"),
-                                    "decoder/block_{i}/ff/wi/kernel", ("E", "F"), Transpose())),
-        R("decoder.block.{i}.layer.2.DenseReluDense.wo.weight", ("E", "F"),
-          "decoder/block_{i}/ff/wo/kernel", ("F", "E"), Transpose()),
-        R("decoder.block.{i}.layer.2.layer_norm.weight", ("E",), "decoder/block_{i}/ff_norm/weight", ("E",)),
-        R("decoder.final_layer_norm.weight", ("E",), "decoder/final_layer_norm/weight", ("E",)),
-    ], config.decoder_layers)
-    return [R("shared.weight", ("V", "E"), "shared/embedding", ("V", "E")), *encoder, *decoder,
-            *weights.when(lm_head, R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), Transpose()))]
+    encoder = weights.expand(
+        [
+            R(
+                "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                ("R", "N"),
+                "encoder/relative_attention_bias",
+                ("R", "N"),
+            ),
+            R(
+                "encoder.block.{i}.layer.0.SelfAttention.q.weight",
+                ("N*H", "E"),
+                "encoder/block_{i}/self_attention/query/kernel",
+                ("E", "N", "H"),
+                Steps(Transpose(), Reshape()),
+            ),
+            R(
+                "encoder.block.{i}.layer.0.SelfAttention.k.weight",
+                ("N*H", "E"),
+                "encoder/block_{i}/self_attention/key/kernel",
+                ("E", "N", "H"),
+                Steps(Transpose(), Reshape()),
+            ),
+            R(
+                "encoder.block.{i}.layer.0.SelfAttention.v.weight",
+                ("N*H", "E"),
+                "encoder/block_{i}/self_attention/value/kernel",
+                ("E", "N", "H"),
+                Steps(Transpose(), Reshape()),
+            ),
+            R(
+                "encoder.block.{i}.layer.0.SelfAttention.o.weight",
+                ("E", "N*H"),
+                "encoder/block_{i}/self_attention/out/kernel",
+                ("N", "H", "E"),
+                Steps(Transpose(), Reshape()),
+            ),
+            R(
+                "encoder.block.{i}.layer.0.layer_norm.weight",
+                ("E",),
+                "encoder/block_{i}/self_attention_norm/weight",
+                ("E",),
+            ),
+            *weights.when(
+                gated,
+                R(
+                    "encoder.block.{i}.layer.1.DenseReluDense.wi_0.weight",
+                    ("F", "E"),
+                    "encoder/block_{i}/ff/wi_0/kernel",
+                    ("E", "F"),
+                    Transpose(),
+                ),
+                R(
+                    "encoder.block.{i}.layer.1.DenseReluDense.wi_1.weight",
+                    ("F", "E"),
+                    "encoder/block_{i}/ff/wi_1/kernel",
+                    ("E", "F"),
+                    Transpose(),
+                ),
+            ),
+            *weights.when(
+                not gated,
+                R(
+                    "encoder.block.{i}.layer.1.DenseReluDense.wi.weight",
+                    ("F", "E"),
+                    "encoder/block_{i}/ff/wi/kernel",
+                    ("E", "F"),
+                    Transpose(),
+                ),
+            ),
+            R(
+                "encoder.block.{i}.layer.1.DenseReluDense.wo.weight",
+                ("E", "F"),
+                "encoder/block_{i}/ff/wo/kernel",
+                ("F", "E"),
+                Transpose(),
+            ),
+            R("encoder.block.{i}.layer.1.layer_norm.weight", ("E",), "encoder/block_{i}/ff_norm/weight", ("E",)),
+            R("encoder.final_layer_norm.weight", ("E",), "encoder/final_layer_norm/weight", ("E",)),
+        ],
+        config.num_layers,
+    )
+    decoder = weights.expand(
+        [
+            R(
+                "decoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+                ("R", "N"),
+                "decoder/relative_attention_bias",
+                ("R", "N"),
+            ),
+            R(
+                "decoder.block.{i}.layer.0.SelfAttention.q.weight",
+                ("N*H", "E"),
+                "decoder/block_{i}/self_attention/query/kernel",
+                ("E", "N", "H"),
+                Steps(Transpose(), Reshape()),
+            ),
+            R(
+                "decoder.block.{i}.layer.0.SelfAttention.k.weight",
+                ("N*H", "E"),
+                "decoder/block_{i}/self_attention/key/kernel",
+                ("E", "N", "H"),
+                Steps(Transpose(), Reshape()),
+            ),
+            R(
+                "decoder.block.{i}.layer.0.SelfAttention.v.weight",
+                ("N*H", "E"),
+                "decoder/block_{i}/self_attention/value/kernel",
+                ("E", "N", "H"),
+                Steps(Transpose(), Reshape()),
+            ),
+            R(
+                "decoder.block.{i}.layer.0.SelfAttention.o.weight",
+                ("E", "N*H"),
+                "decoder/block_{i}/self_attention/out/kernel",
+                ("N", "H", "E"),
+                Steps(Transpose(), Reshape()),
+            ),
+            R(
+                "decoder.block.{i}.layer.0.layer_norm.weight",
+                ("E",),
+                "decoder/block_{i}/self_attention_norm/weight",
+                ("E",),
+            ),
+            R(
+                "decoder.block.{i}.layer.1.EncDecAttention.q.weight",
+                ("N*H", "E"),
+                "decoder/block_{i}/cross_attention/query/kernel",
+                ("E", "N", "H"),
+                Steps(Transpose(), Reshape()),
+            ),
+            R(
+                "decoder.block.{i}.layer.1.EncDecAttention.k.weight",
+                ("N*H", "E"),
+                "decoder/block_{i}/cross_attention/key/kernel",
+                ("E", "N", "H"),
+                Steps(Transpose(), Reshape()),
+            ),
+            R(
+                "decoder.block.{i}.layer.1.EncDecAttention.v.weight",
+                ("N*H", "E"),
+                "decoder/block_{i}/cross_attention/value/kernel",
+                ("E", "N", "H"),
+                Steps(Transpose(), Reshape()),
+            ),
+            R(
+                "decoder.block.{i}.layer.1.EncDecAttention.o.weight",
+                ("E", "N*H"),
+                "decoder/block_{i}/cross_attention/out/kernel",
+                ("N", "H", "E"),
+                Steps(Transpose(), Reshape()),
+            ),
+            R(
+                "decoder.block.{i}.layer.1.layer_norm.weight",
+                ("E",),
+                "decoder/block_{i}/cross_attention_norm/weight",
+                ("E",),
+            ),
+            *weights.when(
+                gated,
+                R(
+                    "decoder.block.{i}.layer.2.DenseReluDense.wi_0.weight",
+                    ("F", "E"),
+                    "decoder/block_{i}/ff/wi_0/kernel",
+                    ("E", "F"),
+                    Transpose(),
+                ),
+                R(
+                    "decoder.block.{i}.layer.2.DenseReluDense.wi_1.weight",
+                    ("F", "E"),
+                    "decoder/block_{i}/ff/wi_1/kernel",
+                    ("E", "F"),
+                    Transpose(),
+                ),
+            ),
+            *weights.when(
+                not gated,
+                R(
+                    "decoder.block.{i}.layer.2.DenseReluDense.wi.weight",
+                    ("F", "E"),
+                    "decoder/block_{i}/ff/wi/kernel",
+                    ("E", "F"),
+                    Transpose(),
+                ),
+            ),
+            R(
+                "decoder.block.{i}.layer.2.DenseReluDense.wo.weight",
+                ("E", "F"),
+                "decoder/block_{i}/ff/wo/kernel",
+                ("F", "E"),
+                Transpose(),
+            ),
+            R("decoder.block.{i}.layer.2.layer_norm.weight", ("E",), "decoder/block_{i}/ff_norm/weight", ("E",)),
+            R("decoder.final_layer_norm.weight", ("E",), "decoder/final_layer_norm/weight", ("E",)),
+        ],
+        config.decoder_layers,
+    )
+    return [
+        R("shared.weight", ("V", "E"), "shared/embedding", ("V", "E")),
+        *encoder,
+        *decoder,
+        *weights.when(lm_head, R("lm_head.weight", ("V", "E"), "lm_head/kernel", ("E", "V"), Transpose())),
+    ]
 
 
 @_pretrained.register_family("t5")

@@ -56,9 +56,29 @@ from typing import Any, ClassVar, NamedTuple
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["Transform", "Copy", "Transpose", "Reshape", "Part", "Every", "SwapAxes", "Steps", "Target", "Row",
-           "row", "stacked", "names", "when", "prefixed", "expand", "size", "check_names", "fill", "unfill",
-           "unapply"]
+__all__ = [
+    "Transform",
+    "Copy",
+    "Transpose",
+    "Reshape",
+    "Part",
+    "Every",
+    "SwapAxes",
+    "Steps",
+    "Target",
+    "Row",
+    "row",
+    "stacked",
+    "names",
+    "when",
+    "prefixed",
+    "expand",
+    "size",
+    "check_names",
+    "fill",
+    "unfill",
+    "unapply",
+]
 
 Shape = tuple[int, ...]
 Cut = tuple[int, int, int]  # the entries start, start + stride, ... < stop of one axis
@@ -70,6 +90,7 @@ def _shape(shape) -> str:
 
 
 # --- transforms ----------------------------------------------------------------------------------------------
+
 
 class Transform(abc.ABC):
     """A move of a tensor's entries into a params leaf: a step (or `Steps`), then a reshape to the leaf's
@@ -124,8 +145,7 @@ class Transform(abc.ABC):
         if groups is None:
             wide, y_box = [(0, d) for d in shape], [(0, d) for d in y_shape]
         else:
-            wide = [(0, shape[a]) if any(box[b] != (0, shape[b]) for b in g[1:]) else box[a]
-                    for g in groups for a in g]
+            wide = [(0, shape[a]) if any(box[b] != (0, shape[b]) for b in g[1:]) else box[a] for g in groups for a in g]
             inner = [math.prod(shape[a] for a in g[1:]) for g in groups]
             y_box = [(wide[g[0]][0] * m, wide[g[0]][1] * m) for g, m in zip(groups, inner)]
         cut = self.source([(a, b, 1) for a, b in y_box], tuple(tensor_shape))
@@ -332,6 +352,7 @@ def _groups(y_shape: Shape, shape: Shape) -> list[list[int]] | None:
 
 # --- rows and tables -----------------------------------------------------------------------------------------
 
+
 class Target(NamedTuple):
     """A params leaf a row fills: its path "a/b/c" ("{i}": the layer), its shape in letters, the transform."""
 
@@ -344,35 +365,52 @@ class Target(NamedTuple):
 class Row:
     """One checkpoint tensor and the leaves it fills."""
 
-    name: str                    # the tensor's name; "{i}" is the layer index ("{j}": a stacked row's index)
-    shape: tuple[str, ...]       # its shape in the family's axis letters
+    name: str  # the tensor's name; "{i}" is the layer index ("{j}": a stacked row's index)
+    shape: tuple[str, ...]  # its shape in the family's axis letters
     targets: tuple[Target, ...]  # the leaves it fills
-    optional: bool = False       # may be absent (e.g. lm_head.weight when the embeddings are tied)
-    stack: str | None = None     # a stacked row: the letter of the axis its "{j}" runs over (see `stacked`)
+    optional: bool = False  # may be absent (e.g. lm_head.weight when the embeddings are tied)
+    stack: str | None = None  # a stacked row: the letter of the axis its "{j}" runs over (see `stacked`)
 
     def __post_init__(self):
         targets = tuple(Target(*t) for t in self.targets)
         for t in targets:
             if not isinstance(t.transform, Transform):
-                raise ValueError(f"{self.name}: {t.path}: expected a jaxattn.models.weights transform (Copy(), "
-                                 f"Transpose(), Reshape(), Part(k, n, axis), Every(k, n, axis), SwapAxes(a, b), "
-                                 f"Steps(...)), got {t.transform!r}")
+                raise ValueError(
+                    f"{self.name}: {t.path}: expected a jaxattn.models.weights transform (Copy(), "
+                    f"Transpose(), Reshape(), Part(k, n, axis), Every(k, n, axis), SwapAxes(a, b), "
+                    f"Steps(...)), got {t.transform!r}"
+                )
         object.__setattr__(self, "targets", targets)
 
 
-def row(name: str, shape: tuple[str, ...], path: str, our_shape: tuple[str, ...], transform: Transform = Copy(),
-        *, optional: bool = False) -> Row:
+def row(
+    name: str,
+    shape: tuple[str, ...],
+    path: str,
+    our_shape: tuple[str, ...],
+    transform: Transform = Copy(),
+    *,
+    optional: bool = False,
+) -> Row:
     """The common case: one tensor fills one params leaf."""
     return Row(name, shape, (Target(path, our_shape, transform),), optional)
 
 
-def stacked(name: str, shape: tuple[str, ...], path: str, our_shape: tuple[str, ...],
-            transform: Transform = Copy(), *, over: str) -> Row:
+def stacked(
+    name: str,
+    shape: tuple[str, ...],
+    path: str,
+    our_shape: tuple[str, ...],
+    transform: Transform = Copy(),
+    *,
+    over: str,
+) -> Row:
     """One tensor per j < dims[over] ("{j}" in `name`, each of `shape`) fills one params leaf: each one
     transformed to our_shape[1:], stacked along a new leading axis `over` (our_shape[0])."""
     if "{j}" not in name or our_shape[:1] != (over,):
-        raise ValueError(f"stacked: expected a name with '{{j}}' and our_shape starting with {over!r}, got "
-                         f"{name!r} and {our_shape}")
+        raise ValueError(
+            f"stacked: expected a name with '{{j}}' and our_shape starting with {over!r}, got {name!r} and {our_shape}"
+        )
     return Row(name, shape, (Target(path, our_shape, transform),), stack=over)
 
 
@@ -403,9 +441,15 @@ def expand(rows: Iterable[Row], num_layers: int) -> list[Row]:
     rows = list(rows)
     first = next((k for k, r in enumerate(rows) if "{i}" in r.name), len(rows))
     per_layer = [r for r in rows if "{i}" in r.name]
-    layers = [dataclasses.replace(r, name=r.name.replace("{i}", str(i)),
-                                  targets=tuple(t._replace(path=t.path.replace("{i}", str(i))) for t in r.targets))
-              for i in range(num_layers) for r in per_layer]
+    layers = [
+        dataclasses.replace(
+            r,
+            name=r.name.replace("{i}", str(i)),
+            targets=tuple(t._replace(path=t.path.replace("{i}", str(i))) for t in r.targets),
+        )
+        for i in range(num_layers)
+        for r in per_layer
+    ]
     return rows[:first] + layers + [r for r in rows[first:] if "{i}" not in r.name]
 
 
@@ -416,8 +460,15 @@ def size(letters: Sequence[str], dims: Mapping[str, int]) -> Shape:
 
 # --- a checkpoint -> params ----------------------------------------------------------------------------------
 
-def check_names(tensors: Mapping[str, Any], rows: Sequence[Row], files: Mapping[str, str], *, ignored=(),
-                dims: Mapping[str, int] | None = None) -> None:
+
+def check_names(
+    tensors: Mapping[str, Any],
+    rows: Sequence[Row],
+    files: Mapping[str, str],
+    *,
+    ignored=(),
+    dims: Mapping[str, int] | None = None,
+) -> None:
     """ValueError listing every missing and every unexpected name (with the files they are in); `dims`
     when the rows include stacked ones."""
     known = {n for r in rows for n in names(r, dims)}
@@ -425,9 +476,11 @@ def check_names(tensors: Mapping[str, Any], rows: Sequence[Row], files: Mapping[
     unexpected = [n for n in tensors if n not in known and n not in ignored]
     if missing or unexpected:
         where = sorted({files[n] for n in tensors}) or ["(no tensors)"]
-        raise ValueError(f"{', '.join(where)}: expected exactly the {len(known)} tensors of the weight table, "
-                         f"got {len(missing)} missing {missing} and {len(unexpected)} unexpected "
-                         f"{[f'{n} (in {files[n]})' for n in unexpected]}")
+        raise ValueError(
+            f"{', '.join(where)}: expected exactly the {len(known)} tensors of the weight table, "
+            f"got {len(missing)} missing {missing} and {len(unexpected)} unexpected "
+            f"{[f'{n} (in {files[n]})' for n in unexpected]}"
+        )
 
 
 def _checked(tensors, files, name: str, letters: tuple[str, ...], dims):
@@ -437,13 +490,21 @@ def _checked(tensors, files, name: str, letters: tuple[str, ...], dims):
     want = size(letters, dims)
     got = np.shape(x)  # None: a sharded checkpoint's missing file, which its leaf() reports by parameter
     if got is not None and tuple(got) != want:
-        raise ValueError(f"{files[name]}: {name!r}: expected shape {_shape(want)} [{','.join(letters)}], "
-                         f"got shape {_shape(got)}")
+        raise ValueError(
+            f"{files[name]}: {name!r}: expected shape {_shape(want)} [{','.join(letters)}], got shape {_shape(got)}"
+        )
     return x
 
 
-def fill(tensors: Mapping[str, Any], rows: Sequence[Row], dims: Mapping[str, int], files: Mapping[str, str], *,
-         dtype: Any | None = None, ignored=()) -> dict:
+def fill(
+    tensors: Mapping[str, Any],
+    rows: Sequence[Row],
+    dims: Mapping[str, int],
+    files: Mapping[str, str],
+    *,
+    dtype: Any | None = None,
+    ignored=(),
+) -> dict:
     """The params tree the rows describe. tensors: {name: numpy array}; files: {name: file name}.
 
     dtype: cast every floating tensor to it (explicitly requested); None keeps the checkpoint's dtype.
@@ -478,7 +539,7 @@ def _dense_leaf(path: str, row_names, xs, transform: Transform, shape: Shape, dt
     if not stacked:
         y = transform.leaf(xs[0], shape)
         if np.shares_memory(y, xs[0]):  # never a view: the caller's tensor (a torch tensor's .numpy(),
-            y = y.copy()                # a memory map) may change under the params later
+            y = y.copy()  # a memory map) may change under the params later
     else:
         y = np.stack([transform.leaf(x, shape[1:]) for x in xs])
     if dtype is not None and jnp.issubdtype(y.dtype, jnp.floating):  # bfloat16 included
@@ -488,8 +549,10 @@ def _dense_leaf(path: str, row_names, xs, transform: Transform, shape: Shape, dt
 
 # --- params -> a checkpoint ----------------------------------------------------------------------------------
 
-def unfill(params: Mapping, rows: Sequence[Row], dims: Mapping[str, int], *,
-           dtype: Any | None = None) -> dict[str, np.ndarray]:
+
+def unfill(
+    params: Mapping, rows: Sequence[Row], dims: Mapping[str, int], *, dtype: Any | None = None
+) -> dict[str, np.ndarray]:
     """fill's inverse: {name: numpy array in the checkpoint's layout}, in table order, from the params the rows
     describe.
 
@@ -512,15 +575,19 @@ def unfill(params: Mapping, rows: Sequence[Row], dims: Mapping[str, int], *,
             if path not in leaves:
                 problems.append(f"{path!r} missing (for {r.name!r})")
             elif leaves[path].shape != want:
-                problems.append(f"{path!r}: expected shape {_shape(want)} [{','.join(our_letters)}] "
-                                f"(for {r.name!r}), got shape {_shape(leaves[path].shape)}")
+                problems.append(
+                    f"{path!r}: expected shape {_shape(want)} [{','.join(our_letters)}] "
+                    f"(for {r.name!r}), got shape {_shape(leaves[path].shape)}"
+                )
             else:
                 found.append((transform, leaves[path]))
         if len(found) == len(paths):
             dtypes = {x.dtype for _, x in found}
             if len(dtypes) > 1:
-                raise ValueError(f"params: the leaves {paths} make one tensor {r.name!r}: expected one dtype, "
-                                 f"got {sorted(map(str, dtypes))}")
+                raise ValueError(
+                    f"params: the leaves {paths} make one tensor {r.name!r}: expected one dtype, "
+                    f"got {sorted(map(str, dtypes))}"
+                )
             shape = size(r.shape, dims)
             if r.stack is None:
                 tensors[r.name] = unapply(r.name, found, shape)
@@ -529,19 +596,22 @@ def unfill(params: Mapping, rows: Sequence[Row], dims: Mapping[str, int], *,
                     tensors[name] = unapply(name, [(t, x[j]) for t, x in found], shape)
     problems += [f"{p!r} is read by no row of the weight table" for p in leaves if p not in read]
     if problems:
-        raise ValueError(f"params: expected exactly the leaves of the weight table ({len(read)} read), got "
-                         f"{len(problems)} problem(s): " + "; ".join(problems))
+        raise ValueError(
+            f"params: expected exactly the leaves of the weight table ({len(read)} read), got "
+            f"{len(problems)} problem(s): " + "; ".join(problems)
+        )
     if dtype is not None:
-        tensors = {name: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
-                   for name, x in tensors.items()}
+        tensors = {name: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x for name, x in tensors.items()}
     return tensors
 
 
 def _flatten(params: Mapping, prefix: str = "") -> dict[str, np.ndarray]:
     """{"a/b/c": leaf as a numpy array} of a nested mapping (a dict or flax's FrozenDict)."""
     if not isinstance(params, Mapping):
-        raise ValueError(f"params: expected a nested mapping of arrays (the params tree), got "
-                         f"{type(params).__name__}" + (f" at {prefix!r}" if prefix else ""))
+        raise ValueError(
+            f"params: expected a nested mapping of arrays (the params tree), got "
+            f"{type(params).__name__}" + (f" at {prefix!r}" if prefix else "")
+        )
     flat = {}
     for key, value in params.items():
         path = f"{prefix}/{key}" if prefix else str(key)
@@ -559,7 +629,9 @@ def unapply(name: str, parts: Sequence[tuple[Transform, np.ndarray]], shape: Sha
         flat[where] = x.ravel()
         np.add.at(written, where, 1)
     if not (written == 1).all():
-        raise ValueError(f"table: {name!r}: its rows' transforms {[t for t, _ in parts]} write "
-                         f"{int((written == 0).sum())} of its {written.size} entries never and "
-                         f"{int((written > 1).sum())} more than once: the rows cannot be read back")
+        raise ValueError(
+            f"table: {name!r}: its rows' transforms {[t for t, _ in parts]} write "
+            f"{int((written == 0).sum())} of its {written.size} entries never and "
+            f"{int((written > 1).sum())} more than once: the rows cannot be read back"
+        )
     return flat.reshape(shape)

@@ -60,9 +60,15 @@ def test_dtype_infer_and_complex_refused():
 
 
 def test_mha_out_initializers():
-    _, ours = _pair(num_heads=N, qkv_features=QKV, kernel_init=nn.initializers.ones,
-                    out_kernel_init=nn.initializers.zeros, bias_init=nn.initializers.zeros,
-                    out_bias_init=nn.initializers.ones, deterministic=False)
+    _, ours = _pair(
+        num_heads=N,
+        qkv_features=QKV,
+        kernel_init=nn.initializers.ones,
+        out_kernel_init=nn.initializers.zeros,
+        bias_init=nn.initializers.zeros,
+        out_bias_init=nn.initializers.ones,
+        deterministic=False,
+    )
     params = ours.init(jax.random.key(0), jnp.ones((3, 2, 7, 5)))["params"]
     for group in ("query", "key", "value"):
         np.testing.assert_array_equal(params[group]["kernel"], 1.0)
@@ -75,8 +81,9 @@ def test_mha_out_initializers():
 def test_dropout_matches_flax(broadcast_dropout):
     """test_multihead_self_attention_w_dropout / _explicit_dropout: the "dropout" stream or an explicit
     dropout_rng; flax and we draw the same keep-mask from the same key."""
-    theirs, ours = _pair(num_heads=N, qkv_features=QKV, dropout_rate=0.3, deterministic=False,
-                         broadcast_dropout=broadcast_dropout)
+    theirs, ours = _pair(
+        num_heads=N, qkv_features=QKV, dropout_rate=0.3, deterministic=False, broadcast_dropout=broadcast_dropout
+    )
     x = arrays(1, (3, 7, 5))[0].astype(jnp.float32)
     variables = theirs.init({"params": jax.random.key(0), "dropout": jax.random.key(1)}, x)
     rngs = {"dropout": jax.random.key(2)}
@@ -93,9 +100,12 @@ def test_dropout_disabled():
     rngs1, rngs2 = ({"params": jax.random.key(0), "dropout": jax.random.key(i)} for i in (1, 2))
     layer = jaxattn.linen.MultiHeadAttention(num_heads=N, qkv_features=QKV, dropout_rate=0.0, deterministic=True)
     variables = layer.init(rngs1, x)
-    outs = [layer.apply(variables, x, rngs=rngs1), layer.apply(variables, x, rngs=rngs2),
-            layer.clone(deterministic=None).apply(variables, x, deterministic=True, rngs=rngs1),
-            layer.clone(dropout_rate=0.5, deterministic=None).apply(variables, x, deterministic=True, rngs=rngs2)]
+    outs = [
+        layer.apply(variables, x, rngs=rngs1),
+        layer.apply(variables, x, rngs=rngs2),
+        layer.clone(deterministic=None).apply(variables, x, deterministic=True, rngs=rngs1),
+        layer.clone(dropout_rate=0.5, deterministic=None).apply(variables, x, deterministic=True, rngs=rngs2),
+    ]
     for y in outs[1:]:
         np.testing.assert_array_equal(y, outs[0])
 
@@ -110,14 +120,15 @@ def test_causal_mask_and_decoding():
     _close(ours.apply(variables, x, is_causal=True), full, 1e-6)
     cache_t = theirs.clone(decode=True).init(jax.random.key(0), x)["cache"]
     cache_o = ours.clone(decode=True).init(jax.random.key(0), x)["cache"]
-    step_t, step_o = (jax.jit(lambda v, x, m=m: m.clone(decode=True).apply(v, x, mutable=["cache"]))
-                      for m in (theirs, ours))
+    step_t, step_o = (
+        jax.jit(lambda v, x, m=m: m.clone(decode=True).apply(v, x, mutable=["cache"])) for m in (theirs, ours)
+    )
     for t in range(5):
-        y_t, mut_t = step_t({**variables, "cache": cache_t}, x[:, t:t + 1])
-        y_o, mut_o = step_o({**variables, "cache": cache_o}, x[:, t:t + 1])
+        y_t, mut_t = step_t({**variables, "cache": cache_t}, x[:, t : t + 1])
+        y_o, mut_o = step_o({**variables, "cache": cache_o}, x[:, t : t + 1])
         cache_t, cache_o = mut_t["cache"], mut_o["cache"]
         _close(y_o, y_t, 1e-6)
-        _close(y_o, full[:, t:t + 1], 1e-5)
+        _close(y_o, full[:, t : t + 1], 1e-5)
 
 
 def test_autoregressive_receptive_field_1d():

@@ -45,17 +45,31 @@ def test_basic():
     _close(y, theirs(x, decode=False), 1e-6)
 
 
-@pytest.mark.parametrize("use_bias, normalize_qk, dtype, decode, num_kv_heads", [
-    (True, False, jnp.float32, False, None), (False, True, jnp.float32, True, 1),
-    pytest.param(True, True, jnp.bfloat16, False, 1, marks=pytest.mark.slow),
-    pytest.param(True, True, jnp.float16, True, None, marks=pytest.mark.slow),
-    pytest.param(False, False, jnp.bfloat16, True, None, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "use_bias, normalize_qk, dtype, decode, num_kv_heads",
+    [
+        (True, False, jnp.float32, False, None),
+        (False, True, jnp.float32, True, 1),
+        pytest.param(True, True, jnp.bfloat16, False, 1, marks=pytest.mark.slow),
+        pytest.param(True, True, jnp.float16, True, None, marks=pytest.mark.slow),
+        pytest.param(False, False, jnp.bfloat16, True, None, marks=pytest.mark.slow),
+    ],
+)
 def test_flax_equivalence(use_bias, normalize_qk, dtype, decode, num_kv_heads):
     """test_nnx_attention_equivalence: flax's constructor options, the same numbers (decode: token by
     token through both caches); num_kv_heads=1: multi-query, flax's GQA path."""
-    kw = dict(num_heads=N, in_features=E, qkv_features=18, out_features=7, use_bias=use_bias, dtype=dtype,
-              normalize_qk=normalize_qk, decode=decode, precision=jax.lax.Precision.HIGHEST,
-              num_kv_heads=num_kv_heads)
+    kw = dict(
+        num_heads=N,
+        in_features=E,
+        qkv_features=18,
+        out_features=7,
+        use_bias=use_bias,
+        dtype=dtype,
+        normalize_qk=normalize_qk,
+        decode=decode,
+        precision=jax.lax.Precision.HIGHEST,
+        num_kv_heads=num_kv_heads,
+    )
     theirs, ours = _pair(**kw)
     assert jax.tree.structure(nnx.state(ours, nnx.Param)) == jax.tree.structure(nnx.state(theirs, nnx.Param))
     x = arrays(1, (B, T, E))[0].astype(jnp.float32)
@@ -66,7 +80,7 @@ def test_flax_equivalence(use_bias, normalize_qk, dtype, decode, num_kv_heads):
     for layer in (theirs, ours):
         layer.init_cache(x.shape, dtype=dtype)
     for t in range(T):
-        _close(ours(x[:, t:t + 1]), theirs(x[:, t:t + 1]), tol)
+        _close(ours(x[:, t : t + 1]), theirs(x[:, t : t + 1]), tol)
 
 
 def test_sow_attention_weights():
@@ -85,8 +99,7 @@ def test_sow_attention_weights():
 
 @pytest.mark.slow  # the linen twin runs in the default group
 def test_autoregressive_decode_with_x64():
-    layer = jaxattn.nnx.MultiHeadAttention(in_features=4, num_heads=2, qkv_features=4, decode=True,
-                                           rngs=nnx.Rngs(0))
+    layer = jaxattn.nnx.MultiHeadAttention(in_features=4, num_heads=2, qkv_features=4, decode=True, rngs=nnx.Rngs(0))
     x = jnp.ones((1, 4, 4))  # float64 (tests/conftest.py enables x64)
     layer.init_cache(x.shape, dtype=x.dtype)
     assert layer.cached_key.shape == (1, 4, 2, 2) and layer.cached_value.shape == (1, 4, 2, 2)
@@ -96,8 +109,15 @@ def test_autoregressive_decode_with_x64():
 
 @pytest.mark.parametrize("keep_rngs", [True, False])
 def test_keep_rngs(keep_rngs):
-    layer = jaxattn.nnx.MultiHeadAttention(in_features=4, num_heads=2, qkv_features=4, decode=True,
-                                           rngs=nnx.Rngs(42), dropout_rate=0.5, keep_rngs=keep_rngs)
+    layer = jaxattn.nnx.MultiHeadAttention(
+        in_features=4,
+        num_heads=2,
+        qkv_features=4,
+        decode=True,
+        rngs=nnx.Rngs(42),
+        dropout_rate=0.5,
+        keep_rngs=keep_rngs,
+    )
     assert (layer.rngs is not None) == keep_rngs
     if keep_rngs:
         _, _, rest = nnx.split(layer, nnx.Param, ...)
@@ -110,8 +130,14 @@ def test_keep_rngs(keep_rngs):
 def test_dropout_matches_flax(broadcast_dropout):
     """dropout_rate / deterministic / broadcast_dropout: from the same rng stream flax and we draw the same
     keep-mask ([T,S] shared by batch entries and heads with broadcast_dropout)."""
-    theirs, ours = _pair(num_heads=N, in_features=E, dropout_rate=0.5, broadcast_dropout=broadcast_dropout,
-                         deterministic=False, decode=False)
+    theirs, ours = _pair(
+        num_heads=N,
+        in_features=E,
+        dropout_rate=0.5,
+        broadcast_dropout=broadcast_dropout,
+        deterministic=False,
+        decode=False,
+    )
     x = arrays(3, (B, T, E))[0].astype(jnp.float32)
     _close(ours(x), theirs(x), 1e-6)
     _close(ours(x, deterministic=True), theirs(x, deterministic=True), 1e-6)
@@ -137,8 +163,7 @@ def test_causal_mask_equivalence(use_padding, is_cross_attention):
 
 def test_varying_num_features():
     """TestKVFeatures: in_kv_features differs from in_features."""
-    theirs, ours = _pair(num_heads=2, in_features=3, qkv_features=6, out_features=6, in_kv_features=4,
-                         decode=False)
+    theirs, ours = _pair(num_heads=2, in_features=3, qkv_features=6, out_features=6, in_kv_features=4, decode=False)
     x, y = (a.astype(jnp.float32) for a in arrays(5, (1, 3), (1, 4)))
     _close(ours(x, y), theirs(x, y), 1e-6)
 
@@ -166,14 +191,18 @@ def test_gqa_parity_with_jax_and_invalid_heads():
         jaxattn.dot_product_attention(jnp.ones((1, 4, 5, 8)), jnp.ones((1, 4, 2, 8)), jnp.ones((1, 4, 2, 8)))
 
 
-@pytest.mark.parametrize("q_shape, k_shape, v_shape, name", [
-    ((2, 16, 4, 8), (3, 16, 4, 8), (3, 16, 4, 8), "key"),     # batch dims do not broadcast
-    ((2, 16, 4, 8), (2, 16, 4, 8), (2, 15, 4, 8), "value"),   # key / value lengths differ
-    ((2, 16, 4, 8), (2, 16, 4, 7), (2, 16, 4, 8), "key"),     # query / key depths differ
-])
+@pytest.mark.parametrize(
+    "q_shape, k_shape, v_shape, name",
+    [
+        ((2, 16, 4, 8), (3, 16, 4, 8), (3, 16, 4, 8), "key"),  # batch dims do not broadcast
+        ((2, 16, 4, 8), (2, 16, 4, 8), (2, 15, 4, 8), "value"),  # key / value lengths differ
+        ((2, 16, 4, 8), (2, 16, 4, 7), (2, 16, 4, 8), "key"),  # query / key depths differ
+    ],
+)
 def test_invalid_shapes(q_shape, k_shape, v_shape, name):
     """TestDotProductAttentionValidation: a ValueError naming the argument (ours also broadcasts batch dims
     of different rank, which flax refuses: (16, 4, 8) keys with (2, 16, 4, 8) queries are valid here)."""
     with pytest.raises(ValueError, match=name):
-        jaxattn.dot_product_attention(jnp.ones(q_shape), jnp.ones(k_shape), jnp.ones(v_shape), dropout_rate=0.1,
-                                      dropout_rng=jax.random.key(0))
+        jaxattn.dot_product_attention(
+            jnp.ones(q_shape), jnp.ones(k_shape), jnp.ones(v_shape), dropout_rate=0.1, dropout_rng=jax.random.key(0)
+        )

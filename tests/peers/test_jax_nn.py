@@ -50,10 +50,17 @@ TOL = {jnp.bfloat16: 2e-2, jnp.float16: 4e-3, jnp.float32: 1e-5}
 # testDotProductAttention: grouped-query heads (G = N // K query heads per key/value head), half and single
 # precision, under vmap, with the lse residual and its (stopped) gradient.
 # Upstream's product (3 dtypes x 3 groups x vmap) thinned to cover each value once or twice (time budget).
-@pytest.mark.parametrize("dtype, G, use_vmap", [(jnp.bfloat16, 3, True), (jnp.float32, 1, False),
-                                                pytest.param(jnp.bfloat16, 1, False, marks=pytest.mark.slow),
-                                                pytest.param(jnp.float16, 2, False, marks=pytest.mark.slow),
-                                                pytest.param(jnp.float32, 6, True, marks=pytest.mark.slow)], ids=str)
+@pytest.mark.parametrize(
+    "dtype, G, use_vmap",
+    [
+        (jnp.bfloat16, 3, True),
+        (jnp.float32, 1, False),
+        pytest.param(jnp.bfloat16, 1, False, marks=pytest.mark.slow),
+        pytest.param(jnp.float16, 2, False, marks=pytest.mark.slow),
+        pytest.param(jnp.float32, 6, True, marks=pytest.mark.slow),
+    ],
+    ids=str,
+)
 def test_dot_product_attention_gqa_residual(dtype, G, use_vmap):
     q, k, v = _qkv(dtype, K=N // G)
     grad, lse_grad = (x.astype(dtype) for x in arrays(1, (B, T, N, H), (B, T, N)))
@@ -79,7 +86,8 @@ def test_dot_product_attention_gqa_residual(dtype, G, use_vmap):
 # three pairs in the default group (each mode but "custom" is in one), the rest in the slow group
 MASK_MODES = [("causal", "padding"), ("bias", "causal"), ("causal", "sliding_window")] + [
     pytest.param(mode, marks=pytest.mark.slow)
-    for mode in (("custom", "padding"), "bias", "causal", "padding", "custom", "sliding_window")]
+    for mode in (("custom", "padding"), "bias", "causal", "padding", "custom", "sliding_window")
+]
 
 
 def _mask_case(mode, dtype):
@@ -89,8 +97,10 @@ def _mask_case(mode, dtype):
     bias = mask = None
     kwargs = dict(is_causal="causal" in mode)
     if "padding" in mode:
-        kwargs.update(query_seq_lengths=jnp.array([T // 2, T // 4], jnp.int32),
-                      key_value_seq_lengths=jnp.array([S // 4, S // 2], jnp.int32))
+        kwargs.update(
+            query_seq_lengths=jnp.array([T // 2, T // 4], jnp.int32),
+            key_value_seq_lengths=jnp.array([S // 4, S // 2], jnp.int32),
+        )
     if "custom" in mode:
         mask = jnp.tril(jnp.ones((T, S), bool))[None, None]
     if "bias" in mode:
@@ -110,23 +120,32 @@ def test_dot_product_attention_mask(mode):
 
     def vjp(fn):
         def run(*a):
-            out, f_vjp = jax.vjp(lambda *a: fn(*a, *args[len(argnums):], **kwargs), *a)
+            out, f_vjp = jax.vjp(lambda *a: fn(*a, *args[len(argnums) :], **kwargs), *a)
             return out, f_vjp(grad)
-        return jax.jit(run)(*args[:len(argnums)])
+
+        return jax.jit(run)(*args[: len(argnums)])
 
     expected = vjp(partial(jax.nn.dot_product_attention, implementation="xla"))
     for impl in (None, "dense"):
         _close(vjp(partial(jaxattn.dot_product_attention, implementation=impl)), expected, 2e-5)
 
 
-@pytest.mark.parametrize("mode", [("causal", "padding"), pytest.param(("causal", "sliding_window"),
-                                                                     marks=pytest.mark.slow)], ids=str)
+@pytest.mark.parametrize(
+    "mode", [("causal", "padding"), pytest.param(("causal", "sliding_window"), marks=pytest.mark.slow)], ids=str
+)
 def test_dot_product_attention_mask_float64(mode):
     """The same cases in float64 against the float64 reference (jax.nn's softmax is float32 only)."""
     (q, k, v, bias, mask), kwargs = _mask_case(mode, jnp.float64)
     lengths = kwargs.get("query_seq_lengths")
-    allowed = allowed_loop(B, N, T, S, is_causal=kwargs["is_causal"], window=kwargs.get("local_window_size"),
-                           key_value_seq_lengths=kwargs.get("key_value_seq_lengths"))
+    allowed = allowed_loop(
+        B,
+        N,
+        T,
+        S,
+        is_causal=kwargs["is_causal"],
+        window=kwargs.get("local_window_size"),
+        key_value_seq_lengths=kwargs.get("key_value_seq_lengths"),
+    )
     if lengths is not None:
         allowed &= (np.arange(T)[None, :] < np.asarray(lengths)[:, None])[:, None, :, None]
     got = jax.jit(lambda q, k, v: jaxattn.dot_product_attention(q, k, v, bias, mask, **kwargs))(q, k, v)
@@ -140,8 +159,9 @@ def test_float64_mask_debug_infs():
     T_, S_, K_, N_, H_ = 5, 7, 3, 6, 11
     mask = jnp.arange(S_) <= S_ // 2
     with jax.debug_infs(True), jax.debug_nans(True):
-        out = jaxattn.dot_product_attention(jnp.zeros((T_, N_, H_)), jnp.zeros((S_, K_, H_)),
-                                            jnp.zeros((S_, K_, H_)), mask=mask)
+        out = jaxattn.dot_product_attention(
+            jnp.zeros((T_, N_, H_)), jnp.zeros((S_, K_, H_)), jnp.zeros((S_, K_, H_)), mask=mask
+        )
         out.block_until_ready()
     assert_float64(out)
 
@@ -150,11 +170,22 @@ def test_float64_mask_debug_infs():
 # and blockwise, masks with empty rows, padding, sinks; eager forward and jitted gradients.
 # (Eager calls: there jax_debug_infs checks every intermediate; under jit only the outputs.)
 DEBUG_CASES = {
-    "dense": dict(mask=jnp.ones((T, S), bool).at[2].set(False), sinks=jnp.ones(N),
-                  key_value_seq_lengths=jnp.array([0, 4]), implementation="dense"),
-    "blockwise": dict(is_causal=True, query_seq_lengths=jnp.array([3, 11], jnp.int32), local_window_size=(2, 0),
-                      key_value_seq_lengths=jnp.array([0, 5]), sinks=jnp.ones(N),
-                      query_positions=jnp.arange(T) - 4, implementation="blockwise", block_size=4),
+    "dense": dict(
+        mask=jnp.ones((T, S), bool).at[2].set(False),
+        sinks=jnp.ones(N),
+        key_value_seq_lengths=jnp.array([0, 4]),
+        implementation="dense",
+    ),
+    "blockwise": dict(
+        is_causal=True,
+        query_seq_lengths=jnp.array([3, 11], jnp.int32),
+        local_window_size=(2, 0),
+        key_value_seq_lengths=jnp.array([0, 5]),
+        sinks=jnp.ones(N),
+        query_positions=jnp.arange(T) - 4,
+        implementation="blockwise",
+        block_size=4,
+    ),
 }
 
 
@@ -189,20 +220,26 @@ def test_bias_gradient(batch_size, use_vmap):
         out, f_vjp = jax.vjp(f, x, bias, mask)
         return out, f_vjp(x)[:2]
 
-    _close(jax.jit(lambda: bwd(jaxattn.dot_product_attention))(),
-           jax.jit(lambda: bwd(jax.nn.dot_product_attention))(), 2e-5)
+    _close(
+        jax.jit(lambda: bwd(jaxattn.dot_product_attention))(),
+        jax.jit(lambda: bwd(jax.nn.dot_product_attention))(),
+        2e-5,
+    )
 
 
 def test_local_window_size_without_mask():
     """testDotProductAttention_localWindowSizeWithoutMask: the window applies with no mask at all; an int is
     the symmetric window; local_window_size is our window=(left, right)."""
+
     @jax.jit
     def run(q, k, v):
-        return (jaxattn.dot_product_attention(q, k, v, mask=None, local_window_size=(8, 8)),
-                jaxattn.dot_product_attention(q, k, v, mask=None, local_window_size=(1, 1)),
-                jax.nn.dot_product_attention(q, k, v, local_window_size=(1, 1)),
-                jaxattn.dot_product_attention(q, k, v, local_window_size=1),
-                jaxattn.dot_product_attention(q, k, v, window=(1, 1)))
+        return (
+            jaxattn.dot_product_attention(q, k, v, mask=None, local_window_size=(8, 8)),
+            jaxattn.dot_product_attention(q, k, v, mask=None, local_window_size=(1, 1)),
+            jax.nn.dot_product_attention(q, k, v, local_window_size=(1, 1)),
+            jaxattn.dot_product_attention(q, k, v, local_window_size=1),
+            jaxattn.dot_product_attention(q, k, v, window=(1, 1)),
+        )
 
     large, small, theirs, symmetric, ours = run(*_qkv(jnp.float32))
     assert not bool(jnp.allclose(large, small))
@@ -225,11 +262,18 @@ def test_causal_and_window_alignment_for_t_not_s(T_):
 
     @jax.jit
     def run(q, k, v):
-        top_left = [(jaxattn.dot_product_attention(q, k, v, query_positions=jnp.arange(T_), **kw),
-                     jax.nn.dot_product_attention(q, k, v, **kw))
-                    for kw in (dict(is_causal=True), dict(local_window_size=(2, 1)))]
-        return top_left, jaxattn.dot_product_attention(q, k, v, is_causal=True), jax.nn.dot_product_attention(
-            q, k, v, mask=bottom_right)
+        top_left = [
+            (
+                jaxattn.dot_product_attention(q, k, v, query_positions=jnp.arange(T_), **kw),
+                jax.nn.dot_product_attention(q, k, v, **kw),
+            )
+            for kw in (dict(is_causal=True), dict(local_window_size=(2, 1)))
+        ]
+        return (
+            top_left,
+            jaxattn.dot_product_attention(q, k, v, is_causal=True),
+            jax.nn.dot_product_attention(q, k, v, mask=bottom_right),
+        )
 
     top_left, ours, theirs = run(q, k, v)
     for a, b in top_left:
@@ -244,9 +288,12 @@ def test_row_with_no_allowed_key():
     large negative finite lse). Other rows agree."""
     q, k, v = _qkv(jnp.float32)
     mask = jnp.ones((T, S), bool).at[3].set(False)
-    (ours, res_o), (theirs, res_t) = jax.jit(lambda q, k, v: [
-        f(q, k, v, mask=mask, return_residual=True)
-        for f in (jaxattn.dot_product_attention, jax.nn.dot_product_attention)])(q, k, v)
+    (ours, res_o), (theirs, res_t) = jax.jit(
+        lambda q, k, v: [
+            f(q, k, v, mask=mask, return_residual=True)
+            for f in (jaxattn.dot_product_attention, jax.nn.dot_product_attention)
+        ]
+    )(q, k, v)
     rows = np.arange(T) != 3
     _close((ours[:, rows], res_o[:, rows]), (theirs[:, rows], res_t[:, rows]), 1e-5)
     assert not bool(jnp.any(ours[:, 3])) and bool(jnp.all(res_o[:, 3] == -jnp.inf))
@@ -256,9 +303,14 @@ def test_row_with_no_allowed_key():
 
 def test_keywords_refused_by_name():
     q, k, v = _qkv(jnp.float32)
-    bad = [dict(local_window_size=2, window=(2, 2)), dict(local_window_size=(-1, 2)), dict(local_window_size="2"),
-           dict(query_seq_lengths=jnp.array([1.0, 2.0])), dict(return_residual="yes"),
-           dict(implementation="triton")]
+    bad = [
+        dict(local_window_size=2, window=(2, 2)),
+        dict(local_window_size=(-1, 2)),
+        dict(local_window_size="2"),
+        dict(query_seq_lengths=jnp.array([1.0, 2.0])),
+        dict(return_residual="yes"),
+        dict(implementation="triton"),
+    ]
     for kw in bad:
         with pytest.raises(ValueError, match=next(iter(kw)) if "window" not in kw else "local_window_size"):
             jaxattn.dot_product_attention(q, k, v, **kw)

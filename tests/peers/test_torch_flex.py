@@ -61,8 +61,12 @@ def torch_flex(q, k, v, **kwargs):
     """torch's eager flex_attention on our layout; returns (out [B,T,N,Hv], lse [B,N,T]) as jax arrays."""
     with warnings.catch_warnings(), _torch_float64():
         warnings.filterwarnings("ignore", message=r"flex_attention called without torch\.compile")
-        out, aux = tflex.flex_attention(*map(_to_torch, (q, k, v)), return_aux=tflex.AuxRequest(lse=True),
-                                        enable_gqa=k.shape[-2] != q.shape[-2], **kwargs)
+        out, aux = tflex.flex_attention(
+            *map(_to_torch, (q, k, v)),
+            return_aux=tflex.AuxRequest(lse=True),
+            enable_gqa=k.shape[-2] != q.shape[-2],
+            **kwargs,
+        )
     return _from_torch(out), jnp.asarray(aux.lse.numpy())
 
 
@@ -77,8 +81,7 @@ def _torch_math(q, k, v, score_mod, mask_mod):
     qt, kt, vt = (_to_torch(x).requires_grad_(True) for x in (q, k, v))
     G = qt.shape[1] // kt.shape[1]
     scores = qt @ kt.repeat_interleave(G, 1).transpose(-1, -2) * qt.shape[-1] ** -0.5
-    b, h, i, j = (torch.arange(n).reshape([-1 if d == a else 1 for d in range(4)])
-                  for a, n in enumerate(scores.shape))
+    b, h, i, j = (torch.arange(n).reshape([-1 if d == a else 1 for d in range(4)]) for a, n in enumerate(scores.shape))
     if score_mod is not None:
         scores = score_mod(scores, b, h, i, j)
     if mask_mod is not None:
@@ -97,10 +100,22 @@ def _qkv(K=N, T_=T, S_=S, seed=0):
 # score_mod(score, b, h, q_idx, kv_idx), each written once for xp in (torch, jax.numpy); `c` holds the
 # captured buffers (numpy, converted per side).
 
-CAPTURED = {name: np.random.default_rng(7 + i).standard_normal(shape)
-            for i, (name, shape) in enumerate(dict(head_offset=(N,), head=(N,), batch=(B,), tok=(T,),
-                                                   bias_seq=(T, S), bias_batch=(B, T, S),
-                                                   bias_head=(B, N, T, S), rel=(2 * S,), index=(B, T)).items())}
+CAPTURED = {
+    name: np.random.default_rng(7 + i).standard_normal(shape)
+    for i, (name, shape) in enumerate(
+        dict(
+            head_offset=(N,),
+            head=(N,),
+            batch=(B,),
+            tok=(T,),
+            bias_seq=(T, S),
+            bias_batch=(B, T, S),
+            bias_head=(B, N, T, S),
+            rel=(2 * S,),
+            index=(B, T),
+        ).items()
+    )
+}
 CAPTURED["bidirectional"] = np.array([3, 11])
 CAPTURED["document"] = np.repeat(np.arange(4), [5, 4, 6, 4])
 CAPTURED["seq"] = (np.arange(T) >= T // 2).astype(np.int32)
@@ -119,18 +134,21 @@ SCORE_MODS = {
     "trig": lambda xp, c: lambda score, b, h, m, n: xp.sin(xp.cos(score)) + xp.tan(b * 1.0),
     "skip_odd_keys": lambda xp, c: lambda score, b, h, m, n: xp.where(n % 2 == 0, score, NEG),
     "composition": lambda xp, c: lambda score, b, h, m, n: xp.where(m <= n, score + (m - n), NEG),
-    "captured_all_dims": lambda xp, c: lambda score, b, h, m, n: (score + c["tok"][m] + c["batch"][b]
-                                                                  + c["head"][h]),
+    "captured_all_dims": lambda xp, c: lambda score, b, h, m, n: score + c["tok"][m] + c["batch"][b] + c["head"][h],
     "seq_masking": lambda xp, c: lambda score, b, h, m, n: xp.where(c["seq"][m] == c["seq"][n], score, NEG),
     "bias_seq_only": lambda xp, c: lambda score, b, h, m, n: score + c["bias_seq"][m, n],
     "bias_seq_batch": lambda xp, c: lambda score, b, h, m, n: score + c["bias_batch"][b, m, n],
     "bias_head_seq_batch": lambda xp, c: lambda score, b, h, m, n: score + c["bias_head"][b, h, m, n],
     "rel_bias_table": lambda xp, c: lambda score, b, h, m, n: score + c["rel"][(m - n) + S],
     "index_multiple": lambda xp, c: lambda score, b, h, m, n: score + c["index"][b][m],
-    "causal_bidirectional": lambda xp, c: lambda score, b, h, m, n: xp.where(
-        ((m <= c["bidirectional"][b]) & (n <= c["bidirectional"][b])) | (m >= n), score, NEG),
-    "doc_mask_causal": lambda xp, c: lambda score, b, h, m, n: xp.where(
-        (m >= n) & (c["document"][m] == c["document"][n]), score, NEG),
+    "causal_bidirectional": lambda xp, c: (
+        lambda score, b, h, m, n: xp.where(
+            ((m <= c["bidirectional"][b]) & (n <= c["bidirectional"][b])) | (m >= n), score, NEG
+        )
+    ),
+    "doc_mask_causal": lambda xp, c: (
+        lambda score, b, h, m, n: xp.where((m >= n) & (c["document"][m] == c["document"][n]), score, NEG)
+    ),
     "silu": lambda xp, c: lambda score, b, h, m, n: score / (1 + xp.exp(-score)),
     "softcap": lambda xp, c: lambda score, b, h, m, n: 2.5 * xp.tanh(score / 2.5),
 }
@@ -144,8 +162,21 @@ def _mod(name, xp):
 
 
 # the slow group runs the rest of upstream's list (time budget of the default group)
-SLOW = {"times_two", "squared", "inverse_causal", "skip_odd_keys", "composition", "seq_masking", "bias_seq_only",
-        "bias_seq_batch", "rel_bias_table", "index_multiple", "causal_bidirectional", "silu", "trig"}
+SLOW = {
+    "times_two",
+    "squared",
+    "inverse_causal",
+    "skip_odd_keys",
+    "composition",
+    "seq_masking",
+    "bias_seq_only",
+    "bias_seq_batch",
+    "rel_bias_table",
+    "index_multiple",
+    "causal_bidirectional",
+    "silu",
+    "trig",
+}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in SCORE_MODS])
@@ -162,8 +193,9 @@ def test_score_mods(name):
         cot = arrays(3, (B, T, N, Hv))[0]
         torch_grads = torch.autograd.grad(out, leaves, _to_torch(cot))
         assert normwise(_from_torch(out), want) <= TOL  # the gradient oracle computes torch's forward
-        grads = jax.grad(lambda *a: jnp.sum(jaxattn.flex_attention(*a, _mod(name, jnp)) * cot),
-                         argnums=(0, 1, 2))(q, k, v)
+        grads = jax.grad(lambda *a: jnp.sum(jaxattn.flex_attention(*a, _mod(name, jnp)) * cot), argnums=(0, 1, 2))(
+            q, k, v
+        )
         for g, tg in zip(grads, torch_grads, strict=True):
             assert normwise(g, _from_torch(tg)) <= TOL
 
@@ -173,8 +205,9 @@ def test_captured_buffer_receives_gradient():
     q, k, v = _qkv()
     offset = jnp.asarray(CAPTURED["head_offset"])
     cot = arrays(3, (B, T, N, Hv))[0]
-    grad = jax.grad(lambda o: jnp.sum(jaxattn.flex_attention(
-        q, k, v, lambda score, b, h, m, n: score * o[h]) * cot))(offset)
+    grad = jax.grad(lambda o: jnp.sum(jaxattn.flex_attention(q, k, v, lambda score, b, h, m, n: score * o[h]) * cot))(
+        offset
+    )
     t_offset = torch.from_numpy(np.asarray(offset)).requires_grad_(True)
     out, _ = torch_math(q, k, v, score_mod=lambda score, b, h, m, n: score * t_offset[h])
     (t_grad,) = torch.autograd.grad(out, t_offset, _to_torch(cot))
@@ -222,8 +255,9 @@ def test_block_masks(name):
         cot = arrays(3, (B, T, N, Hv))[0]
         out, leaves = torch_math(q, k, v, mask_mod=_mask(name, torch))
         torch_grads = torch.autograd.grad(out, leaves, _to_torch(cot))
-        grads = jax.grad(lambda *a: jnp.sum(jaxattn.flex_attention(*a, block_mask=ours) * cot),
-                         argnums=(0, 1, 2))(q, k, v)
+        grads = jax.grad(lambda *a: jnp.sum(jaxattn.flex_attention(*a, block_mask=ours) * cot), argnums=(0, 1, 2))(
+            q, k, v
+        )
         for g, tg in zip(grads, torch_grads, strict=True):
             assert normwise(g, _from_torch(tg)) <= TOL
 
@@ -234,8 +268,9 @@ def test_mask_combiners(combine):
     q, k, v = _qkv()
     theirs = getattr(tflex, combine)(_mask("sliding_window", torch), _mask("document", torch))
     ours = getattr(jaxattn, combine)(_mask("sliding_window", jnp), _mask("document", jnp))
-    want, _ = torch_flex(q, k, v, block_mask=tflex.create_block_mask(theirs, None, None, T, S, device="cpu",
-                                                                      BLOCK_SIZE=8))
+    want, _ = torch_flex(
+        q, k, v, block_mask=tflex.create_block_mask(theirs, None, None, T, S, device="cpu", BLOCK_SIZE=8)
+    )
     assert normwise(jaxattn.flex_attention(q, k, v, mask_mod=ours), want) <= TOL
     bm = jaxattn.create_block_mask(ours, None, None, T, S, BLOCK_SIZE=8)
     assert normwise(jaxattn.flex_attention(q, k, v, block_mask=bm), want) <= TOL
@@ -267,8 +302,7 @@ def test_fully_masked_rows_and_lse():
     """A row no key may see: zeros and lse -inf, in torch's flex and here (score_mod -inf and mask_mod)."""
     q, k, v = _qkv()
     want, want_lse = torch_flex(q, k, v, score_mod=lambda score, b, h, m, n: torch.where(m == 4, NEG, score))
-    got, lse = jaxattn.flex_attention(q, k, v, lambda score, b, h, m, n: jnp.where(m == 4, NEG, score),
-                                      return_lse=True)
+    got, lse = jaxattn.flex_attention(q, k, v, lambda score, b, h, m, n: jnp.where(m == 4, NEG, score), return_lse=True)
     assert not bool(jnp.any(got[:, 4])) and not bool(jnp.any(want[:, 4]))
     assert bool(jnp.all(lse[:, :, 4] == NEG)) and bool(jnp.all(want_lse[:, :, 4] == NEG))
     rows = np.arange(T) != 4
