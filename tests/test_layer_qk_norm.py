@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import jaxattn.linen as jl
-from jaxattn.models._decoder import RMSNorm
+from jaxattn.models._norms import RMSNorm
 from torchref.positions import apply_rope as torch_rope
 
 B, T, E, N, K, H = 3, 7, 13, 6, 2, 10

@@ -168,7 +168,7 @@ def test_yarn_frequencies_and_attention_factor_equal_transformers(rope):
     import transformers
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    from jaxattn.models._decoder import rope_attention_factor
+    from jaxattn.models._rope_config import rope_attention_factor
 
     config = transformers.LlamaConfig(
         hidden_size=96, num_attention_heads=3, max_position_embeddings=256, rope_parameters=dict(rope)

@@ -9,7 +9,7 @@ HF's rope types compute; a model casts them where it rotates, see rope.apply_rop
               beta_slow corrections; cos and sin scaled by its attention factor   (HF's _compute_yarn_parameters)
 
 L is the pretraining context (original_max_position_embeddings). Reading a config into these arguments
-(defaults, refusals) is the models' job (jaxattn.models._decoder.rope_frequencies).
+(defaults, refusals) is the models' job (jaxattn.models._rope_config.rope_frequencies).
 """
 
 from __future__ import annotations

@@ -12,8 +12,11 @@
 
 Each family module (bert, gpt2, t5, llama, gemma2, qwen3, gemma3, mixtral, gpt_oss, qwen3_moe, llama4,
 deepseek_v3, qwen3_next) is its config parsing, its block and its weight table;
-what they share (the layer stack, the causal-LM wrapper, norms, heads, masks, the decode cache, loading) is
-in _decoder.py, and the one weight-table format with its filler in weights.py (public: jaxattn.models.weights).
+what they share: _decoder.py (the configs' common fields, the layer stack, the causal-LM wrapper, heads, the
+decode cache, the shared weight rows, loading), _blocks.py (Llama's and Gemma's blocks, their attention and MLP),
+_norms.py (HF's RMS and layer norms), _masks.py (masks, positions and cache slots), _rope_config.py (HF's rope
+settings -> frequencies), and the one weight-table format with its filler in weights.py (public:
+jaxattn.models.weights).
 """
 
 # Every family's config and model (importing a family module registers its model_type for from_pretrained;
@@ -46,7 +49,7 @@ from .t5 import T5Config as T5Config
 from .t5 import T5ForConditionalGeneration as T5ForConditionalGeneration
 from . import weights as weights
 from ._activation_layout import ModelSharding as ModelSharding
-from ._decoder import rope_frequencies as rope_frequencies
+from ._rope_config import rope_frequencies as rope_frequencies
 from ._generate import generate as generate
 from ._partition_rules import partition_rules as partition_rules
 from ._pretrained import from_pretrained as from_pretrained

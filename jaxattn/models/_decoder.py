@@ -1,17 +1,18 @@
 """The base every family module reads, so that a family is its config parsing, its block and its weight table.
 
-    configs     DecoderConfig (the fields of HF's Llama-shaped configs), checked_window, layer_windows,
-                rope_frequencies
-    norms       RMSNorm (HF's four roundings), layer_norm
-    masks       key_mask, positions / positions_and_slots, sliding_mask
+    configs     DecoderConfig (the fields of HF's Llama-shaped configs), checked_window, layer_windows and the
+                families' window rules (every_layer_window, use_sliding_window_layers), check_gemma
     the stack   Configured (a module's config and dtypes), layer_stack (blocks in turn, each one's outputs
-                sown), self_attention and gated_mlp (the Llama-shaped block's parts), PreNormBlock (Llama's
-                block) and SandwichBlock (Gemma's), lm_head / tied_logits
+                sown), layer_masks / layer_window (each layer's mask and window keyword), lm_head / tied_logits
     CausalLM    HF's *ForCausalLM: embed_tokens -> layers_{i} -> norm -> lm_head; a family names its Block;
                 ScaledCausalLM: Gemma's (sqrt(E)-scaled embeddings, softcapped logits), softcap
     decoding    empty_cache
     weights     causal_lm_rows, qk_norm_rows, sandwich_norm_rows and mlp_rows (HF's names, spelled out),
                 tied_copy, loader (both ways: it registers the to_pretrained writer too)
+
+Beside it: _blocks (self_attention, gated_mlp, PreNormBlock, SandwichBlock), _norms (RMSNorm, layer_norm),
+_masks (key_mask, positions / positions_and_slots, sliding_mask), _rope_config (HF's rope settings ->
+rope_frequencies, rope_attention_factor).
 
 Calling convention of every decoder-only model here (GPT-2, Llama, Mistral, Qwen2, Gemma 2, Qwen 3, Gemma 3,
 Mixtral, gpt-oss, Qwen3-MoE):
@@ -45,10 +46,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core.norms import rms_normalize
-from .._schemes import rope_scaling
-from ..linen import RoPE
 from . import _activation_layout, _pretrained, _save, weights
+from ._masks import key_mask, positions_and_slots, sliding_mask
+from ._norms import RMSNorm
+from ._rope_config import rope_attention_factor, rope_frequencies
 from .weights import Reshape, Steps, Transpose
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
@@ -57,7 +58,6 @@ if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping i
 # --- configs ----------------------------------------------------------------------------------------------------
 
 LAYER_TYPES = ("sliding_attention", "full_attention")
-ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,202 +226,6 @@ def use_sliding_window_layers(config: Mapping[str, Any], source) -> tuple:
     return layer_windows(types, config.get("sliding_window"), n, source, why="use_sliding_window is true")
 
 
-def rope_parameters(config: Mapping[str, Any]) -> dict:
-    """HF's rope settings: rope_parameters (transformers >= 5), else rope_scaling + rope_theta (v4)."""
-    if config.get("rope_parameters"):
-        return dict(config["rope_parameters"])
-    scaling = dict(config.get("rope_scaling") or {})
-    scaling.setdefault("rope_type", scaling.pop("type", "default"))
-    return {"rope_theta": config.get("rope_theta", 10000.0), **scaling}
-
-
-def rope_frequencies(
-    config: Mapping[str, Any],
-    head_dim: int,
-    source="config",
-    *,
-    rope: Mapping | None = None,
-    name: str = "rope_parameters",
-) -> np.ndarray:
-    """float64 inverse frequencies [head_dim/2] for HF's rope types "default", "linear", "llama3" and "yarn".
-
-    Reads the settings (HF's defaults, refusals) and applies the rule of jaxattn/_schemes/rope_scaling.py
-    (default, linear, llama3, yarn; yarn's attention factor: rope_attention_factor).
-    rope: the settings to read (default: the config's, rope_parameters(config)); name: what refusals call them
-    (Gemma 3: "rope_parameters['sliding_attention']").
-    """
-    rope = rope_parameters(config) if rope is None else rope
-    kind = rope.get("rope_type", "default")
-    if kind not in ROPE_TYPES:
-        _pretrained.refuse(source, f"{name}['rope_type']", f"one of {list(ROPE_TYPES)}", kind)
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        _pretrained.refuse(source, f"{name}['partial_rotary_factor']", "1.0", rope["partial_rotary_factor"])
-    if kind != "yarn" and rope.get("attention_factor") not in (None, 1.0):
-        _pretrained.refuse(
-            source, f"{name}['attention_factor']", "1.0 (or unset) unless rope_type is 'yarn'", rope["attention_factor"]
-        )
-    base = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
-    inverse = rope_scaling.default_frequencies(head_dim, base)
-    if kind == "linear":
-        return rope_scaling.linear_frequencies(inverse, float(rope["factor"]))
-    if kind == "yarn":
-        ramp = rope_scaling.yarn_ramp(
-            head_dim,
-            base,
-            _pretraining_length(rope, config),
-            rope.get("beta_fast") or 32,
-            rope.get("beta_slow") or 1,
-            rope.get("truncate", True),
-        )
-        return rope_scaling.yarn_frequencies(inverse, _yarn_factor(rope, config), ramp)
-    if kind == "llama3":
-        factor, low, high = (float(rope[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
-        return rope_scaling.llama3_frequencies(
-            inverse, factor, low, high, float(rope["original_max_position_embeddings"])
-        )
-    return inverse
-
-
-def _pretraining_length(rope: Mapping[str, Any], config: Mapping[str, Any]) -> int:
-    """yarn's original_max_position_embeddings: the config's own field first, then rope_parameters', then
-    max_position_embeddings (HF's standardize_rope_params)."""
-    return (
-        config.get("original_max_position_embeddings")
-        or rope.get("original_max_position_embeddings")
-        or config["max_position_embeddings"]
-    )
-
-
-def _yarn_factor(rope: Mapping[str, Any], config: Mapping[str, Any]) -> float:
-    """yarn's factor; null: max_position_embeddings / original_max_position_embeddings (HF's rule)."""
-    if rope.get("factor") is None:
-        return config["max_position_embeddings"] / _pretraining_length(rope, config)
-    return float(rope["factor"])
-
-
-def rope_attention_factor(config: Mapping[str, Any], rope: Mapping | None = None) -> float:
-    """HF's attention_scaling of the rotary cos and sin: yarn's attention_factor (given, or 0.1 ln(factor) + 1,
-    or its mscale / mscale_all_dim ratio), 1.0 for every other rope type. rope: as rope_frequencies'."""
-    rope = rope_parameters(config) if rope is None else rope
-    if rope.get("rope_type", "default") != "yarn":
-        return 1.0
-    if rope.get("attention_factor") is not None:
-        return float(rope["attention_factor"])
-    return rope_scaling.yarn_attention_factor(
-        _yarn_factor(rope, config), rope.get("mscale"), rope.get("mscale_all_dim")
-    )
-
-
-# --- norms ------------------------------------------------------------------------------------------------------
-
-RMS_NORMS = ("llama", "gemma", "t5", "gpt_oss")
-
-
-class RMSNorm(nn.Module):
-    """HF's RMS norms: the statistics in float32 or wider, then a learned scale; they differ in where they
-    round back, which decides bf16 results bit for bit, so `kind` names the one to reproduce:
-
-        "llama"  LlamaRMSNorm (Qwen2, Mistral):  weight * normed.astype(x.dtype)
-        "gemma"  Gemma2RMSNorm:                   (normed * (1 + weight)).astype(x.dtype), weight from 0
-        "t5"     T5LayerNorm:                     weight * normed, normed cast to a half weight's dtype first
-        "gpt_oss" GptOssRMSNorm:                  (weight * normed).astype(x.dtype)
-
-    HF's code takes the statistics in float32 for float64 inputs too; crosscheck's float64 reference lifts
-    that (crosscheck._hf_models.float64_reference), so float64 here means float64 throughout.
-    """
-
-    epsilon: float
-    param_dtype: Any = jnp.float32
-    kind: str = "llama"
-
-    @nn.compact
-    def __call__(self, x):
-        if self.kind not in RMS_NORMS:
-            raise ValueError(f"kind: expected one of {list(RMS_NORMS)}, got {self.kind!r}")
-        init = nn.initializers.zeros if self.kind == "gemma" else nn.initializers.ones
-        weight = self.param("weight", init, (x.shape[-1],), self.param_dtype)
-        normed = rms_normalize(x, self.epsilon)
-        if self.kind == "gemma":
-            return (normed * (1.0 + weight.astype(normed.dtype))).astype(x.dtype)
-        if self.kind == "t5":
-            return weight * (normed.astype(weight.dtype) if weight.dtype in (jnp.bfloat16, jnp.float16) else normed)
-        if self.kind == "gpt_oss":
-            return (weight * normed).astype(x.dtype)
-        return weight * normed.astype(x.dtype)
-
-
-def layer_norm(epsilon: float, dtype, param_dtype, name: str) -> nn.LayerNorm:
-    """torch's LayerNorm: the variance as mean((x - mean)^2); flax's fast E[x^2] - E[x]^2 loses digits."""
-    return nn.LayerNorm(epsilon=epsilon, use_fast_variance=False, dtype=dtype, param_dtype=param_dtype, name=name)
-
-
-# --- masks and positions ----------------------------------------------------------------------------------------
-
-
-def key_mask(attention_mask):
-    """[...,S] (1 = token) -> the attention layers' mask [...,1,1,S] (True = may attend), or None."""
-    if attention_mask is None:
-        return None
-    return jnp.asarray(attention_mask).astype(bool)[..., None, None, :]
-
-
-def positions(module: nn.Module, shape: tuple[int, int], position_ids, decode: bool):
-    """position_ids, or their default: arange(T), shifted by the tokens already in the cache when decoding."""
-    return positions_and_slots(module, shape, position_ids, decode)[0]
-
-
-def positions_and_slots(module: nn.Module, shape: tuple[int, int], position_ids, decode: bool):
-    """(position_ids [B,T], slots [B,T]): the rotary/learned positions, and the cache slots the tokens sit in.
-
-    Decoding keeps its own count in the "cache" collection ("next_position" [B]): the slots filled so far,
-    so that a model called token by token without position_ids numbers its tokens as one full pass would.
-    Slots (arange(T) without the cache) are what Hugging Face's sliding windows count, padding included.
-    """
-    B, T = shape
-    if not decode:
-        slots = jnp.broadcast_to(jnp.arange(T), (B, T))
-        return (slots if position_ids is None else jnp.asarray(position_ids)), slots
-    filled = module.variable("cache", "next_position", lambda: jnp.zeros((B,), jnp.int32))
-    slots = filled.value[:, None] + jnp.arange(T, dtype=jnp.int32)
-    if module.has_variable("cache", "next_position") and not module.is_initializing():
-        filled.value = filled.value + T
-    return (slots if position_ids is None else jnp.asarray(position_ids)), slots
-
-
-def sliding_mask(attention_mask, slots, window: int, decode: bool):
-    """The attention layers' mask for a sliding layer when decoding: key slot s is visible to the query in
-    slot q iff q - window < s <= q (HF's sliding_window_overlay, on cache slots, padding slots counted) and
-    s holds a token. Without the cache the layer's own `window` keyword does this (see layer_window).
-
-    Decoding uses the full cache and this mask, not the layer's O(window) rolling cache: HF's window counts
-    padding slots (left or right) as positions, which a rolling cache that skips padding cannot reproduce.
-    """
-    if not decode:
-        return key_mask(attention_mask)
-    if attention_mask is None:
-        raise ValueError(
-            "attention_mask: expected [B,L] covering the cache's L slots when decoding a model "
-            "with sliding windows, got None"
-        )
-    key_slots = jnp.arange(jnp.shape(attention_mask)[-1], dtype=jnp.int32)
-    band = (key_slots <= slots[..., None]) & (key_slots > slots[..., None] - window)  # [B,T,L]
-    return band[:, None] & key_mask(attention_mask)
-
-
-def layer_window(window: int | None, decode: bool):
-    """The attention layer's `window` keyword for HF's sliding_window W: (W - 1, 0) without the cache; None
-    when decoding, where the window is part of the mask (sliding_mask)."""
-    return None if window is None or decode else (window - 1, 0)
-
-
-def layer_masks(config: DecoderConfig, attention_mask, slots, decode: bool) -> dict:
-    """{window (or None): the attention layers' mask}, one per distinct window of the model's layers."""
-    windows = {config.window(i) for i in range(config.num_hidden_layers)}
-    return {
-        w: key_mask(attention_mask) if w is None else sliding_mask(attention_mask, slots, w, decode) for w in windows
-    }
-
-
 # --- the stack --------------------------------------------------------------------------------------------------
 
 
@@ -452,101 +256,18 @@ def layer_stack(module: nn.Module, layer: Callable, num_layers: int, final_norm:
     return x
 
 
-def self_attention(block: PreNormBlock, x, mask, positions, decode: bool, window, **options):
-    """The causal self-attention "self_attn" of a Llama-shaped block (in its compact call): GQA, RoPE at the
-    frequencies of config.rope(block.layer), the config's biases, the layer's `window` keyword; options: the
-    family's extras (scale, logit_softcap, qk_norm, use_sinks, chunk_size; rope: the family's own RoPE, or None
-    on a layer without one). Its params are what causal_lm_rows describes.
-
-    A rotary attention factor a (yarn) scales HF's cos and sin, so queries and keys by a each: the logits'
-    scale (H ** -0.5 or the family's) by a ** 2 here, the same product in another rounding order."""
-    c, d = block.config, block.config.dims()
-    frequencies, factor = c.rope(block.layer)
-    if factor != 1.0:
-        options["scale"] = options.get("scale", d["H"] ** -0.5) * factor**2
-    rope = options.pop("rope", RoPE(frequencies=frequencies))  # a family's own RoPE (layout), or None: no RoPE
-    attention_layer = _activation_layout.attention_class(block.sharding)
-    attention = attention_layer(
-        num_heads=d["N"],
-        num_kv_heads=d["K"],
-        head_dim=d["H"],
-        use_bias=c.attention_biases(),
-        rope=rope,
-        window=window,
-        dtype=block.dtype,
-        param_dtype=block.param_dtype,
-        precision=block.precision,
-        implementation=c.implementation,
-        name="self_attn",
-        **options,
-    )
-    return attention(x, mask=mask, is_causal=True, rope_positions=None if rope is None else positions, decode=decode)
+def layer_window(window: int | None, decode: bool):
+    """The attention layer's `window` keyword for HF's sliding_window W: (W - 1, 0) without the cache; None
+    when decoding, where the window is part of the mask (sliding_mask)."""
+    return None if window is None or decode else (window - 1, 0)
 
 
-def gated_mlp(block: Configured, x, activation: Callable, features: int | None = None):
-    """HF's gate/up/down MLP, down(act(gate(x)) * up(x)), in `block`'s compact call (mlp_rows: its params);
-    features: its intermediate width (default: the config's F)."""
-    c, d = block.config, block.config.dims()
-    F = d["F"] if features is None else features
-    dense = functools.partial(
-        nn.Dense, use_bias=c.mlp_bias, dtype=block.dtype, param_dtype=block.param_dtype, precision=block.precision
-    )
-    h = activation(dense(F, name="gate_proj")(x)) * dense(F, name="up_proj")(x)
-    return dense(d["E"], name="down_proj")(h)
-
-
-class PreNormBlock(Configured):
-    """Llama's block, layer `layer` of the stack: returns (residual stream, {"attention": its output, the
-    MLP's own rows (a router's logits), "mlp": its output}).
-
-        x = x + self_attn(input_layernorm(x));  x = x + mlp(post_attention_layernorm(x))
-
-    A family's block sets the hooks: attention_options (self_attention's extras) and feed_forward (the MLP:
-    -> (output, its own rows))."""
-
-    layer: int = 0
-
-    def attention_options(self) -> dict:
-        return {}
-
-    def norm(self) -> Callable[..., RMSNorm]:
-        """The factory of the block's RMS norms (the config's epsilon and rounding kind)."""
-        return functools.partial(RMSNorm, self.config.rms_norm_eps, self.param_dtype, self.config.rms_norm)
-
-    def feed_forward(self, x):
-        return gated_mlp(self, x, nn.silu), {}
-
-    @nn.compact
-    def __call__(self, x, mask, positions, decode: bool, window=None):
-        norm = self.norm()
-        a = self_attention(
-            self, norm(name="input_layernorm")(x), mask, positions, decode, window, **self.attention_options()
-        )
-        x = x + a
-        m, rows = self.feed_forward(norm(name="post_attention_layernorm")(x))
-        return x + m, {"attention": a, **rows, "mlp": m}
-
-
-class SandwichBlock(PreNormBlock):
-    """Gemma's block: norms before and after attention and MLP, the outputs rows taken before their post-norms
-    (as HF's self_attn and mlp modules return them); gelu-tanh gated MLP by default.
-
-        x = x + post_attention_layernorm(self_attn(input_layernorm(x)))
-        x = x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))
-    """
-
-    def feed_forward(self, x):
-        return gated_mlp(self, x, functools.partial(nn.gelu, approximate=True)), {}
-
-    @nn.compact
-    def __call__(self, x, mask, positions, decode: bool, window=None):
-        norm = self.norm()
-        a = self_attention(
-            self, norm(name="input_layernorm")(x), mask, positions, decode, window, **self.attention_options()
-        )
-        x = x + norm(name="post_attention_layernorm")(a)
-        m, rows = self.feed_forward(norm(name="pre_feedforward_layernorm")(x))
-        return x + norm(name="post_feedforward_layernorm")(m), {"attention": a, **rows, "mlp": m}
+def layer_masks(config: DecoderConfig, attention_mask, slots, decode: bool) -> dict:
+    """{window (or None): the attention layers' mask}, one per distinct window of the model's layers."""
+    windows = {config.window(i) for i in range(config.num_hidden_layers)}
+    return {
+        w: key_mask(attention_mask) if w is None else sliding_mask(attention_mask, slots, w, decode) for w in windows
+    }
 
 
 def tied_logits(x, embedding, dtype, precision):

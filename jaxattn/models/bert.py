@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..linen import MultiHeadAttention
-from . import _activation_layout, _decoder, _pretrained, _save, weights
+from . import _activation_layout, _masks, _norms, _pretrained, _save, weights
 from .weights import Reshape, Steps, Transpose
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
@@ -104,7 +104,7 @@ class BertEmbeddings(nn.Module):
             x = jnp.where((input_ids == c.pad_token_id)[..., None], jax.lax.stop_gradient(x), x)
         x = x + embed(c.type_vocab_size, name="token_type_embeddings")(token_type_ids)  # HF's summation order
         x = x + embed(c.max_position_embeddings, name="position_embeddings")(position_ids)
-        x = _decoder.layer_norm(c.layer_norm_eps, self.dtype, self.param_dtype, "LayerNorm")(x)
+        x = _norms.layer_norm(c.layer_norm_eps, self.dtype, self.param_dtype, "LayerNorm")(x)
         return nn.Dropout(c.hidden_dropout_prob)(x, deterministic=deterministic)
 
 
@@ -120,7 +120,7 @@ class BertLayer(nn.Module):
     def __call__(self, x, mask, *, deterministic: bool):
         c = self.config
         dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)
-        norm = functools.partial(_decoder.layer_norm, c.layer_norm_eps, self.dtype, self.param_dtype)
+        norm = functools.partial(_norms.layer_norm, c.layer_norm_eps, self.dtype, self.param_dtype)
         dropout = nn.Dropout(c.hidden_dropout_prob, deterministic=deterministic)
         attention = MultiHeadAttention(
             num_heads=c.num_attention_heads,
@@ -167,7 +167,7 @@ class BertModel(nn.Module):
         T = input_ids.shape[-1]
         token_type_ids = jnp.zeros_like(input_ids) if token_type_ids is None else token_type_ids
         position_ids = jnp.broadcast_to(jnp.arange(T), input_ids.shape) if position_ids is None else position_ids
-        mask = _decoder.key_mask(attention_mask)  # [B...,1,1,S]: keys only
+        mask = _masks.key_mask(attention_mask)  # [B...,1,1,S]: keys only
         x = BertEmbeddings(self.config, self.dtype, self.param_dtype, name="embeddings")(
             input_ids, token_type_ids, position_ids, deterministic=deterministic
         )

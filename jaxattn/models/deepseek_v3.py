@@ -35,7 +35,7 @@ save_pretrained's per-expert tensors or the in-memory fused gate_up_proj.
 
 Refused by name: hidden_act other than "silu", n_group not dividing n_routed_experts into groups of >= 2,
 topk_group outside [1, n_group], num_experts_per_tok above the eligible experts, first_k_dense_replace
-negative, a key/value head count other than the head count, rope types other than _decoder's, mscale_all_dim
+negative, a key/value head count other than the head count, rope types other than _rope_config's, mscale_all_dim
 with a rope_type whose factor is unset.
 
 Axis letters: _decoder's (V E N) and moe's (X); the MLA letters of jaxattn/_layers/latent.py: C latent,
@@ -57,7 +57,7 @@ import numpy as np
 
 from .._layers.latent import latent_attention
 from .._schemes import rope_scaling
-from . import _decoder, _pretrained, moe, weights
+from . import _blocks, _decoder, _pretrained, _rope_config, moe, weights
 from .weights import Reshape, Steps, Transpose
 from .llama4 import SwiGLU
 
@@ -187,7 +187,7 @@ class DeepseekV3Config(moe.MoEConfig):
 def _mscale(config: Mapping[str, Any], refuse) -> float:
     """HF's yarn_apply_mscale: with a rope_type other than "default" and mscale_all_dim set, the softmax scale
     takes yarn_mscale(factor, mscale_all_dim) ** 2; else 1."""
-    rope = _decoder.rope_parameters(config)
+    rope = _rope_config.rope_parameters(config)
     m = rope.get("mscale_all_dim") or 0
     if rope.get("rope_type", "default") == "default" or not m:
         return 1.0
@@ -338,7 +338,7 @@ class LatentSelfAttention(_decoder.Configured):
 # --- the block and the model ----------------------------------------------------------------------------------------
 
 
-class DeepseekV3Block(_decoder.PreNormBlock):
+class DeepseekV3Block(_blocks.PreNormBlock):
     """Llama's pre-norm block with MLA and (from first_k_dense_replace on) DeepSeek's MoE; rows as
     PreNormBlock's ("router" on MoE layers)."""
 

@@ -13,8 +13,9 @@ back (HF: "(x * w).to(float16)", unlike Llama). Which layers slide: config.layer
 absent: even layers "sliding_attention", odd ones "full_attention"). head_dim is its own setting (not
 hidden_size / num_heads). Weights: the shared causal-LM rows (Llama's names) plus the two feed-forward norms.
 
-The stack, the causal-LM wrapper, the norms, the head, the decode cache and loading are the shared base's
-(jaxattn/models/_decoder.py, with the calling convention and the axis letters).
+The stack, the causal-LM wrapper, the head, the decode cache and loading are the shared base's
+(jaxattn/models/_decoder.py, with the calling convention and the axis letters; blocks and norms: _blocks.py,
+_norms.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from . import _decoder, _pretrained, weights
+from . import _blocks, _decoder, _pretrained, weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,7 +64,7 @@ class Gemma2Config(_decoder.DecoderConfig):
         )
 
 
-class Gemma2Block(_decoder.SandwichBlock):
+class Gemma2Block(_blocks.SandwichBlock):
     """Gemma's sandwich-norm block (gelu-tanh MLP) with Gemma 2's attention scale and softcap."""
 
     def attention_options(self) -> dict:

@@ -9,20 +9,21 @@ HF's Gemma3ForCausalLM, model_type "gemma3_text".
                  x = x + post_feedforward_norm(down(gelu_tanh(gate(m)) * up(m))),  m = pre_feedforward_norm(x)
     logits = c * tanh((norm(x) @ embed_tokens.T) / c)        (final_logit_softcapping c if set; tied by default)
 
-Gemma 2's sandwich block (_decoder.SandwichBlock, (1 + w) RMS norms) with two differences: per-head q/k
+Gemma 2's sandwich block (_blocks.SandwichBlock, (1 + w) RMS norms) with two differences: per-head q/k
 norms (Gemma's (1 + w) rounding) before RoPE, and two rotary embeddings: RoPE_l is the local one on the
 layers layer_types marks "sliding_attention" (rope_parameters['sliding_attention']: "default" at 10 000 in
 Google's configs) and the global one on the others (rope_parameters['full_attention']: "linear" scaling in
 Google's 4B-27B configs). transformers 4's keys map as HF maps them: rope_theta and rope_scaling to the global
 layers, rope_local_base_freq to the local ones. layer_types, when absent: every sliding_window_pattern-th
-layer (default 6) global, the others sliding. Both rope settings go through _decoder.rope_frequencies
+layer (default 6) global, the others sliding. Both rope settings go through _rope_config.rope_frequencies
 (types "default", "linear", "llama3", "yarn"); others are refused by name. use_bidirectional_attention
 (Gemma 3's embedding variant) is refused, and so is attn_logit_softcapping other than null: HF's
 Gemma3TextConfig keeps it, but its Gemma3Attention never passes it to the attention (transformers 5.24), so
 no value but null has a reference to match.
 
-The stack, the causal-LM wrapper, the norms, the head, the decode cache and loading are the shared base's
-(jaxattn/models/_decoder.py, with the calling convention and the axis letters).
+The stack, the causal-LM wrapper, the head, the decode cache and loading are the shared base's
+(jaxattn/models/_decoder.py, with the calling convention and the axis letters; blocks and norms: _blocks.py,
+_norms.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from . import _decoder, _pretrained, weights
+from . import _blocks, _decoder, _pretrained, _rope_config, weights
 
 # HF's default rope_theta per layer type (Gemma3TextConfig.default_theta)
 DEFAULT_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
@@ -76,13 +77,13 @@ class Gemma3Config(_decoder.DecoderConfig):
             rope_name="rope_parameters['full_attention']",
         )
         local = ropes["sliding_attention"]
-        frequencies = _decoder.rope_frequencies(
+        frequencies = _rope_config.rope_frequencies(
             config, parsed.dims()["H"], source, rope=local, name="rope_parameters['sliding_attention']"
         )
         return dataclasses.replace(
             parsed,
             sliding_rope_frequencies=tuple(frequencies),
-            sliding_rope_attention_factor=_decoder.rope_attention_factor(config, local),
+            sliding_rope_attention_factor=_rope_config.rope_attention_factor(config, local),
         )
 
     def to_dict(self) -> dict:
@@ -130,7 +131,7 @@ def layer_type_ropes(config: Mapping[str, Any], source) -> dict[str, dict]:
     return ropes
 
 
-class Gemma3Block(_decoder.SandwichBlock):
+class Gemma3Block(_blocks.SandwichBlock):
     """Gemma's sandwich-norm block (gelu-tanh MLP) with Gemma 3's attention: its scale and q/k norms."""
 
     def attention_options(self) -> dict:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import flax.linen as nn
 import jax.numpy as jnp
 
-from . import _activation_layout, _decoder, _pretrained, _save, weights
+from . import _activation_layout, _decoder, _masks, _norms, _pretrained, _save, weights
 from .weights import Part, Reshape, Target, Transpose
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
@@ -99,7 +99,7 @@ class GPT2Block(_decoder.Configured):
         scale = (d["H"] ** -0.5 if c.scale_attn_weights else 1.0) / (
             self.layer + 1 if c.scale_attn_by_inverse_layer_idx else 1
         )
-        norm = functools.partial(_decoder.layer_norm, c.layer_norm_epsilon, self.dtype, self.param_dtype)
+        norm = functools.partial(_norms.layer_norm, c.layer_norm_epsilon, self.dtype, self.param_dtype)
         dense = functools.partial(nn.Dense, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision)
         attention_layer = _activation_layout.attention_class(self.sharding)
         attention = attention_layer(
@@ -135,17 +135,17 @@ class GPT2LMHeadModel(_decoder.Configured):
     ) -> Float[Array, "B T V"]:
         c, d = self.config, self.config.dims()
         input_ids = jnp.asarray(input_ids)
-        position_ids = _decoder.positions(self, input_ids.shape, position_ids, decode)
+        position_ids = _masks.positions(self, input_ids.shape, position_ids, decode)
         embed = functools.partial(nn.Embed, features=d["E"], dtype=self.dtype, param_dtype=self.param_dtype)
         wte = embed(d["V"], name="wte")
         x = wte(input_ids) + embed(d["P"], name="wpe")(position_ids)
-        mask = _decoder.key_mask(attention_mask)
+        mask = _masks.key_mask(attention_mask)
 
         def layer(i, x):
             block = GPT2Block(c, self.dtype, self.param_dtype, self.precision, self.sharding, layer=i, name=f"h_{i}")
             return block(x, mask, decode)
 
-        ln_f = _decoder.layer_norm(c.layer_norm_epsilon, self.dtype, self.param_dtype, "ln_f")
+        ln_f = _norms.layer_norm(c.layer_norm_epsilon, self.dtype, self.param_dtype, "ln_f")
         x = _decoder.layer_stack(self, layer, c.n_layer, ln_f, x)
         return _decoder.lm_head(self, x, wte, c.tie_word_embeddings)
 

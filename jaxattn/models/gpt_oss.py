@@ -26,8 +26,9 @@ sows its router's logits ("layer{i}.router"; moe.load_balancing_loss: HF's aux_l
 Refused by name: quantization_config (MXFP4 experts: the released checkpoints; dequantize to bf16 first),
 hidden_act other than "silu" (HF's gpt-oss ignores it: its experts always use the clamped SwiGLU).
 
-The stack, the causal-LM wrapper, the norms, the head, the decode cache and loading are the shared base's
-(jaxattn/models/_decoder.py, with the calling convention and the axis letters; X = experts).
+The stack, the causal-LM wrapper, the head, the decode cache and loading are the shared base's
+(jaxattn/models/_decoder.py, with the calling convention and the axis letters; blocks and norms: _blocks.py,
+_norms.py; X = experts).
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@ bookkeeping. The inverse frequencies follow HF's rope types "default", "linear" 
 (no o bias). Mistral = Llama with a sliding window on every layer when config.sliding_window is set (null:
 none); Qwen2 slides the layers layer_types marks "sliding_attention" when use_sliding_window is set. The
 window is HF's `kv_idx > q_idx - sliding_window` on cache slots, i.e. window=(sliding_window - 1, 0) with
-is_causal (docs/positions.md); decoding applies it as a mask over the cache's slots (_decoder.sliding_mask).
+is_causal (docs/positions.md); decoding applies it as a mask over the cache's slots (_masks.sliding_mask).
 
-The stack, the causal-LM wrapper, the norms, the head, the decode cache and loading are the shared base's
-(jaxattn/models/_decoder.py, with the calling convention and the axis letters).
+The stack, the causal-LM wrapper, the head, the decode cache and loading are the shared base's
+(jaxattn/models/_decoder.py, with the calling convention and the axis letters; blocks and norms: _blocks.py,
+_norms.py).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections.abc import Mapping
 from typing import Any
 
 
-from . import _decoder, _pretrained, weights
+from . import _blocks, _decoder, _pretrained, weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +100,7 @@ def sliding_windows(config: Mapping[str, Any], source) -> tuple:
 class LlamaForCausalLM(_decoder.CausalLM):
     """HF LlamaForCausalLM / Qwen2ForCausalLM / MistralForCausalLM: input_ids [B,T] -> logits [B,T,V]."""
 
-    Block = _decoder.PreNormBlock  # Llama's own block, SwiGLU MLP
+    Block = _blocks.PreNormBlock  # Llama's own block, SwiGLU MLP
 
 
 def weight_table(config: LlamaConfig) -> list[weights.Row]:

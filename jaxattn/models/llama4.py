@@ -29,7 +29,7 @@ RoPE: Llama 4 rotates the pairs (2k, 2k+1) (its complex-number form, torch.view_
 after RoPE; the layer's qk_norm hook applies before it: a weightless RMS norm over the head commutes with a
 rotation (the rotation keeps the sum of squares), so the two orders are the same function. The NoPE layers'
 temperature is a per-query-position factor on the projected queries: the same hook carries it (identity on
-the keys). Rope types as _decoder.rope_frequencies (the released models use "llama3").
+the keys). Rope types as _rope_config.rope_frequencies (the released models use "llama3").
 
 Chunked layers without an attention_mask run the attention layer's own chunk_size keyword; with padding or
 the decode cache, the chunks are a mask over the cache's slots (chunked_mask), counted from each row's first
@@ -53,7 +53,7 @@ import jax.numpy as jnp
 
 from .._core.norms import rms_normalize
 from ..linen import RoPE
-from . import _activation_layout, _decoder, _pretrained, moe, weights
+from . import _activation_layout, _blocks, _decoder, _masks, _norms, _pretrained, moe, weights
 from .weights import Part, Target, Transpose
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
@@ -189,7 +189,7 @@ def chunked_mask(attention_mask, slots, chunk: int):
     key_slots = jnp.arange(attention_mask.shape[-1], dtype=jnp.int32)
     query_slots = slots[..., None]
     same_chunk = (key_slots - left) // chunk == (query_slots - left) // chunk
-    return ((key_slots <= query_slots) & same_chunk)[:, None] & _decoder.key_mask(attention_mask)
+    return ((key_slots <= query_slots) & same_chunk)[:, None] & _masks.key_mask(attention_mask)
 
 
 def temperature(slots, floor_scale: float, attn_scale: float, dtype):
@@ -244,7 +244,7 @@ class SwiGLU(_decoder.Configured):
 
     @nn.compact
     def __call__(self, x):
-        return _decoder.gated_mlp(self, x, nn.silu, features=self.features)
+        return _blocks.gated_mlp(self, x, nn.silu, features=self.features)
 
 
 class RoutedExperts(_decoder.Configured):
@@ -287,7 +287,7 @@ class Llama4MoE(_decoder.Configured):
         return shared + jnp.sum(routed, axis=-2), logits
 
 
-class Llama4Block(_decoder.PreNormBlock):
+class Llama4Block(_blocks.PreNormBlock):
     """Llama's pre-norm block with Llama 4's attention (RoPE + L2 q/k norm + chunks, or NoPE + temperature) and
     its MLP (the MoE on moe_layers, else a SwiGLU of width G); rows as PreNormBlock's ("router" on MoE layers)."""
 
@@ -318,7 +318,7 @@ class Llama4Block(_decoder.PreNormBlock):
     def __call__(self, x, mask, positions, decode: bool, slots=None, chunk_size=None):
         norm = self.norm()
         h = norm(name="input_layernorm")(x)
-        a = _decoder.self_attention(
+        a = _blocks.self_attention(
             self, h, mask, positions, decode, None, **self.attention_hooks(slots, h.dtype, chunk_size)
         )
         x = x + a
@@ -342,9 +342,9 @@ class Llama4ForCausalLM(_decoder.CausalLM):
     ) -> Float[Array, "B T V"]:
         c, d = self.config, self.config.dims()
         input_ids = jnp.asarray(input_ids)
-        positions, slots = _decoder.positions_and_slots(self, input_ids.shape, position_ids, decode)
+        positions, slots = _masks.positions_and_slots(self, input_ids.shape, position_ids, decode)
         embed = nn.Embed(d["V"], d["E"], dtype=self.dtype, param_dtype=self.param_dtype, name="embed_tokens")
-        full = _decoder.key_mask(attention_mask)
+        full = _masks.key_mask(attention_mask)
         # the layer's chunk_size keyword counts chunks from slot 0: right without padding or a cache
         plain = attention_mask is None and not decode
         chunked = (
@@ -361,7 +361,7 @@ class Llama4ForCausalLM(_decoder.CausalLM):
                 return block(x, full, positions, decode, slots)
             return block(x, chunked, positions, decode, slots, c.attention_chunk_size if plain else None)
 
-        norm = _decoder.RMSNorm(c.rms_norm_eps, self.param_dtype, c.rms_norm, name="norm")
+        norm = _norms.RMSNorm(c.rms_norm_eps, self.param_dtype, c.rms_norm, name="norm")
         x = _decoder.layer_stack(self, layer, c.num_hidden_layers, norm, embed(input_ids))
         return _decoder.lm_head(self, x, embed, c.tie_word_embeddings)
 

@@ -20,8 +20,9 @@ sliding_window: on every layer when set (Mistral's rule, _decoder.every_layer_wi
 output_router_logits only weigh and return the auxiliary loss, which is moe.load_balancing_loss here. A config
 without rope settings has HF's Mixtral default, rope_theta 1e6.
 
-The stack, the causal-LM wrapper, the norms, the head, the decode cache and loading are the shared base's
-(jaxattn/models/_decoder.py, with the calling convention and the axis letters; X = experts).
+The stack, the causal-LM wrapper, the head, the decode cache and loading are the shared base's
+(jaxattn/models/_decoder.py, with the calling convention and the axis letters; blocks and norms: _blocks.py,
+_norms.py; X = experts).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-from . import _decoder, _pretrained, moe, weights
+from . import _decoder, _pretrained, _rope_config, moe, weights
 
 # HF's MixtralConfig rope_theta when a config has none (not Llama's 10 000, _decoder's default): a config read
 # or written without rope settings means the same frequencies here and in transformers.
@@ -47,7 +48,7 @@ class MixtralConfig(moe.MoEConfig):
         """From a HF config.json dict; refuses by name what is not implemented."""
         refuse = functools.partial(_pretrained.refuse, source)
         moe.refuse_silu_and_jitter(config, refuse)
-        rope = _decoder.rope_parameters({"rope_theta": DEFAULT_ROPE_THETA, **config})
+        rope = _rope_config.rope_parameters({"rope_theta": DEFAULT_ROPE_THETA, **config})
         return cls.parse(config, source, windows=_decoder.every_layer_window(config, source), rope=rope)
 
     def to_dict(self) -> dict:

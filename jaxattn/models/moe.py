@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
-from . import _decoder, _pretrained, weights
+from . import _blocks, _decoder, _pretrained, weights
 from .weights import Part, Steps, SwapAxes, Target, Transpose
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "topk_sigmoid")
@@ -171,7 +171,7 @@ class SparseMoE(_decoder.Configured):
         return y.astype(out.dtype), logits
 
 
-class MoEBlock(_decoder.PreNormBlock):
+class MoEBlock(_blocks.PreNormBlock):
     """Llama's block with a SparseMoE for its MLP ("mlp"); its rows add the router's logits ("router")."""
 
     def feed_forward(self, x):

@@ -6,14 +6,15 @@
                  x = x + down(silu(gate(RMSNorm(x))) * up(RMSNorm(x)))
     logits = RMSNorm(x) @ lm_head (or embed_tokens.T when tied)
 
-Llama's block (_decoder.PreNormBlock) with the layer's qk_norm option: HF's Qwen3RMSNorm (Llama's rounding)
+Llama's block (_blocks.PreNormBlock) with the layer's qk_norm option: HF's Qwen3RMSNorm (Llama's rounding)
 on every query and key head after projection, before RoPE, so the cache holds normed, rotated keys.
 head_dim is its own setting (HF's default 128). attention_bias puts a bias on all four projections (none by
 default; no q/k/v-only biases as Qwen 2 has). Which layers slide: layer_types, with use_sliding_window
-(_decoder.use_sliding_window_layers, as Qwen 2). Rope types as _decoder.rope_frequencies; others refused.
+(_decoder.use_sliding_window_layers, as Qwen 2). Rope types as _rope_config.rope_frequencies; others refused.
 
-The stack, the causal-LM wrapper, the norms, the head, the decode cache and loading are the shared base's
-(jaxattn/models/_decoder.py, with the calling convention and the axis letters).
+The stack, the causal-LM wrapper, the head, the decode cache and loading are the shared base's
+(jaxattn/models/_decoder.py, with the calling convention and the axis letters; blocks and norms: _blocks.py,
+_norms.py).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from . import _decoder, _pretrained, weights
+from . import _blocks, _decoder, _pretrained, weights
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +48,7 @@ class Qwen3Config(_decoder.DecoderConfig):
         }
 
 
-class Qwen3Block(_decoder.PreNormBlock):
+class Qwen3Block(_blocks.PreNormBlock):
     """Llama's block with per-head RMS norms on queries and keys."""
 
     def attention_options(self) -> dict:

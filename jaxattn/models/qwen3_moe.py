@@ -18,8 +18,9 @@ read). sliding_window: with use_sliding_window, on every layer (HF's Qwen3MoeMod
 Refused by name: dense layers among the experts' (mlp_only_layers other than [], decoder_sparse_step other
 than 1: the released Qwen3-MoE models have neither), hidden_act other than "silu".
 
-The stack, the causal-LM wrapper, the norms, the head, the decode cache and loading are the shared base's
-(jaxattn/models/_decoder.py, with the calling convention and the axis letters; X = experts).
+The stack, the causal-LM wrapper, the head, the decode cache and loading are the shared base's
+(jaxattn/models/_decoder.py, with the calling convention and the axis letters; blocks and norms: _blocks.py,
+_norms.py; X = experts).
 """
 
 from __future__ import annotations

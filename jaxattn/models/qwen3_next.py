@@ -7,7 +7,7 @@
         x = x + mlp(RMSNorm(x))       the MoE, or a SwiGLU of width G on mlp_only_layers / off decoder_sparse_step
     logits = RMSNorm(x) @ lm_head (or embed_tokens.T when tied)
 
-    RMSNorm(x)        = x / sqrt(mean(x^2) + eps) * (1 + w), rounded back after the scale (w from 0; _decoder's
+    RMSNorm(x)        = x / sqrt(mean(x^2) + eps) * (1 + w), rounded back after the scale (w from 0; _norms'
                         "gemma" kind): every norm of the model, the attention's per-head q/k norms included
     GatedAttention(h) = o((attend(RoPE_p(q_norm(q)), RoPE_p(k_norm(k)), v) * sigmoid(gate))
                         [q | gate] = h @ q_proj, per head (q_proj's rows: head n's H query rows, then its H gate
@@ -60,7 +60,7 @@ from .._core.dtypes import accumulation_dtype
 from .._engines.dispatch import dot_product_attention
 from .._forms import delta_rule
 from .._schemes.rope import apply_rope
-from . import _decoder, _pretrained, moe, weights
+from . import _blocks, _decoder, _masks, _norms, _pretrained, _rope_config, moe, weights
 from .weights import Reshape, Steps, Transpose
 
 LAYER_KINDS = ("linear_attention", "full_attention")
@@ -94,7 +94,7 @@ class Qwen3NextConfig(moe.MoEConfig):
     moe_layers: tuple = ()  # the layers whose MLP is the mixture of experts
     rotary_dim: int = 64  # head_dim * partial_rotary_factor
 
-    rms_norm = "gemma"  # (_decoder.RMSNorm) Qwen3NextRMSNorm: (1 + w), rounded after the scale
+    rms_norm = "gemma"  # (_norms.RMSNorm) Qwen3NextRMSNorm: (1 + w), rounded after the scale
 
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], source="config") -> Qwen3NextConfig:
@@ -113,7 +113,7 @@ class Qwen3NextConfig(moe.MoEConfig):
             refuse(
                 "linear_num_value_heads", f"a multiple of linear_num_key_heads={J}", config["linear_num_value_heads"]
             )
-        rope = _decoder.rope_parameters(config)
+        rope = _rope_config.rope_parameters(config)
         if rope.get("rope_type", "default") != "default":
             refuse("rope_parameters['rope_type']", "'default'", rope["rope_type"])
         factor = rope.pop("partial_rotary_factor", config.get("partial_rotary_factor", 0.25))
@@ -127,7 +127,7 @@ class Qwen3NextConfig(moe.MoEConfig):
         rotary_dim = int(parsed.dims()["H"] * factor)
         if rotary_dim < 2 or rotary_dim % 2:
             refuse("rope_parameters['partial_rotary_factor']", "a factor giving an even rotary dim >= 2", factor)
-        frequencies = _decoder.rope_frequencies(config, rotary_dim, source, rope=rope)
+        frequencies = _rope_config.rope_frequencies(config, rotary_dim, source, rope=rope)
         return dataclasses.replace(parsed, rotary_dim=rotary_dim, rope_frequencies=tuple(frequencies))
 
     def to_dict(self) -> dict:
@@ -247,7 +247,7 @@ class GatedAttention(_decoder.Configured):
         project = functools.partial(
             Projection, dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision
         )
-        norm = functools.partial(_decoder.RMSNorm, c.rms_norm_eps, self.param_dtype, c.rms_norm)
+        norm = functools.partial(_norms.RMSNorm, c.rms_norm_eps, self.param_dtype, c.rms_norm)
         q, gate = jnp.split(project((N, 2 * H), name="q_proj")(h), 2, axis=-1)  # head n: H query, H gate
         q = norm(name="q_norm")(q)
         k = norm(name="k_norm")(project((K, H), name="k_proj")(h))
@@ -362,7 +362,7 @@ class SwiGLU(_decoder.Configured):
 
     @nn.compact
     def __call__(self, x):
-        return _decoder.gated_mlp(self, x, nn.silu, features=self.features)
+        return _blocks.gated_mlp(self, x, nn.silu, features=self.features)
 
 
 class Qwen3NextMoE(_decoder.Configured):
@@ -384,7 +384,7 @@ class Qwen3NextMoE(_decoder.Configured):
 
 class Qwen3NextBlock(_decoder.Configured):
     """Pre-norm block: the layer's token mixer ("linear_attn" or "self_attn"), then its MLP; rows as
-    _decoder.PreNormBlock's ("attention" the mixer's output, "router" on MoE layers, "mlp")."""
+    _blocks.PreNormBlock's ("attention" the mixer's output, "router" on MoE layers, "mlp")."""
 
     layer: int = 0
 
@@ -392,7 +392,7 @@ class Qwen3NextBlock(_decoder.Configured):
     def __call__(self, x, key_mask, token_mask, positions, slots, decode: bool):
         c, d = self.config, self.config.dims()
         options = dict(dtype=self.dtype, param_dtype=self.param_dtype, precision=self.precision, sharding=self.sharding)
-        norm = functools.partial(_decoder.RMSNorm, c.rms_norm_eps, self.param_dtype, c.rms_norm)
+        norm = functools.partial(_norms.RMSNorm, c.rms_norm_eps, self.param_dtype, c.rms_norm)
         h = norm(name="input_layernorm")(x)
         if c.linear_layers[self.layer]:
             a = GatedDeltaNet(c, name="linear_attn", **options)(h, token_mask, decode)
@@ -416,9 +416,9 @@ class Qwen3NextForCausalLM(_decoder.CausalLM):
     def __call__(self, input_ids, attention_mask=None, position_ids=None, *, decode: bool = False):
         c, d = self.config, self.config.dims()
         input_ids = jnp.asarray(input_ids)
-        positions, slots = _decoder.positions_and_slots(self, input_ids.shape, position_ids, decode)
+        positions, slots = _masks.positions_and_slots(self, input_ids.shape, position_ids, decode)
         embed = nn.Embed(d["V"], d["E"], dtype=self.dtype, param_dtype=self.param_dtype, name="embed_tokens")
-        key_mask = _decoder.key_mask(attention_mask)
+        key_mask = _masks.key_mask(attention_mask)
         token_mask = None  # the call's own tokens' mask [B,T] (decoding: attention_mask covers the L slots)
         if attention_mask is not None:
             attention_mask = jnp.asarray(attention_mask)
@@ -430,7 +430,7 @@ class Qwen3NextForCausalLM(_decoder.CausalLM):
             )
             return block(x, key_mask, token_mask, positions, slots, decode)
 
-        norm = _decoder.RMSNorm(c.rms_norm_eps, self.param_dtype, c.rms_norm, name="norm")
+        norm = _norms.RMSNorm(c.rms_norm_eps, self.param_dtype, c.rms_norm, name="norm")
         x = _decoder.layer_stack(self, layer, c.num_hidden_layers, norm, embed(input_ids))
         return _decoder.lm_head(self, x, embed, c.tie_word_embeddings)
 

@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import t5_relative_bias
 from ..linen import MultiHeadAttention
-from . import _activation_layout, _decoder, _pretrained, _save, weights
+from . import _activation_layout, _decoder, _masks, _norms, _pretrained, _save, weights
 from .weights import Reshape, Steps, Transpose
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
@@ -134,7 +134,7 @@ class T5Block(_decoder.Configured):
     @nn.compact
     def __call__(self, x, self_mask, self_bias, encoder=None, encoder_mask=None, decode: bool = False):
         c = self.config
-        norm = functools.partial(_decoder.RMSNorm, c.layer_norm_epsilon, self.param_dtype, "t5")
+        norm = functools.partial(_norms.RMSNorm, c.layer_norm_epsilon, self.param_dtype, "t5")
         attention = functools.partial(
             MultiHeadAttention,
             num_heads=c.num_heads,
@@ -175,7 +175,7 @@ class T5Stack(_decoder.Configured):
     ):
         c = self.config
         if decode:  # queries sit after the tokens already in the cache
-            positions = _decoder.positions(self, x.shape[:2], positions, decode)
+            positions = _masks.positions(self, x.shape[:2], positions, decode)
         table = self.param(
             "relative_attention_bias",
             nn.initializers.normal(c.d_model**-0.5),
@@ -195,7 +195,7 @@ class T5Stack(_decoder.Configured):
             key_positions=None if positions is None else jnp.arange(S, dtype=jnp.int32),
         )
         bias = bias.astype(x.dtype)
-        mask = _decoder.key_mask(attention_mask)
+        mask = _masks.key_mask(attention_mask)
 
         def layer(i, x):
             block = T5Block(
@@ -203,7 +203,7 @@ class T5Stack(_decoder.Configured):
             )
             return block(x, mask, bias, encoder, encoder_mask, decode)
 
-        norm = _decoder.RMSNorm(c.layer_norm_epsilon, self.param_dtype, "t5", name="final_layer_norm")
+        norm = _norms.RMSNorm(c.layer_norm_epsilon, self.param_dtype, "t5", name="final_layer_norm")
         return _decoder.layer_stack(self, layer, c.decoder_layers if self.is_decoder else c.num_layers, norm, x)
 
 
@@ -253,7 +253,7 @@ class T5ForConditionalGeneration(_decoder.Configured):
             self.shared(decoder_input_ids),
             decoder_attention_mask,
             encoder_output,
-            _decoder.key_mask(attention_mask),
+            _masks.key_mask(attention_mask),
             decoder_position_ids,
             decode=decode,
         )
