@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 
+import jax
 import numpy as np
 import pytest
 
@@ -688,3 +689,31 @@ def test_qwen3_next_decoding_in_pieces_equals_one_pass(qwen3_next_checkpoint):
         pieces.append(np.asarray(logits))
     real = mask == 1
     assert normwise(np.concatenate(pieces, axis=1)[real], whole[real]) <= 1e-12
+
+
+# --- tensors outside the model: multi-token-prediction layers ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "family, extra",
+    [("deepseek_v3", "model.layers.2.eh_proj.weight"), ("qwen3_next", "mtp.fc.weight")],
+)
+def test_multi_token_prediction_tensors_are_skipped_and_nothing_else(tmp_path, family, extra):
+    """Released DeepSeek V3 and Qwen3-Next checkpoints store multi-token-prediction weights that transformers'
+    causal LM ignores (its _keys_to_ignore_on_load_unexpected): they load, to the same params; any other unknown
+    tensor is still refused by name. (The tiny checkpoints have 2 layers: layer index 2 is past the last.)"""
+    from safetensors.numpy import load_file, save_file
+
+    source = hf.write_checkpoint(family, tmp_path / "ok")
+    _, want = from_pretrained(source)
+    for name, refused in [(extra, False), ("model.layers.1.not_a_weight", True)]:
+        bad = tmp_path / name
+        shutil.copytree(source, bad)
+        (file,) = bad.glob("*.safetensors")
+        save_file({**load_file(file), name: np.ones((5, 3), np.float32)}, file, metadata={"format": "pt"})
+        if refused:
+            with pytest.raises(ValueError, match="not_a_weight"):
+                from_pretrained(bad)
+        else:
+            _, got = from_pretrained(bad)
+            assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))

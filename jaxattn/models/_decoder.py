@@ -159,6 +159,12 @@ class DecoderConfig:
         """The attention projections that carry a bias (the layer's use_bias): all four with attention_bias."""
         return ("query", "key", "value", "out") if self.attention_bias else ()
 
+    def outside_the_model(self, name: str) -> bool:
+        """True for a checkpoint tensor that belongs to no part of this model, skipped on load by name (HF's
+        _keys_to_ignore_on_load_unexpected: e.g. multi-token-prediction layers, which transformers' causal LM
+        never runs either). Every other tensor the table does not know is still an error."""
+        return False
+
     def dims(self) -> dict[str, int]:
         N = self.num_attention_heads
         return {
@@ -545,7 +551,7 @@ def reader(config_class, model_class, table: Callable) -> Callable:
         parsed = config_class.from_dict(config, source)
         ignored = tied_copy(
             tensors, files, source, tied=parsed.tie_word_embeddings, embedding="model.embed_tokens.weight"
-        )
+        ) + [name for name in tensors if parsed.outside_the_model(name)]
         params = weights.fill(tensors, table(parsed), parsed.dims(), files, dtype=dtype, ignored=ignored)
         return model_class(parsed, precision=precision), params
 

@@ -92,6 +92,12 @@ class DeepseekV3Config(moe.MoEConfig):
     max_position_embeddings: int = 4096
     softmax_scale: float = 0.0  # derived: Hq ** -0.5 * mscale ** 2 (HF's self.scaling)
 
+    def outside_the_model(self, name: str) -> bool:
+        """The multi-token-prediction layers a DeepSeek V3 checkpoint stores after the last layer
+        (model.layers.{num_hidden_layers}.*, num_nextn_predict_layers of them): transformers ignores them too."""
+        parts = name.split(".")
+        return parts[:2] == ["model", "layers"] and parts[2].isdigit() and int(parts[2]) >= self.num_hidden_layers
+
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], source="config") -> DeepseekV3Config:
         """From a HF config.json dict; refuses by name what is not implemented (see the module)."""

@@ -96,6 +96,10 @@ class Qwen3NextConfig(moe.MoEConfig):
 
     rms_norm = "gemma"  # (_norms.RMSNorm) Qwen3NextRMSNorm: (1 + w), rounded after the scale
 
+    def outside_the_model(self, name: str) -> bool:
+        """The multi-token-prediction module released checkpoints store as mtp.*: transformers ignores it too."""
+        return name.startswith("mtp.")
+
     @classmethod
     def from_dict(cls, config: Mapping[str, Any], source="config") -> Qwen3NextConfig:
         """From a HF config.json dict; refuses by name what is not implemented (see the module)."""
