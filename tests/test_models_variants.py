@@ -717,3 +717,33 @@ def test_multi_token_prediction_tensors_are_skipped_and_nothing_else(tmp_path, f
         else:
             _, got = from_pretrained(bad)
             assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+
+
+# --- a config.json without rope settings: the family's own default rope_theta, as transformers reads it -----------
+
+
+@pytest.mark.parametrize(
+    "family, hf_config, hf_rotary",
+    [
+        ("llama4_text", "Llama4TextConfig", "models.llama4.modeling_llama4.Llama4TextRotaryEmbedding"),
+        ("mixtral", "MixtralConfig", "models.mixtral.modeling_mixtral.MixtralRotaryEmbedding"),
+        ("qwen3", "Qwen3Config", "models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding"),
+        ("gpt_oss", "GptOssConfig", "models.gpt_oss.modeling_gpt_oss.GptOssRotaryEmbedding"),
+    ],
+)
+def test_a_config_without_rope_settings_means_the_familys_default_theta(family, hf_config, hf_rotary):
+    """transformers gives each family its own default rope_theta (Llama 4 5e5, Mixtral 1e6, gpt-oss 1.5e5,
+    Llama-likes 1e4): a config.json with no rope key must mean the same frequencies to us (our to_pretrained
+    writes such configs when a model was built from a dict)."""
+    import importlib
+
+    import transformers
+
+    config = {k: v for k, v in hf.TINY[family][2].items() if not k.startswith("rope")}
+    from jaxattn.models._pretrained import registered_families
+
+    ours = registered_families()[family].config_class.from_dict(config)
+    module, name = hf_rotary.rsplit(".", 1)
+    rotary = getattr(importlib.import_module(f"transformers.{module}"), name)
+    theirs = rotary(getattr(transformers, hf_config)(**config)).inv_freq.double().numpy()
+    np.testing.assert_allclose(np.asarray(ours.rope_frequencies, np.float64)[: theirs.size], theirs, rtol=1e-6)

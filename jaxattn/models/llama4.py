@@ -53,11 +53,15 @@ import jax.numpy as jnp
 
 from .._core.norms import rms_normalize
 from ..linen import RoPE
-from . import _activation_layout, _blocks, _decoder, _masks, _norms, _pretrained, moe, weights
+from . import _activation_layout, _blocks, _decoder, _masks, _norms, _pretrained, _rope_config, moe, weights
 from .weights import Part, Target, Transpose
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+
+# HF's Llama4TextConfig.default_theta: a config without rope settings means 5e5 there (Llama's 1e4 elsewhere)
+DEFAULT_ROPE_THETA = 5e5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +112,7 @@ class Llama4TextConfig(moe.MoEConfig):
         return cls.parse(
             config,
             source,
+            rope=_rope_config.rope_parameters({"rope_theta": DEFAULT_ROPE_THETA, **config}),
             nullable=("attention_chunk_size",),
             rope_layers=rope_layers,
             moe_layers=_moe_layers(config, n, refuse),
