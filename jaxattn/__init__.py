@@ -62,7 +62,7 @@ from ._schemes.clipped import clipped_relative_index as clipped_relative_index
 from ._schemes.xl import relative_sinusoids as relative_sinusoids
 from ._schemes.xl import transformer_xl_attention as transformer_xl_attention
 
-# Attention forms of 2025-26 models (docs/new_attention.md): gated delta-rule linear attention (Qwen3-Next) and
+# Attention forms of 2025-26 models (docs/latent_and_linear.md): gated delta-rule linear attention (Qwen3-Next) and
 # multi-head latent attention (DeepSeek V2/V3).
 from ._forms.delta_rule import causal_conv1d as causal_conv1d
 from ._forms.delta_rule import gated_delta_rule as gated_delta_rule

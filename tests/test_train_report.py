@@ -49,7 +49,7 @@ DECODERS = (
 # step 25-31 of 100, its expert biases). A router's top-k could flip the same way on a near tie; Mixtral's and
 # Qwen3-MoE's did not in these runs. Qwen3-Next's float32 run drifts from torch's smoothly but steadily (loss
 # difference 2e-7 at step 20, 2e-5 at 40, 8e-5 at 50; parameters 7.6e-5 at step 100): its forward is already at
-# transformers' own float32 envelope (1.3e-5..1.6e-5 on the logits, docs/new_attention.md) and 100 steps
+# transformers' own float32 envelope (1.3e-5..1.6e-5 on the logits, docs/latent_and_linear.md) and 100 steps
 # amplify it past 1e-5. float64 holds for every family.
 SMOOTH_IN_FLOAT32 = tuple(f for f in DECODERS if f not in ("gpt_oss", "qwen3_next"))
 

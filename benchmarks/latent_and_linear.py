@@ -1,6 +1,6 @@
-"""Issue 28 §4: the new attention forms, measured (figures in docs/new_attention.md).
+"""Issue 28 §4: the new attention forms, measured (figures in docs/latent_and_linear.md).
 
-    python -m benchmarks.new_attention [--rounds 5] [--out benchmarks/results/new_attention.json]
+    python -m benchmarks.latent_and_linear [--rounds 5] [--out benchmarks/results/latent_and_linear.json]
 
 MLA decode step: one new token over S cached tokens (S = 4k, 8k, 16k, 32k), the absorbed form reading the
 compressed cache (C + R numbers per token) against the expanded form from the same cache (it up-projects the
@@ -96,7 +96,7 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--part", choices=["mla", "delta", "both"], default="both")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "new_attention.json"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "latent_and_linear.json"))
     args = parser.parse_args(argv)
     result = {}
     if os.path.exists(args.out):  # one part at a time keeps the other's figures
