@@ -4,7 +4,8 @@
     python examples/port_model.py --demo gpt2          # a tiny random GPT-2 written to a temp directory
 
 DIR is what transformers' save_pretrained writes (config.json + model.safetensors, or shards): bert, gpt2,
-t5, llama, mistral, qwen2, gemma2, qwen3, gemma3_text, mixtral, gpt_oss and qwen3_moe. The JAX side loads it
+t5, llama, mistral, qwen2, gemma2, qwen3, gemma3_text, mixtral, gpt_oss, qwen3_moe, llama4_text, deepseek_v3
+and qwen3_next (jaxattn.models.supported_model_types()). The JAX side loads it
 with jaxattn.models.from_pretrained (no torch);
 the PyTorch side with transformers (eager attention). Printed: crosscheck.layer_report in float32 and float64 (every
 aligned layer: max abs, normwise, pass/fail, the first divergent layer), then, for generative models, a
@@ -22,7 +23,7 @@ import jax
 import numpy as np
 
 import crosscheck
-from jaxattn.models import from_pretrained, generate
+from jaxattn.models import from_pretrained, generate, supported_model_types
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 jax.config.update("jax_enable_x64", True)  # the float64 report needs it; float32 runs pass float32 arrays
@@ -107,19 +108,7 @@ if __name__ == "__main__":
     parser.add_argument("directory", nargs="?", help="a save_pretrained directory")
     parser.add_argument(
         "--demo",
-        choices=(
-            "gpt2",
-            "t5",
-            "llama",
-            "qwen2",
-            "mistral",
-            "gemma2",
-            "qwen3",
-            "gemma3_text",
-            "mixtral",
-            "gpt_oss",
-            "qwen3_moe",
-        ),
+        choices=[t for t in supported_model_types() if t != "bert"],  # (BERT: a DIR of its own)
         help="write a tiny random checkpoint and port it",
     )
     parser.add_argument("--new-tokens", type=int, default=24)

@@ -21,24 +21,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from crosscheck import _hf_models as hf
 from crosscheck import layer_report
+from crosscheck._train import FAMILIES as DECODERS
 from jaxattn.models import from_pretrained, generate
 
-FAMILIES = (
-    "gpt2",
-    "t5",
-    "llama",
-    "qwen2",
-    "mistral",
-    "gemma2",
-    "qwen3",
-    "gemma3_text",
-    "mixtral",
-    "gpt_oss",
-    "qwen3_moe",
-    "llama4_text",
-    "deepseek_v3",
-    "qwen3_next",
-)
+FAMILIES = ("t5", *DECODERS)  # every causal LM of jaxattn.models (crosscheck._train.FAMILIES) and T5
 NEW = 64
 # families whose transformers float32 run is itself further than 1e-5 from its float64 run on the tiny
 # checkpoint: their float32 logits are held to that envelope instead (test_float32_within_transformers_envelope)

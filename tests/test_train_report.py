@@ -23,26 +23,13 @@ import transformers  # noqa: E402
 import crosscheck  # noqa: E402
 from helpers import normwise  # noqa: E402
 from crosscheck import _hf_models as hf  # noqa: E402
+from crosscheck._train import FAMILIES  # noqa: E402
 from crosscheck._optim import float_count, torch_optimizer  # noqa: E402
 from crosscheck._param_layout import ParamLayout  # noqa: E402
 from crosscheck._train_report import random_batches  # noqa: E402
 from jaxattn.models import from_pretrained, from_state_dict  # noqa: E402
 
-DECODERS = (
-    "gpt2",
-    "llama",
-    "qwen2",
-    "mistral",
-    "gemma2",
-    "qwen3",
-    "gemma3_text",
-    "mixtral",
-    "gpt_oss",
-    "qwen3_moe",
-    "llama4_text",
-    "deepseek_v3",
-    "qwen3_next",
-)
+DECODERS = FAMILIES  # the causal LMs of jaxattn.models, listed once (crosscheck._train)
 # float32 runs follow torch within the envelope where the model is smooth in its weights near the run's path:
 # gpt-oss's clamped SwiGLU (min(gate, limit); the tiny checkpoint's limit 1.0 so that the clamps bite) is not,
 # and a float32 rounding that moves an entry across the clamp changes a gradient by a whole term (gpt-oss: at
