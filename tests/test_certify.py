@@ -237,7 +237,8 @@ def test_parameter_gradients_through_a_name_map_and_a_frozen_weight_named(tmp_pa
     assert cert.passed, cert.table()
     rows = [r for r in cert.rows if r.kind == "param_grad"]
     assert [r.name for r in rows] == list(PARAMS) and rows[0].jax_name == "proj/kernel"
-    assert all(0 < r.value <= crosscheck.MODEL_TOLERANCES["float64"].grad for r in rows)
+    # real gradients compared (not zeros against zeros); float64 may agree to the last bit (value 0)
+    assert all(r.scale > 0 and 0 <= r.value <= crosscheck.MODEL_TOLERANCES["float64"].grad for r in rows)
     frozen_port = tree_port(frozen=("norm.weight",))
     frozen = certify(model, frozen_port, inputs(), dtype="float64", grads=True, jax_params=tree, params=PARAMS)
     assert frozen.first_divergent == "norm.weight" and [r.name for r in frozen.rows if not r.passed] == ["norm.weight"]

@@ -53,8 +53,24 @@ def test_every_layer_and_the_logits_match(checkpoint, side):
         names = [r.name.removeprefix("decoder.") for r in report.rows]
         assert names[0].endswith("embeddings") and names[-1] == "logits" and "layer1.residual" in names
         logits = report.rows[-1]
-        if dtype == "float64" or model_type not in FLOAT32_ENVELOPE:
-            assert logits.max_abs <= 1e-5 if dtype == "float32" else logits.normwise <= 1e-12, str(report)
+        if dtype == "float64":
+            assert logits.normwise <= 1e-12, str(report)
+        elif model_type not in FLOAT32_ENVELOPE and logits.max_abs > 1e-5:
+            _float32_rounding_is_transformers(model_type, directory, side, torch_model, logits.max_abs)
+
+
+def _float32_rounding_is_transformers(model_type, directory, side, torch_model, difference):
+    """Two float32 runs over 1e-5 apart (the bar) pass only where transformers' float32 logits are the
+    further from the float64 truth and ours are within 1e-5 of it: then the excess is transformers' rounding,
+    not the port's (gpt2 on an Intel Xeon: ours 4.3e-6 from the truth, transformers' 7.7e-6, apart 1.05e-5)."""
+    assert model_type != "t5", f"t5 float32 logits {difference:.2e} from transformers' (bar 1e-5)"
+    truth = _real_logits(model_type, directory, side, "float64", torch_model)
+    theirs = np.abs(_real_logits(model_type, directory, side, "float32", torch_model) - truth).max()
+    ours = np.abs(_real_logits(model_type, directory, side, "float32") - truth).max()
+    assert ours <= min(1e-5, theirs), (
+        f"{model_type} {side}: float32 logits {difference:.2e} from transformers' (bar 1e-5); from the float64 "
+        f"truth: ours {ours:.2e}, transformers' {theirs:.2e}"
+    )
 
 
 def _real_logits(model_type, directory, side, dtype, torch_model=None):
