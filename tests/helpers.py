@@ -29,6 +29,12 @@ import numpy as np
 # the safetensors format's dtype names -> numpy, written down from its spec (not taken from jaxattn.io), and
 # the ones the safetensors library's numpy backend can hold
 
+# Families whose transformers float32 run is itself further than 1e-5 from its float64 run on the tiny
+# checkpoints (Qwen3-Next: 1.3e-5 to 1.6e-5; its delta rule is ill-conditioned at tiny key head dims): their
+# float32 outputs are held to twice that measured distance from the float64 truth, not to 1e-5 from torch's
+# float32 (tests/test_models_decoders.py, tests/test_to_pretrained.py).
+FLOAT32_ENVELOPE = ("qwen3_next",)
+
 SAFETENSORS_DTYPES = {
     "BOOL": np.bool_,
     "U8": np.uint8,
