@@ -46,6 +46,7 @@ from .._core.masks import CLEAN, WITH_MOD, MaskRule, allowed_pairs, check_length
 from .._core.positions import clipped_index, positions
 from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial, has_keys, no_key, public_lse
 from . import tiles
+from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import ArrayLike, Float, Int
@@ -678,6 +679,7 @@ def check_tables(key_table, value_table, max_distance, N, H, Hv, acc_dtype):
     return key_table, value_table, R
 
 
+@compiled_when_eager
 def blockwise_attention(
     query: Float[ArrayLike, "*#B T N H"],
     key: Float[ArrayLike, "*#B S K H"],

@@ -37,6 +37,7 @@ from .._core import aliases, checks
 from .blockwise import blockwise_attention, grid_options_in_use
 from .tiles import check_block_mask_tiles
 from .dense import attention_core
+from .._core.eager import compiled_when_eager, register_context
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import ArrayLike, Bool, Float, Int
@@ -140,6 +141,7 @@ def key_mask_as_segments(query, key, options) -> dict:
 
 
 _CROSS_PLATFORM = contextvars.ContextVar("jaxattn_cross_platform", default=False)
+register_context(_CROSS_PLATFORM.get)  # an eager call traced inside cross_platform_lowering() is another program
 
 
 @contextlib.contextmanager
@@ -238,6 +240,7 @@ def use_blockwise(implementation, query, key, **options) -> bool:
     return np.shape(query)[-3] * np.shape(key)[-3] >= AUTO_BLOCKWISE_ELEMENTS
 
 
+@compiled_when_eager
 def dot_product_attention(
     query: Float[ArrayLike, "*#B T N H"],
     key: Float[ArrayLike, "*#B S K H"],
@@ -359,6 +362,7 @@ TORCH_ONLY = {
 }
 
 
+@compiled_when_eager
 def flex_attention(
     query: Float[ArrayLike, "*#B T N H"],
     key: Float[ArrayLike, "*#B S K H"],

@@ -40,6 +40,7 @@ from .._core import checks
 from .._core.checks import shape_str
 from .._core.dtypes import accumulation_dtype
 from .._core.norms import rms_normalize
+from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float
@@ -217,6 +218,7 @@ def _chunked(q, k, v, g, beta, state, C):
     return out[..., :T, :, :, :], state
 
 
+@compiled_when_eager
 def gated_delta_rule(
     query: Float[ArrayLike, "*#B T K H"],
     key: Float[ArrayLike, "*#B T K H"],
@@ -255,6 +257,7 @@ def gated_delta_rule(
     return out
 
 
+@compiled_when_eager
 def gated_delta_rule_step(
     query: Float[ArrayLike, "*#B K H"],
     key: Float[ArrayLike, "*#B K H"],

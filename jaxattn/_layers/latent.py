@@ -45,6 +45,7 @@ from .._core.norms import rms_normalize
 from .._engines.dispatch import dot_product_attention
 from .._schemes.rope import apply_rope
 from . import cache as kv_cache
+from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float, Int
@@ -213,6 +214,7 @@ def init_latent_cache(batch_shape, max_length: int, latent_dim: int, rope_dim: i
     )
 
 
+@compiled_when_eager
 def latent_attention(
     params,
     x: Float[ArrayLike, "*#B T E"],

@@ -22,6 +22,7 @@ from .._core import checks
 from .._core.masks import allowed_keys
 from .._engines.dispatch import dot_product_attention
 from .._schemes.shaw import shaw_relative_attention
+from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float
@@ -188,6 +189,7 @@ def _append_keys(params, q, k, v, add_zero_attn, options):
     return k, v, options
 
 
+@compiled_when_eager
 def multi_head_attention(
     params,
     query: Float[ArrayLike, "*#B T Eq"],
@@ -240,6 +242,7 @@ def relative_tables(params):
     return rel.get("key"), rel.get("value"), (rows - 1) // 2
 
 
+@compiled_when_eager
 def relative_multi_head_attention(
     params,
     query: Float[ArrayLike, "*#B T Eq"],

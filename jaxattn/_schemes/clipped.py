@@ -19,6 +19,7 @@ from .._core.dtypes import accumulation_dtype
 from .._core.positions import clipped_index, positions
 from .._engines.dense import attention_core
 from .._engines.dispatch import dense_only
+from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float, Int
@@ -105,6 +106,7 @@ def table_terms(query, dims, key_table, value_table, index, R, precision, layout
     return rel_logits, rel_values
 
 
+@compiled_when_eager
 def clipped_relative_attention(
     query: Float[ArrayLike, "*#B T N H"],
     key: Float[ArrayLike, "*#B S K H"],

@@ -20,6 +20,7 @@ from .._core.positions import positions
 from .._engines.blockwise import blockwise_attention
 from .._engines.dense import attention_core
 from .._engines.dispatch import attend, check_implementation
+from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import ArrayLike, Float
@@ -65,6 +66,7 @@ def _unset(value) -> bool:
     return value is None or (isinstance(value, (bool, int, float)) and not value)
 
 
+@compiled_when_eager
 def position_bias_attention(
     query: Float[ArrayLike, "*#B T N H"],
     key: Float[ArrayLike, "*#B S K H"],

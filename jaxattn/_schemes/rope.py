@@ -29,6 +29,7 @@ from .._engines.blockwise import blockwise_attention
 from .._engines.dense import attention_core
 from .._engines.dispatch import attend
 from .rope_scaling import default_frequencies
+from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float, Int
@@ -151,6 +152,7 @@ def rope_permutation(
     return perm
 
 
+@compiled_when_eager
 def rope_attention(
     query: Float[ArrayLike, "*#B T N H"],
     key: Float[ArrayLike, "*#B S K H"],

@@ -21,6 +21,7 @@ from .._engines.dense import attention_core
 from .._engines.dispatch import attend, dense_only, use_blockwise
 from .._engines.pairwise import pair_logits, pair_values
 from .clipped import clipped_relative_index, head_index, table_terms
+from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float, Int
@@ -49,6 +50,7 @@ def relative_position_index(
     )
 
 
+@compiled_when_eager
 def shaw_relative_attention(
     query: Float[ArrayLike, "*#B T N H"],
     key: Float[ArrayLike, "*#B S K H"],
@@ -107,6 +109,7 @@ def _per_pair_table(name, table, dims, head_dim, layout, acc_dtype):
     return table
 
 
+@compiled_when_eager
 def relative_attention(
     query: Float[ArrayLike, "*#B T N H"],
     key: Float[ArrayLike, "*#B S K H"],

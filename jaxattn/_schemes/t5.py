@@ -23,6 +23,7 @@ from .._core import checks
 from .._core.checks import static_int
 from .._core.positions import offsets, positions
 from .position_bias import heads_first, position_bias_attention
+from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float, Int
@@ -114,6 +115,7 @@ def t5_relative_bias(
     return bias_fn(*positions(query_length, key_length, query_positions, key_positions))
 
 
+@compiled_when_eager
 def t5_attention(
     query: Float[ArrayLike, "*#B T N H"],
     key: Float[ArrayLike, "*#B S K H"],

@@ -32,6 +32,7 @@ from .._core.dtypes import accumulation_dtype
 from .._engines.dense import attention_core
 from .._engines.dispatch import dense_only
 from .clipped import gather_buckets, head_index, per_row_logits
+from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float
@@ -71,6 +72,7 @@ def _check_head_bias(name, b, N, H, query):
     return b.astype(query.dtype)
 
 
+@compiled_when_eager
 def transformer_xl_attention(
     query: Float[ArrayLike, "*#B T N H"],
     key: Float[ArrayLike, "*#B S K H"],
