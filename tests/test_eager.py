@@ -91,3 +91,18 @@ def test_static_values_are_keyed_by_type_and_checked_every_time():
     # a list (unhashable) runs unwrapped, as before
     listed = jaxattn.dot_product_attention(q, k, v, is_causal=True, window=[2, 0])
     assert normwise(listed, jaxattn.dot_product_attention(q, k, v, is_causal=True, window=(2, 0))) <= 1e-15
+
+
+def test_decode_caches_keep_their_eager_overflow_check():
+    """A cache's index is checked against its length when known (ValueError eagerly, NaN inside jit): calls
+    with a cache run unwrapped, so the eager check stays (the layers' and MLA's)."""
+    params = jaxattn.init_latent_attention(
+        jax.random.key(0), 13, 3, latent_dim=7, rope_dim=4, nope_head_dim=5, value_head_dim=6, dtype=jnp.float64
+    )
+    x = arrays(5, (2, 3, 13))[0]
+    cache = jaxattn.init_latent_cache((2,), 4, 7, 4, jnp.float64)
+    _, cache = jaxattn.latent_attention(params, x, cache=cache)  # 3 of 4 slots filled
+    with pytest.raises(ValueError, match="room in the cache"):
+        jaxattn.latent_attention(params, x[:, :2], cache=cache)
+    stepped = jax.jit(lambda p, x, c: jaxattn.latent_attention(p, x, cache=c)[0])(params, x[:, :2], cache)
+    assert bool(jnp.all(jnp.isnan(stepped)))  # inside jit: the overflowing example's output is NaN

@@ -96,8 +96,14 @@ _NEEDS_CONCRETE = (
 )
 
 
-def compiled_when_eager(fn: F) -> F:
-    """fn, run as one jitted program per signature when called eagerly (the module docstring's rule)."""
+def compiled_when_eager(fn: F | None = None, *, concrete: tuple[str, ...] = ()) -> F:
+    """fn, run as one jitted program per signature when called eagerly (the module docstring's rule).
+
+    concrete: arguments whose values fn checks when they are known (a decode cache's index against its
+    length: ValueError outside jit, NaN inside): a call that gives one of them (not None) runs unwrapped,
+    so an eager call keeps its check."""
+    if fn is None:
+        return functools.partial(compiled_when_eager, concrete=concrete)  # type: ignore[return-value]
     import inspect
 
     signature = inspect.signature(fn)
@@ -114,6 +120,8 @@ def compiled_when_eager(fn: F) -> F:
             extra = [p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD]
             arguments.update(arguments.pop(extra[0], {}))
         if any(p.kind is p.VAR_POSITIONAL for p in signature.parameters.values()):
+            return fn(*args, **kwargs)
+        if any(arguments.get(name) is not None for name in concrete):
             return fn(*args, **kwargs)
         static, dynamic = [], {}
         for name, value in arguments.items():

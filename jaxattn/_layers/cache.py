@@ -55,7 +55,7 @@ def _check_step(cached_key, cached_value, index, key, value, lengths, rolling=Fa
     checks.check_int("key_value_seq_lengths (decode)", lengths)
     checks.check_broadcastable("key_value_seq_lengths (decode)", lengths, tuple(batch), "[...] (batch dims)")
     # Values are only known outside jit; inside jit the slots past L do not exist, so an overflowing write
-    # is lost and the layer poisons that example's output with NaN (common.poison_overflow).
+    # is lost and the layer poisons that example's output with NaN (poison_overflow).
     if _is_concrete(lengths) and (jnp.any(lengths < 0) or jnp.any(lengths > T)):
         checks.fail("key_value_seq_lengths (decode)", f"counts of new tokens in [0, T={T}]", lengths)
     if not rolling and _is_concrete(index) and jnp.any(index + T > L):
@@ -130,3 +130,18 @@ def rolling_write(cached_key, cached_value, index, key, value, lengths=None):
     new_key = jnp.where(fresh, jnp.take_along_axis(keys[..., W:, :, :], take, axis=-3), cached_key)
     new_value = jnp.where(fresh, jnp.take_along_axis(values[..., W:, :, :], take, axis=-3), cached_value)
     return keys, values, attend, (new_key, new_value, index + lengths)
+
+
+def poison_overflow(result, overflowed):
+    """NaN in every output (and weight) of the examples whose cache overflowed (bool [...]), so a step past
+    the cache never returns plausible numbers; the other examples are untouched. Outside jit the cache
+    raises first; inside jit the index keeps counting past L, so every later step of that example is NaN too."""
+
+    def poison(x, core_dims):
+        flag = overflowed.reshape(overflowed.shape + (1,) * core_dims)
+        return jnp.where(flag, jnp.asarray(jnp.nan, x.dtype), x)
+
+    if isinstance(result, tuple):
+        out, weights = result
+        return poison(out, 2), poison(weights, 3)
+    return poison(result, 2)

@@ -20,6 +20,7 @@ from .._engines.dispatch import dot_product_attention
 from .._core.positions import positions as absolute_positions
 from .._schemes.rope import apply_rope
 from .._schemes.shaw import shaw_relative_attention
+from .._core.eager import compiled_when_eager
 from . import cache as kv_cache
 from .multihead import (
     head_dims,
@@ -348,23 +349,8 @@ def _decode(
         result = dot_product_attention(q, keys, values, precision=precision, **attend_kw, **options)
     result = project_result(params, result, precision=precision)
     if not rolling(options.get("window")):  # a rolling cache never overflows: it keeps the newest keys
-        result = poison_overflow(result, new_cache[2] > new_cache[0].shape[-3])
+        result = kv_cache.poison_overflow(result, new_cache[2] > new_cache[0].shape[-3])
     return result, new_cache
-
-
-def poison_overflow(result, overflowed):
-    """NaN in every output (and weight) of the examples whose cache overflowed (bool [...]), so a step past
-    the cache never returns plausible numbers; the other examples are untouched. Outside jit the cache
-    raises first; inside jit the index keeps counting past L, so every later step of that example is NaN too."""
-
-    def poison(x, core_dims):
-        flag = overflowed.reshape(overflowed.shape + (1,) * core_dims)
-        return jnp.where(flag, jnp.asarray(jnp.nan, x.dtype), x)
-
-    if isinstance(result, tuple):
-        out, weights = result
-        return poison(out, 2), poison(weights, 3)
-    return poison(result, 2)
 
 
 def _attend_rotary(params, query, key, value, rope, rope_positions, precision, options, qk_norm=None):
@@ -379,6 +365,7 @@ def _attend_rotary(params, query, key, value, rope, rope_positions, precision, o
     return project_result(params, result, precision=precision)
 
 
+@compiled_when_eager(concrete=("cache",))  # the cache's index is checked when known
 def attend(
     params,
     query,

@@ -214,7 +214,7 @@ def init_latent_cache(batch_shape, max_length: int, latent_dim: int, rope_dim: i
     )
 
 
-@compiled_when_eager
+@compiled_when_eager(concrete=("cache",))  # the cache's index is checked when known
 def latent_attention(
     params,
     x: Float[ArrayLike, "*#B T E"],
@@ -268,7 +268,10 @@ def latent_attention(
         params, qkv.q_nope, qkv.q_rope, latent, k_rope, form=form, scale=scale, precision=precision, **options
     )
     y = _map_output(z, lambda z: _dense(params, "out", z, "...tnv,nve->...te", precision))
-    return y if cache is None else (y, (latent, k_rope, index))
+    if cache is None:
+        return y
+    # an overflowing write is lost inside jit (outside, kv_cache.write raised): that example's output is NaN
+    return kv_cache.poison_overflow(y, index > cached_latent.shape[-2]), (latent, k_rope, index)
 
 
 def init_latent_attention(
