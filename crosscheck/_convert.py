@@ -27,7 +27,6 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Mapping
 
 import jax
-import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -196,7 +195,7 @@ def to_jax(x: np.ndarray, name: str):
             "32 bits); enable it first with "
             "jax.config.update('jax_enable_x64', True), or cast the torch module/tensors to float32 yourself"
         )
-    return jnp.asarray(x)
+    return jax.device_put(x)  # as jnp.asarray, without the identity program it compiles per shape outside jit
 
 
 def _to_torch(x: np.ndarray):

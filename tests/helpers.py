@@ -111,9 +111,10 @@ def assert_float64(*arrays):
 
 
 def arrays(seed, *shapes, dtype=np.float64):
-    """One jnp array of standard normal numbers per shape (float64 unless `dtype` says otherwise)."""
+    """One jnp array of standard normal numbers per shape (float64 unless `dtype` says otherwise). device_put,
+    not jnp.asarray: outside jit, jnp.asarray of a numpy array compiles an identity program per shape."""
     rng = np.random.default_rng(seed)
-    return [jnp.asarray(rng.normal(size=shape).astype(dtype)) for shape in shapes]
+    return [jax.device_put(rng.normal(size=shape).astype(dtype)) for shape in shapes]
 
 
 def check_forward_and_grads(ours, reference, args, argnums, *, tol=1e-12, grad_floor=0.0):
