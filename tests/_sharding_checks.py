@@ -320,7 +320,7 @@ def check_default_tiles_sharded(mesh):
         compiled = fn.lower(p_sharded, x_sharded).compile()
         (value, grads), (ref_value, ref_grads) = compiled(p_sharded, x_sharded), fn(params, x)
         G = N // K
-        sizes = tiles.row_tile_sizes(None, T, T, G, causal, None)
+        sizes = tiles.row_tile_sizes(None, T, T, G, None)
         Bc, Kc = tiles.row_groups(B, K, G, *sizes, None)
         results[f"mha-blockwise-default-tiles-{'causal' if causal else 'full'}"] = {
             "loss": abs(float(value - ref_value)) / abs(float(ref_value)),

@@ -778,7 +778,7 @@ def blockwise_attention(
       index; bias broadcastable to [(B,)N,Tb,Sb], added to the *scaled* logits. Arrays it closes over (a T5
       table, ALiBi slopes) get gradients through the custom VJP.
     block_size: int or (query_block, key_block); default (jaxattn._engines.tiles, the whole policy): 512 keys
-      and 512 / G queries (128 x 128 when causal on a single core), capped by a window's span; rows (batch
+      and 512 / G queries, causal or not, capped by a window's span; rows (batch
       entries x key/value heads) run in groups whose float32 tile fits tiles.ROW_TILE_BYTES, all rows at once
       for inputs on a multi-device mesh (on_a_device_mesh) or with score_mod / mask_mod. A block_mask's
       block_size is the tile.
@@ -796,7 +796,7 @@ def blockwise_attention(
         block_size, mask_mod, block_mask = _with_block_mask(block_mask, block_size, mask_mod, B, N, T, S)
     window = mods.check_window(window)
     grouped = _row_grouped(query, key, value, score_mod, mask_mod)
-    Tb, Sb = _tile_sizes(block_size, T, S, B, N, K, tiles.span(window, is_causal), bool(is_causal), grouped)
+    Tb, Sb = _tile_sizes(block_size, T, S, B, N, K, tiles.span(window, is_causal), grouped)
     Tp, Sp = -(-T // Tb) * Tb, -(-S // Sb) * Sb
     q_pos, k_pos, lengths = _positions_and_lengths(
         batch, T, S, Tp, Sp, query_positions, key_positions, key_value_seq_lengths
@@ -881,10 +881,10 @@ def _row_grouped(query, key, value, score_mod, mask_mod):
     return score_mod is None and mask_mod is None and not on_a_device_mesh(query, key, value)
 
 
-def _tile_sizes(block_size, T, S, B, N, K, span, causal, grouped):
+def _tile_sizes(block_size, T, S, B, N, K, span, grouped):
     """(Tb, Sb): the row-group tiles, or one tile over all B * N rows (tiles.py's two defaults)."""
     if grouped:
-        return tiles.row_tile_sizes(block_size, T, S, N // K, causal, span)
+        return tiles.row_tile_sizes(block_size, T, S, N // K, span)
     return tiles.block_sizes(block_size, T, S, B * N, span=span)
 
 

@@ -3,8 +3,7 @@ how many rows (batch entries x key/value heads) run side by side.
 
     block_sizes      an explicit block_size, checked; or the all-rows default (a [rows,Tb,Sb] tile of
                      about TILE_BUDGET_BYTES): sharded inputs, score_mod / mask_mod, create_block_mask
-    row_tile_sizes   the row-group default (blockwise_attention's usual path): ROW_TILE_BYTES tiles,
-                     small causal ones on a single core (cpu_cores)
+    row_tile_sizes   the row-group default (blockwise_attention's usual path): ROW_TILE_BYTES tiles
     row_groups       how many rows one group takes
     ring_tile_sizes  the ring's default: block_sizes for one chunk pair, shrunk with the device's share
     span             a sliding window's width, which caps every default (its edge tiles are mostly masked)
@@ -15,7 +14,6 @@ past T or S is less than one block's worth. The figures behind the constants: do
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import numpy as np
@@ -29,14 +27,11 @@ from .._core import checks
 # keys: 512 x 512, causal or not. XLA:CPU spreads one operation over its threads only when it is large
 # (two independent loops run one after the other), so smaller tiles leave cores idle: causal S = 2048 /
 # 8192, B1 N8 H64 float32 on an Intel Xeon with 2 cores, 512 x 512 against 128 x 128: forward 80 / 867 ms
-# against 114 / 1497 ms, forward+backward 288 / 3589 against 325 / 4538 ms (2026-11-26).
+# against 114 / 1497 ms (2026-11-26). On one pinned core, where nothing is spread and the half-masked
+# diagonal tiles cost more, 512 x 512 is within 6% of 128 x 128 (forward 96 against 90 ms, forward+backward
+# 229 against 228 ms at S = 2048), so one default serves both.
 DEFAULT_KEY_BLOCK = 512
 DEFAULT_QUERY_ROWS = 512  # G * Tb
-# On a single core nothing is spread, and causal tiles of 128 x 128 (whatever G), whose diagonal tiles
-# (half masked) waste little, win: causal S = 2048 on one pinned core, forward 105 ms against 109 ms and
-# forward+backward 394 ms against 467 ms with 512 x 512; GQA forward: Tb = 128 is 11-19% faster than
-# 128 / G (G = 4, 8), and at T = 128 a single query block halves the step's time.
-CAUSAL_BLOCK = 128
 ROW_TILE_BYTES = 2**20  # rows are grouped until one float32 tile [rows, G, Tb, Sb] would exceed this
 # Without row groups (sharded inputs, score_mod / mask_mod, the ring): key blocks of 512 and query blocks
 # as large as fit a ~16 MiB float32 tile [B,N,Tb,Sb] (64 <= Tb <= 512, powers of two).
@@ -88,24 +83,12 @@ def block_sizes(block_size, T: int, S: int, rows: int, span: Optional[int] = Non
     return min(int(block_size[0]), T), min(int(block_size[1]), S)
 
 
-def cpu_cores() -> int:
-    """The cores this process may run on: XLA:CPU sizes its thread pool to them."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def row_tile_sizes(block_size, T: int, S: int, G: int, causal: bool, span: Optional[int]) -> tuple:
+def row_tile_sizes(block_size, T: int, S: int, G: int, span: Optional[int]) -> tuple:
     """(Tb, Sb) for row groups: the given block_size, or the defaults (DEFAULT_QUERY_ROWS / G queries and
-    DEFAULT_KEY_BLOCK keys; on a single core, CAUSAL_BLOCK queries and keys with a causal mask, whatever G;
-    a window's span caps both as in block_sizes)."""
+    DEFAULT_KEY_BLOCK keys, causal or not; a window's span caps both as in block_sizes)."""
     if block_size is None:
         cap = _window_cap(span)
-        if causal and cpu_cores() == 1:
-            key_block, query_block = CAUSAL_BLOCK, CAUSAL_BLOCK
-        else:
-            key_block, query_block = DEFAULT_KEY_BLOCK, max(16, DEFAULT_QUERY_ROWS // G)
+        key_block, query_block = DEFAULT_KEY_BLOCK, max(16, DEFAULT_QUERY_ROWS // G)
         block_size = _evened(T, S, min(query_block, cap), min(key_block, cap))
     return block_sizes(block_size, T, S, 1)
 
