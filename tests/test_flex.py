@@ -83,17 +83,12 @@ MASK_MODS = {
 GRADIENT_CASES = ("document", "prefix_lm", "chunked", "head_dependent")  # causal / sliding: tests below
 
 
-def np_mask(mask_mod):
-    """The same predicate on Python ints (the loop reference's way)."""
-    return lambda b, n, t, s: bool(mask_mod(b, n, t, s))
-
-
 @pytest.mark.parametrize("name", GRADIENT_CASES)
 def test_mask_mods(name):
     """Blockwise with a BlockMask: forward and gradients; dense and blockwise without one: forward."""
     mask_mod = MASK_MODS[name]
     q, k, v = qkv(1)
-    allowed = allowed_loop(B, N, T, S, mask_mod=np_mask(mask_mod))
+    allowed = allowed_loop(B, N, T, S, mask_mod=mask_mod)
     block_mask = jaxattn.create_block_mask(mask_mod, B, N, T, S, block_size=(3, 4))
 
     def ours(q, k, v):
@@ -156,7 +151,7 @@ def test_score_mod_with_every_keyword(implementation):
     q, k, v = qkv(4)
     slopes, sinks = arrays(5, (N,), (N,))
     lengths = np.array([11, 8])
-    allowed = allowed_loop(B, N, T, S, window=(5, 0), key_value_seq_lengths=lengths, mask_mod=np_mask(document))
+    allowed = allowed_loop(B, N, T, S, window=(5, 0), key_value_seq_lengths=lengths, mask_mod=document)
 
     def ours(q, k, v, slopes, sinks):
         return jaxattn.flex_attention(
@@ -251,7 +246,7 @@ def test_create_block_mask_against_brute_force(name):
     mask_mod = MASK_MODS[name]
     Tb, Sb = 2, 3
     bm = jaxattn.create_block_mask(mask_mod, B, N, T, S, block_size=(Tb, Sb))
-    allowed = allowed_loop(B, N, T, S, mask_mod=np_mask(mask_mod))
+    allowed = allowed_loop(B, N, T, S, mask_mod=mask_mod)
     nq, nk = -(-T // Tb), -(-S // Sb)
     assert bm.kv_num_blocks.shape == (B, N, nq) and bm.kv_indices.shape == (B, N, nq, nk)
     assert bm.full_kv_num_blocks.shape == (B, N, nq) and bm.full_kv_indices.shape == (B, N, nq, nk)
@@ -285,7 +280,7 @@ def test_block_mask_is_a_pytree_under_jit_and_vmap():
 def test_block_mask_skips_empty_tiles():
     """A document layout: the blockwise path visits only the tiles of each document (counted per query tile)."""
     bm = jaxattn.create_block_mask(document, B, None, T, S, block_size=(3, 4))
-    allowed = allowed_loop(B, 1, T, S, mask_mod=np_mask(document))
+    allowed = allowed_loop(B, 1, T, S, mask_mod=document)
     visited = np.asarray(bm.kv_num_blocks + bm.full_kv_num_blocks)
     assert visited.sum() < B * 3 * 3  # fewer than every (query tile, key tile) pair
     for b in range(B):
