@@ -108,6 +108,7 @@ def test_config_variants_match_transformers(tmp_path, model_type, overrides):
         assert model.config.normalize_top_k() and not model.config.windows and len(biased) == 4
 
 
+@pytest.mark.slow  # 5 s: a legacy spelling of one family's config (CI runs it)
 def test_gemma3_reads_transformers_4_rope_keys(tmp_path):
     """rope_theta + rope_scaling (global layers) and rope_local_base_freq (local layers), as Google's Gemma 3
     configs spell them, give the rotary embeddings transformers 5 builds from them."""
@@ -230,7 +231,11 @@ def test_config_options_not_implemented_are_refused(tmp_path, model_type, change
         from_pretrained(bad)
 
 
-@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss", "qwen3_moe"])
+# the default run takes mixtral in float32; the other routers and float64 run in the slow group (CI)
+@pytest.mark.parametrize(
+    "model_type",
+    ["mixtral", pytest.param("gpt_oss", marks=pytest.mark.slow), pytest.param("qwen3_moe", marks=pytest.mark.slow)],
+)
 @pytest.mark.parametrize("dtype", ["float32", pytest.param("float64", marks=pytest.mark.slow)])
 def test_router_logits_and_aux_loss_equal_transformers(tmp_path, model_type, dtype):
     """HF's output_router_logits=True outputs: every layer's router logits (ours sown as "layer{i}.router")
