@@ -22,6 +22,7 @@ trace time. cross_platform_lowering's setting is part of the key (it changes wha
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable, TypeVar
 
 import jax
@@ -50,7 +51,7 @@ def _is_array(x) -> bool:
 
 
 def _split(value):
-    """("dynamic", value) / ("static", value), or None when the call must stay unwrapped."""
+    """'dynamic' (traced), 'static' (part of the program's key), or None when the call must stay unwrapped."""
     leaves = jax.tree.leaves(value)
     if leaves and all(_is_array(leaf) for leaf in leaves):
         if any(type(leaf).__name__ == _STAGING_TRACER for leaf in leaves):
@@ -104,10 +105,11 @@ def compiled_when_eager(fn: F | None = None, *, concrete: tuple[str, ...] = ()) 
     so an eager call keeps its check."""
     if fn is None:
         return functools.partial(compiled_when_eager, concrete=concrete)  # type: ignore[return-value]
-    import inspect
-
     signature = inspect.signature(fn)
-    has_var_keyword = any(p.kind is p.VAR_KEYWORD for p in signature.parameters.values())
+    kinds = {p.kind: p.name for p in signature.parameters.values()}
+    if inspect.Parameter.VAR_POSITIONAL in kinds:  # *args cannot be passed by name to the jitted call
+        return fn
+    var_keyword = kinds.get(inspect.Parameter.VAR_KEYWORD)  # **options: its entries are keywords like the others
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -116,11 +118,8 @@ def compiled_when_eager(fn: F | None = None, *, concrete: tuple[str, ...] = ()) 
         except TypeError:
             return fn(*args, **kwargs)  # let fn raise its own error
         arguments = dict(bound.arguments)
-        if has_var_keyword:  # **options: its entries are keywords like the others
-            extra = [p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD]
-            arguments.update(arguments.pop(extra[0], {}))
-        if any(p.kind is p.VAR_POSITIONAL for p in signature.parameters.values()):
-            return fn(*args, **kwargs)
+        if var_keyword is not None:
+            arguments.update(arguments.pop(var_keyword, {}))
         if any(arguments.get(name) is not None for name in concrete):
             return fn(*args, **kwargs)
         static, dynamic = [], {}
