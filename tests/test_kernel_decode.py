@@ -1,4 +1,4 @@
-"""The split-key (flash-decoding) Pallas GPU kernel (pallas_gpu.decode_attention) equals the dense engine, run by
+"""The split-key (flash-decoding) Pallas GPU kernel (decode_gpu.decode_attention) equals the dense engine, run by
 Pallas' interpreter on CPU; a decode step lowered for CUDA takes it (issue 26 §3).
 
 float32 at highest precision: outputs and lse <= 1e-6 normwise. Every axis has its own prime size; the key
@@ -18,7 +18,7 @@ import pytest
 
 import jaxattn
 from jaxattn._engines import dispatch
-from jaxattn._kernels import pallas_gpu
+from jaxattn._kernels import decode_gpu
 from helpers import normwise
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
@@ -102,7 +102,7 @@ def _run(impl, case, dtype=np.float32, rounded_to=None):
     @jax.jit
     def f(q, k, v):
         if impl == "kernel":
-            result = pallas_gpu.decode_attention(
+            result = decode_gpu.decode_attention(
                 q, k, v, interpret=True, precision="highest", block_size=tile, key_chunk=chunk, **options
             )
         else:
@@ -152,20 +152,20 @@ def test_bf16_envelope():
 
 def test_when_attention_takes_the_decode_kernel():
     step = [jnp.zeros(s, jnp.bfloat16) for s in ((1, 1, 8, 128), (1, 4096, 2, 128), (1, 4096, 2, 128))]
-    assert pallas_gpu.use_decode(*step, is_causal=True, key_value_seq_lengths=np.array([9]))
+    assert decode_gpu.use_decode(*step, is_causal=True, key_value_seq_lengths=np.array([9]))
     short = [x[:, :256] if i else x for i, x in enumerate(step)]
-    assert not pallas_gpu.use_decode(*short)  # one chunk: nothing to split
+    assert not decode_gpu.use_decode(*short)  # one chunk: nothing to split
     prefill = [jnp.zeros((1, 512, 8, 128), jnp.bfloat16), *step[1:]]
-    assert not pallas_gpu.use_decode(*prefill)  # 512 x 4 rows per key/value head
+    assert not decode_gpu.use_decode(*prefill)  # 512 x 4 rows per key/value head
     wide = [jnp.zeros((64, 1, 8, 128), jnp.bfloat16), *(jnp.zeros((64, 4096, 2, 128), jnp.bfloat16),) * 2]
-    assert not pallas_gpu.use_decode(*wide)  # 512 flash programs already fill the SMs
-    assert not pallas_gpu.use_decode(*step, mask_mod=lambda b, n, t, s: t >= s)  # the flash kernel's
+    assert not decode_gpu.use_decode(*wide)  # 512 flash programs already fill the SMs
+    assert not decode_gpu.use_decode(*step, mask_mod=lambda b, n, t, s: t >= s)  # the flash kernel's
     with pytest.raises(ValueError, match="implementation.*mask_mod"):
-        pallas_gpu.decode_attention(*step, mask_mod=lambda b, n, t, s: t >= s)
+        decode_gpu.decode_attention(*step, mask_mod=lambda b, n, t, s: t >= s)
     with pytest.raises(ValueError, match="implementation.*bias"):
-        pallas_gpu.decode_attention(*step, bias=jnp.zeros((1, 4096)))
+        decode_gpu.decode_attention(*step, bias=jnp.zeros((1, 4096)))
     with pytest.raises(ValueError, match="^key_chunk"):
-        pallas_gpu.decode_attention(*step, key_chunk=100)
+        decode_gpu.decode_attention(*step, key_chunk=100)
 
 
 def test_a_key_only_mask_becomes_segment_ids():
@@ -254,7 +254,7 @@ def test_attention_routes_a_decode_step_and_differentiates_through_the_flash_ker
         mask=rng.uniform(size=(B, 1, 1, S)) > 0.3,
         sinks=np.linspace(-1, 1, N, dtype=np.float32),
     )
-    assert pallas_gpu.use_decode(q, k, v, interpret=True, **{name: x for name, x in keywords.items() if name != "mask"})
+    assert decode_gpu.use_decode(q, k, v, interpret=True, **{name: x for name, x in keywords.items() if name != "mask"})
 
     def run(implementation, **extra):
         def f(q, k, v):
@@ -278,7 +278,7 @@ def test_vmap_over_a_batch_axis():
     lengths = jnp.asarray([29, 4, 17], jnp.int32)
 
     def attend(q, k, v, length):
-        return pallas_gpu.decode_attention(
+        return decode_gpu.decode_attention(
             q,
             k,
             v,

@@ -10,10 +10,13 @@ options are blockwise_attention's keywords (is_causal, key_value_seq_lengths, po
 segment ids, window, chunk_size, logit_softcap, sinks, score_mod, mask_mod, block_mask, return_lse, ...);
 the results follow DESIGN.md's semantics (bottom-right causal, zeros for a row with no allowed key).
 
-    pallas_gpu  a Pallas flash-attention kernel for GPUs (Triton lowering)
+    pallas_gpu  implementation="pallas_gpu": flash_gpu, or decode_gpu for a few query rows against long keys
+    flash_gpu   our Pallas flash-attention kernel for GPUs (Triton lowering), forward and backward
+    decode_gpu  our Pallas split-key (flash-decoding) kernel for GPUs, forward only
+    tile_body   the flash forward's per-tile body that flash_gpu, decode_gpu and flex_tpu share
     pallas_tpu  implementation="pallas_tpu": splash_tpu, or flex_tpu for score_mod / mask_mod / BlockMask
     splash_tpu  TPU splash attention, shipped with JAX (jax.experimental.pallas.ops.tpu.splash_attention)
-    flex_tpu    our Pallas TPU kernel (pallas_gpu's forward kernel body on a TPU layout), forward only
+    flex_tpu    our Pallas TPU kernel (tile_body's forward kernel on a TPU layout), forward only
     cudnn       cuDNN's fused attention through jax.nn.dot_product_attention(implementation="cudnn")
 
 Nothing here is imported by `import jaxattn`: the dispatch imports a module the first time a call may use it.

@@ -2,7 +2,7 @@
 (flex_attention), with every other option of the Pallas GPU kernel beside them. Forward only; a gradient
 runs the XLA blockwise engine's backward.
 
-The kernel body is the Pallas GPU kernel's forward (pallas_gpu.forward_kernel: one (b, n, query tile), a
+The kernel body is the Pallas GPU kernel's forward (tile_body.forward_kernel: one (b, n, query tile), a
 loop over the key tiles its schedule lists, score_mod / mask_mod / softcap / the mask rule per tile, sinks,
 the online-softmax merge of _core), run on a TPU layout by Mosaic:
 
@@ -36,7 +36,7 @@ from jax.experimental.pallas import tpu as pltpu
 from .._core import checks, mods
 from .._core.dtypes import accumulation_dtype
 from .._engines.blockwise import blockwise_attention
-from . import pallas_gpu
+from . import flash_gpu, tile_body
 
 LANES = 128
 INTERPRET_BLOCK = 16
@@ -57,7 +57,7 @@ def _tiles_ok(pair) -> bool:
 def unsupported(query, key, value, *, interpret=False, **options) -> Optional[str]:
     """None when attention() computes this call; else the first option it cannot express: the Pallas GPU
     kernel's own refusals (without its GPU chip limits), and on a TPU the limits in the module docstring."""
-    problem = pallas_gpu.unsupported(query, key, value, interpret=True, **options)
+    problem = flash_gpu.unsupported(query, key, value, interpret=True, **options)
     if problem is not None or interpret:
         return problem
     if jax.config.read("jax_enable_x64"):
@@ -105,8 +105,8 @@ class _Scalars:
         return self.ref[self.lead] if index is Ellipsis else self.ref[(*self.lead, index)]
 
 
-def _forward(p: pallas_gpu.Prepared, interpret: bool):
-    """pallas_gpu.forward_kernel on the TPU layout: (out [B,Tp,N,Hvp], lse [B,N,Tp]) as the GPU kernel's."""
+def _forward(p: flash_gpu.Prepared, interpret: bool):
+    """tile_body.forward_kernel on the TPU layout: (out [B,Tp,N,Hvp], lse [B,N,Tp]) as the GPU kernel's."""
     cfg, side = p.cfg, p.side
     q = jnp.swapaxes(p.q, 1, 2)  # [B,N,Tp,Hp]
     k, v = jnp.swapaxes(p.k, 1, 2), jnp.swapaxes(p.v, 1, 2)
@@ -114,7 +114,7 @@ def _forward(p: pallas_gpu.Prepared, interpret: bool):
     Sp, Hvp = k.shape[2], v.shape[-1]
     G = cfg.N // cfg.K
     bq, bk, bs, bl, bsched = cfg.batched
-    pick = pallas_gpu.pick
+    pick = tile_body.pick
 
     scalars = {"order": side.order, "counts": side.counts}
     if side.lengths is not None:
@@ -166,7 +166,7 @@ def _forward(p: pallas_gpu.Prepared, interpret: bool):
         for name in ("q_pos", "k_pos", "q_seg", "k_seg", "lse"):
             if name in r:
                 r[name] = _Row(r[name])
-        pallas_gpu.forward_kernel(cfg, r)
+        tile_body.forward_kernel(cfg, r)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=n_scalars,
@@ -216,11 +216,11 @@ def attention(query, key, value, *, interpret=False, **options):
     @jax.custom_vjp
     def run(query, key, value, sinks, consts):
         opts = keywords(sinks, consts)
-        p = pallas_gpu.prepare(
+        p = flash_gpu.prepare(
             query, key, value, opts, interpret, blocks=blocks, head_multiple=None if interpret else LANES
         )
         out, lse = _forward(p, interpret)
-        return pallas_gpu.finish(p, out, lse, bool(opts.get("return_lse", False)))
+        return flash_gpu.finish(p, out, lse, bool(opts.get("return_lse", False)))
 
     def run_fwd(*args):
         return run(*args), args

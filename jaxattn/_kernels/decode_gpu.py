@@ -1,0 +1,257 @@
+"""Split-key (flash-decoding) forward for GPU, a Pallas kernel (Triton lowering): a few query rows against a
+long key axis.
+
+The flash grid is (b, n, query tile): with T within one query tile (a decode step) that is B * N
+programs, each streaming the whole key axis, e.g. 32 programs for B = 1, N = 32 on a GPU with 108-132
+SMs. Here the key axis is split into chunks: grid (b, key/value head, chunk), each program computes the
+partial (out, m, l) of the G * T query rows of its key/value head (the G query heads of a group read
+each K/V tile once) over its chunk's scheduled tiles (tile_body.key_tiles); merge_partials combines the
+chunks in XLA. The checks, layout and tile schedules are the flash kernel's (flash_gpu); a gradient runs the
+flash kernels (decode_with_flash_gradient).
+
+When pallas_gpu.attention takes it (use_decode) is a design choice from that occupancy argument, not
+measured (no GPU here): the flash grid has fewer than DECODE_PROGRAMS programs (two per SM of a 132-SM
+H100), the rows of a key/value head fit one tile, and the key axis holds at least two minimum chunks.
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from .._core import checks
+from .._core.dtypes import accumulation_dtype
+from .._core.softmax import add_sinks, finalize_partial, merge_partials, public_lse
+from .._engines.blockwise import blockwise_attention
+from .flash_gpu import (
+    MIN_GPU_BLOCK,
+    checked_call,
+    is_power_of_two,
+    kernel_layout,
+    key_tile_kinds,
+    named_call,
+    next_power_of_two,
+    padded_head,
+    padded_rows,
+    run,
+    sorted_kinds,
+    tile_sizes,
+    unsupported,
+)
+from .tile_body import Config, key_tiles, load, pick
+
+# The occupancy choice of use_decode (module docstring).
+DECODE_PROGRAMS = 264
+DECODE_MAX_ROWS = 64  # G * T query rows of one key/value head in one program (a [rows, Sb] logits tile)
+DECODE_MIN_CHUNK = 256  # keys per program at least (a power of two): fewer would spend more on the merge
+# Options the decode kernel does not take (the flash kernel does: pallas_gpu.attention routes them there).
+_NOT_DECODE = ("score_mod", "mask_mod", "block_mask")
+# Array-valued options (the custom VJP's differentiable / integer inputs).
+_ARRAY_OPTIONS = (
+    "query_positions",
+    "key_positions",
+    "key_value_seq_lengths",
+    "query_segment_ids",
+    "key_segment_ids",
+    "sinks",
+)
+
+
+def decode_unsupported(query, key, value, *, interpret=False, **options) -> Optional[str]:
+    """None when decode_attention computes this call; else the first option it cannot express: the flash
+    kernel's refusals (unsupported), score_mod / mask_mod / block_mask, and on a GPU more than
+    DECODE_MAX_ROWS query rows per key/value head (G * T)."""
+    problem = unsupported(query, key, value, interpret=interpret, **options)
+    if problem is not None:
+        return problem
+    for name in _NOT_DECODE:
+        if options.get(name) is not None:
+            return name
+    T, N, K = np.shape(query)[-3], np.shape(query)[-2], np.shape(key)[-2]
+    if not interpret and K and T * (N // K) > DECODE_MAX_ROWS:
+        return f"query ({T} rows x {N // K} heads per key/value head > {DECODE_MAX_ROWS})"
+    return None
+
+
+def use_decode(query, key, value, *, interpret=False, **options) -> bool:
+    """pallas_gpu.attention's choice of the split-key kernel: decode_attention expresses the call, the G * T rows
+    of a key/value head fit one tile, the flash grid (B * N * query tiles) has fewer than DECODE_PROGRAMS
+    programs and S >= 2 * DECODE_MIN_CHUNK (the occupancy argument above; not measured)."""
+    if decode_unsupported(query, key, value, interpret=interpret, **options) is not None:
+        return False
+    *batch, T, N, H = np.shape(query)
+    S, K = np.shape(key)[-3], np.shape(key)[-2]
+    Tb, _ = tile_sizes(options.get("block_size"), T, S, padded_head(max(H, np.shape(value)[-1]), interpret), interpret)
+    flash_programs = int(np.prod(batch, dtype=np.int64)) * N * -(-T // Tb)
+    return T * (N // K) <= DECODE_MAX_ROWS and flash_programs < DECODE_PROGRAMS and S >= 2 * DECODE_MIN_CHUNK
+
+
+def decode_tiles(block_size, key_chunk, B: int, K: int, S: int, Hp: int, interpret: bool) -> tuple:
+    """(Sb, Sc): the key tile (block_size's key part, else the flash kernel's) and the keys per program:
+    key_chunk, else a power of two >= DECODE_MIN_CHUNK giving about DECODE_PROGRAMS programs (B * K * chunks)."""
+    _, Sb = tile_sizes(block_size, 1, S, Hp, interpret)
+    if key_chunk is None:
+        wanted = -(-DECODE_PROGRAMS // max(B * K, 1))
+        return Sb, max(Sb, DECODE_MIN_CHUNK, next_power_of_two(-(-S // wanted)))
+    if (
+        isinstance(key_chunk, bool)
+        or not isinstance(key_chunk, numbers.Integral)
+        or key_chunk <= 0
+        or (key_chunk % Sb)
+        or (not interpret and not is_power_of_two(key_chunk))
+    ):
+        checks.fail(
+            "key_chunk",
+            f"a multiple of the key tile {Sb} ({'' if interpret else 'a power of two, '}> 0)",
+            repr(key_chunk),
+        )
+    return Sb, int(key_chunk)
+
+
+def _decode_kernel(cfg: Config, r):
+    b, c = pl.program_id(0), pl.program_id(2)
+    (out,), m, l = key_tiles(
+        cfg,
+        r,
+        b,
+        None,
+        r["q"][...],
+        r["q_pos"][...],
+        load(r, "q_seg"),
+        load(r, "lengths"),
+        key_start=c * cfg.Sn * cfg.Sb,
+    )
+    r["out"][...], r["m"][...], r["l"][...] = out, m, l
+
+
+def _decode_partials(cfg, q, k, v, q_pos, k_pos, lengths, q_seg, k_seg, order, counts):
+    """Per (b, key/value head, chunk): out [B,K,C,Rp,Hvp] (unnormalised), m and l [B,K,C,Rp]."""
+    B, K, Rp, Hp = q.shape
+    Sc, C, Hvp = cfg.Sn * cfg.Sb, k.shape[1] // (cfg.Sn * cfg.Sb), v.shape[-1]
+    bq, bk, bs, bl, bsched = cfg.batched
+    inputs = {
+        "q": (q, pl.BlockSpec((None, None, Rp, Hp), lambda b, h, c: (b, h, 0, 0))),
+        "k": (k, pl.BlockSpec((None, Sc, None, Hp), lambda b, h, c: (b, c, h, 0))),
+        "v": (v, pl.BlockSpec((None, Sc, None, Hvp), lambda b, h, c: (b, c, h, 0))),
+        "q_pos": (q_pos, pl.BlockSpec((None, Rp), lambda b, h, c: (pick(bq, b), 0))),
+        "k_pos": (k_pos, pl.BlockSpec((None, Sc), lambda b, h, c: (pick(bk, b), c))),
+        "lengths": None if lengths is None else (lengths, pl.BlockSpec((None,), lambda b, h, c: (pick(bl, b),))),
+        "q_seg": None if q_seg is None else (q_seg, pl.BlockSpec((None, Rp), lambda b, h, c: (pick(bs, b), 0))),
+        "k_seg": None if k_seg is None else (k_seg, pl.BlockSpec((None, Sc), lambda b, h, c: (pick(bs, b), c))),
+        "order": (order, pl.BlockSpec((None, None, cfg.Sn), lambda b, h, c: (pick(bsched, b), c, 0))),
+        "counts": (counts, pl.BlockSpec((None, None, 4), lambda b, h, c: (pick(bsched, b), c, 0))),
+    }
+    acc_dtype = accumulation_dtype(q.dtype)
+    rows = pl.BlockSpec((None, None, None, Rp), lambda b, h, c: (b, h, c, 0))
+    outputs = {
+        "out": (
+            jax.ShapeDtypeStruct((B, K, C, Rp, Hvp), acc_dtype),
+            pl.BlockSpec((None, None, None, Rp, Hvp), lambda b, h, c: (b, h, c, 0, 0)),
+        ),
+        "m": (jax.ShapeDtypeStruct((B, K, C, Rp), acc_dtype), rows),
+        "l": (jax.ShapeDtypeStruct((B, K, C, Rp), acc_dtype), rows),
+    }
+    return tuple(named_call(cfg, _decode_kernel, (B, K, C), inputs, outputs, "jaxattn_decode_split_key"))
+
+
+def decode_attention(query, key, value, *, interpret=False, key_chunk=None, **options):
+    """pallas_gpu.attention's call by the split-key (flash-decoding) kernel: forward only (no custom VJP of
+    its own; decode_with_flash_gradient differentiates through the flash kernel). Meant for a few query rows
+    against a long key axis; any T works. key_chunk: keys per program (default: decode_tiles). What it cannot
+    express (decode_unsupported) raises ValueError naming the option."""
+    problem = decode_unsupported(query, key, value, interpret=interpret, **options)
+    if problem is not None:
+        checks.fail(
+            "implementation",
+            f"the flash kernel or the XLA engines with {problem}: the split-key decode kernel cannot express it",
+            '"pallas_gpu" decode_attention',
+        )
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    call = checked_call(query, key, value, options)
+    batch, T, S, N, K, H, Hv = call[:7]
+    if T == 0 or S == 0:
+        return blockwise_attention(query, key, value, **{k: v for k, v in options.items() if k != "block_size"})
+    B, G = int(np.prod(batch, dtype=np.int64)), N // K
+    Hp, Hvp = padded_head(H, interpret), padded_head(Hv, interpret)
+    Sb, Sc = decode_tiles(options.get("block_size"), key_chunk, B, K, S, max(Hp, Hvp), interpret)
+    C, tiles = -(-S // Sc), Sc // Sb
+    R = G * T  # the rows of one key/value head: query head kh * G + g, query t -> row g * T + t
+    Rp = next_power_of_two(R) if interpret else max(MIN_GPU_BLOCK, next_power_of_two(R))  # padded as on a GPU
+    q_pos, k_pos, lengths, q_seg, k_seg = padded_rows(call, T, C * Sc)
+
+    Bs = max([1] + [x.shape[0] for x in (q_pos, k_pos, lengths, q_seg) if x is not None])
+    cfg = Config(
+        Tb=T,
+        Sb=Sb,
+        Tn=1,
+        Sn=C * tiles,
+        N=N,
+        K=K,
+        rule=call.rule,
+        scale=call.scale,
+        softcap=call.softcap,
+        score_fn=None,
+        mask_fn=None,
+        score_grads=(),
+        n_mask_consts=0,
+        batched=(),
+        head_kinds=False,
+        precision=call.precision,
+        interpret=bool(interpret),
+        num_warps=4 if max(Hp, Hvp) <= 64 else 8,
+    )
+    kinds = key_tile_kinds(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, None)[:, 0, 0]  # all T rows: one tile
+    order, counts = sorted_kinds(kinds.reshape(kinds.shape[0], C, tiles))  # per chunk, chunk-local indices
+
+    def group_rows(x):  # [B|1,T] -> [B|1,Rp]: each row's value for the G heads, edge-padded
+        return None if x is None else jnp.pad(jnp.tile(x, (1, G)), [(0, 0), (0, Rp - R)], mode="edge")
+
+    cfg = cfg._replace(
+        Tb=Rp, Sn=tiles, batched=tuple(x is not None and x.shape[0] > 1 for x in (q_pos, k_pos, q_seg, lengths, order))
+    )
+    q = kernel_layout(query, batch, T, T, Hp).reshape(B, T, K, G, Hp)
+    q = jnp.pad(q.transpose(0, 2, 3, 1, 4).reshape(B, K, R, Hp), [(0, 0), (0, 0), (0, Rp - R), (0, 0)])
+    k, v = kernel_layout(key, batch, S, C * Sc, Hp), kernel_layout(value, batch, S, C * Sc, Hvp)
+    out, m, l = _decode_partials(
+        cfg, q, k, v, group_rows(q_pos), k_pos, lengths, group_rows(q_seg), k_seg, order, counts
+    )
+    (out,), m, l = merge_partials(((out[:, :, :, :R],), m[..., :R], l[..., :R]), axis=2)  # [B,K,R,Hvp], [B,K,R]
+    heads = lambda x: x.reshape(B, N, T, *x.shape[3:])  # noqa: E731  [B,K,G*T,...] -> [B,N,T,...]
+    partial = add_sinks(((heads(out),), heads(m), heads(l)), None if call.sinks is None else call.sinks[..., None])
+    (out,), lse = finalize_partial(partial)
+    out = jnp.swapaxes(out, 1, 2)[..., :Hv].astype(query.dtype).reshape(*batch, T, N, Hv)
+    if options.get("return_lse", False):
+        return out, public_lse(lse.reshape(*batch, N, T))
+    return out
+
+
+def decode_with_flash_gradient(query, key, value, interpret, o):
+    """decode_attention forward; a gradient runs the flash kernels (forward again, then backward)."""
+    arrays = {k: jnp.asarray(o[k]) for k in _ARRAY_OPTIONS if o.get(k) is not None}
+    static = tuple(sorted((k, v) for k, v in o.items() if k not in arrays))
+    return _decode_forward(static, bool(interpret), query, key, value, arrays)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _decode_forward(static, interpret, query, key, value, arrays):
+    return decode_attention(query, key, value, interpret=interpret, **dict(static), **arrays)
+
+
+def _decode_forward_fwd(static, interpret, query, key, value, arrays):
+    return _decode_forward(static, interpret, query, key, value, arrays), (query, key, value, arrays)
+
+
+def _decode_forward_bwd(static, interpret, residuals, cotangent):
+    def flash(query, key, value, arrays):
+        return run(query, key, value, interpret, {**dict(static), **arrays})
+
+    return jax.vjp(flash, *residuals)[1](cotangent)
+
+
+_decode_forward.defvjp(_decode_forward_fwd, _decode_forward_bwd)

@@ -1,0 +1,765 @@
+"""Flash attention for GPU: a Pallas kernel (Triton lowering), forward and FlashAttention-2 backward.
+
+    forward, grid (b, n, query tile i): tile_body.forward_kernel
+    dq, grid (b, n, i): p = exp(x - lse) recomputed, ds = p (dO V^T - delta), dq_i = sum_j scale ds k_j
+    dk/dv, grid (b, key head kh, key tile j): over the G query heads of kh and the query tiles that see j,
+        dv_j += p^T dO, dk_j += scale ds^T q                        (delta = rowsum(dO * out) - d lse)
+
+The semantics are blockwise_attention's (its docstring), and every rule is _core's: which pairs may attend
+(masks.allowed_pairs, on the tile's positions), which key tiles a query tile visits and whether they need
+a mask (masks.key_block_kinds, computed per (batch, head, query tile) before the kernel, sorted into a
+schedule: WITH_MOD tiles, then MASKED, then CLEAN, then skipped ones), the online-softmax merge and sinks
+(softmax.combine_partials, add_sinks, finalize_partial), softcap (mods.softcap / softcap_grad), and
+score_mod / mask_mod (mods.element_function traced once; mods.on_tile calls them on the tile's iota grids;
+the arrays they close over are explicit kernel inputs, and the float ones get gradients: partial sums per
+(b, n, query tile) from the dq kernel, added up outside).
+
+Layout: q [B,Tp,N,Hp], k [B,Sp,K,Hp], v [B,Sp,K,Hvp] (batch dims flattened, T, S padded to whole tiles,
+head dims to powers of two): a BlockSpec picks one head's [Tb,Hp] tile, and query head n reads key/value
+head n // G (G = N // K) through its index map, so grouped-query attention never copies keys or values.
+Padding keys are masked as past the length; padding queries are computed and sliced off.
+
+The surface: `unsupported(query, key, value, **options)` (the first option the kernel cannot express, or
+None) and `run(query, key, value, interpret, options)` (a call it expresses). Package-internal, for the
+kernels that share this one's checks, layout and schedules (decode_gpu, flex_tpu): prepare / finish, and
+the helpers decode_gpu builds its own grid from (checked_call, padded_rows, kernel_layout, key_tile_kinds,
+sorted_kinds, tile_sizes, named_call). `interpret=True` runs the same kernels with Pallas' interpreter on any
+platform (the CPU tests).
+"""
+
+from __future__ import annotations
+
+import functools
+import numbers
+from typing import Any, NamedTuple, Optional
+
+import jax
+import jax.core  # jax.core.Tracer: a submodule, imported by name so that type checkers see it
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .._core import block_mask as block_masks
+from .._core import checks, mods
+from .._core.dtypes import accumulation_dtype
+from .._core.masks import (
+    CLEAN,
+    MASKED,
+    WITH_MOD,
+    MaskRule,
+    check_lengths,
+    key_block_kinds,
+    masks_anything,
+)
+from .._core.positions import positions
+from .._core.softmax import has_keys, public_lse
+from .._engines.blockwise import grid_options_in_use
+from .._engines.tiles import check_block_mask_tiles
+from .tile_body import (
+    Config,
+    Side,
+    allowed_in_tile,
+    apply_score_mod,
+    capped_logits,
+    dot,
+    forward_kernel,
+    load,
+    load_consts,
+    pick,
+    visit,
+)
+
+# Tiles on a GPU (queries x keys): 128 x 64 up to head dim 64, 64 x 64 above (a float32 [Tb,Sb] tile plus
+# q, k, v tiles must fit the registers / shared memory of one thread block); Triton's dot needs powers of
+# two of at least 16. The interpreter takes any size: 16 x 16 keeps interpret-mode tests quick.
+GPU_BLOCKS = {64: (128, 64), 256: (64, 64)}  # largest padded head dim -> (Tb, Sb)
+INTERPRET_BLOCK = 16
+MIN_GPU_BLOCK = 16
+MAX_HEAD_DIM = 256
+
+# Keywords whose terms need the full [T,S] grid or relative-position tables: the XLA engines take them.
+_TABLE_OPTIONS = ("key_table", "value_table", "position_bias")
+_OPTIONS = {
+    "is_causal",
+    "key_value_seq_lengths",
+    "query_positions",
+    "key_positions",
+    "scale",
+    "precision",
+    "block_size",
+    "query_segment_ids",
+    "key_segment_ids",
+    "window",
+    "chunk_size",
+    "logit_softcap",
+    "sinks",
+    "score_mod",
+    "mask_mod",
+    "block_mask",
+    "return_lse",
+    "max_distance",
+    "bias",
+    "mask",
+    "dropout_rate",
+    "dropout_rng",
+    "return_weights",
+    *_TABLE_OPTIONS,
+}
+
+
+# ---------------------------------------------------------------------------------------------------
+# What the kernel can express.
+
+
+def is_power_of_two(n) -> bool:
+    return isinstance(n, numbers.Integral) and n > 0 and (n & (n - 1)) == 0
+
+
+def _block_pair(block_size):
+    if block_size is None:
+        return None
+    return (block_size, block_size) if isinstance(block_size, numbers.Integral) else tuple(block_size)
+
+
+def unsupported(query, key, value, *, interpret=False, **options) -> Optional[str]:
+    """None when run() computes this call; else the name of the first option it cannot express.
+
+    Cheap (shapes and Python values only). Relative-position tables and biases (key_table, value_table,
+    position_bias) and the full-grid options (bias, mask, dropout_rate, return_weights) are the XLA
+    engines'. On a GPU (interpret=False) tiles must be powers of two >= 16 (block_size, a BlockMask's
+    tiles), head dims at most 256, inputs at most 32-bit floats, scale a Python number, and score_mod /
+    mask_mod must close over no array (Triton cannot index one by head or position).
+    """
+    for name in options:
+        if name not in _OPTIONS:
+            return name
+    for name in _TABLE_OPTIONS:
+        if options.get(name) is not None:
+            return name
+    in_use = grid_options_in_use(
+        **{k: options[k] for k in ("bias", "mask", "dropout_rate", "dropout_rng", "return_weights") if k in options}
+    )
+    if in_use:
+        return in_use[0]
+    scale = options.get("scale")
+    if (
+        scale is not None
+        and not isinstance(scale, numbers.Real)
+        and (isinstance(scale, jax.core.Tracer) or np.ndim(scale) != 0)
+    ):
+        return "scale"
+    if interpret:
+        return None
+    if np.dtype(getattr(query, "dtype", np.float32)).itemsize > 4:
+        return "dtype"
+    if max(np.shape(query)[-1:] + np.shape(value)[-1:], default=0) > MAX_HEAD_DIM:
+        return "head_dim"
+    pair = _block_pair(options.get("block_size"))
+    if pair is not None and not all(is_power_of_two(b) and b >= MIN_GPU_BLOCK for b in pair):
+        return "block_size"
+    block_mask = options.get("block_mask")
+    if block_mask is not None:
+        tiles_ok = all(is_power_of_two(b) and b >= MIN_GPU_BLOCK for b in getattr(block_mask, "block_size", ()))
+        if not tiles_ok or getattr(block_mask, "mask_consts", ()):  # mask_consts: as a mask_mod's, below
+            return "block_mask"
+    for name in ("score_mod", "mask_mod"):
+        fn = options.get(name)
+        if fn is not None and callable(fn):
+            score_dtype = accumulation_dtype(getattr(query, "dtype", jnp.float32)) if name == "score_mod" else None
+            traced = mods.element_function(name, fn, score_dtype)
+            if traced.consts:
+                return name
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------
+# The backward kernels: one [Tb,Sb] tile.
+
+
+def _row_grads(cfg, x, lse, allowed, do, v, delta):
+    """(p, ds) of one tile: p recomputed from the saved lse, ds = d loss / d x = p (dO v^T - delta)."""
+    p = jnp.exp(x - jnp.where(has_keys(lse), lse, 0)[:, None])  # a row with no allowed key: p masked to 0
+    if allowed is not None:
+        p = jnp.where(allowed, p, 0)
+    return p, p * (dot(do, v, cfg, (1, 1)) - delta[:, None])
+
+
+def _logit_grads(cfg, b, n, qp, kp, capped, score_consts, ds_for, with_consts):
+    """Run the tile backward from the capped logits: returns (p, d loss / d (scale q k^T), d float consts).
+
+    ds_for(x) -> (p, ds) at the final logits x; the score_mod's vjp and softcap's derivative take ds back
+    to the product q k^T (times scale: the scale applies to ds here, once)."""
+    d_consts = None
+    if cfg.score_fn is None:
+        p, ds = ds_for(capped)
+    else:
+        floats = tuple(c for c, g in zip(score_consts, cfg.score_grads) if g)
+
+        def score(x, floats):
+            it = iter(floats)
+            consts = tuple(next(it) if g else c for c, g in zip(score_consts, cfg.score_grads))
+            return apply_score_mod(cfg, b, n, qp, kp, x, consts)
+
+        if with_consts:
+            x, score_vjp = jax.vjp(score, capped, floats)
+        else:  # the dk/dv kernel: the consts' gradients come from the dq kernel
+            x, vjp_x = jax.vjp(lambda x: score(x, floats), capped)
+            score_vjp = lambda ds: (vjp_x(ds)[0], None)  # noqa: E731
+        p, ds = ds_for(x)
+        ds, d_consts = score_vjp(ds)
+    if cfg.softcap is not None:
+        ds = ds * mods.softcap_grad(capped, cfg.softcap)
+    return p, ds * cfg.scale, d_consts
+
+
+def _dq_kernel(cfg: Config, r):
+    b, n = pl.program_id(0), pl.program_id(1)
+    q, qp, q_seg, lengths = r["q"][...], r["q_pos"][...], load(r, "q_seg"), load(r, "lengths")
+    do, lse, delta = r["do"][...], r["lse"][...], r["delta"][...]
+    score_consts, mask_consts = load_consts(r, "score", len(cfg.score_grads)), load_consts(r, "mask", cfg.n_mask_consts)
+    acc_dtype = accumulation_dtype(q.dtype)
+
+    def key_tile(kind, j, carry):
+        dq, d_consts = carry
+        s0 = j * cfg.Sb
+        keys = pl.ds(s0, cfg.Sb)
+        k, v, kp = r["k"][keys, :], r["v"][keys, :], r["k_pos"][keys]
+        k_seg = None if q_seg is None else r["k_seg"][keys]
+        allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
+        _, ds, d_c = _logit_grads(
+            cfg,
+            b,
+            n,
+            qp,
+            kp,
+            capped_logits(cfg, q, k),
+            score_consts,
+            lambda x: _row_grads(cfg, x, lse, allowed, do, v, delta),
+            True,
+        )
+        dq = dq + dot(ds.astype(k.dtype), k, cfg)
+        if d_c is not None:
+            d_consts = tuple(a + g.astype(a.dtype) for a, g in zip(d_consts, d_c))
+        return dq, d_consts
+
+    floats = tuple(c for c, g in zip(score_consts, cfg.score_grads) if g)
+    init = (jnp.zeros(q.shape, acc_dtype), tuple(jnp.zeros(c.shape, acc_dtype) for c in floats))
+    dq, d_consts = visit(cfg, lambda kind: r["counts"][kind], lambda idx: r["order"][idx], key_tile, init)
+    r["dq"][...] = dq.astype(r["dq"].dtype)
+    for c, d in enumerate(d_consts):
+        r[f"d_score{c}"][...] = d
+
+
+def _dkv_kernel(cfg: Config, r):
+    b, kh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    G = cfg.N // cfg.K
+    k, v, kp, k_seg = r["k"][...], r["v"][...], r["k_pos"][...], load(r, "k_seg")
+    lengths = load(r, "lengths")
+    score_consts, mask_consts = load_consts(r, "score", len(cfg.score_grads)), load_consts(r, "mask", cfg.n_mask_consts)
+    acc_dtype = accumulation_dtype(k.dtype)
+    s0 = j * cfg.Sb
+
+    def query_tile(g, kind, i, carry):
+        dk, dv = carry
+        n = kh * G + g
+        rows = pl.ds(i * cfg.Tb, cfg.Tb)
+        q, do = r["q"][rows, g, :], r["do"][rows, g, :]
+        lse, delta, qp = r["lse"][g, rows], r["delta"][g, rows], r["q_pos"][rows]
+        q_seg = None if k_seg is None else r["q_seg"][rows]
+        allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
+        p, ds, _ = _logit_grads(
+            cfg,
+            b,
+            n,
+            qp,
+            kp,
+            capped_logits(cfg, q, k),
+            score_consts,
+            lambda x: _row_grads(cfg, x, lse, allowed, do, v, delta),
+            False,
+        )
+        dv = dv + dot(p.astype(do.dtype), do, cfg, (0, 0))
+        dk = dk + dot(ds.astype(q.dtype), q, cfg, (0, 0))
+        return dk, dv
+
+    carry = (jnp.zeros(k.shape, acc_dtype), jnp.zeros(v.shape, acc_dtype))
+    for g in range(G):  # the query heads sharing key/value head kh
+        h = g if cfg.head_kinds else 0
+        carry = visit(
+            cfg,
+            lambda kind, h=h: r["t_counts"][h, kind],
+            lambda idx, h=h: r["t_order"][h, idx],
+            functools.partial(query_tile, g),
+            carry,
+        )
+    r["dk"][...] = carry[0].astype(r["dk"].dtype)
+    r["dv"][...] = carry[1].astype(r["dv"].dtype)
+
+
+# ---------------------------------------------------------------------------------------------------
+# pallas_call plumbing: named inputs, each with its BlockSpec.
+
+
+def named_call(cfg, kernel, grid, inputs, outputs, name):
+    """pallas_call of kernel(cfg, refs by name); inputs / outputs: {name: (array or ShapeDtypeStruct, spec)},
+    None values left out."""
+    inputs = {k: v for k, v in inputs.items() if v is not None}
+    names = tuple(inputs) + tuple(outputs)
+
+    def body(*refs):
+        kernel(cfg, dict(zip(names, refs)))
+
+    return pl.pallas_call(
+        body,
+        grid=grid,
+        in_specs=[spec for _, spec in inputs.values()],
+        out_specs=[spec for _, spec in outputs.values()],
+        out_shape=[shape for shape, _ in outputs.values()],
+        interpret=cfg.interpret,
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=2),
+        name=name,
+    )(*[x for x, _ in inputs.values()])
+
+
+def _whole(x):
+    """Every program reads all of x (a score_mod / mask_mod const)."""
+    return x, pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+
+
+def _row_inputs(cfg, side, Hp, Hvp):
+    """Inputs shared by the forward and dq kernels (grid b, n, i): positions, lengths, segments, consts,
+    the forward schedule; q / k / v specs."""
+    G = cfg.N // cfg.K
+    bq, bk, bs, bl, bsched = cfg.batched
+    Sp = cfg.Sn * cfg.Sb
+    inputs = {
+        "q_pos": (side.q_pos, pl.BlockSpec((None, cfg.Tb), lambda b, n, i: (pick(bq, b), i))),
+        "k_pos": (side.k_pos, pl.BlockSpec((None, Sp), lambda b, n, i: (pick(bk, b), 0))),
+        "lengths": None
+        if side.lengths is None
+        else (side.lengths, pl.BlockSpec((None,), lambda b, n, i: (pick(bl, b),))),
+        "q_seg": None
+        if side.q_seg is None
+        else (side.q_seg, pl.BlockSpec((None, cfg.Tb), lambda b, n, i: (pick(bs, b), i))),
+        "k_seg": None
+        if side.k_seg is None
+        else (side.k_seg, pl.BlockSpec((None, Sp), lambda b, n, i: (pick(bs, b), 0))),
+        "order": (
+            side.order,
+            pl.BlockSpec((None, None, None, cfg.Sn), lambda b, n, i: (pick(bsched, b), pick(cfg.head_kinds, n), i, 0)),
+        ),
+        "counts": (
+            side.counts,
+            pl.BlockSpec((None, None, None, 4), lambda b, n, i: (pick(bsched, b), pick(cfg.head_kinds, n), i, 0)),
+        ),
+    }
+    inputs.update({f"score{c}": _whole(x) for c, x in enumerate(side.score_consts)})
+    inputs.update({f"mask{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
+    specs = dict(
+        q=pl.BlockSpec((None, cfg.Tb, None, Hp), lambda b, n, i: (b, i, n, 0)),
+        k=pl.BlockSpec((None, Sp, None, Hp), lambda b, n, i: (b, 0, n // G, 0)),
+        v=pl.BlockSpec((None, Sp, None, Hvp), lambda b, n, i: (b, 0, n // G, 0)),
+    )
+    return inputs, specs
+
+
+def _forward(cfg, q, k, v, side):
+    """(out [B,Tp,N,Hvp] in q's dtype, lse [B,N,Tp] in the compute dtype)."""
+    B, Tp, N, Hp = q.shape
+    Hvp = v.shape[-1]
+    inputs, specs = _row_inputs(cfg, side, Hp, Hvp)
+    inputs.update(q=(q, specs["q"]), k=(k, specs["k"]), v=(v, specs["v"]))
+    if side.sinks is not None:
+        inputs["sinks"] = (side.sinks, pl.BlockSpec((None, None), lambda b, n, i: (b, n)))
+    acc_dtype = accumulation_dtype(q.dtype)
+    outputs = {
+        "out": (
+            jax.ShapeDtypeStruct((B, Tp, N, Hvp), q.dtype),
+            pl.BlockSpec((None, cfg.Tb, None, Hvp), lambda b, n, i: (b, i, n, 0)),
+        ),
+        "lse": (
+            jax.ShapeDtypeStruct((B, N, Tp), acc_dtype),
+            pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i)),
+        ),
+    }
+    return tuple(named_call(cfg, forward_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_forward"))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _flash(cfg, q, k, v, side):
+    return _forward(cfg, q, k, v, side)
+
+
+def _flash_fwd(cfg, q, k, v, side):
+    out, lse = _forward(cfg, q, k, v, side)
+    return (out, lse), (q, k, v, side, out, lse)
+
+
+def _flash_bwd(cfg, res, cotangents):
+    q, k, v, side, out, lse = res
+    d_out, d_lse = cotangents
+    B, Tp, N, Hp = q.shape
+    K, Hvp = v.shape[2], v.shape[3]
+    G = N // K
+    acc_dtype = accumulation_dtype(q.dtype)
+    d_out = d_out.astype(q.dtype)
+    # d loss / d x = p (dp - sum_s p dp) + p d_lse, and sum_s p dp = d_out . out: one delta per row
+    delta = jnp.einsum("btnv,btnv->bnt", d_out.astype(acc_dtype), out.astype(acc_dtype)) - d_lse.astype(acc_dtype)
+
+    inputs, specs = _row_inputs(cfg, side, Hp, Hvp)
+    inputs.update(
+        q=(q, specs["q"]),
+        k=(k, specs["k"]),
+        v=(v, specs["v"]),
+        do=(d_out, pl.BlockSpec((None, cfg.Tb, None, Hvp), lambda b, n, i: (b, i, n, 0))),
+        lse=(lse, pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i))),
+        delta=(delta, pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i))),
+    )
+    floats = [c for c, g in zip(side.score_consts, cfg.score_grads) if g]
+    outputs = {
+        "dq": (
+            jax.ShapeDtypeStruct(q.shape, q.dtype),
+            pl.BlockSpec((None, cfg.Tb, None, Hp), lambda b, n, i: (b, i, n, 0)),
+        )
+    }
+    for c, x in enumerate(floats):  # partial sums per (b, n, query tile), added up below
+        outputs[f"d_score{c}"] = (
+            jax.ShapeDtypeStruct((B, N, cfg.Tn, *x.shape), acc_dtype),
+            pl.BlockSpec((None, None, None, *x.shape), lambda b, n, i, nd=x.ndim: (b, n, i) + (0,) * nd),
+        )
+    dq, *d_floats = named_call(cfg, _dq_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_dq")
+
+    bq, bk, bs, bl, bsched = cfg.batched
+    heads = G if cfg.head_kinds else 1
+    kv_inputs = {
+        "q": (q, pl.BlockSpec((None, Tp, G, Hp), lambda b, h, j: (b, 0, h, 0))),
+        "do": (d_out, pl.BlockSpec((None, Tp, G, Hvp), lambda b, h, j: (b, 0, h, 0))),
+        "lse": (lse, pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))),
+        "delta": (delta, pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))),
+        "k": (k, pl.BlockSpec((None, cfg.Sb, None, Hp), lambda b, h, j: (b, j, h, 0))),
+        "v": (v, pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0))),
+        "q_pos": (side.q_pos, pl.BlockSpec((None, Tp), lambda b, h, j: (pick(bq, b), 0))),
+        "k_pos": (side.k_pos, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bk, b), j))),
+        "lengths": None
+        if side.lengths is None
+        else (side.lengths, pl.BlockSpec((None,), lambda b, h, j: (pick(bl, b),))),
+        "q_seg": None
+        if side.q_seg is None
+        else (side.q_seg, pl.BlockSpec((None, Tp), lambda b, h, j: (pick(bs, b), 0))),
+        "k_seg": None
+        if side.k_seg is None
+        else (side.k_seg, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bs, b), j))),
+        "t_order": (
+            side.t_order,
+            pl.BlockSpec((None, heads, None, cfg.Tn), lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0)),
+        ),
+        "t_counts": (
+            side.t_counts,
+            pl.BlockSpec((None, heads, None, 4), lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0)),
+        ),
+    }
+    kv_inputs.update({f"score{c}": _whole(x) for c, x in enumerate(side.score_consts)})
+    kv_inputs.update({f"mask{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
+    kv_outputs = {
+        "dk": (
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            pl.BlockSpec((None, cfg.Sb, None, Hp), lambda b, h, j: (b, j, h, 0)),
+        ),
+        "dv": (
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0)),
+        ),
+    }
+    dk, dv = named_call(cfg, _dkv_kernel, (B, K, cfg.Sn), kv_inputs, kv_outputs, "jaxattn_flash_dkv")
+
+    d_sinks = None
+    if side.sinks is not None:  # d out_t / d sink = -p_sink[t] out_t, so d sink = -sum_t p_sink[t] delta_t
+        d_sinks = -jnp.sum(jnp.exp(side.sinks[..., None] - lse) * delta, axis=-1).astype(side.sinks.dtype)
+    it = iter(d_floats)
+    d_score = tuple(
+        jnp.sum(next(it), axis=(0, 1, 2)).astype(c.dtype) if g else None
+        for c, g in zip(side.score_consts, cfg.score_grads)
+    )
+    d_side = Side(
+        None, None, None, None, None, d_sinks, d_score, tuple(None for _ in side.mask_consts), None, None, None, None
+    )
+    return dq, dk, dv, d_side
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+# ---------------------------------------------------------------------------------------------------
+# One call's checks, layout, schedules (decode_gpu and flex_tpu take them too).
+
+
+def next_power_of_two(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def tile_sizes(block_size, T: int, S: int, Hp: int, interpret: bool) -> tuple:
+    """(Tb, Sb): block_size as given, else GPU_BLOCKS by head dim (INTERPRET_BLOCK when interpreted),
+    shrunk to the next power of two of T / S (never below MIN_GPU_BLOCK on a GPU)."""
+    pair = _block_pair(block_size)
+    if pair is not None:
+        for b in pair:
+            if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b <= 0:
+                checks.fail("block_size", "an int > 0 or a pair of them", repr(block_size))
+        return int(pair[0]), int(pair[1])
+    if interpret:
+        wanted = (INTERPRET_BLOCK, INTERPRET_BLOCK)
+    else:
+        wanted = next(blocks for dim, blocks in sorted(GPU_BLOCKS.items()) if Hp <= dim or dim == MAX_HEAD_DIM)
+    floor = 1 if interpret else MIN_GPU_BLOCK
+    return tuple(min(b, max(floor, next_power_of_two(L))) for b, L in zip(wanted, (T, S)))
+
+
+def padded_head(H: int, interpret: bool) -> int:
+    return next_power_of_two(H) if interpret else max(MIN_GPU_BLOCK, next_power_of_two(H))
+
+
+def _rows(x, batch, length, padded):
+    """[...,L] (broadcastable to the batch dims) -> [B|1, L padded] (edge-padded: padding repeats the last)."""
+    if x.ndim > 1:
+        x = jnp.broadcast_to(x, (*batch, length)).reshape(-1, length)
+    else:
+        x = x[None]
+    return jnp.pad(x, [(0, 0), (0, padded - length)], mode="edge")
+
+
+def kernel_layout(x, batch, length, padded, F):
+    """[...,L,K,H] -> [B, L padded, K, F padded] (zeros)."""
+    x = jnp.broadcast_to(x, (*batch, *x.shape[-3:])).reshape(-1, *x.shape[-3:])
+    return jnp.pad(x, [(0, 0), (0, padded - length), (0, 0), (0, F - x.shape[-1])])
+
+
+def key_tile_kinds(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds):
+    """The key-tile kinds of every (batch, head, query tile), int32 [Bs,Ns,Tn,Sn] (Bs = B when a batched
+    array decides them, Ns = N with a per-head BlockMask; [1,1,Tn,Sn] when nothing masks)."""
+    rule, Tn, Sn, Tb, Sb = cfg.rule, cfg.Tn, cfg.Sn, cfg.Tb, cfg.Sb
+    mask_mod = cfg.mask_fn is not None
+    if not masks_anything(rule, lengths, q_seg, tile_kinds, mask_mod):
+        return jnp.full((1, 1, Tn, Sn), CLEAN, jnp.int32)
+
+    def rows(x, *shape):
+        return None if x is None else jnp.broadcast_to(x, (Bs, *x.shape[1:])).reshape(Bs, *shape)
+
+    qp, qs = rows(q_pos, Tn, Tb), rows(q_seg, Tn, Tb)
+    kp, ks, ln = rows(k_pos, Sn * Sb), rows(k_seg, Sn * Sb), rows(lengths)
+
+    def one(qp, kp, ln, qs, ks, tk=None):  # one (batch, head, query tile)
+        return key_block_kinds(
+            rule,
+            qp,
+            kp,
+            None if ln is None else ln[None],
+            Sb,
+            Sn,
+            query_segments=None if qs is None else qs[None],
+            key_segments=None if ks is None else ks[None],
+            block_kinds=tk,
+            mask_mod=mask_mod,
+        )
+
+    tiles = (0, None, None, 0, None)
+    if tile_kinds is None:
+        return jax.vmap(jax.vmap(one, in_axes=tiles))(qp, kp, ln, qs, ks)[:, None]
+    per_head = jax.vmap(jax.vmap(one, in_axes=tiles + (0,)), in_axes=(None,) * 5 + (0,))
+    return jax.vmap(per_head)(qp, kp, ln, qs, ks, rows(tile_kinds, *tile_kinds.shape[1:]))
+
+
+def sorted_kinds(kinds):
+    """(order, counts) over the last axis: the tiles' indices sorted by kind (WITH_MOD, MASKED, CLEAN, then
+    skipped ones), and how many of each kind ([...,4]; the last, SKIPPED, is never read)."""
+    order = jnp.argsort(kinds, axis=-1, stable=True).astype(jnp.int32)
+    counts = jnp.stack(
+        [jnp.sum(kinds == kind, axis=-1, dtype=jnp.int32) for kind in (WITH_MOD, MASKED, CLEAN)]
+        + [jnp.zeros(kinds.shape[:-1], jnp.int32)],
+        axis=-1,
+    )
+    return order, counts
+
+
+def _schedules(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds):
+    """key_tile_kinds sorted into (order, counts) for the forward / dq kernels and, transposed, for the dk/dv
+    kernel: (order, counts, t_order, t_counts)."""
+    kinds = key_tile_kinds(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds)
+    return sorted_kinds(kinds) + sorted_kinds(jnp.swapaxes(kinds, -1, -2))
+
+
+class _Call(NamedTuple):
+    """One call's checked inputs, before the kernels' layout: shapes and the options as arrays / statics."""
+
+    batch: tuple
+    T: int
+    S: int
+    N: int
+    K: int
+    H: int
+    Hv: int
+    query_positions: Any
+    key_positions: Any
+    lengths: Any  # int32 [B] (capped at S) or None
+    q_seg: Any
+    k_seg: Any
+    sinks: Any  # [B,N] in the compute dtype, or None
+    rule: MaskRule
+    scale: float
+    softcap: Optional[float]
+    precision: Any
+
+
+def checked_call(query, key, value, o) -> _Call:
+    """The shapes and options every kernel here reads, checked (ValueError naming the option)."""
+    batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value)
+    B = int(np.prod(batch, dtype=np.int64))
+    q_pos, k_pos = positions(T, S, o.get("query_positions"), o.get("key_positions"))
+    checks.check_broadcastable("query_positions", q_pos, (*batch, T), "[...,T]")
+    checks.check_broadcastable("key_positions", k_pos, (*batch, S), "[...,S]")
+    lengths = check_lengths(o.get("key_value_seq_lengths"), batch)
+    if lengths is not None:
+        lengths = jnp.minimum(jnp.broadcast_to(lengths, batch).reshape(-1), S).astype(jnp.int32)
+    q_seg, k_seg = mods.check_segment_ids(o.get("query_segment_ids"), o.get("key_segment_ids"), batch, T, S)
+    acc_dtype = accumulation_dtype(query.dtype)
+    sinks = mods.check_sinks(o.get("sinks"), batch, N, acc_dtype)
+    if sinks is not None:
+        sinks = jnp.broadcast_to(sinks, (*batch, N)).reshape(B, N).astype(acc_dtype)
+    rule = MaskRule(
+        is_causal=bool(o.get("is_causal", False)),
+        window=mods.check_window(o.get("window")),
+        chunk_size=mods.check_chunk_size(o.get("chunk_size")),
+    )
+    precision = o.get("precision")
+    if precision == "highest":
+        precision = lax.Precision.HIGHEST
+    scale = H**-0.5 if o.get("scale") is None else float(o["scale"])
+    return _Call(
+        tuple(batch),
+        T,
+        S,
+        N,
+        K,
+        H,
+        Hv,
+        q_pos,
+        k_pos,
+        lengths,
+        q_seg,
+        k_seg,
+        sinks,
+        rule,
+        scale,
+        mods.check_softcap(o.get("logit_softcap")),
+        precision,
+    )
+
+
+def padded_rows(call: _Call, Tp: int, Sp: int):
+    """(q_pos [B|1,Tp], k_pos [B|1,Sp], lengths [B|1] or None, q_seg [B|1,Tp], k_seg [B|1,Sp]): positions and
+    segment ids edge-padded, and lengths that mask the padding keys past S."""
+    batch, T, S = call.batch, call.T, call.S
+    q_pos, k_pos = _rows(call.query_positions, batch, T, Tp), _rows(call.key_positions, batch, S, Sp)
+    lengths = call.lengths
+    if lengths is None and Sp != S:
+        lengths = jnp.full((1,), S, jnp.int32)  # the padding keys past S
+    q_seg, k_seg = call.q_seg, call.k_seg
+    if q_seg is not None:
+        q_seg, k_seg = _rows(q_seg, batch, T, Tp), _rows(k_seg, batch, S, Sp)
+        if q_seg.shape[0] != k_seg.shape[0]:
+            B = max(q_seg.shape[0], k_seg.shape[0])
+            q_seg, k_seg = (jnp.broadcast_to(x, (B, x.shape[1])) for x in (q_seg, k_seg))
+    return q_pos, k_pos, lengths, q_seg, k_seg
+
+
+class Prepared(NamedTuple):
+    """The flash kernels' inputs for one call (prepare): q [B,Tp,N,Hp], k [B,Sp,K,Hp], v [B,Sp,K,Hvp]."""
+
+    cfg: Config
+    q: Any
+    k: Any
+    v: Any
+    side: Side
+    batch: tuple
+    T: int
+    N: int
+    Hv: int
+
+
+def run(query, key, value, interpret, o):
+    """pallas_gpu.attention by the flash kernels (forward and backward): a call unsupported() accepts, T, S > 0."""
+    p = prepare(query, key, value, o, interpret)
+    out, lse = _flash(p.cfg, p.q, p.k, p.v, p.side)
+    return finish(p, out, lse, o.get("return_lse", False))
+
+
+def finish(p: Prepared, out, lse, return_lse: bool):
+    """The kernel's out [B,Tp,N,Hvp] and lse [B,N,Tp] -> the public result ([...,T,N,Hv], lse [...,N,T])."""
+    batch, T, N, Hv = p.batch, p.T, p.N, p.Hv
+    out = out[:, :T, :, :Hv].reshape(*batch, T, N, Hv)
+    if return_lse:
+        return out, public_lse(lse[..., :T].reshape(*batch, N, T))  # -inf for a row with no key
+    return out
+
+
+def prepare(query, key, value, o, interpret, blocks=None, head_multiple=None) -> Prepared:
+    """Checks, tiles, layout and key-tile schedules of one call for the flash kernels (forward_kernel's
+    inputs). blocks: (Tb, Sb) instead of tile_sizes' (a BlockMask's tiles still win); head_multiple: pad
+    head dims to a multiple of it (a TPU's lane width) rather than to a power of two."""
+    call = checked_call(query, key, value, o)
+    batch, T, S, N, K, H, Hv = call[:7]
+    B = int(np.prod(batch, dtype=np.int64))
+    acc_dtype = accumulation_dtype(query.dtype)
+    mask_mod, block_mask, block_size = o.get("mask_mod"), o.get("block_mask"), o.get("block_size")
+    if block_mask is not None:  # its tiles are the kernel's tiles; its own mask_mod applies (resolve)
+        block_masks.check_block_mask(block_mask, B, N, T, S)
+        block_size = check_block_mask_tiles(block_mask, block_size)
+        mask_mod, block_mask = block_masks.resolve(mask_mod, block_mask)
+    if head_multiple is None:
+        Hp, Hvp = padded_head(H, interpret), padded_head(Hv, interpret)
+    else:
+        Hp, Hvp = (-(-x // head_multiple) * head_multiple for x in (H, Hv))
+    if blocks is not None and block_mask is None:
+        Tb, Sb = blocks
+    else:
+        Tb, Sb = tile_sizes(block_size, T, S, max(Hp, Hvp), interpret)
+    Tn, Sn = -(-T // Tb), -(-S // Sb)
+    Tp, Sp = Tn * Tb, Sn * Sb
+    q_pos, k_pos, lengths, q_seg, k_seg = padded_rows(call, Tp, Sp)
+    score_fn = mods.element_function("score_mod", o.get("score_mod"), acc_dtype)
+    mask_fn = mods.element_function("mask_mod", mask_mod)
+    tile_kinds = None if block_mask is None else block_masks.tile_kinds(block_mask).astype(jnp.int32)
+    score_consts = () if score_fn is None else tuple(jnp.asarray(c) for c in score_fn.consts)
+    mask_consts = () if mask_fn is None else tuple(jnp.asarray(c) for c in mask_fn.consts)
+
+    Bs = max([1] + [x.shape[0] for x in (q_pos, k_pos, lengths, q_seg, tile_kinds) if x is not None])
+    cfg = Config(
+        Tb=Tb,
+        Sb=Sb,
+        Tn=Tn,
+        Sn=Sn,
+        N=N,
+        K=K,
+        rule=call.rule,
+        scale=call.scale,
+        softcap=call.softcap,
+        score_fn=None if score_fn is None else score_fn.fn,
+        mask_fn=None if mask_fn is None else mask_fn.fn,
+        score_grads=mods.differentiable(score_consts),
+        n_mask_consts=len(mask_consts),
+        batched=(),
+        head_kinds=tile_kinds is not None and tile_kinds.shape[1] > 1,
+        precision=call.precision,
+        interpret=bool(interpret),
+        num_warps=4 if max(Hp, Hvp) <= 64 else 8,
+    )
+    order, counts, t_order, t_counts = _schedules(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds)
+    cfg = cfg._replace(batched=tuple(x is not None and x.shape[0] > 1 for x in (q_pos, k_pos, q_seg, lengths, order)))
+    side = Side(
+        q_pos, k_pos, lengths, q_seg, k_seg, call.sinks, score_consts, mask_consts, order, counts, t_order, t_counts
+    )
+
+    q = kernel_layout(query, batch, T, Tp, Hp)
+    k, v = kernel_layout(key, batch, S, Sp, Hp), kernel_layout(value, batch, S, Sp, Hvp)
+    return Prepared(cfg, q, k, v, side, batch, T, N, Hv)
