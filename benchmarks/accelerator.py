@@ -55,6 +55,7 @@ def jax_attentions(mask, window, decode=False):
     import jax
 
     import jaxattn
+    from jaxattn._core.call import AttentionCall
     from jaxattn._kernels import pallas_gpu
 
     win = dict(window=(window - 1, 0)) if mask == "sliding" else {}
@@ -70,9 +71,8 @@ def jax_attentions(mask, window, decode=False):
             q, k, v, is_causal=True, implementation="xla", **win
         )
     if decode and _device()[0] == "gpu":
-        candidates["jaxattn flash, no key split"] = lambda q, k, v: pallas_gpu.flash_attention(
-            q, k, v, is_causal=True, **win
-        )
+        flash_call = AttentionCall(is_causal=True, **win)
+        candidates["jaxattn flash, no key split"] = lambda q, k, v: pallas_gpu.flash_attention(flash_call, q, k, v)
     if _device()[0] == "gpu":
         candidates["jax.nn cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(
             q, k, v, is_causal=True, implementation="cudnn", **local

@@ -61,11 +61,12 @@ def automatic_pick(T, N, K, H, causal, shaw):
     """What implementation=None runs at this point: "dense" or "blockwise"."""
     import jax
 
-    from jaxattn._engines import dispatch
+    from jaxattn import _api as dispatch
+    from jaxattn._core.call import AttentionCall
 
     q = jax.ShapeDtypeStruct((1, T, N, H), np.float32)
     k = jax.ShapeDtypeStruct((1, T, K, H), np.float32)
-    return "blockwise" if dispatch.use_blockwise(None, q, k) else "dense"
+    return "blockwise" if dispatch.use_blockwise(None, AttentionCall(is_causal=causal), q, k) else "dense"
 
 
 def run_point(T, N, K, causal, shaw, backward, rounds, max_dense, H=64):

@@ -19,9 +19,9 @@ and works under jax.jit, jax.vmap and jax.grad; bad input raises ValueError at t
 """
 
 from ._version import __version__ as __version__
-from ._engines.dispatch import dot_product_attention as dot_product_attention
-from ._engines.dispatch import flex_attention as flex_attention
-from ._engines.dispatch import cross_platform_lowering as cross_platform_lowering
+from ._api import dot_product_attention as dot_product_attention
+from ._api import flex_attention as flex_attention
+from ._api import cross_platform_lowering as cross_platform_lowering
 from ._engines.flex import create_block_mask as create_block_mask
 from ._core.block_mask import BlockMask as BlockMask
 from ._core.mods import and_masks as and_masks

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 import jaxattn
 from jaxattn._core import softmax
 from jaxattn._core.positions import positions as core_positions
-from jaxattn._engines import dispatch, tiles
+from jaxattn import _api as dispatch
+from jaxattn._core.call import AttentionCall
+from jaxattn._engines import tiles
 from helpers import arrays, assert_float64, check_forward_and_grads, normwise
 
 jax.config.update("jax_enable_x64", True)
@@ -256,18 +258,23 @@ def test_half_precision_accumulates_in_float32(dtype):
 def test_implementation_rule():
     small = jnp.zeros((1, 16, 2, 1))
     large = jnp.zeros((1, 1024, 8, 1))
-    assert not dispatch.use_blockwise(None, small, small)
-    assert dispatch.use_blockwise(None, large, large)
+    plain = AttentionCall()
+    assert not dispatch.use_blockwise(None, plain, small, small)
+    assert dispatch.use_blockwise(None, plain, large, large)
     # one head's T x S decides, whatever the batch and head counts (so vmap, which hides the batch, agrees)
     edge = int(np.sqrt(dispatch.AUTO_BLOCKWISE_ELEMENTS))
     for batch in ((), (1,), (64, 3)):
-        assert dispatch.use_blockwise(None, jnp.zeros((*batch, edge, 1, 1)), jnp.zeros((*batch, edge, 1, 1)))
-        assert not dispatch.use_blockwise(None, jnp.zeros((*batch, edge - 1, 8, 1)), jnp.zeros((*batch, edge, 8, 1)))
-    traced = jax.vmap(lambda q: jnp.asarray(dispatch.use_blockwise(None, q, q)))(jnp.zeros((3, edge, 1, 1)))
+        assert dispatch.use_blockwise(None, plain, jnp.zeros((*batch, edge, 1, 1)), jnp.zeros((*batch, edge, 1, 1)))
+        below = jnp.zeros((*batch, edge - 1, 8, 1))
+        assert not dispatch.use_blockwise(None, plain, below, jnp.zeros((*batch, edge, 8, 1)))
+    traced = jax.vmap(lambda q: jnp.asarray(dispatch.use_blockwise(None, plain, q, q)))(jnp.zeros((3, edge, 1, 1)))
     assert bool(jnp.all(traced))
-    assert not dispatch.use_blockwise(None, large, large, mask=jnp.ones((1024, 1024), bool))
-    assert not dispatch.use_blockwise(None, large, large, return_weights=True)
-    assert dispatch.use_blockwise("blockwise", small, small) and not dispatch.use_blockwise("dense", large, large)
+    assert not dispatch.use_blockwise(None, AttentionCall(mask=jnp.ones((1024, 1024), bool)), large, large)
+    assert not dispatch.use_blockwise(None, AttentionCall(return_weights=True), large, large)
+    assert not dispatch.use_blockwise(None, AttentionCall(dropout_rate=0.1), large, large)
+    assert dispatch.use_blockwise(None, AttentionCall(dropout_rate=0.0, is_causal=True), large, large)
+    assert dispatch.use_blockwise("blockwise", plain, small, small)
+    assert not dispatch.use_blockwise("dense", plain, large, large)
 
 
 @pytest.mark.parametrize(

@@ -36,7 +36,7 @@ def test_an_eager_call_is_one_program_with_the_functions_results(caplog):
         caplog, lambda: jaxattn.dot_product_attention.__wrapped__(q, k, v, is_causal=True, window=(2, 1))
     )
     assert len(programs) == 1 and "jit(call)" in programs[0]
-    assert len(unwrapped) == 1  # the inner flex_attention call is wrapped in turn
+    assert len(unwrapped) > 1  # without the wrapper the same call runs op by op: a program per operation
     jitted = jax.jit(lambda q, k, v: jaxattn.dot_product_attention(q, k, v, is_causal=True, window=(3, 0)))(q, k, v)
     assert np.array_equal(out, jitted)  # the same program
     _, again = compiles(caplog, lambda: jaxattn.dot_product_attention(q, k, v, is_causal=True, window=(3, 0)))

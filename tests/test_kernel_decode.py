@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import jaxattn
-from jaxattn._engines import dispatch
+from jaxattn import _api as dispatch
+from jaxattn._core.call import AttentionCall
 from jaxattn._kernels import decode_gpu
 from helpers import normwise
 
@@ -102,9 +103,8 @@ def _run(impl, case, dtype=np.float32, rounded_to=None):
     @jax.jit
     def f(q, k, v):
         if impl == "kernel":
-            result = decode_gpu.decode_attention(
-                q, k, v, interpret=True, precision="highest", block_size=tile, key_chunk=chunk, **options
-            )
+            call = AttentionCall(precision="highest", block_size=tile, **options)
+            result = decode_gpu.decode_attention(call, q, k, v, True, key_chunk=chunk)
         else:
             result = jaxattn.flex_attention(q, k, v, implementation="dense", precision="highest", **options)
         return result if options.get("return_lse") else (result, None)
@@ -152,33 +152,33 @@ def test_bf16_envelope():
 
 def test_when_attention_takes_the_decode_kernel():
     step = [jnp.zeros(s, jnp.bfloat16) for s in ((1, 1, 8, 128), (1, 4096, 2, 128), (1, 4096, 2, 128))]
-    assert decode_gpu.use_decode(*step, is_causal=True, key_value_seq_lengths=np.array([9]))
+    assert decode_gpu.use_decode(AttentionCall(is_causal=True, key_value_seq_lengths=np.array([9])), *step)
     short = [x[:, :256] if i else x for i, x in enumerate(step)]
-    assert not decode_gpu.use_decode(*short)  # one chunk: nothing to split
+    assert not decode_gpu.use_decode(AttentionCall(), *short)  # one chunk: nothing to split
     prefill = [jnp.zeros((1, 512, 8, 128), jnp.bfloat16), *step[1:]]
-    assert not decode_gpu.use_decode(*prefill)  # 512 x 4 rows per key/value head
+    assert not decode_gpu.use_decode(AttentionCall(), *prefill)  # 512 x 4 rows per key/value head
     wide = [jnp.zeros((64, 1, 8, 128), jnp.bfloat16), *(jnp.zeros((64, 4096, 2, 128), jnp.bfloat16),) * 2]
-    assert not decode_gpu.use_decode(*wide)  # 512 flash programs already fill the SMs
-    assert not decode_gpu.use_decode(*step, mask_mod=lambda b, n, t, s: t >= s)  # the flash kernel's
+    assert not decode_gpu.use_decode(AttentionCall(), *wide)  # 512 flash programs already fill the SMs
+    assert not decode_gpu.use_decode(AttentionCall(mask_mod=lambda b, n, t, s: t >= s), *step)  # the flash kernel's
     with pytest.raises(ValueError, match="implementation.*mask_mod"):
-        decode_gpu.decode_attention(*step, mask_mod=lambda b, n, t, s: t >= s)
+        decode_gpu.decode_attention(AttentionCall(mask_mod=lambda b, n, t, s: t >= s), *step)
     with pytest.raises(ValueError, match="implementation.*bias"):
-        decode_gpu.decode_attention(*step, bias=jnp.zeros((1, 4096)))
+        decode_gpu.decode_attention(AttentionCall(bias=jnp.zeros((1, 4096))), *step)
     with pytest.raises(ValueError, match="^key_chunk"):
-        decode_gpu.decode_attention(*step, key_chunk=100)
+        decode_gpu.decode_attention(AttentionCall(), *step, key_chunk=100)
 
 
 def test_a_key_only_mask_becomes_segment_ids():
     q, k = jnp.zeros((2, 3, 4, 5)), jnp.zeros((2, 7, 2, 5))
     mask = np.arange(14).reshape(2, 1, 1, 7) % 3 != 0
-    out = dispatch.key_mask_as_segments(q, k, dict(mask=mask, is_causal=True))
-    assert out["mask"] is None and out["is_causal"]
-    assert np.array_equal(out["key_segment_ids"], np.where(mask[:, 0, 0], 0, 1))
-    assert np.array_equal(out["query_segment_ids"], np.zeros(3))
+    out = dispatch.key_mask_as_segments(AttentionCall(mask=mask, is_causal=True), q, k)
+    assert out.mask is None and out.is_causal
+    assert np.array_equal(out.key_segment_ids, np.where(mask[:, 0, 0], 0, 1))
+    assert np.array_equal(out.query_segment_ids, np.zeros(3))
     for other in (np.ones((2, 1, 3, 7), bool), mask.astype(np.float32), np.ones((5, 2, 1, 1, 7), bool)):
-        assert dispatch.key_mask_as_segments(q, k, dict(mask=other))["mask"] is other  # not a key mask here
-    given = dict(mask=mask, query_segment_ids=np.zeros(3), key_segment_ids=np.zeros(7))
-    assert dispatch.key_mask_as_segments(q, k, given) is given
+        assert dispatch.key_mask_as_segments(AttentionCall(mask=other), q, k).mask is other  # not a key mask here
+    given = AttentionCall(mask=mask, query_segment_ids=np.zeros(3), key_segment_ids=np.zeros(7))
+    assert dispatch.key_mask_as_segments(given, q, k) is given
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -254,7 +254,8 @@ def test_attention_routes_a_decode_step_and_differentiates_through_the_flash_ker
         mask=rng.uniform(size=(B, 1, 1, S)) > 0.3,
         sinks=np.linspace(-1, 1, N, dtype=np.float32),
     )
-    assert decode_gpu.use_decode(q, k, v, interpret=True, **{name: x for name, x in keywords.items() if name != "mask"})
+    without_mask = AttentionCall(**{name: x for name, x in keywords.items() if name != "mask"})
+    assert decode_gpu.use_decode(without_mask, q, k, v, True)
 
     def run(implementation, **extra):
         def f(q, k, v):
@@ -278,17 +279,8 @@ def test_vmap_over_a_batch_axis():
     lengths = jnp.asarray([29, 4, 17], jnp.int32)
 
     def attend(q, k, v, length):
-        return decode_gpu.decode_attention(
-            q,
-            k,
-            v,
-            interpret=True,
-            precision="highest",
-            block_size=4,
-            key_chunk=8,
-            is_causal=True,
-            key_value_seq_lengths=length,
-        )
+        call = AttentionCall(precision="highest", block_size=4, is_causal=True, key_value_seq_lengths=length)
+        return decode_gpu.decode_attention(call, q, k, v, True, key_chunk=8)
 
     got = jax.jit(jax.vmap(attend))(q, k, v, lengths)
     expected = jaxattn.dot_product_attention(

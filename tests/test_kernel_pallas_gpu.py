@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import jaxattn
+from jaxattn._core.call import AttentionCall
 from jaxattn._kernels import pallas_gpu
 from helpers import allowed_loop, attention_reference, normwise
 
@@ -127,7 +128,7 @@ def _attend(impl, block, options, extras):
         if "slope" in extras:
             opts["score_mod"] = _alibi(extras["slope"])
         if impl == "kernel":
-            result = pallas_gpu.attention(q, k, v, interpret=True, precision="highest", block_size=block, **opts)
+            result = pallas_gpu.attention(AttentionCall(precision="highest", block_size=block, **opts), q, k, v, True)
         else:
             result = jaxattn.flex_attention(q, k, v, implementation="dense", precision="highest", **opts)
         return result if opts.get("return_lse") else (result, None)
@@ -211,22 +212,26 @@ def test_kernel_equals_dense(case):
 
 def test_unsupported_names_the_option():
     q, k, v = (jnp.zeros((2, 5, 2, 4), jnp.float32),) * 3
-    assert pallas_gpu.unsupported(q, k, v, is_causal=True, window=(3, 0), sinks=jnp.zeros(2)) is None
-    assert pallas_gpu.unsupported(q, k, v, bias=jnp.zeros((5, 5))) == "bias"
-    assert pallas_gpu.unsupported(q, k, v, mask=jnp.ones((5, 5), bool)) == "mask"
-    assert pallas_gpu.unsupported(q, k, v, dropout_rate=0.1) == "dropout_rate"
-    assert pallas_gpu.unsupported(q, k, v, return_weights=True) == "return_weights"
-    assert pallas_gpu.unsupported(q, k, v, key_table=jnp.zeros((3, 4)), max_distance=1) == "key_table"
-    assert pallas_gpu.unsupported(q, k, v, position_bias=lambda i, j: 0.0) == "position_bias"
+
+    def unsupported(interpret=False, **options):
+        return pallas_gpu.unsupported(AttentionCall(**options), q, k, v, interpret)
+
+    assert unsupported(is_causal=True, window=(3, 0), sinks=jnp.zeros(2)) is None
+    assert unsupported(bias=jnp.zeros((5, 5))) == "bias"
+    assert unsupported(mask=jnp.ones((5, 5), bool)) == "mask"
+    assert unsupported(dropout_rate=0.1) == "dropout_rate"
+    assert unsupported(return_weights=True) == "return_weights"
+    assert unsupported(key_table=jnp.zeros((3, 4)), max_distance=1) == "key_table"
+    assert unsupported(position_bias=lambda i, j: 0.0) == "position_bias"
     slope = jnp.ones(2, jnp.float32)
     # Triton cannot index a closed-over array by head or position: on a GPU such a score_mod falls back
-    assert pallas_gpu.unsupported(q, k, v, score_mod=_alibi(slope)) == "score_mod"
-    assert pallas_gpu.unsupported(q, k, v, score_mod=_alibi(slope), interpret=True) is None
-    assert pallas_gpu.unsupported(q, k, v, score_mod=lambda x, b, n, t, s: x * 0.5) is None
-    assert pallas_gpu.unsupported(q, k, v, block_size=(24, 16)) == "block_size"
+    assert unsupported(score_mod=_alibi(slope)) == "score_mod"
+    assert unsupported(score_mod=_alibi(slope), interpret=True) is None
+    assert unsupported(score_mod=lambda x, b, n, t, s: x * 0.5) is None
+    assert unsupported(block_size=(24, 16)) == "block_size"
     with pytest.raises(ValueError, match="implementation.*bias"):
-        pallas_gpu.attention(q, k, v, bias=jnp.zeros((5, 5)), interpret=True)
-    out, lse = pallas_gpu.attention(q, k[:, :0], v[:, :0], interpret=True, return_lse=True)  # no key: no tile
+        pallas_gpu.attention(AttentionCall(bias=jnp.zeros((5, 5))), q, k, v, True)
+    out, lse = pallas_gpu.attention(AttentionCall(return_lse=True), q, k[:, :0], v[:, :0], True)  # no key: no tile
     assert bool(jnp.all(out == 0)) and out.shape == (2, 5, 2, 4) and bool(jnp.all(lse == -jnp.inf))
 
 
@@ -258,7 +263,7 @@ def test_lowers_to_triton_for_cuda(name):
     q = jax.ShapeDtypeStruct((1, 512, 4, 64), jnp.bfloat16)
 
     def f(q, k, v):
-        return pallas_gpu.attention(q, k, v, **options)
+        return pallas_gpu.attention(AttentionCall(**options), q, k, v)
 
     forward = _lowered(f, q, q, q)
     backward = _lowered(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2)), q, q, q)
@@ -310,7 +315,8 @@ def test_each_option(name):
     def run(impl):
         def attend(q, k, v):
             if impl == "kernel":
-                return pallas_gpu.attention(q, k, v, interpret=True, precision="highest", block_size=(2, 4), **options)
+                call = AttentionCall(precision="highest", block_size=(2, 4), **options)
+                return pallas_gpu.attention(call, q, k, v, True)
             return jaxattn.flex_attention(q, k, v, implementation="dense", precision="highest", **options)
 
         def both(q, k, v):
@@ -327,7 +333,8 @@ def test_vmap_over_a_batch_axis():
     q, k, v = _arrays(11, (3, 5, 6, 3), (3, 7, 2, 3), (3, 7, 2, 2))
 
     def attend(q, k, v):
-        return pallas_gpu.attention(q, k, v, interpret=True, precision="highest", block_size=(4, 4), is_causal=True)
+        call = AttentionCall(precision="highest", block_size=(4, 4), is_causal=True)
+        return pallas_gpu.attention(call, q, k, v, True)
 
     expected = jaxattn.dot_product_attention(q, k, v, implementation="dense", precision="highest", is_causal=True)
     got = jax.jit(jax.vmap(attend))(q, k, v)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import jaxattn
+from jaxattn._core.call import AttentionCall
 from jaxattn._kernels import cudnn
 from tests.helpers import normwise
 
@@ -119,7 +120,7 @@ def test_cudnn_maps_our_keywords_onto_jax_nn(monkeypatch, keywords):
     q, k, _ = qkv(T=S)  # T == S: jax.nn's top-left alignment is ours there
     v = qkv(T=S, seed=2)[1]  # [B,S,K,H]: cuDNN (and jax.nn) need Hv == H
     ours = jaxattn.dot_product_attention(q, k, v, implementation="dense", precision="highest", **keywords)
-    mapped = cudnn.attention(q, k, v, **keywords)
+    mapped = cudnn.attention(AttentionCall(**keywords), q, k, v)
     assert normwise(mapped, ours) <= 1e-6
 
 

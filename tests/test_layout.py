@@ -5,8 +5,10 @@ included) into one import graph between their modules. Asserted:
   * the graph has no cycle;
   * no module imports or reads another module's underscore name (`from .x import _y`, `x._y` on a module
     bound by an import); importing a package-private *module* (`from .._core import checks`) is fine;
-  * inside jaxattn the private packages only import downwards: _core <- _engines <- _schemes <- _layers <-
-    the public modules (linen, nnx, io, models, __init__), so no engine reaches up into a scheme or layer;
+  * inside jaxattn the private packages only import downwards (docs/design.md, "Layering"): _core <- _engines
+    <- _kernels <- _api (the public entry and its registry) <- _schemes <- _layers <- the public modules
+    (linen, nnx, io, models, __init__), so no engine reaches up into a kernel or the dispatch, and no kernel
+    into the dispatch; _forms (the delta rule) builds on _core alone;
   * crosscheck and torchref reach jaxattn only through its public modules; jaxattn never imports torch.
 The checker itself is tested on small synthetic packages, so each rule is shown to be able to fail.
 """
@@ -20,7 +22,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("jaxattn", "torchref", "crosscheck")
-LAYERS = {"_core": 0, "_engines": 1, "_schemes": 2, "_layers": 3}  # anything else in jaxattn: public, 4
+# Every private package or module of jaxattn has its layer here (test_every_private_part_has_a_layer); the
+# public modules are above them all.
+LAYERS = {"_core": 0, "_engines": 1, "_forms": 1, "_kernels": 2, "_api": 3, "_schemes": 4, "_layers": 5}
+PUBLIC = 6
+UNLAYERED = ("_version", "_atomic_files")  # leaf modules that import nothing of jaxattn's
 
 
 def _module_name(path: Path) -> str:
@@ -134,7 +140,7 @@ def find_cycle(edges: dict[str, set[str]]) -> list[str] | None:
 
 def _layer(module: str) -> int:
     parts = module.split(".")
-    return LAYERS.get(parts[1], 4) if len(parts) > 1 else 4
+    return LAYERS.get(parts[1], PUBLIC) if len(parts) > 1 else PUBLIC
 
 
 def layer_violations(edges) -> list[str]:
@@ -152,7 +158,7 @@ def layer_violations(edges) -> list[str]:
 @pytest.fixture(scope="module")
 def graph():
     sources = package_sources()
-    expected = {"jaxattn._engines.blockwise", "jaxattn._engines.ring", "crosscheck._cli", "torchref._functional"}
+    expected = {"jaxattn._engines.blockwise", "jaxattn._api", "jaxattn._kernels.pallas_gpu", "torchref._functional"}
     assert expected <= set(sources)
     return sources, *analyse(sources)
 
@@ -171,6 +177,24 @@ def test_no_module_uses_another_modules_private_names(graph):
 def test_private_packages_import_downwards_only(graph):
     _, edges, _ = graph
     assert layer_violations(edges) == []
+
+
+def test_every_private_part_has_a_layer(graph):
+    """A new private package (or a renamed one) must be placed in LAYERS, or the layering says nothing of it."""
+    sources, edges, _ = graph
+    private = {m.split(".")[1] for m in sources if m.startswith("jaxattn.") and _is_private(m.split(".")[1])}
+    assert private - set(LAYERS) - set(UNLAYERED) == set()
+    for name in UNLAYERED:
+        assert not {n for n in edges[f"jaxattn.{name}"] if n.startswith("jaxattn")}, name
+
+
+def test_the_dispatch_sits_above_the_kernels(graph):
+    """The public entry reaches the kernels (an edge the graph sees), and no kernel or engine reaches back."""
+    _, edges, _ = graph
+    assert "jaxattn._kernels" in edges["jaxattn._api"]
+    for module, targets in edges.items():
+        if module.startswith(("jaxattn._kernels", "jaxattn._engines")):
+            assert "jaxattn._api" not in targets, module
 
 
 def test_jaxattn_never_imports_torch(graph):
@@ -192,6 +216,9 @@ def test_checker_catches_each_kind_of_violation():
         "jaxattn._engines": ("", True),
         "jaxattn._engines.e": ("from .._core import a\nx = a._hidden\n", False),  # attribute use
         "jaxattn._core.c": ("from .._engines import e\n", False),  # upward import
+        "jaxattn._kernels": ("", True),
+        "jaxattn._kernels.k": ("from .. import _api\n", False),  # a kernel reaching up into the dispatch
+        "jaxattn._api": ("from ._kernels import k\n", False),
         "crosscheck": ("import jaxattn._core.a\n", True),  # private module from outside
     }
     edges, violations = analyse(sources)
@@ -202,7 +229,11 @@ def test_checker_catches_each_kind_of_violation():
     assert "jaxattn._core.b: from jaxattn._core.a import _hidden" in violations
     assert "jaxattn._engines.e: jaxattn._core.a._hidden" in violations
     assert "crosscheck: imports jaxattn's private module jaxattn._core.a" in violations
-    assert layer_violations(edges) == ["jaxattn._core.c (0) imports jaxattn._engines.e (1)"]
+    assert sorted(layer_violations(edges)) == [
+        "jaxattn._core.c (0) imports jaxattn._engines.e (1)",
+        "jaxattn._kernels.k (2) imports jaxattn._api (3)",
+    ]
+    assert find_cycle({m: t for m, t in edges.items() if m.startswith(("jaxattn._api", "jaxattn._kernels"))})
     clean = {
         "jaxattn": ("", True),
         "jaxattn.x": ("from . import y\nprint(y.public, y.__name__)\n", False),

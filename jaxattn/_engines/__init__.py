@@ -1,5 +1,5 @@
 """The attention engines: dense (one [...,N,T,S] array), pairwise (per-pair tables), blockwise (O(T+S)
-tiles), ring (blockwise tiles sharded over a mesh), and `dispatch`, which picks dense or blockwise.
+tiles), ring (blockwise tiles sharded over a mesh), flex (create_block_mask) and tiles (the tile policy).
 
-Engines build on _core only; `dispatch` sits above dense and blockwise and imports both.
+Engines build on _core only; the choice between them (and the kernels) is jaxattn._api's, above them all.
 """

@@ -19,11 +19,12 @@ q [B,K,G,T,H], k [B,K,S,H], v [B,K,S,Hv] so every tile product is one batched ma
 query heads sharing a key/value head (grouped-query attention never copies keys or values).
 
 The surface other modules drive (the ring engine, the dispatch, the schemes), all without underscores:
-  blockwise_attention: the entry point; use_blockwise lives in dispatch.py, above this engine;
+  blockwise_attention: the public entry point (keywords); tiled(call, ...): the same for an AttentionCall
+    (what the dispatch in jaxattn._api, the schemes and the kernels' empty-input path call);
   EngineConfig, fwd_tile, bwd_tile, zero_grads: one query tile against a run of keys, forward/backward,
     their arguments named: QueryTile (the tile), KeySide (every key it runs against), Shared (tables,
     hook arrays, scale), RowGrads (the backward's per-row inputs), Grads (the accumulators);
-  convert_hook, check_tables, slice_block, grid_options_in_use: the pieces of the entry point;
+  convert_hook, check_tables, slice_block: the pieces of the entry point;
   position_bias hook: any logit term that is a function of positions only (T5, ALiBi), one tile at a time.
 The online-softmax merge (combine_partials, ...) and the mask rule (allowed_pairs, key_block_range) are
 _core's (softmax.py, masks.py), shared with the dense engine.
@@ -41,6 +42,7 @@ from jax import lax
 
 from .._core import block_mask as block_masks
 from .._core import checks, mods
+from .._core.call import AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.masks import CLEAN, WITH_MOD, MaskRule, allowed_pairs, check_lengths, key_block_schedule
 from .._core.positions import clipped_index, positions
@@ -706,17 +708,6 @@ def _flat_positions(pos, batch, length, padded):
     return jnp.pad(pos, [(0, 0)] * (pos.ndim - 1) + [(0, padded - length)], mode="edge")
 
 
-def grid_options_in_use(bias=None, mask=None, dropout_rate=0.0, dropout_rng=None, return_weights=False):
-    """The options that need the full [T,S] grid, by name, when they are in use."""
-    used = {
-        "mask": mask is not None,
-        "bias": bias is not None,
-        "return_weights": bool(return_weights),
-        "dropout_rate": not (isinstance(dropout_rate, (int, float)) and dropout_rate == 0),
-    }
-    return [name for name, on in used.items() if on]
-
-
 TABLE_LAYOUT = "[R,(N,)H] with R = 2*max_distance+1"
 
 
@@ -789,57 +780,73 @@ def blockwise_attention(
     raises ValueError (implementation=None falls back to the dense path instead).
     """
     _refuse_grid_options(grid_options)
-    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value)
-    acc_dtype, B = accumulation_dtype(query.dtype), int(np.prod(batch, dtype=np.int64))
-    if block_mask is not None:  # the BlockMask's own mask_mod applies (block_masks.resolve)
-        block_size, mask_mod, block_mask = _with_block_mask(block_mask, block_size, mask_mod, B, N, T, S)
-    window = mods.check_window(window)
-    grouped = _row_grouped(query, key, value, score_mod, mask_mod)
-    Tb, Sb = _tile_sizes(block_size, T, S, B, N, K, tiles.span(window, is_causal), grouped)
-    Tp, Sp = -(-T // Tb) * Tb, -(-S // Sb) * Sb
-    q_pos, k_pos, lengths = _positions_and_lengths(
-        batch, T, S, Tp, Sp, query_positions, key_positions, key_value_seq_lengths
-    )
-    key_table, value_table, _ = check_tables(key_table, value_table, max_distance, N, H, Hv, acc_dtype)
-    if T == 0 or S == 0:  # nothing to tile: no query, or no key (every query then gets zeros, as dense)
-        return _nothing_to_tile(batch, T, N, Hv, value.dtype, sinks, acc_dtype, return_lse)
-    bias_fn, consts = _hook(position_bias, q_pos, k_pos, B, N, Tb, Sb, acc_dtype)
-    rule = MaskRule(is_causal=bool(is_causal), window=window, chunk_size=mods.check_chunk_size(chunk_size))
-    terms, arrays = _terms(
-        batch,
-        T,
-        S,
-        N,
-        K,
-        Tp,
-        Sp,
-        acc_dtype,
+    call = AttentionCall(
+        is_causal=is_causal,
+        key_value_seq_lengths=key_value_seq_lengths,
+        query_positions=query_positions,
+        key_positions=key_positions,
         query_segment_ids=query_segment_ids,
         key_segment_ids=key_segment_ids,
+        window=window,
+        chunk_size=chunk_size,
+        mask_mod=mask_mod,
+        block_mask=block_mask,
+        scale=scale,
         logit_softcap=logit_softcap,
         sinks=sinks,
         score_mod=score_mod,
-        mask_mod=mask_mod,
-        block_mask=block_mask,
+        key_table=key_table,
+        value_table=value_table,
+        max_distance=max_distance,
+        position_bias=position_bias,
+        return_lse=return_lse,
+        precision=precision,
+        block_size=block_size,
     )
+    return tiled(call, query, key, value)
+
+
+def tiled(call: AttentionCall, query, key, value):
+    """blockwise_attention of `call` (an AttentionCall without the grid options: mask, bias, weights,
+    dropout; the dispatch never sends one here, blockwise_attention refuses them by name)."""
+    if call.needs_grid:
+        _refuse_grid_options({name: getattr(call, name) for name in _GRID_OPTIONS})
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value)
+    acc_dtype, B = accumulation_dtype(query.dtype), int(np.prod(batch, dtype=np.int64))
+    block_size, mask_mod, block_mask = call.block_size, call.mask_mod, call.block_mask
+    if block_mask is not None:  # the BlockMask's own mask_mod applies (block_masks.resolve)
+        block_size, mask_mod, block_mask = _with_block_mask(block_mask, block_size, mask_mod, B, N, T, S)
+    grouped = _row_grouped(query, key, value, call.score_mod, mask_mod)
+    Tb, Sb = _tile_sizes(block_size, T, S, B, N, K, tiles.span(call.window, call.is_causal), grouped)
+    Tp, Sp = -(-T // Tb) * Tb, -(-S // Sb) * Sb
+    q_pos, k_pos, lengths = _positions_and_lengths(
+        batch, T, S, Tp, Sp, call.query_positions, call.key_positions, call.key_value_seq_lengths
+    )
+    max_distance = call.max_distance
+    key_table, value_table, _ = check_tables(call.key_table, call.value_table, max_distance, N, H, Hv, acc_dtype)
+    if T == 0 or S == 0:  # nothing to tile: no query, or no key (every query then gets zeros, as dense)
+        return _nothing_to_tile(batch, T, N, Hv, value.dtype, call.sinks, acc_dtype, call.return_lse)
+    bias_fn, consts = _hook(call.position_bias, q_pos, k_pos, B, N, Tb, Sb, acc_dtype)
+    terms, arrays = _terms(call, mask_mod, block_mask, batch, T, S, N, K, Tp, Sp, acc_dtype)
     cfg = EngineConfig(
         Tb,
         Sb,
         N,
-        rule,
+        call.rule,
         None if key_table is None and value_table is None else max_distance,
-        query_positions is None and key_positions is None,
-        precision,
+        call.query_positions is None and call.key_positions is None,
+        call.precision,
         bias_fn,
         terms,
     )
-    q, k, v = _engine_operands(query, key, value, H**-0.5 if scale is None else scale, acc_dtype, batch, Tp, Sp)
+    scale = H**-0.5 if call.scale is None else call.scale
+    q, k, v = _engine_operands(query, key, value, scale, acc_dtype, batch, Tp, Sp)
     groups = tiles.row_groups(B, K, N // K, Tb, Sb, _whole_rows(grouped, bias_fn is not None, q_pos, k_pos))
     out, lse = _grouped_engine(
         cfg, q, KeySide(k, v, k_pos, lengths), Shared(key_table, value_table, consts, None), q_pos, arrays, groups
     )
-    return _from_engine(out, lse, batch, T, query.dtype, return_lse)
+    return _from_engine(out, lse, batch, T, query.dtype, call.return_lse)
 
 
 _GRID_OPTIONS = ("bias", "mask", "dropout_rate", "dropout_rng", "return_weights")
@@ -851,7 +858,7 @@ def _refuse_grid_options(grid_options):
     unknown = sorted(set(grid_options) - set(_GRID_OPTIONS))
     if unknown:
         raise TypeError(f"blockwise_attention() got unexpected keyword arguments {unknown}")
-    in_use = grid_options_in_use(**grid_options)
+    in_use = AttentionCall(**grid_options).grid_options
     if in_use:
         checks.fail(
             "implementation",
@@ -930,34 +937,18 @@ def _empty_lse(batch, N, T, sinks, acc_dtype):
     return jnp.broadcast_to(jnp.asarray(sinks, acc_dtype)[..., None], (*batch, N, T))
 
 
-def _terms(
-    batch,
-    T,
-    S,
-    N,
-    K,
-    Tp,
-    Sp,
-    acc_dtype,
-    *,
-    query_segment_ids,
-    key_segment_ids,
-    logit_softcap,
-    sinks,
-    score_mod,
-    mask_mod,
-    block_mask,
-):
-    """Check the programmable keywords: (Terms, TermArrays) in the engine layout."""
+def _terms(call: AttentionCall, mask_mod, block_mask, batch, T, S, N, K, Tp, Sp, acc_dtype):
+    """Check the programmable options against the shapes: (Terms, TermArrays) in the engine layout
+    (mask_mod, block_mask: the call's, resolved by _with_block_mask)."""
     B = int(np.prod(batch, dtype=np.int64))
-    q_seg, k_seg = mods.check_segment_ids(query_segment_ids, key_segment_ids, batch, T, S)
+    q_seg, k_seg = mods.check_segment_ids(call.query_segment_ids, call.key_segment_ids, batch, T, S)
     if q_seg is not None:  # [B|1, L padded]: padding repeats the last id (padded keys are masked by length)
         q_seg, k_seg = (_flat_positions(x, batch, L, Lp) for x, L, Lp in ((q_seg, T, Tp), (k_seg, S, Sp)))
         q_seg, k_seg = (x if x.ndim == 2 else x[None] for x in (q_seg, k_seg))
-    sinks = mods.check_sinks(sinks, batch, N, acc_dtype)
+    sinks = mods.check_sinks(call.sinks, batch, N, acc_dtype)
     if sinks is not None:
         sinks = jnp.broadcast_to(sinks, (*batch, N)).reshape(B, K, N // K)
-    score_fn = mods.element_function("score_mod", score_mod, acc_dtype)
+    score_fn = mods.element_function("score_mod", call.score_mod, acc_dtype)
     mask_fn = mods.element_function("mask_mod", mask_mod)
     kinds = None
     if block_mask is not None:  # one kind per tile for every batch row and head (they share the tile)
@@ -968,7 +959,7 @@ def _terms(
             jnp.where(jnp.any(each != block_masks.EMPTY, axis=(0, 1)), block_masks.PARTIAL, block_masks.EMPTY),
         ).astype(jnp.int8)
     terms = Terms(
-        softcap=mods.check_softcap(logit_softcap),
+        softcap=call.logit_softcap,
         score_fn=None if score_fn is None else score_fn.fn,
         mask_fn=None if mask_fn is None else mask_fn.fn,
         segments=q_seg is not None,

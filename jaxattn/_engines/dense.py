@@ -18,6 +18,7 @@ import numpy as np
 
 from .._core import block_mask as block_masks
 from .._core import checks, mods
+from .._core.call import AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.masks import allowed_keys
 from .._core.positions import positions
@@ -55,40 +56,20 @@ def _unflatten(grid, batch):
 
 
 class _Programmable:
-    """The programmable keywords of one dense call, checked (jaxattn._core.mods)."""
+    """The programmable options of one dense call, checked against the shapes (jaxattn._core.mods)."""
 
-    def __init__(
-        self,
-        batch,
-        N,
-        T,
-        S,
-        acc_dtype,
-        *,
-        query_segment_ids,
-        key_segment_ids,
-        window,
-        chunk_size,
-        logit_softcap,
-        sinks,
-        score_mod,
-        mask_mod,
-        block_mask,
-        query_positions,
-        key_positions,
-    ):
-        self.window, self.chunk_size = mods.check_window(window), mods.check_chunk_size(chunk_size)
-        self.cap = mods.check_softcap(logit_softcap)
-        self.q_seg, self.k_seg = mods.check_segment_ids(query_segment_ids, key_segment_ids, batch, T, S)
-        self.sinks = mods.check_sinks(sinks, batch, N, acc_dtype)
+    def __init__(self, call: AttentionCall, batch, N, T, S, acc_dtype):
+        self.q_seg, self.k_seg = mods.check_segment_ids(call.query_segment_ids, call.key_segment_ids, batch, T, S)
+        self.sinks = mods.check_sinks(call.sinks, batch, N, acc_dtype)
+        mask_mod, block_mask = call.mask_mod, call.block_mask
         if block_mask is not None:  # the BlockMask's own mask_mod applies (block_masks.resolve)
             block_masks.check_block_mask(block_mask, int(np.prod(batch, dtype=np.int64)), N, T, S)
             mask_mod, block_mask = block_masks.resolve(mask_mod, block_mask)
-        self.score_fn = mods.element_function("score_mod", score_mod, acc_dtype)
+        self.score_fn = mods.element_function("score_mod", call.score_mod, acc_dtype)
         self.mask_fn = mods.element_function("mask_mod", mask_mod)
         self.block_mask = block_mask
         with_grid = self.score_fn is not None or self.mask_fn is not None
-        self.grid = flat_grid(batch, N, T, S, query_positions, key_positions) if with_grid else None
+        self.grid = flat_grid(batch, N, T, S, call.query_positions, call.key_positions) if with_grid else None
         self.batch, self.shape = batch, (*batch, N, T, S)
 
     def score(self, logits):
@@ -111,103 +92,68 @@ class _Programmable:
 
 
 def attention_core(
+    call: AttentionCall,
     query,
     key,
     value,
     *,
     relative_logits: Optional[Callable] = None,
     relative_values: Optional[Callable] = None,
-    bias=None,
-    mask=None,
-    is_causal=False,
-    key_value_seq_lengths=None,
-    query_positions=None,
-    key_positions=None,
-    scale=None,
-    dropout_rate=0.0,
-    dropout_rng=None,
-    return_weights=False,
-    precision=None,
     dims=None,
-    query_segment_ids=None,
-    key_segment_ids=None,
-    window=None,
-    chunk_size=None,
-    logit_softcap=None,
-    sinks=None,
-    score_mod=None,
-    mask_mod=None,
-    block_mask=None,
-    return_lse=False,
-    broadcast_dropout=False,
 ):
-    """The dense attention routine; `relative_*` add the position terms (see module docstring).
+    """The dense attention routine for `call` (every option); `relative_*` add the position terms of a
+    scheme (see module docstring): the call's own Shaw tables and position hook are the tiled engine's and
+    the kernels'; a scheme hands the dense engine their terms as these two functions.
 
     relative_logits(query) -> [...,N,T,S] (unscaled); relative_values(weights) -> [...,T,N,Hv].
     dims: checks.check_qkv's result when the caller has already checked query/key/value.
-    The programmable keywords are dot_product_attention's and flex_attention's (jaxattn._core.mods).
     Returns out, or (out, weights) / (out, lse) / (out, weights, lse) with return_weights / return_lse
     (lse [...,N,T]: the log of the softmax's normaliser, in the accumulation dtype).
     """
+    if call.has_tables or call.position_bias is not None:
+        raise TypeError("attention_core takes a scheme's terms as relative_logits / relative_values")
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value) if dims is None else dims
     G = N // K
     acc_dtype = accumulation_dtype(query.dtype)
-    scale = H**-0.5 if scale is None else scale
+    scale = H**-0.5 if call.scale is None else call.scale
     logits_shape = (*batch, N, T, S)
-    prog = _Programmable(
-        batch,
-        N,
-        T,
-        S,
-        acc_dtype,
-        query_segment_ids=query_segment_ids,
-        key_segment_ids=key_segment_ids,
-        window=window,
-        chunk_size=chunk_size,
-        logit_softcap=logit_softcap,
-        sinks=sinks,
-        score_mod=score_mod,
-        mask_mod=mask_mod,
-        block_mask=block_mask,
-        query_positions=query_positions,
-        key_positions=key_positions,
-    )
+    prog = _Programmable(call, batch, N, T, S, acc_dtype)
 
     q = query.reshape(*query.shape[:-2], K, G, H)
-    logits = jnp.einsum("...tkgh,...skh->...kgts", q, key, precision=precision, preferred_element_type=acc_dtype)
+    logits = jnp.einsum("...tkgh,...skh->...kgts", q, key, precision=call.precision, preferred_element_type=acc_dtype)
     logits = logits.reshape(*logits.shape[:-4], N, T, S)
     if relative_logits is not None:
         logits = logits + relative_logits(query)
-    logits = mods.softcap(logits * jnp.asarray(scale, acc_dtype), prog.cap)
+    logits = mods.softcap(logits * jnp.asarray(scale, acc_dtype), call.logit_softcap)
 
     allowed = allowed_keys(
         logits_shape,
-        mask=mask,
-        is_causal=is_causal,
-        key_value_seq_lengths=key_value_seq_lengths,
-        query_positions=query_positions,
-        key_positions=key_positions,
-        window=prog.window,
-        chunk_size=prog.chunk_size,
+        mask=call.mask,
+        is_causal=call.is_causal,
+        key_value_seq_lengths=call.key_value_seq_lengths,
+        query_positions=call.query_positions,
+        key_positions=call.key_positions,
+        window=call.window,
+        chunk_size=call.chunk_size,
         query_segments=prog.q_seg,
         key_segments=prog.k_seg,
     )
-    if bias is not None:
-        logits, allowed = _add_bias(logits, allowed, bias, logits_shape, acc_dtype)
+    if call.bias is not None:
+        logits, allowed = _add_bias(logits, allowed, call.bias, logits_shape, acc_dtype)
     logits = prog.score(logits)
     allowed = prog.allowed(allowed)
 
     sinks = None if prog.sinks is None else prog.sinks[..., :, None, None]
-    lse = jnp.broadcast_to(masked_logsumexp(logits, allowed, sinks), (*batch, N, T)) if return_lse else None
+    lse = jnp.broadcast_to(masked_logsumexp(logits, allowed, sinks), (*batch, N, T)) if call.return_lse else None
     weights = masked_softmax(logits, allowed, sinks)
-    weights = dropout(weights, dropout_rate, dropout_rng, broadcast_dropout)
+    weights = dropout(weights, call.dropout_rate, call.dropout_rng, call.broadcast_dropout)
 
     p = weights.astype(value.dtype).reshape(*weights.shape[:-3], K, G, T, S)
-    out = jnp.einsum("...kgts,...skh->...tkgh", p, value, precision=precision, preferred_element_type=acc_dtype)
+    out = jnp.einsum("...kgts,...skh->...tkgh", p, value, precision=call.precision, preferred_element_type=acc_dtype)
     out = out.reshape(*out.shape[:-3], N, Hv)
     if relative_values is not None:
         out = out + relative_values(weights)
-    out = (out.astype(value.dtype),) + ((weights.astype(query.dtype),) if return_weights else ())
-    out = out + ((lse,) if return_lse else ())
+    out = (out.astype(value.dtype),) + ((weights.astype(query.dtype),) if call.return_weights else ())
+    out = out + ((lse,) if call.return_lse else ())
     return out if len(out) > 1 else out[0]

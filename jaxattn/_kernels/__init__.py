@@ -1,14 +1,16 @@
 """Fused attention kernels for accelerators, behind dot_product_attention's `implementation=`.
 
-Each kernel module has the same two-function surface, which the dispatch (jaxattn._engines.dispatch) drives:
+Each kernel module registered in jaxattn._api.REGISTRY has the same two-function surface, which the
+dispatch (jaxattn._api, above this package) drives:
 
-    unsupported(query, key, value, **options) -> str | None   None: the kernel computes this call exactly;
-                                                              else the name of the option it cannot express
-    attention(query, key, value, *, interpret=False, **options) -> out [...,T,N,Hv]  (or (out, lse))
+    unsupported(call, query, key, value, interpret=False) -> str | None   None: the kernel computes this
+                                                   call exactly; else the name of the option it cannot express
+    attention(call, query, key, value, interpret=False) -> out [...,T,N,Hv]  (or (out, lse))
 
-options are blockwise_attention's keywords (is_causal, key_value_seq_lengths, positions, scale, precision,
-segment ids, window, chunk_size, logit_softcap, sinks, score_mod, mask_mod, block_mask, return_lse, ...);
-the results follow DESIGN.md's semantics (bottom-right causal, zeros for a row with no allowed key).
+call is the AttentionCall of jaxattn._core.call (is_causal, key_value_seq_lengths, positions, scale,
+precision, segment ids, window, chunk_size, logit_softcap, sinks, score_mod, mask_mod, block_mask,
+return_lse, ...); the results follow DESIGN.md's semantics (bottom-right causal, zeros for a row with no
+allowed key). Kernels may use the engines below them (an empty input, an XLA backward), never the dispatch.
 
     pallas_gpu  implementation="pallas_gpu": flash_gpu, or decode_gpu for a few query rows against long keys
     flash_gpu   our Pallas flash-attention kernel for GPUs (Triton lowering), forward and backward

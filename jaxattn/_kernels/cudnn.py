@@ -19,21 +19,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._core import checks, mods
+from .._core import checks
+from .._core.call import AttentionCall
 
 HANDLED = ("is_causal", "scale", "precision", "key_value_seq_lengths", "window")
 
 
-def unsupported(query, key, value, *, interpret=False, **options):
+def unsupported(call: AttentionCall, query, key, value, interpret=False):
     """None when cuDNN computes this call exactly, else the name of the first option it cannot express."""
-    for name, given in options.items():
-        if name not in HANDLED and given is not None and given is not False:
-            return name
+    problem = call.first_unhandled(HANDLED)
+    if problem is not None:
+        return problem
     if jnp.dtype(getattr(query, "dtype", np.float32)) not in (jnp.float16, jnp.bfloat16):
         return "query (dtype: cuDNN takes float16 / bfloat16)"
     T, S = np.shape(query)[-3], np.shape(key)[-3]
     for name in ("is_causal", "window"):
-        if options.get(name) not in (None, False) and T != S:
+        if getattr(call, name) not in (None, False) and T != S:
             return f"{name} (cuDNN aligns it top-left: T == S only)"
     if np.shape(value)[-1] != np.shape(query)[-1]:
         return "value (head dim Hv != H)"
@@ -51,23 +52,12 @@ def _empty_rows(T, lengths, causal, window):
     return lo > hi
 
 
-def attention(
-    query,
-    key,
-    value,
-    *,
-    interpret=False,
-    is_causal=False,
-    scale=None,
-    precision=None,
-    key_value_seq_lengths=None,
-    window=None,
-):
+def attention(call: AttentionCall, query, key, value, interpret=False):
     """jax.nn.dot_product_attention(implementation="cudnn") over [...,T,N,H] inputs (module docstring)."""
-    del interpret, precision  # no interpreter for cuDNN; it computes at its own (float32-accumulating) precision
+    del interpret  # no interpreter for cuDNN; it computes at its own (float32-accumulating) precision
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     batch, T, S, N, _, _, Hv = checks.check_qkv(query, key, value)
-    window = mods.check_window(window)
+    window, is_causal, key_value_seq_lengths = call.window, call.is_causal, call.key_value_seq_lengths
     B = int(np.prod(batch, dtype=np.int64))
     flat = lambda x: x.reshape(B, *x.shape[len(batch) :])  # noqa: E731
     lengths = None
@@ -80,12 +70,12 @@ def attention(
         flat(query),
         flat(key),
         flat(value),
-        scale=scale,
-        is_causal=bool(is_causal),
+        scale=call.scale,
+        is_causal=is_causal,
         key_value_seq_lengths=lengths,
         local_window_size=local,
         implementation="cudnn",
     )
     if lengths is not None:
-        out = jnp.where(_empty_rows(T, lengths, bool(is_causal), window)[:, :, None, None], 0, out)
+        out = jnp.where(_empty_rows(T, lengths, is_causal, window)[:, :, None, None], 0, out)
     return out.reshape(*batch, T, N, Hv).astype(value.dtype)

@@ -26,12 +26,13 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from .._core import checks
+from .._core.call import AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.softmax import add_sinks, finalize_partial, merge_partials, public_lse
-from .._engines.blockwise import blockwise_attention
+from .._engines import blockwise
 from .flash_gpu import (
     MIN_GPU_BLOCK,
-    checked_call,
+    checked,
     is_power_of_two,
     kernel_layout,
     key_tile_kinds,
@@ -63,15 +64,15 @@ _ARRAY_OPTIONS = (
 )
 
 
-def decode_unsupported(query, key, value, *, interpret=False, **options) -> Optional[str]:
+def decode_unsupported(call: AttentionCall, query, key, value, interpret=False) -> Optional[str]:
     """None when decode_attention computes this call; else the first option it cannot express: the flash
     kernel's refusals (unsupported), score_mod / mask_mod / block_mask, and on a GPU more than
     DECODE_MAX_ROWS query rows per key/value head (G * T)."""
-    problem = unsupported(query, key, value, interpret=interpret, **options)
+    problem = unsupported(call, query, key, value, interpret)
     if problem is not None:
         return problem
     for name in _NOT_DECODE:
-        if options.get(name) is not None:
+        if getattr(call, name) is not None:
             return name
     T, N, K = np.shape(query)[-3], np.shape(query)[-2], np.shape(key)[-2]
     if not interpret and K and T * (N // K) > DECODE_MAX_ROWS:
@@ -79,15 +80,15 @@ def decode_unsupported(query, key, value, *, interpret=False, **options) -> Opti
     return None
 
 
-def use_decode(query, key, value, *, interpret=False, **options) -> bool:
+def use_decode(call: AttentionCall, query, key, value, interpret=False) -> bool:
     """pallas_gpu.attention's choice of the split-key kernel: decode_attention expresses the call, the G * T rows
     of a key/value head fit one tile, the flash grid (B * N * query tiles) has fewer than DECODE_PROGRAMS
     programs and S >= 2 * DECODE_MIN_CHUNK (the occupancy argument above; not measured)."""
-    if decode_unsupported(query, key, value, interpret=interpret, **options) is not None:
+    if decode_unsupported(call, query, key, value, interpret) is not None:
         return False
     *batch, T, N, H = np.shape(query)
     S, K = np.shape(key)[-3], np.shape(key)[-2]
-    Tb, _ = tile_sizes(options.get("block_size"), T, S, padded_head(max(H, np.shape(value)[-1]), interpret), interpret)
+    Tb, _ = tile_sizes(call.block_size, T, S, padded_head(max(H, np.shape(value)[-1]), interpret), interpret)
     flash_programs = int(np.prod(batch, dtype=np.int64)) * N * -(-T // Tb)
     return T * (N // K) <= DECODE_MAX_ROWS and flash_programs < DECODE_PROGRAMS and S >= 2 * DECODE_MIN_CHUNK
 
@@ -160,12 +161,12 @@ def _decode_partials(cfg, q, k, v, q_pos, k_pos, lengths, q_seg, k_seg, order, c
     return tuple(named_call(cfg, _decode_kernel, (B, K, C), inputs, outputs, "jaxattn_decode_split_key"))
 
 
-def decode_attention(query, key, value, *, interpret=False, key_chunk=None, **options):
+def decode_attention(call: AttentionCall, query, key, value, interpret=False, *, key_chunk=None):
     """pallas_gpu.attention's call by the split-key (flash-decoding) kernel: forward only (no custom VJP of
     its own; decode_with_flash_gradient differentiates through the flash kernel). Meant for a few query rows
     against a long key axis; any T works. key_chunk: keys per program (default: decode_tiles). What it cannot
     express (decode_unsupported) raises ValueError naming the option."""
-    problem = decode_unsupported(query, key, value, interpret=interpret, **options)
+    problem = decode_unsupported(call, query, key, value, interpret)
     if problem is not None:
         checks.fail(
             "implementation",
@@ -173,13 +174,14 @@ def decode_attention(query, key, value, *, interpret=False, key_chunk=None, **op
             '"pallas_gpu" decode_attention',
         )
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    call = checked_call(query, key, value, options)
+    given, block_size, return_lse = call, call.block_size, call.return_lse
+    call = checked(call, query, key, value)
     batch, T, S, N, K, H, Hv = call[:7]
     if T == 0 or S == 0:
-        return blockwise_attention(query, key, value, **{k: v for k, v in options.items() if k != "block_size"})
+        return blockwise.tiled(given.replace(block_size=None), query, key, value)
     B, G = int(np.prod(batch, dtype=np.int64)), N // K
     Hp, Hvp = padded_head(H, interpret), padded_head(Hv, interpret)
-    Sb, Sc = decode_tiles(options.get("block_size"), key_chunk, B, K, S, max(Hp, Hvp), interpret)
+    Sb, Sc = decode_tiles(block_size, key_chunk, B, K, S, max(Hp, Hvp), interpret)
     C, tiles = -(-S // Sc), Sc // Sb
     R = G * T  # the rows of one key/value head: query head kh * G + g, query t -> row g * T + t
     Rp = next_power_of_two(R) if interpret else max(MIN_GPU_BLOCK, next_power_of_two(R))  # padded as on a GPU
@@ -226,21 +228,21 @@ def decode_attention(query, key, value, *, interpret=False, key_chunk=None, **op
     partial = add_sinks(((heads(out),), heads(m), heads(l)), None if call.sinks is None else call.sinks[..., None])
     (out,), lse = finalize_partial(partial)
     out = jnp.swapaxes(out, 1, 2)[..., :Hv].astype(query.dtype).reshape(*batch, T, N, Hv)
-    if options.get("return_lse", False):
+    if return_lse:
         return out, public_lse(lse.reshape(*batch, N, T))
     return out
 
 
-def decode_with_flash_gradient(query, key, value, interpret, o):
+def decode_with_flash_gradient(call: AttentionCall, query, key, value, interpret):
     """decode_attention forward; a gradient runs the flash kernels (forward again, then backward)."""
-    arrays = {k: jnp.asarray(o[k]) for k in _ARRAY_OPTIONS if o.get(k) is not None}
-    static = tuple(sorted((k, v) for k, v in o.items() if k not in arrays))
+    arrays = {name: jnp.asarray(getattr(call, name)) for name in _ARRAY_OPTIONS if getattr(call, name) is not None}
+    static = call.replace(**{name: None for name in arrays})  # hashable (by identity): a nondiff argument
     return _decode_forward(static, bool(interpret), query, key, value, arrays)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _decode_forward(static, interpret, query, key, value, arrays):
-    return decode_attention(query, key, value, interpret=interpret, **dict(static), **arrays)
+    return decode_attention(static.replace(**arrays), query, key, value, interpret)
 
 
 def _decode_forward_fwd(static, interpret, query, key, value, arrays):
@@ -249,7 +251,7 @@ def _decode_forward_fwd(static, interpret, query, key, value, arrays):
 
 def _decode_forward_bwd(static, interpret, residuals, cotangent):
     def flash(query, key, value, arrays):
-        return run(query, key, value, interpret, {**dict(static), **arrays})
+        return run(static.replace(**arrays), query, key, value, interpret)
 
     return jax.vjp(flash, *residuals)[1](cotangent)
 

@@ -19,12 +19,12 @@ head dims to powers of two): a BlockSpec picks one head's [Tb,Hp] tile, and quer
 head n // G (G = N // K) through its index map, so grouped-query attention never copies keys or values.
 Padding keys are masked as past the length; padding queries are computed and sliced off.
 
-The surface: `unsupported(query, key, value, **options)` (the first option the kernel cannot express, or
-None) and `run(query, key, value, interpret, options)` (a call it expresses). Package-internal, for the
-kernels that share this one's checks, layout and schedules (decode_gpu, flex_tpu): prepare / finish, and
-the helpers decode_gpu builds its own grid from (checked_call, padded_rows, kernel_layout, key_tile_kinds,
-sorted_kinds, tile_sizes, named_call). `interpret=True` runs the same kernels with Pallas' interpreter on any
-platform (the CPU tests).
+The surface: `unsupported(call, query, key, value, interpret)` (the first option of the AttentionCall the
+kernel cannot express, or None) and `run(call, query, key, value, interpret)` (a call it expresses).
+Package-internal, for the kernels that share this one's checks, layout and schedules (decode_gpu,
+flex_tpu): prepare / finish, and the helpers decode_gpu builds its own grid from (checked, padded_rows,
+kernel_layout, key_tile_kinds, sorted_kinds, tile_sizes, named_call). `interpret=True` runs the same kernels
+with Pallas' interpreter on any platform (the CPU tests).
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from .._core import block_mask as block_masks
 from .._core import checks, mods
+from .._core.call import AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.masks import (
     CLEAN,
@@ -55,7 +56,6 @@ from .._core.masks import (
 )
 from .._core.positions import positions
 from .._core.softmax import has_keys, public_lse
-from .._engines.blockwise import grid_options_in_use
 from .._engines.tiles import check_block_mask_tiles
 from .tile_body import (
     Config,
@@ -79,34 +79,27 @@ INTERPRET_BLOCK = 16
 MIN_GPU_BLOCK = 16
 MAX_HEAD_DIM = 256
 
-# Keywords whose terms need the full [T,S] grid or relative-position tables: the XLA engines take them.
-_TABLE_OPTIONS = ("key_table", "value_table", "position_bias")
-_OPTIONS = {
+# The options these kernels express; anything else in use (Shaw tables, a position hook, the full-grid
+# options) is the XLA engines'.
+HANDLED = (
     "is_causal",
     "key_value_seq_lengths",
     "query_positions",
     "key_positions",
-    "scale",
-    "precision",
-    "block_size",
     "query_segment_ids",
     "key_segment_ids",
     "window",
     "chunk_size",
+    "mask_mod",
+    "block_mask",
+    "scale",
     "logit_softcap",
     "sinks",
     "score_mod",
-    "mask_mod",
-    "block_mask",
     "return_lse",
-    "max_distance",
-    "bias",
-    "mask",
-    "dropout_rate",
-    "dropout_rng",
-    "return_weights",
-    *_TABLE_OPTIONS,
-}
+    "precision",
+    "block_size",
+)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -123,7 +116,7 @@ def _block_pair(block_size):
     return (block_size, block_size) if isinstance(block_size, numbers.Integral) else tuple(block_size)
 
 
-def unsupported(query, key, value, *, interpret=False, **options) -> Optional[str]:
+def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Optional[str]:
     """None when run() computes this call; else the name of the first option it cannot express.
 
     Cheap (shapes and Python values only). Relative-position tables and biases (key_table, value_table,
@@ -132,18 +125,10 @@ def unsupported(query, key, value, *, interpret=False, **options) -> Optional[st
     tiles), head dims at most 256, inputs at most 32-bit floats, scale a Python number, and score_mod /
     mask_mod must close over no array (Triton cannot index one by head or position).
     """
-    for name in options:
-        if name not in _OPTIONS:
-            return name
-    for name in _TABLE_OPTIONS:
-        if options.get(name) is not None:
-            return name
-    in_use = grid_options_in_use(
-        **{k: options[k] for k in ("bias", "mask", "dropout_rate", "dropout_rng", "return_weights") if k in options}
-    )
-    if in_use:
-        return in_use[0]
-    scale = options.get("scale")
+    problem = call.first_unhandled(HANDLED)
+    if problem is not None:
+        return problem
+    scale = call.scale
     if (
         scale is not None
         and not isinstance(scale, numbers.Real)
@@ -156,16 +141,16 @@ def unsupported(query, key, value, *, interpret=False, **options) -> Optional[st
         return "dtype"
     if max(np.shape(query)[-1:] + np.shape(value)[-1:], default=0) > MAX_HEAD_DIM:
         return "head_dim"
-    pair = _block_pair(options.get("block_size"))
+    pair = _block_pair(call.block_size)
     if pair is not None and not all(is_power_of_two(b) and b >= MIN_GPU_BLOCK for b in pair):
         return "block_size"
-    block_mask = options.get("block_mask")
+    block_mask = call.block_mask
     if block_mask is not None:
         tiles_ok = all(is_power_of_two(b) and b >= MIN_GPU_BLOCK for b in getattr(block_mask, "block_size", ()))
         if not tiles_ok or getattr(block_mask, "mask_consts", ()):  # mask_consts: as a mask_mod's, below
             return "block_mask"
     for name in ("score_mod", "mask_mod"):
-        fn = options.get(name)
+        fn = getattr(call, name)
         if fn is not None and callable(fn):
             score_dtype = accumulation_dtype(getattr(query, "dtype", jnp.float32)) if name == "score_mod" else None
             traced = mods.element_function(name, fn, score_dtype)
@@ -589,7 +574,7 @@ def _schedules(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds):
     return sorted_kinds(kinds) + sorted_kinds(jnp.swapaxes(kinds, -1, -2))
 
 
-class _Call(NamedTuple):
+class Checked(NamedTuple):
     """One call's checked inputs, before the kernels' layout: shapes and the options as arrays / statics."""
 
     batch: tuple
@@ -611,31 +596,27 @@ class _Call(NamedTuple):
     precision: Any
 
 
-def checked_call(query, key, value, o) -> _Call:
-    """The shapes and options every kernel here reads, checked (ValueError naming the option)."""
+def checked(call: AttentionCall, query, key, value) -> Checked:
+    """The shapes and options every kernel here reads, checked against the shapes (ValueError naming the
+    option)."""
     batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value)
     B = int(np.prod(batch, dtype=np.int64))
-    q_pos, k_pos = positions(T, S, o.get("query_positions"), o.get("key_positions"))
+    q_pos, k_pos = positions(T, S, call.query_positions, call.key_positions)
     checks.check_broadcastable("query_positions", q_pos, (*batch, T), "[...,T]")
     checks.check_broadcastable("key_positions", k_pos, (*batch, S), "[...,S]")
-    lengths = check_lengths(o.get("key_value_seq_lengths"), batch)
+    lengths = check_lengths(call.key_value_seq_lengths, batch)
     if lengths is not None:
         lengths = jnp.minimum(jnp.broadcast_to(lengths, batch).reshape(-1), S).astype(jnp.int32)
-    q_seg, k_seg = mods.check_segment_ids(o.get("query_segment_ids"), o.get("key_segment_ids"), batch, T, S)
+    q_seg, k_seg = mods.check_segment_ids(call.query_segment_ids, call.key_segment_ids, batch, T, S)
     acc_dtype = accumulation_dtype(query.dtype)
-    sinks = mods.check_sinks(o.get("sinks"), batch, N, acc_dtype)
+    sinks = mods.check_sinks(call.sinks, batch, N, acc_dtype)
     if sinks is not None:
         sinks = jnp.broadcast_to(sinks, (*batch, N)).reshape(B, N).astype(acc_dtype)
-    rule = MaskRule(
-        is_causal=bool(o.get("is_causal", False)),
-        window=mods.check_window(o.get("window")),
-        chunk_size=mods.check_chunk_size(o.get("chunk_size")),
-    )
-    precision = o.get("precision")
+    precision = call.precision
     if precision == "highest":
         precision = lax.Precision.HIGHEST
-    scale = H**-0.5 if o.get("scale") is None else float(o["scale"])
-    return _Call(
+    scale = H**-0.5 if call.scale is None else float(call.scale)
+    return Checked(
         tuple(batch),
         T,
         S,
@@ -649,14 +630,14 @@ def checked_call(query, key, value, o) -> _Call:
         q_seg,
         k_seg,
         sinks,
-        rule,
+        call.rule,
         scale,
-        mods.check_softcap(o.get("logit_softcap")),
+        call.logit_softcap,
         precision,
     )
 
 
-def padded_rows(call: _Call, Tp: int, Sp: int):
+def padded_rows(call: Checked, Tp: int, Sp: int):
     """(q_pos [B|1,Tp], k_pos [B|1,Sp], lengths [B|1] or None, q_seg [B|1,Tp], k_seg [B|1,Sp]): positions and
     segment ids edge-padded, and lengths that mask the padding keys past S."""
     batch, T, S = call.batch, call.T, call.S
@@ -687,11 +668,11 @@ class Prepared(NamedTuple):
     Hv: int
 
 
-def run(query, key, value, interpret, o):
+def run(call: AttentionCall, query, key, value, interpret):
     """pallas_gpu.attention by the flash kernels (forward and backward): a call unsupported() accepts, T, S > 0."""
-    p = prepare(query, key, value, o, interpret)
+    p = prepare(call, query, key, value, interpret)
     out, lse = _flash(p.cfg, p.q, p.k, p.v, p.side)
-    return finish(p, out, lse, o.get("return_lse", False))
+    return finish(p, out, lse, call.return_lse)
 
 
 def finish(p: Prepared, out, lse, return_lse: bool):
@@ -703,15 +684,16 @@ def finish(p: Prepared, out, lse, return_lse: bool):
     return out
 
 
-def prepare(query, key, value, o, interpret, blocks=None, head_multiple=None) -> Prepared:
+def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head_multiple=None) -> Prepared:
     """Checks, tiles, layout and key-tile schedules of one call for the flash kernels (forward_kernel's
     inputs). blocks: (Tb, Sb) instead of tile_sizes' (a BlockMask's tiles still win); head_multiple: pad
     head dims to a multiple of it (a TPU's lane width) rather than to a power of two."""
-    call = checked_call(query, key, value, o)
+    mask_mod, block_mask, block_size = call.mask_mod, call.block_mask, call.block_size
+    score_mod = call.score_mod
+    call = checked(call, query, key, value)
     batch, T, S, N, K, H, Hv = call[:7]
     B = int(np.prod(batch, dtype=np.int64))
     acc_dtype = accumulation_dtype(query.dtype)
-    mask_mod, block_mask, block_size = o.get("mask_mod"), o.get("block_mask"), o.get("block_size")
     if block_mask is not None:  # its tiles are the kernel's tiles; its own mask_mod applies (resolve)
         block_masks.check_block_mask(block_mask, B, N, T, S)
         block_size = check_block_mask_tiles(block_mask, block_size)
@@ -727,7 +709,7 @@ def prepare(query, key, value, o, interpret, blocks=None, head_multiple=None) ->
     Tn, Sn = -(-T // Tb), -(-S // Sb)
     Tp, Sp = Tn * Tb, Sn * Sb
     q_pos, k_pos, lengths, q_seg, k_seg = padded_rows(call, Tp, Sp)
-    score_fn = mods.element_function("score_mod", o.get("score_mod"), acc_dtype)
+    score_fn = mods.element_function("score_mod", score_mod, acc_dtype)
     mask_fn = mods.element_function("mask_mod", mask_mod)
     tile_kinds = None if block_mask is None else block_masks.tile_kinds(block_mask).astype(jnp.int32)
     score_consts = () if score_fn is None else tuple(jnp.asarray(c) for c in score_fn.consts)

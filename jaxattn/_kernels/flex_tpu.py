@@ -34,8 +34,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .._core import checks, mods
+from .._core.call import AttentionCall
 from .._core.dtypes import accumulation_dtype
-from .._engines.blockwise import blockwise_attention
+from .._engines import blockwise
 from . import flash_gpu, tile_body
 
 LANES = 128
@@ -45,32 +46,32 @@ MAX_KEY_BYTES = 8 * 2**20  # one head's keys and values in VMEM (doubled by the 
 FLEX_OPTIONS = ("score_mod", "mask_mod", "block_mask")
 
 
-def wanted(options) -> bool:
+def wanted(call: AttentionCall) -> bool:
     """The call uses what splash cannot express and this kernel exists for."""
-    return any(options.get(name) is not None for name in FLEX_OPTIONS)
+    return any(getattr(call, name) is not None for name in FLEX_OPTIONS)
 
 
 def _tiles_ok(pair) -> bool:
     return all(isinstance(b, numbers.Integral) and b > 0 and b % LANES == 0 for b in pair)
 
 
-def unsupported(query, key, value, *, interpret=False, **options) -> Optional[str]:
+def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Optional[str]:
     """None when attention() computes this call; else the first option it cannot express: the Pallas GPU
     kernel's own refusals (without its GPU chip limits), and on a TPU the limits in the module docstring."""
-    problem = flash_gpu.unsupported(query, key, value, interpret=True, **options)
+    problem = flash_gpu.unsupported(call, query, key, value, interpret=True)
     if problem is not None or interpret:
         return problem
     if jax.config.read("jax_enable_x64"):
         return "jax_enable_x64 (the Pallas TPU kernels index in int32)"
     if np.dtype(getattr(query, "dtype", np.float32)).itemsize > 4:
         return "dtype"
-    block_mask = options.get("block_mask")
+    block_mask = call.block_mask
     if block_mask is not None and (
         not _tiles_ok(getattr(block_mask, "block_size", ())) or getattr(block_mask, "mask_consts", ())
     ):
         return "block_mask"
     for name in ("score_mod", "mask_mod"):
-        fn = options.get(name)
+        fn = getattr(call, name)
         if fn is not None:
             score_dtype = accumulation_dtype(getattr(query, "dtype", jnp.float32)) if name == "score_mod" else None
             if mods.element_function(name, fn, score_dtype).consts:
@@ -185,11 +186,11 @@ def _forward(p: flash_gpu.Prepared, interpret: bool):
     return jnp.swapaxes(out, 1, 2), lse[:, :, 0]
 
 
-def attention(query, key, value, *, interpret=False, **options):
-    """blockwise_attention's call computed forward by the Pallas TPU kernel (module docstring); its gradient
-    (q, k, v, sinks, a score_mod's closed-over arrays) is the blockwise engine's. ValueError naming the
-    option it cannot express (unsupported)."""
-    problem = unsupported(query, key, value, interpret=interpret, **options)
+def attention(call: AttentionCall, query, key, value, interpret=False):
+    """The AttentionCall's attention computed forward by the Pallas TPU kernel (module docstring); its
+    gradient (q, k, v, sinks, a score_mod's closed-over arrays) is the blockwise engine's. ValueError naming
+    the option it cannot express (unsupported)."""
+    problem = unsupported(call, query, key, value, interpret)
     if problem is not None:
         checks.fail(
             "implementation",
@@ -198,38 +199,37 @@ def attention(query, key, value, *, interpret=False, **options):
             '"pallas_tpu"',
         )
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    o = {k: v for k, v in options.items() if k != "block_size"}  # the kernel's tiles are its own
+    call = call.replace(block_size=None)  # the kernel's tiles are its own
     if query.shape[-3] == 0 or key.shape[-3] == 0:
-        return blockwise_attention(query, key, value, **o)
+        return blockwise.tiled(call, query, key, value)
     # Differentiable inputs are explicit (custom_vjp): q, k, v, sinks and the score_mod's closed-over arrays
     # (traced out of it); the rest (positions, lengths, segment ids, mask_mod, BlockMask) is closed over.
-    score = mods.element_function("score_mod", o.pop("score_mod", None), accumulation_dtype(query.dtype))
+    score = mods.element_function("score_mod", call.score_mod, accumulation_dtype(query.dtype))
     consts = () if score is None else tuple(jnp.asarray(c) for c in score.consts)
-    sinks = o.pop("sinks", None)
     blocks = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else (LANES, LANES)
 
-    def keywords(sinks, consts):
+    def with_inputs(sinks, consts):  # the call, its differentiable parts replaced by the custom VJP's inputs
         if score is None:
-            return dict(o, sinks=sinks)
-        return dict(o, sinks=sinks, score_mod=lambda x, b, n, t, s: score.fn(x, b, n, t, s, *consts))
+            return call.replace(sinks=sinks)
+        return call.replace(sinks=sinks, score_mod=lambda x, b, n, t, s: score.fn(x, b, n, t, s, *consts))
 
     @jax.custom_vjp
     def run(query, key, value, sinks, consts):
-        opts = keywords(sinks, consts)
+        inner = with_inputs(sinks, consts)
         p = flash_gpu.prepare(
-            query, key, value, opts, interpret, blocks=blocks, head_multiple=None if interpret else LANES
+            inner, query, key, value, interpret, blocks=blocks, head_multiple=None if interpret else LANES
         )
         out, lse = _forward(p, interpret)
-        return flash_gpu.finish(p, out, lse, bool(opts.get("return_lse", False)))
+        return flash_gpu.finish(p, out, lse, inner.return_lse)
 
     def run_fwd(*args):
         return run(*args), args
 
     def run_bwd(args, cotangent):  # the XLA blockwise engine's backward (it recomputes its own forward)
         return jax.vjp(
-            lambda query, key, value, sinks, consts: blockwise_attention(query, key, value, **keywords(sinks, consts)),
+            lambda query, key, value, sinks, consts: blockwise.tiled(with_inputs(sinks, consts), query, key, value),
             *args,
         )[1](cotangent)
 
     run.defvjp(run_fwd, run_bwd)
-    return run(query, key, value, sinks, consts)
+    return run(query, key, value, call.sinks, consts)

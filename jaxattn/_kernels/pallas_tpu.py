@@ -5,16 +5,17 @@ from __future__ import annotations
 
 from typing import Optional
 
+from .._core.call import AttentionCall
 from . import flex_tpu, splash_tpu
 
 
-def _kernel(options):
-    return flex_tpu if flex_tpu.wanted(options) else splash_tpu
+def _kernel(call: AttentionCall):
+    return flex_tpu if flex_tpu.wanted(call) else splash_tpu
 
 
-def unsupported(query, key, value, *, interpret=False, **options) -> Optional[str]:
-    return _kernel(options).unsupported(query, key, value, interpret=interpret, **options)
+def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Optional[str]:
+    return _kernel(call).unsupported(call, query, key, value, interpret)
 
 
-def attention(query, key, value, *, interpret=False, **options):
-    return _kernel(options).attention(query, key, value, interpret=interpret, **options)
+def attention(call: AttentionCall, query, key, value, interpret=False):
+    return _kernel(call).attention(call, query, key, value, interpret)

@@ -38,6 +38,7 @@ import numpy as np
 from jax import lax
 
 from .._core import checks, mods
+from .._core.call import AttentionCall
 from .._core.masks import allowed_keys
 
 LANES = 128  # splash's tiles are multiples of the TPU lane width
@@ -61,22 +62,22 @@ HANDLED = (
 ONE_ROW = ("query_positions", "key_positions")
 
 
-def unsupported(query, key, value, *, interpret=False, **options):
+def unsupported(call: AttentionCall, query, key, value, interpret=False):
     """None when splash computes this call exactly, else the name of the first option it cannot express.
 
     The same in Pallas' interpreter (interpret=True) as on a TPU: splash's own limits, not the chip's."""
     if jax.config.read("jax_enable_x64"):
         return "jax_enable_x64 (splash's index arithmetic does not trace with 64-bit ints on)"
     one_row = np.shape(query)[-3] == 1
-    for name, given in options.items():
-        if name not in HANDLED + (ONE_ROW if one_row else ()) and given is not None and given is not False:
-            return name
-    if options.get("return_lse"):
+    problem = call.first_unhandled(HANDLED + (ONE_ROW if one_row else ()))
+    if problem is not None:
+        return problem
+    if call.return_lse:
         return "return_lse"
     if (
         not one_row
-        and options.get("key_value_seq_lengths") is not None
-        and (options.get("query_segment_ids") is not None or options.get("key_segment_ids") is not None)
+        and call.key_value_seq_lengths is not None
+        and (call.query_segment_ids is not None or call.key_segment_ids is not None)
     ):
         return "key_value_seq_lengths (with segment ids)"
     if min(np.shape(query)[-3], np.shape(key)[-3]) == 0:
@@ -199,40 +200,22 @@ def _one_row_keys(batch, S, **mask_options):
     return jnp.where(jnp.broadcast_to(allowed, (*batch, 1, 1, S))[..., 0, 0, :], 0, 1).astype(jnp.int32)
 
 
-def attention(
-    query,
-    key,
-    value,
-    *,
-    interpret=False,
-    is_causal=False,
-    scale=None,
-    precision=None,
-    query_segment_ids=None,
-    key_segment_ids=None,
-    key_value_seq_lengths=None,
-    window=None,
-    chunk_size=None,
-    logit_softcap=None,
-    sinks=None,
-    return_lse=False,
-    query_positions=None,
-    key_positions=None,
-):
+def attention(call: AttentionCall, query, key, value, interpret=False):
     """Splash attention over [...,T,N,H] inputs, with our semantics (module docstring)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-    del precision, return_lse  # splash's matmuls accumulate in float32; return_lse is refused (unsupported)
+    # splash's matmuls accumulate in float32 (precision has nothing to set); return_lse is refused
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     batch, T, S, N, _, H, Hv = checks.check_qkv(query, key, value)
     B = int(np.prod(batch, dtype=np.int64))
-    window, chunk = mods.check_window(window), mods.check_chunk_size(chunk_size)
-    cap = mods.check_softcap(logit_softcap)
-    q_seg, k_seg = mods.check_segment_ids(query_segment_ids, key_segment_ids, batch, T, S)
+    is_causal, window, chunk, cap = call.is_causal, call.window, call.chunk_size, call.logit_softcap
+    query_positions, key_positions = call.query_positions, call.key_positions
+    key_value_seq_lengths, scale = call.key_value_seq_lengths, call.scale
+    q_seg, k_seg = mods.check_segment_ids(call.query_segment_ids, call.key_segment_ids, batch, T, S)
     if key_value_seq_lengths is not None:
         checks.check_int("key_value_seq_lengths", jnp.asarray(key_value_seq_lengths))
-    sinks = mods.check_sinks(sinks, batch, N, jnp.float32)
+    sinks = mods.check_sinks(call.sinks, batch, N, jnp.float32)
     if T == 1 and (
         query_positions is not None
         or key_positions is not None
@@ -247,7 +230,7 @@ def attention(
             query_positions=query_positions,
             key_positions=key_positions,
             window=window,
-            chunk_size=chunk_size,
+            chunk_size=chunk,
             query_segments=q_seg,
             key_segments=k_seg,
         )

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from .._core import checks
-from .._engines.dispatch import dot_product_attention
+from .._api import dot_product_attention
 from .._core.positions import positions as absolute_positions
 from .._schemes.rope import apply_rope
 from .._schemes.shaw import shaw_relative_attention

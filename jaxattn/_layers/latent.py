@@ -42,7 +42,7 @@ import jax.numpy as jnp
 
 from .._core import checks
 from .._core.norms import rms_normalize
-from .._engines.dispatch import dot_product_attention
+from .._api import dot_product_attention
 from .._schemes.rope import apply_rope
 from . import cache as kv_cache
 from .._core.eager import compiled_when_eager

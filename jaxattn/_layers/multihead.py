@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from .._core import checks
 from .._core.masks import allowed_keys
-from .._engines.dispatch import dot_product_attention
+from .._api import dot_product_attention
 from .._schemes.shaw import shaw_relative_attention
 from .._core.eager import compiled_when_eager
 

@@ -18,7 +18,7 @@ from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
 from .._core.positions import clipped_index, positions
 from .._engines.dense import attention_core
-from .._engines.dispatch import dense_only
+from .._api import dense_only, scheme_call
 from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
@@ -42,9 +42,9 @@ def clipped_relative_index(
     return clipped_index(q_pos, k_pos, max_left, max_right)
 
 
-def head_index(T, S, max_left, max_right, options):
-    """The clipped index at the core's positions (options' query/key_positions) as [...,1,T,S]."""
-    q_pos, k_pos = positions(T, S, options.get("query_positions"), options.get("key_positions"))
+def head_index(T, S, max_left, max_right, call):
+    """The clipped index at the call's positions (its query/key_positions) as [...,1,T,S]."""
+    q_pos, k_pos = positions(T, S, call.query_positions, call.key_positions)
     return clipped_index(q_pos, k_pos, max_left, max_right)[..., None, :, :]
 
 
@@ -127,11 +127,12 @@ def clipped_relative_attention(
     these tables), interpret=False.
     """
     dense_only(options.pop("implementation", None), options.pop("interpret", False), "key_table / value_table")
+    call = scheme_call("clipped_relative_attention", options)
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     dims = checks.check_qkv(query, key, value)
     max_left = static_int("max_left", max_left, 0)
     max_right = static_int("max_right", max_right, 0)
-    index = head_index(dims.T, dims.S, max_left, max_right, options)
+    index = head_index(dims.T, dims.S, max_left, max_right, call)
     rel_logits, rel_values = table_terms(
         query,
         dims,
@@ -139,9 +140,7 @@ def clipped_relative_attention(
         value_table,
         index,
         max_left + max_right + 1,
-        options.get("precision"),
+        call.precision,
         "[R,H] or [R,N,H], R = max_left + max_right + 1",
     )
-    return attention_core(
-        query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims, **options
-    )
+    return attention_core(call, query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims)

@@ -17,9 +17,9 @@ import jax.numpy as jnp
 
 from .._core import checks
 from .._core.positions import positions
-from .._engines.blockwise import blockwise_attention
+from .._api import attend, check_implementation, scheme_call
+from .._engines import blockwise
 from .._engines.dense import attention_core
-from .._engines.dispatch import attend, check_implementation
 from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
@@ -34,10 +34,10 @@ def heads_first(per_pair):
     return jnp.moveaxis(per_pair, -1, -3)
 
 
-def _combined_bias(bias_fn: PositionBias, T: int, S: int, options: dict):
-    q_pos, k_pos = positions(T, S, options.get("query_positions"), options.get("key_positions"))
+def _combined_bias(bias_fn: PositionBias, T: int, S: int, call):
+    q_pos, k_pos = positions(T, S, call.query_positions, call.key_positions)
     position_bias = bias_fn(q_pos, k_pos)
-    user_bias = options.pop("bias", None)
+    user_bias = call.bias
     if user_bias is None:
         return position_bias
     user_bias = jnp.asarray(user_bias)
@@ -59,11 +59,6 @@ _BLOCKWISE_OPTIONS = (
     "logit_softcap",
     "sinks",
 )
-
-
-def _unset(value) -> bool:
-    """None, False or 0.0: an option left at its default (dropout_rate=0.0, return_weights=False)."""
-    return value is None or (isinstance(value, (bool, int, float)) and not value)
 
 
 @compiled_when_eager
@@ -89,30 +84,27 @@ def position_bias_attention(
     function (position_bias), as dot_product_attention's implementation=; interpret likewise.
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    options = dict(options)
     check_implementation(implementation, interpret)
-    if implementation not in ("dense", "blockwise"):
-
-        def xla():
-            return position_bias_attention(
-                query, key, value, bias_fn, implementation="dense", block_size=block_size, **options
-            )
-
-        return attend(
-            xla, query, key, value, implementation=implementation, interpret=interpret, position_bias=bias_fn, **options
-        )
+    call = scheme_call("position_bias_attention", options, block_size=block_size, position_bias=bias_fn)
     if implementation == "blockwise":
-        unsupported = sorted(k for k, v in options.items() if k not in _BLOCKWISE_OPTIONS and not _unset(v))
+        taken = (*_BLOCKWISE_OPTIONS, "position_bias", "block_size")
+        unsupported = [name for name in call.in_use() if name not in taken]
         if unsupported:
             checks.fail(
                 "implementation",
                 f"'dense' for {unsupported} (blockwise takes {list(_BLOCKWISE_OPTIONS)} and block_size)",
                 repr(implementation),
             )
-        options = {k: v for k, v in options.items() if k in _BLOCKWISE_OPTIONS}
-        return blockwise_attention(query, key, value, position_bias=bias_fn, block_size=block_size, **options)
-    if block_size is not None:
+        return blockwise.tiled(call, query, key, value)
+    if implementation == "dense" and block_size is not None:
         checks.fail("block_size", "None with implementation='dense'", repr(block_size))
-    dims = checks.check_qkv(query, key, value)
-    options["bias"] = _combined_bias(bias_fn, dims.T, dims.S, options)
-    return attention_core(query, key, value, dims=dims, **options)
+
+    def xla():  # the dense engine with the [...,N,T,S] bias built (and a user `bias` added on top)
+        dims = checks.check_qkv(query, key, value)
+        bias = _combined_bias(bias_fn, dims.T, dims.S, call)
+        dense_call = call.replace(position_bias=None, bias=bias, block_size=None)
+        return attention_core(dense_call, query, key, value, dims=dims)
+
+    if implementation == "dense":
+        return xla()
+    return attend(call, query, key, value, xla=xla, implementation=implementation, interpret=interpret)

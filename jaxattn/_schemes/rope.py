@@ -25,9 +25,9 @@ from .._core import checks
 from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
 from .._core.positions import positions as absolute_positions
-from .._engines.blockwise import blockwise_attention
+from .._api import attend, scheme_call
+from .._engines import blockwise
 from .._engines.dense import attention_core
-from .._engines.dispatch import attend
 from .rope_scaling import default_frequencies
 from .._core.eager import compiled_when_eager
 
@@ -172,15 +172,16 @@ def rope_attention(
     where it expresses the call), "dense", "blockwise" or a kernel, as dot_product_attention's.
     """
     implementation, interpret = options.pop("implementation", None), options.pop("interpret", False)
+    call = scheme_call("rope_attention", options)
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     dims = checks.check_qkv(query, key, value)
-    q_pos, k_pos = absolute_positions(dims.T, dims.S, options.get("query_positions"), options.get("key_positions"))
+    q_pos, k_pos = absolute_positions(dims.T, dims.S, call.query_positions, call.key_positions)
     rope = dict(base=base, rotary_dim=rotary_dim, layout=layout)
     q, k = apply_rope(query, q_pos, **rope), apply_rope(key, k_pos, **rope)
     if implementation == "blockwise":
-        return blockwise_attention(q, k, value, **options)
+        return blockwise.tiled(call, q, k, value)
 
     def xla():
-        return attention_core(q, k, value, dims=dims, **options)
+        return attention_core(call, q, k, value, dims=dims)
 
-    return attend(xla, q, k, value, implementation=implementation, interpret=interpret, **options)
+    return attend(call, q, k, value, xla=xla, implementation=implementation, interpret=interpret)

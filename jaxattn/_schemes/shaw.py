@@ -16,9 +16,9 @@ import jax.numpy as jnp
 
 from .._core import checks
 from .._core.dtypes import accumulation_dtype
-from .._engines.blockwise import blockwise_attention
+from .._api import attend, dense_only, scheme_call, use_blockwise
+from .._engines import blockwise
 from .._engines.dense import attention_core
-from .._engines.dispatch import attend, dense_only, use_blockwise
 from .._engines.pairwise import pair_logits, pair_values
 from .clipped import clipped_relative_index, head_index, table_terms
 from .._core.eager import compiled_when_eager
@@ -73,27 +73,27 @@ def shaw_relative_attention(
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     max_distance = checks.check_max_distance(max_distance)
-    implementation, block_size = options.pop("implementation", None), options.pop("block_size", None)
-    interpret = options.pop("interpret", False)
-    engine = implementation if implementation in ("dense", "blockwise") else None
+    implementation, interpret = options.pop("implementation", None), options.pop("interpret", False)
     tables = dict(key_table=key_table, value_table=value_table)
+    if key_table is not None or value_table is not None:
+        tables["max_distance"] = max_distance
+    call = scheme_call("shaw_relative_attention", options, **tables)
+    engine = implementation if implementation in ("dense", "blockwise") else None
 
     def xla():
-        if use_blockwise(engine, query, key, **options):
-            return blockwise_attention(
-                query, key, value, max_distance=max_distance, block_size=block_size, **tables, **options
-            )
+        if use_blockwise(engine, call, query, key):
+            return blockwise.tiled(call.replace(max_distance=max_distance), query, key, value)
         dims = checks.check_qkv(query, key, value)
-        index = head_index(dims.T, dims.S, max_distance, max_distance, options)
+        index = head_index(dims.T, dims.S, max_distance, max_distance, call)
         rel_logits, rel_values = table_terms(
-            query, dims, key_table, value_table, index, 2 * max_distance + 1, options.get("precision"), TABLE_LAYOUT
+            query, dims, key_table, value_table, index, 2 * max_distance + 1, call.precision, TABLE_LAYOUT
         )
+        dense_call = call.replace(key_table=None, value_table=None, max_distance=None)
         return attention_core(
-            query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims, **options
+            dense_call, query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims
         )
 
-    with_tables = {**tables, "max_distance": max_distance} if key_table is not None or value_table is not None else {}
-    return attend(xla, query, key, value, implementation=implementation, interpret=interpret, **with_tables, **options)
+    return attend(call, query, key, value, xla=xla, implementation=implementation, interpret=interpret)
 
 
 def _per_pair_table(name, table, dims, head_dim, layout, acc_dtype):
@@ -129,9 +129,10 @@ def relative_attention(
     implementation: None or "dense" (only the dense engine computes per-pair terms), interpret=False.
     """
     dense_only(options.pop("implementation", None), options.pop("interpret", False), "rel_key / rel_value")
+    call = scheme_call("relative_attention", options)
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     dims = checks.check_qkv(query, key, value)
-    precision = options.get("precision")
+    precision = call.precision
     acc_dtype = accumulation_dtype(query.dtype)
     rel_logits = rel_values = None
     if rel_key is not None:
@@ -157,6 +158,4 @@ def relative_attention(
                 a_v[:, :, 0].astype(acc_dtype),  # noqa: E731
                 precision=precision,
             )
-    return attention_core(
-        query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims, **options
-    )
+    return attention_core(call, query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims)

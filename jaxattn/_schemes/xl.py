@@ -30,7 +30,7 @@ from .._core import checks
 from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
 from .._engines.dense import attention_core
-from .._engines.dispatch import dense_only
+from .._api import dense_only, scheme_call
 from .clipped import gather_buckets, head_index, per_row_logits
 from .._core.eager import compiled_when_eager
 
@@ -93,6 +93,7 @@ def transformer_xl_attention(
     implementation: None or "dense" (the dense engine computes the position terms), interpret=False.
     """
     dense_only(options.pop("implementation", None), options.pop("interpret", False), "position_keys")
+    call = scheme_call("transformer_xl_attention", options)
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     dims = checks.check_qkv(query, key, value)
     N, H = dims.N, dims.H
@@ -105,11 +106,11 @@ def transformer_xl_attention(
             f"more than max_left={max_left} rows ([R,N,H], row r <-> j - i = r - max_left)",
             f"shape {checks.shape_str(position_keys.shape)}",
         )
-    precision, acc_dtype = options.get("precision"), accumulation_dtype(query.dtype)
+    precision, acc_dtype = call.precision, accumulation_dtype(query.dtype)
     P = checks.check_clipped_table("position_keys", position_keys, R, N, H, acc_dtype, "[R,H] or [R,N,H]")
-    index = head_index(dims.T, dims.S, max_left, R - 1 - max_left, options)
+    index = head_index(dims.T, dims.S, max_left, R - 1 - max_left, call)
 
     q_u = query if pos_bias_u is None else query + _check_head_bias("pos_bias_u", pos_bias_u, N, H, query)
     q_v = query if pos_bias_v is None else query + _check_head_bias("pos_bias_v", pos_bias_v, N, H, query)
     rel_logits = lambda _: gather_buckets(per_row_logits(q_v, P, precision, acc_dtype), index)  # noqa: E731
-    return attention_core(q_u, key, value, relative_logits=rel_logits, dims=dims, **options)
+    return attention_core(call, q_u, key, value, relative_logits=rel_logits, dims=dims)

@@ -1,5 +1,6 @@
-"""The choice of implementation, above the engines and kernels: every attention function resolves its
-`implementation=` here.
+"""The public entry: dot_product_attention and flex_attention, and the one registry of implementations that
+every attention function resolves its `implementation=` through. It sits above the engines and the kernels
+(docs/design.md, "Layering"): _core < _engines < _kernels < _api < _schemes < _layers.
 
     "dense"       one [...,N,T,S] array (every option)
     "blockwise"   O(T + S) tiles (no mask, bias, return_weights or dropout: they span [T,S])
@@ -14,6 +15,10 @@
                   attention (our flex kernel for score_mod / mask_mod / BlockMask) when the kernel can
                   express the call (its `unsupported` says None), else the same XLA engines there.
 
+A call's options travel as one AttentionCall (jaxattn._core.call), built and checked once at the public
+entry; each kernel declares what it expresses through `unsupported(call, query, key, value, interpret)`
+and computes through `attention(call, query, key, value, interpret)`.
+
 A call no kernel can express never builds the platform switch, so its program is exactly the XLA engine's;
 nor does any call traced on a CPU host unless inside cross_platform_lowering() (exporting for an accelerator
 from a CPU machine), which keeps CPU tracing as cheap as before; on a GPU or TPU host it holds that host's
@@ -25,23 +30,27 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import importlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._core import aliases, checks
-from .blockwise import blockwise_attention, grid_options_in_use
-from .tiles import check_block_mask_tiles
-from .dense import attention_core
-from .._core.eager import compiled_when_eager, register_context
+from . import _kernels
+from ._core import aliases, checks
+from ._core.call import FIELDS, POSITION_TERMS, AttentionCall
+from ._core.eager import compiled_when_eager, register_context
+from ._engines import blockwise
+from ._engines.dense import attention_core
+from ._engines.tiles import check_block_mask_tiles
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import ArrayLike, Bool, Float, Int
-    from .._core.shapes import AttentionOutput
+
+    from ._core.shapes import AttentionOutput
 
 # implementation=None picks blockwise when nothing needs the full [T,S] grid and one head's logits T x S
 # hold at least this many elements. Measured (benchmarks/auto.py, results/auto.json, docs/performance.md)
@@ -52,12 +61,35 @@ if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping i
 AUTO_BLOCKWISE_ELEMENTS = 128 * 128
 
 
-IMPLEMENTATIONS = (None, "dense", "blockwise", "pallas_gpu", "pallas_tpu", "cudnn")
-# The kernels by implementation name: the module under jaxattn._kernels with unsupported / attention.
-KERNELS = {"pallas_gpu": "pallas_gpu", "pallas_tpu": "pallas_tpu", "cudnn": "cudnn"}
-INTERPRETED = ("pallas_gpu", "pallas_tpu")  # the kernels Pallas' interpreter can run
-# Options only the XLA engines read: block_size is the blockwise engine's tile; a kernel picks its own.
-XLA_ONLY = ("block_size",)
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One entry of the registry: what `implementation=name` runs.
+
+    kernel: the module under jaxattn._kernels with unsupported / attention (None: an XLA engine);
+    platform: where implementation=None takes the kernel (None: only when named);
+    interpretable: Pallas' interpreter runs it (interpret=True);
+    key_mask_as_segments: a key-only boolean mask reaches it as segment ids (key_mask_as_segments)."""
+
+    name: str
+    kernel: Optional[str] = None
+    platform: Optional[str] = None
+    interpretable: bool = False
+    key_mask_as_segments: bool = False
+
+
+REGISTRY = {
+    impl.name: impl
+    for impl in (
+        Implementation("dense"),
+        Implementation("blockwise"),
+        Implementation("pallas_gpu", "pallas_gpu", "cuda", interpretable=True, key_mask_as_segments=True),
+        Implementation("pallas_tpu", "pallas_tpu", "tpu", interpretable=True),
+        Implementation("cudnn", "cudnn"),
+    )
+}
+IMPLEMENTATIONS = (None, *REGISTRY)
+KERNELS = tuple(name for name, impl in REGISTRY.items() if impl.kernel is not None)
+INTERPRETED = tuple(name for name, impl in REGISTRY.items() if impl.interpretable)
 
 
 def check_implementation(implementation, interpret=False):
@@ -79,44 +111,31 @@ def check_implementation(implementation, interpret=False):
         )
 
 
-def _kernel(implementation):
-    return importlib.import_module(f".._kernels.{KERNELS[implementation]}", __package__)
+def kernel(implementation):
+    """The kernel module of `implementation`, imported the first time a call may use it (`import jaxattn`
+    imports no Pallas; the _kernels package itself is only a docstring)."""
+    return importlib.import_module(f"{_kernels.__name__}.{REGISTRY[implementation].kernel}")
 
 
-def kernel_refusal(implementation, query, key, value, options, interpret=False) -> str | None:
+def kernel_refusal(implementation, call: AttentionCall, query, key, value, interpret=False) -> str | None:
     """The option that kernel `implementation` cannot express in this call (None: it can); interpret=True
     asks about Pallas' interpreter, which lifts a chip's limits (tile shapes, dtypes) but not the kernel's.
 
     The options that span the [T,S] grid (mask, bias, return_weights, dropout) are refused here for every
     kernel; the rest is the kernel module's `unsupported`."""
-    grid = {k: options.get(k) for k in ("bias", "mask", "return_weights", "dropout_rng")}
-    in_use = grid_options_in_use(dropout_rate=options.get("dropout_rate", 0.0), **grid)
-    if in_use:
-        return in_use[0]
-    return _kernel(implementation).unsupported(query, key, value, interpret=interpret, **kernel_options(options))
+    if call.needs_grid:
+        return call.grid_options[0]
+    return kernel(implementation).unsupported(call, query, key, value, interpret)
 
 
-def kernel_options(options) -> dict:
-    """The options a kernel reads: those set (not None / False), without the grid's (unset once
-    kernel_refusal passed) and the XLA engines' own."""
-    grid = ("bias", "mask", "return_weights", "dropout_rate", "dropout_rng")
-    return {
-        k: v for k, v in options.items() if k not in grid and k not in XLA_ONLY and v is not None and v is not False
-    }
-
-
-# Kernels that take a key-only mask as segment ids (key_mask_as_segments).
-KEY_MASK_KERNELS = ("pallas_gpu",)
-
-
-def key_mask_as_segments(query, key, options) -> dict:
-    """options with a boolean `mask` that varies only over keys ([...,1,1,S] or [S]: a decoder's padding mask
+def key_mask_as_segments(call: AttentionCall, query, key) -> AttentionCall:
+    """The call with a boolean `mask` that varies only over keys ([...,1,1,S] or [S]: a decoder's padding mask
     over its cache, as jaxattn.models' decode step passes it) rewritten as segment ids: query ids 0, key ids
     0 where the mask allows and 1 where it does not, the same rule (a row with no allowed key: zeros). Any
-    other mask, or one beside segment ids, leaves options unchanged (the kernel refuses it)."""
-    mask = options.get("mask")
-    if mask is None or options.get("query_segment_ids") is not None or options.get("key_segment_ids") is not None:
-        return options
+    other mask, or one beside segment ids, leaves the call unchanged (the kernel refuses it)."""
+    mask = call.mask
+    if mask is None or call.query_segment_ids is not None or call.key_segment_ids is not None:
+        return call
     shape, S, batch = np.shape(mask), np.shape(key)[-3], tuple(np.shape(query)[:-3])
     if (
         jnp.result_type(mask) != jnp.bool_
@@ -125,19 +144,14 @@ def key_mask_as_segments(query, key, options) -> dict:
         or any(d != 1 for d in shape[-3:-1])
         or len(shape[:-3]) > len(batch)
     ):
-        return options
+        return call
     try:
         if np.broadcast_shapes(shape[:-3], batch) != batch:
-            return options
+            return call
     except ValueError:
-        return options
+        return call
     keys = jnp.where(jnp.reshape(mask, (*shape[:-3], S)), 0, 1).astype(jnp.int32)
-    return {
-        **options,
-        "mask": None,
-        "query_segment_ids": jnp.zeros((np.shape(query)[-3],), jnp.int32),
-        "key_segment_ids": keys,
-    }
+    return call.replace(mask=None, query_segment_ids=jnp.zeros((np.shape(query)[-3],), jnp.int32), key_segment_ids=keys)
 
 
 _CROSS_PLATFORM = contextvars.ContextVar("jaxattn_cross_platform", default=False)
@@ -170,18 +184,22 @@ def _switch_platforms() -> tuple:
     return {"gpu": ("cuda",), "cuda": ("cuda",), "tpu": ("tpu",)}.get(jax.default_backend(), ())
 
 
-def attend(xla, query, key, value, *, implementation=None, interpret=False, **options):
-    """The result of `implementation` for this call; xla(): the XLA engines' (dense or blockwise).
+def _for_kernel(name, call: AttentionCall, query, key) -> AttentionCall:
+    """The call as kernel `name` receives it: a key-only mask as segment ids where the kernel takes them,
+    and no block_size (the blockwise engine's tile; a kernel picks its own)."""
+    if REGISTRY[name].key_mask_as_segments:
+        call = key_mask_as_segments(call, query, key)
+    return call.replace(block_size=None) if call.block_size is not None else call
 
-    options: the call's keywords in blockwise_attention's names (plus the grid's: mask, bias, ...), as
-    the kernels read them. An explicit kernel that cannot express an option raises ValueError naming the
-    option and the implementation; None takes a kernel only where one can (module docstring).
-    """
+
+def attend(call: AttentionCall, query, key, value, *, xla, implementation=None, interpret=False):
+    """The result of `implementation` for `call`; xla(): the XLA engines' (dense or blockwise) for the same
+    call. An explicit kernel that cannot express an option raises ValueError naming the option and the
+    implementation; None takes a kernel only where one can (module docstring)."""
     check_implementation(implementation, interpret)
-    if implementation in KEY_MASK_KERNELS:
-        options = key_mask_as_segments(query, key, options)
     if implementation in KERNELS:
-        refused = kernel_refusal(implementation, query, key, value, options, interpret)
+        kernel_call = _for_kernel(implementation, call, query, key)
+        refused = kernel_refusal(implementation, kernel_call, query, key, value, interpret)
         if refused is not None:
             checks.fail(
                 refused,
@@ -189,18 +207,19 @@ def attend(xla, query, key, value, *, implementation=None, interpret=False, **op
                 "(implementation=None falls back to the XLA engines)",
                 "in use",
             )
-        return _kernel(implementation).attention(query, key, value, interpret=interpret, **kernel_options(options))
+        return kernel(implementation).attention(kernel_call, query, key, value, interpret)
     platforms = _switch_platforms()
     if implementation is not None or not platforms:
         return xla()
     branches = {}
-    for platform, name in (("cuda", "pallas_gpu"), ("tpu", "pallas_tpu")):
+    for name in KERNELS:
+        platform = REGISTRY[name].platform
         if platform not in platforms:
             continue
-        kernel_call = key_mask_as_segments(query, key, options) if name in KEY_MASK_KERNELS else options
-        if kernel_refusal(name, query, key, value, kernel_call) is None:
-            kernel = _kernel(name).attention
-            branches[platform] = lambda kernel=kernel, o=kernel_call: kernel(query, key, value, **kernel_options(o))
+        kernel_call = _for_kernel(name, call, query, key)
+        if kernel_refusal(name, kernel_call, query, key, value) is None:
+            run = kernel(name).attention
+            branches[platform] = lambda run=run, c=kernel_call: run(c, query, key, value, False)
     if not branches:
         return xla()
     return lax.platform_dependent(cpu=xla, default=xla, **branches)
@@ -219,25 +238,30 @@ def dense_only(implementation, interpret, term: str) -> None:
         )
 
 
-def use_blockwise(implementation, query, key, **options) -> bool:
+def use_blockwise(implementation, call: AttentionCall, query, key) -> bool:
     """The XLA engines' rule (dot_product_attention, shaw_relative_attention, the position schemes).
 
-    "dense" and "blockwise" are taken as given (blockwise_attention raises for options it cannot do).
+    "dense" and "blockwise" are taken as given (the tiled engine raises for options it cannot do).
     None (automatic) and the kernels' names (their XLA fallback): blockwise when no option needs the full
-    grid (mask, bias, return_weights, dropout) and one head's logits T x S hold at least
-    AUTO_BLOCKWISE_ELEMENTS; dense otherwise.
+    grid (call.needs_grid) and one head's logits T x S hold at least AUTO_BLOCKWISE_ELEMENTS; dense otherwise.
     """
     check_implementation(implementation)
     if implementation in ("dense", "blockwise"):
         return implementation == "blockwise"
-    grid = {k: options.get(k) for k in ("bias", "mask", "return_weights", "dropout_rng")}
-    if grid_options_in_use(dropout_rate=options.get("dropout_rate", 0.0), **grid):
+    if call.needs_grid:
         return False
-    if options.get("block_mask") is not None:
+    if call.block_mask is not None:
         return True  # a BlockMask is there to skip tiles
     if np.ndim(query) < 3 or np.ndim(key) < 3:
         return False  # let the dense path raise its usual error
     return np.shape(query)[-3] * np.shape(key)[-3] >= AUTO_BLOCKWISE_ELEMENTS
+
+
+def xla_engines(engine, call: AttentionCall, query, key, value):
+    """The XLA engines' result for a call with no scheme terms: blockwise or dense, by use_blockwise."""
+    if use_blockwise(engine, call, query, key):
+        return blockwise.tiled(call, query, key, value)
+    return attention_core(call, query, key, value)
 
 
 @compiled_when_eager
@@ -314,46 +338,89 @@ def dot_product_attention(
     The blockwise path skips the key tiles that causality, lengths, window, chunks or segment ids exclude.
     Returns [...,T,N,Hv] (or (out, weights)). A query with no allowed key (or T = 0 / S = 0) gets zeros.
     """
-    if implementation == "xla":  # jax.nn's name for its XLA path: the XLA engines' own choice, never a kernel
-        grid = dict(
-            bias=bias, mask=mask, return_weights=return_weights, dropout_rate=dropout_rate, dropout_rng=dropout_rng
-        )
-        implementation = "blockwise" if use_blockwise(None, query, key, **grid) else "dense"
     window = aliases.window_from_local(local_window_size, window)
     query_segment_ids, key_segment_ids = aliases.query_length_segments(
         query_seq_lengths, query_segment_ids, key_segment_ids, np.shape(query), np.shape(key)
     )
     if not isinstance(return_residual, bool):
         checks.fail("return_residual", "True or False", repr(return_residual))
-    outs = flex_attention(
-        query,
-        key,
-        value,
-        bias=bias,
-        mask=mask,
+    call = AttentionCall(
         is_causal=is_causal,
         key_value_seq_lengths=key_value_seq_lengths,
         query_positions=query_positions,
         key_positions=key_positions,
-        scale=scale,
-        dropout_rate=dropout_rate,
-        dropout_rng=dropout_rng,
-        return_weights=return_weights,
-        precision=precision,
-        implementation=implementation,
-        interpret=interpret,
-        block_size=block_size,
         query_segment_ids=query_segment_ids,
         key_segment_ids=key_segment_ids,
         window=window,
         chunk_size=chunk_size,
+        scale=scale,
         logit_softcap=logit_softcap,
         sinks=sinks,
+        mask=mask,
+        bias=bias,
+        dropout_rate=dropout_rate,
+        dropout_rng=dropout_rng,
+        broadcast_dropout=bool(broadcast_dropout and dropout_rate != 0),  # no dropout: nothing to share
+        return_weights=return_weights,
         return_lse=return_residual,
-        **({"broadcast_dropout": True} if broadcast_dropout and dropout_rate != 0 else {}),
+        precision=precision,
+        block_size=block_size,
     )
+    if implementation == "xla":  # jax.nn's name for its XLA path: the XLA engines' own choice, never a kernel
+        implementation = "blockwise" if use_blockwise(None, call, query, key) else "dense"
+    outs = run(call, query, key, value, implementation, interpret)
     return aliases.residual(outs, jnp.result_type(value)) if return_residual else outs
 
+
+def scheme_call(function: str, options: dict, **terms) -> AttentionCall:
+    """The AttentionCall of a position scheme's call: its keywords (dot_product_attention's, taken as
+    **options) and its own position terms; TypeError naming `function` for a keyword it does not take."""
+    unknown = sorted(set(options) - set(SCHEME_KEYWORDS))
+    if unknown:
+        raise TypeError(f"{function}() got unexpected keyword arguments {unknown}")
+    return AttentionCall(**options, **terms)
+
+
+def run(call: AttentionCall, query, key, value, implementation=None, interpret=False):
+    """The public functions' common end: `call` by `implementation` (attend), the XLA engines' choice as
+    the fallback."""
+    check_implementation(implementation, interpret)
+    engine = implementation if implementation in ("dense", "blockwise") else None
+    return attend(
+        call,
+        query,
+        key,
+        value,
+        implementation=implementation,
+        interpret=interpret,
+        xla=lambda: xla_engines(engine, call, query, key, value),
+    )
+
+
+# dot_product_attention's keywords that flex_attention takes through **options (the rest are its own
+# arguments, or jax.nn's spellings that only dot_product_attention takes).
+SHARED_KEYWORDS = (
+    "bias",
+    "mask",
+    "is_causal",
+    "key_value_seq_lengths",
+    "query_positions",
+    "key_positions",
+    "dropout_rate",
+    "dropout_rng",
+    "broadcast_dropout",
+    "return_weights",
+    "precision",
+    "query_segment_ids",
+    "key_segment_ids",
+    "window",
+    "chunk_size",
+    "logit_softcap",
+    "sinks",
+)
+
+# The keywords a position scheme takes through **options: every option but the position terms it sets.
+SCHEME_KEYWORDS = tuple(name for name in FIELDS if name not in (*POSITION_TERMS, "max_distance"))
 
 # torch's flex_attention arguments with no JAX meaning: refused by name (never silently dropped).
 TORCH_ONLY = {
@@ -422,18 +489,18 @@ def flex_attention(
             f"key heads {np.shape(key)[-2]}",
             "False",
         )
+    unknown = sorted(set(options) - set(SHARED_KEYWORDS))
+    if unknown:
+        raise TypeError(f"flex_attention() got unexpected keyword arguments {unknown}")
     if block_mask is not None and block_size is not None:  # the BlockMask's tiles are the blockwise tiles
         check_block_mask_tiles(block_mask, block_size)
-    options.update(scale=scale)
-    if return_lse:
-        options.update(return_lse=True)
-    check_implementation(implementation, interpret)
-    engine = implementation if implementation in ("dense", "blockwise") else None
-    mods = dict(score_mod=score_mod, mask_mod=mask_mod, block_mask=block_mask)
-
-    def xla():
-        if use_blockwise(engine, query, key, block_mask=block_mask, **options):
-            return blockwise_attention(query, key, value, block_size=block_size, **mods, **options)
-        return attention_core(query, key, value, **mods, **options)
-
-    return attend(xla, query, key, value, implementation=implementation, interpret=interpret, **mods, **options)
+    call = AttentionCall(
+        score_mod=score_mod,
+        mask_mod=mask_mod,
+        block_mask=block_mask,
+        scale=scale,
+        return_lse=return_lse,
+        block_size=block_size,
+        **options,
+    )
+    return run(call, query, key, value, implementation, interpret)
