@@ -8,7 +8,7 @@ Each kernel module has the same two-function surface, which the dispatch (jaxatt
 
 options are blockwise_attention's keywords (is_causal, key_value_seq_lengths, positions, scale, precision,
 segment ids, window, chunk_size, logit_softcap, sinks, score_mod, mask_mod, block_mask, return_lse, ...);
-the results follow DESIGN.md's semantics (bottom-right causal, zeros for a row with no allowed key).
+the results follow docs/design.md, "Semantics" (bottom-right causal, zeros for a row with no allowed key).
 
     pallas_gpu  a Pallas flash-attention kernel for GPUs (Triton lowering)
     pallas_tpu  implementation="pallas_tpu": splash_tpu, or flex_tpu for score_mod / mask_mod / BlockMask
