@@ -52,7 +52,7 @@ Training runs (torch.optim + a torch loop against optax + one jit step, step by 
     python -m crosscheck --model DIR --train STEPS [--optimizer adamw] [--lr 1e-3] [--plot FILE.png] [--json FILE]
 
 Files: ``load_state_dict(path)`` reads ``.safetensors`` without torch and ``.pt``/``.pth``/``.bin`` only via
-``torch.load(weights_only=True)``. Axis letters (B, T, S, N, K, H, Hv, E, R) are those of DESIGN.md.
+``torch.load(weights_only=True)``. Axis letters (B, T, S, N, K, H, Hv, E, R): docs/design.md, "Axis letters".
 
 torch is imported lazily, only where a torch object or a pickle file is involved: keep it that way in every
 module imported here, so that the safetensors -> jaxattn route works on a machine without torch.

@@ -52,7 +52,7 @@ class Tolerance:
     grad: float
 
 
-# The bar of the project (DESIGN.md). float32 assumes JAX runs matmuls at precision="highest", which
+# The bar of the project (docs/design.md, "Tolerances"). float32 assumes JAX runs matmuls at precision="highest", which
 # compare() arranges; without it TPUs/GPUs would round matmul inputs to bf16/tf32 and miss 1e-6 by far.
 TOLERANCES: Mapping[str, Tolerance] = MappingProxyType(
     {
@@ -63,8 +63,9 @@ TOLERANCES: Mapping[str, Tolerance] = MappingProxyType(
 
 
 # A whole model's bar (many layers, hundreds of tokens; crosscheck.certify's default, the model cases' float32
-# rows): DESIGN.md's float32 1e-6 / 1e-5 is the bar of ONE attention call, and across layers torch's own float32
-# result lies ~1e-6 (normwise) from the float64 truth, as does ours. float64 keeps the one-call bar.
+# rows): docs/design.md, "Tolerances": float32 1e-6 / 1e-5 is the bar of ONE attention call, and across layers
+# torch's own float32 result lies ~1e-6 (normwise) from the float64 truth, as does ours. float64 keeps the one-call
+# bar.
 MODEL_TOLERANCES: Mapping[str, Tolerance] = MappingProxyType(
     {
         "float64": TOLERANCES["float64"],

@@ -2,7 +2,7 @@
 
 Every torch tensor a supported module owns has a row in the table of its layout (``_rows``), written in
 jaxattn.models.weights' format, the one of every model family: its state_dict name, where it lands in the
-jaxattn params tree, its shape on each side (in the axis letters of DESIGN.md) and the layout transform.
+jaxattn params tree, its shape on each side (docs/design.md, "Axis letters") and the layout transform.
 Both directions read the same rows (the way back is weights.unapply: each transform run on the tensor's
 flat positions), so a weight cannot be mapped one way and unmapped another.
 

@@ -19,9 +19,9 @@ Causal alignment pitfall: torch's ``is_causal`` is TOP-LEFT aligned (query ``t``
 jaxattn's is BOTTOM-RIGHT (query ``t`` sees ``s <= t + S - T``). They agree only when ``T == S``. So torch's
 ``is_causal`` is always converted to an explicit top-left mask, never to jaxattn's ``is_causal``.
 
-A query row that the masks block entirely is NaN in torch and zeros in jaxattn (DESIGN.md's rule); compare
-such rows knowingly. With torch's ``add_bias_kv`` / ``add_zero_attn`` the converted masks still cover only the
-S real keys: jaxattn appends the always-attendable extra columns itself, as torch does.
+A query row that the masks block entirely is NaN in torch and zeros in jaxattn (docs/design.md, "Rows with no allowed
+key"); compare such rows knowingly. With torch's ``add_bias_kv`` / ``add_zero_attn`` the converted masks still cover
+only the S real keys: jaxattn appends the always-attendable extra columns itself, as torch does.
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
     import jaxattn.linen
     layer = jaxattn.linen.MultiHeadAttention(num_heads=8)
-    variables = layer.init(rng, x)                    # {"params": the tree of DESIGN.md}
+    variables = layer.init(rng, x)                    # {"params": docs/design.md, "The parameter tree"}
     y = layer.apply(variables, x, is_causal=True)
 
-Parameters are exactly DESIGN.md's tree ({query,key,value,out}/{kernel,bias}, plus relative/{key,value}),
+Parameters are exactly docs/design.md, "The parameter tree" ({query,key,value,out}/{kernel,bias}, relative/...),
 so params from crosscheck.params_from_torch, from init_multi_head_attention or from
 flax.linen.MultiHeadDotProductAttention drop straight in, and ours run in flax's layer.
 

@@ -4,8 +4,8 @@
     layer = jaxattn.nnx.MultiHeadAttention(64, num_heads=8, rngs=nnx.Rngs(0))
     y = layer(x, is_causal=True)
 
-nnx.state(layer, nnx.Param) is exactly DESIGN.md's tree, so nnx.update(layer, params) loads params from
-crosscheck.params_from_torch, init_multi_head_attention or flax's own attention layers.
+nnx.state(layer, nnx.Param) is exactly the tree of docs/design.md, "The parameter tree", so nnx.update(layer, params)
+loads params from crosscheck.params_from_torch, init_multi_head_attention or flax's own attention layers.
 
 Dropout the Flax way: `deterministic` (call argument, else attribute; layer.eval() / layer.train() set it)
 and the "dropout" rng stream forked from the constructor's `rngs` (or `rngs` / `dropout_rng` at call time).

@@ -5,12 +5,12 @@ Every test file imports these from here, and so do the scripts that tests run as
 (`python tests/_sharding_checks.py`, `python tests/_multiprocess_worker.py ...`: a script's own folder is first
 on sys.path, so `from helpers import ...` finds this file there too).
 
-Nothing here calls jaxattn, torchref or crosscheck. The references are the formula of DESIGN.md written the
-slowest obvious way: `allowed_loop` decides every (batch, head, t, s) pair by its rules with Python loops,
-`attention_loop` computes one scalar logit at a time in float64 (numpy), and `attention_reference` is the same
-formula over the full grid in jax.numpy, so that jax.grad gives reference gradients (tests/test_helpers.py holds
-it to `attention_loop`). Their keywords are the contract's own (`key_value_seq_lengths`, `query_positions`,
-`window`, `logit_softcap`, `sinks`...), so a test hands the reference the keywords it gives jaxattn.
+Nothing here calls jaxattn, torchref or crosscheck. The references are the formula of docs/design.md, "Keywords",
+written the slowest obvious way: `allowed_loop` decides every (batch, head, t, s) pair by its rules with Python loops,
+`attention_loop` computes one scalar logit at a time in float64 (numpy), and `attention_reference` is the same formula
+over the full grid in jax.numpy, so that jax.grad gives reference gradients (tests/test_helpers.py holds it to
+`attention_loop`). Their keywords are the contract's own (`key_value_seq_lengths`, `query_positions`, `window`,
+`logit_softcap`, `sinks`...), so a test hands the reference the keywords it gives jaxattn.
 """
 
 import json
@@ -70,13 +70,13 @@ def normwise(actual, expected, *, floor=0.0):
     """The normwise relative error ||actual - expected|| / max(||expected||, floor), 2-norms over every entry,
     computed in float64 (whatever the inputs' dtypes).
 
-    Strictly relative by default (floor 0): a reference of small norm is not excused, and a reference that is
-    exactly zero is matched only exactly (0.0, else inf). This is the strictest of the definitions the suite
-    once had (no floor, which gave nan on zero references; 1e-300; 1.0, which turned every reference of norm
-    below 1 into an absolute comparison), and the one DESIGN.md's bar states. `floor` is for the one case where
-    relative error means nothing: a quantity that is zero in exact arithmetic (the gradient of a per-row logit
-    shift, which softmax ignores; a single key) that both sides compute as rounding residue. A caller that
-    passes it says why, and passes the problem's scale.
+    Strictly relative by default (floor 0): a reference of small norm is not excused, and a reference that is exactly
+    zero is matched only exactly (0.0, else inf). This is the strictest of the definitions the suite once had (no floor,
+    which gave nan on zero references; 1e-300; 1.0, which turned every reference of norm below 1 into an absolute
+    comparison), and the one docs/design.md, "Tolerances" states. `floor` is for the one case where relative error means
+    nothing: a quantity that is zero in exact arithmetic (the gradient of a per-row logit shift, which softmax ignores;
+    a single key) that both sides compute as rounding residue. A caller that passes it says why, and passes the
+    problem's scale.
 
     Shapes must be equal (no broadcasting: [T,S] never passes against [B,T,S]); a NaN or inf on either side gives
     nan, which fails every `<=`.
@@ -217,7 +217,7 @@ def allowed_loop(
     chunk_size=None,
     mask_mod=None,
 ):
-    """bool [*batch,N,T,S]: which keys each query may attend, by the rules of DESIGN.md, one pair at a time.
+    """bool [*batch,N,T,S]: which keys each query may attend, by docs/design.md, "Keywords", one pair at a time.
 
     batch: an int or a tuple of leading batch dims. Positions are [T]/[S] or batch + [T]/[S] (absolute; default
     bottom-right); segment ids batch + [T] / [S]; lengths batch-shaped; mask_mod(b, n, t, s) is called on Python
@@ -464,7 +464,7 @@ def join_processes(process_id, count, port, local_devices):
 
 
 # ---------------------------------------------------------------------------------------------------------
-# gated delta rule (DESIGN.md "New attention forms"), the recurrence as written there
+# gated delta rule (docs/design.md, "Latent and linear attention"), the recurrence as written there
 
 
 def delta_rule_reference(q, k, v, g, beta, initial_state=None, *, scale=None):

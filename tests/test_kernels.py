@@ -1,8 +1,8 @@
 """The accelerator kernels behind implementation= (issue 26): refusals by name, the cuDNN argument mapping,
 and TPU splash attention run in Pallas' interpreter on the CPU against the dense engine.
 
-Splash computes in float32 (float32 accumulation, float32 softmax), so float32 inputs meet DESIGN.md's
-float32 bar against the dense engine at precision="highest": forward <= 1e-6, gradients <= 1e-5 normwise.
+Splash computes in float32 (float32 accumulation, float32 softmax), so float32 inputs meet docs/design.md,
+"Tolerances"'s float32 bar against the dense engine at precision="highest": forward <= 1e-6, gradients <= 1e-5 normwise.
 Pallas kernels trace with 64-bit ints off (JAX's default; the suite turns x64 on), hence x64_off.
 """
 

@@ -1,4 +1,4 @@
-"""Segment ids, windows, chunks, logit softcap and sinks (DESIGN.md part 2) on every attention function.
+"""Segment ids, windows, chunks, logit softcap and sinks (docs/design.md, "Keywords") on every attention function.
 
 References are independent (tests/helpers.py): the allowed pairs decided by Python loops, the
 formula written out over the full grid in float64 (its own forward checked against numpy loops in

@@ -1,4 +1,5 @@
-"""jaxattn.linen layers: the same numbers as the functional API, torchref within DESIGN.md's bar, flax interop.
+"""jaxattn.linen layers: the same numbers as the functional API, torchref within the bar of docs/design.md,
+"Tolerances", flax interop.
 
 Axes have distinct prime sizes: B=3, T=5, S=7, N=6 heads (not prime: it must hold K=2 and K=3 groups),
 H=11, Hv=13, Eq=17, Ek=19, Ev=23, Eo=29. float64 runs need x64 (tests/conftest.py turns it on).

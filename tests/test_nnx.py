@@ -1,5 +1,5 @@
 """jaxattn.nnx layers: the same numbers as the functional API (plain, nnx.jit, nnx.vmap, nnx.grad), torchref
-within DESIGN.md's bar, flax.nnx.MultiHeadAttention's parameters load, dropout through rng streams.
+within docs/design.md, "Tolerances", flax.nnx.MultiHeadAttention's parameters load, dropout through rng streams.
 
 Axes: B=3, T=5, S=7, N=6, H=11, Hv=13, Eq=17, Ek=19, Ev=23, Eo=29 (as tests/test_linen.py).
 """
@@ -69,7 +69,7 @@ def test_module_equals_functional_exactly(dtype, relative, K):
     q, k, v = _inputs(dtype)
     layer = _layer(relative, K, dtype)
     params = layer.params()
-    assert params == nnx.to_pure_dict(nnx.state(layer, nnx.Param))  # the state IS DESIGN.md's tree
+    assert params == nnx.to_pure_dict(nnx.state(layer, nnx.Param))  # the state IS docs/design.md, "The parameter tree"
     assert all(p.dtype == dtype for p in jax.tree.leaves(params))
     lengths = np.array([7, 2, 5])
     got = nnx.jit(lambda m: m(q, k, v, is_causal=True, key_value_seq_lengths=lengths))(layer)

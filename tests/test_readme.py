@@ -82,3 +82,52 @@ def test_docs_crosscheck_commands_parse():
     for tail in commands:
         args = [a.strip("'") for a in re.findall(r"'[^']*'|\S+", tail)]
         certify_parser().parse_args(args[1:]) if args[:1] == ["certify"] else _parser().parse_args(args)
+
+
+# The contract lives in the repository, in docs/design.md; code cites a section of it as `docs/design.md,
+# "<heading>"` and pages link it as `design.md#<anchor>`. The former home outside the repository is named here
+# in two pieces so that this file does not cite it itself.
+FORMER_CONTRACT = "DESIGN" + ".md"
+CITING = ("jaxattn", "torchref", "crosscheck", "tests", "docs", "examples", "benchmarks")
+
+
+def cited_headings(text: str) -> list[str]:
+    """The headings cited as `docs/design.md, "<heading>"`, also where the citation wraps across lines (of a
+    docstring or of `#` comments)."""
+    flat = re.sub(r"\s*\n\s*(?:#\s*)?", " ", text)
+    return re.findall(r'docs/design\.md, "([^"]+)"', flat)
+
+
+def anchor(heading: str) -> str:
+    """The anchor mkdocs gives a heading (python-markdown's toc slugify): punctuation dropped, lower case,
+    runs of spaces and hyphens as one hyphen."""
+    return re.sub(r"[-\s]+", "-", re.sub(r"[^\w\s-]", "", heading).strip().lower())
+
+
+def test_the_contract_is_cited_inside_the_repository():
+    root = README.parent
+    design = (root / "docs" / "design.md").read_text()
+    headings = {line.lstrip("#").strip() for line in design.splitlines() if re.match(r"#{2,3} ", line)}
+    assert {"Axis letters", "Semantics", "Tolerances", "Layering rules", "How to add a kernel"} <= headings
+    files = [README] + [
+        p for d in CITING for p in sorted((root / d).rglob("*")) if p.suffix in (".py", ".md") and p.is_file()
+    ]
+    citations = []
+    for path in files:
+        text = path.read_text()
+        assert FORMER_CONTRACT not in text, f"{path.relative_to(root)} cites {FORMER_CONTRACT}: cite docs/design.md"
+        if path.name != pathlib.Path(__file__).name:  # this file's own examples are not citations
+            citations += [(path.name, h) for h in cited_headings(text) if h != "<heading>"]
+        if path.parent.name == "docs":
+            citations += [(path.name, a) for a in re.findall(r"\(design\.md#([\w-]+)\)", text)]
+    assert len(citations) >= 30  # the citations were found, so the check below checked something
+    anchors = {anchor(h) for h in headings}
+    unknown = [(name, c) for name, c in citations if c not in headings and c not in anchors]
+    assert unknown == [], f"citations of docs/design.md naming no heading of it: {unknown}"
+
+
+def test_citation_reader_on_wrapped_citations():
+    assert cited_headings('x (docs/design.md, "Rows with no\n    allowed key") y') == ["Rows with no allowed key"]
+    assert cited_headings('# as in docs/design.md,\n# "Axis letters".') == ["Axis letters"]
+    assert anchor("How a call's options travel") == "how-a-calls-options-travel"
+    assert anchor("The main job: `python -m crosscheck`") == "the-main-job-python-m-crosscheck"

@@ -78,7 +78,7 @@ def checked(fn):
 
 def test_importing_jaxattn_imports_no_jaxtyping():
     """The annotations cost nothing at run time: a fresh interpreter imports every public module of jaxattn
-    without jaxtyping, beartype or torch (DESIGN.md: jaxattn depends on jax, flax and numpy only), and every
+    without jaxtyping, beartype or torch (docs/design.md, "Packages": jaxattn depends on jax, flax and numpy), and every
     module at all where jaxtyping cannot be imported (a user's install: it is only in the test and dev extras)."""
     script = (
         "import sys, jaxattn, jaxattn.linen, jaxattn.nnx, jaxattn.models\n"

@@ -1,7 +1,7 @@
 """torchref: the PyTorch reference ("oracle") for jaxattn.
 
 Plain torch code (matmul, einsum, masked_fill, softmax), written independently of jaxattn and sharing no code
-with it, float64-capable. Same names, layouts and semantics as jaxattn (see DESIGN.md).
+with it, float64-capable. Same names, layouts and semantics as jaxattn (docs/design.md, "Semantics").
 
 Axis letters (used in every shape, einsum string and local name):
 

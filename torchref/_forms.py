@@ -1,6 +1,6 @@
 """The attention forms of 2025-26 models, written plainly: the gated delta rule token by token, the expanded
 multi-head latent attention, the causal depthwise conv and the gated RMS norm. Same layouts as jaxattn's
-(DESIGN.md "New attention forms", jaxattn/_layers/latent.py's parameter tree, as torch tensors)."""
+(docs/design.md, "Latent and linear attention", jaxattn/_layers/latent.py's parameter tree, as torch tensors)."""
 
 from __future__ import annotations
 

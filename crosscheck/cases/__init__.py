@@ -1,6 +1,6 @@
 """The built-in catalogue of `python -m crosscheck`, one module per kind of case.
 
-    seeds      the five seed documents (DESIGN.md "Seed cases")
+    seeds      the five seed documents (docs/design.md, "Seed cases")
     torch_nn   torch.nn.MultiheadAttention across its options, F.scaled_dot_product_attention
     relative   relative_attention / shaw_relative_attention and the torchref modules
     flex       flex_attention vs torch's flex, the keywords and the blockwise engine; HF's modern attention

@@ -1,4 +1,4 @@
-"""The five seed documents (DESIGN.md "Seed cases"), each as the seed's own torch code against jaxattn.
+"""The five seed documents (docs/design.md, "Seed cases"), each as the seed's own torch code against jaxattn.
 
 The torch side of every case is the seed's code (the corrected answer where the seed asked a question),
 kept in the seed's layout and variable names; the JAX side is the jaxattn way of writing the same thing.

@@ -1,4 +1,4 @@
-"""Programmable attention terms (DESIGN.md part 2), each named once and shared by every engine.
+"""Programmable attention terms (docs/design.md, "Keywords"), each named once and shared by every engine.
 
     x = scale * (q . k + relative key terms)
     x = logit_softcap * tanh(x / logit_softcap)                      logit_softcap (Gemma 2)

@@ -9,7 +9,7 @@ dispatch (jaxattn._api, above this package) drives:
 
 call is the AttentionCall of jaxattn._core.call (is_causal, key_value_seq_lengths, positions, scale,
 precision, segment ids, window, chunk_size, logit_softcap, sinks, score_mod, mask_mod, block_mask,
-return_lse, ...); the results follow DESIGN.md's semantics (bottom-right causal, zeros for a row with no
+return_lse, ...); the results follow docs/design.md, "Semantics" (bottom-right causal, zeros for a row with no
 allowed key). Kernels may use the engines below them (an empty input, an XLA backward), never the dispatch.
 
     pallas_gpu  implementation="pallas_gpu": flash_gpu, or decode_gpu for a few query rows against long keys

@@ -12,10 +12,10 @@ What splash is given, per batch entry (vmapped over the flattened batch), in its
   GQA             make_splash_mha reads key/value head n // (N // K) itself; no copies
 
 Lengths that are not a multiple of splash's block are padded inside (padded keys masked, padded rows cut).
-A row with no allowed key must give zeros (DESIGN.md) where splash would divide 0 by 0: such rows (and
-padded rows) are let through to one extra zero key column S (key 0, value 0) that only they may see, so
-their output is exactly 0 and every gradient finite and zero. Splash computes in float32 (its matmuls
-accumulate in float32, the softmax is float32); half inputs stay half in the matmuls, as ours do.
+A row with no allowed key must give zeros (docs/design.md, "Rows with no allowed key") where splash would divide 0 by 0:
+such rows (and padded rows) are let through to one extra zero key column S (key 0, value 0) that only they may see, so
+their output is exactly 0 and every gradient finite and zero. Splash computes in float32 (its matmuls accumulate in
+float32, the softmax is float32); half inputs stay half in the matmuls, as ours do.
 
 One query row (T = 1, a decode step against a cache): whatever masks its keys (explicit positions, lengths,
 segment ids, causal, window, chunk) is one vector over the keys per batch entry, computed by the dense

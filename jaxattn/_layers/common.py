@@ -1,6 +1,6 @@
 """What the linen and nnx attention layers share: the parameter tree they declare and the one call they make.
 
-Both layers declare exactly the tree of DESIGN.md ({query,key,value,out}/{kernel,bias}, plus bias_kv or
+Both layers declare exactly the tree of docs/design.md, "The parameter tree" (plus bias_kv or
 relative/{key,value}), built from `param_specs`, and both compute through `attend`, which is the functional
 API itself (multi_head_attention / relative_multi_head_attention) or, when decoding, the same projections
 and attention around a key/value cache (cache.py).
@@ -77,7 +77,7 @@ def check_rope(rope) -> Optional[RoPE]:
 
 @dataclasses.dataclass(frozen=True)
 class Dims:
-    """Feature and head sizes in the axis letters of DESIGN.md."""
+    """Feature and head sizes in the letters of docs/design.md, "Axis letters"."""
 
     Eq: int
     Ek: int
@@ -194,7 +194,7 @@ def param_specs(
     sinks_init: Optional[Initializer] = None,
     out_bias_init: Optional[Initializer] = None,
 ) -> dict:
-    """{group: {leaf: (shape, init)}} in DESIGN.md's layout; "sinks": (shape [N], init) at the top level.
+    """{group: {leaf: (shape, init)}} as in docs/design.md, "The parameter tree"; "sinks": (shape [N], init) on top.
 
     relative: None, or dict(max_distance, share_heads, use_key_table, use_value_table, table_init).
     sinks_init: None (no sinks) or the initialiser of learned per-head sinks [N] (gpt-oss).

@@ -19,8 +19,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 from .._core import checks
 from .._core.checks import check_mesh
 
-# The flax-layout params (DESIGN.md) by entry: layout letters of each array. Nothing is guessed from
-# names or ranks beyond this table (Shaw tables come shared [R,H] or per head [R,N,H]).
+# The flax-layout params (docs/design.md, "The parameter tree") by entry: layout letters of each array.
+# Nothing is guessed from names or ranks beyond this table (Shaw tables come shared [R,H] or per head [R,N,H]).
 _PARAM_LAYOUTS = {
     ("query", "kernel"): "ENH",
     ("query", "bias"): "NH",

@@ -5,8 +5,8 @@ test_dtype_infer, test_multihead_encoder_decoder_attention, test_mha_out_initial
 test_multihead_self_attention_w_dropout / _explicit_dropout / _w_dropout_disabled, test_causal_mask_1d,
 test_decoding, test_autoregressive_receptive_field_1d, test_multihead_kv_args,
 test_multihead_sow_attention_weights, test_autoregressive_decode_with_x64. Written anew; the oracle is
-flax.linen.MultiHeadDotProductAttention run on the same variables (our parameter tree is flax's, DESIGN.md),
-with the same "dropout" rng (flax and we draw the same bernoulli keep-mask from it).
+flax.linen.MultiHeadDotProductAttention run on the same variables (our parameter tree is flax's: docs/design.md,
+"The parameter tree"), with the same "dropout" rng (flax and we draw the same bernoulli keep-mask from it).
 
 Deliberate differences (docs/coming_from.md): broadcast_dropout defaults to False here (True in flax);
 complex inputs are refused (ValueError naming the dtype) where flax computes in complex64; causal masking is

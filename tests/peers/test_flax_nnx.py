@@ -5,8 +5,8 @@ test_multihead_sow_attention_weights, test_autoregressive_decode_with_x64, test_
 test_causal_mask_equivalence), TestLinenConsistency.test_nnx_attention_equivalence (use_bias x dtype x
 decode x normalize_qk), TestKVFeatures, TestGQADotProductAttention and TestDotProductAttentionValidation.
 Written anew; the oracle is flax's own nnx.MultiHeadAttention with its parameters copied into ours
-(nnx.update with nnx.state(flax_layer, nnx.Param): the trees are the same, DESIGN.md), and for dropout the
-same rng stream (flax and we draw the same bernoulli keep-mask from the same key).
+(nnx.update with nnx.state(flax_layer, nnx.Param): the trees are the same, docs/design.md, "The parameter
+tree"), and for dropout the same rng stream (flax and we draw the same bernoulli keep-mask from the same key).
 
 Deliberate differences (docs/coming_from.md): broadcast_dropout defaults to False here (True in flax); a call
 is_causal is bottom-right aligned here, top-left in flax for T != S (query_positions=arange(T) gives flax's).
