@@ -174,18 +174,18 @@ def decode_attention(call: AttentionCall, query, key, value, interpret=False, *,
             '"pallas_gpu" decode_attention',
         )
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    given, block_size, return_lse = call, call.block_size, call.return_lse
-    call = checked(call, query, key, value)
-    batch, T, S, N, K, H, Hv = call[:7]
+    block_size, return_lse = call.block_size, call.return_lse
+    c = checked(call, query, key, value)
+    batch, T, S, N, K, H, Hv = c[:7]
     if T == 0 or S == 0:
-        return blockwise.tiled(given.replace(block_size=None), query, key, value)
+        return blockwise.tiled(call.replace(block_size=None), query, key, value)
     B, G = int(np.prod(batch, dtype=np.int64)), N // K
     Hp, Hvp = padded_head(H, interpret), padded_head(Hv, interpret)
     Sb, Sc = decode_tiles(block_size, key_chunk, B, K, S, max(Hp, Hvp), interpret)
     C, tiles = -(-S // Sc), Sc // Sb
     R = G * T  # the rows of one key/value head: query head kh * G + g, query t -> row g * T + t
     Rp = next_power_of_two(R) if interpret else max(MIN_GPU_BLOCK, next_power_of_two(R))  # padded as on a GPU
-    q_pos, k_pos, lengths, q_seg, k_seg = padded_rows(call, T, C * Sc)
+    q_pos, k_pos, lengths, q_seg, k_seg = padded_rows(c, T, C * Sc)
 
     Bs = max([1] + [x.shape[0] for x in (q_pos, k_pos, lengths, q_seg) if x is not None])
     cfg = Config(
@@ -195,16 +195,16 @@ def decode_attention(call: AttentionCall, query, key, value, interpret=False, *,
         Sn=C * tiles,
         N=N,
         K=K,
-        rule=call.rule,
-        scale=call.scale,
-        softcap=call.softcap,
+        rule=c.rule,
+        scale=c.scale,
+        softcap=c.softcap,
         score_fn=None,
         mask_fn=None,
         score_grads=(),
         n_mask_consts=0,
         batched=(),
         head_kinds=False,
-        precision=call.precision,
+        precision=c.precision,
         interpret=bool(interpret),
         num_warps=4 if max(Hp, Hvp) <= 64 else 8,
     )
@@ -225,7 +225,7 @@ def decode_attention(call: AttentionCall, query, key, value, interpret=False, *,
     )
     (out,), m, l = merge_partials(((out[:, :, :, :R],), m[..., :R], l[..., :R]), axis=2)  # [B,K,R,Hvp], [B,K,R]
     heads = lambda x: x.reshape(B, N, T, *x.shape[3:])  # noqa: E731  [B,K,G*T,...] -> [B,N,T,...]
-    partial = add_sinks(((heads(out),), heads(m), heads(l)), None if call.sinks is None else call.sinks[..., None])
+    partial = add_sinks(((heads(out),), heads(m), heads(l)), None if c.sinks is None else c.sinks[..., None])
     (out,), lse = finalize_partial(partial)
     out = jnp.swapaxes(out, 1, 2)[..., :Hv].astype(query.dtype).reshape(*batch, T, N, Hv)
     if return_lse:

@@ -690,8 +690,8 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
     head dims to a multiple of it (a TPU's lane width) rather than to a power of two."""
     mask_mod, block_mask, block_size = call.mask_mod, call.block_mask, call.block_size
     score_mod = call.score_mod
-    call = checked(call, query, key, value)
-    batch, T, S, N, K, H, Hv = call[:7]
+    c = checked(call, query, key, value)
+    batch, T, S, N, K, H, Hv = c[:7]
     B = int(np.prod(batch, dtype=np.int64))
     acc_dtype = accumulation_dtype(query.dtype)
     if block_mask is not None:  # its tiles are the kernel's tiles; its own mask_mod applies (resolve)
@@ -708,7 +708,7 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
         Tb, Sb = tile_sizes(block_size, T, S, max(Hp, Hvp), interpret)
     Tn, Sn = -(-T // Tb), -(-S // Sb)
     Tp, Sp = Tn * Tb, Sn * Sb
-    q_pos, k_pos, lengths, q_seg, k_seg = padded_rows(call, Tp, Sp)
+    q_pos, k_pos, lengths, q_seg, k_seg = padded_rows(c, Tp, Sp)
     score_fn = mods.element_function("score_mod", score_mod, acc_dtype)
     mask_fn = mods.element_function("mask_mod", mask_mod)
     tile_kinds = None if block_mask is None else block_masks.tile_kinds(block_mask).astype(jnp.int32)
@@ -723,23 +723,23 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
         Sn=Sn,
         N=N,
         K=K,
-        rule=call.rule,
-        scale=call.scale,
-        softcap=call.softcap,
+        rule=c.rule,
+        scale=c.scale,
+        softcap=c.softcap,
         score_fn=None if score_fn is None else score_fn.fn,
         mask_fn=None if mask_fn is None else mask_fn.fn,
         score_grads=mods.differentiable(score_consts),
         n_mask_consts=len(mask_consts),
         batched=(),
         head_kinds=tile_kinds is not None and tile_kinds.shape[1] > 1,
-        precision=call.precision,
+        precision=c.precision,
         interpret=bool(interpret),
         num_warps=4 if max(Hp, Hvp) <= 64 else 8,
     )
     order, counts, t_order, t_counts = _schedules(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds)
     cfg = cfg._replace(batched=tuple(x is not None and x.shape[0] > 1 for x in (q_pos, k_pos, q_seg, lengths, order)))
     side = Side(
-        q_pos, k_pos, lengths, q_seg, k_seg, call.sinks, score_consts, mask_consts, order, counts, t_order, t_counts
+        q_pos, k_pos, lengths, q_seg, k_seg, c.sinks, score_consts, mask_consts, order, counts, t_order, t_counts
     )
 
     q = kernel_layout(query, batch, T, Tp, Hp)
