@@ -211,12 +211,36 @@ def test_torch_spellings_of_create_block_mask():
     for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs)):
         assert np.array_equal(a, b)
     assert theirs.BLOCK_SIZE == (TILES, TILES) and theirs.seq_lengths == (T, S) and theirs.shape == (1, 1, T, S)
-    with pytest.raises(ValueError, match="device"):
-        jaxattn.create_block_mask(sliding, None, None, T, S, device="cuda")
     with pytest.raises(ValueError, match="Q_LEN.*not both"):
         jaxattn.create_block_mask(sliding, None, None, T, S, Q_LEN=T)
     with pytest.raises(TypeError, match="SEQ"):
         jaxattn.create_block_mask(sliding, None, None, T, S, SEQ=3)
+
+
+def test_device_as_torch_users_write_it():
+    """torch's 6th argument, device: its torch names ("cuda", "cpu", an index), by keyword or position
+    (BLOCK_SIZE 7th), build the same BlockMask; a jax.Device places its arrays there; anything else, and
+    torch's other arguments with no JAX meaning, are refused by name."""
+    ours = jaxattn.create_block_mask(sliding, None, None, T, S, block_size=TILES)
+    for device in ("cuda", "cpu", "cuda:1", 0):
+        for theirs in (
+            jaxattn.create_block_mask(sliding, None, None, T, S, device=device, BLOCK_SIZE=TILES),
+            jaxattn.create_block_mask(sliding, None, None, T, S, device, TILES),
+        ):
+            assert jax.tree.structure(theirs) == jax.tree.structure(ours)
+            for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
+                assert np.array_equal(a, b)
+    assert not any(x.committed for x in jax.tree.leaves(theirs))  # a torch name places nothing
+    device = jax.devices()[-1]
+    placed = jaxattn.create_block_mask(document, None, None, T, S, device=device, block_size=TILES)
+    assert placed.mask_consts  # the document ids it closes over travel with it
+    assert all(x.committed and x.devices() == {device} for x in jax.tree.leaves(placed))  # jax.device_put
+    for bad in (1.5, [0], -1, True):
+        with pytest.raises(ValueError, match="device"):
+            jaxattn.create_block_mask(sliding, None, None, T, S, device=bad)
+    for name, value in (("_compile", True), ("separate_full_blocks", False), ("dq_kv_order", True)):
+        with pytest.raises(ValueError, match=name):
+            jaxattn.create_block_mask(sliding, None, None, T, S, **{name: value})
 
 
 def test_torch_only_arguments_and_enable_gqa():

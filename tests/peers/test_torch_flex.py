@@ -328,5 +328,5 @@ def test_torch_only_keywords_refused_by_name():
     for kw in (dict(kernel_options={"BLOCK_M": 64}), dict(return_aux=object())):
         with pytest.raises(ValueError, match=next(iter(kw))):
             jaxattn.flex_attention(q, k, v, **kw)
-    with pytest.raises(ValueError, match="device"):
-        jaxattn.create_block_mask(_mask("causal", jnp), None, None, T, S, device="cpu")
+    with pytest.raises(ValueError, match="_compile"):
+        jaxattn.create_block_mask(_mask("causal", jnp), None, None, T, S, _compile=True)
