@@ -87,6 +87,9 @@ class MultiHeadAttention(nn.Module):
       broadcast_dropout: flax's: one dropout keep-mask [T,S] for every batch entry and head. Default False
         (independent per head, as torch); flax defaults to True (docs/coming_from.md).
       out_bias_init: the out projection's bias initialiser (default bias_init), as flax's.
+      force_fp32_for_softmax: flax's; always True here (half-precision logits and softmax are computed in
+        float32, DESIGN.md), so flax code that sets it runs unchanged; False (flax's bfloat16 softmax) is
+        refused by name.
 
     Call: flax's sow_weights=True also stores the weights [...,N,T,S] in "intermediates" as
     "attention_weights" (flax's name); inputs_kv= (flax's deprecated spelling of key = value) is accepted.
@@ -123,6 +126,7 @@ class MultiHeadAttention(nn.Module):
     normalize_qk: bool = False
     broadcast_dropout: bool = False
     out_bias_init: Optional[Initializer] = None
+    force_fp32_for_softmax: bool = True  # flax's attribute (default False there); False is refused
     implementation: Optional[str] = None
     interpret: bool = False
 
@@ -212,6 +216,12 @@ class MultiHeadAttention(nn.Module):
         rope_positions [...,T]: with `rope`, the rotary positions of the queries and keys (self-attention).
         sow_weights / inputs_kv: flax's (see the class docstring).
         """
+        if self.force_fp32_for_softmax is not True:
+            checks.fail(
+                "force_fp32_for_softmax",
+                "True (half-precision logits and softmax always run in float32 here)",
+                repr(self.force_fp32_for_softmax),
+            )
         key, value = common.flax_inputs_kv(inputs_kv, key, value)
         query, key, value = common.inputs(query, key, value)
         head_dim = common.flax_sizes(self.num_heads, head_dim=self.head_dim, qkv_features=self.qkv_features)["head_dim"]

@@ -7,12 +7,13 @@ The layout is torch's FlexAttention BlockMask, per (batch, head, query tile):
     full_kv_num_blocks int32 [B,N,Tn]      how many full key tiles
     full_kv_indices    int32 [B,N,Tn,Sn]
 
-with B = 1 / N = 1 when the mask was built for any batch / head (batch=None, num_heads=None), Tn = ceil(T /
-Tb), Sn = ceil(S / Sb). Every other tile is empty. Like torch's, a BlockMask carries the mask_mod it was
-built from (`mask_mod`; None for one built from raw tile lists), which flex_attention applies inside its
-partial tiles. A BlockMask is a pytree: the four arrays and the arrays mask_mod closes over are its leaves;
-sizes, tile shape and the traced mask function are static, so it passes through jit (as an argument:
-other documents' ids do not recompile) and vmap.
+with B = 1 / N = 1 when the mask was built for any batch / head (batch=None, num_heads=None, or 1: a size-1
+batch or head axis broadcasts to any, as torch's does), Tn = ceil(T / Tb), Sn = ceil(S / Sb). Every other
+tile is empty. Like torch's, a BlockMask carries the mask_mod it was built from (`mask_mod`; None for one
+built from raw tile lists), which flex_attention applies inside its partial tiles. A BlockMask is a pytree:
+the four arrays and the arrays mask_mod closes over are its leaves; sizes, tile shape and the traced mask
+function are static, so it passes through jit (as an argument: other documents' ids do not recompile) and
+vmap.
 
 What a call with a BlockMask means (`resolve`, the one rule both engines read):
 
@@ -186,11 +187,16 @@ def check_layout(block_mask: BlockMask) -> BlockMask:
 
 
 def check_block_mask(block_mask, batch_size: int, N: int, T: int, S: int):
-    """A BlockMask built for these sizes (flattened batch, query heads, T, S): else a ValueError."""
+    """A BlockMask built for these sizes (flattened batch, query heads, T, S): else a ValueError.
+
+    A batch or head axis built as None or as 1 serves any batch / any number of heads, as torch broadcasts
+    a size-1 batch or head dimension of its BlockMask (the tiles of entry 0 apply to every entry; the
+    engines and kernels read a size-1 axis of the tile arrays as broadcast). Any other size must equal the
+    call's."""
     if not isinstance(block_mask, BlockMask):
         checks.fail("block_mask", "a BlockMask (create_block_mask)", type(block_mask).__name__)
     built = (block_mask.batch, block_mask.num_heads, block_mask.query_length, block_mask.key_length)
-    fits = built[0] in (None, batch_size) and built[1] in (None, N) and built[2:] == (T, S)
+    fits = built[0] in (None, 1, batch_size) and built[1] in (None, 1, N) and built[2:] == (T, S)
     if not fits:
         shown = ",".join("any" if d is None else str(d) for d in built)
         hint = ""
@@ -201,7 +207,7 @@ def check_block_mask(block_mask, batch_size: int, N: int, T: int, S: int):
             )
         checks.fail(
             "block_mask",
-            f"one built for [batch,heads,T,S] = [{batch_size},{N},{T},{S}] (batch and heads may be None)",
+            f"one built for [batch,heads,T,S] = [{batch_size},{N},{T},{S}] (batch and heads may be 1 or None)",
             f"one built for [{shown}]{hint}",
         )
     return check_layout(block_mask)

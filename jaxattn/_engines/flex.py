@@ -37,9 +37,9 @@ TORCH_NAMES = {
     "KV_LEN": "key_length",
     "BLOCK_SIZE": "block_size",
 }
-# torch's arguments with no meaning in JAX: refused by name rather than dropped.
+# torch's arguments with no meaning in JAX: refused by name rather than dropped. (device= is accepted:
+# torch users write it on every call, and a jax.Device has a meaning here; see _jax_device.)
 TORCH_ONLY = {
-    "device": "JAX places arrays itself (jax.device_put / a sharding); leave device out",
     "_compile": "create_block_mask is traced and compiled by XLA anyway; leave _compile out",
     "separate_full_blocks": "full tiles are always listed apart (they skip mask_mod)",
     "compute_dq_write_order": "a Triton backward detail with no JAX counterpart",
@@ -61,32 +61,54 @@ def _torch_spellings(sizes: dict, torch_kwargs: dict) -> dict:
     return sizes
 
 
+def _jax_device(device) -> Optional[jax.Device]:
+    """create_block_mask's device=, read: a jax.Device is returned (the BlockMask's arrays go there, as a
+    JAX user who names a device means). torch's device names ("cuda", "cpu", "cuda:0", an int index, a
+    torch.device) name torch devices, not JAX ones: accepted so that torch code runs unchanged, and they
+    mean nothing here (None: the tile lists are small arrays JAX moves to wherever the flex_attention call
+    runs). Anything else: a ValueError naming device."""
+    if isinstance(device, jax.Device):
+        return device
+    torch_device = type(device).__module__ == "torch" and type(device).__name__ == "device"  # without importing it
+    if device is None or isinstance(device, str) or torch_device or (type(device) is int and device >= 0):
+        return None
+    checks.fail(
+        "device", "None, a jax.Device, or a torch device (a name, index or torch.device: no effect)", repr(device)
+    )
+
+
 def create_block_mask(
     mask_mod,
     batch: Optional[int] = None,
     num_heads: Optional[int] = None,
     query_length: Optional[int] = None,
     key_length: Optional[int] = None,
-    *,
+    device=None,
     block_size=None,
+    *,
     query_positions=None,
     key_positions=None,
     **torch_kwargs,
 ) -> block_masks.BlockMask:
     """The BlockMask of mask_mod(b, n, t, s) -> bool for these sizes (layout: jaxattn._core.block_mask).
 
-    batch: the flattened batch size the mask varies over, or None when it does not depend on b (then
-    evaluated at b = 0); num_heads likewise for n. query_length / key_length: T and S (required).
-    block_size: int or (Tb, Sb), default the blockwise engine's tile for batch * num_heads rows.
-    query_positions / key_positions: int [T] / [S] absolute positions, as the flex_attention call will use
-    (default bottom-right: query t at t + S - T). torch's spellings B=, H=, Q_LEN=, KV_LEN=, BLOCK_SIZE=
-    mean the same; device= and torch's kernel options are refused by name. The BlockMask keeps mask_mod
-    (its .mask_mod), so flex_attention(q, k, v, block_mask=bm) applies it, as torch's does.
+    The first seven arguments are torch's, in torch's order (mask_mod, B, H, Q_LEN, KV_LEN, device,
+    BLOCK_SIZE). batch: the flattened batch size the mask varies over, or None (or 1) when it does not
+    depend on b (then evaluated at b = 0; the BlockMask serves any batch, as torch broadcasts a size-1
+    batch dimension); num_heads likewise for n. query_length / key_length: T and S (required). device:
+    a jax.Device places the BlockMask's arrays there; torch's devices ("cuda", "cpu", a torch.device) are
+    accepted and mean nothing here (_jax_device). block_size: int or (Tb, Sb), default the blockwise
+    engine's tile for batch * num_heads rows. query_positions / key_positions: int [T] / [S] absolute
+    positions, as the flex_attention call will use (default bottom-right: query t at t + S - T). torch's
+    keyword spellings B=, H=, Q_LEN=, KV_LEN=, BLOCK_SIZE= mean the same; _compile= and torch's kernel
+    options are refused by name. The BlockMask keeps mask_mod (its .mask_mod), so
+    flex_attention(q, k, v, block_mask=bm) applies it, as torch's does.
     """
     sizes = _torch_spellings(
         dict(batch=batch, num_heads=num_heads, query_length=query_length, key_length=key_length, block_size=block_size),
         torch_kwargs,
     )
+    place_on = _jax_device(device)
     batch, num_heads, block_size = sizes["batch"], sizes["num_heads"], sizes["block_size"]
     batch, num_heads = _size("batch", batch, True), _size("num_heads", num_heads, True)
     T = _size("query_length", sizes["query_length"], False)
@@ -117,6 +139,7 @@ def create_block_mask(
 
     kinds = jax.jit(lambda: lax.map(row, jnp.arange(Tn)))()  # [Tn,Sn,Bm,Nm]
     kinds = jnp.transpose(kinds, (2, 3, 0, 1)).astype(jnp.int8)
-    return block_masks.from_kinds(
+    block_mask = block_masks.from_kinds(
         kinds, block_size=(Tb, Sb), batch=batch, num_heads=num_heads, query_length=T, key_length=S, mask_fn=fn
     )
+    return block_mask if place_on is None else jax.device_put(block_mask, place_on)

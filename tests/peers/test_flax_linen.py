@@ -59,6 +59,56 @@ def test_dtype_infer_and_complex_refused():
         ours.init(jax.random.key(0), jnp.ones((3, 6, 5), jnp.complex64))
 
 
+MIXED = dict(num_heads=N, qkv_features=QKV, dtype=jnp.bfloat16, param_dtype=jnp.float32, deterministic=True)
+
+
+def _forward_and_grads(layer, variables, x, cot):
+    """layer.apply(variables, x) and the gradients of sum(out * cot) in float32 w.r.t. the params and x."""
+    f = lambda variables, x: layer.apply(variables, x)  # noqa: E731
+    grads = jax.grad(lambda v, x: jnp.sum(f(v, x).astype(jnp.float32) * cot), argnums=(0, 1))
+    return jax.jit(lambda v, x: (f(v, x), grads(v, x)))(variables, x)
+
+
+@pytest.mark.parametrize("normalize_qk", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_mixed_precision_with_float32_weights(normalize_qk):
+    """dtype=bfloat16 with param_dtype=float32 (float32 weights, bfloat16 compute) on float32 inputs.
+
+    Our casts are flax's, bit for bit: the inputs, kernels and biases go to bfloat16 before each projection
+    (DenseGeneral's promote_dtype), query_ln / key_ln are flax's LayerNorm, the out projection casts the
+    attention output. Shown against flax's layer with flax's attention core swapped for
+    jax.nn.dot_product_attention, whose core is ours (float32 logits and softmax from bfloat16 q, k, as
+    DESIGN.md requires for half inputs, and as flax's nnx layer runs by default): bar 0, output and
+    gradients (w.r.t. the float32 params and the input). Against flax's own default core, which rounds
+    the logits and the softmax to bfloat16, the outputs differ by that rounding only: bar 1e-2 (about three
+    bfloat16 roundings, 2**-9 each; measured 4.2e-3 and 5.0e-3)."""
+    kw = dict(MIXED, normalize_qk=normalize_qk)
+    theirs = nn.MultiHeadDotProductAttention(**kw)
+    f32_core = nn.MultiHeadDotProductAttention(attention_fn=jax.nn.dot_product_attention, **kw)
+    ours = jaxattn.linen.MultiHeadAttention(**kw)
+    x = arrays(8, (3, 7, 5))[0].astype(jnp.float32)
+    cot = arrays(9, (3, 7, 5))[0].astype(jnp.float32)
+    variables = theirs.init(jax.random.key(0), x)
+    assert {leaf.dtype for leaf in jax.tree.leaves(variables)} == {jnp.dtype(jnp.float32)}
+    assert jax.tree.map(jnp.shape, ours.init(jax.random.key(0), x)) == jax.tree.map(jnp.shape, variables)
+    got, expected = (_forward_and_grads(layer, variables, x, cot) for layer in (ours, f32_core))
+    assert got[0].dtype == jnp.bfloat16
+    for g, e in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        assert g.dtype == e.dtype and np.array_equal(np.asarray(g), np.asarray(e))
+    _close(got[0], theirs.apply(variables, x), 1e-2)
+
+
+def test_force_fp32_for_softmax():
+    """flax's force_fp32_for_softmax=True (its float32 softmax after bfloat16 logits) is what we always do:
+    accepted, the same outputs as flax's with it to the rounding of flax's bfloat16 logits (bar 1e-2, as
+    above; measured 4.3e-3); False (flax's bfloat16 softmax) is refused by name."""
+    theirs, ours = _pair(**MIXED, force_fp32_for_softmax=True)
+    x = arrays(10, (3, 7, 5))[0].astype(jnp.float32)
+    variables = theirs.init(jax.random.key(0), x)
+    _close(ours.apply(variables, x), theirs.apply(variables, x), 1e-2)
+    with pytest.raises(ValueError, match="force_fp32_for_softmax"):
+        ours.clone(force_fp32_for_softmax=False).apply(variables, x)
+
+
 def test_mha_out_initializers():
     _, ours = _pair(
         num_heads=N,

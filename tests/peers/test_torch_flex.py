@@ -262,6 +262,31 @@ def test_block_masks(name):
             assert normwise(g, _from_torch(tg)) <= TOL
 
 
+def test_size_one_batch_and_head_block_mask():
+    """torch's own call, create_block_mask(mask_mod, 1, 1, Q_LEN, KV_LEN, device, BLOCK_SIZE) (device the 6th
+    argument, a name or a torch.device), used for B=2 and 6 heads over 3 key/value heads: torch broadcasts
+    the size-1 batch and head dimensions, and so do we. The same tiles and shape, forward and lse equal to
+    torch's flex in float64, gradients equal to torch float64 math."""
+    args = (1, 1, T, S, "cpu", 8)
+    theirs = tflex.create_block_mask(_mask("sliding_window", torch), *args)
+    ours = jaxattn.create_block_mask(_mask("sliding_window", jnp), *args)
+    by_torch_device = jaxattn.create_block_mask(_mask("sliding_window", jnp), 1, 1, T, S, torch.device("cpu"), 8)
+    for a, b in zip(jax.tree.leaves(ours), jax.tree.leaves(by_torch_device), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(np.asarray(ours.to_dense()), theirs.to_dense().numpy())
+    assert ours.shape == tuple(theirs.shape) == (1, 1, T, S)
+    q, k, v = _qkv(K=3)
+    want, want_lse = torch_flex(q, k, v, block_mask=theirs)
+    got, lse = jaxattn.flex_attention(q, k, v, block_mask=ours, enable_gqa=True, return_lse=True)
+    assert normwise(got, want) <= TOL and normwise(lse, want_lse) <= TOL
+    cot = arrays(3, (B, T, N, Hv))[0]
+    out, leaves = torch_math(q, k, v, mask_mod=_mask("sliding_window", torch))
+    torch_grads = torch.autograd.grad(out, leaves, _to_torch(cot))
+    grads = jax.grad(lambda *a: jnp.sum(jaxattn.flex_attention(*a, block_mask=ours) * cot), argnums=(0, 1, 2))(q, k, v)
+    for g, tg in zip(grads, torch_grads, strict=True):
+        assert normwise(g, _from_torch(tg)) <= TOL
+
+
 @pytest.mark.parametrize("combine", ["and_masks", pytest.param("or_masks", marks=pytest.mark.slow)])
 def test_mask_combiners(combine):
     """and_masks / or_masks mean what torch's do, through a BlockMask and through mask_mod=."""
@@ -328,5 +353,5 @@ def test_torch_only_keywords_refused_by_name():
     for kw in (dict(kernel_options={"BLOCK_M": 64}), dict(return_aux=object())):
         with pytest.raises(ValueError, match=next(iter(kw))):
             jaxattn.flex_attention(q, k, v, **kw)
-    with pytest.raises(ValueError, match="device"):
-        jaxattn.create_block_mask(_mask("causal", jnp), None, None, T, S, device="cpu")
+    with pytest.raises(ValueError, match="_compile"):
+        jaxattn.create_block_mask(_mask("causal", jnp), None, None, T, S, _compile=True)
