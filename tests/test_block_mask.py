@@ -392,12 +392,10 @@ def test_size_one_batch_and_head_broadcast(sizes, kernels):
         args = [x.astype(jnp.float32) for x in (q, k, v)]
         bm32 = jaxattn.create_block_mask(causal, *sizes, T, S, block_size=TILES)  # int32 tile lists
         for impl, kw in KERNELS.items():
-            kernel = jax.jit(
-                lambda q, k, v: jaxattn.flex_attention(q, k, v, block_mask=bm32, implementation=impl, **kw)
-            )
-            # grad of the jitted kernel: jit(grad(...)) of pallas_tpu with any BlockMask (B, N = None too)
-            # fails to trace today (a tracer its custom_vjp closes over); reported, not this test's subject
-            out, grads = with_grads(kernel)(*args)
+            kernel = lambda q, k, v: jaxattn.flex_attention(q, k, v, block_mask=bm32, implementation=impl, **kw)
+            # jit of grad, as the engines above: the TPU kernel's custom VJP once closed over the BlockMask's
+            # arrays, tracers of the eager wrapper's trace under grad, and failed to lower here
+            out, grads = jax.jit(with_grads(kernel))(*args)
             assert out.dtype == jnp.float32 and normwise(out, expected[0]) <= 1e-6, impl
             for g, e in zip(grads, expected[1], strict=True):
                 assert normwise(g, e) <= 1e-5, impl

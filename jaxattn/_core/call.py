@@ -33,6 +33,9 @@ from .masks import MaskRule
 
 # The options that span the whole [T,S] grid: only the dense engine computes them.
 GRID_OPTIONS = ("mask", "bias", "return_weights", "dropout_rate")
+# The integer arrays that say which pairs may attend (a custom VJP takes them as inputs: closing over them
+# would capture a tracer of an enclosing trace).
+INDEX_ARRAYS = ("key_value_seq_lengths", "query_positions", "key_positions", "query_segment_ids", "key_segment_ids")
 # The position terms of the relative schemes.
 POSITION_TERMS = ("key_table", "value_table", "position_bias")
 

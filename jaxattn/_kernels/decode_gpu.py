@@ -26,7 +26,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from .._core import checks
-from .._core.call import AttentionCall
+from .._core.call import INDEX_ARRAYS, AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.softmax import add_sinks, finalize_partial, merge_partials, public_lse
 from .._engines import blockwise
@@ -54,14 +54,7 @@ DECODE_MIN_CHUNK = 256  # keys per program at least (a power of two): fewer woul
 # Options the decode kernel does not take (the flash kernel does: pallas_gpu.attention routes them there).
 _NOT_DECODE = ("score_mod", "mask_mod", "block_mask")
 # Array-valued options (the custom VJP's differentiable / integer inputs).
-_ARRAY_OPTIONS = (
-    "query_positions",
-    "key_positions",
-    "key_value_seq_lengths",
-    "query_segment_ids",
-    "key_segment_ids",
-    "sinks",
-)
+_ARRAY_OPTIONS = (*INDEX_ARRAYS, "sinks")
 
 
 def decode_unsupported(call: AttentionCall, query, key, value, interpret=False) -> Optional[str]:

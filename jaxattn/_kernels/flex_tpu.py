@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .._core import checks, mods
-from .._core.call import AttentionCall
+from .._core.call import INDEX_ARRAYS, AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._engines import blockwise
 from . import flash_gpu, tile_body
@@ -208,14 +208,19 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     consts = () if score is None else tuple(jnp.asarray(c) for c in score.consts)
     blocks = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else (LANES, LANES)
 
-    def with_inputs(sinks, consts):  # the call, its differentiable parts replaced by the custom VJP's inputs
+    # The call's index arrays and BlockMask are inputs too (with zero cotangents): a custom VJP that closed
+    # over them would capture the tracers of an enclosing trace (jit of grad of an eager-compiled call).
+    indices = {name: getattr(call, name) for name in (*INDEX_ARRAYS, "block_mask") if getattr(call, name) is not None}
+
+    def with_inputs(sinks, consts, indices):  # the call, its array parts replaced by the custom VJP's inputs
+        inner = call.replace(sinks=sinks, **indices)
         if score is None:
-            return call.replace(sinks=sinks)
-        return call.replace(sinks=sinks, score_mod=lambda x, b, n, t, s: score.fn(x, b, n, t, s, *consts))
+            return inner
+        return inner.replace(score_mod=lambda x, b, n, t, s: score.fn(x, b, n, t, s, *consts))
 
     @jax.custom_vjp
-    def run(query, key, value, sinks, consts):
-        inner = with_inputs(sinks, consts)
+    def run(query, key, value, sinks, consts, indices):
+        inner = with_inputs(sinks, consts, indices)
         p = flash_gpu.prepare(
             inner, query, key, value, interpret, blocks=blocks, head_multiple=None if interpret else LANES
         )
@@ -226,10 +231,22 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
         return run(*args), args
 
     def run_bwd(args, cotangent):  # the XLA blockwise engine's backward (it recomputes its own forward)
-        return jax.vjp(
-            lambda query, key, value, sinks, consts: blockwise.tiled(with_inputs(sinks, consts), query, key, value),
-            *args,
+        *differentiable, indices = args
+        grads = jax.vjp(
+            lambda query, key, value, sinks, consts: blockwise.tiled(
+                with_inputs(sinks, consts, indices), query, key, value
+            ),
+            *differentiable,
         )[1](cotangent)
+        return (*grads, jax.tree.map(_zero_cotangent, indices))
 
     run.defvjp(run_fwd, run_bwd)
-    return run(query, key, value, call.sinks, consts)
+    return run(query, key, value, call.sinks, consts, indices)
+
+
+def _zero_cotangent(x):
+    """The cotangent of an input that gets no gradient: float0 zeros for an integer array (JAX's rule)."""
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_:
+        return np.zeros(x.shape, jax.dtypes.float0)
+    return jnp.zeros_like(x)
