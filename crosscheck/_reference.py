@@ -113,15 +113,40 @@ def cast_inputs(inputs: Mapping[str, Any], dtype: str) -> dict[str, np.ndarray]:
 def state_hash(module) -> str:
     """sha256 over a torch module's state_dict: names, shapes and values, in name order. Floating tensors are
     hashed as float64 (exact from float32 / bfloat16), so a module cast to the certificate's dtype in place
-    keeps the hash of the checkpoint it was loaded from."""
-    import torch
+    keeps the hash of the checkpoint it was loaded from. The same number as checkpoint_hash of its entries."""
+    return checkpoint_hash(
+        {
+            name: (tensor.detach().cpu().double() if tensor.is_floating_point() else tensor.detach().cpu()).numpy()
+            for name, tensor in module.state_dict().items()
+        }
+    )
 
+
+def checkpoint_hash(source) -> str:
+    """certify's checkpoint hash (the golden file's checkpoint_sha256) without torch: of {name: array}, of a
+    .safetensors file, or of a save_pretrained directory (every .safetensors file in it: the model or its
+    shards). Equal to the hash
+    of a torch module whose state_dict has exactly these entries; save_pretrained stores a tied weight once,
+    where state_dict() lists it under each name, so for a tied model hash the state_dict's arrays instead."""
+    import os
+    from pathlib import Path
+
+    if isinstance(source, (str, os.PathLike)):
+        from jaxattn.io import load_safetensors
+
+        path = Path(source)
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        if not files:
+            raise FileNotFoundError(f"{path}: no .safetensors file in it (checkpoint_hash reads save_pretrained's)")
+        source = {name: array for file in files for name, array in load_safetensors(file).items()}
     digest = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
-        array = tensor.detach().cpu()
-        array = (array.double() if array.is_floating_point() else array).contiguous()
-        digest.update(f"{name}|{array.dtype}|{tuple(array.shape)}|".encode())
-        digest.update(array.view(-1).view(torch.uint8).numpy().tobytes())
+    for name in sorted(source):
+        array = np.asarray(source[name])
+        if not np.issubdtype(array.dtype, np.integer) and array.dtype != np.bool_:
+            array = array.astype(np.float64)  # exact from float32, float16 and bfloat16 (ml_dtypes)
+        array = np.ascontiguousarray(array)
+        digest.update(f"{name}|torch.{array.dtype.name}|{tuple(int(n) for n in array.shape)}|".encode())
+        digest.update(array.reshape(-1).view(np.uint8).tobytes())
     return digest.hexdigest()
 
 

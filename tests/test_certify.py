@@ -324,7 +324,9 @@ def test_a_golden_file_certifies_without_torch_and_refuses_what_it_cannot_certif
         import crosscheck
         from _certify_port import LAYERS, port
         weights = dict(np.load(sys.argv[1]))
-        out = {}
+        out = {"hash": crosscheck.checkpoint_hash(weights)}  # the checkpoint's hash, computed without torch
+        assert crosscheck.certify(None, port(weights), None, golden=sys.argv[2], dtype="float64",
+                                  checkpoint_hash=out["hash"]).passed
         for name, path in (("clean", sys.argv[2]), ("tampered", sys.argv[3])):
             cert = crosscheck.certify(None, port(weights), None, golden=path, layers=LAYERS, grads=True,
                                       dtype="float64")
@@ -346,6 +348,16 @@ def test_a_golden_file_certifies_without_torch_and_refuses_what_it_cannot_certif
     ]
     assert result["tampered"][:2] == [False, "norm"]
     assert "pip install torch" in result["no_torch"] and "golden=" in result["no_torch"]
+    from crosscheck._reference import state_hash
+
+    assert (
+        result["hash"]
+        == state_hash(toy()[0])
+        == json.loads(read_metadata(golden)["crosscheck.golden"])["checkpoint_sha256"]
+    )
+    (tmp_path / "ckpt").mkdir()  # the checkpoint as a file: the state_dict's float32 entries
+    save_safetensors({k: v.astype(np.float32) for k, v in weights.items()}, tmp_path / "ckpt" / "model.safetensors")
+    assert crosscheck.checkpoint_hash(tmp_path / "ckpt") == result["hash"]
 
     jax_fn = port(weights)
     with pytest.raises(ValueError, match="recorded from another checkpoint"):
