@@ -203,3 +203,65 @@ def test_keras_hub_llama_parameter_gradients_agree_through_a_name_map(checkpoint
     assert cert.passed, cert.table()
     rows = [r for r in cert.rows if r.kind == "param_grad"]
     assert len(rows) == 2 + 9 * config["num_hidden_layers"] + 1 == len(list(theirs.parameters()))
+
+
+# --- more families, by keras-hub's own converters (issue 37): the final hidden state against transformers' ---
+
+
+def keras_backbone_certificate(model_type, tmp_path, **overrides):
+    """A tiny random `model_type` checkpoint (crosscheck._hf_models.write_checkpoint with `overrides`) read by
+    keras_hub.models.Backbone.from_preset; the backbone's sequence output certified against the base model's
+    last_hidden_state on 2 x 37 random tokens, in float32. Returns (certificate, backbone)."""
+    keras_hub = _keras_hub()
+    import jax
+    import jax.numpy as jnp
+
+    from crosscheck._hf_models import torch_model, write_checkpoint
+
+    directory = write_checkpoint(model_type, tmp_path / model_type, **overrides)
+    backbone = keras_hub.models.Backbone.from_preset(str(directory))
+    theirs = torch_model(directory, "float32")
+
+    def jax_fn(input_ids):
+        return {"hidden": backbone({"token_ids": input_ids, "padding_mask": jnp.ones_like(input_ids)})}
+
+    def torch_fn(input_ids):
+        return {"hidden": theirs.base_model(input_ids=input_ids).last_hidden_state}
+
+    ids = np.random.default_rng(0).integers(3, 97, (2, 37))
+    return crosscheck.certify(torch_fn, jax.jit(jax_fn), {"input_ids": ids}, torch_module=theirs), backbone
+
+
+@pytest.mark.parametrize("model_type, overrides", [("gpt2", {}), ("qwen2", {})])
+def test_keras_hub_gpt2_and_qwen2_pass(tmp_path, model_type, overrides):
+    cert, _ = keras_backbone_certificate(model_type, tmp_path, **overrides)
+    assert cert.passed and cert.rows[0].value < 1e-6, cert.table()
+
+
+def test_keras_hub_gpt2_ignores_n_inner(tmp_path):
+    """The converter sets the MLP width to 4 x n_embd whatever n_inner says: a checkpoint with another width
+    does not load (its c_fc weight cannot be reshaped to keras's kernel)."""
+    with pytest.raises(ValueError, match=r"cannot reshape array of size 1536 into shape \(32,128\)"):
+        keras_backbone_certificate("gpt2", tmp_path, n_inner=48)
+
+
+def test_keras_hub_mistral_rounds_every_weight_to_float16(tmp_path):
+    """keras-hub's Mistral converter casts each weight to float16 before assigning it: keras's embedding
+    table is transformers' rounded to float16, exactly, and the float32 certificate fails (~1e-3)."""
+    from crosscheck._hf_models import torch_model
+
+    cert, backbone = keras_backbone_certificate("mistral", tmp_path, sliding_window=None)
+    table = torch_model(tmp_path / "mistral", "float32").model.embed_tokens.weight.detach().numpy()
+    ours = np.asarray(backbone.token_embedding.embeddings.value)
+    assert np.array_equal(ours, table.astype(np.float16).astype(np.float32)) and not np.array_equal(ours, table)
+    assert not cert.passed and 1e-4 < cert.rows[0].value < 1e-2, cert.table()
+
+
+def test_keras_hub_qwen3_fixes_its_q_k_norm_epsilon_at_1e_5_under_float32_s_bar(tmp_path):
+    """The q/k norms inside keras-hub's Qwen3 attention are built with its default epsilon, 1e-5, never the
+    config's rms_norm_eps: a checkpoint saying 1e-5 agrees to 6e-7, one saying 1e-6 (Qwen3's own value) is 8x
+    further, 4.9e-6, a difference under float32's fixed bar of 1e-5 (see docs/certify.md, "Bars")."""
+    exact, _ = keras_backbone_certificate("qwen3", tmp_path / "a", use_sliding_window=False, rms_norm_eps=1e-5)
+    off, _ = keras_backbone_certificate("qwen3", tmp_path / "b", use_sliding_window=False, rms_norm_eps=1e-6)
+    assert exact.passed and off.passed, (exact.table(), off.table())
+    assert exact.rows[0].value < 1e-6 and off.rows[0].value > 4 * exact.rows[0].value
