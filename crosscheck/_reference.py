@@ -162,7 +162,7 @@ def need_torch(what: str):
     return torch
 
 
-def first_tensor(value):
+def first_tensor(value) -> Any:
     """A module's output -> its first array (a tuple's first element, a mapping's first value, recursively)."""
     while isinstance(value, (tuple, list)) or (isinstance(value, Mapping) and value):
         value = value[0] if isinstance(value, (tuple, list)) else next(iter(value.values()))
