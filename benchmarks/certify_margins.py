@@ -8,8 +8,8 @@ first divergent row (expected: the one named in FAULTS), its normwise error plan
 the largest per-token KL planted / clean, top-1 agreement. Not a speed measurement: numbers, not seconds.
 
 --unit-scale: the same Llama faults again with the embedding table rescaled to unit variance (the tiny
-checkpoint's is ~0.19: a norm epsilon's effect, ~ (its change) / (2 x the mean square), is ~5x smaller at unit
-scale), in float64, in float32 against the fixed bar, and in float32 against bars calibrated from torch's own
+checkpoint's is ~0.047: a norm epsilon's effect, ~ (its change) / (2 x the mean square), is ~21x smaller at
+unit scale), in float64, in float32 against the fixed bar, and in float32 against bars calibrated from torch's own
 float64 run (certify(calibrate=...)).
 """
 
