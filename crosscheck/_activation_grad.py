@@ -17,21 +17,22 @@ from typing import Any
 # primitives whose sub-program runs once, inline, with the equation's inputs as its inputs: the variable can
 # be perturbed inside them (loops and conditionals cannot be entered this way)
 _INLINE = {"pjit", "jit", "closed_call", "core_call", "remat", "checkpoint"}
+_LOOPS = {"scan", "while", "cond"}
 
 
 def perturbed_program(fn: Callable[..., tuple[Any, Any]], args: Sequence[Any], index: int):
     """(run(delta, *args) -> fn's first result, the traced shape of fn(*args)[1][index]) where fn(*args) ->
     (first, [intermediates...]) and `delta` is added to intermediate `index` where it is made.
 
-    ValueError when the intermediate is made inside a loop or a conditional (it cannot be perturbed there)."""
+    ValueError when the intermediate is not made by the program (an input), or is made inside a loop or a
+    conditional (it cannot be perturbed there)."""
     import jax
 
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     first_leaves, first_tree = jax.tree_util.tree_flatten(shape[0])
     n_first = len(first_leaves)
     target = closed.jaxpr.outvars[n_first + index]
-    if not _makes(closed.jaxpr, target):
-        raise ValueError("the intermediate is not made by the program's own operations (an input or a constant)")
+    _check_reachable(closed.jaxpr, target)
 
     def run(delta, *call_args):
         flat = jax.tree_util.tree_leaves(call_args)
@@ -39,6 +40,28 @@ def perturbed_program(fn: Callable[..., tuple[Any, Any]], args: Sequence[Any], i
         return jax.tree_util.tree_unflatten(first_tree, outs[:n_first])
 
     return run, jax.tree_util.tree_leaves(shape[1])[index]
+
+
+def _check_reachable(jaxpr, var) -> None:
+    """ValueError unless `var` is made by an equation that _evaluate can perturb: one of this program's, or
+    one inside a sub-program it enters; not an input, and not inside a loop or a conditional, where adding
+    delta to the stacked outputs would not reach the later iterations that use them."""
+    for eqn in jaxpr.eqns:
+        for position, out in enumerate(eqn.outvars):
+            if out is not var:
+                continue
+            if eqn.primitive.name in _LOOPS:
+                raise ValueError(
+                    f"it is made inside a {eqn.primitive.name} (a scanned or looped layer): give layers= a first "
+                    "pair outside it (the embeddings), or params= a parameter map"
+                )
+            inner = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            inner_jaxpr = getattr(inner, "jaxpr", inner)
+            if eqn.primitive.name in _INLINE and inner_jaxpr is not None:
+                if _makes(inner_jaxpr, inner_jaxpr.outvars[position]):
+                    _check_reachable(inner_jaxpr, inner_jaxpr.outvars[position])
+            return
+    raise ValueError("it is not made by the program's own operations (an input or a constant)")
 
 
 def _makes(jaxpr, var) -> bool:

@@ -17,14 +17,22 @@ Rows, each measured against torch (the reference), in this order:
 - "kl", "top1", "top5": for the logits output (`logits=` names it; default "logits" when there is one):
   per-token KL(torch's softmax || JAX's), its largest value against a bar; the share of tokens whose top-1
   token agrees, and the mean share of the top-5 sets that agree, each against a bar.
-- "grad": with `grads=True`, gradients of a scalar loss with respect to the floating inputs.
+- "grad": with `grads=True`, gradients of a scalar loss with respect to the floating inputs; when every input
+  is an integer (token ids) and no `params=` map is given, with respect to the first `layers` pair's output
+  ("grad/<torch path>": torch's from its forward hook, JAX's by perturbing that intermediate in jax_fn's
+  jaxpr, crosscheck/_activation_grad.py); with neither, ValueError: nothing would be compared.
 - "param_grad": with `grads=True` and `params=`, the loss's gradient with respect to each mapped torch
   parameter (the row's name) against the JAX leaf it maps to (jax_fn then takes `jax_params` first).
 
+A certificate counts its rows per kind (`counts`); a kind it was asked for (`requested`) with no row fails
+it. A failing row where a side gave another dtype than the certificate's says so in its status; `notes`
+names every such row and floating `jax_params` leaves of another dtype (bfloat16 weights).
+
 Bars: outputs and layers take crosscheck's whole-model tolerances, normwise (MODEL_TOLERANCES[dtype].forward:
-float64 1e-12, float32 1e-5), or the `bar` given; gradients MODEL_TOLERANCES[dtype].grad; logits
-LOGIT_BARS[dtype]. A row non-finite on one side
-is its own status ("non-finite in JAX only"), never folded into a number; it fails.
+float64 1e-12, float32 1e-5), or the `bar` given, or with `calibrate=` (float32) bars from torch's own
+float64 run, row by row (calibrated_bar); gradients MODEL_TOLERANCES[dtype].grad; logits LOGIT_BARS[dtype].
+A row non-finite on one side is its own status ("non-finite in JAX only"), never folded into a number; it
+fails.
 
 Memory: JAX runs first and keeps its intermediates; each torch layer is compared inside its forward hook
 and dropped, so only one model's activations are held.
@@ -598,7 +606,12 @@ def certify(
     inputs = cast_inputs(inputs, dtype)
     # float64 arrays of torch's own run on the same numbers, when calibrating: {row label: array}
     exact = (
-        reference_in_float64(torch_fn if calibrate is True else calibrate, inputs, pairs, torch_module or torch_fn)
+        reference_in_float64(
+            torch_fn if calibrate is True else calibrate,
+            inputs,
+            pairs,
+            torch_module if torch_module is not None else torch_fn,
+        )
         if calibrate
         else {}
     )

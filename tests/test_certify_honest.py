@@ -58,6 +58,27 @@ def test_token_ids_with_a_parameter_map_compare_every_mapped_parameter(tmp_path)
     assert cert.counts["param_grad"] == len(GRAD_MAP) and "grad" not in cert.counts
 
 
+def test_an_activation_made_inside_a_scan_is_refused_not_compared_as_zero():
+    """Perturbing a scan's output would not reach the iterations that use it: refused with the reason."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Embedding(13, 7), torch.nn.Linear(7, 5))
+    table, weight = jax.numpy.asarray(model[0].weight.detach().numpy()), model[1].weight.detach().numpy()
+    bias = model[1].bias.detach().numpy()
+
+    def jax_fn(input_ids):
+        x, _ = jax.lax.scan(lambda carry, _: (carry * 1.0, None), table[input_ids], None, length=2)
+        return {"out": x @ weight.T + bias}, {"emb": x}
+
+    ids = {"input_ids": np.random.default_rng(0).integers(0, 13, (3, 11))}
+
+    def torch_fn(input_ids):
+        return {"out": model(input_ids)}
+
+    assert certify(torch_fn, jax_fn, ids, layers={"0": "emb"}, torch_module=model).passed
+    with pytest.raises(ValueError, match=r"'emb' cannot be differentiated: it is made inside a scan"):
+        certify(torch_fn, jax_fn, ids, layers={"0": "emb"}, torch_module=model, grads=True)
+
+
 def test_a_golden_file_holds_the_activation_gradient(tmp_path):
     model, params = torch_tiny_lm()
     golden = crosscheck.record(model, token_ids(), tmp_path / "lm.safetensors", layers=LAYERS, grads=True)
