@@ -12,6 +12,10 @@ only from transformers 4's `rope_scaling` key (transformers 5 writes `rope_param
 with either fails, at layer 0. A fault planted in the weights (layer 0's o_proj transposed) fails there too.
 Its gradients with respect to every parameter (through a name map with layout transforms, as a user writes
 one for a port) agree with torch's.
+
+keras-hub's other converters (issue 37), each on a tiny random checkpoint, final hidden state against
+transformers': GPT-2 and Qwen2 pass; Mistral's weights are rounded to float16; Qwen3's q/k norms keep epsilon
+1e-5; GPT-2's n_inner is ignored; BERT's GELU is always the tanh approximation.
 """
 
 import os
@@ -222,11 +226,16 @@ def keras_backbone_certificate(model_type, tmp_path, **overrides):
     backbone = keras_hub.models.Backbone.from_preset(str(directory))
     theirs = torch_model(directory, "float32")
 
+    bert = model_type == "bert"  # an encoder: segment ids in, a dict of outputs out
+
     def jax_fn(input_ids):
-        return {"hidden": backbone({"token_ids": input_ids, "padding_mask": jnp.ones_like(input_ids)})}
+        feed = {"token_ids": input_ids, "padding_mask": jnp.ones_like(input_ids)}
+        out = backbone({**feed, "segment_ids": jnp.zeros_like(input_ids)} if bert else feed)
+        return {"hidden": out["sequence_output"] if bert else out}
 
     def torch_fn(input_ids):
-        return {"hidden": theirs.base_model(input_ids=input_ids).last_hidden_state}
+        segments = {"token_type_ids": torch.zeros_like(input_ids)} if bert else {}
+        return {"hidden": theirs.base_model(input_ids=input_ids, **segments).last_hidden_state}
 
     ids = np.random.default_rng(0).integers(3, 97, (2, 37))
     return crosscheck.certify(torch_fn, jax.jit(jax_fn), {"input_ids": ids}, torch_module=theirs), backbone
@@ -265,3 +274,13 @@ def test_keras_hub_qwen3_fixes_its_q_k_norm_epsilon_at_1e_5_under_float32_s_bar(
     off, _ = keras_backbone_certificate("qwen3", tmp_path / "b", use_sliding_window=False, rms_norm_eps=1e-6)
     assert exact.passed and off.passed, (exact.table(), off.table())
     assert exact.rows[0].value < 1e-6 and off.rows[0].value > 4 * exact.rows[0].value
+
+
+def test_keras_hub_bert_uses_the_tanh_gelu_whatever_hidden_act_says(tmp_path):
+    """keras-hub's BertBackbone builds its MLP with the tanh approximation of GELU and its converter never
+    reads hidden_act: a checkpoint saying "gelu" (BERT's exact erf form) fails at 2.4e-4, one saying
+    "gelu_pytorch_tanh" passes. (Its converter also assumes type_vocab_size 2: both checkpoints say 2.)"""
+    exact, _ = keras_backbone_certificate("bert", tmp_path / "a", type_vocab_size=2)
+    tanh, _ = keras_backbone_certificate("bert", tmp_path / "b", type_vocab_size=2, hidden_act="gelu_pytorch_tanh")
+    assert tanh.passed and tanh.rows[0].value < 1e-5, tanh.table()
+    assert not exact.passed and 1e-4 < exact.rows[0].value < 1e-3, exact.table()
