@@ -15,7 +15,8 @@ one for a port) agree with torch's.
 
 keras-hub's other converters (issue 37), each on a tiny random checkpoint, final hidden state against
 transformers': GPT-2 and Qwen2 pass; Mistral's weights are rounded to float16; Qwen3's q/k norms keep epsilon
-1e-5; GPT-2's n_inner is ignored; BERT's GELU is always the tanh approximation.
+1e-5; GPT-2's n_inner is ignored; BERT's GELU is always the tanh approximation; Gemma 2's
+query_pre_attn_scalar is read as head_dim or hidden_size / heads only.
 """
 
 import os
@@ -284,3 +285,15 @@ def test_keras_hub_bert_uses_the_tanh_gelu_whatever_hidden_act_says(tmp_path):
     tanh, _ = keras_backbone_certificate("bert", tmp_path / "b", type_vocab_size=2, hidden_act="gelu_pytorch_tanh")
     assert tanh.passed and tanh.rows[0].value < 1e-5, tanh.table()
     assert not exact.passed and 1e-4 < exact.rows[0].value < 1e-3, exact.table()
+
+
+def test_keras_hub_gemma2_takes_query_pre_attn_scalar_only_as_head_dim_or_width_over_heads(tmp_path):
+    """keras-hub's Gemma converter keeps one bit of query_pre_attn_scalar (equal to head_dim or not) and its
+    attention then scales queries by 1/sqrt(head_dim) or 1/sqrt(hidden_size / heads): a checkpoint with
+    scalar 16 = head_dim passes, one with 13 (neither) is scaled by 1/sqrt(12) and fails. The attention
+    softcap is left out of both (null), so that the check is of the scale alone."""
+    plain = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+    head_dim, _ = keras_backbone_certificate("gemma2", tmp_path / "a", query_pre_attn_scalar=16, **plain)
+    other, _ = keras_backbone_certificate("gemma2", tmp_path / "b", query_pre_attn_scalar=13, **plain)
+    assert head_dim.passed and head_dim.rows[0].value < 1e-6, head_dim.table()
+    assert not other.passed and other.rows[0].value > 1e-2, other.table()
