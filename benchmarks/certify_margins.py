@@ -1,11 +1,16 @@
 """How far each planted porting fault lands above certify's bars, against the clean run's distance below them.
 
-    python -m benchmarks.certify_margins [--dtype float32 float64] [--clean] [--json PATH]
+    python -m benchmarks.certify_margins [--dtype float32 float64] [--clean] [--unit-scale] [--json PATH]
 
 The faults of crosscheck/_faults.py in a tiny random Llama (tied head, MiniLM's vocabulary) on 521 tokens of
 real text, and positions shifted by one in the real all-MiniLM-L6-v2 on its 9 real sentences. Per fault: the
 first divergent row (expected: the one named in FAULTS), its normwise error planted / clean (the margin),
 the largest per-token KL planted / clean, top-1 agreement. Not a speed measurement: numbers, not seconds.
+
+--unit-scale: the same Llama faults again with the embedding table rescaled to unit variance (the tiny
+checkpoint's is ~0.047: a norm epsilon's effect, ~ (its change) / (2 x the mean square), is ~21x smaller at
+unit scale), in float64, in float32 against the fixed bar, and in float32 against bars calibrated from torch's own
+float64 run (certify(calibrate=...)).
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def llama_rows(dtype: str) -> list[dict]:
+def llama_rows(dtype: str, *, unit: bool = False, calibrate: bool = False, only=None) -> list[dict]:
     import tempfile
 
     from crosscheck import certify
@@ -26,6 +31,8 @@ def llama_rows(dtype: str) -> list[dict]:
     from jaxattn.models import from_pretrained
 
     directory = write_llama(tempfile.mkdtemp())
+    if unit:
+        unit_embeddings(directory)
     ids = real_text_ids()
     theirs = torch_model(directory, dtype)
     model, params = from_pretrained(directory, dtype=dtype, precision="highest")
@@ -35,16 +42,41 @@ def llama_rows(dtype: str) -> list[dict]:
         with float64_reference(theirs, dtype):
             return theirs(input_ids=input_ids)
 
+    def torch64(input_ids):  # the second reference run calibrated bars come from
+        with float64_reference(theirs, "float64"):
+            return theirs(input_ids=input_ids)
+
     def run(m, p, offset=0):
         return certify(
-            torch_fn, jax_llama(m, p, offset), {"input_ids": ids}, dtype=dtype, layers=layers, torch_module=theirs
+            torch_fn,
+            jax_llama(m, p, offset),
+            {"input_ids": ids},
+            dtype=dtype,
+            layers=layers,
+            torch_module=theirs,
+            calibrate=torch64 if calibrate else False,
         )
 
+    name = "llama" + ("@unit" if unit else "") + ("+cal" if calibrate else "")
     clean = run(model, params)
-    rows = [_row("llama", "clean", None, clean, clean)]
+    rows = [_row(name, "clean", None, clean, clean)]
     for fault, (plant, expected) in FAULTS.items():
-        rows.append(_row("llama", fault, expected, run(*plant(model, params)), clean))
+        if only is None or fault in only:
+            rows.append(_row(name, fault, expected, run(*plant(model, params)), clean))
     return rows
+
+
+def unit_embeddings(directory) -> None:
+    """Rescale the checkpoint's embedding table (tied: the head too) to unit variance, in place."""
+    import numpy as np
+
+    from jaxattn.io import load_safetensors, save_safetensors
+
+    file = directory / "model.safetensors"
+    tensors = dict(load_safetensors(file))
+    table = np.asarray(tensors["model.embed_tokens.weight"], np.float64)
+    tensors["model.embed_tokens.weight"] = (table / table.std()).astype(np.float32)
+    save_safetensors(tensors, file)
 
 
 def minilm_rows(dtype: str) -> list[dict]:
@@ -130,21 +162,29 @@ def main() -> None:
     parser.add_argument("--dtype", nargs="+", default=["float32", "float64"], choices=["float32", "float64"])
     parser.add_argument("--json", metavar="PATH")
     parser.add_argument("--clean", action="store_true", help="also the 8 clean runs the float32 KL bar is set from")
+    parser.add_argument(
+        "--unit-scale", action="store_true", help="only the Llama faults at unit scale: float64, float32, calibrated"
+    )
+    parser.add_argument("--fault", nargs="+", metavar="NAME", help="with --unit-scale: only these Llama faults")
     args = parser.parse_args()
     import jax
 
     jax.config.update("jax_enable_x64", True)
-    rows = [r for dtype in args.dtype for r in llama_rows(dtype) + minilm_rows(dtype)]
+    if args.unit_scale:
+        rows = llama_rows("float64", unit=True, only=args.fault) + llama_rows("float32", unit=True, only=args.fault)
+        rows += llama_rows("float32", unit=True, calibrate=True, only=args.fault)
+    else:
+        rows = [r for dtype in args.dtype for r in llama_rows(dtype) + minilm_rows(dtype)]
     if args.clean:
         rows += [r for dtype in args.dtype for r in clean_kl_rows(dtype)]
     print(
-        f"{'model':8} {'fault':18} {'dtype':8} {'first divergent':26} {'normwise':>9} {'clean':>9} {'bar':>7} "
+        f"{'model':15} {'fault':18} {'dtype':8} {'first divergent':26} {'normwise':>9} {'clean':>9} {'bar':>7} "
         f"{'margin':>9} {'KL':>9} {'clean KL':>9} {'top1':>5}"
     )
     for r in rows:
         kl = "" if r["kl"] is None else f"{r['kl']:9.2e} {r['clean_kl']:9.2e} {r['top1']:5.3f}"
         print(
-            f"{r['model']:8} {r['fault']:18} {r['dtype']:8} {str(r['first_divergent']):26} {r['normwise']:9.2e} "
+            f"{r['model']:15} {r['fault']:18} {r['dtype']:8} {str(r['first_divergent']):26} {r['normwise']:9.2e} "
             f"{r['clean_normwise']:9.2e} {r['bar']:7.0e} {r['margin']:9.2e} {kl}"
         )
     if args.json:

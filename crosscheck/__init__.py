@@ -67,6 +67,7 @@ from crosscheck._certify import (
     certify as certify,
 )
 from crosscheck._param_grads import parameter_map as parameter_map
+from crosscheck._reference import checkpoint_hash as checkpoint_hash
 from crosscheck._propose import LayerProposal as LayerProposal
 from crosscheck._propose import propose_layers as propose_layers
 from crosscheck._compare import (
@@ -103,6 +104,7 @@ __all__ = [
     "Certificate",
     "LogitBars",
     "certify",
+    "checkpoint_hash",
     "record",
     "LayerProposal",
     "parameter_map",

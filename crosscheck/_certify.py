@@ -17,14 +17,22 @@ Rows, each measured against torch (the reference), in this order:
 - "kl", "top1", "top5": for the logits output (`logits=` names it; default "logits" when there is one):
   per-token KL(torch's softmax || JAX's), its largest value against a bar; the share of tokens whose top-1
   token agrees, and the mean share of the top-5 sets that agree, each against a bar.
-- "grad": with `grads=True`, gradients of a scalar loss with respect to the floating inputs.
+- "grad": with `grads=True`, gradients of a scalar loss with respect to the floating inputs; when every input
+  is an integer (token ids) and no `params=` map is given, with respect to the first `layers` pair's output
+  ("grad/<torch path>": torch's from its forward hook, JAX's by perturbing that intermediate in jax_fn's
+  jaxpr, crosscheck/_activation_grad.py); with neither, ValueError: nothing would be compared.
 - "param_grad": with `grads=True` and `params=`, the loss's gradient with respect to each mapped torch
   parameter (the row's name) against the JAX leaf it maps to (jax_fn then takes `jax_params` first).
 
+A certificate counts its rows per kind (`counts`); a kind it was asked for (`requested`) with no row fails
+it. A failing row where a side gave another dtype than the certificate's says so in its status; `notes`
+names every such row and floating `jax_params` leaves of another dtype (bfloat16 weights).
+
 Bars: outputs and layers take crosscheck's whole-model tolerances, normwise (MODEL_TOLERANCES[dtype].forward:
-float64 1e-12, float32 1e-5), or the `bar` given; gradients MODEL_TOLERANCES[dtype].grad; logits
-LOGIT_BARS[dtype]. A row non-finite on one side
-is its own status ("non-finite in JAX only"), never folded into a number; it fails.
+float64 1e-12, float32 1e-5), or the `bar` given, or with `calibrate=` (float32) bars from torch's own
+float64 run, row by row (calibrated_bar); gradients MODEL_TOLERANCES[dtype].grad; logits LOGIT_BARS[dtype].
+A row non-finite on one side is its own status ("non-finite in JAX only"), never folded into a number; it
+fails.
 
 Memory: JAX runs first and keeps its intermediates; each torch layer is compared inside its forward hook
 and dropped, so only one model's activations are held.
@@ -44,7 +52,9 @@ import numpy as np
 from crosscheck._compare import MODEL_TOLERANCES, error_metrics
 from crosscheck._golden import load_golden
 from crosscheck._param_grads import ParamPair, param_pairs
+from crosscheck._activation_grad import perturbed_program
 from crosscheck._reference import (
+    activation_pair,
     cast_inputs,
     checked_dtype,
     cotangents,
@@ -111,6 +121,7 @@ class Row:
     bar: float
     status: str  # "ok", "FAIL", "non-finite in JAX only", "torch module never ran", ...
     jax_name: str = ""
+    jax_dtype: str = ""  # the dtype JAX gave it (a port computing in float32 under a float64 certificate)
 
     @property
     def passed(self) -> bool:
@@ -147,6 +158,9 @@ class Verdict:
         return next((r.name for r in self.rows if not r.passed), None)
 
 
+KINDS = ("layer", "output", "kl", "top1", "top5", "grad", "param_grad")
+
+
 @dataclasses.dataclass(frozen=True)
 class Certificate(Verdict):
     dtype: str
@@ -154,11 +168,55 @@ class Certificate(Verdict):
     inputs: Mapping[str, tuple[tuple[int, ...], str]]  # name -> (shape, dtype)
     versions: Mapping[str, str | None]
     golden: str | None = None
+    requested: tuple[str, ...] = ()  # the row kinds asked for ("layer" with layers=, "grad" with grads=True, ...)
+    dtype_notes: tuple[str, ...] = ()  # arrays of another dtype than the certificate's (jax_params leaves, ...)
+    calibration: str | None = None  # how the bars were calibrated (certify(calibrate=True)); None: the fixed ones
+
+    @property
+    def counts(self) -> dict[str, int]:
+        """{kind: how many rows of it were compared}, for every kind requested or present."""
+        kinds = [k for k in KINDS if k in self.requested or any(r.kind == k for r in self.rows)]
+        return {k: sum(r.kind == k for r in self.rows) for k in kinds}
+
+    @property
+    def missing(self) -> tuple[str, ...]:
+        """Kinds requested with no row compared: a check that compared nothing, which never reads as a pass."""
+        return tuple(k for k in self.requested if not any(r.kind == k for r in self.rows))
+
+    @property
+    def passed(self) -> bool:
+        return super().passed and not self.missing
+
+    @property
+    def first_divergent(self) -> str | None:
+        found = super().first_divergent
+        if found is None and self.missing:
+            return f"(no {self.missing[0]} rows)"
+        return found
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """What the summary says besides the rows: missing kinds, and every dtype that is not the certificate's
+        (rows JAX gave in another dtype, the port's parameters)."""
+        notes = [f"no {k} rows were compared, though {k} rows were requested: this fails" for k in self.missing]
+        other = [r for r in self.rows if r.jax_dtype and r.jax_dtype != self.dtype]
+        if other:
+            kinds = sorted({r.jax_dtype for r in other})
+            notes.append(
+                f"dtype: JAX gave {len(other)} of {len(self.rows)} rows in {'/'.join(kinds)} under a {self.dtype} "
+                f"certificate (first: {other[0].name!r}, {other[0].jax_dtype}): the port computes in another "
+                "dtype than the one certified"
+            )
+        return (*notes, *self.dtype_notes)
 
     def to_json(self) -> dict[str, Any]:
         return {
             "passed": self.passed,
             "first_divergent": self.first_divergent,
+            "counts": self.counts,
+            "requested": list(self.requested),
+            "notes": list(self.notes),
+            "calibration": self.calibration,
             "dtype": self.dtype,
             "versions": dict(self.versions),
             "golden": self.golden,
@@ -182,6 +240,9 @@ class Certificate(Verdict):
             for r in self.rows
         ]
         lines.append(f"  first divergent: {self.first_divergent}" if not self.passed else "  every row passes")
+        lines.append("  rows compared: " + ", ".join(f"{k} {n}" for k, n in self.counts.items()))
+        lines += [f"  note: {note}" for note in self.notes]
+        lines += [f"  bars calibrated: {self.calibration}"] if self.calibration else []
         return "\n".join(lines)
 
     __str__ = table
@@ -300,35 +361,56 @@ def jax_grads(
     logits,
     split: bool,
     jax_params=None,
-) -> tuple[dict[str, np.ndarray], Any]:
-    """({input: d loss / d input} for the floating inputs, d loss / d jax_params (a tree; None without them))."""
+    activation: str | None = None,
+) -> tuple[dict[str, np.ndarray], Any, np.ndarray | None]:
+    """({input: d loss / d input} for the floating inputs, d loss / d jax_params (a tree; None without them),
+    d loss / d the intermediate named `activation` (None without one))."""
     import jax
     import jax.numpy as jnp
 
     floats = {k: jnp.asarray(v) for k, v in inputs.items() if np.issubdtype(v.dtype, np.floating)}
     others = {k: jnp.asarray(v) for k, v in inputs.items() if k not in floats}
 
-    def scalar(f, p, o, cots):
-        out = named_outputs(_split(call_jax(jax_fn, p, {**f, **o}), split)[0])
-        return loss_value(jnp, out, {**f, **o}, reference, loss, logits, cots)
+    def outputs_and_activation(p, arrays):
+        out, inter = _split(call_jax(jax_fn, p, arrays), split)
+        return named_outputs(out), [flat_intermediates(inter)[activation]] if activation is not None else []
 
-    if not floats and jax_params is None:
-        return {}, None
+    if activation is None:
+        zero = None
+
+        def outputs(delta, p, arrays):
+            return outputs_and_activation(p, arrays)[0]
+    else:
+        try:
+            outputs, aval = perturbed_program(outputs_and_activation, (jax_params, {**floats, **others}), 0)
+        except ValueError as error:
+            raise ValueError(f"grads: the JAX intermediate {activation!r} cannot be differentiated: {error}") from None
+        zero = jnp.zeros(aval.shape, aval.dtype)
+
+    def scalar(delta, f, p, o, cots):
+        return loss_value(jnp, outputs(delta, p, {**f, **o}), {**f, **o}, reference, loss, logits, cots)
+
+    if not floats and jax_params is None and activation is None:
+        return {}, None, None
     # one compile of the whole backward pass (op by op, every loss operation and each piece of a jitted
     # jax_fn's transpose compiles on its own); the cotangents are arguments, not constants baked into it
     labelled = loss is None and logits is not None and logits in reference and "labels" in inputs
     cots = {} if loss is not None or labelled else {k: jnp.asarray(v) for k, v in cotangents(reference).items()}
     with jax.default_matmul_precision("highest"):
-        got, params = jax.jit(jax.grad(scalar, argnums=(0, 1)))(floats, jax_params, others, cots)
-    return {k: np.asarray(v) for k, v in got.items()}, params
+        at, got, params = jax.jit(jax.grad(scalar, argnums=(0, 1, 2)))(zero, floats, jax_params, others, cots)
+    return {k: np.asarray(v) for k, v in got.items()}, params, None if at is None else np.asarray(at)
 
 
 # --- measuring ---------------------------------------------------------------------------------------------
 
 
-def measure(name: str, kind: str, ours: np.ndarray, theirs: np.ndarray, bar: Bar, jax_name: str = "") -> Row:
-    """One row: JAX's `ours` against torch's `theirs` (same shape: checked by the caller)."""
+def measure(
+    name: str, kind: str, ours: np.ndarray, theirs: np.ndarray, bar: Bar, jax_name: str = "", dtype: str = ""
+) -> Row:
+    """One row: JAX's `ours` against torch's `theirs` (same shape: checked by the caller). `dtype`: the
+    certificate's; a failing row where either side has another floating dtype says so in its status."""
     ours, theirs = np.asarray(ours), np.asarray(theirs)
+    jax_dtype = ours.dtype.name if _floating(ours.dtype) else ""
     bad_jax, bad_torch = not np.isfinite(ours).all(), not np.isfinite(theirs).all()
     scale = float(np.abs(np.where(np.isfinite(theirs), theirs, 0)).max(initial=0.0))
     max_abs, _, normwise = error_metrics(ours, theirs)
@@ -344,7 +426,21 @@ def measure(name: str, kind: str, ours: np.ndarray, theirs: np.ndarray, bar: Bar
         )
     else:
         status = "ok" if value <= limit else "FAIL"
-    return Row(name, kind, tuple(theirs.shape), max_abs, normwise, scale, bar.metric, value, limit, status, jax_name)
+    if status != "ok" and dtype:
+        sides = [(side, a.dtype.name) for side, a in (("JAX", ours), ("torch", theirs)) if _floating(a.dtype)]
+        other = [f"{side} gives {name_}" for side, name_ in sides if name_ != dtype]
+        if other:
+            status += f" ({', '.join(other)} under a {dtype} certificate)"
+    return Row(
+        name, kind, tuple(theirs.shape), max_abs, normwise, scale, bar.metric, value, limit, status, jax_name, jax_dtype
+    )
+
+
+def _floating(dtype: np.dtype) -> bool:
+    """numpy's floating dtypes and ml_dtypes' (bfloat16 is not a subtype of np.floating)."""
+    import jax.numpy as jnp
+
+    return bool(jnp.issubdtype(dtype, jnp.floating))
 
 
 def logit_rows(name: str, ours: np.ndarray, theirs: np.ndarray, bars: LogitBars) -> list[Row]:
@@ -438,6 +534,7 @@ def certify(
     checkpoint_hash: str | None = None,
     params: Mapping[str, Any] | None = None,
     jax_params=None,
+    calibrate: bool | Callable[..., Any] = False,
 ) -> Certificate:
     """Certify `jax_fn` against `torch_fn` on `inputs` ({name: numpy array}); see the module docstring.
 
@@ -460,6 +557,13 @@ def certify(
     params: with grads=True, {torch parameter name: JAX path "a/b/kernel", pull(grads tree) -> array, or
     (either, transform(torch grad) -> JAX's layout)}: one row per pair, named by the torch parameter, comparing
     d loss / d parameter (crosscheck/_param_grads.py; parameter_map(torch_model, tree) for our families).
+    calibrate: with dtype="float32", each output and layer row's bar is set from a second reference run:
+    torch in float64 on the same (float32) inputs and weights, CALIBRATION_FACTOR times torch's own float32
+    error at that row, and never under CALIBRATION_FLOOR (see calibrated_bar). A bar that scales with the
+    model: deep models get the room their rounding needs, and a fault under the fixed 1e-5 bar (a norm
+    epsilon at unit scale) still shows. Needs a live torch_fn (not golden=). calibrate=torch_fn64, a callable
+    like torch_fn: the float64 reference run is torch_fn64(**inputs) instead (a second reference, e.g. a
+    transformers model under crosscheck's float64_reference, whose float32-only steps then run in float64).
     """
     dtype = checked_dtype(dtype)
     weights = param_pairs(params)
@@ -469,6 +573,12 @@ def certify(
         raise ValueError(
             "params: needs jax_params=, the JAX tree the gradients are taken with respect to "
             "(jax_fn is then called jax_fn(jax_params, **inputs))"
+        )
+    if calibrate and (dtype != "float32" or golden is not None or bar is not None or select is not None):
+        raise ValueError(
+            "calibrate: sets the float32 bars of a live torch run from the same run in float64; expected "
+            f'dtype="float32" and no golden=, bar= or select=, got dtype={dtype!r}, golden={golden!r}, '
+            f"bar={bar!r}, select={select!r}"
         )
     bar = bar or Bar("normwise", MODEL_TOLERANCES[dtype].forward)
     pairs = layer_pairs(layers)
@@ -494,6 +604,23 @@ def certify(
     if inputs is None:
         raise ValueError("inputs: expected {name: array}, got None")
     inputs = cast_inputs(inputs, dtype)
+    # float64 arrays of torch's own run on the same numbers, when calibrating: {row label: array}
+    exact = (
+        reference_in_float64(
+            torch_fn if calibrate is True else calibrate,
+            inputs,
+            pairs,
+            torch_module if torch_module is not None else torch_fn,
+        )
+        if calibrate
+        else {}
+    )
+    first = activation_pair(inputs, pairs, [name for name, *_ in weights]) if grads else None
+    if first is not None and reference is not None and first[0] not in reference.activation_grads:
+        raise ValueError(
+            f"golden: {reference.path} holds no gradient for the output of {first[0]!r}, which grads=True compares "
+            "when every input is an integer (record(..., grads=True, layers=...) with the same first layer)"
+        )
     raw = run_jax(jax_fn, inputs, jax_params)
     ours, inter = split_jax(raw, bool(pairs))
     missing = [name for _, name, _ in pairs if name not in inter]
@@ -518,10 +645,11 @@ def certify(
                 f"layers {path!r} -> {name!r}: torch shape {array.shape} vs JAX shape {mine.shape} "
                 "(give a transform: {path: (name, transform)})"
             )
-        layer_rows.append(measure(label, "layer", select(name, mine), select(name, array), bar, name))
+        row_bar = calibrated_bar(array, exact[label]) if calibrate else bar
+        layer_rows.append(measure(label, "layer", select(name, mine), select(name, array), row_bar, name, dtype))
 
     if reference is None:
-        theirs, their_grads, their_params = run_torch(
+        theirs, their_grads, their_params, their_activation = run_torch(
             torch_fn,
             inputs,
             dtype=dtype,
@@ -532,9 +660,11 @@ def certify(
             loss=loss,
             logits=_logits_name(logits, split_jax(raw, True)[0]),
             params=[name for name, *_ in weights],
+            activation=None if first is None else 0,
         )
     else:
         theirs, their_grads, their_params = reference.outputs, reference.grads, reference.param_grads
+        their_activation = reference.activation_grads
         calls: dict[str, int] = {}
         for index, (path, name, transform) in enumerate(pairs):
             calls[path] = calls.get(path, 0) + 1
@@ -543,23 +673,124 @@ def certify(
         layer_rows.sort(key=lambda r: reference.order(r.name))  # forward order, as recorded
     ours = split_jax(raw, bool(pairs), theirs)[0]
     check_structure(ours, theirs, "outputs")
-    rows = layer_rows + [measure(k, "output", select(k, ours[k]), select(k, theirs[k]), bar, k) for k in theirs]
+    rows = layer_rows + [
+        measure(k, "output", ours[k], theirs[k], calibrated_bar(theirs[k], exact[k]), k, dtype)
+        if calibrate
+        else measure(k, "output", select(k, ours[k]), select(k, theirs[k]), bar, k, dtype)
+        for k in theirs
+    ]
     name = _logits_name(logits, theirs)
     if name is not None:
         rows += logit_rows(name, select(name, ours[name]), select(name, theirs[name]), LOGIT_BARS[dtype])
     if grads:
         split = bool(pairs) or len(ours) != len(named_outputs(raw))
-        mine, tree = jax_grads(jax_fn, inputs, theirs, loss=loss, logits=name, split=split, jax_params=jax_params)
+        mine, tree, at = jax_grads(
+            jax_fn,
+            inputs,
+            theirs,
+            loss=loss,
+            logits=name,
+            split=split,
+            jax_params=jax_params,
+            activation=None if first is None else first[1],
+        )
         check_structure(mine, their_grads, "gradients")
         grad_bar = Bar("normwise", MODEL_TOLERANCES[dtype].grad)
-        rows += [measure(f"grad/{k}", "grad", mine[k], their_grads[k], grad_bar, k) for k in their_grads]
-        rows += [param_row(pair, tree, their_params[pair[0]], grad_bar) for pair in weights]
+        rows += [measure(f"grad/{k}", "grad", mine[k], their_grads[k], grad_bar, k, dtype) for k in their_grads]
+        if first is not None:
+            path, jax_name, _ = first
+            if at.shape != their_activation[path].shape:
+                raise ValueError(
+                    f"layers {path!r} -> {jax_name!r}: torch gradient shape {their_activation[path].shape} vs JAX "
+                    f"shape {at.shape}"
+                )
+            rows.append(measure(f"grad/{path}", "grad", at, their_activation[path], grad_bar, jax_name, dtype))
+        rows += [param_row(pair, tree, their_params[pair[0]], grad_bar, dtype) for pair in weights]
     shapes = {k: (tuple(v.shape), str(v.dtype)) for k, v in inputs.items()}
     info = versions() if reference is None else {**versions(), "recorded_with": json.dumps(reference.versions)}
-    return Certificate(dtype, tuple(rows), shapes, info, None if golden is None else str(golden))
+    requested = (
+        *(["layer"] if pairs else []),
+        "output",
+        *(["kl", "top1", "top5"] if name is not None else []),
+        *(["grad"] if grads and not weights else []),
+        *(["param_grad"] if weights else []),
+    )
+    weight_dtypes = _parameter_dtypes(jax_params, dtype)
+    failing = next((k for k, r in enumerate(rows) if not r.passed), None)
+    if weight_dtypes and failing is not None:  # named where the reader looks first, not only in the summary
+        rows[failing] = dataclasses.replace(rows[failing], status=f"{rows[failing].status} ({weight_dtypes[0]})")
+    calibration = (
+        f"output and layer bars: {CALIBRATION_FACTOR:g} x torch's own float32 error against its float64 run "
+        f"at that row, at least {CALIBRATION_FLOOR:g}"
+        if calibrate
+        else None
+    )
+    return Certificate(
+        dtype,
+        tuple(rows),
+        shapes,
+        info,
+        None if golden is None else str(golden),
+        requested,
+        weight_dtypes,
+        calibration,
+    )
 
 
-def param_row(pair: ParamPair, tree, theirs: np.ndarray, bar: Bar) -> Row:
+# A calibrated float32 bar: CALIBRATION_FACTOR times the reference's own float32 rounding error at the row
+# (torch float32 against torch float64 on the same numbers), never under CALIBRATION_FLOOR. Two correct float32
+# implementations each sit about that rounding error from the exact value, so about twice it from each other;
+# the factor leaves 5x room on that. The floor keeps a row torch computes exactly (an embedding lookup: error 0)
+# from getting a bar of 0, and sits 10x over float32's unit roundoff (6e-8).
+CALIBRATION_FACTOR = 10.0
+CALIBRATION_FLOOR = 6e-7
+
+
+def calibrated_bar(theirs: np.ndarray, exact: np.ndarray) -> Bar:
+    """The normwise bar of a float32 row whose float64 reference value is `exact` (see CALIBRATION_FACTOR)."""
+    own = error_metrics(np.asarray(theirs), np.asarray(exact))[2]
+    return Bar("normwise", max(CALIBRATION_FACTOR * own, CALIBRATION_FLOOR) if math.isfinite(own) else math.nan)
+
+
+def reference_in_float64(torch_fn, inputs: Mapping[str, np.ndarray], pairs, torch_module) -> dict[str, np.ndarray]:
+    """{row label: array} of torch's run in float64 on the same numbers: the float32 inputs widened, a module's
+    weights widened in place (exactly: float32 -> float64 -> float32 gives the same bits back, which the
+    float32 run that follows casts them to)."""
+    exact: dict[str, np.ndarray] = {}
+    seen: dict[str, int] = {}
+
+    def on_layer(index, path, name, array):
+        seen[path] = seen.get(path, 0) + 1
+        if array is not None:
+            exact[path if seen[path] == 1 else f"{path} (call {seen[path]})"] = array
+
+    outputs, *_ = run_torch(
+        torch_fn,
+        cast_inputs(inputs, "float64"),
+        dtype="float64",
+        pairs=pairs,
+        torch_module=torch_module,
+        on_layer=on_layer,
+    )
+    return {**exact, **outputs}
+
+
+def _parameter_dtypes(jax_params, dtype: str) -> tuple[str, ...]:
+    """A note when the port's parameters (jax_params) hold floating leaves of another dtype than the
+    certificate's (bfloat16 weights under a float32 certificate): a bar cannot tell that from a port fault."""
+    import jax
+
+    if jax_params is None:
+        return ()
+    leaves = [np.dtype(leaf.dtype) for leaf in jax.tree_util.tree_leaves(jax_params) if hasattr(leaf, "dtype")]
+    other = sorted({d.name for d in leaves if _floating(d) and d.name != dtype})
+    if not other:
+        return ()
+    count = sum(d.name in other for d in leaves)
+    return (f"dtype: {count} of {len(leaves)} leaves of jax_params are {'/'.join(other)}, the certificate is {dtype}",)
+
+
+def param_row(pair: ParamPair, tree, theirs: np.ndarray, bar: Bar, dtype: str = "") -> Row:
     """d loss / d (torch parameter) against the JAX leaf the pair pulls from the gradient tree."""
     name, pull, transform, label = pair
     theirs = theirs if transform is None else np.asarray(transform(theirs))
@@ -569,7 +800,7 @@ def param_row(pair: ParamPair, tree, theirs: np.ndarray, bar: Bar) -> Row:
             f"params {name!r} -> {label!r}: torch gradient shape {theirs.shape} vs JAX shape "
             f"{ours.shape} (give a transform: {{name: (path, transform)}})"
         )
-    return measure(name, "param_grad", ours, theirs, bar, label)
+    return measure(name, "param_grad", ours, theirs, bar, label, dtype)
 
 
 def _logits_name(logits, outputs: Mapping[str, Any]) -> str | None:

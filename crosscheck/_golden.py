@@ -5,7 +5,8 @@
 
 One safetensors file (written by jaxattn.io.save_safetensors): "inputs/<name>", "outputs/<name>",
 "layers/<torch path>" (a module's later calls: "<path> (call 2)", ...), "grads/<input>", "param_grads/<torch
-parameter name>" (record's `params`: d loss / d parameter, in torch's layout). Its metadata holds
+parameter name>" (record's `params`: d loss / d parameter, in torch's layout), "activation_grads/<torch path>"
+(with grads and integer inputs only: d loss / d the first layer's output, see certify). Its metadata holds
 one JSON document under "crosscheck.golden": format version, library versions, dtype, input shapes and
 dtypes, the layers in forward order, the (torch path, JAX name) pairs they were recorded for (certify's
 default `layers` with this file), the loss used for gradients, and the sha256 of the module's state_dict
@@ -27,7 +28,16 @@ from typing import Any
 
 import numpy as np
 
-from crosscheck._reference import cast_inputs, checked_dtype, layer_pairs, nearest, run_torch, state_hash, versions
+from crosscheck._reference import (
+    activation_pair,
+    cast_inputs,
+    checked_dtype,
+    layer_pairs,
+    nearest,
+    run_torch,
+    state_hash,
+    versions,
+)
 
 FORMAT = 1
 _KEY = "crosscheck.golden"
@@ -72,7 +82,8 @@ def record(
     names = list(params or ())
     if names and not grads:
         raise ValueError("params: parameter gradients are recorded with grads=True only")
-    outputs, input_grads, param_grads = run_torch(
+    first = activation_pair(inputs, pairs, names, "record") if grads else None
+    outputs, input_grads, param_grads, activation_grads = run_torch(
         torch_fn,
         inputs,
         dtype=dtype,
@@ -83,6 +94,7 @@ def record(
         loss=loss,
         logits=None if logits is False else (logits or "logits"),
         params=names,
+        activation=None if first is None else 0,
     )
     import torch
 
@@ -97,6 +109,7 @@ def record(
         "pairs": [[path, name] for path, name, _ in pairs],
         "grads": sorted(input_grads) if grads else None,
         "param_grads": names if grads else None,
+        "activation_grads": sorted(activation_grads) if grads else None,
         "loss": None
         if not grads
         else (
@@ -110,6 +123,7 @@ def record(
         **{f"layers/{k}": captured[k] for k in order},
         **{f"grads/{k}": v for k, v in input_grads.items()},
         **{f"param_grads/{k}": v for k, v in param_grads.items()},
+        **{f"activation_grads/{k}": v for k, v in activation_grads.items()},
     }
     return save_safetensors(tensors, path, metadata={"format": "np", _KEY: json.dumps(meta)})
 
@@ -123,6 +137,7 @@ class Golden:
     layers: dict[str, np.ndarray]
     grads: dict[str, np.ndarray]
     param_grads: dict[str, np.ndarray]
+    activation_grads: dict[str, np.ndarray]
 
     @property
     def versions(self) -> Mapping[str, Any]:
@@ -208,5 +223,12 @@ def load_golden(
             )
     outputs = part("outputs")
     return Golden(
-        path, meta, stored, {k: outputs[k] for k in meta["outputs"]}, part("layers"), part("grads"), param_grads
+        path,
+        meta,
+        stored,
+        {k: outputs[k] for k in meta["outputs"]},
+        part("layers"),
+        part("grads"),
+        param_grads,
+        part("activation_grads"),
     )

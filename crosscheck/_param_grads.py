@@ -20,7 +20,7 @@ weight is one torch parameter and one leaf, and its gradient sums both uses on e
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -32,16 +32,42 @@ ParamPair = tuple[str, Callable[[Any], Any], Callable[[np.ndarray], np.ndarray] 
 
 
 def leaf_at(tree: Any, path: str) -> Any:
-    """tree["a"]["b"][0] for "a/b/0" (mappings by key, sequences by index); KeyError naming the path."""
+    """tree["a"]["b"][0] for "a/b/0": mappings by key (a digit string also finds an integer key, as in nnx's
+    State of an nnx.List or a list of blocks), sequences by index, other objects by attribute (an nnx Module);
+    KeyError naming the path and the children really there."""
     node = tree
     for i, key in enumerate(path.split("/")):
-        try:
-            node = node[int(key)] if isinstance(node, (list, tuple)) else node[key]
-        except (KeyError, IndexError, ValueError, TypeError):
+        found, node = _child(node, key)
+        if not found:
             where = "/".join(path.split("/")[:i]) or "the root"
-            have = sorted(map(str, node)) if isinstance(node, Mapping) else type(node).__name__
-            raise KeyError(f"{path!r}: no {key!r} under {where} (there: {have})") from None
+            raise KeyError(f"{path!r}: no {key!r} under {where} (there: {_children(node)})") from None
     return node
+
+
+def _child(node: Any, key: str) -> tuple[bool, Any]:
+    """(True, node's child named `key`) or (False, node)."""
+    if isinstance(node, Mapping):
+        for candidate in (key, int(key)) if key.lstrip("-").isdigit() else (key,):
+            if candidate in node:
+                return True, node[candidate]
+        return False, node
+    if isinstance(node, Sequence) and not isinstance(node, str):
+        if key.lstrip("-").isdigit() and -len(node) <= int(key) < len(node):
+            return True, node[int(key)]
+        return False, node
+    if not key.startswith("_") and hasattr(node, key) and not hasattr(node, "shape"):
+        return True, getattr(node, key)
+    return False, node
+
+
+def _children(node: Any) -> str:
+    """What is under a node, as its keys are spelt there: ['attn', 'mlp'], [0, 1] (integer keys), indices
+    0..n-1 of a sequence, or the node's type when it has no children."""
+    if isinstance(node, Mapping):
+        return repr(sorted(node, key=lambda k: (not isinstance(k, int), str(k)))) if node else "nothing"
+    if isinstance(node, Sequence) and not isinstance(node, str):
+        return f"indices 0..{len(node) - 1} of a {type(node).__name__}" if node else f"an empty {type(node).__name__}"
+    return f"a leaf of type {type(node).__name__}"
 
 
 def param_pairs(params: Mapping[str, Any] | None) -> list[ParamPair]:

@@ -13,10 +13,15 @@ give the same array (an attention block and its output projection, a block and i
 outer module is proposed, unless it returns a mapping (a whole model's ModelOutput, whose last_hidden_state is
 its final norm's output): then the layer is.
 
-A pair under `within` is sure. A JAX intermediate with none is still paired, marked UNSURE, with the closest
-same-shaped output that no sure pair took (a port that goes wrong at layer 3 gets layers 3 and on proposed,
-for certify to name the first); one with no same-shaped output at all is listed as unmatched. Pairs of
-different layouts (heads split, transposed) are never proposed: give those a transform by hand.
+A pair under `within` is sure, and only sure pairs make the ready map (`proposal.layers`). A JAX intermediate
+with none is still paired with the closest same-shaped output that no sure pair took, as a guess, listed apart
+(`proposal.guesses`) with the reason it is unsure: a known transform that reconciles the two when one does
+(JAX = c x torch, as an embedding without Gemma's sqrt(E); one side after a norm the other is before, as
+BERT's pre-norm sum against its post-norm output), else its distance. A port that has no counterpart for an
+intermediate, or that goes wrong at layer 3, would otherwise get a wrong or failing pair pasted in;
+`proposal.layers_with_guesses` has both, for certifying a port known to be broken. One with no same-shaped
+output at all is listed as unmatched. Pairs of different layouts (heads split, transposed) are never proposed:
+give those a transform by hand.
 """
 
 from __future__ import annotations
@@ -39,7 +44,8 @@ class ProposedPair:
     name: str  # JAX intermediate
     shape: tuple[int, ...]
     normwise: float
-    sure: bool  # under `within`; False: the closest same-shaped output no sure pair took
+    sure: bool  # under `within`; False: a guess, the closest same-shaped output no sure pair took
+    reason: str = ""  # a guess's: the transform that reconciles the two, or how far apart they are
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,24 +56,45 @@ class LayerProposal:
 
     @property
     def layers(self) -> dict[str, str] | list[tuple[str, str]]:
-        """certify's `layers=`: {torch path: JAX name}, or [(path, name), ...] when a module is called twice."""
-        plain = [(p.path.split(" (call ")[0], p.name) for p in self.pairs]
-        if len({path for path, _ in plain}) == len(plain):
-            return dict(plain)
-        return plain
+        """certify's `layers=` of the sure pairs: {torch path: JAX name}, or [(path, name), ...] when a module
+        is called twice."""
+        return _layers([p for p in self.pairs if p.sure])
+
+    @property
+    def guesses(self) -> tuple[ProposedPair, ...]:
+        """The unsure pairs, in order, each with its reason; never in `layers`."""
+        return tuple(p for p in self.pairs if not p.sure)
+
+    @property
+    def layers_with_guesses(self) -> dict[str, str] | list[tuple[str, str]]:
+        """`layers` with the guesses in their places: for a port known to be broken, whose layers after the
+        fault can only be guessed, so that certify names the first divergent one."""
+        return _layers(list(self.pairs))
 
     def __str__(self) -> str:
-        layers = self.layers
-        sequence = isinstance(layers, list)
+        sure = [p for p in self.pairs if p.sure]
+        sequence = isinstance(_layers(list(self.pairs)), list)
         lines = ["layers = [" if sequence else "layers = {"]
-        for p in self.pairs:
-            path = p.path.split(" (call ")[0]
-            entry = f"({path!r}, {p.name!r})," if sequence else f"{path!r}: {p.name!r},"
-            note = f"{list(p.shape)} normwise {p.normwise:.1e}" + ("" if p.sure else f"  UNSURE: over {self.within:g}")
-            lines.append(f"    {entry:60}  # {note}")
+        for p in sure:
+            lines.append(f"    {_entry(p, sequence):60}  # {list(p.shape)} normwise {p.normwise:.1e}")
         lines += [f"    # {name!r}: no torch module output of its shape where it belongs" for name in self.unmatched]
         lines.append("]" if sequence else "}")
+        if self.guesses:
+            lines.append(f"# guesses, not in the map (no torch output within {self.within:g}): check, then add by hand")
+            lines += [f"#   {_entry(p, sequence):60}  # {p.reason}" for p in self.guesses]
         return "\n".join(lines)
+
+
+def _layers(pairs: list[ProposedPair]) -> dict[str, str] | list[tuple[str, str]]:
+    plain = [(p.path.split(" (call ")[0], p.name) for p in pairs]
+    if len({path for path, _ in plain}) == len(plain):
+        return dict(plain)
+    return plain
+
+
+def _entry(p: ProposedPair, sequence: bool) -> str:
+    path = p.path.split(" (call ")[0]
+    return f"({path!r}, {p.name!r})," if sequence else f"{path!r}: {p.name!r},"
 
 
 def propose_layers(
@@ -208,7 +235,14 @@ def align(
             lambda i, j: None if (i, j) not in error else 10 - math.log10(max(error[i, j], 1e-9)) - _tie(theirs[j]),
         )
     pairs = [
-        ProposedPair(theirs[matched[i]][0], ours[i][0], tuple(np.shape(ours[i][1])), error[i, matched[i]], i in sure)
+        ProposedPair(
+            theirs[matched[i]][0],
+            ours[i][0],
+            tuple(np.shape(ours[i][1])),
+            error[i, matched[i]],
+            i in sure,
+            "" if i in sure else reconcile(ours[i][1], theirs[matched[i]][1], within),
+        )
         for i in rank
         if i in matched
     ]
@@ -255,3 +289,47 @@ def _best_alignment(rank: list[int], outputs: range, score) -> dict[int, int]:
 def depth(path: str) -> int:
     """How deep a module path is: "model.layers.0.self_attn" 3, "model.layers.0.self_attn.o_proj" 4."""
     return path.split(" (call ")[0].count(".")
+
+
+def reconcile(ours, theirs, within: float) -> str:
+    """Why a same-shaped guess is unsure, in words: the first of a few known transforms that brings JAX's
+    array within `within` (normwise) of torch's, else how far apart they are. Known: a scale (JAX = c x
+    torch: an embedding with or without Gemma's sqrt(E)); torch's output a norm (layer or RMS, with a fitted
+    per-feature scale and shift) of JAX's, or JAX's a norm of torch's (a post-norm output against a pre-norm
+    sum, as BERT's)."""
+    a = np.asarray(ours, np.float64)
+    b = np.asarray(theirs, np.float64)
+    distance = error_metrics(a, b)[2]
+    bb = float(np.sum(b * b))
+    if bb > 0 and np.isfinite(a).all() and np.isfinite(b).all():
+        c = float(np.sum(a * b)) / bb
+        if c != 0 and error_metrics(a, c * b)[2] < within:
+            return f"JAX = {_factor(c)} x torch (normwise {distance:.1e} as they are): a scale one side applies"
+        for kind in ("layer norm", "RMS norm"):
+            as_they_are = f"(normwise {distance:.1e} as they are)"
+            if a.ndim and _fits_norm(a, b, kind, within):
+                return f"torch = {kind}(JAX) {as_they_are}: torch's output is after a norm JAX's is before"
+            if a.ndim and _fits_norm(b, a, kind, within):
+                return f"JAX = {kind}(torch) {as_they_are}: JAX's output is after a norm torch's is before"
+    return f"normwise {distance:.1e}, over {within:g}: paired by shape and order only, no known transform fits"
+
+
+def _factor(c: float) -> str:
+    """c written as sqrt(n) or 1/sqrt(n) when it is one (an embedding scale), else as a number."""
+    for power, text in ((2, "sqrt({})"), (-2, "1/sqrt({})")):
+        n = c**power if c > 0 else 0
+        if n >= 2 and abs(n - round(n)) < 1e-4 * n:
+            return text.format(round(n))
+    return f"{c:.6g}"
+
+
+def _fits_norm(x: np.ndarray, y: np.ndarray, kind: str, within: float) -> bool:
+    """Whether y = norm(x) x g + h over the last axis, with g and h per feature fitted by least squares."""
+    rows = x.reshape(-1, x.shape[-1])
+    target = y.reshape(-1, y.shape[-1])
+    centred = rows - rows.mean(-1, keepdims=True) if kind == "layer norm" else rows
+    normed = centred / np.sqrt(np.mean(centred**2, -1, keepdims=True) + 1e-30)
+    dn = normed - normed.mean(0)
+    g = np.sum(dn * (target - target.mean(0)), 0) / np.maximum(np.sum(dn * dn, 0), 1e-300)
+    fitted = normed * g + (target.mean(0) - g * normed.mean(0))
+    return error_metrics(fitted, target)[2] < within

@@ -113,15 +113,40 @@ def cast_inputs(inputs: Mapping[str, Any], dtype: str) -> dict[str, np.ndarray]:
 def state_hash(module) -> str:
     """sha256 over a torch module's state_dict: names, shapes and values, in name order. Floating tensors are
     hashed as float64 (exact from float32 / bfloat16), so a module cast to the certificate's dtype in place
-    keeps the hash of the checkpoint it was loaded from."""
-    import torch
+    keeps the hash of the checkpoint it was loaded from. The same number as checkpoint_hash of its entries."""
+    return checkpoint_hash(
+        {
+            name: (tensor.detach().cpu().double() if tensor.is_floating_point() else tensor.detach().cpu()).numpy()
+            for name, tensor in module.state_dict().items()
+        }
+    )
 
+
+def checkpoint_hash(source) -> str:
+    """certify's checkpoint hash (the golden file's checkpoint_sha256) without torch: of {name: array}, of a
+    .safetensors file, or of a save_pretrained directory (every .safetensors file in it: the model or its
+    shards). Equal to the hash
+    of a torch module whose state_dict has exactly these entries; save_pretrained stores a tied weight once,
+    where state_dict() lists it under each name, so for a tied model hash the state_dict's arrays instead."""
+    import os
+    from pathlib import Path
+
+    if isinstance(source, (str, os.PathLike)):
+        from jaxattn.io import load_safetensors
+
+        path = Path(source)
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        if not files:
+            raise FileNotFoundError(f"{path}: no .safetensors file in it (checkpoint_hash reads save_pretrained's)")
+        source = {name: array for file in files for name, array in load_safetensors(file).items()}
     digest = hashlib.sha256()
-    for name, tensor in sorted(module.state_dict().items()):
-        array = tensor.detach().cpu()
-        array = (array.double() if array.is_floating_point() else array).contiguous()
-        digest.update(f"{name}|{array.dtype}|{tuple(array.shape)}|".encode())
-        digest.update(array.view(-1).view(torch.uint8).numpy().tobytes())
+    for name in sorted(source):
+        array = np.asarray(source[name])
+        if not np.issubdtype(array.dtype, np.integer) and array.dtype != np.bool_:
+            array = array.astype(np.float64)  # exact from float32, float16 and bfloat16 (ml_dtypes)
+        array = np.ascontiguousarray(array)
+        digest.update(f"{name}|torch.{array.dtype.name}|{tuple(int(n) for n in array.shape)}|".encode())
+        digest.update(array.reshape(-1).view(np.uint8).tobytes())
     return digest.hexdigest()
 
 
@@ -137,10 +162,31 @@ def need_torch(what: str):
     return torch
 
 
-def to_numpy(value) -> np.ndarray:
+def first_tensor(value) -> Any:
+    """A module's output -> its first array (a tuple's first element, a mapping's first value, recursively)."""
     while isinstance(value, (tuple, list)) or (isinstance(value, Mapping) and value):
         value = value[0] if isinstance(value, (tuple, list)) else next(iter(value.values()))
-    return value.detach().cpu().numpy()
+    return value
+
+
+def to_numpy(value) -> np.ndarray:
+    return first_tensor(value).detach().cpu().numpy()
+
+
+def activation_pair(inputs: Mapping[str, np.ndarray], pairs, params: Sequence[str], what: str = "certify"):
+    """The layer pair whose output's gradient grads=True compares, or None: the first pair when every input
+    is an integer (token ids) and no parameter is mapped, since nothing else floating is shared by the two
+    sides then. ValueError when there is no pair either: such a gradient certificate would compare nothing."""
+    if any(np.issubdtype(np.asarray(v).dtype, np.floating) for v in inputs.values()) or params:
+        return None
+    if not pairs:
+        raise ValueError(
+            f"grads: every input of this {what} is an integer array ({sorted(inputs)}) and no params= map is "
+            "given, so there is nothing floating to differentiate and no gradient would be compared. Give "
+            "params= (with jax_params= for certify: the gradients of every mapped parameter) or layers= (the "
+            "gradient with respect to the first pair's output, e.g. the embeddings)"
+        )
+    return pairs[0]
 
 
 def output_element(path: str) -> tuple[str, int | None]:
@@ -166,11 +212,13 @@ def run_torch(
     loss=None,
     logits: str | None = None,
     params: Sequence[str] = (),
+    activation: int | None = None,
 ):
     """torch_fn(**inputs) with forward hooks on the `pairs`' module paths; `on_layer(index, path, name, array)`
     per hooked call in firing order (array None: never ran). With grads, the loss is differentiated with
-    respect to the floating inputs and the module's parameters named in `params` (named_parameters() names).
-    Returns ({output: array}, {input: grad}, {parameter: grad})."""
+    respect to the floating inputs, the module's parameters named in `params` (named_parameters() names) and
+    the output of pair number `activation` (its first call; in JAX's layout when the pair has a transform).
+    Returns ({output: array}, {input: grad}, {parameter: grad}, {torch path: grad} (the activation's))."""
     torch = need_torch("certify(torch_fn, ...)")
     module = torch_module if torch_module is not None else torch_fn
     is_module = isinstance(module, torch.nn.Module)
@@ -192,6 +240,7 @@ def run_torch(
         targets[id(target)] = target
         queues.setdefault(id(target), []).append((index, path, name, transform, element))
     ran: set[int] = set()
+    held: dict[str, Any] = {}  # torch path -> the activation tensor, kept in the graph for its gradient
 
     def hook(queue):
         calls = iter(queue)
@@ -200,6 +249,8 @@ def run_torch(
             entry = next(calls, None)
             if entry is not None:
                 index, path, name, transform, element = entry
+                if grads and index == activation:
+                    held[path] = first_tensor(out if element is None else out[element])
                 array = to_numpy(out if element is None else out[element])
                 ran.add(index)
                 on_layer(index, path, name, array if transform is None else np.asarray(transform(array)))
@@ -223,18 +274,34 @@ def run_torch(
     outputs = {k: v.detach().cpu().numpy() for k, v in raw.items()}
     input_grads: dict[str, np.ndarray] = {}
     param_grads: dict[str, np.ndarray] = {}
+    activation_grads: dict[str, np.ndarray] = {}
     if grads:
         wrt = {k: t for k, t in tensors.items() if t.requires_grad}
-        if wrt or weights:
+        if activation is not None and not (held and next(iter(held.values())).requires_grad):
+            path = pairs[activation][0]
+            raise ValueError(
+                f"grads: the output of layers {path!r} is compared for the gradient (every input is an integer), "
+                + ("but that module never ran" if not held else "but it does not depend on any parameter")
+            )
+        if wrt or weights or held:
             scalar = loss_value(torch, raw, tensors, outputs, loss, logits)
-            got = torch.autograd.grad(scalar, [*wrt.values(), *weights.values()], allow_unused=True)
-            every = {
-                k: np.zeros(tuple(t.shape), dtype) if g is None else g.detach().cpu().numpy()
-                for (k, t), g in zip([*wrt.items(), *weights.items()], got, strict=True)
+            wanted = [
+                *((("input", k), t) for k, t in wrt.items()),
+                *((("param", k), t) for k, t in weights.items()),
+                *((("activation", k), t) for k, t in held.items()),
+            ]
+            got = torch.autograd.grad(scalar, [t for _, t in wanted], allow_unused=True)
+            every = {  # a parameter the loss never reached: zeros
+                key: np.zeros(tuple(t.shape), dtype) if g is None else g.detach().cpu().numpy()
+                for (key, t), g in zip(wanted, got, strict=True)
             }
-            input_grads = {k: every[k] for k in wrt}
-            param_grads = {k: every[k] for k in weights}  # a parameter the loss never reached: zeros
-    return outputs, input_grads, param_grads
+            input_grads = {k: every["input", k] for k in wrt}
+            param_grads = {k: every["param", k] for k in weights}
+            for path in held:  # a layout transform moves a gradient's entries as it moves the activation's
+                transform = pairs[activation][2]
+                g = every["activation", path]
+                activation_grads[path] = g if transform is None else np.asarray(transform(g))
+    return outputs, input_grads, param_grads, activation_grads
 
 
 def torch_parameters(module, names: Sequence[str]) -> dict[str, Any]:

@@ -12,6 +12,11 @@ only from transformers 4's `rope_scaling` key (transformers 5 writes `rope_param
 with either fails, at layer 0. A fault planted in the weights (layer 0's o_proj transposed) fails there too.
 Its gradients with respect to every parameter (through a name map with layout transforms, as a user writes
 one for a port) agree with torch's.
+
+keras-hub's other converters (issue 37), each on a tiny random checkpoint, final hidden state against
+transformers': GPT-2 and Qwen2 pass; Mistral's weights are rounded to float16; Qwen3's q/k norms keep epsilon
+1e-5; GPT-2's n_inner is ignored; BERT's GELU is always the tanh approximation; Gemma 2's
+query_pre_attn_scalar is read as head_dim or hidden_size / heads only.
 """
 
 import os
@@ -203,3 +208,92 @@ def test_keras_hub_llama_parameter_gradients_agree_through_a_name_map(checkpoint
     assert cert.passed, cert.table()
     rows = [r for r in cert.rows if r.kind == "param_grad"]
     assert len(rows) == 2 + 9 * config["num_hidden_layers"] + 1 == len(list(theirs.parameters()))
+
+
+# --- more families, by keras-hub's own converters (issue 37): the final hidden state against transformers' ---
+
+
+def keras_backbone_certificate(model_type, tmp_path, **overrides):
+    """A tiny random `model_type` checkpoint (crosscheck._hf_models.write_checkpoint with `overrides`) read by
+    keras_hub.models.Backbone.from_preset; the backbone's sequence output certified against the base model's
+    last_hidden_state on 2 x 37 random tokens, in float32. Returns (certificate, backbone)."""
+    keras_hub = _keras_hub()
+    import jax
+    import jax.numpy as jnp
+
+    from crosscheck._hf_models import torch_model, write_checkpoint
+
+    directory = write_checkpoint(model_type, tmp_path / model_type, **overrides)
+    backbone = keras_hub.models.Backbone.from_preset(str(directory))
+    theirs = torch_model(directory, "float32")
+
+    bert = model_type == "bert"  # an encoder: segment ids in, a dict of outputs out
+
+    def jax_fn(input_ids):
+        feed = {"token_ids": input_ids, "padding_mask": jnp.ones_like(input_ids)}
+        out = backbone({**feed, "segment_ids": jnp.zeros_like(input_ids)} if bert else feed)
+        return {"hidden": out["sequence_output"] if bert else out}
+
+    def torch_fn(input_ids):
+        segments = {"token_type_ids": torch.zeros_like(input_ids)} if bert else {}
+        return {"hidden": theirs.base_model(input_ids=input_ids, **segments).last_hidden_state}
+
+    ids = np.random.default_rng(0).integers(3, 97, (2, 37))
+    return crosscheck.certify(torch_fn, jax.jit(jax_fn), {"input_ids": ids}, torch_module=theirs), backbone
+
+
+@pytest.mark.parametrize("model_type, overrides", [("gpt2", {}), ("qwen2", {})])
+def test_keras_hub_gpt2_and_qwen2_pass(tmp_path, model_type, overrides):
+    cert, _ = keras_backbone_certificate(model_type, tmp_path, **overrides)
+    assert cert.passed and cert.rows[0].value < 1e-6, cert.table()
+
+
+def test_keras_hub_gpt2_ignores_n_inner(tmp_path):
+    """The converter sets the MLP width to 4 x n_embd whatever n_inner says: a checkpoint with another width
+    does not load (its c_fc weight cannot be reshaped to keras's kernel)."""
+    with pytest.raises(ValueError, match=r"cannot reshape array of size 1536 into shape \(32,128\)"):
+        keras_backbone_certificate("gpt2", tmp_path, n_inner=48)
+
+
+def test_keras_hub_mistral_rounds_every_weight_to_float16(tmp_path):
+    """keras-hub's Mistral converter casts each weight to float16 before assigning it: keras's embedding
+    table is transformers' rounded to float16, exactly, and the float32 certificate fails (~1e-3)."""
+    from crosscheck._hf_models import torch_model
+
+    cert, backbone = keras_backbone_certificate("mistral", tmp_path, sliding_window=None)
+    table = torch_model(tmp_path / "mistral", "float32").model.embed_tokens.weight.detach().numpy()
+    ours = np.asarray(backbone.token_embedding.embeddings.value)
+    assert np.array_equal(ours, table.astype(np.float16).astype(np.float32)) and not np.array_equal(ours, table)
+    assert not cert.passed and 1e-4 < cert.rows[0].value < 1e-2, cert.table()
+
+
+def test_keras_hub_qwen3_fixes_its_q_k_norm_epsilon_at_1e_5_under_float32_s_bar(tmp_path):
+    """The q/k norms inside keras-hub's Qwen3 attention are built with its default epsilon, 1e-5, never the
+    config's rms_norm_eps: a checkpoint saying 1e-5 agrees to 6e-7, one saying 1e-6 (Qwen3's own value) is 8x
+    further, 4.9e-6, a difference under float32's fixed bar of 1e-5 (see docs/certify.md, "Bars")."""
+    exact, _ = keras_backbone_certificate("qwen3", tmp_path / "a", use_sliding_window=False, rms_norm_eps=1e-5)
+    off, _ = keras_backbone_certificate("qwen3", tmp_path / "b", use_sliding_window=False, rms_norm_eps=1e-6)
+    assert exact.passed and off.passed, (exact.table(), off.table())
+    assert exact.rows[0].value < 1e-6 and off.rows[0].value > 4 * exact.rows[0].value
+
+
+def test_keras_hub_bert_uses_the_tanh_gelu_whatever_hidden_act_says(tmp_path):
+    """keras-hub's BertBackbone builds its MLP with the tanh approximation of GELU and its converter never
+    reads hidden_act: a checkpoint saying "gelu" (BERT's exact erf form) fails at 2.4e-4, one saying
+    "gelu_pytorch_tanh" passes. (Its converter also assumes type_vocab_size 2: both checkpoints say 2.)"""
+    exact, _ = keras_backbone_certificate("bert", tmp_path / "a", type_vocab_size=2)
+    tanh, _ = keras_backbone_certificate("bert", tmp_path / "b", type_vocab_size=2, hidden_act="gelu_pytorch_tanh")
+    assert tanh.passed and tanh.rows[0].value < 1e-5, tanh.table()
+    assert not exact.passed and 1e-4 < exact.rows[0].value < 1e-3, exact.table()
+
+
+def test_keras_hub_gemma2_takes_query_pre_attn_scalar_only_as_head_dim_or_width_over_heads(tmp_path):
+    """keras-hub's Gemma converter keeps one bit of query_pre_attn_scalar (equal to head_dim or not) and its
+    attention then scales queries by 1/sqrt(head_dim) or 1/sqrt(hidden_size / heads): a checkpoint with
+    scalar 16 = head_dim passes, one with 13 (neither) is scaled by 1/sqrt(12) and fails. The attention
+    softcap is left out of both (null), so that the check is of the scale alone."""
+    plain = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+    head_dim, _ = keras_backbone_certificate("gemma2", tmp_path / "a", query_pre_attn_scalar=16, **plain)
+    other, _ = keras_backbone_certificate("gemma2", tmp_path / "b", query_pre_attn_scalar=13, **plain)
+    assert head_dim.passed and head_dim.rows[0].value < 1e-6, head_dim.table()
+    assert not other.passed and other.rows[0].value > 1e-2, other.table()

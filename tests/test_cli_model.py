@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import pytest
 
@@ -94,3 +95,50 @@ def test_port_model_example_reports_and_continues_like_pytorch(gpt2_dir, capsys)
     assert (outcome["ours"] == outcome["theirs"]).all()
     out = capsys.readouterr().out
     assert out.count(" same") == 3 and "every layer passes" in out
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    return hf.write_checkpoint("llama", tmp_path_factory.mktemp("llama"))
+
+
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"hidden_size": None}, r"hidden_size: missing \(a required key"),
+        ({"num_attention_heads": None}, r"num_attention_heads: missing"),
+        ({"num_hidden_layers": "2"}, r"num_hidden_layers: expected a positive integer, got '2'"),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": "ten thousand"}},
+            r"rope_parameters\['rope_theta'\]: expected a positive number, got 'ten thousand'",
+        ),
+        (
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 0}},
+            r"rope_parameters\['rope_theta'\]: expected a positive number, got 0",
+        ),
+        ({"rope_theta": -1.0}, r"rope_theta: expected a positive number, got -1.0"),
+        (
+            {"head_dim": None, "num_attention_heads": 5, "num_key_value_heads": 5},
+            r"num_attention_heads: expected a divisor of hidden_size=48 \(no head_dim is given\), got 5",
+        ),
+        ({"num_key_value_heads": 4}, r"num_key_value_heads: expected a divisor of num_attention_heads=6, got 4"),
+        ({"rms_norm_eps": -1e-6}, r"rms_norm_eps: expected a non-negative number"),
+    ],
+)
+def test_config_errors_name_the_key_and_the_file_before_any_computation(llama_dir, tmp_path, capsys, change, named):
+    """A missing key is named, never filled by a default; a wrong type or an impossible value is refused by
+    name. The torch side is never built: the refusal comes from reading config.json."""
+    import shutil
+
+    bad = tmp_path / "bad"
+    shutil.copytree(llama_dir, bad)
+    config = {**json.loads((bad / "config.json").read_text()), **change}  # None: the key removed
+    (bad / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    real_torch_model = hf.torch_model
+    try:
+        hf.torch_model = lambda *a, **k: pytest.fail("the torch model was built before the config was checked")
+        assert main(["--no-cache", "--model", str(bad)]) == 2
+    finally:
+        hf.torch_model = real_torch_model
+    err = capsys.readouterr().err
+    assert re.search(rf"{re.escape(str(bad / 'config.json'))}: {named}", err), err

@@ -136,6 +136,7 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any | None = None, precis
     """
     config = read_config(path)
     _family(config, Path(path) / "config.json")
+    check_config(config, Path(path) / "config.json")
     if mesh is None:
         if rules is not None:
             raise ValueError(f"rules: expected None without a mesh (they lay parameters out on one), got {rules!r}")
@@ -158,6 +159,66 @@ def from_state_dict(config: dict, state_dict, *, dtype: Any | None = None, preci
     _family(config, "config")
     tensors = {k: np.asarray(v) for k, v in state_dict.items()}
     return _load(config, tensors, {k: "state_dict" for k in tensors}, dtype, precision, "config")
+
+
+# The keys every tensor's shape follows from, in each model_type's naming: a config.json must hold them (HF's
+# save_pretrained writes them all), so that a missing one is named instead of filled by a default that only
+# surfaces later as a shape mismatch.
+_SHAPE_KEYS = {
+    "gpt2": ("vocab_size", "n_embd", "n_head", "n_layer"),
+    "t5": ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "d_kv"),
+}
+_DECODER_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
+# checked where present and not null: positive integers, positive numbers, non-negative numbers
+_POSITIVE_INTS = ("num_key_value_heads", "head_dim", "n_inner", "n_positions", "max_position_embeddings")
+_POSITIVE_NUMBERS = ("rope_theta",)
+_NON_NEGATIVE_NUMBERS = ("rms_norm_eps", "layer_norm_eps", "layer_norm_epsilon")
+
+
+def check_config(config: dict, source) -> None:
+    """Refuse by name, before any tensor is read, a config.json whose shape keys are missing or not positive
+    integers, whose rope_theta (also inside rope_parameters) is not a positive number, whose norm epsilon is
+    not a non-negative number, or whose heads do not divide the width (without a head_dim) or are not a
+    multiple of the key/value heads."""
+    keys = _SHAPE_KEYS.get(config["model_type"], _DECODER_SHAPE_KEYS)
+    width, heads = keys[1], keys[2]
+    for key in keys:
+        if config.get(key) is None:
+            raise ValueError(f"{source}: {key}: missing (a required key: every weight's shape depends on it)")
+    for key in (*keys, *_POSITIVE_INTS):
+        value = config.get(key)
+        if value is not None and not (isinstance(value, int) and not isinstance(value, bool) and value > 0):
+            raise ValueError(f"{source}: {key}: expected a positive integer, got {value!r}")
+    numbers = [(key, config.get(key)) for key in (*_POSITIVE_NUMBERS, *_NON_NEGATIVE_NUMBERS)]
+    rope = _rope_thetas(config.get("rope_parameters"))
+    numbers += [(f"rope_parameters{where}['rope_theta']", value) for where, value in rope]
+    for key, value in numbers:
+        if value is None:
+            continue
+        positive = key not in _NON_NEGATIVE_NUMBERS
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not number or not (value > 0 or (value == 0 and not positive)):
+            wanted = "a positive number" if positive else "a non-negative number"
+            raise ValueError(f"{source}: {key}: expected {wanted}, got {value!r}")
+    if config.get("head_dim") is None and config[width] % config[heads] and config["model_type"] != "t5":
+        raise ValueError(
+            f"{source}: {heads}: expected a divisor of {width}={config[width]} (no head_dim is given), "
+            f"got {config[heads]}"
+        )
+    kv = config.get("num_key_value_heads")
+    if kv is not None and config[heads] % kv:
+        raise ValueError(f"{source}: num_key_value_heads: expected a divisor of {heads}={config[heads]}, got {kv}")
+
+
+def _rope_thetas(rope, where: str = ""):
+    """[(where, value)] of every rope_theta in rope_parameters, one level per layer type (Gemma 3's)."""
+    if not isinstance(rope, dict):
+        return []
+    found = [(where, rope["rope_theta"])] if "rope_theta" in rope else []
+    for key, value in rope.items():
+        if isinstance(value, dict):
+            found += _rope_thetas(value, f"{where}[{key!r}]")
+    return found
 
 
 def _family(config: dict, source):
