@@ -77,7 +77,7 @@ def test_mixed_precision_with_float32_weights(normalize_qk):
     (DenseGeneral's promote_dtype), query_ln / key_ln are flax's LayerNorm, the out projection casts the
     attention output. Shown against flax's layer with flax's attention core swapped for
     jax.nn.dot_product_attention, whose core is ours (float32 logits and softmax from bfloat16 q, k, as
-    DESIGN.md requires for half inputs, and as flax's nnx layer runs by default): bar 0, output and
+    docs/design.md, "Half precision", requires, and as flax's nnx layer runs by default): bar 0, output and
     gradients (w.r.t. the float32 params and the input). Against flax's own default core, which rounds
     the logits and the softmax to bfloat16, the outputs differ by that rounding only: bar 1e-2 (about three
     bfloat16 roundings, 2**-9 each; measured 4.2e-3 and 5.0e-3)."""
