@@ -365,9 +365,9 @@ def test_half_precision(dtype, implementation):
 def test_a_kernel_refuses_what_it_cannot_express(implementation, name):
     q, k, v, extras, *_ = _inputs(name, "float64")
     context, run_dtype = _runs_in(implementation)
-    run_dtype = run_dtype or np.float64
+    cast = lambda x: jnp.asarray(x, run_dtype or np.float64)  # noqa: E731
     with context, pytest.raises(ValueError) as error:
-        jax.eval_shape(_attend(name, implementation), *(jnp.asarray(x, run_dtype) for x in (q, k, v)), extras)
+        jax.eval_shape(_attend(name, implementation), *map(cast, (q, k, v)), jax.tree.map(cast, extras))
     options = "|".join(map(re.escape, sorted(REFUSED[implementation][name])))
     assert re.match(rf"^({options})\b.*implementation='{implementation}'", str(error.value)), str(error.value)
 
