@@ -19,8 +19,9 @@ cases that hold every option between them (ENGINE_DEFAULT_CASES), the listed ref
 slow group runs every other (case, implementation) pair, so a kernel that starts refusing an unlisted case fails
 there. Engine-specific checks (tile skipping, memory, schedules, lowering, vmap) stay in the engines' own files.
 
-Sizes: every axis its own size (B 2, T 7, S 11, N 6, K 3, H 5, Hv 13; N = 2 K: grouped-query heads), T != S so
-that bottom-right causal differs from top-left, tiles (3, 4) that divide neither T nor S.
+Sizes: every axis its own size (B 2, T 7, S 11, N 6, K 3, H 5, Hv 13; N = 2 K: grouped-query heads; a case that
+changes sizes keeps them distinct), T != S so that bottom-right causal differs from top-left, tiles (3, 4) that
+divide neither T nor S.
 """
 
 from __future__ import annotations
@@ -90,7 +91,7 @@ CASES = {
     "lengths": ({}, dict(key_value_seq_lengths=np.array([9, 4], np.int32)), {}, ()),
     "positions": (  # absolute positions rule the causal mask, the window and the chunks
         {},
-        dict(is_causal=True, query_positions=QUERY_POSITIONS, key_positions=KEY_POSITIONS, window=(3, 0), chunk_size=4),
+        dict(is_causal=True, query_positions=QUERY_POSITIONS, key_positions=KEY_POSITIONS, window=(3, 2), chunk_size=6),
         {},
         (),
     ),
@@ -118,16 +119,17 @@ CASES = {
     "score_mod": ({}, dict(is_causal=True), {}, ("slopes",)),
     "mask_mod": ({}, dict(mask_mod=band), {}, ()),
     "block_mask": ({}, dict(mask_mod=documents), dict(block_mask=True), ()),
-    # every option at once, rows without keys included: the kernels' default-group case
+    # every option at once (each rule masks pairs the others allow), rows without keys included (the first
+    # T - S rows of each example, and every row of example 0): the kernels' default-group case
     "everything": (
-        dict(T=11, S=7),
+        dict(B=3, T=13, S=11, K=2, Hv=7),
         dict(
             is_causal=True,
-            key_value_seq_lengths=np.array([0, 6], np.int32),
-            query_segment_ids=SEGMENTS_K,
-            key_segment_ids=SEGMENTS_Q,
-            window=(5, 1),
-            chunk_size=6,
+            key_value_seq_lengths=np.array([0, 9, 11], np.int32),
+            query_segment_ids=np.array([[0] * 13, [2] * 8 + [3] * 5, [4] * 3 + [5] * 10], np.int32),
+            key_segment_ids=np.array([[0] * 11, [2] * 7 + [3] * 4, [4] * 2 + [5] * 9], np.int32),
+            window=(3, 1),
+            chunk_size=10,
             mask_mod=band,
         ),
         dict(logit_softcap=2.0, scale=0.3, return_lse=True),
