@@ -88,8 +88,8 @@ class MultiHeadAttention(nn.Module):
         (independent per head, as torch); flax defaults to True (docs/coming_from.md).
       out_bias_init: the out projection's bias initialiser (default bias_init), as flax's.
       force_fp32_for_softmax: flax's; always True here (half-precision logits and softmax are computed in
-        float32: docs/design.md, "Half precision"), so flax code that sets it runs unchanged; False (flax's bfloat16 softmax) is
-        refused by name.
+        float32: docs/design.md, "Half precision"), so flax code that sets it runs unchanged; False (flax's
+        bfloat16 softmax) is refused by name.
 
     Call: flax's sow_weights=True also stores the weights [...,N,T,S] in "intermediates" as
     "attention_weights" (flax's name); inputs_kv= (flax's deprecated spelling of key = value) is accepted.

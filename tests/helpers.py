@@ -368,6 +368,7 @@ def attention_reference(
     rel_logits=None,
     query_positions=None,
     key_positions=None,
+    return_lse=False,
 ):
     """attention_loop's formula over the full grid in jax.numpy (differentiable: jax.grad gives the reference
     gradients, and of the arrays a score_mod closes over).
@@ -375,7 +376,8 @@ def attention_reference(
     q [B,T,N,H], k [B,S,K,H], v [B,S,K,Hv]; allowed bool [B,N,T,S] (from allowed_loop); bias [B,N,T,S]; sinks [N]
     or [B,N]; rel_logits [B,N,T,S] (unscaled, added to q.k: q_t . A^K[t,s]); score_mod(score, b, n, t, s) on
     broadcast index grids. Order: scale * (q.k + rel) -> softcap -> + bias -> score_mod -> mask -> softmax with
-    the sink column.
+    the sink column. return_lse: also the log of each row's softmax denominator [B,N,T] (the sink's term
+    included; -inf for a row with no allowed key and no sink), as (out, lse).
     """
     B, T, N, H = q.shape
     S, K = k.shape[1], k.shape[2]
@@ -403,7 +405,11 @@ def attention_reference(
     e = jnp.exp(x - row_max)
     total = jnp.sum(e, axis=-1, keepdims=True)
     p = (e / jnp.where(total == 0, 1, total))[..., :S]
-    return jnp.einsum("bnts,bsnh->btnh", p, v, precision="highest")
+    out = jnp.einsum("bnts,bsnh->btnh", p, v, precision="highest")
+    if not return_lse:
+        return out
+    lse = jnp.where(total == 0, -jnp.inf, row_max + jnp.log(jnp.where(total == 0, 1, total)))
+    return out, lse[..., 0]
 
 
 # ---------------------------------------------------------------------------------------------------------

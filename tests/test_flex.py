@@ -80,14 +80,13 @@ MASK_MODS = {
     "chunked": chunked,
     "head_dependent": head_dependent,
 }
-GRADIENT_CASES = ("document", "prefix_lm", "chunked", "head_dependent")  # causal / sliding: tests below
+# The other mask_mods' attention (a batch-dependent and a head-dependent one, with and without a BlockMask, on
+# every implementation) is tests/test_contract.py's; these two repeat the mechanism on other patterns.
+GRADIENT_CASES = ("prefix_lm", "chunked")
 
 
-# document (batch-dependent) and head_dependent in the default run; prefix_lm and chunked repeat the mechanism
-@pytest.mark.parametrize(
-    "name",
-    [n if n in ("document", "head_dependent") else pytest.param(n, marks=pytest.mark.slow) for n in GRADIENT_CASES],
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("name", GRADIENT_CASES)
 def test_mask_mods(name):
     """Blockwise with a BlockMask: forward and gradients; dense and blockwise without one: forward."""
     mask_mod = MASK_MODS[name]
@@ -121,7 +120,6 @@ SCORE_MODS = {
     [
         ("t5_table", "dense"),
         ("t5_table", "blockwise"),
-        pytest.param("alibi", "blockwise", marks=pytest.mark.slow),
         ("per_batch", "dense"),
     ],
 )
@@ -149,36 +147,6 @@ def test_score_mods_and_the_gradient_of_what_they_close_over(name, implementatio
     check_forward_and_grads(ours, reference, (q, k, v, param), (0, 1, 2, 3))
 
 
-@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-def test_score_mod_with_every_keyword(implementation):
-    """score_mod runs after scale, softcap and bias (so it sees what the keywords made of the logit)."""
-    q, k, v = qkv(4)
-    slopes, sinks = arrays(5, (N,), (N,))
-    lengths = np.array([11, 8])
-    allowed = allowed_loop(B, N, T, S, window=(5, 0), key_value_seq_lengths=lengths, mask_mod=document)
-
-    def ours(q, k, v, slopes, sinks):
-        return jaxattn.flex_attention(
-            q,
-            k,
-            v,
-            score_mod=alibi(slopes),
-            mask_mod=document,
-            window=(5, 0),
-            key_value_seq_lengths=lengths,
-            logit_softcap=1.4,
-            sinks=sinks,
-            scale=0.3,
-            implementation=implementation,
-            block_size=(3, 2) if implementation == "blockwise" else None,
-        )
-
-    def reference(q, k, v, slopes, sinks):
-        return attention_reference(q, k, v, allowed, logit_softcap=1.4, sinks=sinks, scale=0.3, score_mod=alibi(slopes))
-
-    check_forward_and_grads(ours, reference, (q, k, v, slopes, sinks), (0, 1, 2, 3, 4))
-
-
 def test_score_mod_capping_equals_logit_softcap():
     q, k, v = qkv(6)
     for implementation in ("blockwise",):
@@ -186,20 +154,6 @@ def test_score_mod_capping_equals_logit_softcap():
         b = jaxattn.dot_product_attention(q, k, v, logit_softcap=2.0, is_causal=True, implementation=implementation)
         assert_float64(a, b)
         assert normwise(a, b) <= TOL
-
-
-def test_positions_are_absolute_with_a_cache():
-    """T < S: a causal mask_mod `t >= s` equals is_causal (bottom-right), unlike torch's row indices."""
-    q, k, v = qkv(7, t=3)
-    for implementation in IMPLEMENTATIONS:
-        a = jaxattn.flex_attention(q, k, v, mask_mod=causal, implementation=implementation)
-        b = jaxattn.dot_product_attention(q, k, v, is_causal=True, implementation=implementation)
-        assert_float64(a, b)
-        assert normwise(a, b) <= TOL
-    bm = jaxattn.create_block_mask(causal, B, None, 3, S, block_size=(2, 3))
-    c = jaxattn.flex_attention(q, k, v, mask_mod=causal, block_mask=bm)
-    assert_float64(c)
-    assert normwise(c, b) <= TOL
 
 
 def test_batch_dims_are_flattened_for_b():

@@ -273,3 +273,27 @@ def test_attention_reference_matches_the_loop_on_every_term():
     )
     assert_float64(got)
     assert normwise(got, want) <= TOL
+
+
+def test_attention_reference_lse_is_the_log_of_the_denominator():
+    """return_lse: log(sum over allowed keys of exp(logit) + exp(sink)), one scalar at a time in numpy; a row
+    with no allowed key has only the sink's term (without sinks: -inf)."""
+    q, k, v, sinks = arrays(2, (B, T, N, H), (B, S, K, H), (B, S, K, Hv), (N,))
+    allowed = allowed_loop(B, N, T, S, is_causal=True, key_value_seq_lengths=np.array([0, 8]))
+    qn, kn = np.asarray(q), np.asarray(k)
+    for with_sinks in (False, True):
+        _, lse = attention_reference(
+            q, k, v, allowed, logit_softcap=1.3, sinks=sinks if with_sinks else None, return_lse=True
+        )
+        assert_float64(lse)
+        want = np.zeros((B, N, T))
+        for b, n, t in np.ndindex(B, N, T):
+            terms = [
+                math.exp(1.3 * math.tanh(H**-0.5 * float(qn[b, t, n] @ kn[b, s, n // (N // K)]) / 1.3))
+                for s in range(S)
+                if allowed[b, n, t, s]
+            ] + ([math.exp(float(sinks[n]))] if with_sinks else [])
+            want[b, n, t] = math.log(sum(terms)) if terms else -math.inf
+        assert np.array_equal(np.isinf(np.asarray(lse)), np.isinf(want)) and np.isinf(want).any() != with_sinks
+        finite = np.isfinite(want)
+        assert normwise(np.asarray(lse)[finite], want[finite]) <= TOL

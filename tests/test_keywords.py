@@ -1,4 +1,7 @@
-"""Segment ids, windows, chunks, logit softcap and sinks (docs/design.md, "Keywords") on every attention function.
+"""Segment ids, windows, chunks, logit softcap and sinks (docs/design.md, "Keywords") on the attention functions beyond
+dot_product_attention: the relative forms, the position schemes, the multi-head functions; bad keywords; the
+key tiles the blockwise engine visits. (dot_product_attention's option grid on every implementation is
+tests/test_contract.py.)
 
 References are independent (tests/helpers.py): the allowed pairs decided by Python loops, the
 formula written out over the full grid in float64 (its own forward checked against numpy loops in
@@ -24,105 +27,9 @@ def qkv(seed=0, t=T, s=S):
 SEGMENTS_Q = np.array([[0, 0, 1, 1, 1, 2, 2], [5, 5, 5, 5, 7, 7, 7]], np.int32)  # [B,T], sorted (packed docs)
 SEGMENTS_K = np.array([[0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2], [5, 5, 5, 5, 5, 5, 5, 7, 7, 7, 7]], np.int32)
 
-# name: (keywords for jaxattn and allowed_loop alike, softcap, sinks?)
-CASES = {
-    "segments_causal": (dict(query_segment_ids=SEGMENTS_Q, key_segment_ids=SEGMENTS_K, is_causal=True), None, False),
-    "window_both": (dict(window=(2, 1)), None, False),
-    "window_left_open": (dict(window=(None, 2)), None, False),
-    "chunk_causal": (dict(chunk_size=4, is_causal=True), None, False),
-    "everything": (
-        dict(
-            query_segment_ids=SEGMENTS_Q,
-            key_segment_ids=SEGMENTS_K,
-            window=(4, 1),
-            chunk_size=5,
-            is_causal=True,
-            key_value_seq_lengths=np.array([9, 11]),
-        ),
-        2.0,
-        True,
-    ),
-}
-
 
 def sinks_for(case_sinks, seed=3, shape=(N,)):
     return arrays(seed, shape)[0] if case_sinks else None
-
-
-@pytest.mark.parametrize("implementation", ["dense", "blockwise"])
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_dot_product_attention_keywords(name, implementation):
-    keywords, softcap, with_sinks = CASES[name]
-    q, k, v = qkv(2)
-    sinks = sinks_for(with_sinks)
-    allowed = allowed_loop(B, N, T, S, **keywords)
-    extra = dict(block_size=(3, 4)) if implementation == "blockwise" else {}
-
-    def ours(q, k, v, *sinks):
-        return jaxattn.dot_product_attention(
-            q,
-            k,
-            v,
-            sinks=sinks[0] if sinks else None,
-            implementation=implementation,
-            logit_softcap=softcap,
-            **keywords,
-            **extra,
-        )
-
-    def reference(q, k, v, *sinks):
-        return attention_reference(q, k, v, allowed, logit_softcap=softcap, sinks=sinks[0] if sinks else None)
-
-    args = (q, k, v) + ((sinks,) if with_sinks else ())
-    check_forward_and_grads(ours, reference, args, tuple(range(len(args))))
-
-
-@pytest.mark.parametrize("block_size", [(2, 3)])
-def test_blockwise_per_example_sinks_and_segments(block_size):
-    """sinks [B,N] and segment ids that differ per example; tiles of several shapes."""
-    q, k, v = qkv(4)
-    sinks = sinks_for(True, shape=(B, N))
-    kw = dict(query_segment_ids=SEGMENTS_Q, key_segment_ids=SEGMENTS_K, logit_softcap=0.7, window=(5, 0))
-    allowed = allowed_loop(B, N, T, S, query_segment_ids=SEGMENTS_Q, key_segment_ids=SEGMENTS_K, window=(5, 0))
-
-    def ours(q, k, v, sinks):
-        return jaxattn.dot_product_attention(
-            q, k, v, sinks=sinks, implementation="blockwise", block_size=block_size, **kw
-        )
-
-    def reference(q, k, v, sinks):
-        return attention_reference(q, k, v, allowed, logit_softcap=0.7, sinks=sinks)
-
-    check_forward_and_grads(ours, reference, (q, k, v, sinks), (0, 1, 2, 3))
-
-
-def test_rows_without_keys_give_zeros_with_sinks():
-    q, k, v = qkv(5)
-    sinks = sinks_for(True)
-
-    def f(q, k, v, sinks):
-        return jaxattn.dot_product_attention(
-            q, k, v, sinks=sinks, key_value_seq_lengths=jnp.array([0, 4]), implementation="blockwise", block_size=(3, 4)
-        )
-
-    out, grads = jax.jit(lambda *a: (f(*a), jax.grad(lambda *a: jnp.sum(f(*a) ** 2), argnums=(0, 1, 2, 3))(*a)))(
-        q, k, v, sinks
-    )
-    assert bool(jnp.all(out[0] == 0))
-    assert all(bool(jnp.all(jnp.isfinite(g))) for g in grads)
-
-
-def test_decoding_positions_window_and_chunks():
-    """T < S (a cache precedes the queries) and batched custom positions: the rules read absolute positions."""
-    q, k, v = qkv(6, t=3)
-    qp = np.array([[8, 9, 10], [4, 5, 6]], np.int32)
-    kp = np.tile(np.arange(S, dtype=np.int32), (B, 1))
-    keywords = dict(query_positions=qp, key_positions=kp, window=(3, 0), chunk_size=4, is_causal=True)
-    allowed = allowed_loop(B, N, 3, S, **keywords)
-    for implementation in ("dense", "blockwise"):
-        out = jaxattn.dot_product_attention(q, k, v, implementation=implementation, block_size=(2, 3), **keywords)
-        assert_float64(out)
-        assert normwise(out, attention_reference(q, k, v, allowed)) <= TOL
 
 
 def test_jit_and_vmap():

@@ -16,9 +16,10 @@ Tiles 128 x 128 (the TPU lane width; a BlockMask's own tiles when they are multi
 padded to a multiple of 128, T and S padded inside. The whole key axis of one head sits in VMEM (with its
 double buffer), so S x (H + Hv) is bounded (MAX_KEY_BYTES); longer calls fall back to the XLA engine.
 
-On a TPU (interpret=False) also refused: score_mod / mask_mod / BlockMask mask_mod closing over an array
-(as on the GPU: indexing one by head or position inside the kernel is not lowered), inputs wider than 32
-bits, jax_enable_x64 on. interpret=True runs Pallas' interpreter (any platform; closed-over arrays work).
+Refused with jax_enable_x64 on (in the interpreter too), and on a TPU (interpret=False) also: score_mod /
+mask_mod / BlockMask mask_mod closing over an array (as on the GPU: indexing one by head or position inside the
+kernel is not lowered), inputs wider than 32 bits. interpret=True runs Pallas' interpreter (any platform;
+closed-over arrays work).
 """
 
 from __future__ import annotations
@@ -59,10 +60,14 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
     """None when attention() computes this call; else the first option it cannot express: the Pallas GPU
     kernel's own refusals (without its GPU chip limits), and on a TPU the limits in the module docstring."""
     problem = flash_gpu.unsupported(call, query, key, value, interpret=True)
-    if problem is not None or interpret:
+    if problem is not None:
         return problem
+    # In the interpreter too: the kernel's index arithmetic mixes int32 and int64 there (a TypeError inside
+    # the kernel otherwise), as splash's does.
     if jax.config.read("jax_enable_x64"):
         return "jax_enable_x64 (the Pallas TPU kernels index in int32)"
+    if interpret:
+        return None
     if np.dtype(getattr(query, "dtype", np.float32)).itemsize > 4:
         return "dtype"
     block_mask = call.block_mask
