@@ -1,6 +1,6 @@
 """The public entry: dot_product_attention and flex_attention, and the one registry of implementations that
 every attention function resolves its `implementation=` through. It sits above the engines and the kernels
-(docs/design.md, "Layering"): _core < _engines < _kernels < _api < _schemes < _layers.
+(docs/design.md, "Layering rules"): _core < _engines < _kernels < _api < _schemes < _layers.
 
     "dense"       one [...,N,T,S] array (every option)
     "blockwise"   O(T + S) tiles (no mask, bias, return_weights or dropout: they span [T,S])

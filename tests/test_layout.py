@@ -5,7 +5,7 @@ included) into one import graph between their modules. Asserted:
   * the graph has no cycle;
   * no module imports or reads another module's underscore name (`from .x import _y`, `x._y` on a module
     bound by an import); importing a package-private *module* (`from .._core import checks`) is fine;
-  * inside jaxattn the private packages only import downwards (docs/design.md, "Layering"): _core <- _engines
+  * inside jaxattn the private packages only import downwards (docs/design.md, "Layering rules"): _core <- _engines
     <- _kernels <- _api (the public entry and its registry) <- _schemes <- _layers <- the public modules
     (linen, nnx, io, models, __init__), so no engine reaches up into a kernel or the dispatch, and no kernel
     into the dispatch; _forms (the delta rule) builds on _core alone;
