@@ -2,9 +2,9 @@
 
     python -m benchmarks.certify_margins [--dtype float32 float64] [--clean] [--unit-scale] [--json PATH]
 
-The faults of crosscheck/_faults.py in a tiny random Llama (tied head, MiniLM's vocabulary) on 521 tokens of
-real text, and positions shifted by one in the real all-MiniLM-L6-v2 on its 9 real sentences. Per fault: the
-first divergent row (expected: the one named in FAULTS), its normwise error planted / clean (the margin),
+The faults of crosscheck/_certificates/faults.py in a tiny random Llama (tied head, MiniLM's vocabulary) on 521
+tokens of real text, and positions shifted by one in the real all-MiniLM-L6-v2 on its 9 real sentences. Per
+fault: the first divergent row (expected: the one named in FAULTS), its normwise error planted / clean (the margin),
 the largest per-token KL planted / clean, top-1 agreement. Not a speed measurement: numbers, not seconds.
 
 --unit-scale: the same Llama faults again with the embedding table rescaled to unit variance (the tiny
@@ -26,8 +26,8 @@ def llama_rows(dtype: str, *, unit: bool = False, calibrate: bool = False, only=
     import tempfile
 
     from crosscheck import certify
-    from crosscheck._faults import FAULTS, jax_llama, llama_layers, real_text_ids, write_llama
-    from crosscheck._hf_models import float64_reference, torch_model
+    from crosscheck._certificates.faults import FAULTS, jax_llama, llama_layers, real_text_ids, write_llama
+    from crosscheck._hf.checkpoints import float64_reference, torch_model
     from jaxattn.models import from_pretrained
 
     directory = write_llama(tempfile.mkdtemp())
@@ -83,7 +83,7 @@ def minilm_rows(dtype: str) -> list[dict]:
     import numpy as np
 
     from crosscheck import certify
-    from crosscheck._faults import minilm_jax, minilm_layers, real_tokens
+    from crosscheck._certificates.faults import minilm_jax, minilm_layers, real_tokens
     from crosscheck.cases.minilm import encode, torch_bert
 
     ids, mask = encode()
@@ -107,8 +107,8 @@ def clean_kl_rows(dtype: str) -> list[dict]:
     import tempfile
 
     from crosscheck import certify
-    from crosscheck._faults import real_text_ids
-    from crosscheck._hf_models import float64_reference, torch_model, write_checkpoint
+    from crosscheck._certificates.faults import real_text_ids
+    from crosscheck._hf.checkpoints import float64_reference, torch_model, write_checkpoint
     from crosscheck.cases.minilm import model_dir
     from jaxattn.models import from_pretrained
 

@@ -48,7 +48,7 @@ MiB = 2**20
 def checkpoint(directory):
     if directory:
         return directory
-    from crosscheck import _hf_models
+    from crosscheck._hf import checkpoints as _hf_models
 
     return str(
         _hf_models.write_checkpoint(

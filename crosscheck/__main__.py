@@ -1,8 +1,8 @@
-"""`python -m crosscheck`: see crosscheck._cli (and `python -m crosscheck --help`)."""
+"""`python -m crosscheck`: see crosscheck._cli.main (and `python -m crosscheck --help`)."""
 
 import sys
 
-from crosscheck._cli import main
+from crosscheck._cli.main import main
 
 if __name__ == "__main__":
     sys.exit(main())

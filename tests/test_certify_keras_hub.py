@@ -77,8 +77,8 @@ def keras_llama(directory):
 
 
 def certificate(directory, *, planted=False, propose=False):
-    from crosscheck._faults import real_text_ids
-    from crosscheck._hf_models import torch_model
+    from crosscheck._certificates.faults import real_text_ids
+    from crosscheck._hf.checkpoints import torch_model
 
     theirs = torch_model(directory, "float32")
     inputs = {"input_ids": real_text_ids()}
@@ -97,7 +97,7 @@ def certificate(directory, *, planted=False, propose=False):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    from crosscheck._faults import write_llama
+    from crosscheck._certificates.faults import write_llama
 
     root = tmp_path_factory.mktemp("keras_hub")
     return {
@@ -173,9 +173,9 @@ def test_keras_hub_llama_parameter_gradients_agree_through_a_name_map(checkpoint
     import jax.numpy as jnp
     import keras
 
-    from crosscheck._faults import real_text_ids
-    from crosscheck._hf_models import torch_model
-    from crosscheck._param_grads import leaf_at
+    from crosscheck._certificates.faults import real_text_ids
+    from crosscheck._hf.checkpoints import torch_model
+    from crosscheck._certificates.param_grads import leaf_at
 
     directory = checkpoints["clean"]
     backbone = keras_hub.models.LlamaBackbone.from_preset(str(directory))
@@ -214,14 +214,14 @@ def test_keras_hub_llama_parameter_gradients_agree_through_a_name_map(checkpoint
 
 
 def keras_backbone_certificate(model_type, tmp_path, **overrides):
-    """A tiny random `model_type` checkpoint (crosscheck._hf_models.write_checkpoint with `overrides`) read by
+    """A tiny random `model_type` checkpoint (crosscheck._hf.checkpoints.write_checkpoint with `overrides`) read by
     keras_hub.models.Backbone.from_preset; the backbone's sequence output certified against the base model's
     last_hidden_state on 2 x 37 random tokens, in float32. Returns (certificate, backbone)."""
     keras_hub = _keras_hub()
     import jax
     import jax.numpy as jnp
 
-    from crosscheck._hf_models import torch_model, write_checkpoint
+    from crosscheck._hf.checkpoints import torch_model, write_checkpoint
 
     directory = write_checkpoint(model_type, tmp_path / model_type, **overrides)
     backbone = keras_hub.models.Backbone.from_preset(str(directory))
@@ -258,7 +258,7 @@ def test_keras_hub_gpt2_ignores_n_inner(tmp_path):
 def test_keras_hub_mistral_rounds_every_weight_to_float16(tmp_path):
     """keras-hub's Mistral converter casts each weight to float16 before assigning it: keras's embedding
     table is transformers' rounded to float16, exactly, and the float32 certificate fails (~1e-3)."""
-    from crosscheck._hf_models import torch_model
+    from crosscheck._hf.checkpoints import torch_model
 
     cert, backbone = keras_backbone_certificate("mistral", tmp_path, sliding_window=None)
     table = torch_model(tmp_path / "mistral", "float32").model.embed_tokens.weight.detach().numpy()

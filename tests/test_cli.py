@@ -15,8 +15,8 @@ import torch
 
 from crosscheck import Metric, Report
 from crosscheck.catalogue import CASES, DTYPES, UNAVAILABLE, Setup, all_cases, register_case
-from crosscheck._cli import _print_table, _summary, main
-from crosscheck._compare import TRANSFORMS
+from crosscheck._cli.main import _print_table, _summary, main
+from crosscheck._comparison.compare import TRANSFORMS
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -172,7 +172,7 @@ def test_summary_of_a_failure_counts_a_nan_as_the_worst(capsys):
 def test_torch_flex_reference_advice_is_silenced_and_said_once(capsys):
     import torch.nn.attention.flex_attention as torch_flex
 
-    from crosscheck._flex import flex_reference
+    from crosscheck._comparison.flex_reference import flex_reference
 
     torch_flex._WARNINGS_SHOWN.discard("flex_attention_performance")  # as in a fresh process
     q, k, v = (torch.randn(1, 4, 2, 8, dtype=torch.float64) for _ in range(3))
@@ -205,7 +205,7 @@ def test_torch_flex_reference_advice_is_silenced_and_said_once(capsys):
 
 
 def test_without_case_the_default_run_takes_the_sample_and_case_star_takes_every_case(monkeypatch, capsys):
-    import crosscheck._cli as cli
+    import crosscheck._cli.main as cli
 
     ran = []
 

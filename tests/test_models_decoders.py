@@ -1,6 +1,6 @@
 """Generative ports (jaxattn.models from_pretrained + generate) against transformers' PyTorch models.
 
-Each family: a tiny random-weight checkpoint (crosscheck._hf_models: 2 layers, every parameter random, GQA
+Each family: a tiny random-weight checkpoint (crosscheck._hf.checkpoints: 2 layers, every parameter random, GQA
 where the family has it; Mistral's and Gemma 2's window of 5 shorter than the 11-token prompts) written with
 save_pretrained and read back by from_pretrained (no torch), on prompts of different lengths padded on the
 left and on the right. Bars (issue 12): logits max abs <= 1e-5
@@ -19,13 +19,13 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from crosscheck import _hf_models as hf
+from crosscheck._hf import checkpoints as hf
 from crosscheck import layer_report
-from crosscheck._train import FAMILIES as DECODERS
+from crosscheck._training.train_report import FAMILIES as DECODERS
 from helpers import FLOAT32_ENVELOPE  # held to transformers' own float32 envelope (test_float32_within_...)
 from jaxattn.models import from_pretrained, generate
 
-FAMILIES = ("t5", *DECODERS)  # every causal LM of jaxattn.models (crosscheck._train.FAMILIES) and T5
+FAMILIES = ("t5", *DECODERS)  # every causal LM of jaxattn.models (crosscheck._training.train_report.FAMILIES) and T5
 NEW = 64
 
 

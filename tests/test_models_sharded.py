@@ -61,7 +61,7 @@ def one_device_mesh(*names):
 def checkpoints(tmp_path_factory):
     """{family: directory} of tiny random checkpoints (and "bert"), written once."""
     pytest.importorskip("transformers")
-    from crosscheck import _hf_models as hf
+    from crosscheck._hf import checkpoints as hf
 
     root = tmp_path_factory.mktemp("sharded")
     written = {f: str(hf.write_checkpoint(f, root / f, vocab_size=128, **DEMO[f])) for f in FAMILIES}
@@ -72,7 +72,7 @@ def checkpoints(tmp_path_factory):
 def new_checkpoints(tmp_path_factory):
     """{family: directory} of the newer families' tiny checkpoints (DEMO's: 8 experts), written on first use."""
     pytest.importorskip("transformers")
-    from crosscheck import _hf_models as hf
+    from crosscheck._hf import checkpoints as hf
 
     root = tmp_path_factory.mktemp("sharded_new")
 
@@ -399,7 +399,7 @@ def test_one_device_mesh_loads_the_same_params(checkpoints):
 def test_sequence_parallel_applies_the_qk_norms(tmp_path):
     """Qwen 3 without windows on a one-device (data, seq, model) mesh: its attention runs on the ring
     (SequenceParallelAttention), q_norm/k_norm included, and equals the unsharded model."""
-    from crosscheck import _hf_models as hf
+    from crosscheck._hf import checkpoints as hf
     from jaxattn.linen import MultiHeadAttention
     from jaxattn.models import _activation_layout
 
@@ -419,7 +419,7 @@ def test_sequence_parallel_applies_the_qk_norms(tmp_path):
 def test_missing_shard_file_names_the_parameter_spec_and_shape(checkpoints, tmp_path):
     """A save_pretrained directory in several shard files, one of them deleted: ValueError naming the first
     parameter it would fill, its spec and shape; without a mesh, FileNotFoundError as before."""
-    from crosscheck import _hf_models as hf
+    from crosscheck._hf import checkpoints as hf
 
     directory = hf.write_checkpoint("llama", tmp_path / "llama", vocab_size=128, **DEMO["llama"])
     import torch  # noqa: F401  (write_checkpoint needs it; re-save in shards)
@@ -682,7 +682,7 @@ PROCESS_TIMEOUT_S = 1500
 def big_checkpoint(tmp_path_factory):
     """A larger Llama (8 layers, ~100 MB float32) whose memory while loading is measured."""
     pytest.importorskip("transformers")
-    from crosscheck import _hf_models as hf
+    from crosscheck._hf import checkpoints as hf
 
     return str(
         hf.write_checkpoint(

@@ -3,7 +3,7 @@ those): their config variants against transformers, the config options they refu
 settings they read (yarn, Gemma 3's per-layer-type rotary embeddings and transformers 4's keys for them),
 the mixtures of experts' router outputs and auxiliary loss, and the weight table's stacked rows.
 
-Each variant writes a tiny random checkpoint (crosscheck._hf_models) with the option set, and compares every
+Each variant writes a tiny random checkpoint (crosscheck._hf.checkpoints) with the option set, and compares every
 layer and the logits with transformers in float32 and float64 on a left-padded batch.
 """
 
@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from crosscheck import _hf_models as hf
+from crosscheck._hf import checkpoints as hf
 from crosscheck import layer_report
 from helpers import assert_float64
 from jaxattn.models import from_pretrained, moe, rope_frequencies, supported_model_types

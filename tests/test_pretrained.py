@@ -181,7 +181,7 @@ def test_bad_directories_raise_naming_file_key_and_shapes(minilm_dir, tmp_path):
 def test_params_do_not_share_memory_with_the_state_dict(tmp_path):
     """A torch tensor's .numpy() shares its memory: an in-place torch update after the conversion (an
     optimizer step) must leave the params as they were converted (every leaf, "copy" rows included)."""
-    from crosscheck import _hf_models as hf
+    from crosscheck._hf import checkpoints as hf
     from jaxattn.models import from_state_dict
 
     torch_model = hf.torch_model(hf.write_checkpoint("llama", tmp_path), "float32")

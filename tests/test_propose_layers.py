@@ -1,5 +1,5 @@
 """crosscheck.propose_layers: a layers= map proposed from execution order, shape and value, checked against
-the hand-written map of a family (crosscheck._faults.llama_layers, the map layer_report uses)."""
+the hand-written map of a family (crosscheck._certificates.faults.llama_layers, the map layer_report uses)."""
 
 import numpy as np
 import pytest
@@ -12,7 +12,7 @@ import crosscheck  # noqa: E402
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     pytest.importorskip("transformers")
-    from crosscheck._hf_models import torch_model, write_checkpoint
+    from crosscheck._hf.checkpoints import torch_model, write_checkpoint
     from jaxattn.models import from_pretrained
 
     directory = write_checkpoint("llama", tmp_path_factory.mktemp("llama"))
@@ -26,7 +26,7 @@ def test_the_proposal_for_a_llama_is_its_hand_written_map_and_certifies(llama, c
     """Attention and MLP outputs pair with their blocks (not with the o_proj / down_proj inside, whose output
     is the same array, nor with the norms of the same shape), the final norm with model.norm (not with the
     base model's ModelOutput, whose last_hidden_state it is)."""
-    from crosscheck._faults import jax_llama, llama_layers
+    from crosscheck._certificates.faults import jax_llama, llama_layers
 
     model, params, theirs, inputs = llama
     proposal = crosscheck.propose_layers(theirs, jax_llama(model, params), inputs)
@@ -43,7 +43,7 @@ def test_a_port_broken_at_layer_0_attention_still_gets_its_layers_proposed_as_un
     """RoPE on the wrong half of the head: nothing after the embeddings agrees, so every later pair is a
     guess from order and shape, listed apart from the map; here the guesses are right, and certify, given
     them deliberately (layers_with_guesses), names the first divergent layer."""
-    from crosscheck._faults import FAULTS, jax_llama, llama_layers
+    from crosscheck._certificates.faults import FAULTS, jax_llama, llama_layers
 
     model, params, theirs, inputs = llama
     broken = jax_llama(*FAULTS["rope_wrong_half"][0](model, params))
@@ -91,7 +91,7 @@ def test_nested_blocks_a_module_called_twice_and_an_intermediate_of_no_torch_sha
     assert proposal.layers == [("lin", "first"), ("block", "block"), ("lin", "second")]
     assert [p.path for p in proposal.pairs] == ["lin", "block", "lin (call 2)"] and proposal.unmatched == ("pooled",)
     assert all(p.sure and p.normwise < 1e-15 for p in proposal.pairs)
-    from crosscheck._propose import jax_order
+    from crosscheck._certificates.propose import jax_order
 
     order = jax_order(jax_fn, {"x": x}, None)  # the program's order, not the dict's
     assert (order is not None) == traceable

@@ -73,8 +73,8 @@ def test_docs_examples_run_in_order(tmp_path, doc):
 
 def test_docs_crosscheck_commands_parse():
     # Every `python -m crosscheck ...` written in README or docs is a command the CLI accepts.
-    from crosscheck._certify_cli import _parser as certify_parser
-    from crosscheck._cli import _parser
+    from crosscheck._cli.certify_cli import _parser as certify_parser
+    from crosscheck._cli.main import _parser
 
     pages = [README, *DOCS]
     commands = [m for p in pages for m in re.findall(r"python -m crosscheck([^`\n#]*)", p.read_text())]

@@ -1,7 +1,7 @@
 """jaxattn.models.to_pretrained: the way back (JAX -> a save_pretrained directory), checked by transformers.
 
 For every family and each variant the load tests cover (tied and untied heads, biases, windows, T5's
-unscaled head, bf16), on tiny random checkpoints (crosscheck._hf_models; prime-ish sizes, every parameter
+unscaled head, bf16), on tiny random checkpoints (crosscheck._hf.checkpoints; prime-ish sizes, every parameter
 random):
   * from_pretrained -> to_pretrained gives every tensor bit for bit, with its dtype, and config.json's values;
   * after one optax step in JAX (float64 and float32), transformers loads the written directory with no
@@ -32,7 +32,7 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from crosscheck import _hf_models as hf
+from crosscheck._hf import checkpoints as hf
 from helpers import FLOAT32_ENVELOPE, normwise
 from jaxattn.io import load_safetensors
 from jaxattn.models import from_pretrained, from_state_dict, to_pretrained
@@ -377,7 +377,7 @@ def test_writing_into_an_existing_directory_replaces_only_weight_files(checkpoin
 # slow group only: --model is tests/test_cli_model.py's (default group), writing is the tests above
 @pytest.mark.parametrize("variant", _variant_params(default=()))
 def test_crosscheck_model_passes_on_a_written_directory(checkpoints, variant, tmp_path, capsys):
-    from crosscheck._cli import main
+    from crosscheck._cli.main import main
 
     model_type = VARIANTS[variant][0]
     model, params = from_pretrained(checkpoints(variant), dtype="float32")

@@ -25,7 +25,7 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from crosscheck import _hf_models as hf
+from crosscheck._hf import checkpoints as hf
 from jaxattn.io import load_safetensors
 from jaxattn.models import from_pretrained, from_state_dict, to_pretrained
 

@@ -1,7 +1,7 @@
 """torchref's programmable-attention keywords against code nobody here wrote.
 
 * torch's own ``flex_attention`` (eager, forward only: torch 2.13 has no CPU backward for it) on every case of
-  ``crosscheck._flex.FLEX_CASES``, through the explicit row-index -> absolute-position conversion;
+  ``crosscheck._comparison.flex_reference.FLEX_CASES``, through the explicit row-index -> absolute-position conversion;
 * Hugging Face attention (Gemma 2, Mistral, gpt-oss, Llama 4 text, Qwen2) from tiny random configs;
 * gradients: ``torch.autograd.gradcheck`` (finite differences); softcap and sinks also against the numpy loop
   reference (tests/helpers.py).
@@ -20,7 +20,7 @@ import torch
 
 import torchref
 import torchref.positions as P
-from crosscheck._flex import (
+from crosscheck._comparison.flex_reference import (
     FLEX_CASES,
     absolute_mod_from_torch,
     flex_reference,
@@ -346,7 +346,7 @@ FAMILY_KEYWORDS = ("window", "chunk_size", "logit_softcap", "sinks")
 @pytest.fixture(scope="module")
 def hf_calls():
     pytest.importorskip("transformers")
-    from crosscheck._hf_attention import FAMILIES, record_attention
+    from crosscheck._hf.attention import FAMILIES, record_attention
 
     return {family: record_attention(family) for family in FAMILIES}
 
@@ -387,7 +387,7 @@ def test_hf_gradients_equal_torchref_softcap_and_sinks(hf_calls, family):
 
 
 def test_hf_float32_within_float32_tolerance():
-    from crosscheck._hf_attention import record_attention
+    from crosscheck._hf.attention import record_attention
 
     for call in record_attention("gemma2", dtype=torch.float32):
         got = torchref.dot_product_attention(call.query, call.key, call.value, **call.keywords)

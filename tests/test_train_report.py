@@ -23,14 +23,14 @@ import transformers  # noqa: E402
 
 import crosscheck  # noqa: E402
 from helpers import normwise  # noqa: E402
-from crosscheck import _hf_models as hf  # noqa: E402
-from crosscheck._train import FAMILIES  # noqa: E402
-from crosscheck._optim import float_count, torch_optimizer  # noqa: E402
-from crosscheck._param_layout import ParamLayout  # noqa: E402
-from crosscheck._train_report import random_batches  # noqa: E402
+from crosscheck._hf import checkpoints as hf  # noqa: E402
+from crosscheck._training.train_report import FAMILIES  # noqa: E402
+from crosscheck._training.optim import float_count, torch_optimizer  # noqa: E402
+from crosscheck._conversion.param_layout import ParamLayout  # noqa: E402
+from crosscheck._cli.train_report_cli import random_batches  # noqa: E402
 from jaxattn.models import from_pretrained, from_state_dict  # noqa: E402
 
-DECODERS = FAMILIES  # the causal LMs of jaxattn.models, listed once (crosscheck._train)
+DECODERS = FAMILIES  # the causal LMs of jaxattn.models, listed once (crosscheck._training.train_report)
 # float32 runs follow torch within the envelope where the model is smooth in its weights near the run's path:
 # gpt-oss's clamped SwiGLU (min(gate, limit); the tiny checkpoint's limit 1.0 so that the clamps bite) is not,
 # and a float32 rounding that moves an entry across the clamp changes a gradient by a whole term (gpt-oss: at
@@ -605,7 +605,7 @@ def test_the_cli_trains_a_checkpoint_with_table_plot_and_json(checkpoints, tmp_p
 @pytest.mark.slow
 def test_the_cli_exits_1_naming_the_first_divergent_step_and_parameter(checkpoints, tmp_path, capsys):
     """jaxattn reads the true weights; the torch model gets one entry of layer 1's MLP off (1e-3)."""
-    from crosscheck._cli import main
+    from crosscheck._cli.main import main
 
     name = "transformer.h.1.mlp.c_fc.weight"
     real_torch_model = hf.torch_model
@@ -643,7 +643,7 @@ def test_the_cli_exits_1_naming_the_first_divergent_step_and_parameter(checkpoin
 
 
 def test_bad_training_invocations_exit_2(tmp_path, capsys):
-    from crosscheck._cli import main
+    from crosscheck._cli.main import main
 
     for argv, message in (
         (["--train", "3"], "--train trains a checkpoint: it needs --model DIR"),

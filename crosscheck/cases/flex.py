@@ -2,16 +2,17 @@
 
 * ``flex_<pattern>``: ``jaxattn.flex_attention`` called as torch users call theirs (the score_mod, and the
   mask_mod only inside ``create_block_mask``'s BlockMask: ``flex_attention(q, k, v, score_mod, block_mask)``)
-  against torch's eager ``flex_attention`` making the same call (crosscheck._flex.flex_reference converts row
-  indices explicitly). Forward only: torch has no CPU backward for flex. The ``mask_mod=`` keyword is proven
-  by the ``_keywords`` and ``_blockwise`` cases (and tests/test_block_mask.py: block_mask alone == mask_mod).
+  against torch's eager ``flex_attention`` making the same call (crosscheck._comparison.flex_reference's
+  flex_reference converts row indices explicitly). Forward only: torch has no CPU backward for flex. The
+  ``mask_mod=`` keyword is proven by the ``_keywords`` and ``_blockwise`` cases (and tests/test_block_mask.py:
+  block_mask alone == mask_mod).
 * ``flex_<pattern>_keywords``: the same pattern through dot_product_attention's first-class keywords (segments,
   window, chunk_size, logit_softcap, masks, biases), forward and gradients against torchref.flex_attention
   running the mods.
 * ``flex_<pattern>_blockwise``: flex_attention on the blockwise engine (small tiles, mask_mod per tile, the
   custom VJP), forward and gradients against torchref.flex_attention.
 * ``hf_modern_<family>``: every eager attention call of a tiny random Gemma 2 / Mistral / gpt-oss / Llama 4 /
-  Qwen2 model (a prefill, then tokens on the cache), recorded with crosscheck._hf_attention, against
+  Qwen2 model (a prefill, then tokens on the cache), recorded with crosscheck._hf.attention, against
   dot_product_attention with the mapped keywords; gradients through HF's own eager function.
 
 Patterns with ``_cache`` have T < S: a cache precedes the queries, positions are bottom-right.
@@ -22,7 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from crosscheck.catalogue import FLOAT32_JIT, FLOAT64_PLAIN, Setup, register_case
-from crosscheck._flex import FLEX_CASES, flex_reference
+from crosscheck._comparison.flex_reference import FLEX_CASES, flex_reference
 
 _HF = ("transformers",)
 B, N, K, H, Hv = 2, 6, 3, 8, 5
@@ -168,7 +169,7 @@ def _hf_family(family: str) -> Setup:
     """Every recorded attention call of the family: outputs and gradients, one entry per call."""
     import torch
 
-    from crosscheck._hf_attention import record_attention
+    from crosscheck._hf.attention import record_attention
 
     calls = record_attention(family, dtype=torch.float64)
     # each module's float64 parameters (gpt-oss sinks...), restored before every run: a float32 run casts

@@ -208,7 +208,7 @@ def _mla_setup(name, *, form="absorbed", interleave=True, q_lora=True, bias=True
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Attention
 
     import jaxattn
-    from crosscheck._hf_models import float64_reference
+    from crosscheck._hf.checkpoints import float64_reference
 
     rng = rng_for(name)
     config = DeepseekV3Config(

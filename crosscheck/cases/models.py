@@ -1,6 +1,6 @@
 """Whole models: one case per family, a tiny random-weight checkpoint against transformers (eager).
 
-Each case writes its family's checkpoint (crosscheck._hf_models: seeded, offline) to a temporary
+Each case writes its family's checkpoint (crosscheck._hf.checkpoints: seeded, offline) to a temporary
 directory, loads it with jaxattn.models.from_pretrained and with transformers, and compares the logits on
 real tokens of a left-padded batch and the gradient of every parameter (torch's state_dict gradients
 converted through the same weight table as the weights). The per-layer view of the same comparison is
@@ -19,7 +19,7 @@ from crosscheck.catalogue import FLOAT32_JIT, ModelSetup, Setup, register_case
 
 
 def _setup(model_type: str) -> Setup:
-    from crosscheck import _hf_models
+    from crosscheck._hf import checkpoints as _hf_models
     from jaxattn.models import from_pretrained, from_state_dict
 
     with tempfile.TemporaryDirectory(prefix=f"crosscheck-{model_type}-") as directory:

@@ -23,7 +23,7 @@ class RMSNorm(nn.Module):
         "gpt_oss" GptOssRMSNorm:                  (weight * normed).astype(x.dtype)
 
     HF's code takes the statistics in float32 for float64 inputs too; crosscheck's float64 reference lifts
-    that (crosscheck._hf_models.float64_reference), so float64 here means float64 throughout.
+    that (crosscheck._hf.checkpoints.float64_reference), so float64 here means float64 throughout.
     """
 
     epsilon: float

@@ -3,7 +3,7 @@
 The default run is the quick proof: the catalogue's `default_run` sample of cases, each once on its quick row
 (every seed, float32 and float64, jit, vmap and plain rows, one whole model; about a minute). `--case '*'` runs
 every case once; `--all` runs every row of every case (CI does).
-`python -m crosscheck certify ...` is crosscheck.certify's command (crosscheck/_certify_cli.py).
+`python -m crosscheck certify ...` is crosscheck.certify's command (crosscheck/_cli/certify_cli.py).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from crosscheck.catalogue import DTYPES, UNAVAILABLE, Case, Row, all_cases, run_case, select_cases
-from crosscheck._compare import TOLERANCES, TRANSFORMS, Report
-from crosscheck._jax_setup import configure_jax
+from crosscheck._comparison.compare import TOLERANCES, TRANSFORMS, Report
+from crosscheck._cli.jax_setup import configure_jax
 
 # XLA compiles (not arithmetic) are the cost of a run, and they use one core each: cases run side by side.
 DEFAULT_JOBS = max(1, min(4, os.cpu_count() or 1))
@@ -184,8 +184,8 @@ def _check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["certify"]:  # a subcommand with its own options (crosscheck._certify_cli)
-        from crosscheck._certify_cli import main as certify_main
+    if argv[:1] == ["certify"]:  # a subcommand with its own options (crosscheck._cli.certify_cli)
+        from crosscheck._cli.certify_cli import main as certify_main
 
         return certify_main(argv[1:])
     parser = _parser()
@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list:
         return _list()
     if args.train is not None:
-        from crosscheck._train_report import main as train_main
+        from crosscheck._cli.train_report_cli import main as train_main
 
         return train_main(
             args.model,
@@ -208,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             json_path=args.json,
         )
     if args.model is not None:
-        from crosscheck._model_report import main as model_main
+        from crosscheck._cli.layer_report_cli import main as model_main
 
         return model_main(args.model, dtypes=args.dtype, plot_path=args.plot, json_path=args.json)
     try:

@@ -79,7 +79,7 @@ def optax_from_torch(
     get_cosine/linear_schedule_with_warmup on `optimizer`. max_grad_norm: torch's clip_grad_norm_ over all
     parameters before each step. steps: the run's length, checked against the scheduler's range.
     """
-    from crosscheck._param_layout import ParamLayout
+    from crosscheck._conversion.param_layout import ParamLayout
 
     layout = ParamLayout.of(torch_model, params)
     return twin(optimizer, torch_model, layout, scheduler=scheduler, max_grad_norm=max_grad_norm, steps=steps)[0]

@@ -53,7 +53,7 @@ def _load_torch(path: Path) -> dict[str, np.ndarray]:
             f"{path}: reading {path.suffix} files needs torch (pip install 'jaxattn[torch]'); "
             ".safetensors files load without it"
         ) from None
-    from crosscheck._convert import to_numpy
+    from crosscheck._conversion.weights import to_numpy
 
     try:
         obj = torch.load(path, weights_only=True, map_location="cpu")

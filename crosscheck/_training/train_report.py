@@ -9,11 +9,11 @@ run while every single gradient matches. Both loops here take the same batches i
     loss.backward(); clip_grad_norm_(..., max_norm)      updates, state = tx.update(grads, state, params)
     optimizer.step(); scheduler.step()                   params = optax.apply_updates(params, updates)
 
-`tx` is `optax_from_torch` of the torch setup (crosscheck/_optim.py), or your own optax transform
+`tx` is `optax_from_torch` of the torch setup (crosscheck/_training/optim.py), or your own optax transform
 (`jax_optimizer=`), which the report then checks. Step k (1-based) takes batch (k - 1) mod len(batches) at
 the parameters after k - 1 updates; it records both losses, both gradient norms (before clipping), and per
 torch parameter (named_parameters() names, compared element by element through the family's weight table:
-crosscheck/_param_layout.py) the normwise difference of its gradient and of its value after the update.
+crosscheck/_conversion/param_layout.py) the normwise difference of its gradient and of its value after the update.
 Step 0 is the starting point (the two sets of weights must agree before anything runs).
 
 Loss: causal-LM cross entropy, token t predicting token t + 1, averaged over the targets whose token AND
@@ -22,7 +22,7 @@ padding), log-softmax in float32 or wider; one formula, written once per framewo
 
 Dropout is off on both sides: the torch model runs in eval() mode (its dropout modules are identities, no
 other layer of these families changes with it), the JAX model is deterministic. float64: HF's float32-only
-steps are lifted for the torch run (crosscheck._hf_models.float64_reference), or float64 parity could not
+steps are lifted for the torch run (crosscheck._hf.checkpoints.float64_reference), or float64 parity could not
 exist. Mixed precision (`mixed_precision="bfloat16"`): float32 master weights and optimizer on both sides,
 the forward and backward in bfloat16 (torch: autocast on CPU; JAX: params cast to bfloat16 for the model,
 gradients back to float32 through the cast); the two are different roundings of the same math, so its bar is
@@ -41,10 +41,10 @@ from typing import Any
 
 import numpy as np
 
-from crosscheck._compare import error_metrics
-from crosscheck._hf_models import buffers_as_frozen_parameters, float64_reference
-from crosscheck._optim import SPECS, torch_optimizer, twin, warmup_cosine
-from crosscheck._param_layout import ParamLayout, layer_of
+from crosscheck._comparison.compare import error_metrics
+from crosscheck._hf.checkpoints import buffers_as_frozen_parameters, float64_reference
+from crosscheck._training.optim import SPECS, torch_optimizer, twin, warmup_cosine
+from crosscheck._conversion.param_layout import ParamLayout, layer_of
 
 FAMILIES = (
     "gpt2",
@@ -296,7 +296,7 @@ def train_report(
     and compare the two runs step by step.
 
     optimizer: a fresh torch.optim SGD / Adam / AdamW on torch_model's parameters (param groups mapped
-    one by one), or "sgd" / "adam" / "adamw" with `lr` (crosscheck._optim.torch_optimizer). scheduler:
+    one by one), or "sgd" / "adam" / "adamw" with `lr` (crosscheck._training.optim.torch_optimizer). scheduler:
     None, HF's get_cosine/linear_schedule_with_warmup on that optimizer, or "cosine" (warmup over the first
     10% of steps). max_grad_norm: clip_grad_norm_ over every parameter before each step. jax_optimizer: an
     optax transform to check instead of the mapped twin. dtype: "float32" or "float64", both sides cast

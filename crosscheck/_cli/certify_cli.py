@@ -64,9 +64,9 @@ def load_factory(spec: str):
 
 
 def main(argv: Sequence[str]) -> int:
-    from crosscheck._certify import certify
-    from crosscheck._jax_setup import configure_jax
-    from crosscheck._golden import record
+    from crosscheck._certificates.certify import certify
+    from crosscheck._cli.jax_setup import configure_jax
+    from crosscheck._certificates.golden import record
 
     parser = _parser()
     args = parser.parse_args(argv)

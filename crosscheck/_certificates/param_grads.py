@@ -11,7 +11,7 @@ A pair compares d loss / d (torch parameter), transformed to JAX's layout when a
 JAX leaf's d loss / d leaf. Both are the same numbers when the leaf is the parameter up to a permutation or a
 reshape (every weight table's transform), because a gradient moves with its entries.
 
-`parameter_map` reads a family's table through crosscheck._param_layout.ParamLayout (the public route,
+`parameter_map` reads a family's table through crosscheck._conversion.param_layout.ParamLayout (the public route,
 jaxattn.models.from_state_dict, on numbered entries): each torch parameter is gathered back into torch's layout
 from every leaf it fills (GPT-2's c_attn from three kernels), so no per-pair transform is needed. A tied
 weight is one torch parameter and one leaf, and its gradient sums both uses on either side.
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from crosscheck._param_layout import ParamLayout
+from crosscheck._conversion.param_layout import ParamLayout
 
 # (torch parameter name, pull(JAX grads tree) -> array, transform(torch grad) -> JAX layout or None, JAX label)
 ParamPair = tuple[str, Callable[[Any], Any], Callable[[np.ndarray], np.ndarray] | None, str]

@@ -25,7 +25,7 @@ FLOOR = 1e-17  # a difference of exactly 0 on a log axis
 
 def random_batches(vocab_size: int, *, seed: int = 0) -> list[dict[str, np.ndarray]]:
     """BATCHES seeded batches {"input_ids", "attention_mask"} [BATCH, LENGTH], right-padded with token 0."""
-    from crosscheck._hf_models import padded_batch
+    from crosscheck._hf.checkpoints import padded_batch
 
     batches = []
     for k in range(BATCHES):
@@ -88,9 +88,9 @@ def main(
     plot_path: str | None,
     json_path: str | None,
 ) -> int:
-    from crosscheck import _hf_models as hf
-    from crosscheck._model_report import finish
-    from crosscheck._train import FAMILIES, train_report
+    from crosscheck._hf import checkpoints as hf
+    from crosscheck._cli.layer_report_cli import finish
+    from crosscheck._training.train_report import FAMILIES, train_report
     from jaxattn.models import from_pretrained
 
     directory = Path(directory)

@@ -20,7 +20,7 @@ Rows, each measured against torch (the reference), in this order:
 - "grad": with `grads=True`, gradients of a scalar loss with respect to the floating inputs; when every input
   is an integer (token ids) and no `params=` map is given, with respect to the first `layers` pair's output
   ("grad/<torch path>": torch's from its forward hook, JAX's by perturbing that intermediate in jax_fn's
-  jaxpr, crosscheck/_activation_grad.py); with neither, ValueError: nothing would be compared.
+  jaxpr, crosscheck/_certificates/activation_grad.py); with neither, ValueError: nothing would be compared.
 - "param_grad": with `grads=True` and `params=`, the loss's gradient with respect to each mapped torch
   parameter (the row's name) against the JAX leaf it maps to (jax_fn then takes `jax_params` first).
 
@@ -49,11 +49,11 @@ from typing import Any
 
 import numpy as np
 
-from crosscheck._compare import MODEL_TOLERANCES, error_metrics
-from crosscheck._golden import load_golden
-from crosscheck._param_grads import ParamPair, param_pairs
-from crosscheck._activation_grad import perturbed_program
-from crosscheck._reference import (
+from crosscheck._comparison.compare import MODEL_TOLERANCES, error_metrics
+from crosscheck._certificates.golden import load_golden
+from crosscheck._certificates.param_grads import ParamPair, param_pairs
+from crosscheck._certificates.activation_grad import perturbed_program
+from crosscheck._certificates.reference import (
     activation_pair,
     cast_inputs,
     checked_dtype,
@@ -556,7 +556,7 @@ def certify(
     `lambda p, input_ids: model.apply({"params": p}, input_ids)`), so that they can be differentiated.
     params: with grads=True, {torch parameter name: JAX path "a/b/kernel", pull(grads tree) -> array, or
     (either, transform(torch grad) -> JAX's layout)}: one row per pair, named by the torch parameter, comparing
-    d loss / d parameter (crosscheck/_param_grads.py; parameter_map(torch_model, tree) for our families).
+    d loss / d parameter (crosscheck/_certificates/param_grads.py; parameter_map(torch_model, tree) for our families).
     calibrate: with dtype="float32", each output and layer row's bar is set from a second reference run:
     torch in float64 on the same (float32) inputs and weights, CALIBRATION_FACTOR times torch's own float32
     error at that row, and never under CALIBRATION_FLOOR (see calibrated_bar). A bar that scales with the

@@ -12,7 +12,7 @@ jaxattn/models/_decoder.py); the torch side is compared inside forward hooks, ea
 three numbers the moment it exists and then dropped.
 
 float64: HF's RMS norms take their statistics in float32 even for float64 inputs; the float64 reference
-lifts exactly that (crosscheck._hf_models.float64_reference), everything else is HF's code.
+lifts exactly that (crosscheck._hf.checkpoints.float64_reference), everything else is HF's code.
 
 Padding: rows are compared on real tokens only (attention_mask == 1). A padded query's output has no
 meaning (no key is allowed to it, or only padding is) and the frameworks differ there by design.
@@ -32,8 +32,8 @@ from typing import Any
 
 import numpy as np
 
-from crosscheck._certify import Bar, Verdict, certify
-from crosscheck._hf_models import float64_reference
+from crosscheck._certificates.certify import Bar, Verdict, certify
+from crosscheck._hf.checkpoints import float64_reference
 
 # dtype -> (metric, bar); "max_abs" is measured against bar * max(1, the row's largest |reference value|)
 LAYER_TOLERANCES: Mapping[str, tuple[str, float]] = {"float32": ("max_abs", 1e-5), "float64": ("normwise", 1e-12)}

@@ -41,7 +41,7 @@ def model_inputs(directory: Path, config: dict) -> dict[str, np.ndarray]:
 
 
 def _encoder_inputs(directory: Path, config: dict) -> dict[str, np.ndarray]:
-    from crosscheck._hf_models import padded_batch
+    from crosscheck._hf.checkpoints import padded_batch
 
     side = "right" if config.get("model_type") in ("bert", "t5") else "left"
     pad = config.get("pad_token_id") or 0
@@ -66,7 +66,7 @@ def _encoder_inputs(directory: Path, config: dict) -> dict[str, np.ndarray]:
 
 def plot(reports, path: str) -> None:
     """Error against depth, one line per dtype; each row's error is divided by its bar, so 1 = tolerance."""
-    from crosscheck._certify import plot_series
+    from crosscheck._certificates.certify import plot_series
 
     try:
         plot_series(
@@ -107,7 +107,7 @@ def finish(reports, *, header: str, data: dict, json_path: str | None, plot_path
 
 
 def main(directory: str | None, *, dtypes: Sequence[str] | None, plot_path: str | None, json_path: str | None) -> int:
-    from crosscheck._layers import LAYER_TOLERANCES, layer_report
+    from crosscheck._hf.layer_report import LAYER_TOLERANCES, layer_report
     from jaxattn.models import from_pretrained
 
     if directory is None:
@@ -117,7 +117,7 @@ def main(directory: str | None, *, dtypes: Sequence[str] | None, plot_path: str 
     try:
         model, params = from_pretrained(directory, precision="highest")
         config = json.loads((directory / "config.json").read_text())
-        from crosscheck._hf_models import torch_model
+        from crosscheck._hf.checkpoints import torch_model
 
         torch = torch_model(directory)
     except (OSError, ValueError) as error:

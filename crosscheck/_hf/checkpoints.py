@@ -707,7 +707,7 @@ _SAVED_BUFFERS = ("e_score_correction_bias",)
 def buffers_as_frozen_parameters(torch_model):
     """torch_model with each of its _SAVED_BUFFERS made a parameter with requires_grad=False (the same tensor,
     the same forward), so that named_parameters() pairs with every leaf of our params and a training twin
-    leaves them unchanged, as torch's optimizers do (crosscheck._optim: frozen -> set_to_zero). In place."""
+    leaves them unchanged, as torch's optimizers do (crosscheck._training.optim: frozen -> set_to_zero). In place."""
     import torch
 
     for module in torch_model.modules():

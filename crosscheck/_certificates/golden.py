@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from crosscheck._reference import (
+from crosscheck._certificates.reference import (
     activation_pair,
     cast_inputs,
     checked_dtype,

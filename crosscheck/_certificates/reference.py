@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from crosscheck._compare import TOLERANCES
+from crosscheck._comparison.compare import TOLERANCES
 
 
 def versions() -> dict[str, str | None]:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from crosscheck._convert import to_jax, to_numpy
+from crosscheck._conversion.weights import to_jax, to_numpy
 
 
 def _kind(name: str, x: np.ndarray) -> str:

@@ -64,7 +64,7 @@ def write_llama(directory: str | os.PathLike, **overrides) -> Path:
     """The tiny random Llama the faults are planted in: tied head, MiniLM's vocabulary, room for the prompt."""
     import json
 
-    from crosscheck._hf_models import write_checkpoint
+    from crosscheck._hf.checkpoints import write_checkpoint
     from crosscheck.cases.minilm import model_dir
 
     vocab = json.loads((model_dir() / "config.json").read_text())["vocab_size"]

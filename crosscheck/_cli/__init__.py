@@ -1,0 +1,1 @@
+"""python -m crosscheck and its subcommands (the catalogue, --model, --train, certify)."""

@@ -1,0 +1,1 @@
+"""one computation in JAX and torch on the same numbers, measured (compare, tolerances)."""

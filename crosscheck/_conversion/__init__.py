@@ -1,0 +1,1 @@
+"""torch weights, masks and weight files -> jaxattn (the one mapping table)."""

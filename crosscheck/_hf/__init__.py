@@ -1,0 +1,1 @@
+"""Hugging Face models: small random checkpoints, attention references, layer_report."""
