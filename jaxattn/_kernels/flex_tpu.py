@@ -18,7 +18,8 @@ double buffer), so S x (H + Hv) is bounded (MAX_KEY_BYTES); longer calls fall ba
 
 On a TPU (interpret=False) also refused: score_mod / mask_mod / BlockMask mask_mod closing over an array
 (as on the GPU: indexing one by head or position inside the kernel is not lowered), inputs wider than 32
-bits, jax_enable_x64 on. interpret=True runs Pallas' interpreter (any platform; closed-over arrays work).
+bits, float16 (splash_tpu.tpu_dtype_refusal), jax_enable_x64 on. interpret=True runs Pallas' interpreter
+(any platform; closed-over arrays work).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from jax.experimental.pallas import tpu as pltpu
 from .._core import checks, mods
 from .._core.dtypes import accumulation_dtype
 from .._engines.blockwise import blockwise_attention
-from . import pallas_gpu
+from . import pallas_gpu, splash_tpu
 
 LANES = 128
 INTERPRET_BLOCK = 16
@@ -64,6 +65,8 @@ def unsupported(query, key, value, *, interpret=False, **options) -> Optional[st
         return "jax_enable_x64 (the Pallas TPU kernels index in int32)"
     if np.dtype(getattr(query, "dtype", np.float32)).itemsize > 4:
         return "dtype"
+    if splash_tpu.tpu_dtype_refusal(query) is not None:
+        return splash_tpu.tpu_dtype_refusal(query)
     block_mask = options.get("block_mask")
     if block_mask is not None and (
         not _tiles_ok(getattr(block_mask, "block_size", ())) or getattr(block_mask, "mask_consts", ())
