@@ -168,7 +168,7 @@ CASES = [
     Case("cudnn fp16 H64", N=4, H=64, dtype="float16", kernel="cudnn", platforms=("gpu",)),
     Case("None causal", T=2048, N=8, kernel="auto", options=CAUSAL),
     Case("None decode", B=2, T=1, S=8192, N=8, K=2, kernel="auto", options=CAUSAL, programs=("forward",)),
-    Case("llama", T=384, kernel="llama", programs=("forward", "forward+backward", "decode")),
+    Case("llama", T=384, N=4, K=2, H=64, kernel="llama", programs=("forward", "forward+backward", "decode")),
 ]
 # The second GPU and TPU generation: the cases whose tiles or dtypes the generation could change.
 SECOND = ("causal", "full f32", "causal fp16 H64", "causal H256 GQA 8/2", "decode", "flex block_mask", "cudnn causal")
@@ -277,6 +277,9 @@ def attention_program(case: Case, platform: str, program: str, scale: int):
     return fn, (floats, ints)
 
 
+LLAMA_SLOTS = 4096  # the decode step: one token against a cache of this many slots
+
+
 def llama_program(case: Case, program: str):
     """A one-layer Llama with grouped-query heads (N = 4, K = 2, H = 64), bf16, params as shapes only."""
     config = LlamaConfig(
@@ -301,7 +304,7 @@ def llama_program(case: Case, program: str):
             return -jnp.mean(jax.nn.log_softmax(logits[:, :-1])[..., 0])
 
         return jax.grad(loss), (params, ids)
-    slots = 4096  # one token against a 4096-slot cache
+    slots = LLAMA_SLOTS
     cache = jax.eval_shape(
         lambda p: model.apply({"params": p}, jnp.zeros((1, slots), jnp.int32), decode=True, mutable=["cache"])[1],
         params,
@@ -317,6 +320,8 @@ def llama_program(case: Case, program: str):
 def compile_one(case: Case, target: str, device, program: str, scale: int = 1) -> dict:
     platform = TARGETS[target][0]
     row = dict(target=target, case=case.name, program=program, scale=scale, **case.sizes(scale), dtype=case.dtype)
+    if case.kernel == "llama" and program == "decode":
+        row.update(T=1, S=LLAMA_SLOTS)
     start = time.perf_counter()
     stage = "trace"
     try:
@@ -341,6 +346,8 @@ def compile_one(case: Case, target: str, device, program: str, scale: int = 1) -
         memory = compiled.memory_analysis()
         row.update(status="ok", temp_bytes=int(memory.temp_size_in_bytes))
         row["kernels"] = sorted(set(re.findall(r'name = "(jaxattn_\w+)"', lowered.as_text()))) or None
+        # what the compiled program calls: Triton, cuDNN's fused attention, Mosaic (none: XLA's own code)
+        row["custom_calls"] = sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())))
     except Exception as error:  # every failure is a result: its stage and message are recorded
         row.update(status="error", stage=stage, error=f"{type(error).__name__}: {error}"[:2000])
         row["compile_s"] = round(time.perf_counter() - start, 2)
