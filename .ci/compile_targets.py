@@ -57,8 +57,11 @@ TARGETS = {
 }
 KERNEL = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}
 PROGRAMS = ("forward", "forward+backward")
-# temp(2T, 2S) / temp(T, S) at most this: linear growth is <= 2 (a fixed part makes it less); quadratic ~4.
-LINEAR_RATIO = 2.1
+# O(T + S): temp(2T, 2S) <= 2 temp(T, S) + LINEAR_SLACK. The slack is for small quadratic bookkeeping: the
+# kernels' tile schedule, int32 per (query tile, key tile) pair, is 16 KiB at 4096 x 4096 in 64 x 64 tiles
+# (the H100 causal forward grows 2.097x, 77 -> 162 KiB); a [T,S] buffer of one head at the doubled lengths
+# here is 16 MiB or more.
+LINEAR_SLACK = 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -390,15 +393,15 @@ def run(targets, names, log, full=False) -> tuple[list, list]:
                     rows.append(double)
                     log(double)
                     if double["status"] == "ok":
-                        ratio = double["temp_bytes"] / max(row["temp_bytes"], 1)
+                        single, twice = row["temp_bytes"], double["temp_bytes"]
                         checks.append(
                             dict(
                                 target=target,
                                 case=case.name,
                                 program=program,
-                                temp_bytes=[row["temp_bytes"], double["temp_bytes"]],
-                                ratio=round(ratio, 3),
-                                ok=ratio <= LINEAR_RATIO,
+                                temp_bytes=[single, twice],
+                                ratio=round(twice / max(single, 1), 3),
+                                ok=twice <= 2 * single + LINEAR_SLACK,
                             )
                         )
     return rows, checks
@@ -427,7 +430,7 @@ def verdict(rows, checks) -> list[str]:
         if not check["ok"]:
             problems.append(
                 f"{check['target']} {check['case']} {check['program']}: temp bytes grew {check['ratio']}x "
-                f"for twice the lengths (O(T + S) allows {LINEAR_RATIO}x): {check['temp_bytes']}"
+                f"for twice the lengths (O(T + S) allows 2x + {LINEAR_SLACK} bytes): {check['temp_bytes']}"
             )
     return problems
 
