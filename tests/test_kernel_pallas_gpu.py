@@ -7,6 +7,8 @@ interpreter lifts), and the CUDA lowering (one Triton custom call per kernel, no
 machine. float32 at highest precision: outputs and lse <= 1e-6, gradients <= 1e-5, normwise.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,6 +185,25 @@ def test_lowers_to_triton_for_cuda(name):
     for text in (forward, backward):
         assert "stablehlo.while" not in text
         assert "512x512" not in text  # no [T,S] array
+
+
+def test_float32_wide_heads_take_half_size_tiles():
+    # 64 x 64 float32 tiles at head dim 192 (padded to 256) overran an H100's shared memory in the backward
+    # kernels (found compiling for an H100 target: .ci/compile_targets.py); bfloat16 keeps 64 x 64. The
+    # Triton grid's query-tile axis (grid_z) counts the tiles.
+    q = jax.ShapeDtypeStruct((1, 512, 2, 192), jnp.float32)
+    half = jax.ShapeDtypeStruct(q.shape, jnp.bfloat16)
+
+    def attention(q):  # the public API: the kernel's own signature is being reshaped
+        return jaxattn.dot_product_attention(q, q, q, is_causal=True, implementation="pallas_gpu")
+
+    def query_tiles(x):
+        text = _lowered(attention, x)
+        return {int(z) for z in re.findall(r"grid_z = (\d+)", text)}
+
+    with jax.enable_x64(False):  # the Pallas kernels index in int32
+        assert query_tiles(q) == {512 // 32}
+        assert query_tiles(half) == {512 // 64}
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -75,6 +75,31 @@ def test_an_explicit_kernel_refuses_what_it_cannot_express(x64_off, implementati
         jaxattn.flex_attention(q, k, v, implementation=implementation, **keywords)
 
 
+@pytest.mark.parametrize(
+    "keywords",
+    [dict(is_causal=True), dict(score_mod=lambda x, b, n, t, s: x - 0.1 * (t - s))],
+    ids=["splash", "flex kernel"],
+)
+def test_float16_is_refused_on_a_tpu_and_none_takes_xla_there(x64_off, keywords):
+    # Mosaic compiles no float16 vector load (v5e and v6e: .ci/compile_targets.py), so both TPU kernels refuse
+    # float16 by name and implementation=None lowered for a TPU holds no kernel; the interpreter has no such limit
+    q, k, v = qkv(jnp.float16)
+    with pytest.raises(ValueError, match=r"^query \(dtype float16.*implementation='pallas_tpu'"):
+        jaxattn.flex_attention(q, k, v, implementation="pallas_tpu", **keywords)
+    with jaxattn.cross_platform_lowering():
+        text = (
+            jax.jit(lambda q, k, v: jaxattn.flex_attention(q, k, v, **keywords))
+            .trace(q, k, v)
+            .lower(lowering_platforms=("tpu",))
+            .as_text()
+        )
+    assert "tpu_custom_call" not in text
+    bf16 = jax.jit(lambda q, k, v: jaxattn.flex_attention(q, k, v, **keywords))
+    with jaxattn.cross_platform_lowering():
+        text = bf16.trace(*(x.astype(jnp.bfloat16) for x in (q, k, v))).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text  # the same call in bfloat16 takes the kernel
+
+
 def test_the_dense_only_schemes_refuse_a_kernel_by_their_terms():
     q, k, v = qkv()
     with pytest.raises(ValueError, match="^rel_key / rel_value: .*'pallas_tpu'"):

@@ -75,6 +75,10 @@ from .tile_body import (
 # q, k, v tiles must fit the registers / shared memory of one thread block); Triton's dot needs powers of
 # two of at least 16. The interpreter takes any size: 16 x 16 keeps interpret-mode tests quick.
 GPU_BLOCKS = {64: (128, 64), 256: (64, 64)}  # largest padded head dim -> (Tb, Sb)
+# Float32 inputs with padded head dims above 128: 64 x 64 tiles overrun an H100's 227 KiB of shared memory
+# per block in the backward kernels (262400 bytes asked at head dim 192, padded to 256: found compiling for
+# the H100, .ci/compile_targets.py); half-size tiles fit.
+WIDE_FLOAT32_BLOCKS = (32, 32)
 INTERPRET_BLOCK = 16
 MIN_GPU_BLOCK = 16
 MAX_HEAD_DIM = 256
@@ -484,9 +488,10 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def tile_sizes(block_size, T: int, S: int, Hp: int, interpret: bool) -> tuple:
-    """(Tb, Sb): block_size as given, else GPU_BLOCKS by head dim (INTERPRET_BLOCK when interpreted),
-    shrunk to the next power of two of T / S (never below MIN_GPU_BLOCK on a GPU)."""
+def tile_sizes(block_size, T: int, S: int, Hp: int, interpret: bool, itemsize: int = 2) -> tuple:
+    """(Tb, Sb): block_size as given, else GPU_BLOCKS by head dim (WIDE_FLOAT32_BLOCKS for 4-byte inputs
+    wider than 128, INTERPRET_BLOCK when interpreted), shrunk to the next power of two of T / S (never below
+    MIN_GPU_BLOCK on a GPU)."""
     pair = _block_pair(block_size)
     if pair is not None:
         for b in pair:
@@ -495,6 +500,8 @@ def tile_sizes(block_size, T: int, S: int, Hp: int, interpret: bool) -> tuple:
         return int(pair[0]), int(pair[1])
     if interpret:
         wanted = (INTERPRET_BLOCK, INTERPRET_BLOCK)
+    elif itemsize > 2 and Hp > 128:
+        wanted = WIDE_FLOAT32_BLOCKS
     else:
         wanted = next(blocks for dim, blocks in sorted(GPU_BLOCKS.items()) if Hp <= dim or dim == MAX_HEAD_DIM)
     floor = 1 if interpret else MIN_GPU_BLOCK
@@ -705,7 +712,7 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
     if blocks is not None and block_mask is None:
         Tb, Sb = blocks
     else:
-        Tb, Sb = tile_sizes(block_size, T, S, max(Hp, Hvp), interpret)
+        Tb, Sb = tile_sizes(block_size, T, S, max(Hp, Hvp), interpret, np.dtype(query.dtype).itemsize)
     Tn, Sn = -(-T // Tb), -(-S // Sb)
     Tp, Sp = Tn * Tb, Sn * Sb
     q_pos, k_pos, lengths, q_seg, k_seg = padded_rows(c, Tp, Sp)

@@ -18,8 +18,8 @@ double buffer), so S x (H + Hv) is bounded (MAX_KEY_BYTES); longer calls fall ba
 
 Refused with jax_enable_x64 on (in the interpreter too), and on a TPU (interpret=False) also: score_mod /
 mask_mod / BlockMask mask_mod closing over an array (as on the GPU: indexing one by head or position inside the
-kernel is not lowered), inputs wider than 32 bits. interpret=True runs Pallas' interpreter (any platform;
-closed-over arrays work).
+kernel is not lowered), inputs wider than 32 bits, float16 (splash_tpu.tpu_dtype_refusal). interpret=True runs
+Pallas' interpreter (any platform; closed-over arrays work).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from .._core import checks, mods
 from .._core.call import INDEX_ARRAYS, AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._engines import blockwise
-from . import flash_gpu, tile_body
+from . import flash_gpu, splash_tpu, tile_body
 
 LANES = 128
 INTERPRET_BLOCK = 16
@@ -70,6 +70,8 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
         return None
     if np.dtype(getattr(query, "dtype", np.float32)).itemsize > 4:
         return "dtype"
+    if splash_tpu.tpu_dtype_refusal(query) is not None:
+        return splash_tpu.tpu_dtype_refusal(query)
     block_mask = call.block_mask
     if block_mask is not None and (
         not _tiles_ok(getattr(block_mask, "block_size", ())) or getattr(block_mask, "mask_consts", ())

@@ -65,9 +65,12 @@ ONE_ROW = ("query_positions", "key_positions")
 def unsupported(call: AttentionCall, query, key, value, interpret=False):
     """None when splash computes this call exactly, else the name of the first option it cannot express.
 
-    The same in Pallas' interpreter (interpret=True) as on a TPU: splash's own limits, not the chip's."""
+    The same in Pallas' interpreter (interpret=True) as on a TPU (splash's own limits), except float16
+    inputs, which only the chip refuses (tpu_dtype_refusal)."""
     if jax.config.read("jax_enable_x64"):
         return "jax_enable_x64 (splash's index arithmetic does not trace with 64-bit ints on)"
+    if not interpret and tpu_dtype_refusal(query) is not None:
+        return tpu_dtype_refusal(query)
     one_row = np.shape(query)[-3] == 1
     problem = call.first_unhandled(HANDLED + (ONE_ROW if one_row else ()))
     if problem is not None:
@@ -82,6 +85,15 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False):
         return "key_value_seq_lengths (with segment ids)"
     if min(np.shape(query)[-3], np.shape(key)[-3]) == 0:
         return "query (an empty sequence)"
+    return None
+
+
+def tpu_dtype_refusal(query) -> str | None:
+    """The refusal of float16 inputs on a TPU (splash's and the flex kernel's): Mosaic compiles no float16
+    vector load ("Invalid vector type for load", found compiling for v5e and v6e, .ci/compile_targets.py),
+    so a float16 call must take the XLA engines (implementation=None) rather than fail at compile time."""
+    if np.dtype(getattr(query, "dtype", np.float32)) == np.float16:
+        return "query (dtype float16: Mosaic has no float16 vector loads on a TPU; bfloat16 or float32)"
     return None
 
 

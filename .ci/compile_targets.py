@@ -1,0 +1,509 @@
+"""CI (issue 36 §1): the kernels compiled for GPUs and TPUs that are not here, not only lowered.
+
+XLA compiles for a device it does not have: a GPU from a target config (.ci/targets/*.pbtxt: H100 sm_90,
+A100 sm_80), a TPU from a topology name (libtpu). `jax.jit(f).lower(shapes).compile()` then runs the whole
+pipeline (Triton to PTX and ptxas for Pallas GPU kernels, Mosaic for Pallas TPU kernels, cuDNN's graph
+build, XLA's own passes), so Triton's shared-memory and register limits and Mosaic's tiling and VMEM limits
+are checked here, on a CPU machine. Needs its own environment (`jax[cuda12,tpu]`, the project's jax version;
+.ci/run installs it as .venv-compile):
+
+    .venv-compile/bin/python .ci/compile_targets.py [--targets h100,v5e] [--cases causal,decode] [--jobs 2]
+
+Each case goes through the public API (jaxattn.dot_product_attention / flex_attention) with an explicit
+implementation (pallas_gpu on the GPUs, pallas_tpu on the TPUs, cudnn), implementation=None inside
+cross_platform_lowering(), or a ported model (a tiny random Llama: forward, training step, decode step).
+Forward and forward+backward. Per program: compiled or the error, lower and compile seconds, XLA's temp
+bytes. Where the kernel promises O(T + S) memory, the program is compiled again at twice the lengths and
+its temp bytes must grow no faster than linearly.
+
+Writes benchmarks/results/compile_targets.json. Exit status 1 for a regression: a program that fails and is
+not in KNOWN_FAILURES, a known failure that now compiles (take it off the list), or a memory check that
+fails. Known failures are printed with their error every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host; the targets are compile-only topologies
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+
+import jaxattn  # noqa: E402
+from jaxattn.models.llama import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+TARGET_DIR = ROOT / ".ci" / "targets"
+RESULTS = ROOT / "benchmarks" / "results" / "compile_targets.json"
+
+# name: (platform, topology). The GPU configs' figures: .ci/targets/README.md.
+TARGETS = {
+    "h100": ("gpu", dict(topology_name="h100", platform="cuda", config="h100.pbtxt")),
+    "a100": ("gpu", dict(topology_name="a100", platform="cuda", config="a100.pbtxt")),
+    "v5e": ("tpu", dict(topology_name="v5e:1x1", platform="tpu")),
+    "v6e": ("tpu", dict(topology_name="v6e:1x1", platform="tpu")),
+}
+KERNEL = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}
+PROGRAMS = ("forward", "forward+backward")
+# O(T + S): temp(2T, 2S) <= 2 temp(T, S) + LINEAR_SLACK. The slack is for small quadratic bookkeeping: the
+# kernels' tile schedule, int32 per (query tile, key tile) pair, is 16 KiB at 4096 x 4096 in 64 x 64 tiles
+# (the H100 causal forward grows 2.097x, 77 -> 162 KiB); a [T,S] buffer of one head at the doubled lengths
+# here is 16 MiB or more.
+LINEAR_SLACK = 2**20
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One call: shapes [B,T,N,H] / [B,S,K,H] / [B,S,K,Hv], its options, and where it runs.
+
+    kernel: "pallas" (pallas_gpu on a GPU, pallas_tpu on a TPU), "cudnn", "auto" (implementation=None
+    inside cross_platform_lowering()), or "llama" (a tiny random Llama under None: forward = the model's
+    forward, forward+backward = a training step, decode = one decode step against a cache of S slots).
+    arrays: array options given as program inputs: "lengths" (key_value_seq_lengths [B]), "segments"
+    (query/key segment ids [B,T] / [B,S]), "sinks" ([N] float32, differentiated).
+    flex: "score_mod" (an ALiBi-like distance penalty), "mask_mod" (causal sliding window of 256),
+    "block_mask" (that mask_mod as a create_block_mask BlockMask, 128-wide tiles, with the score_mod).
+    """
+
+    name: str
+    T: int = 1024
+    S: int | None = None
+    N: int = 4
+    K: int | None = None
+    H: int = 128
+    Hv: int | None = None
+    B: int = 1
+    dtype: str = "bfloat16"
+    kernel: str = "pallas"
+    options: tuple = ()
+    arrays: tuple = ()
+    flex: str | None = None
+    return_lse: bool = False
+    programs: tuple = PROGRAMS
+    platforms: tuple = ("gpu", "tpu")
+    memory: tuple = ()  # the programs whose temp bytes must be O(T + S)
+    mesh: bool = True  # traced inside jax.set_mesh of the target device, as on a host that has it (below)
+
+    def sizes(self, scale=1):
+        return dict(
+            B=self.B,
+            T=self.T if self.T == 1 else self.T * scale,
+            S=(self.S or self.T) * scale,
+            N=self.N,
+            K=self.K or self.N,
+            H=self.H,
+            Hv=self.Hv or self.H,
+        )
+
+
+CAUSAL = (("is_causal", True),)
+FWD_BWD = ("forward+backward",)
+# The full grid (--full): a covering set, not the product: each option at least once per platform, each
+# dtype and head dim, forward and forward+backward. Sizes are small where the size does not matter.
+CASES = [
+    Case("causal", T=2048, N=8, options=CAUSAL, memory=PROGRAMS),
+    Case("full f32", T=512, N=4, dtype="float32"),
+    Case("causal fp16 H64", N=4, H=64, dtype="float16", options=CAUSAL, platforms=("gpu",)),
+    # float16 on a TPU: refused by both TPU kernels (Mosaic has no float16 loads), so None takes XLA
+    Case("None fp16", N=4, dtype="float16", kernel="auto", options=CAUSAL, platforms=("tpu",)),
+    Case("causal H256 GQA 8/2", N=8, K=2, H=256, options=CAUSAL),
+    # the GPU kernel's dk/dv kernel unrolls the G query heads of a group: its compile time grows with G
+    # (issue 36: G = 8, 38 s; here G = 4 at head dim 256, 89 s on two busy cores), so the CI grid takes G = 2
+    Case("causal H256 GQA 4/2", N=4, K=2, H=256, options=CAUSAL),
+    Case("causal H80 T!=S unaligned", T=1000, S=1500, N=4, K=2, H=80, options=CAUSAL, memory=PROGRAMS),
+    Case("H192 Hv128 f32", T=384, S=640, N=2, H=192, Hv=128, dtype="float32", options=CAUSAL),
+    Case("MQA 4/1", N=4, K=1, options=CAUSAL),
+    Case("lengths", B=2, T=768, N=4, options=CAUSAL, arrays=("lengths",)),
+    Case("segments", B=2, T=768, N=4, arrays=("segments",)),
+    Case("window", T=2048, N=4, options=CAUSAL + (("window", (255, 0)),), memory=PROGRAMS),
+    Case("chunk", N=4, options=CAUSAL + (("chunk_size", 256),)),
+    Case(
+        "chunk, CPU host",
+        N=4,
+        options=CAUSAL + (("chunk_size", 256),),
+        programs=("forward",),
+        platforms=("tpu",),
+        mesh=False,
+    ),
+    Case("softcap", N=4, options=CAUSAL + (("logit_softcap", 50.0),)),
+    Case("sinks window", N=4, options=CAUSAL + (("window", (127, 0)),), arrays=("sinks",)),
+    # the CI grid's combined options case: lengths, window, softcap and sinks in one call
+    Case(
+        "lengths window softcap sinks",
+        B=2,
+        T=768,
+        N=4,
+        K=2,
+        options=CAUSAL + (("window", (255, 0)), ("logit_softcap", 50.0)),
+        arrays=("lengths", "sinks"),
+    ),
+    Case("segments chunk", B=2, T=768, N=4, options=CAUSAL + (("chunk_size", 256),), arrays=("segments",)),
+    Case("return_lse", N=4, options=CAUSAL, return_lse=True, platforms=("gpu",)),
+    Case(
+        "decode",
+        B=2,
+        T=1,
+        S=8192,
+        N=8,
+        K=2,
+        options=CAUSAL,
+        arrays=("lengths",),
+        programs=("forward",),
+        memory=("forward",),
+    ),
+    Case("flex score_mod", N=4, flex="score_mod", options=CAUSAL),
+    Case("flex mask_mod", N=4, flex="mask_mod"),
+    Case("flex block_mask", T=2048, N=4, flex="block_mask", memory=("forward",)),
+    Case("flex block_mask f32 H64", T=512, N=2, H=64, dtype="float32", flex="block_mask"),
+    Case("cudnn causal", T=2048, N=8, K=2, kernel="cudnn", options=CAUSAL, platforms=("gpu",)),
+    Case("cudnn fp16 H64", N=4, H=64, dtype="float16", kernel="cudnn", platforms=("gpu",)),
+    Case("None causal", T=2048, N=8, kernel="auto", options=CAUSAL),
+    Case("None decode", B=2, T=1, S=8192, N=8, K=2, kernel="auto", options=CAUSAL, programs=("forward",)),
+    Case("llama", T=384, N=4, K=2, H=64, kernel="llama", programs=("forward", "forward+backward", "decode")),
+]
+# The second GPU and TPU generation: the cases whose tiles or dtypes the generation could change.
+SECOND = ("causal", "full f32", "causal fp16 H64", "causal H256 GQA 8/2", "decode", "flex block_mask", "cudnn causal")
+FULL = {"h100": None, "v5e": None, "a100": SECOND, "v6e": SECOND}
+
+# The CI grid (the default): {case: programs}, sized to a few minutes on 2 cores. A forward+backward program
+# holds the forward kernel too, so most cases compile only that one; forward-only programs where there is
+# no backward (decode) or where the forward's own memory is checked.
+CI_FIRST = {
+    "causal": PROGRAMS,
+    "causal fp16 H64": FWD_BWD,
+    "None fp16": FWD_BWD,
+    "causal H256 GQA 4/2": FWD_BWD,
+    "causal H80 T!=S unaligned": FWD_BWD,
+    "H192 Hv128 f32": FWD_BWD,
+    "lengths window softcap sinks": FWD_BWD,
+    "segments chunk": FWD_BWD,
+    "chunk, CPU host": ("forward",),
+    "decode": ("forward",),
+    "flex score_mod": FWD_BWD,
+    "flex block_mask": PROGRAMS,
+    "cudnn causal": FWD_BWD,
+    "llama": ("forward", "decode"),
+}
+CI_SECOND = {"causal H256 GQA 4/2": FWD_BWD, "full f32": FWD_BWD}
+CI = {"h100": CI_FIRST, "v5e": CI_FIRST, "a100": CI_SECOND, "v6e": CI_SECOND}
+
+# Programs that do not compile today, each with (a fragment of) its error: (target regex, case, program).
+# A failure not listed here fails CI; so does a listed one that now compiles.
+KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
+    # Traced on a CPU host outside a mesh of the TPU device, splash's chunked mask reaches a Mosaic lowering
+    # rule (integer division through `sign`, 1-D blocks) that asks JAX's default device for its TPU generation.
+    # JAX's limitation, not the kernel's: under jax.set_mesh(Mesh(tpu_devices)) the same program compiles
+    # (the "chunk" case); on a TPU host the default device is the TPU.
+    ("v5e|v6e", "chunk, CPU host", "forward"): "Unsupported TPU device kind: cpu",
+}
+
+
+def topology_device(target):
+    platform, spec = TARGETS[target]
+    if platform == "gpu":
+        config = (TARGET_DIR / spec["config"]).read_text()
+        topo = topologies.get_topology_desc(spec["topology_name"], "cuda", target_config=config, topology="1x1x1")
+    else:  # one chip, one host (the default host bounds are 2x2x1)
+        topo = topologies.get_topology_desc(spec["topology_name"], platform="tpu", chips_per_host_bounds=[1, 1, 1])
+    return topo.devices[0]
+
+
+def shapes(tree, device):
+    """ShapeDtypeStructs placed on the target device (nothing allocated)."""
+    sharding = jax.sharding.SingleDeviceSharding(device)
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), tree)
+
+
+def distance_penalty(score, b, n, t, s):
+    return score - 0.01 * (n + 1) * jnp.abs(t - s).astype(score.dtype)
+
+
+def sliding_causal(b, n, t, s):
+    return (s <= t) & (t - s < 256)
+
+
+def attention_program(case: Case, platform: str, program: str, scale: int):
+    """(fn, args): the case's attention call on abstract inputs; forward+backward: the gradient of a float32
+    sum of the outputs with respect to q, k, v (and sinks)."""
+    z = case.sizes(scale)
+    B, T, S, N, K, H, Hv = (z[name] for name in ("B", "T", "S", "N", "K", "H", "Hv"))
+    dtype = jnp.dtype(case.dtype)
+    floats = {
+        "q": jax.ShapeDtypeStruct((B, T, N, H), dtype),
+        "k": jax.ShapeDtypeStruct((B, S, K, H), dtype),
+        "v": jax.ShapeDtypeStruct((B, S, K, Hv), dtype),
+    }
+    ints = {}
+    if "sinks" in case.arrays:
+        floats["sinks"] = jax.ShapeDtypeStruct((N,), jnp.float32)
+    if "lengths" in case.arrays:
+        ints["key_value_seq_lengths"] = jax.ShapeDtypeStruct((B,), jnp.int32)
+    if "segments" in case.arrays:
+        ints["query_segment_ids"] = jax.ShapeDtypeStruct((B, T), jnp.int32)
+        ints["key_segment_ids"] = jax.ShapeDtypeStruct((B, S), jnp.int32)
+    implementation = {"pallas": KERNEL[platform], "cudnn": "cudnn", "auto": None}[case.kernel]
+    mods = {}
+    if case.flex == "score_mod":
+        mods = dict(score_mod=distance_penalty)
+    elif case.flex == "mask_mod":
+        mods = dict(mask_mod=sliding_causal)
+    elif case.flex == "block_mask":  # built outside the program, as users do
+        block_mask = jaxattn.create_block_mask(sliding_causal, None, None, T, S, block_size=128)
+        mods = dict(score_mod=distance_penalty, block_mask=block_mask)
+
+    def call(floats, ints):
+        q, k, v = floats["q"], floats["k"], floats["v"]
+        options = dict(case.options, **ints, implementation=implementation)
+        if "sinks" in floats:
+            options["sinks"] = floats["sinks"]
+        if case.flex or case.return_lse:
+            return jaxattn.flex_attention(q, k, v, **mods, return_lse=case.return_lse, **options)
+        return jaxattn.dot_product_attention(q, k, v, **options)
+
+    def loss(floats, ints):
+        outs = call(floats, ints)
+        return sum(jnp.sum(o.astype(jnp.float32)) for o in jax.tree.leaves(outs))
+
+    fn = call if program == "forward" else jax.grad(loss)
+    return fn, (floats, ints)
+
+
+LLAMA_SLOTS = 4096  # the decode step: one token against a cache of this many slots
+
+
+def llama_program(case: Case, program: str):
+    """A one-layer Llama with grouped-query heads (N = 4, K = 2, H = 64), bf16, params as shapes only."""
+    config = LlamaConfig(
+        vocab_size=211,
+        hidden_size=256,
+        intermediate_size=320,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        rope_frequencies=tuple((1e4 ** (-jnp.arange(0, 64, 2) / 64)).tolist()),
+    )
+    model = LlamaForCausalLM(config=config, dtype=jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((1, case.T), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+    if program == "forward":
+        return (lambda params, ids: model.apply({"params": params}, ids)), (params, ids)
+    if program == "forward+backward":
+
+        def loss(params, ids):
+            logits = model.apply({"params": params}, ids).astype(jnp.float32)
+            return -jnp.mean(jax.nn.log_softmax(logits[:, :-1])[..., 0])
+
+        return jax.grad(loss), (params, ids)
+    slots = LLAMA_SLOTS
+    cache = jax.eval_shape(
+        lambda p: model.apply({"params": p}, jnp.zeros((1, slots), jnp.int32), decode=True, mutable=["cache"])[1],
+        params,
+    )["cache"]
+
+    def step(params, cache, token):
+        logits, variables = model.apply({"params": params, "cache": cache}, token, decode=True, mutable=["cache"])
+        return jnp.argmax(logits[:, -1], axis=-1), variables["cache"]
+
+    return step, (params, cache, jax.ShapeDtypeStruct((1, 1), jnp.int32))
+
+
+def compile_one(case: Case, target: str, device, program: str, scale: int = 1) -> dict:
+    platform = TARGETS[target][0]
+    row = dict(target=target, case=case.name, program=program, scale=scale, **case.sizes(scale), dtype=case.dtype)
+    if case.kernel == "llama" and program == "decode":
+        row.update(T=1, S=LLAMA_SLOTS)
+    start = time.perf_counter()
+    stage = "trace"
+    try:
+        # What the program closes over (a BlockMask, the model's parameter shapes) is built on this host.
+        if case.kernel == "llama":
+            fn, args = llama_program(case, program)
+        else:
+            fn, args = attention_program(case, platform, program, scale)
+        # Tracing and lowering inside jax.set_mesh of the target device: Mosaic reads the TPU generation (its
+        # lane and sublane counts) from the abstract mesh's device, else from JAX's default device, which is
+        # this CPU, and fails where it reads it (splash with chunk_size: "Unsupported TPU device kind: cpu").
+        # The "CPU host" case keeps that failure in view.
+        mesh = jax.set_mesh(jax.sharding.Mesh(np.array([device]), ("x",))) if case.mesh else contextlib.nullcontext()
+        stage = "lower"
+        with jaxattn.cross_platform_lowering(), mesh:
+            lowered = jax.jit(fn).lower(*shapes(args, device))
+        row["lower_s"] = round(time.perf_counter() - start, 2)
+        stage = "compile"
+        start = time.perf_counter()
+        compiled = lowered.compile()
+        row["compile_s"] = round(time.perf_counter() - start, 2)
+        memory = compiled.memory_analysis()
+        row.update(status="ok", temp_bytes=int(memory.temp_size_in_bytes))
+        row["kernels"] = sorted(set(re.findall(r'name = "(jaxattn_\w+)"', lowered.as_text()))) or None
+        # what the compiled program calls: Triton, cuDNN's fused attention, Mosaic (none: XLA's own code)
+        row["custom_calls"] = sorted(set(re.findall(r'custom_call_target="([^"]+)"', compiled.as_text())))
+    except Exception as error:  # every failure is a result: its stage and message are recorded
+        row.update(status="error", stage=stage, error=f"{type(error).__name__}: {error}"[:2000])
+        row["compile_s"] = round(time.perf_counter() - start, 2)
+    return row
+
+
+def known(target, case, program):
+    for (pattern, name, prog), fragment in KNOWN_FAILURES.items():
+        if re.fullmatch(pattern, target) and name == case and prog == program:
+            return fragment
+    return None
+
+
+def selected(target, names, full) -> list[tuple[Case, tuple]]:
+    """(case, programs) for this target: the CI grid, or with full the whole grid (FULL's cases)."""
+    platform = TARGETS[target][0]
+    chosen = []
+    for case in CASES:
+        if platform not in case.platforms or (names and case.name not in names):
+            continue
+        if full:
+            if FULL[target] is None or case.name in FULL[target]:
+                chosen.append((case, case.programs))
+        elif case.name in CI[target]:
+            chosen.append((case, CI[target][case.name]))
+    return chosen
+
+
+def run(targets, names, log, full=False) -> tuple[list, list]:
+    rows, checks = [], []
+    for target in targets:
+        device = topology_device(target)
+        for case, programs in selected(target, names, full):
+            for program in programs:
+                row = compile_one(case, target, device, program)
+                rows.append(row)
+                log(row)
+                if program in case.memory and row["status"] == "ok":
+                    double = compile_one(case, target, device, program, scale=2)
+                    rows.append(double)
+                    log(double)
+                    if double["status"] == "ok":
+                        single, twice = row["temp_bytes"], double["temp_bytes"]
+                        checks.append(
+                            dict(
+                                target=target,
+                                case=case.name,
+                                program=program,
+                                temp_bytes=[single, twice],
+                                ratio=round(twice / max(single, 1), 3),
+                                ok=twice <= 2 * single + LINEAR_SLACK,
+                            )
+                        )
+    return rows, checks
+
+
+def print_row(row):
+    size = f"T={row['T']} S={row['S']} N={row['N']}/{row['K']} H={row['H']}/{row['Hv']} {row['dtype']}"
+    if row["status"] == "ok":
+        what = f"ok {row['compile_s']:6.2f} s  temp {row['temp_bytes'] / 2**20:8.2f} MiB"
+    else:
+        what = f"FAIL ({row['stage']}) {row['error'].splitlines()[0][:160]}"
+    print(f"{row['target']:5} {row['case']:26} {row['program']:16} {size:44} {what}", flush=True)
+
+
+def verdict(rows, checks) -> list[str]:
+    """The regressions: unknown failures, known failures that now compile, memory checks that fail."""
+    problems = []
+    for row in rows:
+        fragment = known(row["target"], row["case"], row["program"])
+        if row["status"] == "error" and (fragment is None or fragment not in row["error"]):
+            problems.append(f"{row['target']} {row['case']} {row['program']}: {row['error'][:500]}")
+        elif row["status"] == "ok" and fragment is not None and row["scale"] == 1:
+            problems.append(f"{row['target']} {row['case']} {row['program']}: compiles now; take it off KNOWN_FAILURES")
+        row["known_failure"] = fragment is not None and row["status"] == "error"
+    for check in checks:
+        if not check["ok"]:
+            problems.append(
+                f"{check['target']} {check['case']} {check['program']}: temp bytes grew {check['ratio']}x "
+                f"for twice the lengths (O(T + S) allows 2x + {LINEAR_SLACK} bytes): {check['temp_bytes']}"
+            )
+    return problems
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated: " + ", ".join(TARGETS))
+    parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    parser.add_argument("--jobs", type=int, default=1, help="2: GPU and TPU targets in two processes")
+    parser.add_argument("--full", action="store_true", help="the whole grid (default: the CI grid)")
+    parser.add_argument("--json", default=str(RESULTS))
+    parser.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a --jobs worker
+    args = parser.parse_args(argv)
+    targets = [t for t in args.targets.split(",") if t]
+    for target in targets:
+        if target not in TARGETS:
+            parser.error(f"--targets: expected names from {list(TARGETS)}, got {target!r}")
+    names = [n for n in args.cases.split(",") if n]
+    start = time.perf_counter()
+    if args.jobs > 1 and len(targets) > 1:
+        rows, checks = run_parts(targets, args)
+    else:
+        rows, checks = run(targets, names, print_row, args.full)
+    wall = round(time.perf_counter() - start, 1)
+    if args.part:
+        Path(args.json).write_text(json.dumps(dict(rows=rows, checks=checks)))
+        return 0
+    problems = verdict(rows, checks)
+    report = dict(
+        grid="full" if args.full else "ci",
+        jax=jax.__version__,
+        targets={t: TARGETS[t][1]["topology_name"] for t in targets},
+        wall_s=wall,
+        rows=rows,
+        memory_checks=checks,
+        regressions=problems,
+    )
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    failed = [r for r in rows if r["status"] == "error"]
+    print(f"\n{len(rows) - len(failed)} compiled, {len(failed)} failed, {len(checks)} memory checks; {wall} s")
+    for row in failed:
+        if row["known_failure"]:
+            print(f"known failure: {row['target']} {row['case']} {row['program']}: {row['error'][:300]}")
+    for problem in problems:
+        print(f"REGRESSION: {problem}")
+    return 1 if problems else 0
+
+
+def run_parts(targets, args):
+    """--jobs: the GPU targets in one worker process, the TPU targets in another (XLA compiles a program on
+    one core; two processes cannot both load libtpu)."""
+    groups = [[t for t in targets if TARGETS[t][0] == platform] for platform in ("gpu", "tpu")]
+    groups = [g for g in groups if g]
+    procs = []
+    for i, group in enumerate(groups):
+        out = Path(args.json).with_suffix(f".part{i}.tmp")
+        cmd = [sys.executable, __file__, "--part", "--targets", ",".join(group), "--json", str(out)]
+        if args.cases:
+            cmd += ["--cases", args.cases]
+        if args.full:
+            cmd += ["--full"]
+        procs.append((subprocess.Popen(cmd), out))
+    rows, checks = [], []
+    for proc, out in procs:
+        if proc.wait() != 0:
+            raise SystemExit(f"a worker failed (exit {proc.returncode})")
+        part = json.loads(out.read_text())
+        out.unlink()
+        rows += part["rows"]
+        checks += part["checks"]
+    return rows, checks
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,347 @@
+"""The first GPU (issue 36 §3): one command, run before anything else on a machine with a GPU, that checks the
+kernels there and times them, in under 8 minutes, and writes one JSON and a log.
+
+    PYTHONPATH=. python3 -m benchmarks.device_check --out "$OUT"      # on the GPU machine (no install needed)
+    python -m benchmarks.device_check --smoke --out /tmp/x            # anywhere: the same code, tiny shapes,
+                                                                      # the kernels in Pallas' interpreter
+
+(a) Correctness: each implementation (implementation="pallas_gpu", its split-key decode kernel, "cudnn")
+    against the dense engine on a small option grid, forward and gradients (q, k, v, sinks), in float32 at
+    precision="highest" (DESIGN.md's bar: normwise <= 1e-6 forward, <= 1e-5 gradients, against the dense
+    engine in float32 at "highest") and in bfloat16 (bar: the kernel's error against that float32 reference
+    at most twice the dense engine's own bfloat16 error, plus 1e-3).
+(b) Timings (benchmarks/accelerator.py's cases): causal and sliding-window bf16 at S = 1k, 4k, 16k, forward,
+    forward+backward and decode, jaxattn (implementation=None) against jax.nn.dot_product_attention (xla,
+    cudnn), torch SDPA flash and torch's compiled flex_attention; TFLOP/s (forward 4*B*N*H*(allowed pairs),
+    forward+backward 3.5x that) and the ratio to the best. Cases are run until the time budget is spent;
+    the rest are listed as not run.
+(c) The relative schemes (ALiBi through position_bias_attention, T5) against the plain kernel: not yet:
+    every relative term is the dense / blockwise XLA engines' (pallas_gpu.unsupported refuses the tables
+    and position biases), so there is no kernel of theirs to time.
+
+Writes OUT/device_check.json and OUT/device_check.log (OUT: --out, else $OUT, else benchmarks/results). Exit
+status 1 when a correctness row fails (every row still runs and is recorded).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxattn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from helpers import normwise  # noqa: E402  the suite's one normwise error
+
+F32_BAR = {"forward": 1e-6, "gradients": 1e-5}  # DESIGN.md, float32 at precision="highest"
+
+
+def on_gpu() -> bool:
+    return jax.default_backend() == "gpu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One correctness call: sizes, the options (array options are made from `arrays`), the implementations."""
+
+    name: str
+    T: int
+    S: int
+    N: int = 4
+    K: int = 2
+    H: int = 64
+    B: int = 2
+    options: tuple = ()
+    arrays: tuple = ()  # "lengths", "segments", "sinks"
+    flex: str | None = None  # "mods" (score_mod + mask_mod), "block_mask"
+    return_lse: bool = False
+    implementations: tuple = ("pallas_gpu",)
+
+
+def checks(smoke: bool) -> list[Check]:
+    """The option grid; smoke: the same options at sizes Pallas' interpreter runs in seconds."""
+    T, S, long = (19, 37, 600) if smoke else (300, 517, 8192)
+    causal = (("is_causal", True),)
+    grid = [
+        Check("causal", T, T, options=causal, implementations=("pallas_gpu", "cudnn")),
+        Check("causal T!=S GQA", T, S, N=6, K=2, options=causal),
+        Check("full MHA H128", T, S, N=3, K=3, H=128, implementations=("pallas_gpu", "cudnn")),
+        Check("H256", T, T, N=2, K=1, H=256, options=causal),
+        Check("H80", T, S, N=2, K=2, H=80, options=causal),
+        Check("lengths segments", T, S, options=causal, arrays=("lengths", "segments")),
+        Check(
+            "window softcap sinks",
+            T,
+            S,
+            options=causal + (("window", (31, 0)), ("logit_softcap", 30.0)),
+            arrays=("sinks",),
+        ),
+        Check("chunk", T, S, options=causal + (("chunk_size", 64),)),
+        Check("return_lse", T, S, options=causal, return_lse=True),
+        Check("flex score_mod mask_mod", T, S, flex="mods"),
+        Check("flex block_mask", 2 * T if smoke else 512, 2 * T if smoke else 512, flex="block_mask"),
+        Check("decode (split-key)", 1, long, N=8, K=2, options=causal, arrays=("lengths",)),
+    ]
+    if smoke:  # each code path once (Pallas' interpreter takes about a minute a row on 2 busy cores)
+        grid = [c for c in grid if c.name in SMOKE_CHECKS]
+    return grid
+
+
+# --smoke's rows: the flash kernel (both dtypes, cudnn's skip), array options with sinks' gradient, a
+# BlockMask with score_mod, the split-key decode kernel.
+SMOKE_CHECKS = ("causal", "window softcap sinks", "flex block_mask", "decode (split-key)")
+SMOKE_BF16 = ("causal",)
+
+
+def distance_penalty(score, b, n, t, s):
+    return score - 0.05 * (n + 1) * jnp.abs(t - s).astype(score.dtype)
+
+
+def sliding(b, n, t, s):
+    return (s <= t) & (t - s < 48)
+
+
+def make_inputs(check: Check, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 8)
+    B, T, S, N, K, H = check.B, check.T, check.S, check.N, check.K, check.H
+    floats = {
+        "q": jax.random.normal(keys[0], (B, T, N, H), jnp.float32),
+        "k": jax.random.normal(keys[1], (B, S, K, H), jnp.float32),
+        "v": jax.random.normal(keys[2], (B, S, K, H), jnp.float32),
+    }
+    ints = {}
+    if "sinks" in check.arrays:
+        floats["sinks"] = jax.random.normal(keys[3], (N,), jnp.float32)
+    if "lengths" in check.arrays:
+        ints["key_value_seq_lengths"] = jnp.array([S, max(S // 3, 1)], jnp.int32)[:B]
+    if "segments" in check.arrays:
+        ints["query_segment_ids"] = jnp.sort(jax.random.randint(keys[4], (B, T), 0, 3), axis=-1)
+        ints["key_segment_ids"] = jnp.sort(jax.random.randint(keys[5], (B, S), 0, 3), axis=-1)
+    return floats, ints, keys[6]
+
+
+def attention_fn(check: Check, implementation, precision, interpret):
+    mods = {}
+    if check.flex == "mods":
+        mods = dict(score_mod=distance_penalty, mask_mod=sliding)
+    elif check.flex == "block_mask":
+        mask = jaxattn.create_block_mask(sliding, None, None, check.T, check.S, block_size=16 if interpret else 128)
+        mods = dict(score_mod=distance_penalty, block_mask=mask)
+    extra = dict(interpret=True) if interpret and implementation == "pallas_gpu" else {}
+
+    def call(floats, ints):
+        q, k, v = floats["q"], floats["k"], floats["v"]
+        options = dict(check.options, **ints, precision=precision, implementation=implementation, **extra)
+        if "sinks" in floats:
+            options["sinks"] = floats["sinks"]
+        if check.flex or check.return_lse:
+            return jaxattn.flex_attention(q, k, v, **mods, return_lse=check.return_lse, **options)
+        return jaxattn.dot_product_attention(q, k, v, **options)
+
+    return call
+
+
+def forward_and_grads(call, floats, ints, cotangent_key):
+    """Outputs, and the gradients of <outputs, fixed random cotangents> for the float inputs (float32)."""
+    outs = jax.jit(call)(floats, ints)
+    leaves = jax.tree.leaves(outs)
+    cts = [jax.random.normal(jax.random.fold_in(cotangent_key, i), x.shape, jnp.float32) for i, x in enumerate(leaves)]
+
+    def loss(floats):
+        return sum(jnp.sum(x.astype(jnp.float32) * c) for x, c in zip(jax.tree.leaves(call(floats, ints)), cts))
+
+    grads = jax.jit(jax.grad(loss))(floats)
+    return [np.asarray(x, np.float32) for x in leaves], {k: np.asarray(g, np.float32) for k, g in grads.items()}
+
+
+def errors(actual, expected):
+    outs = max(normwise(a, e) for a, e in zip(actual[0], expected[0]))
+    grads = {name: normwise(actual[1][name], expected[1][name]) for name in expected[1]}
+    return outs, grads
+
+
+def run_check(check: Check, implementation: str, interpret: bool, dtypes) -> list[dict]:
+    """The dtypes of one check: rows with the errors, the bars and pass / fail."""
+    rows = []
+    floats, ints, ct_key = make_inputs(check)
+    reference = forward_and_grads(attention_fn(check, "dense", "highest", False), floats, ints, ct_key)
+    for dtype in dtypes:
+        row = dict(check=check.name, implementation=implementation, dtype=dtype, T=check.T, S=check.S, N=check.N)
+        row.update(K=check.K, H=check.H, interpret=interpret)
+        start = time.perf_counter()
+        try:
+            cast = {k: (v.astype(dtype) if k != "sinks" else v) for k, v in floats.items()}
+            precision = "highest" if dtype == "float32" else None
+            ours = forward_and_grads(attention_fn(check, implementation, precision, interpret), cast, ints, ct_key)
+            out_err, grad_err = errors(ours, reference)
+            row.update(forward=out_err, gradients=grad_err)
+            if dtype == "float32":
+                out_bar, grad_bar = F32_BAR["forward"], F32_BAR["gradients"]
+            else:  # the dense engine's own bf16 error sets the scale
+                dense = forward_and_grads(attention_fn(check, "dense", None, False), cast, ints, ct_key)
+                dense_out, dense_grad = errors(dense, reference)
+                out_bar, grad_bar = 2 * dense_out + 1e-3, 2 * max(dense_grad.values()) + 1e-3
+                row.update(dense_forward=dense_out, dense_gradients=dense_grad)
+            row.update(forward_bar=out_bar, gradients_bar=grad_bar)
+            row["ok"] = bool(out_err <= out_bar and all(e <= grad_bar for e in grad_err.values()))
+        except Exception as error:  # noqa: BLE001 - recorded; the run goes on
+            if isinstance(error, ValueError) and "which cannot express it" in str(error):
+                row.update(ok=None, skipped=f"refused: {error}"[:500])  # by design: the kernel's unsupported
+                rows.append(row)
+                continue
+            row.update(ok=False, error=f"{type(error).__name__}: {error}"[:1500], trace=traceback.format_exc()[-1500:])
+        row["seconds"] = round(time.perf_counter() - start, 2)
+        rows.append(row)
+    return rows
+
+
+def correctness(smoke: bool, log) -> list[dict]:
+    interpret = not on_gpu()
+    rows = []
+    for check in checks(smoke):
+        for implementation in check.implementations:
+            if implementation == "cudnn" and not on_gpu():
+                rows.append(dict(check=check.name, implementation="cudnn", ok=None, skipped="no GPU here"))
+                log(f"  {check.name:26} cudnn      skipped (no GPU here)")
+                continue
+            dtypes = ("float32", "bfloat16") if not smoke or check.name in SMOKE_BF16 else ("float32",)
+            if implementation == "cudnn":  # half precision only (jaxattn._kernels.cudnn)
+                dtypes = ("bfloat16",)
+            for row in run_check(check, implementation, interpret, dtypes):
+                rows.append(row)
+                if "error" in row:
+                    what = "ERROR " + row["error"].splitlines()[0][:150]
+                elif row.get("skipped"):
+                    what = row["skipped"].splitlines()[0][:150]
+                else:
+                    grads = max(row["gradients"].values())
+                    what = f"fwd {row['forward']:.2e} (bar {row['forward_bar']:.1e})  grads {grads:.2e} "
+                    what += f"(bar {row['gradients_bar']:.1e})  {'ok' if row['ok'] else 'FAIL'}"
+                log(f"  {check.name:26} {implementation:10} {row['dtype']:9} {what}  {row['seconds']} s")
+    return rows
+
+
+def allowed_pairs(mask, T, S, window):
+    offset = S - T
+    t = np.arange(T)[:, None] + offset
+    s = np.arange(S)[None, :]
+    ok = s <= t
+    if mask == "sliding":
+        ok &= t - s < window
+    return int(ok.sum())
+
+
+def timings(smoke: bool, deadline: float, log) -> dict:
+    """benchmarks.accelerator's cases, smallest first, until the deadline; TFLOP/s and ratio to the best."""
+    from benchmarks import accelerator
+
+    sizes, rounds, window = ([256], 2, 64) if smoke else ([1024, 4096, 16384], 5, accelerator.WINDOW)
+    modes = ("forward", "forward+backward", "decode")
+    cases, not_run = [], []
+    for S in sizes:
+        for mask in ("causal", "sliding"):
+            for mode in modes:
+                if time.monotonic() > deadline:
+                    not_run.append(dict(mask=mask, mode=mode, S=S))
+                    continue
+                try:
+                    case = accelerator.run_case(mask, mode, S, rounds, window)
+                except Exception as error:  # noqa: BLE001
+                    cases.append(dict(mask=mask, mode=mode, S=S, error=f"{type(error).__name__}: {error}"[:800]))
+                    log(f"  {mask:8} {mode:17} S={S:6}  ERROR {error}")
+                    continue
+                T = case["T"]
+                flops = 4 * accelerator.B * accelerator.N * accelerator.H * allowed_pairs(mask, T, S, window)
+                flops *= 3.5 if mode == "forward+backward" else 1.0
+                best = min(row["median_s"] for row in case["candidates"].values())
+                for name, row in case["candidates"].items():
+                    row["tflops"] = flops / row["median_s"] / 1e12
+                    row["ratio_to_best"] = row["median_s"] / best
+                    log(
+                        f"  {mask:8} {mode:17} S={S:6} {name:28} {row['median_s'] * 1e3:9.3f} ms "
+                        f"{row['tflops']:8.2f} TFLOP/s  x{row['ratio_to_best']:.2f} of best"
+                    )
+                for name, why in case["skipped"].items():
+                    log(f"  {mask:8} {mode:17} S={S:6} {name:28} skipped: {why[:100]}")
+                cases.append(case)
+    return dict(sizes=sizes, rounds=rounds, window=window, cases=cases, not_run=not_run)
+
+
+def machine() -> dict:
+    info = dict(
+        jax=jax.__version__,
+        backend=jax.default_backend(),
+        devices=[f"{d.platform}:{getattr(d, 'device_kind', '')}" for d in jax.devices()],
+        python=platform.python_version(),
+        host=platform.node(),
+    )
+    try:
+        import torch
+
+        info["torch"] = torch.__version__
+        info["torch_cuda"] = torch.cuda.is_available()
+    except ImportError:
+        info["torch"] = None
+    try:
+        info["nvidia_smi"] = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        info["nvidia_smi"] = None
+    return info
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", "--dry-run", action="store_true", help="tiny shapes, kernels interpreted")
+    parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    # 360 s, then at most the case in progress (about a minute: torch compiles flex_attention per shape)
+    parser.add_argument("--budget-s", type=float, default=360.0, help="wall seconds before timings stop")
+    parser.add_argument("--no-timings", action="store_true")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
+    log_file = open(out / "device_check.log", "w")
+
+    def log(line):
+        print(line, flush=True)
+        log_file.write(line + "\n")
+        log_file.flush()
+
+    results = dict(smoke=args.smoke, machine=machine())
+    log(f"device_check: {json.dumps(results['machine'])}")
+    log("(a) correctness against the dense engine")
+    results["correctness"] = correctness(args.smoke, log)
+    if not args.no_timings:
+        log("(b) timings")
+        results["timings"] = timings(args.smoke, start + args.budget_s, log)
+    results["relative"] = "not run: no kernel computes a relative term yet (module docstring, (c))"
+    results["wall_s"] = round(time.monotonic() - start, 1)
+    failed = [r for r in results["correctness"] if r.get("ok") is False]
+    results["failed"] = [f"{r['check']} {r['implementation']} {r.get('dtype')}" for r in failed]
+    (out / "device_check.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
+    log(f"correctness: {len(results['correctness']) - len(failed)} rows ok or skipped, {len(failed)} failing")
+    log(f"wall {results['wall_s']} s")
+    log(f"wrote {out / 'device_check.json'} and {out / 'device_check.log'}")
+    log_file.close()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,50 @@
+""".ci/compile_targets.py's bookkeeping (issue 36 §1): the CI grid names real cases and programs, and its verdict
+fails CI for a regression only. The compiling itself needs jax[cuda12,tpu] (.venv-compile), so .ci/run runs it,
+not this suite."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parent.parent / ".ci" / "compile_targets.py"
+_spec = importlib.util.spec_from_file_location("compile_targets", SCRIPT)
+ct = importlib.util.module_from_spec(_spec)
+sys.modules["compile_targets"] = ct  # its dataclass looks its module up there
+_spec.loader.exec_module(ct)
+
+
+def test_the_ci_grid_names_cases_and_programs_that_exist():
+    cases = {case.name: case for case in ct.CASES}
+    assert len(cases) == len(ct.CASES), "two cases share a name"
+    for target, grid in ct.CI.items():
+        for name, programs in grid.items():
+            assert name in cases, f"{target}: no case {name!r}"
+            assert set(programs) <= set(cases[name].programs), f"{target} {name}: {programs}"
+    # a name the GPU and TPU targets share runs where its platform is (a GPU-only case on the GPUs), but runs
+    ran = {case.name for target in ct.TARGETS for case, _ in ct.selected(target, [], full=False)}
+    assert ran == {name for grid in ct.CI.values() for name in grid}
+    assert set(ct.SECOND) <= set(cases)
+    for (_, name, program), _ in ct.KNOWN_FAILURES.items():
+        assert program in cases[name].programs
+
+
+def row(case, status, error=None, target="v5e", program="forward", scale=1):
+    return dict(target=target, case=case, program=program, scale=scale, status=status, error=error)
+
+
+def test_the_verdict_fails_ci_for_regressions_only():
+    known = ("chunk, CPU host", "ValueError: Unsupported TPU device kind: cpu")
+    rows = [row("causal", "ok"), row(known[0], "error", known[1])]
+    assert ct.verdict(rows, []) == []
+    assert [r["known_failure"] for r in rows] == [False, True]
+    # a new failure, a known case failing with another error, a known failure that compiles again
+    assert len(ct.verdict([row("causal", "error", "MosaicError: VMEM")], [])) == 1
+    assert len(ct.verdict([row(known[0], "error", "MosaicError: VMEM")], [])) == 1
+    assert "take it off KNOWN_FAILURES" in ct.verdict([row(known[0], "ok")], [])[0]
+    # the same case on another target is not covered by the v5e/v6e entry
+    assert len(ct.verdict([row(known[0], "error", known[1], target="h100")], [])) == 1
+    # temp bytes that grow faster than linearly
+    check = dict(target="h100", case="causal", program="forward", temp_bytes=[1, 4], ratio=4.0, ok=False)
+    assert "grew 4.0x" in ct.verdict([], [check])[0]
