@@ -61,7 +61,7 @@ def _torch_spellings(sizes: dict, torch_kwargs: dict) -> dict:
     return sizes
 
 
-def _jax_device(device) -> Optional[jax.Device]:
+def _jax_device(device):  # -> a jax.Device or None (jax.Device is a value to pyright, not a type)
     """create_block_mask's device=, read: a jax.Device is returned (the BlockMask's arrays go there, as a
     JAX user who names a device means). torch's device names ("cuda", "cpu", "cuda:0", an int index, a
     torch.device) name torch devices, not JAX ones: accepted so that torch code runs unchanged, and they
