@@ -25,8 +25,10 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 
 import jaxattn  # noqa: E402
-from jaxattn._engines import ring as ring_engine  # noqa: E402
-from jaxattn._engines import tiles  # noqa: E402
+from jaxattn._engines import (
+    ring as ring_engine,  # noqa: E402
+    tiles,  # noqa: E402
+)
 
 MiB = 2**20
 

@@ -66,10 +66,10 @@ from crosscheck._certificates.certify import (
     LogitBars as LogitBars,
     certify as certify,
 )
+from crosscheck._certificates.golden import record as record
 from crosscheck._certificates.param_grads import parameter_map as parameter_map
+from crosscheck._certificates.propose import LayerProposal as LayerProposal, propose_layers as propose_layers
 from crosscheck._certificates.reference import checkpoint_hash as checkpoint_hash
-from crosscheck._certificates.propose import LayerProposal as LayerProposal
-from crosscheck._certificates.propose import propose_layers as propose_layers
 from crosscheck._comparison.compare import (
     MODEL_TOLERANCES as MODEL_TOLERANCES,
     TOLERANCES as TOLERANCES,
@@ -80,19 +80,22 @@ from crosscheck._comparison.compare import (
     compare as compare,
     error_metrics as error_metrics,
 )
+from crosscheck._conversion.files import SUPPORTED_SUFFIXES as SUPPORTED_SUFFIXES, load_state_dict as load_state_dict
+from crosscheck._conversion.masks import (
+    masks_from_torch as masks_from_torch,
+    sdpa_masks_from_torch as sdpa_masks_from_torch,
+)
 from crosscheck._conversion.weights import (
     call_options_from_torch as call_options_from_torch,
     params_from_torch as params_from_torch,
     params_to_torch as params_to_torch,
 )
-from crosscheck._certificates.golden import record as record
 from crosscheck._hf.checkpoints import write_checkpoint as write_random_checkpoint
 from crosscheck._hf.layer_report import LayerReport as LayerReport, layer_report as layer_report
-from crosscheck._conversion.files import SUPPORTED_SUFFIXES as SUPPORTED_SUFFIXES, load_state_dict as load_state_dict
-from crosscheck._conversion.masks import masks_from_torch as masks_from_torch
-from crosscheck._conversion.masks import sdpa_masks_from_torch as sdpa_masks_from_torch
-from crosscheck._training.optim import clip_grad_norm_torch as clip_grad_norm_torch
-from crosscheck._training.optim import optax_from_torch as optax_from_torch
+from crosscheck._training.optim import (
+    clip_grad_norm_torch as clip_grad_norm_torch,
+    optax_from_torch as optax_from_torch,
+)
 from crosscheck._training.train_report import (
     TRAIN_TOLERANCES as TRAIN_TOLERANCES,
     TrainReport as TrainReport,

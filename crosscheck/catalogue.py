@@ -44,8 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from crosscheck._comparison.compare import MODEL_TOLERANCES, TRANSFORMS, Report, compare
-from crosscheck._comparison.compare import Const as Const
+from crosscheck._comparison.compare import MODEL_TOLERANCES, TRANSFORMS, Const as Const, Report, compare
 
 __all__ = [
     "CASES",

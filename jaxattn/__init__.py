@@ -18,61 +18,72 @@ aligned (query t sits at t + S - T); a query with no allowed key returns zeros. 
 and works under jax.jit, jax.vmap and jax.grad; bad input raises ValueError at trace time.
 """
 
-from ._version import __version__ as __version__
-from ._api import dot_product_attention as dot_product_attention
-from ._api import flex_attention as flex_attention
-from ._api import cross_platform_lowering as cross_platform_lowering
-from ._engines.flex import create_block_mask as create_block_mask
+# The public surface, in import order (by home module); docs/design.md, "Public functions", groups it by job.
+from ._api import (
+    cross_platform_lowering as cross_platform_lowering,
+    dot_product_attention as dot_product_attention,
+    flex_attention as flex_attention,
+)
 from ._core.block_mask import BlockMask as BlockMask
-from ._core.mods import and_masks as and_masks
-from ._core.mods import or_masks as or_masks
-from ._core.mods import noop_mask as noop_mask
-from ._schemes.shaw import relative_attention as relative_attention
-from ._layers.multihead import init_multi_head_attention as init_multi_head_attention
-from ._layers.multihead import init_relative_multi_head_attention as init_relative_multi_head_attention
-from ._layers.multihead import multi_head_attention as multi_head_attention
-from ._layers.multihead import project_out as project_out
-from ._layers.multihead import project_qkv as project_qkv
-from ._layers.multihead import relative_multi_head_attention as relative_multi_head_attention
-from ._schemes.shaw import relative_position_index as relative_position_index
-from ._schemes.shaw import shaw_relative_attention as shaw_relative_attention
-
-# Long sequences and device meshes: the blockwise engine, ring (sequence-parallel) attention, placement.
+from ._core.mods import and_masks as and_masks, noop_mask as noop_mask, or_masks as or_masks
 from ._engines.blockwise import blockwise_attention as blockwise_attention
+from ._engines.flex import create_block_mask as create_block_mask
 from ._engines.ring import ring_attention as ring_attention
-from ._layers.sharding import partition_spec as partition_spec
-from ._layers.sharding import shard_inputs as shard_inputs
-from ._layers.sharding import shard_params as shard_params
-
-# Other relative-position schemes (index conventions: docs/positions.md; j - i = key minus query position).
-from ._schemes.alibi import alibi_attention as alibi_attention
-from ._schemes.alibi import alibi_bias as alibi_bias
-from ._schemes.alibi import alibi_position_bias as alibi_position_bias
-from ._schemes.alibi import alibi_slopes as alibi_slopes
+from ._forms.delta_rule import (
+    causal_conv1d as causal_conv1d,
+    gated_delta_rule as gated_delta_rule,
+    gated_delta_rule_step as gated_delta_rule_step,
+    gated_rms_norm as gated_rms_norm,
+)
+from ._layers.latent import (
+    init_latent_attention as init_latent_attention,
+    init_latent_cache as init_latent_cache,
+    latent_attention as latent_attention,
+    latent_core as latent_core,
+    latent_projections as latent_projections,
+)
+from ._layers.multihead import (
+    init_multi_head_attention as init_multi_head_attention,
+    init_relative_multi_head_attention as init_relative_multi_head_attention,
+    multi_head_attention as multi_head_attention,
+    project_out as project_out,
+    project_qkv as project_qkv,
+    relative_multi_head_attention as relative_multi_head_attention,
+)
+from ._layers.sharding import (
+    partition_spec as partition_spec,
+    shard_inputs as shard_inputs,
+    shard_params as shard_params,
+)
+from ._schemes.alibi import (
+    alibi_attention as alibi_attention,
+    alibi_bias as alibi_bias,
+    alibi_position_bias as alibi_position_bias,
+    alibi_slopes as alibi_slopes,
+)
+from ._schemes.clipped import (
+    clipped_relative_attention as clipped_relative_attention,
+    clipped_relative_index as clipped_relative_index,
+)
 from ._schemes.position_bias import position_bias_attention as position_bias_attention
-from ._schemes.rope import apply_rope as apply_rope
-from ._schemes.rope import rope_attention as rope_attention
-from ._schemes.rope import rope_permutation as rope_permutation
-from ._schemes.t5 import t5_attention as t5_attention
-from ._schemes.t5 import t5_position_bias as t5_position_bias
-from ._schemes.t5 import t5_relative_bias as t5_relative_bias
-from ._schemes.t5 import t5_relative_position_bucket as t5_relative_position_bucket
-from ._schemes.clipped import clipped_relative_attention as clipped_relative_attention
-from ._schemes.clipped import clipped_relative_index as clipped_relative_index
-from ._schemes.xl import relative_sinusoids as relative_sinusoids
-from ._schemes.xl import transformer_xl_attention as transformer_xl_attention
-
-# Attention forms of 2025-26 models (docs/latent_and_linear.md): gated delta-rule linear attention (Qwen3-Next) and
-# multi-head latent attention (DeepSeek V2/V3).
-from ._forms.delta_rule import causal_conv1d as causal_conv1d
-from ._forms.delta_rule import gated_delta_rule as gated_delta_rule
-from ._forms.delta_rule import gated_delta_rule_step as gated_delta_rule_step
-from ._forms.delta_rule import gated_rms_norm as gated_rms_norm
-from ._layers.latent import init_latent_attention as init_latent_attention
-from ._layers.latent import init_latent_cache as init_latent_cache
-from ._layers.latent import latent_attention as latent_attention
-from ._layers.latent import latent_core as latent_core
-from ._layers.latent import latent_projections as latent_projections
+from ._schemes.rope import (
+    apply_rope as apply_rope,
+    rope_attention as rope_attention,
+    rope_permutation as rope_permutation,
+)
+from ._schemes.shaw import (
+    relative_attention as relative_attention,
+    relative_position_index as relative_position_index,
+    shaw_relative_attention as shaw_relative_attention,
+)
+from ._schemes.t5 import (
+    t5_attention as t5_attention,
+    t5_position_bias as t5_position_bias,
+    t5_relative_bias as t5_relative_bias,
+    t5_relative_position_bucket as t5_relative_position_bucket,
+)
+from ._schemes.xl import relative_sinusoids as relative_sinusoids, transformer_xl_attention as transformer_xl_attention
+from ._version import __version__ as __version__
 
 __all__ = [
     "dot_product_attention",

@@ -31,12 +31,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ._core import checks
-from ._layers import cache as kv_cache
-from ._layers import common
+from ._layers import cache as kv_cache, common
 from ._layers.common import Initializer, RoPE  # noqa: F401  (RoPE: part of this module's API)
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import ArrayLike, Bool, Float, Int
+
     from ._core.shapes import LayerOutput
 
 

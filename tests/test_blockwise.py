@@ -10,16 +10,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 import jaxattn
-from jaxattn._core import softmax
-from jaxattn._core.positions import positions as core_positions
-from jaxattn import _api as dispatch
-from jaxattn._core.call import AttentionCall
-from jaxattn._engines import tiles
 from helpers import arrays, assert_float64, check_forward_and_grads, normwise
+from jaxattn import _api as dispatch
+from jaxattn._core import softmax
+from jaxattn._core.call import AttentionCall
+from jaxattn._core.positions import positions as core_positions
+from jaxattn._engines import tiles
 
 jax.config.update("jax_enable_x64", True)
 

@@ -15,8 +15,8 @@ from flax import nnx
 import jaxattn
 import jaxattn.linen as jl
 import jaxattn.nnx as jx
-from jaxattn._layers import cache as kv_cache
 from helpers import normwise
+from jaxattn._layers import cache as kv_cache
 
 B, E, N, K, H, Hv, L, SEQ = 3, 17, 6, 2, 11, 13, 13, 11
 MAX_DISTANCE = 3

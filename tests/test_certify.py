@@ -18,7 +18,7 @@ import crosscheck  # noqa: E402
 from crosscheck import certify, record  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _certify_port import B, E, F, LAYERS, PARAMS, T, V, flax_tree, port, torch_toy, toy_inputs, tree_port  # noqa: E402
+from _certify_port import LAYERS, PARAMS, B, E, F, T, V, flax_tree, port, torch_toy, toy_inputs, tree_port  # noqa: E402
 
 
 def toy(seed=0):
@@ -305,8 +305,8 @@ def _without_torch(script: str, *args: str) -> dict:
 
 
 def test_a_golden_file_certifies_without_torch_and_refuses_what_it_cannot_certify(tmp_path):
-    from jaxattn.io import load_safetensors, save_safetensors
     from crosscheck._certificates.golden import read_metadata
+    from jaxattn.io import load_safetensors, save_safetensors
 
     model, weights = toy()
     golden = record(model, inputs(), tmp_path / "golden.safetensors", layers=LAYERS, grads=True, dtype="float64")

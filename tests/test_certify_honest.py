@@ -15,10 +15,13 @@ import crosscheck  # noqa: E402
 from crosscheck import certify  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _certify_port import LAYERS as TOY_LAYERS  # noqa: E402
-from _certify_port import forward, torch_toy, toy_inputs  # noqa: E402
+from _certify_port import (  # noqa: E402
+    LAYERS as TOY_LAYERS,  # noqa: E402
+    forward,
+    torch_toy,
+    toy_inputs,
+)
 from _tiny_lm import GRAD_MAP, LAYERS, port, token_ids, torch_tiny_lm, tree_port  # noqa: E402
-
 
 # --- 1. grads=True with token ids --------------------------------------------------------------------------
 

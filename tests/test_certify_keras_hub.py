@@ -174,8 +174,8 @@ def test_keras_hub_llama_parameter_gradients_agree_through_a_name_map(checkpoint
     import keras
 
     from crosscheck._certificates.faults import real_text_ids
-    from crosscheck._hf.checkpoints import torch_model
     from crosscheck._certificates.param_grads import leaf_at
+    from crosscheck._hf.checkpoints import torch_model
 
     directory = checkpoints["clean"]
     backbone = keras_hub.models.LlamaBackbone.from_preset(str(directory))

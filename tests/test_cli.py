@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from crosscheck import Metric, Report
-from crosscheck.catalogue import CASES, DTYPES, UNAVAILABLE, Setup, all_cases, register_case
 from crosscheck._cli.main import _print_table, _summary, main
 from crosscheck._comparison.compare import TRANSFORMS
+from crosscheck.catalogue import CASES, DTYPES, UNAVAILABLE, Setup, all_cases, register_case
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,8 +10,8 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from crosscheck._hf import checkpoints as hf
 from crosscheck._cli.main import main
+from crosscheck._hf import checkpoints as hf
 
 
 @pytest.fixture(scope="module")

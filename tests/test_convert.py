@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from _einsum_mha import einsum_mha
 
 import crosscheck as cc
 import jaxattn
 import torchref
-from _einsum_mha import einsum_mha
 from helpers import assert_float64, normwise, randomize, shaw_index_loop
 
 E, KDIM, VDIM, T, S, B = 15, 7, 11, 5, 7, 2

@@ -8,8 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import linen as nn
-from flax import nnx
+from flax import linen as nn, nnx
 
 import jaxattn.linen as jl
 import jaxattn.nnx as jx

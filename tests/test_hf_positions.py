@@ -15,9 +15,12 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import crosscheck.cases.positions as cases  # noqa: E402
-from jaxattn import alibi_slopes  # noqa: E402
-from jaxattn import t5_relative_bias, t5_relative_position_bucket  # noqa: E402
-from jaxattn import relative_sinusoids  # noqa: E402
+from jaxattn import (  # noqa: E402
+    alibi_slopes,  # noqa: E402
+    relative_sinusoids,  # noqa: E402
+    t5_relative_bias,
+    t5_relative_position_bucket,
+)
 
 HF_CASES = [
     "hf_t5_encoder",

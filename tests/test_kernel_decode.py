@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 import jaxattn
+from helpers import normwise
 from jaxattn import _api as dispatch
 from jaxattn._core.call import AttentionCall
 from jaxattn._kernels import decode_gpu
-from helpers import normwise
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
 # bf16 inputs (float32 logits, softmax and partials inside), normwise error against the float32 dense result

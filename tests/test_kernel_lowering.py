@@ -12,7 +12,6 @@ from __future__ import annotations
 import functools
 import re
 
-
 import jax
 import jax.numpy as jnp
 import pytest

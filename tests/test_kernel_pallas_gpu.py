@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import jaxattn
+from helpers import normwise
 from jaxattn._core.call import AttentionCall
 from jaxattn._kernels import pallas_gpu
-from helpers import normwise
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
 

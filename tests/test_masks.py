@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from _einsum_mha import einsum_mha
 
 import crosscheck as cc
 import jaxattn
-from _einsum_mha import einsum_mha
 from helpers import assert_float64, normwise, randomize
 
 E, N, T, S, B = 15, 3, 3, 4, 2

@@ -19,8 +19,8 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from crosscheck._hf import checkpoints as hf
 from crosscheck import layer_report
+from crosscheck._hf import checkpoints as hf
 from crosscheck._training.train_report import FAMILIES as DECODERS
 from helpers import FLOAT32_ENVELOPE  # held to transformers' own float32 envelope (test_float32_within_...)
 from jaxattn.models import from_pretrained, generate

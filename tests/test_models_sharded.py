@@ -24,13 +24,11 @@ import jax
 import ml_dtypes
 import numpy as np
 import pytest
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from helpers import assert_float64, normwise, run_processes
 from jaxattn import io
-from jaxattn.models import from_pretrained, partition_rules
-from jaxattn.models import weights as W
+from jaxattn.models import from_pretrained, partition_rules, weights as W
 
 HERE = Path(__file__).resolve().parent
 SCRIPT = HERE / "_models_mesh_checks.py"

@@ -19,8 +19,8 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from crosscheck._hf import checkpoints as hf
 from crosscheck import layer_report
+from crosscheck._hf import checkpoints as hf
 from helpers import assert_float64
 from jaxattn.models import from_pretrained, moe, rope_frequencies, supported_model_types
 
@@ -666,8 +666,8 @@ def test_qwen3_next_decoding_in_pieces_equals_one_pass(qwen3_next_checkpoint):
     delta-rule states (HF's cached multi-token path) and one single-token step give the logits of one pass."""
     import jax
     import jax.numpy as jnp
-    from helpers import normwise
 
+    from helpers import normwise
     from jaxattn.models import _decoder
 
     model, params = from_pretrained(qwen3_next_checkpoint, dtype="float64")

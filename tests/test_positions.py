@@ -14,13 +14,25 @@ import pytest
 import torch
 
 import torchref.positions as twin
-from jaxattn import shaw_relative_attention
-from jaxattn import alibi_attention, alibi_bias, alibi_slopes
-from jaxattn import blockwise_attention
-from jaxattn import apply_rope, rope_attention, rope_permutation
-from jaxattn import t5_attention, t5_position_bias, t5_relative_bias, t5_relative_position_bucket
-from jaxattn import clipped_relative_attention, clipped_relative_index, relative_sinusoids, transformer_xl_attention
 from helpers import assert_float64, attention_loop, normwise
+from jaxattn import (
+    alibi_attention,
+    alibi_bias,
+    alibi_slopes,
+    apply_rope,
+    blockwise_attention,
+    clipped_relative_attention,
+    clipped_relative_index,
+    relative_sinusoids,
+    rope_attention,
+    rope_permutation,
+    shaw_relative_attention,
+    t5_attention,
+    t5_position_bias,
+    t5_relative_bias,
+    t5_relative_position_bucket,
+    transformer_xl_attention,
+)
 
 B, T, S, N, K, H, Hv = 2, 5, 7, 6, 3, 11, 13
 TOL = 1e-12

@@ -20,13 +20,13 @@ import tracemalloc
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
+from hypothesis import HealthCheck, given, settings, strategies as st
+from safetensors.numpy import load as st_load, save as st_save
 
-from helpers import SAFETENSORS_DTYPES as DTYPES  # the spec's names, not the reader's or the writer's
-from helpers import SAFETENSORS_LIBRARY_DTYPES as LIBRARY_DTYPES
+from helpers import (
+    SAFETENSORS_DTYPES as DTYPES,  # the spec's names, not the reader's or the writer's
+    SAFETENSORS_LIBRARY_DTYPES as LIBRARY_DTYPES,
+)
 from jaxattn.io import load_safetensors
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")

@@ -8,8 +8,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from helpers import SAFETENSORS_DTYPES as DTYPES  # the spec's names, not the reader's or the writer's
-from helpers import SAFETENSORS_LIBRARY_DTYPES as LIBRARY_DTYPES
+from helpers import (
+    SAFETENSORS_DTYPES as DTYPES,  # the spec's names, not the reader's or the writer's
+    SAFETENSORS_LIBRARY_DTYPES as LIBRARY_DTYPES,
+)
 from jaxattn.io import load_safetensors, save_safetensors
 
 SHAPES = [(3, 5), (), (0, 4), (7,), (2, 1, 3)]

@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from _save_atomic_child import EVENTS, tiny_llama
+
 from jaxattn import _atomic_files
 from jaxattn.io import load_safetensors, save_safetensors
 from jaxattn.models import from_pretrained, to_pretrained

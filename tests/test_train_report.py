@@ -22,12 +22,12 @@ import jax  # noqa: E402
 import transformers  # noqa: E402
 
 import crosscheck  # noqa: E402
-from helpers import normwise  # noqa: E402
-from crosscheck._hf import checkpoints as hf  # noqa: E402
-from crosscheck._training.train_report import FAMILIES  # noqa: E402
-from crosscheck._training.optim import float_count, torch_optimizer  # noqa: E402
-from crosscheck._conversion.param_layout import ParamLayout  # noqa: E402
 from crosscheck._cli.train_report_cli import random_batches  # noqa: E402
+from crosscheck._conversion.param_layout import ParamLayout  # noqa: E402
+from crosscheck._hf import checkpoints as hf  # noqa: E402
+from crosscheck._training.optim import float_count, torch_optimizer  # noqa: E402
+from crosscheck._training.train_report import FAMILIES  # noqa: E402
+from helpers import normwise  # noqa: E402
 from jaxattn.models import from_pretrained, from_state_dict  # noqa: E402
 
 DECODERS = FAMILIES  # the causal LMs of jaxattn.models, listed once (crosscheck._training.train_report)

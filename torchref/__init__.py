@@ -40,18 +40,18 @@ attention), ``latent_attention`` in its expanded form (DeepSeek's MLA, on jaxatt
 ``causal_conv1d`` and ``gated_rms_norm``.
 """
 
+from torchref._forms import (
+    causal_conv1d as causal_conv1d,
+    gated_delta_rule as gated_delta_rule,
+    gated_rms_norm as gated_rms_norm,
+    latent_attention as latent_attention,
+)
 from torchref._functional import (
     dot_product_attention as dot_product_attention,
     flex_attention as flex_attention,
     relative_attention as relative_attention,
     relative_position_index as relative_position_index,
     shaw_relative_attention as shaw_relative_attention,
-)
-from torchref._forms import (
-    causal_conv1d as causal_conv1d,
-    gated_delta_rule as gated_delta_rule,
-    gated_rms_norm as gated_rms_norm,
-    latent_attention as latent_attention,
 )
 from torchref._modules import (
     MultiHeadAttention as MultiHeadAttention,

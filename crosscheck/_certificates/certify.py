@@ -49,10 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from crosscheck._comparison.compare import MODEL_TOLERANCES, error_metrics
+from crosscheck._certificates.activation_grad import perturbed_program
 from crosscheck._certificates.golden import load_golden
 from crosscheck._certificates.param_grads import ParamPair, param_pairs
-from crosscheck._certificates.activation_grad import perturbed_program
 from crosscheck._certificates.reference import (
     activation_pair,
     cast_inputs,
@@ -67,6 +66,7 @@ from crosscheck._certificates.reference import (
     run_torch,
     versions,
 )
+from crosscheck._comparison.compare import MODEL_TOLERANCES, error_metrics
 
 __all__ = ["LOGIT_BARS", "Bar", "Certificate", "LogitBars", "Row", "certify", "versions"]
 

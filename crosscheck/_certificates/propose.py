@@ -34,8 +34,8 @@ from typing import Any
 import numpy as np
 
 from crosscheck._certificates.certify import call_jax, run_jax, split_jax
-from crosscheck._comparison.compare import error_metrics
 from crosscheck._certificates.reference import cast_inputs, checked_dtype, flat_intermediates, need_torch, to_numpy
+from crosscheck._comparison.compare import error_metrics
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,8 +65,8 @@ def load_factory(spec: str):
 
 def main(argv: Sequence[str]) -> int:
     from crosscheck._certificates.certify import certify
-    from crosscheck._cli.jax_setup import configure_jax
     from crosscheck._certificates.golden import record
+    from crosscheck._cli.jax_setup import configure_jax
 
     parser = _parser()
     args = parser.parse_args(argv)

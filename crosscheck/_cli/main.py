@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from crosscheck.catalogue import DTYPES, UNAVAILABLE, Case, Row, all_cases, run_case, select_cases
-from crosscheck._comparison.compare import TOLERANCES, TRANSFORMS, Report
 from crosscheck._cli.jax_setup import configure_jax
+from crosscheck._comparison.compare import TOLERANCES, TRANSFORMS, Report
+from crosscheck.catalogue import DTYPES, UNAVAILABLE, Case, Row, all_cases, run_case, select_cases
 
 # XLA compiles (not arithmetic) are the cost of a run, and they use one core each: cases run side by side.
 DEFAULT_JOBS = max(1, min(4, os.cpu_count() or 1))

@@ -88,8 +88,8 @@ def main(
     plot_path: str | None,
     json_path: str | None,
 ) -> int:
-    from crosscheck._hf import checkpoints as hf
     from crosscheck._cli.layer_report_cli import finish
+    from crosscheck._hf import checkpoints as hf
     from crosscheck._training.train_report import FAMILIES, train_report
     from jaxattn.models import from_pretrained
 

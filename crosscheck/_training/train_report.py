@@ -42,9 +42,9 @@ from typing import Any
 import numpy as np
 
 from crosscheck._comparison.compare import error_metrics
+from crosscheck._conversion.param_layout import ParamLayout, layer_of
 from crosscheck._hf.checkpoints import buffers_as_frozen_parameters, float64_reference
 from crosscheck._training.optim import SPECS, torch_optimizer, twin, warmup_cosine
-from crosscheck._conversion.param_layout import ParamLayout, layer_of
 
 FAMILIES = (
     "gpt2",

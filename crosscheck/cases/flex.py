@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from crosscheck.catalogue import FLOAT32_JIT, FLOAT64_PLAIN, Setup, register_case
 from crosscheck._comparison.flex_reference import FLEX_CASES, flex_reference
+from crosscheck.catalogue import FLOAT32_JIT, FLOAT64_PLAIN, Setup, register_case
 
 _HF = ("transformers",)
 B, N, K, H, Hv = 2, 6, 3, 8, 5

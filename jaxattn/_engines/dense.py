@@ -16,8 +16,7 @@ from typing import Callable, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from .._core import block_mask as block_masks
-from .._core import checks, mods
+from .._core import block_mask as block_masks, checks, mods
 from .._core.call import AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.masks import allowed_keys

@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from .._core import block_mask as block_masks
-from .._core import checks, mods
+from .._core import block_mask as block_masks, checks, mods
 from .._core.positions import positions
 from .tiles import block_sizes
 

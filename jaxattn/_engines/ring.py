@@ -60,6 +60,7 @@ from .blockwise import KeySide, QueryTile, RowGrads, Shared, slice_block
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import ArrayLike, Float, Int
+
     from .._core.shapes import Attended
 
 

@@ -39,8 +39,8 @@ import jax.numpy as jnp
 from .._core import checks
 from .._core.checks import shape_str
 from .._core.dtypes import accumulation_dtype
-from .._core.norms import rms_normalize
 from .._core.eager import compiled_when_eager
+from .._core.norms import rms_normalize
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float

@@ -41,8 +41,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .._core import block_mask as block_masks
-from .._core import checks, mods
+from .._core import block_mask as block_masks, checks, mods
 from .._core.call import AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.masks import (

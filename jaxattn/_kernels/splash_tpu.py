@@ -214,8 +214,10 @@ def _one_row_keys(batch, S, **mask_options):
 
 def attention(call: AttentionCall, query, key, value, interpret=False):
     """Splash attention over [...,T,N,H] inputs, with our semantics (module docstring)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+    from jax.experimental.pallas.ops.tpu.splash_attention import (
+        splash_attention_kernel as splash,
+        splash_attention_mask as masks,
+    )
 
     # splash's matmuls accumulate in float32 (precision has nothing to set); return_lse is refused
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)

@@ -15,12 +15,12 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from .._core import checks
 from .._api import dot_product_attention
+from .._core import checks
+from .._core.eager import compiled_when_eager
 from .._core.positions import positions as absolute_positions
 from .._schemes.rope import apply_rope
 from .._schemes.shaw import shaw_relative_attention
-from .._core.eager import compiled_when_eager
 from . import cache as kv_cache
 from .multihead import (
     head_dims,

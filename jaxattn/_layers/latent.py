@@ -40,15 +40,16 @@ from typing import TYPE_CHECKING, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from .._core import checks
-from .._core.norms import rms_normalize
 from .._api import dot_product_attention
+from .._core import checks
+from .._core.eager import compiled_when_eager
+from .._core.norms import rms_normalize
 from .._schemes.rope import apply_rope
 from . import cache as kv_cache
-from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float, Int
+
     from .._core.shapes import LatentCache, Weights
 
 FORMS = ("absorbed", "expanded")

@@ -18,14 +18,15 @@ from typing import TYPE_CHECKING
 import jax
 import jax.numpy as jnp
 
-from .._core import checks
-from .._core.masks import allowed_keys
 from .._api import dot_product_attention
-from .._schemes.shaw import shaw_relative_attention
+from .._core import checks
 from .._core.eager import compiled_when_eager
+from .._core.masks import allowed_keys
+from .._schemes.shaw import shaw_relative_attention
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float
+
     from .._core.shapes import LayerOutput
 
 _PROJECTIONS = {  # name: (kernel layout, bias layout)

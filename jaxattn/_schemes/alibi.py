@@ -20,12 +20,13 @@ import numpy as np
 
 from .._core import checks
 from .._core.checks import static_int
+from .._core.eager import compiled_when_eager
 from .._core.positions import offsets, positions
 from .position_bias import position_bias_attention
-from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float, Int
+
     from .._core.shapes import AttentionOutput
 
 

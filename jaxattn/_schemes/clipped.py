@@ -13,16 +13,17 @@ from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 
+from .._api import dense_only, scheme_call
 from .._core import checks
 from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
+from .._core.eager import compiled_when_eager
 from .._core.positions import clipped_index, positions
 from .._engines.dense import attention_core
-from .._api import dense_only, scheme_call
-from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float, Int
+
     from .._core.shapes import AttentionOutput
 
 

@@ -15,15 +15,16 @@ from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 
-from .._core import checks
-from .._core.positions import positions
 from .._api import attend, check_implementation, scheme_call
+from .._core import checks
+from .._core.eager import compiled_when_eager
+from .._core.positions import positions
 from .._engines import blockwise
 from .._engines.dense import attention_core
-from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import ArrayLike, Float
+
     from .._core.shapes import AttentionOutput
 
 PositionBias = Callable[..., jnp.ndarray]  # (query_pos [...,T], key_pos [...,S]) -> [...,N,T,S]

@@ -21,18 +21,19 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 import numpy as np
 
+from .._api import attend, scheme_call
 from .._core import checks
 from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
+from .._core.eager import compiled_when_eager
 from .._core.positions import positions as absolute_positions
-from .._api import attend, scheme_call
 from .._engines import blockwise
 from .._engines.dense import attention_core
 from .rope_scaling import default_frequencies
-from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float, Int
+
     from .._core.shapes import AttentionOutput
 
 LAYOUTS = ("half", "interleaved")

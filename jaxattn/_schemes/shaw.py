@@ -14,17 +14,18 @@ from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 
+from .._api import attend, dense_only, scheme_call, use_blockwise
 from .._core import checks
 from .._core.dtypes import accumulation_dtype
-from .._api import attend, dense_only, scheme_call, use_blockwise
+from .._core.eager import compiled_when_eager
 from .._engines import blockwise
 from .._engines.dense import attention_core
 from .._engines.pairwise import pair_logits, pair_values
 from .clipped import clipped_relative_index, head_index, table_terms
-from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float, Int
+
     from .._core.shapes import AttentionOutput
 
 TABLE_LAYOUT = "[R,H] or [R,N,H], R = 2*max_distance+1"

@@ -21,12 +21,13 @@ import jax.numpy as jnp
 
 from .._core import checks
 from .._core.checks import static_int
+from .._core.eager import compiled_when_eager
 from .._core.positions import offsets, positions
 from .position_bias import heads_first, position_bias_attention
-from .._core.eager import compiled_when_eager
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float, Int
+
     from .._core.shapes import AttentionOutput
 
 

@@ -26,16 +26,17 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 import numpy as np
 
+from .._api import dense_only, scheme_call
 from .._core import checks
 from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
-from .._engines.dense import attention_core
-from .._api import dense_only, scheme_call
-from .clipped import gather_buckets, head_index, per_row_logits
 from .._core.eager import compiled_when_eager
+from .._engines.dense import attention_core
+from .clipped import gather_buckets, head_index, per_row_logits
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float
+
     from .._core.shapes import AttentionOutput
 
 

@@ -21,44 +21,45 @@ jaxattn.models.weights).
 
 # Every family's config and model (importing a family module registers its model_type for from_pretrained;
 # tests/test_models_exports.py checks that each registered family is exported here).
-from .bert import BertConfig as BertConfig
-from .bert import BertModel as BertModel
-from .deepseek_v3 import DeepseekV3Config as DeepseekV3Config
-from .deepseek_v3 import DeepseekV3ForCausalLM as DeepseekV3ForCausalLM
-from .gemma2 import Gemma2Config as Gemma2Config
-from .gemma2 import Gemma2ForCausalLM as Gemma2ForCausalLM
-from .gemma3 import Gemma3Config as Gemma3Config  # gemma3_text
-from .gemma3 import Gemma3ForCausalLM as Gemma3ForCausalLM
-from .gpt2 import GPT2Config as GPT2Config
-from .gpt2 import GPT2LMHeadModel as GPT2LMHeadModel
-from .gpt_oss import GptOssConfig as GptOssConfig
-from .gpt_oss import GptOssForCausalLM as GptOssForCausalLM
-from .llama import LlamaConfig as LlamaConfig  # llama, mistral and qwen2
-from .llama import LlamaForCausalLM as LlamaForCausalLM
-from .llama4 import Llama4TextConfig as Llama4TextConfig  # llama4_text
-from .llama4 import Llama4ForCausalLM as Llama4ForCausalLM
-from .mixtral import MixtralConfig as MixtralConfig
-from .mixtral import MixtralForCausalLM as MixtralForCausalLM
-from .qwen3 import Qwen3Config as Qwen3Config
-from .qwen3 import Qwen3ForCausalLM as Qwen3ForCausalLM
-from .qwen3_moe import Qwen3MoeConfig as Qwen3MoeConfig
-from .qwen3_moe import Qwen3MoeForCausalLM as Qwen3MoeForCausalLM
-from .qwen3_next import Qwen3NextConfig as Qwen3NextConfig
-from .qwen3_next import Qwen3NextForCausalLM as Qwen3NextForCausalLM
-from .t5 import T5Config as T5Config
-from .t5 import T5ForConditionalGeneration as T5ForConditionalGeneration
 from . import weights as weights
 from ._activation_layout import ModelSharding as ModelSharding
-from ._rope_config import rope_frequencies as rope_frequencies
 from ._generate import generate as generate
 from ._partition_rules import partition_rules as partition_rules
-from ._pretrained import from_pretrained as from_pretrained
-from ._pretrained import from_state_dict as from_state_dict
-from ._pretrained import supported_model_types as supported_model_types
+from ._pretrained import (
+    from_pretrained as from_pretrained,
+    from_state_dict as from_state_dict,
+    supported_model_types as supported_model_types,
+)
+from ._rope_config import rope_frequencies as rope_frequencies
 from ._save import to_pretrained as to_pretrained
-from .bert import mean_pooling as mean_pooling
-from .bert import params_from_state_dict as bert_params_from_state_dict
-from .bert import state_dict_names as bert_state_dict_names
+from .bert import (
+    BertConfig as BertConfig,
+    BertModel as BertModel,
+    mean_pooling as mean_pooling,
+    params_from_state_dict as bert_params_from_state_dict,
+    state_dict_names as bert_state_dict_names,
+)
+from .deepseek_v3 import DeepseekV3Config as DeepseekV3Config, DeepseekV3ForCausalLM as DeepseekV3ForCausalLM
+from .gemma2 import Gemma2Config as Gemma2Config, Gemma2ForCausalLM as Gemma2ForCausalLM
+from .gemma3 import (
+    Gemma3Config as Gemma3Config,  # gemma3_text
+    Gemma3ForCausalLM as Gemma3ForCausalLM,
+)
+from .gpt2 import GPT2Config as GPT2Config, GPT2LMHeadModel as GPT2LMHeadModel
+from .gpt_oss import GptOssConfig as GptOssConfig, GptOssForCausalLM as GptOssForCausalLM
+from .llama import (
+    LlamaConfig as LlamaConfig,  # llama, mistral and qwen2
+    LlamaForCausalLM as LlamaForCausalLM,
+)
+from .llama4 import (
+    Llama4ForCausalLM as Llama4ForCausalLM,
+    Llama4TextConfig as Llama4TextConfig,  # llama4_text
+)
+from .mixtral import MixtralConfig as MixtralConfig, MixtralForCausalLM as MixtralForCausalLM
+from .qwen3 import Qwen3Config as Qwen3Config, Qwen3ForCausalLM as Qwen3ForCausalLM
+from .qwen3_moe import Qwen3MoeConfig as Qwen3MoeConfig, Qwen3MoeForCausalLM as Qwen3MoeForCausalLM
+from .qwen3_next import Qwen3NextConfig as Qwen3NextConfig, Qwen3NextForCausalLM as Qwen3NextForCausalLM
+from .t5 import T5Config as T5Config, T5ForConditionalGeneration as T5ForConditionalGeneration
 
 __all__ = [
     # the families: config, model

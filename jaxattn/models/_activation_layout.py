@@ -20,13 +20,11 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from .. import apply_rope, project_out, project_qkv, ring_attention
 from .._core import checks
-from .._layers import cache as kv_cache
-from .._layers import common
+from .._layers import cache as kv_cache, common
 from ..linen import MultiHeadAttention
 
 # --- activations ---------------------------------------------------------------------------------------------

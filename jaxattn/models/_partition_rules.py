@@ -25,8 +25,7 @@ import fnmatch
 import math
 from collections.abc import Mapping
 
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
+from jax.sharding import Mesh, PartitionSpec as P
 
 from .._core import checks
 

@@ -30,8 +30,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _atomic_files as atomic_files
-from .. import io
+from .. import _atomic_files as atomic_files, io
 from . import weights
 from ._checkpoint_swap import CONFIG, INDEX, SINGLE, swap_in
 

@@ -58,8 +58,8 @@ import numpy as np
 from .._layers.latent import latent_attention
 from .._schemes import rope_scaling
 from . import _blocks, _decoder, _pretrained, _rope_config, moe, weights
-from .weights import Reshape, Steps, Transpose
 from .llama4 import SwiGLU
+from .weights import Reshape, Steps, Transpose
 
 
 @dataclasses.dataclass(frozen=True)

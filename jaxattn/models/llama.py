@@ -26,7 +26,6 @@ import functools
 from collections.abc import Mapping
 from typing import Any
 
-
 from . import _blocks, _decoder, _pretrained, weights
 
 

@@ -56,8 +56,8 @@ import jax
 import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
-from .._core.dtypes import accumulation_dtype
 from .._api import dot_product_attention
+from .._core.dtypes import accumulation_dtype
 from .._forms import delta_rule
 from .._schemes.rope import apply_rope
 from . import _blocks, _decoder, _masks, _norms, _pretrained, _rope_config, moe, weights
