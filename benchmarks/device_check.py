@@ -7,9 +7,9 @@ kernels there and times them, in under 8 minutes, and writes one JSON and a log.
 
 (a) Correctness: each implementation (implementation="pallas_gpu", its split-key decode kernel, "cudnn")
     against the dense engine on a small option grid, forward and gradients (q, k, v, sinks), in float32 at
-    precision="highest" (DESIGN.md's bar: normwise <= 1e-6 forward, <= 1e-5 gradients, against the dense
-    engine in float32 at "highest") and in bfloat16 (bar: the kernel's error against that float32 reference
-    at most twice the dense engine's own bfloat16 error, plus 1e-3).
+    precision="highest" (the float32 bar, docs/design.md, "Tolerances": normwise <= 1e-6 forward, <= 1e-5
+    gradients, against the dense engine in float32 at "highest") and in bfloat16 (bar: the kernel's error
+    against that float32 reference at most twice the dense engine's own bfloat16 error, plus 1e-3).
 (b) Timings (benchmarks/accelerator.py's cases): causal and sliding-window bf16 at S = 1k, 4k, 16k, forward,
     forward+backward and decode, jaxattn (implementation=None) against jax.nn.dot_product_attention (xla,
     cudnn), torch SDPA flash and torch's compiled flex_attention; TFLOP/s (forward 4*B*N*H*(allowed pairs),
@@ -45,7 +45,7 @@ import jaxattn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from helpers import normwise  # noqa: E402  the suite's one normwise error
 
-F32_BAR = {"forward": 1e-6, "gradients": 1e-5}  # DESIGN.md, float32 at precision="highest"
+F32_BAR = {"forward": 1e-6, "gradients": 1e-5}  # docs/design.md, "Tolerances": float32 at "highest"
 
 
 def on_gpu() -> bool:
