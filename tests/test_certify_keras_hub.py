@@ -18,7 +18,8 @@ transformers': GPT-2 and Qwen2 pass; Mistral's weights are rounded to float16; Q
 1e-5; GPT-2's n_inner is ignored; BERT's GELU is always the tanh approximation; Gemma 2's and Gemma 3's
 queries are scaled by 1/sqrt(head_dim) whatever query_pre_attn_scalar says. Gemma 1 passes (its converter
 reads neither rope_theta nor rms_norm_eps); Gemma 3 passes on a checkpoint built as keras-hub assumes, and
-each key it ignores (layer_types beyond "any layer slides", both RoPE bases) fails at the first layer it acts in.
+each key it ignores (layer_types beyond "any layer slides", both RoPE bases) fails at the first layer it acts in;
+its q/k norms keep epsilon 1e-6.
 """
 
 import os
@@ -421,6 +422,16 @@ def test_keras_hub_gemma3_ignores_one_config_key_and_fails_where_it_first_acts(
     rows = rows_of(cert)
     assert cert.first_divergent == first and rows[first].value > 1e-2, cert.table()
     assert as_read.passed and max(r.value for r in as_read.rows) < 1e-6, as_read.table()
+
+
+def test_keras_hub_gemma3_fixes_its_q_k_norm_epsilon_at_1e_6_under_float32_s_bar(tmp_path):
+    """The converter reads rms_norm_eps into the block norms, but Gemma3DecoderBlock builds its attention
+    without it, so the q/k norms keep CachedGemma3Attention's default, 1e-6 (the released value): a checkpoint
+    saying 1e-5 lands 8x further away than one saying 1e-6 (2.8e-6 against 3.5e-7), under float32's bar."""
+    exact, _ = keras_backbone_certificate("gemma3_text", tmp_path / "a", **GEMMA3_AS_KERAS)
+    off, _ = keras_backbone_certificate("gemma3_text", tmp_path / "b", rms_norm_eps=1e-5, **GEMMA3_AS_KERAS)
+    assert exact.passed and off.passed, (exact.table(), off.table())
+    assert exact.rows[0].value < 1e-6 and off.rows[0].value > 4 * exact.rows[0].value
 
 
 def test_keras_hub_gemma3_s_failure_on_the_tiny_checkpoint_is_those_keys_together(tmp_path):
