@@ -15,8 +15,11 @@ one for a port) agree with torch's.
 
 keras-hub's other converters (issue 37), each on a tiny random checkpoint, final hidden state against
 transformers': GPT-2 and Qwen2 pass; Mistral's weights are rounded to float16; Qwen3's q/k norms keep epsilon
-1e-5; GPT-2's n_inner is ignored; BERT's GELU is always the tanh approximation; Gemma 2's
-query_pre_attn_scalar is read as head_dim or hidden_size / heads only.
+1e-5; GPT-2's n_inner is ignored; BERT's GELU is always the tanh approximation; Gemma 2's and Gemma 3's
+queries are scaled by 1/sqrt(head_dim) whatever query_pre_attn_scalar says. Gemma 1 passes (its converter
+reads neither rope_theta nor rms_norm_eps); Gemma 3 passes on a checkpoint built as keras-hub assumes, and
+each key it ignores (layer_types beyond "any layer slides", both RoPE bases) fails at the first layer it acts in;
+its q/k norms keep epsilon 1e-6.
 """
 
 import os
@@ -213,25 +216,43 @@ def test_keras_hub_llama_parameter_gradients_agree_through_a_name_map(checkpoint
 # --- more families, by keras-hub's own converters (issue 37): the final hidden state against transformers' ---
 
 
-def keras_backbone_certificate(model_type, tmp_path, **overrides):
+def keras_backbone_certificate(model_type, tmp_path, *, layers=False, read_as=None, **overrides):
     """A tiny random `model_type` checkpoint (crosscheck._hf.checkpoints.write_checkpoint with `overrides`) read by
     keras_hub.models.Backbone.from_preset; the backbone's sequence output certified against the base model's
-    last_hidden_state on 2 x 37 random tokens, in float32. Returns (certificate, backbone)."""
+    last_hidden_state on 2 x 37 random tokens, in float32. Returns (certificate, backbone).
+
+    layers: also a row per decoder layer (keras-hub's Gemma blocks, `decoder_block_{i}`, against
+    `model.layers.{i}`), so that a certificate names the first layer that differs.
+    read_as: config keys that transformers' side is built with instead: a second checkpoint, written with the
+    same seed (so the same weights, checked), in which those keys say what keras-hub did with them."""
     keras_hub = _keras_hub()
     import jax
     import jax.numpy as jnp
+    import keras
 
     from crosscheck._hf.checkpoints import torch_model, write_checkpoint
 
     directory = write_checkpoint(model_type, tmp_path / model_type, **overrides)
     backbone = keras_hub.models.Backbone.from_preset(str(directory))
     theirs = torch_model(directory, "float32")
+    if read_as is not None:
+        as_read = torch_model(write_checkpoint(model_type, tmp_path / "as_read", **overrides | read_as), "float32")
+        mine, other = theirs.state_dict(), as_read.state_dict()
+        assert mine.keys() == other.keys() and all(torch.equal(mine[k], other[k]) for k in mine)
+        theirs = as_read
 
     bert = model_type == "bert"  # an encoder: segment ids in, a dict of outputs out
+    blocks = [f"decoder_block_{i}" for i in range(backbone.num_layers)] if layers else []
+    if blocks:  # the sequence output and each block's output, one functional model over keras's graph
+        backbone = keras.Model(
+            backbone.input, {"out": backbone.output} | {b: backbone.get_layer(b).output for b in blocks}
+        )
 
     def jax_fn(input_ids):
         feed = {"token_ids": input_ids, "padding_mask": jnp.ones_like(input_ids)}
         out = backbone({**feed, "segment_ids": jnp.zeros_like(input_ids)} if bert else feed)
+        if blocks:
+            return {"hidden": out.pop("out")}, out
         return {"hidden": out["sequence_output"] if bert else out}
 
     def torch_fn(input_ids):
@@ -239,7 +260,9 @@ def keras_backbone_certificate(model_type, tmp_path, **overrides):
         return {"hidden": theirs.base_model(input_ids=input_ids, **segments).last_hidden_state}
 
     ids = np.random.default_rng(0).integers(3, 97, (2, 37))
-    return crosscheck.certify(torch_fn, jax.jit(jax_fn), {"input_ids": ids}, torch_module=theirs), backbone
+    pairs = {f"model.layers.{i}": b for i, b in enumerate(blocks)} or None
+    cert = crosscheck.certify(torch_fn, jax.jit(jax_fn), {"input_ids": ids}, torch_module=theirs, layers=pairs)
+    return cert, backbone
 
 
 @pytest.mark.parametrize("model_type, overrides", [("gpt2", {}), ("qwen2", {})])
@@ -287,13 +310,135 @@ def test_keras_hub_bert_uses_the_tanh_gelu_whatever_hidden_act_says(tmp_path):
     assert not exact.passed and 1e-4 < exact.rows[0].value < 1e-3, exact.table()
 
 
-def test_keras_hub_gemma2_takes_query_pre_attn_scalar_only_as_head_dim_or_width_over_heads(tmp_path):
-    """keras-hub's Gemma converter keeps one bit of query_pre_attn_scalar (equal to head_dim or not) and its
-    attention then scales queries by 1/sqrt(head_dim) or 1/sqrt(hidden_size / heads): a checkpoint with
-    scalar 16 = head_dim passes, one with 13 (neither) is scaled by 1/sqrt(12) and fails. The attention
-    softcap is left out of both (null), so that the check is of the scale alone."""
-    plain = {"attn_logit_softcapping": None, "final_logit_softcapping": None}
+def rows_of(cert):
+    return {r.name: r for r in cert.rows}
+
+
+def test_keras_hub_gemma2_scales_queries_by_head_dim_whatever_query_pre_attn_scalar_says(tmp_path):
+    """keras-hub's Gemma converter turns query_pre_attn_scalar into query_head_dim_normalize (equal to head_dim
+    or not), but GemmaDecoderBlock builds its attention with query_head_dim_normalize=True whatever it is
+    given: queries are always scaled by 1/sqrt(head_dim). A checkpoint with scalar 16 = head_dim passes; one
+    with 12 (= hidden_size / heads, the other value released Gemma 2 checkpoints use: 27B's 144 = 4608 / 32)
+    fails at layer 0, and keras's output on it is transformers' on the same weights with 16. The attention
+    softcap is left out (null), so that the check is of the scale alone."""
+    plain = {"attn_logit_softcapping": None, "final_logit_softcapping": None, "layers": True}
     head_dim, _ = keras_backbone_certificate("gemma2", tmp_path / "a", query_pre_attn_scalar=16, **plain)
-    other, _ = keras_backbone_certificate("gemma2", tmp_path / "b", query_pre_attn_scalar=13, **plain)
-    assert head_dim.passed and head_dim.rows[0].value < 1e-6, head_dim.table()
-    assert not other.passed and other.rows[0].value > 1e-2, other.table()
+    other, _ = keras_backbone_certificate("gemma2", tmp_path / "b", query_pre_attn_scalar=12, **plain)
+    as_read, _ = keras_backbone_certificate(
+        "gemma2", tmp_path / "c", query_pre_attn_scalar=12, read_as={"query_pre_attn_scalar": 16}, **plain
+    )
+    assert head_dim.passed and rows_of(head_dim)["hidden"].value < 1e-6, head_dim.table()
+    assert other.first_divergent == "model.layers.0" and rows_of(other)["hidden"].value > 1e-2, other.table()
+    assert as_read.passed and rows_of(as_read)["hidden"].value < 1e-6, as_read.table()
+
+
+def test_keras_hub_gemma_passes_layer_by_layer(tmp_path):
+    """Gemma 1 (GemmaForCausalLM's config: no window, no softcaps, head_dim 16 != hidden_size / heads 12)."""
+    cert, _ = keras_backbone_certificate("gemma", tmp_path, layers=True)
+    assert cert.passed and max(r.value for r in cert.rows) < 1e-6, cert.table()
+
+
+def test_keras_hub_gemma_fixes_the_rope_base_at_10000_whatever_rope_theta_says(tmp_path):
+    """The Gemma converter never reads rope_theta (GemmaAttention's RotaryEmbedding is built with 10 000, the
+    released checkpoints' value): a checkpoint saying 500 fails at layer 0, normwise 0.5 there, and keras's
+    output on it is transformers' on the same weights with 10 000."""
+    base = {"rope_parameters": {"rope_type": "default", "rope_theta": 500.0}, "layers": True}
+    cert, _ = keras_backbone_certificate("gemma", tmp_path / "a", **base)
+    as_read, _ = keras_backbone_certificate("gemma", tmp_path / "b", read_as={"rope_parameters": DEFAULT_ROPE}, **base)
+    assert cert.first_divergent == "model.layers.0" and rows_of(cert)["model.layers.0"].value > 0.1, cert.table()
+    assert as_read.passed and rows_of(as_read)["hidden"].value < 1e-6, as_read.table()
+
+
+def test_keras_hub_gemma_fixes_rms_norm_eps_at_1e_6_under_float32_s_bar(tmp_path):
+    """Nor rms_norm_eps (GemmaBackbone's default, 1e-6, is always used, the released checkpoints' value): a
+    checkpoint saying 1e-5 lands 8x further away than one saying 1e-6 (5.7e-6 against 7.3e-7 normwise),
+    still under float32's fixed bar of 1e-5, as Qwen3's q/k-norm epsilon (see docs/certify.md, "Bars")."""
+    exact, _ = keras_backbone_certificate("gemma", tmp_path / "a")
+    off, _ = keras_backbone_certificate("gemma", tmp_path / "b", rms_norm_eps=1e-5)
+    assert exact.passed and off.passed, (exact.table(), off.table())
+    assert exact.rows[0].value < 1e-6 and off.rows[0].value > 4 * exact.rows[0].value
+
+
+# Gemma 3 as keras-hub builds it: layers i % 6 < 5 slide when any layer does, RoPE bases 10 000 (sliding) and
+# 1 000 000 (full), queries scaled by 1/sqrt(head_dim). A checkpoint that agrees on all of it (two sliding
+# layers, window 5 < 37 tokens, so the window acts), with q/k norms and the final softcap of the tiny config
+GEMMA3_AS_KERAS = {
+    "layer_types": ["sliding_attention", "sliding_attention"],
+    "query_pre_attn_scalar": 16,
+    "rope_parameters": {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    },
+}
+
+
+def test_keras_hub_gemma3_passes_on_a_checkpoint_built_as_it_assumes(tmp_path):
+    cert, _ = keras_backbone_certificate("gemma3_text", tmp_path, layers=True, **GEMMA3_AS_KERAS)
+    assert cert.passed and max(r.value for r in cert.rows) < 1e-6, cert.table()
+
+
+def _gemma3_rope(sliding, full):
+    return {
+        "rope_parameters": {
+            "sliding_attention": DEFAULT_ROPE | {"rope_theta": sliding},
+            "full_attention": DEFAULT_ROPE | {"rope_theta": full},
+        }
+    }
+
+
+@pytest.mark.parametrize(
+    "name, checkpoint, read_as, first",
+    [
+        # layer_types is read as "does any layer slide": layer 1, full here, is made sliding (window and local RoPE)
+        (
+            "layer_types",
+            {"layer_types": ["sliding_attention", "full_attention"]},
+            {"layer_types": ["sliding_attention", "sliding_attention"]},
+            "model.layers.1",
+        ),
+        # the sliding layers' RoPE base is fixed at 10 000 (rope_theta is never read, only the scaling factor)
+        ("local_rope_theta", _gemma3_rope(50.0, 1e6), _gemma3_rope(10000.0, 1e6), "model.layers.0"),
+        # the full layers' RoPE base is fixed at 1 000 000 (no layer slides here, so every layer is full)
+        (
+            "global_rope_theta",
+            {"layer_types": ["full_attention", "full_attention"]} | _gemma3_rope(1e4, 1e4),
+            _gemma3_rope(1e4, 1e6),
+            "model.layers.0",
+        ),
+        # queries scaled by 1/sqrt(head_dim) whatever query_pre_attn_scalar says, as Gemma 2's (12 = 48 / 4)
+        ("query_pre_attn_scalar", {"query_pre_attn_scalar": 12}, {"query_pre_attn_scalar": 16}, "model.layers.0"),
+    ],
+)
+def test_keras_hub_gemma3_ignores_one_config_key_and_fails_where_it_first_acts(
+    tmp_path, name, checkpoint, read_as, first
+):
+    """One key changed from GEMMA3_AS_KERAS: the certificate fails at the first layer the key acts in, by
+    more than 1e-2 there, every layer before it passing; and keras's output on that checkpoint is
+    transformers' on the same weights with the key as keras-hub read it (so that key is the whole difference)."""
+    cert, _ = keras_backbone_certificate("gemma3_text", tmp_path / "a", layers=True, **GEMMA3_AS_KERAS | checkpoint)
+    as_read, _ = keras_backbone_certificate(
+        "gemma3_text", tmp_path / "b", layers=True, read_as=read_as, **GEMMA3_AS_KERAS | checkpoint
+    )
+    rows = rows_of(cert)
+    assert cert.first_divergent == first and rows[first].value > 1e-2, cert.table()
+    assert as_read.passed and max(r.value for r in as_read.rows) < 1e-6, as_read.table()
+
+
+def test_keras_hub_gemma3_fixes_its_q_k_norm_epsilon_at_1e_6_under_float32_s_bar(tmp_path):
+    """The converter reads rms_norm_eps into the block norms, but Gemma3DecoderBlock builds its attention
+    without it, so the q/k norms keep CachedGemma3Attention's default, 1e-6 (the released value): a checkpoint
+    saying 1e-5 lands 8x further away than one saying 1e-6 (2.8e-6 against 3.5e-7), under float32's bar."""
+    exact, _ = keras_backbone_certificate("gemma3_text", tmp_path / "a", **GEMMA3_AS_KERAS)
+    off, _ = keras_backbone_certificate("gemma3_text", tmp_path / "b", rms_norm_eps=1e-5, **GEMMA3_AS_KERAS)
+    assert exact.passed and off.passed, (exact.table(), off.table())
+    assert exact.rows[0].value < 1e-6 and off.rows[0].value > 4 * exact.rows[0].value
+
+
+def test_keras_hub_gemma3_s_failure_on_the_tiny_checkpoint_is_those_keys_together(tmp_path):
+    """The tiny Gemma 3 of crosscheck._hf.checkpoints (layer 1 full; local base 50; global linear x4 at base
+    10 000; query_pre_attn_scalar 13) fails from layer 0, and keras's output on it is transformers' on the same
+    weights with layer 1 sliding, the local base 10 000 and the scalar 16: nothing else differs."""
+    cert, _ = keras_backbone_certificate("gemma3_text", tmp_path / "a", layers=True)
+    as_read, _ = keras_backbone_certificate("gemma3_text", tmp_path / "b", layers=True, read_as=GEMMA3_AS_KERAS)
+    assert cert.first_divergent == "model.layers.0" and rows_of(cert)["hidden"].value > 0.1, cert.table()
+    assert as_read.passed and max(r.value for r in as_read.rows) < 1e-6, as_read.table()

@@ -101,6 +101,23 @@ TINY = {
             rope_parameters=dict(rope_type="default", rope_theta=10000.0),
         ),
     ),
+    # Gemma 1: no window, no softcaps, no post-norms; head_dim 16 != hidden/heads 12; tied, as released
+    "gemma": (
+        "GemmaConfig",
+        "GemmaForCausalLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=48,
+            intermediate_size=80,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=256,
+            rms_norm_eps=1e-6,
+            rope_parameters=dict(rope_type="default", rope_theta=10000.0),
+        ),
+    ),
     # layer 0 slides (window 5), layer 1 is global; head_dim 16 != hidden/heads 12; query_pre_attn_scalar 13
     # != head_dim; both softcaps small enough to bite. Untied: with tied random embeddings, the scaled
     # embedding of the last token dominates the residual stream and greedy decoding repeats one token.
@@ -743,6 +760,7 @@ _GAIN = {
     "llama": 1.5,
     "qwen2": 1.5,
     "mistral": 1.5,
+    "gemma": 1.5,
     "gemma2": 1.5,
     "qwen3": 1.5,
     "gemma3_text": 1.5,
@@ -753,7 +771,7 @@ _GAIN = {
     "deepseek_v3": 1.5,
     "qwen3_next": 1.5,
 }
-_ONE_PLUS_W_NORMS = ("gemma2", "gemma3_text", "qwen3_next")  # norms that scale by 1 + weight: random around 0
+_ONE_PLUS_W_NORMS = ("gemma", "gemma2", "gemma3_text", "qwen3_next")  # norms that scale by 1 + weight: random around 0
 _PLAIN_NORMS = ("linear_attn.norm.weight",)  # Qwen3-Next's gated output norm scales by its weight: around 1
 
 
