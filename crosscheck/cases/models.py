@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import json
 import tempfile
+from pathlib import Path
 
 import numpy as np
 
@@ -19,23 +20,23 @@ from crosscheck.catalogue import FLOAT32_JIT, ModelSetup, Setup, register_case
 
 
 def _setup(model_type: str) -> Setup:
-    from crosscheck._hf import checkpoints as _hf_models
+    from crosscheck._hf import checkpoints as hf
     from jaxattn.models import from_pretrained, from_state_dict
 
     with tempfile.TemporaryDirectory(prefix=f"crosscheck-{model_type}-") as directory:
-        _hf_models.write_checkpoint(model_type, directory)
-        config = json.loads((_hf_models.Path(directory) / "config.json").read_text())
+        hf.write_checkpoint(model_type, directory)
+        config = json.loads((Path(directory) / "config.json").read_text())
         model, params = from_pretrained(directory, precision="highest")
-        torch_models = {dtype: _hf_models.torch_model(directory, dtype) for dtype in ("float32", "float64")}
+        torch_models = {dtype: hf.torch_model(directory, dtype) for dtype in ("float32", "float64")}
     state = {
         k: v.detach().numpy()
         for k, v in torch_models["float32"].state_dict().items()
         if k in dict(torch_models["float32"].named_parameters())
     }
-    input_ids, attention_mask = _hf_models.padded_batch("left")
+    input_ids, attention_mask = hf.padded_batch("left")
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
     if model_type == "t5":  # the decoder's tokens: start token, then 6 others
-        inputs["decoder_input_ids"] = np.random.default_rng(1).integers(0, _hf_models.VOCAB, (3, 7))
+        inputs["decoder_input_ids"] = np.random.default_rng(1).integers(0, hf.VOCAB, (3, 7))
 
     def real(logits, attention_mask, decoder_input_ids=None, **_):
         # padded queries have no meaning; T5's logits are the decoder's (no decoder padding)
@@ -48,7 +49,7 @@ def _setup(model_type: str) -> Setup:
         from torch.func import functional_call
 
         dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
-        with _hf_models.float64_reference(torch_models[dtype], dtype):
+        with hf.float64_reference(torch_models[dtype], dtype):
             out = functional_call(torch_models[dtype], state, args=(), kwargs={k: v.long() for k, v in inputs.items()})
         return {"logits": real(out.logits, **inputs)}
 
