@@ -319,9 +319,14 @@ ROW_CASES = {
 }
 
 
-# Two combinations in the slow group: each of their features is in a case kept in the default run
-# (per-head tables and lengths: gqa-per-head-tables-lengths; batched positions, the hook: hook-batched-positions).
-_SLOW_ROWS = {"batched-positions-per-head-tables", "hook-shared-positions"}
+# Four combinations in the slow group: each of their features is in a case or test kept in the default run
+# (per-head tables and lengths: gqa-per-head-tables-lengths; positions: shared-tables-causal-positions).
+_SLOW_ROWS = {
+    "batched-positions-per-head-tables",
+    "hook-shared-positions",
+    "hook-batched-positions",  # the hook alone: test_position_bias_hook_and_its_gradient
+    "segments-sinks-window-softcap",  # these options without tables: tests/test_contract.py
+}
 
 
 @pytest.mark.parametrize(

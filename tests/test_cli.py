@@ -169,6 +169,7 @@ def test_summary_of_a_failure_counts_a_nan_as_the_worst(capsys):
     assert "1 FAILED" in line and "worst inf of tolerance (b jit output: - / tol 1e-06)" in line
 
 
+@pytest.mark.slow  # a message's wording, through torch's flex: 5 s
 def test_torch_flex_reference_advice_is_silenced_and_said_once(capsys):
     import torch.nn.attention.flex_attention as torch_flex
 

@@ -81,6 +81,7 @@ def test_bad_invocations_exit_2(tmp_path, capsys):
     assert "config.json" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # the example script end to end; the CLI's own port report stays in the default group
 def test_port_model_example_reports_and_continues_like_pytorch(gpt2_dir, capsys):
     import importlib.util
     from pathlib import Path

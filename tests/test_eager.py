@@ -93,6 +93,7 @@ def test_static_values_are_keyed_by_type_and_checked_every_time():
     assert normwise(listed, jaxattn.dot_product_attention(q, k, v, is_causal=True, window=(2, 0))) <= 1e-15
 
 
+@pytest.mark.slow  # eager MLA, op by op: 8 s; the layers' eager check is tests/test_cache.py::test_decode_errors
 def test_decode_caches_keep_their_eager_overflow_check():
     """A cache's index is checked against its length when known (ValueError eagerly, NaN inside jit): calls
     with a cache run unwrapped, so the eager check stays (the layers' and MLA's)."""

@@ -46,12 +46,13 @@ def _functional(relative):
 CASES = [
     (np.float32, False, 6, "none"),
     (np.float64, False, 2, "causal"),
-    (np.float32, False, 1, "mask+lengths"),
     (np.float64, True, 6, "causal"),
     (np.float32, True, 2, "mask+lengths"),
-    (np.float64, True, 1, "none"),
-    (np.float64, False, 6, "mask+lengths"),
-    (np.float32, True, 2, "causal"),
+    # the slow group: the remaining (dtype, relative, K, masking) combinations of options tested above
+    pytest.param(np.float64, True, 1, "none", marks=pytest.mark.slow),
+    pytest.param(np.float64, False, 6, "mask+lengths", marks=pytest.mark.slow),
+    pytest.param(np.float32, True, 2, "causal", marks=pytest.mark.slow),
+    pytest.param(np.float32, False, 1, "mask+lengths", marks=pytest.mark.slow),
 ]
 
 

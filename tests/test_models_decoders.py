@@ -39,7 +39,8 @@ def checkpoint(request, tmp_path_factory):
     return request.param, directory, hf.torch_model(directory)
 
 
-@pytest.mark.parametrize("side", ["left", "right"])
+# Right padding repeats every family's left-padded report with the pad rows moved: the slow group runs it.
+@pytest.mark.parametrize("side", ["left", pytest.param("right", marks=pytest.mark.slow)])
 def test_every_layer_and_the_logits_match(checkpoint, side):
     model_type, directory, torch_model = checkpoint
     model, params = from_pretrained(directory)
@@ -306,7 +307,7 @@ def test_generate_refuses_bad_input(tmp_path):
         generate(BertModel(BertConfig()), {}, ids, max_new_tokens=2)
 
 
-@pytest.mark.parametrize("model_type", ["mistral", "t5"])
+@pytest.mark.parametrize("model_type", ["mistral", pytest.param("t5", marks=pytest.mark.slow)])
 def test_greedy_decoding_stops_at_eos_like_transformers(tmp_path, model_type):
     """eos_token_id: each row stops at its first eos token and then emits pad; decoding ends once every row
     has finished. Three eos tokens, each one row's own token at a different step (so rows finish at

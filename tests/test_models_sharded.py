@@ -279,6 +279,7 @@ def test_qwen3_next_rules_split_heads_and_experts():
     assert rules.spec("layers_0/mlp/shared_expert_gate/kernel", (E, 1)) == P("data", None)
 
 
+@pytest.mark.slow  # MoE families' sharded loading (the dense families' stays in the default group)
 @pytest.mark.parametrize("family", ["mixtral", pytest.param("gpt_oss", marks=pytest.mark.slow)])
 def test_one_device_mesh_loads_moe_params_the_same(new_checkpoints, family):
     """Stacked per-expert rows (Mixtral) and gpt-oss's interleaved gate/up ("every"): on a one-device mesh
@@ -394,6 +395,7 @@ def test_one_device_mesh_loads_the_same_params(checkpoints):
     assert normwise(got, model.apply({"params": params}, ids)) <= TOL
 
 
+@pytest.mark.slow  # a model compiled for one more layout: 4 s; the multi-device runs are slow too
 def test_sequence_parallel_applies_the_qk_norms(tmp_path):
     """Qwen 3 without windows on a one-device (data, seq, model) mesh: its attention runs on the ring
     (SequenceParallelAttention), q_norm/k_norm included, and equals the unsharded model."""

@@ -35,7 +35,7 @@ def test_relative_attention_never_builds_the_batch_pair_tensor():
     assert naive_growth >= per_example  # the yardstick really does build it
 
 
-@pytest.mark.parametrize("per_head", [False, True])
+@pytest.mark.parametrize("per_head", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_shaw_far_below_a_gather(per_head):
     B, S, N, H, max_distance = 1, 2048, 8, 64, 16
     R = 2 * max_distance + 1

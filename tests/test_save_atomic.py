@@ -290,6 +290,7 @@ def _in_subprocess(llamas, expected, tmp_path, layout, tasks) -> tuple[set[str],
     return seen, results
 
 
+@pytest.mark.slow  # child processes killed mid-save: 3 s
 def test_a_killed_or_size_limited_save_leaves_the_old_or_the_new_set(llamas, expected, tmp_path):
     """One subprocess: SIGKILL right after a shard's write (before the switch) and after the switch's last
     rename; RLIMIT_FSIZE below one shard (the first shard's write fails with EFBIG)."""

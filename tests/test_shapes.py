@@ -76,6 +76,7 @@ def checked(fn):
     return jaxtyping.jaxtyped(typechecker=beartype)(resolved)
 
 
+@pytest.mark.slow  # a fresh interpreter: 3 s
 def test_importing_jaxattn_imports_no_jaxtyping():
     """The annotations cost nothing at run time: a fresh interpreter imports every public module of jaxattn
     without jaxtyping, beartype or torch (docs/design.md, "Packages": jaxattn depends on jax, flax and numpy), and every

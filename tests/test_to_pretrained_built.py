@@ -98,6 +98,7 @@ def written(tmp_path_factory):
     return {model_type: root / model_type for model_type in CONFIGS}
 
 
+@pytest.mark.slow  # a fresh interpreter: 3 s
 @pytest.mark.parametrize("model_type", CONFIGS)
 def test_a_fresh_interpreter_writes_a_built_model_per_expert(written, model_type):
     tensors = _tensors(written[model_type])

@@ -58,9 +58,23 @@ def assert_close(actual, expected, **tol):
 
 
 FLEX_PARAMS = [(name, 3) for name in sorted(FLEX_CASES)] + [("causal", N), ("documents_sliding_softcap_cache", N)]
+# The default group: the cases that combine options (each alone, and the other cached twins, run in the slow group).
+DEFAULT_FLEX = {
+    ("documents_sliding_softcap", 3),
+    ("documents_sliding_softcap_cache", N),
+    ("chunked_alibi_cache", 3),
+    ("softcap_t5_window", 3),
+    ("window_both_sides_cache", 3),
+    ("prefix_lm", 3),
+    ("causal", N),
+}
 
 
-@pytest.mark.parametrize("name, K", FLEX_PARAMS, ids=[f"{name}-K{K}" for name, K in FLEX_PARAMS])
+@pytest.mark.parametrize(
+    "name, K",
+    [p if p in DEFAULT_FLEX else pytest.param(*p, marks=pytest.mark.slow) for p in FLEX_PARAMS],
+    ids=[f"{name}-K{K}" for name, K in FLEX_PARAMS],
+)
 def test_flex_case_torch_flex_equals_keywords_and_torchref_flex(name, K):
     case = FLEX_CASES[name]
     q, k, v = qkv(case.T, case.S, K=K, seed=len(name))

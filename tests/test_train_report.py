@@ -138,7 +138,13 @@ SETUPS = {  # name -> (torch optimizer on parameters, scheduler factory or None,
 }
 
 
-@pytest.mark.parametrize("setup", sorted(SETUPS))
+# The default group: one SGD and one AdamW setup with groups, a schedule and clipping; the slow group the rest.
+DEFAULT_SETUPS = {"sgd_momentum_groups", "adamw_groups_cosine_clip"}
+
+
+@pytest.mark.parametrize(
+    "setup", [s if s in DEFAULT_SETUPS else pytest.param(s, marks=pytest.mark.slow) for s in sorted(SETUPS)]
+)
 def test_the_optax_twin_follows_torch_update_by_update(setup):
     """Synthetic gradients (every parameter its own size, some clipped), 6 steps, float64: every parameter
     after every step equals torch's to rounding (1e-13), through the weight table's layout."""
@@ -658,6 +664,7 @@ def test_bad_training_invocations_exit_2(tmp_path, capsys):
     assert "nowhere: not a directory" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a training run of its own: 4 s
 def test_frozen_parameters_stay_put_and_stay_out_of_the_clipping_norm():
     """requires_grad=False: torch gives no gradient, skips the update and leaves it out of clip_grad_norm_;
     a parameter in no group: torch has its gradient (in the norm) but never updates it. The twin does both."""

@@ -163,6 +163,12 @@ def _mod(name, xp):
 
 # the slow group runs the rest of upstream's list (time budget of the default group)
 SLOW = {
+    "identity",
+    "causal",
+    "rel_bias",
+    "alibi",
+    "head_offset",
+    "bias_head_seq_batch",
     "times_two",
     "squared",
     "inverse_causal",
@@ -233,7 +239,7 @@ def _mask(name, xp):
     return MASK_MODS[name](xp, c)
 
 
-SLOW_MASKS = {"per_head", "per_batch_prefix", "prefix_lm"}
+SLOW_MASKS = {"per_head", "per_batch_prefix", "prefix_lm", "sliding_window"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_MASKS else n for n in MASK_MODS])
