@@ -56,6 +56,11 @@ TARGETS = {
     "v6e": ("tpu", dict(topology_name="v6e:1x1", platform="tpu")),
 }
 KERNEL = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}
+# The GPU generation implementation=None picks its CUDA kernel for (cross_platform_lowering's argument).
+CAPABILITY = {"h100": "9.0", "a100": "8.0"}
+# What implementation=None must call per GPU generation (jaxattn._api.CUDA_KERNELS_BY_GENERATION): a
+# bf16 causal call with T == S goes to cuDNN on Hopper and to our Triton kernel on Ampere.
+EXPECTED_CALLS = {("h100", "None causal"): "__cudnn$fmha", ("a100", "None causal"): "__gpu$xla.gpu.triton"}
 PROGRAMS = ("forward", "forward+backward")
 # O(T + S): temp(2T, 2S) <= 2 temp(T, S) + LINEAR_SLACK. The slack is for small quadratic bookkeeping: the
 # kernels' tile schedule, int32 per (query tile, key tile) pair, is 16 KiB at 4096 x 4096 in 64 x 64 tiles
@@ -194,9 +199,10 @@ CI_FIRST = {
     "flex score_mod": FWD_BWD,
     "flex block_mask": PROGRAMS,
     "cudnn causal": FWD_BWD,
+    "None causal": FWD_BWD,
     "llama": ("forward", "decode"),
 }
-CI_SECOND = {"causal H256 GQA 4/2": FWD_BWD, "full f32": FWD_BWD}
+CI_SECOND = {"causal H256 GQA 4/2": FWD_BWD, "full f32": FWD_BWD, "None causal": FWD_BWD}
 CI = {"h100": CI_FIRST, "v5e": CI_FIRST, "a100": CI_SECOND, "v6e": CI_SECOND}
 
 # Programs that do not compile today, each with (a fragment of) its error: (target regex, case, program).
@@ -339,7 +345,7 @@ def compile_one(case: Case, target: str, device, program: str, scale: int = 1) -
         # The "CPU host" case keeps that failure in view.
         mesh = jax.set_mesh(jax.sharding.Mesh(np.array([device]), ("x",))) if case.mesh else contextlib.nullcontext()
         stage = "lower"
-        with jaxattn.cross_platform_lowering(), mesh:
+        with jaxattn.cross_platform_lowering(cuda_compute_capability=CAPABILITY.get(target)), mesh:
             lowered = jax.jit(fn).lower(*shapes(args, device))
         row["lower_s"] = round(time.perf_counter() - start, 2)
         stage = "compile"
@@ -417,9 +423,14 @@ def print_row(row):
 
 
 def verdict(rows, checks) -> list[str]:
-    """The regressions: unknown failures, known failures that now compile, memory checks that fail."""
+    """The regressions: unknown failures, known failures that now compile, memory checks that fail, and a
+    program without the custom call EXPECTED_CALLS names for it."""
     problems = []
     for row in rows:
+        expected = EXPECTED_CALLS.get((row["target"], row["case"]))
+        calls = row.get("custom_calls") or []
+        if row["status"] == "ok" and expected is not None and not any(c.startswith(expected) for c in calls):
+            problems.append(f"{row['target']} {row['case']} {row['program']}: no {expected} call, only {calls}")
         fragment = known(row["target"], row["case"], row["program"])
         if row["status"] == "error" and (fragment is None or fragment not in row["error"]):
             problems.append(f"{row['target']} {row['case']} {row['program']}: {row['error'][:500]}")

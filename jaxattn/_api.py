@@ -7,11 +7,13 @@ every attention function resolves its `implementation=` through. It sits above t
     "pallas_gpu"  the Pallas flash-attention kernel for GPUs (jaxattn._kernels.pallas_gpu)
     "pallas_tpu"  TPU splash attention (jaxattn._kernels.splash_tpu); with score_mod, mask_mod or a BlockMask
                   our Pallas TPU kernel (jaxattn._kernels.flex_tpu, forward; XLA's backward)
-    "cudnn"       cuDNN through jax.nn.dot_product_attention (jaxattn._kernels.cudnn; explicit only)
+    "cudnn"       cuDNN through jax.nn.dot_product_attention (jaxattn._kernels.cudnn)
     None          per platform, at lowering time (jax.lax.platform_dependent): on CPU (and ROCm, and any
                   other platform) the XLA engines, blockwise when nothing needs the grid and one head's
                   logits T x S hold at least AUTO_BLOCKWISE_ELEMENTS, dense otherwise (use_blockwise); on
-                  CUDA the Pallas GPU kernel (its split-key kernel for a decode step) and on TPU splash
+                  CUDA by GPU generation (CUDA_KERNELS_BY_GENERATION: cuDNN first on Hopper, for the calls
+                  it computes as we define them), the Pallas GPU kernel (its split-key kernel for a decode
+                  step), and on TPU splash
                   attention (our flex kernel for score_mod / mask_mod / BlockMask) when the kernel can
                   express the call (its `unsupported` says None), else the same XLA engines there.
 
@@ -66,7 +68,8 @@ class Implementation:
     """One entry of the registry: what `implementation=name` runs.
 
     kernel: the module under jaxattn._kernels with unsupported / attention (None: an XLA engine);
-    platform: where implementation=None takes the kernel (None: only when named);
+    platform: where implementation=None may take the kernel (None: only when named); on CUDA, in the order
+      of CUDA_KERNELS_BY_GENERATION;
     interpretable: Pallas' interpreter runs it (interpret=True);
     key_mask_as_segments: a key-only boolean mask reaches it as segment ids (key_mask_as_segments)."""
 
@@ -84,7 +87,7 @@ REGISTRY = {
         Implementation("blockwise"),
         Implementation("pallas_gpu", "pallas_gpu", "cuda", interpretable=True, key_mask_as_segments=True),
         Implementation("pallas_tpu", "pallas_tpu", "tpu", interpretable=True),
-        Implementation("cudnn", "cudnn"),
+        Implementation("cudnn", "cudnn", "cuda"),
     )
 }
 IMPLEMENTATIONS = (None, *REGISTRY)
@@ -156,24 +159,79 @@ def key_mask_as_segments(call: AttentionCall, query, key) -> AttentionCall:
 
 _CROSS_PLATFORM = contextvars.ContextVar("jaxattn_cross_platform", default=False)
 register_context(_CROSS_PLATFORM.get)  # an eager call traced inside cross_platform_lowering() is another program
+_CUDA_CAPABILITY = contextvars.ContextVar("jaxattn_cuda_capability", default=None)
+register_context(_CUDA_CAPABILITY.get)
+
+# implementation=None on CUDA: the kernels to try, in order, by GPU generation (the lowest compute capability
+# each row covers, highest first); the first that expresses the call is taken. The evidence, with its
+# sources (docs/kernels.md, "implementation=None on each GPU generation"): on Hopper, cuDNN's fused attention
+# runs at 575-617 TFLOP/s forward at head dim 128 in bf16 against 350-370 for FlashAttention-2-class kernels
+# such as ours (FlashAttention-3 paper, arXiv 2407.08608, figures 5-6), so cuDNN goes first for the calls it
+# computes exactly as we define them (bf16 / fp16, H == Hv, causal or window only with T == S: cudnn.py);
+# on Ampere and Ada, FlashAttention-2-class kernels are at least as fast as cuDNN's (FlashAttention-2 paper,
+# arXiv 2307.08691), and ours expresses every call cuDNN does, so it is ours alone. No GPU measurement of ours
+# exists yet: benchmarks/device_check.py measures both on the first GPU at hand, and this table follows it.
+CUDA_KERNELS_BY_GENERATION = (
+    ((9, 0), ("cudnn", "pallas_gpu")),  # Hopper (H100, H200) and later
+    ((0, 0), ("pallas_gpu",)),  # Ampere (A100), Ada, and a target whose generation is not known
+)
+
+
+def _capability(value) -> tuple[int, int]:
+    """(major, minor) from "9.0", 9.0, (9, 0) or "sm_90"; ValueError naming cuda_compute_capability."""
+    text = str(value).removeprefix("sm_")
+    if isinstance(value, tuple) and len(value) == 2 and all(isinstance(x, int) for x in value):
+        return value
+    if text.isdigit() and len(text) >= 2:
+        return int(text[:-1]), int(text[-1])
+    major, dot, minor = text.partition(".")
+    if dot and major.isdigit() and minor.isdigit():
+        return int(major), int(minor)
+    checks.fail("cuda_compute_capability", 'a compute capability such as "9.0", "sm_90" or (9, 0)', repr(value))
+    raise AssertionError  # checks.fail raises
 
 
 @contextlib.contextmanager
-def cross_platform_lowering():
+def cross_platform_lowering(cuda_compute_capability=None):
     """Within it, implementation=None builds the per-platform switch even when JAX's default backend is
     the CPU, so a program traced here and lowered for CUDA or TPU (jax.jit(f).trace(...).lower(
     lowering_platforms=("cuda",)), jax.export) carries the kernels.
+
+    cuda_compute_capability: the GPU generation the program is for ("9.0" / "sm_90" / (9, 0)), which picks
+    the CUDA kernel by CUDA_KERNELS_BY_GENERATION; None (default) takes the row for an unknown generation,
+    our Pallas kernel, which lowers without a GPU's libraries (cuDNN's lowering needs the cuDNN of a CUDA
+    build of jaxlib). On a GPU host the generation is the device's own.
 
     Outside it, on a CPU host the switch is left out: its CPU branch is the only one a CPU lowering keeps
     (bit-identical results, same compile time), but tracing the kernel branches costs about 0.6 s per
     trace of a causal forward+backward (measured, docs/performance.md) for nothing; on a GPU or TPU host
     the switch holds that host's kernel only.
     """
+    capability = None if cuda_compute_capability is None else _capability(cuda_compute_capability)
     token = _CROSS_PLATFORM.set(True)
+    capability_token = _CUDA_CAPABILITY.set(capability)
     try:
         yield
     finally:
+        _CUDA_CAPABILITY.reset(capability_token)
         _CROSS_PLATFORM.reset(token)
+
+
+def cuda_capability() -> Optional[tuple[int, int]]:
+    """The compute capability implementation=None picks CUDA kernels for: cross_platform_lowering()'s, else the
+    default device's on a GPU host, else None (unknown)."""
+    if _CROSS_PLATFORM.get():
+        return _CUDA_CAPABILITY.get()
+    if jax.default_backend() not in ("gpu", "cuda"):
+        return None
+    value = getattr(jax.devices()[0], "compute_capability", None)
+    return None if value is None else _capability(value)
+
+
+def cuda_kernels(capability: Optional[tuple[int, int]]) -> tuple[str, ...]:
+    """The CUDA kernels implementation=None tries, in order, for a GPU of `capability` (None: unknown)."""
+    capability = (0, 0) if capability is None else capability
+    return next(kernels for lowest, kernels in CUDA_KERNELS_BY_GENERATION if capability >= lowest)
 
 
 def _switch_platforms() -> tuple:
@@ -212,17 +270,22 @@ def attend(call: AttentionCall, query, key, value, *, xla, implementation=None, 
     if implementation is not None or not platforms:
         return xla()
     branches = {}
-    for name in KERNELS:
-        platform = REGISTRY[name].platform
-        if platform not in platforms:
-            continue
-        kernel_call = _for_kernel(name, call, query, key)
-        if kernel_refusal(name, kernel_call, query, key, value) is None:
-            run = kernel(name).attention
-            branches[platform] = lambda run=run, c=kernel_call: run(c, query, key, value, False)
+    for platform in platforms:
+        for name in _platform_kernels(platform):
+            kernel_call = _for_kernel(name, call, query, key)
+            if kernel_refusal(name, kernel_call, query, key, value) is None:
+                run = kernel(name).attention
+                branches[platform] = lambda run=run, c=kernel_call: run(c, query, key, value, False)
+                break
     if not branches:
         return xla()
     return lax.platform_dependent(cpu=xla, default=xla, **branches)
+
+
+def _platform_kernels(platform) -> tuple[str, ...]:
+    """The kernels implementation=None tries on `platform`, in order."""
+    kernels = tuple(name for name in KERNELS if REGISTRY[name].platform == platform)
+    return tuple(name for name in cuda_kernels(cuda_capability()) if name in kernels) if platform == "cuda" else kernels
 
 
 def dense_only(implementation, interpret, term: str) -> None:

@@ -283,3 +283,60 @@ def test_a_model_config_passes_implementation_on():
     model = LlamaForCausalLM(config=dataclasses.replace(config, implementation="flash"))
     with pytest.raises(ValueError, match="^implementation: .*got 'flash'"):
         jax.eval_shape(lambda p: model.apply(p, ids), params)
+
+
+# --- implementation=None on CUDA, by GPU generation (jaxattn._api.CUDA_KERNELS_BY_GENERATION) -----------------
+
+
+def cuda_qkv(dtype):
+    """T == S and H == Hv == 16: shapes cuDNN takes."""
+    rng = np.random.default_rng(3)
+    return [jnp.asarray(rng.standard_normal((B, S, n, 16)), dtype) for n in (N, K, K)]
+
+
+def _cuda_path(monkeypatch, capability, dtype=jnp.bfloat16, **keywords):
+    """(cuDNN reached, our GPU kernel traced) for implementation=None traced for `capability`: cuDNN is
+    stood in for by jax.nn's XLA path (no cuDNN here), recording that it was reached."""
+    reached = []
+    real = jax.nn.dot_product_attention
+
+    def stand_in(*args, implementation, **kw):
+        reached.append(implementation)
+        return real(*args, implementation="xla", **kw)
+
+    monkeypatch.setattr(cudnn, "installed", lambda: True)
+    monkeypatch.setattr(jax.nn, "dot_product_attention", stand_in)
+    q, k, v = cuda_qkv(dtype)
+    with jax.enable_x64(False), jaxattn.cross_platform_lowering(cuda_compute_capability=capability):
+        text = str(jax.make_jaxpr(lambda q, k, v: jaxattn.dot_product_attention(q, k, v, **keywords))(q, k, v))
+    return ("cudnn" if reached else None), "jaxattn_flash_forward" in text
+
+
+@pytest.mark.parametrize("capability", ["9.0", "sm_100", (9, 0)])
+def test_hopper_and_later_take_cudnn_for_what_it_computes_exactly(monkeypatch, capability):
+    assert _cuda_path(monkeypatch, capability, is_causal=True) == ("cudnn", False)
+    # what cuDNN cannot express goes to our kernel: float32, sinks, T != S with causal (its top-left alignment)
+    assert _cuda_path(monkeypatch, capability, jnp.float32, is_causal=True) == (None, True)
+    assert _cuda_path(monkeypatch, capability, is_causal=True, sinks=jnp.zeros(N, jnp.float32)) == (None, True)
+
+
+@pytest.mark.parametrize("capability", ["8.0", "8.9", None])
+def test_ampere_ada_and_an_unknown_generation_take_our_kernel(monkeypatch, capability):
+    assert _cuda_path(monkeypatch, capability, is_causal=True) == (None, True)
+
+
+def test_without_cudnn_hopper_takes_our_kernel_and_an_explicit_cudnn_says_why():
+    # this machine's jaxlib has no cuDNN: None still lowers, with our kernel
+    q, k, v = cuda_qkv(jnp.bfloat16)
+    with jax.enable_x64(False), jaxattn.cross_platform_lowering(cuda_compute_capability="9.0"):
+        text = str(jax.make_jaxpr(lambda q: jaxattn.dot_product_attention(q, k, v, is_causal=True))(q))
+    assert "jaxattn_flash_forward" in text
+    with jax.enable_x64(False), pytest.raises(ValueError, match="cuDNN is not installed"):
+        jaxattn.dot_product_attention(q, k, v, implementation="cudnn")
+
+
+@pytest.mark.parametrize("bad", ["hopper", "9", 9, (9,)])
+def test_a_compute_capability_is_checked_by_name(bad):
+    with pytest.raises(ValueError, match="^cuda_compute_capability: "):
+        with jaxattn.cross_platform_lowering(cuda_compute_capability=bad):
+            pass

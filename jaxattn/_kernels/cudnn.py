@@ -4,16 +4,22 @@ computes exactly as we define them.
 Its conventions against ours: jax.nn's is_causal and local_window_size are TOP-LEFT aligned (query t at t),
 ours bottom-right (t + S - T): the same only when T == S, so causal and window need T == S. A row with no
 allowed key is not zeroed by cuDNN: rows that lengths leave empty (length 0, or a window past the last real
-key) are set to zero here. Inputs must be float16 / bfloat16 with H == Hv (cuDNN's kernels).
+key) are set to zero here. Inputs must be float16 / bfloat16 with H == Hv, a multiple of 8 and at most 128
+(cuDNN's flash kernels; Hopper's 256 is not taken: jax.nn reads the generation from the host's default
+backend, so a program for an H100 traced on a CPU host would be refused at lowering).
 
-Lowering checks the installed cuDNN, so this path cannot be lowered on a machine without one (JAX raises
-"cuDNN is not detected"); it is therefore explicit only: implementation=None never takes it, and it is not
-measured yet (docs/performance.md). Refused by name: float32, T != S with causal or window, explicit
-positions, segment ids, chunk_size, logit_softcap, sinks, score_mod / mask_mod / block_mask, return_lse,
-relative tables and position biases.
+Lowering checks the installed cuDNN, so this path lowers only with a CUDA build of jaxlib (a GPU host, or
+the compile environment of .ci/compile_targets.py; JAX raises "cuDNN is not detected" elsewhere).
+implementation=None takes it on Hopper and later GPUs (jaxattn._api.CUDA_KERNELS_BY_GENERATION; on a CPU
+host only inside cross_platform_lowering(cuda_compute_capability="9.0")). Not measured yet on a GPU
+(docs/kernels.md). Refused by name: float32, T != S with causal or window, explicit positions, segment ids,
+chunk_size, logit_softcap, sinks, score_mod / mask_mod / block_mask, return_lse, relative tables and
+position biases, head dims cuDNN does not take.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,6 +29,18 @@ from .._core import checks
 from .._core.call import AttentionCall
 
 HANDLED = ("is_causal", "scale", "precision", "key_value_seq_lengths", "window")
+MAX_HEAD_DIM = 128
+
+
+@functools.cache
+def installed() -> bool:
+    """jaxlib has cuDNN (a CUDA build): jax.nn's cuDNN path checks this while tracing and raises otherwise.
+    Read from jax's own module (no public flag says it); an unreadable answer counts as absent."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo
+    except ImportError:
+        return False
+    return getattr(fused_attention_stablehlo, "cuda_versions", None) is not None
 
 
 def unsupported(call: AttentionCall, query, key, value, interpret=False):
@@ -36,8 +54,13 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False):
     for name in ("is_causal", "window"):
         if getattr(call, name) not in (None, False) and T != S:
             return f"{name} (cuDNN aligns it top-left: T == S only)"
-    if np.shape(value)[-1] != np.shape(query)[-1]:
+    H = np.shape(query)[-1]
+    if np.shape(value)[-1] != H:
         return "value (head dim Hv != H)"
+    if H % 8 or H > MAX_HEAD_DIM:
+        return f"query (head dim {H}: cuDNN takes multiples of 8 up to {MAX_HEAD_DIM})"
+    if not installed():
+        return "implementation (cuDNN is not installed: it comes with a CUDA build of jaxlib)"
     return None
 
 
