@@ -195,6 +195,30 @@ def test_splash_one_query_row_against_a_cache():
     assert not np.asarray(got[0]).any()
 
 
+def test_splash_reuses_its_processed_mask_and_never_another_rules(x64_off):
+    """Splash caches its processed mask by the mask object: a second trace of the same rule hits that cache,
+    and another rule of the same shape (not causal) gets its own entry and its own answer."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask_info as info
+
+    q, k, v = qkv(T=S)
+
+    def traced(**keywords):  # a new function each time: traced again, as another layer or call would be
+        return jax.jit(
+            lambda q: jaxattn.dot_product_attention(q, k, v, implementation="pallas_tpu", interpret=True, **keywords)
+        )(q)
+
+    traced(is_causal=True)
+    first = info._process_mask.cache_info()
+    causal = traced(is_causal=True)
+    second = info._process_mask.cache_info()
+    assert second.hits > first.hits and second.misses == first.misses
+    full = traced()
+    assert info._process_mask.cache_info().misses > second.misses
+    for got, keywords in ((causal, dict(is_causal=True)), (full, {})):
+        expected = jaxattn.dot_product_attention(q, k, v, implementation="dense", precision="highest", **keywords)
+        assert normwise(got, expected) <= 1e-6
+
+
 @pytest.mark.slow
 def test_splash_under_vmap():
     q, k, v = qkv()

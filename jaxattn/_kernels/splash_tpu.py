@@ -108,6 +108,11 @@ class PositionRule:
         self.offset, self.S, self.causal, self.chunk, self.dummy = S - T, S, causal, chunk, dummy
         self.left, self.right = (None, None) if window is None else window
 
+    @property
+    def key(self) -> tuple:
+        """Everything the rule decides by (a splash mask's identity)."""
+        return (self.offset, self.S, self.causal, self.left, self.right, self.chunk, self.dummy)
+
     def allowed(self, t, s):
         """Works on numpy arrays (splash's tile classification) and inside the kernel (jnp)."""
         pos = t + self.offset
@@ -138,22 +143,32 @@ class PositionRule:
         return lo <= hi
 
 
-def _splash_mask(rule: PositionRule, Tp, Sp):
+@functools.cache
+def _rule_mask_class():
+    """splash's masks are _ComputableMask subclasses (CausalMask, LocalMask, ChunkedCausalMask); ours is their
+    intersection at our absolute positions, with the padding and the zero column. One class for the process
+    (splash imported on first use), equal by shape and rule: splash caches its processed mask info by the
+    mask (_process_mask's lru_cache), so every call and layer with the same rule and lengths hits that cache
+    (a class made per call never did: about 5 s of tracing per call at 32k, issue 36), and two rules never
+    share an entry."""
     from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
     class RuleMask(masks._ComputableMask):
-        # splash's masks are _ComputableMask subclasses (CausalMask, LocalMask, ChunkedCausalMask); ours
-        # is their intersection at our absolute positions, with the padding and the zero column.
-        def __init__(self):
-            super().__init__(shape=(Tp, Sp), mask_function=rule.allowed)
+        def __init__(self, rule: PositionRule, shape):
+            self.key = (tuple(shape), rule.key)
+            super().__init__(shape=shape, mask_function=rule.allowed)
 
         def __eq__(self, other):
-            return isinstance(other, RuleMask) and other.shape == self.shape
+            return isinstance(other, RuleMask) and other.key == self.key
 
         def __hash__(self):
-            return hash((RuleMask, self.shape))
+            return hash((RuleMask, self.key))
 
-    return RuleMask()
+    return RuleMask
+
+
+def _splash_mask(rule: PositionRule, Tp, Sp):
+    return _rule_mask_class()(rule, (Tp, Sp))
 
 
 def _blocks(length):
