@@ -219,6 +219,29 @@ def test_splash_reuses_its_processed_mask_and_never_another_rules(x64_off):
         assert normwise(got, expected) <= 1e-6
 
 
+def test_float32_sinks_beside_bfloat16_inputs_keep_a_float32_gradient_on_splash(x64_off):
+    """Splash returns the sinks' gradient in the inputs' dtype; ours stays float32 (within the bf16 envelope of
+    the float32 dense engine's), and implementation=None's forward+backward lowers for a TPU (its branches
+    agree on the dtype)."""
+    q, k, v = qkv(jnp.bfloat16)
+    sinks = jnp.asarray(np.linspace(-1.0, 1.0, N), jnp.float32)
+
+    def loss(sinks, q, k, v, implementation, **extra):
+        out = jaxattn.dot_product_attention(
+            q, k, v, is_causal=True, sinks=sinks, implementation=implementation, **extra
+        )
+        return jnp.sum(out.astype(jnp.float32) ** 2)
+
+    got = jax.grad(loss)(sinks, q, k, v, "pallas_tpu", interpret=True)
+    up = [x.astype(jnp.float32) for x in (q, k, v)]
+    expected = jax.grad(loss)(sinks, *up, "dense", precision="highest")
+    assert got.dtype == jnp.float32 and normwise(got, expected) <= 8e-3
+    with jaxattn.cross_platform_lowering():
+        grad = jax.jit(jax.grad(loss), static_argnums=4)
+        text = grad.trace(sinks, q, k, v, None).lower(lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" in text
+
+
 @pytest.mark.slow
 def test_splash_under_vmap():
     q, k, v = qkv()

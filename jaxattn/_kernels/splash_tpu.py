@@ -171,6 +171,19 @@ def _splash_mask(rule: PositionRule, Tp, Sp):
     return _rule_mask_class()(rule, (Tp, Sp))
 
 
+@jax.custom_vjp
+def float32_cotangent(sinks):
+    """The identity on float32 sinks whose cotangent is cast back to float32: splash's backward returns the
+    sinks' gradient in the inputs' dtype (bf16 for bf16 inputs; jax 0.10, splash_attention_kernel.py
+    `dsinks = jnp.sum(... .astype(o.dtype) ...)`), which gave bf16 gradients to float32 sinks and made
+    implementation=None's forward+backward unlowerable (its XLA branch gives float32: a `case` whose branches
+    disagree on the dtype; issue 36)."""
+    return sinks
+
+
+float32_cotangent.defvjp(lambda sinks: (sinks, None), lambda _, g: (g.astype(jnp.float32),))
+
+
 def _blocks(length):
     """(block, padded length): a lane-multiple block of at most MAX_BLOCK that the padded length divides."""
     block = min(MAX_BLOCK, _round_up(length, LANES))
@@ -297,7 +310,7 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
         return jnp.pad(x, ((0, 0), (0, 0), (0, padded - length), (0, 0)))
 
     q, k, v = heads_first(q, T, Tp), heads_first(key, S, Sp), heads_first(value, S, Sp)
-    sink_rows = None if sinks is None else jnp.broadcast_to(sinks, (*batch, N)).reshape(B, N)
+    sink_rows = None if sinks is None else float32_cotangent(jnp.broadcast_to(sinks, (*batch, N)).reshape(B, N))
 
     def one(q, k, v, ids, sink):
         segments = None if ids is None else splash.SegmentIds(q=ids[0], kv=ids[1])
