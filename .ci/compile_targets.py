@@ -172,6 +172,11 @@ CASES = [
     Case("flex mask_mod", N=4, flex="mask_mod"),
     Case("flex block_mask", T=2048, N=4, flex="block_mask", memory=("forward",)),
     Case("flex block_mask f32 H64", T=512, N=2, H=64, dtype="float32", flex="block_mask"),
+    # at the flex TPU kernel's bound: one head's keys and values, S x (H + Hv) x 2 bytes = 8 MiB of VMEM
+    # (flex_tpu.MAX_KEY_BYTES; issue 36 saw an overrun at this size, which no longer reproduces)
+    Case(
+        "flex S=16k at the VMEM bound", T=1024, S=16384, N=4, flex="mask_mod", platforms=("tpu",), programs=("forward",)
+    ),
     Case("cudnn causal", T=2048, N=8, K=2, kernel="cudnn", options=CAUSAL, platforms=("gpu",)),
     Case("cudnn fp16 H64", N=4, H=64, dtype="float16", kernel="cudnn", platforms=("gpu",)),
     Case("None causal", T=2048, N=8, kernel="auto", options=CAUSAL),
@@ -198,6 +203,7 @@ CI_FIRST = {
     "decode": ("forward",),
     "flex score_mod": FWD_BWD,
     "flex block_mask": PROGRAMS,
+    "flex S=16k at the VMEM bound": ("forward",),
     "cudnn causal": FWD_BWD,
     "None causal": FWD_BWD,
     "llama": ("forward", "decode"),
