@@ -124,6 +124,18 @@ def test_relative_bias_equals_transformers_module():
     np.testing.assert_array_equal(np.asarray(window_relative_bias(table.numpy(), (2, 3))), hf)
 
 
+def test_torchref_twin_index_and_regions_match_loops():
+    import torchref.windows as twin
+
+    for window in [(2, 3), (3, 2)]:
+        for cls_token in (False, True):
+            np.testing.assert_array_equal(
+                twin.window_relative_index(window, cls_token=cls_token), index_loop(*window, cls_token)
+            )
+    got = twin.shifted_window_segments((6, 6), (3, 2), (2, 1)).numpy()
+    np.testing.assert_array_equal(got, regions_loop(6, 6, 3, 2, 2, 1))
+
+
 # --- shifted windows ----------------------------------------------------------------------------------------
 
 
@@ -264,3 +276,36 @@ def test_bad_input_names_the_argument():
     for call, message in cases:
         with pytest.raises(ValueError, match=message):
             call()
+
+
+# --- the crosscheck cases (transformers' SwinAttention / BeitAttention, torchref.windows) -------------------
+
+# the default group runs the one that covers most (HF's module, the shifted mask, the table's gradient); CI's
+# `python -m crosscheck --all` and the slow group run every row
+CASES = [
+    "hf_swin_attention_shifted",
+    *(
+        pytest.param(name, marks=pytest.mark.slow)
+        for name in (
+            "hf_swin_attention",
+            "hf_swin_attention_2x3",
+            "hf_beit_attention",
+            "pos_window_2x3",
+            "pos_window_3x2_cls_blockwise",
+            "pos_window_shifted",
+        )
+    ),
+]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_crosscheck_cases_in_float64(name):
+    if name.startswith("hf_"):
+        pytest.importorskip("transformers")
+    import crosscheck.cases.windows as cases
+
+    assert jax.config.x64_enabled  # float64 rows really are float64 (conftest), and compare() checks dtypes
+    report = getattr(cases, name)().compare(dtype="float64", transform="jit", name=name)
+    assert report.passed, str(report)
+    table = "params/window/table" if name.startswith("hf_") else "params/table"
+    assert any(m.kind == "grad" and m.name == table for m in report.metrics), [m.name for m in report.metrics]
