@@ -55,6 +55,10 @@ from ._layers.sharding import (
     shard_inputs as shard_inputs,
     shard_params as shard_params,
 )
+from ._layers.window import (
+    init_window_attention as init_window_attention,
+    window_self_attention as window_self_attention,
+)
 from ._schemes.alibi import (
     alibi_attention as alibi_attention,
     alibi_bias as alibi_bias,
@@ -138,6 +142,8 @@ __all__ = [
     "shifted_window_mask",
     "window_partition",
     "window_merge",
+    "init_window_attention",
+    "window_self_attention",
     "position_bias_attention",
     "blockwise_attention",
     "ring_attention",

@@ -172,6 +172,9 @@ CALLS = {
     "window_partition and window_merge": lambda: checked(jaxattn.window_merge)(
         checked(jaxattn.window_partition)(*_arrays((B, 4, 6, E)), (2, 3)), (2, 3), (4, 6)
     ),
+    "window_self_attention": lambda: checked(jaxattn.window_self_attention)(
+        jaxattn.init_window_attention(jax.random.key(0), E, 1, (2, 3)), *_arrays((B, 4, 6, E)), (2, 3), shift=1
+    ),
     "multi_head_attention": lambda: checked(jaxattn.multi_head_attention)(
         _mha_params(), x_q, x_kv, add_zero_attn=True, return_weights=True
     ),

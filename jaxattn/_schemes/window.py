@@ -144,7 +144,9 @@ def window_attention(
             checks.fail(name, "None (window_attention reads each token's place in its window)", "an array")
     table = jnp.asarray(table)
     if table.ndim == 2 and table.shape[1] != dims.N:
-        checks.fail("table", f"shape [R,{dims.N}] (one column per query head)", f"shape {list(table.shape)}")
+        checks.fail(
+            "table", f"shape [R,{dims.N}] (one column per query head)", f"shape {checks.shape_str(table.shape)}"
+        )
     bias_fn = window_position_bias(table, (Wh, Ww), cls_token=cls_token)
     return position_bias_attention(query, key, value, bias_fn, **options)
 
@@ -211,7 +213,7 @@ def window_merge(
     checks.check_min_rank("windows", windows, 3, "[...,nW,T,E]")
     *batch, W, T, E = windows.shape
     if (W, T) != (rows * cols, Wh * Ww):
-        checks.fail("windows", f"shape [...,{rows * cols},{Wh * Ww},E]", f"shape {list(windows.shape)}")
+        checks.fail("windows", f"shape [...,{rows * cols},{Wh * Ww},E]", f"shape {checks.shape_str(windows.shape)}")
     x = windows.reshape(*batch, rows, cols, Wh, Ww, E)
     x = jnp.swapaxes(x, -4, -3)  # [..., rows, Wh, cols, Ww, E]
     return x.reshape(*batch, height, width, E)
