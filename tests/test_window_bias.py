@@ -289,6 +289,7 @@ CASES = [
         for name in (
             "hf_swin_attention",
             "hf_swin_attention_2x3",
+            "hf_swin_window_layer",
             "hf_beit_attention",
             "pos_window_2x3",
             "pos_window_3x2_cls_blockwise",

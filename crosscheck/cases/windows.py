@@ -1,16 +1,19 @@
 """The 2D relative position bias (Swin, BEiT): jaxattn.window_attention against torchref.windows and against
 transformers' own attention modules with loaded weights.
 
-* ``pos_window_*``: window_attention against its plain torch twin (torchref.windows), multi-query heads,
+* ``pos_window_*``: window_attention against its plain torch twin (torchref.windows), grouped-query heads,
   non-square windows, BEiT's cls token, Swin's shifted windows as segment ids, dense and blockwise.
 * ``hf_swin_*``: transformers' SwinAttention (projections, ``relative_position_bias_table``, o_proj) on windows
   of a feature map [B * nW, T, E], unshifted, shifted (the mask of SwinLayer.get_attn_mask, -100 added where
   regions differ; ours masks them, a difference of exp(-100) ~ 4e-44 of a weight), and on a non-square window
   (HF's SwinRelativePositionBias takes (Wh, Ww); SwinAttention builds it square, so the case swaps it in).
-  ``hf_beit_attention``: BeitAttention with BeitRelativePositionBias (the cls token's three extra rows).
-  One explicit mapping table per module (jaxattn.models.weights rows); its gradients map back through it.
-  Both run transformers' "sdpa" path: its eager path softmaxes in float32 by design, which would stop the
-  float64 rows at float32's precision.
+  ``hf_swin_window_layer``: window_self_attention (the whole W-MSA / SW-MSA on a feature map) against
+  SwinLayer's own shift, partition, attention and reverse.
+* ``hf_beit_attention``: BeitAttention with BeitRelativePositionBias (the cls token's three extra rows).
+
+One explicit mapping table per module (jaxattn.models.weights rows); torch's gradients map back through it. All
+run transformers' "sdpa" path: its eager path softmaxes in float32 by design, which would stop the float64 rows
+at float32's precision.
 """
 
 from __future__ import annotations
@@ -209,6 +212,38 @@ def hf_swin_attention_shifted() -> Setup:
 def hf_swin_attention_2x3() -> Setup:
     """HF SwinAttention with a non-square SwinRelativePositionBias((2, 3)) (table [15,N]), windows of a 4x6 map."""
     return _swin("hf_swin_attention_2x3", window=(2, 3), grid=(4, 6))
+
+
+@register_case("hf_swin_window_layer", requires=_HF, quick=FLOAT32_JIT)
+def hf_swin_window_layer() -> Setup:
+    """window_self_attention on a 6x9 map (3x3 windows, shift 1) vs SwinLayer's cyclic_shift, window_partition,
+    SwinAttention with get_attn_mask, window_reverse and the shift back."""
+    import torch
+    from transformers import SwinConfig
+    from transformers.models.swin.modeling_swin import SwinLayer, window_partition, window_reverse
+
+    import jaxattn
+
+    B, E, N, ws, shift, grid = 2, 10, 2, 3, 1, (6, 9)
+    config = SwinConfig(embed_dim=E, num_heads=[N], window_size=ws)
+    config._attn_implementation = "sdpa"
+    layer = SwinLayer(config, E, grid, N, shift_size=shift)
+    rng = rng_for("hf_swin_window_layer")
+    module = randomize(layer.attention, rng).eval()
+
+    def jax_fn(p, x):
+        return jaxattn.window_self_attention(p, x, ws, shift=shift, precision="highest")
+
+    def torch_fn(p, x):
+        windows = window_partition(layer.cyclic_shift(x), ws).view(-1, ws * ws, E)
+        mask = layer.get_attn_mask(*grid, dtype=x.dtype, device=torch.device("cpu"))
+        out = torch.func.functional_call(module, p, (windows,), {"attention_mask": mask})[0]
+        return layer.cyclic_shift(window_reverse(out.view(-1, ws, ws, E), ws, *grid), reverse=True)
+
+    R = jaxattn.window_table_rows(ws)
+    table = _attention_table("", "relative_position_bias.relative_position_bias_table", key_bias=True)
+    inputs = {"x": normal(rng, (B, *grid, E))}
+    return _hf_setup(module, table, dict(E=E, N=N, H=E // N, R=R), jax_fn, torch_fn, inputs, fixed=("k_proj.bias",))
 
 
 @register_case("hf_beit_attention", requires=_HF, quick=FLOAT32_JIT)

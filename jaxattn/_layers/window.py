@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from .._core import checks
 from .._core.eager import compiled_when_eager
 from .._schemes.window import (
+    as_pair,
     shifted_window_segments,
     window_attention,
     window_merge,
@@ -62,10 +63,6 @@ def init_window_attention(rng, features: int, num_heads: int, window_size, **opt
     return params
 
 
-def _shift_pair(shift) -> tuple[int, int]:
-    return tuple(shift) if isinstance(shift, (tuple, list)) else (shift, shift)
-
-
 @compiled_when_eager
 def window_self_attention(
     params,
@@ -86,13 +83,13 @@ def window_self_attention(
         )
     table = params["window"]["table"]
     rows = window_table_rows(window_size)
-    Wh, Ww = window_size if isinstance(window_size, (tuple, list)) else (window_size, window_size)
+    Wh, Ww = as_pair("window_size", window_size, 1)
     height, width = x.shape[-3:-1]
     if height % Wh or width % Ww:
         checks.fail("x", f"a height and width that tile into {Wh}x{Ww} windows", f"{height}x{width}")
     if table.shape[0] != rows:
         checks.fail("window/table", f"[{rows},N] for {Wh}x{Ww} windows", f"shape {checks.shape_str(table.shape)}")
-    sh, sw = _shift_pair(shift)
+    sh, sw = as_pair("shift", shift, 0)
     grid = (height, width)
     segments = {}
     if (sh, sw) != (0, 0):

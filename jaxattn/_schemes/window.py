@@ -38,8 +38,8 @@ if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping i
     from .._core.shapes import AttentionOutput
 
 
-def _pair(name: str, value, minimum: int) -> tuple[int, int]:
-    """An int or a pair (height, width) of ints >= minimum, as (height, width)."""
+def as_pair(name: str, value, minimum: int) -> tuple[int, int]:
+    """An int or a pair (height, width) of Python ints >= minimum, as (height, width); else a ValueError naming it."""
     if isinstance(value, (tuple, list)):
         if len(value) != 2:
             checks.fail(name, "an int or a pair (height, width)", repr(value))
@@ -50,7 +50,7 @@ def _pair(name: str, value, minimum: int) -> tuple[int, int]:
 
 def window_table_rows(window_size: int | tuple[int, int], *, cls_token: bool = False) -> int:
     """R, the rows of the bias table of a window: (2 Wh - 1)(2 Ww - 1), plus 3 with BEiT's cls token."""
-    Wh, Ww = _pair("window_size", window_size, 1)
+    Wh, Ww = as_pair("window_size", window_size, 1)
     return (2 * Wh - 1) * (2 * Ww - 1) + (3 if cls_token else 0)
 
 
@@ -74,7 +74,7 @@ def window_relative_index(window_size: int | tuple[int, int], *, cls_token: bool
     Equal to transformers' SwinRelativePositionBias.relative_position_index (viewed [T,T]) and, with
     cls_token=True, to BeitRelativePositionBias.generate_relative_position_index.
     """
-    Wh, Ww = _pair("window_size", window_size, 1)
+    Wh, Ww = as_pair("window_size", window_size, 1)
     T = Wh * Ww + (1 if cls_token else 0)
     return _table_index(*positions(T, T), Wh, Ww, cls_token)
 
@@ -93,7 +93,7 @@ def window_position_bias(table, window_size: int | tuple[int, int], *, cls_token
 
     table: [R,N] (HF's `relative_position_bias_table`); positions are token positions in the window.
     """
-    Wh, Ww = _pair("window_size", window_size, 1)
+    Wh, Ww = as_pair("window_size", window_size, 1)
     table = _check_table(table, (Wh, Ww), cls_token)
 
     def bias_fn(query_pos, key_pos):
@@ -106,7 +106,7 @@ def window_relative_bias(
     table: Float[ArrayLike, "R N"], window_size: int | tuple[int, int], *, cls_token: bool = False
 ) -> Float[Array, "N T T"]:
     """The additive bias [N,T,T] of one window: table[index[i,j], n] (HF's SwinRelativePositionBias())."""
-    Wh, Ww = _pair("window_size", window_size, 1)
+    Wh, Ww = as_pair("window_size", window_size, 1)
     T = Wh * Ww + (1 if cls_token else 0)
     return window_position_bias(table, (Wh, Ww), cls_token=cls_token)(*positions(T, T))
 
@@ -132,7 +132,7 @@ def window_attention(
     | "blockwise" (block_size) as position_bias_attention: the bias is a position function, so the dense
     engine builds [N,T,T] for one window only, and the blockwise engine one tile at a time.
     """
-    Wh, Ww = _pair("window_size", window_size, 1)
+    Wh, Ww = as_pair("window_size", window_size, 1)
     T = Wh * Ww + (1 if cls_token else 0)
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     dims = checks.check_qkv(query, key, value)
@@ -160,9 +160,9 @@ def shifted_window_segments(
     Per axis (SwinLayer.get_attn_mask): region 0 below size - window, 1 below size - shift, 2 beyond; the id
     is 3 * region_h + region_w. A shift of 0 gives one region per window (no mask).
     """
-    height, width = _pair("grid_size", grid_size, 1)
-    Wh, Ww = _pair("window_size", window_size, 1)
-    sh, sw = _pair("shift", shift, 0)
+    height, width = as_pair("grid_size", grid_size, 1)
+    Wh, Ww = as_pair("window_size", window_size, 1)
+    sh, sw = as_pair("shift", shift, 0)
     for name, size, w, s in (("height", height, Wh, sh), ("width", width, Ww, sw)):
         if size % w:
             checks.fail("grid_size", f"a {name} that is a multiple of the window's {w}", f"{name} {size}")
@@ -190,7 +190,7 @@ def window_partition(x: Float[ArrayLike, "*#B Y X E"], window_size: int | tuple[
     """[..., height, width, E] -> [..., nW, Wh * Ww, E]: the windows row-major over the map, each window's
     patches row-major (transformers' window_partition, with the windows on their own axis)."""
     x = jnp.asarray(x)
-    Wh, Ww = _pair("window_size", window_size, 1)
+    Wh, Ww = as_pair("window_size", window_size, 1)
     checks.check_min_rank("x", x, 3, "[...,height,width,E]")
     *batch, height, width, E = x.shape
     if height % Wh or width % Ww:
@@ -205,8 +205,8 @@ def window_merge(
 ) -> Float[Array, "*#B Y X E"]:
     """The inverse of window_partition: [..., nW, Wh * Ww, E] -> [..., height, width, E]."""
     windows = jnp.asarray(windows)
-    Wh, Ww = _pair("window_size", window_size, 1)
-    height, width = _pair("grid_size", grid_size, 1)
+    Wh, Ww = as_pair("window_size", window_size, 1)
+    height, width = as_pair("grid_size", grid_size, 1)
     if height % Wh or width % Ww:
         checks.fail("grid_size", f"multiples of the window {Wh}x{Ww}", f"{height}x{width}")
     rows, cols = height // Wh, width // Ww
