@@ -280,25 +280,21 @@ def test_bad_input_names_the_argument():
 
 # --- the crosscheck cases (transformers' SwinAttention / BeitAttention, torchref.windows) -------------------
 
-# the default group runs the one that covers most (HF's module, the shifted mask, the table's gradient); CI's
-# `python -m crosscheck --all` and the slow group run every row
+# every case in float64 under jit: the slow group (tests/test_window_layer.py runs transformers' SwinAttention with
+# the shifted mask in the default group); CI's `python -m crosscheck --all` runs every row
 CASES = [
+    "hf_swin_attention",
     "hf_swin_attention_shifted",
-    *(
-        pytest.param(name, marks=pytest.mark.slow)
-        for name in (
-            "hf_swin_attention",
-            "hf_swin_attention_2x3",
-            "hf_swin_window_layer",
-            "hf_beit_attention",
-            "pos_window_2x3",
-            "pos_window_3x2_cls_blockwise",
-            "pos_window_shifted",
-        )
-    ),
+    "hf_swin_attention_2x3",
+    "hf_swin_window_layer",
+    "hf_beit_attention",
+    "pos_window_2x3",
+    "pos_window_3x2_cls_blockwise",
+    "pos_window_shifted",
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CASES)
 def test_crosscheck_cases_in_float64(name):
     if name.startswith("hf_"):

@@ -57,7 +57,7 @@ def params_from_hf(attention):
     return jax.tree.map(jnp.asarray, tree)
 
 
-@pytest.mark.parametrize("shift", [0, 1])
+@pytest.mark.parametrize("shift", [1, pytest.param(0, marks=pytest.mark.slow)])
 def test_function_equals_swin_layer_attention(shift):
     layer = hf_layer(shift)
     x = np.random.default_rng(1).normal(size=(B, HEIGHT, WIDTH, E))

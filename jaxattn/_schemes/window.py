@@ -13,11 +13,14 @@ which is transformers' `relative_position_index` to the integer: HF (and the pap
 query minus key, so a trained table loads as is. BEiT puts a cls token in front (T = Wh * Ww + 1, position 0)
 and gives it three more rows: R - 3 for cls -> patch, R - 2 for patch -> cls, R - 1 for cls -> cls.
 
-Swin's shifted windows roll the feature map by (sh, sw) before cutting it into windows; a window that wraps
+Swin's shifted windows roll the feature map by -(sh, sw) before cutting it into windows; a window that wraps
 round the edge holds patches from up to four regions that were not neighbours, and attention stays inside
 a region. The regions are segment ids (`shifted_window_segments`): query i may see key j iff their ids are
 equal, SwinLayer.get_attn_mask's pattern (HF adds -100 where they differ; we mask, the difference is
 exp(-100) ~ 4e-44 of a weight).
+
+Letters beyond docs/design.md, "Axis letters", in this module's shapes: W the windows of a map (nW), Y and X
+its height and width in patches.
 """
 
 from __future__ import annotations
