@@ -55,6 +55,10 @@ from ._layers.sharding import (
     shard_inputs as shard_inputs,
     shard_params as shard_params,
 )
+from ._layers.window import (
+    init_window_attention as init_window_attention,
+    window_self_attention as window_self_attention,
+)
 from ._schemes.alibi import (
     alibi_attention as alibi_attention,
     alibi_bias as alibi_bias,
@@ -81,6 +85,17 @@ from ._schemes.t5 import (
     t5_position_bias as t5_position_bias,
     t5_relative_bias as t5_relative_bias,
     t5_relative_position_bucket as t5_relative_position_bucket,
+)
+from ._schemes.window import (
+    shifted_window_mask as shifted_window_mask,
+    shifted_window_segments as shifted_window_segments,
+    window_attention as window_attention,
+    window_merge as window_merge,
+    window_partition as window_partition,
+    window_position_bias as window_position_bias,
+    window_relative_bias as window_relative_bias,
+    window_relative_index as window_relative_index,
+    window_table_rows as window_table_rows,
 )
 from ._schemes.xl import relative_sinusoids as relative_sinusoids, transformer_xl_attention as transformer_xl_attention
 from ._version import __version__ as __version__
@@ -118,6 +133,17 @@ __all__ = [
     "clipped_relative_attention",
     "relative_sinusoids",
     "transformer_xl_attention",
+    "window_relative_index",
+    "window_table_rows",
+    "window_position_bias",
+    "window_relative_bias",
+    "window_attention",
+    "shifted_window_segments",
+    "shifted_window_mask",
+    "window_partition",
+    "window_merge",
+    "init_window_attention",
+    "window_self_attention",
     "position_bias_attention",
     "blockwise_attention",
     "ring_attention",

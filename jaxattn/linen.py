@@ -37,11 +37,11 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from ._core import checks
-from ._layers import cache as kv_cache, common
+from ._layers import cache as kv_cache, common, window as window_layer
 from ._layers.common import Initializer, RoPE  # noqa: F401  (RoPE: part of this module's API)
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
-    from jaxtyping import ArrayLike, Bool, Float, Int
+    from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
     from ._core.shapes import LayerOutput
 
@@ -308,4 +308,50 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
             use_key_table=self.use_key_table,
             use_value_table=self.use_value_table,
             table_init=self.table_init,
+        )
+
+
+class WindowAttention(nn.Module):
+    """Swin's (shifted) window self-attention on a feature map [..., height, width, E] -> [..., height, width, E].
+
+    A thin shell over window_self_attention: params {query,key,value,out}/{kernel,bias} as docs/design.md,
+    "The parameter tree", plus window/table [(2 Wh - 1)(2 Ww - 1), N] (transformers' SwinAttention
+    relative_position_bias_table as is). shift > 0 is SW-MSA (the map rolled by -shift, regions kept apart).
+    """
+
+    num_heads: int
+    window_size: Union[int, tuple[int, int]]
+    shift: Union[int, tuple[int, int]] = 0
+    head_dim: Optional[int] = None
+    use_bias: bool = True
+    kernel_init: Initializer = common.default_kernel_init
+    bias_init: Initializer = common.default_bias_init
+    table_init: Initializer = common.default_table_init
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    implementation: Optional[str] = None
+
+    @nn.compact
+    def __call__(self, x: Float[ArrayLike, "*#B Y X E"]) -> Float[Array, "*#B Y X E"]:
+        x = jnp.asarray(x)
+        checks.check_min_rank("x", x, 3, "[...,height,width,E]: a feature map")
+        features = x.shape[-1]
+        if self.has_variable("params", "query"):  # built: the channels are the kernel's, not the input's
+            features = self.variables["params"]["query"]["kernel"].shape[0]
+        specs = window_layer.window_param_specs(
+            features,
+            self.num_heads,
+            self.window_size,
+            head_dim=self.head_dim,
+            use_bias=self.use_bias,
+            kernel_init=self.kernel_init,
+            bias_init=self.bias_init,
+            table_init=self.table_init,
+        )
+        params = {
+            group: _Group(tuple((leaf, *spec) for leaf, spec in leaves.items()), self.param_dtype, name=group)()
+            for group, leaves in specs.items()
+        }
+        return window_layer.window_self_attention(
+            params, x, self.window_size, shift=self.shift, precision=self.precision, implementation=self.implementation
         )

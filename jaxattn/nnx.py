@@ -31,11 +31,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ._core import checks
-from ._layers import cache as kv_cache, common
+from ._layers import cache as kv_cache, common, window as window_layer
 from ._layers.common import Initializer, RoPE  # noqa: F401  (RoPE: part of this module's API)
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
-    from jaxtyping import ArrayLike, Bool, Float, Int
+    from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
     from ._core.shapes import LayerOutput
 
@@ -312,3 +312,58 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
             table_init=table_init,
         )
         super().__init__(query_features, num_heads, head_dim, rngs=rngs, _relative=relative, **options)
+
+
+class WindowAttention(nnx.Module):
+    """Swin's (shifted) window self-attention on a feature map [..., height, width, E] -> [..., height, width, E].
+
+    A thin shell over window_self_attention; params() is the tree of jaxattn.linen.WindowAttention
+    ({query,key,value,out}/{kernel,bias} and window/table [R,N]). shift > 0 is SW-MSA.
+    """
+
+    def __init__(
+        self,
+        features: int,
+        num_heads: int,
+        window_size,
+        *,
+        shift=0,
+        head_dim: Optional[int] = None,
+        use_bias: bool = True,
+        kernel_init: Initializer = common.default_kernel_init,
+        bias_init: Initializer = common.default_bias_init,
+        table_init: Initializer = common.default_table_init,
+        param_dtype: Any = jnp.float32,
+        precision: Any = None,
+        implementation: Optional[str] = None,
+        rngs: nnx.Rngs,
+    ):
+        specs = window_layer.window_param_specs(
+            features,
+            num_heads,
+            window_size,
+            head_dim=head_dim,
+            use_bias=use_bias,
+            kernel_init=kernel_init,
+            bias_init=bias_init,
+            table_init=table_init,
+        )
+        for group, leaves in specs.items():
+            setattr(self, group, _Group(leaves, param_dtype, rngs))
+        self.groups = tuple(specs)
+        self.window_size, self.shift = window_size, shift
+        self.precision, self.implementation = precision, implementation
+
+    def params(self) -> dict:
+        """The parameter tree as plain nested dicts of arrays (what window_self_attention takes)."""
+        return {group: getattr(self, group).tree() for group in self.groups}
+
+    def __call__(self, x: Float[ArrayLike, "*#B Y X E"]) -> Float[Array, "*#B Y X E"]:
+        return window_layer.window_self_attention(
+            self.params(),
+            x,
+            self.window_size,
+            shift=self.shift,
+            precision=self.precision,
+            implementation=self.implementation,
+        )

@@ -164,6 +164,18 @@ CALLS = {
     "position_bias_attention": lambda: checked(jaxattn.position_bias_attention)(
         q, k, v, jaxattn.alibi_position_bias(jaxattn.alibi_slopes(N))
     ),
+    "window_attention": lambda: checked(jaxattn.window_attention)(
+        q, k[..., :T, :, :], v[..., :T, :, :], *_arrays((6, N)), (1, 2), cls_token=True
+    ),
+    "window_relative_bias": lambda: checked(jaxattn.window_relative_bias)(*_arrays((5, N)), (1, 3)),
+    "window_relative_index": lambda: checked(jaxattn.window_relative_index)((1, 3)),
+    "shifted_window_segments and mask": lambda: checked(jaxattn.shifted_window_mask)((4, 6), (2, 3), 1),
+    "window_partition and window_merge": lambda: checked(jaxattn.window_merge)(
+        checked(jaxattn.window_partition)(*_arrays((B, 4, 6, E)), (2, 3)), (2, 3), (4, 6)
+    ),
+    "window_self_attention": lambda: checked(jaxattn.window_self_attention)(
+        jaxattn.init_window_attention(jax.random.key(0), E, 1, (2, 3)), *_arrays((B, 4, 6, E)), (2, 3), shift=1
+    ),
     "multi_head_attention": lambda: checked(jaxattn.multi_head_attention)(
         _mha_params(), x_q, x_kv, add_zero_attn=True, return_weights=True
     ),

@@ -7,6 +7,7 @@
     minilm     the real all-MiniLM-L6-v2 checkpoint vs transformers
     models     whole tiny models (GPT-2, T5, Llama, Qwen2, Mistral, Gemma 2) vs transformers
     positions  position schemes vs torchref.positions and the HF modules that use them
+    windows    the 2D relative position bias (Swin, BEiT) vs torchref.windows and transformers' modules
     weights    a state_dict file as a case (`python -m crosscheck --weights FILE`)
 
 Importing a module registers its cases (crosscheck.catalogue.register_case); crosscheck.catalogue.all_cases()
