@@ -12,7 +12,10 @@ schedule: WITH_MOD tiles, then MASKED, then CLEAN, then skipped ones), the onlin
 (softmax.combine_partials, add_sinks, finalize_partial), softcap (mods.softcap / softcap_grad), and
 score_mod / mask_mod (mods.element_function traced once; mods.on_tile calls them on the tile's iota grids;
 the arrays they close over are explicit kernel inputs, and the float ones get gradients: partial sums per
-(b, n, query tile) from the dq kernel, added up outside).
+(b, n, query tile) from the dq kernel, added up outside), and a position bias of j - i (an OffsetBias: T5,
+ALiBi): its rows [B|1,N,D] computed outside, gathered per tile at j - i (tile_body.offset_index), their
+gradient scattered back by offset from the dq kernel with atomic adds (docs/kernels.md, "Position biases in
+the kernel").
 
 Layout: q [B,Tp,N,Hp], k [B,Sp,K,Hp], v [B,Sp,K,Hvp] (batch dims flattened, T, S padded to whole tiles,
 head dims to powers of two): a BlockSpec picks one head's [Tb,Hp] tile, and query head n reads key/value
