@@ -474,13 +474,13 @@ def _flash_bwd(cfg, res, cotangents):
     aliases = None
     if side.offset_bias is not None:  # atomic adds into rows that start at zero (an input aliased to the output)
         batched = cfg.offset_bias[2]
-        rows = side.offset_bias.shape
+        rows = side.offset_bias.shape  # in the compute dtype, as the rows: float32 for half inputs
         inputs["d_offset_bias_zeros"] = (
-            jnp.zeros(rows, jnp.float32),
+            jnp.zeros(rows, acc_dtype),
             pl.BlockSpec((None, None, rows[-1]), lambda b, n, i: (pick(batched, b), n, 0)),
         )
         outputs["d_offset_bias"] = (
-            jax.ShapeDtypeStruct(rows, jnp.float32),
+            jax.ShapeDtypeStruct(rows, acc_dtype),
             pl.BlockSpec((None, None, rows[-1]), lambda b, n, i: (pick(batched, b), n, 0)),
         )
         aliases = {"d_offset_bias_zeros": "d_offset_bias"}
@@ -544,8 +544,6 @@ def _flash_bwd(cfg, res, cotangents):
         jnp.sum(next(it), axis=(0, 1, 2)).astype(c.dtype) if g else None
         for c, g in zip(side.score_consts, cfg.score_grads)
     )
-    if d_offset_bias is not None:
-        d_offset_bias = d_offset_bias.astype(side.offset_bias.dtype)
     d_side = Side(
         None,
         None,
