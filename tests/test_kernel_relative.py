@@ -7,11 +7,14 @@ attention_loop for the outputs (with the bias from T5's bucket loop of tests/tes
 slope * (j - i), written out here), attention_reference's jax.grad for the gradients, and the dense engine in
 float64 on the same numbers for both. Every axis its own size, T != S, lengths that are not multiples of the
 interpreter's 16-wide tiles, grouped-query heads, T5 bidirectional and causal with max_distance below and above
-a tile. The default group runs one case forward and backward under jit (about 15 s on 2 busy cores: the
-interpreted kernels compile slowly); the other cases, vmap and custom positions are slow.
+a tile, per-example ALiBi slopes, T5 with positions of its own, and T5 beside score_mod, mask_mod, a window,
+softcap and sinks; float64 (exact) and bf16 (a measured envelope). The default group runs one case forward and
+backward under jit (9 s cold on 2 busy cores: the interpreted kernels compile slowly); the other cases, vmap,
+float64 and bf16 are slow.
 
-Lowered for CUDA at T = S = 4096 bf16 (cheap: nothing is compiled): the kernel's Triton custom calls, no [T,S]
-buffer, no XLA tile loop, forward and forward+backward, for implementation=None and "pallas_gpu".
+Lowered for CUDA at T = S = 4096 bf16 (about a second each: nothing is compiled): the kernel's Triton custom
+calls, no [T,S] value computed, no XLA tile loop, forward and forward+backward, for implementation=None (default
+group) and "pallas_gpu" (slow).
 """
 
 from __future__ import annotations
@@ -64,6 +67,34 @@ CASES = {
         dict(positions=True, is_causal=True),
     ),
 }
+
+
+def _score_mod(x, b, n, t, s):  # closes over no array: a GPU runs it too
+    return x * 0.7 + 0.01 * (t - s)
+
+
+def _mask_mod(b, n, t, s):
+    return (t - s) % 4 != 1
+
+
+# every other option of the kernel beside the bias: score_mod (after the bias), mask_mod, window, softcap, sinks
+CASES["t5 with the other options"] = (
+    (2,),
+    19,
+    23,
+    6,
+    3,
+    5,
+    3,
+    dict(bidirectional=True, max_distance=7),
+    dict(
+        score_mod=_score_mod,
+        mask_mod=_mask_mod,
+        window=(9, 3),
+        logit_softcap=3.0,
+        sinks=np.array([0.5, -1.0, 0.25, 2.0, -0.5, 1.0], np.float32),
+    ),
+)
 DEFAULT_CASE = "t5 bidirectional"
 NUM_BUCKETS = 10
 
@@ -166,12 +197,13 @@ def _check(name, dtype=np.float32, tolerances=(OUT_TOL, GRAD_TOL, GRAD_TOL)):
     bias = _bias_loop(scheme, np.asarray(params, np.float64), scheme_options, qp, kp, N)
     rules = {
         n: options[n]
-        for n in ("is_causal", "key_value_seq_lengths", "query_positions", "key_positions")
+        for n in ("is_causal", "key_value_seq_lengths", "query_positions", "key_positions", "window", "mask_mod")
         if n in options
     }
     softcap = options.get("logit_softcap")
+    extra = {n: options[n] for n in ("score_mod", "sinks") if n in options}
     want, _ = attention_loop(
-        *(np.asarray(x, np.float64) for x in (q, k, v)), bias=bias, scale=scale, logit_softcap=softcap, **rules
+        *(np.asarray(x, np.float64) for x in (q, k, v)), bias=bias, scale=scale, logit_softcap=softcap, **rules, **extra
     )
     assert normwise(out, want) <= out_tol, normwise(out, want)
 
@@ -188,7 +220,10 @@ def _check(name, dtype=np.float32, tolerances=(OUT_TOL, GRAD_TOL, GRAD_TOL)):
         bias_of = lambda p: (p[..., :, None, None] if p.ndim == 2 else p[:, None, None]) * g[:, None]  # noqa: E731
 
     def reference(q, k, v, p):
-        return attention_reference(q, k, v, allowed, bias=bias_of(p), scale=scale, logit_softcap=softcap)
+        positions = {n: rules[n] for n in ("query_positions", "key_positions") if n in rules}
+        return attention_reference(
+            q, k, v, allowed, bias=bias_of(p), scale=scale, logit_softcap=softcap, **extra, **positions
+        )
 
     wide = tuple(np.asarray(x, np.float64) for x in args)
     want_out, want_grads = _loss_and_grads(reference, wide, w)
