@@ -39,6 +39,7 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.core  # jax.core.Tracer: a submodule, imported by name so that type checkers see it
 import jax.numpy as jnp
+import jax.ref  # jax.ref.addupdate (the scatter-add of the position bias's gradient): a submodule, as jax.core
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
