@@ -37,8 +37,9 @@ OUT_TOL, GRAD_TOL = 1e-6, 1e-5
 
 # name: (batch, T, S, N, K, H, Hv, scheme options, attention options)
 CASES = {
-    # max_distance 5 < a tile: saturation 10 clips the rows to offsets -10..10
-    "t5 bidirectional": ((2,), 19, 23, 6, 2, 5, 3, dict(bidirectional=True, max_distance=5), dict()),
+    # max_distance 3 < a tile: saturation 6 clips the rows to offsets -6..6, and the corner tiles lie wholly
+    # past it (every pair reads row -6 or +6: the dq kernel adds their sum once, _scatter_by_offset)
+    "t5 bidirectional": ((2,), 37, 41, 6, 2, 5, 3, dict(bidirectional=True, max_distance=3), dict()),
     # max_distance 40 > a tile and > S: every offset its own row; causal T5
     "t5 causal": ((2,), 13, 29, 6, 3, 7, 5, dict(bidirectional=False, max_distance=40), dict(is_causal=True)),
     "alibi causal": ((3,), 17, 31, 4, 2, 5, 3, dict(bidirectional=False), dict(is_causal=True)),
@@ -240,6 +241,19 @@ def _check(name, dtype=np.float32, tolerances=(OUT_TOL, GRAD_TOL, GRAD_TOL)):
 @pytest.mark.parametrize("name", [n if n == DEFAULT_CASE else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_kernel_matches_the_float64_loop(name):
     _check(name)
+
+
+def test_the_default_case_has_tiles_past_the_saturation():
+    """What the default case covers: interpreted tiles (16 x 16) whose pairs all read one row, and tiles whose
+    pairs read several (the dq kernel's two ways of adding the rows' gradient)."""
+    batch, T, S, *_, scheme_options, _ = CASES[DEFAULT_CASE]
+    M = 2 * scheme_options["max_distance"]
+    d = np.arange(S)[None, :] - (np.arange(T) + S - T)[:, None]
+    Tp, Sp = -(-T // 16) * 16, -(-S // 16) * 16
+    d = np.pad(np.clip(d, -M, M), [(0, Tp - T), (0, Sp - S)], mode="edge")  # padding repeats the last position
+    tiles = d.reshape(Tp // 16, 16, Sp // 16, 16).swapaxes(1, 2).reshape(Tp // 16, Sp // 16, -1)
+    distinct = np.array([[len(set(tile)) for tile in row] for row in tiles])
+    assert (distinct == 1).any() and (distinct > 1).any(), distinct
 
 
 @pytest.mark.slow

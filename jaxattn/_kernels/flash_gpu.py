@@ -236,6 +236,27 @@ def _logit_grads(cfg, b, n, qp, kp, capped, bias, score_consts, ds_for, with_con
     return p, ds * cfg.scale, d_consts, d_bias
 
 
+def _scatter_by_offset(ref, index, d_bias):
+    """ref[index] += d_bias ([Tb,Sb] into the rows [D] of one head): d rows[offset] is the sum of d loss / d bias
+    over the pairs at that offset. The Triton lowering turns the scatter-add into atomic float adds (programs of
+    every query tile add into the same rows, pairs of one tile into the same offset), so the order of each sum,
+    and its last bits, vary from run to run on a GPU; the interpreter adds in a fixed order.
+
+    A tile whose pairs all read one row (T5 past the saturation, 2 max_distance: most tiles of a long
+    sequence) adds its sum there once: one atomic where the scatter would send Tb x Sb to one address."""
+    d_bias = d_bias.astype(ref.dtype)
+    first = jnp.min(index)
+    one_row = first == jnp.max(index)
+
+    @pl.when(one_row)
+    def _():
+        jax.ref.addupdate(ref, first, jnp.sum(d_bias))
+
+    @pl.when(jnp.logical_not(one_row))
+    def _():
+        jax.ref.addupdate(ref, index, d_bias)
+
+
 def _dq_kernel(cfg: Config, r):
     b, n = pl.program_id(0), pl.program_id(1)
     q, qp, q_seg, lengths = r["q"][...], r["q_pos"][...], load(r, "q_seg"), load(r, "lengths")
@@ -270,11 +291,7 @@ def _dq_kernel(cfg: Config, r):
         if d_c is not None:
             d_consts = tuple(a + g.astype(a.dtype) for a, g in zip(d_consts, d_c))
         if index is not None:
-            # d rows[offset] = the sum of d loss / d bias over the pairs at that offset: a scatter-add, which
-            # the Triton lowering turns into atomic float adds (programs of every query tile add into the same
-            # rows, pairs of one tile into the same offset), so the order of the sum, and its last bits, vary
-            # from run to run; the interpreter adds in a fixed order.
-            jax.ref.addupdate(r["d_offset_bias"], index, d_bias.astype(r["d_offset_bias"].dtype))
+            _scatter_by_offset(r["d_offset_bias"], index, d_bias)
         return dq, d_consts
 
     floats = tuple(c for c, g in zip(score_consts, cfg.score_grads) if g)
