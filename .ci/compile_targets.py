@@ -9,7 +9,8 @@ are checked here, on a CPU machine. Needs its own environment (`jax[cuda12,tpu]`
 
     .venv-compile/bin/python .ci/compile_targets.py [--targets h100,v5e] [--cases causal,decode] [--jobs 2]
 
-Each case goes through the public API (jaxattn.dot_product_attention / flex_attention) with an explicit
+Each case goes through the public API (jaxattn.dot_product_attention / flex_attention, t5_attention /
+alibi_attention for the relative schemes) with an explicit
 implementation (pallas_gpu on the GPUs, pallas_tpu on the TPUs, cudnn), implementation=None inside
 cross_platform_lowering(), or a ported model (a tiny random Llama: forward, training step, decode step).
 Forward and forward+backward. Per program: compiled or the error, lower and compile seconds, XLA's temp
@@ -80,6 +81,8 @@ class Case:
     (query/key segment ids [B,T] / [B,S]), "sinks" ([N] float32, differentiated).
     flex: "score_mod" (an ALiBi-like distance penalty), "mask_mod" (causal sliding window of 256),
     "block_mask" (that mask_mod as a create_block_mask BlockMask, 128-wide tiles, with the score_mod).
+    scheme: "t5" (t5_attention, causal buckets: a [32,N] float32 table, differentiated) or "alibi"
+    (alibi_attention: [N] float32 slopes, differentiated), the position bias the GPU kernel computes per tile.
     """
 
     name: str
@@ -95,6 +98,7 @@ class Case:
     options: tuple = ()
     arrays: tuple = ()
     flex: str | None = None
+    scheme: str | None = None
     return_lse: bool = False
     programs: tuple = PROGRAMS
     platforms: tuple = ("gpu", "tpu")
@@ -156,6 +160,21 @@ CASES = [
     ),
     Case("segments chunk", B=2, T=768, N=4, options=CAUSAL + (("chunk_size", 256),), arrays=("segments",)),
     Case("return_lse", N=4, options=CAUSAL, return_lse=True, platforms=("gpu",)),
+    # T5 and ALiBi inside the GPU kernel (issue 34): the bias gathered per tile from [N, T + S - 1] rows, its
+    # gradient scattered back by offset with atomic adds; the TPU kernels refuse the bias (no Mosaic gather)
+    Case("t5 causal", T=4096, N=8, scheme="t5", options=CAUSAL, platforms=("gpu",), memory=PROGRAMS),
+    Case("alibi causal", T=4096, N=8, K=2, scheme="alibi", options=CAUSAL, platforms=("gpu",), memory=PROGRAMS),
+    Case(
+        "None t5",
+        T=4096,
+        N=8,
+        kernel="auto",
+        scheme="t5",
+        options=CAUSAL,
+        platforms=("gpu",),
+        programs=FWD_BWD,
+        memory=FWD_BWD,
+    ),
     Case(
         "decode",
         B=2,
@@ -184,7 +203,17 @@ CASES = [
     Case("llama", T=384, N=4, K=2, H=64, kernel="llama", programs=("forward", "forward+backward", "decode")),
 ]
 # The second GPU and TPU generation: the cases whose tiles or dtypes the generation could change.
-SECOND = ("causal", "full f32", "causal fp16 H64", "causal H256 GQA 8/2", "decode", "flex block_mask", "cudnn causal")
+SECOND = (
+    "causal",
+    "full f32",
+    "causal fp16 H64",
+    "causal H256 GQA 8/2",
+    "decode",
+    "flex block_mask",
+    "cudnn causal",
+    "t5 causal",
+    "alibi causal",
+)
 FULL = {"h100": None, "v5e": None, "a100": SECOND, "v6e": SECOND}
 
 # The CI grid (the default): {case: programs}, sized to a few minutes on 2 cores. A forward+backward program
@@ -204,11 +233,14 @@ CI_FIRST = {
     "flex score_mod": FWD_BWD,
     "flex block_mask": PROGRAMS,
     "flex S=16k at the VMEM bound": ("forward",),
+    "t5 causal": FWD_BWD,
+    "alibi causal": FWD_BWD,
+    "None t5": FWD_BWD,
     "cudnn causal": FWD_BWD,
     "None causal": FWD_BWD,
     "llama": ("forward", "decode"),
 }
-CI_SECOND = {"causal H256 GQA 4/2": FWD_BWD, "full f32": FWD_BWD, "None causal": FWD_BWD}
+CI_SECOND = {"causal H256 GQA 4/2": FWD_BWD, "full f32": FWD_BWD, "None causal": FWD_BWD, "t5 causal": FWD_BWD}
 CI = {"h100": CI_FIRST, "v5e": CI_FIRST, "a100": CI_SECOND, "v6e": CI_SECOND}
 
 # Programs that do not compile today, each with (a fragment of) its error: (target regex, case, program).
@@ -248,7 +280,7 @@ def sliding_causal(b, n, t, s):
 
 def attention_program(case: Case, platform: str, program: str, scale: int):
     """(fn, args): the case's attention call on abstract inputs; forward+backward: the gradient of a float32
-    sum of the outputs with respect to q, k, v (and sinks)."""
+    sum of the outputs with respect to q, k, v (and sinks, the T5 table, the ALiBi slopes)."""
     z = case.sizes(scale)
     B, T, S, N, K, H, Hv = (z[name] for name in ("B", "T", "S", "N", "K", "H", "Hv"))
     dtype = jnp.dtype(case.dtype)
@@ -260,6 +292,8 @@ def attention_program(case: Case, platform: str, program: str, scale: int):
     ints = {}
     if "sinks" in case.arrays:
         floats["sinks"] = jax.ShapeDtypeStruct((N,), jnp.float32)
+    if case.scheme is not None:
+        floats["bias"] = jax.ShapeDtypeStruct((32, N) if case.scheme == "t5" else (N,), jnp.float32)
     if "lengths" in case.arrays:
         ints["key_value_seq_lengths"] = jax.ShapeDtypeStruct((B,), jnp.int32)
     if "segments" in case.arrays:
@@ -280,6 +314,10 @@ def attention_program(case: Case, platform: str, program: str, scale: int):
         options = dict(case.options, **ints, implementation=implementation)
         if "sinks" in floats:
             options["sinks"] = floats["sinks"]
+        if case.scheme == "t5":
+            return jaxattn.t5_attention(q, k, v, floats["bias"], bidirectional=False, **options)
+        if case.scheme == "alibi":
+            return jaxattn.alibi_attention(q, k, v, floats["bias"], **options)
         if case.flex or case.return_lse:
             return jaxattn.flex_attention(q, k, v, **mods, return_lse=case.return_lse, **options)
         return jaxattn.dot_product_attention(q, k, v, **options)

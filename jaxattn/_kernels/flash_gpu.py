@@ -12,7 +12,10 @@ schedule: WITH_MOD tiles, then MASKED, then CLEAN, then skipped ones), the onlin
 (softmax.combine_partials, add_sinks, finalize_partial), softcap (mods.softcap / softcap_grad), and
 score_mod / mask_mod (mods.element_function traced once; mods.on_tile calls them on the tile's iota grids;
 the arrays they close over are explicit kernel inputs, and the float ones get gradients: partial sums per
-(b, n, query tile) from the dq kernel, added up outside).
+(b, n, query tile) from the dq kernel, added up outside), and a position bias of j - i (an OffsetBias: T5,
+ALiBi): its rows [B|1,N,D] computed outside, gathered per tile at j - i (tile_body.offset_index), their
+gradient scattered back by offset from the dq kernel with atomic adds (docs/kernels.md, "Position biases in
+the kernel").
 
 Layout: q [B,Tp,N,Hp], k [B,Sp,K,Hp], v [B,Sp,K,Hvp] (batch dims flattened, T, S padded to whole tiles,
 head dims to powers of two): a BlockSpec picks one head's [Tb,Hp] tile, and query head n reads key/value
@@ -36,6 +39,7 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.core  # jax.core.Tracer: a submodule, imported by name so that type checkers see it
 import jax.numpy as jnp
+import jax.ref  # jax.ref.addupdate (the scatter-add of the position bias's gradient): a submodule, as jax.core
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
@@ -53,6 +57,7 @@ from .._core.masks import (
     key_block_kinds,
     masks_anything,
 )
+from .._core.offset_bias import OffsetBias
 from .._core.positions import positions
 from .._core.softmax import has_keys, public_lse
 from .._engines.tiles import check_block_mask_tiles
@@ -66,6 +71,8 @@ from .tile_body import (
     forward_kernel,
     load,
     load_consts,
+    offset_bias_tile,
+    offset_index,
     pick,
     visit,
 )
@@ -82,8 +89,8 @@ INTERPRET_BLOCK = 16
 MIN_GPU_BLOCK = 16
 MAX_HEAD_DIM = 256
 
-# The options these kernels express; anything else in use (Shaw tables, a position hook, the full-grid
-# options) is the XLA engines'.
+# The options these kernels express; anything else in use (Shaw tables, the full-grid options) is the XLA
+# engines'. A position_bias only as an OffsetBias (position_bias_refusal).
 HANDLED = (
     "is_causal",
     "key_value_seq_lengths",
@@ -99,6 +106,7 @@ HANDLED = (
     "logit_softcap",
     "sinks",
     "score_mod",
+    "position_bias",
     "return_lse",
     "precision",
     "block_size",
@@ -119,16 +127,35 @@ def _block_pair(block_size):
     return (block_size, block_size) if isinstance(block_size, numbers.Integral) else tuple(block_size)
 
 
+def default_positions(call: AttentionCall) -> bool:
+    return call.query_positions is None and call.key_positions is None
+
+
+def position_bias_refusal(call: AttentionCall) -> Optional[str]:
+    """None when the kernels compute the call's position_bias (none, or an OffsetBias whose offsets j - i the
+    call keeps in a static range: OffsetBias.offset_range); else what refuses it."""
+    bias = call.position_bias
+    if bias is None:
+        return None
+    if not isinstance(bias, OffsetBias):  # a function of the whole (i, j) pair: only the XLA engines call it
+        return "position_bias"
+    if bias.offset_range(1, 1, default_positions(call)) is None:
+        name = "query_positions" if call.query_positions is not None else "key_positions"
+        return f"{name} (with a position bias of j - i that has no bound, e.g. ALiBi: no static range of offsets)"
+    return None
+
+
 def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Optional[str]:
     """None when run() computes this call; else the name of the first option it cannot express.
 
-    Cheap (shapes and Python values only). Relative-position tables and biases (key_table, value_table,
-    position_bias) and the full-grid options (bias, mask, dropout_rate, return_weights) are the XLA
-    engines'. On a GPU (interpret=False) tiles must be powers of two >= 16 (block_size, a BlockMask's
-    tiles), head dims at most 256, inputs at most 32-bit floats, scale a Python number, and score_mod /
-    mask_mod must close over no array (Triton cannot index one by head or position).
+    Cheap (shapes and Python values only). Shaw tables (key_table, value_table), a position_bias that is not
+    an OffsetBias (T5's and ALiBi's are; position_bias_refusal) and the full-grid options (bias, mask,
+    dropout_rate, return_weights) are the XLA engines'. On a GPU (interpret=False) tiles must be powers of
+    two >= 16 (block_size, a BlockMask's tiles), head dims at most 256, inputs at most 32-bit floats, scale a
+    Python number, and score_mod / mask_mod must close over no array (Triton cannot index one by head or
+    position).
     """
-    problem = call.first_unhandled(HANDLED)
+    problem = call.first_unhandled(HANDLED) or position_bias_refusal(call)
     if problem is not None:
         return problem
     scale = call.scale
@@ -174,14 +201,20 @@ def _row_grads(cfg, x, lse, allowed, do, v, delta):
     return p, p * (dot(do, v, cfg, (1, 1)) - delta[:, None])
 
 
-def _logit_grads(cfg, b, n, qp, kp, capped, score_consts, ds_for, with_consts):
-    """Run the tile backward from the capped logits: returns (p, d loss / d (scale q k^T), d float consts).
+def _logit_grads(cfg, b, n, qp, kp, capped, bias, score_consts, ds_for, with_consts):
+    """Run the tile backward from the capped logits: returns (p, d loss / d (scale q k^T), d float consts,
+    d loss / d bias).
 
-    ds_for(x) -> (p, ds) at the final logits x; the score_mod's vjp and softcap's derivative take ds back
-    to the product q k^T (times scale: the scale applies to ds here, once)."""
+    bias: the tile's position bias (or None), added to the capped logits before score_mod. ds_for(x) ->
+    (p, ds) at the final logits x; the score_mod's vjp and softcap's derivative take ds back to the product
+    q k^T (times scale: the scale applies to ds here, once)."""
     d_consts = None
+    if bias is not None:
+        capped_and_biased = capped + bias
+    else:
+        capped_and_biased = capped
     if cfg.score_fn is None:
-        p, ds = ds_for(capped)
+        p, ds = ds_for(capped_and_biased)
     else:
         floats = tuple(c for c, g in zip(score_consts, cfg.score_grads) if g)
 
@@ -191,15 +224,37 @@ def _logit_grads(cfg, b, n, qp, kp, capped, score_consts, ds_for, with_consts):
             return apply_score_mod(cfg, b, n, qp, kp, x, consts)
 
         if with_consts:
-            x, score_vjp = jax.vjp(score, capped, floats)
+            x, score_vjp = jax.vjp(score, capped_and_biased, floats)
         else:  # the dk/dv kernel: the consts' gradients come from the dq kernel
-            x, vjp_x = jax.vjp(lambda x: score(x, floats), capped)
+            x, vjp_x = jax.vjp(lambda x: score(x, floats), capped_and_biased)
             score_vjp = lambda ds: (vjp_x(ds)[0], None)  # noqa: E731
         p, ds = ds_for(x)
         ds, d_consts = score_vjp(ds)
+    d_bias = ds  # the bias enters the logits as it is
     if cfg.softcap is not None:
         ds = ds * mods.softcap_grad(capped, cfg.softcap)
-    return p, ds * cfg.scale, d_consts
+    return p, ds * cfg.scale, d_consts, d_bias
+
+
+def _scatter_by_offset(ref, index, d_bias):
+    """ref[index] += d_bias ([Tb,Sb] into the rows [D] of one head): d rows[offset] is the sum of d loss / d bias
+    over the pairs at that offset. The Triton lowering turns the scatter-add into atomic float adds (programs of
+    every query tile add into the same rows, pairs of one tile into the same offset), so the order of each sum,
+    and its last bits, vary from run to run on a GPU; the interpreter adds in a fixed order.
+
+    A tile whose pairs all read one row (T5 past the saturation, 2 max_distance: most tiles of a long
+    sequence) adds its sum there once: one atomic where the scatter would send Tb x Sb to one address."""
+    d_bias = d_bias.astype(ref.dtype)
+    first = jnp.min(index)
+    one_row = first == jnp.max(index)
+
+    @pl.when(one_row)
+    def _():
+        jax.ref.addupdate(ref, first, jnp.sum(d_bias))
+
+    @pl.when(jnp.logical_not(one_row))
+    def _():
+        jax.ref.addupdate(ref, index, d_bias)
 
 
 def _dq_kernel(cfg: Config, r):
@@ -216,13 +271,18 @@ def _dq_kernel(cfg: Config, r):
         k, v, kp = r["k"][keys, :], r["v"][keys, :], r["k_pos"][keys]
         k_seg = None if q_seg is None else r["k_seg"][keys]
         allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
-        _, ds, d_c = _logit_grads(
+        index = bias = None
+        if cfg.offset_bias is not None:
+            index = offset_index(cfg, qp, kp)
+            bias = offset_bias_tile(r["offset_bias"], index)
+        _, ds, d_c, d_bias = _logit_grads(
             cfg,
             b,
             n,
             qp,
             kp,
             capped_logits(cfg, q, k),
+            bias,
             score_consts,
             lambda x: _row_grads(cfg, x, lse, allowed, do, v, delta),
             True,
@@ -230,6 +290,8 @@ def _dq_kernel(cfg: Config, r):
         dq = dq + dot(ds.astype(k.dtype), k, cfg)
         if d_c is not None:
             d_consts = tuple(a + g.astype(a.dtype) for a, g in zip(d_consts, d_c))
+        if index is not None:
+            _scatter_by_offset(r["d_offset_bias"], index, d_bias)
         return dq, d_consts
 
     floats = tuple(c for c, g in zip(score_consts, cfg.score_grads) if g)
@@ -257,13 +319,17 @@ def _dkv_kernel(cfg: Config, r):
         lse, delta, qp = r["lse"][g, rows], r["delta"][g, rows], r["q_pos"][rows]
         q_seg = None if k_seg is None else r["q_seg"][rows]
         allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
-        p, ds, _ = _logit_grads(
+        bias = None
+        if cfg.offset_bias is not None:  # the rows of the G heads of key head kh: this head's is row g
+            bias = offset_bias_tile(r["offset_bias"], offset_index(cfg, qp, kp), g)
+        p, ds, _, _ = _logit_grads(
             cfg,
             b,
             n,
             qp,
             kp,
             capped_logits(cfg, q, k),
+            bias,
             score_consts,
             lambda x: _row_grads(cfg, x, lse, allowed, do, v, delta),
             False,
@@ -290,11 +356,12 @@ def _dkv_kernel(cfg: Config, r):
 # pallas_call plumbing: named inputs, each with its BlockSpec.
 
 
-def named_call(cfg, kernel, grid, inputs, outputs, name):
+def named_call(cfg, kernel, grid, inputs, outputs, name, aliases=None):
     """pallas_call of kernel(cfg, refs by name); inputs / outputs: {name: (array or ShapeDtypeStruct, spec)},
-    None values left out."""
+    None values left out; aliases: {input name: output name}, the output starting as that input's values."""
     inputs = {k: v for k, v in inputs.items() if v is not None}
     names = tuple(inputs) + tuple(outputs)
+    aliases = {tuple(inputs).index(i): tuple(outputs).index(o) for i, o in (aliases or {}).items()}
 
     def body(*refs):
         kernel(cfg, dict(zip(names, refs)))
@@ -305,6 +372,7 @@ def named_call(cfg, kernel, grid, inputs, outputs, name):
         in_specs=[spec for _, spec in inputs.values()],
         out_specs=[spec for _, spec in outputs.values()],
         out_shape=[shape for shape, _ in outputs.values()],
+        input_output_aliases=aliases,
         interpret=cfg.interpret,
         compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=2),
         name=name,
@@ -345,6 +413,10 @@ def _row_inputs(cfg, side, Hp, Hvp):
     }
     inputs.update({f"score{c}": _whole(x) for c, x in enumerate(side.score_consts)})
     inputs.update({f"mask{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
+    if side.offset_bias is not None:  # the rows of head n: [D]
+        batched, D = cfg.offset_bias[2], side.offset_bias.shape[-1]
+        spec = pl.BlockSpec((None, None, D), lambda b, n, i: (pick(batched, b), n, 0))
+        inputs["offset_bias"] = (side.offset_bias, spec)
     specs = dict(
         q=pl.BlockSpec((None, cfg.Tb, None, Hp), lambda b, n, i: (b, i, n, 0)),
         k=pl.BlockSpec((None, Sp, None, Hp), lambda b, n, i: (b, 0, n // G, 0)),
@@ -417,7 +489,21 @@ def _flash_bwd(cfg, res, cotangents):
             jax.ShapeDtypeStruct((B, N, cfg.Tn, *x.shape), acc_dtype),
             pl.BlockSpec((None, None, None, *x.shape), lambda b, n, i, nd=x.ndim: (b, n, i) + (0,) * nd),
         )
-    dq, *d_floats = named_call(cfg, _dq_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_dq")
+    aliases = None
+    if side.offset_bias is not None:  # atomic adds into rows that start at zero (an input aliased to the output)
+        batched = cfg.offset_bias[2]
+        rows = side.offset_bias.shape  # in the compute dtype, as the rows: float32 for half inputs
+        inputs["d_offset_bias_zeros"] = (
+            jnp.zeros(rows, acc_dtype),
+            pl.BlockSpec((None, None, rows[-1]), lambda b, n, i: (pick(batched, b), n, 0)),
+        )
+        outputs["d_offset_bias"] = (
+            jax.ShapeDtypeStruct(rows, acc_dtype),
+            pl.BlockSpec((None, None, rows[-1]), lambda b, n, i: (pick(batched, b), n, 0)),
+        )
+        aliases = {"d_offset_bias_zeros": "d_offset_bias"}
+    dq, *d_floats = named_call(cfg, _dq_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_dq", aliases)
+    d_offset_bias = d_floats.pop() if side.offset_bias is not None else None
 
     bq, bk, bs, bl, bsched = cfg.batched
     heads = G if cfg.head_kinds else 1
@@ -450,6 +536,12 @@ def _flash_bwd(cfg, res, cotangents):
     }
     kv_inputs.update({f"score{c}": _whole(x) for c, x in enumerate(side.score_consts)})
     kv_inputs.update({f"mask{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
+    if side.offset_bias is not None:  # the rows of the G query heads of key head h: [G,D]
+        batched, D = cfg.offset_bias[2], side.offset_bias.shape[-1]
+        kv_inputs["offset_bias"] = (
+            side.offset_bias,
+            pl.BlockSpec((None, G, D), lambda b, h, j: (pick(batched, b), h, 0)),
+        )
     kv_outputs = {
         "dk": (
             jax.ShapeDtypeStruct(k.shape, k.dtype),
@@ -471,7 +563,19 @@ def _flash_bwd(cfg, res, cotangents):
         for c, g in zip(side.score_consts, cfg.score_grads)
     )
     d_side = Side(
-        None, None, None, None, None, d_sinks, d_score, tuple(None for _ in side.mask_consts), None, None, None, None
+        None,
+        None,
+        None,
+        None,
+        None,
+        d_sinks,
+        d_score,
+        tuple(None for _ in side.mask_consts),
+        None,
+        None,
+        None,
+        None,
+        d_offset_bias,
     )
     return dq, dk, dv, d_side
 
@@ -643,6 +747,20 @@ def checked(call: AttentionCall, query, key, value) -> Checked:
     )
 
 
+def _offset_rows(rows, batch, N, acc_dtype):
+    """An OffsetBias's rows [...,N,D] (any leading dims that broadcast to the batch, N or 1 heads) as the
+    kernels' [B|1,N,D] in the compute dtype (B: rows that differ by batch entry, e.g. ALiBi's per-example
+    slopes)."""
+    rows = jnp.asarray(rows)
+    D = rows.shape[-1]
+    checks.check_broadcastable("position_bias", rows, (*batch, N, D), "[...,N,D]: the bias of each offset j - i")
+    if int(np.prod(rows.shape[:-2], dtype=np.int64)) > 1:
+        rows = jnp.broadcast_to(rows, (*batch, N, D)).reshape(-1, N, D)
+    else:
+        rows = jnp.broadcast_to(rows.reshape(rows.shape[-2:]), (N, D))[None]
+    return rows.astype(acc_dtype)
+
+
 def padded_rows(call: Checked, Tp: int, Sp: int):
     """(q_pos [B|1,Tp], k_pos [B|1,Sp], lengths [B|1] or None, q_seg [B|1,Tp], k_seg [B|1,Sp]): positions and
     segment ids edge-padded, and lengths that mask the padding keys past S."""
@@ -744,8 +862,25 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
     )
     order, counts, t_order, t_counts = _schedules(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds)
     cfg = cfg._replace(batched=tuple(x is not None and x.shape[0] > 1 for x in (q_pos, k_pos, q_seg, lengths, order)))
+    offset_rows = None
+    if call.position_bias is not None:  # an OffsetBias in a static range (unsupported refuses any other)
+        lo, hi = call.position_bias.offset_range(T, S, default_positions(call))
+        offset_rows = _offset_rows(call.position_bias.rows(lo, hi), batch, N, acc_dtype)
+        cfg = cfg._replace(offset_bias=(lo, hi, offset_rows.shape[0] > 1))
     side = Side(
-        q_pos, k_pos, lengths, q_seg, k_seg, c.sinks, score_consts, mask_consts, order, counts, t_order, t_counts
+        q_pos,
+        k_pos,
+        lengths,
+        q_seg,
+        k_seg,
+        c.sinks,
+        score_consts,
+        mask_consts,
+        order,
+        counts,
+        t_order,
+        t_counts,
+        offset_rows,
     )
 
     q = kernel_layout(query, batch, T, Tp, Hp)

@@ -2,7 +2,8 @@
 (flex_tpu): one program's loop over the key tiles its schedule lists, and the pieces of one [Tb,Sb] tile.
 
     forward, grid (b, n, query tile i):        for each key tile j the schedule lists for (b, n, i)
-        x = score_mod(softcap(scale * q_i k_j^T))        [Tb,Sb], float32 (or wider)
+        x = score_mod(softcap(scale * q_i k_j^T) + bias)  [Tb,Sb], float32 (or wider)
+            bias: an OffsetBias's rows gathered at j - i (T5, ALiBi), when the call has one
         (out, m, l) = combine_partials((out, m, l), partial of x over the allowed pairs, v_j)
       out_i = out / l (sinks folded in), lse_i = m + log l
 
@@ -48,6 +49,9 @@ class Config(NamedTuple):
     precision: Any
     interpret: bool
     num_warps: int
+    # an OffsetBias (T5, ALiBi): (lo, hi, batched), its rows r["offset_bias"] [B|1,N,D] hold the bias of
+    # offsets j - i = lo..hi (batched: one set per batch entry); None: no position bias
+    offset_bias: Any = None
 
 
 class Side(NamedTuple):
@@ -67,6 +71,7 @@ class Side(NamedTuple):
     counts: Any
     t_order: Any
     t_counts: Any
+    offset_bias: Any = None  # [B|1,N,D] in the compute dtype (Config.offset_bias), or None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -84,6 +89,20 @@ def dot(a, b, cfg, contract=(1, 0)):
 def capped_logits(cfg, q, k):
     """softcap(scale * q k^T): [Tb,Sb]."""
     return mods.softcap(dot(q, k, cfg, (1, 1)) * cfg.scale, cfg.softcap)
+
+
+def offset_index(cfg, qp, kp):
+    """int32 [Tb,Sb]: the row of the offset-bias rows each pair reads, clip(j - i, lo, hi) - lo. The clip is
+    exact (OffsetBias.offset_range: the bias is constant beyond the range) and keeps every gather in bounds,
+    padding rows and columns included."""
+    lo, hi, _ = cfg.offset_bias
+    return jnp.clip(kp[None, :] - qp[:, None], lo, hi) - lo
+
+
+def offset_bias_tile(ref, index, head=None):
+    """The position bias of a tile, float [Tb,Sb]: a gather from the rows of one head (ref: the block of one
+    (b, n), [D], or with `head` of a group of heads, [G,D]) at `index` (offset_index)."""
+    return ref[index] if head is None else ref[head, index]
 
 
 def apply_score_mod(cfg, b, n, qp, kp, capped, score_consts):
@@ -135,7 +154,10 @@ def key_tiles(cfg: Config, r, b, n, q, qp, q_seg, lengths, key_start=0):
         keys = pl.ds(pl.multiple_of(j * cfg.Sb, cfg.Sb), cfg.Sb)  # aligned: a TPU's dynamic slices need it
         k, v, kp = r["k"][keys, :], r["v"][keys, :], r["k_pos"][keys]
         k_seg = None if q_seg is None else r["k_seg"][keys]
-        x = apply_score_mod(cfg, b, n, qp, kp, capped_logits(cfg, q, k), score_consts)
+        x = capped_logits(cfg, q, k)
+        if cfg.offset_bias is not None:  # the position bias: after softcap, before score_mod
+            x = x + offset_bias_tile(r["offset_bias"], offset_index(cfg, qp, kp))
+        x = apply_score_mod(cfg, b, n, qp, kp, x, score_consts)
         allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, key_start + j * cfg.Sb, lengths, q_seg, k_seg, mask_consts)
         if allowed is not None:
             x = jnp.where(allowed, x, -jnp.inf)

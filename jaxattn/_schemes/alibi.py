@@ -21,7 +21,8 @@ import numpy as np
 from .._core import checks
 from .._core.checks import static_int
 from .._core.eager import compiled_when_eager
-from .._core.positions import offsets, positions
+from .._core.offset_bias import OffsetBias
+from .._core.positions import positions
 from .position_bias import position_bias_attention
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
@@ -55,15 +56,19 @@ def _check_slopes(slopes):
 
 
 def alibi_position_bias(slopes, *, bidirectional: bool = False):
-    """ALiBi as a position function: (query_pos [...,T], key_pos [...,S]) -> [...,N,T,S]."""
+    """ALiBi as a position function: (query_pos [...,T], key_pos [...,S]) -> [...,N,T,S].
+
+    The function is an OffsetBias (a function of j - i alone), which the Pallas GPU kernel computes inside
+    its tiles (with the core's default positions: the bias grows without bound, so other positions have no
+    static range of offsets)."""
     slopes = _check_slopes(slopes)
 
-    def bias_fn(query_pos, key_pos):
-        distance = offsets(query_pos, key_pos).astype(slopes.dtype)[..., None, :, :]
+    def of_offset(relative_position):  # [...,T,S] -> [...,N,T,S]
+        distance = relative_position.astype(slopes.dtype)[..., None, :, :]
         distance = -jnp.abs(distance) if bidirectional else distance
         return slopes[..., :, None, None] * distance
 
-    return bias_fn
+    return OffsetBias(of_offset)
 
 
 def alibi_bias(

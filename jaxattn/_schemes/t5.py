@@ -22,7 +22,8 @@ import jax.numpy as jnp
 from .._core import checks
 from .._core.checks import static_int
 from .._core.eager import compiled_when_eager
-from .._core.positions import offsets, positions
+from .._core.offset_bias import OffsetBias
+from .._core.positions import positions
 from .position_bias import heads_first, position_bias_attention
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
@@ -79,21 +80,22 @@ def _check_table(table):
 def t5_position_bias(table, *, bidirectional: bool = True, max_distance: int = 128):
     """The T5 bias as a position function: (query_pos [...,T], key_pos [...,S]) -> [...,N,T,S].
 
-    table: [R,N] (HF's `relative_attention_bias.weight`), R = num_buckets.
+    table: [R,N] (HF's `relative_attention_bias.weight`), R = num_buckets. The function is an OffsetBias (a
+    function of j - i alone), which the Pallas GPU kernel computes inside its tiles.
     """
     table = _check_table(table)
-    _check_buckets(table.shape[0], max_distance, bidirectional)
+    _, _, max_distance = _check_buckets(table.shape[0], max_distance, bidirectional)
 
-    def bias_fn(query_pos, key_pos):
+    def of_offset(relative_position):  # [...,T,S] -> [...,N,T,S]
         buckets = t5_relative_position_bucket(
-            offsets(query_pos, key_pos),
-            bidirectional=bidirectional,
-            num_buckets=table.shape[0],
-            max_distance=max_distance,
+            relative_position, bidirectional=bidirectional, num_buckets=table.shape[0], max_distance=max_distance
         )
         return heads_first(table[buckets])
 
-    return bias_fn
+    # Every distance from 2 * max_distance on is in the last bucket of its half, float32 log and all: there
+    # log(d / max_exact) / log(max_distance / max_exact) >= 1 + log 2 / log(2**31) > 1.03, far from the
+    # truncation at 1 (tests/test_kernel_relative.py checks it over every offset up to 4 * max_distance).
+    return OffsetBias(of_offset, saturation=2 * max_distance)
 
 
 def t5_relative_bias(
