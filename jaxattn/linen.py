@@ -209,10 +209,13 @@ class MultiHeadAttention(nn.Module):
         key_segment_ids: Int[ArrayLike, "*#B S"] | None = None,
         sow_weights: bool = False,
         inputs_kv: Float[ArrayLike, "*#B S Ek"] | None = None,
+        position_bias=None,
     ) -> LayerOutput:
         """query [...,T,Eq], key [...,S,Ek] (default query), value [...,S,Ev] (default key) -> [...,T,Eo].
 
         Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights.
+        position_bias: a hook of the positions added to the logits (t5_position_bias, alibi_position_bias),
+        which the blockwise engine and the GPU kernel evaluate tile by tile (jaxattn.position_bias_attention).
         rope_positions [...,T]: with `rope`, the rotary positions of the queries and keys (self-attention).
         sow_weights / inputs_kv: flax's (see the class docstring).
         """
@@ -259,6 +262,8 @@ class MultiHeadAttention(nn.Module):
             interpret=self.interpret,
             **common.dropout_options(self.broadcast_dropout),
         )
+        if position_bias is not None:
+            options["position_bias"] = position_bias
         cache = None
         if self.decode if decode is None else decode:
             batch = jnp.broadcast_shapes(jnp.shape(query)[:-2], jnp.shape(key)[:-2])

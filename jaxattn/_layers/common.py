@@ -15,7 +15,6 @@ from typing import Any, Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from .._api import dot_product_attention
 from .._core import checks
 from .._core.eager import compiled_when_eager
 from .._core.positions import positions as absolute_positions
@@ -23,6 +22,7 @@ from .._schemes.rope import apply_rope
 from .._schemes.shaw import shaw_relative_attention
 from . import cache as kv_cache
 from .multihead import (
+    attend_heads,
     head_dims,
     multi_head_attention,
     project_qkv,
@@ -346,7 +346,7 @@ def _decode(
             **options,
         )
     else:
-        result = dot_product_attention(q, keys, values, precision=precision, **attend_kw, **options)
+        result = attend_heads(q, keys, values, precision=precision, **attend_kw, **options)
     result = project_result(params, result, precision=precision)
     if not rolling(options.get("window")):  # a rolling cache never overflows: it keeps the newest keys
         result = kv_cache.poison_overflow(result, new_cache[2] > new_cache[0].shape[-3])
@@ -361,7 +361,7 @@ def _attend_rotary(params, query, key, value, rope, rope_positions, precision, o
     T, S = q.shape[-3], k.shape[-3]
     default = absolute_positions(T, S, options.get("query_positions"), options.get("key_positions"))
     q, k = _rotate(q, k, rope, *_rope_positions(rope_positions, T, S, *default))
-    result = dot_product_attention(q, k, v, precision=precision, **options)
+    result = attend_heads(q, k, v, precision=precision, **options)
     return project_result(params, result, precision=precision)
 
 
@@ -392,6 +392,8 @@ def attend(
     (Qwen 3's and Gemma 3's per-head RMS norms).
     """
     rope = check_rope(rope)
+    if relative and options.get("position_bias") is not None:
+        checks.fail("position_bias", "None with relative tables (one relative term per layer)", "a function")
     if rope_positions is not None and rope is None:
         checks.fail("rope_positions", "None unless the layer has rope=RoPE(...)", "an array")
     if options.get("broadcast_dropout") and relative:

@@ -22,6 +22,7 @@ from .._api import dot_product_attention
 from .._core import checks
 from .._core.eager import compiled_when_eager
 from .._core.masks import allowed_keys
+from .._schemes.position_bias import position_bias_attention
 from .._schemes.shaw import shaw_relative_attention
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
@@ -205,14 +206,25 @@ def multi_head_attention(
 
     query [...,T,Eq]; key [...,S,Ek] defaults to query, value [...,S,Ev] to key (self-attention).
     Keywords as dot_product_attention (mask/bias [...,N,T,S] over the S real keys), plus add_zero_attn
-    (torch's option: one zero key/value column appended). Returns [...,T,Eo] (or (out, weights)).
+    (torch's option: one zero key/value column appended) and position_bias (a hook of the positions, as
+    jaxattn.position_bias_attention's: T5's t5_position_bias, ALiBi's alibi_position_bias).
+    Returns [...,T,Eo] (or (out, weights)).
     """
     head_dims(params, allow=("bias_kv", "sinks"))
     options = with_param_sinks(params, options)
     q, k, v = project_qkv(params, query, key, value, precision=precision)
     k, v, options = _append_keys(params, q, k, v, add_zero_attn, options)
-    result = dot_product_attention(q, k, v, precision=precision, **options)
+    result = attend_heads(q, k, v, precision=precision, **options)
     return project_result(params, result, precision=precision)
+
+
+def attend_heads(q, k, v, *, precision=None, position_bias=None, **options):
+    """The layers' attention of projected heads: dot_product_attention, or position_bias_attention with a
+    position bias hook (T5's buckets, ALiBi), which the blockwise engine and the GPU kernel evaluate tile by
+    tile instead of an [...,N,T,S] bias array."""
+    if position_bias is None:
+        return dot_product_attention(q, k, v, precision=precision, **options)
+    return position_bias_attention(q, k, v, position_bias, precision=precision, **options)
 
 
 def with_param_sinks(params, options):

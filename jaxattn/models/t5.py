@@ -8,7 +8,7 @@
     logits = RMSNorm(x) [* d_model^-0.5 when scale_decoder_outputs] @ shared.T
 
 Attention logits are not scaled (scale = 1): T5 folds 1/sqrt(d) into its initialisation. Each stack has ONE
-relative table (HF stores it in block 0) shared by all its layers (jaxattn.t5_relative_bias). FF is
+relative table (HF stores it in block 0) shared by all its layers (jaxattn.t5_position_bias). FF is
 relu (T5) or gated (T5 v1.1 / flan: act(x Wi_0) * (x Wi_1)). RMSNorm: x * rsqrt(mean(x^2) + eps) * w.
 
     model.apply({"params": p}, input_ids, attention_mask, decoder_input_ids=...) -> logits [B,Td,V]
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import t5_relative_bias
+from .. import t5_position_bias
 from ..linen import MultiHeadAttention
 from . import _activation_layout, _decoder, _masks, _norms, _pretrained, _save, weights
 from .weights import Reshape, Steps, Transpose
@@ -149,7 +149,7 @@ class T5Block(_decoder.Configured):
         a = attention(name="self_attention")(
             norm(name="self_attention_norm")(x),
             mask=self_mask,
-            bias=self_bias,
+            position_bias=self_bias,
             is_causal=self.is_decoder,
             decode=decode,
         )
@@ -170,31 +170,20 @@ class T5Stack(_decoder.Configured):
     is_decoder: bool = False
 
     @nn.compact
-    def __call__(
-        self, x, attention_mask=None, encoder=None, encoder_mask=None, positions=None, *, decode: bool = False
-    ):
+    def __call__(self, x, attention_mask=None, encoder=None, encoder_mask=None, *, decode: bool = False):
         c = self.config
-        if decode:  # queries sit after the tokens already in the cache
-            positions = _masks.positions(self, x.shape[:2], positions, decode)
         table = self.param(
             "relative_attention_bias",
             nn.initializers.normal(c.d_model**-0.5),
             (c.relative_attention_num_buckets, c.num_heads),
             self.param_dtype,
         )
-        T = x.shape[-2]
-        S = T if attention_mask is None else attention_mask.shape[-1]  # decoding: the cache's L slots
-        # [N,T,S], or [B,N,T,S] when decoding (query positions per example, keys at their slots)
-        bias = t5_relative_bias(
-            table,
-            T,
-            S,
-            bidirectional=not self.is_decoder,
-            max_distance=c.relative_attention_max_distance,
-            query_positions=positions,
-            key_positions=None if positions is None else jnp.arange(S, dtype=jnp.int32),
+        # The bias as a hook of the positions (never an [N,T,S] array here): the attention evaluates it at its
+        # own positions (bottom-right; when decoding, the cache's: queries at their slots, keys at theirs),
+        # one tile at a time on the blockwise engine and inside the GPU kernel.
+        bias = t5_position_bias(
+            table.astype(x.dtype), bidirectional=not self.is_decoder, max_distance=c.relative_attention_max_distance
         )
-        bias = bias.astype(x.dtype)
         mask = _masks.key_mask(attention_mask)
 
         def layer(i, x):
@@ -247,6 +236,9 @@ class T5ForConditionalGeneration(_decoder.Configured):
         (required: it tells the relative bias how many slots there are).
         """
         decoder_input_ids = jnp.asarray(decoder_input_ids)
+        if decoder_position_ids is not None:
+            # T5 has no position ids (HF's T5 takes none): its relative bias reads the tokens' slots
+            raise ValueError("decoder_position_ids: expected None (T5's bias reads the token slots), got an array")
         if decode and decoder_attention_mask is None:
             raise ValueError("decoder_attention_mask: expected [B,L] over the cache's L slots when decoding, got None")
         x = self.decoder(
@@ -254,7 +246,6 @@ class T5ForConditionalGeneration(_decoder.Configured):
             decoder_attention_mask,
             encoder_output,
             _masks.key_mask(attention_mask),
-            decoder_position_ids,
             decode=decode,
         )
         if self.config.scale_decoder_outputs:
