@@ -14,7 +14,7 @@ import pytest
 from test_positions import bucket_loop, xl_loop
 
 import jaxattn
-from helpers import attention_loop, grad_of_sum, normwise, temp_bytes
+from helpers import assert_float64, attention_loop, grad_of_sum, normwise, temp_bytes
 
 B, T, S, N, K, H, Hv = 2, 37, 41, 6, 3, 5, 7
 TILE = (8, 16)
@@ -155,6 +155,7 @@ def _check_scheme(name, schemes):
     error = normwise(out32, loop(*args64))
     assert error <= FORWARD_TOL, f"forward against the float64 loop: {error:.3g}"
     _, grads64 = with_grads("dense")(*args64)
+    assert_float64(grads64)
     for i, got, want in zip(argnums, grads32, grads64, strict=True):
         error = normwise(got, want)
         assert error <= GRAD_TOL, f"gradient of argument {i} against the float64 dense engine: {error:.3g}"
