@@ -1,7 +1,7 @@
 """Each relative-position scheme on the blockwise engine against the dense engine (issue 34), on CPU.
 
     python -m benchmarks.relative [--rounds 3] [--lengths 2048,8192] [--max-dense-gib 6] [--max-backward 8192]
-                                  [--out benchmarks/results/relative.json] [--append]
+                                  [--directions fwd,fwd+bwd] [--out benchmarks/results/relative.json] [--append]
 
 Schemes (B = 1, N = K = 8, H = 64, float32, causal, T = S): T5 (causal buckets, 32 buckets, max_distance 128),
 ALiBi, Transformer-XL (position keys [S,N,H] with u and v), clipped tables (max_left 64, max_right 16, key and
@@ -118,6 +118,7 @@ def main(argv=None):
     parser.add_argument("--max-pairs", type=int, default=2048)
     parser.add_argument("--max-dense-gib", type=float, default=6.0)
     parser.add_argument("--max-backward", type=int, default=8192, help="longer forward+backward: memory only")
+    parser.add_argument("--directions", default="fwd,fwd+bwd", help="fwd, fwd+bwd or both (comma-separated)")
     parser.add_argument("--append", action="store_true", help="add the points to those already in --out")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results", "relative.json"))
     parser.add_argument("--table", action="store_true", help="print the markdown table of --out (no timing)")
@@ -142,6 +143,8 @@ def main(argv=None):
             if name == "pairs" and L > args.max_pairs:
                 continue
             for backward in (False, True):
+                if ("fwd+bwd" if backward else "fwd") not in args.directions.split(","):
+                    continue
                 timed = not backward or L <= args.max_backward
                 p = point(name, L, backward, args.rounds, args.max_dense_gib * 2**30, timed)
                 p["load_average"] = load_average()
