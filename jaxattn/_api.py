@@ -288,19 +288,6 @@ def _platform_kernels(platform) -> tuple[str, ...]:
     return tuple(name for name in cuda_kernels(cuda_capability()) if name in kernels) if platform == "cuda" else kernels
 
 
-def dense_only(implementation, interpret, term: str) -> None:
-    """For a call whose `term` only the dense engine computes (per-pair relative terms): ValueError unless
-    implementation is None (the dense engine on every platform) or "dense"."""
-    check_implementation(implementation, interpret)
-    if implementation not in (None, "dense"):
-        checks.fail(
-            term,
-            f"not in use with implementation={implementation!r} (only the dense engine computes "
-            f"{term}; use implementation=None or 'dense')",
-            "it in use",
-        )
-
-
 def use_blockwise(implementation, call: AttentionCall, query, key) -> bool:
     """The XLA engines' rule (dot_product_attention, shaw_relative_attention, the position schemes).
 

@@ -100,10 +100,13 @@ def test_float16_is_refused_on_a_tpu_and_none_takes_xla_there(x64_off, keywords)
     assert "tpu_custom_call" in text  # the same call in bfloat16 takes the kernel
 
 
-def test_the_dense_only_schemes_refuse_a_kernel_by_their_terms():
+@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
+def test_per_pair_tables_are_refused_by_a_kernel_by_name(x64_off, implementation):
     q, k, v = qkv()
-    with pytest.raises(ValueError, match="^rel_key / rel_value: .*'pallas_tpu'"):
-        jaxattn.relative_attention(q, k, v, np.zeros((T, S, 1, H), np.float32), implementation="pallas_tpu")
+    with pytest.raises(ValueError, match=f"^rel_key: .*'{implementation}'"):
+        jaxattn.relative_attention(
+            q, k, v, np.zeros((T, S, 1, H), np.float32), implementation=implementation, interpret=True
+        )
 
 
 def test_shaw_tables_are_refused_by_splash(x64_off):

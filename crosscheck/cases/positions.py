@@ -703,6 +703,55 @@ def pos_transformer_xl_causal() -> Setup:
     )
 
 
+@register_case("pos_clipped_relative_blockwise")
+def pos_clipped_relative_blockwise() -> Setup:
+    """clipped_relative_attention (max_left 4 > a tile, max_right 1) through the blockwise engine (tiles 2x4,
+    the table made symmetric), per-head key and shared value tables, GQA, causal T=5 < S=11."""
+    import jaxattn
+    import torchref.positions as P
+
+    rng = rng_for("pos_clipped_relative_blockwise")
+    opts = dict(max_left=4, max_right=1, is_causal=True)
+    return _twin_case(
+        "pos_clipped_relative_blockwise",
+        lambda p, q, k, v: jaxattn.clipped_relative_attention(
+            q, k, v, p["kt"], p["vt"], implementation="blockwise", block_size=(2, 4), **opts
+        ),
+        lambda p, q, k, v: P.clipped_relative_attention(q, k, v, p["kt"], p["vt"], **opts),
+        rng,
+        {"kt": normal(rng, (6, _N, _H)), "vt": normal(rng, (6, _HV))},
+    )
+
+
+@register_case("pos_transformer_xl_blockwise")
+def pos_transformer_xl_blockwise() -> Setup:
+    """transformer_xl_attention bidirectional (2S-1 shared position keys), u/v, through the blockwise engine
+    (tiles 3x4, Shaw form with a doubled head dim), GQA, T=5 < S=11."""
+    import jaxattn
+    import torchref.positions as P
+
+    rng = rng_for("pos_transformer_xl_blockwise")
+    opts = dict(max_left=_S - 1)
+    params = {"keys": normal(rng, (2 * _S - 1, _H)), "u": normal(rng, (_N, _H)), "w": normal(rng, (_N, _H))}
+    return _twin_case(
+        "pos_transformer_xl_blockwise",
+        lambda p, q, k, v: jaxattn.transformer_xl_attention(
+            q,
+            k,
+            v,
+            p["keys"],
+            pos_bias_u=p["u"],
+            pos_bias_v=p["w"],
+            implementation="blockwise",
+            block_size=(3, 4),
+            **opts,
+        ),
+        lambda p, q, k, v: P.transformer_xl_attention(q, k, v, p["keys"], pos_bias_u=p["u"], pos_bias_v=p["w"], **opts),
+        rng,
+        params,
+    )
+
+
 @register_case("hf_gptj_rope", requires=_HF, quick=FLOAT32_JIT)
 def hf_gptj_rope() -> Setup:
     """HF GPT-J's apply_rotary_pos_emb (the "interleaved" layout, rotate_every_two) on 6 of H=11 features."""

@@ -44,6 +44,26 @@ def _relative_setup(name: str, *, heads: int, causal: bool = False, weights: boo
     return Setup(lambda p, **x: call(jaxattn, p, **x), lambda p, **x: call(torchref, p, **x), inputs, params=params)
 
 
+def _relative_blockwise_setup(name: str, *, heads: int) -> Setup:
+    """relative_attention through the blockwise engine (tiles 2x3, so T and S are not tile multiples), causal
+    T<S, per-pair tables A^K [T,S,heads,H], A^V [T,S,heads,Hv]."""
+    import jaxattn
+    import torchref
+
+    rng = rng_for(name)
+    params = {"rel_key": normal(rng, (T, S, heads, H)), "rel_value": normal(rng, (T, S, heads, Hv))}
+
+    def call(module, p, query, key, value, **engine):
+        return module.relative_attention(query, key, value, p["rel_key"], p["rel_value"], is_causal=True, **engine)
+
+    return Setup(
+        lambda p, **x: call(jaxattn, p, **x, implementation="blockwise", block_size=(2, 3)),
+        lambda p, **x: call(torchref, p, **x),
+        _qkv(rng),
+        params=params,
+    )
+
+
 def _shaw_setup(
     name: str, *, per_head: bool, causal: bool = False, weights: bool = False, N: int = N, K: int = N
 ) -> Setup:
@@ -123,6 +143,14 @@ _CASES = {
     "relative_shared": (
         "relative_attention, tables shared over heads [T,S,1,H], causal T<S",
         lambda n: _relative_setup(n, heads=1, causal=True),
+    ),
+    "relative_per_head_blockwise": (
+        "relative_attention on the blockwise engine, A^K/A^V [T,S,N,H], causal T<S, tiles 2x3",
+        lambda n: _relative_blockwise_setup(n, heads=N),
+    ),
+    "relative_shared_blockwise": (
+        "relative_attention on the blockwise engine, tables shared over heads [T,S,1,H], causal T<S",
+        lambda n: _relative_blockwise_setup(n, heads=1),
     ),
     "shaw_shared": (
         "shaw_relative_attention, tables [R,H], weights",

@@ -13,7 +13,8 @@ The fields, by what they do (the names are dot_product_attention's):
     the logits               scale, logit_softcap, sinks, score_mod
     position terms           key_table, value_table, max_distance (Shaw tables), position_bias (a hook
                              of the absolute positions; T5's and ALiBi's are OffsetBias values, functions
-                             of j - i alone, which the Pallas GPU kernel computes in its tiles)
+                             of j - i alone, which the Pallas GPU kernel computes in its tiles), rel_key,
+                             rel_value (per-pair tables [T,S,N|1,F], relative_attention's A^K / A^V)
     the full [T,S] grid      mask, bias, dropout_rate, dropout_rng, broadcast_dropout, return_weights
     outputs and numerics     return_lse, precision
     the XLA engines' own     block_size (the blockwise tile; a kernel picks its own)
@@ -38,7 +39,7 @@ GRID_OPTIONS = ("mask", "bias", "return_weights", "dropout_rate")
 # would capture a tracer of an enclosing trace).
 INDEX_ARRAYS = ("key_value_seq_lengths", "query_positions", "key_positions", "query_segment_ids", "key_segment_ids")
 # The position terms of the relative schemes.
-POSITION_TERMS = ("key_table", "value_table", "position_bias")
+POSITION_TERMS = ("key_table", "value_table", "position_bias", "rel_key", "rel_value")
 
 
 def _is_set(value) -> bool:
@@ -73,6 +74,8 @@ class AttentionCall:
     value_table: Any = None
     max_distance: Optional[int] = None
     position_bias: Optional[Callable] = None
+    rel_key: Any = None
+    rel_value: Any = None
     # the full [T,S] grid
     mask: Any = None
     bias: Any = None

@@ -158,6 +158,16 @@ def check_clipped_table(name: str, table, R: int, N: int, head_dim: int, acc_dty
     return table
 
 
+def check_pair_table(name: str, table, T: int, S: int, N: int, head_dim: int, acc_dtype, layout: str):
+    """A per-pair relative table (relative_attention's A^K / A^V): [T,S,N,F], or [T,S,1,F] shared over heads."""
+    table = jnp.asarray(table)
+    check_rank(name, table, 4, layout)
+    if table.shape[2] not in (1, N) or tuple(table.shape[:2]) != (T, S) or table.shape[3] != head_dim:
+        fail(name, f"shape [{T},{S},{N} or 1,{head_dim}] ({layout})", f"shape {shape_str(table.shape)}")
+    check_fits(name, table, acc_dtype)
+    return table
+
+
 def check_mesh(mesh, **axes):
     """mesh is a jax.sharding.Mesh and each named axis is one of its axes, used at most once."""
     if not isinstance(mesh, Mesh):

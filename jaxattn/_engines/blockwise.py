@@ -2,9 +2,13 @@
 
     for each query block i                                        (lax.scan)
         for each key block j that may hold an allowed key         (fori_loop over [lo_i, hi_i))
-            x_ij = scale * (q_i k_j^T + q_i . Tk[index_ij]) + position_bias(q_pos_i, k_pos_j)
-            acc  = combine_partials(acc, block_partial(x_ij, allowed_ij, v_j))
+            x_ij = scale * (q_i k_j^T + q_i . Tk[index_ij] + q_i . A^K_ij) + position_bias(q_pos_i, k_pos_j)
+            acc  = combine_partials(acc, block_partial(x_ij, allowed_ij, v_j (+ A^V_ij)))
         out_i = acc.out / acc.l  (+ (bucket sums of p) @ Tv / acc.l for a Shaw value table)
+
+A^K_ij / A^V_ij: the [Tb,Sb,(N),F] tiles of per-pair tables (relative_attention, seed 000's form), read
+one tile at a time from the caller's [T,S,(N),F] arrays (an O(T x S) input): the engine adds no
+[B,N,T,S] logits and no [B,T,S,F] product to them.
 
 No array ever spans [T,S]: the largest temporary is one [rows,G,Tb,Sb] tile; blockwise_attention runs
 groups of rows (batch entries x key/value heads) one after another (lax.map), each small enough that its
@@ -107,21 +111,26 @@ class KeySide(NamedTuple):
 
 class Shared(NamedTuple):
     """What every tile reads besides its keys: Shaw tables key_table / value_table ([R,(N,)F] or None),
-    the position hook's arrays hook_consts, and scale (None: the queries were scaled before the engine)."""
+    the position hook's arrays hook_consts, scale (None: the queries were scaled before the engine), and
+    per-pair tables pair_key / pair_value ([T,S,N|1,F] unpadded, or None; tile (i, j) reads its slice)."""
 
     key_table: Any = None
     value_table: Any = None
     hook_consts: tuple = ()
     scale: Any = None
+    pair_key: Any = None
+    pair_value: Any = None
 
 
 class QueryTile(NamedTuple):
-    """One query tile: q [B,K,G,Tb,H], its absolute positions pos [Tb] or [B,Tb], and its view of the
-    TermArrays (its rows of the segment ids and of the BlockMask's tile kinds)."""
+    """One query tile: q [B,K,G,Tb,H], its absolute positions pos [Tb] or [B,Tb], its view of the
+    TermArrays (its rows of the segment ids and of the BlockMask's tile kinds), and row0, the index of its
+    first query row (where it reads per-pair tables)."""
 
     q: Any
     pos: Any
     arrays: TermArrays = TermArrays()
+    row0: Any = 0
 
 
 class RowGrads(NamedTuple):
@@ -146,6 +155,8 @@ class Grads(NamedTuple):
     value_table: Any = None
     hook_consts: tuple = ()
     score_consts: tuple = ()
+    pair_key: Any = None
+    pair_value: Any = None
 
 
 def _einsum(spec, a, b, cfg, acc_dtype):
@@ -230,19 +241,21 @@ def _tile_bias(cfg, consts, qp, kp, K):
     return _heads_view(cfg.bias_fn(qp, kp, *consts), K)
 
 
-def _capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc_dtype):
-    """softcap(scale * (q . k + q . table[index])): the query-key part of a tile's logits."""
+def _capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc_dtype, pair_k=None):
+    """softcap(scale * (q . k + q . table[index] + q . A^K)): the query-key part of a tile's logits."""
     x = _einsum("bkgth,bksh->bkgts", q_blk, k_blk, cfg, acc_dtype)
     if per_bucket is not None:
         x = x + _gather(per_bucket, index)
+    if pair_k is not None:
+        x = x + _einsum(_pair_spec("bkgth,tskgh->bkgts", pair_k), q_blk, pair_k, cfg, acc_dtype)
     if scale is not None:  # None: the query was scaled before the engine
         x = x * scale
     return mods.softcap(x, cfg.terms.softcap)
 
 
-def _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc_dtype, score=None):
+def _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, scale, acc_dtype, score=None, pair_k=None):
     """A tile's logits: the capped query-key logits plus the position bias, then score (score_mod)."""
-    x = _capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc_dtype)
+    x = _capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc_dtype, pair_k)
     x = x if bias is None else x + bias
     return x if score is None else score(x)
 
@@ -286,13 +299,16 @@ def _offset0(cfg, qp, kp):
     return kp[0] - qp[0] if cfg.contiguous else None
 
 
-def _block_partial(x, allowed, v_blk, index, offset0, R, value_table, cfg, acc_dtype):
+def _block_partial(x, allowed, v_blk, index, offset0, R, value_table, cfg, acc_dtype, pair_v=None):
     """One tile's partial (out, m, l); out also carries the bucket sums of p for a value table."""
     if allowed is not None:
         x = jnp.where(allowed, x, -jnp.inf)
     m = jnp.max(x, axis=-1)
     p = jnp.exp(x - jnp.where(jnp.isfinite(m), m, 0)[..., None])  # masked: exp(-inf) = 0
-    out = (_einsum("bkgts,bksv->bkgtv", p.astype(v_blk.dtype), v_blk, cfg, acc_dtype),)
+    out = _einsum("bkgts,bksv->bkgtv", p.astype(v_blk.dtype), v_blk, cfg, acc_dtype)
+    if pair_v is not None:
+        out = out + _einsum(_pair_spec("bkgts,tskgv->bkgtv", pair_v), p, pair_v, cfg, acc_dtype)
+    out = (out,)
     if value_table is not None:
         out = out + (_bucket_sum(p, index, R, offset0),)
     return out, m, jnp.sum(p, axis=-1)
@@ -327,6 +343,61 @@ def slice_block(x, start, size, axis):
     return lax.dynamic_slice_in_dim(x, start, size, axis=axis)
 
 
+def _pair_rows(table, t0, s0, Tb, Sb):
+    """The rows and columns of tile (t0, s0) in a per-pair table [T,S,...], clipped to T - 1 / S - 1: the
+    padding past T or S reads the last real row or column (its queries are dropped, its keys masked, so
+    its entries never count and their gradients are zero)."""
+    T, S = table.shape[:2]
+    return jnp.minimum(t0 + jnp.arange(Tb), T - 1)[:, None], jnp.minimum(s0 + jnp.arange(Sb), S - 1)[None, :]
+
+
+def _tile_start(t0, s0):
+    """A per-pair tile's corner as dynamic_slice's start (one integer type: t0 comes from a scan, s0 from a
+    loop, whose integer widths may differ under x64)."""
+    return tuple(jnp.asarray(i, jnp.int32) for i in (t0, s0, 0, 0))
+
+
+def _divides(table, Tb, Sb):
+    """Every tile of the per-pair table lies inside it (no padding): a plain slice reads it."""
+    return table.shape[0] % Tb == 0 and table.shape[1] % Sb == 0
+
+
+def pair_tile(table, t0, s0, Tb, Sb, K):
+    """Tile (t0, s0) of a per-pair table [T,S,N|1,F] in the compute dtype: [Tb,Sb,K,G,F] per head (query
+    head n = k*G + g, the engine layout), [Tb,Sb,F] shared over heads; None stays None."""
+    if table is None:
+        return None
+    if _divides(table, Tb, Sb):
+        tile = lax.dynamic_slice(table, _tile_start(t0, s0), (Tb, Sb, *table.shape[2:]))
+    else:
+        tile = table.at[_pair_rows(table, t0, s0, Tb, Sb)].get(mode="promise_in_bounds")
+    heads, F = table.shape[2:]
+    tile = tile[:, :, 0] if heads == 1 else tile.reshape(Tb, Sb, K, heads // K, F)
+    return tile.astype(accumulation_dtype(table.dtype))
+
+
+def _pair_spec(spec, tile):
+    """An einsum spec written for a per-head tile (tskgf) as it reads for `tile` (tsf when shared)."""
+    return spec if tile.ndim == 5 else spec.replace("tskg", "ts")
+
+
+def _pair_grad(x, y, tile, cfg, acc_dtype):
+    """The gradient of a per-pair tile (pair_tile's layout) from per-pair cotangents x [B,K,G,Tb,Sb] and
+    per-row vectors y [B,K,G,Tb,F]: sum over the batch (and the heads, for a shared table) of x y."""
+    return _einsum(_pair_spec("bkgts,bkgtf->tskgf", tile), x, y, cfg, acc_dtype)
+
+
+def add_pair_tile(acc, grad, t0, s0):
+    """acc [T,S,N|1,F] + grad (pair_tile's layout, tile (t0, s0)) at that tile; the padding's entries of
+    grad (clipped onto the last row / column by _pair_rows) are zeros, so adding them changes nothing."""
+    Tb, Sb = grad.shape[:2]
+    grad = grad.reshape(Tb, Sb, *acc.shape[2:])
+    if _divides(acc, Tb, Sb):
+        start = _tile_start(t0, s0)
+        return lax.dynamic_update_slice(acc, lax.dynamic_slice(acc, start, grad.shape) + grad, start)
+    return acc.at[_pair_rows(acc, t0, s0, Tb, Sb)].add(grad, mode="promise_in_bounds")
+
+
 # ---------------------------------------------------------------------------------------------------
 # The engine: forward and custom backward on the engine layout.
 
@@ -342,7 +413,7 @@ def fwd_tile(cfg, tile: QueryTile, keys: KeySide, shared: Shared, with_buckets=F
     dtype (a caller merging partials, like the ring, rounds only once at the end).
     with_buckets (value table only): also return the probabilities' bucket sums [B,K,G,Tb,R], which are
     exactly what the value table's gradient needs (RowGrads.value_buckets)."""
-    q_blk, qp, arrays = tile
+    q_blk, qp, arrays, row0 = tile
     B, K, G, Tb, _ = q_blk.shape
     Sp, Hv = keys.k.shape[2], keys.v.shape[-1]
     Sb, acc_dtype = cfg.Sb, accumulation_dtype(q_blk.dtype)
@@ -355,11 +426,12 @@ def fwd_tile(cfg, tile: QueryTile, keys: KeySide, shared: Shared, with_buckets=F
         kp = slice_block(keys.pos, j * Sb, Sb, -1)
         index = None if R == 0 else _bucket_index(cfg, qp, kp)
         bias = None if cfg.bias_fn is None else _tile_bias(cfg, shared.hook_consts, qp, kp, K)
-        x = _tile_logits(
-            cfg, q_blk, k_blk, per_bucket, bias, index, shared.scale, acc_dtype, _score(cfg, qp, kp, B, K, arrays)
-        )
+        pair_k, pair_v = (pair_tile(a, row0, j * Sb, Tb, Sb, K) for a in (shared.pair_key, shared.pair_value))
+        score = _score(cfg, qp, kp, B, K, arrays)
+        x = _tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, shared.scale, acc_dtype, score, pair_k)
         allowed = None if kind == CLEAN else _allowed(cfg, qp, kp, j, keys.lengths, arrays, kind, B, K)
-        partial = _block_partial(x, allowed, v_blk, index, _offset0(cfg, qp, kp), R, value_table, cfg, acc_dtype)
+        offset0 = _offset0(cfg, qp, kp)
+        partial = _block_partial(x, allowed, v_blk, index, offset0, R, value_table, cfg, acc_dtype, pair_v)
         return combine_partials(state, partial)
 
     shapes = ((B, K, G, Tb, Hv),) + (((B, K, G, Tb, R),) if value_table is not None else ())
@@ -374,12 +446,15 @@ def fwd_tile(cfg, tile: QueryTile, keys: KeySide, shared: Shared, with_buckets=F
 def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared, grads: Grads):
     """Backward of one query tile against every key of keys: (dq tile, grads). grads: accumulators the
     tile adds into, so a caller keeps one of each however many tiles it runs. Without Shaw tables, a position
-    hook or score_mod (whose terms are written for [Tb,Sb] tiles) the tiles run keys-major (_bwd_keys_major)."""
-    if shared.key_table is None and shared.value_table is None and cfg.bias_fn is None and cfg.terms.score_fn is None:
-        return _bwd_keys_major(cfg, tile, rows, keys, shared, grads)
-    q_blk, qp, arrays = tile
+    hook, per-pair tables or score_mod (whose terms are written for [Tb,Sb] tiles) the tiles run keys-major
+    (_bwd_keys_major)."""
+    pairs = shared.pair_key is not None or shared.pair_value is not None
+    if not pairs and shared.key_table is None and shared.value_table is None and cfg.bias_fn is None:
+        if cfg.terms.score_fn is None:
+            return _bwd_keys_major(cfg, tile, rows, keys, shared, grads)
+    q_blk, qp, arrays, row0 = tile
     do_blk, delta = rows.d_out, rows.delta
-    B, K = q_blk.shape[:2]
+    B, K, _, Tb = q_blk.shape[:4]
     Sp, Sb, acc_dtype = keys.k.shape[2], cfg.Sb, accumulation_dtype(q_blk.dtype)
     R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
     key_table, value_table, scale = shared.key_table, shared.value_table, shared.scale
@@ -388,7 +463,7 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
     do_table = None if value_table is None else _per_bucket(do_blk, value_table, K, cfg, acc_dtype)
 
     def key_block(kind, j, inner):
-        dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score = inner
+        dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score, d_pair_k, d_pair_v = inner
         s0 = j * Sb
         k_blk, v_blk = slice_block(keys.k, s0, Sb, 2), slice_block(keys.v, s0, Sb, 2)
         kp = slice_block(keys.pos, s0, Sb, -1)
@@ -396,7 +471,8 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
         bias, bias_vjp = None, None
         if cfg.bias_fn is not None:
             bias, bias_vjp = jax.vjp(lambda c: _tile_bias(cfg, c, qp, kp, K), shared.hook_consts)
-        capped = _capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc_dtype)
+        pair_k, pair_v = (pair_tile(a, row0, s0, Tb, Sb, K) for a in (shared.pair_key, shared.pair_value))
+        capped = _capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc_dtype, pair_k)
         x = capped if bias is None else capped + bias
         score_vjp = None
         if cfg.terms.score_fn is not None:
@@ -407,6 +483,9 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
             p = jnp.where(allowed, p, 0)
         dv_blk = _einsum("bkgts,bkgtv->bksv", p.astype(do_blk.dtype), do_blk, cfg, acc_dtype)
         dp = _einsum("bkgtv,bksv->bkgts", do_blk, v_blk, cfg, acc_dtype)
+        if pair_v is not None:  # out += p . A^V: dp += d_out . A^V, d A^V = p d_out (summed over the batch)
+            dp = dp + _einsum(_pair_spec("bkgtv,tskgv->bkgts", pair_v), do_blk, pair_v, cfg, acc_dtype)
+            d_pair_v = add_pair_tile(d_pair_v, _pair_grad(p, do_blk, pair_v, cfg, acc_dtype), row0, s0)
         if value_table is not None:
             dp = dp + _gather(do_table, index)
             if rows.value_buckets is None:  # else p_buckets already holds the forward's sums
@@ -428,9 +507,12 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
         dk_blk = _einsum("bkgts,bkgth->bksh", ds.astype(q_blk.dtype), q_blk, cfg, acc_dtype)
         if key_table is not None:
             ds_buckets = ds_buckets + _bucket_sum(ds, index, R, _offset0(cfg, qp, kp))
+        if pair_k is not None:  # x += q . A^K: dq += ds . A^K, d A^K = ds q (summed over the batch)
+            dq = dq + _einsum(_pair_spec("bkgts,tskgh->bkgth", pair_k), ds, pair_k, cfg, acc_dtype)
+            d_pair_k = add_pair_tile(d_pair_k, _pair_grad(ds, q_blk, pair_k, cfg, acc_dtype), row0, s0)
         dk = lax.dynamic_update_slice_in_dim(dk, slice_block(dk, s0, Sb, 2) + dk_blk, s0, axis=2)
         dv = lax.dynamic_update_slice_in_dim(dv, slice_block(dv, s0, Sb, 2) + dv_blk, s0, axis=2)
-        return dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score
+        return dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score, d_pair_k, d_pair_v
 
     buckets = jnp.zeros(q_blk.shape[:-1] + (R,), acc_dtype)
     p_buckets = buckets if rows.value_buckets is None else rows.value_buckets.astype(acc_dtype)
@@ -442,16 +524,18 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
         p_buckets,
         grads.hook_consts,
         grads.score_consts,
+        grads.pair_key,
+        grads.pair_value,
     )
     schedule = _schedule(cfg, qp, keys.pos, keys.lengths, arrays, Sp // Sb)
-    dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score = _visit(schedule, key_block, init)
+    dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score, d_pair_k, d_pair_v = _visit(schedule, key_block, init)
     d_key_table, d_value_table = grads.key_table, grads.value_table
     if key_table is not None:
         dq = dq + _apply_table(ds_buckets, key_table, K, cfg, acc_dtype)
         d_key_table = d_key_table + _table_grad(ds_buckets, q_blk.astype(acc_dtype), key_table, K, cfg, acc_dtype)
     if value_table is not None:
         d_value_table = d_value_table + _table_grad(p_buckets, do_blk.astype(acc_dtype), value_table, K, cfg, acc_dtype)
-    return dq, Grads(dk, dv, d_key_table, d_value_table, d_consts, d_score)
+    return dq, Grads(dk, dv, d_key_table, d_value_table, d_consts, d_score, d_pair_k, d_pair_v)
 
 
 def _keys_major(allowed):
@@ -467,7 +551,7 @@ def _bwd_keys_major(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared:
     each reads its operands in the layout XLA:CPU's dot takes as they are (rows, then the contracted axis),
     where the [Tb,Sb] orientation copies a transposed p and ds for dv and dk, two [Tb,Sb] arrays per tile:
     a 512 x 512 tile's backward takes 1.28 ms against 1.80 ms (2 cores, float32, H = 64)."""
-    q_blk, qp, arrays = tile
+    q_blk, qp, arrays = tile.q, tile.pos, tile.arrays
     B, K = q_blk.shape[:2]
     Sb, acc_dtype, scale, cap = cfg.Sb, accumulation_dtype(q_blk.dtype), shared.scale, cfg.terms.softcap
     lse = jnp.where(has_keys(rows.lse), rows.lse, 0)[:, :, None]  # [B,K,1,G,Tb]; empty rows: p masked to 0
@@ -518,6 +602,8 @@ def zero_grads(acc_dtype, keys: KeySide, shared: Shared, score_consts=()) -> Gra
         zeros(shared.value_table),
         zeros(shared.hook_consts),
         zeros(score_consts),
+        zeros(shared.pair_key),
+        zeros(shared.pair_value),
     )
 
 
@@ -552,7 +638,8 @@ def _engine_fwd(cfg, q, keys, shared, q_pos, arrays):
     keep = _keeps_value_buckets(shared.value_table, Hv)
 
     def query_block(_, i):
-        tile = QueryTile(slice_block(q, i * Tb, Tb, 3), slice_block(q_pos, i * Tb, Tb, -1), _tile_arrays(arrays, i, Tb))
+        q_blk, qp_blk = slice_block(q, i * Tb, Tb, 3), slice_block(q_pos, i * Tb, Tb, -1)
+        tile = QueryTile(q_blk, qp_blk, _tile_arrays(arrays, i, Tb), i * Tb)
         out, lse, *buckets = fwd_tile(cfg, tile, keys, shared, with_buckets=keep)
         return None, (out.astype(q.dtype), lse, *buckets)
 
@@ -575,7 +662,7 @@ def _engine_bwd(cfg, res: Residuals, cotangents):
     def query_block(carry, i):
         grads, d_sinks = carry
         tile = QueryTile(
-            slice_block(q, i * Tb, Tb, 3), slice_block(res.q_pos, i * Tb, Tb, -1), _tile_arrays(arrays, i, Tb)
+            slice_block(q, i * Tb, Tb, 3), slice_block(res.q_pos, i * Tb, Tb, -1), _tile_arrays(arrays, i, Tb), i * Tb
         )
         do_blk, o_blk = slice_block(d_out, i * Tb, Tb, 3), slice_block(res.out, i * Tb, Tb, 3)
         lse_blk = slice_block(res.lse, i * Tb, Tb, 3)
@@ -603,6 +690,8 @@ def _engine_bwd(cfg, res: Residuals, cotangents):
         cast(grads.value_table, shared.value_table),
         jax.tree.map(cast, grads.hook_consts, shared.hook_consts),
         None,
+        cast(grads.pair_key, shared.pair_key),
+        cast(grads.pair_value, shared.pair_value),
     )
     d_arrays = TermArrays(
         sinks=cast(d_sinks, arrays.sinks),
@@ -818,7 +907,17 @@ def tiled(call: AttentionCall, query, key, value):
     if block_mask is not None:  # the BlockMask's own mask_mod applies (block_masks.resolve)
         block_size, mask_mod, block_mask = _with_block_mask(block_mask, block_size, mask_mod, B, N, T, S)
     grouped = _row_grouped(query, key, value, call.score_mod, mask_mod)
+    pair_key, pair_value = (
+        None if a is None else checks.check_pair_table(name, a, T, S, N, F, acc_dtype, layout)
+        for name, a, F, layout in (
+            ("rel_key", call.rel_key, H, "A^K [T,S,N,H]"),
+            ("rel_value", call.rel_value, Hv, "A^V [T,S,N,Hv]"),
+        )
+    )
+    pair_width = sum(a.shape[2] * a.shape[3] for a in (pair_key, pair_value) if a is not None)
     Tb, Sb = _tile_sizes(block_size, T, S, B, N, K, tiles.span(call.window, call.is_causal), grouped)
+    if block_size is None and pair_width:
+        Tb, Sb = tiles.pair_tile_sizes(T, S, Tb, Sb, pair_width)
     Tp, Sp = -(-T // Tb) * Tb, -(-S // Sb) * Sb
     q_pos, k_pos, lengths = _positions_and_lengths(
         batch, T, S, Tp, Sp, call.query_positions, call.key_positions, call.key_value_seq_lengths
@@ -842,10 +941,10 @@ def tiled(call: AttentionCall, query, key, value):
     )
     scale = H**-0.5 if call.scale is None else call.scale
     q, k, v = _engine_operands(query, key, value, scale, acc_dtype, batch, Tp, Sp)
-    groups = tiles.row_groups(B, K, N // K, Tb, Sb, _whole_rows(grouped, bias_fn is not None, q_pos, k_pos))
-    out, lse = _grouped_engine(
-        cfg, q, KeySide(k, v, k_pos, lengths), Shared(key_table, value_table, consts, None), q_pos, arrays, groups
-    )
+    whole = _whole_rows(grouped, bias_fn is not None or pair_width > 0, q_pos, k_pos)
+    groups = tiles.row_groups(B, K, N // K, Tb, Sb, whole)
+    shared = Shared(key_table, value_table, consts, None, pair_key, pair_value)
+    out, lse = _grouped_engine(cfg, q, KeySide(k, v, k_pos, lengths), shared, q_pos, arrays, groups)
     return _from_engine(out, lse, batch, T, query.dtype, call.return_lse)
 
 
@@ -897,7 +996,8 @@ def _tile_sizes(block_size, T, S, B, N, K, span, grouped):
 
 def _whole_rows(grouped, hooked, q_pos, k_pos):
     """tiles.row_groups' `whole`: one group of all rows when not grouped or when a hook's bias spans every
-    batch entry (batched positions); every head in each group when a hook's bias spans every head."""
+    batch entry (batched positions); every head in each group when a hook's bias or a per-pair table
+    (hooked) spans every head (a group of heads would need a copy of the table's heads)."""
     if not grouped or (hooked and max(q_pos.ndim, k_pos.ndim) > 1):
         return "all"
     return "heads" if hooked else None

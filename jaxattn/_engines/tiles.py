@@ -5,6 +5,7 @@ how many rows (batch entries x key/value heads) run side by side.
                      about TILE_BUDGET_BYTES): sharded inputs, score_mod / mask_mod, create_block_mask
     row_tile_sizes   the row-group default (blockwise_attention's usual path): ROW_TILE_BYTES tiles
     row_groups       how many rows one group takes
+    pair_tile_sizes  the default shrunk for per-pair tables (relative_attention), whose slices are per tile
     ring_tile_sizes  the ring's default: block_sizes for one chunk pair, shrunk with the device's share
     span             a sliding window's width, which caps every default (its edge tiles are mostly masked)
 
@@ -40,6 +41,9 @@ TILE_BUDGET_BYTES = 16 * 2**20
 # holds at most 1/RING_TILE_SHARE of the elements of a device's queries, so memory falls with D too.
 RING_TILE_SHARE = 8
 SMALLEST_DEFAULT = 64
+# Per-pair tables (relative_attention): each tile reads its [Tb,Sb,N,F] slice of A^K / A^V, N * F times the
+# size of one row's logits tile, so the default tile shrinks until those slices (float32) fit this budget.
+PAIR_TILE_BYTES = 4 * 2**20
 
 
 def span(window, is_causal: bool) -> Optional[int]:
@@ -91,6 +95,17 @@ def row_tile_sizes(block_size, T: int, S: int, G: int, span: Optional[int]) -> t
         key_block, query_block = DEFAULT_KEY_BLOCK, max(16, DEFAULT_QUERY_ROWS // G)
         block_size = _evened(T, S, min(query_block, cap), min(key_block, cap))
     return block_sizes(block_size, T, S, 1)
+
+
+def pair_tile_sizes(T: int, S: int, Tb: int, Sb: int, width: int) -> tuple:
+    """The default (Tb, Sb) halved, larger side first and down to 16, while a tile's per-pair table slices
+    [Tb,Sb,width] (width: the tables' heads x features, summed) hold more than PAIR_TILE_BYTES (float32)."""
+    while 4 * Tb * Sb * width > PAIR_TILE_BYTES and max(Tb, Sb) > 16:
+        if Tb >= Sb:
+            Tb = max(16, Tb // 2)
+        else:
+            Sb = max(16, Sb // 2)
+    return _evened(T, S, Tb, Sb)
 
 
 def _largest_divisor(n: int, at_most: int) -> int:

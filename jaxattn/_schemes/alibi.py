@@ -101,8 +101,8 @@ def alibi_attention(
 ) -> AttentionOutput:
     """Attention with the ALiBi bias added to the scaled logits.
 
-    Keywords as dot_product_attention, plus implementation=None (dense on CPU) | "dense" | "blockwise" | a
-    kernel (and block_size, interpret), as t5_attention.
+    Keywords as dot_product_attention, plus implementation=None (on CPU blockwise from T x S = 128 x 128)
+    | "dense" | "blockwise" | a kernel (and block_size, interpret), as t5_attention.
     """
     bias_fn = alibi_position_bias(slopes, bidirectional=bidirectional)
     return position_bias_attention(query, key, value, bias_fn, **options)

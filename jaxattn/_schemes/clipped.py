@@ -5,6 +5,9 @@ index[t,s] = clip(j - i, -max_left, max_right) + max_left (_core.positions.clipp
 never gathered into a [T,S,H] tensor: the key term is q . table computed once per row ([...,N,T,R]) and
 then gathered to [...,N,T,S]; the value term sums the weights falling into each row ([...,N,T,R]) and
 then multiplies the table.
+
+The blockwise engine (and any kernel) takes Shaw's symmetric tables only: an asymmetric table runs there as
+`symmetric_table` of it, the same attention (see its docstring), with no change to the engine.
 """
 
 from __future__ import annotations
@@ -12,13 +15,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
+import numpy as np
 
-from .._api import dense_only, scheme_call
+from .._api import attend, scheme_call, use_blockwise
 from .._core import checks
 from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
 from .._core.eager import compiled_when_eager
 from .._core.positions import clipped_index, positions
+from .._engines import blockwise
 from .._engines.dense import attention_core
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
@@ -107,6 +112,19 @@ def table_terms(query, dims, key_table, value_table, index, R, precision, layout
     return rel_logits, rel_values
 
 
+def symmetric_table(table, max_left: int, max_right: int):
+    """A clipped table [R,(N,)F] (R = max_left + max_right + 1) as Shaw's symmetric one of max_distance
+    D = max(max_left, max_right): [2D+1,(N,)F], row r' = table[clip(r' - D, -max_left, max_right) + max_left].
+
+    The same attention: for every j - i, clip(clip(j - i, -D, D), -max_left, max_right) = clip(j - i,
+    -max_left, max_right) as D covers both sides, so the short side repeats its edge row, exactly what the
+    asymmetric clip reads there. A gather with static indices: its gradient sums the repeated rows back
+    into the edge row (autodiff). The copy is 2D+1 rows, O(max(max_left, max_right)) memory."""
+    D = max(max_left, max_right)
+    rows = np.clip(np.arange(-D, D + 1), -max_left, max_right) + max_left
+    return table if max_left == max_right else jnp.take(table, rows, axis=0)
+
+
 @compiled_when_eager
 def clipped_relative_attention(
     query: Float[ArrayLike, "*#B T N H"],
@@ -124,24 +142,33 @@ def clipped_relative_attention(
     key_table: [R,H] (shared over heads) or [R,N,H]; value_table: [R,Hv] or [R,N,Hv]; R = max_left +
     max_right + 1, row r <-> j - i = r - max_left. logits = scale * q . (k + key_table[index]),
     out = sum p (v + value_table[index]). Keywords as dot_product_attention. max_left == max_right ==
-    max_distance is shaw_relative_attention. implementation: None or "dense" (the dense engine computes
-    these tables), interpret=False.
+    max_distance is shaw_relative_attention. implementation / interpret / block_size: as
+    shaw_relative_attention (None: blockwise on CPU at long sequences, the tables as symmetric_table).
     """
-    dense_only(options.pop("implementation", None), options.pop("interpret", False), "key_table / value_table")
-    call = scheme_call("clipped_relative_attention", options)
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    dims = checks.check_qkv(query, key, value)
+    implementation, interpret = options.pop("implementation", None), options.pop("interpret", False)
     max_left = static_int("max_left", max_left, 0)
     max_right = static_int("max_right", max_right, 0)
-    index = head_index(dims.T, dims.S, max_left, max_right, call)
-    rel_logits, rel_values = table_terms(
-        query,
-        dims,
-        key_table,
-        value_table,
-        index,
-        max_left + max_right + 1,
-        call.precision,
-        "[R,H] or [R,N,H], R = max_left + max_right + 1",
-    )
-    return attention_core(call, query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims)
+    layout = "[R,H] or [R,N,H], R = max_left + max_right + 1"
+    call = scheme_call("clipped_relative_attention", options)
+    engine = implementation if implementation in ("dense", "blockwise") else None
+    dims = checks.check_qkv(query, key, value)
+    acc_dtype, R = accumulation_dtype(query.dtype), max_left + max_right + 1
+    tables = {}
+    for name, table, head_dim in (("key_table", key_table, dims.H), ("value_table", value_table, dims.Hv)):
+        if table is not None:
+            table = checks.check_clipped_table(name, table, R, dims.N, head_dim, acc_dtype, layout)
+            tables[name] = symmetric_table(table, max_left, max_right)
+    shaw_call = call.replace(**tables, max_distance=max(max_left, max_right)) if tables else call
+
+    def xla():
+        if use_blockwise(engine, shaw_call, query, key):
+            return blockwise.tiled(shaw_call, query, key, value)
+        dense_call = call.replace(block_size=None)
+        index = head_index(dims.T, dims.S, max_left, max_right, call)
+        rel_logits, rel_values = table_terms(query, dims, key_table, value_table, index, R, call.precision, layout)
+        return attention_core(
+            dense_call, query, key, value, relative_logits=rel_logits, relative_values=rel_values, dims=dims
+        )
+
+    return attend(shaw_call, query, key, value, xla=xla, implementation=implementation, interpret=interpret)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 
-from .._api import attend, check_implementation, scheme_call
+from .._api import attend, check_implementation, scheme_call, use_blockwise
 from .._core import checks
 from .._core.eager import compiled_when_eager
 from .._core.positions import positions
@@ -46,22 +46,6 @@ def _combined_bias(bias_fn: PositionBias, T: int, S: int, call):
     return position_bias + user_bias
 
 
-_BLOCKWISE_OPTIONS = (
-    "is_causal",
-    "key_value_seq_lengths",
-    "query_positions",
-    "key_positions",
-    "scale",
-    "precision",
-    "query_segment_ids",
-    "key_segment_ids",
-    "window",
-    "chunk_size",
-    "logit_softcap",
-    "sinks",
-)
-
-
 @compiled_when_eager
 def position_bias_attention(
     query: Float[ArrayLike, "*#B T N H"],
@@ -79,33 +63,30 @@ def position_bias_attention(
     The positions are the core's (bottom-right by default; `query_positions` / `key_positions` override
     them for the bias and the causal mask alike). implementation="dense" builds the [...,N,T,S] bias (and
     accepts every dot_product_attention keyword, a user `bias` is added on top); "blockwise" hands
-    bias_fn to the blockwise engine, which evaluates it one [Tb,Sb] tile at a time (O(T + S) memory;
-    keywords: is_causal, key_value_seq_lengths, positions, scale, precision, and block_size).
-    None (default): "dense" on CPU (as ever), and a kernel on GPU / TPU only where it takes the bias
-    function (position_bias), as dot_product_attention's implementation=; interpret likewise.
+    bias_fn to the blockwise engine, which evaluates it one [Tb,Sb] tile at a time (O(T + S) memory; every
+    keyword but the [T,S]-grid ones: mask, bias, return_weights, dropout, which it refuses by name).
+    None (default): the XLA engines by dot_product_attention's rule (blockwise when no grid option is in
+    use and T x S >= AUTO_BLOCKWISE_ELEMENTS, else dense), and a kernel on GPU / TPU only where it takes
+    the bias function (position_bias), as dot_product_attention's implementation=; interpret likewise.
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     check_implementation(implementation, interpret)
     call = scheme_call("position_bias_attention", options, block_size=block_size, position_bias=bias_fn)
-    if implementation == "blockwise":
-        taken = (*_BLOCKWISE_OPTIONS, "position_bias", "block_size")
-        unsupported = [name for name in call.in_use() if name not in taken]
-        if unsupported:
-            checks.fail(
-                "implementation",
-                f"'dense' for {unsupported} (blockwise takes {list(_BLOCKWISE_OPTIONS)} and block_size)",
-                repr(implementation),
-            )
-        return blockwise.tiled(call, query, key, value)
     if implementation == "dense" and block_size is not None:
         checks.fail("block_size", "None with implementation='dense'", repr(block_size))
+    engine = implementation if implementation in ("dense", "blockwise") else None
 
-    def xla():  # the dense engine with the [...,N,T,S] bias built (and a user `bias` added on top)
+    def xla():
+        # use_blockwise's rule, as dot_product_attention: blockwise (the hook one tile at a time) unless an
+        # option needs the [T,S] grid or the call is small; an explicit "blockwise" refuses a grid option
+        # by name (tiled), None falls back to the dense engine for it.
+        if use_blockwise(engine, call, query, key):
+            return blockwise.tiled(call, query, key, value)
         dims = checks.check_qkv(query, key, value)
-        bias = _combined_bias(bias_fn, dims.T, dims.S, call)
+        bias = _combined_bias(bias_fn, dims.T, dims.S, call)  # the [...,N,T,S] bias, a user `bias` on top
         dense_call = call.replace(position_bias=None, bias=bias, block_size=None)
         return attention_core(dense_call, query, key, value, dims=dims)
 
-    if implementation == "dense":
+    if engine is not None:
         return xla()
     return attend(call, query, key, value, xla=xla, implementation=implementation, interpret=interpret)

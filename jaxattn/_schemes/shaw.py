@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 
-from .._api import attend, dense_only, scheme_call, use_blockwise
+from .._api import attend, scheme_call, use_blockwise
 from .._core import checks
 from .._core.dtypes import accumulation_dtype
 from .._core.eager import compiled_when_eager
@@ -97,19 +97,6 @@ def shaw_relative_attention(
     return attend(call, query, key, value, xla=xla, implementation=implementation, interpret=interpret)
 
 
-def _per_pair_table(name, table, dims, head_dim, layout, acc_dtype):
-    table = jnp.asarray(table)
-    checks.check_rank(name, table, 4, layout)
-    if table.shape[2] not in (1, dims.N) or tuple(table.shape[:2]) != (dims.T, dims.S) or table.shape[3] != head_dim:
-        checks.fail(
-            name,
-            f"shape [{dims.T},{dims.S},{dims.N} or 1,{head_dim}] ({layout})",
-            f"shape {checks.shape_str(table.shape)}",
-        )
-    checks.check_fits(name, table, acc_dtype)
-    return table
-
-
 @compiled_when_eager
 def relative_attention(
     query: Float[ArrayLike, "*#B T N H"],
@@ -127,17 +114,32 @@ def relative_attention(
     Keywords as dot_product_attention. The relative einsums batch over (t, n) and contract h (or s),
     so no tensor ever holds both the batch dims and [T,S,...,H] (the seed answer's [B,S,S,H,D]).
     Per-head tables use the fused pairwise contractions (no [T,N,S,H] copy of the table, see pairwise.py).
-    implementation: None or "dense" (only the dense engine computes per-pair terms), interpret=False.
+    implementation / interpret / block_size: as dot_product_attention; "blockwise" reads each tile's
+    [Tb,Sb,(N),H] slice of the tables (no [...,N,T,S] logits), and None takes it on CPU by
+    dot_product_attention's rule; a kernel refuses rel_key / rel_value by name (none takes them yet).
     """
-    dense_only(options.pop("implementation", None), options.pop("interpret", False), "rel_key / rel_value")
-    call = scheme_call("relative_attention", options)
+    implementation, interpret = options.pop("implementation", None), options.pop("interpret", False)
+    call = scheme_call("relative_attention", options, rel_key=rel_key, rel_value=rel_value)
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    engine = implementation if implementation in ("dense", "blockwise") else None
+
+    def xla():
+        if use_blockwise(engine, call, query, key):
+            return blockwise.tiled(call, query, key, value)
+        dense_call = call.replace(rel_key=None, rel_value=None, block_size=None)
+        return _dense_pairs(dense_call, query, key, value, rel_key, rel_value)
+
+    return attend(call, query, key, value, xla=xla, implementation=implementation, interpret=interpret)
+
+
+def _dense_pairs(call, query, key, value, rel_key, rel_value):
+    """relative_attention on the dense engine: the per-pair terms as its relative_logits / relative_values."""
     dims = checks.check_qkv(query, key, value)
     precision = call.precision
     acc_dtype = accumulation_dtype(query.dtype)
     rel_logits = rel_values = None
     if rel_key is not None:
-        a_k = _per_pair_table("rel_key", rel_key, dims, dims.H, "A^K [T,S,N,H]", acc_dtype)
+        a_k = checks.check_pair_table("rel_key", rel_key, dims.T, dims.S, dims.N, dims.H, acc_dtype, "A^K [T,S,N,H]")
         if a_k.shape[2] == dims.N:
             rel_logits = lambda q: jnp.moveaxis(pair_logits(q, a_k, precision), -1, -3)  # noqa: E731
         else:
@@ -149,7 +151,9 @@ def relative_attention(
                 preferred_element_type=acc_dtype,
             )
     if rel_value is not None:
-        a_v = _per_pair_table("rel_value", rel_value, dims, dims.Hv, "A^V [T,S,N,Hv]", acc_dtype)
+        a_v = checks.check_pair_table(
+            "rel_value", rel_value, dims.T, dims.S, dims.N, dims.Hv, acc_dtype, "A^V [T,S,N,Hv]"
+        )
         if a_v.shape[2] == dims.N:
             rel_values = lambda p: pair_values(jnp.moveaxis(p, -3, -1), a_v, precision)  # noqa: E731
         else:

@@ -132,9 +132,9 @@ def t5_attention(
 ) -> AttentionOutput:
     """Attention with the T5 bias added to the logits; `scale` defaults to 1 as in T5.
 
-    Keywords as dot_product_attention, plus implementation=None (dense on CPU) | "dense" | "blockwise" | a
-    kernel (and block_size, interpret): the blockwise path evaluates the bias one tile at a time and never
-    holds [N,T,S] (position_bias_attention).
+    Keywords as dot_product_attention, plus implementation=None (on CPU blockwise from T x S = 128 x 128,
+    as dot_product_attention) | "dense" | "blockwise" | a kernel (and block_size, interpret): the blockwise
+    path evaluates the bias one tile at a time and never holds [N,T,S] (position_bias_attention).
     """
     bias_fn = t5_position_bias(table, bidirectional=bidirectional, max_distance=max_distance)
     return position_bias_attention(query, key, value, bias_fn, scale=scale, **options)

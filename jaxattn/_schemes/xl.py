@@ -26,13 +26,14 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 import numpy as np
 
-from .._api import dense_only, scheme_call
+from .._api import attend, scheme_call, use_blockwise
 from .._core import checks
 from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
 from .._core.eager import compiled_when_eager
+from .._engines import blockwise
 from .._engines.dense import attention_core
-from .clipped import gather_buckets, head_index, per_row_logits
+from .clipped import gather_buckets, head_index, per_row_logits, symmetric_table
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float
@@ -91,9 +92,10 @@ def transformer_xl_attention(
     `relative_sinusoids(...)`), row r <-> j - i = r - max_left, so max_right = R - 1 - max_left.
     pos_bias_u / pos_bias_v: [N,H] (the paper's u, v; HF's pos_bias_u / pos_bias_v); None = zeros.
     Keywords as dot_product_attention (causal use: is_causal=True; rows with j > i are then never read);
-    implementation: None or "dense" (the dense engine computes the position terms), interpret=False.
+    implementation / interpret / block_size: as shaw_relative_attention (None: blockwise on CPU at long
+    sequences, through shaw_form).
     """
-    dense_only(options.pop("implementation", None), options.pop("interpret", False), "position_keys")
+    implementation, interpret = options.pop("implementation", None), options.pop("interpret", False)
     call = scheme_call("transformer_xl_attention", options)
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     dims = checks.check_qkv(query, key, value)
@@ -109,9 +111,43 @@ def transformer_xl_attention(
         )
     precision, acc_dtype = call.precision, accumulation_dtype(query.dtype)
     P = checks.check_clipped_table("position_keys", position_keys, R, N, H, acc_dtype, "[R,H] or [R,N,H]")
-    index = head_index(dims.T, dims.S, max_left, R - 1 - max_left, call)
-
     q_u = query if pos_bias_u is None else query + _check_head_bias("pos_bias_u", pos_bias_u, N, H, query)
     q_v = query if pos_bias_v is None else query + _check_head_bias("pos_bias_v", pos_bias_v, N, H, query)
-    rel_logits = lambda _: gather_buckets(per_row_logits(q_v, P, precision, acc_dtype), index)  # noqa: E731
-    return attention_core(call, q_u, key, value, relative_logits=rel_logits, dims=dims)
+    engine = implementation if implementation in ("dense", "blockwise") else None
+    shaw_call, q_aug, k_aug = shaw_form(call, q_u, q_v, key, P, max_left, R - 1 - max_left)
+
+    def xla():
+        if use_blockwise(engine, shaw_call, q_aug, k_aug):
+            return blockwise.tiled(shaw_call, q_aug, k_aug, value)
+        index = head_index(dims.T, dims.S, max_left, R - 1 - max_left, call)
+        rel_logits = lambda _: gather_buckets(per_row_logits(q_v, P, precision, acc_dtype), index)  # noqa: E731
+        return attention_core(call.replace(block_size=None), q_u, key, value, relative_logits=rel_logits, dims=dims)
+
+    return attend(shaw_call, q_aug, k_aug, value, xla=xla, implementation=implementation, interpret=interpret)
+
+
+def shaw_form(call, q_u, q_v, key, P, max_left: int, max_right: int):
+    """Transformer-XL as Shaw attention with a doubled head dim: (call, q_aug [...,T,N,2H], k_aug [...,S,K,2H]).
+
+        q_aug = [q + u, q + v],  k_aug = [k, 0],  table = [0, P]  (symmetric_table of it, Shaw's clip)
+        q_aug . k_aug + q_aug . table[index] = (q + u) . k + (q + v) . P[index]
+
+    and scale stays H ** -0.5 of the real head dim, so the tiled engine's (and a kernel's) Shaw machinery
+    computes XL's logits, softcap included (it caps scale * (q.k + q.table[index]), the dense engine's
+    order), and autodiff takes the gradients back through the concatenations to q, k, u, v and P.
+
+    Why not an engine change: XL's second query (q + v) only meets the table, so the doubled head dim costs
+    the zero half of each tile's q.k product (forward and backward; measured in docs/performance.md) and
+    nothing else, while a separate table query would be one more array through every tile function, the
+    row groups, the custom VJP and each kernel that takes Shaw tables. (Folding it instead into q + u and a
+    position bias (v - u) . P[index] would keep the head dim, but the bias lands after the softcap.)
+    """
+    H = q_u.shape[-1]
+    q_aug = jnp.concatenate([q_u, q_v], axis=-1)
+    k_aug = jnp.concatenate([key, jnp.zeros_like(key)], axis=-1)
+    table = jnp.concatenate([jnp.zeros_like(P), P], axis=-1)
+    scale = H**-0.5 if call.scale is None else call.scale
+    shaw_call = call.replace(
+        key_table=symmetric_table(table, max_left, max_right), max_distance=max(max_left, max_right), scale=scale
+    )
+    return shaw_call, q_aug, k_aug
