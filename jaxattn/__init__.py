@@ -65,6 +65,11 @@ from ._schemes.clipped import (
     clipped_relative_attention as clipped_relative_attention,
     clipped_relative_index as clipped_relative_index,
 )
+from ._schemes.disentangled import (
+    deberta_log_bucket_position as deberta_log_bucket_position,
+    deberta_relative_position as deberta_relative_position,
+    disentangled_attention as disentangled_attention,
+)
 from ._schemes.position_bias import position_bias_attention as position_bias_attention
 from ._schemes.rope import (
     apply_rope as apply_rope,
@@ -118,6 +123,9 @@ __all__ = [
     "clipped_relative_attention",
     "relative_sinusoids",
     "transformer_xl_attention",
+    "deberta_log_bucket_position",
+    "deberta_relative_position",
+    "disentangled_attention",
     "position_bias_attention",
     "blockwise_attention",
     "ring_attention",
