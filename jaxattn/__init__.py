@@ -35,6 +35,10 @@ from ._forms.delta_rule import (
     gated_delta_rule_step as gated_delta_rule_step,
     gated_rms_norm as gated_rms_norm,
 )
+from ._layers.disentangled import (
+    disentangled_multi_head_attention as disentangled_multi_head_attention,
+    init_disentangled_multi_head_attention as init_disentangled_multi_head_attention,
+)
 from ._layers.latent import (
     init_latent_attention as init_latent_attention,
     init_latent_cache as init_latent_cache,
@@ -126,6 +130,8 @@ __all__ = [
     "deberta_log_bucket_position",
     "deberta_relative_position",
     "disentangled_attention",
+    "disentangled_multi_head_attention",
+    "init_disentangled_multi_head_attention",
     "position_bias_attention",
     "blockwise_attention",
     "ring_attention",

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ._core import checks
-from ._layers import cache as kv_cache, common
+from ._layers import cache as kv_cache, common, disentangled
 from ._layers.common import Initializer, RoPE  # noqa: F401  (RoPE: part of this module's API)
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
@@ -312,3 +312,102 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
             table_init=table_init,
         )
         super().__init__(query_features, num_heads, head_dim, rngs=rngs, _relative=relative, **options)
+
+
+class DisentangledAttention(nnx.Module):
+    """DeBERTa's disentangled attention layer (jaxattn.disentangled_multi_head_attention): HF's
+    DisentangledSelfAttention with its output projection (DebertaV2SelfOutput.dense) as "out".
+
+    Sizes: query_features Eq, num_heads N, head_dim H (default Eq // N), key_features / value_features /
+    out_features (default Eq), position_features Er (the relative embeddings' width, default Eq). Options as
+    jaxattn.linen.DisentangledAttention. nnx.state(layer, nnx.Param) is the functional parameter tree.
+    """
+
+    def __init__(
+        self,
+        query_features: int,
+        num_heads: int,
+        head_dim: Optional[int] = None,
+        *,
+        max_relative_positions: int,
+        position_buckets: int = -1,
+        pos_att_type: tuple = ("c2p", "p2c"),
+        share_att_key: bool = False,
+        key_features: Optional[int] = None,
+        value_features: Optional[int] = None,
+        out_features: Optional[int] = None,
+        position_features: Optional[int] = None,
+        use_bias: bool = True,
+        scale: Optional[float] = None,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        precision: Any = None,
+        kernel_init: Initializer = common.default_kernel_init,
+        bias_init: Initializer = common.default_bias_init,
+        implementation: Optional[str] = None,
+        rngs: nnx.Rngs,
+    ):
+        dims = common.resolve_dims(
+            query_features,
+            num_heads,
+            head_dim,
+            key_features=key_features,
+            value_features=value_features,
+            out_features=out_features,
+        )
+        entries = disentangled.position_entries(pos_att_type, share_att_key)
+        specs = common.param_specs(dims, use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init)
+        Er = query_features if position_features is None else position_features
+        specs |= disentangled.position_specs(
+            dims, Er, entries, use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init
+        )
+        for group, leaves in specs.items():
+            setattr(self, group, _Group(leaves, param_dtype, rngs))
+        self.groups = tuple(specs)
+        self.max_relative_positions, self.position_buckets = max_relative_positions, position_buckets
+        self.pos_att_type, self.share_att_key = tuple(pos_att_type), share_att_key
+        self.scale, self.dtype, self.param_dtype, self.precision = scale, dtype, param_dtype, precision
+        self.implementation = implementation
+
+    def params(self) -> dict:
+        """The parameter tree as plain nested dicts of arrays (what the functional API takes)."""
+        return {group: getattr(self, group).tree() for group in self.groups}
+
+    def __call__(
+        self,
+        query: Float[ArrayLike, "*#B T Eq"],
+        key: Float[ArrayLike, "*#B S Ek"] | None = None,
+        value: Float[ArrayLike, "*#B S Ev"] | None = None,
+        *,
+        rel_embeddings: Float[ArrayLike, "R Er"],
+        mask: Bool[ArrayLike, "..."] | None = None,
+        key_value_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
+        query_positions: Int[ArrayLike, "*#B T"] | None = None,
+        key_positions: Int[ArrayLike, "*#B S"] | None = None,
+        return_weights: bool = False,
+    ) -> LayerOutput:
+        """[...,T,Eq] -> [...,T,Eo] (or (out, weights [...,N,T,S]) with return_weights)."""
+        query, key, value = common.inputs(query, key, value)
+        rel_embeddings = jnp.asarray(rel_embeddings)
+        params = self.params()
+        dtype = common.layer_dtype(self.dtype, params, query, key, value, rel_embeddings)
+        params, query, key, value, rel_embeddings = common.cast((params, query, key, value, rel_embeddings), dtype)
+        return disentangled.disentangled_multi_head_attention(
+            params,
+            query,
+            key,
+            value,
+            rel_embeddings=rel_embeddings,
+            max_relative_positions=self.max_relative_positions,
+            position_buckets=self.position_buckets,
+            pos_att_type=self.pos_att_type,
+            share_att_key=self.share_att_key,
+            precision=self.precision,
+            mask=mask,
+            key_value_seq_lengths=key_value_seq_lengths,
+            query_positions=query_positions,
+            key_positions=key_positions,
+            scale=self.scale,
+            return_weights=return_weights,
+            implementation=self.implementation,
+        )

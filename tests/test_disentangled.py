@@ -238,3 +238,94 @@ def test_bad_tables_and_implementation():
         deberta_log_bucket_position(np.zeros(3), position_buckets=4, max_relative_positions=10)
     with pytest.raises(ValueError, match="position_buckets: expected >= 2"):
         deberta_log_bucket_position(np.zeros(3, int), position_buckets=-1, max_relative_positions=10)
+
+
+# --- the layer: functional, linen, nnx ---------------------------------------------------------------------
+
+
+def _hf_attention(share_att_key, pos_att_type, seed=5):
+    """DebertaV2Attention with seeded float64 weights, and the same weights as our parameter tree."""
+    from crosscheck.catalogue import randomize
+
+    E, N = 15, 3
+    config = transformers.DebertaV2Config(
+        hidden_size=E,
+        num_attention_heads=N,
+        relative_attention=True,
+        pos_att_type=list(pos_att_type),
+        share_att_key=share_att_key,
+        position_buckets=4,
+        max_relative_positions=7,
+        attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=0.0,
+    )
+    module = randomize(hf.DebertaV2Attention(config), np.random.default_rng(seed)).eval()
+    state = {name: p.detach().numpy() for name, p in module.named_parameters()}
+
+    def heads(name):
+        w, b = state[f"self.{name}_proj.weight"], state[f"self.{name}_proj.bias"]
+        return {"kernel": w.T.reshape(E, N, E // N), "bias": b.reshape(N, E // N)}
+
+    params = {name: heads(name) for name in ("query", "key", "value")}
+    params["out"] = {"kernel": state["output.dense.weight"].T.reshape(N, E // N, E), "bias": state["output.dense.bias"]}
+    for term, name in (("c2p", "pos_key"), ("p2c", "pos_query")):
+        if term in pos_att_type and not share_att_key:
+            params[name] = heads(name)
+    return module, params
+
+
+def _hf_forward(module, x, rel, mask):
+    """transformers' attention up to SelfOutput's dense (its residual LayerNorm is the model's), scale in float64."""
+    with cases.deberta_float64_scale(torch.float64):
+        z = module.self(torch.from_numpy(x), torch.from_numpy(mask), rel_embeddings=torch.from_numpy(rel))[0]
+        return module.output.dense(z).detach().numpy()
+
+
+@pytest.mark.parametrize("share_att_key, pos_att_type", [(False, ("c2p", "p2c")), (True, ("p2c", "c2p"))])
+def test_layers_equal_transformers(share_att_key, pos_att_type):
+    import flax.nnx as nnx
+
+    import jaxattn.linen
+    import jaxattn.nnx
+    from jaxattn import disentangled_multi_head_attention, init_disentangled_multi_head_attention
+
+    module, params = _hf_attention(share_att_key, pos_att_type)
+    rng = np.random.default_rng(6)
+    x, rel = rng.normal(size=(B, 13, 15)), rng.normal(size=(8, 15))
+    mask = np.ones((B, 1, 1, 13), bool)
+    mask[1, ..., -4:] = False
+    expected = _hf_forward(module, x, rel, mask)
+    opts = dict(position_buckets=4, max_relative_positions=7, pos_att_type=pos_att_type, share_att_key=share_att_key)
+    out = disentangled_multi_head_attention(params, x, rel_embeddings=rel, mask=mask, **opts)
+    assert normwise(out, expected) <= TOL
+
+    linen_layer = jaxattn.linen.DisentangledAttention(num_heads=3, **opts)
+    variables = linen_layer.init(jax.random.key(0), x, rel_embeddings=rel)
+    assert jax.tree.structure(variables["params"]) == jax.tree.structure(params)
+    assert normwise(linen_layer.apply({"params": params}, x, rel_embeddings=rel, mask=mask), expected) <= TOL
+
+    nnx_layer = jaxattn.nnx.DisentangledAttention(15, 3, **opts, param_dtype=jnp.float64, rngs=nnx.Rngs(0))
+    assert jax.tree.structure(nnx_layer.params()) == jax.tree.structure(params)
+    nnx.update(nnx_layer, params)
+    assert normwise(nnx_layer(x, rel_embeddings=rel, mask=mask), expected) <= TOL
+
+    fresh = init_disentangled_multi_head_attention(
+        jax.random.key(1), 15, 3, pos_att_type=pos_att_type, share_att_key=share_att_key
+    )
+    assert jax.tree.map(jnp.shape, fresh) == jax.tree.map(jnp.shape, params)
+
+
+def test_layer_refuses_entries_that_do_not_fit_the_terms():
+    from jaxattn import disentangled_multi_head_attention, init_disentangled_multi_head_attention
+
+    params = init_disentangled_multi_head_attention(jax.random.key(0), 15, 3, dtype=jnp.float64)
+    x, rel = np.zeros((2, 5, 15)), np.zeros((8, 15))
+    opts = dict(rel_embeddings=rel, position_buckets=4, max_relative_positions=7)
+    with pytest.raises(ValueError, match=r"params: expected position entries \['pos_key'\]"):
+        disentangled_multi_head_attention(params, x, pos_att_type=("c2p",), **opts)
+    with pytest.raises(ValueError, match=r"params: expected position entries \[\]"):
+        disentangled_multi_head_attention(params, x, share_att_key=True, **opts)
+    with pytest.raises(ValueError, match="pos_att_type: expected distinct terms"):
+        disentangled_multi_head_attention(params, x, pos_att_type=("c2p", "p2p"), **opts)
+    with pytest.raises(ValueError, match=r"params\['pos_key'\]\['kernel'\]: expected shape \[14,3,5\]"):
+        disentangled_multi_head_attention(params, x, **{**opts, "rel_embeddings": np.zeros((8, 14))})

@@ -585,7 +585,7 @@ def _deberta_position_tables(p, rel, pos_att_type, share_att_key):
 
 
 @contextlib.contextmanager
-def _deberta_float64_scale(dtype):
+def deberta_float64_scale(dtype):
     """transformers' scaled_size_sqrt takes sqrt(H * scale_factor) in float32 (torch.float) whatever the
     dtype: a 1e-8 relative error in every logit of a float64 run. The float64 run evaluates it in float64."""
     import torch
@@ -666,7 +666,7 @@ def _deberta(
         return z.reshape(*z.shape[:-2], E) * rows
 
     def torch_fn(p, x, rel, mask, x_q=None):
-        with _deberta_float64_scale(x.dtype):
+        with deberta_float64_scale(x.dtype):
             z = _call(module, p, x, mask, query_states=x_q, rel_embeddings=rel)[0]
         return z * torch.from_numpy(rows)
 
