@@ -318,7 +318,7 @@ class DisentangledAttention(nn.Module):
     Attributes: num_heads N, head_dim H (default Eq // N), max_relative_positions, position_buckets (<= 0: none),
     pos_att_type ("c2p", "p2c" or both), share_att_key (project the relative embeddings with key / query rather
     than params "pos_key" / "pos_query"), out_features, use_bias, scale (default 1 / sqrt(H * (1 + terms))),
-    dtype, param_dtype, precision, kernel_init, bias_init, implementation (None or "dense").
+    dtype, param_dtype, precision, kernel_init, bias_init, implementation (None, "dense" or "blockwise").
     Call: query [...,T,Eq], key / value (default query), rel_embeddings [2 span, Er] (the encoder's, after its
     LayerNorm), keywords mask, key_value_seq_lengths, query_positions, key_positions, return_weights.
     """

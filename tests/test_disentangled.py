@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import torchref.positions as twin
-from helpers import assert_float64, attention_loop, normwise
+from helpers import assert_float64, attention_loop, check_forward_and_grads, normwise
 from jaxattn import deberta_log_bucket_position, deberta_relative_position, disentangled_attention
 
 transformers = pytest.importorskip("transformers")
@@ -231,9 +231,9 @@ def test_bad_tables_and_implementation():
     with pytest.raises(ValueError, match=r"position_queries: expected shape \[8,11\]"):
         disentangled_attention(q, k, v, None, np.zeros((8, H + 1)), **opts)
     with pytest.raises(
-        ValueError, match="position_keys / queries: expected not in use with implementation='blockwise'"
+        ValueError, match="position_keys / queries: expected not in use with implementation='pallas_gpu'"
     ):
-        disentangled_attention(q, k, v, np.zeros((8, N, H)), implementation="blockwise", **opts)
+        disentangled_attention(q, k, v, np.zeros((8, N, H)), implementation="pallas_gpu", **opts)
     with pytest.raises(ValueError, match="relative_position: expected an integer dtype"):
         deberta_log_bucket_position(np.zeros(3), position_buckets=4, max_relative_positions=10)
     with pytest.raises(ValueError, match="position_buckets: expected >= 2"):
@@ -281,7 +281,10 @@ def _hf_forward(module, x, rel, mask):
         return module.output.dense(z).detach().numpy()
 
 
-@pytest.mark.parametrize("share_att_key, pos_att_type", [(False, ("c2p", "p2c")), (True, ("p2c", "c2p"))])
+@pytest.mark.parametrize(
+    "share_att_key, pos_att_type",
+    [(False, ("c2p", "p2c")), pytest.param(True, ("p2c", "c2p"), marks=pytest.mark.slow)],
+)
 def test_layers_equal_transformers(share_att_key, pos_att_type):
     import flax.nnx as nnx
 
@@ -329,3 +332,63 @@ def test_layer_refuses_entries_that_do_not_fit_the_terms():
         disentangled_multi_head_attention(params, x, pos_att_type=("c2p", "p2p"), **opts)
     with pytest.raises(ValueError, match=r"params\['pos_key'\]\['kernel'\]: expected shape \[14,3,5\]"):
         disentangled_multi_head_attention(params, x, **{**opts, "rel_embeddings": np.zeros((8, 14))})
+
+
+# --- the blockwise path ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(is_causal=True),
+        pytest.param(dict(key_value_seq_lengths=np.array([S, 4])), marks=pytest.mark.slow),
+        pytest.param(dict(block_size=(2, 3)), marks=pytest.mark.slow),
+    ],
+)
+def test_blockwise_equals_dense(options):
+    """Outputs and the gradients of q, k, v and both tables, GQA, bucketed rows clipped at both ends."""
+    rng = np.random.default_rng(11)
+    q, k, v = rng.normal(size=(B, T, N, H)), rng.normal(size=(B, S, K, H)), rng.normal(size=(B, S, K, Hv))
+    kr, qr = _tables(12, 8, (False, True))
+    opts = dict(position_buckets=4, max_relative_positions=5, **options)
+
+    def dense(*args):
+        return disentangled_attention(*args, **{k: v for k, v in opts.items() if k != "block_size"})
+
+    def tiled(*args):
+        return disentangled_attention(*args, implementation="blockwise", **opts)
+
+    check_forward_and_grads(tiled, dense, (q, k, v, kr, qr), (0, 1, 2, 3, 4), tol=TOL)
+
+
+@pytest.mark.slow  # ~7 s of compiling at T = S = 4096
+def test_blockwise_memory_is_linear():
+    """No [N,T,S] array, forward or backward: doubling T = S from 2048 to 4096 adds memory linearly, a small
+    fraction of the [N,T,S] float32 logits array the dense engine adds."""
+    from helpers import grad_of_sum, temp_bytes
+
+    opts = dict(position_buckets=64, max_relative_positions=256)
+
+    def blockwise(q, k, v, kr, qr):
+        return disentangled_attention(q, k, v, kr, qr, implementation="blockwise", **opts)
+
+    def temps(fn, L):
+        return temp_bytes(fn, *([(1, L, 4, 16)] * 3 + [(128, 4, 16)] * 2))
+
+    logits_growth = 4 * (4096**2 - 2048**2) * 4  # one [N,T,S] float32 array's growth: 192 MiB
+    for fn in (blockwise, grad_of_sum(blockwise, (0, 1, 2, 3, 4))):
+        growth = temps(fn, 4096) - temps(fn, 2048)
+        assert growth < logits_growth / 8, (growth, logits_growth)
+    dense = lambda *a: disentangled_attention(*a, **opts)  # noqa: E731  the yardstick holds [N,T,S] arrays
+    assert temps(dense, 4096) - temps(dense, 2048) >= logits_growth
+
+
+def test_blockwise_refuses_what_it_cannot_index():
+    q, k, v = np.zeros((T, N, H)), np.zeros((S, K, H)), np.zeros((S, K, Hv))
+    opts = dict(position_buckets=4, max_relative_positions=10, implementation="blockwise")
+    with pytest.raises(ValueError, match="query_positions: expected None with implementation='blockwise'"):
+        disentangled_attention(q, k, v, np.zeros((8, N, H)), query_positions=np.arange(T), **opts)
+    with pytest.raises(ValueError, match="logit_softcap: expected None with implementation='blockwise'"):
+        disentangled_attention(q, k, v, np.zeros((8, N, H)), logit_softcap=5.0, **opts)
+    with pytest.raises(ValueError, match="mask"):
+        disentangled_attention(q, k, v, np.zeros((8, N, H)), mask=np.ones((T, S), bool), **opts)

@@ -917,6 +917,25 @@ def pos_disentangled_gqa() -> Setup:
     )
 
 
+@register_case("pos_disentangled_blockwise")
+def pos_disentangled_blockwise() -> Setup:
+    """disentangled_attention on the blockwise engine (tiles 2x4), buckets (6, max 8), GQA, causal T=5 < S=11."""
+    import jaxattn
+    import torchref.positions as P
+
+    rng = rng_for("pos_disentangled_blockwise")
+    opts = dict(position_buckets=6, max_relative_positions=8, is_causal=True)
+    return _twin_case(
+        "pos_disentangled_blockwise",
+        lambda p, q, k, v: jaxattn.disentangled_attention(
+            q, k, v, p["kr"], p["qr"], implementation="blockwise", block_size=(2, 4), **opts
+        ),
+        lambda p, q, k, v: P.disentangled_attention(q, k, v, p["kr"], p["qr"], **opts),
+        rng,
+        {"kr": normal(rng, (12, _N, _H)), "qr": normal(rng, (12, _N, _H))},
+    )
+
+
 @register_case("hf_gptj_rope", requires=_HF, quick=FLOAT32_JIT)
 def hf_gptj_rope() -> Setup:
     """HF GPT-J's apply_rotary_pos_emb (the "interleaved" layout, rotate_every_two) on 6 of H=11 features."""

@@ -24,7 +24,8 @@ The paper writes the p2c row as delta(j, i); transformers' DisentangledSelfAtten
 which trained the checkpoints) gathers the key-major scores k_j . Qr at -r_pos[j, i] + span with
 r_pos[j, i] = bucket(j - i), i.e. the row above, and that is what is computed here. Both terms are per-row
 scores gathered by index, as Transformer-XL's (xl.py): q . Kr is [...,N,T,2 span], k . Qr is [...,N,S,2 span];
-no [T,S,H] table is ever gathered.
+no [T,S,H] table is ever gathered. The blockwise engine reads the same per-row scores one tile at a time
+through a score_mod (_blockwise), so nothing spans [T,S] there either.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
 from .._core.eager import compiled_when_eager
 from .._core.positions import offsets, positions
+from .._engines import blockwise
 from .._engines.dense import attention_core
 from .clipped import gather_buckets, per_row_logits
 
@@ -189,6 +191,46 @@ def _per_key_logits(key, table, N, precision, acc_dtype):
     return per_head.reshape(*per_head.shape[:-4], N, S, table.shape[0])
 
 
+def _blockwise(call, query, key, value, tables, dims, position_buckets, max_relative_positions, span, max_step):
+    """The blockwise engine with both terms as a score_mod: the per-row scores scale * q . Kr [B,N,T,R] and
+    scale * k . Qr [B,N,S,R] (O((T + S) R), never [T,S]) read at each tile's pairs; their gradients flow back
+    through the score_mod's arrays. Tile positions are the default ones (row t sits at t + S - T)."""
+    for name in ("query_positions", "key_positions", "logit_softcap"):
+        if getattr(call, name) is not None:
+            checks.fail(
+                name,
+                "None with implementation='blockwise' (the per-row scores are indexed by row; the dense engine "
+                "takes it)",
+                "it in use",
+            )
+    precision, acc_dtype, scale = call.precision, accumulation_dtype(query.dtype), call.scale
+    B = int(np.prod(dims.batch, dtype=np.int64))
+
+    def flat(scores):  # [...,N,L,R] -> [B,N,L,R] over the call's flattened batch
+        return jnp.broadcast_to(scores, (*dims.batch, *scores.shape[-3:])).reshape(B, *scores.shape[-3:])
+
+    per_query = per_key = None
+    if "position_keys" in tables:
+        per_query = flat(per_row_logits(query, tables["position_keys"], precision, acc_dtype) * scale)
+    if "position_queries" in tables:
+        per_key = flat(_per_key_logits(key, tables["position_queries"], dims.N, precision, acc_dtype) * scale)
+    user_mod, offset = call.score_mod, dims.S - dims.T
+
+    def score_mod(score, b, n, t, s):
+        relative = jnp.asarray(s - t, jnp.int32)
+        if position_buckets > 0:
+            relative = _log_buckets(relative, position_buckets, max_relative_positions, max_step)
+        row = jnp.clip(span - relative, 0, 2 * span - 1)
+        t_row, s_row = jnp.clip(t - offset, 0, dims.T - 1), jnp.clip(s, 0, dims.S - 1)  # padded tiles: clipped
+        if per_query is not None:
+            score = score + per_query[b, n, t_row, row]
+        if per_key is not None:
+            score = score + per_key[b, n, s_row, row]
+        return score if user_mod is None else user_mod(score, b, n, t, s)
+
+    return blockwise.tiled(call.replace(score_mod=score_mod), query, key, value)
+
+
 @compiled_when_eager
 def disentangled_attention(
     query: Float[ArrayLike, "*#B T N H"],
@@ -212,10 +254,13 @@ def disentangled_attention(
     max_relative_positions as resolved by transformers, max_position_embeddings when the config has < 1).
     scale: None = 1 / sqrt(H * (1 + number of position terms given)). Keywords as dot_product_attention
     (an encoder: is_causal=False, padding as mask or key_value_seq_lengths); transformers' T != S puts the
-    query at t (top-left): query_positions=jnp.arange(T). implementation: None or "dense" (the dense engine
-    computes the position terms), interpret=False.
+    query at t (top-left): query_positions=jnp.arange(T). implementation: None or "dense" (the dense
+    engine), or "blockwise" (O(T + S) memory: both terms as a score_mod over per-row scores; no mask, bias,
+    dropout, return_weights, query/key_positions or logit_softcap there), interpret=False.
     """
-    dense_only(options.pop("implementation", None), options.pop("interpret", False), "position_keys / queries")
+    implementation = options.pop("implementation", None)
+    if implementation != "blockwise":
+        dense_only(implementation, options.pop("interpret", False), "position_keys / queries")
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     dims = checks.check_qkv(query, key, value)
     position_buckets, max_relative_positions = _check_buckets(position_buckets, max_relative_positions)
@@ -229,6 +274,10 @@ def disentangled_attention(
     for name, table in (("position_keys", position_keys), ("position_queries", position_queries)):
         if table is not None:
             tables[name] = checks.check_clipped_table(name, table, 2 * span, dims.N, dims.H, acc_dtype, TABLE_LAYOUT)
+    if implementation == "blockwise":
+        return _blockwise(
+            call, query, key, value, tables, dims, position_buckets, max_relative_positions, span, max_step
+        )
     rows = _position_rows(dims.T, dims.S, call, position_buckets, max_relative_positions, span, max_step)
 
     def relative_logits(q):
