@@ -238,6 +238,8 @@ def test_bad_tables_and_implementation():
         deberta_log_bucket_position(np.zeros(3), position_buckets=4, max_relative_positions=10)
     with pytest.raises(ValueError, match="position_buckets: expected >= 2"):
         deberta_log_bucket_position(np.zeros(3, int), position_buckets=-1, max_relative_positions=10)
+    with pytest.raises(ValueError, match="max_relative_positions: expected > position_buckets // 2 \\+ 1 = 5"):
+        deberta_relative_position(T, S, position_buckets=8, max_relative_positions=5)
 
 
 # --- the layer: functional, linen, nnx ---------------------------------------------------------------------

@@ -127,13 +127,6 @@ def deberta_log_bucket_position(
     return _log_buckets(d.astype(jnp.int32), position_buckets, max_relative_positions, None)
 
 
-def _bucketed_offsets(query_pos, key_pos, position_buckets, max_relative_positions):
-    relative = offsets(query_pos, key_pos).astype(jnp.int32)
-    if position_buckets <= 0:
-        return relative
-    return _log_buckets(relative, position_buckets, max_relative_positions, None)
-
-
 def deberta_relative_position(
     query_length: int,
     key_length: int,
@@ -154,9 +147,11 @@ def deberta_relative_position(
     position_buckets = static_int("position_buckets", position_buckets)
     max_relative_positions = static_int("max_relative_positions", max_relative_positions)
     q_pos, k_pos = positions(query_length, key_length, query_positions, key_positions)
+    relative = offsets(q_pos, k_pos).astype(jnp.int32)
     if position_buckets <= 0 or max_relative_positions <= 0:
-        return offsets(q_pos, k_pos).astype(jnp.int32)
-    return _bucketed_offsets(q_pos, k_pos, position_buckets, max_relative_positions)
+        return relative
+    position_buckets, max_relative_positions = _check_buckets(position_buckets, max_relative_positions)
+    return _log_buckets(relative, position_buckets, max_relative_positions, None)
 
 
 def _table_rows(position_buckets: int, max_relative_positions: int) -> tuple[int, int]:
