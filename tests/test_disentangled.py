@@ -390,6 +390,8 @@ def test_blockwise_refuses_what_it_cannot_index():
     opts = dict(position_buckets=4, max_relative_positions=10, implementation="blockwise")
     with pytest.raises(ValueError, match="query_positions: expected None with implementation='blockwise'"):
         disentangled_attention(q, k, v, np.zeros((8, N, H)), query_positions=np.arange(T), **opts)
+    with pytest.raises(ValueError, match="interpret: expected False unless implementation is"):
+        disentangled_attention(q, k, v, np.zeros((8, N, H)), interpret=True, **opts)
     with pytest.raises(ValueError, match="logit_softcap: expected None with implementation='blockwise'"):
         disentangled_attention(q, k, v, np.zeros((8, N, H)), logit_softcap=5.0, **opts)
     with pytest.raises(ValueError, match="mask"):

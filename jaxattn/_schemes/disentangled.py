@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 import numpy as np
 
-from .._api import dense_only, scheme_call
+from .._api import check_implementation, dense_only, scheme_call
 from .._core import checks
 from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
@@ -253,9 +253,10 @@ def disentangled_attention(
     engine), or "blockwise" (O(T + S) memory: both terms as a score_mod over per-row scores; no mask, bias,
     dropout, return_weights, query/key_positions or logit_softcap there), interpret=False.
     """
-    implementation = options.pop("implementation", None)
+    implementation, interpret = options.pop("implementation", None), options.pop("interpret", False)
     if implementation != "blockwise":
-        dense_only(implementation, options.pop("interpret", False), "position_keys / queries")
+        dense_only(implementation, interpret, "position_keys / queries")
+    check_implementation(implementation, interpret)
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     dims = checks.check_qkv(query, key, value)
     position_buckets, max_relative_positions = _check_buckets(position_buckets, max_relative_positions)
