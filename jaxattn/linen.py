@@ -57,6 +57,16 @@ class _Group(nn.Module):
         return {leaf: self.param(leaf, init, shape, self.param_dtype) for leaf, shape, init in self.specs}
 
 
+def _attention_dropout(layer: nn.Module, deterministic, dropout_rng):
+    """(rate, rng) of a layer's weight dropout after flax's rules (its dropout_rate and deterministic
+    attributes): `deterministic` is required only when dropout_rate > 0."""
+    if layer.dropout_rate == 0.0:
+        return 0.0, None
+    if nn.merge_param("deterministic", layer.deterministic, deterministic):
+        return 0.0, None
+    return layer.dropout_rate, dropout_rng if dropout_rng is not None else layer.make_rng("dropout")
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head / grouped-query attention (see the module docstring for decoding).
 
@@ -171,12 +181,7 @@ class MultiHeadAttention(nn.Module):
         return lambda q, k: (q_norm(q), k_norm(k))
 
     def _dropout(self, deterministic, dropout_rng):
-        """(rate, rng) after flax's rules: `deterministic` is required only when dropout_rate > 0."""
-        if self.dropout_rate == 0.0:
-            return 0.0, None
-        if nn.merge_param("deterministic", self.deterministic, deterministic):
-            return 0.0, None
-        return self.dropout_rate, dropout_rng if dropout_rng is not None else self.make_rng("dropout")
+        return _attention_dropout(self, deterministic, dropout_rng)
 
     def _cache(self, dims, key, batch, dtype):
         """The "cache" variables, and whether they existed before this call (False while initialising)."""
@@ -318,9 +323,12 @@ class DisentangledAttention(nn.Module):
     Attributes: num_heads N, head_dim H (default Eq // N), max_relative_positions, position_buckets (<= 0: none),
     pos_att_type ("c2p", "p2c" or both), share_att_key (project the relative embeddings with key / query rather
     than params "pos_key" / "pos_query"), out_features, use_bias, scale (default 1 / sqrt(H * (1 + terms))),
-    dtype, param_dtype, precision, kernel_init, bias_init, implementation (None, "dense" or "blockwise").
+    dropout_rate / deterministic (on the attention weights, HF's attention_probs_dropout_prob; HF's dropout of
+    rel_embeddings is the model's), dtype, param_dtype, precision, kernel_init, bias_init, implementation (None,
+    "dense" or "blockwise").
     Call: query [...,T,Eq], key / value (default query), rel_embeddings [2 span, Er] (the encoder's, after its
-    LayerNorm), keywords mask, key_value_seq_lengths, query_positions, key_positions, return_weights.
+    LayerNorm), keywords mask, key_value_seq_lengths, query_positions, key_positions, return_weights,
+    deterministic, dropout_rng (default: the "dropout" rng stream).
     """
 
     num_heads: int
@@ -331,6 +339,8 @@ class DisentangledAttention(nn.Module):
     share_att_key: bool = False
     out_features: Optional[int] = None
     use_bias: bool = True
+    dropout_rate: float = 0.0
+    deterministic: Optional[bool] = None
     scale: Optional[float] = None
     dtype: Any = None
     param_dtype: Any = jnp.float32
@@ -352,6 +362,8 @@ class DisentangledAttention(nn.Module):
         query_positions: Int[ArrayLike, "*#B T"] | None = None,
         key_positions: Int[ArrayLike, "*#B S"] | None = None,
         return_weights: bool = False,
+        deterministic: Optional[bool] = None,
+        dropout_rng=None,
     ) -> LayerOutput:
         """[...,T,Eq] -> [...,T,Eo] (or (out, weights [...,N,T,S]) with return_weights)."""
         if self.max_relative_positions is None:
@@ -383,6 +395,7 @@ class DisentangledAttention(nn.Module):
         }
         dtype = common.layer_dtype(self.dtype, params, query, key, value, rel_embeddings)
         params, query, key, value, rel_embeddings = common.cast((params, query, key, value, rel_embeddings), dtype)
+        rate, rng = _attention_dropout(self, deterministic, dropout_rng)
         return disentangled.disentangled_multi_head_attention(
             params,
             query,
@@ -399,6 +412,8 @@ class DisentangledAttention(nn.Module):
             query_positions=query_positions,
             key_positions=key_positions,
             scale=self.scale,
+            dropout_rate=rate,
+            dropout_rng=rng,
             return_weights=return_weights,
             implementation=self.implementation,
         )

@@ -52,6 +52,22 @@ class _Group(nnx.Module):
         return {leaf: getattr(self, leaf)[...] for leaf in self.leaves}
 
 
+def _attention_dropout(layer: nnx.Module, deterministic, rngs, dropout_rng):
+    """(rate, key) of a layer's weight dropout (its dropout_rate, deterministic and forked rngs): the call's
+    `deterministic` wins over the attribute; one is required when rate > 0."""
+    if layer.dropout_rate == 0.0:
+        return 0.0, None
+    deterministic = layer.deterministic if deterministic is None else deterministic
+    if deterministic is None:
+        checks.fail("deterministic", "True or False (call argument or attribute) when dropout_rate > 0", None)
+    if deterministic:
+        return 0.0, None
+    if dropout_rng is not None:
+        return layer.dropout_rate, dropout_rng
+    stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs if rngs is not None else layer.rngs)
+    return layer.dropout_rate, stream()
+
+
 class MultiHeadAttention(nnx.Module):
     """Multi-head / grouped-query attention (see the module docstring for decoding).
 
@@ -188,18 +204,7 @@ class MultiHeadAttention(nnx.Module):
         self.cache_index = nnx.Cache(index)
 
     def _dropout(self, deterministic, rngs, dropout_rng):
-        """(rate, key): the call's `deterministic` wins over the attribute; one is required when rate > 0."""
-        if self.dropout_rate == 0.0:
-            return 0.0, None
-        deterministic = self.deterministic if deterministic is None else deterministic
-        if deterministic is None:
-            checks.fail("deterministic", "True or False (call argument or attribute) when dropout_rate > 0", None)
-        if deterministic:
-            return 0.0, None
-        if dropout_rng is not None:
-            return self.dropout_rate, dropout_rng
-        stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs if rngs is not None else self.rngs)
-        return self.dropout_rate, stream()
+        return _attention_dropout(self, deterministic, rngs, dropout_rng)
 
     def __call__(
         self,
@@ -320,7 +325,9 @@ class DisentangledAttention(nnx.Module):
 
     Sizes: query_features Eq, num_heads N, head_dim H (default Eq // N), key_features / value_features /
     out_features (default Eq), position_features Er (the relative embeddings' width, default Eq). Options as
-    jaxattn.linen.DisentangledAttention. nnx.state(layer, nnx.Param) is the functional parameter tree.
+    jaxattn.linen.DisentangledAttention; dropout as MultiHeadAttention's (deterministic, layer.eval() /
+    layer.train(), the forked "dropout" stream or the call's rngs / dropout_rng). nnx.state(layer, nnx.Param)
+    is the functional parameter tree.
     """
 
     def __init__(
@@ -338,6 +345,8 @@ class DisentangledAttention(nnx.Module):
         out_features: Optional[int] = None,
         position_features: Optional[int] = None,
         use_bias: bool = True,
+        dropout_rate: float = 0.0,
+        deterministic: Optional[bool] = None,
         scale: Optional[float] = None,
         dtype: Any = None,
         param_dtype: Any = jnp.float32,
@@ -368,6 +377,8 @@ class DisentangledAttention(nnx.Module):
         self.pos_att_type, self.share_att_key = tuple(pos_att_type), share_att_key
         self.scale, self.dtype, self.param_dtype, self.precision = scale, dtype, param_dtype, precision
         self.implementation = implementation
+        self.dropout_rate, self.deterministic = dropout_rate, deterministic
+        self.rngs = rngs.dropout.fork() if dropout_rate > 0 else nnx.data(None)
 
     def params(self) -> dict:
         """The parameter tree as plain nested dicts of arrays (what the functional API takes)."""
@@ -385,10 +396,14 @@ class DisentangledAttention(nnx.Module):
         query_positions: Int[ArrayLike, "*#B T"] | None = None,
         key_positions: Int[ArrayLike, "*#B S"] | None = None,
         return_weights: bool = False,
+        deterministic: Optional[bool] = None,
+        rngs: nnx.Rngs | None = None,
+        dropout_rng=None,
     ) -> LayerOutput:
         """[...,T,Eq] -> [...,T,Eo] (or (out, weights [...,N,T,S]) with return_weights)."""
         query, key, value = common.inputs(query, key, value)
         rel_embeddings = jnp.asarray(rel_embeddings)
+        rate, rng = _attention_dropout(self, deterministic, rngs, dropout_rng)
         params = self.params()
         dtype = common.layer_dtype(self.dtype, params, query, key, value, rel_embeddings)
         params, query, key, value, rel_embeddings = common.cast((params, query, key, value, rel_embeddings), dtype)
@@ -408,6 +423,8 @@ class DisentangledAttention(nnx.Module):
             query_positions=query_positions,
             key_positions=key_positions,
             scale=self.scale,
+            dropout_rate=rate,
+            dropout_rng=rng,
             return_weights=return_weights,
             implementation=self.implementation,
         )

@@ -396,3 +396,32 @@ def test_blockwise_refuses_what_it_cannot_index():
         disentangled_attention(q, k, v, np.zeros((8, N, H)), logit_softcap=5.0, **opts)
     with pytest.raises(ValueError, match="mask"):
         disentangled_attention(q, k, v, np.zeros((8, N, H)), mask=np.ones((T, S), bool), **opts)
+
+
+def test_layers_dropout():
+    """Weight dropout as MultiHeadAttention's: deterministic gives the plain output; a drawn mask changes it,
+    the same key the same way in linen and nnx (both hand it to the engine); no `deterministic`: ValueError."""
+    import flax.nnx as nnx
+
+    import jaxattn.linen
+    import jaxattn.nnx
+
+    x, rel = np.random.default_rng(7).normal(size=(B, 9, 15)), np.random.default_rng(8).normal(size=(8, 15))
+    opts = dict(position_buckets=4, max_relative_positions=7)
+    layer = jaxattn.linen.DisentangledAttention(num_heads=3, dropout_rate=0.3, **opts)
+    variables = layer.init(jax.random.key(0), x, rel_embeddings=rel, deterministic=True)
+    plain = jaxattn.linen.DisentangledAttention(num_heads=3, **opts).apply(variables, x, rel_embeddings=rel)
+    assert normwise(layer.apply(variables, x, rel_embeddings=rel, deterministic=True), plain) == 0.0
+    key = jax.random.key(3)
+    dropped = layer.apply(variables, x, rel_embeddings=rel, deterministic=False, dropout_rng=key)
+    assert bool(jnp.all(jnp.isfinite(dropped))) and normwise(dropped, plain) > 1e-3
+    with pytest.raises(ValueError, match="deterministic"):
+        layer.apply(variables, x, rel_embeddings=rel)
+
+    twin_layer = jaxattn.nnx.DisentangledAttention(
+        15, 3, dropout_rate=0.3, **opts, param_dtype=jnp.float64, rngs=nnx.Rngs(0)
+    )
+    nnx.update(twin_layer, variables["params"])
+    assert normwise(twin_layer(x, rel_embeddings=rel, deterministic=False, dropout_rng=key), dropped) <= TOL
+    twin_layer.eval()
+    assert normwise(twin_layer(x, rel_embeddings=rel), plain) == 0.0
