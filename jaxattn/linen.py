@@ -57,7 +57,7 @@ class _Group(nn.Module):
         return {leaf: self.param(leaf, init, shape, self.param_dtype) for leaf, shape, init in self.specs}
 
 
-def _attention_dropout(layer: nn.Module, deterministic, dropout_rng):
+def _attention_dropout(layer: MultiHeadAttention | DisentangledAttention, deterministic, dropout_rng):
     """(rate, rng) of a layer's weight dropout after flax's rules (its dropout_rate and deterministic
     attributes): `deterministic` is required only when dropout_rate > 0."""
     if layer.dropout_rate == 0.0:

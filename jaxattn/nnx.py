@@ -52,7 +52,7 @@ class _Group(nnx.Module):
         return {leaf: getattr(self, leaf)[...] for leaf in self.leaves}
 
 
-def _attention_dropout(layer: nnx.Module, deterministic, rngs, dropout_rng):
+def _attention_dropout(layer: MultiHeadAttention | DisentangledAttention, deterministic, rngs, dropout_rng):
     """(rate, key) of a layer's weight dropout (its dropout_rate, deterministic and forked rngs): the call's
     `deterministic` wins over the attribute; one is required when rate > 0."""
     if layer.dropout_rate == 0.0:
