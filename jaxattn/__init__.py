@@ -35,6 +35,10 @@ from ._forms.delta_rule import (
     gated_delta_rule_step as gated_delta_rule_step,
     gated_rms_norm as gated_rms_norm,
 )
+from ._layers.disentangled import (
+    disentangled_multi_head_attention as disentangled_multi_head_attention,
+    init_disentangled_multi_head_attention as init_disentangled_multi_head_attention,
+)
 from ._layers.latent import (
     init_latent_attention as init_latent_attention,
     init_latent_cache as init_latent_cache,
@@ -68,6 +72,11 @@ from ._schemes.alibi import (
 from ._schemes.clipped import (
     clipped_relative_attention as clipped_relative_attention,
     clipped_relative_index as clipped_relative_index,
+)
+from ._schemes.disentangled import (
+    deberta_log_bucket_position as deberta_log_bucket_position,
+    deberta_relative_position as deberta_relative_position,
+    disentangled_attention as disentangled_attention,
 )
 from ._schemes.position_bias import position_bias_attention as position_bias_attention
 from ._schemes.rope import (
@@ -144,6 +153,11 @@ __all__ = [
     "window_merge",
     "init_window_attention",
     "window_self_attention",
+    "deberta_log_bucket_position",
+    "deberta_relative_position",
+    "disentangled_attention",
+    "disentangled_multi_head_attention",
+    "init_disentangled_multi_head_attention",
     "position_bias_attention",
     "blockwise_attention",
     "ring_attention",

@@ -37,7 +37,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from ._core import checks
-from ._layers import cache as kv_cache, common, window as window_layer
+from ._layers import cache as kv_cache, common, disentangled, window as window_layer
 from ._layers.common import Initializer, RoPE  # noqa: F401  (RoPE: part of this module's API)
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
@@ -55,6 +55,16 @@ class _Group(nn.Module):
     @nn.compact
     def __call__(self):
         return {leaf: self.param(leaf, init, shape, self.param_dtype) for leaf, shape, init in self.specs}
+
+
+def _attention_dropout(layer: MultiHeadAttention | DisentangledAttention, deterministic, dropout_rng):
+    """(rate, rng) of a layer's weight dropout after flax's rules (its dropout_rate and deterministic
+    attributes): `deterministic` is required only when dropout_rate > 0."""
+    if layer.dropout_rate == 0.0:
+        return 0.0, None
+    if nn.merge_param("deterministic", layer.deterministic, deterministic):
+        return 0.0, None
+    return layer.dropout_rate, dropout_rng if dropout_rng is not None else layer.make_rng("dropout")
 
 
 class MultiHeadAttention(nn.Module):
@@ -171,12 +181,7 @@ class MultiHeadAttention(nn.Module):
         return lambda q, k: (q_norm(q), k_norm(k))
 
     def _dropout(self, deterministic, dropout_rng):
-        """(rate, rng) after flax's rules: `deterministic` is required only when dropout_rate > 0."""
-        if self.dropout_rate == 0.0:
-            return 0.0, None
-        if nn.merge_param("deterministic", self.deterministic, deterministic):
-            return 0.0, None
-        return self.dropout_rate, dropout_rng if dropout_rng is not None else self.make_rng("dropout")
+        return _attention_dropout(self, deterministic, dropout_rng)
 
     def _cache(self, dims, key, batch, dtype):
         """The "cache" variables, and whether they existed before this call (False while initialising)."""
@@ -359,4 +364,107 @@ class WindowAttention(nn.Module):
         }
         return window_layer.window_self_attention(
             params, x, self.window_size, shift=self.shift, precision=self.precision, implementation=self.implementation
+        )
+
+
+class DisentangledAttention(nn.Module):
+    """DeBERTa's disentangled attention layer (jaxattn.disentangled_multi_head_attention): HF's
+    DisentangledSelfAttention with its output projection (DebertaV2SelfOutput.dense) as "out".
+
+    Attributes: num_heads N, head_dim H (default Eq // N), max_relative_positions, position_buckets (<= 0: none),
+    pos_att_type ("c2p", "p2c" or both), share_att_key (project the relative embeddings with key / query rather
+    than params "pos_key" / "pos_query"), out_features, use_bias, scale (default 1 / sqrt(H * (1 + terms))),
+    dropout_rate / deterministic (on the attention weights, HF's attention_probs_dropout_prob; HF's dropout of
+    rel_embeddings is the model's), dtype, param_dtype, precision, kernel_init, bias_init, implementation (None,
+    "dense" or "blockwise").
+    Call: query [...,T,Eq], key / value (default query), rel_embeddings [2 span, Er] (the encoder's, after its
+    LayerNorm), keywords mask, key_value_seq_lengths, query_positions, key_positions, return_weights,
+    deterministic, dropout_rng (default: the "dropout" rng stream).
+    """
+
+    num_heads: int
+    max_relative_positions: Optional[int] = None  # required; a default only because dataclass fields follow defaults
+    head_dim: Optional[int] = None
+    position_buckets: int = -1
+    pos_att_type: tuple = ("c2p", "p2c")
+    share_att_key: bool = False
+    out_features: Optional[int] = None
+    use_bias: bool = True
+    dropout_rate: float = 0.0
+    deterministic: Optional[bool] = None
+    scale: Optional[float] = None
+    dtype: Any = None
+    param_dtype: Any = jnp.float32
+    precision: Any = None
+    kernel_init: Initializer = common.default_kernel_init
+    bias_init: Initializer = common.default_bias_init
+    implementation: Optional[str] = None
+
+    @nn.compact
+    def __call__(
+        self,
+        query: Float[ArrayLike, "*#B T Eq"],
+        key: Float[ArrayLike, "*#B S Ek"] | None = None,
+        value: Float[ArrayLike, "*#B S Ev"] | None = None,
+        *,
+        rel_embeddings: Float[ArrayLike, "R Er"],
+        mask: Bool[ArrayLike, "..."] | None = None,
+        key_value_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
+        query_positions: Int[ArrayLike, "*#B T"] | None = None,
+        key_positions: Int[ArrayLike, "*#B S"] | None = None,
+        return_weights: bool = False,
+        deterministic: Optional[bool] = None,
+        dropout_rng=None,
+    ) -> LayerOutput:
+        """[...,T,Eq] -> [...,T,Eo] (or (out, weights [...,N,T,S]) with return_weights)."""
+        if self.max_relative_positions is None:
+            checks.fail("max_relative_positions", "an int >= 1 (HF's, resolved)", None)
+        query, key, value = common.inputs(query, key, value)
+        rel_embeddings = jnp.asarray(rel_embeddings)
+        dims = common.resolve_dims(
+            query.shape[-1],
+            self.num_heads,
+            self.head_dim,
+            key_features=key.shape[-1],
+            value_features=value.shape[-1],
+            out_features=self.out_features,
+        )
+        specs = common.param_specs(dims, use_bias=self.use_bias, kernel_init=self.kernel_init, bias_init=self.bias_init)
+        specs |= disentangled.position_specs(
+            dims,
+            rel_embeddings.shape[-1],
+            disentangled.position_entries(self.pos_att_type, self.share_att_key),
+            use_bias=self.use_bias,
+            kernel_init=self.kernel_init,
+            bias_init=self.bias_init,
+        )
+        params = {
+            group: _Group(
+                tuple((leaf, shape, init) for leaf, (shape, init) in leaves.items()), self.param_dtype, name=group
+            )()
+            for group, leaves in specs.items()
+        }
+        dtype = common.layer_dtype(self.dtype, params, query, key, value, rel_embeddings)
+        params, query, key, value, rel_embeddings = common.cast((params, query, key, value, rel_embeddings), dtype)
+        rate, rng = _attention_dropout(self, deterministic, dropout_rng)
+        return disentangled.disentangled_multi_head_attention(
+            params,
+            query,
+            key,
+            value,
+            rel_embeddings=rel_embeddings,
+            max_relative_positions=self.max_relative_positions,
+            position_buckets=self.position_buckets,
+            pos_att_type=self.pos_att_type,
+            share_att_key=self.share_att_key,
+            precision=self.precision,
+            mask=mask,
+            key_value_seq_lengths=key_value_seq_lengths,
+            query_positions=query_positions,
+            key_positions=key_positions,
+            scale=self.scale,
+            dropout_rate=rate,
+            dropout_rng=rng,
+            return_weights=return_weights,
+            implementation=self.implementation,
         )

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from ._core import checks
-from ._layers import cache as kv_cache, common, window as window_layer
+from ._layers import cache as kv_cache, common, disentangled, window as window_layer
 from ._layers.common import Initializer, RoPE  # noqa: F401  (RoPE: part of this module's API)
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
@@ -50,6 +50,22 @@ class _Group(nnx.Module):
 
     def tree(self) -> dict:
         return {leaf: getattr(self, leaf)[...] for leaf in self.leaves}
+
+
+def _attention_dropout(layer: MultiHeadAttention | DisentangledAttention, deterministic, rngs, dropout_rng):
+    """(rate, key) of a layer's weight dropout (its dropout_rate, deterministic and forked rngs): the call's
+    `deterministic` wins over the attribute; one is required when rate > 0."""
+    if layer.dropout_rate == 0.0:
+        return 0.0, None
+    deterministic = layer.deterministic if deterministic is None else deterministic
+    if deterministic is None:
+        checks.fail("deterministic", "True or False (call argument or attribute) when dropout_rate > 0", None)
+    if deterministic:
+        return 0.0, None
+    if dropout_rng is not None:
+        return layer.dropout_rate, dropout_rng
+    stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs if rngs is not None else layer.rngs)
+    return layer.dropout_rate, stream()
 
 
 class MultiHeadAttention(nnx.Module):
@@ -188,18 +204,7 @@ class MultiHeadAttention(nnx.Module):
         self.cache_index = nnx.Cache(index)
 
     def _dropout(self, deterministic, rngs, dropout_rng):
-        """(rate, key): the call's `deterministic` wins over the attribute; one is required when rate > 0."""
-        if self.dropout_rate == 0.0:
-            return 0.0, None
-        deterministic = self.deterministic if deterministic is None else deterministic
-        if deterministic is None:
-            checks.fail("deterministic", "True or False (call argument or attribute) when dropout_rate > 0", None)
-        if deterministic:
-            return 0.0, None
-        if dropout_rng is not None:
-            return self.dropout_rate, dropout_rng
-        stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs if rngs is not None else self.rngs)
-        return self.dropout_rate, stream()
+        return _attention_dropout(self, deterministic, rngs, dropout_rng)
 
     def __call__(
         self,
@@ -365,5 +370,116 @@ class WindowAttention(nnx.Module):
             self.window_size,
             shift=self.shift,
             precision=self.precision,
+            implementation=self.implementation,
+        )
+
+
+class DisentangledAttention(nnx.Module):
+    """DeBERTa's disentangled attention layer (jaxattn.disentangled_multi_head_attention): HF's
+    DisentangledSelfAttention with its output projection (DebertaV2SelfOutput.dense) as "out".
+
+    Sizes: query_features Eq, num_heads N, head_dim H (default Eq // N), key_features / value_features /
+    out_features (default Eq), position_features Er (the relative embeddings' width, default Eq). Options as
+    jaxattn.linen.DisentangledAttention; dropout as MultiHeadAttention's (deterministic, layer.eval() /
+    layer.train(), the forked "dropout" stream or the call's rngs / dropout_rng). nnx.state(layer, nnx.Param)
+    is the functional parameter tree.
+    """
+
+    def __init__(
+        self,
+        query_features: int,
+        num_heads: int,
+        head_dim: Optional[int] = None,
+        *,
+        max_relative_positions: int,
+        position_buckets: int = -1,
+        pos_att_type: tuple = ("c2p", "p2c"),
+        share_att_key: bool = False,
+        key_features: Optional[int] = None,
+        value_features: Optional[int] = None,
+        out_features: Optional[int] = None,
+        position_features: Optional[int] = None,
+        use_bias: bool = True,
+        dropout_rate: float = 0.0,
+        deterministic: Optional[bool] = None,
+        scale: Optional[float] = None,
+        dtype: Any = None,
+        param_dtype: Any = jnp.float32,
+        precision: Any = None,
+        kernel_init: Initializer = common.default_kernel_init,
+        bias_init: Initializer = common.default_bias_init,
+        implementation: Optional[str] = None,
+        rngs: nnx.Rngs,
+    ):
+        dims = common.resolve_dims(
+            query_features,
+            num_heads,
+            head_dim,
+            key_features=key_features,
+            value_features=value_features,
+            out_features=out_features,
+        )
+        entries = disentangled.position_entries(pos_att_type, share_att_key)
+        specs = common.param_specs(dims, use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init)
+        Er = query_features if position_features is None else position_features
+        specs |= disentangled.position_specs(
+            dims, Er, entries, use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init
+        )
+        for group, leaves in specs.items():
+            setattr(self, group, _Group(leaves, param_dtype, rngs))
+        self.groups = tuple(specs)
+        self.max_relative_positions, self.position_buckets = max_relative_positions, position_buckets
+        self.pos_att_type, self.share_att_key = tuple(pos_att_type), share_att_key
+        self.scale, self.dtype, self.param_dtype, self.precision = scale, dtype, param_dtype, precision
+        self.implementation = implementation
+        self.dropout_rate, self.deterministic = dropout_rate, deterministic
+        self.rngs = rngs.dropout.fork() if dropout_rate > 0 else nnx.data(None)
+
+    def params(self) -> dict:
+        """The parameter tree as plain nested dicts of arrays (what the functional API takes)."""
+        return {group: getattr(self, group).tree() for group in self.groups}
+
+    def __call__(
+        self,
+        query: Float[ArrayLike, "*#B T Eq"],
+        key: Float[ArrayLike, "*#B S Ek"] | None = None,
+        value: Float[ArrayLike, "*#B S Ev"] | None = None,
+        *,
+        rel_embeddings: Float[ArrayLike, "R Er"],
+        mask: Bool[ArrayLike, "..."] | None = None,
+        key_value_seq_lengths: Int[ArrayLike, "*#B"] | None = None,
+        query_positions: Int[ArrayLike, "*#B T"] | None = None,
+        key_positions: Int[ArrayLike, "*#B S"] | None = None,
+        return_weights: bool = False,
+        deterministic: Optional[bool] = None,
+        rngs: nnx.Rngs | None = None,
+        dropout_rng=None,
+    ) -> LayerOutput:
+        """[...,T,Eq] -> [...,T,Eo] (or (out, weights [...,N,T,S]) with return_weights)."""
+        query, key, value = common.inputs(query, key, value)
+        rel_embeddings = jnp.asarray(rel_embeddings)
+        rate, rng = _attention_dropout(self, deterministic, rngs, dropout_rng)
+        params = self.params()
+        dtype = common.layer_dtype(self.dtype, params, query, key, value, rel_embeddings)
+        params, query, key, value, rel_embeddings = common.cast((params, query, key, value, rel_embeddings), dtype)
+        return disentangled.disentangled_multi_head_attention(
+            params,
+            query,
+            key,
+            value,
+            rel_embeddings=rel_embeddings,
+            max_relative_positions=self.max_relative_positions,
+            position_buckets=self.position_buckets,
+            pos_att_type=self.pos_att_type,
+            share_att_key=self.share_att_key,
+            precision=self.precision,
+            mask=mask,
+            key_value_seq_lengths=key_value_seq_lengths,
+            query_positions=query_positions,
+            key_positions=key_positions,
+            scale=self.scale,
+            dropout_rate=rate,
+            dropout_rng=rng,
+            return_weights=return_weights,
             implementation=self.implementation,
         )

@@ -160,6 +160,22 @@ CALLS = {
     "transformer_xl_attention": lambda: checked(jaxattn.transformer_xl_attention)(
         q, k, v, *_arrays((R, N, H)), max_left=5, pos_bias_u=_arrays((N, H))[0]
     ),
+    "disentangled_attention": lambda: checked(jaxattn.disentangled_attention)(
+        q, k, v, *_arrays((8, N, H), (8, H)), position_buckets=4, max_relative_positions=6
+    ),
+    "deberta_relative_position": lambda: checked(jaxattn.deberta_relative_position)(
+        T, S, position_buckets=4, max_relative_positions=6, query_positions=positions
+    ),
+    "deberta_log_bucket_position": lambda: checked(jaxattn.deberta_log_bucket_position)(
+        np.arange(-9, 9).reshape(3, 6), position_buckets=4, max_relative_positions=6
+    ),
+    "disentangled_multi_head_attention": lambda: checked(jaxattn.disentangled_multi_head_attention)(
+        jaxattn.init_disentangled_multi_head_attention(jax.random.key(0), E, N, H),
+        x_q,
+        rel_embeddings=_arrays((8, E))[0],
+        position_buckets=4,
+        max_relative_positions=6,
+    ),
     "relative_sinusoids": lambda: checked(jaxattn.relative_sinusoids)(H + 1, max_left=5, max_right=3),
     "position_bias_attention": lambda: checked(jaxattn.position_bias_attention)(
         q, k, v, jaxattn.alibi_position_bias(jaxattn.alibi_slopes(N))

@@ -1,4 +1,4 @@
-"""Plain torch twins of jaxattn's relative-position schemes: T5, ALiBi, RoPE, clipped keys, Transformer-XL.
+"""Plain torch twins of jaxattn's relative-position schemes: T5, DeBERTa, ALiBi, RoPE, clipped keys, Transformer-XL.
 
 Written as the papers state them, sharing no code with jaxattn: every position term is materialised as a
 full [..., N, T, S] bias or [T, S, ...] table and handed to torchref's attention. Index convention (as
@@ -22,6 +22,9 @@ __all__ = [
     "t5_relative_position_bucket",
     "t5_relative_bias",
     "t5_attention",
+    "deberta_log_bucket_position",
+    "deberta_relative_position",
+    "disentangled_attention",
     "alibi_slopes",
     "alibi_bias",
     "alibi_attention",
@@ -121,6 +124,96 @@ def t5_attention(query, key, value, table, *, bidirectional=True, max_distance=1
     )
     bias = position_bias if bias is None else position_bias + bias
     return dot_product_attention(query, key, value, bias=bias, scale=scale, **options)
+
+
+# --- DeBERTa's disentangled attention ------------------------------------------------------------------
+
+
+def deberta_log_bucket_position(relative_position: Tensor, *, position_buckets: int, max_relative_positions: int):
+    """DeBERTa's log bucket of d (any int tensor), int64: d where |d| <= mid = position_buckets // 2, else
+    sign(d) * (mid + ceil(log(|d| / mid) / log((max_relative_positions - 1) / mid) * (mid - 1))), in float32."""
+    _check(_is_int(position_buckets) and position_buckets >= 2, "position_buckets", "an int >= 2", position_buckets)
+    mid = position_buckets // 2
+    _check(
+        _is_int(max_relative_positions) and max_relative_positions - 1 > mid,
+        "max_relative_positions",
+        f"an int > {mid + 1}",
+        max_relative_positions,
+    )
+    _check(not relative_position.is_floating_point(), "relative_position", "an integer tensor", relative_position.dtype)
+    distance = relative_position.abs().clamp(min=mid).float()  # the clamp keeps log(0) out of the unused branch
+    log_range = torch.log(torch.tensor((max_relative_positions - 1) / mid, dtype=torch.float32))
+    steps = torch.ceil(torch.log(distance / mid) / log_range * (mid - 1))
+    far = relative_position.sign() * (mid + steps.long())
+    return torch.where(relative_position.abs() <= mid, relative_position, far).long()
+
+
+def deberta_relative_position(
+    query_length: int,
+    key_length: int,
+    *,
+    position_buckets: int = -1,
+    max_relative_positions: int = -1,
+    query_positions=None,
+    key_positions=None,
+) -> Tensor:
+    """bucket(j - i), int64 [..., T, S]; no buckets (j - i) when either setting is <= 0."""
+    relative = _relative(query_length, key_length, query_positions, key_positions)
+    if position_buckets <= 0 or max_relative_positions <= 0:
+        return relative
+    return deberta_log_bucket_position(
+        relative, position_buckets=position_buckets, max_relative_positions=max_relative_positions
+    )
+
+
+def disentangled_attention(
+    query,
+    key,
+    value,
+    position_keys=None,
+    position_queries=None,
+    *,
+    max_relative_positions,
+    position_buckets=-1,
+    scale=None,
+    bias=None,
+    **options,
+):
+    """scale * (q_t . k_s + q_t . Kr[row] + k_s . Qr[row]), row[t, s] = clip(span - bucket(j - i), 0, 2 span - 1).
+
+    Kr / Qr: [R, N or 1 omitted, H] tables of R = 2 * span rows (span = position_buckets if > 0, else
+    max_relative_positions); scale defaults to 1 / sqrt(H * (1 + number of tables)). All three terms are
+    query-key logits, written as ONE dot product of concatenations (as transformer_xl_attention):
+    ``[q, 1] . ([k, 0] + [Kr[row], k * Qr[row]])``, relative_attention with doubled H.
+    """
+    T, S, N, K, H = query.shape[-3], key.shape[-3], query.shape[-2], key.shape[-2], query.shape[-1]
+    span = position_buckets if position_buckets > 0 else max_relative_positions
+    terms = [t for t in (position_keys, position_queries) if t is not None]
+    for name, table in (("position_keys", position_keys), ("position_queries", position_queries)):
+        _check(
+            table is None or table.shape[0] == 2 * span,
+            name,
+            f"{2 * span} rows",
+            None if table is None else tuple(table.shape),
+        )
+    scale = (H * (1 + len(terms))) ** -0.5 if scale is None else scale
+    relative = deberta_relative_position(
+        T,
+        S,
+        position_buckets=position_buckets,
+        max_relative_positions=max_relative_positions,
+        query_positions=options.get("query_positions"),
+        key_positions=options.get("key_positions"),
+    )
+    row = (span - relative).clamp(0, 2 * span - 1)  # [..., T, S]
+    key_per_head = key.repeat_interleave(N // K, dim=-2)  # [..., S, N, H]
+    zeros = torch.zeros(*row.shape, N, H, dtype=query.dtype)
+    c2p = zeros if position_keys is None else _gather(position_keys, row).expand_as(zeros)  # [..., T, S, N, H]
+    p2c = zeros if position_queries is None else _gather(position_queries, row) * key_per_head.unsqueeze(-4)
+    joint_query = torch.cat([query, torch.ones_like(query)], -1)  # [..., T, N, 2H]
+    joint_key = torch.cat([key, torch.zeros_like(key)], -1)  # [..., S, K, 2H]
+    joint_rel = torch.cat(torch.broadcast_tensors(c2p, p2c), -1)  # [..., T, S, N, 2H]
+    return relative_attention(joint_query, joint_key, value, joint_rel, bias=bias, scale=scale, **options)
 
 
 # --- ALiBi ----------------------------------------------------------------------------------------------

@@ -28,7 +28,7 @@ from unittest import mock
 
 import numpy as np
 
-from crosscheck.catalogue import FLOAT32_JIT, Setup, normal, randomize, register_case, rng_for, torch_params
+from crosscheck.catalogue import FLOAT32_JIT, Const, Setup, normal, randomize, register_case, rng_for, torch_params
 
 if TYPE_CHECKING:
     from jaxattn.models.weights import Row
@@ -557,6 +557,203 @@ def hf_w2v2bert_relative() -> Setup:
     return _w2v2bert("hf_w2v2bert_relative", "relative", T=8, E=22, N=2)
 
 
+# --- DeBERTa-v2/v3: disentangled attention -------------------------------------------------------------
+
+
+def _deberta_table(pos_att_type: tuple[str, ...], share_att_key: bool) -> list[Row]:
+    """DisentangledSelfAttention: q/k/v projections, and pos_key_proj (c2p) / pos_query_proj (p2c) unless
+    share_att_key (then key_proj / query_proj project the relative embeddings too)."""
+    table = [*_linear_rows("query_proj", "query", "N"), *_linear_rows("key_proj", "key", "N")]
+    table += _linear_rows("value_proj", "value", "N")
+    if not share_att_key and "c2p" in pos_att_type:
+        table += _linear_rows("pos_key_proj", "pos_key", "N")
+    if not share_att_key and "p2c" in pos_att_type:
+        table += _linear_rows("pos_query_proj", "pos_query", "N")
+    return table
+
+
+def _deberta_position_tables(p, rel, pos_att_type, share_att_key):
+    """(position_keys, position_queries) [R,N,H]: the relative embeddings [R,E] through their projections."""
+    import jax.numpy as jnp
+
+    def project(entry):
+        return jnp.einsum("re,enh->rnh", rel, entry["kernel"], precision="highest") + entry["bias"]
+
+    keys = project(p["key" if share_att_key else "pos_key"]) if "c2p" in pos_att_type else None
+    queries = project(p["query" if share_att_key else "pos_query"]) if "p2c" in pos_att_type else None
+    return keys, queries
+
+
+@contextlib.contextmanager
+def deberta_float64_scale(dtype):
+    """transformers' scaled_size_sqrt takes sqrt(H * scale_factor) in float32 (torch.float) whatever the
+    dtype: a 1e-8 relative error in every logit of a float64 run. The float64 run evaluates it in float64."""
+    import torch
+    from transformers.models.deberta_v2 import modeling_deberta_v2
+
+    def scaled_size_sqrt(layer, scale_factor):
+        return torch.sqrt(torch.tensor(layer.size(-1), dtype=torch.float64) * scale_factor)
+
+    if dtype != torch.float64:
+        yield
+        return
+    with mock.patch.object(modeling_deberta_v2, "scaled_size_sqrt", scaled_size_sqrt):
+        yield
+
+
+def _deberta(
+    name: str,
+    pos_att_type: tuple[str, ...],
+    *,
+    share_att_key: bool,
+    position_buckets: int,
+    max_relative_positions: int,
+    T: int,
+    S: int,
+    padding: str,
+) -> Setup:
+    """A DisentangledSelfAttention with seeded weights. padding: "keys" (the last 3 keys of batch row 1 padded:
+    a [B,1,1,S] mask), "deberta" (DeBERTa's own [B,1,T,S] mask, padded queries included: transformers returns
+    their uniform average and jaxattn zeros, docs/design.md "Rows with no allowed key", so both sides zero those
+    rows) or "none". T != S feeds transformers query_states [B,T,E]; its positions are top-left."""
+    import torch
+    from transformers import DebertaV2Config
+    from transformers.models.deberta_v2.modeling_deberta_v2 import DisentangledSelfAttention
+
+    import jaxattn
+
+    B, E, N = 2, 15, 3
+    H = E // N
+    config = DebertaV2Config(
+        hidden_size=E,
+        num_attention_heads=N,
+        relative_attention=True,
+        pos_att_type=list(pos_att_type),
+        share_att_key=share_att_key,
+        position_buckets=position_buckets,
+        max_relative_positions=max_relative_positions,
+        attention_probs_dropout_prob=0.0,
+        hidden_dropout_prob=0.0,
+    )
+    rng = rng_for(name)
+    module = randomize(DisentangledSelfAttention(config), rng).eval()
+    span = position_buckets if position_buckets > 0 else max_relative_positions
+    keep = np.ones((B, S), bool)
+    if padding != "none":
+        keep[1, -3:] = False
+    mask = keep[:, None, :, None] & keep[:, None, None, :] if padding == "deberta" else keep[:, None, None, :]
+    mask = np.broadcast_to(mask, (B, 1, T, S))
+    rows = keep[:, :, None] if padding == "deberta" else np.ones((B, T, 1), bool)  # the rows compared
+    inputs = {"x": normal(rng, (B, S, E)), "rel": normal(rng, (2 * span, E)), "mask": Const(mask)}
+    if T != S:
+        inputs["x_q"] = normal(rng, (B, T, E))
+
+    def jax_fn(p, x, rel, mask, x_q=None):
+        q, k, v = _project(p, x if x_q is None else x_q, x)
+        keys, queries = _deberta_position_tables(p, rel, pos_att_type, share_att_key)
+        z = jaxattn.disentangled_attention(
+            q,
+            k,
+            v,
+            keys,
+            queries,
+            position_buckets=position_buckets,
+            max_relative_positions=max_relative_positions,
+            mask=mask,
+            query_positions=None if T == S else np.arange(T),
+            precision="highest",
+        )
+        return z.reshape(*z.shape[:-2], E) * rows
+
+    def torch_fn(p, x, rel, mask, x_q=None):
+        with deberta_float64_scale(x.dtype):
+            z = _call(module, p, x, mask, query_states=x_q, rel_embeddings=rel)[0]
+        return z * torch.from_numpy(rows)
+
+    # pos_key_proj's bias (and key_proj's when only c2p reads keys) adds q . b to a whole softmax row: its
+    # gradient is identically zero (see _hf_setup), held fixed on both sides
+    fixed = ("pos_key_proj.bias",) if "c2p" in pos_att_type and not share_att_key else ()
+    if "p2c" not in pos_att_type:
+        fixed += ("key_proj.bias",)
+    table = _deberta_table(pos_att_type, share_att_key)
+    return _hf_setup(module, table, dict(E=E, N=N, H=H), jax_fn, torch_fn, inputs, fixed=fixed)
+
+
+@register_case("hf_deberta_buckets", requires=_HF, quick=FLOAT32_JIT)
+def hf_deberta_buckets() -> Setup:
+    """HF DisentangledSelfAttention c2p+p2c, log buckets (6, max 9) clipped at |j-i| >= 12, padded keys, T=S=13."""
+    return _deberta(
+        "hf_deberta_buckets",
+        ("c2p", "p2c"),
+        share_att_key=False,
+        position_buckets=6,
+        max_relative_positions=9,
+        T=13,
+        S=13,
+        padding="keys",
+    )
+
+
+@register_case("hf_deberta_shared_key", requires=_HF, quick=FLOAT32_JIT)
+def hf_deberta_shared_key() -> Setup:
+    """HF DisentangledSelfAttention c2p+p2c, share_att_key, no buckets (clipped at 5), DeBERTa's mask, T=S=11."""
+    return _deberta(
+        "hf_deberta_shared_key",
+        ("c2p", "p2c"),
+        share_att_key=True,
+        position_buckets=-1,
+        max_relative_positions=5,
+        T=11,
+        S=11,
+        padding="deberta",
+    )
+
+
+@register_case("hf_deberta_c2p_cross", requires=_HF, quick=FLOAT32_JIT)
+def hf_deberta_c2p_cross() -> Setup:
+    """HF DisentangledSelfAttention c2p only, buckets (4, max 7), query_states T=5 != S=11 (top-left positions)."""
+    return _deberta(
+        "hf_deberta_c2p_cross",
+        ("c2p",),
+        share_att_key=False,
+        position_buckets=4,
+        max_relative_positions=7,
+        T=5,
+        S=11,
+        padding="keys",
+    )
+
+
+@register_case("hf_deberta_p2c", requires=_HF, quick=FLOAT32_JIT)
+def hf_deberta_p2c() -> Setup:
+    """HF DisentangledSelfAttention p2c only, no buckets (max_relative_positions 16: no clip), T=S=7."""
+    return _deberta(
+        "hf_deberta_p2c",
+        ("p2c",),
+        share_att_key=False,
+        position_buckets=-1,
+        max_relative_positions=16,
+        T=7,
+        S=7,
+        padding="none",
+    )
+
+
+@register_case("hf_deberta_c2p_shared", requires=_HF, quick=FLOAT32_JIT)
+def hf_deberta_c2p_shared() -> Setup:
+    """HF DisentangledSelfAttention c2p only through key_proj (share_att_key), buckets (10, max 30), T=S=9."""
+    return _deberta(
+        "hf_deberta_c2p_shared",
+        ("c2p",),
+        share_att_key=True,
+        position_buckets=10,
+        max_relative_positions=30,
+        T=9,
+        S=9,
+        padding="keys",
+    )
+
+
 # --- each scheme against its torchref twin ---------------------------------------------------------------
 
 _B, _T, _S, _N, _K, _H, _HV = 2, 5, 11, 6, 3, 7, 3  # grouped-query heads, bottom-right T < S
@@ -749,6 +946,42 @@ def pos_transformer_xl_blockwise() -> Setup:
         lambda p, q, k, v: P.transformer_xl_attention(q, k, v, p["keys"], pos_bias_u=p["u"], pos_bias_v=p["w"], **opts),
         rng,
         params,
+    )
+
+
+@register_case("pos_disentangled_gqa")
+def pos_disentangled_gqa() -> Setup:
+    """disentangled_attention c2p ([R,N,H]) + p2c ([R,H] shared), buckets (4, max 6), GQA, causal T=5 < S=11."""
+    import jaxattn
+    import torchref.positions as P
+
+    rng = rng_for("pos_disentangled_gqa")
+    opts = dict(position_buckets=4, max_relative_positions=6, is_causal=True)
+    return _twin_case(
+        "pos_disentangled_gqa",
+        lambda p, q, k, v: jaxattn.disentangled_attention(q, k, v, p["kr"], p["qr"], **opts),
+        lambda p, q, k, v: P.disentangled_attention(q, k, v, p["kr"], p["qr"], **opts),
+        rng,
+        {"kr": normal(rng, (8, _N, _H)), "qr": normal(rng, (8, _H))},
+    )
+
+
+@register_case("pos_disentangled_blockwise")
+def pos_disentangled_blockwise() -> Setup:
+    """disentangled_attention on the blockwise engine (tiles 2x4), buckets (6, max 8), GQA, causal T=5 < S=11."""
+    import jaxattn
+    import torchref.positions as P
+
+    rng = rng_for("pos_disentangled_blockwise")
+    opts = dict(position_buckets=6, max_relative_positions=8, is_causal=True)
+    return _twin_case(
+        "pos_disentangled_blockwise",
+        lambda p, q, k, v: jaxattn.disentangled_attention(
+            q, k, v, p["kr"], p["qr"], implementation="blockwise", block_size=(2, 4), **opts
+        ),
+        lambda p, q, k, v: P.disentangled_attention(q, k, v, p["kr"], p["qr"], **opts),
+        rng,
+        {"kr": normal(rng, (12, _N, _H)), "qr": normal(rng, (12, _N, _H))},
     )
 
 

@@ -1,0 +1,289 @@
+"""DeBERTa's disentangled attention (He et al. 2021; DeBERTa-v2/v3, transformers' DisentangledSelfAttention).
+
+Relative positions are the library's j - i (key minus query, _core.positions), log-bucketed as DeBERTa does
+(transformers' make_log_bucket_position, with bucket_size = position_buckets, max_position =
+max_relative_positions): with mid = position_buckets // 2,
+
+    bucket(d) = d                                                             |d| <= mid
+              = sign(d) * (mid + ceil(log(|d| / mid) / log((max_relative_positions - 1) / mid) * (mid - 1)))
+
+position_buckets <= 0 means no buckets (bucket(d) = d). The quotient is float32 whatever the dtype, as
+transformers computes it, so bucket ids match the trained models (as T5's, t5.py); the buckets come from
+integer thresholds found once in numpy (_step_thresholds), never from a float log at run time.
+
+A position table has 2 * span rows (span = position_buckets if > 0 else max_relative_positions), row r
+holding relative bucket r - span; DeBERTa clips the row to the table. Both terms read, for the pair (t, s),
+the row of delta(i, j) = bucket(i - j) = -bucket(j - i):
+
+    row[t,s]   = clip(span - bucket(j - i), 0, 2 span - 1)
+    c2p[n,t,s] = q_t . Kr[row[t,s]]                                         content -> position
+    p2c[n,t,s] = k_s . Qr[row[t,s]]                                         position -> content
+    logits     = scale * (q_t . k_s + c2p + p2c),   scale = 1 / sqrt(H * (1 + number of position terms))
+
+The paper writes the p2c row as delta(j, i); transformers' DisentangledSelfAttention (as Microsoft's code,
+which trained the checkpoints) gathers the key-major scores k_j . Qr at -r_pos[j, i] + span with
+r_pos[j, i] = bucket(j - i), i.e. the row above, and that is what is computed here. Both terms are per-row
+scores gathered by index, as Transformer-XL's (xl.py): q . Kr is [...,N,T,2 span], k . Qr is [...,N,S,2 span];
+no [T,S,H] table is ever gathered. The blockwise engine reads the same per-row scores one tile at a time
+through a score_mod (_blockwise), so nothing spans [T,S] there either.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING
+
+import jax.numpy as jnp
+import numpy as np
+
+from .._api import check_implementation, dense_only, scheme_call
+from .._core import checks
+from .._core.checks import static_int
+from .._core.dtypes import accumulation_dtype
+from .._core.eager import compiled_when_eager
+from .._core.positions import offsets, positions
+from .._engines import blockwise
+from .._engines.dense import attention_core
+from .clipped import gather_buckets, per_row_logits
+
+if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
+    from jaxtyping import Array, ArrayLike, Float, Int
+
+    from .._core.shapes import AttentionOutput
+
+TABLE_LAYOUT = "[R,H] or [R,N,H], R = 2 * span, span = position_buckets if > 0 else max_relative_positions"
+
+
+def _check_buckets(position_buckets, max_relative_positions) -> tuple[int, int]:
+    """(position_buckets, max_relative_positions) as ints; buckets need room for their log range."""
+    position_buckets = static_int("position_buckets", position_buckets)
+    max_relative_positions = static_int("max_relative_positions", max_relative_positions, 1)
+    if position_buckets > 0:
+        mid = position_buckets // 2
+        if mid < 1:
+            checks.fail("position_buckets", ">= 2 (or <= 0: no buckets)", position_buckets)
+        if max_relative_positions - 1 <= mid:
+            checks.fail(
+                "max_relative_positions",
+                f"> position_buckets // 2 + 1 = {mid + 1} (the log buckets span mid .. max_relative_positions - 1)",
+                max_relative_positions,
+            )
+    return position_buckets, max_relative_positions
+
+
+@functools.lru_cache(maxsize=None)
+def _step_thresholds(position_buckets: int, max_relative_positions: int, max_step: int | None) -> np.ndarray:
+    """thresholds[k - 1] = the smallest distance |d| whose log step (the ceil term of bucket(d)) is >= k.
+
+    The steps are evaluated in numpy as transformers does in float32, with each log correctly rounded to
+    float32 (a float64 log rounded once): float32 logs of XLA and of torch differ in the last bit here and
+    there, which moves a bucket boundary by one wherever the quotient lands on an integer (log(x) / log(x)
+    at d = max_relative_positions - 1, for one). The steps grow with |d|, so a bisection over int32 finds every
+    boundary; `max_step` None: every step an int32 distance reaches, else the first max_step.
+    """
+    mid = position_buckets // 2
+    log_range = np.float32(np.log(np.float64(np.float32((max_relative_positions - 1) / mid))))
+
+    def steps(distance):
+        ratio = distance.astype(np.float32) / np.float32(mid)
+        log = np.log(ratio.astype(np.float64)).astype(np.float32)
+        return np.ceil(log / log_range * np.float32(mid - 1))
+
+    top = np.iinfo(np.int32).max
+    if max_step is None:
+        max_step = int(steps(np.array(top)))
+    k = np.arange(1, max_step + 1, dtype=np.float32)
+    lo = np.full(k.shape, mid, np.int64)  # steps(mid) = 0 < k
+    hi = np.full(k.shape, top + 1, np.int64)  # top + 1: the step is never reached by an int32
+    while (hi - lo > 1).any():
+        middle = (lo + hi) // 2
+        reached = steps(middle) >= k
+        hi, lo = np.where(reached, middle, hi), np.where(reached, lo, middle)
+    return hi[hi <= top].astype(np.int32)
+
+
+def _log_buckets(d, position_buckets: int, max_relative_positions: int, max_step: int | None):
+    """bucket(d) (module docstring), int32; steps beyond max_step (when not None) count as max_step."""
+    mid = position_buckets // 2
+    thresholds = jnp.asarray(_step_thresholds(position_buckets, max_relative_positions, max_step))
+    steps = jnp.searchsorted(thresholds, jnp.abs(d), side="right").astype(jnp.int32)
+    return jnp.where(jnp.abs(d) <= mid, d, jnp.sign(d) * (mid + steps)).astype(jnp.int32)
+
+
+def deberta_log_bucket_position(
+    relative_position: Int[ArrayLike, "..."], *, position_buckets: int, max_relative_positions: int
+) -> Int[Array, "..."]:
+    """int32 log buckets of `relative_position` (any int32 array), the module docstring's bucket(d).
+
+    transformers' make_log_bucket_position(relative_position, bucket_size=position_buckets,
+    max_position=max_relative_positions), to the integer wherever torch's float32 log is correctly rounded
+    (_step_thresholds); position_buckets >= 2 here.
+    """
+    d = jnp.asarray(relative_position)
+    checks.check_int("relative_position", d)
+    position_buckets, max_relative_positions = _check_buckets(position_buckets, max_relative_positions)
+    if position_buckets <= 0:
+        checks.fail("position_buckets", ">= 2 (without buckets the position is its own bucket)", position_buckets)
+    return _log_buckets(d.astype(jnp.int32), position_buckets, max_relative_positions, None)
+
+
+def deberta_relative_position(
+    query_length: int,
+    key_length: int,
+    *,
+    position_buckets: int = -1,
+    max_relative_positions: int = -1,
+    query_positions: Int[ArrayLike, "*#B T"] | None = None,
+    key_positions: Int[ArrayLike, "*#B S"] | None = None,
+) -> Int[Array, "*#B T S"]:
+    """int32 [T,S] (or [...,T,S] for batched positions): bucket(j - i) at the core's positions.
+
+    position_buckets <= 0 or max_relative_positions <= 0: no buckets (j - i itself), as transformers'
+    build_relative_position. That function returns DeBERTa's i - j with the query at t (top-left): for T == S
+    it is -deberta_relative_position(T, T, ...); for T != S pass query_positions=jnp.arange(T).
+    """
+    query_length = static_int("query_length", query_length, 0)
+    key_length = static_int("key_length", key_length, 0)
+    position_buckets = static_int("position_buckets", position_buckets)
+    max_relative_positions = static_int("max_relative_positions", max_relative_positions)
+    q_pos, k_pos = positions(query_length, key_length, query_positions, key_positions)
+    relative = offsets(q_pos, k_pos).astype(jnp.int32)
+    if position_buckets <= 0 or max_relative_positions <= 0:
+        return relative
+    position_buckets, max_relative_positions = _check_buckets(position_buckets, max_relative_positions)
+    return _log_buckets(relative, position_buckets, max_relative_positions, None)
+
+
+def _table_rows(position_buckets: int, max_relative_positions: int) -> tuple[int, int]:
+    """(span, max_step): the tables' 2 * span rows, and the log steps that still reach a row below the clip
+    (every larger step lands on the first or last row)."""
+    if position_buckets > 0:
+        return position_buckets, position_buckets
+    return max_relative_positions, 0
+
+
+def _position_rows(T, S, call, position_buckets, max_relative_positions, span, max_step):
+    """int32 [...,1,T,S]: delta(i, j), the row both terms read for the pair (t, s)."""
+    q_pos, k_pos = positions(T, S, call.query_positions, call.key_positions)
+    relative = offsets(q_pos, k_pos).astype(jnp.int32)
+    if position_buckets > 0:
+        relative = _log_buckets(relative, position_buckets, max_relative_positions, max_step)
+    return jnp.clip(span - relative, 0, 2 * span - 1)[..., None, :, :]
+
+
+def _per_key_logits(key, table, N, precision, acc_dtype):
+    """k [...,S,K,H] . table [R,(N,)H] -> [...,N,S,R]: query head n reads key head n // (N // K)."""
+    *_, S, K, H = key.shape
+    G = N // K
+    if table.ndim == 2:
+        per_head = jnp.einsum("...skh,rh->...ksr", key, table, precision=precision, preferred_element_type=acc_dtype)
+        per_head = jnp.broadcast_to(per_head[..., :, None, :, :], (*per_head.shape[:-3], K, G, S, table.shape[0]))
+    else:
+        grouped = table.reshape(table.shape[0], K, G, H)
+        per_head = jnp.einsum(
+            "...skh,rkgh->...kgsr", key, grouped, precision=precision, preferred_element_type=acc_dtype
+        )
+    return per_head.reshape(*per_head.shape[:-4], N, S, table.shape[0])
+
+
+def _blockwise(call, query, key, value, tables, dims, position_buckets, max_relative_positions, span, max_step):
+    """The blockwise engine with both terms as a score_mod: the per-row scores scale * q . Kr [B,N,T,R] and
+    scale * k . Qr [B,N,S,R] (O((T + S) R), never [T,S]) read at each tile's pairs; their gradients flow back
+    through the score_mod's arrays. Tile positions are the default ones (row t sits at t + S - T)."""
+    for name in ("query_positions", "key_positions", "logit_softcap"):
+        if getattr(call, name) is not None:
+            checks.fail(
+                name,
+                "None with implementation='blockwise' (the per-row scores are indexed by row; the dense engine "
+                "takes it)",
+                "it in use",
+            )
+    precision, acc_dtype, scale = call.precision, accumulation_dtype(query.dtype), call.scale
+    B = int(np.prod(dims.batch, dtype=np.int64))
+
+    def flat(scores):  # [...,N,L,R] -> [B,N,L,R] over the call's flattened batch
+        return jnp.broadcast_to(scores, (*dims.batch, *scores.shape[-3:])).reshape(B, *scores.shape[-3:])
+
+    per_query = per_key = None
+    if "position_keys" in tables:
+        per_query = flat(per_row_logits(query, tables["position_keys"], precision, acc_dtype) * scale)
+    if "position_queries" in tables:
+        per_key = flat(_per_key_logits(key, tables["position_queries"], dims.N, precision, acc_dtype) * scale)
+    user_mod, offset = call.score_mod, dims.S - dims.T
+
+    def score_mod(score, b, n, t, s):
+        relative = jnp.asarray(s - t, jnp.int32)
+        if position_buckets > 0:
+            relative = _log_buckets(relative, position_buckets, max_relative_positions, max_step)
+        row = jnp.clip(span - relative, 0, 2 * span - 1)
+        t_row, s_row = jnp.clip(t - offset, 0, dims.T - 1), jnp.clip(s, 0, dims.S - 1)  # padded tiles: clipped
+        if per_query is not None:
+            score = score + per_query[b, n, t_row, row]
+        if per_key is not None:
+            score = score + per_key[b, n, s_row, row]
+        return score if user_mod is None else user_mod(score, b, n, t, s)
+
+    return blockwise.tiled(call.replace(score_mod=score_mod), query, key, value)
+
+
+@compiled_when_eager
+def disentangled_attention(
+    query: Float[ArrayLike, "*#B T N H"],
+    key: Float[ArrayLike, "*#B S K H"],
+    value: Float[ArrayLike, "*#B S K Hv"],
+    position_keys: Float[ArrayLike, "R N H"] | Float[ArrayLike, "R H"] | None = None,
+    position_queries: Float[ArrayLike, "R N H"] | Float[ArrayLike, "R H"] | None = None,
+    *,
+    max_relative_positions: int,
+    position_buckets: int = -1,
+    scale=None,
+    **options,
+) -> AttentionOutput:
+    """DeBERTa's disentangled attention: scale * (q . k + c2p + p2c) (module docstring).
+
+    position_keys Kr (content -> position, "c2p") and position_queries Qr (position -> content, "p2c"):
+    [R,N,H] (or [R,H] shared over heads), R = 2 * span, the relative embeddings (after DeBERTa's LayerNorm)
+    projected per head: transformers' pos_key_proj / pos_query_proj, or key_proj / query_proj with
+    share_att_key, biases included. None leaves that term out (pos_att_type without it).
+    position_buckets / max_relative_positions: the config's (position_buckets <= 0: no buckets;
+    max_relative_positions as resolved by transformers, max_position_embeddings when the config has < 1).
+    scale: None = 1 / sqrt(H * (1 + number of position terms given)). Keywords as dot_product_attention
+    (an encoder: is_causal=False, padding as mask or key_value_seq_lengths); transformers' T != S puts the
+    query at t (top-left): query_positions=jnp.arange(T). implementation: None or "dense" (the dense
+    engine), or "blockwise" (O(T + S) memory: both terms as a score_mod over per-row scores; no mask, bias,
+    dropout, return_weights, query/key_positions or logit_softcap there), interpret=False.
+    """
+    implementation, interpret = options.pop("implementation", None), options.pop("interpret", False)
+    if implementation != "blockwise":
+        dense_only(implementation, interpret, "position_keys / queries")
+    check_implementation(implementation, interpret)
+    query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
+    dims = checks.check_qkv(query, key, value)
+    position_buckets, max_relative_positions = _check_buckets(position_buckets, max_relative_positions)
+    span, max_step = _table_rows(position_buckets, max_relative_positions)
+    terms = (position_keys is not None) + (position_queries is not None)
+    if scale is None:
+        scale = (dims.H * (1 + terms)) ** -0.5
+    call = scheme_call("disentangled_attention", dict(options, scale=scale))
+    precision, acc_dtype = call.precision, accumulation_dtype(query.dtype)
+    tables = {}
+    for name, table in (("position_keys", position_keys), ("position_queries", position_queries)):
+        if table is not None:
+            tables[name] = checks.check_clipped_table(name, table, 2 * span, dims.N, dims.H, acc_dtype, TABLE_LAYOUT)
+    if implementation == "blockwise":
+        return _blockwise(
+            call, query, key, value, tables, dims, position_buckets, max_relative_positions, span, max_step
+        )
+    rows = _position_rows(dims.T, dims.S, call, position_buckets, max_relative_positions, span, max_step)
+
+    def relative_logits(q):
+        total = 0.0
+        if "position_keys" in tables:
+            total = total + gather_buckets(per_row_logits(q, tables["position_keys"], precision, acc_dtype), rows)
+        if "position_queries" in tables:
+            per_key = _per_key_logits(key, tables["position_queries"], dims.N, precision, acc_dtype)
+            total = total + jnp.swapaxes(gather_buckets(per_key, jnp.swapaxes(rows, -1, -2)), -1, -2)
+        return total
+
+    rel_logits = relative_logits if tables else None
+    return attention_core(call, query, key, value, relative_logits=rel_logits, dims=dims)
