@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 import numpy as np
 
-from .._api import check_implementation, dense_only, scheme_call
+from .._api import check_implementation, scheme_call
 from .._core import checks
 from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
@@ -254,9 +254,14 @@ def disentangled_attention(
     dropout, return_weights, query/key_positions or logit_softcap there), interpret=False.
     """
     implementation, interpret = options.pop("implementation", None), options.pop("interpret", False)
-    if implementation != "blockwise":
-        dense_only(implementation, interpret, "position_keys / queries")
     check_implementation(implementation, interpret)
+    if implementation not in (None, "dense", "blockwise"):  # no kernel takes the two table terms yet
+        checks.fail(
+            "position_keys / queries",
+            f"not in use with implementation={implementation!r} (the dense and blockwise engines compute them; "
+            "use implementation=None, 'dense' or 'blockwise')",
+            "in use",
+        )
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     dims = checks.check_qkv(query, key, value)
     position_buckets, max_relative_positions = _check_buckets(position_buckets, max_relative_positions)
