@@ -159,7 +159,7 @@ def alibi_like(slopes):
     return bias
 
 
-@pytest.mark.parametrize("batched_positions", [False, True])
+@pytest.mark.parametrize("batched_positions", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_position_bias_hook_and_its_gradient(batched_positions):
     q, k, v, slopes = arrays(4, (2, 11, 6, 3), (2, 13, 3, 3), (2, 13, 3, 5), (6,))
     positions = {}

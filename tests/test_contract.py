@@ -136,16 +136,10 @@ CASES = {
         ("sinks", "slopes"),
     ),
 }
-# The default group runs these cases on the XLA engines (between them every option of the grid; each other case
-# repeats one of their options alone, in the slow group) and KERNEL_DEFAULT_CASE on None and the kernels.
-ENGINE_DEFAULT_CASES = (
-    "causal_rows_without_keys",
-    "positions",
-    "example_sinks_segments_softcap",
-    "multi_query",
-    "block_mask",
-    "everything",
-)
+# The default group runs these cases on the XLA engines (between them every option of the grid but per-example
+# sinks and K = 1; each other case repeats one of their options alone or varies one, in the slow group) and
+# KERNEL_DEFAULT_CASE on None and the kernels.
+ENGINE_DEFAULT_CASES = ("causal_rows_without_keys", "positions", "block_mask", "everything")
 DEFAULT_CASES = {"dense": ENGINE_DEFAULT_CASES, "blockwise": ENGINE_DEFAULT_CASES, None: ("block_mask", "everything")}
 KERNEL_DEFAULT_CASE = "everything"
 HALF_CASE = ({}, dict(is_causal=True, window=(4, 0)), {}, ())  # bf16 and f16 inputs

@@ -135,8 +135,16 @@ def cache_shapes(model, params, length):
     return jax.eval_shape(lambda p: model.apply({"params": p}, ids, decode=True, mutable=["cache"])[1]["cache"], params)
 
 
-@pytest.mark.parametrize("platform", ["cuda", "tpu"])
-@pytest.mark.parametrize("program", ["forward", "training step"])
+# The default group: the CUDA forward and the TPU training step; the slow group the other two.
+@pytest.mark.parametrize(
+    "platform, program",
+    [
+        ("cuda", "forward"),
+        ("tpu", "training step"),
+        pytest.param("cuda", "training step", marks=pytest.mark.slow),
+        pytest.param("tpu", "forward", marks=pytest.mark.slow),
+    ],
+)
 def test_llama_lowers_to_the_kernel(platform, program):
     model, params, ids = tiny_llama()
     fn = llama_forward(model) if program == "forward" else llama_train_step(model)

@@ -41,14 +41,14 @@ def _functional(relative):
     return jaxattn.relative_multi_head_attention if relative else jaxattn.multi_head_attention
 
 
-# (dtype, relative, K, masking): each head layout, masking and dtype appears with both attention kinds
-# (a pairwise cover rather than the full product: every case compiles forward and backward twice).
+# (dtype, relative, K, masking): a pairwise cover (each head layout, masking and dtype with both attention kinds)
+# rather than the full product, as every case compiles forward and backward twice; the default group runs two
+# of it (one of each kind and dtype), the slow group the rest.
 CASES = [
-    (np.float32, False, 6, "none"),
+    pytest.param(np.float32, False, 6, "none", marks=pytest.mark.slow),
     (np.float64, False, 2, "causal"),
-    (np.float64, True, 6, "causal"),
+    pytest.param(np.float64, True, 6, "causal", marks=pytest.mark.slow),
     (np.float32, True, 2, "mask+lengths"),
-    # the slow group: the remaining (dtype, relative, K, masking) combinations of options tested above
     pytest.param(np.float64, True, 1, "none", marks=pytest.mark.slow),
     pytest.param(np.float64, False, 6, "mask+lengths", marks=pytest.mark.slow),
     pytest.param(np.float32, True, 2, "causal", marks=pytest.mark.slow),

@@ -163,6 +163,8 @@ def _mod(name, xp):
 
 # the slow group runs the rest of upstream's list (time budget of the default group)
 SLOW = {
+    "captured_all_dims",
+    "softcap",
     "identity",
     "causal",
     "rel_bias",
