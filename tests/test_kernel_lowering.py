@@ -192,3 +192,32 @@ def test_llama_lowered_for_cpu_is_the_xla_engine(program):
     model, params, ids = tiny_llama()
     fn = llama_forward(model) if program == "forward" else llama_train_step(model)
     assert_xla_only(lowered(fn, params, ids, platform="cpu"))
+
+
+def tiny_t5():
+    """A one-layer T5 (encoder 448 tokens, decoder 320; model width 192, 4 heads of 64), bf16, its params as
+    shapes only: the relative bias reaches the attention as t5_position_bias, a hook the GPU kernel computes
+    in its tiles. Every size differs, so a [T,S] buffer cannot be mistaken for another."""
+    from jaxattn.models.t5 import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(vocab_size=211, d_model=192, d_kv=64, d_ff=288, num_layers=1, num_heads=4)
+    model = T5ForConditionalGeneration(config=config, dtype=jnp.bfloat16)
+    ids, dec = jnp.zeros((1, 448), jnp.int32), jnp.zeros((1, 320), jnp.int32)
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), ids, decoder_input_ids=dec)["params"])
+    shapes = (jax.ShapeDtypeStruct((1, 448), jnp.int32), jax.ShapeDtypeStruct((1, 320), jnp.int32))
+    return model, params, shapes
+
+
+@pytest.mark.parametrize("program", ["forward", pytest.param("training step", marks=pytest.mark.slow)])
+def test_t5_lowers_to_the_kernel_with_its_relative_bias(program):
+    model, params, (ids, dec) = tiny_t5()
+
+    def forward(params, ids, dec):
+        return model.apply({"params": params}, ids, decoder_input_ids=dec).astype(jnp.float32)
+
+    def train_step(params, ids, dec):
+        return jax.grad(lambda p: -jnp.mean(jax.nn.log_softmax(forward(p, ids, dec))[..., 0]))(params)
+
+    text = lowered(forward if program == "forward" else train_step, params, ids, dec, platform="cuda")
+    for T_, S_ in ((448, 448), (320, 320), (320, 448)):  # encoder, decoder, cross-attention
+        assert_fused(text, "cuda", T_, S_)
