@@ -61,7 +61,11 @@ KERNEL = {"gpu": "pallas_gpu", "tpu": "pallas_tpu"}
 CAPABILITY = {"h100": "9.0", "a100": "8.0"}
 # What implementation=None must call per GPU generation (jaxattn._api.CUDA_KERNELS_BY_GENERATION): a
 # bf16 causal call with T == S goes to cuDNN on Hopper and to our Triton kernel on Ampere.
-EXPECTED_CALLS = {("h100", "None causal"): "__cudnn$fmha", ("a100", "None causal"): "__gpu$xla.gpu.triton"}
+EXPECTED_CALLS = {
+    ("h100", "None causal"): "__cudnn$fmha",
+    ("a100", "None causal"): "__gpu$xla.gpu.triton",
+    ("h100", "causal x64"): "__gpu$xla.gpu.triton",  # the kernel itself, not an XLA fallback
+}
 PROGRAMS = ("forward", "forward+backward")
 # O(T + S): temp(2T, 2S) <= 2 temp(T, S) + LINEAR_SLACK. The slack is for small quadratic bookkeeping: the
 # kernels' tile schedule, int32 per (query tile, key tile) pair, is 16 KiB at 4096 x 4096 in 64 x 64 tiles
@@ -104,6 +108,7 @@ class Case:
     platforms: tuple = ("gpu", "tpu")
     memory: tuple = ()  # the programs whose temp bytes must be O(T + S)
     mesh: bool = True  # traced inside jax.set_mesh of the target device, as on a host that has it (below)
+    x64: bool = False  # traced and lowered with jax_enable_x64 on (scientific JAX's common setting)
 
     def sizes(self, scale=1):
         return dict(
@@ -199,6 +204,8 @@ CASES = [
     Case("cudnn causal", T=2048, N=8, K=2, kernel="cudnn", options=CAUSAL, platforms=("gpu",)),
     Case("cudnn fp16 H64", N=4, H=64, dtype="float16", kernel="cudnn", platforms=("gpu",)),
     Case("None causal", T=2048, N=8, kernel="auto", options=CAUSAL),
+    # our GPU kernel traces and compiles with 64-bit mode on (the TPU kernels refuse it by name)
+    Case("causal x64", N=4, options=CAUSAL, platforms=("gpu",), x64=True),
     Case("None decode", B=2, T=1, S=8192, N=8, K=2, kernel="auto", options=CAUSAL, programs=("forward",)),
     Case("llama", T=384, N=4, K=2, H=64, kernel="llama", programs=("forward", "forward+backward", "decode")),
 ]
@@ -238,6 +245,7 @@ CI_FIRST = {
     "None t5": FWD_BWD,
     "cudnn causal": FWD_BWD,
     "None causal": FWD_BWD,
+    "causal x64": FWD_BWD,
     "llama": ("forward", "decode"),
 }
 CI_SECOND = {"causal H256 GQA 4/2": FWD_BWD, "full f32": FWD_BWD, "None causal": FWD_BWD, "t5 causal": FWD_BWD}
@@ -389,7 +397,8 @@ def compile_one(case: Case, target: str, device, program: str, scale: int = 1) -
         # The "CPU host" case keeps that failure in view.
         mesh = jax.set_mesh(jax.sharding.Mesh(np.array([device]), ("x",))) if case.mesh else contextlib.nullcontext()
         stage = "lower"
-        with jaxattn.cross_platform_lowering(cuda_compute_capability=CAPABILITY.get(target)), mesh:
+        x64 = jax.enable_x64(True) if case.x64 else contextlib.nullcontext()
+        with jaxattn.cross_platform_lowering(cuda_compute_capability=CAPABILITY.get(target)), mesh, x64:
             lowered = jax.jit(fn).lower(*shapes(args, device))
         row["lower_s"] = round(time.perf_counter() - start, 2)
         stage = "compile"
