@@ -57,6 +57,15 @@ class _Group(nn.Module):
         return {leaf: self.param(leaf, init, shape, self.param_dtype) for leaf, shape, init in self.specs}
 
 
+def _declare(specs: dict, param_dtype) -> dict:
+    """The parameter tree of `specs` ({group: {leaf: (shape, init)}}), one _Group submodule per group, declared
+    in the calling layer's compact method."""
+    return {
+        group: _Group(tuple((leaf, shape, init) for leaf, (shape, init) in leaves.items()), param_dtype, name=group)()
+        for group, leaves in specs.items()
+    }
+
+
 def _attention_dropout(layer: MultiHeadAttention | DisentangledAttention, deterministic, dropout_rng):
     """(rate, rng) of a layer's weight dropout after flax's rules (its dropout_rate and deterministic
     attributes): `deterministic` is required only when dropout_rate > 0."""
@@ -157,12 +166,7 @@ class MultiHeadAttention(nn.Module):
             sinks_init=self.sinks_init if self.use_sinks else None,
         )
         sinks = specs.pop("sinks", None)
-        params = {
-            group: _Group(
-                tuple((leaf, shape, init) for leaf, (shape, init) in leaves.items()), self.param_dtype, name=group
-            )()
-            for group, leaves in specs.items()
-        }
+        params = _declare(specs, self.param_dtype)
         if sinks is not None:
             params["sinks"] = self.param("sinks", sinks[1], sinks[0], self.param_dtype)
         return params
@@ -358,10 +362,7 @@ class WindowAttention(nn.Module):
             bias_init=self.bias_init,
             table_init=self.table_init,
         )
-        params = {
-            group: _Group(tuple((leaf, *spec) for leaf, spec in leaves.items()), self.param_dtype, name=group)()
-            for group, leaves in specs.items()
-        }
+        params = _declare(specs, self.param_dtype)
         return window_layer.window_self_attention(
             params, x, self.window_size, shift=self.shift, precision=self.precision, implementation=self.implementation
         )
@@ -438,12 +439,7 @@ class DisentangledAttention(nn.Module):
             kernel_init=self.kernel_init,
             bias_init=self.bias_init,
         )
-        params = {
-            group: _Group(
-                tuple((leaf, shape, init) for leaf, (shape, init) in leaves.items()), self.param_dtype, name=group
-            )()
-            for group, leaves in specs.items()
-        }
+        params = _declare(specs, self.param_dtype)
         dtype = common.layer_dtype(self.dtype, params, query, key, value, rel_embeddings)
         params, query, key, value, rel_embeddings = common.cast((params, query, key, value, rel_embeddings), dtype)
         rate, rng = _attention_dropout(self, deterministic, dropout_rng)

@@ -52,6 +52,20 @@ class _Group(nnx.Module):
         return {leaf: getattr(self, leaf)[...] for leaf in self.leaves}
 
 
+class _Grouped(nnx.Module):
+    """A layer whose parameters are groups of leaves ({group: {leaf: (shape, init)}} specs), as the functional
+    API's parameter tree."""
+
+    def _declare(self, specs: dict, param_dtype, rngs: nnx.Rngs):
+        for group, leaves in specs.items():
+            setattr(self, group, _Group(leaves, param_dtype, rngs))
+        self.groups = tuple(specs)
+
+    def params(self) -> dict:
+        """The parameter tree as plain nested dicts of arrays (what the functional API takes)."""
+        return {group: getattr(self, group).tree() for group in self.groups}
+
+
 def _attention_dropout(layer: MultiHeadAttention | DisentangledAttention, deterministic, rngs, dropout_rng):
     """(rate, key) of a layer's weight dropout (its dropout_rate, deterministic and forked rngs): the call's
     `deterministic` wins over the attribute; one is required when rate > 0."""
@@ -68,7 +82,7 @@ def _attention_dropout(layer: MultiHeadAttention | DisentangledAttention, determ
     return layer.dropout_rate, stream()
 
 
-class MultiHeadAttention(nnx.Module):
+class MultiHeadAttention(_Grouped):
     """Multi-head / grouped-query attention (see the module docstring for decoding).
 
     Sizes as jaxattn.init_multi_head_attention: query_features Eq, num_heads N, head_dim H (default Eq // N),
@@ -165,9 +179,7 @@ class MultiHeadAttention(nnx.Module):
             sinks_init=sinks_init if use_sinks else None,
         )
         sinks = specs.pop("sinks", None)
-        for group, leaves in specs.items():
-            setattr(self, group, _Group(leaves, param_dtype, rngs))
-        self.groups = tuple(specs)
+        self._declare(specs, param_dtype, rngs)
         self.sinks = nnx.data(None) if sinks is None else nnx.Param(sinks[1](rngs.params(), sinks[0], param_dtype))
         self.window, self.chunk_size, self.logit_softcap = window, chunk_size, logit_softcap
         self.implementation, self.interpret = implementation, interpret  # as dot_product_attention's
@@ -186,7 +198,7 @@ class MultiHeadAttention(nnx.Module):
 
     def params(self) -> dict:
         """The parameter tree as plain nested dicts of arrays (what the functional API takes)."""
-        tree = {group: getattr(self, group).tree() for group in self.groups}
+        tree = super().params()
         if self.sinks is not None:
             tree["sinks"] = self.sinks[...]
         return tree
@@ -319,7 +331,7 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
         super().__init__(query_features, num_heads, head_dim, rngs=rngs, _relative=relative, **options)
 
 
-class WindowAttention(nnx.Module):
+class WindowAttention(_Grouped):
     """Swin's (shifted) window self-attention on a feature map [..., height, width, E] -> [..., height, width, E].
 
     A thin shell over window_self_attention; params() is the tree of jaxattn.linen.WindowAttention
@@ -353,15 +365,9 @@ class WindowAttention(nnx.Module):
             bias_init=bias_init,
             table_init=table_init,
         )
-        for group, leaves in specs.items():
-            setattr(self, group, _Group(leaves, param_dtype, rngs))
-        self.groups = tuple(specs)
+        self._declare(specs, param_dtype, rngs)
         self.window_size, self.shift = window_size, shift
         self.precision, self.implementation = precision, implementation
-
-    def params(self) -> dict:
-        """The parameter tree as plain nested dicts of arrays (what window_self_attention takes)."""
-        return {group: getattr(self, group).tree() for group in self.groups}
 
     def __call__(self, x: Float[ArrayLike, "*#B Y X E"]) -> Float[Array, "*#B Y X E"]:
         return window_layer.window_self_attention(
@@ -374,7 +380,7 @@ class WindowAttention(nnx.Module):
         )
 
 
-class DisentangledAttention(nnx.Module):
+class DisentangledAttention(_Grouped):
     """DeBERTa's disentangled attention layer (jaxattn.disentangled_multi_head_attention): HF's
     DisentangledSelfAttention with its output projection (DebertaV2SelfOutput.dense) as "out".
 
@@ -425,19 +431,13 @@ class DisentangledAttention(nnx.Module):
         specs |= disentangled.position_specs(
             dims, Er, entries, use_bias=use_bias, kernel_init=kernel_init, bias_init=bias_init
         )
-        for group, leaves in specs.items():
-            setattr(self, group, _Group(leaves, param_dtype, rngs))
-        self.groups = tuple(specs)
+        self._declare(specs, param_dtype, rngs)
         self.max_relative_positions, self.position_buckets = max_relative_positions, position_buckets
         self.pos_att_type, self.share_att_key = tuple(pos_att_type), share_att_key
         self.scale, self.dtype, self.param_dtype, self.precision = scale, dtype, param_dtype, precision
         self.implementation = implementation
         self.dropout_rate, self.deterministic = dropout_rate, deterministic
         self.rngs = rngs.dropout.fork() if dropout_rate > 0 else nnx.data(None)
-
-    def params(self) -> dict:
-        """The parameter tree as plain nested dicts of arrays (what the functional API takes)."""
-        return {group: getattr(self, group).tree() for group in self.groups}
 
     def __call__(
         self,
