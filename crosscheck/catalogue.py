@@ -269,6 +269,54 @@ def torch_params(module) -> dict[str, np.ndarray]:
     return {name: p.detach().numpy().copy() for name, p in module.named_parameters()}
 
 
+# HF attention modules as cases (crosscheck.cases.positions, .windows): their weights by weight-table rows.
+def linear_heads():
+    """nn.Linear [N*H, E] -> kernel [E, N, H]; [E, N*H] -> [N, H, E]."""
+    from jaxattn.models.weights import Reshape, Steps, Transpose
+
+    return Steps(Transpose(), Reshape())
+
+
+def fill_from_hf(rows: list, dims: dict, state: dict) -> dict:
+    """HF flat {name: array} -> jaxattn tree (exactly the rows' names, every shape checked against dims)."""
+    from jaxattn.models import weights
+
+    return weights.fill({k: np.asarray(v) for k, v in state.items()}, rows, dims, {k: "HF module" for k in state})
+
+
+def hf_module_setup(module, table: list, dims: dict, jax_fn, torch_fn, inputs, fixed=()) -> Setup:
+    """Setup with jax params from the table (its letters' sizes: dims). `fixed` names are held constant (not
+    differentiated) on both sides: key biases without RoPE, whose gradient is identically zero (q . b_k is
+    constant along each softmax row), so both frameworks return roundoff noise that no relative error can
+    compare."""
+    state = torch_params(module)
+    consts = {name: state.pop(name) for name in fixed}
+    jax_consts = fill_from_hf([r for r in table if r.name in fixed], dims, consts)
+    table = [r for r in table if r.name not in fixed]
+
+    def jax_with_consts(p, **kw):
+        dtype = next(iter(kw.values())).dtype
+        merged = {k: dict(v) if isinstance(v, dict) else v for k, v in p.items()}
+        for entry, leaves in jax_consts.items():
+            merged.setdefault(entry, {}).update({k: np.asarray(a, dtype) for k, a in leaves.items()})
+        return jax_fn(merged, **kw)
+
+    def torch_with_consts(p, **kw):
+        import torch
+
+        dtype = next(iter(kw.values())).dtype
+        return torch_fn({**p, **{n: torch.from_numpy(a).to(dtype) for n, a in consts.items()}}, **kw)
+
+    return Setup(
+        jax_with_consts,
+        torch_with_consts,
+        inputs,
+        params=fill_from_hf(table, dims, state),
+        torch_params=state,
+        grads_from_torch=lambda grads: fill_from_hf(table, dims, grads),
+    )
+
+
 def to_numpy_tree(tree: Any) -> Any:
     if isinstance(tree, Mapping):
         return {k: to_numpy_tree(v) for k, v in tree.items()}

@@ -28,7 +28,17 @@ from unittest import mock
 
 import numpy as np
 
-from crosscheck.catalogue import FLOAT32_JIT, Const, Setup, normal, randomize, register_case, rng_for, torch_params
+from crosscheck.catalogue import (
+    FLOAT32_JIT,
+    Const,
+    Setup,
+    hf_module_setup,
+    linear_heads,
+    normal,
+    randomize,
+    register_case,
+    rng_for,
+)
 
 if TYPE_CHECKING:
     from jaxattn.models.weights import Row
@@ -41,17 +51,10 @@ _HF = ("transformers",)  # hf_* cases build HF modules: registered only when tra
 # Imported in each function: jaxattn.models brings flax and every model family, which registering cases need not.
 
 
-def _heads():
-    """nn.Linear [N*H, E] -> kernel [E, N, H]; [E, N*H] -> [N, H, E]."""
-    from jaxattn.models.weights import Reshape, Steps, Transpose
-
-    return Steps(Transpose(), Reshape())
-
-
 def _t5_table() -> list[Row]:
     from jaxattn.models.weights import row
 
-    heads = _heads()
+    heads = linear_heads()
     return [
         row("q.weight", ("N*H", "E"), "query/kernel", ("E", "N", "H"), heads),
         row("k.weight", ("N*H", "E"), "key/kernel", ("E", "N", "H"), heads),
@@ -66,7 +69,7 @@ def _linear_rows(hf: str, ours: str, N: str) -> list[Row]:
     from jaxattn.models.weights import Reshape, row
 
     return [
-        row(f"{hf}.weight", (f"{N}*H", "E"), f"{ours}/kernel", ("E", N, "H"), _heads()),
+        row(f"{hf}.weight", (f"{N}*H", "E"), f"{ours}/kernel", ("E", N, "H"), linear_heads()),
         row(f"{hf}.bias", (f"{N}*H",), f"{ours}/bias", (N, "H"), Reshape()),
     ]
 
@@ -74,7 +77,7 @@ def _linear_rows(hf: str, ours: str, N: str) -> list[Row]:
 def _llama_table() -> list[Row]:
     from jaxattn.models.weights import row
 
-    heads = _heads()
+    heads = linear_heads()
     return [
         *_linear_rows("q_proj", "query", "N"),
         *_linear_rows("k_proj", "key", "K"),
@@ -89,7 +92,7 @@ def _fused_per_head_table(H: int, fused: str, dense: str) -> list[Row]:
     blocks of H rows."""
     from jaxattn.models.weights import Every, Row, Steps, Target, row
 
-    heads = _heads()
+    heads = linear_heads()
     names = ("query", "key", "value")
     return [
         Row(
@@ -114,7 +117,7 @@ def _mpt_table() -> list[Row]:
     """MPT: Wqkv rows [3, N, H] (q block, k block, v block), no biases."""
     from jaxattn.models.weights import Part, Row, Steps, Target, row
 
-    heads = _heads()
+    heads = linear_heads()
     return [
         Row(
             "Wqkv.weight",
@@ -131,7 +134,7 @@ def _mpt_table() -> list[Row]:
 def _w2v2bert_table(kind: str) -> list[Row]:
     from jaxattn.models.weights import row
 
-    heads = _heads()
+    heads = linear_heads()
     table = [
         *_linear_rows("linear_q", "query", "N"),
         *_linear_rows("linear_k", "key", "N"),
@@ -146,46 +149,6 @@ def _w2v2bert_table(kind: str) -> list[Row]:
         row("pos_bias_u", ("N", "H"), "pos_bias_u", ("N", "H")),
         row("pos_bias_v", ("N", "H"), "pos_bias_v", ("N", "H")),
     ]
-
-
-def _fill(rows: list[Row], dims: dict, state: dict) -> dict:
-    """HF flat {name: array} -> jaxattn tree (exactly the rows' names, every shape checked against dims)."""
-    from jaxattn.models import weights
-
-    return weights.fill({k: np.asarray(v) for k, v in state.items()}, rows, dims, {k: "HF module" for k in state})
-
-
-def _hf_setup(module, table, dims, jax_fn, torch_fn, inputs, fixed=()) -> Setup:
-    """Setup with jax params from the table (its letters' sizes: dims). `fixed` names are held constant (not
-    differentiated) on both sides: key biases without RoPE, whose gradient is identically zero (q . b_k is
-    constant along each softmax row), so both frameworks return roundoff noise that no relative error can
-    compare."""
-    state = torch_params(module)
-    consts = {name: state.pop(name) for name in fixed}
-    jax_consts = _fill([r for r in table if r.name in fixed], dims, consts)
-    table = [r for r in table if r.name not in fixed]
-
-    def jax_with_consts(p, **kw):
-        dtype = next(iter(kw.values())).dtype
-        merged = {k: dict(v) if isinstance(v, dict) else v for k, v in p.items()}
-        for entry, leaves in jax_consts.items():
-            merged.setdefault(entry, {}).update({k: np.asarray(a, dtype) for k, a in leaves.items()})
-        return jax_fn(merged, **kw)
-
-    def torch_with_consts(p, **kw):
-        import torch
-
-        dtype = next(iter(kw.values())).dtype
-        return torch_fn({**p, **{n: torch.from_numpy(a).to(dtype) for n, a in consts.items()}}, **kw)
-
-    return Setup(
-        jax_with_consts,
-        torch_with_consts,
-        inputs,
-        params=_fill(table, dims, state),
-        torch_params=state,
-        grads_from_torch=lambda grads: _fill(table, dims, grads),
-    )
 
 
 def _call(module, params, *args, **kwargs):
@@ -271,7 +234,9 @@ def _t5(name: str, *, decoder: bool, T: int, S: int) -> Setup:
             _call(module, p, x[:, :past], mask=_additive_causal(past, past, x.dtype), past_key_values=cache)
         return _call(module, p, x[:, past:], mask=_additive_causal(T, S, x.dtype), past_key_values=cache)[0]
 
-    return _hf_setup(module, _t5_table(), dict(E=E, N=N, H=H, R=R), jax_fn, torch_fn, {"x": normal(rng, (B, S, E))})
+    return hf_module_setup(
+        module, _t5_table(), dict(E=E, N=N, H=H, R=R), jax_fn, torch_fn, {"x": normal(rng, (B, S, E))}
+    )
 
 
 @register_case("hf_t5_encoder", requires=_HF, quick=FLOAT32_JIT)
@@ -349,7 +314,9 @@ def hf_llama() -> Setup:
             past_key_values=cache,
         )[0]
 
-    return _hf_setup(module, _llama_table(), dict(E=E, N=N, K=K, H=H), jax_fn, torch_fn, {"x": normal(rng, (B, S, E))})
+    return hf_module_setup(
+        module, _llama_table(), dict(E=E, N=N, K=K, H=H), jax_fn, torch_fn, {"x": normal(rng, (B, S, E))}
+    )
 
 
 @register_case("hf_gpt_neox", requires=_HF, quick=FLOAT32_JIT)
@@ -388,7 +355,7 @@ def hf_gpt_neox() -> Setup:
         return _call(module, p, x, attention_mask=None, position_embeddings=cos_sin)[0]
 
     table = _fused_per_head_table(H, "query_key_value", "dense")
-    return _hf_setup(module, table, dict(E=E, N=N, H=H), jax_fn, torch_fn, {"x": normal(rng, (B, T, E))})
+    return hf_module_setup(module, table, dict(E=E, N=N, H=H), jax_fn, torch_fn, {"x": normal(rng, (B, T, E))})
 
 
 # --- ALiBi: BLOOM, MPT ----------------------------------------------------------------------------------
@@ -443,7 +410,7 @@ def hf_bloom() -> Setup:
 
     table = _fused_per_head_table(H, "query_key_value", "dense")
     # the fused bias holds BLOOM's key bias (zero gradient, see _hf_setup): the whole tensor is held fixed
-    return _hf_setup(
+    return hf_module_setup(
         module,
         table,
         dict(E=E, N=N, H=H),
@@ -478,7 +445,7 @@ def hf_mpt() -> Setup:
         blocked = ~_bool_causal(T, T)  # MPT's mask: True = masked
         return _call(module, p, x, position_bias, attention_mask=blocked)[0]
 
-    return _hf_setup(module, _mpt_table(), dict(E=E, N=N, H=H), jax_fn, torch_fn, {"x": normal(rng, (B, T, E))})
+    return hf_module_setup(module, _mpt_table(), dict(E=E, N=N, H=H), jax_fn, torch_fn, {"x": normal(rng, (B, T, E))})
 
 
 # --- Wav2Vec2-BERT: clipped relative keys, Transformer-XL ----------------------------------------------
@@ -542,7 +509,7 @@ def _w2v2bert(name: str, kind: str, *, T: int, E: int, N: int, left: int = 0, ri
             return _call(module, p, x, relative_position_embeddings=pos)[0]
 
     dims = dict(E=E, N=N, H=H, R=left + right + 1)
-    return _hf_setup(module, _w2v2bert_table(kind), dims, jax_fn, torch_fn, inputs, fixed=("linear_k.bias",))
+    return hf_module_setup(module, _w2v2bert_table(kind), dims, jax_fn, torch_fn, inputs, fixed=("linear_k.bias",))
 
 
 @register_case("hf_w2v2bert_relative_key", requires=_HF, quick=FLOAT32_JIT)
@@ -676,7 +643,7 @@ def _deberta(
     if "p2c" not in pos_att_type:
         fixed += ("key_proj.bias",)
     table = _deberta_table(pos_att_type, share_att_key)
-    return _hf_setup(module, table, dict(E=E, N=N, H=H), jax_fn, torch_fn, inputs, fixed=fixed)
+    return hf_module_setup(module, table, dict(E=E, N=N, H=H), jax_fn, torch_fn, inputs, fixed=fixed)
 
 
 @register_case("hf_deberta_buckets", requires=_HF, quick=FLOAT32_JIT)

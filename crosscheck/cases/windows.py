@@ -22,7 +22,17 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from crosscheck.catalogue import FLOAT32_JIT, Const, Setup, normal, randomize, register_case, rng_for, torch_params
+from crosscheck.catalogue import (
+    FLOAT32_JIT,
+    Const,
+    Setup,
+    hf_module_setup,
+    linear_heads,
+    normal,
+    randomize,
+    register_case,
+    rng_for,
+)
 
 if TYPE_CHECKING:
     from jaxattn.models.weights import Row
@@ -85,66 +95,20 @@ def pos_window_shifted() -> Setup:
 # --- against transformers ------------------------------------------------------------------------------------
 
 
-def _heads():
-    """nn.Linear [N*H, E] -> kernel [E, N, H]; [E, N*H] -> [N, H, E]."""
-    from jaxattn.models.weights import Reshape, Steps, Transpose
-
-    return Steps(Transpose(), Reshape())
-
-
 def _attention_table(prefix: str, table_name: str, key_bias: bool) -> list[Row]:
     """q/k/v/o_proj of SwinAttention / BeitAttention and the bias table, [R, N] as is."""
     from jaxattn.models.weights import Reshape, row
 
     rows = []
     for hf, ours in (("q_proj", "query"), ("k_proj", "key"), ("v_proj", "value")):
-        rows.append(row(f"{prefix}{hf}.weight", ("N*H", "E"), f"{ours}/kernel", ("E", "N", "H"), _heads()))
+        rows.append(row(f"{prefix}{hf}.weight", ("N*H", "E"), f"{ours}/kernel", ("E", "N", "H"), linear_heads()))
         if hf != "k_proj" or key_bias:
             rows.append(row(f"{prefix}{hf}.bias", ("N*H",), f"{ours}/bias", ("N", "H"), Reshape()))
     return rows + [
-        row(f"{prefix}o_proj.weight", ("E", "N*H"), "out/kernel", ("N", "H", "E"), _heads()),
+        row(f"{prefix}o_proj.weight", ("E", "N*H"), "out/kernel", ("N", "H", "E"), linear_heads()),
         row(f"{prefix}o_proj.bias", ("E",), "out/bias", ("E",)),
         row(table_name, ("R", "N"), "window/table", ("R", "N")),
     ]
-
-
-def _fill(rows: list[Row], dims: dict, state: dict) -> dict:
-    """HF flat {name: array} -> jaxattn tree (exactly the rows' names, every shape checked against dims)."""
-    from jaxattn.models import weights
-
-    return weights.fill({k: np.asarray(v) for k, v in state.items()}, rows, dims, {k: "HF module" for k in state})
-
-
-def _hf_setup(module, table: list[Row], dims: dict, jax_fn, torch_fn, inputs, fixed=()) -> Setup:
-    """Params from the table. `fixed` names are held constant on both sides: the key bias, whose gradient is
-    identically zero (q . b_k is the same for every key of a row, and softmax ignores it), so both sides would
-    return roundoff noise that no relative error can compare."""
-    import torch
-
-    state = torch_params(module)
-    consts = {name: state.pop(name) for name in fixed}
-    jax_consts = _fill([r for r in table if r.name in fixed], dims, consts)
-    table = [r for r in table if r.name not in fixed]
-
-    def jax_with_consts(p, **kw):
-        dtype = next(iter(kw.values())).dtype
-        merged = {k: dict(v) for k, v in p.items()}
-        for entry, leaves in jax_consts.items():
-            merged[entry].update({k: np.asarray(a, dtype) for k, a in leaves.items()})
-        return jax_fn(merged, **kw)
-
-    def torch_with_consts(p, **kw):
-        dtype = next(iter(kw.values())).dtype
-        return torch_fn({**p, **{n: torch.from_numpy(a).to(dtype) for n, a in consts.items()}}, **kw)
-
-    return Setup(
-        jax_with_consts,
-        torch_with_consts,
-        inputs,
-        params=_fill(table, dims, state),
-        torch_params=state,
-        grads_from_torch=lambda grads: _fill(table, dims, grads),
-    )
 
 
 def _jax_window_layer(p, x, window, nW, *, cls_token=False, ids=None):
@@ -193,7 +157,9 @@ def _swin(name: str, *, window, grid, shift=0) -> Setup:
 
     R = jaxattn.window_table_rows(window)
     table = _attention_table("", "relative_position_bias.relative_position_bias_table", key_bias=True)
-    return _hf_setup(module, table, dict(E=E, N=N, H=E // N, R=R), jax_fn, torch_fn, inputs, fixed=("k_proj.bias",))
+    return hf_module_setup(
+        module, table, dict(E=E, N=N, H=E // N, R=R), jax_fn, torch_fn, inputs, fixed=("k_proj.bias",)
+    )
 
 
 @register_case("hf_swin_attention", requires=_HF, quick=FLOAT32_JIT, default_run=True)
@@ -243,7 +209,9 @@ def hf_swin_window_layer() -> Setup:
     R = jaxattn.window_table_rows(ws)
     table = _attention_table("", "relative_position_bias.relative_position_bias_table", key_bias=True)
     inputs = {"x": normal(rng, (B, *grid, E))}
-    return _hf_setup(module, table, dict(E=E, N=N, H=E // N, R=R), jax_fn, torch_fn, inputs, fixed=("k_proj.bias",))
+    return hf_module_setup(
+        module, table, dict(E=E, N=N, H=E // N, R=R), jax_fn, torch_fn, inputs, fixed=("k_proj.bias",)
+    )
 
 
 @register_case("hf_beit_attention", requires=_HF, quick=FLOAT32_JIT)
@@ -283,7 +251,9 @@ def hf_beit_attention() -> Setup:
 
     R = jaxattn.window_table_rows(window, cls_token=True)
     table = _attention_table("attention.", "relative_position_bias.relative_position_bias_table", key_bias=False)
-    return _hf_setup(module, table, dict(E=E, N=N, H=E // N, R=R), jax_fn, torch_fn, {"x": normal(rng, (B, T, E))})
+    return hf_module_setup(
+        module, table, dict(E=E, N=N, H=E // N, R=R), jax_fn, torch_fn, {"x": normal(rng, (B, T, E))}
+    )
 
 
 def cases() -> list[str]:
