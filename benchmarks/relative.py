@@ -5,7 +5,8 @@
 
 Schemes (B = 1, N = K = 8, H = 64, float32, causal, T = S): T5 (causal buckets, 32 buckets, max_distance 128),
 ALiBi, Transformer-XL (position keys [S,N,H] with u and v), clipped tables (max_left 64, max_right 16, key and
-value tables [R,N,H]) and per-pair tables (relative_attention, A^K [T,S,1,H]: 1 GiB at 2048, so only lengths up
+value tables [R,N,H]), DeBERTa-v3's disentangled attention ("deberta": not causal, 256 buckets, c2p and p2c
+tables [512,N,H]) and per-pair tables (relative_attention, A^K [T,S,1,H]: 1 GiB at 2048, so only lengths up
 to --max-pairs, default 2048). Forward and forward+backward (gradients into q, k, v and every table). Each point
 compiles both engines (XLA's memory analysis: temp bytes), then times them interleaved (medians of wall time);
 a dense program whose temp memory exceeds --max-dense-gib is compiled for its memory figure but not run, and
@@ -54,6 +55,13 @@ def scheme_function(name, implementation):
             ),
             [lambda L: (81, N, H), lambda L: (81, N, H)],
         )
+    if name == "deberta":  # DeBERTa-v3's settings: an encoder (not causal), 256 buckets, c2p and p2c [512,N,H]
+        return (
+            lambda q, k, v, kr, qr: jaxattn.disentangled_attention(
+                q, k, v, kr, qr, position_buckets=256, max_relative_positions=512, implementation=implementation
+            ),
+            [lambda L: (512, N, H), lambda L: (512, N, H)],
+        )
     if name == "pairs":
         return lambda q, k, v, a: jaxattn.relative_attention(q, k, v, a, **common), [lambda L: (L, L, 1, H)]
     raise ValueError(name)
@@ -80,7 +88,8 @@ def point(name, L, backward, rounds, max_dense_bytes, timed=True):
         cands.append(cand)
     if any(c.timed for c in cands):
         time_rounds(cands, rounds)
-    result = {"scheme": name, "T": L, "S": L, "B": 1, "N": N, "K": N, "H": H, "causal": True, "rounds": rounds}
+    causal = name != "deberta"
+    result = {"scheme": name, "T": L, "S": L, "B": 1, "N": N, "K": N, "H": H, "causal": causal, "rounds": rounds}
     result["direction"] = "fwd+bwd" if backward else "fwd"
     for c in cands:
         result[c.name] = {

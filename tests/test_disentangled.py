@@ -381,8 +381,42 @@ def test_blockwise_memory_is_linear():
     for fn in (blockwise, grad_of_sum(blockwise, (0, 1, 2, 3, 4))):
         growth = temps(fn, 4096) - temps(fn, 2048)
         assert growth < logits_growth / 8, (growth, logits_growth)
-    dense = lambda *a: disentangled_attention(*a, **opts)  # noqa: E731  the yardstick holds [N,T,S] arrays
+    dense = lambda *a: disentangled_attention(*a, implementation="dense", **opts)  # noqa: E731  holds [N,T,S]
     assert temps(dense, 4096) - temps(dense, 2048) >= logits_growth
+
+
+def _engine(fn):
+    """Which engine fn(**kw) runs under implementation=None: its program is that of "dense" or "blockwise"."""
+    program = {name: str(jax.make_jaxpr(lambda: fn(implementation=name))()) for name in (None, "dense", "blockwise")}
+    assert program["dense"] != program["blockwise"]
+    return next((name for name in ("dense", "blockwise") if program[None] == program[name]), "neither")
+
+
+def test_none_takes_blockwise_past_the_threshold_and_the_table():
+    """None: blockwise where T x S reaches the threshold and S exceeds the table's rows (and the call has no
+    option only dense takes); dense otherwise. Its numbers are the dense engine's."""
+    from jaxattn._api import AUTO_BLOCKWISE_ELEMENTS
+
+    R = 2 * 61  # position_buckets = 61 (a span of 61 rows each way)
+    opts = dict(position_buckets=61, max_relative_positions=97)
+
+    def call(Tq, Sk, **kw):
+        rng = np.random.default_rng(Tq * Sk)
+        q, k, v = rng.normal(size=(Tq, N, H)), rng.normal(size=(Sk, K, H)), rng.normal(size=(Sk, K, Hv))
+        kr, qr = rng.normal(size=(R, N, H)) * 0.3, rng.normal(size=(R, N, H)) * 0.3
+        return lambda **more: disentangled_attention(q, k, v, kr, qr, **opts, **kw, **more)
+
+    assert 127 * 131 >= AUTO_BLOCKWISE_ELEMENTS > 113 * 127 and 131 > R >= 113
+    assert _engine(call(127, 131)) == "blockwise"
+    assert _engine(call(113, 127)) == "dense"  # below the threshold
+    assert _engine(call(167, R)) == "dense"  # past the threshold, but S = R: per-row scores as wide as the logits
+    for only_dense in (dict(query_positions=np.arange(127)), dict(logit_softcap=30.0)):  # indexed by row, capped
+        program = str(jax.make_jaxpr(lambda: call(127, 131, **only_dense)())())
+        assert program == str(jax.make_jaxpr(lambda: call(127, 131, **only_dense)(implementation="dense"))())
+    fn = call(127, 131)
+    auto, dense = fn(), fn(implementation="dense")
+    assert_float64(auto, dense)
+    assert normwise(auto, dense) < TOL
 
 
 def test_blockwise_refuses_what_it_cannot_index():

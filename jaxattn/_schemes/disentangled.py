@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 import numpy as np
 
-from .._api import check_implementation, scheme_call
+from .._api import check_implementation, scheme_call, use_blockwise
 from .._core import checks
 from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
@@ -226,6 +226,17 @@ def _blockwise(call, query, key, value, tables, dims, position_buckets, max_rela
     return blockwise.tiled(call.replace(score_mod=score_mod), query, key, value)
 
 
+def _auto_blockwise(call, query, key, R: int) -> bool:
+    """implementation=None: blockwise where it takes every option in use (it refuses these three by name), T x S
+    reaches use_blockwise's threshold, and S > R. The blockwise form holds per-row scores [N,T,R] and [N,S,R]
+    where the dense one holds [N,T,S], so below S = R it saves nothing: DeBERTa-v3 (R = 512) at T = S = 512 in
+    float32 forward+backward, blockwise 854 ms / 152 MiB against dense 735 ms / 82 MiB; at 2048, 7.5 s / 280 MiB
+    against 12.6 s / 1040 MiB (benchmarks/results/relative.json, docs/positions.md "DeBERTa")."""
+    if any(getattr(call, name) is not None for name in ("query_positions", "key_positions", "logit_softcap")):
+        return False
+    return np.shape(key)[-3] > R and use_blockwise(None, call, query, key)
+
+
 @compiled_when_eager
 def disentangled_attention(
     query: Float[ArrayLike, "*#B T N H"],
@@ -249,9 +260,11 @@ def disentangled_attention(
     max_relative_positions as resolved by transformers, max_position_embeddings when the config has < 1).
     scale: None = 1 / sqrt(H * (1 + number of position terms given)). Keywords as dot_product_attention
     (an encoder: is_causal=False, padding as mask or key_value_seq_lengths); transformers' T != S puts the
-    query at t (top-left): query_positions=jnp.arange(T). implementation: None or "dense" (the dense
-    engine), or "blockwise" (O(T + S) memory: both terms as a score_mod over per-row scores; no mask, bias,
-    dropout, return_weights, query/key_positions or logit_softcap there), interpret=False.
+    query at t (top-left): query_positions=jnp.arange(T). implementation: "dense" (the dense engine),
+    "blockwise" (O(T + S) memory: both terms as a score_mod over per-row scores; no mask, bias, dropout,
+    return_weights, query/key_positions or logit_softcap there), or None: blockwise where it takes the call,
+    T x S reaches dot_product_attention's threshold and S exceeds the table's rows, else dense;
+    interpret=False.
     """
     implementation, interpret = options.pop("implementation", None), options.pop("interpret", False)
     check_implementation(implementation, interpret)
@@ -275,7 +288,7 @@ def disentangled_attention(
     for name, table in (("position_keys", position_keys), ("position_queries", position_queries)):
         if table is not None:
             tables[name] = checks.check_clipped_table(name, table, 2 * span, dims.N, dims.H, acc_dtype, TABLE_LAYOUT)
-    if implementation == "blockwise":
+    if implementation == "blockwise" or (implementation is None and _auto_blockwise(call, query, key, 2 * span)):
         return _blockwise(
             call, query, key, value, tables, dims, position_buckets, max_relative_positions, span, max_step
         )
