@@ -140,9 +140,12 @@ def window_attention(
     row-major order, the windows along the leading batch dims ([B, nW, T, N, H] or [B * nW, T, N, H]; see
     `window_partition`). Swin's shifted windows: pass `shifted_window_segments(...)` [nW, T] as both
     `query_segment_ids` and `key_segment_ids` (they broadcast over the batch dims). Keywords as
-    dot_product_attention (scale defaults to H ** -0.5, as Swin and BEiT), plus implementation=None | "dense"
-    | "blockwise" (block_size) as position_bias_attention: the bias is a position function, so the dense
-    engine builds [N,T,T] for one window only, and the blockwise engine one tile at a time.
+    dot_product_attention (scale defaults to H ** -0.5, as Swin and BEiT), plus implementation and interpret
+    as position_bias_attention: "dense" builds [N,T,T] for one window only (shared by every window),
+    "blockwise" (block_size) one tile at a time, "pallas_gpu" folds the windows into the kernel's batch axis
+    and reads the table inside each tile at WindowIndex (its gradient scattered back into the table), and
+    None takes that kernel on CUDA, the XLA engines elsewhere (TPU included: docs/kernels.md, "Position biases
+    in the kernel").
     """
     Wh, Ww = as_pair("window_size", window_size, 1)
     T = Wh * Ww + (1 if cls_token else 0)
