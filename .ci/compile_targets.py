@@ -65,6 +65,7 @@ EXPECTED_CALLS = {
     ("h100", "None causal"): "__cudnn$fmha",
     ("a100", "None causal"): "__gpu$xla.gpu.triton",
     ("h100", "causal x64"): "__gpu$xla.gpu.triton",  # the kernel itself, not an XLA fallback
+    ("h100", "None swin"): "__gpu$xla.gpu.triton",  # cuDNN has no position bias: ours, not XLA
 }
 PROGRAMS = ("forward", "forward+backward")
 # O(T + S): temp(2T, 2S) <= 2 temp(T, S) + LINEAR_SLACK. The slack is for small quadratic bookkeeping: the
@@ -85,8 +86,10 @@ class Case:
     (query/key segment ids [B,T] / [B,S]), "sinks" ([N] float32, differentiated).
     flex: "score_mod" (an ALiBi-like distance penalty), "mask_mod" (causal sliding window of 256),
     "block_mask" (that mask_mod as a create_block_mask BlockMask, 128-wide tiles, with the score_mod).
-    scheme: "t5" (t5_attention, causal buckets: a [32,N] float32 table, differentiated) or "alibi"
-    (alibi_attention: [N] float32 slopes, differentiated), the position bias the GPU kernel computes per tile.
+    scheme: "t5" (t5_attention, causal buckets: a [32,N] float32 table, differentiated), "alibi"
+    (alibi_attention: [N] float32 slopes, differentiated) or "window" (window_attention over 7x7 windows, T = 49,
+    the windows along B: a [169,N] float32 table, differentiated; with "segments", Swin's shifted regions),
+    the position bias the GPU kernel computes per tile.
     """
 
     name: str
@@ -123,6 +126,7 @@ class Case:
 
 
 CAUSAL = (("is_causal", True),)
+WINDOW = (7, 7)  # Swin's window: the "window" scheme's T = 49
 FWD_BWD = ("forward+backward",)
 # The full grid (--full): a covering set, not the product: each option at least once per platform, each
 # dtype and head dim, forward and forward+backward. Sizes are small where the size does not matter.
@@ -181,6 +185,12 @@ CASES = [
         programs=FWD_BWD,
         memory=FWD_BWD,
     ),
+    # Swin's 2D relative bias in the GPU kernel (issue 35): 64 maps x 16 windows of 7x7 along the batch axis,
+    # the [169,N] table read per tile at the window index, its gradient scattered back with atomic adds; the
+    # shifted windows' regions as segment ids. The TPU kernels refuse the bias (no Mosaic gather).
+    Case("swin", B=64 * 16, T=49, N=4, H=32, scheme="window", platforms=("gpu",)),
+    Case("swin shifted", B=64 * 16, T=49, N=8, H=32, scheme="window", arrays=("segments",), platforms=("gpu",)),
+    Case("None swin", B=64 * 16, T=49, N=4, H=32, kernel="auto", scheme="window", platforms=("gpu",)),
     Case(
         "decode",
         B=2,
@@ -221,6 +231,7 @@ SECOND = (
     "cudnn causal",
     "t5 causal",
     "alibi causal",
+    "swin shifted",
 )
 FULL = {"h100": None, "v5e": None, "a100": SECOND, "v6e": SECOND}
 
@@ -245,6 +256,8 @@ CI_FIRST = {
     "t5 causal": FWD_BWD,
     "alibi causal": FWD_BWD,
     "None t5": FWD_BWD,
+    "swin shifted": FWD_BWD,
+    "None swin": FWD_BWD,
     "cudnn causal": FWD_BWD,
     "None causal": FWD_BWD,
     "causal x64": FWD_BWD,
@@ -303,7 +316,8 @@ def attention_program(case: Case, platform: str, program: str, scale: int):
     if "sinks" in case.arrays:
         floats["sinks"] = jax.ShapeDtypeStruct((N,), jnp.float32)
     if case.scheme is not None:
-        floats["bias"] = jax.ShapeDtypeStruct((32, N) if case.scheme == "t5" else (N,), jnp.float32)
+        rows = {"t5": (32, N), "alibi": (N,), "window": (jaxattn.window_table_rows(WINDOW), N)}[case.scheme]
+        floats["bias"] = jax.ShapeDtypeStruct(rows, jnp.float32)
     if "lengths" in case.arrays:
         ints["key_value_seq_lengths"] = jax.ShapeDtypeStruct((B,), jnp.int32)
     if "segments" in case.arrays:
@@ -328,6 +342,8 @@ def attention_program(case: Case, platform: str, program: str, scale: int):
             return jaxattn.t5_attention(q, k, v, floats["bias"], bidirectional=False, **options)
         if case.scheme == "alibi":
             return jaxattn.alibi_attention(q, k, v, floats["bias"], **options)
+        if case.scheme == "window":
+            return jaxattn.window_attention(q, k, v, floats["bias"], WINDOW, **options)
         if case.flex or case.return_lse:
             return jaxattn.flex_attention(q, k, v, **mods, return_lse=case.return_lse, **options)
         return jaxattn.dot_product_attention(q, k, v, **options)

@@ -361,7 +361,7 @@ def test_what_the_kernels_refuse():
         jaxattn.alibi_attention(q, k, v, jnp.ones(3), implementation="pallas_gpu", interpret=True, **positions)
     with jax.enable_x64(False), pytest.raises(ValueError, match="position_bias"):  # splash refuses x64 first
         jaxattn.t5_attention(q, k, v, jnp.zeros((8, 3)), max_distance=5, implementation="pallas_tpu", interpret=True)
-    assert flash_gpu.position_bias_refusal(AttentionCall()) is None
+    assert flash_gpu.position_bias_refusal(AttentionCall(), 7, 7) is None
 
 
 # ---------------------------------------------------------------------------------------------------------

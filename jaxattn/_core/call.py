@@ -13,7 +13,8 @@ The fields, by what they do (the names are dot_product_attention's):
     the logits               scale, logit_softcap, sinks, score_mod
     position terms           key_table, value_table, max_distance (Shaw tables), position_bias (a hook
                              of the absolute positions; T5's and ALiBi's are OffsetBias values, functions
-                             of j - i alone, which the Pallas GPU kernel computes in its tiles), rel_key,
+                             of j - i alone, Swin's / BEiT's TableBias values, a table read at the 2D offset
+                             in a window: the Pallas GPU kernel computes both in its tiles), rel_key,
                              rel_value (per-pair tables [T,S,N|1,F], relative_attention's A^K / A^V)
     the full [T,S] grid      mask, bias, dropout_rate, dropout_rng, broadcast_dropout, return_weights
     outputs and numerics     return_lse, precision

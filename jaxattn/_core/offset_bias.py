@@ -1,19 +1,25 @@
-"""A position bias that depends on the relative offset j - i alone (T5's buckets, ALiBi): the structured form of
-the `position_bias` hook that a kernel can recognise and compute inside its tiles.
+"""Position biases a kernel can recognise and compute inside its tiles: each is a gather from a small table of
+rows at an index computed from the pair's positions alone,
 
-    bias[..., n, t, s] = of_offset(key_pos[s] - query_pos[t])[..., n]
+    bias[..., n, t, s] = rows[..., n, index(query_pos[t], key_pos[s])]
 
-Called as a hook, `OffsetBias(of_offset)(query_pos, key_pos)` is the [...,N,T,S] bias every engine adds (the
-dense engine builds it, the blockwise engine one tile at a time). A kernel instead asks for `rows(lo, hi)`,
-the bias of each offset in a range, [...,N,D] with D = hi - lo + 1, computed once outside the kernel from the
-scheme's table or slopes (O(N (T + S)) memory): inside a tile the bias is a gather from those rows at
-clip(j - i, lo, hi) - lo, and the gradient of the rows (a scatter-add of the logits' gradient by offset) goes
-back to the table or slopes through XLA's autodiff of `rows`.
+- OffsetBias (T5's buckets, ALiBi): a function of the relative offset j - i alone; its rows are the bias of
+  each offset in a range lo..hi, index = clip(j - i, lo, hi) - lo (OffsetIndex).
+- TableBias (Swin's and BEiT's 2D windows): a learned table [R,N] read at an index of the pair that the scheme
+  defines (any static function of the two positions, e.g. the 2D offset inside a window).
 
-`saturation` (None, or M >= 0): the scheme's promise that of_offset(d) == of_offset(clip(d, -M, M)) for
-every d (T5: every distance from 2 * max_distance on lands in the last bucket). offset_range uses it to bound
-the rows a call needs whatever its positions; without it, only the core's default positions have a static
-range of offsets.
+Called as a hook, `bias(query_pos, key_pos)` is the [...,N,T,S] bias every engine adds (the dense engine
+builds it, the blockwise engine one tile at a time). A kernel instead asks for `kernel_table(T, S,
+default_positions)`: (rows [...,N,D], index), the rows computed once outside the kernel (O(N D) memory) and
+`index` a static (hashable) function of (query_pos [Tb], key_pos [Sb]) -> int32 [Tb,Sb] in [0, D) for every
+position the call produces (its edge-padded ones included); inside a tile the bias is a gather from the rows
+at index(qp, kp), and the gradient of the rows (a scatter-add of the logits' gradient by index) goes back to
+the table or slopes through XLA's autodiff of the rows. None: no static index bound for this call.
+
+`saturation` (OffsetBias; None, or M >= 0): the scheme's promise that of_offset(d) == of_offset(clip(d, -M,
+M)) for every d (T5: every distance from 2 * max_distance on lands in the last bucket). offset_range uses it
+to bound the rows a call needs whatever its positions; without it, only the core's default positions have a
+static range of offsets.
 """
 
 from __future__ import annotations
@@ -24,6 +30,18 @@ from typing import Callable, Optional
 import jax.numpy as jnp
 
 from .positions import offsets
+
+
+@dataclasses.dataclass(frozen=True)  # hashable by value: a kernel's static configuration holds it
+class OffsetIndex:
+    """index = clip(j - i, lo, hi) - lo: the row of an offset among an OffsetBias's rows lo..hi. The clip is
+    exact (OffsetBias.offset_range: the bias is constant beyond the range) and keeps every gather in bounds."""
+
+    lo: int
+    hi: int
+
+    def __call__(self, query_pos, key_pos):
+        return (jnp.clip(offsets(query_pos, key_pos), self.lo, self.hi) - self.lo).astype(jnp.int32)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: closes over arrays; hashed by identity like a closure
@@ -52,3 +70,44 @@ class OffsetBias:
             lo, hi = -(S - 1), T - 1
             return (lo, hi) if M is None else (max(lo, -M), min(hi, M))
         return None if M is None else (-M, M)
+
+    def in_kernel(self, T: int, S: int, default_positions: bool) -> bool:
+        """Whether kernel_table has a static bound for such a call (cheap: no array is built)."""
+        return self.offset_range(T, S, default_positions) is not None
+
+    def kernel_table(self, T: int, S: int, default_positions: bool) -> Optional[tuple]:
+        """(rows [...,N,D], OffsetIndex(lo, hi)) over offset_range's offsets; None where it has no bound."""
+        bounds = self.offset_range(T, S, default_positions)
+        return None if bounds is None else (self.rows(*bounds), OffsetIndex(*bounds))
+
+
+@dataclasses.dataclass(frozen=True, eq=False)  # eq=False: holds an array; hashed by identity like a closure
+class TableBias:
+    """bias[..., n, t, s] = table[index(query_pos[t], key_pos[s]), n]: a learned table [R,N] read at a static
+    index of the pair of positions (module docstring).
+
+    index: hashable (a frozen dataclass), (query_pos [...,T], key_pos [...,S]) -> int32 [...,T,S], written with
+    elementwise jnp only (a kernel evaluates it inside a tile); it promises rows in [0, R) for the positions
+    0..length - 1, so a kernel takes it only with the core's default positions and T == S == length."""
+
+    table: object  # [R,N]
+    index: Callable
+    length: int
+
+    def __call__(self, query_pos, key_pos):
+        """The position_bias hook: [...,N,T,S] from query_pos [...,T] and key_pos [...,S]."""
+        return jnp.moveaxis(self.table[self.index(query_pos, key_pos)], -1, -3)
+
+    def in_kernel(self, T: int, S: int, default_positions: bool) -> bool:
+        """Whether index holds for such a call: the default positions of T = S = length tokens."""
+        return default_positions and T == self.length and S == self.length
+
+    def kernel_table(self, T: int, S: int, default_positions: bool) -> Optional[tuple]:
+        """(rows [N,R], index) for the positions index is defined on (in_kernel); None for any other call."""
+        if not self.in_kernel(T, S, default_positions):
+            return None
+        return jnp.swapaxes(jnp.asarray(self.table), -1, -2), self.index
+
+
+# The biases a kernel computes in its tiles (each has in_kernel and kernel_table).
+KERNEL_BIASES = (OffsetBias, TableBias)

@@ -12,10 +12,11 @@ schedule: WITH_MOD tiles, then MASKED, then CLEAN, then skipped ones), the onlin
 (softmax.combine_partials, add_sinks, finalize_partial), softcap (mods.softcap / softcap_grad), and
 score_mod / mask_mod (mods.element_function traced once; mods.on_tile calls them on the tile's iota grids;
 the arrays they close over are explicit kernel inputs, and the float ones get gradients: partial sums per
-(b, n, query tile) from the dq kernel, added up outside), and a position bias of j - i (an OffsetBias: T5,
-ALiBi): its rows [B|1,N,D] computed outside, gathered per tile at j - i (tile_body.offset_index), their
-gradient scattered back by offset from the dq kernel with atomic adds (docs/kernels.md, "Position biases in
-the kernel").
+(b, n, query tile) from the dq kernel, added up outside), and a position bias read from a small table at an
+index of the pair (offset_bias.KERNEL_BIASES: T5 and ALiBi at j - i, Swin's and BEiT's windows at the 2D
+offset): its rows [B|1,N,D] computed outside, gathered per tile at the bias's index of the tile's positions
+(tile_body.offset_index), their gradient scattered back by index from the dq kernel with atomic adds
+(docs/kernels.md, "Position biases in the kernel").
 
 Layout: q [B,Tp,N,Hp], k [B,Sp,K,Hp], v [B,Sp,K,Hvp] (batch dims flattened, T, S padded to whole tiles,
 head dims to powers of two): a BlockSpec picks one head's [Tb,Hp] tile, and query head n reads key/value
@@ -57,7 +58,7 @@ from .._core.masks import (
     key_block_kinds,
     masks_anything,
 )
-from .._core.offset_bias import OffsetBias
+from .._core.offset_bias import KERNEL_BIASES
 from .._core.positions import positions
 from .._core.softmax import has_keys, public_lse
 from .._engines.tiles import check_block_mask_tiles
@@ -90,7 +91,7 @@ MIN_GPU_BLOCK = 16
 MAX_HEAD_DIM = 256
 
 # The options these kernels express; anything else in use (Shaw tables, the full-grid options) is the XLA
-# engines'. A position_bias only as an OffsetBias (position_bias_refusal).
+# engines'. A position_bias only as one of offset_bias.KERNEL_BIASES (position_bias_refusal).
 HANDLED = (
     "is_causal",
     "key_value_seq_lengths",
@@ -131,31 +132,37 @@ def default_positions(call: AttentionCall) -> bool:
     return call.query_positions is None and call.key_positions is None
 
 
-def position_bias_refusal(call: AttentionCall) -> Optional[str]:
-    """None when the kernels compute the call's position_bias (none, or an OffsetBias whose offsets j - i the
-    call keeps in a static range: OffsetBias.offset_range); else what refuses it."""
+def position_bias_refusal(call: AttentionCall, T: int, S: int) -> Optional[str]:
+    """None when the kernels compute the call's position_bias of T queries and S keys (none, or one of
+    offset_bias.KERNEL_BIASES whose index the call keeps in a static range: in_kernel); else what refuses it."""
     bias = call.position_bias
     if bias is None:
         return None
-    if not isinstance(bias, OffsetBias):  # a function of the whole (i, j) pair: only the XLA engines call it
+    if not isinstance(bias, KERNEL_BIASES):  # a function of the whole (i, j) pair: only the XLA engines call it
         return "position_bias"
-    if bias.offset_range(1, 1, default_positions(call)) is None:
+    if bias.in_kernel(T, S, default_positions(call)):
+        return None
+    if not default_positions(call):
         name = "query_positions" if call.query_positions is not None else "key_positions"
-        return f"{name} (with a position bias of j - i that has no bound, e.g. ALiBi: no static range of offsets)"
-    return None
+        return (
+            f"{name} (with a position bias whose index has no static bound for them: ALiBi's j - i, "
+            "a window's token places)"
+        )
+    return f"position_bias (its table's index holds for other lengths than T = {T}, S = {S})"
 
 
 def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Optional[str]:
     """None when run() computes this call; else the name of the first option it cannot express.
 
     Cheap (shapes and Python values only). Shaw tables (key_table, value_table), a position_bias that is not
-    an OffsetBias (T5's and ALiBi's are; position_bias_refusal) and the full-grid options (bias, mask,
-    dropout_rate, return_weights) are the XLA engines'. On a GPU (interpret=False) tiles must be powers of
-    two >= 16 (block_size, a BlockMask's tiles), head dims at most 256, inputs at most 32-bit floats, scale a
-    Python number, and score_mod / mask_mod must close over no array (Triton cannot index one by head or
-    position).
+    one of offset_bias.KERNEL_BIASES (T5's, ALiBi's and window_attention's are; position_bias_refusal) and the
+    full-grid options (bias, mask, dropout_rate, return_weights) are the XLA engines'. On a GPU
+    (interpret=False) tiles must be powers of two >= 16 (block_size, a BlockMask's tiles), head dims at most
+    256, inputs at most 32-bit floats, scale a Python number, and score_mod / mask_mod must close over no array
+    (Triton cannot index one by head or position).
     """
-    problem = call.first_unhandled(HANDLED) or position_bias_refusal(call)
+    T, S = (np.shape(x)[-3] if np.ndim(x) >= 3 else 0 for x in (query, key))
+    problem = call.first_unhandled(HANDLED) or position_bias_refusal(call, T, S)
     if problem is not None:
         return problem
     scale = call.scale
@@ -237,9 +244,10 @@ def _logit_grads(cfg, b, n, qp, kp, capped, bias, score_consts, ds_for, with_con
 
 
 def _scatter_by_offset(ref, index, d_bias):
-    """ref[index] += d_bias ([Tb,Sb] into the rows [D] of one head): d rows[offset] is the sum of d loss / d bias
-    over the pairs at that offset. The Triton lowering turns the scatter-add into atomic float adds (programs of
-    every query tile add into the same rows, pairs of one tile into the same offset), so the order of each sum,
+    """ref[index] += d_bias ([Tb,Sb] into the rows [D] of one head): d rows[r] is the sum of d loss / d bias
+    over the pairs that read row r (an offset for T5 / ALiBi, a 2D offset in a window for Swin / BEiT). The
+    Triton lowering turns the scatter-add into atomic float adds (programs of every query tile add into the
+    same rows, pairs of one tile into the same row), so the order of each sum,
     and its last bits, vary from run to run on a GPU; the interpreter adds in a fixed order.
 
     A tile whose pairs all read one row (T5 past the saturation, 2 max_distance: most tiles of a long
@@ -413,7 +421,7 @@ def _row_inputs(cfg, side, Hp, Hvp):
     inputs.update({f"score{c}": _whole(x) for c, x in enumerate(side.score_consts)})
     inputs.update({f"mask{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
     if side.offset_bias is not None:  # the rows of head n: [D]
-        batched, D = cfg.offset_bias[2], side.offset_bias.shape[-1]
+        batched, D = cfg.offset_bias[1], side.offset_bias.shape[-1]
         spec = pl.BlockSpec((None, None, D), lambda b, n, i: (pick(batched, b), n, 0))
         inputs["offset_bias"] = (side.offset_bias, spec)
     specs = dict(
@@ -490,7 +498,7 @@ def _flash_bwd(cfg, res, cotangents):
         )
     aliases = None
     if side.offset_bias is not None:  # atomic adds into rows that start at zero (an input aliased to the output)
-        batched = cfg.offset_bias[2]
+        batched = cfg.offset_bias[1]
         rows = side.offset_bias.shape  # in the compute dtype, as the rows: float32 for half inputs
         inputs["d_offset_bias_zeros"] = (
             jnp.zeros(rows, acc_dtype),
@@ -536,7 +544,7 @@ def _flash_bwd(cfg, res, cotangents):
     kv_inputs.update({f"score{c}": _whole(x) for c, x in enumerate(side.score_consts)})
     kv_inputs.update({f"mask{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
     if side.offset_bias is not None:  # the rows of the G query heads of key head h: [G,D]
-        batched, D = cfg.offset_bias[2], side.offset_bias.shape[-1]
+        batched, D = cfg.offset_bias[1], side.offset_bias.shape[-1]
         kv_inputs["offset_bias"] = (
             side.offset_bias,
             pl.BlockSpec((None, G, D), lambda b, h, j: (pick(batched, b), h, 0)),
@@ -747,12 +755,12 @@ def checked(call: AttentionCall, query, key, value) -> Checked:
 
 
 def _offset_rows(rows, batch, N, acc_dtype):
-    """An OffsetBias's rows [...,N,D] (any leading dims that broadcast to the batch, N or 1 heads) as the
+    """A kernel bias's rows [...,N,D] (any leading dims that broadcast to the batch, N or 1 heads) as the
     kernels' [B|1,N,D] in the compute dtype (B: rows that differ by batch entry, e.g. ALiBi's per-example
     slopes)."""
     rows = jnp.asarray(rows)
     D = rows.shape[-1]
-    checks.check_broadcastable("position_bias", rows, (*batch, N, D), "[...,N,D]: the bias of each offset j - i")
+    checks.check_broadcastable("position_bias", rows, (*batch, N, D), "[...,N,D]: the bias of each row of its index")
     if int(np.prod(rows.shape[:-2], dtype=np.int64)) > 1:
         rows = jnp.broadcast_to(rows, (*batch, N, D)).reshape(-1, N, D)
     else:
@@ -862,10 +870,10 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
     order, counts, t_order, t_counts = _schedules(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds)
     cfg = cfg._replace(batched=tuple(x is not None and x.shape[0] > 1 for x in (q_pos, k_pos, q_seg, lengths, order)))
     offset_rows = None
-    if call.position_bias is not None:  # an OffsetBias in a static range (unsupported refuses any other)
-        lo, hi = call.position_bias.offset_range(T, S, default_positions(call))
-        offset_rows = _offset_rows(call.position_bias.rows(lo, hi), batch, N, acc_dtype)
-        cfg = cfg._replace(offset_bias=(lo, hi, offset_rows.shape[0] > 1))
+    if call.position_bias is not None:  # a KERNEL_BIASES in a static range (unsupported refuses any other)
+        rows, index = call.position_bias.kernel_table(T, S, default_positions(call))
+        offset_rows = _offset_rows(rows, batch, N, acc_dtype)
+        cfg = cfg._replace(offset_bias=(index, offset_rows.shape[0] > 1))
     side = Side(
         q_pos,
         k_pos,

@@ -62,9 +62,10 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
     problem = flash_gpu.unsupported(call, query, key, value, interpret=True)
     if problem is not None:
         return problem
-    # The GPU kernel's position bias (an OffsetBias: T5, ALiBi) gathers from its rows at j - i with an array
-    # index, which Mosaic does not lower from a ref (and its gradient is a scatter-add by offset); refused
-    # here, in the interpreter too, so that what runs interpreted is what a TPU runs.
+    # The GPU kernel's position bias (offset_bias.KERNEL_BIASES: T5, ALiBi, Swin / BEiT windows) gathers from
+    # its rows at an index of the pair with an array index, which Mosaic does not lower from a ref (and its
+    # gradient is a scatter-add by index); refused here, in the interpreter too, so that what runs
+    # interpreted is what a TPU runs.
     if call.position_bias is not None:
         return "position_bias"
     # In the interpreter too: the kernel's index arithmetic mixes int32 and int64 there (a TypeError inside

@@ -3,7 +3,8 @@
 
     forward, grid (b, n, query tile i):        for each key tile j the schedule lists for (b, n, i)
         x = score_mod(softcap(scale * q_i k_j^T) + bias)  [Tb,Sb], float32 (or wider)
-            bias: an OffsetBias's rows gathered at j - i (T5, ALiBi), when the call has one
+            bias: a position bias's rows gathered at index(i, j) (T5, ALiBi: j - i; Swin, BEiT: the 2D offset in a
+            window), when the call has one
         (out, m, l) = combine_partials((out, m, l), partial of x over the allowed pairs, v_j)
       out_i = out / l (sinks folded in), lse_i = m + log l
 
@@ -49,8 +50,9 @@ class Config(NamedTuple):
     precision: Any
     interpret: bool
     num_warps: int
-    # an OffsetBias (T5, ALiBi): (lo, hi, batched), its rows r["offset_bias"] [B|1,N,D] hold the bias of
-    # offsets j - i = lo..hi (batched: one set per batch entry); None: no position bias
+    # a position bias in the kernel (offset_bias.KERNEL_BIASES: T5, ALiBi, Swin / BEiT windows): (index, batched),
+    # its rows r["offset_bias"] [B|1,N,D] read at index(q_pos, k_pos) (a static function: OffsetIndex,
+    # WindowIndex; batched: one set of rows per batch entry); None: no position bias
     offset_bias: Any = None
 
 
@@ -92,11 +94,11 @@ def capped_logits(cfg, q, k):
 
 
 def offset_index(cfg, qp, kp):
-    """int32 [Tb,Sb]: the row of the offset-bias rows each pair reads, clip(j - i, lo, hi) - lo. The clip is
-    exact (OffsetBias.offset_range: the bias is constant beyond the range) and keeps every gather in bounds,
-    padding rows and columns included."""
-    lo, hi, _ = cfg.offset_bias
-    return jnp.clip(kp[None, :] - qp[:, None], lo, hi) - lo
+    """int32 [Tb,Sb]: the row of the position-bias rows each pair reads, the bias's own index of the tile's
+    positions (OffsetIndex: clip(j - i, lo, hi) - lo; WindowIndex: the 2D offset), in bounds for every
+    position of the call, padding rows and columns included (kernel_table's promise)."""
+    index, _ = cfg.offset_bias
+    return index(qp, kp)
 
 
 def offset_bias_tile(ref, index, head=None):

@@ -25,6 +25,7 @@ its height and width in patches.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
@@ -32,8 +33,9 @@ import jax.numpy as jnp
 from .._core import checks
 from .._core.checks import static_int
 from .._core.eager import compiled_when_eager
+from .._core.offset_bias import TableBias
 from .._core.positions import offsets, positions
-from .position_bias import heads_first, position_bias_attention
+from .position_bias import position_bias_attention
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Bool, Float, Int
@@ -57,18 +59,27 @@ def window_table_rows(window_size: int | tuple[int, int], *, cls_token: bool = F
     return (2 * Wh - 1) * (2 * Ww - 1) + (3 if cls_token else 0)
 
 
-def _table_index(query_pos, key_pos, Wh: int, Ww: int, cls_token: bool):
-    """int32 [...,T,S]: the table row of each (query, key) pair of token positions (see the module docstring)."""
-    patch_q, patch_k = (query_pos, key_pos) if not cls_token else (query_pos - 1, key_pos - 1)  # cls at 0
-    dh = offsets(patch_q // Ww, patch_k // Ww)  # key row minus query row
-    dw = offsets(patch_q % Ww, patch_k % Ww)  # key column minus query column
-    index = (Wh - 1 - dh) * (2 * Ww - 1) + (Ww - 1 - dw)
-    if cls_token:
-        R = (2 * Wh - 1) * (2 * Ww - 1) + 3
-        q_cls, k_cls = (query_pos == 0)[..., :, None], (key_pos == 0)[..., None, :]
-        index = jnp.where(q_cls, R - 3, jnp.where(k_cls, R - 2, index))
-        index = jnp.where(q_cls & k_cls, R - 1, index)
-    return index.astype(jnp.int32)
+@dataclasses.dataclass(frozen=True)  # hashable by value: the Pallas GPU kernel evaluates it inside its tiles
+class WindowIndex:
+    """The table row of each (query, key) pair of token positions, int32 [...,T,S] from [...,T] and [...,S]
+    (the module docstring's index; elementwise jnp only, so a kernel computes it per tile)."""
+
+    Wh: int
+    Ww: int
+    cls_token: bool = False
+
+    def __call__(self, query_pos, key_pos):
+        Wh, Ww = self.Wh, self.Ww
+        patch_q, patch_k = (query_pos, key_pos) if not self.cls_token else (query_pos - 1, key_pos - 1)  # cls at 0
+        dh = offsets(patch_q // Ww, patch_k // Ww)  # key row minus query row
+        dw = offsets(patch_q % Ww, patch_k % Ww)  # key column minus query column
+        index = (Wh - 1 - dh) * (2 * Ww - 1) + (Ww - 1 - dw)
+        if self.cls_token:
+            R = (2 * Wh - 1) * (2 * Ww - 1) + 3
+            q_cls, k_cls = (query_pos == 0)[..., :, None], (key_pos == 0)[..., None, :]
+            index = jnp.where(q_cls, R - 3, jnp.where(k_cls, R - 2, index))
+            index = jnp.where(q_cls & k_cls, R - 1, index)
+        return index.astype(jnp.int32)
 
 
 def window_relative_index(window_size: int | tuple[int, int], *, cls_token: bool = False) -> Int[Array, "T T"]:
@@ -79,7 +90,7 @@ def window_relative_index(window_size: int | tuple[int, int], *, cls_token: bool
     """
     Wh, Ww = as_pair("window_size", window_size, 1)
     T = Wh * Ww + (1 if cls_token else 0)
-    return _table_index(*positions(T, T), Wh, Ww, cls_token)
+    return WindowIndex(Wh, Ww, cls_token)(*positions(T, T))
 
 
 def _check_table(table, window_size, cls_token: bool):
@@ -94,15 +105,13 @@ def _check_table(table, window_size, cls_token: bool):
 def window_position_bias(table, window_size: int | tuple[int, int], *, cls_token: bool = False):
     """The 2D relative bias as a position function: (query_pos [...,T], key_pos [...,S]) -> [...,N,T,S].
 
-    table: [R,N] (HF's `relative_position_bias_table`); positions are token positions in the window.
+    table: [R,N] (HF's `relative_position_bias_table`); positions are token positions in the window. The
+    function is a TableBias (the table read at WindowIndex), which the Pallas GPU kernel computes inside its
+    tiles (docs/kernels.md, "Position biases in the kernel").
     """
     Wh, Ww = as_pair("window_size", window_size, 1)
     table = _check_table(table, (Wh, Ww), cls_token)
-
-    def bias_fn(query_pos, key_pos):
-        return heads_first(table[_table_index(query_pos, key_pos, Wh, Ww, cls_token)])
-
-    return bias_fn
+    return TableBias(table, WindowIndex(Wh, Ww, cls_token), Wh * Ww + (1 if cls_token else 0))
 
 
 def window_relative_bias(
@@ -131,9 +140,12 @@ def window_attention(
     row-major order, the windows along the leading batch dims ([B, nW, T, N, H] or [B * nW, T, N, H]; see
     `window_partition`). Swin's shifted windows: pass `shifted_window_segments(...)` [nW, T] as both
     `query_segment_ids` and `key_segment_ids` (they broadcast over the batch dims). Keywords as
-    dot_product_attention (scale defaults to H ** -0.5, as Swin and BEiT), plus implementation=None | "dense"
-    | "blockwise" (block_size) as position_bias_attention: the bias is a position function, so the dense
-    engine builds [N,T,T] for one window only, and the blockwise engine one tile at a time.
+    dot_product_attention (scale defaults to H ** -0.5, as Swin and BEiT), plus implementation and interpret
+    as position_bias_attention: "dense" builds [N,T,T] for one window only (shared by every window),
+    "blockwise" (block_size) one tile at a time, "pallas_gpu" folds the windows into the kernel's batch axis
+    and reads the table inside each tile at WindowIndex (its gradient scattered back into the table), and
+    None takes that kernel on CUDA, the XLA engines elsewhere (TPU included: docs/kernels.md, "Position biases
+    in the kernel").
     """
     Wh, Ww = as_pair("window_size", window_size, 1)
     T = Wh * Ww + (1 if cls_token else 0)
