@@ -86,7 +86,9 @@ class Case:
     flex: "score_mod" (an ALiBi-like distance penalty), "mask_mod" (causal sliding window of 256),
     "block_mask" (that mask_mod as a create_block_mask BlockMask, 128-wide tiles, with the score_mod).
     scheme: "t5" (t5_attention, causal buckets: a [32,N] float32 table, differentiated) or "alibi"
-    (alibi_attention: [N] float32 slopes, differentiated), the position bias the GPU kernel computes per tile.
+    (alibi_attention: [N] float32 slopes, differentiated), the position bias the GPU kernel computes per tile;
+    "shaw" (shaw_relative_attention, max_distance 64: a per-head key table [129,N,H] and a shared value
+    table [129,Hv], float32, differentiated), the tables the GPU kernel takes per query row (offset_tables).
     """
 
     name: str
@@ -169,6 +171,21 @@ CASES = [
     # gradient scattered back by offset with atomic adds; the TPU kernels refuse the bias (no Mosaic gather)
     Case("t5 causal", T=4096, N=8, scheme="t5", options=CAUSAL, platforms=("gpu",), memory=PROGRAMS),
     Case("alibi causal", T=4096, N=8, K=2, scheme="alibi", options=CAUSAL, platforms=("gpu",), memory=PROGRAMS),
+    # Shaw tables inside the GPU kernel (issue 34): q . A^K per query row and the sums of p by table row
+    # ([B,N,T,128] float32 each, and their gradients), gathered / added per tile at clip(j - i)
+    Case("shaw causal", T=4096, N=8, K=2, scheme="shaw", options=CAUSAL, platforms=("gpu",), memory=PROGRAMS),
+    Case("shaw causal 16k", T=16384, N=8, K=2, scheme="shaw", options=CAUSAL, platforms=("gpu",), programs=FWD_BWD),
+    Case(
+        "None shaw",
+        T=4096,
+        N=8,
+        kernel="auto",
+        scheme="shaw",
+        options=CAUSAL,
+        platforms=("gpu",),
+        programs=FWD_BWD,
+        memory=FWD_BWD,
+    ),
     Case(
         "None t5",
         T=4096,
@@ -220,6 +237,7 @@ SECOND = (
     "cudnn causal",
     "t5 causal",
     "alibi causal",
+    "shaw causal",
 )
 FULL = {"h100": None, "v5e": None, "a100": SECOND, "v6e": SECOND}
 
@@ -243,6 +261,8 @@ CI_FIRST = {
     "t5 causal": FWD_BWD,
     "alibi causal": FWD_BWD,
     "None t5": FWD_BWD,
+    "shaw causal": FWD_BWD,
+    "None shaw": FWD_BWD,
     "cudnn causal": FWD_BWD,
     "None causal": FWD_BWD,
     "causal x64": FWD_BWD,
@@ -286,9 +306,12 @@ def sliding_causal(b, n, t, s):
     return (s <= t) & (t - s < 256)
 
 
+SHAW_DISTANCE = 64  # the "shaw" scheme's clip: 129 table rows
+
+
 def attention_program(case: Case, platform: str, program: str, scale: int):
     """(fn, args): the case's attention call on abstract inputs; forward+backward: the gradient of a float32
-    sum of the outputs with respect to q, k, v (and sinks, the T5 table, the ALiBi slopes)."""
+    sum of the outputs with respect to q, k, v (and sinks, the T5 table, the ALiBi slopes, the Shaw tables)."""
     z = case.sizes(scale)
     B, T, S, N, K, H, Hv = (z[name] for name in ("B", "T", "S", "N", "K", "H", "Hv"))
     dtype = jnp.dtype(case.dtype)
@@ -300,7 +323,10 @@ def attention_program(case: Case, platform: str, program: str, scale: int):
     ints = {}
     if "sinks" in case.arrays:
         floats["sinks"] = jax.ShapeDtypeStruct((N,), jnp.float32)
-    if case.scheme is not None:
+    if case.scheme == "shaw":
+        floats["key_table"] = jax.ShapeDtypeStruct((2 * SHAW_DISTANCE + 1, N, H), jnp.float32)
+        floats["value_table"] = jax.ShapeDtypeStruct((2 * SHAW_DISTANCE + 1, Hv), jnp.float32)
+    elif case.scheme is not None:
         floats["bias"] = jax.ShapeDtypeStruct((32, N) if case.scheme == "t5" else (N,), jnp.float32)
     if "lengths" in case.arrays:
         ints["key_value_seq_lengths"] = jax.ShapeDtypeStruct((B,), jnp.int32)
@@ -326,6 +352,9 @@ def attention_program(case: Case, platform: str, program: str, scale: int):
             return jaxattn.t5_attention(q, k, v, floats["bias"], bidirectional=False, **options)
         if case.scheme == "alibi":
             return jaxattn.alibi_attention(q, k, v, floats["bias"], **options)
+        if case.scheme == "shaw":
+            kt, vt = floats["key_table"], floats["value_table"]
+            return jaxattn.shaw_relative_attention(q, k, v, kt, vt, max_distance=SHAW_DISTANCE, **options)
         if case.flex or case.return_lse:
             return jaxattn.flex_attention(q, k, v, **mods, return_lse=case.return_lse, **options)
         return jaxattn.dot_product_attention(q, k, v, **options)

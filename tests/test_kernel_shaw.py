@@ -28,7 +28,7 @@ from test_positions import N as XL_HEADS, xl_loop
 import jaxattn
 from helpers import assert_float64, attention_loop, normwise, shaw_index_loop
 from jaxattn._core.call import AttentionCall
-from jaxattn._kernels import decode_gpu, flash_gpu, flex_tpu, offset_tables
+from jaxattn._kernels import decode_gpu, flash_gpu, flex_tpu, offset_tables, tile_body
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
 
@@ -253,8 +253,9 @@ def test_band_covers_every_offset_a_call_reads():
         rows = shaw_index_loop(T, S, m) - m
         b = offset_tables.band(m, T, S, default_positions=True)
         assert (b.lo, b.hi) == (rows.min(), rows.max())
-        assert b.Dp >= b.D and b.Dp & (b.Dp - 1) == 0
+        assert b.Dp >= b.D and (b.Dp & (b.Dp - 1) == 0 or b.Dp % tile_body.ROW_CHUNK == 0)
         assert offset_tables.band(m, T, S, default_positions=False)[:2] == (-m, m)
+    assert [offset_tables.padded_columns(D) for D in (1, 7, 33, 64, 65, 129, 257)] == [16, 16, 64, 64, 128, 192, 320]
 
 
 def test_what_the_kernels_refuse():

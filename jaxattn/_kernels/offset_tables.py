@@ -5,7 +5,7 @@
 
 The kernel never gathers a [Tb,Sb,H] tile of the tables. Only the offsets j - i in a band [lo, hi] reach
 the tables' rows (band: all of [-m, m] for given positions, else the core's default positions' range
-clipped to it), D = hi - lo + 1 rows, padded to Dp (a power of two, Triton's tensor sizes):
+clipped to it), D = hi - lo + 1 rows, padded to Dp columns (padded_columns):
 
   key term    QA = q . A^K[band]^T, [B,N,Tp,Dp] per query row (row_bias, here, one matmul); each tile adds
               QA[t, clip(j - i, lo, hi) - lo] to q k^T (tile_body.pick_rows: a gather from the block of its
@@ -33,6 +33,7 @@ from typing import NamedTuple, Optional
 import jax.numpy as jnp
 
 from .._core.dtypes import accumulation_dtype
+from .tile_body import ROW_CHUNK
 
 # The widest band of table rows (Dp) the kernel takes: QA, P and their gradients are [B,N,Tp,Dp] float32,
 # and the forward rescales a [Tb,Dp] block in 64-column steps whenever a row's running max moves.
@@ -52,7 +53,16 @@ class Band(NamedTuple):
 
     @property
     def Dp(self) -> int:
-        return max(16, 1 << (self.D - 1).bit_length())
+        return padded_columns(self.D)
+
+
+def padded_columns(D: int) -> int:
+    """The columns of the per-row arrays for D rows: a power of two >= 16 up to ROW_CHUNK (a Triton tensor, the
+    forward's rescale reads the block whole), else a multiple of ROW_CHUNK (it reads ROW_CHUNK columns at a
+    time; a power of two would nearly double 2m + 1 = 129 rows)."""
+    if D <= ROW_CHUNK:
+        return max(16, 1 << (D - 1).bit_length())
+    return -(-D // ROW_CHUNK) * ROW_CHUNK
 
 
 def band(max_distance: int, T: int, S: int, default_positions: bool) -> Band:
