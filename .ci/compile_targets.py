@@ -10,7 +10,7 @@ are checked here, on a CPU machine. Needs its own environment (`jax[cuda12,tpu]`
     .venv-compile/bin/python .ci/compile_targets.py [--targets h100,v5e] [--cases causal,decode] [--jobs 2]
 
 Each case goes through the public API (jaxattn.dot_product_attention / flex_attention, t5_attention /
-alibi_attention for the relative schemes) with an explicit
+alibi_attention / shaw_relative_attention for the relative schemes) with an explicit
 implementation (pallas_gpu on the GPUs, pallas_tpu on the TPUs, cudnn), implementation=None inside
 cross_platform_lowering(), or a ported model (a tiny random Llama: forward, training step, decode step).
 Forward and forward+backward. Per program: compiled or the error, lower and compile seconds, XLA's temp

@@ -15,7 +15,10 @@ the arrays they close over are explicit kernel inputs, and the float ones get gr
 (b, n, query tile) from the dq kernel, added up outside), and a position bias of j - i (an OffsetBias: T5,
 ALiBi): its rows [B|1,N,D] computed outside, gathered per tile at j - i (tile_body.offset_index), their
 gradient scattered back by offset from the dq kernel with atomic adds (docs/kernels.md, "Position biases in
-the kernel").
+the kernel"), and Shaw tables (offset_tables): q . key_table per query row computed outside and gathered per
+tile at clip(j - i), the forward's sums of p by table row for the value table, and in the backward the
+value term's dP gathered the same way and the key term's gradient added by column from the dq kernel
+(docs/kernels.md, "Shaw tables in the kernel").
 
 Layout: q [B,Tp,N,Hp], k [B,Sp,K,Hp], v [B,Sp,K,Hvp] (batch dims flattened, T, S padded to whole tiles,
 head dims to powers of two): a BlockSpec picks one head's [Tb,Hp] tile, and query head n reads key/value
@@ -66,6 +69,7 @@ from . import offset_tables
 from .tile_body import (
     Config,
     Side,
+    Tables,
     add_by_column,
     allowed_in_tile,
     apply_score_mod,
@@ -73,6 +77,7 @@ from .tile_body import (
     dot,
     fill_rows,
     forward_kernel,
+    key_term_in,
     load,
     load_consts,
     offset_bias_tile,
@@ -81,6 +86,7 @@ from .tile_body import (
     pick_rows,
     table_column,
     tile_rows,
+    value_term_in,
     visit,
 )
 
@@ -233,8 +239,8 @@ def _table_terms(cfg, r, qp, kp, rows, head=None):
     if cfg.tables is None:
         return None, None, None
     column = table_column(cfg, qp, kp)
-    key_term = pick_rows(r["row_bias"], rows, column, head) if cfg.tables[2] else None
-    dp_table = pick_rows(r["d_row_sums"], rows, column, head) if cfg.tables[3] else None
+    key_term = pick_rows(r["row_bias"], rows, column, head) if cfg.tables.key_term else None
+    dp_table = pick_rows(r["d_row_sums"], rows, column, head) if cfg.tables.value_term else None
     return column, key_term, dp_table
 
 
@@ -300,7 +306,7 @@ def _dq_kernel(cfg: Config, r):
     do, lse, delta = r["do"][...], r["lse"][...], r["delta"][...]
     score_consts, mask_consts = load_consts(r, "score", len(cfg.score_grads)), load_consts(r, "mask", cfg.n_mask_consts)
     acc_dtype = accumulation_dtype(q.dtype)
-    key_grad = cfg.tables is not None and cfg.tables[2]
+    key_grad = key_term_in(cfg)
     if key_grad:
         fill_rows(r["d_row_bias"])
 
@@ -496,8 +502,8 @@ def _forward(cfg, q, k, v, side):
             pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i)),
         ),
     }
-    if cfg.tables is not None and cfg.tables[3]:
-        sums = jax.ShapeDtypeStruct((B, N, Tp, cfg.tables[4]), acc_dtype)
+    if value_term_in(cfg):
+        sums = jax.ShapeDtypeStruct((B, N, Tp, cfg.tables.Dp), acc_dtype)
         outputs["row_sums"] = (sums, _row_block(cfg, sums))
     out, lse, *row_sums = named_call(cfg, forward_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_forward")
     return out, lse, (row_sums[0] if row_sums else None)
@@ -954,7 +960,7 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
             row_bias = offset_tables.row_bias(query, key_rows, batch, Tp, band, c.precision)
         if value_table is not None:
             value_rows = offset_tables.band_rows(value_table, band)
-        cfg = cfg._replace(tables=(band.lo, band.hi, key_table is not None, value_table is not None, band.Dp))
+        cfg = cfg._replace(tables=Tables(band.lo, band.hi, band.Dp, key_table is not None, value_table is not None))
     side = Side(
         q_pos,
         k_pos,

@@ -57,10 +57,27 @@ class Config(NamedTuple):
     # an OffsetBias (T5, ALiBi): (lo, hi, batched), its rows r["offset_bias"] [B|1,N,D] hold the bias of
     # offsets j - i = lo..hi (batched: one set per batch entry); None: no position bias
     offset_bias: Any = None
-    # Shaw tables (offset_tables): (lo, hi, key_term, value_term, Dp): r["row_bias"] [B,N,Tp,Dp] holds the
-    # key term q_t . key_table[lo + c + m] of row t and column c, r["row_sums"] receives the value term's sums
-    # of p by column c = clip(j - i, lo, hi) - lo; None: no tables
-    tables: Any = None
+    tables: Any = None  # Shaw tables: a Tables, or None
+
+
+class Tables(NamedTuple):
+    """A call's Shaw tables in the kernels (offset_tables): offsets lo..hi reach the tables' rows, column c =
+    clip(j - i, lo, hi) - lo of Dp per query row. key_term: r["row_bias"] [B,N,Tp,Dp] holds q_t . key_table
+    at column c; value_term: r["row_sums"] receives the sums of p by column."""
+
+    lo: int
+    hi: int
+    Dp: int
+    key_term: bool
+    value_term: bool
+
+
+def key_term_in(cfg) -> bool:
+    return cfg.tables is not None and cfg.tables.key_term
+
+
+def value_term_in(cfg) -> bool:
+    return cfg.tables is not None and cfg.tables.value_term
 
 
 class Side(NamedTuple):
@@ -121,8 +138,7 @@ def offset_index(cfg, qp, kp):
 def table_column(cfg, qp, kp):
     """int32 [Tb,Sb]: the column of the Shaw table arrays (row_bias, row_sums) each pair reads. A scheme whose
     rows are indexed otherwise (DeBERTa's log buckets of j - i) would swap this function and keep the rest."""
-    lo, hi = cfg.tables[:2]
-    return clipped_column(lo, hi, qp, kp)
+    return clipped_column(cfg.tables.lo, cfg.tables.hi, qp, kp)
 
 
 def tile_rows(cfg, row0=0):
@@ -235,7 +251,7 @@ def key_tiles(cfg: Config, r, b, n, q, qp, q_seg, lengths, key_start=0):
         k, v, kp = r["k"][keys, :], r["v"][keys, :], r["k_pos"][keys]
         k_seg = None if q_seg is None else r["k_seg"][keys]
         column = None if cfg.tables is None else table_column(cfg, qp, kp)
-        key_term = pick_rows(r["row_bias"], tile_rows(cfg), column) if cfg.tables and cfg.tables[2] else None
+        key_term = pick_rows(r["row_bias"], tile_rows(cfg), column) if key_term_in(cfg) else None
         x = capped_logits(cfg, q, k, key_term)
         if cfg.offset_bias is not None:  # the position bias: after softcap, before score_mod
             x = x + offset_bias_tile(r["offset_bias"], offset_index(cfg, qp, kp))
@@ -247,7 +263,7 @@ def key_tiles(cfg: Config, r, b, n, q, qp, q_seg, lengths, key_start=0):
         p = jnp.exp(x - jnp.where(jnp.isfinite(m), m, 0)[:, None])  # masked: exp(-inf) = 0
         out = dot(p.astype(v.dtype), v, cfg)
         merged = combine_partials(state, ((out,), m, jnp.sum(p, axis=-1)))
-        if cfg.tables is not None and cfg.tables[3]:  # the value term's sums, rescaled as combine_partials does out
+        if value_term_in(cfg):  # the value term's sums, rescaled as combine_partials rescales out
             old = rescale(state[1], merged[1])
 
             @pl.when(jnp.min(old) < 1)  # the running max moved (early tiles): skip the pass over [Tb,Dp] otherwise
@@ -265,7 +281,7 @@ def forward_kernel(cfg: Config, r):
     """The flash forward of one (b, n, query tile): r maps input / output names to refs (flash_gpu's
     forward; flex_tpu's adapters read the same names)."""
     b, n = pl.program_id(0), pl.program_id(1)
-    value_term = cfg.tables is not None and cfg.tables[3]
+    value_term = value_term_in(cfg)
     if value_term:
         fill_rows(r["row_sums"])
     state = key_tiles(cfg, r, b, n, r["q"][...], r["q_pos"][...], load(r, "q_seg"), load(r, "lengths"))
