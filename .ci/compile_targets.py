@@ -65,6 +65,7 @@ EXPECTED_CALLS = {
     ("h100", "None causal"): "__cudnn$fmha",
     ("a100", "None causal"): "__gpu$xla.gpu.triton",
     ("h100", "causal x64"): "__gpu$xla.gpu.triton",  # the kernel itself, not an XLA fallback
+    ("h100", "None shaw"): "__gpu$xla.gpu.triton",  # cuDNN refuses the tables; our kernel, not the XLA engines
 }
 PROGRAMS = ("forward", "forward+backward")
 # O(T + S): temp(2T, 2S) <= 2 temp(T, S) + LINEAR_SLACK. The slack is for small quadratic bookkeeping: the
