@@ -10,7 +10,7 @@ are checked here, on a CPU machine. Needs its own environment (`jax[cuda12,tpu]`
     .venv-compile/bin/python .ci/compile_targets.py [--targets h100,v5e] [--cases causal,decode] [--jobs 2]
 
 Each case goes through the public API (jaxattn.dot_product_attention / flex_attention, t5_attention /
-alibi_attention for the relative schemes) with an explicit
+alibi_attention / shaw_relative_attention for the relative schemes) with an explicit
 implementation (pallas_gpu on the GPUs, pallas_tpu on the TPUs, cudnn), implementation=None inside
 cross_platform_lowering(), or a ported model (a tiny random Llama: forward, training step, decode step).
 Forward and forward+backward. Per program: compiled or the error, lower and compile seconds, XLA's temp
@@ -66,6 +66,7 @@ EXPECTED_CALLS = {
     ("a100", "None causal"): "__gpu$xla.gpu.triton",
     ("h100", "causal x64"): "__gpu$xla.gpu.triton",  # the kernel itself, not an XLA fallback
     ("h100", "None swin"): "__gpu$xla.gpu.triton",  # cuDNN has no position bias: ours, not XLA
+    ("h100", "None shaw"): "__gpu$xla.gpu.triton",  # cuDNN refuses the tables; our kernel, not the XLA engines
 }
 PROGRAMS = ("forward", "forward+backward")
 # O(T + S): temp(2T, 2S) <= 2 temp(T, S) + LINEAR_SLACK. The slack is for small quadratic bookkeeping: the
@@ -89,7 +90,9 @@ class Case:
     scheme: "t5" (t5_attention, causal buckets: a [32,N] float32 table, differentiated), "alibi"
     (alibi_attention: [N] float32 slopes, differentiated) or "window" (window_attention over 7x7 windows, T = 49,
     the windows along B: a [169,N] float32 table, differentiated; with "segments", Swin's shifted regions),
-    the position bias the GPU kernel computes per tile.
+    the position bias the GPU kernel computes per tile; "shaw" (shaw_relative_attention, max_distance 64: a
+    per-head key table [129,N,H] and a shared value table [129,Hv], float32, differentiated), the tables the
+    GPU kernel takes per query row (offset_tables).
     """
 
     name: str
@@ -174,6 +177,21 @@ CASES = [
     # gradient scattered back by offset with atomic adds; the TPU kernels refuse the bias (no Mosaic gather)
     Case("t5 causal", T=4096, N=8, scheme="t5", options=CAUSAL, platforms=("gpu",), memory=PROGRAMS),
     Case("alibi causal", T=4096, N=8, K=2, scheme="alibi", options=CAUSAL, platforms=("gpu",), memory=PROGRAMS),
+    # Shaw tables inside the GPU kernel (issue 34): q . A^K per query row and the sums of p by table row
+    # ([B,N,T,128] float32 each, and their gradients), gathered / added per tile at clip(j - i)
+    Case("shaw causal", T=4096, N=8, K=2, scheme="shaw", options=CAUSAL, platforms=("gpu",), memory=PROGRAMS),
+    Case("shaw causal 16k", T=16384, N=8, K=2, scheme="shaw", options=CAUSAL, platforms=("gpu",)),
+    Case(
+        "None shaw",
+        T=4096,
+        N=8,
+        kernel="auto",
+        scheme="shaw",
+        options=CAUSAL,
+        platforms=("gpu",),
+        programs=FWD_BWD,
+        memory=FWD_BWD,
+    ),
     Case(
         "None t5",
         T=4096,
@@ -232,6 +250,7 @@ SECOND = (
     "t5 causal",
     "alibi causal",
     "swin shifted",
+    "shaw causal",
 )
 FULL = {"h100": None, "v5e": None, "a100": SECOND, "v6e": SECOND}
 
@@ -258,6 +277,8 @@ CI_FIRST = {
     "None t5": FWD_BWD,
     "swin shifted": FWD_BWD,
     "None swin": FWD_BWD,
+    "shaw causal": FWD_BWD,
+    "None shaw": FWD_BWD,
     "cudnn causal": FWD_BWD,
     "None causal": FWD_BWD,
     "causal x64": FWD_BWD,
@@ -301,9 +322,12 @@ def sliding_causal(b, n, t, s):
     return (s <= t) & (t - s < 256)
 
 
+SHAW_DISTANCE = 64  # the "shaw" scheme's clip: 129 table rows
+
+
 def attention_program(case: Case, platform: str, program: str, scale: int):
     """(fn, args): the case's attention call on abstract inputs; forward+backward: the gradient of a float32
-    sum of the outputs with respect to q, k, v (and sinks, the T5 table, the ALiBi slopes)."""
+    sum of the outputs with respect to q, k, v (and sinks, the T5 table, the ALiBi slopes, the Shaw tables)."""
     z = case.sizes(scale)
     B, T, S, N, K, H, Hv = (z[name] for name in ("B", "T", "S", "N", "K", "H", "Hv"))
     dtype = jnp.dtype(case.dtype)
@@ -315,7 +339,10 @@ def attention_program(case: Case, platform: str, program: str, scale: int):
     ints = {}
     if "sinks" in case.arrays:
         floats["sinks"] = jax.ShapeDtypeStruct((N,), jnp.float32)
-    if case.scheme is not None:
+    if case.scheme == "shaw":
+        floats["key_table"] = jax.ShapeDtypeStruct((2 * SHAW_DISTANCE + 1, N, H), jnp.float32)
+        floats["value_table"] = jax.ShapeDtypeStruct((2 * SHAW_DISTANCE + 1, Hv), jnp.float32)
+    elif case.scheme is not None:
         rows = {"t5": (32, N), "alibi": (N,), "window": (jaxattn.window_table_rows(WINDOW), N)}[case.scheme]
         floats["bias"] = jax.ShapeDtypeStruct(rows, jnp.float32)
     if "lengths" in case.arrays:
@@ -344,6 +371,9 @@ def attention_program(case: Case, platform: str, program: str, scale: int):
             return jaxattn.alibi_attention(q, k, v, floats["bias"], **options)
         if case.scheme == "window":
             return jaxattn.window_attention(q, k, v, floats["bias"], WINDOW, **options)
+        if case.scheme == "shaw":
+            kt, vt = floats["key_table"], floats["value_table"]
+            return jaxattn.shaw_relative_attention(q, k, v, kt, vt, max_distance=SHAW_DISTANCE, **options)
         if case.flex or case.return_lse:
             return jaxattn.flex_attention(q, k, v, **mods, return_lse=case.return_lse, **options)
         return jaxattn.dot_product_attention(q, k, v, **options)

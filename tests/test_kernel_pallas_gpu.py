@@ -134,7 +134,8 @@ def test_unsupported_names_the_option():
     assert unsupported(mask=jnp.ones((5, 5), bool)) == "mask"
     assert unsupported(dropout_rate=0.1) == "dropout_rate"
     assert unsupported(return_weights=True) == "return_weights"
-    assert unsupported(key_table=jnp.zeros((3, 4)), max_distance=1) == "key_table"
+    assert unsupported(key_table=jnp.zeros((3, 4)), max_distance=1) is None  # Shaw tables: tests/test_kernel_shaw.py
+    assert unsupported(rel_key=jnp.zeros((5, 5, 1, 4))) == "rel_key"  # per-pair tables stay the XLA engines'
     assert unsupported(position_bias=lambda i, j: 0.0) == "position_bias"
     slope = jnp.ones(2, jnp.float32)
     # Triton cannot index a closed-over array by head or position: on a GPU such a score_mod falls back

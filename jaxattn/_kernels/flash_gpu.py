@@ -12,11 +12,14 @@ schedule: WITH_MOD tiles, then MASKED, then CLEAN, then skipped ones), the onlin
 (softmax.combine_partials, add_sinks, finalize_partial), softcap (mods.softcap / softcap_grad), and
 score_mod / mask_mod (mods.element_function traced once; mods.on_tile calls them on the tile's iota grids;
 the arrays they close over are explicit kernel inputs, and the float ones get gradients: partial sums per
-(b, n, query tile) from the dq kernel, added up outside), and a position bias read from a small table at an
+(b, n, query tile) from the dq kernel, added up outside), a position bias read from a small table at an
 index of the pair (offset_bias.KERNEL_BIASES: T5 and ALiBi at j - i, Swin's and BEiT's windows at the 2D
 offset): its rows [B|1,N,D] computed outside, gathered per tile at the bias's index of the tile's positions
 (tile_body.offset_index), their gradient scattered back by index from the dq kernel with atomic adds
-(docs/kernels.md, "Position biases in the kernel").
+(docs/kernels.md, "Position biases in the kernel"), and Shaw tables (offset_tables): q . key_table per query
+row computed outside and gathered per tile at clip(j - i), the forward's sums of p by table row for the value
+table, and in the backward the value term's dP gathered the same way and the key term's gradient added by
+column from the dq kernel (docs/kernels.md, "Shaw tables in the kernel").
 
 Layout: q [B,Tp,N,Hp], k [B,Sp,K,Hp], v [B,Sp,K,Hvp] (batch dims flattened, T, S padded to whole tiles,
 head dims to powers of two): a BlockSpec picks one head's [Tb,Hp] tile, and query head n reads key/value
@@ -61,20 +64,30 @@ from .._core.masks import (
 from .._core.offset_bias import KERNEL_BIASES
 from .._core.positions import positions
 from .._core.softmax import has_keys, public_lse
+from .._engines import blockwise
 from .._engines.tiles import check_block_mask_tiles
+from . import offset_tables
 from .tile_body import (
     Config,
     Side,
+    Tables,
+    add_by_column,
     allowed_in_tile,
     apply_score_mod,
     capped_logits,
     dot,
+    fill_rows,
     forward_kernel,
+    key_term_in,
     load,
     load_consts,
     offset_bias_tile,
     offset_index,
     pick,
+    pick_rows,
+    table_column,
+    tile_rows,
+    value_term_in,
     visit,
 )
 
@@ -90,8 +103,9 @@ INTERPRET_BLOCK = 16
 MIN_GPU_BLOCK = 16
 MAX_HEAD_DIM = 256
 
-# The options these kernels express; anything else in use (Shaw tables, the full-grid options) is the XLA
-# engines'. A position_bias only as one of offset_bias.KERNEL_BIASES (position_bias_refusal).
+# The options these kernels express; anything else in use (per-pair tables, the full-grid options) is the
+# XLA engines'. A position_bias only as one of offset_bias.KERNEL_BIASES (position_bias_refusal); Shaw tables
+# (key_table, value_table, max_distance) within offset_tables.MAX_COLUMNS rows of reach (tables_refusal).
 HANDLED = (
     "is_causal",
     "key_value_seq_lengths",
@@ -108,6 +122,9 @@ HANDLED = (
     "sinks",
     "score_mod",
     "position_bias",
+    "key_table",
+    "value_table",
+    "max_distance",
     "return_lse",
     "precision",
     "block_size",
@@ -151,20 +168,31 @@ def position_bias_refusal(call: AttentionCall, T: int, S: int) -> Optional[str]:
     return f"position_bias (its table's index holds for other lengths than T = {T}, S = {S})"
 
 
+def tables_band(call: AttentionCall, T: int, S: int) -> Optional[offset_tables.Band]:
+    """The band of Shaw table rows the call reads (offset_tables.band), or None without tables."""
+    if not call.has_tables or call.max_distance is None:  # no max_distance: prepare's check names it
+        return None
+    return offset_tables.band(call.max_distance, T, S, default_positions(call))
+
+
 def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Optional[str]:
     """None when run() computes this call; else the name of the first option it cannot express.
 
-    Cheap (shapes and Python values only). Shaw tables (key_table, value_table), a position_bias that is not
-    one of offset_bias.KERNEL_BIASES (T5's, ALiBi's and window_attention's are; position_bias_refusal) and the
-    full-grid options (bias, mask, dropout_rate, return_weights) are the XLA engines'. On a GPU
-    (interpret=False) tiles must be powers of two >= 16 (block_size, a BlockMask's tiles), head dims at most
-    256, inputs at most 32-bit floats, scale a Python number, and score_mod / mask_mod must close over no array
-    (Triton cannot index one by head or position).
+    Cheap (shapes and Python values only). Shaw tables reaching more than offset_tables.MAX_COLUMNS rows
+    (max_distance), a position_bias that is not one of offset_bias.KERNEL_BIASES (T5's, ALiBi's and
+    window_attention's are; position_bias_refusal), per-pair tables (rel_key, rel_value) and the full-grid
+    options (bias, mask, dropout_rate, return_weights) are the XLA engines'. On a GPU (interpret=False) tiles
+    must be powers of two >= 16 (block_size, a BlockMask's tiles), head dims at most 256, inputs at most 32-bit
+    floats, scale a Python number, and score_mod / mask_mod must close over no array (Triton cannot index one
+    by head or position).
     """
     T, S = (np.shape(x)[-3] if np.ndim(x) >= 3 else 0 for x in (query, key))
     problem = call.first_unhandled(HANDLED) or position_bias_refusal(call, T, S)
     if problem is not None:
         return problem
+    band = tables_band(call, *(np.shape(x)[-3] if np.ndim(x) >= 3 else 1 for x in (query, key)))
+    if band is not None and offset_tables.columns_refusal(band) is not None:
+        return offset_tables.columns_refusal(band)
     scale = call.scale
     if (
         scale is not None
@@ -200,12 +228,27 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
 # The backward kernels: one [Tb,Sb] tile.
 
 
-def _row_grads(cfg, x, lse, allowed, do, v, delta):
-    """(p, ds) of one tile: p recomputed from the saved lse, ds = d loss / d x = p (dO v^T - delta)."""
+def _row_grads(cfg, x, lse, allowed, do, v, delta, dp_table=None):
+    """(p, ds) of one tile: p recomputed from the saved lse, ds = d loss / d x = p (dp - delta) with
+    dp = dO v^T (+ dp_table: Shaw's value term, dP picked at each pair's column)."""
     p = jnp.exp(x - jnp.where(has_keys(lse), lse, 0)[:, None])  # a row with no allowed key: p masked to 0
     if allowed is not None:
         p = jnp.where(allowed, p, 0)
-    return p, p * (dot(do, v, cfg, (1, 1)) - delta[:, None])
+    dp = dot(do, v, cfg, (1, 1))
+    if dp_table is not None:
+        dp = dp + dp_table
+    return p, p * (dp - delta[:, None])
+
+
+def _table_terms(cfg, r, qp, kp, rows, head=None):
+    """(column, key term, value term's dp) of one tile for Shaw tables (each None where the call has none):
+    rows / head: where the tile's query rows sit in the row_bias / d_row_sums blocks (tile_body.tile_rows)."""
+    if cfg.tables is None:
+        return None, None, None
+    column = table_column(cfg, qp, kp)
+    key_term = pick_rows(r["row_bias"], rows, column, head) if cfg.tables.key_term else None
+    dp_table = pick_rows(r["d_row_sums"], rows, column, head) if cfg.tables.value_term else None
+    return column, key_term, dp_table
 
 
 def _logit_grads(cfg, b, n, qp, kp, capped, bias, score_consts, ds_for, with_consts):
@@ -271,6 +314,9 @@ def _dq_kernel(cfg: Config, r):
     do, lse, delta = r["do"][...], r["lse"][...], r["delta"][...]
     score_consts, mask_consts = load_consts(r, "score", len(cfg.score_grads)), load_consts(r, "mask", cfg.n_mask_consts)
     acc_dtype = accumulation_dtype(q.dtype)
+    key_grad = key_term_in(cfg)
+    if key_grad:
+        fill_rows(r["d_row_bias"])
 
     def key_tile(kind, j, carry):
         dq, d_consts = carry
@@ -283,16 +329,17 @@ def _dq_kernel(cfg: Config, r):
         if cfg.offset_bias is not None:
             index = offset_index(cfg, qp, kp)
             bias = offset_bias_tile(r["offset_bias"], index)
+        column, key_term, dp_table = _table_terms(cfg, r, qp, kp, tile_rows(cfg))
         _, ds, d_c, d_bias = _logit_grads(
             cfg,
             b,
             n,
             qp,
             kp,
-            capped_logits(cfg, q, k),
+            capped_logits(cfg, q, k, key_term),
             bias,
             score_consts,
-            lambda x: _row_grads(cfg, x, lse, allowed, do, v, delta),
+            lambda x: _row_grads(cfg, x, lse, allowed, do, v, delta, dp_table),
             True,
         )
         dq = dq + dot(ds.astype(k.dtype), k, cfg)
@@ -300,6 +347,8 @@ def _dq_kernel(cfg: Config, r):
             d_consts = tuple(a + g.astype(a.dtype) for a, g in zip(d_consts, d_c))
         if index is not None:
             _scatter_by_offset(r["d_offset_bias"], index, d_bias)
+        if key_grad:  # d QA[t, c] = the sum of d loss / d (q k^T + QA) over the pairs of row t in column c
+            add_by_column(r["d_row_bias"], column, ds)
         return dq, d_consts
 
     floats = tuple(c for c, g in zip(score_consts, cfg.score_grads) if g)
@@ -330,16 +379,17 @@ def _dkv_kernel(cfg: Config, r):
         bias = None
         if cfg.offset_bias is not None:  # the rows of the G heads of key head kh: this head's is row g
             bias = offset_bias_tile(r["offset_bias"], offset_index(cfg, qp, kp), g)
+        _, key_term, dp_table = _table_terms(cfg, r, qp, kp, tile_rows(cfg, i * cfg.Tb), g)
         p, ds, _, _ = _logit_grads(
             cfg,
             b,
             n,
             qp,
             kp,
-            capped_logits(cfg, q, k),
+            capped_logits(cfg, q, k, key_term),
             bias,
             score_consts,
-            lambda x: _row_grads(cfg, x, lse, allowed, do, v, delta),
+            lambda x: _row_grads(cfg, x, lse, allowed, do, v, delta, dp_table),
             False,
         )
         dv = dv + dot(p.astype(do.dtype), do, cfg, (0, 0))
@@ -424,6 +474,8 @@ def _row_inputs(cfg, side, Hp, Hvp):
         batched, D = cfg.offset_bias[1], side.offset_bias.shape[-1]
         spec = pl.BlockSpec((None, None, D), lambda b, n, i: (pick(batched, b), n, 0))
         inputs["offset_bias"] = (side.offset_bias, spec)
+    if side.row_bias is not None:  # Shaw's key term: the block of this tile's query rows, [Tb,Dp]
+        inputs["row_bias"] = (side.row_bias, _row_block(cfg, side.row_bias))
     specs = dict(
         q=pl.BlockSpec((None, cfg.Tb, None, Hp), lambda b, n, i: (b, i, n, 0)),
         k=pl.BlockSpec((None, Sp, None, Hp), lambda b, n, i: (b, 0, n // G, 0)),
@@ -432,8 +484,14 @@ def _row_inputs(cfg, side, Hp, Hvp):
     return inputs, specs
 
 
+def _row_block(cfg, x):
+    """The BlockSpec of a per-query-row array [B,N,Tp,Dp] (Shaw's row_bias, row_sums) on grid (b, n, i)."""
+    return pl.BlockSpec((None, None, cfg.Tb, x.shape[-1]), lambda b, n, i: (b, n, i, 0))
+
+
 def _forward(cfg, q, k, v, side):
-    """(out [B,Tp,N,Hvp] in q's dtype, lse [B,N,Tp] in the compute dtype)."""
+    """(out [B,Tp,N,Hvp] in q's dtype, lse [B,N,Tp] in the compute dtype, row_sums [B,N,Tp,Dp] in the
+    compute dtype: Shaw's value term, or None)."""
     B, Tp, N, Hp = q.shape
     Hvp = v.shape[-1]
     inputs, specs = _row_inputs(cfg, side, Hp, Hvp)
@@ -451,7 +509,11 @@ def _forward(cfg, q, k, v, side):
             pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i)),
         ),
     }
-    return tuple(named_call(cfg, forward_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_forward"))
+    if value_term_in(cfg):
+        sums = jax.ShapeDtypeStruct((B, N, Tp, cfg.tables.Dp), acc_dtype)
+        outputs["row_sums"] = (sums, _row_block(cfg, sums))
+    out, lse, *row_sums = named_call(cfg, forward_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_forward")
+    return out, lse, (row_sums[0] if row_sums else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -460,13 +522,13 @@ def _flash(cfg, q, k, v, side):
 
 
 def _flash_fwd(cfg, q, k, v, side):
-    out, lse = _forward(cfg, q, k, v, side)
-    return (out, lse), (q, k, v, side, out, lse)
+    out, lse, row_sums = _forward(cfg, q, k, v, side)
+    return (out, lse, row_sums), (q, k, v, side, out, lse, row_sums)
 
 
 def _flash_bwd(cfg, res, cotangents):
-    q, k, v, side, out, lse = res
-    d_out, d_lse = cotangents
+    q, k, v, side, out, lse, row_sums = res
+    d_out, d_lse, d_row_sums = cotangents
     B, Tp, N, Hp = q.shape
     K, Hvp = v.shape[2], v.shape[3]
     G = N // K
@@ -474,6 +536,9 @@ def _flash_bwd(cfg, res, cotangents):
     d_out = d_out.astype(q.dtype)
     # d loss / d x = p (dp - sum_s p dp) + p d_lse, and sum_s p dp = d_out . out: one delta per row
     delta = jnp.einsum("btnv,btnv->bnt", d_out.astype(acc_dtype), out.astype(acc_dtype)) - d_lse.astype(acc_dtype)
+    if row_sums is not None:  # Shaw's value term: out gains P A^V, so sum_s p dp gains sum_c P dP
+        d_row_sums = d_row_sums.astype(acc_dtype)
+        delta = delta + jnp.sum(row_sums * d_row_sums, axis=-1)
 
     inputs, specs = _row_inputs(cfg, side, Hp, Hvp)
     inputs.update(
@@ -509,7 +574,13 @@ def _flash_bwd(cfg, res, cotangents):
             pl.BlockSpec((None, None, rows[-1]), lambda b, n, i: (pick(batched, b), n, 0)),
         )
         aliases = {"d_offset_bias_zeros": "d_offset_bias"}
+    if row_sums is not None:
+        inputs["d_row_sums"] = (d_row_sums, _row_block(cfg, d_row_sums))
+    if side.row_bias is not None:  # d QA: each program's own [Tb,Dp] block, zeroed by the kernel
+        d_row_bias = jax.ShapeDtypeStruct(side.row_bias.shape, acc_dtype)
+        outputs["d_row_bias"] = (d_row_bias, _row_block(cfg, d_row_bias))
     dq, *d_floats = named_call(cfg, _dq_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_dq", aliases)
+    d_row_bias = d_floats.pop() if side.row_bias is not None else None
     d_offset_bias = d_floats.pop() if side.offset_bias is not None else None
 
     bq, bk, bs, bl, bsched = cfg.batched
@@ -549,6 +620,9 @@ def _flash_bwd(cfg, res, cotangents):
             side.offset_bias,
             pl.BlockSpec((None, G, D), lambda b, h, j: (pick(batched, b), h, 0)),
         )
+    for name, x in (("row_bias", side.row_bias), ("d_row_sums", d_row_sums if row_sums is not None else None)):
+        if x is not None:  # the rows of the G query heads of key head h, every query row: [G,Tp,Dp]
+            kv_inputs[name] = (x, pl.BlockSpec((None, G, Tp, x.shape[-1]), lambda b, h, j: (b, h, 0, 0)))
     kv_outputs = {
         "dk": (
             jax.ShapeDtypeStruct(k.shape, k.dtype),
@@ -583,6 +657,7 @@ def _flash_bwd(cfg, res, cotangents):
         None,
         None,
         d_offset_bias,
+        d_row_bias,
     )
     return dq, dk, dv, d_side
 
@@ -797,12 +872,19 @@ class Prepared(NamedTuple):
     T: int
     N: int
     Hv: int
+    value_rows: Any = None  # Shaw's value table, its band's rows [D,(N,)Hv] (offset_tables), or None
 
 
 def run(call: AttentionCall, query, key, value, interpret):
     """pallas_gpu.attention by the flash kernels (forward and backward): a call unsupported() accepts, T, S > 0."""
     p = prepare(call, query, key, value, interpret)
-    out, lse = _flash(p.cfg, p.q, p.k, p.v, p.side)
+    out, lse, row_sums = _flash(p.cfg, p.q, p.k, p.v, p.side)
+    if row_sums is not None:  # Shaw's value term, P @ A^V, added to the kernel's sum_s p v
+        band = tables_band(call, p.T, key.shape[-3])
+        rows = offset_tables.value_term(row_sums, p.value_rows, p.T, band, p.cfg.precision)
+        B, Tp, N, Hvp = out.shape
+        rows = jnp.pad(rows, [(0, 0), (0, Tp - p.T), (0, 0), (0, Hvp - p.Hv)])
+        out = (out.astype(rows.dtype) + rows).astype(out.dtype)
     return finish(p, out, lse, call.return_lse)
 
 
@@ -874,6 +956,18 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
         rows, index = call.position_bias.kernel_table(T, S, default_positions(call))
         offset_rows = _offset_rows(rows, batch, N, acc_dtype)
         cfg = cfg._replace(offset_bias=(index, offset_rows.shape[0] > 1))
+    row_bias = value_rows = None
+    if call.has_tables:  # Shaw tables within MAX_COLUMNS rows of reach (unsupported refuses wider ones)
+        key_table, value_table, _ = blockwise.check_tables(
+            call.key_table, call.value_table, call.max_distance, N, H, Hv, acc_dtype
+        )
+        band = tables_band(call, T, S)
+        if key_table is not None:
+            key_rows = offset_tables.band_rows(key_table, band)
+            row_bias = offset_tables.row_bias(query, key_rows, batch, Tp, band, c.precision)
+        if value_table is not None:
+            value_rows = offset_tables.band_rows(value_table, band)
+        cfg = cfg._replace(tables=Tables(band.lo, band.hi, band.Dp, key_table is not None, value_table is not None))
     side = Side(
         q_pos,
         k_pos,
@@ -888,8 +982,9 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
         t_order,
         t_counts,
         offset_rows,
+        row_bias,
     )
 
     q = kernel_layout(query, batch, T, Tp, Hp)
     k, v = kernel_layout(key, batch, S, Sp, Hp), kernel_layout(value, batch, S, Sp, Hvp)
-    return Prepared(cfg, q, k, v, side, batch, T, N, Hv)
+    return Prepared(cfg, q, k, v, side, batch, T, N, Hv, value_rows)

@@ -68,6 +68,10 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
     # interpreted is what a TPU runs.
     if call.position_bias is not None:
         return "position_bias"
+    # Shaw tables: the GPU kernel gathers their per-row terms at j - i and scatter-adds by column, as above.
+    for name in ("key_table", "value_table"):
+        if getattr(call, name) is not None:
+            return name
     # In the interpreter too: the kernel's index arithmetic mixes int32 and int64 there (a TypeError inside
     # the kernel otherwise), as splash's does.
     if jax.config.read("jax_enable_x64"):

@@ -2,11 +2,14 @@
 (flex_tpu): one program's loop over the key tiles its schedule lists, and the pieces of one [Tb,Sb] tile.
 
     forward, grid (b, n, query tile i):        for each key tile j the schedule lists for (b, n, i)
-        x = score_mod(softcap(scale * q_i k_j^T) + bias)  [Tb,Sb], float32 (or wider)
+        x = score_mod(softcap(scale * (q_i k_j^T + QA[t, c(j - i)])) + bias)  [Tb,Sb], float32 (or wider)
             bias: a position bias's rows gathered at index(i, j) (T5, ALiBi: j - i; Swin, BEiT: the 2D offset in a
             window), when the call has one
+            QA: Shaw's key term, q . key_table[row] per query row and table row ([Tp,Dp] per head,
+                computed outside the kernel: offset_tables), picked per pair at c(j - i), when it has one
         (out, m, l) = combine_partials((out, m, l), partial of x over the allowed pairs, v_j)
-      out_i = out / l (sinks folded in), lse_i = m + log l
+        P[t, c(j - i)] += p  (Shaw's value term: per-row sums of p by table row, rescaled as out is)
+      out_i = out / l (sinks folded in), lse_i = m + log l, P_i = P / l (offset_tables adds P @ value_table)
 
 Every rule is _core's: which pairs may attend (masks.allowed_pairs, on the tile's positions), the schedule's
 order of key tiles (WITH_MOD tiles, then MASKED, then CLEAN, then skipped ones), the online-softmax merge and
@@ -19,13 +22,16 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
+import jax.ref  # jax.ref.addupdate: a submodule, imported by name
 from jax import lax
 from jax.experimental import pallas as pl
 
 from .._core import mods
 from .._core.dtypes import accumulation_dtype
 from .._core.masks import CLEAN, MASKED, WITH_MOD, MaskRule, allowed_pairs
+from .._core.offset_bias import OffsetIndex
 from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial
 
 
@@ -54,6 +60,27 @@ class Config(NamedTuple):
     # its rows r["offset_bias"] [B|1,N,D] read at index(q_pos, k_pos) (a static function: OffsetIndex,
     # WindowIndex; batched: one set of rows per batch entry); None: no position bias
     offset_bias: Any = None
+    tables: Any = None  # Shaw tables: a Tables, or None
+
+
+class Tables(NamedTuple):
+    """A call's Shaw tables in the kernels (offset_tables): offsets lo..hi reach the tables' rows, column c =
+    clip(j - i, lo, hi) - lo of Dp per query row. key_term: r["row_bias"] [B,N,Tp,Dp] holds q_t . key_table
+    at column c; value_term: r["row_sums"] receives the sums of p by column."""
+
+    lo: int
+    hi: int
+    Dp: int
+    key_term: bool
+    value_term: bool
+
+
+def key_term_in(cfg) -> bool:
+    return cfg.tables is not None and cfg.tables.key_term
+
+
+def value_term_in(cfg) -> bool:
+    return cfg.tables is not None and cfg.tables.value_term
 
 
 class Side(NamedTuple):
@@ -74,6 +101,7 @@ class Side(NamedTuple):
     t_order: Any
     t_counts: Any
     offset_bias: Any = None  # [B|1,N,D] in the compute dtype (Config.offset_bias), or None
+    row_bias: Any = None  # Shaw's key term QA [B,N,Tp,Dp] in the compute dtype (Config.tables), or None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -88,9 +116,13 @@ def dot(a, b, cfg, contract=(1, 0)):
     )
 
 
-def capped_logits(cfg, q, k):
-    """softcap(scale * q k^T): [Tb,Sb]."""
-    return mods.softcap(dot(q, k, cfg, (1, 1)) * cfg.scale, cfg.softcap)
+def capped_logits(cfg, q, k, table_term=None):
+    """softcap(scale * (q k^T + table_term)): [Tb,Sb]; table_term: Shaw's key term of the tile (or None),
+    inside the scale and the softcap as the XLA engines add it."""
+    x = dot(q, k, cfg, (1, 1))
+    if table_term is not None:
+        x = x + table_term
+    return mods.softcap(x * cfg.scale, cfg.softcap)
 
 
 def offset_index(cfg, qp, kp):
@@ -99,6 +131,66 @@ def offset_index(cfg, qp, kp):
     position of the call, padding rows and columns included (kernel_table's promise)."""
     index, _ = cfg.offset_bias
     return index(qp, kp)
+
+
+def table_column(cfg, qp, kp):
+    """int32 [Tb,Sb]: the column of the Shaw table arrays (row_bias, row_sums) each pair reads. A scheme whose
+    rows are indexed otherwise (DeBERTa's log buckets of j - i) would swap this function and keep the rest."""
+    return OffsetIndex(cfg.tables.lo, cfg.tables.hi)(qp, kp)
+
+
+def tile_rows(cfg, row0=0):
+    """int32 [Tb,Sb]: row0 + t, the row of each pair in a per-query-row block ([Tb,Dp] from row0 = 0, or a
+    whole [Tp,Dp] block from the query tile's first row)."""
+    return row0 + lax.broadcasted_iota(jnp.int32, (cfg.Tb, cfg.Sb), 0)
+
+
+def pick_rows(ref, rows, column, head=None):
+    """ref[rows, column] (or ref[head, rows, column]): [Tb,Sb] gathered from a per-row block [Tb|Tp,Dp]."""
+    return ref[rows, column] if head is None else ref[head, rows, column]
+
+
+def add_by_column(ref, column, values):
+    """ref[t, column[t,s]] += values[t,s] into a [Tb,Dp] block: the sum over the keys of each row that read
+    one column (the Shaw value term's sums of p; the key term's gradient). The Triton lowering adds with
+    atomics (keys of one row meet in one column). A tile whose pairs all read one column (every tile past
+    the clip distance: most of a long sequence's) adds its row sums there instead: Tb adds, not Tb x Sb."""
+    first = jnp.min(column)
+    one_column = first == jnp.max(column)
+
+    @pl.when(one_column)
+    def _():
+        jax.ref.addupdate(ref, (pl.ds(0, values.shape[0]), first), jnp.sum(values, axis=1))
+
+    @pl.when(jnp.logical_not(one_column))
+    def _():
+        jax.ref.addupdate(ref, (lax.broadcasted_iota(jnp.int32, values.shape, 0), column), values)
+
+
+# The columns of a per-row block [Tb,Dp] that one step of scale_rows reads: as wide as a key tile, so a wide
+# table (Dp up to offset_tables.MAX_COLUMNS) never holds more registers than a logits tile.
+ROW_CHUNK = 64
+
+
+def scale_rows(ref, factor):
+    """ref[t, :] *= factor[t] over a [Tb,Dp] block, ROW_CHUNK columns at a time."""
+    Dp = ref.shape[-1]
+    width = min(ROW_CHUNK, Dp)
+    for c in range(0, Dp, width):
+        cols = pl.ds(c, width)
+        ref[:, cols] = ref[:, cols] * factor[:, None]
+
+
+def fill_rows(ref, value=0.0):
+    Dp = ref.shape[-1]
+    width = min(ROW_CHUNK, Dp)
+    for c in range(0, Dp, width):
+        ref[:, pl.ds(c, width)] = jnp.full((ref.shape[0], width), value, ref.dtype)
+
+
+def rescale(m_from, m_to):
+    """exp(m_from - m_to) with combine_partials' guard (m_to not finite: no key yet, the factor relative to 0)."""
+    return jnp.exp(m_from - jnp.where(jnp.isfinite(m_to), m_to, 0))
 
 
 def offset_bias_tile(ref, index, head=None):
@@ -156,7 +248,9 @@ def key_tiles(cfg: Config, r, b, n, q, qp, q_seg, lengths, key_start=0):
         keys = pl.ds(pl.multiple_of(j * cfg.Sb, cfg.Sb), cfg.Sb)  # aligned: a TPU's dynamic slices need it
         k, v, kp = r["k"][keys, :], r["v"][keys, :], r["k_pos"][keys]
         k_seg = None if q_seg is None else r["k_seg"][keys]
-        x = capped_logits(cfg, q, k)
+        column = None if cfg.tables is None else table_column(cfg, qp, kp)
+        key_term = pick_rows(r["row_bias"], tile_rows(cfg), column) if key_term_in(cfg) else None
+        x = capped_logits(cfg, q, k, key_term)
         if cfg.offset_bias is not None:  # the position bias: after softcap, before score_mod
             x = x + offset_bias_tile(r["offset_bias"], offset_index(cfg, qp, kp))
         x = apply_score_mod(cfg, b, n, qp, kp, x, score_consts)
@@ -166,7 +260,16 @@ def key_tiles(cfg: Config, r, b, n, q, qp, q_seg, lengths, key_start=0):
         m = jnp.max(x, axis=-1)
         p = jnp.exp(x - jnp.where(jnp.isfinite(m), m, 0)[:, None])  # masked: exp(-inf) = 0
         out = dot(p.astype(v.dtype), v, cfg)
-        return combine_partials(state, ((out,), m, jnp.sum(p, axis=-1)))
+        merged = combine_partials(state, ((out,), m, jnp.sum(p, axis=-1)))
+        if value_term_in(cfg):  # the value term's sums, rescaled as combine_partials rescales out
+            old = rescale(state[1], merged[1])
+
+            @pl.when(jnp.min(old) < 1)  # the running max moved (early tiles): skip the pass over [Tb,Dp] otherwise
+            def _():
+                scale_rows(r["row_sums"], old)
+
+            add_by_column(r["row_sums"], column, p * rescale(m, merged[1])[:, None])
+        return merged
 
     state = empty_partial(((cfg.Tb, r["v"].shape[-1]),), (cfg.Tb,), accumulation_dtype(q.dtype))
     return visit(cfg, lambda kind: r["counts"][kind], lambda idx: r["order"][idx], key_tile, state)
@@ -176,8 +279,15 @@ def forward_kernel(cfg: Config, r):
     """The flash forward of one (b, n, query tile): r maps input / output names to refs (flash_gpu's
     forward; flex_tpu's adapters read the same names)."""
     b, n = pl.program_id(0), pl.program_id(1)
+    value_term = value_term_in(cfg)
+    if value_term:
+        fill_rows(r["row_sums"])
     state = key_tiles(cfg, r, b, n, r["q"][...], r["q_pos"][...], load(r, "q_seg"), load(r, "lengths"))
+    m_keys = state[1]
     state = add_sinks(state, load(r, "sinks"))
+    if value_term:  # P / l, as finalize_partial divides out (relative to the max after the sinks)
+        _, m, l = state
+        scale_rows(r["row_sums"], rescale(m_keys, m) / jnp.where(l == 0, 1, l))
     (out,), lse = finalize_partial(state)
     r["out"][...] = out.astype(r["out"].dtype)
     r["lse"][...] = lse

@@ -1,0 +1,105 @@
+"""Shaw's clipped relative tables in the Pallas GPU kernel (flash_gpu): the parts outside the kernel.
+
+    logits[t,s] = scale * q_t . (k_s + A^K[c])        out_t = sum_s p[t,s] (v_s + A^V[c])
+    c = clip(j - i, -m, m) + m   (j - i = key_pos[s] - query_pos[t], m = max_distance)
+
+The kernel never gathers a [Tb,Sb,H] tile of the tables. Only the offsets j - i in a band [lo, hi] reach
+the tables' rows (band: all of [-m, m] for given positions, else the core's default positions' range
+clipped to it), D = hi - lo + 1 rows, padded to Dp columns (padded_columns):
+
+  key term    QA = q . A^K[band]^T, [B,N,Tp,Dp] per query row (row_bias, here, one matmul); each tile adds
+              QA[t, clip(j - i, lo, hi) - lo] to q k^T (tile_body.pick_rows: a gather from the block of its
+              query rows). Its gradient, d QA (the logits' gradient summed by column: the dq kernel's
+              tile_body.add_by_column), goes back to q and A^K through XLA's autodiff of row_bias.
+  value term  the forward kernel sums each row's probabilities by column, P [B,N,Tp,Dp] (rescaled with the
+              online softmax as the output is, divided by l at the end), and value_term adds P @ A^V[band]
+              here. P's cotangent dP = dz A^V^T comes back into the kernels' backward: d p[t,s] += dP[t, c],
+              and delta (= sum_s p dp) gains sum_c P dP.
+
+Memory: four [B,N,Tp,Dp] float32 arrays (QA, P and their gradients), O(T * min(2m+1, T+S-1)), against
+the blockwise engine's per-tile buckets. The kernel takes tables up to MAX_COLUMNS columns (Dp); wider
+bands (m above about 500 with long sequences) stay with the XLA engines.
+
+Why atomics (not per-block partial tables): every array above is per query row, so each program of the
+forward and dq kernels owns its [Tb,Dp] block alone; the adds that meet are the keys of one row falling
+in one column, which Triton's scatter-add lowers to atomic adds within the block (no other program
+touches it). A tile wholly past the clip distance (every pair in one column) adds row sums instead.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax.numpy as jnp
+
+from .._core.dtypes import accumulation_dtype
+from .tile_body import ROW_CHUNK
+
+# The widest band of table rows (Dp) the kernel takes: QA, P and their gradients are [B,N,Tp,Dp] float32,
+# and the forward rescales a [Tb,Dp] block in 64-column steps whenever a row's running max moves.
+MAX_COLUMNS = 1024
+
+
+class Band(NamedTuple):
+    """The table rows a call reaches: offsets lo..hi (table rows lo + m .. hi + m), D of them, Dp padded."""
+
+    lo: int
+    hi: int
+    max_distance: int
+
+    @property
+    def D(self) -> int:
+        return self.hi - self.lo + 1
+
+    @property
+    def Dp(self) -> int:
+        return padded_columns(self.D)
+
+
+def padded_columns(D: int) -> int:
+    """The columns of the per-row arrays for D rows: a power of two >= 16 up to ROW_CHUNK (a Triton tensor, the
+    forward's rescale reads the block whole), else a multiple of ROW_CHUNK (it reads ROW_CHUNK columns at a
+    time; a power of two would nearly double 2m + 1 = 129 rows)."""
+    if D <= ROW_CHUNK:
+        return max(16, 1 << (D - 1).bit_length())
+    return -(-D // ROW_CHUNK) * ROW_CHUNK
+
+
+def band(max_distance: int, T: int, S: int, default_positions: bool) -> Band:
+    """The offsets whose table rows a call reads: [-m, m], narrowed by the default positions' range of j - i,
+    [-(S - 1), T - 1] (query t at t + S - T, key s at s). Clipping j - i to the band is then exact."""
+    m = int(max_distance)
+    if default_positions:
+        return Band(max(-m, -(S - 1)), min(m, T - 1), m)
+    return Band(-m, m, m)
+
+
+def columns_refusal(b: Band) -> Optional[str]:
+    """None when the band fits the kernel (MAX_COLUMNS); else what refuses it, naming max_distance."""
+    if b.Dp > MAX_COLUMNS:
+        return f"max_distance ({b.D} table rows within reach > {MAX_COLUMNS}: the XLA engines)"
+    return None
+
+
+def band_rows(table, b: Band):
+    """table [R,(N,)F] -> its rows of the band, [D,(N,)F]."""
+    return table[b.lo + b.max_distance : b.hi + b.max_distance + 1]
+
+
+def row_bias(query, key_rows, batch: tuple, Tp: int, b: Band, precision):
+    """QA [B,N,Tp,Dp] in the compute dtype: q_t . key_rows[c] for every query row t and band row c
+    (zero padding past T and D). query [...,T,N,H], key_rows [D,(N,)H]."""
+    acc_dtype = accumulation_dtype(query.dtype)
+    spec = "...tnh,dnh->...ntd" if key_rows.ndim == 3 else "...tnh,dh->...ntd"
+    qa = jnp.einsum(spec, query, key_rows.astype(acc_dtype), precision=precision, preferred_element_type=acc_dtype)
+    T, N = query.shape[-3], query.shape[-2]
+    qa = jnp.broadcast_to(qa, (*batch, N, T, b.D)).reshape(-1, N, T, b.D)
+    return jnp.pad(qa, [(0, 0), (0, 0), (0, Tp - T), (0, b.Dp - b.D)])
+
+
+def value_term(row_sums, value_rows, T: int, b: Band, precision):
+    """P @ A^V: row_sums [B,N,Tp,Dp] (the kernel's sums of p by column, divided by l) and value_rows
+    [D,(N,)Hv] -> [B,T,N,Hv] in the compute dtype."""
+    sums = row_sums[:, :, :T, : b.D]
+    spec = "bntd,dnf->btnf" if value_rows.ndim == 3 else "bntd,df->btnf"
+    return jnp.einsum(spec, sums, value_rows.astype(sums.dtype), precision=precision)
