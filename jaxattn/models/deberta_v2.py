@@ -131,8 +131,8 @@ class DebertaV2Config:
         return parsed
 
     def to_dict(self) -> dict:
-        """config.json's keys (inverse of from_dict; the fields are HF's names). id2label is written only when
-        hf_config has none of num_labels entries (HF's num_labels is its length)."""
+        """config.json's keys (inverse of from_dict; the fields are HF's names). id2label (HF's num_labels is its
+        length, 2 without one) is written only where hf_config's does not already give num_labels."""
         out = {
             "model_type": "deberta-v2",
             "architectures": ["DebertaV2Model"],
@@ -143,8 +143,10 @@ class DebertaV2Config:
             "pos_att_type": list(self.pos_att_type),
         }
         del out["num_labels"]
+        if self.cls_dropout is None:  # HF's config has no such key unless given
+            del out["cls_dropout"]
         labels = (self.hf_config or {}).get("id2label")
-        if not (isinstance(labels, Mapping) and len(labels) == self.num_labels):
+        if len(labels) != self.num_labels if isinstance(labels, Mapping) else self.num_labels != 2:
             out["id2label"] = {str(i): f"LABEL_{i}" for i in range(self.num_labels)}
             out["label2id"] = {f"LABEL_{i}": i for i in range(self.num_labels)}
         return out
