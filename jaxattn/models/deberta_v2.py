@@ -86,9 +86,17 @@ class DebertaV2Config:
             if config.get(key, "gelu") != "gelu":
                 refuse(key, "'gelu' (exact erf GELU)", config[key])
         if not config.get("relative_attention", False):
-            refuse("relative_attention", "true (disentangled attention; absolute-only DeBERTa is not ported)", False)
+            refuse(
+                "relative_attention",
+                "true (disentangled attention; absolute-only DeBERTa is not ported)",
+                config.get("relative_attention", False),
+            )
         if config.get("conv_kernel_size", 0) > 0:
-            refuse("conv_kernel_size", "0 (DeBERTa-v2's ConvLayer after the first layer is not ported)", 0)
+            refuse(
+                "conv_kernel_size",
+                "0 (DeBERTa-v2's ConvLayer after the first layer is not ported)",
+                config["conv_kernel_size"],
+            )
         width, heads = config.get("hidden_size"), config.get("num_attention_heads")
         for key, want in (("embedding_size", width), ("pooler_hidden_size", width)):
             if config.get(key, want) != want:
