@@ -94,6 +94,16 @@ def test_the_names_select_the_head_and_legacy_heads_are_refused():
     legacy = {**_tensors(V3, "model"), "cls.predictions.bias": np.zeros(37, np.float32)}
     with pytest.raises(ValueError, match=r"^config: legacy: expected false \(the lm_predictions head; the legacy"):
         from_state_dict(V3, legacy)
+    unused = {
+        **_tensors(V3, "masked_lm"),
+        "deberta.embeddings.position_embeddings.weight": np.ones((29, 15), np.float32),
+    }
+    _, kept = from_state_dict(V3, unused)  # v3 without absolute positions: skipped, as transformers does
+    assert "position_embeddings" not in kept["deberta"]["embed"]
+    with pytest.raises(ValueError, match=r"position_embeddings.weight': expected shape \[29,15\] \[P,E\] \(unused"):
+        from_state_dict(V3, {**unused, "deberta.embeddings.position_embeddings.weight": np.ones((3, 15), np.float32)})
+    with pytest.raises(ValueError, match=r"1 missing \['embeddings.position_embeddings.weight'\]"):  # read: needed
+        from_state_dict({**V3, "position_biased_input": True}, _tensors(V3, "model"))
     missing = _tensors(V3, "model")
     del missing["encoder.LayerNorm.weight"]  # norm_rel_ebd "layer_norm" needs the relative embeddings' norm
     with pytest.raises(ValueError, match=r"1 missing \['encoder.LayerNorm.weight'\]"):

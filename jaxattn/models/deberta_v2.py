@@ -477,11 +477,25 @@ def _head_of(tensors) -> str:
 
 def _fill(tensors, files, config: DebertaV2Config, head: str, dtype) -> dict:
     """The params the table describes; torch's position_ids buffer, which older checkpoints hold, is checked to
-    be the default arange(P) and skipped."""
-    buffer = ("" if head == "model" else "deberta.") + "embeddings.position_ids"
+    be the default arange(P) and skipped. With position_biased_input false a position table some DeBERTa-v3
+    checkpoints still hold is read by no layer: transformers skips it on load (DebertaV2PreTrainedModel's
+    _keys_to_ignore_on_load_unexpected) and so does this port; its shape is checked all the same."""
+    prefix = "" if head == "model" else "deberta."
+    buffer, unused = prefix + "embeddings.position_ids", prefix + "embeddings.position_embeddings.weight"
     if buffer in tensors and not np.array_equal(tensors[buffer], np.arange(config.max_position_embeddings)[None]):
         raise ValueError(f"{files[buffer]}: {buffer!r}: expected the default buffer arange(P), got other values")
-    return weights.fill(tensors, weight_table(config, head), config.dims(), files, dtype=dtype, ignored=(buffer,))
+    ignored = (buffer,)
+    if not config.position_biased_input:
+        if unused in tensors and tuple(np.shape(tensors[unused])) != (
+            config.max_position_embeddings,
+            config.hidden_size,
+        ):
+            raise ValueError(
+                f"{files[unused]}: {unused!r}: expected shape [{config.max_position_embeddings},{config.hidden_size}] "
+                f"[P,E] (unused: position_biased_input is false), got shape {list(np.shape(tensors[unused]))}"
+            )
+        ignored += (unused,)
+    return weights.fill(tensors, weight_table(config, head), config.dims(), files, dtype=dtype, ignored=ignored)
 
 
 def params_from_state_dict(
