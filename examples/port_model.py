@@ -4,8 +4,8 @@
     python examples/port_model.py --demo gpt2          # a tiny random GPT-2 written to a temp directory
 
 DIR is what transformers' save_pretrained writes (config.json + model.safetensors, or shards): bert, gpt2,
-t5, llama, mistral, qwen2, gemma2, qwen3, gemma3_text, mixtral, gpt_oss, qwen3_moe, llama4_text, deepseek_v3
-and qwen3_next (jaxattn.models.supported_model_types()). The JAX side loads it
+t5, llama, mistral, qwen2, gemma2, qwen3, gemma3_text, mixtral, gpt_oss, qwen3_moe, llama4_text, deepseek_v3,
+qwen3_next and deberta-v2 (jaxattn.models.supported_model_types()). The JAX side loads it
 with jaxattn.models.from_pretrained (no torch);
 the PyTorch side with transformers (eager attention). Printed: crosscheck.layer_report in float32 and float64 (every
 aligned layer: max abs, normwise, pass/fail, the first divergent layer), then, for generative models, a
@@ -31,17 +31,22 @@ jax.config.update("jax_enable_x64", True)  # the float64 report needs it; float3
 PROMPTS = ("The quick brown fox", "Once upon a time, in a small village,", "Hi!")
 
 
-def _torch_model(directory: Path, model_type: str):
+ENCODERS = ("bert", "deberta-v2")  # no continuation to compare
+
+
+def _torch_model(directory: Path, config: dict):
     import transformers
 
     auto = {"bert": transformers.AutoModel, "t5": transformers.AutoModelForSeq2SeqLM}
-    cls = auto.get(model_type, transformers.AutoModelForCausalLM)
+    if config["model_type"] == "deberta-v2":  # the head config.json names (masked LM, classifier or none)
+        auto["deberta-v2"] = getattr(transformers, config["architectures"][0])
+    cls = auto.get(config["model_type"], transformers.AutoModelForCausalLM)
     return cls.from_pretrained(str(directory), attn_implementation="eager", local_files_only=True).eval()
 
 
 def _batch(directory: Path, config: dict, prompts):
     """Token ids of the prompts with the directory's tokenizer (left-padded for decoders), or random ids."""
-    side = "right" if config["model_type"] in ("bert", "t5") else "left"
+    side = "right" if config["model_type"] in (*ENCODERS, "t5") else "left"
     pad = config.get("pad_token_id") or 0
     if (directory / "tokenizer.json").is_file():
         from tokenizers import Tokenizer
@@ -69,7 +74,7 @@ def main(directory, *, new_tokens: int = 24, prompts=PROMPTS) -> dict:
     directory = Path(directory)
     config = json.loads((directory / "config.json").read_text())
     model, params = from_pretrained(directory, precision="highest")
-    torch_model = _torch_model(directory, config["model_type"])
+    torch_model = _torch_model(directory, config)
     ids, mask, decode = _batch(directory, config, prompts)
     inputs = {"input_ids": ids, "attention_mask": mask}
     if config["model_type"] == "t5":
@@ -78,7 +83,7 @@ def main(directory, *, new_tokens: int = 24, prompts=PROMPTS) -> dict:
     for report in reports:
         print(report, end="\n\n")
     result = {"reports": reports, "ours": None, "theirs": None}
-    if config["model_type"] == "bert":
+    if config["model_type"] in ENCODERS:
         print("(an encoder: no continuation to compare)")
         return result
     torch_model.float()

@@ -53,6 +53,7 @@ from jaxattn import io  # noqa: E402
 from jaxattn.models import from_pretrained, generate  # noqa: E402
 
 NEW_TOKENS = 4
+ENCODERS = ("bert", "deberta-v2")  # the forward only: no generate, no causal-LM training step
 ADAMW = dict(learning_rate=1e-3, eps=1e-6)  # why not eps=1e-8: see test_models_sharded.py
 
 
@@ -91,7 +92,7 @@ def reference(directory, **batch_options):
     model, params = from_pretrained(directory, dtype="float64")
     batch = batch_of(config["model_type"], config["vocab_size"], **batch_options)
     ref = {"logits": np.asarray(jax.jit(logits_of, static_argnums=0)(model, params, batch))}
-    if config["model_type"] != "bert":
+    if config["model_type"] not in ENCODERS:
         ref["tokens"] = generate(
             model, params, batch["input_ids"], max_new_tokens=NEW_TOKENS, attention_mask=batch["attention_mask"]
         )
@@ -113,7 +114,7 @@ def check_family(directory, mesh, gather, model_type, batch, ref):
         "forward": normwise(gather(got), ref["logits"]),
         "forward_spec": str(got.sharding.spec),
     }
-    if model_type != "bert":
+    if model_type not in ENCODERS:
         result["generate"] = generate_check(smodel, sparams, batch, ref["tokens"])
         result["train"] = train_check(smodel, sparams, placed, ref, gather)
     return result, compiled, sparams

@@ -26,6 +26,24 @@ def test_an_encoder_decoder_checkpoint_reports_both_stacks(tmp_path, capsys):
     assert "encoder.layer1.residual" in out and "decoder.layer1.cross_attention" in out and "FAIL" not in out
 
 
+@pytest.mark.slow  # ~20 s: two checkpoints, both dtypes
+@pytest.mark.parametrize("architecture", ["DebertaV2ForMaskedLM", "DebertaV2ForSequenceClassification"])
+def test_deberta_v2_reports_every_encoder_layer_and_its_head(tmp_path, capsys, architecture):
+    """A DeBERTa-v2 head: the encoder's rows under "deberta.", then the head's logits (the classifier's per
+    sequence), float32 and float64 (1e-12 normwise against transformers in float64)."""
+    directory = hf.write_checkpoint("deberta-v2", tmp_path / "deberta", architecture=architecture)
+    report = tmp_path / "report.json"
+    assert main(["--no-cache", "--model", str(directory), "--json", str(report)]) == 0
+    assert "FAIL" not in capsys.readouterr().out
+    float64 = json.loads(report.read_text())["reports"][1]
+    names = [r["name"] for r in float64["rows"]]
+    assert names == [
+        "deberta.embeddings",
+        *(f"deberta.layer{i}.{r}" for i in (0, 1) for r in ("attention", "residual")),
+    ] + ["logits"]
+    assert float64["dtype"] == "float64" and all(r["normwise"] <= 1e-12 for r in float64["rows"])
+
+
 def test_a_good_port_passes_with_table_plot_and_json(gpt2_dir, tmp_path, capsys):
     png, report = tmp_path / "drift.png", tmp_path / "report.json"
     assert main(["--no-cache", "--model", str(gpt2_dir), "--plot", str(png), "--json", str(report)]) == 0

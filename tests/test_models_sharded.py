@@ -395,6 +395,79 @@ def test_one_device_mesh_loads_the_same_params(checkpoints):
     assert normwise(got, model.apply({"params": params}, ids)) <= TOL
 
 
+def test_deberta_v2_rules_split_heads_and_keep_the_tables_fsdp():
+    """DeBERTa-v2: BERT's layout for its encoder, under "deberta/" in a head too; pos_key / pos_query by head
+    as key / query, the relative embeddings and the word embeddings FSDP over E."""
+    from jaxattn.models import _partition_rules
+
+    rules = _partition_rules.Rules.of("deberta-v2", one_device_mesh("data", "model"))
+    E, N, H, R, F = 8, 4, 2, 6, 10
+    for prefix in ("", "deberta/"):
+        assert rules.spec(f"{prefix}layer_0/attention/query/kernel", (E, N, H)) == P("data", "model", None)
+        assert rules.spec(f"{prefix}layer_1/attention/pos_key/kernel", (E, N, H)) == P("data", "model", None)
+        assert rules.spec(f"{prefix}layer_1/attention/pos_query/bias", (N, H)) == P("model", None)
+        assert rules.spec(f"{prefix}layer_0/attention/out/kernel", (N, H, E)) == P("model", None, "data")
+        assert rules.spec(f"{prefix}layer_0/intermediate/kernel", (E, F)) == P("data", "model")
+        assert rules.spec(f"{prefix}layer_0/output/kernel", (F, E)) == P("model", "data")
+        assert rules.spec(f"{prefix}rel_embeddings", (R, E)) == P(None, "data")
+        assert rules.spec(f"{prefix}rel_embeddings_norm/scale", (E,)) == P()
+        assert rules.spec(f"{prefix}embed/word_embeddings/embedding", (97, E)) == P(None, "data")
+    assert rules.spec("lm_bias", (97,)) == P()
+    assert rules.spec("classifier/kernel", (E, 3)) == P()
+
+
+@pytest.mark.slow  # ~15 s on 2 cores (a checkpoint written by transformers, two compiles)
+def test_deberta_v2_on_a_one_device_mesh_loads_the_same_params(tmp_path):
+    """A DeBERTa-v2 masked LM on a one-device mesh: every leaf a jax.Array equal to the unsharded load, the
+    float64 logits the same."""
+    pytest.importorskip("transformers")
+    from crosscheck._hf import checkpoints as hf
+
+    directory = hf.write_checkpoint("deberta-v2", tmp_path / "deberta")
+    model, params = from_pretrained(directory, dtype="float64")
+    smodel, sparams = from_pretrained(directory, dtype="float64", mesh=one_device_mesh("data", "model"))
+    assert smodel.sharding is not None and jax.tree.structure(params) == jax.tree.structure(sparams)
+    for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(sparams)):
+        assert isinstance(b, jax.Array) and a.dtype == b.dtype and np.array_equal(a, b)
+    assert sparams["deberta"]["layer_0"]["attention"]["query"]["kernel"].sharding.spec == P("data", "model", None)
+    ids, mask = hf.padded_batch("right")
+    got = jax.jit(smodel.apply)({"params": sparams}, ids, mask)
+    assert_float64(got)
+    assert normwise(got, model.apply({"params": params}, ids, mask)) <= TOL
+
+
+@pytest.mark.slow  # an 8-device subprocess: DeBERTa-v2's forward on the (2, 4) mesh
+def test_deberta_v2_on_a_mesh_equals_one_device(tmp_path):
+    """DebertaV2ForMaskedLM and DebertaV2ForSequenceClassification on (data, model) = (2, 4) in float64 (batch 8
+    over "data", 4 heads over "model"): logits normwise <= 1e-12 against one device, the layout the rules say."""
+    pytest.importorskip("transformers")
+    from crosscheck._hf import checkpoints as hf
+
+    masked = hf.write_checkpoint("deberta-v2", tmp_path / "masked")
+    classifier = hf.write_checkpoint(
+        "deberta-v2", tmp_path / "classifier", architecture="DebertaV2ForSequenceClassification", share_att_key=False
+    )
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "families", "2x4", str(masked), str(classifier)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=TIMEOUT_S,
+        cwd=HERE,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    for name in ("masked", "classifier"):
+        assert "2x4" in results[name], results[name]
+        result = results[name]["2x4"]
+        assert "error" not in result, result
+        assert result["dtypes"] == ["float64"] and result["forward"] <= TOL, result
+        assert result["specs"]["['deberta']['layer_0']['attention']['query']['kernel']"] == "('data', 'model')"
+    specs = results["classifier"]["2x4"]["specs"]
+    assert specs["['deberta']['layer_1']['attention']['pos_key']['kernel']"] == "('data', 'model')"
+
+
 @pytest.mark.slow  # a model compiled for one more layout: 4 s; the multi-device runs are slow too
 def test_sequence_parallel_applies_the_qk_norms(tmp_path):
     """Qwen 3 without windows on a one-device (data, seq, model) mesh: its attention runs on the ring

@@ -70,6 +70,7 @@ def test_minilm_loads_into_the_bert_ports_params(minilm_dir):
     _same_tree(params, bert_params_from_state_dict(state_dict, config))
     assert set(supported_model_types()) == {
         "bert",
+        "deberta-v2",
         "deepseek_v3",
         "gemma2",
         "gemma3_text",

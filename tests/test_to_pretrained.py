@@ -12,7 +12,8 @@ random):
   * `python -m crosscheck --model DIR` passes on a written directory;
   * a config with no config.json behind it (hf_config None) is written from the family's mapping alone and
     reads back as the same config; bad params, dtypes, sizes and paths raise ValueError naming them.
-Through transformers, the default group runs GPT-2 (the fused c_attn read back from three leaves; float64)
+Through transformers, the default group runs GPT-2 (the fused c_attn read back from three leaves; float64),
+DeBERTa-v2 (float64: disentangled attention, the masked-LM head tied to the embeddings)
 and Qwen2 (tied head, q/k/v biases; float32); every other variant and dtype is in the `slow` group.
 """
 
@@ -77,8 +78,27 @@ VARIANTS = {
         },
     ),
     "qwen3_next": ("qwen3_next", {}),  # linear + full layers, shared expert
+    "deberta-v2": ("deberta-v2", {}),  # v3's shape: shared keys, log buckets, relative LayerNorm; masked LM head
+    "deberta-v2-classifier": (
+        "deberta-v2",
+        {
+            "architecture": "DebertaV2ForSequenceClassification",
+            "share_att_key": False,  # own pos_key_proj
+            "pos_att_type": ["c2p"],
+            "position_buckets": -1,
+            "max_relative_positions": 5,  # clipped at |j - i| >= 5
+            "position_biased_input": True,
+            "type_vocab_size": 0,
+            "norm_rel_ebd": "none",
+            "num_labels": 3,
+        },
+    ),
+    "deberta-v2-encoder": (
+        "deberta-v2",
+        {"architecture": "DebertaV2Model", "pos_att_type": ["p2c"], "share_att_key": False},
+    ),
 }
-_AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM"}
+_AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM", "deberta-v2": None}  # None: config's architectures
 
 
 def _variant_params(default=("gpt2",)):
@@ -122,7 +142,8 @@ def _torch_load(directory, model_type):
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
-    cls = getattr(transformers, _AUTO.get(model_type, "AutoModelForCausalLM"))
+    auto = _AUTO.get(model_type, "AutoModelForCausalLM")
+    cls = getattr(transformers, auto or _config(directory)["architectures"][0])
     # DeepSeek V3: transformers' grouped_mm experts need 16-byte strides, which the tiny prime sizes do not give
     experts = {"experts_implementation": "eager"} if model_type == "deepseek_v3" else {}
     model, info = cls.from_pretrained(
@@ -160,20 +181,23 @@ def _assert_torch_holds(torch_model, tensors):
 
 
 def _inputs(model_type):
-    """The padded batch: on the right for the encoders (BERT, T5), on the left for decoders."""
-    return hf.padded_inputs(model_type, "right" if model_type in ("bert", "t5") else "left")
+    """The padded batch: on the right for the encoders (BERT, T5, DeBERTa), on the left for decoders."""
+    return hf.padded_inputs(model_type, "right" if model_type in ("bert", "t5", "deberta-v2") else "left")
 
 
 def _outputs(model_type, model, params, inputs):
-    """{name: output} to compare: logits (BERT: last_hidden_state and pooler_output)."""
+    """{name: output} to compare: logits (BERT: last_hidden_state and pooler_output; DebertaV2Model:
+    last_hidden_state)."""
     out = model.apply({"params": params}, **inputs)
-    return {k: out[k] for k in ("last_hidden_state", "pooler_output")} if model_type == "bert" else {"logits": out}
+    if model_type == "bert":
+        return {k: out[k] for k in ("last_hidden_state", "pooler_output")}
+    return {"last_hidden_state": out["last_hidden_state"]} if isinstance(out, dict) else {"logits": out}
 
 
 def _loss(model_type, model, params, inputs):
-    """Next-token cross-entropy on real tokens (T5: on the decoder's tokens); BERT: mean squares."""
+    """Next-token cross-entropy on real tokens (T5: on the decoder's tokens); the encoders: mean squares."""
     out = _outputs(model_type, model, params, inputs)
-    if model_type == "bert":
+    if model_type in ("bert", "deberta-v2"):
         return sum(jnp.mean(x * x) for x in out.values())
     targets = inputs["decoder_input_ids" if model_type == "t5" else "input_ids"]
     weights = jnp.ones_like(targets) if model_type == "t5" else inputs["attention_mask"]
@@ -198,16 +222,17 @@ def _torch_outputs(model_type, torch_model, inputs, dtype):
         out = torch_model(**{k: torch.from_numpy(v).long() for k, v in inputs.items()})
     if model_type == "bert":
         return {"last_hidden_state": out.last_hidden_state, "pooler_output": out.pooler_output}
-    return {"logits": out.logits}
+    return {"logits": out.logits} if hasattr(out, "logits") else {"last_hidden_state": out.last_hidden_state}
 
 
 def _errors(model_type, ours, theirs, inputs):
-    """{output: (max abs, normwise)} on real tokens (every decoder token of T5; BERT's pooler: every row)."""
+    """{output: (max abs, normwise)} on real tokens (every decoder token of T5; BERT's pooler and a classifier's
+    logits: every row)."""
     real = inputs["attention_mask"].astype(bool)
     errors = {}
     for name, x in ours.items():
         x, y = np.asarray(x), theirs[name].numpy()
-        if name in ("logits", "last_hidden_state") and model_type != "t5":
+        if name in ("logits", "last_hidden_state") and model_type != "t5" and x.shape[:2] == real.shape:
             x, y = x[real], y[real]
         errors[name] = (float(np.abs(x - y).max()), float(normwise(x, y)))
     return errors
@@ -261,7 +286,13 @@ def test_bf16_is_kept_and_dtype_casts_explicitly(checkpoints, tmp_path):
 @pytest.mark.parametrize(
     "variant, dtype",
     [
-        pytest.param(v, d, marks=() if (v, d) in (("gpt2", "float64"), ("qwen2", "float32")) else pytest.mark.slow)
+        pytest.param(
+            v,
+            d,
+            marks=()
+            if (v, d) in (("gpt2", "float64"), ("qwen2", "float32"), ("deberta-v2", "float64"))
+            else pytest.mark.slow,
+        )
         for v in VARIANTS
         for d in ("float64", "float32")
         # DeepSeek V3 in float64: transformers loads the router's weight and bias in float32 whatever the checkpoint's
@@ -409,7 +440,9 @@ def test_a_config_without_hf_config_is_written_from_the_family_mapping(checkpoin
     bare = model.clone(config=dataclasses.replace(model.config, hf_config=None))
     written = to_pretrained(bare, params, tmp_path / "bare")
     config = _config(written)
-    assert config == {**bare.config.to_dict(), "dtype": "float32"}  # mistral with no window: written as llama
+    # mistral with no window: written as llama; DeBERTa: the head's architecture, which no config field holds
+    head = {"architectures": [type(model).__name__]} if model_type == "deberta-v2" else {}
+    assert config == {**bare.config.to_dict(), "dtype": "float32", **head}
     again, _ = from_pretrained(written)
     assert again == model and again.config.hf_config == config
     _assert_torch_holds(_torch_load(written, model_type), _tensors(checkpoints(variant)))

@@ -686,3 +686,28 @@ def test_frozen_parameters_stay_put_and_stay_out_of_the_clipping_norm():
     ours = layout.to_torch(params)
     for name, p in torch_model.named_parameters():
         assert normwise(ours[name], p.detach().numpy()) <= 1e-13, name
+
+
+@pytest.mark.slow  # ~40 s: the example end to end, 12 AdamW steps in float64 on both sides
+def test_deberta_classifier_fine_tunes_step_for_step_as_pytorch(tmp_path):
+    """examples/deberta_finetune.py: DebertaV2ForSequenceClassification (a fresh head on the tiny DeBERTa-v3-shaped
+    masked LM) trained 12 AdamW steps (warmup + cosine, clip 1.0) on the classification loss: every loss, gradient
+    and parameter within the float64 bars; labels are checked by shape."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).parent.parent / "examples" / "deberta_finetune.py"
+    spec = importlib.util.spec_from_file_location("deberta_finetune", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    report, model = example.main(example.tiny_checkpoint(tmp_path / "tiny"), steps=12, dtype="float64")
+    assert report.passed and report.dtype == "float64" and len(report.steps) == 12
+    assert report.steps[-1].loss_torch != report.steps[0].loss_torch  # it trained
+    assert all(s.loss_difference <= 1e-12 for s in report.steps)
+    torch_model = transformers.DebertaV2ForSequenceClassification(
+        transformers.DebertaV2Config(**hf.TINY["deberta-v2"][2])
+    )
+    params = jax.eval_shape(lambda: model.init(jax.random.key(0), np.zeros((1, 2), int))["params"])
+    bad = [{**example.batches(97, 3)[0], "labels": np.zeros((4,), int)}]
+    with pytest.raises(ValueError, match=r"batches\[0\]\['labels'\]: expected integer \[B\] = \[5\]"):
+        crosscheck.train_report(torch_model, model, params, bad, steps=1, optimizer="sgd", lr=0.1)

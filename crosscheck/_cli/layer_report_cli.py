@@ -43,7 +43,7 @@ def model_inputs(directory: Path, config: dict) -> dict[str, np.ndarray]:
 def _encoder_inputs(directory: Path, config: dict) -> dict[str, np.ndarray]:
     from crosscheck._hf.checkpoints import padded_batch
 
-    side = "right" if config.get("model_type") in ("bert", "t5") else "left"
+    side = "right" if config.get("model_type") in ("bert", "t5", "deberta-v2") else "left"
     pad = config.get("pad_token_id") or 0
     tokenizer_file = directory / "tokenizer.json"
     if tokenizer_file.is_file():

@@ -90,22 +90,27 @@ def main(
 ) -> int:
     from crosscheck._cli.layer_report_cli import finish
     from crosscheck._hf import checkpoints as hf
-    from crosscheck._training.train_report import FAMILIES, train_report
+    from crosscheck._training.train_report import CLASSIFIERS, FAMILIES, train_report
     from jaxattn.models import from_pretrained
 
     directory = Path(directory)
     try:
         model, params = from_pretrained(directory, precision="highest")
         config = json.loads((directory / "config.json").read_text())
-        if config.get("model_type") not in FAMILIES:
+        architecture = str((config.get("architectures") or [""])[0])
+        classifier = config.get("model_type") in CLASSIFIERS and architecture.endswith("ForSequenceClassification")
+        if config.get("model_type") not in FAMILIES and not classifier:
             raise ValueError(
-                f"{directory}: --train trains causal LMs ({', '.join(FAMILIES)}), got model_type "
-                f"{config.get('model_type')!r}"
+                f"{directory}: --train trains causal LMs ({', '.join(FAMILIES)}) and the sequence classifiers of "
+                f"{', '.join(CLASSIFIERS)}, got model_type {config.get('model_type')!r} "
+                f"({architecture or 'no architectures'})"
             )
     except (OSError, ValueError) as error:
         print(f"python -m crosscheck: error: {error}", file=sys.stderr)
         return 2
     batches = random_batches(config["vocab_size"])
+    if classifier:  # a toy task: each row's label is its first token modulo the number of labels
+        batches = [{**b, "labels": b["input_ids"][:, 0] % model.config.num_labels} for b in batches]
     reports = []
     for dtype in dtypes or ("float64", "float32"):
         torch_model = hf.torch_model(directory)  # a fresh copy per run: training changes it

@@ -355,6 +355,29 @@ TINY = {
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
         ),
     ),
+    # DeBERTa-v3's shape (share_att_key, relative embeddings' LayerNorm, no absolute positions, c2p + p2c, log
+    # buckets: 8, max 19, so prompts of 11 reach the log range) with 3 token types; H 11; the lm_predictions head
+    "deberta-v2": (
+        "DebertaV2Config",
+        "DebertaV2ForMaskedLM",
+        dict(
+            vocab_size=VOCAB,
+            hidden_size=44,
+            intermediate_size=60,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=71,
+            type_vocab_size=3,
+            relative_attention=True,
+            position_buckets=8,
+            max_relative_positions=19,
+            pos_att_type=["p2c", "c2p"],
+            share_att_key=True,
+            norm_rel_ebd="layer_norm",
+            position_biased_input=False,
+            legacy=False,
+        ),
+    ),
 }
 
 
@@ -367,8 +390,9 @@ def _no_special_tokens(config) -> None:
         setattr(config, key, value)
 
 
-# model_type -> the transformers Auto class whose model jaxattn.models ports (the decoders: a causal LM)
-_AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM"}
+# model_type -> the transformers Auto class whose model jaxattn.models ports (the decoders: a causal LM; None:
+# the class config.json's architectures names, for a family ported with several heads)
+_AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM", "deberta-v2": None}
 
 # mixtures of experts: transformers' plain per-expert loop ("eager"), not a grouped matmul kernel
 _MOE = ("mixtral", "gpt_oss", "qwen3_moe", "deepseek_v3", "qwen3_next")
@@ -648,6 +672,9 @@ def float64_reference(torch_model, dtype: str):
     its router's sigmoid and the NoPE layers' temperature log1p, all in float32 in HF's code. DeepSeek V3: its
     RMS norms, rotary cos/sin, eager softmax, and its router (logits, sigmoid, weights) in float32 in HF's code.
 
+    DeBERTa-v2 (deberta-v2): its logit scale sqrt(H * terms), which HF takes in float32
+    (crosscheck.cases.positions.deberta_float64_scale).
+
     Qwen3-Next (qwen3_next): its modeling module's torch.float32 / torch.float read as float64 (the delta rule's
     casts, the gated norm, the router's and the eager softmax), torch.Tensor.float() keeping float64 for the
     duration (its RMS norms, A_log and a in g), and its partial rotary cos/sin from float64 frequencies.
@@ -657,7 +684,12 @@ def float64_reference(torch_model, dtype: str):
     import torch
 
     patched, functions, scales, experts = [], [], [], None
+    stack = contextlib.ExitStack()
     if dtype == "float64":
+        if type(torch_model).__module__ == "transformers.models.deberta_v2.modeling_deberta_v2":
+            from crosscheck.cases.positions import deberta_float64_scale
+
+            stack.enter_context(deberta_float64_scale(torch.float64))
         if getattr(torch_model.config, "_experts_implementation", "eager") not in (None, "eager"):
             experts = torch_model.get_experts_implementation()  # grouped_mm: float32/bf16 only on CPU
             torch_model.set_experts_implementation("eager")
@@ -714,6 +746,7 @@ def float64_reference(torch_model, dtype: str):
             module.embed_scale = scale
         if experts is not None:
             torch_model.set_experts_implementation(experts)
+        stack.close()
 
 
 # HF buffers that checkpoints hold and the weight tables read (DeepSeek V3's router bias, which DeepSeek adjusts
@@ -744,8 +777,9 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
     import transformers
 
     _quiet(transformers)
-    model_type = json.loads((Path(directory) / "config.json").read_text())["model_type"]
-    cls = getattr(transformers, _AUTO.get(model_type, "AutoModelForCausalLM"))
+    config = json.loads((Path(directory) / "config.json").read_text())
+    model_type = config["model_type"]
+    cls = getattr(transformers, _AUTO.get(model_type, "AutoModelForCausalLM") or config["architectures"][0])
     experts = {"experts_implementation": "eager"} if model_type in _MOE else {}
     model = cls.from_pretrained(str(directory), attn_implementation="eager", local_files_only=True, **experts)
     if getattr(model, "generation_config", None) is not None:  # both sides decode exactly max_new_tokens
@@ -775,13 +809,17 @@ _ONE_PLUS_W_NORMS = ("gemma", "gemma2", "gemma3_text", "qwen3_next")  # norms th
 _PLAIN_NORMS = ("linear_attn.norm.weight",)  # Qwen3-Next's gated output norm scales by its weight: around 1
 
 
-def write_checkpoint(model_type: str, directory: str | os.PathLike, *, seed: int = 0, **overrides) -> Path:
-    """save_pretrained of a tiny random `model_type` model in `directory`; returns the directory."""
+def write_checkpoint(
+    model_type: str, directory: str | os.PathLike, *, seed: int = 0, architecture: str | None = None, **overrides
+) -> Path:
+    """save_pretrained of a tiny random `model_type` model in `directory`; returns the directory.
+    architecture: the transformers model class (default TINY's; another head of the family)."""
     import torch
     import transformers
 
     _quiet(transformers)
     config_cls, model_cls, kwargs = TINY[model_type]
+    model_cls = architecture or model_cls
     config = getattr(transformers, config_cls)(**{**kwargs, **_NO_SPECIAL_TOKENS, **overrides})
     torch.manual_seed(seed)
     model = getattr(transformers, model_cls)(config).eval()

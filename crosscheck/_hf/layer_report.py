@@ -190,6 +190,17 @@ class _DeepseekV3(_Family):
         return watched
 
 
+class _DebertaV2(_Family):
+    """DeBERTa-v2: the encoder's rows; inside a head (masked LM, classifier) HF's encoder is `deberta` and ours
+    sows under "deberta", so the rows are "deberta.*" there."""
+
+    def watch(self, torch_model) -> list[tuple[Any, str]]:
+        encoder = getattr(torch_model, "deberta", None)
+        if encoder is None:
+            return super().watch(torch_model)
+        return [(module, f"deberta.{name}") for module, name in super().watch(encoder)]
+
+
 FAMILIES: dict[str, _Family] = {
     "gpt2": _Family(
         lambda m: m.transformer.drop, lambda m: m.transformer.h, "attn", "mlp", lambda m: m.transformer.ln_f, "h_{i}"
@@ -219,6 +230,9 @@ FAMILIES["llama4_text"] = _Llama4(
     "feed_forward",
     lambda m: m.model.norm,
     "layers_{i}",
+)
+FAMILIES["deberta-v2"] = _DebertaV2(
+    lambda m: m.embeddings, lambda m: m.encoder.layer, "attention", None, None, "layer_{i}"
 )
 FAMILIES["qwen3_next"] = _Qwen3Next(
     lambda m: m.model.embed_tokens, lambda m: m.model.layers, "", "mlp", lambda m: m.model.norm, "layers_{i}"
@@ -261,6 +275,8 @@ def _jax_rows(model, params, inputs) -> dict[str, np.ndarray]:
         return {k: np.asarray(v) for k, v in rows.items()}
     logits, state = _jitted_apply(model, True)(params, inputs)
     rows = {name: np.asarray(value) for name, value in _flat(state["intermediates"]).items()}
+    if isinstance(logits, dict):  # an encoder without a head (DebertaV2Model): its sown rows are all
+        return rows
     return {**rows, "logits": np.asarray(logits)}
 
 
@@ -270,6 +286,12 @@ def _real_tokens(name: str, inputs: Mapping[str, np.ndarray]) -> np.ndarray:
     ids = inputs["decoder_input_ids" if decoder else "input_ids"]
     mask = inputs.get("decoder_attention_mask" if decoder else "attention_mask")
     return np.ones(ids.shape, bool) if mask is None else mask.astype(bool)
+
+
+def _on_real_tokens(array: np.ndarray, real: np.ndarray) -> np.ndarray:
+    """A [B,T,...] row's real tokens; of a per-sequence row [B,C] (a classifier's logits, pooled from the first
+    token: DeBERTa's ContextPooler) the sequences whose first token is real (left padding: a padded query)."""
+    return array[real] if array.shape[: real.ndim] == real.shape else array[real[:, 0]]
 
 
 def _to_layout(shape: tuple[int, ...]) -> Callable[[np.ndarray], np.ndarray]:
@@ -322,7 +344,7 @@ def layer_report(torch_model, model_and_params, inputs: Mapping[str, Any], *, dt
         logits=False,
         bar=Bar(metric, bar, scaled=metric == "max_abs"),
         torch_module=torch_model,
-        select=lambda name, array: array[_real_tokens(name, inputs)],
+        select=lambda name, array: _on_real_tokens(array, _real_tokens(name, inputs)),
     )
     rows = [
         LayerRow(r.jax_name, depth, r.max_abs, r.normwise, r.scale, metric, bar) for depth, r in enumerate(cert.rows)

@@ -19,6 +19,8 @@ Step 0 is the starting point (the two sets of weights must agree before anything
 Loss: causal-LM cross entropy, token t predicting token t + 1, averaged over the targets whose token AND
 predicting token are real (attention_mask 1 on both; HF's labels = -100 on padding is the same for right
 padding), log-softmax in float32 or wider; one formula, written once per framework (`causal_lm_loss`).
+A sequence classifier (CLASSIFIERS' *ForSequenceClassification, batches with "labels" [B]): the mean cross
+entropy of its logits [B,C] against the labels (`classification_loss`, HF's single-label loss).
 
 Dropout is off on both sides: the torch model runs in eval() mode (its dropout modules are identities, no
 other layer of these families changes with it), the JAX model is deterministic. float64: HF's float32-only
@@ -61,6 +63,8 @@ FAMILIES = (
     "deepseek_v3",
     "qwen3_next",
 )  # the causal LMs of jaxattn.models
+# encoders whose *ForSequenceClassification trains on batches with "labels" [B] (classification_loss)
+CLASSIFIERS = ("deberta-v2",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +277,23 @@ def causal_lm_loss_torch(logits, input_ids, attention_mask):
     return (nll * weights).sum() / weights.sum()
 
 
+def classification_loss_jax(logits, labels):
+    """Mean cross entropy of the labels [B] under logits [B,C], log-softmax in float32 or wider."""
+    import jax
+    import jax.numpy as jnp
+
+    logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)
+    return -jnp.take_along_axis(logp, labels[:, None], axis=-1)[:, 0].mean()
+
+
+def classification_loss_torch(logits, labels):
+    """classification_loss_jax in torch, line for line."""
+    import torch
+
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    return -torch.gather(logp, -1, labels[:, None])[:, 0].mean()
+
+
 # --- the report -------------------------------------------------------------------------------------------------
 
 
@@ -293,7 +314,7 @@ def train_report(
 ) -> TrainReport:
     """Train `torch_model` (transformers, a causal LM) and (model, params) (its jaxattn.models port) for
     `steps` steps on `batches` ([{"input_ids": int [B,T], "attention_mask": [B,T] (optional)}], cycled),
-    and compare the two runs step by step.
+    and compare the two runs step by step. A sequence classifier (CLASSIFIERS) takes "labels" int [B] too.
 
     optimizer: a fresh torch.optim SGD / Adam / AdamW on torch_model's parameters (param groups mapped
     one by one), or "sgd" / "adam" / "adamw" with `lr` (crosscheck._training.optim.torch_optimizer). scheduler:
@@ -321,15 +342,15 @@ def train_report(
     state, rows, clock, noise = tx.init(params), [], {"torch": 0.0, "jax": 0.0, "jax_compile": 0.0}, None
     with float64_reference(torch_model, dtype):
         for k in range(1, steps + 1):
-            ids, mask = run.batch(k)
+            ids, mask, labels = run.batch(k)
             started = time.perf_counter()
             lr_now = float(optimizer.param_groups[0]["lr"])
             loss_t, grads_t = _torch_step(
-                torch_model, named, optimizer, scheduler, max_grad_norm, ids, mask, mixed_precision
+                torch_model, named, optimizer, scheduler, max_grad_norm, ids, mask, labels, mixed_precision
             )
             clock["torch"] += time.perf_counter() - started
             started = time.perf_counter()
-            params, state, loss_j, grads_tree = jax.block_until_ready(jax_step(params, state, ids, mask))
+            params, state, loss_j, grads_tree = jax.block_until_ready(jax_step(params, state, ids, mask, labels))
             clock["jax_compile" if k == 1 else "jax"] += time.perf_counter() - started
             if noise is None:
                 noise = _Noise.find(layout, grads_t, grads_tree, dtype)
@@ -406,7 +427,7 @@ class _Noise:
 
 @dataclasses.dataclass(frozen=True)
 class _Run:
-    batches: tuple[tuple[np.ndarray, np.ndarray], ...]
+    batches: tuple[tuple[np.ndarray, np.ndarray, np.ndarray | None], ...]  # ids, mask, labels (classifiers)
     dtype: str
     mixed_precision: str | None
 
@@ -414,7 +435,7 @@ class _Run:
     def key(self) -> str:
         return "bfloat16-mixed" if self.mixed_precision else self.dtype
 
-    def batch(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def batch(self, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         return self.batches[(k - 1) % len(self.batches)]
 
     def name(self, torch_model) -> str:
@@ -425,8 +446,12 @@ class _Run:
         import jax
 
         model_type = getattr(getattr(torch_model, "config", None), "model_type", None)
-        if model_type not in FAMILIES:
-            raise ValueError(f"torch_model: expected a causal LM of model_type {list(FAMILIES)}, got {model_type!r}")
+        classifier = model_type in CLASSIFIERS and type(torch_model).__name__.endswith("ForSequenceClassification")
+        if model_type not in FAMILIES and not classifier:
+            raise ValueError(
+                f"torch_model: expected a causal LM of model_type {list(FAMILIES)} or a sequence classifier of "
+                f"{list(CLASSIFIERS)}, got {model_type!r} ({type(torch_model).__name__})"
+            )
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
         if dtype not in ("float32", "float64"):
@@ -445,15 +470,16 @@ class _Run:
                 f"batches: expected a non-empty sequence of {{'input_ids', 'attention_mask'}}, "
                 f"got {type(batches).__name__}"
             )
-        return cls(tuple(_checked_batch(i, b) for i, b in enumerate(batches)), dtype, mixed_precision)
+        return cls(tuple(_checked_batch(i, b, classifier) for i, b in enumerate(batches)), dtype, mixed_precision)
 
 
-def _checked_batch(i: int, batch) -> tuple[np.ndarray, np.ndarray]:
+def _checked_batch(i: int, batch, classifier: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
     if not isinstance(batch, Mapping) or "input_ids" not in batch:
         raise ValueError(f"batches[{i}]: expected a mapping with 'input_ids', got {type(batch).__name__}")
-    extra = sorted(set(batch) - {"input_ids", "attention_mask"})
+    keys = {"input_ids", "attention_mask", "labels"} if classifier else {"input_ids", "attention_mask"}
+    extra = sorted(set(batch) - keys)
     if extra:
-        raise ValueError(f"batches[{i}]: expected only 'input_ids' and 'attention_mask', got also {extra}")
+        raise ValueError(f"batches[{i}]: expected only {sorted(keys)}, got also {extra}")
     ids = np.asarray(batch["input_ids"])
     if ids.ndim != 2 or not np.issubdtype(ids.dtype, np.integer) or ids.shape[1] < 2:
         raise ValueError(
@@ -465,12 +491,20 @@ def _checked_batch(i: int, batch) -> tuple[np.ndarray, np.ndarray]:
             f"batches[{i}]['attention_mask']: expected 0/1 of shape {list(ids.shape)}, got "
             f"{mask.dtype} {list(mask.shape)}"
         )
+    if classifier:
+        labels = np.asarray(batch.get("labels"))
+        if labels.shape != ids.shape[:1] or not np.issubdtype(labels.dtype, np.integer):
+            raise ValueError(
+                f"batches[{i}]['labels']: expected integer [B] = [{ids.shape[0]}] (a class per sequence), got "
+                f"{labels.dtype} {list(labels.shape)}"
+            )
+        return ids.astype(np.int64), mask.astype(np.int64), labels.astype(np.int64)
     if not (mask[:, :-1] * mask[:, 1:]).any():
         raise ValueError(
             f"batches[{i}]['attention_mask']: expected at least one real token after a real token "
             f"(a target of the loss), got none"
         )
-    return ids.astype(np.int64), mask.astype(np.int64)
+    return ids.astype(np.int64), mask.astype(np.int64), None
 
 
 def _torch_setup(torch_model, optimizer, lr, scheduler, steps):
@@ -494,8 +528,8 @@ def _torch_setup(torch_model, optimizer, lr, scheduler, steps):
     return optimizer, scheduler
 
 
-def _torch_step(torch_model, named, optimizer, scheduler, max_grad_norm, ids, mask, mixed_precision):
-    """One torch training step; (loss, {name: raw gradient})."""
+def _torch_step(torch_model, named, optimizer, scheduler, max_grad_norm, ids, mask, labels, mixed_precision):
+    """One torch training step; (loss, {name: raw gradient}); labels: a classifier's, else None."""
     import contextlib
 
     import torch
@@ -505,8 +539,14 @@ def _torch_step(torch_model, named, optimizer, scheduler, max_grad_norm, ids, ma
     ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed_precision else contextlib.nullcontext()
     with autocast:
-        logits = torch_model(input_ids=ids_t, attention_mask=mask_t, use_cache=False).logits
-    loss = causal_lm_loss_torch(logits, ids_t, mask_t)
+        if labels is None:
+            logits = torch_model(input_ids=ids_t, attention_mask=mask_t, use_cache=False).logits
+        else:
+            logits = torch_model(input_ids=ids_t, attention_mask=mask_t).logits
+    if labels is None:
+        loss = causal_lm_loss_torch(logits, ids_t, mask_t)
+    else:
+        loss = classification_loss_torch(logits, torch.from_numpy(labels))
     loss.backward()
     missing = [n for n, p in named.items() if p.requires_grad and p.grad is None]
     if missing:
@@ -527,7 +567,7 @@ def _torch_step(torch_model, named, optimizer, scheduler, max_grad_norm, ids, ma
 
 
 def _jax_step(model, tx, mixed_precision):
-    """params, state, ids, mask -> (params, state, loss, raw gradients).
+    """params, state, ids, mask, labels -> (params, state, loss, raw gradients).
 
     Two jit programs, not one: the model's loss-and-gradient (the costly compile, the same for every
     optimizer, so cached per model: a second report on the model, e.g. with another optimizer, reuses it)
@@ -535,30 +575,34 @@ def _jax_step(model, tx, mixed_precision):
     import jax
     import optax
 
-    gradient = _loss_and_gradient(model, mixed_precision)
+    gradients = {}
 
     @jax.jit
     def update(params, state, grads):
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    def step(params, state, ids, mask):
-        loss, grads = gradient(params, ids, mask)
+    def step(params, state, ids, mask, labels=None):
+        classify = labels is not None
+        if classify not in gradients:
+            gradients[classify] = _loss_and_gradient(model, mixed_precision, classify)
+        extra = () if labels is None else (labels,)
+        loss, grads = gradients[classify](params, ids, mask, *extra)
         return (*update(params, state, grads), loss, grads)
 
     return step
 
 
 @functools.cache
-def _loss_and_gradient(model, mixed_precision):
+def _loss_and_gradient(model, mixed_precision, classify: bool = False):
     import jax
     import jax.numpy as jnp
 
-    def loss(params, ids, mask):
+    def loss(params, ids, mask, labels=None):
         if mixed_precision:  # float32 master weights, the model computes in bfloat16
             params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
         logits = model.apply({"params": params}, ids, attention_mask=mask)
-        return causal_lm_loss_jax(logits, ids, mask)
+        return causal_lm_loss_jax(logits, ids, mask) if not classify else classification_loss_jax(logits, labels)
 
     return jax.jit(jax.value_and_grad(loss))
 

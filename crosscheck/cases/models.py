@@ -111,9 +111,14 @@ for _model_type, _doc in (
         "partial RoPE, experts + gated shared expert): logits and every parameter "
         "gradient",
     ),
+    (
+        "deberta-v2",
+        "DeBERTa-v3-shaped masked LM (disentangled attention c2p + p2c, log buckets, shared keys, relative "
+        "embeddings' LayerNorm, lm_predictions head tied to the embeddings): logits and every parameter gradient",
+    ),
 ):
     register_case(
-        f"model_{_model_type}",
+        f"model_{_model_type.replace('-', '_')}",
         description=f"{_doc}, left-padded batch, vs transformers",
         transforms=("jit",),
         quick=FLOAT32_JIT,

@@ -11,7 +11,7 @@
     jaxattn.models.rope_frequencies(config, head_dim)         # HF's rope settings -> inverse frequencies
 
 Each family module (bert, gpt2, t5, llama, gemma2, qwen3, gemma3, mixtral, gpt_oss, qwen3_moe, llama4,
-deepseek_v3, qwen3_next) is its config parsing, its block and its weight table;
+deepseek_v3, qwen3_next, deberta_v2) is its config parsing, its block and its weight table;
 what they share: _decoder.py (the configs' common fields, the layer stack, the causal-LM wrapper, heads, the
 decode cache, the shared weight rows, loading), _blocks.py (Llama's and Gemma's blocks, their attention and MLP),
 _norms.py (HF's RMS and layer norms), _masks.py (masks, positions and cache slots), _rope_config.py (HF's rope
@@ -39,6 +39,12 @@ from .bert import (
     params_from_state_dict as bert_params_from_state_dict,
     state_dict_names as bert_state_dict_names,
 )
+from .deberta_v2 import (
+    DebertaV2Config as DebertaV2Config,  # deberta-v2 (DeBERTa-v2 and -v3 checkpoints)
+    DebertaV2ForMaskedLM as DebertaV2ForMaskedLM,
+    DebertaV2ForSequenceClassification as DebertaV2ForSequenceClassification,
+    DebertaV2Model as DebertaV2Model,
+)
 from .deepseek_v3 import DeepseekV3Config as DeepseekV3Config, DeepseekV3ForCausalLM as DeepseekV3ForCausalLM
 from .gemma2 import Gemma2Config as Gemma2Config, Gemma2ForCausalLM as Gemma2ForCausalLM
 from .gemma3 import (
@@ -65,6 +71,10 @@ __all__ = [
     # the families: config, model
     "BertConfig",
     "BertModel",
+    "DebertaV2Config",
+    "DebertaV2ForMaskedLM",
+    "DebertaV2ForSequenceClassification",
+    "DebertaV2Model",
     "DeepseekV3Config",
     "DeepseekV3ForCausalLM",
     "Gemma2Config",

@@ -104,6 +104,19 @@ BERT_RULES = (
     ("*", P()),
 )
 
+# DeBERTa-v2/v3 (jaxattn.models.deberta_v2): BERT's layout for the encoder (under "deberta/" in the heads);
+# pos_key / pos_query [E,N,H] by head as key / query; the relative embeddings [R,E] and the heads' dense
+# layers FSDP over E; the MLM bias [V] and the classifier replicated.
+DEBERTA_V2_RULES = (
+    ("*embed/*/embedding", P(None, "data")),
+    ("*/attention/pos_key/kernel", P("data", "model", None)),
+    ("*/attention/pos_query/kernel", P("data", "model", None)),
+    ("*/attention/pos_key/bias", P("model", None)),
+    ("*/attention/pos_query/bias", P("model", None)),
+    ("*rel_embeddings", P(None, "data")),
+    ("lm_dense/kernel", P("data", None)),
+    *BERT_RULES[1:],
+)
 # Mixture-of-experts decoders (mixtral, qwen3_moe, gpt_oss; jaxattn.models.moe): the Llama rows for attention,
 # embeddings and head, after the experts' rows (which must come first: "*/gate_proj/kernel" would match the
 # 3-D expert kernels). Expert kernels gate/up [X,E,F] and down [X,F,E] are split by expert over "model"
@@ -171,6 +184,7 @@ FAMILY_RULES = {
     "gpt2": GPT2_RULES,
     "t5": T5_RULES,
     "bert": BERT_RULES,
+    "deberta-v2": DEBERTA_V2_RULES,
 }
 
 
