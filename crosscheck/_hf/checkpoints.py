@@ -355,6 +355,25 @@ TINY = {
             rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.25),
         ),
     ),
+    # image classification: a 28x20 image in 4x4 patches (a 7x5 grid: windows of 3 pad it to 9x6, the shifted
+    # block's regions on the padded map; PatchMerging pads it to 8x6 -> 4x3, which the window clamps to 3, no
+    # shift); 5 channels, widths 15 / 30 with 3 / 5 heads (head dims 5, 6), mlp_ratio 2.6 (F 39, 78), 7 labels
+    "swin": (
+        "SwinConfig",
+        "SwinForImageClassification",
+        dict(
+            image_size=[28, 20],
+            patch_size=4,
+            num_channels=5,
+            embed_dim=15,
+            depths=[2, 2],
+            num_heads=[3, 5],
+            window_size=3,
+            mlp_ratio=2.6,
+            num_labels=7,
+            layer_norm_eps=1e-5,
+        ),
+    ),
 }
 
 
@@ -368,10 +387,18 @@ def _no_special_tokens(config) -> None:
 
 
 # model_type -> the transformers Auto class whose model jaxattn.models ports (the decoders: a causal LM)
-_AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM"}
+_AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM", "swin": "AutoModelForImageClassification"}
 
 # mixtures of experts: transformers' plain per-expert loop ("eager"), not a grouped matmul kernel
 _MOE = ("mixtral", "gpt_oss", "qwen3_moe", "deepseek_v3", "qwen3_next")
+
+
+def auto_class(config: dict) -> str:
+    """The transformers Auto class name of a checkpoint's config.json (a Swin saved without its classifier,
+    architectures ["SwinModel"]: AutoModel)."""
+    if config["model_type"] == "swin" and "SwinForImageClassification" not in (config.get("architectures") or ()):
+        return "AutoModel"
+    return _AUTO.get(config["model_type"], "AutoModelForCausalLM")
 
 
 def _quiet(transformers) -> None:
@@ -457,6 +484,7 @@ _FLOAT32_SOFTMAX = (
     "transformers.models.mixtral.modeling_mixtral",
     "transformers.models.qwen3_moe.modeling_qwen3_moe",
     "transformers.models.deepseek_v3.modeling_deepseek_v3",
+    "transformers.models.swin.modeling_swin",
 )
 
 
@@ -506,14 +534,18 @@ _SCALED_EMBEDDINGS = ("Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbe
 
 
 def _eager_attention_in_input_precision(hf_module):
-    """HF's eager_attention_forward of `hf_module` (Llama's), the softmax taken in the input's dtype."""
+    """HF's eager_attention_forward of `hf_module` (Llama's; Swin's has no key/value groups), the softmax taken
+    in the input's dtype."""
     import torch
 
     def eager_attention_forward(
         module, query, key, value, attention_mask, scaling, dropout=0.0, softcap=None, **kwargs
     ):
-        key_states = hf_module.repeat_kv(key, module.num_key_value_groups)
-        value_states = hf_module.repeat_kv(value, module.num_key_value_groups)
+        if hasattr(hf_module, "repeat_kv"):
+            key_states = hf_module.repeat_kv(key, module.num_key_value_groups)
+            value_states = hf_module.repeat_kv(value, module.num_key_value_groups)
+        else:  # Swin: one key/value head per query head
+            key_states, value_states = key, value
         attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
         if softcap is not None:  # Gemma 2
             attn_weights = torch.tanh(attn_weights / softcap) * softcap
@@ -639,7 +671,7 @@ def float64_reference(torch_model, dtype: str):
     runs are untouched. A mixture of experts runs transformers' "eager" experts loop for the duration (its
     grouped_mm kernel takes no float64 on CPU).
 
-    Also the eager softmax of Llama, Qwen2, Mistral, Gemma 2, Qwen3, Gemma 3, Mixtral and Qwen3-MoE, which HF
+    Also the eager softmax of Llama, Qwen2, Mistral, Gemma 2, Qwen3, Gemma 3, Mixtral, Qwen3-MoE and Swin, which HF
     takes in float32: in a float64 run the additive mask's float64 minimum becomes -inf there, a fully masked
     (padded) query row turns to NaN and the NaN reaches every row through the next layer's values (HF's
     float64 with padding is NaN throughout). gpt-oss's eager attention softmaxes in the input's dtype already.
@@ -745,7 +777,7 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
 
     _quiet(transformers)
     model_type = json.loads((Path(directory) / "config.json").read_text())["model_type"]
-    cls = getattr(transformers, _AUTO.get(model_type, "AutoModelForCausalLM"))
+    cls = getattr(transformers, auto_class(json.loads((Path(directory) / "config.json").read_text())))
     experts = {"experts_implementation": "eager"} if model_type in _MOE else {}
     model = cls.from_pretrained(str(directory), attn_implementation="eager", local_files_only=True, **experts)
     if getattr(model, "generation_config", None) is not None:  # both sides decode exactly max_new_tokens
@@ -823,9 +855,23 @@ def padded_batch(side: str, *, seed: int = 0, batch: int = 3, length: int = 11, 
     return np.where(mask == 1, ids, 0), mask
 
 
+IMAGE_FAMILIES = ("swin",)  # take pixel_values [B,C,height,width], not tokens
+
+
+def pixel_values(model_type: str, *, seed: int = 0, batch: int = 3) -> np.ndarray:
+    """float32 [batch, C, height, width]: seeded N(0, 1) pixels at the TINY config's image_size."""
+    config = TINY[model_type][2]
+    size = config["image_size"]
+    height, width = (size, size) if isinstance(size, int) else size
+    return np.random.default_rng(seed).normal(size=(batch, config["num_channels"], height, width)).astype(np.float32)
+
+
 def padded_inputs(model_type: str, side: str) -> dict[str, np.ndarray]:
     """A model's keyword inputs on padded_batch(side): input_ids and attention_mask, and for T5
-    decoder_input_ids [3,7]: its start token 0, then 6 seeded random tokens (no decoder padding)."""
+    decoder_input_ids [3,7]: its start token 0, then 6 seeded random tokens (no decoder padding).
+    An image family (IMAGE_FAMILIES): {"pixel_values": pixel_values(model_type)} (nothing to pad; `side` unused)."""
+    if model_type in IMAGE_FAMILIES:
+        return {"pixel_values": pixel_values(model_type)}
     ids, mask = padded_batch(side)
     inputs = {"input_ids": ids, "attention_mask": mask}
     if model_type == "t5":
