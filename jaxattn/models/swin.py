@@ -22,8 +22,10 @@ path and dropout are off. HF's details kept exactly:
 HF pads pixel_values that its patch size does not divide; here that is a ValueError naming both sizes.
 
 Weights come from a state_dict (or from_pretrained) through ONE table (`weight_table`, the jaxattn.models.weights
-format), in transformers 5's names or the released checkpoints' older ones (attention.self.query ...,
-intermediate.dense, output.dense), which transformers renames as it loads.
+format). A block's tensors have two sets of names: the files' (attention.self.query, attention.output.dense,
+intermediate.dense, output.dense: the released checkpoints', and what transformers 5's save_pretrained still
+writes) and transformers 5's modules' (attention.q_proj ..., mlp.fc1: its state_dict in memory), which
+transformers maps between as it loads and saves. Both are read; to_pretrained writes the files' names.
 
     C channels  Pa Pb patch height, width  s stage  E{s} width  N{s} heads  H{s} head dim  F{s} MLP width
     R window table rows (2w - 1)^2  L labels
@@ -344,7 +346,7 @@ class SwinForImageClassification(nn.Module):
 
 # --- weights: one row per tensor (see jaxattn.models.weights) ---------------------------------------------------
 
-# a block's tensors whose names changed in transformers 5: (transformers 5's, the released checkpoints')
+# a block's tensors whose module names in transformers 5 differ from their names in checkpoint files
 _RENAMED = {
     "attention.q_proj": "attention.self.query",
     "attention.k_proj": "attention.self.key",
@@ -356,7 +358,7 @@ _RENAMED = {
 }
 
 
-def _block_rows(s: int, legacy: bool) -> list[weights.Row]:
+def _block_rows(s: int, module_names: bool) -> list[weights.Row]:
     """Stage s's block rows ("{i}" the block), in HF's state_dict order."""
     R = weights.row
     E, N, H, F = f"E{s}", f"N{s}", f"H{s}", f"F{s}"
@@ -364,7 +366,7 @@ def _block_rows(s: int, legacy: bool) -> list[weights.Row]:
     ours = f"stage_{s}_block_{{i}}/"
 
     def name(module: str, leaf: str) -> str:
-        return block + (_RENAMED[module] if legacy else module) + leaf
+        return block + (module if module_names else _RENAMED[module]) + leaf
 
     rows = [
         R(block + "layernorm_before.weight", (E,), ours + "layernorm_before/scale", (E,)),
@@ -389,9 +391,9 @@ def _block_rows(s: int, legacy: bool) -> list[weights.Row]:
     ]  # fmt: skip
 
 
-def weight_table(config: SwinConfig, *, classifier: bool = False, legacy: bool = False) -> list[weights.Row]:
+def weight_table(config: SwinConfig, *, classifier: bool = False, module_names: bool = False) -> list[weights.Row]:
     """HF's names -> our params: SwinModel's (no prefix) or, with `classifier`, SwinForImageClassification's
-    ("swin." and the classifier). legacy: the blocks' names before transformers 5 (see _RENAMED)."""
+    ("swin." and the classifier); the files' names, or with module_names transformers 5's modules' (_RENAMED)."""
     R = weights.row
     stages = len(config.depths)
     conv = ("E0", "C", "Pa", "Pb")  # nn.Conv2d's [out, in, kh, kw], kept as is (patch_embedding reads it so)
@@ -402,7 +404,7 @@ def weight_table(config: SwinConfig, *, classifier: bool = False, legacy: bool =
         R("embeddings.norm.bias", ("E0",), "embeddings_norm/bias", ("E0",)),
     ]  # fmt: skip
     for s, depth in enumerate(config.depths):
-        rows += weights.expand(_block_rows(s, legacy), depth)
+        rows += weights.expand(_block_rows(s, module_names), depth)
         if s < stages - 1:
             E4 = f"4*E{s}"
             rows += [
@@ -430,15 +432,20 @@ def _under(scope: str, targets) -> tuple:
 
 
 def state_dict_names(config: SwinConfig, *, classifier: bool = False) -> list[str]:
-    """Every parameter name the table expects, in table order (transformers 5's names, buffers excluded)."""
-    return [r.name for r in weight_table(config, classifier=classifier)]
+    """Every parameter name of transformers 5's state_dict, in table order (buffers excluded)."""
+    return [r.name for r in weight_table(config, classifier=classifier, module_names=True)]
+
+
+def _module_names(tensors) -> bool:
+    """Does a checkpoint name its blocks' tensors as transformers 5's modules do (else as files do)?"""
+    return any(".attention.q_proj." in name for name in tensors)
 
 
 # the relative_position_index buffers older checkpoints hold: checked to be window_relative_index, skipped
 _INDEX_BUFFERS = ("attention.self.relative_position_index", "attention.relative_position_bias.relative_position_index")
 
 
-def _fill(tensors, files, config: SwinConfig, *, classifier: bool, legacy: bool, dtype) -> dict:
+def _fill(tensors, files, config: SwinConfig, *, classifier: bool, dtype) -> dict:
     index = np.asarray(window_relative_index(config.window_size)).reshape(-1)
     ignored = [name for name in tensors if name.endswith(_INDEX_BUFFERS)]
     for name in ignored:
@@ -447,18 +454,18 @@ def _fill(tensors, files, config: SwinConfig, *, classifier: bool, legacy: bool,
                 f"{files[name]}: {name!r}: expected the relative_position_index of a {config.window_size}x"
                 f"{config.window_size} window (jaxattn.window_relative_index), got other values"
             )
-    rows = weight_table(config, classifier=classifier, legacy=legacy)
+    rows = weight_table(config, classifier=classifier, module_names=_module_names(tensors))
     return weights.fill(tensors, rows, config.dims(), files, dtype=dtype, ignored=tuple(ignored))
 
 
 def params_from_state_dict(
     state_dict: Mapping[str, Any], config: SwinConfig, *, classifier: bool = False, dtype: Optional[Any] = None
 ) -> dict:
-    """HF SwinModel (or, with classifier, SwinForImageClassification) state_dict -> params, by the table.
-    The released checkpoints' older block names are read too."""
+    """HF SwinModel (or, with classifier, SwinForImageClassification) state_dict -> params, by the table; the
+    files' names or transformers 5's modules' (a torch state_dict, or its gradients: every transform moves
+    entries only)."""
     tensors = {name: np.asarray(value) for name, value in state_dict.items()}
-    legacy = any(".attention.self.query." in name for name in tensors)
-    return _fill(tensors, {n: "state_dict" for n in tensors}, config, classifier=classifier, legacy=legacy, dtype=dtype)
+    return _fill(tensors, {n: "state_dict" for n in tensors}, config, classifier=classifier, dtype=dtype)
 
 
 def init_params(config: SwinConfig, rng=None, *, classifier: bool = False, **model_options) -> dict:
@@ -478,18 +485,17 @@ def init_params(config: SwinConfig, rng=None, *, classifier: bool = False, **mod
 @_pretrained.loads(SwinConfig, SwinForImageClassification)
 def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
     """(SwinForImageClassification, params) from a checkpoint with a classifier ("swin." names and
-    classifier.*), else (SwinModel, params); transformers 5's names or the released checkpoints' older ones."""
+    classifier.*), else (SwinModel, params); the files' names or transformers 5's modules'."""
     swin_config = SwinConfig.from_dict(config, source)
     classifier = "classifier.weight" in tensors
-    legacy = any(".attention.self.query." in name for name in tensors)
-    params = _fill(tensors, files, swin_config, classifier=classifier, legacy=legacy, dtype=dtype)
+    params = _fill(tensors, files, swin_config, classifier=classifier, dtype=dtype)
     model_class = SwinForImageClassification if classifier else SwinModel
     return model_class(swin_config, precision=precision), params
 
 
 @_save.register_writer(SwinModel)
 def checkpoint(model: SwinModel):
-    """What to_pretrained writes for a SwinModel: its names without prefix, transformers 5's."""
+    """What to_pretrained writes for a SwinModel: the files' names (save_pretrained's), without prefix."""
     config = {**_save.config_json(model.config), "architectures": ["SwinModel"]}
     return config, weight_table(model.config), model.config.dims()
 
