@@ -802,6 +802,7 @@ _GAIN = {
     "llama4_text": 1.5,
     "deepseek_v3": 1.5,
     "qwen3_next": 1.5,
+    "swin": 1.5,  # at 3, float32 rounding grows to 1e-5 normwise over Swin's four blocks (torch's own too)
 }
 _ONE_PLUS_W_NORMS = ("gemma", "gemma2", "gemma3_text", "qwen3_next")  # norms that scale by 1 + weight: random around 0
 _PLAIN_NORMS = ("linear_attn.norm.weight",)  # Qwen3-Next's gated output norm scales by its weight: around 1
@@ -858,9 +859,8 @@ def padded_batch(side: str, *, seed: int = 0, batch: int = 3, length: int = 11, 
 IMAGE_FAMILIES = ("swin",)  # take pixel_values [B,C,height,width], not tokens
 
 
-def pixel_values(model_type: str, *, seed: int = 0, batch: int = 3) -> np.ndarray:
-    """float32 [batch, C, height, width]: seeded N(0, 1) pixels at the TINY config's image_size."""
-    config = TINY[model_type][2]
+def pixel_values(config: dict, *, seed: int = 0, batch: int = 3) -> np.ndarray:
+    """float32 [batch, C, height, width]: seeded N(0, 1) pixels at a config's image_size and num_channels."""
     size = config["image_size"]
     height, width = (size, size) if isinstance(size, int) else size
     return np.random.default_rng(seed).normal(size=(batch, config["num_channels"], height, width)).astype(np.float32)
@@ -871,7 +871,7 @@ def padded_inputs(model_type: str, side: str) -> dict[str, np.ndarray]:
     decoder_input_ids [3,7]: its start token 0, then 6 seeded random tokens (no decoder padding).
     An image family (IMAGE_FAMILIES): {"pixel_values": pixel_values(model_type)} (nothing to pad; `side` unused)."""
     if model_type in IMAGE_FAMILIES:
-        return {"pixel_values": pixel_values(model_type)}
+        return {"pixel_values": pixel_values(TINY[model_type][2])}
     ids, mask = padded_batch(side)
     inputs = {"input_ids": ids, "attention_mask": mask}
     if model_type == "t5":

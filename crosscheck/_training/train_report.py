@@ -18,7 +18,9 @@ Step 0 is the starting point (the two sets of weights must agree before anything
 
 Loss: causal-LM cross entropy, token t predicting token t + 1, averaged over the targets whose token AND
 predicting token are real (attention_mask 1 on both; HF's labels = -100 on padding is the same for right
-padding), log-softmax in float32 or wider; one formula, written once per framework (`causal_lm_loss`).
+padding), log-softmax in float32 or wider; one formula, written once per framework (`causal_lm_loss`). An
+image classifier (IMAGE_CLASSIFIERS: Swin) trains on {"pixel_values", "labels"} batches with the mean cross
+entropy of its logits (`image_classification_loss`, HF's single-label loss).
 
 Dropout is off on both sides: the torch model runs in eval() mode (its dropout modules are identities, no
 other layer of these families changes with it), the JAX model is deterministic. float64: HF's float32-only
@@ -61,6 +63,7 @@ FAMILIES = (
     "deepseek_v3",
     "qwen3_next",
 )  # the causal LMs of jaxattn.models
+IMAGE_CLASSIFIERS = ("swin",)  # trained on {"pixel_values", "labels"} with image_classification_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,6 +276,23 @@ def causal_lm_loss_torch(logits, input_ids, attention_mask):
     return (nll * weights).sum() / weights.sum()
 
 
+def image_classification_loss_jax(logits, labels):
+    """Mean cross entropy of the labels [B] under the logits [B,L] (HF's single_label_classification loss)."""
+    import jax
+    import jax.numpy as jnp
+
+    logp = jax.nn.log_softmax(logits.astype(jnp.promote_types(logits.dtype, jnp.float32)), axis=-1)
+    return -jnp.take_along_axis(logp, labels[:, None], axis=-1).mean()
+
+
+def image_classification_loss_torch(logits, labels):
+    """image_classification_loss_jax in torch, line for line."""
+    import torch
+
+    logp = torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+    return -torch.gather(logp, -1, labels[:, None]).mean()
+
+
 # --- the report -------------------------------------------------------------------------------------------------
 
 
@@ -293,7 +313,8 @@ def train_report(
 ) -> TrainReport:
     """Train `torch_model` (transformers, a causal LM) and (model, params) (its jaxattn.models port) for
     `steps` steps on `batches` ([{"input_ids": int [B,T], "attention_mask": [B,T] (optional)}], cycled),
-    and compare the two runs step by step.
+    and compare the two runs step by step. An image classifier (Swin) takes [{"pixel_values": [B,C,height,
+    width], "labels": int [B]}].
 
     optimizer: a fresh torch.optim SGD / Adam / AdamW on torch_model's parameters (param groups mapped
     one by one), or "sgd" / "adam" / "adamw" with `lr` (crosscheck._training.optim.torch_optimizer). scheduler:
@@ -317,15 +338,17 @@ def train_report(
     params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
     named = dict(torch_model.named_parameters())
     initial = _differences(layout.to_torch(params), _values(named))
-    jax_step = _jax_step(model, tx, mixed_precision)
+    jax_step = _jax_step(model, tx, mixed_precision, run.image)
     state, rows, clock, noise = tx.init(params), [], {"torch": 0.0, "jax": 0.0, "jax_compile": 0.0}, None
     with float64_reference(torch_model, dtype):
         for k in range(1, steps + 1):
-            ids, mask = run.batch(k)
+            ids, mask = run.batch(k)  # an image classifier's: (pixel_values, labels)
+            if run.image:
+                ids = ids.astype(dtype)
             started = time.perf_counter()
             lr_now = float(optimizer.param_groups[0]["lr"])
             loss_t, grads_t = _torch_step(
-                torch_model, named, optimizer, scheduler, max_grad_norm, ids, mask, mixed_precision
+                torch_model, named, optimizer, scheduler, max_grad_norm, ids, mask, mixed_precision, run.image
             )
             clock["torch"] += time.perf_counter() - started
             started = time.perf_counter()
@@ -409,6 +432,7 @@ class _Run:
     batches: tuple[tuple[np.ndarray, np.ndarray], ...]
     dtype: str
     mixed_precision: str | None
+    image: bool = False  # an image classifier: batches of (pixel_values, labels)
 
     @property
     def key(self) -> str:
@@ -425,8 +449,11 @@ class _Run:
         import jax
 
         model_type = getattr(getattr(torch_model, "config", None), "model_type", None)
-        if model_type not in FAMILIES:
-            raise ValueError(f"torch_model: expected a causal LM of model_type {list(FAMILIES)}, got {model_type!r}")
+        if model_type not in FAMILIES + IMAGE_CLASSIFIERS:
+            raise ValueError(
+                f"torch_model: expected a causal LM of model_type {list(FAMILIES)} or an image classifier of "
+                f"{list(IMAGE_CLASSIFIERS)}, got {model_type!r}"
+            )
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
         if dtype not in ("float32", "float64"):
@@ -445,7 +472,26 @@ class _Run:
                 f"batches: expected a non-empty sequence of {{'input_ids', 'attention_mask'}}, "
                 f"got {type(batches).__name__}"
             )
-        return cls(tuple(_checked_batch(i, b) for i, b in enumerate(batches)), dtype, mixed_precision)
+        image = model_type in IMAGE_CLASSIFIERS
+        checked = _checked_image_batch if image else _checked_batch
+        return cls(tuple(checked(i, b) for i, b in enumerate(batches)), dtype, mixed_precision, image)
+
+
+def _checked_image_batch(i: int, batch) -> tuple[np.ndarray, np.ndarray]:
+    if not isinstance(batch, Mapping) or set(batch) != {"pixel_values", "labels"}:
+        got = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+        raise ValueError(f"batches[{i}]: expected a mapping with exactly 'pixel_values' and 'labels', got {got}")
+    pixels, labels = np.asarray(batch["pixel_values"]), np.asarray(batch["labels"])
+    if pixels.ndim != 4 or not np.issubdtype(pixels.dtype, np.floating):
+        raise ValueError(
+            f"batches[{i}]['pixel_values']: expected floating [B,C,height,width], got {pixels.dtype} "
+            f"{list(pixels.shape)}"
+        )
+    if labels.shape != pixels.shape[:1] or not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(
+            f"batches[{i}]['labels']: expected integer [{pixels.shape[0]}], got {labels.dtype} {list(labels.shape)}"
+        )
+    return pixels, labels.astype(np.int64)
 
 
 def _checked_batch(i: int, batch) -> tuple[np.ndarray, np.ndarray]:
@@ -494,8 +540,8 @@ def _torch_setup(torch_model, optimizer, lr, scheduler, steps):
     return optimizer, scheduler
 
 
-def _torch_step(torch_model, named, optimizer, scheduler, max_grad_norm, ids, mask, mixed_precision):
-    """One torch training step; (loss, {name: raw gradient})."""
+def _torch_step(torch_model, named, optimizer, scheduler, max_grad_norm, ids, mask, mixed_precision, image=False):
+    """One torch training step; (loss, {name: raw gradient}). image: ids, mask are pixel_values, labels."""
     import contextlib
 
     import torch
@@ -505,8 +551,11 @@ def _torch_step(torch_model, named, optimizer, scheduler, max_grad_norm, ids, ma
     ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed_precision else contextlib.nullcontext()
     with autocast:
-        logits = torch_model(input_ids=ids_t, attention_mask=mask_t, use_cache=False).logits
-    loss = causal_lm_loss_torch(logits, ids_t, mask_t)
+        if image:
+            logits = torch_model(pixel_values=ids_t).logits
+        else:
+            logits = torch_model(input_ids=ids_t, attention_mask=mask_t, use_cache=False).logits
+    loss = image_classification_loss_torch(logits, mask_t) if image else causal_lm_loss_torch(logits, ids_t, mask_t)
     loss.backward()
     missing = [n for n, p in named.items() if p.requires_grad and p.grad is None]
     if missing:
@@ -526,7 +575,7 @@ def _torch_step(torch_model, named, optimizer, scheduler, max_grad_norm, ids, ma
     return float(loss.detach()), grads
 
 
-def _jax_step(model, tx, mixed_precision):
+def _jax_step(model, tx, mixed_precision, image=False):
     """params, state, ids, mask -> (params, state, loss, raw gradients).
 
     Two jit programs, not one: the model's loss-and-gradient (the costly compile, the same for every
@@ -535,7 +584,7 @@ def _jax_step(model, tx, mixed_precision):
     import jax
     import optax
 
-    gradient = _loss_and_gradient(model, mixed_precision)
+    gradient = _loss_and_gradient(model, mixed_precision, image)
 
     @jax.jit
     def update(params, state, grads):
@@ -550,13 +599,15 @@ def _jax_step(model, tx, mixed_precision):
 
 
 @functools.cache
-def _loss_and_gradient(model, mixed_precision):
+def _loss_and_gradient(model, mixed_precision, image=False):
     import jax
     import jax.numpy as jnp
 
     def loss(params, ids, mask):
         if mixed_precision:  # float32 master weights, the model computes in bfloat16
             params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+        if image:  # ids, mask: pixel_values, labels
+            return image_classification_loss_jax(model.apply({"params": params}, ids), mask)
         logits = model.apply({"params": params}, ids, attention_mask=mask)
         return causal_lm_loss_jax(logits, ids, mask)
 
