@@ -137,6 +137,7 @@ class SwinConfig:
             label2id = dict((self.hf_config or {}).get("label2id") or {v: int(k) for k, v in id2label.items()})
         return {
             "model_type": "swin",
+            "architectures": ["SwinForImageClassification"],  # a SwinModel's writer says ["SwinModel"]
             "hidden_act": "gelu",
             "use_absolute_embeddings": False,
             "qkv_bias": True,
@@ -188,7 +189,7 @@ def patch_embedding(pixel_values, kernel, bias, *, precision=None):
     E, C, Pa, Pb = kernel.shape
     B, _, height, width = pixel_values.shape
     patches = pixel_values.reshape(B, C, height // Pa, Pa, width // Pb, Pb)
-    return jnp.einsum("bcyixj,ecij->byxe", patches, kernel.astype(patches.dtype), precision=precision) + bias
+    return jnp.einsum("bcyixj,ecij->byxe", patches, kernel, precision=precision) + bias
 
 
 def merge_patches(x):
@@ -302,8 +303,9 @@ class SwinModel(nn.Module):
         E = c.width(0)
         kernel = self.param("patch_kernel", nn.initializers.lecun_normal(), (E, C, Pa, Pb), self.param_dtype)
         bias = self.param("patch_bias", nn.initializers.zeros, (E,), self.param_dtype)
+        dtype = self.dtype or jnp.promote_types(pixel_values.dtype, kernel.dtype)  # flax's rule: inputs and params
         x = patch_embedding(
-            pixel_values.astype(self.dtype or pixel_values.dtype), kernel, bias, precision=self.precision
+            pixel_values.astype(dtype), kernel.astype(dtype), bias.astype(dtype), precision=self.precision
         )
         x = _norms.layer_norm(TORCH_LAYER_NORM_EPS, self.dtype, self.param_dtype, "embeddings_norm")(x)
         grid = (height // Pa, width // Pb)
@@ -503,5 +505,4 @@ def checkpoint(model: SwinModel):
 @_save.register_writer(SwinForImageClassification)
 def classifier_checkpoint(model: SwinForImageClassification):
     """What to_pretrained writes for a SwinForImageClassification: "swin." names and the classifier."""
-    config = {**_save.config_json(model.config), "architectures": ["SwinForImageClassification"]}
-    return config, weight_table(model.config, classifier=True), model.config.dims()
+    return _save.config_json(model.config), weight_table(model.config, classifier=True), model.config.dims()
