@@ -232,6 +232,60 @@ def test_one_device_mesh_loads_the_same_params(checkpoint):
         from_pretrained(checkpoint, mesh=Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "seq")))
 
 
+# a (data, model) = (2, 4) mesh of 8 host devices, in a subprocess (JAX must see the devices before it starts)
+_MESH_SCRIPT = """
+import os, sys
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+os.environ["JAX_PLATFORMS"] = "cpu"
+import jax, jax.numpy as jnp, numpy as np
+jax.config.update("jax_enable_x64", True)
+from jax.sharding import Mesh
+from jaxattn.models import from_pretrained
+directory = sys.argv[1]
+pixels = np.random.default_rng(0).normal(size=(8, 3, 24, 24))
+weights = np.random.default_rng(1).normal(size=(8, 7))
+def loss(model, p, x):
+    return jnp.sum(model.apply({"params": p}, x) * weights)
+model, params = from_pretrained(directory, dtype="float64")
+ref = jax.jit(jax.value_and_grad(lambda p: loss(model, p, pixels)))(params)
+mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("data", "model"))
+smodel, sparams = from_pretrained(directory, dtype="float64", mesh=mesh)
+placed = smodel.sharding.place(pixels, "B")
+got = jax.jit(jax.value_and_grad(lambda p, x: loss(smodel, p, x)))(sparams, placed)
+def normwise(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+# the key biases' gradients are zero in exact arithmetic (softmax ignores a constant per row): residue, left out
+errors = [normwise(got[0], ref[0])] + [
+    normwise(a, b)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(got[1]), jax.tree.leaves(ref[1]))
+    if "key']['bias" not in jax.tree_util.keystr(path)
+]
+fc1 = sparams["swin"]["stage_1_block_0"]["fc1"]["kernel"]
+print("RESULT", max(errors), str(fc1.sharding.spec), len(fc1.addressable_shards), str(placed.sharding.spec))
+"""
+
+
+@pytest.mark.slow
+def test_a_2x4_mesh_gives_the_one_device_loss_and_gradients(tmp_path):
+    """from_pretrained(mesh=) on 8 host devices: batch over "data", the MLPs over "model" (F 64 / 128 split by
+    4); float64 loss and every gradient (but the key biases': zero in exact arithmetic) within 1e-12 normwise
+    of one device."""
+    import subprocess
+    import sys
+
+    tiled = {**TILED, "embed_dim": 16, "num_heads": [2, 4], "mlp_ratio": 4.0}
+    directory = hf.write_checkpoint("swin", tmp_path, **tiled)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = subprocess.run(
+        [sys.executable, "-c", _MESH_SCRIPT, str(directory)], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    line = run.stdout.split("RESULT ")[1].strip()
+    assert float(line.split()[0]) <= TOL, line
+    assert line.split()[1:] == ["P(None,", "'model')", "8", "P('data',)"], line
+
+
 # --- refusals -------------------------------------------------------------------------------------------------
 
 
