@@ -11,6 +11,7 @@ the slow group. Loading: the released checkpoints' older names, to_pretrained's 
 transformers loads it with no missing or unexpected keys), a one-device mesh; every refusal named.
 """
 
+import dataclasses
 import functools
 import json
 import operator
@@ -342,3 +343,35 @@ def test_merge_patches_is_hfs_concat_order():
     assert np.array_equal(
         merged[:, 2, 3], np.concatenate([x[:, 4, 6], 0 * x[:, 4, 6], 0 * x[:, 4, 6], 0 * x[:, 4, 6]], -1)
     )
+
+
+@pytest.mark.slow  # four programs compiled: 7 s
+def test_training_mode_drops_the_attention_branch_by_hfs_rates_and_refuses_attention_dropout():
+    """HF's SwinDropPath acts on the attention branch only, at rate drop_path_rate * k / (blocks - 1) for block k:
+    with two blocks and rate 1, block 1 keeps none of its attention (its output is its input plus its MLP's
+    output), block 0 (rate 0) all of it; rate 0 and no dropout: training mode is inference mode."""
+    config = SwinConfig(image_size=8, patch_size=2, num_channels=3, embed_dim=6, depths=(1, 1), num_heads=(2, 3),
+                        window_size=2, drop_path_rate=1.0, hidden_dropout_prob=0.0)  # fmt: skip
+    model = SwinModel(config)
+    params = swin_module.init_params(config)
+    pixels = np.random.default_rng(0).normal(size=(3, 3, 8, 8)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"pixel_values: expected a dtype the params' float32 holds .*got float64"):
+        model.apply({"params": params}, pixels.astype(np.float64))
+
+    def rows(deterministic, model=model):
+        rngs = {"dropout": jax.random.key(1)}
+        _, state = model.apply({"params": params}, pixels, deterministic=deterministic, rngs=rngs, mutable=True)
+        return {k: np.asarray(v[0]) for k, v in state["intermediates"].items()}
+
+    train, infer = rows(False), rows(True)
+    dropped = train["stage0.downsample"] + train["stage1.block0.mlp"]
+    np.testing.assert_array_equal(train["stage1.block0.residual"], dropped)
+    assert not np.allclose(infer["stage1.block0.residual"], infer["stage0.downsample"] + infer["stage1.block0.mlp"])
+    np.testing.assert_array_equal(train["stage0.block0.residual"], infer["stage0.block0.residual"])  # rate 0
+    plain = SwinModel(dataclasses.replace(config, drop_path_rate=0.0))
+    np.testing.assert_array_equal(rows(False, plain)["final_norm"], rows(True, plain)["final_norm"])
+    noisy = SwinModel(dataclasses.replace(config, attention_probs_dropout_prob=0.1))
+    with pytest.raises(
+        ValueError, match=r"deterministic: expected True, or a config with attention_probs_dropout_prob 0"
+    ):
+        noisy.apply({"params": params}, pixels, deterministic=False, rngs={"dropout": jax.random.key(1)})

@@ -8,7 +8,8 @@
     top:       LayerNorm, the mean over the grid (HF's AdaptiveAvgPool1d), a classifier Dense_L
 
 It matches Hugging Face's SwinModel / SwinForImageClassification (transformers 5) at inference, where drop
-path and dropout are off. HF's details kept exactly:
+path and dropout are off (in training, deterministic=False: hidden dropout and HF's drop path of the attention
+branch, rates linear over the blocks; attention dropout is refused). HF's details kept exactly:
   * the patch embedding's and PatchMerging's LayerNorms use torch's default eps 1e-5, not layer_norm_eps;
   * a feature map that does not tile into windows is padded with zeros AFTER layernorm_before, and the padded
     tokens take part in attention as keys (they are not masked), the shifted-window regions computed on the
@@ -85,7 +86,7 @@ class SwinConfig:
     num_labels: int = 2  # the classifier's outputs (config.json: len(id2label))
     hidden_dropout_prob: float = 0.0
     attention_probs_dropout_prob: float = 0.0
-    drop_path_rate: float = 0.1  # stochastic depth in training; identity at inference (not implemented)
+    drop_path_rate: float = 0.1  # stochastic depth of the attention branch in training (HF's); none at inference
     # every attention call's implementation= (jaxattn.window_attention; None: per platform); not in config.json
     implementation: str | None = dataclasses.field(default=None, compare=False)
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # the config.json dict read
@@ -210,6 +211,7 @@ class SwinLayer(nn.Module):
     dtype: Any = None
     param_dtype: Any = jnp.float32
     precision: Any = None
+    drop_path: float = 0.0  # this block's stochastic depth rate
 
     @nn.compact
     def __call__(self, x, grid: tuple[int, int], *, deterministic: bool):
@@ -233,7 +235,10 @@ class SwinLayer(nn.Module):
         )
         out = attention(h)  # [B, height + pad, width + pad, E]
         windows = window_partition(jnp.roll(out, (-shift, -shift), axis=(1, 2)), window)  # HF's layout, for reports
-        a = x + dropout(out[:, :height, :width].reshape(x.shape))
+        # SwinDropPath: the whole attention branch of a sample dropped (the mask broadcast over tokens and
+        # channels), the kept ones scaled by 1 / (1 - rate); HF drops no MLP branch
+        drop_path = nn.Dropout(self.drop_path, broadcast_dims=(1, 2), deterministic=deterministic)
+        a = x + drop_path(dropout(out[:, :height, :width].reshape(x.shape)))
         m = nn.gelu(dense(c.mlp_width(self.stage), name="fc1")(norm("layernorm_after")(a)), approximate=False)
         m = dense(E, name="fc2")(m)
         return a + dropout(m), windows, m
@@ -258,8 +263,16 @@ class SwinModel(nn.Module):
     @nn.compact
     def __call__(self, pixel_values: Float[ArrayLike, "B C Yp Xp"], *, deterministic: bool = True) -> dict[str, Any]:
         c = self.config
+        if not deterministic and c.attention_probs_dropout_prob > 0:
+            checks.fail(
+                "deterministic",
+                "True, or a config with attention_probs_dropout_prob 0 (WindowAttention has no attention dropout)",
+                f"False with attention_probs_dropout_prob={c.attention_probs_dropout_prob}",
+            )
         pixel_values = jnp.asarray(pixel_values)
         x, grid = self._embed(pixel_values, deterministic)
+        blocks = sum(c.depths)  # HF's rates: linear in the block's index over the whole model
+        rates = [c.drop_path_rate * k / max(blocks - 1, 1) for k in range(blocks)]
         self.sow("intermediates", "embeddings", x)
         hidden_states, grids = [x], [grid]
         for s, depth in enumerate(c.depths):
@@ -267,7 +280,7 @@ class SwinModel(nn.Module):
                 x = _activation_layout.constrain(self.sharding, x, "BTE")  # on a mesh: batch over "data"
                 layer = SwinLayer(
                     c, s, 0 if b % 2 == 0 else c.window_size // 2, self.dtype, self.param_dtype, self.precision,
-                    name=f"stage_{s}_block_{b}",
+                    drop_path=rates[sum(c.depths[:s]) + b], name=f"stage_{s}_block_{b}",
                 )  # fmt: skip
                 x, attention, mlp = layer(x, grid, deterministic=deterministic)
                 self.sow("intermediates", f"stage{s}.block{b}.attention", attention)
@@ -304,6 +317,8 @@ class SwinModel(nn.Module):
         kernel = self.param("patch_kernel", nn.initializers.lecun_normal(), (E, C, Pa, Pb), self.param_dtype)
         bias = self.param("patch_bias", nn.initializers.zeros, (E,), self.param_dtype)
         dtype = self.dtype or jnp.promote_types(pixel_values.dtype, kernel.dtype)  # flax's rule: inputs and params
+        if self.dtype is None and dtype != kernel.dtype:  # the attention layers take one dtype: refused here, named
+            checks.fail("pixel_values", f"a dtype the params' {kernel.dtype} holds (or the model's dtype=)", dtype)
         x = patch_embedding(
             pixel_values.astype(dtype), kernel.astype(dtype), bias.astype(dtype), precision=self.precision
         )
