@@ -315,6 +315,8 @@ def test_bad_pixel_values_name_both_sizes(checkpoint):
         ({"num_heads": [4, 5]}, r"num_heads: expected stage 0's heads dividing its width 15"),
         ({"depths": []}, "depths: expected a non-empty list of positive ints"),
         ({"patch_size": [4, 0]}, r"patch_size: expected a positive int or a pair"),
+        ({"patch_size": [4]}, r"patch_size: expected a positive int or a pair"),
+        ({"mlp_ratio": 0}, r"mlp_ratio: expected a positive number"),
         ({"embed_dim": None}, "embed_dim: missing"),
     ],
 )

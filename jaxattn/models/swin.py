@@ -64,7 +64,7 @@ def _int_pair(config: Mapping[str, Any], key: str, refuse) -> tuple[int, int] | 
     """An int or [height, width] of positive ints from config.json (kept as written, a list as a tuple)."""
     value = config[key]
     items = value if isinstance(value, (list, tuple)) else [value]
-    ok = len(items) in (1, 2) if isinstance(value, (list, tuple)) else True
+    ok = len(items) == 2 if isinstance(value, (list, tuple)) else True
     if not ok or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in items):
         refuse(key, "a positive int or a pair [height, width] of them", value)
     return tuple(value) if isinstance(value, (list, tuple)) else value
@@ -101,6 +101,13 @@ class SwinConfig:
             refuse("use_absolute_embeddings", "false (absolute position embeddings are not implemented)", True)
         if config.get("qkv_bias", True) is not True:
             refuse("qkv_bias", "true (q/k/v biases, as every released Swin)", config["qkv_bias"])
+        ratio = config.get("mlp_ratio", cls.mlp_ratio)
+        if (
+            isinstance(ratio, bool)
+            or not isinstance(ratio, (int, float))
+            or int(ratio * config.get("embed_dim", cls.embed_dim)) < 1
+        ):
+            refuse("mlp_ratio", "a positive number (the MLP is int(mlp_ratio * E) wide)", ratio)
         fields = {f.name: config[f.name] for f in dataclasses.fields(cls) if f.compare and f.name in config}
         for key in ("image_size", "patch_size"):
             if key in config:
