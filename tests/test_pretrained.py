@@ -84,6 +84,7 @@ def test_minilm_loads_into_the_bert_ports_params(minilm_dir):
         "qwen3",
         "qwen3_moe",
         "qwen3_next",
+        "swin",
         "t5",
     }
 

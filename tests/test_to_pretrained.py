@@ -97,8 +97,14 @@ VARIANTS = {
         "deberta-v2",
         {"architecture": "DebertaV2Model", "pos_att_type": ["p2c"], "share_att_key": False},
     ),
+    "swin": ("swin", {}),  # image classifier: padded windows, PatchMerging, the files' block names
 }
-_AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM", "deberta-v2": None}  # None: config's architectures
+_AUTO = {  # None: config's architectures
+    "bert": "AutoModel",
+    "t5": "AutoModelForSeq2SeqLM",
+    "deberta-v2": None,
+    "swin": "AutoModelForImageClassification",
+}
 
 
 def _variant_params(default=("gpt2",)):
@@ -181,7 +187,8 @@ def _assert_torch_holds(torch_model, tensors):
 
 
 def _inputs(model_type):
-    """The padded batch: on the right for the encoders (BERT, T5, DeBERTa), on the left for decoders."""
+    """The padded batch: on the right for the encoders (BERT, T5, DeBERTa), on the left for decoders; Swin's
+    pixels."""
     return hf.padded_inputs(model_type, "right" if model_type in ("bert", "t5", "deberta-v2") else "left")
 
 
@@ -195,9 +202,9 @@ def _outputs(model_type, model, params, inputs):
 
 
 def _loss(model_type, model, params, inputs):
-    """Next-token cross-entropy on real tokens (T5: on the decoder's tokens); the encoders: mean squares."""
+    """Next-token cross-entropy on real tokens (T5: on the decoder's tokens); the encoders and Swin: mean squares."""
     out = _outputs(model_type, model, params, inputs)
-    if model_type in ("bert", "deberta-v2"):
+    if model_type in ("bert", "deberta-v2", "swin"):
         return sum(jnp.mean(x * x) for x in out.values())
     targets = inputs["decoder_input_ids" if model_type == "t5" else "input_ids"]
     weights = jnp.ones_like(targets) if model_type == "t5" else inputs["attention_mask"]
@@ -219,7 +226,12 @@ def one_optax_step(model_type, model, params, inputs):
 
 def _torch_outputs(model_type, torch_model, inputs, dtype):
     with torch.no_grad(), hf.float64_reference(torch_model, dtype):
-        out = torch_model(**{k: torch.from_numpy(v).long() for k, v in inputs.items()})
+        out = torch_model(  # pixel_values in the model's dtype, token ids as int64
+            **{
+                k: torch.from_numpy(v).to(torch_model.dtype if v.dtype.kind == "f" else torch.long)
+                for k, v in inputs.items()
+            }
+        )
     if model_type == "bert":
         return {"last_hidden_state": out.last_hidden_state, "pooler_output": out.pooler_output}
     return {"logits": out.logits} if hasattr(out, "logits") else {"last_hidden_state": out.last_hidden_state}
@@ -227,12 +239,17 @@ def _torch_outputs(model_type, torch_model, inputs, dtype):
 
 def _errors(model_type, ours, theirs, inputs):
     """{output: (max abs, normwise)} on real tokens (every decoder token of T5; BERT's pooler and a classifier's
-    logits: every row)."""
-    real = inputs["attention_mask"].astype(bool)
+    logits: every row; Swin: every image)."""
+    real = inputs["attention_mask"].astype(bool) if "attention_mask" in inputs else None
     errors = {}
     for name, x in ours.items():
         x, y = np.asarray(x), theirs[name].numpy()
-        if name in ("logits", "last_hidden_state") and model_type != "t5" and x.shape[:2] == real.shape:
+        if (
+            name in ("logits", "last_hidden_state")
+            and model_type != "t5"
+            and real is not None
+            and x.shape[:2] == real.shape
+        ):
             x, y = x[real], y[real]
         errors[name] = (float(np.abs(x - y).max()), float(normwise(x, y)))
     return errors

@@ -711,3 +711,27 @@ def test_deberta_classifier_fine_tunes_step_for_step_as_pytorch(tmp_path):
     bad = [{**example.batches(97, 3)[0], "labels": np.zeros((4,), int)}]
     with pytest.raises(ValueError, match=r"batches\[0\]\['labels'\]: expected integer \[B\] = \[5\]"):
         crosscheck.train_report(torch_model, model, params, bad, steps=1, optimizer="sgd", lr=0.1)
+
+
+@pytest.mark.slow
+def test_an_image_classifier_trains_like_torch_and_bad_image_batches_are_named(checkpoints, capsys):
+    """Swin: `--train` on {"pixel_values", "labels"} batches with the logits' mean cross entropy, float64 to
+    rounding (parameters 1e-10, losses 1e-12) and float32 in its envelope; a token batch or misshapen labels
+    are refused by name before anything runs."""
+    from crosscheck._cli.main import main
+
+    directory = checkpoints["swin"]
+    assert main(["--no-cache", "--model", str(directory), "--train", "6", "--json", "-"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert [r["dtype"] for r in data["reports"]] == ["float64", "float32"] and data["passed"]
+    steps = data["reports"][0]["steps"]
+    assert len(steps) == 6 and steps[-1]["loss_torch"] != steps[0]["loss_torch"]  # the weights moved
+    torch_model, model, params = fresh(directory)
+    pixels = hf.padded_inputs("swin", "right")["pixel_values"]
+    for batch, message in (
+        ({"input_ids": np.ones((3, 5), np.int64)}, "expected a mapping with exactly 'pixel_values' and 'labels'"),
+        ({"pixel_values": pixels, "labels": np.zeros((3, 1), np.int64)}, r"\['labels'\]: expected integer \[3\]"),
+        ({"pixel_values": pixels[0], "labels": np.zeros(3, np.int64)}, r"\['pixel_values'\]: expected floating"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            crosscheck.train_report(torch_model, model, params, [batch], steps=1, optimizer="sgd", lr=0.1)

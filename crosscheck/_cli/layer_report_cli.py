@@ -27,8 +27,13 @@ def model_inputs(directory: Path, config: dict) -> dict[str, np.ndarray]:
     """{"input_ids", "attention_mask"} [B,T]: real sentences when DIR has a tokenizer, else random ids.
 
     Padding is on the right for encoders (BERT, T5) and on the left for decoders, as each is used. T5 also
-    gets decoder_input_ids: its decoder_start_token_id, then 6 seeded random tokens.
+    gets decoder_input_ids: its decoder_start_token_id, then 6 seeded random tokens. An image model (Swin):
+    {"pixel_values"} [3,C,height,width] at its config's image_size.
     """
+    from crosscheck._hf.checkpoints import IMAGE_FAMILIES, pixel_values
+
+    if config.get("model_type") in IMAGE_FAMILIES:  # no tokens: seeded N(0, 1) pixels at the config's size
+        return {"pixel_values": pixel_values(config)}
     inputs = _encoder_inputs(directory, config)
     if config.get("model_type") == "t5":
         B = len(inputs["input_ids"])
@@ -127,10 +132,15 @@ def main(directory: str | None, *, dtypes: Sequence[str] | None, plot_path: str 
     reports = [
         layer_report(torch, (model, params), inputs, dtype=dtype) for dtype in (dtypes or tuple(LAYER_TOLERANCES))
     ]
-    shape = "x".join(map(str, inputs["input_ids"].shape))
+    if "pixel_values" in inputs:
+        batch = f"pixel_values {'x'.join(map(str, inputs['pixel_values'].shape))}"
+    else:
+        batch = (
+            f"batch {'x'.join(map(str, inputs['input_ids'].shape))}, {int(inputs['attention_mask'].sum())} real tokens"
+        )
     return finish(
         reports,
-        header=f"{directory}: {config['model_type']}, batch {shape}, {int(inputs['attention_mask'].sum())} real tokens",
+        header=f"{directory}: {config['model_type']}, {batch}",
         data={
             "model": str(directory),
             "passed": all(r.passed for r in reports),

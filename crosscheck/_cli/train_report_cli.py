@@ -34,6 +34,19 @@ def random_batches(vocab_size: int, *, seed: int = 0) -> list[dict[str, np.ndarr
     return batches
 
 
+def image_batches(config: dict, *, seed: int = 0) -> list[dict[str, np.ndarray]]:
+    """BATCHES seeded batches {"pixel_values" [BATCH,C,height,width] (N(0, 1) at the config's image_size),
+    "labels" [BATCH]} for an image classifier."""
+    from crosscheck._hf.checkpoints import pixel_values
+
+    labels = len(config.get("id2label") or {}) or config.get("num_labels", 2)
+    rng = np.random.default_rng(seed)
+    return [
+        {"pixel_values": pixel_values(config, seed=seed + k, batch=BATCH), "labels": rng.integers(0, labels, BATCH)}
+        for k in range(BATCHES)
+    ]
+
+
 def plot(reports, path: str) -> None:
     """Two panels against step, log scale: both losses; the parameter difference (and its bar)."""
     try:
@@ -90,7 +103,7 @@ def main(
 ) -> int:
     from crosscheck._cli.layer_report_cli import finish
     from crosscheck._hf import checkpoints as hf
-    from crosscheck._training.train_report import CLASSIFIERS, FAMILIES, train_report
+    from crosscheck._training.train_report import CLASSIFIERS, FAMILIES, IMAGE_CLASSIFIERS, train_report
     from jaxattn.models import from_pretrained
 
     directory = Path(directory)
@@ -99,16 +112,19 @@ def main(
         config = json.loads((directory / "config.json").read_text())
         architecture = str((config.get("architectures") or [""])[0])
         classifier = config.get("model_type") in CLASSIFIERS and architecture.endswith("ForSequenceClassification")
-        if config.get("model_type") not in FAMILIES and not classifier:
+        if config.get("model_type") not in FAMILIES + IMAGE_CLASSIFIERS and not classifier:
             raise ValueError(
-                f"{directory}: --train trains causal LMs ({', '.join(FAMILIES)}) and the sequence classifiers of "
-                f"{', '.join(CLASSIFIERS)}, got model_type {config.get('model_type')!r} "
-                f"({architecture or 'no architectures'})"
+                f"{directory}: --train trains causal LMs ({', '.join(FAMILIES)}), the sequence classifiers of "
+                f"{', '.join(CLASSIFIERS)} and image classifiers ({', '.join(IMAGE_CLASSIFIERS)}), got model_type "
+                f"{config.get('model_type')!r} ({architecture or 'no architectures'})"
             )
+        image = config["model_type"] in IMAGE_CLASSIFIERS
+        if image and "SwinForImageClassification" not in (config.get("architectures") or ()):
+            raise ValueError(f"{directory}: --train trains an image classifier's logits: expected one, got a SwinModel")
     except (OSError, ValueError) as error:
         print(f"python -m crosscheck: error: {error}", file=sys.stderr)
         return 2
-    batches = random_batches(config["vocab_size"])
+    batches = image_batches(config) if image else random_batches(config["vocab_size"])
     if classifier:  # a toy task: each row's label is its first token modulo the number of labels
         batches = [{**b, "labels": b["input_ids"][:, 0] % model.config.num_labels} for b in batches]
     reports = []
@@ -132,10 +148,15 @@ def main(
         except ValueError as error:
             print(f"python -m crosscheck: error: {error}", file=sys.stderr)
             return 2
-    real = sum(int(b["attention_mask"].sum()) for b in batches)
+    if image:
+        shape = "x".join(map(str, batches[0]["pixel_values"].shape))
+        data = f"{BATCHES} random batches of pixel_values {shape} and labels"
+    else:
+        real = sum(int(b["attention_mask"].sum()) for b in batches)
+        data = f"{BATCHES} random batches of {BATCH}x{LENGTH} ({real} real tokens)"
     header = (
         f"{directory}: {config['model_type']}, {steps} steps of {optimizer} (lr {lr}, cosine with warmup, "
-        f"clip 1.0) on {BATCHES} random batches of {BATCH}x{LENGTH} ({real} real tokens), cycled"
+        f"clip 1.0) on {data}, cycled"
     )
     return finish(
         reports,

@@ -378,6 +378,25 @@ TINY = {
             legacy=False,
         ),
     ),
+    # image classification: a 28x20 image in 4x4 patches (a 7x5 grid: windows of 3 pad it to 9x6, the shifted
+    # block's regions on the padded map; PatchMerging pads it to 8x6 -> 4x3, which the window clamps to 3, no
+    # shift); 5 channels, widths 15 / 30 with 3 / 5 heads (head dims 5, 6), mlp_ratio 2.6 (F 39, 78), 7 labels
+    "swin": (
+        "SwinConfig",
+        "SwinForImageClassification",
+        dict(
+            image_size=[28, 20],
+            patch_size=4,
+            num_channels=5,
+            embed_dim=15,
+            depths=[2, 2],
+            num_heads=[3, 5],
+            window_size=3,
+            mlp_ratio=2.6,
+            num_labels=7,
+            layer_norm_eps=1e-5,
+        ),
+    ),
 }
 
 
@@ -392,10 +411,23 @@ def _no_special_tokens(config) -> None:
 
 # model_type -> the transformers Auto class whose model jaxattn.models ports (the decoders: a causal LM; None:
 # the class config.json's architectures names, for a family ported with several heads)
-_AUTO = {"bert": "AutoModel", "t5": "AutoModelForSeq2SeqLM", "deberta-v2": None}
+_AUTO = {
+    "bert": "AutoModel",
+    "t5": "AutoModelForSeq2SeqLM",
+    "deberta-v2": None,
+    "swin": "AutoModelForImageClassification",
+}
 
 # mixtures of experts: transformers' plain per-expert loop ("eager"), not a grouped matmul kernel
 _MOE = ("mixtral", "gpt_oss", "qwen3_moe", "deepseek_v3", "qwen3_next")
+
+
+def auto_class(config: dict) -> str:
+    """The transformers Auto class name of a checkpoint's config.json (a Swin saved without its classifier,
+    architectures ["SwinModel"]: AutoModel)."""
+    if config["model_type"] == "swin" and "SwinForImageClassification" not in (config.get("architectures") or ()):
+        return "AutoModel"
+    return _AUTO.get(config["model_type"], "AutoModelForCausalLM") or config["architectures"][0]
 
 
 def _quiet(transformers) -> None:
@@ -481,6 +513,7 @@ _FLOAT32_SOFTMAX = (
     "transformers.models.mixtral.modeling_mixtral",
     "transformers.models.qwen3_moe.modeling_qwen3_moe",
     "transformers.models.deepseek_v3.modeling_deepseek_v3",
+    "transformers.models.swin.modeling_swin",
 )
 
 
@@ -530,14 +563,18 @@ _SCALED_EMBEDDINGS = ("Gemma2TextScaledWordEmbedding", "Gemma3TextScaledWordEmbe
 
 
 def _eager_attention_in_input_precision(hf_module):
-    """HF's eager_attention_forward of `hf_module` (Llama's), the softmax taken in the input's dtype."""
+    """HF's eager_attention_forward of `hf_module` (Llama's; Swin's has no key/value groups), the softmax taken
+    in the input's dtype."""
     import torch
 
     def eager_attention_forward(
         module, query, key, value, attention_mask, scaling, dropout=0.0, softcap=None, **kwargs
     ):
-        key_states = hf_module.repeat_kv(key, module.num_key_value_groups)
-        value_states = hf_module.repeat_kv(value, module.num_key_value_groups)
+        if hasattr(hf_module, "repeat_kv"):
+            key_states = hf_module.repeat_kv(key, module.num_key_value_groups)
+            value_states = hf_module.repeat_kv(value, module.num_key_value_groups)
+        else:  # Swin: one key/value head per query head
+            key_states, value_states = key, value
         attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
         if softcap is not None:  # Gemma 2
             attn_weights = torch.tanh(attn_weights / softcap) * softcap
@@ -663,7 +700,7 @@ def float64_reference(torch_model, dtype: str):
     runs are untouched. A mixture of experts runs transformers' "eager" experts loop for the duration (its
     grouped_mm kernel takes no float64 on CPU).
 
-    Also the eager softmax of Llama, Qwen2, Mistral, Gemma 2, Qwen3, Gemma 3, Mixtral and Qwen3-MoE, which HF
+    Also the eager softmax of Llama, Qwen2, Mistral, Gemma 2, Qwen3, Gemma 3, Mixtral, Qwen3-MoE and Swin, which HF
     takes in float32: in a float64 run the additive mask's float64 minimum becomes -inf there, a fully masked
     (padded) query row turns to NaN and the NaN reaches every row through the next layer's values (HF's
     float64 with padding is NaN throughout). gpt-oss's eager attention softmaxes in the input's dtype already.
@@ -777,9 +814,8 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
     import transformers
 
     _quiet(transformers)
-    config = json.loads((Path(directory) / "config.json").read_text())
-    model_type = config["model_type"]
-    cls = getattr(transformers, _AUTO.get(model_type, "AutoModelForCausalLM") or config["architectures"][0])
+    model_type = json.loads((Path(directory) / "config.json").read_text())["model_type"]
+    cls = getattr(transformers, auto_class(json.loads((Path(directory) / "config.json").read_text())))
     experts = {"experts_implementation": "eager"} if model_type in _MOE else {}
     model = cls.from_pretrained(str(directory), attn_implementation="eager", local_files_only=True, **experts)
     if getattr(model, "generation_config", None) is not None:  # both sides decode exactly max_new_tokens
@@ -804,6 +840,7 @@ _GAIN = {
     "llama4_text": 1.5,
     "deepseek_v3": 1.5,
     "qwen3_next": 1.5,
+    "swin": 1.5,  # at 3, float32 rounding grows to 1e-5 normwise over Swin's four blocks (torch's own too)
 }
 _ONE_PLUS_W_NORMS = ("gemma", "gemma2", "gemma3_text", "qwen3_next")  # norms that scale by 1 + weight: random around 0
 _PLAIN_NORMS = ("linear_attn.norm.weight",)  # Qwen3-Next's gated output norm scales by its weight: around 1
@@ -861,9 +898,22 @@ def padded_batch(side: str, *, seed: int = 0, batch: int = 3, length: int = 11, 
     return np.where(mask == 1, ids, 0), mask
 
 
+IMAGE_FAMILIES = ("swin",)  # take pixel_values [B,C,height,width], not tokens
+
+
+def pixel_values(config: dict, *, seed: int = 0, batch: int = 3) -> np.ndarray:
+    """float32 [batch, C, height, width]: seeded N(0, 1) pixels at a config's image_size and num_channels."""
+    size = config["image_size"]
+    height, width = (size, size) if isinstance(size, int) else size
+    return np.random.default_rng(seed).normal(size=(batch, config["num_channels"], height, width)).astype(np.float32)
+
+
 def padded_inputs(model_type: str, side: str) -> dict[str, np.ndarray]:
     """A model's keyword inputs on padded_batch(side): input_ids and attention_mask, and for T5
-    decoder_input_ids [3,7]: its start token 0, then 6 seeded random tokens (no decoder padding)."""
+    decoder_input_ids [3,7]: its start token 0, then 6 seeded random tokens (no decoder padding).
+    An image family (IMAGE_FAMILIES): {"pixel_values": pixel_values(model_type)} (nothing to pad; `side` unused)."""
+    if model_type in IMAGE_FAMILIES:
+        return {"pixel_values": pixel_values(TINY[model_type][2])}
     ids, mask = padded_batch(side)
     inputs = {"input_ids": ids, "attention_mask": mask}
     if model_type == "t5":

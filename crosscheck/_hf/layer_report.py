@@ -201,6 +201,28 @@ class _DebertaV2(_Family):
         return [(module, f"deberta.{name}") for module, name in super().watch(encoder)]
 
 
+class _Swin(_Family):
+    """Swin: per stage, each block's attention (HF's windowed layout [B*nW, w*w, E], which ours is reshaped
+    from), MLP and output, then the stage's PatchMerging; the final LayerNorm. SwinForImageClassification's
+    rows carry our "swin." scope (its SwinModel's sown intermediates)."""
+
+    def watch(self, torch_model) -> list[tuple[Any, str]]:
+        classifier = hasattr(torch_model, "swin")
+        swin, scope = (torch_model.swin, "swin.") if classifier else (torch_model, "")
+        watched = [(swin.embeddings, f"{scope}embeddings")]
+        for s, stage in enumerate(swin.encoder.layers):
+            for b, block in enumerate(stage.blocks):
+                name = f"{scope}stage{s}.block{b}"
+                watched += [
+                    (block.attention, f"{name}.attention"),
+                    (block.mlp, f"{name}.mlp"),
+                    (block, f"{name}.residual"),
+                ]
+            if stage.downsample is not None:
+                watched.append((stage.downsample, f"{scope}stage{s}.downsample"))
+        return [*watched, (swin.layernorm, f"{scope}final_norm")]
+
+
 FAMILIES: dict[str, _Family] = {
     "gpt2": _Family(
         lambda m: m.transformer.drop, lambda m: m.transformer.h, "attn", "mlp", lambda m: m.transformer.ln_f, "h_{i}"
@@ -234,6 +256,7 @@ FAMILIES["llama4_text"] = _Llama4(
 FAMILIES["deberta-v2"] = _DebertaV2(
     lambda m: m.embeddings, lambda m: m.encoder.layer, "attention", None, None, "layer_{i}"
 )
+FAMILIES["swin"] = _Swin(None, None, "", None, None, "")
 FAMILIES["qwen3_next"] = _Qwen3Next(
     lambda m: m.model.embed_tokens, lambda m: m.model.layers, "", "mlp", lambda m: m.model.norm, "layers_{i}"
 )
@@ -275,7 +298,7 @@ def _jax_rows(model, params, inputs) -> dict[str, np.ndarray]:
         return {k: np.asarray(v) for k, v in rows.items()}
     logits, state = _jitted_apply(model, True)(params, inputs)
     rows = {name: np.asarray(value) for name, value in _flat(state["intermediates"]).items()}
-    if isinstance(logits, dict):  # an encoder without a head (DebertaV2Model): its sown rows are all
+    if isinstance(logits, Mapping):  # a model without a head (DebertaV2Model, SwinModel): its sown rows only
         return rows
     return {**rows, "logits": np.asarray(logits)}
 
@@ -302,7 +325,8 @@ def _to_layout(shape: tuple[int, ...]) -> Callable[[np.ndarray], np.ndarray]:
 def layer_report(torch_model, model_and_params, inputs: Mapping[str, Any], *, dtype: str) -> LayerReport:
     """Compare every aligned layer of `torch_model` (a transformers model) and (model, params) (its port).
 
-    inputs: {"input_ids": int [B,T], "attention_mask": [B,T] (optional)} as numpy arrays. dtype: "float32"
+    inputs: {"input_ids": int [B,T], "attention_mask": [B,T] (optional)} as numpy arrays, or an image model's
+    {"pixel_values": [B,C,height,width]} (every position compared; cast to dtype). dtype: "float32"
     or "float64"; both sides are cast to it (the torch model in place, our params by an explicit astype).
     A client of crosscheck.certify: the family's watched modules become its `layers` pairs, our sown
     intermediates its JAX side, real tokens its `select`, LAYER_TOLERANCES its bar.
@@ -317,6 +341,7 @@ def layer_report(torch_model, model_and_params, inputs: Mapping[str, Any], *, dt
     metric, bar = LAYER_TOLERANCES[dtype]
     params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
     inputs = {k: np.asarray(v) for k, v in inputs.items()}
+    inputs = {k: v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v for k, v in inputs.items()}
     ours = _jax_rows(model, params, inputs)
     logits = {"logits": ours.pop("logits")} if "logits" in ours else {}
     paths = {id(module): path for path, module in torch_model.named_modules()}
@@ -330,8 +355,8 @@ def layer_report(torch_model, model_and_params, inputs: Mapping[str, Any], *, dt
     ]
 
     def torch_fn(**tensors):
-        with float64_reference(torch_model, dtype):
-            out = torch_model(**{k: t.long() for k, t in tensors.items()})
+        with float64_reference(torch_model, dtype):  # token ids as int64; pixel_values as they come (dtype)
+            out = torch_model(**{k: t if t.is_floating_point() else t.long() for k, t in tensors.items()})
         return {"logits": out.logits} if logits else {}
 
     torch_model.to(getattr(torch, dtype)).eval()
@@ -344,7 +369,9 @@ def layer_report(torch_model, model_and_params, inputs: Mapping[str, Any], *, dt
         logits=False,
         bar=Bar(metric, bar, scaled=metric == "max_abs"),
         torch_module=torch_model,
-        select=lambda name, array: _on_real_tokens(array, _real_tokens(name, inputs)),
+        select=None
+        if "input_ids" not in inputs
+        else lambda name, array: _on_real_tokens(array, _real_tokens(name, inputs)),
     )
     rows = [
         LayerRow(r.jax_name, depth, r.max_abs, r.normwise, r.scale, metric, bar) for depth, r in enumerate(cert.rows)

@@ -19,8 +19,9 @@ Step 0 is the starting point (the two sets of weights must agree before anything
 Loss: causal-LM cross entropy, token t predicting token t + 1, averaged over the targets whose token AND
 predicting token are real (attention_mask 1 on both; HF's labels = -100 on padding is the same for right
 padding), log-softmax in float32 or wider; one formula, written once per framework (`causal_lm_loss`).
-A sequence classifier (CLASSIFIERS' *ForSequenceClassification, batches with "labels" [B]): the mean cross
-entropy of its logits [B,C] against the labels (`classification_loss`, HF's single-label loss).
+A classifier, a sequence one (CLASSIFIERS' *ForSequenceClassification, batches with "labels" [B]) or an image
+one (IMAGE_CLASSIFIERS: Swin, batches of {"pixel_values", "labels"}): the mean cross entropy of its logits [B,C]
+against the labels (`classification_loss`, HF's single-label loss).
 
 Dropout is off on both sides: the torch model runs in eval() mode (its dropout modules are identities, no
 other layer of these families changes with it), the JAX model is deterministic. float64: HF's float32-only
@@ -65,6 +66,7 @@ FAMILIES = (
 )  # the causal LMs of jaxattn.models
 # encoders whose *ForSequenceClassification trains on batches with "labels" [B] (classification_loss)
 CLASSIFIERS = ("deberta-v2",)
+IMAGE_CLASSIFIERS = ("swin",)  # trained on {"pixel_values", "labels"} with classification_loss
 
 
 @dataclasses.dataclass(frozen=True)
@@ -314,7 +316,8 @@ def train_report(
 ) -> TrainReport:
     """Train `torch_model` (transformers, a causal LM) and (model, params) (its jaxattn.models port) for
     `steps` steps on `batches` ([{"input_ids": int [B,T], "attention_mask": [B,T] (optional)}], cycled),
-    and compare the two runs step by step. A sequence classifier (CLASSIFIERS) takes "labels" int [B] too.
+    and compare the two runs step by step. A sequence classifier (CLASSIFIERS) takes "labels" int [B] too; an
+    image classifier (Swin) takes [{"pixel_values": [B,C,height,width], "labels": int [B]}].
 
     optimizer: a fresh torch.optim SGD / Adam / AdamW on torch_model's parameters (param groups mapped
     one by one), or "sgd" / "adam" / "adamw" with `lr` (crosscheck._training.optim.torch_optimizer). scheduler:
@@ -338,15 +341,17 @@ def train_report(
     params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
     named = dict(torch_model.named_parameters())
     initial = _differences(layout.to_torch(params), _values(named))
-    jax_step = _jax_step(model, tx, mixed_precision)
+    jax_step = _jax_step(model, tx, mixed_precision, run.image)
     state, rows, clock, noise = tx.init(params), [], {"torch": 0.0, "jax": 0.0, "jax_compile": 0.0}, None
     with float64_reference(torch_model, dtype):
         for k in range(1, steps + 1):
-            ids, mask, labels = run.batch(k)
+            ids, mask, labels = run.batch(k)  # an image classifier's: (pixel_values, None, labels)
+            if run.image:
+                ids = ids.astype(dtype)
             started = time.perf_counter()
             lr_now = float(optimizer.param_groups[0]["lr"])
             loss_t, grads_t = _torch_step(
-                torch_model, named, optimizer, scheduler, max_grad_norm, ids, mask, labels, mixed_precision
+                torch_model, named, optimizer, scheduler, max_grad_norm, ids, mask, labels, mixed_precision, run.image
             )
             clock["torch"] += time.perf_counter() - started
             started = time.perf_counter()
@@ -427,9 +432,11 @@ class _Noise:
 
 @dataclasses.dataclass(frozen=True)
 class _Run:
-    batches: tuple[tuple[np.ndarray, np.ndarray, np.ndarray | None], ...]  # ids, mask, labels (classifiers)
+    # (input_ids, attention_mask, labels or None), or an image classifier's (pixel_values, None, labels)
+    batches: tuple[tuple[np.ndarray, np.ndarray | None, np.ndarray | None], ...]
     dtype: str
     mixed_precision: str | None
+    image: bool = False  # an image classifier: batches of (pixel_values, labels)
 
     @property
     def key(self) -> str:
@@ -447,10 +454,11 @@ class _Run:
 
         model_type = getattr(getattr(torch_model, "config", None), "model_type", None)
         classifier = model_type in CLASSIFIERS and type(torch_model).__name__.endswith("ForSequenceClassification")
-        if model_type not in FAMILIES and not classifier:
+        if model_type not in FAMILIES + IMAGE_CLASSIFIERS and not classifier:
             raise ValueError(
-                f"torch_model: expected a causal LM of model_type {list(FAMILIES)} or a sequence classifier of "
-                f"{list(CLASSIFIERS)}, got {model_type!r} ({type(torch_model).__name__})"
+                f"torch_model: expected a causal LM of model_type {list(FAMILIES)}, a sequence classifier of "
+                f"{list(CLASSIFIERS)} or an image classifier of {list(IMAGE_CLASSIFIERS)}, got {model_type!r} "
+                f"({type(torch_model).__name__})"
             )
         if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps: expected an int >= 1, got {steps!r}")
@@ -470,7 +478,29 @@ class _Run:
                 f"batches: expected a non-empty sequence of {{'input_ids', 'attention_mask'}}, "
                 f"got {type(batches).__name__}"
             )
-        return cls(tuple(_checked_batch(i, b, classifier) for i, b in enumerate(batches)), dtype, mixed_precision)
+        image = model_type in IMAGE_CLASSIFIERS
+        if image:
+            checked = _checked_image_batch
+        else:
+            checked = functools.partial(_checked_batch, classifier=classifier)
+        return cls(tuple(checked(i, b) for i, b in enumerate(batches)), dtype, mixed_precision, image)
+
+
+def _checked_image_batch(i: int, batch) -> tuple[np.ndarray, None, np.ndarray]:
+    if not isinstance(batch, Mapping) or set(batch) != {"pixel_values", "labels"}:
+        got = sorted(batch) if isinstance(batch, Mapping) else type(batch).__name__
+        raise ValueError(f"batches[{i}]: expected a mapping with exactly 'pixel_values' and 'labels', got {got}")
+    pixels, labels = np.asarray(batch["pixel_values"]), np.asarray(batch["labels"])
+    if pixels.ndim != 4 or not np.issubdtype(pixels.dtype, np.floating):
+        raise ValueError(
+            f"batches[{i}]['pixel_values']: expected floating [B,C,height,width], got {pixels.dtype} "
+            f"{list(pixels.shape)}"
+        )
+    if labels.shape != pixels.shape[:1] or not np.issubdtype(labels.dtype, np.integer):
+        raise ValueError(
+            f"batches[{i}]['labels']: expected integer [{pixels.shape[0]}], got {labels.dtype} {list(labels.shape)}"
+        )
+    return pixels, None, labels.astype(np.int64)
 
 
 def _checked_batch(i: int, batch, classifier: bool = False) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -528,18 +558,21 @@ def _torch_setup(torch_model, optimizer, lr, scheduler, steps):
     return optimizer, scheduler
 
 
-def _torch_step(torch_model, named, optimizer, scheduler, max_grad_norm, ids, mask, labels, mixed_precision):
-    """One torch training step; (loss, {name: raw gradient}); labels: a classifier's, else None."""
+def _torch_step(torch_model, named, optimizer, scheduler, max_grad_norm, ids, mask, labels, mixed_precision, image):
+    """One torch training step; (loss, {name: raw gradient}); labels: a classifier's, else None; image: ids are
+    pixel_values (mask None)."""
     import contextlib
 
     import torch
 
     optimizer.zero_grad(set_to_none=True)
     torch_model.zero_grad(set_to_none=True)
-    ids_t, mask_t = torch.from_numpy(ids), torch.from_numpy(mask)
+    ids_t, mask_t = torch.from_numpy(ids), None if mask is None else torch.from_numpy(mask)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16) if mixed_precision else contextlib.nullcontext()
     with autocast:
-        if labels is None:
+        if image:
+            logits = torch_model(pixel_values=ids_t).logits
+        elif labels is None:
             logits = torch_model(input_ids=ids_t, attention_mask=mask_t, use_cache=False).logits
         else:
             logits = torch_model(input_ids=ids_t, attention_mask=mask_t).logits
@@ -566,8 +599,8 @@ def _torch_step(torch_model, named, optimizer, scheduler, max_grad_norm, ids, ma
     return float(loss.detach()), grads
 
 
-def _jax_step(model, tx, mixed_precision):
-    """params, state, ids, mask, labels -> (params, state, loss, raw gradients).
+def _jax_step(model, tx, mixed_precision, image=False):
+    """params, state, ids, mask, labels -> (params, state, loss, raw gradients); image: ids are pixel_values.
 
     Two jit programs, not one: the model's loss-and-gradient (the costly compile, the same for every
     optimizer, so cached per model: a second report on the model, e.g. with another optimizer, reuses it)
@@ -583,26 +616,27 @@ def _jax_step(model, tx, mixed_precision):
         return optax.apply_updates(params, updates), state
 
     def step(params, state, ids, mask, labels=None):
-        classify = labels is not None
-        if classify not in gradients:
-            gradients[classify] = _loss_and_gradient(model, mixed_precision, classify)
-        extra = () if labels is None else (labels,)
-        loss, grads = gradients[classify](params, ids, mask, *extra)
+        kind = "image" if image else "causal_lm" if labels is None else "classify"
+        if kind not in gradients:
+            gradients[kind] = _loss_and_gradient(model, mixed_precision, kind)
+        loss, grads = gradients[kind](params, ids, mask, labels)
         return (*update(params, state, grads), loss, grads)
 
     return step
 
 
 @functools.cache
-def _loss_and_gradient(model, mixed_precision, classify: bool = False):
+def _loss_and_gradient(model, mixed_precision, kind: str):
     import jax
     import jax.numpy as jnp
 
-    def loss(params, ids, mask, labels=None):
+    def loss(params, ids, mask, labels):  # kind "image": ids are pixel_values, mask None
         if mixed_precision:  # float32 master weights, the model computes in bfloat16
             params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params)
+        if kind == "image":
+            return classification_loss_jax(model.apply({"params": params}, ids), labels)
         logits = model.apply({"params": params}, ids, attention_mask=mask)
-        return causal_lm_loss_jax(logits, ids, mask) if not classify else classification_loss_jax(logits, labels)
+        return causal_lm_loss_jax(logits, ids, mask) if kind == "causal_lm" else classification_loss_jax(logits, labels)
 
     return jax.jit(jax.value_and_grad(loss))
 

@@ -35,22 +35,26 @@ def _setup(model_type: str) -> Setup:
     }
     input_ids, attention_mask = hf.padded_batch("left")
     inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    if model_type in hf.IMAGE_FAMILIES:  # Swin: seeded pixel_values, every image's logits
+        inputs = hf.padded_inputs(model_type, "left")
     if model_type == "t5":  # the decoder's tokens: start token, then 6 others
         inputs["decoder_input_ids"] = np.random.default_rng(1).integers(0, hf.VOCAB, (3, 7))
 
-    def real(logits, attention_mask, decoder_input_ids=None, **_):
-        # padded queries have no meaning; T5's logits are the decoder's (no decoder padding)
-        return logits if decoder_input_ids is not None else logits * attention_mask[..., None]
+    def real(logits, attention_mask=None, decoder_input_ids=None, **_):
+        # padded queries have no meaning; T5's logits are the decoder's (no decoder padding); an image's are whole
+        return logits if decoder_input_ids is not None or attention_mask is None else logits * attention_mask[..., None]
 
     def jax_fn(params, **inputs):
         return {"logits": real(model.apply({"params": params}, **inputs), **inputs)}
 
     def torch_fn(state, **inputs):
+        import torch
         from torch.func import functional_call
 
         dtype = str(next(iter(state.values())).dtype).removeprefix("torch.")
         with hf.float64_reference(torch_models[dtype], dtype):
-            out = functional_call(torch_models[dtype], state, args=(), kwargs={k: v.long() for k, v in inputs.items()})
+            kwargs = {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v.long() for k, v in inputs.items()}
+            out = functional_call(torch_models[dtype], state, args=(), kwargs=kwargs)
         return {"logits": real(out.logits, **inputs)}
 
     def grads_from_torch(grads):
@@ -115,6 +119,11 @@ for _model_type, _doc in (
         "deberta-v2",
         "DeBERTa-v3-shaped masked LM (disentangled attention c2p + p2c, log buckets, shared keys, relative "
         "embeddings' LayerNorm, lm_predictions head tied to the embeddings): logits and every parameter gradient",
+    ),
+    (
+        "swin",
+        "Swin (image classifier: padded and shifted windows, PatchMerging of an odd map, clamped window): "
+        "logits and every parameter gradient on pixel_values",
     ),
 ):
     register_case(

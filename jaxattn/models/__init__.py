@@ -11,7 +11,7 @@
     jaxattn.models.rope_frequencies(config, head_dim)         # HF's rope settings -> inverse frequencies
 
 Each family module (bert, gpt2, t5, llama, gemma2, qwen3, gemma3, mixtral, gpt_oss, qwen3_moe, llama4,
-deepseek_v3, qwen3_next, deberta_v2) is its config parsing, its block and its weight table;
+deepseek_v3, qwen3_next, deberta_v2, swin) is its config parsing, its block and its weight table;
 what they share: _decoder.py (the configs' common fields, the layer stack, the causal-LM wrapper, heads, the
 decode cache, the shared weight rows, loading), _blocks.py (Llama's and Gemma's blocks, their attention and MLP),
 _norms.py (HF's RMS and layer norms), _masks.py (masks, positions and cache slots), _rope_config.py (HF's rope
@@ -65,6 +65,11 @@ from .mixtral import MixtralConfig as MixtralConfig, MixtralForCausalLM as Mixtr
 from .qwen3 import Qwen3Config as Qwen3Config, Qwen3ForCausalLM as Qwen3ForCausalLM
 from .qwen3_moe import Qwen3MoeConfig as Qwen3MoeConfig, Qwen3MoeForCausalLM as Qwen3MoeForCausalLM
 from .qwen3_next import Qwen3NextConfig as Qwen3NextConfig, Qwen3NextForCausalLM as Qwen3NextForCausalLM
+from .swin import (
+    SwinConfig as SwinConfig,
+    SwinForImageClassification as SwinForImageClassification,
+    SwinModel as SwinModel,
+)
 from .t5 import T5Config as T5Config, T5ForConditionalGeneration as T5ForConditionalGeneration
 
 __all__ = [
@@ -99,6 +104,9 @@ __all__ = [
     "Qwen3NextForCausalLM",
     "T5Config",
     "T5ForConditionalGeneration",
+    "SwinConfig",
+    "SwinModel",
+    "SwinForImageClassification",
     # loading, saving, generating, placing
     "ModelSharding",
     "bert_params_from_state_dict",

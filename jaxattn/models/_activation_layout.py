@@ -7,7 +7,8 @@ The decode cache [B,L,K,H] is laid out batch over "data", key/value heads over "
 
 Sequence parallel: a mesh axis "seq" splits the residual stream's T too, and the decoders' causal
 self-attention (the forward, and generate's prefill) runs on jaxattn.ring_attention over it
-(SequenceParallelAttention): right-padded prompts, no window or softcap; T5, BERT and DeBERTa refuse the axis.
+(SequenceParallelAttention): right-padded prompts, no window or softcap; T5, BERT, DeBERTa and Swin refuse
+the axis.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class ModelSharding:
     def of(cls, mesh: Mesh, model_type: str) -> ModelSharding:
         """from_pretrained's: batch over "data", heads over "model", and a mesh axis "seq" is the sequence
         axis (sequence parallel, the decoders' attention on the ring)."""
-        if "seq" in mesh.axis_names and model_type in ("t5", "bert", "deberta-v2"):
+        if "seq" in mesh.axis_names and model_type in ("t5", "bert", "deberta-v2", "swin"):
             checks.fail(
                 "mesh",
                 f"no axis 'seq' for {model_type} (sequence parallelism runs the decoders' causal "

@@ -167,6 +167,17 @@ QWEN3_NEXT_RULES = (
     *MOE_RULES,
 )
 
+# Swin (jaxattn.models.swin): data parallel (the batch over "data", ModelSharding's) with the MLPs tensor parallel,
+# fc1 [E,F] column- and fc2 [F,E] row-parallel over "model" (F = 4E in every released Swin). The attention stays
+# replicated: the stages' head counts (3, 6, 12, 24 in swin-tiny) split evenly over no one "model" size, and a
+# window's attention is small next to its MLP. Weights are not FSDP'd: the largest Swin has 197M parameters.
+SWIN_RULES = (
+    ("*/fc1/kernel", P(None, "model")),
+    ("*/fc1/bias", P("model")),
+    ("*/fc2/kernel", P("model", None)),
+    ("*", P()),
+)
+
 # qwen3 and gemma3_text are Llama-shaped: their q_norm/k_norm weights [H] fall to "*" (replicated).
 FAMILY_RULES = {
     "llama": DECODER_RULES,
@@ -185,6 +196,7 @@ FAMILY_RULES = {
     "t5": T5_RULES,
     "bert": BERT_RULES,
     "deberta-v2": DEBERTA_V2_RULES,
+    "swin": SWIN_RULES,
 }
 
 

@@ -167,7 +167,9 @@ def from_state_dict(config: dict, state_dict, *, dtype: Any | None = None, preci
 _SHAPE_KEYS = {
     "gpt2": ("vocab_size", "n_embd", "n_head", "n_layer"),
     "t5": ("vocab_size", "d_model", "num_heads", "num_layers", "d_ff", "d_kv"),
+    "swin": ("num_channels", "embed_dim", "window_size"),  # depths / num_heads: lists, SwinConfig.from_dict checks
 }
+_NO_HEAD_DIVISION = ("t5", "swin")  # keys[1] % keys[2] is no head check for these
 _DECODER_SHAPE_KEYS = ("vocab_size", "hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size")
 # checked where present and not null: positive integers, positive numbers, non-negative numbers
 _POSITIVE_INTS = ("num_key_value_heads", "head_dim", "n_inner", "n_positions", "max_position_embeddings")
@@ -200,7 +202,11 @@ def check_config(config: dict, source) -> None:
         if not number or not (value > 0 or (value == 0 and not positive)):
             wanted = "a positive number" if positive else "a non-negative number"
             raise ValueError(f"{source}: {key}: expected {wanted}, got {value!r}")
-    if config.get("head_dim") is None and config[width] % config[heads] and config["model_type"] != "t5":
+    if (
+        config.get("head_dim") is None
+        and config[width] % config[heads]
+        and config["model_type"] not in _NO_HEAD_DIVISION
+    ):
         raise ValueError(
             f"{source}: {heads}: expected a divisor of {width}={config[width]} (no head_dim is given), "
             f"got {config[heads]}"
