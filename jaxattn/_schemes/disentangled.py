@@ -33,6 +33,7 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -208,7 +209,8 @@ def _kernel_tables(call, dims, tables, position_buckets, max_relative_positions,
     else:
         lo, hi = -M, M
     hi = max(hi, lo)  # T or S = 0: one offset (no tile reads it)
-    rows = _rows_of(jnp.arange(lo, hi + 1), position_buckets, max_relative_positions, span, max_step)
+    with jax.ensure_compile_time_eval():  # static offsets: the map is a constant of the program, no search
+        rows = _rows_of(jnp.arange(lo, hi + 1), position_buckets, max_relative_positions, span, max_step)
     return RowTables(tables.get("position_keys"), tables.get("position_queries"), rows, lo, hi, 2 * span)
 
 
