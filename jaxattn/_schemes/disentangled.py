@@ -33,7 +33,6 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -104,12 +103,13 @@ def _step_thresholds(position_buckets: int, max_relative_positions: int, max_ste
     return hi[hi <= top].astype(np.int32)
 
 
-def _log_buckets(d, position_buckets: int, max_relative_positions: int, max_step: int | None):
-    """bucket(d) (module docstring), int32; steps beyond max_step (when not None) count as max_step."""
+def _log_buckets(d, position_buckets: int, max_relative_positions: int, max_step: int | None, xp=jnp):
+    """bucket(d) (module docstring), int32; steps beyond max_step (when not None) count as max_step.
+    xp: jnp, or numpy for static offsets (the kernel's row map, a constant of the program)."""
     mid = position_buckets // 2
-    thresholds = jnp.asarray(_step_thresholds(position_buckets, max_relative_positions, max_step))
-    steps = jnp.searchsorted(thresholds, jnp.abs(d), side="right").astype(jnp.int32)
-    return jnp.where(jnp.abs(d) <= mid, d, jnp.sign(d) * (mid + steps)).astype(jnp.int32)
+    thresholds = xp.asarray(_step_thresholds(position_buckets, max_relative_positions, max_step))
+    steps = xp.searchsorted(thresholds, xp.abs(d), side="right").astype(xp.int32)
+    return xp.where(xp.abs(d) <= mid, d, xp.sign(d) * (mid + steps)).astype(xp.int32)
 
 
 def deberta_log_bucket_position(
@@ -164,13 +164,13 @@ def _table_rows(position_buckets: int, max_relative_positions: int) -> tuple[int
     return max_relative_positions, 0
 
 
-def _rows_of(relative, position_buckets, max_relative_positions, span, max_step):
+def _rows_of(relative, position_buckets, max_relative_positions, span, max_step, xp=jnp):
     """int32: delta(i, j) = clip(span - bucket(j - i), 0, 2 span - 1), the row both terms read, of the
-    offsets `relative` (j - i)."""
-    relative = jnp.asarray(relative, jnp.int32)
+    offsets `relative` (j - i); xp as _log_buckets'."""
+    relative = xp.asarray(relative, xp.int32)
     if position_buckets > 0:
-        relative = _log_buckets(relative, position_buckets, max_relative_positions, max_step)
-    return jnp.clip(span - relative, 0, 2 * span - 1)
+        relative = _log_buckets(relative, position_buckets, max_relative_positions, max_step, xp)
+    return xp.clip(span - relative, 0, 2 * span - 1).astype(xp.int32)
 
 
 def _position_rows(T, S, call, position_buckets, max_relative_positions, span, max_step):
@@ -209,8 +209,8 @@ def _kernel_tables(call, dims, tables, position_buckets, max_relative_positions,
     else:
         lo, hi = -M, M
     hi = max(hi, lo)  # T or S = 0: one offset (no tile reads it)
-    with jax.ensure_compile_time_eval():  # static offsets: the map is a constant of the program, no search
-        rows = _rows_of(jnp.arange(lo, hi + 1), position_buckets, max_relative_positions, span, max_step)
+    # static offsets, so numpy: the map is a constant of the program (no search in it)
+    rows = _rows_of(np.arange(lo, hi + 1), position_buckets, max_relative_positions, span, max_step, np)
     return RowTables(tables.get("position_keys"), tables.get("position_queries"), rows, lo, hi, 2 * span)
 
 
