@@ -296,7 +296,6 @@ CI_FIRST = {
     "None swin": FWD_BWD,
     "shaw causal": FWD_BWD,
     "None shaw": FWD_BWD,
-    "deberta": FWD_BWD,
     "None deberta": FWD_BWD,
     "cudnn causal": FWD_BWD,
     "None causal": FWD_BWD,
