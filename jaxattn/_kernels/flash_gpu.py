@@ -19,7 +19,10 @@ offset): its rows [B|1,N,D] computed outside, gathered per tile at the bias's in
 (docs/kernels.md, "Position biases in the kernel"), and Shaw tables (offset_tables): q . key_table per query
 row computed outside and gathered per tile at clip(j - i), the forward's sums of p by table row for the value
 table, and in the backward the value term's dP gathered the same way and the key term's gradient added by
-column from the dq kernel (docs/kernels.md, "Shaw tables in the kernel").
+column from the dq kernel (docs/kernels.md, "Shaw tables in the kernel"), and DeBERTa's tables (row_tables:
+the same key term at a column read from the scheme's map of offsets to table rows, and a per-key-row term
+k . Qr computed outside, gathered per tile, its gradient added by column from the dk/dv kernel; docs/kernels.md,
+"DeBERTa's disentangled tables in the kernel").
 
 Layout: q [B,Tp,N,Hp], k [B,Sp,K,Hp], v [B,Sp,K,Hvp] (batch dims flattened, T, S padded to whole tiles,
 head dims to powers of two): a BlockSpec picks one head's [Tb,Hp] tile, and query head n reads key/value
@@ -197,12 +200,12 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
     """None when run() computes this call; else the name of the first option it cannot express.
 
     Cheap (shapes and Python values only). Shaw tables reaching more than offset_tables.MAX_COLUMNS rows
-    (max_distance), a position_bias that is not one of offset_bias.KERNEL_BIASES (T5's, ALiBi's and
-    window_attention's are; position_bias_refusal), per-pair tables (rel_key, rel_value) and the full-grid
-    options (bias, mask, dropout_rate, return_weights) are the XLA engines'. On a GPU (interpret=False) tiles
-    must be powers of two >= 16 (block_size, a BlockMask's tiles), head dims at most 256, inputs at most 32-bit
-    floats, scale a Python number, and score_mod / mask_mod must close over no array (Triton cannot index one
-    by head or position).
+    (max_distance), DeBERTa's row_tables of more rows than that (row_tables_refusal), a position_bias that is
+    not one of offset_bias.KERNEL_BIASES (T5's, ALiBi's and window_attention's are; position_bias_refusal),
+    per-pair tables (rel_key, rel_value) and the full-grid options (bias, mask, dropout_rate,
+    return_weights) are the XLA engines'. On a GPU (interpret=False) tiles must be powers of two >= 16
+    (block_size, a BlockMask's tiles), head dims at most 256, inputs at most 32-bit floats, scale a Python
+    number, and score_mod / mask_mod must close over no array (Triton cannot index one by head or position).
     """
     T, S = (np.shape(x)[-3] if np.ndim(x) >= 3 else 0 for x in (query, key))
     problem = call.first_unhandled(HANDLED) or position_bias_refusal(call, T, S) or row_tables_refusal(call)

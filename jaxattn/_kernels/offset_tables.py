@@ -20,6 +20,11 @@ Memory: four [B,N,Tp,Dp] float32 arrays (QA, P and their gradients), O(T * min(2
 the blockwise engine's per-tile buckets. The kernel takes tables up to MAX_COLUMNS columns (Dp); wider
 bands (m above about 500 with long sequences) stay with the XLA engines.
 
+DeBERTa's tables (row_tables.RowTables) take the same arrays with the tables' R rows as columns (Dp =
+padded_columns(R)), a pair's column read from the scheme's int32 map of the band's offsets (column_map), and
+one more term per KEY row: KB = k . Qr^T, [B,N,Sp,Dp] (key_row_bias, here), picked per tile at [s, column],
+its gradient summed by column per key row in the dk/dv kernel (which owns the key tile).
+
 Why atomics (not per-block partial tables): every array above is per query row, so each program of the
 forward and dq kernels owns its [Tb,Dp] block alone; the adds that meet are the keys of one row falling
 in one column, which Triton's scatter-add lowers to atomic adds within the block (no other program
