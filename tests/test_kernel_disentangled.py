@@ -40,6 +40,7 @@ from test_disentangled import (
 import jaxattn
 from helpers import normwise
 from jaxattn._core.call import AttentionCall
+from jaxattn._core.row_tables import RowTables
 from jaxattn._kernels import decode_gpu, flash_gpu, flex_tpu, offset_tables
 from jaxattn._schemes.disentangled import _rows_of, _saturation, _table_rows
 
@@ -226,15 +227,13 @@ def test_what_the_kernels_refuse():
     with pytest.raises(ValueError, match="position_keys / queries: expected not in use with implementation='cudnn'"):
         jaxattn.disentangled_attention(q, k, v, kr, qr, implementation="cudnn", **kw)
     table = jnp.zeros((8, 4))
-    rows = jaxattn._core.row_tables.RowTables(table, table, jnp.zeros(5, jnp.int32), -2, 2, 8)
+    rows = RowTables(table, table, jnp.zeros(5, jnp.int32), -2, 2, 8)
     x = jnp.zeros((2, 7, 3, 4), jnp.float32)
     call = AttentionCall(row_tables=rows)
     assert flash_gpu.unsupported(call, x, x, x) is None
     assert decode_gpu.decode_unsupported(call, x, x, x, True) == "row_tables"
     assert flex_tpu.unsupported(call, x, x, x, True) == "row_tables"
-    wide = jaxattn._core.row_tables.RowTables(
-        table, None, jnp.zeros(5, jnp.int32), -2, 2, 2 * offset_tables.MAX_COLUMNS
-    )
+    wide = RowTables(table, None, jnp.zeros(5, jnp.int32), -2, 2, 2 * offset_tables.MAX_COLUMNS)
     assert flash_gpu.unsupported(AttentionCall(row_tables=wide), x, x, x).startswith("row_tables")
 
 
@@ -268,3 +267,26 @@ def test_lowered_for_cuda_is_the_kernel(program, implementation):
     assert TRITON in text and kernels == want, kernels
     assert "stablehlo.while" not in text, "an XLA tile loop"
     assert not re.search(rf"[<x]{T_LONG}x{T_LONG}x(f32|bf16|f16|i1|i32)>", text), "a [T,S] buffer"
+
+
+def test_none_on_cuda_falls_back_for_what_the_kernel_refuses():
+    """implementation=None lowered for CUDA: the kernel for plain calls (both terms, c2p only, positions of
+    their own), the XLA engines (no Triton call) with a mask or with positions the buckets cannot bound."""
+    N, H = 4, 16
+    q = jax.ShapeDtypeStruct((1, 64, N, H), jnp.float32)
+
+    def lowered(buckets=(6, 9), with_qr=True, **options):
+        def f(q, kr, qr):
+            rows = dict(position_buckets=buckets[0], max_relative_positions=buckets[1])
+            return jaxattn.disentangled_attention(q, q, q, kr, qr if with_qr else None, **rows, **options)
+
+        table = jax.ShapeDtypeStruct((2 * buckets[0], N, H), jnp.float32)  # 2 span rows
+        shapes = (q, table, table)
+        with jax.enable_x64(False), jaxattn.cross_platform_lowering():
+            return jax.jit(f).trace(*shapes).lower(lowering_platforms=("cuda",)).as_text()
+
+    assert TRITON in lowered()
+    assert TRITON in lowered(with_qr=False)
+    assert TRITON in lowered(query_positions=jnp.arange(64) * 3)
+    assert TRITON not in lowered(mask=jnp.tril(jnp.ones((64, 64), bool)))
+    assert TRITON not in lowered((2, 5), query_positions=jnp.arange(64) * 3)  # |bucket| stays 1: no saturation
