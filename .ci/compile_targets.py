@@ -67,6 +67,7 @@ EXPECTED_CALLS = {
     ("h100", "causal x64"): "__gpu$xla.gpu.triton",  # the kernel itself, not an XLA fallback
     ("h100", "None swin"): "__gpu$xla.gpu.triton",  # cuDNN has no position bias: ours, not XLA
     ("h100", "None shaw"): "__gpu$xla.gpu.triton",  # cuDNN refuses the tables; our kernel, not the XLA engines
+    ("h100", "None deberta"): "__gpu$xla.gpu.triton",  # as Shaw's: DeBERTa's tables in our kernel
 }
 PROGRAMS = ("forward", "forward+backward")
 # O(T + S): temp(2T, 2S) <= 2 temp(T, S) + LINEAR_SLACK. The slack is for small quadratic bookkeeping: the
@@ -92,7 +93,9 @@ class Case:
     the windows along B: a [169,N] float32 table, differentiated; with "segments", Swin's shifted regions),
     the position bias the GPU kernel computes per tile; "shaw" (shaw_relative_attention, max_distance 64: a
     per-head key table [129,N,H] and a shared value table [129,Hv], float32, differentiated), the tables the
-    GPU kernel takes per query row (offset_tables).
+    GPU kernel takes per query row (offset_tables); "deberta" (disentangled_attention with DeBERTa-v3's
+    buckets, 256 / 512: per-head position-key and position-query tables [512,N,H], float32, differentiated),
+    q . Kr per query row and k . Qr per key row in the GPU kernel, read through the offsets' row map.
     """
 
     name: str
@@ -181,6 +184,21 @@ CASES = [
     # ([B,N,T,128] float32 each, and their gradients), gathered / added per tile at clip(j - i)
     Case("shaw causal", T=4096, N=8, K=2, scheme="shaw", options=CAUSAL, platforms=("gpu",), memory=PROGRAMS),
     Case("shaw causal 16k", T=16384, N=8, K=2, scheme="shaw", options=CAUSAL, platforms=("gpu",)),
+    # DeBERTa's disentangled attention inside the GPU kernel (issue 35): an encoder (not causal), v3's tables
+    # of 512 rows, both terms ([B,N,T,512] and [B,N,S,512] float32, and their gradients); grouped-query heads
+    # in the explicit case (the dk/dv kernel adds the p2c gradient for each query head of its key head)
+    Case("deberta", T=4096, N=8, K=2, H=64, scheme="deberta", platforms=("gpu",), memory=PROGRAMS),
+    Case(
+        "None deberta",
+        T=4096,
+        N=8,
+        H=64,
+        kernel="auto",
+        scheme="deberta",
+        platforms=("gpu",),
+        programs=FWD_BWD,
+        memory=FWD_BWD,
+    ),
     Case(
         "None shaw",
         T=4096,
@@ -279,6 +297,7 @@ CI_FIRST = {
     "None swin": FWD_BWD,
     "shaw causal": FWD_BWD,
     "None shaw": FWD_BWD,
+    "None deberta": FWD_BWD,
     "cudnn causal": FWD_BWD,
     "None causal": FWD_BWD,
     "causal x64": FWD_BWD,
@@ -323,6 +342,7 @@ def sliding_causal(b, n, t, s):
 
 
 SHAW_DISTANCE = 64  # the "shaw" scheme's clip: 129 table rows
+DEBERTA_BUCKETS = dict(position_buckets=256, max_relative_positions=512)  # DeBERTa-v3's: 512 table rows
 
 
 def attention_program(case: Case, platform: str, program: str, scale: int):
@@ -342,6 +362,9 @@ def attention_program(case: Case, platform: str, program: str, scale: int):
     if case.scheme == "shaw":
         floats["key_table"] = jax.ShapeDtypeStruct((2 * SHAW_DISTANCE + 1, N, H), jnp.float32)
         floats["value_table"] = jax.ShapeDtypeStruct((2 * SHAW_DISTANCE + 1, Hv), jnp.float32)
+    elif case.scheme == "deberta":
+        for name in ("position_keys", "position_queries"):
+            floats[name] = jax.ShapeDtypeStruct((2 * DEBERTA_BUCKETS["position_buckets"], N, H), jnp.float32)
     elif case.scheme is not None:
         rows = {"t5": (32, N), "alibi": (N,), "window": (jaxattn.window_table_rows(WINDOW), N)}[case.scheme]
         floats["bias"] = jax.ShapeDtypeStruct(rows, jnp.float32)
@@ -374,6 +397,9 @@ def attention_program(case: Case, platform: str, program: str, scale: int):
         if case.scheme == "shaw":
             kt, vt = floats["key_table"], floats["value_table"]
             return jaxattn.shaw_relative_attention(q, k, v, kt, vt, max_distance=SHAW_DISTANCE, **options)
+        if case.scheme == "deberta":
+            kr, qr = floats["position_keys"], floats["position_queries"]
+            return jaxattn.disentangled_attention(q, k, v, kr, qr, **DEBERTA_BUCKETS, **options)
         if case.flex or case.return_lse:
             return jaxattn.flex_attention(q, k, v, **mods, return_lse=case.return_lse, **options)
         return jaxattn.dot_product_attention(q, k, v, **options)

@@ -108,7 +108,7 @@ def test_relative_position_top_left_for_transformers_cross(query_length, key_len
 # --- the scheme against a float64 loop --------------------------------------------------------------------
 
 
-def _loop(q, k, v, kr, qr, *, position_buckets, max_relative_positions, is_causal=False, mask=None):
+def disentangled_loop(q, k, v, kr, qr, *, position_buckets, max_relative_positions, is_causal=False, mask=None):
     """scale * (q.k + q.Kr[row] + k.Qr[row]) one logit at a time, as a bias on attention_loop's scaled q.k."""
     span = position_buckets if position_buckets > 0 else max_relative_positions
     terms = (kr is not None) + (qr is not None)
@@ -151,7 +151,7 @@ def test_equals_loop_and_twin(terms, position_buckets, max_relative_positions, s
     opts = dict(position_buckets=position_buckets, max_relative_positions=max_relative_positions)
     mask = rng.random((B, 1, T, S)) > 0.3
     out = disentangled_attention(q, k, v, kr, qr, mask=mask, **opts)
-    assert normwise(out, _loop(q, k, v, kr, qr, mask=mask, **opts)) <= TOL
+    assert normwise(out, disentangled_loop(q, k, v, kr, qr, mask=mask, **opts)) <= TOL
 
     # jit and grad against the twin's autograd, every input and table
     args = [q, k, v, *(t for t in (kr, qr) if t is not None)]
@@ -181,7 +181,7 @@ def test_causal_grouped_heads_equal_loop():
     kr, qr = _tables(4, 6)
     opts = dict(position_buckets=-1, max_relative_positions=3)
     out = disentangled_attention(q, k, v, kr, qr, is_causal=True, **opts)
-    assert normwise(out, _loop(q, k, v, kr, qr, is_causal=True, **opts)) <= TOL
+    assert normwise(out, disentangled_loop(q, k, v, kr, qr, is_causal=True, **opts)) <= TOL
 
 
 @pytest.mark.parametrize("name", ["hf_deberta_buckets"])
@@ -230,10 +230,8 @@ def test_bad_tables_and_implementation():
         disentangled_attention(q, k, v, np.zeros((10, N, H)), **opts)
     with pytest.raises(ValueError, match=r"position_queries: expected shape \[8,11\]"):
         disentangled_attention(q, k, v, None, np.zeros((8, H + 1)), **opts)
-    with pytest.raises(
-        ValueError, match="position_keys / queries: expected not in use with implementation='pallas_gpu'"
-    ):
-        disentangled_attention(q, k, v, np.zeros((8, N, H)), implementation="pallas_gpu", **opts)
+    with pytest.raises(ValueError, match="position_keys / queries: expected not in use with implementation='cudnn'"):
+        disentangled_attention(q, k, v, np.zeros((8, N, H)), implementation="cudnn", **opts)
     with pytest.raises(ValueError, match="relative_position: expected an integer dtype"):
         deberta_log_bucket_position(np.zeros(3), position_buckets=4, max_relative_positions=10)
     with pytest.raises(ValueError, match="position_buckets: expected >= 2"):

@@ -15,7 +15,9 @@ The fields, by what they do (the names are dot_product_attention's):
                              of the absolute positions; T5's and ALiBi's are OffsetBias values, functions
                              of j - i alone, Swin's / BEiT's TableBias values, a table read at the 2D offset
                              in a window: the Pallas GPU kernel computes both in its tiles), rel_key,
-                             rel_value (per-pair tables [T,S,N|1,F], relative_attention's A^K / A^V)
+                             rel_value (per-pair tables [T,S,N|1,F], relative_attention's A^K / A^V),
+                             row_tables (row_tables.RowTables: per-row terms read at a row of j - i,
+                             DeBERTa's c2p / p2c as disentangled_attention hands them to a kernel)
     the full [T,S] grid      mask, bias, dropout_rate, dropout_rng, broadcast_dropout, return_weights
     outputs and numerics     return_lse, precision
     the XLA engines' own     block_size (the blockwise tile; a kernel picks its own)
@@ -40,7 +42,7 @@ GRID_OPTIONS = ("mask", "bias", "return_weights", "dropout_rate")
 # would capture a tracer of an enclosing trace).
 INDEX_ARRAYS = ("key_value_seq_lengths", "query_positions", "key_positions", "query_segment_ids", "key_segment_ids")
 # The position terms of the relative schemes.
-POSITION_TERMS = ("key_table", "value_table", "position_bias", "rel_key", "rel_value")
+POSITION_TERMS = ("key_table", "value_table", "position_bias", "rel_key", "rel_value", "row_tables")
 
 
 def _is_set(value) -> bool:
@@ -77,6 +79,7 @@ class AttentionCall:
     position_bias: Optional[Callable] = None
     rel_key: Any = None
     rel_value: Any = None
+    row_tables: Any = None  # a row_tables.RowTables (DeBERTa's terms for a kernel), or None
     # the full [T,S] grid
     mask: Any = None
     bias: Any = None

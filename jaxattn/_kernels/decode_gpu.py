@@ -52,14 +52,14 @@ DECODE_PROGRAMS = 264
 DECODE_MAX_ROWS = 64  # G * T query rows of one key/value head in one program (a [rows, Sb] logits tile)
 DECODE_MIN_CHUNK = 256  # keys per program at least (a power of two): fewer would spend more on the merge
 # Options the decode kernel does not take (the flash kernel does: pallas_gpu.attention routes them there).
-_NOT_DECODE = ("score_mod", "mask_mod", "block_mask", "position_bias", "key_table", "value_table")
+_NOT_DECODE = ("score_mod", "mask_mod", "block_mask", "position_bias", "key_table", "value_table", "row_tables")
 # Array-valued options (the custom VJP's differentiable / integer inputs).
 _ARRAY_OPTIONS = (*INDEX_ARRAYS, "sinks")
 
 
 def decode_unsupported(call: AttentionCall, query, key, value, interpret=False) -> Optional[str]:
     """None when decode_attention computes this call; else the first option it cannot express: the flash
-    kernel's refusals (unsupported), score_mod / mask_mod / block_mask / position_bias / Shaw tables, and on
+    kernel's refusals (unsupported), score_mod / mask_mod / block_mask / position_bias / Shaw or DeBERTa tables, and on
     a GPU more than DECODE_MAX_ROWS query rows per key/value head (G * T)."""
     problem = unsupported(call, query, key, value, interpret)
     if problem is not None:

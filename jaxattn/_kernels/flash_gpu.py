@@ -19,7 +19,10 @@ offset): its rows [B|1,N,D] computed outside, gathered per tile at the bias's in
 (docs/kernels.md, "Position biases in the kernel"), and Shaw tables (offset_tables): q . key_table per query
 row computed outside and gathered per tile at clip(j - i), the forward's sums of p by table row for the value
 table, and in the backward the value term's dP gathered the same way and the key term's gradient added by
-column from the dq kernel (docs/kernels.md, "Shaw tables in the kernel").
+column from the dq kernel (docs/kernels.md, "Shaw tables in the kernel"), and DeBERTa's tables (row_tables:
+the same key term at a column read from the scheme's map of offsets to table rows, and a per-key-row term
+k . Qr computed outside, gathered per tile, its gradient added by column from the dk/dv kernel; docs/kernels.md,
+"DeBERTa's disentangled tables in the kernel").
 
 Layout: q [B,Tp,N,Hp], k [B,Sp,K,Hp], v [B,Sp,K,Hvp] (batch dims flattened, T, S padded to whole tiles,
 head dims to powers of two): a BlockSpec picks one head's [Tb,Hp] tile, and query head n reads key/value
@@ -72,12 +75,14 @@ from .tile_body import (
     Side,
     Tables,
     add_by_column,
+    add_by_key_column,
     allowed_in_tile,
     apply_score_mod,
     capped_logits,
     dot,
     fill_rows,
     forward_kernel,
+    key_row_term_in,
     key_term_in,
     load,
     load_consts,
@@ -86,6 +91,8 @@ from .tile_body import (
     pick,
     pick_rows,
     table_column,
+    table_logits,
+    tile_keys,
     tile_rows,
     value_term_in,
     visit,
@@ -125,6 +132,7 @@ HANDLED = (
     "key_table",
     "value_table",
     "max_distance",
+    "row_tables",
     "return_lse",
     "precision",
     "block_size",
@@ -175,19 +183,32 @@ def tables_band(call: AttentionCall, T: int, S: int) -> Optional[offset_tables.B
     return offset_tables.band(call.max_distance, T, S, default_positions(call))
 
 
+def row_tables_refusal(call: AttentionCall) -> Optional[str]:
+    """None when the kernels take the call's row_tables (none, or R rows within offset_tables.MAX_COLUMNS,
+    without Shaw tables beside them); else what refuses it."""
+    tables = call.row_tables
+    if tables is None:
+        return None
+    if call.has_tables:
+        return "key_table / value_table (beside row_tables)"
+    if offset_tables.padded_columns(tables.rows) > offset_tables.MAX_COLUMNS:
+        return f"row_tables ({tables.rows} table rows > {offset_tables.MAX_COLUMNS}: the XLA engines)"
+    return None
+
+
 def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Optional[str]:
     """None when run() computes this call; else the name of the first option it cannot express.
 
     Cheap (shapes and Python values only). Shaw tables reaching more than offset_tables.MAX_COLUMNS rows
-    (max_distance), a position_bias that is not one of offset_bias.KERNEL_BIASES (T5's, ALiBi's and
-    window_attention's are; position_bias_refusal), per-pair tables (rel_key, rel_value) and the full-grid
-    options (bias, mask, dropout_rate, return_weights) are the XLA engines'. On a GPU (interpret=False) tiles
-    must be powers of two >= 16 (block_size, a BlockMask's tiles), head dims at most 256, inputs at most 32-bit
-    floats, scale a Python number, and score_mod / mask_mod must close over no array (Triton cannot index one
-    by head or position).
+    (max_distance), DeBERTa's row_tables of more rows than that (row_tables_refusal), a position_bias that is
+    not one of offset_bias.KERNEL_BIASES (T5's, ALiBi's and window_attention's are; position_bias_refusal),
+    per-pair tables (rel_key, rel_value) and the full-grid options (bias, mask, dropout_rate,
+    return_weights) are the XLA engines'. On a GPU (interpret=False) tiles must be powers of two >= 16
+    (block_size, a BlockMask's tiles), head dims at most 256, inputs at most 32-bit floats, scale a Python
+    number, and score_mod / mask_mod must close over no array (Triton cannot index one by head or position).
     """
     T, S = (np.shape(x)[-3] if np.ndim(x) >= 3 else 0 for x in (query, key))
-    problem = call.first_unhandled(HANDLED) or position_bias_refusal(call, T, S)
+    problem = call.first_unhandled(HANDLED) or position_bias_refusal(call, T, S) or row_tables_refusal(call)
     if problem is not None:
         return problem
     band = tables_band(call, *(np.shape(x)[-3] if np.ndim(x) >= 3 else 1 for x in (query, key)))
@@ -240,13 +261,14 @@ def _row_grads(cfg, x, lse, allowed, do, v, delta, dp_table=None):
     return p, p * (dp - delta[:, None])
 
 
-def _table_terms(cfg, r, qp, kp, rows, head=None):
-    """(column, key term, value term's dp) of one tile for Shaw tables (each None where the call has none):
-    rows / head: where the tile's query rows sit in the row_bias / d_row_sums blocks (tile_body.tile_rows)."""
+def _table_terms(cfg, r, qp, kp, rows, keys, head=None):
+    """(column, key terms, value term's dp) of one tile for Shaw / DeBERTa tables (each None where the call
+    has none): rows / keys / head: where the tile's query rows sit in the row_bias / d_row_sums blocks
+    (tile_body.tile_rows) and its key rows in the key_row_bias block (tile_body.tile_keys)."""
     if cfg.tables is None:
         return None, None, None
-    column = table_column(cfg, qp, kp)
-    key_term = pick_rows(r["row_bias"], rows, column, head) if cfg.tables.key_term else None
+    column = table_column(cfg, r, qp, kp)
+    key_term = table_logits(cfg, r, column, rows, keys, head)
     dp_table = pick_rows(r["d_row_sums"], rows, column, head) if cfg.tables.value_term else None
     return column, key_term, dp_table
 
@@ -329,7 +351,7 @@ def _dq_kernel(cfg: Config, r):
         if cfg.offset_bias is not None:
             index = offset_index(cfg, qp, kp)
             bias = offset_bias_tile(r["offset_bias"], index)
-        column, key_term, dp_table = _table_terms(cfg, r, qp, kp, tile_rows(cfg))
+        column, key_term, dp_table = _table_terms(cfg, r, qp, kp, tile_rows(cfg), tile_keys(cfg, s0))
         _, ds, d_c, d_bias = _logit_grads(
             cfg,
             b,
@@ -379,7 +401,7 @@ def _dkv_kernel(cfg: Config, r):
         bias = None
         if cfg.offset_bias is not None:  # the rows of the G heads of key head kh: this head's is row g
             bias = offset_bias_tile(r["offset_bias"], offset_index(cfg, qp, kp), g)
-        _, key_term, dp_table = _table_terms(cfg, r, qp, kp, tile_rows(cfg, i * cfg.Tb), g)
+        column, key_term, dp_table = _table_terms(cfg, r, qp, kp, tile_rows(cfg, i * cfg.Tb), tile_keys(cfg), g)
         p, ds, _, _ = _logit_grads(
             cfg,
             b,
@@ -394,6 +416,8 @@ def _dkv_kernel(cfg: Config, r):
         )
         dv = dv + dot(p.astype(do.dtype), do, cfg, (0, 0))
         dk = dk + dot(ds.astype(q.dtype), q, cfg, (0, 0))
+        if key_row_term_in(cfg):  # d KB[s, c] = the sum of d loss / d (q k^T + KB) over the queries of key s in c
+            add_by_key_column(r["d_key_row_bias"], column, ds, g)
         return dk, dv
 
     def query_head(g, carry):  # one query head sharing key/value head kh
@@ -476,6 +500,11 @@ def _row_inputs(cfg, side, Hp, Hvp):
         inputs["offset_bias"] = (side.offset_bias, spec)
     if side.row_bias is not None:  # Shaw's key term: the block of this tile's query rows, [Tb,Dp]
         inputs["row_bias"] = (side.row_bias, _row_block(cfg, side.row_bias))
+    if side.column_map is not None:
+        inputs["column_map"] = _whole(side.column_map)
+    if side.key_row_bias is not None:  # the per-key-row term: every key row of head n, [Sp,Dp]
+        x = side.key_row_bias
+        inputs["key_row_bias"] = (x, pl.BlockSpec((None, None, Sp, x.shape[-1]), lambda b, n, i: (b, n, 0, 0)))
     specs = dict(
         q=pl.BlockSpec((None, cfg.Tb, None, Hp), lambda b, n, i: (b, i, n, 0)),
         k=pl.BlockSpec((None, Sp, None, Hp), lambda b, n, i: (b, 0, n // G, 0)),
@@ -623,6 +652,16 @@ def _flash_bwd(cfg, res, cotangents):
     for name, x in (("row_bias", side.row_bias), ("d_row_sums", d_row_sums if row_sums is not None else None)):
         if x is not None:  # the rows of the G query heads of key head h, every query row: [G,Tp,Dp]
             kv_inputs[name] = (x, pl.BlockSpec((None, G, Tp, x.shape[-1]), lambda b, h, j: (b, h, 0, 0)))
+    if side.column_map is not None:
+        kv_inputs["column_map"] = _whole(side.column_map)
+    kv_aliases = None
+    key_rows_spec = None
+    if side.key_row_bias is not None:  # this key tile's rows for the G query heads of key head h: [G,Sb,Dp]
+        key_rows_spec = pl.BlockSpec((None, G, cfg.Sb, side.key_row_bias.shape[-1]), lambda b, h, j: (b, h, j, 0))
+        kv_inputs["key_row_bias"] = (side.key_row_bias, key_rows_spec)
+        # its gradient: atomic adds into this program's own block, starting at zero (an input aliased to it)
+        kv_inputs["d_key_row_bias_zeros"] = (jnp.zeros(side.key_row_bias.shape, acc_dtype), key_rows_spec)
+        kv_aliases = {"d_key_row_bias_zeros": "d_key_row_bias"}
     kv_outputs = {
         "dk": (
             jax.ShapeDtypeStruct(k.shape, k.dtype),
@@ -633,7 +672,11 @@ def _flash_bwd(cfg, res, cotangents):
             pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0)),
         ),
     }
-    dk, dv = named_call(cfg, _dkv_kernel, (B, K, cfg.Sn), kv_inputs, kv_outputs, "jaxattn_flash_dkv")
+    if key_rows_spec is not None:
+        kv_outputs["d_key_row_bias"] = (jax.ShapeDtypeStruct(side.key_row_bias.shape, acc_dtype), key_rows_spec)
+    dk, dv, *d_key_rows = named_call(
+        cfg, _dkv_kernel, (B, K, cfg.Sn), kv_inputs, kv_outputs, "jaxattn_flash_dkv", kv_aliases
+    )
 
     d_sinks = None
     if side.sinks is not None:  # d out_t / d sink = -p_sink[t] out_t, so d sink = -sum_t p_sink[t] delta_t
@@ -658,6 +701,8 @@ def _flash_bwd(cfg, res, cotangents):
         None,
         d_offset_bias,
         d_row_bias,
+        None,
+        d_key_rows[0] if d_key_rows else None,
     )
     return dq, dk, dv, d_side
 
@@ -964,10 +1009,24 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
         band = tables_band(call, T, S)
         if key_table is not None:
             key_rows = offset_tables.band_rows(key_table, band)
-            row_bias = offset_tables.row_bias(query, key_rows, batch, Tp, band, c.precision)
+            row_bias = offset_tables.row_bias(query, key_rows, batch, Tp, band.D, band.Dp, c.precision)
         if value_table is not None:
             value_rows = offset_tables.band_rows(value_table, band)
         cfg = cfg._replace(tables=Tables(band.lo, band.hi, band.Dp, key_table is not None, value_table is not None))
+    column_map = key_row_bias = None
+    if call.row_tables is not None:  # DeBERTa's: columns are the tables' R rows, read through the scheme's map
+        tables = call.row_tables
+        Dp = offset_tables.padded_columns(tables.rows)
+        if tables.key_rows is not None:
+            row_bias = offset_tables.row_bias(query, tables.key_rows, batch, Tp, tables.rows, Dp, c.precision)
+        if tables.query_rows is not None:
+            key_row_bias = offset_tables.key_row_bias(key, tables.query_rows, N, batch, Sp, Dp, c.precision)
+        column_map = offset_tables.column_map(tables.row_of_offset)
+        cfg = cfg._replace(
+            tables=Tables(
+                tables.lo, tables.hi, Dp, tables.key_rows is not None, False, True, tables.query_rows is not None
+            )
+        )
     side = Side(
         q_pos,
         k_pos,
@@ -983,6 +1042,8 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
         t_counts,
         offset_rows,
         row_bias,
+        column_map,
+        key_row_bias,
     )
 
     q = kernel_layout(query, batch, T, Tp, Hp)

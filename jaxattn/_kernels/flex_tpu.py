@@ -68,8 +68,9 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
     # interpreted is what a TPU runs.
     if call.position_bias is not None:
         return "position_bias"
-    # Shaw tables: the GPU kernel gathers their per-row terms at j - i and scatter-adds by column, as above.
-    for name in ("key_table", "value_table"):
+    # Shaw / DeBERTa tables: the GPU kernel gathers their per-row terms at j - i and scatter-adds by column,
+    # as above.
+    for name in ("key_table", "value_table", "row_tables"):
         if getattr(call, name) is not None:
             return name
     # In the interpreter too: the kernel's index arithmetic mixes int32 and int64 there (a TypeError inside

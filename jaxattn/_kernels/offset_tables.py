@@ -20,6 +20,11 @@ Memory: four [B,N,Tp,Dp] float32 arrays (QA, P and their gradients), O(T * min(2
 the blockwise engine's per-tile buckets. The kernel takes tables up to MAX_COLUMNS columns (Dp); wider
 bands (m above about 500 with long sequences) stay with the XLA engines.
 
+DeBERTa's tables (row_tables.RowTables) take the same arrays with the tables' R rows as columns (Dp =
+padded_columns(R)), a pair's column read from the scheme's int32 map of the band's offsets (column_map), and
+one more term per KEY row: KB = k . Qr^T, [B,N,Sp,Dp] (key_row_bias, here), picked per tile at [s, column],
+its gradient summed by column per key row in the dk/dv kernel (which owns the key tile).
+
 Why atomics (not per-block partial tables): every array above is per query row, so each program of the
 forward and dq kernels owns its [Tb,Dp] block alone; the adds that meet are the keys of one row falling
 in one column, which Triton's scatter-add lowers to atomic adds within the block (no other program
@@ -86,15 +91,48 @@ def band_rows(table, b: Band):
     return table[b.lo + b.max_distance : b.hi + b.max_distance + 1]
 
 
-def row_bias(query, key_rows, batch: tuple, Tp: int, b: Band, precision):
-    """QA [B,N,Tp,Dp] in the compute dtype: q_t . key_rows[c] for every query row t and band row c
-    (zero padding past T and D). query [...,T,N,H], key_rows [D,(N,)H]."""
+def row_bias(query, key_rows, batch: tuple, Tp: int, D: int, Dp: int, precision):
+    """QA [B,N,Tp,Dp] in the compute dtype: q_t . key_rows[c] for every query row t and table row c
+    (zero padding past T and D). query [...,T,N,H], key_rows [D,(N,)H] (a band's rows, or DeBERTa's whole
+    position-key table)."""
     acc_dtype = accumulation_dtype(query.dtype)
     spec = "...tnh,dnh->...ntd" if key_rows.ndim == 3 else "...tnh,dh->...ntd"
     qa = jnp.einsum(spec, query, key_rows.astype(acc_dtype), precision=precision, preferred_element_type=acc_dtype)
     T, N = query.shape[-3], query.shape[-2]
-    qa = jnp.broadcast_to(qa, (*batch, N, T, b.D)).reshape(-1, N, T, b.D)
-    return jnp.pad(qa, [(0, 0), (0, 0), (0, Tp - T), (0, b.Dp - b.D)])
+    qa = jnp.broadcast_to(qa, (*batch, N, T, D)).reshape(-1, N, T, D)
+    return jnp.pad(qa, [(0, 0), (0, 0), (0, Tp - T), (0, Dp - D)])
+
+
+def key_row_bias(key, query_rows, N: int, batch: tuple, Sp: int, Dp: int, precision):
+    """KB [B,N,Sp,Dp] in the compute dtype: k_s . query_rows[c] for every key row s, query head n (reading
+    key head n // (N // K)) and table row c (zero padding past S and the rows). key [...,S,K,H], query_rows
+    [R,(N,)H] (DeBERTa's position-query table, row_tables.RowTables)."""
+    acc_dtype = accumulation_dtype(key.dtype)
+    S, K, H = key.shape[-3:]
+    G, R = N // K, query_rows.shape[0]
+    table = query_rows.astype(acc_dtype)
+    if table.ndim == 3:  # query head n = kh * G + g reads key head kh
+        kb = jnp.einsum(
+            "...skh,rkgh->...kgsr",
+            key,
+            table.reshape(R, K, G, H),
+            precision=precision,
+            preferred_element_type=acc_dtype,
+        )
+    else:
+        kb = jnp.einsum("...skh,rh->...ksr", key, table, precision=precision, preferred_element_type=acc_dtype)
+        kb = jnp.broadcast_to(kb[..., :, None, :, :], (*kb.shape[:-3], K, G, S, R))
+    kb = kb.reshape(*kb.shape[:-4], N, S, R)
+    kb = jnp.broadcast_to(kb, (*batch, N, S, R)).reshape(-1, N, S, R)
+    return jnp.pad(kb, [(0, 0), (0, 0), (0, Sp - S), (0, Dp - R)])
+
+
+def column_map(row_of_offset):
+    """A RowTables' int32 rows of the offsets lo..hi, padded to a power of two (edge values; the kernel's
+    clip never reads past hi - lo): the kernels' r["column_map"]."""
+    rows = jnp.asarray(row_of_offset, jnp.int32)
+    M = rows.shape[0]
+    return jnp.pad(rows, (0, (1 << (M - 1).bit_length()) - M), mode="edge")
 
 
 def value_term(row_sums, value_rows, T: int, b: Band, precision):

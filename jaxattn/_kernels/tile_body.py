@@ -66,13 +66,21 @@ class Config(NamedTuple):
 class Tables(NamedTuple):
     """A call's Shaw tables in the kernels (offset_tables): offsets lo..hi reach the tables' rows, column c =
     clip(j - i, lo, hi) - lo of Dp per query row. key_term: r["row_bias"] [B,N,Tp,Dp] holds q_t . key_table
-    at column c; value_term: r["row_sums"] receives the sums of p by column."""
+    at column c; value_term: r["row_sums"] receives the sums of p by column.
+
+    DeBERTa's tables (row_tables.RowTables) read the same arrays at another column: mapped, c =
+    r["column_map"][clip(j - i, lo, hi) - lo] (the scheme's rows of the band's offsets, an int32 gather; the
+    bucket formula stays in the scheme), and key_row_term adds a per-KEY-row term, r["key_row_bias"]
+    [B,N,Sp,Dp] = k_s . query_table at column c (its gradient summed by column per key row in the dk/dv
+    kernel)."""
 
     lo: int
     hi: int
     Dp: int
     key_term: bool
     value_term: bool
+    mapped: bool = False
+    key_row_term: bool = False
 
 
 def key_term_in(cfg) -> bool:
@@ -81,6 +89,10 @@ def key_term_in(cfg) -> bool:
 
 def value_term_in(cfg) -> bool:
     return cfg.tables is not None and cfg.tables.value_term
+
+
+def key_row_term_in(cfg) -> bool:
+    return cfg.tables is not None and cfg.tables.key_row_term
 
 
 class Side(NamedTuple):
@@ -102,6 +114,8 @@ class Side(NamedTuple):
     t_counts: Any
     offset_bias: Any = None  # [B|1,N,D] in the compute dtype (Config.offset_bias), or None
     row_bias: Any = None  # Shaw's key term QA [B,N,Tp,Dp] in the compute dtype (Config.tables), or None
+    column_map: Any = None  # int32 [M]: the column of each offset lo..hi (Tables.mapped), or None
+    key_row_bias: Any = None  # the per-key-row term KB [B,N,Sp,Dp] in the compute dtype (Tables.key_row_term)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -133,16 +147,37 @@ def offset_index(cfg, qp, kp):
     return index(qp, kp)
 
 
-def table_column(cfg, qp, kp):
-    """int32 [Tb,Sb]: the column of the Shaw table arrays (row_bias, row_sums) each pair reads. A scheme whose
-    rows are indexed otherwise (DeBERTa's log buckets of j - i) would swap this function and keep the rest."""
-    return OffsetIndex(cfg.tables.lo, cfg.tables.hi)(qp, kp)
+def table_column(cfg, r, qp, kp):
+    """int32 [Tb,Sb]: the column of the table arrays (row_bias, row_sums, key_row_bias) each pair reads:
+    clip(j - i, lo, hi) - lo for Shaw's tables, or that offset's entry of r["column_map"] (Tables.mapped:
+    DeBERTa's log-bucketed rows, computed by the scheme)."""
+    index = OffsetIndex(cfg.tables.lo, cfg.tables.hi)(qp, kp)
+    return r["column_map"][index] if cfg.tables.mapped else index
 
 
 def tile_rows(cfg, row0=0):
     """int32 [Tb,Sb]: row0 + t, the row of each pair in a per-query-row block ([Tb,Dp] from row0 = 0, or a
     whole [Tp,Dp] block from the query tile's first row)."""
     return row0 + lax.broadcasted_iota(jnp.int32, (cfg.Tb, cfg.Sb), 0)
+
+
+def tile_keys(cfg, key0=0):
+    """int32 [Tb,Sb]: key0 + s, the key row of each pair in a per-key-row block ([Sp,Dp] of the whole key
+    axis from the key tile's first row, or a tile's own [Sb,Dp] from key0 = 0)."""
+    return key0 + lax.broadcasted_iota(jnp.int32, (cfg.Tb, cfg.Sb), 1)
+
+
+def table_logits(cfg, r, column, rows, keys, head=None):
+    """The table terms of a tile inside q k^T (None: the call has none), [Tb,Sb]: QA[t, c] (row_bias at the
+    tile's query rows `rows`) plus KB[s, c] (key_row_bias at its key rows `keys`), c = column; `head`: the
+    query head within the blocks (the dk/dv kernel's group)."""
+    term = None
+    if key_term_in(cfg):
+        term = pick_rows(r["row_bias"], rows, column, head)
+    if key_row_term_in(cfg):
+        by_key = pick_rows(r["key_row_bias"], keys, column, head)
+        term = by_key if term is None else term + by_key
+    return term
 
 
 def pick_rows(ref, rows, column, head=None):
@@ -165,6 +200,25 @@ def add_by_column(ref, column, values):
     @pl.when(jnp.logical_not(one_column))
     def _():
         jax.ref.addupdate(ref, (lax.broadcasted_iota(jnp.int32, values.shape, 0), column), values)
+
+
+def add_by_key_column(ref, column, values, head=None):
+    """ref[(head,) s, column[t,s]] += values[t,s] into a key tile's [Sb,Dp] block (or [G,Sb,Dp] with head):
+    the sum over the queries of each key row that read one column (the gradient of the per-key-row term,
+    from the dk/dv kernel, which owns its key tile). As add_by_column: atomic adds within the block, and a
+    tile whose pairs all read one column adds its column sums there instead."""
+    first = jnp.min(column)
+    one_column = first == jnp.max(column)
+    keys = pl.ds(0, values.shape[1])
+    lead = () if head is None else (head,)
+
+    @pl.when(one_column)
+    def _():
+        jax.ref.addupdate(ref, (*lead, keys, first), jnp.sum(values, axis=0))
+
+    @pl.when(jnp.logical_not(one_column))
+    def _():
+        jax.ref.addupdate(ref, (*lead, lax.broadcasted_iota(jnp.int32, values.shape, 1), column), values)
 
 
 # The columns of a per-row block [Tb,Dp] that one step of scale_rows reads: as wide as a key tile, so a wide
@@ -248,8 +302,10 @@ def key_tiles(cfg: Config, r, b, n, q, qp, q_seg, lengths, key_start=0):
         keys = pl.ds(pl.multiple_of(j * cfg.Sb, cfg.Sb), cfg.Sb)  # aligned: a TPU's dynamic slices need it
         k, v, kp = r["k"][keys, :], r["v"][keys, :], r["k_pos"][keys]
         k_seg = None if q_seg is None else r["k_seg"][keys]
-        column = None if cfg.tables is None else table_column(cfg, qp, kp)
-        key_term = pick_rows(r["row_bias"], tile_rows(cfg), column) if key_term_in(cfg) else None
+        column = None if cfg.tables is None else table_column(cfg, r, qp, kp)
+        key_term = (
+            None if cfg.tables is None else table_logits(cfg, r, column, tile_rows(cfg), tile_keys(cfg, j * cfg.Sb))
+        )
         x = capped_logits(cfg, q, k, key_term)
         if cfg.offset_bias is not None:  # the position bias: after softcap, before score_mod
             x = x + offset_bias_tile(r["offset_bias"], offset_index(cfg, qp, kp))

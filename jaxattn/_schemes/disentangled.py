@@ -36,12 +36,13 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 import numpy as np
 
-from .._api import check_implementation, scheme_call, use_blockwise
+from .._api import attend, check_implementation, scheme_call, use_blockwise
 from .._core import checks
 from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
 from .._core.eager import compiled_when_eager
 from .._core.positions import offsets, positions
+from .._core.row_tables import RowTables
 from .._engines import blockwise
 from .._engines.dense import attention_core
 from .clipped import gather_buckets, per_row_logits
@@ -102,12 +103,13 @@ def _step_thresholds(position_buckets: int, max_relative_positions: int, max_ste
     return hi[hi <= top].astype(np.int32)
 
 
-def _log_buckets(d, position_buckets: int, max_relative_positions: int, max_step: int | None):
-    """bucket(d) (module docstring), int32; steps beyond max_step (when not None) count as max_step."""
+def _log_buckets(d, position_buckets: int, max_relative_positions: int, max_step: int | None, xp=jnp):
+    """bucket(d) (module docstring), int32; steps beyond max_step (when not None) count as max_step.
+    xp: jnp, or numpy for static offsets (the kernel's row map, a constant of the program)."""
     mid = position_buckets // 2
-    thresholds = jnp.asarray(_step_thresholds(position_buckets, max_relative_positions, max_step))
-    steps = jnp.searchsorted(thresholds, jnp.abs(d), side="right").astype(jnp.int32)
-    return jnp.where(jnp.abs(d) <= mid, d, jnp.sign(d) * (mid + steps)).astype(jnp.int32)
+    thresholds = xp.asarray(_step_thresholds(position_buckets, max_relative_positions, max_step))
+    steps = xp.searchsorted(thresholds, xp.abs(d), side="right").astype(xp.int32)
+    return xp.where(xp.abs(d) <= mid, d, xp.sign(d) * (mid + steps)).astype(xp.int32)
 
 
 def deberta_log_bucket_position(
@@ -162,13 +164,54 @@ def _table_rows(position_buckets: int, max_relative_positions: int) -> tuple[int
     return max_relative_positions, 0
 
 
+def _rows_of(relative, position_buckets, max_relative_positions, span, max_step, xp=jnp):
+    """int32: delta(i, j) = clip(span - bucket(j - i), 0, 2 span - 1), the row both terms read, of the
+    offsets `relative` (j - i); xp as _log_buckets'."""
+    relative = xp.asarray(relative, xp.int32)
+    if position_buckets > 0:
+        relative = _log_buckets(relative, position_buckets, max_relative_positions, max_step, xp)
+    return xp.clip(span - relative, 0, 2 * span - 1).astype(xp.int32)
+
+
 def _position_rows(T, S, call, position_buckets, max_relative_positions, span, max_step):
     """int32 [...,1,T,S]: delta(i, j), the row both terms read for the pair (t, s)."""
     q_pos, k_pos = positions(T, S, call.query_positions, call.key_positions)
-    relative = offsets(q_pos, k_pos).astype(jnp.int32)
-    if position_buckets > 0:
-        relative = _log_buckets(relative, position_buckets, max_relative_positions, max_step)
-    return jnp.clip(span - relative, 0, 2 * span - 1)[..., None, :, :]
+    relative = offsets(q_pos, k_pos)
+    return _rows_of(relative, position_buckets, max_relative_positions, span, max_step)[..., None, :, :]
+
+
+def _saturation(position_buckets: int, max_relative_positions: int, span: int) -> int | None:
+    """M such that every offset d with |d| >= M reads the table's first row (d > 0) or last row (d < 0), so
+    clipping j - i to [-M, M] keeps every row; None where no int32 distance gets there.
+
+    Without buckets the row is clip(span - d): 0 from d = span, 2 span - 1 from d = -(span - 1). With them,
+    |bucket(d)| = mid + step(d) reaches span (row 0, or 2 span clipped to 2 span - 1) from step span - mid on,
+    whose first distance is _step_thresholds' entry span - mid - 1."""
+    if position_buckets <= 0:
+        return span
+    thresholds = _step_thresholds(position_buckets, max_relative_positions, position_buckets)
+    step = span - position_buckets // 2
+    return int(thresholds[step - 1]) if step <= len(thresholds) else None
+
+
+def _kernel_tables(call, dims, tables, position_buckets, max_relative_positions, span, max_step):
+    """The RowTables a kernel reads both terms from (row_tables: the rows of the offsets in a static band,
+    the tables as given), or None where no static band holds the call's offsets (positions given and no
+    saturation). The band: the default positions' offsets [-(S - 1), T - 1] (query t at t + S - T),
+    narrowed to the saturation [-M, M]; all of [-M, M] for positions of the call's own."""
+    M = _saturation(position_buckets, max_relative_positions, span)
+    if call.query_positions is None and call.key_positions is None:
+        lo, hi = -(dims.S - 1), dims.T - 1
+        if M is not None:
+            lo, hi = max(lo, -M), min(hi, M)
+    elif M is None:
+        return None
+    else:
+        lo, hi = -M, M
+    hi = max(hi, lo)  # T or S = 0: one offset (no tile reads it)
+    # static offsets, so numpy: the map is a constant of the program (no search in it)
+    rows = _rows_of(np.arange(lo, hi + 1), position_buckets, max_relative_positions, span, max_step, np)
+    return RowTables(tables.get("position_keys"), tables.get("position_queries"), rows, lo, hi, 2 * span)
 
 
 def _per_key_logits(key, table, N, precision, acc_dtype):
@@ -212,10 +255,7 @@ def _blockwise(call, query, key, value, tables, dims, position_buckets, max_rela
     user_mod, offset = call.score_mod, dims.S - dims.T
 
     def score_mod(score, b, n, t, s):
-        relative = jnp.asarray(s - t, jnp.int32)
-        if position_buckets > 0:
-            relative = _log_buckets(relative, position_buckets, max_relative_positions, max_step)
-        row = jnp.clip(span - relative, 0, 2 * span - 1)
+        row = _rows_of(s - t, position_buckets, max_relative_positions, span, max_step)
         t_row, s_row = jnp.clip(t - offset, 0, dims.T - 1), jnp.clip(s, 0, dims.S - 1)  # padded tiles: clipped
         if per_query is not None:
             score = score + per_query[b, n, t_row, row]
@@ -262,17 +302,23 @@ def disentangled_attention(
     (an encoder: is_causal=False, padding as mask or key_value_seq_lengths); transformers' T != S puts the
     query at t (top-left): query_positions=jnp.arange(T). implementation: "dense" (the dense engine),
     "blockwise" (O(T + S) memory: both terms as a score_mod over per-row scores; no mask, bias, dropout,
-    return_weights, query/key_positions or logit_softcap there), or None: blockwise where it takes the call,
-    T x S reaches dot_product_attention's threshold and S exceeds the table's rows, else dense;
-    interpret=False.
+    return_weights, query/key_positions or logit_softcap there), "pallas_gpu" (the Pallas GPU kernel: q . Kr
+    per query row and k . Qr per key row computed outside it, picked per tile at the pair's row through an
+    int32 map of the offsets (row_tables); ValueError naming an option it cannot express: mask, bias,
+    dropout, return_weights, tables over 1024 rows), or None: on CUDA the kernel where it expresses the
+    call, else (and on every other platform) blockwise where it takes the call, T x S reaches
+    dot_product_attention's threshold and S exceeds the table's rows, else dense. interpret: with
+    "pallas_gpu", Pallas' interpreter (any platform).
     """
     implementation, interpret = options.pop("implementation", None), options.pop("interpret", False)
     check_implementation(implementation, interpret)
-    if implementation not in (None, "dense", "blockwise"):  # no kernel takes the two table terms yet
+    if implementation not in (None, "dense", "blockwise", "pallas_gpu") and (
+        position_keys is not None or position_queries is not None
+    ):  # of the kernels, only the Pallas GPU one takes the two table terms
         checks.fail(
             "position_keys / queries",
-            f"not in use with implementation={implementation!r} (the dense and blockwise engines compute them; "
-            "use implementation=None, 'dense' or 'blockwise')",
+            f"not in use with implementation={implementation!r} (the XLA engines and the Pallas GPU kernel "
+            "compute them; use implementation=None, 'dense', 'blockwise' or 'pallas_gpu')",
             "in use",
         )
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
@@ -283,12 +329,43 @@ def disentangled_attention(
     if scale is None:
         scale = (dims.H * (1 + terms)) ** -0.5
     call = scheme_call("disentangled_attention", dict(options, scale=scale))
-    precision, acc_dtype = call.precision, accumulation_dtype(query.dtype)
+    acc_dtype = accumulation_dtype(query.dtype)
     tables = {}
     for name, table in (("position_keys", position_keys), ("position_queries", position_queries)):
         if table is not None:
             tables[name] = checks.check_clipped_table(name, table, 2 * span, dims.N, dims.H, acc_dtype, TABLE_LAYOUT)
-    if implementation == "blockwise" or (implementation is None and _auto_blockwise(call, query, key, 2 * span)):
+    engine = implementation if implementation in ("dense", "blockwise") else None
+
+    def xla():
+        return _xla_engines(
+            engine, call, query, key, value, tables, dims, position_buckets, max_relative_positions, span, max_step
+        )
+
+    if engine is not None:
+        return xla()
+    kernel_call = call
+    if tables:
+        row_tables = _kernel_tables(call, dims, tables, position_buckets, max_relative_positions, span, max_step)
+        if row_tables is None:  # positions of the call's own and no saturation: no static band of rows
+            if implementation is not None:
+                checks.fail(
+                    "query_positions / key_positions",
+                    f"None with implementation={implementation!r} when the buckets never saturate (no static "
+                    "band of table rows); the XLA engines take them",
+                    "given",
+                )
+            return xla()
+        kernel_call = call.replace(row_tables=row_tables)
+    return attend(kernel_call, query, key, value, xla=xla, implementation=implementation, interpret=interpret)
+
+
+def _xla_engines(
+    engine, call, query, key, value, tables, dims, position_buckets, max_relative_positions, span, max_step
+):
+    """The XLA engines' disentangled attention: blockwise ("blockwise", or None where _auto_blockwise takes
+    it), else dense with both terms gathered from the per-row scores."""
+    precision, acc_dtype = call.precision, accumulation_dtype(query.dtype)
+    if engine == "blockwise" or (engine is None and _auto_blockwise(call, query, key, 2 * span)):
         return _blockwise(
             call, query, key, value, tables, dims, position_buckets, max_relative_positions, span, max_step
         )
