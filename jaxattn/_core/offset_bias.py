@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
+import jax
 import jax.numpy as jnp
 
 from .positions import offsets
@@ -111,3 +112,21 @@ class TableBias:
 
 # The biases a kernel computes in its tiles (each has in_kernel and kernel_table).
 KERNEL_BIASES = (OffsetBias, TableBias)
+
+
+def of_rows(rows, lo: int, hi: int) -> OffsetBias:
+    """The OffsetBias read from its rows: rows [...,N,D] the bias of offsets lo..hi, constant beyond them
+    (of_offset(d) = rows[..., clip(d, lo, hi) - lo]), for a kernel that takes the rows as an input rather than
+    the scheme's table or slopes (flex_tpu's forward)."""
+    rows = jnp.asarray(rows)
+
+    def of_offset(relative_position):  # [...,T,S] -> [...,N,T,S]
+        index = jnp.clip(relative_position, lo, hi) - lo
+        lead = jnp.broadcast_shapes(rows.shape[:-2], index.shape[:-2])
+        (N, D), (T, S) = rows.shape[-2:], index.shape[-2:]
+        per_example = jnp.broadcast_to(rows, (*lead, N, D)).reshape(-1, N, D)
+        indices = jnp.broadcast_to(index, (*lead, T, S)).reshape(-1, T, S)
+        of_head = jax.vmap(lambda row, index: row[index], in_axes=(0, None))  # one gather per head
+        return jax.vmap(of_head)(per_example, indices).reshape(*lead, N, T, S)
+
+    return OffsetBias(of_offset, saturation=max(-lo, hi, 0))

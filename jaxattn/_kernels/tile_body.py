@@ -4,7 +4,8 @@
     forward, grid (b, n, query tile i):        for each key tile j the schedule lists for (b, n, i)
         x = score_mod(softcap(scale * (q_i k_j^T + QA[t, c(j - i)])) + bias)  [Tb,Sb], float32 (or wider)
             bias: a position bias's rows gathered at index(i, j) (T5, ALiBi: j - i; Swin, BEiT: the 2D offset in a
-            window), when the call has one
+            window), when the call has one (or the kernel's own r["offset_bias_of_tile"](j): flex_tpu builds
+            T5's and ALiBi's from a slice of the rows without a gather)
             QA: Shaw's key term, q . key_table[row] per query row and table row ([Tp,Dp] per head,
                 computed outside the kernel: offset_tables), picked per pair at c(j - i), when it has one
         (out, m, l) = combine_partials((out, m, l), partial of x over the allowed pairs, v_j)
@@ -308,7 +309,8 @@ def key_tiles(cfg: Config, r, b, n, q, qp, q_seg, lengths, key_start=0):
         )
         x = capped_logits(cfg, q, k, key_term)
         if cfg.offset_bias is not None:  # the position bias: after softcap, before score_mod
-            x = x + offset_bias_tile(r["offset_bias"], offset_index(cfg, qp, kp))
+            build = r.get("offset_bias_of_tile")  # a kernel's own construction, j -> [Tb,Sb] (flex_tpu: no gather)
+            x = x + (offset_bias_tile(r["offset_bias"], offset_index(cfg, qp, kp)) if build is None else build(j))
         x = apply_score_mod(cfg, b, n, qp, kp, x, score_consts)
         allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, key_start + j * cfg.Sb, lengths, q_seg, k_seg, mask_consts)
         if allowed is not None:
