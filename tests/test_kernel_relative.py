@@ -19,19 +19,21 @@ group) and "pallas_gpu" (slow).
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 from test_positions import bucket_loop
 
 import jaxattn
 from helpers import allowed_loop, attention_loop, attention_reference, normwise
 from jaxattn._core.call import AttentionCall
 from jaxattn._core.offset_bias import OffsetBias
-from jaxattn._kernels import flash_gpu, flex_tpu, pallas_gpu
+from jaxattn._kernels import flash_gpu, flex_tpu, pallas_gpu, pallas_tpu
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
 
@@ -170,10 +172,10 @@ def _loss_and_grads(f, args, w):
     return run(*args)
 
 
-def _check(name, dtype=np.float32, tolerances=(OUT_TOL, GRAD_TOL, GRAD_TOL)):
-    """The kernel on `dtype` inputs (the table / slopes: float32, or float64 with float64 inputs) against the
-    float64 references on the same rounded numbers, normwise: tolerances = (outputs, gradients of q, k, v,
-    gradient of the table / slopes)."""
+def _check(name, dtype=np.float32, tolerances=(OUT_TOL, GRAD_TOL, GRAD_TOL), implementation="pallas_gpu"):
+    """The kernel (`implementation`) on `dtype` inputs (the table / slopes: float32, or float64 with float64
+    inputs) against the float64 references on the same rounded numbers, normwise: tolerances = (outputs,
+    gradients of q, k, v, gradient of the table / slopes)."""
     scheme, scheme_options, options, args, w, N = _setup(name)
     params_dtype = np.float64 if dtype == np.float64 else np.float32
     args = (*(jnp.asarray(x, dtype) for x in args[:3]), jnp.asarray(args[3], params_dtype))
@@ -184,12 +186,14 @@ def _check(name, dtype=np.float32, tolerances=(OUT_TOL, GRAD_TOL, GRAD_TOL)):
     scale = 1.0 if scheme == "t5" else None  # t5_attention's default scale is 1, as T5's
 
     def kernel(*a):
-        return f(*a, implementation="pallas_gpu", interpret=True, precision="highest", **options)
+        return f(*a, implementation=implementation, interpret=True, precision="highest", **options)
 
     def dense(*a):
         return f(*a, implementation="dense", precision="highest", **options)
 
-    out, grads = _loss_and_grads(kernel, args, w)
+    # the Pallas TPU kernels index in int32: they run with jax_enable_x64 off (its float32 is all they take)
+    with jax.enable_x64(False) if implementation == "pallas_tpu" else contextlib.nullcontext():
+        out, grads = _loss_and_grads(kernel, args, w)
     assert out.dtype == dtype
 
     # the float64 loop of the formula
@@ -241,6 +245,47 @@ def _check(name, dtype=np.float32, tolerances=(OUT_TOL, GRAD_TOL, GRAD_TOL)):
 @pytest.mark.parametrize("name", [n if n == DEFAULT_CASE else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_kernel_matches_the_float64_loop(name):
     _check(name)
+
+
+@pytest.mark.slow  # about 10 s each in the interpreter
+@pytest.mark.parametrize("name", [n for n in CASES if n != "t5 positions"])  # refused: no contiguous offsets
+def test_tpu_kernel_matches_the_float64_loop(name):
+    """flex_tpu's forward (each tile's bias a Toeplitz matrix of the rows, toeplitz_tile) and its gradient,
+    the XLA blockwise backward with the rows as a differentiable input (through them the table / slopes)."""
+    _check(name, implementation="pallas_tpu")
+
+
+def test_toeplitz_tile_against_numpy():
+    """flex_tpu.toeplitz_tile: tile[r, c] = row[start + Tb - 1 - r + c], for starts at, inside and at the end
+    of a lane tile (the aligned load and the roll that follows), on tiles of the interpreter's and a TPU's
+    size, in the interpreter (the Mosaic lowering: .ci/compile_targets.py's "t5 causal" / "alibi causal")."""
+    from jax.experimental import pallas as pl
+
+    rng = np.random.default_rng(7)
+    for Tb, Sb in ((16, 40), (128, 128)):
+        starts = np.array([0, 5, 127, 128, 131, 300], np.int32)
+        E = 300 + flex_tpu.window(Tb, Sb) + 128
+        row = rng.normal(size=(1, E)).astype(np.float32)
+
+        def kernel(start_ref, row_ref, out_ref, Tb=Tb, Sb=Sb):
+            out_ref[...] = flex_tpu.toeplitz_tile(row_ref, start_ref[pl.program_id(0)], Tb, Sb)
+
+        grid = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(len(starts),),
+            in_specs=[pl.BlockSpec((1, E), lambda j, *_: (0, 0))],
+            out_specs=pl.BlockSpec((None, Tb, Sb), lambda j, *_: (j, 0, 0)),
+        )
+        with jax.enable_x64(False):
+            got = pl.pallas_call(
+                kernel,
+                grid_spec=grid,
+                out_shape=jax.ShapeDtypeStruct((len(starts), Tb, Sb), jnp.float32),
+                interpret=True,
+            )(jnp.asarray(starts), jnp.asarray(row))
+        r, c = np.mgrid[:Tb, :Sb]
+        want = np.stack([row[0, start + Tb - 1 - r + c] for start in starts])
+        np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_the_default_case_has_tiles_past_the_saturation():
@@ -354,13 +399,21 @@ def test_what_the_kernels_refuse():
     assert refusal(pallas_gpu, position_bias=alibi, **positions).startswith("query_positions")
     assert refusal(pallas_gpu, position_bias=alibi, key_positions=jnp.arange(7)).startswith("key_positions")
     assert refusal(pallas_gpu, position_bias=lambda qp, kp: jnp.zeros(())) == "position_bias"  # not an OffsetBias
-    for interpret in (False, True):  # Mosaic has no gather from a ref: the TPU flex kernel refuses the bias
-        assert refusal(flex_tpu, interpret, position_bias=t5, score_mod=lambda x, b, n, t, s: x) == "position_bias"
+    # The TPU flex kernel builds a tile's bias from its contiguous offsets: the core's default positions only
+    for interpret in (False, True):
+        assert refusal(flex_tpu, interpret, position_bias=t5, **positions).startswith("query_positions")
+        assert refusal(flex_tpu, interpret, position_bias=alibi, key_positions=jnp.arange(7)).startswith("key_pos")
+        assert refusal(flex_tpu, interpret, position_bias=lambda qp, kp: jnp.zeros(())) == "position_bias"
+        with jax.enable_x64(False):
+            assert refusal(pallas_tpu, interpret, position_bias=t5) is None  # taken by flex_tpu, not splash
+            assert refusal(pallas_tpu, interpret, position_bias=alibi, is_causal=True) is None
     # an explicit kernel names it; None falls back to the XLA engines with the same answer
     with pytest.raises(ValueError, match="query_positions"):
         jaxattn.alibi_attention(q, k, v, jnp.ones(3), implementation="pallas_gpu", interpret=True, **positions)
-    with jax.enable_x64(False), pytest.raises(ValueError, match="position_bias"):  # splash refuses x64 first
-        jaxattn.t5_attention(q, k, v, jnp.zeros((8, 3)), max_distance=5, implementation="pallas_tpu", interpret=True)
+    with jax.enable_x64(False), pytest.raises(ValueError, match="query_positions"):
+        jaxattn.t5_attention(
+            q, k, v, jnp.zeros((8, 3)), max_distance=5, implementation="pallas_tpu", interpret=True, **positions
+        )
     assert flash_gpu.position_bias_refusal(AttentionCall()) is None
 
 

@@ -52,3 +52,21 @@ class OffsetBias:
             lo, hi = -(S - 1), T - 1
             return (lo, hi) if M is None else (max(lo, -M), min(hi, M))
         return None if M is None else (-M, M)
+
+
+def of_rows(rows, lo: int, hi: int) -> OffsetBias:
+    """The OffsetBias read from its rows: rows [...,N,D] the bias of offsets lo..hi, constant beyond them
+    (of_offset(d) = rows[..., clip(d, lo, hi) - lo]). A kernel that takes the rows as its input differentiates
+    them through this (the XLA engines' gradient of the rows, a scatter-add by offset), and XLA's autodiff of
+    `rows(lo, hi)` takes that back to the scheme's table or slopes."""
+    rows = jnp.asarray(rows)
+
+    def of_offset(relative_position):  # [...,T,S] -> [...,N,T,S]
+        index = jnp.clip(relative_position, lo, hi) - lo
+        lead = jnp.broadcast_shapes(rows.shape[:-2], index.shape[:-2])
+        (N, D), (T, S) = rows.shape[-2:], index.shape[-2:]
+        per_head = jnp.broadcast_to(rows, (*lead, N, D))
+        flat = jnp.broadcast_to(index, (*lead, T, S)).reshape(*lead, 1, T * S)  # one index list for every head
+        return jnp.take_along_axis(per_head, flat, axis=-1).reshape(*lead, N, T, S)
+
+    return OffsetBias(of_offset, saturation=max(-lo, hi, 0))

@@ -11,6 +11,15 @@ the online-softmax merge of _core), run on a TPU layout by Mosaic:
     v [B,K,Sp,Hvp]  sliced per tile inside the kernel
     positions and segment ids as rows [B|1,1,L] (blocks [1,Tb] / [1,Sp]), lse [B,N,1,Tp]
     schedule (order, counts), lengths and sinks: scalar-prefetched into SMEM (scalars read per tile)
+    a position bias of j - i (an OffsetBias: T5, ALiBi): its rows [B|1,N,1,E] (block [1,E] per (b, n)), the
+    bias of every offset the padded grid holds, E ~ Tp + Sp (offset_rows_of_grid); no gather per tile
+
+A tile's position bias. Mosaic lowers no gather from a ref at an integer array index, so the GPU kernel's
+rows[clip(j - i) - lo] is not an option. With the core's default positions the offsets of tile (i, j) are the
+contiguous range of its Tb + Sb - 1 diagonals, and its bias is a Toeplitz matrix of that slice of the rows:
+one lane-aligned load of the slice, broadcast over the tile's rows, and a strided roll (row r rotated by one
+more than row r - 1) that puts each row's diagonals in place (toeplitz_tile). Calls with positions of their
+own (T5 with query_positions) have no contiguous offsets per tile and are refused.
 
 Tiles 128 x 128 (the TPU lane width; a BlockMask's own tiles when they are multiples of 128), head dims
 padded to a multiple of 128, T and S padded inside. The whole key axis of one head sits in VMEM (with its
@@ -37,14 +46,16 @@ from jax.experimental.pallas import tpu as pltpu
 from .._core import checks, mods
 from .._core.call import INDEX_ARRAYS, AttentionCall
 from .._core.dtypes import accumulation_dtype
+from .._core.offset_bias import of_rows
 from .._engines import blockwise
 from . import flash_gpu, splash_tpu, tile_body
 
 LANES = 128
 INTERPRET_BLOCK = 16
 MAX_KEY_BYTES = 8 * 2**20  # one head's keys and values in VMEM (doubled by the pipeline's second buffer)
+MAX_BIAS_ROWS = 2**20  # one head's position-bias rows in VMEM (float32, about T + S of them): 4 MiB
 # The options only this kernel takes on TPU (splash takes every other call it can express).
-FLEX_OPTIONS = ("score_mod", "mask_mod", "block_mask")
+FLEX_OPTIONS = ("score_mod", "mask_mod", "block_mask", "position_bias")
 
 
 def wanted(call: AttentionCall) -> bool:
@@ -62,11 +73,14 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
     problem = flash_gpu.unsupported(call, query, key, value, interpret=True)
     if problem is not None:
         return problem
-    # The GPU kernel's position bias (an OffsetBias: T5, ALiBi) gathers from its rows at j - i with an array
-    # index, which Mosaic does not lower from a ref (and its gradient is a scatter-add by offset); refused
-    # here, in the interpreter too, so that what runs interpreted is what a TPU runs.
-    if call.position_bias is not None:
-        return "position_bias"
+    # A position bias (an OffsetBias: T5, ALiBi) is built per tile from contiguous offsets (module docstring):
+    # refused with positions of the call's own, in the interpreter too, so that what runs interpreted is what
+    # a TPU runs.
+    if call.position_bias is not None and not flash_gpu.default_positions(call):
+        name = "query_positions" if call.query_positions is not None else "key_positions"
+        return f"{name} (with a position bias: the TPU kernel builds a tile's bias from its contiguous offsets)"
+    if call.position_bias is not None and np.shape(query)[-3] + np.shape(key)[-3] > MAX_BIAS_ROWS:
+        return f"position_bias (T + S over {MAX_BIAS_ROWS}: one head's bias rows must fit VMEM)"
     # In the interpreter too: the kernel's index arithmetic mixes int32 and int64 there (a TypeError inside
     # the kernel otherwise), as splash's does.
     if jax.config.read("jax_enable_x64"):
@@ -118,8 +132,45 @@ class _Scalars:
         return self.ref[self.lead] if index is Ellipsis else self.ref[(*self.lead, index)]
 
 
-def _forward(p: flash_gpu.Prepared, interpret: bool):
-    """tile_body.forward_kernel on the TPU layout: (out [B,Tp,N,Hvp], lse [B,N,Tp]) as the GPU kernel's."""
+def window(Tb: int, Sb: int) -> int:
+    """Lanes toeplitz_tile loads: the tile's Tb + Sb - 1 diagonals from any start within a lane tile."""
+    return -(-(Tb + Sb - 1) // LANES) * LANES + LANES
+
+
+def toeplitz_tile(row, start, Tb: int, Sb: int):
+    """[Tb,Sb]: tile[r, c] = row[start + (Tb - 1 - r) + c], the bias of a tile whose offsets j - i grow by one
+    per key and fall by one per query (row: the [1,E] block of a head's offset rows; start >= 0, traced).
+
+    Without a gather: the window row[0, a : a + W] from the lane tile a that holds start (an aligned dynamic
+    slice, as Mosaic needs), broadcast to Tb rows, and rolled along the lanes by W - (Tb - 1) - (start - a)
+    plus r in row r (pltpu.roll's stride): rolled[r, c] = window[(c + (Tb - 1 - r) + start - a) mod W], never
+    wrapping for c < Sb (window())."""
+    W = window(Tb, Sb)
+    aligned = pl.multiple_of(lax.div(start, LANES) * LANES, LANES)  # start >= 0: lax.div floors
+    lanes = jnp.broadcast_to(row[0, pl.ds(aligned, W)][None, :], (Tb, W))
+    shift = W - (Tb - 1) - (start - aligned)  # in 1..W: the roll takes no negative shift
+    return pltpu.roll(lanes, shift, 1, stride=1, stride_axis=0)[:, :Sb]
+
+
+def offset_rows_of_grid(p: flash_gpu.Prepared, S: int):
+    """[B|1,N,1,E]: the bias of offset d = s - t - (S - T) for every padded query t in 0..Tp-1 and key s in
+    0..Sp-1 (the core's default positions), from d = -(Tp - 1) - (S - T) up, clipped to the OffsetBias's rows
+    lo..hi (exact: the bias is constant beyond them; the padding's offsets only reach discarded rows and
+    masked keys), zero-padded to lanes that toeplitz_tile may load. Tile (i, j) starts at entry
+    j * Sb - i * Tb + Tp - Tb (its smallest offset, key j * Sb against query i * Tb + Tb - 1)."""
+    cfg = p.cfg
+    lo, hi, _ = cfg.offset_bias
+    Tp, Sp = cfg.Tn * cfg.Tb, cfg.Sn * cfg.Sb
+    first = -(Tp - 1) - (S - p.T)
+    index = jnp.clip(first + jnp.arange(Tp + Sp - 1, dtype=jnp.int32), lo, hi) - lo
+    rows = jnp.take(p.side.offset_bias, index, axis=-1)
+    E = -(-(Tp + Sp - 1) // LANES) * LANES + window(cfg.Tb, cfg.Sb)
+    return jnp.pad(rows, ((0, 0), (0, 0), (0, E - rows.shape[-1])))[:, :, None, :]
+
+
+def _forward(p: flash_gpu.Prepared, S: int, interpret: bool):
+    """tile_body.forward_kernel on the TPU layout: (out [B,Tp,N,Hvp], lse [B,N,Tp]) as the GPU kernel's
+    (S: the call's key length, for a position bias's offsets)."""
     cfg, side = p.cfg, p.side
     q = jnp.swapaxes(p.q, 1, 2)  # [B,N,Tp,Hp]
     k, v = jnp.swapaxes(p.k, 1, 2), jnp.swapaxes(p.v, 1, 2)
@@ -154,6 +205,10 @@ def _forward(p: flash_gpu.Prepared, interpret: bool):
     for prefix, consts in (("score", side.score_consts), ("mask", side.mask_consts)):
         for c, x in enumerate(consts):
             inputs[f"{prefix}{c}"] = (x, spec(x.shape, lambda b, n, i, nd=x.ndim: (0,) * nd))
+    if cfg.offset_bias is not None:
+        rows_of_grid, batched = offset_rows_of_grid(p, S), cfg.offset_bias[2]
+        E = rows_of_grid.shape[-1]
+        inputs["offset_bias"] = (rows_of_grid, spec((None, None, 1, E), lambda b, n, i: (pick(batched, b), n, 0, 0)))
     acc_dtype = accumulation_dtype(q.dtype)
     outputs = {
         "out": (
@@ -179,6 +234,10 @@ def _forward(p: flash_gpu.Prepared, interpret: bool):
         for name in ("q_pos", "k_pos", "q_seg", "k_seg", "lse"):
             if name in r:
                 r[name] = _Row(r[name])
+        if "offset_bias" in r:  # tile (i, j)'s bias starts at entry j * Sb - i * Tb + Tp - Tb (offset_rows_of_grid)
+            r["offset_bias_of_tile"] = lambda j: toeplitz_tile(
+                r["offset_bias"], j * cfg.Sb - i * cfg.Tb + (Tp - cfg.Tb), cfg.Tb, cfg.Sb
+            )
         tile_body.forward_kernel(cfg, r)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -200,8 +259,8 @@ def _forward(p: flash_gpu.Prepared, interpret: bool):
 
 def attention(call: AttentionCall, query, key, value, interpret=False):
     """The AttentionCall's attention computed forward by the Pallas TPU kernel (module docstring); its
-    gradient (q, k, v, sinks, a score_mod's closed-over arrays) is the blockwise engine's. ValueError naming
-    the option it cannot express (unsupported)."""
+    gradient (q, k, v, sinks, a score_mod's closed-over arrays, a position bias's rows and through them its
+    table or slopes) is the blockwise engine's. ValueError naming the option it cannot express (unsupported)."""
     problem = unsupported(call, query, key, value, interpret)
     if problem is not None:
         checks.fail(
@@ -214,29 +273,36 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     call = call.replace(block_size=None)  # the kernel's tiles are its own
     if query.shape[-3] == 0 or key.shape[-3] == 0:
         return blockwise.tiled(call, query, key, value)
-    # Differentiable inputs are explicit (custom_vjp): q, k, v, sinks and the score_mod's closed-over arrays
-    # (traced out of it); the rest (positions, lengths, segment ids, mask_mod, BlockMask) is closed over.
+    # Differentiable inputs are explicit (custom_vjp): q, k, v, sinks, the score_mod's closed-over arrays
+    # (traced out of it) and a position bias's rows (computed here, outside, so that XLA's autodiff takes
+    # their gradient to the T5 table or ALiBi slopes); the rest (positions, lengths, segment ids, mask_mod,
+    # BlockMask) is closed over.
     score = mods.element_function("score_mod", call.score_mod, accumulation_dtype(query.dtype))
     consts = () if score is None else tuple(jnp.asarray(c) for c in score.consts)
+    T, S = query.shape[-3], key.shape[-3]
+    offsets = None if call.position_bias is None else call.position_bias.offset_range(T, S, True)
+    bias_rows = None if offsets is None else call.position_bias.rows(*offsets)
     blocks = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else (LANES, LANES)
 
     # The call's index arrays and BlockMask are inputs too (with zero cotangents): a custom VJP that closed
     # over them would capture the tracers of an enclosing trace (jit of grad of an eager-compiled call).
     indices = {name: getattr(call, name) for name in (*INDEX_ARRAYS, "block_mask") if getattr(call, name) is not None}
 
-    def with_inputs(sinks, consts, indices):  # the call, its array parts replaced by the custom VJP's inputs
+    def with_inputs(sinks, consts, indices, bias_rows):  # the call, its array parts the custom VJP's inputs
         inner = call.replace(sinks=sinks, **indices)
+        if bias_rows is not None:
+            inner = inner.replace(position_bias=of_rows(bias_rows, *offsets))
         if score is None:
             return inner
         return inner.replace(score_mod=lambda x, b, n, t, s: score.fn(x, b, n, t, s, *consts))
 
     @jax.custom_vjp
-    def run(query, key, value, sinks, consts, indices):
-        inner = with_inputs(sinks, consts, indices)
+    def run(query, key, value, sinks, consts, bias_rows, indices):
+        inner = with_inputs(sinks, consts, indices, bias_rows)
         p = flash_gpu.prepare(
             inner, query, key, value, interpret, blocks=blocks, head_multiple=None if interpret else LANES
         )
-        out, lse = _forward(p, interpret)
+        out, lse = _forward(p, S, interpret)
         return flash_gpu.finish(p, out, lse, inner.return_lse)
 
     def run_fwd(*args):
@@ -244,16 +310,24 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
 
     def run_bwd(args, cotangent):  # the XLA blockwise engine's backward (it recomputes its own forward)
         *differentiable, indices = args
+        backward_indices = dict(indices)
+        if bias_rows is not None and bias_rows.ndim > 2:  # rows per batch entry (ALiBi's per-example slopes):
+            # the engine takes a bias with a batch axis from positions with one (the default positions, written out)
+            batch = query.shape[:-3]
+            backward_indices["query_positions"] = jnp.broadcast_to(
+                jnp.arange(T, dtype=jnp.int32) + (S - T), (*batch, T)
+            )
+            backward_indices["key_positions"] = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (*batch, S))
         grads = jax.vjp(
-            lambda query, key, value, sinks, consts: blockwise.tiled(
-                with_inputs(sinks, consts, indices), query, key, value
+            lambda query, key, value, sinks, consts, bias_rows: blockwise.tiled(
+                with_inputs(sinks, consts, backward_indices, bias_rows), query, key, value
             ),
             *differentiable,
         )[1](cotangent)
         return (*grads, jax.tree.map(_zero_cotangent, indices))
 
     run.defvjp(run_fwd, run_bwd)
-    return run(query, key, value, call.sinks, consts, indices)
+    return run(query, key, value, call.sinks, consts, bias_rows, indices)
 
 
 def _zero_cotangent(x):

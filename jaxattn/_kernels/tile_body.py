@@ -3,7 +3,8 @@
 
     forward, grid (b, n, query tile i):        for each key tile j the schedule lists for (b, n, i)
         x = score_mod(softcap(scale * q_i k_j^T) + bias)  [Tb,Sb], float32 (or wider)
-            bias: an OffsetBias's rows gathered at j - i (T5, ALiBi), when the call has one
+            bias: an OffsetBias's rows gathered at j - i (T5, ALiBi), when the call has one (or the kernel's
+            own r["offset_bias_of_tile"](j): flex_tpu slices the rows without a gather)
         (out, m, l) = combine_partials((out, m, l), partial of x over the allowed pairs, v_j)
       out_i = out / l (sinks folded in), lse_i = m + log l
 
@@ -156,7 +157,8 @@ def key_tiles(cfg: Config, r, b, n, q, qp, q_seg, lengths, key_start=0):
         k_seg = None if q_seg is None else r["k_seg"][keys]
         x = capped_logits(cfg, q, k)
         if cfg.offset_bias is not None:  # the position bias: after softcap, before score_mod
-            x = x + offset_bias_tile(r["offset_bias"], offset_index(cfg, qp, kp))
+            build = r.get("offset_bias_of_tile")  # a kernel's own construction, j -> [Tb,Sb] (flex_tpu: no gather)
+            x = x + (offset_bias_tile(r["offset_bias"], offset_index(cfg, qp, kp)) if build is None else build(j))
         x = apply_score_mod(cfg, b, n, qp, kp, x, score_consts)
         allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, key_start + j * cfg.Sb, lengths, q_seg, k_seg, mask_consts)
         if allowed is not None:
