@@ -221,3 +221,22 @@ def test_t5_lowers_to_the_kernel_with_its_relative_bias(program):
     text = lowered(forward if program == "forward" else train_step, params, ids, dec, platform="cuda")
     for T_, S_ in ((448, 448), (320, 320), (320, 448)):  # encoder, decoder, cross-attention
         assert_fused(text, "cuda", T_, S_)
+
+
+@pytest.mark.parametrize("scheme", ["t5", pytest.param("alibi", marks=pytest.mark.slow)])
+def test_relative_bias_lowers_to_the_tpu_kernel(scheme):
+    """T5's and ALiBi's bias built in the tiles of our Pallas TPU kernel (issue 34), implementation=None on a
+    TPU: its Mosaic call, no [T,S] bias or logits, no XLA tile loop (whether Mosaic compiles the tile's
+    strided roll: .ci/compile_targets.py, "t5 causal" / "alibi causal" on v5e and v6e)."""
+    N = 8
+    q = jax.ShapeDtypeStruct((1, T, N, 128), jnp.bfloat16)
+    params = jax.ShapeDtypeStruct((32, N) if scheme == "t5" else (N,), jnp.float32)
+
+    def forward(q, params):
+        if scheme == "t5":
+            return jaxattn.t5_attention(q, q, q, params, bidirectional=False, is_causal=True)
+        return jaxattn.alibi_attention(q, q, q, params, is_causal=True)
+
+    text = lowered(forward, q, params, platform="tpu")
+    assert 'name = "jaxattn_flex_tpu_forward"' in text
+    assert_fused(text, "tpu", T, T)
