@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Optional
 
+import jax
 import jax.numpy as jnp
 
 from .positions import offsets
@@ -65,8 +66,11 @@ def of_rows(rows, lo: int, hi: int) -> OffsetBias:
         index = jnp.clip(relative_position, lo, hi) - lo
         lead = jnp.broadcast_shapes(rows.shape[:-2], index.shape[:-2])
         (N, D), (T, S) = rows.shape[-2:], index.shape[-2:]
-        per_head = jnp.broadcast_to(rows, (*lead, N, D))
-        flat = jnp.broadcast_to(index, (*lead, T, S)).reshape(*lead, 1, T * S)  # one index list for every head
-        return jnp.take_along_axis(per_head, flat, axis=-1).reshape(*lead, N, T, S)
+        per_example = jnp.broadcast_to(rows, (*lead, N, D)).reshape(-1, N, D)
+        indices = jnp.broadcast_to(index, (*lead, T, S)).reshape(-1, T, S)
+        # one gather per head, heads outermost: a TPU lays out the gather with the heads on the lanes otherwise,
+        # [Tb*Sb, N] padded to 128 lanes (v5e, T5 at 4096: 664 MiB of temp in the backward, against 250 so)
+        of_head = jax.vmap(lambda row, index: row[index], in_axes=(0, None))
+        return jax.vmap(of_head)(per_example, indices).reshape(*lead, N, T, S)
 
     return OffsetBias(of_offset, saturation=max(-lo, hi, 0))
