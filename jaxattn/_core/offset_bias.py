@@ -57,9 +57,8 @@ class OffsetBias:
 
 def of_rows(rows, lo: int, hi: int) -> OffsetBias:
     """The OffsetBias read from its rows: rows [...,N,D] the bias of offsets lo..hi, constant beyond them
-    (of_offset(d) = rows[..., clip(d, lo, hi) - lo]). A kernel that takes the rows as its input differentiates
-    them through this (the XLA engines' gradient of the rows, a scatter-add by offset), and XLA's autodiff of
-    `rows(lo, hi)` takes that back to the scheme's table or slopes."""
+    (of_offset(d) = rows[..., clip(d, lo, hi) - lo]), for a kernel that takes the rows as an input rather than
+    the scheme's table or slopes (flex_tpu's forward)."""
     rows = jnp.asarray(rows)
 
     def of_offset(relative_position):  # [...,T,S] -> [...,N,T,S]
@@ -68,9 +67,7 @@ def of_rows(rows, lo: int, hi: int) -> OffsetBias:
         (N, D), (T, S) = rows.shape[-2:], index.shape[-2:]
         per_example = jnp.broadcast_to(rows, (*lead, N, D)).reshape(-1, N, D)
         indices = jnp.broadcast_to(index, (*lead, T, S)).reshape(-1, T, S)
-        # one gather per head, heads outermost: a TPU lays out the gather with the heads on the lanes otherwise,
-        # [Tb*Sb, N] padded to 128 lanes (v5e, T5 at 4096: 664 MiB of temp in the backward, against 250 so)
-        of_head = jax.vmap(lambda row, index: row[index], in_axes=(0, None))
+        of_head = jax.vmap(lambda row, index: row[index], in_axes=(0, None))  # one gather per head
         return jax.vmap(of_head)(per_example, indices).reshape(*lead, N, T, S)
 
     return OffsetBias(of_offset, saturation=max(-lo, hi, 0))

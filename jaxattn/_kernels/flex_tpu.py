@@ -274,31 +274,50 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     if query.shape[-3] == 0 or key.shape[-3] == 0:
         return blockwise.tiled(call, query, key, value)
     # Differentiable inputs are explicit (custom_vjp): q, k, v, sinks, the score_mod's closed-over arrays
-    # (traced out of it) and a position bias's rows (computed here, outside, so that XLA's autodiff takes
-    # their gradient to the T5 table or ALiBi slopes); the rest (positions, lengths, segment ids, mask_mod,
-    # BlockMask) is closed over.
+    # (traced out of it) and the position bias's (below); the rest (positions, lengths, segment ids,
+    # mask_mod, BlockMask) is closed over.
     score = mods.element_function("score_mod", call.score_mod, accumulation_dtype(query.dtype))
     consts = () if score is None else tuple(jnp.asarray(c) for c in score.consts)
     T, S = query.shape[-3], key.shape[-3]
     offsets = None if call.position_bias is None else call.position_bias.offset_range(T, S, True)
-    bias_rows = None if offsets is None else call.position_bias.rows(*offsets)
+    # What the kernel reads of a position bias: its rows, an input the kernel does not differentiate (the
+    # gradient is the engine's, through the scheme's own formula)
+    bias_rows = None if offsets is None else lax.stop_gradient(call.position_bias.rows(*offsets))
     blocks = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else (LANES, LANES)
 
     # The call's index arrays and BlockMask are inputs too (with zero cotangents): a custom VJP that closed
     # over them would capture the tracers of an enclosing trace (jit of grad of an eager-compiled call).
     indices = {name: getattr(call, name) for name in (*INDEX_ARRAYS, "block_mask") if getattr(call, name) is not None}
 
-    def with_inputs(sinks, consts, indices, bias_rows):  # the call, its array parts the custom VJP's inputs
+    def with_inputs(sinks, consts, indices):  # the call, its array parts replaced by the custom VJP's inputs
         inner = call.replace(sinks=sinks, **indices)
-        if bias_rows is not None:
-            inner = inner.replace(position_bias=of_rows(bias_rows, *offsets))
         if score is None:
             return inner
         return inner.replace(score_mod=lambda x, b, n, t, s: score.fn(x, b, n, t, s, *consts))
 
+    def engine(query, key, value, sinks, consts, indices):  # the XLA blockwise engine on the call
+        if bias_rows is not None and bias_rows.ndim > 2:  # a bias per batch entry (ALiBi's per-example slopes):
+            # the engine takes one from positions with a batch axis (the default positions, written out)
+            batch = query.shape[:-3]
+            indices = dict(
+                indices,
+                query_positions=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (*batch, T)),
+                key_positions=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (*batch, S)),
+            )
+        return blockwise.tiled(with_inputs(sinks, consts, indices), query, key, value)
+
+    # A position bias closes over its table or slopes: closure conversion of the engine's attention turns
+    # them into explicit inputs, differentiated by the engine's backward with the scheme's own formula (its
+    # memory as the engine's: a gather from the rows, T + S of them for ALiBi, took a TPU far more).
+    engine_consts = ()
+    if call.position_bias is not None:
+        engine, engine_consts = jax.closure_convert(engine, query, key, value, call.sinks, consts, indices)
+
     @jax.custom_vjp
-    def run(query, key, value, sinks, consts, bias_rows, indices):
-        inner = with_inputs(sinks, consts, indices, bias_rows)
+    def run(query, key, value, sinks, consts, engine_consts, bias_rows, indices):
+        inner = with_inputs(sinks, consts, indices)
+        if bias_rows is not None:
+            inner = inner.replace(position_bias=of_rows(bias_rows, *offsets))  # the same bias, from its rows
         p = flash_gpu.prepare(
             inner, query, key, value, interpret, blocks=blocks, head_multiple=None if interpret else LANES
         )
@@ -309,25 +328,17 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
         return run(*args), args
 
     def run_bwd(args, cotangent):  # the XLA blockwise engine's backward (it recomputes its own forward)
-        *differentiable, indices = args
-        backward_indices = dict(indices)
-        if bias_rows is not None and bias_rows.ndim > 2:  # rows per batch entry (ALiBi's per-example slopes):
-            # the engine takes a bias with a batch axis from positions with one (the default positions, written out)
-            batch = query.shape[:-3]
-            backward_indices["query_positions"] = jnp.broadcast_to(
-                jnp.arange(T, dtype=jnp.int32) + (S - T), (*batch, T)
-            )
-            backward_indices["key_positions"] = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (*batch, S))
+        *differentiable, bias_rows, indices = args
         grads = jax.vjp(
-            lambda query, key, value, sinks, consts, bias_rows: blockwise.tiled(
-                with_inputs(sinks, consts, backward_indices, bias_rows), query, key, value
+            lambda query, key, value, sinks, consts, engine_consts: engine(
+                query, key, value, sinks, consts, indices, *engine_consts
             ),
             *differentiable,
         )[1](cotangent)
-        return (*grads, jax.tree.map(_zero_cotangent, indices))
+        return (*grads, jax.tree.map(_zero_cotangent, bias_rows), jax.tree.map(_zero_cotangent, indices))
 
     run.defvjp(run_fwd, run_bwd)
-    return run(query, key, value, call.sinks, consts, bias_rows, indices)
+    return run(query, key, value, call.sinks, consts, tuple(engine_consts), bias_rows, indices)
 
 
 def _zero_cotangent(x):
