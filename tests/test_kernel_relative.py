@@ -254,7 +254,7 @@ def test_kernel_matches_the_float64_loop(name):
 @pytest.mark.parametrize("name", [n for n in CASES if n != "t5 positions"])  # refused: no contiguous offsets
 def test_tpu_kernel_matches_the_float64_loop(name):
     """flex_tpu's forward (each tile's bias a Toeplitz matrix of the rows, toeplitz_tile) and its gradient,
-    the XLA blockwise backward with the rows as a differentiable input (through them the table / slopes)."""
+    the XLA blockwise backward, into the table / slopes too (closure-converted out of the hook)."""
     _check(name, implementation="pallas_tpu")
 
 

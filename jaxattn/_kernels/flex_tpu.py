@@ -1,6 +1,6 @@
 """Our Pallas TPU kernel for what splash attention cannot express: score_mod, mask_mod and a BlockMask
-(flex_attention), with every other option of the Pallas GPU kernel beside them. Forward only; a gradient
-runs the XLA blockwise engine's backward.
+(flex_attention), and T5's / ALiBi's position bias (an OffsetBias), with every other option of the Pallas GPU
+kernel beside them. Forward only; a gradient runs the XLA blockwise engine's backward.
 
 The kernel body is the Pallas GPU kernel's forward (tile_body.forward_kernel: one (b, n, query tile), a
 loop over the key tiles its schedule lists, score_mod / mask_mod / softcap / the mask rule per tile, sinks,
@@ -259,8 +259,8 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool):
 
 def attention(call: AttentionCall, query, key, value, interpret=False):
     """The AttentionCall's attention computed forward by the Pallas TPU kernel (module docstring); its
-    gradient (q, k, v, sinks, a score_mod's closed-over arrays, a position bias's rows and through them its
-    table or slopes) is the blockwise engine's. ValueError naming the option it cannot express (unsupported)."""
+    gradient (q, k, v, sinks, a score_mod's closed-over arrays, a position bias's table or slopes) is the
+    blockwise engine's. ValueError naming the option it cannot express (unsupported)."""
     problem = unsupported(call, query, key, value, interpret)
     if problem is not None:
         checks.fail(
