@@ -58,9 +58,9 @@ def _check_slopes(slopes):
 def alibi_position_bias(slopes, *, bidirectional: bool = False):
     """ALiBi as a position function: (query_pos [...,T], key_pos [...,S]) -> [...,N,T,S].
 
-    The function is an OffsetBias (a function of j - i alone), which the Pallas GPU kernel computes inside
-    its tiles (with the core's default positions: the bias grows without bound, so other positions have no
-    static range of offsets)."""
+    The function is an OffsetBias (a function of j - i alone), which the Pallas GPU kernel and the TPU flex
+    kernel's forward compute inside their tiles (with the core's default positions: the bias grows without
+    bound, so other positions have no static range of offsets)."""
     slopes = _check_slopes(slopes)
 
     def of_offset(relative_position):  # [...,T,S] -> [...,N,T,S]

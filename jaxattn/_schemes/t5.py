@@ -81,7 +81,8 @@ def t5_position_bias(table, *, bidirectional: bool = True, max_distance: int = 1
     """The T5 bias as a position function: (query_pos [...,T], key_pos [...,S]) -> [...,N,T,S].
 
     table: [R,N] (HF's `relative_attention_bias.weight`), R = num_buckets. The function is an OffsetBias (a
-    function of j - i alone), which the Pallas GPU kernel computes inside its tiles.
+    function of j - i alone), which the Pallas GPU kernel computes inside its tiles, and the TPU flex kernel's
+    forward with the core's default positions.
     """
     table = _check_table(table)
     _, _, max_distance = _check_buckets(table.shape[0], max_distance, bidirectional)
