@@ -86,7 +86,7 @@ class Case:
     flex: "score_mod" (an ALiBi-like distance penalty), "mask_mod" (causal sliding window of 256),
     "block_mask" (that mask_mod as a create_block_mask BlockMask, 128-wide tiles, with the score_mod).
     scheme: "t5" (t5_attention, causal buckets: a [32,N] float32 table, differentiated) or "alibi"
-    (alibi_attention: [N] float32 slopes, differentiated), the position bias the GPU kernel computes per tile.
+    (alibi_attention: [N] float32 slopes, differentiated), the position bias the kernels compute per tile.
     """
 
     name: str
@@ -178,6 +178,7 @@ CASES = [
         kernel="auto",
         scheme="t5",
         options=CAUSAL,
+        platforms=("gpu",),  # on a TPU None takes the flex kernel as "t5 causal" does (tests/test_kernel_lowering.py)
         programs=FWD_BWD,
         memory=FWD_BWD,
     ),
