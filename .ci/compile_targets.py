@@ -574,6 +574,37 @@ def verdict(rows, checks) -> list[str]:
     return problems
 
 
+SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "f32"}
+
+
+def markdown_table(report) -> str:
+    """docs/kernels.md's table of a report: a row per (case, program), a column per target, each cell lower +
+    compile seconds and temp bytes (and the temp bytes at twice T and S where the memory is checked)."""
+    targets = list(report["targets"])
+    cells, shapes = {}, {}
+    for row in report["rows"]:
+        key = (row["case"], row["program"])
+        if row["scale"] == 1:
+            H = row["H"] if row["H"] == row["Hv"] else f"{row['H']}/{row['Hv']}"
+            dtype = SHORT_DTYPES.get(row["dtype"], row["dtype"])
+            shapes.setdefault(key, f"[{row['B']},{row['T']},{row['N']}/{row['K']},{H}] S={row['S']} {dtype}")
+            if row["status"] == "ok":
+                seconds = round(row["lower_s"] + row["compile_s"])
+                cells[key, row["target"]] = f"{seconds} s, {row['temp_bytes'] / 2**20:.2f} MiB"
+            else:
+                cells[key, row["target"]] = "known failure" if row["known_failure"] else "FAILED"
+        elif row["status"] == "ok":
+            cells[key, row["target"]] += f"; 2x: {row['temp_bytes'] / 2**20:.2f} MiB"
+    lines = [
+        "| case | program | [B,T,N/K,H] S dtype | " + " | ".join(t.upper() for t in targets) + " |",
+        "| --- | --- | --- | " + " | ".join("---" for _ in targets) + " |",
+    ]
+    for key, shape in shapes.items():
+        row = " | ".join(cells.get((key, t), "") for t in targets)
+        lines.append(f"| {key[0]} | {key[1]} | {shape} | {row} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated: " + ", ".join(TARGETS))
@@ -582,7 +613,11 @@ def main(argv=None):
     parser.add_argument("--full", action="store_true", help="the whole grid (default: the CI grid)")
     parser.add_argument("--json", default=str(RESULTS))
     parser.add_argument("--part", action="store_true", help=argparse.SUPPRESS)  # a --jobs worker
+    parser.add_argument("--table", action="store_true", help="print --json's docs/kernels.md table; compile nothing")
     args = parser.parse_args(argv)
+    if args.table:
+        print(markdown_table(json.loads(Path(args.json).read_text())))
+        return 0
     targets = [t for t in args.targets.split(",") if t]
     for target in targets:
         if target not in TARGETS:
