@@ -234,7 +234,7 @@ def test_what_the_kernels_refuse():
     assert decode_gpu.decode_unsupported(call, x, x, x, True) == "row_tables"
     assert flex_tpu.unsupported(call, x, x, x, True) == "row_tables"
     wide = RowTables(table, None, jnp.zeros(5, jnp.int32), -2, 2, 2 * offset_tables.MAX_COLUMNS)
-    assert flash_gpu.unsupported(AttentionCall(row_tables=wide), x, x, x).startswith("row_tables")
+    assert flash_gpu.unsupported(AttentionCall(row_tables=wide), x, x, x).startswith("position_keys / position_queries")
 
 
 # ---------------------------------------------------------------------------------------------------------

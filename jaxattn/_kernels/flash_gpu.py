@@ -192,7 +192,10 @@ def row_tables_refusal(call: AttentionCall) -> Optional[str]:
     if call.has_tables:
         return "key_table / value_table (beside row_tables)"
     if offset_tables.padded_columns(tables.rows) > offset_tables.MAX_COLUMNS:
-        return f"row_tables ({tables.rows} table rows > {offset_tables.MAX_COLUMNS}: the XLA engines)"
+        return (
+            f"position_keys / position_queries ({tables.rows} table rows > {offset_tables.MAX_COLUMNS}: the XLA "
+            "engines)"
+        )
     return None
 
 
