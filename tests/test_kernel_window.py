@@ -231,7 +231,8 @@ def _lowered(fn, *args):
 
 @pytest.mark.parametrize(
     "program, implementation, shifted",
-    [("forward", None, True), ("forward+backward", None, True)]
+    [("forward+backward", None, True)]  # the forward is in it; the rest repeat it (slow group)
+    + [pytest.param("forward", None, True, marks=pytest.mark.slow)]
     + [pytest.param("forward+backward", "pallas_gpu", s, marks=pytest.mark.slow) for s in (False, True)],
 )
 def test_lowered_for_cuda_is_the_kernel(program, implementation, shifted):

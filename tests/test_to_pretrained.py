@@ -306,9 +306,7 @@ def test_bf16_is_kept_and_dtype_casts_explicitly(checkpoints, tmp_path):
         pytest.param(
             v,
             d,
-            marks=()
-            if (v, d) in (("gpt2", "float64"), ("qwen2", "float32"), ("deberta-v2", "float64"))
-            else pytest.mark.slow,
+            marks=() if (v, d) in (("gpt2", "float64"), ("qwen2", "float32")) else pytest.mark.slow,
         )
         for v in VARIANTS
         for d in ("float64", "float32")

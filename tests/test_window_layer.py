@@ -81,6 +81,7 @@ def test_function_equals_swin_layer_attention(shift):
     assert normwise(g_params["query"]["kernel"], q_kernel) <= 1e-12
 
 
+@pytest.mark.slow  # the shells repeat the function's checks above; ~2.5 s
 def test_linen_and_nnx_shells_equal_the_function():
     x = jnp.asarray(np.random.default_rng(3).normal(size=(B, HEIGHT, WIDTH, E)))
     params = init_window_attention(jax.random.key(0), E, N, WS)
