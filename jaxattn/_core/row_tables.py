@@ -10,13 +10,16 @@ buckets' saturation) or no pair reaches (the default positions' range). A kernel
 integer gather (no bucket formula inside it), computes q . key_rows^T per query row and k . query_rows^T per
 key row outside its tiles, and picks both at each pair's row (the Pallas GPU kernel: flash_gpu, offset_tables).
 
-The XLA engines never receive a call with one: the scheme computes the same terms its own way there.
+The XLA engines never receive a call with one: the scheme computes the same terms there from the same two
+products, per_row_logits and per_key_logits (below: their one home, for the schemes and the kernels alike).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
+
+import jax.numpy as jnp
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: holds arrays; hashed by identity like a closure
@@ -37,3 +40,26 @@ class RowTables:
     @property
     def has_query_rows(self) -> bool:
         return self.query_rows is not None
+
+
+def per_row_logits(q, table, precision, acc_dtype):
+    """q [...,T,N,H] . table [R,(N,)H] -> [...,N,T,R]: every query row against every table row (Shaw's and
+    Transformer-XL's key term, DeBERTa's c2p)."""
+    spec = "...tnh,rnh->...ntr" if table.ndim == 3 else "...tnh,rh->...ntr"
+    return jnp.einsum(spec, q, table, precision=precision, preferred_element_type=acc_dtype)
+
+
+def per_key_logits(key, table, N, precision, acc_dtype):
+    """k [...,S,K,H] . table [R,(N,)H] -> [...,N,S,R]: every key row against every table row, query head n
+    reading key head n // (N // K) (DeBERTa's p2c)."""
+    *_, S, K, H = key.shape
+    G = N // K
+    if table.ndim == 2:
+        per_head = jnp.einsum("...skh,rh->...ksr", key, table, precision=precision, preferred_element_type=acc_dtype)
+        per_head = jnp.broadcast_to(per_head[..., :, None, :, :], (*per_head.shape[:-3], K, G, S, table.shape[0]))
+    else:
+        grouped = table.reshape(table.shape[0], K, G, H)
+        per_head = jnp.einsum(
+            "...skh,rkgh->...kgsr", key, grouped, precision=precision, preferred_element_type=acc_dtype
+        )
+    return per_head.reshape(*per_head.shape[:-4], N, S, table.shape[0])

@@ -38,6 +38,7 @@ from typing import NamedTuple, Optional
 import jax.numpy as jnp
 
 from .._core.dtypes import accumulation_dtype
+from .._core.row_tables import per_key_logits, per_row_logits
 from .tile_body import ROW_CHUNK
 
 # The widest band of table rows (Dp) the kernel takes: QA, P and their gradients are [B,N,Tp,Dp] float32,
@@ -96,8 +97,7 @@ def row_bias(query, key_rows, batch: tuple, Tp: int, D: int, Dp: int, precision)
     (zero padding past T and D). query [...,T,N,H], key_rows [D,(N,)H] (a band's rows, or DeBERTa's whole
     position-key table)."""
     acc_dtype = accumulation_dtype(query.dtype)
-    spec = "...tnh,dnh->...ntd" if key_rows.ndim == 3 else "...tnh,dh->...ntd"
-    qa = jnp.einsum(spec, query, key_rows.astype(acc_dtype), precision=precision, preferred_element_type=acc_dtype)
+    qa = per_row_logits(query, key_rows.astype(acc_dtype), precision, acc_dtype)
     T, N = query.shape[-3], query.shape[-2]
     qa = jnp.broadcast_to(qa, (*batch, N, T, D)).reshape(-1, N, T, D)
     return jnp.pad(qa, [(0, 0), (0, 0), (0, Tp - T), (0, Dp - D)])
@@ -108,21 +108,8 @@ def key_row_bias(key, query_rows, N: int, batch: tuple, Sp: int, Dp: int, precis
     key head n // (N // K)) and table row c (zero padding past S and the rows). key [...,S,K,H], query_rows
     [R,(N,)H] (DeBERTa's position-query table, row_tables.RowTables)."""
     acc_dtype = accumulation_dtype(key.dtype)
-    S, K, H = key.shape[-3:]
-    G, R = N // K, query_rows.shape[0]
-    table = query_rows.astype(acc_dtype)
-    if table.ndim == 3:  # query head n = kh * G + g reads key head kh
-        kb = jnp.einsum(
-            "...skh,rkgh->...kgsr",
-            key,
-            table.reshape(R, K, G, H),
-            precision=precision,
-            preferred_element_type=acc_dtype,
-        )
-    else:
-        kb = jnp.einsum("...skh,rh->...ksr", key, table, precision=precision, preferred_element_type=acc_dtype)
-        kb = jnp.broadcast_to(kb[..., :, None, :, :], (*kb.shape[:-3], K, G, S, R))
-    kb = kb.reshape(*kb.shape[:-4], N, S, R)
+    S, R = key.shape[-3], query_rows.shape[0]
+    kb = per_key_logits(key, query_rows.astype(acc_dtype), N, precision, acc_dtype)
     kb = jnp.broadcast_to(kb, (*batch, N, S, R)).reshape(-1, N, S, R)
     return jnp.pad(kb, [(0, 0), (0, 0), (0, Sp - S), (0, Dp - R)])
 

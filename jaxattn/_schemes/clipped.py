@@ -23,6 +23,7 @@ from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
 from .._core.eager import compiled_when_eager
 from .._core.positions import clipped_index, positions
+from .._core.row_tables import per_row_logits
 from .._engines import blockwise
 from .._engines.dense import attention_core
 
@@ -79,12 +80,6 @@ def sum_into_buckets(weights, index, R):
     row_ids = jnp.arange(rows.shape[0])[:, None]
     sums = jnp.zeros((rows.shape[0], R), weights.dtype).at[row_ids, index.reshape(rows.shape)].add(rows)
     return sums.reshape(*lead, T, R)
-
-
-def per_row_logits(q, table, precision, acc_dtype):
-    """q [...,T,N,H] . table [R,(N,)H] -> [...,N,T,R]."""
-    spec = "...tnh,rnh->...ntr" if table.ndim == 3 else "...tnh,rh->...ntr"
-    return jnp.einsum(spec, q, table, precision=precision, preferred_element_type=acc_dtype)
 
 
 def table_terms(query, dims, key_table, value_table, index, R, precision, layout):

@@ -42,10 +42,10 @@ from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
 from .._core.eager import compiled_when_eager
 from .._core.positions import offsets, positions
-from .._core.row_tables import RowTables
+from .._core.row_tables import RowTables, per_key_logits, per_row_logits
 from .._engines import blockwise
 from .._engines.dense import attention_core
-from .clipped import gather_buckets, per_row_logits
+from .clipped import gather_buckets
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float, Int
@@ -214,21 +214,6 @@ def _kernel_tables(call, dims, tables, position_buckets, max_relative_positions,
     return RowTables(tables.get("position_keys"), tables.get("position_queries"), rows, lo, hi, 2 * span)
 
 
-def _per_key_logits(key, table, N, precision, acc_dtype):
-    """k [...,S,K,H] . table [R,(N,)H] -> [...,N,S,R]: query head n reads key head n // (N // K)."""
-    *_, S, K, H = key.shape
-    G = N // K
-    if table.ndim == 2:
-        per_head = jnp.einsum("...skh,rh->...ksr", key, table, precision=precision, preferred_element_type=acc_dtype)
-        per_head = jnp.broadcast_to(per_head[..., :, None, :, :], (*per_head.shape[:-3], K, G, S, table.shape[0]))
-    else:
-        grouped = table.reshape(table.shape[0], K, G, H)
-        per_head = jnp.einsum(
-            "...skh,rkgh->...kgsr", key, grouped, precision=precision, preferred_element_type=acc_dtype
-        )
-    return per_head.reshape(*per_head.shape[:-4], N, S, table.shape[0])
-
-
 def _blockwise(call, query, key, value, tables, dims, position_buckets, max_relative_positions, span, max_step):
     """The blockwise engine with both terms as a score_mod: the per-row scores scale * q . Kr [B,N,T,R] and
     scale * k . Qr [B,N,S,R] (O((T + S) R), never [T,S]) read at each tile's pairs; their gradients flow back
@@ -251,7 +236,7 @@ def _blockwise(call, query, key, value, tables, dims, position_buckets, max_rela
     if "position_keys" in tables:
         per_query = flat(per_row_logits(query, tables["position_keys"], precision, acc_dtype) * scale)
     if "position_queries" in tables:
-        per_key = flat(_per_key_logits(key, tables["position_queries"], dims.N, precision, acc_dtype) * scale)
+        per_key = flat(per_key_logits(key, tables["position_queries"], dims.N, precision, acc_dtype) * scale)
     user_mod, offset = call.score_mod, dims.S - dims.T
 
     def score_mod(score, b, n, t, s):
@@ -376,7 +361,7 @@ def _xla_engines(
         if "position_keys" in tables:
             total = total + gather_buckets(per_row_logits(q, tables["position_keys"], precision, acc_dtype), rows)
         if "position_queries" in tables:
-            per_key = _per_key_logits(key, tables["position_queries"], dims.N, precision, acc_dtype)
+            per_key = per_key_logits(key, tables["position_queries"], dims.N, precision, acc_dtype)
             total = total + jnp.swapaxes(gather_buckets(per_key, jnp.swapaxes(rows, -1, -2)), -1, -2)
         return total
 

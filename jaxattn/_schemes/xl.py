@@ -31,9 +31,10 @@ from .._core import checks
 from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
 from .._core.eager import compiled_when_eager
+from .._core.row_tables import per_row_logits
 from .._engines import blockwise
 from .._engines.dense import attention_core
-from .clipped import gather_buckets, head_index, per_row_logits, symmetric_table
+from .clipped import gather_buckets, head_index, symmetric_table
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import Array, ArrayLike, Float
