@@ -287,6 +287,20 @@ def test_a_2x4_mesh_gives_the_one_device_loss_and_gradients(tmp_path):
     assert line.split()[1:] == ["P(None,", "'model')", "8", "P('data',)"], line
 
 
+@pytest.mark.slow
+def test_absolute_position_embeddings_float64_and_their_gradient(tmp_path):
+    """use_absolute_embeddings: the learned [1,P,E0] table (random, not HF's zero init) added after the norm:
+    logits, hidden states and every gradient (the table's included) as HF's; another image size is refused."""
+    directory = hf.write_checkpoint("swin", tmp_path, seed=5, use_absolute_embeddings=True)
+    model, params = from_pretrained(directory, dtype="float64")
+    table = params["swin"]["position_embeddings"]
+    assert table.shape == (1, 7 * 5, 15) and np.linalg.norm(table) > 1.0  # the 7x5 grid's patches, width 15
+    errors = _compare_classifier(directory)
+    assert "grad swin/position_embeddings" in errors and max(errors.values()) <= TOL, errors
+    with pytest.raises(ValueError, match=r"pixel_values: expected 28x20 pixels \(config image_size.*got 32x20"):
+        model.apply({"params": params}, np.zeros((1, 5, 32, 20)))
+
+
 # --- refusals -------------------------------------------------------------------------------------------------
 
 
@@ -308,7 +322,7 @@ def test_bad_pixel_values_name_both_sizes(checkpoint):
 @pytest.mark.parametrize(
     "change, match",
     [
-        ({"use_absolute_embeddings": True}, "use_absolute_embeddings: expected false"),
+        ({"use_absolute_embeddings": "yes"}, "use_absolute_embeddings: expected true or false"),
         ({"hidden_act": "relu"}, "hidden_act: expected 'gelu'"),
         ({"qkv_bias": False}, "qkv_bias: expected true"),
         ({"num_heads": [3]}, r"num_heads: expected one entry per stage \(2, as depths\)"),

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Optional
 
@@ -87,6 +88,9 @@ class SwinConfig:
     hidden_dropout_prob: float = 0.0
     attention_probs_dropout_prob: float = 0.0
     drop_path_rate: float = 0.1  # stochastic depth of the attention branch in training (HF's); none at inference
+    # a learned [1,P,E0] position embedding added to the patch embeddings (P: image_size's patches); images of
+    # that size only (HF's interpolate_pos_encoding is not ported)
+    use_absolute_embeddings: bool = False
     # every attention call's implementation= (jaxattn.window_attention; None: per platform); not in config.json
     implementation: str | None = dataclasses.field(default=None, compare=False)
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # the config.json dict read
@@ -97,8 +101,8 @@ class SwinConfig:
         refuse = functools.partial(_pretrained.refuse, source)
         if config.get("hidden_act", "gelu") != "gelu":
             refuse("hidden_act", "'gelu' (exact erf GELU)", config["hidden_act"])
-        if config.get("use_absolute_embeddings", False):
-            refuse("use_absolute_embeddings", "false (absolute position embeddings are not implemented)", True)
+        if not isinstance(config.get("use_absolute_embeddings", False), bool):
+            refuse("use_absolute_embeddings", "true or false", config["use_absolute_embeddings"])
         if config.get("qkv_bias", True) is not True:
             refuse("qkv_bias", "true (q/k/v biases, as every released Swin)", config["qkv_bias"])
         ratio = config.get("mlp_ratio", cls.mlp_ratio)
@@ -147,7 +151,6 @@ class SwinConfig:
             "model_type": "swin",
             "architectures": ["SwinForImageClassification"],  # a SwinModel's writer says ["SwinModel"]
             "hidden_act": "gelu",
-            "use_absolute_embeddings": False,
             "qkv_bias": True,
             "num_layers": len(self.depths),
             "hidden_size": self.width(len(self.depths) - 1),
@@ -163,11 +166,16 @@ class SwinConfig:
     def mlp_width(self, stage: int) -> int:
         return int(self.mlp_ratio * self.width(stage))  # HF's int(config.mlp_ratio * dim)
 
+    def patch_grid(self) -> tuple[int, int]:
+        """(Y, X): the patches of an image_size image (HF's grid_size; the absolute embeddings' P = Y * X)."""
+        return tuple(i // p for i, p in zip(_pair(self.image_size), _pair(self.patch_size)))  # type: ignore[return-value]
+
     def dims(self) -> dict[str, int]:
         """The axis letters of the weight table."""
         Pa, Pb = _pair(self.patch_size)
         dims = {"C": self.num_channels, "Pa": Pa, "Pb": Pb, "R": (2 * self.window_size - 1) ** 2}
         dims["L"] = self.num_labels
+        dims["P"] = math.prod(self.patch_grid())
         for s, N in enumerate(self.num_heads):
             E = self.width(s)
             dims.update({f"E{s}": E, f"N{s}": N, f"H{s}": E // N, f"F{s}": self.mlp_width(s)})
@@ -331,8 +339,22 @@ class SwinModel(nn.Module):
         )
         x = _norms.layer_norm(TORCH_LAYER_NORM_EPS, self.dtype, self.param_dtype, "embeddings_norm")(x)
         grid = (height // Pa, width // Pb)
+        x = x.reshape(B, grid[0] * grid[1], E)
+        if c.use_absolute_embeddings:
+            if grid != c.patch_grid():
+                Y, X = c.patch_grid()
+                checks.fail(
+                    "pixel_values",
+                    f"{Y * Pa}x{X * Pb} pixels (config image_size: the absolute position embeddings cover {Y}x{X} "
+                    "patches; interpolating them is not implemented)",
+                    f"{height}x{width}",
+                )
+            position = self.param(
+                "position_embeddings", nn.initializers.zeros, (1, grid[0] * grid[1], E), self.param_dtype
+            )
+            x = x + position.astype(x.dtype)  # HF's SwinEmbeddings: after the norm, before dropout
         x = nn.Dropout(c.hidden_dropout_prob)(x, deterministic=deterministic)
-        return x.reshape(B, grid[0] * grid[1], E), grid
+        return x, grid
 
     def _merge(self, x, grid, s: int):
         """SwinPatchMerging of stage s: ([B,Y'*X',2E], (Y', X')), Y' = ceil(Y / 2)."""
@@ -427,6 +449,8 @@ def weight_table(config: SwinConfig, *, classifier: bool = False, module_names: 
         R("embeddings.norm.weight", ("E0",), "embeddings_norm/scale", ("E0",)),
         R("embeddings.norm.bias", ("E0",), "embeddings_norm/bias", ("E0",)),
     ]  # fmt: skip
+    if config.use_absolute_embeddings:
+        rows.append(R("embeddings.position_embeddings", ("1", "P", "E0"), "position_embeddings", ("1", "P", "E0")))
     for s, depth in enumerate(config.depths):
         rows += weights.expand(_block_rows(s, module_names), depth)
         if s < stages - 1:
@@ -497,7 +521,8 @@ def init_params(config: SwinConfig, rng=None, *, classifier: bool = False, **mod
     rng = jax.random.key(0) if rng is None else rng
     Pa, Pb = _pair(config.patch_size)
     grid = 2 ** (len(config.depths) - 1) * config.window_size  # every stage at least one window
-    pixels = jnp.zeros((1, config.num_channels, grid * Pa, grid * Pb), jnp.float32)
+    Y, X = config.patch_grid() if config.use_absolute_embeddings else (grid, grid)  # the embeddings' own size
+    pixels = jnp.zeros((1, config.num_channels, Y * Pa, X * Pb), jnp.float32)
     model = (SwinForImageClassification if classifier else SwinModel)(config, **model_options)
     return model.init(rng, pixels)["params"]
 
