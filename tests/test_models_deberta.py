@@ -91,6 +91,12 @@ def test_the_names_select_the_head_and_legacy_heads_are_refused():
         assert {k: v.shape for k, v in _flat(fresh).items()} == {k: v.shape for k, v in _flat(params).items()}
     with pytest.raises(ValueError, match=r"^config: legacy: expected false \(the checkpoint holds lm_predictions"):
         from_state_dict({**V3, "legacy": True}, _tensors(V3, "masked_lm"))
+    # DeBERTa-v3's released files: the masked LM head and the replaced-token-detection head, skipped as HF does
+    released = {**_tensors(V3, "masked_lm"), "mask_predictions.classifier.weight": np.ones((1, 15), np.float32)}
+    model, kept = from_state_dict(V3, released)
+    assert type(model) is DebertaV2ForMaskedLM and not any("mask_predictions" in k for k in _flat(kept))
+    with pytest.raises(ValueError, match=r'legacy: expected false .*add "legacy": false'):
+        from_state_dict({k: v for k, v in V3.items() if k != "legacy"}, released)
     legacy = {**_tensors(V3, "model"), "cls.predictions.bias": np.zeros(37, np.float32)}
     with pytest.raises(ValueError, match=r"^config: legacy: expected false \(the lm_predictions head; the legacy"):
         from_state_dict(V3, legacy)

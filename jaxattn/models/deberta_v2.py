@@ -485,6 +485,10 @@ def _fill(tensors, files, config: DebertaV2Config, head: str, dtype) -> dict:
     if buffer in tensors and not np.array_equal(tensors[buffer], np.arange(config.max_position_embeddings)[None]):
         raise ValueError(f"{files[buffer]}: {buffer!r}: expected the default buffer arange(P), got other values")
     ignored = (buffer,)
+    if head == "masked_lm":  # DeBERTa-v3's released files also hold the replaced-token-detection head of its
+        # ELECTRA-style pretraining, which transformers has no module for: HF's ForMaskedLM skips it
+        # (_keys_to_ignore_on_load_unexpected), and so does this port
+        ignored += tuple(name for name in tensors if name.startswith("mask_predictions."))
     if not config.position_biased_input:
         if unused in tensors and tuple(np.shape(tensors[unused])) != (
             config.max_position_embeddings,
@@ -529,7 +533,11 @@ def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
         )
     if head == "masked_lm" and deberta_config.legacy:
         _pretrained.refuse(
-            source, "legacy", "false (the checkpoint holds lm_predictions, which HF reads only then)", True
+            source,
+            "legacy",
+            "false (the checkpoint holds lm_predictions, which HF reads only then; DeBERTa-v3's released "
+            'config.json predates the key and transformers defaults it to true: add "legacy": false)',
+            True,
         )
     params = _fill(tensors, files, deberta_config, head, dtype)
     return HEADS[head](deberta_config, precision=precision), params
