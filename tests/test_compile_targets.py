@@ -48,3 +48,12 @@ def test_the_verdict_fails_ci_for_regressions_only():
     # temp bytes that grow faster than linearly
     check = dict(target="h100", case="causal", program="forward", temp_bytes=[1, 4], ratio=4.0, ok=False)
     assert "grew 4.0x" in ct.verdict([], [check])[0]
+
+
+def test_the_verdict_fails_a_forward_only_program_that_holds_an_lse():
+    (target, case, program), *_ = ct.WITHOUT_LSE
+    lse_bytes = 2 * 3 * 5 * 4  # [B,N,T] float32 at B = 2, N = 3, T = 5
+    below, one_lse = (dict(row(case, "ok", target=target, program=program), B=2, N=3, T=5) for _ in range(2))
+    below["temp_bytes"], one_lse["temp_bytes"] = lse_bytes - 1, lse_bytes
+    assert ct.verdict([below], []) == []
+    assert "writes lse" in ct.verdict([one_lse], [])[0]

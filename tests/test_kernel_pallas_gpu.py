@@ -188,6 +188,23 @@ def test_lowers_to_triton_for_cuda(name):
         assert "512x512" not in text  # no [T,S] array
 
 
+def test_forward_only_writes_no_lse():
+    # lse [B,N,T] float32 is the backward's residual: a forward-only call without return_lse writes none (the
+    # custom VJP's primal), a gradient or return_lse does (issue 36 §4)
+    q = jax.ShapeDtypeStruct((1, 512, 3, 64), jnp.bfloat16)
+    lse = "tensor<1x3x512xf32>"
+
+    def f(q, return_lse=False):
+        return pallas_gpu.attention(AttentionCall(is_causal=True, return_lse=return_lse), q, q, q)
+
+    def loss(q):
+        return jnp.sum(f(q).astype(jnp.float32))
+
+    assert lse not in _lowered(f, q)
+    assert lse in _lowered(lambda q: f(q, True)[1], q)
+    assert lse in _lowered(jax.grad(loss), q)
+
+
 def test_float32_wide_heads_take_half_size_tiles():
     # 64 x 64 float32 tiles at head dim 192 (padded to 256) overran an H100's shared memory in the backward
     # kernels (found compiling for an H100 target: .ci/compile_targets.py); bfloat16 keeps 64 x 64. The

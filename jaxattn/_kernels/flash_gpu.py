@@ -522,8 +522,8 @@ def _row_block(cfg, x):
 
 
 def _forward(cfg, q, k, v, side):
-    """(out [B,Tp,N,Hvp] in q's dtype, lse [B,N,Tp] in the compute dtype, row_sums [B,N,Tp,Dp] in the
-    compute dtype: Shaw's value term, or None)."""
+    """(out [B,Tp,N,Hvp] in q's dtype, lse [B,N,Tp] in the compute dtype (None without cfg.write_lse),
+    row_sums [B,N,Tp,Dp] in the compute dtype: Shaw's value term, or None)."""
     B, Tp, N, Hp = q.shape
     Hvp = v.shape[-1]
     inputs, specs = _row_inputs(cfg, side, Hp, Hvp)
@@ -536,26 +536,28 @@ def _forward(cfg, q, k, v, side):
             jax.ShapeDtypeStruct((B, Tp, N, Hvp), q.dtype),
             pl.BlockSpec((None, cfg.Tb, None, Hvp), lambda b, n, i: (b, i, n, 0)),
         ),
-        "lse": (
-            jax.ShapeDtypeStruct((B, N, Tp), acc_dtype),
-            pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i)),
-        ),
     }
+    if cfg.write_lse:
+        lse = jax.ShapeDtypeStruct((B, N, Tp), acc_dtype)
+        outputs["lse"] = (lse, pl.BlockSpec((None, None, cfg.Tb), lambda b, n, i: (b, n, i)))
     if value_term_in(cfg):
         sums = jax.ShapeDtypeStruct((B, N, Tp, cfg.tables.Dp), acc_dtype)
         outputs["row_sums"] = (sums, _row_block(cfg, sums))
-    out, lse, *row_sums = named_call(cfg, forward_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_forward")
-    return out, lse, (row_sums[0] if row_sums else None)
+    results = named_call(cfg, forward_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_forward")
+    results = dict(zip(outputs, results))
+    return results["out"], results.get("lse"), results.get("row_sums")
 
 
+# The primal runs when nothing differentiates the call: lse is written only when the caller asked for it
+# (cfg.write_lse). The fwd rule runs under a gradient, and the backward needs lse, asked for or not.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _flash(cfg, q, k, v, side):
     return _forward(cfg, q, k, v, side)
 
 
 def _flash_fwd(cfg, q, k, v, side):
-    out, lse, row_sums = _forward(cfg, q, k, v, side)
-    return (out, lse, row_sums), (q, k, v, side, out, lse, row_sums)
+    out, lse, row_sums = _forward(cfg._replace(write_lse=True), q, k, v, side)
+    return (out, lse if cfg.write_lse else None, row_sums), (q, k, v, side, out, lse, row_sums)
 
 
 def _flash_bwd(cfg, res, cotangents):
@@ -567,7 +569,9 @@ def _flash_bwd(cfg, res, cotangents):
     acc_dtype = accumulation_dtype(q.dtype)
     d_out = d_out.astype(q.dtype)
     # d loss / d x = p (dp - sum_s p dp) + p d_lse, and sum_s p dp = d_out . out: one delta per row
-    delta = jnp.einsum("btnv,btnv->bnt", d_out.astype(acc_dtype), out.astype(acc_dtype)) - d_lse.astype(acc_dtype)
+    delta = jnp.einsum("btnv,btnv->bnt", d_out.astype(acc_dtype), out.astype(acc_dtype))
+    if d_lse is not None:  # None: lse was not an output (cfg.write_lse)
+        delta = delta - d_lse.astype(acc_dtype)
     if row_sums is not None:  # Shaw's value term: out gains P A^V, so sum_s p dp gains sum_c P dP
         d_row_sums = d_row_sums.astype(acc_dtype)
         delta = delta + jnp.sum(row_sums * d_row_sums, axis=-1)
@@ -926,7 +930,7 @@ class Prepared(NamedTuple):
 def run(call: AttentionCall, query, key, value, interpret):
     """pallas_gpu.attention by the flash kernels (forward and backward): a call unsupported() accepts, T, S > 0."""
     p = prepare(call, query, key, value, interpret)
-    out, lse, row_sums = _flash(p.cfg, p.q, p.k, p.v, p.side)
+    out, lse, row_sums = _flash(p.cfg._replace(write_lse=bool(call.return_lse)), p.q, p.k, p.v, p.side)
     if row_sums is not None:  # Shaw's value term, P @ A^V, added to the kernel's sum_s p v
         band = tables_band(call, p.T, key.shape[-3])
         rows = offset_tables.value_term(row_sums, p.value_rows, p.T, band, p.cfg.precision)

@@ -62,6 +62,9 @@ class Config(NamedTuple):
     # WindowIndex; batched: one set of rows per batch entry); None: no position bias
     offset_bias: Any = None
     tables: Any = None  # Shaw tables: a Tables, or None
+    # the forward writes lse (r["lse"] [Tb]): the backward's residual, or the caller's return_lse. False: a
+    # forward-only call of the GPU flash kernel without return_lse, which then has no lse output at all
+    write_lse: bool = True
 
 
 class Tables(NamedTuple):
@@ -348,7 +351,8 @@ def forward_kernel(cfg: Config, r):
         scale_rows(r["row_sums"], rescale(m_keys, m) / jnp.where(l == 0, 1, l))
     (out,), lse = finalize_partial(state)
     r["out"][...] = out.astype(r["out"].dtype)
-    r["lse"][...] = lse
+    if cfg.write_lse:
+        r["lse"][...] = lse
 
 
 def pick(batched, b):
