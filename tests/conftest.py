@@ -41,11 +41,19 @@ def pytest_configure(config):
     the two xdist workers share what both compile (the same small eager programs recur across files),
     and a second run reads instead of compiling (about 2.5x faster warm; docs/performance.md, "The test
     suite"). The key hashes program, flags and versions, so a hit is the identical program.
-    `--cache-clear` or `-p no:cacheprovider` runs cold."""
+    `--cache-clear` or `-p no:cacheprovider` runs cold.
+
+    JAXATTN_TEST_XLA_CACHE=DIR puts the cache in DIR instead, kept across runs and checkouts (CI's slow group:
+    .ci/run), its least recently read programs evicted past 4 GiB."""
+    persistent = os.environ.get("JAXATTN_TEST_XLA_CACHE")
     cache = getattr(config, "cache", None)
-    if cache is None:
+    if persistent:
+        jax.config.update("jax_compilation_cache_dir", persistent)
+        jax.config.update("jax_compilation_cache_max_size", 4 * 2**30)
+    elif cache is not None:
+        jax.config.update("jax_compilation_cache_dir", str(cache.mkdir("xla")))
+    else:
         return
-    jax.config.update("jax_compilation_cache_dir", str(cache.mkdir("xla")))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
