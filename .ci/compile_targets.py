@@ -224,10 +224,11 @@ CASES = [
     ),
     # Swin's 2D relative bias in the GPU kernel (issue 35): 64 maps x 16 windows of 7x7 along the batch axis,
     # the [169,N] table read per tile at the window index, its gradient scattered back with atomic adds; the
-    # shifted windows' regions as segment ids. The TPU kernels refuse the bias (no Mosaic gather).
-    Case("swin", B=64 * 16, T=49, N=4, H=32, scheme="window", platforms=("gpu",)),
-    Case("swin shifted", B=64 * 16, T=49, N=8, H=32, scheme="window", arrays=("segments",), platforms=("gpu",)),
-    Case("None swin", B=64 * 16, T=49, N=4, H=32, kernel="auto", scheme="window", platforms=("gpu",)),
+    # shifted windows' regions as segment ids. In the TPU flex kernel's forward: the window's bias of every
+    # pair, [N,128,128] float32, gathered once outside and read per tile (no Mosaic gather); XLA's backward.
+    Case("swin", B=64 * 16, T=49, N=4, H=32, scheme="window"),
+    Case("swin shifted", B=64 * 16, T=49, N=8, H=32, scheme="window", arrays=("segments",)),
+    Case("None swin", B=64 * 16, T=49, N=4, H=32, kernel="auto", scheme="window"),
     Case(
         "decode",
         B=2,

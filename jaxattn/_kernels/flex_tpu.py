@@ -166,13 +166,21 @@ class _Row:
 
 
 class _Scalars:
-    """An SMEM array read at fixed leading indices: [...] the scalar there, [j] the next axis's entry j."""
+    """An array of `shape`, in SMEM flattened (row-major), read at fixed leading indices: [...] the scalar
+    there, [j] the next axis's entry j.
 
-    def __init__(self, ref, lead):
-        self.ref, self.lead = ref, tuple(lead)
+    Flattened because SMEM pads each last-axis row of a 2D or wider array to 128 words: a schedule [B,1,1,1]
+    of 1024 windows (Swin's shifted regions as segment ids) took 512 KiB of the 1 MiB, order and counts all
+    of it; flat, 4 KiB each."""
+
+    def __init__(self, ref, shape, lead):
+        strides = [int(np.prod(shape[a + 1 :], dtype=np.int64)) for a in range(len(shape))]
+        self.ref = ref
+        self.start = sum(index * stride for index, stride in zip(lead, strides))
+        self.step = strides[len(lead)] if len(lead) < len(shape) else 0
 
     def __getitem__(self, index):
-        return self.ref[self.lead] if index is Ellipsis else self.ref[(*self.lead, index)]
+        return self.ref[self.start] if index is Ellipsis else self.ref[self.start + index * self.step]
 
 
 def window(Tb: int, Sb: int) -> int:
@@ -242,6 +250,8 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None):
     if side.sinks is not None:
         scalars["sinks"] = side.sinks
     n_scalars = len(scalars)
+    scalar_shapes = {name: x.shape for name, x in scalars.items()}
+    scalars = {name: x.reshape(-1) for name, x in scalars.items()}  # flat in SMEM (_Scalars)
 
     def spec(shape, index):  # index(b, n, i) -> block indices; the scalar refs are not read by index maps
         return pl.BlockSpec(shape, lambda b, n, i, *_: index(b, n, i))
@@ -285,11 +295,9 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None):
         r = dict(zip(names, refs))
         b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         lead = (pick(bsched, b), pick(cfg.head_kinds, n), i)
-        r["order"], r["counts"] = _Scalars(r["order"], lead), _Scalars(r["counts"], lead)
-        if "lengths" in r:
-            r["lengths"] = _Scalars(r["lengths"], (pick(bl, b),))
-        if "sinks" in r:
-            r["sinks"] = _Scalars(r["sinks"], (b, n))
+        for name, at in (("order", lead), ("counts", lead), ("lengths", (pick(bl, b),)), ("sinks", (b, n))):
+            if name in r:
+                r[name] = _Scalars(r[name], scalar_shapes[name], at)
         for name in ("q_pos", "k_pos", "q_seg", "k_seg", "lse"):
             if name in r:
                 r[name] = _Row(r[name])
