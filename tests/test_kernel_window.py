@@ -169,13 +169,14 @@ def test_kernel_in_float64_is_exact():
 
 
 @pytest.mark.slow
-def test_under_vmap():
+@pytest.mark.parametrize("kernel", ["pallas_gpu", "pallas_tpu"])
+def test_under_vmap(kernel):
     """vmap over the maps (a batch axis the kernel does not see: the Pallas call's batching rule adds a grid
     axis), the table and the regions shared."""
     window, cls_token, options, (q, k, v, table), w = _setup("shifted 2x3")
 
     def one(impl):
-        extra = dict(interpret=True) if impl == "pallas_gpu" else {}
+        extra = dict(interpret=True) if impl == kernel else {}
 
         def loss(q, k, v, table):
             out = jax.vmap(
@@ -187,7 +188,9 @@ def test_under_vmap():
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, table)
 
-    (got, got_grads), (want, want_grads) = one("pallas_gpu"), one("dense")
+    with jax.enable_x64(False) if kernel == "pallas_tpu" else contextlib.nullcontext():
+        got, got_grads = one(kernel)
+    want, want_grads = one("dense")
     assert normwise(got, want) <= OUT_TOL
     for g, e in zip(got_grads, want_grads):
         assert normwise(g, e) <= GRAD_TOL
