@@ -13,13 +13,20 @@ rows / columns are read; 2x3 and BEiT's cls token), N = 5 query heads over K = 1
 unshifted. The default group runs one case forward and backward under jit (about 5 s cold on 2 busy cores: the
 interpreted kernels compile slowly); the other cases, vmap and float64 are slow.
 
+The Pallas TPU flex kernel's forward (flex_tpu: the window's bias of every pair gathered once outside the kernel,
+[N,Tp,Sp], and read per tile) with its XLA blockwise backward, against the same references at the same tolerances
+with jax_enable_x64 off for the kernel: one case in the default group (3x5, shifted: one interpreted tile, its
+padding rows and columns), the others slow, Swin's 7x7 and 3x7 (tiles that start inside a window) among them.
+
 Lowered for CUDA at a Swin-like shape (64 maps x 16 windows of 7x7, N = 4, H = 32, bf16; nothing is compiled):
 the kernel's Triton custom calls, no [B*nW, N, T, T] value (with implementation="pallas_gpu" no [..,T,T] value
-at all), forward and forward+backward, shifted and not.
+at all), forward and forward+backward, shifted and not. Lowered for TPU the same, implementation=None: Mosaic's
+custom call, and jaxattn.models' Swin under None.
 """
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import jax
@@ -45,8 +52,13 @@ CASES = {
     "shifted 2x3": ((2, 3), (6, 3), (1, 1), False),
     # BEiT: a cls token at position 0 with its three rows (no shift: BEiT has none)
     "beit 2x3": ((2, 3), (2, 9), None, True),
+    # Swin's window (49 tokens: four 16-wide interpreted tiles, the last with one token) and a 3x5 one
+    "shifted 7x7": ((7, 7), (7, 21), (3, 3), False),
+    "shifted 3x5": ((3, 5), (9, 5), (1, 2), False),
 }
 DEFAULT_CASE = "shifted 3x7"
+DEFAULT_TPU_CASE = "shifted 3x5"  # one 16-wide interpreted tile and its padding: half the 3x7 case's programs
+GPU_CASES = ("shifted 3x7", "unshifted 3x7", "shifted 2x3", "beit 2x3")
 
 
 def _setup(name, seed=7):
@@ -82,7 +94,7 @@ def _flat(x):
     return np.asarray(x).reshape(-1, *np.shape(x)[2:])
 
 
-def _check(name, dtype=np.float32, tolerances=(OUT_TOL, GRAD_TOL, GRAD_TOL)):
+def _check(name, dtype=np.float32, tolerances=(OUT_TOL, GRAD_TOL, GRAD_TOL), implementation="pallas_gpu"):
     window, cls_token, options, args, w = _setup(name)
     args = tuple(jnp.asarray(x, dtype) for x in args)
     q, k, v, table = args
@@ -90,16 +102,17 @@ def _check(name, dtype=np.float32, tolerances=(OUT_TOL, GRAD_TOL, GRAD_TOL)):
     nW, T = q.shape[1], q.shape[2]
 
     def kernel(*a):
-        return jaxattn.window_attention(
-            *a, window, cls_token=cls_token, implementation="pallas_gpu", interpret=True, precision="highest", **options
-        )
+        options_ = dict(options, implementation=implementation, interpret=True, precision="highest")
+        return jaxattn.window_attention(*a, window, cls_token=cls_token, **options_)
 
     def dense(*a):
         return jaxattn.window_attention(
             *a, window, cls_token=cls_token, implementation="dense", precision="highest", **options
         )
 
-    out, grads = _loss_and_grads(kernel, args, w)
+    # the Pallas TPU kernels index in int32: they run with jax_enable_x64 off (its float32 is all they take)
+    with jax.enable_x64(False) if implementation == "pallas_tpu" else contextlib.nullcontext():
+        out, grads = _loss_and_grads(kernel, args, w)
     assert out.dtype == dtype and out.shape == (B, nW, T, N, Hv)
 
     # the float64 loop: the bias of the loop's index, the regions as segment ids per (map, window)
@@ -133,9 +146,20 @@ def _check(name, dtype=np.float32, tolerances=(OUT_TOL, GRAD_TOL, GRAD_TOL)):
     return normwise(out, want), [normwise(g, r) for g, r in zip(grads, want_grads)]
 
 
-@pytest.mark.parametrize("name", [n if n == DEFAULT_CASE else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
+@pytest.mark.parametrize(
+    "name", [n if n == DEFAULT_CASE else pytest.param(n, marks=pytest.mark.slow) for n in GPU_CASES]
+)
 def test_kernel_matches_the_float64_loop(name):
     _check(name)
+
+
+@pytest.mark.parametrize(
+    "name", [n if n == DEFAULT_TPU_CASE else pytest.param(n, marks=pytest.mark.slow) for n in CASES]
+)
+def test_tpu_kernel_matches_the_float64_loop(name):
+    """flex_tpu's forward (the window's bias of every pair, pair_bias_of_grid, read per tile) and its gradient,
+    the XLA blockwise backward, into the table too (closure-converted out of the TableBias)."""
+    _check(name, implementation="pallas_tpu")
 
 
 @pytest.mark.slow
@@ -145,13 +169,14 @@ def test_kernel_in_float64_is_exact():
 
 
 @pytest.mark.slow
-def test_under_vmap():
+@pytest.mark.parametrize("kernel", ["pallas_gpu", "pallas_tpu"])
+def test_under_vmap(kernel):
     """vmap over the maps (a batch axis the kernel does not see: the Pallas call's batching rule adds a grid
     axis), the table and the regions shared."""
     window, cls_token, options, (q, k, v, table), w = _setup("shifted 2x3")
 
     def one(impl):
-        extra = dict(interpret=True) if impl == "pallas_gpu" else {}
+        extra = dict(interpret=True) if impl == kernel else {}
 
         def loss(q, k, v, table):
             out = jax.vmap(
@@ -163,7 +188,9 @@ def test_under_vmap():
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, table)
 
-    (got, got_grads), (want, want_grads) = one("pallas_gpu"), one("dense")
+    with jax.enable_x64(False) if kernel == "pallas_tpu" else contextlib.nullcontext():
+        got, got_grads = one(kernel)
+    want, want_grads = one("dense")
     assert normwise(got, want) <= OUT_TOL
     for g, e in zip(got_grads, want_grads):
         assert normwise(g, e) <= GRAD_TOL
@@ -189,8 +216,15 @@ def test_what_the_kernels_refuse():
     assert refusal(pallas_gpu, query_positions=jnp.arange(T)).startswith("query_positions")
     assert refusal(pallas_gpu, key_positions=jnp.arange(T)).startswith("key_positions")
     assert refusal(pallas_gpu, q=jnp.zeros((4, T + 1, 5, 3))).startswith("position_bias")
-    for interpret in (False, True):  # Mosaic has no gather from a ref: the TPU flex kernel refuses the bias
-        assert refusal(flex_tpu, interpret, score_mod=lambda x, b, n, t, s: x) == "position_bias"
+    # the TPU flex kernel reads the window's bias of every pair (with x64 off: it indexes in int32), and
+    # refuses what the GPU kernel refuses, by the same names
+    with jax.enable_x64(False):
+        for interpret in (False, True):
+            assert refusal(flex_tpu, interpret) is None
+            assert refusal(flex_tpu, interpret, query_segment_ids=segments, key_segment_ids=segments) is None
+            assert refusal(flex_tpu, interpret, query_positions=jnp.arange(T)).startswith("query_positions")
+            assert refusal(flex_tpu, interpret, q=jnp.zeros((4, T + 1, 5, 3))).startswith("position_bias")
+    assert refusal(flex_tpu, True).startswith("jax_enable_x64")
     # an explicit kernel names what it cannot do; None falls back to the XLA engines
     table = jnp.ones((15, 5), jnp.float32)
     with pytest.raises(ValueError, match="return_weights"):
@@ -199,9 +233,47 @@ def test_what_the_kernels_refuse():
         )
     got, weights = jaxattn.window_attention(q, k, v, table, (2, 3), return_weights=True)
     assert weights.shape == (4, 5, T, T)
-    with jax.enable_x64(False), pytest.raises(ValueError, match="position_bias"):  # splash has no position bias
-        jaxattn.window_attention(q, k, v, table, (2, 3), implementation="pallas_tpu", interpret=True)
     assert flash_gpu.position_bias_refusal(AttentionCall(), T, T) is None
+
+
+def test_the_tpu_kernel_bounds_the_bias_of_every_pair():
+    """flex_tpu reads a window's bias of every pair, N x Tp x Sp float32 on a TPU's 128-wide grid: within
+    MAX_PAIR_BIAS_BYTES (16 MiB) it takes the call, beyond it refuses by name (None falls back to XLA)."""
+    assert flex_tpu.MAX_PAIR_BIAS_BYTES == 16 * 2**20
+
+    def refusal(window, N):
+        T = window[0] * window[1]
+        q = jnp.zeros((1, T, N, 1), jnp.float32)
+        bias = jaxattn.window_position_bias(jnp.zeros((jaxattn.window_table_rows(window), N)), window)
+        with jax.enable_x64(False):
+            return flex_tpu.unsupported(AttentionCall(position_bias=bias), q, q, q, True)
+
+    # 32 x 64 = 2048 tokens: 1 head is 2048 * 2048 * 4 = 16 MiB, 2 heads 32 MiB
+    assert refusal((32, 64), 1) is None
+    problem = refusal((32, 64), 2)
+    assert problem.startswith("position_bias") and "2 heads x 2048 x 2048" in problem and "16 MiB" in problem
+    # 2047 tokens pad to the same grid; 12 x 12 (Tp = 256) takes Swin-L's 48 heads: 12 MiB
+    assert refusal((23, 89), 2).startswith("position_bias")
+    assert refusal((12, 12), 48) is None
+
+
+def test_explicit_pallas_tpu_runs_a_window_and_names_what_it_refuses():
+    """implementation="pallas_tpu" (interpreted) computes window_attention (splash has no position bias:
+    the flex kernel takes it), and names an option it cannot express."""
+    T, window = 6, (2, 3)
+    rng = np.random.default_rng(3)
+    q, k, v = (rng.normal(size=(4, T, 5, 3)).astype(np.float32) for _ in range(3))
+    table = rng.normal(size=(15, 5)).astype(np.float32)
+    with jax.enable_x64(False):
+        got = jaxattn.window_attention(q, k, v, table, window, implementation="pallas_tpu", interpret=True)
+        with pytest.raises(ValueError, match="return_weights"):
+            jaxattn.window_attention(
+                q, k, v, table, window, implementation="pallas_tpu", interpret=True, return_weights=True
+            )
+    index = index_loop(*window)
+    bias = np.moveaxis(np.asarray(table, np.float64)[index], -1, 0)
+    want, _ = attention_loop(*(np.asarray(x, np.float64) for x in (q, k, v)), bias=bias)
+    assert normwise(got, want) <= OUT_TOL
 
 
 def test_the_kernel_reads_the_table_in_its_tiles():
@@ -272,3 +344,42 @@ def test_lowered_for_cuda_is_the_kernel(program, implementation, shifted):
         if op is None or op.group(1) == "call":  # function signatures, returns, calls: plumbing
             continue
         assert op.group(1) == "stablehlo.broadcast_in_dim" and re.search(r": \(tensor<\w+>\) ->", line), line[:200]
+
+
+def _lowered_for_tpu(fn, *args):
+    with jax.enable_x64(False), jaxattn.cross_platform_lowering():
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+
+
+@pytest.mark.parametrize("shifted", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_lowered_for_tpu_is_the_flex_kernel(shifted):
+    """implementation=None lowered for TPU (forward): Mosaic's call of the flex kernel, no XLA tile loop, and
+    no [B*nW, N, T, T] value: the bias is one window's, [N,128,128] on the kernel's grid (whether Mosaic
+    compiles it: .ci/compile_targets.py, "swin" / "swin shifted" / "None swin" on v5e and v6e)."""
+    heads, T = 4, WINDOW[0] * WINDOW[1]
+    q = jax.ShapeDtypeStruct((MAPS * WINDOWS, T, heads, 32), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((jaxattn.window_table_rows(WINDOW), heads), jnp.float32)
+    options = {}
+    if shifted:
+        segments = jnp.tile(jaxattn.shifted_window_segments((28, 28), WINDOW, 3), (MAPS, 1))
+        options = dict(query_segment_ids=segments, key_segment_ids=segments)
+
+    text = _lowered_for_tpu(lambda q, table: jaxattn.window_attention(q, q, q, table, WINDOW, **options), q, table)
+    assert "tpu_custom_call" in text and 'name = "jaxattn_flex_tpu_forward"' in text
+    assert "stablehlo.while" not in text, "an XLA tile loop"
+    assert not re.search(rf"[<x]{MAPS * WINDOWS}x{heads}x{T}x{T}x", text), "a [B*nW,N,T,T] value"
+    assert re.search(rf"tensor<1x{heads}x128x128xf32>", text), "the window's bias on the kernel's grid"
+
+
+@pytest.mark.slow  # the model's trace: about 10 s
+def test_swin_model_lowered_for_tpu_takes_the_flex_kernel():
+    """jaxattn.models' Swin (two stages, windows of 4x4, shifted in the second block) under implementation=None,
+    lowered for TPU: every attention call is the flex kernel's (one Mosaic call per block), none falls back."""
+    from jaxattn.models.swin import SwinConfig, SwinModel, init_params
+
+    config = SwinConfig(image_size=32, patch_size=2, embed_dim=12, depths=(2, 2), num_heads=(2, 3), window_size=4)
+    model = SwinModel(config)
+    params = jax.eval_shape(lambda: init_params(config))
+    pixels = jax.ShapeDtypeStruct((2, 3, 32, 32), jnp.float32)
+    text = _lowered_for_tpu(lambda p, x: model.apply({"params": p}, x)["last_hidden_state"], params, pixels)
+    assert len(re.findall(r'name = "jaxattn_flex_tpu_forward"', text)) == sum(config.depths)

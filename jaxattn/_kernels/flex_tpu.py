@@ -13,6 +13,8 @@ the online-softmax merge of _core), run on a TPU layout by Mosaic:
     schedule (order, counts), lengths and sinks: scalar-prefetched into SMEM (scalars read per tile)
     a position bias of j - i (an OffsetBias: T5, ALiBi): its rows [B|1,N,1,E] (block [1,E] per (b, n)), the
     bias of every offset the padded grid holds, E ~ Tp + Sp (offset_rows_of_grid); no gather per tile
+    a window's bias (a TableBias: Swin, BEiT): the [B|1,N,Tp,Sp] bias of every pair (pair_bias_of_grid),
+    block [Tb,Sp] per (b, n, i), sliced per key tile as k and v are
 
 A tile's position bias. Mosaic lowers no gather from a ref at an integer array index, so the GPU kernel's
 rows[clip(j - i) - lo] is not an option. With the core's default positions the offsets of tile (i, j) are the
@@ -20,6 +22,13 @@ contiguous range of its Tb + Sb - 1 diagonals, and its bias is a Toeplitz matrix
 one lane-aligned load of the slice, broadcast over the tile's rows, and a strided roll (row r rotated by one
 more than row r - 1) that puts each row's diagonals in place (toeplitz_tile). Calls with positions of their
 own (T5 with query_positions) have no contiguous offsets per tile and are refused.
+
+Swin's and BEiT's window bias (a TableBias: the [R,N] table read at the 2D offset of the pair, WindowIndex)
+has no such structure, but a window is short (Swin 7 x 7 = 49 tokens, 12 x 12 = 144; BEiT 14 x 14 + 1 = 197)
+and, at the default positions its index needs, its bias is one [N,T,S] matrix for every window and batch
+entry. So it is gathered once outside the kernel, at the scheme's own index of every padded (query, key)
+pair (pair_bias_of_grid), and each tile reads its [Tb,Sb] slice. Bounded: N x Tp x Sp float32 within
+MAX_PAIR_BIAS_BYTES (this path is for windows, not long sequences; longer calls fall back to XLA).
 
 Tiles 128 x 128 (the TPU lane width; a BlockMask's own tiles when they are multiples of 128), head dims
 padded to a multiple of 128, T and S padded inside. The whole key axis of one head sits in VMEM (with its
@@ -33,6 +42,7 @@ Pallas' interpreter (any platform; closed-over arrays work).
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Optional
 
@@ -46,7 +56,7 @@ from jax.experimental.pallas import tpu as pltpu
 from .._core import checks, mods
 from .._core.call import INDEX_ARRAYS, AttentionCall
 from .._core.dtypes import accumulation_dtype
-from .._core.offset_bias import OffsetBias, of_rows
+from .._core.offset_bias import OffsetBias, TableBias, of_rows
 from .._engines import blockwise
 from . import flash_gpu, splash_tpu, tile_body
 
@@ -54,6 +64,11 @@ LANES = 128
 INTERPRET_BLOCK = 16
 MAX_KEY_BYTES = 8 * 2**20  # one head's keys and values in VMEM (doubled by the pipeline's second buffer)
 MAX_BIAS_ROWS = 2**20  # one head's position-bias rows in VMEM (float32, about T + S of them): 4 MiB
+# A window's bias of every pair, N x Tp x Sp float32 (pair_bias_of_grid): 16 MiB holds every Swin and BEiT
+# window (Swin-L's 48 heads at 12 x 12: 48 x 256 x 256 x 4 = 12 MiB; 7 x 7: 3 MiB; BEiT-L's 16 heads at 197
+# tokens: 4 MiB) while keeping the table path off long sequences. A TableBias has T = S (its length), so the
+# kernel's block [Tb,Sp] is at most 128 x 2048 x 4 = 1 MiB of VMEM (doubled by the pipeline).
+MAX_PAIR_BIAS_BYTES = 16 * 2**20
 # The options only this kernel takes on TPU (splash takes every other call it can express).
 FLEX_OPTIONS = ("score_mod", "mask_mod", "block_mask", "position_bias")
 
@@ -73,12 +88,15 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
     problem = flash_gpu.unsupported(call, query, key, value, interpret=True)
     if problem is not None:
         return problem
-    # A position bias of j - i (an OffsetBias: T5, ALiBi) is built per tile from contiguous offsets (module
-    # docstring); the GPU kernel's other biases (Swin / BEiT windows) gather from their rows at an index of the
-    # pair, which Mosaic does not lower from a ref. Refused in the interpreter too, so that what runs
-    # interpreted is what a TPU runs.
-    if call.position_bias is not None and not isinstance(call.position_bias, OffsetBias):
+    # A position bias of j - i (an OffsetBias: T5, ALiBi) is built per tile from contiguous offsets, a
+    # window's (a TableBias: Swin, BEiT) read from its bias of every pair (module docstring); the GPU kernel
+    # gathers from rows at an index of the pair, which Mosaic does not lower from a ref. Refused in the
+    # interpreter too, so that what runs interpreted is what a TPU runs.
+    if call.position_bias is not None and not isinstance(call.position_bias, (OffsetBias, TableBias)):
         return "position_bias"
+    problem = pair_bias_refusal(call, query, key)  # a window's positions and lengths: flash_gpu's refusal above
+    if problem is not None:
+        return problem
     if call.position_bias is not None and not flash_gpu.default_positions(call):
         name = "query_positions" if call.query_positions is not None else "key_positions"
         return f"{name} (with a position bias: the TPU kernel builds a tile's bias from its contiguous offsets)"
@@ -117,6 +135,23 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
     return None
 
 
+def pair_bias_refusal(call: AttentionCall, query, key) -> Optional[str]:
+    """None when the call has no table bias (TableBias) or its bias of every pair of the padded grid fits
+    MAX_PAIR_BIAS_BYTES; else why not. Measured on a TPU's grid (tiles of 128, or the BlockMask's), in the
+    interpreter too."""
+    if not isinstance(call.position_bias, TableBias):
+        return None
+    Tb, Sb = (LANES, LANES) if call.block_mask is None else tuple(call.block_mask.block_size)
+    N, T, S = np.shape(query)[-2], np.shape(query)[-3], np.shape(key)[-3]
+    Tp, Sp = -(-T // Tb) * Tb, -(-S // Sb) * Sb
+    if N * Tp * Sp * 4 <= MAX_PAIR_BIAS_BYTES:
+        return None
+    return (
+        f"position_bias (a table bias of {N} heads x {Tp} x {Sp} padded pairs, float32, over "
+        f"{MAX_PAIR_BIAS_BYTES >> 20} MiB: the TPU kernel reads it per pair, for windows, not long sequences)"
+    )
+
+
 class _Row:
     """A [1,L] block read and written as [L] (TPU blocks are two-dimensional; the kernel reads rows)."""
 
@@ -131,13 +166,21 @@ class _Row:
 
 
 class _Scalars:
-    """An SMEM array read at fixed leading indices: [...] the scalar there, [j] the next axis's entry j."""
+    """An array of `shape`, in SMEM flattened (row-major), read at fixed leading indices: [...] the scalar
+    there, [j] the next axis's entry j.
 
-    def __init__(self, ref, lead):
-        self.ref, self.lead = ref, tuple(lead)
+    Flattened because SMEM pads each last-axis row of a 2D or wider array to 128 words: a schedule [B,1,1,1]
+    of 1024 windows (Swin's shifted regions as segment ids) took 512 KiB of the 1 MiB, order and counts all
+    of it; flat, 4 KiB each."""
+
+    def __init__(self, ref, shape, lead):
+        strides = [int(np.prod(shape[a + 1 :], dtype=np.int64)) for a in range(len(shape))]
+        self.ref = ref
+        self.start = sum(index * stride for index, stride in zip(lead, strides))
+        self.step = strides[len(lead)] if len(lead) < len(shape) else 0
 
     def __getitem__(self, index):
-        return self.ref[self.lead] if index is Ellipsis else self.ref[(*self.lead, index)]
+        return self.ref[self.start] if index is Ellipsis else self.ref[self.start + index * self.step]
 
 
 def window(Tb: int, Sb: int) -> int:
@@ -177,9 +220,21 @@ def offset_rows_of_grid(p: flash_gpu.Prepared, S: int):
     return jnp.pad(rows, ((0, 0), (0, 0), (0, E - rows.shape[-1])))[:, :, None, :]
 
 
-def _forward(p: flash_gpu.Prepared, S: int, interpret: bool):
+def pair_bias_of_grid(p: flash_gpu.Prepared):
+    """[B|1,N,Tp,Sp]: a table bias (TableBias: Swin's / BEiT's windows) of every padded (query, key) pair,
+    the kernel's rows [B|1,N,D] gathered at the scheme's own index of the pair's positions (the core's
+    default positions, one row of them: unsupported refuses others). The padding's positions are edge-padded,
+    so its entries are rows the index promises in bounds (kernel_table), and they only reach masked keys and
+    discarded query rows."""
+    index, _ = p.cfg.offset_bias
+    pairs = index(p.side.q_pos[0], p.side.k_pos[0])  # int32 [Tp,Sp]
+    return jnp.take(p.side.offset_bias, pairs, axis=-1)
+
+
+def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None):
     """tile_body.forward_kernel on the TPU layout: (out [B,Tp,N,Hvp], lse [B,N,Tp]) as the GPU kernel's
-    (S: the call's key length, for a position bias's offsets)."""
+    (S: the call's key length, for a position bias's offsets; pair_bias: a table bias's [B|1,N,Tp,Sp],
+    pair_bias_of_grid, read instead of the offsets' rows)."""
     cfg, side = p.cfg, p.side
     q = jnp.swapaxes(p.q, 1, 2)  # [B,N,Tp,Hp]
     k, v = jnp.swapaxes(p.k, 1, 2), jnp.swapaxes(p.v, 1, 2)
@@ -195,6 +250,8 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool):
     if side.sinks is not None:
         scalars["sinks"] = side.sinks
     n_scalars = len(scalars)
+    scalar_shapes = {name: x.shape for name, x in scalars.items()}
+    scalars = {name: x.reshape(-1) for name, x in scalars.items()}  # flat in SMEM (_Scalars)
 
     def spec(shape, index):  # index(b, n, i) -> block indices; the scalar refs are not read by index maps
         return pl.BlockSpec(shape, lambda b, n, i, *_: index(b, n, i))
@@ -214,7 +271,10 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool):
     for prefix, consts in (("score", side.score_consts), ("mask", side.mask_consts)):
         for c, x in enumerate(consts):
             inputs[f"{prefix}{c}"] = (x, spec(x.shape, lambda b, n, i, nd=x.ndim: (0,) * nd))
-    if cfg.offset_bias is not None:
+    if pair_bias is not None:  # block [Tb,Sp] per (b, n, i): the query tile's rows of every key
+        batched = cfg.offset_bias[1]
+        inputs["pair_bias"] = (pair_bias, spec((None, None, cfg.Tb, Sp), lambda b, n, i: (pick(batched, b), n, i, 0)))
+    elif cfg.offset_bias is not None:
         rows_of_grid, batched = offset_rows_of_grid(p, S), cfg.offset_bias[1]
         E = rows_of_grid.shape[-1]
         inputs["offset_bias"] = (rows_of_grid, spec((None, None, 1, E), lambda b, n, i: (pick(batched, b), n, 0, 0)))
@@ -235,11 +295,9 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool):
         r = dict(zip(names, refs))
         b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         lead = (pick(bsched, b), pick(cfg.head_kinds, n), i)
-        r["order"], r["counts"] = _Scalars(r["order"], lead), _Scalars(r["counts"], lead)
-        if "lengths" in r:
-            r["lengths"] = _Scalars(r["lengths"], (pick(bl, b),))
-        if "sinks" in r:
-            r["sinks"] = _Scalars(r["sinks"], (b, n))
+        for name, at in (("order", lead), ("counts", lead), ("lengths", (pick(bl, b),)), ("sinks", (b, n))):
+            if name in r:
+                r[name] = _Scalars(r[name], scalar_shapes[name], at)
         for name in ("q_pos", "k_pos", "q_seg", "k_seg", "lse"):
             if name in r:
                 r[name] = _Row(r[name])
@@ -247,6 +305,8 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool):
             r["offset_bias_of_tile"] = lambda j: toeplitz_tile(
                 r["offset_bias"], j * cfg.Sb - i * cfg.Tb + (Tp - cfg.Tb), cfg.Tb, cfg.Sb
             )
+        if "pair_bias" in r:  # key tile j's columns, an aligned dynamic slice as k and v are read
+            r["offset_bias_of_tile"] = lambda j: r["pair_bias"][:, pl.ds(pl.multiple_of(j * cfg.Sb, cfg.Sb), cfg.Sb)]
         tile_body.forward_kernel(cfg, r)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -288,10 +348,13 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     score = mods.element_function("score_mod", call.score_mod, accumulation_dtype(query.dtype))
     consts = () if score is None else tuple(jnp.asarray(c) for c in score.consts)
     T, S = query.shape[-3], key.shape[-3]
-    offsets = None if call.position_bias is None else call.position_bias.offset_range(T, S, True)
-    # What the kernel reads of a position bias: its rows, an input the kernel does not differentiate (the
-    # gradient is the engine's, through the scheme's own formula)
+    table_bias = isinstance(call.position_bias, TableBias)
+    offsets = None if call.position_bias is None or table_bias else call.position_bias.offset_range(T, S, True)
+    # What the kernel reads of a position bias: its rows (a window's: its table), an input the kernel does not
+    # differentiate (the gradient is the engine's, through the scheme's own formula)
     bias_rows = None if offsets is None else lax.stop_gradient(call.position_bias.rows(*offsets))
+    if table_bias:
+        bias_rows = lax.stop_gradient(jnp.asarray(call.position_bias.table))
     blocks = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else (LANES, LANES)
 
     # The call's index arrays and BlockMask are inputs too (with zero cotangents): a custom VJP that closed
@@ -305,7 +368,7 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
         return inner.replace(score_mod=lambda x, b, n, t, s: score.fn(x, b, n, t, s, *consts))
 
     def engine(query, key, value, sinks, consts, indices):  # the XLA blockwise engine on the call
-        if bias_rows is not None and bias_rows.ndim > 2:  # a bias per batch entry (ALiBi's per-example slopes):
+        if offsets is not None and bias_rows.ndim > 2:  # a bias per batch entry (ALiBi's per-example slopes):
             # the engine takes one from positions with a batch axis (the default positions, written out)
             batch = query.shape[:-3]
             indices = dict(
@@ -325,12 +388,14 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     @jax.custom_vjp
     def run(query, key, value, sinks, consts, engine_consts, bias_rows, indices):
         inner = with_inputs(sinks, consts, indices)
-        if bias_rows is not None:
+        if offsets is not None:
             inner = inner.replace(position_bias=of_rows(bias_rows, *offsets))  # the same bias, from its rows
+        if table_bias:  # the same bias, from the input table
+            inner = inner.replace(position_bias=dataclasses.replace(call.position_bias, table=bias_rows))
         p = flash_gpu.prepare(
             inner, query, key, value, interpret, blocks=blocks, head_multiple=None if interpret else LANES
         )
-        out, lse = _forward(p, S, interpret)
+        out, lse = _forward(p, S, interpret, pair_bias_of_grid(p) if table_bias else None)
         return flash_gpu.finish(p, out, lse, inner.return_lse)
 
     def run_fwd(*args):

@@ -143,9 +143,10 @@ def window_attention(
     dot_product_attention (scale defaults to H ** -0.5, as Swin and BEiT), plus implementation and interpret
     as position_bias_attention: "dense" builds [N,T,T] for one window only (shared by every window),
     "blockwise" (block_size) one tile at a time, "pallas_gpu" folds the windows into the kernel's batch axis
-    and reads the table inside each tile at WindowIndex (its gradient scattered back into the table), and
-    None takes that kernel on CUDA, the XLA engines elsewhere (TPU included: docs/kernels.md, "Position biases
-    in the kernel").
+    and reads the table inside each tile at WindowIndex (its gradient scattered back into the table),
+    "pallas_tpu" gathers one window's [N,T,T] bias outside our TPU flex kernel and reads it per tile (forward;
+    the XLA blockwise backward), and None takes those kernels on CUDA and TPU, the XLA engines elsewhere
+    (docs/kernels.md, "Swin's and BEiT's windows").
     """
     Wh, Ww = as_pair("window_size", window_size, 1)
     T = Wh * Ww + (1 if cls_token else 0)
