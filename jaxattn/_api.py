@@ -15,7 +15,9 @@ every attention function resolves its `implementation=` through. It sits above t
                   it computes as we define them), the Pallas GPU kernel (its split-key kernel for a decode
                   step), and on TPU splash
                   attention (our flex kernel for score_mod / mask_mod / BlockMask) when the kernel can
-                  express the call (its `unsupported` says None), else the same XLA engines there.
+                  express the call (its `unsupported` says None) and does not decline it (its optional
+                  `declined`: on TPU a window bias, whose padded tiles take more memory than the dense
+                  engine), else the same XLA engines there.
 
 A call's options travel as one AttentionCall (jaxattn._core.call), built and checked once at the public
 entry; each kernel declares what it expresses through `unsupported(call, query, key, value, interpret)`
@@ -129,6 +131,13 @@ def kernel_refusal(implementation, call: AttentionCall, query, key, value, inter
     if call.needs_grid:
         return call.grid_options[0]
     return kernel(implementation).unsupported(call, query, key, value, interpret)
+
+
+def kernel_declines(implementation, call: AttentionCall, query, key, value) -> str | None:
+    """Why implementation=None does not take kernel `implementation` for a call it expresses (None: it does):
+    the kernel module's `declined`, where the evidence (compiled memory, timings) favours the XLA engines."""
+    declined = getattr(kernel(implementation), "declined", None)
+    return None if declined is None else declined(call, query, key, value)
 
 
 def key_mask_as_segments(call: AttentionCall, query, key) -> AttentionCall:
@@ -273,7 +282,10 @@ def attend(call: AttentionCall, query, key, value, *, xla, implementation=None, 
     for platform in platforms:
         for name in _platform_kernels(platform):
             kernel_call = _for_kernel(name, call, query, key)
-            if kernel_refusal(name, kernel_call, query, key, value) is None:
+            if (
+                kernel_refusal(name, kernel_call, query, key, value) is None
+                and kernel_declines(name, kernel_call, query, key, value) is None
+            ):
                 run = kernel(name).attention
                 branches[platform] = lambda run=run, c=kernel_call: run(c, query, key, value, False)
                 break

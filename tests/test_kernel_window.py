@@ -353,9 +353,10 @@ def _lowered_for_tpu(fn, *args):
 
 @pytest.mark.parametrize("shifted", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_lowered_for_tpu_is_the_flex_kernel(shifted):
-    """implementation=None lowered for TPU (forward): Mosaic's call of the flex kernel, no XLA tile loop, and
+    """ "pallas_tpu" lowered for TPU (forward): Mosaic's call of the flex kernel, no XLA tile loop, and
     no [B*nW, N, T, T] value: the bias is one window's, [N,128,128] on the kernel's grid (whether Mosaic
-    compiles it: .ci/compile_targets.py, "swin" / "swin shifted" / "None swin" on v5e and v6e)."""
+    compiles it: .ci/compile_targets.py, "swin" / "swin shifted" on v5e and v6e). implementation=None: the XLA
+    engines (flex_tpu.declined)."""
     heads, T = 4, WINDOW[0] * WINDOW[1]
     q = jax.ShapeDtypeStruct((MAPS * WINDOWS, T, heads, 32), jnp.bfloat16)
     table = jax.ShapeDtypeStruct((jaxattn.window_table_rows(WINDOW), heads), jnp.float32)
@@ -364,7 +365,16 @@ def test_lowered_for_tpu_is_the_flex_kernel(shifted):
         segments = jnp.tile(jaxattn.shifted_window_segments((28, 28), WINDOW, 3), (MAPS, 1))
         options = dict(query_segment_ids=segments, key_segment_ids=segments)
 
-    text = _lowered_for_tpu(lambda q, table: jaxattn.window_attention(q, q, q, table, WINDOW, **options), q, table)
+    def lowered(implementation):
+        return _lowered_for_tpu(
+            lambda q, table: jaxattn.window_attention(q, q, q, table, WINDOW, implementation=implementation, **options),
+            q,
+            table,
+        )
+
+    # None declines the kernel on TPU (flex_tpu.declined: its padded tiles hold 4-9x the dense engine's memory)
+    assert "tpu_custom_call" not in lowered(None)
+    text = lowered("pallas_tpu")
     assert "tpu_custom_call" in text and 'name = "jaxattn_flex_tpu_forward"' in text
     assert "stablehlo.while" not in text, "an XLA tile loop"
     assert not re.search(rf"[<x]{MAPS * WINDOWS}x{heads}x{T}x{T}x", text), "a [B*nW,N,T,T] value"
@@ -373,13 +383,22 @@ def test_lowered_for_tpu_is_the_flex_kernel(shifted):
 
 @pytest.mark.slow  # the model's trace: about 10 s
 def test_swin_model_lowered_for_tpu_takes_the_flex_kernel():
-    """jaxattn.models' Swin (two stages, windows of 4x4, shifted in the second block) under implementation=None,
-    lowered for TPU: every attention call is the flex kernel's (one Mosaic call per block), none falls back."""
+    """jaxattn.models' Swin (two stages, windows of 4x4, shifted in the second block) with implementation=
+    "pallas_tpu", lowered for TPU: every attention call is the flex kernel's (one Mosaic call per block)."""
     from jaxattn.models.swin import SwinConfig, SwinModel, init_params
 
-    config = SwinConfig(image_size=32, patch_size=2, embed_dim=12, depths=(2, 2), num_heads=(2, 3), window_size=4)
+    config = SwinConfig(
+        image_size=32,
+        patch_size=2,
+        embed_dim=12,
+        depths=(2, 2),
+        num_heads=(2, 3),
+        window_size=4,
+        implementation="pallas_tpu",
+    )
     model = SwinModel(config)
-    params = jax.eval_shape(lambda: init_params(config))
+    with jax.enable_x64(False):  # the kernel refuses 64-bit mode, which init would trace in
+        params = jax.eval_shape(lambda: init_params(config))
     pixels = jax.ShapeDtypeStruct((2, 3, 32, 32), jnp.float32)
     text = _lowered_for_tpu(lambda p, x: model.apply({"params": p}, x)["last_hidden_state"], params, pixels)
     assert len(re.findall(r'name = "jaxattn_flex_tpu_forward"', text)) == sum(config.depths)

@@ -135,6 +135,18 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
     return None
 
 
+def declined(call: AttentionCall, query, key, value) -> Optional[str]:
+    """Why implementation=None keeps a call this kernel expresses on the XLA engines (None: it takes it).
+
+    A window bias (Swin, BEiT): the kernel pads a window's few tokens to one 128-row tile and the head dim to
+    128 lanes, so compiled for v5e at 64 x 16 windows of 7x7 (H = 32, bf16) its forward holds 4-9x the dense
+    engine's temp memory (docs/kernels.md, "Swin's and BEiT's windows"); nothing is timed on a TPU. Named,
+    "pallas_tpu" runs it."""
+    if isinstance(call.position_bias, TableBias):
+        return "position_bias (a window's bias: the kernel's 128-row tiles and lanes take 4-9x the dense memory)"
+    return None
+
+
 def pair_bias_refusal(call: AttentionCall, query, key) -> Optional[str]:
     """None when the call has no table bias (TableBias) or its bias of every pair of the padded grid fits
     MAX_PAIR_BIAS_BYTES; else why not. Measured on a TPU's grid (tiles of 128, or the BlockMask's), in the

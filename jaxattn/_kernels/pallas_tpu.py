@@ -18,5 +18,9 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
     return _kernel(call).unsupported(call, query, key, value, interpret)
 
 
+def declined(call: AttentionCall, query, key, value) -> Optional[str]:
+    return flex_tpu.declined(call, query, key, value) if flex_tpu.wanted(call) else None
+
+
 def attention(call: AttentionCall, query, key, value, interpret=False):
     return _kernel(call).attention(call, query, key, value, interpret)
