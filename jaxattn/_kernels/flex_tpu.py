@@ -189,7 +189,9 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool):
     bq, bk, bs, bl, bsched = cfg.batched
     pick = tile_body.pick
 
-    scalars = {"order": side.order, "counts": side.counts}
+    scalars = {"counts": side.counts}  # the schedule: runs, or counts with order (tile_body.schedule)
+    if side.order is not None:
+        scalars["order"] = side.order
     if side.lengths is not None:
         scalars["lengths"] = side.lengths
     if side.sinks is not None:
@@ -235,7 +237,9 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool):
         r = dict(zip(names, refs))
         b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         lead = (pick(bsched, b), pick(cfg.head_kinds, n), i)
-        r["order"], r["counts"] = _Scalars(r["order"], lead), _Scalars(r["counts"], lead)
+        for name in ("order", "counts"):
+            if name in r:
+                r[name] = _Scalars(r[name], lead)
         if "lengths" in r:
             r["lengths"] = _Scalars(r["lengths"], (pick(bl, b),))
         if "sinks" in r:
