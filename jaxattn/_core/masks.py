@@ -138,6 +138,90 @@ def masks_anything(rule: MaskRule, lengths=None, query_segments=None, block_kind
     )
 
 
+class Bound(NamedTuple):
+    """One range test of a (query tile, key tile) pair: key <= query (below) or key >= query, where key is a
+    quantity of the key tile (its least or greatest position, its first index, ...) and query one of the query
+    tile. With positions that never decrease along the axis, both grow with the tile index, so the key tiles
+    that pass it are a prefix (below) or a suffix of the key axis, and the query tiles a suffix or a prefix."""
+
+    key: Any
+    query: Any
+    below: bool
+
+    def holds(self):
+        return self.key <= self.query if self.below else self.key >= self.query
+
+
+def tile_bounds(rule: MaskRule, q_min, q_max, k_min, k_max, k_start, block: int, lengths=None):
+    """(needed, full): the Bounds a key tile must pass to hold an allowed pair (needed) and to hold only allowed
+    pairs (full), from allowed_pairs' rule on the tiles' ranges: least / greatest query position q_min / q_max,
+    key position k_min / k_max, first key index k_start, `block` keys, lengths [...] (the greatest decides
+    needed, the least full). Segment ids and a BlockMask are no ranges of positions: key_block_kinds adds them.
+    """
+    needed, full = [], []
+    left, right = rule.window or (None, None)
+    if rule.is_causal:  # k <= q
+        needed.append(Bound(k_min, q_max, True))
+        full.append(Bound(k_max, q_min, True))
+    if left is not None:  # k >= q - left
+        needed.append(Bound(k_max, q_min - left, False))
+        full.append(Bound(k_min, q_max - left, False))
+    if right is not None:  # k <= q + right
+        needed.append(Bound(k_min, q_max + right, True))
+        full.append(Bound(k_max, q_min + right, True))
+    if rule.chunk_size is not None:  # k // C == q // C
+        C = rule.chunk_size
+        needed += [Bound(k_min // C, q_max // C, True), Bound(k_max // C, q_min // C, False)]
+        # every pair in one chunk: q_max // C <= k_min // C <= k_max // C <= q_min // C, so all four are equal
+        full += [Bound(k_max // C, q_min // C, True), Bound(k_min // C, q_max // C, False)]
+    if lengths is not None:  # key index < length
+        needed.append(Bound(k_start, lengths.max() - 1, True))
+        full.append(Bound(k_start + block, lengths.min(), True))
+    return needed, full
+
+
+def tile_runs(rule: MaskRule, query_pos, key_pos, length, query_block: int, key_block: int, by_query=False):
+    """int32 [Tn,4]: per query tile, the key tiles key_block_kinds would visit as runs, (a0, c0, c1, a1): tiles
+    a0 <= j < a1 are needed, c0 <= j < c1 of them full (CLEAN), the rest MASKED; c0 = c1 = a1 when none is
+    full. by_query: per key tile, the query tiles that visit it, [Sn,4] (the dk/dv kernel's view).
+
+    query_pos [Tn * query_block] / key_pos [Sn * key_block]: positions that never decrease (the core's default
+    positions, edge-padded), so that every Bound passes on a prefix or a suffix of tiles (Bound) and their
+    intersection is a run: needed, one run [a0, a1); full, one run inside it (full implies needed, test by
+    test), so MASKED is [a0, c0) and [c1, a1). Found by binary search on the tiles' ranges: O(Tn + Sn), never
+    the [Tn,Sn] grid of kinds. length: the example's key count (a scalar), or None. No segment ids, BlockMask
+    or mask_mod: those need key_block_kinds' grid."""
+    q_tiles, k_tiles = query_pos.reshape(-1, query_block), key_pos.reshape(-1, key_block)
+    Tn, Sn = q_tiles.shape[0], k_tiles.shape[0]
+    k_start = jnp.arange(Sn, dtype=jnp.int32) * key_block
+    args = (q_tiles.min(axis=1), q_tiles.max(axis=1), k_tiles.min(axis=1), k_tiles.max(axis=1), k_start, key_block)
+    needed, full = tile_bounds(rule, *args, None if length is None else jnp.asarray(length))
+    n, m = (Tn, Sn) if by_query else (Sn, Tn)  # n tiles searched for each of m
+
+    def run(bounds):
+        lo, hi = jnp.zeros((m,), jnp.int32), jnp.full((m,), n, jnp.int32)
+        for bound in bounds:
+            key, query = jnp.broadcast_to(bound.key, (Sn,)), jnp.broadcast_to(bound.query, (Tn,))
+            # a prefix of tiles ends at the count that pass; a suffix starts at the count that fail. The binary
+            # search unrolled: log2(n) steps, and no while loop in the program (the kernels' lowering tests)
+            if by_query:  # key <= query: a suffix of query tiles; key >= query: a prefix
+                end = jnp.searchsorted(query, key, side="right" if not bound.below else "left", method="scan_unrolled")
+                prefix = not bound.below
+            else:
+                end = jnp.searchsorted(key, query, side="right" if bound.below else "left", method="scan_unrolled")
+                prefix = bound.below
+            if prefix:
+                hi = jnp.minimum(hi, end.astype(jnp.int32))
+            else:
+                lo = jnp.maximum(lo, end.astype(jnp.int32))
+        return lo, jnp.maximum(lo, hi)
+
+    a0, a1 = run(needed)
+    c0, c1 = run(needed + full)
+    empty = c0 == c1
+    return jnp.stack([a0, jnp.where(empty, a1, c0), jnp.where(empty, a1, c1), a1], axis=-1)
+
+
 def key_block_kinds(
     rule: MaskRule,
     query_pos,
@@ -161,22 +245,15 @@ def key_block_kinds(
     """
     k_blocks = key_pos.reshape(-1, n_blocks, block)
     k_min, k_max = k_blocks.min(axis=(0, 2)), k_blocks.max(axis=(0, 2))
-    q_min, q_max = query_pos.min(), query_pos.max()
+    starts = jnp.arange(n_blocks) * block
+    needed_bounds, full_bounds = tile_bounds(
+        rule, query_pos.min(), query_pos.max(), k_min, k_max, starts, block, lengths
+    )
     needed, full = jnp.ones((n_blocks,), bool), jnp.ones((n_blocks,), bool)
-    left, right = rule.window or (None, None)
-    if rule.is_causal:
-        needed, full = needed & (k_min <= q_max), full & (k_max <= q_min)
-    if left is not None:
-        needed, full = needed & (k_max >= q_min - left), full & (k_min >= q_max - left)
-    if right is not None:
-        needed, full = needed & (k_min <= q_max + right), full & (k_max <= q_min + right)
-    if rule.chunk_size is not None:
-        C = rule.chunk_size
-        needed &= (k_min // C <= q_max // C) & (k_max // C >= q_min // C)
-        full &= (q_min // C == q_max // C) & (k_min // C == q_min // C) & (k_max // C == q_min // C)
-    if lengths is not None:
-        start = jnp.arange(n_blocks) * block
-        needed, full = needed & (start < lengths.max()), full & (start + block <= lengths.min())
+    for bound in needed_bounds:
+        needed &= bound.holds()
+    for bound in full_bounds:
+        full &= bound.holds()
     if query_segments is not None:
         ks = key_segments.reshape(-1, n_blocks, block)
         qs_min, qs_max = query_segments.min(axis=-1)[:, None], query_segments.max(axis=-1)[:, None]

@@ -63,6 +63,7 @@ from .._core.masks import (
     check_lengths,
     key_block_kinds,
     masks_anything,
+    tile_runs,
 )
 from .._core.offset_bias import KERNEL_BIASES
 from .._core.positions import positions
@@ -90,6 +91,7 @@ from .tile_body import (
     offset_index,
     pick,
     pick_rows,
+    schedule,
     table_column,
     table_logits,
     tile_keys,
@@ -378,7 +380,9 @@ def _dq_kernel(cfg: Config, r):
 
     floats = tuple(c for c, g in zip(score_consts, cfg.score_grads) if g)
     init = (jnp.zeros(q.shape, acc_dtype), tuple(jnp.zeros(c.shape, acc_dtype) for c in floats))
-    dq, d_consts = visit(cfg, lambda kind: r["counts"][kind], lambda idx: r["order"][idx], key_tile, init)
+    order = r.get("order")  # absent: runs in r["counts"] (schedule)
+    steps = schedule(lambda k: r["counts"][k], None if order is None else lambda idx: order[idx])
+    dq, d_consts = visit(cfg, steps, key_tile, init)
     r["dq"][...] = dq.astype(r["dq"].dtype)
     for c, d in enumerate(d_consts):
         r[f"d_score{c}"][...] = d
@@ -425,8 +429,9 @@ def _dkv_kernel(cfg: Config, r):
 
     def query_head(g, carry):  # one query head sharing key/value head kh
         h = g if cfg.head_kinds else 0
-        counts, order = (lambda kind: r["t_counts"][h, kind]), (lambda idx: r["t_order"][h, idx])
-        return visit(cfg, counts, order, functools.partial(query_tile, g), carry)
+        order = None if "t_order" not in r else lambda idx: r["t_order"][h, idx]  # absent: runs (schedule)
+        steps = schedule(lambda k: r["t_counts"][h, k], order)
+        return visit(cfg, steps, functools.partial(query_tile, g), carry)
 
     carry = (jnp.zeros(k.shape, acc_dtype), jnp.zeros(v.shape, acc_dtype))
     # A loop in the kernel, not unrolled in Python: unrolled, Triton compiled G copies of the tile loops
@@ -486,7 +491,9 @@ def _row_inputs(cfg, side, Hp, Hvp):
         "k_seg": None
         if side.k_seg is None
         else (side.k_seg, pl.BlockSpec((None, Sp), lambda b, n, i: (pick(bs, b), 0))),
-        "order": (
+        "order": None
+        if side.order is None  # a compact schedule: runs in counts
+        else (
             side.order,
             pl.BlockSpec((None, None, None, cfg.Sn), lambda b, n, i: (pick(bsched, b), pick(cfg.head_kinds, n), i, 0)),
         ),
@@ -639,7 +646,9 @@ def _flash_bwd(cfg, res, cotangents):
         "k_seg": None
         if side.k_seg is None
         else (side.k_seg, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bs, b), j))),
-        "t_order": (
+        "t_order": None
+        if side.t_order is None
+        else (
             side.t_order,
             pl.BlockSpec((None, heads, None, cfg.Tn), lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0)),
         ),
@@ -811,9 +820,26 @@ def sorted_kinds(kinds):
     return order, counts
 
 
-def _schedules(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds):
-    """key_tile_kinds sorted into (order, counts) for the forward / dq kernels and, transposed, for the dk/dv
-    kernel: (order, counts, t_order, t_counts)."""
+def schedules(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds, positions_given):
+    """The forward / dq kernels' schedule and, transposed, the dk/dv kernel's: (order, counts, t_order,
+    t_counts), tile_body.schedule's arrays (positions_given: the call passed positions of its own).
+
+    Compact (order and t_order None, counts [Bs,1,Tn,4] and t_counts [Bs,1,Sn,4] the runs of masks.tile_runs)
+    when the kinds of every program come in runs of tiles: the core's default positions (they never decrease,
+    padding included), no segment ids, BlockMask or mask_mod; O(T / Tb + S / Sb) integers where the general
+    form, key_tile_kinds argsorted, holds (and sorts) one per (query tile, key tile) pair: 2 GiB of int32 at
+    T = S = 512k in 128 x 64 tiles, for both directions and the sort's temporaries."""
+    if not positions_given and q_seg is None and tile_kinds is None and cfg.mask_fn is None:
+
+        def runs(by_query):
+            def one(qp, kp, length):
+                return tile_runs(cfg.rule, qp, kp, length, cfg.Tb, cfg.Sb, by_query)
+
+            lengths_ = None if lengths is None else jnp.broadcast_to(lengths, (Bs,))
+            every = jax.vmap(one, in_axes=(None, None, None if lengths_ is None else 0), axis_size=Bs)
+            return every(q_pos[0], k_pos[0], lengths_)[:, None]
+
+        return None, runs(False), None, runs(True)
     kinds = key_tile_kinds(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds)
     return sorted_kinds(kinds) + sorted_kinds(jnp.swapaxes(kinds, -1, -2))
 
@@ -1001,8 +1027,10 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
         interpret=bool(interpret),
         num_warps=4 if max(Hp, Hvp) <= 64 else 8,
     )
-    order, counts, t_order, t_counts = _schedules(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds)
-    cfg = cfg._replace(batched=tuple(x is not None and x.shape[0] > 1 for x in (q_pos, k_pos, q_seg, lengths, order)))
+    order, counts, t_order, t_counts = schedules(
+        cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds, not default_positions(call)
+    )
+    cfg = cfg._replace(batched=tuple(x is not None and x.shape[0] > 1 for x in (q_pos, k_pos, q_seg, lengths, counts)))
     offset_rows = None
     if call.position_bias is not None:  # a KERNEL_BIASES in a static range (unsupported refuses any other)
         rows, index = call.position_bias.kernel_table(T, S, default_positions(call))

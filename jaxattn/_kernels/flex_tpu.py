@@ -256,7 +256,9 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None):
     bq, bk, bs, bl, bsched = cfg.batched
     pick = tile_body.pick
 
-    scalars = {"order": side.order, "counts": side.counts}
+    scalars = {"counts": side.counts}  # the schedule: runs, or counts with order (tile_body.schedule)
+    if side.order is not None:
+        scalars["order"] = side.order
     if side.lengths is not None:
         scalars["lengths"] = side.lengths
     if side.sinks is not None:

@@ -13,7 +13,8 @@
       out_i = out / l (sinks folded in), lse_i = m + log l, P_i = P / l (offset_tables adds P @ value_table)
 
 Every rule is _core's: which pairs may attend (masks.allowed_pairs, on the tile's positions), the schedule's
-order of key tiles (WITH_MOD tiles, then MASKED, then CLEAN, then skipped ones), the online-softmax merge and
+order of key tiles (WITH_MOD tiles, then MASKED, then CLEAN, then skipped ones: a list of tiles sorted by kind,
+or for calls whose kinds come in runs of tiles, the runs' bounds: schedule()), the online-softmax merge and
 sinks (softmax.combine_partials, add_sinks, finalize_partial), softcap (mods.softcap), and score_mod /
 mask_mod (mods.on_tile calls them on the tile's iota grids). A kernel reads its refs by name (r["q"],
 r["k_pos"], r["order"], ...): each kernel's pallas_call builds that dict from its own layout.
@@ -102,7 +103,8 @@ def key_row_term_in(cfg) -> bool:
 class Side(NamedTuple):
     """The kernels' inputs besides q, k, v: positions [B|1,Tp] / [B|1,Sp], lengths [B], segment ids
     [B|1,Tp] / [B|1,Sp], sinks [B,N], score_mod / mask_mod consts, and the key-tile schedules (forward /
-    dq: order [Bs,Ns,Tn,Sn] and counts [Bs,Ns,Tn,4]; dk/dv: over query tiles, [Bs,Ns,Sn,Tn] and [Bs,Ns,Sn,4])."""
+    dq: order [Bs,Ns,Tn,Sn] and counts [Bs,Ns,Tn,4]; dk/dv: over query tiles, [Bs,Ns,Sn,Tn] and [Bs,Ns,Sn,4]);
+    a compact schedule has no order (None) and its counts hold runs instead (schedule(), masks.tile_runs)."""
 
     q_pos: Any
     k_pos: Any
@@ -273,16 +275,60 @@ def allowed_in_tile(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_con
     return None if allowed is None else jnp.broadcast_to(allowed, (qp.shape[0], cfg.Sb))
 
 
-def visit(cfg, counts, order, body, state):
-    """body(kind, tile, state) over the scheduled tiles: one loop per kind, each with a static body.
-    counts(kind) / order(index) read the schedule's scalars."""
-    start = 0
+class Listed(NamedTuple):
+    """The general schedule of one program: its tiles sorted by kind, order(idx) the tile of step idx (WITH_MOD
+    ones first, then MASKED, then CLEAN), and counts(kind) how many of each (sorted_kinds' rows)."""
+
+    counts: Any  # kind -> int32 scalar
+    order: Any  # step -> int32 scalar
+
+    def count(self, kind):
+        return self.counts(kind)
+
+    def tile(self, kind, first, idx):
+        return self.order(first + idx)
+
+
+class Runs(NamedTuple):
+    """The compact schedule of one program (masks.tile_runs' row, read once): tiles a0 <= j < a1 are visited,
+    c0 <= j < c1 of them CLEAN (c0 = c1 = a1 when none is), the rest MASKED; no WITH_MOD tile. Steps go in
+    the order Listed's would: the MASKED tiles ascending ([a0, c0), then [c1, a1)), then the CLEAN ones."""
+
+    a0: Any
+    c0: Any
+    c1: Any
+    a1: Any
+
+    def count(self, kind):
+        if kind == MASKED:
+            return (self.c0 - self.a0) + (self.a1 - self.c1)
+        return self.c1 - self.c0 if kind == CLEAN else 0
+
+    def tile(self, kind, first, idx):
+        if kind == CLEAN:
+            return self.c0 + idx
+        return self.a0 + idx + jnp.where(idx < self.c0 - self.a0, 0, self.c1 - self.c0)  # past the clean run
+
+
+def schedule(row, order=None):
+    """The schedule a program walks (visit): row(k) reads its row of the counts array ([...,4]): the counts
+    of a Listed schedule with order(idx) its sorted tiles, or without order (None) the runs (a0, c0, c1, a1)
+    of a compact one (flash_gpu.schedules says which a call gets)."""
+    return Listed(row, order) if order is not None else Runs(*(row(k) for k in range(4)))
+
+
+def visit(cfg, steps, body, state):
+    """body(kind, tile, state) over the tiles a schedule (Listed or Runs) lists: one loop per kind, each with a
+    static body."""
+    first = 0
     for kind in (WITH_MOD, MASKED, CLEAN):
         if kind == WITH_MOD and cfg.mask_fn is None:
             continue
-        stop = start + counts(kind)
-        state = lax.fori_loop(start, stop, lambda idx, st, kind=kind: body(kind, order(idx), st), state)
-        start = stop
+        count = steps.count(kind)
+        state = lax.fori_loop(
+            0, count, lambda idx, st, kind=kind, first=first: body(kind, steps.tile(kind, first, idx), st), state
+        )
+        first = first + count
     return state
 
 
@@ -297,9 +343,9 @@ def load_consts(r, prefix, count):
 
 
 def key_tiles(cfg: Config, r, b, n, q, qp, q_seg, lengths, key_start=0):
-    """The partial (out, m, l) of rows q [Tb,H] over the key tiles r's schedule lists (r["counts"],
-    r["order"]; tile j holds keys key_start + j * Sb + 0..Sb-1 of the example, r["k"][j * Sb:...] of the
-    block)."""
+    """The partial (out, m, l) of rows q [Tb,H] over the key tiles r's schedule lists (schedule(): r["counts"]
+    and r["order"], or r["counts"] alone holding runs); tile j holds keys key_start + j * Sb + 0..Sb-1 of the
+    example, r["k"][j * Sb:...] of the block."""
     score_consts, mask_consts = load_consts(r, "score", len(cfg.score_grads)), load_consts(r, "mask", cfg.n_mask_consts)
 
     def key_tile(kind, j, state):
@@ -333,7 +379,9 @@ def key_tiles(cfg: Config, r, b, n, q, qp, q_seg, lengths, key_start=0):
         return merged
 
     state = empty_partial(((cfg.Tb, r["v"].shape[-1]),), (cfg.Tb,), accumulation_dtype(q.dtype))
-    return visit(cfg, lambda kind: r["counts"][kind], lambda idx: r["order"][idx], key_tile, state)
+    order = r.get("order")  # absent: the compact schedule's runs in r["counts"]
+    steps = schedule(lambda k: r["counts"][k], None if order is None else lambda idx: order[idx])
+    return visit(cfg, steps, key_tile, state)
 
 
 def forward_kernel(cfg: Config, r):
