@@ -197,18 +197,20 @@ def tile_runs(rule: MaskRule, query_pos, key_pos, length, query_block: int, key_
     args = (q_tiles.min(axis=1), q_tiles.max(axis=1), k_tiles.min(axis=1), k_tiles.max(axis=1), k_start, key_block)
     needed, full = tile_bounds(rule, *args, None if length is None else jnp.asarray(length))
     n, m = (Tn, Sn) if by_query else (Sn, Tn)  # n tiles searched for each of m
+    # The binary search unrolled (log2(n) steps): no while loop in the program (the kernels' lowering tests).
+    # jnp's unrolled scan of one step (n = 1) is still a while loop, so one tile compares instead ([m,1]).
+    method = "compare_all" if n == 1 else "scan_unrolled"
 
     def run(bounds):
         lo, hi = jnp.zeros((m,), jnp.int32), jnp.full((m,), n, jnp.int32)
         for bound in bounds:
             key, query = jnp.broadcast_to(bound.key, (Sn,)), jnp.broadcast_to(bound.query, (Tn,))
-            # a prefix of tiles ends at the count that pass; a suffix starts at the count that fail. The binary
-            # search unrolled: log2(n) steps, and no while loop in the program (the kernels' lowering tests)
+            # a prefix of tiles ends at the count that pass; a suffix starts at the count that fail
             if by_query:  # key <= query: a suffix of query tiles; key >= query: a prefix
-                end = jnp.searchsorted(query, key, side="right" if not bound.below else "left", method="scan_unrolled")
+                end = jnp.searchsorted(query, key, side="right" if not bound.below else "left", method=method)
                 prefix = not bound.below
             else:
-                end = jnp.searchsorted(key, query, side="right" if bound.below else "left", method="scan_unrolled")
+                end = jnp.searchsorted(key, query, side="right" if bound.below else "left", method=method)
                 prefix = bound.below
             if prefix:
                 hi = jnp.minimum(hi, end.astype(jnp.int32))
