@@ -182,13 +182,17 @@ CASES = [
     Case("t5 causal", T=4096, N=8, scheme="t5", options=CAUSAL, memory=PROGRAMS),
     Case("alibi causal", T=4096, N=8, K=2, scheme="alibi", options=CAUSAL, memory=PROGRAMS),
     # Shaw tables inside the GPU kernel (issue 34): q . A^K per query row and the sums of p by table row
-    # ([B,N,T,128] float32 each, and their gradients), gathered / added per tile at clip(j - i)
-    Case("shaw causal", T=4096, N=8, K=2, scheme="shaw", options=CAUSAL, platforms=("gpu",), memory=PROGRAMS),
-    Case("shaw causal 16k", T=16384, N=8, K=2, scheme="shaw", options=CAUSAL, platforms=("gpu",)),
+    # ([B,N,T,128] float32 each, and their gradients), gathered / added per tile at clip(j - i). TPU: the flex
+    # kernel's forward reads each tile's terms from the tables laid out along the band's offsets (strided rolls
+    # of lane windows, no gather); the XLA blockwise backward
+    Case("shaw causal", T=4096, N=8, K=2, scheme="shaw", options=CAUSAL, memory=PROGRAMS),
+    Case("shaw causal 16k", T=16384, N=8, K=2, scheme="shaw", options=CAUSAL),
     # DeBERTa's disentangled attention inside the GPU kernel (issue 35): an encoder (not causal), v3's tables
     # of 512 rows, both terms ([B,N,T,512] and [B,N,S,512] float32, and their gradients); grouped-query heads
-    # in the explicit case (the dk/dv kernel adds the p2c gradient for each query head of its key head)
-    Case("deberta", T=4096, N=8, K=2, H=64, scheme="deberta", platforms=("gpu",), memory=PROGRAMS),
+    # in the explicit case (the dk/dv kernel adds the p2c gradient for each query head of its key head). TPU:
+    # the flex kernel's forward as Shaw's (p2c: k . a window of the reversed position-query lanes per key
+    # tile), the XLA blockwise backward with both terms as a score_mod
+    Case("deberta", T=4096, N=8, K=2, H=64, scheme="deberta", memory=PROGRAMS),
     Case(
         "None deberta",
         T=4096,
@@ -196,7 +200,6 @@ CASES = [
         H=64,
         kernel="auto",
         scheme="deberta",
-        platforms=("gpu",),
         programs=FWD_BWD,
         memory=FWD_BWD,
     ),
@@ -207,7 +210,6 @@ CASES = [
         kernel="auto",
         scheme="shaw",
         options=CAUSAL,
-        platforms=("gpu",),
         programs=FWD_BWD,
         memory=FWD_BWD,
     ),

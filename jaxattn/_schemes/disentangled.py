@@ -297,13 +297,13 @@ def disentangled_attention(
     """
     implementation, interpret = options.pop("implementation", None), options.pop("interpret", False)
     check_implementation(implementation, interpret)
-    if implementation not in (None, "dense", "blockwise", "pallas_gpu") and (
+    if implementation not in (None, "dense", "blockwise", "pallas_gpu", "pallas_tpu") and (
         position_keys is not None or position_queries is not None
-    ):  # of the kernels, only the Pallas GPU one takes the two table terms
+    ):  # of the kernels, our Pallas GPU and TPU ones take the two table terms
         checks.fail(
             "position_keys / queries",
-            f"not in use with implementation={implementation!r} (the XLA engines and the Pallas GPU kernel "
-            "compute them; use implementation=None, 'dense', 'blockwise' or 'pallas_gpu')",
+            f"not in use with implementation={implementation!r} (the XLA engines and our Pallas kernels "
+            "compute them; use implementation=None, 'dense', 'blockwise', 'pallas_gpu' or 'pallas_tpu')",
             "in use",
         )
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
