@@ -307,7 +307,13 @@ CI_FIRST = {
     "llama": ("forward", "decode"),
 }
 CI_SECOND = {"causal H256 GQA 4/2": FWD_BWD, "full f32": FWD_BWD, "None causal": FWD_BWD, "t5 causal": FWD_BWD}
-CI = {"h100": CI_FIRST, "v5e": CI_FIRST, "a100": CI_SECOND, "v6e": CI_SECOND}
+# The first TPU: the flex kernel's Shaw and DeBERTa table terms compiled in its forward. A gradient-only program
+# holds no forward kernel on a TPU (its gradient is the XLA engine's, which recomputes its own forward, so XLA
+# drops the kernel's unused output): there "shaw causal", "None shaw" and "None deberta" compile the engine alone
+# (the full grid keeps them).
+CI_TPU = {name: p for name, p in CI_FIRST.items() if name not in ("None shaw", "None deberta")}
+CI_TPU.update({"shaw causal": ("forward",), "deberta": ("forward",)})
+CI = {"h100": CI_FIRST, "v5e": CI_TPU, "a100": CI_SECOND, "v6e": CI_SECOND}
 
 # Programs that do not compile today, each with (a fragment of) its error: (target regex, case, program).
 # A failure not listed here fails CI; so does a listed one that now compiles.

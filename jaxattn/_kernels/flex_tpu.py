@@ -1,6 +1,7 @@
 """Our Pallas TPU kernel for what splash attention cannot express: score_mod, mask_mod and a BlockMask
-(flex_attention), and T5's / ALiBi's position bias (an OffsetBias), with every other option of the Pallas GPU
-kernel beside them. Forward only; a gradient runs the XLA blockwise engine's backward.
+(flex_attention), T5's / ALiBi's position bias (an OffsetBias), Shaw's tables (shaw / clipped / Transformer-XL
+attention) and DeBERTa's (RowTables), with every other option of the Pallas GPU kernel beside them. Forward
+only; a gradient runs the XLA blockwise engine's backward.
 
 The kernel body is the Pallas GPU kernel's forward (tile_body.forward_kernel: one (b, n, query tile), a
 loop over the key tiles its schedule lists, score_mod / mask_mod / softcap / the mask rule per tile, sinks,
@@ -20,6 +21,18 @@ contiguous range of its Tb + Sb - 1 diagonals, and its bias is a Toeplitz matrix
 one lane-aligned load of the slice, broadcast over the tile's rows, and a strided roll (row r rotated by one
 more than row r - 1) that puts each row's diagonals in place (toeplitz_tile). Calls with positions of their
 own (T5 with query_positions) have no contiguous offsets per tile and are refused.
+
+Position tables (docs/kernels.md, "Position tables on a TPU"). The GPU kernel gathers q . A^K per query row at
+each pair's column and scatter-adds p by column; neither lowers here. Instead each table is laid out along the
+offsets of its band (TableLanes: lane e holds the row of offset lo - M + e, M = Tb + Sb - 1 lanes of edge rows
+on each side, so a tile outside the band reads edge rows from a clamped start), [N|1,E,H] per table:
+    key term    qx = q . key lanes^T once per program ([Tb,E] VMEM scratch); a tile's window of it rolled
+                into the tile's diagonals (diagonals: rows that differ, the stride-1 roll of toeplitz_tile)
+    p2c         DeBERTa's per-key-row term: k . a window of the reversed query lanes per tile, rolled per key
+                row and transposed
+    value term  the tile's p rolled back onto its offsets (undiagonals: stride W - 1, -1 modulo W) times a
+                window of the value lanes, added to p v before the merge
+The default positions only, as for the bias.
 
 Tiles 128 x 128 (the TPU lane width; a BlockMask's own tiles when they are multiples of 128), head dims
 padded to a multiple of 128, T and S padded inside. The whole key axis of one head sits in VMEM (with its

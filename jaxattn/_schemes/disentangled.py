@@ -290,10 +290,12 @@ def disentangled_attention(
     return_weights, query/key_positions or logit_softcap there), "pallas_gpu" (the Pallas GPU kernel: q . Kr
     per query row and k . Qr per key row computed outside it, picked per tile at the pair's row through an
     int32 map of the offsets (row_tables); ValueError naming an option it cannot express: mask, bias,
-    dropout, return_weights, tables over 1024 rows), or None: on CUDA the kernel where it expresses the
+    dropout, return_weights, tables over 1024 rows), "pallas_tpu" (our Pallas TPU kernel's forward, both
+    terms read from the tables laid out along the offsets, the blockwise engine's backward; refuses positions
+    of the call's own and logit_softcap by name), or None: on CUDA / TPU that kernel where it expresses the
     call, else (and on every other platform) blockwise where it takes the call, T x S reaches
     dot_product_attention's threshold and S exceeds the table's rows, else dense. interpret: with
-    "pallas_gpu", Pallas' interpreter (any platform).
+    "pallas_gpu" / "pallas_tpu", Pallas' interpreter (any platform).
     """
     implementation, interpret = options.pop("implementation", None), options.pop("interpret", False)
     check_implementation(implementation, interpret)
