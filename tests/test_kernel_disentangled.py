@@ -174,13 +174,15 @@ BF16_TOLERANCES = (5e-3, 8e-3)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu"])
 @pytest.mark.parametrize("name", ["small p2c only", "no buckets causal lengths"])
-def test_kernel_in_bf16_within_the_envelope(name):
+def test_kernel_in_bf16_within_the_envelope(name, implementation):
     (q, k, v, kr, qr), kw, w = _setup(name)
     kw.pop("precision")
     f = _fn(kr is not None, qr is not None, **kw)
     args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [x for x in (kr, qr) if x is not None]
-    out, grads = _value_and_grads(lambda *a: f(*a, implementation="pallas_gpu", interpret=True), args, w)
+    with jax.enable_x64(implementation != "pallas_tpu"):  # the TPU kernel: x64 off (it indexes in int32)
+        out, grads = _value_and_grads(lambda *a: f(*a, implementation=implementation, interpret=True), args, w)
     assert out.dtype == jnp.bfloat16
     with jax.enable_x64(True):
         wide = [np.asarray(x, np.float64) for x in args]
@@ -191,7 +193,8 @@ def test_kernel_in_bf16_within_the_envelope(name):
 
 
 @pytest.mark.slow
-def test_under_vmap_and_grad():
+@pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu"])
+def test_under_vmap_and_grad(implementation):
     """vmap over a batch axis the kernel does not see, inside jit and grad, both terms: against the dense engine
     in float64."""
     (q, k, v, kr, qr), kw, w = _setup("small p2c only")
@@ -205,8 +208,9 @@ def test_under_vmap_and_grad():
         return g
 
     args = (q, k, v, kr, qr)
+    with jax.enable_x64(implementation != "pallas_tpu"):  # the TPU kernel: x64 off (it indexes in int32)
+        got, got_grads = _value_and_grads(vmapped(implementation=implementation, interpret=True), args, w)
     with jax.enable_x64(True):
-        got, got_grads = _value_and_grads(vmapped(implementation="pallas_gpu", interpret=True), args, w)
         want, want_grads = _value_and_grads(
             vmapped(implementation="dense"), [np.asarray(x, np.float64) for x in args], w
         )

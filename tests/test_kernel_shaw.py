@@ -201,12 +201,14 @@ BF16_TOLERANCES = (5e-3, 8e-3)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu"])
 @pytest.mark.parametrize("name", ["shaw both causal", "clipped asymmetric"])
-def test_kernel_in_bf16_within_the_envelope(name):
+def test_kernel_in_bf16_within_the_envelope(name, implementation):
     (q, k, v), (kt, vt), clip, options, w = _setup(name)
     f, tables = _scheme(clip, kt, vt, **options)
     args = (*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), *tables)
-    out, grads = _value_and_grads(lambda *a: f(*a, implementation="pallas_gpu", interpret=True), args, w)
+    with jax.enable_x64(False) if implementation == "pallas_tpu" else contextlib.nullcontext():
+        out, grads = _value_and_grads(lambda *a: f(*a, implementation=implementation, interpret=True), args, w)
     assert out.dtype == jnp.bfloat16
     wide = tuple(np.asarray(x, np.float64) for x in args)
     want, want_grads = _value_and_grads(lambda *a: f(*a, implementation="dense"), wide, w)
