@@ -5,8 +5,9 @@ every attention function resolves its `implementation=` through. It sits above t
     "dense"       one [...,N,T,S] array (every option)
     "blockwise"   O(T + S) tiles (no mask, bias, return_weights or dropout: they span [T,S])
     "pallas_gpu"  the Pallas flash-attention kernel for GPUs (jaxattn._kernels.pallas_gpu)
-    "pallas_tpu"  TPU splash attention (jaxattn._kernels.splash_tpu); with score_mod, mask_mod, a BlockMask or
-                  a T5 / ALiBi / window bias our Pallas TPU kernel (jaxattn._kernels.flex_tpu, forward; XLA's backward)
+    "pallas_tpu"  TPU splash attention (jaxattn._kernels.splash_tpu); with score_mod, mask_mod, a BlockMask,
+                  a T5 / ALiBi / window bias or Shaw / DeBERTa tables our Pallas TPU kernel
+                  (jaxattn._kernels.flex_tpu, forward; XLA's backward)
     "cudnn"       cuDNN through jax.nn.dot_product_attention (jaxattn._kernels.cudnn)
     None          per platform, at lowering time (jax.lax.platform_dependent): on CPU (and ROCm, and any
                   other platform) the XLA engines, blockwise when nothing needs the grid and one head's

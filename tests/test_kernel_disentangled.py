@@ -61,12 +61,14 @@ CASES = {
         (-1, 7),
         "per head",
         "per head",
-        dict(is_causal=True, key_value_seq_lengths=np.array([37, 20])),
+        # int32 lengths: one program traced with jax_enable_x64 off (the TPU kernel) and on (the references)
+        dict(is_causal=True, key_value_seq_lengths=np.array([37, 20], np.int32)),
     ),
     # positions of their own (the band is the saturation's [-M, M]) and softcap (caps scale * (q.k + c2p + p2c))
     "positions softcap": ((2, 19, 23, 6, 3, 5, 7), (6, 9), "shared", "per head", dict(positions=True, softcap=2.5)),
 }
 DEFAULT_CASE = "v3 both"
+TPU_DEFAULT_CASE = "no buckets causal lengths"  # both terms, tiles past the band both ways, per-head tables
 
 
 def _setup(name, seed=0):
@@ -117,14 +119,16 @@ def _value_and_grads(f, args, w):
     return out, grads
 
 
-def _check(name):
+def _check(name, implementation="pallas_gpu"):
     (q, k, v, kr, qr), kw, w = _setup(name)
     f = _fn(kr is not None, qr is not None, **kw)
     args = [x for x in (q, k, v, kr, qr) if x is not None]
-    kernel = lambda *a: f(*a, implementation="pallas_gpu", interpret=True)  # noqa: E731
+    kernel = lambda *a: f(*a, implementation=implementation, interpret=True)  # noqa: E731
     dense = lambda *a: f(*a, implementation="dense")  # noqa: E731
-    with jax.enable_x64(True):
+    # the Pallas TPU kernel indexes in int32: it runs with jax_enable_x64 off (its float32 is all it takes)
+    with jax.enable_x64(implementation != "pallas_tpu"):
         got, got_grads = _value_and_grads(kernel, args, w)
+    with jax.enable_x64(True):
         args64 = [np.asarray(x, np.float64) for x in args]
         want, want_grads = _value_and_grads(dense, args64, w)
         if CASES[name][0] == LOOP_SHAPES and not set(kw) - {"position_buckets", "max_relative_positions", "precision"}:
@@ -148,6 +152,21 @@ def test_kernel_matches_the_float64_references(name):
     _check(name)
 
 
+@pytest.mark.parametrize(
+    "name",
+    [
+        n if n == TPU_DEFAULT_CASE else pytest.param(n, marks=pytest.mark.slow)
+        for n in CASES
+        if n != "positions softcap"
+    ],
+)  # positions of their own: refused (no contiguous offsets per tile)
+def test_tpu_kernel_matches_the_float64_references(name):
+    """flex_tpu's forward (c2p: a window of q . the mapped key rows' lanes rolled into the tile's diagonals;
+    p2c: k . a window of the reversed query rows' lanes, rolled per key row and transposed) and its gradient,
+    the XLA blockwise backward with both terms as a score_mod (row_tables.as_score_mod), into Kr and Qr."""
+    _check(name, implementation="pallas_tpu")
+
+
 # bf16 inputs (the tables float32) against the float64 dense engine on the same rounded numbers, within the
 # contract suite's bf16 bars (as tests/test_kernel_shaw.py's). Measured on the two cases below: outputs <= 2.1e-3
 # (the dense engine in bf16: 2.5e-3), gradients of q, k, v and the tables <= 3.5e-3 (dense 3.3e-3).
@@ -155,13 +174,15 @@ BF16_TOLERANCES = (5e-3, 8e-3)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu"])
 @pytest.mark.parametrize("name", ["small p2c only", "no buckets causal lengths"])
-def test_kernel_in_bf16_within_the_envelope(name):
+def test_kernel_in_bf16_within_the_envelope(name, implementation):
     (q, k, v, kr, qr), kw, w = _setup(name)
     kw.pop("precision")
     f = _fn(kr is not None, qr is not None, **kw)
     args = [jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)] + [x for x in (kr, qr) if x is not None]
-    out, grads = _value_and_grads(lambda *a: f(*a, implementation="pallas_gpu", interpret=True), args, w)
+    with jax.enable_x64(implementation != "pallas_tpu"):  # the TPU kernel: x64 off (it indexes in int32)
+        out, grads = _value_and_grads(lambda *a: f(*a, implementation=implementation, interpret=True), args, w)
     assert out.dtype == jnp.bfloat16
     with jax.enable_x64(True):
         wide = [np.asarray(x, np.float64) for x in args]
@@ -172,7 +193,8 @@ def test_kernel_in_bf16_within_the_envelope(name):
 
 
 @pytest.mark.slow
-def test_under_vmap_and_grad():
+@pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu"])
+def test_under_vmap_and_grad(implementation):
     """vmap over a batch axis the kernel does not see, inside jit and grad, both terms: against the dense engine
     in float64."""
     (q, k, v, kr, qr), kw, w = _setup("small p2c only")
@@ -186,8 +208,9 @@ def test_under_vmap_and_grad():
         return g
 
     args = (q, k, v, kr, qr)
+    with jax.enable_x64(implementation != "pallas_tpu"):  # the TPU kernel: x64 off (it indexes in int32)
+        got, got_grads = _value_and_grads(vmapped(implementation=implementation, interpret=True), args, w)
     with jax.enable_x64(True):
-        got, got_grads = _value_and_grads(vmapped(implementation="pallas_gpu", interpret=True), args, w)
         want, want_grads = _value_and_grads(
             vmapped(implementation="dense"), [np.asarray(x, np.float64) for x in args], w
         )
@@ -216,8 +239,8 @@ def test_rows_saturate_at_the_kernels_band(buckets):
 
 def test_what_the_kernels_refuse():
     """The GPU kernel takes the terms beside its other options, refuses the full-grid ones by name (explicit)
-    and falls back under None; the split-key and TPU kernels refuse them; other kernels named refuse the
-    tables."""
+    and falls back under None; the split-key kernel refuses them, the TPU kernel positions of their own, a
+    softcap beside them and a band over flex_tpu.MAX_BAND offsets; other kernels named refuse the tables."""
     (q, k, v, kr, qr), kw, _ = _setup(DEFAULT_CASE)
     kw = {key: kw[key] for key in ("position_buckets", "max_relative_positions")}
     with pytest.raises(ValueError, match="mask: expected not in use with implementation='pallas_gpu'"):
@@ -232,7 +255,13 @@ def test_what_the_kernels_refuse():
     call = AttentionCall(row_tables=rows)
     assert flash_gpu.unsupported(call, x, x, x) is None
     assert decode_gpu.decode_unsupported(call, x, x, x, True) == "row_tables"
-    assert flex_tpu.unsupported(call, x, x, x, True) == "row_tables"
+    with jax.enable_x64(False):  # the TPU kernel refuses 64-bit mode by name
+        assert flex_tpu.unsupported(call, x, x, x, True) is None
+        assert flex_tpu.unsupported(call.replace(logit_softcap=2.0), x, x, x, True).startswith("logit_softcap")
+        far = RowTables(table, table, jnp.zeros(flex_tpu.MAX_BAND + 1, jnp.int32), 0, flex_tpu.MAX_BAND, 8)
+        assert flex_tpu.unsupported(AttentionCall(row_tables=far), x, x, x, True).startswith("position_keys")
+    positions = flex_tpu.unsupported(call.replace(query_positions=jnp.arange(7)), x, x, x, True)
+    assert positions.startswith("query_positions (with position tables")
     wide = RowTables(table, None, jnp.zeros(5, jnp.int32), -2, 2, 2 * offset_tables.MAX_COLUMNS)
     assert flash_gpu.unsupported(AttentionCall(row_tables=wide), x, x, x).startswith("position_keys / position_queries")
 

@@ -240,3 +240,30 @@ def test_relative_bias_lowers_to_the_tpu_kernel(scheme):
     text = lowered(forward, q, params, platform="tpu")
     assert 'name = "jaxattn_flex_tpu_forward"' in text
     assert_fused(text, "tpu", T, T)
+
+
+@pytest.mark.parametrize("scheme", ["shaw", pytest.param("deberta", marks=pytest.mark.slow), "transformer-xl"])
+def test_position_tables_lower_to_the_tpu_kernel(scheme):
+    """Shaw's tables, DeBERTa-v3's (buckets 256 / 512) and Transformer-XL's (through its Shaw form) in the tiles
+    of our Pallas TPU kernel, implementation=None on a TPU, forward: its Mosaic call, no [T,S] value, no XLA
+    tile loop (whether Mosaic compiles the tiles' rolls: .ci/compile_targets.py, "shaw causal" / "deberta")."""
+    N, H = 8, 128
+    q = jax.ShapeDtypeStruct((1, T, N, H), jnp.bfloat16)
+    rows = {"shaw": 129, "deberta": 512, "transformer-xl": 300}[scheme]
+    table = jax.ShapeDtypeStruct((rows, N, H), jnp.float32)
+
+    def forward(q, table):
+        if scheme == "shaw":
+            return jaxattn.shaw_relative_attention(q, q, q, table, table, max_distance=64, is_causal=True)
+        if scheme == "deberta":
+            return jaxattn.disentangled_attention(
+                q, q, q, table, table, position_buckets=256, max_relative_positions=512
+            )
+        bias = jnp.ones((N, H), jnp.bfloat16)  # u and v in the inputs' dtype
+        return jaxattn.transformer_xl_attention(
+            q, q, q, table, max_left=rows - 1, pos_bias_u=bias, pos_bias_v=bias, is_causal=True
+        )
+
+    text = lowered(forward, q, table, platform="tpu")
+    assert 'name = "jaxattn_flex_tpu_forward"' in text
+    assert_fused(text, "tpu", T, T)

@@ -18,12 +18,14 @@ forward+backward.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 from test_positions import N as XL_HEADS, xl_loop
 
 import jaxattn
@@ -137,13 +139,15 @@ def _value_and_grads(f, args, w):
     return run(*args)
 
 
-def _check(name):
+def _check(name, implementation="pallas_gpu"):
     (q, k, v), (kt, vt), clip, options, w = _setup(name)
     T, N, S = q.shape[-3], q.shape[-2], k.shape[-3]
     f, tables = _scheme(clip, kt, vt, **options)
     args = (q, k, v, *tables)
 
-    out, grads = _value_and_grads(lambda *a: f(*a, implementation="pallas_gpu", interpret=True), args, w)
+    # the Pallas TPU kernel indexes in int32: it runs with jax_enable_x64 off (its float32 is all it takes)
+    with jax.enable_x64(False) if implementation == "pallas_tpu" else contextlib.nullcontext():
+        out, grads = _value_and_grads(lambda *a: f(*a, implementation=implementation, interpret=True), args, w)
     assert out.dtype == jnp.float32
 
     # the float64 loop: A^K / A^V = the tables at clip(j - i, -left, right) + left, one pair at a time
@@ -179,6 +183,17 @@ def test_kernel_matches_the_float64_loop(name):
     _check(name)
 
 
+@pytest.mark.parametrize(
+    "name",
+    [n if n == DEFAULT_CASE else pytest.param(n, marks=pytest.mark.slow) for n in CASES if n != "shaw positions"],
+)  # positions of their own: refused (no contiguous offsets per tile)
+def test_tpu_kernel_matches_the_float64_loop(name):
+    """flex_tpu's forward (each tile's key term a window of q . the tables' lanes rolled into its diagonals,
+    the value term p rolled back onto the offsets times a window of the value lanes) and its gradient, the
+    XLA blockwise backward, into both tables too (closure-converted out of the call)."""
+    _check(name, implementation="pallas_tpu")
+
+
 # bf16 inputs (the tables float32) against the float64 dense engine on the same rounded numbers, measured on the
 # two cases below: outputs <= 1.8e-3 (the dense engine in bf16: 1.75e-3), gradients of q, k, v and the tables
 # <= 3.5e-3 (dense 3.2e-3). The envelope: the contract suite's bf16 bars.
@@ -186,12 +201,14 @@ BF16_TOLERANCES = (5e-3, 8e-3)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu"])
 @pytest.mark.parametrize("name", ["shaw both causal", "clipped asymmetric"])
-def test_kernel_in_bf16_within_the_envelope(name):
+def test_kernel_in_bf16_within_the_envelope(name, implementation):
     (q, k, v), (kt, vt), clip, options, w = _setup(name)
     f, tables = _scheme(clip, kt, vt, **options)
     args = (*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), *tables)
-    out, grads = _value_and_grads(lambda *a: f(*a, implementation="pallas_gpu", interpret=True), args, w)
+    with jax.enable_x64(False) if implementation == "pallas_tpu" else contextlib.nullcontext():
+        out, grads = _value_and_grads(lambda *a: f(*a, implementation=implementation, interpret=True), args, w)
     assert out.dtype == jnp.bfloat16
     wide = tuple(np.asarray(x, np.float64) for x in args)
     want, want_grads = _value_and_grads(lambda *a: f(*a, implementation="dense"), wide, w)
@@ -213,9 +230,10 @@ def test_the_default_case_has_one_column_tiles_and_mixed_ones():
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu"])
 @pytest.mark.parametrize("per_head, is_causal", [(True, True), (False, False)])
-def test_transformer_xl_takes_the_kernel(per_head, is_causal):
-    """Transformer-XL's shaw_form (doubled head dim, a key table [0, P]) runs in the kernel unchanged."""
+def test_transformer_xl_takes_the_kernel(per_head, is_causal, implementation):
+    """Transformer-XL's shaw_form (doubled head dim, a key table [0, P]) runs in the kernels unchanged."""
     B, T, S, N, K, H, Hv, max_left = 2, 19, 23, XL_HEADS, 3, 5, 7, 22
     R = max_left + 5
     rng = np.random.default_rng(7)
@@ -231,7 +249,8 @@ def test_transformer_xl_takes_the_kernel(per_head, is_causal):
         )
 
     args = (q, k, v, P, u, vb)
-    out, grads = _value_and_grads(lambda *a: f(*a, implementation="pallas_gpu", interpret=True), args, w)
+    with jax.enable_x64(False) if implementation == "pallas_tpu" else contextlib.nullcontext():
+        out, grads = _value_and_grads(lambda *a: f(*a, implementation=implementation, interpret=True), args, w)
     keys = np.asarray(P, np.float64) if per_head else np.broadcast_to(np.asarray(P, np.float64)[:, None], (R, N, H))
     want = xl_loop(q, k, v, keys, u, vb, max_left, is_causal)
     assert normwise(out, want) <= OUT_TOL
@@ -243,7 +262,8 @@ def test_transformer_xl_takes_the_kernel(per_head, is_causal):
 
 
 @pytest.mark.slow
-def test_under_vmap_and_grad():
+@pytest.mark.parametrize("implementation", ["pallas_gpu", "pallas_tpu"])
+def test_under_vmap_and_grad(implementation):
     """vmap over a batch axis the kernel does not see, inside jit and vjp, a key and a value table: against the
     dense engine in float64."""
     (q, k, v), (kt, vt), clip, options, w = _setup("shaw value only")
@@ -257,11 +277,54 @@ def test_under_vmap_and_grad():
         return g
 
     args = (q, k, v, *tables)
-    got, got_grads = _value_and_grads(vmapped("pallas_gpu", interpret=True), args, w)
+    with jax.enable_x64(False) if implementation == "pallas_tpu" else contextlib.nullcontext():
+        got, got_grads = _value_and_grads(vmapped(implementation, interpret=True), args, w)
     want, want_grads = _value_and_grads(vmapped("dense"), [np.asarray(x, np.float64) for x in args], w)
     assert normwise(got, want) <= OUT_TOL
     for g, e in zip(got_grads, want_grads, strict=True):
         assert normwise(g, e) <= GRAD_TOL
+
+
+def test_tpu_diagonals_and_their_inverse_against_numpy():
+    """flex_tpu.diagonals: tile[r, c] = lanes[r, offset + R - 1 - r + c] (rows that differ: QA's lanes), and
+    undiagonals, its inverse: out[r, offset + R - 1 - r + c] = tile[r, c] (the strided roll of stride W - 1),
+    for offsets at both ends of a lane tile, on the interpreter's tiles and a TPU's, in the interpreter (the
+    Mosaic lowering: .ci/compile_targets.py's "shaw causal")."""
+    from jax.experimental import pallas as pl
+
+    rng = np.random.default_rng(3)
+    for R, C in ((16, 16), (128, 128), (16, 40)):
+        W = flex_tpu.window(R, C)
+        offsets = np.array([0, 1, 77, 127], np.int32)
+        lanes = rng.normal(size=(R, W)).astype(np.float32)
+        tile = rng.normal(size=(R, C)).astype(np.float32)
+
+        def kernel(offset_ref, lanes_ref, tile_ref, diag_ref, undiag_ref, C=C, W=W):
+            offset = offset_ref[pl.program_id(0)]
+            diag_ref[...] = flex_tpu.diagonals(lanes_ref[...], offset, C)
+            undiag_ref[...] = flex_tpu.undiagonals(tile_ref[...], offset, W)
+
+        grid = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=1,
+            grid=(len(offsets),),
+            in_specs=[pl.BlockSpec((R, W), lambda j, *_: (0, 0)), pl.BlockSpec((R, C), lambda j, *_: (0, 0))],
+            out_specs=[
+                pl.BlockSpec((None, R, C), lambda j, *_: (j, 0, 0)),
+                pl.BlockSpec((None, R, W), lambda j, *_: (j, 0, 0)),
+            ],
+        )
+        shapes = [jax.ShapeDtypeStruct((len(offsets), R, C), jnp.float32)]
+        shapes.append(jax.ShapeDtypeStruct((len(offsets), R, W), jnp.float32))
+        with jax.enable_x64(False):
+            diag, undiag = pl.pallas_call(kernel, grid_spec=grid, out_shape=shapes, interpret=True)(
+                jnp.asarray(offsets), jnp.asarray(lanes), jnp.asarray(tile)
+            )
+        r, c = np.mgrid[:R, :C]
+        for got, got_inverse, offset in zip(np.asarray(diag), np.asarray(undiag), offsets, strict=True):
+            np.testing.assert_array_equal(got, lanes[r, offset + R - 1 - r + c])
+            want = np.zeros((R, W), np.float32)
+            want[r, offset + R - 1 - r + c] = tile
+            np.testing.assert_array_equal(got_inverse, want)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -291,8 +354,11 @@ def test_what_the_kernels_refuse():
         assert refusal(flash_gpu, **tables, max_distance=3) is None
         assert refusal(decode_gpu, **tables, max_distance=3) is None  # decode_gpu.unsupported is the flash kernel's
         assert decode_gpu.decode_unsupported(AttentionCall(**tables, max_distance=3), q, k, v, True) in tables
-        for interpret in (False, True):  # Mosaic: no gather from a ref, no scatter-add
-            assert refusal(flex_tpu, interpret, **tables, max_distance=3) in tables
+        for interpret in (False, True):  # the TPU kernel: the default positions' contiguous offsets only
+            with jax.enable_x64(False):  # (it refuses 64-bit mode by name)
+                assert refusal(flex_tpu, interpret, **tables, max_distance=3) is None
+            positions = refusal(flex_tpu, interpret, **tables, max_distance=3, key_positions=jnp.arange(7))
+            assert positions.startswith("key_positions (with position tables")
     # a band wider than MAX_COLUMNS rows: positions of their own reach all 2 m + 1 of them
     m = offset_tables.MAX_COLUMNS
     wide = dict(key_table=jnp.zeros((2 * m + 1, 4)), max_distance=m, query_positions=jnp.arange(7))

@@ -20,7 +20,7 @@ import pytest
 
 import jaxattn
 from jaxattn._core.call import AttentionCall
-from jaxattn._kernels import cudnn
+from jaxattn._kernels import cudnn, flex_tpu, splash_tpu
 from tests.helpers import normwise
 
 B, T, S, N, K, H, Hv = 2, 37, 53, 6, 3, 13, 11
@@ -109,11 +109,17 @@ def test_per_pair_tables_are_refused_by_a_kernel_by_name(x64_off, implementation
         )
 
 
-def test_shaw_tables_are_refused_by_splash(x64_off):
+def test_shaw_tables_go_to_the_flex_kernel_not_splash(x64_off):
+    """Splash has no tables: "pallas_tpu" hands them to our flex TPU kernel (tests/test_kernel_shaw.py), which
+    refuses positions of the call's own by name."""
     q, k, v = qkv()
-    with pytest.raises(ValueError, match="^key_table.*'pallas_tpu'"):
+    table = np.zeros((9, H), np.float32)
+    call = AttentionCall(key_table=table, max_distance=4)
+    assert splash_tpu.unsupported(call, q, k, v, True) is not None
+    assert flex_tpu.wanted(call) and flex_tpu.unsupported(call, q, k, v, True) is None
+    with pytest.raises(ValueError, match="^key_positions.*'pallas_tpu'"):
         jaxattn.shaw_relative_attention(
-            q, k, v, np.zeros((9, H), np.float32), max_distance=4, implementation="pallas_tpu", interpret=True
+            q, k, v, table, max_distance=4, key_positions=np.arange(S), implementation="pallas_tpu", interpret=True
         )
 
 

@@ -12,6 +12,8 @@ key row outside its tiles, and picks both at each pair's row (the Pallas GPU ker
 
 The XLA engines never receive a call with one: the scheme computes the same terms there from the same two
 products, per_row_logits and per_key_logits (below: their one home, for the schemes and the kernels alike).
+A kernel whose gradient is an XLA engine's (flex_tpu) hands that engine both terms as a score_mod
+(as_score_mod).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import dataclasses
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True, eq=False)  # eq=False: holds arrays; hashed by identity like a closure
@@ -63,3 +66,33 @@ def per_key_logits(key, table, N, precision, acc_dtype):
             "...skh,rkgh->...kgsr", key, grouped, precision=precision, preferred_element_type=acc_dtype
         )
     return per_head.reshape(*per_head.shape[:-4], N, S, table.shape[0])
+
+
+def as_score_mod(tables: RowTables, query, key, scale, precision, acc_dtype, user_mod=None):
+    """score_mod(score, b, n, t, s) adding scale * (q_t . key_rows[row] + k_s . query_rows[row]) at the
+    default positions (query row t at position t + S - T, key row s at s; b: the flattened batch entry),
+    then user_mod: both terms for an XLA engine (blockwise.tiled) from per-row scores [B,N,T,R] / [B,N,S,R],
+    never [T,S]. Rows past T / S (padded tiles) read clipped rows, their pairs discarded by the engine."""
+    *batch, T, N, _ = query.shape
+    S = key.shape[-3]
+    B = int(np.prod(batch, dtype=np.int64))
+
+    def flat(scores):  # [...,N,L,R] -> [B,N,L,R]
+        return jnp.broadcast_to(scores, (*batch, *scores.shape[-3:])).reshape(B, *scores.shape[-3:])
+
+    per_query = per_key = None
+    if tables.key_rows is not None:
+        per_query = flat(per_row_logits(query, tables.key_rows, precision, acc_dtype) * scale)
+    if tables.query_rows is not None:
+        per_key = flat(per_key_logits(key, tables.query_rows, N, precision, acc_dtype) * scale)
+    row_of_offset = jnp.asarray(tables.row_of_offset, jnp.int32)
+
+    def score_mod(score, b, n, t, s):
+        row = row_of_offset[jnp.clip(s - t, tables.lo, tables.hi) - tables.lo]
+        if per_query is not None:
+            score = score + per_query[b, n, jnp.clip(t - (S - T), 0, T - 1), row]
+        if per_key is not None:
+            score = score + per_key[b, n, jnp.clip(s, 0, S - 1), row]
+        return score if user_mod is None else user_mod(score, b, n, t, s)
+
+    return score_mod

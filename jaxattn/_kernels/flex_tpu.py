@@ -1,6 +1,7 @@
 """Our Pallas TPU kernel for what splash attention cannot express: score_mod, mask_mod and a BlockMask
-(flex_attention), and T5's / ALiBi's position bias (an OffsetBias), with every other option of the Pallas GPU
-kernel beside them. Forward only; a gradient runs the XLA blockwise engine's backward.
+(flex_attention), T5's / ALiBi's position bias (an OffsetBias), Shaw's tables (shaw / clipped / Transformer-XL
+attention) and DeBERTa's (RowTables), with every other option of the Pallas GPU kernel beside them. Forward
+only; a gradient runs the XLA blockwise engine's backward.
 
 The kernel body is the Pallas GPU kernel's forward (tile_body.forward_kernel: one (b, n, query tile), a
 loop over the key tiles its schedule lists, score_mod / mask_mod / softcap / the mask rule per tile, sinks,
@@ -30,6 +31,18 @@ entry. So it is gathered once outside the kernel, at the scheme's own index of e
 pair (pair_bias_of_grid), and each tile reads its [Tb,Sb] slice. Bounded: N x Tp x Sp float32 within
 MAX_PAIR_BIAS_BYTES (this path is for windows, not long sequences; longer calls fall back to XLA).
 
+Position tables (docs/kernels.md, "Position tables on a TPU"). The GPU kernel gathers q . A^K per query row at
+each pair's column and scatter-adds p by column; neither lowers here. Instead each table is laid out along the
+offsets of its band (TableLanes: lane e holds the row of offset lo - M + e, M = Tb + Sb - 1 lanes of edge rows
+on each side, so a tile outside the band reads edge rows from a clamped start), [N|1,E,H] per table:
+    key term    qx = q . key lanes^T once per program ([Tb,E] VMEM scratch); a tile's window of it rolled
+                into the tile's diagonals (diagonals: rows that differ, the stride-1 roll of toeplitz_tile)
+    p2c         DeBERTa's per-key-row term: k . a window of the reversed query lanes per tile, rolled per key
+                row and transposed
+    value term  the tile's p rolled back onto its offsets (undiagonals: stride W - 1, -1 modulo W) times a
+                window of the value lanes, added to p v before the merge
+The default positions only, as for the bias.
+
 Tiles 128 x 128 (the TPU lane width; a BlockMask's own tiles when they are multiples of 128), head dims
 padded to a multiple of 128, T and S padded inside. The whole key axis of one head sits in VMEM (with its
 double buffer), so S x (H + Hv) is bounded (MAX_KEY_BYTES); longer calls fall back to the XLA engine.
@@ -44,7 +57,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -53,7 +66,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .._core import checks, mods
+from .._core import checks, mods, row_tables
 from .._core.call import INDEX_ARRAYS, AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.offset_bias import OffsetBias, TableBias, of_rows
@@ -70,7 +83,12 @@ MAX_BIAS_ROWS = 2**20  # one head's position-bias rows in VMEM (float32, about T
 # kernel's block [Tb,Sp] is at most 128 x 2048 x 4 = 1 MiB of VMEM (doubled by the pipeline).
 MAX_PAIR_BIAS_BYTES = 16 * 2**20
 # The options only this kernel takes on TPU (splash takes every other call it can express).
-FLEX_OPTIONS = ("score_mod", "mask_mod", "block_mask", "position_bias")
+FLEX_OPTIONS = ("score_mod", "mask_mod", "block_mask", "position_bias", "key_table", "value_table", "row_tables")
+# The widest band of offsets whose table rows differ (hi - lo + 1) the kernel lays out per head: with the
+# margins, E lanes of up to 2048 + 4 tiles, so the [Tb,E] float32 q . key rows (1.5 MiB at Tb = 128) and each
+# table's [E,H] block fit VMEM beside the keys. Shaw's tables reach at most offset_tables.MAX_COLUMNS rows (the
+# Pallas GPU kernel's refusal, which this kernel shares); DeBERTa's log buckets reach far more offsets than rows.
+MAX_BAND = 2048
 
 
 def wanted(call: AttentionCall) -> bool:
@@ -102,11 +120,9 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
         return f"{name} (with a position bias: the TPU kernel builds a tile's bias from its contiguous offsets)"
     if call.position_bias is not None and np.shape(query)[-3] + np.shape(key)[-3] > MAX_BIAS_ROWS:
         return f"position_bias (T + S over {MAX_BIAS_ROWS}: one head's bias rows must fit VMEM)"
-    # Shaw / DeBERTa tables: the GPU kernel gathers their per-row terms at j - i and scatter-adds by column,
-    # as above.
-    for name in ("key_table", "value_table", "row_tables"):
-        if getattr(call, name) is not None:
-            return name
+    problem = tables_refusal(call)
+    if problem is not None:
+        return problem
     # In the interpreter too: the kernel's index arithmetic mixes int32 and int64 there (a TypeError inside
     # the kernel otherwise), as splash's does.
     if jax.config.read("jax_enable_x64"):
@@ -164,6 +180,24 @@ def pair_bias_refusal(call: AttentionCall, query, key) -> Optional[str]:
     )
 
 
+def tables_refusal(call: AttentionCall) -> Optional[str]:
+    """None when the kernel lays out the call's Shaw tables or RowTables (none, or those of the default
+    positions within MAX_BAND offsets; DeBERTa's without logit_softcap); else what refuses them, by name."""
+    if not call.has_tables and call.row_tables is None:
+        return None
+    if not flash_gpu.default_positions(call):  # a tile's offsets are contiguous only for the default positions
+        name = "query_positions" if call.query_positions is not None else "key_positions"
+        return f"{name} (with position tables: the TPU kernel reads a tile's rows at its contiguous offsets)"
+    tables = call.row_tables
+    if tables is None:
+        return None
+    if call.logit_softcap is not None:  # the gradient's engine adds DeBERTa's terms as a score_mod, after it
+        return "logit_softcap (beside DeBERTa's position tables)"
+    if tables.hi - tables.lo + 1 > MAX_BAND:
+        return f"position_keys / position_queries ({tables.hi - tables.lo + 1} offsets of distinct rows > {MAX_BAND})"
+    return None
+
+
 class _Row:
     """A [1,L] block read and written as [L] (TPU blocks are two-dimensional; the kernel reads rows)."""
 
@@ -211,8 +245,15 @@ def toeplitz_tile(row, start, Tb: int, Sb: int):
     W = window(Tb, Sb)
     aligned = pl.multiple_of(lax.div(start, LANES) * LANES, LANES)  # start >= 0: lax.div floors
     lanes = jnp.broadcast_to(row[0, pl.ds(aligned, W)][None, :], (Tb, W))
-    shift = W - (Tb - 1) - (start - aligned)  # in 1..W: the roll takes no negative shift
-    return pltpu.roll(lanes, shift, 1, stride=1, stride_axis=0)[:, :Sb]
+    return diagonals(lanes, start - aligned, Sb)
+
+
+def diagonals(lanes, offset, C: int):
+    """[R,C]: tile[r, c] = lanes[r, offset + (R - 1 - r) + c] of lanes [R,W] (offset in 0..W - R - C + 1,
+    traced): each row rolled along the lanes by W - (R - 1) - offset plus r (pltpu.roll's stride; in 1..W + R:
+    the roll takes no negative shift), rolled[r, c] = lanes[r, (c + (R - 1 - r) + offset) mod W]."""
+    R, W = lanes.shape
+    return pltpu.roll(lanes, W - (R - 1) - offset, 1, stride=1, stride_axis=0)[:, :C]
 
 
 def offset_rows_of_grid(p: flash_gpu.Prepared, S: int):
@@ -243,10 +284,137 @@ def pair_bias_of_grid(p: flash_gpu.Prepared):
     return jnp.take(p.side.offset_bias, pairs, axis=-1)
 
 
-def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None):
+# ---------------------------------------------------------------------------------------------------
+# Shaw's / DeBERTa's tables (module docstring, "Position tables"): the tables' rows laid out along the offsets
+# of a band, and a tile's terms read from a window of them by a strided roll.
+
+
+class TableLanes(NamedTuple):
+    """Static: the offsets lo..hi whose table rows differ (the band; clipping j - i to it is exact), laid out
+    one offset per lane with a margin of M = Tb + Sb - 1 lanes (the offsets one tile spans) on each side:
+    lane e holds offset lo - M + e (a reversed layout: hi + M - e), L = hi - lo + 1 + 2 M lanes, E padded
+    (the window a tile loads from any start up to L - M stays inside). A tile's offsets lie in one window
+    of M lanes; a tile wholly outside the band starts at the margin (clamped), whose lanes all hold the edge
+    row: its terms are then exact too, with no branch."""
+
+    lo: int
+    hi: int
+    Tb: int
+    Sb: int
+    key_rows: bool  # q . A^K per query row (Shaw's key table, DeBERTa's c2p): r["key_rows"], r["qx"]
+    query_rows: bool  # k . Q^r per key row (DeBERTa's p2c), reversed lanes: r["query_rows"]
+    value_rows: bool  # sum_s p A^V (Shaw's value table): r["value_rows"]
+
+    @property
+    def M(self) -> int:
+        return self.Tb + self.Sb - 1
+
+    @property
+    def L(self) -> int:
+        return self.hi - self.lo + 1 + 2 * self.M
+
+    @property
+    def E(self) -> int:
+        return -(-self.L // LANES) * LANES + window(self.Tb, self.Sb)
+
+    def offsets(self, reverse=False):
+        """int32 [L]: the offset of each lane, clipped to the band (the row beyond it is the edge's)."""
+        e = np.arange(self.L)
+        d = self.hi + self.M - e if reverse else self.lo - self.M + e
+        return jnp.asarray(np.clip(d, self.lo, self.hi), jnp.int32)
+
+    def starts(self, i, j, T: int, S: int):
+        """(start, reversed start): the first lane of tile (i, j)'s window in each layout, traced. Its
+        offsets d = j Sb + c - i Tb - r - (S - T) run from dmin (r = Tb - 1, c = 0) to dmax = dmin + M - 1."""
+        dmin = j * self.Sb - i * self.Tb - (self.Tb - 1) - (S - T)
+        clamp = lambda x: jnp.clip(x, 0, self.L - self.M)  # noqa: E731  outside the band: the margins
+        return clamp(dmin - (self.lo - self.M)), clamp(self.hi + self.M - (dmin + self.M - 1))
+
+
+def table_lanes(rows, table, width: int, E: int):
+    """[Nt,E,width] float: table [R,(N,)F] at int32 rows [L] (one per lane), heads first (Nt = N, or 1 for a
+    shared table), zeros past L lanes and F features."""
+    picked = jnp.take(table, rows, axis=0)
+    picked = picked[:, None] if picked.ndim == 2 else picked
+    picked = jnp.swapaxes(picked, 0, 1)
+    return jnp.pad(picked, ((0, 0), (0, E - picked.shape[1]), (0, width - picked.shape[2])))
+
+
+def call_lanes(call: AttentionCall, tables: dict, Tb: int, Sb: int, T: int, S: int, Hp: int, Hvp: int, dtype):
+    """(TableLanes, {name: [Nt,E,Hp|Hvp]}) of a call's Shaw tables or RowTables (tables: their arrays by
+    name, as attention passes them to the kernel), in the compute dtype `dtype`."""
+    if call.row_tables is not None:  # DeBERTa's: the row of an offset from the scheme's map
+        rt = call.row_tables
+        lanes = TableLanes(rt.lo, rt.hi, Tb, Sb, rt.key_rows is not None, rt.query_rows is not None, False)
+        row = lambda d: jnp.take(tables["row_of_offset"], d - rt.lo)  # noqa: E731
+    else:  # Shaw's: offset d reads row d + max_distance
+        band = flash_gpu.tables_band(call, T, S)
+        lanes = TableLanes(band.lo, band.hi, Tb, Sb, "key_table" in tables, False, "value_table" in tables)
+        row = lambda d: d + band.max_distance  # noqa: E731
+    out = {}
+    for name, source, width, reverse in (
+        ("key_rows", tables.get("key_table", tables.get("key_rows")), Hp, False),
+        ("query_rows", tables.get("query_rows"), Hp, True),
+        ("value_rows", tables.get("value_table"), Hvp, False),
+    ):
+        if source is not None:
+            out[name] = table_lanes(row(lanes.offsets(reverse)), source.astype(dtype), width, lanes.E)
+    return lanes, out
+
+
+def undiagonals(tile, offset, W: int):
+    """[R,W]: diagonals' inverse, out[r, offset + (R - 1 - r) + c] = tile[r, c] (zeros elsewhere): row r
+    rolled right by offset + R - 1 - r, one lane less per row: a stride of W - 1, which is -1 modulo W
+    (pltpu.roll takes no negative stride; the rotation of row r is offset + R - 1 + r (W - 1))."""
+    R, C = tile.shape
+    padded = jnp.concatenate([tile, jnp.zeros((R, W - C), tile.dtype)], axis=1)
+    return pltpu.roll(padded, offset + R - 1, 1, stride=W - 1, stride_axis=0)
+
+
+def add_table_terms(cfg, r, lanes: TableLanes, i, T: int, S: int):
+    """Sets r's hooks for tile_body.key_tiles (query tile i): r["table_logits_of_tile"](j, k), the key terms
+    of tile (i, j) [Tb,Sb] (QA's window rolled into its diagonals, and DeBERTa's p2c: k . a window of the
+    reversed query rows, rolled per key row and transposed), and r["table_values_of_tile"](j, p), the value
+    term sum_s p[t, s] A^V[c(t, s)] [Tb,Hvp] (p moved to the offsets by the inverse roll, times a window of
+    the value rows). r["qx"] must hold q . key_rows^T for the tile's rows (fill_query_rows)."""
+    W = window(cfg.Tb, cfg.Sb)
+    aligned = lambda start: pl.multiple_of(lax.div(start, LANES) * LANES, LANES)  # noqa: E731
+
+    def logits(j, k):
+        start, reverse = lanes.starts(i, j, T, S)
+        term = None
+        if lanes.key_rows:
+            a = aligned(start)
+            term = diagonals(r["qx"][:, pl.ds(a, W)], start - a, cfg.Sb)
+        if lanes.query_rows:  # per key row c, lanes r: offsets d0 + c - r, increasing lanes in the reversed layout
+            a = aligned(reverse)
+            by_key = tile_body.dot(k.astype(jnp.float32), r["query_rows"][pl.ds(a, W), :], cfg, (1, 1))
+            by_key = diagonals(by_key, reverse - a, cfg.Tb).T
+            term = by_key if term is None else term + by_key
+        return term
+
+    def values(j, p):
+        start, _ = lanes.starts(i, j, T, S)
+        a = aligned(start)
+        return tile_body.dot(undiagonals(p, start - a, W), r["value_rows"][pl.ds(a, W), :], cfg)
+
+    if lanes.key_rows or lanes.query_rows:
+        r["table_logits_of_tile"] = logits
+    if lanes.value_rows:
+        r["table_values_of_tile"] = values
+
+
+def fill_query_rows(cfg, r):
+    """r["qx"] = q . key_rows^T, [Tb,E] float32: every offset lane's key-table term for the tile's query rows,
+    once per program (the key tiles read windows of it)."""
+    r["qx"][...] = tile_body.dot(r["q"][...].astype(jnp.float32), r["key_rows"][...], cfg, (1, 1))
+
+
+def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tables=None):
     """tile_body.forward_kernel on the TPU layout: (out [B,Tp,N,Hvp], lse [B,N,Tp]) as the GPU kernel's
     (S: the call's key length, for a position bias's offsets; pair_bias: a table bias's [B|1,N,Tp,Sp],
-    pair_bias_of_grid, read instead of the offsets' rows)."""
+    pair_bias_of_grid, read instead of the offsets' rows; tables: (TableLanes, {name: [Nt,E,F]}) of Shaw's or
+    DeBERTa's tables, call_lanes, or None)."""
     cfg, side = p.cfg, p.side
     q = jnp.swapaxes(p.q, 1, 2)  # [B,N,Tp,Hp]
     k, v = jnp.swapaxes(p.k, 1, 2), jnp.swapaxes(p.v, 1, 2)
@@ -292,6 +460,14 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None):
         rows_of_grid, batched = offset_rows_of_grid(p, S), cfg.offset_bias[1]
         E = rows_of_grid.shape[-1]
         inputs["offset_bias"] = (rows_of_grid, spec((None, None, 1, E), lambda b, n, i: (pick(batched, b), n, 0, 0)))
+    scratch = {}
+    if tables is not None:
+        lanes, arrays = tables
+        for name, x in arrays.items():  # one head's lanes (or the shared table's), [E,F]
+            heads = x.shape[0] > 1
+            inputs[name] = (x, spec((None, *x.shape[1:]), lambda b, n, i, heads=heads: (pick(heads, n), 0, 0)))
+        if lanes.key_rows:
+            scratch["qx"] = pltpu.VMEM((cfg.Tb, lanes.E), jnp.float32)
     acc_dtype = accumulation_dtype(q.dtype)
     outputs = {
         "out": (
@@ -303,7 +479,7 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None):
             spec((None, None, 1, cfg.Tb), lambda b, n, i: (b, n, 0, i)),
         ),
     }
-    names = tuple(scalars) + tuple(inputs) + tuple(outputs)
+    names = tuple(scalars) + tuple(inputs) + tuple(outputs) + tuple(scratch)
 
     def kernel(*refs):
         r = dict(zip(names, refs))
@@ -321,6 +497,10 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None):
             )
         if "pair_bias" in r:  # key tile j's columns, an aligned dynamic slice as k and v are read
             r["offset_bias_of_tile"] = lambda j: r["pair_bias"][:, pl.ds(pl.multiple_of(j * cfg.Sb, cfg.Sb), cfg.Sb)]
+        if tables is not None:
+            if tables[0].key_rows:
+                fill_query_rows(cfg, r)
+            add_table_terms(cfg, r, tables[0], i, p.T, S)
         tile_body.forward_kernel(cfg, r)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -328,6 +508,7 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None):
         grid=(B, N, cfg.Tn),
         in_specs=[s for _, s in inputs.values()],
         out_specs=[s for _, s in outputs.values()],
+        scratch_shapes=list(scratch.values()),
     )
     out, lse = pl.pallas_call(
         kernel,
@@ -370,6 +551,9 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     if table_bias:
         bias_rows = lax.stop_gradient(jnp.asarray(call.position_bias.table))
     blocks = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else (LANES, LANES)
+    # What the kernel reads of Shaw's tables or DeBERTa's, by name: inputs it does not differentiate, as the
+    # bias rows (their gradient is the engine's, through the closure conversion below)
+    table_arrays = jax.tree.map(lax.stop_gradient, position_tables(call, query, key, value))
 
     # The call's index arrays and BlockMask are inputs too (with zero cotangents): a custom VJP that closed
     # over them would capture the tracers of an enclosing trace (jit of grad of an eager-compiled call).
@@ -390,43 +574,76 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
                 query_positions=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (*batch, T)),
                 key_positions=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (*batch, S)),
             )
-        return blockwise.tiled(with_inputs(sinks, consts, indices), query, key, value)
+        inner = with_inputs(sinks, consts, indices)
+        if call.row_tables is not None:  # DeBERTa's terms: no XLA engine takes RowTables; as a score_mod
+            scale = query.shape[-1] ** -0.5 if call.scale is None else call.scale
+            acc_dtype = accumulation_dtype(query.dtype)
+            score_mod = row_tables.as_score_mod(
+                call.row_tables, query, key, scale, call.precision, acc_dtype, inner.score_mod
+            )
+            inner = inner.replace(row_tables=None, score_mod=score_mod)
+        return blockwise.tiled(inner, query, key, value)
 
-    # A position bias closes over its table or slopes: closure conversion of the engine's attention turns
-    # them into explicit inputs, differentiated by the engine's backward with the scheme's own formula (its
-    # memory as the engine's: a gather from the rows, T + S of them for ALiBi, took a TPU far more).
+    # A position bias closes over its table or slopes, the call over Shaw's or DeBERTa's tables: closure
+    # conversion of the engine's attention turns them into explicit inputs, differentiated by the engine's
+    # backward with the scheme's own formula (its memory as the engine's: a gather from the rows, T + S of
+    # them for ALiBi, took a TPU far more).
     engine_consts = ()
-    if call.position_bias is not None:
+    if call.position_bias is not None or table_arrays:
         engine, engine_consts = jax.closure_convert(engine, query, key, value, call.sinks, consts, indices)
 
     @jax.custom_vjp
-    def run(query, key, value, sinks, consts, engine_consts, bias_rows, indices):
+    def run(query, key, value, sinks, consts, engine_consts, bias_rows, table_arrays, indices):
         inner = with_inputs(sinks, consts, indices)
         if offsets is not None:
             inner = inner.replace(position_bias=of_rows(bias_rows, *offsets))  # the same bias, from its rows
         if table_bias:  # the same bias, from the input table
             inner = inner.replace(position_bias=dataclasses.replace(call.position_bias, table=bias_rows))
+        # the tables reach the kernel as table_arrays' lanes (call_lanes), not through prepare's per-row arrays
+        inner = inner.replace(key_table=None, value_table=None, max_distance=None, row_tables=None)
         p = flash_gpu.prepare(
             inner, query, key, value, interpret, blocks=blocks, head_multiple=None if interpret else LANES
         )
-        out, lse = _forward(p, S, interpret, pair_bias_of_grid(p) if table_bias else None)
+        tables = None
+        if table_arrays:
+            Hp, Hvp = p.q.shape[-1], p.v.shape[-1]
+            acc_dtype = accumulation_dtype(query.dtype)
+            tables = call_lanes(call, table_arrays, p.cfg.Tb, p.cfg.Sb, T, S, Hp, Hvp, acc_dtype)
+        out, lse = _forward(p, S, interpret, pair_bias_of_grid(p) if table_bias else None, tables)
         return flash_gpu.finish(p, out, lse, inner.return_lse)
 
     def run_fwd(*args):
         return run(*args), args
 
     def run_bwd(args, cotangent):  # the XLA blockwise engine's backward (it recomputes its own forward)
-        *differentiable, bias_rows, indices = args
+        *differentiable, bias_rows, table_arrays, indices = args
         grads = jax.vjp(
             lambda query, key, value, sinks, consts, engine_consts: engine(
                 query, key, value, sinks, consts, indices, *engine_consts
             ),
             *differentiable,
         )[1](cotangent)
-        return (*grads, jax.tree.map(_zero_cotangent, bias_rows), jax.tree.map(_zero_cotangent, indices))
+        zeros = (jax.tree.map(_zero_cotangent, x) for x in (bias_rows, table_arrays, indices))
+        return (*grads, *zeros)
 
     run.defvjp(run_fwd, run_bwd)
-    return run(query, key, value, call.sinks, consts, tuple(engine_consts), bias_rows, indices)
+    return run(query, key, value, call.sinks, consts, tuple(engine_consts), bias_rows, table_arrays, indices)
+
+
+def position_tables(call: AttentionCall, query, key, value) -> dict:
+    """The arrays of a call's Shaw tables (checked, in the compute dtype: key_table / value_table) or RowTables
+    (key_rows / query_rows and the int32 row_of_offset), by name; {} without tables."""
+    acc_dtype = accumulation_dtype(query.dtype)
+    if call.has_tables:
+        N, H, Hv = query.shape[-2], query.shape[-1], value.shape[-1]
+        checked = blockwise.check_tables(call.key_table, call.value_table, call.max_distance, N, H, Hv, acc_dtype)
+        return {name: x for name, x in zip(("key_table", "value_table"), checked[:2]) if x is not None}
+    tables = call.row_tables
+    if tables is None:
+        return {}
+    arrays = {"key_rows": tables.key_rows, "query_rows": tables.query_rows}
+    arrays = {name: jnp.asarray(x, acc_dtype) for name, x in arrays.items() if x is not None}
+    return dict(arrays, row_of_offset=jnp.asarray(tables.row_of_offset, jnp.int32))
 
 
 def _zero_cotangent(x):

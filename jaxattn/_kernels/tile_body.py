@@ -11,6 +11,8 @@
         (out, m, l) = combine_partials((out, m, l), partial of x over the allowed pairs, v_j)
         P[t, c(j - i)] += p  (Shaw's value term: per-row sums of p by table row, rescaled as out is)
       out_i = out / l (sinks folded in), lse_i = m + log l, P_i = P / l (offset_tables adds P @ value_table)
+    flex_tpu builds the table terms of a tile itself, without a gather or a scatter: r["table_logits_of_tile"](j, k)
+    in place of QA's pick (plus the per-key-row term), r["table_values_of_tile"](j, p) added to the tile's p v.
 
 Every rule is _core's: which pairs may attend (masks.allowed_pairs, on the tile's positions), the schedule's
 order of key tiles (WITH_MOD tiles, then MASKED, then CLEAN, then skipped ones: a list of tiles sorted by kind,
@@ -356,6 +358,9 @@ def key_tiles(cfg: Config, r, b, n, q, qp, q_seg, lengths, key_start=0):
         key_term = (
             None if cfg.tables is None else table_logits(cfg, r, column, tile_rows(cfg), tile_keys(cfg, j * cfg.Sb))
         )
+        build_term = r.get("table_logits_of_tile")  # a kernel's own construction, (j, k) -> [Tb,Sb] (flex_tpu)
+        if build_term is not None:
+            key_term = build_term(j, k)
         x = capped_logits(cfg, q, k, key_term)
         if cfg.offset_bias is not None:  # the position bias: after softcap, before score_mod
             build = r.get("offset_bias_of_tile")  # a kernel's own construction, j -> [Tb,Sb] (flex_tpu: no gather)
@@ -367,6 +372,9 @@ def key_tiles(cfg: Config, r, b, n, q, qp, q_seg, lengths, key_start=0):
         m = jnp.max(x, axis=-1)
         p = jnp.exp(x - jnp.where(jnp.isfinite(m), m, 0)[:, None])  # masked: exp(-inf) = 0
         out = dot(p.astype(v.dtype), v, cfg)
+        add_values = r.get("table_values_of_tile")  # a kernel's own value term, (j, p) -> sum_s p A^V (flex_tpu)
+        if add_values is not None:
+            out = out + add_values(j, p)
         merged = combine_partials(state, ((out,), m, jnp.sum(p, axis=-1)))
         if value_term_in(cfg):  # the value term's sums, rescaled as combine_partials rescales out
             old = rescale(state[1], merged[1])

@@ -290,20 +290,22 @@ def disentangled_attention(
     return_weights, query/key_positions or logit_softcap there), "pallas_gpu" (the Pallas GPU kernel: q . Kr
     per query row and k . Qr per key row computed outside it, picked per tile at the pair's row through an
     int32 map of the offsets (row_tables); ValueError naming an option it cannot express: mask, bias,
-    dropout, return_weights, tables over 1024 rows), or None: on CUDA the kernel where it expresses the
+    dropout, return_weights, tables over 1024 rows), "pallas_tpu" (our Pallas TPU kernel's forward, both
+    terms read from the tables laid out along the offsets, the blockwise engine's backward; refuses positions
+    of the call's own and logit_softcap by name), or None: on CUDA / TPU that kernel where it expresses the
     call, else (and on every other platform) blockwise where it takes the call, T x S reaches
     dot_product_attention's threshold and S exceeds the table's rows, else dense. interpret: with
-    "pallas_gpu", Pallas' interpreter (any platform).
+    "pallas_gpu" / "pallas_tpu", Pallas' interpreter (any platform).
     """
     implementation, interpret = options.pop("implementation", None), options.pop("interpret", False)
     check_implementation(implementation, interpret)
-    if implementation not in (None, "dense", "blockwise", "pallas_gpu") and (
+    if implementation not in (None, "dense", "blockwise", "pallas_gpu", "pallas_tpu") and (
         position_keys is not None or position_queries is not None
-    ):  # of the kernels, only the Pallas GPU one takes the two table terms
+    ):  # of the kernels, our Pallas GPU and TPU ones take the two table terms
         checks.fail(
             "position_keys / queries",
-            f"not in use with implementation={implementation!r} (the XLA engines and the Pallas GPU kernel "
-            "compute them; use implementation=None, 'dense', 'blockwise' or 'pallas_gpu')",
+            f"not in use with implementation={implementation!r} (the XLA engines and our Pallas kernels "
+            "compute them; use implementation=None, 'dense', 'blockwise', 'pallas_gpu' or 'pallas_tpu')",
             "in use",
         )
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
