@@ -468,7 +468,7 @@ def _whole(x):
     return x, pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
-def _row_inputs(cfg, side, Hp, Hvp):
+def row_inputs(cfg, side, Hp, Hvp):
     """Inputs shared by the forward and dq kernels (grid b, n, i): positions, lengths, segments, consts,
     the forward schedule; q / k / v specs."""
     G = cfg.N // cfg.K
@@ -516,6 +516,52 @@ def _row_inputs(cfg, side, Hp, Hvp):
     return inputs, specs
 
 
+def key_tile_inputs(cfg, side, q, k, v, d_out, lse, delta):
+    """The dk/dv kernel's inputs on grid (b, key head h, key tile j) besides the terms' own: every query row of
+    the G query heads of h (q, d_out, lse, delta, positions, segments), the key tile (k, v, positions,
+    segments), lengths, the transposed schedule and the score_mod / mask_mod consts."""
+    Tp, G = q.shape[1], q.shape[2] // v.shape[2]
+    Hp, Hvp = q.shape[-1], v.shape[-1]
+    bq, bk, bs, bl, bsched = cfg.batched
+    heads = G if cfg.head_kinds else 1
+    inputs = {
+        "q": (q, pl.BlockSpec((None, Tp, G, Hp), lambda b, h, j: (b, 0, h, 0))),
+        "do": (d_out, pl.BlockSpec((None, Tp, G, Hvp), lambda b, h, j: (b, 0, h, 0))),
+        "lse": (lse, pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))),
+        "delta": (delta, pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))),
+        "k": (k, pl.BlockSpec((None, cfg.Sb, None, Hp), lambda b, h, j: (b, j, h, 0))),
+        "v": (v, pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0))),
+        "q_pos": (side.q_pos, pl.BlockSpec((None, Tp), lambda b, h, j: (pick(bq, b), 0))),
+        "k_pos": (side.k_pos, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bk, b), j))),
+        "lengths": None
+        if side.lengths is None
+        else (side.lengths, pl.BlockSpec((None,), lambda b, h, j: (pick(bl, b),))),
+        "q_seg": None
+        if side.q_seg is None
+        else (side.q_seg, pl.BlockSpec((None, Tp), lambda b, h, j: (pick(bs, b), 0))),
+        "k_seg": None
+        if side.k_seg is None
+        else (side.k_seg, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bs, b), j))),
+        "t_order": (
+            side.t_order,
+            pl.BlockSpec((None, heads, None, cfg.Tn), lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0)),
+        ),
+        "t_counts": (
+            side.t_counts,
+            pl.BlockSpec((None, heads, None, 4), lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0)),
+        ),
+    }
+    inputs.update({f"score{c}": _whole(x) for c, x in enumerate(side.score_consts)})
+    inputs.update({f"mask{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
+    return inputs
+
+
+def sinks_grad(sinks, lse, delta):
+    """d loss / d sinks [B,N] from the saved lse and delta [B,N,Tp]: d out_t / d sink = -p_sink[t] out_t, so
+    d sink = -sum_t p_sink[t] delta_t."""
+    return -jnp.sum(jnp.exp(sinks[..., None] - lse) * delta, axis=-1).astype(sinks.dtype)
+
+
 def _row_block(cfg, x):
     """The BlockSpec of a per-query-row array [B,N,Tp,Dp] (Shaw's row_bias, row_sums) on grid (b, n, i)."""
     return pl.BlockSpec((None, None, cfg.Tb, x.shape[-1]), lambda b, n, i: (b, n, i, 0))
@@ -526,7 +572,7 @@ def _forward(cfg, q, k, v, side):
     compute dtype: Shaw's value term, or None)."""
     B, Tp, N, Hp = q.shape
     Hvp = v.shape[-1]
-    inputs, specs = _row_inputs(cfg, side, Hp, Hvp)
+    inputs, specs = row_inputs(cfg, side, Hp, Hvp)
     inputs.update(q=(q, specs["q"]), k=(k, specs["k"]), v=(v, specs["v"]))
     if side.sinks is not None:
         inputs["sinks"] = (side.sinks, pl.BlockSpec((None, None), lambda b, n, i: (b, n)))
@@ -572,7 +618,7 @@ def _flash_bwd(cfg, res, cotangents):
         d_row_sums = d_row_sums.astype(acc_dtype)
         delta = delta + jnp.sum(row_sums * d_row_sums, axis=-1)
 
-    inputs, specs = _row_inputs(cfg, side, Hp, Hvp)
+    inputs, specs = row_inputs(cfg, side, Hp, Hvp)
     inputs.update(
         q=(q, specs["q"]),
         k=(k, specs["k"]),
@@ -615,37 +661,7 @@ def _flash_bwd(cfg, res, cotangents):
     d_row_bias = d_floats.pop() if side.row_bias is not None else None
     d_offset_bias = d_floats.pop() if side.offset_bias is not None else None
 
-    bq, bk, bs, bl, bsched = cfg.batched
-    heads = G if cfg.head_kinds else 1
-    kv_inputs = {
-        "q": (q, pl.BlockSpec((None, Tp, G, Hp), lambda b, h, j: (b, 0, h, 0))),
-        "do": (d_out, pl.BlockSpec((None, Tp, G, Hvp), lambda b, h, j: (b, 0, h, 0))),
-        "lse": (lse, pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))),
-        "delta": (delta, pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))),
-        "k": (k, pl.BlockSpec((None, cfg.Sb, None, Hp), lambda b, h, j: (b, j, h, 0))),
-        "v": (v, pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0))),
-        "q_pos": (side.q_pos, pl.BlockSpec((None, Tp), lambda b, h, j: (pick(bq, b), 0))),
-        "k_pos": (side.k_pos, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bk, b), j))),
-        "lengths": None
-        if side.lengths is None
-        else (side.lengths, pl.BlockSpec((None,), lambda b, h, j: (pick(bl, b),))),
-        "q_seg": None
-        if side.q_seg is None
-        else (side.q_seg, pl.BlockSpec((None, Tp), lambda b, h, j: (pick(bs, b), 0))),
-        "k_seg": None
-        if side.k_seg is None
-        else (side.k_seg, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bs, b), j))),
-        "t_order": (
-            side.t_order,
-            pl.BlockSpec((None, heads, None, cfg.Tn), lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0)),
-        ),
-        "t_counts": (
-            side.t_counts,
-            pl.BlockSpec((None, heads, None, 4), lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0)),
-        ),
-    }
-    kv_inputs.update({f"score{c}": _whole(x) for c, x in enumerate(side.score_consts)})
-    kv_inputs.update({f"mask{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
+    kv_inputs = key_tile_inputs(cfg, side, q, k, v, d_out, lse, delta)
     if side.offset_bias is not None:  # the rows of the G query heads of key head h: [G,D]
         batched, D = cfg.offset_bias[1], side.offset_bias.shape[-1]
         kv_inputs["offset_bias"] = (
@@ -681,9 +697,7 @@ def _flash_bwd(cfg, res, cotangents):
         cfg, _dkv_kernel, (B, K, cfg.Sn), kv_inputs, kv_outputs, "jaxattn_flash_dkv", kv_aliases
     )
 
-    d_sinks = None
-    if side.sinks is not None:  # d out_t / d sink = -p_sink[t] out_t, so d sink = -sum_t p_sink[t] delta_t
-        d_sinks = -jnp.sum(jnp.exp(side.sinks[..., None] - lse) * delta, axis=-1).astype(side.sinks.dtype)
+    d_sinks = None if side.sinks is None else sinks_grad(side.sinks, lse, delta)
     it = iter(d_floats)
     d_score = tuple(
         jnp.sum(next(it), axis=(0, 1, 2)).astype(c.dtype) if g else None
