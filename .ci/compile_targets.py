@@ -68,6 +68,7 @@ EXPECTED_CALLS = {
     ("h100", "None swin"): "__gpu$xla.gpu.triton",  # cuDNN has no position bias: ours, not XLA
     ("h100", "None shaw"): "__gpu$xla.gpu.triton",  # cuDNN refuses the tables; our kernel, not the XLA engines
     ("h100", "None deberta"): "__gpu$xla.gpu.triton",  # as Shaw's: DeBERTa's tables in our kernel
+    ("h100", "None relative pairs"): "__gpu$xla.gpu.triton",  # per-pair tables in our kernel (cuDNN refuses them)
 }
 PROGRAMS = ("forward", "forward+backward")
 # O(T + S): temp(2T, 2S) <= 2 temp(T, S) + LINEAR_SLACK. The slack is for small quadratic bookkeeping: the
@@ -185,6 +186,21 @@ CASES = [
     # ([B,N,T,128] float32 each, and their gradients), gathered / added per tile at clip(j - i)
     Case("shaw causal", T=4096, N=8, K=2, scheme="shaw", options=CAUSAL, platforms=("gpu",), memory=PROGRAMS),
     Case("shaw causal 16k", T=16384, N=8, K=2, scheme="shaw", options=CAUSAL, platforms=("gpu",)),
+    # relative_attention's per-pair tables inside the GPU kernel (issue 34): the tables are inputs of O(T S H)
+    # (bf16, per-head A^K and a shared A^V, differentiated), read per [16,32] tile 16 features at a time; their
+    # gradients added from the dq kernel with atomics. 1024 x 1024 keeps the tables at 512 + 128 MiB.
+    Case("relative pairs", T=1024, N=4, K=2, H=64, scheme="pairs", options=CAUSAL, platforms=("gpu",)),
+    Case(
+        "None relative pairs",
+        T=1024,
+        N=4,
+        H=64,
+        kernel="auto",
+        scheme="pairs",
+        options=CAUSAL,
+        platforms=("gpu",),
+        programs=FWD_BWD,
+    ),
     # DeBERTa's disentangled attention inside the GPU kernel (issue 35): an encoder (not causal), v3's tables
     # of 512 rows, both terms ([B,N,T,512] and [B,N,S,512] float32, and their gradients); grouped-query heads
     # in the explicit case (the dk/dv kernel adds the p2c gradient for each query head of its key head)
@@ -363,6 +379,9 @@ def attention_program(case: Case, platform: str, program: str, scale: int):
     if case.scheme == "shaw":
         floats["key_table"] = jax.ShapeDtypeStruct((2 * SHAW_DISTANCE + 1, N, H), jnp.float32)
         floats["value_table"] = jax.ShapeDtypeStruct((2 * SHAW_DISTANCE + 1, Hv), jnp.float32)
+    elif case.scheme == "pairs":  # per-pair tables: per-head A^K [T,S,N,H] and shared A^V [T,S,1,Hv]
+        floats["rel_key"] = jax.ShapeDtypeStruct((T, S, N, H), dtype)
+        floats["rel_value"] = jax.ShapeDtypeStruct((T, S, 1, Hv), dtype)
     elif case.scheme == "deberta":
         for name in ("position_keys", "position_queries"):
             floats[name] = jax.ShapeDtypeStruct((2 * DEBERTA_BUCKETS["position_buckets"], N, H), jnp.float32)
@@ -398,6 +417,8 @@ def attention_program(case: Case, platform: str, program: str, scale: int):
         if case.scheme == "shaw":
             kt, vt = floats["key_table"], floats["value_table"]
             return jaxattn.shaw_relative_attention(q, k, v, kt, vt, max_distance=SHAW_DISTANCE, **options)
+        if case.scheme == "pairs":
+            return jaxattn.relative_attention(q, k, v, floats["rel_key"], floats["rel_value"], **options)
         if case.scheme == "deberta":
             kr, qr = floats["position_keys"], floats["position_queries"]
             return jaxattn.disentangled_attention(q, k, v, kr, qr, **DEBERTA_BUCKETS, **options)
