@@ -7,7 +7,9 @@ q, k, v and both tables <= 1e-5 against the dense engine in float64 (whose forwa
 1e-12), normwise. Every axis its own size, T != S, lengths that are not multiples of the interpreter's 16-wide
 tiles, head dims padded to 8 (two of the interpreter's 4-wide feature chunks), grouped-query heads, per-head and
 shared tables, key table only, value table only, causal and not, key lengths, positions of their own, window /
-softcap / sinks beside the tables. The default group runs one case forward and backward; the others are slow.
+softcap / sinks beside the tables; one batch entry (the per-head table's gradient stored by the program that
+owns each pair, the causally skipped tiles as zeros) and several (added atomically). The default group runs
+one case forward and backward; the others are slow.
 
 Lowered for CUDA (nothing compiled): implementation=None takes the kernel (its three Triton calls, no
 [B,N,T,S] value, no XLA tile loop).
@@ -32,6 +34,9 @@ OUT_TOL, GRAD_TOL = 1e-6, 1e-5
 # name: (batch, T, S, N, K, H, Hv, key table heads, value table heads, options)
 # heads: "per head" ([T,S,N,F]), "shared" ([T,S,1,F]) or None (no table)
 CASES = {
+    # one batch entry, so each pair of the per-head key table is one program's (stored, the skipped tiles as
+    # zeros: 37 x 41 causal skips the far key tiles); the shared value table adds over the heads atomically
+    "one example causal GQA": ((), 37, 41, 6, 3, 5, 7, "per head", "shared", dict(is_causal=True)),
     "both causal GQA": ((2,), 19, 23, 6, 3, 5, 7, "per head", "shared", dict(is_causal=True)),
     "key only shared T > S": ((2,), 29, 17, 4, 2, 5, 3, "shared", None, dict()),
     "value only lengths": (
@@ -61,7 +66,7 @@ CASES = {
         dict(window=(9, 3), logit_softcap=2.5, sinks=np.array([0.5, -1.0, 0.25, 2.0, -0.5, 1.0], np.float32)),
     ),
 }
-DEFAULT_CASE = "both causal GQA"
+DEFAULT_CASE = "one example causal GQA"
 
 
 def _setup(name):

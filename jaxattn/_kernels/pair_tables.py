@@ -49,6 +49,7 @@ from jax.experimental import pallas as pl
 from .._core import checks, mods
 from .._core.call import AttentionCall
 from .._core.dtypes import accumulation_dtype
+from .._core.masks import CLEAN, MASKED, WITH_MOD
 from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial, has_keys
 from . import flash_gpu
 from .tile_body import Side, allowed_in_tile, capped_logits, dot, load, load_consts, visit
@@ -74,6 +75,10 @@ class Pairs(NamedTuple):
     key_shared: bool
     value_shared: bool
     chunk: int
+    # a table gradient that only one program writes per pair (one batch entry, one head per table head): stored
+    # in the table's dtype, the tiles the schedule skips stored as zeros; else added atomically in float32
+    key_owned: bool = False
+    value_owned: bool = False
 
 
 def in_use(call: AttentionCall) -> bool:
@@ -123,7 +128,9 @@ def run(call: AttentionCall, query, key, value, interpret):
     a_k = table("rel_key", call.rel_key, H, p.q.shape[-1], "A^K [T,S,N,H]")
     a_v = table("rel_value", call.rel_value, Hv, p.v.shape[-1], "A^V [T,S,N,Hv]")
     chunk = INTERPRET_CHUNK if interpret else PAIR_CHUNK
-    pairs = Pairs(a_k is not None, a_v is not None, _shared(a_k), _shared(a_v), chunk)
+    B = p.q.shape[0]
+    owned = [a is not None and B == 1 and a.shape[2] == N for a in (a_k, a_v)]
+    pairs = Pairs(a_k is not None, a_v is not None, _shared(a_k), _shared(a_v), chunk, *owned)
     out, lse = _attend(p.cfg, pairs, p.q, p.k, p.v, p.side, a_k, a_v)
     return flash_gpu.finish(p, out, lse, call.return_lse)
 
@@ -248,7 +255,7 @@ def _dq_kernel(pairs: Pairs, cfg, r):
             dp = dp + _row_term(lambda c: r["do"][:, c], r["rel_value"], every, keys, None, v_chunks, acc_dtype)
             for cols in v_chunks:
                 d_pair = p[:, :, None] * r["do"][:, cols].astype(acc_dtype)[:, None, :]
-                jax.ref.addupdate(r["d_rel_value"], (every, keys, cols), d_pair)
+                _write(r["d_rel_value"], (every, keys, cols), d_pair, pairs.value_owned)
         ds = _logit_grad(cfg, p, dp, delta, capped)
         new = []
         for chunk, cols in zip(dq, q_chunks):
@@ -256,14 +263,35 @@ def _dq_kernel(pairs: Pairs, cfg, r):
             if pairs.key:  # logits += scale q . A^K: dq += ds . A^K, and d A^K = ds q
                 chunk = chunk + _pair_sum(ds, r["rel_key"], every, keys, None, cols, acc_dtype)
                 d_pair = ds[:, :, None] * r["q"][:, cols].astype(acc_dtype)[:, None, :]
-                jax.ref.addupdate(r["d_rel_key"], (every, keys, cols), d_pair)
+                _write(r["d_rel_key"], (every, keys, cols), d_pair, pairs.key_owned)
             new.append(chunk)
         return tuple(new)
 
     init = tuple(jnp.zeros((cfg.Tb, _width(r["q"].shape[-1], pairs.chunk)), acc_dtype) for _ in q_chunks)
     dq = visit(cfg, lambda kind: r["counts"][kind], lambda idx: r["order"][idx], key_tile, init)
+    owned = [r[name] for name, own in (("d_rel_key", pairs.key_owned), ("d_rel_value", pairs.value_owned)) if own]
+    if owned:  # the skipped key tiles (the schedule's last ones) get zeros: every entry written once
+        kinds = (WITH_MOD, MASKED, CLEAN) if cfg.mask_fn is not None else (MASKED, CLEAN)
+        visited = sum(r["counts"][kind] for kind in kinds)
+
+        def zeros(idx, carry):
+            keys = pl.ds(r["order"][idx] * cfg.Sb, cfg.Sb)
+            for ref in owned:
+                for cols in _chunks(ref.shape[-1], pairs.chunk):
+                    ref[every, keys, cols] = jnp.zeros((cfg.Tb, cfg.Sb, _width(ref.shape[-1], pairs.chunk)), ref.dtype)
+            return carry
+
+        lax.fori_loop(visited, cfg.Sn, zeros, 0)
     for cols, chunk in zip(q_chunks, dq):
         r["dq"][:, cols] = chunk.astype(r["dq"].dtype)
+
+
+def _write(ref, index, values, owned: bool):
+    """A table gradient's [Tb,Sb,w] slice: stored when this program owns it, else added atomically."""
+    if owned:
+        ref[index] = values.astype(ref.dtype)
+    else:
+        jax.ref.addupdate(ref, index, values)
 
 
 def _dkv_kernel(pairs: Pairs, cfg, r):
@@ -392,10 +420,14 @@ def _attend_bwd(cfg, pairs, res, cotangents):
         )
     }
     aliases = {}
-    for name, table in (("rel_key", a_k), ("rel_value", a_v)):
-        if table is not None:  # atomic adds (module docstring) into zeros: an input aliased to the output
-            spec = _row_table_spec(cfg, table)
-            inputs[name] = (table, spec)
+    for name, table, owned in (("rel_key", a_k, pairs.key_owned), ("rel_value", a_v, pairs.value_owned)):
+        if table is None:
+            continue
+        spec = _row_table_spec(cfg, table)
+        inputs[name] = (table, spec)
+        if owned:  # stored by the one program of each pair, in the table's dtype
+            outputs[f"d_{name}"] = (jax.ShapeDtypeStruct(table.shape, table.dtype), spec)
+        else:  # atomic adds (module docstring) into zeros: an input aliased to the output
             inputs[f"d_{name}_zeros"] = (jnp.zeros(table.shape, acc_dtype), spec)
             outputs[f"d_{name}"] = (jax.ShapeDtypeStruct(table.shape, acc_dtype), spec)
             aliases[f"d_{name}_zeros"] = f"d_{name}"
