@@ -96,7 +96,9 @@ class Case:
     per-head key table [129,N,H] and a shared value table [129,Hv], float32, differentiated), the tables the
     GPU kernel takes per query row (offset_tables); "deberta" (disentangled_attention with DeBERTa-v3's
     buckets, 256 / 512: per-head position-key and position-query tables [512,N,H], float32, differentiated),
-    q . Kr per query row and k . Qr per key row in the GPU kernel, read through the offsets' row map.
+    q . Kr per query row and k . Qr per key row in the GPU kernel, read through the offsets' row map; "pairs"
+    (relative_attention: per-pair tables, a per-head A^K [T,S,N,H] and a shared A^V [T,S,1,Hv] in the input
+    dtype, differentiated), each tile's slice read in the GPU kernel.
     """
 
     name: str
@@ -188,7 +190,8 @@ CASES = [
     Case("shaw causal 16k", T=16384, N=8, K=2, scheme="shaw", options=CAUSAL, platforms=("gpu",)),
     # relative_attention's per-pair tables inside the GPU kernel (issue 34): the tables are inputs of O(T S H)
     # (bf16, per-head A^K and a shared A^V, differentiated), read per [16,32] tile 16 features at a time; their
-    # gradients added from the dq kernel with atomics. 1024 x 1024 keeps the tables at 512 + 128 MiB.
+    # gradients from the dq kernel (A^K stored, one batch entry; A^V added over the heads with atomics). 1024 x 1024
+    # keeps the tables at 512 + 128 MiB. Triton takes 30 s (forward) and 160-250 s (forward+backward) here: not CI.
     Case("relative pairs", T=1024, N=4, K=2, H=64, scheme="pairs", options=CAUSAL, platforms=("gpu",)),
     Case(
         "None relative pairs",

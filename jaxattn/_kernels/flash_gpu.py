@@ -22,7 +22,9 @@ table, and in the backward the value term's dP gathered the same way and the key
 column from the dq kernel (docs/kernels.md, "Shaw tables in the kernel"), and DeBERTa's tables (row_tables:
 the same key term at a column read from the scheme's map of offsets to table rows, and a per-key-row term
 k . Qr computed outside, gathered per tile, its gradient added by column from the dk/dv kernel; docs/kernels.md,
-"DeBERTa's disentangled tables in the kernel").
+"DeBERTa's disentangled tables in the kernel"). Per-pair tables (relative_attention's rel_key / rel_value)
+run in pair_tables' kernels on this module's grids, layout, schedules and input specs (row_inputs,
+key_tile_inputs); this one refuses them.
 
 Layout: q [B,Tp,N,Hp], k [B,Sp,K,Hp], v [B,Sp,K,Hvp] (batch dims flattened, T, S padded to whole tiles,
 head dims to powers of two): a BlockSpec picks one head's [Tb,Hp] tile, and query head n reads key/value
@@ -110,9 +112,9 @@ INTERPRET_BLOCK = 16
 MIN_GPU_BLOCK = 16
 MAX_HEAD_DIM = 256
 
-# The options these kernels express; anything else in use (per-pair tables, the full-grid options) is the
-# XLA engines'. A position_bias only as one of offset_bias.KERNEL_BIASES (position_bias_refusal); Shaw tables
-# (key_table, value_table, max_distance) within offset_tables.MAX_COLUMNS rows of reach (tables_refusal).
+# The options these kernels express; anything else in use (the full-grid options; per-pair tables: pair_tables'
+# kernels) is the XLA engines'. A position_bias only as one of offset_bias.KERNEL_BIASES (position_bias_refusal);
+# Shaw tables (key_table, value_table, max_distance) within offset_tables.MAX_COLUMNS rows of reach (tables_refusal).
 HANDLED = (
     "is_causal",
     "key_value_seq_lengths",
@@ -205,10 +207,11 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
     Cheap (shapes and Python values only). Shaw tables reaching more than offset_tables.MAX_COLUMNS rows
     (max_distance), DeBERTa's row_tables of more rows than that (row_tables_refusal), a position_bias that is
     not one of offset_bias.KERNEL_BIASES (T5's, ALiBi's and window_attention's are; position_bias_refusal),
-    per-pair tables (rel_key, rel_value) and the full-grid options (bias, mask, dropout_rate,
-    return_weights) are the XLA engines'. On a GPU (interpret=False) tiles must be powers of two >= 16
-    (block_size, a BlockMask's tiles), head dims at most 256, inputs at most 32-bit floats, scale a Python
-    number, and score_mod / mask_mod must close over no array (Triton cannot index one by head or position).
+    per-pair tables (rel_key, rel_value: pair_tables' kernels, through pallas_gpu) and the full-grid options
+    (bias, mask, dropout_rate, return_weights) are the XLA engines'. On a GPU (interpret=False) tiles must be
+    powers of two >= 16 (block_size, a BlockMask's tiles), head dims at most 256, inputs at most 32-bit floats,
+    scale a Python number, and score_mod / mask_mod must close over no array (Triton cannot index one by head or
+    position).
     """
     T, S = (np.shape(x)[-3] if np.ndim(x) >= 3 else 0 for x in (query, key))
     problem = call.first_unhandled(HANDLED) or position_bias_refusal(call, T, S) or row_tables_refusal(call)

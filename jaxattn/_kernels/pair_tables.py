@@ -21,12 +21,14 @@ warps). Sums over f add chunk by chunk; the results indexed by f (the output, dq
 array per chunk (Triton cannot concatenate along a dimension), written chunk by chunk at the end.
 
 Which kernel writes the table gradients: the dq kernel. It holds q and dO of its own query rows, which both
-gradients are products with, and visits each (query tile, key tile) of its (b, n) once. The batch entries
-(B programs per pair) and, for a shared table, all N heads add into the same entries, so the adds are atomic
-(jax.ref.addupdate into a float32 [Tp,Sp,N|1,Fp] array that starts at zero, an input aliased to the output):
-one program per (table head, query tile) looping over the batch and the heads would own its block instead,
-at the price of a grid of its own (a third recompute of the tiles) or B x N times fewer dq programs. As with
-the kernel's other atomic adds, the order of those sums, and their last bits, vary from run to run on a GPU.
+gradients are products with, and visits each (query tile, key tile) of its (b, n) once. With one batch entry a
+per-head table's pair is that one program's: it stores its slices in the table's dtype, and zeros on the key
+tiles its schedule skips (Pairs.key_owned / value_owned). Otherwise the batch entries (B programs per pair)
+and, for a shared table, all N heads add into the same entries: atomic adds (jax.ref.addupdate) into a float32
+[Tp,Sp,N|1,Fp] array that starts at zero (an input aliased to the output). The alternative, one program per
+(table head, query tile) looping over the batch and the heads, would own its block, at the price of a grid of
+its own (a third recompute of the tiles) or B x N times fewer dq programs. As with the kernel's other atomic
+adds, the order of those sums, and their last bits, vary from run to run on a GPU.
 
 What it combines with: everything the flash kernel takes that only masks or scales the logits (causal,
 positions, lengths, segment ids, window, chunks, mask_mod, softcap, sinks, return_lse, grouped-query heads);
