@@ -1,7 +1,8 @@
 """implementation="pallas_gpu": our Pallas kernels for GPUs (Triton lowering). The flash kernel (flash_gpu,
 forward and FlashAttention-2 backward) for every call it expresses; a few query rows against a long key axis
 (decode_gpu.use_decode: a decode step against a cache) take the split-key kernel (decode_gpu) forward, with
-the flash kernels' gradient.
+the flash kernels' gradient; relative_attention's per-pair tables (rel_key / rel_value) take pair_tables' kernels
+on the flash kernels' grids.
 
 The surface: `unsupported(call, query, key, value, interpret)` (the first option of the AttentionCall the
 kernels cannot express, or None) and `attention(call, query, key, value, interpret)`. `interpret=True` runs the same
