@@ -222,12 +222,12 @@ def test_what_the_kernels_refuse():
 
 
 def test_pair_tiles():
-    """The pair tiles: PAIR_BLOCKS on a GPU (a [Tb,Sb,PAIR_CHUNK] float32 block of 8192 floats), shrunk to short
+    """The pair tiles: PAIR_BLOCKS on a GPU (a [Tb,Sb,PAIR_CHUNK] float32 block of 4096 floats), shrunk to short
     sequences but never below 16; the interpreter's 16 x 16."""
-    assert pair_tables.pair_blocks(4096, 4096, False) == pair_tables.PAIR_BLOCKS == (16, 32)
-    assert pair_tables.pair_blocks(5, 20, False) == (16, 32)
+    assert pair_tables.pair_blocks(4096, 4096, False) == pair_tables.PAIR_BLOCKS == (16, 16)
+    assert pair_tables.pair_blocks(5, 20, False) == (16, 16)
     assert pair_tables.pair_blocks(5, 3, True) == (8, 4)
-    assert np.prod(pair_tables.PAIR_BLOCKS) * pair_tables.PAIR_CHUNK == 8192
+    assert np.prod(pair_tables.PAIR_BLOCKS) * pair_tables.PAIR_CHUNK == 4096
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -16,7 +16,7 @@ or a [B,T,S,F] product:
     dk/dv, grid (b, key head, key tile j): flash_gpu's, with the tables' terms in the logits and in dp
 
 Why chunks: a float32 [Tb,Sb,F] block at 64 x 64 x 128 is 2 MiB, far past one thread block's registers; at
-the pair tiles (PAIR_BLOCKS, 16 x 32) a [Tb,Sb,PAIR_CHUNK] block is 8192 floats (64 registers a thread at 4
+the pair tiles (PAIR_BLOCKS, 16 x 16) a [Tb,Sb,PAIR_CHUNK] block is 4096 floats (32 registers a thread at 4
 warps). Sums over f add chunk by chunk; the results indexed by f (the output, dq) are carried as one [Tb,w]
 array per chunk (Triton cannot concatenate along a dimension), written chunk by chunk at the end.
 
@@ -57,10 +57,13 @@ from . import flash_gpu
 from .tile_body import Side, allowed_in_tile, capped_logits, dot, load, load_consts, visit
 
 # Tiles (queries x keys) on a GPU with per-pair tables, and the features of a table read at once: a float32
-# [16,32,16] block is 8192 floats (flash_gpu's 128 x 64 tiles would give 131072 per chunk). Triton's dot
-# needs 16 or more on every side. The interpreter takes the flash kernel's 16 x 16 tiles and 4-wide chunks
-# (so the tests' head dims, padded to 8, take two chunks).
-PAIR_BLOCKS = (16, 32)
+# [16,16,16] block is 4096 floats, 32 registers a thread at 4 warps (flash_gpu's 128 x 64 tiles would give
+# 131072 per chunk). Triton's dot needs 16 or more on every side. Compiled for the H100 (ptxas -v on the
+# programs' PTX, T = S = 1024, H = 64, bf16): no spills at 16 x 16 (255 / 245 / 167 registers: forward, dq,
+# dk/dv); 16 x 32 spilled 1.9 KiB in the forward at 4 warps, 0.5 KiB at 8, and compiled 2 to 4 times slower.
+# The interpreter takes the flash kernel's 16 x 16 tiles and 4-wide chunks (so the tests' head dims, padded
+# to 8, take two chunks).
+PAIR_BLOCKS = (16, 16)
 PAIR_CHUNK = 16
 INTERPRET_CHUNK = 4
 
