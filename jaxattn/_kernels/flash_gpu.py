@@ -443,9 +443,10 @@ def _dkv_kernel(cfg: Config, r):
 # pallas_call plumbing: named inputs, each with its BlockSpec.
 
 
-def named_call(cfg, kernel, grid, inputs, outputs, name, aliases=None):
+def named_call(cfg, kernel, grid, inputs, outputs, name, aliases=None, num_stages=2):
     """pallas_call of kernel(cfg, refs by name); inputs / outputs: {name: (array or ShapeDtypeStruct, spec)},
-    None values left out; aliases: {input name: output name}, the output starting as that input's values."""
+    None values left out; aliases: {input name: output name}, the output starting as that input's values;
+    num_stages: Triton's software pipelining of the tile loops' loads (each stage a copy in shared memory)."""
     inputs = {k: v for k, v in inputs.items() if v is not None}
     names = tuple(inputs) + tuple(outputs)
     aliases = {tuple(inputs).index(i): tuple(outputs).index(o) for i, o in (aliases or {}).items()}
@@ -461,7 +462,7 @@ def named_call(cfg, kernel, grid, inputs, outputs, name, aliases=None):
         out_shape=[shape for shape, _ in outputs.values()],
         input_output_aliases=aliases,
         interpret=cfg.interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=num_stages),
         name=name,
     )(*[x for x, _ in inputs.values()])
 

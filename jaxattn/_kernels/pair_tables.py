@@ -65,6 +65,11 @@ from .tile_body import Side, allowed_in_tile, capped_logits, dot, load, load_con
 # to 8, take two chunks).
 PAIR_BLOCKS = (16, 16)
 PAIR_CHUNK = 16
+# Triton's software pipelining holds each stage of a tile loop's loads in shared memory; a tile's table slices
+# are many loads (one [Tb,Sb,16] block per chunk and table): float32 at head dim 128 asked 311424 bytes of
+# shared memory over an H100's 232448 at flash_gpu's 2 stages (found compiling for the H100, "relative pairs
+# f32 H128"); one stage fits.
+PAIR_STAGES = 1
 INTERPRET_CHUNK = 4
 
 # Options refused beside per-pair tables: each adds a term the pair kernels do not compute (score_mod,
@@ -384,7 +389,9 @@ def _forward(cfg, pairs, q, k, v, side, a_k, a_v):
         ),
     }
     kernel = functools.partial(_forward_kernel, pairs)
-    out, lse = flash_gpu.named_call(cfg, kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_pairs_forward")
+    out, lse = flash_gpu.named_call(
+        cfg, kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_pairs_forward", num_stages=PAIR_STAGES
+    )
     return out, lse
 
 
@@ -437,7 +444,9 @@ def _attend_bwd(cfg, pairs, res, cotangents):
             outputs[f"d_{name}"] = (jax.ShapeDtypeStruct(table.shape, acc_dtype), spec)
             aliases[f"d_{name}_zeros"] = f"d_{name}"
     dq_kernel = functools.partial(_dq_kernel, pairs)
-    dq, *d_tables = flash_gpu.named_call(cfg, dq_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_pairs_dq", aliases)
+    dq, *d_tables = flash_gpu.named_call(
+        cfg, dq_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_pairs_dq", aliases, PAIR_STAGES
+    )
     d_tables = iter(d_tables)
     d_a_k, d_a_v = (None if t is None else next(d_tables).astype(t.dtype) for t in (a_k, a_v))
 
@@ -456,7 +465,9 @@ def _attend_bwd(cfg, pairs, res, cotangents):
         ),
     }
     dkv_kernel = functools.partial(_dkv_kernel, pairs)
-    dk, dv = flash_gpu.named_call(cfg, dkv_kernel, (B, K, cfg.Sn), kv_inputs, kv_outputs, "jaxattn_pairs_dkv")
+    dk, dv = flash_gpu.named_call(
+        cfg, dkv_kernel, (B, K, cfg.Sn), kv_inputs, kv_outputs, "jaxattn_pairs_dkv", num_stages=PAIR_STAGES
+    )
 
     d_sinks = None if side.sinks is None else flash_gpu.sinks_grad(side.sinks, lse, delta)
     d_side = Side(*(None,) * len(side))._replace(
