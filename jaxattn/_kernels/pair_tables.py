@@ -22,13 +22,14 @@ array per chunk (Triton cannot concatenate along a dimension), written chunk by 
 
 Which kernel writes the table gradients: the dq kernel. It holds q and dO of its own query rows, which both
 gradients are products with, and visits each (query tile, key tile) of its (b, n) once. With one batch entry a
-per-head table's pair is that one program's: it stores its slices in the table's dtype, and zeros on the key
-tiles its schedule skips (Pairs.key_owned / value_owned). Otherwise the batch entries (B programs per pair)
-and, for a shared table, all N heads add into the same entries: atomic adds (jax.ref.addupdate) into a float32
-[Tp,Sp,N|1,Fp] array that starts at zero (an input aliased to the output). The alternative, one program per
-(table head, query tile) looping over the batch and the heads, would own its block, at the price of a grid of
-its own (a third recompute of the tiles) or B x N times fewer dq programs. As with the kernel's other atomic
-adds, the order of those sums, and their last bits, vary from run to run on a GPU.
+per-head table's pair is that one program's: it stores its slices in the table's dtype into zeros XLA fills
+(the tiles no schedule visits keep them; Pairs.key_owned / value_owned). Otherwise the batch entries (B
+programs per pair) and, for a shared table, all N heads add into the same entries: atomic adds
+(jax.ref.addupdate) into a float32 [Tp,Sp,N|1,Fp] array that starts at zero. Either array is an input aliased
+to the output. The alternative, one program per (table head, query tile) looping over the batch and the
+heads, would own its block, at the price of a grid of its own (a third recompute of the tiles) or B x N times
+fewer dq programs. As with the kernel's other atomic adds, the order of those sums, and their last bits, vary
+from run to run on a GPU.
 
 What it combines with: everything the flash kernel takes that only masks or scales the logits (causal,
 positions, lengths, segment ids, window, chunks, mask_mod, softcap, sinks, return_lse, grouped-query heads);
@@ -51,7 +52,6 @@ from jax.experimental import pallas as pl
 from .._core import checks, mods
 from .._core.call import AttentionCall
 from .._core.dtypes import accumulation_dtype
-from .._core.masks import CLEAN, MASKED, WITH_MOD
 from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial, has_keys
 from . import flash_gpu
 from .tile_body import Side, allowed_in_tile, capped_logits, dot, load, load_consts, visit
@@ -86,7 +86,7 @@ class Pairs(NamedTuple):
     value_shared: bool
     chunk: int
     # a table gradient that only one program writes per pair (one batch entry, one head per table head): stored
-    # in the table's dtype, the tiles the schedule skips stored as zeros; else added atomically in float32
+    # in the table's dtype into zeros; else added atomically into float32 zeros
     key_owned: bool = False
     value_owned: bool = False
 
@@ -279,19 +279,6 @@ def _dq_kernel(pairs: Pairs, cfg, r):
 
     init = tuple(jnp.zeros((cfg.Tb, _width(r["q"].shape[-1], pairs.chunk)), acc_dtype) for _ in q_chunks)
     dq = visit(cfg, lambda kind: r["counts"][kind], lambda idx: r["order"][idx], key_tile, init)
-    owned = [r[name] for name, own in (("d_rel_key", pairs.key_owned), ("d_rel_value", pairs.value_owned)) if own]
-    if owned:  # the skipped key tiles (the schedule's last ones) get zeros: every entry written once
-        kinds = (WITH_MOD, MASKED, CLEAN) if cfg.mask_fn is not None else (MASKED, CLEAN)
-        visited = sum(r["counts"][kind] for kind in kinds)
-
-        def zeros(idx, carry):
-            keys = pl.ds(r["order"][idx] * cfg.Sb, cfg.Sb)
-            for ref in owned:
-                for cols in _chunks(ref.shape[-1], pairs.chunk):
-                    ref[every, keys, cols] = jnp.zeros((cfg.Tb, cfg.Sb, _width(ref.shape[-1], pairs.chunk)), ref.dtype)
-            return carry
-
-        lax.fori_loop(visited, cfg.Sn, zeros, 0)
     for cols, chunk in zip(q_chunks, dq):
         r["dq"][:, cols] = chunk.astype(r["dq"].dtype)
 
@@ -437,12 +424,12 @@ def _attend_bwd(cfg, pairs, res, cotangents):
             continue
         spec = _row_table_spec(cfg, table)
         inputs[name] = (table, spec)
-        if owned:  # stored by the one program of each pair, in the table's dtype
-            outputs[f"d_{name}"] = (jax.ShapeDtypeStruct(table.shape, table.dtype), spec)
-        else:  # atomic adds (module docstring) into zeros: an input aliased to the output
-            inputs[f"d_{name}_zeros"] = (jnp.zeros(table.shape, acc_dtype), spec)
-            outputs[f"d_{name}"] = (jax.ShapeDtypeStruct(table.shape, acc_dtype), spec)
-            aliases[f"d_{name}_zeros"] = f"d_{name}"
+        # zeros (the tiles no schedule visits keep them), an input aliased to the output: stored into by the one
+        # program of each pair in the table's dtype, or added into atomically in float32 (module docstring)
+        dtype = table.dtype if owned else acc_dtype
+        inputs[f"d_{name}_zeros"] = (jnp.zeros(table.shape, dtype), spec)
+        outputs[f"d_{name}"] = (jax.ShapeDtypeStruct(table.shape, dtype), spec)
+        aliases[f"d_{name}_zeros"] = f"d_{name}"
     dq_kernel = functools.partial(_dq_kernel, pairs)
     dq, *d_tables = flash_gpu.named_call(
         cfg, dq_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_pairs_dq", aliases, PAIR_STAGES
