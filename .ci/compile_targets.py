@@ -68,6 +68,7 @@ EXPECTED_CALLS = {
     ("h100", "None swin"): "__gpu$xla.gpu.triton",  # cuDNN has no position bias: ours, not XLA
     ("h100", "None shaw"): "__gpu$xla.gpu.triton",  # cuDNN refuses the tables; our kernel, not the XLA engines
     ("h100", "None deberta"): "__gpu$xla.gpu.triton",  # as Shaw's: DeBERTa's tables in our kernel
+    ("h100", "None relative pairs"): "__gpu$xla.gpu.triton",  # per-pair tables in our kernel (cuDNN refuses them)
 }
 # Forward-only programs without return_lse (issue 36 §4): the GPU kernel writes lse [B,N,T] float32 only for a
 # backward or return_lse, so the program's temp bytes stay below one lse's (the tile schedule's few KiB). The
@@ -99,7 +100,9 @@ class Case:
     per-head key table [129,N,H] and a shared value table [129,Hv], float32, differentiated), the tables the
     GPU kernel takes per query row (offset_tables); "deberta" (disentangled_attention with DeBERTa-v3's
     buckets, 256 / 512: per-head position-key and position-query tables [512,N,H], float32, differentiated),
-    q . Kr per query row and k . Qr per key row in the GPU kernel, read through the offsets' row map.
+    q . Kr per query row and k . Qr per key row in the GPU kernel, read through the offsets' row map; "pairs"
+    (relative_attention: per-pair tables, a per-head A^K [T,S,N,H] and a shared A^V [T,S,1,Hv] in the input
+    dtype, differentiated), each tile's slice read in the GPU kernel.
     """
 
     name: str
@@ -191,6 +194,24 @@ CASES = [
     # of lane windows, no gather); the XLA blockwise backward
     Case("shaw causal", T=4096, N=8, K=2, scheme="shaw", options=CAUSAL, memory=PROGRAMS),
     Case("shaw causal 16k", T=16384, N=8, K=2, scheme="shaw", options=CAUSAL),
+    # relative_attention's per-pair tables inside the GPU kernel (issue 34): the tables are inputs of O(T S H)
+    # (bf16, per-head A^K and a shared A^V, differentiated), read per [16,16] tile 16 features at a time; their
+    # gradients from the dq kernel (A^K stored, one batch entry; A^V added over the heads with atomics). 1024 x 1024
+    # keeps the tables at 512 + 128 MiB. 5 s (forward) and 18 s (forward+backward) to compile here. float32 at head
+    # dim 128 is the shared-memory check (pair_tables.PAIR_STAGES).
+    Case("relative pairs", T=1024, N=4, K=2, H=64, scheme="pairs", options=CAUSAL, platforms=("gpu",)),
+    Case("relative pairs f32 H128", T=384, S=640, N=2, H=128, dtype="float32", scheme="pairs", platforms=("gpu",)),
+    Case(
+        "None relative pairs",
+        T=1024,
+        N=4,
+        H=64,
+        kernel="auto",
+        scheme="pairs",
+        options=CAUSAL,
+        platforms=("gpu",),
+        programs=FWD_BWD,
+    ),
     # DeBERTa's disentangled attention inside the GPU kernel (issue 35): an encoder (not causal), v3's tables
     # of 512 rows, both terms ([B,N,T,512] and [B,N,S,512] float32, and their gradients); grouped-query heads
     # in the explicit case (the dk/dv kernel adds the p2c gradient for each query head of its key head). TPU:
@@ -305,6 +326,7 @@ CI_FIRST = {
     "None swin": FWD_BWD,
     "shaw causal": FWD_BWD,
     "None shaw": FWD_BWD,
+    "relative pairs": FWD_BWD,
     "None deberta": FWD_BWD,
     "cudnn causal": FWD_BWD,
     "None causal": FWD_BWD,
@@ -377,6 +399,9 @@ def attention_program(case: Case, platform: str, program: str, scale: int):
     if case.scheme == "shaw":
         floats["key_table"] = jax.ShapeDtypeStruct((2 * SHAW_DISTANCE + 1, N, H), jnp.float32)
         floats["value_table"] = jax.ShapeDtypeStruct((2 * SHAW_DISTANCE + 1, Hv), jnp.float32)
+    elif case.scheme == "pairs":  # per-pair tables: per-head A^K [T,S,N,H] and shared A^V [T,S,1,Hv]
+        floats["rel_key"] = jax.ShapeDtypeStruct((T, S, N, H), dtype)
+        floats["rel_value"] = jax.ShapeDtypeStruct((T, S, 1, Hv), dtype)
     elif case.scheme == "deberta":
         for name in ("position_keys", "position_queries"):
             floats[name] = jax.ShapeDtypeStruct((2 * DEBERTA_BUCKETS["position_buckets"], N, H), jnp.float32)
@@ -412,6 +437,8 @@ def attention_program(case: Case, platform: str, program: str, scale: int):
         if case.scheme == "shaw":
             kt, vt = floats["key_table"], floats["value_table"]
             return jaxattn.shaw_relative_attention(q, k, v, kt, vt, max_distance=SHAW_DISTANCE, **options)
+        if case.scheme == "pairs":
+            return jaxattn.relative_attention(q, k, v, floats["rel_key"], floats["rel_value"], **options)
         if case.scheme == "deberta":
             kr, qr = floats["position_keys"], floats["position_queries"]
             return jaxattn.disentangled_attention(q, k, v, kr, qr, **DEBERTA_BUCKETS, **options)

@@ -100,7 +100,7 @@ def test_float16_is_refused_on_a_tpu_and_none_takes_xla_there(x64_off, keywords)
     assert "tpu_custom_call" in text  # the same call in bfloat16 takes the kernel
 
 
-@pytest.mark.parametrize("implementation", ["pallas_tpu", "pallas_gpu"])
+@pytest.mark.parametrize("implementation", ["pallas_tpu"])  # the GPU kernel takes them: tests/test_kernel_pairs.py
 def test_per_pair_tables_are_refused_by_a_kernel_by_name(x64_off, implementation):
     q, k, v = qkv()
     with pytest.raises(ValueError, match=f"^rel_key: .*'{implementation}'"):

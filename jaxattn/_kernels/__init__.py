@@ -12,8 +12,10 @@ precision, segment ids, window, chunk_size, logit_softcap, sinks, score_mod, mas
 return_lse, ...); the results follow docs/design.md, "Semantics" (bottom-right causal, zeros for a row with no
 allowed key). Kernels may use the engines below them (an empty input, an XLA backward), never the dispatch.
 
-    pallas_gpu  implementation="pallas_gpu": flash_gpu, or decode_gpu for a few query rows against long keys
+    pallas_gpu  implementation="pallas_gpu": flash_gpu, pair_tables for per-pair tables, or decode_gpu for a
+                few query rows against long keys
     flash_gpu   our Pallas flash-attention kernel for GPUs (Triton lowering), forward and backward
+    pair_tables our Pallas GPU kernels for relative_attention's per-pair tables (flash_gpu's grids), fwd and bwd
     decode_gpu  our Pallas split-key (flash-decoding) kernel for GPUs, forward only
     tile_body   the flash forward's per-tile body that flash_gpu, decode_gpu and flex_tpu share
     pallas_tpu  implementation="pallas_tpu": splash_tpu, or flex_tpu for score_mod / mask_mod / BlockMask

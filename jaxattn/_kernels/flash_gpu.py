@@ -22,7 +22,9 @@ table, and in the backward the value term's dP gathered the same way and the key
 column from the dq kernel (docs/kernels.md, "Shaw tables in the kernel"), and DeBERTa's tables (row_tables:
 the same key term at a column read from the scheme's map of offsets to table rows, and a per-key-row term
 k . Qr computed outside, gathered per tile, its gradient added by column from the dk/dv kernel; docs/kernels.md,
-"DeBERTa's disentangled tables in the kernel").
+"DeBERTa's disentangled tables in the kernel"). Per-pair tables (relative_attention's rel_key / rel_value)
+run in pair_tables' kernels on this module's grids, layout, schedules and input specs (row_inputs,
+key_tile_inputs); this one refuses them.
 
 Layout: q [B,Tp,N,Hp], k [B,Sp,K,Hp], v [B,Sp,K,Hvp] (batch dims flattened, T, S padded to whole tiles,
 head dims to powers of two): a BlockSpec picks one head's [Tb,Hp] tile, and query head n reads key/value
@@ -112,9 +114,9 @@ INTERPRET_BLOCK = 16
 MIN_GPU_BLOCK = 16
 MAX_HEAD_DIM = 256
 
-# The options these kernels express; anything else in use (per-pair tables, the full-grid options) is the
-# XLA engines'. A position_bias only as one of offset_bias.KERNEL_BIASES (position_bias_refusal); Shaw tables
-# (key_table, value_table, max_distance) within offset_tables.MAX_COLUMNS rows of reach (tables_refusal).
+# The options these kernels express; anything else in use (the full-grid options; per-pair tables: pair_tables'
+# kernels) is the XLA engines'. A position_bias only as one of offset_bias.KERNEL_BIASES (position_bias_refusal);
+# Shaw tables (key_table, value_table, max_distance) within offset_tables.MAX_COLUMNS rows of reach (tables_refusal).
 HANDLED = (
     "is_causal",
     "key_value_seq_lengths",
@@ -207,10 +209,11 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
     Cheap (shapes and Python values only). Shaw tables reaching more than offset_tables.MAX_COLUMNS rows
     (max_distance), DeBERTa's row_tables of more rows than that (row_tables_refusal), a position_bias that is
     not one of offset_bias.KERNEL_BIASES (T5's, ALiBi's and window_attention's are; position_bias_refusal),
-    per-pair tables (rel_key, rel_value) and the full-grid options (bias, mask, dropout_rate,
-    return_weights) are the XLA engines'. On a GPU (interpret=False) tiles must be powers of two >= 16
-    (block_size, a BlockMask's tiles), head dims at most 256, inputs at most 32-bit floats, scale a Python
-    number, and score_mod / mask_mod must close over no array (Triton cannot index one by head or position).
+    per-pair tables (rel_key, rel_value: pair_tables' kernels, through pallas_gpu) and the full-grid options
+    (bias, mask, dropout_rate, return_weights) are the XLA engines'. On a GPU (interpret=False) tiles must be
+    powers of two >= 16 (block_size, a BlockMask's tiles), head dims at most 256, inputs at most 32-bit floats,
+    scale a Python number, and score_mod / mask_mod must close over no array (Triton cannot index one by head or
+    position).
     """
     T, S = (np.shape(x)[-3] if np.ndim(x) >= 3 else 0 for x in (query, key))
     problem = call.first_unhandled(HANDLED) or position_bias_refusal(call, T, S) or row_tables_refusal(call)
@@ -445,9 +448,10 @@ def _dkv_kernel(cfg: Config, r):
 # pallas_call plumbing: named inputs, each with its BlockSpec.
 
 
-def named_call(cfg, kernel, grid, inputs, outputs, name, aliases=None):
+def named_call(cfg, kernel, grid, inputs, outputs, name, aliases=None, num_stages=2):
     """pallas_call of kernel(cfg, refs by name); inputs / outputs: {name: (array or ShapeDtypeStruct, spec)},
-    None values left out; aliases: {input name: output name}, the output starting as that input's values."""
+    None values left out; aliases: {input name: output name}, the output starting as that input's values;
+    num_stages: Triton's software pipelining of the tile loops' loads (each stage a copy in shared memory)."""
     inputs = {k: v for k, v in inputs.items() if v is not None}
     names = tuple(inputs) + tuple(outputs)
     aliases = {tuple(inputs).index(i): tuple(outputs).index(o) for i, o in (aliases or {}).items()}
@@ -463,7 +467,7 @@ def named_call(cfg, kernel, grid, inputs, outputs, name, aliases=None):
         out_shape=[shape for shape, _ in outputs.values()],
         input_output_aliases=aliases,
         interpret=cfg.interpret,
-        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=2),
+        compiler_params=plgpu.CompilerParams(num_warps=cfg.num_warps, num_stages=num_stages),
         name=name,
     )(*[x for x, _ in inputs.values()])
 
@@ -473,7 +477,7 @@ def _whole(x):
     return x, pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
 
 
-def _row_inputs(cfg, side, Hp, Hvp):
+def row_inputs(cfg, side, Hp, Hvp):
     """Inputs shared by the forward and dq kernels (grid b, n, i): positions, lengths, segments, consts,
     the forward schedule; q / k / v specs."""
     G = cfg.N // cfg.K
@@ -523,6 +527,54 @@ def _row_inputs(cfg, side, Hp, Hvp):
     return inputs, specs
 
 
+def key_tile_inputs(cfg, side, q, k, v, d_out, lse, delta):
+    """The dk/dv kernel's inputs on grid (b, key head h, key tile j) besides the terms' own: every query row of
+    the G query heads of h (q, d_out, lse, delta, positions, segments), the key tile (k, v, positions,
+    segments), lengths, the transposed schedule and the score_mod / mask_mod consts."""
+    Tp, G = q.shape[1], q.shape[2] // v.shape[2]
+    Hp, Hvp = q.shape[-1], v.shape[-1]
+    bq, bk, bs, bl, bsched = cfg.batched
+    heads = G if cfg.head_kinds else 1
+    inputs = {
+        "q": (q, pl.BlockSpec((None, Tp, G, Hp), lambda b, h, j: (b, 0, h, 0))),
+        "do": (d_out, pl.BlockSpec((None, Tp, G, Hvp), lambda b, h, j: (b, 0, h, 0))),
+        "lse": (lse, pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))),
+        "delta": (delta, pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))),
+        "k": (k, pl.BlockSpec((None, cfg.Sb, None, Hp), lambda b, h, j: (b, j, h, 0))),
+        "v": (v, pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0))),
+        "q_pos": (side.q_pos, pl.BlockSpec((None, Tp), lambda b, h, j: (pick(bq, b), 0))),
+        "k_pos": (side.k_pos, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bk, b), j))),
+        "lengths": None
+        if side.lengths is None
+        else (side.lengths, pl.BlockSpec((None,), lambda b, h, j: (pick(bl, b),))),
+        "q_seg": None
+        if side.q_seg is None
+        else (side.q_seg, pl.BlockSpec((None, Tp), lambda b, h, j: (pick(bs, b), 0))),
+        "k_seg": None
+        if side.k_seg is None
+        else (side.k_seg, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bs, b), j))),
+        "t_order": None
+        if side.t_order is None
+        else (
+            side.t_order,
+            pl.BlockSpec((None, heads, None, cfg.Tn), lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0)),
+        ),
+        "t_counts": (
+            side.t_counts,
+            pl.BlockSpec((None, heads, None, 4), lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0)),
+        ),
+    }
+    inputs.update({f"score{c}": _whole(x) for c, x in enumerate(side.score_consts)})
+    inputs.update({f"mask{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
+    return inputs
+
+
+def sinks_grad(sinks, lse, delta):
+    """d loss / d sinks [B,N] from the saved lse and delta [B,N,Tp]: d out_t / d sink = -p_sink[t] out_t, so
+    d sink = -sum_t p_sink[t] delta_t."""
+    return -jnp.sum(jnp.exp(sinks[..., None] - lse) * delta, axis=-1).astype(sinks.dtype)
+
+
 def _row_block(cfg, x):
     """The BlockSpec of a per-query-row array [B,N,Tp,Dp] (Shaw's row_bias, row_sums) on grid (b, n, i)."""
     return pl.BlockSpec((None, None, cfg.Tb, x.shape[-1]), lambda b, n, i: (b, n, i, 0))
@@ -533,7 +585,7 @@ def _forward(cfg, q, k, v, side):
     row_sums [B,N,Tp,Dp] in the compute dtype: Shaw's value term, or None)."""
     B, Tp, N, Hp = q.shape
     Hvp = v.shape[-1]
-    inputs, specs = _row_inputs(cfg, side, Hp, Hvp)
+    inputs, specs = row_inputs(cfg, side, Hp, Hvp)
     inputs.update(q=(q, specs["q"]), k=(k, specs["k"]), v=(v, specs["v"]))
     if side.sinks is not None:
         inputs["sinks"] = (side.sinks, pl.BlockSpec((None, None), lambda b, n, i: (b, n)))
@@ -583,7 +635,7 @@ def _flash_bwd(cfg, res, cotangents):
         d_row_sums = d_row_sums.astype(acc_dtype)
         delta = delta + jnp.sum(row_sums * d_row_sums, axis=-1)
 
-    inputs, specs = _row_inputs(cfg, side, Hp, Hvp)
+    inputs, specs = row_inputs(cfg, side, Hp, Hvp)
     inputs.update(
         q=(q, specs["q"]),
         k=(k, specs["k"]),
@@ -626,39 +678,7 @@ def _flash_bwd(cfg, res, cotangents):
     d_row_bias = d_floats.pop() if side.row_bias is not None else None
     d_offset_bias = d_floats.pop() if side.offset_bias is not None else None
 
-    bq, bk, bs, bl, bsched = cfg.batched
-    heads = G if cfg.head_kinds else 1
-    kv_inputs = {
-        "q": (q, pl.BlockSpec((None, Tp, G, Hp), lambda b, h, j: (b, 0, h, 0))),
-        "do": (d_out, pl.BlockSpec((None, Tp, G, Hvp), lambda b, h, j: (b, 0, h, 0))),
-        "lse": (lse, pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))),
-        "delta": (delta, pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))),
-        "k": (k, pl.BlockSpec((None, cfg.Sb, None, Hp), lambda b, h, j: (b, j, h, 0))),
-        "v": (v, pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0))),
-        "q_pos": (side.q_pos, pl.BlockSpec((None, Tp), lambda b, h, j: (pick(bq, b), 0))),
-        "k_pos": (side.k_pos, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bk, b), j))),
-        "lengths": None
-        if side.lengths is None
-        else (side.lengths, pl.BlockSpec((None,), lambda b, h, j: (pick(bl, b),))),
-        "q_seg": None
-        if side.q_seg is None
-        else (side.q_seg, pl.BlockSpec((None, Tp), lambda b, h, j: (pick(bs, b), 0))),
-        "k_seg": None
-        if side.k_seg is None
-        else (side.k_seg, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bs, b), j))),
-        "t_order": None
-        if side.t_order is None
-        else (
-            side.t_order,
-            pl.BlockSpec((None, heads, None, cfg.Tn), lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0)),
-        ),
-        "t_counts": (
-            side.t_counts,
-            pl.BlockSpec((None, heads, None, 4), lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0)),
-        ),
-    }
-    kv_inputs.update({f"score{c}": _whole(x) for c, x in enumerate(side.score_consts)})
-    kv_inputs.update({f"mask{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
+    kv_inputs = key_tile_inputs(cfg, side, q, k, v, d_out, lse, delta)
     if side.offset_bias is not None:  # the rows of the G query heads of key head h: [G,D]
         batched, D = cfg.offset_bias[1], side.offset_bias.shape[-1]
         kv_inputs["offset_bias"] = (
@@ -694,9 +714,7 @@ def _flash_bwd(cfg, res, cotangents):
         cfg, _dkv_kernel, (B, K, cfg.Sn), kv_inputs, kv_outputs, "jaxattn_flash_dkv", kv_aliases
     )
 
-    d_sinks = None
-    if side.sinks is not None:  # d out_t / d sink = -p_sink[t] out_t, so d sink = -sum_t p_sink[t] delta_t
-        d_sinks = -jnp.sum(jnp.exp(side.sinks[..., None] - lse) * delta, axis=-1).astype(side.sinks.dtype)
+    d_sinks = None if side.sinks is None else sinks_grad(side.sinks, lse, delta)
     it = iter(d_floats)
     d_score = tuple(
         jnp.sum(next(it), axis=(0, 1, 2)).astype(c.dtype) if g else None

@@ -1,5 +1,6 @@
 """The flash forward's body, shared by the Pallas GPU kernels (flash_gpu, decode_gpu) and the TPU flex kernel
-(flex_tpu): one program's loop over the key tiles its schedule lists, and the pieces of one [Tb,Sb] tile.
+(flex_tpu): one program's loop over the key tiles its schedule lists, and the pieces of one [Tb,Sb] tile (which
+pair_tables' kernels for per-pair tables use too: capped_logits, allowed_in_tile, visit).
 
     forward, grid (b, n, query tile i):        for each key tile j the schedule lists for (b, n, i)
         x = score_mod(softcap(scale * (q_i k_j^T + QA[t, c(j - i)])) + bias)  [Tb,Sb], float32 (or wider)

@@ -116,7 +116,9 @@ def relative_attention(
     Per-head tables use the fused pairwise contractions (no [T,N,S,H] copy of the table, see pairwise.py).
     implementation / interpret / block_size: as dot_product_attention; "blockwise" reads each tile's
     [Tb,Sb,(N),H] slice of the tables (no [...,N,T,S] logits), and None takes it on CPU by
-    dot_product_attention's rule; a kernel refuses rel_key / rel_value by name (none takes them yet).
+    dot_product_attention's rule; "pallas_gpu" (and None on CUDA) reads those slices inside the Pallas GPU
+    kernels, forward and backward (docs/kernels.md, "Per-pair tables in the kernel"); the TPU kernels refuse
+    rel_key / rel_value by name.
     """
     implementation, interpret = options.pop("implementation", None), options.pop("interpret", False)
     call = scheme_call("relative_attention", options, rel_key=rel_key, rel_value=rel_value)
