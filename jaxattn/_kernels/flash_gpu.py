@@ -98,14 +98,20 @@ from .tile_body import (
     visit,
 )
 
-# Tiles on a GPU (queries x keys): 128 x 64 up to head dim 64, 64 x 64 above (a float32 [Tb,Sb] tile plus
-# q, k, v tiles must fit the registers / shared memory of one thread block); Triton's dot needs powers of
-# two of at least 16. The interpreter takes any size: 16 x 16 keeps interpret-mode tests quick.
-GPU_BLOCKS = {64: (128, 64), 256: (64, 64)}  # largest padded head dim -> (Tb, Sb)
-# Float32 inputs with padded head dims above 128: 64 x 64 tiles overrun an H100's 227 KiB of shared memory
-# per block in the backward kernels (262400 bytes asked at head dim 192, padded to 256: found compiling for
-# the H100, .ci/compile_targets.py); half-size tiles fit.
-WIDE_FLOAT32_BLOCKS = (32, 32)
+# Tiles and warps on a GPU: (Tb queries, Sb keys, num_warps) by the inputs' bytes per element and the largest
+# padded head dim of a row (head dims up to 64, 128, 256); one choice for the forward, dq and dk/dv kernels, which
+# share the key-tile schedules computed for one tile pair. Chosen from `ptxas -v` on the three kernels compiled for
+# an H100 (sm_90a) and an A100 (sm_80) (.ci/ptxas_report.py; docs/kernels.md, "Tiles per head dim"; no GPU here to
+# time them): the widest tiles that spill no registers on either and fit both's shared memory, 128-row query tiles
+# where that holds (wgmma's shape on the H100). Two exceptions, the fewest spills found: bf16 at head dims 65-128
+# spills 4 bytes in the A100 forward, and the float32 dk/dv kernel at 129-256 spills at every tile size tried
+# (ptxas drops it to 32 registers and a stack frame). 8 warps throughout: 4 spilled at 128 x 64, head dim 64. Powers
+# of two of at least 16, as Triton's dot needs.
+GPU_TILES = {
+    2: {64: (128, 64, 8), 128: (128, 64, 8), 256: (32, 64, 8)},
+    4: {64: (32, 32, 8), 128: (16, 64, 8), 256: (16, 16, 8)},
+}
+# The interpreter takes any size: 16 x 16 keeps interpret-mode tests quick.
 INTERPRET_BLOCK = 16
 MIN_GPU_BLOCK = 16
 MAX_HEAD_DIM = 256
@@ -725,9 +731,16 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
+def gpu_tiles(Hp: int, itemsize: int) -> tuple:
+    """(Tb, Sb, num_warps) on a GPU for a padded head dim Hp <= MAX_HEAD_DIM and the inputs' bytes per element:
+    GPU_TILES' row (4-byte inputs: float32; 2-byte and narrower: the half-precision row)."""
+    rows = GPU_TILES[4 if itemsize > 2 else 2]
+    return next(tiles for dim, tiles in sorted(rows.items()) if Hp <= dim or dim == MAX_HEAD_DIM)
+
+
 def tile_sizes(block_size, T: int, S: int, Hp: int, interpret: bool, itemsize: int = 2) -> tuple:
-    """(Tb, Sb): block_size as given, else GPU_BLOCKS by head dim (WIDE_FLOAT32_BLOCKS for 4-byte inputs
-    wider than 128, INTERPRET_BLOCK when interpreted), shrunk to the next power of two of T / S (never below
+    """(Tb, Sb): block_size as given, else gpu_tiles' by head dim and bytes per element (INTERPRET_BLOCK when
+    interpreted), shrunk to the next power of two of T / S (never below
     MIN_GPU_BLOCK on a GPU)."""
     pair = _block_pair(block_size)
     if pair is not None:
@@ -735,12 +748,7 @@ def tile_sizes(block_size, T: int, S: int, Hp: int, interpret: bool, itemsize: i
             if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b <= 0:
                 checks.fail("block_size", "an int > 0 or a pair of them", repr(block_size))
         return int(pair[0]), int(pair[1])
-    if interpret:
-        wanted = (INTERPRET_BLOCK, INTERPRET_BLOCK)
-    elif itemsize > 2 and Hp > 128:
-        wanted = WIDE_FLOAT32_BLOCKS
-    else:
-        wanted = next(blocks for dim, blocks in sorted(GPU_BLOCKS.items()) if Hp <= dim or dim == MAX_HEAD_DIM)
+    wanted = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else gpu_tiles(Hp, itemsize)[:2]
     floor = 1 if interpret else MIN_GPU_BLOCK
     return tuple(min(b, max(floor, next_power_of_two(L))) for b, L in zip(wanted, (T, S)))
 
@@ -999,7 +1007,7 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
         head_kinds=tile_kinds is not None and tile_kinds.shape[1] > 1,
         precision=c.precision,
         interpret=bool(interpret),
-        num_warps=4 if max(Hp, Hvp) <= 64 else 8,
+        num_warps=gpu_tiles(max(Hp, Hvp), np.dtype(query.dtype).itemsize)[2],
     )
     order, counts, t_order, t_counts = _schedules(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds)
     cfg = cfg._replace(batched=tuple(x is not None and x.shape[0] > 1 for x in (q_pos, k_pos, q_seg, lengths, order)))
