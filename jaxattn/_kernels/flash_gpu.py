@@ -111,6 +111,11 @@ GPU_TILES = {
     2: {64: (128, 64, 8), 128: (128, 64, 8), 256: (32, 64, 8)},
     4: {64: (32, 32, 8), 128: (16, 64, 8), 256: (16, 16, 8)},
 }
+# Calls with Shaw's or DeBERTa's per-row tables (Tables) load [Tb,Dp] blocks of them per tile: at most 64 query
+# rows there above head dim 64. 128 x 64 asked 247808 bytes of shared memory at head dim 128 bf16 forward+backward
+# on the H100 (232448 available; the compile grid's "shaw causal"); 64 x 64 compiled, and so did 128 x 64 at head
+# dim 64 (Shaw and DeBERTa, H100 and A100).
+TABLES_MAX_QUERY_TILE = 64
 # The interpreter takes any size: 16 x 16 keeps interpret-mode tests quick.
 INTERPRET_BLOCK = 16
 MIN_GPU_BLOCK = 16
@@ -731,14 +736,16 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def gpu_tiles(Hp: int, itemsize: int) -> tuple:
+def gpu_tiles(Hp: int, itemsize: int, tables: bool = False) -> tuple:
     """(Tb, Sb, num_warps) on a GPU for a padded head dim Hp <= MAX_HEAD_DIM and the inputs' bytes per element:
-    GPU_TILES' row (4-byte inputs: float32; 2-byte and narrower: the half-precision row)."""
+    GPU_TILES' row (4-byte inputs: float32; 2-byte and narrower: the half-precision row); tables: the call has
+    per-row tables (Tb at most TABLES_MAX_QUERY_TILE above head dim 64)."""
     rows = GPU_TILES[4 if itemsize > 2 else 2]
-    return next(tiles for dim, tiles in sorted(rows.items()) if Hp <= dim or dim == MAX_HEAD_DIM)
+    Tb, Sb, warps = next(tiles for dim, tiles in sorted(rows.items()) if Hp <= dim or dim == MAX_HEAD_DIM)
+    return (min(Tb, TABLES_MAX_QUERY_TILE) if tables and Hp > 64 else Tb), Sb, warps
 
 
-def tile_sizes(block_size, T: int, S: int, Hp: int, interpret: bool, itemsize: int = 2) -> tuple:
+def tile_sizes(block_size, T: int, S: int, Hp: int, interpret: bool, itemsize: int = 2, tables: bool = False) -> tuple:
     """(Tb, Sb): block_size as given, else gpu_tiles' by head dim and bytes per element (INTERPRET_BLOCK when
     interpreted), shrunk to the next power of two of T / S (never below
     MIN_GPU_BLOCK on a GPU)."""
@@ -748,7 +755,7 @@ def tile_sizes(block_size, T: int, S: int, Hp: int, interpret: bool, itemsize: i
             if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b <= 0:
                 checks.fail("block_size", "an int > 0 or a pair of them", repr(block_size))
         return int(pair[0]), int(pair[1])
-    wanted = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else gpu_tiles(Hp, itemsize)[:2]
+    wanted = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else gpu_tiles(Hp, itemsize, tables)[:2]
     floor = 1 if interpret else MIN_GPU_BLOCK
     return tuple(min(b, max(floor, next_power_of_two(L))) for b, L in zip(wanted, (T, S)))
 
@@ -978,7 +985,8 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
     if blocks is not None and block_mask is None:
         Tb, Sb = blocks
     else:
-        Tb, Sb = tile_sizes(block_size, T, S, max(Hp, Hvp), interpret, np.dtype(query.dtype).itemsize)
+        tables = call.has_tables or call.row_tables is not None
+        Tb, Sb = tile_sizes(block_size, T, S, max(Hp, Hvp), interpret, np.dtype(query.dtype).itemsize, tables)
     Tn, Sn = -(-T // Tb), -(-S // Sb)
     Tp, Sp = Tn * Tb, Sn * Sb
     q_pos, k_pos, lengths, q_seg, k_seg = padded_rows(c, Tp, Sp)
