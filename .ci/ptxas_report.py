@@ -12,9 +12,9 @@ environment (.ci/run's .venv-compile):
 Per (target, head dim, dtype): a causal forward+backward program through the public API
 (implementation="pallas_gpu", [1, 1024, 2, H], T = S), which holds all three kernels (forward, dq, dk/dv).
 Tiles are read back from the launch grids (forward / dq grid [B,N,T/Tb], dk/dv grid [B,K,S/Sb]), num_warps from
-the threads. --check: exit status 1 when a kernel spills or its shared memory passes the target's limit.
---tiles Tb,Sb,W: every program with those tiles and num_warps instead of the kernel's own choice (a probe of
-alternatives; the kernel's table is flash_gpu.GPU_TILES).
+the threads. --check: exit status 1 when a kernel spills beyond KNOWN_SPILLS or its shared memory passes the
+target's limit. --tiles Tb,Sb,W: every program with those tiles and num_warps instead of the kernel's own choice
+(a probe of alternatives; the kernel's table is flash_gpu.GPU_TILES).
 """
 
 from __future__ import annotations
@@ -103,7 +103,7 @@ def forced_tiles(tiles):
         yield
         return
     saved = flash_gpu.gpu_tiles
-    flash_gpu.gpu_tiles = lambda Hp, itemsize: tiles
+    flash_gpu.gpu_tiles = lambda Hp, itemsize, tables=False: tiles
     try:
         yield
     finally:
@@ -145,13 +145,27 @@ def measure(target: str, device, H: int, dtype: str, tiles=None) -> list[dict]:
     return rows
 
 
+# The spills the kernel's tiles leave (docs/kernels.md, "Tiles per head dim"): (target, head dim, dtype, kernel) ->
+# the most spill-store bytes allowed. --check fails on any other spill, on more than this, and on a known spill
+# that is gone (take it off the list).
+KNOWN_SPILLS = {
+    ("a100", 80, "bfloat16", "forward"): 4,
+    ("a100", 128, "bfloat16", "forward"): 4,
+    ("h100", 256, "float32", "dkv"): 4428,
+    ("a100", 256, "float32", "dkv"): 4448,
+}
+
+
 def problems(rows) -> list[str]:
     out = []
     for r in rows:
+        known = KNOWN_SPILLS.get((r["target"], r["H"], r["dtype"], r["kernel"]))
         if "error" in r:
             out.append(f"{r['target']} H{r['H']} {r['dtype']}: does not compile: {r['error'][:200]}")
-        elif r["spill_stores"] or r["spill_loads"]:
+        elif (r["spill_stores"] or r["spill_loads"]) and (known is None or r["spill_stores"] > known):
             out.append(f"{r['target']} H{r['H']} {r['dtype']} {r['kernel']}: spills {r['spill_stores']} bytes")
+        elif known is not None and not r["spill_stores"]:
+            out.append(f"{r['target']} H{r['H']} {r['dtype']} {r['kernel']}: no longer spills; off KNOWN_SPILLS")
         elif r["shared_bytes"] > SHARED_LIMIT[r["target"]]:
             out.append(
                 f"{r['target']} H{r['H']} {r['dtype']} {r['kernel']}: {r['shared_bytes']} bytes of shared memory"
@@ -211,7 +225,7 @@ def main(argv=None):
     parser.add_argument("--heads", default="64,80,128,256")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--tiles", default="", help="Tb,Sb,num_warps for every program (a probe)")
-    parser.add_argument("--check", action="store_true", help="exit 1 on a spill or a shared-memory overrun")
+    parser.add_argument("--check", action="store_true", help="exit 1 on a new spill or a shared-memory overrun")
     parser.add_argument("--json", default=str(RESULTS))
     parser.add_argument("--table", action="store_true", help="print --json's summary table; compile nothing")
     args = parser.parse_args(argv)
