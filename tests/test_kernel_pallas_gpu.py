@@ -236,6 +236,15 @@ def test_gpu_tiles_follow_the_measured_table(itemsize):
     assert flash_gpu.tile_sizes(None, 4096, 2048, 128, True, itemsize) == (16, 16)  # interpret mode
 
 
+def test_own_tiles_keep_the_head_dim_warps():
+    # a kernel passing its own tiles to prepare (pair_tables' 16 x 16) keeps the warps it was measured with, JAX's
+    # mha rule: 4 up to head dim 64, else 8; the flash kernel's own tiles take the measured table's 8
+    for H, own in ((48, 4), (80, 8)):
+        q = jnp.zeros((1, 37, 2, H), jnp.bfloat16)
+        assert flash_gpu.prepare(AttentionCall(), q, q, q, False, blocks=(16, 16)).cfg.num_warps == own
+        assert flash_gpu.prepare(AttentionCall(), q, q, q, False).cfg.num_warps == _measured_row(H, 2)[2]
+
+
 def test_kernels_launch_with_the_measured_tiles():
     # through the public API, lowered for CUDA: each kernel's Triton grid (forward / dq: T / Tb query tiles,
     # dk/dv: S / Sb key tiles, on grid_z) and num_warps, for a head dim that pads (80 -> 128) and one at 256

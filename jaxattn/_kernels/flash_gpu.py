@@ -982,6 +982,11 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
         Hp, Hvp = padded_head(H, interpret), padded_head(Hv, interpret)
     else:
         Hp, Hvp = (-(-x // head_multiple) * head_multiple for x in (H, Hv))
+    # warps: GPU_TILES' for the head dim (with block_size or a BlockMask's tiles too); a kernel that passes its own
+    # tiles (blocks) keeps the rule it was measured with, JAX's mha's: 4 up to head dim 64, else 8
+    warps = gpu_tiles(max(Hp, Hvp), np.dtype(query.dtype).itemsize)[2]
+    if blocks is not None:
+        warps = 4 if max(Hp, Hvp) <= 64 else 8
     if blocks is not None and block_mask is None:
         Tb, Sb = blocks
     else:
@@ -1015,7 +1020,7 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
         head_kinds=tile_kinds is not None and tile_kinds.shape[1] > 1,
         precision=c.precision,
         interpret=bool(interpret),
-        num_warps=gpu_tiles(max(Hp, Hvp), np.dtype(query.dtype).itemsize)[2],
+        num_warps=warps,
     )
     order, counts, t_order, t_counts = _schedules(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds)
     cfg = cfg._replace(batched=tuple(x is not None and x.shape[0] > 1 for x in (q_pos, k_pos, q_seg, lengths, order)))
