@@ -102,13 +102,13 @@ from .tile_body import (
 # padded head dim of a row (head dims up to 64, 128, 256); one choice for the forward, dq and dk/dv kernels, which
 # share the key-tile schedules computed for one tile pair. Chosen from `ptxas -v` on the three kernels compiled for
 # an H100 (sm_90a) and an A100 (sm_80) (.ci/ptxas_report.py; docs/kernels.md, "Tiles per head dim"; no GPU here to
-# time them): the widest tiles that spill no registers on either and fit both's shared memory, 128-row query tiles
-# where that holds (wgmma's shape on the H100). Two exceptions, the fewest spills found: bf16 at head dims 65-128
-# spills 4 bytes in the A100 forward, and the float32 dk/dv kernel at 129-256 spills at every tile size tried
-# (ptxas drops it to 32 registers and a stack frame). 8 warps throughout: 4 spilled at 128 x 64, head dim 64. Powers
-# of two of at least 16, as Triton's dot needs.
+# time them): tiles that spill no registers on either and fit both's shared memory, 128-row query tiles where that
+# holds (wgmma's shape on the H100; 128 x 64 spilled in the A100's forward at head dims 65-128). One exception:
+# the float32 dk/dv kernel at 129-256 spills at every tile size tried (ptxas drops it to 32 registers and a stack
+# frame); 16 x 16 spills least. 8 warps throughout: 4 spilled at 128 x 64, head dim 64. Powers of two of at least
+# 16, as Triton's dot needs.
 GPU_TILES = {
-    2: {64: (128, 64, 8), 128: (128, 64, 8), 256: (32, 64, 8)},
+    2: {64: (128, 64, 8), 128: (128, 32, 8), 256: (32, 64, 8)},
     4: {64: (32, 32, 8), 128: (16, 64, 8), 256: (16, 16, 8)},
 }
 # Calls with Shaw's or DeBERTa's per-row tables (Tables) load [Tb,Dp] blocks of them per tile: at most 64 query
