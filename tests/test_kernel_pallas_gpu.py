@@ -17,7 +17,7 @@ import pytest
 import jaxattn
 from helpers import normwise
 from jaxattn._core.call import AttentionCall
-from jaxattn._kernels import pallas_gpu
+from jaxattn._kernels import flash_gpu, pallas_gpu
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
 
@@ -205,23 +205,71 @@ def test_forward_only_writes_no_lse():
     assert lse in _lowered(jax.grad(loss), q)
 
 
-def test_float32_wide_heads_take_half_size_tiles():
-    # 64 x 64 float32 tiles at head dim 192 (padded to 256) overran an H100's shared memory in the backward
-    # kernels (found compiling for an H100 target: .ci/compile_targets.py); bfloat16 keeps 64 x 64. The
-    # Triton grid's query-tile axis (grid_z) counts the tiles.
-    q = jax.ShapeDtypeStruct((1, 512, 2, 192), jnp.float32)
-    half = jax.ShapeDtypeStruct(q.shape, jnp.bfloat16)
+# The tiles and warps measured spill-free (docs/kernels.md, "Tiles per head dim": ptxas -v on the forward, dq and
+# dk/dv kernels compiled for an H100 and an A100, .ci/ptxas_report.py), stated per row of that table: (Tb, Sb,
+# num_warps) for bf16 / fp16 and float32 inputs by padded head dim (up to 64, up to 128, up to 256).
+MEASURED = {
+    2: [(64, (128, 64, 8)), (128, (128, 32, 8)), (256, (32, 64, 8))],
+    4: [(64, (32, 32, 8)), (128, (16, 64, 8)), (256, (16, 16, 8))],
+}
 
-    def attention(q):  # the public API: the kernel's own signature is being reshaped
-        return jaxattn.dot_product_attention(q, q, q, is_causal=True, implementation="pallas_gpu")
 
-    def query_tiles(x):
-        text = _lowered(attention, x)
-        return {int(z) for z in re.findall(r"grid_z = (\d+)", text)}
+def _measured_row(H, itemsize):
+    padded = max(16, 1 << (H - 1).bit_length())  # head dims pad to powers of two >= 16
+    return next(tiles for bound, tiles in MEASURED[itemsize] if padded <= bound)
 
+
+@pytest.mark.parametrize("itemsize", [2, 4])
+def test_gpu_tiles_follow_the_measured_table(itemsize):
+    for H in (8, 16, 48, 64, 65, 80, 96, 128, 160, 192, 256):
+        Tb, Sb, warps = _measured_row(H, itemsize)
+        Hp = flash_gpu.padded_head(H, interpret=False)
+        assert flash_gpu.tile_sizes(None, 4096, 2048, Hp, False, itemsize) == (Tb, Sb), H
+        assert flash_gpu.gpu_tiles(Hp, itemsize)[2] == warps, H
+        # calls with Shaw's / DeBERTa's per-row tables: at most 64 query rows above head dim 64 (128 x 64 overran
+        # the H100's shared memory at head dim 128 in the compile grid's "shaw causal", 247808 of 232448 bytes)
+        table_rows = min(Tb, 64) if Hp > 64 else Tb
+        assert flash_gpu.tile_sizes(None, 4096, 2048, Hp, False, itemsize, tables=True) == (table_rows, Sb), H
+        # shrunk to short sequences (the next power of two, never below 16), and block_size still overrides
+        assert flash_gpu.tile_sizes(None, 20, 7, Hp, False, itemsize) == (min(Tb, 32), 16)
+        assert flash_gpu.tile_sizes((16, 32), 4096, 2048, Hp, False, itemsize) == (16, 32)
+    assert flash_gpu.tile_sizes(None, 4096, 2048, 128, True, itemsize) == (16, 16)  # interpret mode
+
+
+def test_own_tiles_keep_the_head_dim_warps():
+    # a kernel passing its own tiles to prepare (pair_tables' 16 x 16) keeps the warps it was measured with, JAX's
+    # mha rule: 4 up to head dim 64, else 8; the flash kernel's own tiles take the measured table's 8
+    for H, own in ((48, 4), (80, 8)):
+        q = jnp.zeros((1, 37, 2, H), jnp.bfloat16)
+        assert flash_gpu.prepare(AttentionCall(), q, q, q, False, blocks=(16, 16)).cfg.num_warps == own
+        assert flash_gpu.prepare(AttentionCall(), q, q, q, False).cfg.num_warps == _measured_row(H, 2)[2]
+
+
+def test_kernels_launch_with_the_measured_tiles():
+    # through the public API, lowered for CUDA: each kernel's Triton grid (forward / dq: T / Tb query tiles,
+    # dk/dv: S / Sb key tiles, on grid_z) and num_warps, for a head dim that pads (80 -> 128) and one at 256
+    def kernels(x, T, S):
+        def loss(q):
+            k = jnp.zeros((1, S, 2, x.shape[-1]), x.dtype)
+            out = jaxattn.dot_product_attention(q, k, k, is_causal=True, implementation="pallas_gpu")
+            return jnp.sum(out.astype(jnp.float32))
+
+        text = _lowered(jax.grad(loss), jax.ShapeDtypeStruct((1, T, 2, x.shape[-1]), x.dtype))
+        launches = re.findall(
+            r'grid_z = (\d+) : i32, ir = "[^"]*", name = "(\w+)", num_stages = \d+ : i32, num_warps = (\d+)', text
+        )
+        return {name: (int(z), int(w)) for z, name, w in launches}
+
+    T, S = 1024, 512
     with jax.enable_x64(False):  # the Pallas kernels index in int32
-        assert query_tiles(q) == {512 // 32}
-        assert query_tiles(half) == {512 // 64}
+        for H, dtype in ((80, jnp.bfloat16), (256, jnp.bfloat16), (192, jnp.float32)):
+            Tb, Sb, warps = _measured_row(H, np.dtype(dtype).itemsize)
+            got = kernels(jnp.zeros((H,), dtype), T, S)
+            assert got == {
+                "jaxattn_flash_forward": (T // Tb, warps),
+                "jaxattn_flash_dq": (T // Tb, warps),
+                "jaxattn_flash_dkv": (S // Sb, warps),
+            }, (H, dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -102,14 +102,25 @@ from .tile_body import (
     visit,
 )
 
-# Tiles on a GPU (queries x keys): 128 x 64 up to head dim 64, 64 x 64 above (a float32 [Tb,Sb] tile plus
-# q, k, v tiles must fit the registers / shared memory of one thread block); Triton's dot needs powers of
-# two of at least 16. The interpreter takes any size: 16 x 16 keeps interpret-mode tests quick.
-GPU_BLOCKS = {64: (128, 64), 256: (64, 64)}  # largest padded head dim -> (Tb, Sb)
-# Float32 inputs with padded head dims above 128: 64 x 64 tiles overrun an H100's 227 KiB of shared memory
-# per block in the backward kernels (262400 bytes asked at head dim 192, padded to 256: found compiling for
-# the H100, .ci/compile_targets.py); half-size tiles fit.
-WIDE_FLOAT32_BLOCKS = (32, 32)
+# Tiles and warps on a GPU: (Tb queries, Sb keys, num_warps) by the inputs' bytes per element and the largest
+# padded head dim of a row (head dims up to 64, 128, 256); one choice for the forward, dq and dk/dv kernels, which
+# share the key-tile schedules computed for one tile pair. Chosen from `ptxas -v` on the three kernels compiled for
+# an H100 (sm_90a) and an A100 (sm_80) (.ci/ptxas_report.py; docs/kernels.md, "Tiles per head dim"; no GPU here to
+# time them): tiles that spill no registers on either and fit both's shared memory, 128-row query tiles where that
+# holds (wgmma's shape on the H100; 128 x 64 spilled in the A100's forward at head dims 65-128). One exception:
+# the float32 dk/dv kernel at 129-256 spills at every tile size tried (ptxas drops it to 32 registers and a stack
+# frame); 16 x 16 spills least. 8 warps throughout: 4 spilled at 128 x 64, head dim 64. Powers of two of at least
+# 16, as Triton's dot needs.
+GPU_TILES = {
+    2: {64: (128, 64, 8), 128: (128, 32, 8), 256: (32, 64, 8)},
+    4: {64: (32, 32, 8), 128: (16, 64, 8), 256: (16, 16, 8)},
+}
+# Calls with Shaw's or DeBERTa's per-row tables (Tables) load [Tb,Dp] blocks of them per tile: at most 64 query
+# rows there above head dim 64. 128 x 64 asked 247808 bytes of shared memory at head dim 128 bf16 forward+backward
+# on the H100 (232448 available; the compile grid's "shaw causal"); 64 x 64 compiled, and so did 128 x 64 at head
+# dim 64 (Shaw and DeBERTa, H100 and A100).
+TABLES_MAX_QUERY_TILE = 64
+# The interpreter takes any size: 16 x 16 keeps interpret-mode tests quick.
 INTERPRET_BLOCK = 16
 MIN_GPU_BLOCK = 16
 MAX_HEAD_DIM = 256
@@ -752,9 +763,18 @@ def next_power_of_two(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
 
-def tile_sizes(block_size, T: int, S: int, Hp: int, interpret: bool, itemsize: int = 2) -> tuple:
-    """(Tb, Sb): block_size as given, else GPU_BLOCKS by head dim (WIDE_FLOAT32_BLOCKS for 4-byte inputs
-    wider than 128, INTERPRET_BLOCK when interpreted), shrunk to the next power of two of T / S (never below
+def gpu_tiles(Hp: int, itemsize: int, tables: bool = False) -> tuple:
+    """(Tb, Sb, num_warps) on a GPU for a padded head dim Hp <= MAX_HEAD_DIM and the inputs' bytes per element:
+    GPU_TILES' row (4-byte inputs: float32; 2-byte and narrower: the half-precision row); tables: the call has
+    per-row tables (Tb at most TABLES_MAX_QUERY_TILE above head dim 64)."""
+    rows = GPU_TILES[4 if itemsize > 2 else 2]
+    Tb, Sb, warps = next(tiles for dim, tiles in sorted(rows.items()) if Hp <= dim or dim == MAX_HEAD_DIM)
+    return (min(Tb, TABLES_MAX_QUERY_TILE) if tables and Hp > 64 else Tb), Sb, warps
+
+
+def tile_sizes(block_size, T: int, S: int, Hp: int, interpret: bool, itemsize: int = 2, tables: bool = False) -> tuple:
+    """(Tb, Sb): block_size as given, else gpu_tiles' by head dim and bytes per element (INTERPRET_BLOCK when
+    interpreted), shrunk to the next power of two of T / S (never below
     MIN_GPU_BLOCK on a GPU)."""
     pair = _block_pair(block_size)
     if pair is not None:
@@ -762,12 +782,7 @@ def tile_sizes(block_size, T: int, S: int, Hp: int, interpret: bool, itemsize: i
             if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b <= 0:
                 checks.fail("block_size", "an int > 0 or a pair of them", repr(block_size))
         return int(pair[0]), int(pair[1])
-    if interpret:
-        wanted = (INTERPRET_BLOCK, INTERPRET_BLOCK)
-    elif itemsize > 2 and Hp > 128:
-        wanted = WIDE_FLOAT32_BLOCKS
-    else:
-        wanted = next(blocks for dim, blocks in sorted(GPU_BLOCKS.items()) if Hp <= dim or dim == MAX_HEAD_DIM)
+    wanted = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else gpu_tiles(Hp, itemsize, tables)[:2]
     floor = 1 if interpret else MIN_GPU_BLOCK
     return tuple(min(b, max(floor, next_power_of_two(L))) for b, L in zip(wanted, (T, S)))
 
@@ -1011,10 +1026,16 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
         Hp, Hvp = padded_head(H, interpret), padded_head(Hv, interpret)
     else:
         Hp, Hvp = (-(-x // head_multiple) * head_multiple for x in (H, Hv))
+    # warps: GPU_TILES' for the head dim (with block_size or a BlockMask's tiles too); a kernel that passes its own
+    # tiles (blocks) keeps the rule it was measured with, JAX's mha's: 4 up to head dim 64, else 8
+    warps = gpu_tiles(max(Hp, Hvp), np.dtype(query.dtype).itemsize)[2]
+    if blocks is not None:
+        warps = 4 if max(Hp, Hvp) <= 64 else 8
     if blocks is not None and block_mask is None:
         Tb, Sb = blocks
     else:
-        Tb, Sb = tile_sizes(block_size, T, S, max(Hp, Hvp), interpret, np.dtype(query.dtype).itemsize)
+        tables = call.has_tables or call.row_tables is not None
+        Tb, Sb = tile_sizes(block_size, T, S, max(Hp, Hvp), interpret, np.dtype(query.dtype).itemsize, tables)
     Tn, Sn = -(-T // Tb), -(-S // Sb)
     Tp, Sp = Tn * Tb, Sn * Sb
     q_pos, k_pos, lengths, q_seg, k_seg = padded_rows(c, Tp, Sp)
@@ -1043,7 +1064,7 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
         head_kinds=tile_kinds is not None and tile_kinds.shape[1] > 1,
         precision=c.precision,
         interpret=bool(interpret),
-        num_warps=4 if max(Hp, Hvp) <= 64 else 8,
+        num_warps=warps,
     )
     order, counts, t_order, t_counts = schedules(
         cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds, not default_positions(call)
