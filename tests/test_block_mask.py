@@ -303,6 +303,7 @@ def torch_document(b, h, i, j):
 TORCH_MASKS = {"causal": lambda b, h, i, j: i >= j, "document": torch_document}  # the same, on torch indices
 
 
+@pytest.mark.slow  # torch flex parity stays in the default group: tests/peers/test_torch_flex.py
 @pytest.mark.parametrize("name", _params(TORCH_MASKS))
 def test_return_lse_and_block_mask_fields_equal_torchs(name):
     """T == S (where torch's row indices and our positions agree): output, lse and the BlockMask's

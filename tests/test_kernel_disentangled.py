@@ -68,7 +68,6 @@ CASES = {
     "positions softcap": ((2, 19, 23, 6, 3, 5, 7), (6, 9), "shared", "per head", dict(positions=True, softcap=2.5)),
 }
 DEFAULT_CASE = "v3 both"
-TPU_DEFAULT_CASE = "no buckets causal lengths"  # both terms, tiles past the band both ways, per-head tables
 
 
 def _setup(name, seed=0):
@@ -155,7 +154,7 @@ def test_kernel_matches_the_float64_references(name):
 @pytest.mark.parametrize(
     "name",
     [
-        n if n == TPU_DEFAULT_CASE else pytest.param(n, marks=pytest.mark.slow)
+        pytest.param(n, marks=pytest.mark.slow)  # the TPU table terms: test_kernel_shaw.py's default case
         for n in CASES
         if n != "positions softcap"
     ],

@@ -236,6 +236,7 @@ def test_gpu_tiles_follow_the_measured_table(itemsize):
     assert flash_gpu.tile_sizes(None, 4096, 2048, 128, True, itemsize) == (16, 16)  # interpret mode
 
 
+@pytest.mark.slow
 def test_own_tiles_keep_the_head_dim_warps():
     # a kernel passing its own tiles to prepare (pair_tables' 16 x 16) keeps the warps it was measured with, JAX's
     # mha rule: 4 up to head dim 64, else 8; the flash kernel's own tiles take the measured table's 8

@@ -147,7 +147,8 @@ KERNEL_CASES = {
     "lengths T<S": ((2, 13, 31, 2, 1, 3, 5), dict(is_causal=True, key_value_seq_lengths=np.array([11, 26])), (4, 8)),
     "chunk T>S": ((1, 31, 19, 3, 3, 5, 3), dict(is_causal=True, chunk_size=7), (8, 4)),
 }
-SLOW_CASES = {"causal", "window GQA", "chunk T>S"}
+SLOW_CASES = set(KERNEL_CASES)  # all: every default-group GPU kernel test runs the compact form already, and
+# the default group walks both forms' steps directly (test_compact_schedule_walks_the_general_schedules_steps)
 
 
 def _kernel_call(options, block_size, positions=None):

@@ -285,6 +285,7 @@ def test_under_vmap_and_grad(implementation):
         assert normwise(g, e) <= GRAD_TOL
 
 
+@pytest.mark.slow  # the default group's TPU Shaw case runs both through the kernel
 def test_tpu_diagonals_and_their_inverse_against_numpy():
     """flex_tpu.diagonals: tile[r, c] = lanes[r, offset + R - 1 - r + c] (rows that differ: QA's lanes), and
     undiagonals, its inverse: out[r, offset + R - 1 - r + c] = tile[r, c] (the strided roll of stride W - 1),
