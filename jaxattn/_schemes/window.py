@@ -145,7 +145,8 @@ def window_attention(
     "blockwise" (block_size) one tile at a time, "pallas_gpu" folds the windows into the kernel's batch axis
     and reads the table inside each tile at WindowIndex (its gradient scattered back into the table),
     "pallas_tpu" gathers one window's [N,T,T] bias outside our TPU flex kernel and reads it per tile (forward;
-    the XLA blockwise backward), and None takes those kernels on CUDA and TPU, the XLA engines elsewhere
+    the XLA blockwise backward), and None takes the GPU kernel on CUDA and the XLA engines elsewhere, TPU
+    included: the TPU kernel's 128-row tiles hold 4-9x the dense engine's memory at Swin's shapes
     (docs/kernels.md, "Swin's and BEiT's windows").
     """
     Wh, Ww = as_pair("window_size", window_size, 1)
