@@ -246,6 +246,7 @@ def test_own_tiles_keep_the_head_dim_warps():
         assert flash_gpu.prepare(AttentionCall(), q, q, q, False).cfg.num_warps == _measured_row(H, 2)[2]
 
 
+@pytest.mark.slow  # the tile rule itself stays in the default group (test_gpu_tiles_follow_the_measured_table)
 def test_kernels_launch_with_the_measured_tiles():
     # through the public API, lowered for CUDA: each kernel's Triton grid (forward / dq: T / Tb query tiles,
     # dk/dv: S / Sb key tiles, on grid_z) and num_warps, for a head dim that pads (80 -> 128) and one at 256
