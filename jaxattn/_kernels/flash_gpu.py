@@ -580,6 +580,22 @@ def key_tile_inputs(cfg, side, q, k, v, d_out, lse, delta):
     return inputs
 
 
+def key_tile_outputs(cfg, k, v):
+    """The dk/dv kernel's outputs dk, dv on grid (b, key head h, key tile j): the key tile's rows of k's and v's
+    shapes and dtypes."""
+    Hp, Hvp = k.shape[-1], v.shape[-1]
+    return {
+        "dk": (
+            jax.ShapeDtypeStruct(k.shape, k.dtype),
+            pl.BlockSpec((None, cfg.Sb, None, Hp), lambda b, h, j: (b, j, h, 0)),
+        ),
+        "dv": (
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0)),
+        ),
+    }
+
+
 def sinks_grad(sinks, lse, delta):
     """d loss / d sinks [B,N] from the saved lse and delta [B,N,Tp]: d out_t / d sink = -p_sink[t] out_t, so
     d sink = -sum_t p_sink[t] delta_t."""
@@ -709,16 +725,7 @@ def _flash_bwd(cfg, res, cotangents):
         # its gradient: atomic adds into this program's own block, starting at zero (an input aliased to it)
         kv_inputs["d_key_row_bias_zeros"] = (jnp.zeros(side.key_row_bias.shape, acc_dtype), key_rows_spec)
         kv_aliases = {"d_key_row_bias_zeros": "d_key_row_bias"}
-    kv_outputs = {
-        "dk": (
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            pl.BlockSpec((None, cfg.Sb, None, Hp), lambda b, h, j: (b, j, h, 0)),
-        ),
-        "dv": (
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
-            pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0)),
-        ),
-    }
+    kv_outputs = key_tile_outputs(cfg, k, v)
     if key_rows_spec is not None:
         kv_outputs["d_key_row_bias"] = (jax.ShapeDtypeStruct(side.key_row_bias.shape, acc_dtype), key_rows_spec)
     dk, dv, *d_key_rows = named_call(

@@ -448,16 +448,7 @@ def _attend_bwd(cfg, pairs, res, cotangents):
     for name, table in (("rel_key", a_k), ("rel_value", a_v)):
         if table is not None:
             kv_inputs[name] = (table, _key_table_spec(cfg, table, G))
-    kv_outputs = {
-        "dk": (
-            jax.ShapeDtypeStruct(k.shape, k.dtype),
-            pl.BlockSpec((None, cfg.Sb, None, Hp), lambda b, h, j: (b, j, h, 0)),
-        ),
-        "dv": (
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
-            pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0)),
-        ),
-    }
+    kv_outputs = flash_gpu.key_tile_outputs(cfg, k, v)
     dkv_kernel = functools.partial(_dkv_kernel, pairs)
     dk, dv = flash_gpu.named_call(
         cfg, dkv_kernel, (B, K, cfg.Sn), kv_inputs, kv_outputs, "jaxattn_pairs_dkv", num_stages=PAIR_STAGES
