@@ -19,6 +19,7 @@ unless they set XLA_FLAGS themselves.
 """
 
 import os
+import pathlib
 import sys
 
 os.environ["XLA_FLAGS"] = (
@@ -58,6 +59,29 @@ def pytest_configure(config):
         return
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+SLOW_CASES = pathlib.Path(__file__).with_name("slow_cases.txt")
+
+
+def slow_cases() -> set:
+    """The node ids tests/slow_cases.txt lists (its # comments and blank lines aside)."""
+    lines = (line.split("#", 1)[0].strip() for line in SLOW_CASES.read_text().splitlines())
+    return {line for line in lines if line}
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection, which must see the marks
+def pytest_collection_modifyitems(config, items):
+    """Mark tests/slow_cases.txt's cases `slow`. A run of the whole suite (no paths given: testpaths) fails on
+    a listed id that no test has, so a rename cannot silently return a case to the default group."""
+    listed = slow_cases()
+    for item in items:
+        if item.nodeid in listed:
+            item.add_marker(pytest.mark.slow)
+    if config.args_source == pytest.Config.ArgsSource.TESTPATHS:
+        stale = sorted(listed - {item.nodeid for item in items})
+        if stale:
+            raise pytest.UsageError(f"tests/slow_cases.txt names tests that do not exist: {stale}")
 
 
 @pytest.hookimpl(trylast=True)
