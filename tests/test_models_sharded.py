@@ -35,7 +35,9 @@ SCRIPT = HERE / "_models_mesh_checks.py"
 sys.path.insert(0, str(HERE.parent / "examples"))
 from train_sharded import DEMO  # noqa: E402  (the tiny configs that split over 8 devices)
 
-FAMILIES = ("gpt2", "llama", "qwen2", "mistral", "gemma2", "t5")
+# Mistral is Llama's layers with a sliding window: Gemma 2 runs the window (and its refusal under sequence
+# parallelism) on every mesh, so Mistral's own 3-mesh run (about 65 s of the slow group) repeated both.
+FAMILIES = ("gpt2", "llama", "qwen2", "gemma2", "t5")
 NEW_FAMILIES = (
     "qwen3",
     "gemma3_text",
@@ -537,7 +539,6 @@ ROW_PARALLEL_ALL_REDUCES = {
     "gpt2": 2 * 2,
     "llama": 2 * 2 + 1,
     "qwen2": 2 * 2 + 1,
-    "mistral": 2 * 2 + 1,
     "gemma2": 2 * 2 + 1,
     "t5": 2 * 2 + 3 * 2 + 1,
 }
@@ -739,8 +740,7 @@ def test_sequence_parallel_on_the_ring_equals_one_device(mesh_results, family):
 @pytest.mark.slow
 def test_sequence_parallel_refuses_what_the_ring_cannot_run(mesh_results):
     refused = {family: r["refused"] for family, r in mesh_results["sequence_parallel"].items() if "refused" in r}
-    assert sorted(refused) == ["gemma2", "mistral", "t5"]
-    assert refused["mistral"].startswith("window: expected None with sequence parallelism")  # sliding_window 5
+    assert sorted(refused) == ["gemma2", "t5"]
     assert refused["gemma2"].startswith("window: expected None with sequence parallelism")
     assert refused["t5"].startswith("mesh: expected no axis 'seq' for t5")
 
