@@ -59,6 +59,12 @@ def pytest_configure(config):
         return
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    # The interpreters tests start (the docs' examples, the 8-device and 2-process runs) read and write the same
+    # cache through JAX's environment variables: in CI's slow group their programs are hits from the last run
+    # (the docs' examples alone compiled for about 230 s of it).
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = jax.config.jax_compilation_cache_dir
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
 
 
 SLOW_CASES = pathlib.Path(__file__).with_name("slow_cases.txt")
