@@ -2,7 +2,7 @@
 Pallas' interpreter on CPU; a decode step lowered for CUDA takes it (issue 26 §3).
 
 float32 at highest precision: outputs and lse <= 1e-6 normwise. Every axis has its own prime size; the key
-axis is not a multiple of the chunk (key_chunk) nor of the key tile (the kernel pads it inside); query rows
+axis is not a multiple of the chunk (key_chunk) nor of the key tile (the kernel masks its loads past S); query rows
 with no allowed key give zeros. The kernel is forward only: a gradient through pallas_gpu.attention runs the
 flash kernels (checked in the slow group, and by lowering in the default group). Interpret mode compiles
 slowly, so the default group has one case with most options at once; the one-option grid, bf16 and the

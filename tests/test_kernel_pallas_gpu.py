@@ -7,12 +7,16 @@ interpreter lifts), and the CUDA lowering (one Triton custom call per kernel, no
 machine. float32 at highest precision: outputs and lse <= 1e-6, gradients <= 1e-5, normwise.
 """
 
+import contextlib
+import functools
+import io
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental import pallas as pl
 
 import jaxattn
 from helpers import normwise
@@ -203,6 +207,49 @@ def test_forward_only_writes_no_lse():
     assert lse not in _lowered(f, q)
     assert lse in _lowered(lambda q: f(q, True)[1], q)
     assert lse in _lowered(jax.grad(loss), q)
+
+
+def _triton_memory_ops(f, *args):
+    """The program lowered for CUDA (nothing compiled), and (op, operand count, element type) of every tt.load /
+    tt.store in the Triton IR of its kernels, as Pallas prints it when debug=True."""
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(io.StringIO()) as printed:
+        patch.setattr(pl, "pallas_call", functools.partial(pl.pallas_call, debug=True))
+        program = _lowered(f, *args)
+    ops = re.findall(r"tt\.(load|store) ([^:]*?) : tensor<[0-9x]+!tt\.ptr<(\w+)>>", printed.getvalue())
+    return program, [(op, len(operands.split(",")), dtype) for op, operands, dtype in ops]
+
+
+def _masked(op, operands):
+    """tt.load ptr, mask[, other] / tt.store ptr, value, mask: a mask operand past the pointer (and value)."""
+    return operands >= (3 if op == "store" else 2)
+
+
+@pytest.mark.parametrize("lengths", ["not whole tiles", "whole tiles"])
+def test_tiles_past_the_arrays_are_masked_not_padded(lengths):
+    # q, k, v, out (do, dq, dk, dv) are not padded to whole tiles and power-of-two head dims (32 MiB of copies
+    # at [2,2000,8,128] bf16): every bf16 load and store of the forward, dq and dk/dv kernels, those arrays' tiles,
+    # carries a mask where a tile can run past its array, and none does where every tile is whole (issue 36
+    # §4). The interpreter cannot show a store unmasked (it drops what lands outside an array); the IR can.
+    (T, S, H, Hv) = (77, 53, 40, 72) if lengths == "not whole tiles" else (128, 64, 64, 32)
+    q = jax.ShapeDtypeStruct((2, T, 4, H), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((2, S, 2, H), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((2, S, 2, Hv), jnp.bfloat16)
+
+    def f(q, k, v):
+        return pallas_gpu.attention(AttentionCall(is_causal=True), q, k, v)
+
+    def grads(q, k, v):
+        return jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+
+    program, ops = _triton_memory_ops(grads, q, k, v)
+    ops = [(op, n) for op, n, dtype in ops if dtype == "bf16"]
+    stores = [n for op, n in ops if op == "store"]
+    assert len(stores) == 4  # out, dq, dk, dv
+    assert len([1 for op, n in ops if op == "load"]) >= 8  # q, k, v in the forward; q, do, k, v in dq and dk/dv
+    masked = [_masked(op, n) for op, n in ops]
+    assert all(masked) if lengths == "not whole tiles" else not any(masked), ops
+    for shape in re.findall(r"tensor<2x(\d+)x\d+x(\d+)xbf16>", program):  # no padded copy of any of them
+        assert shape in {(str(T), str(H)), (str(T), str(Hv)), (str(S), str(H)), (str(S), str(Hv))}, shape
 
 
 # The tiles and warps measured spill-free (docs/kernels.md, "Tiles per head dim": ptxas -v on the forward, dq and

@@ -45,7 +45,7 @@ from .flash_gpu import (
     tile_sizes,
     unsupported,
 )
-from .tile_body import Config, key_tiles, load, pick
+from .tile_body import Config, Extents, key_tiles, load, pick
 
 # The occupancy choice of use_decode (module docstring).
 DECODE_PROGRAMS = 264
@@ -127,7 +127,8 @@ def _decode_kernel(cfg: Config, r):
 def _decode_partials(cfg, q, k, v, q_pos, k_pos, lengths, q_seg, k_seg, order, counts):
     """Per (b, key/value head, chunk): out [B,K,C,Rp,Hvp] (unnormalised), m and l [B,K,C,Rp]."""
     B, K, Rp, Hp = q.shape
-    Sc, C, Hvp = cfg.Sn * cfg.Sb, k.shape[1] // (cfg.Sn * cfg.Sb), v.shape[-1]
+    Sc, Hvp = cfg.Sn * cfg.Sb, cfg.extents.Hvp
+    C = -(-k.shape[1] // Sc)
     bq, bk, bs, bl, bsched = cfg.batched
     inputs = {
         "q": (q, pl.BlockSpec((None, None, Rp, Hp), lambda b, h, c: (b, h, 0, 0))),
@@ -212,7 +213,10 @@ def decode_attention(call: AttentionCall, query, key, value, interpret=False, *,
     )
     q = kernel_layout(query, batch, T, T, Hp).reshape(B, T, K, G, Hp)
     q = jnp.pad(q.transpose(0, 2, 3, 1, 4).reshape(B, K, R, Hp), [(0, 0), (0, 0), (0, Rp - R), (0, 0)])
-    k, v = kernel_layout(key, batch, S, C * Sc, Hp), kernel_layout(value, batch, S, C * Sc, Hvp)
+    # the cache as it is, not padded to whole chunks and head dims (a copy of all of it per step): the kernel's
+    # loads mask what runs past S and H, Hv (tile_body.read)
+    cfg = cfg._replace(extents=Extents(T, S, H, Hv, Hp, Hvp))
+    k, v = kernel_layout(key, batch, S, S, H), kernel_layout(value, batch, S, S, Hv)
     out, m, l = _decode_partials(
         cfg, q, k, v, group_rows(q_pos), k_pos, lengths, group_rows(q_seg), k_seg, order, counts
     )

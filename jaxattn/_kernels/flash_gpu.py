@@ -26,10 +26,13 @@ k . Qr computed outside, gathered per tile, its gradient added by column from th
 run in pair_tables' kernels on this module's grids, layout, schedules and input specs (row_inputs,
 key_tile_inputs); this one refuses them.
 
-Layout: q [B,Tp,N,Hp], k [B,Sp,K,Hp], v [B,Sp,K,Hvp] (batch dims flattened, T, S padded to whole tiles,
-head dims to powers of two): a BlockSpec picks one head's [Tb,Hp] tile, and query head n reads key/value
-head n // G (G = N // K) through its index map, so grouped-query attention never copies keys or values.
-Padding keys are masked as past the length; padding queries are computed and sliced off.
+Layout: q [B,T,N,H], k [B,S,K,H], v [B,S,K,Hv] as the caller's (batch dims flattened, nothing padded or
+copied): a BlockSpec picks one head's [Tb,Hp] tile, whole tiles and head dims padded to powers of two
+(Triton's loads need them), and query head n reads key/value head n // G (G = N // K) through its index map,
+so grouped-query attention never copies keys or values. A tile that runs past T, S, H or Hv reads zeros
+there and writes nothing (tile_body.read / write, masked loads and stores: Config.extents); the kernels'
+own arrays (positions, segment ids, schedules, lse, delta) span whole tiles. Keys past S are masked as past
+the length; query rows past T are computed on zeros and never stored.
 
 The surface: `unsupported(call, query, key, value, interpret)` (the first option of the AttentionCall the
 kernel cannot express, or None) and `run(call, query, key, value, interpret)` (a call it expresses).
@@ -75,6 +78,7 @@ from .._engines.tiles import check_block_mask_tiles
 from . import offset_tables
 from .tile_body import (
     Config,
+    Extents,
     Side,
     Tables,
     add_by_column,
@@ -93,6 +97,7 @@ from .tile_body import (
     offset_index,
     pick,
     pick_rows,
+    read,
     schedule,
     table_column,
     table_logits,
@@ -100,6 +105,7 @@ from .tile_body import (
     tile_rows,
     value_term_in,
     visit,
+    write,
 )
 
 # Tiles and warps on a GPU: (Tb queries, Sb keys, num_warps) by the inputs' bytes per element and the largest
@@ -351,8 +357,10 @@ def _scatter_by_offset(ref, index, d_bias):
 
 def _dq_kernel(cfg: Config, r):
     b, n = pl.program_id(0), pl.program_id(1)
-    q, qp, q_seg, lengths = r["q"][...], r["q_pos"][...], load(r, "q_seg"), load(r, "lengths")
-    do, lse, delta = r["do"][...], r["lse"][...], r["delta"][...]
+    row0 = 0 if cfg.extents is None else pl.program_id(2) * cfg.Tb  # the query tile's first row
+    q, do = read(cfg, r["q"], "q", row0), read(cfg, r["do"], "do", row0)
+    qp, q_seg, lengths = r["q_pos"][...], load(r, "q_seg"), load(r, "lengths")
+    lse, delta = r["lse"][...], r["delta"][...]
     score_consts, mask_consts = load_consts(r, "score", len(cfg.score_grads)), load_consts(r, "mask", cfg.n_mask_consts)
     acc_dtype = accumulation_dtype(q.dtype)
     key_grad = key_term_in(cfg)
@@ -363,7 +371,8 @@ def _dq_kernel(cfg: Config, r):
         dq, d_consts = carry
         s0 = j * cfg.Sb
         keys = pl.ds(s0, cfg.Sb)
-        k, v, kp = r["k"][keys, :], r["v"][keys, :], r["k_pos"][keys]
+        k, v = (read(cfg, r[name], name, s0, (keys, slice(None))) for name in ("k", "v"))
+        kp = r["k_pos"][keys]
         k_seg = None if q_seg is None else r["k_seg"][keys]
         allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
         index = bias = None
@@ -397,7 +406,7 @@ def _dq_kernel(cfg: Config, r):
     order = r.get("order")  # absent: runs in r["counts"] (schedule)
     steps = schedule(lambda k: r["counts"][k], None if order is None else lambda idx: order[idx])
     dq, d_consts = visit(cfg, steps, key_tile, init)
-    r["dq"][...] = dq.astype(r["dq"].dtype)
+    write(cfg, r["dq"], "dq", dq, row0)
     for c, d in enumerate(d_consts):
         r[f"d_score{c}"][...] = d
 
@@ -405,17 +414,17 @@ def _dq_kernel(cfg: Config, r):
 def _dkv_kernel(cfg: Config, r):
     b, kh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     G = cfg.N // cfg.K
-    k, v, kp, k_seg = r["k"][...], r["v"][...], r["k_pos"][...], load(r, "k_seg")
-    lengths = load(r, "lengths")
+    s0 = j * cfg.Sb
+    k, v = read(cfg, r["k"], "k", s0), read(cfg, r["v"], "v", s0)
+    kp, k_seg, lengths = r["k_pos"][...], load(r, "k_seg"), load(r, "lengths")
     score_consts, mask_consts = load_consts(r, "score", len(cfg.score_grads)), load_consts(r, "mask", cfg.n_mask_consts)
     acc_dtype = accumulation_dtype(k.dtype)
-    s0 = j * cfg.Sb
 
     def query_tile(g, kind, i, carry):
         dk, dv = carry
         n = kh * G + g
         rows = pl.ds(i * cfg.Tb, cfg.Tb)
-        q, do = r["q"][rows, g, :], r["do"][rows, g, :]
+        q, do = (read(cfg, r[name], name, i * cfg.Tb, (rows, g, slice(None))) for name in ("q", "do"))
         lse, delta, qp = r["lse"][g, rows], r["delta"][g, rows], r["q_pos"][rows]
         q_seg = None if k_seg is None else r["q_seg"][rows]
         allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
@@ -451,8 +460,8 @@ def _dkv_kernel(cfg: Config, r):
     # A loop in the kernel, not unrolled in Python: unrolled, Triton compiled G copies of the tile loops
     # (compile time grew with G: 38 s at G = 8, over 600 s for MQA with 32 heads).
     carry = query_head(0, carry) if G == 1 else lax.fori_loop(0, G, query_head, carry)
-    r["dk"][...] = carry[0].astype(r["dk"].dtype)
-    r["dv"][...] = carry[1].astype(r["dv"].dtype)
+    write(cfg, r["dk"], "dk", carry[0], s0)
+    write(cfg, r["dv"], "dv", carry[1], s0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -542,8 +551,8 @@ def key_tile_inputs(cfg, side, q, k, v, d_out, lse, delta):
     """The dk/dv kernel's inputs on grid (b, key head h, key tile j) besides the terms' own: every query row of
     the G query heads of h (q, d_out, lse, delta, positions, segments), the key tile (k, v, positions,
     segments), lengths, the transposed schedule and the score_mod / mask_mod consts."""
-    Tp, G = q.shape[1], q.shape[2] // v.shape[2]
-    Hp, Hvp = q.shape[-1], v.shape[-1]
+    G = q.shape[2] // v.shape[2]
+    Tp, Hp, Hvp = block_dims(cfg, q, v)
     bq, bk, bs, bl, bsched = cfg.batched
     heads = G if cfg.head_kinds else 1
     inputs = {
@@ -583,7 +592,7 @@ def key_tile_inputs(cfg, side, q, k, v, d_out, lse, delta):
 def key_tile_outputs(cfg, k, v):
     """The dk/dv kernel's outputs dk, dv on grid (b, key head h, key tile j): the key tile's rows of k's and v's
     shapes and dtypes."""
-    Hp, Hvp = k.shape[-1], v.shape[-1]
+    _, Hp, Hvp = block_dims(cfg, k, v)
     return {
         "dk": (
             jax.ShapeDtypeStruct(k.shape, k.dtype),
@@ -594,6 +603,15 @@ def key_tile_outputs(cfg, k, v):
             pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0)),
         ),
     }
+
+
+def block_dims(cfg, q, v) -> tuple:
+    """(Tp, Hp, Hvp): the query rows and head dims the kernels' blocks span, whole tiles and padded head dims,
+    over q [B,T|Tp,N,H|Hp] and v [B,S|Sp,K,Hv|Hvp] (unpadded: cfg.extents)."""
+    Tp = cfg.Tn * cfg.Tb
+    if cfg.extents is not None:
+        return Tp, cfg.extents.Hp, cfg.extents.Hvp
+    return Tp, q.shape[-1], v.shape[-1]
 
 
 def sinks_grad(sinks, lse, delta):
@@ -609,9 +627,11 @@ def _row_block(cfg, x):
 
 def _forward(cfg, q, k, v, side):
     """(out [B,Tp,N,Hvp] in q's dtype, lse [B,N,Tp] in the compute dtype (None without cfg.write_lse),
-    row_sums [B,N,Tp,Dp] in the compute dtype: Shaw's value term, or None)."""
-    B, Tp, N, Hp = q.shape
-    Hvp = v.shape[-1]
+    row_sums [B,N,Tp,Dp] in the compute dtype: Shaw's value term, or None); out [B,T,N,Hv] when unpadded
+    (cfg.extents)."""
+    B, _, N, _ = q.shape
+    Tp, Hp, Hvp = block_dims(cfg, q, v)
+    out_rows, out_dim = (Tp, Hvp) if cfg.extents is None else (cfg.extents.T, cfg.extents.Hv)
     inputs, specs = row_inputs(cfg, side, Hp, Hvp)
     inputs.update(q=(q, specs["q"]), k=(k, specs["k"]), v=(v, specs["v"]))
     if side.sinks is not None:
@@ -619,7 +639,7 @@ def _forward(cfg, q, k, v, side):
     acc_dtype = accumulation_dtype(q.dtype)
     outputs = {
         "out": (
-            jax.ShapeDtypeStruct((B, Tp, N, Hvp), q.dtype),
+            jax.ShapeDtypeStruct((B, out_rows, N, out_dim), q.dtype),
             pl.BlockSpec((None, cfg.Tb, None, Hvp), lambda b, n, i: (b, i, n, 0)),
         ),
     }
@@ -649,13 +669,16 @@ def _flash_fwd(cfg, q, k, v, side):
 def _flash_bwd(cfg, res, cotangents):
     q, k, v, side, out, lse, row_sums = res
     d_out, d_lse, d_row_sums = cotangents
-    B, Tp, N, Hp = q.shape
-    K, Hvp = v.shape[2], v.shape[3]
+    B, T, N, _ = q.shape
+    Tp, Hp, Hvp = block_dims(cfg, q, v)
+    K = v.shape[2]
     G = N // K
     acc_dtype = accumulation_dtype(q.dtype)
     d_out = d_out.astype(q.dtype)
-    # d loss / d x = p (dp - sum_s p dp) + p d_lse, and sum_s p dp = d_out . out: one delta per row
+    # d loss / d x = p (dp - sum_s p dp) + p d_lse, and sum_s p dp = d_out . out: one delta per row (Tp of
+    # them, as lse: zero past T, where the padding rows' d_out is zero)
     delta = jnp.einsum("btnv,btnv->bnt", d_out.astype(acc_dtype), out.astype(acc_dtype))
+    delta = jnp.pad(delta, [(0, 0), (0, 0), (0, Tp - T)])
     if d_lse is not None:  # None: lse was not an output (cfg.write_lse)
         delta = delta - d_lse.astype(acc_dtype)
     if row_sums is not None:  # Shaw's value term: out gains P A^V, so sum_s p dp gains sum_c P dP
@@ -808,8 +831,10 @@ def _rows(x, batch, length, padded):
 
 
 def kernel_layout(x, batch, length, padded, F):
-    """[...,L,K,H] -> [B, L padded, K, F padded] (zeros)."""
+    """[...,L,K,H] -> [B, L padded, K, F padded] (zeros; no pad at all when nothing is padded)."""
     x = jnp.broadcast_to(x, (*batch, *x.shape[-3:])).reshape(-1, *x.shape[-3:])
+    if padded == length and F == x.shape[-1]:
+        return x
     return jnp.pad(x, [(0, 0), (0, padded - length), (0, 0), (0, F - x.shape[-1])])
 
 
@@ -995,19 +1020,18 @@ class Prepared(NamedTuple):
 
 def run(call: AttentionCall, query, key, value, interpret):
     """pallas_gpu.attention by the flash kernels (forward and backward): a call unsupported() accepts, T, S > 0."""
-    p = prepare(call, query, key, value, interpret)
+    p = prepare(call, query, key, value, interpret, unpadded=True)
     out, lse, row_sums = _flash(p.cfg._replace(write_lse=bool(call.return_lse)), p.q, p.k, p.v, p.side)
     if row_sums is not None:  # Shaw's value term, P @ A^V, added to the kernel's sum_s p v
         band = tables_band(call, p.T, key.shape[-3])
-        rows = offset_tables.value_term(row_sums, p.value_rows, p.T, band, p.cfg.precision)
-        B, Tp, N, Hvp = out.shape
-        rows = jnp.pad(rows, [(0, 0), (0, Tp - p.T), (0, 0), (0, Hvp - p.Hv)])
+        rows = offset_tables.value_term(row_sums, p.value_rows, p.T, band, p.cfg.precision)  # [B,T,N,Hv]
         out = (out.astype(rows.dtype) + rows).astype(out.dtype)
     return finish(p, out, lse, call.return_lse)
 
 
 def finish(p: Prepared, out, lse, return_lse: bool):
-    """The kernel's out [B,Tp,N,Hvp] and lse [B,N,Tp] -> the public result ([...,T,N,Hv], lse [...,N,T])."""
+    """The kernel's out [B,Tp,N,Hvp] (or unpadded, [B,T,N,Hv]) and lse [B,N,Tp] -> the public result
+    ([...,T,N,Hv], lse [...,N,T])."""
     batch, T, N, Hv = p.batch, p.T, p.N, p.Hv
     out = out[:, :T, :, :Hv].reshape(*batch, T, N, Hv)
     if return_lse:
@@ -1015,10 +1039,14 @@ def finish(p: Prepared, out, lse, return_lse: bool):
     return out
 
 
-def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head_multiple=None) -> Prepared:
+def prepare(
+    call: AttentionCall, query, key, value, interpret, blocks=None, head_multiple=None, unpadded=False
+) -> Prepared:
     """Checks, tiles, layout and key-tile schedules of one call for the flash kernels (forward_kernel's
     inputs). blocks: (Tb, Sb) instead of tile_sizes' (a BlockMask's tiles still win); head_multiple: pad
-    head dims to a multiple of it (a TPU's lane width) rather than to a power of two."""
+    head dims to a multiple of it (a TPU's lane width) rather than to a power of two; unpadded: q, k, v as
+    the caller's arrays (cfg.extents: the kernels mask what runs past them; the GPU flash kernels), else
+    padded with zeros to whole tiles and the padded head dims."""
     mask_mod, block_mask, block_size = call.mask_mod, call.block_mask, call.block_size
     score_mod = call.score_mod
     c = checked(call, query, key, value)
@@ -1127,6 +1155,11 @@ def prepare(call: AttentionCall, query, key, value, interpret, blocks=None, head
         key_row_bias,
     )
 
-    q = kernel_layout(query, batch, T, Tp, Hp)
-    k, v = kernel_layout(key, batch, S, Sp, Hp), kernel_layout(value, batch, S, Sp, Hvp)
+    if unpadded:  # no copies: the kernels mask the tiles that run past T, S, H, Hv (tile_body.read, write)
+        cfg = cfg._replace(extents=Extents(T, S, H, Hv, Hp, Hvp))
+        q = kernel_layout(query, batch, T, T, H)
+        k, v = kernel_layout(key, batch, S, S, H), kernel_layout(value, batch, S, S, Hv)
+    else:
+        q = kernel_layout(query, batch, T, Tp, Hp)
+        k, v = kernel_layout(key, batch, S, Sp, Hp), kernel_layout(value, batch, S, Sp, Hvp)
     return Prepared(cfg, q, k, v, side, batch, T, N, Hv, value_rows)

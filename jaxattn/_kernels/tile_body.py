@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import jax.ref  # jax.ref.addupdate: a submodule, imported by name
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from .._core import mods
 from .._core.dtypes import accumulation_dtype
@@ -69,6 +70,30 @@ class Config(NamedTuple):
     # the forward writes lse (r["lse"] [Tb]): the backward's residual, or the caller's return_lse. False: a
     # forward-only call of the GPU flash kernel without return_lse, which then has no lse output at all
     write_lse: bool = True
+    # q, k, v and out (do, dq, dk, dv) as the caller's arrays, not padded to whole tiles: their Extents (the
+    # GPU flash kernels); None: padded by prepare (the TPU flex kernel, the per-pair tables' kernels)
+    extents: Any = None
+
+
+class Extents(NamedTuple):
+    """The GPU flash kernels read q, k, v and write out (and the backward's do, dq, dk, dv) where the caller's
+    arrays are, unpadded: T query rows, S key rows, head dims H and Hv; the kernels' blocks span whole tiles and
+    head dims Hp, Hvp (powers of two, as Triton's loads need). A tile that runs past an array reads zeros there,
+    as the padding copies held, and writes nothing (read, write): Pallas' Triton lowering does not bound a
+    block by its array, the kernel's mask does."""
+
+    T: int
+    S: int
+    H: int
+    Hv: int
+    Hp: int
+    Hvp: int
+
+    def of(self, name: str) -> tuple:
+        """(rows, columns) of the array behind the ref `name`."""
+        rows = self.T if name in ("q", "do", "out", "dq") else self.S
+        columns = self.H if name in ("q", "dq", "k", "dk") else self.Hv
+        return rows, columns
 
 
 class Tables(NamedTuple):
@@ -335,6 +360,44 @@ def visit(cfg, steps, body, state):
     return state
 
 
+def in_bounds(cfg, name, shape, row0):
+    """bool [L,F]: which elements of a [L,F] tile of array `name` (Extents.of) whose first row is row0 lie inside
+    the array; None when all do: whole tiles (row0 is a multiple of L, so a tile that starts inside ends
+    inside) and a head dim that is its block's."""
+    rows, columns = cfg.extents.of(name)
+    mask = None
+    if rows % shape[0]:
+        mask = row0 + lax.broadcasted_iota(jnp.int32, shape, 0) < rows
+    if columns != shape[1]:
+        inside = lax.broadcasted_iota(jnp.int32, shape, 1) < columns
+        mask = inside if mask is None else mask & inside
+    return mask
+
+
+def read(cfg, ref, name, row0=0, index=None):
+    """ref[index] (the whole block without index): a [L,F] tile of q, k, v or do, row0 its first row in the
+    array; zeros past the array's rows and columns when the kernel reads it unpadded (cfg.extents)."""
+    view = ref if index is None else ref.at[index]
+    mask = None if cfg.extents is None else in_bounds(cfg, name, view.shape, row0)
+    if mask is None:
+        return ref[...] if index is None else ref[index]
+    if index is not None:  # a Python int index (the dk/dv kernel's head 0 when G = 1): the interpreter's masked
+        # load takes array indices only
+        view = ref.at[tuple(jnp.int32(i) if isinstance(i, int) else i for i in index)]
+    return plgpu.load(view, mask=mask, other=0)
+
+
+def write(cfg, ref, name, value, row0=0):
+    """ref[...] = value, a [L,F] tile of out, dq, dk or dv whose first row is row0; nothing past the array's
+    rows and columns when it is unpadded (cfg.extents)."""
+    value = value.astype(ref.dtype)
+    mask = None if cfg.extents is None else in_bounds(cfg, name, ref.shape, row0)
+    if mask is None:
+        ref[...] = value
+    else:
+        plgpu.store(ref, value, mask=mask)
+
+
 def load(r, name):
     """The whole block of an optional input (None when the call has none)."""
     ref = r.get(name)
@@ -353,7 +416,8 @@ def key_tiles(cfg: Config, r, b, n, q, qp, q_seg, lengths, key_start=0):
 
     def key_tile(kind, j, state):
         keys = pl.ds(pl.multiple_of(j * cfg.Sb, cfg.Sb), cfg.Sb)  # aligned: a TPU's dynamic slices need it
-        k, v, kp = r["k"][keys, :], r["v"][keys, :], r["k_pos"][keys]
+        k, v = (read(cfg, r[name], name, key_start + j * cfg.Sb, (keys, slice(None))) for name in ("k", "v"))
+        kp = r["k_pos"][keys]
         k_seg = None if q_seg is None else r["k_seg"][keys]
         column = None if cfg.tables is None else table_column(cfg, r, qp, kp)
         key_term = (
@@ -400,14 +464,16 @@ def forward_kernel(cfg: Config, r):
     value_term = value_term_in(cfg)
     if value_term:
         fill_rows(r["row_sums"])
-    state = key_tiles(cfg, r, b, n, r["q"][...], r["q_pos"][...], load(r, "q_seg"), load(r, "lengths"))
+    row0 = 0 if cfg.extents is None else pl.program_id(2) * cfg.Tb  # the query tile's first row
+    q = read(cfg, r["q"], "q", row0)
+    state = key_tiles(cfg, r, b, n, q, r["q_pos"][...], load(r, "q_seg"), load(r, "lengths"))
     m_keys = state[1]
     state = add_sinks(state, load(r, "sinks"))
     if value_term:  # P / l, as finalize_partial divides out (relative to the max after the sinks)
         _, m, l = state
         scale_rows(r["row_sums"], rescale(m_keys, m) / jnp.where(l == 0, 1, l))
     (out,), lse = finalize_partial(state)
-    r["out"][...] = out.astype(r["out"].dtype)
+    write(cfg, r["out"], "out", out, row0)
     if cfg.write_lse:
         r["lse"][...] = lse
 
