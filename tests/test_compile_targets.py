@@ -57,3 +57,14 @@ def test_the_verdict_fails_a_forward_only_program_that_holds_an_lse():
     below["temp_bytes"], one_lse["temp_bytes"] = lse_bytes - 1, lse_bytes
     assert ct.verdict([below], []) == []
     assert "writes lse" in ct.verdict([one_lse], [])[0]
+
+
+def test_the_verdict_fails_a_program_that_holds_a_padded_copy():
+    # the H100's "causal H80 T!=S unaligned" forward+backward: 685336 bytes with masked tiles, 5190424 with the
+    # padded copies of q, k, v, do, out, dq, dk, dv (issue 36 §4)
+    (target, case, program), *_ = ct.WITHOUT_PADDING
+    shapes = dict(B=1, T=1000, N=4, Hv=80, dtype="bfloat16")
+    masked, padded = (dict(row(case, "ok", target=target, program=program), **shapes) for _ in range(2))
+    masked["temp_bytes"], padded["temp_bytes"] = 685336, 5190424
+    assert ct.verdict([masked], []) == []
+    assert "padded copy" in ct.verdict([padded], [])[0]
