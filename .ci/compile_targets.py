@@ -70,6 +70,12 @@ EXPECTED_CALLS = {
     ("h100", "None deberta"): "__gpu$xla.gpu.triton",  # as Shaw's: DeBERTa's tables in our kernel
     ("h100", "None relative pairs"): "__gpu$xla.gpu.triton",  # per-pair tables in our kernel (cuDNN refuses them)
 }
+# Programs that must hold one of our kernels by name (the "kernels" of a row): TPU flex training holds the
+# backward kernels (tpu_backward), not the XLA engine's backward that drops the forward kernel too.
+EXPECTED_KERNELS = {
+    ("v5e", "flex score_mod", "forward+backward"): "jaxattn_flex_tpu_dkv",
+    ("v5e", "flex block_mask", "forward+backward"): "jaxattn_flex_tpu_dq",
+}
 # Forward-only programs without return_lse (issue 36 §4): the GPU kernel writes lse [B,N,T] float32 only for a
 # backward or return_lse, so the program's temp bytes stay below one lse's (the tile schedule's few KiB). The
 # "causal" case on the H100: 78872 bytes while the kernel wrote lse, 17176 since.
@@ -599,14 +605,17 @@ def print_row(row):
 
 def verdict(rows, checks) -> list[str]:
     """The regressions: unknown failures, known failures that now compile, memory checks that fail, a
-    program without the custom call EXPECTED_CALLS names for it, a WITHOUT_LSE program holding an lse, and a
-    WITHOUT_PADDING program holding a padded copy."""
+    program without the custom call EXPECTED_CALLS names for it or the kernel EXPECTED_KERNELS does, a WITHOUT_LSE
+    program holding an lse, and a WITHOUT_PADDING program holding a padded copy."""
     problems = []
     for row in rows:
         expected = EXPECTED_CALLS.get((row["target"], row["case"]))
         calls = row.get("custom_calls") or []
         if row["status"] == "ok" and expected is not None and not any(c.startswith(expected) for c in calls):
             problems.append(f"{row['target']} {row['case']} {row['program']}: no {expected} call, only {calls}")
+        kernel = EXPECTED_KERNELS.get((row["target"], row["case"], row["program"]))
+        if row["status"] == "ok" and kernel is not None and kernel not in (row.get("kernels") or []):
+            problems.append(f"{row['target']} {row['case']} {row['program']}: no {kernel} kernel")
         fragment = known(row["target"], row["case"], row["program"])
         if row["status"] == "error" and (fragment is None or fragment not in row["error"]):
             problems.append(f"{row['target']} {row['case']} {row['program']}: {row['error'][:500]}")

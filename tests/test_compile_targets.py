@@ -28,6 +28,8 @@ def test_the_ci_grid_names_cases_and_programs_that_exist():
     assert set(ct.SECOND) <= set(cases)
     for (_, name, program), _ in ct.KNOWN_FAILURES.items():
         assert program in cases[name].programs
+    for target, name, program in ct.EXPECTED_KERNELS:  # checked where the CI grid compiles them
+        assert program in ct.CI[target].get(name, ()), (target, name, program)
 
 
 def row(case, status, error=None, target="v5e", program="forward", scale=1):
@@ -68,3 +70,11 @@ def test_the_verdict_fails_a_program_that_holds_a_padded_copy():
     masked["temp_bytes"], padded["temp_bytes"] = 685336, 5190424
     assert ct.verdict([masked], []) == []
     assert "padded copy" in ct.verdict([padded], [])[0]
+
+
+def test_the_verdict_fails_a_program_without_its_kernel():
+    (target, case, program), kernel = next(iter(ct.EXPECTED_KERNELS.items()))
+    held, lost = (row(case, "ok", target=target, program=program) for _ in range(2))
+    held["kernels"], lost["kernels"] = ["jaxattn_flex_tpu_forward", kernel], ["jaxattn_flex_tpu_forward"]
+    assert ct.verdict([held], []) == []
+    assert f"no {kernel} kernel" in ct.verdict([lost], [])[0]

@@ -276,14 +276,16 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
 
 def _row_grads(cfg, x, lse, allowed, do, v, delta, dp_table=None):
     """(p, ds) of one tile: p recomputed from the saved lse, ds = d loss / d x = p (dp - delta) with
-    dp = dO v^T (+ dp_table: Shaw's value term, dP picked at each pair's column)."""
-    p = jnp.exp(x - jnp.where(has_keys(lse), lse, 0)[:, None])  # a row with no allowed key: p masked to 0
+    dp = dO v^T (+ dp_table: Shaw's value term, dP picked at each pair's column). lse and delta: [Tb], or
+    [Tb,1] (the TPU layout's columns)."""
+    lse, delta = lse.reshape(-1, 1), delta.reshape(-1, 1)
+    p = jnp.exp(x - jnp.where(has_keys(lse), lse, 0))  # a row with no allowed key: p masked to 0
     if allowed is not None:
         p = jnp.where(allowed, p, 0)
     dp = dot(do, v, cfg, (1, 1))
     if dp_table is not None:
         dp = dp + dp_table
-    return p, p * (dp - delta[:, None])
+    return p, p * (dp - delta)
 
 
 def _table_terms(cfg, r, qp, kp, rows, keys, head=None):
@@ -355,7 +357,8 @@ def _scatter_by_offset(ref, index, d_bias):
         jax.ref.addupdate(ref, index, d_bias)
 
 
-def _dq_kernel(cfg: Config, r):
+def dq_kernel(cfg: Config, r):
+    """dq of one (b, n, query tile); also the TPU backward's (tpu_backward, through its views of the refs)."""
     b, n = pl.program_id(0), pl.program_id(1)
     row0 = 0 if cfg.extents is None else pl.program_id(2) * cfg.Tb  # the query tile's first row
     q, do = read(cfg, r["q"], "q", row0), read(cfg, r["do"], "do", row0)
@@ -369,7 +372,7 @@ def _dq_kernel(cfg: Config, r):
 
     def key_tile(kind, j, carry):
         dq, d_consts = carry
-        s0 = j * cfg.Sb
+        s0 = pl.multiple_of(j * cfg.Sb, cfg.Sb)  # aligned: a TPU's dynamic slices need it
         keys = pl.ds(s0, cfg.Sb)
         k, v = (read(cfg, r[name], name, s0, (keys, slice(None))) for name in ("k", "v"))
         kp = r["k_pos"][keys]
@@ -411,7 +414,8 @@ def _dq_kernel(cfg: Config, r):
         r[f"d_score{c}"][...] = d
 
 
-def _dkv_kernel(cfg: Config, r):
+def dkv_kernel(cfg: Config, r):
+    """dk, dv of one (b, key head, key tile); also the TPU backward's (tpu_backward)."""
     b, kh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     G = cfg.N // cfg.K
     s0 = j * cfg.Sb
@@ -423,8 +427,9 @@ def _dkv_kernel(cfg: Config, r):
     def query_tile(g, kind, i, carry):
         dk, dv = carry
         n = kh * G + g
-        rows = pl.ds(i * cfg.Tb, cfg.Tb)
-        q, do = (read(cfg, r[name], name, i * cfg.Tb, (rows, g, slice(None))) for name in ("q", "do"))
+        t0 = pl.multiple_of(i * cfg.Tb, cfg.Tb)  # aligned: a TPU's dynamic slices need it
+        rows = pl.ds(t0, cfg.Tb)
+        q, do = (read(cfg, r[name], name, t0, (rows, g, slice(None))) for name in ("q", "do"))
         lse, delta, qp = r["lse"][g, rows], r["delta"][g, rows], r["q_pos"][rows]
         q_seg = None if k_seg is None else r["q_seg"][rows]
         allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
@@ -724,7 +729,7 @@ def _flash_bwd(cfg, res, cotangents):
     if side.row_bias is not None:  # d QA: each program's own [Tb,Dp] block, zeroed by the kernel
         d_row_bias = jax.ShapeDtypeStruct(side.row_bias.shape, acc_dtype)
         outputs["d_row_bias"] = (d_row_bias, _row_block(cfg, d_row_bias))
-    dq, *d_floats = named_call(cfg, _dq_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_dq", aliases)
+    dq, *d_floats = named_call(cfg, dq_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_dq", aliases)
     d_row_bias = d_floats.pop() if side.row_bias is not None else None
     d_offset_bias = d_floats.pop() if side.offset_bias is not None else None
 
@@ -752,7 +757,7 @@ def _flash_bwd(cfg, res, cotangents):
     if key_rows_spec is not None:
         kv_outputs["d_key_row_bias"] = (jax.ShapeDtypeStruct(side.key_row_bias.shape, acc_dtype), key_rows_spec)
     dk, dv, *d_key_rows = named_call(
-        cfg, _dkv_kernel, (B, K, cfg.Sn), kv_inputs, kv_outputs, "jaxattn_flash_dkv", kv_aliases
+        cfg, dkv_kernel, (B, K, cfg.Sn), kv_inputs, kv_outputs, "jaxattn_flash_dkv", kv_aliases
     )
 
     d_sinks = None if side.sinks is None else sinks_grad(side.sinks, lse, delta)

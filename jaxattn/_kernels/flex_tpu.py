@@ -1,7 +1,8 @@
 """Our Pallas TPU kernel for what splash attention cannot express: score_mod, mask_mod and a BlockMask
 (flex_attention), T5's / ALiBi's position bias (an OffsetBias), Shaw's tables (shaw / clipped / Transformer-XL
-attention) and DeBERTa's (RowTables), with every other option of the Pallas GPU kernel beside them. Forward
-only; a gradient runs the XLA blockwise engine's backward.
+attention) and DeBERTa's (RowTables), with every other option of the Pallas GPU kernel beside them. The backward
+is tpu_backward's kernels (the GPU kernel's dq and dk/dv) where the gradient has no position term
+(tpu_backward.backward_refusal); otherwise the XLA blockwise engine's.
 
 The kernel body is the Pallas GPU kernel's forward (tile_body.forward_kernel: one (b, n, query tile), a
 loop over the key tiles its schedule lists, score_mod / mask_mod / softcap / the mask rule per tile, sinks,
@@ -71,7 +72,8 @@ from .._core.call import INDEX_ARRAYS, AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.offset_bias import OffsetBias, TableBias, of_rows
 from .._engines import blockwise
-from . import flash_gpu, splash_tpu, tile_body
+from . import flash_gpu, splash_tpu, tile_body, tpu_backward
+from .tpu_refs import Row, Scalars
 
 LANES = 128
 INTERPRET_BLOCK = 16
@@ -196,37 +198,6 @@ def tables_refusal(call: AttentionCall) -> Optional[str]:
     if tables.hi - tables.lo + 1 > MAX_BAND:
         return f"position_keys / position_queries ({tables.hi - tables.lo + 1} offsets of distinct rows > {MAX_BAND})"
     return None
-
-
-class _Row:
-    """A [1,L] block read and written as [L] (TPU blocks are two-dimensional; the kernel reads rows)."""
-
-    def __init__(self, ref):
-        self.ref, self.dtype, self.shape = ref, ref.dtype, ref.shape[1:]
-
-    def __getitem__(self, index):
-        return self.ref[0, :] if index is Ellipsis else self.ref[0, index]
-
-    def __setitem__(self, index, value):
-        self.ref[0, :] = value
-
-
-class _Scalars:
-    """An array of `shape`, in SMEM flattened (row-major), read at fixed leading indices: [...] the scalar
-    there, [j] the next axis's entry j.
-
-    Flattened because SMEM pads each last-axis row of a 2D or wider array to 128 words: a schedule [B,1,1,1]
-    of 1024 windows (Swin's shifted regions as segment ids) took 512 KiB of the 1 MiB, order and counts all
-    of it; flat, 4 KiB each."""
-
-    def __init__(self, ref, shape, lead):
-        strides = [int(np.prod(shape[a + 1 :], dtype=np.int64)) for a in range(len(shape))]
-        self.ref = ref
-        self.start = sum(index * stride for index, stride in zip(lead, strides))
-        self.step = strides[len(lead)] if len(lead) < len(shape) else 0
-
-    def __getitem__(self, index):
-        return self.ref[self.start] if index is Ellipsis else self.ref[self.start + index * self.step]
 
 
 def window(Tb: int, Sb: int) -> int:
@@ -433,7 +404,7 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
         scalars["sinks"] = side.sinks
     n_scalars = len(scalars)
     scalar_shapes = {name: x.shape for name, x in scalars.items()}
-    scalars = {name: x.reshape(-1) for name, x in scalars.items()}  # flat in SMEM (_Scalars)
+    scalars = {name: x.reshape(-1) for name, x in scalars.items()}  # flat in SMEM (tpu_refs.Scalars)
 
     def spec(shape, index):  # index(b, n, i) -> block indices; the scalar refs are not read by index maps
         return pl.BlockSpec(shape, lambda b, n, i, *_: index(b, n, i))
@@ -487,10 +458,10 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
         lead = (pick(bsched, b), pick(cfg.head_kinds, n), i)
         for name, at in (("order", lead), ("counts", lead), ("lengths", (pick(bl, b),)), ("sinks", (b, n))):
             if name in r:
-                r[name] = _Scalars(r[name], scalar_shapes[name], at)
+                r[name] = Scalars(r[name], scalar_shapes[name], at)
         for name in ("q_pos", "k_pos", "q_seg", "k_seg", "lse"):
             if name in r:
-                r[name] = _Row(r[name])
+                r[name] = Row(r[name])
         if "offset_bias" in r:  # tile (i, j)'s bias starts at entry j * Sb - i * Tb + Tp - Tb (offset_rows_of_grid)
             r["offset_bias_of_tile"] = lambda j: toeplitz_tile(
                 r["offset_bias"], j * cfg.Sb - i * cfg.Tb + (Tp - cfg.Tb), cfg.Tb, cfg.Sb
@@ -523,8 +494,9 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
 
 def attention(call: AttentionCall, query, key, value, interpret=False):
     """The AttentionCall's attention computed forward by the Pallas TPU kernel (module docstring); its
-    gradient (q, k, v, sinks, a score_mod's closed-over arrays, a position bias's table or slopes) is the
-    blockwise engine's. ValueError naming the option it cannot express (unsupported)."""
+    gradient (q, k, v, sinks) by tpu_backward's kernels where backward_refusal lets them, else (with a
+    score_mod's closed-over arrays, a position bias's table or slopes, position tables) the blockwise
+    engine's. ValueError naming the option it cannot express (unsupported)."""
     problem = unsupported(call, query, key, value, interpret)
     if problem is not None:
         checks.fail(
@@ -588,12 +560,14 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     # conversion of the engine's attention turns them into explicit inputs, differentiated by the engine's
     # backward with the scheme's own formula (its memory as the engine's: a gather from the rows, T + S of
     # them for ALiBi, took a TPU far more).
+    lanes = INTERPRET_BLOCK if interpret else LANES
+    kernel_backward = tpu_backward.backward_refusal(call, query, key, value, bool(consts), lanes) is None
     engine_consts = ()
     if call.position_bias is not None or table_arrays:
         engine, engine_consts = jax.closure_convert(engine, query, key, value, call.sinks, consts, indices)
 
-    @jax.custom_vjp
-    def run(query, key, value, sinks, consts, engine_consts, bias_rows, table_arrays, indices):
+    def forward(query, key, value, sinks, consts, engine_consts, bias_rows, table_arrays, indices):
+        """(the call's result, the kernel's lse [B,N,Tp])"""
         inner = with_inputs(sinks, consts, indices)
         if offsets is not None:
             inner = inner.replace(position_bias=of_rows(bias_rows, *offsets))  # the same bias, from its rows
@@ -601,28 +575,69 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
             inner = inner.replace(position_bias=dataclasses.replace(call.position_bias, table=bias_rows))
         # the tables reach the kernel as table_arrays' lanes (call_lanes), not through prepare's per-row arrays
         inner = inner.replace(key_table=None, value_table=None, max_distance=None, row_tables=None)
-        p = flash_gpu.prepare(
-            inner, query, key, value, interpret, blocks=blocks, head_multiple=None if interpret else LANES
-        )
+        p = prepare(inner, query, key, value)
         tables = None
         if table_arrays:
             Hp, Hvp = p.q.shape[-1], p.v.shape[-1]
             acc_dtype = accumulation_dtype(query.dtype)
             tables = call_lanes(call, table_arrays, p.cfg.Tb, p.cfg.Sb, T, S, Hp, Hvp, acc_dtype)
         out, lse = _forward(p, S, interpret, pair_bias_of_grid(p) if table_bias else None, tables)
-        return flash_gpu.finish(p, out, lse, inner.return_lse)
+        return flash_gpu.finish(p, out, lse, inner.return_lse), lse
+
+    def prepare(inner, query, key, value):
+        return flash_gpu.prepare(
+            inner, query, key, value, interpret, blocks=blocks, head_multiple=None if interpret else LANES
+        )
+
+    @jax.custom_vjp
+    def run(*args):
+        return forward(*args)[0]
 
     def run_fwd(*args):
-        return run(*args), args
+        result, lse = forward(*args)
+        return result, (args, result, lse)
 
-    def run_bwd(args, cotangent):  # the XLA blockwise engine's backward (it recomputes its own forward)
+    def kernel_grads(args, result, lse, cotangent):
+        """d query, key, value, sinks by tpu_backward's kernels (None: the call has a term they lack)."""
+        query, key, value, sinks, consts, _, _, _, indices = args
+        inner = with_inputs(sinks, consts, indices)
+        p = prepare(inner, query, key, value)
+        if p.side.score_consts or p.side.mask_consts:
+            return None
+        batch, N, Hv = query.shape[:-3], query.shape[-2], value.shape[-1]
+        B, Tp, Hvp = p.q.shape[0], p.cfg.Tn * p.cfg.Tb, p.v.shape[-1]
+        out, d_out = (result[0], cotangent[0]) if call.return_lse else (result, cotangent)
+        acc_dtype = accumulation_dtype(query.dtype)
+        o, g = (x.reshape(B, T, N, Hv).astype(acc_dtype) for x in (out, d_out))
+        delta = jnp.einsum("btnv,btnv->bnt", g, o)  # d loss / d x = p (dp - delta) + p d lse
+        if call.return_lse:
+            delta = delta - cotangent[1].reshape(B, N, T).astype(acc_dtype)
+        delta = jnp.pad(delta, [(0, 0), (0, 0), (0, Tp - T)])
+        d_out = flash_gpu.kernel_layout(d_out, batch, T, Tp, Hvp)
+        dq, dk, dv = tpu_backward.gradients(p, lse, delta, d_out, interpret)
+        d_sinks = None if p.side.sinks is None else flash_gpu.sinks_grad(p.side.sinks, lse, delta)
+
+        def layout(query, key, value, sinks):  # prepare's padded arrays: pulled back, the padding drops
+            laid = prepare(inner.replace(sinks=sinks), query, key, value)
+            return laid.q, laid.k, laid.v, laid.side.sinks
+
+        return jax.vjp(layout, query, key, value, sinks)[1]((dq, dk, dv, d_sinks))
+
+    def run_bwd(residuals, cotangent):
+        args, result, lse = residuals
         *differentiable, bias_rows, table_arrays, indices = args
-        grads = jax.vjp(
-            lambda query, key, value, sinks, consts, engine_consts: engine(
-                query, key, value, sinks, consts, indices, *engine_consts
-            ),
-            *differentiable,
-        )[1](cotangent)
+        grads = None
+        if kernel_backward:
+            grads = kernel_grads(args, result, lse, cotangent)
+            if grads is not None:  # and no score_mod consts or engine consts (backward_refusal): empty tuples
+                grads = (*grads, (), ())
+        if grads is None:  # the XLA blockwise engine's backward (it recomputes its own forward)
+            grads = jax.vjp(
+                lambda query, key, value, sinks, consts, engine_consts: engine(
+                    query, key, value, sinks, consts, indices, *engine_consts
+                ),
+                *differentiable,
+            )[1](cotangent)
         zeros = (jax.tree.map(_zero_cotangent, x) for x in (bias_rows, table_arrays, indices))
         return (*grads, *zeros)
 

@@ -363,7 +363,9 @@ def visit(cfg, steps, body, state):
 def in_bounds(cfg, name, shape, row0):
     """bool [L,F]: which elements of a [L,F] tile of array `name` (Extents.of) whose first row is row0 lie inside
     the array; None when all do: whole tiles (row0 is a multiple of L, so a tile that starts inside ends
-    inside) and a head dim that is its block's."""
+    inside) and a head dim that is its block's. No kernel visits a tile that starts past its array: the grids
+    cover ceil(T / Tb) and ceil(S / Sb) tiles, and the decode kernel's last chunk lists no tile past S (the
+    schedule skips keys past the length, which padded_rows sets to S there)."""
     rows, columns = cfg.extents.of(name)
     mask = None
     if rows % shape[0]:
@@ -377,8 +379,10 @@ def in_bounds(cfg, name, shape, row0):
 def read(cfg, ref, name, row0=0, index=None):
     """ref[index] (the whole block without index): a [L,F] tile of q, k, v or do, row0 its first row in the
     array; zeros past the array's rows and columns when the kernel reads it unpadded (cfg.extents)."""
+    if cfg.extents is None:  # padded arrays (ref may be a view of a TPU block: tpu_backward)
+        return ref[...] if index is None else ref[index]
     view = ref if index is None else ref.at[index]
-    mask = None if cfg.extents is None else in_bounds(cfg, name, view.shape, row0)
+    mask = in_bounds(cfg, name, view.shape, row0)
     if mask is None:
         return ref[...] if index is None else ref[index]
     if index is not None:  # a Python int index (the dk/dv kernel's head 0 when G = 1): the interpreter's masked

@@ -1,0 +1,185 @@
+"""The TPU flex kernel's backward: the Pallas GPU kernel's dq and dk/dv kernels (flash_gpu.dq_kernel /
+dkv_kernel, FlashAttention-2's backward) run by Mosaic on the TPU layout, as the forward runs tile_body's.
+
+    dq,    grid (b, n, query tile i):        q, do [Tb,H], lse, delta [Tb,1]; k, v [Sp,H] of head n // G
+    dk/dv, grid (b, key head h, key tile j):  q, do [G,Tp,H], lse, delta [G,Tp,1] of the G query heads of h;
+                                              k, v [Sb,H]
+    layout: q, do [B,N,Tp,Hp], k, v [B,K,Sp,Hp] (prepare's padded arrays, transposed as the forward's),
+    lse and delta [B,N,Tp,1]: columns, so that a tile broadcasts them along its keys without a relayout;
+    positions and segment ids as rows [B|1,1,L] (tpu_refs.Row), the schedules flattened in SMEM
+    (tpu_refs.Scalars; the dk/dv kernel's over query tiles, flash_gpu.schedules' transposed one).
+
+For the calls whose gradient has no term beyond q, k, v and sinks (backward_refusal): score_mod and mask_mod
+closing over no array, a BlockMask, causal, window, chunks, lengths, segment ids, softcap, sinks, GQA. A
+position bias or position tables (their gradients: scatters by offset on the GPU, which Mosaic does not
+lower), or a score_mod's arrays, keep the XLA blockwise engine's backward, and so does a query axis whose G
+heads do not fit VMEM in one dk/dv program. interpret=True runs Pallas' interpreter (the CPU tests).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .._core.call import AttentionCall
+from . import flash_gpu, tile_body
+from .tpu_refs import Row, Scalars
+
+# The dk/dv kernel holds the query rows of the G heads of one key head in VMEM (q and do, double-buffered by
+# the pipeline), as the forward holds one head's keys and values (flex_tpu.MAX_KEY_BYTES).
+MAX_QUERY_BYTES = 8 * 2**20
+
+
+def backward_refusal(call: AttentionCall, query, key, value, has_consts: bool, lanes: int) -> Optional[str]:
+    """None when the kernels here compute the gradient of a call the TPU flex kernel computes forward; else
+    what keeps the XLA engine's backward (module docstring). lanes: the padding of T and head dims."""
+    if call.position_bias is not None:
+        return "position_bias"
+    if call.has_tables or call.row_tables is not None:
+        return "position tables"
+    if has_consts:
+        return "score_mod / mask_mod closing over arrays"
+    T, N, H = np.shape(query)[-3:]
+    K, Hv = np.shape(key)[-2], np.shape(value)[-1]
+    padded = lambda x: -(-x // lanes) * lanes  # noqa: E731
+    itemsize = np.dtype(getattr(query, "dtype", np.float32)).itemsize
+    if padded(T) * (N // max(K, 1)) * (padded(H) + padded(Hv)) * itemsize > MAX_QUERY_BYTES:
+        return f"query (T={T} x {N // max(K, 1)} heads per key head: their rows must fit {MAX_QUERY_BYTES >> 20} MiB)"
+    return None
+
+
+def _spec(shape, index):
+    """A BlockSpec whose index map ignores the scalar-prefetch refs."""
+    return pl.BlockSpec(shape, lambda *ids: index(*ids[:3]))
+
+
+def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool):
+    """(dq [B,Tp,N,Hp], dk [B,Sp,K,Hp], dv [B,Sp,K,Hvp]) of a prepared call (prepare's padded arrays) from the
+    forward's lse and delta = rowsum(dO * out) - d lse, both [B,N,Tp] float32, and d_out [B,Tp,N,Hvp]."""
+    cfg, side = p.cfg, p.side
+    q, k, v, do = (jnp.swapaxes(x, 1, 2) for x in (p.q, p.k, p.v, d_out.astype(p.q.dtype)))  # [B,heads,L,F]
+    B, N, Tp, Hp = q.shape
+    K, Sp, Hvp = k.shape[1], k.shape[2], v.shape[-1]
+    G = N // K
+    bq, bk, bs, bl, bsched = cfg.batched
+    pick = tile_body.pick
+    columns = lse[..., None], delta[..., None]  # [B,N,Tp,1]
+    rows = lambda x: x[:, None, :]  # noqa: E731  [B|1,L] -> [B|1,1,L]
+    compiler_params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
+
+    def scalar_inputs(order, counts):
+        arrays = {"counts": counts}
+        if order is not None:
+            arrays["order"] = order
+        if side.lengths is not None:
+            arrays["lengths"] = side.lengths
+        return {name: x.reshape(-1) for name, x in arrays.items()}, {name: x.shape for name, x in arrays.items()}
+
+    def call(kernel, name, grid, scalars, inputs, outputs):
+        names = tuple(scalars) + tuple(inputs) + tuple(outputs)
+        grid_spec = pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(scalars),
+            grid=grid,
+            in_specs=[s for _, s in inputs.values()],
+            out_specs=[s for _, s in outputs.values()],
+        )
+        return pl.pallas_call(
+            lambda *refs: kernel(dict(zip(names, refs))),
+            grid_spec=grid_spec,
+            out_shape=[shape for shape, _ in outputs.values()],
+            interpret=interpret,
+            compiler_params=compiler_params,
+            name=name,
+        )(*scalars.values(), *[x for x, _ in inputs.values()])
+
+    # dq: grid (b, n, query tile i), the forward's schedule
+    scalars, shapes = scalar_inputs(side.order, side.counts)
+    inputs = {
+        "q": (q, _spec((None, None, cfg.Tb, Hp), lambda b, n, i: (b, n, i, 0))),
+        "do": (do, _spec((None, None, cfg.Tb, Hvp), lambda b, n, i: (b, n, i, 0))),
+        "lse": (columns[0], _spec((None, None, cfg.Tb, 1), lambda b, n, i: (b, n, i, 0))),
+        "delta": (columns[1], _spec((None, None, cfg.Tb, 1), lambda b, n, i: (b, n, i, 0))),
+        # lax.div: n >= 0, and Mosaic lowers floor division through sign, which asks the TPU generation
+        "k": (k, _spec((None, None, Sp, Hp), lambda b, n, i: (b, lax.div(n, G), 0, 0))),
+        "v": (v, _spec((None, None, Sp, Hvp), lambda b, n, i: (b, lax.div(n, G), 0, 0))),
+        "q_pos": (rows(side.q_pos), _spec((None, 1, cfg.Tb), lambda b, n, i: (pick(bq, b), 0, i))),
+        "k_pos": (rows(side.k_pos), _spec((None, 1, Sp), lambda b, n, i: (pick(bk, b), 0, 0))),
+    }
+    if side.q_seg is not None:
+        inputs["q_seg"] = (rows(side.q_seg), _spec((None, 1, cfg.Tb), lambda b, n, i: (pick(bs, b), 0, i)))
+        inputs["k_seg"] = (rows(side.k_seg), _spec((None, 1, Sp), lambda b, n, i: (pick(bs, b), 0, 0)))
+    dq_spec = _spec((None, None, cfg.Tb, Hp), lambda b, n, i: (b, n, i, 0))
+    outputs = {"dq": (jax.ShapeDtypeStruct(q.shape, q.dtype), dq_spec)}
+
+    def dq(r):
+        b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        lead = (pick(bsched, b), pick(cfg.head_kinds, n), i)
+        for name in ("order", "counts"):
+            if name in r:
+                r[name] = Scalars(r[name], shapes[name], lead)
+        if "lengths" in r:
+            r["lengths"] = Scalars(r["lengths"], shapes["lengths"], (pick(bl, b),))
+        for name in ("q_pos", "k_pos", "q_seg", "k_seg"):
+            if name in r:
+                r[name] = Row(r[name])
+        flash_gpu.dq_kernel(cfg, r)
+
+    (dq_out,) = call(dq, "jaxattn_flex_tpu_dq", (B, N, cfg.Tn), scalars, inputs, outputs)
+
+    # dk/dv: grid (b, key head h, key tile j), the transposed schedule; the G query heads of h in one block
+    scalars, shapes = scalar_inputs(side.t_order, side.t_counts)
+    scalars = {("t_" + name if name != "lengths" else name): x for name, x in scalars.items()}
+    shapes = {("t_" + name if name != "lengths" else name): x for name, x in shapes.items()}
+    inputs = {
+        "q": (q, _spec((None, G, Tp, Hp), lambda b, h, j: (b, h, 0, 0))),
+        "do": (do, _spec((None, G, Tp, Hvp), lambda b, h, j: (b, h, 0, 0))),
+        "lse": (columns[0], _spec((None, G, Tp, 1), lambda b, h, j: (b, h, 0, 0))),
+        "delta": (columns[1], _spec((None, G, Tp, 1), lambda b, h, j: (b, h, 0, 0))),
+        "k": (k, _spec((None, None, cfg.Sb, Hp), lambda b, h, j: (b, h, j, 0))),
+        "v": (v, _spec((None, None, cfg.Sb, Hvp), lambda b, h, j: (b, h, j, 0))),
+        "q_pos": (rows(side.q_pos), _spec((None, 1, Tp), lambda b, h, j: (pick(bq, b), 0, 0))),
+        "k_pos": (rows(side.k_pos), _spec((None, 1, cfg.Sb), lambda b, h, j: (pick(bk, b), 0, j))),
+    }
+    if side.q_seg is not None:
+        inputs["q_seg"] = (rows(side.q_seg), _spec((None, 1, Tp), lambda b, h, j: (pick(bs, b), 0, 0)))
+        inputs["k_seg"] = (rows(side.k_seg), _spec((None, 1, cfg.Sb), lambda b, h, j: (pick(bs, b), 0, j)))
+    outputs = {
+        "dk": (jax.ShapeDtypeStruct(k.shape, k.dtype), _spec((None, None, cfg.Sb, Hp), lambda b, h, j: (b, h, j, 0))),
+        "dv": (jax.ShapeDtypeStruct(v.shape, v.dtype), _spec((None, None, cfg.Sb, Hvp), lambda b, h, j: (b, h, j, 0))),
+    }
+
+    def dkv(r):
+        b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        # the schedule rows of (b, the query heads of h, key tile j): [heads, ...] read as [g, idx]
+        lead = (pick(bsched, b), h * G if cfg.head_kinds else 0, j)
+        for name in ("t_order", "t_counts"):
+            if name in r:
+                r[name] = Scalars(r[name], shapes[name], lead, axes=(1, 3))
+        if "lengths" in r:
+            r["lengths"] = Scalars(r["lengths"], shapes["lengths"], (pick(bl, b),))
+        for name in ("q_pos", "k_pos", "q_seg", "k_seg"):
+            if name in r:
+                r[name] = Row(r[name])
+        r["q"], r["do"] = (_HeadsLast(r[name]) for name in ("q", "do"))
+        flash_gpu.dkv_kernel(cfg, r)
+
+    dk, dv = call(dkv, "jaxattn_flex_tpu_dkv", (B, K, cfg.Sn), scalars, inputs, outputs)
+    return tuple(jnp.swapaxes(x, 1, 2) for x in (dq_out, dk, dv))
+
+
+class _HeadsLast:
+    """A [G,Tp,F] block read as the GPU layout's [Tp,G,F]: [rows, g, columns] -> ref[g, rows, columns]."""
+
+    def __init__(self, ref):
+        self.ref, self.dtype = ref, ref.dtype
+        self.shape = (ref.shape[1], ref.shape[0], ref.shape[2])
+
+    def __getitem__(self, index):
+        rows, g, columns = index
+        return self.ref[g, rows, columns]

@@ -1,0 +1,181 @@
+"""The TPU flex kernel's backward (jaxattn._kernels.tpu_backward): the flash dq and dk/dv kernels run by Mosaic,
+for flex calls whose gradient has no term beyond q, k, v and sinks.
+
+Interpreted (Pallas' interpreter, float32 with jax_enable_x64 off, as the TPU kernels need): outputs <= 1e-6 and
+gradients <= 1e-5 normwise against the float64 loop reference (helpers.attention_reference), over GQA, T != S,
+lengths and head dims that are no whole tiles, causal / window / lengths / segment ids / BlockMask / mask_mod /
+score_mod, sinks and return_lse (whose cotangent enters delta). Lowered for a TPU: a training program holds the
+forward, dq and dk/dv kernels and no XLA tile loop; calls with a position bias keep the XLA backward.
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxattn
+from helpers import allowed_loop, arrays, attention_reference, normwise
+from jaxattn._core.call import AttentionCall
+from jaxattn._core.offset_bias import of_rows
+from jaxattn._kernels import tpu_backward
+
+OUT_TOL, GRAD_TOL = 1e-6, 1e-5
+
+
+def _penalty(score, b, n, t, s):
+    return score - 0.1 * (n + 1) * jnp.abs(t - s).astype(score.dtype)
+
+
+def _band(b, n, t, s):
+    return (t - s) % 5 != 3
+
+
+def _near(b, n, t, s):
+    return t + 3 >= s
+
+
+# (batch, T, S, N, K, H, Hv), options
+CASES = {
+    "causal window lengths score_mod GQA": (
+        ((2,), 21, 34, 4, 2, 3, 5),
+        dict(is_causal=True, window=(19, None), key_value_seq_lengths=np.array([30, 17]), score_mod=_penalty),
+    ),
+    "segments mask_mod sinks return_lse MQA": (
+        ((3,), 19, 19, 3, 1, 7, 2),
+        dict(
+            query_segment_ids=np.array([[0] * 8 + [1] * 11] * 3),
+            key_segment_ids=np.array([[0] * 8 + [1] * 11] * 3),
+            mask_mod=_band,
+            sinks=np.linspace(-1.0, 1.0, 3).astype(np.float32),
+            return_lse=True,
+        ),
+    ),
+    "block_mask softcap, no batch dims": (
+        ((), 33, 29, 2, 2, 4, 6),
+        dict(
+            block_mask=jaxattn.create_block_mask(_near, None, None, 33, 29, block_size=16),
+            logit_softcap=2.0,
+        ),
+    ),
+}
+
+
+def _reference_options(options):
+    """attention_reference's keywords for a case: the mask rule goes to allowed_loop, the rest as given."""
+    rule_names = ("is_causal", "window", "key_value_seq_lengths", "query_segment_ids", "key_segment_ids")
+    rule = {k: v for k, v in options.items() if k in rule_names}
+    if "mask_mod" in options:
+        rule["mask_mod"] = options["mask_mod"]
+    if "block_mask" in options:  # the BlockMask's own mask_mod
+        rule["mask_mod"] = _near
+    rest = {k: options[k] for k in ("score_mod", "sinks", "return_lse", "logit_softcap") if k in options}
+    return rule, rest
+
+
+@pytest.mark.parametrize(
+    "name", [n if i == 0 else pytest.param(n, marks=pytest.mark.slow) for i, n in enumerate(CASES)]
+)
+def test_gradients_equal_the_float64_reference(name):
+    (batch, T, S, N, K, H, Hv), options = CASES[name]
+    q, k, v = (np.asarray(x, np.float32) for x in arrays(3, (*batch, T, N, H), (*batch, S, K, H), (*batch, S, K, Hv)))
+    rule, rest = _reference_options(options)
+    allowed = allowed_loop(batch, N, T, S, **rule)
+    w = arrays(9, (*batch, T, N, Hv))[0]
+    sinks = options.get("sinks")
+
+    def loss_of(f):
+        def loss(q, k, v, sinks):
+            out = f(q, k, v, sinks)
+            out, lse = out if options.get("return_lse") else (out, None)
+            total = jnp.sum(out * w.astype(out.dtype))
+            if lse is not None:  # lse's cotangent enters the kernels' delta
+                total = total + 0.3 * jnp.sum(jnp.where(jnp.isfinite(lse), lse, 0))
+            return total
+
+        argnums = (0, 1, 2, 3) if sinks is not None else (0, 1, 2)
+        return jax.value_and_grad(loss, argnums=argnums)
+
+    def kernel(q, k, v, sinks):
+        call = dict(options, sinks=sinks) if sinks is not None else options
+        return jaxattn.flex_attention(q, k, v, implementation="pallas_tpu", interpret=True, precision="highest", **call)
+
+    def reference(q, k, v, sinks):  # attention_reference takes one batch axis
+        extra = dict(rest, sinks=sinks) if sinks is not None else rest
+        if batch:
+            return attention_reference(q, k, v, allowed, **extra)
+        out = attention_reference(q[None], k[None], v[None], allowed[None], **extra)
+        return jax.tree.map(lambda x: x[0], out)
+
+    with jax.enable_x64(False):
+        value, grads = jax.jit(loss_of(kernel))(q, k, v, sinks)
+    wide = tuple(None if x is None else np.asarray(x, np.float64) for x in (q, k, v, sinks))
+    want, want_grads = jax.jit(loss_of(reference))(*wide)
+    assert abs(float(value) - float(want)) <= OUT_TOL * max(1.0, abs(float(want)))
+    for got, ref in zip(grads, want_grads, strict=True):
+        assert bool(jnp.all(jnp.isfinite(got)))
+        assert normwise(got, ref) <= GRAD_TOL, normwise(got, ref)
+
+
+# bf16 inputs against the float64 reference on the same rounded numbers: the bars of the kernels' other bf16
+# checks (tests/test_kernel_shaw.py), outputs 5e-3 and gradients 8e-3 normwise.
+BF16_TOLERANCES = (5e-3, 8e-3)
+
+
+@pytest.mark.slow
+def test_bf16_within_the_envelope():
+    (batch, T, S, N, K, H, Hv), options = CASES["causal window lengths score_mod GQA"]
+    shapes = (*batch, T, N, H), (*batch, S, K, H), (*batch, S, K, Hv)
+    q, k, v = (np.asarray(x, np.float32).astype(jnp.bfloat16) for x in arrays(5, *shapes))
+    rule, rest = _reference_options(options)
+    allowed = allowed_loop(batch, N, T, S, **rule)
+    w = arrays(9, (*batch, T, N, Hv))[0]
+
+    def value_and_grads(f, w, *args):
+        return jax.jit(jax.value_and_grad(lambda *a: jnp.sum(f(*a).astype(w.dtype) * w), argnums=(0, 1, 2)))(*args)
+
+    def kernel(q, k, v):
+        return jaxattn.flex_attention(q, k, v, implementation="pallas_tpu", interpret=True, **options)
+
+    with jax.enable_x64(False):
+        out = jax.jit(kernel)(q, k, v)
+        _, grads = value_and_grads(kernel, np.asarray(w, np.float32), q, k, v)
+    wide = tuple(np.asarray(x, np.float64) for x in (q, k, v))
+    want = attention_reference(*wide, allowed, **rest)
+    _, want_grads = value_and_grads(lambda *a: attention_reference(*a, allowed, **rest), w, *wide)
+    assert out.dtype == jnp.bfloat16
+    assert normwise(out, want) <= BF16_TOLERANCES[0], normwise(out, want)
+    for got, ref in zip(grads, want_grads, strict=True):
+        assert got.dtype == jnp.bfloat16
+        assert normwise(got, ref) <= BF16_TOLERANCES[1], normwise(got, ref)
+
+
+def _training_program(options, T=4096):
+    q = jax.ShapeDtypeStruct((1, T, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, T, 2, 128), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = jaxattn.flex_attention(q, k, v, implementation="pallas_tpu", **options)
+        return jnp.sum(out.astype(jnp.float32))
+
+    with jax.enable_x64(False), jaxattn.cross_platform_lowering():
+        return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("tpu",)).as_text()
+
+
+def test_a_training_program_holds_the_three_kernels():
+    text = _training_program(dict(score_mod=lambda x, b, n, t, s: x - 0.01 * jnp.abs(t - s), is_causal=True))
+    kernels = re.findall(r'kernel_name = "(\w+)"', text)
+    assert sorted(kernels) == ["jaxattn_flex_tpu_dkv", "jaxattn_flex_tpu_dq", "jaxattn_flex_tpu_forward"]
+    assert "stablehlo.while" not in text  # no XLA tile loop
+    assert not re.search(r"4096x4096", text)  # no [T,S] buffer
+
+
+def test_what_keeps_the_xla_backward():
+    q, k = jnp.zeros((1, 64, 4, 8)), jnp.zeros((1, 64, 2, 8))
+    bias = of_rows(jnp.zeros((4, 9)), -4, 4)  # a position bias of j - i (T5's, ALiBi's kind)
+    assert tpu_backward.backward_refusal(AttentionCall(is_causal=True), q, k, k, False, 128) is None
+    assert tpu_backward.backward_refusal(AttentionCall(position_bias=bias), q, k, k, False, 128) == "position_bias"
+    assert "closing over arrays" in tpu_backward.backward_refusal(AttentionCall(), q, k, k, True, 128)
+    long = jax.ShapeDtypeStruct((1, 2**14, 32, 128), jnp.float32)  # 16 query heads per key head x 16k rows
+    assert tpu_backward.backward_refusal(AttentionCall(), long, k, k, False, 128).startswith("query (T=16384")
