@@ -92,6 +92,11 @@ PROGRAMS = ("forward", "forward+backward")
 # (the H100 causal forward, which holds little else since it writes no lse, grows 2.94x, 17 -> 49 KiB); a [T,S]
 # buffer of one head at the doubled lengths here is 16 MiB or more.
 LINEAR_SLACK = 2**20
+# On a TPU, XLA's memory-space assignment keeps temporaries in on-chip memory while they fit, and temp bytes
+# count HBM only: the TPU flex training program (tpu_backward) at T = 4096 holds its transposed copies of q, k,
+# v and do (8 MiB each) there and reports 0 bytes, at 8192 it reports 48.77 MiB (t5 causal, v5e). The slack for
+# a TPU is one such move; a [T,S] float32 buffer of one head at the doubled lengths is 256 MiB.
+TPU_LINEAR_SLACK = 64 * 2**20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +169,9 @@ CASES = [
     Case("causal H256 GQA 8/2", N=8, K=2, H=256, options=CAUSAL),
     Case("causal H256 GQA 4/2", N=4, K=2, H=256, options=CAUSAL),
     Case("causal H80 T!=S unaligned", T=1000, S=1500, N=4, K=2, H=80, options=CAUSAL, memory=PROGRAMS),
+    # T = 2000 in 128-row tiles: the shape docs/kernels.md ("lse and the padding copies") states the padding
+    # copies' bytes at (32 MiB of the forward's temp before the kernels masked their tiles)
+    Case("causal B2 T2000", B=2, T=2000, N=8, options=CAUSAL, platforms=("gpu",)),
     Case("H192 Hv128 f32", T=384, S=640, N=2, H=192, Hv=128, dtype="float32", options=CAUSAL),
     Case("MQA 4/1", N=4, K=1, options=CAUSAL),
     # The GPU dk/dv kernel loops over the G query heads of a key head inside the kernel. Unrolled, as it
@@ -588,10 +596,15 @@ def run(targets, names, log, full=False) -> tuple[list, list]:
                                 program=program,
                                 temp_bytes=[single, twice],
                                 ratio=round(twice / max(single, 1), 3),
-                                ok=twice <= 2 * single + LINEAR_SLACK,
+                                ok=twice <= 2 * single + slack(target),
                             )
                         )
     return rows, checks
+
+
+def slack(target) -> int:
+    """The bytes an O(T + S) program's temp may grow by beyond 2x at twice the lengths, on `target`."""
+    return TPU_LINEAR_SLACK if TARGETS[target][0] == "tpu" else LINEAR_SLACK
 
 
 def print_row(row):
@@ -643,7 +656,7 @@ def verdict(rows, checks) -> list[str]:
         if not check["ok"]:
             problems.append(
                 f"{check['target']} {check['case']} {check['program']}: temp bytes grew {check['ratio']}x "
-                f"for twice the lengths (O(T + S) allows 2x + {LINEAR_SLACK} bytes): {check['temp_bytes']}"
+                f"for twice the lengths (O(T + S) allows 2x + {slack(check['target'])} bytes): {check['temp_bytes']}"
             )
     return problems
 

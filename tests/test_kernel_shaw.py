@@ -31,7 +31,7 @@ from test_positions import N as XL_HEADS, xl_loop
 import jaxattn
 from helpers import assert_float64, attention_loop, normwise, shaw_index_loop
 from jaxattn._core.call import AttentionCall
-from jaxattn._kernels import decode_gpu, flash_gpu, flex_tpu, offset_tables, tile_body
+from jaxattn._kernels import decode_gpu, flash_gpu, flex_tpu, offset_tables, tile_body, tpu_refs
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
 
@@ -287,7 +287,7 @@ def test_under_vmap_and_grad(implementation):
 
 @pytest.mark.slow  # the default group's TPU Shaw case runs both through the kernel
 def test_tpu_diagonals_and_their_inverse_against_numpy():
-    """flex_tpu.diagonals: tile[r, c] = lanes[r, offset + R - 1 - r + c] (rows that differ: QA's lanes), and
+    """tpu_refs.diagonals: tile[r, c] = lanes[r, offset + R - 1 - r + c] (rows that differ: QA's lanes), and
     undiagonals, its inverse: out[r, offset + R - 1 - r + c] = tile[r, c] (the strided roll of stride W - 1),
     for offsets at both ends of a lane tile, on the interpreter's tiles and a TPU's, in the interpreter (the
     Mosaic lowering: .ci/compile_targets.py's "shaw causal")."""
@@ -295,15 +295,15 @@ def test_tpu_diagonals_and_their_inverse_against_numpy():
 
     rng = np.random.default_rng(3)
     for R, C in ((16, 16), (128, 128), (16, 40)):
-        W = flex_tpu.window(R, C)
+        W = tpu_refs.window(R, C)
         offsets = np.array([0, 1, 77, 127], np.int32)
         lanes = rng.normal(size=(R, W)).astype(np.float32)
         tile = rng.normal(size=(R, C)).astype(np.float32)
 
         def kernel(offset_ref, lanes_ref, tile_ref, diag_ref, undiag_ref, C=C, W=W):
             offset = offset_ref[pl.program_id(0)]
-            diag_ref[...] = flex_tpu.diagonals(lanes_ref[...], offset, C)
-            undiag_ref[...] = flex_tpu.undiagonals(tile_ref[...], offset, W)
+            diag_ref[...] = tpu_refs.diagonals(lanes_ref[...], offset, C)
+            undiag_ref[...] = tpu_refs.undiagonals(tile_ref[...], offset, W)
 
         grid = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,

@@ -1,11 +1,13 @@
 """The TPU flex kernel's backward (jaxattn._kernels.tpu_backward): the flash dq and dk/dv kernels run by Mosaic,
-for flex calls whose gradient has no term beyond q, k, v and sinks.
+for flex calls and T5's / ALiBi's position bias.
 
 Interpreted (Pallas' interpreter, float32 with jax_enable_x64 off, as the TPU kernels need): outputs <= 1e-6 and
 gradients <= 1e-5 normwise against the float64 loop reference (helpers.attention_reference), over GQA, T != S,
 lengths and head dims that are no whole tiles, causal / window / lengths / segment ids / BlockMask / mask_mod /
-score_mod, sinks and return_lse (whose cotangent enters delta). Lowered for a TPU: a training program holds the
-forward, dq and dk/dv kernels and no XLA tile loop; calls with a position bias keep the XLA backward.
+score_mod, sinks and return_lse (whose cotangent enters delta); T5 and ALiBi with gradients into the table and
+slopes are tests/test_kernel_relative.py's TPU cases, which take these kernels. Lowered for a TPU: a training
+program holds the forward, dq and dk/dv kernels and no XLA tile loop; a window's bias and position tables keep
+the XLA backward.
 """
 
 import re
@@ -171,11 +173,31 @@ def test_a_training_program_holds_the_three_kernels():
     assert not re.search(r"4096x4096", text)  # no [T,S] buffer
 
 
+def test_a_t5_training_program_holds_the_three_kernels():
+    # T5's bias: its rows' gradient summed per offset in the dq kernel, the table's through them (no scatter)
+    q = jax.ShapeDtypeStruct((1, 4096, 8, 128), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((32, 8), jnp.float32)
+
+    def loss(q, k, v, table):
+        out = jaxattn.t5_attention(q, k, v, table, bidirectional=False, is_causal=True, implementation="pallas_tpu")
+        return jnp.sum(out.astype(jnp.float32))
+
+    with jax.enable_x64(False), jaxattn.cross_platform_lowering():
+        program = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).trace(q, q, q, table)
+        text = program.lower(lowering_platforms=("tpu",)).as_text()
+    kernels = re.findall(r'kernel_name = "(\w+)"', text)
+    assert sorted(kernels) == ["jaxattn_flex_tpu_dkv", "jaxattn_flex_tpu_dq", "jaxattn_flex_tpu_forward"]
+    assert "stablehlo.while" not in text
+    assert not re.search(r"4096x4096", text)
+
+
 def test_what_keeps_the_xla_backward():
     q, k = jnp.zeros((1, 64, 4, 8)), jnp.zeros((1, 64, 2, 8))
     bias = of_rows(jnp.zeros((4, 9)), -4, 4)  # a position bias of j - i (T5's, ALiBi's kind)
     assert tpu_backward.backward_refusal(AttentionCall(is_causal=True), q, k, k, False, 128) is None
-    assert tpu_backward.backward_refusal(AttentionCall(position_bias=bias), q, k, k, False, 128) == "position_bias"
+    assert tpu_backward.backward_refusal(AttentionCall(position_bias=bias), q, k, k, False, 128) is None
+    tables = AttentionCall(key_table=jnp.zeros((9, 4, 8)), max_distance=4)
+    assert tpu_backward.backward_refusal(tables, q, k, k, False, 128) == "position tables"
     assert "closing over arrays" in tpu_backward.backward_refusal(AttentionCall(), q, k, k, True, 128)
     long = jax.ShapeDtypeStruct((1, 2**14, 32, 128), jnp.float32)  # 16 query heads per key head x 16k rows
     assert tpu_backward.backward_refusal(AttentionCall(), long, k, k, False, 128).startswith("query (T=16384")

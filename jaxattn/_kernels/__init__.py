@@ -21,8 +21,8 @@ allowed key). Kernels may use the engines below them (an empty input, an XLA bac
     pallas_tpu  implementation="pallas_tpu": splash_tpu, or flex_tpu for score_mod / mask_mod / BlockMask
     splash_tpu  TPU splash attention, shipped with JAX (jax.experimental.pallas.ops.tpu.splash_attention)
     flex_tpu    our Pallas TPU kernel (tile_body's forward kernel on a TPU layout), forward
-    tpu_backward flex_tpu's backward for calls without position terms: flash_gpu's dq and dk/dv kernels on it
-    tpu_refs    views of TPU refs (rows, SMEM schedules) the shared kernel bodies read
+    tpu_backward flex_tpu's backward (flex calls, T5 / ALiBi): flash_gpu's dq and dk/dv kernels on its layout
+    tpu_refs    views of TPU refs the shared kernel bodies read, and the lane rolls onto a tile's diagonals
     cudnn       cuDNN's fused attention through jax.nn.dot_product_attention(implementation="cudnn")
 
 Nothing here is imported by `import jaxattn`: the dispatch imports a module the first time a call may use it.

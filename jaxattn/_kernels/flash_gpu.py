@@ -379,7 +379,10 @@ def dq_kernel(cfg: Config, r):
         k_seg = None if q_seg is None else r["k_seg"][keys]
         allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
         index = bias = None
-        if cfg.offset_bias is not None:
+        build = r.get("offset_bias_of_tile")  # a kernel's own construction, j -> [Tb,Sb] (tpu_backward: no gather)
+        if cfg.offset_bias is not None and build is not None:
+            bias = build(j)
+        elif cfg.offset_bias is not None:
             index = offset_index(cfg, qp, kp)
             bias = offset_bias_tile(r["offset_bias"], index)
         column, key_term, dp_table = _table_terms(cfg, r, qp, kp, tile_rows(cfg), tile_keys(cfg, s0))
@@ -400,6 +403,8 @@ def dq_kernel(cfg: Config, r):
             d_consts = tuple(a + g.astype(a.dtype) for a, g in zip(d_consts, d_c))
         if index is not None:
             _scatter_by_offset(r["d_offset_bias"], index, d_bias)
+        elif bias is not None:  # the kernel's own adds of the tile's gradient into its rows (tpu_backward)
+            r["add_offset_bias_grad"](j, d_bias)
         if key_grad:  # d QA[t, c] = the sum of d loss / d (q k^T + QA) over the pairs of row t in column c
             add_by_column(r["d_row_bias"], column, ds)
         return dq, d_consts
@@ -434,7 +439,10 @@ def dkv_kernel(cfg: Config, r):
         q_seg = None if k_seg is None else r["q_seg"][rows]
         allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
         bias = None
-        if cfg.offset_bias is not None:  # the rows of the G heads of key head kh: this head's is row g
+        build = r.get("offset_bias_of_tile")  # a kernel's own construction, (g, i) -> [Tb,Sb] (tpu_backward)
+        if cfg.offset_bias is not None and build is not None:
+            bias = build(g, i)
+        elif cfg.offset_bias is not None:  # the rows of the G heads of key head kh: this head's is row g
             bias = offset_bias_tile(r["offset_bias"], offset_index(cfg, qp, kp), g)
         column, key_term, dp_table = _table_terms(cfg, r, qp, kp, tile_rows(cfg, i * cfg.Tb), tile_keys(cfg), g)
         p, ds, _, _ = _logit_grads(

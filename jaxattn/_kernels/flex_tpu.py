@@ -1,8 +1,8 @@
 """Our Pallas TPU kernel for what splash attention cannot express: score_mod, mask_mod and a BlockMask
 (flex_attention), T5's / ALiBi's position bias (an OffsetBias), Shaw's tables (shaw / clipped / Transformer-XL
 attention) and DeBERTa's (RowTables), with every other option of the Pallas GPU kernel beside them. The backward
-is tpu_backward's kernels (the GPU kernel's dq and dk/dv) where the gradient has no position term
-(tpu_backward.backward_refusal); otherwise the XLA blockwise engine's.
+is tpu_backward's kernels (the GPU kernel's dq and dk/dv) for flex calls and T5's / ALiBi's bias
+(tpu_backward.backward_refusal); otherwise (a window's bias, position tables) the XLA blockwise engine's.
 
 The kernel body is the Pallas GPU kernel's forward (tile_body.forward_kernel: one (b, n, query tile), a
 loop over the key tiles its schedule lists, score_mod / mask_mod / softcap / the mask rule per tile, sinks,
@@ -73,9 +73,8 @@ from .._core.dtypes import accumulation_dtype
 from .._core.offset_bias import OffsetBias, TableBias, of_rows
 from .._engines import blockwise
 from . import flash_gpu, splash_tpu, tile_body, tpu_backward
-from .tpu_refs import Row, Scalars
+from .tpu_refs import LANES, Row, Scalars, diagonals, toeplitz_tile, undiagonals, window
 
-LANES = 128
 INTERPRET_BLOCK = 16
 MAX_KEY_BYTES = 8 * 2**20  # one head's keys and values in VMEM (doubled by the pipeline's second buffer)
 MAX_BIAS_ROWS = 2**20  # one head's position-bias rows in VMEM (float32, about T + S of them): 4 MiB
@@ -200,33 +199,6 @@ def tables_refusal(call: AttentionCall) -> Optional[str]:
     return None
 
 
-def window(Tb: int, Sb: int) -> int:
-    """Lanes toeplitz_tile loads: the tile's Tb + Sb - 1 diagonals from any start within a lane tile."""
-    return -(-(Tb + Sb - 1) // LANES) * LANES + LANES
-
-
-def toeplitz_tile(row, start, Tb: int, Sb: int):
-    """[Tb,Sb]: tile[r, c] = row[start + (Tb - 1 - r) + c], the bias of a tile whose offsets j - i grow by one
-    per key and fall by one per query (row: the [1,E] block of a head's offset rows; start >= 0, traced).
-
-    Without a gather: the window row[0, a : a + W] from the lane tile a that holds start (an aligned dynamic
-    slice, as Mosaic needs), broadcast to Tb rows, and rolled along the lanes by W - (Tb - 1) - (start - a)
-    plus r in row r (pltpu.roll's stride): rolled[r, c] = window[(c + (Tb - 1 - r) + start - a) mod W], never
-    wrapping for c < Sb (window())."""
-    W = window(Tb, Sb)
-    aligned = pl.multiple_of(lax.div(start, LANES) * LANES, LANES)  # start >= 0: lax.div floors
-    lanes = jnp.broadcast_to(row[0, pl.ds(aligned, W)][None, :], (Tb, W))
-    return diagonals(lanes, start - aligned, Sb)
-
-
-def diagonals(lanes, offset, C: int):
-    """[R,C]: tile[r, c] = lanes[r, offset + (R - 1 - r) + c] of lanes [R,W] (offset in 0..W - R - C + 1,
-    traced): each row rolled along the lanes by W - (R - 1) - offset plus r (pltpu.roll's stride; in 1..W + R:
-    the roll takes no negative shift), rolled[r, c] = lanes[r, (c + (R - 1 - r) + offset) mod W]."""
-    R, W = lanes.shape
-    return pltpu.roll(lanes, W - (R - 1) - offset, 1, stride=1, stride_axis=0)[:, :C]
-
-
 def offset_rows_of_grid(p: flash_gpu.Prepared, S: int):
     """[B|1,N,1,E]: the bias of offset d = s - t - (S - T) for every padded query t in 0..Tp-1 and key s in
     0..Sp-1 (the core's default positions), from d = -(Tp - 1) - (S - T) up, clipped to the OffsetBias's rows
@@ -331,15 +303,6 @@ def call_lanes(call: AttentionCall, tables: dict, Tb: int, Sb: int, T: int, S: i
         if source is not None:
             out[name] = table_lanes(row(lanes.offsets(reverse)), source.astype(dtype), width, lanes.E)
     return lanes, out
-
-
-def undiagonals(tile, offset, W: int):
-    """[R,W]: diagonals' inverse, out[r, offset + (R - 1 - r) + c] = tile[r, c] (zeros elsewhere): row r
-    rolled right by offset + R - 1 - r, one lane less per row: a stride of W - 1, which is -1 modulo W
-    (pltpu.roll takes no negative stride; the rotation of row r is offset + R - 1 + r (W - 1))."""
-    R, C = tile.shape
-    padded = jnp.concatenate([tile, jnp.zeros((R, W - C), tile.dtype)], axis=1)
-    return pltpu.roll(padded, offset + R - 1, 1, stride=W - 1, stride_axis=0)
 
 
 def add_table_terms(cfg, r, lanes: TableLanes, i, T: int, S: int):
@@ -519,7 +482,8 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     offsets = None if call.position_bias is None or table_bias else call.position_bias.offset_range(T, S, True)
     # What the kernel reads of a position bias: its rows (a window's: its table), an input the kernel does not
     # differentiate (the gradient is the engine's, through the scheme's own formula)
-    bias_rows = None if offsets is None else lax.stop_gradient(call.position_bias.rows(*offsets))
+    # (differentiable: the kernel backward's cotangent for them reaches the table or slopes through rows())
+    bias_rows = None if offsets is None else call.position_bias.rows(*offsets)
     if table_bias:
         bias_rows = lax.stop_gradient(jnp.asarray(call.position_bias.table))
     blocks = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else (LANES, LANES)
@@ -598,10 +562,14 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
         return result, (args, result, lse)
 
     def kernel_grads(args, result, lse, cotangent):
-        """d query, key, value, sinks by tpu_backward's kernels (None: the call has a term they lack)."""
-        query, key, value, sinks, consts, _, _, _, indices = args
+        """d query, key, value, sinks, bias_rows by tpu_backward's kernels (None: the call has a term they lack)."""
+        query, key, value, sinks, consts, _, bias_rows, _, indices = args
         inner = with_inputs(sinks, consts, indices)
-        p = prepare(inner, query, key, value)
+
+        def with_rows(inner, rows):  # the position bias read from its rows, as the forward reads it
+            return inner if offsets is None else inner.replace(position_bias=of_rows(rows, *offsets))
+
+        p = prepare(with_rows(inner, bias_rows), query, key, value)
         if p.side.score_consts or p.side.mask_consts:
             return None
         batch, N, Hv = query.shape[:-3], query.shape[-2], value.shape[-1]
@@ -614,32 +582,36 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
             delta = delta - cotangent[1].reshape(B, N, T).astype(acc_dtype)
         delta = jnp.pad(delta, [(0, 0), (0, 0), (0, Tp - T)])
         d_out = flash_gpu.kernel_layout(d_out, batch, T, Tp, Hvp)
-        dq, dk, dv = tpu_backward.gradients(p, lse, delta, d_out, interpret)
+        rows_of_grid = None if offsets is None else offset_rows_of_grid(p, S)
+        dq, dk, dv, d_rows = tpu_backward.gradients(p, lse, delta, d_out, interpret, rows_of_grid)
         d_sinks = None if p.side.sinks is None else flash_gpu.sinks_grad(p.side.sinks, lse, delta)
+        if d_rows is not None and rows_of_grid.shape[0] == 1:  # one set of rows for every batch entry
+            d_rows = jnp.sum(d_rows, axis=0, keepdims=True)
 
-        def layout(query, key, value, sinks):  # prepare's padded arrays: pulled back, the padding drops
-            laid = prepare(inner.replace(sinks=sinks), query, key, value)
-            return laid.q, laid.k, laid.v, laid.side.sinks
+        def layout(query, key, value, sinks, bias_rows):  # prepare's arrays: pulled back, the padding drops
+            laid = prepare(with_rows(inner.replace(sinks=sinks), bias_rows), query, key, value)
+            grid_rows = None if offsets is None else offset_rows_of_grid(laid, S)
+            return laid.q, laid.k, laid.v, laid.side.sinks, grid_rows
 
-        return jax.vjp(layout, query, key, value, sinks)[1]((dq, dk, dv, d_sinks))
+        return jax.vjp(layout, query, key, value, sinks, bias_rows)[1]((dq, dk, dv, d_sinks, d_rows))
 
     def run_bwd(residuals, cotangent):
         args, result, lse = residuals
         *differentiable, bias_rows, table_arrays, indices = args
-        grads = None
-        if kernel_backward:
-            grads = kernel_grads(args, result, lse, cotangent)
-            if grads is not None:  # and no score_mod consts or engine consts (backward_refusal): empty tuples
-                grads = (*grads, (), ())
-        if grads is None:  # the XLA blockwise engine's backward (it recomputes its own forward)
-            grads = jax.vjp(
-                lambda query, key, value, sinks, consts, engine_consts: engine(
-                    query, key, value, sinks, consts, indices, *engine_consts
-                ),
-                *differentiable,
-            )[1](cotangent)
-        zeros = (jax.tree.map(_zero_cotangent, x) for x in (bias_rows, table_arrays, indices))
-        return (*grads, *zeros)
+        zeros = lambda x: jax.tree.map(_zero_cotangent, x)  # noqa: E731
+        grads = kernel_grads(args, result, lse, cotangent) if kernel_backward else None
+        if grads is not None:  # no score_mod consts (backward_refusal); the position bias's through bias_rows
+            *grads, d_bias_rows = grads
+            engine_zeros = zeros(differentiable[5])
+            return (*grads, (), engine_zeros, d_bias_rows, zeros(table_arrays), zeros(indices))
+        # the XLA blockwise engine's backward (it recomputes its own forward); the bias's through engine_consts
+        grads = jax.vjp(
+            lambda query, key, value, sinks, consts, engine_consts: engine(
+                query, key, value, sinks, consts, indices, *engine_consts
+            ),
+            *differentiable,
+        )[1](cotangent)
+        return (*grads, *(zeros(x) for x in (bias_rows, table_arrays, indices)))
 
     run.defvjp(run_fwd, run_bwd)
     return run(query, key, value, call.sinks, consts, tuple(engine_consts), bias_rows, table_arrays, indices)

@@ -9,11 +9,11 @@ dkv_kernel, FlashAttention-2's backward) run by Mosaic on the TPU layout, as the
     positions and segment ids as rows [B|1,1,L] (tpu_refs.Row), the schedules flattened in SMEM
     (tpu_refs.Scalars; the dk/dv kernel's over query tiles, flash_gpu.schedules' transposed one).
 
-For the calls whose gradient has no term beyond q, k, v and sinks (backward_refusal): score_mod and mask_mod
-closing over no array, a BlockMask, causal, window, chunks, lengths, segment ids, softcap, sinks, GQA. A
-position bias or position tables (their gradients: scatters by offset on the GPU, which Mosaic does not
-lower), or a score_mod's arrays, keep the XLA blockwise engine's backward, and so does a query axis whose G
-heads do not fit VMEM in one dk/dv program. interpret=True runs Pallas' interpreter (the CPU tests).
+For the calls backward_refusal lets through: score_mod and mask_mod closing over no array, a BlockMask,
+causal, window, chunks, lengths, segment ids, softcap, sinks, GQA, and a position bias of j - i (T5's, ALiBi's:
+an OffsetBias, its rows' gradient summed per offset without a scatter, gradients()). A window's bias,
+position tables or a score_mod's arrays keep the XLA blockwise engine's backward, and so does a query axis
+whose G heads do not fit VMEM in one dk/dv program. interpret=True runs Pallas' interpreter (the CPU tests).
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .._core.call import AttentionCall
+from .._core.offset_bias import OffsetBias
 from . import flash_gpu, tile_body
-from .tpu_refs import Row, Scalars
+from .tpu_refs import LANES, Row, Scalars, toeplitz_tile, undiagonals, window
 
 # The dk/dv kernel holds the query rows of the G heads of one key head in VMEM (q and do, double-buffered by
 # the pipeline), as the forward holds one head's keys and values (flex_tpu.MAX_KEY_BYTES).
@@ -39,8 +40,8 @@ MAX_QUERY_BYTES = 8 * 2**20
 def backward_refusal(call: AttentionCall, query, key, value, has_consts: bool, lanes: int) -> Optional[str]:
     """None when the kernels here compute the gradient of a call the TPU flex kernel computes forward; else
     what keeps the XLA engine's backward (module docstring). lanes: the padding of T and head dims."""
-    if call.position_bias is not None:
-        return "position_bias"
+    if call.position_bias is not None and not isinstance(call.position_bias, OffsetBias):
+        return "position_bias (a window's bias)"
     if call.has_tables or call.row_tables is not None:
         return "position tables"
     if has_consts:
@@ -59,9 +60,16 @@ def _spec(shape, index):
     return pl.BlockSpec(shape, lambda *ids: index(*ids[:3]))
 
 
-def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool):
-    """(dq [B,Tp,N,Hp], dk [B,Sp,K,Hp], dv [B,Sp,K,Hvp]) of a prepared call (prepare's padded arrays) from the
-    forward's lse and delta = rowsum(dO * out) - d lse, both [B,N,Tp] float32, and d_out [B,Tp,N,Hvp]."""
+def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of_grid=None):
+    """(dq [B,Tp,N,Hp], dk [B,Sp,K,Hp], dv [B,Sp,K,Hvp], d rows_of_grid [B,N,1,E] float32 or None) of a prepared
+    call (prepare's padded arrays) from the forward's lse and delta = rowsum(dO * out) - d lse, both [B,N,Tp]
+    float32, and d_out [B,Tp,N,Hvp]; rows_of_grid: a position bias of j - i, the bias of every offset of the
+    grid [B|1,N,1,E] (flex_tpu.offset_rows_of_grid), or None.
+
+    A tile's bias is a window of its head's row rolled into the tile's diagonals (tpu_refs.toeplitz_tile), as in
+    the forward; its gradient the inverse roll summed over the tile's rows (undiagonals), added into the dq
+    program's row of offsets. The dq grid walks the query tiles of one (b, n) in order ("arbitrary"), so
+    that row stays in VMEM and sums over them: d rows [B,N,1,E], O(T + S) per head, no atomics."""
     cfg, side = p.cfg, p.side
     q, k, v, do = (jnp.swapaxes(x, 1, 2) for x in (p.q, p.k, p.v, d_out.astype(p.q.dtype)))  # [B,heads,L,F]
     B, N, Tp, Hp = q.shape
@@ -71,7 +79,13 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool):
     pick = tile_body.pick
     columns = lse[..., None], delta[..., None]  # [B,N,Tp,1]
     rows = lambda x: x[:, None, :]  # noqa: E731  [B|1,L] -> [B|1,1,L]
-    compiler_params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
+    parallel = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
+    # the bias's gradient sums over the query tiles of (b, n) in one output block: they run in order
+    by_rows = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+    W = window(cfg.Tb, cfg.Sb)
+
+    def bias_start(i, j):  # tile (i, j)'s first entry in rows_of_grid (its smallest offset)
+        return j * cfg.Sb - i * cfg.Tb + (Tp - cfg.Tb)
 
     def scalar_inputs(order, counts):
         arrays = {"counts": counts}
@@ -81,7 +95,7 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool):
             arrays["lengths"] = side.lengths
         return {name: x.reshape(-1) for name, x in arrays.items()}, {name: x.shape for name, x in arrays.items()}
 
-    def call(kernel, name, grid, scalars, inputs, outputs):
+    def call(kernel, name, grid, scalars, inputs, outputs, compiler_params=parallel):
         names = tuple(scalars) + tuple(inputs) + tuple(outputs)
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
@@ -116,6 +130,11 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool):
         inputs["k_seg"] = (rows(side.k_seg), _spec((None, 1, Sp), lambda b, n, i: (pick(bs, b), 0, 0)))
     dq_spec = _spec((None, None, cfg.Tb, Hp), lambda b, n, i: (b, n, i, 0))
     outputs = {"dq": (jax.ShapeDtypeStruct(q.shape, q.dtype), dq_spec)}
+    if rows_of_grid is not None:
+        batched, E = cfg.offset_bias[1], rows_of_grid.shape[-1]
+        inputs["offset_bias"] = (rows_of_grid, _spec((None, None, 1, E), lambda b, n, i: (pick(batched, b), n, 0, 0)))
+        grad_rows = jax.ShapeDtypeStruct((B, N, 1, E), jnp.float32)
+        outputs["d_offset_bias"] = (grad_rows, _spec((None, None, 1, E), lambda b, n, i: (b, n, 0, 0)))
 
     def dq(r):
         b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -128,9 +147,25 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool):
         for name in ("q_pos", "k_pos", "q_seg", "k_seg"):
             if name in r:
                 r[name] = Row(r[name])
+        if "offset_bias" in r:
+            d_rows = r["d_offset_bias"]
+
+            @pl.when(i == 0)
+            def _():
+                d_rows[...] = jnp.zeros(d_rows.shape, d_rows.dtype)
+
+            def add(j, d_bias):  # d rows[start + (Tb - 1 - t) + s] += d_bias[t, s]
+                start = bias_start(i, j)
+                aligned = pl.multiple_of(lax.div(start, LANES) * LANES, LANES)
+                sums = jnp.sum(undiagonals(d_bias.astype(jnp.float32), start - aligned, W), axis=0)
+                d_rows[0, pl.ds(aligned, W)] = d_rows[0, pl.ds(aligned, W)] + sums
+
+            r["offset_bias_of_tile"] = lambda j: toeplitz_tile(r["offset_bias"], bias_start(i, j), cfg.Tb, cfg.Sb)
+            r["add_offset_bias_grad"] = add
         flash_gpu.dq_kernel(cfg, r)
 
-    (dq_out,) = call(dq, "jaxattn_flex_tpu_dq", (B, N, cfg.Tn), scalars, inputs, outputs)
+    params = parallel if rows_of_grid is None else by_rows
+    dq_out, *d_rows = call(dq, "jaxattn_flex_tpu_dq", (B, N, cfg.Tn), scalars, inputs, outputs, params)
 
     # dk/dv: grid (b, key head h, key tile j), the transposed schedule; the G query heads of h in one block
     scalars, shapes = scalar_inputs(side.t_order, side.t_counts)
@@ -149,6 +184,9 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool):
     if side.q_seg is not None:
         inputs["q_seg"] = (rows(side.q_seg), _spec((None, 1, Tp), lambda b, h, j: (pick(bs, b), 0, 0)))
         inputs["k_seg"] = (rows(side.k_seg), _spec((None, 1, cfg.Sb), lambda b, h, j: (pick(bs, b), 0, j)))
+    if rows_of_grid is not None:  # the rows of the G query heads of key head h
+        batched, E = cfg.offset_bias[1], rows_of_grid.shape[-1]
+        inputs["offset_bias"] = (rows_of_grid, _spec((None, G, 1, E), lambda b, h, j: (pick(batched, b), h, 0, 0)))
     outputs = {
         "dk": (jax.ShapeDtypeStruct(k.shape, k.dtype), _spec((None, None, cfg.Sb, Hp), lambda b, h, j: (b, h, j, 0))),
         "dv": (jax.ShapeDtypeStruct(v.shape, v.dtype), _spec((None, None, cfg.Sb, Hvp), lambda b, h, j: (b, h, j, 0))),
@@ -167,10 +205,13 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool):
             if name in r:
                 r[name] = Row(r[name])
         r["q"], r["do"] = (_HeadsLast(r[name]) for name in ("q", "do"))
+        if "offset_bias" in r:
+            rows_of = r["offset_bias"]
+            r["offset_bias_of_tile"] = lambda g, i: toeplitz_tile(rows_of.at[g], bias_start(i, j), cfg.Tb, cfg.Sb)
         flash_gpu.dkv_kernel(cfg, r)
 
     dk, dv = call(dkv, "jaxattn_flex_tpu_dkv", (B, K, cfg.Sn), scalars, inputs, outputs)
-    return tuple(jnp.swapaxes(x, 1, 2) for x in (dq_out, dk, dv))
+    return (*(jnp.swapaxes(x, 1, 2) for x in (dq_out, dk, dv)), d_rows[0] if d_rows else None)
 
 
 class _HeadsLast:

@@ -1,10 +1,18 @@
-"""Views of TPU kernel refs that let the shared kernel bodies (tile_body, flash_gpu's dq and dk/dv kernels) read
-them as the GPU layout's: a [1,L] row read as [L] (Row), and a schedule flattened into SMEM read at a program's
-indices (Scalars). Used by the TPU flex kernel (flex_tpu) and its backward (tpu_backward)."""
+"""What the TPU kernels (flex_tpu, its backward tpu_backward) share: views of refs that let the shared kernel
+bodies (tile_body, flash_gpu's dq and dk/dv kernels) read them as the GPU layout's (a [1,L] row read as [L]: Row;
+a schedule flattened into SMEM read at a program's indices: Scalars), and the lane rolls that move a tile's
+entries onto its diagonals and back (a position term of j - i without a gather or a scatter: toeplitz_tile,
+diagonals, undiagonals)."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+LANES = 128
 
 
 class Row:
@@ -41,3 +49,39 @@ class Scalars:
             return self.ref[self.start]
         index = index if isinstance(index, tuple) else (index,)
         return self.ref[self.start + sum(i * step for i, step in zip(index, self.steps))]
+
+
+def window(Tb: int, Sb: int) -> int:
+    """Lanes toeplitz_tile loads: the tile's Tb + Sb - 1 diagonals from any start within a lane tile."""
+    return -(-(Tb + Sb - 1) // LANES) * LANES + LANES
+
+
+def toeplitz_tile(row, start, Tb: int, Sb: int):
+    """[Tb,Sb]: tile[r, c] = row[start + (Tb - 1 - r) + c], the bias of a tile whose offsets j - i grow by one
+    per key and fall by one per query (row: the [1,E] block of a head's offset rows; start >= 0, traced).
+
+    Without a gather: the window row[0, a : a + W] from the lane tile a that holds start (an aligned dynamic
+    slice, as Mosaic needs), broadcast to Tb rows, and rolled along the lanes by W - (Tb - 1) - (start - a)
+    plus r in row r (pltpu.roll's stride): rolled[r, c] = window[(c + (Tb - 1 - r) + start - a) mod W], never
+    wrapping for c < Sb (window())."""
+    W = window(Tb, Sb)
+    aligned = pl.multiple_of(lax.div(start, LANES) * LANES, LANES)  # start >= 0: lax.div floors
+    lanes = jnp.broadcast_to(row[0, pl.ds(aligned, W)][None, :], (Tb, W))
+    return diagonals(lanes, start - aligned, Sb)
+
+
+def diagonals(lanes, offset, C: int):
+    """[R,C]: tile[r, c] = lanes[r, offset + (R - 1 - r) + c] of lanes [R,W] (offset in 0..W - R - C + 1,
+    traced): each row rolled along the lanes by W - (R - 1) - offset plus r (pltpu.roll's stride; in 1..W + R:
+    the roll takes no negative shift), rolled[r, c] = lanes[r, (c + (R - 1 - r) + offset) mod W]."""
+    R, W = lanes.shape
+    return pltpu.roll(lanes, W - (R - 1) - offset, 1, stride=1, stride_axis=0)[:, :C]
+
+
+def undiagonals(tile, offset, W: int):
+    """[R,W]: diagonals' inverse, out[r, offset + (R - 1 - r) + c] = tile[r, c] (zeros elsewhere): row r
+    rolled right by offset + R - 1 - r, one lane less per row: a stride of W - 1, which is -1 modulo W
+    (pltpu.roll takes no negative stride; the rotation of row r is offset + R - 1 + r (W - 1))."""
+    R, C = tile.shape
+    padded = jnp.concatenate([tile, jnp.zeros((R, W - C), tile.dtype)], axis=1)
+    return pltpu.roll(padded, offset + R - 1, 1, stride=W - 1, stride_axis=0)
