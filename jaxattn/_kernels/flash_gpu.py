@@ -627,6 +627,16 @@ def block_dims(cfg, q, v) -> tuple:
     return Tp, q.shape[-1], v.shape[-1]
 
 
+def row_delta(out, d_out, d_lse, Tp: int, acc_dtype):
+    """delta [B,N,Tp] in acc_dtype, one per query row: d loss / d x = p (dp - sum_s p dp) + p d lse, and
+    sum_s p dp = d_out . out, so delta = d_out . out - d lse. out, d_out [B,T|Tp,N,F] (padding rows and columns
+    zero in d_out), d_lse [B,N,T|Tp] or None; rows past T are zero."""
+    delta = jnp.einsum("btnv,btnv->bnt", d_out.astype(acc_dtype), out.astype(acc_dtype))
+    if d_lse is not None:
+        delta = delta - d_lse.astype(acc_dtype)
+    return jnp.pad(delta, [(0, 0), (0, 0), (0, Tp - delta.shape[-1])])
+
+
 def sinks_grad(sinks, lse, delta):
     """d loss / d sinks [B,N] from the saved lse and delta [B,N,Tp]: d out_t / d sink = -p_sink[t] out_t, so
     d sink = -sum_t p_sink[t] delta_t."""
@@ -688,12 +698,8 @@ def _flash_bwd(cfg, res, cotangents):
     G = N // K
     acc_dtype = accumulation_dtype(q.dtype)
     d_out = d_out.astype(q.dtype)
-    # d loss / d x = p (dp - sum_s p dp) + p d_lse, and sum_s p dp = d_out . out: one delta per row (Tp of
-    # them, as lse: zero past T, where the padding rows' d_out is zero)
-    delta = jnp.einsum("btnv,btnv->bnt", d_out.astype(acc_dtype), out.astype(acc_dtype))
-    delta = jnp.pad(delta, [(0, 0), (0, 0), (0, Tp - T)])
-    if d_lse is not None:  # None: lse was not an output (cfg.write_lse)
-        delta = delta - d_lse.astype(acc_dtype)
+    # d_lse None: lse was not an output (cfg.write_lse); its cotangent [B,N,Tp] otherwise
+    delta = row_delta(out, d_out, None if d_lse is None else d_lse[..., :T], Tp, acc_dtype)
     if row_sums is not None:  # Shaw's value term: out gains P A^V, so sum_s p dp gains sum_c P dP
         d_row_sums = d_row_sums.astype(acc_dtype)
         delta = delta + jnp.sum(row_sums * d_row_sums, axis=-1)

@@ -480,9 +480,9 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     T, S = query.shape[-3], key.shape[-3]
     table_bias = isinstance(call.position_bias, TableBias)
     offsets = None if call.position_bias is None or table_bias else call.position_bias.offset_range(T, S, True)
-    # What the kernel reads of a position bias: its rows (a window's: its table), an input the kernel does not
-    # differentiate (the gradient is the engine's, through the scheme's own formula)
-    # (differentiable: the kernel backward's cotangent for them reaches the table or slopes through rows())
+    # What the kernel reads of a position bias: its rows, differentiable (tpu_backward's cotangent for them
+    # reaches the table or slopes through rows(); under the XLA backward they get zeros, the engine's formula
+    # the gradient); a window's table, which only the engine differentiates
     bias_rows = None if offsets is None else call.position_bias.rows(*offsets)
     if table_bias:
         bias_rows = lax.stop_gradient(jnp.asarray(call.position_bias.table))
@@ -575,12 +575,9 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
         batch, N, Hv = query.shape[:-3], query.shape[-2], value.shape[-1]
         B, Tp, Hvp = p.q.shape[0], p.cfg.Tn * p.cfg.Tb, p.v.shape[-1]
         out, d_out = (result[0], cotangent[0]) if call.return_lse else (result, cotangent)
-        acc_dtype = accumulation_dtype(query.dtype)
-        o, g = (x.reshape(B, T, N, Hv).astype(acc_dtype) for x in (out, d_out))
-        delta = jnp.einsum("btnv,btnv->bnt", g, o)  # d loss / d x = p (dp - delta) + p d lse
-        if call.return_lse:
-            delta = delta - cotangent[1].reshape(B, N, T).astype(acc_dtype)
-        delta = jnp.pad(delta, [(0, 0), (0, 0), (0, Tp - T)])
+        d_lse = cotangent[1].reshape(B, N, T) if call.return_lse else None
+        rows = lambda x: x.reshape(B, T, N, Hv)  # noqa: E731
+        delta = flash_gpu.row_delta(rows(out), rows(d_out), d_lse, Tp, accumulation_dtype(query.dtype))
         d_out = flash_gpu.kernel_layout(d_out, batch, T, Tp, Hvp)
         rows_of_grid = None if offsets is None else offset_rows_of_grid(p, S)
         dq, dk, dv, d_rows = tpu_backward.gradients(p, lse, delta, d_out, interpret, rows_of_grid)

@@ -407,8 +407,7 @@ def _attend_bwd(cfg, pairs, res, cotangents):
     G = N // K
     acc_dtype = accumulation_dtype(q.dtype)
     d_out = d_out.astype(q.dtype)
-    # d loss / d x = p (dp - delta): delta = sum_s p dp = d_out . out (out holds p . A^V too) - d lse
-    delta = jnp.einsum("btnv,btnv->bnt", d_out.astype(acc_dtype), out.astype(acc_dtype)) - d_lse.astype(acc_dtype)
+    delta = flash_gpu.row_delta(out, d_out, d_lse, Tp, acc_dtype)  # out holds p . A^V too
 
     inputs, specs = flash_gpu.row_inputs(cfg, side, Hp, Hvp)
     inputs.update(

@@ -379,16 +379,15 @@ def in_bounds(cfg, name, shape, row0):
 def read(cfg, ref, name, row0=0, index=None):
     """ref[index] (the whole block without index): a [L,F] tile of q, k, v or do, row0 its first row in the
     array; zeros past the array's rows and columns when the kernel reads it unpadded (cfg.extents)."""
-    if cfg.extents is None:  # padded arrays (ref may be a view of a TPU block: tpu_backward)
-        return ref[...] if index is None else ref[index]
-    view = ref if index is None else ref.at[index]
-    mask = in_bounds(cfg, name, view.shape, row0)
-    if mask is None:
-        return ref[...] if index is None else ref[index]
-    if index is not None:  # a Python int index (the dk/dv kernel's head 0 when G = 1): the interpreter's masked
-        # load takes array indices only
-        view = ref.at[tuple(jnp.int32(i) if isinstance(i, int) else i for i in index)]
-    return plgpu.load(view, mask=mask, other=0)
+    if cfg.extents is not None:  # (padded arrays: ref may be a view of a TPU block, tpu_backward's)
+        view = ref if index is None else ref.at[index]
+        mask = in_bounds(cfg, name, view.shape, row0)
+        if mask is not None:
+            if index is not None:  # a Python int index (the dk/dv kernel's head 0 when G = 1): the
+                # interpreter's masked load takes array indices only
+                view = ref.at[tuple(jnp.int32(i) if isinstance(i, int) else i for i in index)]
+            return plgpu.load(view, mask=mask, other=0)
+    return ref[...] if index is None else ref[index]
 
 
 def write(cfg, ref, name, value, row0=0):
