@@ -386,7 +386,10 @@ def dq_kernel(cfg: Config, r):
             index = offset_index(cfg, qp, kp)
             bias = offset_bias_tile(r["offset_bias"], index)
         column, key_term, dp_table = _table_terms(cfg, r, qp, kp, tile_rows(cfg), tile_keys(cfg, s0))
-        _, ds, d_c, d_bias = _logit_grads(
+        own_terms = r.get("table_terms_of_tile")  # a kernel's own, j, k -> (key term, value term's dp) (tpu_backward)
+        if own_terms is not None:
+            key_term, dp_table = own_terms(j, k)
+        p, ds, d_c, d_bias = _logit_grads(
             cfg,
             b,
             n,
@@ -407,6 +410,8 @@ def dq_kernel(cfg: Config, r):
             r["add_offset_bias_grad"](j, d_bias)
         if key_grad:  # d QA[t, c] = the sum of d loss / d (q k^T + QA) over the pairs of row t in column c
             add_by_column(r["d_row_bias"], column, ds)
+        if own_terms is not None:  # the kernel's own sums of the tables' gradients (tpu_backward)
+            r["add_table_grads"](j, k, p, ds)
         return dq, d_consts
 
     floats = tuple(c for c, g in zip(score_consts, cfg.score_grads) if g)
@@ -414,6 +419,8 @@ def dq_kernel(cfg: Config, r):
     order = r.get("order")  # absent: runs in r["counts"] (schedule)
     steps = schedule(lambda k: r["counts"][k], None if order is None else lambda idx: order[idx])
     dq, d_consts = visit(cfg, steps, key_tile, init)
+    if "finish_table_grads" in r:  # dq's share of the tables' terms, summed over the tiles (tpu_backward)
+        dq = r["finish_table_grads"](dq)
     write(cfg, r["dq"], "dq", dq, row0)
     for c, d in enumerate(d_consts):
         r[f"d_score{c}"][...] = d
@@ -445,6 +452,9 @@ def dkv_kernel(cfg: Config, r):
         elif cfg.offset_bias is not None:  # the rows of the G heads of key head kh: this head's is row g
             bias = offset_bias_tile(r["offset_bias"], offset_index(cfg, qp, kp), g)
         column, key_term, dp_table = _table_terms(cfg, r, qp, kp, tile_rows(cfg, i * cfg.Tb), tile_keys(cfg), g)
+        own_terms = r.get("table_terms_of_tile")  # a kernel's own, (g, i, q, do) -> (key term, dp) (tpu_backward)
+        if own_terms is not None:
+            key_term, dp_table = own_terms(g, i, q, do)
         p, ds, _, _ = _logit_grads(
             cfg,
             b,
@@ -459,6 +469,8 @@ def dkv_kernel(cfg: Config, r):
         )
         dv = dv + dot(p.astype(do.dtype), do, cfg, (0, 0))
         dk = dk + dot(ds.astype(q.dtype), q, cfg, (0, 0))
+        if "key_grads_of_tile" in r:  # a kernel's own per-key-row term's share of dk (tpu_backward: DeBERTa's p2c)
+            dk = dk + r["key_grads_of_tile"](g, i, ds).astype(dk.dtype)
         if key_row_term_in(cfg):  # d KB[s, c] = the sum of d loss / d (q k^T + KB) over the queries of key s in c
             add_by_key_column(r["d_key_row_bias"], column, ds, g)
         return dk, dv
@@ -470,9 +482,11 @@ def dkv_kernel(cfg: Config, r):
         return visit(cfg, steps, functools.partial(query_tile, g), carry)
 
     carry = (jnp.zeros(k.shape, acc_dtype), jnp.zeros(v.shape, acc_dtype))
-    # A loop in the kernel, not unrolled in Python: unrolled, Triton compiled G copies of the tile loops
-    # (compile time grew with G: 38 s at G = 8, over 600 s for MQA with 32 heads).
-    carry = query_head(0, carry) if G == 1 else lax.fori_loop(0, G, query_head, carry)
+    if "query_head" in r:  # one query head per program, the grid's (tpu_backward: its dk and dv views sum them)
+        carry = query_head(r["query_head"], carry)
+    else:  # A loop in the kernel, not unrolled in Python: unrolled, Triton compiled G copies of the tile loops
+        # (compile time grew with G: 38 s at G = 8, over 600 s for MQA with 32 heads).
+        carry = query_head(0, carry) if G == 1 else lax.fori_loop(0, G, query_head, carry)
     write(cfg, r["dk"], "dk", carry[0], s0)
     write(cfg, r["dv"], "dv", carry[1], s0)
 

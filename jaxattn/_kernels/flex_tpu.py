@@ -1,8 +1,9 @@
 """Our Pallas TPU kernel for what splash attention cannot express: score_mod, mask_mod and a BlockMask
 (flex_attention), T5's / ALiBi's position bias (an OffsetBias), Shaw's tables (shaw / clipped / Transformer-XL
 attention) and DeBERTa's (RowTables), with every other option of the Pallas GPU kernel beside them. The backward
-is tpu_backward's kernels (the GPU kernel's dq and dk/dv) for flex calls and T5's / ALiBi's bias
-(tpu_backward.backward_refusal); otherwise (a window's bias, position tables) the XLA blockwise engine's.
+is tpu_backward's kernels (the GPU kernel's dq and dk/dv) for flex calls, T5's / ALiBi's bias and Shaw's and
+DeBERTa's tables (tpu_backward.backward_refusal, tables_refusal); otherwise (a window's bias, a score_mod's
+arrays, blocks over VMEM) the XLA blockwise engine's.
 
 The kernel body is the Pallas GPU kernel's forward (tile_body.forward_kernel: one (b, n, query tile), a
 loop over the key tiles its schedule lists, score_mod / mask_mod / softcap / the mask rule per tile, sinks,
@@ -283,17 +284,23 @@ def table_lanes(rows, table, width: int, E: int):
     return jnp.pad(picked, ((0, 0), (0, E - picked.shape[1]), (0, width - picked.shape[2])))
 
 
+def table_layout(call: AttentionCall, Tb: int, Sb: int, T: int, S: int) -> TableLanes:
+    """The TableLanes of a call with Shaw's tables or RowTables (static: from the call's band and tables)."""
+    if call.row_tables is not None:
+        rt = call.row_tables
+        return TableLanes(rt.lo, rt.hi, Tb, Sb, rt.key_rows is not None, rt.query_rows is not None, False)
+    band = flash_gpu.tables_band(call, T, S)
+    return TableLanes(band.lo, band.hi, Tb, Sb, call.key_table is not None, False, call.value_table is not None)
+
+
 def call_lanes(call: AttentionCall, tables: dict, Tb: int, Sb: int, T: int, S: int, Hp: int, Hvp: int, dtype):
     """(TableLanes, {name: [Nt,E,Hp|Hvp]}) of a call's Shaw tables or RowTables (tables: their arrays by
     name, as attention passes them to the kernel), in the compute dtype `dtype`."""
+    lanes = table_layout(call, Tb, Sb, T, S)
     if call.row_tables is not None:  # DeBERTa's: the row of an offset from the scheme's map
-        rt = call.row_tables
-        lanes = TableLanes(rt.lo, rt.hi, Tb, Sb, rt.key_rows is not None, rt.query_rows is not None, False)
-        row = lambda d: jnp.take(tables["row_of_offset"], d - rt.lo)  # noqa: E731
+        row = lambda d: jnp.take(tables["row_of_offset"], d - lanes.lo)  # noqa: E731
     else:  # Shaw's: offset d reads row d + max_distance
-        band = flash_gpu.tables_band(call, T, S)
-        lanes = TableLanes(band.lo, band.hi, Tb, Sb, "key_table" in tables, False, "value_table" in tables)
-        row = lambda d: d + band.max_distance  # noqa: E731
+        row = lambda d: d + call.max_distance  # noqa: E731
     out = {}
     for name, source, width, reverse in (
         ("key_rows", tables.get("key_table", tables.get("key_rows")), Hp, False),
@@ -457,9 +464,10 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
 
 def attention(call: AttentionCall, query, key, value, interpret=False):
     """The AttentionCall's attention computed forward by the Pallas TPU kernel (module docstring); its
-    gradient (q, k, v, sinks) by tpu_backward's kernels where backward_refusal lets them, else (with a
-    score_mod's closed-over arrays, a position bias's table or slopes, position tables) the blockwise
-    engine's. ValueError naming the option it cannot express (unsupported)."""
+    gradient (q, k, v, sinks, a position bias's table or slopes, Shaw's or DeBERTa's tables) by tpu_backward's
+    kernels where backward_refusal and tables_refusal let them, else (a window's bias, a score_mod's
+    closed-over arrays, blocks over VMEM) the blockwise engine's. ValueError naming the option it cannot
+    express (unsupported)."""
     problem = unsupported(call, query, key, value, interpret)
     if problem is not None:
         checks.fail(
@@ -487,9 +495,10 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     if table_bias:
         bias_rows = lax.stop_gradient(jnp.asarray(call.position_bias.table))
     blocks = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else (LANES, LANES)
-    # What the kernel reads of Shaw's tables or DeBERTa's, by name: inputs it does not differentiate, as the
-    # bias rows (their gradient is the engine's, through the closure conversion below)
-    table_arrays = jax.tree.map(lax.stop_gradient, position_tables(call, query, key, value))
+    # What the kernel reads of Shaw's tables or DeBERTa's, by name: differentiable inputs, as the bias rows
+    # (tpu_backward's cotangent for their lanes reaches the tables through them; under the XLA backward they get
+    # zeros, the engine's formula the gradient, through the closure conversion below)
+    table_arrays = position_tables(call, query, key, value)
 
     # The call's index arrays and BlockMask are inputs too (with zero cotangents): a custom VJP that closed
     # over them would capture the tracers of an enclosing trace (jit of grad of an eager-compiled call).
@@ -525,7 +534,11 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     # backward with the scheme's own formula (its memory as the engine's: a gather from the rows, T + S of
     # them for ALiBi, took a TPU far more).
     lanes = INTERPRET_BLOCK if interpret else LANES
-    kernel_backward = tpu_backward.backward_refusal(call, query, key, value, bool(consts), lanes) is None
+    refusal = tpu_backward.backward_refusal(call, query, key, value, bool(consts), lanes)
+    if refusal is None and table_arrays:
+        layout = table_layout(call, *blocks, T, S)
+        refusal = tpu_backward.tables_refusal(layout, S, query.shape[-1], value.shape[-1], query.dtype, lanes)
+    kernel_backward = refusal is None
     engine_consts = ()
     if call.position_bias is not None or table_arrays:
         engine, engine_consts = jax.closure_convert(engine, query, key, value, call.sinks, consts, indices)
@@ -537,8 +550,6 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
             inner = inner.replace(position_bias=of_rows(bias_rows, *offsets))  # the same bias, from its rows
         if table_bias:  # the same bias, from the input table
             inner = inner.replace(position_bias=dataclasses.replace(call.position_bias, table=bias_rows))
-        # the tables reach the kernel as table_arrays' lanes (call_lanes), not through prepare's per-row arrays
-        inner = inner.replace(key_table=None, value_table=None, max_distance=None, row_tables=None)
         p = prepare(inner, query, key, value)
         tables = None
         if table_arrays:
@@ -549,6 +560,8 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
         return flash_gpu.finish(p, out, lse, inner.return_lse), lse
 
     def prepare(inner, query, key, value):
+        # the tables reach the kernels as table_arrays' lanes (call_lanes), not through prepare's per-row arrays
+        inner = inner.replace(key_table=None, value_table=None, max_distance=None, row_tables=None)
         return flash_gpu.prepare(
             inner, query, key, value, interpret, blocks=blocks, head_multiple=None if interpret else LANES
         )
@@ -562,8 +575,9 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
         return result, (args, result, lse)
 
     def kernel_grads(args, result, lse, cotangent):
-        """d query, key, value, sinks, bias_rows by tpu_backward's kernels (None: the call has a term they lack)."""
-        query, key, value, sinks, consts, _, bias_rows, _, indices = args
+        """d query, key, value, sinks, bias_rows, table_arrays by tpu_backward's kernels (None: the call has a
+        term they lack)."""
+        query, key, value, sinks, consts, _, bias_rows, table_arrays, indices = args
         inner = with_inputs(sinks, consts, indices)
 
         def with_rows(inner, rows):  # the position bias read from its rows, as the forward reads it
@@ -580,27 +594,44 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
         delta = flash_gpu.row_delta(rows(out), rows(d_out), d_lse, Tp, accumulation_dtype(query.dtype))
         d_out = flash_gpu.kernel_layout(d_out, batch, T, Tp, Hvp)
         rows_of_grid = None if offsets is None else offset_rows_of_grid(p, S)
-        dq, dk, dv, d_rows = tpu_backward.gradients(p, lse, delta, d_out, interpret, rows_of_grid)
+        Hp, acc_dtype = p.q.shape[-1], accumulation_dtype(query.dtype)
+
+        def lanes_of(table_arrays):  # the tables' lanes, as the forward lays them out
+            return call_lanes(call, table_arrays, p.cfg.Tb, p.cfg.Sb, T, S, Hp, Hvp, acc_dtype)
+
+        tables = lanes_of(table_arrays) if table_arrays else None
+        dq, dk, dv, d_rows, d_lanes = tpu_backward.gradients(p, lse, delta, d_out, interpret, rows_of_grid, tables, S)
         d_sinks = None if p.side.sinks is None else flash_gpu.sinks_grad(p.side.sinks, lse, delta)
         if d_rows is not None and rows_of_grid.shape[0] == 1:  # one set of rows for every batch entry
             d_rows = jnp.sum(d_rows, axis=0, keepdims=True)
+        d_tables = zeros_like_tree(table_arrays)
+        if tables is not None:  # d lanes [B,N,E,F], one per (b, n): summed over the batch (a shared table's
+            # [1,E,F] over the heads too), then pulled back through the layout to the tables
+
+            def summed(d, laid):
+                d = jnp.sum(d, axis=0, keepdims=laid.shape[0] == 1)
+                return jnp.sum(d, axis=1) if laid.shape[0] == 1 else d
+
+            d_lanes = {name: summed(d, tables[1][name]).astype(tables[1][name].dtype) for name, d in d_lanes.items()}
+            d_tables = jax.vjp(lambda t: lanes_of(t)[1], table_arrays)[1](d_lanes)[0]
 
         def layout(query, key, value, sinks, bias_rows):  # prepare's arrays: pulled back, the padding drops
             laid = prepare(with_rows(inner.replace(sinks=sinks), bias_rows), query, key, value)
             grid_rows = None if offsets is None else offset_rows_of_grid(laid, S)
             return laid.q, laid.k, laid.v, laid.side.sinks, grid_rows
 
-        return jax.vjp(layout, query, key, value, sinks, bias_rows)[1]((dq, dk, dv, d_sinks, d_rows))
+        grads = jax.vjp(layout, query, key, value, sinks, bias_rows)[1]((dq, dk, dv, d_sinks, d_rows))
+        return (*grads, d_tables)
 
     def run_bwd(residuals, cotangent):
         args, result, lse = residuals
         *differentiable, bias_rows, table_arrays, indices = args
-        zeros = lambda x: jax.tree.map(_zero_cotangent, x)  # noqa: E731
         grads = kernel_grads(args, result, lse, cotangent) if kernel_backward else None
-        if grads is not None:  # no score_mod consts (backward_refusal); the position bias's through bias_rows
-            *grads, d_bias_rows = grads
-            engine_zeros = zeros(differentiable[5])
-            return (*grads, (), engine_zeros, d_bias_rows, zeros(table_arrays), zeros(indices))
+        if grads is not None:  # no score_mod consts (backward_refusal); the position bias's through bias_rows,
+            # Shaw's tables' through table_arrays
+            *grads, d_bias_rows, d_tables = grads
+            engine_zeros = zeros_like_tree(differentiable[5])
+            return (*grads, (), engine_zeros, d_bias_rows, d_tables, zeros_like_tree(indices))
         # the XLA blockwise engine's backward (it recomputes its own forward); the bias's through engine_consts
         grads = jax.vjp(
             lambda query, key, value, sinks, consts, engine_consts: engine(
@@ -608,7 +639,7 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
             ),
             *differentiable,
         )[1](cotangent)
-        return (*grads, *(zeros(x) for x in (bias_rows, table_arrays, indices)))
+        return (*grads, *(zeros_like_tree(x) for x in (bias_rows, table_arrays, indices)))
 
     run.defvjp(run_fwd, run_bwd)
     return run(query, key, value, call.sinks, consts, tuple(engine_consts), bias_rows, table_arrays, indices)
@@ -628,6 +659,11 @@ def position_tables(call: AttentionCall, query, key, value) -> dict:
     arrays = {"key_rows": tables.key_rows, "query_rows": tables.query_rows}
     arrays = {name: jnp.asarray(x, acc_dtype) for name, x in arrays.items() if x is not None}
     return dict(arrays, row_of_offset=jnp.asarray(tables.row_of_offset, jnp.int32))
+
+
+def zeros_like_tree(tree):
+    """Zero cotangents for every array of a tree (float0 for integer arrays)."""
+    return jax.tree.map(_zero_cotangent, tree)
 
 
 def _zero_cotangent(x):

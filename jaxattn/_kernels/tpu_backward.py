@@ -1,19 +1,21 @@
 """The TPU flex kernel's backward: the Pallas GPU kernel's dq and dk/dv kernels (flash_gpu.dq_kernel /
 dkv_kernel, FlashAttention-2's backward) run by Mosaic on the TPU layout, as the forward runs tile_body's.
 
-    dq,    grid (b, n, query tile i):        q, do [Tb,H], lse, delta [Tb,1]; k, v [Sp,H] of head n // G
-    dk/dv, grid (b, key head h, key tile j):  q, do [G,Tp,H], lse, delta [G,Tp,1] of the G query heads of h;
-                                              k, v [Sb,H]
+    dq,    grid (b, n, query tile i):             q, do [Tb,H], lse, delta [Tb,1]; k, v [Sp,H] of head n // G
+    dk/dv, grid (b, key head h, key tile j, g):   q, do [Tp,H], lse, delta [Tp,1] of query head h G + g;
+                                                  k, v [Sb,H]; dk, dv summed over g in order ("arbitrary")
     layout: q, do [B,N,Tp,Hp], k, v [B,K,Sp,Hp] (prepare's padded arrays, transposed as the forward's),
     lse and delta [B,N,Tp,1]: columns, so that a tile broadcasts them along its keys without a relayout;
     positions and segment ids as rows [B|1,1,L] (tpu_refs.Row), the schedules flattened in SMEM
     (tpu_refs.Scalars; the dk/dv kernel's over query tiles, flash_gpu.schedules' transposed one).
 
 For the calls backward_refusal lets through: score_mod and mask_mod closing over no array, a BlockMask,
-causal, window, chunks, lengths, segment ids, softcap, sinks, GQA, and a position bias of j - i (T5's, ALiBi's:
-an OffsetBias, its rows' gradient summed per offset without a scatter, gradients()). A window's bias,
-position tables or a score_mod's arrays keep the XLA blockwise engine's backward, and so does a query axis
-whose G heads do not fit VMEM in one dk/dv program. interpret=True runs Pallas' interpreter (the CPU tests).
+causal, window, chunks, lengths, segment ids, softcap, sinks, GQA, a position bias of j - i (T5's, ALiBi's:
+an OffsetBias, its rows' gradient summed per offset without a scatter, gradients()), and Shaw's and DeBERTa's
+tables (flex_tpu.TableLanes: their lanes' gradients summed per (b, n) in the dq kernel, the section "Shaw's
+and DeBERTa's tables" below). A window's bias (Swin, BEiT) or a score_mod's arrays keep the XLA blockwise
+engine's backward, and so does a query axis whose one head's rows do not fit VMEM in one dk/dv program.
+interpret=True runs Pallas' interpreter (the CPU tests).
 """
 
 from __future__ import annotations
@@ -30,11 +32,14 @@ from jax.experimental.pallas import tpu as pltpu
 from .._core.call import AttentionCall
 from .._core.offset_bias import OffsetBias
 from . import flash_gpu, tile_body
-from .tpu_refs import LANES, Row, Scalars, toeplitz_tile, undiagonals, window
+from .tpu_refs import LANES, Row, Scalars, diagonals, toeplitz_tile, undiagonals, window
 
-# The dk/dv kernel holds the query rows of the G heads of one key head in VMEM (q and do, double-buffered by
-# the pipeline), as the forward holds one head's keys and values (flex_tpu.MAX_KEY_BYTES).
+# The dk/dv kernel holds the query rows of one query head in VMEM (q and do, double-buffered by the pipeline),
+# as the forward holds one head's keys and values (flex_tpu.MAX_KEY_BYTES): T up to 16k at head dim 128 in bf16.
 MAX_QUERY_BYTES = 8 * 2**20
+# The dq kernel's VMEM with position tables (tables_refusal): within a TPU's 16 MiB of scoped VMEM (v5e's
+# default), less the query tile's own blocks.
+MAX_TABLES_VMEM = 15 * 2**20
 
 
 def backward_refusal(call: AttentionCall, query, key, value, has_consts: bool, lanes: int) -> Optional[str]:
@@ -42,17 +47,35 @@ def backward_refusal(call: AttentionCall, query, key, value, has_consts: bool, l
     what keeps the XLA engine's backward (module docstring). lanes: the padding of T and head dims."""
     if call.position_bias is not None and not isinstance(call.position_bias, OffsetBias):
         return "position_bias (a window's bias)"
-    if call.has_tables or call.row_tables is not None:
-        return "position tables"
     if has_consts:
         return "score_mod / mask_mod closing over arrays"
-    T, N, H = np.shape(query)[-3:]
-    K, Hv = np.shape(key)[-2], np.shape(value)[-1]
+    T, H = np.shape(query)[-3], np.shape(query)[-1]
+    Hv = np.shape(value)[-1]
     padded = lambda x: -(-x // lanes) * lanes  # noqa: E731
     itemsize = np.dtype(getattr(query, "dtype", np.float32)).itemsize
-    if padded(T) * (N // max(K, 1)) * (padded(H) + padded(Hv)) * itemsize > MAX_QUERY_BYTES:
-        return f"query (T={T} x {N // max(K, 1)} heads per key head: their rows must fit {MAX_QUERY_BYTES >> 20} MiB)"
+    if padded(T) * (padded(H) + padded(Hv)) * itemsize > MAX_QUERY_BYTES:
+        return f"query (T={T}: one head's query rows and their cotangent must fit {MAX_QUERY_BYTES >> 20} MiB)"
     return None
+
+
+def tables_refusal(lanes, S: int, H: int, Hv: int, dtype, multiple: int) -> Optional[str]:
+    """None when the dq kernel's blocks with Shaw's or DeBERTa's tables (lanes: flex_tpu.TableLanes) fit
+    MAX_TABLES_VMEM; else why not. Its VMEM: k and v whole, each table's lanes [E,F] float32 and their gradient
+    (each double-buffered by the pipeline), and two [Tb,E] float32 scratch blocks per table. Compiled for v5e
+    (16 MiB of scoped VMEM): DeBERTa-v3's tables at T = S = 8192, head dim 64, took 17.41 MiB, this estimate
+    17.38 MiB."""
+    padded = lambda x: -(-x // multiple) * multiple  # noqa: E731
+    keys = 2 * padded(S) * (padded(H) + padded(Hv)) * np.dtype(dtype).itemsize
+    widths = [padded(F) for F, wanted in ((H, lanes.key_rows), (H, lanes.query_rows), (Hv, lanes.value_rows)) if wanted]
+    tables = sum(4 * lanes.E * F * 4 for F in widths)
+    scratch = 2 * lanes.Tb * lanes.E * 4 * (int(lanes.key_rows) + int(lanes.value_rows))
+    total = keys + tables + scratch
+    if total <= MAX_TABLES_VMEM:
+        return None
+    return (
+        f"position tables (the dq kernel's keys, tables and their gradients: {total / 2**20:.1f} MiB of VMEM > "
+        f"{MAX_TABLES_VMEM >> 20} MiB)"
+    )
 
 
 def _spec(shape, index):
@@ -60,7 +83,7 @@ def _spec(shape, index):
     return pl.BlockSpec(shape, lambda *ids: index(*ids[:3]))
 
 
-def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of_grid=None):
+def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of_grid=None, tables=None, S=None):
     """(dq [B,Tp,N,Hp], dk [B,Sp,K,Hp], dv [B,Sp,K,Hvp], d rows_of_grid [B,N,1,E] float32 or None) of a prepared
     call (prepare's padded arrays) from the forward's lse and delta = rowsum(dO * out) - d lse, both [B,N,Tp]
     float32, and d_out [B,Tp,N,Hvp]; rows_of_grid: a position bias of j - i, the bias of every offset of the
@@ -77,7 +100,7 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
     G = N // K
     bq, bk, bs, bl, bsched = cfg.batched
     pick = tile_body.pick
-    columns = lse[..., None], delta[..., None]  # [B,N,Tp,1]
+    columns = lse[..., None], delta[..., None]  # [B,N,Tp,1]: the dq kernel's, a tile's rows at a time
     rows = lambda x: x[:, None, :]  # noqa: E731  [B|1,L] -> [B|1,1,L]
     parallel = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
     # the bias's gradient sums over the query tiles of (b, n) in one output block: they run in order
@@ -95,13 +118,15 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
             arrays["lengths"] = side.lengths
         return {name: x.reshape(-1) for name, x in arrays.items()}, {name: x.shape for name, x in arrays.items()}
 
-    def call(kernel, name, grid, scalars, inputs, outputs, compiler_params=parallel):
-        names = tuple(scalars) + tuple(inputs) + tuple(outputs)
+    def call(kernel, name, grid, scalars, inputs, outputs, compiler_params=parallel, scratch=None):
+        scratch = scratch or {}
+        names = tuple(scalars) + tuple(inputs) + tuple(outputs) + tuple(scratch)
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
             grid=grid,
             in_specs=[s for _, s in inputs.values()],
             out_specs=[s for _, s in outputs.values()],
+            scratch_shapes=list(scratch.values()),
         )
         return pl.pallas_call(
             lambda *refs: kernel(dict(zip(names, refs))),
@@ -136,6 +161,18 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
         grad_rows = jax.ShapeDtypeStruct((B, N, 1, E), jnp.float32)
         outputs["d_offset_bias"] = (grad_rows, _spec((None, None, 1, E), lambda b, n, i: (b, n, 0, 0)))
 
+    scratch = {}
+    if tables is not None:  # each table's lanes for head n (or the shared table's); their gradients per (b, n)
+        lanes, arrays = tables
+        for name, x in arrays.items():
+            heads = x.shape[0] > 1
+            inputs[name] = (x, _spec((None, *x.shape[1:]), lambda b, n, i, heads=heads: (pick(heads, n), 0, 0)))
+            grad = jax.ShapeDtypeStruct((B, N, *x.shape[1:]), jnp.float32)
+            outputs["d_" + name] = (grad, _spec((None, None, *x.shape[1:]), lambda b, n, i: (b, n, 0, 0)))
+        for names, table in ((("qx", "d_qx"), "key_rows"), (("dox", "p_lanes"), "value_rows")):
+            for name in names if getattr(lanes, table) else ():  # [Tb,E] float32 each (the section below)
+                scratch[name] = pltpu.VMEM((cfg.Tb, lanes.E), jnp.float32)
+
     def dq(r):
         b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         lead = (pick(bsched, b), pick(cfg.head_kinds, n), i)
@@ -162,38 +199,61 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
 
             r["offset_bias_of_tile"] = lambda j: toeplitz_tile(r["offset_bias"], bias_start(i, j), cfg.Tb, cfg.Sb)
             r["add_offset_bias_grad"] = add
+        if tables is not None:
+            _dq_table_hooks(cfg, r, tables[0], i, p.T, S)
         flash_gpu.dq_kernel(cfg, r)
 
-    params = parallel if rows_of_grid is None else by_rows
-    dq_out, *d_rows = call(dq, "jaxattn_flex_tpu_dq", (B, N, cfg.Tn), scalars, inputs, outputs, params)
+    params = parallel if rows_of_grid is None and tables is None else by_rows
+    dq_out, *d_extra = call(dq, "jaxattn_flex_tpu_dq", (B, N, cfg.Tn), scalars, inputs, outputs, params, scratch)
+    d_rows = d_extra[:1] if rows_of_grid is not None else []
+    d_tables = {} if tables is None else dict(zip(tables[1], d_extra[len(d_rows) :]))
 
-    # dk/dv: grid (b, key head h, key tile j), the transposed schedule; the G query heads of h in one block
+    # dk/dv: grid (b, key head h, key tile j, query head g of h), the transposed schedule; each program reads the
+    # rows of query head h G + g, and the G programs of (b, h, j) add their shares of dk and dv in order
     scalars, shapes = scalar_inputs(side.t_order, side.t_counts)
     scalars = {("t_" + name if name != "lengths" else name): x for name, x in scalars.items()}
     shapes = {("t_" + name if name != "lengths" else name): x for name, x in shapes.items()}
+
+    def spec(shape, index):  # index(b, h, j, g): the grid's four axes
+        return pl.BlockSpec(shape, lambda *ids: index(*ids[:4]))
+
     inputs = {
-        "q": (q, _spec((None, G, Tp, Hp), lambda b, h, j: (b, h, 0, 0))),
-        "do": (do, _spec((None, G, Tp, Hvp), lambda b, h, j: (b, h, 0, 0))),
-        "lse": (columns[0], _spec((None, G, Tp, 1), lambda b, h, j: (b, h, 0, 0))),
-        "delta": (columns[1], _spec((None, G, Tp, 1), lambda b, h, j: (b, h, 0, 0))),
-        "k": (k, _spec((None, None, cfg.Sb, Hp), lambda b, h, j: (b, h, j, 0))),
-        "v": (v, _spec((None, None, cfg.Sb, Hvp), lambda b, h, j: (b, h, j, 0))),
-        "q_pos": (rows(side.q_pos), _spec((None, 1, Tp), lambda b, h, j: (pick(bq, b), 0, 0))),
-        "k_pos": (rows(side.k_pos), _spec((None, 1, cfg.Sb), lambda b, h, j: (pick(bk, b), 0, j))),
+        "q": (q, spec((None, 1, Tp, Hp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
+        "do": (do, spec((None, 1, Tp, Hvp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
+        # rows [1,Tp]: a [Tp,1] column of the whole query axis takes 128 lanes per row of VMEM (8 MiB at 16k)
+        "lse": (lse[:, :, None, :], spec((None, 1, 1, Tp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
+        "delta": (delta[:, :, None, :], spec((None, 1, 1, Tp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
+        "k": (k, spec((None, None, cfg.Sb, Hp), lambda b, h, j, g: (b, h, j, 0))),
+        "v": (v, spec((None, None, cfg.Sb, Hvp), lambda b, h, j, g: (b, h, j, 0))),
+        "q_pos": (rows(side.q_pos), spec((None, 1, Tp), lambda b, h, j, g: (pick(bq, b), 0, 0))),
+        "k_pos": (rows(side.k_pos), spec((None, 1, cfg.Sb), lambda b, h, j, g: (pick(bk, b), 0, j))),
     }
     if side.q_seg is not None:
-        inputs["q_seg"] = (rows(side.q_seg), _spec((None, 1, Tp), lambda b, h, j: (pick(bs, b), 0, 0)))
-        inputs["k_seg"] = (rows(side.k_seg), _spec((None, 1, cfg.Sb), lambda b, h, j: (pick(bs, b), 0, j)))
-    if rows_of_grid is not None:  # the rows of the G query heads of key head h
+        inputs["q_seg"] = (rows(side.q_seg), spec((None, 1, Tp), lambda b, h, j, g: (pick(bs, b), 0, 0)))
+        inputs["k_seg"] = (rows(side.k_seg), spec((None, 1, cfg.Sb), lambda b, h, j, g: (pick(bs, b), 0, j)))
+    if rows_of_grid is not None:  # the rows of query head h G + g
         batched, E = cfg.offset_bias[1], rows_of_grid.shape[-1]
-        inputs["offset_bias"] = (rows_of_grid, _spec((None, G, 1, E), lambda b, h, j: (pick(batched, b), h, 0, 0)))
+        inputs["offset_bias"] = (
+            rows_of_grid,
+            spec((None, 1, 1, E), lambda b, h, j, g: (pick(batched, b), h * G + g, 0, 0)),
+        )
+    if tables is not None:  # the lanes of query head h G + g (or the shared table's)
+        for name, x in tables[1].items():
+            heads = x.shape[0] > 1
+            inputs[name] = (x, spec((1, *x.shape[1:]), lambda b, h, j, g, heads=heads: (pick(heads, h * G + g), 0, 0)))
     outputs = {
-        "dk": (jax.ShapeDtypeStruct(k.shape, k.dtype), _spec((None, None, cfg.Sb, Hp), lambda b, h, j: (b, h, j, 0))),
-        "dv": (jax.ShapeDtypeStruct(v.shape, v.dtype), _spec((None, None, cfg.Sb, Hvp), lambda b, h, j: (b, h, j, 0))),
+        "dk": (jax.ShapeDtypeStruct(k.shape, k.dtype), spec((None, None, cfg.Sb, Hp), lambda b, h, j, g: (b, h, j, 0))),
+        "dv": (
+            jax.ShapeDtypeStruct(v.shape, v.dtype),
+            spec((None, None, cfg.Sb, Hvp), lambda b, h, j, g: (b, h, j, 0)),
+        ),
     }
+    scratch = {}
+    if G > 1:  # dk and dv summed over the G programs in float32
+        scratch = {"dk_sum": pltpu.VMEM((cfg.Sb, Hp), jnp.float32), "dv_sum": pltpu.VMEM((cfg.Sb, Hvp), jnp.float32)}
 
     def dkv(r):
-        b, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+        b, h, j, g = (pl.program_id(axis) for axis in range(4))
         # the schedule rows of (b, the query heads of h, key tile j): [heads, ...] read as [g, idx]
         lead = (pick(bsched, b), h * G if cfg.head_kinds else 0, j)
         for name in ("t_order", "t_counts"):
@@ -204,23 +264,186 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
         for name in ("q_pos", "k_pos", "q_seg", "k_seg"):
             if name in r:
                 r[name] = Row(r[name])
-        r["q"], r["do"] = (_HeadsLast(r[name]) for name in ("q", "do"))
+        r["query_head"] = g
+        r["q"], r["do"] = (_OneHead(r[name], heads_last=True) for name in ("q", "do"))
+        r["lse"], r["delta"] = (_ColumnOfRow(r[name]) for name in ("lse", "delta"))
+        if G > 1:
+            r["dk"], r["dv"] = (_SumOverHeads(r[name], r[name + "_sum"], g, G) for name in ("dk", "dv"))
         if "offset_bias" in r:
             rows_of = r["offset_bias"]
-            r["offset_bias_of_tile"] = lambda g, i: toeplitz_tile(rows_of.at[g], bias_start(i, j), cfg.Tb, cfg.Sb)
+            r["offset_bias_of_tile"] = lambda g, i: toeplitz_tile(rows_of.at[0], bias_start(i, j), cfg.Tb, cfg.Sb)
+        if tables is not None:
+            _dkv_table_hooks(cfg, r, tables[0], j, p.T, S)
         flash_gpu.dkv_kernel(cfg, r)
 
-    dk, dv = call(dkv, "jaxattn_flex_tpu_dkv", (B, K, cfg.Sn), scalars, inputs, outputs)
-    return (*(jnp.swapaxes(x, 1, 2) for x in (dq_out, dk, dv)), d_rows[0] if d_rows else None)
+    by_heads = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
+    dk, dv = call(dkv, "jaxattn_flex_tpu_dkv", (B, K, cfg.Sn, G), scalars, inputs, outputs, by_heads, scratch)
+    dq_out, dk, dv = (jnp.swapaxes(x, 1, 2) for x in (dq_out, dk, dv))
+    return dq_out, dk, dv, d_rows[0] if d_rows else None, d_tables
 
 
-class _HeadsLast:
-    """A [G,Tp,F] block read as the GPU layout's [Tp,G,F]: [rows, g, columns] -> ref[g, rows, columns]."""
+# ---------------------------------------------------------------------------------------------------
+# Shaw's and DeBERTa's tables (flex_tpu.TableLanes: each table's rows along the offsets of its band, one per
+# lane). The forward adds a tile's key terms inside the logits: qx = q . key lanes^T (Shaw's key table,
+# DeBERTa's c2p) and kx = k . query lanes^T (DeBERTa's p2c, reversed lanes), windows of them rolled into the
+# tile's diagonals; and Shaw's value term to p v: p rolled back onto the offsets (undiagonals) times a window of
+# the value lanes. So, with ds = d loss / d (q k^T + the terms) and the inverse rolls of a tile:
+#     dp              += do . value lanes^T, the window rolled into the diagonals
+#     dq              += d qx . key lanes          d qx: ds rolled back onto the offsets, per tile
+#     d key lanes     += d qx^T . q                d value lanes += p lanes^T . do    p lanes: p rolled back
+#     dk              += d kx . query lanes        d kx: ds^T rolled back onto the reversed offsets
+#     d query lanes   += d kx^T . k, per tile
+# The dq program of query tile i holds qx and do . value lanes^T for its rows ([Tb,E], as the forward holds
+# qx), sums d qx and p lanes over its key tiles and adds their products once after them, into the (b, n)
+# block of each table's gradient (the grid walks i in order: "arbitrary"). The dk/dv program of key tile j
+# rebuilds each query tile's terms from windows of the lanes ([Tb,W] products, W ~ Tb + Sb).
+
+
+def _aligned(start):
+    return pl.multiple_of(lax.div(start, LANES) * LANES, LANES)  # start >= 0: lax.div floors
+
+
+def _lanes_at(lanes, i, j, T: int, S: int):
+    """(window, offset within it) of tile (i, j) in the lanes and in the reversed lanes (TableLanes.starts)."""
+    W = window(lanes.Tb, lanes.Sb)
+    return tuple((pl.ds(_aligned(start), W), start - _aligned(start)) for start in lanes.starts(i, j, T, S))
+
+
+def _dq_table_hooks(cfg, r, lanes, i, T: int, S: int):
+    """Sets the dq kernel's hooks (flash_gpu.dq_kernel) for the tables of query tile i: table_terms_of_tile,
+    add_table_grads and finish_table_grads (the section above)."""
+    W = window(cfg.Tb, cfg.Sb)
+    f32 = jnp.float32
+    q, do = r["q"][...].astype(f32), r["do"][...].astype(f32)
+    grads = [name for name in ("key_rows", "query_rows", "value_rows") if getattr(lanes, name)]
+
+    @pl.when(i == 0)
+    def _():
+        for name in grads:
+            r["d_" + name][...] = jnp.zeros(r["d_" + name].shape, f32)
+
+    for name, sums, rows, x in (("qx", "d_qx", "key_rows", q), ("dox", "p_lanes", "value_rows", do)):
+        if getattr(lanes, rows):
+            r[name][...] = tile_body.dot(x, r[rows][...], cfg, (1, 1))
+            r[sums][...] = jnp.zeros(r[sums].shape, f32)
+
+    def terms(j, k):
+        (at, offset), (reverse_at, reverse_offset) = _lanes_at(lanes, i, j, T, S)
+        key = diagonals(r["qx"][:, at], offset, cfg.Sb) if lanes.key_rows else None
+        if lanes.query_rows:  # per key row s: lane offset + (Sb - 1 - s) + t of the reversed lanes
+            kx = tile_body.dot(k.astype(f32), r["query_rows"][reverse_at, :], cfg, (1, 1))
+            by_key = diagonals(kx, reverse_offset, cfg.Tb).T
+            key = by_key if key is None else key + by_key
+        dp = diagonals(r["dox"][:, at], offset, cfg.Sb) if lanes.value_rows else None
+        return key, dp
+
+    def add(j, k, p, ds):
+        (at, offset), (reverse_at, reverse_offset) = _lanes_at(lanes, i, j, T, S)
+        ds = ds.astype(f32)
+        if lanes.key_rows:
+            r["d_qx"][:, at] = r["d_qx"][:, at] + undiagonals(ds, offset, W)
+        if lanes.value_rows:
+            r["p_lanes"][:, at] = r["p_lanes"][:, at] + undiagonals(p.astype(f32), offset, W)
+        if lanes.query_rows:
+            d_kx = undiagonals(ds.T, reverse_offset, W)
+            r["d_query_rows"][reverse_at, :] = r["d_query_rows"][reverse_at, :] + tile_body.dot(
+                d_kx, k.astype(f32), cfg, (0, 0)
+            )
+
+    def finish(dq):
+        if lanes.key_rows:
+            d_qx = r["d_qx"][...]
+            dq = dq + tile_body.dot(d_qx, r["key_rows"][...], cfg).astype(dq.dtype)
+            r["d_key_rows"][...] = r["d_key_rows"][...] + tile_body.dot(d_qx, q, cfg, (0, 0))
+        if lanes.value_rows:
+            r["d_value_rows"][...] = r["d_value_rows"][...] + tile_body.dot(r["p_lanes"][...], do, cfg, (0, 0))
+        return dq
+
+    r["table_terms_of_tile"], r["add_table_grads"], r["finish_table_grads"] = terms, add, finish
+
+
+def _dkv_table_hooks(cfg, r, lanes, j, T: int, S: int):
+    """Sets the dk/dv kernel's hooks (flash_gpu.dkv_kernel) for the tables of key tile j: table_terms_of_tile,
+    query tile i's terms from windows of the lanes of query head g, and key_grads_of_tile, the per-key-row
+    term's share of dk (the section above)."""
+    W = window(cfg.Tb, cfg.Sb)
+    f32 = jnp.float32
+    k = r["k"][...].astype(f32)
+
+    def rows_of(name, g, at):  # [W,F]: a window of the program's query head's lanes (or the shared table's)
+        return r[name][0, at, :]
+
+    def terms(g, i, q, do):
+        (at, offset), (reverse_at, reverse_offset) = _lanes_at(lanes, i, j, T, S)
+        key = dp = None
+        if lanes.key_rows:
+            key = diagonals(tile_body.dot(q.astype(f32), rows_of("key_rows", g, at), cfg, (1, 1)), offset, cfg.Sb)
+        if lanes.query_rows:
+            kx = tile_body.dot(k, rows_of("query_rows", g, reverse_at), cfg, (1, 1))
+            by_key = diagonals(kx, reverse_offset, cfg.Tb).T
+            key = by_key if key is None else key + by_key
+        if lanes.value_rows:
+            dp = diagonals(tile_body.dot(do.astype(f32), rows_of("value_rows", g, at), cfg, (1, 1)), offset, cfg.Sb)
+        return key, dp
+
+    def key_grads(g, i, ds):
+        _, (reverse_at, reverse_offset) = _lanes_at(lanes, i, j, T, S)
+        d_kx = undiagonals(ds.astype(f32).T, reverse_offset, W)
+        return tile_body.dot(d_kx, rows_of("query_rows", g, reverse_at), cfg)
+
+    r["table_terms_of_tile"] = terms
+    if lanes.query_rows:
+        r["key_grads_of_tile"] = key_grads
+
+
+class _OneHead:
+    """The block of one query head (the dk/dv grid's g) read as the G heads' block the dk/dv kernel indexes by
+    head: any head index reads the block's one head. heads_last: a [1,Tp,F] block of q or do read as the GPU
+    layout's [Tp,G,F], [rows, g, columns] -> ref[0, rows, columns]; else [g, rest] -> ref[0, rest]."""
+
+    def __init__(self, ref, heads_last=False):
+        self.ref, self.dtype, self.heads_last = ref, ref.dtype, heads_last
+        self.shape = (ref.shape[1], 1, ref.shape[2]) if heads_last else ref.shape
+
+    def __getitem__(self, index):
+        if self.heads_last:
+            rows, _, columns = index
+            return self.ref[0, rows, columns]
+        return self.ref[(0, *index[1:])]
+
+
+class _ColumnOfRow:
+    """A [1,1,Tp] block of one query head's lse or delta read as the dk/dv kernel reads the G heads' columns:
+    [g, rows] -> [Tb,1], the row's slice turned into a column (a [8,Tb] transpose, which Mosaic lowers)."""
 
     def __init__(self, ref):
         self.ref, self.dtype = ref, ref.dtype
-        self.shape = (ref.shape[1], ref.shape[0], ref.shape[2])
 
     def __getitem__(self, index):
-        rows, g, columns = index
-        return self.ref[g, rows, columns]
+        _, rows = index
+        row = self.ref[0, :, rows]  # [1,Tb]
+        return jnp.broadcast_to(row, (8, row.shape[-1])).T[:, :1]
+
+
+class _SumOverHeads:
+    """dk or dv of a key tile as the sum of the G query heads' shares, the grid's last axis g (in order): the dk/dv
+    kernel's write of head g's share sets (g = 0) or adds to a float32 scratch, and the last head writes the sum."""
+
+    def __init__(self, out, total, g, G: int):
+        self.out, self.total, self.g, self.G = out, total, g, G
+        self.dtype, self.shape = total.dtype, total.shape
+
+    def __setitem__(self, index, value):
+        total, g = self.total, self.g
+
+        @pl.when(g == 0)
+        def _():
+            total[...] = value
+
+        @pl.when(g > 0)
+        def _():
+            total[...] = total[...] + value
+
+        @pl.when(g == self.G - 1)
+        def _():
+            self.out[...] = total[...].astype(self.out.dtype)
