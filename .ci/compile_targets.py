@@ -75,6 +75,8 @@ EXPECTED_CALLS = {
 EXPECTED_KERNELS = {
     ("v5e", "flex score_mod", "forward+backward"): "jaxattn_flex_tpu_dkv",
     ("v5e", "flex block_mask", "forward+backward"): "jaxattn_flex_tpu_dq",
+    ("v5e", "shaw causal", "forward+backward"): "jaxattn_flex_tpu_dkv",
+    ("v5e", "deberta", "forward+backward"): "jaxattn_flex_tpu_dq",
 }
 # Forward-only programs without return_lse (issue 36 §4): the GPU kernel writes lse [B,N,T] float32 only for a
 # backward or return_lse, so the program's temp bytes stay below one lse's (the tile schedule's few KiB). The
@@ -95,8 +97,12 @@ LINEAR_SLACK = 2**20
 # On a TPU, XLA's memory-space assignment keeps temporaries in on-chip memory while they fit, and temp bytes
 # count HBM only: the TPU flex training program (tpu_backward) at T = 4096 holds its transposed copies of q, k,
 # v and do (8 MiB each) there and reports 0 bytes, at 8192 it reports 48.77 MiB (t5 causal, v5e). The slack for
-# a TPU is one such move; a [T,S] float32 buffer of one head at the doubled lengths is 256 MiB.
+# a TPU is one such move; a [T,S] float32 buffer of one head at the doubled lengths is 256 MiB. Since the dk/dv
+# kernel's grid runs one query head per program (2026-11-28), v6e keeps all four copies in HBM at 8192 (65.2
+# MiB, v5e 2.3 MiB): the slack is TPU_COPIES arrays of q's size at the doubled lengths (96 MiB there), at least
+# TPU_LINEAR_SLACK (slack()).
 TPU_LINEAR_SLACK = 64 * 2**20
+TPU_COPIES = 6
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,15 +360,24 @@ CI_FIRST = {
     "llama": ("forward", "decode"),
 }
 CI_SECOND = {"causal H256 GQA 4/2": FWD_BWD, "full f32": FWD_BWD, "None causal": FWD_BWD, "t5 causal": FWD_BWD}
-# On a TPU a gradient-only program holds no forward kernel (the flex kernel's gradient is the XLA engine's, which
-# recomputes its own forward, so XLA drops the kernel's unused output): "swin shifted", "shaw causal" and
-# "deberta" compile their forward there, which holds the kernel (5-13 s), and "None shaw" / "None deberta"
-# (the engine alone) are left to the full grid. "None swin" is left out on TPU: None declines the flex kernel
-# for a window (flex_tpu.declined), so it is the dense engine's program there.
+# On a TPU a window's gradient is the XLA engine's, which recomputes its own forward, so XLA drops the kernel's
+# unused output: "swin shifted" compiles its forward there, which holds the kernel. "shaw causal" and "deberta"
+# compile their training programs, which hold tpu_backward's kernels (EXPECTED_KERNELS); "None shaw" / "None
+# deberta" are left to the full grid. "None swin" is left out on TPU: None declines the flex kernel for a
+# window (flex_tpu.declined), so it is the dense engine's program there.
 CI_TPU = {name: p for name, p in CI_FIRST.items() if name not in ("None swin", "None shaw", "None deberta")}
-CI_TPU.update({"swin shifted": ("forward",), "shaw causal": ("forward",), "deberta": ("forward",)})
+CI_TPU.update({"swin shifted": ("forward",), "shaw causal": FWD_BWD, "deberta": FWD_BWD})
 CI = {"h100": CI_FIRST, "v5e": CI_TPU, "a100": CI_SECOND, "v6e": CI_SECOND}
 
+# Memory checks that fail today by a known limit, each with why: (target regex, case, program). Listed, the check
+# is reported and not a regression; one that passes now fails CI until it is taken off (as KNOWN_FAILURES).
+KNOWN_GROWTH: dict[tuple[str, str, str], str] = {
+    # DeBERTa-v3's training program takes tpu_backward's kernels at 4096 (0 MiB of temp) and, where the dq
+    # kernel's keys and table layouts overrun 16 MiB of VMEM (tpu_backward.tables_refusal), the XLA blockwise
+    # backward at 8192 (3091 MiB, the engine's own, as before the kernels: not a [T,S] array).
+    ("v5e|v6e", "deberta", "forward+backward"): "tables_refusal at 8192",
+    ("v5e|v6e", "None deberta", "forward+backward"): "tables_refusal at 8192",
+}
 # Programs that do not compile today, each with (a fragment of) its error: (target regex, case, program).
 # A failure not listed here fails CI; so does a listed one that now compiles.
 KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
@@ -552,8 +567,8 @@ def compile_one(case: Case, target: str, device, program: str, scale: int = 1) -
     return row
 
 
-def known(target, case, program):
-    for (pattern, name, prog), fragment in KNOWN_FAILURES.items():
+def known(target, case, program, table=None):
+    for (pattern, name, prog), fragment in (KNOWN_FAILURES if table is None else table).items():
         if re.fullmatch(pattern, target) and name == case and prog == program:
             return fragment
     return None
@@ -589,6 +604,7 @@ def run(targets, names, log, full=False) -> tuple[list, list]:
                     log(double)
                     if double["status"] == "ok":
                         single, twice = row["temp_bytes"], double["temp_bytes"]
+                        allowed = slack(target, double)
                         checks.append(
                             dict(
                                 target=target,
@@ -596,15 +612,23 @@ def run(targets, names, log, full=False) -> tuple[list, list]:
                                 program=program,
                                 temp_bytes=[single, twice],
                                 ratio=round(twice / max(single, 1), 3),
-                                ok=twice <= 2 * single + slack(target),
+                                ok=twice <= 2 * single + allowed,
+                                slack=allowed,
                             )
                         )
     return rows, checks
 
 
-def slack(target) -> int:
-    """The bytes an O(T + S) program's temp may grow by beyond 2x at twice the lengths, on `target`."""
-    return TPU_LINEAR_SLACK if TARGETS[target][0] == "tpu" else LINEAR_SLACK
+def slack(target, double=None) -> int:
+    """The bytes an O(T + S) program's temp may grow by beyond 2x at twice the lengths, on `target` (double: the
+    row at twice the lengths; on a TPU, TPU_COPIES arrays of its q's size, at least TPU_LINEAR_SLACK)."""
+    if TARGETS[target][0] != "tpu":
+        return LINEAR_SLACK
+    if double is None:
+        return TPU_LINEAR_SLACK
+    itemsize = 2 if double["dtype"] in ("bfloat16", "float16") else 4
+    q_bytes = double["B"] * double["T"] * double["N"] * max(double["H"], double["Hv"]) * itemsize
+    return max(TPU_LINEAR_SLACK, TPU_COPIES * q_bytes)
 
 
 def print_row(row):
@@ -627,7 +651,8 @@ def verdict(rows, checks) -> list[str]:
         if row["status"] == "ok" and expected is not None and not any(c.startswith(expected) for c in calls):
             problems.append(f"{row['target']} {row['case']} {row['program']}: no {expected} call, only {calls}")
         kernel = EXPECTED_KERNELS.get((row["target"], row["case"], row["program"]))
-        if row["status"] == "ok" and kernel is not None and kernel not in (row.get("kernels") or []):
+        held = row.get("kernels") or []
+        if row["status"] == "ok" and row["scale"] == 1 and kernel is not None and kernel not in held:
             problems.append(f"{row['target']} {row['case']} {row['program']}: no {kernel} kernel")
         fragment = known(row["target"], row["case"], row["program"])
         if row["status"] == "error" and (fragment is None or fragment not in row["error"]):
@@ -653,10 +678,17 @@ def verdict(rows, checks) -> list[str]:
                     f"delta ({d_out + rows}) + {PADDING_SLACK}: a padded copy of q, k, v or the output is back"
                 )
     for check in checks:
-        if not check["ok"]:
+        growth = known(check["target"], check["case"], check["program"], KNOWN_GROWTH)
+        check["known_growth"] = growth
+        if check["ok"] and growth is not None:
+            problems.append(
+                f"{check['target']} {check['case']} {check['program']}: O(T + S) now; take it off KNOWN_GROWTH"
+            )
+        elif not check["ok"] and growth is None:
             problems.append(
                 f"{check['target']} {check['case']} {check['program']}: temp bytes grew {check['ratio']}x "
-                f"for twice the lengths (O(T + S) allows 2x + {slack(check['target'])} bytes): {check['temp_bytes']}"
+                f"for twice the lengths (O(T + S) allows 2x + {check.get('slack', slack(check['target']))} bytes): "
+                f"{check['temp_bytes']}"
             )
     return problems
 
