@@ -373,10 +373,10 @@ CI = {"h100": CI_FIRST, "v5e": CI_TPU, "a100": CI_SECOND, "v6e": CI_SECOND}
 # is reported and not a regression; one that passes now fails CI until it is taken off (as KNOWN_FAILURES).
 KNOWN_GROWTH: dict[tuple[str, str, str], str] = {
     # DeBERTa-v3's training program takes tpu_backward's kernels at 4096 (0 MiB of temp) and, where the dq
-    # kernel's keys and table layouts overrun 16 MiB of VMEM (tpu_backward.tables_refusal), the XLA blockwise
+    # kernel's keys and table layouts overrun 16 MiB of VMEM (tpu_tables.backward_refusal), the XLA blockwise
     # backward at 8192 (3091 MiB, the engine's own, as before the kernels: not a [T,S] array).
-    ("v5e|v6e", "deberta", "forward+backward"): "tables_refusal at 8192",
-    ("v5e|v6e", "None deberta", "forward+backward"): "tables_refusal at 8192",
+    ("v5e|v6e", "deberta", "forward+backward"): "the tables' backward_refusal at 8192",
+    ("v5e|v6e", "None deberta", "forward+backward"): "the tables' backward_refusal at 8192",
 }
 # Programs that do not compile today, each with (a fragment of) its error: (target regex, case, program).
 # A failure not listed here fails CI; so does a listed one that now compiles.

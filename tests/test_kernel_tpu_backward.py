@@ -21,7 +21,7 @@ import jaxattn
 from helpers import allowed_loop, arrays, attention_reference, normwise
 from jaxattn._core.call import AttentionCall
 from jaxattn._core.offset_bias import TableBias, of_rows
-from jaxattn._kernels import flex_tpu, tpu_backward
+from jaxattn._kernels import tpu_backward, tpu_tables
 from jaxattn._schemes.window import WindowIndex
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
@@ -226,10 +226,10 @@ def test_what_keeps_the_xla_backward():
     assert tpu_backward.backward_refusal(tables, q, k, k, False, 128) is None
     # the dq kernel's VMEM with tables (estimated 17.38 MiB for DeBERTa-v3's at 8192, head dim 64: v5e's compile
     # took 17.41 MiB of its 16): over the bound, the XLA backward
-    deberta = flex_tpu.TableLanes(-512, 511, 128, 128, True, True, False)
+    deberta = tpu_tables.TableLanes(-512, 511, 128, 128, True, True, False)
     assert deberta.E == 1920
-    assert tpu_backward.tables_refusal(deberta, 4096, 64, 64, jnp.bfloat16, 128) is None
-    assert tpu_backward.tables_refusal(deberta, 8192, 64, 64, jnp.bfloat16, 128).startswith("position tables (")
+    assert tpu_tables.backward_refusal(deberta, 4096, 64, 64, jnp.bfloat16, 128) is None
+    assert tpu_tables.backward_refusal(deberta, 8192, 64, 64, jnp.bfloat16, 128).startswith("position tables (")
     window = TableBias(jnp.zeros((15 * 15, 4)), WindowIndex(8, 8, False), 64)  # Swin's 8 x 8 windows
     assert tpu_backward.backward_refusal(AttentionCall(position_bias=window), q, k, k, False, 128).startswith(
         "position_bias (a window's bias"

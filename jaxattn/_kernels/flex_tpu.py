@@ -2,7 +2,7 @@
 (flex_attention), T5's / ALiBi's position bias (an OffsetBias), Shaw's tables (shaw / clipped / Transformer-XL
 attention) and DeBERTa's (RowTables), with every other option of the Pallas GPU kernel beside them. The backward
 is tpu_backward's kernels (the GPU kernel's dq and dk/dv) for flex calls, T5's / ALiBi's bias and Shaw's and
-DeBERTa's tables (tpu_backward.backward_refusal, tables_refusal); otherwise (a window's bias, a score_mod's
+DeBERTa's tables (tpu_backward.backward_refusal, tpu_tables.backward_refusal); otherwise (a window's bias, a score_mod's
 arrays, blocks over VMEM) the XLA blockwise engine's.
 
 The kernel body is the Pallas GPU kernel's forward (tile_body.forward_kernel: one (b, n, query tile), a
@@ -33,17 +33,9 @@ entry. So it is gathered once outside the kernel, at the scheme's own index of e
 pair (pair_bias_of_grid), and each tile reads its [Tb,Sb] slice. Bounded: N x Tp x Sp float32 within
 MAX_PAIR_BIAS_BYTES (this path is for windows, not long sequences; longer calls fall back to XLA).
 
-Position tables (docs/kernels.md, "Position tables on a TPU"). The GPU kernel gathers q . A^K per query row at
-each pair's column and scatter-adds p by column; neither lowers here. Instead each table is laid out along the
-offsets of its band (TableLanes: lane e holds the row of offset lo - M + e, M = Tb + Sb - 1 lanes of edge rows
-on each side, so a tile outside the band reads edge rows from a clamped start), [N|1,E,H] per table:
-    key term    qx = q . key lanes^T once per program ([Tb,E] VMEM scratch); a tile's window of it rolled
-                into the tile's diagonals (diagonals: rows that differ, the stride-1 roll of toeplitz_tile)
-    p2c         DeBERTa's per-key-row term: k . a window of the reversed query lanes per tile, rolled per key
-                row and transposed
-    value term  the tile's p rolled back onto its offsets (undiagonals: stride W - 1, -1 modulo W) times a
-                window of the value lanes, added to p v before the merge
-The default positions only, as for the bias.
+Position tables (docs/kernels.md, "Position tables on a TPU"): Shaw's and DeBERTa's tables laid out along the
+offsets of their band, a tile's terms a window of the lanes moved by strided rolls, forward and backward
+(tpu_tables). The default positions only, as for the bias.
 
 Tiles 128 x 128 (the TPU lane width; a BlockMask's own tiles when they are multiples of 128), head dims
 padded to a multiple of 128, T and S padded inside. The whole key axis of one head sits in VMEM (with its
@@ -59,7 +51,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -73,8 +65,8 @@ from .._core.call import INDEX_ARRAYS, AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.offset_bias import OffsetBias, TableBias, of_rows
 from .._engines import blockwise
-from . import flash_gpu, splash_tpu, tile_body, tpu_backward
-from .tpu_refs import LANES, Row, Scalars, diagonals, toeplitz_tile, undiagonals, window
+from . import flash_gpu, splash_tpu, tile_body, tpu_backward, tpu_tables
+from .tpu_refs import LANES, Row, Scalars, toeplitz_tile, window
 
 INTERPRET_BLOCK = 16
 MAX_KEY_BYTES = 8 * 2**20  # one head's keys and values in VMEM (doubled by the pipeline's second buffer)
@@ -228,134 +220,11 @@ def pair_bias_of_grid(p: flash_gpu.Prepared):
     return jnp.take(p.side.offset_bias, pairs, axis=-1)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Shaw's / DeBERTa's tables (module docstring, "Position tables"): the tables' rows laid out along the offsets
-# of a band, and a tile's terms read from a window of them by a strided roll.
-
-
-class TableLanes(NamedTuple):
-    """Static: the offsets lo..hi whose table rows differ (the band; clipping j - i to it is exact), laid out
-    one offset per lane with a margin of M = Tb + Sb - 1 lanes (the offsets one tile spans) on each side:
-    lane e holds offset lo - M + e (a reversed layout: hi + M - e), L = hi - lo + 1 + 2 M lanes, E padded
-    (the window a tile loads from any start up to L - M stays inside). A tile's offsets lie in one window
-    of M lanes; a tile wholly outside the band starts at the margin (clamped), whose lanes all hold the edge
-    row: its terms are then exact too, with no branch."""
-
-    lo: int
-    hi: int
-    Tb: int
-    Sb: int
-    key_rows: bool  # q . A^K per query row (Shaw's key table, DeBERTa's c2p): r["key_rows"], r["qx"]
-    query_rows: bool  # k . Q^r per key row (DeBERTa's p2c), reversed lanes: r["query_rows"]
-    value_rows: bool  # sum_s p A^V (Shaw's value table): r["value_rows"]
-
-    @property
-    def M(self) -> int:
-        return self.Tb + self.Sb - 1
-
-    @property
-    def L(self) -> int:
-        return self.hi - self.lo + 1 + 2 * self.M
-
-    @property
-    def E(self) -> int:
-        return -(-self.L // LANES) * LANES + window(self.Tb, self.Sb)
-
-    def offsets(self, reverse=False):
-        """int32 [L]: the offset of each lane, clipped to the band (the row beyond it is the edge's)."""
-        e = np.arange(self.L)
-        d = self.hi + self.M - e if reverse else self.lo - self.M + e
-        return jnp.asarray(np.clip(d, self.lo, self.hi), jnp.int32)
-
-    def starts(self, i, j, T: int, S: int):
-        """(start, reversed start): the first lane of tile (i, j)'s window in each layout, traced. Its
-        offsets d = j Sb + c - i Tb - r - (S - T) run from dmin (r = Tb - 1, c = 0) to dmax = dmin + M - 1."""
-        dmin = j * self.Sb - i * self.Tb - (self.Tb - 1) - (S - T)
-        clamp = lambda x: jnp.clip(x, 0, self.L - self.M)  # noqa: E731  outside the band: the margins
-        return clamp(dmin - (self.lo - self.M)), clamp(self.hi + self.M - (dmin + self.M - 1))
-
-
-def table_lanes(rows, table, width: int, E: int):
-    """[Nt,E,width] float: table [R,(N,)F] at int32 rows [L] (one per lane), heads first (Nt = N, or 1 for a
-    shared table), zeros past L lanes and F features."""
-    picked = jnp.take(table, rows, axis=0)
-    picked = picked[:, None] if picked.ndim == 2 else picked
-    picked = jnp.swapaxes(picked, 0, 1)
-    return jnp.pad(picked, ((0, 0), (0, E - picked.shape[1]), (0, width - picked.shape[2])))
-
-
-def table_layout(call: AttentionCall, Tb: int, Sb: int, T: int, S: int) -> TableLanes:
-    """The TableLanes of a call with Shaw's tables or RowTables (static: from the call's band and tables)."""
-    if call.row_tables is not None:
-        rt = call.row_tables
-        return TableLanes(rt.lo, rt.hi, Tb, Sb, rt.key_rows is not None, rt.query_rows is not None, False)
-    band = flash_gpu.tables_band(call, T, S)
-    return TableLanes(band.lo, band.hi, Tb, Sb, call.key_table is not None, False, call.value_table is not None)
-
-
-def call_lanes(call: AttentionCall, tables: dict, Tb: int, Sb: int, T: int, S: int, Hp: int, Hvp: int, dtype):
-    """(TableLanes, {name: [Nt,E,Hp|Hvp]}) of a call's Shaw tables or RowTables (tables: their arrays by
-    name, as attention passes them to the kernel), in the compute dtype `dtype`."""
-    lanes = table_layout(call, Tb, Sb, T, S)
-    if call.row_tables is not None:  # DeBERTa's: the row of an offset from the scheme's map
-        row = lambda d: jnp.take(tables["row_of_offset"], d - lanes.lo)  # noqa: E731
-    else:  # Shaw's: offset d reads row d + max_distance
-        row = lambda d: d + call.max_distance  # noqa: E731
-    out = {}
-    for name, source, width, reverse in (
-        ("key_rows", tables.get("key_table", tables.get("key_rows")), Hp, False),
-        ("query_rows", tables.get("query_rows"), Hp, True),
-        ("value_rows", tables.get("value_table"), Hvp, False),
-    ):
-        if source is not None:
-            out[name] = table_lanes(row(lanes.offsets(reverse)), source.astype(dtype), width, lanes.E)
-    return lanes, out
-
-
-def add_table_terms(cfg, r, lanes: TableLanes, i, T: int, S: int):
-    """Sets r's hooks for tile_body.key_tiles (query tile i): r["table_logits_of_tile"](j, k), the key terms
-    of tile (i, j) [Tb,Sb] (QA's window rolled into its diagonals, and DeBERTa's p2c: k . a window of the
-    reversed query rows, rolled per key row and transposed), and r["table_values_of_tile"](j, p), the value
-    term sum_s p[t, s] A^V[c(t, s)] [Tb,Hvp] (p moved to the offsets by the inverse roll, times a window of
-    the value rows). r["qx"] must hold q . key_rows^T for the tile's rows (fill_query_rows)."""
-    W = window(cfg.Tb, cfg.Sb)
-    aligned = lambda start: pl.multiple_of(lax.div(start, LANES) * LANES, LANES)  # noqa: E731
-
-    def logits(j, k):
-        start, reverse = lanes.starts(i, j, T, S)
-        term = None
-        if lanes.key_rows:
-            a = aligned(start)
-            term = diagonals(r["qx"][:, pl.ds(a, W)], start - a, cfg.Sb)
-        if lanes.query_rows:  # per key row c, lanes r: offsets d0 + c - r, increasing lanes in the reversed layout
-            a = aligned(reverse)
-            by_key = tile_body.dot(k.astype(jnp.float32), r["query_rows"][pl.ds(a, W), :], cfg, (1, 1))
-            by_key = diagonals(by_key, reverse - a, cfg.Tb).T
-            term = by_key if term is None else term + by_key
-        return term
-
-    def values(j, p):
-        start, _ = lanes.starts(i, j, T, S)
-        a = aligned(start)
-        return tile_body.dot(undiagonals(p, start - a, W), r["value_rows"][pl.ds(a, W), :], cfg)
-
-    if lanes.key_rows or lanes.query_rows:
-        r["table_logits_of_tile"] = logits
-    if lanes.value_rows:
-        r["table_values_of_tile"] = values
-
-
-def fill_query_rows(cfg, r):
-    """r["qx"] = q . key_rows^T, [Tb,E] float32: every offset lane's key-table term for the tile's query rows,
-    once per program (the key tiles read windows of it)."""
-    r["qx"][...] = tile_body.dot(r["q"][...].astype(jnp.float32), r["key_rows"][...], cfg, (1, 1))
-
-
 def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tables=None):
     """tile_body.forward_kernel on the TPU layout: (out [B,Tp,N,Hvp], lse [B,N,Tp]) as the GPU kernel's
     (S: the call's key length, for a position bias's offsets; pair_bias: a table bias's [B|1,N,Tp,Sp],
     pair_bias_of_grid, read instead of the offsets' rows; tables: (TableLanes, {name: [Nt,E,F]}) of Shaw's or
-    DeBERTa's tables, call_lanes, or None)."""
+    DeBERTa's tables, tpu_tables.call_lanes, or None)."""
     cfg, side = p.cfg, p.side
     q = jnp.swapaxes(p.q, 1, 2)  # [B,N,Tp,Hp]
     k, v = jnp.swapaxes(p.k, 1, 2), jnp.swapaxes(p.v, 1, 2)
@@ -439,9 +308,7 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
         if "pair_bias" in r:  # key tile j's columns, an aligned dynamic slice as k and v are read
             r["offset_bias_of_tile"] = lambda j: r["pair_bias"][:, pl.ds(pl.multiple_of(j * cfg.Sb, cfg.Sb), cfg.Sb)]
         if tables is not None:
-            if tables[0].key_rows:
-                fill_query_rows(cfg, r)
-            add_table_terms(cfg, r, tables[0], i, p.T, S)
+            tpu_tables.forward_hooks(cfg, r, tables[0], i, p.T, S)
         tile_body.forward_kernel(cfg, r)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -465,9 +332,9 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
 def attention(call: AttentionCall, query, key, value, interpret=False):
     """The AttentionCall's attention computed forward by the Pallas TPU kernel (module docstring); its
     gradient (q, k, v, sinks, a position bias's table or slopes, Shaw's or DeBERTa's tables) by tpu_backward's
-    kernels where backward_refusal and tables_refusal let them, else (a window's bias, a score_mod's
-    closed-over arrays, blocks over VMEM) the blockwise engine's. ValueError naming the option it cannot
-    express (unsupported)."""
+    kernels where tpu_backward.backward_refusal and tpu_tables.backward_refusal let them, else (a window's
+    bias, a score_mod's closed-over arrays, blocks over VMEM) the blockwise engine's. ValueError naming the
+    option it cannot express (unsupported)."""
     problem = unsupported(call, query, key, value, interpret)
     if problem is not None:
         checks.fail(
@@ -536,8 +403,8 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     lanes = INTERPRET_BLOCK if interpret else LANES
     refusal = tpu_backward.backward_refusal(call, query, key, value, bool(consts), lanes)
     if refusal is None and table_arrays:
-        layout = table_layout(call, *blocks, T, S)
-        refusal = tpu_backward.tables_refusal(layout, S, query.shape[-1], value.shape[-1], query.dtype, lanes)
+        layout = tpu_tables.table_layout(call, *blocks, T, S)
+        refusal = tpu_tables.backward_refusal(layout, S, query.shape[-1], value.shape[-1], query.dtype, lanes)
     kernel_backward = refusal is None
     engine_consts = ()
     if call.position_bias is not None or table_arrays:
@@ -555,12 +422,12 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
         if table_arrays:
             Hp, Hvp = p.q.shape[-1], p.v.shape[-1]
             acc_dtype = accumulation_dtype(query.dtype)
-            tables = call_lanes(call, table_arrays, p.cfg.Tb, p.cfg.Sb, T, S, Hp, Hvp, acc_dtype)
+            tables = tpu_tables.call_lanes(call, table_arrays, p.cfg.Tb, p.cfg.Sb, T, S, Hp, Hvp, acc_dtype)
         out, lse = _forward(p, S, interpret, pair_bias_of_grid(p) if table_bias else None, tables)
         return flash_gpu.finish(p, out, lse, inner.return_lse), lse
 
     def prepare(inner, query, key, value):
-        # the tables reach the kernels as table_arrays' lanes (call_lanes), not through prepare's per-row arrays
+        # the tables reach the kernels as table_arrays' lanes (tpu_tables.call_lanes), not as prepare's per-row arrays
         inner = inner.replace(key_table=None, value_table=None, max_distance=None, row_tables=None)
         return flash_gpu.prepare(
             inner, query, key, value, interpret, blocks=blocks, head_multiple=None if interpret else LANES
@@ -597,7 +464,7 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
         Hp, acc_dtype = p.q.shape[-1], accumulation_dtype(query.dtype)
 
         def lanes_of(table_arrays):  # the tables' lanes, as the forward lays them out
-            return call_lanes(call, table_arrays, p.cfg.Tb, p.cfg.Sb, T, S, Hp, Hvp, acc_dtype)
+            return tpu_tables.call_lanes(call, table_arrays, p.cfg.Tb, p.cfg.Sb, T, S, Hp, Hvp, acc_dtype)
 
         tables = lanes_of(table_arrays) if table_arrays else None
         dq, dk, dv, d_rows, d_lanes = tpu_backward.gradients(p, lse, delta, d_out, interpret, rows_of_grid, tables, S)

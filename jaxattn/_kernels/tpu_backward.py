@@ -12,10 +12,10 @@ dkv_kernel, FlashAttention-2's backward) run by Mosaic on the TPU layout, as the
 For the calls backward_refusal lets through: score_mod and mask_mod closing over no array, a BlockMask,
 causal, window, chunks, lengths, segment ids, softcap, sinks, GQA, a position bias of j - i (T5's, ALiBi's:
 an OffsetBias, its rows' gradient summed per offset without a scatter, gradients()), and Shaw's and DeBERTa's
-tables (flex_tpu.TableLanes: their lanes' gradients summed per (b, n) in the dq kernel, the section "Shaw's
-and DeBERTa's tables" below). A window's bias (Swin, BEiT) or a score_mod's arrays keep the XLA blockwise
-engine's backward, and so does a query axis whose one head's rows do not fit VMEM in one dk/dv program.
-interpret=True runs Pallas' interpreter (the CPU tests).
+tables (tpu_tables: their lanes' gradients summed per (b, n) in the dq kernel, no scatter). A window's bias
+(Swin, BEiT) or a score_mod's arrays keep the XLA blockwise engine's backward, and so do a query axis whose
+one head's rows do not fit VMEM in one dk/dv program and tables whose dq blocks do not (tpu_tables.
+backward_refusal). interpret=True runs Pallas' interpreter (the CPU tests).
 """
 
 from __future__ import annotations
@@ -31,15 +31,12 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .._core.call import AttentionCall
 from .._core.offset_bias import OffsetBias
-from . import flash_gpu, tile_body
-from .tpu_refs import LANES, Row, Scalars, diagonals, toeplitz_tile, undiagonals, window
+from . import flash_gpu, tile_body, tpu_tables
+from .tpu_refs import Row, Scalars, lane_window, toeplitz_tile, undiagonals, window
 
 # The dk/dv kernel holds the query rows of one query head in VMEM (q and do, double-buffered by the pipeline),
 # as the forward holds one head's keys and values (flex_tpu.MAX_KEY_BYTES): T up to 16k at head dim 128 in bf16.
 MAX_QUERY_BYTES = 8 * 2**20
-# The dq kernel's VMEM with position tables (tables_refusal): within a TPU's 16 MiB of scoped VMEM (v5e's
-# default), less the query tile's own blocks.
-MAX_TABLES_VMEM = 15 * 2**20
 
 
 def backward_refusal(call: AttentionCall, query, key, value, has_consts: bool, lanes: int) -> Optional[str]:
@@ -56,26 +53,6 @@ def backward_refusal(call: AttentionCall, query, key, value, has_consts: bool, l
     if padded(T) * (padded(H) + padded(Hv)) * itemsize > MAX_QUERY_BYTES:
         return f"query (T={T}: one head's query rows and their cotangent must fit {MAX_QUERY_BYTES >> 20} MiB)"
     return None
-
-
-def tables_refusal(lanes, S: int, H: int, Hv: int, dtype, multiple: int) -> Optional[str]:
-    """None when the dq kernel's blocks with Shaw's or DeBERTa's tables (lanes: flex_tpu.TableLanes) fit
-    MAX_TABLES_VMEM; else why not. Its VMEM: k and v whole, each table's lanes [E,F] float32 and their gradient
-    (each double-buffered by the pipeline), and two [Tb,E] float32 scratch blocks per table. Compiled for v5e
-    (16 MiB of scoped VMEM): DeBERTa-v3's tables at T = S = 8192, head dim 64, took 17.41 MiB, this estimate
-    17.38 MiB."""
-    padded = lambda x: -(-x // multiple) * multiple  # noqa: E731
-    keys = 2 * padded(S) * (padded(H) + padded(Hv)) * np.dtype(dtype).itemsize
-    widths = [padded(F) for F, wanted in ((H, lanes.key_rows), (H, lanes.query_rows), (Hv, lanes.value_rows)) if wanted]
-    tables = sum(4 * lanes.E * F * 4 for F in widths)
-    scratch = 2 * lanes.Tb * lanes.E * 4 * (int(lanes.key_rows) + int(lanes.value_rows))
-    total = keys + tables + scratch
-    if total <= MAX_TABLES_VMEM:
-        return None
-    return (
-        f"position tables (the dq kernel's keys, tables and their gradients: {total / 2**20:.1f} MiB of VMEM > "
-        f"{MAX_TABLES_VMEM >> 20} MiB)"
-    )
 
 
 def _spec(shape, index):
@@ -193,14 +170,14 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
 
             def add(j, d_bias):  # d rows[start + (Tb - 1 - t) + s] += d_bias[t, s]
                 start = bias_start(i, j)
-                aligned = pl.multiple_of(lax.div(start, LANES) * LANES, LANES)
-                sums = jnp.sum(undiagonals(d_bias.astype(jnp.float32), start - aligned, W), axis=0)
-                d_rows[0, pl.ds(aligned, W)] = d_rows[0, pl.ds(aligned, W)] + sums
+                at, offset = lane_window(start, W)
+                sums = jnp.sum(undiagonals(d_bias.astype(jnp.float32), offset, W), axis=0)
+                d_rows[0, at] = d_rows[0, at] + sums
 
             r["offset_bias_of_tile"] = lambda j: toeplitz_tile(r["offset_bias"], bias_start(i, j), cfg.Tb, cfg.Sb)
             r["add_offset_bias_grad"] = add
         if tables is not None:
-            _dq_table_hooks(cfg, r, tables[0], i, p.T, S)
+            tpu_tables.dq_hooks(cfg, r, tables[0], i, p.T, S)
         flash_gpu.dq_kernel(cfg, r)
 
     params = parallel if rows_of_grid is None and tables is None else by_rows
@@ -273,127 +250,13 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
             rows_of = r["offset_bias"]
             r["offset_bias_of_tile"] = lambda g, i: toeplitz_tile(rows_of.at[0], bias_start(i, j), cfg.Tb, cfg.Sb)
         if tables is not None:
-            _dkv_table_hooks(cfg, r, tables[0], j, p.T, S)
+            tpu_tables.dkv_hooks(cfg, r, tables[0], j, p.T, S)
         flash_gpu.dkv_kernel(cfg, r)
 
     by_heads = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
     dk, dv = call(dkv, "jaxattn_flex_tpu_dkv", (B, K, cfg.Sn, G), scalars, inputs, outputs, by_heads, scratch)
     dq_out, dk, dv = (jnp.swapaxes(x, 1, 2) for x in (dq_out, dk, dv))
     return dq_out, dk, dv, d_rows[0] if d_rows else None, d_tables
-
-
-# ---------------------------------------------------------------------------------------------------
-# Shaw's and DeBERTa's tables (flex_tpu.TableLanes: each table's rows along the offsets of its band, one per
-# lane). The forward adds a tile's key terms inside the logits: qx = q . key lanes^T (Shaw's key table,
-# DeBERTa's c2p) and kx = k . query lanes^T (DeBERTa's p2c, reversed lanes), windows of them rolled into the
-# tile's diagonals; and Shaw's value term to p v: p rolled back onto the offsets (undiagonals) times a window of
-# the value lanes. So, with ds = d loss / d (q k^T + the terms) and the inverse rolls of a tile:
-#     dp              += do . value lanes^T, the window rolled into the diagonals
-#     dq              += d qx . key lanes          d qx: ds rolled back onto the offsets, per tile
-#     d key lanes     += d qx^T . q                d value lanes += p lanes^T . do    p lanes: p rolled back
-#     dk              += d kx . query lanes        d kx: ds^T rolled back onto the reversed offsets
-#     d query lanes   += d kx^T . k, per tile
-# The dq program of query tile i holds qx and do . value lanes^T for its rows ([Tb,E], as the forward holds
-# qx), sums d qx and p lanes over its key tiles and adds their products once after them, into the (b, n)
-# block of each table's gradient (the grid walks i in order: "arbitrary"). The dk/dv program of key tile j
-# rebuilds each query tile's terms from windows of the lanes ([Tb,W] products, W ~ Tb + Sb).
-
-
-def _aligned(start):
-    return pl.multiple_of(lax.div(start, LANES) * LANES, LANES)  # start >= 0: lax.div floors
-
-
-def _lanes_at(lanes, i, j, T: int, S: int):
-    """(window, offset within it) of tile (i, j) in the lanes and in the reversed lanes (TableLanes.starts)."""
-    W = window(lanes.Tb, lanes.Sb)
-    return tuple((pl.ds(_aligned(start), W), start - _aligned(start)) for start in lanes.starts(i, j, T, S))
-
-
-def _dq_table_hooks(cfg, r, lanes, i, T: int, S: int):
-    """Sets the dq kernel's hooks (flash_gpu.dq_kernel) for the tables of query tile i: table_terms_of_tile,
-    add_table_grads and finish_table_grads (the section above)."""
-    W = window(cfg.Tb, cfg.Sb)
-    f32 = jnp.float32
-    q, do = r["q"][...].astype(f32), r["do"][...].astype(f32)
-    grads = [name for name in ("key_rows", "query_rows", "value_rows") if getattr(lanes, name)]
-
-    @pl.when(i == 0)
-    def _():
-        for name in grads:
-            r["d_" + name][...] = jnp.zeros(r["d_" + name].shape, f32)
-
-    for name, sums, rows, x in (("qx", "d_qx", "key_rows", q), ("dox", "p_lanes", "value_rows", do)):
-        if getattr(lanes, rows):
-            r[name][...] = tile_body.dot(x, r[rows][...], cfg, (1, 1))
-            r[sums][...] = jnp.zeros(r[sums].shape, f32)
-
-    def terms(j, k):
-        (at, offset), (reverse_at, reverse_offset) = _lanes_at(lanes, i, j, T, S)
-        key = diagonals(r["qx"][:, at], offset, cfg.Sb) if lanes.key_rows else None
-        if lanes.query_rows:  # per key row s: lane offset + (Sb - 1 - s) + t of the reversed lanes
-            kx = tile_body.dot(k.astype(f32), r["query_rows"][reverse_at, :], cfg, (1, 1))
-            by_key = diagonals(kx, reverse_offset, cfg.Tb).T
-            key = by_key if key is None else key + by_key
-        dp = diagonals(r["dox"][:, at], offset, cfg.Sb) if lanes.value_rows else None
-        return key, dp
-
-    def add(j, k, p, ds):
-        (at, offset), (reverse_at, reverse_offset) = _lanes_at(lanes, i, j, T, S)
-        ds = ds.astype(f32)
-        if lanes.key_rows:
-            r["d_qx"][:, at] = r["d_qx"][:, at] + undiagonals(ds, offset, W)
-        if lanes.value_rows:
-            r["p_lanes"][:, at] = r["p_lanes"][:, at] + undiagonals(p.astype(f32), offset, W)
-        if lanes.query_rows:
-            d_kx = undiagonals(ds.T, reverse_offset, W)
-            r["d_query_rows"][reverse_at, :] = r["d_query_rows"][reverse_at, :] + tile_body.dot(
-                d_kx, k.astype(f32), cfg, (0, 0)
-            )
-
-    def finish(dq):
-        if lanes.key_rows:
-            d_qx = r["d_qx"][...]
-            dq = dq + tile_body.dot(d_qx, r["key_rows"][...], cfg).astype(dq.dtype)
-            r["d_key_rows"][...] = r["d_key_rows"][...] + tile_body.dot(d_qx, q, cfg, (0, 0))
-        if lanes.value_rows:
-            r["d_value_rows"][...] = r["d_value_rows"][...] + tile_body.dot(r["p_lanes"][...], do, cfg, (0, 0))
-        return dq
-
-    r["table_terms_of_tile"], r["add_table_grads"], r["finish_table_grads"] = terms, add, finish
-
-
-def _dkv_table_hooks(cfg, r, lanes, j, T: int, S: int):
-    """Sets the dk/dv kernel's hooks (flash_gpu.dkv_kernel) for the tables of key tile j: table_terms_of_tile,
-    query tile i's terms from windows of the lanes of query head g, and key_grads_of_tile, the per-key-row
-    term's share of dk (the section above)."""
-    W = window(cfg.Tb, cfg.Sb)
-    f32 = jnp.float32
-    k = r["k"][...].astype(f32)
-
-    def rows_of(name, g, at):  # [W,F]: a window of the program's query head's lanes (or the shared table's)
-        return r[name][0, at, :]
-
-    def terms(g, i, q, do):
-        (at, offset), (reverse_at, reverse_offset) = _lanes_at(lanes, i, j, T, S)
-        key = dp = None
-        if lanes.key_rows:
-            key = diagonals(tile_body.dot(q.astype(f32), rows_of("key_rows", g, at), cfg, (1, 1)), offset, cfg.Sb)
-        if lanes.query_rows:
-            kx = tile_body.dot(k, rows_of("query_rows", g, reverse_at), cfg, (1, 1))
-            by_key = diagonals(kx, reverse_offset, cfg.Tb).T
-            key = by_key if key is None else key + by_key
-        if lanes.value_rows:
-            dp = diagonals(tile_body.dot(do.astype(f32), rows_of("value_rows", g, at), cfg, (1, 1)), offset, cfg.Sb)
-        return key, dp
-
-    def key_grads(g, i, ds):
-        _, (reverse_at, reverse_offset) = _lanes_at(lanes, i, j, T, S)
-        d_kx = undiagonals(ds.astype(f32).T, reverse_offset, W)
-        return tile_body.dot(d_kx, rows_of("query_rows", g, reverse_at), cfg)
-
-    r["table_terms_of_tile"] = terms
-    if lanes.query_rows:
-        r["key_grads_of_tile"] = key_grads
 
 
 class _OneHead:

@@ -1,8 +1,8 @@
 """What the TPU kernels (flex_tpu, its backward tpu_backward) share: views of refs that let the shared kernel
 bodies (tile_body, flash_gpu's dq and dk/dv kernels) read them as the GPU layout's (a [1,L] row read as [L]: Row;
-a schedule flattened into SMEM read at a program's indices: Scalars), and the lane rolls that move a tile's
-entries onto its diagonals and back (a position term of j - i without a gather or a scatter: toeplitz_tile,
-diagonals, undiagonals)."""
+a schedule flattened into SMEM read at a program's indices: Scalars), lane-aligned windows (lane_window), and the
+lane rolls that move a tile's entries onto its diagonals and back (a position term of j - i without a gather or
+a scatter: toeplitz_tile, diagonals, undiagonals)."""
 
 from __future__ import annotations
 
@@ -56,6 +56,13 @@ def window(Tb: int, Sb: int) -> int:
     return -(-(Tb + Sb - 1) // LANES) * LANES + LANES
 
 
+def lane_window(start, W: int):
+    """(pl.ds of W lanes from the lane tile that holds start, start's offset in it): an aligned dynamic slice,
+    as Mosaic needs (start >= 0, traced)."""
+    aligned = pl.multiple_of(lax.div(start, LANES) * LANES, LANES)  # start >= 0: lax.div floors
+    return pl.ds(aligned, W), start - aligned
+
+
 def toeplitz_tile(row, start, Tb: int, Sb: int):
     """[Tb,Sb]: tile[r, c] = row[start + (Tb - 1 - r) + c], the bias of a tile whose offsets j - i grow by one
     per key and fall by one per query (row: the [1,E] block of a head's offset rows; start >= 0, traced).
@@ -65,9 +72,9 @@ def toeplitz_tile(row, start, Tb: int, Sb: int):
     plus r in row r (pltpu.roll's stride): rolled[r, c] = window[(c + (Tb - 1 - r) + start - a) mod W], never
     wrapping for c < Sb (window())."""
     W = window(Tb, Sb)
-    aligned = pl.multiple_of(lax.div(start, LANES) * LANES, LANES)  # start >= 0: lax.div floors
-    lanes = jnp.broadcast_to(row[0, pl.ds(aligned, W)][None, :], (Tb, W))
-    return diagonals(lanes, start - aligned, Sb)
+    at, offset = lane_window(start, W)
+    lanes = jnp.broadcast_to(row[0, at][None, :], (Tb, W))
+    return diagonals(lanes, offset, Sb)
 
 
 def diagonals(lanes, offset, C: int):

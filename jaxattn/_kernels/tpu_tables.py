@@ -1,0 +1,265 @@
+"""Shaw's and DeBERTa's position tables in the TPU kernels (flex_tpu's forward, tpu_backward's dq and dk/dv).
+
+The GPU kernel gathers q . A^K per query row at each pair's column and scatter-adds p by column; neither lowers
+in Mosaic. Instead each table is laid out along the offsets of its band (TableLanes: lane e holds the row of
+offset lo - M + e, M = Tb + Sb - 1 lanes of edge rows on each side, so a tile outside the band reads edge rows
+from a clamped start), [N|1,E,H] per table, and a tile's terms are a window of those lanes moved into the tile's
+diagonals by a strided roll (tpu_refs.diagonals) or back onto the offsets (undiagonals). With the default
+positions only: a tile's offsets j - i are then contiguous.
+
+    forward   key terms    qx = q . key lanes^T once per program ([Tb,E] VMEM scratch), a window of it rolled
+                           into the diagonals (Shaw's key table, DeBERTa's c2p); DeBERTa's p2c: per key tile
+                           kx = k . a window of the reversed query lanes, rolled per key row and transposed
+              value term   p rolled back onto its offsets times a window of the value lanes, added to p v
+    backward  with ds = d loss / d (q k^T + the key terms) and p of a tile:
+              dp           += do . value lanes^T, a window rolled into the diagonals
+              dq           += d qx . key lanes            d qx: ds rolled back onto the offsets
+              d key lanes  += d qx^T . q                  d value lanes += p lanes^T . do   (p rolled back)
+              dk           += d kx . query lanes          d kx: ds^T rolled back onto the reversed offsets
+              d query lanes += d kx^T . k
+              The dq program of query tile i holds qx and do . value lanes^T for its rows, sums d qx and p lanes
+              over its key tiles and adds their products once after them into the (b, n) block of each
+              table's gradient (the dq grid walks i in order: "arbitrary"); d query lanes per key tile. The
+              dk/dv program rebuilds each query tile's terms from windows of the lanes ([Tb,W] products).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+
+from .._core.call import AttentionCall
+from . import flash_gpu, tile_body
+from .tpu_refs import LANES, diagonals, lane_window, undiagonals, window
+
+# The dq kernel's VMEM with position tables (backward_refusal): within a TPU's 16 MiB of scoped VMEM (v5e's
+# default), less the query tile's own blocks.
+MAX_TABLES_VMEM = 15 * 2**20
+
+
+class TableLanes(NamedTuple):
+    """Static: the offsets lo..hi whose table rows differ (the band; clipping j - i to it is exact), laid out
+    one offset per lane with a margin of M = Tb + Sb - 1 lanes (the offsets one tile spans) on each side:
+    lane e holds offset lo - M + e (a reversed layout: hi + M - e), L = hi - lo + 1 + 2 M lanes, E padded
+    (the window a tile loads from any start up to L - M stays inside). A tile's offsets lie in one window
+    of M lanes; a tile wholly outside the band starts at the margin (clamped), whose lanes all hold the edge
+    row: its terms are then exact too, with no branch."""
+
+    lo: int
+    hi: int
+    Tb: int
+    Sb: int
+    key_rows: bool  # q . A^K per query row (Shaw's key table, DeBERTa's c2p): r["key_rows"], r["qx"]
+    query_rows: bool  # k . Q^r per key row (DeBERTa's p2c), reversed lanes: r["query_rows"]
+    value_rows: bool  # sum_s p A^V (Shaw's value table): r["value_rows"]
+
+    @property
+    def M(self) -> int:
+        return self.Tb + self.Sb - 1
+
+    @property
+    def L(self) -> int:
+        return self.hi - self.lo + 1 + 2 * self.M
+
+    @property
+    def E(self) -> int:
+        return -(-self.L // LANES) * LANES + window(self.Tb, self.Sb)
+
+    def offsets(self, reverse=False):
+        """int32 [L]: the offset of each lane, clipped to the band (the row beyond it is the edge's)."""
+        e = np.arange(self.L)
+        d = self.hi + self.M - e if reverse else self.lo - self.M + e
+        return jnp.asarray(np.clip(d, self.lo, self.hi), jnp.int32)
+
+    def windows(self, i, j, T: int, S: int):
+        """((lanes, offset), (reversed lanes, offset)): tile (i, j)'s window in each layout (tpu_refs.lane_window,
+        traced), from the first lane of its offsets d = j Sb + c - i Tb - r - (S - T), which run from dmin
+        (r = Tb - 1, c = 0) to dmin + M - 1."""
+        dmin = j * self.Sb - i * self.Tb - (self.Tb - 1) - (S - T)
+        clamp = lambda x: jnp.clip(x, 0, self.L - self.M)  # noqa: E731  outside the band: the margins
+        W = window(self.Tb, self.Sb)
+        starts = clamp(dmin - (self.lo - self.M)), clamp(self.hi + self.M - (dmin + self.M - 1))
+        return tuple(lane_window(start, W) for start in starts)
+
+
+def table_lanes(rows, table, width: int, E: int):
+    """[Nt,E,width] float: table [R,(N,)F] at int32 rows [L] (one per lane), heads first (Nt = N, or 1 for a
+    shared table), zeros past L lanes and F features."""
+    picked = jnp.take(table, rows, axis=0)
+    picked = picked[:, None] if picked.ndim == 2 else picked
+    picked = jnp.swapaxes(picked, 0, 1)
+    return jnp.pad(picked, ((0, 0), (0, E - picked.shape[1]), (0, width - picked.shape[2])))
+
+
+def table_layout(call: AttentionCall, Tb: int, Sb: int, T: int, S: int) -> TableLanes:
+    """The TableLanes of a call with Shaw's tables or RowTables (static: from the call's band and tables)."""
+    if call.row_tables is not None:
+        rt = call.row_tables
+        return TableLanes(rt.lo, rt.hi, Tb, Sb, rt.key_rows is not None, rt.query_rows is not None, False)
+    band = flash_gpu.tables_band(call, T, S)
+    return TableLanes(band.lo, band.hi, Tb, Sb, call.key_table is not None, False, call.value_table is not None)
+
+
+def call_lanes(call: AttentionCall, tables: dict, Tb: int, Sb: int, T: int, S: int, Hp: int, Hvp: int, dtype):
+    """(TableLanes, {name: [Nt,E,Hp|Hvp]}) of a call's Shaw tables or RowTables (tables: their arrays by
+    name, as attention passes them to the kernel), in the compute dtype `dtype`."""
+    lanes = table_layout(call, Tb, Sb, T, S)
+    if call.row_tables is not None:  # DeBERTa's: the row of an offset from the scheme's map
+        row = lambda d: jnp.take(tables["row_of_offset"], d - lanes.lo)  # noqa: E731
+    else:  # Shaw's: offset d reads row d + max_distance
+        row = lambda d: d + call.max_distance  # noqa: E731
+    out = {}
+    for name, source, width, reverse in (
+        ("key_rows", tables.get("key_table", tables.get("key_rows")), Hp, False),
+        ("query_rows", tables.get("query_rows"), Hp, True),
+        ("value_rows", tables.get("value_table"), Hvp, False),
+    ):
+        if source is not None:
+            out[name] = table_lanes(row(lanes.offsets(reverse)), source.astype(dtype), width, lanes.E)
+    return lanes, out
+
+
+def key_terms(cfg, windows, qx=None, k=None, query_rows=None):
+    """A tile's key terms [Tb,Sb] inside q k^T (None without): qx, the tile's window of q . key lanes^T
+    [Tb,W], rolled into its diagonals; and with query_rows (the [W,H] window of the reversed query lanes)
+    DeBERTa's p2c, per key row k . query_rows^T rolled (offsets rise with the lanes along a key row) and
+    transposed. windows: TableLanes.windows of the tile."""
+    (_, offset), (_, reverse_offset) = windows
+    term = None if qx is None else diagonals(qx, offset, cfg.Sb)
+    if query_rows is not None:
+        kx = tile_body.dot(k.astype(jnp.float32), query_rows, cfg, (1, 1))
+        by_key = diagonals(kx, reverse_offset, cfg.Tb).T
+        term = by_key if term is None else term + by_key
+    return term
+
+
+def fill(cfg, r, name, x, rows):
+    """r[name] = x . r[rows]^T, [Tb,E] float32: every offset lane's term for the tile's rows x, once per
+    program (the key tiles read windows of it)."""
+    r[name][...] = tile_body.dot(x.astype(jnp.float32), r[rows][...], cfg, (1, 1))
+
+
+def forward_hooks(cfg, r, lanes: TableLanes, i, T: int, S: int):
+    """Sets r's hooks for tile_body.key_tiles (query tile i): r["table_logits_of_tile"](j, k), the key terms
+    of tile (i, j) [Tb,Sb], and r["table_values_of_tile"](j, p), the value term sum_s p[t, s] A^V[c(t, s)]
+    [Tb,Hvp]; fills r["qx"] (the module docstring)."""
+    W = window(cfg.Tb, cfg.Sb)
+    if lanes.key_rows:
+        fill(cfg, r, "qx", r["q"][...], "key_rows")
+
+    def logits(j, k):
+        windows = lanes.windows(i, j, T, S)
+        (at, _), (reverse_at, _) = windows
+        qx = r["qx"][:, at] if lanes.key_rows else None
+        query_rows = r["query_rows"][reverse_at, :] if lanes.query_rows else None
+        return key_terms(cfg, windows, qx, k, query_rows)
+
+    def values(j, p):
+        (at, offset), _ = lanes.windows(i, j, T, S)
+        return tile_body.dot(undiagonals(p, offset, W), r["value_rows"][at, :], cfg)
+
+    if lanes.key_rows or lanes.query_rows:
+        r["table_logits_of_tile"] = logits
+    if lanes.value_rows:
+        r["table_values_of_tile"] = values
+
+
+def dq_hooks(cfg, r, lanes: TableLanes, i, T: int, S: int):
+    """Sets the dq kernel's hooks (flash_gpu.dq_kernel) for the tables of query tile i: table_terms_of_tile,
+    add_table_grads and finish_table_grads (the module docstring)."""
+    W = window(cfg.Tb, cfg.Sb)
+    f32 = jnp.float32
+    q, do = r["q"][...].astype(f32), r["do"][...].astype(f32)
+    grads = [name for name in ("key_rows", "query_rows", "value_rows") if getattr(lanes, name)]
+
+    @pl.when(i == 0)
+    def _():
+        for name in grads:
+            r["d_" + name][...] = jnp.zeros(r["d_" + name].shape, f32)
+
+    for name, sums, rows, x in (("qx", "d_qx", "key_rows", q), ("dox", "p_lanes", "value_rows", do)):
+        if getattr(lanes, rows):
+            fill(cfg, r, name, x, rows)
+            r[sums][...] = jnp.zeros(r[sums].shape, f32)
+
+    def terms(j, k):
+        windows = lanes.windows(i, j, T, S)
+        (at, offset), (reverse_at, _) = windows
+        qx = r["qx"][:, at] if lanes.key_rows else None
+        query_rows = r["query_rows"][reverse_at, :] if lanes.query_rows else None
+        dp = diagonals(r["dox"][:, at], offset, cfg.Sb) if lanes.value_rows else None
+        return key_terms(cfg, windows, qx, k, query_rows), dp
+
+    def add(j, k, p, ds):
+        (at, offset), (reverse_at, reverse_offset) = lanes.windows(i, j, T, S)
+        ds = ds.astype(f32)
+        if lanes.key_rows:
+            r["d_qx"][:, at] = r["d_qx"][:, at] + undiagonals(ds, offset, W)
+        if lanes.value_rows:
+            r["p_lanes"][:, at] = r["p_lanes"][:, at] + undiagonals(p.astype(f32), offset, W)
+        if lanes.query_rows:
+            d_kx = undiagonals(ds.T, reverse_offset, W)
+            d_rows = tile_body.dot(d_kx, k.astype(f32), cfg, (0, 0))
+            r["d_query_rows"][reverse_at, :] = r["d_query_rows"][reverse_at, :] + d_rows
+
+    def finish(dq):
+        if lanes.key_rows:
+            d_qx = r["d_qx"][...]
+            dq = dq + tile_body.dot(d_qx, r["key_rows"][...], cfg).astype(dq.dtype)
+            r["d_key_rows"][...] = r["d_key_rows"][...] + tile_body.dot(d_qx, q, cfg, (0, 0))
+        if lanes.value_rows:
+            r["d_value_rows"][...] = r["d_value_rows"][...] + tile_body.dot(r["p_lanes"][...], do, cfg, (0, 0))
+        return dq
+
+    r["table_terms_of_tile"], r["add_table_grads"], r["finish_table_grads"] = terms, add, finish
+
+
+def dkv_hooks(cfg, r, lanes: TableLanes, j, T: int, S: int):
+    """Sets the dk/dv kernel's hooks (flash_gpu.dkv_kernel) for the tables of key tile j, whose program holds
+    one query head's lanes ([1,E,F] blocks): table_terms_of_tile, query tile i's terms from windows of the
+    lanes, and key_grads_of_tile, the per-key-row term's share of dk (the module docstring)."""
+    W = window(cfg.Tb, cfg.Sb)
+    f32 = jnp.float32
+    k = r["k"][...]
+
+    def terms(g, i, q, do):
+        windows = lanes.windows(i, j, T, S)
+        (at, offset), (reverse_at, _) = windows
+        qx = tile_body.dot(q.astype(f32), r["key_rows"][0, at, :], cfg, (1, 1)) if lanes.key_rows else None
+        query_rows = r["query_rows"][0, reverse_at, :] if lanes.query_rows else None
+        dp = None
+        if lanes.value_rows:
+            dp = diagonals(tile_body.dot(do.astype(f32), r["value_rows"][0, at, :], cfg, (1, 1)), offset, cfg.Sb)
+        return key_terms(cfg, windows, qx, k, query_rows), dp
+
+    def key_grads(g, i, ds):
+        _, (reverse_at, reverse_offset) = lanes.windows(i, j, T, S)
+        d_kx = undiagonals(ds.astype(f32).T, reverse_offset, W)
+        return tile_body.dot(d_kx, r["query_rows"][0, reverse_at, :], cfg)
+
+    r["table_terms_of_tile"] = terms
+    if lanes.query_rows:
+        r["key_grads_of_tile"] = key_grads
+
+
+def backward_refusal(lanes: TableLanes, S: int, H: int, Hv: int, dtype, multiple: int) -> Optional[str]:
+    """None when the dq kernel's blocks with Shaw's or DeBERTa's tables fit
+    MAX_TABLES_VMEM; else why not. Its VMEM: k and v whole, each table's lanes [E,F] float32 and their gradient
+    (each double-buffered by the pipeline), and two [Tb,E] float32 scratch blocks per table. Compiled for v5e
+    (16 MiB of scoped VMEM): DeBERTa-v3's tables at T = S = 8192, head dim 64, took 17.41 MiB, this estimate
+    17.38 MiB."""
+    padded = lambda x: -(-x // multiple) * multiple  # noqa: E731
+    keys = 2 * padded(S) * (padded(H) + padded(Hv)) * np.dtype(dtype).itemsize
+    widths = [padded(F) for F, wanted in ((H, lanes.key_rows), (H, lanes.query_rows), (Hv, lanes.value_rows)) if wanted]
+    tables = sum(4 * lanes.E * F * 4 for F in widths)
+    scratch = 2 * lanes.Tb * lanes.E * 4 * (int(lanes.key_rows) + int(lanes.value_rows))
+    total = keys + tables + scratch
+    if total <= MAX_TABLES_VMEM:
+        return None
+    return (
+        f"position tables (the dq kernel's keys, tables and their gradients: {total / 2**20:.1f} MiB of VMEM > "
+        f"{MAX_TABLES_VMEM >> 20} MiB)"
+    )
