@@ -36,7 +36,7 @@ def row(case, status, error=None, target="v5e", program="forward", scale=1):
     return dict(target=target, case=case, program=program, scale=scale, status=status, error=error)
 
 
-def test_the_verdict_fails_ci_for_regressions_only():
+def test_the_verdict_fails_ci_for_regressions_only(monkeypatch):
     known = ("chunk, CPU host", "ValueError: Unsupported TPU device kind: cpu")
     rows = [row("causal", "ok"), row(known[0], "error", known[1])]
     assert ct.verdict(rows, []) == []
@@ -51,7 +51,8 @@ def test_the_verdict_fails_ci_for_regressions_only():
     check = dict(target="h100", case="causal", program="forward", temp_bytes=[1, 4], ratio=4.0, ok=False)
     assert "grew 4.0x" in ct.verdict([], [check])[0]
     # a known growth (KNOWN_GROWTH) is reported, not a regression, until it passes
-    (_, case, program), _ = next(iter(ct.KNOWN_GROWTH.items()))
+    monkeypatch.setitem(ct.KNOWN_GROWTH, ("v5e|v6e", "deberta", "forward+backward"), "a known limit")
+    case, program = "deberta", "forward+backward"
     grows = dict(target="v5e", case=case, program=program, temp_bytes=[0, 3 << 30], ratio=None, ok=False)
     assert ct.verdict([], [grows]) == [] and grows["known_growth"]
     assert len(ct.verdict([], [dict(grows, target="h100")])) == 1
@@ -84,3 +85,12 @@ def test_the_verdict_fails_a_program_without_its_kernel():
     held["kernels"], lost["kernels"] = ["jaxattn_flex_tpu_forward", kernel], ["jaxattn_flex_tpu_forward"]
     assert ct.verdict([held], []) == []
     assert f"no {kernel} kernel" in ct.verdict([lost], [])[0]
+
+
+def test_a_tpu_slack_counts_q_in_the_kernels_layout():
+    # six arrays of q's size at the doubled lengths, its head dim padded to 128 lanes (DeBERTa's 64), else the
+    # floor; a GPU's slack is the tile schedule's
+    double = dict(B=1, T=8192, N=8, H=64, Hv=64, dtype="bfloat16")
+    assert ct.slack("v6e", double) == ct.TPU_COPIES * 8192 * 8 * 128 * 2
+    assert ct.slack("v6e", dict(double, T=1024)) == ct.TPU_LINEAR_SLACK
+    assert ct.slack("h100", double) == ct.LINEAR_SLACK

@@ -55,9 +55,11 @@ def backward_refusal(call: AttentionCall, query, key, value, has_consts: bool, l
     return None
 
 
-def _spec(shape, index):
-    """A BlockSpec whose index map ignores the scalar-prefetch refs."""
-    return pl.BlockSpec(shape, lambda *ids: index(*ids[:3]))
+def _spec(shape, index, buffers=2):
+    """A BlockSpec whose index map ignores the scalar-prefetch refs; buffers=1: one copy in VMEM, not the
+    pipeline's two (tpu_tables.key_buffers)."""
+    mode = pl.Buffered(1) if buffers == 1 else None
+    return pl.BlockSpec(shape, lambda *ids: index(*ids[:3]), pipeline_mode=mode)
 
 
 def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of_grid=None, tables=None, S=None):
@@ -78,6 +80,7 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
     bq, bk, bs, bl, bsched = cfg.batched
     pick = tile_body.pick
     columns = lse[..., None], delta[..., None]  # [B,N,Tp,1]: the dq kernel's, a tile's rows at a time
+    buffers = 2 if tables is None else tpu_tables.key_buffers(tables[0], Sp, Hp, Hvp, q.dtype, 1)  # padded already
     rows = lambda x: x[:, None, :]  # noqa: E731  [B|1,L] -> [B|1,1,L]
     parallel = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
     # the bias's gradient sums over the query tiles of (b, n) in one output block: they run in order
@@ -122,8 +125,8 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
         "lse": (columns[0], _spec((None, None, cfg.Tb, 1), lambda b, n, i: (b, n, i, 0))),
         "delta": (columns[1], _spec((None, None, cfg.Tb, 1), lambda b, n, i: (b, n, i, 0))),
         # lax.div: n >= 0, and Mosaic lowers floor division through sign, which asks the TPU generation
-        "k": (k, _spec((None, None, Sp, Hp), lambda b, n, i: (b, lax.div(n, G), 0, 0))),
-        "v": (v, _spec((None, None, Sp, Hvp), lambda b, n, i: (b, lax.div(n, G), 0, 0))),
+        "k": (k, _spec((None, None, Sp, Hp), lambda b, n, i: (b, lax.div(n, G), 0, 0), buffers)),
+        "v": (v, _spec((None, None, Sp, Hvp), lambda b, n, i: (b, lax.div(n, G), 0, 0), buffers)),
         "q_pos": (rows(side.q_pos), _spec((None, 1, cfg.Tb), lambda b, n, i: (pick(bq, b), 0, i))),
         "k_pos": (rows(side.k_pos), _spec((None, 1, Sp), lambda b, n, i: (pick(bk, b), 0, 0))),
     }
