@@ -80,7 +80,10 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
     bq, bk, bs, bl, bsched = cfg.batched
     pick = tile_body.pick
     columns = lse[..., None], delta[..., None]  # [B,N,Tp,1]: the dq kernel's, a tile's rows at a time
-    buffers = 2 if tables is None else tpu_tables.key_buffers(tables[0], Sp, Hp, Hvp, q.dtype, 1)  # padded already
+    # two copies of k and v, or one where the tables' blocks leave room for only one (the refusal let the call
+    # through: at least one fits; on the padded lengths, which a BlockMask's tiles may lengthen, 0 means one too)
+    two = tables is None or tpu_tables.key_buffers(tables[0], Sp, Hp, Hvp, q.dtype, 1) == 2
+    buffers = 2 if two else 1
     rows = lambda x: x[:, None, :]  # noqa: E731  [B|1,L] -> [B|1,1,L]
     parallel = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
     # the bias's gradient sums over the query tiles of (b, n) in one output block: they run in order
@@ -245,7 +248,7 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
             if name in r:
                 r[name] = Row(r[name])
         r["query_head"] = g
-        r["q"], r["do"] = (_OneHead(r[name], heads_last=True) for name in ("q", "do"))
+        r["q"], r["do"] = (_OneHead(r[name]) for name in ("q", "do"))
         r["lse"], r["delta"] = (_ColumnOfRow(r[name]) for name in ("lse", "delta"))
         if G > 1:
             r["dk"], r["dv"] = (_SumOverHeads(r[name], r[name + "_sum"], g, G) for name in ("dk", "dv"))
@@ -263,19 +266,16 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
 
 
 class _OneHead:
-    """The block of one query head (the dk/dv grid's g) read as the G heads' block the dk/dv kernel indexes by
-    head: any head index reads the block's one head. heads_last: a [1,Tp,F] block of q or do read as the GPU
-    layout's [Tp,G,F], [rows, g, columns] -> ref[0, rows, columns]; else [g, rest] -> ref[0, rest]."""
+    """The [1,Tp,F] block of one query head's q or do (the dk/dv grid's g) read as the GPU layout's [Tp,G,F] the
+    dk/dv kernel indexes by head: [rows, g, columns] -> ref[0, rows, columns], any g the block's one head."""
 
-    def __init__(self, ref, heads_last=False):
-        self.ref, self.dtype, self.heads_last = ref, ref.dtype, heads_last
-        self.shape = (ref.shape[1], 1, ref.shape[2]) if heads_last else ref.shape
+    def __init__(self, ref):
+        self.ref, self.dtype = ref, ref.dtype
+        self.shape = (ref.shape[1], 1, ref.shape[2])
 
     def __getitem__(self, index):
-        if self.heads_last:
-            rows, _, columns = index
-            return self.ref[0, rows, columns]
-        return self.ref[(0, *index[1:])]
+        rows, _, columns = index
+        return self.ref[0, rows, columns]
 
 
 class _ColumnOfRow:

@@ -292,9 +292,9 @@ def disentangled_attention(
     int32 map of the offsets (row_tables); ValueError naming an option it cannot express: mask, bias,
     dropout, return_weights, tables over 1024 rows), "pallas_tpu" (our Pallas TPU kernel's forward, both
     terms read from the tables laid out along the offsets, and its backward kernels (the blockwise engine's where
-    the tables and keys overrun the dq kernel's VMEM: T = S = 8192 at v3's 256 buckets); refuses positions
-    of the call's own and logit_softcap by name), or None: on CUDA / TPU that kernel where it expresses the
-    call, else (and on every other platform) blockwise where it takes the call, T x S reaches
+    the tables and one copy of the keys overrun the dq kernel's VMEM: T = S = 16384 at v3's 256 buckets);
+    refuses positions of the call's own and logit_softcap by name), or None: on CUDA / TPU that kernel where it
+    expresses the call, else (and on every other platform) blockwise where it takes the call, T x S reaches
     dot_product_attention's threshold and S exceeds the table's rows, else dense. interpret: with
     "pallas_gpu" / "pallas_tpu", Pallas' interpreter (any platform).
     """
