@@ -28,7 +28,7 @@ import pytest
 import jaxattn
 from helpers import assert_float64, attention_loop, normwise
 from jaxattn._core.call import AttentionCall
-from jaxattn._kernels import decode_gpu, flash_gpu, pair_tables, pallas_gpu
+from jaxattn._kernels import decode_gpu, flash_gpu, flex_tpu, pair_tables, pallas_gpu, pallas_tpu
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
 
@@ -130,14 +130,14 @@ def _value_and_grads(f, args, w):
     return run(*args)
 
 
-def _check(name):
+def _check(name, implementation="pallas_gpu"):
     (q, k, v), (a_k, a_v), options, w = _setup(name)
     T, N, S = q.shape[-3], q.shape[-2], k.shape[-3]
     f, tables = _relative(a_k, a_v, **options)
     args = (q, k, v, *tables)
 
     with jax.enable_x64(False):
-        out, grads = _value_and_grads(lambda *a: f(*a, implementation="pallas_gpu", interpret=True), args, w)
+        out, grads = _value_and_grads(lambda *a: f(*a, implementation=implementation, interpret=True), args, w)
     assert out.dtype == jnp.float32
 
     def full(table):  # [T,S,N,F] as the loop reads it, float64
@@ -164,6 +164,19 @@ def _check(name):
 @pytest.mark.parametrize("name", [n if n == DEFAULT_CASE else pytest.param(n, marks=pytest.mark.slow) for n in CASES])
 def test_kernel_matches_the_float64_loop(name):
     _check(name)
+
+
+# The TPU kernel (tpu_pairs: the tables' slices copied in per tile, R = 8 rows at a time interpreted, two chunks
+# of each 16-row tile): the default case has two batch entries, a per-head A^K and a shared A^V, so both
+# gradients add into the same slices from several programs (the dq grid in order).
+TPU_DEFAULT_CASE = "both causal GQA"
+
+
+@pytest.mark.parametrize(
+    "name", [n if n == TPU_DEFAULT_CASE else pytest.param(n, marks=pytest.mark.slow) for n in CASES]
+)
+def test_tpu_kernel_matches_the_float64_loop(name):
+    _check(name, "pallas_tpu")
 
 
 # bf16 inputs and tables against the float64 dense engine on the same rounded numbers: the contract suite's bf16
@@ -199,9 +212,14 @@ def test_what_the_kernels_refuse():
     for tables in (dict(rel_key=pair), dict(rel_value=pair), dict(rel_key=pair, rel_value=pair)):
         assert refusal(pallas_gpu, **tables) is None
         assert refusal(pallas_gpu, **tables, is_causal=True, window=(3, 0), logit_softcap=5.0) is None
-        # the flash kernel alone, the split-key decode kernel and the TPU kernels keep refusing them by name
+        # the flash kernel alone and the split-key decode kernel keep refusing them by name
         assert refusal(flash_gpu, **tables) in tables
         assert decode_gpu.decode_unsupported(AttentionCall(**tables), q, k, v, True) in tables
+        with jax.enable_x64(False):  # the TPU kernels: tpu_pairs, in the flex kernel (splash refuses them)
+            assert refusal(pallas_tpu, True, **tables, is_causal=True, window=(3, 0)) is None
+            assert flex_tpu.wanted(AttentionCall(**tables))
+            # implementation=None on a TPU declines them: the kernel's copy of the tables (flex_tpu.declined)
+            assert pallas_tpu.declined(AttentionCall(**tables), q, k, v).startswith("rel_key / rel_value")
     # options the pair kernels do not compute beside the tables: named (None falls back to the XLA engines)
     beside = dict(
         score_mod=lambda s, b, n, t, u: s,
@@ -211,8 +229,12 @@ def test_what_the_kernels_refuse():
     for name, option in beside.items():
         extra = dict(max_distance=1) if name == "key_table" else {}
         assert refusal(pallas_gpu, rel_key=pair, **{name: option}, **extra).startswith(name)
-    # on a GPU (not interpreted) a float64 table is refused by name
+        with jax.enable_x64(False):
+            assert refusal(pallas_tpu, True, rel_key=pair, **{name: option}, **extra).startswith(name)
+    # on a GPU or a TPU (not interpreted) a float64 table is refused by name
     assert refusal(pallas_gpu, rel_value=pair.astype(jnp.float64)) == "rel_value"
+    with jax.enable_x64(False):
+        assert refusal(pallas_tpu, rel_value=np.zeros((7, 7, 1, 4), np.float64)) == "rel_value"
     with pytest.raises(ValueError, match="score_mod"):
         jaxattn.relative_attention(
             q, k, v, pair, score_mod=lambda s, b, n, t, u: s, implementation="pallas_gpu", interpret=True
@@ -264,3 +286,34 @@ def test_lowered_for_cuda_is_the_kernel(program):
     T = T_LOWERED
     assert not re.search(rf"[<x]{T}x{T}x(f32|bf16|f16|i1|i32)>", text), "a [T,S] buffer"
     assert not re.search(rf"<1x{T}x{T}x{H}x", text), "a [B,T,S,H] product"
+
+
+@pytest.mark.parametrize("program", ["forward+backward", pytest.param("forward", marks=pytest.mark.slow)])
+def test_lowered_for_tpu_is_the_kernel_when_named(program):
+    """implementation="pallas_tpu" lowered for a TPU: the flex kernel's three Mosaic calls with the tables' slices
+    copied in (tpu_pairs), no [B,N,T,S] value, no XLA tile loop; implementation=None holds none of them (declined:
+    the kernel's copy of the tables). Compiled for v5e in CI (.ci/compile_targets.py, "relative pairs")."""
+    N, K, H = 4, 2, 64
+    q = jax.ShapeDtypeStruct((1, T_LOWERED, N, H), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, T_LOWERED, K, H), jnp.bfloat16)
+    a_k = jax.ShapeDtypeStruct((T_LOWERED, T_LOWERED, N, H), jnp.bfloat16)
+    a_v = jax.ShapeDtypeStruct((T_LOWERED, T_LOWERED, 1, H), jnp.bfloat16)
+
+    def lowered(implementation):
+        def forward(q, k, v, a_k, a_v):
+            return jaxattn.relative_attention(q, k, v, a_k, a_v, is_causal=True, implementation=implementation)
+
+        fn = forward
+        if program != "forward":
+            fn = jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
+        with jax.enable_x64(False), jaxattn.cross_platform_lowering():
+            return jax.jit(fn).trace(q, kv, kv, a_k, a_v).lower(lowering_platforms=("tpu",)).as_text()
+
+    text = lowered("pallas_tpu")
+    kernels = set(re.findall(r'name = "(jaxattn_\w+)"', text))
+    backward = {"jaxattn_flex_tpu_dq", "jaxattn_flex_tpu_dkv"} if program != "forward" else set()
+    assert kernels == {"jaxattn_flex_tpu_forward"} | backward, kernels
+    assert "stablehlo.while" not in text, "an XLA tile loop"
+    T = T_LOWERED
+    assert not re.search(rf"[<x]{T}x{T}x(f32|bf16|f16|i1|i32)>", text), "a [T,S] buffer"
+    assert "tpu_custom_call" not in lowered(None)

@@ -100,15 +100,6 @@ def test_float16_is_refused_on_a_tpu_and_none_takes_xla_there(x64_off, keywords)
     assert "tpu_custom_call" in text  # the same call in bfloat16 takes the kernel
 
 
-@pytest.mark.parametrize("implementation", ["pallas_tpu"])  # the GPU kernel takes them: tests/test_kernel_pairs.py
-def test_per_pair_tables_are_refused_by_a_kernel_by_name(x64_off, implementation):
-    q, k, v = qkv()
-    with pytest.raises(ValueError, match=f"^rel_key: .*'{implementation}'"):
-        jaxattn.relative_attention(
-            q, k, v, np.zeros((T, S, 1, H), np.float32), implementation=implementation, interpret=True
-        )
-
-
 def test_shaw_tables_go_to_the_flex_kernel_not_splash(x64_off):
     """Splash has no tables: "pallas_tpu" hands them to our flex TPU kernel (tests/test_kernel_shaw.py), which
     refuses positions of the call's own by name."""

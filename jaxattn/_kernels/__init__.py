@@ -22,6 +22,8 @@ allowed key). Kernels may use the engines below them (an empty input, an XLA bac
     splash_tpu  TPU splash attention, shipped with JAX (jax.experimental.pallas.ops.tpu.splash_attention)
     flex_tpu    our Pallas TPU kernel (tile_body's forward kernel on a TPU layout), forward
     tpu_backward flex_tpu's backward (flex calls, T5 / ALiBi): flash_gpu's dq and dk/dv kernels on its layout
+    tpu_tables  Shaw's and DeBERTa's tables in flex_tpu / tpu_backward (laid out along their offsets)
+    tpu_pairs   relative_attention's per-pair tables in flex_tpu / tpu_backward (tile slices copied from HBM)
     tpu_refs    views of TPU refs the shared kernel bodies read, and the lane rolls onto a tile's diagonals
     cudnn       cuDNN's fused attention through jax.nn.dot_product_attention(implementation="cudnn")
 

@@ -33,6 +33,9 @@ entry. So it is gathered once outside the kernel, at the scheme's own index of e
 pair (pair_bias_of_grid), and each tile reads its [Tb,Sb] slice. Bounded: N x Tp x Sp float32 within
 MAX_PAIR_BIAS_BYTES (this path is for windows, not long sequences; longer calls fall back to XLA).
 
+Per-pair tables (relative_attention's rel_key / rel_value, docs/kernels.md, "Per-pair tables on a TPU"): left
+in HBM, each tile's slice copied in by tpu_pairs' hooks; implementation=None declines them (declined).
+
 Position tables (docs/kernels.md, "Position tables on a TPU"): Shaw's and DeBERTa's tables laid out along the
 offsets of their band, a tile's terms a window of the lanes moved by strided rolls, forward and backward
 (tpu_tables). The default positions only, as for the bias.
@@ -65,7 +68,7 @@ from .._core.call import INDEX_ARRAYS, AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.offset_bias import OffsetBias, TableBias, of_rows
 from .._engines import blockwise
-from . import flash_gpu, splash_tpu, tile_body, tpu_backward, tpu_tables
+from . import flash_gpu, pair_tables, splash_tpu, tile_body, tpu_backward, tpu_pairs, tpu_tables
 from .tpu_refs import LANES, Row, Scalars, toeplitz_tile, window
 
 INTERPRET_BLOCK = 16
@@ -77,7 +80,20 @@ MAX_BIAS_ROWS = 2**20  # one head's position-bias rows in VMEM (float32, about T
 # kernel's block [Tb,Sp] is at most 128 x 2048 x 4 = 1 MiB of VMEM (doubled by the pipeline).
 MAX_PAIR_BIAS_BYTES = 16 * 2**20
 # The options only this kernel takes on TPU (splash takes every other call it can express).
-FLEX_OPTIONS = ("score_mod", "mask_mod", "block_mask", "position_bias", "key_table", "value_table", "row_tables")
+FLEX_OPTIONS = (
+    "score_mod",
+    "mask_mod",
+    "block_mask",
+    "position_bias",
+    "key_table",
+    "value_table",
+    "row_tables",
+    "rel_key",
+    "rel_value",
+)
+# One head's keys and values beside per-pair tables (tpu_pairs): their slices, products and gradients take about
+# 4 MiB of VMEM more than the forward's and the dq kernel's other blocks, so half MAX_KEY_BYTES.
+MAX_PAIR_KEY_BYTES = MAX_KEY_BYTES // 2
 # The widest band of offsets whose table rows differ (hi - lo + 1) the kernel lays out per head: with the
 # margins, E lanes of up to 2048 + 4 tiles, so the [Tb,E] float32 q . key rows (1.5 MiB at Tb = 128) and each
 # table's [E,H] block fit VMEM beside the keys. Shaw's tables reach at most offset_tables.MAX_COLUMNS rows (the
@@ -97,6 +113,8 @@ def _tiles_ok(pair) -> bool:
 def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Optional[str]:
     """None when attention() computes this call; else the first option it cannot express: the Pallas GPU
     kernel's own refusals (without its GPU chip limits), and on a TPU the limits in the module docstring."""
+    if pair_tables.in_use(call):
+        return pairs_refusal(call, query, key, value, interpret)
     problem = flash_gpu.unsupported(call, query, key, value, interpret=True)
     if problem is not None:
         return problem
@@ -145,15 +163,45 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
     return None
 
 
+def pairs_refusal(call: AttentionCall, query, key, value, interpret=False) -> Optional[str]:
+    """unsupported() for a call with per-pair tables (rel_key / rel_value, tpu_pairs): the options refused beside
+    them (pair_tables.NOT_BESIDE_PAIRS, as on a GPU), the kernel's refusals of the rest of the call, and on a TPU
+    tables wider than 32-bit floats and keys over MAX_PAIR_KEY_BYTES."""
+    for name in pair_tables.NOT_BESIDE_PAIRS:
+        if getattr(call, name) is not None:
+            return f"{name} (beside per-pair tables rel_key / rel_value)"
+    problem = unsupported(call.replace(rel_key=None, rel_value=None), query, key, value, interpret)
+    if problem is not None or interpret:
+        return problem
+    for name in tpu_pairs.TABLES:
+        table = getattr(call, name)
+        if table is not None and np.dtype(getattr(table, "dtype", np.float32)).itemsize > 4:
+            return name
+    S, H, Hv = np.shape(key)[-3], np.shape(query)[-1], np.shape(value)[-1]
+    padded = lambda x: -(-x // LANES) * LANES  # noqa: E731
+    if padded(S) * (padded(H) + padded(Hv)) * np.dtype(query.dtype).itemsize > MAX_PAIR_KEY_BYTES:
+        return f"key (S={S}: with per-pair tables one head's keys and values must fit {MAX_PAIR_KEY_BYTES >> 20} MiB)"
+    return None
+
+
 def declined(call: AttentionCall, query, key, value) -> Optional[str]:
     """Why implementation=None keeps a call this kernel expresses on the XLA engines (None: it takes it).
 
     A window bias (Swin, BEiT): the kernel pads a window's few tokens to one 128-row tile and the head dim to
     128 lanes, so compiled for v5e at 64 x 16 windows of 7x7 (H = 32, bf16) its forward holds 4-9x the dense
     engine's temp memory (docs/kernels.md, "Swin's and BEiT's windows"); nothing is timed on a TPU. Named,
+    "pallas_tpu" runs it.
+
+    Per-pair tables (rel_key / rel_value): a TPU's HBM tiles a table's [N,F] minor pair, so no DMA can take one
+    head's slice from the caller's [T,S,N,F]; the kernel reads a [Nt,Tp,Sp,Fp] copy (tpu_pairs.layout) and adds
+    into a float32 gradient of that shape. Compiled for v5e at T = S = 1024 (N = 4, head dim 64, bf16, per-head
+    A^K and shared A^V: 640 MiB of tables) its training step holds 6396 MiB of temp memory, the XLA blockwise
+    engine 3337 MiB and the dense engine 19 MiB (docs/kernels.md, "Per-pair tables on a TPU"). Named,
     "pallas_tpu" runs it."""
     if isinstance(call.position_bias, TableBias):
         return "position_bias (a window's bias: the kernel's 128-row tiles and lanes take 4-9x the dense memory)"
+    if pair_tables.in_use(call):
+        return "rel_key / rel_value (per-pair tables: the kernel's copy of them takes more memory than XLA's engines)"
     return None
 
 
@@ -220,11 +268,12 @@ def pair_bias_of_grid(p: flash_gpu.Prepared):
     return jnp.take(p.side.offset_bias, pairs, axis=-1)
 
 
-def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tables=None):
+def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tables=None, pairs=None):
     """tile_body.forward_kernel on the TPU layout: (out [B,Tp,N,Hvp], lse [B,N,Tp]) as the GPU kernel's
     (S: the call's key length, for a position bias's offsets; pair_bias: a table bias's [B|1,N,Tp,Sp],
     pair_bias_of_grid, read instead of the offsets' rows; tables: (TableLanes, {name: [Nt,E,F]}) of Shaw's or
-    DeBERTa's tables, tpu_tables.call_lanes, or None)."""
+    DeBERTa's tables, tpu_tables.call_lanes, or None; pairs: per-pair tables, (PairTables, {name: [Nt,Tp,Sp,Fp]})
+    of laid_pairs, or None)."""
     cfg, side = p.cfg, p.side
     q = jnp.swapaxes(p.q, 1, 2)  # [B,N,Tp,Hp]
     k, v = jnp.swapaxes(p.k, 1, 2), jnp.swapaxes(p.v, 1, 2)
@@ -278,6 +327,9 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
             inputs[name] = (x, spec((None, *x.shape[1:]), lambda b, n, i, heads=heads: (pick(heads, n), 0, 0)))
         if lanes.key_rows:
             scratch["qx"] = pltpu.VMEM((cfg.Tb, lanes.E), jnp.float32)
+    if pairs is not None:  # in HBM, a tile's slices copied in by the hooks (tpu_pairs)
+        inputs.update(tpu_pairs.inputs(pairs[1]))
+        scratch.update(tpu_pairs.scratch(pairs[0], pairs[1], Hp, Hvp, grads=False))
     acc_dtype = accumulation_dtype(q.dtype)
     outputs = {
         "out": (
@@ -309,6 +361,8 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
             r["offset_bias_of_tile"] = lambda j: r["pair_bias"][:, pl.ds(pl.multiple_of(j * cfg.Sb, cfg.Sb), cfg.Sb)]
         if tables is not None:
             tpu_tables.forward_hooks(cfg, r, tables[0], i, p.T, S)
+        if pairs is not None:
+            tpu_pairs.forward_hooks(pairs[0], r, n, i)
         tile_body.forward_kernel(cfg, r)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
@@ -366,6 +420,7 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     # (tpu_backward's cotangent for their lanes reaches the tables through them; under the XLA backward they get
     # zeros, the engine's formula the gradient, through the closure conversion below)
     table_arrays = position_tables(call, query, key, value)
+    pair_arrays = pair_inputs(call, query, key, value)  # per-pair tables: differentiable inputs too (tpu_pairs)
 
     # The call's index arrays and BlockMask are inputs too (with zero cotangents): a custom VJP that closed
     # over them would capture the tracers of an enclosing trace (jit of grad of an eager-compiled call).
@@ -407,10 +462,10 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
         refusal = tpu_tables.backward_refusal(layout, S, query.shape[-1], value.shape[-1], query.dtype, lanes)
     kernel_backward = refusal is None
     engine_consts = ()
-    if call.position_bias is not None or table_arrays:
+    if call.position_bias is not None or table_arrays or pair_arrays:
         engine, engine_consts = jax.closure_convert(engine, query, key, value, call.sinks, consts, indices)
 
-    def forward(query, key, value, sinks, consts, engine_consts, bias_rows, table_arrays, indices):
+    def forward(query, key, value, sinks, consts, engine_consts, bias_rows, table_arrays, pair_arrays, indices):
         """(the call's result, the kernel's lse [B,N,Tp])"""
         inner = with_inputs(sinks, consts, indices)
         if offsets is not None:
@@ -423,12 +478,14 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
             Hp, Hvp = p.q.shape[-1], p.v.shape[-1]
             acc_dtype = accumulation_dtype(query.dtype)
             tables = tpu_tables.call_lanes(call, table_arrays, p.cfg.Tb, p.cfg.Sb, T, S, Hp, Hvp, acc_dtype)
-        out, lse = _forward(p, S, interpret, pair_bias_of_grid(p) if table_bias else None, tables)
+        pairs = laid_pairs(pair_arrays, p, interpret) if pair_arrays else None
+        out, lse = _forward(p, S, interpret, pair_bias_of_grid(p) if table_bias else None, tables, pairs)
         return flash_gpu.finish(p, out, lse, inner.return_lse), lse
 
     def prepare(inner, query, key, value):
         # the tables reach the kernels as table_arrays' lanes (tpu_tables.call_lanes), not as prepare's per-row arrays
         inner = inner.replace(key_table=None, value_table=None, max_distance=None, row_tables=None)
+        inner = inner.replace(rel_key=None, rel_value=None)  # per-pair tables: laid_pairs' arrays
         return flash_gpu.prepare(
             inner, query, key, value, interpret, blocks=blocks, head_multiple=None if interpret else LANES
         )
@@ -444,7 +501,7 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     def kernel_grads(args, result, lse, cotangent):
         """d query, key, value, sinks, bias_rows, table_arrays by tpu_backward's kernels (None: the call has a
         term they lack)."""
-        query, key, value, sinks, consts, _, bias_rows, table_arrays, indices = args
+        query, key, value, sinks, consts, _, bias_rows, table_arrays, pair_arrays, indices = args
         inner = with_inputs(sinks, consts, indices)
 
         def with_rows(inner, rows):  # the position bias read from its rows, as the forward reads it
@@ -467,7 +524,10 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
             return tpu_tables.call_lanes(call, table_arrays, p.cfg.Tb, p.cfg.Sb, T, S, Hp, Hvp, acc_dtype)
 
         tables = lanes_of(table_arrays) if table_arrays else None
-        dq, dk, dv, d_rows, d_lanes = tpu_backward.gradients(p, lse, delta, d_out, interpret, rows_of_grid, tables, S)
+        pairs = laid_pairs(pair_arrays, p, interpret) if pair_arrays else None
+        dq, dk, dv, d_rows, d_lanes, d_laid = tpu_backward.gradients(
+            p, lse, delta, d_out, interpret, rows_of_grid, tables, S, pairs
+        )
         d_sinks = None if p.side.sinks is None else flash_gpu.sinks_grad(p.side.sinks, lse, delta)
         if d_rows is not None and rows_of_grid.shape[0] == 1:  # one set of rows for every batch entry
             d_rows = jnp.sum(d_rows, axis=0, keepdims=True)
@@ -481,6 +541,11 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
 
             d_lanes = {name: summed(d, tables[1][name]).astype(tables[1][name].dtype) for name, d in d_lanes.items()}
             d_tables = jax.vjp(lambda t: lanes_of(t)[1], table_arrays)[1](d_lanes)[0]
+        d_pairs = zeros_like_tree(pair_arrays)
+        if pairs is not None:  # float32 [Nt,Tp,Sp,Fp], summed over the batch (and a shared table's heads) in
+            # the kernel: pulled back through the layout
+            d_laid = {name: d.astype(pairs[1][name].dtype) for name, d in d_laid.items()}
+            d_pairs = jax.vjp(lambda t: laid_pairs(t, p, interpret)[1], pair_arrays)[1](d_laid)[0]
 
         def layout(query, key, value, sinks, bias_rows):  # prepare's arrays: pulled back, the padding drops
             laid = prepare(with_rows(inner.replace(sinks=sinks), bias_rows), query, key, value)
@@ -488,17 +553,17 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
             return laid.q, laid.k, laid.v, laid.side.sinks, grid_rows
 
         grads = jax.vjp(layout, query, key, value, sinks, bias_rows)[1]((dq, dk, dv, d_sinks, d_rows))
-        return (*grads, d_tables)
+        return (*grads, d_tables, d_pairs)
 
     def run_bwd(residuals, cotangent):
         args, result, lse = residuals
-        *differentiable, bias_rows, table_arrays, indices = args
+        *differentiable, bias_rows, table_arrays, pair_arrays, indices = args
         grads = kernel_grads(args, result, lse, cotangent) if kernel_backward else None
         if grads is not None:  # no score_mod consts (backward_refusal); the position bias's through bias_rows,
             # Shaw's tables' through table_arrays
-            *grads, d_bias_rows, d_tables = grads
+            *grads, d_bias_rows, d_tables, d_pairs = grads
             engine_zeros = zeros_like_tree(differentiable[5])
-            return (*grads, (), engine_zeros, d_bias_rows, d_tables, zeros_like_tree(indices))
+            return (*grads, (), engine_zeros, d_bias_rows, d_tables, d_pairs, zeros_like_tree(indices))
         # the XLA blockwise engine's backward (it recomputes its own forward); the bias's through engine_consts
         grads = jax.vjp(
             lambda query, key, value, sinks, consts, engine_consts: engine(
@@ -506,10 +571,12 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
             ),
             *differentiable,
         )[1](cotangent)
-        return (*grads, *(zeros_like_tree(x) for x in (bias_rows, table_arrays, indices)))
+        return (*grads, *(zeros_like_tree(x) for x in (bias_rows, table_arrays, pair_arrays, indices)))
 
     run.defvjp(run_fwd, run_bwd)
-    return run(query, key, value, call.sinks, consts, tuple(engine_consts), bias_rows, table_arrays, indices)
+    return run(
+        query, key, value, call.sinks, consts, tuple(engine_consts), bias_rows, table_arrays, pair_arrays, indices
+    )
 
 
 def position_tables(call: AttentionCall, query, key, value) -> dict:
@@ -526,6 +593,28 @@ def position_tables(call: AttentionCall, query, key, value) -> dict:
     arrays = {"key_rows": tables.key_rows, "query_rows": tables.query_rows}
     arrays = {name: jnp.asarray(x, acc_dtype) for name, x in arrays.items() if x is not None}
     return dict(arrays, row_of_offset=jnp.asarray(tables.row_of_offset, jnp.int32))
+
+
+def pair_inputs(call: AttentionCall, query, key, value) -> dict:
+    """A call's per-pair tables (rel_key [T,S,N|1,H], rel_value [T,S,N|1,Hv]), checked, by name; {} without."""
+    T, S, N = query.shape[-3], key.shape[-3], query.shape[-2]
+    acc_dtype = accumulation_dtype(query.dtype)
+    out = {}
+    wanted = (("rel_key", query.shape[-1], "A^K [T,S,N,H]"), ("rel_value", value.shape[-1], "A^V [T,S,N,Hv]"))
+    for name, F, layout in wanted:
+        table = getattr(call, name)
+        if table is not None:
+            out[name] = checks.check_pair_table(name, table, T, S, N, F, acc_dtype, layout)
+    return out
+
+
+def laid_pairs(arrays: dict, p: flash_gpu.Prepared, interpret: bool):
+    """(PairTables, {name: [Nt,Tp,Sp,Fp]}): per-pair tables (pair_inputs) as the kernels read them (tpu_pairs)."""
+    cfg = p.cfg
+    Tp, Sp = cfg.Tn * cfg.Tb, cfg.Sn * cfg.Sb
+    widths = {"rel_key": p.q.shape[-1], "rel_value": p.v.shape[-1]}
+    laid = {name: tpu_pairs.layout(x, Tp, Sp, widths[name]) for name, x in arrays.items()}
+    return tpu_pairs.of_call(arrays, p.N, cfg.Tb, cfg.Sb, interpret), laid
 
 
 def zeros_like_tree(tree):

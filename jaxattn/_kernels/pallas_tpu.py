@@ -1,6 +1,7 @@
 """implementation="pallas_tpu": JAX's splash attention (splash_tpu) for every call it expresses, our own Pallas
 TPU kernel (flex_tpu) for score_mod, mask_mod, a BlockMask, a position bias (T5's and ALiBi's of j - i, Swin's
-and BEiT's windows) and Shaw's / DeBERTa's position tables, which splash cannot express."""
+and BEiT's windows), Shaw's / DeBERTa's position tables and relative_attention's per-pair tables, which splash
+cannot express."""
 
 from __future__ import annotations
 

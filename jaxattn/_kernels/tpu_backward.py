@@ -31,7 +31,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .._core.call import AttentionCall
 from .._core.offset_bias import OffsetBias
-from . import flash_gpu, tile_body, tpu_tables
+from . import flash_gpu, tile_body, tpu_pairs, tpu_tables
 from .tpu_refs import Row, Scalars, lane_window, toeplitz_tile, undiagonals, window
 
 # The dk/dv kernel holds the query rows of one query head in VMEM (q and do, double-buffered by the pipeline),
@@ -62,7 +62,9 @@ def _spec(shape, index, buffers=2):
     return pl.BlockSpec(shape, lambda *ids: index(*ids[:3]), pipeline_mode=mode)
 
 
-def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of_grid=None, tables=None, S=None):
+def gradients(
+    p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of_grid=None, tables=None, S=None, pairs=None
+):
     """(dq [B,Tp,N,Hp], dk [B,Sp,K,Hp], dv [B,Sp,K,Hvp], d rows_of_grid [B,N,1,E] float32 or None) of a prepared
     call (prepare's padded arrays) from the forward's lse and delta = rowsum(dO * out) - d lse, both [B,N,Tp]
     float32, and d_out [B,Tp,N,Hvp]; rows_of_grid: a position bias of j - i, the bias of every offset of the
@@ -71,7 +73,10 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
     A tile's bias is a window of its head's row rolled into the tile's diagonals (tpu_refs.toeplitz_tile), as in
     the forward; its gradient the inverse roll summed over the tile's rows (undiagonals), added into the dq
     program's row of offsets. The dq grid walks the query tiles of one (b, n) in order ("arbitrary"), so
-    that row stays in VMEM and sums over them: d rows [B,N,1,E], O(T + S) per head, no atomics."""
+    that row stays in VMEM and sums over them: d rows [B,N,1,E], O(T + S) per head, no atomics.
+
+    pairs: per-pair tables (tpu_pairs: (PairTables, {name: [Nt,Tp,Sp,Fp]})) or None; their gradients, float32
+    [Nt,Tp,Sp,Fp] by name, are the last result (empty without)."""
     cfg, side = p.cfg, p.side
     q, k, v, do = (jnp.swapaxes(x, 1, 2) for x in (p.q, p.k, p.v, d_out.astype(p.q.dtype)))  # [B,heads,L,F]
     B, N, Tp, Hp = q.shape
@@ -101,8 +106,10 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
             arrays["lengths"] = side.lengths
         return {name: x.reshape(-1) for name, x in arrays.items()}, {name: x.shape for name, x in arrays.items()}
 
-    def call(kernel, name, grid, scalars, inputs, outputs, compiler_params=parallel, scratch=None):
+    def call(kernel, name, grid, scalars, inputs, outputs, compiler_params=parallel, scratch=None, aliases=None):
         scratch = scratch or {}
+        # aliases {input name: output name}: pallas_call counts the scalar-prefetch operands among the inputs
+        aliases = {len(scalars) + tuple(inputs).index(a): tuple(outputs).index(o) for a, o in (aliases or {}).items()}
         names = tuple(scalars) + tuple(inputs) + tuple(outputs) + tuple(scratch)
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
@@ -117,6 +124,7 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
             out_shape=[shape for shape, _ in outputs.values()],
             interpret=interpret,
             compiler_params=compiler_params,
+            input_output_aliases=aliases,
             name=name,
         )(*scalars.values(), *[x for x, _ in inputs.values()])
 
@@ -155,6 +163,14 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
         for names, table in ((("qx", "d_qx"), "key_rows"), (("dox", "p_lanes"), "value_rows")):
             for name in names if getattr(lanes, table) else ():  # [Tb,E] float32 each (the section below)
                 scratch[name] = pltpu.VMEM((cfg.Tb, lanes.E), jnp.float32)
+    aliases = {}
+    if pairs is not None:  # the tables in HBM, their gradients float32 zeros in HBM, added into in order (tpu_pairs)
+        inputs.update(tpu_pairs.inputs(pairs[1]))
+        for name, x in pairs[1].items():
+            inputs["d_" + name + "_zeros"] = (jnp.zeros(x.shape, jnp.float32), pl.BlockSpec(memory_space=pl.ANY))
+            outputs["d_" + name] = (jax.ShapeDtypeStruct(x.shape, jnp.float32), pl.BlockSpec(memory_space=pl.ANY))
+            aliases["d_" + name + "_zeros"] = "d_" + name
+        scratch.update(tpu_pairs.scratch(pairs[0], pairs[1], Hp, Hvp, grads=True))
 
     def dq(r):
         b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
@@ -184,12 +200,19 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
             r["add_offset_bias_grad"] = add
         if tables is not None:
             tpu_tables.dq_hooks(cfg, r, tables[0], i, p.T, S)
+        if pairs is not None:
+            tpu_pairs.dq_hooks(pairs[0], r, n, i)
         flash_gpu.dq_kernel(cfg, r)
 
     params = parallel if rows_of_grid is None and tables is None else by_rows
-    dq_out, *d_extra = call(dq, "jaxattn_flex_tpu_dq", (B, N, cfg.Tn), scalars, inputs, outputs, params, scratch)
+    if pairs is not None:  # every program may add into the same slices of a table's gradient: one at a time
+        params = pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary", "arbitrary"))
+    grid = (B, N, cfg.Tn)
+    dq_out, *d_extra = call(dq, "jaxattn_flex_tpu_dq", grid, scalars, inputs, outputs, params, scratch, aliases)
     d_rows = d_extra[:1] if rows_of_grid is not None else []
+    n_tables = 0 if tables is None else len(tables[1])
     d_tables = {} if tables is None else dict(zip(tables[1], d_extra[len(d_rows) :]))
+    d_pairs = {} if pairs is None else dict(zip(pairs[1], d_extra[len(d_rows) + n_tables :]))
 
     # dk/dv: grid (b, key head h, key tile j, query head g of h), the transposed schedule; each program reads the
     # rows of query head h G + g, and the G programs of (b, h, j) add their shares of dk and dv in order
@@ -224,6 +247,8 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
         for name, x in tables[1].items():
             heads = x.shape[0] > 1
             inputs[name] = (x, spec((1, *x.shape[1:]), lambda b, h, j, g, heads=heads: (pick(heads, h * G + g), 0, 0)))
+    if pairs is not None:
+        inputs.update(tpu_pairs.inputs(pairs[1]))
     outputs = {
         "dk": (jax.ShapeDtypeStruct(k.shape, k.dtype), spec((None, None, cfg.Sb, Hp), lambda b, h, j, g: (b, h, j, 0))),
         "dv": (
@@ -234,6 +259,8 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
     scratch = {}
     if G > 1:  # dk and dv summed over the G programs in float32
         scratch = {"dk_sum": pltpu.VMEM((cfg.Sb, Hp), jnp.float32), "dv_sum": pltpu.VMEM((cfg.Sb, Hvp), jnp.float32)}
+    if pairs is not None:
+        scratch.update(tpu_pairs.scratch(pairs[0], pairs[1], Hp, Hvp, grads=False))
 
     def dkv(r):
         b, h, j, g = (pl.program_id(axis) for axis in range(4))
@@ -257,12 +284,14 @@ def gradients(p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of
             r["offset_bias_of_tile"] = lambda g, i: toeplitz_tile(rows_of.at[0], bias_start(i, j), cfg.Tb, cfg.Sb)
         if tables is not None:
             tpu_tables.dkv_hooks(cfg, r, tables[0], j, p.T, S)
+        if pairs is not None:
+            tpu_pairs.dkv_hooks(pairs[0], r, lambda g: h * G + g, j)
         flash_gpu.dkv_kernel(cfg, r)
 
     by_heads = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
     dk, dv = call(dkv, "jaxattn_flex_tpu_dkv", (B, K, cfg.Sn, G), scalars, inputs, outputs, by_heads, scratch)
     dq_out, dk, dv = (jnp.swapaxes(x, 1, 2) for x in (dq_out, dk, dv))
-    return dq_out, dk, dv, d_rows[0] if d_rows else None, d_tables
+    return dq_out, dk, dv, d_rows[0] if d_rows else None, d_tables, d_pairs
 
 
 class _OneHead:
