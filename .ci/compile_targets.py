@@ -78,6 +78,7 @@ EXPECTED_KERNELS = {
     ("v5e", "shaw causal", "forward+backward"): "jaxattn_flex_tpu_dkv",
     ("v5e", "deberta", "forward+backward"): "jaxattn_flex_tpu_dq",
     ("v5e", "relative pairs", "forward+backward"): "jaxattn_flex_tpu_dq",
+    ("v5e", "None relative pairs", "forward+backward"): "jaxattn_flex_tpu_dq",  # None takes the kernel on a TPU too
 }
 # Forward-only programs without return_lse (issue 36 §4): the GPU kernel writes lse [B,N,T] float32 only for a
 # backward or return_lse, so the program's temp bytes stay below one lse's (the tile schedule's few KiB). The
@@ -226,9 +227,12 @@ CASES = [
     # (bf16, per-head A^K and a shared A^V, differentiated), read per [16,16] tile 16 features at a time; their
     # gradients from the dq kernel (A^K stored, one batch entry; A^V added over the heads with atomics). 1024 x 1024
     # keeps the tables at 512 + 128 MiB. 5 s (forward) and 18 s (forward+backward) to compile here. float32 at head
-    # dim 128 is the shared-memory check (pair_tables.PAIR_STAGES).
+    # dim 128 is the shared-memory check (pair_tables.PAIR_STAGES). TPU (tpu_pairs): the tables read as [T,N,F,S]
+    # from HBM, each tile's [16,F,128] slice copied in; "f32 H128" is the layout's copy (a table with F >= 128 is
+    # row-major by default), "unaligned" the padding of T and S (a copy too)
     Case("relative pairs", T=1024, N=4, K=2, H=64, scheme="pairs", options=CAUSAL),
-    Case("relative pairs f32 H128", T=384, S=640, N=2, H=128, dtype="float32", scheme="pairs", platforms=("gpu",)),
+    Case("relative pairs f32 H128", T=384, S=640, N=2, H=128, dtype="float32", scheme="pairs"),
+    Case("relative pairs unaligned", T=1000, S=1100, N=4, K=2, H=64, scheme="pairs", platforms=("tpu",)),
     Case(
         "None relative pairs",
         T=1024,
@@ -368,6 +372,7 @@ CI_SECOND = {"causal H256 GQA 4/2": FWD_BWD, "full f32": FWD_BWD, "None causal":
 # window (flex_tpu.declined), so it is the dense engine's program there.
 CI_TPU = {name: p for name, p in CI_FIRST.items() if name not in ("None swin", "None shaw", "None deberta")}
 CI_TPU.update({"swin shifted": ("forward",), "shaw causal": FWD_BWD, "deberta": FWD_BWD})
+CI_TPU.update({"None relative pairs": FWD_BWD, "relative pairs unaligned": FWD_BWD})  # 0.5 s each on v5e
 CI = {"h100": CI_FIRST, "v5e": CI_TPU, "a100": CI_SECOND, "v6e": CI_SECOND}
 
 # Memory checks that fail today by a known limit, each with why: (target regex, case, program). Listed, the check

@@ -34,7 +34,7 @@ pair (pair_bias_of_grid), and each tile reads its [Tb,Sb] slice. Bounded: N x Tp
 MAX_PAIR_BIAS_BYTES (this path is for windows, not long sequences; longer calls fall back to XLA).
 
 Per-pair tables (relative_attention's rel_key / rel_value, docs/kernels.md, "Per-pair tables on a TPU"): left
-in HBM, each tile's slice copied in by tpu_pairs' hooks; implementation=None declines them (declined).
+in HBM, each tile's slice copied in by tpu_pairs' hooks.
 
 Position tables (docs/kernels.md, "Position tables on a TPU"): Shaw's and DeBERTa's tables laid out along the
 offsets of their band, a tile's terms a window of the lanes moved by strided rolls, forward and backward
@@ -190,18 +190,9 @@ def declined(call: AttentionCall, query, key, value) -> Optional[str]:
     A window bias (Swin, BEiT): the kernel pads a window's few tokens to one 128-row tile and the head dim to
     128 lanes, so compiled for v5e at 64 x 16 windows of 7x7 (H = 32, bf16) its forward holds 4-9x the dense
     engine's temp memory (docs/kernels.md, "Swin's and BEiT's windows"); nothing is timed on a TPU. Named,
-    "pallas_tpu" runs it.
-
-    Per-pair tables (rel_key / rel_value): a TPU's HBM tiles a table's [N,F] minor pair, so no DMA can take one
-    head's slice from the caller's [T,S,N,F]; the kernel reads a [Nt,Tp,Sp,Fp] copy (tpu_pairs.layout) and adds
-    into a float32 gradient of that shape. Compiled for v5e at T = S = 1024 (N = 4, head dim 64, bf16, per-head
-    A^K and shared A^V: 640 MiB of tables) its training step holds 6396 MiB of temp memory, the XLA blockwise
-    engine 3337 MiB and the dense engine 19 MiB (docs/kernels.md, "Per-pair tables on a TPU"). Named,
     "pallas_tpu" runs it."""
     if isinstance(call.position_bias, TableBias):
         return "position_bias (a window's bias: the kernel's 128-row tiles and lanes take 4-9x the dense memory)"
-    if pair_tables.in_use(call):
-        return "rel_key / rel_value (per-pair tables: the kernel's copy of them takes more memory than XLA's engines)"
     return None
 
 
@@ -272,7 +263,7 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
     """tile_body.forward_kernel on the TPU layout: (out [B,Tp,N,Hvp], lse [B,N,Tp]) as the GPU kernel's
     (S: the call's key length, for a position bias's offsets; pair_bias: a table bias's [B|1,N,Tp,Sp],
     pair_bias_of_grid, read instead of the offsets' rows; tables: (TableLanes, {name: [Nt,E,F]}) of Shaw's or
-    DeBERTa's tables, tpu_tables.call_lanes, or None; pairs: per-pair tables, (PairTables, {name: [Nt,Tp,Sp,Fp]})
+    DeBERTa's tables, tpu_tables.call_lanes, or None; pairs: per-pair tables, (PairTables, {name: [Tp,Nt,F,Sp]})
     of laid_pairs, or None)."""
     cfg, side = p.cfg, p.side
     q = jnp.swapaxes(p.q, 1, 2)  # [B,N,Tp,Hp]
@@ -542,8 +533,8 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
             d_lanes = {name: summed(d, tables[1][name]).astype(tables[1][name].dtype) for name, d in d_lanes.items()}
             d_tables = jax.vjp(lambda t: lanes_of(t)[1], table_arrays)[1](d_lanes)[0]
         d_pairs = zeros_like_tree(pair_arrays)
-        if pairs is not None:  # float32 [Nt,Tp,Sp,Fp], summed over the batch (and a shared table's heads) in
-            # the kernel: pulled back through the layout
+        if pairs is not None:  # [Tp,Nt,F,Sp], summed over the batch (and a shared table's heads) in the
+            # kernel: pulled back through the layout
             d_laid = {name: d.astype(pairs[1][name].dtype) for name, d in d_laid.items()}
             d_pairs = jax.vjp(lambda t: laid_pairs(t, p, interpret)[1], pair_arrays)[1](d_laid)[0]
 
@@ -609,12 +600,11 @@ def pair_inputs(call: AttentionCall, query, key, value) -> dict:
 
 
 def laid_pairs(arrays: dict, p: flash_gpu.Prepared, interpret: bool):
-    """(PairTables, {name: [Nt,Tp,Sp,Fp]}): per-pair tables (pair_inputs) as the kernels read them (tpu_pairs)."""
+    """(PairTables, {name: [Tp,Nt,F,Sp]}): per-pair tables (pair_inputs) as the kernels read them (tpu_pairs)."""
     cfg = p.cfg
     Tp, Sp = cfg.Tn * cfg.Tb, cfg.Sn * cfg.Sb
-    widths = {"rel_key": p.q.shape[-1], "rel_value": p.v.shape[-1]}
-    laid = {name: tpu_pairs.layout(x, Tp, Sp, widths[name]) for name, x in arrays.items()}
-    return tpu_pairs.of_call(arrays, p.N, cfg.Tb, cfg.Sb, interpret), laid
+    laid = {name: tpu_pairs.layout(x, Tp, Sp) for name, x in arrays.items()}
+    return tpu_pairs.of_call(arrays, p.q.shape[0], p.N, cfg.Tb, cfg.Sb, cfg.precision, interpret), laid
 
 
 def zeros_like_tree(tree):

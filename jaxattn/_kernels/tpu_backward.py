@@ -75,8 +75,8 @@ def gradients(
     program's row of offsets. The dq grid walks the query tiles of one (b, n) in order ("arbitrary"), so
     that row stays in VMEM and sums over them: d rows [B,N,1,E], O(T + S) per head, no atomics.
 
-    pairs: per-pair tables (tpu_pairs: (PairTables, {name: [Nt,Tp,Sp,Fp]})) or None; their gradients, float32
-    [Nt,Tp,Sp,Fp] by name, are the last result (empty without)."""
+    pairs: per-pair tables (tpu_pairs: (PairTables, {name: [Tp,Nt,F,Sp]})) or None; their gradients, [Tp,Nt,F,Sp]
+    by name (tpu_pairs.gradient_dtype), are the last result (empty without)."""
     cfg, side = p.cfg, p.side
     q, k, v, do = (jnp.swapaxes(x, 1, 2) for x in (p.q, p.k, p.v, d_out.astype(p.q.dtype)))  # [B,heads,L,F]
     B, N, Tp, Hp = q.shape
@@ -164,11 +164,12 @@ def gradients(
             for name in names if getattr(lanes, table) else ():  # [Tb,E] float32 each (the section below)
                 scratch[name] = pltpu.VMEM((cfg.Tb, lanes.E), jnp.float32)
     aliases = {}
-    if pairs is not None:  # the tables in HBM, their gradients float32 zeros in HBM, added into in order (tpu_pairs)
+    if pairs is not None:  # the tables in HBM, their gradients zeros in HBM, stored or added into in order (tpu_pairs)
         inputs.update(tpu_pairs.inputs(pairs[1]))
         for name, x in pairs[1].items():
-            inputs["d_" + name + "_zeros"] = (jnp.zeros(x.shape, jnp.float32), pl.BlockSpec(memory_space=pl.ANY))
-            outputs["d_" + name] = (jax.ShapeDtypeStruct(x.shape, jnp.float32), pl.BlockSpec(memory_space=pl.ANY))
+            dtype, anywhere = tpu_pairs.gradient_dtype(pairs[0], name, x.dtype), pl.BlockSpec(memory_space=pl.ANY)
+            inputs["d_" + name + "_zeros"] = (jnp.zeros(x.shape, dtype), anywhere)
+            outputs["d_" + name] = (jax.ShapeDtypeStruct(x.shape, dtype), anywhere)
             aliases["d_" + name + "_zeros"] = "d_" + name
         scratch.update(tpu_pairs.scratch(pairs[0], pairs[1], Hp, Hvp, grads=True))
 

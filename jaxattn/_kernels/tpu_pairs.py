@@ -3,24 +3,27 @@ forward, tpu_backward's dq and dk/dv.
 
     logits[t,s] = scale * q_t . (k_s + A^K[t,s])        out_t = sum_s p[t,s] (v_s + A^V[t,s])
 
-The tables are inputs of O(T x S) ([T,S,N,F] per head, [T,S,1,F] shared), laid out [Nt,Tp,Sp,Fp] (layout: heads
-first, padded to the kernels' grid and lanes) and left in HBM (memory space ANY): no block of them fits VMEM
-beside one head's keys (a query tile's rows of every key at T = S = 4096, head dim 128, bf16, is 128 MiB). Each
-hook copies the [R,Sb,Fp] slice of the tile it is at, R query rows at a time (ROWS), into VMEM and waits for it
-(a synchronous DMA: the copy is not overlapped with the previous chunk's arithmetic; nothing is timed on a TPU).
-A tile's terms are elementwise products and sums over one axis of that slice (no gather, no [B,N,T,S] logits,
-no [B,T,S,F] product):
+The tables are inputs of O(T x S) ([T,S,N,F] per head, [T,S,1,F] shared), read as [T,Nt,F,S] (layout: keys
+last) and left in HBM (memory space ANY): no block of them fits VMEM beside one head's keys (a query tile's rows
+of every key at T = S = 4096, head dim 128, bf16, is 128 MiB). Keys last because a TPU's HBM tiles the last two
+dims of an array together: a DMA cannot take one head out of the caller's [..., N, F] tiles, but it can take
+head n of [T,Nt,F,S] (n is not a tiled dim). A TPU's default layout of a table with F < 128 is that order
+already (S on the lanes, no padding), so the transpose costs nothing; with F >= 128 (row-major by default) it
+is a copy. Each hook copies the [R,F,Sb] slice of the tile it is at, R query rows at a time (ROWS), into VMEM
+and waits for it (a synchronous DMA, not overlapped with the arithmetic; nothing is timed on a TPU). A tile's
+terms are products of each query row with its [F,Sb] slice (dots batched over the R rows; no gather, no
+[B,N,T,S] logits, no [B,T,S,F] product):
 
-    forward   key term  sum_f q[t,f] A^K[t,s,f]         value term  sum_s p[t,s] A^V[t,s,f]
-    dq        dp        += sum_f do[t,f] A^V[t,s,f]     dq          += sum_s ds[t,s] A^K[t,s,f]
-              d A^K[t,s,f] += ds[t,s] q[t,f]            d A^V[t,s,f] += p[t,s] do[t,f]
+    forward   key term  sum_f q[t,f] A^K[t,f,s]         value term  sum_s p[t,s] A^V[t,f,s]
+    dq        dp        += sum_f do[t,f] A^V[t,f,s]     dq          += sum_s ds[t,s] A^K[t,f,s]
+              d A^K[t,f,s] += q[t,f] ds[t,s]            d A^V[t,f,s] += do[t,f] p[t,s]
     dk/dv     the key term and dp of each query tile, as the dq kernel's
 
-Which kernel writes the table gradients: the dq kernel, which holds q and do of its rows. Its programs read,
-add to and write back the [R,Sb,Fp] slices of a float32 [Nt,Tp,Sp,Fp] array in HBM (zeros XLA fills, an input
-aliased to the output; the tiles no schedule visits keep them). Batch entries, and for a shared table the heads,
-add into the same slices, so the dq grid runs in order ("arbitrary" on every axis: one core of a megacore chip)
-and each read-add-write completes before the next program's; no atomics, which a TPU lacks.
+Which kernel writes the table gradients: the dq kernel, which holds q and do of its rows. With one batch entry a
+per-head table's slice is one program's: it stores it in the table's dtype (into zeros XLA fills, an input
+aliased to the output: the tiles no schedule visits keep them). Otherwise batch entries, and for a shared table
+the heads, add into the same slices of a float32 array: read, added to and written back, the dq grid in order
+("arbitrary" on every axis: one core of a megacore chip), since a TPU has no atomic adds.
 
 What it combines with: what the kernel body applies per tile (causal, lengths, segment ids, window, chunks,
 mask_mod, softcap, sinks, return_lse, grouped-query heads, positions of the call's own); score_mod, a BlockMask,
@@ -37,44 +40,51 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-# Query rows of a table's tile copied at once: a [16,128,128] float32 slice is 1 MiB of VMEM, and so is each
-# elementwise product over it; 16 rows are one bf16 sublane tile. The interpreter's 16-row tiles take two
-# chunks of 8, so that the tests cross a chunk's edge.
+# Query rows of a table's tile copied at once: a [16,F,128] float32 slice is 512 KiB of VMEM at F = 64; 16 rows
+# are one bf16 sublane tile. The interpreter's 16-row tiles take two chunks of 8, so that the tests cross a
+# chunk's edge.
 ROWS = 16
 INTERPRET_ROWS = 8
 TABLES = ("rel_key", "rel_value")
 
 
 class PairTables(NamedTuple):
-    """Static: the tile (Tb, Sb), the rows copied at once, and for each table whether it has one head per query
-    head (True), one shared head (False) or is absent (None)."""
+    """Static: the tile (Tb, Sb), the rows copied at once, the dots' precision, and for each table whether it has
+    one head per query head (True), one shared head (False) or is absent (None), and whether each program owns
+    the slices of its gradient it writes (one batch entry, one head per query head: stored, not added)."""
 
     Tb: int
     Sb: int
     rows: int
+    precision: object
     key_heads: object  # True / False / None
     value_heads: object
+    key_owned: bool = False
+    value_owned: bool = False
 
     def heads(self, name):
         return self.key_heads if name == "rel_key" else self.value_heads
 
-    def present(self):
-        return tuple(name for name in TABLES if self.heads(name) is not None)
+    def owned(self, name):
+        return self.key_owned if name == "rel_key" else self.value_owned
 
 
-def of_call(tables: dict, N: int, Tb: int, Sb: int, interpret: bool) -> PairTables:
-    """The PairTables of checked tables {name: [T,S,N|1,F]} (absent names: no table)."""
+def of_call(tables: dict, B: int, N: int, Tb: int, Sb: int, precision, interpret: bool) -> PairTables:
+    """The PairTables of checked tables {name: [T,S,N|1,F]} (absent names: no table) with B batch entries."""
     heads = [None if name not in tables else tables[name].shape[2] == N for name in TABLES]
     rows = min(INTERPRET_ROWS if interpret else ROWS, Tb)
-    return PairTables(Tb, Sb, rows, *heads)
+    return PairTables(Tb, Sb, rows, precision, *heads, *(h is True and B == 1 for h in heads))
 
 
-def layout(table, Tp: int, Sp: int, Fp: int):
-    """[T,S,Nt,F] -> [Nt,Tp,Sp,Fp], zero-padded (padded rows are discarded, padded keys masked, padded features
-    meet q's and do's zero features)."""
-    T, S, _, F = table.shape
-    laid = jnp.transpose(table, (2, 0, 1, 3))
-    return jnp.pad(laid, ((0, 0), (0, Tp - T), (0, Sp - S), (0, Fp - F)))
+def layout(table, Tp: int, Sp: int):
+    """[T,S,Nt,F] -> [Tp,Nt,F,Sp]: keys last. A TPU's default layout of a [T,S,N,F] table with F < 128 already
+    holds it in that order (S on the lanes, unpadded), so XLA makes this transpose a bitcast; T and S are padded
+    (a copy) only when they are not whole tiles (padded rows are discarded, padded keys masked)."""
+    T, S = table.shape[:2]
+    laid = jnp.transpose(table, (0, 2, 3, 1))
+    if (T, S) != (Tp, Sp):
+        laid = jnp.pad(laid, ((0, Tp - T), (0, 0), (0, 0), (0, Sp - S)))
+    return laid
 
 
 def inputs(laid: dict) -> dict:
@@ -82,15 +92,21 @@ def inputs(laid: dict) -> dict:
     return {name: (x, pl.BlockSpec(memory_space=pl.ANY)) for name, x in laid.items()}
 
 
+def gradient_dtype(pairs: PairTables, name: str, table_dtype):
+    """A table's gradient: stored in the table's dtype where each program owns its slices, else summed in
+    float32."""
+    return table_dtype if pairs.owned(name) else jnp.float32
+
+
 def scratch(pairs: PairTables, laid: dict, Hp: int, Hvp: int, grads: bool) -> dict:
-    """VMEM the hooks use: each table's [R,Sb,Fp] slice (and with grads its gradient's, float32), the rows x of
-    the products [Tb,F] and weights w [Tb,Sb], the results, and one DMA semaphore."""
+    """VMEM the hooks use: each table's [R,F,Sb] slice (and with grads its gradient's), the rows x of the
+    products [Tb,H|Hv] and weights w [Tb,Sb], the results, and one DMA semaphore."""
     f32, Tb, Sb, R = jnp.float32, pairs.Tb, pairs.Sb, pairs.rows
     out = {}
     for name, x in laid.items():
-        out[name + "_buf"] = pltpu.VMEM((R, Sb, x.shape[-1]), x.dtype)
+        out[name + "_buf"] = pltpu.VMEM((R, x.shape[2], Sb), x.dtype)
         if grads:
-            out["d_" + name + "_buf"] = pltpu.VMEM((R, Sb, x.shape[-1]), f32)
+            out["d_" + name + "_buf"] = pltpu.VMEM((R, x.shape[2], Sb), gradient_dtype(pairs, name, x.dtype))
     out.update(
         pair_q=pltpu.VMEM((Tb, Hp), f32),
         pair_do=pltpu.VMEM((Tb, Hvp), f32),
@@ -104,13 +120,20 @@ def scratch(pairs: PairTables, laid: dict, Hp: int, Hvp: int, grads: bool) -> di
 
 
 # ---------------------------------------------------------------------------------------------------
-# Inside the kernels: one tile's terms, R rows of the table's slice at a time.
+# Inside the kernels: one tile's terms, R rows of the table's slice at a time. Per query row each term is a
+# product of a row with the row's [F,Sb] slice: batched dots over the R rows (an MXU product of one row each).
 
 
 def _copy(src, dst, sem):
     copy = pltpu.make_async_copy(src, dst, sem)
     copy.start()
     copy.wait()
+
+
+def _batched(a, b, contract, precision):
+    """a [R,...] . b [R,...] over axes contract = (a's, b's), batched over the rows R."""
+    dims = (((contract[0],), (contract[1],)), ((0,), (0,)))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
 class _Tile:
@@ -122,13 +145,16 @@ class _Tile:
     def _slice(self, ref, name, t0, s0, c):
         R = self.pairs.rows
         head = self.head if self.pairs.heads(name) else 0
-        return ref.at[head, pl.ds(t0 + c * R, R), pl.ds(s0, self.pairs.Sb)]
+        return ref.at[pl.ds(t0 + c * R, R), head, :, pl.ds(s0, self.pairs.Sb)]
 
     def _read(self, name, t0, s0, c):
-        """Chunk c of the tile's [Tb,Sb,F] slice of table `name`: [R,Sb,F] float32."""
+        """Chunk c of the tile's slice of table `name`: [R,F,Sb] float32."""
         buf = self.r[name + "_buf"]
         _copy(self._slice(self.r[name], name, t0, s0, c), buf, self.r["pair_sem"])
         return buf[...].astype(jnp.float32)
+
+    def _width(self, name):
+        return self.r[name + "_buf"].shape[1]
 
     def _chunks(self, body):
         R = self.pairs.rows
@@ -140,46 +166,53 @@ class _Tile:
         lax.fori_loop(0, self.pairs.Tb // R, step, 0)
 
     def row_term(self, name, t0, s0, x):
-        """sum_f x[t,f] A[t0 + t, s0 + s, f]: [Tb,Sb] float32 (x: [Tb,F], q for A^K and do for A^V, kept in
-        pair_q / pair_do, where dq_and_grads reads them)."""
-        x_ref, out = self.r["pair_q" if name == "rel_key" else "pair_do"], self.r["pair_term"]
+        """sum_f x[t,f] A[t0 + t, s0 + s, f]: [Tb,Sb] float32 (x: [Tb,H|Hv], q for A^K and do for A^V, kept in
+        pair_q / pair_do, where dq_and_grads reads them; features past the table's F are the padding's zeros)."""
+        x_ref, out, F = self.r["pair_q" if name == "rel_key" else "pair_do"], self.r["pair_term"], self._width(name)
         x_ref[...] = x.astype(jnp.float32)
 
         def body(c, rows):
-            out[rows, :] = jnp.sum(x_ref[rows, :][:, None, :] * self._read(name, t0, s0, c), axis=-1)
+            x_rows = x_ref[rows, :F][:, None, :]  # [R,1,F]
+            out[rows, :] = _batched(x_rows, self._read(name, t0, s0, c), (2, 1), self.pairs.precision)[:, 0, :]
 
         self._chunks(body)
         return out[...]
 
     def pair_sum(self, name, t0, s0, w, out):
-        """out[t, f] += sum_s w[t,s] A[t0 + t, s0 + s, f] (out: a [Tb,F] float32 ref)."""
-        w_ref = self.r["pair_w"]
+        """out[t, f] += sum_s w[t,s] A[t0 + t, s0 + s, f] (out: a [Tb,H|Hv] float32 ref; f < the table's F)."""
+        w_ref, F = self.r["pair_w"], self._width(name)
         w_ref[...] = w.astype(jnp.float32)
 
         def body(c, rows):
-            out[rows, :] = out[rows, :] + jnp.sum(w_ref[rows, :][:, :, None] * self._read(name, t0, s0, c), axis=1)
+            sums = _batched(w_ref[rows, :][:, None, :], self._read(name, t0, s0, c), (2, 2), self.pairs.precision)
+            out[rows, :F] = out[rows, :F] + sums[:, 0, :]
 
         self._chunks(body)
 
     def dq_and_grads(self, t0, s0, p, ds):
         """The dq kernel's sums of tile (t0, s0): pair_dq += sum_s ds A^K; d A^K += ds q, d A^V += p do (the
-        gradients' slices read, added to and written back; pair_q / pair_do hold q and do)."""
-        r, f32 = self.r, jnp.float32
+        gradients' slices stored where the program owns them, else read, added to and written back; pair_q /
+        pair_do hold q and do)."""
+        r, f32, pairs = self.r, jnp.float32, self.pairs
         for name, w in (("rel_key", ds), ("rel_value", p)):
-            if self.pairs.heads(name) is None:
+            if pairs.heads(name) is None:
                 continue
             w_ref, x_ref = r["pair_w"], r["pair_q" if name == "rel_key" else "pair_do"]
             w_ref[...] = w.astype(f32)
-            grad, buf = r["d_" + name], r["d_" + name + "_buf"]
+            grad, buf, F = r["d_" + name], r["d_" + name + "_buf"], self._width(name)
 
-            def body(c, rows, name=name, w_ref=w_ref, x_ref=x_ref, grad=grad, buf=buf):
-                w_rows = w_ref[rows, :]
+            def body(c, rows, name=name, w_ref=w_ref, x_ref=x_ref, grad=grad, buf=buf, F=F):
+                w_rows = w_ref[rows, :][:, None, :]  # [R,1,Sb]
                 if name == "rel_key":  # dq's share: one pass over A^K with its gradient
-                    a = self._read(name, t0, s0, c)
-                    r["pair_dq"][rows, :] = r["pair_dq"][rows, :] + jnp.sum(w_rows[:, :, None] * a, axis=1)
+                    sums = _batched(w_rows, self._read(name, t0, s0, c), (2, 2), pairs.precision)
+                    r["pair_dq"][rows, :F] = r["pair_dq"][rows, :F] + sums[:, 0, :]
+                outer = _batched(x_ref[rows, :F][:, None, :], w_rows, (1, 1), pairs.precision)  # [R,F,Sb]
                 at = self._slice(grad, name, t0, s0, c)
-                _copy(at, buf, r["pair_sem"])
-                buf[...] = buf[...] + w_rows[:, :, None] * x_ref[rows, :][:, None, :]
+                if pairs.owned(name):
+                    buf[...] = outer.astype(buf.dtype)
+                else:
+                    _copy(at, buf, r["pair_sem"])
+                    buf[...] = buf[...] + outer
                 _copy(buf, at, r["pair_sem"])
 
             self._chunks(body)
