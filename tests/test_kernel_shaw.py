@@ -31,7 +31,7 @@ from test_positions import N as XL_HEADS, xl_loop
 import jaxattn
 from helpers import assert_float64, attention_loop, normwise, shaw_index_loop
 from jaxattn._core.call import AttentionCall
-from jaxattn._kernels import decode_gpu, flash_gpu, flex_tpu, offset_tables, tile_body, tpu_refs
+from jaxattn._kernels import decode_gpu, flash_gpu, flex_tpu, offset_tables, tile_body, tpu_refs, tpu_tables
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
 
@@ -192,6 +192,14 @@ def test_tpu_kernel_matches_the_float64_loop(name):
     the value term p rolled back onto the offsets times a window of the value lanes) and its gradient, the
     XLA blockwise backward, into both tables too (closure-converted out of the call)."""
     _check(name, implementation="pallas_tpu")
+
+
+@pytest.mark.slow  # the default group streams DeBERTa's keys (test_kernel_disentangled.py); the value lanes here
+def test_tpu_kernel_with_streamed_keys(monkeypatch):
+    """The dq kernel's keys streamed from HBM a tile at a time (tpu_tables.key_buffers 0), with Shaw's value
+    lanes beside them: the same gradients."""
+    monkeypatch.setattr(tpu_tables, "key_buffers", lambda *args: 0)
+    _check(DEFAULT_CASE, implementation="pallas_tpu")
 
 
 # bf16 inputs (the tables float32) against the float64 dense engine on the same rounded numbers, measured on the

@@ -226,14 +226,19 @@ def test_what_keeps_the_xla_backward():
     assert tpu_backward.backward_refusal(tables, q, k, k, False, 128) is None
     # the dq kernel's VMEM with tables: DeBERTa-v3's at 8192, head dim 64, with two copies of the keys (estimated
     # 17.38 MiB; v5e's compile took 17.41 MiB of its 16) takes one (13.4 MiB, compiled for v5e); at 16k one
-    # copy is 17.4 MiB: the XLA backward
+    # copy is 17.4 MiB: the keys streamed a tile at a time (0), 9.4 MiB
     deberta = tpu_tables.TableLanes(-512, 511, 128, 128, True, True, False)
     assert deberta.E == 1920
     assert round(tpu_tables.dq_vmem(deberta, 8192, 64, 64, jnp.bfloat16, 128) / 2**20, 2) == 17.38
+    assert round(tpu_tables.dq_vmem(deberta, 16384, 64, 64, jnp.bfloat16, 128, 0) / 2**20, 2) == 9.44
     buffers = [tpu_tables.key_buffers(deberta, T, 64, 64, jnp.bfloat16, 128) for T in (4096, 8192, 16384)]
     assert buffers == [2, 1, 0]
-    assert tpu_tables.backward_refusal(deberta, 8192, 64, 64, jnp.bfloat16, 128) is None
-    assert tpu_tables.backward_refusal(deberta, 16384, 64, 64, jnp.bfloat16, 128).startswith("position tables (")
+    for T in (8192, 16384):
+        assert tpu_tables.backward_refusal(deberta, T, 64, 64, jnp.bfloat16, 128) is None
+    # the XLA backward where the tables' lanes alone overrun VMEM: Shaw's widest band (2048 offsets) with key and
+    # value tables at head dim 256
+    widest = tpu_tables.TableLanes(-1024, 1023, 128, 128, True, False, True)
+    assert tpu_tables.backward_refusal(widest, 128, 256, 256, jnp.bfloat16, 128).startswith("position tables (")
     window = TableBias(jnp.zeros((15 * 15, 4)), WindowIndex(8, 8, False), 64)  # Swin's 8 x 8 windows
     assert tpu_backward.backward_refusal(AttentionCall(position_bias=window), q, k, k, False, 128).startswith(
         "position_bias (a window's bias"

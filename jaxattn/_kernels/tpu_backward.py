@@ -85,10 +85,9 @@ def gradients(
     bq, bk, bs, bl, bsched = cfg.batched
     pick = tile_body.pick
     columns = lse[..., None], delta[..., None]  # [B,N,Tp,1]: the dq kernel's, a tile's rows at a time
-    # two copies of k and v, or one where the tables' blocks leave room for only one (the refusal let the call
-    # through: at least one fits; on the padded lengths, which a BlockMask's tiles may lengthen, 0 means one too)
-    two = tables is None or tpu_tables.key_buffers(tables[0], Sp, Hp, Hvp, q.dtype, 1) == 2
-    buffers = 2 if two else 1
+    # two copies of k and v, one where the tables' blocks leave room for only one, or none: each key tile copied
+    # in from HBM when the kernel reaches it (_StreamedKeys)
+    buffers = 2 if tables is None else tpu_tables.key_buffers(tables[0], Sp, Hp, Hvp, q.dtype, 1)
     rows = lambda x: x[:, None, :]  # noqa: E731  [B|1,L] -> [B|1,1,L]
     parallel = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
     # the bias's gradient sums over the query tiles of (b, n) in one output block: they run in order
@@ -144,6 +143,15 @@ def gradients(
     if side.q_seg is not None:
         inputs["q_seg"] = (rows(side.q_seg), _spec((None, 1, cfg.Tb), lambda b, n, i: (pick(bs, b), 0, i)))
         inputs["k_seg"] = (rows(side.k_seg), _spec((None, 1, Sp), lambda b, n, i: (pick(bs, b), 0, 0)))
+    scratch = {}
+    if buffers == 0:  # the keys in HBM, read a tile at a time
+        anywhere = pl.BlockSpec(memory_space=pl.ANY)
+        inputs["k"], inputs["v"] = (k, anywhere), (v, anywhere)
+        scratch.update(
+            k_tile=pltpu.VMEM((cfg.Sb, Hp), k.dtype),
+            v_tile=pltpu.VMEM((cfg.Sb, Hvp), v.dtype),
+            key_sem=pltpu.SemaphoreType.DMA(()),
+        )
     dq_spec = _spec((None, None, cfg.Tb, Hp), lambda b, n, i: (b, n, i, 0))
     outputs = {"dq": (jax.ShapeDtypeStruct(q.shape, q.dtype), dq_spec)}
     if rows_of_grid is not None:
@@ -152,7 +160,6 @@ def gradients(
         grad_rows = jax.ShapeDtypeStruct((B, N, 1, E), jnp.float32)
         outputs["d_offset_bias"] = (grad_rows, _spec((None, None, 1, E), lambda b, n, i: (b, n, 0, 0)))
 
-    scratch = {}
     if tables is not None:  # each table's lanes for head n (or the shared table's); their gradients per (b, n)
         lanes, arrays = tables
         for name, x in arrays.items():
@@ -184,6 +191,9 @@ def gradients(
         for name in ("q_pos", "k_pos", "q_seg", "k_seg"):
             if name in r:
                 r[name] = Row(r[name])
+        if buffers == 0:
+            for name in ("k", "v"):
+                r[name] = _StreamedKeys(r[name], r[name + "_tile"], r["key_sem"], b, lax.div(n, G))
         if "offset_bias" in r:
             d_rows = r["d_offset_bias"]
 
@@ -293,6 +303,23 @@ def gradients(
     dk, dv = call(dkv, "jaxattn_flex_tpu_dkv", (B, K, cfg.Sn, G), scalars, inputs, outputs, by_heads, scratch)
     dq_out, dk, dv = (jnp.swapaxes(x, 1, 2) for x in (dq_out, dk, dv))
     return dq_out, dk, dv, d_rows[0] if d_rows else None, d_tables, d_pairs
+
+
+class _StreamedKeys:
+    """One key/value head's k or v left in HBM ([B,K,Sp,F]), read as the dq kernel reads its block: [rows,
+    columns] copies those rows of head (b, h) into a [Sb,F] VMEM tile and waits for the copy (the keys of a dq
+    kernel with tables where one copy of them overruns VMEM, tpu_tables.key_buffers)."""
+
+    def __init__(self, ref, tile, sem, b, h):
+        self.ref, self.tile, self.sem, self.b, self.h = ref, tile, sem, b, h
+        self.dtype = tile.dtype
+
+    def __getitem__(self, index):
+        rows, columns = index
+        copy = pltpu.make_async_copy(self.ref.at[self.b, self.h, rows], self.tile, self.sem)
+        copy.start()
+        copy.wait()
+        return self.tile[:, columns]
 
 
 class _OneHead:

@@ -247,12 +247,13 @@ def dkv_hooks(cfg, r, lanes: TableLanes, j, T: int, S: int):
 
 def dq_vmem(lanes: TableLanes, S: int, H: int, Hv: int, dtype, multiple: int, key_buffers: int = 2) -> int:
     """Bytes of VMEM the dq kernel's blocks with Shaw's or DeBERTa's tables take: k and v whole (key_buffers
-    copies of each), each table's lanes [E,F] float32 and their gradient (each double-buffered by the
-    pipeline), and two [Tb,E] float32 scratch blocks per table. Compiled for v5e (16 MiB of scoped VMEM):
-    DeBERTa-v3's tables at T = S = 8192, head dim 64, double-buffered keys took 17.41 MiB, this estimate
-    17.38 MiB."""
+    copies of each; 0: one key tile of each, streamed from HBM), each table's lanes [E,F] float32 and their
+    gradient (each double-buffered by the pipeline), and two [Tb,E] float32 scratch blocks per table. Compiled
+    for v5e (16 MiB of scoped VMEM): DeBERTa-v3's tables at T = S = 8192, head dim 64, double-buffered keys took
+    17.41 MiB, this estimate 17.38 MiB."""
     padded = lambda x: -(-x // multiple) * multiple  # noqa: E731
-    keys = key_buffers * padded(S) * (padded(H) + padded(Hv)) * np.dtype(dtype).itemsize
+    rows = padded(S) if key_buffers else lanes.Sb
+    keys = max(key_buffers, 1) * rows * (padded(H) + padded(Hv)) * np.dtype(dtype).itemsize
     widths = [padded(F) for F, wanted in ((H, lanes.key_rows), (H, lanes.query_rows), (Hv, lanes.value_rows)) if wanted]
     tables = sum(4 * lanes.E * F * 4 for F in widths)
     scratch = 2 * lanes.Tb * lanes.E * 4 * (int(lanes.key_rows) + int(lanes.value_rows))
@@ -262,8 +263,9 @@ def dq_vmem(lanes: TableLanes, S: int, H: int, Hv: int, dtype, multiple: int, ke
 def key_buffers(lanes: TableLanes, S: int, H: int, Hv: int, dtype, multiple: int) -> int:
     """How many copies of one head's keys and values the dq kernel with tables holds: the pipeline's two where
     dq_vmem fits MAX_TABLES_VMEM with them (the next head's keys are copied while this head's last query tiles
-    run), else one where one fits (pl.Buffered(1): the kernel waits for each head's keys, one copy of
-    S x (H + Hv) per (b, n), not timed: no TPU has been lent), else 0 (backward_refusal)."""
+    run), else one where one fits (pl.Buffered(1): the kernel waits for each head's keys, once per (b, n)), else
+    0: the keys stay in HBM and each key tile is copied in when the kernel reaches it (tpu_backward's
+    _StreamedKeys; it waits for every tile). Neither wait is timed: no TPU has been lent."""
     for buffers in (2, 1):
         if dq_vmem(lanes, S, H, Hv, dtype, multiple, buffers) <= MAX_TABLES_VMEM:
             return buffers
@@ -271,13 +273,14 @@ def key_buffers(lanes: TableLanes, S: int, H: int, Hv: int, dtype, multiple: int
 
 
 def backward_refusal(lanes: TableLanes, S: int, H: int, Hv: int, dtype, multiple: int) -> Optional[str]:
-    """None when the dq kernel's blocks with Shaw's or DeBERTa's tables fit MAX_TABLES_VMEM with one copy of
-    the keys (key_buffers); else why not. Single-buffered keys took DeBERTa-v3's training at T = S = 8192 (head
-    dim 64, bf16) onto the kernels on v5e (the estimate 13.4 MiB); at 16k it is 17.4 MiB: the XLA backward."""
-    if key_buffers(lanes, S, H, Hv, dtype, multiple):
+    """None when the dq kernel's blocks with Shaw's or DeBERTa's tables fit MAX_TABLES_VMEM, the keys streamed
+    a tile at a time if need be (key_buffers); else why not: the tables' lanes alone overrun it (a band of
+    offsets near flex_tpu.MAX_BAND at head dim 256). DeBERTa-v3's training at T = S = 16k (head dim 64, bf16)
+    takes the kernels with streamed keys (one copy of them: 17.4 MiB estimated, over the bound)."""
+    total = dq_vmem(lanes, S, H, Hv, dtype, multiple, key_buffers=0)
+    if total <= MAX_TABLES_VMEM:
         return None
-    total = dq_vmem(lanes, S, H, Hv, dtype, multiple, key_buffers=1)
     return (
-        f"position tables (the dq kernel's keys, tables and their gradients: {total / 2**20:.1f} MiB of VMEM > "
+        f"position tables (the dq kernel's tables and their gradients: {total / 2**20:.1f} MiB of VMEM > "
         f"{MAX_TABLES_VMEM >> 20} MiB)"
     )

@@ -291,8 +291,8 @@ def disentangled_attention(
     per query row and k . Qr per key row computed outside it, picked per tile at the pair's row through an
     int32 map of the offsets (row_tables); ValueError naming an option it cannot express: mask, bias,
     dropout, return_weights, tables over 1024 rows), "pallas_tpu" (our Pallas TPU kernel's forward, both
-    terms read from the tables laid out along the offsets, and its backward kernels (the blockwise engine's where
-    the tables and one copy of the keys overrun the dq kernel's VMEM: T = S = 16384 at v3's 256 buckets);
+    terms read from the tables laid out along the offsets, and its backward kernels (at T = S = 16384 with v3's
+    256 buckets the dq kernel streams the key tiles from HBM, one copy of the keys overrunning its VMEM);
     refuses positions of the call's own and logit_softcap by name), or None: on CUDA / TPU that kernel where it
     expresses the call, else (and on every other platform) blockwise where it takes the call, T x S reaches
     dot_product_attention's threshold and S exceeds the table's rows, else dense. interpret: with
