@@ -15,9 +15,13 @@ kernels there and times them, in under 8 minutes, and writes one JSON and a log.
     cudnn), torch SDPA flash and torch's compiled flex_attention; TFLOP/s (forward 4*B*N*H*(allowed pairs),
     forward+backward 3.5x that) and the ratio to the best. Cases are run until the time budget is spent;
     the rest are listed as not run.
-(c) The relative schemes (ALiBi through position_bias_attention, T5) against the plain kernel: not yet:
-    every relative term is the dense / blockwise XLA engines' (pallas_gpu.unsupported refuses the tables
-    and position biases), so there is no kernel of theirs to time.
+(c) The relative schemes in the kernels (issue 34 §3; benchmarks/relative.py's six: T5, ALiBi, Transformer-XL,
+    clipped tables, DeBERTa-v3, per-pair tables; N = 8, H = 64): each against the dense engine in float32 at
+    "highest" (forward, and gradients into q, k, v and every table; the float32 bar) on the "pallas_gpu"
+    kernels, then timed in bf16 at S = 1k and 4k, forward and forward+backward: implementation=None against
+    jaxattn's plain kernel on the same shape (causal; DeBERTa's encoder not) — what the relative term costs —
+    and, for T5 and ALiBi, torch's compiled flex_attention with the same bias as a score_mod (gradients into
+    q, k, v only). Run until its own time budget is spent (--relative-budget-s).
 
 Writes OUT/device_check.json and OUT/device_check.log (OUT: --out, else $OUT, else benchmarks/results). Exit
 status 1 when a correctness row fails (every row still runs and is recorded).
@@ -279,6 +283,163 @@ def timings(smoke: bool, deadline: float, log) -> dict:
     return dict(sizes=sizes, rounds=rounds, window=window, cases=cases, not_run=not_run)
 
 
+# ---------------------------------------------------------------------------------------------------
+# (c) the relative schemes
+
+TORCH_BIASES = ("t5", "alibi")  # the biases torch's flex_attention takes as a score_mod
+
+
+def relative_correctness(name: str, L: int, interpret: bool, dtypes) -> list[dict]:
+    """One scheme's rows: "pallas_gpu" (interpreted off a GPU) against the dense engine in float32 at "highest",
+    forward and the gradients of <out, a fixed random cotangent> for q, k, v and every table."""
+    from benchmarks import relative as schemes
+
+    args = schemes.inputs(name, L)
+    names = ("q", "k", "v") + tuple(f"table{i}" for i in range(len(args) - 3))
+    cotangent = jax.random.normal(jax.random.key(1), args[0].shape[:-1] + (schemes.H,), jnp.float32)
+
+    def run(implementation, precision, dtype):
+        extra = dict(interpret=True) if interpret and implementation == "pallas_gpu" else {}
+        f = schemes.scheme_function(name, implementation, precision=precision, **extra)[0]
+        cast = [a.astype(dtype) for a in args]
+        out = jax.jit(f)(*cast)
+        grads = jax.jit(jax.grad(lambda *a: jnp.sum(f(*a).astype(jnp.float32) * cotangent), range(len(cast))))(*cast)
+        return ([np.asarray(out, np.float32)], {n: np.asarray(g, np.float32) for n, g in zip(names, grads)})
+
+    reference = run("dense", "highest", jnp.float32)
+    rows = []
+    for dtype in dtypes:
+        row = dict(check=f"relative {name}", implementation="pallas_gpu", dtype=dtype, T=L, S=L, interpret=interpret)
+        start = time.perf_counter()
+        try:
+            out_err, grad_err = errors(run("pallas_gpu", "highest" if dtype == "float32" else None, dtype), reference)
+            row.update(forward=out_err, gradients=grad_err)
+            if dtype == "float32":
+                out_bar, grad_bar = F32_BAR["forward"], F32_BAR["gradients"]
+            else:  # the dense engine's own bf16 error sets the scale, as run_check's
+                dense_out, dense_grad = errors(run("dense", None, dtype), reference)
+                out_bar, grad_bar = 2 * dense_out + 1e-3, 2 * max(dense_grad.values()) + 1e-3
+            row.update(forward_bar=out_bar, gradients_bar=grad_bar)
+            row["ok"] = bool(out_err <= out_bar and all(e <= grad_bar for e in grad_err.values()))
+        except Exception as error:  # noqa: BLE001 - recorded; the run goes on
+            row.update(ok=False, error=f"{type(error).__name__}: {error}"[:1500], trace=traceback.format_exc()[-1500:])
+        row["seconds"] = round(time.perf_counter() - start, 2)
+        rows.append(row)
+    return rows
+
+
+def torch_relative(name: str, L: int, args, backward: bool, device="cuda", compiled=True):
+    """torch's compiled flex_attention with the scheme's bias as a score_mod (T5's bucket table, ALiBi's slopes)
+    and the causal mask as a BlockMask, on [1,N,L,H] bf16 tensors on `device`: a call of (q, k, v)'s forward
+    (and backward into q, k, v), synchronised, that returns the output [1,L,N,H] (tests/test_device_check.py
+    checks it against jaxattn's on the CPU, eager)."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    def tensor(x, dtype=torch.bfloat16, grad=False):
+        return torch.tensor(np.asarray(x, np.float32), device=device, dtype=dtype, requires_grad=grad)
+
+    q, k, v = (tensor(np.swapaxes(np.asarray(a, np.float32), 1, 2), grad=backward) for a in args[:3])
+    distance = torch.arange(-(L - 1), L, device=device)  # s - t, indexed by s - t + L - 1
+    if name == "t5":  # the causal buckets of s - t (32 buckets, max_distance 128, t5_attention's scale 1)
+        rows = jaxattn.t5_relative_position_bucket(np.arange(-(L - 1), L), bidirectional=False)
+        bucket, table = tensor(rows, torch.int64), tensor(args[3], torch.float32)
+
+        def score_mod(score, b, h, t, s):
+            return score + table[bucket[s - t + L - 1], h]
+
+        scale = 1.0
+    else:  # ALiBi, causal: slope * (s - t)
+        slopes = tensor(args[3], torch.float32)
+
+        def score_mod(score, b, h, t, s):
+            return score + slopes[h] * distance[s - t + L - 1]
+
+        scale = None
+    block_mask = create_block_mask(lambda b, h, t, s: t >= s, None, None, L, L, device=device)
+    flex = torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+    def call():
+        out = flex(q, k, v, score_mod=score_mod, block_mask=block_mask, scale=scale)
+        if backward:
+            torch.autograd.grad(out.float().sum(), (q, k, v))
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out.transpose(1, 2)
+
+    return call
+
+
+def relative(smoke: bool, timed: bool, budget_s: float, log) -> dict:
+    """(c): each scheme's correctness rows, then its timings for budget_s seconds (module docstring)."""
+    from benchmarks import accelerator, harness, relative as schemes
+
+    interpret = not on_gpu()
+    L = 24 if smoke else 300  # no whole tiles
+    dtypes = ("float32",) if smoke else ("float32", "bfloat16")
+    rows = []
+    for name in schemes.SCHEMES:
+        for row in relative_correctness(name, L, interpret, dtypes):
+            rows.append(row)
+            if "error" in row:
+                what = "ERROR " + row["error"].splitlines()[0][:150]
+            else:
+                what = f"fwd {row['forward']:.2e} (bar {row['forward_bar']:.1e})  grads "
+                what += f"{max(row['gradients'].values()):.2e} (bar {row['gradients_bar']:.1e})  "
+                what += "ok" if row["ok"] else "FAIL"
+            log(f"  {row['check']:26} pallas_gpu {row['dtype']:9} {what}  {row['seconds']} s")
+    result = dict(correctness=rows, cases=[], not_run=[])
+    if not timed:
+        return result
+    deadline = time.monotonic() + budget_s
+    sizes, rounds = ([128], 2) if smoke else ([1024, 4096], 5)
+    torch_here = accelerator.torch_cuda()
+    for S in sizes:
+        for mode in ("forward", "forward+backward"):
+            for name in schemes.SCHEMES:
+                if time.monotonic() > deadline:
+                    result["not_run"].append(dict(scheme=name, mode=mode, S=S))
+                    continue
+                case = dict(scheme=name, mode=mode, S=S, candidates={}, skipped={})
+                args = [a.astype(jnp.bfloat16) for a in schemes.inputs(name, S)]
+                causal = name != "deberta"  # DeBERTa-v3 is an encoder
+                ours = schemes.scheme_function(name, None)[0]
+
+                def plain(q, k, v, causal=causal):
+                    return jaxattn.dot_product_attention(q, k, v, is_causal=causal)
+
+                fns = {f"jaxattn {name}": (ours, args), "jaxattn plain": (plain, args[:3])}
+                candidates = []
+                for label, (fn, fn_args) in fns.items():
+                    if mode == "forward+backward":
+                        fn = jax.grad(lambda *a, fn=fn: jnp.sum(fn(*a).astype(jnp.float32)), range(len(fn_args)))
+                    try:
+                        candidates.append(harness.jax_candidate(label, fn, *fn_args))
+                    except Exception as error:  # noqa: BLE001 - out of memory, say: recorded
+                        case["skipped"][label] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                if torch_here and name in TORCH_BIASES:
+                    try:
+                        call = torch_relative(name, S, args, mode == "forward+backward")
+                        start = time.perf_counter()
+                        call()  # compiles flex, warms up
+                        compile_s = time.perf_counter() - start
+                        candidates.append(harness.Candidate("torch flex compiled", call, compile_s=compile_s))
+                    except Exception as error:  # noqa: BLE001
+                        case["skipped"]["torch flex compiled"] = f"{type(error).__name__}: {str(error)[:200]}"
+                harness.time_rounds(candidates, rounds)
+                base = next((c.median_s for c in candidates if c.name == "jaxattn plain"), None)
+                for c in candidates:
+                    case["candidates"][c.name] = {**c.summary(), "ratio_to_plain": c.median_s / base if base else None}
+                    log(
+                        f"  {name:8} {mode:17} S={S:6} {c.name:22} {c.median_s * 1e3:9.3f} ms"
+                        + (f"  x{c.median_s / base:.2f} of plain" if base else "")
+                    )
+                for label, why in case["skipped"].items():
+                    log(f"  {name:8} {mode:17} S={S:6} {label:22} skipped: {why[:100]}")
+                result["cases"].append(case)
+    return result
+
+
 def machine() -> dict:
     info = dict(
         jax=jax.__version__,
@@ -310,9 +471,12 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", "--dry-run", action="store_true", help="tiny shapes, kernels interpreted")
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
-    # 360 s, then at most the case in progress (about a minute: torch compiles flex_attention per shape)
-    parser.add_argument("--budget-s", type=float, default=360.0, help="wall seconds before timings stop")
+    # (b) until 300 s from the start, then at most the case in progress (about a minute: torch compiles
+    # flex_attention per shape); (c)'s timings 120 s after its correctness rows: under 8 minutes in all, within
+    # a device session's 10-minute command (not yet measured on a GPU)
+    parser.add_argument("--budget-s", type=float, default=300.0, help="wall seconds before timings stop")
     parser.add_argument("--no-timings", action="store_true")
+    parser.add_argument("--relative-budget-s", type=float, default=120.0, help="wall seconds for (c)'s timings")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -331,12 +495,14 @@ def main(argv=None) -> int:
     if not args.no_timings:
         log("(b) timings")
         results["timings"] = timings(args.smoke, start + args.budget_s, log)
-    results["relative"] = "not run: no kernel computes a relative term yet (module docstring, (c))"
+    log("(c) the relative schemes in the kernels")
+    results["relative"] = relative(args.smoke, not args.no_timings, args.relative_budget_s, log)
     results["wall_s"] = round(time.monotonic() - start, 1)
-    failed = [r for r in results["correctness"] if r.get("ok") is False]
+    failed = [r for r in results["correctness"] + results["relative"]["correctness"] if r.get("ok") is False]
     results["failed"] = [f"{r['check']} {r['implementation']} {r.get('dtype')}" for r in failed]
     (out / "device_check.json").write_text(json.dumps(results, indent=1, default=str) + "\n")
-    log(f"correctness: {len(results['correctness']) - len(failed)} rows ok or skipped, {len(failed)} failing")
+    rows = len(results["correctness"]) + len(results["relative"]["correctness"])
+    log(f"correctness: {rows - len(failed)} rows ok or skipped, {len(failed)} failing")
     log(f"wall {results['wall_s']} s")
     log(f"wrote {out / 'device_check.json'} and {out / 'device_check.log'}")
     log_file.close()

@@ -27,13 +27,15 @@ import numpy as np
 from .harness import jax_candidate, load_average, time_rounds
 
 N, H = 8, 64
+SCHEMES = ("t5", "alibi", "xl", "clipped", "deberta", "pairs")  # scheme_function's names
 
 
-def scheme_function(name, implementation):
-    """(function of (q, k, v, *tables), table shapes as functions of L)."""
+def scheme_function(name, implementation, **extra):
+    """(function of (q, k, v, *tables), table shapes as functions of L); extra: more keywords of every call
+    (interpret=True, precision, by benchmarks.device_check)."""
     import jaxattn
 
-    common = dict(is_causal=True, implementation=implementation)
+    common = dict(is_causal=True, implementation=implementation, **extra)
     if name == "t5":
         return (
             lambda q, k, v, t: jaxattn.t5_attention(q, k, v, t, bidirectional=False, **common),
@@ -58,7 +60,15 @@ def scheme_function(name, implementation):
     if name == "deberta":  # DeBERTa-v3's settings: an encoder (not causal), 256 buckets, c2p and p2c [512,N,H]
         return (
             lambda q, k, v, kr, qr: jaxattn.disentangled_attention(
-                q, k, v, kr, qr, position_buckets=256, max_relative_positions=512, implementation=implementation
+                q,
+                k,
+                v,
+                kr,
+                qr,
+                position_buckets=256,
+                max_relative_positions=512,
+                implementation=implementation,
+                **extra,
             ),
             [lambda L: (512, N, H), lambda L: (512, N, H)],
         )
@@ -67,15 +77,24 @@ def scheme_function(name, implementation):
     raise ValueError(name)
 
 
-def point(name, L, backward, rounds, max_dense_bytes, timed=True):
-    import jax
+def inputs(name, L, seed=0):
+    """float32 (q, k, v, *the scheme's tables) at T = S = L: normal draws, the tables scaled by 0.1; ALiBi's
+    slopes the geometric ones of 8 heads."""
     import jax.numpy as jnp
 
-    rng = np.random.default_rng(0)
+    rng = np.random.default_rng(seed)
     shapes = [(1, L, N, H)] * 3 + [shape(L) for shape in scheme_function(name, None)[1]]
     args = [jnp.asarray(rng.normal(size=s).astype(np.float32) * (0.1 if i >= 3 else 1.0)) for i, s in enumerate(shapes)]
     if name == "alibi":
         args[3] = jnp.asarray(2.0 ** -np.arange(1, N + 1), jnp.float32)
+    return args
+
+
+def point(name, L, backward, rounds, max_dense_bytes, timed=True):
+    import jax
+    import jax.numpy as jnp
+
+    args = inputs(name, L)
     cands = []
     for engine in ("blockwise", "dense"):
         f = scheme_function(name, engine)[0]
