@@ -335,13 +335,20 @@ def test_params_changed_in_jax_give_transformers_the_same_outputs(checkpoints, v
     theirs = _torch_outputs(model_type, torch_model, inputs, dtype)
     errors = _errors(model_type, ours, theirs, inputs)
     print(f"{variant} {dtype}: " + ", ".join(f"{k} max abs {a:.1e} normwise {n:.1e}" for k, (a, n) in errors.items()))
-    if dtype == "float32" and model_type in FLOAT32_ENVELOPE:  # against the float64 truth, twice torch's envelope
+    # Against the float64 truth, twice transformers' float32 distance from it: for the families listed, and for an
+    # output over 1e-5 from torch's float32 only where torch's own float32 is itself over 1e-5 from the truth (on
+    # 2026-11-28's host DeBERTa-v2's classifier logits: torch's float32 1.19e-5 from the truth, ours 1.53e-5, the
+    # two 1.05e-5 apart; the night before's host kept them within 1e-5)
+    over = [name for name, (max_abs, _) in errors.items() if max_abs > 1e-5] if dtype == "float32" else []
+    if dtype == "float32" and (model_type in FLOAT32_ENVELOPE or over):
         truth = _torch_outputs(model_type, torch_model.to(torch.float64), inputs, "float64")
         errors = _errors(model_type, ours, truth, inputs)
         envelope = _errors(model_type, {k: v.numpy() for k, v in theirs.items()}, truth, inputs)
         print(f"  from the float64 truth: ours {errors}, transformers' float32 {envelope}")
         for name, (max_abs, _) in errors.items():
             assert max_abs <= 2 * max(envelope[name][0], 5e-6), (name, max_abs, envelope[name])
+        if model_type not in FLOAT32_ENVELOPE:  # the exception needs torch's own float32 over 1e-5 from the truth
+            assert all(envelope[name][0] > 1e-5 for name in over), (over, envelope)
         return
     for name, (max_abs, norm) in errors.items():
         assert np.asarray(ours[name]).dtype == np.dtype(dtype)
