@@ -78,6 +78,7 @@ EXPECTED_KERNELS = {
     ("v5e", "shaw causal", "forward+backward"): "jaxattn_flex_tpu_dkv",
     ("v5e", "deberta", "forward+backward"): "jaxattn_flex_tpu_dq",
     ("v5e", "deberta 16k", "forward+backward"): "jaxattn_flex_tpu_dq",  # the keys streamed a tile at a time
+    ("v5e", "t5 causal 32k streamed", "forward+backward"): "jaxattn_flex_tpu_dkv",  # queries streamed too
     ("v5e", "relative pairs", "forward+backward"): "jaxattn_flex_tpu_dq",
     ("v5e", "None relative pairs", "forward+backward"): "jaxattn_flex_tpu_dq",  # None takes the kernel on a TPU too
 }
@@ -307,11 +308,14 @@ CASES = [
     Case("flex mask_mod", N=4, flex="mask_mod"),
     Case("flex block_mask", T=2048, N=4, flex="block_mask", memory=("forward",)),
     Case("flex block_mask f32 H64", T=512, N=2, H=64, dtype="float32", flex="block_mask"),
-    # at the flex TPU kernel's bound: one head's keys and values, S x (H + Hv) x 2 bytes = 8 MiB of VMEM
-    # (flex_tpu.MAX_KEY_BYTES; issue 36 saw an overrun at this size, which no longer reproduces)
+    # at the bound of one head's keys and values held whole: S x (H + Hv) x 2 bytes = 8 MiB of VMEM
+    # (tpu_backward.MAX_ROWS_BYTES; issue 36 saw an overrun at this size, which no longer reproduces); past it
+    # the keys are streamed a tile at a time (tpu_refs.Streamed), the dk/dv kernel's queries likewise
     Case(
         "flex S=16k at the VMEM bound", T=1024, S=16384, N=4, flex="mask_mod", platforms=("tpu",), programs=("forward",)
     ),
+    Case("flex S=64k streamed", T=1024, S=65536, N=4, flex="mask_mod", platforms=("tpu",), programs=("forward",)),
+    Case("t5 causal 32k streamed", T=32768, N=8, scheme="t5", options=CAUSAL, platforms=("tpu",), programs=FWD_BWD),
     Case("cudnn causal", T=2048, N=8, K=2, kernel="cudnn", options=CAUSAL, platforms=("gpu",)),
     Case("cudnn fp16 H64", N=4, H=64, dtype="float16", kernel="cudnn", platforms=("gpu",)),
     Case("None causal", T=2048, N=8, kernel="auto", options=CAUSAL),
@@ -377,7 +381,7 @@ CI_SECOND = {"causal H256 GQA 4/2": FWD_BWD, "full f32": FWD_BWD, "None causal":
 CI_TPU = {name: p for name, p in CI_FIRST.items() if name not in ("None swin", "None shaw", "None deberta")}
 CI_TPU.update({"swin shifted": ("forward",), "shaw causal": FWD_BWD, "deberta": FWD_BWD})
 CI_TPU.update({"None relative pairs": FWD_BWD, "relative pairs unaligned": FWD_BWD})  # 0.5 s each on v5e
-CI_TPU["deberta 16k"] = FWD_BWD
+CI_TPU.update({"deberta 16k": FWD_BWD, "t5 causal 32k streamed": FWD_BWD, "flex S=64k streamed": ("forward",)})
 CI = {"h100": CI_FIRST, "v5e": CI_TPU, "a100": CI_SECOND, "v6e": CI_SECOND}
 
 # Memory checks that fail today by a known limit, each with why: (target regex, case, program). Listed, the check

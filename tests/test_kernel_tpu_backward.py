@@ -121,6 +121,17 @@ def test_gradients_equal_the_float64_reference(name):
         assert normwise(got, ref) <= GRAD_TOL, normwise(got, ref)
 
 
+@pytest.mark.parametrize(
+    "name", [n if i == 0 else pytest.param(n, marks=pytest.mark.slow) for i, n in enumerate(CASES)]
+)
+def test_streamed_rows_give_the_same_gradients(name, monkeypatch):
+    """Past MAX_ROWS_BYTES (forced here to every call) the forward's and the dq kernel's keys and values and the
+    dk/dv kernel's queries and their cotangent stay in HBM, a tile copied in at a time (tpu_refs.Streamed): the
+    same outputs and gradients."""
+    monkeypatch.setattr(tpu_backward, "MAX_ROWS_BYTES", 1)
+    test_gradients_equal_the_float64_reference(name)
+
+
 # bf16 inputs against the float64 reference on the same rounded numbers: the bars of the kernels' other bf16
 # checks (tests/test_kernel_shaw.py), outputs 5e-3 and gradients 8e-3 normwise.
 BF16_TOLERANCES = (5e-3, 8e-3)
@@ -218,12 +229,12 @@ def test_a_scheme_training_program_holds_the_three_kernels(scheme):
 
 
 def test_what_keeps_the_xla_backward():
-    q, k = jnp.zeros((1, 64, 4, 8)), jnp.zeros((1, 64, 2, 8))
+    q = jnp.zeros((1, 64, 4, 8))
     bias = of_rows(jnp.zeros((4, 9)), -4, 4)  # a position bias of j - i (T5's, ALiBi's kind)
-    assert tpu_backward.backward_refusal(AttentionCall(is_causal=True), q, k, k, False, 128) is None
-    assert tpu_backward.backward_refusal(AttentionCall(position_bias=bias), q, k, k, False, 128) is None
+    assert tpu_backward.backward_refusal(AttentionCall(is_causal=True), q, False) is None
+    assert tpu_backward.backward_refusal(AttentionCall(position_bias=bias), q, False) is None
     tables = AttentionCall(key_table=jnp.zeros((9, 4, 8)), max_distance=4)
-    assert tpu_backward.backward_refusal(tables, q, k, k, False, 128) is None
+    assert tpu_backward.backward_refusal(tables, q, False) is None
     # the dq kernel's VMEM with tables: DeBERTa-v3's at 8192, head dim 64, with two copies of the keys (estimated
     # 17.38 MiB; v5e's compile took 17.41 MiB of its 16) takes one (13.4 MiB, compiled for v5e); at 16k one
     # copy is 17.4 MiB: the keys streamed a tile at a time (0), 9.4 MiB
@@ -240,9 +251,14 @@ def test_what_keeps_the_xla_backward():
     widest = tpu_tables.TableLanes(-1024, 1023, 128, 128, True, False, True)
     assert tpu_tables.backward_refusal(widest, 128, 256, 256, jnp.bfloat16, 128).startswith("position tables (")
     window = TableBias(jnp.zeros((15 * 15, 4)), WindowIndex(8, 8, False), 64)  # Swin's 8 x 8 windows
-    assert tpu_backward.backward_refusal(AttentionCall(position_bias=window), q, k, k, False, 128).startswith(
+    assert tpu_backward.backward_refusal(AttentionCall(position_bias=window), q, False).startswith(
         "position_bias (a window's bias"
     )
-    assert "closing over arrays" in tpu_backward.backward_refusal(AttentionCall(), q, k, k, True, 128)
-    long = jax.ShapeDtypeStruct((1, 2**14, 32, 128), jnp.float32)  # 16 query heads per key head x 16k rows
-    assert tpu_backward.backward_refusal(AttentionCall(), long, k, k, False, 128).startswith("query (T=16384")
+    assert "closing over arrays" in tpu_backward.backward_refusal(AttentionCall(), q, True)
+    # one head's query rows past MAX_ROWS_BYTES are streamed (16k at head dim 128 in float32); the [1,T] rows of
+    # lse, delta and positions bound T at 32k
+    mid = jax.ShapeDtypeStruct((1, 2**14, 32, 128), jnp.float32)
+    assert tpu_backward.streamed(2**14, 128, 128, jnp.float32)
+    assert tpu_backward.backward_refusal(AttentionCall(), mid, False) is None
+    long = jax.ShapeDtypeStruct((1, 2**15 + 1, 8, 128), jnp.bfloat16)
+    assert tpu_backward.backward_refusal(AttentionCall(), long, False).startswith("query (T=32769")

@@ -42,7 +42,9 @@ offsets of their band, a tile's terms a window of the lanes moved by strided rol
 
 Tiles 128 x 128 (the TPU lane width; a BlockMask's own tiles when they are multiples of 128), head dims
 padded to a multiple of 128, T and S padded inside. The whole key axis of one head sits in VMEM (with its
-double buffer), so S x (H + Hv) is bounded (MAX_KEY_BYTES); longer calls fall back to the XLA engine.
+double buffer) up to tpu_backward.MAX_ROWS_BYTES (16k keys at head dim 128 in bf16); past it the keys stay in
+HBM and each key tile is copied in when the kernel reaches it (tpu_refs.Streamed). Up to MAX_KEY_ROWS keys (the
+[1,S] rows of key positions in VMEM); longer calls fall back to the XLA engine.
 
 Refused with jax_enable_x64 on (in the interpreter too), and on a TPU (interpret=False) also: score_mod /
 mask_mod / BlockMask mask_mod closing over an array (as on the GPU: indexing one by head or position inside the
@@ -69,10 +71,13 @@ from .._core.dtypes import accumulation_dtype
 from .._core.offset_bias import OffsetBias, TableBias, of_rows
 from .._engines import blockwise
 from . import flash_gpu, pair_tables, splash_tpu, tile_body, tpu_backward, tpu_pairs, tpu_tables
-from .tpu_refs import LANES, Row, Scalars, toeplitz_tile, window
+from .tpu_refs import LANES, Row, Scalars, Streamed, toeplitz_tile, window
 
 INTERPRET_BLOCK = 16
-MAX_KEY_BYTES = 8 * 2**20  # one head's keys and values in VMEM (doubled by the pipeline's second buffer)
+# Keys past which a call stays on the XLA engines: the kernel holds [1,S] rows of the key positions (and segment
+# ids) whole, padded to 8 sublanes and double-buffered (4 MiB apiece at 64k). One head's keys and values themselves
+# are held whole up to tpu_backward.MAX_ROWS_BYTES and read a tile at a time from HBM past it.
+MAX_KEY_ROWS = 2**16
 MAX_BIAS_ROWS = 2**20  # one head's position-bias rows in VMEM (float32, about T + S of them): 4 MiB
 # A window's bias of every pair, N x Tp x Sp float32 (pair_bias_of_grid): 16 MiB holds every Swin and BEiT
 # window (Swin-L's 48 heads at 12 x 12: 48 x 256 x 256 x 4 = 12 MiB; 7 x 7: 3 MiB; BEiT-L's 16 heads at 197
@@ -91,9 +96,9 @@ FLEX_OPTIONS = (
     "rel_key",
     "rel_value",
 )
-# One head's keys and values beside per-pair tables (tpu_pairs): their slices, products and gradients take about
-# 4 MiB of VMEM more than the forward's and the dq kernel's other blocks, so half MAX_KEY_BYTES.
-MAX_PAIR_KEY_BYTES = MAX_KEY_BYTES // 2
+# One head's keys and values held whole beside per-pair tables (tpu_pairs), streamed past it: their slices,
+# products and gradients take about 4 MiB of VMEM more than the forward's and the dq kernel's other blocks.
+MAX_PAIR_KEY_BYTES = tpu_backward.MAX_ROWS_BYTES // 2
 # The widest band of offsets whose table rows differ (hi - lo + 1) the kernel lays out per head: with the
 # margins, E lanes of up to 2048 + 4 tiles, so the [Tb,E] float32 q . key rows (1.5 MiB at Tb = 128) and each
 # table's [E,H] block fit VMEM beside the keys. Shaw's tables reach at most offset_tables.MAX_COLUMNS rows (the
@@ -156,17 +161,16 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
             score_dtype = accumulation_dtype(getattr(query, "dtype", jnp.float32)) if name == "score_mod" else None
             if mods.element_function(name, fn, score_dtype).consts:
                 return name
-    S, H, Hv = np.shape(key)[-3], np.shape(query)[-1], np.shape(value)[-1]
-    padded = lambda x: -(-x // LANES) * LANES  # noqa: E731
-    if padded(S) * (padded(H) + padded(Hv)) * np.dtype(getattr(key, "dtype", np.float32)).itemsize > MAX_KEY_BYTES:
-        return f"key (S={S}: one head's keys and values must fit {MAX_KEY_BYTES >> 20} MiB of VMEM)"
+    S = np.shape(key)[-3]
+    if S > MAX_KEY_ROWS:
+        return f"key (S={S} > {MAX_KEY_ROWS}: the kernel's rows of key positions in VMEM)"
     return None
 
 
 def pairs_refusal(call: AttentionCall, query, key, value, interpret=False) -> Optional[str]:
     """unsupported() for a call with per-pair tables (rel_key / rel_value, tpu_pairs): the options refused beside
     them (pair_tables.NOT_BESIDE_PAIRS, as on a GPU), the kernel's refusals of the rest of the call, and on a TPU
-    tables wider than 32-bit floats and keys over MAX_PAIR_KEY_BYTES."""
+    tables wider than 32-bit floats."""
     for name in pair_tables.NOT_BESIDE_PAIRS:
         if getattr(call, name) is not None:
             return f"{name} (beside per-pair tables rel_key / rel_value)"
@@ -177,10 +181,6 @@ def pairs_refusal(call: AttentionCall, query, key, value, interpret=False) -> Op
         table = getattr(call, name)
         if table is not None and np.dtype(getattr(table, "dtype", np.float32)).itemsize > 4:
             return name
-    S, H, Hv = np.shape(key)[-3], np.shape(query)[-1], np.shape(value)[-1]
-    padded = lambda x: -(-x // LANES) * LANES  # noqa: E731
-    if padded(S) * (padded(H) + padded(Hv)) * np.dtype(query.dtype).itemsize > MAX_PAIR_KEY_BYTES:
-        return f"key (S={S}: with per-pair tables one head's keys and values must fit {MAX_PAIR_KEY_BYTES >> 20} MiB)"
     return None
 
 
@@ -289,11 +289,14 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
         return pl.BlockSpec(shape, lambda b, n, i, *_: index(b, n, i))
 
     rows = lambda x: x[:, None, :]  # noqa: E731  [B|1,L] -> [B|1,1,L]
+    # one head's keys and values whole in VMEM, or past the bound left in HBM and read a tile at a time
+    stream = tpu_backward.streamed(Sp, Hp, Hvp, k.dtype, MAX_PAIR_KEY_BYTES if pairs is not None else 0)
+    anywhere = pl.BlockSpec(memory_space=pl.ANY)
     inputs = {
         "q": (q, spec((None, None, cfg.Tb, Hp), lambda b, n, i: (b, n, i, 0))),
         # lax.div: n >= 0, and Mosaic lowers floor division through sign, which asks the TPU generation
-        "k": (k, spec((None, None, Sp, Hp), lambda b, n, i: (b, lax.div(n, G), 0, 0))),
-        "v": (v, spec((None, None, Sp, Hvp), lambda b, n, i: (b, lax.div(n, G), 0, 0))),
+        "k": (k, anywhere if stream else spec((None, None, Sp, Hp), lambda b, n, i: (b, lax.div(n, G), 0, 0))),
+        "v": (v, anywhere if stream else spec((None, None, Sp, Hvp), lambda b, n, i: (b, lax.div(n, G), 0, 0))),
         "q_pos": (rows(side.q_pos), spec((None, 1, cfg.Tb), lambda b, n, i: (pick(bq, b), 0, i))),
         "k_pos": (rows(side.k_pos), spec((None, 1, Sp), lambda b, n, i: (pick(bk, b), 0, 0))),
     }
@@ -311,6 +314,12 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
         E = rows_of_grid.shape[-1]
         inputs["offset_bias"] = (rows_of_grid, spec((None, None, 1, E), lambda b, n, i: (pick(batched, b), n, 0, 0)))
     scratch = {}
+    if stream:
+        scratch.update(
+            k_tile=pltpu.VMEM((cfg.Sb, Hp), k.dtype),
+            v_tile=pltpu.VMEM((cfg.Sb, Hvp), v.dtype),
+            key_sem=pltpu.SemaphoreType.DMA(()),
+        )
     if tables is not None:
         lanes, arrays = tables
         for name, x in arrays.items():  # one head's lanes (or the shared table's), [E,F]
@@ -344,6 +353,9 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
         for name in ("q_pos", "k_pos", "q_seg", "k_seg", "lse"):
             if name in r:
                 r[name] = Row(r[name])
+        if stream:
+            for name in ("k", "v"):
+                r[name] = Streamed(r[name], r[name + "_tile"], r["key_sem"], b, lax.div(n, G))
         if "offset_bias" in r:  # tile (i, j)'s bias starts at entry j * Sb - i * Tb + Tp - Tb (offset_rows_of_grid)
             r["offset_bias_of_tile"] = lambda j: toeplitz_tile(
                 r["offset_bias"], j * cfg.Sb - i * cfg.Tb + (Tp - cfg.Tb), cfg.Tb, cfg.Sb
@@ -447,7 +459,7 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     # backward with the scheme's own formula (its memory as the engine's: a gather from the rows, T + S of
     # them for ALiBi, took a TPU far more).
     lanes = INTERPRET_BLOCK if interpret else LANES
-    refusal = tpu_backward.backward_refusal(call, query, key, value, bool(consts), lanes)
+    refusal = tpu_backward.backward_refusal(call, query, bool(consts))
     if refusal is None and table_arrays:
         layout = tpu_tables.table_layout(call, *blocks, T, S)
         refusal = tpu_tables.backward_refusal(layout, S, query.shape[-1], value.shape[-1], query.dtype, lanes)
@@ -516,8 +528,9 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
 
         tables = lanes_of(table_arrays) if table_arrays else None
         pairs = laid_pairs(pair_arrays, p, interpret) if pair_arrays else None
+        key_limit = MAX_PAIR_KEY_BYTES if pairs is not None else 0
         dq, dk, dv, d_rows, d_lanes, d_laid = tpu_backward.gradients(
-            p, lse, delta, d_out, interpret, rows_of_grid, tables, S, pairs
+            p, lse, delta, d_out, interpret, rows_of_grid, tables, S, pairs, key_limit
         )
         d_sinks = None if p.side.sinks is None else flash_gpu.sinks_grad(p.side.sinks, lse, delta)
         if d_rows is not None and rows_of_grid.shape[0] == 1:  # one set of rows for every batch entry

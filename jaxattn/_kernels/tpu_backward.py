@@ -32,27 +32,35 @@ from jax.experimental.pallas import tpu as pltpu
 from .._core.call import AttentionCall
 from .._core.offset_bias import OffsetBias
 from . import flash_gpu, tile_body, tpu_pairs, tpu_tables
-from .tpu_refs import Row, Scalars, lane_window, toeplitz_tile, undiagonals, window
+from .tpu_refs import Row, Scalars, Streamed, lane_window, toeplitz_tile, undiagonals, window
 
-# The dk/dv kernel holds the query rows of one query head in VMEM (q and do, double-buffered by the pipeline),
-# as the forward holds one head's keys and values (flex_tpu.MAX_KEY_BYTES): T up to 16k at head dim 128 in bf16.
-MAX_QUERY_BYTES = 8 * 2**20
+# One head's rows a kernel holds whole in VMEM (double-buffered by the pipeline): the forward's and the dq
+# kernel's keys and values, the dk/dv kernel's queries and their cotangent; T or S up to 16k at head dim 128 in
+# bf16. Past it they stay in HBM and each tile is copied in when the kernel reaches it (streamed_keys).
+MAX_ROWS_BYTES = 8 * 2**20
+# The dk/dv kernel holds [1,T] rows of lse, delta and the query positions (and segment ids) whole, each padded to
+# 8 sublanes and double-buffered: 4 MiB apiece at 32k.
+MAX_QUERY_ROWS = 2**15
 
 
-def backward_refusal(call: AttentionCall, query, key, value, has_consts: bool, lanes: int) -> Optional[str]:
+def backward_refusal(call: AttentionCall, query, has_consts: bool) -> Optional[str]:
     """None when the kernels here compute the gradient of a call the TPU flex kernel computes forward; else
-    what keeps the XLA engine's backward (module docstring). lanes: the padding of T and head dims."""
+    what keeps the XLA engine's backward (module docstring)."""
     if call.position_bias is not None and not isinstance(call.position_bias, OffsetBias):
         return "position_bias (a window's bias)"
     if has_consts:
         return "score_mod / mask_mod closing over arrays"
-    T, H = np.shape(query)[-3], np.shape(query)[-1]
-    Hv = np.shape(value)[-1]
-    padded = lambda x: -(-x // lanes) * lanes  # noqa: E731
-    itemsize = np.dtype(getattr(query, "dtype", np.float32)).itemsize
-    if padded(T) * (padded(H) + padded(Hv)) * itemsize > MAX_QUERY_BYTES:
-        return f"query (T={T}: one head's query rows and their cotangent must fit {MAX_QUERY_BYTES >> 20} MiB)"
+    T = np.shape(query)[-3]
+    if T > MAX_QUERY_ROWS:
+        return f"query (T={T} > {MAX_QUERY_ROWS}: the dk/dv kernel's rows of lse, delta and positions in VMEM)"
     return None
+
+
+def streamed(L: int, H: int, Hv: int, dtype, limit: int = 0) -> bool:
+    """Whether one head's rows (keys and values, or queries and their cotangent: L of them, padded head dims H,
+    Hv) overrun `limit` (default MAX_ROWS_BYTES), so that a kernel reads them a tile at a time from HBM
+    (tpu_refs.Streamed) instead of holding them whole in VMEM."""
+    return L * (H + Hv) * np.dtype(dtype).itemsize > (limit or MAX_ROWS_BYTES)
 
 
 def _spec(shape, index, buffers=2):
@@ -63,7 +71,16 @@ def _spec(shape, index, buffers=2):
 
 
 def gradients(
-    p: flash_gpu.Prepared, lse, delta, d_out, interpret: bool, rows_of_grid=None, tables=None, S=None, pairs=None
+    p: flash_gpu.Prepared,
+    lse,
+    delta,
+    d_out,
+    interpret: bool,
+    rows_of_grid=None,
+    tables=None,
+    S=None,
+    pairs=None,
+    key_limit=0,
 ):
     """(dq [B,Tp,N,Hp], dk [B,Sp,K,Hp], dv [B,Sp,K,Hvp], d rows_of_grid [B,N,1,E] float32 or None) of a prepared
     call (prepare's padded arrays) from the forward's lse and delta = rowsum(dO * out) - d lse, both [B,N,Tp]
@@ -76,7 +93,8 @@ def gradients(
     that row stays in VMEM and sums over them: d rows [B,N,1,E], O(T + S) per head, no atomics.
 
     pairs: per-pair tables (tpu_pairs: (PairTables, {name: [Tp,Nt,F,Sp]})) or None; their gradients, [Tp,Nt,F,Sp]
-    by name (tpu_pairs.gradient_dtype), are the last result (empty without)."""
+    by name (tpu_pairs.gradient_dtype), are the last result (empty without). key_limit: the bytes of one head's
+    keys and values past which the dq kernel streams them (streamed; 0: MAX_ROWS_BYTES)."""
     cfg, side = p.cfg, p.side
     q, k, v, do = (jnp.swapaxes(x, 1, 2) for x in (p.q, p.k, p.v, d_out.astype(p.q.dtype)))  # [B,heads,L,F]
     B, N, Tp, Hp = q.shape
@@ -86,8 +104,11 @@ def gradients(
     pick = tile_body.pick
     columns = lse[..., None], delta[..., None]  # [B,N,Tp,1]: the dq kernel's, a tile's rows at a time
     # two copies of k and v, one where the tables' blocks leave room for only one, or none: each key tile copied
-    # in from HBM when the kernel reaches it (_StreamedKeys)
-    buffers = 2 if tables is None else tpu_tables.key_buffers(tables[0], Sp, Hp, Hvp, q.dtype, 1)
+    # in from HBM when the kernel reaches it (tpu_refs.Streamed), as the forward does past MAX_ROWS_BYTES
+    if tables is None:
+        buffers = 0 if streamed(Sp, Hp, Hvp, k.dtype, key_limit) else 2
+    else:
+        buffers = tpu_tables.key_buffers(tables[0], Sp, Hp, Hvp, q.dtype, 1)
     rows = lambda x: x[:, None, :]  # noqa: E731  [B|1,L] -> [B|1,1,L]
     parallel = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
     # the bias's gradient sums over the query tiles of (b, n) in one output block: they run in order
@@ -193,7 +214,7 @@ def gradients(
                 r[name] = Row(r[name])
         if buffers == 0:
             for name in ("k", "v"):
-                r[name] = _StreamedKeys(r[name], r[name + "_tile"], r["key_sem"], b, lax.div(n, G))
+                r[name] = Streamed(r[name], r[name + "_tile"], r["key_sem"], b, lax.div(n, G))
         if "offset_bias" in r:
             d_rows = r["d_offset_bias"]
 
@@ -234,9 +255,11 @@ def gradients(
     def spec(shape, index):  # index(b, h, j, g): the grid's four axes
         return pl.BlockSpec(shape, lambda *ids: index(*ids[:4]))
 
+    stream_queries = streamed(Tp, Hp, Hvp, q.dtype)
+    anywhere = pl.BlockSpec(memory_space=pl.ANY)
     inputs = {
-        "q": (q, spec((None, 1, Tp, Hp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
-        "do": (do, spec((None, 1, Tp, Hvp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
+        "q": (q, anywhere if stream_queries else spec((None, 1, Tp, Hp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
+        "do": (do, anywhere if stream_queries else spec((None, 1, Tp, Hvp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
         # rows [1,Tp]: a [Tp,1] column of the whole query axis takes 128 lanes per row of VMEM (8 MiB at 16k)
         "lse": (lse[:, :, None, :], spec((None, 1, 1, Tp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
         "delta": (delta[:, :, None, :], spec((None, 1, 1, Tp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
@@ -272,6 +295,12 @@ def gradients(
         scratch = {"dk_sum": pltpu.VMEM((cfg.Sb, Hp), jnp.float32), "dv_sum": pltpu.VMEM((cfg.Sb, Hvp), jnp.float32)}
     if pairs is not None:
         scratch.update(tpu_pairs.scratch(pairs[0], pairs[1], Hp, Hvp, grads=False))
+    if stream_queries:  # one query tile of q and do at a time, copied in from HBM
+        scratch.update(
+            q_tile=pltpu.VMEM((cfg.Tb, Hp), q.dtype),
+            do_tile=pltpu.VMEM((cfg.Tb, Hvp), do.dtype),
+            query_sem=pltpu.SemaphoreType.DMA(()),
+        )
 
     def dkv(r):
         b, h, j, g = (pl.program_id(axis) for axis in range(4))
@@ -286,7 +315,10 @@ def gradients(
             if name in r:
                 r[name] = Row(r[name])
         r["query_head"] = g
-        r["q"], r["do"] = (_OneHead(r[name]) for name in ("q", "do"))
+        if stream_queries:
+            r["q"], r["do"] = (Streamed(r[n], r[n + "_tile"], r["query_sem"], b, h * G + g, True) for n in ("q", "do"))
+        else:
+            r["q"], r["do"] = (_OneHead(r[name]) for name in ("q", "do"))
         r["lse"], r["delta"] = (_ColumnOfRow(r[name]) for name in ("lse", "delta"))
         if G > 1:
             r["dk"], r["dv"] = (_SumOverHeads(r[name], r[name + "_sum"], g, G) for name in ("dk", "dv"))
@@ -303,23 +335,6 @@ def gradients(
     dk, dv = call(dkv, "jaxattn_flex_tpu_dkv", (B, K, cfg.Sn, G), scalars, inputs, outputs, by_heads, scratch)
     dq_out, dk, dv = (jnp.swapaxes(x, 1, 2) for x in (dq_out, dk, dv))
     return dq_out, dk, dv, d_rows[0] if d_rows else None, d_tables, d_pairs
-
-
-class _StreamedKeys:
-    """One key/value head's k or v left in HBM ([B,K,Sp,F]), read as the dq kernel reads its block: [rows,
-    columns] copies those rows of head (b, h) into a [Sb,F] VMEM tile and waits for the copy (the keys of a dq
-    kernel with tables where one copy of them overruns VMEM, tpu_tables.key_buffers)."""
-
-    def __init__(self, ref, tile, sem, b, h):
-        self.ref, self.tile, self.sem, self.b, self.h = ref, tile, sem, b, h
-        self.dtype = tile.dtype
-
-    def __getitem__(self, index):
-        rows, columns = index
-        copy = pltpu.make_async_copy(self.ref.at[self.b, self.h, rows], self.tile, self.sem)
-        copy.start()
-        copy.wait()
-        return self.tile[:, columns]
 
 
 class _OneHead:

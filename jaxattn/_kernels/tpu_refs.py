@@ -51,6 +51,26 @@ class Scalars:
         return self.ref[self.start + sum(i * step for i, step in zip(index, self.steps))]
 
 
+class Streamed:
+    """One head's rows of an array left in HBM ([B,heads,L,F]: keys, values, queries or their cotangent), read as
+    a kernel reads its whole VMEM block: [rows, columns] (or [rows, g, columns], the dk/dv kernel's reading of
+    query head g, the head fixed here) copies those rows of head (b, h) into a VMEM tile and waits for the copy
+    (rows past tpu_backward.MAX_ROWS_BYTES; the wait is not hidden, and not timed: no TPU has been lent)."""
+
+    def __init__(self, ref, tile, sem, b, h, one_head_of_many=False):
+        self.ref, self.tile, self.sem, self.b, self.h = ref, tile, sem, b, h
+        self.dtype = tile.dtype
+        L, F = ref.shape[2], ref.shape[3]
+        self.shape = (L, 1, F) if one_head_of_many else (L, F)
+
+    def __getitem__(self, index):
+        rows, columns = index[0], index[-1]
+        copy = pltpu.make_async_copy(self.ref.at[self.b, self.h, rows], self.tile, self.sem)
+        copy.start()
+        copy.wait()
+        return self.tile[:, columns]
+
+
 def window(Tb: int, Sb: int) -> int:
     """Lanes toeplitz_tile loads: the tile's Tb + Sb - 1 diagonals from any start within a lane tile."""
     return -(-(Tb + Sb - 1) // LANES) * LANES + LANES

@@ -264,8 +264,8 @@ def key_buffers(lanes: TableLanes, S: int, H: int, Hv: int, dtype, multiple: int
     """How many copies of one head's keys and values the dq kernel with tables holds: the pipeline's two where
     dq_vmem fits MAX_TABLES_VMEM with them (the next head's keys are copied while this head's last query tiles
     run), else one where one fits (pl.Buffered(1): the kernel waits for each head's keys, once per (b, n)), else
-    0: the keys stay in HBM and each key tile is copied in when the kernel reaches it (tpu_backward's
-    _StreamedKeys; it waits for every tile). Neither wait is timed: no TPU has been lent."""
+    0: the keys stay in HBM and each key tile is copied in when the kernel reaches it
+    (tpu_refs.Streamed; it waits for every tile). Neither wait is timed: no TPU has been lent."""
     for buffers in (2, 1):
         if dq_vmem(lanes, S, H, Hv, dtype, multiple, buffers) <= MAX_TABLES_VMEM:
             return buffers
