@@ -176,6 +176,31 @@ def errors(actual, expected):
     return outs, grads
 
 
+def judge(row: dict, dtype: str, ours, reference, dense_in_dtype) -> None:
+    """row += the errors of `ours` against the float32 `reference`, the bars and ok: F32_BAR in float32; else twice
+    the dense engine's own error in that dtype (dense_in_dtype(): its results) plus 1e-3."""
+    out_err, grad_err = errors(ours, reference)
+    row.update(forward=out_err, gradients=grad_err)
+    if dtype == "float32":
+        out_bar, grad_bar = F32_BAR["forward"], F32_BAR["gradients"]
+    else:  # the dense engine's own error in this dtype sets the scale
+        dense_out, dense_grad = errors(dense_in_dtype(), reference)
+        out_bar, grad_bar = 2 * dense_out + 1e-3, 2 * max(dense_grad.values()) + 1e-3
+        row.update(dense_forward=dense_out, dense_gradients=dense_grad)
+    row.update(forward_bar=out_bar, gradients_bar=grad_bar)
+    row["ok"] = bool(out_err <= out_bar and all(e <= grad_bar for e in grad_err.values()))
+
+
+def describe(row: dict) -> str:
+    """A correctness row's log text: its error, its skip, or its errors against the bars."""
+    if "error" in row:
+        return "ERROR " + row["error"].splitlines()[0][:150]
+    if row.get("skipped"):
+        return row["skipped"].splitlines()[0][:150]
+    what = f"fwd {row['forward']:.2e} (bar {row['forward_bar']:.1e})  grads {max(row['gradients'].values()):.2e} "
+    return what + f"(bar {row['gradients_bar']:.1e})  {'ok' if row['ok'] else 'FAIL'}"
+
+
 def run_check(check: Check, implementation: str, interpret: bool, dtypes) -> list[dict]:
     """The dtypes of one check: rows with the errors, the bars and pass / fail."""
     rows = []
@@ -189,17 +214,13 @@ def run_check(check: Check, implementation: str, interpret: bool, dtypes) -> lis
             cast = {k: (v.astype(dtype) if k != "sinks" else v) for k, v in floats.items()}
             precision = "highest" if dtype == "float32" else None
             ours = forward_and_grads(attention_fn(check, implementation, precision, interpret), cast, ints, ct_key)
-            out_err, grad_err = errors(ours, reference)
-            row.update(forward=out_err, gradients=grad_err)
-            if dtype == "float32":
-                out_bar, grad_bar = F32_BAR["forward"], F32_BAR["gradients"]
-            else:  # the dense engine's own bf16 error sets the scale
-                dense = forward_and_grads(attention_fn(check, "dense", None, False), cast, ints, ct_key)
-                dense_out, dense_grad = errors(dense, reference)
-                out_bar, grad_bar = 2 * dense_out + 1e-3, 2 * max(dense_grad.values()) + 1e-3
-                row.update(dense_forward=dense_out, dense_gradients=dense_grad)
-            row.update(forward_bar=out_bar, gradients_bar=grad_bar)
-            row["ok"] = bool(out_err <= out_bar and all(e <= grad_bar for e in grad_err.values()))
+            judge(
+                row,
+                dtype,
+                ours,
+                reference,
+                lambda cast=cast: forward_and_grads(attention_fn(check, "dense", None, False), cast, ints, ct_key),
+            )
         except Exception as error:  # noqa: BLE001 - recorded; the run goes on
             if isinstance(error, ValueError) and "which cannot express it" in str(error):
                 row.update(ok=None, skipped=f"refused: {error}"[:500])  # by design: the kernel's unsupported
@@ -225,15 +246,7 @@ def correctness(smoke: bool, log) -> list[dict]:
                 dtypes = ("bfloat16",)
             for row in run_check(check, implementation, interpret, dtypes):
                 rows.append(row)
-                if "error" in row:
-                    what = "ERROR " + row["error"].splitlines()[0][:150]
-                elif row.get("skipped"):
-                    what = row["skipped"].splitlines()[0][:150]
-                else:
-                    grads = max(row["gradients"].values())
-                    what = f"fwd {row['forward']:.2e} (bar {row['forward_bar']:.1e})  grads {grads:.2e} "
-                    what += f"(bar {row['gradients_bar']:.1e})  {'ok' if row['ok'] else 'FAIL'}"
-                log(f"  {check.name:26} {implementation:10} {row['dtype']:9} {what}  {row['seconds']} s")
+                log(f"  {check.name:26} {implementation:10} {row['dtype']:9} {describe(row)}  {row['seconds']} s")
     return rows
 
 
@@ -312,15 +325,8 @@ def relative_correctness(name: str, L: int, interpret: bool, dtypes) -> list[dic
         row = dict(check=f"relative {name}", implementation="pallas_gpu", dtype=dtype, T=L, S=L, interpret=interpret)
         start = time.perf_counter()
         try:
-            out_err, grad_err = errors(run("pallas_gpu", "highest" if dtype == "float32" else None, dtype), reference)
-            row.update(forward=out_err, gradients=grad_err)
-            if dtype == "float32":
-                out_bar, grad_bar = F32_BAR["forward"], F32_BAR["gradients"]
-            else:  # the dense engine's own bf16 error sets the scale, as run_check's
-                dense_out, dense_grad = errors(run("dense", None, dtype), reference)
-                out_bar, grad_bar = 2 * dense_out + 1e-3, 2 * max(dense_grad.values()) + 1e-3
-            row.update(forward_bar=out_bar, gradients_bar=grad_bar)
-            row["ok"] = bool(out_err <= out_bar and all(e <= grad_bar for e in grad_err.values()))
+            ours = run("pallas_gpu", "highest" if dtype == "float32" else None, dtype)
+            judge(row, dtype, ours, reference, lambda dtype=dtype: run("dense", None, dtype))
         except Exception as error:  # noqa: BLE001 - recorded; the run goes on
             row.update(ok=False, error=f"{type(error).__name__}: {error}"[:1500], trace=traceback.format_exc()[-1500:])
         row["seconds"] = round(time.perf_counter() - start, 2)
@@ -381,13 +387,7 @@ def relative(smoke: bool, timed: bool, budget_s: float, log) -> dict:
     for name in schemes.SCHEMES:
         for row in relative_correctness(name, L, interpret, dtypes):
             rows.append(row)
-            if "error" in row:
-                what = "ERROR " + row["error"].splitlines()[0][:150]
-            else:
-                what = f"fwd {row['forward']:.2e} (bar {row['forward_bar']:.1e})  grads "
-                what += f"{max(row['gradients'].values()):.2e} (bar {row['gradients_bar']:.1e})  "
-                what += "ok" if row["ok"] else "FAIL"
-            log(f"  {row['check']:26} pallas_gpu {row['dtype']:9} {what}  {row['seconds']} s")
+            log(f"  {row['check']:26} pallas_gpu {row['dtype']:9} {describe(row)}  {row['seconds']} s")
     result = dict(correctness=rows, cases=[], not_run=[])
     if not timed:
         return result

@@ -261,10 +261,21 @@ T_LOWERED = 1024
 TRITON = "__gpu$xla.gpu.triton"
 
 
+# implementation=None's kernels per platform: (the custom call that holds them, forward, backward)
+LOWERED_KERNELS = {
+    "cuda": (TRITON, {"jaxattn_pairs_forward"}, {"jaxattn_pairs_dq", "jaxattn_pairs_dkv"}),
+    "tpu": ("tpu_custom_call", {"jaxattn_flex_tpu_forward"}, {"jaxattn_flex_tpu_dq", "jaxattn_flex_tpu_dkv"}),
+}
+
+
+@pytest.mark.parametrize("platform", ["cuda", "tpu"])
 @pytest.mark.parametrize("program", ["forward+backward", pytest.param("forward", marks=pytest.mark.slow)])
-def test_lowered_for_cuda_is_the_kernel(program):
-    """implementation=None on CUDA: the pair kernels' Triton calls (forward; and dq, dk/dv), no [B,N,T,S] value
-    and no XLA tile loop; the tables are inputs, [T,S,N,H] per head and [T,S,1,Hv] shared."""
+def test_lowered_is_the_kernel(program, platform):
+    """implementation=None lowered for CUDA (the pair kernels' Triton calls) and for a TPU (the flex kernel's three
+    Mosaic calls, the tables' slices copied in by tpu_pairs): forward, and dq and dk/dv for the gradient; no
+    [B,N,T,S] value, no [B,T,S,H] product and no XLA tile loop; the tables are inputs, [T,S,N,H] per head and
+    [T,S,1,Hv] shared. Compiled for the H100 and v5e in CI (.ci/compile_targets.py, "relative pairs", "None
+    relative pairs")."""
     N, K, H = 4, 2, 64
     q = jax.ShapeDtypeStruct((1, T_LOWERED, N, H), jnp.bfloat16)
     kv = jax.ShapeDtypeStruct((1, T_LOWERED, K, H), jnp.bfloat16)
@@ -279,42 +290,13 @@ def test_lowered_for_cuda_is_the_kernel(program):
     else:
         fn = jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
     with jax.enable_x64(False), jaxattn.cross_platform_lowering():
-        text = jax.jit(fn).trace(q, kv, kv, a_k, a_v).lower(lowering_platforms=("cuda",)).as_text()
+        text = jax.jit(fn).trace(q, kv, kv, a_k, a_v).lower(lowering_platforms=(platform,)).as_text()
     kernels = set(re.findall(r'name = "(jaxattn_\w+)"', text))
-    want = {"jaxattn_pairs_forward"} | ({"jaxattn_pairs_dq", "jaxattn_pairs_dkv"} if program != "forward" else set())
-    assert TRITON in text and kernels == want, kernels
+    custom_call, forward_kernels, backward_kernels = LOWERED_KERNELS[platform]
+    want = forward_kernels | (backward_kernels if program != "forward" else set())
+    assert custom_call in text and kernels == want, kernels
     assert "stablehlo.while" not in text, "an XLA tile loop"
     # no [B,N,T,S] logits or probabilities (nor [N,T,S], [T,S] of one head), and no [B,T,S,H] product
     T = T_LOWERED
     assert not re.search(rf"[<x]{T}x{T}x(f32|bf16|f16|i1|i32)>", text), "a [T,S] buffer"
     assert not re.search(rf"<1x{T}x{T}x{H}x", text), "a [B,T,S,H] product"
-
-
-@pytest.mark.parametrize("program", ["forward+backward", pytest.param("forward", marks=pytest.mark.slow)])
-def test_lowered_for_tpu_is_the_kernel(program):
-    """implementation=None lowered for a TPU: the flex kernel's three Mosaic calls with the tables' slices copied
-    in (tpu_pairs), no [B,N,T,S] value, no XLA tile loop. Compiled for v5e in CI (.ci/compile_targets.py,
-    "relative pairs" and "None relative pairs")."""
-    N, K, H = 4, 2, 64
-    q = jax.ShapeDtypeStruct((1, T_LOWERED, N, H), jnp.bfloat16)
-    kv = jax.ShapeDtypeStruct((1, T_LOWERED, K, H), jnp.bfloat16)
-    a_k = jax.ShapeDtypeStruct((T_LOWERED, T_LOWERED, N, H), jnp.bfloat16)
-    a_v = jax.ShapeDtypeStruct((T_LOWERED, T_LOWERED, 1, H), jnp.bfloat16)
-
-    def lowered(implementation):
-        def forward(q, k, v, a_k, a_v):
-            return jaxattn.relative_attention(q, k, v, a_k, a_v, is_causal=True, implementation=implementation)
-
-        fn = forward
-        if program != "forward":
-            fn = jax.grad(lambda *a: jnp.sum(forward(*a).astype(jnp.float32)), argnums=(0, 1, 2, 3, 4))
-        with jax.enable_x64(False), jaxattn.cross_platform_lowering():
-            return jax.jit(fn).trace(q, kv, kv, a_k, a_v).lower(lowering_platforms=("tpu",)).as_text()
-
-    text = lowered(None)
-    kernels = set(re.findall(r'name = "(jaxattn_\w+)"', text))
-    backward = {"jaxattn_flex_tpu_dq", "jaxattn_flex_tpu_dkv"} if program != "forward" else set()
-    assert kernels == {"jaxattn_flex_tpu_forward"} | backward, kernels
-    assert "stablehlo.while" not in text, "an XLA tile loop"
-    T = T_LOWERED
-    assert not re.search(rf"[<x]{T}x{T}x(f32|bf16|f16|i1|i32)>", text), "a [T,S] buffer"

@@ -168,6 +168,16 @@ def check_pair_table(name: str, table, T: int, S: int, N: int, head_dim: int, ac
     return table
 
 
+def check_pair_tables(rel_key, rel_value, T: int, S: int, N: int, H: int, Hv: int, acc_dtype):
+    """(A^K, A^V) of relative_attention, each checked by check_pair_table (None where absent): A^K [T,S,N|1,H],
+    A^V [T,S,N|1,Hv]."""
+    wanted = (("rel_key", rel_key, H, "A^K [T,S,N,H]"), ("rel_value", rel_value, Hv, "A^V [T,S,N,Hv]"))
+    return tuple(
+        None if table is None else check_pair_table(name, table, T, S, N, F, acc_dtype, layout)
+        for name, table, F, layout in wanted
+    )
+
+
 def check_mesh(mesh, **axes):
     """mesh is a jax.sharding.Mesh and each named axis is one of its axes, used at most once."""
     if not isinstance(mesh, Mesh):

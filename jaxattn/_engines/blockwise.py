@@ -907,13 +907,7 @@ def tiled(call: AttentionCall, query, key, value):
     if block_mask is not None:  # the BlockMask's own mask_mod applies (block_masks.resolve)
         block_size, mask_mod, block_mask = _with_block_mask(block_mask, block_size, mask_mod, B, N, T, S)
     grouped = _row_grouped(query, key, value, call.score_mod, mask_mod)
-    pair_key, pair_value = (
-        None if a is None else checks.check_pair_table(name, a, T, S, N, F, acc_dtype, layout)
-        for name, a, F, layout in (
-            ("rel_key", call.rel_key, H, "A^K [T,S,N,H]"),
-            ("rel_value", call.rel_value, Hv, "A^V [T,S,N,Hv]"),
-        )
-    )
+    pair_key, pair_value = checks.check_pair_tables(call.rel_key, call.rel_value, T, S, N, H, Hv, acc_dtype)
     pair_width = sum(a.shape[2] * a.shape[3] for a in (pair_key, pair_value) if a is not None)
     Tb, Sb = _tile_sizes(block_size, T, S, B, N, K, tiles.span(call.window, call.is_causal), grouped)
     if block_size is None and pair_width:

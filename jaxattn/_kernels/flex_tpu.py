@@ -71,7 +71,7 @@ from .._core.dtypes import accumulation_dtype
 from .._core.offset_bias import OffsetBias, TableBias, of_rows
 from .._engines import blockwise
 from . import flash_gpu, pair_tables, splash_tpu, tile_body, tpu_backward, tpu_pairs, tpu_tables
-from .tpu_refs import LANES, Row, Scalars, Streamed, toeplitz_tile, window
+from .tpu_refs import IN_HBM, LANES, Row, Scalars, Streamed, toeplitz_tile, window
 
 INTERPRET_BLOCK = 16
 # Keys past which a call stays on the XLA engines: the kernel holds [1,S] rows of the key positions (and segment
@@ -96,9 +96,6 @@ FLEX_OPTIONS = (
     "rel_key",
     "rel_value",
 )
-# One head's keys and values held whole beside per-pair tables (tpu_pairs), streamed past it: their slices,
-# products and gradients take about 4 MiB of VMEM more than the forward's and the dq kernel's other blocks.
-MAX_PAIR_KEY_BYTES = tpu_backward.MAX_ROWS_BYTES // 2
 # The widest band of offsets whose table rows differ (hi - lo + 1) the kernel lays out per head: with the
 # margins, E lanes of up to 2048 + 4 tiles, so the [Tb,E] float32 q . key rows (1.5 MiB at Tb = 128) and each
 # table's [E,H] block fit VMEM beside the keys. Shaw's tables reach at most offset_tables.MAX_COLUMNS rows (the
@@ -290,13 +287,12 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
 
     rows = lambda x: x[:, None, :]  # noqa: E731  [B|1,L] -> [B|1,1,L]
     # one head's keys and values whole in VMEM, or past the bound left in HBM and read a tile at a time
-    stream = tpu_backward.streamed(Sp, Hp, Hvp, k.dtype, MAX_PAIR_KEY_BYTES if pairs is not None else 0)
-    anywhere = pl.BlockSpec(memory_space=pl.ANY)
+    stream = tpu_backward.streamed(Sp, Hp, Hvp, k.dtype, pairs is not None)
     inputs = {
         "q": (q, spec((None, None, cfg.Tb, Hp), lambda b, n, i: (b, n, i, 0))),
         # lax.div: n >= 0, and Mosaic lowers floor division through sign, which asks the TPU generation
-        "k": (k, anywhere if stream else spec((None, None, Sp, Hp), lambda b, n, i: (b, lax.div(n, G), 0, 0))),
-        "v": (v, anywhere if stream else spec((None, None, Sp, Hvp), lambda b, n, i: (b, lax.div(n, G), 0, 0))),
+        "k": (k, IN_HBM if stream else spec((None, None, Sp, Hp), lambda b, n, i: (b, lax.div(n, G), 0, 0))),
+        "v": (v, IN_HBM if stream else spec((None, None, Sp, Hvp), lambda b, n, i: (b, lax.div(n, G), 0, 0))),
         "q_pos": (rows(side.q_pos), spec((None, 1, cfg.Tb), lambda b, n, i: (pick(bq, b), 0, i))),
         "k_pos": (rows(side.k_pos), spec((None, 1, Sp), lambda b, n, i: (pick(bk, b), 0, 0))),
     }
@@ -528,9 +524,8 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
 
         tables = lanes_of(table_arrays) if table_arrays else None
         pairs = laid_pairs(pair_arrays, p, interpret) if pair_arrays else None
-        key_limit = MAX_PAIR_KEY_BYTES if pairs is not None else 0
         dq, dk, dv, d_rows, d_lanes, d_laid = tpu_backward.gradients(
-            p, lse, delta, d_out, interpret, rows_of_grid, tables, S, pairs, key_limit
+            p, lse, delta, d_out, interpret, rows_of_grid, tables, S, pairs
         )
         d_sinks = None if p.side.sinks is None else flash_gpu.sinks_grad(p.side.sinks, lse, delta)
         if d_rows is not None and rows_of_grid.shape[0] == 1:  # one set of rows for every batch entry
@@ -601,15 +596,10 @@ def position_tables(call: AttentionCall, query, key, value) -> dict:
 
 def pair_inputs(call: AttentionCall, query, key, value) -> dict:
     """A call's per-pair tables (rel_key [T,S,N|1,H], rel_value [T,S,N|1,Hv]), checked, by name; {} without."""
-    T, S, N = query.shape[-3], key.shape[-3], query.shape[-2]
+    T, S, N, H, Hv = query.shape[-3], key.shape[-3], query.shape[-2], query.shape[-1], value.shape[-1]
     acc_dtype = accumulation_dtype(query.dtype)
-    out = {}
-    wanted = (("rel_key", query.shape[-1], "A^K [T,S,N,H]"), ("rel_value", value.shape[-1], "A^V [T,S,N,Hv]"))
-    for name, F, layout in wanted:
-        table = getattr(call, name)
-        if table is not None:
-            out[name] = checks.check_pair_table(name, table, T, S, N, F, acc_dtype, layout)
-    return out
+    tables = checks.check_pair_tables(call.rel_key, call.rel_value, T, S, N, H, Hv, acc_dtype)
+    return {name: table for name, table in zip(tpu_pairs.TABLES, tables) if table is not None}
 
 
 def laid_pairs(arrays: dict, p: flash_gpu.Prepared, interpret: bool):

@@ -129,14 +129,11 @@ def run(call: AttentionCall, query, key, value, interpret):
     Tp, Sp = p.cfg.Tn * p.cfg.Tb, p.cfg.Sn * p.cfg.Sb
     acc_dtype = accumulation_dtype(query.dtype)
 
-    def table(name, a, F, Fp, layout):
-        if a is None:
-            return None
-        a = checks.check_pair_table(name, a, T, S, N, F, acc_dtype, layout)
-        return jnp.pad(a, [(0, Tp - T), (0, Sp - S), (0, 0), (0, Fp - F)])  # zeros: dropped rows, masked keys
+    def padded(a, Fp):  # zeros: dropped rows, masked keys
+        return None if a is None else jnp.pad(a, [(0, Tp - T), (0, Sp - S), (0, 0), (0, Fp - a.shape[3])])
 
-    a_k = table("rel_key", call.rel_key, H, p.q.shape[-1], "A^K [T,S,N,H]")
-    a_v = table("rel_value", call.rel_value, Hv, p.v.shape[-1], "A^V [T,S,N,Hv]")
+    a_k, a_v = checks.check_pair_tables(call.rel_key, call.rel_value, T, S, N, H, Hv, acc_dtype)
+    a_k, a_v = padded(a_k, p.q.shape[-1]), padded(a_v, p.v.shape[-1])
     chunk = INTERPRET_CHUNK if interpret else PAIR_CHUNK
     B = p.q.shape[0]
     owned = [a is not None and B == 1 and a.shape[2] == N for a in (a_k, a_v)]

@@ -32,12 +32,14 @@ from jax.experimental.pallas import tpu as pltpu
 from .._core.call import AttentionCall
 from .._core.offset_bias import OffsetBias
 from . import flash_gpu, tile_body, tpu_pairs, tpu_tables
-from .tpu_refs import Row, Scalars, Streamed, lane_window, toeplitz_tile, undiagonals, window
+from .tpu_refs import IN_HBM, Row, Scalars, Streamed, lane_window, toeplitz_tile, undiagonals, window
 
 # One head's rows a kernel holds whole in VMEM (double-buffered by the pipeline): the forward's and the dq
 # kernel's keys and values, the dk/dv kernel's queries and their cotangent; T or S up to 16k at head dim 128 in
-# bf16. Past it they stay in HBM and each tile is copied in when the kernel reaches it (streamed_keys).
+# bf16. Past it they stay in HBM and each tile is copied in when the kernel reaches it (streamed). Beside per-pair
+# tables (tpu_pairs), whose slices, products and gradients take about 4 MiB of VMEM more, half of it.
 MAX_ROWS_BYTES = 8 * 2**20
+MAX_ROWS_BYTES_BESIDE_PAIRS = MAX_ROWS_BYTES // 2
 # The dk/dv kernel holds [1,T] rows of lse, delta and the query positions (and segment ids) whole, each padded to
 # 8 sublanes and double-buffered: 4 MiB apiece at 32k.
 MAX_QUERY_ROWS = 2**15
@@ -56,11 +58,12 @@ def backward_refusal(call: AttentionCall, query, has_consts: bool) -> Optional[s
     return None
 
 
-def streamed(L: int, H: int, Hv: int, dtype, limit: int = 0) -> bool:
+def streamed(L: int, H: int, Hv: int, dtype, beside_pairs: bool = False) -> bool:
     """Whether one head's rows (keys and values, or queries and their cotangent: L of them, padded head dims H,
-    Hv) overrun `limit` (default MAX_ROWS_BYTES), so that a kernel reads them a tile at a time from HBM
-    (tpu_refs.Streamed) instead of holding them whole in VMEM."""
-    return L * (H + Hv) * np.dtype(dtype).itemsize > (limit or MAX_ROWS_BYTES)
+    Hv) overrun MAX_ROWS_BYTES (MAX_ROWS_BYTES_BESIDE_PAIRS beside per-pair tables), so that a kernel reads them
+    a tile at a time from HBM (tpu_refs.Streamed) instead of holding them whole in VMEM."""
+    limit = MAX_ROWS_BYTES_BESIDE_PAIRS if beside_pairs else MAX_ROWS_BYTES
+    return L * (H + Hv) * np.dtype(dtype).itemsize > limit
 
 
 def _spec(shape, index, buffers=2):
@@ -80,7 +83,6 @@ def gradients(
     tables=None,
     S=None,
     pairs=None,
-    key_limit=0,
 ):
     """(dq [B,Tp,N,Hp], dk [B,Sp,K,Hp], dv [B,Sp,K,Hvp], d rows_of_grid [B,N,1,E] float32 or None) of a prepared
     call (prepare's padded arrays) from the forward's lse and delta = rowsum(dO * out) - d lse, both [B,N,Tp]
@@ -93,8 +95,7 @@ def gradients(
     that row stays in VMEM and sums over them: d rows [B,N,1,E], O(T + S) per head, no atomics.
 
     pairs: per-pair tables (tpu_pairs: (PairTables, {name: [Tp,Nt,F,Sp]})) or None; their gradients, [Tp,Nt,F,Sp]
-    by name (tpu_pairs.gradient_dtype), are the last result (empty without). key_limit: the bytes of one head's
-    keys and values past which the dq kernel streams them (streamed; 0: MAX_ROWS_BYTES)."""
+    by name (tpu_pairs.gradient_dtype), are the last result (empty without)."""
     cfg, side = p.cfg, p.side
     q, k, v, do = (jnp.swapaxes(x, 1, 2) for x in (p.q, p.k, p.v, d_out.astype(p.q.dtype)))  # [B,heads,L,F]
     B, N, Tp, Hp = q.shape
@@ -106,7 +107,7 @@ def gradients(
     # two copies of k and v, one where the tables' blocks leave room for only one, or none: each key tile copied
     # in from HBM when the kernel reaches it (tpu_refs.Streamed), as the forward does past MAX_ROWS_BYTES
     if tables is None:
-        buffers = 0 if streamed(Sp, Hp, Hvp, k.dtype, key_limit) else 2
+        buffers = 0 if streamed(Sp, Hp, Hvp, k.dtype, pairs is not None) else 2
     else:
         buffers = tpu_tables.key_buffers(tables[0], Sp, Hp, Hvp, q.dtype, 1)
     rows = lambda x: x[:, None, :]  # noqa: E731  [B|1,L] -> [B|1,1,L]
@@ -166,8 +167,7 @@ def gradients(
         inputs["k_seg"] = (rows(side.k_seg), _spec((None, 1, Sp), lambda b, n, i: (pick(bs, b), 0, 0)))
     scratch = {}
     if buffers == 0:  # the keys in HBM, read a tile at a time
-        anywhere = pl.BlockSpec(memory_space=pl.ANY)
-        inputs["k"], inputs["v"] = (k, anywhere), (v, anywhere)
+        inputs["k"], inputs["v"] = (k, IN_HBM), (v, IN_HBM)
         scratch.update(
             k_tile=pltpu.VMEM((cfg.Sb, Hp), k.dtype),
             v_tile=pltpu.VMEM((cfg.Sb, Hvp), v.dtype),
@@ -195,9 +195,9 @@ def gradients(
     if pairs is not None:  # the tables in HBM, their gradients zeros in HBM, stored or added into in order (tpu_pairs)
         inputs.update(tpu_pairs.inputs(pairs[1]))
         for name, x in pairs[1].items():
-            dtype, anywhere = tpu_pairs.gradient_dtype(pairs[0], name, x.dtype), pl.BlockSpec(memory_space=pl.ANY)
-            inputs["d_" + name + "_zeros"] = (jnp.zeros(x.shape, dtype), anywhere)
-            outputs["d_" + name] = (jax.ShapeDtypeStruct(x.shape, dtype), anywhere)
+            dtype = tpu_pairs.gradient_dtype(pairs[0], name, x.dtype)
+            inputs["d_" + name + "_zeros"] = (jnp.zeros(x.shape, dtype), IN_HBM)
+            outputs["d_" + name] = (jax.ShapeDtypeStruct(x.shape, dtype), IN_HBM)
             aliases["d_" + name + "_zeros"] = "d_" + name
         scratch.update(tpu_pairs.scratch(pairs[0], pairs[1], Hp, Hvp, grads=True))
 
@@ -255,11 +255,10 @@ def gradients(
     def spec(shape, index):  # index(b, h, j, g): the grid's four axes
         return pl.BlockSpec(shape, lambda *ids: index(*ids[:4]))
 
-    stream_queries = streamed(Tp, Hp, Hvp, q.dtype)
-    anywhere = pl.BlockSpec(memory_space=pl.ANY)
+    stream_queries = streamed(Tp, Hp, Hvp, q.dtype, pairs is not None)
     inputs = {
-        "q": (q, anywhere if stream_queries else spec((None, 1, Tp, Hp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
-        "do": (do, anywhere if stream_queries else spec((None, 1, Tp, Hvp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
+        "q": (q, IN_HBM if stream_queries else spec((None, 1, Tp, Hp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
+        "do": (do, IN_HBM if stream_queries else spec((None, 1, Tp, Hvp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
         # rows [1,Tp]: a [Tp,1] column of the whole query axis takes 128 lanes per row of VMEM (8 MiB at 16k)
         "lse": (lse[:, :, None, :], spec((None, 1, 1, Tp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
         "delta": (delta[:, :, None, :], spec((None, 1, 1, Tp), lambda b, h, j, g: (b, h * G + g, 0, 0))),

@@ -40,6 +40,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .tpu_refs import IN_HBM
+
 # Query rows of a table's tile copied at once: a [16,F,128] float32 slice is 512 KiB of VMEM at F = 64; 16 rows
 # are one bf16 sublane tile. The interpreter's 16-row tiles take two chunks of 8, so that the tests cross a
 # chunk's edge.
@@ -89,7 +91,7 @@ def layout(table, Tp: int, Sp: int):
 
 def inputs(laid: dict) -> dict:
     """The kernels' inputs of the laid-out tables: {name: (array, BlockSpec in HBM)}."""
-    return {name: (x, pl.BlockSpec(memory_space=pl.ANY)) for name, x in laid.items()}
+    return {name: (x, IN_HBM) for name, x in laid.items()}
 
 
 def gradient_dtype(pairs: PairTables, name: str, table_dtype):

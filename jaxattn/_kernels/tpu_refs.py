@@ -13,6 +13,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 LANES = 128
+# An input or output left in HBM (memory space ANY): the kernel copies what it needs itself (Streamed, tpu_pairs).
+IN_HBM = pl.BlockSpec(memory_space=pl.ANY)
 
 
 class Row:

@@ -140,8 +140,8 @@ def _dense_pairs(call, query, key, value, rel_key, rel_value):
     precision = call.precision
     acc_dtype = accumulation_dtype(query.dtype)
     rel_logits = rel_values = None
-    if rel_key is not None:
-        a_k = checks.check_pair_table("rel_key", rel_key, dims.T, dims.S, dims.N, dims.H, acc_dtype, "A^K [T,S,N,H]")
+    a_k, a_v = checks.check_pair_tables(rel_key, rel_value, dims.T, dims.S, dims.N, dims.H, dims.Hv, acc_dtype)
+    if a_k is not None:
         if a_k.shape[2] == dims.N:
             rel_logits = lambda q: jnp.moveaxis(pair_logits(q, a_k, precision), -1, -3)  # noqa: E731
         else:
@@ -152,10 +152,7 @@ def _dense_pairs(call, query, key, value, rel_key, rel_value):
                 precision=precision,
                 preferred_element_type=acc_dtype,
             )
-    if rel_value is not None:
-        a_v = checks.check_pair_table(
-            "rel_value", rel_value, dims.T, dims.S, dims.N, dims.Hv, acc_dtype, "A^V [T,S,N,Hv]"
-        )
+    if a_v is not None:
         if a_v.shape[2] == dims.N:
             rel_values = lambda p: pair_values(jnp.moveaxis(p, -3, -1), a_v, precision)  # noqa: E731
         else:
