@@ -106,9 +106,12 @@ class MultiHeadAttention(nn.Module):
       broadcast_dropout: flax's: one dropout keep-mask [T,S] for every batch entry and head. Default False
         (independent per head, as torch); flax defaults to True (docs/coming_from.md).
       out_bias_init: the out projection's bias initialiser (default bias_init), as flax's.
-      force_fp32_for_softmax: flax's; always True here (half-precision logits and softmax are computed in
-        float32: docs/design.md, "Half precision"), so flax code that sets it runs unchanged; False (flax's
-        bfloat16 softmax) is refused by name.
+      force_fp32_for_softmax: flax's. Half-precision logits and softmax are always computed in float32 here
+        (docs/design.md, "Half precision"). True also returns (and sows) the attention weights in float32
+        for a half-precision dtype, as flax does (float64 stays float64): our float32 softmax, rounded once
+        to the computation dtype on its way out of the attention and widened back, so within one rounding
+        of the exact softmax, as flax's float32 weights from its bfloat16 logits are. None (unset): the
+        weights in the computation dtype. False (flax's bfloat16 softmax) is refused by name.
 
     Call: flax's sow_weights=True also stores the weights [...,N,T,S] in "intermediates" as
     "attention_weights" (flax's name); inputs_kv= (flax's deprecated spelling of key = value) is accepted.
@@ -145,7 +148,7 @@ class MultiHeadAttention(nn.Module):
     normalize_qk: bool = False
     broadcast_dropout: bool = False
     out_bias_init: Optional[Initializer] = None
-    force_fp32_for_softmax: bool = True  # flax's attribute (default False there); False is refused
+    force_fp32_for_softmax: Optional[bool] = None  # flax's attribute (default False there); False is refused
     implementation: Optional[str] = None
     interpret: bool = False
 
@@ -228,10 +231,10 @@ class MultiHeadAttention(nn.Module):
         rope_positions [...,T]: with `rope`, the rotary positions of the queries and keys (self-attention).
         sow_weights / inputs_kv: flax's (see the class docstring).
         """
-        if self.force_fp32_for_softmax is not True:
+        if not (self.force_fp32_for_softmax is None or self.force_fp32_for_softmax is True):
             checks.fail(
                 "force_fp32_for_softmax",
-                "True (half-precision logits and softmax always run in float32 here)",
+                "True or None (half-precision logits and softmax always run in float32 here)",
                 repr(self.force_fp32_for_softmax),
             )
         key, value = common.flax_inputs_kv(inputs_kv, key, value)
@@ -295,6 +298,8 @@ class MultiHeadAttention(nn.Module):
         if new_cache is not None:
             for variable, new in zip(variables, new_cache):
                 variable.value = new
+        if self.force_fp32_for_softmax and (return_weights or sow_weights):
+            result = common.widen_weights(result, jnp.float32)
         if sow_weights:
             result, weights = common.weights_to_sow(result, return_weights)
             self.sow("intermediates", "attention_weights", weights)

@@ -257,3 +257,31 @@ def test_torch_extras_bias_kv_and_zero_attn():
 def test_bad_configuration_raises(make, match):
     with pytest.raises(ValueError, match=match):
         make().init(jax.random.key(0), np.zeros((1, 3, 8), np.float32))
+
+
+def test_force_fp32_for_softmax_returns_float32_weights_as_flax():
+    """flax's force_fp32_for_softmax=True with dtype=bfloat16: the weights come back (and are sown) in float32,
+    as flax.linen.MultiHeadDotProductAttention's sown weights. Values: within three bfloat16 roundings of flax's
+    (bar 1e-2, as tests/peers/test_flax_linen.py's; flax rounds its logits to bfloat16; measured 2.4e-3), and
+    within one bfloat16 rounding (2**-8) of the float64 softmax of the same bfloat16 query and key heads
+    (flax's own projections, captured), as flax's are (measured 1.6e-3, flax's 1.9e-3). Unset (None): the
+    weights stay in the computation dtype; a float64 layer keeps float64 weights (never narrowed to float32)."""
+    kw = dict(num_heads=N, qkv_features=N * H, dtype=jnp.bfloat16, param_dtype=jnp.float32, deterministic=True)
+    theirs = nn.MultiHeadDotProductAttention(force_fp32_for_softmax=True, **kw)
+    ours = jl.MultiHeadAttention(force_fp32_for_softmax=True, **kw)
+    x = _inputs(np.float32, cross=False, seed=3)[0]
+    variables = theirs.init(jax.random.key(0), x)
+    _, sown = theirs.apply(variables, x, sow_weights=True, capture_intermediates=True, mutable=["intermediates"])
+    want = sown["intermediates"]["attention_weights"][0]
+    (q,), (k,) = (sown["intermediates"][name]["__call__"] for name in ("query", "key"))
+    exact = nn.dot_product_attention_weights(q.astype(jnp.float64), k.astype(jnp.float64))
+    (_, got), ours_sown = ours.apply(variables, x, return_weights=True, sow_weights=True, mutable=["intermediates"])
+    (got_sown,) = ours_sown["intermediates"]["attention_weights"]
+    assert want.dtype == got.dtype == got_sown.dtype == jnp.float32
+    np.testing.assert_array_equal(got_sown, got)
+    assert normwise(got, want) <= 1e-2, normwise(got, want)
+    for weights in (got, want):
+        assert normwise(weights, exact) <= 2**-8, normwise(weights, exact)
+    assert ours.clone(force_fp32_for_softmax=None).apply(variables, x, return_weights=True)[1].dtype == jnp.bfloat16
+    wide = jl.MultiHeadAttention(force_fp32_for_softmax=True, **{**kw, "dtype": jnp.float64})
+    assert wide.apply(variables, x, return_weights=True)[1].dtype == jnp.float64

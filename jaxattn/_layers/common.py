@@ -255,6 +255,13 @@ def dropout_options(broadcast_dropout: bool) -> dict:
     return {"broadcast_dropout": True} if broadcast_dropout else {}
 
 
+def widen_weights(result, dtype):
+    """(out, weights) with the weights in at least `dtype`'s precision (flax's force_fp32_for_softmax returns
+    float32 weights for a half-precision layer); wider weights (float64) are kept as they are."""
+    out, weights = result
+    return out, weights.astype(jnp.promote_types(weights.dtype, dtype))
+
+
 def weights_to_sow(result, return_weights: bool):
     """(what the call returns, the weights to sow) from a result computed with return_weights=True."""
     out, weights = result
