@@ -26,12 +26,16 @@ def test_an_encoder_decoder_checkpoint_reports_both_stacks(tmp_path, capsys):
     assert "encoder.layer1.residual" in out and "decoder.layer1.cross_attention" in out and "FAIL" not in out
 
 
-@pytest.mark.slow  # ~20 s: two checkpoints, both dtypes
-@pytest.mark.parametrize("architecture", ["DebertaV2ForMaskedLM", "DebertaV2ForSequenceClassification"])
-def test_deberta_v2_reports_every_encoder_layer_and_its_head(tmp_path, capsys, architecture):
+@pytest.mark.slow  # ~30 s: three checkpoints, both dtypes
+@pytest.mark.parametrize(
+    "architecture, legacy",
+    [("DebertaV2ForMaskedLM", False), ("DebertaV2ForMaskedLM", True), ("DebertaV2ForSequenceClassification", False)],
+)
+def test_deberta_v2_reports_every_encoder_layer_and_its_head(tmp_path, capsys, architecture, legacy):
     """A DeBERTa-v2 head: the encoder's rows under "deberta.", then the head's logits (the classifier's per
-    sequence), float32 and float64 (1e-12 normwise against transformers in float64)."""
-    directory = hf.write_checkpoint("deberta-v2", tmp_path / "deberta", architecture=architecture)
+    sequence), float32 and float64 (1e-12 normwise against transformers in float64). legacy: transformers'
+    default masked LM, the cls.predictions head."""
+    directory = hf.write_checkpoint("deberta-v2", tmp_path / "deberta", architecture=architecture, legacy=legacy)
     report = tmp_path / "report.json"
     assert main(["--no-cache", "--model", str(directory), "--json", str(report)]) == 0
     assert "FAIL" not in capsys.readouterr().out

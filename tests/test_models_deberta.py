@@ -1,12 +1,14 @@
 """jaxattn.models.deberta_v2: what its config refuses, and which head a checkpoint's names select.
 
 Its agreement with transformers (every layer, logits, gradients, float32 and float64) is checked where every
-family's is: tests/test_to_pretrained.py (the masked LM, the classifier and the bare encoder, written back and
-reloaded in transformers), crosscheck's case model_deberta_v2 and `python -m crosscheck --model DIR`
-(tests/test_cli_model.py), tests/test_models_sharded.py (meshes). Here: the config options it does not
-implement are refused by name, before any tensor is read.
+family's is: tests/test_to_pretrained.py (the masked LM with either head, the classifier and the bare encoder,
+written back and reloaded in transformers), crosscheck's cases model_deberta_v2 and model_deberta_v2_legacy and
+`python -m crosscheck --model DIR` (tests/test_cli_model.py), tests/test_models_sharded.py (meshes). Here: the
+config options it does not implement are refused by name, before any tensor is read; the masked LM's names
+follow `legacy`, and the legacy head's tied decoder, where a file stores it, is checked to be the copies.
 """
 
+import dataclasses
 import re
 
 import jax
@@ -20,6 +22,7 @@ from jaxattn.models import (
     DebertaV2ForSequenceClassification,
     DebertaV2Model,
     from_state_dict,
+    to_pretrained,
 )
 from jaxattn.models.deberta_v2 import init_params, weight_table
 
@@ -79,7 +82,7 @@ def test_config_options_it_does_not_implement_are_refused_by_name(key, value, pa
         from_state_dict({**V3, key: value}, _tensors(V3, "model"))
 
 
-def test_the_names_select_the_head_and_legacy_heads_are_refused():
+def test_the_names_select_the_head_and_legacy_is_the_one_the_config_names():
     for head, cls in (
         ("model", DebertaV2Model),
         ("masked_lm", DebertaV2ForMaskedLM),
@@ -97,9 +100,8 @@ def test_the_names_select_the_head_and_legacy_heads_are_refused():
     assert type(model) is DebertaV2ForMaskedLM and not any("mask_predictions" in k for k in _flat(kept))
     with pytest.raises(ValueError, match=r'legacy: expected false .*add "legacy": false'):
         from_state_dict({k: v for k, v in V3.items() if k != "legacy"}, released)
-    legacy = {**_tensors(V3, "model"), "cls.predictions.bias": np.zeros(37, np.float32)}
-    with pytest.raises(ValueError, match=r"^config: legacy: expected false \(the lm_predictions head; the legacy"):
-        from_state_dict(V3, legacy)
+    with pytest.raises(ValueError, match=r"^config: legacy: expected true \(the checkpoint holds cls.predictions"):
+        from_state_dict(V3, _tensors({**V3, "legacy": True}, "masked_lm"))
     unused = {
         **_tensors(V3, "masked_lm"),
         "deberta.embeddings.position_embeddings.weight": np.ones((29, 15), np.float32),
@@ -114,6 +116,42 @@ def test_the_names_select_the_head_and_legacy_heads_are_refused():
     del missing["encoder.LayerNorm.weight"]  # norm_rel_ebd "layer_norm" needs the relative embeddings' norm
     with pytest.raises(ValueError, match=r"1 missing \['encoder.LayerNorm.weight'\]"):
         from_state_dict(V3, missing)
+
+
+def test_the_legacy_head_reads_cls_predictions_and_checks_the_copies_of_its_tied_decoder(tmp_path):
+    """transformers' default masked LM (legacy true): the cls.predictions head, the lm_predictions head's maths
+    under other names (tests/test_to_pretrained.py holds its logits to transformers'); its decoder is tied to the
+    word embeddings and its bias to cls.predictions.bias, copies torch's .bin files store, checked and skipped."""
+    legacy = {**V3, "legacy": True}
+    tensors = _tensors(legacy, "masked_lm")
+    assert {n for n in tensors if not n.startswith("deberta.")} == {
+        "cls.predictions.transform.dense.weight",
+        "cls.predictions.transform.dense.bias",
+        "cls.predictions.transform.LayerNorm.weight",
+        "cls.predictions.transform.LayerNorm.bias",
+        "cls.predictions.bias",
+    }
+    tensors["cls.predictions.bias"] = np.arange(37, dtype=np.float32)
+    model, params = from_state_dict(legacy, tensors)
+    assert type(model) is DebertaV2ForMaskedLM and model.config.legacy
+    np.testing.assert_array_equal(params["lm_bias"], tensors["cls.predictions.bias"])
+    embeddings = tensors["deberta.embeddings.word_embeddings.weight"]
+    copies = {
+        "cls.predictions.decoder.weight": embeddings,
+        "cls.predictions.decoder.bias": tensors["cls.predictions.bias"],
+    }
+    _, kept = from_state_dict(legacy, {**tensors, **copies})
+    assert jax.tree.all(jax.tree.map(np.array_equal, kept, params))
+    for name, copy in copies.items():
+        other = {**tensors, **copies, name: copy + 1}
+        with pytest.raises(ValueError, match=rf"'{re.escape(name)}': expected a copy of"):
+            from_state_dict(legacy, other)
+    with pytest.raises(ValueError, match=r"^config: tie_word_embeddings: expected true \(the legacy head's decoder"):
+        from_state_dict({**legacy, "tie_word_embeddings": False}, tensors)
+    untied = model.clone(config=dataclasses.replace(model.config, hf_config={"tie_word_embeddings": False}))
+    with pytest.raises(ValueError, match=r"^model.config: tie_word_embeddings: expected true"):  # nor written so
+        to_pretrained(untied, params, tmp_path / "untied")
+    assert not (tmp_path / "untied").exists()
 
 
 def test_config_round_trips_through_its_hf_keys():

@@ -13,7 +13,7 @@ random):
   * a config with no config.json behind it (hf_config None) is written from the family's mapping alone and
     reads back as the same config; bad params, dtypes, sizes and paths raise ValueError naming them.
 Through transformers, the default group runs GPT-2 (the fused c_attn read back from three leaves; float64),
-DeBERTa-v2 (float64: disentangled attention, the masked-LM head tied to the embeddings)
+DeBERTa-v2's legacy masked LM (transformers' default head, cls.predictions tied to the embeddings; float32)
 and Qwen2 (tied head, q/k/v biases; float32); every other variant and dtype is in the `slow` group.
 """
 
@@ -79,6 +79,8 @@ VARIANTS = {
     ),
     "qwen3_next": ("qwen3_next", {}),  # linear + full layers, shared expert
     "deberta-v2": ("deberta-v2", {}),  # v3's shape: shared keys, log buckets, relative LayerNorm; masked LM head
+    # transformers' default masked LM (legacy true): the cls.predictions head, its decoder tied to the embeddings
+    "deberta-v2-legacy": ("deberta-v2", {"legacy": True}),
     "deberta-v2-classifier": (
         "deberta-v2",
         {
@@ -306,7 +308,9 @@ def test_bf16_is_kept_and_dtype_casts_explicitly(checkpoints, tmp_path):
         pytest.param(
             v,
             d,
-            marks=() if (v, d) in (("gpt2", "float64"), ("qwen2", "float32")) else pytest.mark.slow,
+            marks=()
+            if (v, d) in (("gpt2", "float64"), ("qwen2", "float32"), ("deberta-v2-legacy", "float32"))
+            else pytest.mark.slow,
         )
         for v in VARIANTS
         for d in ("float64", "float32")

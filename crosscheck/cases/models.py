@@ -19,12 +19,13 @@ import numpy as np
 from crosscheck.catalogue import FLOAT32_JIT, ModelSetup, Setup, register_case
 
 
-def _setup(model_type: str) -> Setup:
+def _setup(model_type: str, **overrides) -> Setup:
+    """overrides: write_checkpoint's config keywords (a variant of the family's tiny config)."""
     from crosscheck._hf import checkpoints as hf
     from jaxattn.models import from_pretrained, from_state_dict
 
     with tempfile.TemporaryDirectory(prefix=f"crosscheck-{model_type}-") as directory:
-        hf.write_checkpoint(model_type, directory)
+        hf.write_checkpoint(model_type, directory, **overrides)
         config = json.loads((Path(directory) / "config.json").read_text())
         model, params = from_pretrained(directory, precision="highest")
         torch_models = {dtype: hf.torch_model(directory, dtype) for dtype in ("float32", "float64")}
@@ -134,3 +135,13 @@ for _model_type, _doc in (
         default_run=_model_type == "gpt2",  # one whole model
         requires=("transformers",),
     )(functools.partial(_setup, _model_type))
+
+register_case(
+    "model_deberta_v2_legacy",
+    description="DeBERTa-v2 masked LM with transformers' default head (legacy: cls.predictions, its decoder tied "
+    "to the word embeddings and its bias): logits and every parameter gradient, left-padded batch, vs transformers",
+    transforms=("jit",),
+    quick=FLOAT32_JIT,
+    default_run=False,
+    requires=("transformers",),
+)(functools.partial(_setup, "deberta-v2", legacy=True))

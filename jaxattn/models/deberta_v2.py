@@ -4,11 +4,14 @@
     relative:    rel = LayerNorm(rel_embeddings)   [2 span, E], one table for every layer (norm_rel_ebd)
     each layer:  a = LayerNorm(x + DisentangledAttention(x, rel, mask))   (HF: attention.self + .output)
                  x = LayerNorm(a + Dense_E(gelu_erf(Dense_F(a))))          (HF: intermediate + output)
-    masked LM:   logits = LayerNorm(gelu(Dense_E(x))) @ word.T + bias      (HF: lm_predictions.lm_head)
+    masked LM:   logits = LayerNorm(gelu(Dense_E(x))) @ word.T + bias      (HF: lm_predictions.lm_head, or
+                                                                            cls.predictions with legacy)
     classifier:  logits = Dense_C(gelu(Dense_E(x[:, 0])))                  (HF: pooler (ContextPooler) + classifier)
 
-It matches Hugging Face's DebertaV2Model, DebertaV2ForMaskedLM (legacy=false: the lm_predictions head) and
-DebertaV2ForSequenceClassification. The attention is the library's disentangled attention (c2p / p2c over
+It matches Hugging Face's DebertaV2Model, DebertaV2ForMaskedLM and DebertaV2ForSequenceClassification. The
+masked LM has either of HF's heads, the same maths under other names: legacy=false's lm_predictions, or
+legacy=true's cls.predictions (transformers' default), whose decoder is tied to the word embeddings and its
+bias to cls.predictions.bias. The attention is the library's disentangled attention (c2p / p2c over
 log-bucketed relative positions, jaxattn.disentangled_attention); its relative embeddings are the encoder's
 rel_embeddings after their LayerNorm, projected in each layer by pos_key / pos_query, or by key / query with
 share_att_key (DeBERTa-v3). Padding: attention_mask [B...,T] (1 = token) masks the keys and zeroes the padded
@@ -18,7 +21,8 @@ average there), whose outputs mean nothing in either framework.
 Config options this port does not implement are refused by name (DebertaV2Config.from_dict): the
 ConvLayer of DeBERTa-v2-xlarge (conv_kernel_size), relative_attention false (DeBERTa-v1-style absolute
 attention), an embedding_size or attention_head_size other than hidden_size / heads, activations other than
-the exact GELU, the legacy MLM head (cls.predictions), norm_rel_ebd other than "none" / "layer_norm".
+the exact GELU, norm_rel_ebd other than "none" / "layer_norm"; and on loading a masked LM, the legacy head with
+an untied decoder (tie_word_embeddings false).
 
     V vocab  P positions  Y token types  E hidden (= N * H)  N heads  H head dim  F intermediate
     R relative embeddings (2 span)  C labels
@@ -37,7 +41,7 @@ import numpy as np
 
 from .._layers.disentangled import check_pos_att_type
 from ..linen import DisentangledAttention
-from . import _activation_layout, _masks, _norms, _pretrained, _save, weights
+from . import _activation_layout, _decoder, _masks, _norms, _pretrained, _save, weights
 from ._decoder import tied_logits
 from .weights import Reshape, Steps, Transpose
 
@@ -73,7 +77,7 @@ class DebertaV2Config:
     pooler_dropout: float = 0.0
     cls_dropout: Optional[float] = None  # None: hidden_dropout_prob (HF's DebertaV2ForSequenceClassification)
     num_labels: int = 2
-    legacy: bool = True  # HF's MLM head: True is cls.predictions (refused), False lm_predictions
+    legacy: bool = True  # the MLM head's names: True cls.predictions (transformers' default), False lm_predictions
     # every attention call's implementation= (jaxattn.disentangled_attention; None: dense); not in config.json
     implementation: str | None = dataclasses.field(default=None, compare=False)
     hf_config: Any = dataclasses.field(default=None, compare=False, repr=False)  # the config.json dict read
@@ -307,8 +311,9 @@ class _WithEncoder(nn.Module):
 
 
 class DebertaV2ForMaskedLM(_WithEncoder):
-    """HF DebertaV2ForMaskedLM with legacy=false: input_ids [B...,T] (and DebertaV2Model's keywords) ->
-    logits [B...,T,V] = LayerNorm(gelu(dense(x))) @ word_embeddings.T + bias."""
+    """HF DebertaV2ForMaskedLM: input_ids [B...,T] (and DebertaV2Model's keywords) -> logits [B...,T,V] =
+    LayerNorm(gelu(dense(x))) @ word_embeddings.T + bias. Both of HF's heads compute this (config.legacy only
+    names the weights): legacy's cls.predictions.decoder is the word embeddings and cls.predictions.bias, tied."""
 
     @nn.compact
     def __call__(
@@ -456,6 +461,13 @@ def weight_table(config: DebertaV2Config, head: str = "model") -> list[weights.R
     if head == "model":
         return rows
     rows = weights.prefixed(rows, "deberta.")
+    if head == "masked_lm" and c.legacy:  # its tied decoder is stored, if at all, as copies (see _tied_copies)
+        return [
+            *rows,
+            *_linear("cls.predictions.transform.dense", "lm_dense", ("E",)),
+            *_layer_norm("cls.predictions.transform.LayerNorm", "lm_norm"),
+            R("cls.predictions.bias", ("V",), "lm_bias", ("V",)),
+        ]
     if head == "masked_lm":
         return [
             *rows,
@@ -466,25 +478,59 @@ def weight_table(config: DebertaV2Config, head: str = "model") -> list[weights.R
     return [*rows, *_linear("pooler.dense", "pooler", ("E",)), *_linear("classifier", "classifier", ("C",))]
 
 
+# the masked LM's names by config.legacy
+_MLM_PREFIX = {False: "lm_predictions.", True: "cls.predictions."}
+
+
 def _head_of(tensors) -> str:
-    """The head a checkpoint holds, by its names: lm_predictions (masked LM), classifier, or none."""
-    if any(name.startswith("lm_predictions.") for name in tensors):
+    """The head a checkpoint holds, by its names: lm_predictions or cls.predictions (masked LM), classifier, or
+    none."""
+    if any(name.startswith(tuple(_MLM_PREFIX.values())) for name in tensors):
         return "masked_lm"
     if "classifier.weight" in tensors:
         return "classification"
     return "model"
 
 
-def _fill(tensors, files, config: DebertaV2Config, head: str, dtype) -> dict:
+def _check_tied(config: Mapping[str, Any], head: str, legacy: bool, source) -> None:
+    """The legacy head's decoder is ours only when transformers ties it (to the word embeddings, its bias to
+    cls.predictions.bias): with tie_word_embeddings false it is a Linear of its own, not ported."""
+    if head == "masked_lm" and legacy and not config.get("tie_word_embeddings", True):
+        _pretrained.refuse(
+            source,
+            "tie_word_embeddings",
+            "true (the legacy head's decoder tied to the word embeddings; an untied one is not ported)",
+            config["tie_word_embeddings"],
+        )
+
+
+def _tied_copies(tensors, files, config: DebertaV2Config, head: str, source) -> list[str]:
+    """The legacy head's decoder weight and bias where a checkpoint stores them (torch's state_dict and .bin
+    files hold every tied name; save_pretrained's safetensors drop them): checked to be copies, then skipped."""
+    if head != "masked_lm" or not config.legacy:
+        return []
+    decoder = {
+        "cls.predictions.decoder.weight": "deberta.embeddings.word_embeddings.weight",
+        "cls.predictions.decoder.bias": "cls.predictions.bias",
+    }
+    return [
+        name
+        for copy, original in decoder.items()
+        for name in _decoder.tied_copy(tensors, files, source, tied=True, embedding=original, head=copy)
+    ]
+
+
+def _fill(tensors, files, config: DebertaV2Config, head: str, dtype, source="config") -> dict:
     """The params the table describes; torch's position_ids buffer, which older checkpoints hold, is checked to
-    be the default arange(P) and skipped. With position_biased_input false a position table some DeBERTa-v3
-    checkpoints still hold is read by no layer: transformers skips it on load (DebertaV2PreTrainedModel's
-    _keys_to_ignore_on_load_unexpected) and so does this port; its shape is checked all the same."""
+    be the default arange(P) and skipped, as are the copies of the legacy head's tied decoder. With
+    position_biased_input false a position table some DeBERTa-v3 checkpoints still hold is read by no layer:
+    transformers skips it on load (DebertaV2PreTrainedModel's _keys_to_ignore_on_load_unexpected) and so does
+    this port; its shape is checked all the same."""
     prefix = "" if head == "model" else "deberta."
     buffer, unused = prefix + "embeddings.position_ids", prefix + "embeddings.position_embeddings.weight"
     if buffer in tensors and not np.array_equal(tensors[buffer], np.arange(config.max_position_embeddings)[None]):
         raise ValueError(f"{files[buffer]}: {buffer!r}: expected the default buffer arange(P), got other values")
-    ignored = (buffer,)
+    ignored = (buffer, *_tied_copies(tensors, files, config, head, source))
     if head == "masked_lm":  # DeBERTa-v3's released files also hold the replaced-token-detection head of its
         # ELECTRA-style pretraining, which transformers has no module for: HF's ForMaskedLM skips it
         # (_keys_to_ignore_on_load_unexpected), and so does this port
@@ -523,33 +569,31 @@ def init_params(config: DebertaV2Config, rng=None, head: str = "model", **model_
 @_pretrained.register_family("deberta-v2")
 @_pretrained.loads(DebertaV2Config, DebertaV2Model)
 def load_pretrained(config: dict, tensors, files, *, dtype, precision, source):
-    """(model, params) from a DebertaV2Model checkpoint, or a ForMaskedLM (lm_predictions.*, legacy=false) or
-    ForSequenceClassification (pooler.* and classifier.*) one, whose encoder is under "deberta."."""
+    """(model, params) from a DebertaV2Model checkpoint, or a ForMaskedLM (lm_predictions.* with legacy false,
+    cls.predictions.* with legacy true) or ForSequenceClassification (pooler.* and classifier.*) one, whose
+    encoder is under "deberta."."""
     deberta_config = DebertaV2Config.from_dict(config, source)
     head = _head_of(tensors)
-    if any(name.startswith("cls.predictions.") for name in tensors):
-        _pretrained.refuse(
-            source, "legacy", "false (the lm_predictions head; the legacy cls.predictions is not ported)", True
-        )
-    if head == "masked_lm" and deberta_config.legacy:
-        _pretrained.refuse(
-            source,
-            "legacy",
-            "false (the checkpoint holds lm_predictions, which HF reads only then; DeBERTa-v3's released "
+    legacy = deberta_config.legacy
+    if head == "masked_lm" and not any(name.startswith(_MLM_PREFIX[legacy]) for name in tensors):
+        # the names of the other head: HF would build the config's head and leave it random
+        expected = {
+            False: "true (the checkpoint holds cls.predictions, which HF reads only then)",
+            True: "false (the checkpoint holds lm_predictions, which HF reads only then; DeBERTa-v3's released "
             'config.json predates the key and transformers defaults it to true: add "legacy": false)',
-            True,
-        )
-    params = _fill(tensors, files, deberta_config, head, dtype)
+        }
+        _pretrained.refuse(source, "legacy", expected[legacy], legacy)
+    _check_tied(config, head, legacy, source)
+    params = _fill(tensors, files, deberta_config, head, dtype, source)
     return HEADS[head](deberta_config, precision=precision), params
 
 
 def _writer(model):
     """What to_pretrained writes: the model's HF names and its architecture."""
     head = next(name for name, cls in HEADS.items() if isinstance(model, cls))
-    config = _save.config_json(model.config)
+    config = _save.config_json(model.config)  # "legacy" included: the head's names follow it
     config["architectures"] = [_ARCHITECTURES[type(model)]]
-    if head == "masked_lm":
-        config["legacy"] = False
+    _check_tied(config, head, model.config.legacy, "model.config")
     return config, weight_table(model.config, head), model.config.dims()
 
 
