@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from . import _kernels
+from . import _kernels, _mesh
 from ._core import aliases, checks
 from ._core.call import FIELDS, POSITION_TERMS, AttentionCall
 from ._core.eager import compiled_when_eager, register_context
@@ -265,17 +265,22 @@ def attend(call: AttentionCall, query, key, value, *, xla, implementation=None, 
     call. An explicit kernel that cannot express an option raises ValueError naming the option and the
     implementation; None takes a kernel only where one can (module docstring)."""
     check_implementation(implementation, interpret)
+    # on an Explicit mesh, how the inputs split (None: one device, or Auto axes): a kernel runs on each shard
+    split = _mesh.split_of(call, query, key, value) if implementation != "dense" else None
     if implementation in KERNELS:
         kernel_call = _for_kernel(implementation, call, query, key)
         refused = kernel_refusal(implementation, kernel_call, query, key, value, interpret)
+        if refused is None and split is not None:
+            refused = _mesh.mesh_refusal(kernel_call)
         if refused is not None:
             checks.fail(
                 refused,
-                f"not in use with implementation={implementation!r}, which cannot express it "
-                "(implementation=None falls back to the XLA engines)",
+                f"not in use with implementation={implementation!r}, which cannot express it"
+                + (" on a mesh" if split is not None and refused in _mesh.MESH_REFUSED else "")
+                + " (implementation=None falls back to the XLA engines)",
                 "in use",
             )
-        return kernel(implementation).attention(kernel_call, query, key, value, interpret)
+        return _on_shards(kernel(implementation).attention, kernel_call, query, key, value, split, interpret)
     platforms = _switch_platforms()
     if implementation is not None or not platforms:
         return xla()
@@ -286,13 +291,22 @@ def attend(call: AttentionCall, query, key, value, *, xla, implementation=None, 
             if (
                 kernel_refusal(name, kernel_call, query, key, value) is None
                 and kernel_declines(name, kernel_call, query, key, value) is None
+                and (split is None or _mesh.mesh_refusal(kernel_call) is None)
             ):
                 run = kernel(name).attention
-                branches[platform] = lambda run=run, c=kernel_call: run(c, query, key, value, False)
+                branches[platform] = lambda run=run, c=kernel_call: _on_shards(run, c, query, key, value, split)
                 break
     if not branches:
         return xla()
     return lax.platform_dependent(cpu=xla, default=xla, **branches)
+
+
+def _on_shards(run, call: AttentionCall, query, key, value, split, interpret=False):
+    """A kernel's attention(call, query, key, value, interpret), on each device's shard where `split` says the
+    inputs are split over an Explicit mesh (jaxattn._mesh), else on the whole arrays."""
+    if split is None:
+        return run(call, query, key, value, interpret)
+    return _mesh.on_mesh(lambda c, q, k, v: run(c, q, k, v, interpret), call, query, key, value, split)
 
 
 def _platform_kernels(platform) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import checks
+from .placement import full_beside, zeros_beside
 
 
 def _shifted_exps(logits, allowed, sinks):
@@ -127,10 +128,12 @@ def merge_partials(partial, axis: int):
     return out, jnp.squeeze(top, axis), jnp.sum(l * c, axis=axis)
 
 
-def empty_partial(out_shapes, rows_shape, dtype):
-    """The identity of combine_partials: zeros, m = no_key, l = 0. out_shapes is a sequence of shapes."""
-    out = tuple(jnp.zeros(shape, dtype) for shape in out_shapes)
-    return out, jnp.full(rows_shape, no_key(dtype), dtype), jnp.zeros(rows_shape, dtype)
+def empty_partial(out_shapes, rows_shape, dtype, like=None):
+    """The identity of combine_partials: zeros, m = no_key, l = 0. out_shapes is a sequence of shapes; every
+    array is placed as `like` (the queries whose rows it holds: placement.full_beside; None, in a kernel's
+    tile: unplaced)."""
+    out = tuple(zeros_beside(like, shape, dtype) for shape in out_shapes)
+    return out, full_beside(like, rows_shape, no_key(dtype), dtype), zeros_beside(like, rows_shape, dtype)
 
 
 def add_sinks(partial, sinks):

@@ -49,6 +49,7 @@ from .._core.call import AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.eager import compiled_when_eager
 from .._core.masks import CLEAN, WITH_MOD, MaskRule, allowed_pairs, check_lengths, key_block_schedule
+from .._core.placement import einsum_sharding, placed_as, zeros_beside
 from .._core.positions import clipped_index, positions
 from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial, has_keys, no_key, public_lse
 from . import tiles
@@ -160,7 +161,8 @@ class Grads(NamedTuple):
 
 
 def _einsum(spec, a, b, cfg, acc_dtype):
-    return jnp.einsum(spec, a, b, precision=cfg.precision, preferred_element_type=acc_dtype)
+    out_sharding = einsum_sharding(spec, a, b)  # None off an Explicit mesh
+    return jnp.einsum(spec, a, b, precision=cfg.precision, preferred_element_type=acc_dtype, out_sharding=out_sharding)
 
 
 def _heads_view(x, K):
@@ -192,7 +194,7 @@ def _bucket_sum(x, index, R, offset0=None):
     costs about as much as the whole tile's attention; this costs a small fraction of it.
     """
     if offset0 is None:
-        zeros = jnp.zeros(x.shape[:-1] + (R,), x.dtype)
+        zeros = zeros_beside(x, x.shape[:-1] + (R,), x.dtype)
         return jax.linear_transpose(lambda pb: _gather(pb, index), zeros)(x)[0]
     return contiguous_bucket_sums(x, R, offset0)
 
@@ -436,7 +438,7 @@ def fwd_tile(cfg, tile: QueryTile, keys: KeySide, shared: Shared, with_buckets=F
 
     shapes = ((B, K, G, Tb, Hv),) + (((B, K, G, Tb, R),) if value_table is not None else ())
     schedule = _schedule(cfg, qp, keys.pos, keys.lengths, arrays, Sp // Sb)
-    state = _visit(schedule, key_block, empty_partial(shapes, (B, K, G, Tb), acc_dtype))
+    state = _visit(schedule, key_block, empty_partial(shapes, (B, K, G, Tb), acc_dtype, q_blk))
     state = add_sinks(state, None if arrays.sinks is None else arrays.sinks[..., None])
     outs, lse = finalize_partial(state)
     out = outs[0] if value_table is None else outs[0] + _apply_table(outs[1], value_table, K, cfg, acc_dtype)
@@ -495,9 +497,8 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
             ds, d_s = score_vjp(ds)
             d_score = tuple(a if a is None else a + g for a, g in zip(d_score, d_s))
         if bias_vjp is not None:
-            (d_c,) = bias_vjp(
-                jnp.sum(ds, axis=tuple(range(ds.ndim - bias.ndim))).reshape(bias.shape).astype(bias.dtype)
-            )
+            d_bias = jnp.sum(ds, axis=tuple(range(ds.ndim - bias.ndim))).reshape(bias.shape).astype(bias.dtype)
+            (d_c,) = bias_vjp(placed_as(d_bias, bias))
             d_consts = jax.tree.map(jnp.add, d_consts, d_c)
         if cfg.terms.softcap is not None:
             ds = ds * mods.softcap_grad(capped, cfg.terms.softcap)
@@ -514,10 +515,10 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
         dv = lax.dynamic_update_slice_in_dim(dv, slice_block(dv, s0, Sb, 2) + dv_blk, s0, axis=2)
         return dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score, d_pair_k, d_pair_v
 
-    buckets = jnp.zeros(q_blk.shape[:-1] + (R,), acc_dtype)
+    buckets = zeros_beside(q_blk, q_blk.shape[:-1] + (R,), acc_dtype)
     p_buckets = buckets if rows.value_buckets is None else rows.value_buckets.astype(acc_dtype)
     init = (
-        jnp.zeros(q_blk.shape, acc_dtype),
+        jnp.zeros_like(q_blk, acc_dtype),
         grads.dk,
         grads.dv,
         buckets,
@@ -584,7 +585,7 @@ def _bwd_keys_major(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared:
         return dq_t, dk, dv
 
     schedule = _schedule(cfg, qp, keys.pos, keys.lengths, arrays, keys.k.shape[2] // Sb)
-    dq_t, dk, dv = _visit(schedule, key_block, (jnp.zeros(q_t.shape, acc_dtype), grads.dk, grads.dv))
+    dq_t, dk, dv = _visit(schedule, key_block, (jnp.zeros_like(q_t, acc_dtype), grads.dk, grads.dv))
     return jnp.moveaxis(dq_t, 2, -1), grads._replace(dk=dk, dv=dv)
 
 
@@ -593,7 +594,7 @@ def zero_grads(acc_dtype, keys: KeySide, shared: Shared, score_consts=()) -> Gra
     score_mod's consts (None entries stay None): what bwd_tile adds into."""
 
     def zeros(x):
-        return jax.tree.map(lambda a: jnp.zeros(a.shape, acc_dtype), x)
+        return jax.tree.map(lambda a: jnp.zeros_like(a, acc_dtype), x)
 
     return Grads(
         zeros(keys.k),
@@ -676,7 +677,7 @@ def _engine_bwd(cfg, res: Residuals, cotangents):
         return (grads, d_sinks), dq
 
     grads = zero_grads(acc_dtype, res.keys, res.shared, score_consts)
-    d_sinks = None if arrays.sinks is None else jnp.zeros(arrays.sinks.shape, acc_dtype)
+    d_sinks = None if arrays.sinks is None else jnp.zeros_like(arrays.sinks, acc_dtype)
     (grads, d_sinks), dq = lax.scan(query_block, (grads, d_sinks), jnp.arange(q.shape[3] // Tb))
     dq = jnp.moveaxis(dq, 0, 3).reshape(q.shape)
 

@@ -322,7 +322,7 @@ def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
 
         return _over_query_tiles(tile, partial, q.shape[3] // Tb), held
 
-    (out0,), m0, l0 = empty_partial((rows + v.shape[-1:],), rows, acc_dtype)
+    (out0,), m0, l0 = empty_partial((rows + v.shape[-1:],), rows, acc_dtype, q)
     (out, m, l), _ = _ring_loop(ring, d, visit, (out0, m0, l0), held)
     (out,), lse = finalize_partial(((out,), m, l))
     return _unqueries(ring, out.astype(q.dtype), batch_shape), lse  # lse [B,K,G,C*Cqp], slot order
@@ -368,7 +368,7 @@ def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out
         )
 
     (dq, d_tables), held = _ring_loop(
-        ring, d, visit, (jnp.zeros(q.shape, acc_dtype), d_tables), held, home=("dk", "dv")
+        ring, d, visit, (jnp.zeros_like(q, acc_dtype), d_tables), held, home=("dk", "dv")
     )
     dq = _unqueries(ring, dq.astype(dtypes[0]), batch_shape)
     dk = _unkeys(ring, [g.astype(dtypes[1]) for g in jnp.split(held["dk"], ring.C, axis=2)], batch_shape)

@@ -1,0 +1,210 @@
+"""The kernels (interpret mode) and the XLA engines on 8 host CPU devices under an Explicit mesh, against one
+device: test_mesh_kernels.py runs `python tests/_mesh_kernel_checks.py [check ...]` and reads the JSON it prints
+({check: {case: result}}). XLA_FLAGS must force the 8 devices before JAX starts, hence the separate process.
+
+Each case runs a loss's value and gradients (q, k, v) under jax.jit on inputs placed by a PartitionSpec on a
+("data", "model") = 2 x 4 mesh of Explicit axes, and the same function on unplaced inputs (one device): the
+case reports the normwise distances, the compiled program's all-gathers, and the output gradient's spec.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
+)
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import json  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E402
+
+# float64 by default; pallas_tpu's check runs in a process of its own with x64 off (splash refuses it).
+jax.config.update("jax_enable_x64", os.environ.get("MESH_CHECKS_X64", "1") == "1")
+
+import jaxattn  # noqa: E402
+from helpers import assert_float64, normwise  # noqa: E402  (tests/helpers.py: this script's folder is on sys.path)
+
+# The layouts of the issue: batch, heads, both, and batch over both axes (FSDP-style).
+LAYOUTS = {
+    "batch": P("data", None, None, None),
+    "heads": P(None, None, "model", None),
+    "batch+heads": P("data", None, "model", None),
+    "fsdp": P(("data", "model"), None, None, None),
+}
+# Every axis its own size: B = 8 (fsdp splits it 8 ways), T = 24, S = 20, N = 12, H = 8, Hv = 5.
+B, T, S, N, H, Hv = 8, 24, 20, 12, 8, 5
+
+
+def explicit_mesh():
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
+
+
+def inputs(K, dtype, seed=0):
+    keys = jax.random.split(jax.random.key(seed), 6)
+    q = jax.random.normal(keys[0], (B, T, N, H), dtype)
+    k = jax.random.normal(keys[1], (B, S, K, H), dtype)
+    v = jax.random.normal(keys[2], (B, S, K, Hv), dtype)
+    if dtype == jnp.float64:
+        assert_float64(q, k, v)
+    return q, k, v, keys[3:]
+
+
+def all_gathers(compiled) -> int:
+    return sum(" all-gather(" in line or " all-gather-start(" in line for line in compiled.as_text().splitlines())
+
+
+def compare(loss, args, layout, mesh, kv_layout=None):
+    """(value, grads) of loss under jit on args placed by `layout` (key and value by kv_layout if given)
+    against one device's."""
+    fn = jax.value_and_grad(loss, argnums=(0, 1, 2))
+    ref_value, ref_grads = jax.jit(fn)(*args)
+    kv_layout = layout if kv_layout is None else kv_layout
+    layouts = (layout, kv_layout, kv_layout)
+    with jax.set_mesh(mesh):
+        placed = tuple(jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip(args, layouts))
+        compiled = jax.jit(fn).lower(*placed).compile()
+        value, grads = compiled(*placed)
+        spec = str(jax.typeof(grads[0]).sharding.spec)
+    return {
+        "value": abs(float(value - ref_value)) / max(abs(float(ref_value)), 1e-30),
+        "grads": max(normwise(g, r) for g, r in zip(grads, ref_grads)),
+        "all_gathers": all_gathers(compiled),
+        "dq_spec": spec,
+    }
+
+
+def kernel_cases(implementation, dtype, layouts=tuple(LAYOUTS)):
+    """The kernel (interpret mode) on each layout: GQA whose key/value heads split with the query heads (K = 4),
+    a shard reading one key/value head (K = 2: 6 query heads per key head, 3 a shard) and one per query head
+    (K = 3: 4 per key head, 3 a shard), with key lengths, sinks and causal; and a flex score_mod that reads the
+    batch and head indices (b, n) it is called with."""
+    mesh, results = explicit_mesh(), {}
+    for K in (4, 2, 3):
+        q, k, v, (kl, ks, kt) = inputs(K, dtype, seed=K)
+        lengths = jax.random.randint(kl, (B,), 0, S + 1)
+        sinks = jax.random.normal(ks, (N,), dtype)
+
+        def loss(q, k, v, lengths=lengths, sinks=sinks):
+            out = jaxattn.dot_product_attention(
+                q,
+                k,
+                v,
+                is_causal=True,
+                key_value_seq_lengths=lengths,
+                sinks=sinks,
+                implementation=implementation,
+                interpret=True,
+            )
+            return jnp.sum(jnp.sin(out))
+
+        for layout in layouts:
+            if K == 4:
+                results[f"K{K}-{layout}"] = compare(loss, (q, k, v), LAYOUTS[layout], mesh)
+            elif layout == "heads":  # K does not split 4 ways: keys and values replicated, queries split
+                results[f"K{K}-{layout}"] = compare(loss, (q, k, v), LAYOUTS[layout], mesh, P())
+    q, k, v, (kt, _, _) = inputs(4, dtype, seed=7)
+    table = jax.random.normal(kt, (B, N), dtype)
+
+    def score_mod(score, b, n, t, s):
+        return score + 0.1 * table[b, n] * (t - s)
+
+    def flex_loss(q, k, v):
+        out = jaxattn.flex_attention(q, k, v, score_mod, implementation=implementation, interpret=True)
+        return jnp.sum(jnp.sin(out))
+
+    results["score_mod-batch+heads"] = compare(flex_loss, (q, k, v), LAYOUTS["batch+heads"], mesh)
+    return results
+
+
+def check_pallas_gpu():
+    return kernel_cases("pallas_gpu", jnp.float64)
+
+
+def check_pallas_gpu_f32():
+    return kernel_cases("pallas_gpu", jnp.float32, layouts=("batch+heads",))
+
+
+def check_pallas_tpu():
+    return kernel_cases("pallas_tpu", jnp.float32, layouts=("batch+heads", "heads"))
+
+
+def check_engines():
+    """dense, blockwise and None (the XLA engines on a CPU) under an Explicit mesh, causal and not (the
+    blockwise engine's while and scan loops), and two relative schemes on the blockwise engine."""
+    mesh, results = explicit_mesh(), {}
+    q, k, v, (kt, kb, _) = inputs(4, jnp.float64, seed=11)
+    key_table, value_table = jax.random.normal(kt, (7, H), jnp.float64), jax.random.normal(kb, (7, Hv), jnp.float64)
+    slopes = jaxattn.alibi_slopes(N)
+    for implementation in ("dense", "blockwise", None):
+        for causal in (True, False):
+
+            def loss(q, k, v, causal=causal, implementation=implementation):
+                out = jaxattn.dot_product_attention(q, k, v, is_causal=causal, implementation=implementation)
+                return jnp.sum(jnp.sin(out))
+
+            results[f"{implementation}-causal={causal}"] = compare(loss, (q, k, v), LAYOUTS["batch+heads"], mesh)
+
+    def shaw(q, k, v):
+        out = jaxattn.shaw_relative_attention(
+            q, k, v, key_table, value_table, max_distance=3, is_causal=True, implementation="blockwise", block_size=8
+        )
+        return jnp.sum(jnp.sin(out))
+
+    def alibi(q, k, v):
+        return jnp.sum(jnp.sin(jaxattn.alibi_attention(q, k, v, slopes, is_causal=True, implementation="blockwise")))
+
+    results["shaw-blockwise"] = compare(shaw, (q, k, v), LAYOUTS["batch+heads"], mesh)
+    results["alibi-blockwise"] = compare(alibi, (q, k, v), LAYOUTS["batch+heads"], mesh)
+    return results
+
+
+def check_sequence_refused():
+    """A sequence-split query or key: ValueError naming the input, its axis and ring_attention, for a kernel."""
+    mesh, messages = explicit_mesh(), {}
+    q, k, v, _ = inputs(4, jnp.float32)
+    for name, layout in (("query", P(None, "model", None, None)), ("key", P(None, "model", None, None))):
+        with jax.set_mesh(mesh):
+            args = [q, k, v]
+            index = {"query": 0, "key": 1}[name]
+            args[index] = jax.device_put(args[index], NamedSharding(mesh, layout))
+            try:
+                jax.jit(
+                    lambda q, k, v: jaxattn.dot_product_attention(q, k, v, implementation="pallas_gpu", interpret=True)
+                )(*args)
+                messages[name] = "no error"
+            except ValueError as error:
+                messages[name] = str(error)
+    return {"messages": messages}
+
+
+CHECKS = {
+    "pallas_gpu": check_pallas_gpu,
+    "pallas_gpu_f32": check_pallas_gpu_f32,
+    "pallas_tpu": check_pallas_tpu,
+    "engines": check_engines,
+    "sequence": check_sequence_refused,
+}
+
+
+def main(names):
+    assert len(jax.devices()) == 8, jax.devices()
+    results = {}
+    for name in names or CHECKS:
+        start = time.perf_counter()
+        try:
+            results[name] = CHECKS[name]()
+        except Exception as error:  # reported per check, so one failure does not hide the others
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+        results[name]["seconds"] = round(time.perf_counter() - start, 2)
+    print(json.dumps(results))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

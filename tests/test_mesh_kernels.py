@@ -1,0 +1,72 @@
+"""The kernels on a mesh (jaxattn._mesh, docs/sharding.md "Kernels on a mesh"): under an Explicit mesh of 8
+host CPU devices (2 x 4), each kernel, in Pallas' interpreter, runs on every device's shard of the batch and
+heads and equals one device (float64 normwise 1e-12, float32 1e-6, value and gradients of q, k, v), with no
+all-gather in the compiled program; the XLA engines and two relative schemes trace and run there too (their
+loop carries placed like the queries), and a sequence-split input is refused by name, pointing at
+ring_attention. The checks run in subprocesses (tests/_mesh_kernel_checks.py): 8 devices must be forced before
+JAX starts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+SCRIPT = os.path.join(os.path.dirname(__file__), "_mesh_kernel_checks.py")
+TOL = {"float64": 1e-12, "float32": 1e-6}
+
+
+def run_checks(*names, x64=True):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["MESH_CHECKS_X64"] = "1" if x64 else "0"
+    run = subprocess.run([sys.executable, SCRIPT, *names], capture_output=True, text=True, env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    results = json.loads(run.stdout.strip().splitlines()[-1])
+    for name in names:
+        assert "error" not in results[name], results[name]["error"]
+    return results
+
+
+@pytest.fixture(scope="module")
+def default_results():
+    return run_checks("pallas_gpu", "engines", "sequence")
+
+
+def assert_equal_to_one_device(cases, tol):
+    assert cases, "no case ran"
+    for name, case in cases.items():
+        if name == "seconds":
+            continue
+        assert case["value"] <= tol and case["grads"] <= tol, (name, case)
+        assert case["all_gathers"] == 0, (name, case)  # each device computed its own shard
+
+
+def test_pallas_gpu_on_shards(default_results):
+    cases = default_results["pallas_gpu"]
+    assert_equal_to_one_device(cases, TOL["float64"])
+    # the gradients stay split as the inputs were
+    assert cases["K4-batch+heads"]["dq_spec"] == "P('data', None, 'model', None)"
+    assert cases["K4-fsdp"]["dq_spec"] == "P(('data', 'model'), None, None, None)"
+    assert {"K2-heads", "K3-heads", "score_mod-batch+heads"} <= set(cases)
+
+
+def test_xla_engines_under_explicit_mesh(default_results):
+    assert_equal_to_one_device(default_results["engines"], TOL["float64"])
+
+
+def test_sequence_split_refused_by_name(default_results):
+    messages = default_results["sequence"]["messages"]
+    for name in ("query", "key"):
+        assert messages[name].startswith(f"{name}: "), messages[name]
+        assert "ring_attention" in messages[name] and "'model'" in messages[name], messages[name]
+
+
+@pytest.mark.slow  # test_pallas_gpu_on_shards runs the same cases in float64
+def test_pallas_gpu_on_shards_float32():
+    assert_equal_to_one_device(run_checks("pallas_gpu_f32")["pallas_gpu_f32"], TOL["float32"])
+
+
+@pytest.mark.slow  # the TPU kernels interpreted on every shard (x64 off: splash refuses it)
+def test_pallas_tpu_on_shards():
+    assert_equal_to_one_device(run_checks("pallas_tpu", x64=False)["pallas_tpu"], TOL["float32"])
