@@ -271,12 +271,17 @@ def attend(call: AttentionCall, query, key, value, *, xla, implementation=None, 
         kernel_call = _for_kernel(implementation, call, query, key)
         refused = kernel_refusal(implementation, kernel_call, query, key, value, interpret)
         if refused is None and split is not None:
-            refused = _mesh.mesh_refusal(kernel_call)
+            refused = _mesh.mesh_refusal(kernel_call, query, split, interpret)
         if refused is not None:
             checks.fail(
                 refused,
                 f"not in use with implementation={implementation!r}, which cannot express it"
-                + (" on a mesh" if split is not None and refused in _mesh.MESH_REFUSED else "")
+                + (
+                    " on a mesh"
+                    if split is not None
+                    and kernel_refusal(implementation, kernel_call, query, key, value, interpret) is None
+                    else ""
+                )
                 + " (implementation=None falls back to the XLA engines)",
                 "in use",
             )
@@ -291,7 +296,7 @@ def attend(call: AttentionCall, query, key, value, *, xla, implementation=None, 
             if (
                 kernel_refusal(name, kernel_call, query, key, value) is None
                 and kernel_declines(name, kernel_call, query, key, value) is None
-                and (split is None or _mesh.mesh_refusal(kernel_call) is None)
+                and (split is None or _mesh.mesh_refusal(kernel_call, query, split) is None)
             ):
                 run = kernel(name).attention
                 branches[platform] = lambda run=run, c=kernel_call: _on_shards(run, c, query, key, value, split)

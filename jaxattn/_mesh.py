@@ -105,9 +105,34 @@ def split_of(call: AttentionCall, query, key, value) -> Optional[Split]:
     return Split(tuple(batch), heads, shards, mesh)
 
 
-def mesh_refusal(call: AttentionCall) -> Optional[str]:
-    """The first option in use that no rule here splits over a mesh (None: the call splits)."""
-    return next((name for name in MESH_REFUSED if name in call.in_use()), None)
+def mesh_refusal(call: AttentionCall, query, split: Split, interpret=False) -> Optional[str]:
+    """The first option in use that no rule here splits over a mesh (None: the call splits).
+
+    A score_mod / mask_mod that reads the batch index b (the batch split) or the head index n (the heads split)
+    sees a shard's indices plus its offset, an array it then closes over: Pallas' interpreter takes that, a
+    compiled kernel (Triton, Mosaic) does not index an array from a mod, so there it is refused."""
+    refused = next((name for name in MESH_REFUSED if name in call.in_use()), None)
+    if refused is not None or interpret:
+        return refused
+    batch_split, heads_split = any(split.batch), split.heads is not None
+    for name in ("score_mod", "mask_mod"):
+        mod = getattr(call, name)
+        if mod is not None:
+            reads_b, reads_n = _reads_indices(mod, name == "score_mod", query)
+            if (reads_b and batch_split) or (reads_n and heads_split):
+                return name
+    return None
+
+
+def _reads_indices(mod: Callable, with_score: bool, query) -> tuple[bool, bool]:
+    """Whether mod's result depends on its batch index b and head index n (traced once on scalars: a jaxpr
+    variable that no equation and no output reads is not read)."""
+    index = jax.ShapeDtypeStruct((), jnp.int32)
+    args = ((jax.ShapeDtypeStruct((), jnp.result_type(query)),) if with_score else ()) + (index,) * 4
+    jaxpr = jax.make_jaxpr(mod)(*args).jaxpr
+    used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
+    lead = 1 if with_score else 0
+    return id(jaxpr.invars[lead]) in used, id(jaxpr.invars[lead + 1]) in used
 
 
 def _batch_of(x, suffix: int) -> tuple:
@@ -171,7 +196,11 @@ def on_mesh(run: Callable, call: AttentionCall, query, key, value, split: Split)
         rest = (split.heads,) if name == "sinks" else (None,) * suffix
         side[name] = (x, split.spec(_batch_of(x, suffix), *rest))
     (batch_ids, batch_spec), (head_ids, head_spec) = _index_offsets(split, batch_shape, N)
-    mods = {name: getattr(call, name) for name in ("score_mod", "mask_mod") if getattr(call, name) is not None}
+    mods = {  # only a mod that reads b or n needs the global ones (a compiled kernel takes no other: mesh_refusal)
+        name: mod
+        for name in ("score_mod", "mask_mod")
+        if (mod := getattr(call, name)) is not None and any(_reads_indices(mod, name == "score_mod", query))
+    }
     names = tuple(side)
 
     def shard(q, k, v, batch_ids, head_ids, *arrays):

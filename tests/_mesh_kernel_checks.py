@@ -160,6 +160,22 @@ def check_engines():
     def alibi(q, k, v):
         return jnp.sum(jnp.sin(jaxattn.alibi_attention(q, k, v, slopes, is_causal=True, implementation="blockwise")))
 
+    lengths = jax.random.randint(kb, (B,), 0, S + 1)
+    for implementation in ("dense", "blockwise"):
+
+        def flex(q, k, v, implementation=implementation):  # score_mod and mask_mod read (b, n) beside a split score
+            out = jaxattn.flex_attention(
+                q,
+                k,
+                v,
+                lambda x, b, n, t, s: x - 0.01 * (n + 1 + b) * jnp.abs(t - s),
+                mask_mod=lambda b, n, t, s: (t + b) % 5 != 1,
+                key_value_seq_lengths=lengths,
+                implementation=implementation,
+            )
+            return jnp.sum(jnp.sin(out))
+
+        results[f"flex-{implementation}"] = compare(flex, (q, k, v), LAYOUTS["batch+heads"], mesh)
     results["shaw-blockwise"] = compare(shaw, (q, k, v), LAYOUTS["batch+heads"], mesh)
     results["alibi-blockwise"] = compare(alibi, (q, k, v), LAYOUTS["batch+heads"], mesh)
     return results

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from . import checks
+from .placement import split_as_dim
 
 # ---------------------------------------------------------------------------------------------------
 # Keyword checks (trace time; shapes are static).
@@ -222,6 +223,7 @@ def on_grid(fn: Callable, consts, b, n, t, s, score=None):
         return fn(*a, *consts)
 
     has_score = score is not None
+    b, n = split_as_dim(b, score, 0), split_as_dim(n, score, 1)  # as the score is split (an Explicit mesh)
     lead = (0,) if has_score else ()
     f = jax.vmap(call, in_axes=lead + (None, None, None, 0))  # S
     f = jax.vmap(f, in_axes=lead + (None, None, 0, None))  # T

@@ -78,3 +78,14 @@ def placed_as(x, like):
     batch rows and heads); x itself elsewhere."""
     spec = explicit_spec(like)
     return x if spec is None else jax.sharding.reshard(x, spec)
+
+
+
+def split_as_dim(index, like, axis: int):
+    """A 1-D `index` split as `like`'s dim `axis` is (a score_mod's batch and head indices, vmapped beside a
+    score split over the batch and heads: vmap needs the mapped dims split the same way); unchanged elsewhere."""
+    spec = None if like is None else explicit_spec(like)
+    if spec is None:
+        return index
+    entries = tuple(spec) + (None,) * (jnp.ndim(like) - len(spec))
+    return jax.sharding.reshard(index, PartitionSpec(entries[axis]))

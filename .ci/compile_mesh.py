@@ -1,0 +1,124 @@
+"""The kernels compiled for several chips (issue 49): 8 H100s of one host (GPU topology 1x1x8) and a TPU v5e
+2x4 slice, from a CPU host, with a ("data", "model") = 2 x 4 mesh.
+
+Each row compiles an attention program (forward, or forward+backward) with implementation=None inside
+jaxattn.cross_platform_lowering() on inputs placed over the mesh, and reads the compiled program: the kernel
+calls it holds (Triton / Mosaic custom calls), its all-gathers, and per-device temp and output bytes.
+
+    explicit rows   jax.set_mesh over Explicit axes: each device runs the kernel on its shard (jaxattn._mesh).
+                    A row that fails to compile, holds no kernel or gathers anything fails this script.
+    auto rows       the same inputs under Auto axes (what NamedSharding-placed arrays under jax.jit give): not
+                    split by jaxattn yet (docs/sharding.md, "Kernels on a mesh"); reported, never failing, so the
+                    figures show what Explicit axes change (on 8 GPUs XLA gathers q, k, v around the kernel; on a
+                    TPU slice Mosaic refuses to be partitioned).
+
+Run with the compile environment of .ci/run: `.venv-compile/bin/python .ci/compile_mesh.py [--json PATH]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the host; the targets are compile-only topologies
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.experimental import topologies  # noqa: E402
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
+
+import jaxattn  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results" / "compile_mesh.json"
+KERNEL_CALLS = r'custom_call_target="(__gpu\$xla\.gpu\.triton|tpu_custom_call)"'
+# The issue's shapes: causal GQA in bf16, q [8,2048,16,128], k/v [8,2048,8,128].
+B, T, N, K, H = 8, 2048, 16, 8, 128
+LAYOUTS = {"batch+heads": P("data", None, "model", None), "fsdp": P(("data", "model"), None, None, None)}
+
+
+def devices(target):
+    if target == "h100x8":
+        config = (ROOT / ".ci" / "targets" / "h100.pbtxt").read_text()
+        return topologies.get_topology_desc("h100", "cuda", target_config=config, topology="1x1x8").devices
+    return topologies.get_topology_desc("v5e:2x4", platform="tpu").devices
+
+
+def programs():
+    """name: loss-free forward or the gradients of q, k, v."""
+
+    def causal(q, k, v):
+        return jaxattn.dot_product_attention(q, k, v, is_causal=True)
+
+    def distance(q, k, v):  # a score_mod of (t, s): the flex kernels (one reading b or n takes the XLA engines)
+        return jaxattn.flex_attention(q, k, v, lambda x, b, n, t, s: x - 0.01 * jnp.abs(t - s))
+
+    def train(f):
+        return jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
+
+    return {
+        "causal forward": causal,
+        "causal train": train(causal),
+        "score_mod forward": distance,
+        "score_mod train": train(distance),
+    }
+
+
+def compile_row(mesh, mode, layout, name, fn) -> dict:
+    spec = LAYOUTS[layout]
+    args = [
+        jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+        for shape in ((B, T, N, H), (B, T, K, H), (B, T, K, H))
+    ]
+    row = dict(mode=mode, layout=layout, program=name)
+    try:
+        with jax.set_mesh(mesh), jaxattn.cross_platform_lowering():
+            compiled = jax.jit(fn).lower(*args).compile()
+    except Exception as error:  # a row's failure is its result
+        return dict(row, status="error", error=f"{type(error).__name__}: {str(error)[:300]}")
+    text = compiled.as_text()
+    memory = compiled.memory_analysis()
+    return dict(
+        row,
+        status="ok",
+        kernels=len(re.findall(KERNEL_CALLS, text)),
+        all_gathers=sum(" all-gather(" in line or " all-gather-start(" in line for line in text.splitlines()),
+        temp_mib=round(memory.temp_size_in_bytes / 2**20, 2),
+        output_mib=round(memory.output_size_in_bytes / 2**20, 2),
+    )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--targets", default="h100x8,v5e-2x4")
+    parser.add_argument("--json", default=str(RESULTS))
+    args = parser.parse_args(argv)
+    start, rows, problems = time.perf_counter(), [], []
+    for target in args.targets.split(","):
+        chips = np.array(devices(target)).reshape(2, 4)
+        for mode, axis_type in (("explicit", AxisType.Explicit), ("auto", AxisType.Auto)):
+            mesh = Mesh(chips, ("data", "model"), axis_types=(axis_type,) * 2)
+            for layout in LAYOUTS:
+                for name, fn in programs().items():
+                    row = dict(target=target, **compile_row(mesh, mode, layout, name, fn))
+                    rows.append(row)
+                    print(json.dumps(row))
+                    if mode == "explicit" and (row["status"] != "ok" or not row["kernels"] or row["all_gathers"]):
+                        problems.append(row)
+    report = dict(jax=jax.__version__, wall_s=round(time.perf_counter() - start, 1), rows=rows)
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+    print(f"{len(rows)} rows, {len(problems)} explicit rows failing; {report['wall_s']} s")
+    for row in problems:
+        print(f"REGRESSION: {row}")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
