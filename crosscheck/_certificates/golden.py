@@ -6,7 +6,8 @@
 One safetensors file (written by jaxattn.io.save_safetensors): "inputs/<name>", "outputs/<name>",
 "layers/<torch path>" (a module's later calls: "<path> (call 2)", ...), "grads/<input>", "param_grads/<torch
 parameter name>" (record's `params`: d loss / d parameter, in torch's layout), "activation_grads/<torch path>"
-(with grads and integer inputs only: d loss / d the first layer's output, see certify). Its metadata holds
+(with grads and integer inputs only: d loss / d the first layer's output, see certify; with no layers, the
+first floating activation's, whose value is "activations/<torch path>", for certify to find JAX's). Its metadata holds
 one JSON document under "crosscheck.golden": format version, library versions, dtype, input shapes and
 dtypes, the layers in forward order, the (torch path, JAX name) pairs they were recorded for (certify's
 default `layers` with this file), the loss used for gradients, and the sha256 of the module's state_dict
@@ -29,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from crosscheck._certificates.reference import (
+    FIRST_FLOATING,
     activation_pair,
     cast_inputs,
     checked_dtype,
@@ -82,8 +84,8 @@ def record(
     names = list(params or ())
     if names and not grads:
         raise ValueError("params: parameter gradients are recorded with grads=True only")
-    first = activation_pair(inputs, pairs, names, "record") if grads else None
-    outputs, input_grads, param_grads, activation_grads = run_torch(
+    first = activation_pair(inputs, pairs, names) if grads else None
+    outputs, input_grads, param_grads, activation_grads, activations = run_torch(
         torch_fn,
         inputs,
         dtype=dtype,
@@ -94,7 +96,8 @@ def record(
         loss=loss,
         logits=None if logits is False else (logits or "logits"),
         params=names,
-        activation=None if first is None else 0,
+        activation=None if first in (None, FIRST_FLOATING) else 0,
+        first_floating=first == FIRST_FLOATING,
     )
     import torch
 
@@ -124,6 +127,7 @@ def record(
         **{f"grads/{k}": v for k, v in input_grads.items()},
         **{f"param_grads/{k}": v for k, v in param_grads.items()},
         **{f"activation_grads/{k}": v for k, v in activation_grads.items()},
+        **{f"activations/{k}": v for k, v in activations.items()},
     }
     return save_safetensors(tensors, path, metadata={"format": "np", _KEY: json.dumps(meta)})
 
@@ -138,6 +142,7 @@ class Golden:
     grads: dict[str, np.ndarray]
     param_grads: dict[str, np.ndarray]
     activation_grads: dict[str, np.ndarray]
+    activations: dict[str, np.ndarray]  # the first floating activation's value (recorded with no layers)
 
     @property
     def versions(self) -> Mapping[str, Any]:
@@ -231,4 +236,5 @@ def load_golden(
         part("grads"),
         param_grads,
         part("activation_grads"),
+        part("activations"),
     )

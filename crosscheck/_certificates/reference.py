@@ -173,20 +173,18 @@ def to_numpy(value) -> np.ndarray:
     return first_tensor(value).detach().cpu().numpy()
 
 
-def activation_pair(inputs: Mapping[str, np.ndarray], pairs, params: Sequence[str], what: str = "certify"):
-    """The layer pair whose output's gradient grads=True compares, or None: the first pair when every input
-    is an integer (token ids) and no parameter is mapped, since nothing else floating is shared by the two
-    sides then. ValueError when there is no pair either: such a gradient certificate would compare nothing."""
+# activation_pair's answer when no pair is given: the first floating activation, found on both sides
+FIRST_FLOATING = "first floating activation"
+
+
+def activation_pair(inputs: Mapping[str, np.ndarray], pairs, params: Sequence[str]):
+    """Where grads=True takes the loss's gradient besides the inputs and parameters: None when a floating input
+    or a mapped parameter is differentiated; else (every input an integer: token ids) the first layer pair's
+    output, or FIRST_FLOATING with no pair: the first floating activation each side makes from the inputs
+    (the embedding output; run_torch's first_floating, activation_grad.first_floating_program)."""
     if any(np.issubdtype(np.asarray(v).dtype, np.floating) for v in inputs.values()) or params:
         return None
-    if not pairs:
-        raise ValueError(
-            f"grads: every input of this {what} is an integer array ({sorted(inputs)}) and no params= map is "
-            "given, so there is nothing floating to differentiate and no gradient would be compared. Give "
-            "params= (with jax_params= for certify: the gradients of every mapped parameter) or layers= (the "
-            "gradient with respect to the first pair's output, e.g. the embeddings)"
-        )
-    return pairs[0]
+    return pairs[0] if pairs else FIRST_FLOATING
 
 
 def output_element(path: str) -> tuple[str, int | None]:
@@ -213,12 +211,16 @@ def run_torch(
     logits: str | None = None,
     params: Sequence[str] = (),
     activation: int | None = None,
+    first_floating: bool = False,
 ):
     """torch_fn(**inputs) with forward hooks on the `pairs`' module paths; `on_layer(index, path, name, array)`
     per hooked call in firing order (array None: never ran). With grads, the loss is differentiated with
     respect to the floating inputs, the module's parameters named in `params` (named_parameters() names) and
-    the output of pair number `activation` (its first call; in JAX's layout when the pair has a transform).
-    Returns ({output: array}, {input: grad}, {parameter: grad}, {torch path: grad} (the activation's))."""
+    the output of pair number `activation` (its first call; in JAX's layout when the pair has a transform),
+    or with `first_floating` that of the first module, in the order forward hooks fire, whose output is
+    floating and depends on a parameter (the embeddings, when the inputs are token ids).
+    Returns ({output: array}, {input: grad}, {parameter: grad}, {torch path: grad} (the activation's),
+    {torch path: the activation's value} (first_floating's only))."""
     torch = need_torch("certify(torch_fn, ...)")
     module = torch_module if torch_module is not None else torch_fn
     is_module = isinstance(module, torch.nn.Module)
@@ -226,6 +228,12 @@ def run_torch(
         module.to(getattr(torch, dtype)).eval()
     if pairs and not is_module:
         raise ValueError("layers: module paths need torch_fn to be a torch.nn.Module (or torch_module=)")
+    if first_floating and not is_module:
+        raise ValueError(
+            "grads: every input is an integer, so the gradient is taken at the first floating activation, which "
+            "is found by forward hooks on torch_fn's modules: torch_fn must be a torch.nn.Module (or give "
+            "torch_module=), or give layers= / params="
+        )
     weights = torch_parameters(module, params) if grads and params else {}
     queues: dict[int, list[tuple[int, str, str, Any]]] = {}
     targets = {}
@@ -257,11 +265,25 @@ def run_torch(
 
         return on_call
 
+    values: dict[str, np.ndarray] = {}  # first_floating's activation: torch path -> its value
+
+    def first_floating_hook(path):
+        def on_call(mod, args, out):
+            tensor = first_tensor(out)
+            if not held and isinstance(tensor, torch.Tensor) and tensor.is_floating_point() and tensor.requires_grad:
+                held[path], values[path] = tensor, tensor.detach().cpu().numpy()
+
+        return on_call
+
     tensors = {k: torch.from_numpy(np.array(v)) for k, v in inputs.items()}
     if grads:
         for t in tensors.values():
             t.requires_grad_(t.is_floating_point())
     handles = [targets[key].register_forward_hook(hook(queue)) for key, queue in queues.items()]
+    if grads and first_floating:
+        handles += [
+            m.register_forward_hook(first_floating_hook(path or "(model)")) for path, m in module.named_modules()
+        ]
     try:
         with torch.set_grad_enabled(grads):
             raw = named_outputs(torch_fn(**tensors))
@@ -277,6 +299,11 @@ def run_torch(
     activation_grads: dict[str, np.ndarray] = {}
     if grads:
         wrt = {k: t for k, t in tensors.items() if t.requires_grad}
+        if first_floating and not held:
+            raise ValueError(
+                "grads: every input is an integer and no module's output is floating and depends on a parameter "
+                "(requires_grad), so there is no activation to take the gradient at: give params= or layers="
+            )
         if activation is not None and not (held and next(iter(held.values())).requires_grad):
             path = pairs[activation][0]
             raise ValueError(
@@ -298,10 +325,10 @@ def run_torch(
             input_grads = {k: every["input", k] for k in wrt}
             param_grads = {k: every["param", k] for k in weights}
             for path in held:  # a layout transform moves a gradient's entries as it moves the activation's
-                transform = pairs[activation][2]
+                transform = None if first_floating else pairs[activation][2]
                 g = every["activation", path]
                 activation_grads[path] = g if transform is None else np.asarray(transform(g))
-    return outputs, input_grads, param_grads, activation_grads
+    return outputs, input_grads, param_grads, activation_grads, values
 
 
 def torch_parameters(module, names: Sequence[str]) -> dict[str, Any]:

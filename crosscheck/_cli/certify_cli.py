@@ -32,7 +32,11 @@ def _parser() -> argparse.ArgumentParser:
     where.add_argument("--record", metavar="PATH", help="write torch's side to a golden file (needs --torch)")
     where.add_argument("--golden", metavar="PATH", help="certify --jax against a golden file, without torch")
     p.add_argument("--dtype", choices=("float32", "float64"), default="float32")
-    p.add_argument("--grads", action="store_true", help="compare gradients of the loss w.r.t. the float inputs")
+    p.add_argument(
+        "--grads",
+        action="store_true",
+        help="compare gradients of the loss w.r.t. the float inputs (token ids only: w.r.t. the embeddings)",
+    )
     p.add_argument("--json", metavar="PATH", help="write the certificate as JSON ('-': print it instead of the table)")
     p.add_argument("--plot", metavar="PNG", help="draw each row's error / bar (needs matplotlib)")
     return p
