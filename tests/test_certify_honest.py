@@ -91,6 +91,29 @@ def test_the_first_floating_activation_is_the_value_the_port_reads_after_its_pad
     assert cert.passed and row.jax_name.startswith("select_n@") and row.value < 1e-14, cert.table()
 
 
+def test_a_jitted_lookup_called_twice_is_perturbed_at_its_first_call_only():
+    """One embedding looked up twice (the ids, then the ids reversed), through one jit'd function whose program
+    both calls share: torch's first floating activation is the first call's output, and JAX's gradient is
+    taken at the first call's site alone (perturbing both would add the second call's gradient)."""
+    torch.manual_seed(0)
+    embed, head = torch.nn.Embedding(13, 7), torch.nn.Linear(7, 5)
+    model = torch.nn.ModuleDict({"embed": embed, "head": head}).double()
+
+    def torch_fn(input_ids):
+        return {"out": model["head"](model["embed"](input_ids) + 2 * model["embed"](input_ids.flip(-1)))}
+
+    table, weight, bias = (jax.numpy.asarray(t.detach().numpy()) for t in (embed.weight, head.weight, head.bias))
+    lookup = jax.jit(lambda ids: table[ids])
+
+    def jax_fn(input_ids):
+        return {"out": (lookup(input_ids) + 2 * lookup(input_ids[..., ::-1])) @ weight.T + bias}
+
+    ids = {"input_ids": np.random.default_rng(0).integers(0, 13, (3, 11))}
+    cert = certify(torch_fn, jax_fn, ids, dtype="float64", grads=True, torch_module=model)
+    (row,) = [r for r in cert.rows if r.kind == "grad"]
+    assert cert.passed and row.name == "grad/embed" and row.value < 1e-14, cert.table()
+
+
 def test_token_ids_without_a_map_need_a_torch_module_to_find_the_activation():
     model, params = torch_tiny_lm()
     with pytest.raises(ValueError, match=r"first floating activation.*torch_module="):
