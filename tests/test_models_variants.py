@@ -323,7 +323,7 @@ def test_stacked_rows_name_each_expert_tensor(tmp_path):
             {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
             r"rope_parameters\['rope_type'\]",
         ),
-        ("gpt_oss", {"quantization_config": {"quant_method": "mxfp4"}}, "quantization_config"),
+        ("gpt_oss", {"quantization_config": {"quant_method": "gptq"}}, r"quantization_config\['quant_method'\]"),
         ("gpt_oss", {"hidden_act": "gelu"}, "hidden_act"),
         ("gpt_oss", {"num_experts_per_tok": 0}, "num_experts_per_tok"),
         ("gpt_oss", {"layer_types": ["sliding_attention"]}, "layer_types"),

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..io import load_safetensors
-from . import _activation_layout, _lazy_checkpoint, _partition_rules
+from . import _activation_layout, _lazy_checkpoint, _partition_rules, quantized
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +124,12 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any | None = None, precis
     """(model, params) for a save_pretrained directory of a supported model_type, without torch.
 
     dtype: cast every floating tensor to it (e.g. "float32" for a bf16 checkpoint); None keeps the file's
-    dtypes (bf16 stays bf16, and the model computes in it). The model is a Flax linen module:
-    model.apply({"params": params}, input_ids, attention_mask=...) (see the family's module). Its
-    config.hf_config is config.json's dict, whose keys the port does not read to_pretrained writes back.
+    dtypes (bf16 stays bf16, and the model computes in it). A quantized checkpoint (quantization_config
+    "mxfp4": gpt-oss; block "fp8": DeepSeek V3, Qwen3 FP8) is decoded as it is read, to dtype (None:
+    bfloat16), each tensor when its leaf is built (jaxattn.models.quantized); its params are plain.
+    The model is a Flax linen module: model.apply({"params": params}, input_ids, attention_mask=...) (see the
+    family's module). Its config.hf_config is config.json's dict, whose keys the port does not read
+    to_pretrained writes back.
     precision: the model's einsum/matmul precision (e.g. "highest" to keep float32 exact on TPU/GPU).
     mesh: a jax.sharding.Mesh (axes "data" and/or "model", and "seq" for sequence parallel): every
     parameter is a jax.Array sharded by the family's rules, each process reading only the byte ranges of
@@ -137,14 +140,15 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any | None = None, precis
     config = read_config(path)
     _family(config, Path(path) / "config.json")
     check_config(config, Path(path) / "config.json")
+    form = quantized.scheme(config, Path(path) / "config.json")
     if mesh is None:
         if rules is not None:
             raise ValueError(f"rules: expected None without a mesh (they lay parameters out on one), got {rules!r}")
-        tensors, files = read_tensors(path)
+        config, tensors, files = _plain(config, form, *read_tensors(path), dtype)
         return _load(config, tensors, files, dtype, precision, Path(path) / "config.json")
     sharded_rules = _partition_rules.Rules.of(config["model_type"], mesh, rules)
     sharding = _activation_layout.ModelSharding.of(mesh, config["model_type"])
-    tensors, files = read_tensors(path, _lazy_checkpoint.lazy_reader(path))
+    config, tensors, files = _plain(config, form, *read_tensors(path, _lazy_checkpoint.lazy_reader(path)), dtype)
     checkpoint = _lazy_checkpoint.ShardedCheckpoint(tensors, sharded_rules)
     model, params = _load(config, checkpoint, files, dtype, precision, Path(path) / "config.json")
     return model.clone(sharding=sharding), params
@@ -157,8 +161,20 @@ def from_state_dict(config: dict, state_dict, *, dtype: Any | None = None, preci
     Gradients taken in torch convert the same way (every table transform is a permutation or a split).
     """
     _family(config, "config")
+    form = quantized.scheme(config, "config")
     tensors = {k: np.asarray(v) for k, v in state_dict.items()}
-    return _load(config, tensors, {k: "state_dict" for k in tensors}, dtype, precision, "config")
+    config, tensors, files = _plain(config, form, tensors, {k: "state_dict" for k in tensors}, dtype)
+    return _load(config, tensors, files, dtype, precision, "config")
+
+
+def _plain(config: dict, form, tensors, files, dtype):
+    """A quantized checkpoint (form: quantized.scheme's) as the plain one it decodes to: its tensors decoded
+    when read (to dtype; None: bfloat16) and its config without quantization_config (the params are plain:
+    to_pretrained writes them so); any other checkpoint as it is."""
+    if form is None:
+        return config, tensors, files
+    tensors, files = quantized.plain_tensors(form, tensors, files, None if dtype is None else jnp.dtype(dtype))
+    return {k: v for k, v in config.items() if k != "quantization_config"}, tensors, files
 
 
 # The keys every tensor's shape follows from, in each model_type's naming: a config.json must hold them (HF's

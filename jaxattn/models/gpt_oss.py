@@ -23,8 +23,12 @@ Experts (jaxattn.models.moe.SparseMoE, dense dispatch): the checkpoint stores th
 Every(k, 2, axis) transform into experts/gate_proj and experts/up_proj ([X,E,F], [X,F]). Each layer
 sows its router's logits ("layer{i}.router"; moe.load_balancing_loss: HF's aux_loss).
 
-Refused by name: quantization_config (MXFP4 experts: the released checkpoints; dequantize to bf16 first),
-hidden_act other than "silu" (HF's gpt-oss ignores it: its experts always use the clamped SwiGLU).
+The released checkpoints' MXFP4 experts (experts.gate_up_proj_blocks / _scales, down_proj_blocks / _scales)
+are decoded as from_pretrained reads them (jaxattn.models.quantized), into the table's gate_up_proj and
+down_proj.
+
+Refused by name: hidden_act other than "silu" (HF's gpt-oss ignores it: its experts always use the clamped
+SwiGLU).
 
 The stack, the causal-LM wrapper, the head, the decode cache and loading are the shared base's
 (jaxattn/models/_decoder.py, with the calling convention and the axis letters; blocks and norms: _blocks.py,
@@ -72,12 +76,6 @@ class GptOssConfig(moe.MoEConfig):
     def from_dict(cls, config: Mapping[str, Any], source="config") -> GptOssConfig:
         """From a HF config.json dict; refuses by name what is not implemented."""
         refuse = functools.partial(_pretrained.refuse, source)
-        if config.get("quantization_config") is not None:
-            refuse(
-                "quantization_config",
-                "null (quantized experts such as MXFP4 are not implemented: dequantize first)",
-                config["quantization_config"],
-            )
         if config.get("hidden_act", "silu") != "silu":
             refuse("hidden_act", "'silu' (transformers' gpt-oss experts ignore it)", config["hidden_act"])
         L = config["num_hidden_layers"]

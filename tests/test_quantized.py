@@ -1,0 +1,416 @@
+"""Quantized checkpoints (jaxattn.models.quantized): MXFP4 (gpt-oss) and block-scaled FP8 (DeepSeek V3, Qwen3 FP8).
+
+The decoders are held element by element to a float64 decoder written here from the formats' bit layouts
+(plain Python on each code: every E2M1 code, every E8M0 exponent, every one of the 256 float8_e4m3fn bit
+patterns, the partial blocks of shapes that are not multiples of the block). Whole models: tiny checkpoints
+quantized here (round to nearest, from the spec), read by from_pretrained, against transformers loading the
+same MXFP4 directory with its own dequantization (Mxfp4Config(dequantize=True)), and, for FP8 (transformers'
+CPU FP8 path needs `accelerate`, and infers the block size from the scale grid, wrong for partial blocks),
+against transformers run on the weights this file's float64 decoder gives.
+"""
+
+import json
+import math
+import os
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from jaxattn.io import load_safetensors, save_safetensors
+from jaxattn.models import from_pretrained, from_state_dict, quantized, to_pretrained
+
+FP8 = ml_dtypes.float8_e4m3fn
+
+# --- the formats, from their bit layouts (the reference) --------------------------------------------------------
+
+
+def e2m1(code: int) -> float:
+    """4 bits s e1 e0 m: (-1)^s * (m / 2 if e == 0 else 2^(e - 1) * (1 + m / 2))."""
+    s, e, m = code >> 3, (code >> 1) & 3, code & 1
+    magnitude = m / 2 if e == 0 else 2.0 ** (e - 1) * (1 + m / 2)
+    return -magnitude if s else magnitude
+
+
+def e8m0(e: int) -> float:
+    """8 exponent bits, bias 127, no sign and no mantissa; 255 is NaN."""
+    return math.nan if e == 255 else 2.0 ** (e - 127)
+
+
+def e4m3fn(bits: int) -> float:
+    """8 bits s eeee mmm, bias 7: subnormal at e == 0, NaN at e == 15 and m == 7, no infinities."""
+    s, e, m = bits >> 7, (bits >> 3) & 15, bits & 7
+    if e == 15 and m == 7:
+        return math.nan
+    magnitude = m / 8 * 2.0**-6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7)
+    return -magnitude if s else magnitude
+
+
+def mxfp4_reference(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:
+    """[..., R, G, 16] bytes, [..., R, G] exponents -> float64 [..., G * 32, R] (gpt-oss's layout), entry by
+    entry: value c of a row is nibble c % 2 (0: bits 0-3) of byte c // 2."""
+    *lead, R, G, _ = blocks.shape
+    out = np.empty((*lead, G * 32, R))
+    for index in np.ndindex(*lead, R, G * 32):
+        *at, r, c = index
+        byte = int(blocks[(*at, r, c // 32, (c % 32) // 2)])
+        code = byte & 15 if c % 2 == 0 else byte >> 4
+        out[(*at, c, r)] = e2m1(code) * e8m0(int(scales[(*at, r, c // 32)]))
+    return out
+
+
+def fp8_reference(weight: np.ndarray, scale_inv: np.ndarray, block) -> np.ndarray:
+    """[R, C] float8_e4m3fn, its scales and the block [br, bc] -> float64 [R, C], entry by entry."""
+    bits = weight.view(np.uint8)
+    table = np.array([e4m3fn(b) for b in range(256)])
+    out = np.empty(weight.shape)
+    for r, c in np.ndindex(*weight.shape):
+        out[r, c] = table[bits[r, c]] * float(scale_inv[r // block[0], c // block[1]])
+    return out
+
+
+def assert_same(actual, expected):
+    """Equal entry for entry, NaN where NaN, and the sign of every zero."""
+    np.testing.assert_array_equal(actual, expected)
+    zeros = expected == 0
+    assert (np.signbit(actual[zeros]) == np.signbit(expected[zeros])).all()
+
+
+# --- the decoders against the reference -----------------------------------------------------------------------
+
+
+def test_e4m3fn_reference_agrees_with_ml_dtypes_on_every_bit_pattern():
+    """The reference's own check: its table is the float8_e4m3fn that ml_dtypes (and safetensors' F8_E4M3) mean."""
+    bits = np.arange(256, dtype=np.uint8)
+    assert_same(bits.view(FP8).astype(np.float64), np.array([e4m3fn(b) for b in range(256)]))
+
+
+def test_mxfp4_every_code_and_exponent():
+    """Every byte (every pair of E2M1 codes, both nibble orders) under every E8M0 exponent 0..255: float64 exact;
+    float32 the same numbers (6 * 2^127 and 3 * 2^127... overflow to inf, as the float64 value rounds)."""
+    # [X=2, R=3, G=128, 16]: the 256 bytes in 16 groups, cycled so that each exponent meets different bytes
+    rng = np.random.default_rng(0)
+    blocks = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 16), (2, 3, 8, 1))
+    blocks = rng.permuted(blocks, axis=-2).astype(np.uint8)
+    scales = np.arange(2 * 3 * 128).reshape(2, 3, 128).astype(np.uint8)  # 768 entries: every exponent, thrice
+    expected = mxfp4_reference(blocks, scales)
+    form = quantized.MXFP4()
+    for dtype in (np.float64, np.float32):
+        got = form.read(blocks, scales, [(0, d) for d in (2, 128 * 32, 3)], np.dtype(dtype))
+        assert got.dtype == dtype
+        with np.errstate(over="ignore"):
+            assert_same(got, expected.astype(dtype))
+    bf16 = form.read(blocks, scales, [(0, d) for d in (2, 128 * 32, 3)], np.dtype(ml_dtypes.bfloat16))
+    with np.errstate(over="ignore"):
+        assert_same(bf16.astype(np.float64), expected.astype(np.float32).astype(np.float64))  # exact in bf16 too
+    with np.errstate(over="ignore"):
+        assert np.isnan(expected).any() and np.isinf(expected.astype(np.float32)).any() and (expected == 0).any()
+
+
+def test_mxfp4_regions_read_only_their_groups():
+    """A box of the plain [X, C, R] tensor (from_pretrained(mesh=) reads by boxes) is that box of the whole."""
+    rng = np.random.default_rng(1)
+    blocks = rng.integers(0, 256, (3, 5, 4, 16), dtype=np.uint8)
+    scales = rng.integers(100, 150, (3, 5, 4), dtype=np.uint8)
+    whole = mxfp4_reference(blocks, scales)
+    for _ in range(20):
+        box = [tuple(sorted(rng.choice(d + 1, 2, replace=False))) for d in whole.shape]
+        got = quantized.MXFP4().read(blocks, scales, box, np.dtype(np.float64))
+        assert_same(got, whole[tuple(slice(a, b) for a, b in box)])
+
+
+def test_fp8_every_bit_pattern_and_scale():
+    """All 256 float8_e4m3fn values (subnormals, both zeros, NaN) in one [16, 16] block, under scales from a
+    subnormal float32 to 2^100: float64 exact, float32 one rounding of the exact product."""
+    weight = np.arange(256, dtype=np.uint8).reshape(16, 16).view(FP8)
+    for scale in (1.0, 2.0**-140, 0.3, 7.25e-3, 2.0**100):
+        scale_inv = np.array([[scale]], np.float32)
+        expected = fp8_reference(weight, scale_inv, (16, 16))
+        assert_same(quantized.decode_fp8(weight, scale_inv, (16, 16), np.float64), expected)
+        assert_same(quantized.decode_fp8(weight, scale_inv, (16, 16), np.float32), expected.astype(np.float32))
+
+
+@pytest.mark.parametrize("shape", [(192, 131), (320, 127), (576, 97), (128, 256)])
+def test_fp8_partial_blocks_follow_the_format(shape):
+    """Rows and columns that are not multiples of 128 end in a partial block (192 rows: 128 + 64, not two of
+    96 as a block size inferred from the 2-row scale grid would read them); every region too."""
+    rng = np.random.default_rng(sum(shape))
+    weight = rng.integers(0, 256, shape, dtype=np.uint8).view(FP8)
+    grid = (-(-shape[0] // 128), -(-shape[1] // 128))
+    scale_inv = rng.uniform(0.5, 4.0, grid).astype(np.float32)
+    expected = fp8_reference(weight, scale_inv, (128, 128))
+    form = quantized.BlockFP8((128, 128))
+    assert_same(form.read(weight, scale_inv, [(0, d) for d in shape], np.dtype(np.float64)), expected)
+    if shape[0] % grid[0] == 0 and shape[0] % 128:  # the grid-inferred block reads other numbers
+        inferred = quantized.decode_fp8(weight, scale_inv, (shape[0] // grid[0], 128), np.float64)
+        assert not np.array_equal(inferred, expected, equal_nan=True)
+    for _ in range(10):
+        box = [tuple(sorted(rng.choice(d + 1, 2, replace=False))) for d in shape]
+        got = form.read(weight, scale_inv, box, np.dtype(np.float64))
+        assert_same(got, expected[tuple(slice(a, b) for a, b in box)])
+
+
+# --- tiny quantized checkpoints (round to nearest, from the spec) -----------------------------------------------
+
+
+def quantize_mxfp4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[..., R, C] -> blocks [..., R, C/32, 16], scales [..., R, C/32]: per group of 32 the shared exponent
+    floor(log2(max |w|)) - 2 (E2M1's largest exponent), each value the nearest E2M1 value of w / 2^e."""
+    groups = w.reshape(*w.shape[:-1], -1, 32)
+    amax = np.abs(groups).max(-1)
+    e = np.clip(np.floor(np.log2(np.where(amax > 0, amax, 1.0))) - 2, -127, 127)
+    scaled = groups / 2.0 ** e[..., None]
+    magnitudes = np.array([e2m1(c) for c in range(8)])
+    code = np.abs(np.abs(scaled)[..., None] - magnitudes).argmin(-1) | np.where(scaled < 0, 8, 0)
+    blocks = (code[..., 0::2] | code[..., 1::2] << 4).astype(np.uint8)
+    return blocks, (e + 127).astype(np.uint8)
+
+
+def quantize_fp8(w: np.ndarray, block) -> tuple[np.ndarray, np.ndarray]:
+    """[R, C] -> (float8_e4m3fn [R, C], float32 [ceil(R/br), ceil(C/bc)]): per block max |w| / 448 as the
+    scale, the values rounded to nearest (ml_dtypes' cast)."""
+    br, bc = block
+    R, C = w.shape
+    scale = np.zeros((-(-R // br), -(-C // bc)), np.float32)
+    for i, j in np.ndindex(*scale.shape):
+        amax = np.abs(w[i * br : (i + 1) * br, j * bc : (j + 1) * bc]).max()
+        scale[i, j] = amax / 448 if amax > 0 else 1.0
+    expanded = np.repeat(np.repeat(scale, br, 0)[:R], bc, 1)[:, :C]
+    return (w / expanded).astype(FP8), scale
+
+
+def _rewrite(directory, tensors: dict, quantization_config: dict | None):
+    (directory / "model.safetensors").unlink()
+    save_safetensors(tensors, directory / "model.safetensors")
+    config = json.loads((directory / "config.json").read_text())
+    config.pop("quantization_config", None)
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (directory / "config.json").write_text(json.dumps(config))
+
+
+def write_mxfp4_gpt_oss(directory, hf):
+    """A tiny gpt-oss (hidden 64, F 96: whole groups of 32) with its experts in MXFP4 as released:
+    gate_up_proj [X,E,2F] stored as blocks of [X,2F,E], down_proj [X,F,E] of [X,E,F]."""
+    hf.write_checkpoint("gpt_oss", directory, hidden_size=64, intermediate_size=96)
+    tensors = load_safetensors(directory / "model.safetensors")
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(np.swapaxes(tensors.pop(name).astype(np.float64), -1, -2))
+        tensors[name + "_blocks"], tensors[name + "_scales"] = blocks, scales
+    _rewrite(directory, tensors, {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]})
+    return directory
+
+
+def _fp8_names(tensors):
+    return [n for n, x in tensors.items() if n.endswith("proj.weight") or n.endswith("proj_with_mqa.weight")]
+
+
+def write_fp8(directory, hf, model_type, block):
+    """A tiny model_type checkpoint with every projection in block FP8 (weight_block_size `block`), as DeepSeek
+    V3 and the Qwen3 FP8 releases store them (embeddings, norms, the router and the head stay as they were);
+    and beside it (directory + '_reference') the same weights decoded by this file's float64 reference, in
+    float32 (the float64 ones are returned too)."""
+    hf.write_checkpoint(model_type, directory)
+    reference = directory.parent / (directory.name + "_reference")
+    shutil.copytree(directory, reference)
+    tensors = load_safetensors(directory / "model.safetensors")
+    plain, exact = dict(tensors), dict(tensors)
+    for name in _fp8_names(tensors):
+        assert tensors[name].ndim == 2, name
+        weight, scale_inv = quantize_fp8(tensors[name].astype(np.float64), block)
+        tensors[name], tensors[name + "_scale_inv"] = weight, scale_inv
+        exact[name] = fp8_reference(weight, scale_inv, block)
+        plain[name] = exact[name].astype(np.float32)
+    config = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+    _rewrite(directory, tensors, config)
+    _rewrite(reference, plain, None)
+    return directory, reference, exact
+
+
+@pytest.fixture(scope="module")
+def hf():
+    pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from crosscheck._hf import checkpoints
+
+    return checkpoints
+
+
+def _report(hf, torch_model, model, params, dtype):
+    from crosscheck import layer_report
+
+    ids, mask = hf.padded_batch("left")
+    return layer_report(torch_model, (model, params), {"input_ids": ids, "attention_mask": mask}, dtype=dtype)
+
+
+def test_gpt_oss_mxfp4_equals_transformers_dequantized(tmp_path, hf):
+    """transformers' own MXFP4 dequantization of the same directory gives the same weights (exactly: E2M1 times
+    a power of two is a bf16 number) and the same logits, float32 and float64, every layer."""
+    import torch
+    import transformers
+
+    directory = write_mxfp4_gpt_oss(tmp_path / "mxfp4", hf)
+    torch_model = transformers.GptOssForCausalLM.from_pretrained(
+        str(directory),
+        quantization_config=transformers.Mxfp4Config(dequantize=True),
+        attn_implementation="eager",
+        experts_implementation="eager",
+        local_files_only=True,
+    )
+    torch_model = torch_model.to(torch.float32).eval()
+    model, params = from_pretrained(directory, dtype="float32")
+    experts = params["layers_1"]["mlp"]["experts"]
+    theirs = torch_model.model.layers[1].mlp.experts
+    np.testing.assert_array_equal(experts["down_proj"]["kernel"], theirs.down_proj.detach().numpy())
+    np.testing.assert_array_equal(experts["gate_proj"]["kernel"], theirs.gate_up_proj.detach().numpy()[..., ::2])
+    np.testing.assert_array_equal(experts["up_proj"]["kernel"], theirs.gate_up_proj.detach().numpy()[..., 1::2])
+    for dtype in ("float32", "float64"):
+        report = _report(hf, torch_model, model, params, dtype)
+        assert report.passed and report.rows[-1].normwise <= (1e-12 if dtype == "float64" else 1e-5), str(report)
+
+
+def test_deepseek_v3_fp8_partial_blocks_equal_the_spec(tmp_path, hf):
+    """A DeepSeek V3 whose every projection is FP8 in blocks of [16, 8] (41, 29, 19, 13, 11: partial blocks on
+    every edge) against transformers on the weights the float64 reference decodes, float32 and float64."""
+    directory, reference, _ = write_fp8(tmp_path / "fp8", hf, "deepseek_v3", (16, 8))
+    torch_model = hf.torch_model(reference)
+    model, params = from_pretrained(directory, dtype="float32")
+    plain = from_pretrained(reference, dtype="float32")[1]
+    import jax
+
+    jax.tree.map(np.testing.assert_array_equal, params, plain)
+    for dtype in ("float32", "float64"):
+        report = _report(hf, torch_model, model, params, dtype)
+        assert report.passed and report.rows[-1].normwise <= (1e-12 if dtype == "float64" else 1e-5), str(report)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_qwen3_fp8_loads_as_the_spec_decodes(tmp_path, hf, model_type):
+    """The Qwen3 FP8 releases' layout (every projection, the experts' one by one) decodes to the reference's
+    weights, leaf for leaf: float64 exact, float32 one rounding, bfloat16 (the default with no dtype) rounded from
+    the float32."""
+    import jax
+
+    directory, reference, exact = write_fp8(tmp_path / model_type, hf, model_type, (16, 16))
+    _, params = from_pretrained(directory, dtype="float64")
+    config = json.loads((reference / "config.json").read_text())
+    jax.tree.map(np.testing.assert_array_equal, params, from_state_dict(config, exact, dtype="float64")[1])
+    _, params = from_pretrained(directory, dtype="float32")
+    jax.tree.map(np.testing.assert_array_equal, params, from_pretrained(reference, dtype="float32")[1])
+    _, default = from_pretrained(directory)
+    query = default["layers_0"]["self_attn"]["query"]["kernel"]
+    assert query.dtype == ml_dtypes.bfloat16
+    np.testing.assert_array_equal(query, params["layers_0"]["self_attn"]["query"]["kernel"].astype(ml_dtypes.bfloat16))
+
+
+def test_sharded_load_reads_the_same_numbers(tmp_path, hf):
+    """from_pretrained(mesh=) decodes each shard's box from its blocks and scales: the same params."""
+    import jax
+    from jax.sharding import Mesh
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    for directory in (
+        write_mxfp4_gpt_oss(tmp_path / "mxfp4", hf),
+        write_fp8(tmp_path / "fp8", hf, "qwen3", (16, 8))[0],
+    ):
+        _, dense = from_pretrained(directory, dtype="float32")
+        _, sharded = from_pretrained(directory, dtype="float32", mesh=mesh)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), sharded, dense)
+
+
+def test_to_pretrained_writes_the_decoded_params_plain(tmp_path, hf):
+    """The params of a quantized load are plain: to_pretrained writes them without quantization_config, and that
+    directory loads back to the same params (the quantized format itself is not written back)."""
+    import jax
+
+    directory = write_mxfp4_gpt_oss(tmp_path / "mxfp4", hf)
+    model, params = from_pretrained(directory)
+    out = to_pretrained(model, params, tmp_path / "out")
+    assert "quantization_config" not in json.loads((out / "config.json").read_text())
+    _, again = from_pretrained(out)
+    jax.tree.map(np.testing.assert_array_equal, again, params)
+
+
+def test_from_state_dict_decodes_too(tmp_path, hf):
+    import jax
+
+    directory = write_mxfp4_gpt_oss(tmp_path / "mxfp4", hf)
+    config = json.loads((directory / "config.json").read_text())
+    _, params = from_state_dict(config, load_safetensors(directory / "model.safetensors"), dtype="float32")
+    jax.tree.map(np.testing.assert_array_equal, params, from_pretrained(directory, dtype="float32")[1])
+
+
+# --- refused by name, before anything is decoded ------------------------------------------------------------------
+
+
+def _edit(directory, change):
+    tensors = load_safetensors(directory / "model.safetensors")
+    change(tensors)
+    (directory / "model.safetensors").unlink()
+    save_safetensors(tensors, directory / "model.safetensors")
+
+
+def test_unknown_quant_method_and_options_are_refused_before_reading(tmp_path, hf):
+    directory = write_fp8(tmp_path / "fp8", hf, "qwen3", (16, 16))[0]
+    (directory / "model.safetensors").unlink()  # nothing is read: the config alone is refused
+    config = json.loads((directory / "config.json").read_text())
+    cases = [
+        (
+            {"quant_method": "gptq", "bits": 4},
+            r"quantization_config\['quant_method'\]: expected 'mxfp4' or 'fp8'.*'gptq'",
+        ),
+        ({"quant_method": "fp8"}, r"\['weight_block_size'\]: expected two positive ints .*got None"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 0]}, r"weight_block_size.*\[128, 0\]"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}, r"\['fmt'\]: expected 'e4m3'"),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+            r"\['activation_scheme'\]: expected 'dynamic'.*'static'",
+        ),
+    ]
+    for q, message in cases:
+        (directory / "config.json").write_text(json.dumps({**config, "quantization_config": q}))
+        with pytest.raises(ValueError, match=message):
+            from_pretrained(directory)
+
+
+def test_missing_or_misshapen_scales_are_refused_by_name(tmp_path, hf):
+    fp8 = write_fp8(tmp_path / "fp8", hf, "qwen3", (16, 16))[0]
+    name = "model.layers.1.mlp.down_proj.weight"
+    cases = [
+        (lambda t: t.pop(name + "_scale_inv"), rf"model.safetensors: '{name}' without '{name}_scale_inv'"),
+        (lambda t: t.pop(name), rf"model.safetensors: '{name}_scale_inv' without '{name}'"),
+        (
+            lambda t: t.update({name + "_scale_inv": t[name + "_scale_inv"][:, :2]}),
+            rf"'{name}' \[48,80\] with '{name}_scale_inv' \[3,2\] \(fp8\): expected scales \[3,5\] \(ceil of the "
+            rf"weight \[48,80\] over weight_block_size \[16, 16\]\), got \[3,2\]",
+        ),
+        (
+            lambda t: t.update({name: t[name].astype(np.float32)}),
+            rf"'{name}' .*expected a float8_e4m3fn weight .*got float32",
+        ),
+    ]
+    for change, message in cases:
+        directory = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(fp8, directory)
+        _edit(directory, change)
+        with pytest.raises(ValueError, match=message):
+            from_pretrained(directory)
+
+    mxfp4 = write_mxfp4_gpt_oss(tmp_path / "mxfp4", hf)
+    gate_up = "model.layers.0.mlp.experts.gate_up_proj"
+    cases = [
+        (lambda t: t.pop(gate_up + "_scales"), rf"'{gate_up}_blocks' without '{gate_up}_scales'"),
+        (
+            lambda t: t.update({gate_up + "_scales": t[gate_up + "_scales"][..., :1]}),
+            rf"'{gate_up}_blocks' \[5,192,2,16\] with '{gate_up}_scales' \[5,192,1\] \(mxfp4\): expected blocks "
+            r"\[\.\.\.,R,G,16\] and scales \[\.\.\.,R,G\]",
+        ),
+    ]
+    for change, message in cases:
+        directory = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(mxfp4, directory)
+        _edit(directory, change)
+        with pytest.raises(ValueError, match=message):
+            from_pretrained(directory)
