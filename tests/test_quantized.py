@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 from jaxattn.io import load_safetensors, save_safetensors
-from jaxattn.models import from_pretrained, from_state_dict, quantized, to_pretrained
+from jaxattn.models import from_pretrained, from_state_dict, generate, quantized, to_pretrained
 
 FP8 = ml_dtypes.float8_e4m3fn
 
@@ -269,6 +269,16 @@ def test_gpt_oss_mxfp4_equals_transformers_dequantized(tmp_path, hf):
     for dtype in ("float32", "float64"):
         report = _report(hf, torch_model, model, params, dtype)
         assert report.passed and report.rows[-1].normwise <= (1e-12 if dtype == "float64" else 1e-5), str(report)
+    # greedy decoding, float64 (layer_report left the torch model there), 16 new tokens
+    ids, mask = hf.padded_batch("left")
+    model, params = from_pretrained(directory, dtype="float64")
+    ours = generate(model, params, ids, max_new_tokens=16, attention_mask=mask)
+    with torch.no_grad(), hf.float64_reference(torch_model, "float64"):
+        theirs = torch_model.generate(
+            torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=16, do_sample=False
+        ).numpy()
+    assert min(len(set(row)) for row in np.asarray(ours)[:, -16:].tolist()) >= 4  # not one repeated token
+    np.testing.assert_array_equal(ours, theirs)
 
 
 def test_deepseek_v3_fp8_partial_blocks_equal_the_spec(tmp_path, hf):
