@@ -245,9 +245,19 @@ def _report(hf, torch_model, model, params, dtype):
     return layer_report(torch_model, (model, params), {"input_ids": ids, "attention_mask": mask}, dtype=dtype)
 
 
+def _floating_as(params, dtype):
+    """The floating leaves cast (the packed uint8 ones as they are)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+
+
 def test_gpt_oss_mxfp4_equals_transformers_dequantized(tmp_path, hf):
-    """transformers' own MXFP4 dequantization of the same directory gives the same weights (exactly: E2M1 times
-    a power of two is a bf16 number) and the same logits, float32 and float64, every layer."""
+    """transformers' own MXFP4 dequantization of the same directory gives the same weights as our load-time
+    decode (exactly: E2M1 times a power of two is a bf16 number), and the same logits, float32 and float64,
+    every layer, both from those plain params and from the packed ones decoded in the matmul (the default);
+    16 greedy tokens equal from the packed params."""
     import torch
     import transformers
 
@@ -266,19 +276,80 @@ def test_gpt_oss_mxfp4_equals_transformers_dequantized(tmp_path, hf):
     np.testing.assert_array_equal(experts["down_proj"]["kernel"], theirs.down_proj.detach().numpy())
     np.testing.assert_array_equal(experts["gate_proj"]["kernel"], theirs.gate_up_proj.detach().numpy()[..., ::2])
     np.testing.assert_array_equal(experts["up_proj"]["kernel"], theirs.gate_up_proj.detach().numpy()[..., 1::2])
-    for dtype in ("float32", "float64"):
-        report = _report(hf, torch_model, model, params, dtype)
-        assert report.passed and report.rows[-1].normwise <= (1e-12 if dtype == "float64" else 1e-5), str(report)
+    packed_model, packed = from_pretrained(directory)
+    assert packed["layers_1"]["mlp"]["experts"]["down_proj"]["kernel_blocks"].dtype == np.uint8
+    for model, params in ((model, params), (packed_model, packed)):
+        for dtype in ("float32", "float64"):
+            report = _report(hf, torch_model, model, params, dtype)
+            assert report.passed and report.rows[-1].normwise <= (1e-12 if dtype == "float64" else 1e-5), str(report)
     # greedy decoding, float64 (layer_report left the torch model there), 16 new tokens
     ids, mask = hf.padded_batch("left")
-    model, params = from_pretrained(directory, dtype="float64")
-    ours = generate(model, params, ids, max_new_tokens=16, attention_mask=mask)
+    ours = generate(packed_model, _floating_as(packed, np.float64), ids, max_new_tokens=16, attention_mask=mask)
     with torch.no_grad(), hf.float64_reference(torch_model, "float64"):
         theirs = torch_model.generate(
             torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=16, do_sample=False
         ).numpy()
     assert min(len(set(row)) for row in np.asarray(ours)[:, -16:].tolist()) >= 4  # not one repeated token
     np.testing.assert_array_equal(ours, theirs)
+
+
+def test_packed_experts_equal_the_plain_ones(tmp_path, hf):
+    """The packed params decoded in the matmul give the logits the load-time decode gives, bit for bit (the
+    same numbers into the same einsum), in float32 and bf16; their expert kernels are 17 bytes per 32 values
+    (16 of codes, 1 of scale) against bf16's 64."""
+    import jax
+
+    directory = write_mxfp4_gpt_oss(tmp_path / "mxfp4", hf)
+    ids, mask = hf.padded_batch("left")
+    for dtype in ("float32", "bfloat16"):
+        model, packed = from_pretrained(directory)
+        packed = _floating_as(packed, dtype)
+        plain_model, plain = from_pretrained(directory, dtype=dtype)
+        ours = model.apply({"params": packed}, ids, attention_mask=mask)
+        np.testing.assert_array_equal(ours, plain_model.apply({"params": plain}, ids, attention_mask=mask))
+        assert ours.dtype == dtype
+
+    def kernel_bytes(params):
+        return sum(x.nbytes for x in jax.tree.leaves(params["layers_0"]["mlp"]["experts"]) if x.ndim > 2)
+
+    values = 5 * 3 * 64 * 96  # X=5, gate + up + down, E=64, F=96
+    assert (kernel_bytes(packed), kernel_bytes(plain)) == (values * 17 // 32, values * 2)
+
+
+def test_mxfp4_decoded_in_jax_equals_the_load_time_decode():
+    """quantized.mxfp4_matrix (inside jit) against decode_mxfp4 on every byte under every exponent: float64
+    every entry; float32 and bfloat16 every entry whose value is normal, the 72 subnormal ones (only from the
+    exponents 0..2) equal or zero (where the device flushes subnormals)."""
+    import jax
+
+    blocks = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 16), (2, 3, 8, 1))
+    scales = np.arange(2 * 3 * 128).reshape(2, 3, 128).astype(np.uint8)
+    for dtype in (np.float64, np.float32, ml_dtypes.bfloat16):
+        with np.errstate(over="ignore"):
+            expected = quantized.decode_mxfp4(blocks, scales, dtype)
+        got = np.asarray(jax.jit(lambda b, s: quantized.mxfp4_matrix(b, s, dtype))(blocks, scales))
+        assert got.dtype == expected.dtype
+        expected, got = expected.astype(np.float64), got.astype(np.float64)
+        tiny = 0.0 if dtype == np.float64 else 2.0**-126  # float32's and bfloat16's smallest normal
+        normal = ~(np.abs(expected) < tiny) | (expected == 0)
+        assert_same(got[normal], expected[normal])
+        flushed = got[~normal] == 0
+        assert (flushed | (got[~normal] == expected[~normal])).all()
+        assert (~normal).sum() == (0 if dtype == np.float64 else 72)
+
+
+def test_packed_params_write_back_byte_for_byte(tmp_path, hf):
+    """to_pretrained of the packed params writes the file it read: every tensor's bytes and dtype, and the
+    quantization_config as it was."""
+    directory = write_mxfp4_gpt_oss(tmp_path / "mxfp4", hf)
+    model, params = from_pretrained(directory)
+    out = to_pretrained(model, params, tmp_path / "out")
+    read, written = load_safetensors(directory / "model.safetensors"), load_safetensors(out / "model.safetensors")
+    assert sorted(read) == sorted(written)
+    for name in read:
+        assert read[name].dtype == written[name].dtype and read[name].tobytes() == written[name].tobytes(), name
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config == json.loads((directory / "config.json").read_text())["quantization_config"]
 
 
 def test_deepseek_v3_fp8_partial_blocks_equal_the_spec(tmp_path, hf):
@@ -316,27 +387,28 @@ def test_qwen3_fp8_loads_as_the_spec_decodes(tmp_path, hf, model_type):
 
 
 def test_sharded_load_reads_the_same_numbers(tmp_path, hf):
-    """from_pretrained(mesh=) decodes each shard's box from its blocks and scales: the same params."""
+    """from_pretrained(mesh=) decodes each shard's box from its blocks and scales (or reads the packed ones by
+    expert): the same params."""
     import jax
     from jax.sharding import Mesh
 
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
-    for directory in (
-        write_mxfp4_gpt_oss(tmp_path / "mxfp4", hf),
-        write_fp8(tmp_path / "fp8", hf, "qwen3", (16, 8))[0],
-    ):
-        _, dense = from_pretrained(directory, dtype="float32")
-        _, sharded = from_pretrained(directory, dtype="float32", mesh=mesh)
+    mxfp4, fp8 = write_mxfp4_gpt_oss(tmp_path / "mxfp4", hf), write_fp8(tmp_path / "fp8", hf, "qwen3", (16, 8))[0]
+    for directory, dtype in ((mxfp4, "float32"), (mxfp4, None), (fp8, "float32")):
+        _, dense = from_pretrained(directory, dtype=dtype)
+        _, sharded = from_pretrained(directory, dtype=dtype, mesh=mesh)
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), sharded, dense)
+        assert jax.tree.map(lambda x: x.dtype, sharded) == jax.tree.map(lambda x: x.dtype, dense)
 
 
 def test_to_pretrained_writes_the_decoded_params_plain(tmp_path, hf):
-    """The params of a quantized load are plain: to_pretrained writes them without quantization_config, and that
-    directory loads back to the same params (the quantized format itself is not written back)."""
+    """The params of a dequantized load are plain: to_pretrained writes them without quantization_config, and
+    that directory loads back to the same params."""
     import jax
 
     directory = write_mxfp4_gpt_oss(tmp_path / "mxfp4", hf)
-    model, params = from_pretrained(directory)
+    model, params = from_pretrained(directory, dequantize=True)
+    assert params["layers_0"]["mlp"]["experts"]["down_proj"]["kernel"].dtype == ml_dtypes.bfloat16
     out = to_pretrained(model, params, tmp_path / "out")
     assert "quantization_config" not in json.loads((out / "config.json").read_text())
     _, again = from_pretrained(out)
@@ -424,3 +496,11 @@ def test_missing_or_misshapen_scales_are_refused_by_name(tmp_path, hf):
         _edit(directory, change)
         with pytest.raises(ValueError, match=message):
             from_pretrained(directory)
+
+
+def test_mxfp4_sizes_not_in_groups_of_32_are_refused(tmp_path, hf):
+    directory = write_mxfp4_gpt_oss(tmp_path / "mxfp4", hf)
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "intermediate_size": 80}))
+    with pytest.raises(ValueError, match=r"config.json: intermediate_size: expected a multiple of 32 .*got 80"):
+        from_pretrained(directory)

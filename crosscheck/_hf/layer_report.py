@@ -322,6 +322,14 @@ def _to_layout(shape: tuple[int, ...]) -> Callable[[np.ndarray], np.ndarray]:
     return lambda theirs: theirs.reshape(shape) if theirs.shape != shape and theirs.shape[-1:] == shape[-1:] else theirs
 
 
+def _floating_as(x: np.ndarray, dtype: str) -> np.ndarray:
+    """x cast to dtype if floating (bf16 included); packed quantized params (gpt-oss's MXFP4 kernel_blocks and
+    kernel_scales, uint8) as they are."""
+    import jax.numpy as jnp
+
+    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
 def layer_report(torch_model, model_and_params, inputs: Mapping[str, Any], *, dtype: str) -> LayerReport:
     """Compare every aligned layer of `torch_model` (a transformers model) and (model, params) (its port).
 
@@ -339,7 +347,7 @@ def layer_report(torch_model, model_and_params, inputs: Mapping[str, Any], *, dt
     model, params = model_and_params
     spec = family(torch_model)
     metric, bar = LAYER_TOLERANCES[dtype]
-    params = jax.tree.map(lambda x: np.asarray(x).astype(dtype), params)
+    params = jax.tree.map(lambda x: _floating_as(np.asarray(x), dtype), params)
     inputs = {k: np.asarray(v) for k, v in inputs.items()}
     inputs = {k: v.astype(dtype) if np.issubdtype(v.dtype, np.floating) else v for k, v in inputs.items()}
     ours = _jax_rows(model, params, inputs)

@@ -129,6 +129,8 @@ MOE_RULES = (
     ("*/mlp/experts/up_proj/kernel", P("model", "data", None)),
     ("*/mlp/experts/down_proj/kernel", P("model", None, "data")),
     ("*/mlp/experts/*/bias", P("model", None)),
+    ("*/mlp/experts/*/kernel_blocks", P("model", None, None, None)),  # gpt-oss's packed MXFP4: by expert
+    ("*/mlp/experts/*/kernel_scales", P("model", None, None)),
     ("*/mlp/router/kernel", P("data", None)),
     ("*/self_attn/sinks", P("model")),
     *DECODER_RULES,

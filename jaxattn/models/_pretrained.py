@@ -120,13 +120,23 @@ def read_tensors(path: str | os.PathLike, read: Callable = load_safetensors) -> 
     return tensors, {name: single.name for name in tensors}
 
 
-def from_pretrained(path: str | os.PathLike, *, dtype: Any | None = None, precision: Any = None, mesh=None, rules=None):
+def from_pretrained(
+    path: str | os.PathLike,
+    *,
+    dtype: Any | None = None,
+    precision: Any = None,
+    mesh=None,
+    rules=None,
+    dequantize: bool = False,
+):
     """(model, params) for a save_pretrained directory of a supported model_type, without torch.
 
     dtype: cast every floating tensor to it (e.g. "float32" for a bf16 checkpoint); None keeps the file's
-    dtypes (bf16 stays bf16, and the model computes in it). A quantized checkpoint (quantization_config
-    "mxfp4": gpt-oss; block "fp8": DeepSeek V3, Qwen3 FP8) is decoded as it is read, to dtype (None:
-    bfloat16), each tensor when its leaf is built (jaxattn.models.quantized); its params are plain.
+    dtypes (bf16 stays bf16, and the model computes in it).
+    A quantized checkpoint (jaxattn.models.quantized): gpt-oss's MXFP4 experts stay packed by default
+    (params kernel_blocks / kernel_scales, decoded inside the matmul; to_pretrained writes them back as
+    they were); dequantize=True or a dtype gives plain params instead, decoded as they are read (to dtype;
+    None: bfloat16), as block FP8 (DeepSeek V3, Qwen3 FP8) always is.
     The model is a Flax linen module: model.apply({"params": params}, input_ids, attention_mask=...) (see the
     family's module). Its config.hf_config is config.json's dict, whose keys the port does not read
     to_pretrained writes back.
@@ -144,34 +154,46 @@ def from_pretrained(path: str | os.PathLike, *, dtype: Any | None = None, precis
     if mesh is None:
         if rules is not None:
             raise ValueError(f"rules: expected None without a mesh (they lay parameters out on one), got {rules!r}")
-        config, tensors, files = _plain(config, form, *read_tensors(path), dtype)
+        config, tensors, files = _plain(config, form, *read_tensors(path), dtype, dequantize)
         return _load(config, tensors, files, dtype, precision, Path(path) / "config.json")
     sharded_rules = _partition_rules.Rules.of(config["model_type"], mesh, rules)
     sharding = _activation_layout.ModelSharding.of(mesh, config["model_type"])
-    config, tensors, files = _plain(config, form, *read_tensors(path, _lazy_checkpoint.lazy_reader(path)), dtype)
+    lazy = read_tensors(path, _lazy_checkpoint.lazy_reader(path))
+    config, tensors, files = _plain(config, form, *lazy, dtype, dequantize)
     checkpoint = _lazy_checkpoint.ShardedCheckpoint(tensors, sharded_rules)
     model, params = _load(config, checkpoint, files, dtype, precision, Path(path) / "config.json")
     return model.clone(sharding=sharding), params
 
 
-def from_state_dict(config: dict, state_dict, *, dtype: Any | None = None, precision: Any = None):
+def from_state_dict(
+    config: dict, state_dict, *, dtype: Any | None = None, precision: Any = None, dequantize: bool = False
+):
     """(model, params) from a config.json dict and a {name: array} state_dict already in memory.
 
-    The same tables and checks as from_pretrained (errors name "state_dict" where they would name a file).
+    The same tables and checks as from_pretrained (errors name "state_dict" where they would name a file;
+    dequantize as there).
     Gradients taken in torch convert the same way (every table transform is a permutation or a split).
     """
     _family(config, "config")
     form = quantized.scheme(config, "config")
     tensors = {k: np.asarray(v) for k, v in state_dict.items()}
-    config, tensors, files = _plain(config, form, tensors, {k: "state_dict" for k in tensors}, dtype)
+    config, tensors, files = _plain(config, form, tensors, {k: "state_dict" for k in tensors}, dtype, dequantize)
     return _load(config, tensors, files, dtype, precision, "config")
 
 
-def _plain(config: dict, form, tensors, files, dtype):
+# the quantized formats a family keeps packed in its params (else they are decoded as they are read)
+_KEPT_PACKED = {("gpt_oss", "mxfp4")}
+
+
+def _plain(config: dict, form, tensors, files, dtype, dequantize: bool):
     """A quantized checkpoint (form: quantized.scheme's) as the plain one it decodes to: its tensors decoded
     when read (to dtype; None: bfloat16) and its config without quantization_config (the params are plain:
-    to_pretrained writes them so); any other checkpoint as it is."""
+    to_pretrained writes them so); one the family keeps packed (no dtype, no dequantize) only checked; any
+    other checkpoint as it is."""
     if form is None:
+        return config, tensors, files
+    if dtype is None and not dequantize and (config["model_type"], form.quant_method) in _KEPT_PACKED:
+        quantized.check_pairs(form, tensors, files)
         return config, tensors, files
     tensors, files = quantized.plain_tensors(form, tensors, files, None if dtype is None else jnp.dtype(dtype))
     return {k: v for k, v in config.items() if k != "quantization_config"}, tensors, files

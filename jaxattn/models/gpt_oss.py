@@ -24,8 +24,10 @@ Every(k, 2, axis) transform into experts/gate_proj and experts/up_proj ([X,E,F],
 sows its router's logits ("layer{i}.router"; moe.load_balancing_loss: HF's aux_loss).
 
 The released checkpoints' MXFP4 experts (experts.gate_up_proj_blocks / _scales, down_proj_blocks / _scales)
-are decoded as from_pretrained reads them (jaxattn.models.quantized), into the table's gate_up_proj and
-down_proj.
+stay packed by default (experts_format "mxfp4": mxfp4_expert_rows fill each projection's kernel_blocks and
+kernel_scales, gate and up split from the interleaved rows by Every(k, 2, 1); moe.StackedDense decodes
+them in the matmul), or are decoded as from_pretrained reads them (dequantize=True or a dtype:
+jaxattn.models.quantized) into the table's gate_up_proj and down_proj.
 
 Refused by name: hidden_act other than "silu" (HF's gpt-oss ignores it: its experts always use the clamped
 SwiGLU).
@@ -42,8 +44,11 @@ import functools
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from . import _decoder, _pretrained, moe, weights
+from . import _decoder, _pretrained, moe, quantized, weights
 from .weights import Every, Target, Transpose
+
+# what the released gpt-oss files keep unquantized (their quantization_config's modules_to_not_convert)
+NOT_MXFP4 = ["model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]
 
 # HF's GptOssConfig rope_parameters when the config has none (rope_theta: its default_theta)
 DEFAULT_ROPE = {
@@ -84,7 +89,19 @@ class GptOssConfig(moe.MoEConfig):
             types, config.get("sliding_window"), L, source, why="the config has sliding layers"
         )
         rope = config.get("rope_parameters") or {**DEFAULT_ROPE, "rope_theta": config.get("rope_theta", 150000.0)}
-        return cls.parse(config, source, windows=windows, rope=rope)
+        packed = (config.get("quantization_config") or {}).get("quant_method") == "mxfp4"
+        if packed:
+            for key in ("hidden_size", "intermediate_size"):
+                if config.get(key, 0) % quantized.MX_GROUP:
+                    refuse(key, f"a multiple of {quantized.MX_GROUP} (MXFP4 experts: one scale per 32)", config[key])
+        return cls.parse(config, source, windows=windows, rope=rope, experts_format="mxfp4" if packed else None)
+
+    def dims(self) -> dict[str, int]:
+        """moe's, and with MXFP4 experts the scale groups of E and F (Eg = E / 32, Fg = F / 32)."""
+        dims = super().dims()
+        if self.experts_format == "mxfp4":
+            dims |= {"Eg": dims["E"] // quantized.MX_GROUP, "Fg": dims["F"] // quantized.MX_GROUP}
+        return dims
 
     def to_dict(self) -> dict:
         """config.json's keys (inverse of from_dict; swiglu_alpha is HF's constant, not a config key; the
@@ -98,7 +115,15 @@ class GptOssConfig(moe.MoEConfig):
             "swiglu_limit": self.swiglu_limit,
             "layer_types": self.layer_types(),
             **self.sliding_window(),
+            **self.quantization_config(),
         }
+
+    def quantization_config(self) -> dict:
+        """{"quantization_config": ...} for MXFP4 experts (hf_config's, else transformers' for gpt-oss), or {}."""
+        if self.experts_format != "mxfp4":
+            return {}
+        read = (self.hf_config or {}).get("quantization_config")
+        return {"quantization_config": read or {"quant_method": "mxfp4", "modules_to_not_convert": NOT_MXFP4}}
 
     def expert_activation(self, gate, up):
         return moe.clamped_swiglu(gate, up, alpha=self.swiglu_alpha, limit=self.swiglu_limit)
@@ -123,6 +148,7 @@ def weight_table(config: GptOssConfig) -> list[weights.Row]:
     R = weights.row
     experts = "model.layers.{i}.mlp.experts."
     ours = "layers_{i}/mlp/experts/"
+    kernels = mxfp4_expert_rows() if config.experts_format == "mxfp4" else plain_expert_rows()
     return weights.expand(
         [
             *_decoder.causal_lm_rows(config),
@@ -135,14 +161,7 @@ def weight_table(config: GptOssConfig) -> list[weights.Row]:
                 Transpose(),
             ),
             R("model.layers.{i}.mlp.router.bias", ("X",), "layers_{i}/mlp/router/bias", ("X",)),
-            weights.Row(
-                experts + "gate_up_proj",
-                ("X", "E", "2*F"),
-                (
-                    Target(ours + "gate_proj/kernel", ("X", "E", "F"), Every(0, 2, 2)),
-                    Target(ours + "up_proj/kernel", ("X", "E", "F"), Every(1, 2, 2)),
-                ),
-            ),
+            *kernels[0],
             weights.Row(
                 experts + "gate_up_proj_bias",
                 ("X", "2*F"),
@@ -151,11 +170,56 @@ def weight_table(config: GptOssConfig) -> list[weights.Row]:
                     Target(ours + "up_proj/bias", ("X", "F"), Every(1, 2, 1)),
                 ),
             ),
-            R(experts + "down_proj", ("X", "F", "E"), ours + "down_proj/kernel", ("X", "F", "E")),
+            *kernels[1],
             R(experts + "down_proj_bias", ("X", "E"), ours + "down_proj/bias", ("X", "E")),
         ],
         config.num_hidden_layers,
     )
+
+
+def plain_expert_rows() -> tuple[list[weights.Row], list[weights.Row]]:
+    """(gate_up rows, down rows) of the experts' kernels as float tensors: gate_up_proj [X,E,2F] (gate and up
+    columns interleaved), down_proj [X,F,E]."""
+    experts, ours = "model.layers.{i}.mlp.experts.", "layers_{i}/mlp/experts/"
+    return [
+        weights.Row(
+            experts + "gate_up_proj",
+            ("X", "E", "2*F"),
+            (
+                Target(ours + "gate_proj/kernel", ("X", "E", "F"), Every(0, 2, 2)),
+                Target(ours + "up_proj/kernel", ("X", "E", "F"), Every(1, 2, 2)),
+            ),
+        )
+    ], [weights.row(experts + "down_proj", ("X", "F", "E"), ours + "down_proj/kernel", ("X", "F", "E"))]
+
+
+def mxfp4_expert_rows() -> tuple[list[weights.Row], list[weights.Row]]:
+    """(gate_up rows, down rows) of the experts' kernels kept packed, as the released files store them (rows
+    = outputs, 32 inputs per scale): gate_up_proj_blocks [X,2F,Eg,16] and _scales [X,2F,Eg] (gate and up
+    rows interleaved: every other row), down_proj_blocks [X,E,Fg,16] and _scales [X,E,Fg]; each
+    projection's kernel_blocks and kernel_scales (moe.StackedDense decodes them in the matmul)."""
+    experts, ours = "model.layers.{i}.mlp.experts.", "layers_{i}/mlp/experts/"
+    gate_up, down = [], []
+    for part, tail in (("blocks", ("16",)), ("scales", ())):
+        gate_up.append(
+            weights.Row(
+                experts + f"gate_up_proj_{part}",
+                ("X", "2*F", "Eg", *tail),
+                (
+                    Target(ours + f"gate_proj/kernel_{part}", ("X", "F", "Eg", *tail), Every(0, 2, 1)),
+                    Target(ours + f"up_proj/kernel_{part}", ("X", "F", "Eg", *tail), Every(1, 2, 1)),
+                ),
+            )
+        )
+        down.append(
+            weights.row(
+                experts + f"down_proj_{part}",
+                ("X", "E", "Fg", *tail),
+                ours + f"down_proj/kernel_{part}",
+                ("X", "E", "Fg", *tail),
+            )
+        )
+    return gate_up, down
 
 
 _pretrained.register_family("gpt_oss")(_decoder.loader(GptOssConfig, GptOssForCausalLM, weight_table))

@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax.linen.dtypes import promote_dtype
 
-from . import _blocks, _decoder, _pretrained, weights
+from . import _blocks, _decoder, _pretrained, quantized, weights
 from .weights import Part, Steps, SwapAxes, Target, Transpose
 
 ROUTINGS = ("softmax_topk", "topk_softmax", "topk_sigmoid")
@@ -56,6 +56,9 @@ class MoEConfig(_decoder.DecoderConfig):
 
     num_local_experts: int = 8
     num_experts_per_tok: int = 2
+    # None: the experts' kernels as float params; "mxfp4": kept packed as the released gpt-oss files hold them
+    # (StackedDense: kernel_blocks [X,out,in/32,16], kernel_scales [X,out,in/32], decoded inside the matmul)
+    experts_format: str | None = None
 
     routing: ClassVar[str] = "softmax_topk"  # see ROUTINGS
     router_bias: ClassVar[bool] = False
@@ -124,12 +127,20 @@ class StackedDense(_decoder.Configured):
     @nn.compact
     def __call__(self, x, *, per_expert: bool = False):
         shape = (self.config.dims()["X"], x.shape[-1], self.features)
-        kernel = self.param("kernel", nn.initializers.lecun_normal(batch_axis=(0,)), shape, self.param_dtype)
         bias = (
             self.param("bias", nn.initializers.zeros, (shape[0], shape[2]), self.param_dtype)
             if self.config.expert_bias
             else None
         )
+        if self.config.experts_format == "mxfp4":  # packed [X,out,in/32,16] and its scales, decoded here
+            X, i, o = shape
+            zeros = nn.initializers.zeros
+            blocks = self.param("kernel_blocks", zeros, (X, o, i // quantized.MX_GROUP, 16), jnp.uint8)
+            scales = self.param("kernel_scales", zeros, (X, o, i // quantized.MX_GROUP), jnp.uint8)
+            dtype = self.dtype or jnp.result_type(x, *([] if bias is None else [bias]))
+            kernel = jnp.swapaxes(quantized.mxfp4_matrix(blocks, scales, dtype), -1, -2)  # [X,in,out]
+        else:
+            kernel = self.param("kernel", nn.initializers.lecun_normal(batch_axis=(0,)), shape, self.param_dtype)
         x, kernel, bias = promote_dtype(x, kernel, bias, dtype=self.dtype)
         y = jnp.einsum("...xi,xio->...xo" if per_expert else "...i,xio->...xo", x, kernel, precision=self.precision)
         return y if bias is None else y + bias

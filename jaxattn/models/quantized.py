@@ -21,6 +21,10 @@ E2M1 (4 bits s e1 e0 m): (-1)^s * (m / 2 if e == 0 else 2^(e - 1) * (1 + m / 2))
 E4M3FN (8 bits s eeee mmm, bias 7, no infinities): (-1)^s * m / 8 * 2^-6 for e == 0 (subnormal), NaN for
 e = 15 and m = 7, else (-1)^s * (1 + m / 8) * 2^(e - 7).
 
+gpt-oss's MXFP4 experts can also stay packed (from_pretrained's default for them): the blocks and scales
+are params, decoded by `mxfp4_matrix` inside the jitted matmul (jaxattn.models.moe.StackedDense), and
+`check_pairs` checks them as below.
+
 `plain_tensors` turns a checkpoint's {name: tensor} into the plain names the weight tables read, checking every
 pair (a weight without its scale, a scale without its weight, a scale grid that does not fit its weight's
 shape: ValueError naming the file, the tensor, expected and actual) before anything is decoded; each plain
@@ -42,7 +46,17 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
-__all__ = ["E2M1_VALUES", "MXFP4", "BlockFP8", "scheme", "decode_mxfp4", "decode_fp8", "plain_tensors"]
+__all__ = [
+    "E2M1_VALUES",
+    "MXFP4",
+    "BlockFP8",
+    "scheme",
+    "decode_mxfp4",
+    "mxfp4_matrix",
+    "decode_fp8",
+    "check_pairs",
+    "plain_tensors",
+]
 
 # the 16 E2M1 codes' values (index: the 4-bit code), as OCP's MX spec and transformers' FP4_VALUES
 E2M1_VALUES = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
@@ -82,6 +96,33 @@ def decode_mxfp4(blocks: np.ndarray, scales: np.ndarray, dtype: Any = np.float32
         out = np.ldexp(values, exponent[..., None])
     out = np.where((scales == E8M0_NAN)[..., None], np.nan, out).astype(compute)
     return out.reshape(*blocks.shape[:-2], -1).astype(dtype)
+
+
+def mxfp4_matrix(blocks, scales, dtype):
+    """decode_mxfp4 in jax, for inside a jitted matmul (the packed params kept on the device): [..., G, 16]
+    and [..., G] uint8 -> [..., G * 32] in `dtype`, the numbers decode_mxfp4 gives, except that a float32 or
+    narrower result below 2^-126 (subnormal: only from the exponents 0..2, 2^-127..2^-125, which no trained
+    weight uses) is zero where the device flushes subnormals (XLA on CPU, GPU and TPU does). The scale
+    2^(e - 127) is built from its bits (e << 23 as a float32, or (e + 896) << 52 as a float64; 255 NaN), no
+    exp2."""
+    import jax
+    import jax.numpy as jnp
+
+    wide = jnp.dtype(dtype).itemsize > 4
+    compute, uint, shift, nan = (
+        (jnp.float64, jnp.uint64, 52, 0x7FF8000000000000) if wide else (jnp.float32, jnp.uint32, 23, 0x7FC00000)
+    )
+    bias = (1023 if wide else 127) - E8M0_BIAS
+    codes = jnp.stack([blocks & 0x0F, blocks >> 4], axis=-1).reshape(*blocks.shape[:-1], MX_GROUP)
+    values = jnp.asarray(E2M1_VALUES, compute)[codes.astype(jnp.int32)]
+    # float32: e = 0, 1 as 2^-125 then a quarter or a half, so that scale and product stay normal where the
+    # product is (a subnormal scale is flushed to zero before it could scale a 4 or a 6 into the normal range)
+    e = scales.astype(uint)
+    low = jnp.minimum(e, uint(2))
+    bits = jnp.where(e == E8M0_NAN, uint(nan), (jnp.maximum(e, uint(2)) + uint(bias)) << uint(shift))
+    scale = jax.lax.bitcast_convert_type(bits, compute)[..., None]
+    rest = jnp.asarray([0.25, 0.5, 1.0], compute)[low.astype(jnp.int32)][..., None]
+    return (values * scale * rest).reshape(*blocks.shape[:-2], -1).astype(dtype)
 
 
 def decode_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int], dtype: Any = np.float32):
@@ -264,9 +305,22 @@ def plain_tensors(
     form: MXFP4 | BlockFP8, tensors: Mapping[str, Any], files: Mapping[str, str], dtype: Any | None
 ) -> tuple[dict[str, Any], dict[str, str]]:
     """({name: tensor}, {name: file}) with every quantized pair replaced by its plain tensor (a `Plain`, decoded
-    to `dtype`, None: bfloat16, when read). Every pair is checked first: ValueError naming the file, the
-    tensor, expected and actual."""
+    to `dtype`, None: bfloat16, when read). Every pair is checked first (check_pairs)."""
     out_dtype = _DEFAULT_DTYPE if dtype is None else np.dtype(dtype)
+    pairs = check_pairs(form, tensors, files)
+    plain, plain_files = dict(tensors), dict(files)
+    for name, (values_name, scales_name) in sorted(pairs.items()):
+        values, scales = tensors[values_name], tensors[scales_name]
+        del plain[values_name], plain[scales_name]
+        plain[name] = Plain(form, values, scales, form.plain_shape(np.shape(values)), out_dtype)
+        plain_files[name] = files[values_name]
+    return plain, {n: plain_files[n] for n in plain}
+
+
+def check_pairs(form: MXFP4 | BlockFP8, tensors: Mapping[str, Any], files: Mapping[str, str]) -> dict:
+    """{plain name: (values' name, scales' name)} of a quantized checkpoint, every pair checked from the
+    headers alone: ValueError naming the file, the tensor, expected and actual for a tensor without its
+    partner, dtypes or shapes that do not fit, or a checkpoint with no quantized tensor at all."""
     pairs, missing = form.pairs(tensors)
     if not pairs:
         raise ValueError(
@@ -280,7 +334,6 @@ def plain_tensors(
             f"quantization_config {form.quant_method}: expected each quantized tensor beside its partner, got "
             + "; ".join(f"{files[partner[n]]}: {partner[n]!r} without {n!r}" for n in missing if partner[n] in have)
         )
-    plain, plain_files = dict(tensors), dict(files)
     for name, (values_name, scales_name) in sorted(pairs.items()):
         values, scales = tensors[values_name], tensors[scales_name]
         for n, x in ((values_name, values), (scales_name, scales)):
@@ -293,7 +346,4 @@ def plain_tensors(
                 f"{', '.join(where)}: {values_name!r} {_shape(np.shape(values))} with {scales_name!r} "
                 f"{_shape(np.shape(scales))} ({form.quant_method}): {problem}"
             )
-        del plain[values_name], plain[scales_name]
-        plain[name] = Plain(form, values, scales, form.plain_shape(np.shape(values)), out_dtype)
-        plain_files[name] = files[values_name]
-    return plain, {n: plain_files[n] for n in plain}
+    return pairs
