@@ -7,10 +7,9 @@ calls it holds (Triton / Mosaic custom calls), its all-gathers, and per-device t
 
     explicit rows   jax.set_mesh over Explicit axes: each device runs the kernel on its shard (jaxattn._mesh).
                     A row that fails to compile, holds no kernel or gathers anything fails this script.
-    auto rows       the same inputs under Auto axes (what NamedSharding-placed arrays under jax.jit give): not
-                    split by jaxattn yet (docs/sharding.md, "Kernels on a mesh"); reported, never failing, so the
-                    figures show what Explicit axes change (on 8 GPUs XLA gathers q, k, v around the kernel; on a
-                    TPU slice Mosaic refuses to be partitioned).
+    auto rows       the same inputs under Auto axes (what NamedSharding-placed arrays under jax.jit give): the
+                    kernel call is a custom_partitioning call whose rule runs it on each device's shard. The same
+                    bar, except where KNOWN says why not (a TPU from a CPU host).
 
 Run with the compile environment of .ci/run: `.venv-compile/bin/python .ci/compile_mesh.py [--json PATH]`.
 """
@@ -40,6 +39,12 @@ RESULTS = ROOT / "benchmarks" / "results" / "compile_mesh.json"
 KERNEL_CALLS = r'custom_call_target="(__gpu\$xla\.gpu\.triton|tpu_custom_call)"'
 # The issue's shapes: causal GQA in bf16, q [8,2048,16,128], k/v [8,2048,8,128].
 B, T, N, K, H = 8, 2048, 16, 8, 128
+# Rows that do not hold to the bar, and why: reported, not failing.
+KNOWN = {
+    ("auto", "v5e-2x4"): "a TPU compiled from a CPU host runs no Python partitioner: libtpu, loaded without jax's "
+    "plugin discovery, reports 'Custom emitter for CustomSPMDPartitioning not found' (on a TPU host jax hands the "
+    "plugin custom_partitioning's callbacks; not checked on a chip)",
+}
 LAYOUTS = {"batch+heads": P("data", None, "model", None), "fsdp": P(("data", "model"), None, None, None)}
 
 
@@ -109,12 +114,14 @@ def main(argv=None):
                     row = dict(target=target, **compile_row(mesh, mode, layout, name, fn))
                     rows.append(row)
                     print(json.dumps(row))
-                    if mode == "explicit" and (row["status"] != "ok" or not row["kernels"] or row["all_gathers"]):
+                    if (mode, target) in KNOWN:
+                        row["known"] = KNOWN[mode, target]
+                    elif row["status"] != "ok" or not row["kernels"] or row["all_gathers"]:
                         problems.append(row)
     report = dict(jax=jax.__version__, wall_s=round(time.perf_counter() - start, 1), rows=rows)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    print(f"{len(rows)} rows, {len(problems)} explicit rows failing; {report['wall_s']} s")
+    print(f"{len(rows)} rows, {len(problems)} failing; {report['wall_s']} s")
     for row in problems:
         print(f"REGRESSION: {row}")
     return 1 if problems else 0

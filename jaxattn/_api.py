@@ -265,27 +265,25 @@ def attend(call: AttentionCall, query, key, value, *, xla, implementation=None, 
     call. An explicit kernel that cannot express an option raises ValueError naming the option and the
     implementation; None takes a kernel only where one can (module docstring)."""
     check_implementation(implementation, interpret)
-    # on an Explicit mesh, how the inputs split (None: one device, or Auto axes): a kernel runs on each shard
+    # on a mesh a kernel runs on each device's shard (jaxattn._mesh): an Explicit mesh says how the inputs split
+    # (split); Auto axes name only the mesh (auto), the split being the partitioner's
     split = _mesh.split_of(call, query, key, value) if implementation != "dense" else None
+    auto = _mesh.auto_mesh_of(query, key, value) if split is None and implementation != "dense" else None
     if implementation in KERNELS:
         kernel_call = _for_kernel(implementation, call, query, key)
         refused = kernel_refusal(implementation, kernel_call, query, key, value, interpret)
-        if refused is None and split is not None:
-            refused = _mesh.mesh_refusal(kernel_call, query, split, interpret)
+        on_mesh = refused is None and (split is not None or auto is not None)
+        if on_mesh:
+            refused = _mesh_refusal(kernel_call, query, split, interpret)
         if refused is not None:
             checks.fail(
                 refused,
                 f"not in use with implementation={implementation!r}, which cannot express it"
-                + (
-                    " on a mesh"
-                    if split is not None
-                    and kernel_refusal(implementation, kernel_call, query, key, value, interpret) is None
-                    else ""
-                )
+                + (" on a mesh" if on_mesh else "")
                 + " (implementation=None falls back to the XLA engines)",
                 "in use",
             )
-        return _on_shards(kernel(implementation).attention, kernel_call, query, key, value, split, interpret)
+        return _on_shards(kernel(implementation).attention, kernel_call, query, key, value, split, auto, interpret)
     platforms = _switch_platforms()
     if implementation is not None or not platforms:
         return xla()
@@ -296,22 +294,34 @@ def attend(call: AttentionCall, query, key, value, *, xla, implementation=None, 
             if (
                 kernel_refusal(name, kernel_call, query, key, value) is None
                 and kernel_declines(name, kernel_call, query, key, value) is None
-                and (split is None or _mesh.mesh_refusal(kernel_call, query, split) is None)
+                and (split is None and auto is None or _mesh_refusal(kernel_call, query, split) is None)
             ):
                 run = kernel(name).attention
-                branches[platform] = lambda run=run, c=kernel_call: _on_shards(run, c, query, key, value, split)
+                branches[platform] = lambda run=run, c=kernel_call: _on_shards(run, c, query, key, value, split, auto)
                 break
     if not branches:
         return xla()
     return lax.platform_dependent(cpu=xla, default=xla, **branches)
 
 
-def _on_shards(run, call: AttentionCall, query, key, value, split, interpret=False):
-    """A kernel's attention(call, query, key, value, interpret), on each device's shard where `split` says the
-    inputs are split over an Explicit mesh (jaxattn._mesh), else on the whole arrays."""
-    if split is None:
-        return run(call, query, key, value, interpret)
-    return _mesh.on_mesh(lambda c, q, k, v: run(c, q, k, v, interpret), call, query, key, value, split)
+def _mesh_refusal(call: AttentionCall, query, split, interpret=False) -> str | None:
+    """The option a kernel call on a mesh cannot split (jaxattn._mesh): by the Explicit split where there is one,
+    else on Auto axes."""
+    if split is not None:
+        return _mesh.mesh_refusal(call, query, split, interpret)
+    return _mesh.auto_refusal(call, query, interpret)
+
+
+def _on_shards(run, call: AttentionCall, query, key, value, split, auto, interpret=False):
+    """A kernel's attention(call, query, key, value, interpret) on each device's shard: by `split` over an
+    Explicit mesh, by the partitioner's split over the Auto mesh `auto` (jaxattn._mesh), else on the whole
+    arrays (one device)."""
+    attend = lambda c, q, k, v: run(c, q, k, v, interpret)  # noqa: E731
+    if split is not None:
+        return _mesh.on_mesh(attend, call, query, key, value, split)
+    if auto is not None:
+        return _mesh.on_auto_mesh(attend, call, query, key, value)
+    return run(call, query, key, value, interpret)
 
 
 def _platform_kernels(platform) -> tuple[str, ...]:

@@ -32,9 +32,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec
+from jax.experimental.custom_partitioning import custom_partitioning
+from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from ._core import checks
+from ._core import checks, mods
 from ._core.call import INDEX_ARRAYS, AttentionCall
 from ._core.placement import explicit_spec
 
@@ -81,19 +82,8 @@ def split_of(call: AttentionCall, query, key, value) -> Optional[Split]:
     if all(spec is None for spec in specs.values()):
         return None
     for name, spec in specs.items():
-        if spec is None:
-            continue
-        seq = spec[-3]
-        if seq is not None:
-            checks.fail(
-                name,
-                f"its sequence dim ({'T' if name == 'query' else 'S'}) not split over a mesh: a kernel needs every "
-                f"query's keys on one device; split the sequence with jaxattn.ring_attention(..., "
-                f"sequence_axis={seq!r})",
-                f"split over {seq!r} ({PartitionSpec(*spec)})",
-            )
-        if spec[-1] is not None:
-            checks.fail(name, "its head dim not split over a mesh", f"split over {spec[-1]!r} ({PartitionSpec(*spec)})")
+        if spec is not None:
+            _refuse_sequence_split(name, spec)
     q_spec = specs["query"] or (None,) * np.ndim(query)
     batch, heads = q_spec[:-3], q_spec[-2]
     if not any(batch) and heads is None and not any(any(s[:-3]) or s[-2] for s in specs.values() if s is not None):
@@ -103,6 +93,20 @@ def split_of(call: AttentionCall, query, key, value) -> Optional[Split]:
         mesh = next(jax.typeof(x).sharding.mesh for x, s in zip((key, value), (specs["key"], specs["value"])) if s)
     shards = math.prod(mesh.shape[a] for a in _axes(heads))
     return Split(tuple(batch), heads, shards, mesh)
+
+
+def _refuse_sequence_split(name: str, spec: tuple):
+    """ValueError naming `name` (query / key / value) when its spec splits the sequence or the head dim."""
+    seq = spec[-3]
+    if seq is not None:
+        checks.fail(
+            name,
+            f"its sequence dim ({'T' if name == 'query' else 'S'}) not split over a mesh: a kernel needs every "
+            f"query's keys on one device; split the sequence with jaxattn.ring_attention(..., sequence_axis={seq!r})",
+            f"split over {seq!r} ({PartitionSpec(*spec)})",
+        )
+    if spec[-1] is not None:
+        checks.fail(name, "its head dim not split over a mesh", f"split over {spec[-1]!r} ({PartitionSpec(*spec)})")
 
 
 def mesh_refusal(call: AttentionCall, query, split: Split, interpret=False) -> Optional[str]:
@@ -140,14 +144,6 @@ def _batch_of(x, suffix: int) -> tuple:
     return tuple(np.shape(x)[: np.ndim(x) - suffix])
 
 
-def _index_offsets(split: Split, batch_shape, N):
-    """Arrays whose shard holds the global indices of its batch entries and heads: a device reads its own
-    offsets from them (lax.axis_index would need each axis by name; these follow any spec)."""
-    flat = jnp.arange(math.prod(batch_shape), dtype=jnp.int32).reshape(batch_shape)
-    heads = jnp.arange(N, dtype=jnp.int32)
-    return (flat, split.spec(batch_shape)), (heads, PartitionSpec(split.heads))
-
-
 def _global_mod(mod: Callable, batch_ids, head_ids, batch_shape, lead: int) -> Callable:
     """mod with its (b, n) read as a shard's flattened batch index and head index, called with the global ones.
 
@@ -178,60 +174,260 @@ def _kv_heads(key, split: Split, N: int, head_ids):
     return jnp.take(key, head_ids // G, axis=-2)
 
 
+class Plan:
+    """What a kernel call carries to each shard, whatever the split: the side arrays by name with their trailing
+    non-batch dims, the index arrays a shard reads its offsets from, the mods that need global (b, n)."""
+
+    def __init__(self, call: AttentionCall, query, key, value):
+        self.batch_shape = tuple(np.shape(query)[:-3])
+        self.N, self.K = np.shape(query)[-2], np.shape(key)[-2]
+        self.T, self.S = np.shape(query)[-3], np.shape(key)[-3]
+        self.side = {}  # name: (array, trailing dims): lengths [...]; positions, segment ids [...,T|S]; sinks [...,N]
+        for name in SPLIT_ARRAYS:
+            x = getattr(call, name)
+            if x is not None:
+                self.side[name] = (x, 0 if name == "key_value_seq_lengths" else 1)
+        self.batch_ids = jnp.arange(math.prod(self.batch_shape), dtype=jnp.int32).reshape(self.batch_shape)
+        self.head_ids = jnp.arange(self.N, dtype=jnp.int32)
+        self.mods = {  # name: (mod, reads b, reads n): a mod reading b or n needs the global ones on a split
+            name: (mod, *_reads_indices(mod, name == "score_mod", query))
+            for name in ("score_mod", "mask_mod")
+            if (mod := getattr(call, name)) is not None
+        }
+        self.call = call.replace(**{name: None for name in self.side})  # the arrays travel as arguments
+        self.key_shape, self.value_shape = tuple(np.shape(key)), tuple(np.shape(value))
+
+    def arguments(self, query, key, value) -> tuple:
+        return (query, key, value, self.batch_ids, self.head_ids, *(x for x, _ in self.side.values()))
+
+    def kv_with_heads(self, split: Split) -> bool:
+        """Key/value heads split with the query heads (K divides the head split)."""
+        return split.heads is not None and self.K % split.head_shards == 0
+
+    def in_specs(self, split: Split) -> tuple:
+        kv_heads = split.heads if self.kv_with_heads(split) else None
+        side = []
+        for name, (x, trailing) in self.side.items():
+            rest = (split.heads,) if name == "sinks" else (None,) * trailing
+            side.append(split.spec(_batch_of(x, trailing), *rest))
+        return (
+            split.spec(self.batch_shape, None, split.heads, None),
+            split.spec(self.key_shape[:-3], None, kv_heads, None),
+            split.spec(self.value_shape[:-3], None, kv_heads, None),
+            split.spec(self.batch_shape),
+            PartitionSpec(split.heads),
+            *side,
+        )
+
+    def out_specs(self, split: Split):
+        out = split.spec(self.batch_shape, None, split.heads, None)
+        return (out, split.spec(self.batch_shape, split.heads, None)) if self.call.return_lse else out
+
+    def shard_fn(self, run: Callable, split: Split) -> Callable:
+        """The function each device runs on its shard: run(call, q, k, v) with its key/value heads, its side
+        arrays and mods reading global (b, n)."""
+        names, heads_split, kv_with_heads = tuple(self.side), split.heads is not None, self.kv_with_heads(split)
+
+        def shard(q, k, v, batch_ids, head_ids, *arrays):
+            if heads_split and not kv_with_heads:
+                k, v = (_kv_heads(x, split, self.N, head_ids) for x in (k, v))
+            local = dict(zip(names, arrays))
+            for name, (
+                mod,
+                reads_b,
+                reads_n,
+            ) in self.mods.items():  # score_mod(score, b, n, t, s), mask_mod(b, n, t, s)
+                if (reads_b and any(split.batch)) or (reads_n and heads_split):
+                    lead = 1 if name == "score_mod" else 0
+                    local[name] = _global_mod(mod, batch_ids, head_ids, self.batch_shape, lead)
+            return run(self.call.replace(**local), q, k, v)
+
+        return shard
+
+
 def on_mesh(run: Callable, call: AttentionCall, query, key, value, split: Split):
     """run(call, query, key, value) on each device's shard of `split` (jax.shard_map), the result split as the
     query; `call` carries only options that split (mesh_refusal is None)."""
-    batch_shape = tuple(np.shape(query)[:-3])
-    N, K = np.shape(query)[-2], np.shape(key)[-2]
-    heads_split = split.heads is not None
-    kv_with_heads = heads_split and K % split.head_shards == 0
-    kv_spec = lambda x: split.spec(_batch_of(x, 3), None, split.heads if kv_with_heads else None, None)  # noqa: E731
-
-    side = {}  # name: (array, spec)
-    for name in SPLIT_ARRAYS:
-        x = getattr(call, name)
-        if x is None:
-            continue
-        suffix = 0 if name == "key_value_seq_lengths" else 1  # lengths [...]; the rest [...,T|S] or [...,N]
-        rest = (split.heads,) if name == "sinks" else (None,) * suffix
-        side[name] = (x, split.spec(_batch_of(x, suffix), *rest))
-    (batch_ids, batch_spec), (head_ids, head_spec) = _index_offsets(split, batch_shape, N)
-    mods = {  # only a mod that reads b or n needs the global ones (a compiled kernel takes no other: mesh_refusal)
-        name: mod
-        for name in ("score_mod", "mask_mod")
-        if (mod := getattr(call, name)) is not None and any(_reads_indices(mod, name == "score_mod", query))
-    }
-    names = tuple(side)
-
-    def shard(q, k, v, batch_ids, head_ids, *arrays):
-        if heads_split and not kv_with_heads:
-            k, v = (_kv_heads(x, split, N, head_ids) for x in (k, v))
-        local = dict(zip(names, arrays))
-        for name, mod in mods.items():  # score_mod(score, b, n, t, s), mask_mod(b, n, t, s)
-            local[name] = _global_mod(mod, batch_ids, head_ids, batch_shape, 1 if name == "score_mod" else 0)
-        return run(call.replace(**local), q, k, v)
-
-    out_spec = split.spec(batch_shape, None, split.heads, None)
-    lse_spec = split.spec(batch_shape, split.heads, None)
-    in_specs = (
-        split.spec(batch_shape, None, split.heads, None),
-        kv_spec(key),
-        kv_spec(value),
-        batch_spec,
-        head_spec,
-        *(spec for _, spec in side.values()),
-    )
+    plan = Plan(call, query, key, value)
+    in_specs = plan.in_specs(split)
     # check_vma=False: a pallas_call's outputs say nothing of how they vary over the mesh axes (Pallas asks
     # for it under check_vma); every output here is split exactly as out_specs say.
     mapped = jax.shard_map(
-        shard,
-        mesh=split.mesh,
-        in_specs=in_specs,
-        out_specs=(out_spec, lse_spec) if call.return_lse else out_spec,
-        check_vma=False,
+        plan.shard_fn(run, split), mesh=split.mesh, in_specs=in_specs, out_specs=plan.out_specs(split), check_vma=False
     )
-    args = (query, key, value, batch_ids, head_ids, *(x for x, _ in side.values()))
     # an Explicit mesh's shard_map takes each input placed as its spec says: the index arrays and side inputs
     # are made or passed replicated (a device keeps its slice, nothing moves); a key placed unlike the query
     # moves to the query's split here, in the open, where a user's profile shows it.
-    return mapped(*(jax.sharding.reshard(x, spec) for x, spec in zip(args, in_specs)))
+    return mapped(*(jax.sharding.reshard(x, spec) for x, spec in zip(plan.arguments(query, key, value), in_specs)))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Auto axes: the split is known only when XLA partitions the program, so the kernel call is a
+# custom_partitioning call whose partition rule runs the same shard function on each device's shard.
+
+
+def auto_mesh_of(query, key, value):
+    """The mesh of Auto axes over more than one device that the inputs' types name (arrays placed with a
+    NamedSharding, under jax.jit), or None: one device, an Explicit mesh, or inside a shard_map."""
+    typeof = getattr(jax, "typeof", None)
+    if typeof is None:
+        return None
+    for x in (query, key, value):
+        mesh = getattr(getattr(typeof(x), "sharding", None), "mesh", None)
+        if mesh is None or getattr(mesh, "empty", True) or mesh.size <= 1:
+            continue
+        if all(t == AxisType.Auto for t in mesh.axis_types):
+            return mesh
+    return None
+
+
+def auto_refusal(call: AttentionCall, query, interpret=False) -> Optional[str]:
+    """The first option the Auto-axes path cannot split (None: it can): what mesh_refusal refuses, and a
+    score_mod / mask_mod that closes over arrays (a partitioned call is traced on its own, closing over
+    nothing) or, on a compiled kernel, reads b or n (whatever the split turns out to be)."""
+    refused = next((name for name in MESH_REFUSED if name in call.in_use()), None)
+    if refused is not None:
+        return refused
+    for name in ("score_mod", "mask_mod"):
+        mod = getattr(call, name)
+        if mod is None:
+            continue
+        score_dtype = jnp.result_type(query) if name == "score_mod" else None
+        if mods.element_function(name, mod, score_dtype).consts:
+            return name
+        if not interpret and any(_reads_indices(mod, name == "score_mod", query)):
+            return name
+    return None
+
+
+def _split_of_sharding(sharding, mesh, ndim: int) -> Split:
+    """The Split a query's NamedSharding (as XLA's partitioner hands it over) gives."""
+    spec = tuple(sharding.spec) + (None,) * (ndim - len(tuple(sharding.spec)))
+    _refuse_sequence_split("query", spec)
+    heads = spec[-2]
+    return Split(spec[:-3], heads, math.prod(mesh.shape[a] for a in _axes(heads)), mesh)
+
+
+def _sharding_rule(plan: Plan, backward: bool) -> str:
+    """The Shardy rule of the call (factors named by the axis letters): batch dims shared where sizes agree,
+    heads n (query) and k (key/value) apart, so that propagation never ties what the partition rule decides."""
+    batch = [f"b{i}" for i in range(len(plan.batch_shape))]
+
+    def lead(shape):
+        dims = shape[: len(shape)]
+        offset = len(plan.batch_shape) - len(dims)
+        return [
+            batch[offset + i] if size == plan.batch_shape[offset + i] else f"x{offset + i}_{id(shape) % 997}"
+            for i, size in enumerate(dims)
+        ]
+
+    def mapping(letters):
+        return " ".join(letters) if letters else "()"
+
+    side = []
+    for name, (x, trailing) in plan.side.items():
+        rest = {"sinks": ["n"], "query_positions": ["t"], "query_segment_ids": ["t"]}.get(name, ["s"])[:trailing]
+        side.append(mapping(lead(np.shape(x)[: np.ndim(x) - trailing]) + rest))
+    q = mapping(batch + ["t", "n", "h"])
+    k = mapping(lead(plan.key_shape[:-3]) + ["s", "k", "h"])
+    v = mapping(lead(plan.value_shape[:-3]) + ["s", "k", "hv"])
+    inputs = [q, k, v, mapping(batch), "n", *side]
+    out = [mapping(batch + ["t", "n", "hv"])] + ([mapping(batch + ["n", "t"])] if plan.call.return_lse else [])
+    if not backward:
+        return f"{', '.join(inputs)} -> {', '.join(out)}"
+    grads = [q, k, v] + ([side[list(plan.side).index("sinks")]] if "sinks" in plan.side else [])
+    return f"{', '.join(inputs + out)} -> {', '.join(grads)}"
+
+
+def on_auto_mesh(run: Callable, call: AttentionCall, query, key, value):
+    """run(call, query, key, value) split over the Auto axes XLA's partitioner finds the inputs on: the forward
+    and the backward are each a custom_partitioning call whose rule runs Plan.shard_fn on every device's shard
+    (batch and heads), the backward as the VJP of the shard's own forward (the kernel's forward runs again
+    there: its residuals cannot leave a partitioned call whose shapes are known only to the partitioner)."""
+    plan = Plan(call, query, key, value)
+    args = plan.arguments(query, key, value)
+    n_args, ndim = len(args), np.ndim(query)
+    sinks_at = 5 + list(plan.side).index("sinks") if "sinks" in plan.side else None
+    whole = Split((None,) * len(plan.batch_shape), None, 1, None)
+
+    def named(mesh, specs):
+        return jax.tree.map(
+            lambda spec: NamedSharding(mesh, spec), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+        )
+
+    # jax.jit: a kernel's program holds constants (tile schedules as numpy arrays); a jitted call keeps them
+    # inside its own program, where custom_partitioning (which traces its function closing over nothing) allows them
+    forward = jax.jit(plan.shard_fn(run, whole))
+
+    def forward_partition(mesh, arg_shapes, result_shape):
+        split = _split_of_sharding(arg_shapes[0].sharding, mesh, ndim)
+        return mesh, plan.shard_fn(run, split), named(mesh, plan.out_specs(split)), named(mesh, plan.in_specs(split))
+
+    def forward_infer(mesh, arg_shapes, result_shape):
+        return named(mesh, plan.out_specs(_split_of_sharding(arg_shapes[0].sharding, mesh, ndim)))
+
+    def gradients(split: Split):
+        shard = plan.shard_fn(run, split)
+        wrt = (0, 1, 2) + (() if sinks_at is None else (sinks_at,))
+
+        def grads(*inputs):
+            args, cts = list(inputs[:n_args]), inputs[n_args:]
+
+            def of(*diff):
+                return shard(*(diff[wrt.index(i)] if i in wrt else a for i, a in enumerate(args)))
+
+            _, vjp = jax.vjp(of, *(args[i] for i in wrt))
+            out = list(vjp(tuple(cts) if plan.call.return_lse else cts[0]))
+            if split.heads is not None and not plan.kv_with_heads(split):  # every head shard read all of k, v
+                out[1], out[2] = (lax.psum(g, _axes(split.heads)) for g in out[1:3])
+            if sinks_at is not None:  # summed over the batch rows a sinks array without batch dims is shared by
+                sinks_spec = plan.in_specs(split)[sinks_at]
+                kept = {a for e in sinks_spec for a in _axes(e)}
+                summed = tuple(a for e in split.batch for a in _axes(e) if a not in kept)
+                out[3] = lax.psum(out[3], summed) if summed else out[3]
+            return tuple(out)
+
+        return grads
+
+    def grad_specs(split: Split):
+        specs = plan.in_specs(split)
+        return tuple(specs[i] for i in (0, 1, 2)) + (() if sinks_at is None else (specs[sinks_at],))
+
+    def backward_partition(mesh, arg_shapes, result_shape):
+        split = _split_of_sharding(arg_shapes[0].sharding, mesh, ndim)
+        out_specs = plan.out_specs(split)
+        in_specs = plan.in_specs(split) + (tuple(out_specs) if plan.call.return_lse else (out_specs,))
+        return mesh, gradients(split), named(mesh, grad_specs(split)), named(mesh, in_specs)
+
+    def backward_infer(mesh, arg_shapes, result_shape):
+        return named(mesh, grad_specs(_split_of_sharding(arg_shapes[0].sharding, mesh, ndim)))
+
+    forward_call = custom_partitioning(forward)
+    forward_call.def_partition(
+        partition=forward_partition,
+        infer_sharding_from_operands=forward_infer,
+        sharding_rule=_sharding_rule(plan, False),
+    )
+    backward_call = custom_partitioning(jax.jit(gradients(whole)))
+    backward_call.def_partition(
+        partition=backward_partition,
+        infer_sharding_from_operands=backward_infer,
+        sharding_rule=_sharding_rule(plan, True),
+    )
+
+    @jax.custom_vjp
+    def attend(*args):
+        return forward_call(*args)
+
+    def attend_fwd(*args):
+        return forward_call(*args), args
+
+    def attend_bwd(args, ct):
+        grads = backward_call(*args, *(ct if plan.call.return_lse else (ct,)))
+        cotangents = [None] * n_args
+        for i, g in zip((0, 1, 2) + (() if sinks_at is None else (sinks_at,)), grads):
+            cotangents[i] = g
+        return tuple(cotangents)
+
+    attend.defvjp(attend_fwd, attend_bwd)
+    return attend(*args)

@@ -18,6 +18,7 @@ os.environ["XLA_FLAGS"] = (
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
@@ -46,6 +47,11 @@ def explicit_mesh():
     return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Explicit,) * 2)
 
 
+def auto_mesh():
+    """Auto axes: arrays placed with a NamedSharding under plain jax.jit (the partitioner's split)."""
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
 def inputs(K, dtype, seed=0):
     keys = jax.random.split(jax.random.key(seed), 6)
     q = jax.random.normal(keys[0], (B, T, N, H), dtype)
@@ -60,6 +66,14 @@ def all_gathers(compiled) -> int:
     return sum(" all-gather(" in line or " all-gather-start(" in line for line in compiled.as_text().splitlines())
 
 
+def trimmed(spec) -> tuple:
+    """A spec's entries without its trailing Nones (an Auto program's outputs leave them off)."""
+    entries = tuple(spec)
+    while entries and entries[-1] is None:
+        entries = entries[:-1]
+    return entries
+
+
 def compare(loss, args, layout, mesh, kv_layout=None):
     """(value, grads) of loss under jit on args placed by `layout` (key and value by kv_layout if given)
     against one device's."""
@@ -67,11 +81,12 @@ def compare(loss, args, layout, mesh, kv_layout=None):
     ref_value, ref_grads = jax.jit(fn)(*args)
     kv_layout = layout if kv_layout is None else kv_layout
     layouts = (layout, kv_layout, kv_layout)
-    with jax.set_mesh(mesh):
+    explicit = all(t == AxisType.Explicit for t in mesh.axis_types)
+    with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():  # Auto: no mesh in context, as a user's jit
         placed = tuple(jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip(args, layouts))
         compiled = jax.jit(fn).lower(*placed).compile()
         value, grads = compiled(*placed)
-        spec = str(jax.typeof(grads[0]).sharding.spec)
+        spec = str(P(*trimmed(grads[0].sharding.spec)))
     return {
         "value": abs(float(value - ref_value)) / max(abs(float(ref_value)), 1e-30),
         "grads": max(normwise(g, r) for g, r in zip(grads, ref_grads)),
@@ -80,12 +95,13 @@ def compare(loss, args, layout, mesh, kv_layout=None):
     }
 
 
-def kernel_cases(implementation, dtype, layouts=tuple(LAYOUTS)):
+def kernel_cases(implementation, dtype, layouts=tuple(LAYOUTS), mesh=None):
     """The kernel (interpret mode) on each layout: GQA whose key/value heads split with the query heads (K = 4),
     a shard reading one key/value head (K = 2: 6 query heads per key head, 3 a shard) and one per query head
     (K = 3: 4 per key head, 3 a shard), with key lengths, sinks and causal; and a flex score_mod that reads the
     batch and head indices (b, n) it is called with."""
-    mesh, results = explicit_mesh(), {}
+    mesh, results = mesh or explicit_mesh(), {}
+    explicit = all(t == AxisType.Explicit for t in mesh.axis_types)
     for K in (4, 2, 3):
         q, k, v, (kl, ks, kt) = inputs(K, dtype, seed=K)
         lengths = jax.random.randint(kl, (B,), 0, S + 1)
@@ -104,11 +120,11 @@ def kernel_cases(implementation, dtype, layouts=tuple(LAYOUTS)):
             )
             return jnp.sum(jnp.sin(out))
 
+        if K != 4:  # K does not split 4 ways: keys and values replicated, query heads split
+            results[f"K{K}-heads"] = compare(loss, (q, k, v), LAYOUTS["heads"], mesh, P())
+            continue
         for layout in layouts:
-            if K == 4:
-                results[f"K{K}-{layout}"] = compare(loss, (q, k, v), LAYOUTS[layout], mesh)
-            elif layout == "heads":  # K does not split 4 ways: keys and values replicated, queries split
-                results[f"K{K}-{layout}"] = compare(loss, (q, k, v), LAYOUTS[layout], mesh, P())
+            results[f"K{K}-{layout}"] = compare(loss, (q, k, v), LAYOUTS[layout], mesh)
     q, k, v, (kt, _, _) = inputs(4, dtype, seed=7)
     table = jax.random.normal(kt, (B, N), dtype)
 
@@ -119,16 +135,43 @@ def kernel_cases(implementation, dtype, layouts=tuple(LAYOUTS)):
         out = jaxattn.flex_attention(q, k, v, score_mod, implementation=implementation, interpret=True)
         return jnp.sum(jnp.sin(out))
 
-    results["score_mod-batch+heads"] = compare(flex_loss, (q, k, v), LAYOUTS["batch+heads"], mesh)
+    if explicit:  # on Auto axes a mod that closes over an array keeps the XLA engines (jaxattn._mesh.auto_refusal)
+        results["score_mod-batch+heads"] = compare(flex_loss, (q, k, v), LAYOUTS["batch+heads"], mesh)
+    else:
+
+        def distance_loss(q, k, v):  # a mod of (t, s) and n alone, closing over nothing
+            out = jaxattn.flex_attention(
+                q,
+                k,
+                v,
+                lambda x, b, n, t, s: x - 0.05 * (n + 1) * jnp.abs(t - s),
+                implementation=implementation,
+                interpret=True,
+            )
+            return jnp.sum(jnp.sin(out))
+
+        results["score_mod-batch+heads"] = compare(distance_loss, (q, k, v), LAYOUTS["batch+heads"], mesh)
     return results
 
 
 def check_pallas_gpu():
+    return kernel_cases("pallas_gpu", jnp.float64, layouts=("batch+heads", "fsdp"))
+
+
+def check_pallas_gpu_all():
     return kernel_cases("pallas_gpu", jnp.float64)
 
 
 def check_pallas_gpu_f32():
     return kernel_cases("pallas_gpu", jnp.float32, layouts=("batch+heads",))
+
+
+def check_pallas_gpu_auto():
+    return kernel_cases("pallas_gpu", jnp.float64, layouts=("batch+heads",), mesh=auto_mesh())
+
+
+def check_pallas_gpu_auto_all():
+    return kernel_cases("pallas_gpu", jnp.float64, mesh=auto_mesh())
 
 
 def check_pallas_tpu():
@@ -203,6 +246,9 @@ def check_sequence_refused():
 CHECKS = {
     "pallas_gpu": check_pallas_gpu,
     "pallas_gpu_f32": check_pallas_gpu_f32,
+    "pallas_gpu_all": check_pallas_gpu_all,
+    "pallas_gpu_auto": check_pallas_gpu_auto,
+    "pallas_gpu_auto_all": check_pallas_gpu_auto_all,
     "pallas_tpu": check_pallas_tpu,
     "engines": check_engines,
     "sequence": check_sequence_refused,

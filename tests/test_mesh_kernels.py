@@ -1,10 +1,11 @@
-"""The kernels on a mesh (jaxattn._mesh, docs/sharding.md "Kernels on a mesh"): under an Explicit mesh of 8
-host CPU devices (2 x 4), each kernel, in Pallas' interpreter, runs on every device's shard of the batch and
-heads and equals one device (float64 normwise 1e-12, float32 1e-6, value and gradients of q, k, v), with no
-all-gather in the compiled program; the XLA engines and two relative schemes trace and run there too (their
-loop carries placed like the queries), and a sequence-split input is refused by name, pointing at
-ring_attention. The checks run in subprocesses (tests/_mesh_kernel_checks.py): 8 devices must be forced before
-JAX starts."""
+"""The kernels on a mesh (jaxattn._mesh, docs/sharding.md "Kernels on a mesh"): on a mesh of 8 host CPU devices
+(2 x 4), Explicit axes (jax.set_mesh, shard_map from the inputs' types) and Auto axes (arrays placed with a
+NamedSharding under plain jit: custom_partitioning), each kernel, in Pallas' interpreter, runs on every device's
+shard of the batch and heads and equals one device (float64 normwise 1e-12, float32 1e-6, value and gradients of
+q, k, v), with no all-gather in the compiled program; the XLA engines and two relative schemes trace and run
+under Explicit axes too (their loop carries placed like the queries), and a sequence-split input is refused by
+name, pointing at ring_attention. The checks run in subprocesses (tests/_mesh_kernel_checks.py): 8 devices must
+be forced before JAX starts."""
 
 import json
 import os
@@ -30,7 +31,7 @@ def run_checks(*names, x64=True):
 
 @pytest.fixture(scope="module")
 def default_results():
-    return run_checks("pallas_gpu", "engines", "sequence")
+    return run_checks("pallas_gpu", "pallas_gpu_auto", "engines", "sequence")
 
 
 def assert_equal_to_one_device(cases, tol):
@@ -42,13 +43,24 @@ def assert_equal_to_one_device(cases, tol):
         assert case["all_gathers"] == 0, (name, case)  # each device computed its own shard
 
 
-def test_pallas_gpu_on_shards(default_results):
-    cases = default_results["pallas_gpu"]
+@pytest.mark.parametrize("axes", ["pallas_gpu", "pallas_gpu_auto"])  # Explicit, Auto
+def test_pallas_gpu_on_shards(default_results, axes):
+    cases = default_results[axes]
     assert_equal_to_one_device(cases, TOL["float64"])
-    # the gradients stay split as the inputs were
-    assert cases["K4-batch+heads"]["dq_spec"] == "P('data', None, 'model', None)"
-    assert cases["K4-fsdp"]["dq_spec"] == "P(('data', 'model'), None, None, None)"
+    # the gradients stay split as the inputs were (without the split, Auto axes gave 18 all-gathers and
+    # replicated gradients: P())
+    assert cases["K4-batch+heads"]["dq_spec"] == "P('data', None, 'model')"
     assert {"K2-heads", "K3-heads", "score_mod-batch+heads"} <= set(cases)
+    if axes == "pallas_gpu":
+        assert cases["K4-fsdp"]["dq_spec"] == "P(('data', 'model'),)"
+
+
+@pytest.mark.slow  # every layout; test_pallas_gpu_on_shards runs two of them and every GQA case
+@pytest.mark.parametrize("axes", ["pallas_gpu_all", "pallas_gpu_auto_all"])
+def test_pallas_gpu_on_every_layout(axes):
+    cases = run_checks(axes)[axes]
+    assert_equal_to_one_device(cases, TOL["float64"])
+    assert cases["K4-fsdp"]["dq_spec"] == "P(('data', 'model'),)" and cases["K4-batch"]["dq_spec"] == "P('data',)"
 
 
 def test_xla_engines_under_explicit_mesh(default_results):

@@ -80,7 +80,6 @@ def placed_as(x, like):
     return x if spec is None else jax.sharding.reshard(x, spec)
 
 
-
 def split_as_dim(index, like, axis: int):
     """A 1-D `index` split as `like`'s dim `axis` is (a score_mod's batch and head indices, vmapped beside a
     score split over the batch and heads: vmap needs the mapped dims split the same way); unchanged elsewhere."""

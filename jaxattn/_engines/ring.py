@@ -367,9 +367,7 @@ def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out
             {**held, "dk": _put(held["dk"], grads.dk, start), "dv": _put(held["dv"], grads.dv, start)},
         )
 
-    (dq, d_tables), held = _ring_loop(
-        ring, d, visit, (jnp.zeros_like(q, acc_dtype), d_tables), held, home=("dk", "dv")
-    )
+    (dq, d_tables), held = _ring_loop(ring, d, visit, (jnp.zeros_like(q, acc_dtype), d_tables), held, home=("dk", "dv"))
     dq = _unqueries(ring, dq.astype(dtypes[0]), batch_shape)
     dk = _unkeys(ring, [g.astype(dtypes[1]) for g in jnp.split(held["dk"], ring.C, axis=2)], batch_shape)
     dv = _unkeys(ring, [g.astype(dtypes[2]) for g in jnp.split(held["dv"], ring.C, axis=2)], batch_shape)
