@@ -504,3 +504,16 @@ def test_mxfp4_sizes_not_in_groups_of_32_are_refused(tmp_path, hf):
     (directory / "config.json").write_text(json.dumps({**config, "intermediate_size": 80}))
     with pytest.raises(ValueError, match=r"config.json: intermediate_size: expected a multiple of 32 .*got 80"):
         from_pretrained(directory)
+
+
+def test_crosscheck_model_reports_an_mxfp4_directory_and_refuses_fp8_by_name(tmp_path, hf, capsys):
+    """python -m crosscheck --model DIR: the packed load against transformers' own MXFP4 decode, every layer;
+    block FP8 has no transformers reference on a CPU (accelerate; the grid-inferred block), said so."""
+    from crosscheck._cli.main import main
+
+    mxfp4 = write_mxfp4_gpt_oss(tmp_path / "mxfp4", hf)
+    assert main(["--no-cache", "--model", str(mxfp4)]) == 0
+    assert capsys.readouterr().out.count("every layer passes") == 2
+    fp8 = write_fp8(tmp_path / "fp8", hf, "qwen3", (16, 16))[0]
+    assert main(["--no-cache", "--model", str(fp8)]) == 2
+    assert "quantization_config: expected none or 'mxfp4'" in capsys.readouterr().err

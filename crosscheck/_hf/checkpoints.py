@@ -805,6 +805,25 @@ def buffers_as_frozen_parameters(torch_model):
     return torch_model
 
 
+def _dequantized(config: dict) -> dict:
+    """from_pretrained's options for a quantized checkpoint: transformers' own MXFP4 decode
+    (Mxfp4Config(dequantize=True), no accelerate needed); block FP8 refused (transformers decodes it on a CPU
+    only with accelerate, and reads a weight whose rows or columns are not a multiple of the block in blocks
+    it infers from the scale grid, not the config's: no reference for the format)."""
+    method = (config.get("quantization_config") or {}).get("quant_method")
+    if method is None:
+        return {}
+    if method == "mxfp4":
+        import transformers
+
+        return {"quantization_config": transformers.Mxfp4Config(dequantize=True)}
+    raise ValueError(
+        f"config.json: quantization_config: expected none or 'mxfp4' (a transformers reference crosscheck can "
+        f"build on a CPU), got quant_method {method!r} (block FP8: transformers needs accelerate and infers the "
+        f"block size from the scale grid; jaxattn's decode is checked against the format in tests/test_quantized.py)"
+    )
+
+
 def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
     """The transformers model saved in `directory` (offline, eager attention), in `dtype`, eval mode."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -815,9 +834,12 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
 
     _quiet(transformers)
     model_type = json.loads((Path(directory) / "config.json").read_text())["model_type"]
-    cls = getattr(transformers, auto_class(json.loads((Path(directory) / "config.json").read_text())))
+    config = json.loads((Path(directory) / "config.json").read_text())
+    cls = getattr(transformers, auto_class(config))
     experts = {"experts_implementation": "eager"} if model_type in _MOE else {}
-    model = cls.from_pretrained(str(directory), attn_implementation="eager", local_files_only=True, **experts)
+    model = cls.from_pretrained(
+        str(directory), attn_implementation="eager", local_files_only=True, **experts, **_dequantized(config)
+    )
     if getattr(model, "generation_config", None) is not None:  # both sides decode exactly max_new_tokens
         _no_special_tokens(model.generation_config)
     return buffers_as_frozen_parameters(model.to(getattr(torch, dtype)).eval())
