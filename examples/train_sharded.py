@@ -80,7 +80,7 @@ def main():
     devices = np.array(jax.devices())
     shape = tuple(int(n) for n in args.mesh.split("x")) if args.mesh else (len(devices), 1)
     mesh = Mesh(devices[: int(np.prod(shape))].reshape(shape), ("data", "model"))
-    model, params = from_pretrained(directory, mesh=mesh)
+    model, params = from_pretrained(directory, mesh=mesh, dequantize=True)  # trainable (MXFP4 experts decoded)
     optimizer = optax.adamw(1e-3)
     opt_state = jax.jit(optimizer.init)(params)
     step = train_step(model, optimizer)

@@ -108,7 +108,8 @@ def main(
 
     directory = Path(directory)
     try:
-        model, params = from_pretrained(directory, precision="highest")
+        # training takes plain params: a quantized checkpoint (gpt-oss's MXFP4) decoded as it is read
+        model, params = from_pretrained(directory, precision="highest", dequantize=True)
         config = json.loads((directory / "config.json").read_text())
         architecture = str((config.get("architectures") or [""])[0])
         classifier = config.get("model_type") in CLASSIFIERS and architecture.endswith("ForSequenceClassification")
