@@ -17,6 +17,8 @@ Run with the compile environment of .ci/run: `.venv-compile/bin/python .ci/compi
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import fnmatch
 import json
 import os
 import re
@@ -33,6 +35,7 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxattn  # noqa: E402
+from jaxattn.models import LlamaConfig, LlamaForCausalLM, ModelSharding, partition_rules  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "compile_mesh.json"
@@ -45,6 +48,7 @@ KNOWN = {
     "plugin discovery, reports 'Custom emitter for CustomSPMDPartitioning not found' (on a TPU host jax hands the "
     "plugin custom_partitioning's callbacks; not checked on a chip)",
 }
+KNOWN_LLAMA = {"v5e-2x4": KNOWN[("auto", "v5e-2x4")]}  # the model is laid out on Auto axes
 LAYOUTS = {"batch+heads": P("data", None, "model", None), "fsdp": P(("data", "model"), None, None, None)}
 
 
@@ -73,6 +77,65 @@ def programs():
         "score_mod forward": distance,
         "score_mod train": train(distance),
     }
+
+
+def llama_rows(mesh, target) -> list[dict]:
+    """A Llama-3-8B-shaped model (2 layers: hidden 4096, 32 / 8 heads of 128, MLP 14336, vocab 128256) laid out as
+    from_pretrained(mesh=) lays it out (partition_rules("llama"): FSDP over "data", heads and MLP columns over
+    "model"; activations by ModelSharding), B = 8, T = 2048: its training step (loss and gradients) with the
+    kernels (implementation=None) and with the XLA blockwise engine, whose gathers are the FSDP weights'. The
+    kernels' step must hold the kernel and add no all-gather to the engine's program."""
+    config = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=2,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        rope_frequencies=tuple((5e5 ** (-jnp.arange(0, 128, 2) / 128)).tolist()),
+    )
+    rules = partition_rules("llama")
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    rows = []
+    for implementation in ("blockwise", None):
+        model = LlamaForCausalLM(
+            config=dataclasses.replace(config, implementation=implementation),
+            dtype=jnp.bfloat16,
+            sharding=ModelSharding.of(mesh, "llama"),
+        )
+        shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+
+        def placed(path, leaf):
+            name = "/".join(str(getattr(k, "key", k)) for k in path)
+            spec = next(s for pattern, s in rules if fnmatch.fnmatchcase(name, pattern))
+            return jax.ShapeDtypeStruct(leaf.shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+
+        params = jax.tree_util.tree_map_with_path(placed, shapes)
+
+        def loss(params, ids, model=model):
+            logits = model.apply({"params": params}, ids).astype(jnp.float32)
+            return -jnp.mean(jax.nn.log_softmax(logits[:, :-1])[..., 0])
+
+        row = dict(target=target, mode="auto", layout="llama-8b-2-layers", program=f"train ({implementation})")
+        try:
+            with jaxattn.cross_platform_lowering():
+                compiled = jax.jit(jax.value_and_grad(loss)).lower(params, ids).compile()
+        except Exception as error:  # a row's failure is its result
+            rows.append(dict(row, status="error", error=f"{type(error).__name__}: {str(error)[:300]}"))
+            continue
+        text, memory = compiled.as_text(), compiled.memory_analysis()
+        rows.append(
+            dict(
+                row,
+                status="ok",
+                kernels=len(re.findall(KERNEL_CALLS, text)),
+                all_gathers=sum(" all-gather(" in line or " all-gather-start(" in line for line in text.splitlines()),
+                temp_mib=round(memory.temp_size_in_bytes / 2**20, 2),
+                argument_mib=round(memory.argument_size_in_bytes / 2**20, 2),
+            )
+        )
+    return rows
 
 
 def compile_row(mesh, mode, layout, name, fn) -> dict:
@@ -118,6 +181,15 @@ def main(argv=None):
                         row["known"] = KNOWN[mode, target]
                     elif row["status"] != "ok" or not row["kernels"] or row["all_gathers"]:
                         problems.append(row)
+        if target in KNOWN_LLAMA:
+            continue
+        mesh = Mesh(chips, ("data", "model"))
+        engine, kernels = llama_rows(mesh, target)
+        for row in (engine, kernels):
+            rows.append(row)
+            print(json.dumps(row))
+        if kernels["status"] != "ok" or not kernels["kernels"] or kernels["all_gathers"] > engine.get("all_gathers", 0):
+            problems.append(kernels)
     report = dict(jax=jax.__version__, wall_s=round(time.perf_counter() - start, 1), rows=rows)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
