@@ -9,6 +9,7 @@ CPU FP8 path needs `accelerate`, and infers the block size from the scale grid, 
 against transformers run on the weights this file's float64 decoder gives.
 """
 
+import itertools
 import json
 import math
 import os
@@ -122,10 +123,11 @@ def test_mxfp4_regions_read_only_their_groups():
 
 def test_fp8_every_bit_pattern_and_scale():
     """All 256 float8_e4m3fn values (subnormals, both zeros, NaN) in one [16, 16] block, under scales from a
-    subnormal float32 to 2^100: float64 exact, float32 one rounding of the exact product."""
+    subnormal float32 to 2^100, stored as float32 or bfloat16: float64 exact, float32 one rounding of the
+    exact product."""
     weight = np.arange(256, dtype=np.uint8).reshape(16, 16).view(FP8)
-    for scale in (1.0, 2.0**-140, 0.3, 7.25e-3, 2.0**100):
-        scale_inv = np.array([[scale]], np.float32)
+    for scale, stored in itertools.product((1.0, 2.0**-140, 0.3, 7.25e-3, 2.0**100), (np.float32, ml_dtypes.bfloat16)):
+        scale_inv = np.array([[scale]], stored)
         expected = fp8_reference(weight, scale_inv, (16, 16))
         assert_same(quantized.decode_fp8(weight, scale_inv, (16, 16), np.float64), expected)
         assert_same(quantized.decode_fp8(weight, scale_inv, (16, 16), np.float32), expected.astype(np.float32))

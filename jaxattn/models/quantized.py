@@ -43,6 +43,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 
@@ -102,12 +104,9 @@ def mxfp4_matrix(blocks, scales, dtype):
     """decode_mxfp4 in jax, for inside a jitted matmul (the packed params kept on the device): [..., G, 16]
     and [..., G] uint8 -> [..., G * 32] in `dtype`, the numbers decode_mxfp4 gives, except that a float32 or
     narrower result below 2^-126 (subnormal: only from the exponents 0..2, 2^-127..2^-125, which no trained
-    weight uses) is zero where the device flushes subnormals (XLA on CPU, GPU and TPU does). The scale
-    2^(e - 127) is built from its bits (e << 23 as a float32, or (e + 896) << 52 as a float64; 255 NaN), no
-    exp2."""
-    import jax
-    import jax.numpy as jnp
-
+    weight uses) is zero where the device flushes subnormals. The scale 2^(e - 127) is built from its bits
+    (2^(max(e, 2) - 127) as a float32's exponent field, or a float64's, times 2^(min(e, 2) - 2); 255 NaN),
+    no exp2."""
     wide = jnp.dtype(dtype).itemsize > 4
     compute, uint, shift, nan = (
         (jnp.float64, jnp.uint64, 52, 0x7FF8000000000000) if wide else (jnp.float32, jnp.uint32, 23, 0x7FC00000)
