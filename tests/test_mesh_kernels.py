@@ -72,6 +72,9 @@ def test_sequence_split_refused_by_name(default_results):
     for name in ("query", "key"):
         assert messages[name].startswith(f"{name}: "), messages[name]
         assert "ring_attention" in messages[name] and "'model'" in messages[name], messages[name]
+    # Auto axes: the split is the partitioner's, so the rule raises while XLA compiles, inside XLA's error
+    auto = messages["query, Auto axes"]
+    assert "ValueError: query: expected its sequence dim (T) not split" in auto and "ring_attention" in auto, auto
 
 
 @pytest.mark.slow  # test_pallas_gpu_on_shards runs the same cases in float64
