@@ -25,9 +25,10 @@ def test_readme_fits_a_screen_with_three_examples_and_two_quick_start_commands()
     assert len(BLOCKS) == 3  # a function under jit/vmap, a Flax layer, from_pretrained; the rest is in docs/
     quick = text.split("## Quick start", 1)[1].split("\n## ", 1)[0]
     commands = [line.strip() for line in quick.splitlines() if line.startswith("    ")]
+    venv = "python3 -m venv .venv && . .venv/bin/activate && pip install -c constraints.txt"  # the tested versions
     assert commands == [
-        'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[models]" && python -m crosscheck',
-        'python3 -m venv .venv && . .venv/bin/activate && pip install -e ".[test]" && python -m pytest -q',
+        f'{venv} -e ".[models]" && python -m crosscheck',
+        f'{venv} -e ".[test]" && python -m pytest -q',
     ]
     ci = (README.parent / ".ci" / "run").read_text()
     assert "python -m pytest -q" in ci
