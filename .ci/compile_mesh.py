@@ -68,6 +68,11 @@ def programs():
     def distance(q, k, v):  # a score_mod of (t, s): the flex kernels (one reading b or n takes the XLA engines)
         return jaxattn.flex_attention(q, k, v, lambda x, b, n, t, s: x - 0.01 * jnp.abs(t - s))
 
+    t5_table = jnp.linspace(-1.0, 1.0, 32 * N, dtype=jnp.float32).reshape(32, N)
+
+    def t5(q, k, v):  # a position bias: its rows travel split with the heads
+        return jaxattn.t5_attention(q, k, v, t5_table, max_distance=128, is_causal=True)
+
     def train(f):
         return jax.grad(lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))
 
@@ -76,6 +81,8 @@ def programs():
         "causal train": train(causal),
         "score_mod forward": distance,
         "score_mod train": train(distance),
+        "t5 forward": t5,
+        "t5 train": train(t5),
     }
 
 

@@ -274,7 +274,7 @@ def attend(call: AttentionCall, query, key, value, *, xla, implementation=None, 
         refused = kernel_refusal(implementation, kernel_call, query, key, value, interpret)
         on_mesh = refused is None and (split is not None or auto is not None)
         if on_mesh:
-            refused = _mesh_refusal(kernel_call, query, split, interpret)
+            refused = _mesh_refusal(kernel_call, query, key, split, interpret)
         if refused is not None:
             checks.fail(
                 refused,
@@ -294,7 +294,7 @@ def attend(call: AttentionCall, query, key, value, *, xla, implementation=None, 
             if (
                 kernel_refusal(name, kernel_call, query, key, value) is None
                 and kernel_declines(name, kernel_call, query, key, value) is None
-                and (split is None and auto is None or _mesh_refusal(kernel_call, query, split) is None)
+                and (split is None and auto is None or _mesh_refusal(kernel_call, query, key, split) is None)
             ):
                 run = kernel(name).attention
                 branches[platform] = lambda run=run, c=kernel_call: _on_shards(run, c, query, key, value, split, auto)
@@ -304,12 +304,12 @@ def attend(call: AttentionCall, query, key, value, *, xla, implementation=None, 
     return lax.platform_dependent(cpu=xla, default=xla, **branches)
 
 
-def _mesh_refusal(call: AttentionCall, query, split, interpret=False) -> str | None:
+def _mesh_refusal(call: AttentionCall, query, key, split, interpret=False) -> str | None:
     """The option a kernel call on a mesh cannot split (jaxattn._mesh): by the Explicit split where there is one,
     else on Auto axes."""
     if split is not None:
-        return _mesh.mesh_refusal(call, query, split, interpret)
-    return _mesh.auto_refusal(call, query, interpret)
+        return _mesh.mesh_refusal(call, query, key, split, interpret)
+    return _mesh.auto_refusal(call, query, key, interpret)
 
 
 def _on_shards(run, call: AttentionCall, query, key, value, split, auto, interpret=False):

@@ -35,15 +35,13 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from ._core import checks, mods
+from ._core import checks, mods, offset_bias
 from ._core.call import INDEX_ARRAYS, AttentionCall
 from ._core.placement import explicit_spec
 
-# The options a split call carries to each shard (the rest are refused on a mesh: MESH_REFUSED).
-SPLIT_ARRAYS = (*INDEX_ARRAYS, "sinks")
-# Options whose arrays no rule here splits yet: implementation=None keeps the XLA engines for them on an
-# Explicit mesh, a named kernel refuses them by name.
-MESH_REFUSED = ("block_mask", "key_table", "value_table", "position_bias", "rel_key", "rel_value", "row_tables")
+# Options whose arrays no rule here splits yet: implementation=None keeps the XLA engines for them on a mesh,
+# a named kernel refuses them by name (and a position_bias whose rows have batch dims: side_inputs).
+MESH_REFUSED = ("block_mask", "rel_key", "rel_value", "row_tables")
 
 
 def _entries(x) -> Optional[tuple]:
@@ -109,13 +107,13 @@ def _refuse_sequence_split(name: str, spec: tuple):
         checks.fail(name, "its head dim not split over a mesh", f"split over {spec[-1]!r} ({PartitionSpec(*spec)})")
 
 
-def mesh_refusal(call: AttentionCall, query, split: Split, interpret=False) -> Optional[str]:
+def mesh_refusal(call: AttentionCall, query, key, split: Split, interpret=False) -> Optional[str]:
     """The first option in use that no rule here splits over a mesh (None: the call splits).
 
     A score_mod / mask_mod that reads the batch index b (the batch split) or the head index n (the heads split)
     sees a shard's indices plus its offset, an array it then closes over: Pallas' interpreter takes that, a
     compiled kernel (Triton, Mosaic) does not index an array from a mod, so there it is refused."""
-    refused = next((name for name in MESH_REFUSED if name in call.in_use()), None)
+    refused = _unsplit(call, query, key)
     if refused is not None or interpret:
         return refused
     batch_split, heads_split = any(split.batch), split.heads is not None
@@ -128,6 +126,14 @@ def mesh_refusal(call: AttentionCall, query, split: Split, interpret=False) -> O
     return None
 
 
+def _unsplit(call: AttentionCall, query, key) -> Optional[str]:
+    """The first option in use that no rule splits (MESH_REFUSED, or a position bias side_inputs cannot)."""
+    refused = next((name for name in MESH_REFUSED if name in call.in_use()), None)
+    if refused is None and side_inputs(call, np.shape(query)[-3], np.shape(key)[-3]) is None:
+        return "position_bias"
+    return refused
+
+
 def _reads_indices(mod: Callable, with_score: bool, query) -> tuple[bool, bool]:
     """Whether mod's result depends on its batch index b and head index n (traced once on scalars: a jaxpr
     variable that no equation and no output reads is not read)."""
@@ -137,11 +143,6 @@ def _reads_indices(mod: Callable, with_score: bool, query) -> tuple[bool, bool]:
     used = {id(v) for eqn in jaxpr.eqns for v in eqn.invars} | {id(v) for v in jaxpr.outvars}
     lead = 1 if with_score else 0
     return id(jaxpr.invars[lead]) in used, id(jaxpr.invars[lead + 1]) in used
-
-
-def _batch_of(x, suffix: int) -> tuple:
-    """The batch dims of a side input with `suffix` trailing non-batch dims."""
-    return tuple(np.shape(x)[: np.ndim(x) - suffix])
 
 
 def _global_mod(mod: Callable, batch_ids, head_ids, batch_shape, lead: int) -> Callable:
@@ -174,19 +175,86 @@ def _kv_heads(key, split: Split, N: int, head_ids):
     return jnp.take(key, head_ids // G, axis=-2)
 
 
+@dataclasses.dataclass(frozen=True)
+class SideInput:
+    """One array a split call carries to its shards beside q, k, v: the AttentionCall field it fills, how it
+    splits (spec), and how the shard's slice becomes the field's value (rebuild: a position bias's rows
+    become an OffsetBias / TableBias of the shard's heads)."""
+
+    field: str
+    array: object
+    spec: Callable  # Split -> PartitionSpec
+    rebuild: Callable = lambda x: x
+
+    @property
+    def differentiable(self) -> bool:
+        return jnp.issubdtype(jnp.result_type(self.array), jnp.inexact)
+
+
+def _batch_side(field: str, x, trailing: int, heads_last: bool = False) -> SideInput:
+    """A side input of batch dims [...] (aligned with the query's from the right) and `trailing` dims, the last
+    one the query heads when heads_last (sinks [...,N])."""
+    batch = tuple(np.shape(x)[: np.ndim(x) - trailing])
+    rest = lambda split: (split.heads,) if heads_last else (None,) * trailing  # noqa: E731
+    return SideInput(field, x, lambda split: split.spec(batch, *rest(split)))
+
+
+def _table_side(field: str, table) -> SideInput:
+    """A Shaw table: [R,F] shared by the heads (whole on every shard) or [R,N,F] (split with the heads)."""
+    if np.ndim(table) == 2:
+        return SideInput(field, table, lambda split: PartitionSpec())
+    return SideInput(field, table, lambda split: PartitionSpec(None, split.heads, None))
+
+
+def _bias_side(bias, T: int, S: int, default_positions: bool) -> Optional[SideInput]:
+    """A kernel position bias (offset_bias.KERNEL_BIASES) as its rows [N,D], split with the heads, each shard's
+    rebuilt into the same kind of bias over its heads; None for rows with batch dims (not split yet)."""
+    rows, index = bias.kernel_table(T, S, default_positions)
+    if np.ndim(rows) != 2:
+        return None
+    if isinstance(bias, offset_bias.OffsetBias):
+        lo, hi = index.lo, index.hi
+        rebuild = lambda local: offset_bias.of_rows(local, lo, hi)  # noqa: E731
+    else:
+        rebuild = lambda local: offset_bias.TableBias(jnp.swapaxes(local, -1, -2), index, bias.length)  # noqa: E731
+    return SideInput("position_bias", rows, lambda split: PartitionSpec(split.heads, None), rebuild)
+
+
+def side_inputs(call: AttentionCall, T: int, S: int) -> Optional[tuple]:
+    """The SideInputs of a call (None: an option in use that no rule splits: see mesh_refusal)."""
+    sides = []
+    for name in INDEX_ARRAYS:  # lengths [...]; positions and segment ids [...,T] / [...,S]
+        if getattr(call, name) is not None:
+            sides.append(_batch_side(name, getattr(call, name), 0 if name == "key_value_seq_lengths" else 1))
+    if call.sinks is not None:
+        sides.append(_batch_side("sinks", call.sinks, 1, heads_last=True))
+    for name in ("key_table", "value_table"):
+        if getattr(call, name) is not None:
+            sides.append(_table_side(name, getattr(call, name)))
+    if call.position_bias is not None:
+        if not isinstance(call.position_bias, offset_bias.KERNEL_BIASES):
+            return None
+        default = call.query_positions is None and call.key_positions is None
+        if not call.position_bias.in_kernel(T, S, default):
+            return None
+        bias = _bias_side(call.position_bias, T, S, default)
+        if bias is None:
+            return None
+        sides.append(bias)
+    return tuple(sides)
+
+
 class Plan:
-    """What a kernel call carries to each shard, whatever the split: the side arrays by name with their trailing
-    non-batch dims, the index arrays a shard reads its offsets from, the mods that need global (b, n)."""
+    """What a kernel call carries to each shard, whatever the split: its SideInputs, the index arrays a shard
+    reads its offsets from, the mods that need global (b, n)."""
 
     def __init__(self, call: AttentionCall, query, key, value):
         self.batch_shape = tuple(np.shape(query)[:-3])
         self.N, self.K = np.shape(query)[-2], np.shape(key)[-2]
         self.T, self.S = np.shape(query)[-3], np.shape(key)[-3]
-        self.side = {}  # name: (array, trailing dims): lengths [...]; positions, segment ids [...,T|S]; sinks [...,N]
-        for name in SPLIT_ARRAYS:
-            x = getattr(call, name)
-            if x is not None:
-                self.side[name] = (x, 0 if name == "key_value_seq_lengths" else 1)
+        self.side = side_inputs(call, self.T, self.S)
+        if self.side is None:
+            raise AssertionError("mesh_refusal admits only calls whose side inputs split")
         self.batch_ids = jnp.arange(math.prod(self.batch_shape), dtype=jnp.int32).reshape(self.batch_shape)
         self.head_ids = jnp.arange(self.N, dtype=jnp.int32)
         self.mods = {  # name: (mod, reads b, reads n): a mod reading b or n needs the global ones on a split
@@ -194,11 +262,11 @@ class Plan:
             for name in ("score_mod", "mask_mod")
             if (mod := getattr(call, name)) is not None
         }
-        self.call = call.replace(**{name: None for name in self.side})  # the arrays travel as arguments
+        self.call = call.replace(**{side.field: None for side in self.side})  # the arrays travel as arguments
         self.key_shape, self.value_shape = tuple(np.shape(key)), tuple(np.shape(value))
 
     def arguments(self, query, key, value) -> tuple:
-        return (query, key, value, self.batch_ids, self.head_ids, *(x for x, _ in self.side.values()))
+        return (query, key, value, self.batch_ids, self.head_ids, *(side.array for side in self.side))
 
     def kv_with_heads(self, split: Split) -> bool:
         """Key/value heads split with the query heads (K divides the head split)."""
@@ -206,17 +274,13 @@ class Plan:
 
     def in_specs(self, split: Split) -> tuple:
         kv_heads = split.heads if self.kv_with_heads(split) else None
-        side = []
-        for name, (x, trailing) in self.side.items():
-            rest = (split.heads,) if name == "sinks" else (None,) * trailing
-            side.append(split.spec(_batch_of(x, trailing), *rest))
         return (
             split.spec(self.batch_shape, None, split.heads, None),
             split.spec(self.key_shape[:-3], None, kv_heads, None),
             split.spec(self.value_shape[:-3], None, kv_heads, None),
             split.spec(self.batch_shape),
             PartitionSpec(split.heads),
-            *side,
+            *(side.spec(split) for side in self.side),
         )
 
     def out_specs(self, split: Split):
@@ -226,17 +290,14 @@ class Plan:
     def shard_fn(self, run: Callable, split: Split) -> Callable:
         """The function each device runs on its shard: run(call, q, k, v) with its key/value heads, its side
         arrays and mods reading global (b, n)."""
-        names, heads_split, kv_with_heads = tuple(self.side), split.heads is not None, self.kv_with_heads(split)
+        heads_split, kv_with_heads = split.heads is not None, self.kv_with_heads(split)
 
         def shard(q, k, v, batch_ids, head_ids, *arrays):
             if heads_split and not kv_with_heads:
                 k, v = (_kv_heads(x, split, self.N, head_ids) for x in (k, v))
-            local = dict(zip(names, arrays))
-            for name, (
-                mod,
-                reads_b,
-                reads_n,
-            ) in self.mods.items():  # score_mod(score, b, n, t, s), mask_mod(b, n, t, s)
+            local = {side.field: side.rebuild(x) for side, x in zip(self.side, arrays)}
+            # score_mod(score, b, n, t, s), mask_mod(b, n, t, s)
+            for name, (mod, reads_b, reads_n) in self.mods.items():
                 if (reads_b and any(split.batch)) or (reads_n and heads_split):
                     lead = 1 if name == "score_mod" else 0
                     local[name] = _global_mod(mod, batch_ids, head_ids, self.batch_shape, lead)
@@ -281,11 +342,11 @@ def auto_mesh_of(query, key, value):
     return None
 
 
-def auto_refusal(call: AttentionCall, query, interpret=False) -> Optional[str]:
+def auto_refusal(call: AttentionCall, query, key, interpret=False) -> Optional[str]:
     """The first option the Auto-axes path cannot split (None: it can): what mesh_refusal refuses, and a
     score_mod / mask_mod that closes over arrays (a partitioned call is traced on its own, closing over
     nothing) or, on a compiled kernel, reads b or n (whatever the split turns out to be)."""
-    refused = next((name for name in MESH_REFUSED if name in call.in_use()), None)
+    refused = _unsplit(call, query, key)
     if refused is not None:
         return refused
     for name in ("score_mod", "mask_mod"):
@@ -324,10 +385,8 @@ def _sharding_rule(plan: Plan, backward: bool) -> str:
     def mapping(letters):
         return " ".join(letters) if letters else "()"
 
-    side = []
-    for name, (x, trailing) in plan.side.items():
-        rest = {"sinks": ["n"], "query_positions": ["t"], "query_segment_ids": ["t"]}.get(name, ["s"])[:trailing]
-        side.append(mapping(lead(np.shape(x)[: np.ndim(x) - trailing]) + rest))
+    # side inputs: factors of their own (the partition rule places them; nothing to tie them to the query by)
+    side = [mapping([f"x{j}_{d}" for d in range(np.ndim(x.array))]) for j, x in enumerate(plan.side)]
     q = mapping(batch + ["t", "n", "h"])
     k = mapping(lead(plan.key_shape[:-3]) + ["s", "k", "h"])
     v = mapping(lead(plan.value_shape[:-3]) + ["s", "k", "hv"])
@@ -335,7 +394,7 @@ def _sharding_rule(plan: Plan, backward: bool) -> str:
     out = [mapping(batch + ["t", "n", "hv"])] + ([mapping(batch + ["n", "t"])] if plan.call.return_lse else [])
     if not backward:
         return f"{', '.join(inputs)} -> {', '.join(out)}"
-    grads = [q, k, v] + ([side[list(plan.side).index("sinks")]] if "sinks" in plan.side else [])
+    grads = [q, k, v] + [side[j] for j, x in enumerate(plan.side) if x.differentiable]
     return f"{', '.join(inputs + out)} -> {', '.join(grads)}"
 
 
@@ -347,7 +406,8 @@ def on_auto_mesh(run: Callable, call: AttentionCall, query, key, value):
     plan = Plan(call, query, key, value)
     args = plan.arguments(query, key, value)
     n_args, ndim = len(args), np.ndim(query)
-    sinks_at = 5 + list(plan.side).index("sinks") if "sinks" in plan.side else None
+    # the arguments the backward differentiates: q, k, v and the floating side inputs (sinks, tables, bias rows)
+    wrt = (0, 1, 2) + tuple(5 + j for j, side in enumerate(plan.side) if side.differentiable)
     whole = Split((None,) * len(plan.batch_shape), None, 1, None)
 
     def named(mesh, specs):
@@ -368,7 +428,8 @@ def on_auto_mesh(run: Callable, call: AttentionCall, query, key, value):
 
     def gradients(split: Split):
         shard = plan.shard_fn(run, split)
-        wrt = (0, 1, 2) + (() if sinks_at is None else (sinks_at,))
+        specs = plan.in_specs(split)
+        split_axes = [a for e in (*split.batch, split.heads) for a in _axes(e)]
 
         def grads(*inputs):
             args, cts = list(inputs[:n_args]), inputs[n_args:]
@@ -378,20 +439,19 @@ def on_auto_mesh(run: Callable, call: AttentionCall, query, key, value):
 
             _, vjp = jax.vjp(of, *(args[i] for i in wrt))
             out = list(vjp(tuple(cts) if plan.call.return_lse else cts[0]))
-            if split.heads is not None and not plan.kv_with_heads(split):  # every head shard read all of k, v
-                out[1], out[2] = (lax.psum(g, _axes(split.heads)) for g in out[1:3])
-            if sinks_at is not None:  # summed over the batch rows a sinks array without batch dims is shared by
-                sinks_spec = plan.in_specs(split)[sinks_at]
-                kept = {a for e in sinks_spec for a in _axes(e)}
-                summed = tuple(a for e in split.batch for a in _axes(e) if a not in kept)
-                out[3] = lax.psum(out[3], summed) if summed else out[3]
+            # an argument whole on the devices of a split axis (k, v beside split heads they do not split with; a
+            # table shared by the heads; sinks without batch dims) took a part of its gradient on each: the sum
+            for j, i in enumerate(wrt):
+                kept = {a for e in specs[i] for a in _axes(e)}
+                summed = tuple(a for a in split_axes if a not in kept)
+                out[j] = lax.psum(out[j], summed) if summed else out[j]
             return tuple(out)
 
         return grads
 
     def grad_specs(split: Split):
         specs = plan.in_specs(split)
-        return tuple(specs[i] for i in (0, 1, 2)) + (() if sinks_at is None else (specs[sinks_at],))
+        return tuple(specs[i] for i in wrt)
 
     def backward_partition(mesh, arg_shapes, result_shape):
         split = _split_of_sharding(arg_shapes[0].sharding, mesh, ndim)
@@ -425,7 +485,7 @@ def on_auto_mesh(run: Callable, call: AttentionCall, query, key, value):
     def attend_bwd(args, ct):
         grads = backward_call(*args, *(ct if plan.call.return_lse else (ct,)))
         cotangents = [None] * n_args
-        for i, g in zip((0, 1, 2) + (() if sinks_at is None else (sinks_at,)), grads):
+        for i, g in zip(wrt, grads):
             cotangents[i] = g
         return tuple(cotangents)
 

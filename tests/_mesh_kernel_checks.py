@@ -40,6 +40,7 @@ LAYOUTS = {
     "batch+heads": P("data", None, "model", None),
     "fsdp": P(("data", "model"), None, None, None),
 }
+HEADS = P("model")  # a per-head vector [N] split with the heads
 # Every axis its own size: B = 8 (fsdp splits it 8 ways), T = 24, S = 20, N = 12, H = 8, Hv = 5.
 B, T, S, N, H, Hv = 8, 24, 20, 12, 8, 5
 
@@ -75,19 +76,21 @@ def trimmed(spec) -> tuple:
     return entries
 
 
-def compare(attend, args, layout, mesh, kv_layout=None):
-    """attend(q, k, v)'s output and the gradients of q, k, v (of sum(sin(out))) under jit on args placed by
-    `layout` (key and value by kv_layout if given), against one device's: normwise distances (the output's, not
+def compare(attend, args, layout, mesh, kv_layout=None, extra_layouts=()):
+    """attend(q, k, v, *extra)'s output and the gradients of every argument (of sum(sin(out))) under jit on args
+    placed by `layout` (key and value by kv_layout if given; the extra arguments, tables, slopes or sinks, by
+    extra_layouts, else replicated), against one device's: normwise distances (the output's, not
     a summed loss's, which cancels), the compiled program's all-gathers, dq's spec."""
 
-    def loss(q, k, v):
-        out = attend(q, k, v)
+    def loss(*args):
+        out = attend(*args)
         return jnp.sum(jnp.sin(out)), out
 
-    fn = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)
+    fn = jax.value_and_grad(loss, argnums=tuple(range(len(args))), has_aux=True)
     (_, ref_out), ref_grads = jax.jit(fn)(*args)
     kv_layout = layout if kv_layout is None else kv_layout
-    layouts = (layout, kv_layout, kv_layout)
+    # tables, slopes, sinks: split with the heads where the case says (extra_layouts), else replicated
+    layouts = (layout, kv_layout, kv_layout, *extra_layouts) + (P(),) * (len(args) - 3 - len(extra_layouts))
     explicit = all(t == AxisType.Explicit for t in mesh.axis_types)
     with jax.set_mesh(mesh) if explicit else contextlib.nullcontext():  # Auto: no mesh in context, as a user's jit
         placed = tuple(jax.device_put(x, NamedSharding(mesh, spec)) for x, spec in zip(args, layouts))
@@ -114,7 +117,7 @@ def kernel_cases(implementation, dtype, layouts=tuple(LAYOUTS), mesh=None):
         lengths = jax.random.randint(kl, (B,), 0, S + 1)
         sinks = jax.random.normal(ks, (N,), dtype)
 
-        def attend(q, k, v, lengths=lengths, sinks=sinks):
+        def attend(q, k, v, sinks, lengths=lengths):
             out = jaxattn.dot_product_attention(
                 q,
                 k,
@@ -128,10 +131,11 @@ def kernel_cases(implementation, dtype, layouts=tuple(LAYOUTS), mesh=None):
             return out
 
         if K != 4:  # K does not split 4 ways: keys and values replicated, query heads split
-            results[f"K{K}-heads"] = compare(attend, (q, k, v), LAYOUTS["heads"], mesh, P())
+            results[f"K{K}-heads"] = compare(attend, (q, k, v, sinks), LAYOUTS["heads"], mesh, P(), (HEADS,))
             continue
         for layout in layouts:
-            results[f"K{K}-{layout}"] = compare(attend, (q, k, v), LAYOUTS[layout], mesh)
+            sinks_layout = HEADS if "heads" in layout else P()  # sinks [N] split with the heads
+            results[f"K{K}-{layout}"] = compare(attend, (q, k, v, sinks), LAYOUTS[layout], mesh, None, (sinks_layout,))
     q, k, v, (kt, _, _) = inputs(4, dtype, seed=7)
     table = jax.random.normal(kt, (B, N), dtype)
 
@@ -142,6 +146,7 @@ def kernel_cases(implementation, dtype, layouts=tuple(LAYOUTS), mesh=None):
         out = jaxattn.flex_attention(q, k, v, score_mod, implementation=implementation, interpret=True)
         return out
 
+    results.update(position_cases(implementation, dtype, mesh))
     if explicit:  # on Auto axes a mod that closes over an array keeps the XLA engines (jaxattn._mesh.auto_refusal)
         results["score_mod-batch+heads"] = compare(flex, (q, k, v), LAYOUTS["batch+heads"], mesh)
     else:
@@ -159,6 +164,37 @@ def kernel_cases(implementation, dtype, layouts=tuple(LAYOUTS), mesh=None):
 
         results["score_mod-batch+heads"] = compare(distance, (q, k, v), LAYOUTS["batch+heads"], mesh)
     return results
+
+
+def position_cases(implementation, dtype, mesh):
+    """The position terms a kernel takes on a mesh, on batch x heads, gradients into their tables: ALiBi's slopes
+    and T5's table (a position bias's rows split with the heads), Shaw's tables per head (split) and shared
+    (whole on every shard)."""
+    q, k, v, (ka, kb, kc) = inputs(4, dtype, seed=5)
+    R = 2 * 3 + 1
+    slopes = jax.random.uniform(ka, (N,), dtype, 0.05, 0.5)
+    t5_table = jax.random.normal(kb, (32, N), dtype)
+    tables = jax.random.split(kc, 4)
+    per_head = jax.random.normal(tables[0], (R, N, H), dtype), jax.random.normal(tables[1], (R, N, Hv), dtype)
+    shared = jax.random.normal(tables[2], (R, H), dtype), jax.random.normal(tables[3], (R, Hv), dtype)
+    kw = dict(implementation=implementation, interpret=True)
+
+    def alibi(q, k, v, slopes):
+        return jaxattn.alibi_attention(q, k, v, slopes, is_causal=True, **kw)
+
+    def t5(q, k, v, table):
+        return jaxattn.t5_attention(q, k, v, table, max_distance=16, is_causal=True, **kw)
+
+    def shaw(q, k, v, key_table, value_table):
+        return jaxattn.shaw_relative_attention(q, k, v, key_table, value_table, max_distance=3, is_causal=True, **kw)
+
+    layout, table_heads = LAYOUTS["batch+heads"], P(None, "model", None)
+    return {  # per-head arrays placed split with the heads, as shard_params places a layer's
+        "alibi-batch+heads": compare(alibi, (q, k, v, slopes), layout, mesh, None, (HEADS,)),
+        "t5-batch+heads": compare(t5, (q, k, v, t5_table), layout, mesh, None, (P(None, "model"),)),
+        "shaw-per-head-batch+heads": compare(shaw, (q, k, v, *per_head), layout, mesh, None, (table_heads,) * 2),
+        "shaw-shared-batch+heads": compare(shaw, (q, k, v, *shared), layout, mesh),
+    }
 
 
 def check_pallas_gpu():

@@ -1,8 +1,9 @@
 """The kernels on a mesh (jaxattn._mesh, docs/sharding.md "Kernels on a mesh"): on a mesh of 8 host CPU devices
 (2 x 4), Explicit axes (jax.set_mesh, shard_map from the inputs' types) and Auto axes (arrays placed with a
 NamedSharding under plain jit: custom_partitioning), each kernel, in Pallas' interpreter, runs on every device's
-shard of the batch and heads and equals one device (float64 normwise 1e-12, float32 1e-6, value and gradients of
-q, k, v), with no all-gather in the compiled program; the XLA engines and two relative schemes trace and run
+shard of the batch and heads and equals one device (float64 normwise 1e-12, float32 1e-6, the output and the
+gradients of q, k, v and of every table: sinks, ALiBi's slopes, T5's table, Shaw's tables), with no all-gather in
+the compiled program; the XLA engines and two relative schemes trace and run
 under Explicit axes too (their loop carries placed like the queries), and a sequence-split input is refused by
 name, pointing at ring_attention. The checks run in subprocesses (tests/_mesh_kernel_checks.py): 8 devices must
 be forced before JAX starts."""
@@ -50,7 +51,7 @@ def test_pallas_gpu_on_shards(default_results, axes):
     # the gradients stay split as the inputs were (without the split, Auto axes gave 18 all-gathers and
     # replicated gradients: P())
     assert cases["K4-batch+heads"]["dq_spec"] == "P('data', None, 'model')"
-    assert {"K2-heads", "K3-heads", "score_mod-batch+heads"} <= set(cases)
+    assert {"K2-heads", "K3-heads", "score_mod-batch+heads", "t5-batch+heads", "shaw-shared-batch+heads"} <= set(cases)
     if axes == "pallas_gpu":
         assert cases["K4-fsdp"]["dq_spec"] == "P(('data', 'model'),)"
 
