@@ -48,6 +48,8 @@ KNOWN = {
     "plugin discovery, reports 'Custom emitter for CustomSPMDPartitioning not found' (on a TPU host jax hands the "
     "plugin custom_partitioning's callbacks; not checked on a chip)",
 }
+SLOTS = 4096  # the decode step's cache
+CACHE_LAYOUT = {"cached_key": "BLKH", "cached_value": "BLKH", "cache_index": "B", "next_position": "B"}
 KNOWN_LLAMA = {"v5e-2x4": KNOWN[("auto", "v5e-2x4")]}  # the model is laid out on Auto axes
 LAYOUTS = {"batch+heads": P("data", None, "model", None), "fsdp": P(("data", "model"), None, None, None)}
 
@@ -86,12 +88,14 @@ def programs():
     }
 
 
-def llama_rows(mesh, target) -> list[dict]:
+def llama_rows(mesh, target) -> list[tuple[dict, dict]]:
     """A Llama-3-8B-shaped model (2 layers: hidden 4096, 32 / 8 heads of 128, MLP 14336, vocab 128256) laid out as
     from_pretrained(mesh=) lays it out (partition_rules("llama"): FSDP over "data", heads and MLP columns over
-    "model"; activations by ModelSharding), B = 8, T = 2048: its training step (loss and gradients) with the
-    kernels (implementation=None) and with the XLA blockwise engine, whose gathers are the FSDP weights'. The
-    kernels' step must hold the kernel and add no all-gather to the engine's program."""
+    "model"; activations and cache by ModelSharding), B = 8: its training step (loss and gradients, T = 2048)
+    and generate's decode step (one token a row against a 4096-slot cache), each compiled with an XLA engine
+    (blockwise; dense for the decode step's padding mask) and with the kernels (implementation=None): (engine
+    row, kernels row) pairs. The engine's gathers are the FSDP weights'; the kernels' programs must hold the
+    kernel and add no all-gather to them."""
     config = LlamaConfig(
         vocab_size=128256,
         hidden_size=4096,
@@ -103,46 +107,87 @@ def llama_rows(mesh, target) -> list[dict]:
         rope_frequencies=tuple((5e5 ** (-jnp.arange(0, 128, 2) / 128)).tolist()),
     )
     rules = partition_rules("llama")
-    ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=NamedSharding(mesh, P("data")))
-    rows = []
-    for implementation in ("blockwise", None):
-        model = LlamaForCausalLM(
+
+    def model_of(implementation):
+        return LlamaForCausalLM(
             config=dataclasses.replace(config, implementation=implementation),
             dtype=jnp.bfloat16,
             sharding=ModelSharding.of(mesh, "llama"),
         )
-        shapes = jax.eval_shape(lambda: model.init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
 
-        def placed(path, leaf):
-            name = "/".join(str(getattr(k, "key", k)) for k in path)
-            spec = next(s for pattern, s in rules if fnmatch.fnmatchcase(name, pattern))
-            return jax.ShapeDtypeStruct(leaf.shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
+    shapes = jax.eval_shape(lambda: model_of(None).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
 
-        params = jax.tree_util.tree_map_with_path(placed, shapes)
+    def placed(path, leaf):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        spec = next(s for pattern, s in rules if fnmatch.fnmatchcase(name, pattern))
+        return jax.ShapeDtypeStruct(leaf.shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
 
-        def loss(params, ids, model=model):
+    params = jax.tree_util.tree_map_with_path(placed, shapes)
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    sharding = ModelSharding.of(mesh, "llama")
+    cache_shapes = jax.eval_shape(
+        lambda p: model_of(None).apply({"params": p}, jnp.zeros((B, SLOTS), jnp.int32), decode=True, mutable=["cache"])[
+            1
+        ],
+        shapes,
+    )["cache"]
+    cache = jax.tree_util.tree_map_with_path(
+        lambda path, leaf: jax.ShapeDtypeStruct(
+            leaf.shape,
+            leaf.dtype,
+            sharding=NamedSharding(mesh, sharding.spec(CACHE_LAYOUT[path[-1].key], leaf.shape)),
+        ),
+        cache_shapes,
+    )
+    token = jax.ShapeDtypeStruct((B, 1), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+    mask = jax.ShapeDtypeStruct((B, SLOTS), jnp.int32, sharding=NamedSharding(mesh, P("data")))
+
+    def train(model):
+        def loss(params, ids):
             logits = model.apply({"params": params}, ids).astype(jnp.float32)
             return -jnp.mean(jax.nn.log_softmax(logits[:, :-1])[..., 0])
 
-        row = dict(target=target, mode="auto", layout="llama-8b-2-layers", program=f"train ({implementation})")
-        try:
-            with jaxattn.cross_platform_lowering():
-                compiled = jax.jit(jax.value_and_grad(loss)).lower(params, ids).compile()
-        except Exception as error:  # a row's failure is its result
-            rows.append(dict(row, status="error", error=f"{type(error).__name__}: {str(error)[:300]}"))
-            continue
-        text, memory = compiled.as_text(), compiled.memory_analysis()
-        rows.append(
-            dict(
-                row,
-                status="ok",
-                kernels=len(re.findall(KERNEL_CALLS, text)),
-                all_gathers=sum(" all-gather(" in line or " all-gather-start(" in line for line in text.splitlines()),
-                temp_mib=round(memory.temp_size_in_bytes / 2**20, 2),
-                argument_mib=round(memory.argument_size_in_bytes / 2**20, 2),
+        return jax.value_and_grad(loss), (params, ids)
+
+    def decode(model):
+        def step(params, cache, token, mask):
+            logits, variables = model.apply(
+                {"params": params, "cache": cache},
+                token,
+                attention_mask=mask,
+                position_ids=jnp.full(token.shape, SLOTS // 2, jnp.int32),
+                decode=True,
+                mutable=["cache"],
             )
-        )
-    return rows
+            return jnp.argmax(logits[:, -1], axis=-1), variables["cache"]
+
+        return step, (params, cache, token, mask)
+
+    pairs = []
+    for program, build, engine in (("train", train, "blockwise"), ("decode step", decode, "dense")):
+        pair = []
+        for implementation in (engine, None):
+            fn, args = build(model_of(implementation))
+            row = dict(target=target, mode="auto", layout="llama-8b-2-layers", program=f"{program} ({implementation})")
+            try:
+                with jaxattn.cross_platform_lowering():
+                    compiled = jax.jit(fn).lower(*args).compile()
+            except Exception as error:  # a row's failure is its result
+                pair.append(dict(row, status="error", error=f"{type(error).__name__}: {str(error)[:300]}"))
+                continue
+            text, memory = compiled.as_text(), compiled.memory_analysis()
+            pair.append(
+                dict(
+                    row,
+                    status="ok",
+                    kernels=len(re.findall(KERNEL_CALLS, text)),
+                    all_gathers=sum(" all-gather(" in ln or " all-gather-start(" in ln for ln in text.splitlines()),
+                    temp_mib=round(memory.temp_size_in_bytes / 2**20, 2),
+                    argument_mib=round(memory.argument_size_in_bytes / 2**20, 2),
+                )
+            )
+        pairs.append(tuple(pair))
+    return pairs
 
 
 def compile_row(mesh, mode, layout, name, fn) -> dict:
@@ -191,12 +236,13 @@ def main(argv=None):
         if target in KNOWN_LLAMA:
             continue
         mesh = Mesh(chips, ("data", "model"))
-        engine, kernels = llama_rows(mesh, target)
-        for row in (engine, kernels):
-            rows.append(row)
-            print(json.dumps(row))
-        if kernels["status"] != "ok" or not kernels["kernels"] or kernels["all_gathers"] > engine.get("all_gathers", 0):
-            problems.append(kernels)
+        for engine, kernels in llama_rows(mesh, target):
+            for row in (engine, kernels):
+                rows.append(row)
+                print(json.dumps(row))
+            added = kernels.get("all_gathers", 0) > engine.get("all_gathers", 0)
+            if kernels["status"] != "ok" or not kernels["kernels"] or added:
+                problems.append(kernels)
     report = dict(jax=jax.__version__, wall_s=round(time.perf_counter() - start, 1), rows=rows)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
