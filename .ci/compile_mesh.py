@@ -35,7 +35,14 @@ from jax.experimental import topologies  # noqa: E402
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jaxattn  # noqa: E402
-from jaxattn.models import LlamaConfig, LlamaForCausalLM, ModelSharding, partition_rules  # noqa: E402
+from jaxattn.models import (  # noqa: E402
+    LlamaConfig,
+    LlamaForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    ModelSharding,
+    partition_rules,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results" / "compile_mesh.json"
@@ -88,31 +95,48 @@ def programs():
     }
 
 
-def llama_rows(mesh, target) -> list[tuple[dict, dict]]:
-    """A Llama-3-8B-shaped model (2 layers: hidden 4096, 32 / 8 heads of 128, MLP 14336, vocab 128256) laid out as
-    from_pretrained(mesh=) lays it out (partition_rules("llama"): FSDP over "data", heads and MLP columns over
-    "model"; activations and cache by ModelSharding), B = 8: its training step (loss and gradients, T = 2048)
-    and generate's decode step (one token a row against a 4096-slot cache), each compiled with an XLA engine
-    (blockwise; dense for the decode step's padding mask) and with the kernels (implementation=None): (engine
-    row, kernels row) pairs. The engine's gathers are the FSDP weights'; the kernels' programs must hold the
+MODELS = {  # family: (config class, model class, programs); 2 layers of each released model's shapes
+    "llama": ("Llama-3-8B", LlamaConfig, LlamaForCausalLM, ("train", "decode step")),
+    "mixtral": ("Mixtral-8x7B", MixtralConfig, MixtralForCausalLM, ("train",)),
+}
+
+
+def model_rows(mesh, target, family) -> list[tuple[dict, dict]]:
+    """A model of `family` at its released shapes (2 layers; Llama-3-8B: hidden 4096, 32 / 8 heads of 128, MLP
+    14336, vocab 128256; Mixtral-8x7B: the same attention, 8 experts of 14336, top 2, vocab 32000) laid out as
+    from_pretrained(mesh=) lays it out (partition_rules(family): FSDP over "data", heads, MLP columns and experts
+    over "model"; activations and cache by ModelSharding), B = 8: its training step (loss and gradients, T =
+    2048) and (Llama) generate's decode step (one token a row against a 4096-slot cache), each compiled with an
+    XLA engine (blockwise; dense for the decode step's padding mask) and with the kernels (implementation=None):
+    (engine row, kernels row) pairs. The engine's gathers are the weights'; the kernels' programs must hold the
     kernel and add no all-gather to them."""
-    config = LlamaConfig(
-        vocab_size=128256,
+    name, config_class, model_class, programs = MODELS[family]
+    shared = dict(
         hidden_size=4096,
         intermediate_size=14336,
         num_hidden_layers=2,
         num_attention_heads=32,
         num_key_value_heads=8,
         head_dim=128,
-        rope_frequencies=tuple((5e5 ** (-jnp.arange(0, 128, 2) / 128)).tolist()),
     )
-    rules = partition_rules("llama")
+    if family == "llama":
+        config = config_class(
+            vocab_size=128256, rope_frequencies=tuple((5e5 ** (-jnp.arange(0, 128, 2) / 128)).tolist()), **shared
+        )
+    else:
+        config = config_class(
+            vocab_size=32000,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rope_frequencies=tuple((1e6 ** (-jnp.arange(0, 128, 2) / 128)).tolist()),
+            **shared,
+        )
+    rules = partition_rules(family)
+    sharding = ModelSharding.of(mesh, family)
 
     def model_of(implementation):
-        return LlamaForCausalLM(
-            config=dataclasses.replace(config, implementation=implementation),
-            dtype=jnp.bfloat16,
-            sharding=ModelSharding.of(mesh, "llama"),
+        return model_class(
+            config=dataclasses.replace(config, implementation=implementation), dtype=jnp.bfloat16, sharding=sharding
         )
 
     shapes = jax.eval_shape(lambda: model_of(None).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
@@ -124,7 +148,6 @@ def llama_rows(mesh, target) -> list[tuple[dict, dict]]:
 
     params = jax.tree_util.tree_map_with_path(placed, shapes)
     ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=NamedSharding(mesh, P("data")))
-    sharding = ModelSharding.of(mesh, "llama")
     cache_shapes = jax.eval_shape(
         lambda p: model_of(None).apply({"params": p}, jnp.zeros((B, SLOTS), jnp.int32), decode=True, mutable=["cache"])[
             1
@@ -165,10 +188,12 @@ def llama_rows(mesh, target) -> list[tuple[dict, dict]]:
 
     pairs = []
     for program, build, engine in (("train", train, "blockwise"), ("decode step", decode, "dense")):
+        if program not in programs:
+            continue
         pair = []
         for implementation in (engine, None):
             fn, args = build(model_of(implementation))
-            row = dict(target=target, mode="auto", layout="llama-8b-2-layers", program=f"{program} ({implementation})")
+            row = dict(target=target, mode="auto", layout=f"{name}, 2 layers", program=f"{program} ({implementation})")
             try:
                 with jaxattn.cross_platform_lowering():
                     compiled = jax.jit(fn).lower(*args).compile()
@@ -236,7 +261,7 @@ def main(argv=None):
         if target in KNOWN_LLAMA:
             continue
         mesh = Mesh(chips, ("data", "model"))
-        for engine, kernels in llama_rows(mesh, target):
+        for engine, kernels in (pair for family in MODELS for pair in model_rows(mesh, target, family)):
             for row in (engine, kernels):
                 rows.append(row)
                 print(json.dumps(row))
