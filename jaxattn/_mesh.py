@@ -35,13 +35,13 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from ._core import checks, mods, offset_bias
+from ._core import block_mask as block_masks, checks, mods, offset_bias
 from ._core.call import INDEX_ARRAYS, AttentionCall
 from ._core.placement import explicit_spec
 
 # Options whose arrays no rule here splits yet: implementation=None keeps the XLA engines for them on a mesh,
 # a named kernel refuses them by name (and a position_bias whose rows have batch dims: side_inputs).
-MESH_REFUSED = ("block_mask", "rel_key", "rel_value", "row_tables")
+MESH_REFUSED = ("rel_key", "rel_value", "row_tables")
 
 
 def _entries(x) -> Optional[tuple]:
@@ -114,8 +114,10 @@ def mesh_refusal(call: AttentionCall, query, key, split: Split, interpret=False)
     sees a shard's indices plus its offset, an array it then closes over: Pallas' interpreter takes that, a
     compiled kernel (Triton, Mosaic) does not index an array from a mod, so there it is refused."""
     refused = _unsplit(call, query, key)
-    if refused is not None or interpret:
+    if refused is not None:
         return refused
+    if interpret:
+        return _block_mask_refusal(call, query, split)
     batch_split, heads_split = any(split.batch), split.heads is not None
     for name in ("score_mod", "mask_mod"):
         mod = getattr(call, name)
@@ -123,14 +125,30 @@ def mesh_refusal(call: AttentionCall, query, key, split: Split, interpret=False)
             reads_b, reads_n = _reads_indices(mod, name == "score_mod", query)
             if (reads_b and batch_split) or (reads_n and heads_split):
                 return name
+    return _block_mask_refusal(call, query, split)
+
+
+def _block_mask_refusal(call: AttentionCall, query, split: Optional[Split]) -> Optional[str]:
+    """A BlockMask whose own mask_mod reads b or n, on a split of the batch or heads (its partial tiles would see
+    the shard's indices; a BlockMask's mask_mod is not rewrapped), or on Auto axes (split None: a pytree the
+    partitioning rule does not lay out yet)."""
+    block_mask = call.block_mask
+    if block_mask is None:
+        return None
+    if split is None:
+        return "block_mask"
+    if block_mask.mask_mod is not None:
+        reads_b, reads_n = _reads_indices(block_mask.mask_mod, False, query)
+        if (reads_b and any(split.batch)) or (reads_n and split.heads is not None):
+            return "block_mask"
     return None
 
 
 def _unsplit(call: AttentionCall, query, key) -> Optional[str]:
     """The first option in use that no rule splits (MESH_REFUSED, or a position bias side_inputs cannot)."""
     refused = next((name for name in MESH_REFUSED if name in call.in_use()), None)
-    if refused is None and side_inputs(call, np.shape(query)[-3], np.shape(key)[-3]) is None:
-        return "position_bias"
+    if refused is None and side_inputs(call, np.shape(query)[-3], np.shape(key)[-3], np.ndim(query) - 3) is None:
+        return "block_mask" if call.block_mask is not None else "position_bias"
     return refused
 
 
@@ -188,7 +206,9 @@ class SideInput:
 
     @property
     def differentiable(self) -> bool:
-        return jnp.issubdtype(jnp.result_type(self.array), jnp.inexact)
+        return not isinstance(self.array, block_masks.BlockMask) and jnp.issubdtype(
+            jnp.result_type(self.array), jnp.inexact
+        )
 
 
 def _batch_side(field: str, x, trailing: int, heads_last: bool = False) -> SideInput:
@@ -220,7 +240,34 @@ def _bias_side(bias, T: int, S: int, default_positions: bool) -> Optional[SideIn
     return SideInput("position_bias", rows, lambda split: PartitionSpec(split.heads, None), rebuild)
 
 
-def side_inputs(call: AttentionCall, T: int, S: int) -> Optional[tuple]:
+def _block_mask_side(block_mask, batch_dims: int) -> Optional[SideInput]:
+    """A BlockMask (a pytree: four tile arrays [B|1,N|1,Tn(,Sn)], its mask_mod's arrays): its batch axis split as
+    the query's (one batch dim) and its head axis with the heads, where they are not 1; each shard's rebuilt with
+    its own sizes. None where the query has several batch dims (the BlockMask's B is their flattened product)."""
+    if batch_dims > 1:
+        return None
+    B, N = block_mask.kv_indices.shape[:2]
+
+    def spec(split):
+        batch = split.batch[0] if split.batch and B > 1 else None
+        heads = split.heads if N > 1 else None
+        tiles = lambda x: PartitionSpec(batch, heads)  # noqa: E731
+        return dataclasses.replace(
+            jax.tree.map(tiles, block_mask), mask_consts=tuple(PartitionSpec() for _ in block_mask.mask_consts)
+        )
+
+    def rebuild(local):
+        b, n = local.kv_indices.shape[:2]
+        return dataclasses.replace(
+            local,
+            batch=None if local.batch is None else b,
+            num_heads=None if local.num_heads is None else n,
+        )
+
+    return SideInput("block_mask", block_mask, spec, rebuild)
+
+
+def side_inputs(call: AttentionCall, T: int, S: int, batch_dims: int = 1) -> Optional[tuple]:
     """The SideInputs of a call (None: an option in use that no rule splits: see mesh_refusal)."""
     sides = []
     for name in INDEX_ARRAYS:  # lengths [...]; positions and segment ids [...,T] / [...,S]
@@ -231,6 +278,11 @@ def side_inputs(call: AttentionCall, T: int, S: int) -> Optional[tuple]:
     for name in ("key_table", "value_table"):
         if getattr(call, name) is not None:
             sides.append(_table_side(name, getattr(call, name)))
+    if call.block_mask is not None:
+        block_mask = _block_mask_side(call.block_mask, batch_dims)
+        if block_mask is None:
+            return None
+        sides.append(block_mask)
     if call.position_bias is not None:
         if not isinstance(call.position_bias, offset_bias.KERNEL_BIASES):
             return None
@@ -252,7 +304,7 @@ class Plan:
         self.batch_shape = tuple(np.shape(query)[:-3])
         self.N, self.K = np.shape(query)[-2], np.shape(key)[-2]
         self.T, self.S = np.shape(query)[-3], np.shape(key)[-3]
-        self.side = side_inputs(call, self.T, self.S)
+        self.side = side_inputs(call, self.T, self.S, len(self.batch_shape))
         if self.side is None:
             raise AssertionError("mesh_refusal admits only calls whose side inputs split")
         self.batch_ids = jnp.arange(math.prod(self.batch_shape), dtype=jnp.int32).reshape(self.batch_shape)
@@ -346,7 +398,7 @@ def auto_refusal(call: AttentionCall, query, key, interpret=False) -> Optional[s
     """The first option the Auto-axes path cannot split (None: it can): what mesh_refusal refuses, and a
     score_mod / mask_mod that closes over arrays (a partitioned call is traced on its own, closing over
     nothing) or, on a compiled kernel, reads b or n (whatever the split turns out to be)."""
-    refused = _unsplit(call, query, key)
+    refused = _unsplit(call, query, key) or _block_mask_refusal(call, query, None)
     if refused is not None:
         return refused
     for name in ("score_mod", "mask_mod"):

@@ -147,6 +147,8 @@ def kernel_cases(implementation, dtype, layouts=tuple(LAYOUTS), mesh=None):
         return out
 
     results.update(position_cases(implementation, dtype, mesh))
+    if explicit:  # a BlockMask splits on Explicit axes (on Auto axes it keeps the XLA engines)
+        results.update(block_mask_cases(implementation, dtype, mesh))
     if explicit:  # on Auto axes a mod that closes over an array keeps the XLA engines (jaxattn._mesh.auto_refusal)
         results["score_mod-batch+heads"] = compare(flex, (q, k, v), LAYOUTS["batch+heads"], mesh)
     else:
@@ -195,6 +197,26 @@ def position_cases(implementation, dtype, mesh):
         "shaw-per-head-batch+heads": compare(shaw, (q, k, v, *per_head), layout, mesh, None, (table_heads,) * 2),
         "shaw-shared-batch+heads": compare(shaw, (q, k, v, *shared), layout, mesh),
     }
+
+
+def block_mask_cases(implementation, dtype, mesh):
+    """A BlockMask of a causal sliding window (8 key positions): built for any batch and head (its arrays whole on
+    every shard) and built per batch entry and head ([B,N,...], split with the batch and heads)."""
+    q, k, v, _ = inputs(4, dtype, seed=9)
+
+    def window(b, n, t, s):
+        return (s <= t) & (t - s < 8)
+
+    kw = dict(implementation=implementation, interpret=True, block_size=(8, 8))
+    results = {}
+    for name, (batch, heads) in (("any", (None, None)), ("per-batch-and-head", (B, N))):
+        mask = jaxattn.create_block_mask(window, batch, heads, T, S, block_size=(8, 8))
+
+        def attend(q, k, v, mask=mask):
+            return jaxattn.flex_attention(q, k, v, block_mask=mask, **kw)
+
+        results[f"block_mask-{name}-batch+heads"] = compare(attend, (q, k, v), LAYOUTS["batch+heads"], mesh)
+    return results
 
 
 def check_pallas_gpu():

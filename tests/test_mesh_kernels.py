@@ -52,8 +52,9 @@ def test_pallas_gpu_on_shards(default_results, axes):
     # replicated gradients: P())
     assert cases["K4-batch+heads"]["dq_spec"] == "P('data', None, 'model')"
     assert {"K2-heads", "K3-heads", "score_mod-batch+heads", "t5-batch+heads", "shaw-shared-batch+heads"} <= set(cases)
-    if axes == "pallas_gpu":
+    if axes == "pallas_gpu":  # Explicit axes: FSDP-batch, and BlockMasks (whole, and split with batch and heads)
         assert cases["K4-fsdp"]["dq_spec"] == "P(('data', 'model'),)"
+        assert {"block_mask-any-batch+heads", "block_mask-per-batch-and-head-batch+heads"} <= set(cases)
 
 
 @pytest.mark.slow  # every layout; test_pallas_gpu_on_shards runs two of them and every GQA case
