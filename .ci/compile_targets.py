@@ -401,11 +401,8 @@ KNOWN_GROWTH: dict[tuple[str, str, str], str] = {
 # Programs that do not compile today, each with (a fragment of) its error: (target regex, case, program).
 # A failure not listed here fails CI; so does a listed one that now compiles.
 KNOWN_FAILURES: dict[tuple[str, str, str], str] = {
-    # Traced on a CPU host outside a mesh of the TPU device, splash's chunked mask reaches a Mosaic lowering
-    # rule (integer division through `sign`, 1-D blocks) that asks JAX's default device for its TPU generation.
-    # JAX's limitation, not the kernel's: under jax.set_mesh(Mesh(tpu_devices)) the same program compiles
-    # (the "chunk" case); on a TPU host the default device is the TPU.
-    ("v5e|v6e", "chunk, CPU host", "forward"): "Unsupported TPU device kind: cpu",
+    # (empty since 2026-11-29: "chunk, CPU host" failed with "Unsupported TPU device kind: cpu" until
+    # cross_platform_lowering took tpu_generation=, issue 51 §6)
 }
 
 
@@ -562,14 +559,17 @@ def compile_one(case: Case, target: str, device, program: str, scale: int = 1) -
             fn, args = llama_program(case, program)
         else:
             fn, args = attention_program(case, platform, program, scale)
-        # Tracing and lowering inside jax.set_mesh of the target device: Mosaic reads the TPU generation (its
-        # lane and sublane counts) from the abstract mesh's device, else from JAX's default device, which is
-        # this CPU, and fails where it reads it (splash with chunk_size: "Unsupported TPU device kind: cpu").
-        # The "CPU host" case keeps that failure in view.
+        # Tracing and lowering inside jax.set_mesh of the target device, as on a host that has it. Mosaic reads
+        # the TPU generation (lane and sublane counts, native bfloat16) from the mesh's device, else from JAX's
+        # default device, this CPU, where splash with chunk_size asks for it ("Unsupported TPU device kind:
+        # cpu"); cross_platform_lowering(tpu_generation=) names it. The "CPU host" case has no mesh: the
+        # keyword alone must do.
         mesh = jax.set_mesh(jax.sharding.Mesh(np.array([device]), ("x",))) if case.mesh else contextlib.nullcontext()
         stage = "lower"
         x64 = jax.enable_x64(True) if case.x64 else contextlib.nullcontext()
-        with jaxattn.cross_platform_lowering(cuda_compute_capability=CAPABILITY.get(target)), mesh, x64:
+        generation = target if platform == "tpu" else None  # the target names are TPU_GENERATIONS' names
+        lowering = jaxattn.cross_platform_lowering(CAPABILITY.get(target), tpu_generation=generation)
+        with lowering, mesh, x64:
             lowered = jax.jit(fn).lower(*shapes(args, device))
         row["lower_s"] = round(time.perf_counter() - start, 2)
         stage = "compile"

@@ -387,3 +387,52 @@ def test_a_compute_capability_is_checked_by_name(bad):
     with pytest.raises(ValueError, match="^cuda_compute_capability: "):
         with jaxattn.cross_platform_lowering(cuda_compute_capability=bad):
             pass
+
+
+def _chunked_splash_for_tpu():
+    """Splash with chunk_size lowered for a TPU from this CPU host (its chunk rule's integer `//` lowers
+    through `sign`, whose Mosaic rule asks for the TPU generation): the lowered text."""
+    q, k, v = (jax.ShapeDtypeStruct(x.shape, jnp.bfloat16) for x in qkv())
+    attend = lambda q, k, v: jaxattn.dot_product_attention(  # noqa: E731
+        q, k, v, is_causal=True, chunk_size=16, implementation="pallas_tpu"
+    )
+    return jax.jit(attend).trace(q, k, v).lower(lowering_platforms=("tpu",)).as_text()
+
+
+@pytest.mark.parametrize("generation", ["v5e", "v6e"])
+def test_a_cpu_host_lowers_chunked_splash_for_the_tpu_generation_it_is_told(x64_off, generation):
+    # issue 51 §6: without it Mosaic asks JAX's default device, this CPU
+    with pytest.raises(ValueError, match="Unsupported TPU device kind: cpu"), jaxattn.cross_platform_lowering():
+        _chunked_splash_for_tpu()
+    with jaxattn.cross_platform_lowering(tpu_generation=generation):
+        text = _chunked_splash_for_tpu()
+    assert "tpu_custom_call" in text
+    assert jax.sharding.get_abstract_mesh().abstract_device is None  # the block's mesh is left with it
+
+
+def test_tpu_generation_names_the_device_of_the_mesh_in_context():
+    def device_inside(mesh, tpu_generation):
+        with jax.sharding.use_abstract_mesh(mesh), jaxattn.cross_platform_lowering(tpu_generation=tpu_generation):
+            inside = jax.sharding.get_abstract_mesh()
+        assert inside.axis_names == mesh.axis_names and inside.axis_sizes == mesh.axis_sizes
+        return inside.abstract_device
+
+    v6e = jax.sharding.AbstractDevice(device_kind="TPU v6 lite", num_cores=1, platform="tpu")
+    no_mesh, cpus = jax.sharding.AbstractMesh((), ()), jax.sharding.AbstractMesh((3,), ("x",))
+    assert device_inside(no_mesh, "v6e") == v6e
+    assert device_inside(cpus.update(abstract_device=v6e), "v6e") == v6e
+    v5p = jax.sharding.AbstractDevice(device_kind="TPU v5", num_cores=2, platform="tpu")
+    assert device_inside(cpus, "v5p") == v5p
+    # a TPU device (a topology's, jax.devices("tpu")[0]): its own kind and cores
+    device = type("TpuDevice", (), dict(platform="tpu", device_kind="TPU7x", num_cores=1))()
+    assert device_inside(no_mesh, device) == jax.sharding.AbstractDevice("TPU7x", 1, "tpu")
+    # a mesh over another TPU contradicts it
+    with pytest.raises(ValueError, match="^tpu_generation: expected the mesh in context's TPU, 'TPU v6 lite'"):
+        device_inside(cpus.update(abstract_device=v6e), "v5e")
+
+
+@pytest.mark.parametrize("bad", ["v4", "TPU v5 lite", "V5E", 5, jax.devices("cpu")[0]])
+def test_a_tpu_generation_is_checked_by_name(bad):
+    with pytest.raises(ValueError, match=r"^tpu_generation: expected one of \['v5e', 'v5p', 'v6e', '7x'\]"):
+        with jaxattn.cross_platform_lowering(tpu_generation=bad):
+            pass
