@@ -267,3 +267,59 @@ def test_position_tables_lower_to_the_tpu_kernel(scheme):
     text = lowered(forward, q, table, platform="tpu")
     assert 'name = "jaxattn_flex_tpu_forward"' in text
     assert_fused(text, "tpu", T, T)
+
+
+def strided_roll_shifts(fn, *args):
+    """(the Pallas kernels in fn's jaxpr, the shift of every strided pltpu.roll inside them), fn traced only."""
+    from jax.extend.core import ClosedJaxpr, Jaxpr
+
+    kernels, shifts = [], []
+
+    def walk(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "pallas_call":
+                kernels.append(str(eqn.params["name"]))
+            if eqn.primitive.name == "roll" and eqn.params["stride"] is not None:
+                shifts.append(eqn.invars[1])
+            for value in eqn.params.values():
+                for sub in value if isinstance(value, (tuple, list)) else (value,):
+                    if isinstance(sub, (ClosedJaxpr, Jaxpr)):
+                        walk(sub.jaxpr if isinstance(sub, ClosedJaxpr) else sub)
+
+    with jax.enable_x64(False):
+        walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return kernels, shifts
+
+
+@pytest.mark.parametrize("scheme", ["t5", "alibi", "shaw", "deberta"])
+def test_tpu_kernels_roll_by_static_strides_only(scheme):
+    """Issue 51 §7: Mosaic in libtpu 0.0.48.1 and later (jax 0.11's pin) refuses a strided roll by a traced
+    amount ("strided dynamic rotation along the two last dimensions is unsupported"), which 0.0.42.1 (jax
+    0.10's) compiled. The relative terms' rolls (tpu_refs.diagonals / undiagonals) hold every traced amount in
+    a roll without a stride, forward and backward, on a TPU's 128 x 128 tiles. That Mosaic compiles them:
+    .ci/compile_targets.py's relative cases with both libtpus (.ci/run)."""
+    from jax.extend.core import Literal
+
+    N, H, T_ = 2, 128, 512
+    q = jax.ShapeDtypeStruct((1, T_, N, H), jnp.bfloat16)
+    rows = {"t5": (32, N), "alibi": (N,), "shaw": (129, N, H), "deberta": (512, N, H)}[scheme]
+    table = jax.ShapeDtypeStruct(rows, jnp.float32)
+
+    def loss(q, table):
+        options = dict(implementation="pallas_tpu")
+        if scheme == "t5":
+            out = jaxattn.t5_attention(q, q, q, table, bidirectional=False, is_causal=True, **options)
+        elif scheme == "alibi":
+            out = jaxattn.alibi_attention(q, q, q, table, is_causal=True, **options)
+        elif scheme == "shaw":
+            out = jaxattn.shaw_relative_attention(q, q, q, table, table[:, 0], max_distance=64, **options)
+        else:
+            buckets = dict(position_buckets=256, max_relative_positions=512)
+            out = jaxattn.disentangled_attention(q, q, q, table, table, **buckets, **options)
+        return out.astype(jnp.float32).sum()
+
+    kernels, shifts = strided_roll_shifts(jax.grad(loss, argnums=(0, 1)), q, table)
+    assert {"jaxattn_flex_tpu_forward", "jaxattn_flex_tpu_dq", "jaxattn_flex_tpu_dkv"} <= set(kernels), kernels
+    assert shifts, "no strided roll: the tiles' terms are built some other way; revisit this check"
+    traced = [str(shift) for shift in shifts if not isinstance(shift, Literal)]
+    assert not traced, f"{len(traced)} of {len(shifts)} strided rolls by a traced amount: {traced[:3]}"

@@ -296,7 +296,7 @@ def test_under_vmap_and_grad(implementation):
 @pytest.mark.slow  # the default group's TPU Shaw case runs both through the kernel
 def test_tpu_diagonals_and_their_inverse_against_numpy():
     """tpu_refs.diagonals: tile[r, c] = lanes[r, offset + R - 1 - r + c] (rows that differ: QA's lanes), and
-    undiagonals, its inverse: out[r, offset + R - 1 - r + c] = tile[r, c] (the strided roll of stride W - 1),
+    undiagonals, its inverse: out[r, offset + R - 1 - r + c] = tile[r, c] (R - 1 - r rolled bit by bit),
     for offsets at both ends of a lane tile, on the interpreter's tiles and a TPU's, in the interpreter (the
     Mosaic lowering: .ci/compile_targets.py's "shaw causal")."""
     from jax.experimental import pallas as pl

@@ -101,16 +101,26 @@ def toeplitz_tile(row, start, Tb: int, Sb: int):
 
 def diagonals(lanes, offset, C: int):
     """[R,C]: tile[r, c] = lanes[r, offset + (R - 1 - r) + c] of lanes [R,W] (offset in 0..W - R - C + 1,
-    traced): each row rolled along the lanes by W - (R - 1) - offset plus r (pltpu.roll's stride; in 1..W + R:
-    the roll takes no negative shift), rolled[r, c] = lanes[r, (c + (R - 1 - r) + offset) mod W]."""
+    traced): each row rolled along the lanes by W - (R - 1) - offset plus r, rolled[r, c] = lanes[r, (c +
+    (R - 1 - r) + offset) mod W]. Two rolls (rotations along one axis add up): the traced W - offset, the same
+    for every row, and the static W - (R - 1) plus r (pltpu.roll's stride). Mosaic compiles a strided roll by
+    a static amount only: libtpu 0.0.48.1 and later (jax 0.11's) refuse a traced one ("strided dynamic
+    rotation along the two last dimensions is unsupported"), which 0.0.42.1 (jax 0.10's) took."""
     R, W = lanes.shape
-    return pltpu.roll(lanes, W - (R - 1) - offset, 1, stride=1, stride_axis=0)[:, :C]
+    uniform = pltpu.roll(lanes, lax.rem(W - offset, W), 1)  # offset in 0..W: a shift in 0..W - 1
+    return pltpu.roll(uniform, (W - (R - 1)) % W, 1, stride=1, stride_axis=0)[:, :C]
 
 
 def undiagonals(tile, offset, W: int):
     """[R,W]: diagonals' inverse, out[r, offset + (R - 1 - r) + c] = tile[r, c] (zeros elsewhere): row r
-    rolled right by offset + R - 1 - r, one lane less per row: a stride of W - 1, which is -1 modulo W
-    (pltpu.roll takes no negative stride; the rotation of row r is offset + R - 1 + r (W - 1))."""
+    rolled right by offset + R - 1 - r, one lane less per row. A stride of -1 has no static roll either
+    (pltpu.roll takes no negative stride, and Mosaic refuses W - 1: a shift past a vreg's 128 lanes within its
+    8 rows), so: the traced offset, the same for every row, then R - 1 - r bit by bit, a static roll by 2^b
+    taken by the rows whose R - 1 - r has bit b (log2 R rolls and selects, data movement only: exact)."""
     R, C = tile.shape
-    padded = jnp.concatenate([tile, jnp.zeros((R, W - C), tile.dtype)], axis=1)
-    return pltpu.roll(padded, offset + R - 1, 1, stride=W - 1, stride_axis=0)
+    out = jnp.concatenate([tile, jnp.zeros((R, W - C), tile.dtype)], axis=1)
+    out = pltpu.roll(out, offset, 1)  # offset in 0..W - R - C + 1
+    back = (R - 1) - lax.broadcasted_iota(jnp.int32, (R, W), 0)  # row r's rotation still to do
+    for b in range((R - 1).bit_length()):
+        out = jnp.where((back & (1 << b)) != 0, pltpu.roll(out, 1 << b, 1), out)
+    return out
