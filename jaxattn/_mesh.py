@@ -434,8 +434,8 @@ def _sharding_rule(plan: Plan, backward: bool) -> str:
             for i, size in enumerate(dims)
         ]
 
-    def mapping(letters):
-        return " ".join(letters) if letters else "()"
+    def mapping(letters):  # a scalar operand (no batch dims: batch_ids) maps no factor
+        return " ".join(letters)
 
     # side inputs: factors of their own (the partition rule places them; nothing to tie them to the query by)
     side = [mapping([f"x{j}_{d}" for d in range(np.ndim(x.array))]) for j, x in enumerate(plan.side)]
@@ -527,6 +527,9 @@ def on_auto_mesh(run: Callable, call: AttentionCall, query, key, value):
         sharding_rule=_sharding_rule(plan, True),
     )
 
+    forward_call = _vmapped_as(forward_call, forward)
+    backward_call = _vmapped_as(backward_call, jax.jit(gradients(whole)))
+
     @jax.custom_vjp
     def attend(*args):
         return forward_call(*args)
@@ -543,3 +546,17 @@ def on_auto_mesh(run: Callable, call: AttentionCall, query, key, value):
 
     attend.defvjp(attend_fwd, attend_bwd)
     return attend(*args)
+
+
+def _vmapped_as(partitioned: Callable, whole: Callable) -> Callable:
+    """partitioned (a custom_partitioning call), which under jax.vmap runs `whole` (the same call unsplit) vmapped:
+    custom_partitioning has no batching rule, and a vmapped call (jax.vmap of the attention, or of a jitted program
+    holding it) hides the batch axis the rule would split. The kernels are vmapped as before the split."""
+    wrapped = jax.custom_batching.custom_vmap(partitioned)
+
+    @wrapped.def_vmap
+    def rule(axis_size, in_batched, *args):
+        out = jax.vmap(whole, in_axes=tuple(0 if b else None for b in in_batched), axis_size=axis_size)(*args)
+        return out, jax.tree.map(lambda _: True, out)
+
+    return wrapped

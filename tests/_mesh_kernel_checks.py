@@ -232,7 +232,17 @@ def check_pallas_gpu_f32():
 
 
 def check_pallas_gpu_auto():
-    return kernel_cases("pallas_gpu", jnp.float64, layouts=("batch+heads",), mesh=auto_mesh())
+    results = kernel_cases("pallas_gpu", jnp.float64, layouts=("batch+heads",), mesh=auto_mesh())
+    q, k, v, _ = inputs(4, jnp.float64, seed=13)
+
+    def vmapped(q, k, v):  # jax.vmap over the batch: the partitioned call runs unsplit, vmapped (jaxattn._mesh)
+        one = lambda q, k, v: jaxattn.dot_product_attention(  # noqa: E731
+            q, k, v, is_causal=True, implementation="pallas_gpu", interpret=True
+        )
+        return jax.vmap(one)(q, k, v)
+
+    results["vmapped-batch+heads"] = compare(vmapped, (q, k, v), LAYOUTS["batch+heads"], auto_mesh())
+    return results
 
 
 def check_pallas_gpu_auto_all():
