@@ -90,3 +90,23 @@ def test_pallas_gpu_on_shards_float32():
 @pytest.mark.slow  # the TPU kernels interpreted on every shard (x64 off: splash refuses it)
 def test_pallas_tpu_on_shards():
     assert_equal_to_one_device(run_checks("pallas_tpu", x64=False)["pallas_tpu"], TOL["float32"])
+
+
+def test_one_device_program_is_unchanged():
+    """A call on one device is not split: lowered for CUDA (cross_platform_lowering), its program holds the kernel
+    and neither a custom_partitioning call nor a shard_map (the Auto path only starts on a multi-device mesh)."""
+    import jax
+    import jax.numpy as jnp
+
+    import jaxattn
+
+    q = jax.ShapeDtypeStruct((2, 128, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 128, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        return jnp.sum(jaxattn.dot_product_attention(q, k, v, is_causal=True).astype(jnp.float32))
+
+    with jaxattn.cross_platform_lowering():
+        text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=("cuda",)).as_text()
+    assert "__gpu$xla.gpu.triton" in text  # the kernels
+    assert "CustomSPMDPartitioning" not in text and "sdy.manual_computation" not in text
