@@ -120,7 +120,9 @@ class Case:
     arrays: array options given as program inputs: "lengths" (key_value_seq_lengths [B]), "segments"
     (query/key segment ids [B,T] / [B,S]), "sinks" ([N] float32, differentiated).
     flex: "score_mod" (an ALiBi-like distance penalty), "mask_mod" (causal sliding window of 256),
-    "block_mask" (that mask_mod as a create_block_mask BlockMask, 128-wide tiles, with the score_mod).
+    "block_mask" (that mask_mod as a create_block_mask BlockMask, 128-wide tiles, with the score_mod);
+    "block_mask default tiles" (a causal sliding window of 512 as a create_block_mask BlockMask in its default
+    tiles, 512 x 512 at T = S = 4096, with the score_mod: issue 51 §2).
     scheme: "t5" (t5_attention, causal buckets: a [32,N] float32 table, differentiated), "alibi"
     (alibi_attention: [N] float32 slopes, differentiated) or "window" (window_attention over 7x7 windows, T = 49,
     the windows along B: a [169,N] float32 table, differentiated; with "segments", Swin's shifted regions),
@@ -308,6 +310,17 @@ CASES = [
     Case("flex mask_mod", N=4, flex="mask_mod"),
     Case("flex block_mask", T=2048, N=4, flex="block_mask", memory=("forward",)),
     Case("flex block_mask f32 H64", T=512, N=2, H=64, dtype="float32", flex="block_mask"),
+    # create_block_mask's default tiles were the GPU kernels' tiles: 512 x 512 asked 657408 bytes of the H100's
+    # 232448 of shared memory in the backward (issue 51 §2; the A100's: 395264 of 166912); the GPU kernels take
+    # sub-tiles of them now (flash_gpu.mask_sub_tiles). GPU only: the TPU flex kernel keeps the mask's tiles
+    Case(
+        "flex block_mask default tiles",
+        T=4096,
+        N=8,
+        flex="block_mask default tiles",
+        programs=FWD_BWD,
+        platforms=("gpu",),
+    ),
     # at the bound of one head's keys and values held whole: S x (H + Hv) x 2 bytes = 8 MiB of VMEM
     # (tpu_backward.MAX_ROWS_BYTES; issue 36 saw an overrun at this size, which no longer reproduces); past it
     # the keys are streamed a tile at a time (tpu_refs.Streamed), the dk/dv kernel's queries likewise
@@ -332,6 +345,7 @@ SECOND = (
     "causal H256 GQA 8/2",
     "decode",
     "flex block_mask",
+    "flex block_mask default tiles",
     "cudnn causal",
     "t5 causal",
     "alibi causal",
@@ -357,6 +371,7 @@ CI_FIRST = {
     "decode": ("forward",),
     "flex score_mod": FWD_BWD,
     "flex block_mask": PROGRAMS,
+    "flex block_mask default tiles": FWD_BWD,
     "flex S=16k at the VMEM bound": ("forward",),
     "t5 causal": FWD_BWD,
     "alibi causal": FWD_BWD,
@@ -431,6 +446,10 @@ def sliding_causal(b, n, t, s):
     return (s <= t) & (t - s < 256)
 
 
+def sliding_causal_512(b, n, t, s):
+    return (s <= t) & (t - s < 512)
+
+
 SHAW_DISTANCE = 64  # the "shaw" scheme's clip: 129 table rows
 DEBERTA_BUCKETS = dict(position_buckets=256, max_relative_positions=512)  # DeBERTa-v3's: 512 table rows
 
@@ -474,6 +493,9 @@ def attention_program(case: Case, platform: str, program: str, scale: int):
         mods = dict(mask_mod=sliding_causal)
     elif case.flex == "block_mask":  # built outside the program, as users do
         block_mask = jaxattn.create_block_mask(sliding_causal, None, None, T, S, block_size=128)
+        mods = dict(score_mod=distance_penalty, block_mask=block_mask)
+    elif case.flex == "block_mask default tiles":
+        block_mask = jaxattn.create_block_mask(sliding_causal_512, None, None, T, S)
         mods = dict(score_mod=distance_penalty, block_mask=block_mask)
 
     def call(floats, ints):

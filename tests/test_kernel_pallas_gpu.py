@@ -56,6 +56,20 @@ def _case(name):
             dict(block_mask=block_mask, is_causal=True, return_lse=True),
             {"slope": jnp.asarray(rng.uniform(0.1, 1.0, N), jnp.float32)},
         )
+    if name == "block_mask_sub_tiles":  # tiles of 32 x 48: the kernels take 16 x 16 sub-tiles of them (prepare)
+        batch, T, S, N, K, H, Hv = (), 67, 101, 3, 1, 5, 3
+        kinds = rng.integers(0, 3, (1, N, 3, 3))
+        kinds[0, :, 0, 2] = 0  # an empty tile for every head, past its diagonal
+        kinds[0, 0, 2, 1] = 2  # a full tile: its sub-tiles skip mask_mod
+        block_mask = jaxattn.BlockMask.from_kv_blocks(
+            *_tile_lists(kinds), block_size=(32, 48), query_length=T, key_length=S, mask_mod=_band
+        )
+        return (
+            (batch, T, S, N, K, H, Hv),
+            None,
+            dict(block_mask=block_mask, return_lse=True),
+            {"slope": jnp.asarray(rng.uniform(0.1, 1.0, N), jnp.float32)},
+        )
     raise KeyError(name)
 
 
@@ -121,6 +135,33 @@ def _compare(got, expected, out_tol, grad_tol):
 def test_kernel_equals_dense(case):
     got = _run("kernel", case)
     _compare(got, _run("dense", case), OUT_TOL, GRAD_TOL)
+
+
+def test_block_mask_sub_tiles_equal_dense():
+    # each kernel tile inside one BlockMask tile, with its kind: empty ones skipped, full ones without mask_mod
+    _compare(_run("kernel", "block_mask_sub_tiles"), _run("dense", "block_mask_sub_tiles"), OUT_TOL, GRAD_TOL)
+
+
+@pytest.mark.parametrize(
+    "mask_tiles, H, dtype, tiles",
+    [
+        ((512, 512), 128, jnp.bfloat16, (128, 32)),  # create_block_mask's default at T = 4096: issue 51 §2
+        ((128, 128), 128, jnp.bfloat16, (128, 32)),
+        ((128, 128), 64, jnp.bfloat16, (128, 64)),
+        ((64, 16), 128, jnp.float32, (16, 16)),  # 16 x 64 wanted; 64 does not divide 16: the mask's 16 kept
+        ((16, 16), 256, jnp.bfloat16, (16, 16)),
+    ],
+)
+def test_block_mask_tiles_on_a_gpu(mask_tiles, H, dtype, tiles):
+    """A BlockMask's tiles hold the GPU kernels' (mask_sub_tiles): the head dim's tiles where they divide the
+    mask's. Its 512 x 512 tiles forced onto the backward asked 657408 bytes of an H100's 232448 of shared memory
+    at head dim 128 bf16 (.ci/compile_targets.py's "flex block_mask 512 tiles" compiles it)."""
+    T = 4096
+    block_mask = jaxattn.create_block_mask(lambda b, n, t, s: s <= t, None, None, T, T, block_size=mask_tiles)
+    q = jnp.zeros((1, T, 2, H), dtype)
+    p = flash_gpu.prepare(AttentionCall(block_mask=block_mask), q, q, q, False)
+    assert (p.cfg.Tb, p.cfg.Sb) == tiles
+    assert p.side.order.shape[-2:] == (T // tiles[0], T // tiles[1])  # one key-tile schedule per kernel tile
 
 
 # ---------------------------------------------------------------------------------------------------------

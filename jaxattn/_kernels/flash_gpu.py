@@ -850,6 +850,22 @@ def tile_sizes(block_size, T: int, S: int, Hp: int, interpret: bool, itemsize: i
     return tuple(min(b, max(floor, next_power_of_two(L))) for b, L in zip(wanted, (T, S)))
 
 
+def mask_sub_tiles(mask_tiles, wanted) -> tuple:
+    """(Tb, Sb) of the kernels under a BlockMask of mask_tiles: per axis the wanted tile (tile_sizes') where it
+    divides the mask's, else the mask's own. Each kernel tile then lies inside one mask tile and takes its kind
+    (sub_tile_kinds), so the mask's skipping stays exact, and a coarse BlockMask (create_block_mask's default
+    at T = 4096 is 512 x 512) does not force tiles whose backward overruns shared memory."""
+    return tuple(w if m % w == 0 else m for m, w in zip(mask_tiles, wanted))
+
+
+def sub_tile_kinds(kinds, ratios, Tn: int, Sn: int):
+    """A BlockMask's kinds [B,N,Tm,Sm] -> the kernels' [B,N,Tn,Sn]: each mask tile's kind repeated over the
+    ratios = (rows, columns) of kernel tiles it holds; the repeats past T / S (a last mask tile that runs past
+    them) dropped."""
+    rows, columns = ratios
+    return jnp.repeat(jnp.repeat(kinds, rows, axis=2), columns, axis=3)[:, :, :Tn, :Sn]
+
+
 def padded_head(H: int, interpret: bool) -> int:
     return next_power_of_two(H) if interpret else max(MIN_GPU_BLOCK, next_power_of_two(H))
 
@@ -1076,7 +1092,8 @@ def prepare(
     call: AttentionCall, query, key, value, interpret, blocks=None, head_multiple=None, unpadded=False
 ) -> Prepared:
     """Checks, tiles, layout and key-tile schedules of one call for the flash kernels (forward_kernel's
-    inputs). blocks: (Tb, Sb) instead of tile_sizes' (a BlockMask's tiles still win); head_multiple: pad
+    inputs). blocks: (Tb, Sb) instead of tile_sizes' (a BlockMask's tiles still win; without blocks the kernels
+    take sub-tiles of them, mask_sub_tiles); head_multiple: pad
     head dims to a multiple of it (a TPU's lane width) rather than to a power of two; unpadded: q, k, v as
     the caller's arrays (cfg.extents: the kernels mask what runs past them; the GPU flash kernels), else
     padded with zeros to whole tiles and the padded head dims."""
@@ -1086,7 +1103,7 @@ def prepare(
     batch, T, S, N, K, H, Hv = c[:7]
     B = int(np.prod(batch, dtype=np.int64))
     acc_dtype = accumulation_dtype(query.dtype)
-    if block_mask is not None:  # its tiles are the kernel's tiles; its own mask_mod applies (resolve)
+    if block_mask is not None:  # its tiles hold the kernels' (mask_sub_tiles); its own mask_mod applies (resolve)
         block_masks.check_block_mask(block_mask, B, N, T, S)
         block_size = check_block_mask_tiles(block_mask, block_size)
         mask_mod, block_mask = block_masks.resolve(mask_mod, block_mask)
@@ -1099,17 +1116,23 @@ def prepare(
     warps = gpu_tiles(max(Hp, Hvp), np.dtype(query.dtype).itemsize)[2]
     if blocks is not None:
         warps = 4 if max(Hp, Hvp) <= 64 else 8
+    tables = call.has_tables or call.row_tables is not None
+    itemsize = np.dtype(query.dtype).itemsize
     if blocks is not None and block_mask is None:
         Tb, Sb = blocks
-    else:
-        tables = call.has_tables or call.row_tables is not None
-        Tb, Sb = tile_sizes(block_size, T, S, max(Hp, Hvp), interpret, np.dtype(query.dtype).itemsize, tables)
+    elif blocks is None and block_mask is not None:  # sub-tiles of the mask's tiles, by head dim as without it
+        Tb, Sb = mask_sub_tiles(block_size, tile_sizes(None, T, S, max(Hp, Hvp), interpret, itemsize, tables))
+    else:  # block_size, the defaults, or a kernel's own tiles under a BlockMask (the mask's tiles win)
+        Tb, Sb = tile_sizes(block_size, T, S, max(Hp, Hvp), interpret, itemsize, tables)
     Tn, Sn = -(-T // Tb), -(-S // Sb)
     Tp, Sp = Tn * Tb, Sn * Sb
     q_pos, k_pos, lengths, q_seg, k_seg = padded_rows(c, Tp, Sp)
     score_fn = mods.element_function("score_mod", score_mod, acc_dtype)
     mask_fn = mods.element_function("mask_mod", mask_mod)
-    tile_kinds = None if block_mask is None else block_masks.tile_kinds(block_mask).astype(jnp.int32)
+    tile_kinds = None
+    if block_mask is not None:
+        ratios = (block_size[0] // Tb, block_size[1] // Sb)
+        tile_kinds = sub_tile_kinds(block_masks.tile_kinds(block_mask).astype(jnp.int32), ratios, Tn, Sn)
     score_consts = () if score_fn is None else tuple(jnp.asarray(c) for c in score_fn.consts)
     mask_consts = () if mask_fn is None else tuple(jnp.asarray(c) for c in mask_fn.consts)
 
