@@ -75,6 +75,7 @@ EXPECTED_CALLS = {
 EXPECTED_KERNELS = {
     ("v5e", "flex score_mod", "forward+backward"): "jaxattn_flex_tpu_dkv",
     ("v5e", "flex block_mask", "forward+backward"): "jaxattn_flex_tpu_dq",
+    ("v5e", "flex block_mask default tiles", "forward+backward"): "jaxattn_flex_tpu_dkv",
     ("v5e", "shaw causal", "forward+backward"): "jaxattn_flex_tpu_dkv",
     ("v5e", "deberta", "forward+backward"): "jaxattn_flex_tpu_dq",
     ("v5e", "deberta 16k", "forward+backward"): "jaxattn_flex_tpu_dq",  # the keys streamed a tile at a time
@@ -312,15 +313,8 @@ CASES = [
     Case("flex block_mask f32 H64", T=512, N=2, H=64, dtype="float32", flex="block_mask"),
     # create_block_mask's default tiles were the GPU kernels' tiles: 512 x 512 asked 657408 bytes of the H100's
     # 232448 of shared memory in the backward (issue 51 §2; the A100's: 395264 of 166912); the GPU kernels take
-    # sub-tiles of them now (flash_gpu.mask_sub_tiles). GPU only: the TPU flex kernel keeps the mask's tiles
-    Case(
-        "flex block_mask default tiles",
-        T=4096,
-        N=8,
-        flex="block_mask default tiles",
-        programs=FWD_BWD,
-        platforms=("gpu",),
-    ),
+    # sub-tiles of them now (flash_gpu.mask_sub_tiles); on a TPU the flex kernels keep the mask's tiles (they compile)
+    Case("flex block_mask default tiles", T=4096, N=8, flex="block_mask default tiles", programs=FWD_BWD),
     # at the bound of one head's keys and values held whole: S x (H + Hv) x 2 bytes = 8 MiB of VMEM
     # (tpu_backward.MAX_ROWS_BYTES; issue 36 saw an overrun at this size, which no longer reproduces); past it
     # the keys are streamed a tile at a time (tpu_refs.Streamed), the dk/dv kernel's queries likewise
