@@ -296,13 +296,13 @@ def test_under_vmap_and_grad(implementation):
 @pytest.mark.slow  # the default group's TPU Shaw case runs both through the kernel
 def test_tpu_diagonals_and_their_inverse_against_numpy():
     """tpu_refs.diagonals: tile[r, c] = lanes[r, offset + R - 1 - r + c] (rows that differ: QA's lanes), and
-    undiagonals, its inverse: out[r, offset + R - 1 - r + c] = tile[r, c] (R - 1 - r rolled bit by bit),
+    undiagonals, its inverse: out[r, offset + R - 1 - r + c] = tile[r, c] (R - 1 - r rolled in steps),
     for offsets at both ends of a lane tile, on the interpreter's tiles and a TPU's, in the interpreter (the
     Mosaic lowering: .ci/compile_targets.py's "shaw causal")."""
     from jax.experimental import pallas as pl
 
     rng = np.random.default_rng(3)
-    for R, C in ((16, 16), (128, 128), (16, 40)):
+    for R, C in ((16, 16), (128, 128), (16, 40), (20, 16)):  # 20: rows in no vreg's 8
         W = tpu_refs.window(R, C)
         offsets = np.array([0, 1, 77, 127], np.int32)
         lanes = rng.normal(size=(R, W)).astype(np.float32)

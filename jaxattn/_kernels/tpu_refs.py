@@ -13,6 +13,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 LANES = 128
+SUBLANES = 8  # the rows of a 32-bit vreg
 # An input or output left in HBM (memory space ANY): the kernel copies what it needs itself (Streamed, tpu_pairs).
 IN_HBM = pl.BlockSpec(memory_space=pl.ANY)
 
@@ -115,12 +116,16 @@ def undiagonals(tile, offset, W: int):
     """[R,W]: diagonals' inverse, out[r, offset + (R - 1 - r) + c] = tile[r, c] (zeros elsewhere): row r
     rolled right by offset + R - 1 - r, one lane less per row. A stride of -1 has no static roll either
     (pltpu.roll takes no negative stride, and Mosaic refuses W - 1: a shift past a vreg's 128 lanes within its
-    8 rows), so: the traced offset, the same for every row, then R - 1 - r bit by bit, a static roll by 2^b
-    taken by the rows whose R - 1 - r has bit b (log2 R rolls and selects, data movement only: exact)."""
+    8 rows), so, data movement only (exact): the traced offset, the same for every row; then, with rows
+    r = 8 g + s (a vreg's 8 sublanes; 1 row per group where R is no multiple of 8), each group's static
+    R - 8 - 8 g and the rest, 7 - s, bit by bit (a static roll by 2^b taken by the rows whose 7 - s has bit b):
+    five rolls and three selects over the tile (R - 1 - r bit by bit would be 1 + log2 R rolls and log2 R)."""
     R, C = tile.shape
     out = jnp.concatenate([tile, jnp.zeros((R, W - C), tile.dtype)], axis=1)
     out = pltpu.roll(out, offset, 1)  # offset in 0..W - R - C + 1
-    back = (R - 1) - lax.broadcasted_iota(jnp.int32, (R, W), 0)  # row r's rotation still to do
-    for b in range((R - 1).bit_length()):
-        out = jnp.where((back & (1 << b)) != 0, pltpu.roll(out, 1 << b, 1), out)
+    h = SUBLANES if R % SUBLANES == 0 else 1  # rows r = g + s, g a multiple of h, s < h
+    out = jnp.concatenate([pltpu.roll(out[g : g + h], R - h - g, 1) for g in range(0, R, h)], axis=0)
+    rest = (h - 1) - lax.broadcasted_iota(jnp.int32, (R, W), 0) % h  # row r's rotation still to do
+    for b in range((h - 1).bit_length()):
+        out = jnp.where((rest & (1 << b)) != 0, pltpu.roll(out, 1 << b, 1), out)
     return out
