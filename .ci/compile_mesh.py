@@ -194,25 +194,29 @@ def model_rows(mesh, target, family) -> list[tuple[dict, dict]]:
         for implementation in (engine, None):
             fn, args = build(model_of(implementation))
             row = dict(target=target, mode="auto", layout=f"{name}, 2 layers", program=f"{program} ({implementation})")
-            try:
-                with jaxattn.cross_platform_lowering():
-                    compiled = jax.jit(fn).lower(*args).compile()
-            except Exception as error:  # a row's failure is its result
-                pair.append(dict(row, status="error", error=f"{type(error).__name__}: {str(error)[:300]}"))
-                continue
-            text, memory = compiled.as_text(), compiled.memory_analysis()
-            pair.append(
-                dict(
-                    row,
-                    status="ok",
-                    kernels=len(re.findall(KERNEL_CALLS, text)),
-                    all_gathers=sum(" all-gather(" in ln or " all-gather-start(" in ln for ln in text.splitlines()),
-                    temp_mib=round(memory.temp_size_in_bytes / 2**20, 2),
-                    argument_mib=round(memory.argument_size_in_bytes / 2**20, 2),
-                )
-            )
+            with jaxattn.cross_platform_lowering():
+                pair.append(compiled_row(row, fn, args))
         pairs.append(tuple(pair))
     return pairs
+
+
+def compiled_row(row: dict, fn, args) -> dict:
+    """row with what fn compiled for args holds: its kernel calls, all-gathers and per-device bytes (or the error
+    it failed with: a row's failure is its result)."""
+    try:
+        compiled = jax.jit(fn).lower(*args).compile()
+    except Exception as error:
+        return dict(row, status="error", error=f"{type(error).__name__}: {str(error)[:300]}")
+    text, memory = compiled.as_text(), compiled.memory_analysis()
+    return dict(
+        row,
+        status="ok",
+        kernels=len(re.findall(KERNEL_CALLS, text)),
+        all_gathers=sum(" all-gather(" in line or " all-gather-start(" in line for line in text.splitlines()),
+        temp_mib=round(memory.temp_size_in_bytes / 2**20, 2),
+        argument_mib=round(memory.argument_size_in_bytes / 2**20, 2),
+        output_mib=round(memory.output_size_in_bytes / 2**20, 2),
+    )
 
 
 def compile_row(mesh, mode, layout, name, fn) -> dict:
@@ -221,22 +225,8 @@ def compile_row(mesh, mode, layout, name, fn) -> dict:
         jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
         for shape in ((B, T, N, H), (B, T, K, H), (B, T, K, H))
     ]
-    row = dict(mode=mode, layout=layout, program=name)
-    try:
-        with jax.set_mesh(mesh), jaxattn.cross_platform_lowering():
-            compiled = jax.jit(fn).lower(*args).compile()
-    except Exception as error:  # a row's failure is its result
-        return dict(row, status="error", error=f"{type(error).__name__}: {str(error)[:300]}")
-    text = compiled.as_text()
-    memory = compiled.memory_analysis()
-    return dict(
-        row,
-        status="ok",
-        kernels=len(re.findall(KERNEL_CALLS, text)),
-        all_gathers=sum(" all-gather(" in line or " all-gather-start(" in line for line in text.splitlines()),
-        temp_mib=round(memory.temp_size_in_bytes / 2**20, 2),
-        output_mib=round(memory.output_size_in_bytes / 2**20, 2),
-    )
+    with jax.set_mesh(mesh), jaxattn.cross_platform_lowering():
+        return compiled_row(dict(mode=mode, layout=layout, program=name), fn, args)
 
 
 def main(argv=None):

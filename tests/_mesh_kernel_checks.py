@@ -20,8 +20,6 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import contextlib  # noqa: E402
-import json  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -31,7 +29,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # noqa: E4
 jax.config.update("jax_enable_x64", os.environ.get("MESH_CHECKS_X64", "1") == "1")
 
 import jaxattn  # noqa: E402
-from helpers import assert_float64, normwise  # noqa: E402  (tests/helpers.py: this script's folder is on sys.path)
+from helpers import assert_float64, normwise, print_check_results  # noqa: E402  (tests/helpers.py: this script's folder is on sys.path)
 
 # The layouts of the issue: batch, heads, both, and batch over both axes (FSDP-style).
 LAYOUTS = {
@@ -338,18 +336,5 @@ CHECKS = {
 }
 
 
-def main(names):
-    assert len(jax.devices()) == 8, jax.devices()
-    results = {}
-    for name in names or CHECKS:
-        start = time.perf_counter()
-        try:
-            results[name] = CHECKS[name]()
-        except Exception as error:  # reported per check, so one failure does not hide the others
-            results[name] = {"error": f"{type(error).__name__}: {error}"}
-        results[name]["seconds"] = round(time.perf_counter() - start, 2)
-    print(json.dumps(results))
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    print_check_results(CHECKS, sys.argv[1:])

@@ -18,8 +18,6 @@ os.environ["XLA_FLAGS"] = (
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-import json  # noqa: E402
-import time  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -29,7 +27,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 jax.config.update("jax_enable_x64", True)
 
 import jaxattn  # noqa: E402
-from helpers import normwise  # noqa: E402  (tests/helpers.py: this script's folder is first on sys.path)
+from helpers import normwise, print_check_results  # noqa: E402  (tests/helpers.py: this script's folder is first on sys.path)
 
 COLLECTIVES = ("collective-permute", "all-gather", "all-to-all", "all-reduce", "reduce-scatter")
 
@@ -427,18 +425,5 @@ CHECKS = {
 }
 
 
-def main(names):
-    assert len(jax.devices()) == 8, jax.devices()
-    results = {}
-    for name in names or CHECKS:
-        start = time.perf_counter()
-        try:
-            results[name] = CHECKS[name]()
-        except Exception as error:  # reported per check, so one failure does not hide the others
-            results[name] = {"error": f"{type(error).__name__}: {error}"}
-        results[name]["seconds"] = round(time.perf_counter() - start, 2)
-    print(json.dumps(results))
-
-
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    print_check_results(CHECKS, sys.argv[1:])

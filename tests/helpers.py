@@ -19,6 +19,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -490,3 +491,19 @@ def delta_rule_reference(q, k, v, g, beta, initial_state=None, *, scale=None):
         S = S + k[:, t, :, :, None] * delta[:, :, None, :]
         outs.append(jnp.einsum("bnh,bnhv->bnv", scale * q[:, t], S))
     return jnp.stack(outs, axis=1), S
+
+
+def print_check_results(checks: dict, names, devices: int = 8):
+    """The multi-device check scripts' main (tests/_sharding_checks.py, tests/_mesh_kernel_checks.py): run each
+    named check (all without names) and print one JSON object {name: result}, each with its seconds; a check
+    that raises reports its error, so one failure does not hide the others."""
+    assert len(jax.devices()) == devices, jax.devices()
+    results = {}
+    for name in names or checks:
+        start = time.perf_counter()
+        try:
+            results[name] = checks[name]()
+        except Exception as error:  # reported per check
+            results[name] = {"error": f"{type(error).__name__}: {error}"}
+        results[name]["seconds"] = round(time.perf_counter() - start, 2)
+    print(json.dumps(results))
