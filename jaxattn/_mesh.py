@@ -4,17 +4,26 @@ XLA cannot partition a Pallas kernel: Mosaic refuses ("Mosaic kernels cannot be 
 a Triton call has no sharding rule, so XLA gathers q, k and v around it and runs the whole call on every
 device. Attention is independent per batch entry and per head, so a call splits exactly along those dims:
 every device runs the kernel, unchanged, on its batch rows and its query heads (and the key/value heads they
-read), inside `jax.shard_map` over the axes that split them, and the output leaves split the same way. Nothing
-is gathered, and each device holds its share of the output and of the kernel's temporaries.
+read), and the output leaves split the same way. Nothing is gathered, and each device holds its share of the
+output and of the kernel's temporaries (docs/design.md, "Kernels on a mesh").
 
-How a call is split is read from the inputs' types: under an Explicit mesh (`jax.set_mesh` over
-`AxisType.Explicit` axes) every array carries its PartitionSpec. Auto axes carry none at trace time; there the
-kernel is not split here (docs/design.md, "Kernels on a mesh").
+How a call splits (a Split: the query's batch and head entries) comes from one of two places:
+
+    Explicit axes   (jax.set_mesh over AxisType.Explicit) the inputs' types carry their PartitionSpecs: the call
+                    runs in jax.shard_map (on_mesh), the kernels' own custom VJPs inside
+    Auto axes       (a multi-device NamedSharding under jax.jit) the types name only the mesh: the call is a
+                    custom_partitioning call whose rule reads the query's sharding from XLA's partitioner and
+                    runs the same shard function (on_auto_mesh); its backward a second one, the VJP of the
+                    shard's forward
+
+What a shard receives (Plan, SideInput):
 
     query [...,T,N,H]   batch dims and N as the query is split; T and H must not be split
     key / value         batch dims as the query's; K with N where it divides the head split, else each device
-                        takes the key/value heads its query heads read (below)
-    side inputs         lengths, positions and segment ids with the batch; sinks with the batch and heads
+                        takes the key/value heads its query heads read
+    side inputs         lengths, positions and segment ids with the batch; sinks with the batch and heads;
+                        Shaw tables with the heads (or whole); a T5 / ALiBi / window bias as its rows [N,D] with
+                        the heads; a BlockMask's tiles with the batch and heads (Explicit axes)
     score_mod/mask_mod  called with the global batch and head indices (b, n): a shard's indices plus its offset
     out [...,T,N,Hv], lse [...,N,T]: split as the query
 
@@ -59,12 +68,12 @@ def _axes(entry) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class Split:
-    """How one call splits over an Explicit mesh: the batch dims' entries (the query's) and the heads'."""
+    """How one call splits over a mesh: the batch dims' entries (the query's) and the heads'."""
 
     batch: tuple  # one spec entry per query batch dim
     heads: object  # the spec entry of the query's N
     head_shards: int  # the number of devices the heads are split over
-    mesh: object  # the abstract mesh of the inputs' types
+    mesh: object  # the mesh: the inputs' types' (Explicit), the partitioner's (Auto)
 
     def spec(self, batch_dims, *rest) -> PartitionSpec:
         """The PartitionSpec of an array whose leading `batch_dims` (a tuple of sizes) align with the query's
