@@ -153,6 +153,24 @@ def test_fp8_partial_blocks_follow_the_format(shape):
         assert_same(got, expected[tuple(slice(a, b) for a, b in box)])
 
 
+def test_fp8_decoded_in_jax_equals_the_reference():
+    """quantized.fp8_matrix (inside jit, the kept FP8 kernels' decode) against the float64 reference on every
+    bit pattern, in partial blocks ([24, 40] over [16, 16]: the last row and column blocks half full) under
+    float32 and bfloat16 scales: float64 exact, float32 and bfloat16 the reference rounded once (bfloat16
+    through float32, as decode_fp8 and a dequantized load)."""
+    import jax
+
+    weight = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 16), (2, 3))[:24, :40].view(FP8)
+    for scale_dtype in (np.float32, ml_dtypes.bfloat16):
+        scale_inv = np.array([[0.5, 3.0, 2.0**-9], [1.25, 2.0**-20, 7.0]]).astype(scale_dtype)
+        expected = fp8_reference(weight, scale_inv, (16, 16))
+        for dtype in (np.float64, np.float32, ml_dtypes.bfloat16):
+            got = np.asarray(jax.jit(lambda w, s: quantized.fp8_matrix(w, s, (16, 16), dtype))(weight, scale_inv))
+            assert got.dtype == dtype
+            rounded = expected if dtype == np.float64 else expected.astype(np.float32).astype(dtype)
+            assert_same(got.astype(np.float64), rounded.astype(np.float64))
+
+
 # --- tiny quantized checkpoints (round to nearest, from the spec) -----------------------------------------------
 
 
@@ -382,10 +400,92 @@ def test_qwen3_fp8_loads_as_the_spec_decodes(tmp_path, hf, model_type):
     jax.tree.map(np.testing.assert_array_equal, params, from_state_dict(config, exact, dtype="float64")[1])
     _, params = from_pretrained(directory, dtype="float32")
     jax.tree.map(np.testing.assert_array_equal, params, from_pretrained(reference, dtype="float32")[1])
-    _, default = from_pretrained(directory)
+    _, default = from_pretrained(directory, dequantize=True)
     query = default["layers_0"]["self_attn"]["query"]["kernel"]
     assert query.dtype == ml_dtypes.bfloat16
     np.testing.assert_array_equal(query, params["layers_0"]["self_attn"]["query"]["kernel"].astype(ml_dtypes.bfloat16))
+
+
+def _kept_floating_as(params, dtype):
+    """The plain floating leaves cast (kept FP8 kernels and their scales as they are)."""
+    import jax
+    from jax.tree_util import keystr
+
+    def cast(path, x):
+        kept = "kernel_fp8" in keystr(path) or "kernel_scale_inv" in keystr(path)
+        return x if kept or not np.issubdtype(x.dtype, np.floating) else x.astype(dtype)
+
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def test_qwen3_fp8_kept_kernels_equal_the_decoded_ones(tmp_path, hf):
+    """Qwen 3's FP8 kernels kept as stored (from_pretrained's default: kernel_fp8 float8_e4m3fn [out, in] and
+    kernel_scale_inv float32, partial blocks on every edge of [32, 36]) give the logits of the load-time decode
+    bit for bit, and the gradients too in float32: float32 (the model at dtype float32 against dtype="float32"'s
+    params) and bfloat16 (against dequantize=True's bf16 kernels); model.init lays out the same leaves; 1 byte a
+    value and 4 a block against bf16's 2 bytes a value."""
+    import jax
+    import jax.numpy as jnp
+
+    directory = write_fp8(tmp_path / "fp8", hf, "qwen3", (32, 36))[0]
+    ids, mask = hf.padded_batch("left")
+    model, kept = from_pretrained(directory)
+    layer = kept["layers_0"]
+    out = layer["self_attn"]["out"]["kernel_fp8"]
+    assert (out.dtype, out.shape) == (FP8, (48, 96))
+    assert layer["down_proj"]["kernel_scale_inv"].dtype == np.float32
+    assert layer["down_proj"]["kernel_scale_inv"].shape == (2, 3)  # [48, 80] over [32, 36]: partial both ways
+    shapes = jax.eval_shape(model.init, jax.random.key(0), ids)["params"]
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == jax.tree.map(lambda x: (x.shape, x.dtype), kept)
+
+    def loss(model, params):
+        logits = model.apply({"params": params}, ids, attention_mask=mask)
+        return jnp.sum(jnp.sin(logits.astype(jnp.float32))), logits
+
+    def norms(params):  # the plain leaves' gradients (the kept FP8 ones are data, not trained)
+        return {k: v for k, v in params["layers_0"].items() if "layernorm" in k} | {"norm": params["norm"]}
+
+    for dtype, decoded in (("float32", dict(dtype="float32")), ("bfloat16", dict(dequantize=True))):
+        plain_model, plain = from_pretrained(directory, **decoded)
+        kept_model = model.clone(dtype=jnp.float32) if dtype == "float32" else model
+        ours, theirs = _kept_floating_as(kept, dtype), jax.tree.map(lambda x: x.astype(dtype), plain)
+        if dtype == "float32":  # gradients too (bfloat16: the logits, the same program in another dtype)
+            (_, got), grads = jax.value_and_grad(lambda p: loss(kept_model, p), has_aux=True)(ours)
+            (_, want), plain_grads = jax.value_and_grad(lambda p: loss(plain_model, p), has_aux=True)(theirs)
+            jax.tree.map(np.testing.assert_array_equal, norms(grads), norms(plain_grads))
+        else:
+            got, want = loss(kept_model, ours)[1], loss(plain_model, theirs)[1]
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+    def kernel_bytes(params):
+        leaves = jax.tree_util.tree_leaves_with_path(params)
+        return sum(x.nbytes for k, x in leaves if "kernel" in jax.tree_util.keystr(k))
+
+    E, NH, KH, F = 48, 96, 32, 80  # write_checkpoint's tiny qwen3
+    weights = [(NH, E), (KH, E), (KH, E), (E, NH), (F, E), (F, E), (E, F)]  # q, k, v, o, gate, up, down [out, in]
+    layer_values = sum(r * c for r, c in weights)
+    grid = sum(math.ceil(r / 32) * math.ceil(c / 36) for r, c in weights)
+    assert kernel_bytes(layer) == layer_values + 4 * grid
+    assert kernel_bytes(from_pretrained(directory, dequantize=True)[1]["layers_0"]) == 2 * layer_values
+
+
+def test_fp8_kept_params_write_back_byte_for_byte(tmp_path, hf):
+    """to_pretrained of the kept FP8 params writes the file it read (every tensor's bytes and dtype) and the
+    quantization_config as it was; the directory reads back to the same params."""
+    import jax
+
+    directory = write_fp8(tmp_path / "fp8", hf, "qwen3", (32, 36))[0]
+    model, params = from_pretrained(directory)
+    out = to_pretrained(model, params, tmp_path / "out")
+    read, written = load_safetensors(directory / "model.safetensors"), load_safetensors(out / "model.safetensors")
+    assert sorted(read) == sorted(written)
+    for name in read:
+        assert read[name].dtype == written[name].dtype and read[name].tobytes() == written[name].tobytes(), name
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config == json.loads((directory / "config.json").read_text())["quantization_config"]
+    again = from_pretrained(out)[1]
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8)), again, params)
 
 
 def test_sharded_load_reads_the_same_numbers(tmp_path, hf):
@@ -396,7 +496,7 @@ def test_sharded_load_reads_the_same_numbers(tmp_path, hf):
 
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
     mxfp4, fp8 = write_mxfp4_gpt_oss(tmp_path / "mxfp4", hf), write_fp8(tmp_path / "fp8", hf, "qwen3", (16, 8))[0]
-    for directory, dtype in ((mxfp4, "float32"), (mxfp4, None), (fp8, "float32")):
+    for directory, dtype in ((mxfp4, "float32"), (mxfp4, None), (fp8, "float32"), (fp8, None)):
         _, dense = from_pretrained(directory, dtype=dtype)
         _, sharded = from_pretrained(directory, dtype=dtype, mesh=mesh)
         jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), b), sharded, dense)

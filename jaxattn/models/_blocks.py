@@ -15,9 +15,10 @@ import functools
 from collections.abc import Callable
 
 import flax.linen as nn
+import jax.numpy as jnp
 
 from ..linen import RoPE
-from . import _activation_layout
+from . import _activation_layout, quantized
 from ._decoder import Configured
 from ._norms import RMSNorm
 
@@ -35,7 +36,12 @@ def self_attention(block: PreNormBlock, x, mask, positions, decode: bool, window
     if factor != 1.0:
         options["scale"] = options.get("scale", d["H"] ** -0.5) * factor**2
     rope = options.pop("rope", RoPE(frequencies=frequencies))  # a family's own RoPE (layout), or None: no RoPE
-    attention_layer = _activation_layout.attention_class(block.sharding)
+    N, K, H, E = d["N"], d["K"], d["H"], d["E"]
+    attention_layer = kept_fp8(
+        block,
+        _activation_layout.attention_class(block.sharding),
+        {("query",): ((E, N, H), 1), ("key",): ((E, K, H), 1), ("value",): ((E, K, H), 1), ("out",): ((N, H, E), 2)},
+    )
     attention = attention_layer(
         num_heads=d["N"],
         num_kv_heads=d["K"],
@@ -58,11 +64,29 @@ def gated_mlp(block: Configured, x, activation: Callable, features: int | None =
     features: its intermediate width (default: the config's F)."""
     c, d = block.config, block.config.dims()
     F = d["F"] if features is None else features
-    dense = functools.partial(
-        nn.Dense, use_bias=c.mlp_bias, dtype=block.dtype, param_dtype=block.param_dtype, precision=block.precision
-    )
-    h = activation(dense(F, name="gate_proj")(x)) * dense(F, name="up_proj")(x)
-    return dense(d["E"], name="down_proj")(h)
+    E = d["E"]
+
+    def dense(inputs: int, features: int, name: str):
+        layer = kept_fp8(block, nn.Dense, {(): ((inputs, features), 1)})
+        options = dict(dtype=block.dtype, param_dtype=block.param_dtype, precision=block.precision)
+        return layer(features, use_bias=c.mlp_bias, name=name, **options)
+
+    h = activation(dense(E, F, "gate_proj")(x)) * dense(E, F, "up_proj")(x)
+    return dense(F, E, "down_proj")(h)
+
+
+def kept_fp8(block: Configured, layer_class, layouts: dict):
+    """layer_class as `block` builds it: as it is, or, when the config keeps block-FP8 weights (fp8_block: the
+    checkpoint's weight_block_size), storing each kernel as the checkpoint does (kernel_fp8 [out, in] float8_e4m3fn
+    and kernel_scale_inv [ceil(out / br), ceil(in / bc)] float32) and decoding it as the layer is applied
+    (quantized.fp8_kernels: to the block's dtype, else bfloat16, as a dequantized load's params are).
+    layouts: {the kernel's path in the layer's params: (its shape, its leading input axes)}."""
+    fp8 = block.config.fp8_block
+    if fp8 is None:
+        return layer_class
+    decode = functools.partial(quantized.fp8_kernels, block=fp8, layouts=layouts, dtype=block.dtype or jnp.bfloat16)
+    placeholders = functools.partial(quantized.fp8_placeholders, block=fp8, layouts=layouts)
+    return nn.map_variables(layer_class, "params", decode, placeholders, init=block.is_initializing())
 
 
 class PreNormBlock(Configured):

@@ -78,6 +78,9 @@ class DecoderConfig:
     mlp_bias: bool = False
     rope_frequencies: tuple = ()  # the inverse frequencies [H/2] (rope_frequencies of the config)
     rope_attention_factor: float = 1.0  # HF's attention_scaling: cos and sin scaled by it (yarn)
+    # block-FP8 weights kept as the checkpoint stores them (its weight_block_size; _blocks.kept_fp8), None: plain
+    # kernels (only Qwen 3 sets it)
+    fp8_block: tuple[int, int] | None = None
     windows: tuple = ()  # per layer: HF's sliding_window W (the query and W - 1 before) or None
     # every attention call's implementation= (jaxattn.dot_product_attention; None: per platform); not in config.json
     implementation: str | None = dataclasses.field(default=None, compare=False)

@@ -49,6 +49,15 @@ DECODER_RULES = (
     ("*/gate_proj/bias", P("model")),
     ("*/up_proj/bias", P("model")),
     ("lm_head/kernel", P("data", "model")),
+    # kept block-FP8 kernels (Qwen 3's FP8 releases): the checkpoint's [out, in], split as the kernel's
+    # transpose; their scales (a [ceil(out / 128), ceil(in / 128)] grid) whole on every device, as "*" says
+    ("*/self_attn/query/kernel_fp8", P("model", "data")),
+    ("*/self_attn/key/kernel_fp8", P("model", "data")),
+    ("*/self_attn/value/kernel_fp8", P("model", "data")),
+    ("*/self_attn/out/kernel_fp8", P("data", "model")),
+    ("*/gate_proj/kernel_fp8", P("model", "data")),
+    ("*/up_proj/kernel_fp8", P("model", "data")),
+    ("*/down_proj/kernel_fp8", P("data", "model")),
     ("*", P()),
 )
 

@@ -182,7 +182,7 @@ def from_state_dict(
 
 
 # the quantized formats a family keeps packed in its params (else they are decoded as they are read)
-_KEPT_PACKED = {("gpt_oss", "mxfp4")}
+_KEPT_PACKED = {("gpt_oss", "mxfp4"), ("qwen3", "fp8")}
 
 
 def _plain(config: dict, form, tensors, files, dtype, dequantize: bool):

@@ -40,6 +40,7 @@ overflows (6 * 2^127 is inf, as in transformers); an FP8 value times a float32 s
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -56,6 +57,9 @@ __all__ = [
     "decode_mxfp4",
     "mxfp4_matrix",
     "decode_fp8",
+    "fp8_matrix",
+    "fp8_kernels",
+    "fp8_placeholders",
     "check_pairs",
     "plain_tensors",
 ]
@@ -140,6 +144,55 @@ def decode_fp8(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]
     scale = np.asarray(scale_inv).astype(compute)
     scale = np.repeat(np.repeat(scale, br, axis=-2)[..., :R, :], bc, axis=-1)[..., :C]
     return (weight.astype(compute) * scale).astype(dtype)
+
+
+def fp8_matrix(weight, scale_inv, block: tuple[int, int], dtype):
+    """decode_fp8 in jax, for inside a jitted matmul (the FP8 weights kept on the device): [..., R, C]
+    float8_e4m3fn and [..., ceil(R / br), ceil(C / bc)] scales -> [..., R, C] in `dtype`, the numbers
+    decode_fp8 gives (the product in float32, one rounding, for a float32 or narrower result; float64 else)."""
+    br, bc = block
+    R, C = weight.shape[-2:]
+    compute = jnp.float64 if jnp.dtype(dtype).itemsize > 4 else jnp.float32
+    scale = jnp.repeat(jnp.repeat(scale_inv.astype(compute), br, axis=-2)[..., :R, :], bc, axis=-1)[..., :C]
+    return (weight.astype(compute) * scale).astype(dtype)
+
+
+# a kept FP8 kernel's layout in a layer's params: (our kernel's shape, how many of its leading axes are inputs);
+# the checkpoint's [out, in] is the kernel's [in..., out...] flattened to 2 axes and transposed
+KernelLayout = tuple[tuple[int, ...], int]
+
+
+def fp8_kernels(variables: Mapping, block: tuple[int, int], layouts: Mapping[tuple, KernelLayout], dtype) -> dict:
+    """A layer's variables with each kept FP8 kernel (kernel_fp8 [out, in] as the checkpoint stores it, with
+    kernel_scale_inv) decoded into the plain `kernel` the layer reads (layouts: {its path in the params:
+    KernelLayout}); flax's map_variables calls it as the layer is applied, so the decode sits in the jitted
+    program beside the matmul (no plain copy is a param)."""
+
+    def walk(tree, path):
+        if "kernel_fp8" not in tree:
+            return {k: walk(v, (*path, k)) if isinstance(v, Mapping) else v for k, v in tree.items()}
+        rest = {k: v for k, v in tree.items() if k not in ("kernel_fp8", "kernel_scale_inv")}
+        shape, _ = layouts[path]
+        kernel = fp8_matrix(tree["kernel_fp8"], tree["kernel_scale_inv"], block, dtype).T.reshape(shape)
+        return {**rest, "kernel": kernel}
+
+    return {c: walk(v, ()) if c == "params" else v for c, v in variables.items()}
+
+
+def fp8_placeholders(variables: Mapping, block: tuple[int, int], layouts: Mapping[tuple, KernelLayout]) -> dict:
+    """fp8_kernels' inverse in shape, for init: each plain kernel a zero kernel_fp8 [out, in] with unit
+    scales (as MXFP4's packed params initialise to zeros: their values come from a checkpoint)."""
+
+    def walk(tree, path):
+        if "kernel" not in tree or path not in layouts:
+            return {k: walk(v, (*path, k)) if isinstance(v, Mapping) else v for k, v in tree.items()}
+        shape, inputs = layouts[path]
+        out, inp = math.prod(shape[inputs:]), math.prod(shape[:inputs])
+        grid = (-(-out // block[0]), -(-inp // block[1]))
+        rest = {k: v for k, v in tree.items() if k != "kernel"}
+        return {**rest, "kernel_fp8": jnp.zeros((out, inp), FP8), "kernel_scale_inv": jnp.ones(grid, jnp.float32)}
+
+    return {c: walk(v, ()) if c == "params" else v for c, v in variables.items()}
 
 
 # --- the formats -------------------------------------------------------------------------------------------
