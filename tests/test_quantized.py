@@ -155,17 +155,18 @@ def test_fp8_partial_blocks_follow_the_format(shape):
 
 def test_fp8_decoded_in_jax_equals_the_reference():
     """quantized.fp8_matrix (inside jit, the kept FP8 kernels' decode) against the float64 reference on every
-    bit pattern, in partial blocks ([24, 40] over [16, 16]: the last row and column blocks half full) under
+    bit pattern, in partial blocks ([24, 40] over [16, 12]: the last row block half full, the last column one a
+    third) under
     float32 and bfloat16 scales: float64 exact, float32 and bfloat16 the reference rounded once (bfloat16
     through float32, as decode_fp8 and a dequantized load)."""
     import jax
 
     weight = np.tile(np.arange(256, dtype=np.uint8).reshape(16, 16), (2, 3))[:24, :40].view(FP8)
     for scale_dtype in (np.float32, ml_dtypes.bfloat16):
-        scale_inv = np.array([[0.5, 3.0, 2.0**-9], [1.25, 2.0**-20, 7.0]]).astype(scale_dtype)
-        expected = fp8_reference(weight, scale_inv, (16, 16))
+        scale_inv = np.array([[0.5, 3.0, 2.0**-9, 96.0], [1.25, 2.0**-20, 7.0, 0.75]]).astype(scale_dtype)
+        expected = fp8_reference(weight, scale_inv, (16, 12))
         for dtype in (np.float64, np.float32, ml_dtypes.bfloat16):
-            got = np.asarray(jax.jit(lambda w, s: quantized.fp8_matrix(w, s, (16, 16), dtype))(weight, scale_inv))
+            got = np.asarray(jax.jit(lambda w, s: quantized.fp8_matrix(w, s, (16, 12), dtype))(weight, scale_inv))
             assert got.dtype == dtype
             rounded = expected if dtype == np.float64 else expected.astype(np.float32).astype(dtype)
             assert_same(got.astype(np.float64), rounded.astype(np.float64))
