@@ -11,6 +11,8 @@ on every query and key head after projection, before RoPE, so the cache holds no
 head_dim is its own setting (HF's default 128). attention_bias puts a bias on all four projections (none by
 default; no q/k/v-only biases as Qwen 2 has). Which layers slide: layer_types, with use_sliding_window
 (_decoder.use_sliding_window_layers, as Qwen 2). Rope types as _rope_config.rope_frequencies; others refused.
+The FP8 releases' projections (block FP8, quantization_config "fp8") stay as stored by default: fp8_block set,
+fp8_rows' kernel_fp8 / kernel_scale_inv params, decoded as each layer is applied (_blocks.kept_fp8).
 
 The stack, the causal-LM wrapper, the head, the decode cache and loading are the shared base's
 (jaxattn/models/_decoder.py, with the calling convention and the axis letters; blocks and norms: _blocks.py,
