@@ -471,12 +471,39 @@ def test_qwen3_fp8_kept_kernels_equal_the_decoded_ones(tmp_path, hf):
     assert kernel_bytes(from_pretrained(directory, dequantize=True)[1]["layers_0"]) == 2 * layer_values
 
 
-def test_fp8_kept_params_write_back_byte_for_byte(tmp_path, hf):
+def test_qwen3_moe_fp8_kept_experts_equal_the_decoded_ones(tmp_path, hf):
+    """Qwen3-MoE's FP8 kept as stored: attention as Qwen 3's, each expert projection one stacked kernel_fp8
+    [X,out,in] with kernel_scale_inv [X,ceil(out/32),ceil(in/36)] (moe.StackedDense decodes them); logits bit
+    for bit the decoded load's (float32 against dtype="float32", bf16 against dequantize=True); model.init
+    lays out the same leaves."""
+    import jax
+    import jax.numpy as jnp
+
+    directory = write_fp8(tmp_path / "fp8", hf, "qwen3_moe", (32, 36))[0]
+    ids, mask = hf.padded_batch("left")
+    model, kept = from_pretrained(directory)
+    down = kept["layers_0"]["mlp"]["experts"]["down_proj"]
+    assert (down["kernel_fp8"].dtype, down["kernel_fp8"].shape) == (FP8, (5, 48, 24))  # X=5, E=48, F=24
+    assert (down["kernel_scale_inv"].dtype, down["kernel_scale_inv"].shape) == (np.float32, (5, 2, 1))
+    assert kept["layers_0"]["self_attn"]["query"]["kernel_fp8"].dtype == FP8
+    shapes = jax.eval_shape(model.init, jax.random.key(0), ids)["params"]
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == jax.tree.map(lambda x: (x.shape, x.dtype), kept)
+    for dtype, decoded in (("float32", dict(dtype="float32")), ("bfloat16", dict(dequantize=True))):
+        plain_model, plain = from_pretrained(directory, **decoded)
+        kept_model = model.clone(dtype=jnp.float32) if dtype == "float32" else model
+        got = kept_model.apply({"params": _kept_floating_as(kept, dtype)}, ids, attention_mask=mask)
+        want = plain_model.apply({"params": jax.tree.map(lambda x: x.astype(dtype), plain)}, ids, attention_mask=mask)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_fp8_kept_params_write_back_byte_for_byte(tmp_path, hf, model_type):
     """to_pretrained of the kept FP8 params writes the file it read (every tensor's bytes and dtype) and the
     quantization_config as it was; the directory reads back to the same params."""
     import jax
 
-    directory = write_fp8(tmp_path / "fp8", hf, "qwen3", (32, 36))[0]
+    directory = write_fp8(tmp_path / "fp8", hf, model_type, (32, 36))[0]
     model, params = from_pretrained(directory)
     out = to_pretrained(model, params, tmp_path / "out")
     read, written = load_safetensors(directory / "model.safetensors"), load_safetensors(out / "model.safetensors")

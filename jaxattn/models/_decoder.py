@@ -168,6 +168,24 @@ class DecoderConfig:
         never runs either). Every other tensor the table does not know is still an error."""
         return False
 
+    def fp8_grid(self, d: Mapping[str, int]) -> dict[str, int]:
+        """With kept FP8 kernels, the scale grids of the checkpoint of dims `d`: each [out, in] weight's block
+        rows and columns ("{out}_r", "{in}_c", N*H as NH: ceil over weight_block_size; kept_fp8_rows' letters);
+        else {}."""
+        if self.fp8_block is None:
+            return {}
+        br, bc = self.fp8_block
+        sizes = {"E": d["E"], "F": d["F"], "NH": d["N"] * d["H"], "KH": d["K"] * d["H"]}
+        return {f"{a}_r": -(-n // br) for a, n in sizes.items()} | {f"{a}_c": -(-n // bc) for a, n in sizes.items()}
+
+    def fp8_quantization_config(self) -> dict:
+        """{"quantization_config": ...} for kept FP8 kernels (hf_config's, else the released files' keys), or {}."""
+        if self.fp8_block is None:
+            return {}
+        read = (self.hf_config or {}).get("quantization_config")
+        written = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
+        return {"quantization_config": read or {**written, "weight_block_size": list(self.fp8_block)}}
+
     def dims(self) -> dict[str, int]:
         N = self.num_attention_heads
         return {
@@ -178,6 +196,13 @@ class DecoderConfig:
             "H": self.head_dim or self.hidden_size // N,
             "F": self.intermediate_size,
         }
+
+
+def fp8_block(config: Mapping[str, Any]) -> tuple[int, int] | None:
+    """A block-FP8 checkpoint's weight_block_size (quantized.scheme has checked it), for DecoderConfig.fp8_block
+    of a family that keeps its FP8 kernels; None for any other checkpoint."""
+    q = config.get("quantization_config") or {}
+    return tuple(q["weight_block_size"]) if q.get("quant_method") == "fp8" else None
 
 
 def checked_window(window, source, expected: str) -> int:
@@ -511,6 +536,31 @@ def mlp_rows(config: DecoderConfig) -> list[weights.Row]:
             R("model.layers.{i}.mlp.down_proj.bias", ("E",), "layers_{i}/down_proj/bias", ("E",)),
         ),
     ]
+
+
+def kept_fp8_rows(rows: list[weights.Row]) -> list[weights.Row]:
+    """rows with every projection's weight (a row whose HF name ends in "proj.weight" and fills a kernel) kept in
+    block FP8: the weight [out, in] as stored into kernel_fp8, its weight_scale_inv [out_r, in_c] into
+    kernel_scale_inv (DecoderConfig.fp8_grid's letters; _blocks.kept_fp8 and moe.StackedDense decode them); a
+    stacked row (one tensor per expert) stacks both over its axis."""
+    out = []
+    for row in rows:
+        (target,) = row.targets
+        if not (row.name.endswith("proj.weight") and target.path.endswith("/kernel")):
+            out.append(row)
+            continue
+        o, i = row.shape
+        grid = (o.replace("*", "") + "_r", i.replace("*", "") + "_c")
+        kernel = target.path.removesuffix("/kernel")
+        for name, shape, leaf in (
+            (row.name, (o, i), "kernel_fp8"),
+            (row.name + "_scale_inv", grid, "kernel_scale_inv"),
+        ):
+            if row.stack is None:
+                out.append(weights.row(name, shape, f"{kernel}/{leaf}", shape))
+            else:
+                out.append(weights.stacked(name, shape, f"{kernel}/{leaf}", (row.stack, *shape), over=row.stack))
+    return out
 
 
 def tied_copy(

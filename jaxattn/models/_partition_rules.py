@@ -140,6 +140,8 @@ MOE_RULES = (
     ("*/mlp/experts/*/bias", P("model", None)),
     ("*/mlp/experts/*/kernel_blocks", P("model", None, None, None)),  # gpt-oss's packed MXFP4: by expert
     ("*/mlp/experts/*/kernel_scales", P("model", None, None)),
+    ("*/mlp/experts/*/kernel_fp8", P("model", None, None)),  # Qwen3-MoE's kept block FP8 [X,out,in]: by expert
+    ("*/mlp/experts/*/kernel_scale_inv", P("model", None, None)),
     ("*/mlp/router/kernel", P("data", None)),
     ("*/self_attn/sinks", P("model")),
     *DECODER_RULES,

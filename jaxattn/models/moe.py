@@ -6,6 +6,8 @@ an expert axis of a mesh.
         router/kernel [E,X]  (router/bias [X], gpt-oss)
         experts/gate_proj/kernel [X,E,F]   experts/up_proj/kernel [X,E,F]   experts/down_proj/kernel [X,F,E]
         (gpt-oss: experts/{gate_proj,up_proj}/bias [X,F], experts/down_proj/bias [X,E])
+        (kept quantized, each kernel instead: gpt-oss's MXFP4 kernel_blocks / kernel_scales, Qwen3-MoE's block
+        FP8 kernel_fp8 [X,out,in] / kernel_scale_inv; StackedDense decodes them before its einsum)
 
     logits r = x @ router (+ b)                                               [...,X], the "router" row
     routing weights w [...,X], zero off each token's top k:
@@ -139,6 +141,13 @@ class StackedDense(_decoder.Configured):
             scales = self.param("kernel_scales", zeros, (X, o, i // quantized.MX_GROUP), jnp.uint8)
             dtype = self.dtype or jnp.result_type(x, *([] if bias is None else [bias]))
             kernel = jnp.swapaxes(quantized.mxfp4_matrix(blocks, scales, dtype), -1, -2)  # [X,in,out]
+        elif self.config.fp8_block is not None:  # block FP8 [X,out,in] and its scales, decoded here
+            X, i, o = shape
+            (br, bc), zeros = self.config.fp8_block, nn.initializers.zeros
+            weight = self.param("kernel_fp8", zeros, (X, o, i), quantized.FP8)
+            scales = self.param("kernel_scale_inv", nn.initializers.ones, (X, -(-o // br), -(-i // bc)), jnp.float32)
+            dtype = self.dtype or jnp.bfloat16  # as _blocks.kept_fp8: what a dequantized load's kernels are
+            kernel = jnp.swapaxes(quantized.fp8_matrix(weight, scales, self.config.fp8_block, dtype), -1, -2)
         else:
             kernel = self.param("kernel", nn.initializers.lecun_normal(batch_axis=(0,)), shape, self.param_dtype)
         x, kernel, bias = promote_dtype(x, kernel, bias, dtype=self.dtype)

@@ -12,7 +12,7 @@ head_dim is its own setting (HF's default 128). attention_bias puts a bias on al
 default; no q/k/v-only biases as Qwen 2 has). Which layers slide: layer_types, with use_sliding_window
 (_decoder.use_sliding_window_layers, as Qwen 2). Rope types as _rope_config.rope_frequencies; others refused.
 The FP8 releases' projections (block FP8, quantization_config "fp8") stay as stored by default: fp8_block set,
-fp8_rows' kernel_fp8 / kernel_scale_inv params, decoded as each layer is applied (_blocks.kept_fp8).
+_decoder.kept_fp8_rows' kernel_fp8 / kernel_scale_inv params, decoded as each layer is applied (_blocks.kept_fp8).
 
 The stack, the causal-LM wrapper, the head, the decode cache and loading are the shared base's
 (jaxattn/models/_decoder.py, with the calling convention and the axis letters; blocks and norms: _blocks.py,
@@ -37,21 +37,13 @@ class Qwen3Config(_decoder.DecoderConfig):
         """From a HF config.json dict; refuses by name what is not implemented."""
         if config.get("hidden_act", "silu") != "silu":
             _pretrained.refuse(source, "hidden_act", "'silu'", config["hidden_act"])
-        q = config.get("quantization_config") or {}
-        fp8 = tuple(q["weight_block_size"]) if q.get("quant_method") == "fp8" else None
-        return cls.parse(config, source, windows=_decoder.use_sliding_window_layers(config, source), fp8_block=fp8)
+        windows = _decoder.use_sliding_window_layers(config, source)
+        return cls.parse(config, source, windows=windows, fp8_block=_decoder.fp8_block(config))
 
     def dims(self) -> dict[str, int]:
-        """The decoder's, and with FP8 kernels the checkpoint's scale grids: each [out, in] weight's block
-        rows and columns ("{out}_r", "{in}_c", N*H as NH: ceil over weight_block_size)."""
+        """The decoder's, and with kept FP8 kernels their scale grids (fp8_grid)."""
         dims = super().dims()
-        if self.fp8_block is None:
-            return dims
-        (br, bc), (N, K, H) = self.fp8_block, (dims["N"], dims["K"], dims["H"])
-        sizes = {"E": dims["E"], "F": dims["F"], "NH": N * H, "KH": K * H}
-        return (
-            dims | {f"{a}_r": -(-n // br) for a, n in sizes.items()} | {f"{a}_c": -(-n // bc) for a, n in sizes.items()}
-        )
+        return dims | self.fp8_grid(dims)
 
     def to_dict(self) -> dict:
         """config.json's keys (inverse of from_dict)."""
@@ -61,16 +53,8 @@ class Qwen3Config(_decoder.DecoderConfig):
             "hidden_act": "silu",
             "attention_bias": self.attention_bias,
             **self.use_sliding_window_keys(),
-            **self.quantization_config(),
+            **self.fp8_quantization_config(),
         }
-
-    def quantization_config(self) -> dict:
-        """{"quantization_config": ...} for kept FP8 kernels (hf_config's, else the released files' keys), or {}."""
-        if self.fp8_block is None:
-            return {}
-        read = (self.hf_config or {}).get("quantization_config")
-        written = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic"}
-        return {"quantization_config": read or {**written, "weight_block_size": list(self.fp8_block)}}
 
 
 class Qwen3Block(_blocks.PreNormBlock):
@@ -89,26 +73,8 @@ class Qwen3ForCausalLM(_decoder.CausalLM):
 def weight_table(config: Qwen3Config) -> list[weights.Row]:
     """HF's names -> our params: the shared causal-LM rows, the q/k norms and the gate/up/down MLP."""
     rows = [*_decoder.causal_lm_rows(config), *_decoder.qk_norm_rows(), *_decoder.mlp_rows(config)]
-    if config.fp8_block is not None:
-        rows = [fp8_rows(row) or [row] for row in rows]
-        rows = [r for group in rows for r in group]
+    rows = _decoder.kept_fp8_rows(rows) if config.fp8_block is not None else rows
     return weights.expand(rows, config.num_hidden_layers)
-
-
-def fp8_rows(row: weights.Row) -> list[weights.Row] | None:
-    """A projection's row kept in block FP8 (from_pretrained's default for the Qwen3 FP8 releases): the weight
-    [out, in] as stored into kernel_fp8, its weight_scale_inv [out_r, in_c] into kernel_scale_inv (Qwen3Config's
-    dims; _blocks.kept_fp8 decodes them); None for a row that is no projection's weight."""
-    name, (target,) = row.name, row.targets
-    if not (name.endswith("proj.weight") and target.path.endswith("/kernel")):
-        return None
-    out, inp = row.shape
-    grid = (out.replace("*", "") + "_r", inp.replace("*", "") + "_c")
-    kernel = target.path.removesuffix("/kernel")
-    return [
-        weights.row(name, (out, inp), kernel + "/kernel_fp8", (out, inp)),
-        weights.row(name + "_scale_inv", grid, kernel + "/kernel_scale_inv", grid),
-    ]
 
 
 _pretrained.register_family("qwen3")(_decoder.loader(Qwen3Config, Qwen3ForCausalLM, weight_table))

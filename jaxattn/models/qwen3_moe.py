@@ -14,6 +14,8 @@ The MoE is jaxattn.models.moe's (dense dispatch, stacked [X,E,F] expert weights,
 mlp.experts.{j}.{gate,up,down}_proj.weight (save_pretrained) or transformers 5's fused ones (a state_dict in
 memory) fill them. The experts' count is num_local_experts (HF's attribute for num_experts; either key is
 read). sliding_window: with use_sliding_window, on every layer (HF's Qwen3MoeModel picks one mask for all).
+The FP8 releases' projections stay as stored by default (fp8_block set: _decoder.kept_fp8_rows' kernel_fp8 /
+kernel_scale_inv, the experts' stacked [X,...]; decoded as each layer is applied).
 
 Refused by name: dense layers among the experts' (mlp_only_layers other than [], decoder_sparse_step other
 than 1: the released Qwen3-MoE models have neither), hidden_act other than "silu".
@@ -53,7 +55,8 @@ class Qwen3MoeConfig(moe.MoEConfig):
         window = config.get("sliding_window") if config.get("use_sliding_window") else None  # HF drops it
         windows = _decoder.every_layer_window({**config, "sliding_window": window}, source)
         experts = config.get("num_local_experts", config.get("num_experts", cls.num_local_experts))
-        return cls.parse({**config, "num_local_experts": experts}, source, windows=windows)
+        config = {**config, "num_local_experts": experts}
+        return cls.parse(config, source, windows=windows, fp8_block=_decoder.fp8_block(config))
 
     def to_dict(self) -> dict:
         """config.json's keys (inverse of from_dict)."""
@@ -71,10 +74,13 @@ class Qwen3MoeConfig(moe.MoEConfig):
             "use_sliding_window": bool(self.windows),
             "sliding_window": None,
             **self.sliding_window(),
+            **self.fp8_quantization_config(),
         }
 
     def dims(self) -> dict[str, int]:
-        return {**super().dims(), "F": self.moe_intermediate_size}
+        """The decoder's with F an expert's intermediate size, and with kept FP8 kernels their scale grids."""
+        dims = {**super().dims(), "F": self.moe_intermediate_size}
+        return dims | self.fp8_grid(dims)
 
     def normalize_top_k(self) -> bool:
         return self.norm_topk_prob
@@ -107,6 +113,7 @@ def weight_table(config: Qwen3MoeConfig, *, fused: bool = False) -> list[weights
         )
     )
     rows = [*_decoder.causal_lm_rows(config), *_decoder.qk_norm_rows(), *experts]
+    rows = _decoder.kept_fp8_rows(rows) if config.fp8_block is not None else rows
     return weights.expand(rows, config.num_hidden_layers)
 
 
