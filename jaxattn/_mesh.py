@@ -46,24 +46,11 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
 from ._core import block_mask as block_masks, checks, mods, offset_bias
 from ._core.call import INDEX_ARRAYS, AttentionCall
-from ._core.placement import explicit_spec
+from ._core.placement import axis_names, explicit_entries
 
 # Options whose arrays no rule here splits yet: implementation=None keeps the XLA engines for them on a mesh,
 # a named kernel refuses them by name (and a position_bias whose rows have batch dims: side_inputs).
 MESH_REFUSED = ("rel_key", "rel_value", "row_tables")
-
-
-def _entries(x) -> Optional[tuple]:
-    """x's spec, one entry a dim (None: replicated), or None when x's type carries no sharding."""
-    spec = explicit_spec(x)
-    if spec is None:
-        return None
-    return tuple(spec) + (None,) * (np.ndim(x) - len(spec))
-
-
-def _axes(entry) -> tuple:
-    """The mesh axes of one spec entry: None, a name or a tuple of names."""
-    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +72,7 @@ class Split:
 def split_of(call: AttentionCall, query, key, value) -> Optional[Split]:
     """The Split of a call whose inputs carry Explicit shardings (None: no mesh in their types, or nothing
     split); ValueError naming the input whose sequence or head dim is split."""
-    specs = {name: _entries(x) for name, x in (("query", query), ("key", key), ("value", value))}
+    specs = {name: explicit_entries(x) for name, x in (("query", query), ("key", key), ("value", value))}
     if all(spec is None for spec in specs.values()):
         return None
     for name, spec in specs.items():
@@ -98,7 +85,7 @@ def split_of(call: AttentionCall, query, key, value) -> Optional[Split]:
     mesh = jax.typeof(query).sharding.mesh if specs["query"] is not None else None
     if mesh is None:
         mesh = next(jax.typeof(x).sharding.mesh for x, s in zip((key, value), (specs["key"], specs["value"])) if s)
-    shards = math.prod(mesh.shape[a] for a in _axes(heads))
+    shards = math.prod(mesh.shape[a] for a in axis_names(heads))
     return Split(tuple(batch), heads, shards, mesh)
 
 
@@ -427,7 +414,7 @@ def _split_of_sharding(sharding, mesh, ndim: int) -> Split:
     spec = tuple(sharding.spec) + (None,) * (ndim - len(tuple(sharding.spec)))
     _refuse_sequence_split("query", spec)
     heads = spec[-2]
-    return Split(spec[:-3], heads, math.prod(mesh.shape[a] for a in _axes(heads)), mesh)
+    return Split(spec[:-3], heads, math.prod(mesh.shape[a] for a in axis_names(heads)), mesh)
 
 
 def _sharding_rule(plan: Plan, backward: bool) -> str:
@@ -490,7 +477,7 @@ def on_auto_mesh(run: Callable, call: AttentionCall, query, key, value):
     def gradients(split: Split):
         shard = plan.shard_fn(run, split)
         specs = plan.in_specs(split)
-        split_axes = [a for e in (*split.batch, split.heads) for a in _axes(e)]
+        split_axes = [a for e in (*split.batch, split.heads) for a in axis_names(e)]
 
         def grads(*inputs):
             args, cts = list(inputs[:n_args]), inputs[n_args:]
@@ -503,7 +490,7 @@ def on_auto_mesh(run: Callable, call: AttentionCall, query, key, value):
             # an argument whole on the devices of a split axis (k, v beside split heads they do not split with; a
             # table shared by the heads; sinks without batch dims) took a part of its gradient on each: the sum
             for j, i in enumerate(wrt):
-                kept = {a for e in specs[i] for a in _axes(e)}
+                kept = {a for e in specs[i] for a in axis_names(e)}
                 summed = tuple(a for a in split_axes if a not in kept)
                 out[j] = lax.psum(out[j], summed) if summed else out[j]
             return tuple(out)

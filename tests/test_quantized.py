@@ -603,12 +603,7 @@ def test_missing_or_misshapen_scales_are_refused_by_name(tmp_path, hf):
             rf"'{name}' .*expected a float8_e4m3fn weight .*got float32",
         ),
     ]
-    for change, message in cases:
-        directory = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
-        shutil.copytree(fp8, directory)
-        _edit(directory, change)
-        with pytest.raises(ValueError, match=message):
-            from_pretrained(directory)
+    assert_each_refused(tmp_path, fp8, cases)
 
     mxfp4 = write_mxfp4_gpt_oss(tmp_path / "mxfp4", hf)
     gate_up = "model.layers.0.mlp.experts.gate_up_proj"
@@ -620,9 +615,15 @@ def test_missing_or_misshapen_scales_are_refused_by_name(tmp_path, hf):
             r"\[\.\.\.,R,G,16\] and scales \[\.\.\.,R,G\]",
         ),
     ]
+    assert_each_refused(tmp_path, mxfp4, cases)
+
+
+def assert_each_refused(tmp_path, source, cases):
+    """Each (change, message): a copy of the checkpoint `source` with its tensors changed so is refused by
+    from_pretrained with a ValueError matching message."""
     for change, message in cases:
         directory = tmp_path / f"case{len(list(tmp_path.iterdir()))}"
-        shutil.copytree(mxfp4, directory)
+        shutil.copytree(source, directory)
         _edit(directory, change)
         with pytest.raises(ValueError, match=message):
             from_pretrained(directory)

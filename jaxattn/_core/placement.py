@@ -25,13 +25,24 @@ def explicit_spec(x) -> PartitionSpec | None:
     return sharding.spec
 
 
+def explicit_entries(x) -> tuple | None:
+    """x's spec padded to one entry a dim (None: that dim whole), or None when x's type carries no sharding."""
+    spec = explicit_spec(x)
+    return None if spec is None else tuple(spec) + (None,) * (jnp.ndim(x) - len(spec))
+
+
+def axis_names(entry) -> tuple:
+    """The mesh axes of one spec entry: None, a name, or a tuple of names."""
+    return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def full_beside(like, shape, fill, dtype):
     """jnp.full(shape, fill, dtype), each dim of `shape` that equals the same dim of `like` sharded as it is
     there (the leading dims a row accumulator shares with its queries); the others replicated."""
-    spec = None if like is None else explicit_spec(like)
-    if spec is None:
+    entries = None if like is None else explicit_entries(like)
+    if entries is None:
         return jnp.full(shape, fill, dtype)
-    like_shape, entries = jnp.shape(like), tuple(spec) + (None,) * (jnp.ndim(like) - len(spec))
+    like_shape = jnp.shape(like)
     placed = tuple(
         entries[i] if i < len(like_shape) and like_shape[i] == size else None for i, size in enumerate(shape)
     )
@@ -52,18 +63,18 @@ def einsum_sharding(spec: str, *operands) -> PartitionSpec | None:
     entries = {}
     placed = False
     for letters, x in zip(inputs.split(","), operands):
-        x_spec = explicit_spec(x)
-        if x_spec is None:
+        x_entries = explicit_entries(x)
+        if x_entries is None:
             continue
         placed = True
-        for letter, entry in zip(letters, tuple(x_spec) + (None,) * (len(letters) - len(x_spec))):
+        for letter, entry in zip(letters, x_entries):
             entries.setdefault(letter, entry)
     if not placed:
         return None
     used, result = set(), []
     for letter in out:
         axes = entries.get(letter)
-        names = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+        names = axis_names(axes)
         if names and not used.intersection(names):
             used.update(names)
             result.append(axes)
@@ -83,8 +94,5 @@ def placed_as(x, like):
 def split_as_dim(index, like, axis: int):
     """A 1-D `index` split as `like`'s dim `axis` is (a score_mod's batch and head indices, vmapped beside a
     score split over the batch and heads: vmap needs the mapped dims split the same way); unchanged elsewhere."""
-    spec = None if like is None else explicit_spec(like)
-    if spec is None:
-        return index
-    entries = tuple(spec) + (None,) * (jnp.ndim(like) - len(spec))
-    return jax.sharding.reshard(index, PartitionSpec(entries[axis]))
+    entries = None if like is None else explicit_entries(like)
+    return index if entries is None else jax.sharding.reshard(index, PartitionSpec(entries[axis]))
