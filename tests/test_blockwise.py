@@ -18,7 +18,7 @@ from jaxattn import _api as dispatch
 from jaxattn._core import softmax
 from jaxattn._core.call import AttentionCall
 from jaxattn._core.positions import positions as core_positions
-from jaxattn._engines import tiles
+from jaxattn._engines import blockwise, tiles
 
 jax.config.update("jax_enable_x64", True)
 
@@ -270,6 +270,29 @@ def test_blockwise_refuses_grid_options(option):
     with pytest.raises(ValueError, match="blockwise attention does not take arbitrary masks"):
         jaxattn.dot_product_attention(q, q, q, implementation="blockwise", **option)
     jaxattn.dot_product_attention(q, q, q, implementation=None, **option)  # automatic: falls back to dense
+
+
+def test_which_grid_keywords_blockwise_attention_refuses():
+    """blockwise_attention takes dot_product_attention's grid keywords only to refuse them by name: mask,
+    bias, return_weights and dropout_rate (ValueError, in that order); a dropout key alone needs no grid
+    (the layers pass theirs either way) and changes nothing; any other keyword is a TypeError."""
+    q = jnp.asarray(arrays(3, (5, 2, 3))[0])
+    rng = jax.random.key(0)
+    refused = {"mask": jnp.ones((5, 5), bool), "bias": jnp.zeros((5, 5)), "return_weights": True, "dropout_rate": 0.1}
+    for name, value in refused.items():
+        with pytest.raises(ValueError, match=f"with {name}: blockwise attention does not take"):
+            jaxattn.blockwise_attention(q, q, q, **{name: value})
+        with pytest.raises(ValueError, match=f"with {name}: blockwise attention does not take"):
+            jaxattn.blockwise_attention(q, q, q, **{name: value, "dropout_rng": rng})
+        with pytest.raises(ValueError, match=f"with {name}: blockwise attention does not take"):
+            blockwise.tiled(AttentionCall(**{name: value}), q, q, q)  # the path the dispatch and kernels take
+    with pytest.raises(ValueError, match="with mask/bias/return_weights/dropout_rate: blockwise"):
+        jaxattn.blockwise_attention(q, q, q, **refused)
+    alone = jaxattn.blockwise_attention(q, q, q, dropout_rng=rng, dropout_rate=0.0, return_weights=False)
+    assert np.array_equal(alone, jaxattn.blockwise_attention(q, q, q))
+    for other in ("broadcast_dropout", "implementation", "interpret"):
+        with pytest.raises(TypeError, match=other):
+            jaxattn.blockwise_attention(q, q, q, **{other: None})
 
 
 @pytest.mark.parametrize(
