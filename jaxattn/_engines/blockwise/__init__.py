@@ -44,20 +44,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from .._core import block_mask as block_masks, checks, mods
-from .._core.call import AttentionCall
-from .._core.dtypes import accumulation_dtype
-from .._core.eager import compiled_when_eager
-from .._core.masks import CLEAN, WITH_MOD, MaskRule, allowed_pairs, check_lengths, key_block_schedule
-from .._core.placement import einsum_sharding, placed_as, zeros_beside
-from .._core.positions import clipped_index, positions
-from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial, has_keys, no_key, public_lse
-from . import tiles
+from ..._core import block_mask as block_masks, checks, mods
+from ..._core.call import AttentionCall
+from ..._core.dtypes import accumulation_dtype
+from ..._core.eager import compiled_when_eager
+from ..._core.masks import CLEAN, WITH_MOD, MaskRule, allowed_pairs, check_lengths, key_block_schedule
+from ..._core.placement import einsum_sharding, placed_as, zeros_beside
+from ..._core.positions import clipped_index, positions
+from ..._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial, has_keys, no_key, public_lse
+from .. import tiles
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import ArrayLike, Float, Int
 
-    from .._core.shapes import Attended, Lse
+    from ..._core.shapes import Attended, Lse
 
 # ---------------------------------------------------------------------------------------------------
 # Static configuration and per-tile pieces.
