@@ -172,6 +172,29 @@ def test_fp8_decoded_in_jax_equals_the_reference():
             assert_same(got.astype(np.float64), rounded.astype(np.float64))
 
 
+def test_fp8_kept_decode_refuses_what_does_not_tile():
+    """fp8_matrix refuses a scale grid other than [ceil(R / br), ceil(C / bc)] (repeated and cut, a grid a block too
+    large would be read silently), fp8_kernels a kernel_fp8 other than its kernel's [out, in] (the transpose's
+    reshape takes any of the same size: kv_b_proj's [C, N*Hkv] would give heads of other numbers), each by name,
+    expected and actual."""
+    weight, block = np.zeros((37, 13), FP8), (16, 8)
+    for grid in ((4, 2), (3, 1), (2, 3)):
+        with pytest.raises(
+            ValueError,
+            match=rf"fp8_matrix: scale_inv: expected \[3,2\] \(one per \[16,8\] block of the "
+            rf"weight \[37,13\], the last partial\), got \[{grid[0]},{grid[1]}\]",
+        ):
+            quantized.fp8_matrix(weight, np.ones(grid, np.float32), block, np.float32)
+    layouts = {("key_value_up",): ((13, 3, 12), 1)}  # [C, N, Hkv] from kv_b_proj [N*Hkv, C]
+    swapped = {"kernel_fp8": np.zeros((13, 36), FP8), "kernel_scale_inv": np.ones((1, 5), np.float32)}
+    with pytest.raises(
+        ValueError,
+        match=r"key_value_up/kernel_fp8: expected \[36,13\] \(\[out, in\] of the kernel "
+        r"\[13,3,12\], 1 input axes\), got \[13,36\]",
+    ):
+        quantized.fp8_kernels({"params": {"key_value_up": swapped}}, block, layouts, np.float32)
+
+
 # --- tiny quantized checkpoints (round to nearest, from the spec) -----------------------------------------------
 
 

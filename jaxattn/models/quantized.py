@@ -154,6 +154,12 @@ def fp8_matrix(weight, scale_inv, block: tuple[int, int], dtype):
     decode_fp8 gives (the product in float32, one rounding, for a float32 or narrower result; float64 else)."""
     br, bc = block
     R, C = weight.shape[-2:]
+    want = (*weight.shape[:-2], -(-R // br), -(-C // bc))
+    if tuple(scale_inv.shape) != want:  # repeat-and-cut would read a wrong grid silently (or fail unnamed)
+        raise ValueError(
+            f"fp8_matrix: scale_inv: expected {_shape(want)} (one per [{br},{bc}] block of the weight "
+            f"{_shape(weight.shape)}, the last partial), got {_shape(scale_inv.shape)}"
+        )
     compute = jnp.float64 if jnp.dtype(dtype).itemsize > 4 else jnp.float32
     scale = jnp.repeat(jnp.repeat(scale_inv.astype(compute), br, axis=-2)[..., :R, :], bc, axis=-1)[..., :C]
     return (weight.astype(compute) * scale).astype(dtype)
@@ -174,8 +180,15 @@ def fp8_kernels(variables: Mapping, block: tuple[int, int], layouts: Mapping[tup
         if "kernel_fp8" not in tree:
             return {k: walk(v, (*path, k)) if isinstance(v, Mapping) else v for k, v in tree.items()}
         rest = {k: v for k, v in tree.items() if k not in ("kernel_fp8", "kernel_scale_inv")}
-        shape, _ = layouts[path]
-        kernel = fp8_matrix(tree["kernel_fp8"], tree["kernel_scale_inv"], block, dtype).T.reshape(shape)
+        shape, inputs = layouts[path]
+        weight = tree["kernel_fp8"]
+        want = (math.prod(shape[inputs:]), math.prod(shape[:inputs]))
+        if tuple(weight.shape) != want:  # a reshape would take any [out, in] of the right size
+            raise ValueError(
+                f"{'/'.join((*path, 'kernel_fp8'))}: expected {_shape(want)} ([out, in] of the kernel "
+                f"{_shape(shape)}, {inputs} input axes), got {_shape(weight.shape)}"
+            )
+        kernel = fp8_matrix(weight, tree["kernel_scale_inv"], block, dtype).T.reshape(shape)
         return {**rest, "kernel": kernel}
 
     return {c: walk(v, ()) if c == "params" else v for c, v in variables.items()}
