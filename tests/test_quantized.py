@@ -250,12 +250,12 @@ def _fp8_names(tensors):
     return [n for n, x in tensors.items() if n.endswith("proj.weight") or n.endswith("proj_with_mqa.weight")]
 
 
-def write_fp8(directory, hf, model_type, block):
-    """A tiny model_type checkpoint with every projection in block FP8 (weight_block_size `block`), as DeepSeek
-    V3 and the Qwen3 FP8 releases store them (embeddings, norms, the router and the head stay as they were);
-    and beside it (directory + '_reference') the same weights decoded by this file's float64 reference, in
-    float32 (the float64 ones are returned too)."""
-    hf.write_checkpoint(model_type, directory)
+def write_fp8(directory, hf, model_type, block, **overrides):
+    """A tiny model_type checkpoint (overrides: its config's, as write_checkpoint's) with every projection in block
+    FP8 (weight_block_size `block`), as DeepSeek V3 and the Qwen3 FP8 releases store them (embeddings, norms, the
+    router and the head stay as they were); and beside it (directory + '_reference') the same weights decoded by
+    this file's float64 reference, in float32 (the float64 ones are returned too)."""
+    hf.write_checkpoint(model_type, directory, **overrides)
     reference = directory.parent / (directory.name + "_reference")
     shutil.copytree(directory, reference)
     tensors = load_safetensors(directory / "model.safetensors")
@@ -520,7 +520,143 @@ def test_qwen3_moe_fp8_kept_experts_equal_the_decoded_ones(tmp_path, hf):
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def _flat(params) -> dict:
+    """{"a/b/c": leaf} of a params tree."""
+    import jax
+
+    return {"/".join(k.key for k in path): x for path, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+
+
+def assert_split_as_the_kernels(model_type, kept, plain):
+    """Every kept kernel_fp8 [out, in] takes the family's partition rule of its plain kernel [in..., out...]
+    transposed (out and in each split as the kernel's axes they flatten, at most one split axis each), its
+    scales whole; a stacked [X,out,in] and its scales split by expert only (as the docs say). Returns how many
+    kernel_fp8 it checked."""
+    import fnmatch
+
+    from jaxattn.models import partition_rules
+
+    rules = partition_rules(model_type)
+
+    def spec(path, ndim):
+        found = next(tuple(s) for pattern, s in rules if fnmatch.fnmatchcase(path, pattern))
+        return found + (None,) * (ndim - len(found))
+
+    def one(entries):
+        split = [e for e in entries if e is not None]
+        assert len(split) <= 1, entries
+        return split[0] if split else None
+
+    plain, checked = _flat(plain), 0
+    for path, leaf in _flat(kept).items():
+        if not path.endswith("/kernel_fp8"):
+            continue
+        name = path.removesuffix("_fp8")
+        kernel, lead = plain[name], leaf.ndim - 2
+        kernel_spec = spec(name, kernel.ndim)
+        inputs = next(s for s in range(1, kernel.ndim) if math.prod(kernel.shape[lead : lead + s]) == leaf.shape[-1])
+        if lead:
+            want = (*kernel_spec[:lead], None, None)
+        else:
+            want = (one(kernel_spec[inputs:]), one(kernel_spec[:inputs]))
+        assert spec(path, leaf.ndim) == want, (path, kernel_spec)
+        assert spec(path.replace("_fp8", "_scale_inv"), leaf.ndim) == (*kernel_spec[:lead], None, None), path
+        checked += 1
+    return checked
+
+
+def test_deepseek_v3_fp8_kept_kernels_equal_the_decoded_ones(tmp_path, hf):
+    """DeepSeek V3's block FP8 kept as stored (from_pretrained's default), in [16, 8] blocks (partial on every
+    edge; kv_b_proj's [36, 13] row blocks straddle its heads of 12): MLA's five projections, the dense layer's and
+    the shared experts' SwiGLU as kernel_fp8 [out, in] float8_e4m3fn + kernel_scale_inv float32, the experts'
+    stacked [X,out,in], no plain copy (1 byte a value and 4 a block); model.init lays out the same leaves; the
+    partition rules split each as its kernel's transpose. Logits bit for bit those of the weights the test's float64
+    decoder gives (float32, with the gradients of every plain leaf; the scales' gradients the plain kernels'
+    summed over each block times its FP8 values, float64 in numpy), and those of dequantize=True (bf16)."""
+    import jax
+    import jax.numpy as jnp
+
+    from helpers import normwise
+
+    block = (16, 8)
+    directory, reference, _ = write_fp8(tmp_path / "fp8", hf, "deepseek_v3", block)
+    ids, mask = hf.padded_batch("left")
+    model, kept = from_pretrained(directory)
+    flat = _flat(kept)
+    plain_kernels = sorted(p for p in flat if p.endswith("/kernel"))
+    assert plain_kernels == ["layers_1/mlp/router/kernel", "lm_head/kernel"]  # no float copy of an FP8 weight
+    E, NHq, NHkv, NHv, Cq, CR, C, G, S, F, X = 41, 27, 36, 21, 11, 17, 13, 29, 38, 19, 15  # the tiny deepseek_v3
+    attention = [(Cq, E), (NHq, Cq), (CR, E), (NHkv, C), (E, NHv)]  # q_a, q_b, kv_a_proj_with_mqa, kv_b, o [out, in]
+    swiglu = [(G, E), (G, E), (E, G)], [(S, E), (S, E), (E, S)], [(F, E), (F, E), (E, F)] * X  # dense, shared, experts
+    weights = [*attention, *swiglu[0], *attention, *swiglu[1], *swiglu[2]]  # layer 0 dense, layer 1 MoE
+    grid = sum(math.ceil(r / block[0]) * math.ceil(c / block[1]) for r, c in weights)
+    kept_leaves = {p: x for p, x in flat.items() if "kernel_fp8" in p or "kernel_scale_inv" in p}
+    assert {x.dtype for p, x in kept_leaves.items() if p.endswith("_fp8")} == {np.dtype(FP8)}
+    assert {x.dtype for p, x in kept_leaves.items() if p.endswith("_inv")} == {np.dtype(np.float32)}
+    assert sum(x.nbytes for x in kept_leaves.values()) == sum(r * c for r, c in weights) + 4 * grid
+    kv_b = kept["layers_0"]["self_attn"]["key_value_up"]
+    assert (kv_b["kernel_fp8"].shape, kv_b["kernel_scale_inv"].shape) == ((NHkv, C), (3, 2))
+    shapes = jax.eval_shape(model.init, jax.random.key(0), ids)["params"]
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), shapes) == jax.tree.map(lambda x: (x.shape, x.dtype), kept)
+
+    plain_model, plain = from_pretrained(reference, dtype="float32")  # the reference decoder's weights
+    assert assert_split_as_the_kernels("deepseek_v3", kept, plain) == 19
+
+    def loss(model, params):
+        logits = model.apply({"params": params}, ids, attention_mask=mask)
+        return jnp.sum(jnp.sin(logits.astype(jnp.float32))), logits
+
+    ours = _kept_floating_as(kept, "float32")
+    (_, got), grads = jax.value_and_grad(lambda p: loss(model.clone(dtype=jnp.float32), p), has_aux=True)(ours)
+    (_, want), plain_grads = jax.value_and_grad(lambda p: loss(plain_model, p), has_aux=True)(plain)
+    assert got.dtype == jnp.float32
+    np.testing.assert_array_equal(got, want)
+    grads, plain_grads = _flat(grads), _flat(plain_grads)
+    shared = sorted(set(grads) & set(plain_grads))
+    assert len(shared) == 13  # embeddings, head, 9 norms, the router and its correction bias
+    for path in shared:
+        np.testing.assert_array_equal(grads[path], plain_grads[path], err_msg=path)
+    for path in (p for p in grads if p.endswith("kernel_scale_inv")):
+        weight = np.asarray(kept_leaves[path.replace("_scale_inv", "_fp8")]).astype(np.float64)
+        *lead, rows, cols = weight.shape
+        kernel_grad = np.asarray(plain_grads[path.replace("_scale_inv", "")], np.float64)
+        product = np.swapaxes(kernel_grad.reshape(*lead, cols, rows), -1, -2) * weight  # d loss / d scale, entrywise
+        padded = np.zeros((*lead, -(-rows // 16) * 16, -(-cols // 8) * 8))
+        padded[..., :rows, :cols] = product
+        by_block = padded.reshape(*lead, -1, 16, padded.shape[-1] // 8, 8).sum((-3, -1))
+        assert normwise(grads[path], by_block) <= 1e-6, path
+
+    dequantized_model, dequantized = from_pretrained(directory, dequantize=True)
+    got = model.apply({"params": _kept_floating_as(kept, "bfloat16")}, ids, attention_mask=mask)
+    want = dequantized_model.apply({"params": _floating_as(dequantized, "bfloat16")}, ids, attention_mask=mask)
+    assert got.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.slow  # ~10 s: decoding compiles each step's program twice; the default sibling above checks the logits
+@pytest.mark.parametrize("q_lora_rank", [11, None])
+def test_deepseek_v3_fp8_kept_kernels_decode_as_the_decoded_ones(tmp_path, hf, q_lora_rank):
+    """Greedy decoding through MLA's latent cache from the kept FP8 kernels: the tokens of the weights the test's
+    float64 decoder gives (float32), with the query low-rank (q_a_proj / q_b_proj) and without it (q_proj [N*Hq, E]
+    kept as one kernel_fp8, the logits bit for bit too)."""
+    import jax.numpy as jnp
+
+    directory, reference, _ = write_fp8(tmp_path / "fp8", hf, "deepseek_v3", (16, 8), q_lora_rank=q_lora_rank)
+    ids, mask = hf.padded_batch("left")
+    model, kept = from_pretrained(directory)
+    attention = kept["layers_0"]["self_attn"]
+    assert ("query" in attention) == (q_lora_rank is None) and ("query_up" in attention) == (q_lora_rank is not None)
+    model, kept = model.clone(dtype=jnp.float32), _kept_floating_as(kept, "float32")
+    plain_model, plain = from_pretrained(reference, dtype="float32")
+    got = model.apply({"params": kept}, ids, attention_mask=mask)
+    np.testing.assert_array_equal(got, plain_model.apply({"params": plain}, ids, attention_mask=mask))
+    ours = generate(model, kept, ids, max_new_tokens=8, attention_mask=mask)
+    theirs = generate(plain_model, plain, ids, max_new_tokens=8, attention_mask=mask)
+    assert min(len(set(row)) for row in np.asarray(ours)[:, -8:].tolist()) >= 4  # not one repeated token
+    np.testing.assert_array_equal(ours, theirs)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "deepseek_v3"])
 def test_fp8_kept_params_write_back_byte_for_byte(tmp_path, hf, model_type):
     """to_pretrained of the kept FP8 params writes the file it read (every tensor's bytes and dtype) and the
     quantization_config as it was; the directory reads back to the same params."""

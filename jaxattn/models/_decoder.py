@@ -79,7 +79,7 @@ class DecoderConfig:
     rope_frequencies: tuple = ()  # the inverse frequencies [H/2] (rope_frequencies of the config)
     rope_attention_factor: float = 1.0  # HF's attention_scaling: cos and sin scaled by it (yarn)
     # block-FP8 weights kept as the checkpoint stores them (its weight_block_size; _blocks.kept_fp8), None: plain
-    # kernels (only Qwen 3 sets it)
+    # kernels (Qwen 3, Qwen3-MoE and DeepSeek V3 set it)
     fp8_block: tuple[int, int] | None = None
     windows: tuple = ()  # per layer: HF's sliding_window W (the query and W - 1 before) or None
     # every attention call's implementation= (jaxattn.dot_product_attention; None: per platform); not in config.json
@@ -168,14 +168,19 @@ class DecoderConfig:
         never runs either). Every other tensor the table does not know is still an error."""
         return False
 
+    def fp8_sizes(self, d: Mapping[str, int]) -> dict[str, int]:
+        """The sides of the FP8 weights [out, in] of dims `d`, by their letters without "*" (N*H as NH): a
+        family with other projections (DeepSeek V3's MLA) names its own."""
+        return {"E": d["E"], "F": d["F"], "NH": d["N"] * d["H"], "KH": d["K"] * d["H"]}
+
     def fp8_grid(self, d: Mapping[str, int]) -> dict[str, int]:
         """With kept FP8 kernels, the scale grids of the checkpoint of dims `d`: each [out, in] weight's block
-        rows and columns ("{out}_r", "{in}_c", N*H as NH: ceil over weight_block_size; kept_fp8_rows' letters);
-        else {}."""
+        rows and columns ("{out}_r", "{in}_c" over fp8_sizes: ceil over weight_block_size; kept_fp8_rows'
+        letters); else {}."""
         if self.fp8_block is None:
             return {}
         br, bc = self.fp8_block
-        sizes = {"E": d["E"], "F": d["F"], "NH": d["N"] * d["H"], "KH": d["K"] * d["H"]}
+        sizes = self.fp8_sizes(d)
         return {f"{a}_r": -(-n // br) for a, n in sizes.items()} | {f"{a}_c": -(-n // bc) for a, n in sizes.items()}
 
     def fp8_quantization_config(self) -> dict:
@@ -538,15 +543,19 @@ def mlp_rows(config: DecoderConfig) -> list[weights.Row]:
     ]
 
 
+# the HF names of the weights a block-FP8 release stores in FP8 (DeepSeek V3's kv_a_proj_with_mqa too)
+FP8_PROJECTIONS = ("proj.weight", "proj_with_mqa.weight")
+
+
 def kept_fp8_rows(rows: list[weights.Row]) -> list[weights.Row]:
-    """rows with every projection's weight (a row whose HF name ends in "proj.weight" and fills a kernel) kept in
+    """rows with every projection's weight (a row whose HF name ends in FP8_PROJECTIONS and fills a kernel) kept in
     block FP8: the weight [out, in] as stored into kernel_fp8, its weight_scale_inv [out_r, in_c] into
     kernel_scale_inv (DecoderConfig.fp8_grid's letters; _blocks.kept_fp8 and moe.StackedDense decode them); a
     stacked row (one tensor per expert) stacks both over its axis."""
     out = []
     for row in rows:
         (target,) = row.targets
-        if not (row.name.endswith("proj.weight") and target.path.endswith("/kernel")):
+        if not (row.name.endswith(FP8_PROJECTIONS) and target.path.endswith("/kernel")):
             out.append(row)
             continue
         o, i = row.shape

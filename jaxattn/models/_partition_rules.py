@@ -151,12 +151,18 @@ MOE_RULES = (
 # [E|Cq,N,Hq], key_value_up [C,N,Hn+Hv] column-parallel, out [N,Hv,E] row-parallel: MOE_RULES' Llama rows), its
 # down projections to the latents (query_down [E,Cq], latent_and_key_rope [E,C+R]) FSDP only (every head reads
 # the whole latent), the norms and the router's score-correction bias [X] replicated; experts, router and the
-# shared experts' and dense layers' SwiGLU as MOE_RULES.
+# shared experts' and dense layers' SwiGLU as MOE_RULES. Kept block FP8: each kernel_fp8 [out, in] as its kernel's
+# transpose (the heads' rows of q_b_proj / kv_b_proj over "model"), the scales whole (MOE_RULES' rows for o_proj,
+# q_proj, the SwiGLUs and the experts).
 DEEPSEEK_RULES = (
     ("*/self_attn/query_up/kernel", P(None, "model", None)),
     ("*/self_attn/key_value_up/kernel", P("data", "model", None)),
     ("*/self_attn/query_down/kernel", P("data", None)),
     ("*/self_attn/latent_and_key_rope/kernel", P("data", None)),
+    ("*/self_attn/query_up/kernel_fp8", P("model", None)),
+    ("*/self_attn/key_value_up/kernel_fp8", P("model", "data")),
+    ("*/self_attn/query_down/kernel_fp8", P(None, "data")),
+    ("*/self_attn/latent_and_key_rope/kernel_fp8", P(None, "data")),
     *MOE_RULES,
 )
 

@@ -135,9 +135,9 @@ def from_pretrained(
     dtypes (bf16 stays bf16, and the model computes in it).
     A quantized checkpoint (jaxattn.models.quantized): gpt-oss's MXFP4 experts stay packed by default
     (params kernel_blocks / kernel_scales, decoded inside the matmul; to_pretrained writes them back as
-    they were), and so do Qwen 3's and Qwen3-MoE's block-FP8 projections (kernel_fp8 / kernel_scale_inv,
-    decoded as each layer is applied); dequantize=True or a dtype gives plain params instead, decoded as they
-    are read (to dtype; None: bfloat16), as DeepSeek V3's block FP8 always is.
+    they were), and so do the block-FP8 projections of Qwen 3, Qwen3-MoE and DeepSeek V3 (kernel_fp8 /
+    kernel_scale_inv, decoded as each layer is applied); dequantize=True or a dtype gives plain params instead,
+    decoded as they are read (to dtype; None: bfloat16).
     The model is a Flax linen module: model.apply({"params": params}, input_ids, attention_mask=...) (see the
     family's module). Its config.hf_config is config.json's dict, whose keys the port does not read
     to_pretrained writes back.
@@ -183,7 +183,7 @@ def from_state_dict(
 
 
 # the quantized formats a family keeps packed in its params (else they are decoded as they are read)
-_KEPT_PACKED = {("gpt_oss", "mxfp4"), ("qwen3", "fp8"), ("qwen3_moe", "fp8")}
+_KEPT_PACKED = {("gpt_oss", "mxfp4"), ("qwen3", "fp8"), ("qwen3_moe", "fp8"), ("deepseek_v3", "fp8")}
 
 
 def _plain(config: dict, form, tensors, files, dtype, dequantize: bool):

@@ -33,6 +33,12 @@ latent_and_key_rope [E,C+R] (kv_a_proj_with_mqa: latent columns, then rope) and 
 (kv_b_proj: per head, nope then value), split at call time. Experts: moe's stacked [X,...] leaves, from
 save_pretrained's per-expert tensors or the in-memory fused gate_up_proj.
 
+Block FP8 (the released DeepSeek V3 / R1 files, quantization_config "fp8") stays as stored by default (fp8_block
+set): every projection, MLA's five, the dense layers', the shared experts' and the experts', is a kernel_fp8 [out, in]
+float8_e4m3fn with its kernel_scale_inv [ceil(out / br), ceil(in / bc)] (_decoder.kept_fp8_rows; the experts'
+stacked [X,...]) in place of its kernel, decoded as each layer is applied (_blocks.kept_fp8 with kernel_layouts;
+moe.StackedDense). The two fused leaves are decoded whole, then split as above.
+
 Refused by name: hidden_act other than "silu", n_group not dividing n_routed_experts into groups of >= 2,
 topk_group outside [1, n_group], num_experts_per_tok above the eligible experts, first_k_dense_replace
 negative, a key/value head count other than the head count, rope types other than _rope_config's, mscale_all_dim
@@ -140,6 +146,7 @@ class DeepseekV3Config(moe.MoEConfig):
             head_dim=R,
             num_key_value_heads=N,
             softmax_scale=Hq**-0.5 * _mscale(config, refuse) ** 2,
+            fp8_block=_decoder.fp8_block(config),
         )
         return parsed
 
@@ -166,15 +173,17 @@ class DeepseekV3Config(moe.MoEConfig):
             "norm_topk_prob": self.norm_topk_prob,
             "rope_interleave": self.rope_interleave,
             "max_position_embeddings": self.max_position_embeddings,
+            **self.fp8_quantization_config(),
         }
 
     def moe_layer(self, layer: int) -> bool:
         return layer >= self.first_k_dense_replace
 
     def dims(self) -> dict[str, int]:
+        """The letters of the module (and with kept FP8 kernels their scale grids: fp8_grid)."""
         C, R, Hn, Hv = self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim
         F = self.moe_intermediate_size
-        return {
+        dims = {
             **super().dims(),
             "F": F,
             "G": self.intermediate_size,
@@ -188,6 +197,14 @@ class DeepseekV3Config(moe.MoEConfig):
             "CR": C + R,
             **({} if self.q_lora_rank is None else {"Cq": self.q_lora_rank}),
         }
+        return dims | self.fp8_grid(dims)
+
+    def fp8_sizes(self, d: Mapping[str, int]) -> dict[str, int]:
+        """The sides of every FP8 weight [out, in]: MLA's (q_proj or q_a_proj / q_b_proj, kv_a_proj_with_mqa,
+        kv_b_proj, o_proj), the dense layers', the shared experts' and the experts' SwiGLU."""
+        sides = ("E", "F", "G", "S", "C", "CR", *(() if self.q_lora_rank is None else ("Cq",)))
+        heads = {"NHq": d["N"] * d["Hq"], "NHkv": d["N"] * d["Hkv"], "NHv": d["N"] * d["Hv"]}
+        return {a: d[a] for a in sides} | heads
 
 
 def _mscale(config: Mapping[str, Any], refuse) -> float:
@@ -341,6 +358,25 @@ class LatentSelfAttention(_decoder.Configured):
         return y
 
 
+def kernel_layouts(config: DeepseekV3Config) -> dict:
+    """LatentSelfAttention's kernels as _blocks.kept_fp8 reads them: {path: (our shape, its leading input axes)},
+    each the checkpoint's [out, in] transposed and reshaped (kv_b_proj [N*Hkv, C] decoded whole in its blocks,
+    then [C, N, Hkv]: a block may straddle two heads)."""
+    d = config.dims()
+    E, N, C, CR, Hq, Hkv, Hv = (d[a] for a in ("E", "N", "C", "CR", "Hq", "Hkv", "Hv"))
+    query = (
+        {("query",): ((E, N, Hq), 1)}
+        if config.q_lora_rank is None
+        else {("query_down",): ((E, d["Cq"]), 1), ("query_up",): ((d["Cq"], N, Hq), 1)}
+    )
+    return {
+        **query,
+        ("latent_and_key_rope",): ((E, CR), 1),
+        ("key_value_up",): ((C, N, Hkv), 1),
+        ("out",): ((N, Hv, E), 2),
+    }
+
+
 # --- the block and the model ----------------------------------------------------------------------------------------
 
 
@@ -361,9 +397,10 @@ class DeepseekV3Block(_blocks.PreNormBlock):
     @nn.compact
     def __call__(self, x, mask, positions, decode: bool, window=None):
         norm = self.norm()
-        a = LatentSelfAttention(
-            self.config, self.dtype, self.param_dtype, self.precision, self.sharding, name="self_attn"
-        )(norm(name="input_layernorm")(x), mask, positions, decode)
+        attention = _blocks.kept_fp8(self, LatentSelfAttention, kernel_layouts(self.config))
+        a = attention(self.config, self.dtype, self.param_dtype, self.precision, self.sharding, name="self_attn")(
+            norm(name="input_layernorm")(x), mask, positions, decode
+        )
         x = x + a
         m, rows = self.feed_forward(norm(name="post_attention_layernorm")(x))
         return x + m, {"attention": a, **rows, "mlp": m}
@@ -455,6 +492,7 @@ def weight_table(config: DeepseekV3Config, *, fused: bool = False) -> list[weigh
     layers = []
     for i in range(config.num_hidden_layers):
         rows = [*shared, *(_moe_rows(fused) if config.moe_layer(i) else dense)]
+        rows = _decoder.kept_fp8_rows(rows) if config.fp8_block is not None else rows
         layers += weights.expand(rows, i + 1)[i * len(rows) :]  # layer i's rows ("{i}" = i)
     return [
         R("model.embed_tokens.weight", ("V", "E"), "embed_tokens/embedding", ("V", "E")),

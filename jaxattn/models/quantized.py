@@ -23,8 +23,8 @@ e = 15 and m = 7, else (-1)^s * (1 + m / 8) * 2^(e - 7).
 
 gpt-oss's MXFP4 experts can also stay packed (from_pretrained's default for them): the blocks and scales
 are params, decoded by `mxfp4_matrix` inside the jitted matmul (jaxattn.models.moe.StackedDense), and
-`check_pairs` checks them as below. Qwen 3's and Qwen3-MoE's block-FP8 projections likewise (their
-default): kernel_fp8 and kernel_scale_inv params, decoded by `fp8_matrix` as each layer is applied
+`check_pairs` checks them as below. The block-FP8 projections of Qwen 3, Qwen3-MoE and DeepSeek V3 likewise
+(their default): kernel_fp8 and kernel_scale_inv params, decoded by `fp8_matrix` as each layer is applied
 (`fp8_kernels` through jaxattn.models._blocks.kept_fp8; the stacked experts in moe.StackedDense).
 
 `plain_tensors` turns a checkpoint's {name: tensor} into the plain names the weight tables read, checking every
