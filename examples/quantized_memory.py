@@ -1,5 +1,6 @@
 """Parameter bytes of the quantized releases, kept quantized against the bf16 load, from shapes alone: gpt-oss-20b
-and -120b (MXFP4 experts packed), Qwen3-8B-FP8, Qwen3-32B-FP8 and Qwen3-30B-A3B-FP8 (block-FP8 kernels kept).
+and -120b (MXFP4 experts packed), Qwen3-8B-FP8, Qwen3-32B-FP8, Qwen3-30B-A3B-FP8 and DeepSeek-V3 (block-FP8 kernels
+kept).
 
     python examples/quantized_memory.py [--model-axis 8]
 
@@ -18,6 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn.models import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
     GptOssConfig,
     GptOssForCausalLM,
     Qwen3Config,
@@ -31,6 +34,7 @@ FAMILIES = {
     "gpt_oss": (GptOssConfig, GptOssForCausalLM),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM),
     "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM),
+    "deepseek_v3": (DeepseekV3Config, DeepseekV3ForCausalLM),
 }
 MXFP4 = {"quant_method": "mxfp4"}
 FP8 = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
@@ -48,7 +52,8 @@ GPT_OSS = dict(
 )
 QWEN3 = dict(model_type="qwen3", vocab_size=151936, num_key_value_heads=8, head_dim=128, tie_word_embeddings=False)
 # name: (the released config.json values that set the parameter shapes, its quantization, how it is kept);
-# huggingface.co/openai/gpt-oss-20b, -120b; huggingface.co/Qwen/Qwen3-8B-FP8, -32B-FP8, -30B-A3B-FP8
+# huggingface.co/openai/gpt-oss-20b, -120b; huggingface.co/Qwen/Qwen3-8B-FP8, -32B-FP8, -30B-A3B-FP8;
+# huggingface.co/deepseek-ai/DeepSeek-V3 (its multi-token-prediction layer, which from_pretrained skips, not counted)
 MODELS = {
     "gpt-oss-20b": ({**GPT_OSS, "num_hidden_layers": 24, "num_local_experts": 32}, MXFP4, "MXFP4 experts packed"),
     "gpt-oss-120b": ({**GPT_OSS, "num_hidden_layers": 36, "num_local_experts": 128}, MXFP4, "MXFP4 experts packed"),
@@ -74,6 +79,32 @@ MODELS = {
             "num_key_value_heads": 4,
             "num_experts": 128,
             "num_experts_per_tok": 8,
+        },
+        FP8,
+        "FP8 kernels kept",
+    ),
+    "DeepSeek-V3": (
+        {
+            "model_type": "deepseek_v3",
+            "vocab_size": 129280,
+            "hidden_size": 7168,
+            "intermediate_size": 18432,
+            "moe_intermediate_size": 2048,
+            "num_hidden_layers": 61,
+            "first_k_dense_replace": 3,
+            "num_attention_heads": 128,
+            "num_key_value_heads": 128,
+            "q_lora_rank": 1536,
+            "kv_lora_rank": 512,
+            "qk_nope_head_dim": 128,
+            "qk_rope_head_dim": 64,
+            "v_head_dim": 128,
+            "n_routed_experts": 256,
+            "n_shared_experts": 1,
+            "num_experts_per_tok": 8,
+            "n_group": 8,
+            "topk_group": 4,
+            "tie_word_embeddings": False,
         },
         FP8,
         "FP8 kernels kept",
