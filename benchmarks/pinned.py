@@ -25,12 +25,12 @@ from .harness import load_average, time_rounds
 
 def build(names, ungrouped):
     """{case name: Case}; with ungrouped, the jaxattn candidates also compiled without row groups."""
-    from jaxattn._engines import blockwise
+    from jaxattn._engines.blockwise import groups  # where row_grouped looks on_a_device_mesh up
 
     built = {name: cases_mod.ALL_CASES[name](False) for name in names}
     if ungrouped:
-        on_mesh = blockwise.on_a_device_mesh
-        blockwise.on_a_device_mesh = lambda *xs: True  # the engine's own fallback: one all-rows tile
+        on_mesh = groups.on_a_device_mesh
+        groups.on_a_device_mesh = lambda *xs: True  # the engine's own fallback: one all-rows tile
         try:
             for name in names:
                 extra = [
@@ -40,7 +40,7 @@ def build(names, ungrouped):
                     c.name += " ungrouped"
                 built[name].candidates.extend(extra)
         finally:
-            blockwise.on_a_device_mesh = on_mesh
+            groups.on_a_device_mesh = on_mesh
     return built
 
 

@@ -1,0 +1,185 @@
+"""bwd_tile: the gradients of one query tile against every key of a KeySide (FlashAttention-2's backward:
+each tile's probabilities recomputed from the forward's log-sum-exp), added into Grads accumulators;
+zero_grads makes those. Without tables, a position hook or score_mod the tiles run keys-major.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from ..._core import mods
+from ..._core.dtypes import accumulation_dtype
+from ..._core.masks import CLEAN
+from ..._core.placement import placed_as, zeros_beside
+from ..._core.softmax import has_keys
+from .buckets import apply_table, bucket_index, bucket_sums, gather_buckets, table_grad, table_products
+from .layout import einsum, slice_block
+from .logits import capped_logits, corner_offset, hook_bias, tile_allowed, tile_score
+from .pairs import add_pair_tile, pair_grad, pair_spec, pair_tile
+from .schedule import key_schedule, visit
+from .values import Grads, KeySide, QueryTile, RowGrads, Shared
+
+
+def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared, grads: Grads):
+    """Backward of one query tile against every key of keys: (dq tile, grads). grads: accumulators the
+    tile adds into, so a caller keeps one of each however many tiles it runs. Without Shaw tables, a position
+    hook, per-pair tables or score_mod (whose terms are written for [Tb,Sb] tiles) the tiles run keys-major
+    (_bwd_keys_major)."""
+    pairs = shared.pair_key is not None or shared.pair_value is not None
+    if not pairs and shared.key_table is None and shared.value_table is None and cfg.bias_fn is None:
+        if cfg.terms.score_fn is None:
+            return _bwd_keys_major(cfg, tile, rows, keys, shared, grads)
+    q_blk, qp, arrays, row0 = tile
+    do_blk, delta = rows.d_out, rows.delta
+    B, K, _, Tb = q_blk.shape[:4]
+    Sp, Sb, acc_dtype = keys.k.shape[2], cfg.Sb, accumulation_dtype(q_blk.dtype)
+    R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
+    key_table, value_table, scale = shared.key_table, shared.value_table, shared.scale
+    lse_blk = jnp.where(has_keys(rows.lse), rows.lse, 0)  # empty rows: every p is masked to 0 anyway
+    per_bucket = None if key_table is None else table_products(q_blk, key_table, K, cfg, acc_dtype)
+    do_table = None if value_table is None else table_products(do_blk, value_table, K, cfg, acc_dtype)
+
+    def key_block(kind, j, inner):
+        dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score, d_pair_k, d_pair_v = inner
+        s0 = j * Sb
+        k_blk, v_blk = slice_block(keys.k, s0, Sb, 2), slice_block(keys.v, s0, Sb, 2)
+        kp = slice_block(keys.pos, s0, Sb, -1)
+        index = None if R == 0 else bucket_index(cfg, qp, kp)
+        bias, bias_vjp = None, None
+        if cfg.bias_fn is not None:
+            bias, bias_vjp = jax.vjp(lambda c: hook_bias(cfg, c, qp, kp, K), shared.hook_consts)
+        pair_k, pair_v = (pair_tile(a, row0, s0, Tb, Sb, K) for a in (shared.pair_key, shared.pair_value))
+        capped = capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc_dtype, pair_k)
+        x = capped if bias is None else capped + bias
+        score_vjp = None
+        if cfg.terms.score_fn is not None:
+            x, score_vjp = jax.vjp(tile_score(cfg, qp, kp, B, K, arrays), x, arrays.score_consts)
+        p = jnp.exp(x - lse_blk[..., None])
+        allowed = None if kind == CLEAN else tile_allowed(cfg, qp, kp, j, keys.lengths, arrays, kind, B, K)
+        if allowed is not None:
+            p = jnp.where(allowed, p, 0)
+        dv_blk = einsum("bkgts,bkgtv->bksv", p.astype(do_blk.dtype), do_blk, cfg, acc_dtype)
+        dp = einsum("bkgtv,bksv->bkgts", do_blk, v_blk, cfg, acc_dtype)
+        if pair_v is not None:  # out += p . A^V: dp += d_out . A^V, d A^V = p d_out (summed over the batch)
+            dp = dp + einsum(pair_spec("bkgtv,tskgv->bkgts", pair_v), do_blk, pair_v, cfg, acc_dtype)
+            d_pair_v = add_pair_tile(d_pair_v, pair_grad(p, do_blk, pair_v, cfg, acc_dtype), row0, s0)
+        if value_table is not None:
+            dp = dp + gather_buckets(do_table, index)
+            if rows.value_buckets is None:  # else p_buckets already holds the forward's sums
+                p_buckets = p_buckets + bucket_sums(p, index, R, corner_offset(cfg, qp, kp))
+        ds = p * (dp - delta[..., None])  # d loss / d x (the final logits)
+        if score_vjp is not None:  # d loss / d (logits before score_mod), and d score_mod's arrays
+            ds, d_s = score_vjp(ds)
+            d_score = tuple(a if a is None else a + g for a, g in zip(d_score, d_s))
+        if bias_vjp is not None:
+            d_bias = jnp.sum(ds, axis=tuple(range(ds.ndim - bias.ndim))).reshape(bias.shape).astype(bias.dtype)
+            (d_c,) = bias_vjp(placed_as(d_bias, bias))
+            d_consts = jax.tree.map(jnp.add, d_consts, d_c)
+        if cfg.terms.softcap is not None:
+            ds = ds * mods.softcap_grad(capped, cfg.terms.softcap)
+        if scale is not None:
+            ds = ds * scale
+        dq = dq + einsum("bkgts,bksh->bkgth", ds.astype(q_blk.dtype), k_blk, cfg, acc_dtype)
+        dk_blk = einsum("bkgts,bkgth->bksh", ds.astype(q_blk.dtype), q_blk, cfg, acc_dtype)
+        if key_table is not None:
+            ds_buckets = ds_buckets + bucket_sums(ds, index, R, corner_offset(cfg, qp, kp))
+        if pair_k is not None:  # x += q . A^K: dq += ds . A^K, d A^K = ds q (summed over the batch)
+            dq = dq + einsum(pair_spec("bkgts,tskgh->bkgth", pair_k), ds, pair_k, cfg, acc_dtype)
+            d_pair_k = add_pair_tile(d_pair_k, pair_grad(ds, q_blk, pair_k, cfg, acc_dtype), row0, s0)
+        dk = lax.dynamic_update_slice_in_dim(dk, slice_block(dk, s0, Sb, 2) + dk_blk, s0, axis=2)
+        dv = lax.dynamic_update_slice_in_dim(dv, slice_block(dv, s0, Sb, 2) + dv_blk, s0, axis=2)
+        return dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score, d_pair_k, d_pair_v
+
+    buckets = zeros_beside(q_blk, q_blk.shape[:-1] + (R,), acc_dtype)
+    p_buckets = buckets if rows.value_buckets is None else rows.value_buckets.astype(acc_dtype)
+    init = (
+        jnp.zeros_like(q_blk, acc_dtype),
+        grads.dk,
+        grads.dv,
+        buckets,
+        p_buckets,
+        grads.hook_consts,
+        grads.score_consts,
+        grads.pair_key,
+        grads.pair_value,
+    )
+    schedule = key_schedule(cfg, qp, keys.pos, keys.lengths, arrays, Sp // Sb)
+    dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score, d_pair_k, d_pair_v = visit(schedule, key_block, init)
+    d_key_table, d_value_table = grads.key_table, grads.value_table
+    if key_table is not None:
+        dq = dq + apply_table(ds_buckets, key_table, K, cfg, acc_dtype)
+        d_key_table = d_key_table + table_grad(ds_buckets, q_blk.astype(acc_dtype), key_table, K, cfg, acc_dtype)
+    if value_table is not None:
+        d_value_table = d_value_table + table_grad(p_buckets, do_blk.astype(acc_dtype), value_table, K, cfg, acc_dtype)
+    return dq, Grads(dk, dv, d_key_table, d_value_table, d_consts, d_score, d_pair_k, d_pair_v)
+
+
+def _keys_major(allowed):
+    """A tile mask broadcastable to [B,K,G,Tb,Sb] -> broadcastable to [B,K,Sb,G,Tb]."""
+    return allowed.T[:, None, :] if allowed.ndim == 2 else jnp.moveaxis(allowed, -1, 2)
+
+
+def _bwd_keys_major(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared, grads: Grads):
+    """bwd_tile's products on keys-major tiles [B,K,Sb,G,Tb] (x^T = k q^T, p^T, ds^T):
+
+        dv += p^T do    dp^T = v do^T    dk += ds^T q    dq^T += k^T ds^T
+
+    each reads its operands in the layout XLA:CPU's dot takes as they are (rows, then the contracted axis),
+    where the [Tb,Sb] orientation copies a transposed p and ds for dv and dk, two [Tb,Sb] arrays per tile:
+    a 512 x 512 tile's backward takes 1.28 ms against 1.80 ms (2 cores, float32, H = 64)."""
+    q_blk, qp, arrays = tile.q, tile.pos, tile.arrays
+    B, K = q_blk.shape[:2]
+    Sb, acc_dtype, scale, cap = cfg.Sb, accumulation_dtype(q_blk.dtype), shared.scale, cfg.terms.softcap
+    lse = jnp.where(has_keys(rows.lse), rows.lse, 0)[:, :, None]  # [B,K,1,G,Tb]; empty rows: p masked to 0
+    delta = rows.delta[:, :, None]
+    q_t = jnp.moveaxis(q_blk, -1, 2)  # [B,K,H,G,Tb], once per query tile
+    do_t = jnp.moveaxis(rows.d_out, -1, 2)  # [B,K,Hv,G,Tb]
+
+    def key_block(kind, j, inner):
+        dq_t, dk, dv = inner
+        s0 = j * Sb
+        k_blk, v_blk = slice_block(keys.k, s0, Sb, 2), slice_block(keys.v, s0, Sb, 2)
+        x_t = einsum("bksh,bkhgt->bksgt", k_blk, q_t, cfg, acc_dtype)
+        capped = mods.softcap(x_t if scale is None else x_t * scale, cap)
+        p_t = jnp.exp(capped - lse)
+        kp = slice_block(keys.pos, s0, Sb, -1)
+        allowed = None if kind == CLEAN else tile_allowed(cfg, qp, kp, j, keys.lengths, arrays, kind, B, K)
+        if allowed is not None:
+            p_t = jnp.where(_keys_major(allowed), p_t, 0)
+        dv_blk = einsum("bksgt,bkgtv->bksv", p_t.astype(rows.d_out.dtype), rows.d_out, cfg, acc_dtype)
+        ds_t = p_t * (einsum("bksv,bkvgt->bksgt", v_blk, do_t, cfg, acc_dtype) - delta)  # d loss / d logits
+        if cap is not None:
+            ds_t = ds_t * mods.softcap_grad(capped, cap)
+        if scale is not None:
+            ds_t = ds_t * scale
+        ds_t = ds_t.astype(q_blk.dtype)
+        dq_t = dq_t + einsum("bksh,bksgt->bkhgt", k_blk, ds_t, cfg, acc_dtype)
+        dk_blk = einsum("bksgt,bkgth->bksh", ds_t, q_blk, cfg, acc_dtype)
+        dk = lax.dynamic_update_slice_in_dim(dk, slice_block(dk, s0, Sb, 2) + dk_blk, s0, axis=2)
+        dv = lax.dynamic_update_slice_in_dim(dv, slice_block(dv, s0, Sb, 2) + dv_blk, s0, axis=2)
+        return dq_t, dk, dv
+
+    schedule = key_schedule(cfg, qp, keys.pos, keys.lengths, arrays, keys.k.shape[2] // Sb)
+    dq_t, dk, dv = visit(schedule, key_block, (jnp.zeros_like(q_t, acc_dtype), grads.dk, grads.dv))
+    return jnp.moveaxis(dq_t, 2, -1), grads._replace(dk=dk, dv=dv)
+
+
+def zero_grads(acc_dtype, keys: KeySide, shared: Shared, score_consts=()) -> Grads:
+    """Zero accumulators (compute dtype acc_dtype) for keys' k / v, the shared tables and hook arrays and a
+    score_mod's consts (None entries stay None): what bwd_tile adds into."""
+
+    def zeros(x):
+        return jax.tree.map(lambda a: jnp.zeros_like(a, acc_dtype), x)
+
+    return Grads(
+        zeros(keys.k),
+        zeros(keys.v),
+        zeros(shared.key_table),
+        zeros(shared.value_table),
+        zeros(shared.hook_consts),
+        zeros(score_consts),
+        zeros(shared.pair_key),
+        zeros(shared.pair_value),
+    )
