@@ -570,11 +570,13 @@ def test_deepseek_v3_fp8_kept_kernels_equal_the_decoded_ones(tmp_path, hf):
     edge; kv_b_proj's [36, 13] row blocks straddle its heads of 12): MLA's five projections, the dense layer's and
     the shared experts' SwiGLU as kernel_fp8 [out, in] float8_e4m3fn + kernel_scale_inv float32, the experts'
     stacked [X,out,in], no plain copy (1 byte a value and 4 a block); model.init lays out the same leaves; the
-    partition rules split each as its kernel's transpose. Logits bit for bit those of the weights the test's float64
-    decoder gives (float32, with the gradients of every plain leaf; the scales' gradients the plain kernels'
-    summed over each block times its FP8 values, float64 in numpy), and those of dequantize=True (bf16)."""
+    partition rules split each as its kernel's transpose (a load on a mesh reads the same bytes). Logits bit for
+    bit those of the weights the test's float64 decoder gives (float32, with the gradients of every plain leaf; the
+    scales' gradients the plain kernels' summed over each block times its FP8 values, float64 in numpy), and those
+    of dequantize=True (bf16)."""
     import jax
     import jax.numpy as jnp
+    from jax.sharding import Mesh, PartitionSpec as P
 
     from helpers import normwise
 
@@ -601,6 +603,11 @@ def test_deepseek_v3_fp8_kept_kernels_equal_the_decoded_ones(tmp_path, hf):
 
     plain_model, plain = from_pretrained(reference, dtype="float32")  # the reference decoder's weights
     assert assert_split_as_the_kernels("deepseek_v3", kept, plain) == 19
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+    sharded = _flat(from_pretrained(directory, mesh=mesh)[1])
+    assert sharded["layers_0/self_attn/key_value_up/kernel_fp8"].sharding.spec == P("model", "data")
+    for path, x in flat.items():
+        assert sharded[path].dtype == x.dtype and np.asarray(sharded[path]).tobytes() == np.asarray(x).tobytes()
 
     def loss(model, params):
         logits = model.apply({"params": params}, ids, attention_mask=mask)
