@@ -1,47 +1,20 @@
-"""The public entry: dot_product_attention and flex_attention, and the one registry of implementations that
-every attention function resolves its `implementation=` through. It sits above the engines and the kernels
-(docs/design.md, "Layering rules"): _core < _engines < _kernels < _api < _schemes < _layers.
+"""The public entry: dot_product_attention and flex_attention. Each builds one AttentionCall (jaxattn._core.call),
+checked once, and hands it to the dispatch (jaxattn._dispatch.route.attend), which checks `implementation=` once
+and resolves it through the registry (jaxattn._dispatch.registry: every implementation and what
+implementation=None takes on each platform). It sits above the engines and the kernels (docs/design.md,
+"Layering rules"): _core < _engines < _kernels < _dispatch, _api < _schemes < _layers.
 
-    "dense"       one [...,N,T,S] array (every option)
-    "blockwise"   O(T + S) tiles (no mask, bias, return_weights or dropout: they span [T,S])
-    "pallas_gpu"  the Pallas flash-attention kernel for GPUs (jaxattn._kernels.pallas_gpu)
-    "pallas_tpu"  TPU splash attention (jaxattn._kernels.splash_tpu); with score_mod, mask_mod, a BlockMask,
-                  a T5 / ALiBi / window bias or Shaw / DeBERTa tables our Pallas TPU kernel
-                  (jaxattn._kernels.flex_tpu, forward; XLA's backward)
-    "cudnn"       cuDNN through jax.nn.dot_product_attention (jaxattn._kernels.cudnn)
-    None          per platform, at lowering time (jax.lax.platform_dependent): on CPU (and ROCm, and any
-                  other platform) the XLA engines, blockwise when nothing needs the grid and one head's
-                  logits T x S hold at least AUTO_BLOCKWISE_ELEMENTS, dense otherwise (use_blockwise); on
-                  CUDA by GPU generation (CUDA_KERNELS_BY_GENERATION: cuDNN first on Hopper, for the calls
-                  it computes as we define them), the Pallas GPU kernel (its split-key kernel for a decode
-                  step), and on TPU splash
-                  attention (our flex kernel for score_mod / mask_mod / BlockMask) when the kernel can
-                  express the call (its `unsupported` says None) and does not decline it (its optional
-                  `declined`: on TPU a window bias, whose padded tiles take more memory than the dense
-                  engine), else the same XLA engines there.
-
-A call's options travel as one AttentionCall (jaxattn._core.call), built and checked once at the public
-entry; each kernel declares what it expresses through `unsupported(call, query, key, value, interpret)`
-and computes through `attention(call, query, key, value, interpret)`.
-
-A call no kernel can express never builds the platform switch, so its program is exactly the XLA engine's;
-nor does any call traced on a CPU host unless inside cross_platform_lowering() (exporting for an accelerator
-from a CPU machine), which keeps CPU tracing as cheap as before; on a GPU or TPU host it holds that host's
-kernel (and the XLA engines for every other platform).
-interpret=True runs an explicit pallas_gpu / pallas_tpu in Pallas' interpreter on any platform (CPU tests).
+The registry's, the dispatch's and the platforms' names stay importable from here (the position schemes import
+attend, check_implementation and use_blockwise from this module).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import importlib
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from . import _kernels, _mesh
 from ._core import aliases, checks
 from ._core.call import FIELDS, POSITION_TERMS, AttentionCall
 from ._core.eager import compiled_when_eager
@@ -49,226 +22,29 @@ from ._dispatch.key_masks import key_mask_as_segments as key_mask_as_segments
 from ._dispatch.platforms import (
     TPU_GENERATIONS as TPU_GENERATIONS,
     cross_platform_lowering as cross_platform_lowering,
-    cuda_capability,
-    switch_platforms,
+    cuda_capability as cuda_capability,
     tpu_mesh as tpu_mesh,
 )
-from ._engines import blockwise
-from ._engines.dense import attention_core
+from ._dispatch.registry import (
+    AUTO_BLOCKWISE_ELEMENTS as AUTO_BLOCKWISE_ELEMENTS,
+    CUDA_KERNELS_BY_GENERATION as CUDA_KERNELS_BY_GENERATION,
+    IMPLEMENTATIONS as IMPLEMENTATIONS,
+    INTERPRETED as INTERPRETED,
+    KERNELS as KERNELS,
+    REGISTRY as REGISTRY,
+    Implementation as Implementation,
+    check_implementation as check_implementation,
+    cuda_kernels as cuda_kernels,
+    kernel as kernel,
+    use_blockwise as use_blockwise,
+)
+from ._dispatch.route import attend as attend
 from ._engines.tiles import check_block_mask_tiles
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import ArrayLike, Bool, Float, Int
 
     from ._core.shapes import AttentionOutput
-
-# implementation=None picks blockwise when nothing needs the full [T,S] grid and one head's logits T x S
-# hold at least this many elements. Measured (benchmarks/auto.py, results/auto.json, docs/performance.md)
-# over T = S in 128..8192, causal or not, with and without Shaw tables, MHA and GQA, forward and
-# forward+backward: the row-grouped tiles win from 128 x 128 up (by 2-14x from 1024 on). Per head, not
-# per call: batch dims do not change the choice, so a vmapped call (which hides its batch axis) chooses as
-# the batched one does.
-AUTO_BLOCKWISE_ELEMENTS = 128 * 128
-
-
-@dataclasses.dataclass(frozen=True)
-class Implementation:
-    """One entry of the registry: what `implementation=name` runs.
-
-    kernel: the module under jaxattn._kernels with unsupported / attention (None: an XLA engine);
-    platform: where implementation=None may take the kernel (None: only when named); on CUDA, in the order
-      of CUDA_KERNELS_BY_GENERATION;
-    interpretable: Pallas' interpreter runs it (interpret=True);
-    key_mask_as_segments: a key-only boolean mask reaches it as segment ids (key_mask_as_segments)."""
-
-    name: str
-    kernel: Optional[str] = None
-    platform: Optional[str] = None
-    interpretable: bool = False
-    key_mask_as_segments: bool = False
-
-
-REGISTRY = {
-    impl.name: impl
-    for impl in (
-        Implementation("dense"),
-        Implementation("blockwise"),
-        Implementation("pallas_gpu", "pallas_gpu", "cuda", interpretable=True, key_mask_as_segments=True),
-        Implementation("pallas_tpu", "pallas_tpu", "tpu", interpretable=True),
-        Implementation("cudnn", "cudnn", "cuda"),
-    )
-}
-IMPLEMENTATIONS = (None, *REGISTRY)
-KERNELS = tuple(name for name, impl in REGISTRY.items() if impl.kernel is not None)
-INTERPRETED = tuple(name for name, impl in REGISTRY.items() if impl.interpretable)
-
-
-def check_implementation(implementation, interpret=False):
-    """ValueError naming `implementation` / `interpret` for a value outside IMPLEMENTATIONS."""
-    if implementation not in IMPLEMENTATIONS:
-        checks.fail(
-            "implementation",
-            "None (per platform), " + ", ".join(repr(i) for i in IMPLEMENTATIONS[1:]),
-            repr(implementation),
-        )
-    if not isinstance(interpret, bool):
-        checks.fail("interpret", "True or False", repr(interpret))
-    if interpret and implementation not in INTERPRETED:
-        checks.fail(
-            "interpret",
-            f"False unless implementation is {' or '.join(map(repr, INTERPRETED))} "
-            "(only Pallas kernels have an interpreter)",
-            f"True with implementation={implementation!r}",
-        )
-
-
-def kernel(implementation):
-    """The kernel module of `implementation`, imported the first time a call may use it (`import jaxattn`
-    imports no Pallas; the _kernels package itself is only a docstring)."""
-    return importlib.import_module(f"{_kernels.__name__}.{REGISTRY[implementation].kernel}")
-
-
-def kernel_refusal(implementation, call: AttentionCall, query, key, value, interpret=False) -> str | None:
-    """The option that kernel `implementation` cannot express in this call (None: it can); interpret=True
-    asks about Pallas' interpreter, which lifts a chip's limits (tile shapes, dtypes) but not the kernel's.
-
-    The options that span the [T,S] grid (mask, bias, return_weights, dropout) are refused here for every
-    kernel; the rest is the kernel module's `unsupported`."""
-    if call.needs_grid:
-        return call.grid_options[0]
-    return kernel(implementation).unsupported(call, query, key, value, interpret)
-
-
-def kernel_declines(implementation, call: AttentionCall, query, key, value) -> str | None:
-    """Why implementation=None does not take kernel `implementation` for a call it expresses (None: it does):
-    the kernel module's `declined`, where the evidence (compiled memory, timings) favours the XLA engines."""
-    declined = getattr(kernel(implementation), "declined", None)
-    return None if declined is None else declined(call, query, key, value)
-
-
-# implementation=None on CUDA: the kernels to try, in order, by GPU generation (the lowest compute capability
-# each row covers, highest first); the first that expresses the call is taken. The evidence, with its
-# sources (docs/kernels.md, "implementation=None on each GPU generation"): on Hopper, cuDNN's fused attention
-# runs at 575-617 TFLOP/s forward at head dim 128 in bf16 against 350-370 for FlashAttention-2-class kernels
-# such as ours (FlashAttention-3 paper, arXiv 2407.08608, figures 5-6), so cuDNN goes first for the calls it
-# computes exactly as we define them (bf16 / fp16, H == Hv, causal or window only with T == S: cudnn.py);
-# on Ampere and Ada, FlashAttention-2-class kernels are at least as fast as cuDNN's (FlashAttention-2 paper,
-# arXiv 2307.08691), and ours expresses every call cuDNN does, so it is ours alone. No GPU measurement of ours
-# exists yet: benchmarks/device_check.py measures both on the first GPU at hand, and this table follows it.
-CUDA_KERNELS_BY_GENERATION = (
-    ((9, 0), ("cudnn", "pallas_gpu")),  # Hopper (H100, H200) and later
-    ((0, 0), ("pallas_gpu",)),  # Ampere (A100), Ada, and a target whose generation is not known
-)
-
-
-def cuda_kernels(capability: Optional[tuple[int, int]]) -> tuple[str, ...]:
-    """The CUDA kernels implementation=None tries, in order, for a GPU of `capability` (None: unknown)."""
-    capability = (0, 0) if capability is None else capability
-    return next(kernels for lowest, kernels in CUDA_KERNELS_BY_GENERATION if capability >= lowest)
-
-
-def _for_kernel(name, call: AttentionCall, query, key) -> AttentionCall:
-    """The call as kernel `name` receives it: a key-only mask as segment ids where the kernel takes them,
-    and no block_size (the blockwise engine's tile; a kernel picks its own)."""
-    if REGISTRY[name].key_mask_as_segments:
-        call = key_mask_as_segments(call, query, key)
-    return call.replace(block_size=None) if call.block_size is not None else call
-
-
-def attend(call: AttentionCall, query, key, value, *, xla, implementation=None, interpret=False):
-    """The result of `implementation` for `call`; xla(): the XLA engines' (dense or blockwise) for the same
-    call. An explicit kernel that cannot express an option raises ValueError naming the option and the
-    implementation; None takes a kernel only where one can (module docstring)."""
-    check_implementation(implementation, interpret)
-    # on a mesh a kernel runs on each device's shard (jaxattn._mesh): an Explicit mesh says how the inputs split
-    # (split); Auto axes name only the mesh (auto), the split being the partitioner's
-    split = _mesh.split_of(call, query, key, value) if implementation != "dense" else None
-    auto = _mesh.auto_mesh_of(query, key, value) if split is None and implementation != "dense" else None
-    if implementation in KERNELS:
-        kernel_call = _for_kernel(implementation, call, query, key)
-        refused = kernel_refusal(implementation, kernel_call, query, key, value, interpret)
-        on_mesh = refused is None and (split is not None or auto is not None)
-        if on_mesh:
-            refused = _mesh_refusal(kernel_call, query, key, split, interpret)
-        if refused is not None:
-            checks.fail(
-                refused,
-                f"not in use with implementation={implementation!r}, which cannot express it"
-                + (" on a mesh" if on_mesh else "")
-                + " (implementation=None falls back to the XLA engines)",
-                "in use",
-            )
-        return _on_shards(kernel(implementation).attention, kernel_call, query, key, value, split, auto, interpret)
-    platforms = switch_platforms()
-    if implementation is not None or not platforms:
-        return xla()
-    branches = {}
-    for platform in platforms:
-        for name in _platform_kernels(platform):
-            kernel_call = _for_kernel(name, call, query, key)
-            if (
-                kernel_refusal(name, kernel_call, query, key, value) is None
-                and kernel_declines(name, kernel_call, query, key, value) is None
-                and (split is None and auto is None or _mesh_refusal(kernel_call, query, key, split) is None)
-            ):
-                run = kernel(name).attention
-                branches[platform] = lambda run=run, c=kernel_call: _on_shards(run, c, query, key, value, split, auto)
-                break
-    if not branches:
-        return xla()
-    return lax.platform_dependent(cpu=xla, default=xla, **branches)
-
-
-def _mesh_refusal(call: AttentionCall, query, key, split, interpret=False) -> str | None:
-    """The option a kernel call on a mesh cannot split (jaxattn._mesh): by the Explicit split where there is one,
-    else on Auto axes."""
-    if split is not None:
-        return _mesh.mesh_refusal(call, query, key, split, interpret)
-    return _mesh.auto_refusal(call, query, key, interpret)
-
-
-def _on_shards(run, call: AttentionCall, query, key, value, split, auto, interpret=False):
-    """A kernel's attention(call, query, key, value, interpret) on each device's shard: by `split` over an
-    Explicit mesh, by the partitioner's split over the Auto mesh `auto` (jaxattn._mesh), else on the whole
-    arrays (one device)."""
-    attend = lambda c, q, k, v: run(c, q, k, v, interpret)  # noqa: E731
-    if split is not None:
-        return _mesh.on_mesh(attend, call, query, key, value, split)
-    if auto is not None:
-        return _mesh.on_auto_mesh(attend, call, query, key, value)
-    return run(call, query, key, value, interpret)
-
-
-def _platform_kernels(platform) -> tuple[str, ...]:
-    """The kernels implementation=None tries on `platform`, in order."""
-    kernels = tuple(name for name in KERNELS if REGISTRY[name].platform == platform)
-    return tuple(name for name in cuda_kernels(cuda_capability()) if name in kernels) if platform == "cuda" else kernels
-
-
-def use_blockwise(implementation, call: AttentionCall, query, key) -> bool:
-    """The XLA engines' rule (dot_product_attention, shaw_relative_attention, the position schemes).
-
-    "dense" and "blockwise" are taken as given (the tiled engine raises for options it cannot do).
-    None (automatic) and the kernels' names (their XLA fallback): blockwise when no option needs the full
-    grid (call.needs_grid) and one head's logits T x S hold at least AUTO_BLOCKWISE_ELEMENTS; dense otherwise.
-    """
-    check_implementation(implementation)
-    if implementation in ("dense", "blockwise"):
-        return implementation == "blockwise"
-    if call.needs_grid:
-        return False
-    if call.block_mask is not None:
-        return True  # a BlockMask is there to skip tiles
-    if np.ndim(query) < 3 or np.ndim(key) < 3:
-        return False  # let the dense path raise its usual error
-    return np.shape(query)[-3] * np.shape(key)[-3] >= AUTO_BLOCKWISE_ELEMENTS
-
-
-def xla_engines(engine, call: AttentionCall, query, key, value):
-    """The XLA engines' result for a call with no scheme terms: blockwise or dense, by use_blockwise."""
-    if use_blockwise(engine, call, query, key):
-        return blockwise.tiled(call, query, key, value)
-    return attention_core(call, query, key, value)
 
 
 @compiled_when_eager
@@ -318,8 +94,10 @@ def dot_product_attention(
       precision: passed to every einsum (use "highest" for float32 comparisons).
       implementation: None (default) chooses per platform when the program is lowered: on CPU "blockwise"
         when no mask, bias, return_weights or dropout is used and T x S >= 128 x 128, else "dense"; on
-        CUDA "pallas_gpu" and on TPU "pallas_tpu" where the kernel expresses the call, else that same XLA
-        choice (docs/performance.md, "GPU and TPU"). "dense": one [...,N,T,S] array (every option);
+        CUDA "cudnn" first on Hopper and later GPUs (for the calls it computes as defined here), then
+        "pallas_gpu"; on TPU "pallas_tpu"; each where the kernel expresses the call (and pallas_tpu does not
+        decline it), else that same XLA choice (docs/performance.md, "GPU and TPU"; docs/kernels.md,
+        "implementation=None on each GPU generation"). "dense": one [...,N,T,S] array (every option);
         "blockwise": O(T+S) memory tiles (no mask, bias, return_weights or dropout); "pallas_gpu" /
         "pallas_tpu" / "cudnn": that fused kernel, ValueError naming the option it cannot express.
       interpret: with "pallas_gpu" / "pallas_tpu", run the kernel in Pallas' interpreter (any platform,
@@ -375,7 +153,7 @@ def dot_product_attention(
     )
     if implementation == "xla":  # jax.nn's name for its XLA path: the XLA engines' own choice, never a kernel
         implementation = "blockwise" if use_blockwise(None, call, query, key) else "dense"
-    outs = run(call, query, key, value, implementation, interpret)
+    outs = attend(call, query, key, value, implementation=implementation, interpret=interpret)
     return aliases.residual(outs, jnp.result_type(value)) if return_residual else outs
 
 
@@ -386,22 +164,6 @@ def scheme_call(function: str, options: dict, **terms) -> AttentionCall:
     if unknown:
         raise TypeError(f"{function}() got unexpected keyword arguments {unknown}")
     return AttentionCall(**options, **terms)
-
-
-def run(call: AttentionCall, query, key, value, implementation=None, interpret=False):
-    """The public functions' common end: `call` by `implementation` (attend), the XLA engines' choice as
-    the fallback."""
-    check_implementation(implementation, interpret)
-    engine = implementation if implementation in ("dense", "blockwise") else None
-    return attend(
-        call,
-        query,
-        key,
-        value,
-        implementation=implementation,
-        interpret=interpret,
-        xla=lambda: xla_engines(engine, call, query, key, value),
-    )
 
 
 # dot_product_attention's keywords that flex_attention takes through **options (the rest are its own
@@ -510,4 +272,4 @@ def flex_attention(
         block_size=block_size,
         **options,
     )
-    return run(call, query, key, value, implementation, interpret)
+    return attend(call, query, key, value, implementation=implementation, interpret=interpret)

@@ -6,8 +6,8 @@ included) into one import graph between their modules. Asserted:
   * no module imports or reads another module's underscore name (`from .x import _y`, `x._y` on a module
     bound by an import); importing a package-private *module* (`from .._core import checks`) is fine;
   * inside jaxattn the private packages only import downwards (docs/design.md, "Layering rules"): _core <- _engines
-    <- _kernels (and _mesh: a kernel call split over a mesh) <- _dispatch (platforms, key masks) and _api (the
-    public entry and its registry) <- _schemes
+    <- _kernels (and _mesh: a kernel call split over a mesh) <- _dispatch (the registry of implementations, the
+    route to one) and _api (the public entry) <- _schemes
     <- _layers <- the public modules
     (linen, nnx, io, models, __init__), so no engine reaches up into a kernel or the dispatch, and no kernel
     into the dispatch; _forms (the delta rule) builds on _core alone;
@@ -201,10 +201,10 @@ def test_every_private_part_has_a_layer(graph):
 
 
 def test_the_dispatch_sits_above_the_kernels(graph):
-    """The public entry reaches the kernels (an edge the graph sees), and no kernel or engine reaches back into
-    the dispatch or the public entry."""
+    """The registry reaches the kernels (an edge the graph sees), and no kernel or engine reaches back into the
+    dispatch or the public entry."""
     _, edges, _ = graph
-    assert "jaxattn._kernels" in edges["jaxattn._api"]
+    assert "jaxattn._kernels" in edges["jaxattn._dispatch.registry"]
     for module, targets in edges.items():
         if module.startswith(("jaxattn._kernels", "jaxattn._engines")):
             assert not {t for t in targets if t.startswith(("jaxattn._api", "jaxattn._dispatch"))}, module

@@ -1,5 +1,5 @@
 """A key-only boolean mask rewritten as segment ids, for the kernels that take segment ids but no mask
-(jaxattn._api.Implementation.key_mask_as_segments)."""
+(registry.Implementation.key_mask_as_segments)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The platform and accelerator generation a program is lowered for, as implementation=None needs them:
 cross_platform_lowering() (tracing on a CPU host for CUDA or TPU), the CUDA compute capability (which picks the
-CUDA kernels, jaxattn._api.CUDA_KERNELS_BY_GENERATION) and the TPU generation Mosaic lowers for (tpu_mesh)."""
+CUDA kernels, registry.CUDA_KERNELS_BY_GENERATION) and the TPU generation Mosaic lowers for (tpu_mesh)."""
 
 from __future__ import annotations
 
