@@ -30,6 +30,7 @@ from .._core.call import INDEX_ARRAYS, AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.softmax import add_sinks, finalize_partial, merge_partials, public_lse
 from .._engines import blockwise
+from .flash.refs import ForwardHooks, Refs
 from .flash_gpu import (
     MIN_GPU_BLOCK,
     checked,
@@ -108,20 +109,21 @@ def decode_tiles(block_size, key_chunk, B: int, K: int, S: int, Hp: int, interpr
     return Sb, int(key_chunk)
 
 
-def _decode_kernel(cfg: Config, r):
+def _decode_kernel(cfg: Config, r: Refs):
     b, c = pl.program_id(0), pl.program_id(2)
     (out,), m, l = key_tiles(
         cfg,
         r,
+        ForwardHooks(),
         b,
         None,
-        r["q"][...],
-        r["q_pos"][...],
-        load(r, "q_seg"),
-        load(r, "lengths"),
+        r.q[...],
+        r.q_pos[...],
+        load(r.q_seg),
+        load(r.lengths),
         key_start=c * cfg.Sn * cfg.Sb,
     )
-    r["out"][...], r["m"][...], r["l"][...] = out, m, l
+    r.out[...], r.m[...], r.l[...] = out, m, l
 
 
 def _decode_partials(cfg, q, k, v, q_pos, k_pos, lengths, q_seg, k_seg, order, counts):
@@ -170,7 +172,7 @@ def decode_attention(call: AttentionCall, query, key, value, interpret=False, *,
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     block_size, return_lse = call.block_size, call.return_lse
     c = checked(call, query, key, value)
-    batch, T, S, N, K, H, Hv = c[:7]
+    batch, T, S, N, K, H, Hv = c.batch, c.T, c.S, c.N, c.K, c.H, c.Hv
     if T == 0 or S == 0:
         return blockwise.tiled(call.replace(block_size=None), query, key, value)
     B, G = int(np.prod(batch, dtype=np.int64)), N // K

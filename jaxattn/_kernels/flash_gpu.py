@@ -76,6 +76,7 @@ from .._core.softmax import has_keys, public_lse
 from .._engines import blockwise
 from .._engines.tiles import check_block_mask_tiles
 from . import offset_tables
+from .flash.refs import DkvHooks, DqHooks, Refs, bind
 from .tile_body import (
     Config,
     Extents,
@@ -92,11 +93,12 @@ from .tile_body import (
     key_row_term_in,
     key_term_in,
     load,
-    load_consts,
+    load_all,
     offset_bias_tile,
     offset_index,
     pick,
     pick_rows,
+    program_schedule,
     read,
     schedule,
     table_column,
@@ -288,7 +290,7 @@ def _row_grads(cfg, x, lse, allowed, do, v, delta, dp_table=None):
     return p, p * (dp - delta)
 
 
-def _table_terms(cfg, r, qp, kp, rows, keys, head=None):
+def _table_terms(cfg, r: Refs, qp, kp, rows, keys, head=None):
     """(column, key terms, value term's dp) of one tile for Shaw / DeBERTa tables (each None where the call
     has none): rows / keys / head: where the tile's query rows sit in the row_bias / d_row_sums blocks
     (tile_body.tile_rows) and its key rows in the key_row_bias block (tile_body.tile_keys)."""
@@ -296,7 +298,7 @@ def _table_terms(cfg, r, qp, kp, rows, keys, head=None):
         return None, None, None
     column = table_column(cfg, r, qp, kp)
     key_term = table_logits(cfg, r, column, rows, keys, head)
-    dp_table = pick_rows(r["d_row_sums"], rows, column, head) if cfg.tables.value_term else None
+    dp_table = pick_rows(r.d_row_sums, rows, column, head) if cfg.tables.value_term else None
     return column, key_term, dp_table
 
 
@@ -357,38 +359,37 @@ def _scatter_by_offset(ref, index, d_bias):
         jax.ref.addupdate(ref, index, d_bias)
 
 
-def dq_kernel(cfg: Config, r):
-    """dq of one (b, n, query tile); also the TPU backward's (tpu_backward, through its views of the refs)."""
+def dq_kernel(cfg: Config, r: Refs, hooks: DqHooks = DqHooks()):
+    """dq of one (b, n, query tile); also the TPU backward's (tpu_backward, through its views of the refs and
+    its hooks)."""
     b, n = pl.program_id(0), pl.program_id(1)
     row0 = 0 if cfg.extents is None else pl.program_id(2) * cfg.Tb  # the query tile's first row
-    q, do = read(cfg, r["q"], "q", row0), read(cfg, r["do"], "do", row0)
-    qp, q_seg, lengths = r["q_pos"][...], load(r, "q_seg"), load(r, "lengths")
-    lse, delta = r["lse"][...], r["delta"][...]
-    score_consts, mask_consts = load_consts(r, "score", len(cfg.score_grads)), load_consts(r, "mask", cfg.n_mask_consts)
+    q, do = read(cfg, r.q, "q", row0), read(cfg, r.do, "do", row0)
+    qp, q_seg, lengths = r.q_pos[...], load(r.q_seg), load(r.lengths)
+    lse, delta = r.lse[...], r.delta[...]
+    score_consts, mask_consts = load_all(r.score_consts), load_all(r.mask_consts)
     acc_dtype = accumulation_dtype(q.dtype)
     key_grad = key_term_in(cfg)
     if key_grad:
-        fill_rows(r["d_row_bias"])
+        fill_rows(r.d_row_bias)
 
     def key_tile(kind, j, carry):
         dq, d_consts = carry
         s0 = pl.multiple_of(j * cfg.Sb, cfg.Sb)  # aligned: a TPU's dynamic slices need it
         keys = pl.ds(s0, cfg.Sb)
-        k, v = (read(cfg, r[name], name, s0, (keys, slice(None))) for name in ("k", "v"))
-        kp = r["k_pos"][keys]
-        k_seg = None if q_seg is None else r["k_seg"][keys]
+        k, v = (read(cfg, ref, name, s0, (keys, slice(None))) for name, ref in (("k", r.k), ("v", r.v)))
+        kp = r.k_pos[keys]
+        k_seg = None if q_seg is None else r.k_seg[keys]
         allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
         index = bias = None
-        build = r.get("offset_bias_of_tile")  # a kernel's own construction, j -> [Tb,Sb] (tpu_backward: no gather)
-        if cfg.offset_bias is not None and build is not None:
-            bias = build(j)
+        if cfg.offset_bias is not None and hooks.bias_of_key_tile is not None:  # tpu_backward's: no gather
+            bias = hooks.bias_of_key_tile(j)
         elif cfg.offset_bias is not None:
             index = offset_index(cfg, qp, kp)
-            bias = offset_bias_tile(r["offset_bias"], index)
+            bias = offset_bias_tile(r.offset_bias, index)
         column, key_term, dp_table = _table_terms(cfg, r, qp, kp, tile_rows(cfg), tile_keys(cfg, s0))
-        own_terms = r.get("table_terms_of_tile")  # a kernel's own, j, k -> (key term, value term's dp) (tpu_backward)
-        if own_terms is not None:
-            key_term, dp_table = own_terms(j, k)
+        if hooks.table_terms_of_key_tile is not None:  # the kernel's own (tpu_backward)
+            key_term, dp_table = hooks.table_terms_of_key_tile(j, k)
         p, ds, d_c, d_bias = _logit_grads(
             cfg,
             b,
@@ -405,35 +406,34 @@ def dq_kernel(cfg: Config, r):
         if d_c is not None:
             d_consts = tuple(a + g.astype(a.dtype) for a, g in zip(d_consts, d_c))
         if index is not None:
-            _scatter_by_offset(r["d_offset_bias"], index, d_bias)
+            _scatter_by_offset(r.d_offset_bias, index, d_bias)
         elif bias is not None:  # the kernel's own adds of the tile's gradient into its rows (tpu_backward)
-            r["add_offset_bias_grad"](j, d_bias)
+            hooks.add_bias_grad(j, d_bias)
         if key_grad:  # d QA[t, c] = the sum of d loss / d (q k^T + QA) over the pairs of row t in column c
-            add_by_column(r["d_row_bias"], column, ds)
-        if own_terms is not None:  # the kernel's own sums of the tables' gradients (tpu_backward)
-            r["add_table_grads"](j, k, p, ds)
+            add_by_column(r.d_row_bias, column, ds)
+        if hooks.add_table_grads is not None:  # the kernel's own sums of the tables' gradients (tpu_backward)
+            hooks.add_table_grads(j, k, p, ds)
         return dq, d_consts
 
     floats = tuple(c for c, g in zip(score_consts, cfg.score_grads) if g)
     init = (jnp.zeros(q.shape, acc_dtype), tuple(jnp.zeros(c.shape, acc_dtype) for c in floats))
-    order = r.get("order")  # absent: runs in r["counts"] (schedule)
-    steps = schedule(lambda k: r["counts"][k], None if order is None else lambda idx: order[idx])
-    dq, d_consts = visit(cfg, steps, key_tile, init)
-    if "finish_table_grads" in r:  # dq's share of the tables' terms, summed over the tiles (tpu_backward)
-        dq = r["finish_table_grads"](dq)
-    write(cfg, r["dq"], "dq", dq, row0)
-    for c, d in enumerate(d_consts):
-        r[f"d_score{c}"][...] = d
+    dq, d_consts = visit(cfg, program_schedule(r), key_tile, init)
+    if hooks.finish_dq is not None:  # dq's share of the tables' terms, summed over the tiles (tpu_backward)
+        dq = hooks.finish_dq(dq)
+    write(cfg, r.dq, "dq", dq, row0)
+    for ref, d in zip(r.d_score, d_consts):
+        ref[...] = d
 
 
-def dkv_kernel(cfg: Config, r):
-    """dk, dv of one (b, key head, key tile); also the TPU backward's (tpu_backward)."""
+def dkv_kernel(cfg: Config, r: Refs, hooks: DkvHooks = DkvHooks()):
+    """dk, dv of one (b, key head, key tile) (r.order / r.counts: the schedule over query tiles, a row per query
+    head of the group when cfg.head_kinds); also the TPU backward's (tpu_backward, with its hooks)."""
     b, kh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     G = cfg.N // cfg.K
     s0 = j * cfg.Sb
-    k, v = read(cfg, r["k"], "k", s0), read(cfg, r["v"], "v", s0)
-    kp, k_seg, lengths = r["k_pos"][...], load(r, "k_seg"), load(r, "lengths")
-    score_consts, mask_consts = load_consts(r, "score", len(cfg.score_grads)), load_consts(r, "mask", cfg.n_mask_consts)
+    k, v = read(cfg, r.k, "k", s0), read(cfg, r.v, "v", s0)
+    kp, k_seg, lengths = r.k_pos[...], load(r.k_seg), load(r.lengths)
+    score_consts, mask_consts = load_all(r.score_consts), load_all(r.mask_consts)
     acc_dtype = accumulation_dtype(k.dtype)
 
     def query_tile(g, kind, i, carry):
@@ -441,20 +441,18 @@ def dkv_kernel(cfg: Config, r):
         n = kh * G + g
         t0 = pl.multiple_of(i * cfg.Tb, cfg.Tb)  # aligned: a TPU's dynamic slices need it
         rows = pl.ds(t0, cfg.Tb)
-        q, do = (read(cfg, r[name], name, t0, (rows, g, slice(None))) for name in ("q", "do"))
-        lse, delta, qp = r["lse"][g, rows], r["delta"][g, rows], r["q_pos"][rows]
-        q_seg = None if k_seg is None else r["q_seg"][rows]
+        q, do = (read(cfg, ref, name, t0, (rows, g, slice(None))) for name, ref in (("q", r.q), ("do", r.do)))
+        lse, delta, qp = r.lse[g, rows], r.delta[g, rows], r.q_pos[rows]
+        q_seg = None if k_seg is None else r.q_seg[rows]
         allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
         bias = None
-        build = r.get("offset_bias_of_tile")  # a kernel's own construction, (g, i) -> [Tb,Sb] (tpu_backward)
-        if cfg.offset_bias is not None and build is not None:
-            bias = build(g, i)
+        if cfg.offset_bias is not None and hooks.bias_of_query_tile is not None:  # tpu_backward's
+            bias = hooks.bias_of_query_tile(g, i)
         elif cfg.offset_bias is not None:  # the rows of the G heads of key head kh: this head's is row g
-            bias = offset_bias_tile(r["offset_bias"], offset_index(cfg, qp, kp), g)
+            bias = offset_bias_tile(r.offset_bias, offset_index(cfg, qp, kp), g)
         column, key_term, dp_table = _table_terms(cfg, r, qp, kp, tile_rows(cfg, i * cfg.Tb), tile_keys(cfg), g)
-        own_terms = r.get("table_terms_of_tile")  # a kernel's own, (g, i, q, do) -> (key term, dp) (tpu_backward)
-        if own_terms is not None:
-            key_term, dp_table = own_terms(g, i, q, do)
+        if hooks.table_terms_of_query_tile is not None:  # the kernel's own (tpu_backward)
+            key_term, dp_table = hooks.table_terms_of_query_tile(g, i, q, do)
         p, ds, _, _ = _logit_grads(
             cfg,
             b,
@@ -469,26 +467,26 @@ def dkv_kernel(cfg: Config, r):
         )
         dv = dv + dot(p.astype(do.dtype), do, cfg, (0, 0))
         dk = dk + dot(ds.astype(q.dtype), q, cfg, (0, 0))
-        if "key_grads_of_tile" in r:  # a kernel's own per-key-row term's share of dk (tpu_backward: DeBERTa's p2c)
-            dk = dk + r["key_grads_of_tile"](g, i, ds).astype(dk.dtype)
+        if hooks.dk_of_query_tile is not None:  # the kernel's own per-key-row term's share (tpu_backward: p2c)
+            dk = dk + hooks.dk_of_query_tile(g, i, ds).astype(dk.dtype)
         if key_row_term_in(cfg):  # d KB[s, c] = the sum of d loss / d (q k^T + KB) over the queries of key s in c
-            add_by_key_column(r["d_key_row_bias"], column, ds, g)
+            add_by_key_column(r.d_key_row_bias, column, ds, g)
         return dk, dv
 
     def query_head(g, carry):  # one query head sharing key/value head kh
         h = g if cfg.head_kinds else 0
-        order = None if "t_order" not in r else lambda idx: r["t_order"][h, idx]  # absent: runs (schedule)
-        steps = schedule(lambda k: r["t_counts"][h, k], order)
+        order = None if r.order is None else lambda idx: r.order[h, idx]  # absent: runs (schedule)
+        steps = schedule(lambda k: r.counts[h, k], order)
         return visit(cfg, steps, functools.partial(query_tile, g), carry)
 
     carry = (jnp.zeros(k.shape, acc_dtype), jnp.zeros(v.shape, acc_dtype))
-    if "query_head" in r:  # one query head per program, the grid's (tpu_backward: its dk and dv views sum them)
-        carry = query_head(r["query_head"], carry)
+    if hooks.query_head is not None:  # one query head per program, the grid's (tpu_backward: its dk, dv views sum)
+        carry = query_head(hooks.query_head, carry)
     else:  # A loop in the kernel, not unrolled in Python: unrolled, Triton compiled G copies of the tile loops
         # (compile time grew with G: 38 s at G = 8, over 600 s for MQA with 32 heads).
         carry = query_head(0, carry) if G == 1 else lax.fori_loop(0, G, query_head, carry)
-    write(cfg, r["dk"], "dk", carry[0], s0)
-    write(cfg, r["dv"], "dv", carry[1], s0)
+    write(cfg, r.dk, "dk", carry[0], s0)
+    write(cfg, r.dv, "dv", carry[1], s0)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -500,11 +498,13 @@ def named_call(cfg, kernel, grid, inputs, outputs, name, aliases=None, num_stage
     None values left out; aliases: {input name: output name}, the output starting as that input's values;
     num_stages: Triton's software pipelining of the tile loops' loads (each stage a copy in shared memory)."""
     inputs = {k: v for k, v in inputs.items() if v is not None}
-    names = tuple(inputs) + tuple(outputs)
-    aliases = {tuple(inputs).index(i): tuple(outputs).index(o) for i, o in (aliases or {}).items()}
+    aliases = aliases or {}
+    # an aliased input only seeds its output's values: the kernel reads the output (no name, bind skips it)
+    names = tuple(None if name in aliases else name for name in inputs) + tuple(outputs)
+    aliases = {tuple(inputs).index(i): tuple(outputs).index(o) for i, o in aliases.items()}
 
     def body(*refs):
-        kernel(cfg, dict(zip(names, refs)))
+        kernel(cfg, bind(names, refs, Refs))
 
     return pl.pallas_call(
         body,
@@ -553,8 +553,7 @@ def row_inputs(cfg, side, Hp, Hvp):
             pl.BlockSpec((None, None, None, 4), lambda b, n, i: (pick(bsched, b), pick(cfg.head_kinds, n), i, 0)),
         ),
     }
-    inputs.update({f"score{c}": _whole(x) for c, x in enumerate(side.score_consts)})
-    inputs.update({f"mask{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
+    inputs.update(consts_inputs(side))
     if side.offset_bias is not None:  # the rows of head n: [D]
         batched, D = cfg.offset_bias[1], side.offset_bias.shape[-1]
         spec = pl.BlockSpec((None, None, D), lambda b, n, i: (pick(batched, b), n, 0))
@@ -600,19 +599,25 @@ def key_tile_inputs(cfg, side, q, k, v, d_out, lse, delta):
         "k_seg": None
         if side.k_seg is None
         else (side.k_seg, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bs, b), j))),
-        "t_order": None
+        "order": None  # the transposed schedule, over query tiles
         if side.t_order is None
         else (
             side.t_order,
             pl.BlockSpec((None, heads, None, cfg.Tn), lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0)),
         ),
-        "t_counts": (
+        "counts": (
             side.t_counts,
             pl.BlockSpec((None, heads, None, 4), lambda b, h, j: (pick(bsched, b), pick(cfg.head_kinds, h), j, 0)),
         ),
     }
-    inputs.update({f"score{c}": _whole(x) for c, x in enumerate(side.score_consts)})
-    inputs.update({f"mask{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
+    inputs.update(consts_inputs(side))
+    return inputs
+
+
+def consts_inputs(side) -> dict:
+    """The score_mod / mask_mod consts, whole to every program (Refs.score_consts, Refs.mask_consts)."""
+    inputs = {f"score_consts{c}": _whole(x) for c, x in enumerate(side.score_consts)}
+    inputs.update({f"mask_consts{c}": _whole(x) for c, x in enumerate(side.mask_consts)})
     return inputs
 
 
@@ -794,23 +799,13 @@ def _flash_bwd(cfg, res, cotangents):
         jnp.sum(next(it), axis=(0, 1, 2)).astype(c.dtype) if g else None
         for c, g in zip(side.score_consts, cfg.score_grads)
     )
-    d_side = Side(
-        None,
-        None,
-        None,
-        None,
-        None,
-        d_sinks,
-        d_score,
-        tuple(None for _ in side.mask_consts),
-        None,
-        None,
-        None,
-        None,
-        d_offset_bias,
-        d_row_bias,
-        None,
-        d_key_rows[0] if d_key_rows else None,
+    d_side = Side(  # the integer inputs (positions, segment ids, schedules, the column map) get no cotangent
+        sinks=d_sinks,
+        score_consts=d_score,
+        mask_consts=tuple(None for _ in side.mask_consts),
+        offset_bias=d_offset_bias,
+        row_bias=d_row_bias,
+        key_row_bias=d_key_rows[0] if d_key_rows else None,
     )
     return dq, dk, dv, d_side
 
@@ -1001,23 +996,23 @@ def checked(call: AttentionCall, query, key, value) -> Checked:
         precision = lax.Precision.HIGHEST
     scale = H**-0.5 if call.scale is None else float(call.scale)
     return Checked(
-        tuple(batch),
-        T,
-        S,
-        N,
-        K,
-        H,
-        Hv,
-        q_pos,
-        k_pos,
-        lengths,
-        q_seg,
-        k_seg,
-        sinks,
-        call.rule,
-        scale,
-        call.logit_softcap,
-        precision,
+        batch=tuple(batch),
+        T=T,
+        S=S,
+        N=N,
+        K=K,
+        H=H,
+        Hv=Hv,
+        query_positions=q_pos,
+        key_positions=k_pos,
+        lengths=lengths,
+        q_seg=q_seg,
+        k_seg=k_seg,
+        sinks=sinks,
+        rule=call.rule,
+        scale=scale,
+        softcap=call.logit_softcap,
+        precision=precision,
     )
 
 
@@ -1100,7 +1095,7 @@ def prepare(
     mask_mod, block_mask, block_size = call.mask_mod, call.block_mask, call.block_size
     score_mod = call.score_mod
     c = checked(call, query, key, value)
-    batch, T, S, N, K, H, Hv = c[:7]
+    batch, T, S, N, K, H, Hv = c.batch, c.T, c.S, c.N, c.K, c.H, c.Hv
     B = int(np.prod(batch, dtype=np.int64))
     acc_dtype = accumulation_dtype(query.dtype)
     if block_mask is not None:  # its tiles hold the kernels' (mask_sub_tiles); its own mask_mod applies (resolve)
@@ -1193,22 +1188,22 @@ def prepare(
             )
         )
     side = Side(
-        q_pos,
-        k_pos,
-        lengths,
-        q_seg,
-        k_seg,
-        c.sinks,
-        score_consts,
-        mask_consts,
-        order,
-        counts,
-        t_order,
-        t_counts,
-        offset_rows,
-        row_bias,
-        column_map,
-        key_row_bias,
+        q_pos=q_pos,
+        k_pos=k_pos,
+        lengths=lengths,
+        q_seg=q_seg,
+        k_seg=k_seg,
+        sinks=c.sinks,
+        score_consts=score_consts,
+        mask_consts=mask_consts,
+        order=order,
+        counts=counts,
+        t_order=t_order,
+        t_counts=t_counts,
+        offset_bias=offset_rows,
+        row_bias=row_bias,
+        column_map=column_map,
+        key_row_bias=key_row_bias,
     )
 
     if unpadded:  # no copies: the kernels mask the tiles that run past T, S, H, Hv (tile_body.read, write)

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -71,7 +71,8 @@ from .._core.dtypes import accumulation_dtype
 from .._core.offset_bias import OffsetBias, TableBias, of_rows
 from .._engines import blockwise
 from . import flash_gpu, pair_tables, splash_tpu, tile_body, tpu_backward, tpu_pairs, tpu_tables
-from .tpu_refs import IN_HBM, LANES, Row, Scalars, Streamed, toeplitz_tile, window
+from .flash.refs import ForwardHooks, Refs, bind, merged
+from .tpu_refs import IN_HBM, LANES, Streamed, TpuRefs, rows_of, scalars_at, toeplitz_tile, window
 
 INTERPRET_BLOCK = 16
 # Keys past which a call stays on the XLA engines: the kernel holds [1,S] rows of the key positions (and segment
@@ -301,7 +302,7 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
         inputs["k_seg"] = (rows(side.k_seg), spec((None, 1, Sp), lambda b, n, i: (pick(bs, b), 0, 0)))
     for prefix, consts in (("score", side.score_consts), ("mask", side.mask_consts)):
         for c, x in enumerate(consts):
-            inputs[f"{prefix}{c}"] = (x, spec(x.shape, lambda b, n, i, nd=x.ndim: (0,) * nd))
+            inputs[f"{prefix}_consts{c}"] = (x, spec(x.shape, lambda b, n, i, nd=x.ndim: (0,) * nd))
     if pair_bias is not None:  # block [Tb,Sp] per (b, n, i): the query tile's rows of every key
         batched = cfg.offset_bias[1]
         inputs["pair_bias"] = (pair_bias, spec((None, None, cfg.Tb, Sp), lambda b, n, i: (pick(batched, b), n, i, 0)))
@@ -340,29 +341,34 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
     names = tuple(scalars) + tuple(inputs) + tuple(outputs) + tuple(scratch)
 
     def kernel(*refs):
-        r = dict(zip(names, refs))
+        r, own, lane_refs, pair_refs = bind(names, refs, Refs, TpuRefs, tpu_tables.LaneRefs, tpu_pairs.PairRefs)
         b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         lead = (pick(bsched, b), pick(cfg.head_kinds, n), i)
-        for name, at in (("order", lead), ("counts", lead), ("lengths", (pick(bl, b),)), ("sinks", (b, n))):
-            if name in r:
-                r[name] = Scalars(r[name], scalar_shapes[name], at)
-        for name in ("q_pos", "k_pos", "q_seg", "k_seg", "lse"):
-            if name in r:
-                r[name] = Row(r[name])
+        r = r._replace(
+            order=scalars_at(r.order, scalar_shapes.get("order"), lead),
+            counts=scalars_at(r.counts, scalar_shapes["counts"], lead),
+            lengths=scalars_at(r.lengths, scalar_shapes.get("lengths"), (pick(bl, b),)),
+            sinks=scalars_at(r.sinks, scalar_shapes.get("sinks"), (b, n)),
+            **rows_of(r, ("q_pos", "k_pos", "q_seg", "k_seg", "lse")),
+        )
         if stream:
-            for name in ("k", "v"):
-                r[name] = Streamed(r[name], r[name + "_tile"], r["key_sem"], b, lax.div(n, G))
-        if "offset_bias" in r:  # tile (i, j)'s bias starts at entry j * Sb - i * Tb + Tp - Tb (offset_rows_of_grid)
-            r["offset_bias_of_tile"] = lambda j: toeplitz_tile(
-                r["offset_bias"], j * cfg.Sb - i * cfg.Tb + (Tp - cfg.Tb), cfg.Tb, cfg.Sb
-            )
-        if "pair_bias" in r:  # key tile j's columns, an aligned dynamic slice as k and v are read
-            r["offset_bias_of_tile"] = lambda j: r["pair_bias"][:, pl.ds(pl.multiple_of(j * cfg.Sb, cfg.Sb), cfg.Sb)]
+            h = lax.div(n, G)
+            k, v = Streamed(r.k, own.k_tile, own.key_sem, b, h), Streamed(r.v, own.v_tile, own.key_sem, b, h)
+            r = r._replace(k=k, v=v)
+        hooks = ForwardHooks()
+        if r.offset_bias is not None:  # tile (i, j)'s bias starts at entry j * Sb - i * Tb + Tp - Tb (rows_of_grid)
+            rows_of_grid = r.offset_bias
+            start = lambda j: j * cfg.Sb - i * cfg.Tb + (Tp - cfg.Tb)  # noqa: E731
+            hooks = ForwardHooks(bias_of_key_tile=lambda j: toeplitz_tile(rows_of_grid, start(j), cfg.Tb, cfg.Sb))
+        if own.pair_bias is not None:  # key tile j's columns, an aligned dynamic slice as k and v are read
+            pair_bias = own.pair_bias
+            columns = lambda j: pl.ds(pl.multiple_of(j * cfg.Sb, cfg.Sb), cfg.Sb)  # noqa: E731
+            hooks = ForwardHooks(bias_of_key_tile=lambda j: pair_bias[:, columns(j)])
         if tables is not None:
-            tpu_tables.forward_hooks(cfg, r, tables[0], i, p.T, S)
+            hooks = merged(hooks, tpu_tables.forward_hooks(cfg, r, lane_refs, tables[0], i, p.T, S))
         if pairs is not None:
-            tpu_pairs.forward_hooks(pairs[0], r, n, i)
-        tile_body.forward_kernel(cfg, r)
+            hooks = merged(hooks, tpu_pairs.forward_hooks(pairs[0], r, pair_refs, n, i))
+        tile_body.forward_kernel(cfg, r, hooks)
 
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=n_scalars,
@@ -464,9 +470,17 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     if call.position_bias is not None or table_arrays or pair_arrays:
         engine, engine_consts = jax.closure_convert(engine, query, key, value, call.sinks, consts, indices)
 
-    def forward(query, key, value, sinks, consts, engine_consts, bias_rows, table_arrays, pair_arrays, indices):
+    def forward(a: KernelArgs):
         """(the call's result, the kernel's lse [B,N,Tp])"""
-        inner = with_inputs(sinks, consts, indices)
+        query, key, value, bias_rows, table_arrays, pair_arrays = (
+            a.query,
+            a.key,
+            a.value,
+            a.bias_rows,
+            a.table_arrays,
+            a.pair_arrays,
+        )
+        inner = with_inputs(a.sinks, a.consts, a.indices)
         if offsets is not None:
             inner = inner.replace(position_bias=of_rows(bias_rows, *offsets))  # the same bias, from its rows
         if table_bias:  # the same bias, from the input table
@@ -490,18 +504,25 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
         )
 
     @jax.custom_vjp
-    def run(*args):
-        return forward(*args)[0]
+    def run(args: KernelArgs):
+        return forward(args)[0]
 
-    def run_fwd(*args):
-        result, lse = forward(*args)
+    def run_fwd(args: KernelArgs):
+        result, lse = forward(args)
         return result, (args, result, lse)
 
-    def kernel_grads(args, result, lse, cotangent):
-        """d query, key, value, sinks, bias_rows, table_arrays by tpu_backward's kernels (None: the call has a
-        term they lack)."""
-        query, key, value, sinks, consts, _, bias_rows, table_arrays, pair_arrays, indices = args
-        inner = with_inputs(sinks, consts, indices)
+    def kernel_grads(args: KernelArgs, result, lse, cotangent) -> Optional[KernelArgs]:
+        """The cotangents of args by tpu_backward's kernels (None: the call has a term they lack)."""
+        query, key, value, sinks, bias_rows, table_arrays, pair_arrays = (
+            args.query,
+            args.key,
+            args.value,
+            args.sinks,
+            args.bias_rows,
+            args.table_arrays,
+            args.pair_arrays,
+        )
+        inner = with_inputs(sinks, args.consts, args.indices)
 
         def with_rows(inner, rows):  # the position bias read from its rows, as the forward reads it
             return inner if offsets is None else inner.replace(position_bias=of_rows(rows, *offsets))
@@ -551,31 +572,63 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
             grid_rows = None if offsets is None else offset_rows_of_grid(laid, S)
             return laid.q, laid.k, laid.v, laid.side.sinks, grid_rows
 
-        grads = jax.vjp(layout, query, key, value, sinks, bias_rows)[1]((dq, dk, dv, d_sinks, d_rows))
-        return (*grads, d_tables, d_pairs)
+        dq, dk, dv, d_sinks, d_bias_rows = jax.vjp(layout, query, key, value, sinks, bias_rows)[1](
+            (dq, dk, dv, d_sinks, d_rows)
+        )
+        # no score_mod consts (backward_refusal); the position bias's through bias_rows, the engine's consts none
+        zeros = zeros_like_tree(args)
+        return zeros._replace(
+            query=dq, key=dk, value=dv, sinks=d_sinks, bias_rows=d_bias_rows, table_arrays=d_tables, pair_arrays=d_pairs
+        )
 
     def run_bwd(residuals, cotangent):
         args, result, lse = residuals
-        *differentiable, bias_rows, table_arrays, pair_arrays, indices = args
         grads = kernel_grads(args, result, lse, cotangent) if kernel_backward else None
-        if grads is not None:  # no score_mod consts (backward_refusal); the position bias's through bias_rows,
-            # Shaw's tables' through table_arrays
-            *grads, d_bias_rows, d_tables, d_pairs = grads
-            engine_zeros = zeros_like_tree(differentiable[5])
-            return (*grads, (), engine_zeros, d_bias_rows, d_tables, d_pairs, zeros_like_tree(indices))
+        if grads is not None:
+            return (grads,)
         # the XLA blockwise engine's backward (it recomputes its own forward); the bias's through engine_consts
-        grads = jax.vjp(
+        _, engine_vjp = jax.vjp(
             lambda query, key, value, sinks, consts, engine_consts: engine(
-                query, key, value, sinks, consts, indices, *engine_consts
+                query, key, value, sinks, consts, args.indices, *engine_consts
             ),
-            *differentiable,
-        )[1](cotangent)
-        return (*grads, *(zeros_like_tree(x) for x in (bias_rows, table_arrays, pair_arrays, indices)))
+            args.query,
+            args.key,
+            args.value,
+            args.sinks,
+            args.consts,
+            args.engine_consts,
+        )
+        dq, dk, dv, d_sinks, d_consts, d_engine_consts = engine_vjp(cotangent)
+        zeros = zeros_like_tree(args)
+        return (
+            zeros._replace(query=dq, key=dk, value=dv, sinks=d_sinks, consts=d_consts, engine_consts=d_engine_consts),
+        )
 
     run.defvjp(run_fwd, run_bwd)
     return run(
-        query, key, value, call.sinks, consts, tuple(engine_consts), bias_rows, table_arrays, pair_arrays, indices
+        KernelArgs(
+            query, key, value, call.sinks, consts, tuple(engine_consts), bias_rows, table_arrays, pair_arrays, indices
+        )
     )
+
+
+class KernelArgs(NamedTuple):
+    """The kernel's differentiable inputs (attention's custom VJP): q, k, v, sinks, the score_mod's closed-over
+    arrays, the engine's (closure conversion's consts: its backward's route to a bias's table or slopes), a
+    position bias's rows, Shaw's / DeBERTa's tables and per-pair tables by name, and the call's index arrays
+    and BlockMask (zero cotangents: a custom VJP that closed over them would capture the tracers of an
+    enclosing trace)."""
+
+    query: Any
+    key: Any
+    value: Any
+    sinks: Any
+    consts: tuple
+    engine_consts: tuple
+    bias_rows: Any
+    table_arrays: dict
+    pair_arrays: dict
+    indices: dict
 
 
 def position_tables(call: AttentionCall, query, key, value) -> dict:

@@ -54,7 +54,8 @@ from .._core.call import AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial, has_keys
 from . import flash_gpu
-from .tile_body import Side, allowed_in_tile, capped_logits, dot, load, load_consts, schedule, visit
+from .flash.refs import Refs
+from .tile_body import Side, allowed_in_tile, capped_logits, dot, load, load_all, program_schedule, schedule, visit
 
 # Tiles (queries x keys) on a GPU with per-pair tables, and the features of a table read at once: a float32
 # [16,16,16] block is 4096 floats, 32 registers a thread at 4 warps (flash_gpu's 128 x 64 tiles would give
@@ -196,28 +197,22 @@ def _logit_grad(cfg, p, dp, delta, capped):
     return ds * cfg.scale
 
 
-def _row_schedule(r):
-    """The forward / dq kernels' schedule (tile_body.schedule): listed tiles, or runs when r has no "order"."""
-    order = r.get("order")
-    return schedule(lambda kind: r["counts"][kind], None if order is None else lambda idx: order[idx])
-
-
-def _forward_kernel(pairs: Pairs, cfg, r):
+def _forward_kernel(pairs: Pairs, cfg, r: Refs):
     b, n = pl.program_id(0), pl.program_id(1)
-    q, qp, q_seg, lengths = r["q"][...], r["q_pos"][...], load(r, "q_seg"), load(r, "lengths")
-    mask_consts = load_consts(r, "mask", cfg.n_mask_consts)
+    q, qp, q_seg, lengths = r.q[...], r.q_pos[...], load(r.q_seg), load(r.lengths)
+    mask_consts = load_all(r.mask_consts)
     acc_dtype = accumulation_dtype(q.dtype)
-    q_chunks, v_chunks = _chunks(r["q"].shape[-1], pairs.chunk), _chunks(r["v"].shape[-1], pairs.chunk)
+    q_chunks, v_chunks = _chunks(r.q.shape[-1], pairs.chunk), _chunks(r.v.shape[-1], pairs.chunk)
     every = slice(None)
 
     def key_tile(kind, j, state):
         s0 = j * cfg.Sb
         keys = pl.ds(s0, cfg.Sb)
-        k, kp = r["k"][keys, :], r["k_pos"][keys]
-        k_seg = None if q_seg is None else r["k_seg"][keys]
+        k, kp = r.k[keys, :], r.k_pos[keys]
+        k_seg = None if q_seg is None else r.k_seg[keys]
         term = None
         if pairs.key:
-            term = _row_term(lambda c: r["q"][:, c], r["rel_key"], every, keys, None, q_chunks, acc_dtype)
+            term = _row_term(lambda c: r.q[:, c], r.rel_key, every, keys, None, q_chunks, acc_dtype)
         x = capped_logits(cfg, q, k, term)
         allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
         if allowed is not None:
@@ -226,64 +221,64 @@ def _forward_kernel(pairs: Pairs, cfg, r):
         p = jnp.exp(x - jnp.where(jnp.isfinite(m), m, 0)[:, None])  # masked: exp(-inf) = 0
         outs = []
         for cols in v_chunks:
-            v = r["v"][keys, cols]
+            v = r.v[keys, cols]
             out = dot(p.astype(v.dtype), v, cfg)
             if pairs.value:  # the value term is linear in p: one more sum in the same partial
-                out = out + _pair_sum(p, r["rel_value"], every, keys, None, cols, acc_dtype)
+                out = out + _pair_sum(p, r.rel_value, every, keys, None, cols, acc_dtype)
             outs.append(out)
         return combine_partials(state, (tuple(outs), m, jnp.sum(p, axis=-1)))
 
-    width = _width(r["v"].shape[-1], pairs.chunk)
+    width = _width(r.v.shape[-1], pairs.chunk)
     state = empty_partial(tuple((cfg.Tb, width) for _ in v_chunks), (cfg.Tb,), acc_dtype)
-    state = visit(cfg, _row_schedule(r), key_tile, state)
-    state = add_sinks(state, load(r, "sinks"))
+    state = visit(cfg, program_schedule(r), key_tile, state)
+    state = add_sinks(state, load(r.sinks))
     outs, lse = finalize_partial(state)
     for cols, out in zip(v_chunks, outs):
-        r["out"][:, cols] = out.astype(r["out"].dtype)
-    r["lse"][...] = lse
+        r.out[:, cols] = out.astype(r.out.dtype)
+    r.lse[...] = lse
 
 
-def _dq_kernel(pairs: Pairs, cfg, r):
+def _dq_kernel(pairs: Pairs, cfg, r: Refs):
     b, n = pl.program_id(0), pl.program_id(1)
-    q, qp, q_seg, lengths = r["q"][...], r["q_pos"][...], load(r, "q_seg"), load(r, "lengths")
-    do, lse, delta = r["do"][...], r["lse"][...], r["delta"][...]
-    mask_consts = load_consts(r, "mask", cfg.n_mask_consts)
+    q, qp, q_seg, lengths = r.q[...], r.q_pos[...], load(r.q_seg), load(r.lengths)
+    do, lse, delta = r.do[...], r.lse[...], r.delta[...]
+    mask_consts = load_all(r.mask_consts)
     acc_dtype = accumulation_dtype(q.dtype)
-    q_chunks, v_chunks = _chunks(r["q"].shape[-1], pairs.chunk), _chunks(r["v"].shape[-1], pairs.chunk)
+    q_chunks, v_chunks = _chunks(r.q.shape[-1], pairs.chunk), _chunks(r.v.shape[-1], pairs.chunk)
     every = slice(None)
 
     def key_tile(kind, j, dq):
         s0 = j * cfg.Sb
         keys = pl.ds(s0, cfg.Sb)
-        k, v, kp = r["k"][keys, :], r["v"][keys, :], r["k_pos"][keys]
-        k_seg = None if q_seg is None else r["k_seg"][keys]
+        k, v, kp = r.k[keys, :], r.v[keys, :], r.k_pos[keys]
+        k_seg = None if q_seg is None else r.k_seg[keys]
         term = None
         if pairs.key:
-            term = _row_term(lambda c: r["q"][:, c], r["rel_key"], every, keys, None, q_chunks, acc_dtype)
+            term = _row_term(lambda c: r.q[:, c], r.rel_key, every, keys, None, q_chunks, acc_dtype)
         capped = capped_logits(cfg, q, k, term)
         allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
         p = _probabilities(capped, lse, allowed)
         dp = dot(do, v, cfg, (1, 1))
         if pairs.value:  # out += p . A^V: dp += dO . A^V, and d A^V = p dO
-            dp = dp + _row_term(lambda c: r["do"][:, c], r["rel_value"], every, keys, None, v_chunks, acc_dtype)
+            dp = dp + _row_term(lambda c: r.do[:, c], r.rel_value, every, keys, None, v_chunks, acc_dtype)
             for cols in v_chunks:
-                d_pair = p[:, :, None] * r["do"][:, cols].astype(acc_dtype)[:, None, :]
-                _write(r["d_rel_value"], (every, keys, cols), d_pair, pairs.value_owned)
+                d_pair = p[:, :, None] * r.do[:, cols].astype(acc_dtype)[:, None, :]
+                _write(r.d_rel_value, (every, keys, cols), d_pair, pairs.value_owned)
         ds = _logit_grad(cfg, p, dp, delta, capped)
         new = []
         for chunk, cols in zip(dq, q_chunks):
-            chunk = chunk + dot(ds.astype(k.dtype), r["k"][keys, cols], cfg)
+            chunk = chunk + dot(ds.astype(k.dtype), r.k[keys, cols], cfg)
             if pairs.key:  # logits += scale q . A^K: dq += ds . A^K, and d A^K = ds q
-                chunk = chunk + _pair_sum(ds, r["rel_key"], every, keys, None, cols, acc_dtype)
-                d_pair = ds[:, :, None] * r["q"][:, cols].astype(acc_dtype)[:, None, :]
-                _write(r["d_rel_key"], (every, keys, cols), d_pair, pairs.key_owned)
+                chunk = chunk + _pair_sum(ds, r.rel_key, every, keys, None, cols, acc_dtype)
+                d_pair = ds[:, :, None] * r.q[:, cols].astype(acc_dtype)[:, None, :]
+                _write(r.d_rel_key, (every, keys, cols), d_pair, pairs.key_owned)
             new.append(chunk)
         return tuple(new)
 
-    init = tuple(jnp.zeros((cfg.Tb, _width(r["q"].shape[-1], pairs.chunk)), acc_dtype) for _ in q_chunks)
-    dq = visit(cfg, _row_schedule(r), key_tile, init)
+    init = tuple(jnp.zeros((cfg.Tb, _width(r.q.shape[-1], pairs.chunk)), acc_dtype) for _ in q_chunks)
+    dq = visit(cfg, program_schedule(r), key_tile, init)
     for cols, chunk in zip(q_chunks, dq):
-        r["dq"][:, cols] = chunk.astype(r["dq"].dtype)
+        r.dq[:, cols] = chunk.astype(r.dq.dtype)
 
 
 def _write(ref, index, values, owned: bool):
@@ -294,33 +289,33 @@ def _write(ref, index, values, owned: bool):
         jax.ref.addupdate(ref, index, values)
 
 
-def _dkv_kernel(pairs: Pairs, cfg, r):
+def _dkv_kernel(pairs: Pairs, cfg, r: Refs):
     b, kh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     G = cfg.N // cfg.K
-    k, v, kp, k_seg, lengths = r["k"][...], r["v"][...], r["k_pos"][...], load(r, "k_seg"), load(r, "lengths")
-    mask_consts = load_consts(r, "mask", cfg.n_mask_consts)
+    k, v, kp, k_seg, lengths = r.k[...], r.v[...], r.k_pos[...], load(r.k_seg), load(r.lengths)
+    mask_consts = load_all(r.mask_consts)
     acc_dtype = accumulation_dtype(k.dtype)
-    q_chunks, v_chunks = _chunks(r["q"].shape[-1], pairs.chunk), _chunks(r["do"].shape[-1], pairs.chunk)
+    q_chunks, v_chunks = _chunks(r.q.shape[-1], pairs.chunk), _chunks(r.do.shape[-1], pairs.chunk)
     s0, every = j * cfg.Sb, slice(None)
 
     def query_tile(g, kind, i, carry):
         dk, dv = carry
         n = kh * G + g
         rows = pl.ds(i * cfg.Tb, cfg.Tb)
-        q, do = r["q"][rows, g, :], r["do"][rows, g, :]
-        lse, delta, qp = r["lse"][g, rows], r["delta"][g, rows], r["q_pos"][rows]
-        q_seg = None if k_seg is None else r["q_seg"][rows]
+        q, do = r.q[rows, g, :], r.do[rows, g, :]
+        lse, delta, qp = r.lse[g, rows], r.delta[g, rows], r.q_pos[rows]
+        q_seg = None if k_seg is None else r.q_seg[rows]
         term = None
         if pairs.key:
             head = None if pairs.key_shared else g
-            term = _row_term(lambda c: r["q"][rows, g, c], r["rel_key"], rows, every, head, q_chunks, acc_dtype)
+            term = _row_term(lambda c: r.q[rows, g, c], r.rel_key, rows, every, head, q_chunks, acc_dtype)
         capped = capped_logits(cfg, q, k, term)
         allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
         p = _probabilities(capped, lse, allowed)
         dp = dot(do, v, cfg, (1, 1))
         if pairs.value:
             head = None if pairs.value_shared else g
-            dp = dp + _row_term(lambda c: r["do"][rows, g, c], r["rel_value"], rows, every, head, v_chunks, acc_dtype)
+            dp = dp + _row_term(lambda c: r.do[rows, g, c], r.rel_value, rows, every, head, v_chunks, acc_dtype)
         ds = _logit_grad(cfg, p, dp, delta, capped)
         dv = dv + dot(p.astype(do.dtype), do, cfg, (0, 0))
         dk = dk + dot(ds.astype(q.dtype), q, cfg, (0, 0))
@@ -328,14 +323,14 @@ def _dkv_kernel(pairs: Pairs, cfg, r):
 
     def query_head(g, carry):  # one query head sharing key/value head kh
         h = g if cfg.head_kinds else 0
-        order = None if "t_order" not in r else (lambda idx: r["t_order"][h, idx])  # absent: runs
-        steps = schedule(lambda kind: r["t_counts"][h, kind], order)
+        order = None if r.order is None else (lambda idx: r.order[h, idx])  # absent: runs
+        steps = schedule(lambda kind: r.counts[h, kind], order)
         return visit(cfg, steps, functools.partial(query_tile, g), carry)
 
     carry = (jnp.zeros(k.shape, acc_dtype), jnp.zeros(v.shape, acc_dtype))
     carry = query_head(0, carry) if G == 1 else lax.fori_loop(0, G, query_head, carry)  # a loop: flash_gpu's why
-    r["dk"][...] = carry[0].astype(r["dk"].dtype)
-    r["dv"][...] = carry[1].astype(r["dv"].dtype)
+    r.dk[...] = carry[0].astype(r.dk.dtype)
+    r.dv[...] = carry[1].astype(r.dv.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -5,22 +5,24 @@ pair_tables' kernels for per-pair tables use too: capped_logits, allowed_in_tile
     forward, grid (b, n, query tile i):        for each key tile j the schedule lists for (b, n, i)
         x = score_mod(softcap(scale * (q_i k_j^T + QA[t, c(j - i)])) + bias)  [Tb,Sb], float32 (or wider)
             bias: a position bias's rows gathered at index(i, j) (T5, ALiBi: j - i; Swin, BEiT: the 2D offset in a
-            window), when the call has one (or the kernel's own r["offset_bias_of_tile"](j): flex_tpu builds
+            window), when the call has one (or the kernel's own hooks.bias_of_key_tile(j): flex_tpu builds
             T5's and ALiBi's from a slice of the rows without a gather)
             QA: Shaw's key term, q . key_table[row] per query row and table row ([Tp,Dp] per head,
                 computed outside the kernel: offset_tables), picked per pair at c(j - i), when it has one
         (out, m, l) = combine_partials((out, m, l), partial of x over the allowed pairs, v_j)
         P[t, c(j - i)] += p  (Shaw's value term: per-row sums of p by table row, rescaled as out is)
       out_i = out / l (sinks folded in), lse_i = m + log l, P_i = P / l (offset_tables adds P @ value_table)
-    flex_tpu builds the table terms of a tile itself, without a gather or a scatter: r["table_logits_of_tile"](j, k)
-    in place of QA's pick (plus the per-key-row term), r["table_values_of_tile"](j, p) added to the tile's p v.
+    flex_tpu builds the table terms of a tile itself, without a gather or a scatter: its
+    hooks.table_logits_of_key_tile(j, k) in place of QA's pick (plus the per-key-row term), and
+    hooks.table_values_of_key_tile(j, p) added to the tile's p v.
 
 Every rule is _core's: which pairs may attend (masks.allowed_pairs, on the tile's positions), the schedule's
 order of key tiles (WITH_MOD tiles, then MASKED, then CLEAN, then skipped ones: a list of tiles sorted by kind,
 or for calls whose kinds come in runs of tiles, the runs' bounds: schedule()), the online-softmax merge and
 sinks (softmax.combine_partials, add_sinks, finalize_partial), softcap (mods.softcap), and score_mod /
-mask_mod (mods.on_tile calls them on the tile's iota grids). A kernel reads its refs by name (r["q"],
-r["k_pos"], r["order"], ...): each kernel's pallas_call builds that dict from its own layout.
+mask_mod (mods.on_tile calls them on the tile's iota grids). A kernel body reads typed refs (flash.refs.Refs:
+r.q, r.k_pos, r.order, ...; None where the call has no such input) and takes a kernel's own constructions of a
+tile's terms as typed hooks (flash.refs.ForwardHooks).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from .._core.dtypes import accumulation_dtype
 from .._core.masks import CLEAN, MASKED, WITH_MOD, MaskRule, allowed_pairs
 from .._core.offset_bias import OffsetIndex
 from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial
+from .flash.refs import ForwardHooks, Refs
 
 
 class Config(NamedTuple):
@@ -63,11 +66,11 @@ class Config(NamedTuple):
     interpret: bool
     num_warps: int
     # a position bias in the kernel (offset_bias.KERNEL_BIASES: T5, ALiBi, Swin / BEiT windows): (index, batched),
-    # its rows r["offset_bias"] [B|1,N,D] read at index(q_pos, k_pos) (a static function: OffsetIndex,
+    # its rows r.offset_bias [B|1,N,D] read at index(q_pos, k_pos) (a static function: OffsetIndex,
     # WindowIndex; batched: one set of rows per batch entry); None: no position bias
     offset_bias: Any = None
     tables: Any = None  # Shaw tables: a Tables, or None
-    # the forward writes lse (r["lse"] [Tb]): the backward's residual, or the caller's return_lse. False: a
+    # the forward writes lse (r.lse [Tb]): the backward's residual, or the caller's return_lse. False: a
     # forward-only call of the GPU flash kernel without return_lse, which then has no lse output at all
     write_lse: bool = True
     # q, k, v and out (do, dq, dk, dv) as the caller's arrays, not padded to whole tiles: their Extents (the
@@ -98,12 +101,12 @@ class Extents(NamedTuple):
 
 class Tables(NamedTuple):
     """A call's Shaw tables in the kernels (offset_tables): offsets lo..hi reach the tables' rows, column c =
-    clip(j - i, lo, hi) - lo of Dp per query row. key_term: r["row_bias"] [B,N,Tp,Dp] holds q_t . key_table
-    at column c; value_term: r["row_sums"] receives the sums of p by column.
+    clip(j - i, lo, hi) - lo of Dp per query row. key_term: r.row_bias [B,N,Tp,Dp] holds q_t . key_table
+    at column c; value_term: r.row_sums receives the sums of p by column.
 
     DeBERTa's tables (row_tables.RowTables) read the same arrays at another column: mapped, c =
-    r["column_map"][clip(j - i, lo, hi) - lo] (the scheme's rows of the band's offsets, an int32 gather; the
-    bucket formula stays in the scheme), and key_row_term adds a per-KEY-row term, r["key_row_bias"]
+    r.column_map[clip(j - i, lo, hi) - lo] (the scheme's rows of the band's offsets, an int32 gather; the
+    bucket formula stays in the scheme), and key_row_term adds a per-KEY-row term, r.key_row_bias
     [B,N,Sp,Dp] = k_s . query_table at column c (its gradient summed by column per key row in the dk/dv
     kernel)."""
 
@@ -134,18 +137,18 @@ class Side(NamedTuple):
     dq: order [Bs,Ns,Tn,Sn] and counts [Bs,Ns,Tn,4]; dk/dv: over query tiles, [Bs,Ns,Sn,Tn] and [Bs,Ns,Sn,4]);
     a compact schedule has no order (None) and its counts hold runs instead (schedule(), masks.tile_runs)."""
 
-    q_pos: Any
-    k_pos: Any
-    lengths: Any
-    q_seg: Any
-    k_seg: Any
-    sinks: Any
-    score_consts: tuple
-    mask_consts: tuple
-    order: Any
-    counts: Any
-    t_order: Any
-    t_counts: Any
+    q_pos: Any = None
+    k_pos: Any = None
+    lengths: Any = None
+    q_seg: Any = None
+    k_seg: Any = None
+    sinks: Any = None
+    score_consts: tuple = ()
+    mask_consts: tuple = ()
+    order: Any = None
+    counts: Any = None
+    t_order: Any = None
+    t_counts: Any = None
     offset_bias: Any = None  # [B|1,N,D] in the compute dtype (Config.offset_bias), or None
     row_bias: Any = None  # Shaw's key term QA [B,N,Tp,Dp] in the compute dtype (Config.tables), or None
     column_map: Any = None  # int32 [M]: the column of each offset lo..hi (Tables.mapped), or None
@@ -181,12 +184,12 @@ def offset_index(cfg, qp, kp):
     return index(qp, kp)
 
 
-def table_column(cfg, r, qp, kp):
+def table_column(cfg, r: Refs, qp, kp):
     """int32 [Tb,Sb]: the column of the table arrays (row_bias, row_sums, key_row_bias) each pair reads:
-    clip(j - i, lo, hi) - lo for Shaw's tables, or that offset's entry of r["column_map"] (Tables.mapped:
+    clip(j - i, lo, hi) - lo for Shaw's tables, or that offset's entry of r.column_map (Tables.mapped:
     DeBERTa's log-bucketed rows, computed by the scheme)."""
     index = OffsetIndex(cfg.tables.lo, cfg.tables.hi)(qp, kp)
-    return r["column_map"][index] if cfg.tables.mapped else index
+    return r.column_map[index] if cfg.tables.mapped else index
 
 
 def tile_rows(cfg, row0=0):
@@ -201,15 +204,15 @@ def tile_keys(cfg, key0=0):
     return key0 + lax.broadcasted_iota(jnp.int32, (cfg.Tb, cfg.Sb), 1)
 
 
-def table_logits(cfg, r, column, rows, keys, head=None):
+def table_logits(cfg, r: Refs, column, rows, keys, head=None):
     """The table terms of a tile inside q k^T (None: the call has none), [Tb,Sb]: QA[t, c] (row_bias at the
     tile's query rows `rows`) plus KB[s, c] (key_row_bias at its key rows `keys`), c = column; `head`: the
     query head within the blocks (the dk/dv kernel's group)."""
     term = None
     if key_term_in(cfg):
-        term = pick_rows(r["row_bias"], rows, column, head)
+        term = pick_rows(r.row_bias, rows, column, head)
     if key_row_term_in(cfg):
-        by_key = pick_rows(r["key_row_bias"], keys, column, head)
+        by_key = pick_rows(r.key_row_bias, keys, column, head)
         term = by_key if term is None else term + by_key
     return term
 
@@ -401,38 +404,42 @@ def write(cfg, ref, name, value, row0=0):
         plgpu.store(ref, value, mask=mask)
 
 
-def load(r, name):
+def load(ref):
     """The whole block of an optional input (None when the call has none)."""
-    ref = r.get(name)
     return None if ref is None else ref[...]
 
 
-def load_consts(r, prefix, count):
-    return tuple(r[f"{prefix}{c}"][...] for c in range(count))
+def load_all(refs: tuple) -> tuple:
+    return tuple(ref[...] for ref in refs)
 
 
-def key_tiles(cfg: Config, r, b, n, q, qp, q_seg, lengths, key_start=0):
-    """The partial (out, m, l) of rows q [Tb,H] over the key tiles r's schedule lists (schedule(): r["counts"]
-    and r["order"], or r["counts"] alone holding runs); tile j holds keys key_start + j * Sb + 0..Sb-1 of the
-    example, r["k"][j * Sb:...] of the block."""
-    score_consts, mask_consts = load_consts(r, "score", len(cfg.score_grads)), load_consts(r, "mask", cfg.n_mask_consts)
+def program_schedule(r: Refs):
+    """The schedule of this program's refs (r.order and r.counts, or r.counts alone holding runs)."""
+    order = r.order
+    return schedule(lambda k: r.counts[k], None if order is None else lambda idx: order[idx])
+
+
+def key_tiles(cfg: Config, r: Refs, hooks: ForwardHooks, b, n, q, qp, q_seg, lengths, key_start=0):
+    """The partial (out, m, l) of rows q [Tb,H] over the key tiles r's schedule lists (program_schedule); tile j
+    holds keys key_start + j * Sb + 0..Sb-1 of the example, r.k[j * Sb:...] of the block."""
+    score_consts, mask_consts = load_all(r.score_consts), load_all(r.mask_consts)
 
     def key_tile(kind, j, state):
         keys = pl.ds(pl.multiple_of(j * cfg.Sb, cfg.Sb), cfg.Sb)  # aligned: a TPU's dynamic slices need it
-        k, v = (read(cfg, r[name], name, key_start + j * cfg.Sb, (keys, slice(None))) for name in ("k", "v"))
-        kp = r["k_pos"][keys]
-        k_seg = None if q_seg is None else r["k_seg"][keys]
+        s0 = key_start + j * cfg.Sb
+        k, v = (read(cfg, ref, name, s0, (keys, slice(None))) for name, ref in (("k", r.k), ("v", r.v)))
+        kp = r.k_pos[keys]
+        k_seg = None if q_seg is None else r.k_seg[keys]
         column = None if cfg.tables is None else table_column(cfg, r, qp, kp)
         key_term = (
             None if cfg.tables is None else table_logits(cfg, r, column, tile_rows(cfg), tile_keys(cfg, j * cfg.Sb))
         )
-        build_term = r.get("table_logits_of_tile")  # a kernel's own construction, (j, k) -> [Tb,Sb] (flex_tpu)
-        if build_term is not None:
-            key_term = build_term(j, k)
+        if hooks.table_logits_of_key_tile is not None:  # the kernel's own construction (flex_tpu)
+            key_term = hooks.table_logits_of_key_tile(j, k)
         x = capped_logits(cfg, q, k, key_term)
         if cfg.offset_bias is not None:  # the position bias: after softcap, before score_mod
-            build = r.get("offset_bias_of_tile")  # a kernel's own construction, j -> [Tb,Sb] (flex_tpu: no gather)
-            x = x + (offset_bias_tile(r["offset_bias"], offset_index(cfg, qp, kp)) if build is None else build(j))
+            build = hooks.bias_of_key_tile  # the kernel's own construction (flex_tpu: no gather)
+            x = x + (offset_bias_tile(r.offset_bias, offset_index(cfg, qp, kp)) if build is None else build(j))
         x = apply_score_mod(cfg, b, n, qp, kp, x, score_consts)
         allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, key_start + j * cfg.Sb, lengths, q_seg, k_seg, mask_consts)
         if allowed is not None:
@@ -440,45 +447,41 @@ def key_tiles(cfg: Config, r, b, n, q, qp, q_seg, lengths, key_start=0):
         m = jnp.max(x, axis=-1)
         p = jnp.exp(x - jnp.where(jnp.isfinite(m), m, 0)[:, None])  # masked: exp(-inf) = 0
         out = dot(p.astype(v.dtype), v, cfg)
-        add_values = r.get("table_values_of_tile")  # a kernel's own value term, (j, p) -> sum_s p A^V (flex_tpu)
-        if add_values is not None:
-            out = out + add_values(j, p)
+        if hooks.table_values_of_key_tile is not None:  # the kernel's own value term (flex_tpu)
+            out = out + hooks.table_values_of_key_tile(j, p)
         merged = combine_partials(state, ((out,), m, jnp.sum(p, axis=-1)))
         if value_term_in(cfg):  # the value term's sums, rescaled as combine_partials rescales out
             old = rescale(state[1], merged[1])
 
             @pl.when(jnp.min(old) < 1)  # the running max moved (early tiles): skip the pass over [Tb,Dp] otherwise
             def _():
-                scale_rows(r["row_sums"], old)
+                scale_rows(r.row_sums, old)
 
-            add_by_column(r["row_sums"], column, p * rescale(m, merged[1])[:, None])
+            add_by_column(r.row_sums, column, p * rescale(m, merged[1])[:, None])
         return merged
 
-    state = empty_partial(((cfg.Tb, r["v"].shape[-1]),), (cfg.Tb,), accumulation_dtype(q.dtype))
-    order = r.get("order")  # absent: the compact schedule's runs in r["counts"]
-    steps = schedule(lambda k: r["counts"][k], None if order is None else lambda idx: order[idx])
-    return visit(cfg, steps, key_tile, state)
+    state = empty_partial(((cfg.Tb, r.v.shape[-1]),), (cfg.Tb,), accumulation_dtype(q.dtype))
+    return visit(cfg, program_schedule(r), key_tile, state)
 
 
-def forward_kernel(cfg: Config, r):
-    """The flash forward of one (b, n, query tile): r maps input / output names to refs (flash_gpu's
-    forward; flex_tpu's adapters read the same names)."""
+def forward_kernel(cfg: Config, r: Refs, hooks: ForwardHooks = ForwardHooks()):
+    """The flash forward of one (b, n, query tile) (flash_gpu's forward; flex_tpu's, with its hooks)."""
     b, n = pl.program_id(0), pl.program_id(1)
     value_term = value_term_in(cfg)
     if value_term:
-        fill_rows(r["row_sums"])
+        fill_rows(r.row_sums)
     row0 = 0 if cfg.extents is None else pl.program_id(2) * cfg.Tb  # the query tile's first row
-    q = read(cfg, r["q"], "q", row0)
-    state = key_tiles(cfg, r, b, n, q, r["q_pos"][...], load(r, "q_seg"), load(r, "lengths"))
+    q = read(cfg, r.q, "q", row0)
+    state = key_tiles(cfg, r, hooks, b, n, q, r.q_pos[...], load(r.q_seg), load(r.lengths))
     m_keys = state[1]
-    state = add_sinks(state, load(r, "sinks"))
+    state = add_sinks(state, load(r.sinks))
     if value_term:  # P / l, as finalize_partial divides out (relative to the max after the sinks)
         _, m, l = state
-        scale_rows(r["row_sums"], rescale(m_keys, m) / jnp.where(l == 0, 1, l))
+        scale_rows(r.row_sums, rescale(m_keys, m) / jnp.where(l == 0, 1, l))
     (out,), lse = finalize_partial(state)
-    write(cfg, r["out"], "out", out, row0)
+    write(cfg, r.out, "out", out, row0)
     if cfg.write_lse:
-        r["lse"][...] = lse
+        r.lse[...] = lse
 
 
 def pick(batched, b):

@@ -32,7 +32,8 @@ from jax.experimental.pallas import tpu as pltpu
 from .._core.call import AttentionCall
 from .._core.offset_bias import OffsetBias
 from . import flash_gpu, tile_body, tpu_pairs, tpu_tables
-from .tpu_refs import IN_HBM, Row, Scalars, Streamed, lane_window, toeplitz_tile, undiagonals, window
+from .flash.refs import DkvHooks, DqHooks, Refs, bind, merged
+from .tpu_refs import IN_HBM, Streamed, TpuRefs, lane_window, rows_of, scalars_at, toeplitz_tile, undiagonals, window
 
 # One head's rows a kernel holds whole in VMEM (double-buffered by the pipeline): the forward's and the dq
 # kernel's keys and values, the dk/dv kernel's queries and their cotangent; T or S up to 16k at head dim 128 in
@@ -128,10 +129,11 @@ def gradients(
         return {name: x.reshape(-1) for name, x in arrays.items()}, {name: x.shape for name, x in arrays.items()}
 
     def call(kernel, name, grid, scalars, inputs, outputs, compiler_params=parallel, scratch=None, aliases=None):
-        scratch = scratch or {}
+        scratch, aliases = scratch or {}, aliases or {}
+        # an aliased input only seeds its output's values: the kernel reads the output (no name, bind skips it)
+        names = tuple(scalars) + tuple(None if x in aliases else x for x in inputs) + tuple(outputs) + tuple(scratch)
         # aliases {input name: output name}: pallas_call counts the scalar-prefetch operands among the inputs
-        aliases = {len(scalars) + tuple(inputs).index(a): tuple(outputs).index(o) for a, o in (aliases or {}).items()}
-        names = tuple(scalars) + tuple(inputs) + tuple(outputs) + tuple(scratch)
+        aliases = {len(scalars) + tuple(inputs).index(a): tuple(outputs).index(o) for a, o in aliases.items()}
         grid_spec = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(scalars),
             grid=grid,
@@ -139,8 +141,9 @@ def gradients(
             out_specs=[s for _, s in outputs.values()],
             scratch_shapes=list(scratch.values()),
         )
+        kinds = (Refs, TpuRefs, tpu_tables.LaneRefs, tpu_pairs.PairRefs)
         return pl.pallas_call(
-            lambda *refs: kernel(dict(zip(names, refs))),
+            lambda *refs: kernel(bind(names, refs, *kinds)),
             grid_spec=grid_spec,
             out_shape=[shape for shape, _ in outputs.values()],
             interpret=interpret,
@@ -201,22 +204,23 @@ def gradients(
             aliases["d_" + name + "_zeros"] = "d_" + name
         scratch.update(tpu_pairs.scratch(pairs[0], pairs[1], Hp, Hvp, grads=True))
 
-    def dq(r):
+    def dq(refs):
+        r, own, lane_refs, pair_refs = refs
         b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         lead = (pick(bsched, b), pick(cfg.head_kinds, n), i)
-        for name in ("order", "counts"):
-            if name in r:
-                r[name] = Scalars(r[name], shapes[name], lead)
-        if "lengths" in r:
-            r["lengths"] = Scalars(r["lengths"], shapes["lengths"], (pick(bl, b),))
-        for name in ("q_pos", "k_pos", "q_seg", "k_seg"):
-            if name in r:
-                r[name] = Row(r[name])
+        r = r._replace(
+            order=scalars_at(r.order, shapes.get("order"), lead),
+            counts=scalars_at(r.counts, shapes["counts"], lead),
+            lengths=scalars_at(r.lengths, shapes.get("lengths"), (pick(bl, b),)),
+            **rows_of(r, ("q_pos", "k_pos", "q_seg", "k_seg")),
+        )
         if buffers == 0:
-            for name in ("k", "v"):
-                r[name] = Streamed(r[name], r[name + "_tile"], r["key_sem"], b, lax.div(n, G))
-        if "offset_bias" in r:
-            d_rows = r["d_offset_bias"]
+            h = lax.div(n, G)
+            k, v = Streamed(r.k, own.k_tile, own.key_sem, b, h), Streamed(r.v, own.v_tile, own.key_sem, b, h)
+            r = r._replace(k=k, v=v)
+        hooks = DqHooks()
+        if r.offset_bias is not None:
+            rows_of_bias, d_rows = r.offset_bias, r.d_offset_bias
 
             @pl.when(i == 0)
             def _():
@@ -228,13 +232,15 @@ def gradients(
                 sums = jnp.sum(undiagonals(d_bias.astype(jnp.float32), offset, W), axis=0)
                 d_rows[0, at] = d_rows[0, at] + sums
 
-            r["offset_bias_of_tile"] = lambda j: toeplitz_tile(r["offset_bias"], bias_start(i, j), cfg.Tb, cfg.Sb)
-            r["add_offset_bias_grad"] = add
+            hooks = DqHooks(
+                bias_of_key_tile=lambda j: toeplitz_tile(rows_of_bias, bias_start(i, j), cfg.Tb, cfg.Sb),
+                add_bias_grad=add,
+            )
         if tables is not None:
-            tpu_tables.dq_hooks(cfg, r, tables[0], i, p.T, S)
+            hooks = merged(hooks, tpu_tables.dq_hooks(cfg, r, lane_refs, tables[0], i, p.T, S))
         if pairs is not None:
-            tpu_pairs.dq_hooks(pairs[0], r, n, i)
-        flash_gpu.dq_kernel(cfg, r)
+            hooks = merged(hooks, tpu_pairs.dq_hooks(pairs[0], r, pair_refs, n, i))
+        flash_gpu.dq_kernel(cfg, r, hooks)
 
     params = parallel if rows_of_grid is None and tables is None else by_rows
     if pairs is not None:  # every program may add into the same slices of a table's gradient: one at a time
@@ -249,8 +255,6 @@ def gradients(
     # dk/dv: grid (b, key head h, key tile j, query head g of h), the transposed schedule; each program reads the
     # rows of query head h G + g, and the G programs of (b, h, j) add their shares of dk and dv in order
     scalars, shapes = scalar_inputs(side.t_order, side.t_counts)
-    scalars = {("t_" + name if name != "lengths" else name): x for name, x in scalars.items()}
-    shapes = {("t_" + name if name != "lengths" else name): x for name, x in shapes.items()}
 
     def spec(shape, index):  # index(b, h, j, g): the grid's four axes
         return pl.BlockSpec(shape, lambda *ids: index(*ids[:4]))
@@ -301,34 +305,39 @@ def gradients(
             query_sem=pltpu.SemaphoreType.DMA(()),
         )
 
-    def dkv(r):
+    def dkv(refs):
+        r, own, lane_refs, pair_refs = refs
         b, h, j, g = (pl.program_id(axis) for axis in range(4))
         # the schedule rows of (b, the query heads of h, key tile j): [heads, ...] read as [g, idx]
         lead = (pick(bsched, b), h * G if cfg.head_kinds else 0, j)
-        for name in ("t_order", "t_counts"):
-            if name in r:
-                r[name] = Scalars(r[name], shapes[name], lead, axes=(1, 3))
-        if "lengths" in r:
-            r["lengths"] = Scalars(r["lengths"], shapes["lengths"], (pick(bl, b),))
-        for name in ("q_pos", "k_pos", "q_seg", "k_seg"):
-            if name in r:
-                r[name] = Row(r[name])
-        r["query_head"] = g
+        r = r._replace(
+            order=scalars_at(r.order, shapes.get("order"), lead, axes=(1, 3)),
+            counts=scalars_at(r.counts, shapes["counts"], lead, axes=(1, 3)),
+            lengths=scalars_at(r.lengths, shapes.get("lengths"), (pick(bl, b),)),
+            **rows_of(r, ("q_pos", "k_pos", "q_seg", "k_seg")),
+        )
         if stream_queries:
-            r["q"], r["do"] = (Streamed(r[n], r[n + "_tile"], r["query_sem"], b, h * G + g, True) for n in ("q", "do"))
+            n = h * G + g
+            r = r._replace(
+                q=Streamed(r.q, own.q_tile, own.query_sem, b, n, True),
+                do=Streamed(r.do, own.do_tile, own.query_sem, b, n, True),
+            )
         else:
-            r["q"], r["do"] = (_OneHead(r[name]) for name in ("q", "do"))
-        r["lse"], r["delta"] = (_ColumnOfRow(r[name]) for name in ("lse", "delta"))
+            r = r._replace(q=_OneHead(r.q), do=_OneHead(r.do))
+        r = r._replace(lse=_ColumnOfRow(r.lse), delta=_ColumnOfRow(r.delta))
         if G > 1:
-            r["dk"], r["dv"] = (_SumOverHeads(r[name], r[name + "_sum"], g, G) for name in ("dk", "dv"))
-        if "offset_bias" in r:
-            rows_of = r["offset_bias"]
-            r["offset_bias_of_tile"] = lambda g, i: toeplitz_tile(rows_of.at[0], bias_start(i, j), cfg.Tb, cfg.Sb)
+            r = r._replace(dk=_SumOverHeads(r.dk, own.dk_sum, g, G), dv=_SumOverHeads(r.dv, own.dv_sum, g, G))
+        hooks = DkvHooks(query_head=g)
+        if r.offset_bias is not None:
+            rows_of_bias = r.offset_bias
+            hooks = hooks._replace(
+                bias_of_query_tile=lambda g, i: toeplitz_tile(rows_of_bias.at[0], bias_start(i, j), cfg.Tb, cfg.Sb)
+            )
         if tables is not None:
-            tpu_tables.dkv_hooks(cfg, r, tables[0], j, p.T, S)
+            hooks = merged(hooks, tpu_tables.dkv_hooks(cfg, r, lane_refs, tables[0], j, p.T, S))
         if pairs is not None:
-            tpu_pairs.dkv_hooks(pairs[0], r, lambda g: h * G + g, j)
-        flash_gpu.dkv_kernel(cfg, r)
+            hooks = merged(hooks, tpu_pairs.dkv_hooks(pairs[0], r, pair_refs, lambda g: h * G + g, j))
+        flash_gpu.dkv_kernel(cfg, r, hooks)
 
     by_heads = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
     dk, dv = call(dkv, "jaxattn_flex_tpu_dkv", (B, K, cfg.Sn, G), scalars, inputs, outputs, by_heads, scratch)

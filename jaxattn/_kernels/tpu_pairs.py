@@ -33,13 +33,14 @@ a position bias and Shaw's or DeBERTa's tables beside per-pair tables are refuse
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from .flash.refs import DkvHooks, DqHooks, ForwardHooks, Refs
 from .tpu_refs import IN_HBM
 
 # Query rows of a table's tile copied at once: a [16,F,128] float32 slice is 512 KiB of VMEM at F = 64; 16 rows
@@ -138,11 +139,41 @@ def _batched(a, b, contract, precision):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
+class PairRefs(NamedTuple):
+    """The hooks' VMEM (scratch()): each table's [R,F,Sb] slice buffer (and its gradient's), the rows x of the
+    products, the weights w, the results, and the DMA semaphore."""
+
+    rel_key_buf: Any = None
+    rel_value_buf: Any = None
+    d_rel_key_buf: Any = None
+    d_rel_value_buf: Any = None
+    pair_q: Any = None
+    pair_do: Any = None
+    pair_w: Any = None
+    pair_term: Any = None
+    pair_dq: Any = None
+    pair_out: Any = None
+    pair_sem: Any = None
+
+
+class _TableRefs(NamedTuple):
+    table: Any
+    buf: Any
+    x: Any
+    grad: Any
+    grad_buf: Any
+
+
 class _Tile:
     """The tables' refs of one program, read at tile (t0, s0) of head `head` of each table."""
 
-    def __init__(self, pairs: PairTables, r, head):
-        self.pairs, self.r, self.head = pairs, r, head
+    def __init__(self, pairs: PairTables, r: Refs, t: PairRefs, head):
+        self.pairs, self.t, self.head = pairs, t, head
+        # per table: (its ref, its slice's VMEM buffer, the rows x it multiplies, its gradient, that one's buffer)
+        self.of = {
+            "rel_key": _TableRefs(r.rel_key, t.rel_key_buf, t.pair_q, r.d_rel_key, t.d_rel_key_buf),
+            "rel_value": _TableRefs(r.rel_value, t.rel_value_buf, t.pair_do, r.d_rel_value, t.d_rel_value_buf),
+        }
 
     def _slice(self, ref, name, t0, s0, c):
         R = self.pairs.rows
@@ -151,12 +182,12 @@ class _Tile:
 
     def _read(self, name, t0, s0, c):
         """Chunk c of the tile's slice of table `name`: [R,F,Sb] float32."""
-        buf = self.r[name + "_buf"]
-        _copy(self._slice(self.r[name], name, t0, s0, c), buf, self.r["pair_sem"])
+        buf = self.of[name].buf
+        _copy(self._slice(self.of[name].table, name, t0, s0, c), buf, self.t.pair_sem)
         return buf[...].astype(jnp.float32)
 
     def _width(self, name):
-        return self.r[name + "_buf"].shape[1]
+        return self.of[name].buf.shape[1]
 
     def _chunks(self, body):
         R = self.pairs.rows
@@ -170,7 +201,7 @@ class _Tile:
     def row_term(self, name, t0, s0, x):
         """sum_f x[t,f] A[t0 + t, s0 + s, f]: [Tb,Sb] float32 (x: [Tb,H|Hv], q for A^K and do for A^V, kept in
         pair_q / pair_do, where dq_and_grads reads them; features past the table's F are the padding's zeros)."""
-        x_ref, out, F = self.r["pair_q" if name == "rel_key" else "pair_do"], self.r["pair_term"], self._width(name)
+        x_ref, out, F = self.of[name].x, self.t.pair_term, self._width(name)
         x_ref[...] = x.astype(jnp.float32)
 
         def body(c, rows):
@@ -182,7 +213,7 @@ class _Tile:
 
     def pair_sum(self, name, t0, s0, w, out):
         """out[t, f] += sum_s w[t,s] A[t0 + t, s0 + s, f] (out: a [Tb,H|Hv] float32 ref; f < the table's F)."""
-        w_ref, F = self.r["pair_w"], self._width(name)
+        w_ref, F = self.t.pair_w, self._width(name)
         w_ref[...] = w.astype(jnp.float32)
 
         def body(c, rows):
@@ -195,47 +226,49 @@ class _Tile:
         """The dq kernel's sums of tile (t0, s0): pair_dq += sum_s ds A^K; d A^K += ds q, d A^V += p do (the
         gradients' slices stored where the program owns them, else read, added to and written back; pair_q /
         pair_do hold q and do)."""
-        r, f32, pairs = self.r, jnp.float32, self.pairs
+        t, f32, pairs = self.t, jnp.float32, self.pairs
         for name, w in (("rel_key", ds), ("rel_value", p)):
             if pairs.heads(name) is None:
                 continue
-            w_ref, x_ref = r["pair_w"], r["pair_q" if name == "rel_key" else "pair_do"]
+            w_ref, x_ref = t.pair_w, self.of[name].x
             w_ref[...] = w.astype(f32)
-            grad, buf, F = r["d_" + name], r["d_" + name + "_buf"], self._width(name)
+            grad, buf, F = self.of[name].grad, self.of[name].grad_buf, self._width(name)
 
             def body(c, rows, name=name, w_ref=w_ref, x_ref=x_ref, grad=grad, buf=buf, F=F):
                 w_rows = w_ref[rows, :][:, None, :]  # [R,1,Sb]
                 if name == "rel_key":  # dq's share: one pass over A^K with its gradient
                     sums = _batched(w_rows, self._read(name, t0, s0, c), (2, 2), pairs.precision)
-                    r["pair_dq"][rows, :F] = r["pair_dq"][rows, :F] + sums[:, 0, :]
+                    t.pair_dq[rows, :F] = t.pair_dq[rows, :F] + sums[:, 0, :]
                 outer = _batched(x_ref[rows, :F][:, None, :], w_rows, (1, 1), pairs.precision)  # [R,F,Sb]
                 at = self._slice(grad, name, t0, s0, c)
                 if pairs.owned(name):
                     buf[...] = outer.astype(buf.dtype)
                 else:
-                    _copy(at, buf, r["pair_sem"])
+                    _copy(at, buf, t.pair_sem)
                     buf[...] = buf[...] + outer
-                _copy(buf, at, r["pair_sem"])
+                _copy(buf, at, t.pair_sem)
 
             self._chunks(body)
 
 
-def forward_hooks(pairs: PairTables, r, n, i):
-    """tile_body.key_tiles' hooks for query tile i of head n: the key term of tile (i, j) and its value term."""
-    tile = _Tile(pairs, r, n)
+def forward_hooks(pairs: PairTables, r: Refs, t: PairRefs, n, i) -> ForwardHooks:
+    """The forward's hooks for query tile i of head n: the key term of tile (i, j) and its value term."""
+    tile = _Tile(pairs, r, t, n)
     t0, f32 = i * pairs.Tb, jnp.float32
+    logits = None
     if pairs.key_heads is not None:
-        q = r["q"][...]
-        r["table_logits_of_tile"] = lambda j, k: tile.row_term("rel_key", t0, j * pairs.Sb, q)
+        q = r.q[...]
+        logits = lambda j, k: tile.row_term("rel_key", t0, j * pairs.Sb, q)  # noqa: E731
 
     def values(j, p):
-        out = r["pair_out"]
+        out = t.pair_out
         out[...] = jnp.zeros(out.shape, f32)
         tile.pair_sum("rel_value", t0, j * pairs.Sb, p, out)
         return out[...]
 
-    if pairs.value_heads is not None:
-        r["table_values_of_tile"] = values
+    return ForwardHooks(
+        table_logits_of_key_tile=logits, table_values_of_key_tile=values if pairs.value_heads is not None else None
+    )
 
 
 def _terms(pairs: PairTables, tile: _Tile, t0, s0, q, do):
@@ -244,26 +277,28 @@ def _terms(pairs: PairTables, tile: _Tile, t0, s0, q, do):
     return key_term, dp
 
 
-def dq_hooks(pairs: PairTables, r, n, i):
+def dq_hooks(pairs: PairTables, r: Refs, t: PairRefs, n, i) -> DqHooks:
     """flash_gpu.dq_kernel's hooks for query tile i of head n: the tile's terms, the tables' gradients, dq's share."""
-    tile = _Tile(pairs, r, n)
+    tile = _Tile(pairs, r, t, n)
     t0, f32 = i * pairs.Tb, jnp.float32
-    q, do = r["q"][...], r["do"][...]
-    r["pair_dq"][...] = jnp.zeros(r["pair_dq"].shape, f32)
+    q, do = r.q[...], r.do[...]
+    t.pair_dq[...] = jnp.zeros(t.pair_dq.shape, f32)
 
     def add(j, k, p, ds):
-        r["pair_q"][...], r["pair_do"][...] = q.astype(f32), do.astype(f32)
+        t.pair_q[...], t.pair_do[...] = q.astype(f32), do.astype(f32)
         tile.dq_and_grads(t0, j * pairs.Sb, p, ds)
 
-    r["table_terms_of_tile"] = lambda j, k: _terms(pairs, tile, t0, j * pairs.Sb, q, do)
-    r["add_table_grads"] = add
-    r["finish_table_grads"] = lambda dq: dq + r["pair_dq"][...].astype(dq.dtype)
+    return DqHooks(
+        table_terms_of_key_tile=lambda j, k: _terms(pairs, tile, t0, j * pairs.Sb, q, do),
+        add_table_grads=add,
+        finish_dq=lambda dq: dq + t.pair_dq[...].astype(dq.dtype),
+    )
 
 
-def dkv_hooks(pairs: PairTables, r, n_of, j):
+def dkv_hooks(pairs: PairTables, r: Refs, t: PairRefs, n_of, j) -> DkvHooks:
     """flash_gpu.dkv_kernel's hook for key tile j: query tile i's terms for query head n_of(g)."""
 
     def terms(g, i, q, do):
-        return _terms(pairs, _Tile(pairs, r, n_of(g)), i * pairs.Tb, j * pairs.Sb, q, do)
+        return _terms(pairs, _Tile(pairs, r, t, n_of(g)), i * pairs.Tb, j * pairs.Sb, q, do)
 
-    r["table_terms_of_tile"] = terms
+    return DkvHooks(table_terms_of_query_tile=terms)

@@ -6,6 +6,8 @@ a scatter: toeplitz_tile, diagonals, undiagonals)."""
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -16,6 +18,31 @@ LANES = 128
 SUBLANES = 8  # the rows of a 32-bit vreg
 # An input or output left in HBM (memory space ANY): the kernel copies what it needs itself (Streamed, tpu_pairs).
 IN_HBM = pl.BlockSpec(memory_space=pl.ANY)
+
+
+class TpuRefs(NamedTuple):
+    """A TPU kernel's own refs beside the shared bodies' (flash.refs.Refs): VMEM tiles and DMA semaphores for rows
+    left in HBM (Streamed), float32 sums of dk and dv over a group's query heads, a window bias's block."""
+
+    k_tile: Any = None
+    v_tile: Any = None
+    key_sem: Any = None
+    q_tile: Any = None
+    do_tile: Any = None
+    query_sem: Any = None
+    dk_sum: Any = None
+    dv_sum: Any = None
+    pair_bias: Any = None  # flex_tpu: a window bias's [Tb,Sp] rows of every key (pair_bias_of_grid)
+
+
+def scalars_at(ref, shape, base, axes=None):
+    """Scalars(ref, shape, base, axes), or None for an absent ref."""
+    return None if ref is None else Scalars(ref, shape, base, axes)
+
+
+def rows_of(r, names) -> dict:
+    """{name: Row(ref)} of the refs `names` of r (a NamedTuple) that are present: for r._replace."""
+    return {name: Row(getattr(r, name)) for name in names if getattr(r, name) is not None}
 
 
 class Row:

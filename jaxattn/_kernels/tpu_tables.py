@@ -25,7 +25,7 @@ positions only: a tile's offsets j - i are then contiguous.
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Any, NamedTuple, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -33,11 +33,29 @@ from jax.experimental import pallas as pl
 
 from .._core.call import AttentionCall
 from . import flash_gpu, tile_body
+from .flash.refs import DkvHooks, DqHooks, ForwardHooks, Refs
 from .tpu_refs import LANES, diagonals, lane_window, undiagonals, window
 
 # The dq kernel's VMEM with position tables (backward_refusal): within a TPU's 16 MiB of scoped VMEM (v5e's
 # default), less the query tile's own blocks.
 MAX_TABLES_VMEM = 15 * 2**20
+
+
+class LaneRefs(NamedTuple):
+    """The tables' refs in the TPU kernels (TableLanes' layout): each table's lanes [E,F] (key_rows,
+    query_rows, value_rows) and their gradients' blocks; the dq program's [Tb,E] float32 scratch: qx =
+    q . key lanes^T, dox = do . value lanes^T, and the sums over its key tiles d_qx and p_lanes."""
+
+    key_rows: Any = None
+    query_rows: Any = None
+    value_rows: Any = None
+    d_key_rows: Any = None
+    d_query_rows: Any = None
+    d_value_rows: Any = None
+    qx: Any = None
+    dox: Any = None
+    d_qx: Any = None
+    p_lanes: Any = None
 
 
 class TableLanes(NamedTuple):
@@ -52,9 +70,9 @@ class TableLanes(NamedTuple):
     hi: int
     Tb: int
     Sb: int
-    key_rows: bool  # q . A^K per query row (Shaw's key table, DeBERTa's c2p): r["key_rows"], r["qx"]
-    query_rows: bool  # k . Q^r per key row (DeBERTa's p2c), reversed lanes: r["query_rows"]
-    value_rows: bool  # sum_s p A^V (Shaw's value table): r["value_rows"]
+    key_rows: bool  # q . A^K per query row (Shaw's key table, DeBERTa's c2p): LaneRefs.key_rows, .qx
+    query_rows: bool  # k . Q^r per key row (DeBERTa's p2c), reversed lanes: r.query_rows
+    value_rows: bool  # sum_s p A^V (Shaw's value table): r.value_rows
 
     @property
     def M(self) -> int:
@@ -136,113 +154,122 @@ def key_terms(cfg, windows, qx=None, k=None, query_rows=None):
     return term
 
 
-def fill(cfg, r, name, x, rows):
-    """r[name] = x . r[rows]^T, [Tb,E] float32: every offset lane's term for the tile's rows x, once per
-    program (the key tiles read windows of it)."""
-    r[name][...] = tile_body.dot(x.astype(jnp.float32), r[rows][...], cfg, (1, 1))
+def fill(cfg, ref, x, rows):
+    """ref = x . rows^T, [Tb,E] float32: every offset lane's term for the tile's rows x, once per program (the
+    key tiles read windows of it)."""
+    ref[...] = tile_body.dot(x.astype(jnp.float32), rows[...], cfg, (1, 1))
 
 
-def forward_hooks(cfg, r, lanes: TableLanes, i, T: int, S: int):
-    """Sets r's hooks for tile_body.key_tiles (query tile i): r["table_logits_of_tile"](j, k), the key terms
-    of tile (i, j) [Tb,Sb], and r["table_values_of_tile"](j, p), the value term sum_s p[t, s] A^V[c(t, s)]
-    [Tb,Hvp]; fills r["qx"] (the module docstring)."""
+def forward_hooks(cfg, r: Refs, t: LaneRefs, lanes: TableLanes, i, T: int, S: int) -> ForwardHooks:
+    """The forward's hooks for the tables of query tile i: table_logits_of_key_tile(j, k), the key terms of
+    tile (i, j) [Tb,Sb], and table_values_of_key_tile(j, p), the value term sum_s p[t, s] A^V[c(t, s)]
+    [Tb,Hvp]; fills t.qx (the module docstring)."""
     W = window(cfg.Tb, cfg.Sb)
     if lanes.key_rows:
-        fill(cfg, r, "qx", r["q"][...], "key_rows")
+        fill(cfg, t.qx, r.q[...], t.key_rows)
 
     def logits(j, k):
         windows = lanes.windows(i, j, T, S)
         (at, _), (reverse_at, _) = windows
-        qx = r["qx"][:, at] if lanes.key_rows else None
-        query_rows = r["query_rows"][reverse_at, :] if lanes.query_rows else None
+        qx = t.qx[:, at] if lanes.key_rows else None
+        query_rows = t.query_rows[reverse_at, :] if lanes.query_rows else None
         return key_terms(cfg, windows, qx, k, query_rows)
 
     def values(j, p):
         (at, offset), _ = lanes.windows(i, j, T, S)
-        return tile_body.dot(undiagonals(p, offset, W), r["value_rows"][at, :], cfg)
+        return tile_body.dot(undiagonals(p, offset, W), t.value_rows[at, :], cfg)
 
-    if lanes.key_rows or lanes.query_rows:
-        r["table_logits_of_tile"] = logits
-    if lanes.value_rows:
-        r["table_values_of_tile"] = values
+    return ForwardHooks(
+        table_logits_of_key_tile=logits if lanes.key_rows or lanes.query_rows else None,
+        table_values_of_key_tile=values if lanes.value_rows else None,
+    )
 
 
-def dq_hooks(cfg, r, lanes: TableLanes, i, T: int, S: int):
-    """Sets the dq kernel's hooks (flash_gpu.dq_kernel) for the tables of query tile i: table_terms_of_tile,
-    add_table_grads and finish_table_grads (the module docstring)."""
+def dq_hooks(cfg, r: Refs, t: LaneRefs, lanes: TableLanes, i, T: int, S: int) -> DqHooks:
+    """The dq kernel's hooks (flash_gpu.dq_kernel) for the tables of query tile i: table_terms_of_key_tile,
+    add_table_grads and finish_dq (the module docstring)."""
     W = window(cfg.Tb, cfg.Sb)
     f32 = jnp.float32
-    q, do = r["q"][...].astype(f32), r["do"][...].astype(f32)
-    grads = [name for name in ("key_rows", "query_rows", "value_rows") if getattr(lanes, name)]
+    q, do = r.q[...].astype(f32), r.do[...].astype(f32)
+    grads = [
+        d
+        for d, used in (
+            (t.d_key_rows, lanes.key_rows),
+            (t.d_query_rows, lanes.query_rows),
+            (t.d_value_rows, lanes.value_rows),
+        )
+        if used
+    ]
 
     @pl.when(i == 0)
     def _():
-        for name in grads:
-            r["d_" + name][...] = jnp.zeros(r["d_" + name].shape, f32)
+        for d in grads:
+            d[...] = jnp.zeros(d.shape, f32)
 
-    for name, sums, rows, x in (("qx", "d_qx", "key_rows", q), ("dox", "p_lanes", "value_rows", do)):
-        if getattr(lanes, rows):
-            fill(cfg, r, name, x, rows)
-            r[sums][...] = jnp.zeros(r[sums].shape, f32)
+    for product, sums, rows, x, used in (
+        (t.qx, t.d_qx, t.key_rows, q, lanes.key_rows),
+        (t.dox, t.p_lanes, t.value_rows, do, lanes.value_rows),
+    ):
+        if used:
+            fill(cfg, product, x, rows)
+            sums[...] = jnp.zeros(sums.shape, f32)
 
     def terms(j, k):
         windows = lanes.windows(i, j, T, S)
         (at, offset), (reverse_at, _) = windows
-        qx = r["qx"][:, at] if lanes.key_rows else None
-        query_rows = r["query_rows"][reverse_at, :] if lanes.query_rows else None
-        dp = diagonals(r["dox"][:, at], offset, cfg.Sb) if lanes.value_rows else None
+        qx = t.qx[:, at] if lanes.key_rows else None
+        query_rows = t.query_rows[reverse_at, :] if lanes.query_rows else None
+        dp = diagonals(t.dox[:, at], offset, cfg.Sb) if lanes.value_rows else None
         return key_terms(cfg, windows, qx, k, query_rows), dp
 
     def add(j, k, p, ds):
         (at, offset), (reverse_at, reverse_offset) = lanes.windows(i, j, T, S)
         ds = ds.astype(f32)
         if lanes.key_rows:
-            r["d_qx"][:, at] = r["d_qx"][:, at] + undiagonals(ds, offset, W)
+            t.d_qx[:, at] = t.d_qx[:, at] + undiagonals(ds, offset, W)
         if lanes.value_rows:
-            r["p_lanes"][:, at] = r["p_lanes"][:, at] + undiagonals(p.astype(f32), offset, W)
+            t.p_lanes[:, at] = t.p_lanes[:, at] + undiagonals(p.astype(f32), offset, W)
         if lanes.query_rows:
             d_kx = undiagonals(ds.T, reverse_offset, W)
             d_rows = tile_body.dot(d_kx, k.astype(f32), cfg, (0, 0))
-            r["d_query_rows"][reverse_at, :] = r["d_query_rows"][reverse_at, :] + d_rows
+            t.d_query_rows[reverse_at, :] = t.d_query_rows[reverse_at, :] + d_rows
 
     def finish(dq):
         if lanes.key_rows:
-            d_qx = r["d_qx"][...]
-            dq = dq + tile_body.dot(d_qx, r["key_rows"][...], cfg).astype(dq.dtype)
-            r["d_key_rows"][...] = r["d_key_rows"][...] + tile_body.dot(d_qx, q, cfg, (0, 0))
+            d_qx = t.d_qx[...]
+            dq = dq + tile_body.dot(d_qx, t.key_rows[...], cfg).astype(dq.dtype)
+            t.d_key_rows[...] = t.d_key_rows[...] + tile_body.dot(d_qx, q, cfg, (0, 0))
         if lanes.value_rows:
-            r["d_value_rows"][...] = r["d_value_rows"][...] + tile_body.dot(r["p_lanes"][...], do, cfg, (0, 0))
+            t.d_value_rows[...] = t.d_value_rows[...] + tile_body.dot(t.p_lanes[...], do, cfg, (0, 0))
         return dq
 
-    r["table_terms_of_tile"], r["add_table_grads"], r["finish_table_grads"] = terms, add, finish
+    return DqHooks(table_terms_of_key_tile=terms, add_table_grads=add, finish_dq=finish)
 
 
-def dkv_hooks(cfg, r, lanes: TableLanes, j, T: int, S: int):
-    """Sets the dk/dv kernel's hooks (flash_gpu.dkv_kernel) for the tables of key tile j, whose program holds
-    one query head's lanes ([1,E,F] blocks): table_terms_of_tile, query tile i's terms from windows of the
-    lanes, and key_grads_of_tile, the per-key-row term's share of dk (the module docstring)."""
+def dkv_hooks(cfg, r: Refs, t: LaneRefs, lanes: TableLanes, j, T: int, S: int) -> DkvHooks:
+    """The dk/dv kernel's hooks (flash_gpu.dkv_kernel) for the tables of key tile j, whose program holds one
+    query head's lanes ([1,E,F] blocks): table_terms_of_query_tile, query tile i's terms from windows of the
+    lanes, and dk_of_query_tile, the per-key-row term's share of dk (the module docstring)."""
     W = window(cfg.Tb, cfg.Sb)
     f32 = jnp.float32
-    k = r["k"][...]
+    k = r.k[...]
 
     def terms(g, i, q, do):
         windows = lanes.windows(i, j, T, S)
         (at, offset), (reverse_at, _) = windows
-        qx = tile_body.dot(q.astype(f32), r["key_rows"][0, at, :], cfg, (1, 1)) if lanes.key_rows else None
-        query_rows = r["query_rows"][0, reverse_at, :] if lanes.query_rows else None
+        qx = tile_body.dot(q.astype(f32), t.key_rows[0, at, :], cfg, (1, 1)) if lanes.key_rows else None
+        query_rows = t.query_rows[0, reverse_at, :] if lanes.query_rows else None
         dp = None
         if lanes.value_rows:
-            dp = diagonals(tile_body.dot(do.astype(f32), r["value_rows"][0, at, :], cfg, (1, 1)), offset, cfg.Sb)
+            dp = diagonals(tile_body.dot(do.astype(f32), t.value_rows[0, at, :], cfg, (1, 1)), offset, cfg.Sb)
         return key_terms(cfg, windows, qx, k, query_rows), dp
 
     def key_grads(g, i, ds):
         _, (reverse_at, reverse_offset) = lanes.windows(i, j, T, S)
         d_kx = undiagonals(ds.astype(f32).T, reverse_offset, W)
-        return tile_body.dot(d_kx, r["query_rows"][0, reverse_at, :], cfg)
+        return tile_body.dot(d_kx, t.query_rows[0, reverse_at, :], cfg)
 
-    r["table_terms_of_tile"] = terms
-    if lanes.query_rows:
-        r["key_grads_of_tile"] = key_grads
+    return DkvHooks(table_terms_of_query_tile=terms, dk_of_query_tile=key_grads if lanes.query_rows else None)
 
 
 def dq_vmem(lanes: TableLanes, S: int, H: int, Hv: int, dtype, multiple: int, key_buffers: int = 2) -> int:
