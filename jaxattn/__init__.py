@@ -20,12 +20,12 @@ and works under jax.jit, jax.vmap and jax.grad; bad input raises ValueError at t
 
 # The public surface, in import order (by home module); docs/design.md, "Public functions", groups it by job.
 from ._api import (
-    cross_platform_lowering as cross_platform_lowering,
     dot_product_attention as dot_product_attention,
     flex_attention as flex_attention,
 )
 from ._core.block_mask import BlockMask as BlockMask
 from ._core.mods import and_masks as and_masks, noop_mask as noop_mask, or_masks as or_masks
+from ._dispatch.platforms import cross_platform_lowering as cross_platform_lowering
 from ._engines.blockwise import blockwise_attention as blockwise_attention
 from ._engines.flex import create_block_mask as create_block_mask
 from ._engines.ring import ring_attention as ring_attention
