@@ -60,12 +60,12 @@ class Implementation:
       where the evidence (compiled memory, timings) favours them (None: it takes the call; default: never);
     fused: a fused kernel, which runs on each device's shard over a mesh (jaxattn._mesh) and picks its own
       tiles (no block_size); else an XLA engine, which XLA partitions;
-    platform: where implementation=None may take it (None: only when named); on CUDA in the order of
-      CUDA_KERNELS_BY_GENERATION;
+    platform: where implementation=None tries it, on CUDA in the order of CUDA_KERNELS_BY_GENERATION (None:
+      never tried; the XLA engines are None's fallback everywhere, by use_blockwise);
     interpretable: Pallas' interpreter runs it (interpret=True);
     key_mask_as_segments: a key-only boolean mask reaches it as segment ids (key_masks);
     reads_mesh: how the inputs split over a mesh is read before it runs (jaxattn._mesh), so that a query or key
-      split along its sequence is refused by name, pointing at ring_attention; dense alone traces on any split.
+      split along its sequence is refused by name, pointing at ring_attention; dense alone does not read it.
     """
 
     name: str
