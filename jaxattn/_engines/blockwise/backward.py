@@ -5,6 +5,8 @@ zero_grads makes those. Without tables, a position hook or score_mod the tiles r
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -20,6 +22,23 @@ from .logits import capped_logits, corner_offset, hook_bias, tile_allowed, tile_
 from .pairs import add_pair_tile, pair_grad, pair_spec, pair_tile
 from .schedule import key_schedule, visit
 from .values import Grads, KeySide, QueryTile, RowGrads, Shared
+
+
+class _TileSums(NamedTuple):
+    """What bwd_tile's loop over key tiles adds into: dq [B,K,G,Tb,H] (compute dtype), the bucket sums of ds
+    and of p [B,K,G,Tb,R] (the key and value tables' gradients read them once the loop ends; p's start
+    from the forward's when RowGrads.value_buckets has them), and Grads' dk, dv, hook_consts, score_consts,
+    pair_key and pair_value (the tables' own gradients are added after the loop)."""
+
+    dq: Any
+    dk: Any
+    dv: Any
+    ds_buckets: Any
+    p_buckets: Any
+    hook_consts: tuple
+    score_consts: tuple
+    pair_key: Any
+    pair_value: Any
 
 
 def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared, grads: Grads):
@@ -41,8 +60,7 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
     per_bucket = None if key_table is None else table_products(q_blk, key_table, K, cfg, acc_dtype)
     do_table = None if value_table is None else table_products(do_blk, value_table, K, cfg, acc_dtype)
 
-    def key_block(kind, j, inner):
-        dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score, d_pair_k, d_pair_v = inner
+    def key_block(kind, j, acc: _TileSums) -> _TileSums:
         s0 = j * Sb
         k_blk, v_blk = slice_block(keys.k, s0, Sb, 2), slice_block(keys.v, s0, Sb, 2)
         kp = slice_block(keys.pos, s0, Sb, -1)
@@ -64,56 +82,67 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
         dp = einsum("bkgtv,bksv->bkgts", do_blk, v_blk, cfg, acc_dtype)
         if pair_v is not None:  # out += p . A^V: dp += d_out . A^V, d A^V = p d_out (summed over the batch)
             dp = dp + einsum(pair_spec("bkgtv,tskgv->bkgts", pair_v), do_blk, pair_v, cfg, acc_dtype)
-            d_pair_v = add_pair_tile(d_pair_v, pair_grad(p, do_blk, pair_v, cfg, acc_dtype), row0, s0)
+            d_pair_v = pair_grad(p, do_blk, pair_v, cfg, acc_dtype)
+            acc = acc._replace(pair_value=add_pair_tile(acc.pair_value, d_pair_v, row0, s0))
         if value_table is not None:
             dp = dp + gather_buckets(do_table, index)
             if rows.value_buckets is None:  # else p_buckets already holds the forward's sums
-                p_buckets = p_buckets + bucket_sums(p, index, R, corner_offset(cfg, qp, kp))
+                acc = acc._replace(p_buckets=acc.p_buckets + bucket_sums(p, index, R, corner_offset(cfg, qp, kp)))
         ds = p * (dp - delta[..., None])  # d loss / d x (the final logits)
         if score_vjp is not None:  # d loss / d (logits before score_mod), and d score_mod's arrays
             ds, d_s = score_vjp(ds)
-            d_score = tuple(a if a is None else a + g for a, g in zip(d_score, d_s))
+            acc = acc._replace(score_consts=tuple(a if a is None else a + g for a, g in zip(acc.score_consts, d_s)))
         if bias_vjp is not None:
             d_bias = jnp.sum(ds, axis=tuple(range(ds.ndim - bias.ndim))).reshape(bias.shape).astype(bias.dtype)
             (d_c,) = bias_vjp(placed_as(d_bias, bias))
-            d_consts = jax.tree.map(jnp.add, d_consts, d_c)
+            acc = acc._replace(hook_consts=jax.tree.map(jnp.add, acc.hook_consts, d_c))
         if cfg.terms.softcap is not None:
             ds = ds * mods.softcap_grad(capped, cfg.terms.softcap)
         if scale is not None:
             ds = ds * scale
-        dq = dq + einsum("bkgts,bksh->bkgth", ds.astype(q_blk.dtype), k_blk, cfg, acc_dtype)
+        dq = acc.dq + einsum("bkgts,bksh->bkgth", ds.astype(q_blk.dtype), k_blk, cfg, acc_dtype)
         dk_blk = einsum("bkgts,bkgth->bksh", ds.astype(q_blk.dtype), q_blk, cfg, acc_dtype)
         if key_table is not None:
-            ds_buckets = ds_buckets + bucket_sums(ds, index, R, corner_offset(cfg, qp, kp))
+            acc = acc._replace(ds_buckets=acc.ds_buckets + bucket_sums(ds, index, R, corner_offset(cfg, qp, kp)))
         if pair_k is not None:  # x += q . A^K: dq += ds . A^K, d A^K = ds q (summed over the batch)
             dq = dq + einsum(pair_spec("bkgts,tskgh->bkgth", pair_k), ds, pair_k, cfg, acc_dtype)
-            d_pair_k = add_pair_tile(d_pair_k, pair_grad(ds, q_blk, pair_k, cfg, acc_dtype), row0, s0)
-        dk = lax.dynamic_update_slice_in_dim(dk, slice_block(dk, s0, Sb, 2) + dk_blk, s0, axis=2)
-        dv = lax.dynamic_update_slice_in_dim(dv, slice_block(dv, s0, Sb, 2) + dv_blk, s0, axis=2)
-        return dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score, d_pair_k, d_pair_v
+            d_pair_k = pair_grad(ds, q_blk, pair_k, cfg, acc_dtype)
+            acc = acc._replace(pair_key=add_pair_tile(acc.pair_key, d_pair_k, row0, s0))
+        dk = lax.dynamic_update_slice_in_dim(acc.dk, slice_block(acc.dk, s0, Sb, 2) + dk_blk, s0, axis=2)
+        dv = lax.dynamic_update_slice_in_dim(acc.dv, slice_block(acc.dv, s0, Sb, 2) + dv_blk, s0, axis=2)
+        return acc._replace(dq=dq, dk=dk, dv=dv)
 
     buckets = zeros_beside(q_blk, q_blk.shape[:-1] + (R,), acc_dtype)
-    p_buckets = buckets if rows.value_buckets is None else rows.value_buckets.astype(acc_dtype)
-    init = (
-        jnp.zeros_like(q_blk, acc_dtype),
-        grads.dk,
-        grads.dv,
-        buckets,
-        p_buckets,
-        grads.hook_consts,
-        grads.score_consts,
-        grads.pair_key,
-        grads.pair_value,
+    init = _TileSums(
+        dq=jnp.zeros_like(q_blk, acc_dtype),
+        dk=grads.dk,
+        dv=grads.dv,
+        ds_buckets=buckets,
+        p_buckets=buckets if rows.value_buckets is None else rows.value_buckets.astype(acc_dtype),
+        hook_consts=grads.hook_consts,
+        score_consts=grads.score_consts,
+        pair_key=grads.pair_key,
+        pair_value=grads.pair_value,
     )
     schedule = key_schedule(cfg, qp, keys.pos, keys.lengths, arrays, Sp // Sb)
-    dq, dk, dv, ds_buckets, p_buckets, d_consts, d_score, d_pair_k, d_pair_v = visit(schedule, key_block, init)
-    d_key_table, d_value_table = grads.key_table, grads.value_table
+    sums = visit(schedule, key_block, init)
+    dq = sums.dq
+    grads = grads._replace(
+        dk=sums.dk,
+        dv=sums.dv,
+        hook_consts=sums.hook_consts,
+        score_consts=sums.score_consts,
+        pair_key=sums.pair_key,
+        pair_value=sums.pair_value,
+    )
     if key_table is not None:
-        dq = dq + apply_table(ds_buckets, key_table, K, cfg, acc_dtype)
-        d_key_table = d_key_table + table_grad(ds_buckets, q_blk.astype(acc_dtype), key_table, K, cfg, acc_dtype)
+        dq = dq + apply_table(sums.ds_buckets, key_table, K, cfg, acc_dtype)
+        d_key_table = table_grad(sums.ds_buckets, q_blk.astype(acc_dtype), key_table, K, cfg, acc_dtype)
+        grads = grads._replace(key_table=grads.key_table + d_key_table)
     if value_table is not None:
-        d_value_table = d_value_table + table_grad(p_buckets, do_blk.astype(acc_dtype), value_table, K, cfg, acc_dtype)
-    return dq, Grads(dk, dv, d_key_table, d_value_table, d_consts, d_score, d_pair_k, d_pair_v)
+        d_value_table = table_grad(sums.p_buckets, do_blk.astype(acc_dtype), value_table, K, cfg, acc_dtype)
+        grads = grads._replace(value_table=grads.value_table + d_value_table)
+    return dq, grads
 
 
 def _keys_major(allowed):
