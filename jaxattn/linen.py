@@ -37,7 +37,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from ._core import checks
-from ._layers import cache as kv_cache, common, disentangled, window as window_layer
+from ._layers import cache as kv_cache, common, disentangled, options, window as window_layer
 from ._layers.common import Initializer, RoPE  # noqa: F401  (RoPE: part of this module's API)
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
@@ -66,20 +66,24 @@ def _declare(specs: dict, param_dtype) -> dict:
     }
 
 
-def _attention_dropout(layer: MultiHeadAttention | DisentangledAttention, deterministic, dropout_rng):
-    """(rate, rng) of a layer's weight dropout after flax's rules (its dropout_rate and deterministic
-    attributes): `deterministic` is required only when dropout_rate > 0."""
-    if layer.dropout_rate == 0.0:
-        return 0.0, None
-    if nn.merge_param("deterministic", layer.deterministic, deterministic):
-        return 0.0, None
-    return layer.dropout_rate, dropout_rng if dropout_rng is not None else layer.make_rng("dropout")
+def _dropout(layer: MultiHeadAttention | DisentangledAttention, deterministic, dropout_rng):
+    """(rate, key) of a layer's weight dropout: options.attention_dropout with flax linen's merge_param rule
+    (the attribute or the call's `deterministic`, not both) and the "dropout" rng stream."""
+    return options.attention_dropout(
+        layer.dropout_rate,
+        layer.deterministic,
+        deterministic,
+        dropout_rng,
+        lambda: layer.make_rng("dropout"),
+        exclusive=True,
+    )
 
 
 class MultiHeadAttention(nn.Module):
     """Multi-head / grouped-query attention (see the module docstring for decoding).
 
-    Attributes:
+    Attributes (jaxattn._layers.options.ATTRIBUTES, the list jaxattn.nnx shares; tests/test_layer_options.py
+    holds these fields to it):
       num_heads: N.  head_dim: H (default Eq // N).  num_kv_heads: K (default N).  value_head_dim: Hv (default H).
       out_features: Eo (default Eq).  use_bias: biases on all four projections (True), none (False), or
         the named ones (e.g. ("query", "key", "value"), Qwen2's).
@@ -118,6 +122,7 @@ class MultiHeadAttention(nn.Module):
       implementation / interpret: as jaxattn.dot_product_attention (None: per platform at lowering time).
     """
 
+    # The fields of options.ATTRIBUTES' linen entries, in its order (flax needs them written out here).
     num_heads: int
     head_dim: Optional[int] = None
     qkv_features: Optional[int] = None  # flax's spelling: num_heads * head_dim (give one of the two)
@@ -152,22 +157,11 @@ class MultiHeadAttention(nn.Module):
     implementation: Optional[str] = None
     interpret: bool = False
 
-    def _relative(self) -> Optional[dict]:
-        return None
+    relative_attention = False  # a class constant, not a field: RelativeMultiHeadAttention's tables (options)
 
     def _params(self, dims):
-        specs = common.param_specs(
-            dims,
-            use_bias=self.use_bias,
-            add_bias_kv=self.add_bias_kv,
-            kernel_init=self.kernel_init,
-            out_kernel_init=self.out_kernel_init,
-            bias_init=self.bias_init,
-            bias_kv_init=self.bias_kv_init,
-            relative=self._relative(),
-            out_bias_init=self.out_bias_init,
-            sinks_init=self.sinks_init if self.use_sinks else None,
-        )
+        attributes = options.values(self, options.ATTRIBUTES, "linen")
+        specs = options.parameter_specs(dims, attributes, options.relative_tables(self))
         sinks = specs.pop("sinks", None)
         params = _declare(specs, self.param_dtype)
         if sinks is not None:
@@ -186,9 +180,6 @@ class MultiHeadAttention(nn.Module):
             return None
         q_norm, k_norm = self.qk_norm(name="q_norm"), self.qk_norm(name="k_norm")
         return lambda q, k: (q_norm(q), k_norm(k))
-
-    def _dropout(self, deterministic, dropout_rng):
-        return _attention_dropout(self, deterministic, dropout_rng)
 
     def _cache(self, dims, key, batch, dtype):
         """The "cache" variables, and whether they existed before this call (False while initialising)."""
@@ -225,12 +216,13 @@ class MultiHeadAttention(nn.Module):
     ) -> LayerOutput:
         """query [...,T,Eq], key [...,S,Ek] (default query), value [...,S,Ev] (default key) -> [...,T,Eo].
 
-        Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights.
+        Keywords (options.CALL) as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights.
         position_bias: a hook of the positions added to the logits (t5_position_bias, alibi_position_bias),
         which the blockwise engine and the GPU kernel evaluate tile by tile (jaxattn.position_bias_attention).
         rope_positions [...,T]: with `rope`, the rotary positions of the queries and keys (self-attention).
         sow_weights / inputs_kv: flax's (see the class docstring).
         """
+        given = dict(locals())  # the keywords above by name: options.attention_keywords forwards CALL's from it
         if not (self.force_fp32_for_softmax is None or self.force_fp32_for_softmax is True):
             checks.fail(
                 "force_fp32_for_softmax",
@@ -253,29 +245,7 @@ class MultiHeadAttention(nn.Module):
         params = self._params(dims)
         dtype = common.layer_dtype(self.dtype, params, query, key, value)
         params, query, key, value = common.cast((params, query, key, value), dtype)
-        rate, rng = self._dropout(deterministic, dropout_rng)
-        options = dict(
-            mask=mask,
-            bias=bias,
-            is_causal=is_causal,
-            key_value_seq_lengths=key_value_seq_lengths,
-            query_positions=query_positions,
-            key_positions=key_positions,
-            scale=self.scale,
-            dropout_rate=rate,
-            dropout_rng=rng,
-            return_weights=return_weights or sow_weights,
-            query_segment_ids=query_segment_ids,
-            key_segment_ids=key_segment_ids,
-            window=self.window,
-            chunk_size=self.chunk_size,
-            logit_softcap=self.logit_softcap,
-            implementation=self.implementation,
-            interpret=self.interpret,
-            **common.dropout_options(self.broadcast_dropout),
-        )
-        if position_bias is not None:
-            options["position_bias"] = position_bias
+        rate, rng = _dropout(self, deterministic, dropout_rng)
         cache = None
         if self.decode if decode is None else decode:
             batch = jnp.broadcast_shapes(jnp.shape(query)[:-2], jnp.shape(key)[:-2])
@@ -286,14 +256,12 @@ class MultiHeadAttention(nn.Module):
             query,
             key,
             value,
-            relative=self._relative() is not None,
-            add_zero_attn=self.add_zero_attn,
-            precision=self.precision,
+            relative=self.relative_attention,
             cache=cache,
-            rope=self.rope,
-            rope_positions=rope_positions,
             qk_norm=self._qk_norm(),
-            **options,
+            **options.attention_keywords(
+                self, given, dropout_rate=rate, dropout_rng=rng, return_weights=return_weights or sow_weights
+            ),
         )
         if new_cache is not None:
             for variable, new in zip(variables, new_cache):
@@ -307,27 +275,22 @@ class MultiHeadAttention(nn.Module):
 
 
 class RelativeMultiHeadAttention(MultiHeadAttention):
-    """MultiHeadAttention with Shaw et al. clipped relative-position tables in params["relative"].
+    """MultiHeadAttention with Shaw et al. clipped relative-position tables in params["relative"] (not with
+    add_bias_kv / add_zero_attn).
 
-    Extra attributes: max_distance (R = 2 * max_distance + 1 rows), share_heads ([R,H] tables rather than
-    [R,N,H]), use_key_table / use_value_table, table_init (default normal(0.02)). Not with add_bias_kv /
-    add_zero_attn.
+    Extra attributes (options.RELATIVE): max_distance (R = 2 * max_distance + 1 rows), share_heads ([R,H]
+    tables rather than [R,N,H]), use_key_table / use_value_table, table_init (default normal(0.02)).
     """
 
-    max_distance: Optional[int] = None  # required; a default only because dataclass fields follow defaults
+    # options.RELATIVE's fields; max_distance is required (None is refused by name: fields after defaults
+    # need a default).
+    max_distance: Optional[int] = None
     share_heads: bool = False
     use_key_table: bool = True
     use_value_table: bool = True
     table_init: Initializer = common.default_table_init
 
-    def _relative(self) -> Optional[dict]:
-        return dict(
-            max_distance=self.max_distance,
-            share_heads=self.share_heads,
-            use_key_table=self.use_key_table,
-            use_value_table=self.use_value_table,
-            table_init=self.table_init,
-        )
+    relative_attention = True
 
 
 class WindowAttention(nn.Module):
@@ -447,7 +410,7 @@ class DisentangledAttention(nn.Module):
         params = _declare(specs, self.param_dtype)
         dtype = common.layer_dtype(self.dtype, params, query, key, value, rel_embeddings)
         params, query, key, value, rel_embeddings = common.cast((params, query, key, value, rel_embeddings), dtype)
-        rate, rng = _attention_dropout(self, deterministic, dropout_rng)
+        rate, rng = _dropout(self, deterministic, dropout_rng)
         return disentangled.disentangled_multi_head_attention(
             params,
             query,

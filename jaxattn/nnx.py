@@ -25,13 +25,13 @@ of the batch are unaffected.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import jax.numpy as jnp
 from flax import nnx
 
 from ._core import checks
-from ._layers import cache as kv_cache, common, disentangled, window as window_layer
+from ._layers import cache as kv_cache, common, disentangled, options, window as window_layer
 from ._layers.common import Initializer, RoPE  # noqa: F401  (RoPE: part of this module's API)
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
@@ -66,20 +66,16 @@ class _Grouped(nnx.Module):
         return {group: getattr(self, group).tree() for group in self.groups}
 
 
-def _attention_dropout(layer: MultiHeadAttention | DisentangledAttention, deterministic, rngs, dropout_rng):
-    """(rate, key) of a layer's weight dropout (its dropout_rate, deterministic and forked rngs): the call's
-    `deterministic` wins over the attribute; one is required when rate > 0."""
-    if layer.dropout_rate == 0.0:
-        return 0.0, None
-    deterministic = layer.deterministic if deterministic is None else deterministic
-    if deterministic is None:
-        checks.fail("deterministic", "True or False (call argument or attribute) when dropout_rate > 0", None)
-    if deterministic:
-        return 0.0, None
-    if dropout_rng is not None:
-        return layer.dropout_rate, dropout_rng
-    stream = rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs if rngs is not None else layer.rngs)
-    return layer.dropout_rate, stream()
+def _dropout(layer: MultiHeadAttention | DisentangledAttention, deterministic, rngs, dropout_rng):
+    """(rate, key) of a layer's weight dropout: options.attention_dropout with flax nnx's rule (the call's
+    `deterministic` wins over the attribute) and a key from the call's rngs, else the layer's forked stream."""
+
+    def stream():
+        return (rngs.dropout if isinstance(rngs, nnx.Rngs) else (rngs if rngs is not None else layer.rngs))()
+
+    return options.attention_dropout(
+        layer.dropout_rate, layer.deterministic, deterministic, dropout_rng, stream, exclusive=False
+    )
 
 
 class MultiHeadAttention(_Grouped):
@@ -88,7 +84,8 @@ class MultiHeadAttention(_Grouped):
     Sizes as jaxattn.init_multi_head_attention: query_features Eq, num_heads N, head_dim H (default Eq // N),
     key_features Ek (Eq), value_features Ev (Ek), out_features Eo (Eq), num_kv_heads K (N), value_head_dim
     Hv (H). Options as jaxattn.linen.MultiHeadAttention (rope=RoPE(...) and the call's rope_positions
-    included); `rngs` supplies "params" and "dropout" keys.
+    included); `rngs` supplies "params" and "dropout" keys. Both front ends take their options from one list,
+    jaxattn._layers.options (ATTRIBUTES; tests/test_layer_options.py holds this signature to it).
 
     flax.nnx.MultiHeadAttention's keywords are accepted where they mean the same thing: in_features
     (= query_features), in_kv_features (= key_features = value_features), qkv_features (= N * H),
@@ -100,8 +97,18 @@ class MultiHeadAttention(_Grouped):
     query_ln / key_ln {"scale": [H]}), broadcast_dropout (one keep-mask [T,S] for every batch entry and head;
     default False here, True in flax: docs/coming_from.md), out_bias_init, keep_rngs (False: no dropout
     stream is stored, pass rngs= at call time), and at call time sow_weights=True (the weights [...,N,T,S]
-    sown as nnx.Intermediate "attention_weights").
+    sown as nnx.Intermediate "attention_weights") and inputs_kv= (flax's spelling of key = value). Not here:
+    linen's qk_norm (a linen module factory) and force_fp32_for_softmax (flax.nnx has none).
     """
+
+    relative_attention = False  # RelativeMultiHeadAttention's tables (options.relative_tables)
+    # Kept by options.keep from the constructor's arguments; the ones read here by name, declared for pyright.
+    dropout_rate: float
+    deterministic: Optional[bool]
+    dtype: Any
+    param_dtype: Any
+    decode: bool
+    window: Optional[tuple]
 
     def __init__(
         self,
@@ -117,7 +124,7 @@ class MultiHeadAttention(_Grouped):
         out_features: Optional[int] = None,
         num_kv_heads: Optional[int] = None,
         value_head_dim: Optional[int] = None,
-        use_bias: bool = True,
+        use_bias: Union[bool, tuple] = True,
         add_bias_kv: bool = False,
         add_zero_attn: bool = False,
         dropout_rate: float = 0.0,
@@ -144,8 +151,8 @@ class MultiHeadAttention(_Grouped):
         broadcast_dropout: bool = False,
         out_bias_init: Optional[Initializer] = None,
         keep_rngs: bool = True,
-        _relative: Optional[dict] = None,
     ):
+        given = dict(locals())  # the arguments by name: options.keep / parameter_specs read ATTRIBUTES' from it
         sizes = common.flax_sizes(
             num_heads,
             query_features=query_features,
@@ -166,29 +173,13 @@ class MultiHeadAttention(_Grouped):
             value_head_dim=value_head_dim,
             **sizes,
         )
-        specs = common.param_specs(
-            self.dims,
-            use_bias=use_bias,
-            add_bias_kv=add_bias_kv,
-            kernel_init=kernel_init,
-            out_kernel_init=out_kernel_init,
-            bias_init=bias_init,
-            bias_kv_init=bias_kv_init,
-            relative=_relative,
-            out_bias_init=out_bias_init,
-            sinks_init=sinks_init if use_sinks else None,
-        )
+        specs = options.parameter_specs(self.dims, given, options.relative_tables(self))
         sinks = specs.pop("sinks", None)
         self._declare(specs, param_dtype, rngs)
         self.sinks = nnx.data(None) if sinks is None else nnx.Param(sinks[1](rngs.params(), sinks[0], param_dtype))
-        self.window, self.chunk_size, self.logit_softcap = window, chunk_size, logit_softcap
-        self.implementation, self.interpret = implementation, interpret  # as dot_product_attention's
-        self.relative_attention = _relative is not None
-        self.add_zero_attn, self.dropout_rate, self.deterministic = add_zero_attn, dropout_rate, deterministic
-        self.scale, self.dtype, self.param_dtype, self.precision = scale, dtype, param_dtype, precision
-        self.decode, self.rope = decode, common.check_rope(rope)
+        options.keep(self, given, options.ATTRIBUTES)  # what __call__ reads, as linen's fields
+        self.rope = common.check_rope(rope)
         self.rngs = rngs.dropout.fork() if dropout_rate > 0 and keep_rngs else nnx.data(None)
-        self.broadcast_dropout = broadcast_dropout
         norm = dict(use_bias=False, dtype=dtype, param_dtype=param_dtype, rngs=rngs)  # flax's query_ln / key_ln
         self.query_ln = nnx.LayerNorm(self.dims.H, **norm) if normalize_qk else nnx.data(None)
         self.key_ln = nnx.LayerNorm(self.dims.H, **norm) if normalize_qk else nnx.data(None)
@@ -215,9 +206,6 @@ class MultiHeadAttention(_Grouped):
         self.cached_key, self.cached_value = nnx.Cache(cached_key), nnx.Cache(cached_value)
         self.cache_index = nnx.Cache(index)
 
-    def _dropout(self, deterministic, rngs, dropout_rng):
-        return _attention_dropout(self, deterministic, rngs, dropout_rng)
-
     def __call__(
         self,
         query: Float[ArrayLike, "*#B T Eq"],
@@ -239,17 +227,21 @@ class MultiHeadAttention(_Grouped):
         query_segment_ids: Int[ArrayLike, "*#B T"] | None = None,
         key_segment_ids: Int[ArrayLike, "*#B S"] | None = None,
         sow_weights: bool = False,
+        inputs_kv: Float[ArrayLike, "*#B S Ek"] | None = None,
+        position_bias=None,
     ) -> LayerOutput:
         """query [...,T,Eq], key [...,S,Ek] (default query), value [...,S,Ev] (default key) -> [...,T,Eo].
 
-        Keywords as jaxattn.multi_head_attention; returns (out, weights [...,N,T,S]) with return_weights;
-        sow_weights: flax's (the class docstring).
+        Keywords (options.CALL) as jaxattn.linen.MultiHeadAttention's call, plus rngs (the dropout stream);
+        returns (out, weights [...,N,T,S]) with return_weights.
         """
+        given = dict(locals())  # the keywords above by name: options.attention_keywords forwards CALL's from it
+        key, value = common.flax_inputs_kv(inputs_kv, key, value)
         query, key, value = common.inputs(query, key, value)
         params = self.params()
         dtype = common.layer_dtype(self.dtype, params, query, key, value)
         params, query, key, value = common.cast((params, query, key, value), dtype)
-        rate, rng = self._dropout(deterministic, rngs, dropout_rng)
+        rate, rng = _dropout(self, deterministic, rngs, dropout_rng)
         cache = None
         if self.decode if decode is None else decode:
             if self.cached_key is None:
@@ -261,30 +253,11 @@ class MultiHeadAttention(_Grouped):
             key,
             value,
             relative=self.relative_attention,
-            add_zero_attn=self.add_zero_attn,
-            precision=self.precision,
             cache=cache,
-            rope=self.rope,
-            rope_positions=rope_positions,
-            mask=mask,
-            bias=bias,
-            is_causal=is_causal,
             qk_norm=self._qk_norm(),
-            **common.dropout_options(self.broadcast_dropout),
-            key_value_seq_lengths=key_value_seq_lengths,
-            query_positions=query_positions,
-            key_positions=key_positions,
-            scale=self.scale,
-            dropout_rate=rate,
-            dropout_rng=rng,
-            return_weights=return_weights or sow_weights,
-            query_segment_ids=query_segment_ids,
-            key_segment_ids=key_segment_ids,
-            window=self.window,
-            chunk_size=self.chunk_size,
-            logit_softcap=self.logit_softcap,
-            implementation=self.implementation,
-            interpret=self.interpret,
+            **options.attention_keywords(
+                self, given, dropout_rate=rate, dropout_rng=rng, return_weights=return_weights or sow_weights
+            ),
         )
         if new_cache is not None:
             self.cached_key[...], self.cached_value[...], self.cache_index[...] = new_cache
@@ -301,11 +274,14 @@ class MultiHeadAttention(_Grouped):
 
 
 class RelativeMultiHeadAttention(MultiHeadAttention):
-    """MultiHeadAttention with Shaw et al. clipped relative-position tables in params["relative"].
+    """MultiHeadAttention with Shaw et al. clipped relative-position tables in params["relative"] (not with
+    add_bias_kv / add_zero_attn); the other keywords as MultiHeadAttention's.
 
-    max_distance: R = 2 * max_distance + 1 rows; share_heads: [R,H] tables rather than [R,N,H];
-    use_key_table / use_value_table; table_init (default normal(0.02)). Not with add_bias_kv / add_zero_attn.
+    Extra arguments (options.RELATIVE): max_distance (R = 2 * max_distance + 1 rows), share_heads ([R,H] tables
+    rather than [R,N,H]), use_key_table / use_value_table, table_init (default normal(0.02)).
     """
+
+    relative_attention = True
 
     def __init__(
         self,
@@ -319,16 +295,12 @@ class RelativeMultiHeadAttention(MultiHeadAttention):
         use_value_table: bool = True,
         table_init: Initializer = common.default_table_init,
         rngs: nnx.Rngs,
-        **options,
+        **attributes,
     ):
-        relative = dict(
-            max_distance=max_distance,
-            share_heads=share_heads,
-            use_key_table=use_key_table,
-            use_value_table=use_value_table,
-            table_init=table_init,
-        )
-        super().__init__(query_features, num_heads, head_dim, rngs=rngs, _relative=relative, **options)
+        # Kept on the layer as linen's fields are, so that MultiHeadAttention reads the tables the one way both
+        # front ends do (options.relative_tables).
+        options.keep(self, locals(), options.RELATIVE, roles=("init",))
+        super().__init__(query_features, num_heads, head_dim, rngs=rngs, **attributes)
 
 
 class WindowAttention(_Grouped):
@@ -458,7 +430,7 @@ class DisentangledAttention(_Grouped):
         """[...,T,Eq] -> [...,T,Eo] (or (out, weights [...,N,T,S]) with return_weights)."""
         query, key, value = common.inputs(query, key, value)
         rel_embeddings = jnp.asarray(rel_embeddings)
-        rate, rng = _attention_dropout(self, deterministic, rngs, dropout_rng)
+        rate, rng = _dropout(self, deterministic, rngs, dropout_rng)
         params = self.params()
         dtype = common.layer_dtype(self.dtype, params, query, key, value, rel_embeddings)
         params, query, key, value, rel_embeddings = common.cast((params, query, key, value, rel_embeddings), dtype)

@@ -250,11 +250,6 @@ def flax_inputs_kv(inputs_kv, key, value):
     return inputs_kv, inputs_kv
 
 
-def dropout_options(broadcast_dropout: bool) -> dict:
-    """flax's broadcast_dropout as an attention keyword (absent when False: relative engines lack it)."""
-    return {"broadcast_dropout": True} if broadcast_dropout else {}
-
-
 def widen_weights(result, dtype):
     """(out, weights) with the weights in at least `dtype`'s precision (flax's force_fp32_for_softmax returns
     float32 weights for a half-precision layer); wider weights (float64) are kept as they are."""
