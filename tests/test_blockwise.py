@@ -16,7 +16,7 @@ import jaxattn
 from helpers import arrays, assert_float64, check_forward_and_grads, normwise
 from jaxattn import _api as dispatch
 from jaxattn._core import softmax
-from jaxattn._core.call import AttentionCall
+from jaxattn._core.call import GRID_KEYWORDS, AttentionCall
 from jaxattn._core.positions import positions as core_positions
 from jaxattn._engines import blockwise, tiles
 
@@ -279,6 +279,7 @@ def test_which_grid_keywords_blockwise_attention_refuses():
     q = jnp.asarray(arrays(3, (5, 2, 3))[0])
     rng = jax.random.key(0)
     refused = {"mask": jnp.ones((5, 5), bool), "bias": jnp.zeros((5, 5)), "return_weights": True, "dropout_rate": 0.1}
+    assert (*refused, "dropout_rng") == GRID_KEYWORDS  # the one list (jaxattn._core.call) both refusals read
     for name, value in refused.items():
         with pytest.raises(ValueError, match=f"with {name}: blockwise attention does not take"):
             jaxattn.blockwise_attention(q, q, q, **{name: value})

@@ -36,8 +36,13 @@ import numpy as np
 from . import checks, mods
 from .masks import MaskRule
 
-# The options that span the whole [T,S] grid: only the dense engine computes them.
+# The options that span the whole [T,S] grid: only the dense engine computes them (AttentionCall.grid_options,
+# in this order, is what every other engine and kernel refuses by name).
 GRID_OPTIONS = ("mask", "bias", "return_weights", "dropout_rate")
+# The keywords of those options: dropout_rng too, which needs the grid only beside a dropout_rate (the layers
+# pass their key either way), so a key alone is no grid option. blockwise_attention takes exactly these
+# keywords of dot_product_attention's beyond its own, to refuse them by name.
+GRID_KEYWORDS = (*GRID_OPTIONS, "dropout_rng")
 # The integer arrays that say which pairs may attend (a custom VJP takes them as inputs: closing over them
 # would capture a tracer of an enclosing trace).
 INDEX_ARRAYS = ("key_value_seq_lengths", "query_positions", "key_positions", "query_segment_ids", "key_segment_ids")

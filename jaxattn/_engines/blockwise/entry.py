@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..._core import checks
-from ..._core.call import AttentionCall
+from ..._core.call import GRID_KEYWORDS, AttentionCall
 from ..._core.dtypes import accumulation_dtype
 from ..._core.eager import compiled_when_eager
 from .. import tiles
@@ -120,7 +120,7 @@ def tiled(call: AttentionCall, query, key, value):
     """blockwise_attention of `call` (an AttentionCall without the grid options: mask, bias, weights,
     dropout; the dispatch never sends one here, blockwise_attention refuses them by name)."""
     if call.needs_grid:
-        _refuse_grid_options({name: getattr(call, name) for name in _GRID_OPTIONS})
+        _refuse_grid_options({name: getattr(call, name) for name in GRID_KEYWORDS})
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value)
     acc_dtype, B = accumulation_dtype(query.dtype), int(np.prod(batch, dtype=np.int64))
@@ -163,13 +163,10 @@ def tiled(call: AttentionCall, query, key, value):
     return from_engine(out, lse, batch, T, query.dtype, call.return_lse)
 
 
-_GRID_OPTIONS = ("bias", "mask", "dropout_rate", "dropout_rng", "return_weights")
-
-
 def _refuse_grid_options(grid_options):
     """TypeError for keywords dot_product_attention does not take either; ValueError for those it takes that
     need the full [T,S] grid."""
-    unknown = sorted(set(grid_options) - set(_GRID_OPTIONS))
+    unknown = sorted(set(grid_options) - set(GRID_KEYWORDS))
     if unknown:
         raise TypeError(f"blockwise_attention() got unexpected keyword arguments {unknown}")
     in_use = AttentionCall(**grid_options).grid_options
