@@ -18,7 +18,7 @@ from ..._core.placement import placed_as, zeros_beside
 from ..._core.softmax import has_keys
 from .buckets import apply_table, bucket_index, bucket_sums, gather_buckets, table_grad, table_products
 from .layout import einsum, slice_block
-from .logits import capped_logits, corner_offset, hook_bias, tile_allowed, tile_score
+from .logits import allowed_in_tile, capped_logits, corner_offset, hook_bias, tile_score
 from .pairs import add_pair_tile, pair_grad, pair_spec, pair_tile
 from .schedule import key_schedule, visit
 from .values import Grads, KeySide, QueryTile, RowGrads, Shared
@@ -75,7 +75,7 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
         if cfg.terms.score_fn is not None:
             x, score_vjp = jax.vjp(tile_score(cfg, qp, kp, B, K, arrays), x, arrays.score_consts)
         p = jnp.exp(x - lse_blk[..., None])
-        allowed = None if kind == CLEAN else tile_allowed(cfg, qp, kp, j, keys.lengths, arrays, kind, B, K)
+        allowed = None if kind == CLEAN else allowed_in_tile(cfg, qp, kp, j, keys.lengths, arrays, kind, B, K)
         if allowed is not None:
             p = jnp.where(allowed, p, 0)
         dv_blk = einsum("bkgts,bkgtv->bksv", p.astype(do_blk.dtype), do_blk, cfg, acc_dtype)
@@ -174,7 +174,7 @@ def _bwd_keys_major(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared:
         capped = mods.softcap(x_t if scale is None else x_t * scale, cap)
         p_t = jnp.exp(capped - lse)
         kp = slice_block(keys.pos, s0, Sb, -1)
-        allowed = None if kind == CLEAN else tile_allowed(cfg, qp, kp, j, keys.lengths, arrays, kind, B, K)
+        allowed = None if kind == CLEAN else allowed_in_tile(cfg, qp, kp, j, keys.lengths, arrays, kind, B, K)
         if allowed is not None:
             p_t = jnp.where(_keys_major(allowed), p_t, 0)
         dv_blk = einsum("bksgt,bkgtv->bksv", p_t.astype(rows.d_out.dtype), rows.d_out, cfg, acc_dtype)

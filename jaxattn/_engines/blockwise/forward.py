@@ -11,7 +11,7 @@ from ..._core.masks import CLEAN
 from ..._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial
 from .buckets import apply_table, bucket_index, bucket_sums, table_products
 from .layout import einsum, slice_block
-from .logits import corner_offset, hook_bias, tile_allowed, tile_logits, tile_score
+from .logits import allowed_in_tile, corner_offset, hook_bias, tile_logits, tile_score
 from .pairs import pair_spec, pair_tile
 from .schedule import key_schedule, visit
 from .values import KeySide, QueryTile, Shared
@@ -53,7 +53,7 @@ def fwd_tile(cfg, tile: QueryTile, keys: KeySide, shared: Shared, with_buckets=F
         pair_k, pair_v = (pair_tile(a, row0, j * Sb, Tb, Sb, K) for a in (shared.pair_key, shared.pair_value))
         score = tile_score(cfg, qp, kp, B, K, arrays)
         x = tile_logits(cfg, q_blk, k_blk, per_bucket, bias, index, shared.scale, acc_dtype, score, pair_k)
-        allowed = None if kind == CLEAN else tile_allowed(cfg, qp, kp, j, keys.lengths, arrays, kind, B, K)
+        allowed = None if kind == CLEAN else allowed_in_tile(cfg, qp, kp, j, keys.lengths, arrays, kind, B, K)
         offset0 = corner_offset(cfg, qp, kp)
         partial = _block_partial(x, allowed, v_blk, index, offset0, R, value_table, cfg, acc_dtype, pair_v)
         return combine_partials(state, partial)

@@ -24,7 +24,7 @@ def _element_grid(cfg, fn, consts, qp, kp, B, K, score=None):
     return heads_view(mods.on_grid(fn, consts, b, n, qp, kp, score=score), K)
 
 
-def tile_allowed(cfg, qp, kp, j, lengths, arrays, kind, B, K):
+def allowed_in_tile(cfg, qp, kp, j, lengths, arrays, kind, B, K):
     """bool tile broadcastable to [B,K,G,Tb,Sb], or None when every key is allowed (key block j).
     arrays: this query tile's TermArrays; mask_mod is evaluated on WITH_MOD tiles only."""
     k_seg = None if arrays.k_seg is None else slice_block(arrays.k_seg, j * cfg.Sb, cfg.Sb, -1)
