@@ -23,7 +23,7 @@ class Terms(NamedTuple):
 class TermArrays(NamedTuple):
     """Arrays of the programmable terms in the engine layout: segment ids [B|1,Tp] / [B|1,Sp], sinks
     [B,K,G], the score_mod / mask_mod consts, BlockMask tile kinds [Tn,Sn] int8 (reduced over batch rows
-    and heads, which share a tile). The tile functions get one query tile's view (_tile_arrays)."""
+    and heads, which share a tile). The tile functions get one query tile's view (vjp.py)."""
 
     q_seg: Any = None
     k_seg: Any = None
