@@ -82,8 +82,10 @@ def _dropout(layer: MultiHeadAttention | DisentangledAttention, deterministic, d
 class MultiHeadAttention(nn.Module):
     """Multi-head / grouped-query attention (see the module docstring for decoding).
 
-    Attributes (jaxattn._layers.options.ATTRIBUTES, the list jaxattn.nnx shares; tests/test_layer_options.py
-    holds these fields to it):
+    The attributes are jaxattn._layers.options.ATTRIBUTES, the list jaxattn.nnx shares
+    (tests/test_layer_options.py holds these fields to it).
+
+    Attributes:
       num_heads: N.  head_dim: H (default Eq // N).  num_kv_heads: K (default N).  value_head_dim: Hv (default H).
       out_features: Eo (default Eq).  use_bias: biases on all four projections (True), none (False), or
         the named ones (e.g. ("query", "key", "value"), Qwen2's).
