@@ -71,7 +71,7 @@ EXPECTED_CALLS = {
     ("h100", "None relative pairs"): "__gpu$xla.gpu.triton",  # per-pair tables in our kernel (cuDNN refuses them)
 }
 # Programs that must hold one of our kernels by name (the "kernels" of a row): TPU flex training holds the
-# backward kernels (tpu_backward), not the XLA engine's backward that drops the forward kernel too.
+# backward kernels (flex_tpu_vjp), not the XLA engine's backward that drops the forward kernel too.
 EXPECTED_KERNELS = {
     ("v5e", "flex score_mod", "forward+backward"): "jaxattn_flex_tpu_dkv",
     ("v5e", "flex block_mask", "forward+backward"): "jaxattn_flex_tpu_dq",
@@ -100,7 +100,7 @@ PROGRAMS = ("forward", "forward+backward")
 # buffer of one head at the doubled lengths here is 16 MiB or more.
 LINEAR_SLACK = 2**20
 # On a TPU, XLA's memory-space assignment keeps temporaries in on-chip memory while they fit, and temp bytes
-# count HBM only: the TPU flex training program (tpu_backward) at T = 4096 holds its transposed copies of q, k,
+# count HBM only: the TPU flex training program (flex_tpu_vjp) at T = 4096 holds its transposed copies of q, k,
 # v and do (8 MiB each) there and reports 0 bytes, at 8192 it reports 48.77 MiB (t5 causal, v5e). The slack for
 # a TPU is one such move; a [T,S] float32 buffer of one head at the doubled lengths is 256 MiB. Since the dk/dv
 # kernel's grid runs one query head per program (2026-11-28), v6e keeps all four copies in HBM at 8192 (65.2
@@ -129,7 +129,7 @@ class Case:
     the windows along B: a [169,N] float32 table, differentiated; with "segments", Swin's shifted regions),
     the position bias the GPU kernel computes per tile; "shaw" (shaw_relative_attention, max_distance 64: a
     per-head key table [129,N,H] and a shared value table [129,Hv], float32, differentiated), the tables the
-    GPU kernel takes per query row (offset_tables); "deberta" (disentangled_attention with DeBERTa-v3's
+    GPU kernel takes per query row (tables_gpu); "deberta" (disentangled_attention with DeBERTa-v3's
     buckets, 256 / 512: per-head position-key and position-query tables [512,N,H], float32, differentiated),
     q . Kr per query row and k . Qr per key row in the GPU kernel, read through the offsets' row map; "pairs"
     (relative_attention: per-pair tables, a per-head A^K [T,S,N,H] and a shared A^V [T,S,1,Hv] in the input
@@ -232,7 +232,7 @@ CASES = [
     # (bf16, per-head A^K and a shared A^V, differentiated), read per [16,16] tile 16 features at a time; their
     # gradients from the dq kernel (A^K stored, one batch entry; A^V added over the heads with atomics). 1024 x 1024
     # keeps the tables at 512 + 128 MiB. 5 s (forward) and 18 s (forward+backward) to compile here. float32 at head
-    # dim 128 is the shared-memory check (pair_tables.PAIR_STAGES). TPU (tpu_pairs): the tables read as [T,N,F,S]
+    # dim 128 is the shared-memory check (pairs_gpu.PAIR_STAGES). TPU (pairs_tpu): the tables read as [T,N,F,S]
     # from HBM, each tile's [16,F,128] slice copied in; "f32 H128" is the layout's copy (a table with F >= 128 is
     # row-major by default), "unaligned" the padding of T and S (a copy too)
     Case("relative pairs", T=1024, N=4, K=2, H=64, scheme="pairs", options=CAUSAL),
@@ -255,7 +255,7 @@ CASES = [
     # tile), the XLA blockwise backward with both terms as a score_mod
     Case("deberta", T=4096, N=8, K=2, H=64, scheme="deberta", memory=PROGRAMS),
     # TPU: at 16k one copy of a head's keys and values overruns VMEM beside the tables' lanes, so the dq kernel
-    # streams the key tiles from HBM (tpu_tables.key_buffers 0); until 2026-11-28 the XLA blockwise backward
+    # streams the key tiles from HBM (tables_tpu.key_buffers 0); until 2026-11-28 the XLA blockwise backward
     Case("deberta 16k", T=16384, N=8, K=2, H=64, scheme="deberta", platforms=("tpu",)),
     Case(
         "None deberta",
@@ -313,11 +313,11 @@ CASES = [
     Case("flex block_mask f32 H64", T=512, N=2, H=64, dtype="float32", flex="block_mask"),
     # create_block_mask's default tiles were the GPU kernels' tiles: 512 x 512 asked 657408 bytes of the H100's
     # 232448 of shared memory in the backward (issue 51 §2; the A100's: 395264 of 166912); the GPU kernels take
-    # sub-tiles of them now (flash_gpu.mask_sub_tiles); on a TPU the flex kernels keep the mask's tiles (they compile)
+    # sub-tiles of them now (flash.sizes.mask_sub_tiles); on a TPU the flex kernels keep the mask's tiles (they compile)
     Case("flex block_mask default tiles", T=4096, N=8, flex="block_mask default tiles", programs=FWD_BWD),
     # at the bound of one head's keys and values held whole: S x (H + Hv) x 2 bytes = 8 MiB of VMEM
-    # (tpu_backward.MAX_ROWS_BYTES; issue 36 saw an overrun at this size, which no longer reproduces); past it
-    # the keys are streamed a tile at a time (tpu_refs.Streamed), the dk/dv kernel's queries likewise
+    # (flex_tpu_vjp.MAX_ROWS_BYTES; issue 36 saw an overrun at this size, which no longer reproduces); past it
+    # the keys are streamed a tile at a time (refs_tpu.Streamed), the dk/dv kernel's queries likewise
     Case(
         "flex S=16k at the VMEM bound", T=1024, S=16384, N=4, flex="mask_mod", platforms=("tpu",), programs=("forward",)
     ),
@@ -385,7 +385,7 @@ CI_SECOND = {"causal H256 GQA 4/2": FWD_BWD, "full f32": FWD_BWD, "None causal":
 CI_SECOND["chunk, CPU host"] = ("forward",)  # TPU only: v6e's generation from tpu_generation= alone, as v5e's
 # On a TPU a window's gradient is the XLA engine's, which recomputes its own forward, so XLA drops the kernel's
 # unused output: "swin shifted" compiles its forward there, which holds the kernel. "shaw causal" and "deberta"
-# compile their training programs, which hold tpu_backward's kernels (EXPECTED_KERNELS); "None shaw" / "None
+# compile their training programs, which hold flex_tpu_vjp's kernels (EXPECTED_KERNELS); "None shaw" / "None
 # deberta" are left to the full grid. "None swin" is left out on TPU: None declines the flex kernel for a
 # window (flex_tpu.declined), so it is the dense engine's program there.
 CI_TPU = {name: p for name, p in CI_FIRST.items() if name not in ("None swin", "None shaw", "None deberta")}
@@ -406,7 +406,7 @@ CI = {"h100": CI_FIRST, "v5e": CI_TPU, "a100": CI_SECOND, "v6e": CI_SECOND}
 # is reported and not a regression; one that passes now fails CI until it is taken off (as KNOWN_FAILURES).
 KNOWN_GROWTH: dict[tuple[str, str, str], str] = {
     # (empty since 2026-11-28: DeBERTa-v3's training at 8192 fell back to the XLA blockwise backward, 3091 MiB,
-    # until the dq kernel took one copy of the keys where two overran VMEM, tpu_tables.key_buffers)
+    # until the dq kernel took one copy of the keys where two overran VMEM, tables_tpu.key_buffers)
 }
 # Programs that do not compile today, each with (a fragment of) its error: (target regex, case, program).
 # A failure not listed here fails CI; so does a listed one that now compiles.

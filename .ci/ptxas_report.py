@@ -14,7 +14,7 @@ Per (target, head dim, dtype): a causal forward+backward program through the pub
 Tiles are read back from the launch grids (forward / dq grid [B,N,T/Tb], dk/dv grid [B,K,S/Sb]), num_warps from
 the threads. --check: exit status 1 when a kernel spills beyond KNOWN_SPILLS or its shared memory passes the
 target's limit. --tiles Tb,Sb,W: every program with those tiles and num_warps instead of the kernel's own choice
-(a probe of alternatives; the kernel's table is flash_gpu.GPU_TILES).
+(a probe of alternatives; the kernel's table is sizes.GPU_TILES).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jaxattn  # noqa: E402
-from jaxattn._kernels import flash_gpu  # noqa: E402
+from jaxattn._kernels.flash import sizes
 
 RESULTS = ct.ROOT / "benchmarks" / "results" / "ptxas.json"
 ARCH = {"h100": "sm_90a", "a100": "sm_80"}  # XLA's PTX targets sm_90a on an H100 (wgmma needs the "a")
@@ -102,12 +102,12 @@ def forced_tiles(tiles):
     if tiles is None:
         yield
         return
-    saved = flash_gpu.gpu_tiles
-    flash_gpu.gpu_tiles = lambda Hp, itemsize, tables=False: tiles
+    saved = sizes.gpu_tiles
+    sizes.gpu_tiles = lambda Hp, itemsize, tables=False: tiles
     try:
         yield
     finally:
-        flash_gpu.gpu_tiles = saved
+        sizes.gpu_tiles = saved
 
 
 def measure(target: str, device, H: int, dtype: str, tiles=None) -> list[dict]:

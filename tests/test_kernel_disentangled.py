@@ -41,7 +41,7 @@ import jaxattn
 from helpers import normwise
 from jaxattn._core.call import AttentionCall
 from jaxattn._core.row_tables import RowTables
-from jaxattn._kernels import decode_gpu, flash_gpu, flex_tpu, offset_tables, tpu_tables
+from jaxattn._kernels import decode_gpu, flash_gpu, flex_tpu, tables_gpu, tables_tpu
 from jaxattn._schemes.disentangled import _rows_of, _saturation, _table_rows
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
@@ -168,10 +168,10 @@ def test_tpu_kernel_matches_the_float64_references(name):
 
 @pytest.mark.parametrize("name", ["no buckets causal lengths", pytest.param("small p2c only", marks=pytest.mark.slow)])
 def test_tpu_kernel_with_streamed_keys(name, monkeypatch):
-    """The dq kernel's keys streamed from HBM a tile at a time (tpu_tables.key_buffers 0: where one copy of one
+    """The dq kernel's keys streamed from HBM a tile at a time (tables_tpu.key_buffers 0: where one copy of one
     head's keys and values overruns VMEM beside the tables, DeBERTa-v3's training at 16k), forced here on small
     shapes: the same gradients as the float64 references."""
-    monkeypatch.setattr(tpu_tables, "key_buffers", lambda *args: 0)
+    monkeypatch.setattr(tables_tpu, "key_buffers", lambda *args: 0)
     _check(name, implementation="pallas_tpu")
 
 
@@ -270,7 +270,7 @@ def test_what_the_kernels_refuse():
         assert flex_tpu.unsupported(AttentionCall(row_tables=far), x, x, x, True).startswith("position_keys")
     positions = flex_tpu.unsupported(call.replace(query_positions=jnp.arange(7)), x, x, x, True)
     assert positions.startswith("query_positions (with position tables")
-    wide = RowTables(table, None, jnp.zeros(5, jnp.int32), -2, 2, 2 * offset_tables.MAX_COLUMNS)
+    wide = RowTables(table, None, jnp.zeros(5, jnp.int32), -2, 2, 2 * tables_gpu.MAX_COLUMNS)
     assert flash_gpu.unsupported(AttentionCall(row_tables=wide), x, x, x).startswith("position_keys / position_queries")
 
 

@@ -295,7 +295,7 @@ def strided_roll_shifts(fn, *args):
 def test_tpu_kernels_roll_by_static_strides_only(scheme):
     """Issue 51 §7: Mosaic in libtpu 0.0.48.1 and later (jax 0.11's pin) refuses a strided roll by a traced
     amount ("strided dynamic rotation along the two last dimensions is unsupported"), which 0.0.42.1 (jax
-    0.10's) compiled. The relative terms' rolls (tpu_refs.diagonals / undiagonals) hold every traced amount in
+    0.10's) compiled. The relative terms' rolls (refs_tpu.diagonals / undiagonals) hold every traced amount in
     a roll without a stride, forward and backward, on a TPU's 128 x 128 tiles. That Mosaic compiles them:
     .ci/compile_targets.py's relative cases with both libtpus (.ci/run)."""
     from jax.extend.core import Literal

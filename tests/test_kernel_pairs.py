@@ -1,5 +1,5 @@
 """Per-pair relative tables inside the Pallas GPU kernel (issue 34): relative_attention (seed 000's form, A^K /
-A^V of [T,S,N|1,F]) with implementation="pallas_gpu" (jaxattn/_kernels/pair_tables.py).
+A^V of [T,S,N|1,F]) with implementation="pallas_gpu" (jaxattn/_kernels/pairs_gpu.py).
 
 Interpret mode (Pallas' interpreter on this CPU, jax_enable_x64 off for the kernel's call), float32: outputs
 <= 1e-6 against the float64 loop of the formula (helpers.attention_loop with rel_key / rel_value), gradients of
@@ -28,7 +28,7 @@ import pytest
 import jaxattn
 from helpers import assert_float64, attention_loop, normwise
 from jaxattn._core.call import AttentionCall
-from jaxattn._kernels import decode_gpu, flash_gpu, flex_tpu, pair_tables, pallas_gpu, pallas_tpu
+from jaxattn._kernels import decode_gpu, flash_gpu, flex_tpu, pairs_gpu, pallas_gpu, pallas_tpu
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
 
@@ -166,7 +166,7 @@ def test_kernel_matches_the_float64_loop(name):
     _check(name)
 
 
-# The TPU kernel (tpu_pairs: the tables' slices copied in per tile, R = 8 rows at a time interpreted, two chunks
+# The TPU kernel (pairs_tpu: the tables' slices copied in per tile, R = 8 rows at a time interpreted, two chunks
 # of each 16-row tile). The default group runs both ways a table's gradient is written: one batch entry (the
 # per-head A^K's slices stored by the one program that owns them, the causally skipped tiles' zeros kept) and
 # two (both gradients added into the same slices from several programs, the dq grid in order).
@@ -218,7 +218,7 @@ def test_what_the_kernels_refuse():
         # the flash kernel alone and the split-key decode kernel keep refusing them by name
         assert refusal(flash_gpu, **tables) in tables
         assert decode_gpu.decode_unsupported(AttentionCall(**tables), q, k, v, True) in tables
-        with jax.enable_x64(False):  # the TPU kernels: tpu_pairs, in the flex kernel (splash refuses them)
+        with jax.enable_x64(False):  # the TPU kernels: pairs_tpu, in the flex kernel (splash refuses them)
             assert refusal(pallas_tpu, True, **tables, is_causal=True, window=(3, 0)) is None
             assert flex_tpu.wanted(AttentionCall(**tables))
             assert pallas_tpu.declined(AttentionCall(**tables), q, k, v) is None  # implementation=None takes it
@@ -248,10 +248,10 @@ def test_what_the_kernels_refuse():
 def test_pair_tiles():
     """The pair tiles: PAIR_BLOCKS on a GPU (a [Tb,Sb,PAIR_CHUNK] float32 block of 4096 floats), shrunk to short
     sequences but never below 16; the interpreter's 16 x 16."""
-    assert pair_tables.pair_blocks(4096, 4096, False) == pair_tables.PAIR_BLOCKS == (16, 16)
-    assert pair_tables.pair_blocks(5, 20, False) == (16, 16)
-    assert pair_tables.pair_blocks(5, 3, True) == (8, 4)
-    assert np.prod(pair_tables.PAIR_BLOCKS) * pair_tables.PAIR_CHUNK == 4096
+    assert pairs_gpu.pair_blocks(4096, 4096, False) == pairs_gpu.PAIR_BLOCKS == (16, 16)
+    assert pairs_gpu.pair_blocks(5, 20, False) == (16, 16)
+    assert pairs_gpu.pair_blocks(5, 3, True) == (8, 4)
+    assert np.prod(pairs_gpu.PAIR_BLOCKS) * pairs_gpu.PAIR_CHUNK == 4096
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -272,7 +272,7 @@ LOWERED_KERNELS = {
 @pytest.mark.parametrize("program", ["forward+backward", pytest.param("forward", marks=pytest.mark.slow)])
 def test_lowered_is_the_kernel(program, platform):
     """implementation=None lowered for CUDA (the pair kernels' Triton calls) and for a TPU (the flex kernel's three
-    Mosaic calls, the tables' slices copied in by tpu_pairs): forward, and dq and dk/dv for the gradient; no
+    Mosaic calls, the tables' slices copied in by pairs_tpu): forward, and dq and dk/dv for the gradient; no
     [B,N,T,S] value, no [B,T,S,H] product and no XLA tile loop; the tables are inputs, [T,S,N,H] per head and
     [T,S,1,Hv] shared. Compiled for the H100 and v5e in CI (.ci/compile_targets.py, "relative pairs", "None
     relative pairs")."""

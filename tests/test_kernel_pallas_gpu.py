@@ -21,7 +21,8 @@ from jax.experimental import pallas as pl
 import jaxattn
 from helpers import normwise
 from jaxattn._core.call import AttentionCall
-from jaxattn._kernels import flash_gpu, pallas_gpu
+from jaxattn._kernels import pallas_gpu
+from jaxattn._kernels.flash import plan, sizes
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
 
@@ -159,7 +160,7 @@ def test_block_mask_tiles_on_a_gpu(mask_tiles, H, dtype, tiles):
     T = 4096
     block_mask = jaxattn.create_block_mask(lambda b, n, t, s: s <= t, None, None, T, T, block_size=mask_tiles)
     q = jnp.zeros((1, T, 2, H), dtype)
-    p = flash_gpu.prepare(AttentionCall(block_mask=block_mask), q, q, q, False)
+    p = plan.prepare(AttentionCall(block_mask=block_mask), q, q, q, False)
     assert (p.cfg.Tb, p.cfg.Sb) == tiles
     assert p.side.order.shape[-2:] == (T // tiles[0], T // tiles[1])  # one key-tile schedule per kernel tile
 
@@ -311,27 +312,27 @@ def _measured_row(H, itemsize):
 def test_gpu_tiles_follow_the_measured_table(itemsize):
     for H in (8, 16, 48, 64, 65, 80, 96, 128, 160, 192, 256):
         Tb, Sb, warps = _measured_row(H, itemsize)
-        Hp = flash_gpu.padded_head(H, interpret=False)
-        assert flash_gpu.tile_sizes(None, 4096, 2048, Hp, False, itemsize) == (Tb, Sb), H
-        assert flash_gpu.gpu_tiles(Hp, itemsize)[2] == warps, H
+        Hp = sizes.padded_head(H, interpret=False)
+        assert sizes.tile_sizes(None, 4096, 2048, Hp, False, itemsize) == (Tb, Sb), H
+        assert sizes.gpu_tiles(Hp, itemsize)[2] == warps, H
         # calls with Shaw's / DeBERTa's per-row tables: at most 64 query rows above head dim 64 (128 x 64 overran
         # the H100's shared memory at head dim 128 in the compile grid's "shaw causal", 247808 of 232448 bytes)
         table_rows = min(Tb, 64) if Hp > 64 else Tb
-        assert flash_gpu.tile_sizes(None, 4096, 2048, Hp, False, itemsize, tables=True) == (table_rows, Sb), H
+        assert sizes.tile_sizes(None, 4096, 2048, Hp, False, itemsize, tables=True) == (table_rows, Sb), H
         # shrunk to short sequences (the next power of two, never below 16), and block_size still overrides
-        assert flash_gpu.tile_sizes(None, 20, 7, Hp, False, itemsize) == (min(Tb, 32), 16)
-        assert flash_gpu.tile_sizes((16, 32), 4096, 2048, Hp, False, itemsize) == (16, 32)
-    assert flash_gpu.tile_sizes(None, 4096, 2048, 128, True, itemsize) == (16, 16)  # interpret mode
+        assert sizes.tile_sizes(None, 20, 7, Hp, False, itemsize) == (min(Tb, 32), 16)
+        assert sizes.tile_sizes((16, 32), 4096, 2048, Hp, False, itemsize) == (16, 32)
+    assert sizes.tile_sizes(None, 4096, 2048, 128, True, itemsize) == (16, 16)  # interpret mode
 
 
 @pytest.mark.slow
 def test_own_tiles_keep_the_head_dim_warps():
-    # a kernel passing its own tiles to prepare (pair_tables' 16 x 16) keeps the warps it was measured with, JAX's
+    # a kernel passing its own tiles to prepare (pairs_gpu' 16 x 16) keeps the warps it was measured with, JAX's
     # mha rule: 4 up to head dim 64, else 8; the flash kernel's own tiles take the measured table's 8
     for H, own in ((48, 4), (80, 8)):
         q = jnp.zeros((1, 37, 2, H), jnp.bfloat16)
-        assert flash_gpu.prepare(AttentionCall(), q, q, q, False, blocks=(16, 16)).cfg.num_warps == own
-        assert flash_gpu.prepare(AttentionCall(), q, q, q, False).cfg.num_warps == _measured_row(H, 2)[2]
+        assert plan.prepare(AttentionCall(), q, q, q, False, blocks=(16, 16)).cfg.num_warps == own
+        assert plan.prepare(AttentionCall(), q, q, q, False).cfg.num_warps == _measured_row(H, 2)[2]
 
 
 @pytest.mark.slow  # the tile rule itself stays in the default group (test_gpu_tiles_follow_the_measured_table)

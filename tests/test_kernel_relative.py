@@ -1,7 +1,7 @@
 """T5 and ALiBi inside the Pallas GPU kernel (issue 34): their position bias as an OffsetBias (a function of
 j - i alone), gathered per tile from rows computed outside the kernel, its gradient scattered back by offset.
 And in the Pallas TPU flex kernel's forward (each tile's bias a slice of those rows moved into place by a strided
-roll, tpu_refs.toeplitz_tile; the gradient the XLA blockwise backward's): every case but positions of their own
+roll, refs_tpu.toeplitz_tile; the gradient the XLA blockwise backward's): every case but positions of their own
 (refused there), slow; toeplitz_tile against numpy in the default group.
 
 Interpret mode (Pallas' interpreter on this CPU), float32 at highest precision: outputs <= 1e-6 and gradients
@@ -36,7 +36,8 @@ import jaxattn
 from helpers import allowed_loop, attention_loop, attention_reference, normwise
 from jaxattn._core.call import AttentionCall
 from jaxattn._core.offset_bias import OffsetBias
-from jaxattn._kernels import flash_gpu, flex_tpu, pallas_gpu, pallas_tpu, tpu_refs
+from jaxattn._kernels import flex_tpu, pallas_gpu, pallas_tpu, refs_tpu
+from jaxattn._kernels.flash import plan
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
 
@@ -259,7 +260,7 @@ def test_tpu_kernel_matches_the_float64_loop(name):
 
 
 def test_toeplitz_tile_against_numpy():
-    """tpu_refs.toeplitz_tile: tile[r, c] = row[start + Tb - 1 - r + c], for starts at, inside and at the end
+    """refs_tpu.toeplitz_tile: tile[r, c] = row[start + Tb - 1 - r + c], for starts at, inside and at the end
     of a lane tile (the aligned load and the roll that follows), on tiles of the interpreter's and a TPU's
     size, in the interpreter (the Mosaic lowering: .ci/compile_targets.py's "t5 causal" / "alibi causal")."""
     from jax.experimental import pallas as pl
@@ -267,11 +268,11 @@ def test_toeplitz_tile_against_numpy():
     rng = np.random.default_rng(7)
     for Tb, Sb in ((16, 40), (128, 128)):
         starts = np.array([0, 5, 127, 128, 131, 300], np.int32)
-        E = 300 + tpu_refs.window(Tb, Sb) + 128
+        E = 300 + refs_tpu.window(Tb, Sb) + 128
         row = rng.normal(size=(1, E)).astype(np.float32)
 
         def kernel(start_ref, row_ref, out_ref, Tb=Tb, Sb=Sb):
-            out_ref[...] = tpu_refs.toeplitz_tile(row_ref, start_ref[pl.program_id(0)], Tb, Sb)
+            out_ref[...] = refs_tpu.toeplitz_tile(row_ref, start_ref[pl.program_id(0)], Tb, Sb)
 
         grid = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
@@ -422,7 +423,7 @@ def test_what_the_kernels_refuse():
         jaxattn.t5_attention(
             q, k, v, jnp.zeros((8, 3)), max_distance=5, implementation="pallas_tpu", interpret=True, **positions
         )
-    assert flash_gpu.position_bias_refusal(AttentionCall(), 7, 7) is None
+    assert plan.position_bias_refusal(AttentionCall(), 7, 7) is None
 
 
 # ---------------------------------------------------------------------------------------------------------

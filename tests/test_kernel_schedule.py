@@ -1,4 +1,4 @@
-"""The kernels' key-tile schedules (flash_gpu.schedules, tile_body.schedule): the compact form (runs of tiles per
+"""The kernels' key-tile schedules (plan.schedules, tile_math.schedule): the compact form (runs of tiles per
 query tile and per key tile, O(T / Tb + S / Sb) integers) against the general one (key_tile_kinds argsorted,
 one integer per tile pair), which the same call gets when it passes the default positions explicitly.
 
@@ -19,7 +19,7 @@ import jaxattn
 from helpers import allowed_loop, arrays, attention_reference, check_forward_and_grads, normwise
 from jaxattn._core.call import AttentionCall
 from jaxattn._core.masks import CLEAN, MASKED, WITH_MOD
-from jaxattn._kernels import flash_gpu, tile_body
+from jaxattn._kernels.flash import plan, tile_math
 
 
 def _explicit_positions(T, S):
@@ -28,7 +28,7 @@ def _explicit_positions(T, S):
 
 
 def _steps(steps):
-    """[(tile, kind), ...] in the order tile_body.visit walks a Listed or Runs schedule (no mask_mod here)."""
+    """[(tile, kind), ...] in the order tile_math.visit walks a Listed or Runs schedule (no mask_mod here)."""
     walked, first = [], 0
     for kind in (MASKED, CLEAN):
         count = int(steps.count(kind))
@@ -48,7 +48,7 @@ def _walks(side, transposed, B):
         for i in range(counts.shape[2]):
             row = lambda k, b=b, i=i: counts[b, 0, i, k]  # noqa: E731
             listed = None if order is None else lambda idx, b=b, i=i: order[b, 0, i, idx]
-            walks[b, i] = _steps(tile_body.schedule(row, listed))
+            walks[b, i] = _steps(tile_math.schedule(row, listed))
     return walks
 
 
@@ -61,7 +61,7 @@ def _schedules_agree(B, T, S, Tb, Sb, is_causal=False, window=None, chunk_size=N
     # one program for both schedules: prepare's eager ops one by one compile about 5x longer
     compact, general = jax.jit(
         lambda q, k: tuple(
-            flash_gpu.prepare(c, q, k, k, True).side for c in (call, call.replace(**_explicit_positions(T, S)))
+            plan.prepare(c, q, k, k, True).side for c in (call, call.replace(**_explicit_positions(T, S)))
         )
     )(q, k)
     assert compact.order is None and compact.t_order is None  # the compact form was taken
@@ -88,12 +88,12 @@ def _schedules_agree(B, T, S, Tb, Sb, is_causal=False, window=None, chunk_size=N
 
 def test_runs_walk_in_the_general_order_by_hand():
     """Runs (a0, c0, c1, a1) = (1, 3, 5, 7): MASKED 1, 2, 5, 6, then CLEAN 3, 4; an empty clean run."""
-    assert _steps(tile_body.Runs(1, 3, 5, 7)) == [(1, MASKED), (2, MASKED), (5, MASKED), (6, MASKED)] + [
+    assert _steps(tile_math.Runs(1, 3, 5, 7)) == [(1, MASKED), (2, MASKED), (5, MASKED), (6, MASKED)] + [
         (3, CLEAN),
         (4, CLEAN),
     ]
-    assert _steps(tile_body.Runs(2, 4, 4, 4)) == [(2, MASKED), (3, MASKED)]
-    assert tile_body.Runs(2, 4, 4, 4).count(WITH_MOD) == 0
+    assert _steps(tile_math.Runs(2, 4, 4, 4)) == [(2, MASKED), (3, MASKED)]
+    assert tile_math.Runs(2, 4, 4, 4).count(WITH_MOD) == 0
 
 
 def _slow(*args):

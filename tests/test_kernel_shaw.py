@@ -31,7 +31,8 @@ from test_positions import N as XL_HEADS, xl_loop
 import jaxattn
 from helpers import assert_float64, attention_loop, normwise, shaw_index_loop
 from jaxattn._core.call import AttentionCall
-from jaxattn._kernels import decode_gpu, flash_gpu, flex_tpu, offset_tables, tile_body, tpu_refs, tpu_tables
+from jaxattn._kernels import decode_gpu, flash_gpu, flex_tpu, refs_tpu, tables_gpu, tables_tpu
+from jaxattn._kernels.flash import tile_math
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
 
@@ -196,9 +197,9 @@ def test_tpu_kernel_matches_the_float64_loop(name):
 
 @pytest.mark.slow  # the default group streams DeBERTa's keys (test_kernel_disentangled.py); the value lanes here
 def test_tpu_kernel_with_streamed_keys(monkeypatch):
-    """The dq kernel's keys streamed from HBM a tile at a time (tpu_tables.key_buffers 0), with Shaw's value
+    """The dq kernel's keys streamed from HBM a tile at a time (tables_tpu.key_buffers 0), with Shaw's value
     lanes beside them: the same gradients."""
-    monkeypatch.setattr(tpu_tables, "key_buffers", lambda *args: 0)
+    monkeypatch.setattr(tables_tpu, "key_buffers", lambda *args: 0)
     _check(DEFAULT_CASE, implementation="pallas_tpu")
 
 
@@ -295,7 +296,7 @@ def test_under_vmap_and_grad(implementation):
 
 @pytest.mark.slow  # the default group's TPU Shaw case runs both through the kernel
 def test_tpu_diagonals_and_their_inverse_against_numpy():
-    """tpu_refs.diagonals: tile[r, c] = lanes[r, offset + R - 1 - r + c] (rows that differ: QA's lanes), and
+    """refs_tpu.diagonals: tile[r, c] = lanes[r, offset + R - 1 - r + c] (rows that differ: QA's lanes), and
     undiagonals, its inverse: out[r, offset + R - 1 - r + c] = tile[r, c] (R - 1 - r rolled in steps),
     for offsets at both ends of a lane tile, on the interpreter's tiles and a TPU's, in the interpreter (the
     Mosaic lowering: .ci/compile_targets.py's "shaw causal")."""
@@ -303,15 +304,15 @@ def test_tpu_diagonals_and_their_inverse_against_numpy():
 
     rng = np.random.default_rng(3)
     for R, C in ((16, 16), (128, 128), (16, 40), (20, 16)):  # 20: rows in no vreg's 8
-        W = tpu_refs.window(R, C)
+        W = refs_tpu.window(R, C)
         offsets = np.array([0, 1, 77, 127], np.int32)
         lanes = rng.normal(size=(R, W)).astype(np.float32)
         tile = rng.normal(size=(R, C)).astype(np.float32)
 
         def kernel(offset_ref, lanes_ref, tile_ref, diag_ref, undiag_ref, C=C, W=W):
             offset = offset_ref[pl.program_id(0)]
-            diag_ref[...] = tpu_refs.diagonals(lanes_ref[...], offset, C)
-            undiag_ref[...] = tpu_refs.undiagonals(tile_ref[...], offset, W)
+            diag_ref[...] = refs_tpu.diagonals(lanes_ref[...], offset, C)
+            undiag_ref[...] = refs_tpu.undiagonals(tile_ref[...], offset, W)
 
         grid = pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=1,
@@ -345,11 +346,11 @@ def test_band_covers_every_offset_a_call_reads():
     positions of their own, all of [-m, m]. Checked against the clipped offsets one pair at a time."""
     for T, S, m in [(5, 9, 2), (9, 5, 20), (16, 16, 15), (1, 40, 3)]:
         rows = shaw_index_loop(T, S, m) - m
-        b = offset_tables.band(m, T, S, default_positions=True)
+        b = tables_gpu.band(m, T, S, default_positions=True)
         assert (b.lo, b.hi) == (rows.min(), rows.max())
-        assert b.Dp >= b.D and (b.Dp & (b.Dp - 1) == 0 or b.Dp % tile_body.ROW_CHUNK == 0)
-        assert offset_tables.band(m, T, S, default_positions=False)[:2] == (-m, m)
-    assert [offset_tables.padded_columns(D) for D in (1, 7, 33, 64, 65, 129, 257)] == [16, 16, 64, 64, 128, 192, 320]
+        assert b.Dp >= b.D and (b.Dp & (b.Dp - 1) == 0 or b.Dp % tile_math.ROW_CHUNK == 0)
+        assert tables_gpu.band(m, T, S, default_positions=False)[:2] == (-m, m)
+    assert [tables_gpu.padded_columns(D) for D in (1, 7, 33, 64, 65, 129, 257)] == [16, 16, 64, 64, 128, 192, 320]
 
 
 def test_what_the_kernels_refuse():
@@ -369,7 +370,7 @@ def test_what_the_kernels_refuse():
             positions = refusal(flex_tpu, interpret, **tables, max_distance=3, key_positions=jnp.arange(7))
             assert positions.startswith("key_positions (with position tables")
     # a band wider than MAX_COLUMNS rows: positions of their own reach all 2 m + 1 of them
-    m = offset_tables.MAX_COLUMNS
+    m = tables_gpu.MAX_COLUMNS
     wide = dict(key_table=jnp.zeros((2 * m + 1, 4)), max_distance=m, query_positions=jnp.arange(7))
     assert refusal(flash_gpu, **wide).startswith("max_distance")
     assert refusal(flash_gpu, **{**wide, "query_positions": None}) is None  # the defaults reach 13 rows

@@ -1,4 +1,4 @@
-"""The TPU flex kernel's backward (jaxattn._kernels.tpu_backward): the flash dq and dk/dv kernels run by Mosaic,
+"""The TPU flex kernel's backward (jaxattn._kernels.flex_tpu_vjp): the flash dq and dk/dv kernels run by Mosaic,
 for flex calls and T5's / ALiBi's position bias.
 
 Interpreted (Pallas' interpreter, float32 with jax_enable_x64 off, as the TPU kernels need): outputs <= 1e-6 and
@@ -21,7 +21,7 @@ import jaxattn
 from helpers import allowed_loop, arrays, attention_reference, normwise
 from jaxattn._core.call import AttentionCall
 from jaxattn._core.offset_bias import TableBias, of_rows
-from jaxattn._kernels import tpu_backward, tpu_tables
+from jaxattn._kernels import flex_tpu_vjp, tables_tpu
 from jaxattn._schemes.window import WindowIndex
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
@@ -126,9 +126,9 @@ def test_gradients_equal_the_float64_reference(name):
 )
 def test_streamed_rows_give_the_same_gradients(name, monkeypatch):
     """Past MAX_ROWS_BYTES (forced here to every call) the forward's and the dq kernel's keys and values and the
-    dk/dv kernel's queries and their cotangent stay in HBM, a tile copied in at a time (tpu_refs.Streamed): the
+    dk/dv kernel's queries and their cotangent stay in HBM, a tile copied in at a time (refs_tpu.Streamed): the
     same outputs and gradients."""
-    monkeypatch.setattr(tpu_backward, "MAX_ROWS_BYTES", 1)
+    monkeypatch.setattr(flex_tpu_vjp, "MAX_ROWS_BYTES", 1)
     test_gradients_equal_the_float64_reference(name)
 
 
@@ -231,34 +231,34 @@ def test_a_scheme_training_program_holds_the_three_kernels(scheme):
 def test_what_keeps_the_xla_backward():
     q = jnp.zeros((1, 64, 4, 8))
     bias = of_rows(jnp.zeros((4, 9)), -4, 4)  # a position bias of j - i (T5's, ALiBi's kind)
-    assert tpu_backward.backward_refusal(AttentionCall(is_causal=True), q, False) is None
-    assert tpu_backward.backward_refusal(AttentionCall(position_bias=bias), q, False) is None
+    assert flex_tpu_vjp.backward_refusal(AttentionCall(is_causal=True), q, False) is None
+    assert flex_tpu_vjp.backward_refusal(AttentionCall(position_bias=bias), q, False) is None
     tables = AttentionCall(key_table=jnp.zeros((9, 4, 8)), max_distance=4)
-    assert tpu_backward.backward_refusal(tables, q, False) is None
+    assert flex_tpu_vjp.backward_refusal(tables, q, False) is None
     # the dq kernel's VMEM with tables: DeBERTa-v3's at 8192, head dim 64, with two copies of the keys (estimated
     # 17.38 MiB; v5e's compile took 17.41 MiB of its 16) takes one (13.4 MiB, compiled for v5e); at 16k one
     # copy is 17.4 MiB: the keys streamed a tile at a time (0), 9.4 MiB
-    deberta = tpu_tables.TableLanes(-512, 511, 128, 128, True, True, False)
+    deberta = tables_tpu.TableLanes(-512, 511, 128, 128, True, True, False)
     assert deberta.E == 1920
-    assert round(tpu_tables.dq_vmem(deberta, 8192, 64, 64, jnp.bfloat16, 128) / 2**20, 2) == 17.38
-    assert round(tpu_tables.dq_vmem(deberta, 16384, 64, 64, jnp.bfloat16, 128, 0) / 2**20, 2) == 9.44
-    buffers = [tpu_tables.key_buffers(deberta, T, 64, 64, jnp.bfloat16, 128) for T in (4096, 8192, 16384)]
+    assert round(tables_tpu.dq_vmem(deberta, 8192, 64, 64, jnp.bfloat16, 128) / 2**20, 2) == 17.38
+    assert round(tables_tpu.dq_vmem(deberta, 16384, 64, 64, jnp.bfloat16, 128, 0) / 2**20, 2) == 9.44
+    buffers = [tables_tpu.key_buffers(deberta, T, 64, 64, jnp.bfloat16, 128) for T in (4096, 8192, 16384)]
     assert buffers == [2, 1, 0]
     for T in (8192, 16384):
-        assert tpu_tables.backward_refusal(deberta, T, 64, 64, jnp.bfloat16, 128) is None
+        assert tables_tpu.backward_refusal(deberta, T, 64, 64, jnp.bfloat16, 128) is None
     # the XLA backward where the tables' lanes alone overrun VMEM: Shaw's widest band (2048 offsets) with key and
     # value tables at head dim 256
-    widest = tpu_tables.TableLanes(-1024, 1023, 128, 128, True, False, True)
-    assert tpu_tables.backward_refusal(widest, 128, 256, 256, jnp.bfloat16, 128).startswith("position tables (")
+    widest = tables_tpu.TableLanes(-1024, 1023, 128, 128, True, False, True)
+    assert tables_tpu.backward_refusal(widest, 128, 256, 256, jnp.bfloat16, 128).startswith("position tables (")
     window = TableBias(jnp.zeros((15 * 15, 4)), WindowIndex(8, 8, False), 64)  # Swin's 8 x 8 windows
-    assert tpu_backward.backward_refusal(AttentionCall(position_bias=window), q, False).startswith(
+    assert flex_tpu_vjp.backward_refusal(AttentionCall(position_bias=window), q, False).startswith(
         "position_bias (a window's bias"
     )
-    assert "closing over arrays" in tpu_backward.backward_refusal(AttentionCall(), q, True)
+    assert "closing over arrays" in flex_tpu_vjp.backward_refusal(AttentionCall(), q, True)
     # one head's query rows past MAX_ROWS_BYTES are streamed (16k at head dim 128 in float32); the [1,T] rows of
     # lse, delta and positions bound T at 32k
     mid = jax.ShapeDtypeStruct((1, 2**14, 32, 128), jnp.float32)
-    assert tpu_backward.streamed(2**14, 128, 128, jnp.float32)
-    assert tpu_backward.backward_refusal(AttentionCall(), mid, False) is None
+    assert flex_tpu_vjp.streamed(2**14, 128, 128, jnp.float32)
+    assert flex_tpu_vjp.backward_refusal(AttentionCall(), mid, False) is None
     long = jax.ShapeDtypeStruct((1, 2**15 + 1, 8, 128), jnp.bfloat16)
-    assert tpu_backward.backward_refusal(AttentionCall(), long, False).startswith("query (T=32769")
+    assert flex_tpu_vjp.backward_refusal(AttentionCall(), long, False).startswith("query (T=32769")

@@ -39,7 +39,8 @@ import jaxattn
 from helpers import allowed_loop, attention_loop, attention_reference, normwise
 from jaxattn._core.call import AttentionCall
 from jaxattn._core.offset_bias import TableBias
-from jaxattn._kernels import flash_gpu, flex_tpu, pallas_gpu
+from jaxattn._kernels import flex_tpu, pallas_gpu
+from jaxattn._kernels.flash import plan
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
 B, N, K, H, Hv = 2, 5, 1, 7, 11
@@ -233,7 +234,7 @@ def test_what_the_kernels_refuse():
         )
     got, weights = jaxattn.window_attention(q, k, v, table, (2, 3), return_weights=True)
     assert weights.shape == (4, 5, T, T)
-    assert flash_gpu.position_bias_refusal(AttentionCall(), T, T) is None
+    assert plan.position_bias_refusal(AttentionCall(), T, T) is None
 
 
 def test_the_tpu_kernel_bounds_the_bias_of_every_pair():

@@ -8,7 +8,7 @@ its own formula for the rows (DeBERTa's log buckets, clipped to the table) and p
 to [lo, hi] is exact for every position the call produces: beyond the band the row is constant (the
 buckets' saturation) or no pair reaches (the default positions' range). A kernel then reads the rows by an
 integer gather (no bucket formula inside it), computes q . key_rows^T per query row and k . query_rows^T per
-key row outside its tiles, and picks both at each pair's row (the Pallas GPU kernel: flash_gpu, offset_tables).
+key row outside its tiles, and picks both at each pair's row (the Pallas GPU kernel: flash_gpu, tables_gpu).
 
 The XLA engines never receive a call with one: the scheme computes the same terms there from the same two
 products, per_row_logits and per_key_logits (below: their one home, for the schemes and the kernels alike).

@@ -94,6 +94,21 @@ def has_keys(lse):
     return lse > no_key(lse.dtype)
 
 
+def probabilities(x, lse, allowed=None):
+    """The softmax weights p = exp(x - lse) of logits x recomputed from their rows' saved log-sum-exp (the
+    backward of every engine and kernel); lse broadcasts against x (the caller adds the key axis). 0 where a
+    pair is not allowed; a row with no key (has_keys) is read against 0, so that nothing overflows before the
+    mask."""
+    p = jnp.exp(x - jnp.where(has_keys(lse), lse, 0))
+    return p if allowed is None else jnp.where(allowed, p, 0)
+
+
+def logits_grad(p, dp, delta):
+    """d loss / d x = p (dp - delta), the softmax's backward: dp = d loss / d p (dO v^T, plus a value term's),
+    delta = sum_s p dp = rowsum(dO * out) - d lse per row (broadcast against p)."""
+    return p * (dp - delta)
+
+
 def public_lse(lse):
     """An engine lse with -inf for the rows with no key (log 0; computed only where a row is empty)."""
     empty = ~has_keys(lse)

@@ -7,7 +7,7 @@ engines and the fused kernels alike, and the dispatch (route.attend) drives them
                   split-key kernel for a decode step, per-pair tables)
     "pallas_tpu"  TPU splash attention (jaxattn._kernels.splash_tpu); with score_mod, mask_mod, a BlockMask, a
                   T5 / ALiBi / window bias, Shaw / DeBERTa tables or per-pair tables our Pallas TPU kernel
-                  (jaxattn._kernels.flex_tpu forward, jaxattn._kernels.tpu_backward's Pallas backward; a
+                  (jaxattn._kernels.flex_tpu forward, jaxattn._kernels.flex_tpu_vjp's Pallas backward; a
                   window's bias, a score_mod's arrays and what does not fit VMEM keep the XLA blockwise backward)
     "cudnn"       cuDNN through jax.nn.dot_product_attention (jaxattn._kernels.cudnn)
 

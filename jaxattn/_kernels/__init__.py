@@ -12,19 +12,22 @@ precision, segment ids, window, chunk_size, logit_softcap, sinks, score_mod, mas
 return_lse, ...); the results follow docs/design.md, "Semantics" (bottom-right causal, zeros for a row with no
 allowed key). Kernels may use the engines below them (an empty input, an XLA backward), never the dispatch.
 
-    pallas_gpu  implementation="pallas_gpu": flash_gpu, pair_tables for per-pair tables, or decode_gpu for a
+    pallas_gpu  implementation="pallas_gpu": flash_gpu, pairs_gpu for per-pair tables, or decode_gpu for a
                 few query rows against long keys
+    flash/      the platform-neutral flash core every kernel below builds on: the forward and backward bodies
+                (forward, backward, tile_math), their typed refs and hooks (refs), one call's checks, tiles,
+                layout and schedules (plan, sizes, config); docs/architecture.md
     flash_gpu   our Pallas flash-attention kernel for GPUs (Triton lowering), forward and backward
-    pair_tables our Pallas GPU kernels for relative_attention's per-pair tables (flash_gpu's grids), fwd and bwd
+    pairs_gpu   our Pallas GPU kernels for relative_attention's per-pair tables (flash_gpu's grids), fwd and bwd
+    tables_gpu  Shaw's and DeBERTa's tables in flash_gpu (per-row terms computed outside, gathered per tile)
     decode_gpu  our Pallas split-key (flash-decoding) kernel for GPUs, forward only
-    tile_body   the flash forward's per-tile body that flash_gpu, decode_gpu and flex_tpu share
     pallas_tpu  implementation="pallas_tpu": splash_tpu, or flex_tpu for score_mod / mask_mod / BlockMask
     splash_tpu  TPU splash attention, shipped with JAX (jax.experimental.pallas.ops.tpu.splash_attention)
-    flex_tpu    our Pallas TPU kernel (tile_body's forward kernel on a TPU layout), forward
-    tpu_backward flex_tpu's backward (flex calls, T5 / ALiBi): flash_gpu's dq and dk/dv kernels on its layout
-    tpu_tables  Shaw's and DeBERTa's tables in flex_tpu / tpu_backward (laid out along their offsets)
-    tpu_pairs   relative_attention's per-pair tables in flex_tpu / tpu_backward (tile slices copied from HBM)
-    tpu_refs    views of TPU refs the shared kernel bodies read, and the lane rolls onto a tile's diagonals
+    flex_tpu    our Pallas TPU kernel (flash.forward's body on a TPU layout), forward
+    flex_tpu_vjp flex_tpu's backward: flash.backward's dq and dk/dv bodies on its layout
+    tables_tpu  Shaw's and DeBERTa's tables in flex_tpu / flex_tpu_vjp (laid out along their offsets)
+    pairs_tpu   relative_attention's per-pair tables in flex_tpu / flex_tpu_vjp (tile slices copied from HBM)
+    refs_tpu    views of TPU refs the shared kernel bodies read, and the lane rolls onto a tile's diagonals
     cudnn       cuDNN's fused attention through jax.nn.dot_product_attention(implementation="cudnn")
 
 Nothing here is imported by `import jaxattn`: the dispatch imports a module the first time a call may use it.

@@ -5,7 +5,7 @@ The flash grid is (b, n, query tile): with T within one query tile (a decode ste
 programs, each streaming the whole key axis, e.g. 32 programs for B = 1, N = 32 on a GPU with 108-132
 SMs. Here the key axis is split into chunks: grid (b, key/value head, chunk), each program computes the
 partial (out, m, l) of the G * T query rows of its key/value head (the G query heads of a group read
-each K/V tile once) over its chunk's scheduled tiles (tile_body.key_tiles); merge_partials combines the
+each K/V tile once) over its chunk's scheduled tiles (forward.key_tiles); merge_partials combines the
 chunks in XLA. The checks, layout and tile schedules are the flash kernel's (flash_gpu); a gradient runs the
 flash kernels (decode_with_flash_gradient).
 
@@ -30,23 +30,13 @@ from .._core.call import INDEX_ARRAYS, AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.softmax import add_sinks, finalize_partial, merge_partials, public_lse
 from .._engines import blockwise
+from .flash.config import Config, Extents
+from .flash.forward import key_tiles
+from .flash.plan import checked, kernel_layout, key_tile_kinds, padded_rows, sorted_kinds
 from .flash.refs import ForwardHooks, Refs
-from .flash_gpu import (
-    MIN_GPU_BLOCK,
-    checked,
-    is_power_of_two,
-    kernel_layout,
-    key_tile_kinds,
-    named_call,
-    next_power_of_two,
-    padded_head,
-    padded_rows,
-    run,
-    sorted_kinds,
-    tile_sizes,
-    unsupported,
-)
-from .tile_body import Config, Extents, key_tiles, load, pick
+from .flash.sizes import MIN_GPU_BLOCK, is_power_of_two, next_power_of_two, padded_head, tile_sizes
+from .flash.tile_math import load, pick
+from .flash_gpu import named_call, run, unsupported
 
 # The occupancy choice of use_decode (module docstring).
 DECODE_PROGRAMS = 264
@@ -216,7 +206,7 @@ def decode_attention(call: AttentionCall, query, key, value, interpret=False, *,
     q = kernel_layout(query, batch, T, T, Hp).reshape(B, T, K, G, Hp)
     q = jnp.pad(q.transpose(0, 2, 3, 1, 4).reshape(B, K, R, Hp), [(0, 0), (0, 0), (0, Rp - R), (0, 0)])
     # the cache as it is, not padded to whole chunks and head dims (a copy of all of it per step): the kernel's
-    # loads mask what runs past S and H, Hv (tile_body.read)
+    # loads mask what runs past S and H, Hv (tile_math.read)
     cfg = cfg._replace(extents=Extents(T, S, H, Hv, Hp, Hvp))
     k, v = kernel_layout(key, batch, S, S, H), kernel_layout(value, batch, S, S, Hv)
     out, m, l = _decode_partials(

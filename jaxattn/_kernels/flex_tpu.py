@@ -1,11 +1,11 @@
 """Our Pallas TPU kernel for what splash attention cannot express: score_mod, mask_mod and a BlockMask
 (flex_attention), T5's / ALiBi's position bias (an OffsetBias), Shaw's tables (shaw / clipped / Transformer-XL
 attention) and DeBERTa's (RowTables), with every other option of the Pallas GPU kernel beside them. The backward
-is tpu_backward's kernels (the GPU kernel's dq and dk/dv) for flex calls, T5's / ALiBi's bias and Shaw's and
-DeBERTa's tables (tpu_backward.backward_refusal, tpu_tables.backward_refusal); otherwise (a window's bias, a score_mod's
+is flex_tpu_vjp's kernels (the GPU kernel's dq and dk/dv) for flex calls, T5's / ALiBi's bias and Shaw's and
+DeBERTa's tables (flex_tpu_vjp.backward_refusal, tables_tpu.backward_refusal); otherwise (a window's bias, a score_mod's
 arrays, blocks over VMEM) the XLA blockwise engine's.
 
-The kernel body is the Pallas GPU kernel's forward (tile_body.forward_kernel: one (b, n, query tile), a
+The kernel body is the Pallas GPU kernel's forward (forward.forward_kernel: one (b, n, query tile), a
 loop over the key tiles its schedule lists, score_mod / mask_mod / softcap / the mask rule per tile, sinks,
 the online-softmax merge of _core), run on a TPU layout by Mosaic:
 
@@ -34,16 +34,16 @@ pair (pair_bias_of_grid), and each tile reads its [Tb,Sb] slice. Bounded: N x Tp
 MAX_PAIR_BIAS_BYTES (this path is for windows, not long sequences; longer calls fall back to XLA).
 
 Per-pair tables (relative_attention's rel_key / rel_value, docs/kernels.md, "Per-pair tables on a TPU"): left
-in HBM, each tile's slice copied in by tpu_pairs' hooks.
+in HBM, each tile's slice copied in by pairs_tpu' hooks.
 
 Position tables (docs/kernels.md, "Position tables on a TPU"): Shaw's and DeBERTa's tables laid out along the
 offsets of their band, a tile's terms a window of the lanes moved by strided rolls, forward and backward
-(tpu_tables). The default positions only, as for the bias.
+(tables_tpu). The default positions only, as for the bias.
 
 Tiles 128 x 128 (the TPU lane width; a BlockMask's own tiles when they are multiples of 128), head dims
 padded to a multiple of 128, T and S padded inside. The whole key axis of one head sits in VMEM (with its
-double buffer) up to tpu_backward.MAX_ROWS_BYTES (16k keys at head dim 128 in bf16); past it the keys stay in
-HBM and each key tile is copied in when the kernel reaches it (tpu_refs.Streamed). Up to MAX_KEY_ROWS keys (the
+double buffer) up to flex_tpu_vjp.MAX_ROWS_BYTES (16k keys at head dim 128 in bf16); past it the keys stay in
+HBM and each key tile is copied in when the kernel reaches it (refs_tpu.Streamed). Up to MAX_KEY_ROWS keys (the
 [1,S] rows of key positions in VMEM); longer calls fall back to the XLA engine.
 
 Refused with jax_enable_x64 on (in the interpreter too), and on a TPU (interpret=False) also: score_mod /
@@ -70,14 +70,16 @@ from .._core.call import INDEX_ARRAYS, AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.offset_bias import OffsetBias, TableBias, of_rows
 from .._engines import blockwise
-from . import flash_gpu, pair_tables, splash_tpu, tile_body, tpu_backward, tpu_pairs, tpu_tables
-from .flash.refs import ForwardHooks, Refs, bind, merged
-from .tpu_refs import IN_HBM, LANES, Streamed, TpuRefs, rows_of, scalars_at, toeplitz_tile, window
+from . import flash_gpu, flex_tpu_vjp, pairs_gpu, pairs_tpu, splash_tpu, tables_tpu
+from .flash import backward, call as flash_call, plan, tile_math
+from .flash.forward import forward_kernel
+from .flash.refs import ForwardHooks, Refs, merged
+from .refs_tpu import IN_HBM, LANES, Streamed, TpuRefs, rows_of, scalars_at, toeplitz_tile, window
 
 INTERPRET_BLOCK = 16
 # Keys past which a call stays on the XLA engines: the kernel holds [1,S] rows of the key positions (and segment
 # ids) whole, padded to 8 sublanes and double-buffered (4 MiB apiece at 64k). One head's keys and values themselves
-# are held whole up to tpu_backward.MAX_ROWS_BYTES and read a tile at a time from HBM past it.
+# are held whole up to flex_tpu_vjp.MAX_ROWS_BYTES and read a tile at a time from HBM past it.
 MAX_KEY_ROWS = 2**16
 MAX_BIAS_ROWS = 2**20  # one head's position-bias rows in VMEM (float32, about T + S of them): 4 MiB
 # A window's bias of every pair, N x Tp x Sp float32 (pair_bias_of_grid): 16 MiB holds every Swin and BEiT
@@ -99,7 +101,7 @@ FLEX_OPTIONS = (
 )
 # The widest band of offsets whose table rows differ (hi - lo + 1) the kernel lays out per head: with the
 # margins, E lanes of up to 2048 + 4 tiles, so the [Tb,E] float32 q . key rows (1.5 MiB at Tb = 128) and each
-# table's [E,H] block fit VMEM beside the keys. Shaw's tables reach at most offset_tables.MAX_COLUMNS rows (the
+# table's [E,H] block fit VMEM beside the keys. Shaw's tables reach at most tables_gpu.MAX_COLUMNS rows (the
 # Pallas GPU kernel's refusal, which this kernel shares); DeBERTa's log buckets reach far more offsets than rows.
 MAX_BAND = 2048
 
@@ -116,7 +118,7 @@ def _tiles_ok(pair) -> bool:
 def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Optional[str]:
     """None when attention() computes this call; else the first option it cannot express: the Pallas GPU
     kernel's own refusals (without its GPU chip limits), and on a TPU the limits in the module docstring."""
-    if pair_tables.in_use(call):
+    if pairs_gpu.in_use(call):
         return pairs_refusal(call, query, key, value, interpret)
     problem = flash_gpu.unsupported(call, query, key, value, interpret=True)
     if problem is not None:
@@ -130,7 +132,7 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
     problem = pair_bias_refusal(call, query, key)  # a window's positions and lengths: flash_gpu's refusal above
     if problem is not None:
         return problem
-    if call.position_bias is not None and not flash_gpu.default_positions(call):
+    if call.position_bias is not None and not plan.default_positions(call):
         name = "query_positions" if call.query_positions is not None else "key_positions"
         return f"{name} (with a position bias: the TPU kernel builds a tile's bias from its contiguous offsets)"
     if call.position_bias is not None and np.shape(query)[-3] + np.shape(key)[-3] > MAX_BIAS_ROWS:
@@ -166,16 +168,16 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
 
 
 def pairs_refusal(call: AttentionCall, query, key, value, interpret=False) -> Optional[str]:
-    """unsupported() for a call with per-pair tables (rel_key / rel_value, tpu_pairs): the options refused beside
-    them (pair_tables.NOT_BESIDE_PAIRS, as on a GPU), the kernel's refusals of the rest of the call, and on a TPU
+    """unsupported() for a call with per-pair tables (rel_key / rel_value, pairs_tpu): the options refused beside
+    them (pairs_gpu.NOT_BESIDE_PAIRS, as on a GPU), the kernel's refusals of the rest of the call, and on a TPU
     tables wider than 32-bit floats."""
-    for name in pair_tables.NOT_BESIDE_PAIRS:
+    for name in pairs_gpu.NOT_BESIDE_PAIRS:
         if getattr(call, name) is not None:
             return f"{name} (beside per-pair tables rel_key / rel_value)"
     problem = unsupported(call.replace(rel_key=None, rel_value=None), query, key, value, interpret)
     if problem is not None or interpret:
         return problem
-    for name in tpu_pairs.TABLES:
+    for name in pairs_tpu.TABLES:
         table = getattr(call, name)
         if table is not None and np.dtype(getattr(table, "dtype", np.float32)).itemsize > 4:
             return name
@@ -216,7 +218,7 @@ def tables_refusal(call: AttentionCall) -> Optional[str]:
     positions within MAX_BAND offsets; DeBERTa's without logit_softcap); else what refuses them, by name."""
     if not call.has_tables and call.row_tables is None:
         return None
-    if not flash_gpu.default_positions(call):  # a tile's offsets are contiguous only for the default positions
+    if not plan.default_positions(call):  # a tile's offsets are contiguous only for the default positions
         name = "query_positions" if call.query_positions is not None else "key_positions"
         return f"{name} (with position tables: the TPU kernel reads a tile's rows at its contiguous offsets)"
     tables = call.row_tables
@@ -229,7 +231,7 @@ def tables_refusal(call: AttentionCall) -> Optional[str]:
     return None
 
 
-def offset_rows_of_grid(p: flash_gpu.Prepared, S: int):
+def offset_rows_of_grid(p: plan.Prepared, S: int):
     """[B|1,N,1,E]: the bias of offset d = s - t - (S - T) for every padded query t in 0..Tp-1 and key s in
     0..Sp-1 (the core's default positions), from d = -(Tp - 1) - (S - T) up, clipped to the OffsetBias's rows
     lo..hi (exact: the bias is constant beyond them; the padding's offsets only reach discarded rows and
@@ -246,7 +248,7 @@ def offset_rows_of_grid(p: flash_gpu.Prepared, S: int):
     return jnp.pad(rows, ((0, 0), (0, 0), (0, E - rows.shape[-1])))[:, :, None, :]
 
 
-def pair_bias_of_grid(p: flash_gpu.Prepared):
+def pair_bias_of_grid(p: plan.Prepared):
     """[B|1,N,Tp,Sp]: a table bias (TableBias: Swin's / BEiT's windows) of every padded (query, key) pair,
     the kernel's rows [B|1,N,D] gathered at the scheme's own index of the pair's positions (the core's
     default positions, one row of them: unsupported refuses others). The padding's positions are edge-padded,
@@ -257,11 +259,11 @@ def pair_bias_of_grid(p: flash_gpu.Prepared):
     return jnp.take(p.side.offset_bias, pairs, axis=-1)
 
 
-def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tables=None, pairs=None):
-    """tile_body.forward_kernel on the TPU layout: (out [B,Tp,N,Hvp], lse [B,N,Tp]) as the GPU kernel's
+def _forward(p: plan.Prepared, S: int, interpret: bool, pair_bias=None, tables=None, pairs=None):
+    """flash.forward.forward_kernel on the TPU layout: (out [B,Tp,N,Hvp], lse [B,N,Tp]) as the GPU kernel's
     (S: the call's key length, for a position bias's offsets; pair_bias: a table bias's [B|1,N,Tp,Sp],
     pair_bias_of_grid, read instead of the offsets' rows; tables: (TableLanes, {name: [Nt,E,F]}) of Shaw's or
-    DeBERTa's tables, tpu_tables.call_lanes, or None; pairs: per-pair tables, (PairTables, {name: [Tp,Nt,F,Sp]})
+    DeBERTa's tables, tables_tpu.call_lanes, or None; pairs: per-pair tables, (PairTables, {name: [Tp,Nt,F,Sp]})
     of laid_pairs, or None)."""
     cfg, side = p.cfg, p.side
     q = jnp.swapaxes(p.q, 1, 2)  # [B,N,Tp,Hp]
@@ -270,25 +272,24 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
     Sp, Hvp = k.shape[2], v.shape[-1]
     G = cfg.N // cfg.K
     bq, bk, bs, bl, bsched = cfg.batched
-    pick = tile_body.pick
+    pick = tile_math.pick
 
-    scalars = {"counts": side.counts}  # the schedule: runs, or counts with order (tile_body.schedule)
+    scalars = {"counts": side.counts}  # the schedule: runs, or counts with order (tile_math.schedule)
     if side.order is not None:
         scalars["order"] = side.order
     if side.lengths is not None:
         scalars["lengths"] = side.lengths
     if side.sinks is not None:
         scalars["sinks"] = side.sinks
-    n_scalars = len(scalars)
     scalar_shapes = {name: x.shape for name, x in scalars.items()}
-    scalars = {name: x.reshape(-1) for name, x in scalars.items()}  # flat in SMEM (tpu_refs.Scalars)
+    scalars = {name: x.reshape(-1) for name, x in scalars.items()}  # flat in SMEM (refs_tpu.Scalars)
 
     def spec(shape, index):  # index(b, n, i) -> block indices; the scalar refs are not read by index maps
         return pl.BlockSpec(shape, lambda b, n, i, *_: index(b, n, i))
 
     rows = lambda x: x[:, None, :]  # noqa: E731  [B|1,L] -> [B|1,1,L]
     # one head's keys and values whole in VMEM, or past the bound left in HBM and read a tile at a time
-    stream = tpu_backward.streamed(Sp, Hp, Hvp, k.dtype, pairs is not None)
+    stream = flex_tpu_vjp.streamed(Sp, Hp, Hvp, k.dtype, pairs is not None)
     inputs = {
         "q": (q, spec((None, None, cfg.Tb, Hp), lambda b, n, i: (b, n, i, 0))),
         # lax.div: n >= 0, and Mosaic lowers floor division through sign, which asks the TPU generation
@@ -324,9 +325,9 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
             inputs[name] = (x, spec((None, *x.shape[1:]), lambda b, n, i, heads=heads: (pick(heads, n), 0, 0)))
         if lanes.key_rows:
             scratch["qx"] = pltpu.VMEM((cfg.Tb, lanes.E), jnp.float32)
-    if pairs is not None:  # in HBM, a tile's slices copied in by the hooks (tpu_pairs)
-        inputs.update(tpu_pairs.inputs(pairs[1]))
-        scratch.update(tpu_pairs.scratch(pairs[0], pairs[1], Hp, Hvp, grads=False))
+    if pairs is not None:  # in HBM, a tile's slices copied in by the hooks (pairs_tpu)
+        inputs.update(pairs_tpu.inputs(pairs[1]))
+        scratch.update(pairs_tpu.scratch(pairs[0], pairs[1], Hp, Hvp, grads=False))
     acc_dtype = accumulation_dtype(q.dtype)
     outputs = {
         "out": (
@@ -338,10 +339,9 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
             spec((None, None, 1, cfg.Tb), lambda b, n, i: (b, n, 0, i)),
         ),
     }
-    names = tuple(scalars) + tuple(inputs) + tuple(outputs) + tuple(scratch)
 
-    def kernel(*refs):
-        r, own, lane_refs, pair_refs = bind(names, refs, Refs, TpuRefs, tpu_tables.LaneRefs, tpu_pairs.PairRefs)
+    def kernel(refs):
+        r, own, lane_refs, pair_refs = refs
         b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
         lead = (pick(bsched, b), pick(cfg.head_kinds, n), i)
         r = r._replace(
@@ -365,33 +365,30 @@ def _forward(p: flash_gpu.Prepared, S: int, interpret: bool, pair_bias=None, tab
             columns = lambda j: pl.ds(pl.multiple_of(j * cfg.Sb, cfg.Sb), cfg.Sb)  # noqa: E731
             hooks = ForwardHooks(bias_of_key_tile=lambda j: pair_bias[:, columns(j)])
         if tables is not None:
-            hooks = merged(hooks, tpu_tables.forward_hooks(cfg, r, lane_refs, tables[0], i, p.T, S))
+            hooks = merged(hooks, tables_tpu.forward_hooks(cfg, r, lane_refs, tables[0], i, p.T, S))
         if pairs is not None:
-            hooks = merged(hooks, tpu_pairs.forward_hooks(pairs[0], r, pair_refs, n, i))
-        tile_body.forward_kernel(cfg, r, hooks)
+            hooks = merged(hooks, pairs_tpu.forward_hooks(pairs[0], r, pair_refs, n, i))
+        forward_kernel(cfg, r, hooks)
 
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=n_scalars,
-        grid=(B, N, cfg.Tn),
-        in_specs=[s for _, s in inputs.values()],
-        out_specs=[s for _, s in outputs.values()],
-        scratch_shapes=list(scratch.values()),
-    )
-    out, lse = pl.pallas_call(
+    out, lse = flash_call.named_call(
         kernel,
-        grid_spec=grid_spec,
-        out_shape=[shape for shape, _ in outputs.values()],
+        (Refs, TpuRefs, tables_tpu.LaneRefs, pairs_tpu.PairRefs),
+        grid=(B, N, cfg.Tn),
+        inputs=inputs,
+        outputs=outputs,
+        name="jaxattn_flex_tpu_forward",
         interpret=interpret,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel")),
-        name="jaxattn_flex_tpu_forward",
-    )(*scalars.values(), *[x for x, _ in inputs.values()])
+        scalars=scalars,
+        scratch=scratch,
+    )
     return jnp.swapaxes(out, 1, 2), lse[:, :, 0]
 
 
 def attention(call: AttentionCall, query, key, value, interpret=False):
     """The AttentionCall's attention computed forward by the Pallas TPU kernel (module docstring); its
-    gradient (q, k, v, sinks, a position bias's table or slopes, Shaw's or DeBERTa's tables) by tpu_backward's
-    kernels where tpu_backward.backward_refusal and tpu_tables.backward_refusal let them, else (a window's
+    gradient (q, k, v, sinks, a position bias's table or slopes, Shaw's or DeBERTa's tables) by flex_tpu_vjp's
+    kernels where flex_tpu_vjp.backward_refusal and tables_tpu.backward_refusal let them, else (a window's
     bias, a score_mod's closed-over arrays, blocks over VMEM) the blockwise engine's. ValueError naming the
     option it cannot express (unsupported)."""
     problem = unsupported(call, query, key, value, interpret)
@@ -414,7 +411,7 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     T, S = query.shape[-3], key.shape[-3]
     table_bias = isinstance(call.position_bias, TableBias)
     offsets = None if call.position_bias is None or table_bias else call.position_bias.offset_range(T, S, True)
-    # What the kernel reads of a position bias: its rows, differentiable (tpu_backward's cotangent for them
+    # What the kernel reads of a position bias: its rows, differentiable (flex_tpu_vjp's cotangent for them
     # reaches the table or slopes through rows(); under the XLA backward they get zeros, the engine's formula
     # the gradient); a window's table, which only the engine differentiates
     bias_rows = None if offsets is None else call.position_bias.rows(*offsets)
@@ -422,10 +419,10 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
         bias_rows = lax.stop_gradient(jnp.asarray(call.position_bias.table))
     blocks = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else (LANES, LANES)
     # What the kernel reads of Shaw's tables or DeBERTa's, by name: differentiable inputs, as the bias rows
-    # (tpu_backward's cotangent for their lanes reaches the tables through them; under the XLA backward they get
+    # (flex_tpu_vjp's cotangent for their lanes reaches the tables through them; under the XLA backward they get
     # zeros, the engine's formula the gradient, through the closure conversion below)
     table_arrays = position_tables(call, query, key, value)
-    pair_arrays = pair_inputs(call, query, key, value)  # per-pair tables: differentiable inputs too (tpu_pairs)
+    pair_arrays = pair_inputs(call, query, key, value)  # per-pair tables: differentiable inputs too (pairs_tpu)
 
     # The call's index arrays and BlockMask are inputs too (with zero cotangents): a custom VJP that closed
     # over them would capture the tracers of an enclosing trace (jit of grad of an eager-compiled call).
@@ -461,10 +458,10 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     # backward with the scheme's own formula (its memory as the engine's: a gather from the rows, T + S of
     # them for ALiBi, took a TPU far more).
     lanes = INTERPRET_BLOCK if interpret else LANES
-    refusal = tpu_backward.backward_refusal(call, query, bool(consts))
+    refusal = flex_tpu_vjp.backward_refusal(call, query, bool(consts))
     if refusal is None and table_arrays:
-        layout = tpu_tables.table_layout(call, *blocks, T, S)
-        refusal = tpu_tables.backward_refusal(layout, S, query.shape[-1], value.shape[-1], query.dtype, lanes)
+        layout = tables_tpu.table_layout(call, *blocks, T, S)
+        refusal = tables_tpu.backward_refusal(layout, S, query.shape[-1], value.shape[-1], query.dtype, lanes)
     kernel_backward = refusal is None
     engine_consts = ()
     if call.position_bias is not None or table_arrays or pair_arrays:
@@ -490,16 +487,16 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
         if table_arrays:
             Hp, Hvp = p.q.shape[-1], p.v.shape[-1]
             acc_dtype = accumulation_dtype(query.dtype)
-            tables = tpu_tables.call_lanes(call, table_arrays, p.cfg.Tb, p.cfg.Sb, T, S, Hp, Hvp, acc_dtype)
+            tables = tables_tpu.call_lanes(call, table_arrays, p.cfg.Tb, p.cfg.Sb, T, S, Hp, Hvp, acc_dtype)
         pairs = laid_pairs(pair_arrays, p, interpret) if pair_arrays else None
         out, lse = _forward(p, S, interpret, pair_bias_of_grid(p) if table_bias else None, tables, pairs)
-        return flash_gpu.finish(p, out, lse, inner.return_lse), lse
+        return plan.finish(p, out, lse, inner.return_lse), lse
 
     def prepare(inner, query, key, value):
-        # the tables reach the kernels as table_arrays' lanes (tpu_tables.call_lanes), not as prepare's per-row arrays
+        # the tables reach the kernels as table_arrays' lanes (tables_tpu.call_lanes), not as prepare's per-row arrays
         inner = inner.replace(key_table=None, value_table=None, max_distance=None, row_tables=None)
         inner = inner.replace(rel_key=None, rel_value=None)  # per-pair tables: laid_pairs' arrays
-        return flash_gpu.prepare(
+        return plan.prepare(
             inner, query, key, value, interpret, blocks=blocks, head_multiple=None if interpret else LANES
         )
 
@@ -512,7 +509,7 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
         return result, (args, result, lse)
 
     def kernel_grads(args: KernelArgs, result, lse, cotangent) -> Optional[KernelArgs]:
-        """The cotangents of args by tpu_backward's kernels (None: the call has a term they lack)."""
+        """The cotangents of args by flex_tpu_vjp's kernels (None: the call has a term they lack)."""
         query, key, value, sinks, bias_rows, table_arrays, pair_arrays = (
             args.query,
             args.key,
@@ -535,20 +532,20 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
         out, d_out = (result[0], cotangent[0]) if call.return_lse else (result, cotangent)
         d_lse = cotangent[1].reshape(B, N, T) if call.return_lse else None
         rows = lambda x: x.reshape(B, T, N, Hv)  # noqa: E731
-        delta = flash_gpu.row_delta(rows(out), rows(d_out), d_lse, Tp, accumulation_dtype(query.dtype))
-        d_out = flash_gpu.kernel_layout(d_out, batch, T, Tp, Hvp)
+        delta = backward.row_delta(rows(out), rows(d_out), d_lse, Tp, accumulation_dtype(query.dtype))
+        d_out = plan.kernel_layout(d_out, batch, T, Tp, Hvp)
         rows_of_grid = None if offsets is None else offset_rows_of_grid(p, S)
         Hp, acc_dtype = p.q.shape[-1], accumulation_dtype(query.dtype)
 
         def lanes_of(table_arrays):  # the tables' lanes, as the forward lays them out
-            return tpu_tables.call_lanes(call, table_arrays, p.cfg.Tb, p.cfg.Sb, T, S, Hp, Hvp, acc_dtype)
+            return tables_tpu.call_lanes(call, table_arrays, p.cfg.Tb, p.cfg.Sb, T, S, Hp, Hvp, acc_dtype)
 
         tables = lanes_of(table_arrays) if table_arrays else None
         pairs = laid_pairs(pair_arrays, p, interpret) if pair_arrays else None
-        dq, dk, dv, d_rows, d_lanes, d_laid = tpu_backward.gradients(
+        dq, dk, dv, d_rows, d_lanes, d_laid = flex_tpu_vjp.gradients(
             p, lse, delta, d_out, interpret, rows_of_grid, tables, S, pairs
         )
-        d_sinks = None if p.side.sinks is None else flash_gpu.sinks_grad(p.side.sinks, lse, delta)
+        d_sinks = None if p.side.sinks is None else backward.sinks_grad(p.side.sinks, lse, delta)
         if d_rows is not None and rows_of_grid.shape[0] == 1:  # one set of rows for every batch entry
             d_rows = jnp.sum(d_rows, axis=0, keepdims=True)
         d_tables = zeros_like_tree(table_arrays)
@@ -652,15 +649,15 @@ def pair_inputs(call: AttentionCall, query, key, value) -> dict:
     T, S, N, H, Hv = query.shape[-3], key.shape[-3], query.shape[-2], query.shape[-1], value.shape[-1]
     acc_dtype = accumulation_dtype(query.dtype)
     tables = checks.check_pair_tables(call.rel_key, call.rel_value, T, S, N, H, Hv, acc_dtype)
-    return {name: table for name, table in zip(tpu_pairs.TABLES, tables) if table is not None}
+    return {name: table for name, table in zip(pairs_tpu.TABLES, tables) if table is not None}
 
 
-def laid_pairs(arrays: dict, p: flash_gpu.Prepared, interpret: bool):
-    """(PairTables, {name: [Tp,Nt,F,Sp]}): per-pair tables (pair_inputs) as the kernels read them (tpu_pairs)."""
+def laid_pairs(arrays: dict, p: plan.Prepared, interpret: bool):
+    """(PairTables, {name: [Tp,Nt,F,Sp]}): per-pair tables (pair_inputs) as the kernels read them (pairs_tpu)."""
     cfg = p.cfg
     Tp, Sp = cfg.Tn * cfg.Tb, cfg.Sn * cfg.Sb
-    laid = {name: tpu_pairs.layout(x, Tp, Sp) for name, x in arrays.items()}
-    return tpu_pairs.of_call(arrays, p.q.shape[0], p.N, cfg.Tb, cfg.Sb, cfg.precision, interpret), laid
+    laid = {name: pairs_tpu.layout(x, Tp, Sp) for name, x in arrays.items()}
+    return pairs_tpu.of_call(arrays, p.q.shape[0], p.N, cfg.Tb, cfg.Sb, cfg.precision, interpret), laid
 
 
 def zeros_like_tree(tree):

@@ -1,7 +1,7 @@
 """implementation="pallas_gpu": our Pallas kernels for GPUs (Triton lowering). The flash kernel (flash_gpu,
 forward and FlashAttention-2 backward) for every call it expresses; a few query rows against a long key axis
 (decode_gpu.use_decode: a decode step against a cache) take the split-key kernel (decode_gpu) forward, with
-the flash kernels' gradient; relative_attention's per-pair tables (rel_key / rel_value) take pair_tables' kernels
+the flash kernels' gradient; relative_attention's per-pair tables (rel_key / rel_value) take pairs_gpu' kernels
 on the flash kernels' grids.
 
 The surface: `unsupported(call, query, key, value, interpret)` (the first option of the AttentionCall the
@@ -18,15 +18,15 @@ import jax.numpy as jnp
 from .._core import checks
 from .._core.call import AttentionCall
 from .._engines import blockwise
-from . import decode_gpu, flash_gpu, pair_tables
+from . import decode_gpu, flash_gpu, pairs_gpu
 
 
 def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Optional[str]:
     """None when attention() computes this call; else the name of the first option it cannot express (the
-    flash kernel's refusals: flash_gpu.unsupported; per-pair tables: pair_tables.unsupported; the split-key
+    flash kernel's refusals: flash_gpu.unsupported; per-pair tables: pairs_gpu.unsupported; the split-key
     kernel takes only calls the flash kernel also takes)."""
-    if pair_tables.in_use(call):
-        return pair_tables.unsupported(call, query, key, value, interpret)
+    if pairs_gpu.in_use(call):
+        return pairs_gpu.unsupported(call, query, key, value, interpret)
     return flash_gpu.unsupported(call, query, key, value, interpret)
 
 
@@ -61,8 +61,8 @@ def _attention(call: AttentionCall, query, key, value, interpret, split_keys: bo
     batch, T, S, N, K, H, Hv = checks.check_qkv(query, key, value)
     if T == 0 or S == 0:  # no tile to run: the XLA engine's zeros (and its lse of the sinks alone)
         return blockwise.tiled(call.replace(block_size=None), query, key, value)
-    if pair_tables.in_use(call):  # per-pair tables: the flash kernels' grid with the tables' tiles read in
-        return pair_tables.run(call, query, key, value, interpret)
+    if pairs_gpu.in_use(call):  # per-pair tables: the flash kernels' grid with the tables' tiles read in
+        return pairs_gpu.run(call, query, key, value, interpret)
     if split_keys and decode_gpu.use_decode(call, query, key, value, interpret):
         return decode_gpu.decode_with_flash_gradient(call, query, key, value, interpret)
     return flash_gpu.run(call, query, key, value, interpret)

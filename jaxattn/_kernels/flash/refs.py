@@ -48,11 +48,11 @@ class Refs(NamedTuple):
     lengths: Any = None
     sinks: Any = None
     order: Any = None  # the program's schedule (forward, dq: over key tiles; dk/dv: over query tiles), or None:
-    counts: Any = None  # a compact schedule, runs in counts (tile_body.schedule)
+    counts: Any = None  # a compact schedule, runs in counts (tile_math.schedule)
     score_consts: tuple = ()  # the arrays score_mod / mask_mod close over
     mask_consts: tuple = ()
     d_score: tuple = ()  # partial gradients of score_mod's float consts
-    # position terms (tile_body.Config.offset_bias, Config.tables; pair_tables: per-pair tables)
+    # position terms (config.Config.offset_bias, Config.tables; pairs_gpu: per-pair tables)
     offset_bias: Any = None
     d_offset_bias: Any = None
     row_bias: Any = None

@@ -1,5 +1,5 @@
 """Per-pair relative tables (relative_attention's A^K / A^V, seed 000's form) in the TPU kernels: flex_tpu's
-forward, tpu_backward's dq and dk/dv.
+forward, flex_tpu_vjp's dq and dk/dv.
 
     logits[t,s] = scale * q_t . (k_s + A^K[t,s])        out_t = sum_s p[t,s] (v_s + A^V[t,s])
 
@@ -28,7 +28,7 @@ the heads, add into the same slices of a float32 array: read, added to and writt
 What it combines with: what the kernel body applies per tile (causal, lengths, segment ids, window, chunks,
 mask_mod, softcap, sinks, return_lse, grouped-query heads, positions of the call's own); score_mod, a BlockMask,
 a position bias and Shaw's or DeBERTa's tables beside per-pair tables are refused by name
-(pair_tables.NOT_BESIDE_PAIRS, as on a GPU).
+(pairs_gpu.NOT_BESIDE_PAIRS, as on a GPU).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from .flash.refs import DkvHooks, DqHooks, ForwardHooks, Refs
-from .tpu_refs import IN_HBM
+from .refs_tpu import IN_HBM
 
 # Query rows of a table's tile copied at once: a [16,F,128] float32 slice is 512 KiB of VMEM at F = 64; 16 rows
 # are one bf16 sublane tile. The interpreter's 16-row tiles take two chunks of 8, so that the tests cross a
@@ -278,7 +278,7 @@ def _terms(pairs: PairTables, tile: _Tile, t0, s0, q, do):
 
 
 def dq_hooks(pairs: PairTables, r: Refs, t: PairRefs, n, i) -> DqHooks:
-    """flash_gpu.dq_kernel's hooks for query tile i of head n: the tile's terms, the tables' gradients, dq's share."""
+    """backward.dq_kernel's hooks for query tile i of head n: the tile's terms, the tables' gradients, dq's share."""
     tile = _Tile(pairs, r, t, n)
     t0, f32 = i * pairs.Tb, jnp.float32
     q, do = r.q[...], r.do[...]
@@ -296,7 +296,7 @@ def dq_hooks(pairs: PairTables, r: Refs, t: PairRefs, n, i) -> DqHooks:
 
 
 def dkv_hooks(pairs: PairTables, r: Refs, t: PairRefs, n_of, j) -> DkvHooks:
-    """flash_gpu.dkv_kernel's hook for key tile j: query tile i's terms for query head n_of(g)."""
+    """backward.dkv_kernel's hook for key tile j: query tile i's terms for query head n_of(g)."""
 
     def terms(g, i, q, do):
         return _terms(pairs, _Tile(pairs, r, t, n_of(g)), i * pairs.Tb, j * pairs.Sb, q, do)

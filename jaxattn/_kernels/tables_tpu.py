@@ -1,10 +1,10 @@
-"""Shaw's and DeBERTa's position tables in the TPU kernels (flex_tpu's forward, tpu_backward's dq and dk/dv).
+"""Shaw's and DeBERTa's position tables in the TPU kernels (flex_tpu's forward, flex_tpu_vjp's dq and dk/dv).
 
 The GPU kernel gathers q . A^K per query row at each pair's column and scatter-adds p by column; neither lowers
 in Mosaic. Instead each table is laid out along the offsets of its band (TableLanes: lane e holds the row of
 offset lo - M + e, M = Tb + Sb - 1 lanes of edge rows on each side, so a tile outside the band reads edge rows
 from a clamped start), [N|1,E,H] per table, and a tile's terms are a window of those lanes moved into the tile's
-diagonals by a strided roll (tpu_refs.diagonals) or back onto the offsets (undiagonals). With the default
+diagonals by a strided roll (refs_tpu.diagonals) or back onto the offsets (undiagonals). With the default
 positions only: a tile's offsets j - i are then contiguous.
 
     forward   key terms    qx = q . key lanes^T once per program ([Tb,E] VMEM scratch), a window of it rolled
@@ -32,9 +32,9 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from .._core.call import AttentionCall
-from . import flash_gpu, tile_body
+from .flash import plan, tile_math
 from .flash.refs import DkvHooks, DqHooks, ForwardHooks, Refs
-from .tpu_refs import LANES, diagonals, lane_window, undiagonals, window
+from .refs_tpu import LANES, diagonals, lane_window, undiagonals, window
 
 # The dq kernel's VMEM with position tables (backward_refusal): within a TPU's 16 MiB of scoped VMEM (v5e's
 # default), less the query tile's own blocks.
@@ -93,7 +93,7 @@ class TableLanes(NamedTuple):
         return jnp.asarray(np.clip(d, self.lo, self.hi), jnp.int32)
 
     def windows(self, i, j, T: int, S: int):
-        """((lanes, offset), (reversed lanes, offset)): tile (i, j)'s window in each layout (tpu_refs.lane_window,
+        """((lanes, offset), (reversed lanes, offset)): tile (i, j)'s window in each layout (refs_tpu.lane_window,
         traced), from the first lane of its offsets d = j Sb + c - i Tb - r - (S - T), which run from dmin
         (r = Tb - 1, c = 0) to dmin + M - 1."""
         dmin = j * self.Sb - i * self.Tb - (self.Tb - 1) - (S - T)
@@ -117,7 +117,7 @@ def table_layout(call: AttentionCall, Tb: int, Sb: int, T: int, S: int) -> Table
     if call.row_tables is not None:
         rt = call.row_tables
         return TableLanes(rt.lo, rt.hi, Tb, Sb, rt.key_rows is not None, rt.query_rows is not None, False)
-    band = flash_gpu.tables_band(call, T, S)
+    band = plan.tables_band(call, T, S)
     return TableLanes(band.lo, band.hi, Tb, Sb, call.key_table is not None, False, call.value_table is not None)
 
 
@@ -148,7 +148,7 @@ def key_terms(cfg, windows, qx=None, k=None, query_rows=None):
     (_, offset), (_, reverse_offset) = windows
     term = None if qx is None else diagonals(qx, offset, cfg.Sb)
     if query_rows is not None:
-        kx = tile_body.dot(k.astype(jnp.float32), query_rows, cfg, (1, 1))
+        kx = tile_math.dot(k.astype(jnp.float32), query_rows, cfg, (1, 1))
         by_key = diagonals(kx, reverse_offset, cfg.Tb).T
         term = by_key if term is None else term + by_key
     return term
@@ -157,7 +157,7 @@ def key_terms(cfg, windows, qx=None, k=None, query_rows=None):
 def fill(cfg, ref, x, rows):
     """ref = x . rows^T, [Tb,E] float32: every offset lane's term for the tile's rows x, once per program (the
     key tiles read windows of it)."""
-    ref[...] = tile_body.dot(x.astype(jnp.float32), rows[...], cfg, (1, 1))
+    ref[...] = tile_math.dot(x.astype(jnp.float32), rows[...], cfg, (1, 1))
 
 
 def forward_hooks(cfg, r: Refs, t: LaneRefs, lanes: TableLanes, i, T: int, S: int) -> ForwardHooks:
@@ -177,7 +177,7 @@ def forward_hooks(cfg, r: Refs, t: LaneRefs, lanes: TableLanes, i, T: int, S: in
 
     def values(j, p):
         (at, offset), _ = lanes.windows(i, j, T, S)
-        return tile_body.dot(undiagonals(p, offset, W), t.value_rows[at, :], cfg)
+        return tile_math.dot(undiagonals(p, offset, W), t.value_rows[at, :], cfg)
 
     return ForwardHooks(
         table_logits_of_key_tile=logits if lanes.key_rows or lanes.query_rows else None,
@@ -186,7 +186,7 @@ def forward_hooks(cfg, r: Refs, t: LaneRefs, lanes: TableLanes, i, T: int, S: in
 
 
 def dq_hooks(cfg, r: Refs, t: LaneRefs, lanes: TableLanes, i, T: int, S: int) -> DqHooks:
-    """The dq kernel's hooks (flash_gpu.dq_kernel) for the tables of query tile i: table_terms_of_key_tile,
+    """The dq kernel's hooks (backward.dq_kernel) for the tables of query tile i: table_terms_of_key_tile,
     add_table_grads and finish_dq (the module docstring)."""
     W = window(cfg.Tb, cfg.Sb)
     f32 = jnp.float32
@@ -231,23 +231,23 @@ def dq_hooks(cfg, r: Refs, t: LaneRefs, lanes: TableLanes, i, T: int, S: int) ->
             t.p_lanes[:, at] = t.p_lanes[:, at] + undiagonals(p.astype(f32), offset, W)
         if lanes.query_rows:
             d_kx = undiagonals(ds.T, reverse_offset, W)
-            d_rows = tile_body.dot(d_kx, k.astype(f32), cfg, (0, 0))
+            d_rows = tile_math.dot(d_kx, k.astype(f32), cfg, (0, 0))
             t.d_query_rows[reverse_at, :] = t.d_query_rows[reverse_at, :] + d_rows
 
     def finish(dq):
         if lanes.key_rows:
             d_qx = t.d_qx[...]
-            dq = dq + tile_body.dot(d_qx, t.key_rows[...], cfg).astype(dq.dtype)
-            t.d_key_rows[...] = t.d_key_rows[...] + tile_body.dot(d_qx, q, cfg, (0, 0))
+            dq = dq + tile_math.dot(d_qx, t.key_rows[...], cfg).astype(dq.dtype)
+            t.d_key_rows[...] = t.d_key_rows[...] + tile_math.dot(d_qx, q, cfg, (0, 0))
         if lanes.value_rows:
-            t.d_value_rows[...] = t.d_value_rows[...] + tile_body.dot(t.p_lanes[...], do, cfg, (0, 0))
+            t.d_value_rows[...] = t.d_value_rows[...] + tile_math.dot(t.p_lanes[...], do, cfg, (0, 0))
         return dq
 
     return DqHooks(table_terms_of_key_tile=terms, add_table_grads=add, finish_dq=finish)
 
 
 def dkv_hooks(cfg, r: Refs, t: LaneRefs, lanes: TableLanes, j, T: int, S: int) -> DkvHooks:
-    """The dk/dv kernel's hooks (flash_gpu.dkv_kernel) for the tables of key tile j, whose program holds one
+    """The dk/dv kernel's hooks (backward.dkv_kernel) for the tables of key tile j, whose program holds one
     query head's lanes ([1,E,F] blocks): table_terms_of_query_tile, query tile i's terms from windows of the
     lanes, and dk_of_query_tile, the per-key-row term's share of dk (the module docstring)."""
     W = window(cfg.Tb, cfg.Sb)
@@ -257,17 +257,17 @@ def dkv_hooks(cfg, r: Refs, t: LaneRefs, lanes: TableLanes, j, T: int, S: int) -
     def terms(g, i, q, do):
         windows = lanes.windows(i, j, T, S)
         (at, offset), (reverse_at, _) = windows
-        qx = tile_body.dot(q.astype(f32), t.key_rows[0, at, :], cfg, (1, 1)) if lanes.key_rows else None
+        qx = tile_math.dot(q.astype(f32), t.key_rows[0, at, :], cfg, (1, 1)) if lanes.key_rows else None
         query_rows = t.query_rows[0, reverse_at, :] if lanes.query_rows else None
         dp = None
         if lanes.value_rows:
-            dp = diagonals(tile_body.dot(do.astype(f32), t.value_rows[0, at, :], cfg, (1, 1)), offset, cfg.Sb)
+            dp = diagonals(tile_math.dot(do.astype(f32), t.value_rows[0, at, :], cfg, (1, 1)), offset, cfg.Sb)
         return key_terms(cfg, windows, qx, k, query_rows), dp
 
     def key_grads(g, i, ds):
         _, (reverse_at, reverse_offset) = lanes.windows(i, j, T, S)
         d_kx = undiagonals(ds.astype(f32).T, reverse_offset, W)
-        return tile_body.dot(d_kx, t.query_rows[0, reverse_at, :], cfg)
+        return tile_math.dot(d_kx, t.query_rows[0, reverse_at, :], cfg)
 
     return DkvHooks(table_terms_of_query_tile=terms, dk_of_query_tile=key_grads if lanes.query_rows else None)
 
@@ -292,7 +292,7 @@ def key_buffers(lanes: TableLanes, S: int, H: int, Hv: int, dtype, multiple: int
     dq_vmem fits MAX_TABLES_VMEM with them (the next head's keys are copied while this head's last query tiles
     run), else one where one fits (pl.Buffered(1): the kernel waits for each head's keys, once per (b, n)), else
     0: the keys stay in HBM and each key tile is copied in when the kernel reaches it
-    (tpu_refs.Streamed; it waits for every tile). Neither wait is timed: no TPU has been lent."""
+    (refs_tpu.Streamed; it waits for every tile). Neither wait is timed: no TPU has been lent."""
     for buffers in (2, 1):
         if dq_vmem(lanes, S, H, Hv, dtype, multiple, buffers) <= MAX_TABLES_VMEM:
             return buffers

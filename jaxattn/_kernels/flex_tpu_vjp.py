@@ -1,20 +1,21 @@
-"""The TPU flex kernel's backward: the Pallas GPU kernel's dq and dk/dv kernels (flash_gpu.dq_kernel /
-dkv_kernel, FlashAttention-2's backward) run by Mosaic on the TPU layout, as the forward runs tile_body's.
+"""The TPU flex kernel's backward: the flash core's dq and dk/dv bodies (flash.backward.dq_kernel / dkv_kernel,
+FlashAttention-2's backward, which the Pallas GPU kernel runs too) run by Mosaic on the TPU layout, as the
+forward runs flash.forward's.
 
     dq,    grid (b, n, query tile i):             q, do [Tb,H], lse, delta [Tb,1]; k, v [Sp,H] of head n // G
     dk/dv, grid (b, key head h, key tile j, g):   q, do [Tp,H], lse, delta [Tp,1] of query head h G + g;
                                                   k, v [Sb,H]; dk, dv summed over g in order ("arbitrary")
     layout: q, do [B,N,Tp,Hp], k, v [B,K,Sp,Hp] (prepare's padded arrays, transposed as the forward's),
     lse and delta [B,N,Tp,1]: columns, so that a tile broadcasts them along its keys without a relayout;
-    positions and segment ids as rows [B|1,1,L] (tpu_refs.Row), the schedules flattened in SMEM
-    (tpu_refs.Scalars; the dk/dv kernel's over query tiles, flash_gpu.schedules' transposed one).
+    positions and segment ids as rows [B|1,1,L] (refs_tpu.Row), the schedules flattened in SMEM
+    (refs_tpu.Scalars; the dk/dv kernel's over query tiles, plan.schedules' transposed one).
 
 For the calls backward_refusal lets through: score_mod and mask_mod closing over no array, a BlockMask,
 causal, window, chunks, lengths, segment ids, softcap, sinks, GQA, a position bias of j - i (T5's, ALiBi's:
 an OffsetBias, its rows' gradient summed per offset without a scatter, gradients()), and Shaw's and DeBERTa's
-tables (tpu_tables: their lanes' gradients summed per (b, n) in the dq kernel, no scatter). A window's bias
+tables (tables_tpu: their lanes' gradients summed per (b, n) in the dq kernel, no scatter). A window's bias
 (Swin, BEiT) or a score_mod's arrays keep the XLA blockwise engine's backward, and so do a query axis whose
-one head's rows do not fit VMEM in one dk/dv program and tables whose dq blocks do not (tpu_tables.
+one head's rows do not fit VMEM in one dk/dv program and tables whose dq blocks do not (tables_tpu.
 backward_refusal). interpret=True runs Pallas' interpreter (the CPU tests).
 """
 
@@ -31,14 +32,15 @@ from jax.experimental.pallas import tpu as pltpu
 
 from .._core.call import AttentionCall
 from .._core.offset_bias import OffsetBias
-from . import flash_gpu, tile_body, tpu_pairs, tpu_tables
-from .flash.refs import DkvHooks, DqHooks, Refs, bind, merged
-from .tpu_refs import IN_HBM, Streamed, TpuRefs, lane_window, rows_of, scalars_at, toeplitz_tile, undiagonals, window
+from . import pairs_tpu, tables_tpu
+from .flash import backward, call as flash_call, plan, tile_math
+from .flash.refs import DkvHooks, DqHooks, Refs, merged
+from .refs_tpu import IN_HBM, Streamed, TpuRefs, lane_window, rows_of, scalars_at, toeplitz_tile, undiagonals, window
 
 # One head's rows a kernel holds whole in VMEM (double-buffered by the pipeline): the forward's and the dq
 # kernel's keys and values, the dk/dv kernel's queries and their cotangent; T or S up to 16k at head dim 128 in
 # bf16. Past it they stay in HBM and each tile is copied in when the kernel reaches it (streamed). Beside per-pair
-# tables (tpu_pairs), whose slices, products and gradients take about 4 MiB of VMEM more, half of it.
+# tables (pairs_tpu), whose slices, products and gradients take about 4 MiB of VMEM more, half of it.
 MAX_ROWS_BYTES = 8 * 2**20
 MAX_ROWS_BYTES_BESIDE_PAIRS = MAX_ROWS_BYTES // 2
 # The dk/dv kernel holds [1,T] rows of lse, delta and the query positions (and segment ids) whole, each padded to
@@ -62,20 +64,20 @@ def backward_refusal(call: AttentionCall, query, has_consts: bool) -> Optional[s
 def streamed(L: int, H: int, Hv: int, dtype, beside_pairs: bool = False) -> bool:
     """Whether one head's rows (keys and values, or queries and their cotangent: L of them, padded head dims H,
     Hv) overrun MAX_ROWS_BYTES (MAX_ROWS_BYTES_BESIDE_PAIRS beside per-pair tables), so that a kernel reads them
-    a tile at a time from HBM (tpu_refs.Streamed) instead of holding them whole in VMEM."""
+    a tile at a time from HBM (refs_tpu.Streamed) instead of holding them whole in VMEM."""
     limit = MAX_ROWS_BYTES_BESIDE_PAIRS if beside_pairs else MAX_ROWS_BYTES
     return L * (H + Hv) * np.dtype(dtype).itemsize > limit
 
 
 def _spec(shape, index, buffers=2):
     """A BlockSpec whose index map ignores the scalar-prefetch refs; buffers=1: one copy in VMEM, not the
-    pipeline's two (tpu_tables.key_buffers)."""
+    pipeline's two (tables_tpu.key_buffers)."""
     mode = pl.Buffered(1) if buffers == 1 else None
     return pl.BlockSpec(shape, lambda *ids: index(*ids[:3]), pipeline_mode=mode)
 
 
 def gradients(
-    p: flash_gpu.Prepared,
+    p: plan.Prepared,
     lse,
     delta,
     d_out,
@@ -90,27 +92,27 @@ def gradients(
     float32, and d_out [B,Tp,N,Hvp]; rows_of_grid: a position bias of j - i, the bias of every offset of the
     grid [B|1,N,1,E] (flex_tpu.offset_rows_of_grid), or None.
 
-    A tile's bias is a window of its head's row rolled into the tile's diagonals (tpu_refs.toeplitz_tile), as in
+    A tile's bias is a window of its head's row rolled into the tile's diagonals (refs_tpu.toeplitz_tile), as in
     the forward; its gradient the inverse roll summed over the tile's rows (undiagonals), added into the dq
     program's row of offsets. The dq grid walks the query tiles of one (b, n) in order ("arbitrary"), so
     that row stays in VMEM and sums over them: d rows [B,N,1,E], O(T + S) per head, no atomics.
 
-    pairs: per-pair tables (tpu_pairs: (PairTables, {name: [Tp,Nt,F,Sp]})) or None; their gradients, [Tp,Nt,F,Sp]
-    by name (tpu_pairs.gradient_dtype), are the last result (empty without)."""
+    pairs: per-pair tables (pairs_tpu: (PairTables, {name: [Tp,Nt,F,Sp]})) or None; their gradients, [Tp,Nt,F,Sp]
+    by name (pairs_tpu.gradient_dtype), are the last result (empty without)."""
     cfg, side = p.cfg, p.side
     q, k, v, do = (jnp.swapaxes(x, 1, 2) for x in (p.q, p.k, p.v, d_out.astype(p.q.dtype)))  # [B,heads,L,F]
     B, N, Tp, Hp = q.shape
     K, Sp, Hvp = k.shape[1], k.shape[2], v.shape[-1]
     G = N // K
     bq, bk, bs, bl, bsched = cfg.batched
-    pick = tile_body.pick
+    pick = tile_math.pick
     columns = lse[..., None], delta[..., None]  # [B,N,Tp,1]: the dq kernel's, a tile's rows at a time
     # two copies of k and v, one where the tables' blocks leave room for only one, or none: each key tile copied
-    # in from HBM when the kernel reaches it (tpu_refs.Streamed), as the forward does past MAX_ROWS_BYTES
+    # in from HBM when the kernel reaches it (refs_tpu.Streamed), as the forward does past MAX_ROWS_BYTES
     if tables is None:
         buffers = 0 if streamed(Sp, Hp, Hvp, k.dtype, pairs is not None) else 2
     else:
-        buffers = tpu_tables.key_buffers(tables[0], Sp, Hp, Hvp, q.dtype, 1)
+        buffers = tables_tpu.key_buffers(tables[0], Sp, Hp, Hvp, q.dtype, 1)
     rows = lambda x: x[:, None, :]  # noqa: E731  [B|1,L] -> [B|1,1,L]
     parallel = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
     # the bias's gradient sums over the query tiles of (b, n) in one output block: they run in order
@@ -129,28 +131,19 @@ def gradients(
         return {name: x.reshape(-1) for name, x in arrays.items()}, {name: x.shape for name, x in arrays.items()}
 
     def call(kernel, name, grid, scalars, inputs, outputs, compiler_params=parallel, scratch=None, aliases=None):
-        scratch, aliases = scratch or {}, aliases or {}
-        # an aliased input only seeds its output's values: the kernel reads the output (no name, bind skips it)
-        names = tuple(scalars) + tuple(None if x in aliases else x for x in inputs) + tuple(outputs) + tuple(scratch)
-        # aliases {input name: output name}: pallas_call counts the scalar-prefetch operands among the inputs
-        aliases = {len(scalars) + tuple(inputs).index(a): tuple(outputs).index(o) for a, o in aliases.items()}
-        grid_spec = pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=len(scalars),
+        return flash_call.named_call(
+            kernel,
+            (Refs, TpuRefs, tables_tpu.LaneRefs, pairs_tpu.PairRefs),
             grid=grid,
-            in_specs=[s for _, s in inputs.values()],
-            out_specs=[s for _, s in outputs.values()],
-            scratch_shapes=list(scratch.values()),
-        )
-        kinds = (Refs, TpuRefs, tpu_tables.LaneRefs, tpu_pairs.PairRefs)
-        return pl.pallas_call(
-            lambda *refs: kernel(bind(names, refs, *kinds)),
-            grid_spec=grid_spec,
-            out_shape=[shape for shape, _ in outputs.values()],
+            inputs=inputs,
+            outputs=outputs,
+            name=name,
             interpret=interpret,
             compiler_params=compiler_params,
-            input_output_aliases=aliases,
-            name=name,
-        )(*scalars.values(), *[x for x, _ in inputs.values()])
+            scalars=scalars,
+            scratch=scratch,
+            aliases=aliases,
+        )
 
     # dq: grid (b, n, query tile i), the forward's schedule
     scalars, shapes = scalar_inputs(side.order, side.counts)
@@ -195,14 +188,14 @@ def gradients(
             for name in names if getattr(lanes, table) else ():  # [Tb,E] float32 each (the section below)
                 scratch[name] = pltpu.VMEM((cfg.Tb, lanes.E), jnp.float32)
     aliases = {}
-    if pairs is not None:  # the tables in HBM, their gradients zeros in HBM, stored or added into in order (tpu_pairs)
-        inputs.update(tpu_pairs.inputs(pairs[1]))
+    if pairs is not None:  # the tables in HBM, their gradients zeros in HBM, stored or added into in order (pairs_tpu)
+        inputs.update(pairs_tpu.inputs(pairs[1]))
         for name, x in pairs[1].items():
-            dtype = tpu_pairs.gradient_dtype(pairs[0], name, x.dtype)
+            dtype = pairs_tpu.gradient_dtype(pairs[0], name, x.dtype)
             inputs["d_" + name + "_zeros"] = (jnp.zeros(x.shape, dtype), IN_HBM)
             outputs["d_" + name] = (jax.ShapeDtypeStruct(x.shape, dtype), IN_HBM)
             aliases["d_" + name + "_zeros"] = "d_" + name
-        scratch.update(tpu_pairs.scratch(pairs[0], pairs[1], Hp, Hvp, grads=True))
+        scratch.update(pairs_tpu.scratch(pairs[0], pairs[1], Hp, Hvp, grads=True))
 
     def dq(refs):
         r, own, lane_refs, pair_refs = refs
@@ -237,10 +230,10 @@ def gradients(
                 add_bias_grad=add,
             )
         if tables is not None:
-            hooks = merged(hooks, tpu_tables.dq_hooks(cfg, r, lane_refs, tables[0], i, p.T, S))
+            hooks = merged(hooks, tables_tpu.dq_hooks(cfg, r, lane_refs, tables[0], i, p.T, S))
         if pairs is not None:
-            hooks = merged(hooks, tpu_pairs.dq_hooks(pairs[0], r, pair_refs, n, i))
-        flash_gpu.dq_kernel(cfg, r, hooks)
+            hooks = merged(hooks, pairs_tpu.dq_hooks(pairs[0], r, pair_refs, n, i))
+        backward.dq_kernel(cfg, r, hooks)
 
     params = parallel if rows_of_grid is None and tables is None else by_rows
     if pairs is not None:  # every program may add into the same slices of a table's gradient: one at a time
@@ -285,7 +278,7 @@ def gradients(
             heads = x.shape[0] > 1
             inputs[name] = (x, spec((1, *x.shape[1:]), lambda b, h, j, g, heads=heads: (pick(heads, h * G + g), 0, 0)))
     if pairs is not None:
-        inputs.update(tpu_pairs.inputs(pairs[1]))
+        inputs.update(pairs_tpu.inputs(pairs[1]))
     outputs = {
         "dk": (jax.ShapeDtypeStruct(k.shape, k.dtype), spec((None, None, cfg.Sb, Hp), lambda b, h, j, g: (b, h, j, 0))),
         "dv": (
@@ -297,7 +290,7 @@ def gradients(
     if G > 1:  # dk and dv summed over the G programs in float32
         scratch = {"dk_sum": pltpu.VMEM((cfg.Sb, Hp), jnp.float32), "dv_sum": pltpu.VMEM((cfg.Sb, Hvp), jnp.float32)}
     if pairs is not None:
-        scratch.update(tpu_pairs.scratch(pairs[0], pairs[1], Hp, Hvp, grads=False))
+        scratch.update(pairs_tpu.scratch(pairs[0], pairs[1], Hp, Hvp, grads=False))
     if stream_queries:  # one query tile of q and do at a time, copied in from HBM
         scratch.update(
             q_tile=pltpu.VMEM((cfg.Tb, Hp), q.dtype),
@@ -334,10 +327,10 @@ def gradients(
                 bias_of_query_tile=lambda g, i: toeplitz_tile(rows_of_bias.at[0], bias_start(i, j), cfg.Tb, cfg.Sb)
             )
         if tables is not None:
-            hooks = merged(hooks, tpu_tables.dkv_hooks(cfg, r, lane_refs, tables[0], j, p.T, S))
+            hooks = merged(hooks, tables_tpu.dkv_hooks(cfg, r, lane_refs, tables[0], j, p.T, S))
         if pairs is not None:
-            hooks = merged(hooks, tpu_pairs.dkv_hooks(pairs[0], r, pair_refs, lambda g: h * G + g, j))
-        flash_gpu.dkv_kernel(cfg, r, hooks)
+            hooks = merged(hooks, pairs_tpu.dkv_hooks(pairs[0], r, pair_refs, lambda g: h * G + g, j))
+        backward.dkv_kernel(cfg, r, hooks)
 
     by_heads = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
     dk, dv = call(dkv, "jaxattn_flex_tpu_dkv", (B, K, cfg.Sn, G), scalars, inputs, outputs, by_heads, scratch)

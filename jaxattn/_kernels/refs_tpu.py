@@ -1,5 +1,5 @@
-"""What the TPU kernels (flex_tpu, its backward tpu_backward) share: views of refs that let the shared kernel
-bodies (tile_body, flash_gpu's dq and dk/dv kernels) read them as the GPU layout's (a [1,L] row read as [L]: Row;
+"""What the TPU kernels (flex_tpu, its backward flex_tpu_vjp) share: views of refs that let the shared kernel
+bodies (flash.forward, flash.backward) read them as the GPU layout's (a [1,L] row read as [L]: Row;
 a schedule flattened into SMEM read at a program's indices: Scalars), lane-aligned windows (lane_window), and the
 lane rolls that move a tile's entries onto its diagonals and back (a position term of j - i without a gather or
 a scatter: toeplitz_tile, diagonals, undiagonals)."""
@@ -16,7 +16,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 LANES = 128
 SUBLANES = 8  # the rows of a 32-bit vreg
-# An input or output left in HBM (memory space ANY): the kernel copies what it needs itself (Streamed, tpu_pairs).
+# An input or output left in HBM (memory space ANY): the kernel copies what it needs itself (Streamed, pairs_tpu).
 IN_HBM = pl.BlockSpec(memory_space=pl.ANY)
 
 
@@ -85,7 +85,7 @@ class Streamed:
     """One head's rows of an array left in HBM ([B,heads,L,F]: keys, values, queries or their cotangent), read as
     a kernel reads its whole VMEM block: [rows, columns] (or [rows, g, columns], the dk/dv kernel's reading of
     query head g, the head fixed here) copies those rows of head (b, h) into a VMEM tile and waits for the copy
-    (rows past tpu_backward.MAX_ROWS_BYTES; the wait is not hidden, and not timed: no TPU has been lent)."""
+    (rows past flex_tpu_vjp.MAX_ROWS_BYTES; the wait is not hidden, and not timed: no TPU has been lent)."""
 
     def __init__(self, ref, tile, sem, b, h, one_head_of_many=False):
         self.ref, self.tile, self.sem, self.b, self.h = ref, tile, sem, b, h

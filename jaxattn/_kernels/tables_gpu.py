@@ -8,9 +8,9 @@ the tables' rows (band: all of [-m, m] for given positions, else the core's defa
 clipped to it), D = hi - lo + 1 rows, padded to Dp columns (padded_columns):
 
   key term    QA = q . A^K[band]^T, [B,N,Tp,Dp] per query row (row_bias, here, one matmul); each tile adds
-              QA[t, clip(j - i, lo, hi) - lo] to q k^T (tile_body.pick_rows: a gather from the block of its
+              QA[t, clip(j - i, lo, hi) - lo] to q k^T (tile_math.pick_rows: a gather from the block of its
               query rows). Its gradient, d QA (the logits' gradient summed by column: the dq kernel's
-              tile_body.add_by_column), goes back to q and A^K through XLA's autodiff of row_bias.
+              tile_math.add_by_column), goes back to q and A^K through XLA's autodiff of row_bias.
   value term  the forward kernel sums each row's probabilities by column, P [B,N,Tp,Dp] (rescaled with the
               online softmax as the output is, divided by l at the end), and value_term adds P @ A^V[band]
               here. P's cotangent dP = dz A^V^T comes back into the kernels' backward: d p[t,s] += dP[t, c],
@@ -39,7 +39,7 @@ import jax.numpy as jnp
 
 from .._core.dtypes import accumulation_dtype
 from .._core.row_tables import per_key_logits, per_row_logits
-from .tile_body import ROW_CHUNK
+from .flash.tile_math import ROW_CHUNK
 
 # The widest band of table rows (Dp) the kernel takes: QA, P and their gradients are [B,N,Tp,Dp] float32,
 # and the forward rescales a [Tb,Dp] block in 64-column steps whenever a row's running max moves.

@@ -49,13 +49,22 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .._core import checks, mods
+from .._core import checks
 from .._core.call import AttentionCall
 from .._core.dtypes import accumulation_dtype
-from .._core.softmax import add_sinks, combine_partials, empty_partial, finalize_partial, has_keys
+from .._core.softmax import (
+    add_sinks,
+    combine_partials,
+    empty_partial,
+    finalize_partial,
+    logits_grad,
+    probabilities,
+)
 from . import flash_gpu
+from .flash import backward, plan, sizes
+from .flash.config import Side
 from .flash.refs import Refs
-from .tile_body import Side, allowed_in_tile, capped_logits, dot, load, load_all, program_schedule, schedule, visit
+from .flash.tile_math import allowed_in_tile, capped_logits, dot, load, load_all, program_schedule, schedule, visit
 
 # Tiles (queries x keys) on a GPU with per-pair tables, and the features of a table read at once: a float32
 # [16,16,16] block is 4096 floats, 32 registers a thread at 4 warps (flash_gpu's 128 x 64 tiles would give
@@ -115,15 +124,15 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
 def pair_blocks(T: int, S: int, interpret: bool) -> tuple:
     """(Tb, Sb): PAIR_BLOCKS on a GPU (INTERPRET_BLOCK interpreted), shrunk to the next power of two of T / S
     (never below MIN_GPU_BLOCK on a GPU)."""
-    wanted = (flash_gpu.INTERPRET_BLOCK,) * 2 if interpret else PAIR_BLOCKS
-    floor = 1 if interpret else flash_gpu.MIN_GPU_BLOCK
-    return tuple(min(b, max(floor, flash_gpu.next_power_of_two(L))) for b, L in zip(wanted, (T, S)))
+    wanted = (sizes.INTERPRET_BLOCK,) * 2 if interpret else PAIR_BLOCKS
+    floor = 1 if interpret else sizes.MIN_GPU_BLOCK
+    return tuple(min(b, max(floor, sizes.next_power_of_two(L))) for b, L in zip(wanted, (T, S)))
 
 
 def run(call: AttentionCall, query, key, value, interpret):
     """pallas_gpu.attention for a call with per-pair tables (unsupported() accepts it; T, S > 0)."""
     T, S = query.shape[-3], key.shape[-3]
-    p = flash_gpu.prepare(
+    p = plan.prepare(
         call.replace(rel_key=None, rel_value=None), query, key, value, interpret, blocks=pair_blocks(T, S, interpret)
     )
     N, H, Hv = query.shape[-2], query.shape[-1], value.shape[-1]
@@ -140,7 +149,7 @@ def run(call: AttentionCall, query, key, value, interpret):
     owned = [a is not None and B == 1 and a.shape[2] == N for a in (a_k, a_v)]
     pairs = Pairs(a_k is not None, a_v is not None, _shared(a_k), _shared(a_v), chunk, *owned)
     out, lse = _attend(p.cfg, pairs, p.q, p.k, p.v, p.side, a_k, a_v)
-    return flash_gpu.finish(p, out, lse, call.return_lse)
+    return plan.finish(p, out, lse, call.return_lse)
 
 
 def _shared(table) -> bool:
@@ -181,20 +190,6 @@ def _row_term(row_chunk, ref, rows, keys, head, chunks, dtype):
 def _pair_sum(weights, ref, rows, keys, head, cols, dtype):
     """sum_s w[t,s] A[t,s,cols]: [Tb,w]."""
     return jnp.sum(weights[:, :, None] * _slice(ref, rows, keys, cols, head, dtype), axis=1)
-
-
-def _probabilities(capped, lse, allowed):
-    """p recomputed from the saved lse (a row with no allowed key: masked to 0)."""
-    p = jnp.exp(capped - jnp.where(has_keys(lse), lse, 0)[:, None])
-    return p if allowed is None else jnp.where(allowed, p, 0)
-
-
-def _logit_grad(cfg, p, dp, delta, capped):
-    """d loss / d (q k^T + q . A^K): p (dp - delta), through softcap's derivative, times the scale."""
-    ds = p * (dp - delta[:, None])
-    if cfg.softcap is not None:
-        ds = ds * mods.softcap_grad(capped, cfg.softcap)
-    return ds * cfg.scale
 
 
 def _forward_kernel(pairs: Pairs, cfg, r: Refs):
@@ -257,14 +252,14 @@ def _dq_kernel(pairs: Pairs, cfg, r: Refs):
             term = _row_term(lambda c: r.q[:, c], r.rel_key, every, keys, None, q_chunks, acc_dtype)
         capped = capped_logits(cfg, q, k, term)
         allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
-        p = _probabilities(capped, lse, allowed)
+        p = probabilities(capped, lse[:, None], allowed)
         dp = dot(do, v, cfg, (1, 1))
         if pairs.value:  # out += p . A^V: dp += dO . A^V, and d A^V = p dO
             dp = dp + _row_term(lambda c: r.do[:, c], r.rel_value, every, keys, None, v_chunks, acc_dtype)
             for cols in v_chunks:
                 d_pair = p[:, :, None] * r.do[:, cols].astype(acc_dtype)[:, None, :]
                 _write(r.d_rel_value, (every, keys, cols), d_pair, pairs.value_owned)
-        ds = _logit_grad(cfg, p, dp, delta, capped)
+        ds = backward.product_grad(cfg, logits_grad(p, dp, delta[:, None]), capped)
         new = []
         for chunk, cols in zip(dq, q_chunks):
             chunk = chunk + dot(ds.astype(k.dtype), r.k[keys, cols], cfg)
@@ -311,12 +306,12 @@ def _dkv_kernel(pairs: Pairs, cfg, r: Refs):
             term = _row_term(lambda c: r.q[rows, g, c], r.rel_key, rows, every, head, q_chunks, acc_dtype)
         capped = capped_logits(cfg, q, k, term)
         allowed = allowed_in_tile(cfg, kind, b, n, qp, kp, s0, lengths, q_seg, k_seg, mask_consts)
-        p = _probabilities(capped, lse, allowed)
+        p = probabilities(capped, lse[:, None], allowed)
         dp = dot(do, v, cfg, (1, 1))
         if pairs.value:
             head = None if pairs.value_shared else g
             dp = dp + _row_term(lambda c: r.do[rows, g, c], r.rel_value, rows, every, head, v_chunks, acc_dtype)
-        ds = _logit_grad(cfg, p, dp, delta, capped)
+        ds = backward.product_grad(cfg, logits_grad(p, dp, delta[:, None]), capped)
         dv = dv + dot(p.astype(do.dtype), do, cfg, (0, 0))
         dk = dk + dot(ds.astype(q.dtype), q, cfg, (0, 0))
         return dk, dv
@@ -399,7 +394,7 @@ def _attend_bwd(cfg, pairs, res, cotangents):
     G = N // K
     acc_dtype = accumulation_dtype(q.dtype)
     d_out = d_out.astype(q.dtype)
-    delta = flash_gpu.row_delta(out, d_out, d_lse, Tp, acc_dtype)  # out holds p . A^V too
+    delta = backward.row_delta(out, d_out, d_lse, Tp, acc_dtype)  # out holds p . A^V too
 
     inputs, specs = flash_gpu.row_inputs(cfg, side, Hp, Hvp)
     inputs.update(
@@ -445,7 +440,7 @@ def _attend_bwd(cfg, pairs, res, cotangents):
         cfg, dkv_kernel, (B, K, cfg.Sn), kv_inputs, kv_outputs, "jaxattn_pairs_dkv", num_stages=PAIR_STAGES
     )
 
-    d_sinks = None if side.sinks is None else flash_gpu.sinks_grad(side.sinks, lse, delta)
+    d_sinks = None if side.sinks is None else backward.sinks_grad(side.sinks, lse, delta)
     d_side = Side(*(None,) * len(side))._replace(
         sinks=d_sinks, score_consts=(), mask_consts=tuple(None for _ in side.mask_consts)
     )
