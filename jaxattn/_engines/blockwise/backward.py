@@ -15,7 +15,7 @@ from ..._core import mods
 from ..._core.dtypes import accumulation_dtype
 from ..._core.masks import CLEAN
 from ..._core.placement import placed_as, zeros_beside
-from ..._core.softmax import has_keys
+from ..._core.softmax import logits_grad, probabilities
 from .buckets import apply_table, bucket_index, bucket_sums, gather_buckets, table_grad, table_products
 from .layout import einsum, slice_block
 from .logits import allowed_in_tile, capped_logits, corner_offset, hook_bias, tile_score
@@ -56,7 +56,6 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
     Sp, Sb, acc_dtype = keys.k.shape[2], cfg.Sb, accumulation_dtype(q_blk.dtype)
     R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
     key_table, value_table, scale = shared.key_table, shared.value_table, shared.scale
-    lse_blk = jnp.where(has_keys(rows.lse), rows.lse, 0)  # empty rows: every p is masked to 0 anyway
     per_bucket = None if key_table is None else table_products(q_blk, key_table, K, cfg, acc_dtype)
     do_table = None if value_table is None else table_products(do_blk, value_table, K, cfg, acc_dtype)
 
@@ -74,10 +73,8 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
         score_vjp = None
         if cfg.terms.score_fn is not None:
             x, score_vjp = jax.vjp(tile_score(cfg, qp, kp, B, K, arrays), x, arrays.score_consts)
-        p = jnp.exp(x - lse_blk[..., None])
         allowed = None if kind == CLEAN else allowed_in_tile(cfg, qp, kp, j, keys.lengths, arrays, kind, B, K)
-        if allowed is not None:
-            p = jnp.where(allowed, p, 0)
+        p = probabilities(x, rows.lse[..., None], allowed)
         dv_blk = einsum("bkgts,bkgtv->bksv", p.astype(do_blk.dtype), do_blk, cfg, acc_dtype)
         dp = einsum("bkgtv,bksv->bkgts", do_blk, v_blk, cfg, acc_dtype)
         if pair_v is not None:  # out += p . A^V: dp += d_out . A^V, d A^V = p d_out (summed over the batch)
@@ -88,7 +85,7 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
             dp = dp + gather_buckets(do_table, index)
             if rows.value_buckets is None:  # else p_buckets already holds the forward's sums
                 acc = acc._replace(p_buckets=acc.p_buckets + bucket_sums(p, index, R, corner_offset(cfg, qp, kp)))
-        ds = p * (dp - delta[..., None])  # d loss / d x (the final logits)
+        ds = logits_grad(p, dp, delta[..., None])  # d loss / d x (the final logits)
         if score_vjp is not None:  # d loss / d (logits before score_mod), and d score_mod's arrays
             ds, d_s = score_vjp(ds)
             acc = acc._replace(score_consts=tuple(a if a is None else a + g for a, g in zip(acc.score_consts, d_s)))
@@ -161,7 +158,7 @@ def _bwd_keys_major(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared:
     q_blk, qp, arrays = tile.q, tile.pos, tile.arrays
     B, K = q_blk.shape[:2]
     Sb, acc_dtype, scale, cap = cfg.Sb, accumulation_dtype(q_blk.dtype), shared.scale, cfg.terms.softcap
-    lse = jnp.where(has_keys(rows.lse), rows.lse, 0)[:, :, None]  # [B,K,1,G,Tb]; empty rows: p masked to 0
+    lse = rows.lse[:, :, None]  # [B,K,1,G,Tb]
     delta = rows.delta[:, :, None]
     q_t = jnp.moveaxis(q_blk, -1, 2)  # [B,K,H,G,Tb], once per query tile
     do_t = jnp.moveaxis(rows.d_out, -1, 2)  # [B,K,Hv,G,Tb]
@@ -172,13 +169,11 @@ def _bwd_keys_major(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared:
         k_blk, v_blk = slice_block(keys.k, s0, Sb, 2), slice_block(keys.v, s0, Sb, 2)
         x_t = einsum("bksh,bkhgt->bksgt", k_blk, q_t, cfg, acc_dtype)
         capped = mods.softcap(x_t if scale is None else x_t * scale, cap)
-        p_t = jnp.exp(capped - lse)
         kp = slice_block(keys.pos, s0, Sb, -1)
         allowed = None if kind == CLEAN else allowed_in_tile(cfg, qp, kp, j, keys.lengths, arrays, kind, B, K)
-        if allowed is not None:
-            p_t = jnp.where(_keys_major(allowed), p_t, 0)
+        p_t = probabilities(capped, lse, None if allowed is None else _keys_major(allowed))
         dv_blk = einsum("bksgt,bkgtv->bksv", p_t.astype(rows.d_out.dtype), rows.d_out, cfg, acc_dtype)
-        ds_t = p_t * (einsum("bksv,bkvgt->bksgt", v_blk, do_t, cfg, acc_dtype) - delta)  # d loss / d logits
+        ds_t = logits_grad(p_t, einsum("bksv,bkvgt->bksgt", v_blk, do_t, cfg, acc_dtype), delta)  # d loss / d logits
         if cap is not None:
             ds_t = ds_t * mods.softcap_grad(capped, cap)
         if scale is not None:
