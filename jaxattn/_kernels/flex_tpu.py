@@ -403,210 +403,23 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
     call = call.replace(block_size=None)  # the kernel's tiles are its own
     if query.shape[-3] == 0 or key.shape[-3] == 0:
         return blockwise.tiled(call, query, key, value)
-    # Differentiable inputs are explicit (custom_vjp): q, k, v, sinks, the score_mod's closed-over arrays
-    # (traced out of it) and the position bias's (below); the rest (positions, lengths, segment ids,
-    # mask_mod, BlockMask) is closed over.
-    score = mods.element_function("score_mod", call.score_mod, accumulation_dtype(query.dtype))
-    consts = () if score is None else tuple(jnp.asarray(c) for c in score.consts)
-    T, S = query.shape[-3], key.shape[-3]
-    table_bias = isinstance(call.position_bias, TableBias)
-    offsets = None if call.position_bias is None or table_bias else call.position_bias.offset_range(T, S, True)
-    # What the kernel reads of a position bias: its rows, differentiable (flex_tpu_vjp's cotangent for them
-    # reaches the table or slopes through rows(); under the XLA backward they get zeros, the engine's formula
-    # the gradient); a window's table, which only the engine differentiates
-    bias_rows = None if offsets is None else call.position_bias.rows(*offsets)
-    if table_bias:
-        bias_rows = lax.stop_gradient(jnp.asarray(call.position_bias.table))
-    blocks = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else (LANES, LANES)
-    # What the kernel reads of Shaw's tables or DeBERTa's, by name: differentiable inputs, as the bias rows
-    # (flex_tpu_vjp's cotangent for their lanes reaches the tables through them; under the XLA backward they get
-    # zeros, the engine's formula the gradient, through the closure conversion below)
-    table_arrays = position_tables(call, query, key, value)
-    pair_arrays = pair_inputs(call, query, key, value)  # per-pair tables: differentiable inputs too (pairs_tpu)
-
-    # The call's index arrays and BlockMask are inputs too (with zero cotangents): a custom VJP that closed
-    # over them would capture the tracers of an enclosing trace (jit of grad of an eager-compiled call).
-    indices = {name: getattr(call, name) for name in (*INDEX_ARRAYS, "block_mask") if getattr(call, name) is not None}
-
-    def with_inputs(sinks, consts, indices):  # the call, its array parts replaced by the custom VJP's inputs
-        inner = call.replace(sinks=sinks, **indices)
-        if score is None:
-            return inner
-        return inner.replace(score_mod=lambda x, b, n, t, s: score.fn(x, b, n, t, s, *consts))
-
-    def engine(query, key, value, sinks, consts, indices):  # the XLA blockwise engine on the call
-        if offsets is not None and bias_rows.ndim > 2:  # a bias per batch entry (ALiBi's per-example slopes):
-            # the engine takes one from positions with a batch axis (the default positions, written out)
-            batch = query.shape[:-3]
-            indices = dict(
-                indices,
-                query_positions=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (*batch, T)),
-                key_positions=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (*batch, S)),
-            )
-        inner = with_inputs(sinks, consts, indices)
-        if call.row_tables is not None:  # DeBERTa's terms: no XLA engine takes RowTables; as a score_mod
-            scale = query.shape[-1] ** -0.5 if call.scale is None else call.scale
-            acc_dtype = accumulation_dtype(query.dtype)
-            score_mod = row_tables.as_score_mod(
-                call.row_tables, query, key, scale, call.precision, acc_dtype, inner.score_mod
-            )
-            inner = inner.replace(row_tables=None, score_mod=score_mod)
-        return blockwise.tiled(inner, query, key, value)
-
-    # A position bias closes over its table or slopes, the call over Shaw's or DeBERTa's tables: closure
-    # conversion of the engine's attention turns them into explicit inputs, differentiated by the engine's
-    # backward with the scheme's own formula (its memory as the engine's: a gather from the rows, T + S of
-    # them for ALiBi, took a TPU far more).
-    lanes = INTERPRET_BLOCK if interpret else LANES
-    refusal = flex_tpu_vjp.backward_refusal(call, query, bool(consts))
-    if refusal is None and table_arrays:
-        layout = tables_tpu.table_layout(call, *blocks, T, S)
-        refusal = tables_tpu.backward_refusal(layout, S, query.shape[-1], value.shape[-1], query.dtype, lanes)
-    kernel_backward = refusal is None
-    engine_consts = ()
-    if call.position_bias is not None or table_arrays or pair_arrays:
-        engine, engine_consts = jax.closure_convert(engine, query, key, value, call.sinks, consts, indices)
-
-    def forward(a: KernelArgs):
-        """(the call's result, the kernel's lse [B,N,Tp])"""
-        query, key, value, bias_rows, table_arrays, pair_arrays = (
-            a.query,
-            a.key,
-            a.value,
-            a.bias_rows,
-            a.table_arrays,
-            a.pair_arrays,
-        )
-        inner = with_inputs(a.sinks, a.consts, a.indices)
-        if offsets is not None:
-            inner = inner.replace(position_bias=of_rows(bias_rows, *offsets))  # the same bias, from its rows
-        if table_bias:  # the same bias, from the input table
-            inner = inner.replace(position_bias=dataclasses.replace(call.position_bias, table=bias_rows))
-        p = prepare(inner, query, key, value)
-        tables = None
-        if table_arrays:
-            Hp, Hvp = p.q.shape[-1], p.v.shape[-1]
-            acc_dtype = accumulation_dtype(query.dtype)
-            tables = tables_tpu.call_lanes(call, table_arrays, p.cfg.Tb, p.cfg.Sb, T, S, Hp, Hvp, acc_dtype)
-        pairs = laid_pairs(pair_arrays, p, interpret) if pair_arrays else None
-        out, lse = _forward(p, S, interpret, pair_bias_of_grid(p) if table_bias else None, tables, pairs)
-        return plan.finish(p, out, lse, inner.return_lse), lse
-
-    def prepare(inner, query, key, value):
-        # the tables reach the kernels as table_arrays' lanes (tables_tpu.call_lanes), not as prepare's per-row arrays
-        inner = inner.replace(key_table=None, value_table=None, max_distance=None, row_tables=None)
-        inner = inner.replace(rel_key=None, rel_value=None)  # per-pair tables: laid_pairs' arrays
-        return plan.prepare(
-            inner, query, key, value, interpret, blocks=blocks, head_multiple=None if interpret else LANES
-        )
+    flex, args = of_call(call, query, key, value, interpret)
 
     @jax.custom_vjp
     def run(args: KernelArgs):
-        return forward(args)[0]
+        return flex.forward(args)[0]
 
     def run_fwd(args: KernelArgs):
-        result, lse = forward(args)
+        result, lse = flex.forward(args)
         return result, (args, result, lse)
-
-    def kernel_grads(args: KernelArgs, result, lse, cotangent) -> Optional[KernelArgs]:
-        """The cotangents of args by flex_tpu_vjp's kernels (None: the call has a term they lack)."""
-        query, key, value, sinks, bias_rows, table_arrays, pair_arrays = (
-            args.query,
-            args.key,
-            args.value,
-            args.sinks,
-            args.bias_rows,
-            args.table_arrays,
-            args.pair_arrays,
-        )
-        inner = with_inputs(sinks, args.consts, args.indices)
-
-        def with_rows(inner, rows):  # the position bias read from its rows, as the forward reads it
-            return inner if offsets is None else inner.replace(position_bias=of_rows(rows, *offsets))
-
-        p = prepare(with_rows(inner, bias_rows), query, key, value)
-        if p.side.score_consts or p.side.mask_consts:
-            return None
-        batch, N, Hv = query.shape[:-3], query.shape[-2], value.shape[-1]
-        B, Tp, Hvp = p.q.shape[0], p.cfg.Tn * p.cfg.Tb, p.v.shape[-1]
-        out, d_out = (result[0], cotangent[0]) if call.return_lse else (result, cotangent)
-        d_lse = cotangent[1].reshape(B, N, T) if call.return_lse else None
-        rows = lambda x: x.reshape(B, T, N, Hv)  # noqa: E731
-        delta = backward.row_delta(rows(out), rows(d_out), d_lse, Tp, accumulation_dtype(query.dtype))
-        d_out = plan.kernel_layout(d_out, batch, T, Tp, Hvp)
-        rows_of_grid = None if offsets is None else offset_rows_of_grid(p, S)
-        Hp, acc_dtype = p.q.shape[-1], accumulation_dtype(query.dtype)
-
-        def lanes_of(table_arrays):  # the tables' lanes, as the forward lays them out
-            return tables_tpu.call_lanes(call, table_arrays, p.cfg.Tb, p.cfg.Sb, T, S, Hp, Hvp, acc_dtype)
-
-        tables = lanes_of(table_arrays) if table_arrays else None
-        pairs = laid_pairs(pair_arrays, p, interpret) if pair_arrays else None
-        dq, dk, dv, d_rows, d_lanes, d_laid = flex_tpu_vjp.gradients(
-            p, lse, delta, d_out, interpret, rows_of_grid, tables, S, pairs
-        )
-        d_sinks = None if p.side.sinks is None else backward.sinks_grad(p.side.sinks, lse, delta)
-        if d_rows is not None and rows_of_grid.shape[0] == 1:  # one set of rows for every batch entry
-            d_rows = jnp.sum(d_rows, axis=0, keepdims=True)
-        d_tables = zeros_like_tree(table_arrays)
-        if tables is not None:  # d lanes [B,N,E,F], one per (b, n): summed over the batch (a shared table's
-            # [1,E,F] over the heads too), then pulled back through the layout to the tables
-
-            def summed(d, laid):
-                d = jnp.sum(d, axis=0, keepdims=laid.shape[0] == 1)
-                return jnp.sum(d, axis=1) if laid.shape[0] == 1 else d
-
-            d_lanes = {name: summed(d, tables[1][name]).astype(tables[1][name].dtype) for name, d in d_lanes.items()}
-            d_tables = jax.vjp(lambda t: lanes_of(t)[1], table_arrays)[1](d_lanes)[0]
-        d_pairs = zeros_like_tree(pair_arrays)
-        if pairs is not None:  # [Tp,Nt,F,Sp], summed over the batch (and a shared table's heads) in the
-            # kernel: pulled back through the layout
-            d_laid = {name: d.astype(pairs[1][name].dtype) for name, d in d_laid.items()}
-            d_pairs = jax.vjp(lambda t: laid_pairs(t, p, interpret)[1], pair_arrays)[1](d_laid)[0]
-
-        def layout(query, key, value, sinks, bias_rows):  # prepare's arrays: pulled back, the padding drops
-            laid = prepare(with_rows(inner.replace(sinks=sinks), bias_rows), query, key, value)
-            grid_rows = None if offsets is None else offset_rows_of_grid(laid, S)
-            return laid.q, laid.k, laid.v, laid.side.sinks, grid_rows
-
-        dq, dk, dv, d_sinks, d_bias_rows = jax.vjp(layout, query, key, value, sinks, bias_rows)[1](
-            (dq, dk, dv, d_sinks, d_rows)
-        )
-        # no score_mod consts (backward_refusal); the position bias's through bias_rows, the engine's consts none
-        zeros = zeros_like_tree(args)
-        return zeros._replace(
-            query=dq, key=dk, value=dv, sinks=d_sinks, bias_rows=d_bias_rows, table_arrays=d_tables, pair_arrays=d_pairs
-        )
 
     def run_bwd(residuals, cotangent):
         args, result, lse = residuals
-        grads = kernel_grads(args, result, lse, cotangent) if kernel_backward else None
-        if grads is not None:
-            return (grads,)
-        # the XLA blockwise engine's backward (it recomputes its own forward); the bias's through engine_consts
-        _, engine_vjp = jax.vjp(
-            lambda query, key, value, sinks, consts, engine_consts: engine(
-                query, key, value, sinks, consts, args.indices, *engine_consts
-            ),
-            args.query,
-            args.key,
-            args.value,
-            args.sinks,
-            args.consts,
-            args.engine_consts,
-        )
-        dq, dk, dv, d_sinks, d_consts, d_engine_consts = engine_vjp(cotangent)
-        zeros = zeros_like_tree(args)
-        return (
-            zeros._replace(query=dq, key=dk, value=dv, sinks=d_sinks, consts=d_consts, engine_consts=d_engine_consts),
-        )
+        grads = flex.kernel_grads(args, result, lse, cotangent) if flex.kernel_backward else None
+        return (flex.engine_grads(args, cotangent) if grads is None else grads,)
 
     run.defvjp(run_fwd, run_bwd)
-    return run(
-        KernelArgs(
-            query, key, value, call.sinks, consts, tuple(engine_consts), bias_rows, table_arrays, pair_arrays, indices
-        )
-    )
+    return run(args)
 
 
 class KernelArgs(NamedTuple):
@@ -626,6 +439,218 @@ class KernelArgs(NamedTuple):
     table_arrays: dict
     pair_arrays: dict
     indices: dict
+
+
+def of_call(call: AttentionCall, query, key, value, interpret: bool) -> tuple:
+    """(Flex, KernelArgs) of a call: what stays static and what is differentiated.
+
+    Differentiable inputs are explicit (custom_vjp): q, k, v, sinks, the score_mod's closed-over arrays (traced
+    out of it), a position bias's rows, Shaw's / DeBERTa's / per-pair tables; the rest (positions, lengths,
+    segment ids, mask_mod, BlockMask) are index inputs with zero cotangents."""
+    score = mods.element_function("score_mod", call.score_mod, accumulation_dtype(query.dtype))
+    consts = () if score is None else tuple(jnp.asarray(c) for c in score.consts)
+    T, S = query.shape[-3], key.shape[-3]
+    table_bias = isinstance(call.position_bias, TableBias)
+    offsets = None if call.position_bias is None or table_bias else call.position_bias.offset_range(T, S, True)
+    # What the kernel reads of a position bias: its rows, differentiable (flex_tpu_vjp's cotangent for them
+    # reaches the table or slopes through rows(); under the XLA backward they get zeros, the engine's formula
+    # the gradient); a window's table, which only the engine differentiates
+    bias_rows = None if offsets is None else call.position_bias.rows(*offsets)
+    if table_bias:
+        bias_rows = lax.stop_gradient(jnp.asarray(call.position_bias.table))
+    blocks = (INTERPRET_BLOCK, INTERPRET_BLOCK) if interpret else (LANES, LANES)
+    # What the kernel reads of Shaw's tables or DeBERTa's, by name: differentiable inputs, as the bias rows
+    # (flex_tpu_vjp's cotangent for their lanes reaches the tables through them; under the XLA backward they get
+    # zeros, the engine's formula the gradient, through the closure conversion below)
+    table_arrays = position_tables(call, query, key, value)
+    pair_arrays = pair_inputs(call, query, key, value)  # per-pair tables: differentiable inputs too (pairs_tpu)
+    # The call's index arrays and BlockMask are inputs too (with zero cotangents): a custom VJP that closed
+    # over them would capture the tracers of an enclosing trace (jit of grad of an eager-compiled call).
+    indices = {name: getattr(call, name) for name in (*INDEX_ARRAYS, "block_mask") if getattr(call, name) is not None}
+    lanes = INTERPRET_BLOCK if interpret else LANES
+    refusal = flex_tpu_vjp.backward_refusal(call, query, bool(consts))
+    if refusal is None and table_arrays:
+        layout = tables_tpu.table_layout(call, *blocks, T, S)
+        refusal = tables_tpu.backward_refusal(layout, S, query.shape[-1], value.shape[-1], query.dtype, lanes)
+    rows_per_example = offsets is not None and bias_rows.ndim > 2
+    flex = Flex(call, score, offsets, table_bias, rows_per_example, T, S, blocks, interpret, refusal is None, None)
+    engine, engine_consts = flex.engine, ()
+    # A position bias closes over its table or slopes, the call over Shaw's or DeBERTa's tables: closure
+    # conversion of the engine's attention turns them into explicit inputs, differentiated by the engine's
+    # backward with the scheme's own formula (its memory as the engine's: a gather from the rows, T + S of
+    # them for ALiBi, took a TPU far more).
+    if call.position_bias is not None or table_arrays or pair_arrays:
+        engine, engine_consts = jax.closure_convert(engine, query, key, value, call.sinks, consts, indices)
+    flex = dataclasses.replace(flex, converted=engine)
+    args = KernelArgs(
+        query, key, value, call.sinks, consts, tuple(engine_consts), bias_rows, table_arrays, pair_arrays, indices
+    )
+    return flex, args
+
+
+@dataclasses.dataclass(frozen=True)
+class Flex:
+    """One call's static side in the flex kernel's custom VJP: the call, its score_mod traced out of its
+    arrays, a position bias's offsets (or a window's table bias), the tiles, and which backward runs
+    (kernel_backward: flex_tpu_vjp's kernels; else `converted`, the XLA engine's attention closure-converted
+    to take the bias's and tables' arrays as inputs)."""
+
+    call: AttentionCall
+    score: Any  # mods.ElementProgram of score_mod, or None
+    offsets: Any  # the position bias's offset range, or None
+    table_bias: bool  # a window's TableBias (read from the input table)
+    rows_per_example: bool  # the bias rows differ by batch entry (ALiBi's per-example slopes)
+    T: int
+    S: int
+    blocks: tuple
+    interpret: bool
+    kernel_backward: bool
+    converted: Any  # (query, key, value, sinks, consts, indices, *engine_consts) -> the engine's result
+
+    def inner(self, sinks, consts, indices) -> AttentionCall:
+        """The call, its array parts replaced by the custom VJP's inputs."""
+        inner = self.call.replace(sinks=sinks, **indices)
+        if self.score is None:
+            return inner
+        score = self.score
+        return inner.replace(score_mod=lambda x, b, n, t, s: score.fn(x, b, n, t, s, *consts))
+
+    def from_rows(self, inner: AttentionCall, rows) -> AttentionCall:
+        """The position bias read from its rows, as the kernels read it."""
+        return inner if self.offsets is None else inner.replace(position_bias=of_rows(rows, *self.offsets))
+
+    def engine(self, query, key, value, sinks, consts, indices):
+        """The XLA blockwise engine on the call."""
+        call, T, S = self.call, self.T, self.S
+        if self.rows_per_example:  # a bias per batch entry (ALiBi's per-example slopes): the engine takes one
+            # from positions with a batch axis (the default positions, written out)
+            batch = query.shape[:-3]
+            indices = dict(
+                indices,
+                query_positions=jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (*batch, T)),
+                key_positions=jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (*batch, S)),
+            )
+        inner = self.inner(sinks, consts, indices)
+        if call.row_tables is not None:  # DeBERTa's terms: no XLA engine takes RowTables; as a score_mod
+            scale = query.shape[-1] ** -0.5 if call.scale is None else call.scale
+            acc_dtype = accumulation_dtype(query.dtype)
+            score_mod = row_tables.as_score_mod(
+                call.row_tables, query, key, scale, call.precision, acc_dtype, inner.score_mod
+            )
+            inner = inner.replace(row_tables=None, score_mod=score_mod)
+        return blockwise.tiled(inner, query, key, value)
+
+    def prepare(self, inner: AttentionCall, query, key, value) -> plan.Prepared:
+        # the tables reach the kernels as table_arrays' lanes (tables_tpu.call_lanes), not as prepare's per-row arrays
+        inner = inner.replace(key_table=None, value_table=None, max_distance=None, row_tables=None)
+        inner = inner.replace(rel_key=None, rel_value=None)  # per-pair tables: laid_pairs' arrays
+        head_multiple = None if self.interpret else LANES
+        return plan.prepare(inner, query, key, value, self.interpret, blocks=self.blocks, head_multiple=head_multiple)
+
+    def lanes(self, p: plan.Prepared, table_arrays):
+        """The tables' lanes (tables_tpu.call_lanes), as the forward lays them out."""
+        acc_dtype = accumulation_dtype(p.q.dtype)
+        Hp, Hvp = p.q.shape[-1], p.v.shape[-1]
+        return tables_tpu.call_lanes(self.call, table_arrays, p.cfg.Tb, p.cfg.Sb, self.T, self.S, Hp, Hvp, acc_dtype)
+
+    def forward(self, a: KernelArgs):
+        """(the call's result, the kernel's lse [B,N,Tp])"""
+        inner = self.from_rows(self.inner(a.sinks, a.consts, a.indices), a.bias_rows)
+        if self.table_bias:  # the same bias, from the input table
+            inner = inner.replace(position_bias=dataclasses.replace(self.call.position_bias, table=a.bias_rows))
+        p = self.prepare(inner, a.query, a.key, a.value)
+        tables = self.lanes(p, a.table_arrays) if a.table_arrays else None
+        pairs = laid_pairs(a.pair_arrays, p, self.interpret) if a.pair_arrays else None
+        pair_bias = pair_bias_of_grid(p) if self.table_bias else None
+        out, lse = _forward(p, self.S, self.interpret, pair_bias, tables, pairs)
+        return plan.finish(p, out, lse, inner.return_lse), lse
+
+    def kernel_grads(self, args: KernelArgs, result, lse, cotangent) -> Optional[KernelArgs]:
+        """The cotangents of args by flex_tpu_vjp's kernels (None: the call has a term they lack)."""
+        call, T, S, interpret = self.call, self.T, self.S, self.interpret
+        query, key, value = args.query, args.key, args.value
+        inner = self.inner(args.sinks, args.consts, args.indices)
+        p = self.prepare(self.from_rows(inner, args.bias_rows), query, key, value)
+        if p.side.score_consts or p.side.mask_consts:
+            return None
+        batch, N, Hv = query.shape[:-3], query.shape[-2], value.shape[-1]
+        B, Tp, Hvp = p.q.shape[0], p.cfg.Tn * p.cfg.Tb, p.v.shape[-1]
+        out, d_out = (result[0], cotangent[0]) if call.return_lse else (result, cotangent)
+        d_lse = cotangent[1].reshape(B, N, T) if call.return_lse else None
+        rows = lambda x: x.reshape(B, T, N, Hv)  # noqa: E731
+        delta = backward.row_delta(rows(out), rows(d_out), d_lse, Tp, accumulation_dtype(query.dtype))
+        d_out = plan.kernel_layout(d_out, batch, T, Tp, Hvp)
+        rows_of_grid = None if self.offsets is None else offset_rows_of_grid(p, S)
+        tables = self.lanes(p, args.table_arrays) if args.table_arrays else None
+        pairs = laid_pairs(args.pair_arrays, p, interpret) if args.pair_arrays else None
+        dq, dk, dv, d_rows, d_lanes, d_laid = flex_tpu_vjp.gradients(
+            p, lse, delta, d_out, interpret, rows_of_grid, tables, S, pairs
+        )
+        d_sinks = None if p.side.sinks is None else backward.sinks_grad(p.side.sinks, lse, delta)
+        if d_rows is not None and rows_of_grid.shape[0] == 1:  # one set of rows for every batch entry
+            d_rows = jnp.sum(d_rows, axis=0, keepdims=True)
+        d_tables = self.table_grads(p, args.table_arrays, tables, d_lanes)
+        d_pairs = pair_grads(p, args.pair_arrays, pairs, d_laid, interpret)
+
+        def layout(query, key, value, sinks, bias_rows):  # prepare's arrays: pulled back, the padding drops
+            laid = self.prepare(self.from_rows(inner.replace(sinks=sinks), bias_rows), query, key, value)
+            grid_rows = None if self.offsets is None else offset_rows_of_grid(laid, S)
+            return laid.q, laid.k, laid.v, laid.side.sinks, grid_rows
+
+        dq, dk, dv, d_sinks, d_bias_rows = jax.vjp(layout, query, key, value, args.sinks, args.bias_rows)[1](
+            (dq, dk, dv, d_sinks, d_rows)
+        )
+        # no score_mod consts (backward_refusal); the position bias's through bias_rows, the engine's consts none
+        return zeros_like_tree(args)._replace(
+            query=dq,
+            key=dk,
+            value=dv,
+            sinks=d_sinks,
+            bias_rows=d_bias_rows,
+            table_arrays=d_tables,
+            pair_arrays=d_pairs,
+        )
+
+    def table_grads(self, p: plan.Prepared, table_arrays, tables, d_lanes):
+        """d table_arrays from the kernels' d lanes [B,N,E,F], one per (b, n): summed over the batch (a shared
+        table's [1,E,F] over the heads too), then pulled back through the layout to the tables."""
+        if tables is None:
+            return zeros_like_tree(table_arrays)
+
+        def summed(d, laid):
+            d = jnp.sum(d, axis=0, keepdims=laid.shape[0] == 1)
+            return jnp.sum(d, axis=1) if laid.shape[0] == 1 else d
+
+        d_lanes = {name: summed(d, tables[1][name]).astype(tables[1][name].dtype) for name, d in d_lanes.items()}
+        return jax.vjp(lambda t: self.lanes(p, t)[1], table_arrays)[1](d_lanes)[0]
+
+    def engine_grads(self, args: KernelArgs, cotangent) -> KernelArgs:
+        """The cotangents of args by the XLA blockwise engine's backward (it recomputes its own forward); the
+        bias's and tables' through engine_consts."""
+        _, engine_vjp = jax.vjp(
+            lambda query, key, value, sinks, consts, engine_consts: self.converted(
+                query, key, value, sinks, consts, args.indices, *engine_consts
+            ),
+            args.query,
+            args.key,
+            args.value,
+            args.sinks,
+            args.consts,
+            args.engine_consts,
+        )
+        dq, dk, dv, d_sinks, d_consts, d_engine_consts = engine_vjp(cotangent)
+        return zeros_like_tree(args)._replace(
+            query=dq, key=dk, value=dv, sinks=d_sinks, consts=d_consts, engine_consts=d_engine_consts
+        )
+
+
+def pair_grads(p: plan.Prepared, pair_arrays, pairs, d_laid, interpret: bool):
+    """d per-pair tables from the kernels' [Tp,Nt,F,Sp] (summed over the batch, and a shared table's heads, in
+    the kernel): pulled back through the layout."""
+    if pairs is None:
+        return zeros_like_tree(pair_arrays)
+    d_laid = {name: d.astype(pairs[1][name].dtype) for name, d in d_laid.items()}
+    return jax.vjp(lambda t: laid_pairs(t, p, interpret)[1], pair_arrays)[1](d_laid)[0]
 
 
 def position_tables(call: AttentionCall, query, key, value) -> dict:
