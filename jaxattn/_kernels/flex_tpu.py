@@ -55,6 +55,7 @@ Pallas' interpreter (any platform; closed-over arrays work).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from typing import Any, NamedTuple, Optional
 
@@ -340,36 +341,10 @@ def _forward(p: plan.Prepared, S: int, interpret: bool, pair_bias=None, tables=N
         ),
     }
 
-    def kernel(refs):
-        r, own, lane_refs, pair_refs = refs
-        b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-        lead = (pick(bsched, b), pick(cfg.head_kinds, n), i)
-        r = r._replace(
-            order=scalars_at(r.order, scalar_shapes.get("order"), lead),
-            counts=scalars_at(r.counts, scalar_shapes["counts"], lead),
-            lengths=scalars_at(r.lengths, scalar_shapes.get("lengths"), (pick(bl, b),)),
-            sinks=scalars_at(r.sinks, scalar_shapes.get("sinks"), (b, n)),
-            **rows_of(r, ("q_pos", "k_pos", "q_seg", "k_seg", "lse")),
-        )
-        if stream:
-            h = lax.div(n, G)
-            k, v = Streamed(r.k, own.k_tile, own.key_sem, b, h), Streamed(r.v, own.v_tile, own.key_sem, b, h)
-            r = r._replace(k=k, v=v)
-        hooks = ForwardHooks()
-        if r.offset_bias is not None:  # tile (i, j)'s bias starts at entry j * Sb - i * Tb + Tp - Tb (rows_of_grid)
-            rows_of_grid = r.offset_bias
-            start = lambda j: j * cfg.Sb - i * cfg.Tb + (Tp - cfg.Tb)  # noqa: E731
-            hooks = ForwardHooks(bias_of_key_tile=lambda j: toeplitz_tile(rows_of_grid, start(j), cfg.Tb, cfg.Sb))
-        if own.pair_bias is not None:  # key tile j's columns, an aligned dynamic slice as k and v are read
-            pair_bias = own.pair_bias
-            columns = lambda j: pl.ds(pl.multiple_of(j * cfg.Sb, cfg.Sb), cfg.Sb)  # noqa: E731
-            hooks = ForwardHooks(bias_of_key_tile=lambda j: pair_bias[:, columns(j)])
-        if tables is not None:
-            hooks = merged(hooks, tables_tpu.forward_hooks(cfg, r, lane_refs, tables[0], i, p.T, S))
-        if pairs is not None:
-            hooks = merged(hooks, pairs_tpu.forward_hooks(pairs[0], r, pair_refs, n, i))
-        forward_kernel(cfg, r, hooks)
-
+    lanes = None if tables is None else tables[0]
+    kernel = functools.partial(
+        _forward_program, cfg, scalar_shapes, stream, p.T, S, lanes, None if pairs is None else pairs[0]
+    )
     out, lse = flash_call.named_call(
         kernel,
         (Refs, TpuRefs, tables_tpu.LaneRefs, pairs_tpu.PairRefs),
@@ -383,6 +358,42 @@ def _forward(p: plan.Prepared, S: int, interpret: bool, pair_bias=None, tables=N
         scratch=scratch,
     )
     return jnp.swapaxes(out, 1, 2), lse[:, :, 0]
+
+
+def _forward_program(cfg, scalar_shapes: dict, stream: bool, T: int, S: int, lanes, pairs, refs):
+    """One program (b, n, query tile i) of _forward: the TPU views of its refs (scalars in SMEM, rows,
+    streamed keys) and its hooks (a bias's Toeplitz tiles or a window bias's slices, the tables' lanes,
+    per-pair tables' slices) around the flash core's forward body."""
+    r, own, lane_refs, pair_refs = refs
+    _, _, _, bl, bsched = cfg.batched
+    pick, G, Tp = tile_math.pick, cfg.N // cfg.K, cfg.Tn * cfg.Tb
+    b, n, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    lead = (pick(bsched, b), pick(cfg.head_kinds, n), i)
+    r = r._replace(
+        order=scalars_at(r.order, scalar_shapes.get("order"), lead),
+        counts=scalars_at(r.counts, scalar_shapes["counts"], lead),
+        lengths=scalars_at(r.lengths, scalar_shapes.get("lengths"), (pick(bl, b),)),
+        sinks=scalars_at(r.sinks, scalar_shapes.get("sinks"), (b, n)),
+        **rows_of(r, ("q_pos", "k_pos", "q_seg", "k_seg", "lse")),
+    )
+    if stream:
+        h = lax.div(n, G)
+        k, v = Streamed(r.k, own.k_tile, own.key_sem, b, h), Streamed(r.v, own.v_tile, own.key_sem, b, h)
+        r = r._replace(k=k, v=v)
+    hooks = ForwardHooks()
+    if r.offset_bias is not None:  # tile (i, j)'s bias starts at entry j * Sb - i * Tb + Tp - Tb (rows_of_grid)
+        rows_of_grid = r.offset_bias
+        start = lambda j: j * cfg.Sb - i * cfg.Tb + (Tp - cfg.Tb)  # noqa: E731
+        hooks = ForwardHooks(bias_of_key_tile=lambda j: toeplitz_tile(rows_of_grid, start(j), cfg.Tb, cfg.Sb))
+    if own.pair_bias is not None:  # key tile j's columns, an aligned dynamic slice as k and v are read
+        pair_bias = own.pair_bias
+        columns = lambda j: pl.ds(pl.multiple_of(j * cfg.Sb, cfg.Sb), cfg.Sb)  # noqa: E731
+        hooks = ForwardHooks(bias_of_key_tile=lambda j: pair_bias[:, columns(j)])
+    if lanes is not None:
+        hooks = merged(hooks, tables_tpu.forward_hooks(cfg, r, lane_refs, lanes, i, T, S))
+    if pairs is not None:
+        hooks = merged(hooks, pairs_tpu.forward_hooks(pairs, r, pair_refs, n, i))
+    forward_kernel(cfg, r, hooks)
 
 
 def attention(call: AttentionCall, query, key, value, interpret=False):
