@@ -21,7 +21,7 @@ backward_refusal). interpret=True runs Pallas' interpreter (the CPU tests).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -76,77 +76,86 @@ def _spec(shape, index, buffers=2):
     return pl.BlockSpec(shape, lambda *ids: index(*ids[:3]), pipeline_mode=mode)
 
 
-def gradients(
-    p: plan.Prepared,
-    lse,
-    delta,
-    d_out,
-    interpret: bool,
-    rows_of_grid=None,
-    tables=None,
-    S=None,
-    pairs=None,
-):
-    """(dq [B,Tp,N,Hp], dk [B,Sp,K,Hp], dv [B,Sp,K,Hvp], d rows_of_grid [B,N,1,E] float32 or None) of a prepared
-    call (prepare's padded arrays) from the forward's lse and delta = rowsum(dO * out) - d lse, both [B,N,Tp]
-    float32, and d_out [B,Tp,N,Hvp]; rows_of_grid: a position bias of j - i, the bias of every offset of the
-    grid [B|1,N,1,E] (flex_tpu.offset_rows_of_grid), or None.
+class _Backward(NamedTuple):
+    """One backward call as both kernels read it: the prepared call, q, k, v and do transposed to the kernels'
+    [B,heads,L,F], the Pallas options, and the position terms it carries (gradients' arguments)."""
 
-    A tile's bias is a window of its head's row rolled into the tile's diagonals (refs_tpu.toeplitz_tile), as in
-    the forward; its gradient the inverse roll summed over the tile's rows (undiagonals), added into the dq
-    program's row of offsets. The dq grid walks the query tiles of one (b, n) in order ("arbitrary"), so
-    that row stays in VMEM and sums over them: d rows [B,N,1,E], O(T + S) per head, no atomics.
+    p: plan.Prepared
+    q: Any
+    k: Any
+    v: Any
+    do: Any
+    interpret: bool
+    rows_of_grid: Any
+    tables: Any
+    S: Any
+    pairs: Any
 
-    pairs: per-pair tables (pairs_tpu: (PairTables, {name: [Tp,Nt,F,Sp]})) or None; their gradients, [Tp,Nt,F,Sp]
-    by name (pairs_tpu.gradient_dtype), are the last result (empty without)."""
-    cfg, side = p.cfg, p.side
-    q, k, v, do = (jnp.swapaxes(x, 1, 2) for x in (p.q, p.k, p.v, d_out.astype(p.q.dtype)))  # [B,heads,L,F]
-    B, N, Tp, Hp = q.shape
-    K, Sp, Hvp = k.shape[1], k.shape[2], v.shape[-1]
-    G = N // K
-    bq, bk, bs, bl, bsched = cfg.batched
+    @property
+    def G(self) -> int:  # query heads per key head
+        return self.q.shape[1] // self.k.shape[1]
+
+
+def _scalar_inputs(side, order, counts):
+    """The SMEM scalars of one kernel (its schedule, the key lengths) flattened, and their shapes by name, which
+    refs_tpu.scalars_at indexes them with."""
+    arrays = {"counts": counts}
+    if order is not None:
+        arrays["order"] = order
+    if side.lengths is not None:
+        arrays["lengths"] = side.lengths
+    return {name: x.reshape(-1) for name, x in arrays.items()}, {name: x.shape for name, x in arrays.items()}
+
+
+def _rows(x):
+    """[B|1,L] -> [B|1,1,L]: positions and segment ids as refs_tpu.Row reads them."""
+    return x[:, None, :]
+
+
+def _bias_start(cfg, Tp: int, i, j):
+    """Tile (i, j)'s first entry in rows_of_grid: its smallest offset j Sb - i Tb - (Tb - 1), moved by Tp - 1."""
+    return j * cfg.Sb - i * cfg.Tb + (Tp - cfg.Tb)
+
+
+def _call(c: _Backward, kernel, name, grid, scalars, inputs, outputs, compiler_params, scratch=None, aliases=None):
+    """One of the two kernels' pallas_call, its operands by name (flash.call.named_call) bound to every ref tuple
+    the bodies and this module's hooks read."""
+    return flash_call.named_call(
+        kernel,
+        (Refs, TpuRefs, tables_tpu.LaneRefs, pairs_tpu.PairRefs),
+        grid=grid,
+        inputs=inputs,
+        outputs=outputs,
+        name=name,
+        interpret=c.interpret,
+        compiler_params=compiler_params,
+        scalars=scalars,
+        scratch=scratch,
+        aliases=aliases,
+    )
+
+
+def _key_buffers(c: _Backward) -> int:
+    """Copies of one head's k and v the dq kernel holds in VMEM: two, one where the tables' blocks leave room for
+    only one, or none: each key tile copied in from HBM when the kernel reaches it (refs_tpu.Streamed), as the
+    forward does past MAX_ROWS_BYTES."""
+    Sp, Hp, Hvp = c.k.shape[2], c.q.shape[-1], c.v.shape[-1]
+    if c.tables is None:
+        return 0 if streamed(Sp, Hp, Hvp, c.k.dtype, c.pairs is not None) else 2
+    return tables_tpu.key_buffers(c.tables[0], Sp, Hp, Hvp, c.q.dtype, 1)
+
+
+def _dq_operands(c: _Backward, lse, delta, buffers: int):
+    """The dq kernel's (scalars, their shapes, inputs, outputs, scratch) on grid (b, n, query tile i): one
+    query tile of q, do, lse and delta, the whole keys of head n // G (or HBM refs and a tile's scratch), the
+    rows of offsets and their gradient, [B,N,1,E], summed over the query tiles of (b, n)."""
+    cfg, side, q, k, v, do = c.p.cfg, c.p.side, c.q, c.k, c.v, c.do
+    B, N, _, Hp = q.shape
+    Sp, Hvp, G = k.shape[2], v.shape[-1], c.G
+    bq, bk, bs = cfg.batched[:3]
     pick = tile_math.pick
-    columns = lse[..., None], delta[..., None]  # [B,N,Tp,1]: the dq kernel's, a tile's rows at a time
-    # two copies of k and v, one where the tables' blocks leave room for only one, or none: each key tile copied
-    # in from HBM when the kernel reaches it (refs_tpu.Streamed), as the forward does past MAX_ROWS_BYTES
-    if tables is None:
-        buffers = 0 if streamed(Sp, Hp, Hvp, k.dtype, pairs is not None) else 2
-    else:
-        buffers = tables_tpu.key_buffers(tables[0], Sp, Hp, Hvp, q.dtype, 1)
-    rows = lambda x: x[:, None, :]  # noqa: E731  [B|1,L] -> [B|1,1,L]
-    parallel = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
-    # the bias's gradient sums over the query tiles of (b, n) in one output block: they run in order
-    by_rows = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
-    W = window(cfg.Tb, cfg.Sb)
-
-    def bias_start(i, j):  # tile (i, j)'s first entry in rows_of_grid (its smallest offset)
-        return j * cfg.Sb - i * cfg.Tb + (Tp - cfg.Tb)
-
-    def scalar_inputs(order, counts):
-        arrays = {"counts": counts}
-        if order is not None:
-            arrays["order"] = order
-        if side.lengths is not None:
-            arrays["lengths"] = side.lengths
-        return {name: x.reshape(-1) for name, x in arrays.items()}, {name: x.shape for name, x in arrays.items()}
-
-    def call(kernel, name, grid, scalars, inputs, outputs, compiler_params=parallel, scratch=None, aliases=None):
-        return flash_call.named_call(
-            kernel,
-            (Refs, TpuRefs, tables_tpu.LaneRefs, pairs_tpu.PairRefs),
-            grid=grid,
-            inputs=inputs,
-            outputs=outputs,
-            name=name,
-            interpret=interpret,
-            compiler_params=compiler_params,
-            scalars=scalars,
-            scratch=scratch,
-            aliases=aliases,
-        )
-
-    # dq: grid (b, n, query tile i), the forward's schedule
-    scalars, shapes = scalar_inputs(side.order, side.counts)
+    columns = lse[..., None], delta[..., None]  # [B,N,Tp,1]: a tile's rows at a time
+    scalars, shapes = _scalar_inputs(side, side.order, side.counts)  # the forward's schedule
     inputs = {
         "q": (q, _spec((None, None, cfg.Tb, Hp), lambda b, n, i: (b, n, i, 0))),
         "do": (do, _spec((None, None, cfg.Tb, Hvp), lambda b, n, i: (b, n, i, 0))),
@@ -155,12 +164,12 @@ def gradients(
         # lax.div: n >= 0, and Mosaic lowers floor division through sign, which asks the TPU generation
         "k": (k, _spec((None, None, Sp, Hp), lambda b, n, i: (b, lax.div(n, G), 0, 0), buffers)),
         "v": (v, _spec((None, None, Sp, Hvp), lambda b, n, i: (b, lax.div(n, G), 0, 0), buffers)),
-        "q_pos": (rows(side.q_pos), _spec((None, 1, cfg.Tb), lambda b, n, i: (pick(bq, b), 0, i))),
-        "k_pos": (rows(side.k_pos), _spec((None, 1, Sp), lambda b, n, i: (pick(bk, b), 0, 0))),
+        "q_pos": (_rows(side.q_pos), _spec((None, 1, cfg.Tb), lambda b, n, i: (pick(bq, b), 0, i))),
+        "k_pos": (_rows(side.k_pos), _spec((None, 1, Sp), lambda b, n, i: (pick(bk, b), 0, 0))),
     }
     if side.q_seg is not None:
-        inputs["q_seg"] = (rows(side.q_seg), _spec((None, 1, cfg.Tb), lambda b, n, i: (pick(bs, b), 0, i)))
-        inputs["k_seg"] = (rows(side.k_seg), _spec((None, 1, Sp), lambda b, n, i: (pick(bs, b), 0, 0)))
+        inputs["q_seg"] = (_rows(side.q_seg), _spec((None, 1, cfg.Tb), lambda b, n, i: (pick(bs, b), 0, i)))
+        inputs["k_seg"] = (_rows(side.k_seg), _spec((None, 1, Sp), lambda b, n, i: (pick(bs, b), 0, 0)))
     scratch = {}
     if buffers == 0:  # the keys in HBM, read a tile at a time
         inputs["k"], inputs["v"] = (k, IN_HBM), (v, IN_HBM)
@@ -171,31 +180,78 @@ def gradients(
         )
     dq_spec = _spec((None, None, cfg.Tb, Hp), lambda b, n, i: (b, n, i, 0))
     outputs = {"dq": (jax.ShapeDtypeStruct(q.shape, q.dtype), dq_spec)}
-    if rows_of_grid is not None:
-        batched, E = cfg.offset_bias[1], rows_of_grid.shape[-1]
-        inputs["offset_bias"] = (rows_of_grid, _spec((None, None, 1, E), lambda b, n, i: (pick(batched, b), n, 0, 0)))
+    if c.rows_of_grid is not None:
+        batched, E = cfg.offset_bias[1], c.rows_of_grid.shape[-1]
+        rows_spec = _spec((None, None, 1, E), lambda b, n, i: (pick(batched, b), n, 0, 0))
+        inputs["offset_bias"] = (c.rows_of_grid, rows_spec)
         grad_rows = jax.ShapeDtypeStruct((B, N, 1, E), jnp.float32)
         outputs["d_offset_bias"] = (grad_rows, _spec((None, None, 1, E), lambda b, n, i: (b, n, 0, 0)))
+    return scalars, shapes, inputs, outputs, scratch
 
-    if tables is not None:  # each table's lanes for head n (or the shared table's); their gradients per (b, n)
-        lanes, arrays = tables
+
+def _dq_table_operands(c: _Backward, inputs, outputs, scratch):
+    """Adds the tables' and the per-pair tables' operands to the dq kernel's (in place); returns its aliases.
+
+    Each table's lanes for head n (or the shared table's), their gradients per (b, n) (tables_tpu); per-pair
+    tables in HBM, their gradients zeros in HBM aliased to the outputs, stored or added into in order
+    (pairs_tpu)."""
+    cfg, B, N = c.p.cfg, c.q.shape[0], c.q.shape[1]
+    Hp, Hvp = c.q.shape[-1], c.v.shape[-1]
+    pick = tile_math.pick
+    if c.tables is not None:
+        lanes, arrays = c.tables
         for name, x in arrays.items():
             heads = x.shape[0] > 1
             inputs[name] = (x, _spec((None, *x.shape[1:]), lambda b, n, i, heads=heads: (pick(heads, n), 0, 0)))
             grad = jax.ShapeDtypeStruct((B, N, *x.shape[1:]), jnp.float32)
             outputs["d_" + name] = (grad, _spec((None, None, *x.shape[1:]), lambda b, n, i: (b, n, 0, 0)))
         for names, table in ((("qx", "d_qx"), "key_rows"), (("dox", "p_lanes"), "value_rows")):
-            for name in names if getattr(lanes, table) else ():  # [Tb,E] float32 each (the section below)
+            for name in names if getattr(lanes, table) else ():  # [Tb,E] float32 each (tables_tpu)
                 scratch[name] = pltpu.VMEM((cfg.Tb, lanes.E), jnp.float32)
     aliases = {}
-    if pairs is not None:  # the tables in HBM, their gradients zeros in HBM, stored or added into in order (pairs_tpu)
-        inputs.update(pairs_tpu.inputs(pairs[1]))
-        for name, x in pairs[1].items():
-            dtype = pairs_tpu.gradient_dtype(pairs[0], name, x.dtype)
+    if c.pairs is not None:
+        pair_tables, arrays = c.pairs
+        inputs.update(pairs_tpu.inputs(arrays))
+        for name, x in arrays.items():
+            dtype = pairs_tpu.gradient_dtype(pair_tables, name, x.dtype)
             inputs["d_" + name + "_zeros"] = (jnp.zeros(x.shape, dtype), IN_HBM)
             outputs["d_" + name] = (jax.ShapeDtypeStruct(x.shape, dtype), IN_HBM)
             aliases["d_" + name + "_zeros"] = "d_" + name
-        scratch.update(pairs_tpu.scratch(pairs[0], pairs[1], Hp, Hvp, grads=True))
+        scratch.update(pairs_tpu.scratch(pair_tables, arrays, Hp, Hvp, grads=True))
+    return aliases
+
+
+def _dq_offset_bias_hooks(c: _Backward, r: Refs, i) -> DqHooks:
+    """Query tile i's bias of key tile j as a window of its head's row rolled into the tile's diagonals
+    (refs_tpu.toeplitz_tile), as in the forward; its gradient the inverse roll summed over the tile's rows
+    (undiagonals), added into the program's row of offsets, which starts at zeros on the first query tile."""
+    cfg, Tp = c.p.cfg, c.q.shape[2]
+    W = window(cfg.Tb, cfg.Sb)
+    rows_of_bias, d_rows = r.offset_bias, r.d_offset_bias
+
+    @pl.when(i == 0)
+    def _():
+        d_rows[...] = jnp.zeros(d_rows.shape, d_rows.dtype)
+
+    def add(j, d_bias):  # d rows[start + (Tb - 1 - t) + s] += d_bias[t, s]
+        start = _bias_start(cfg, Tp, i, j)
+        at, offset = lane_window(start, W)
+        sums = jnp.sum(undiagonals(d_bias.astype(jnp.float32), offset, W), axis=0)
+        d_rows[0, at] = d_rows[0, at] + sums
+
+    return DqHooks(
+        bias_of_key_tile=lambda j: toeplitz_tile(rows_of_bias, _bias_start(cfg, Tp, i, j), cfg.Tb, cfg.Sb),
+        add_bias_grad=add,
+    )
+
+
+def _dq_kernel(c: _Backward, shapes, buffers: int):
+    """The dq program of (b, n, query tile i): its refs read as flash.backward.dq_kernel reads them (the
+    schedule's and lengths' scalars at (b, n, i), positions as rows, streamed keys), and the hooks of the
+    position terms it carries."""
+    cfg, G = c.p.cfg, c.G
+    bl, bsched = cfg.batched[3], cfg.batched[4]
+    pick = tile_math.pick
 
     def dq(refs):
         r, own, lane_refs, pair_refs = refs
@@ -213,90 +269,108 @@ def gradients(
             r = r._replace(k=k, v=v)
         hooks = DqHooks()
         if r.offset_bias is not None:
-            rows_of_bias, d_rows = r.offset_bias, r.d_offset_bias
-
-            @pl.when(i == 0)
-            def _():
-                d_rows[...] = jnp.zeros(d_rows.shape, d_rows.dtype)
-
-            def add(j, d_bias):  # d rows[start + (Tb - 1 - t) + s] += d_bias[t, s]
-                start = bias_start(i, j)
-                at, offset = lane_window(start, W)
-                sums = jnp.sum(undiagonals(d_bias.astype(jnp.float32), offset, W), axis=0)
-                d_rows[0, at] = d_rows[0, at] + sums
-
-            hooks = DqHooks(
-                bias_of_key_tile=lambda j: toeplitz_tile(rows_of_bias, bias_start(i, j), cfg.Tb, cfg.Sb),
-                add_bias_grad=add,
-            )
-        if tables is not None:
-            hooks = merged(hooks, tables_tpu.dq_hooks(cfg, r, lane_refs, tables[0], i, p.T, S))
-        if pairs is not None:
-            hooks = merged(hooks, pairs_tpu.dq_hooks(pairs[0], r, pair_refs, n, i))
+            hooks = _dq_offset_bias_hooks(c, r, i)
+        if c.tables is not None:
+            hooks = merged(hooks, tables_tpu.dq_hooks(cfg, r, lane_refs, c.tables[0], i, c.p.T, c.S))
+        if c.pairs is not None:
+            hooks = merged(hooks, pairs_tpu.dq_hooks(c.pairs[0], r, pair_refs, n, i))
         backward.dq_kernel(cfg, r, hooks)
 
-    params = parallel if rows_of_grid is None and tables is None else by_rows
-    if pairs is not None:  # every program may add into the same slices of a table's gradient: one at a time
+    return dq
+
+
+def _dq(c: _Backward, lse, delta):
+    """(dq [B,N,Tp,Hp], d rows_of_grid or None, d tables by name, d per-pair tables by name): the dq kernel.
+
+    Its grid walks the query tiles of one (b, n) in order ("arbitrary") where the rows of offsets' or the
+    tables' gradients sum over them in one output block (O(T + S) per head, no atomics); every program in order
+    beside per-pair tables, whose gradients' slices any program may add into."""
+    buffers = _key_buffers(c)
+    scalars, shapes, inputs, outputs, scratch = _dq_operands(c, lse, delta, buffers)
+    aliases = _dq_table_operands(c, inputs, outputs, scratch)
+    if c.rows_of_grid is None and c.tables is None:
+        params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel"))
+    else:
+        params = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary"))
+    if c.pairs is not None:
         params = pltpu.CompilerParams(dimension_semantics=("arbitrary", "arbitrary", "arbitrary"))
-    grid = (B, N, cfg.Tn)
-    dq_out, *d_extra = call(dq, "jaxattn_flex_tpu_dq", grid, scalars, inputs, outputs, params, scratch, aliases)
-    d_rows = d_extra[:1] if rows_of_grid is not None else []
-    n_tables = 0 if tables is None else len(tables[1])
-    d_tables = {} if tables is None else dict(zip(tables[1], d_extra[len(d_rows) :]))
-    d_pairs = {} if pairs is None else dict(zip(pairs[1], d_extra[len(d_rows) + n_tables :]))
+    grid = (c.q.shape[0], c.q.shape[1], c.p.cfg.Tn)
+    kernel = _dq_kernel(c, shapes, buffers)
+    dq_out, *d_extra = _call(c, kernel, "jaxattn_flex_tpu_dq", grid, scalars, inputs, outputs, params, scratch, aliases)
+    d_rows = d_extra[:1] if c.rows_of_grid is not None else []
+    n_tables = 0 if c.tables is None else len(c.tables[1])
+    d_tables = {} if c.tables is None else dict(zip(c.tables[1], d_extra[len(d_rows) :]))
+    d_pairs = {} if c.pairs is None else dict(zip(c.pairs[1], d_extra[len(d_rows) + n_tables :]))
+    return dq_out, d_rows[0] if d_rows else None, d_tables, d_pairs
 
-    # dk/dv: grid (b, key head h, key tile j, query head g of h), the transposed schedule; each program reads the
-    # rows of query head h G + g, and the G programs of (b, h, j) add their shares of dk and dv in order
-    scalars, shapes = scalar_inputs(side.t_order, side.t_counts)
 
-    def spec(shape, index):  # index(b, h, j, g): the grid's four axes
-        return pl.BlockSpec(shape, lambda *ids: index(*ids[:4]))
+def _dkv_spec(shape, index):
+    """A BlockSpec of the dk/dv grid: index(b, h, j, g), the scalar-prefetch refs ignored."""
+    return pl.BlockSpec(shape, lambda *ids: index(*ids[:4]))
 
-    stream_queries = streamed(Tp, Hp, Hvp, q.dtype, pairs is not None)
+
+def _dkv_operands(c: _Backward, lse, delta, stream_queries: bool):
+    """The dk/dv kernel's (scalars, their shapes, inputs, outputs, scratch) on grid (b, key head h, key tile j,
+    query head g of h): the whole rows of query head h G + g (or HBM refs and a tile's scratch), one key tile of
+    k and v, and float32 sums of dk and dv over the G programs of (b, h, j)."""
+    cfg, side, q, k, v, do = c.p.cfg, c.p.side, c.q, c.k, c.v, c.do
+    Tp, Hp = q.shape[2:]
+    Hvp, G = v.shape[-1], c.G
+    bq, bk, bs = cfg.batched[:3]
+    pick, spec = tile_math.pick, _dkv_spec
+    scalars, shapes = _scalar_inputs(side, side.t_order, side.t_counts)  # the transposed schedule
+    heads = lambda b, h, j, g: (b, h * G + g, 0, 0)  # noqa: E731  the rows of query head h G + g
     inputs = {
-        "q": (q, IN_HBM if stream_queries else spec((None, 1, Tp, Hp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
-        "do": (do, IN_HBM if stream_queries else spec((None, 1, Tp, Hvp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
+        "q": (q, IN_HBM if stream_queries else spec((None, 1, Tp, Hp), heads)),
+        "do": (do, IN_HBM if stream_queries else spec((None, 1, Tp, Hvp), heads)),
         # rows [1,Tp]: a [Tp,1] column of the whole query axis takes 128 lanes per row of VMEM (8 MiB at 16k)
-        "lse": (lse[:, :, None, :], spec((None, 1, 1, Tp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
-        "delta": (delta[:, :, None, :], spec((None, 1, 1, Tp), lambda b, h, j, g: (b, h * G + g, 0, 0))),
+        "lse": (lse[:, :, None, :], spec((None, 1, 1, Tp), heads)),
+        "delta": (delta[:, :, None, :], spec((None, 1, 1, Tp), heads)),
         "k": (k, spec((None, None, cfg.Sb, Hp), lambda b, h, j, g: (b, h, j, 0))),
         "v": (v, spec((None, None, cfg.Sb, Hvp), lambda b, h, j, g: (b, h, j, 0))),
-        "q_pos": (rows(side.q_pos), spec((None, 1, Tp), lambda b, h, j, g: (pick(bq, b), 0, 0))),
-        "k_pos": (rows(side.k_pos), spec((None, 1, cfg.Sb), lambda b, h, j, g: (pick(bk, b), 0, j))),
+        "q_pos": (_rows(side.q_pos), spec((None, 1, Tp), lambda b, h, j, g: (pick(bq, b), 0, 0))),
+        "k_pos": (_rows(side.k_pos), spec((None, 1, cfg.Sb), lambda b, h, j, g: (pick(bk, b), 0, j))),
     }
     if side.q_seg is not None:
-        inputs["q_seg"] = (rows(side.q_seg), spec((None, 1, Tp), lambda b, h, j, g: (pick(bs, b), 0, 0)))
-        inputs["k_seg"] = (rows(side.k_seg), spec((None, 1, cfg.Sb), lambda b, h, j, g: (pick(bs, b), 0, j)))
-    if rows_of_grid is not None:  # the rows of query head h G + g
-        batched, E = cfg.offset_bias[1], rows_of_grid.shape[-1]
-        inputs["offset_bias"] = (
-            rows_of_grid,
-            spec((None, 1, 1, E), lambda b, h, j, g: (pick(batched, b), h * G + g, 0, 0)),
-        )
-    if tables is not None:  # the lanes of query head h G + g (or the shared table's)
-        for name, x in tables[1].items():
-            heads = x.shape[0] > 1
-            inputs[name] = (x, spec((1, *x.shape[1:]), lambda b, h, j, g, heads=heads: (pick(heads, h * G + g), 0, 0)))
-    if pairs is not None:
-        inputs.update(pairs_tpu.inputs(pairs[1]))
+        inputs["q_seg"] = (_rows(side.q_seg), spec((None, 1, Tp), lambda b, h, j, g: (pick(bs, b), 0, 0)))
+        inputs["k_seg"] = (_rows(side.k_seg), spec((None, 1, cfg.Sb), lambda b, h, j, g: (pick(bs, b), 0, j)))
+    if c.rows_of_grid is not None:  # the rows of query head h G + g
+        batched, E = cfg.offset_bias[1], c.rows_of_grid.shape[-1]
+        rows_spec = spec((None, 1, 1, E), lambda b, h, j, g: (pick(batched, b), h * G + g, 0, 0))
+        inputs["offset_bias"] = (c.rows_of_grid, rows_spec)
+    if c.tables is not None:  # the lanes of query head h G + g (or the shared table's)
+        for name, x in c.tables[1].items():
+            per_head = x.shape[0] > 1
+            index = lambda b, h, j, g, per_head=per_head: (pick(per_head, h * G + g), 0, 0)  # noqa: E731
+            inputs[name] = (x, spec((1, *x.shape[1:]), index))
+    if c.pairs is not None:
+        inputs.update(pairs_tpu.inputs(c.pairs[1]))
+    key_tile = lambda b, h, j, g: (b, h, j, 0)  # noqa: E731
     outputs = {
-        "dk": (jax.ShapeDtypeStruct(k.shape, k.dtype), spec((None, None, cfg.Sb, Hp), lambda b, h, j, g: (b, h, j, 0))),
-        "dv": (
-            jax.ShapeDtypeStruct(v.shape, v.dtype),
-            spec((None, None, cfg.Sb, Hvp), lambda b, h, j, g: (b, h, j, 0)),
-        ),
+        "dk": (jax.ShapeDtypeStruct(k.shape, k.dtype), spec((None, None, cfg.Sb, Hp), key_tile)),
+        "dv": (jax.ShapeDtypeStruct(v.shape, v.dtype), spec((None, None, cfg.Sb, Hvp), key_tile)),
     }
     scratch = {}
     if G > 1:  # dk and dv summed over the G programs in float32
         scratch = {"dk_sum": pltpu.VMEM((cfg.Sb, Hp), jnp.float32), "dv_sum": pltpu.VMEM((cfg.Sb, Hvp), jnp.float32)}
-    if pairs is not None:
-        scratch.update(pairs_tpu.scratch(pairs[0], pairs[1], Hp, Hvp, grads=False))
+    if c.pairs is not None:
+        scratch.update(pairs_tpu.scratch(c.pairs[0], c.pairs[1], Hp, Hvp, grads=False))
     if stream_queries:  # one query tile of q and do at a time, copied in from HBM
         scratch.update(
             q_tile=pltpu.VMEM((cfg.Tb, Hp), q.dtype),
             do_tile=pltpu.VMEM((cfg.Tb, Hvp), do.dtype),
             query_sem=pltpu.SemaphoreType.DMA(()),
         )
+    return scalars, shapes, inputs, outputs, scratch
+
+
+def _dkv_kernel(c: _Backward, shapes, stream_queries: bool):
+    """The dk/dv program of (b, h, j, g): its refs read as flash.backward.dkv_kernel reads them (the schedule's
+    scalars of the query heads of h, one query head's blocks as the GPU layout's [Tp,G,F], lse and delta rows as
+    columns, dk and dv summed over g), and the hooks of the position terms it carries."""
+    cfg, G, Tp = c.p.cfg, c.G, c.q.shape[2]
+    bl, bsched = cfg.batched[3], cfg.batched[4]
+    pick = tile_math.pick
 
     def dkv(refs):
         r, own, lane_refs, pair_refs = refs
@@ -321,21 +395,63 @@ def gradients(
         if G > 1:
             r = r._replace(dk=_SumOverHeads(r.dk, own.dk_sum, g, G), dv=_SumOverHeads(r.dv, own.dv_sum, g, G))
         hooks = DkvHooks(query_head=g)
-        if r.offset_bias is not None:
+        if r.offset_bias is not None:  # the forward's toeplitz_tile of query head g's row
             rows_of_bias = r.offset_bias
             hooks = hooks._replace(
-                bias_of_query_tile=lambda g, i: toeplitz_tile(rows_of_bias.at[0], bias_start(i, j), cfg.Tb, cfg.Sb)
+                bias_of_query_tile=lambda g, i: toeplitz_tile(
+                    rows_of_bias.at[0], _bias_start(cfg, Tp, i, j), cfg.Tb, cfg.Sb
+                )
             )
-        if tables is not None:
-            hooks = merged(hooks, tables_tpu.dkv_hooks(cfg, r, lane_refs, tables[0], j, p.T, S))
-        if pairs is not None:
-            hooks = merged(hooks, pairs_tpu.dkv_hooks(pairs[0], r, pair_refs, lambda g: h * G + g, j))
+        if c.tables is not None:
+            hooks = merged(hooks, tables_tpu.dkv_hooks(cfg, r, lane_refs, c.tables[0], j, c.p.T, c.S))
+        if c.pairs is not None:
+            hooks = merged(hooks, pairs_tpu.dkv_hooks(c.pairs[0], r, pair_refs, lambda g: h * G + g, j))
         backward.dkv_kernel(cfg, r, hooks)
 
+    return dkv
+
+
+def _dkv(c: _Backward, lse, delta):
+    """(dk [B,K,Sp,Hp], dv [B,K,Sp,Hvp]): the dk/dv kernel, the G programs of (b, h, j) adding their shares of
+    dk and dv in order ("arbitrary" last axis)."""
+    stream_queries = streamed(c.q.shape[2], c.q.shape[-1], c.v.shape[-1], c.q.dtype, c.pairs is not None)
+    scalars, shapes, inputs, outputs, scratch = _dkv_operands(c, lse, delta, stream_queries)
     by_heads = pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "parallel", "arbitrary"))
-    dk, dv = call(dkv, "jaxattn_flex_tpu_dkv", (B, K, cfg.Sn, G), scalars, inputs, outputs, by_heads, scratch)
+    grid = (c.q.shape[0], c.k.shape[1], c.p.cfg.Sn, c.G)
+    kernel = _dkv_kernel(c, shapes, stream_queries)
+    dk, dv = _call(c, kernel, "jaxattn_flex_tpu_dkv", grid, scalars, inputs, outputs, by_heads, scratch)
+    return dk, dv
+
+
+def gradients(
+    p: plan.Prepared,
+    lse,
+    delta,
+    d_out,
+    interpret: bool,
+    rows_of_grid=None,
+    tables=None,
+    S=None,
+    pairs=None,
+):
+    """(dq [B,Tp,N,Hp], dk [B,Sp,K,Hp], dv [B,Sp,K,Hvp], d rows_of_grid [B,N,1,E] float32 or None) of a prepared
+    call (prepare's padded arrays) from the forward's lse and delta = rowsum(dO * out) - d lse, both [B,N,Tp]
+    float32, and d_out [B,Tp,N,Hvp]; rows_of_grid: a position bias of j - i, the bias of every offset of the
+    grid [B|1,N,1,E] (flex_tpu.offset_rows_of_grid), or None.
+
+    A tile's bias is a window of its head's row rolled into the tile's diagonals (refs_tpu.toeplitz_tile), as in
+    the forward; its gradient the inverse roll summed over the tile's rows (undiagonals), added into the dq
+    program's row of offsets. The dq grid walks the query tiles of one (b, n) in order ("arbitrary"), so
+    that row stays in VMEM and sums over them: d rows [B,N,1,E], O(T + S) per head, no atomics.
+
+    pairs: per-pair tables (pairs_tpu: (PairTables, {name: [Tp,Nt,F,Sp]})) or None; their gradients, [Tp,Nt,F,Sp]
+    by name (pairs_tpu.gradient_dtype), are the last result (empty without)."""
+    q, k, v, do = (jnp.swapaxes(x, 1, 2) for x in (p.q, p.k, p.v, d_out.astype(p.q.dtype)))  # [B,heads,L,F]
+    c = _Backward(p, q, k, v, do, interpret, rows_of_grid, tables, S, pairs)
+    dq_out, d_rows, d_tables, d_pairs = _dq(c, lse, delta)
+    dk, dv = _dkv(c, lse, delta)
     dq_out, dk, dv = (jnp.swapaxes(x, 1, 2) for x in (dq_out, dk, dv))
-    return dq_out, dk, dv, d_rows[0] if d_rows else None, d_tables, d_pairs
+    return dq_out, dk, dv, d_rows, d_tables, d_pairs
 
 
 class _OneHead:
