@@ -89,6 +89,18 @@ CALLS = {
     "flex_attention": lambda implementation, **kw: (
         lambda q, k, v: jaxattn.flex_attention(q, k, v, implementation=implementation, **kw)
     ),
+    # the position schemes that read implementation= before they route (attend(checked=True))
+    "alibi_attention": lambda implementation, **kw: (
+        lambda q, k, v: jaxattn.alibi_attention(q, k, v, np.linspace(0.1, 1, N), implementation=implementation, **kw)
+    ),
+    "t5_attention": lambda implementation, **kw: (
+        lambda q, k, v: jaxattn.t5_attention(q, k, v, np.ones((32, N)), implementation=implementation, **kw)
+    ),
+    "disentangled_attention": lambda implementation, **kw: (
+        lambda q, k, v: jaxattn.disentangled_attention(
+            q, k, v, position_keys=np.ones((8, N, H)), max_relative_positions=4, implementation=implementation, **kw
+        )
+    ),
 }
 
 

@@ -26,12 +26,22 @@ from .registry import Implementation
 
 
 def attend(
-    call: AttentionCall, query, key, value, *, xla: Optional[Callable] = None, implementation=None, interpret=False
+    call: AttentionCall,
+    query,
+    key,
+    value,
+    *,
+    xla: Optional[Callable] = None,
+    implementation=None,
+    interpret=False,
+    checked: bool = False,
 ):
     """The result of `implementation` for `call`, the one place `implementation` and `interpret` are checked
-    (registry.check_implementation). xla(): the caller's XLA engines for the same call (a position scheme's
+    (registry.check_implementation), unless the caller did (checked=True: a position scheme that reads
+    implementation before it routes). xla(): the caller's XLA engines for the same call (a position scheme's
     terms), in place of the registry's dense and blockwise entries; None (default): those entries."""
-    registry.check_implementation(implementation, interpret)
+    if not checked:
+        registry.check_implementation(implementation, interpret)
     named = None if implementation is None else registry.REGISTRY[implementation]
 
     def engines():

@@ -36,13 +36,14 @@ from typing import TYPE_CHECKING
 import jax.numpy as jnp
 import numpy as np
 
-from .._api import attend, check_implementation, scheme_call, use_blockwise
+from .._api import attend, scheme_call, use_blockwise
 from .._core import checks
 from .._core.checks import static_int
 from .._core.dtypes import accumulation_dtype
 from .._core.eager import compiled_when_eager
 from .._core.positions import offsets, positions
 from .._core.row_tables import RowTables, per_key_logits, per_row_logits
+from .._dispatch import registry
 from .._engines import blockwise
 from .._engines.dense import attention_core
 from .clipped import gather_buckets
@@ -299,7 +300,7 @@ def disentangled_attention(
     "pallas_gpu" / "pallas_tpu", Pallas' interpreter (any platform).
     """
     implementation, interpret = options.pop("implementation", None), options.pop("interpret", False)
-    check_implementation(implementation, interpret)
+    registry.check_implementation(implementation, interpret)  # once: attend is told (checked=True)
     if implementation not in (None, "dense", "blockwise", "pallas_gpu", "pallas_tpu") and (
         position_keys is not None or position_queries is not None
     ):  # of the kernels, our Pallas GPU and TPU ones take the two table terms
@@ -344,7 +345,9 @@ def disentangled_attention(
                 )
             return xla()
         kernel_call = call.replace(row_tables=row_tables)
-    return attend(kernel_call, query, key, value, xla=xla, implementation=implementation, interpret=interpret)
+    return attend(
+        kernel_call, query, key, value, xla=xla, implementation=implementation, interpret=interpret, checked=True
+    )
 
 
 def _xla_engines(

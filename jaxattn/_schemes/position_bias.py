@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 
 import jax.numpy as jnp
 
-from .._api import attend, check_implementation, scheme_call, use_blockwise
+from .._api import attend, scheme_call, use_blockwise
 from .._core import checks
 from .._core.eager import compiled_when_eager
 from .._core.positions import positions
+from .._dispatch import registry
 from .._engines import blockwise
 from .._engines.dense import attention_core
 
@@ -70,7 +71,7 @@ def position_bias_attention(
     the bias function (position_bias), as dot_product_attention's implementation=; interpret likewise.
     """
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
-    check_implementation(implementation, interpret)
+    registry.check_implementation(implementation, interpret)  # once: attend is told (checked=True)
     call = scheme_call("position_bias_attention", options, block_size=block_size, position_bias=bias_fn)
     if implementation == "dense" and block_size is not None:
         checks.fail("block_size", "None with implementation='dense'", repr(block_size))
@@ -89,4 +90,4 @@ def position_bias_attention(
 
     if engine is not None:
         return xla()
-    return attend(call, query, key, value, xla=xla, implementation=implementation, interpret=interpret)
+    return attend(call, query, key, value, xla=xla, implementation=implementation, interpret=interpret, checked=True)
