@@ -2,7 +2,7 @@
 
 The public functions keep their keywords (dot_product_attention, flex_attention, the position schemes,
 blockwise_attention); each builds one AttentionCall at its entry, checks what can be checked without the
-arrays' shapes there, and hands that value down: the dispatch (jaxattn._api) asks each kernel whether it
+arrays' shapes there, and hands that value down: the dispatch (jaxattn._dispatch) asks each kernel whether it
 can express the call and the engines and kernels read its fields. Nothing below the entry packs or unpacks
 keyword dicts, so `is_causal` is followed from the entry to a kernel by reading `call.is_causal`.
 

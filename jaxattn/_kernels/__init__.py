@@ -1,7 +1,7 @@
 """Fused attention kernels for accelerators, behind dot_product_attention's `implementation=`.
 
-Each kernel module registered in jaxattn._api.REGISTRY has the same two-function surface, which the
-dispatch (jaxattn._api, above this package) drives:
+Each kernel module registered in jaxattn._dispatch.registry has the same two-function surface, which the
+dispatch (jaxattn._dispatch, above this package) drives:
 
     unsupported(call, query, key, value, interpret=False) -> str | None   None: the kernel computes this
                                                    call exactly; else the name of the option it cannot express

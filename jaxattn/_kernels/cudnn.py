@@ -10,7 +10,7 @@ backend, so a program for an H100 traced on a CPU host would be refused at lower
 
 Lowering checks the installed cuDNN, so this path lowers only with a CUDA build of jaxlib (a GPU host, or
 the compile environment of .ci/compile_targets.py; JAX raises "cuDNN is not detected" elsewhere).
-implementation=None takes it on Hopper and later GPUs (jaxattn._api.CUDA_KERNELS_BY_GENERATION; on a CPU
+implementation=None takes it on Hopper and later GPUs (jaxattn._dispatch.registry.CUDA_KERNELS_BY_GENERATION; on a CPU
 host only inside cross_platform_lowering(cuda_compute_capability="9.0")). Not measured yet on a GPU
 (docs/kernels.md). Refused by name: float32, T != S with causal or window, explicit positions, segment ids,
 chunk_size, logit_softcap, sinks, score_mod / mask_mod / block_mask, return_lse, relative tables and

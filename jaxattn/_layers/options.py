@@ -113,8 +113,8 @@ ATTRIBUTES: tuple[Option, ...] = (
         "layer",
         "flax linen's: True returns (and sows) the weights in float32 for a half-precision dtype, within one "
         "rounding of the exact softmax as flax's (float64 stays float64); None: in the computation dtype; False "
-        "(flax's half-precision softmax) is refused: the softmax always runs in float32 here (docs/design.md, "
-        "'Half precision'). linen only: flax.nnx.MultiHeadAttention has no such option",
+        "(flax's half-precision softmax) is refused: the softmax always runs in float32 here "
+        "(docs/design.md, 'Half precision'). linen only: flax.nnx.MultiHeadAttention has no such option",
         only="linen",
     ),
     Option("implementation", None, "attention", "as jaxattn.dot_product_attention (None: per platform)"),

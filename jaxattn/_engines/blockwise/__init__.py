@@ -39,13 +39,13 @@ The modules, one job each (each imports only those above it):
 
 The surface other modules drive (the ring engine, the dispatch, the schemes, the kernels):
   blockwise_attention: the public entry point (keywords); tiled(call, ...): the same for an AttentionCall
-    (what the dispatch in jaxattn._api, the schemes and the kernels' empty-input path call);
+    (what the dispatch in jaxattn._dispatch, the schemes and the kernels' empty-input path call);
   EngineConfig, fwd_tile, bwd_tile, zero_grads: one query tile against a run of keys, forward/backward,
     their arguments named: QueryTile (the tile), KeySide (every key it runs against), Shared (tables,
     hook arrays, scale), RowGrads (the backward's per-row inputs), Grads (the accumulators);
   convert_hook, check_tables, slice_block: the pieces of the entry point;
   position_bias hook: any logit term that is a function of positions only (T5, ALiBi), one tile at a time.
-The online-softmax merge (combine_partials, ...) and the mask rule (allowed_pairs, key_block_range) are
+The online-softmax merge (combine_partials, ...) and the mask rule (allowed_pairs, key_block_schedule) are
 _core's (softmax.py, masks.py), shared with the dense engine.
 """
 
