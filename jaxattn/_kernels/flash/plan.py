@@ -286,6 +286,110 @@ def finish(p: Prepared, out, lse, return_lse: bool):
     return out
 
 
+def _resolved_block_mask(call: AttentionCall, B: int, N: int, T: int, S: int):
+    """(mask_mod, block_mask, block_size) of the call: a BlockMask checked against the shapes, its tiles the
+    block_size the kernels take sub-tiles of (mask_sub_tiles), its own mask_mod the one that applies (resolve)."""
+    mask_mod, block_mask, block_size = call.mask_mod, call.block_mask, call.block_size
+    if block_mask is not None:
+        block_masks.check_block_mask(block_mask, B, N, T, S)
+        block_size = check_block_mask_tiles(block_mask, block_size)
+        mask_mod, block_mask = block_masks.resolve(mask_mod, block_mask)
+    return mask_mod, block_mask, block_size
+
+
+def _tiles(call: AttentionCall, c: Checked, dtype, block_size, block_mask, blocks, Hp: int, Hvp: int, interpret):
+    """(Tb, Sb, num_warps) of the call: a kernel's own tiles (blocks), sub-tiles of a BlockMask's tiles, or
+    tile_sizes' for block_size or the defaults (a BlockMask's tiles win over a kernel's own)."""
+    itemsize = np.dtype(dtype).itemsize
+    # warps: GPU_TILES' for the head dim (with block_size or a BlockMask's tiles too); a kernel that passes its own
+    # tiles (blocks) keeps the rule it was measured with, JAX's mha's: 4 up to head dim 64, else 8
+    warps = gpu_tiles(max(Hp, Hvp), itemsize)[2]
+    if blocks is not None:
+        warps = 4 if max(Hp, Hvp) <= 64 else 8
+    tables = call.has_tables or call.row_tables is not None
+    T, S = c.T, c.S
+    if blocks is not None and block_mask is None:
+        Tb, Sb = blocks
+    elif blocks is None and block_mask is not None:  # sub-tiles of the mask's tiles, by head dim as without it
+        Tb, Sb = mask_sub_tiles(block_size, tile_sizes(None, T, S, max(Hp, Hvp), interpret, itemsize, tables))
+    else:  # block_size, the defaults, or a kernel's own tiles under a BlockMask (the mask's tiles win)
+        Tb, Sb = tile_sizes(block_size, T, S, max(Hp, Hvp), interpret, itemsize, tables)
+    return Tb, Sb, warps
+
+
+class _Terms(NamedTuple):
+    """A call's position terms on the kernels' layout: Side's fields of these names (offset_bias, row_bias,
+    column_map, key_row_bias) and Prepared.value_rows; None where the call has none."""
+
+    offset_bias: Any = None
+    row_bias: Any = None
+    value_rows: Any = None
+    column_map: Any = None
+    key_row_bias: Any = None
+
+
+def _offset_bias(call: AttentionCall, c: Checked, cfg: Config, terms: _Terms, acc_dtype):
+    """(cfg, terms) with a position bias of j - i: its rows [B|1,N,D] and the index into them (Config.offset_bias);
+    a KERNEL_BIASES in a static range (unsupported refuses any other)."""
+    if call.position_bias is None:
+        return cfg, terms
+    rows, index = call.position_bias.kernel_table(c.T, c.S, default_positions(call))
+    offset_rows = _offset_rows(rows, c.batch, c.N, acc_dtype)
+    return cfg._replace(offset_bias=(index, offset_rows.shape[0] > 1)), terms._replace(offset_bias=offset_rows)
+
+
+def _shaw_tables(call: AttentionCall, c: Checked, query, Tp: int, cfg: Config, terms: _Terms, acc_dtype):
+    """(cfg, terms) with Shaw's tables within MAX_COLUMNS rows of reach (unsupported refuses wider ones): the key
+    table's per-row terms q . A^K over its band's rows, and the value table's band rows (tables_gpu)."""
+    if not call.has_tables:
+        return cfg, terms
+    key_table, value_table, _ = blockwise.check_tables(
+        call.key_table, call.value_table, call.max_distance, c.N, c.H, c.Hv, acc_dtype
+    )
+    band = tables_band(call, c.T, c.S)
+    if key_table is not None:
+        key_rows = tables_gpu.band_rows(key_table, band)
+        terms = terms._replace(row_bias=tables_gpu.row_bias(query, key_rows, c.batch, Tp, band.D, band.Dp, c.precision))
+    if value_table is not None:
+        terms = terms._replace(value_rows=tables_gpu.band_rows(value_table, band))
+    tables = Tables(band.lo, band.hi, band.Dp, key_table is not None, value_table is not None)
+    return cfg._replace(tables=tables), terms
+
+
+def _row_tables(call: AttentionCall, c: Checked, query, key, Tp: int, Sp: int, cfg: Config, terms: _Terms):
+    """(cfg, terms) with DeBERTa's tables: the columns are the tables' R rows, read through the scheme's map
+    (column_map); c2p's per-row terms q . Kr and p2c's per-key-row terms k . Qr (tables_gpu)."""
+    tables = call.row_tables
+    if tables is None:
+        return cfg, terms
+    Dp = tables_gpu.padded_columns(tables.rows)
+    if tables.key_rows is not None:
+        terms = terms._replace(
+            row_bias=tables_gpu.row_bias(query, tables.key_rows, c.batch, Tp, tables.rows, Dp, c.precision)
+        )
+    if tables.query_rows is not None:
+        terms = terms._replace(
+            key_row_bias=tables_gpu.key_row_bias(key, tables.query_rows, c.N, c.batch, Sp, Dp, c.precision)
+        )
+    terms = terms._replace(column_map=tables_gpu.column_map(tables.row_of_offset))
+    key_rows, query_rows = tables.key_rows is not None, tables.query_rows is not None
+    return cfg._replace(tables=Tables(tables.lo, tables.hi, Dp, key_rows, False, True, query_rows)), terms
+
+
+def _layout(c: Checked, cfg: Config, query, key, value, Tp: int, Sp: int, Hp: int, Hvp: int, unpadded: bool):
+    """(cfg, q, k, v) in the kernels' layout: the caller's arrays, the kernels masking the tiles that run past T,
+    S, H, Hv (cfg.extents; tile_math.read, write), or padded with zeros to whole tiles and the padded head dims."""
+    batch, T, S, H, Hv = c.batch, c.T, c.S, c.H, c.Hv
+    if unpadded:  # no copies
+        cfg = cfg._replace(extents=Extents(T, S, H, Hv, Hp, Hvp))
+        q = kernel_layout(query, batch, T, T, H)
+        k, v = kernel_layout(key, batch, S, S, H), kernel_layout(value, batch, S, S, Hv)
+    else:
+        q = kernel_layout(query, batch, T, Tp, Hp)
+        k, v = kernel_layout(key, batch, S, Sp, Hp), kernel_layout(value, batch, S, Sp, Hvp)
+    return cfg, q, k, v
+
+
 def prepare(
     call: AttentionCall, query, key, value, interpret, blocks=None, head_multiple=None, unpadded=False
 ) -> Prepared:
@@ -295,44 +399,27 @@ def prepare(
     head dims to a multiple of it (a TPU's lane width) rather than to a power of two; unpadded: q, k, v as
     the caller's arrays (cfg.extents: the kernels mask what runs past them; the GPU flash kernels), else
     padded with zeros to whole tiles and the padded head dims."""
-    mask_mod, block_mask, block_size = call.mask_mod, call.block_mask, call.block_size
-    score_mod = call.score_mod
     c = checked(call, query, key, value)
     batch, T, S, N, K, H, Hv = c.batch, c.T, c.S, c.N, c.K, c.H, c.Hv
     B = int(np.prod(batch, dtype=np.int64))
     acc_dtype = accumulation_dtype(query.dtype)
-    if block_mask is not None:  # its tiles hold the kernels' (mask_sub_tiles); its own mask_mod applies (resolve)
-        block_masks.check_block_mask(block_mask, B, N, T, S)
-        block_size = check_block_mask_tiles(block_mask, block_size)
-        mask_mod, block_mask = block_masks.resolve(mask_mod, block_mask)
+    mask_mod, block_mask, block_size = _resolved_block_mask(call, B, N, T, S)
     if head_multiple is None:
         Hp, Hvp = padded_head(H, interpret), padded_head(Hv, interpret)
     else:
         Hp, Hvp = (-(-x // head_multiple) * head_multiple for x in (H, Hv))
-    # warps: GPU_TILES' for the head dim (with block_size or a BlockMask's tiles too); a kernel that passes its own
-    # tiles (blocks) keeps the rule it was measured with, JAX's mha's: 4 up to head dim 64, else 8
-    warps = gpu_tiles(max(Hp, Hvp), np.dtype(query.dtype).itemsize)[2]
-    if blocks is not None:
-        warps = 4 if max(Hp, Hvp) <= 64 else 8
-    tables = call.has_tables or call.row_tables is not None
-    itemsize = np.dtype(query.dtype).itemsize
-    if blocks is not None and block_mask is None:
-        Tb, Sb = blocks
-    elif blocks is None and block_mask is not None:  # sub-tiles of the mask's tiles, by head dim as without it
-        Tb, Sb = mask_sub_tiles(block_size, tile_sizes(None, T, S, max(Hp, Hvp), interpret, itemsize, tables))
-    else:  # block_size, the defaults, or a kernel's own tiles under a BlockMask (the mask's tiles win)
-        Tb, Sb = tile_sizes(block_size, T, S, max(Hp, Hvp), interpret, itemsize, tables)
+    Tb, Sb, warps = _tiles(call, c, query.dtype, block_size, block_mask, blocks, Hp, Hvp, interpret)
     Tn, Sn = -(-T // Tb), -(-S // Sb)
     Tp, Sp = Tn * Tb, Sn * Sb
     q_pos, k_pos, lengths, q_seg, k_seg = padded_rows(c, Tp, Sp)
-    score_fn = mods.element_function("score_mod", score_mod, acc_dtype)
+    score_fn = mods.element_function("score_mod", call.score_mod, acc_dtype)
     mask_fn = mods.element_function("mask_mod", mask_mod)
     tile_kinds = None
     if block_mask is not None:
         ratios = (block_size[0] // Tb, block_size[1] // Sb)
         tile_kinds = sub_tile_kinds(block_masks.tile_kinds(block_mask).astype(jnp.int32), ratios, Tn, Sn)
-    score_consts = () if score_fn is None else tuple(jnp.asarray(c) for c in score_fn.consts)
-    mask_consts = () if mask_fn is None else tuple(jnp.asarray(c) for c in mask_fn.consts)
+    score_consts = () if score_fn is None else tuple(jnp.asarray(x) for x in score_fn.consts)
+    mask_consts = () if mask_fn is None else tuple(jnp.asarray(x) for x in mask_fn.consts)
 
     Bs = max([1] + [x.shape[0] for x in (q_pos, k_pos, lengths, q_seg, tile_kinds) if x is not None])
     cfg = Config(
@@ -355,41 +442,12 @@ def prepare(
         interpret=bool(interpret),
         num_warps=warps,
     )
-    order, counts, t_order, t_counts = schedules(
-        cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds, not default_positions(call)
-    )
+    schedule = schedules(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds, not default_positions(call))
+    order, counts, t_order, t_counts = schedule
     cfg = cfg._replace(batched=tuple(x is not None and x.shape[0] > 1 for x in (q_pos, k_pos, q_seg, lengths, counts)))
-    offset_rows = None
-    if call.position_bias is not None:  # a KERNEL_BIASES in a static range (unsupported refuses any other)
-        rows, index = call.position_bias.kernel_table(T, S, default_positions(call))
-        offset_rows = _offset_rows(rows, batch, N, acc_dtype)
-        cfg = cfg._replace(offset_bias=(index, offset_rows.shape[0] > 1))
-    row_bias = value_rows = None
-    if call.has_tables:  # Shaw tables within MAX_COLUMNS rows of reach (unsupported refuses wider ones)
-        key_table, value_table, _ = blockwise.check_tables(
-            call.key_table, call.value_table, call.max_distance, N, H, Hv, acc_dtype
-        )
-        band = tables_band(call, T, S)
-        if key_table is not None:
-            key_rows = tables_gpu.band_rows(key_table, band)
-            row_bias = tables_gpu.row_bias(query, key_rows, batch, Tp, band.D, band.Dp, c.precision)
-        if value_table is not None:
-            value_rows = tables_gpu.band_rows(value_table, band)
-        cfg = cfg._replace(tables=Tables(band.lo, band.hi, band.Dp, key_table is not None, value_table is not None))
-    column_map = key_row_bias = None
-    if call.row_tables is not None:  # DeBERTa's: columns are the tables' R rows, read through the scheme's map
-        tables = call.row_tables
-        Dp = tables_gpu.padded_columns(tables.rows)
-        if tables.key_rows is not None:
-            row_bias = tables_gpu.row_bias(query, tables.key_rows, batch, Tp, tables.rows, Dp, c.precision)
-        if tables.query_rows is not None:
-            key_row_bias = tables_gpu.key_row_bias(key, tables.query_rows, N, batch, Sp, Dp, c.precision)
-        column_map = tables_gpu.column_map(tables.row_of_offset)
-        cfg = cfg._replace(
-            tables=Tables(
-                tables.lo, tables.hi, Dp, tables.key_rows is not None, False, True, tables.query_rows is not None
-            )
-        )
+    cfg, terms = _offset_bias(call, c, cfg, _Terms(), acc_dtype)
+    cfg, terms = _shaw_tables(call, c, query, Tp, cfg, terms, acc_dtype)
+    cfg, terms = _row_tables(call, c, query, key, Tp, Sp, cfg, terms)
     side = Side(
         q_pos=q_pos,
         k_pos=k_pos,
@@ -403,17 +461,10 @@ def prepare(
         counts=counts,
         t_order=t_order,
         t_counts=t_counts,
-        offset_bias=offset_rows,
-        row_bias=row_bias,
-        column_map=column_map,
-        key_row_bias=key_row_bias,
+        offset_bias=terms.offset_bias,
+        row_bias=terms.row_bias,
+        column_map=terms.column_map,
+        key_row_bias=terms.key_row_bias,
     )
-
-    if unpadded:  # no copies: the kernels mask the tiles that run past T, S, H, Hv (tile_math.read, write)
-        cfg = cfg._replace(extents=Extents(T, S, H, Hv, Hp, Hvp))
-        q = kernel_layout(query, batch, T, T, H)
-        k, v = kernel_layout(key, batch, S, S, H), kernel_layout(value, batch, S, S, Hv)
-    else:
-        q = kernel_layout(query, batch, T, Tp, Hp)
-        k, v = kernel_layout(key, batch, S, Sp, Hp), kernel_layout(value, batch, S, Sp, Hvp)
-    return Prepared(cfg, q, k, v, side, batch, T, N, Hv, value_rows)
+    cfg, q, k, v = _layout(c, cfg, query, key, value, Tp, Sp, Hp, Hvp, unpadded)
+    return Prepared(cfg, q, k, v, side, batch, T, N, Hv, terms.value_rows)
