@@ -376,6 +376,31 @@ def _row_tables(call: AttentionCall, c: Checked, query, key, Tp: int, Sp: int, c
     return cfg._replace(tables=Tables(tables.lo, tables.hi, Dp, key_rows, False, True, query_rows)), terms
 
 
+def _side(padded, sinks, score_consts, mask_consts, schedule, terms: _Terms) -> Side:
+    """The arrays beside q, k, v every flash kernel reads (Side): the padded positions, lengths and segment ids
+    (padded_rows), sinks, the mods' consts, the schedules (schedules) and the position terms."""
+    q_pos, k_pos, lengths, q_seg, k_seg = padded
+    order, counts, t_order, t_counts = schedule
+    return Side(
+        q_pos=q_pos,
+        k_pos=k_pos,
+        lengths=lengths,
+        q_seg=q_seg,
+        k_seg=k_seg,
+        sinks=sinks,
+        score_consts=score_consts,
+        mask_consts=mask_consts,
+        order=order,
+        counts=counts,
+        t_order=t_order,
+        t_counts=t_counts,
+        offset_bias=terms.offset_bias,
+        row_bias=terms.row_bias,
+        column_map=terms.column_map,
+        key_row_bias=terms.key_row_bias,
+    )
+
+
 def _layout(c: Checked, cfg: Config, query, key, value, Tp: int, Sp: int, Hp: int, Hvp: int, unpadded: bool):
     """(cfg, q, k, v) in the kernels' layout: the caller's arrays, the kernels masking the tiles that run past T,
     S, H, Hv (cfg.extents; tile_math.read, write), or padded with zeros to whole tiles and the padded head dims."""
@@ -411,7 +436,8 @@ def prepare(
     Tb, Sb, warps = _tiles(call, c, query.dtype, block_size, block_mask, blocks, Hp, Hvp, interpret)
     Tn, Sn = -(-T // Tb), -(-S // Sb)
     Tp, Sp = Tn * Tb, Sn * Sb
-    q_pos, k_pos, lengths, q_seg, k_seg = padded_rows(c, Tp, Sp)
+    padded = padded_rows(c, Tp, Sp)
+    q_pos, k_pos, lengths, q_seg, k_seg = padded
     score_fn = mods.element_function("score_mod", call.score_mod, acc_dtype)
     mask_fn = mods.element_function("mask_mod", mask_mod)
     tile_kinds = None
@@ -443,28 +469,11 @@ def prepare(
         num_warps=warps,
     )
     schedule = schedules(cfg, Bs, q_pos, k_pos, lengths, q_seg, k_seg, tile_kinds, not default_positions(call))
-    order, counts, t_order, t_counts = schedule
+    counts = schedule[1]  # (order, counts, t_order, t_counts): batched says which arrays differ by batch entry
     cfg = cfg._replace(batched=tuple(x is not None and x.shape[0] > 1 for x in (q_pos, k_pos, q_seg, lengths, counts)))
     cfg, terms = _offset_bias(call, c, cfg, _Terms(), acc_dtype)
     cfg, terms = _shaw_tables(call, c, query, Tp, cfg, terms, acc_dtype)
     cfg, terms = _row_tables(call, c, query, key, Tp, Sp, cfg, terms)
-    side = Side(
-        q_pos=q_pos,
-        k_pos=k_pos,
-        lengths=lengths,
-        q_seg=q_seg,
-        k_seg=k_seg,
-        sinks=c.sinks,
-        score_consts=score_consts,
-        mask_consts=mask_consts,
-        order=order,
-        counts=counts,
-        t_order=t_order,
-        t_counts=t_counts,
-        offset_bias=terms.offset_bias,
-        row_bias=terms.row_bias,
-        column_map=terms.column_map,
-        key_row_bias=terms.key_row_bias,
-    )
+    side = _side(padded, c.sinks, score_consts, mask_consts, schedule, terms)
     cfg, q, k, v = _layout(c, cfg, query, key, value, Tp, Sp, Hp, Hvp, unpadded)
     return Prepared(cfg, q, k, v, side, batch, T, N, Hv, terms.value_rows)
