@@ -91,7 +91,7 @@ class _Ring(NamedTuple):
     m: int  # pieces per chunk: the unit that travels (Pk keys, whole key tiles)
     Pk: int
     lengths: bool  # key lengths in use (given, or to mask padded keys)
-    engine: Any  # blockwise.EngineConfig for one (query chunk, key chunk) pair; bias_fn for all N heads
+    engine: Any  # blockwise.Config for one (query chunk, key chunk) pair; bias_fn for all N heads
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -442,10 +442,10 @@ def _engine_config(**fields):
     """The blockwise engine's per-pair config, by field name (each chunk's positions are contiguous:
     consecutive integers from the chunk's global offset, padding masked as blockwise_attention does)."""
     fields.setdefault("terms", blockwise.Terms())  # segments, softcap, sinks, score/mask functions: not here
-    missing = set(blockwise.EngineConfig._fields) - set(fields)
+    missing = set(blockwise.Config._fields) - set(fields)
     if missing:  # the engine grew an option this module does not know how to set
         raise NotImplementedError(f"ring attention: blockwise engine config fields {sorted(missing)} not set")
-    return blockwise.EngineConfig(**{name: fields[name] for name in blockwise.EngineConfig._fields})
+    return blockwise.Config(**{name: fields[name] for name in blockwise.Config._fields})
 
 
 def pieces_per_chunk(key_tiles, C, target=PIECES_PER_SHARE):
@@ -538,7 +538,7 @@ def ring_attention(
         Tb=Tb,
         Sb=Sb,
         N=Nl,
-        mask=MaskRule(is_causal=bool(is_causal)),
+        rule=MaskRule(is_causal=bool(is_causal)),
         max_distance=max_distance,
         contiguous=True,
         precision=precision,

@@ -23,7 +23,7 @@ q [B,K,G,T,H], k [B,K,S,H], v [B,K,S,Hv] so every tile product is one batched ma
 query heads sharing a key/value head (grouped-query attention never copies keys or values).
 
 The modules, one job each (each imports only those above it):
-  values     the named values: EngineConfig and Terms (static), TermArrays, QueryTile, KeySide, Shared,
+  values     the named values: Config and Terms (static), Side, QueryTile, KeySide, Shared,
              RowGrads, Grads (what a tile reads and adds into)
   layout     the engine layout's small operations: tile products, head views, dynamic slices
   buckets    Shaw relative buckets: a tile's bucket index, gathers and bucket sums, table products
@@ -40,7 +40,7 @@ The modules, one job each (each imports only those above it):
 The surface other modules drive (the ring engine, the dispatch, the schemes, the kernels):
   blockwise_attention: the public entry point (keywords); tiled(call, ...): the same for an AttentionCall
     (what the dispatch in jaxattn._dispatch, the schemes and the kernels' empty-input path call);
-  EngineConfig, fwd_tile, bwd_tile, zero_grads: one query tile against a run of keys, forward/backward,
+  Config, fwd_tile, bwd_tile, zero_grads: one query tile against a run of keys, forward/backward,
     their arguments named: QueryTile (the tile), KeySide (every key it runs against), Shared (tables,
     hook arrays, scale), RowGrads (the backward's per-row inputs), Grads (the accumulators);
   convert_hook, check_tables, slice_block: the pieces of the entry point;
@@ -57,19 +57,19 @@ from .groups import on_a_device_mesh
 from .inputs import TABLE_LAYOUT, check_tables, convert_hook
 from .layout import slice_block
 from .pairs import add_pair_tile, pair_tile
-from .values import EngineConfig, Grads, KeySide, QueryTile, RowGrads, Shared, TermArrays, Terms
+from .values import Config, Grads, KeySide, QueryTile, RowGrads, Shared, Side, Terms
 from .vjp import Residuals
 
 __all__ = [
     "TABLE_LAYOUT",
-    "EngineConfig",
+    "Config",
     "Grads",
     "KeySide",
     "QueryTile",
     "Residuals",
     "RowGrads",
     "Shared",
-    "TermArrays",
+    "Side",
     "Terms",
     "add_pair_tile",
     "blockwise_attention",

@@ -25,7 +25,7 @@ from .inputs import (
     positions_and_lengths,
     with_block_mask,
 )
-from .values import EngineConfig, KeySide, Shared
+from .values import Config, KeySide, Shared
 
 if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping is no run-time dependency
     from jaxtyping import ArrayLike, Float, Int
@@ -143,7 +143,7 @@ def tiled(call: AttentionCall, query, key, value):
         return nothing_to_tile(batch, T, N, Hv, value.dtype, call.sinks, acc_dtype, call.return_lse)
     bias_fn, consts = position_hook(call.position_bias, q_pos, k_pos, B, N, Tb, Sb, acc_dtype)
     terms, arrays = check_terms(call, mask_mod, block_mask, batch, T, S, N, K, Tp, Sp, acc_dtype)
-    cfg = EngineConfig(
+    cfg = Config(
         Tb,
         Sb,
         N,

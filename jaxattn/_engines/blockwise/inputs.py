@@ -15,7 +15,7 @@ from ..._core.masks import check_lengths
 from ..._core.positions import positions
 from ..._core.softmax import no_key, public_lse
 from .. import tiles
-from .values import TermArrays, Terms
+from .values import Side, Terms
 
 
 def flat_positions(pos, batch, length, padded):
@@ -88,7 +88,7 @@ def _empty_lse(batch, N, T, sinks, acc_dtype):
 
 
 def check_terms(call: AttentionCall, mask_mod, block_mask, batch, T, S, N, K, Tp, Sp, acc_dtype):
-    """Check the programmable options against the shapes: (Terms, TermArrays) in the engine layout
+    """Check the programmable options against the shapes: (Terms, Side) in the engine layout
     (mask_mod, block_mask: the call's, resolved by with_block_mask)."""
     B = int(np.prod(batch, dtype=np.int64))
     q_seg, k_seg = mods.check_segment_ids(call.query_segment_ids, call.key_segment_ids, batch, T, S)
@@ -115,7 +115,7 @@ def check_terms(call: AttentionCall, mask_mod, block_mask, batch, T, S, N, K, Tp
         segments=q_seg is not None,
         block_kinds=kinds is not None,
     )
-    arrays = TermArrays(
+    arrays = Side(
         q_seg=q_seg,
         k_seg=k_seg,
         sinks=sinks,

@@ -26,10 +26,10 @@ def _element_grid(cfg, fn, consts, qp, kp, B, K, score=None):
 
 def allowed_in_tile(cfg, qp, kp, j, lengths, arrays, kind, B, K):
     """bool tile broadcastable to [B,K,G,Tb,Sb], or None when every key is allowed (key block j).
-    arrays: this query tile's TermArrays; mask_mod is evaluated on WITH_MOD tiles only."""
+    arrays: this query tile's Side; mask_mod is evaluated on WITH_MOD tiles only."""
     k_seg = None if arrays.k_seg is None else slice_block(arrays.k_seg, j * cfg.Sb, cfg.Sb, -1)
     allowed = allowed_pairs(
-        cfg.mask, qp, kp, j * cfg.Sb + jnp.arange(cfg.Sb), lengths, None if k_seg is None else arrays.q_seg, k_seg
+        cfg.rule, qp, kp, j * cfg.Sb + jnp.arange(cfg.Sb), lengths, None if k_seg is None else arrays.q_seg, k_seg
     )
     allowed = None if allowed is None else as_tile(allowed)
     if cfg.terms.mask_fn is not None and kind == WITH_MOD:

@@ -13,7 +13,7 @@ from ..._core.masks import key_block_schedule
 def key_schedule(cfg, qp, k_pos, lengths, arrays, n_blocks):
     """The key tiles (of n_blocks) that query positions qp visit, by kind, from cfg's rule and terms."""
     return key_block_schedule(
-        cfg.mask,
+        cfg.rule,
         qp,
         k_pos,
         lengths,

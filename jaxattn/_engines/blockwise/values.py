@@ -1,5 +1,5 @@
-"""The blockwise engine's named values: its static configuration (EngineConfig, with the programmable
-Terms) and what one query tile reads (QueryTile, KeySide, Shared, TermArrays, RowGrads) and adds into
+"""The blockwise engine's named values: its static configuration (Config, with the programmable
+Terms) and what one query tile reads (QueryTile, KeySide, Shared, Side, RowGrads) and adds into
 (Grads). The ring engine builds the same values to drive fwd_tile / bwd_tile on its chunks.
 """
 
@@ -11,7 +11,7 @@ from ..._core.masks import MaskRule
 
 
 class Terms(NamedTuple):
-    """The static programmable terms (jaxattn._core.mods); their arrays travel in TermArrays."""
+    """The static programmable terms (jaxattn._core.mods); their arrays travel in Side."""
 
     softcap: Optional[float] = None
     score_fn: Optional[Callable] = None  # ElementFunction.fn: score_mod(score, b, n, t, s, *consts)
@@ -20,7 +20,7 @@ class Terms(NamedTuple):
     block_kinds: bool = False
 
 
-class TermArrays(NamedTuple):
+class Side(NamedTuple):
     """Arrays of the programmable terms in the engine layout: segment ids [B|1,Tp] / [B|1,Sp], sinks
     [B,K,G], the score_mod / mask_mod consts, BlockMask tile kinds [Tn,Sn] int8 (reduced over batch rows
     and heads, which share a tile). The tile functions get one query tile's view (vjp.py)."""
@@ -33,13 +33,13 @@ class TermArrays(NamedTuple):
     kinds: Any = None
 
 
-class EngineConfig(NamedTuple):
+class Config(NamedTuple):
     """Static (hashable) description of one engine run: tiles, heads and which terms are on."""
 
     Tb: int
     Sb: int
     N: int
-    mask: MaskRule  # the position rule (causal, window, chunks): _core.masks decides every pair from it
+    rule: MaskRule  # the position rule (causal, window, chunks): _core.masks decides every pair from it
     max_distance: Optional[int]  # Shaw tables' clip distance (None: no tables)
     contiguous: bool  # default positions: key_pos - query_pos = offset0 + s - t within every tile
     precision: Any
@@ -72,12 +72,12 @@ class Shared(NamedTuple):
 
 class QueryTile(NamedTuple):
     """One query tile: q [B,K,G,Tb,H], its absolute positions pos [Tb] or [B,Tb], its view of the
-    TermArrays (its rows of the segment ids and of the BlockMask's tile kinds), and row0, the index of its
+    Side (its rows of the segment ids and of the BlockMask's tile kinds), and row0, the index of its
     first query row (where it reads per-pair tables)."""
 
     q: Any
     pos: Any
-    arrays: TermArrays = TermArrays()
+    arrays: Side = Side()
     row0: Any = 0
 
 

@@ -17,7 +17,7 @@ from ..._core.dtypes import accumulation_dtype
 from .backward import bwd_tile, zero_grads
 from .forward import fwd_tile
 from .layout import slice_block
-from .values import KeySide, QueryTile, RowGrads, Shared, TermArrays
+from .values import KeySide, QueryTile, RowGrads, Shared, Side
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -27,7 +27,7 @@ def engine(cfg, q, keys, shared, q_pos, arrays):
 
 
 def _tile_arrays(arrays, i, Tb):
-    """Query tile i's view of the TermArrays: its rows of the query segment ids and of the tile kinds."""
+    """Query tile i's view of the Side: its rows of the query segment ids and of the tile kinds."""
     q_seg = None if arrays.q_seg is None else slice_block(arrays.q_seg, i * Tb, Tb, -1)
     return arrays._replace(q_seg=q_seg, kinds=None if arrays.kinds is None else arrays.kinds[i])
 
@@ -45,7 +45,7 @@ class Residuals(NamedTuple):
     keys: KeySide
     shared: Shared
     q_pos: Any
-    arrays: TermArrays
+    arrays: Side
     out: Any
     lse: Any
     buckets: Any
@@ -112,7 +112,7 @@ def _engine_bwd(cfg, res: Residuals, cotangents):
         cast(grads.pair_key, shared.pair_key),
         cast(grads.pair_value, shared.pair_value),
     )
-    d_arrays = TermArrays(
+    d_arrays = Side(
         sinks=cast(d_sinks, arrays.sinks),
         score_consts=tuple(map(cast, grads.score_consts, score_consts)) if score_consts else (),
         mask_consts=tuple(None for _ in arrays.mask_consts),
