@@ -8,6 +8,7 @@ import dataclasses
 import sys
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -123,3 +124,31 @@ def test_jax_nn_s_xla_checks_once(monkeypatch):
     calls = _count_checks(monkeypatch)
     jax.make_jaxpr(lambda q, k, v: jaxattn.dot_product_attention(q, k, v, implementation="xla"))(*qkv())
     assert T * S < _api.AUTO_BLOCKWISE_ELEMENTS and calls == [("dense", False)]
+
+
+def test_an_attention_call_is_a_pytree_of_its_arrays():
+    """AttentionCall's leaves are its array fields (ARRAY_FIELDS, a BlockMask's own arrays among them), so a call
+    passes through jax.vjp / custom_vjp / jit as one value: a map keeps every other option (the same objects), a
+    VJP gives a call of cotangents (float0 for the integer ones), and a jitted function of a call traces its
+    arrays, not its statics."""
+    from jaxattn._core.call import ARRAY_FIELDS, FIELDS
+
+    rng = np.random.default_rng(3)
+    sinks, lengths = rng.standard_normal(N), np.array([4, 7])
+    score_mod = lambda x, b, n, t, s: x  # noqa: E731
+    call = AttentionCall(is_causal=True, sinks=sinks, key_value_seq_lengths=lengths, scale=0.25, score_mod=score_mod)
+    leaves, treedef = jax.tree.flatten(call)
+    assert len(leaves) == 2 and set(ARRAY_FIELDS) < set(FIELDS)
+    doubled = jax.tree.map(lambda x: 2 * x, call)
+    np.testing.assert_array_equal(doubled.sinks, 2 * sinks)
+    assert doubled.score_mod is score_mod and doubled.scale == 0.25 and doubled.is_causal
+    assert jax.tree.structure(doubled) == treedef
+
+    def loss(call):
+        return jnp.sum(call.sinks**2) * call.scale
+
+    (d_call,) = jax.vjp(loss, call)[1](1.0)
+    assert isinstance(d_call, AttentionCall)
+    np.testing.assert_allclose(d_call.sinks, 2 * 0.25 * sinks)
+    assert d_call.key_value_seq_lengths.dtype == jax.dtypes.float0
+    np.testing.assert_allclose(jax.jit(loss)(call), loss(call))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
+import jax
 import numpy as np
 
 from . import checks, mods
@@ -46,6 +47,21 @@ GRID_KEYWORDS = (*GRID_OPTIONS, "dropout_rng")
 # The integer arrays that say which pairs may attend (a custom VJP takes them as inputs: closing over them
 # would capture a tracer of an enclosing trace).
 INDEX_ARRAYS = ("key_value_seq_lengths", "query_positions", "key_positions", "query_segment_ids", "key_segment_ids")
+# The fields that hold arrays (a BlockMask: a pytree of them): an AttentionCall's pytree leaves, so that a call
+# passes through jax.custom_vjp, jax.vjp or jax.jit as one value (the rest, Python values, functions and
+# position-term objects, rides in its treedef).
+ARRAY_FIELDS = (
+    *INDEX_ARRAYS,
+    "block_mask",
+    "sinks",
+    "key_table",
+    "value_table",
+    "rel_key",
+    "rel_value",
+    "mask",
+    "bias",
+    "dropout_rng",
+)
 # The position terms of the relative schemes.
 POSITION_TERMS = ("key_table", "value_table", "position_bias", "rel_key", "rel_value", "row_tables")
 
@@ -151,3 +167,39 @@ class AttentionCall:
 
 
 FIELDS = tuple(f.name for f in dataclasses.fields(AttentionCall))
+
+
+STATIC_FIELDS = tuple(name for name in FIELDS if name not in ARRAY_FIELDS)
+
+
+class _Static:
+    """A call's non-array fields in its treedef, compared field by field by identity: they may hold arrays (a
+    position bias's table, DeBERTa's RowTables), which == cannot compare, and functions."""
+
+    __slots__ = ("values",)
+
+    def __init__(self, values: tuple):
+        self.values = values
+
+    def __eq__(self, other):
+        return isinstance(other, _Static) and all(a is b for a, b in zip(self.values, other.values))
+
+    def __hash__(self):
+        return hash(tuple(map(id, self.values)))
+
+
+def _flatten(call: AttentionCall):
+    arrays = tuple(getattr(call, name) for name in ARRAY_FIELDS)
+    return arrays, _Static(tuple(getattr(call, name) for name in STATIC_FIELDS))
+
+
+def _unflatten(static: _Static, arrays) -> AttentionCall:
+    # fields set as they are, not through __init__: the statics were checked when the call was built, and the
+    # leaves may be placeholders while JAX rebuilds a tree
+    call = object.__new__(AttentionCall)
+    for name, value in (*zip(STATIC_FIELDS, static.values), *zip(ARRAY_FIELDS, arrays)):
+        object.__setattr__(call, name, value)
+    return call
+
+
+jax.tree_util.register_pytree_node(AttentionCall, _flatten, _unflatten)

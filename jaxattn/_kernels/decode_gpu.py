@@ -26,7 +26,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from .._core import checks
-from .._core.call import INDEX_ARRAYS, AttentionCall
+from .._core.call import ARRAY_FIELDS, AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.softmax import add_sinks, finalize_partial, merge_partials, public_lse
 from .._engines import blockwise
@@ -44,8 +44,6 @@ DECODE_MAX_ROWS = 64  # G * T query rows of one key/value head in one program (a
 DECODE_MIN_CHUNK = 256  # keys per program at least (a power of two): fewer would spend more on the merge
 # Options the decode kernel does not take (the flash kernel does: pallas_gpu.attention routes them there).
 _NOT_DECODE = ("score_mod", "mask_mod", "block_mask", "position_bias", "key_table", "value_table", "row_tables")
-# Array-valued options (the custom VJP's differentiable / integer inputs).
-_ARRAY_OPTIONS = (*INDEX_ARRAYS, "sinks")
 
 
 def decode_unsupported(call: AttentionCall, query, key, value, interpret=False) -> Optional[str]:
@@ -223,24 +221,25 @@ def decode_attention(call: AttentionCall, query, key, value, interpret=False, *,
 
 
 def decode_with_flash_gradient(call: AttentionCall, query, key, value, interpret):
-    """decode_attention forward; a gradient runs the flash kernels (forward again, then backward)."""
-    arrays = {name: jnp.asarray(getattr(call, name)) for name in _ARRAY_OPTIONS if getattr(call, name) is not None}
-    static = call.replace(**{name: None for name in arrays})  # hashable (by identity): a nondiff argument
-    return _decode_forward(static, bool(interpret), query, key, value, arrays)
+    """decode_attention forward; a gradient runs the flash kernels (forward again, then backward). The call
+    is an input of the custom VJP (a pytree: its arrays, lengths, positions, segment ids and sinks, are leaves;
+    the integer ones get float0 cotangents)."""
+    arrays = {name: jnp.asarray(getattr(call, name)) for name in ARRAY_FIELDS if getattr(call, name) is not None}
+    return _decode_forward(bool(interpret), query, key, value, call.replace(**arrays))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _decode_forward(static, interpret, query, key, value, arrays):
-    return decode_attention(static.replace(**arrays), query, key, value, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _decode_forward(interpret, query, key, value, call):
+    return decode_attention(call, query, key, value, interpret)
 
 
-def _decode_forward_fwd(static, interpret, query, key, value, arrays):
-    return _decode_forward(static, interpret, query, key, value, arrays), (query, key, value, arrays)
+def _decode_forward_fwd(interpret, query, key, value, call):
+    return _decode_forward(interpret, query, key, value, call), (query, key, value, call)
 
 
-def _decode_forward_bwd(static, interpret, residuals, cotangent):
-    def flash(query, key, value, arrays):
-        return run(static.replace(**arrays), query, key, value, interpret)
+def _decode_forward_bwd(interpret, residuals, cotangent):
+    def flash(query, key, value, call):
+        return run(call, query, key, value, interpret)
 
     return jax.vjp(flash, *residuals)[1](cotangent)
 
