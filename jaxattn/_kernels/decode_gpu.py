@@ -30,7 +30,8 @@ from .._core.call import ARRAY_FIELDS, AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.softmax import add_sinks, finalize_partial, merge_partials, public_lse
 from .._engines import blockwise
-from .flash.config import Config, Extents
+from .flash import call as flash_call
+from .flash.config import Config, Extents, Side
 from .flash.forward import key_tiles
 from .flash.plan import checked, kernel_layout, key_tile_kinds, padded_rows, sorted_kinds
 from .flash.refs import ForwardHooks, Refs
@@ -119,16 +120,18 @@ def _decode_partials(cfg, q, k, v, q_pos, k_pos, lengths, q_seg, k_seg, order, c
     B, K, Rp, Hp = q.shape
     Sc, Hvp = cfg.Sn * cfg.Sb, cfg.extents.Hvp
     C = -(-k.shape[1] // Sc)
-    bq, bk, bs, bl, bsched = cfg.batched
+    bsched = cfg.batched[4]  # the schedule's batch rows (Config.batched)
     inputs = {
         "q": (q, pl.BlockSpec((None, None, Rp, Hp), lambda b, h, c: (b, h, 0, 0))),
         "k": (k, pl.BlockSpec((None, Sc, None, Hp), lambda b, h, c: (b, c, h, 0))),
         "v": (v, pl.BlockSpec((None, Sc, None, Hvp), lambda b, h, c: (b, c, h, 0))),
-        "q_pos": (q_pos, pl.BlockSpec((None, Rp), lambda b, h, c: (pick(bq, b), 0))),
-        "k_pos": (k_pos, pl.BlockSpec((None, Sc), lambda b, h, c: (pick(bk, b), c))),
-        "lengths": None if lengths is None else (lengths, pl.BlockSpec((None,), lambda b, h, c: (pick(bl, b),))),
-        "q_seg": None if q_seg is None else (q_seg, pl.BlockSpec((None, Rp), lambda b, h, c: (pick(bs, b), 0))),
-        "k_seg": None if k_seg is None else (k_seg, pl.BlockSpec((None, Sc), lambda b, h, c: (pick(bs, b), c))),
+        # positions, lengths, segment ids: every query row (of the G heads), the chunk's keys
+        **flash_call.index_inputs(
+            Side(q_pos=q_pos, k_pos=k_pos, lengths=lengths, q_seg=q_seg, k_seg=k_seg),
+            cfg.batched,
+            (Rp, lambda b, h, c: 0),
+            (Sc, lambda b, h, c: c),
+        ),
         "order": (order, pl.BlockSpec((None, None, cfg.Sn), lambda b, h, c: (pick(bsched, b), c, 0))),
         "counts": (counts, pl.BlockSpec((None, None, 4), lambda b, h, c: (pick(bsched, b), c, 0))),
     }

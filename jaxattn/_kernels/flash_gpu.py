@@ -172,20 +172,11 @@ def row_inputs(cfg, side, Hp, Hvp):
     """Inputs shared by the forward and dq kernels (grid b, n, i): positions, lengths, segments, consts,
     the forward schedule; q / k / v specs."""
     G = cfg.N // cfg.K
-    bq, bk, bs, bl, bsched = cfg.batched
+    bsched = cfg.batched[4]  # the schedule's batch rows (Config.batched)
     Sp = cfg.Sn * cfg.Sb
-    inputs = {
-        "q_pos": (side.q_pos, pl.BlockSpec((None, cfg.Tb), lambda b, n, i: (pick(bq, b), i))),
-        "k_pos": (side.k_pos, pl.BlockSpec((None, Sp), lambda b, n, i: (pick(bk, b), 0))),
-        "lengths": None
-        if side.lengths is None
-        else (side.lengths, pl.BlockSpec((None,), lambda b, n, i: (pick(bl, b),))),
-        "q_seg": None
-        if side.q_seg is None
-        else (side.q_seg, pl.BlockSpec((None, cfg.Tb), lambda b, n, i: (pick(bs, b), i))),
-        "k_seg": None
-        if side.k_seg is None
-        else (side.k_seg, pl.BlockSpec((None, Sp), lambda b, n, i: (pick(bs, b), 0))),
+    # positions, lengths, segment ids: the query tile's rows, every key
+    inputs = call.index_inputs(side, cfg.batched, (cfg.Tb, lambda b, n, i: i), (Sp, lambda b, n, i: 0))
+    inputs |= {
         "order": None
         if side.order is None  # a compact schedule: runs in counts
         else (
@@ -223,7 +214,7 @@ def key_tile_inputs(cfg, side, q, k, v, d_out, lse, delta):
     segments), lengths, the transposed schedule and the score_mod / mask_mod consts."""
     G = q.shape[2] // v.shape[2]
     Tp, Hp, Hvp = block_dims(cfg, q, v)
-    bq, bk, bs, bl, bsched = cfg.batched
+    bsched = cfg.batched[4]  # the schedule's batch rows (Config.batched)
     heads = G if cfg.head_kinds else 1
     inputs = {
         "q": (q, pl.BlockSpec((None, Tp, G, Hp), lambda b, h, j: (b, 0, h, 0))),
@@ -232,17 +223,8 @@ def key_tile_inputs(cfg, side, q, k, v, d_out, lse, delta):
         "delta": (delta, pl.BlockSpec((None, G, Tp), lambda b, h, j: (b, h, 0))),
         "k": (k, pl.BlockSpec((None, cfg.Sb, None, Hp), lambda b, h, j: (b, j, h, 0))),
         "v": (v, pl.BlockSpec((None, cfg.Sb, None, Hvp), lambda b, h, j: (b, j, h, 0))),
-        "q_pos": (side.q_pos, pl.BlockSpec((None, Tp), lambda b, h, j: (pick(bq, b), 0))),
-        "k_pos": (side.k_pos, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bk, b), j))),
-        "lengths": None
-        if side.lengths is None
-        else (side.lengths, pl.BlockSpec((None,), lambda b, h, j: (pick(bl, b),))),
-        "q_seg": None
-        if side.q_seg is None
-        else (side.q_seg, pl.BlockSpec((None, Tp), lambda b, h, j: (pick(bs, b), 0))),
-        "k_seg": None
-        if side.k_seg is None
-        else (side.k_seg, pl.BlockSpec((None, cfg.Sb), lambda b, h, j: (pick(bs, b), j))),
+        # positions, lengths, segment ids: every query row, the key tile's
+        **call.index_inputs(side, cfg.batched, (Tp, lambda b, h, j: 0), (cfg.Sb, lambda b, h, j: j)),
         "order": None  # the transposed schedule, over query tiles
         if side.t_order is None
         else (

@@ -272,7 +272,6 @@ def _forward(p: plan.Prepared, S: int, interpret: bool, pair_bias=None, tables=N
     B, N, Tp, Hp = q.shape
     Sp, Hvp = k.shape[2], v.shape[-1]
     G = cfg.N // cfg.K
-    bq, bk, bs, bl, bsched = cfg.batched
     pick = tile_math.pick
 
     scalars = {"counts": side.counts}  # the schedule: runs, or counts with order (tile_math.schedule)
@@ -288,7 +287,6 @@ def _forward(p: plan.Prepared, S: int, interpret: bool, pair_bias=None, tables=N
     def spec(shape, index):  # index(b, n, i) -> block indices; the scalar refs are not read by index maps
         return pl.BlockSpec(shape, lambda b, n, i, *_: index(b, n, i))
 
-    rows = lambda x: x[:, None, :]  # noqa: E731  [B|1,L] -> [B|1,1,L]
     # one head's keys and values whole in VMEM, or past the bound left in HBM and read a tile at a time
     stream = flex_tpu_vjp.streamed(Sp, Hp, Hvp, k.dtype, pairs is not None)
     inputs = {
@@ -296,12 +294,11 @@ def _forward(p: plan.Prepared, S: int, interpret: bool, pair_bias=None, tables=N
         # lax.div: n >= 0, and Mosaic lowers floor division through sign, which asks the TPU generation
         "k": (k, IN_HBM if stream else spec((None, None, Sp, Hp), lambda b, n, i: (b, lax.div(n, G), 0, 0))),
         "v": (v, IN_HBM if stream else spec((None, None, Sp, Hvp), lambda b, n, i: (b, lax.div(n, G), 0, 0))),
-        "q_pos": (rows(side.q_pos), spec((None, 1, cfg.Tb), lambda b, n, i: (pick(bq, b), 0, i))),
-        "k_pos": (rows(side.k_pos), spec((None, 1, Sp), lambda b, n, i: (pick(bk, b), 0, 0))),
+        # positions and segment ids as rows: the query tile's, every key's (lengths: scalars, above)
+        **flash_call.index_inputs(
+            side, cfg.batched, (cfg.Tb, lambda b, n, i, *_: i), (Sp, lambda b, n, i, *_: 0), rows=True, lengths=False
+        ),
     }
-    if side.q_seg is not None:
-        inputs["q_seg"] = (rows(side.q_seg), spec((None, 1, cfg.Tb), lambda b, n, i: (pick(bs, b), 0, i)))
-        inputs["k_seg"] = (rows(side.k_seg), spec((None, 1, Sp), lambda b, n, i: (pick(bs, b), 0, 0)))
     for prefix, consts in (("score", side.score_consts), ("mask", side.mask_consts)):
         for c, x in enumerate(consts):
             inputs[f"{prefix}_consts{c}"] = (x, spec(x.shape, lambda b, n, i, nd=x.ndim: (0,) * nd))

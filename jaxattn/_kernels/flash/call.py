@@ -9,6 +9,7 @@ from typing import Callable, Optional
 from jax.experimental import pallas as pl
 
 from .refs import bind
+from .tile_math import pick
 
 
 def named_call(
@@ -62,3 +63,34 @@ def named_call(
         name=name,
         **grid_args,
     )(*lead.values(), *[x for x, _ in inputs.values()])
+
+
+def index_inputs(side, batched: tuple, queries: tuple, keys: tuple, rows: bool = False, lengths: bool = True) -> dict:
+    """The operands that say which pairs may attend, by name, each with its BlockSpec on the kernel's grid:
+    positions and segment ids (and lengths unless `lengths=False`: a TPU prefetches them into SMEM), the ones
+    the call has. queries / keys: (block length, index(*grid ids) -> the block's index) along the query / key
+    axis; each array's batch row is the grid's first id b, or its one row 0 (config.Config.batched: (q_pos,
+    k_pos, segments, lengths, schedule)). rows: the TPU layout, [B|1,1,L] read in blocks [1,L] (its blocks are
+    two-dimensional; refs_tpu.Row reads them as [L]); else [B|1,L] in blocks [L]."""
+    by_q, by_k, by_seg, by_len, _ = batched
+    out = {}
+    for name, x, on_batch, axis in (
+        ("q_pos", side.q_pos, by_q, queries),
+        ("k_pos", side.k_pos, by_k, keys),
+        ("lengths", side.lengths if lengths else None, by_len, None),
+        ("q_seg", side.q_seg, by_seg, queries),
+        ("k_seg", side.k_seg, by_seg, keys),
+    ):
+        if x is None:
+            continue
+        if axis is None:  # lengths: one per batch entry
+            out[name] = (x, pl.BlockSpec((None,), lambda *ids, on=on_batch: (pick(on, ids[0]),)))
+        elif rows:
+            length, index = axis
+            block = lambda *ids, on=on_batch, at=index: (pick(on, ids[0]), 0, at(*ids))  # noqa: E731
+            out[name] = (x[:, None, :], pl.BlockSpec((None, 1, length), block))
+        else:
+            length, index = axis
+            block = lambda *ids, on=on_batch, at=index: (pick(on, ids[0]), at(*ids))  # noqa: E731
+            out[name] = (x, pl.BlockSpec((None, length), block))
+    return out
