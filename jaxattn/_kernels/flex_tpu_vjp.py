@@ -107,11 +107,6 @@ def _scalar_inputs(side, order, counts):
     return {name: x.reshape(-1) for name, x in arrays.items()}, {name: x.shape for name, x in arrays.items()}
 
 
-def _rows(x):
-    """[B|1,L] -> [B|1,1,L]: positions and segment ids as refs_tpu.Row reads them."""
-    return x[:, None, :]
-
-
 def _bias_start(cfg, Tp: int, i, j):
     """Tile (i, j)'s first entry in rows_of_grid: its smallest offset j Sb - i Tb - (Tb - 1), moved by Tp - 1."""
     return j * cfg.Sb - i * cfg.Tb + (Tp - cfg.Tb)
@@ -152,7 +147,6 @@ def _dq_operands(c: _Backward, lse, delta, buffers: int):
     cfg, side, q, k, v, do = c.p.cfg, c.p.side, c.q, c.k, c.v, c.do
     B, N, _, Hp = q.shape
     Sp, Hvp, G = k.shape[2], v.shape[-1], c.G
-    bq, bk, bs = cfg.batched[:3]
     pick = tile_math.pick
     columns = lse[..., None], delta[..., None]  # [B,N,Tp,1]: a tile's rows at a time
     scalars, shapes = _scalar_inputs(side, side.order, side.counts)  # the forward's schedule
@@ -164,12 +158,11 @@ def _dq_operands(c: _Backward, lse, delta, buffers: int):
         # lax.div: n >= 0, and Mosaic lowers floor division through sign, which asks the TPU generation
         "k": (k, _spec((None, None, Sp, Hp), lambda b, n, i: (b, lax.div(n, G), 0, 0), buffers)),
         "v": (v, _spec((None, None, Sp, Hvp), lambda b, n, i: (b, lax.div(n, G), 0, 0), buffers)),
-        "q_pos": (_rows(side.q_pos), _spec((None, 1, cfg.Tb), lambda b, n, i: (pick(bq, b), 0, i))),
-        "k_pos": (_rows(side.k_pos), _spec((None, 1, Sp), lambda b, n, i: (pick(bk, b), 0, 0))),
+        # positions and segment ids as rows: the query tile's, every key's (lengths: scalars)
+        **flash_call.index_inputs(
+            side, cfg.batched, (cfg.Tb, lambda b, n, i, *_: i), (Sp, lambda b, n, i, *_: 0), rows=True, lengths=False
+        ),
     }
-    if side.q_seg is not None:
-        inputs["q_seg"] = (_rows(side.q_seg), _spec((None, 1, cfg.Tb), lambda b, n, i: (pick(bs, b), 0, i)))
-        inputs["k_seg"] = (_rows(side.k_seg), _spec((None, 1, Sp), lambda b, n, i: (pick(bs, b), 0, 0)))
     scratch = {}
     if buffers == 0:  # the keys in HBM, read a tile at a time
         inputs["k"], inputs["v"] = (k, IN_HBM), (v, IN_HBM)
@@ -316,7 +309,6 @@ def _dkv_operands(c: _Backward, lse, delta, stream_queries: bool):
     cfg, side, q, k, v, do = c.p.cfg, c.p.side, c.q, c.k, c.v, c.do
     Tp, Hp = q.shape[2:]
     Hvp, G = v.shape[-1], c.G
-    bq, bk, bs = cfg.batched[:3]
     pick, spec = tile_math.pick, _dkv_spec
     scalars, shapes = _scalar_inputs(side, side.t_order, side.t_counts)  # the transposed schedule
     heads = lambda b, h, j, g: (b, h * G + g, 0, 0)  # noqa: E731  the rows of query head h G + g
@@ -328,12 +320,16 @@ def _dkv_operands(c: _Backward, lse, delta, stream_queries: bool):
         "delta": (delta[:, :, None, :], spec((None, 1, 1, Tp), heads)),
         "k": (k, spec((None, None, cfg.Sb, Hp), lambda b, h, j, g: (b, h, j, 0))),
         "v": (v, spec((None, None, cfg.Sb, Hvp), lambda b, h, j, g: (b, h, j, 0))),
-        "q_pos": (_rows(side.q_pos), spec((None, 1, Tp), lambda b, h, j, g: (pick(bq, b), 0, 0))),
-        "k_pos": (_rows(side.k_pos), spec((None, 1, cfg.Sb), lambda b, h, j, g: (pick(bk, b), 0, j))),
+        # positions and segment ids as rows: every query row, the key tile's (lengths: scalars)
+        **flash_call.index_inputs(
+            side,
+            cfg.batched,
+            (Tp, lambda b, h, j, g, *_: 0),
+            (cfg.Sb, lambda b, h, j, g, *_: j),
+            rows=True,
+            lengths=False,
+        ),
     }
-    if side.q_seg is not None:
-        inputs["q_seg"] = (_rows(side.q_seg), spec((None, 1, Tp), lambda b, h, j, g: (pick(bs, b), 0, 0)))
-        inputs["k_seg"] = (_rows(side.k_seg), spec((None, 1, cfg.Sb), lambda b, h, j, g: (pick(bs, b), 0, j)))
     if c.rows_of_grid is not None:  # the rows of query head h G + g
         batched, E = cfg.offset_bias[1], c.rows_of_grid.shape[-1]
         rows_spec = spec((None, 1, 1, E), lambda b, h, j, g: (pick(batched, b), h * G + g, 0, 0))
