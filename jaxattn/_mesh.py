@@ -50,7 +50,7 @@ from ._core.placement import axis_names, explicit_entries
 
 # Options whose arrays no rule here splits yet: implementation=None keeps the XLA engines for them on a mesh,
 # a named kernel refuses them by name (and a position_bias whose rows have batch dims: side_inputs).
-MESH_REFUSED = ("rel_key", "rel_value", "row_tables")
+MESH_REFUSED = ("row_tables",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -222,6 +222,14 @@ def _table_side(field: str, table) -> SideInput:
     return SideInput(field, table, lambda split: PartitionSpec(None, split.heads, None))
 
 
+def _pair_side(field: str, table) -> SideInput:
+    """A per-pair table (relative_attention's rel_key / rel_value, [T,S,N|1,F]): split with the heads, or whole on
+    every shard when the heads share it; no batch axis (one table for every example)."""
+    if np.shape(table)[2] == 1:
+        return SideInput(field, table, lambda split: PartitionSpec())
+    return SideInput(field, table, lambda split: PartitionSpec(None, None, split.heads, None))
+
+
 def _bias_side(bias, T: int, S: int, default_positions: bool) -> Optional[SideInput]:
     """A kernel position bias (offset_bias.KERNEL_BIASES) as its rows [N,D], split with the heads, each shard's
     rebuilt into the same kind of bias over its heads; None for rows with batch dims (not split yet)."""
@@ -274,6 +282,9 @@ def side_inputs(call: AttentionCall, T: int, S: int, batch_dims: int = 1) -> Opt
     for name in ("key_table", "value_table"):
         if getattr(call, name) is not None:
             sides.append(_table_side(name, getattr(call, name)))
+    for name in ("rel_key", "rel_value"):
+        if getattr(call, name) is not None:
+            sides.append(_pair_side(name, getattr(call, name)))
     if call.block_mask is not None:
         block_mask = _block_mask_side(call.block_mask, batch_dims)
         if block_mask is None:

@@ -168,8 +168,8 @@ def kernel_cases(implementation, dtype, layouts=tuple(LAYOUTS), mesh=None):
 
 def position_cases(implementation, dtype, mesh):
     """The position terms a kernel takes on a mesh, on batch x heads, gradients into their tables: ALiBi's slopes
-    and T5's table (a position bias's rows split with the heads), Shaw's tables per head (split) and shared
-    (whole on every shard)."""
+    and T5's table (a position bias's rows split with the heads), Shaw's tables and relative_attention's per-pair
+    tables per head (split) and shared (whole on every shard)."""
     q, k, v, (ka, kb, kc) = inputs(4, dtype, seed=5)
     R = 2 * 3 + 1
     slopes = jax.random.uniform(ka, (N,), dtype, 0.05, 0.5)
@@ -188,12 +188,21 @@ def position_cases(implementation, dtype, mesh):
     def shaw(q, k, v, key_table, value_table):
         return jaxattn.shaw_relative_attention(q, k, v, key_table, value_table, max_distance=3, is_causal=True, **kw)
 
+    def pairs(q, k, v, rel_key, rel_value):
+        return jaxattn.relative_attention(q, k, v, rel_key, rel_value, is_causal=True, **kw)
+
+    pair_keys = jax.random.split(jax.random.key(11), 4)
+    pair_per_head = tuple(jax.random.normal(key, (T, S, N, F), dtype) for key, F in zip(pair_keys[:2], (H, Hv)))
+    pair_shared = tuple(jax.random.normal(key, (T, S, 1, F), dtype) for key, F in zip(pair_keys[2:], (H, Hv)))
     layout, table_heads = LAYOUTS["batch+heads"], P(None, "model", None)
+    pair_heads = P(None, None, "model", None)
     return {  # per-head arrays placed split with the heads, as shard_params places a layer's
         "alibi-batch+heads": compare(alibi, (q, k, v, slopes), layout, mesh, None, (HEADS,)),
         "t5-batch+heads": compare(t5, (q, k, v, t5_table), layout, mesh, None, (P(None, "model"),)),
         "shaw-per-head-batch+heads": compare(shaw, (q, k, v, *per_head), layout, mesh, None, (table_heads,) * 2),
         "shaw-shared-batch+heads": compare(shaw, (q, k, v, *shared), layout, mesh),
+        "pairs-per-head-batch+heads": compare(pairs, (q, k, v, *pair_per_head), layout, mesh, None, (pair_heads,) * 2),
+        "pairs-shared-batch+heads": compare(pairs, (q, k, v, *pair_shared), layout, mesh),
     }
 
 
