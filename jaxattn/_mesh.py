@@ -44,13 +44,9 @@ from jax import lax
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
-from ._core import block_mask as block_masks, checks, mods, offset_bias
+from ._core import block_mask as block_masks, checks, mods, offset_bias, row_tables
 from ._core.call import INDEX_ARRAYS, AttentionCall
 from ._core.placement import axis_names, explicit_entries
-
-# Options whose arrays no rule here splits yet: implementation=None keeps the XLA engines for them on a mesh,
-# a named kernel refuses them by name (and a position_bias whose rows have batch dims: side_inputs).
-MESH_REFUSED = ("row_tables",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,11 +137,12 @@ def _block_mask_refusal(call: AttentionCall, query, split: Optional[Split]) -> O
 
 
 def _unsplit(call: AttentionCall, query, key) -> Optional[str]:
-    """The first option in use that no rule splits (MESH_REFUSED, or a position bias side_inputs cannot)."""
-    refused = next((name for name in MESH_REFUSED if name in call.in_use()), None)
-    if refused is None and side_inputs(call, np.shape(query)[-3], np.shape(key)[-3], np.ndim(query) - 3) is None:
+    """The first option in use that no rule splits (None: every one does): a position bias whose rows have batch
+    dims, or a BlockMask under several batch dims (side_inputs). implementation=None keeps the XLA engines for
+    it on a mesh, a named kernel refuses it by name."""
+    if side_inputs(call, np.shape(query)[-3], np.shape(key)[-3], np.ndim(query) - 3) is None:
         return "block_mask" if call.block_mask is not None else "position_bias"
-    return refused
+    return None
 
 
 def _reads_indices(mod: Callable, with_score: bool, query) -> tuple[bool, bool]:
@@ -191,7 +188,8 @@ def _kv_heads(key, split: Split, N: int, head_ids):
 
 @dataclasses.dataclass(frozen=True)
 class SideInput:
-    """One array a split call carries to its shards beside q, k, v: the AttentionCall field it fills, how it
+    """One array a split call carries to its shards beside q, k, v: the AttentionCall field it fills (or
+    "row_tables.<attribute>": one array of DeBERTa's RowTables, which the shard puts back together), how it
     splits (spec), and how the shard's slice becomes the field's value (rebuild: a position bias's rows
     become an OffsetBias / TableBias of the shard's heads)."""
 
@@ -220,6 +218,18 @@ def _table_side(field: str, table) -> SideInput:
     if np.ndim(table) == 2:
         return SideInput(field, table, lambda split: PartitionSpec())
     return SideInput(field, table, lambda split: PartitionSpec(None, split.heads, None))
+
+
+def _row_table_sides(tables: row_tables.RowTables) -> list:
+    """DeBERTa's RowTables as its arrays: the c2p / p2c tables [R,(N,)H] as Shaw's (split with the heads, or whole
+    when shared), the map of offsets to rows whole on every shard (rows, lo and hi are static)."""
+    sides = [
+        _table_side(f"row_tables.{name}", table)
+        for name, table in (("key_rows", tables.key_rows), ("query_rows", tables.query_rows))
+        if table is not None
+    ]
+    row_of_offset = jnp.asarray(tables.row_of_offset, jnp.int32)
+    return [*sides, SideInput("row_tables.row_of_offset", row_of_offset, lambda split: PartitionSpec())]
 
 
 def _pair_side(field: str, table) -> SideInput:
@@ -285,6 +295,8 @@ def side_inputs(call: AttentionCall, T: int, S: int, batch_dims: int = 1) -> Opt
     for name in ("rel_key", "rel_value"):
         if getattr(call, name) is not None:
             sides.append(_pair_side(name, getattr(call, name)))
+    if call.row_tables is not None:
+        sides.extend(_row_table_sides(call.row_tables))
     if call.block_mask is not None:
         block_mask = _block_mask_side(call.block_mask, batch_dims)
         if block_mask is None:
@@ -321,7 +333,9 @@ class Plan:
             for name in ("score_mod", "mask_mod")
             if (mod := getattr(call, name)) is not None
         }
-        self.call = call.replace(**{side.field: None for side in self.side})  # the arrays travel as arguments
+        # the arrays travel as arguments (a RowTables' static rows, lo and hi stay here, for the shards)
+        self.call = call.replace(**{side.field.split(".")[0]: None for side in self.side})
+        self.row_tables = call.row_tables
         self.key_shape, self.value_shape = tuple(np.shape(key)), tuple(np.shape(value))
 
     def arguments(self, query, key, value) -> tuple:
@@ -355,6 +369,14 @@ class Plan:
             if heads_split and not kv_with_heads:
                 k, v = (_kv_heads(x, split, self.N, head_ids) for x in (k, v))
             local = {side.field: side.rebuild(x) for side, x in zip(self.side, arrays)}
+            tables = {name.split(".")[1]: local.pop(name) for name in list(local) if name.startswith("row_tables.")}
+            if tables:  # DeBERTa's tables put back together from the shard's arrays
+                local["row_tables"] = dataclasses.replace(
+                    self.row_tables,
+                    key_rows=tables.get("key_rows"),
+                    query_rows=tables.get("query_rows"),
+                    row_of_offset=tables["row_of_offset"],
+                )
             # score_mod(score, b, n, t, s), mask_mod(b, n, t, s)
             for name, (mod, reads_b, reads_n) in self.mods.items():
                 if (reads_b and any(split.batch)) or (reads_n and heads_split):

@@ -169,7 +169,8 @@ def kernel_cases(implementation, dtype, layouts=tuple(LAYOUTS), mesh=None):
 def position_cases(implementation, dtype, mesh):
     """The position terms a kernel takes on a mesh, on batch x heads, gradients into their tables: ALiBi's slopes
     and T5's table (a position bias's rows split with the heads), Shaw's tables and relative_attention's per-pair
-    tables per head (split) and shared (whole on every shard)."""
+    tables per head (split) and shared (whole on every shard), DeBERTa's c2p and p2c tables (split with the heads,
+    the map of offsets to rows whole)."""
     q, k, v, (ka, kb, kc) = inputs(4, dtype, seed=5)
     R = 2 * 3 + 1
     slopes = jax.random.uniform(ka, (N,), dtype, 0.05, 0.5)
@@ -191,6 +192,12 @@ def position_cases(implementation, dtype, mesh):
     def pairs(q, k, v, rel_key, rel_value):
         return jaxattn.relative_attention(q, k, v, rel_key, rel_value, is_causal=True, **kw)
 
+    def deberta(q, k, v, position_keys, position_queries):  # DeBERTa-v3's log buckets: 2 * 4 table rows
+        return jaxattn.disentangled_attention(
+            q, k, v, position_keys, position_queries, max_relative_positions=16, position_buckets=4, **kw
+        )
+
+    deberta_tables = tuple(jax.random.normal(key, (8, N, H), dtype) for key in jax.random.split(jax.random.key(13), 2))
     pair_keys = jax.random.split(jax.random.key(11), 4)
     pair_per_head = tuple(jax.random.normal(key, (T, S, N, F), dtype) for key, F in zip(pair_keys[:2], (H, Hv)))
     pair_shared = tuple(jax.random.normal(key, (T, S, 1, F), dtype) for key, F in zip(pair_keys[2:], (H, Hv)))
@@ -203,6 +210,7 @@ def position_cases(implementation, dtype, mesh):
         "shaw-shared-batch+heads": compare(shaw, (q, k, v, *shared), layout, mesh),
         "pairs-per-head-batch+heads": compare(pairs, (q, k, v, *pair_per_head), layout, mesh, None, (pair_heads,) * 2),
         "pairs-shared-batch+heads": compare(pairs, (q, k, v, *pair_shared), layout, mesh),
+        "deberta-batch+heads": compare(deberta, (q, k, v, *deberta_tables), layout, mesh, None, (table_heads,) * 2),
     }
 
 

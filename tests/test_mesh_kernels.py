@@ -55,7 +55,7 @@ def test_pallas_gpu_on_shards(default_results, axes):
     if axes == "pallas_gpu_auto":  # jax.vmap over an Auto-axes call (a batching rule: runs unsplit, vmapped)
         assert "vmapped-batch+heads" in cases
     assert {"K2-heads", "K3-heads", "score_mod-batch+heads", "t5-batch+heads", "shaw-shared-batch+heads"} <= set(cases)
-    assert {"pairs-per-head-batch+heads", "pairs-shared-batch+heads"} <= set(cases)
+    assert {"pairs-per-head-batch+heads", "pairs-shared-batch+heads", "deberta-batch+heads"} <= set(cases)
     if axes == "pallas_gpu":  # Explicit axes: FSDP-batch, and BlockMasks (whole, and split with batch and heads)
         assert cases["K4-fsdp"]["dq_spec"] == "P(('data', 'model'),)"
         assert {"block_mask-any-batch+heads", "block_mask-per-batch-and-head-batch+heads"} <= set(cases)
