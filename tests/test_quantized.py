@@ -4,8 +4,9 @@ The decoders are held element by element to a float64 decoder written here from 
 (plain Python on each code: every E2M1 code, every E8M0 exponent, every one of the 256 float8_e4m3fn bit
 patterns, the partial blocks of shapes that are not multiples of the block). Whole models: tiny checkpoints
 quantized here (round to nearest, from the spec), read by from_pretrained, against transformers loading the
-same MXFP4 directory with its own dequantization (Mxfp4Config(dequantize=True)), and, for FP8 (transformers'
-CPU FP8 path needs `accelerate`, and infers the block size from the scale grid, wrong for partial blocks),
+same MXFP4 directory with its own dequantization (Mxfp4Config(dequantize=True)); for FP8, against transformers'
+own FP8 decode (FineGrainedFP8Config(dequantize=True), with `accelerate`) where every weight is whole blocks, and
+where blocks are partial (transformers' CPU decode infers the block size from the scale grid, wrong there)
 against transformers run on the weights this file's float64 decoder gives.
 """
 
@@ -409,6 +410,105 @@ def test_deepseek_v3_fp8_partial_blocks_equal_the_spec(tmp_path, hf):
     for dtype in ("float32", "float64"):
         report = _report(hf, torch_model, model, params, dtype)
         assert report.passed and report.rows[-1].normwise <= (1e-12 if dtype == "float64" else 1e-5), str(report)
+
+
+# Sizes where every FP8 weight is whole blocks: (weight_block_size, write_checkpoint's config overrides). Only there
+# is transformers' CPU FP8 decode a reference (it takes rows / grid rows as the block); the blocks are not square,
+# so a rows / columns mix-up in either decode shows.
+WHOLE_BLOCKS = {
+    "qwen3": ((16, 8), {}),  # rows 96 (q), 32 (k, v), 48 (o, down), 80 (gate, up); columns 48, 96, 80
+    "qwen3_moe": ((8, 12), {}),  # the experts' rows 24 and 48, columns 48 and 24; attention as qwen3's
+    "deepseek_v3": (  # rows 16 (q_a), 48 (q_b, kv_b), 24 (kv_a_proj_with_mqa: 16 + 8), 40, 24, 16; columns 40, 16, 24
+        (8, 4),
+        dict(
+            hidden_size=40,
+            intermediate_size=24,
+            moe_intermediate_size=16,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        ),
+    ),
+}
+
+
+def transformers_fp8(directory):
+    """transformers' own model of a block-FP8 directory, decoded by its FP8 integration
+    (FineGrainedFP8Config(dequantize=True): on a CPU it needs accelerate, which the models extra installs) into
+    float32 params, eager."""
+    import torch
+    import transformers
+
+    moe = json.loads((directory / "config.json").read_text())["model_type"] in ("qwen3_moe", "deepseek_v3")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(directory),
+        quantization_config=transformers.FineGrainedFP8Config(dequantize=True),
+        dtype=torch.float32,
+        attn_implementation="eager",
+        local_files_only=True,
+        **({"experts_implementation": "eager"} if moe else {}),
+    ).eval()
+
+
+def _perturbed_scale(kept, factor):
+    """kept with the first block of its first kernel_scale_inv (in path order) times factor."""
+    import jax
+    import jax.numpy as jnp
+
+    first = min(p for p in _flat(kept) if p.endswith("kernel_scale_inv"))
+
+    def change(path, x):
+        return jnp.asarray(x).at[(0,) * x.ndim].multiply(factor) if "/".join(k.key for k in path) == first else x
+
+    return jax.tree_util.tree_map_with_path(change, kept)
+
+
+@pytest.mark.parametrize(
+    "model_type", ["qwen3", pytest.param("qwen3_moe", marks=pytest.mark.slow), "deepseek_v3"]
+)  # slow: Qwen3-MoE's attention is Qwen 3's, its experts' stacked decode DeepSeek V3's (~6 s)
+def test_fp8_whole_blocks_equal_transformers_dequantized(tmp_path, hf, model_type):
+    """A block-FP8 directory in whole blocks, read by transformers with its own FP8 decode and by from_pretrained:
+    transformers' weights are the float64 reference decode rounded once to float32; the logits of our kept FP8
+    kernels (the default, the model at dtype float32) within the float32 bar of every layer, and of the params
+    decoded to float32 as read within float64's (both sides then hold the same float32 numbers); 6 greedy
+    tokens equal (float32); one block's scale off by 2^-8 fails the float32 comparison."""
+    import jax.numpy as jnp
+    import torch
+
+    block, overrides = WHOLE_BLOCKS[model_type]
+    directory, reference, _ = write_fp8(tmp_path / model_type, hf, model_type, block, **overrides)
+    tensors = load_safetensors(directory / "model.safetensors")
+    assert all(r % block[0] == 0 and c % block[1] == 0 for r, c in (tensors[n].shape for n in _fp8_names(tensors)))
+    torch_model = transformers_fp8(directory)
+    theirs = {n: p.detach().numpy() for n, p in torch_model.state_dict().items()}
+    spec = load_safetensors(reference / "model.safetensors")
+    compared = [n for n in _fp8_names(spec) if n in theirs]  # transformers fuses the experts: the others
+    assert len(compared) >= 8
+    for name in compared:
+        assert theirs[name].dtype == np.float32
+        np.testing.assert_array_equal(theirs[name], spec[name], err_msg=name)
+
+    model, kept = from_pretrained(directory)
+    assert _flat(kept)["layers_0/self_attn/out/kernel_fp8"].dtype == FP8
+    model = model.clone(dtype=jnp.float32)  # decode the kept kernels to float32 (the default is bfloat16)
+    report = _report(hf, torch_model, model, kept, "float32")
+    assert report.passed and report.rows[-1].normwise <= 1e-5, str(report)
+    assert not _report(hf, torch_model, model, _perturbed_scale(kept, 1 + 2**-8), "float32").passed
+    plain_model, plain = from_pretrained(directory, dtype="float32")
+    report = _report(hf, torch_model, plain_model, plain, "float64")
+    assert report.passed and report.rows[-1].normwise <= 1e-12, str(report)
+
+    ids, mask = hf.padded_batch("left")
+    ours = generate(model, kept, ids, max_new_tokens=6, attention_mask=mask)
+    torch_model.to(torch.float32)
+    with torch.no_grad():
+        theirs = torch_model.generate(
+            torch.from_numpy(ids), attention_mask=torch.from_numpy(mask), max_new_tokens=6, do_sample=False
+        ).numpy()
+    assert min(len(set(row)) for row in np.asarray(ours)[:, -6:].tolist()) >= 3  # not one repeated token
+    np.testing.assert_array_equal(ours, theirs)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
