@@ -903,14 +903,36 @@ def test_mxfp4_sizes_not_in_groups_of_32_are_refused(tmp_path, hf):
         from_pretrained(directory)
 
 
-def test_crosscheck_model_reports_an_mxfp4_directory_and_refuses_fp8_by_name(tmp_path, hf, capsys):
+def test_crosscheck_model_reports_mxfp4_and_whole_block_fp8_and_refuses_partial_blocks(tmp_path, hf, capsys):
     """python -m crosscheck --model DIR: the packed load against transformers' own MXFP4 decode, every layer;
-    block FP8 has no transformers reference on a CPU (accelerate; the grid-inferred block), said so."""
+    block FP8 in whole blocks against transformers' own FP8 decode (float32: our kept kernels; float64: our
+    float32 decode, as transformers'), every layer; FP8 with partial edge blocks (DeepSeek V3's shapes in [16, 8]
+    blocks, as the released kv_a_proj_with_mqa's 576 rows in 128) refused naming each tensor, since transformers
+    reads those in blocks it infers from the scale grid."""
     from crosscheck._cli.main import main
 
     mxfp4 = write_mxfp4_gpt_oss(tmp_path / "mxfp4", hf)
     assert main(["--no-cache", "--model", str(mxfp4)]) == 0
     assert capsys.readouterr().out.count("every layer passes") == 2
-    fp8 = write_fp8(tmp_path / "fp8", hf, "qwen3", (16, 16))[0]
-    assert main(["--no-cache", "--model", str(fp8)]) == 2
-    assert "quantization_config: expected none or 'mxfp4'" in capsys.readouterr().err
+    block, overrides = WHOLE_BLOCKS["qwen3"]
+    fp8 = write_fp8(tmp_path / "fp8", hf, "qwen3", block, **overrides)[0]
+    assert main(["--no-cache", "--model", str(fp8)]) == 0
+    assert capsys.readouterr().out.count("every layer passes") == 2
+    partial = write_fp8(tmp_path / "partial", hf, "deepseek_v3", (16, 8))[0]
+    assert main(["--no-cache", "--model", str(partial)]) == 2
+    err = capsys.readouterr().err
+    assert "expected every FP8 weight in whole weight_block_size [16, 8] blocks" in err
+    assert (
+        "got 61 weights with a partial block: model.safetensors: 'model.layers.0.mlp.down_proj.weight' [41,29]" in err
+    )
+
+
+def test_crosscheck_trains_a_whole_block_fp8_directory(tmp_path, hf, capsys):
+    """python -m crosscheck --model DIR --train: plain params decoded to float32 as read, as transformers' FP8
+    decode gives them (the bfloat16 of dequantize=True alone would differ from step 0), every step passes."""
+    from crosscheck._cli.main import main
+
+    block, overrides = WHOLE_BLOCKS["qwen3"]
+    fp8 = write_fp8(tmp_path / "fp8", hf, "qwen3", block, **overrides)[0]
+    assert main(["--no-cache", "--model", str(fp8), "--train", "2"]) == 0
+    assert capsys.readouterr().out.count("every step passes") == 2

@@ -111,6 +111,23 @@ def finish(reports, *, header: str, data: dict, json_path: str | None, plot_path
     return 1 if failed else 0
 
 
+def ported(directory: Path, config: dict, model, params, dtype: str):
+    """(model, params) to compare in `dtype` with transformers' model of the directory. A block-FP8 checkpoint:
+    transformers decodes it in float32 (the product of FP8 value and scale rounded once, then cast); so in
+    float32 our kept FP8 kernels, decoded as each layer is applied, in float32 too (the model at dtype float32:
+    its default decodes to bfloat16), and in float64 the params decoded to float32 as they are read (a float64
+    decode is exact, and would differ from transformers' by its rounding). Any other checkpoint as loaded."""
+    if (config.get("quantization_config") or {}).get("quant_method") != "fp8":
+        return model, params
+    if dtype == "float32":
+        import jax.numpy as jnp
+
+        return model.clone(dtype=jnp.float32), params
+    from jaxattn.models import from_pretrained
+
+    return from_pretrained(directory, dtype="float32", precision="highest")
+
+
 def main(directory: str | None, *, dtypes: Sequence[str] | None, plot_path: str | None, json_path: str | None) -> int:
     from crosscheck._hf.layer_report import LAYER_TOLERANCES, layer_report
     from jaxattn.models import from_pretrained
@@ -125,12 +142,13 @@ def main(directory: str | None, *, dtypes: Sequence[str] | None, plot_path: str 
         from crosscheck._hf.checkpoints import torch_model
 
         torch = torch_model(directory)
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, ImportError) as error:
         print(f"python -m crosscheck: error: {error}", file=sys.stderr)
         return 2
     inputs = model_inputs(directory, config)
     reports = [
-        layer_report(torch, (model, params), inputs, dtype=dtype) for dtype in (dtypes or tuple(LAYER_TOLERANCES))
+        layer_report(torch, ported(directory, config, model, params, dtype), inputs, dtype=dtype)
+        for dtype in (dtypes or tuple(LAYER_TOLERANCES))
     ]
     if "pixel_values" in inputs:
         batch = f"pixel_values {'x'.join(map(str, inputs['pixel_values'].shape))}"

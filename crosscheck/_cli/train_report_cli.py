@@ -108,9 +108,13 @@ def main(
 
     directory = Path(directory)
     try:
-        # training takes plain params: a quantized checkpoint (gpt-oss's MXFP4) decoded as it is read
-        model, params = from_pretrained(directory, precision="highest", dequantize=True)
+        # training takes plain params: a quantized checkpoint decoded as it is read; block FP8 to float32, as
+        # transformers decodes it (its default, bfloat16, would round the weights transformers trains)
         config = json.loads((directory / "config.json").read_text())
+        fp8 = (config.get("quantization_config") or {}).get("quant_method") == "fp8"
+        model, params = from_pretrained(
+            directory, precision="highest", dequantize=True, dtype="float32" if fp8 else None
+        )
         architecture = str((config.get("architectures") or [""])[0])
         classifier = config.get("model_type") in CLASSIFIERS and architecture.endswith("ForSequenceClassification")
         if config.get("model_type") not in FAMILIES + IMAGE_CLASSIFIERS and not classifier:
@@ -130,8 +134,8 @@ def main(
         batches = [{**b, "labels": b["input_ids"][:, 0] % model.config.num_labels} for b in batches]
     reports = []
     for dtype in dtypes or ("float64", "float32"):
-        torch_model = hf.torch_model(directory)  # a fresh copy per run: training changes it
         try:
+            torch_model = hf.torch_model(directory)  # a fresh copy per run: training changes it
             reports.append(
                 train_report(
                     torch_model,
@@ -146,7 +150,7 @@ def main(
                     dtype=dtype,
                 )
             )
-        except ValueError as error:
+        except (ValueError, ImportError) as error:  # ImportError: an FP8 reference without accelerate
             print(f"python -m crosscheck: error: {error}", file=sys.stderr)
             return 2
     if image:

@@ -805,23 +805,69 @@ def buffers_as_frozen_parameters(torch_model):
     return torch_model
 
 
-def _dequantized(config: dict) -> dict:
-    """from_pretrained's options for a quantized checkpoint: transformers' own MXFP4 decode
-    (Mxfp4Config(dequantize=True), no accelerate needed); block FP8 refused (transformers decodes it on a CPU
-    only with accelerate, and reads a weight whose rows or columns are not a multiple of the block in blocks
-    it infers from the scale grid, not the config's: no reference for the format)."""
-    method = (config.get("quantization_config") or {}).get("quant_method")
+def _dequantized(directory: Path, config: dict) -> dict:
+    """from_pretrained's options for a quantized checkpoint: transformers' own decode. MXFP4:
+    Mxfp4Config(dequantize=True). Block FP8: FineGrainedFP8Config(dequantize=True) in float32 (transformers
+    decodes into its parameters' dtype: a bf16 release would be rounded to bf16), which needs accelerate, and only
+    where every FP8 weight is whole blocks (_whole_fp8_blocks: transformers infers the block size from the scale
+    grid, so it reads a partial edge block in wrong blocks)."""
+    q = config.get("quantization_config") or {}
+    method = q.get("quant_method")
     if method is None:
         return {}
-    if method == "mxfp4":
-        import transformers
+    import transformers
 
+    if method == "mxfp4":
         return {"quantization_config": transformers.Mxfp4Config(dequantize=True)}
+    if method == "fp8":
+        import importlib.util
+
+        import torch
+
+        if importlib.util.find_spec("accelerate") is None:
+            raise ImportError(
+                f"{directory / 'config.json'}: quantization_config fp8: transformers decodes block FP8 only with "
+                f'accelerate installed: expected it, got none (pip install -c constraints.txt -e ".[models]")'
+            )
+        from jaxattn.models import quantized
+
+        _whole_fp8_blocks(directory, quantized.scheme(config, directory / "config.json").block)
+        reference = transformers.FineGrainedFP8Config(
+            dequantize=True, modules_to_not_convert=q.get("modules_to_not_convert")
+        )
+        return {"quantization_config": reference, "dtype": torch.float32}
     raise ValueError(
-        f"config.json: quantization_config: expected none or 'mxfp4' (a transformers reference crosscheck can "
-        f"build on a CPU), got quant_method {method!r} (block FP8: transformers needs accelerate and infers the "
-        f"block size from the scale grid; jaxattn's decode is checked against the format in tests/test_quantized.py)"
+        f"config.json: quantization_config: expected none, 'mxfp4' or 'fp8' (what transformers decodes on a CPU), "
+        f"got quant_method {method!r}"
     )
+
+
+def _whole_fp8_blocks(directory: Path, block) -> None:
+    """ValueError naming each FP8 weight (file, tensor, shape) whose rows or columns are not a multiple of
+    weight_block_size `block`: the format ends it in a partial block (DeepSeek V3's kv_a_proj_with_mqa, 576 rows
+    in blocks of 128), but transformers' CPU decode takes rows / grid rows as the block (192 rows in blocks of 128
+    are read as blocks of 96, without a warning), so it is no reference there. Shapes from the headers only."""
+    from jaxattn.io import safetensors_entries
+
+    shapes = {}  # name -> (file, shape) over every shard: a weight and its scale may lie in two files
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        shapes |= {name: (file.name, e.shape) for name, e in safetensors_entries(file).items()}
+    partial = []
+    for name, (file, shape) in shapes.items():
+        if name.endswith("_scale_inv") or name + "_scale_inv" not in shapes or len(shape) < 2:
+            continue  # not an FP8 weight, or one from_pretrained refuses by name
+        if shape[-2] % block[0] or shape[-1] % block[1]:
+            partial.append(f"{file}: {name!r} [{','.join(map(str, shape))}]")
+    if partial:
+        more = f"; and {len(partial) - 3} more" if len(partial) > 3 else ""
+        raise ValueError(
+            f"{directory / 'config.json'}: quantization_config fp8: expected every FP8 weight in whole "
+            f"weight_block_size {list(block)} blocks (transformers' CPU decode infers the block from the scale grid "
+            f"and reads a partial edge block wrongly: no reference for it; jaxattn's decode of partial blocks is held "
+            f"to the format in tests/test_quantized.py), got {len(partial)} weights with a partial block: "
+            + "; ".join(partial[:3])
+            + more
+        )
 
 
 def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
@@ -838,7 +884,11 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
     cls = getattr(transformers, auto_class(config))
     experts = {"experts_implementation": "eager"} if model_type in _MOE else {}
     model = cls.from_pretrained(
-        str(directory), attn_implementation="eager", local_files_only=True, **experts, **_dequantized(config)
+        str(directory),
+        attn_implementation="eager",
+        local_files_only=True,
+        **experts,
+        **_dequantized(Path(directory), config),
     )
     if getattr(model, "generation_config", None) is not None:  # both sides decode exactly max_new_tokens
         _no_special_tokens(model.generation_config)

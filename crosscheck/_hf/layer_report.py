@@ -324,10 +324,10 @@ def _to_layout(shape: tuple[int, ...]) -> Callable[[np.ndarray], np.ndarray]:
 
 def _floating_as(x: np.ndarray, dtype: str) -> np.ndarray:
     """x cast to dtype if floating (bf16 included); packed quantized params (gpt-oss's MXFP4 kernel_blocks and
-    kernel_scales, uint8) as they are."""
+    kernel_scales, uint8) and kept FP8 kernels (kernel_fp8, float8_e4m3fn: 1 byte a value) as they are."""
     import jax.numpy as jnp
 
-    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize > 1 else x
 
 
 def layer_report(torch_model, model_and_params, inputs: Mapping[str, Any], *, dtype: str) -> LayerReport:
