@@ -270,7 +270,8 @@ def check_pallas_tpu():
 
 def check_engines():
     """dense, blockwise and None (the XLA engines on a CPU) under an Explicit mesh, causal and not (the
-    blockwise engine's while and scan loops), and two relative schemes on the blockwise engine."""
+    blockwise engine's while and scan loops), and three relative schemes on the blockwise engine (DeBERTa's
+    failed there with a ShardingTypeError until its terms were read per tile without indexing a split b)."""
     mesh, results = explicit_mesh(), {}
     q, k, v, (kt, kb, _) = inputs(4, jnp.float64, seed=11)
     key_table, value_table = jax.random.normal(kt, (7, H), jnp.float64), jax.random.normal(kb, (7, Hv), jnp.float64)
@@ -309,8 +310,27 @@ def check_engines():
             return out
 
         results[f"flex-{implementation}"] = compare(flex, (q, k, v), LAYOUTS["batch+heads"], mesh)
+    deberta_tables = tuple(jax.random.normal(key, (8, N, H), jnp.float64) for key in jax.random.split(kt, 2))
+
+    def deberta(q, k, v, position_keys, position_queries):  # per-row scores read per tile, split b and n
+        return jaxattn.disentangled_attention(
+            q,
+            k,
+            v,
+            position_keys,
+            position_queries,
+            max_relative_positions=16,
+            position_buckets=4,
+            implementation="blockwise",
+            block_size=8,
+        )
+
     results["shaw-blockwise"] = compare(shaw, (q, k, v), LAYOUTS["batch+heads"], mesh)
     results["alibi-blockwise"] = compare(alibi, (q, k, v), LAYOUTS["batch+heads"], mesh)
+    table_heads = P(None, "model", None)
+    results["deberta-blockwise"] = compare(
+        deberta, (q, k, v, *deberta_tables), LAYOUTS["batch+heads"], mesh, None, (table_heads,) * 2
+    )
     return results
 
 

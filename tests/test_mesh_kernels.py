@@ -71,6 +71,7 @@ def test_pallas_gpu_on_every_layout(axes):
 
 def test_xla_engines_under_explicit_mesh(default_results):
     assert_equal_to_one_device(default_results["engines"], TOL["float64"])
+    assert {"shaw-blockwise", "alibi-blockwise", "deberta-blockwise"} <= set(default_results["engines"])
 
 
 def test_sequence_split_refused_by_name(default_results):

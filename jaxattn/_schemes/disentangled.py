@@ -216,9 +216,12 @@ def _kernel_tables(call, dims, tables, position_buckets, max_relative_positions,
 
 
 def _blockwise(call, query, key, value, tables, dims, position_buckets, max_relative_positions, span, max_step):
-    """The blockwise engine with both terms as a score_mod: the per-row scores scale * q . Kr [B,N,T,R] and
-    scale * k . Qr [B,N,S,R] (O((T + S) R), never [T,S]) read at each tile's pairs; their gradients flow back
-    through the score_mod's arrays. Tile positions are the default ones (row t sits at t + S - T)."""
+    """The blockwise engine with both terms as its per-tile position hook: the per-row scores scale * q . Kr
+    [B,N,T,R] and scale * k . Qr [B,N,S,R] (O((T + S) R), never [T,S]) read at each tile's pairs, a gather along
+    the tile's rows and then its table rows (take_along_axis: no index on the batch or head axes, so it holds
+    under an Explicit mesh split, where a score_mod's per-element index of a split b does not); their gradients
+    flow back through the hook's arrays. Tile positions are the default ones (row t sits at t + S - T), given
+    with a batch axis so that the hook's bias is one per batch entry."""
     for name in ("query_positions", "key_positions", "logit_softcap"):
         if getattr(call, name) is not None:
             checks.fail(
@@ -238,18 +241,26 @@ def _blockwise(call, query, key, value, tables, dims, position_buckets, max_rela
         per_query = flat(per_row_logits(query, tables["position_keys"], precision, acc_dtype) * scale)
     if "position_queries" in tables:
         per_key = flat(per_key_logits(key, tables["position_queries"], dims.N, precision, acc_dtype) * scale)
-    user_mod, offset = call.score_mod, dims.S - dims.T
+    offset = dims.S - dims.T
 
-    def score_mod(score, b, n, t, s):
-        row = _rows_of(s - t, position_buckets, max_relative_positions, span, max_step)
-        t_row, s_row = jnp.clip(t - offset, 0, dims.T - 1), jnp.clip(s, 0, dims.S - 1)  # padded tiles: clipped
-        if per_query is not None:
-            score = score + per_query[b, n, t_row, row]
-        if per_key is not None:
-            score = score + per_key[b, n, s_row, row]
-        return score if user_mod is None else user_mod(score, b, n, t, s)
+    def position_bias(q_pos, k_pos):  # q_pos [B,Tb], k_pos [B,Sb] -> [B,N,Tb,Sb] ([Tb], [Sb] -> [N,Tb,Sb]: no batch)
+        if q_pos.ndim == 1:
+            return position_bias(q_pos[None], k_pos[None])[0]
+        row = _rows_of(k_pos[:, None, :] - q_pos[:, :, None], position_buckets, max_relative_positions, span, max_step)
+        t_row, s_row = jnp.clip(q_pos - offset, 0, dims.T - 1), jnp.clip(k_pos, 0, dims.S - 1)  # padding: clipped
+        bias = 0.0
+        if per_query is not None:  # per_query[b, n, t, row[t, s]]
+            by_row = jnp.take_along_axis(per_query, t_row[:, None, :, None], axis=2)
+            bias = bias + jnp.take_along_axis(by_row, row[:, None], axis=-1)
+        if per_key is not None:  # per_key[b, n, s, row[t, s]]
+            by_key = jnp.take_along_axis(per_key, s_row[:, None, :, None], axis=2)
+            bias = bias + jnp.swapaxes(jnp.take_along_axis(by_key, jnp.swapaxes(row, -1, -2)[:, None], axis=-1), -1, -2)
+        return bias
 
-    return blockwise.tiled(call.replace(score_mod=score_mod), query, key, value)
+    q_pos = jnp.broadcast_to(jnp.arange(dims.T, dtype=jnp.int32) + offset, (B, dims.T)).reshape(*dims.batch, dims.T)
+    k_pos = jnp.broadcast_to(jnp.arange(dims.S, dtype=jnp.int32), (B, dims.S)).reshape(*dims.batch, dims.S)
+    hooked = call.replace(position_bias=position_bias, query_positions=q_pos, key_positions=k_pos)
+    return blockwise.tiled(hooked, query, key, value)
 
 
 def _auto_blockwise(call, query, key, R: int) -> bool:
