@@ -91,6 +91,15 @@ def plot(reports, path: str) -> None:
     plt.close(fig)
 
 
+def _block_fp8(directory: Path) -> bool:
+    """Whether DIR's config.json says block FP8 (False where it cannot be read: from_pretrained names why)."""
+    try:
+        q = json.loads((directory / "config.json").read_text()).get("quantization_config")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(q, dict) and q.get("quant_method") == "fp8"
+
+
 def main(
     directory: str,
     *,
@@ -110,11 +119,11 @@ def main(
     try:
         # training takes plain params: a quantized checkpoint decoded as it is read; block FP8 to float32, as
         # transformers decodes it (its default, bfloat16, would round the weights transformers trains)
-        config = json.loads((directory / "config.json").read_text())
-        fp8 = (config.get("quantization_config") or {}).get("quant_method") == "fp8"
+        fp8 = _block_fp8(directory)
         model, params = from_pretrained(
             directory, precision="highest", dequantize=True, dtype="float32" if fp8 else None
         )
+        config = json.loads((directory / "config.json").read_text())
         architecture = str((config.get("architectures") or [""])[0])
         classifier = config.get("model_type") in CLASSIFIERS and architecture.endswith("ForSequenceClassification")
         if config.get("model_type") not in FAMILIES + IMAGE_CLASSIFIERS and not classifier:
