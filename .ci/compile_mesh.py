@@ -68,7 +68,7 @@ def devices(target):
     return topologies.get_topology_desc("v5e:2x4", platform="tpu").devices
 
 
-def programs(target):
+def programs():
     """name: loss-free forward or the gradients of q, k, v."""
 
     def causal(q, k, v):
@@ -82,16 +82,14 @@ def programs(target):
     def t5(q, k, v):  # a position bias: its rows travel split with the heads
         return jaxattn.t5_attention(q, k, v, t5_table, max_distance=128, is_causal=True)
 
-    # DeBERTa-v3's tables (256 log buckets of 512 positions: 512 rows), per head: split with the heads. The
-    # kernel named: implementation=None also traces the XLA engines' branch, whose blockwise DeBERTa (a score_mod
-    # indexing per-row scores by a split b) fails under Explicit axes (ShardingTypeError: dynamic_slice on
-    # sharded dims), a known gap of the engine, not of the kernels
+    # DeBERTa-v3's tables (256 log buckets of 512 positions: 512 rows), per head: split with the heads
+    # (implementation=None traces the XLA engines' branch too: its blockwise DeBERTa failed under Explicit axes
+    # until its terms were read per tile without indexing a split b)
     rows = jnp.linspace(-1.0, 1.0, 512 * N * H, dtype=jnp.float32).reshape(512, N, H).astype(jnp.bfloat16)
-    kernel = "pallas_gpu" if target == "h100x8" else "pallas_tpu"
 
     def deberta(q, k, v):
         return jaxattn.disentangled_attention(
-            q, k, v, rows, rows[::-1], max_relative_positions=512, position_buckets=256, implementation=kernel
+            q, k, v, rows, rows[::-1], max_relative_positions=512, position_buckets=256
         )
 
     def train(f):
@@ -254,7 +252,7 @@ def main(argv=None):
         for mode, axis_type in (("explicit", AxisType.Explicit), ("auto", AxisType.Auto)):
             mesh = Mesh(chips, ("data", "model"), axis_types=(axis_type,) * 2)
             for layout in LAYOUTS:
-                for name, fn in programs(target).items():
+                for name, fn in programs().items():
                     row = dict(target=target, **compile_row(mesh, mode, layout, name, fn))
                     rows.append(row)
                     print(json.dumps(row))
