@@ -139,9 +139,10 @@ def main(directory: str | None, *, dtypes: Sequence[str] | None, plot_path: str 
     try:
         model, params = from_pretrained(directory, precision="highest")
         config = json.loads((directory / "config.json").read_text())
-        from crosscheck._hf.checkpoints import torch_model
+        from crosscheck._hf.checkpoints import fp8_reference, torch_model
 
         torch = torch_model(directory)
+        reference = fp8_reference(directory)
     except (OSError, ValueError, ImportError) as error:
         print(f"python -m crosscheck: error: {error}", file=sys.stderr)
         return 2
@@ -158,7 +159,7 @@ def main(directory: str | None, *, dtypes: Sequence[str] | None, plot_path: str 
         )
     return finish(
         reports,
-        header=f"{directory}: {config['model_type']}, {batch}",
+        header=f"{directory}: {config['model_type']}, {batch}" + (f"; against {reference}" if reference else ""),
         data={
             "model": str(directory),
             "passed": all(r.passed for r in reports),

@@ -807,10 +807,9 @@ def buffers_as_frozen_parameters(torch_model):
 
 def _dequantized(directory: Path, config: dict) -> dict:
     """from_pretrained's options for a quantized checkpoint: transformers' own decode. MXFP4:
-    Mxfp4Config(dequantize=True). Block FP8: FineGrainedFP8Config(dequantize=True) in float32 (transformers
-    decodes into its parameters' dtype: a bf16 release would be rounded to bf16), which needs accelerate, and only
-    where every FP8 weight is whole blocks (_whole_fp8_blocks: transformers infers the block size from the scale
-    grid, so it reads a partial edge block in wrong blocks)."""
+    Mxfp4Config(dequantize=True). Block FP8 in whole blocks: FineGrainedFP8Config(dequantize=True) in float32
+    (transformers decodes into its parameters' dtype: a bf16 release would be rounded to bf16), which needs
+    accelerate (partial blocks never come here: _reference_source)."""
     q = config.get("quantization_config") or {}
     method = q.get("quant_method")
     if method is None:
@@ -829,9 +828,6 @@ def _dequantized(directory: Path, config: dict) -> dict:
                 f"{directory / 'config.json'}: quantization_config fp8: transformers decodes block FP8 only with "
                 f'accelerate installed: expected it, got none (pip install -c constraints.txt -e ".[models]")'
             )
-        from jaxattn.models import quantized
-
-        _whole_fp8_blocks(directory, quantized.scheme(config, directory / "config.json").block)
         reference = transformers.FineGrainedFP8Config(
             dequantize=True, modules_to_not_convert=q.get("modules_to_not_convert")
         )
@@ -842,11 +838,23 @@ def _dequantized(directory: Path, config: dict) -> dict:
     )
 
 
-def _whole_fp8_blocks(directory: Path, block) -> None:
-    """ValueError naming each FP8 weight (file, tensor, shape) whose rows or columns are not a multiple of
-    weight_block_size `block`: the format ends it in a partial block (DeepSeek V3's kv_a_proj_with_mqa, 576 rows
-    in blocks of 128), but transformers' CPU decode takes rows / grid rows as the block (192 rows in blocks of 128
-    are read as blocks of 96, without a warning), so it is no reference there. Shapes from the headers only."""
+def _fp8_block(directory: Path, config: dict) -> tuple[int, int] | None:
+    """A block-FP8 checkpoint's weight_block_size (None: not block FP8), checked as from_pretrained checks it."""
+    if (config.get("quantization_config") or {}).get("quant_method") != "fp8":
+        return None
+    from jaxattn.models import quantized
+
+    form = quantized.scheme(config, directory / "config.json")
+    assert isinstance(form, quantized.BlockFP8)
+    return form.block
+
+
+def partial_fp8_blocks(directory: str | os.PathLike, block: tuple[int, int]) -> list[str]:
+    """'file: name [shape]' of each FP8 weight (one with a _scale_inv beside it, in any shard) whose rows or
+    columns are not a multiple of `block`: the format ends it in a partial block (DeepSeek V3's
+    kv_a_proj_with_mqa, 576 rows in blocks of 128), but transformers' CPU decode takes rows / grid rows as the
+    block (192 rows in blocks of 128 are read as blocks of 96, without a warning), so it is no reference there.
+    Shapes from the headers only."""
     from jaxattn.io import safetensors_entries
 
     shapes = {}  # name -> (file, shape) over every shard: a weight and its scale may lie in two files
@@ -858,20 +866,77 @@ def _whole_fp8_blocks(directory: Path, block) -> None:
             continue  # not an FP8 weight, or one from_pretrained refuses by name
         if shape[-2] % block[0] or shape[-1] % block[1]:
             partial.append(f"{file}: {name!r} [{','.join(map(str, shape))}]")
-    if partial:
-        more = f"; and {len(partial) - 3} more" if len(partial) > 3 else ""
-        raise ValueError(
-            f"{directory / 'config.json'}: quantization_config fp8: expected every FP8 weight in whole "
-            f"weight_block_size {list(block)} blocks (transformers' CPU decode infers the block from the scale grid "
-            f"and reads a partial edge block wrongly: no reference for it; jaxattn's decode of partial blocks is held "
-            f"to the format in tests/test_quantized.py), got {len(partial)} weights with a partial block: "
-            + "; ".join(partial[:3])
-            + more
-        )
+    return partial
+
+
+def fp8_reference(directory: str | os.PathLike) -> str | None:
+    """What torch_model compares a block-FP8 directory with, in words (None: not block FP8)."""
+    import json
+
+    directory = Path(directory)
+    block = _fp8_block(directory, json.loads((directory / "config.json").read_text()))
+    if block is None:
+        return None
+    partial = partial_fp8_blocks(directory, block)
+    if not partial:
+        return "transformers' own FP8 decode (float32)"
+    return (
+        f"transformers on the FP8 weights decoded from the format in float32 ({len(partial)} end in a partial "
+        f"{list(block)} block, which transformers' CPU decode reads in blocks inferred from the scale grid)"
+    )
+
+
+def decode_fp8_format(weight: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int]) -> np.ndarray:
+    """float32 weight[..., r, c] * scale_inv[..., r // br, c // bc], read from the format (the last block of a
+    dimension partial): one float32 product, as transformers' decode and jaxattn's float32 decode round it."""
+    rows = np.arange(weight.shape[-2]) // block[0]
+    columns = np.arange(weight.shape[-1]) // block[1]
+    scale = np.asarray(scale_inv).astype(np.float32)[..., rows[:, None], columns[None, :]]
+    return np.asarray(weight).astype(np.float32) * scale
+
+
+def _write_format_decoded(directory: Path, out: Path, config: dict, block: tuple[int, int]) -> None:
+    """out: `directory` as a plain float32-weights checkpoint (one file): each FP8 weight decoded by the format,
+    config.json without quantization_config, generation_config.json as it is."""
+    import json
+    import shutil
+
+    from jaxattn.io import load_safetensors, save_safetensors
+
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        tensors |= load_safetensors(file)
+    for name in [n.removesuffix("_scale_inv") for n in tensors if n.endswith("_scale_inv")]:
+        tensors[name] = decode_fp8_format(tensors[name], tensors.pop(name + "_scale_inv"), block)
+    save_safetensors(tensors, out / "model.safetensors")
+    plain = {k: v for k, v in config.items() if k != "quantization_config"}
+    (out / "config.json").write_text(json.dumps(plain, indent=1))
+    if (directory / "generation_config.json").is_file():
+        shutil.copy(directory / "generation_config.json", out)
+
+
+@contextlib.contextmanager
+def _reference_source(directory: Path, config: dict):
+    """(the directory transformers loads, its from_pretrained options) for the reference of `directory`: itself
+    with transformers' own decode of a quantized one (_dequantized), or, for block FP8 with a partial edge block
+    (partial_fp8_blocks), a temporary float32 copy decoded by the format (decode_fp8_format), deleted after."""
+    block = _fp8_block(directory, config)
+    if block is None or not partial_fp8_blocks(directory, block):
+        yield directory, _dequantized(directory, config)
+        return
+    import tempfile
+
+    import torch
+
+    with tempfile.TemporaryDirectory(prefix="crosscheck-fp8-") as copy:
+        _write_format_decoded(directory, Path(copy), config, block)
+        yield Path(copy), {"dtype": torch.float32}
 
 
 def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
-    """The transformers model saved in `directory` (offline, eager attention), in `dtype`, eval mode."""
+    """The transformers model saved in `directory` (offline, eager attention), in `dtype`, eval mode. A quantized
+    checkpoint is decoded by transformers (MXFP4; block FP8 in whole blocks, with accelerate), or, block FP8 with
+    partial blocks, by the format into float32 before transformers reads it (fp8_reference says which)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import json
 
@@ -879,17 +944,13 @@ def torch_model(directory: str | os.PathLike, dtype: str = "float32"):
     import transformers
 
     _quiet(transformers)
-    model_type = json.loads((Path(directory) / "config.json").read_text())["model_type"]
     config = json.loads((Path(directory) / "config.json").read_text())
     cls = getattr(transformers, auto_class(config))
-    experts = {"experts_implementation": "eager"} if model_type in _MOE else {}
-    model = cls.from_pretrained(
-        str(directory),
-        attn_implementation="eager",
-        local_files_only=True,
-        **experts,
-        **_dequantized(Path(directory), config),
-    )
+    experts = {"experts_implementation": "eager"} if config["model_type"] in _MOE else {}
+    with _reference_source(Path(directory), config) as (source, options):
+        model = cls.from_pretrained(
+            str(source), attn_implementation="eager", local_files_only=True, **experts, **options
+        )
     if getattr(model, "generation_config", None) is not None:  # both sides decode exactly max_new_tokens
         _no_special_tokens(model.generation_config)
     return buffers_as_frozen_parameters(model.to(getattr(torch, dtype)).eval())
