@@ -941,6 +941,25 @@ def test_crosscheck_model_reads_deepseek_v3_fp8_with_partial_blocks(tmp_path, hf
     assert "decoded from the format in float32 (61 end in a partial [16, 8] block" in out
 
 
+def test_crosscheck_model_without_accelerate_says_what_to_install(tmp_path, hf, capsys, monkeypatch):
+    """Whole FP8 blocks need transformers' FP8 decode, which needs accelerate: without it, exit 2 saying so."""
+    import importlib.util
+
+    from crosscheck._cli.main import main
+
+    block, overrides = WHOLE_BLOCKS["qwen3"]
+    fp8 = write_fp8(tmp_path / "fp8", hf, "qwen3", block, **overrides)[0]
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else find_spec(name, *a)
+    )
+    assert main(["--no-cache", "--model", str(fp8)]) == 2
+    assert (
+        "transformers decodes block FP8 only with accelerate installed: expected it, got none"
+        in capsys.readouterr().err
+    )
+
+
 def test_transformers_reads_partial_fp8_blocks_in_other_blocks(tmp_path, hf):
     """Why partial blocks get the format's decode as the reference: transformers' CPU FP8 decode takes rows over
     grid rows as the block, so Qwen3's q_proj [96, 48] in [64, 64] blocks (one of 64 rows, one of 32) loads without
