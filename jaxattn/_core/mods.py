@@ -101,6 +101,15 @@ def softcap_grad(capped, cap: Optional[float]):
     return None if cap is None else 1 - jnp.square(capped / cap)
 
 
+def product_grad(ds, capped, cap: Optional[float], scale=None):
+    """d loss / d (the unscaled product q k^T, plus the terms inside it) from ds = d loss / d (the capped logits):
+    softcap's derivative at them, times the scale (None: the scale was applied to q before the product). The
+    tile backward's chain rule, for every engine and kernel."""
+    if cap is not None:
+        ds = ds * softcap_grad(capped, cap)
+    return ds if scale is None else ds * scale
+
+
 # ---------------------------------------------------------------------------------------------------
 # score_mod / mask_mod: element functions with their closed-over arrays made explicit.
 

@@ -49,7 +49,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from .._core import checks
+from .._core import checks, mods
 from .._core.call import AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.softmax import (
@@ -259,7 +259,7 @@ def _dq_kernel(pairs: Pairs, cfg, r: Refs):
             for cols in v_chunks:
                 d_pair = p[:, :, None] * r.do[:, cols].astype(acc_dtype)[:, None, :]
                 _write(r.d_rel_value, (every, keys, cols), d_pair, pairs.value_owned)
-        ds = backward.product_grad(cfg, logits_grad(p, dp, delta[:, None]), capped)
+        ds = mods.product_grad(logits_grad(p, dp, delta[:, None]), capped, cfg.softcap, cfg.scale)
         new = []
         for chunk, cols in zip(dq, q_chunks):
             chunk = chunk + dot(ds.astype(k.dtype), r.k[keys, cols], cfg)
@@ -311,7 +311,7 @@ def _dkv_kernel(pairs: Pairs, cfg, r: Refs):
         if pairs.value:
             head = None if pairs.value_shared else g
             dp = dp + _row_term(lambda c: r.do[rows, g, c], r.rel_value, rows, every, head, v_chunks, acc_dtype)
-        ds = backward.product_grad(cfg, logits_grad(p, dp, delta[:, None]), capped)
+        ds = mods.product_grad(logits_grad(p, dp, delta[:, None]), capped, cfg.softcap, cfg.scale)
         dv = dv + dot(p.astype(do.dtype), do, cfg, (0, 0))
         dk = dk + dot(ds.astype(q.dtype), q, cfg, (0, 0))
         return dk, dv

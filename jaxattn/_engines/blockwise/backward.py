@@ -93,10 +93,7 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
             d_bias = jnp.sum(ds, axis=tuple(range(ds.ndim - bias.ndim))).reshape(bias.shape).astype(bias.dtype)
             (d_c,) = bias_vjp(placed_as(d_bias, bias))
             acc = acc._replace(hook_consts=jax.tree.map(jnp.add, acc.hook_consts, d_c))
-        if cfg.terms.softcap is not None:
-            ds = ds * mods.softcap_grad(capped, cfg.terms.softcap)
-        if scale is not None:
-            ds = ds * scale
+        ds = mods.product_grad(ds, capped, cfg.terms.softcap, scale)
         dq = acc.dq + einsum("bkgts,bksh->bkgth", ds.astype(q_blk.dtype), k_blk, cfg, acc_dtype)
         dk_blk = einsum("bkgts,bkgth->bksh", ds.astype(q_blk.dtype), q_blk, cfg, acc_dtype)
         if key_table is not None:
@@ -174,10 +171,7 @@ def _bwd_keys_major(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared:
         p_t = probabilities(capped, lse, None if allowed is None else _keys_major(allowed))
         dv_blk = einsum("bksgt,bkgtv->bksv", p_t.astype(rows.d_out.dtype), rows.d_out, cfg, acc_dtype)
         ds_t = logits_grad(p_t, einsum("bksv,bkvgt->bksgt", v_blk, do_t, cfg, acc_dtype), delta)  # d loss / d logits
-        if cap is not None:
-            ds_t = ds_t * mods.softcap_grad(capped, cap)
-        if scale is not None:
-            ds_t = ds_t * scale
+        ds_t = mods.product_grad(ds_t, capped, cap, scale)
         ds_t = ds_t.astype(q_blk.dtype)
         dq_t = dq_t + einsum("bksh,bksgt->bkhgt", k_blk, ds_t, cfg, acc_dtype)
         dk_blk = einsum("bksgt,bkgth->bksh", ds_t, q_blk, cfg, acc_dtype)

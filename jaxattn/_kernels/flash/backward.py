@@ -101,15 +101,7 @@ def _logit_grads(cfg, b, n, qp, kp, capped, bias, score_consts, ds_for, with_con
         p, ds = ds_for(x)
         ds, d_consts = score_vjp(ds)
     d_bias = ds  # the bias enters the logits as it is
-    return p, product_grad(cfg, ds, capped), d_consts, d_bias
-
-
-def product_grad(cfg, ds, capped):
-    """d loss / d (q k^T + the table terms) from d loss / d (the capped logits): softcap's derivative at them,
-    times the scale (applied to ds here, once)."""
-    if cfg.softcap is not None:
-        ds = ds * mods.softcap_grad(capped, cfg.softcap)
-    return ds * cfg.scale
+    return p, mods.product_grad(ds, capped, cfg.softcap, cfg.scale), d_consts, d_bias
 
 
 def _scatter_by_offset(ref, index, d_bias):
