@@ -759,7 +759,7 @@ def _attention_vs_sdpa(name, title, lengths, dtype, quick):
 def causal_case(quick):
     import jax.numpy as jnp
 
-    lengths = [512, 1024] if quick else [2048, 8192]
+    lengths = [512, 1024] if quick else [1024, 2048, 4096, 8192]  # issue 53's rows, and the long one kept
     return _attention_vs_sdpa(
         "causal", "Causal attention vs torch SDPA (CPU flash kernel), B=1 N=8 H=64 float32", lengths, jnp.float32, quick
     )
@@ -768,7 +768,7 @@ def causal_case(quick):
 def bf16_case(quick):
     import jax.numpy as jnp
 
-    lengths = [512] if quick else [2048]
+    lengths = [512] if quick else [1024, 2048, 4096]
     return _attention_vs_sdpa(
         "bf16",
         "bfloat16 causal attention (float32 accumulation) vs torch SDPA in bfloat16, B=1 N=8 H=64",
