@@ -1,5 +1,5 @@
-"""The kernels compiled for several chips (issue 49): 8 H100s of one host (GPU topology 1x1x8) and a TPU v5e
-2x4 slice, from a CPU host, with a ("data", "model") = 2 x 4 mesh.
+"""The kernels compiled for several chips (issue 49): 8 H100s of one host (GPU topology 1x1x8), TPU v5e 2x4 and
+4x4 slices, from a CPU host, with a ("data", "model") = 2 x 4 mesh (4 x 4 on the 16 chips).
 
 Each row compiles an attention program (forward, or forward+backward) with implementation=None inside
 jaxattn.cross_platform_lowering() on inputs placed over the mesh, and reads the compiled program: the kernel
@@ -55,9 +55,14 @@ KNOWN = {
     "plugin discovery, reports 'Custom emitter for CustomSPMDPartitioning not found' (on a TPU host jax hands the "
     "plugin custom_partitioning's callbacks; not checked on a chip)",
 }
+KNOWN[("auto", "v5e-4x4")] = KNOWN[("auto", "v5e-2x4")]
+# The meshes: 8 chips as data x model = 2 x 4; a v5e 4x4 slice (16 chips) as 4 x 4, with a batch of 16 so that
+# FSDP's 16-way batch split divides it
+MESH_SHAPES = {"h100x8": (2, 4), "v5e-2x4": (2, 4), "v5e-4x4": (4, 4)}
+BATCH = {"v5e-4x4": 16}
 SLOTS = 4096  # the decode step's cache
 CACHE_LAYOUT = {"cached_key": "BLKH", "cached_value": "BLKH", "cache_index": "B", "next_position": "B"}
-KNOWN_LLAMA = {"v5e-2x4": KNOWN[("auto", "v5e-2x4")]}  # the model is laid out on Auto axes
+KNOWN_LLAMA = {t: KNOWN[("auto", t)] for t in ("v5e-2x4", "v5e-4x4")}  # the model is laid out on Auto axes
 LAYOUTS = {"batch+heads": P("data", None, "model", None), "fsdp": P(("data", "model"), None, None, None)}
 
 
@@ -65,7 +70,7 @@ def devices(target):
     if target == "h100x8":
         config = (ROOT / ".ci" / "targets" / "h100.pbtxt").read_text()
         return topologies.get_topology_desc("h100", "cuda", target_config=config, topology="1x1x8").devices
-    return topologies.get_topology_desc("v5e:2x4", platform="tpu").devices
+    return topologies.get_topology_desc(target.replace("-", ":"), platform="tpu").devices
 
 
 def programs():
@@ -231,11 +236,11 @@ def compiled_row(row: dict, fn, args) -> dict:
     )
 
 
-def compile_row(mesh, mode, layout, name, fn) -> dict:
+def compile_row(mesh, mode, layout, name, fn, batch=B) -> dict:
     spec = LAYOUTS[layout]
     args = [
         jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=NamedSharding(mesh, spec))
-        for shape in ((B, T, N, H), (B, T, K, H), (B, T, K, H))
+        for shape in ((batch, T, N, H), (batch, T, K, H), (batch, T, K, H))
     ]
     with jax.set_mesh(mesh), jaxattn.cross_platform_lowering():
         return compiled_row(dict(mode=mode, layout=layout, program=name), fn, args)
@@ -243,17 +248,17 @@ def compile_row(mesh, mode, layout, name, fn) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--targets", default="h100x8,v5e-2x4")
+    parser.add_argument("--targets", default="h100x8,v5e-2x4,v5e-4x4")
     parser.add_argument("--json", default=str(RESULTS))
     args = parser.parse_args(argv)
     start, rows, problems = time.perf_counter(), [], []
     for target in args.targets.split(","):
-        chips = np.array(devices(target)).reshape(2, 4)
+        chips = np.array(devices(target)).reshape(MESH_SHAPES[target])
         for mode, axis_type in (("explicit", AxisType.Explicit), ("auto", AxisType.Auto)):
             mesh = Mesh(chips, ("data", "model"), axis_types=(axis_type,) * 2)
             for layout in LAYOUTS:
                 for name, fn in programs().items():
-                    row = dict(target=target, **compile_row(mesh, mode, layout, name, fn))
+                    row = dict(target=target, **compile_row(mesh, mode, layout, name, fn, BATCH.get(target, B)))
                     rows.append(row)
                     print(json.dumps(row))
                     if (mode, target) in KNOWN:
