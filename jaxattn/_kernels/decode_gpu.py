@@ -26,7 +26,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from .._core import checks
-from .._core.call import ARRAY_FIELDS, AttentionCall
+from .._core.call import AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.softmax import add_sinks, finalize_partial, merge_partials, public_lse
 from .._engines import blockwise
@@ -227,8 +227,7 @@ def decode_with_flash_gradient(call: AttentionCall, query, key, value, interpret
     """decode_attention forward; a gradient runs the flash kernels (forward again, then backward). The call
     is an input of the custom VJP (a pytree: its arrays, lengths, positions, segment ids and sinks, are leaves;
     the integer ones get float0 cotangents)."""
-    arrays = {name: jnp.asarray(getattr(call, name)) for name in ARRAY_FIELDS if getattr(call, name) is not None}
-    return _decode_forward(bool(interpret), query, key, value, call.replace(**arrays))
+    return _decode_forward(bool(interpret), query, key, value, jax.tree.map(jnp.asarray, call))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
