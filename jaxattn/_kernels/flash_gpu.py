@@ -19,11 +19,12 @@ offset): its rows [B|1,N,D] computed outside, gathered per tile at the bias's in
 (docs/kernels.md, "Position biases in the kernel"), and Shaw tables (tables_gpu): q . key_table per query
 row computed outside and gathered per tile at clip(j - i), the forward's sums of p by table row for the value
 table, and in the backward the value term's dP gathered the same way and the key term's gradient added by
-column from the dq kernel (docs/kernels.md, "Shaw tables in the kernel"), and DeBERTa's tables (row_tables:
-the same key term at a column read from the scheme's map of offsets to table rows, and a per-key-row term
-k . Qr computed outside, gathered per tile, its gradient added by column from the dk/dv kernel; docs/kernels.md,
-"DeBERTa's disentangled tables in the kernel"). Per-pair tables (relative_attention's rel_key / rel_value)
-run in pairs_gpu' kernels on this module's grids, layout, schedules and input specs (row_inputs,
+column from the dq kernel (docs/kernels.md, "Shaw tables in the kernel"; a key table alone whose band is too wide
+for that, Transformer-XL's whole span: each tile's window of table rows, windows_gpu), and DeBERTa's tables
+(row_tables: the same key term at a column read from the scheme's map of offsets to table rows, and a per-key-row
+term k . Qr computed outside, gathered per tile, its gradient added by column from the dk/dv kernel;
+docs/kernels.md, "DeBERTa's disentangled tables in the kernel"). Per-pair tables (relative_attention's rel_key /
+rel_value) run in pairs_gpu' kernels on this module's grids, layout, schedules and input specs (row_inputs,
 key_tile_inputs); this one refuses them.
 
 Layout: q [B,T,N,H], k [B,S,K,H], v [B,S,K,Hv] as the caller's (batch dims flattened, nothing padded or
@@ -58,19 +59,20 @@ from jax.experimental.pallas import triton as plgpu
 from .._core import mods
 from .._core.call import AttentionCall
 from .._core.dtypes import accumulation_dtype
-from . import tables_gpu
+from . import tables_gpu, windows_gpu
 from .flash import call
 from .flash.backward import dkv_kernel, dq_kernel, row_delta, sinks_grad
 from .flash.config import Side, value_term_in
 from .flash.forward import forward_kernel
-from .flash.plan import finish, position_bias_refusal, prepare, row_tables_refusal, tables_band
+from .flash.plan import finish, position_bias_refusal, prepare, row_tables_refusal, tables_band, windowed_tables
 from .flash.refs import Refs
 from .flash.sizes import MAX_HEAD_DIM, MIN_GPU_BLOCK, block_pair, is_power_of_two
 from .flash.tile_math import pick
 
 # The options these kernels express; anything else in use (the full-grid options; per-pair tables: pairs_gpu'
 # kernels) is the XLA engines'. A position_bias only as one of offset_bias.KERNEL_BIASES (position_bias_refusal);
-# Shaw tables (key_table, value_table, max_distance) within tables_gpu.MAX_COLUMNS rows of reach (tables_refusal).
+# Shaw tables (key_table, value_table, max_distance) within tables_gpu.MAX_COLUMNS rows of reach, or a key table
+# alone over any span with the default positions (plan.windowed_tables).
 HANDLED = (
     "is_causal",
     "key_value_seq_lengths",
@@ -101,9 +103,10 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
     """None when run() computes this call; else the name of the first option it cannot express.
 
     Cheap (shapes and Python values only). Shaw tables reaching more than tables_gpu.MAX_COLUMNS rows
-    (max_distance), DeBERTa's row_tables of more rows than that (row_tables_refusal), a position_bias that is
-    not one of offset_bias.KERNEL_BIASES (T5's, ALiBi's and window_attention's are; position_bias_refusal),
-    per-pair tables (rel_key, rel_value: pairs_gpu' kernels, through pallas_gpu) and the full-grid options
+    (max_distance) unless a key table alone with the default positions (plan.windowed_tables), DeBERTa's row_tables
+    of more rows than that (row_tables_refusal), a position_bias that is not one of offset_bias.KERNEL_BIASES (T5's,
+    ALiBi's and window_attention's are; position_bias_refusal), per-pair tables (rel_key, rel_value: pairs_gpu'
+    kernels, through pallas_gpu) and the full-grid options
     (bias, mask, dropout_rate, return_weights) are the XLA engines'. On a GPU (interpret=False) tiles must be
     powers of two >= 16 (block_size, a BlockMask's tiles), head dims at most 256, inputs at most 32-bit floats,
     scale a Python number, and score_mod / mask_mod must close over no array (Triton cannot index one by head or
@@ -113,8 +116,9 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
     problem = call.first_unhandled(HANDLED) or position_bias_refusal(call, T, S) or row_tables_refusal(call)
     if problem is not None:
         return problem
-    band = tables_band(call, *(np.shape(x)[-3] if np.ndim(x) >= 3 else 1 for x in (query, key)))
-    if band is not None and tables_gpu.columns_refusal(band) is not None:
+    T, S = (np.shape(x)[-3] if np.ndim(x) >= 3 else 1 for x in (query, key))
+    band = tables_band(call, T, S)
+    if band is not None and tables_gpu.columns_refusal(band) is not None and not windowed_tables(call, T, S):
         return tables_gpu.columns_refusal(band)
     scale = call.scale
     if (
@@ -149,7 +153,10 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
 
 def named_call(cfg, kernel, grid, inputs, outputs, name, aliases=None, num_stages=2):
     """call.named_call of kernel(cfg, refs) on a GPU's grid (Triton's num_warps from cfg); num_stages: Triton's
-    software pipelining of the tile loops' loads (each stage a copy in shared memory)."""
+    software pipelining of the tile loops' loads (each stage a copy in shared memory; 1 with a windowed key
+    table, whose scratch block a pipelined load could read ahead of its store: windows_gpu)."""
+    if cfg.window is not None:
+        num_stages = 1
     return call.named_call(
         lambda r: kernel(cfg, r),
         (Refs,),
@@ -301,7 +308,15 @@ def _forward(cfg, q, k, v, side):
     if value_term_in(cfg):
         sums = jax.ShapeDtypeStruct((B, N, Tp, cfg.tables.Dp), acc_dtype)
         outputs["row_sums"] = (sums, _row_block(cfg, sums))
-    results = named_call(cfg, forward_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_forward")
+    kernel = forward_kernel
+    if cfg.window is not None:  # the key table whole, and the program's scratch block (windows_gpu)
+        inputs["window_table"] = _whole(side.window_table)
+        outputs["window_scratch"] = (
+            windows_gpu.scratch_shape(cfg.window, B, N, cfg.Tn),
+            windows_gpu.scratch_spec(cfg.window),
+        )
+        kernel = lambda cfg, r: forward_kernel(cfg, r, windows_gpu.forward_hooks(cfg, r))  # noqa: E731
+    results = named_call(cfg, kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_forward")
     results = dict(zip(outputs, results))
     return results["out"], results.get("lse"), results.get("row_sums")
 
@@ -372,7 +387,22 @@ def _flash_bwd(cfg, res, cotangents):
     if side.row_bias is not None:  # d QA: each program's own [Tb,Dp] block, zeroed by the kernel
         d_row_bias = jax.ShapeDtypeStruct(side.row_bias.shape, acc_dtype)
         outputs["d_row_bias"] = (d_row_bias, _row_block(cfg, d_row_bias))
-    dq, *d_floats = named_call(cfg, dq_kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_dq", aliases)
+    kernel = dq_kernel
+    if cfg.window is not None:  # the key table whole, its gradient (atomic adds into zeros), the scratch block
+        table = side.window_table
+        inputs["window_table"] = _whole(table)
+        inputs["d_window_table_zeros"] = _whole(jnp.zeros(table.shape, acc_dtype))
+        outputs["d_window_table"] = (jax.ShapeDtypeStruct(table.shape, acc_dtype), _whole(table)[1])
+        outputs["window_scratch"] = (
+            windows_gpu.scratch_shape(cfg.window, B, N, cfg.Tn),
+            windows_gpu.scratch_spec(cfg.window),
+        )
+        aliases = {**(aliases or {}), "d_window_table_zeros": "d_window_table"}
+        kernel = lambda cfg, r: dq_kernel(cfg, r, windows_gpu.dq_hooks(cfg, r))  # noqa: E731
+    dq, *d_floats = named_call(cfg, kernel, (B, N, cfg.Tn), inputs, outputs, "jaxattn_flash_dq", aliases)
+    if cfg.window is not None:
+        d_floats.pop()  # the scratch
+    d_window_table = d_floats.pop() if cfg.window is not None else None
     d_row_bias = d_floats.pop() if side.row_bias is not None else None
     d_offset_bias = d_floats.pop() if side.offset_bias is not None else None
 
@@ -399,9 +429,19 @@ def _flash_bwd(cfg, res, cotangents):
     kv_outputs = key_tile_outputs(cfg, k, v)
     if key_rows_spec is not None:
         kv_outputs["d_key_row_bias"] = (jax.ShapeDtypeStruct(side.key_row_bias.shape, acc_dtype), key_rows_spec)
+    kv_kernel = dkv_kernel
+    if cfg.window is not None:  # the key table whole, and the program's scratch block
+        kv_inputs["window_table"] = _whole(side.window_table)
+        kv_outputs["window_scratch"] = (
+            windows_gpu.scratch_shape(cfg.window, B, K, cfg.Sn),
+            windows_gpu.scratch_spec(cfg.window),
+        )
+        kv_kernel = lambda cfg, r: dkv_kernel(cfg, r, windows_gpu.dkv_hooks(cfg, r))  # noqa: E731
     dk, dv, *d_key_rows = named_call(
-        cfg, dkv_kernel, (B, K, cfg.Sn), kv_inputs, kv_outputs, "jaxattn_flash_dkv", kv_aliases
+        cfg, kv_kernel, (B, K, cfg.Sn), kv_inputs, kv_outputs, "jaxattn_flash_dkv", kv_aliases
     )
+    if cfg.window is not None:
+        d_key_rows.pop()  # the scratch
 
     d_sinks = None if side.sinks is None else sinks_grad(side.sinks, lse, delta)
     it = iter(d_floats)
@@ -416,6 +456,7 @@ def _flash_bwd(cfg, res, cotangents):
         offset_bias=d_offset_bias,
         row_bias=d_row_bias,
         key_row_bias=d_key_rows[0] if d_key_rows else None,
+        window_table=d_window_table,
     )
     return dq, dk, dv, d_side
 

@@ -17,8 +17,10 @@ clipped to it), D = hi - lo + 1 rows, padded to Dp columns (padded_columns):
               and delta (= sum_s p dp) gains sum_c P dP.
 
 Memory: four [B,N,Tp,Dp] float32 arrays (QA, P and their gradients), O(T * min(2m+1, T+S-1)), against
-the blockwise engine's per-tile buckets. The kernel takes tables up to MAX_COLUMNS columns (Dp); wider
-bands (m above about 500 with long sequences) stay with the XLA engines.
+the blockwise engine's per-tile buckets. The kernel takes tables up to MAX_COLUMNS columns (Dp) this way;
+a wider band (m above about 500 with long sequences: Transformer-XL's whole span) of a key table alone with
+the default positions takes the windowed route (windows_gpu: each tile's window of rows, any span), and the
+rest stays with the XLA engines.
 
 DeBERTa's tables (row_tables.RowTables) take the same arrays with the tables' R rows as columns (Dp =
 padded_columns(R)), a pair's column read from the scheme's int32 map of the band's offsets (column_map), and

@@ -178,8 +178,10 @@ def dq_kernel(cfg: Config, r: Refs, hooks: DqHooks = DqHooks()):
             hooks.add_bias_grad(j, d_bias)
         if key_grad:  # d QA[t, c] = the sum of d loss / d (q k^T + QA) over the pairs of row t in column c
             add_by_column(r.d_row_bias, column, ds)
-        if hooks.add_table_grads is not None:  # the kernel's own sums of the tables' gradients (flex_tpu_vjp)
-            hooks.add_table_grads(j, k, p, ds)
+        if hooks.add_table_grads is not None:  # the kernel's own sums of the tables' gradients (flex_tpu_vjp,
+            share = hooks.add_table_grads(j, k, p, ds)  # windows_gpu: which returns the tile's share of dq too)
+            if share is not None:
+                dq = dq + share.astype(dq.dtype)
         return dq, d_consts
 
     floats = tuple(c for c, g in zip(score_consts, cfg.score_grads) if g)

@@ -36,6 +36,9 @@ class Config(NamedTuple):
     # WindowIndex; batched: one set of rows per batch entry); None: no position bias
     offset_bias: Any = None
     tables: Any = None  # Shaw tables: a Tables, or None
+    # Shaw's key table on the windowed route (windows_gpu.Window: each tile's key term from the window of table
+    # rows between its rows and columns, Side.window_table), or None
+    window: Any = None
     # the forward writes lse (r.lse [Tb]): the backward's residual, or the caller's return_lse. False: a
     # forward-only call of the GPU flash kernel without return_lse, which then has no lse output at all
     write_lse: bool = True
@@ -119,3 +122,4 @@ class Side(NamedTuple):
     row_bias: Any = None  # Shaw's key term QA [B,N,Tp,Dp] in the compute dtype (Config.tables), or None
     column_map: Any = None  # int32 [M]: the column of each offset lo..hi (Tables.mapped), or None
     key_row_bias: Any = None  # the per-key-row term KB [B,N,Sp,Dp] in the compute dtype (Tables.key_row_term)
+    window_table: Any = None  # Shaw's key table [Nt,R,Hp] in the compute dtype (Config.window), or None

@@ -29,7 +29,7 @@ from ..._core.positions import positions
 from ..._core.softmax import public_lse
 from ..._engines import blockwise
 from ..._engines.tiles import check_block_mask_tiles
-from .. import tables_gpu
+from .. import tables_gpu, windows_gpu
 from .config import Config, Extents, Side, Tables
 from .sizes import gpu_tiles, mask_sub_tiles, padded_head, sub_tile_kinds, tile_sizes
 
@@ -62,6 +62,22 @@ def tables_band(call: AttentionCall, T: int, S: int) -> Optional[tables_gpu.Band
     if not call.has_tables or call.max_distance is None:  # no max_distance: prepare's check names it
         return None
     return tables_gpu.band(call.max_distance, T, S, default_positions(call))
+
+
+def windowed_tables(call: AttentionCall, T: int, S: int) -> bool:
+    """Whether the kernels take the call's Shaw table on the windowed route (windows_gpu: each tile's key term
+    from the window of rows between its queries and keys, any span): a key table alone, with the default
+    positions (a tile's offsets are then contiguous), whose band of rows the per-row route refuses
+    (tables_gpu.columns_refusal: Transformer-XL at its whole span). Positions of their own keep the band route
+    (all 2m + 1 rows) or its refusal."""
+    band = tables_band(call, T, S)
+    return (
+        band is not None
+        and call.key_table is not None
+        and call.value_table is None
+        and default_positions(call)
+        and tables_gpu.columns_refusal(band) is not None
+    )
 
 
 def row_tables_refusal(call: AttentionCall) -> Optional[str]:
@@ -319,13 +335,14 @@ def _tiles(call: AttentionCall, c: Checked, dtype, block_size, block_mask, block
 
 class _Terms(NamedTuple):
     """A call's position terms on the kernels' layout: Side's fields of these names (offset_bias, row_bias,
-    column_map, key_row_bias) and Prepared.value_rows; None where the call has none."""
+    column_map, key_row_bias, window_table) and Prepared.value_rows; None where the call has none."""
 
     offset_bias: Any = None
     row_bias: Any = None
     value_rows: Any = None
     column_map: Any = None
     key_row_bias: Any = None
+    window_table: Any = None
 
 
 def _offset_bias(call: AttentionCall, c: Checked, cfg: Config, terms: _Terms, acc_dtype):
@@ -338,14 +355,20 @@ def _offset_bias(call: AttentionCall, c: Checked, cfg: Config, terms: _Terms, ac
     return cfg._replace(offset_bias=(index, offset_rows.shape[0] > 1)), terms._replace(offset_bias=offset_rows)
 
 
-def _shaw_tables(call: AttentionCall, c: Checked, query, Tp: int, cfg: Config, terms: _Terms, acc_dtype):
-    """(cfg, terms) with Shaw's tables within MAX_COLUMNS rows of reach (unsupported refuses wider ones): the key
-    table's per-row terms q . A^K over its band's rows, and the value table's band rows (tables_gpu)."""
+def _shaw_tables(call: AttentionCall, c: Checked, query, Tp: int, Hp: int, cfg: Config, terms: _Terms, acc_dtype):
+    """(cfg, terms) with Shaw's tables within MAX_COLUMNS rows of reach: the key table's per-row terms q . A^K
+    over its band's rows, and the value table's band rows (tables_gpu); or a key table alone on the windowed
+    route (windowed_tables: the table itself, [Nt,R,Hp], windows_gpu). unsupported refuses the rest."""
     if not call.has_tables:
         return cfg, terms
     key_table, value_table, _ = blockwise.check_tables(
         call.key_table, call.value_table, call.max_distance, c.N, c.H, c.Hv, acc_dtype
     )
+    if windowed_tables(call, c.T, c.S):
+        per_head = key_table.ndim == 3
+        window = windows_gpu.Window(cfg.Tb, cfg.Sb, int(call.max_distance), c.S - c.T, per_head)
+        terms = terms._replace(window_table=windows_gpu.window_table(key_table, Hp, acc_dtype))
+        return cfg._replace(window=window), terms
     band = tables_band(call, c.T, c.S)
     if key_table is not None:
         key_rows = tables_gpu.band_rows(key_table, band)
@@ -398,6 +421,7 @@ def _side(padded, sinks, score_consts, mask_consts, schedule, terms: _Terms) -> 
         row_bias=terms.row_bias,
         column_map=terms.column_map,
         key_row_bias=terms.key_row_bias,
+        window_table=terms.window_table,
     )
 
 
@@ -472,7 +496,7 @@ def prepare(
     counts = schedule[1]  # (order, counts, t_order, t_counts): batched says which arrays differ by batch entry
     cfg = cfg._replace(batched=tuple(x is not None and x.shape[0] > 1 for x in (q_pos, k_pos, q_seg, lengths, counts)))
     cfg, terms = _offset_bias(call, c, cfg, _Terms(), acc_dtype)
-    cfg, terms = _shaw_tables(call, c, query, Tp, cfg, terms, acc_dtype)
+    cfg, terms = _shaw_tables(call, c, query, Tp, Hp, cfg, terms, acc_dtype)
     cfg, terms = _row_tables(call, c, query, key, Tp, Sp, cfg, terms)
     side = _side(padded, c.sinks, score_consts, mask_consts, schedule, terms)
     cfg, q, k, v = _layout(c, cfg, query, key, value, Tp, Sp, Hp, Hvp, unpadded)

@@ -11,7 +11,8 @@ Hook names say the tile they build and take one signature each:
               table_values_of_key_tile(j, p) -> [Tb,Hv]  the value term sum_s p A^V
     dq        bias_of_key_tile(j), add_bias_grad(j, d_bias)
               table_terms_of_key_tile(j, k) -> (key terms [Tb,Sb], the value term's dp [Tb,Sb]), each or None
-              add_table_grads(j, k, p, ds), finish_dq(dq) -> dq
+              add_table_grads(j, k, p, ds) -> the tile's share of dq [Tb,H], or None
+              finish_dq(dq) -> dq
     dk/dv     bias_of_query_tile(g, i) -> [Tb,Sb]        query head g of the group, query tile i
               table_terms_of_query_tile(g, i, q, do) -> (key terms, dp)
               dk_of_query_tile(g, i, ds) -> [Sb,H]       a per-key-row term's share of dk
@@ -66,6 +67,9 @@ class Refs(NamedTuple):
     rel_value: Any = None
     d_rel_key: Any = None
     d_rel_value: Any = None
+    window_table: Any = None  # windows_gpu: the key table [Nt,R,Hp], its gradient, a program's [Tb,Wp] scratch
+    d_window_table: Any = None
+    window_scratch: Any = None
 
 
 class ForwardHooks(NamedTuple):
