@@ -217,6 +217,34 @@ def model_rows(mesh, target, family) -> list[tuple[dict, dict]]:
     return pairs
 
 
+# ring_attention's rows: 32k tokens split over a ("data", "seq") mesh (2 x 4; 4 x 4 on 16 chips), causal GQA in
+# bf16, q [Dd, 32768, 16, 128], every ring step on the kernel (implementation=None)
+RING_T = 32768
+
+
+def ring_rows(chips, target) -> list[dict]:
+    """ring_attention's forward and training step (gradients of q, k, v) with implementation=None: each ring step
+    must be the platform's kernel (Triton / Mosaic calls), the shares passed by collective-permutes, no
+    all-gather and no XLA while loop but the ring's own (one forward, two for forward + backward)."""
+    mesh = Mesh(chips, ("data", "seq"))
+    batch = chips.shape[0]
+    spec = NamedSharding(mesh, P("data", "seq", None, None))
+    args = [jax.ShapeDtypeStruct((batch, RING_T, heads, H), jnp.bfloat16, sharding=spec) for heads in (N, K, K)]
+
+    def ring(q, k, v):
+        return jaxattn.ring_attention(q, k, v, mesh=mesh, sequence_axis="seq", batch_axis="data", is_causal=True)
+
+    def train(q, k, v):
+        return jax.grad(lambda q, k, v: jnp.sum(ring(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
+
+    rows = []
+    for name, fn in (("ring forward", ring), ("ring train", train)):
+        row = dict(target=target, mode="ring", layout=f"seq over {chips.shape[1]}, T = {RING_T}", program=name)
+        with jaxattn.cross_platform_lowering():
+            rows.append(compiled_row(row, fn, args))
+    return rows
+
+
 def compiled_row(row: dict, fn, args) -> dict:
     """row with what fn compiled for args holds: its kernel calls, all-gathers and per-device bytes (or the error
     it failed with: a row's failure is its result)."""
@@ -230,6 +258,8 @@ def compiled_row(row: dict, fn, args) -> dict:
         status="ok",
         kernels=len(re.findall(KERNEL_CALLS, text)),
         all_gathers=sum(" all-gather(" in line or " all-gather-start(" in line for line in text.splitlines()),
+        collective_permutes=sum(" collective-permute" in line and " = " in line for line in text.splitlines()),
+        while_loops=sum(" while(" in line for line in text.splitlines()),
         temp_mib=round(memory.temp_size_in_bytes / 2**20, 2),
         argument_mib=round(memory.argument_size_in_bytes / 2**20, 2),
         output_mib=round(memory.output_size_in_bytes / 2**20, 2),
@@ -265,6 +295,12 @@ def main(argv=None):
                         row["known"] = KNOWN[mode, target]
                     elif row["status"] != "ok" or not row["kernels"] or row["all_gathers"]:
                         problems.append(row)
+        for row in ring_rows(chips, target):
+            rows.append(row)
+            print(json.dumps(row))
+            loops = {"ring forward": 1, "ring train": 2}[row["program"]]
+            if row["status"] != "ok" or not row["kernels"] or row["all_gathers"] or row["while_loops"] > loops:
+                problems.append(row)
         if target in KNOWN_LLAMA:
             continue
         mesh = Mesh(chips, ("data", "model"))

@@ -20,6 +20,7 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import contextlib  # noqa: E402
+import functools  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -361,7 +362,125 @@ def check_sequence_refused():
     return {"messages": messages}
 
 
+# ring_attention with every step on a kernel (implementation=, interpret mode): mesh shape and axes, sizes (every
+# axis its own; T and S divide by D, or 2D for the causal zigzag), options. Shaw's tables in pallas_gpu's rings
+# (the TPU kernel takes tables at the default positions only: its ring steps would fall back, so not named here).
+RING_CASES = {
+    "seq 8, zigzag causal, GQA, lengths": dict(
+        mesh=(1, 8), axes=("data", "seq"), batch=1, T=48, S=48, N=6, K=2, causal=True, lengths=True
+    ),
+    "data 2 x seq 4, T != S, causal": dict(
+        mesh=(2, 4), axes=("data", "seq"), batch=2, T=24, S=40, N=3, K=1, causal=True, lengths=False
+    ),
+    "data 2 x seq 4, not causal, lengths": dict(
+        mesh=(2, 4), axes=("data", "seq"), batch=4, T=36, S=44, N=3, K=3, causal=False, lengths=True
+    ),
+    "data x seq x heads, Shaw tables": dict(
+        mesh=(2, 2, 2),
+        axes=("data", "seq", "heads"),
+        batch=2,
+        T=32,
+        S=32,
+        N=6,
+        K=2,
+        causal=True,
+        lengths=True,
+        tables=True,
+    ),
+}
+RING_MAX_DISTANCE = 3
+
+
+def ring_cases(implementation, dtype):
+    """Each RING_CASES ring (every step on `implementation`, interpreted) against one device's dense
+    shaw_relative_attention: the output and the gradients of q, k, v and the tables (of sum(sin(out)))."""
+    import numpy as np
+    from jax.sharding import Mesh
+
+    results = {}
+    for name, case in RING_CASES.items():
+        if case.get("tables") and implementation != "pallas_gpu":
+            continue
+        mesh = Mesh(np.array(jax.devices()).reshape(case["mesh"]), case["axes"])
+        batch_axis, seq = case["axes"][:2]
+        head_axis = case["axes"][2] if len(case["axes"]) > 2 else None
+        keys = jax.random.split(jax.random.key(len(name)), 6)
+        Bc, Tc, Sc, Nc, Kc = (case[k] for k in ("batch", "T", "S", "N", "K"))
+        q = jax.random.normal(keys[0], (Bc, Tc, Nc, H), dtype)
+        k = jax.random.normal(keys[1], (Bc, Sc, Kc, H), dtype)
+        v = jax.random.normal(keys[2], (Bc, Sc, Kc, Hv), dtype)
+        R = 2 * RING_MAX_DISTANCE + 1
+        tables = (
+            (jax.random.normal(keys[3], (R, Nc, H), dtype), jax.random.normal(keys[4], (R, Hv), dtype))
+            if case.get("tables")
+            else ()
+        )
+        lengths = jnp.arange(Bc) * (Sc // Bc) + 3 if case["lengths"] else None  # 3 .. S: one row sees few keys
+        options = dict(is_causal=case["causal"], key_value_seq_lengths=lengths)
+        if tables:
+            options["max_distance"] = RING_MAX_DISTANCE
+
+        def ring(q, k, v, *tables):
+            return jaxattn.ring_attention(
+                q,
+                k,
+                v,
+                *(),
+                mesh=mesh,
+                sequence_axis=seq,
+                batch_axis=batch_axis,
+                head_axis=head_axis,
+                implementation=implementation,
+                interpret=True,
+                **dict(zip(("key_table", "value_table"), tables)),
+                **options,
+            )
+
+        def dense(q, k, v, *tables):
+            return jaxattn.shaw_relative_attention(
+                q,
+                k,
+                v,
+                *(tables or (None, None)),
+                **{"max_distance": RING_MAX_DISTANCE, **options},
+                implementation="dense",
+            )
+
+        def loss(*args, f):
+            out = f(*args)
+            return jnp.sum(jnp.sin(out)), out
+
+        def run(f):
+            argnums = tuple(range(3 + len(tables)))
+            return jax.jit(jax.value_and_grad(functools.partial(loss, f=f), argnums=argnums, has_aux=True))
+
+        (_, ref_out), ref_grads = run(dense)(q, k, v, *tables)
+        placed = [
+            jaxattn.shard_inputs(x, mesh, letters, batch_axis=batch_axis, sequence_axis=seq, head_axis=head_axis)
+            for x, letters in ((q, "BTNH"), (k, "BSKH"), (v, "BSKH"))
+        ]
+        compiled = run(ring).lower(*placed, *tables).compile()
+        (_, out), grads = compiled(*placed, *tables)
+        results[name] = {
+            "value": normwise(out, ref_out),
+            "grads": max(normwise(g, r) for g, r in zip(grads, ref_grads)),
+            "all_gathers": all_gathers(compiled),
+            "dq_spec": str(grads[0].sharding.spec),
+        }
+    return results
+
+
+def check_ring_pallas_gpu():
+    return ring_cases("pallas_gpu", jnp.float64)
+
+
+def check_ring_pallas_tpu():
+    return ring_cases("pallas_tpu", jnp.float32)
+
+
 CHECKS = {
+    "ring_pallas_gpu": check_ring_pallas_gpu,
+    "ring_pallas_tpu": check_ring_pallas_tpu,
     "pallas_gpu": check_pallas_gpu,
     "pallas_gpu_f32": check_pallas_gpu_f32,
     "pallas_gpu_all": check_pallas_gpu_all,

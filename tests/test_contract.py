@@ -5,19 +5,18 @@ attention_reference's formula and its jax.grad): outputs, lse where asked, and t
 every float array the call takes (sinks, the slopes a score_mod closes over).
 
 Each implementation runs where it can: the XLA engines and the Pallas GPU kernel in float64 (normwise <= 1e-12),
-the TPU path (splash attention; our flex TPU kernel for score_mod / mask_mod / BlockMask) in float32 with
+the TPU path (splash attention; our flex TPU kernel for what splash cannot express) in float32 with
 jax_enable_x64 off, which it needs, at the float32 bar (outputs and lse <= 1e-6, gradients <= 1e-5) against the
 float64 reference of the same float32 numbers (the inputs are drawn in float32, so every implementation sees the
-same values and one reference serves them all). What a kernel cannot express it must refuse with a ValueError
-naming the option: REFUSED below is that list, written from the kernels' docstrings, and the suite holds every
-kernel to it both ways (a refusal not listed fails, and so does a listed one that runs).
+same values and one reference serves them all). Both kernels express every case of the grid (below), so every
+(case, implementation) pair runs and compares.
 
 Interpret-mode kernels compile slowly (a forward and backward of the Pallas GPU kernel: 7 s on 2 busy cores),
 and the default group has a budget, so it runs the kernels and None on the case that holds the most options at
 once ("everything"; None also on "block_mask", where it picks the blockwise engine), the XLA engines on six
-cases that hold every option between them (ENGINE_DEFAULT_CASES), the listed refusals, and bf16 on dense; the
-slow group runs every other (case, implementation) pair, so a kernel that starts refusing an unlisted case fails
-there. Engine-specific checks (tile skipping, memory, schedules, lowering, vmap) stay in the engines' own files.
+cases that hold every option between them (ENGINE_DEFAULT_CASES), and bf16 on dense; the slow group runs every
+other (case, implementation) pair, so a kernel that starts refusing a case fails there. Engine-specific checks
+(tile skipping, memory, schedules, lowering, vmap) stay in the engines' own files.
 
 Sizes: every axis its own size (B 2, T 7, S 11, N 6, K 3, H 5, Hv 13; N = 2 K: grouped-query heads; a case that
 changes sizes keeps them distinct), T != S so that bottom-right causal differs from top-left, tiles (3, 4) that
@@ -28,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
@@ -147,24 +145,12 @@ HALF_CASE = ({}, dict(is_causal=True, window=(4, 0)), {}, ())  # bf16 and f16 in
 IMPLEMENTATIONS = ["dense", "blockwise", None, "pallas_gpu", "pallas_tpu"]
 KERNELS = ("pallas_gpu", "pallas_tpu")
 
-# What each kernel refuses in Pallas' interpreter, from its docstring (the option a ValueError must name; any
-# of a set). pallas_gpu (jaxattn/_kernels/pallas_gpu.py): every option of the grid; its chip limits (tile
-# shapes, dtypes, score_mod / mask_mod closing over arrays) do not apply in the interpreter. pallas_tpu:
-# splash attention (jaxattn/_kernels/splash_tpu.py) cannot express explicit positions with T > 1, return_lse,
-# or segment ids together with key_value_seq_lengths with T > 1; score_mod / mask_mod / BlockMask go to our
-# flex TPU kernel (jaxattn/_kernels/flex_tpu.py), which expresses every option the Pallas GPU kernel does.
-REFUSED = {
-    "pallas_gpu": {},
-    "pallas_tpu": {
-        "positions": {"query_positions", "key_positions"},
-        "segments_lengths": {"key_value_seq_lengths"},
-        "return_lse": {"return_lse"},
-    },
-}
-
-
-def refusal(implementation, name):
-    return REFUSED.get(implementation, {}).get(name)
+# Neither kernel refuses an option of the grid in Pallas' interpreter: pallas_gpu
+# (jaxattn/_kernels/pallas_gpu.py) takes every one (its chip limits, tile shapes, dtypes, score_mod / mask_mod
+# closing over arrays, do not apply in the interpreter); pallas_tpu gives what splash attention
+# (jaxattn/_kernels/splash_tpu.py) cannot express (explicit positions with T > 1, return_lse, segment ids with
+# key_value_seq_lengths, score_mod / mask_mod / BlockMask) to our flex TPU kernel (jaxattn/_kernels/flex_tpu.py),
+# which expresses every option the Pallas GPU kernel does. Refusals by name: test_kernels.py, test_dispatch.
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -332,7 +318,7 @@ def _param(name, implementation):
 
 @pytest.mark.parametrize(
     "name, implementation",
-    [_param(n, i) for i in IMPLEMENTATIONS for n in CASES if refusal(i, n) is None],
+    [_param(n, i) for i in IMPLEMENTATIONS for n in CASES],
 )
 def test_case(name, implementation):
     _check(name, implementation)
@@ -351,21 +337,6 @@ def test_half_precision(dtype, implementation):
     reference on the same half numbers. (tests/test_blockwise.py holds the blockwise engine to its rounding
     alone in the default group.)"""
     _check("half", implementation, dtype)
-
-
-# ---------------------------------------------------------------------------------------------------------
-# refusals: exactly REFUSED, by name
-
-
-@pytest.mark.parametrize("implementation, name", [(i, n) for i in KERNELS for n in REFUSED[i]])
-def test_a_kernel_refuses_what_it_cannot_express(implementation, name):
-    q, k, v, extras, *_ = _inputs(name, "float64")
-    context, run_dtype = _runs_in(implementation)
-    cast = lambda x: jnp.asarray(x, run_dtype or np.float64)  # noqa: E731
-    with context, pytest.raises(ValueError) as error:
-        jax.eval_shape(_attend(name, implementation), *map(cast, (q, k, v)), jax.tree.map(cast, extras))
-    options = "|".join(map(re.escape, sorted(REFUSED[implementation][name])))
-    assert re.match(rf"^({options})\b.*implementation='{implementation}'", str(error.value)), str(error.value)
 
 
 def test_the_tpu_path_refuses_64_bit_mode():

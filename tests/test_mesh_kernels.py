@@ -32,7 +32,7 @@ def run_checks(*names, x64=True):
 
 @pytest.fixture(scope="module")
 def default_results():
-    return run_checks("pallas_gpu", "pallas_gpu_auto", "engines", "sequence")
+    return run_checks("pallas_gpu", "pallas_gpu_auto", "engines", "sequence", "ring_pallas_gpu")
 
 
 def assert_equal_to_one_device(cases, tol):
@@ -67,6 +67,23 @@ def test_pallas_gpu_on_every_layout(axes):
     cases = run_checks(axes)[axes]
     assert_equal_to_one_device(cases, TOL["float64"])
     assert cases["K4-fsdp"]["dq_spec"] == "P(('data', 'model'),)" and cases["K4-batch"]["dq_spec"] == "P('data',)"
+
+
+def test_ring_on_kernel_steps(default_results):
+    """ring_attention with every step on pallas_gpu (interpreted): the zigzag causal ring over 8 devices, data x
+    sequence (T != S, not causal with lengths), and data x sequence x heads with Shaw's tables equal one device's
+    dense attention in float64, gradients of q, k, v and the tables included."""
+    cases = default_results["ring_pallas_gpu"]
+    assert_equal_to_one_device(cases, TOL["float64"])
+    assert cases["data x seq x heads, Shaw tables"]["dq_spec"] == "P('data', 'seq', 'heads', None)"
+    assert len(cases) == 5  # four rings and the seconds
+
+
+@pytest.mark.slow  # the TPU flex kernel's ring steps, interpreted (x64 off: the TPU kernels index in int32)
+def test_ring_on_tpu_kernel_steps():
+    cases = run_checks("ring_pallas_tpu", x64=False)["ring_pallas_tpu"]
+    assert_equal_to_one_device(cases, TOL["float32"])
+    assert len(cases) == 4
 
 
 def test_xla_engines_under_explicit_mesh(default_results):

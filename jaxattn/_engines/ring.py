@@ -92,6 +92,10 @@ class _Ring(NamedTuple):
     Pk: int
     lengths: bool  # key lengths in use (given, or to mask padded keys)
     engine: Any  # blockwise.Config for one (query chunk, key chunk) pair; bias_fn for all N heads
+    # each step on a kernel: step(q, k, v, q_pos, k_pos, lengths, key_table, value_table) -> (out [...,T,N,Hv],
+    # lse [...,N,T]), one attention call of the device's queries against one key chunk (jaxattn._dispatch.ring);
+    # None: the blockwise engine's tiles
+    step: Any = None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -113,6 +117,8 @@ def _table_spec(ring, table):
 
 
 def _lse_spec(ring):
+    if ring.step is not None:  # [*b, C*Cq, N]
+        return PartitionSpec(*_spec(ring, "B"), ring.seq, ring.head)
     return PartitionSpec(ring.batch, ring.head, None, ring.seq)
 
 
@@ -295,6 +301,8 @@ def _over_query_tiles(visit_tile, carry, n):
 
 
 def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
+    if ring.step is not None:
+        return _step_fwd_body(ring, q, k, v, key_table, value_table, lengths)
     cfg = _engine_cfg(ring)
     batch_shape = q.shape[: ring.nb]
     acc_dtype = accumulation_dtype(q.dtype)
@@ -329,6 +337,8 @@ def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
 
 
 def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out, lse, d_out):
+    if ring.step is not None:
+        return _step_bwd_body(ring, q, k, v, key_table, value_table, lengths, out, lse, d_out)
     cfg = _engine_cfg(ring)
     batch_shape = q.shape[: ring.nb]
     acc_dtype = accumulation_dtype(q.dtype)
@@ -371,18 +381,139 @@ def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out
     dq = _unqueries(ring, dq.astype(dtypes[0]), batch_shape)
     dk = _unkeys(ring, [g.astype(dtypes[1]) for g in jnp.split(held["dk"], ring.C, axis=2)], batch_shape)
     dv = _unkeys(ring, [g.astype(dtypes[2]) for g in jnp.split(held["dv"], ring.C, axis=2)], batch_shape)
-    # tables and hook arrays are shared by every device that holds them: sum their gradients
-    d_key_table, d_value_table, d_consts = d_tables.key_table, d_tables.value_table, d_tables.hook_consts
-    every = (ring.batch, ring.seq, ring.head)
+    d_consts = tuple(_psum(g, _every(ring)).astype(c.dtype) for g, c in zip(d_tables.hook_consts, consts))
+    tables = _table_grads(ring, (d_tables.key_table, d_tables.value_table), (key_table, value_table))
+    return dq, dk, dv, *tables, d_consts
+
+
+def _every(ring):
+    return (ring.batch, ring.seq, ring.head)
+
+
+def _table_grads(ring, grads, tables):
+    """The tables' gradients summed over every device that holds them (a per-head table is split with the
+    heads: summed over the batch and the ring)."""
 
     def shared(grad, table):
         if grad is None:
             return None
-        axes = every if table.ndim == 2 else (ring.batch, ring.seq)
+        axes = _every(ring) if table.ndim == 2 else (ring.batch, ring.seq)
         return _psum(grad, axes).astype(table.dtype)
 
-    d_consts = tuple(_psum(g, every).astype(c.dtype) for g, c in zip(d_consts, consts))
-    return dq, dk, dv, shared(d_key_table, key_table), shared(d_value_table, value_table), d_consts
+    return tuple(shared(g, t) for g, t in zip(grads, tables))
+
+
+# ---------------------------------------------------------------------------------------------------
+# The ring on a kernel (ring.step): each step is one attention call per key chunk held, this device's queries
+# against the chunk at their global positions, (out, lse) merged by the online softmax. The shares travel
+# whole (the kernel reads a chunk at once): a device holds its share and the one arriving, 2 S / D keys.
+#
+# Backward: the same ring; step s's gradients are those of the global output through (out_s, lse_s), with
+# w_s = exp(lse_s - lse) the share of the step's keys in each row's softmax:
+#     d out_s = w_s d_out        d lse_s = w_s (d_out . out_s - d_out . out)
+# which the kernel's own backward turns into ds = p_s w_s (d_out v^T - d_out . out) = exp(x - lse)(dp - delta):
+# the global softmax's gradient on this step's pairs (jax.vjp of the step recomputes its forward for p_s).
+
+
+def _in_slots(ring, x):
+    """Local natural queries (or outputs, cotangents) [*b, C*Cq, N, F] -> the chunks this device holds side by
+    side in slot order (zigzag: the reorder's ppermutes), unpadded."""
+    return jnp.concatenate(_arrive(ring, x), axis=ring.nb) if ring.C > 1 else x
+
+
+def _out_of_slots(ring, x):
+    return _depart(ring, jnp.split(x, ring.C, axis=ring.nb))
+
+
+def _slot_positions(ring, d):
+    """Global positions [C*Cq] of device d's query slots (query t at t + S - T)."""
+    local = jnp.arange(ring.Cq, dtype=jnp.int32)
+    return jnp.concatenate([(c * ring.Cq + local + ring.S - ring.T).astype(jnp.int32) for c in _chunk_ids(ring, d)])
+
+
+def _chunk_keys(ring, src, c, lengths):
+    """Global positions [Ck] of slot c's key chunk of device src's share, and its valid keys [*b] (or None)."""
+    chunk = _chunk_ids(ring, src)[c]
+    k_pos = (chunk * ring.Ck + jnp.arange(ring.Ck, dtype=jnp.int32)).astype(jnp.int32)
+    return k_pos, None if lengths is None else jnp.clip(lengths - chunk * ring.Ck, 0, ring.Ck).astype(jnp.int32)
+
+
+def _step_loop(ring, d, visit, carry, held):
+    """carry, held = visit(carry, held, src) for the D shares in ring order, `held` (a pytree of the share's
+    chunks) passed d -> d + 1 between steps; returns (carry, held) after the last visit (no pass after it)."""
+
+    def step(state, s):
+        carry, held = visit(*state, (d - s) % ring.D)
+        return (carry, _shift(ring, held)), None
+
+    (carry, held), _ = lax.scan(step, (carry, held), jnp.arange(ring.D - 1, dtype=jnp.int32))
+    return visit(carry, held, (d + 1) % ring.D)
+
+
+def _step_lse(lse):
+    """A step's lse [...,N,T] -> [...,T,N], the rows' layout here."""
+    return jnp.swapaxes(lse, -1, -2)
+
+
+def _step_fwd_body(ring, q, k, v, key_table, value_table, lengths):
+    acc_dtype = accumulation_dtype(q.dtype)
+    d = _ring_index(ring)
+    qs, q_pos = _in_slots(ring, q), _slot_positions(ring, d)
+    rows = qs.shape[:-1]  # [*b, C*Cq, N]
+
+    def visit(partial, held, src):
+        for c in range(ring.C):
+            k_pos, length = _chunk_keys(ring, src, c, lengths)
+            out, lse = ring.step(qs, held[0][c], held[1][c], q_pos, k_pos, length, key_table, value_table)
+            lse = _step_lse(lse).astype(acc_dtype)  # -inf for a row with no key in the chunk: l = 0
+            partial = combine_partials(partial, ((out.astype(acc_dtype),), lse, has_keys(lse).astype(acc_dtype)))
+        return partial, held
+
+    partial = empty_partial((rows + v.shape[-1:],), rows, acc_dtype, qs)
+    partial, _ = _step_loop(ring, d, visit, partial, (_arrive(ring, k), _arrive(ring, v)))
+    (out,), lse = finalize_partial(partial)
+    return _out_of_slots(ring, out.astype(q.dtype)), lse  # lse [*b, C*Cq, N], slot order
+
+
+def _step_bwd_body(ring, q, k, v, key_table, value_table, lengths, out, lse, d_out):
+    acc_dtype = accumulation_dtype(q.dtype)
+    d = _ring_index(ring)
+    qs, q_pos = _in_slots(ring, q), _slot_positions(ring, d)
+    d_out = _in_slots(ring, d_out).astype(acc_dtype)
+    delta = jnp.sum(d_out * _in_slots(ring, out).astype(acc_dtype), axis=-1)  # d_out . out per row
+    lse_rows = jnp.where(has_keys(lse), lse, 0)  # a row with no key anywhere: w_s = 0 below
+    tables = (key_table, value_table)
+    zeros = lambda xs: tuple(jnp.zeros(x.shape, acc_dtype) for x in xs)  # noqa: E731
+    ks, vs = _arrive(ring, k), _arrive(ring, v)
+    held = {"k": ks, "v": vs, "dk": zeros(ks), "dv": zeros(vs)}  # dk / dv travel with their chunk
+    carry = (jnp.zeros(qs.shape, acc_dtype), jax.tree.map(lambda t: jnp.zeros(t.shape, acc_dtype), tables))
+
+    def visit(carry, held, src):
+        dq, d_tables = carry
+        dk, dv = list(held["dk"]), list(held["dv"])
+        for c in range(ring.C):
+            k_pos, length = _chunk_keys(ring, src, c, lengths)
+
+            def attend(q, k, v, tables, k_pos=k_pos, length=length):
+                return ring.step(q, k, v, q_pos, k_pos, length, *tables)
+
+            (out_c, lse_c), pullback = jax.vjp(attend, qs, held["k"][c], held["v"][c], tables)
+            lse_c = _step_lse(lse_c).astype(acc_dtype)
+            w = jnp.where(has_keys(lse_c), jnp.exp(lse_c - lse_rows), 0)  # [*b, T, N]
+            own = jnp.sum(d_out * out_c.astype(acc_dtype), axis=-1)
+            d_out_c = (w[..., None] * d_out).astype(out_c.dtype)
+            d_lse_c = _step_lse(w * (own - delta)).astype(lse_c.dtype)
+            dq_c, dk_c, dv_c, d_tables_c = pullback((d_out_c, d_lse_c))
+            dq = dq + dq_c.astype(acc_dtype)
+            dk[c], dv[c] = dk[c] + dk_c.astype(acc_dtype), dv[c] + dv_c.astype(acc_dtype)
+            d_tables = jax.tree.map(lambda a, b: a + b.astype(acc_dtype), d_tables, d_tables_c)
+        return (dq, d_tables), {**held, "dk": tuple(dk), "dv": tuple(dv)}
+
+    (dq, d_tables), held = _step_loop(ring, d, visit, carry, held)
+    dk, dv = _shift(ring, (held["dk"], held["dv"]))  # the last hop brings them to the device owning their keys
+    dq = _out_of_slots(ring, dq.astype(q.dtype))
+    dk, dv = (_depart(ring, [g.astype(x.dtype) for g in grads]) for grads, x in ((dk, k), (dv, v)))
+    return dq, dk, dv, *_table_grads(ring, d_tables, tables), ()
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -482,33 +613,14 @@ def ring_attention(
     load_balance=True,
     block_size=None,
     precision=None,
+    step=None,
 ) -> Attended:
-    """Attention sharded over a device mesh: sequence-parallel (ring), data- and head-parallel.
-
-    query [...,T,N,H], key [...,S,K,H], value [...,S,K,Hv] are global arrays (placed on the mesh or
-    not); the result [...,T,N,Hv] comes back sharded the same way: the first batch dim over batch_axis,
-    T and S over sequence_axis, heads N and K over head_axis (each None: not split). It equals
-    dot_product_attention / shaw_relative_attention with the same keywords, forward and gradients.
-
-    mesh: a jax.sharding.Mesh; the axes named here must be its axes (others: replicated).
-    sequence_axis: the ring. D devices along it each hold T/D queries and S/D keys; key/value shares
-      travel round the ring (D - 1 ppermutes forward; backward also returns dk/dv: 2D - 1).
-    is_causal: bottom-right aligned, as dot_product_attention. load_balance (default True): causal rings
-      use the zigzag layout (see module docstring) so every device does the same work; T and S must
-      then divide by 2D (else by D). Key tiles with no allowed key are skipped (by the engine).
-    key_value_seq_lengths: int [...] keys s >= length are padding (replicated over the sequence axis).
-    key_table / value_table / max_distance: Shaw tables ([R,H] or [R,N,H]; per-head tables split over
-      head_axis), as shaw_relative_attention; buckets come from global positions.
-    position_bias: the blockwise hook position_bias(query_pos [Tb], key_pos [Sb]) -> [N,Tb,Sb] (or
-      broadcastable), called with global positions; arrays it closes over are differentiated.
-    scale, precision: as blockwise attention. block_size: (query_block, key_block) tiles within one
-      device's chunks; default: blockwise attention's, halved while one tile [B,N,Tb,Sb] would hold more
-      than an eighth of the elements of the device's queries [B,T/D,N,H] (so its memory falls with D too).
-
-    Requirements (ValueError otherwise): K divisible by the head axis size, the first batch dim by the
-    batch axis size, T and S by D (2D for a balanced causal ring).
-    """
+    """The ring behind jaxattn.ring_attention (jaxattn._dispatch.ring: the arguments, documented there), every
+    step on the blockwise engine's tiles, or on a kernel: step, one attention call per key chunk held (a
+    _Ring field, built from implementation= by the dispatch)."""
     checks.check_mesh(mesh, sequence_axis=sequence_axis, batch_axis=batch_axis, head_axis=head_axis)
+    if step is not None and position_bias is not None:
+        checks.fail("position_bias", "None on a kernel's ring (a Python hook runs in the blockwise engine)", "a hook")
     query, key, value = jnp.asarray(query), jnp.asarray(key), jnp.asarray(value)
     dims = checks.check_qkv(query, key, value)
     batch, T, S, N, K, H, Hv = dims
@@ -526,7 +638,8 @@ def ring_attention(
     D = _axis_size(mesh, sequence_axis)
     Cq, Ck = T // (C * D), S // (C * D)
     B, Nl = int(np.prod(batch, dtype=np.int64)) // Db, N // Dh
-    Tb, Sb = tiles.ring_tile_sizes(block_size, Cq, Ck, B * Nl, C * Cq * H)
+    # a kernel's tiles are its own: a step ring's chunks stay unpadded (one piece each)
+    Tb, Sb = (Cq, Ck) if step is not None else tiles.ring_tile_sizes(block_size, Cq, Ck, B * Nl, C * Cq * H)
     Cqp, Ckp = -(-Cq // Tb) * Tb, -(-Ck // Sb) * Sb
 
     bias_fn, consts = None, ()
@@ -544,7 +657,7 @@ def ring_attention(
         precision=precision,
         bias_fn=bias_fn,
     )
-    m = pieces_per_chunk(Ckp // Sb, C) if D > 1 else 1
+    m = pieces_per_chunk(Ckp // Sb, C) if D > 1 and step is None else 1
     ring = _Ring(
         mesh,
         sequence_axis,
@@ -565,6 +678,7 @@ def ring_attention(
         Ckp // m,
         lengths is not None or Ckp != Ck,
         engine,
+        step,
     )
     scale = jnp.asarray(H**-0.5 if scale is None else scale, acc_dtype)
 
