@@ -26,9 +26,9 @@ from ._api import (
 from ._core.block_mask import BlockMask as BlockMask
 from ._core.mods import and_masks as and_masks, noop_mask as noop_mask, or_masks as or_masks
 from ._dispatch.platforms import cross_platform_lowering as cross_platform_lowering
+from ._dispatch.ring import ring_attention as ring_attention
 from ._engines.blockwise import blockwise_attention as blockwise_attention
 from ._engines.flex import create_block_mask as create_block_mask
-from ._dispatch.ring import ring_attention as ring_attention
 from ._forms.delta_rule import (
     causal_conv1d as causal_conv1d,
     gated_delta_rule as gated_delta_rule,

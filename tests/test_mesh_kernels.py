@@ -79,6 +79,32 @@ def test_ring_on_kernel_steps(default_results):
     assert len(cases) == 5  # four rings and the seconds
 
 
+@pytest.mark.parametrize("platform, kernel_call", [("cuda", "__gpu$xla.gpu.triton"), ("tpu", "tpu_custom_call")])
+def test_ring_steps_lower_to_the_kernels(platform, kernel_call):
+    """implementation=None, lowered for a GPU / TPU (cross_platform_lowering), on a mesh of the one CPU device: the
+    ring's training step holds exactly the forward kernel and the backward's two (dq, dk/dv) at the ring's
+    residuals, no recomputed forward (4 calls) and no XLA tile loop of the blockwise ring (while loops)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import jaxattn
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "seq"))
+    q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
+
+    def loss(q, k, v):
+        out = jaxattn.ring_attention(q, k, v, mesh=mesh, sequence_axis="seq", batch_axis="data", is_causal=True)
+        return jnp.sum(out.astype(jnp.float32))
+
+    with jax.enable_x64(False), jaxattn.cross_platform_lowering():  # the TPU kernels index in int32
+        lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=(platform,))
+    text = lowered.as_text()
+    assert text.count(kernel_call) == 3 and "stablehlo.while" not in text
+
+
 @pytest.mark.slow  # the TPU flex kernel's ring steps, interpreted (x64 off: the TPU kernels index in int32)
 def test_ring_on_tpu_kernel_steps():
     cases = run_checks("ring_pallas_tpu", x64=False)["ring_pallas_tpu"]

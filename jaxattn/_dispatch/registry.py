@@ -65,7 +65,11 @@ class Implementation:
     interpretable: Pallas' interpreter runs it (interpret=True);
     key_mask_as_segments: a key-only boolean mask reaches it as segment ids (key_masks);
     reads_mesh: how the inputs split over a mesh is read before it runs (jaxattn._mesh), so that a query or key
-      split along its sequence is refused by name, pointing at ring_attention; dense alone does not read it.
+      split along its sequence is refused by name, pointing at ring_attention; dense alone does not read it;
+    gradients_at(call, query, key, value, out, lse, d_out, interpret) -> (dq, dk, dv) or None: its backward at
+      residuals given by the caller, the out and lse of a softmax that may span more keys than `key` (a
+      ring_attention step's share of the whole softmax's gradient); None (the field, or the result): it has
+      none for the call, and the ring takes the step's gradient through its forward.
     """
 
     name: str
@@ -77,6 +81,7 @@ class Implementation:
     interpretable: bool = False
     key_mask_as_segments: bool = False
     reads_mesh: bool = True
+    gradients_at: Optional[Callable[..., Any]] = None
 
     def receives(self, call: AttentionCall, query, key) -> AttentionCall:
         """The call as this implementation receives it: a key-only mask as segment ids where it takes them, and
@@ -109,8 +114,15 @@ def _kernel_declined(module: str, call: AttentionCall, query, key, value) -> Opt
     return kernel(module).declined(call, query, key, value)
 
 
-def fused_kernel(name: str, platform: str, *, declines=False, **flags) -> Implementation:
-    """The entry of kernel module `name` (its unsupported / attention, and its declined where `declines`)."""
+def _kernel_gradients_at(module: str, call: AttentionCall, query, key, value, out, lse, d_out, interpret=False):
+    if call.needs_grid:
+        return None
+    return kernel(module).gradients_at(call, query, key, value, out, lse, d_out, interpret)
+
+
+def fused_kernel(name: str, platform: str, *, declines=False, residuals=False, **flags) -> Implementation:
+    """The entry of kernel module `name` (its unsupported / attention, its declined where `declines`, its
+    gradients_at where `residuals`)."""
     declined = functools.partial(_kernel_declined, name) if declines else never
     return Implementation(
         name,
@@ -119,6 +131,7 @@ def fused_kernel(name: str, platform: str, *, declines=False, **flags) -> Implem
         declined=declined,
         fused=True,
         platform=platform,
+        gradients_at=functools.partial(_kernel_gradients_at, name) if residuals else None,
         **flags,
     )
 
@@ -136,9 +149,9 @@ REGISTRY = {
     for entry in (
         Implementation("dense", _dense, reads_mesh=False),
         Implementation("blockwise", _blockwise),
-        fused_kernel("pallas_gpu", "cuda", interpretable=True, key_mask_as_segments=True),
+        fused_kernel("pallas_gpu", "cuda", interpretable=True, key_mask_as_segments=True, residuals=True),
         # on TPU a window bias, whose padded tiles take more memory than the dense engine (flex_tpu.declined)
-        fused_kernel("pallas_tpu", "tpu", declines=True, interpretable=True),
+        fused_kernel("pallas_tpu", "tpu", declines=True, interpretable=True, residuals=True),
         fused_kernel("cudnn", "cuda"),
     )
 }

@@ -22,8 +22,13 @@ import dataclasses
 import numbers
 from typing import TYPE_CHECKING, Any, Optional
 
+import jax
+import jax.numpy as jnp
+from jax import lax
+
 from .._core import checks
 from .._core.call import AttentionCall
+from .._core.dtypes import accumulation_dtype
 from .._engines import ring as ring_engine
 from . import platforms, registry, route
 
@@ -35,8 +40,9 @@ if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping i
 
 @dataclasses.dataclass(frozen=True)
 class KernelStep:
-    """One ring step: the device's queries against one key chunk, (out [...,T,N,Hv], lse [...,N,T]),
-    differentiable; static and hashable (a field of the ring's static description)."""
+    """One ring step: the device's queries against one key chunk at their global positions, (out [...,T,N,Hv],
+    lse [...,N,T]), and its gradients under the ring's whole softmax; static and hashable (a field of the ring's
+    static description)."""
 
     implementation: Optional[str]
     interpret: bool
@@ -45,9 +51,9 @@ class KernelStep:
     scale: Optional[float]
     precision: Any
 
-    def __call__(self, query, key, value, query_positions, key_positions, lengths, key_table, value_table):
+    def call(self, query_positions, key_positions, lengths, key_table, value_table, return_lse=True) -> AttentionCall:
         tables = key_table is not None or value_table is not None
-        call = AttentionCall(
+        return AttentionCall(
             is_causal=self.is_causal,
             key_value_seq_lengths=lengths,
             query_positions=query_positions,
@@ -57,11 +63,58 @@ class KernelStep:
             max_distance=self.max_distance if tables else None,
             scale=self.scale,
             precision=self.precision,
-            return_lse=True,
+            return_lse=return_lse,
         )
+
+    def __call__(self, query, key, value, query_positions, key_positions, lengths, key_table, value_table):
+        call = self.call(query_positions, key_positions, lengths, key_table, value_table)
         return route.attend(
             call, query, key, value, implementation=self.implementation, interpret=self.interpret, checked=True
         )
+
+    def gradients(self, query, key, value, q_pos, k_pos, lengths, key_table, value_table, out, lse, d_out):
+        """(dq, dk, dv, (d key_table, d value_table)): this step's pairs' share of the gradient of the ring's
+        whole softmax, whose output is out [...,T,N,Hv] (cotangent d_out) and lse [...,N,T]: the kernel's
+        backward at those residuals where it has one (Implementation.gradients_at: p = exp(x - lse) the pairs'
+        global probabilities, delta = d_out . out), else through_forward. Tables: through_forward."""
+        step = (query, key, value, q_pos, k_pos, lengths, key_table, value_table)
+        if key_table is not None or value_table is not None:
+            return self.through_forward(*step, out, lse, d_out)
+        call = self.call(q_pos, k_pos, lengths, None, None, return_lse=False)
+        residuals = (query, key, value, out, lse, d_out)
+
+        def at_residuals(entry):
+            got = entry.gradients_at(call, *residuals, self.interpret) if entry.gradients_at else None
+            return (*got, (None, None)) if got is not None else self.through_forward(*step, out, lse, d_out)
+
+        if self.implementation is not None:
+            return at_residuals(registry.REGISTRY[self.implementation])
+        branches = {}
+        for platform in platforms.switch_platforms():
+            entry = next((e for e in registry.tried_on(platform) if e.gradients_at is not None), None)
+            if entry is not None:
+                branches[platform] = lambda entry=entry: at_residuals(entry)
+        forward = lambda: self.through_forward(*step, out, lse, d_out)  # noqa: E731
+        return lax.platform_dependent(cpu=forward, default=forward, **branches) if branches else forward()
+
+    def through_forward(self, query, key, value, q_pos, k_pos, lengths, key_table, value_table, out, lse, d_out):
+        """gradients() by jax.vjp of the step (its forward recomputed): with w = exp(lse_s - lse) the step's
+        share of each row's softmax, the cotangents d out_s = w d_out and d lse_s = w (d_out . out_s - d_out .
+        out) make the step's own backward compute ds = p_s w (dp - d_out . out) = exp(x - lse) (dp - delta), the
+        whole softmax's gradient on its pairs (any implementation; tables included)."""
+        acc_dtype = accumulation_dtype(query.dtype)
+
+        def attend(q, k, v, tables):
+            return self(q, k, v, q_pos, k_pos, lengths, *tables)
+
+        (out_s, lse_s), pullback = jax.vjp(attend, query, key, value, (key_table, value_table))
+        rows = lambda x: jnp.swapaxes(x, -1, -2)  # noqa: E731  [...,N,T] <-> [...,T,N]
+        w = jnp.where(jnp.isfinite(lse_s), jnp.exp(lse_s - jnp.where(jnp.isfinite(lse), lse, 0)), 0)
+        d_out = d_out.astype(acc_dtype)
+        dots = [rows(jnp.sum(d_out * x.astype(acc_dtype), axis=-1)) for x in (out_s, out)]  # [...,N,T]
+        d_out_s = (rows(w)[..., None] * d_out).astype(out_s.dtype)
+        d_lse_s = (w * (dots[0] - dots[1])).astype(lse_s.dtype)
+        return pullback((d_out_s, d_lse_s))
 
 
 def kernel_step(implementation, interpret, *, is_causal, max_distance, scale, precision, position_bias):

@@ -54,7 +54,7 @@ from jax.sharding import PartitionSpec
 from .._core import checks
 from .._core.dtypes import accumulation_dtype
 from .._core.masks import MaskRule, check_lengths
-from .._core.softmax import combine_partials, empty_partial, finalize_partial, has_keys
+from .._core.softmax import combine_partials, empty_partial, finalize_partial, has_keys, public_lse
 from . import blockwise, tiles
 from .blockwise import KeySide, QueryTile, RowGrads, Shared, slice_block
 
@@ -407,12 +407,8 @@ def _table_grads(ring, grads, tables):
 # The ring on a kernel (ring.step): each step is one attention call per key chunk held, this device's queries
 # against the chunk at their global positions, (out, lse) merged by the online softmax. The shares travel
 # whole (the kernel reads a chunk at once): a device holds its share and the one arriving, 2 S / D keys.
-#
-# Backward: the same ring; step s's gradients are those of the global output through (out_s, lse_s), with
-# w_s = exp(lse_s - lse) the share of the step's keys in each row's softmax:
-#     d out_s = w_s d_out        d lse_s = w_s (d_out . out_s - d_out . out)
-# which the kernel's own backward turns into ds = p_s w_s (d_out v^T - d_out . out) = exp(x - lse)(dp - delta):
-# the global softmax's gradient on this step's pairs (jax.vjp of the step recomputes its forward for p_s).
+# Backward: the same ring; step.gradients gives each step's pairs' share of the whole softmax's gradient from
+# the ring's output and lse (the kernel's backward at those residuals, jaxattn._dispatch.ring).
 
 
 def _in_slots(ring, x):
@@ -479,9 +475,8 @@ def _step_bwd_body(ring, q, k, v, key_table, value_table, lengths, out, lse, d_o
     acc_dtype = accumulation_dtype(q.dtype)
     d = _ring_index(ring)
     qs, q_pos = _in_slots(ring, q), _slot_positions(ring, d)
-    d_out = _in_slots(ring, d_out).astype(acc_dtype)
-    delta = jnp.sum(d_out * _in_slots(ring, out).astype(acc_dtype), axis=-1)  # d_out . out per row
-    lse_rows = jnp.where(has_keys(lse), lse, 0)  # a row with no key anywhere: w_s = 0 below
+    out, d_out = _in_slots(ring, out), _in_slots(ring, d_out)
+    lse = _step_lse(public_lse(lse))  # [*b, N, C*Cq], -inf for a row with no key: the step's residual
     tables = (key_table, value_table)
     zeros = lambda xs: tuple(jnp.zeros(x.shape, acc_dtype) for x in xs)  # noqa: E731
     ks, vs = _arrive(ring, k), _arrive(ring, v)
@@ -493,17 +488,8 @@ def _step_bwd_body(ring, q, k, v, key_table, value_table, lengths, out, lse, d_o
         dk, dv = list(held["dk"]), list(held["dv"])
         for c in range(ring.C):
             k_pos, length = _chunk_keys(ring, src, c, lengths)
-
-            def attend(q, k, v, tables, k_pos=k_pos, length=length):
-                return ring.step(q, k, v, q_pos, k_pos, length, *tables)
-
-            (out_c, lse_c), pullback = jax.vjp(attend, qs, held["k"][c], held["v"][c], tables)
-            lse_c = _step_lse(lse_c).astype(acc_dtype)
-            w = jnp.where(has_keys(lse_c), jnp.exp(lse_c - lse_rows), 0)  # [*b, T, N]
-            own = jnp.sum(d_out * out_c.astype(acc_dtype), axis=-1)
-            d_out_c = (w[..., None] * d_out).astype(out_c.dtype)
-            d_lse_c = _step_lse(w * (own - delta)).astype(lse_c.dtype)
-            dq_c, dk_c, dv_c, d_tables_c = pullback((d_out_c, d_lse_c))
+            chunk = (qs, held["k"][c], held["v"][c], q_pos, k_pos, length, *tables)
+            dq_c, dk_c, dv_c, d_tables_c = ring.step.gradients(*chunk, out, lse, d_out)
             dq = dq + dq_c.astype(acc_dtype)
             dk[c], dv[c] = dk[c] + dk_c.astype(acc_dtype), dv[c] + dv_c.astype(acc_dtype)
             d_tables = jax.tree.map(lambda a, b: a + b.astype(acc_dtype), d_tables, d_tables_c)

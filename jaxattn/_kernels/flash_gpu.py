@@ -464,6 +464,46 @@ def _flash_bwd(cfg, res, cotangents):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
+# What a call may use to take its backward at residuals of the caller's (gradients_at): the options that only
+# decide which pairs attend and how the logits are formed; position terms, sinks and score_mod's arrays have
+# gradients or residuals of their own beyond (out, lse).
+RESIDUAL_OPTIONS = (
+    "is_causal",
+    "key_value_seq_lengths",
+    "query_positions",
+    "key_positions",
+    "query_segment_ids",
+    "key_segment_ids",
+    "window",
+    "chunk_size",
+    "scale",
+    "logit_softcap",
+    "precision",
+    "return_lse",
+    "block_size",
+)
+
+
+def gradients_at(call: AttentionCall, query, key, value, out, lse, d_out, interpret):
+    """(dq, dk, dv) by the flash backward kernels at residuals given by the caller: out [...,T,N,Hv] and lse
+    [...,N,T] (public: -inf for a row with no key) of a softmax that may span more keys than `key`, d_out the
+    cotangent of that out. Each pair's p = exp(x - lse) is then its probability in the whole softmax and delta =
+    d_out . out the whole row's, so the result is this call's pairs' share of the whole softmax's gradient (a
+    ring_attention step's, under the global output). None where the call uses an option beyond
+    RESIDUAL_OPTIONS (or one run() refuses): the caller then takes the gradient through the forward."""
+    if call.first_unhandled(RESIDUAL_OPTIONS) is not None or unsupported(call, query, key, value, interpret):
+        return None
+    p = prepare(call.replace(return_lse=False), query, key, value, interpret, unpadded=True)
+    B, T, N = p.q.shape[0], p.T, p.N
+    Tp = p.cfg.Tn * p.cfg.Tb
+    rows = lambda x: jnp.asarray(x).reshape(B, T, N, -1)  # noqa: E731
+    lse = jnp.asarray(lse).reshape(B, N, T).astype(accumulation_dtype(p.q.dtype))
+    lse = jnp.pad(jnp.where(jnp.isfinite(lse), lse, 0), [(0, 0), (0, 0), (0, Tp - T)])  # no key: p = 0 anyway
+    residuals = (p.q, p.k, p.v, p.side, rows(out).astype(p.q.dtype), lse, None)
+    dq, dk, dv, _ = _flash_bwd(p.cfg, residuals, (rows(d_out), None, None))
+    return dq.reshape(query.shape), dk.reshape(key.shape), dv.reshape(value.shape)
+
+
 def run(call: AttentionCall, query, key, value, interpret):
     """pallas_gpu.attention by the flash kernels (forward and backward): a call unsupported() accepts, T, S > 0."""
     p = prepare(call, query, key, value, interpret, unpadded=True)

@@ -71,7 +71,7 @@ from .._core.call import INDEX_ARRAYS, AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.offset_bias import OffsetBias, TableBias, of_rows
 from .._engines import blockwise
-from . import flash_gpu, flex_tpu_vjp, pairs_gpu, pairs_tpu, splash_tpu, tables_tpu
+from . import flash_gpu, flex_tpu_vjp, pairs_gpu, pairs_tpu, splash_tpu, tables_gpu, tables_tpu
 from .flash import backward, call as flash_call, plan, tile_math
 from .flash.forward import forward_kernel
 from .flash.refs import ForwardHooks, Refs, merged
@@ -103,7 +103,8 @@ FLEX_OPTIONS = (
 # The widest band of offsets whose table rows differ (hi - lo + 1) the kernel lays out per head: with the
 # margins, E lanes of up to 2048 + 4 tiles, so the [Tb,E] float32 q . key rows (1.5 MiB at Tb = 128) and each
 # table's [E,H] block fit VMEM beside the keys. Shaw's tables reach at most tables_gpu.MAX_COLUMNS rows (the
-# Pallas GPU kernel's refusal, which this kernel shares); DeBERTa's log buckets reach far more offsets than rows.
+# Pallas GPU kernel's band refusal, which this kernel keeps where the GPU kernel's windowed route takes a key table
+# alone, windows_gpu); DeBERTa's log buckets reach far more offsets than rows.
 MAX_BAND = 2048
 
 
@@ -124,6 +125,9 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
     problem = flash_gpu.unsupported(call, query, key, value, interpret=True)
     if problem is not None:
         return problem
+    T, S = (np.shape(x)[-3] if np.ndim(x) >= 3 else 1 for x in (query, key))
+    if plan.windowed_tables(call, T, S):  # the GPU kernel's windowed route (windows_gpu): not laid out here yet
+        return tables_gpu.columns_refusal(plan.tables_band(call, T, S))
     # A position bias of j - i (an OffsetBias: T5, ALiBi) is built per tile from contiguous offsets, a
     # window's (a TableBias: Swin, BEiT) read from its bias of every pair (module docstring); the GPU kernel
     # gathers from rows at an index of the pair, which Mosaic does not lower from a ref. Refused in the
@@ -428,6 +432,27 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
 
     run.defvjp(run_fwd, run_bwd)
     return run(args)
+
+
+def gradients_at(call: AttentionCall, query, key, value, out, lse, d_out, interpret=False):
+    """(dq, dk, dv) by flex_tpu_vjp's kernels at residuals given by the caller, out [...,T,N,Hv] and lse [...,N,T]
+    of a softmax over more keys than `key` (flash_gpu.gradients_at: a ring_attention step's share of the whole
+    softmax's gradient); None where the call uses more than flash_gpu.RESIDUAL_OPTIONS, this kernel refuses it
+    or its backward is not the kernels' (then the caller takes the gradient through the forward)."""
+    if call.first_unhandled(flash_gpu.RESIDUAL_OPTIONS) is not None or unsupported(call, query, key, value, interpret):
+        return None
+    if min(np.shape(query)[-3], np.shape(key)[-3]) == 0:
+        return None
+    flex, args = of_call(call.replace(return_lse=False, block_size=None), query, key, value, interpret)
+    if not flex.kernel_backward:
+        return None
+    inner = flex.from_rows(flex.inner(args.sinks, args.consts, args.indices), args.bias_rows)
+    p = flex.prepare(inner, args.query, args.key, args.value)
+    B, N, T, Tp = p.q.shape[0], p.N, p.T, p.cfg.Tn * p.cfg.Tb
+    lse = jnp.asarray(lse).reshape(B, N, T).astype(accumulation_dtype(p.q.dtype))
+    lse = jnp.pad(jnp.where(jnp.isfinite(lse), lse, 0), [(0, 0), (0, 0), (0, Tp - T)])  # no key: p = 0 anyway
+    grads = flex.kernel_grads(args, jnp.asarray(out), lse, jnp.asarray(d_out))
+    return None if grads is None else (grads.query, grads.key, grads.value)
 
 
 class KernelArgs(NamedTuple):

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Optional
 
 import jax.numpy as jnp
+import numpy as np
 
 from .._core import checks
 from .._core.call import AttentionCall
@@ -47,6 +48,14 @@ def flash_attention(call: AttentionCall, query, key, value, interpret=False):
     """attention() by the flash kernels whatever the shapes (never the split-key kernel): for comparisons
     (benchmarks/accelerator.py's decode rows)."""
     return _attention(call, query, key, value, interpret, split_keys=False)
+
+
+def gradients_at(call: AttentionCall, query, key, value, out, lse, d_out, interpret=False):
+    """(dq, dk, dv) at residuals (out, lse) of a softmax over more keys than the call's: flash_gpu.gradients_at;
+    None where it does not take the call (per-pair tables, the options it lists) or T = 0 / S = 0."""
+    if pairs_gpu.in_use(call) or min(np.shape(query)[-3], np.shape(key)[-3]) == 0:
+        return None
+    return flash_gpu.gradients_at(call, query, key, value, out, lse, d_out, interpret)
 
 
 def _attention(call: AttentionCall, query, key, value, interpret, split_keys: bool):

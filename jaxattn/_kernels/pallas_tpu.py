@@ -26,5 +26,11 @@ def declined(call: AttentionCall, query, key, value) -> Optional[str]:
     return flex_tpu.declined(call, query, key, value) if _kernel(call, query, key, value) is flex_tpu else None
 
 
+def gradients_at(call: AttentionCall, query, key, value, out, lse, d_out, interpret=False):
+    """(dq, dk, dv) at residuals (out, lse) of a softmax over more keys than the call's, by the flex kernel's
+    backward (flex_tpu.gradients_at; splash has none that takes them), or None."""
+    return flex_tpu.gradients_at(call, query, key, value, out, lse, d_out, interpret)
+
+
 def attention(call: AttentionCall, query, key, value, interpret=False):
     return _kernel(call, query, key, value, interpret).attention(call, query, key, value, interpret)
