@@ -69,6 +69,7 @@ EXPECTED_CALLS = {
     ("h100", "None shaw"): "__gpu$xla.gpu.triton",  # cuDNN refuses the tables; our kernel, not the XLA engines
     ("h100", "None deberta"): "__gpu$xla.gpu.triton",  # as Shaw's: DeBERTa's tables in our kernel
     ("h100", "None relative pairs"): "__gpu$xla.gpu.triton",  # per-pair tables in our kernel (cuDNN refuses them)
+    ("h100", "None xl whole span"): "__gpu$xla.gpu.triton",  # XL's 16383 table rows: the windowed route, not XLA
 }
 # Programs that must hold one of our kernels by name (the "kernels" of a row): TPU flex training holds the
 # backward kernels (flex_tpu_vjp), not the XLA engine's backward that drops the forward kernel too.
@@ -82,6 +83,7 @@ EXPECTED_KERNELS = {
     ("v5e", "t5 causal 32k streamed", "forward+backward"): "jaxattn_flex_tpu_dkv",  # queries streamed too
     ("v5e", "relative pairs", "forward+backward"): "jaxattn_flex_tpu_dq",
     ("v5e", "None relative pairs", "forward+backward"): "jaxattn_flex_tpu_dq",  # None takes the kernel on a TPU too
+    ("h100", "None xl whole span", "forward+backward"): "jaxattn_flash_dq",  # the windowed route's backward too
 }
 # Forward-only programs without return_lse (issue 36 §4): the GPU kernel writes lse [B,N,T] float32 only for a
 # backward or return_lse, so the program's temp bytes stay below one lse's (the tile schedule's few KiB). The
@@ -133,7 +135,9 @@ class Case:
     buckets, 256 / 512: per-head position-key and position-query tables [512,N,H], float32, differentiated),
     q . Kr per query row and k . Qr per key row in the GPU kernel, read through the offsets' row map; "pairs"
     (relative_attention: per-pair tables, a per-head A^K [T,S,N,H] and a shared A^V [T,S,1,Hv] in the input
-    dtype, differentiated), each tile's slice read in the GPU kernel.
+    dtype, differentiated), each tile's slice read in the GPU kernel; "xl" (transformer_xl_attention over its
+    whole span, max_left = T - 1: position keys [T,N,H] float32, differentiated), the GPU kernel's windowed
+    route (windows_gpu).
     """
 
     name: str
@@ -228,6 +232,26 @@ CASES = [
     # of lane windows, no gather); the XLA blockwise backward
     Case("shaw causal", T=4096, N=8, K=2, scheme="shaw", options=CAUSAL, memory=PROGRAMS),
     Case("shaw causal 16k", T=16384, N=8, K=2, scheme="shaw", options=CAUSAL),
+    # Transformer-XL over its whole span (issue 51 item 1): max_left = T - 1, T rows of position keys [T,N,H]
+    # float32 (differentiated), 2T - 1 Shaw rows after shaw_form: past the band route's MAX_COLUMNS, so the GPU
+    # kernel takes each tile's window of table rows (windows_gpu: one more matmul, skewed through a per-program
+    # scratch block; the table's gradient by atomic adds). TPU: not yet (flex_tpu keeps the band's refusal, so
+    # implementation=None takes the XLA engines there): GPU only
+    Case("xl whole span", T=8192, N=8, H=64, scheme="xl", options=CAUSAL, platforms=("gpu",), memory=FWD_BWD),
+    # head dim 128 (256 after shaw_form), T != S, not causal: the shared-memory check of the window's tiles
+    # (flash.sizes.window_tiles) and of the dq kernel's chunks of the table's gradient (windows_gpu.WINDOW_CHUNK)
+    Case("xl H128 T!=S", T=3000, S=5000, N=4, H=128, scheme="xl", platforms=("gpu",), programs=FWD_BWD),
+    Case(
+        "None xl whole span",
+        T=8192,
+        N=8,
+        H=64,
+        kernel="auto",
+        scheme="xl",
+        options=CAUSAL,
+        platforms=("gpu",),
+        programs=FWD_BWD,
+    ),
     # relative_attention's per-pair tables inside the GPU kernel (issue 34): the tables are inputs of O(T S H)
     # (bf16, per-head A^K and a shared A^V, differentiated), read per [16,16] tile 16 features at a time; their
     # gradients from the dq kernel (A^K stored, one batch entry; A^V added over the heads with atomics). 1024 x 1024
@@ -345,6 +369,7 @@ SECOND = (
     "alibi causal",
     "swin shifted",
     "shaw causal",
+    "xl H128 T!=S",
 )
 FULL = {"h100": None, "v5e": None, "a100": SECOND, "v6e": SECOND}
 
@@ -374,6 +399,8 @@ CI_FIRST = {
     "None swin": FWD_BWD,
     "shaw causal": FWD_BWD,
     "None shaw": FWD_BWD,
+    "xl whole span": FWD_BWD,
+    "xl H128 T!=S": FWD_BWD,
     "relative pairs": FWD_BWD,
     "None deberta": FWD_BWD,
     "cudnn causal": FWD_BWD,
@@ -382,6 +409,7 @@ CI_FIRST = {
     "llama": ("forward", "decode"),
 }
 CI_SECOND = {"causal H256 GQA 4/2": FWD_BWD, "full f32": FWD_BWD, "None causal": FWD_BWD, "t5 causal": FWD_BWD}
+CI_SECOND["xl H128 T!=S"] = FWD_BWD  # GPU only: the A100's smaller shared memory (flash.sizes.window_tiles)
 CI_SECOND["chunk, CPU host"] = ("forward",)  # TPU only: v6e's generation from tpu_generation= alone, as v5e's
 # On a TPU a window's gradient is the XLA engine's, which recomputes its own forward, so XLA drops the kernel's
 # unused output: "swin shifted" compiles its forward there, which holds the kernel. "shaw causal" and "deberta"
@@ -468,6 +496,8 @@ def attention_program(case: Case, platform: str, program: str, scale: int):
     elif case.scheme == "pairs":  # per-pair tables: per-head A^K [T,S,N,H] and shared A^V [T,S,1,Hv]
         floats["rel_key"] = jax.ShapeDtypeStruct((T, S, N, H), dtype)
         floats["rel_value"] = jax.ShapeDtypeStruct((T, S, 1, Hv), dtype)
+    elif case.scheme == "xl":  # Transformer-XL's causal table: max_left = T - 1, T rows
+        floats["position_keys"] = jax.ShapeDtypeStruct((T, N, H), jnp.float32)
     elif case.scheme == "deberta":
         for name in ("position_keys", "position_queries"):
             floats[name] = jax.ShapeDtypeStruct((2 * DEBERTA_BUCKETS["position_buckets"], N, H), jnp.float32)
@@ -506,6 +536,8 @@ def attention_program(case: Case, platform: str, program: str, scale: int):
         if case.scheme == "shaw":
             kt, vt = floats["key_table"], floats["value_table"]
             return jaxattn.shaw_relative_attention(q, k, v, kt, vt, max_distance=SHAW_DISTANCE, **options)
+        if case.scheme == "xl":
+            return jaxattn.transformer_xl_attention(q, k, v, floats["position_keys"], max_left=T - 1, **options)
         if case.scheme == "pairs":
             return jaxattn.relative_attention(q, k, v, floats["rel_key"], floats["rel_value"], **options)
         if case.scheme == "deberta":

@@ -1,6 +1,7 @@
 """Shaw's key table on the GPU kernel's windowed route (windows_gpu, issue 51 item 1): Transformer-XL over its
 whole span (max_left = S - 1, 2S - 1 table rows), which the band route (tables_gpu.MAX_COLUMNS) refuses, and a
-clipped Shaw table forced onto the route by lowering the band route's limit.
+clipped Shaw table forced onto the route by lowering the band route's limit (and its table's gradient taken in
+16-column chunks of the window, windows_gpu.WINDOW_CHUNK; the XL cases take the window whole).
 
 Interpret mode (Pallas' interpreter on this CPU), float32: outputs <= 1e-6 against the float64 loop of the
 formula (test_positions.xl_loop for Transformer-XL, helpers.attention_loop with A^K at shaw_index_loop's rows
@@ -29,8 +30,9 @@ from test_positions import N as XL_HEADS, xl_loop
 import jaxattn
 from helpers import assert_float64, attention_loop, normwise, shaw_index_loop
 from jaxattn._core.call import AttentionCall
-from jaxattn._kernels import flash_gpu, tables_gpu, windows_gpu
+from jaxattn._kernels import flash_gpu, flex_tpu, tables_gpu, windows_gpu
 from jaxattn._kernels.flash import plan
+from jaxattn._kernels.flash.sizes import WINDOW_TABLE_ELEMENTS, next_power_of_two, window_tiles
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
 
@@ -127,6 +129,7 @@ def test_clipped_shaw_table_on_the_windowed_route(name, hooks_seen):
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(tables_gpu, "MAX_COLUMNS", 8)  # below the band's 2m + 1 rows: the windowed route
+        patch.setattr(windows_gpu, "WINDOW_CHUNK", 1)  # the dq kernel's table gradient in 16-column chunks
         assert plan.windowed_tables(AttentionCall(key_table=table, max_distance=m), T, S)
         args = (q, k, v, table)
         out, grads = _value_and_grads(
@@ -148,7 +151,7 @@ def test_clipped_shaw_table_on_the_windowed_route(name, hooks_seen):
 
 def test_the_clipped_case_has_one_row_tiles_and_mixed_ones():
     """What the default Shaw case covers: tiles (16 x 16) whose window lies wholly past the clip distance
-    (windows_gpu._add_rows' one-row adds) and tiles whose window spans several rows."""
+    (windows_gpu._table_grads' one-row adds) and tiles whose window spans several rows."""
     _, T, S, _, _, _, _, m, _, _, _ = SHAW_CASES["clipped causal"]
     w = windows_gpu.Window(16, 16, m, S - T, True)
     Tn, Sn = -(-T // 16), -(-S // 16)
@@ -159,7 +162,8 @@ def test_the_clipped_case_has_one_row_tiles_and_mixed_ones():
 
 def test_which_calls_take_the_windowed_route():
     """A key table alone with the default positions, whose band the per-row route refuses; a value table or
-    positions of their own keep the band route's answer (its refusal, naming max_distance)."""
+    positions of their own keep the band route's answer (its refusal, naming max_distance), and so does the TPU
+    kernel."""
     q = k = v = jnp.zeros((1, 300, 2, 4), jnp.float32)
     m = 299
     wide = dict(key_table=jnp.zeros((2 * m + 1, 4)), max_distance=m)  # 599 rows within reach: within MAX_COLUMNS
@@ -169,10 +173,25 @@ def test_which_calls_take_the_windowed_route():
     wide = dict(key_table=jnp.zeros((2 * m + 1, 4)), max_distance=m)
     assert plan.windowed_tables(AttentionCall(**wide), 4096, 4096)
     assert flash_gpu.unsupported(AttentionCall(**wide), q, k, v) is None
+    # the TPU kernel lays out no such window yet: it keeps the band's refusal (implementation=None: XLA there)
+    with jax.enable_x64(False):
+        assert flex_tpu.unsupported(AttentionCall(**wide), q, k, v, True).startswith("max_distance")
     for other in (dict(value_table=jnp.zeros((2 * m + 1, 4))), dict(query_positions=jnp.arange(4096))):
         call = AttentionCall(**wide, **other)
         assert not plan.windowed_tables(call, 4096, 4096)
         assert flash_gpu.unsupported(call, q, k, v).startswith("max_distance")
+
+
+def test_window_tiles_fit_the_shared_memory_bound():
+    """flash.sizes.window_tiles on a GPU: a window of next_power_of_two(Tb + Sb - 1) rows of Hp features within
+    WINDOW_TABLE_ELEMENTS (the A100's shared memory at Transformer-XL's head dim 128: 32 x 32, not 32 x 64), the
+    keys' tile halved first, never below 16; the tables' tiles at head dim 64 (Hp = 128) kept."""
+    assert window_tiles(64, 32, 128) == (64, 32)  # bf16, XL at head dim 64
+    assert window_tiles(32, 64, 256) == (32, 32)  # bf16, XL at head dim 128
+    assert window_tiles(16, 16, 512) == (16, 16)  # nothing smaller to take
+    for Tb, Sb, Hp in ((128, 64, 128), (64, 64, 256), (16, 64, 256)):
+        tb, sb = window_tiles(Tb, Sb, Hp)
+        assert next_power_of_two(tb + sb - 1) * Hp <= WINDOW_TABLE_ELEMENTS and min(tb, sb) >= 16
 
 
 T_LONG = 4096

@@ -25,8 +25,11 @@ program of query tile i over its key tiles j, with ds = d loss / d (q k^T + key 
     dq       += dQP Pw                                           (DqHooks.add_table_grads' share of dq)
     d A^K[clip(d0 + c) + m] += (dQP^T q)[c]                      atomic adds into [Nt,R,F] float32
 
-(a tile wholly past the clip distance, every offset in one row, adds its column sum there once); the dk/dv
+(dQP read from the scratch and its products taken a chunk of window columns at a time, WINDOW_CHUNK; a tile
+wholly past the clip distance, every offset in one row, adds sum_t (sum_s ds) q_t there once); the dk/dv
 program rebuilds the key term of each query tile i the same way (its own scratch); the table term holds no k.
+The tiles on a GPU keep the window's [Wp,F] float32 rows within shared memory (flash.sizes.window_tiles).
+Compiled for the H100 and A100 (.ci/compile_targets.py, "xl whole span", "xl H128 T!=S"); never run on a GPU.
 
 Ordering, which interpret mode cannot check (its programs run one after another, and it skips the barriers):
   * A program's scratch block is its own (the grid ids pick it), so only the threads of one CTA touch it. A
@@ -58,6 +61,11 @@ from jax.experimental.pallas import triton as plgpu
 from .flash.refs import DkvHooks, DqHooks, ForwardHooks, Refs
 from .flash.sizes import next_power_of_two
 from .flash.tile_math import dot, read
+
+# The dq kernel's [C,Fp] float32 products for the table's gradient, in elements (_chunk): measured by compiling
+# for the H100 (.ci/compile_targets.py): XL at head dim 128 (Fp = 256) asked 253952 bytes of shared memory
+# (232448 available) with the whole window's [Wp,Fp] at once, Wp = 64 or 128.
+WINDOW_CHUNK = 8192
 
 
 class Window(NamedTuple):
@@ -107,15 +115,16 @@ def _barrier(cfg):
         plgpu.debug_barrier()
 
 
-def _rows(w: Window, i, j):
-    """int32 [Wp]: the table row of each window column of tile (i, j), clip(d0 + c, -m, m) + m."""
-    m = w.max_distance
-    c = lax.broadcasted_iota(jnp.int32, (w.Wp,), 0)
+def _rows(w: Window, i, j, c0: int = 0, C=None):
+    """int32 [C]: the table row of window columns c0..c0+C-1 of tile (i, j) (all Wp without C),
+    clip(d0 + c, -m, m) + m."""
+    m, C = w.max_distance, w.Wp if C is None else C
+    c = c0 + lax.broadcasted_iota(jnp.int32, (C,), 0)
     return jnp.clip(w.first_offset(i, j) + c, -m, m) + m
 
 
 def _window_rows(ref, head, rows):
-    """Pw [Wp,Fp]: the table rows `rows` of one head (a gathered load; rows repeat where they clip)."""
+    """Pw [C,Fp]: the table rows `rows` [C] of one head (a gathered load; rows repeat where they clip)."""
     Fp = ref.shape[-1]
     index = jnp.broadcast_to(rows[:, None], (rows.shape[0], Fp))
     return ref[head, index, lax.broadcasted_iota(jnp.int32, index.shape, 1)]
@@ -133,36 +142,49 @@ def _skewed(cfg, scratch, qp):
     return term
 
 
-def _unskewed(cfg, scratch, ds):
-    """dQP [Tb,Wp] = ds[t, c + t - (Tb - 1)] where that is a key of the tile, else 0; ds [Tb,Sb] float32,
-    through the scratch block's first Sb columns."""
-    Tb, Sb, Wp = cfg.Tb, cfg.Sb, cfg.window.Wp
-    scratch[:, pl.ds(0, Sb)] = ds
-    _barrier(cfg)
-    t = lax.broadcasted_iota(jnp.int32, (Tb, Wp), 0)
-    s = lax.broadcasted_iota(jnp.int32, (Tb, Wp), 1) + t - (Tb - 1)
-    inside = (s >= 0) & (s < Sb)
-    d_qp = jnp.where(inside, scratch[t, jnp.clip(s, 0, Sb - 1)], 0.0)
-    _barrier(cfg)
-    return d_qp
+def _chunk(w: Window, Fp: int) -> int:
+    """The window columns the dq kernel takes at once for the table's gradient: [C,Fp] float32 products within
+    WINDOW_CHUNK elements (at least 16, Triton's dot; at most Wp)."""
+    return max(16, min(w.Wp, WINDOW_CHUNK // Fp))
 
 
-def _add_rows(cfg, ref, head, i, j, d_rows):
-    """ref[head, rows of tile (i, j)] += d_rows [Wp,Fp] with atomic adds (columns past W hold zeros); a tile
-    wholly past the clip distance (every offset clips to one row) adds its column sum to that row once."""
-    w, m = cfg.window, cfg.window.max_distance
+def _table_grads(cfg, r: Refs, head, i, j, q, ds):
+    """The dq program's work with ds [Tb,Sb] float32 of tile (i, j): the table's gradient d A^K[rows] += dQP^T q
+    (atomic adds), and dq's share dQP Pw, returned ([Tb,Fp] float32); dQP [Tb,Wp] = ds[t, c + t - (Tb - 1)]
+    (0 where that is no key of the tile), read from the scratch a chunk of window columns at a time (_chunk: a
+    whole [Wp,Fp] float32 product overran the H100's shared memory at Fp = 256). A tile wholly past the clip
+    distance, every offset in one row, adds sum_t (sum_s ds[t,s]) q_t there once instead."""
+    w, m, Tb, Sb = cfg.window, cfg.window.max_distance, cfg.Tb, cfg.Sb
+    Fp = r.window_table.shape[-1]
     d0 = w.first_offset(i, j)
     one_row = (d0 >= m) | (d0 + w.W - 1 <= -m)
-    features = pl.ds(0, ref.shape[-1])
 
     @pl.when(one_row)
     def _():
-        jax.ref.addupdate(ref, (head, jnp.clip(d0, -m, m) + m, features), jnp.sum(d_rows, axis=0))
+        row_sum = jnp.sum(jnp.sum(ds, axis=1)[:, None] * q, axis=0)
+        jax.ref.addupdate(r.d_window_table, (head, jnp.clip(d0, -m, m) + m, pl.ds(0, Fp)), row_sum)
 
-    @pl.when(jnp.logical_not(one_row))
-    def _():
-        index = jnp.broadcast_to(_rows(w, i, j)[:, None], d_rows.shape)
-        jax.ref.addupdate(ref, (head, index, lax.broadcasted_iota(jnp.int32, d_rows.shape, 1)), d_rows)
+    scratch = r.window_scratch
+    scratch[:, pl.ds(0, Sb)] = ds
+    _barrier(cfg)
+    C = _chunk(w, Fp)
+    share = jnp.zeros((Tb, Fp), jnp.float32)
+    for c0 in range(0, w.Wp, C):
+        t = lax.broadcasted_iota(jnp.int32, (Tb, C), 0)
+        s = c0 + lax.broadcasted_iota(jnp.int32, (Tb, C), 1) + t - (Tb - 1)
+        d_qp = jnp.where((s >= 0) & (s < Sb), scratch[t, jnp.clip(s, 0, Sb - 1)], 0.0)
+        rows = _rows(w, i, j, c0, C)
+        share = share + dot(d_qp, _window_rows(r.window_table, head, rows), cfg)
+
+        @pl.when(jnp.logical_not(one_row))
+        def _(rows=rows, d_qp=d_qp):
+            d_rows = dot(d_qp, q, cfg, (0, 0))  # [C,Fp]
+            index = jnp.broadcast_to(rows[:, None], d_rows.shape)
+            features = lax.broadcasted_iota(jnp.int32, d_rows.shape, 1)
+            jax.ref.addupdate(r.d_window_table, (head, index, features), d_rows)
+
+    _barrier(cfg)  # every thread's reads of ds done before the next tile's store
+    return share
 
 
 def _head(cfg, n):
@@ -189,16 +211,13 @@ def dq_hooks(cfg, r: Refs) -> DqHooks:
     row0 = 0 if cfg.extents is None else i * cfg.Tb
     q = read(cfg, r.q, "q", row0).astype(jnp.float32)
     head = _head(cfg, n)
-    held = {}  # tile j's Pw, from terms() to add_table_grads(): both run in one trace of the tile's loop body
 
     def terms(j, k):
-        held["rows"] = rows = _window_rows(r.window_table, head, _rows(cfg.window, i, j))
+        rows = _window_rows(r.window_table, head, _rows(cfg.window, i, j))
         return _skewed(cfg, r.window_scratch, dot(q, rows, cfg, (1, 1))), None
 
     def add(j, k, p, ds):
-        d_qp = _unskewed(cfg, r.window_scratch, ds.astype(jnp.float32))
-        _add_rows(cfg, r.d_window_table, head, i, j, dot(d_qp, q, cfg, (0, 0)))
-        return dot(d_qp, held.pop("rows"), cfg)
+        return _table_grads(cfg, r, head, i, j, q, ds.astype(jnp.float32))
 
     return DqHooks(table_terms_of_key_tile=terms, add_table_grads=add)
 

@@ -31,7 +31,7 @@ from ..._engines import blockwise
 from ..._engines.tiles import check_block_mask_tiles
 from .. import tables_gpu, windows_gpu
 from .config import Config, Extents, Side, Tables
-from .sizes import gpu_tiles, mask_sub_tiles, padded_head, sub_tile_kinds, tile_sizes
+from .sizes import gpu_tiles, mask_sub_tiles, padded_head, sub_tile_kinds, tile_sizes, window_tiles
 
 
 def default_positions(call: AttentionCall) -> bool:
@@ -330,6 +330,8 @@ def _tiles(call: AttentionCall, c: Checked, dtype, block_size, block_mask, block
         Tb, Sb = mask_sub_tiles(block_size, tile_sizes(None, T, S, max(Hp, Hvp), interpret, itemsize, tables))
     else:  # block_size, the defaults, or a kernel's own tiles under a BlockMask (the mask's tiles win)
         Tb, Sb = tile_sizes(block_size, T, S, max(Hp, Hvp), interpret, itemsize, tables)
+        if block_size is None and not interpret and windowed_tables(call, T, S):  # the window's rows fit
+            Tb, Sb = window_tiles(Tb, Sb, Hp)
     return Tb, Sb, warps
 
 

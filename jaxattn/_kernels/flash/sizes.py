@@ -31,6 +31,13 @@ GPU_TILES = {
 TABLES_MAX_QUERY_TILE = 64
 
 
+# Calls on the windowed route (windows_gpu) take each tile's window of Wp table rows, [Wp,Hp] float32, as a dot
+# operand (shared memory): Wp * Hp at most WINDOW_TABLE_ELEMENTS (window_tiles). Transformer-XL at head dim 128
+# (Hp = 256 after shaw_form) in the tables' 32 x 64 tiles (Wp = 128) asked 196608 bytes of the A100's 166912
+# (forward+backward; the H100 compiled it); 32 x 32 (Wp = 64) compiled on both. Head dim 64: 64 x 32 (Wp = 128).
+WINDOW_TABLE_ELEMENTS = 128 * 128
+
+
 # The interpreter takes any size: 16 x 16 keeps interpret-mode tests quick.
 INTERPRET_BLOCK = 16
 
@@ -97,3 +104,14 @@ def sub_tile_kinds(kinds, ratios, Tn: int, Sn: int):
 
 def padded_head(H: int, interpret: bool) -> int:
     return next_power_of_two(H) if interpret else max(MIN_GPU_BLOCK, next_power_of_two(H))
+
+
+def window_tiles(Tb: int, Sb: int, Hp: int) -> tuple:
+    """(Tb, Sb) for the windowed route on a GPU: the larger tile halved (keys first) until the window's
+    next_power_of_two(Tb + Sb - 1) rows of Hp features fit WINDOW_TABLE_ELEMENTS, never below MIN_GPU_BLOCK."""
+    while next_power_of_two(Tb + Sb - 1) * Hp > WINDOW_TABLE_ELEMENTS and max(Tb, Sb) > MIN_GPU_BLOCK:
+        if Sb >= Tb:
+            Sb //= 2
+        else:
+            Tb //= 2
+    return Tb, Sb
