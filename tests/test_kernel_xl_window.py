@@ -7,7 +7,8 @@ Interpret mode (Pallas' interpreter on this CPU), float32: outputs <= 1e-6 again
 formula (test_positions.xl_loop for Transformer-XL, helpers.attention_loop with A^K at shaw_index_loop's rows
 for Shaw), gradients of q, k, v, the table (and XL's u, v biases) <= 1e-5 against the dense engine in float64,
 normwise. Every axis its own size, T != S both ways, lengths that are whole tiles and ragged ones, tiles
-Tb != Sb both ways (windows of 23 and 31 columns, padded to 32), causal and not, per-head and shared tables.
+Tb != Sb both ways (windows of 23 and 31 columns, padded to 32), causal and not, per-head and shared tables;
+under vmap, jit and vjp, and bf16 inputs within test_kernel_shaw's envelope.
 The interpreter runs a program's steps in order and skips the barriers: what it checks is the arithmetic of
 the window, the skew and its inverse, and the atomic adds' sums (the module docstring of windows_gpu says
 what ordering the GPU relies on).
@@ -25,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_kernel_shaw import BF16_TOLERANCES
 from test_positions import N as XL_HEADS, xl_loop
 
 import jaxattn
@@ -147,6 +149,49 @@ def test_clipped_shaw_table_on_the_windowed_route(name, hooks_seen):
     )
     for got, ref, what in zip(grads, dense_grads, ("q", "k", "v", "key_table"), strict=True):
         assert normwise(got, ref) <= GRAD_TOL, (what, normwise(got, ref))
+
+
+def _xl_inputs(seed, shapes, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return tuple(rng.normal(size=shape).astype(dtype) for shape in shapes)
+
+
+def test_transformer_xl_whole_span_under_vmap_and_in_bf16(hooks_seen):
+    """vmap over an axis the kernel does not see (inside jit and vjp; the table's gradient summed over it), and
+    bf16 inputs (the position keys float32) within the contract's bf16 envelope (test_kernel_shaw's), both
+    against the dense engine in float64 on the same numbers."""
+    V, T, S, N, K, H, Hv = 3, 19, 37, 4, 2, 5, 7
+    q, k, v, w = _xl_inputs(1, ((V, T, N, H), (V, S, K, H), (V, S, K, Hv), (V, T, N, Hv)))
+    (P,) = _xl_inputs(2, ((S, N, H),))
+
+    def vmapped(implementation, **kw):
+        def f(q, k, v, P):
+            def one(q, k, v):
+                return jaxattn.transformer_xl_attention(
+                    q[None], k[None], v[None], P, max_left=S - 1, is_causal=True, implementation=implementation, **kw
+                )[0]
+
+            return jax.vmap(one)(q, k, v)
+
+        return f
+
+    args = (q, k, v, P)
+    want, want_grads = _value_and_grads(vmapped("dense"), [np.asarray(x, np.float64) for x in args], w)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(tables_gpu, "MAX_COLUMNS", 16)
+        got, got_grads = _value_and_grads(vmapped("pallas_gpu", interpret=True), args, w)
+        half = (*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), P)
+        got_half, got_half_grads = _value_and_grads(vmapped("pallas_gpu", interpret=True), half, w)
+    assert sorted(set(hooks_seen)) == ["dkv_hooks", "dq_hooks", "forward_hooks"], hooks_seen
+    assert normwise(got, want) <= OUT_TOL
+    for g, e in zip(got_grads, want_grads, strict=True):
+        assert normwise(g, e) <= GRAD_TOL
+    assert got_half.dtype == jnp.bfloat16
+    rounded = [np.asarray(x, np.float64) for x in half]
+    want, want_grads = _value_and_grads(vmapped("dense"), rounded, w)
+    assert normwise(got_half, want) <= BF16_TOLERANCES[0], normwise(got_half, want)
+    for g, e in zip(got_half_grads, want_grads, strict=True):
+        assert normwise(g, e) <= BF16_TOLERANCES[1], normwise(g, e)
 
 
 def test_the_clipped_case_has_one_row_tiles_and_mixed_ones():
