@@ -32,7 +32,7 @@ from test_positions import N as XL_HEADS, xl_loop
 import jaxattn
 from helpers import assert_float64, attention_loop, normwise, shaw_index_loop
 from jaxattn._core.call import AttentionCall
-from jaxattn._kernels import flash_gpu, flex_tpu, tables_gpu, windows_gpu
+from jaxattn._kernels import flash_gpu, tables_gpu, windows_gpu
 from jaxattn._kernels.flash import plan
 from jaxattn._kernels.flash.sizes import WINDOW_TABLE_ELEMENTS, next_power_of_two, window_tiles
 
@@ -207,8 +207,7 @@ def test_the_clipped_case_has_one_row_tiles_and_mixed_ones():
 
 def test_which_calls_take_the_windowed_route():
     """A key table alone with the default positions, whose band the per-row route refuses; a value table or
-    positions of their own keep the band route's answer (its refusal, naming max_distance), and so does the TPU
-    kernel."""
+    positions of their own keep the band route's answer (its refusal, naming max_distance)."""
     q = k = v = jnp.zeros((1, 300, 2, 4), jnp.float32)
     m = 299
     wide = dict(key_table=jnp.zeros((2 * m + 1, 4)), max_distance=m)  # 599 rows within reach: within MAX_COLUMNS
@@ -218,9 +217,6 @@ def test_which_calls_take_the_windowed_route():
     wide = dict(key_table=jnp.zeros((2 * m + 1, 4)), max_distance=m)
     assert plan.windowed_tables(AttentionCall(**wide), 4096, 4096)
     assert flash_gpu.unsupported(AttentionCall(**wide), q, k, v) is None
-    # the TPU kernel lays out no such window yet: it keeps the band's refusal (implementation=None: XLA there)
-    with jax.enable_x64(False):
-        assert flex_tpu.unsupported(AttentionCall(**wide), q, k, v, True).startswith("max_distance")
     for other in (dict(value_table=jnp.zeros((2 * m + 1, 4))), dict(query_positions=jnp.arange(4096))):
         call = AttentionCall(**wide, **other)
         assert not plan.windowed_tables(call, 4096, 4096)
