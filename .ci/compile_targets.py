@@ -84,6 +84,10 @@ EXPECTED_KERNELS = {
     ("v5e", "relative pairs", "forward+backward"): "jaxattn_flex_tpu_dq",
     ("v5e", "None relative pairs", "forward+backward"): "jaxattn_flex_tpu_dq",  # None takes the kernel on a TPU too
     ("h100", "None xl whole span", "forward+backward"): "jaxattn_flash_dq",  # the windowed route's backward too
+    # the TPU's streamed lanes (tables_tpu.TableLanes.streamed): the flex kernels' backward, not the XLA engine's
+    ("v5e", "xl whole span", "forward+backward"): "jaxattn_flex_tpu_dq",
+    ("v6e", "xl whole span", "forward+backward"): "jaxattn_flex_tpu_dq",
+    ("v5e", "None xl whole span", "forward+backward"): "jaxattn_flex_tpu_dkv",
 }
 # Forward-only programs without return_lse (issue 36 §4): the GPU kernel writes lse [B,N,T] float32 only for a
 # backward or return_lse, so the program's temp bytes stay below one lse's (the tile schedule's few KiB). The
@@ -235,12 +239,12 @@ CASES = [
     # Transformer-XL over its whole span (issue 51 item 1): max_left = T - 1, T rows of position keys [T,N,H]
     # float32 (differentiated), 2T - 1 Shaw rows after shaw_form: past the band route's MAX_COLUMNS, so the GPU
     # kernel takes each tile's window of table rows (windows_gpu: one more matmul, skewed through a per-program
-    # scratch block; the table's gradient by atomic adds). TPU: not yet (flex_tpu keeps the band's refusal, so
-    # implementation=None takes the XLA engines there): GPU only
-    Case("xl whole span", T=8192, N=8, H=64, scheme="xl", options=CAUSAL, platforms=("gpu",), memory=FWD_BWD),
+    # scratch block; the table's gradient by atomic adds). TPU: the flex kernel streams the table's lanes from HBM,
+    # a tile's window at a time (tables_tpu.TableLanes.streamed; the window's gradient added into HBM)
+    Case("xl whole span", T=8192, N=8, H=64, scheme="xl", options=CAUSAL, memory=FWD_BWD),
     # head dim 128 (256 after shaw_form), T != S, not causal: the shared-memory check of the window's tiles
     # (flash.sizes.window_tiles) and of the dq kernel's chunks of the table's gradient (windows_gpu.WINDOW_CHUNK)
-    Case("xl H128 T!=S", T=3000, S=5000, N=4, H=128, scheme="xl", platforms=("gpu",), programs=FWD_BWD),
+    Case("xl H128 T!=S", T=3000, S=5000, N=4, H=128, scheme="xl", programs=FWD_BWD),
     Case(
         "None xl whole span",
         T=8192,
@@ -249,7 +253,6 @@ CASES = [
         kernel="auto",
         scheme="xl",
         options=CAUSAL,
-        platforms=("gpu",),
         programs=FWD_BWD,
     ),
     # relative_attention's per-pair tables inside the GPU kernel (issue 34): the tables are inputs of O(T S H)

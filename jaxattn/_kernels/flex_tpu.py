@@ -71,7 +71,7 @@ from .._core.call import INDEX_ARRAYS, AttentionCall
 from .._core.dtypes import accumulation_dtype
 from .._core.offset_bias import OffsetBias, TableBias, of_rows
 from .._engines import blockwise
-from . import flash_gpu, flex_tpu_vjp, pairs_gpu, pairs_tpu, splash_tpu, tables_gpu, tables_tpu
+from . import flash_gpu, flex_tpu_vjp, pairs_gpu, pairs_tpu, splash_tpu, tables_tpu
 from .flash import backward, call as flash_call, plan, tile_math
 from .flash.forward import forward_kernel
 from .flash.refs import ForwardHooks, Refs, merged
@@ -102,9 +102,10 @@ FLEX_OPTIONS = (
 )
 # The widest band of offsets whose table rows differ (hi - lo + 1) the kernel lays out per head: with the
 # margins, E lanes of up to 2048 + 4 tiles, so the [Tb,E] float32 q . key rows (1.5 MiB at Tb = 128) and each
-# table's [E,H] block fit VMEM beside the keys. Shaw's tables reach at most tables_gpu.MAX_COLUMNS rows (the
-# Pallas GPU kernel's band refusal, which this kernel keeps where the GPU kernel's windowed route takes a key table
-# alone, windows_gpu); DeBERTa's log buckets reach far more offsets than rows.
+# table's [E,H] block fit VMEM beside the keys: DeBERTa's log buckets reach far more offsets than rows. Shaw's
+# key table alone past tables_tpu.RESIDENT_BAND offsets (Transformer-XL over its whole span) streams its lanes a
+# tile's window at a time (tables_tpu.TableLanes.streamed); Shaw's with a value table reach at most
+# tables_gpu.MAX_COLUMNS rows (the Pallas GPU kernel's band refusal, which this kernel shares).
 MAX_BAND = 2048
 
 
@@ -125,9 +126,6 @@ def unsupported(call: AttentionCall, query, key, value, interpret=False) -> Opti
     problem = flash_gpu.unsupported(call, query, key, value, interpret=True)
     if problem is not None:
         return problem
-    T, S = (np.shape(x)[-3] if np.ndim(x) >= 3 else 1 for x in (query, key))
-    if plan.windowed_tables(call, T, S):  # the GPU kernel's windowed route (windows_gpu): not laid out here yet
-        return tables_gpu.columns_refusal(plan.tables_band(call, T, S))
     # A position bias of j - i (an OffsetBias: T5, ALiBi) is built per tile from contiguous offsets, a
     # window's (a TableBias: Swin, BEiT) read from its bias of every pair (module docstring); the GPU kernel
     # gathers from rows at an index of the pair, which Mosaic does not lower from a ref. Refused in the
@@ -322,10 +320,13 @@ def _forward(p: plan.Prepared, S: int, interpret: bool, pair_bias=None, tables=N
         )
     if tables is not None:
         lanes, arrays = tables
-        for name, x in arrays.items():  # one head's lanes (or the shared table's), [E,F]
+        for name, x in arrays.items():  # one head's lanes (or the shared table's), [E,F]; streamed: left in HBM
             heads = x.shape[0] > 1
-            inputs[name] = (x, spec((None, *x.shape[1:]), lambda b, n, i, heads=heads: (pick(heads, n), 0, 0)))
-        if lanes.key_rows:
+            block = spec((None, *x.shape[1:]), lambda b, n, i, heads=heads: (pick(heads, n), 0, 0))
+            inputs[name] = (x, IN_HBM if lanes.streamed else block)
+        if lanes.streamed:
+            scratch.update(tables_tpu.streamed_scratch(lanes, arrays["key_rows"].shape[-1], grads=False))
+        elif lanes.key_rows:
             scratch["qx"] = pltpu.VMEM((cfg.Tb, lanes.E), jnp.float32)
     if pairs is not None:  # in HBM, a tile's slices copied in by the hooks (pairs_tpu)
         inputs.update(pairs_tpu.inputs(pairs[1]))
@@ -391,6 +392,7 @@ def _forward_program(cfg, scalar_shapes: dict, stream: bool, T: int, S: int, lan
         columns = lambda j: pl.ds(pl.multiple_of(j * cfg.Sb, cfg.Sb), cfg.Sb)  # noqa: E731
         hooks = ForwardHooks(bias_of_key_tile=lambda j: pair_bias[:, columns(j)])
     if lanes is not None:
+        lane_refs = tables_tpu.streamed_refs(lane_refs, lanes, n)
         hooks = merged(hooks, tables_tpu.forward_hooks(cfg, r, lane_refs, lanes, i, T, S))
     if pairs is not None:
         hooks = merged(hooks, pairs_tpu.forward_hooks(pairs, r, pair_refs, n, i))

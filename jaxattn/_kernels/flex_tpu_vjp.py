@@ -191,7 +191,16 @@ def _dq_table_operands(c: _Backward, inputs, outputs, scratch):
     cfg, B, N = c.p.cfg, c.q.shape[0], c.q.shape[1]
     Hp, Hvp = c.q.shape[-1], c.v.shape[-1]
     pick = tile_math.pick
-    if c.tables is not None:
+    aliases = {}
+    if c.tables is not None and c.tables[0].streamed:  # in HBM: a window copied in, its gradient added into
+        lanes, arrays = c.tables
+        x = arrays["key_rows"]
+        inputs["key_rows"] = (x, IN_HBM)
+        inputs["d_key_rows_zeros"] = (jnp.zeros((B, N, *x.shape[1:]), jnp.float32), IN_HBM)
+        outputs["d_key_rows"] = (jax.ShapeDtypeStruct((B, N, *x.shape[1:]), jnp.float32), IN_HBM)
+        aliases["d_key_rows_zeros"] = "d_key_rows"
+        scratch.update(tables_tpu.streamed_scratch(lanes, x.shape[-1], grads=True))
+    elif c.tables is not None:
         lanes, arrays = c.tables
         for name, x in arrays.items():
             heads = x.shape[0] > 1
@@ -201,7 +210,6 @@ def _dq_table_operands(c: _Backward, inputs, outputs, scratch):
         for names, table in ((("qx", "d_qx"), "key_rows"), (("dox", "p_lanes"), "value_rows")):
             for name in names if getattr(lanes, table) else ():  # [Tb,E] float32 each (tables_tpu)
                 scratch[name] = pltpu.VMEM((cfg.Tb, lanes.E), jnp.float32)
-    aliases = {}
     if c.pairs is not None:
         pair_tables, arrays = c.pairs
         inputs.update(pairs_tpu.inputs(arrays))
@@ -264,6 +272,7 @@ def _dq_kernel(c: _Backward, shapes, buffers: int):
         if r.offset_bias is not None:
             hooks = _dq_offset_bias_hooks(c, r, i)
         if c.tables is not None:
+            lane_refs = tables_tpu.streamed_refs(lane_refs, c.tables[0], n, b)
             hooks = merged(hooks, tables_tpu.dq_hooks(cfg, r, lane_refs, c.tables[0], i, c.p.T, c.S))
         if c.pairs is not None:
             hooks = merged(hooks, pairs_tpu.dq_hooks(c.pairs[0], r, pair_refs, n, i))
@@ -334,11 +343,11 @@ def _dkv_operands(c: _Backward, lse, delta, stream_queries: bool):
         batched, E = cfg.offset_bias[1], c.rows_of_grid.shape[-1]
         rows_spec = spec((None, 1, 1, E), lambda b, h, j, g: (pick(batched, b), h * G + g, 0, 0))
         inputs["offset_bias"] = (c.rows_of_grid, rows_spec)
-    if c.tables is not None:  # the lanes of query head h G + g (or the shared table's)
+    if c.tables is not None:  # the lanes of query head h G + g (or the shared table's); streamed: in HBM
         for name, x in c.tables[1].items():
             per_head = x.shape[0] > 1
             index = lambda b, h, j, g, per_head=per_head: (pick(per_head, h * G + g), 0, 0)  # noqa: E731
-            inputs[name] = (x, spec((1, *x.shape[1:]), index))
+            inputs[name] = (x, IN_HBM if c.tables[0].streamed else spec((1, *x.shape[1:]), index))
     if c.pairs is not None:
         inputs.update(pairs_tpu.inputs(c.pairs[1]))
     key_tile = lambda b, h, j, g: (b, h, j, 0)  # noqa: E731
@@ -351,6 +360,8 @@ def _dkv_operands(c: _Backward, lse, delta, stream_queries: bool):
         scratch = {"dk_sum": pltpu.VMEM((cfg.Sb, Hp), jnp.float32), "dv_sum": pltpu.VMEM((cfg.Sb, Hvp), jnp.float32)}
     if c.pairs is not None:
         scratch.update(pairs_tpu.scratch(c.pairs[0], c.pairs[1], Hp, Hvp, grads=False))
+    if c.tables is not None and c.tables[0].streamed:
+        scratch.update(tables_tpu.streamed_scratch(c.tables[0], c.tables[1]["key_rows"].shape[-1], grads=False))
     if stream_queries:  # one query tile of q and do at a time, copied in from HBM
         scratch.update(
             q_tile=pltpu.VMEM((cfg.Tb, Hp), q.dtype),
@@ -399,6 +410,7 @@ def _dkv_kernel(c: _Backward, shapes, stream_queries: bool):
                 )
             )
         if c.tables is not None:
+            lane_refs = tables_tpu.streamed_refs(lane_refs, c.tables[0], h * G + g)
             hooks = merged(hooks, tables_tpu.dkv_hooks(cfg, r, lane_refs, c.tables[0], j, c.p.T, c.S))
         if c.pairs is not None:
             hooks = merged(hooks, pairs_tpu.dkv_hooks(c.pairs[0], r, pair_refs, lambda g: h * G + g, j))

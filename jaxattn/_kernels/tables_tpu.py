@@ -21,6 +21,14 @@ positions only: a tile's offsets j - i are then contiguous.
               over its key tiles and adds their products once after them into the (b, n) block of each
               table's gradient (the dq grid walks i in order: "arbitrary"); d query lanes per key tile. The
               dk/dv program rebuilds each query tile's terms from windows of the lanes ([Tb,W] products).
+
+Streamed lanes (TableLanes.streamed): a key table alone whose band is wider than RESIDENT_BAND (Transformer-XL
+over its whole span: T + S offsets) would not fit VMEM as [E,F] lanes beside their [Tb,E] products. Its lanes
+then stay in HBM and each tile reads only its window: a [W,F] copy of the lanes (LaneStream), qx = q . window^T
+per tile, and in the dq kernel d qx's two products per tile, dq's share summed in a [Tb,F] scratch and the
+window's gradient added into the (b, n) block of the lanes' gradient in HBM (copy in, add, copy out: LaneAdder;
+the dq grid's query tiles of one (b, n) run in order, so no two programs add into one block at once). VMEM
+then holds a few [W,F] tiles whatever the span: O(T) memory in HBM, no [T,S] buffer.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from typing import Any, NamedTuple, Optional
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
 
 from .._core.call import AttentionCall
 from .flash import plan, tile_math
@@ -39,6 +48,9 @@ from .refs_tpu import LANES, diagonals, lane_window, undiagonals, window
 # The dq kernel's VMEM with position tables (backward_refusal): within a TPU's 16 MiB of scoped VMEM (v5e's
 # default), less the query tile's own blocks.
 MAX_TABLES_VMEM = 15 * 2**20
+# The widest band of offsets (hi - lo + 1) whose lanes a key table alone keeps in VMEM; wider bands stream
+# their lanes a tile's window at a time (TableLanes.streamed).
+RESIDENT_BAND = 2048
 
 
 class LaneRefs(NamedTuple):
@@ -56,6 +68,11 @@ class LaneRefs(NamedTuple):
     dox: Any = None
     d_qx: Any = None
     p_lanes: Any = None
+    # streamed lanes: a window's [W,F] VMEM tile, its gradient's, dq's share [Tb,F] float32, the copies' semaphore
+    lane_tile: Any = None
+    grad_tile: Any = None
+    dq_rows: Any = None
+    lane_sem: Any = None
 
 
 class TableLanes(NamedTuple):
@@ -73,6 +90,7 @@ class TableLanes(NamedTuple):
     key_rows: bool  # q . A^K per query row (Shaw's key table, DeBERTa's c2p): LaneRefs.key_rows, .qx
     query_rows: bool  # k . Q^r per key row (DeBERTa's p2c), reversed lanes: r.query_rows
     value_rows: bool  # sum_s p A^V (Shaw's value table): r.value_rows
+    streamed: bool = False  # the key lanes in HBM, a tile's window copied in (module docstring)
 
     @property
     def M(self) -> int:
@@ -118,7 +136,67 @@ def table_layout(call: AttentionCall, Tb: int, Sb: int, T: int, S: int) -> Table
         rt = call.row_tables
         return TableLanes(rt.lo, rt.hi, Tb, Sb, rt.key_rows is not None, rt.query_rows is not None, False)
     band = plan.tables_band(call, T, S)
-    return TableLanes(band.lo, band.hi, Tb, Sb, call.key_table is not None, False, call.value_table is not None)
+    key_alone = call.key_table is not None and call.value_table is None
+    streamed = key_alone and band.hi - band.lo + 1 > RESIDENT_BAND
+    return TableLanes(
+        band.lo, band.hi, Tb, Sb, call.key_table is not None, False, call.value_table is not None, streamed
+    )
+
+
+class LaneStream:
+    """One head's key lanes left in HBM ([Nt,E,F]), read as the resident block is: [at, :] (or [0, at, :], the
+    dk/dv kernel's reading of its [1,E,F] block; at: lane_window's W lanes) copies those lanes of the head into
+    a [W,F] VMEM tile and waits for the copy (not hidden, and not timed: no TPU has been lent)."""
+
+    def __init__(self, ref, tile, sem, head):
+        self.ref, self.tile, self.sem = ref, tile, sem
+        self.head = head if ref.shape[0] > 1 else 0  # a shared table: one set of lanes
+
+    def __getitem__(self, index):
+        lanes = index[-2]
+        copy = pltpu.make_async_copy(self.ref.at[self.head, lanes], self.tile, self.sem)
+        copy.start()
+        copy.wait()
+        return self.tile[...]
+
+
+class LaneAdder:
+    """The (b, n) block of the lanes' gradient in HBM ([B,N,E,F] float32): add(at, x) adds x [W,F] into lanes at
+    (copy in, add, copy out, each waited for)."""
+
+    def __init__(self, ref, tile, sem, b, n):
+        self.ref, self.tile, self.sem, self.b, self.n = ref, tile, sem, b, n
+
+    def add(self, at, x):
+        block = self.ref.at[self.b, self.n, at]
+        copy_in = pltpu.make_async_copy(block, self.tile, self.sem)
+        copy_in.start()
+        copy_in.wait()
+        self.tile[...] = self.tile[...] + x
+        copy_out = pltpu.make_async_copy(self.tile, block, self.sem)
+        copy_out.start()
+        copy_out.wait()
+
+
+def streamed_refs(t: LaneRefs, lanes: TableLanes, head, b=None) -> LaneRefs:
+    """t with the key lanes read through a LaneStream of query head `head` where they are streamed, and (the dq
+    kernel, batch entry b) their gradient's (b, head) block added into through a LaneAdder."""
+    if not lanes.streamed:
+        return t
+    t = t._replace(key_rows=LaneStream(t.key_rows, t.lane_tile, t.lane_sem, head))
+    if t.d_key_rows is not None:
+        t = t._replace(d_key_rows=LaneAdder(t.d_key_rows, t.grad_tile, t.lane_sem, b, head))
+    return t
+
+
+def streamed_scratch(lanes: TableLanes, F: int, grads: bool) -> dict:
+    """The VMEM a kernel with streamed lanes holds for them: a window's [W,F] tile and the copies' semaphore;
+    with grads (the dq kernel) also its gradient's tile and dq's share [Tb,F]."""
+    W = window(lanes.Tb, lanes.Sb)
+    scratch = {"lane_tile": pltpu.VMEM((W, F), jnp.float32), "lane_sem": pltpu.SemaphoreType.DMA(())}
+    if grads:
+        scratch.update(grad_tile=pltpu.VMEM((W, F), jnp.float32), dq_rows=pltpu.VMEM((lanes.Tb, F), jnp.float32))
+    return scratch
 
 
 def call_lanes(call: AttentionCall, tables: dict, Tb: int, Sb: int, T: int, S: int, Hp: int, Hvp: int, dtype):
@@ -160,18 +238,26 @@ def fill(cfg, ref, x, rows):
     ref[...] = tile_math.dot(x.astype(jnp.float32), rows[...], cfg, (1, 1))
 
 
+def window_products(cfg, t: LaneRefs, lanes: TableLanes, at, q):
+    """qx's window [Tb,W] of a tile: a slice of the program's qx (resident lanes), or q . the window's lanes^T
+    (streamed: copied in by the LaneStream)."""
+    if lanes.streamed:
+        return tile_math.dot(q.astype(jnp.float32), t.key_rows[at, :], cfg, (1, 1))
+    return t.qx[:, at]
+
+
 def forward_hooks(cfg, r: Refs, t: LaneRefs, lanes: TableLanes, i, T: int, S: int) -> ForwardHooks:
     """The forward's hooks for the tables of query tile i: table_logits_of_key_tile(j, k), the key terms of
     tile (i, j) [Tb,Sb], and table_values_of_key_tile(j, p), the value term sum_s p[t, s] A^V[c(t, s)]
     [Tb,Hvp]; fills t.qx (the module docstring)."""
     W = window(cfg.Tb, cfg.Sb)
-    if lanes.key_rows:
+    if lanes.key_rows and not lanes.streamed:
         fill(cfg, t.qx, r.q[...], t.key_rows)
 
     def logits(j, k):
         windows = lanes.windows(i, j, T, S)
         (at, _), (reverse_at, _) = windows
-        qx = t.qx[:, at] if lanes.key_rows else None
+        qx = window_products(cfg, t, lanes, at, r.q[...]) if lanes.key_rows else None
         query_rows = t.query_rows[reverse_at, :] if lanes.query_rows else None
         return key_terms(cfg, windows, qx, k, query_rows)
 
@@ -188,6 +274,8 @@ def forward_hooks(cfg, r: Refs, t: LaneRefs, lanes: TableLanes, i, T: int, S: in
 def dq_hooks(cfg, r: Refs, t: LaneRefs, lanes: TableLanes, i, T: int, S: int) -> DqHooks:
     """The dq kernel's hooks (backward.dq_kernel) for the tables of query tile i: table_terms_of_key_tile,
     add_table_grads and finish_dq (the module docstring)."""
+    if lanes.streamed:
+        return streamed_dq_hooks(cfg, r, t, lanes, i, T, S)
     W = window(cfg.Tb, cfg.Sb)
     f32 = jnp.float32
     q, do = r.q[...].astype(f32), r.do[...].astype(f32)
@@ -246,6 +334,32 @@ def dq_hooks(cfg, r: Refs, t: LaneRefs, lanes: TableLanes, i, T: int, S: int) ->
     return DqHooks(table_terms_of_key_tile=terms, add_table_grads=add, finish_dq=finish)
 
 
+def streamed_dq_hooks(cfg, r: Refs, t: LaneRefs, lanes: TableLanes, i, T: int, S: int) -> DqHooks:
+    """dq_hooks with the key lanes streamed (a key table alone; module docstring): per key tile j its window's
+    qx, then d qx = ds rolled back onto the offsets, dq's share d qx . window summed in t.dq_rows, and the
+    window's gradient d qx^T . q added into the lanes' gradient in HBM (t.d_key_rows: a LaneAdder)."""
+    W = window(cfg.Tb, cfg.Sb)
+    f32 = jnp.float32
+    q = r.q[...].astype(f32)
+    t.dq_rows[...] = jnp.zeros(t.dq_rows.shape, f32)
+
+    def terms(j, k):
+        windows = lanes.windows(i, j, T, S)
+        (at, _), _ = windows
+        return key_terms(cfg, windows, window_products(cfg, t, lanes, at, q)), None
+
+    def add(j, k, p, ds):
+        (at, offset), _ = lanes.windows(i, j, T, S)
+        d_qx = undiagonals(ds.astype(f32), offset, W)
+        t.dq_rows[...] = t.dq_rows[...] + tile_math.dot(d_qx, t.key_rows[at, :], cfg)
+        t.d_key_rows.add(at, tile_math.dot(d_qx, q, cfg, (0, 0)))
+
+    def finish(dq):
+        return dq + t.dq_rows[...].astype(dq.dtype)
+
+    return DqHooks(table_terms_of_key_tile=terms, add_table_grads=add, finish_dq=finish)
+
+
 def dkv_hooks(cfg, r: Refs, t: LaneRefs, lanes: TableLanes, j, T: int, S: int) -> DkvHooks:
     """The dk/dv kernel's hooks (backward.dkv_kernel) for the tables of key tile j, whose program holds one
     query head's lanes ([1,E,F] blocks): table_terms_of_query_tile, query tile i's terms from windows of the
@@ -282,6 +396,8 @@ def dq_vmem(lanes: TableLanes, S: int, H: int, Hv: int, dtype, multiple: int, ke
     rows = padded(S) if key_buffers else lanes.Sb
     keys = max(key_buffers, 1) * rows * (padded(H) + padded(Hv)) * np.dtype(dtype).itemsize
     widths = [padded(F) for F, wanted in ((H, lanes.key_rows), (H, lanes.query_rows), (Hv, lanes.value_rows)) if wanted]
+    if lanes.streamed:  # a window's lanes and its gradient, and dq's share [Tb,F]
+        return keys + sum((2 * window(lanes.Tb, lanes.Sb) + lanes.Tb) * F * 4 for F in widths)
     tables = sum(4 * lanes.E * F * 4 for F in widths)
     scratch = 2 * lanes.Tb * lanes.E * 4 * (int(lanes.key_rows) + int(lanes.value_rows))
     return keys + tables + scratch
