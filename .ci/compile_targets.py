@@ -412,7 +412,7 @@ CI_FIRST = {
     "llama": ("forward", "decode"),
 }
 CI_SECOND = {"causal H256 GQA 4/2": FWD_BWD, "full f32": FWD_BWD, "None causal": FWD_BWD, "t5 causal": FWD_BWD}
-CI_SECOND["xl H128 T!=S"] = FWD_BWD  # GPU only: the A100's smaller shared memory (flash.sizes.window_tiles)
+CI_SECOND["xl H128 T!=S"] = FWD_BWD  # the A100's smaller shared memory (flash.sizes.window_tiles)
 CI_SECOND["chunk, CPU host"] = ("forward",)  # TPU only: v6e's generation from tpu_generation= alone, as v5e's
 # On a TPU a window's gradient is the XLA engine's, which recomputes its own forward, so XLA drops the kernel's
 # unused output: "swin shifted" compiles its forward there, which holds the kernel. "shaw causal" and "deberta"

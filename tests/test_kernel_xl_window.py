@@ -223,14 +223,15 @@ def test_which_calls_take_the_windowed_route():
         assert flash_gpu.unsupported(call, q, k, v).startswith("max_distance")
 
 
-def test_window_tiles_fit_the_shared_memory_bound():
+def test_window_tiles_fit_the_bound():
     """flash.sizes.window_tiles on a GPU: a window of next_power_of_two(Tb + Sb - 1) rows of Hp features within
-    WINDOW_TABLE_ELEMENTS (the A100's shared memory at Transformer-XL's head dim 128: 32 x 32, not 32 x 64), the
-    keys' tile halved first, never below 16; the tables' tiles at head dim 64 (Hp = 128) kept."""
-    assert window_tiles(64, 32, 128) == (64, 32)  # bf16, XL at head dim 64
-    assert window_tiles(32, 64, 256) == (32, 32)  # bf16, XL at head dim 128
+    WINDOW_TABLE_ELEMENTS (the A100's shared memory, and no register spills measured, at Transformer-XL's head
+    dims 64 and 128), the larger tile halved (the keys' when equal), never below 16."""
+    assert window_tiles(64, 32, 128) == (32, 32)  # bf16, XL at head dim 64 (Hp = 128 after shaw_form)
+    assert window_tiles(32, 64, 256) == (16, 16)  # bf16, XL at head dim 128
+    assert window_tiles(16, 32, 128) == (16, 32)  # within the bound already
     assert window_tiles(16, 16, 512) == (16, 16)  # nothing smaller to take
-    for Tb, Sb, Hp in ((128, 64, 128), (64, 64, 256), (16, 64, 256)):
+    for Tb, Sb, Hp in ((128, 64, 128), (64, 64, 256), (16, 64, 256), (128, 128, 64)):
         tb, sb = window_tiles(Tb, Sb, Hp)
         assert next_power_of_two(tb + sb - 1) * Hp <= WINDOW_TABLE_ELEMENTS and min(tb, sb) >= 16
 

@@ -64,8 +64,9 @@ from .flash.tile_math import dot, read
 
 # The dq kernel's [C,Fp] float32 products for the table's gradient, in elements (_chunk): measured by compiling
 # for the H100 (.ci/compile_targets.py): XL at head dim 128 (Fp = 256) asked 253952 bytes of shared memory
-# (232448 available) with the whole window's [Wp,Fp] at once, Wp = 64 or 128.
-WINDOW_CHUNK = 8192
+# (232448 available) with the whole window's [Wp,Fp] at once, Wp = 64 or 128; with flash.sizes.window_tiles'
+# tiles, 4096 (C = 32 at head dim 64, 16 at 128) left the dq kernel without spills where 8192 spilled 20 bytes.
+WINDOW_CHUNK = 4096
 
 
 class Window(NamedTuple):

@@ -32,10 +32,14 @@ TABLES_MAX_QUERY_TILE = 64
 
 
 # Calls on the windowed route (windows_gpu) take each tile's window of Wp table rows, [Wp,Hp] float32, as a dot
-# operand (shared memory): Wp * Hp at most WINDOW_TABLE_ELEMENTS (window_tiles). Transformer-XL at head dim 128
-# (Hp = 256 after shaw_form) in the tables' 32 x 64 tiles (Wp = 128) asked 196608 bytes of the A100's 166912
-# (forward+backward; the H100 compiled it); 32 x 32 (Wp = 64) compiled on both. Head dim 64: 64 x 32 (Wp = 128).
-WINDOW_TABLE_ELEMENTS = 128 * 128
+# operand (shared memory) beside the [Tb,Wp] product: Wp * Hp at most WINDOW_TABLE_ELEMENTS (window_tiles).
+# Transformer-XL at head dim 128 (Hp = 256 after shaw_form) in the tables' 32 x 64 tiles (Wp = 128) asked 196608
+# bytes of the A100's 166912 (forward+backward). At 128 * 128 elements (head dim 64 bf16: 64 x 32, Wp = 128; head
+# dim 128: 32 x 32) every program compiled but the dq and dk/dv kernels spilled (ptxas -v, H100 and A100, T = S =
+# 8192, causal, bf16: dq 2052 spill-store bytes at head dim 64 on the H100, 140-264 elsewhere); at 64 * 128 (head
+# dim 64: 32 x 32, Wp = 64; head dim 128: 16 x 16) none spills, bf16 or float32 at head dim 64 (float32 at head
+# dim 128 is the plain kernel's known dk/dv spill, 16 x 16: 388 bytes).
+WINDOW_TABLE_ELEMENTS = 64 * 128
 
 
 # The interpreter takes any size: 16 x 16 keeps interpret-mode tests quick.
@@ -107,7 +111,7 @@ def padded_head(H: int, interpret: bool) -> int:
 
 
 def window_tiles(Tb: int, Sb: int, Hp: int) -> tuple:
-    """(Tb, Sb) for the windowed route on a GPU: the larger tile halved (keys first) until the window's
+    """(Tb, Sb) for the windowed route on a GPU: the larger tile halved (the keys' when equal) until the window's
     next_power_of_two(Tb + Sb - 1) rows of Hp features fit WINDOW_TABLE_ELEMENTS, never below MIN_GPU_BLOCK."""
     while next_power_of_two(Tb + Sb - 1) * Hp > WINDOW_TABLE_ELEMENTS and max(Tb, Sb) > MIN_GPU_BLOCK:
         if Sb >= Tb:
