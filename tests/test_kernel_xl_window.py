@@ -259,3 +259,5 @@ def test_transformer_xl_whole_span_lowered_for_cuda_is_the_kernel(program):
     assert TRITON in text and kernels == want, kernels
     assert "stablehlo.while" not in text, "an XLA tile loop"
     assert not re.search(rf"[<x]{T_LONG}x{T_LONG}x(f32|bf16|f16|i1|i32)>", text), "a [T,S] buffer"
+    # the CTA barriers around the scratch block (windows_gpu), which the interpreter skips: in the Triton IR
+    assert "barrier" in text, "no barrier between the scratch block's store and its reads"
