@@ -261,3 +261,5 @@ def test_transformer_xl_whole_span_lowered_for_cuda_is_the_kernel(program):
     assert not re.search(rf"[<x]{T_LONG}x{T_LONG}x(f32|bf16|f16|i1|i32)>", text), "a [T,S] buffer"
     # the CTA barriers around the scratch block (windows_gpu), which the interpreter skips: in the Triton IR
     assert "barrier" in text, "no barrier between the scratch block's store and its reads"
+    # and no software pipelining, which could issue a scratch read ahead of its store
+    assert set(re.findall(r"num_stages = (\d+)", text)) == {"1"}
