@@ -16,7 +16,17 @@ from ..._core.dtypes import accumulation_dtype
 from ..._core.masks import CLEAN
 from ..._core.placement import placed_as, zeros_beside
 from ..._core.softmax import logits_grad, probabilities
-from .buckets import apply_table, bucket_index, bucket_sums, gather_buckets, table_grad, table_products
+from .buckets import (
+    add_rows,
+    apply_table,
+    bucket_sums,
+    gather_buckets,
+    table_grad,
+    table_products,
+    tile_index,
+    window_sums,
+    windowed,
+)
 from .layout import einsum, slice_block
 from .logits import allowed_in_tile, capped_logits, corner_offset, hook_bias, tile_score
 from .pairs import add_pair_tile, pair_grad, pair_spec, pair_tile
@@ -27,12 +37,15 @@ from .values import Grads, KeySide, QueryTile, RowGrads, Shared
 class _TileSums(NamedTuple):
     """What bwd_tile's loop over key tiles adds into: dq [B,K,G,Tb,H] (compute dtype), the bucket sums of ds
     and of p [B,K,G,Tb,R] (the key and value tables' gradients read them once the loop ends; p's start
-    from the forward's when RowGrads.value_buckets has them), and Grads' dk, dv, hook_consts, score_consts,
-    pair_key and pair_value (the tables' own gradients are added after the loop)."""
+    from the forward's when RowGrads.value_buckets has them; None when windowed: each tile then adds its
+    window's share into key_table / value_table), and Grads' dk, dv, key_table, value_table, hook_consts,
+    score_consts, pair_key and pair_value."""
 
     dq: Any
     dk: Any
     dv: Any
+    key_table: Any
+    value_table: Any
     ds_buckets: Any
     p_buckets: Any
     hook_consts: tuple
@@ -55,20 +68,27 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
     B, K, _, Tb = q_blk.shape[:4]
     Sp, Sb, acc_dtype = keys.k.shape[2], cfg.Sb, accumulation_dtype(q_blk.dtype)
     R = 2 * cfg.max_distance + 1 if cfg.max_distance is not None else 0
-    key_table, value_table, scale = shared.key_table, shared.value_table, shared.scale
-    per_bucket = None if key_table is None else table_products(q_blk, key_table, K, cfg, acc_dtype)
-    do_table = None if value_table is None else table_products(do_blk, value_table, K, cfg, acc_dtype)
+    key_table, value_table, scale, window = shared.key_table, shared.value_table, shared.scale, windowed(cfg)
+    per_bucket, do_table = (  # q . Tk[r] and d_out . Tv[r] for every bucket, unless each tile has its window
+        None if table is None or window else table_products(x, table, K, cfg, acc_dtype)
+        for x, table in ((q_blk, key_table), (do_blk, value_table))
+    )
 
     def key_block(kind, j, acc: _TileSums) -> _TileSums:
         s0 = j * Sb
         k_blk, v_blk = slice_block(keys.k, s0, Sb, 2), slice_block(keys.v, s0, Sb, 2)
         kp = slice_block(keys.pos, s0, Sb, -1)
-        index = None if R == 0 else bucket_index(cfg, qp, kp)
+        offset0 = corner_offset(cfg, qp, kp)
+        index, row_index, (key_rows, value_rows) = tile_index(cfg, qp, kp, offset0, (key_table, value_table))
+        per_tile, do_tile = (  # q . Tk[index] and d_out . Tv[index] of this tile's window
+            whole if own is None else table_products(x, own, K, cfg, acc_dtype)
+            for whole, x, own in ((per_bucket, q_blk, key_rows), (do_table, do_blk, value_rows))
+        )
         bias, bias_vjp = None, None
         if cfg.bias_fn is not None:
             bias, bias_vjp = jax.vjp(lambda c: hook_bias(cfg, c, qp, kp, K), shared.hook_consts)
         pair_k, pair_v = (pair_tile(a, row0, s0, Tb, Sb, K) for a in (shared.pair_key, shared.pair_value))
-        capped = capped_logits(cfg, q_blk, k_blk, per_bucket, index, scale, acc_dtype, pair_k)
+        capped = capped_logits(cfg, q_blk, k_blk, per_tile, index, scale, acc_dtype, pair_k)
         x = capped if bias is None else capped + bias
         score_vjp = None
         if cfg.terms.score_fn is not None:
@@ -81,10 +101,13 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
             dp = dp + einsum(pair_spec("bkgtv,tskgv->bkgts", pair_v), do_blk, pair_v, cfg, acc_dtype)
             d_pair_v = pair_grad(p, do_blk, pair_v, cfg, acc_dtype)
             acc = acc._replace(pair_value=add_pair_tile(acc.pair_value, d_pair_v, row0, s0))
-        if value_table is not None:
-            dp = dp + gather_buckets(do_table, index)
-            if rows.value_buckets is None:  # else p_buckets already holds the forward's sums
-                acc = acc._replace(p_buckets=acc.p_buckets + bucket_sums(p, index, R, corner_offset(cfg, qp, kp)))
+        if value_table is not None:  # out += (bucket sums of p) @ Tv: dp += d_out . Tv[index], d Tv = sums^T d_out
+            dp = dp + gather_buckets(do_tile, index)
+            if window:
+                d_rows = table_grad(window_sums(p), do_blk, value_rows, K, cfg, acc_dtype)
+                acc = acc._replace(value_table=add_rows(acc.value_table, row_index, d_rows))
+            elif rows.value_buckets is None:  # else p_buckets already holds the forward's sums
+                acc = acc._replace(p_buckets=acc.p_buckets + bucket_sums(p, index, R, offset0))
         ds = logits_grad(p, dp, delta[..., None])  # d loss / d x (the final logits)
         if score_vjp is not None:  # d loss / d (logits before score_mod), and d score_mod's arrays
             ds, d_s = score_vjp(ds)
@@ -96,8 +119,13 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
         ds = mods.product_grad(ds, capped, cfg.terms.softcap, scale)
         dq = acc.dq + einsum("bkgts,bksh->bkgth", ds.astype(q_blk.dtype), k_blk, cfg, acc_dtype)
         dk_blk = einsum("bkgts,bkgth->bksh", ds.astype(q_blk.dtype), q_blk, cfg, acc_dtype)
-        if key_table is not None:
-            acc = acc._replace(ds_buckets=acc.ds_buckets + bucket_sums(ds, index, R, corner_offset(cfg, qp, kp)))
+        if key_table is not None and window:  # x += q . Tk[index]: dq += sums @ Tk, d Tk = sums^T q
+            sums = window_sums(ds)
+            dq = dq + apply_table(sums, key_rows, K, cfg, acc_dtype)
+            d_rows = table_grad(sums, q_blk, key_rows, K, cfg, acc_dtype)
+            acc = acc._replace(key_table=add_rows(acc.key_table, row_index, d_rows))
+        elif key_table is not None:
+            acc = acc._replace(ds_buckets=acc.ds_buckets + bucket_sums(ds, index, R, offset0))
         if pair_k is not None:  # x += q . A^K: dq += ds . A^K, d A^K = ds q (summed over the batch)
             dq = dq + einsum(pair_spec("bkgts,tskgh->bkgth", pair_k), ds, pair_k, cfg, acc_dtype)
             d_pair_k = pair_grad(ds, q_blk, pair_k, cfg, acc_dtype)
@@ -106,11 +134,13 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
         dv = lax.dynamic_update_slice_in_dim(acc.dv, slice_block(acc.dv, s0, Sb, 2) + dv_blk, s0, axis=2)
         return acc._replace(dq=dq, dk=dk, dv=dv)
 
-    buckets = zeros_beside(q_blk, q_blk.shape[:-1] + (R,), acc_dtype)
+    buckets = None if window else zeros_beside(q_blk, q_blk.shape[:-1] + (R,), acc_dtype)
     init = _TileSums(
         dq=jnp.zeros_like(q_blk, acc_dtype),
         dk=grads.dk,
         dv=grads.dv,
+        key_table=grads.key_table,
+        value_table=grads.value_table,
         ds_buckets=buckets,
         p_buckets=buckets if rows.value_buckets is None else rows.value_buckets.astype(acc_dtype),
         hook_consts=grads.hook_consts,
@@ -124,16 +154,18 @@ def bwd_tile(cfg, tile: QueryTile, rows: RowGrads, keys: KeySide, shared: Shared
     grads = grads._replace(
         dk=sums.dk,
         dv=sums.dv,
+        key_table=sums.key_table,
+        value_table=sums.value_table,
         hook_consts=sums.hook_consts,
         score_consts=sums.score_consts,
         pair_key=sums.pair_key,
         pair_value=sums.pair_value,
     )
-    if key_table is not None:
+    if key_table is not None and not window:
         dq = dq + apply_table(sums.ds_buckets, key_table, K, cfg, acc_dtype)
         d_key_table = table_grad(sums.ds_buckets, q_blk.astype(acc_dtype), key_table, K, cfg, acc_dtype)
         grads = grads._replace(key_table=grads.key_table + d_key_table)
-    if value_table is not None:
+    if value_table is not None and not window:
         d_value_table = table_grad(sums.p_buckets, do_blk.astype(acc_dtype), value_table, K, cfg, acc_dtype)
         grads = grads._replace(value_table=grads.value_table + d_value_table)
     return dq, grads

@@ -1,6 +1,17 @@
 """Shaw et al.'s clipped relative tables on one tile: the bucket index r of each (query, key) pair, the
 products q . table[r] for every bucket, their gather onto the tile, and its transpose, the sums of a tile
 over the keys of each bucket (what the value table's output and both tables' gradients read).
+
+With contiguous positions a tile reads only its window (windowed): pair (t, s) has the offset
+key_pos - query_pos = offset0 + s - t, so the tile's Tb x Sb pairs read the W = Tb + Sb - 1 offsets
+offset0 - (Tb - 1) + c, c < W, whatever R = 2m + 1 is (Transformer-XL's whole span: R = 2S - 1). Per tile:
+
+    rows       = table[clip(offset0 - (Tb - 1) + c, -m, m) + m]      [W,(N,)F]    window_rows
+    term[t, s] = (q rows^T)[t, s - t + Tb - 1]                        the skew     window_skew, gather_buckets
+    sums[t, c] = x[t, c + t - (Tb - 1)]   (0 past the tile's keys)    its transpose, window_sums
+
+and the value term p . A^V is window_sums(p) @ rows, d q = window_sums(ds) @ rows, d rows = sums^T q (added
+onto the table's rows: clipped columns share a row, and add).
 """
 
 from __future__ import annotations
@@ -44,19 +55,63 @@ def contiguous_bucket_sums(x, R, offset0):
         return jnp.sum(x, axis=-1, keepdims=True)
     d = (R - 1) // 2
     Tb, Sb = x.shape[-2:]
-    t = jnp.arange(Tb)[:, None]
-    offsets = offset0 + jnp.arange(Sb)[None, :] - t
+    offsets = offset0 + jnp.arange(Sb)[None, :] - jnp.arange(Tb)[:, None]
     left = jnp.sum(jnp.where(offsets <= -d, x, 0), axis=-1, keepdims=True)
     right = jnp.sum(jnp.where(offsets >= d, x, 0), axis=-1, keepdims=True)
-    cols = t + jnp.arange(1 - d, d)[None, :] - offset0  # [Tb, R-2]: the key of each interior bucket
-    inside = (cols >= 0) & (cols < Sb)
-    cols = jnp.broadcast_to(jnp.clip(cols, 0, Sb - 1), x.shape[:-1] + (R - 2,))
-    interior = jnp.where(inside, jnp.take_along_axis(x, cols, axis=-1, mode="promise_in_bounds"), 0)
+    interior = _diagonals(x, 1 - d - offset0, R - 2)  # bucket r's key: offset r - d, s = t + r - d - offset0
     return jnp.concatenate([left, interior, right], axis=-1)
 
 
+def _diagonals(x, first, count):
+    """[...,Tb,Sb] -> [...,Tb,count]: y[t, c] = x[t, t + first + c], 0 where that key is outside the tile
+    (column c holds the pair of s - t = first + c: at most one key per row, a gather)."""
+    Tb, Sb = x.shape[-2:]
+    cols = jnp.arange(Tb)[:, None] + first + jnp.arange(count)[None, :]
+    inside = (cols >= 0) & (cols < Sb)
+    cols = jnp.broadcast_to(jnp.clip(cols, 0, Sb - 1), x.shape[:-1] + (count,))
+    return jnp.where(inside, jnp.take_along_axis(x, cols, axis=-1, mode="promise_in_bounds"), 0)
+
+
+def windowed(cfg):
+    """Whether a tile reads its window of table rows rather than q . table[r] for all R = 2m + 1 buckets:
+    positions contiguous (cfg.contiguous) and the window, W = Tb + Sb - 1 offsets, narrower than R."""
+    return cfg.contiguous and cfg.max_distance is not None and cfg.Tb + cfg.Sb - 1 < 2 * cfg.max_distance + 1
+
+
+def tile_index(cfg, qp, kp, offset0, tables):
+    """A tile's view of the tables: (index [Tb,Sb], each pair's column in the per-row products; windowed, the
+    window's row index [W] and each table's rows [W,(N,)F] (window_rows), else None and Nones)."""
+    if windowed(cfg):
+        return window_skew(cfg), *window_rows(cfg, offset0, tables)
+    return None if cfg.max_distance is None else bucket_index(cfg, qp, kp), None, (None,) * len(tables)
+
+
+def window_rows(cfg, offset0, tables):
+    """A contiguous tile's window (offset0: key_pos - query_pos at t = s = 0): (index [W], the table row of
+    column c's offset offset0 - (Tb - 1) + c, clipped; each table's rows [W,(N,)F], None for None)."""
+    m = cfg.max_distance
+    index = jnp.clip(offset0 - (cfg.Tb - 1) + jnp.arange(cfg.Tb + cfg.Sb - 1), -m, m) + m
+    return index, tuple(None if t is None else t[index] for t in tables)
+
+
+def window_skew(cfg):
+    """[Tb,Sb]: pair (t, s)'s column in its tile's window, s - t + Tb - 1 (gather_buckets' index)."""
+    return jnp.arange(cfg.Sb)[None, :] - jnp.arange(cfg.Tb)[:, None] + cfg.Tb - 1
+
+
+def window_sums(x):
+    """The transpose of the skew: [...,Tb,Sb] -> [...,Tb,W], y[t, c] = x[t, c + t - (Tb - 1)] (0 past the keys)."""
+    Tb, Sb = x.shape[-2:]
+    return _diagonals(x, 1 - Tb, Tb + Sb - 1)
+
+
+def add_rows(grad, index, rows):
+    """grad[index[c]] += rows[c] for every window column c (clipped columns share a row: their rows add)."""
+    return grad.at[index].add(rows.astype(grad.dtype), mode="promise_in_bounds")
+
+
 def table_products(q_blk, table, K, cfg, acc_dtype):
-    """q . table[r] for every bucket: [B,K,G,Tb,R] (table [R,H] or [R,N,H])."""
+    """q . table[r] for every row: [B,K,G,Tb,R] (table [R,H] or [R,N,H], or a tile's window rows)."""
     if table.ndim == 2:
         return einsum("bkgth,rh->bkgtr", q_blk, table.astype(acc_dtype), cfg, acc_dtype)
     table = table.reshape(table.shape[0], K, -1, table.shape[-1]).astype(acc_dtype)

@@ -15,6 +15,7 @@ from jax import lax
 from ..._core import mods
 from ..._core.dtypes import accumulation_dtype
 from .backward import bwd_tile, zero_grads
+from .buckets import windowed
 from .forward import fwd_tile
 from .layout import slice_block
 from .values import KeySide, QueryTile, RowGrads, Shared, Side
@@ -32,10 +33,11 @@ def _tile_arrays(arrays, i, Tb):
     return arrays._replace(q_seg=q_seg, kinds=None if arrays.kinds is None else arrays.kinds[i])
 
 
-def _keeps_value_buckets(value_table, Hv):
+def _keeps_value_buckets(cfg, value_table, Hv):
     """The backward reuses the forward's bucket sums of p (value table [R,(N,)Hv]) when they take no more
-    memory than the output they come with (R <= Hv); otherwise it forms them again, tile by tile."""
-    return value_table is not None and value_table.shape[0] <= Hv
+    memory than the output they come with (R <= Hv); otherwise it forms them again, tile by tile. Windowed
+    tiles (buckets.windowed) form no bucket sums."""
+    return value_table is not None and value_table.shape[0] <= Hv and not windowed(cfg)
 
 
 class Residuals(NamedTuple):
@@ -54,7 +56,7 @@ class Residuals(NamedTuple):
 def _engine_fwd(cfg, q, keys, shared, q_pos, arrays):
     B, K, G, Tp, H = q.shape
     Tb, Hv = cfg.Tb, keys.v.shape[-1]
-    keep = _keeps_value_buckets(shared.value_table, Hv)
+    keep = _keeps_value_buckets(cfg, shared.value_table, Hv)
 
     def query_block(_, i):
         q_blk, qp_blk = slice_block(q, i * Tb, Tb, 3), slice_block(q_pos, i * Tb, Tb, -1)
