@@ -1,10 +1,11 @@
 """Blockwise (memory-efficient) attention: an online softmax over key blocks, O(T + S) memory.
 
     for each query block i                                        (lax.scan)
-        for each key block j that may hold an allowed key         (fori_loop over [lo_i, hi_i))
+        for each key block j that may hold an allowed key         (while loops over the scheduled tiles)
             x_ij = scale * (q_i k_j^T + q_i . Tk[index_ij] + q_i . A^K_ij) + position_bias(q_pos_i, k_pos_j)
             acc  = combine_partials(acc, block_partial(x_ij, allowed_ij, v_j (+ A^V_ij)))
-        out_i = acc.out / acc.l  (+ (bucket sums of p) @ Tv / acc.l for a Shaw value table)
+        out_i = acc.out / acc.l  (+ (bucket sums of p) @ Tv / acc.l for a Shaw value table; windowed
+                                   tiles add theirs inside acc.out, buckets.py)
 
 A^K_ij / A^V_ij: the [Tb,Sb,(N),F] tiles of per-pair tables (relative_attention, seed 000's form), read
 one tile at a time from the caller's [T,S,(N),F] arrays (an O(T x S) input): the engine adds no
@@ -26,7 +27,8 @@ The modules, one job each (each imports only those above it):
   values     the named values: Config and Terms (static), Side, QueryTile, KeySide, Shared,
              RowGrads, Grads (what a tile reads and adds into)
   layout     the engine layout's small operations: tile products, head views, dynamic slices
-  buckets    Shaw relative buckets: a tile's bucket index, gathers and bucket sums, table products
+  buckets    Shaw relative buckets: a tile's bucket index, gathers and bucket sums, table products, and the
+             windowed tiles' rows (a tile's own Tb + Sb - 1 offsets, default positions)
   pairs      per-pair tables [T,S,N|1,F]: one tile's slice, and its gradient added back
   logits     one tile's logits (tables, hook, softcap, score_mod) and its mask
   schedule   which key tiles a query tile visits, and the loop over them

@@ -72,7 +72,8 @@ def blockwise_attention(
     tiles every rule allows run without a mask, the BlockMask's full tiles without mask_mod.
 
     key_table / value_table / max_distance: Shaw et al. clipped tables, as shaw_relative_attention
-      ([R,H] or [R,N,H], R = 2*max_distance+1); each tile gathers q . table[r] per bucket.
+      ([R,H] or [R,N,H], R = 2*max_distance+1); each tile gathers q . table[r] per bucket, or, with the
+      default positions and R above a tile's Tb + Sb - 1 offsets, q . table[row] of those offsets' rows only.
     position_bias(query_pos, key_pos) -> bias: the per-tile position hook, a pure function of the tile's
       absolute positions (int32 [Tb] and [Sb], or [B,Tb] / [B,Sb] for batched positions flattened to B; the
       causal mask's; padding past T or S repeats the last one and is masked), never of T, S or a tile's
