@@ -223,9 +223,10 @@ RING_T = 32768
 
 
 def ring_rows(chips, target) -> list[dict]:
-    """ring_attention's forward and training step (gradients of q, k, v) with implementation=None: each ring step
-    must be the platform's kernel (Triton / Mosaic calls), the shares passed by collective-permutes, no
-    all-gather and no XLA while loop but the ring's own (one forward, two for forward + backward)."""
+    """ring_attention's forward and training step (gradients of q, k, v; with T5's bias, of its table too) with
+    implementation=None: each ring step must be the platform's kernel (Triton / Mosaic calls), the shares passed
+    by collective-permutes, no all-gather and no XLA while loop but the ring's own (one forward, two for forward
+    + backward)."""
     mesh = Mesh(chips, ("data", "seq"))
     batch = chips.shape[0]
     spec = NamedSharding(mesh, P("data", "seq", None, None))
@@ -237,11 +238,27 @@ def ring_rows(chips, target) -> list[dict]:
     def train(q, k, v):
         return jax.grad(lambda q, k, v: jnp.sum(ring(q, k, v).astype(jnp.float32)), argnums=(0, 1, 2))(q, k, v)
 
+    table = jax.ShapeDtypeStruct((32, N), jnp.float32, sharding=NamedSharding(mesh, P()))
+
+    def t5_train(q, k, v, table):  # T5's bias: one kernel call per pair of chunks, the table differentiated
+        def loss(q, k, v, table):
+            bias = jaxattn.t5_position_bias(table, bidirectional=False)
+            out = jaxattn.ring_attention(
+                q, k, v, mesh=mesh, sequence_axis="seq", batch_axis="data", is_causal=True, position_bias=bias
+            )
+            return jnp.sum(out.astype(jnp.float32))
+
+        return jax.grad(loss, argnums=(0, 1, 2, 3))(q, k, v, table)
+
     rows = []
-    for name, fn in (("ring forward", ring), ("ring train", train)):
+    for name, fn, inputs in (
+        ("ring forward", ring, args),
+        ("ring train", train, args),
+        ("ring t5 train", t5_train, [*args, table]),
+    ):
         row = dict(target=target, mode="ring", layout=f"seq over {chips.shape[1]}, T = {RING_T}", program=name)
         with jaxattn.cross_platform_lowering():
-            rows.append(compiled_row(row, fn, args))
+            rows.append(compiled_row(row, fn, inputs))
     return rows
 
 
@@ -298,7 +315,7 @@ def main(argv=None):
         for row in ring_rows(chips, target):
             rows.append(row)
             print(json.dumps(row))
-            loops = {"ring forward": 1, "ring train": 2}[row["program"]]
+            loops = {"ring forward": 1, "ring train": 2, "ring t5 train": 2}[row["program"]]
             if row["status"] != "ok" or not row["kernels"] or row["all_gathers"] or row["while_loops"] > loops:
                 problems.append(row)
         if target in KNOWN_LLAMA:

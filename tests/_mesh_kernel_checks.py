@@ -375,6 +375,24 @@ RING_CASES = {
     "data 2 x seq 4, not causal, lengths": dict(
         mesh=(2, 4), axes=("data", "seq"), batch=4, T=36, S=44, N=3, K=3, causal=False, lengths=True
     ),
+    "seq 8, zigzag causal, ALiBi": dict(
+        mesh=(1, 8), axes=("data", "seq"), batch=1, T=48, S=48, N=6, K=2, causal=True, lengths=True, bias="alibi"
+    ),
+    "data x seq x heads, causal, T5": dict(
+        mesh=(2, 2, 2),
+        axes=("data", "seq", "heads"),
+        batch=2,
+        T=32,
+        S=32,
+        N=6,
+        K=2,
+        causal=True,
+        lengths=False,
+        bias="t5",
+    ),
+    "data 2 x seq 4, T != S, not causal, ALiBi": dict(
+        mesh=(2, 4), axes=("data", "seq"), batch=2, T=24, S=40, N=3, K=1, causal=False, lengths=True, bias="alibi"
+    ),
     "data x seq x heads, Shaw tables": dict(
         mesh=(2, 2, 2),
         axes=("data", "seq", "heads"),
@@ -391,15 +409,16 @@ RING_CASES = {
 RING_MAX_DISTANCE = 3
 
 
-def ring_cases(implementation, dtype):
-    """Each RING_CASES ring (every step on `implementation`, interpreted) against one device's dense
-    shaw_relative_attention: the output and the gradients of q, k, v and the tables (of sum(sin(out)))."""
+def ring_cases(implementation, dtype, biases=(None, "alibi", "t5")):
+    """Each RING_CASES ring whose bias is in `biases` (every step on `implementation`, interpreted) against one
+    device's dense shaw_relative_attention / position_bias_attention: the output and the gradients of q, k, v
+    and the tables or the bias's array (of sum(sin(out)))."""
     import numpy as np
     from jax.sharding import Mesh
 
     results = {}
     for name, case in RING_CASES.items():
-        if case.get("tables") and implementation != "pallas_gpu":
+        if case.get("tables") and implementation != "pallas_gpu" or case.get("bias") not in biases:
             continue
         mesh = Mesh(np.array(jax.devices()).reshape(case["mesh"]), case["axes"])
         batch_axis, seq = case["axes"][:2]
@@ -415,28 +434,39 @@ def ring_cases(implementation, dtype):
             if case.get("tables")
             else ()
         )
+        bias_of = {  # the bias's array (ALiBi's slopes, T5's table) is differentiated like a table
+            "alibi": (jax.random.uniform(keys[5], (Nc,), dtype, 0.1, 1.0), jaxattn.alibi_position_bias),
+            "t5": (jax.random.normal(keys[5], (16, Nc), dtype), lambda t: jaxattn.t5_position_bias(t, max_distance=12)),
+        }.get(case.get("bias"))
+        if bias_of is not None:
+            tables = (bias_of[0],)
         lengths = jnp.arange(Bc) * (Sc // Bc) + 3 if case["lengths"] else None  # 3 .. S: one row sees few keys
         options = dict(is_causal=case["causal"], key_value_seq_lengths=lengths)
-        if tables:
+        if case.get("tables"):
             options["max_distance"] = RING_MAX_DISTANCE
 
         def ring(q, k, v, *tables):
+            terms = dict(zip(("key_table", "value_table"), tables))
+            if bias_of is not None:
+                terms = {"position_bias": bias_of[1](tables[0])}
             return jaxattn.ring_attention(
                 q,
                 k,
                 v,
-                *(),
                 mesh=mesh,
                 sequence_axis=seq,
                 batch_axis=batch_axis,
                 head_axis=head_axis,
                 implementation=implementation,
                 interpret=True,
-                **dict(zip(("key_table", "value_table"), tables)),
+                **terms,
                 **options,
             )
 
         def dense(q, k, v, *tables):
+            if bias_of is not None:
+                bias = bias_of[1](tables[0])
+                return jaxattn.position_bias_attention(q, k, v, bias, **options, implementation="dense")
             return jaxattn.shaw_relative_attention(
                 q,
                 k,
@@ -471,7 +501,11 @@ def ring_cases(implementation, dtype):
 
 
 def check_ring_pallas_gpu():
-    return ring_cases("pallas_gpu", jnp.float64)
+    return ring_cases("pallas_gpu", jnp.float64, biases=(None,))
+
+
+def check_ring_bias_pallas_gpu():  # T5's and ALiBi's biases: one kernel call per pair of chunks
+    return ring_cases("pallas_gpu", jnp.float64, biases=("alibi", "t5"))
 
 
 def check_ring_pallas_tpu():
@@ -480,6 +514,7 @@ def check_ring_pallas_tpu():
 
 CHECKS = {
     "ring_pallas_gpu": check_ring_pallas_gpu,
+    "ring_bias_pallas_gpu": check_ring_bias_pallas_gpu,
     "ring_pallas_tpu": check_ring_pallas_tpu,
     "pallas_gpu": check_pallas_gpu,
     "pallas_gpu_f32": check_pallas_gpu_f32,

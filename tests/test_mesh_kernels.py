@@ -80,6 +80,36 @@ def test_ring_on_kernel_steps(default_results):
 
 
 @pytest.mark.parametrize("platform, kernel_call", [("cuda", "__gpu$xla.gpu.triton"), ("tpu", "tpu_custom_call")])
+def test_ring_with_t5_lowers_to_the_kernels(platform, kernel_call):
+    """A T5 bias in the ring (implementation=None, lowered for a GPU / TPU on a mesh of the one CPU device): the
+    step's pair of chunks holds the kernels (its causal and whole kinds: 2 forward calls; the training step
+    recomputes them under jax.vjp and adds dq and dk/dv for each: 8), no XLA tile loop of the blockwise ring."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import jaxattn
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "seq"))
+    q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((32, 4), jnp.float32)
+
+    def loss(q, k, v, table):
+        bias = jaxattn.t5_position_bias(table, bidirectional=False)
+        out = jaxattn.ring_attention(
+            q, k, v, mesh=mesh, sequence_axis="seq", batch_axis="data", is_causal=True, position_bias=bias
+        )
+        return jnp.sum(out.astype(jnp.float32))
+
+    with jax.enable_x64(False), jaxattn.cross_platform_lowering():
+        for fn, calls in ((loss, 2), (jax.grad(loss, argnums=(0, 1, 2, 3)), 8)):
+            text = jax.jit(fn).trace(q, kv, kv, table).lower(lowering_platforms=(platform,)).as_text()
+            assert text.count(kernel_call) == calls and "stablehlo.while" not in text, (text.count(kernel_call), calls)
+
+
+@pytest.mark.parametrize("platform, kernel_call", [("cuda", "__gpu$xla.gpu.triton"), ("tpu", "tpu_custom_call")])
 def test_ring_steps_lower_to_the_kernels(platform, kernel_call):
     """implementation=None, lowered for a GPU / TPU (cross_platform_lowering), on a mesh of the one CPU device: the
     ring's training step holds exactly the forward kernel and the backward's two (dq, dk/dv) at the ring's
@@ -105,11 +135,20 @@ def test_ring_steps_lower_to_the_kernels(platform, kernel_call):
     assert text.count(kernel_call) == 3 and "stablehlo.while" not in text
 
 
+@pytest.mark.slow  # one kernel call per pair of chunks (both causal kinds compiled): 50 s interpreted
+def test_ring_with_a_position_bias_on_kernel_steps():
+    """T5's and ALiBi's biases (OffsetBias) in the kernels' ring: zigzag causal over 8 devices, causal with the
+    heads split too (T5's table split with them), not causal with T != S; gradients of the slopes / table."""
+    cases = run_checks("ring_bias_pallas_gpu")["ring_bias_pallas_gpu"]
+    assert_equal_to_one_device(cases, TOL["float64"])
+    assert len(cases) == 4
+
+
 @pytest.mark.slow  # the TPU flex kernel's ring steps, interpreted (x64 off: the TPU kernels index in int32)
 def test_ring_on_tpu_kernel_steps():
     cases = run_checks("ring_pallas_tpu", x64=False)["ring_pallas_tpu"]
     assert_equal_to_one_device(cases, TOL["float32"])
-    assert len(cases) == 4
+    assert len(cases) == 7  # three plain rings, three with a bias, and the seconds
 
 
 def test_xla_engines_under_explicit_mesh(default_results):

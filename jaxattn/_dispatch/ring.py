@@ -13,7 +13,8 @@ engine's; what one step computes is chosen here, because only the dispatch knows
                            cross_platform_lowering()): each step's attend(implementation=None) then takes the
                            platform's kernel (the XLA engines where none expresses the step); on a CPU host the
                            blockwise ring. A position_bias hook (a Python function of positions) or a traced
-                           scale keep the blockwise ring: a kernel cannot take them.
+                           scale keep the blockwise ring: a kernel cannot take them. T5's and ALiBi's biases
+                           (OffsetBias) ride on the kernels one pair of chunks at a time (KernelStep.pair).
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from .._core import checks
 from .._core.call import AttentionCall
 from .._core.dtypes import accumulation_dtype
+from .._core.offset_bias import OffsetBias
 from .._engines import ring as ring_engine
 from . import platforms, registry, route
 
@@ -38,11 +41,24 @@ if TYPE_CHECKING:  # the shapes in the signatures: annotations only, jaxtyping i
     from .._core.shapes import Attended
 
 
+# A pair of chunks under a causal mask, for a step with a position bias (KernelStep.per_pair): none of its keys
+# allowed, all of them, or the diagonal pair's causal triangle (equal chunks at one place).
+SKIP, FULL, DIAGONAL = 0, 1, 2
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelStep:
-    """One ring step: the device's queries against one key chunk at their global positions, (out [...,T,N,Hv],
-    lse [...,N,T]), and its gradients under the ring's whole softmax; static and hashable (a field of the ring's
-    static description)."""
+    """One ring step: the device's queries against one key chunk, (out [...,T,N,Hv], lse [...,N,T]), and its
+    gradients under the ring's whole softmax; static and hashable (a field of the ring's static description).
+
+    Without a position bias the call carries the chunks' global positions (query_positions / key_positions),
+    which the kernels' causal rule, key-tile skipping and Shaw's buckets read. With one (T5's or ALiBi's: an
+    OffsetBias, bias_fn its closure-converted of_offset, its arrays the ring's consts) the TPU kernel needs the
+    default positions to build a tile's bias from contiguous offsets, and ALiBi's has no static range with
+    positions of the call's own; so a step then takes one query slot and one key chunk (per_pair) at the
+    default positions, with the bias shifted by the chunks' offset (the true j - i is the default one plus
+    delta) and the causal mask as the pair's kind: SKIP, FULL or DIAGONAL (equal chunks at one place: T == S,
+    checked by kernel_step)."""
 
     implementation: Optional[str]
     interpret: bool
@@ -50,6 +66,12 @@ class KernelStep:
     max_distance: Optional[int]
     scale: Optional[float]
     precision: Any
+    bias_lo: Optional[int] = None  # with a position bias: the first offset of its rows (the ring's consts[0])
+    head_axis: Optional[str] = None
+
+    @property
+    def per_pair(self) -> bool:
+        return self.bias_lo is not None
 
     def call(self, query_positions, key_positions, lengths, key_table, value_table, return_lse=True) -> AttentionCall:
         tables = key_table is not None or value_table is not None
@@ -66,26 +88,72 @@ class KernelStep:
             return_lse=return_lse,
         )
 
-    def __call__(self, query, key, value, query_positions, key_positions, lengths, key_table, value_table):
-        call = self.call(query_positions, key_positions, lengths, key_table, value_table)
+    def attend(self, call: AttentionCall, query, key, value):
         return route.attend(
             call, query, key, value, implementation=self.implementation, interpret=self.interpret, checked=True
         )
 
-    def gradients(self, query, key, value, q_pos, k_pos, lengths, key_table, value_table, out, lse, d_out):
-        """(dq, dk, dv, (d key_table, d value_table)): this step's pairs' share of the gradient of the ring's
-        whole softmax, whose output is out [...,T,N,Hv] (cotangent d_out) and lse [...,N,T]: the kernel's
+    def __call__(self, query, key, value, query_positions, key_positions, lengths, key_table, value_table, consts):
+        if self.per_pair:
+            return self.pair(query, key, value, query_positions, key_positions, lengths, consts)
+        call = self.call(query_positions, key_positions, lengths, key_table, value_table)
+        return self.attend(call, query, key, value)
+
+    def pair(self, query, key, value, query_positions, key_positions, lengths, consts):
+        """One query slot against one key chunk with the position bias (class docstring)."""
+        Tq, Sk, Nl = query.shape[-3], key.shape[-3], query.shape[-2]
+        # the true offset k_pos - q_pos is the default positions' s - t - (Sk - Tq) plus delta
+        delta = key_positions[0] - query_positions[0] + (Sk - Tq)
+        first = 0 if self.head_axis is None else lax.axis_index(self.head_axis) * Nl
+        rows = lax.dynamic_slice_in_dim(consts[0], first, Nl, axis=0)  # this device's heads: [Nl, D]
+        lo = self.bias_lo
+
+        def of_offset(d):  # [...,T,S] -> [...,Nl,T,S]: the rows at the true offsets
+            at = jnp.clip(d + delta - lo, 0, rows.shape[-1] - 1)
+            return jnp.moveaxis(jnp.take(rows, at, axis=1), 0, -3)
+
+        bias = OffsetBias(of_offset)
+
+        def attend(is_causal):
+            call = AttentionCall(
+                is_causal=is_causal,
+                key_value_seq_lengths=lengths,
+                position_bias=bias,
+                scale=self.scale,
+                precision=self.precision,
+                return_lse=True,
+            )
+            return lambda: self.attend(call, query, key, value)
+
+        if not self.is_causal:
+            return attend(False)()
+
+        def skip():
+            out = jnp.zeros((*query.shape[:-1], value.shape[-1]), value.dtype)
+            lse = jnp.full((*query.shape[:-3], Nl, Tq), -jnp.inf, accumulation_dtype(query.dtype))
+            return out, lse
+
+        kind = jnp.where(
+            key_positions[-1] <= query_positions[0],
+            FULL,
+            jnp.where(key_positions[0] > query_positions[-1], SKIP, DIAGONAL),
+        )
+        return lax.switch(kind, [skip, attend(False), attend(True)])
+
+    def gradients(self, query, key, value, q_pos, k_pos, lengths, key_table, value_table, consts, out, lse, d_out):
+        """(dq, dk, dv, (d key_table, d value_table), d consts): this step's pairs' share of the gradient of the
+        ring's whole softmax, whose output is out [...,T,N,Hv] (cotangent d_out) and lse [...,N,T]: the kernel's
         backward at those residuals where it has one (Implementation.gradients_at: p = exp(x - lse) the pairs'
-        global probabilities, delta = d_out . out), else through_forward. Tables: through_forward."""
-        step = (query, key, value, q_pos, k_pos, lengths, key_table, value_table)
-        if key_table is not None or value_table is not None:
+        global probabilities, delta = d_out . out), else through_forward (tables, a position bias)."""
+        step = (query, key, value, q_pos, k_pos, lengths, key_table, value_table, consts)
+        if key_table is not None or value_table is not None or self.per_pair:
             return self.through_forward(*step, out, lse, d_out)
         call = self.call(q_pos, k_pos, lengths, None, None, return_lse=False)
         residuals = (query, key, value, out, lse, d_out)
 
         def at_residuals(entry):
             got = entry.gradients_at(call, *residuals, self.interpret) if entry.gradients_at else None
-            return (*got, (None, None)) if got is not None else self.through_forward(*step, out, lse, d_out)
+            return (*got, (None, None), ()) if got is not None else self.through_forward(*step, out, lse, d_out)
 
         if self.implementation is not None:
             return at_residuals(registry.REGISTRY[self.implementation])
@@ -97,17 +165,19 @@ class KernelStep:
         forward = lambda: self.through_forward(*step, out, lse, d_out)  # noqa: E731
         return lax.platform_dependent(cpu=forward, default=forward, **branches) if branches else forward()
 
-    def through_forward(self, query, key, value, q_pos, k_pos, lengths, key_table, value_table, out, lse, d_out):
+    def through_forward(
+        self, query, key, value, q_pos, k_pos, lengths, key_table, value_table, consts, out, lse, d_out
+    ):
         """gradients() by jax.vjp of the step (its forward recomputed): with w = exp(lse_s - lse) the step's
         share of each row's softmax, the cotangents d out_s = w d_out and d lse_s = w (d_out . out_s - d_out .
         out) make the step's own backward compute ds = p_s w (dp - d_out . out) = exp(x - lse) (dp - delta), the
-        whole softmax's gradient on its pairs (any implementation; tables included)."""
+        whole softmax's gradient on its pairs (any implementation; tables and a bias's arrays included)."""
         acc_dtype = accumulation_dtype(query.dtype)
 
-        def attend(q, k, v, tables):
-            return self(q, k, v, q_pos, k_pos, lengths, *tables)
+        def attend(q, k, v, tables, consts):
+            return self(q, k, v, q_pos, k_pos, lengths, *tables, consts)
 
-        (out_s, lse_s), pullback = jax.vjp(attend, query, key, value, (key_table, value_table))
+        (out_s, lse_s), pullback = jax.vjp(attend, query, key, value, (key_table, value_table), tuple(consts))
         rows = lambda x: jnp.swapaxes(x, -1, -2)  # noqa: E731  [...,N,T] <-> [...,T,N]
         w = jnp.where(jnp.isfinite(lse_s), jnp.exp(lse_s - jnp.where(jnp.isfinite(lse), lse, 0)), 0)
         d_out = d_out.astype(acc_dtype)
@@ -117,26 +187,57 @@ class KernelStep:
         return pullback((d_out_s, d_lse_s))
 
 
-def kernel_step(implementation, interpret, *, is_causal, max_distance, scale, precision, position_bias):
-    """The KernelStep of a ring_attention call, or None: the blockwise ring (module docstring)."""
+def kernel_step(
+    implementation,
+    interpret,
+    *,
+    query,
+    key,
+    head_axis,
+    is_causal,
+    max_distance,
+    scale,
+    precision,
+    position_bias,
+    has_tables,
+):
+    """(the KernelStep of a ring_attention call, the arrays it closes over), or (None, ()): the blockwise ring
+    (module docstring). A position bias is taken where it is an OffsetBias (T5's, ALiBi's) without Shaw's tables
+    and, causal, with T == S (the pairs of chunks are then skipped, whole or diagonal)."""
     registry.check_implementation(implementation, interpret)
     static_scale = scale is None or isinstance(scale, numbers.Real)
+    T, S = np.shape(query)[-3], np.shape(key)[-3]
+    bias_refusal = None
+    if position_bias is not None and not isinstance(position_bias, OffsetBias):
+        bias_refusal = "a Python hook (t5_position_bias / alibi_position_bias give OffsetBias), the blockwise engine's"
+    elif position_bias is not None and has_tables:
+        bias_refusal = "an OffsetBias beside Shaw's tables"
+    elif position_bias is not None and is_causal and T != S:
+        bias_refusal = f"an OffsetBias with is_causal and T = {T} != S = {S}"
     if implementation == "blockwise":
-        return None
-    if implementation is None and (not platforms.switch_platforms() or position_bias is not None or not static_scale):
-        return None
-    if position_bias is not None:
-        checks.fail("position_bias", f'None with implementation={implementation!r} (or "blockwise")', "a hook")
+        return None, ()
+    if implementation is None and (not platforms.switch_platforms() or bias_refusal or not static_scale):
+        return None, ()
+    if bias_refusal is not None:
+        checks.fail("position_bias", f"None or an OffsetBias with implementation={implementation!r}", bias_refusal)
     if not static_scale:
         checks.fail("scale", f"a Python number with implementation={implementation!r}", f"{type(scale).__name__}")
-    return KernelStep(
+    bias_lo, consts = None, ()
+    if position_bias is not None:  # its rows over every offset of the call, [N, T + S - 1]: differentiated
+        bias_lo = -(S - 1)
+        rows = position_bias.rows(bias_lo, T - 1)
+        consts = (jnp.reshape(rows, rows.shape[-2:]),)
+    step = KernelStep(
         implementation,
         interpret,
         bool(is_causal),
         None if max_distance is None else int(max_distance),
         None if scale is None else float(scale),
         precision,
+        bias_lo,
+        head_axis,
     )
+    return step, consts
 
 
 def ring_attention(
@@ -194,14 +295,18 @@ def ring_attention(
     Requirements (ValueError otherwise): K divisible by the head axis size, the first batch dim by the
     batch axis size, T and S by D (2D for a balanced causal ring).
     """
-    step = kernel_step(
+    step, consts = kernel_step(
         implementation,
         interpret,
+        query=query,
+        key=key,
+        head_axis=head_axis,
         is_causal=is_causal,
         max_distance=max_distance,
         scale=scale,
         precision=precision,
         position_bias=position_bias,
+        has_tables=key_table is not None or value_table is not None,
     )
     return ring_engine.ring_attention(
         query,
@@ -216,10 +321,11 @@ def ring_attention(
         key_table=key_table,
         value_table=value_table,
         max_distance=max_distance,
-        position_bias=position_bias,
+        position_bias=None if step is not None else position_bias,  # a kernel step's: its own (consts)
         scale=scale,
         load_balance=load_balance,
         block_size=block_size,
         precision=precision,
         step=step,
+        step_consts=consts,
     )

@@ -302,7 +302,7 @@ def _over_query_tiles(visit_tile, carry, n):
 
 def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
     if ring.step is not None:
-        return _step_fwd_body(ring, q, k, v, key_table, value_table, lengths)
+        return _step_fwd_body(ring, q, k, v, key_table, value_table, consts, lengths)
     cfg = _engine_cfg(ring)
     batch_shape = q.shape[: ring.nb]
     acc_dtype = accumulation_dtype(q.dtype)
@@ -338,7 +338,7 @@ def _fwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths):
 
 def _bwd_body(ring, q, k, v, key_table, value_table, consts, scale, lengths, out, lse, d_out):
     if ring.step is not None:
-        return _step_bwd_body(ring, q, k, v, key_table, value_table, lengths, out, lse, d_out)
+        return _step_bwd_body(ring, q, k, v, key_table, value_table, consts, lengths, out, lse, d_out)
     cfg = _engine_cfg(ring)
     batch_shape = q.shape[: ring.nb]
     acc_dtype = accumulation_dtype(q.dtype)
@@ -451,16 +451,48 @@ def _step_lse(lse):
     return jnp.swapaxes(lse, -1, -2)
 
 
-def _step_fwd_body(ring, q, k, v, key_table, value_table, lengths):
+def _query_slots(ring, x, axis):
+    """x split into its C query slots along `axis` (ring.step.per_pair: one kernel call per pair of chunks), or
+    whole."""
+    return jnp.split(x, ring.C, axis=axis) if ring.step.per_pair else [x]
+
+
+def _attend_chunk(ring, qs, q_pos, k, v, k_pos, length, tables, consts):
+    """(out [*b,C*Cq,N,Hv], lse [*b,N,C*Cq]) of the device's queries against one key chunk: one step call, or one
+    per query slot (ring.step.per_pair)."""
+    parts = [
+        ring.step(q, k, v, qp, k_pos, length, *tables, consts)
+        for q, qp in zip(_query_slots(ring, qs, ring.nb), _query_slots(ring, q_pos, 0))
+    ]
+    return jnp.concatenate([o for o, _ in parts], axis=ring.nb), jnp.concatenate([x for _, x in parts], axis=-1)
+
+
+def _chunk_gradients(ring, qs, q_pos, k, v, k_pos, length, tables, consts, out, lse, d_out):
+    """ring.step.gradients of the device's queries against one key chunk (per query slot where per_pair):
+    (dq [*b,C*Cq,N,H], dk, dv, d tables, d consts), dk / dv / the tables' and consts' summed over the slots."""
+    rows = lambda x: _query_slots(ring, x, ring.nb)  # noqa: E731
+    parts = [
+        ring.step.gradients(q, k, v, qp, k_pos, length, *tables, consts, o, x, do)
+        for q, qp, o, x, do in zip(
+            rows(qs), _query_slots(ring, q_pos, 0), rows(out), _query_slots(ring, lse, -1), rows(d_out)
+        )
+    ]
+    total = lambda xs: functools.reduce(lambda a, b: jax.tree.map(jnp.add, a, b), xs)  # noqa: E731
+    dq = jnp.concatenate([p[0] for p in parts], axis=ring.nb)
+    return (dq, *(total([p[i] for p in parts]) for i in range(1, 5)))
+
+
+def _step_fwd_body(ring, q, k, v, key_table, value_table, consts, lengths):
     acc_dtype = accumulation_dtype(q.dtype)
     d = _ring_index(ring)
     qs, q_pos = _in_slots(ring, q), _slot_positions(ring, d)
     rows = qs.shape[:-1]  # [*b, C*Cq, N]
+    tables = (key_table, value_table)
 
     def visit(partial, held, src):
         for c in range(ring.C):
             k_pos, length = _chunk_keys(ring, src, c, lengths)
-            out, lse = ring.step(qs, held[0][c], held[1][c], q_pos, k_pos, length, key_table, value_table)
+            out, lse = _attend_chunk(ring, qs, q_pos, held[0][c], held[1][c], k_pos, length, tables, consts)
             lse = _step_lse(lse).astype(acc_dtype)  # -inf for a row with no key in the chunk: l = 0
             partial = combine_partials(partial, ((out.astype(acc_dtype),), lse, has_keys(lse).astype(acc_dtype)))
         return partial, held
@@ -471,35 +503,37 @@ def _step_fwd_body(ring, q, k, v, key_table, value_table, lengths):
     return _out_of_slots(ring, out.astype(q.dtype)), lse  # lse [*b, C*Cq, N], slot order
 
 
-def _step_bwd_body(ring, q, k, v, key_table, value_table, lengths, out, lse, d_out):
+def _step_bwd_body(ring, q, k, v, key_table, value_table, consts, lengths, out, lse, d_out):
     acc_dtype = accumulation_dtype(q.dtype)
     d = _ring_index(ring)
     qs, q_pos = _in_slots(ring, q), _slot_positions(ring, d)
     out, d_out = _in_slots(ring, out), _in_slots(ring, d_out)
     lse = _step_lse(public_lse(lse))  # [*b, N, C*Cq], -inf for a row with no key: the step's residual
     tables = (key_table, value_table)
-    zeros = lambda xs: tuple(jnp.zeros(x.shape, acc_dtype) for x in xs)  # noqa: E731
+    zeros = lambda xs: jax.tree.map(lambda x: jnp.zeros(x.shape, acc_dtype), xs)  # noqa: E731
     ks, vs = _arrive(ring, k), _arrive(ring, v)
     held = {"k": ks, "v": vs, "dk": zeros(ks), "dv": zeros(vs)}  # dk / dv travel with their chunk
-    carry = (jnp.zeros(qs.shape, acc_dtype), jax.tree.map(lambda t: jnp.zeros(t.shape, acc_dtype), tables))
+    carry = (jnp.zeros(qs.shape, acc_dtype), zeros(tables), zeros(consts))
 
     def visit(carry, held, src):
-        dq, d_tables = carry
+        dq, d_tables, d_consts = carry
         dk, dv = list(held["dk"]), list(held["dv"])
         for c in range(ring.C):
             k_pos, length = _chunk_keys(ring, src, c, lengths)
-            chunk = (qs, held["k"][c], held["v"][c], q_pos, k_pos, length, *tables)
-            dq_c, dk_c, dv_c, d_tables_c = ring.step.gradients(*chunk, out, lse, d_out)
+            chunk = (qs, q_pos, held["k"][c], held["v"][c], k_pos, length, tables, consts)
+            dq_c, dk_c, dv_c, d_tables_c, d_consts_c = _chunk_gradients(ring, *chunk, out, lse, d_out)
             dq = dq + dq_c.astype(acc_dtype)
             dk[c], dv[c] = dk[c] + dk_c.astype(acc_dtype), dv[c] + dv_c.astype(acc_dtype)
             d_tables = jax.tree.map(lambda a, b: a + b.astype(acc_dtype), d_tables, d_tables_c)
-        return (dq, d_tables), {**held, "dk": tuple(dk), "dv": tuple(dv)}
+            d_consts = jax.tree.map(lambda a, b: a + b.astype(acc_dtype), d_consts, d_consts_c)
+        return (dq, d_tables, d_consts), {**held, "dk": tuple(dk), "dv": tuple(dv)}
 
-    (dq, d_tables), held = _step_loop(ring, d, visit, carry, held)
+    (dq, d_tables, d_consts), held = _step_loop(ring, d, visit, carry, held)
     dk, dv = _shift(ring, (held["dk"], held["dv"]))  # the last hop brings them to the device owning their keys
     dq = _out_of_slots(ring, dq.astype(q.dtype))
     dk, dv = (_depart(ring, [g.astype(x.dtype) for g in grads]) for grads, x in ((dk, k), (dv, v)))
-    return dq, dk, dv, *_table_grads(ring, d_tables, tables), ()
+    d_consts = tuple(_psum(g, _every(ring)).astype(c.dtype) for g, c in zip(d_consts, consts))
+    return dq, dk, dv, *_table_grads(ring, d_tables, tables), d_consts
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -600,10 +634,12 @@ def ring_attention(
     block_size=None,
     precision=None,
     step=None,
+    step_consts=(),
 ) -> Attended:
     """The ring behind jaxattn.ring_attention (jaxattn._dispatch.ring: the arguments, documented there), every
-    step on the blockwise engine's tiles, or on a kernel: step, one attention call per key chunk held (a
-    _Ring field, built from implementation= by the dispatch)."""
+    step on the blockwise engine's tiles, or on a kernel: step, one attention call per key chunk held (or per
+    pair of chunks: step.per_pair; a _Ring field, built from implementation= by the dispatch), step_consts the
+    arrays it closes over (replicated, differentiated: a position bias's table or slopes)."""
     checks.check_mesh(mesh, sequence_axis=sequence_axis, batch_axis=batch_axis, head_axis=head_axis)
     if step is not None and position_bias is not None:
         checks.fail("position_bias", "None on a kernel's ring (a Python hook runs in the blockwise engine)", "a hook")
@@ -628,7 +664,7 @@ def ring_attention(
     Tb, Sb = (Cq, Ck) if step is not None else tiles.ring_tile_sizes(block_size, Cq, Ck, B * Nl, C * Cq * H)
     Cqp, Ckp = -(-Cq // Tb) * Tb, -(-Ck // Sb) * Sb
 
-    bias_fn, consts = None, ()
+    bias_fn, consts = None, tuple(step_consts)  # a kernel step's arrays (its position bias's), differentiated
     if position_bias is not None:
         dummy_q, dummy_k = jnp.arange(Tb, dtype=jnp.int32), jnp.arange(Sb, dtype=jnp.int32)
         bias_fn, consts = blockwise.convert_hook(position_bias, dummy_q, dummy_k, 1, N, Tb, Sb, acc_dtype)
