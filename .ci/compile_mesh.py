@@ -62,7 +62,6 @@ MESH_SHAPES = {"h100x8": (2, 4), "v5e-2x4": (2, 4), "v5e-4x4": (4, 4)}
 BATCH = {"v5e-4x4": 16}
 SLOTS = 4096  # the decode step's cache
 CACHE_LAYOUT = {"cached_key": "BLKH", "cached_value": "BLKH", "cache_index": "B", "next_position": "B"}
-KNOWN_LLAMA = {t: KNOWN[("auto", t)] for t in ("v5e-2x4", "v5e-4x4")}  # the model is laid out on Auto axes
 LAYOUTS = {"batch+heads": P("data", None, "model", None), "fsdp": P(("data", "model"), None, None, None)}
 
 
@@ -318,8 +317,6 @@ def main(argv=None):
             loops = {"ring forward": 1, "ring train": 2, "ring t5 train": 2}[row["program"]]
             if row["status"] != "ok" or not row["kernels"] or row["all_gathers"] or row["while_loops"] > loops:
                 problems.append(row)
-        if target in KNOWN_LLAMA:
-            continue
         mesh = Mesh(chips, ("data", "model"))
         for engine, kernels in (pair for family in MODELS for pair in model_rows(mesh, target, family)):
             for row in (engine, kernels):

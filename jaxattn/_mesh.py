@@ -29,10 +29,18 @@ What a shard receives (Plan, SideInput):
 
 A query or key split along its sequence (T / S) is refused by name: the sequence-parallel call is
 `ring_attention`, and a kernel would otherwise need every device to hold the whole sequence.
+
+A caller that lays its activations out itself (the models on from_pretrained(mesh=)'s Auto mesh: batch over
+"data", heads over "model", constrained between blocks) says so with activation_layout(mesh, batch_axis,
+head_axis): inside it, a kernel call on that Auto mesh runs in jax.shard_map by that layout (a Split, as the
+Explicit path), not in a custom_partitioning call. Nothing then depends on a Python partitioner, which a TPU
+program compiled from a CPU host does not run.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 from typing import Callable, Optional
@@ -83,6 +91,41 @@ def split_of(call: AttentionCall, query, key, value) -> Optional[Split]:
         mesh = next(jax.typeof(x).sharding.mesh for x, s in zip((key, value), (specs["key"], specs["value"])) if s)
     shards = math.prod(mesh.shape[a] for a in axis_names(heads))
     return Split(tuple(batch), heads, shards, mesh)
+
+
+# The layout a caller constrains its attention inputs to on an Auto mesh (activation_layout): (mesh, batch axis,
+# head axis), or None.
+_LAYOUT: contextvars.ContextVar = contextvars.ContextVar("jaxattn_activation_layout", default=None)
+
+
+@contextlib.contextmanager
+def activation_layout(mesh, batch_axis: Optional[str], head_axis: Optional[str]):
+    """Inside: kernel calls on inputs of the Auto mesh `mesh` split as this layout says, the query's first batch
+    dim over batch_axis and its heads over head_axis (where the axis is the mesh's and divides the dim; the key's
+    heads too), by jax.shard_map (layout_split) rather than a custom_partitioning call (module docstring)."""
+    token = _LAYOUT.set((mesh, batch_axis, head_axis))
+    try:
+        yield
+    finally:
+        _LAYOUT.reset(token)
+
+
+def layout_split(query, key, mesh) -> Optional[Split]:
+    """The Split of activation_layout's layout for a call on the Auto mesh `mesh` (None: no layout in context, or
+    one of another mesh, or nothing it splits)."""
+    layout = _LAYOUT.get()
+    if layout is None or getattr(layout[0], "abstract_mesh", layout[0]) != getattr(mesh, "abstract_mesh", mesh):
+        return None  # (a traced input's type names the abstract mesh)
+    mesh, batch_axis, head_axis = layout
+    fits = lambda axis, *dims: axis in mesh.axis_names and all(d % mesh.shape[axis] == 0 for d in dims)  # noqa: E731
+    shape, batch_dims = np.shape(query), np.ndim(query) - 3
+    batch = [None] * batch_dims
+    if batch_dims and batch_axis is not None and fits(batch_axis, shape[0]):
+        batch[0] = batch_axis
+    heads = head_axis if head_axis is not None and fits(head_axis, shape[-2], np.shape(key)[-2]) else None
+    if not any(batch) and heads is None:
+        return None
+    return Split(tuple(batch), heads, mesh.shape[heads] if heads else 1, mesh)
 
 
 def _refuse_sequence_split(name: str, spec: tuple):
@@ -399,8 +442,15 @@ def on_mesh(run: Callable, call: AttentionCall, query, key, value, split: Split)
     )
     # an Explicit mesh's shard_map takes each input placed as its spec says: the index arrays and side inputs
     # are made or passed replicated (a device keeps its slice, nothing moves); a key placed unlike the query
-    # moves to the query's split here, in the open, where a user's profile shows it.
-    return mapped(*(jax.sharding.reshard(x, spec) for x, spec in zip(plan.arguments(query, key, value), in_specs)))
+    # moves to the query's split here, in the open, where a user's profile shows it. On an Auto mesh (a
+    # caller's activation_layout) the same placement is a sharding constraint.
+    explicit = all(t == AxisType.Explicit for t in getattr(split.mesh, "axis_types", ()))
+    place = (
+        jax.sharding.reshard
+        if explicit
+        else lambda x, spec: jax.lax.with_sharding_constraint(x, NamedSharding(split.mesh, spec))
+    )
+    return mapped(*(place(x, spec) for x, spec in zip(plan.arguments(query, key, value), in_specs)))
 
 
 # ---------------------------------------------------------------------------------------------------

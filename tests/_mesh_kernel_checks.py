@@ -31,6 +31,7 @@ jax.config.update("jax_enable_x64", os.environ.get("MESH_CHECKS_X64", "1") == "1
 
 import jaxattn  # noqa: E402
 from helpers import assert_float64, normwise, print_check_results  # noqa: E402  (tests/helpers.py: this script's folder is on sys.path)
+from jaxattn._mesh import activation_layout  # noqa: E402
 
 # The layouts of the issue: batch, heads, both, and batch over both axes (FSDP-style).
 LAYOUTS = {
@@ -258,6 +259,20 @@ def check_pallas_gpu_auto():
         return jax.vmap(one)(q, k, v)
 
     results["vmapped-batch+heads"] = compare(vmapped, (q, k, v), LAYOUTS["batch+heads"], auto_mesh())
+
+    # a caller's own layout (jaxattn._mesh.activation_layout, what the models' attention layers declare): the
+    # kernel runs in a shard_map by it, no custom_partitioning call in the lowered program
+    mesh = auto_mesh()
+
+    def laid_out(q, k, v):
+        with activation_layout(mesh, "data", "model"):
+            return jaxattn.dot_product_attention(q, k, v, is_causal=True, implementation="pallas_gpu", interpret=True)
+
+    case = compare(laid_out, (q, k, v), LAYOUTS["batch+heads"], mesh)
+    placed = [jax.device_put(x, NamedSharding(mesh, LAYOUTS["batch+heads"])) for x in (q, k, v)]
+    lowered = jax.jit(laid_out).lower(*placed).as_text()
+    case["custom_partitioning"] = "CustomSPMDPartitioning" in lowered
+    results["layout-batch+heads"] = case
     return results
 
 

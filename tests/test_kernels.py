@@ -195,6 +195,20 @@ def test_splash_one_query_row_against_a_cache():
     assert not np.asarray(got[0]).any()
 
 
+@pytest.mark.parametrize("T_", [1, T], ids=["decode step", "prefill"])
+def test_a_key_mask_reaches_the_tpu_kernels_as_segment_ids(x64_off, T_):
+    """A decoder's padding mask over its keys ([B,1,1,S], as jaxattn.models' decode step passes it) is segment ids
+    for pallas_tpu, as for pallas_gpu (registry.Implementation.key_mask_as_segments): computed, not refused, equal
+    to the dense engine; a row with no allowed key gives zeros."""
+    q, k, v = qkv(T=T_)
+    rng = np.random.default_rng(5)
+    mask = rng.uniform(size=(B, 1, 1, S)) > 0.4
+    mask[0] = False  # every key of one example padding
+    got = jaxattn.dot_product_attention(q, k, v, mask=mask, implementation="pallas_tpu", interpret=True)
+    want = jaxattn.dot_product_attention(q, k, v, mask=mask, implementation="dense", precision="highest")
+    assert normwise(got, want) <= 1e-6 and not np.asarray(got[0]).any()
+
+
 def test_splash_reuses_its_processed_mask_and_never_another_rules(x64_off):
     """Splash caches its processed mask by the mask object: a second trace of the same rule hits that cache,
     and another rule of the same shape (not causal) gets its own entry and its own answer."""

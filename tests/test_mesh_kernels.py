@@ -54,6 +54,8 @@ def test_pallas_gpu_on_shards(default_results, axes):
     assert cases["K4-batch+heads"]["dq_spec"] == "P('data', None, 'model')"
     if axes == "pallas_gpu_auto":  # jax.vmap over an Auto-axes call (a batching rule: runs unsplit, vmapped)
         assert "vmapped-batch+heads" in cases
+        # inside a caller's activation_layout (the models' attention layers) a shard_map by it, no partitioner
+        assert cases["layout-batch+heads"]["custom_partitioning"] is False, cases["layout-batch+heads"]
     assert {"K2-heads", "K3-heads", "score_mod-batch+heads", "t5-batch+heads", "shaw-shared-batch+heads"} <= set(cases)
     assert {"pairs-per-head-batch+heads", "pairs-shared-batch+heads", "deberta-batch+heads"} <= set(cases)
     if axes == "pallas_gpu":  # Explicit axes: FSDP-batch, and BlockMasks (whole, and split with batch and heads)

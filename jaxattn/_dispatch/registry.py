@@ -151,7 +151,7 @@ REGISTRY = {
         Implementation("blockwise", _blockwise),
         fused_kernel("pallas_gpu", "cuda", interpretable=True, key_mask_as_segments=True, residuals=True),
         # on TPU a window bias, whose padded tiles take more memory than the dense engine (flex_tpu.declined)
-        fused_kernel("pallas_tpu", "tpu", declines=True, interpretable=True, residuals=True),
+        fused_kernel("pallas_tpu", "tpu", declines=True, interpretable=True, key_mask_as_segments=True, residuals=True),
         fused_kernel("cudnn", "cuda"),
     )
 }

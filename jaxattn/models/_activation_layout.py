@@ -26,6 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from .. import apply_rope, project_out, project_qkv, ring_attention
 from .._core import checks
 from .._layers import cache as kv_cache, common
+from .._mesh import activation_layout
 from ..linen import MultiHeadAttention
 
 # --- activations ---------------------------------------------------------------------------------------------
@@ -236,11 +237,30 @@ def _key_counts(mask, S: int):
     return lengths, jnp.all(tokens == (jnp.arange(S) < lengths[:, None]), -1)
 
 
+class LaidOutAttention(MultiHeadAttention):
+    """jaxattn.linen.MultiHeadAttention (the same params and cache) on a model's mesh: its attention inputs lie
+    as the model constrains them (batch over the batch axis, heads over the head axis), so a kernel call runs on
+    each device's shard by that layout (jax.shard_map, jaxattn._mesh.activation_layout) rather than in a
+    custom_partitioning call whose split XLA's partitioner decides: the same program on a GPU, and one that
+    compiles for a TPU from a CPU host too (which runs no Python partitioner)."""
+
+    sharding: Any = None  # a ModelSharding
+
+    @nn.compact
+    def __call__(self, *args, **kwargs):
+        s = self.sharding
+        with activation_layout(s.mesh, s.batch_axis, s.head_axis):
+            return super().__call__(*args, **kwargs)
+
+
 def attention_class(sharding: ModelSharding | None):
     """The attention layer a block of a model with this sharding builds: SequenceParallelAttention (with the
-    sharding bound) when it has a sequence axis, else MultiHeadAttention."""
-    if sharding is None or sharding.sequence_axis is None:
+    sharding bound) when it has a sequence axis, LaidOutAttention on a mesh without one, else
+    MultiHeadAttention."""
+    if sharding is None:
         return MultiHeadAttention
+    if sharding.sequence_axis is None:
+        return functools.partial(LaidOutAttention, sharding=sharding)
     return functools.partial(SequenceParallelAttention, sharding=sharding)
 
 
