@@ -72,7 +72,7 @@ def targets():
         "TPU v5e-16": (
             (4, 4),
             lambda: topologies.get_topology_desc("v5e:4x4", platform="tpu").devices,
-            "blockwise",
+            None,  # the kernels: each device's shard by the model's layout (jaxattn._mesh.activation_layout)
             16,
         ),
     }
