@@ -118,6 +118,18 @@ def arrays(seed, *shapes, dtype=np.float64):
     return [jax.device_put(rng.normal(size=shape).astype(dtype)) for shape in shapes]
 
 
+def value_and_vjp(f, args, w):
+    """(f(*args), the cotangents of args for the output cotangent w), under one jax.jit: a kernel test's output
+    and every argument's gradient in one program."""
+
+    @jax.jit
+    def run(*args):
+        out, vjp = jax.vjp(f, *args)
+        return out, vjp(jnp.asarray(w, out.dtype))
+
+    return run(*args)
+
+
 def check_forward_and_grads(ours, reference, args, argnums, *, tol=1e-12, grad_floor=0.0):
     """ours(*args) against reference(*args), both run under jit: the outputs, and the gradients with respect to
     args[argnums] of sum(out * w) for one fixed random cotangent w. All of them float64 (assert_float64), every

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 
 import jaxattn
-from helpers import assert_float64, attention_loop, normwise
+from helpers import assert_float64, attention_loop, normwise, value_and_vjp
 from jaxattn._core.call import AttentionCall
 from jaxattn._kernels import decode_gpu, flash_gpu, flex_tpu, pairs_gpu, pallas_gpu, pallas_tpu
 
@@ -121,15 +121,6 @@ def _relative(rel_key, rel_value, **options):
     return f, tuple(t for t in (rel_key, rel_value) if t is not None)
 
 
-def _value_and_grads(f, args, w):
-    @jax.jit
-    def run(*args):
-        out, vjp = jax.vjp(f, *args)
-        return out, vjp(jnp.asarray(w, out.dtype))
-
-    return run(*args)
-
-
 def _check(name, implementation="pallas_gpu"):
     (q, k, v), (a_k, a_v), options, w = _setup(name)
     T, N, S = q.shape[-3], q.shape[-2], k.shape[-3]
@@ -137,7 +128,7 @@ def _check(name, implementation="pallas_gpu"):
     args = (q, k, v, *tables)
 
     with jax.enable_x64(False):
-        out, grads = _value_and_grads(lambda *a: f(*a, implementation=implementation, interpret=True), args, w)
+        out, grads = value_and_vjp(lambda *a: f(*a, implementation=implementation, interpret=True), args, w)
     assert out.dtype == jnp.float32
 
     def full(table):  # [T,S,N,F] as the loop reads it, float64
@@ -152,7 +143,7 @@ def _check(name, implementation="pallas_gpu"):
 
     # gradients: the dense engine in float64 (its forward checked against the loop first)
     wide = tuple(np.asarray(x, np.float64) for x in args)
-    dense_out, dense_grads = _value_and_grads(lambda *a: f(*a, implementation="dense"), wide, w)
+    dense_out, dense_grads = value_and_vjp(lambda *a: f(*a, implementation="dense"), wide, w)
     assert_float64(dense_out, *dense_grads)
     assert normwise(dense_out, want) <= 1e-12
     names = ("q", "k", "v") + tuple(n for n, t in (("rel_key", a_k), ("rel_value", a_v)) if t is not None)
@@ -195,10 +186,10 @@ def test_kernel_in_bf16_within_the_envelope(name, implementation):
     f, tables = _relative(a_k, a_v, **options)
     args = tuple(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v, *tables))
     with jax.enable_x64(False):
-        out, grads = _value_and_grads(lambda *a: f(*a, implementation=implementation, interpret=True), args, w)
+        out, grads = value_and_vjp(lambda *a: f(*a, implementation=implementation, interpret=True), args, w)
     assert out.dtype == jnp.bfloat16
     wide = tuple(np.asarray(x, np.float64) for x in args)
-    want, want_grads = _value_and_grads(lambda *a: f(*a, implementation="dense"), wide, w)
+    want, want_grads = value_and_vjp(lambda *a: f(*a, implementation="dense"), wide, w)
     assert normwise(out, want) <= BF16_TOLERANCES[0], normwise(out, want)
     for got, ref in zip(grads, want_grads, strict=True):
         assert got.dtype == jnp.bfloat16

@@ -29,7 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 from test_positions import N as XL_HEADS, xl_loop
 
 import jaxattn
-from helpers import assert_float64, attention_loop, normwise, shaw_index_loop
+from helpers import assert_float64, attention_loop, normwise, shaw_index_loop, value_and_vjp
 from jaxattn._core.call import AttentionCall
 from jaxattn._kernels import decode_gpu, flash_gpu, flex_tpu, refs_tpu, tables_gpu, tables_tpu
 from jaxattn._kernels.flash import tile_math
@@ -131,15 +131,6 @@ def _pair_table(table, index, N):
     return rows if table.ndim == 3 else np.broadcast_to(rows[..., None, :], (*index.shape, N, table.shape[-1]))
 
 
-def _value_and_grads(f, args, w):
-    @jax.jit
-    def run(*args):
-        out, vjp = jax.vjp(f, *args)
-        return out, vjp(jnp.asarray(w, out.dtype))
-
-    return run(*args)
-
-
 def _check(name, implementation="pallas_gpu"):
     (q, k, v), (kt, vt), clip, options, w = _setup(name)
     T, N, S = q.shape[-3], q.shape[-2], k.shape[-3]
@@ -148,7 +139,7 @@ def _check(name, implementation="pallas_gpu"):
 
     # the Pallas TPU kernel indexes in int32: it runs with jax_enable_x64 off (its float32 is all it takes)
     with jax.enable_x64(False) if implementation == "pallas_tpu" else contextlib.nullcontext():
-        out, grads = _value_and_grads(lambda *a: f(*a, implementation=implementation, interpret=True), args, w)
+        out, grads = value_and_vjp(lambda *a: f(*a, implementation=implementation, interpret=True), args, w)
     assert out.dtype == jnp.float32
 
     # the float64 loop: A^K / A^V = the tables at clip(j - i, -left, right) + left, one pair at a time
@@ -170,7 +161,7 @@ def _check(name, implementation="pallas_gpu"):
 
     # gradients: the dense engine in float64 (its forward checked against the loop first)
     wide = tuple(np.asarray(x, np.float64) for x in args)
-    dense_out, dense_grads = _value_and_grads(lambda *a: f(*a, implementation="dense"), wide, w)
+    dense_out, dense_grads = value_and_vjp(lambda *a: f(*a, implementation="dense"), wide, w)
     assert_float64(dense_out, *dense_grads)
     assert normwise(dense_out, want) <= 1e-12
     names = ("q", "k", "v") + tuple(n for n, t in (("key_table", kt), ("value_table", vt)) if t is not None)
@@ -217,10 +208,10 @@ def test_kernel_in_bf16_within_the_envelope(name, implementation):
     f, tables = _scheme(clip, kt, vt, **options)
     args = (*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), *tables)
     with jax.enable_x64(False) if implementation == "pallas_tpu" else contextlib.nullcontext():
-        out, grads = _value_and_grads(lambda *a: f(*a, implementation=implementation, interpret=True), args, w)
+        out, grads = value_and_vjp(lambda *a: f(*a, implementation=implementation, interpret=True), args, w)
     assert out.dtype == jnp.bfloat16
     wide = tuple(np.asarray(x, np.float64) for x in args)
-    want, want_grads = _value_and_grads(lambda *a: f(*a, implementation="dense"), wide, w)
+    want, want_grads = value_and_vjp(lambda *a: f(*a, implementation="dense"), wide, w)
     assert normwise(out, want) <= BF16_TOLERANCES[0], normwise(out, want)
     for got, ref in zip(grads, want_grads, strict=True):
         assert normwise(got, ref) <= BF16_TOLERANCES[1], normwise(got, ref)
@@ -259,11 +250,11 @@ def test_transformer_xl_takes_the_kernel(per_head, is_causal, implementation):
 
     args = (q, k, v, P, u, vb)
     with jax.enable_x64(False) if implementation == "pallas_tpu" else contextlib.nullcontext():
-        out, grads = _value_and_grads(lambda *a: f(*a, implementation=implementation, interpret=True), args, w)
+        out, grads = value_and_vjp(lambda *a: f(*a, implementation=implementation, interpret=True), args, w)
     keys = np.asarray(P, np.float64) if per_head else np.broadcast_to(np.asarray(P, np.float64)[:, None], (R, N, H))
     want = xl_loop(q, k, v, keys, u, vb, max_left, is_causal)
     assert normwise(out, want) <= OUT_TOL
-    _, dense_grads = _value_and_grads(
+    _, dense_grads = value_and_vjp(
         lambda *a: f(*a, implementation="dense"), [np.asarray(x, np.float64) for x in args], w
     )
     for got, ref in zip(grads, dense_grads, strict=True):
@@ -287,8 +278,8 @@ def test_under_vmap_and_grad(implementation):
 
     args = (q, k, v, *tables)
     with jax.enable_x64(False) if implementation == "pallas_tpu" else contextlib.nullcontext():
-        got, got_grads = _value_and_grads(vmapped(implementation, interpret=True), args, w)
-    want, want_grads = _value_and_grads(vmapped("dense"), [np.asarray(x, np.float64) for x in args], w)
+        got, got_grads = value_and_vjp(vmapped(implementation, interpret=True), args, w)
+    want, want_grads = value_and_vjp(vmapped("dense"), [np.asarray(x, np.float64) for x in args], w)
     assert normwise(got, want) <= OUT_TOL
     for g, e in zip(got_grads, want_grads, strict=True):
         assert normwise(g, e) <= GRAD_TOL

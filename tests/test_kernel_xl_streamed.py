@@ -23,7 +23,7 @@ import pytest
 from test_positions import N as XL_HEADS, xl_loop
 
 import jaxattn
-from helpers import assert_float64, normwise
+from helpers import assert_float64, normwise, value_and_vjp
 from jaxattn._kernels import tables_tpu
 
 OUT_TOL, GRAD_TOL = 1e-6, 1e-5
@@ -40,15 +40,6 @@ def streamed_seen(monkeypatch):
             cls, "__init__", lambda self, *a, init=init, name=name: (seen.append(name), init(self, *a))[1]
         )
     return seen
-
-
-def _value_and_grads(f, args, w):
-    @jax.jit
-    def run(*args):
-        out, vjp = jax.vjp(f, *args)
-        return out, vjp(jnp.asarray(w, out.dtype))
-
-    return run(*args)
 
 
 # name: (B, T, S, K, H, Hv, per-head table, is_causal); N = test_positions.N (xl_loop's heads)
@@ -78,12 +69,12 @@ def test_streamed_lanes_over_the_whole_span(name, streamed_seen, monkeypatch):
     args = (q, k, v, P, u, vb)
     monkeypatch.setattr(tables_tpu, "RESIDENT_BAND", 16)  # below the call's T + S - 1 offsets: streamed
     with jax.enable_x64(False):  # the TPU kernels index in int32
-        out, grads = _value_and_grads(lambda *a: f(*a, implementation="pallas_tpu", interpret=True), args, w)
+        out, grads = value_and_vjp(lambda *a: f(*a, implementation="pallas_tpu", interpret=True), args, w)
     assert {"LaneStream", "LaneAdder"} <= set(streamed_seen), streamed_seen
     keys = np.asarray(P, np.float64) if per_head else np.broadcast_to(np.asarray(P, np.float64)[:, None], (R, N, H))
     want = xl_loop(q, k, v, keys, u, vb, max_left, is_causal)
     assert normwise(out, want) <= OUT_TOL, normwise(out, want)
-    dense_out, dense_grads = _value_and_grads(
+    dense_out, dense_grads = value_and_vjp(
         lambda *a: f(*a, implementation="dense"), [np.asarray(x, np.float64) for x in args], w
     )
     assert_float64(dense_out, *dense_grads)

@@ -30,7 +30,7 @@ from test_kernel_shaw import BF16_TOLERANCES
 from test_positions import N as XL_HEADS, xl_loop
 
 import jaxattn
-from helpers import assert_float64, attention_loop, normwise, shaw_index_loop
+from helpers import assert_float64, attention_loop, normwise, shaw_index_loop, value_and_vjp
 from jaxattn._core.call import AttentionCall
 from jaxattn._kernels import flash_gpu, tables_gpu, windows_gpu
 from jaxattn._kernels.flash import plan
@@ -47,15 +47,6 @@ def hooks_seen(monkeypatch):
         build = getattr(windows_gpu, name)
         monkeypatch.setattr(windows_gpu, name, lambda *a, build=build, name=name: (seen.append(name), build(*a))[1])
     return seen
-
-
-def _value_and_grads(f, args, w):
-    @jax.jit
-    def run(*args):
-        out, vjp = jax.vjp(f, *args)
-        return out, vjp(jnp.asarray(w, out.dtype))
-
-    return run(*args)
 
 
 # name: (B, T, S, K, H, Hv, block_size, per-head table, is_causal); N = test_positions.N (xl_loop's heads)
@@ -92,14 +83,14 @@ def test_transformer_xl_over_its_whole_span(name, hooks_seen):
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(tables_gpu, "MAX_COLUMNS", 16)
         args = (q, k, v, P, u, vb)
-        out, grads = _value_and_grads(
+        out, grads = value_and_vjp(
             lambda *a: f(*a, implementation="pallas_gpu", interpret=True, block_size=block), args, w
         )
     assert sorted(set(hooks_seen)) == ["dkv_hooks", "dq_hooks", "forward_hooks"], hooks_seen
     keys = np.asarray(P, np.float64) if per_head else np.broadcast_to(np.asarray(P, np.float64)[:, None], (R, N, H))
     want = xl_loop(q, k, v, keys, u, vb, max_left, is_causal)
     assert normwise(out, want) <= OUT_TOL, normwise(out, want)
-    dense_out, dense_grads = _value_and_grads(
+    dense_out, dense_grads = value_and_vjp(
         lambda *a: f(*a, implementation="dense"), [np.asarray(x, np.float64) for x in args], w
     )
     assert_float64(dense_out, *dense_grads)
@@ -134,7 +125,7 @@ def test_clipped_shaw_table_on_the_windowed_route(name, hooks_seen):
         patch.setattr(windows_gpu, "WINDOW_CHUNK", 1)  # the dq kernel's table gradient in 16-column chunks
         assert plan.windowed_tables(AttentionCall(key_table=table, max_distance=m), T, S)
         args = (q, k, v, table)
-        out, grads = _value_and_grads(
+        out, grads = value_and_vjp(
             lambda *a: f(*a, implementation="pallas_gpu", interpret=True, block_size=block), args, w
         )
     assert sorted(set(hooks_seen)) == ["dkv_hooks", "dq_hooks", "forward_hooks"], hooks_seen
@@ -144,7 +135,7 @@ def test_clipped_shaw_table_on_the_windowed_route(name, hooks_seen):
         rel_key = np.broadcast_to(rel_key[..., None, :], (T, S, N, H))
     want, _ = attention_loop(q, k, v, rel_key=rel_key, is_causal=is_causal)
     assert normwise(out, want) <= OUT_TOL, normwise(out, want)
-    _, dense_grads = _value_and_grads(
+    _, dense_grads = value_and_vjp(
         lambda *a: f(*a, implementation="dense"), [np.asarray(x, np.float64) for x in args], w
     )
     for got, ref, what in zip(grads, dense_grads, ("q", "k", "v", "key_table"), strict=True):
@@ -176,19 +167,19 @@ def test_transformer_xl_whole_span_under_vmap_and_in_bf16(hooks_seen):
         return f
 
     args = (q, k, v, P)
-    want, want_grads = _value_and_grads(vmapped("dense"), [np.asarray(x, np.float64) for x in args], w)
+    want, want_grads = value_and_vjp(vmapped("dense"), [np.asarray(x, np.float64) for x in args], w)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(tables_gpu, "MAX_COLUMNS", 16)
-        got, got_grads = _value_and_grads(vmapped("pallas_gpu", interpret=True), args, w)
+        got, got_grads = value_and_vjp(vmapped("pallas_gpu", interpret=True), args, w)
         half = (*(jnp.asarray(x, jnp.bfloat16) for x in (q, k, v)), P)
-        got_half, got_half_grads = _value_and_grads(vmapped("pallas_gpu", interpret=True), half, w)
+        got_half, got_half_grads = value_and_vjp(vmapped("pallas_gpu", interpret=True), half, w)
     assert sorted(set(hooks_seen)) == ["dkv_hooks", "dq_hooks", "forward_hooks"], hooks_seen
     assert normwise(got, want) <= OUT_TOL
     for g, e in zip(got_grads, want_grads, strict=True):
         assert normwise(g, e) <= GRAD_TOL
     assert got_half.dtype == jnp.bfloat16
     rounded = [np.asarray(x, np.float64) for x in half]
-    want, want_grads = _value_and_grads(vmapped("dense"), rounded, w)
+    want, want_grads = value_and_vjp(vmapped("dense"), rounded, w)
     assert normwise(got_half, want) <= BF16_TOLERANCES[0], normwise(got_half, want)
     for g, e in zip(got_half_grads, want_grads, strict=True):
         assert normwise(g, e) <= BF16_TOLERANCES[1], normwise(g, e)
