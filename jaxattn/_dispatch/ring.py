@@ -8,7 +8,9 @@ engine's; what one step computes is chosen here, because only the dispatch knows
     a named implementation each step one attention call, `attend(call, q, k_chunk, v_chunk, implementation=...)`,
                            of this device's queries against one key chunk at their global positions
                            (query_positions / key_positions, return_lse=True): the kernel's forward, and its
-                           backward under jax.vjp (a kernel that cannot express the step raises, naming it)
+                           backward at the ring's residuals (Implementation.gradients_at: the global lse),
+                           else under jax.vjp of the step (a kernel that cannot express the step raises,
+                           naming it)
     None                   the kernel steps where this trace may hold a kernel (a GPU or TPU host, or inside
                            cross_platform_lowering()): each step's attend(implementation=None) then takes the
                            platform's kernel (the XLA engines where none expresses the step); on a CPU host the
@@ -53,10 +55,10 @@ class KernelStep:
 
     Without a position bias the call carries the chunks' global positions (query_positions / key_positions),
     which the kernels' causal rule, key-tile skipping and Shaw's buckets read. With one (T5's or ALiBi's: an
-    OffsetBias, bias_fn its closure-converted of_offset, its arrays the ring's consts) the TPU kernel needs the
-    default positions to build a tile's bias from contiguous offsets, and ALiBi's has no static range with
-    positions of the call's own; so a step then takes one query slot and one key chunk (per_pair) at the
-    default positions, with the bias shifted by the chunks' offset (the true j - i is the default one plus
+    OffsetBias, its rows over every offset of the call the ring's consts[0], bias_lo their first offset) the TPU
+    kernel needs the default positions to build a tile's bias from contiguous offsets, and ALiBi's has no static
+    range with positions of the call's own; so a step then takes one query slot and one key chunk (per_pair) at
+    the default positions, with the bias shifted by the chunks' offset (the true j - i is the default one plus
     delta) and the causal mask as the pair's kind: SKIP, FULL or DIAGONAL (equal chunks at one place: T == S,
     checked by kernel_step)."""
 
