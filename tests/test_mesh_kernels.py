@@ -72,16 +72,27 @@ def test_pallas_gpu_on_every_layout(axes):
 
 
 def test_ring_on_kernel_steps(default_results):
-    """ring_attention with every step on pallas_gpu (interpreted): the zigzag causal ring over 8 devices, data x
-    sequence (T != S, not causal with lengths), and data x sequence x heads with Shaw's tables equal one device's
-    dense attention in float64, gradients of q, k, v and the tables included."""
+    """ring_attention with every step on pallas_gpu (interpreted): the zigzag causal ring over 8 devices with GQA
+    and key lengths, and data x sequence x heads with Shaw's tables equal one device's dense attention in
+    float64, gradients of q, k, v and the tables included."""
     cases = default_results["ring_pallas_gpu"]
     assert_equal_to_one_device(cases, TOL["float64"])
     assert cases["data x seq x heads, Shaw tables"]["dq_spec"] == "P('data', 'seq', 'heads', None)"
-    assert len(cases) == 5  # four rings and the seconds
+    assert len(cases) == 3  # two rings and the seconds
 
 
-@pytest.mark.parametrize("platform, kernel_call", [("cuda", "__gpu$xla.gpu.triton"), ("tpu", "tpu_custom_call")])
+@pytest.mark.slow  # test_ring_on_kernel_steps runs the zigzag and the three-axis rings
+def test_more_rings_on_kernel_steps():
+    """The data x sequence rings: T != S causal (contiguous chunks of unequal length), not causal with lengths."""
+    cases = run_checks("ring_more_pallas_gpu")["ring_more_pallas_gpu"]
+    assert_equal_to_one_device(cases, TOL["float64"])
+    assert len(cases) == 3
+
+
+@pytest.mark.parametrize(
+    "platform, kernel_call",
+    [("cuda", "__gpu$xla.gpu.triton"), pytest.param("tpu", "tpu_custom_call", marks=pytest.mark.slow)],
+)
 def test_ring_with_t5_lowers_to_the_kernels(platform, kernel_call):
     """A T5 bias in the ring (implementation=None, lowered for a GPU / TPU on a mesh of the one CPU device): the
     step's pair of chunks holds the kernels (its causal and whole kinds: 2 forward calls; the training step
