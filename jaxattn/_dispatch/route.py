@@ -54,8 +54,9 @@ def attend(
     reads_mesh = named is None or named.reads_mesh
     split = _mesh.split_of(call, query, key, value) if reads_mesh else None
     auto = _mesh.auto_mesh_of(query, key, value) if split is None and reads_mesh else None
-    if auto is not None and _mesh.layout_split(query, key, auto) is not None:  # the caller's own layout
-        split, auto = _mesh.layout_split(query, key, auto), None
+    declared = None if auto is None else _mesh.layout_split(query, key, auto)  # the caller's own layout
+    if declared is not None:
+        split, auto = declared, None
     if named is not None and not named.fused:
         return engines()
     if named is not None:

@@ -57,14 +57,22 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from .._core import mods
-from .._core.call import AttentionCall
+from .._core.call import POSITION_TERMS, AttentionCall
 from .._core.dtypes import accumulation_dtype
 from . import tables_gpu, windows_gpu
 from .flash import call
 from .flash.backward import dkv_kernel, dq_kernel, row_delta, sinks_grad
 from .flash.config import Side, value_term_in
 from .flash.forward import forward_kernel
-from .flash.plan import finish, position_bias_refusal, prepare, row_tables_refusal, tables_band, windowed_tables
+from .flash.plan import (
+    finish,
+    kernel_lse,
+    position_bias_refusal,
+    prepare,
+    row_tables_refusal,
+    tables_band,
+    windowed_tables,
+)
 from .flash.refs import Refs
 from .flash.sizes import MAX_HEAD_DIM, MIN_GPU_BLOCK, block_pair, is_power_of_two
 from .flash.tile_math import pick
@@ -464,23 +472,13 @@ def _flash_bwd(cfg, res, cotangents):
 _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
-# What a call may use to take its backward at residuals of the caller's (gradients_at): the options that only
-# decide which pairs attend and how the logits are formed; position terms, sinks and score_mod's arrays have
+# What a call may use to take its backward at residuals of the caller's (gradients_at): HANDLED's options that only
+# decide which pairs attend and how the logits are formed; position terms, sinks and the mods (their arrays) have
 # gradients or residuals of their own beyond (out, lse).
-RESIDUAL_OPTIONS = (
-    "is_causal",
-    "key_value_seq_lengths",
-    "query_positions",
-    "key_positions",
-    "query_segment_ids",
-    "key_segment_ids",
-    "window",
-    "chunk_size",
-    "scale",
-    "logit_softcap",
-    "precision",
-    "return_lse",
-    "block_size",
+RESIDUAL_OPTIONS = tuple(
+    name
+    for name in HANDLED
+    if name not in (*POSITION_TERMS, "max_distance", "sinks", "score_mod", "mask_mod", "block_mask")
 )
 
 
@@ -495,11 +493,8 @@ def gradients_at(call: AttentionCall, query, key, value, out, lse, d_out, interp
         return None
     p = prepare(call.replace(return_lse=False), query, key, value, interpret, unpadded=True)
     B, T, N = p.q.shape[0], p.T, p.N
-    Tp = p.cfg.Tn * p.cfg.Tb
     rows = lambda x: jnp.asarray(x).reshape(B, T, N, -1)  # noqa: E731
-    lse = jnp.asarray(lse).reshape(B, N, T).astype(accumulation_dtype(p.q.dtype))
-    lse = jnp.pad(jnp.where(jnp.isfinite(lse), lse, 0), [(0, 0), (0, 0), (0, Tp - T)])  # no key: p = 0 anyway
-    residuals = (p.q, p.k, p.v, p.side, rows(out).astype(p.q.dtype), lse, None)
+    residuals = (p.q, p.k, p.v, p.side, rows(out).astype(p.q.dtype), kernel_lse(p, lse), None)
     dq, dk, dv, _ = _flash_bwd(p.cfg, residuals, (rows(d_out), None, None))
     return dq.reshape(query.shape), dk.reshape(key.shape), dv.reshape(value.shape)
 

@@ -450,10 +450,7 @@ def gradients_at(call: AttentionCall, query, key, value, out, lse, d_out, interp
         return None
     inner = flex.from_rows(flex.inner(args.sinks, args.consts, args.indices), args.bias_rows)
     p = flex.prepare(inner, args.query, args.key, args.value)
-    B, N, T, Tp = p.q.shape[0], p.N, p.T, p.cfg.Tn * p.cfg.Tb
-    lse = jnp.asarray(lse).reshape(B, N, T).astype(accumulation_dtype(p.q.dtype))
-    lse = jnp.pad(jnp.where(jnp.isfinite(lse), lse, 0), [(0, 0), (0, 0), (0, Tp - T)])  # no key: p = 0 anyway
-    grads = flex.kernel_grads(args, jnp.asarray(out), lse, jnp.asarray(d_out))
+    grads = flex.kernel_grads(args, jnp.asarray(out), plan.kernel_lse(p, lse), jnp.asarray(d_out))
     return None if grads is None else (grads.query, grads.key, grads.value)
 
 

@@ -292,6 +292,14 @@ class Prepared(NamedTuple):
     value_rows: Any = None  # Shaw's value table, its band's rows [D,(N,)Hv] (tables_gpu), or None
 
 
+def kernel_lse(p: Prepared, lse):
+    """finish's inverse for lse: a public lse [...,N,T] (-inf for a row with no key) -> the kernels' [B,N,Tp] in
+    the compute dtype, a row with no key at 0 (its pairs are all masked: p = 0 whatever lse is), padding rows 0."""
+    B, N, T = p.q.shape[0], p.N, p.T
+    lse = jnp.asarray(lse).reshape(B, N, T).astype(accumulation_dtype(p.q.dtype))
+    return jnp.pad(jnp.where(jnp.isfinite(lse), lse, 0), [(0, 0), (0, 0), (0, p.cfg.Tn * p.cfg.Tb - T)])
+
+
 def finish(p: Prepared, out, lse, return_lse: bool):
     """The kernel's out [B,Tp,N,Hvp] (or unpadded, [B,T,N,Hv]) and lse [B,N,Tp] -> the public result
     ([...,T,N,Hv], lse [...,N,T])."""
