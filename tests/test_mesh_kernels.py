@@ -21,9 +21,10 @@ TOL = {"float64": 1e-12, "float32": 1e-6}
 
 # JAX's persistent cache variables (tests/conftest.py) are left out for the interpreted TPU ring: its largest
 # programs (about 4 MB of CPU code each) compile and run, but XLA's CPU loader overflows a worker thread's stack
-# reading them back from the cache (a segfault in xla::cpu::ObjectLoader::LookupSymbols, 8000 frames of LLVM ORC
-# lookups; jax 0.10.2, 2026-11-29: CI's warm slow group and `python tests/_mesh_kernel_checks.py ring_pallas_tpu`
-# run twice with JAX_COMPILATION_CACHE_DIR set). Cold, the check takes about 2 minutes on 2 cores.
+# reading them back from the cache (a segfault in xla::cpu::ObjectLoader::LookupSymbols under 8000 frames of LLVM
+# ORC lookups, with `ulimit -s 262144` too; jax 0.10.2, 2026-11-29: CI's warm slow group, and
+# `python tests/_mesh_kernel_checks.py ring_pallas_tpu` run twice with JAX_COMPILATION_CACHE_DIR set). Cold, the
+# check takes about 2 minutes on 2 cores.
 UNCACHED = {"ring_pallas_tpu"}
 
 
