@@ -108,8 +108,9 @@ def test_more_rings_on_kernel_steps():
 )
 def test_ring_with_t5_lowers_to_the_kernels(platform, kernel_call):
     """A T5 bias in the ring (implementation=None, lowered for a GPU / TPU on a mesh of the one CPU device): the
-    step's pair of chunks holds the kernels (its causal and whole kinds: 2 forward calls; the training step
-    recomputes them under jax.vjp and adds dq and dk/dv for each: 8), no XLA tile loop of the blockwise ring."""
+    step's pair of chunks holds the kernels (its causal and whole kinds: 2 forward calls; the training step adds
+    dq and dk/dv for each at the ring's residuals, the bias's rows' gradient among them: 6, no recomputed forward),
+    no XLA tile loop of the blockwise ring."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -130,7 +131,7 @@ def test_ring_with_t5_lowers_to_the_kernels(platform, kernel_call):
         return jnp.sum(out.astype(jnp.float32))
 
     with jax.enable_x64(False), jaxattn.cross_platform_lowering():
-        for fn, calls in ((loss, 2), (jax.grad(loss, argnums=(0, 1, 2, 3)), 8)):
+        for fn, calls in ((loss, 2), (jax.grad(loss, argnums=(0, 1, 2, 3)), 6)):
             text = jax.jit(fn).trace(q, kv, kv, table).lower(lowering_platforms=(platform,)).as_text()
             assert text.count(kernel_call) == calls and "stablehlo.while" not in text, (text.count(kernel_call), calls)
 

@@ -101,31 +101,46 @@ class KernelStep:
         call = self.call(query_positions, key_positions, lengths, key_table, value_table)
         return self.attend(call, query, key, value)
 
-    def pair(self, query, key, value, query_positions, key_positions, lengths, consts):
-        """One query slot against one key chunk with the position bias (class docstring)."""
-        Tq, Sk, Nl = query.shape[-3], key.shape[-3], query.shape[-2]
-        # the true offset k_pos - q_pos is the default positions' s - t - (Sk - Tq) plus delta
+    def pair_bias(self, bias_table, query_positions, key_positions, Tq: int, Sk: int, Nl: int) -> OffsetBias:
+        """The position bias of one query slot against one key chunk at the default positions: the rows of the
+        ring's table [N, D] (this device's heads) at the true offsets, k_pos - q_pos = the default positions'
+        s - t - (Sk - Tq) plus delta."""
         delta = key_positions[0] - query_positions[0] + (Sk - Tq)
         first = 0 if self.head_axis is None else lax.axis_index(self.head_axis) * Nl
-        rows = lax.dynamic_slice_in_dim(consts[0], first, Nl, axis=0)  # this device's heads: [Nl, D]
+        rows = lax.dynamic_slice_in_dim(bias_table, first, Nl, axis=0)  # this device's heads: [Nl, D]
         lo = self.bias_lo
 
         def of_offset(d):  # [...,T,S] -> [...,Nl,T,S]: the rows at the true offsets
             at = jnp.clip(d + delta - lo, 0, rows.shape[-1] - 1)
             return jnp.moveaxis(jnp.take(rows, at, axis=1), 0, -3)
 
-        bias = OffsetBias(of_offset)
+        return OffsetBias(of_offset)
+
+    def pair_call(self, bias: OffsetBias, lengths, is_causal: bool, return_lse=True) -> AttentionCall:
+        return AttentionCall(
+            is_causal=is_causal,
+            key_value_seq_lengths=lengths,
+            position_bias=bias,
+            scale=self.scale,
+            precision=self.precision,
+            return_lse=return_lse,
+        )
+
+    def pair_kind(self, query_positions, key_positions):
+        """SKIP, FULL or DIAGONAL (traced): which keys of the chunk the slot's queries see under the causal mask."""
+        return jnp.where(
+            key_positions[-1] <= query_positions[0],
+            FULL,
+            jnp.where(key_positions[0] > query_positions[-1], SKIP, DIAGONAL),
+        )
+
+    def pair(self, query, key, value, query_positions, key_positions, lengths, consts):
+        """One query slot against one key chunk with the position bias (class docstring)."""
+        Tq, Sk, Nl = query.shape[-3], key.shape[-3], query.shape[-2]
+        bias = self.pair_bias(consts[0], query_positions, key_positions, Tq, Sk, Nl)
 
         def attend(is_causal):
-            call = AttentionCall(
-                is_causal=is_causal,
-                key_value_seq_lengths=lengths,
-                position_bias=bias,
-                scale=self.scale,
-                precision=self.precision,
-                return_lse=True,
-            )
-            return lambda: self.attend(call, query, key, value)
+            return lambda: self.attend(self.pair_call(bias, lengths, is_causal), query, key, value)
 
         if not self.is_causal:
             return attend(False)()
@@ -135,37 +150,67 @@ class KernelStep:
             lse = jnp.full((*query.shape[:-3], Nl, Tq), -jnp.inf, accumulation_dtype(query.dtype))
             return out, lse
 
-        kind = jnp.where(
-            key_positions[-1] <= query_positions[0],
-            FULL,
-            jnp.where(key_positions[0] > query_positions[-1], SKIP, DIAGONAL),
-        )
-        return lax.switch(kind, [skip, attend(False), attend(True)])
+        return lax.switch(self.pair_kind(query_positions, key_positions), [skip, attend(False), attend(True)])
 
     def gradients(self, query, key, value, q_pos, k_pos, lengths, key_table, value_table, consts, out, lse, d_out):
         """(dq, dk, dv, (d key_table, d value_table), d consts): this step's pairs' share of the gradient of the
         ring's whole softmax, whose output is out [...,T,N,Hv] (cotangent d_out) and lse [...,N,T]: the kernel's
         backward at those residuals where it has one (Implementation.gradients_at: p = exp(x - lse) the pairs'
-        global probabilities, delta = d_out . out), else through_forward (tables, a position bias)."""
+        global probabilities, delta = d_out . out; a position bias's rows' gradient pulled back to the ring's
+        table), else through_forward (Shaw's tables, a kernel without such a backward)."""
         step = (query, key, value, q_pos, k_pos, lengths, key_table, value_table, consts)
-        if key_table is not None or value_table is not None or self.per_pair:
-            return self.through_forward(*step, out, lse, d_out)
-        call = self.call(q_pos, k_pos, lengths, None, None, return_lse=False)
-        residuals = (query, key, value, out, lse, d_out)
+        forward = lambda: self.through_forward(*step, out, lse, d_out)  # noqa: E731
+        if key_table is not None or value_table is not None:
+            return forward()
+        residuals = (out, lse, d_out)
+        if self.per_pair:
+            at_residuals = lambda entry: self.pair_gradients(entry, *step, *residuals)  # noqa: E731
+        else:
+            call = self.call(q_pos, k_pos, lengths, None, None, return_lse=False)
 
-        def at_residuals(entry):
-            got = entry.gradients_at(call, *residuals, self.interpret) if entry.gradients_at else None
-            return (*got, (None, None), ()) if got is not None else self.through_forward(*step, out, lse, d_out)
+            def at_residuals(entry):
+                got = entry.gradients_at(call, query, key, value, *residuals, self.interpret)
+                return (*got[:3], (None, None), ()) if got is not None else forward()
 
         if self.implementation is not None:
-            return at_residuals(registry.REGISTRY[self.implementation])
+            entry = registry.REGISTRY[self.implementation]
+            return at_residuals(entry) if entry.gradients_at is not None else forward()
         branches = {}
         for platform in platforms.switch_platforms():
             entry = next((e for e in registry.tried_on(platform) if e.gradients_at is not None), None)
             if entry is not None:
                 branches[platform] = lambda entry=entry: at_residuals(entry)
-        forward = lambda: self.through_forward(*step, out, lse, d_out)  # noqa: E731
         return lax.platform_dependent(cpu=forward, default=forward, **branches) if branches else forward()
+
+    def pair_gradients(self, entry, query, key, value, q_pos, k_pos, lengths, key_table, value_table, consts, *res):
+        """gradients() of a step with a position bias (per_pair) by entry.gradients_at at the ring's residuals
+        res = (out, lse, d_out): one call per pair kind as the forward's (pair), the rows' gradient pulled back
+        through pair_bias to the ring's table (consts[0]); a pair kind the kernel has no such backward for takes
+        through_forward."""
+        Tq, Sk, Nl = query.shape[-3], key.shape[-3], query.shape[-2]
+        bias_of = lambda table: self.pair_bias(table, q_pos, k_pos, Tq, Sk, Nl)  # noqa: E731
+        bias = bias_of(consts[0])
+        zeros = lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x))  # noqa: E731
+        step = (query, key, value, q_pos, k_pos, lengths, key_table, value_table, consts)
+
+        def of_kind(is_causal):
+            def run():
+                call = self.pair_call(bias, lengths, is_causal, return_lse=False)
+                got = entry.gradients_at(call, query, key, value, *res, self.interpret)
+                if got is None:
+                    return self.through_forward(*step, *res)
+                dq, dk, dv, d_rows = got
+                bounds = bias.offset_range(Tq, Sk, True)  # bias_rows_at's offsets: the call's default positions
+                (d_table,) = jax.vjp(lambda table: bias_of(table).rows(*bounds), consts[0])[1](d_rows)
+                cast = lambda g, x: g.astype(jnp.result_type(x))  # noqa: E731
+                return cast(dq, query), cast(dk, key), cast(dv, value), (None, None), (cast(d_table, consts[0]),)
+
+            return run
+
+        if not self.is_causal:
+            return of_kind(False)()
+        skip = lambda: (zeros(query), zeros(key), zeros(value), (None, None), (zeros(consts[0]),))  # noqa: E731
+        return lax.switch(self.pair_kind(q_pos, k_pos), [skip, of_kind(False), of_kind(True)])
 
     def through_forward(
         self, query, key, value, q_pos, k_pos, lengths, key_table, value_table, consts, out, lse, d_out

@@ -59,12 +59,14 @@ from jax.experimental.pallas import triton as plgpu
 from .._core import mods
 from .._core.call import POSITION_TERMS, AttentionCall
 from .._core.dtypes import accumulation_dtype
+from .._core.offset_bias import OffsetBias, of_rows
 from . import tables_gpu, windows_gpu
 from .flash import call
 from .flash.backward import dkv_kernel, dq_kernel, row_delta, sinks_grad
 from .flash.config import Side, value_term_in
 from .flash.forward import forward_kernel
 from .flash.plan import (
+    default_positions,
     finish,
     kernel_lse,
     position_bias_refusal,
@@ -474,7 +476,8 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 # What a call may use to take its backward at residuals of the caller's (gradients_at): HANDLED's options that only
 # decide which pairs attend and how the logits are formed; position terms, sinks and the mods (their arrays) have
-# gradients or residuals of their own beyond (out, lse).
+# gradients or residuals of their own beyond (out, lse). A position bias of j - i (an OffsetBias: T5's, ALiBi's)
+# is taken too: its gradient is returned for the rows the kernel reads (gradients_at).
 RESIDUAL_OPTIONS = tuple(
     name
     for name in HANDLED
@@ -482,21 +485,49 @@ RESIDUAL_OPTIONS = tuple(
 )
 
 
+def residual_refusal(call: AttentionCall) -> Optional[str]:
+    """None when a call's backward may be taken at a caller's residuals (RESIDUAL_OPTIONS, and an OffsetBias as its
+    position bias); else the first option that keeps it to its own forward. The TPU flex kernel's too."""
+    if call.position_bias is not None and not isinstance(call.position_bias, OffsetBias):
+        return "position_bias"
+    return call.replace(position_bias=None).first_unhandled(RESIDUAL_OPTIONS)
+
+
+def bias_rows_at(call: AttentionCall, T: int, S: int):
+    """(rows [...,N,D], (lo, hi)): the rows of the call's OffsetBias over its kernel offsets, whose cotangent
+    gradients_at returns (the caller pulls it back to the bias's table or slopes through rows(lo, hi))."""
+    bounds = call.position_bias.offset_range(T, S, default_positions(call))
+    return call.position_bias.rows(*bounds), bounds
+
+
 def gradients_at(call: AttentionCall, query, key, value, out, lse, d_out, interpret):
-    """(dq, dk, dv) by the flash backward kernels at residuals given by the caller: out [...,T,N,Hv] and lse
-    [...,N,T] (public: -inf for a row with no key) of a softmax that may span more keys than `key`, d_out the
-    cotangent of that out. Each pair's p = exp(x - lse) is then its probability in the whole softmax and delta =
-    d_out . out the whole row's, so the result is this call's pairs' share of the whole softmax's gradient (a
-    ring_attention step's, under the global output). None where the call uses an option beyond
-    RESIDUAL_OPTIONS (or one run() refuses): the caller then takes the gradient through the forward."""
-    if call.first_unhandled(RESIDUAL_OPTIONS) is not None or unsupported(call, query, key, value, interpret):
+    """(dq, dk, dv, d_bias_rows) by the flash backward kernels at residuals given by the caller: out [...,T,N,Hv]
+    and lse [...,N,T] (public: -inf for a row with no key) of a softmax that may span more keys than `key`, d_out
+    the cotangent of that out. Each pair's p = exp(x - lse) is then its probability in the whole softmax and
+    delta = d_out . out the whole row's, so the result is this call's pairs' share of the whole softmax's gradient
+    (a ring_attention step's, under the global output). d_bias_rows: with an OffsetBias, the cotangent of its rows
+    bias_rows_at(call, T, S) (the kernel's atomic sums of ds by offset), else None. None where the call uses an
+    option residual_refusal names (or one run() refuses): the caller then takes the gradient through the
+    forward."""
+    if residual_refusal(call) is not None or unsupported(call, query, key, value, interpret):
         return None
-    p = prepare(call.replace(return_lse=False), query, key, value, interpret, unpadded=True)
+    call = call.replace(return_lse=False)
+
+    def laid(bias_rows):  # prepare's arrays, the bias read from its rows (of_rows: what the kernel reads)
+        with_rows = call if bias_rows is None else call.replace(position_bias=of_rows(bias_rows, *bounds))
+        return prepare(with_rows, query, key, value, interpret, unpadded=True)
+
+    bias_rows, bounds = bias_rows_at(call, query.shape[-3], key.shape[-3]) if call.position_bias else (None, None)
+    p = laid(bias_rows)
     B, T, N = p.q.shape[0], p.T, p.N
     rows = lambda x: jnp.asarray(x).reshape(B, T, N, -1)  # noqa: E731
     residuals = (p.q, p.k, p.v, p.side, rows(out).astype(p.q.dtype), kernel_lse(p, lse), None)
-    dq, dk, dv, _ = _flash_bwd(p.cfg, residuals, (rows(d_out), None, None))
-    return dq.reshape(query.shape), dk.reshape(key.shape), dv.reshape(value.shape)
+    dq, dk, dv, d_side = _flash_bwd(p.cfg, residuals, (rows(d_out), None, None))
+    d_bias_rows = None
+    if bias_rows is not None:  # the kernel's [B|1,N,D] float sums pulled back through prepare's layout of the rows
+        pullback = jax.vjp(lambda r: laid(r).side.offset_bias, bias_rows)[1]
+        (d_bias_rows,) = pullback(d_side.offset_bias.astype(p.side.offset_bias.dtype))
+    return dq.reshape(query.shape), dk.reshape(key.shape), dv.reshape(value.shape), d_bias_rows
 
 
 def run(call: AttentionCall, query, key, value, interpret):

@@ -437,11 +437,12 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
 
 
 def gradients_at(call: AttentionCall, query, key, value, out, lse, d_out, interpret=False):
-    """(dq, dk, dv) by flex_tpu_vjp's kernels at residuals given by the caller, out [...,T,N,Hv] and lse [...,N,T]
-    of a softmax over more keys than `key` (flash_gpu.gradients_at: a ring_attention step's share of the whole
-    softmax's gradient); None where the call uses more than flash_gpu.RESIDUAL_OPTIONS, this kernel refuses it
-    or its backward is not the kernels' (then the caller takes the gradient through the forward)."""
-    if call.first_unhandled(flash_gpu.RESIDUAL_OPTIONS) is not None or unsupported(call, query, key, value, interpret):
+    """(dq, dk, dv, d_bias_rows) by flex_tpu_vjp's kernels at residuals given by the caller, out [...,T,N,Hv] and
+    lse [...,N,T] of a softmax over more keys than `key` (flash_gpu.gradients_at: a ring_attention step's share of
+    the whole softmax's gradient, and with an OffsetBias the cotangent of its rows flash_gpu.bias_rows_at(call,
+    T, S)); None where flash_gpu.residual_refusal names an option, this kernel refuses the call or its backward
+    is not the kernels' (then the caller takes the gradient through the forward)."""
+    if flash_gpu.residual_refusal(call) is not None or unsupported(call, query, key, value, interpret):
         return None
     if min(np.shape(query)[-3], np.shape(key)[-3]) == 0:
         return None
@@ -451,7 +452,10 @@ def gradients_at(call: AttentionCall, query, key, value, out, lse, d_out, interp
     inner = flex.from_rows(flex.inner(args.sinks, args.consts, args.indices), args.bias_rows)
     p = flex.prepare(inner, args.query, args.key, args.value)
     grads = flex.kernel_grads(args, jnp.asarray(out), plan.kernel_lse(p, lse), jnp.asarray(d_out))
-    return None if grads is None else (grads.query, grads.key, grads.value)
+    if grads is None:
+        return None
+    # of_call's bias rows are rows(*offset_range(T, S, True)): bias_rows_at's (the kernel takes default positions)
+    return grads.query, grads.key, grads.value, grads.bias_rows
 
 
 class KernelArgs(NamedTuple):
