@@ -420,6 +420,9 @@ RING_CASES = {
         lengths=True,
         tables=True,
     ),
+    "seq 8, zigzag causal, GQA, Shaw key table": dict(  # a key table alone: the kernels' backward at residuals
+        mesh=(1, 8), axes=("data", "seq"), batch=1, T=48, S=48, N=6, K=2, causal=True, lengths=True, tables="key"
+    ),
 }
 RING_MAX_DISTANCE = 3
 
@@ -450,11 +453,10 @@ def ring_cases(implementation, dtype, biases=(None, "alibi", "t5"), names=None):
         k = jax.random.normal(keys[1], (Bc, Sc, Kc, H), dtype)
         v = jax.random.normal(keys[2], (Bc, Sc, Kc, Hv), dtype)
         R = 2 * RING_MAX_DISTANCE + 1
-        tables = (
-            (jax.random.normal(keys[3], (R, Nc, H), dtype), jax.random.normal(keys[4], (R, Hv), dtype))
-            if case.get("tables")
-            else ()
-        )
+        tables = ()
+        if case.get("tables"):  # a per-head key table, a shared value table (or none: tables="key")
+            tables = (jax.random.normal(keys[3], (R, Nc, H), dtype), jax.random.normal(keys[4], (R, Hv), dtype))
+            tables = tables[:1] if case["tables"] == "key" else tables
         bias_of = {  # the bias's array (ALiBi's slopes, T5's table) is differentiated like a table
             "alibi": (jax.random.uniform(keys[5], (Nc,), dtype, 0.1, 1.0), jaxattn.alibi_position_bias),
             "t5": (jax.random.normal(keys[5], (16, Nc), dtype), lambda t: jaxattn.t5_position_bias(t, max_distance=12)),
@@ -492,7 +494,7 @@ def ring_cases(implementation, dtype, biases=(None, "alibi", "t5"), names=None):
                 q,
                 k,
                 v,
-                *(tables or (None, None)),
+                *(tuple(tables) + (None,) * (2 - len(tables))),
                 **{"max_distance": RING_MAX_DISTANCE, **options},
                 implementation="dense",
             )
@@ -525,7 +527,7 @@ def check_ring_pallas_gpu():
     return ring_cases("pallas_gpu", jnp.float64, biases=(None,), names=DEFAULT_RINGS)
 
 
-def check_ring_more_pallas_gpu():  # the plain rings beyond DEFAULT_RINGS: T != S causal, not causal with lengths
+def check_ring_more_pallas_gpu():  # the rings beyond DEFAULT_RINGS without a bias: T != S, lengths, a key table
     rest = tuple(name for name, case in RING_CASES.items() if name not in DEFAULT_RINGS and not case.get("bias"))
     return ring_cases("pallas_gpu", jnp.float64, biases=(None,), names=rest)
 

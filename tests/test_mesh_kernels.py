@@ -96,10 +96,12 @@ def test_ring_on_kernel_steps(default_results):
 
 @pytest.mark.slow  # test_ring_on_kernel_steps runs the zigzag and the three-axis rings
 def test_more_rings_on_kernel_steps():
-    """The data x sequence rings: T != S causal (contiguous chunks of unequal length), not causal with lengths."""
+    """The data x sequence rings: T != S causal (contiguous chunks of unequal length), not causal with lengths;
+    the zigzag ring with Shaw's key table alone (its steps' backward at the ring's residuals, the table's gradient
+    from the kernels' d row_bias)."""
     cases = run_checks("ring_more_pallas_gpu")["ring_more_pallas_gpu"]
     assert_equal_to_one_device(cases, TOL["float64"])
-    assert len(cases) == 3
+    assert len(cases) == 4
 
 
 @pytest.mark.parametrize(
@@ -160,6 +162,40 @@ def test_ring_steps_lower_to_the_kernels(platform, kernel_call):
         lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, kv, kv).lower(lowering_platforms=(platform,))
     text = lowered.as_text()
     assert text.count(kernel_call) == 3 and "stablehlo.while" not in text
+
+
+def test_ring_with_a_shaw_key_table_takes_the_kernels_backward_at_residuals():
+    """Shaw's key table alone in the ring, lowered for a GPU: the training step holds the forward kernel and the
+    backward's dq and dk/dv at the ring's residuals (3 calls; 4 while the step's backward recomputed its forward
+    under jax.vjp). With a value table too, whose gradient needs the step's own P by offset, the forward is
+    recomputed (4)."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    import jaxattn
+
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "seq"))
+    q = jax.ShapeDtypeStruct((2, 256, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((2, 256, 2, 64), jnp.bfloat16)
+    table = jax.ShapeDtypeStruct((9, 64), jnp.float32)
+
+    def loss(q, k, v, *tables):
+        terms = dict(zip(("key_table", "value_table"), tables))
+        out = jaxattn.ring_attention(
+            q, k, v, mesh=mesh, sequence_axis="seq", batch_axis="data", is_causal=True, max_distance=4, **terms
+        )
+        return jnp.sum(out.astype(jnp.float32))
+
+    for tables, calls in (((table,), 3), ((table, table), 4)):
+        argnums = tuple(range(3 + len(tables)))
+        with jax.enable_x64(False), jaxattn.cross_platform_lowering():
+            lowered = (
+                jax.jit(jax.grad(loss, argnums=argnums)).trace(q, kv, kv, *tables).lower(lowering_platforms=("cuda",))
+            )
+        text = lowered.as_text()
+        assert text.count("__gpu$xla.gpu.triton") == calls and "stablehlo.while" not in text, len(tables)
 
 
 @pytest.mark.slow  # one kernel call per pair of chunks (both causal kinds compiled): 50 s interpreted

@@ -66,11 +66,11 @@ class Implementation:
     key_mask_as_segments: a key-only boolean mask reaches it as segment ids (key_masks);
     reads_mesh: how the inputs split over a mesh is read before it runs (jaxattn._mesh), so that a query or key
       split along its sequence is refused by name, pointing at ring_attention; dense alone does not read it;
-    gradients_at(call, query, key, value, out, lse, d_out, interpret) -> (dq, dk, dv, d_bias_rows) or None: its
+    gradients_at(call, query, key, value, out, lse, d_out, interpret) -> flash_gpu.ResidualGrads or None: its
       backward at residuals given by the caller, the out and lse of a softmax that may span more keys than `key`
-      (a ring_attention step's share of the whole softmax's gradient); d_bias_rows, with a position bias of
-      j - i (an OffsetBias), the cotangent of its rows over the call's offsets (flash_gpu.bias_rows_at), else
-      None; None (the field, or the result): it has none for the call, and the ring takes the step's gradient
+      (a ring_attention step's share of the whole softmax's gradient): the cotangents of q, k, v and of the
+      position terms it takes (an OffsetBias's rows over the call's offsets, flash_gpu.bias_rows_at; Shaw's key
+      table); None (the field, or the result): it has none for the call, and the ring takes the step's gradient
       through its forward.
     """
 

@@ -156,21 +156,25 @@ class KernelStep:
         """(dq, dk, dv, (d key_table, d value_table), d consts): this step's pairs' share of the gradient of the
         ring's whole softmax, whose output is out [...,T,N,Hv] (cotangent d_out) and lse [...,N,T]: the kernel's
         backward at those residuals where it has one (Implementation.gradients_at: p = exp(x - lse) the pairs'
-        global probabilities, delta = d_out . out; a position bias's rows' gradient pulled back to the ring's
-        table), else through_forward (Shaw's tables, a kernel without such a backward)."""
+        global probabilities, delta = d_out . out; Shaw's key table's gradient with them, a position bias's rows'
+        pulled back to the ring's table), else through_forward (a value table, a kernel without such a
+        backward)."""
         step = (query, key, value, q_pos, k_pos, lengths, key_table, value_table, consts)
         forward = lambda: self.through_forward(*step, out, lse, d_out)  # noqa: E731
-        if key_table is not None or value_table is not None:
+        if value_table is not None:  # its gradient needs the step's own P by offset: its forward's
             return forward()
         residuals = (out, lse, d_out)
         if self.per_pair:
             at_residuals = lambda entry: self.pair_gradients(entry, *step, *residuals)  # noqa: E731
         else:
-            call = self.call(q_pos, k_pos, lengths, None, None, return_lse=False)
+            call = self.call(q_pos, k_pos, lengths, key_table, None, return_lse=False)
 
             def at_residuals(entry):
                 got = entry.gradients_at(call, query, key, value, *residuals, self.interpret)
-                return (*got[:3], (None, None), ()) if got is not None else forward()
+                if got is None:
+                    return forward()
+                d_key_table = None if key_table is None else got.key_table.astype(jnp.result_type(key_table))
+                return got.query, got.key, got.value, (d_key_table, None), ()
 
         if self.implementation is not None:
             entry = registry.REGISTRY[self.implementation]
@@ -199,11 +203,11 @@ class KernelStep:
                 got = entry.gradients_at(call, query, key, value, *res, self.interpret)
                 if got is None:
                     return self.through_forward(*step, *res)
-                dq, dk, dv, d_rows = got
                 bounds = bias.offset_range(Tq, Sk, True)  # bias_rows_at's offsets: the call's default positions
-                (d_table,) = jax.vjp(lambda table: bias_of(table).rows(*bounds), consts[0])[1](d_rows)
+                (d_table,) = jax.vjp(lambda table: bias_of(table).rows(*bounds), consts[0])[1](got.bias_rows)
                 cast = lambda g, x: g.astype(jnp.result_type(x))  # noqa: E731
-                return cast(dq, query), cast(dk, key), cast(dv, value), (None, None), (cast(d_table, consts[0]),)
+                dq, dk, dv = cast(got.query, query), cast(got.key, key), cast(got.value, value)
+                return dq, dk, dv, (None, None), (cast(d_table, consts[0]),)
 
             return run
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import functools
 import numbers
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.core  # jax.core.Tracer: a submodule, imported by name so that type checkers see it
@@ -476,8 +476,9 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 # What a call may use to take its backward at residuals of the caller's (gradients_at): HANDLED's options that only
 # decide which pairs attend and how the logits are formed; position terms, sinks and the mods (their arrays) have
-# gradients or residuals of their own beyond (out, lse). A position bias of j - i (an OffsetBias: T5's, ALiBi's)
-# is taken too: its gradient is returned for the rows the kernel reads (gradients_at).
+# gradients or residuals of their own beyond (out, lse). Two position terms are taken too, their gradients returned
+# (ResidualGrads): a position bias of j - i (an OffsetBias: T5's, ALiBi's), and Shaw's key table alone (a value
+# table's gradient needs the step's own P summed by offset, which only its forward computes).
 RESIDUAL_OPTIONS = tuple(
     name
     for name in HANDLED
@@ -485,12 +486,25 @@ RESIDUAL_OPTIONS = tuple(
 )
 
 
+class ResidualGrads(NamedTuple):
+    """gradients_at's result: the cotangents of query, key, value, and of the position terms it takes: bias_rows,
+    an OffsetBias's rows as bias_rows_at gives them; key_table, Shaw's key table (None where the call has none)."""
+
+    query: Any
+    key: Any
+    value: Any
+    bias_rows: Any = None
+    key_table: Any = None
+
+
 def residual_refusal(call: AttentionCall) -> Optional[str]:
-    """None when a call's backward may be taken at a caller's residuals (RESIDUAL_OPTIONS, and an OffsetBias as its
-    position bias); else the first option that keeps it to its own forward. The TPU flex kernel's too."""
+    """None when a call's backward may be taken at a caller's residuals (RESIDUAL_OPTIONS, an OffsetBias as its
+    position bias, Shaw's key table alone); else the first option that keeps it to its own forward."""
     if call.position_bias is not None and not isinstance(call.position_bias, OffsetBias):
         return "position_bias"
-    return call.replace(position_bias=None).first_unhandled(RESIDUAL_OPTIONS)
+    if call.value_table is not None:
+        return "value_table"
+    return call.replace(position_bias=None, key_table=None, max_distance=None).first_unhandled(RESIDUAL_OPTIONS)
 
 
 def bias_rows_at(call: AttentionCall, T: int, S: int):
@@ -500,34 +514,40 @@ def bias_rows_at(call: AttentionCall, T: int, S: int):
     return call.position_bias.rows(*bounds), bounds
 
 
-def gradients_at(call: AttentionCall, query, key, value, out, lse, d_out, interpret):
-    """(dq, dk, dv, d_bias_rows) by the flash backward kernels at residuals given by the caller: out [...,T,N,Hv]
-    and lse [...,N,T] (public: -inf for a row with no key) of a softmax that may span more keys than `key`, d_out
-    the cotangent of that out. Each pair's p = exp(x - lse) is then its probability in the whole softmax and
-    delta = d_out . out the whole row's, so the result is this call's pairs' share of the whole softmax's gradient
-    (a ring_attention step's, under the global output). d_bias_rows: with an OffsetBias, the cotangent of its rows
-    bias_rows_at(call, T, S) (the kernel's atomic sums of ds by offset), else None. None where the call uses an
-    option residual_refusal names (or one run() refuses): the caller then takes the gradient through the
-    forward."""
+def gradients_at(call: AttentionCall, query, key, value, out, lse, d_out, interpret) -> Optional[ResidualGrads]:
+    """ResidualGrads by the flash backward kernels at residuals given by the caller: out [...,T,N,Hv] and lse
+    [...,N,T] (public: -inf for a row with no key) of a softmax that may span more keys than `key`, d_out the
+    cotangent of that out. Each pair's p = exp(x - lse) is then its probability in the whole softmax and delta =
+    d_out . out the whole row's, so the result is this call's pairs' share of the whole softmax's gradient (a
+    ring_attention step's, under the global output). The position terms' arrays the kernels read beside q, k, v
+    (an OffsetBias's rows, Shaw's key term q . A^K or the key table's window) get the kernels' cotangents, pulled
+    back through prepare's layout of them to the bias rows, the key table and q. None where residual_refusal
+    names an option (or run() refuses one): the caller then takes the gradient through the forward."""
     if residual_refusal(call) is not None or unsupported(call, query, key, value, interpret):
         return None
     call = call.replace(return_lse=False)
-
-    def laid(bias_rows):  # prepare's arrays, the bias read from its rows (of_rows: what the kernel reads)
-        with_rows = call if bias_rows is None else call.replace(position_bias=of_rows(bias_rows, *bounds))
-        return prepare(with_rows, query, key, value, interpret, unpadded=True)
-
     bias_rows, bounds = bias_rows_at(call, query.shape[-3], key.shape[-3]) if call.position_bias else (None, None)
-    p = laid(bias_rows)
+
+    def laid(query, key_table, bias_rows):  # prepare's arrays from the differentiable inputs
+        with_terms = call.replace(key_table=key_table)
+        if bias_rows is not None:  # the bias read from its rows (of_rows: what the kernel reads)
+            with_terms = with_terms.replace(position_bias=of_rows(bias_rows, *bounds))
+        return prepare(with_terms, query, key, value, interpret, unpadded=True)
+
+    terms = lambda side: (side.offset_bias, side.row_bias, side.window_table)  # noqa: E731  float side arrays
+    p = laid(query, call.key_table, bias_rows)
     B, T, N = p.q.shape[0], p.T, p.N
     rows = lambda x: jnp.asarray(x).reshape(B, T, N, -1)  # noqa: E731
     residuals = (p.q, p.k, p.v, p.side, rows(out).astype(p.q.dtype), kernel_lse(p, lse), None)
     dq, dk, dv, d_side = _flash_bwd(p.cfg, residuals, (rows(d_out), None, None))
-    d_bias_rows = None
-    if bias_rows is not None:  # the kernel's [B|1,N,D] float sums pulled back through prepare's layout of the rows
-        pullback = jax.vjp(lambda r: laid(r).side.offset_bias, bias_rows)[1]
-        (d_bias_rows,) = pullback(d_side.offset_bias.astype(p.side.offset_bias.dtype))
-    return dq.reshape(query.shape), dk.reshape(key.shape), dv.reshape(value.shape), d_bias_rows
+    dq, dk, dv = dq.reshape(query.shape), dk.reshape(key.shape), dv.reshape(value.shape)
+    if call.position_bias is None and call.key_table is None:
+        return ResidualGrads(dq, dk, dv)
+    d_terms = tuple(None if x is None else d.astype(x.dtype) for x, d in zip(terms(p.side), terms(d_side)))
+    pullback = jax.vjp(lambda *a: terms(laid(*a).side), query, call.key_table, bias_rows)[1]
+    dq_term, d_key_table, d_bias_rows = pullback(d_terms)  # q . A^K's share of dq, the tables' cotangents
+    dq = dq if dq_term is None else (dq + dq_term.astype(dq.dtype))
+    return ResidualGrads(dq, dk, dv, d_bias_rows, d_key_table)
 
 
 def run(call: AttentionCall, query, key, value, interpret):

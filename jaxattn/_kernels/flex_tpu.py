@@ -437,14 +437,15 @@ def attention(call: AttentionCall, query, key, value, interpret=False):
 
 
 def gradients_at(call: AttentionCall, query, key, value, out, lse, d_out, interpret=False):
-    """(dq, dk, dv, d_bias_rows) by flex_tpu_vjp's kernels at residuals given by the caller, out [...,T,N,Hv] and
+    """flash_gpu.ResidualGrads by flex_tpu_vjp's kernels at residuals given by the caller, out [...,T,N,Hv] and
     lse [...,N,T] of a softmax over more keys than `key` (flash_gpu.gradients_at: a ring_attention step's share of
     the whole softmax's gradient, and with an OffsetBias the cotangent of its rows flash_gpu.bias_rows_at(call,
-    T, S)); None where flash_gpu.residual_refusal names an option, this kernel refuses the call or its backward
-    is not the kernels' (then the caller takes the gradient through the forward)."""
-    if flash_gpu.residual_refusal(call) is not None or unsupported(call, query, key, value, interpret):
+    T, S)); None where flash_gpu.residual_refusal names an option, the call has Shaw's tables (the TPU kernel takes
+    them at the default positions only, which a ring step's are not), this kernel refuses the call or its
+    backward is not the kernels' (then the caller takes the gradient through the forward)."""
+    if flash_gpu.residual_refusal(call) is not None or call.has_tables:
         return None
-    if min(np.shape(query)[-3], np.shape(key)[-3]) == 0:
+    if unsupported(call, query, key, value, interpret) or min(np.shape(query)[-3], np.shape(key)[-3]) == 0:
         return None
     flex, args = of_call(call.replace(return_lse=False, block_size=None), query, key, value, interpret)
     if not flex.kernel_backward:
@@ -455,7 +456,8 @@ def gradients_at(call: AttentionCall, query, key, value, out, lse, d_out, interp
     if grads is None:
         return None
     # of_call's bias rows are rows(*offset_range(T, S, True)): bias_rows_at's (the kernel takes default positions)
-    return grads.query, grads.key, grads.value, grads.bias_rows
+    bias_rows = grads.bias_rows if call.position_bias is not None else None
+    return flash_gpu.ResidualGrads(grads.query, grads.key, grads.value, bias_rows)
 
 
 class KernelArgs(NamedTuple):

@@ -51,7 +51,7 @@ def flash_attention(call: AttentionCall, query, key, value, interpret=False):
 
 
 def gradients_at(call: AttentionCall, query, key, value, out, lse, d_out, interpret=False):
-    """(dq, dk, dv, d_bias_rows) at residuals (out, lse) of a softmax over more keys than the call's:
+    """flash_gpu.ResidualGrads at residuals (out, lse) of a softmax over more keys than the call's:
     flash_gpu.gradients_at; None where it does not take the call (per-pair tables, the options it lists) or
     T = 0 / S = 0."""
     if pairs_gpu.in_use(call) or min(np.shape(query)[-3], np.shape(key)[-3]) == 0:

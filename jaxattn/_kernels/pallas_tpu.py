@@ -27,7 +27,7 @@ def declined(call: AttentionCall, query, key, value) -> Optional[str]:
 
 
 def gradients_at(call: AttentionCall, query, key, value, out, lse, d_out, interpret=False):
-    """(dq, dk, dv, d_bias_rows) at residuals (out, lse) of a softmax over more keys than the call's, by the flex
+    """flash_gpu.ResidualGrads at residuals (out, lse) of a softmax over more keys than the call's, by the flex
     kernel's
     backward (flex_tpu.gradients_at; splash has none that takes them), or None."""
     return flex_tpu.gradients_at(call, query, key, value, out, lse, d_out, interpret)
