@@ -377,6 +377,9 @@ def check_sequence_refused():
     return {"messages": messages}
 
 
+# the three-axis rings' mesh and sizes (data x sequence x heads), each case adding its terms
+THREE_AXES = dict(mesh=(2, 2, 2), axes=("data", "seq", "heads"), batch=2, T=32, S=32, N=6, K=2, causal=True)
+
 # ring_attention with every step on a kernel (implementation=, interpret mode): mesh shape and axes, sizes (every
 # axis its own; T and S divide by D, or 2D for the causal zigzag), options. Shaw's tables in pallas_gpu's rings
 # (the TPU kernel takes tables at the default positions only: its ring steps would fall back, so not named here).
@@ -393,33 +396,11 @@ RING_CASES = {
     "seq 8, zigzag causal, ALiBi": dict(
         mesh=(1, 8), axes=("data", "seq"), batch=1, T=48, S=48, N=6, K=2, causal=True, lengths=True, bias="alibi"
     ),
-    "data x seq x heads, causal, T5": dict(
-        mesh=(2, 2, 2),
-        axes=("data", "seq", "heads"),
-        batch=2,
-        T=32,
-        S=32,
-        N=6,
-        K=2,
-        causal=True,
-        lengths=False,
-        bias="t5",
-    ),
+    "data x seq x heads, causal, T5": dict(THREE_AXES, lengths=False, bias="t5"),
     "data 2 x seq 4, T != S, not causal, ALiBi": dict(
         mesh=(2, 4), axes=("data", "seq"), batch=2, T=24, S=40, N=3, K=1, causal=False, lengths=True, bias="alibi"
     ),
-    "data x seq x heads, Shaw tables": dict(
-        mesh=(2, 2, 2),
-        axes=("data", "seq", "heads"),
-        batch=2,
-        T=32,
-        S=32,
-        N=6,
-        K=2,
-        causal=True,
-        lengths=True,
-        tables=True,
-    ),
+    "data x seq x heads, Shaw tables": dict(THREE_AXES, lengths=True, tables=True),
     "seq 8, zigzag causal, GQA, Shaw key table": dict(  # a key table alone: the kernels' backward at residuals
         mesh=(1, 8), axes=("data", "seq"), batch=1, T=48, S=48, N=6, K=2, causal=True, lengths=True, tables="key"
     ),

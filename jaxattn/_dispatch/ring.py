@@ -165,7 +165,7 @@ class KernelStep:
             return forward()
         residuals = (out, lse, d_out)
         if self.per_pair:
-            at_residuals = lambda entry: self.pair_gradients(entry, *step, *residuals)  # noqa: E731
+            at_residuals = lambda entry: self.pair_gradients(entry, step, residuals)  # noqa: E731
         else:
             call = self.call(q_pos, k_pos, lengths, key_table, None, return_lse=False)
 
@@ -186,16 +186,16 @@ class KernelStep:
                 branches[platform] = lambda entry=entry: at_residuals(entry)
         return lax.platform_dependent(cpu=forward, default=forward, **branches) if branches else forward()
 
-    def pair_gradients(self, entry, query, key, value, q_pos, k_pos, lengths, key_table, value_table, consts, *res):
-        """gradients() of a step with a position bias (per_pair) by entry.gradients_at at the ring's residuals
-        res = (out, lse, d_out): one call per pair kind as the forward's (pair), the rows' gradient pulled back
-        through pair_bias to the ring's table (consts[0]); a pair kind the kernel has no such backward for takes
-        through_forward."""
+    def pair_gradients(self, entry, step: tuple, res: tuple):
+        """gradients() of a step with a position bias (per_pair; step: gradients()' arguments before the
+        residuals) by entry.gradients_at at the ring's residuals res = (out, lse, d_out): one call per pair kind as
+        the forward's (pair), the rows' gradient pulled back through pair_bias to the ring's table (consts[0]); a
+        pair kind the kernel has no such backward for takes through_forward."""
+        query, key, value, q_pos, k_pos, lengths, _, _, consts = step
         Tq, Sk, Nl = query.shape[-3], key.shape[-3], query.shape[-2]
         bias_of = lambda table: self.pair_bias(table, q_pos, k_pos, Tq, Sk, Nl)  # noqa: E731
         bias = bias_of(consts[0])
         zeros = lambda x: jnp.zeros(jnp.shape(x), jnp.result_type(x))  # noqa: E731
-        step = (query, key, value, q_pos, k_pos, lengths, key_table, value_table, consts)
 
         def of_kind(is_causal):
             def run():
